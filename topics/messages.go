@@ -1,0 +1,282 @@
+package topics
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// Command states (CONTRACT §2). The last four are final.
+const (
+	StateQueued     = "queued"
+	StateSent       = "sent"
+	StateDelivered  = "delivered"
+	StateInProgress = "in_progress"
+	StateSucceeded  = "succeeded"
+	StateFailed     = "failed"
+	StateExpired    = "expired"
+	StateCanceled   = "canceled"
+)
+
+// States lists every command state in lifecycle order.
+var States = []string{StateQueued, StateSent, StateDelivered, StateInProgress, StateSucceeded, StateFailed, StateExpired, StateCanceled}
+
+// ValidState reports whether s is one of States.
+func ValidState(s string) bool {
+	for _, st := range States {
+		if st == s {
+			return true
+		}
+	}
+	return false
+}
+
+// Final reports whether a command in state s can never change again.
+func Final(s string) bool {
+	switch s {
+	case StateSucceeded, StateFailed, StateExpired, StateCanceled:
+		return true
+	}
+	return false
+}
+
+// Rank orders the non-final states so that a late or replayed reply can never
+// move a command backwards; final states rank highest.
+func Rank(s string) int {
+	switch s {
+	case StateQueued:
+		return 0
+	case StateSent:
+		return 1
+	case StateDelivered:
+		return 2
+	case StateInProgress:
+		return 3
+	}
+	if Final(s) {
+		return 4
+	}
+	return -1
+}
+
+// Bridge states, the payload of a bridge's state topic.
+const (
+	BridgeOnline  = "online"
+	BridgeOffline = "offline"
+)
+
+// MaxPayload is the largest message either side accepts on any topic.
+// Binary content never travels over MQTT: it is referenced by a Blob.
+const MaxPayload = 256 << 10
+
+// Command is what the server publishes on a device's command topic.
+type Command struct {
+	ID        string          `json:"id"`
+	Op        string          `json:"op"`
+	DeviceID  string          `json:"device_id"`
+	CreatedAt time.Time       `json:"created_at"`
+	ExpiresAt time.Time       `json:"expires_at"`
+	Payload   json.RawMessage `json:"payload,omitempty"`
+}
+
+// Error is a command's failure, as a bridge reports it.
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Reply is what a bridge publishes on a device's replies topic as a command
+// moves through its states.
+type Reply struct {
+	CommandID string          `json:"command_id"`
+	State     string          `json:"state"`
+	Progress  *int            `json:"progress,omitempty"`
+	Error     *Error          `json:"error,omitempty"`
+	Result    json.RawMessage `json:"result,omitempty"`
+	At        time.Time       `json:"at"`
+}
+
+// App is an installed app as a device reports it.
+type App struct {
+	AppID   string `json:"app_id"`
+	Version string `json:"version"`
+}
+
+// Status is the retained status a bridge publishes for a device.
+type Status struct {
+	Online          bool      `json:"online"`
+	Battery         *int      `json:"battery"`
+	FirmwareVersion string    `json:"firmware_version"`
+	Model           string    `json:"model,omitempty"`
+	Apps            []App     `json:"apps"`
+	BridgeID        string    `json:"bridge_id"`
+	At              time.Time `json:"at"`
+	Seq             uint64    `json:"seq"`
+}
+
+// Setting types of a settings schema.
+const (
+	SettingInt      = "int"
+	SettingBool     = "bool"
+	SettingString   = "string"
+	SettingEnum     = "enum"
+	SettingTimezone = "timezone" // an IANA time zone name
+)
+
+// SettingSpec describes one setting of a device's schema.
+type SettingSpec struct {
+	Type    string   `json:"type"`
+	Min     *int     `json:"min,omitempty"`
+	Max     *int     `json:"max,omitempty"`
+	Values  []string `json:"values,omitempty"`  // for SettingEnum
+	MaxLen  int      `json:"max_len,omitempty"` // for SettingString
+	Default any      `json:"default"`
+}
+
+// Schema maps each setting's name to its description.
+type Schema map[string]SettingSpec
+
+// Settings is the retained settings message a bridge publishes for a device.
+type Settings struct {
+	Reported map[string]any `json:"reported"`
+	Schema   Schema         `json:"schema"`
+	At       time.Time      `json:"at"`
+	Seq      uint64         `json:"seq"`
+}
+
+// Blob references binary content the bridge fetches over HTTP, by SHA-256.
+type Blob struct {
+	SHA256 string `json:"sha256"`
+	Size   int64  `json:"size"`
+	URL    string `json:"url"`
+}
+
+// Payloads of each op.
+type (
+	// PushText is the payload of OpPushText.
+	PushText struct {
+		Text  string `json:"text"`
+		Title string `json:"title,omitempty"`
+	}
+	// PushImage is the payload of OpPushImage.
+	PushImage struct {
+		ContentType string `json:"content_type"`
+		Width       int    `json:"width"`
+		Height      int    `json:"height"`
+		Blob        Blob   `json:"blob"`
+	}
+	// AppInstall is the payload of OpAppInstall and OpAppUpdate.
+	AppInstall struct {
+		AppID   string `json:"app_id"`
+		Version string `json:"version"`
+		Blob    Blob   `json:"blob"`
+	}
+	// AppUninstall is the payload of OpAppUninstall.
+	AppUninstall struct {
+		AppID string `json:"app_id"`
+	}
+	// SettingsUpdate is the payload of OpSettingsUpdate.
+	SettingsUpdate struct {
+		Settings map[string]any `json:"settings"`
+	}
+	// OTAUpdate is the payload of OpOTAUpdate.
+	OTAUpdate struct {
+		Version string `json:"version"`
+		Blob    Blob   `json:"blob"`
+	}
+	// Cancel is the payload of OpCancel.
+	Cancel struct {
+		CommandID string `json:"command_id"`
+	}
+)
+
+// ErrBadMessage wraps every decoding failure of the Parse functions.
+var ErrBadMessage = errors.New("topics: malformed message")
+
+func decode(b []byte, v any) error {
+	if len(b) > MaxPayload {
+		return fmt.Errorf("%w: %d bytes is over the %d limit", ErrBadMessage, len(b), MaxPayload)
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("%w: %v", ErrBadMessage, err)
+	}
+	return nil
+}
+
+// ValidCommandID reports whether s is a UUID in canonical form.
+func ValidCommandID(s string) bool {
+	if len(s) != 36 {
+		return false
+	}
+	_, err := uuid.Parse(s)
+	return err == nil
+}
+
+// ParseCommand decodes and checks a command message.
+func ParseCommand(b []byte) (Command, error) {
+	var c Command
+	if err := decode(b, &c); err != nil {
+		return Command{}, err
+	}
+	switch {
+	case !ValidCommandID(c.ID):
+		return Command{}, fmt.Errorf("%w: command id %q", ErrBadMessage, c.ID)
+	case !ValidOp(c.Op):
+		return Command{}, fmt.Errorf("%w: op %q", ErrBadMessage, c.Op)
+	case !ValidDeviceID(c.DeviceID):
+		return Command{}, fmt.Errorf("%w: device id %q", ErrBadMessage, c.DeviceID)
+	}
+	return c, nil
+}
+
+// ParseReply decodes and checks a reply message.
+func ParseReply(b []byte) (Reply, error) {
+	var r Reply
+	if err := decode(b, &r); err != nil {
+		return Reply{}, err
+	}
+	switch {
+	case !ValidCommandID(r.CommandID):
+		return Reply{}, fmt.Errorf("%w: command id %q", ErrBadMessage, r.CommandID)
+	case !ValidState(r.State) || r.State == StateQueued || r.State == StateSent:
+		return Reply{}, fmt.Errorf("%w: state %q is not one a bridge reports", ErrBadMessage, r.State)
+	case r.Progress != nil && (*r.Progress < 0 || *r.Progress > 100):
+		return Reply{}, fmt.Errorf("%w: progress %d", ErrBadMessage, *r.Progress)
+	}
+	return r, nil
+}
+
+// ParseStatus decodes and checks a status message.
+func ParseStatus(b []byte) (Status, error) {
+	var s Status
+	if err := decode(b, &s); err != nil {
+		return Status{}, err
+	}
+	if s.Battery != nil && (*s.Battery < 0 || *s.Battery > 100) {
+		return Status{}, fmt.Errorf("%w: battery %d", ErrBadMessage, *s.Battery)
+	}
+	if s.BridgeID != "" && !ValidBridgeID(s.BridgeID) {
+		return Status{}, fmt.Errorf("%w: bridge id %q", ErrBadMessage, s.BridgeID)
+	}
+	for _, a := range s.Apps {
+		if !ValidAppID(a.AppID) {
+			return Status{}, fmt.Errorf("%w: app id %q", ErrBadMessage, a.AppID)
+		}
+	}
+	return s, nil
+}
+
+// ParseSettings decodes a settings message.
+func ParseSettings(b []byte) (Settings, error) {
+	var s Settings
+	if err := decode(b, &s); err != nil {
+		return Settings{}, err
+	}
+	if s.Reported == nil {
+		return Settings{}, fmt.Errorf("%w: no reported settings", ErrBadMessage)
+	}
+	return s, nil
+}

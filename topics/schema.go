@@ -1,0 +1,128 @@
+package topics
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"time"
+
+	"golang.org/x/mod/semver"
+)
+
+// FieldError names one bad field of a request or message.
+type FieldError struct {
+	Field   string `json:"field"`
+	Message string `json:"message"`
+}
+
+// Validate checks a partial settings object against the schema: every key
+// must be known and every value of the right type and in range. Values are as
+// encoding/json decodes them (float64, bool, string). It returns one
+// FieldError per bad key, sorted by key, and nil when all is well.
+func (s Schema) Validate(partial map[string]any) []FieldError {
+	var errs []FieldError
+	keys := make([]string, 0, len(partial))
+	for k := range partial {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		spec, ok := s[k]
+		if !ok {
+			errs = append(errs, FieldError{Field: k, Message: "unknown setting"})
+			continue
+		}
+		if msg := spec.check(partial[k]); msg != "" {
+			errs = append(errs, FieldError{Field: k, Message: msg})
+		}
+	}
+	return errs
+}
+
+func (spec SettingSpec) check(v any) string {
+	switch spec.Type {
+	case SettingInt:
+		f, ok := v.(float64)
+		if !ok || f != math.Trunc(f) || math.IsInf(f, 0) {
+			return "must be an integer"
+		}
+		if (spec.Min != nil && f < float64(*spec.Min)) || (spec.Max != nil && f > float64(*spec.Max)) {
+			return fmt.Sprintf("must be between %s and %s", bound(spec.Min), bound(spec.Max))
+		}
+	case SettingBool:
+		if _, ok := v.(bool); !ok {
+			return "must be true or false"
+		}
+	case SettingString:
+		str, ok := v.(string)
+		if !ok {
+			return "must be a string"
+		}
+		if spec.MaxLen > 0 && len(str) > spec.MaxLen {
+			return fmt.Sprintf("must be at most %d bytes", spec.MaxLen)
+		}
+	case SettingEnum:
+		str, ok := v.(string)
+		if !ok {
+			return "must be a string"
+		}
+		for _, allowed := range spec.Values {
+			if str == allowed {
+				return ""
+			}
+		}
+		return fmt.Sprintf("must be one of %v", spec.Values)
+	case SettingTimezone:
+		str, ok := v.(string)
+		if !ok {
+			return "must be a string"
+		}
+		if !ValidTimezone(str) {
+			return "must be an IANA time zone name such as Europe/Berlin"
+		}
+	default:
+		return "has a type this server does not know"
+	}
+	return ""
+}
+
+func bound(p *int) string {
+	if p == nil {
+		return "unbounded"
+	}
+	return fmt.Sprint(*p)
+}
+
+// ValidTimezone reports whether name is an IANA time zone name known to this
+// system ("UTC" included; "Local" and "" are not names).
+func ValidTimezone(name string) bool {
+	if name == "" || name == "Local" || len(name) > 64 {
+		return false
+	}
+	_, err := time.LoadLocation(name)
+	return err == nil
+}
+
+// ValidVersion reports whether v is a semantic version such as 1.2.3 or
+// 2.0.0-rc.1 (no leading "v").
+func ValidVersion(v string) bool {
+	if v == "" || len(v) > 64 || v[0] == 'v' {
+		return false
+	}
+	return semver.IsValid("v"+v) && semver.Canonical("v"+v) == "v"+stripBuild(v)
+}
+
+func stripBuild(v string) string {
+	for i := 0; i < len(v); i++ {
+		if v[i] == '+' {
+			return v[:i]
+		}
+	}
+	return v
+}
+
+// CompareVersions orders two valid semantic versions: -1 if a < b, 0 if
+// equal, +1 if a > b. Pre-releases sort before their release.
+func CompareVersions(a, b string) int {
+	return semver.Compare("v"+a, "v"+b)
+}
