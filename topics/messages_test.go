@@ -1,0 +1,93 @@
+package topics
+
+import (
+	"errors"
+	"strings"
+	"testing"
+)
+
+func TestFinalAndRank(t *testing.T) {
+	for _, s := range States {
+		final := s == StateSucceeded || s == StateFailed || s == StateExpired || s == StateCanceled
+		if Final(s) != final {
+			t.Errorf("Final(%q) = %v; want %v", s, Final(s), final)
+		}
+	}
+	order := []string{StateQueued, StateSent, StateDelivered, StateInProgress, StateSucceeded}
+	for i := 1; i < len(order); i++ {
+		if Rank(order[i-1]) >= Rank(order[i]) {
+			t.Errorf("Rank(%q) >= Rank(%q)", order[i-1], order[i])
+		}
+	}
+	if Rank("bogus") != -1 {
+		t.Errorf("Rank(bogus) = %d; want -1", Rank("bogus"))
+	}
+}
+
+func TestParseReply(t *testing.T) {
+	id := "01890a5d-ac96-774b-bcce-b302099a8057"
+	ok := []string{
+		`{"command_id":"` + id + `","state":"delivered","at":"2026-01-01T00:00:00Z"}`,
+		`{"command_id":"` + id + `","state":"in_progress","progress":50}`,
+		`{"command_id":"` + id + `","state":"failed","error":{"code":"x","message":"y"}}`,
+	}
+	for _, in := range ok {
+		if _, err := ParseReply([]byte(in)); err != nil {
+			t.Errorf("ParseReply(%s) = %v; want nil", in, err)
+		}
+	}
+	bad := []string{
+		``, `null`, `[]`, `{"command_id":"x","state":"delivered"}`,
+		`{"command_id":"` + id + `","state":"queued"}`,
+		`{"command_id":"` + id + `","state":"sent"}`,
+		`{"command_id":"` + id + `","state":"nope"}`,
+		`{"command_id":"` + id + `","state":"in_progress","progress":101}`,
+		`{"command_id":"` + id + `","state":"in_progress","progress":-1}`,
+		`{"command_id":"` + id + `","state":"delivered","at":"yesterday"}`,
+		`{"command_id":"` + id + `","state":"delivered","x":"` + strings.Repeat("a", MaxPayload) + `"}`,
+	}
+	for _, in := range bad {
+		if _, err := ParseReply([]byte(in)); !errors.Is(err, ErrBadMessage) {
+			t.Errorf("ParseReply(%.60s) = %v; want ErrBadMessage", in, err)
+		}
+	}
+}
+
+func TestParseStatusAndCommand(t *testing.T) {
+	if _, err := ParseStatus([]byte(`{"online":true,"battery":80,"apps":[{"app_id":"weather","version":"1.0.0"}],"seq":3}`)); err != nil {
+		t.Errorf("ParseStatus(good) = %v", err)
+	}
+	for _, in := range []string{`{"battery":101}`, `{"battery":-1}`, `{"apps":[{"app_id":"Bad/Id"}]}`, `{"bridge_id":"a/b"}`, `{`} {
+		if _, err := ParseStatus([]byte(in)); !errors.Is(err, ErrBadMessage) {
+			t.Errorf("ParseStatus(%s) = %v; want ErrBadMessage", in, err)
+		}
+	}
+	id := "01890a5d-ac96-774b-bcce-b302099a8057"
+	if _, err := ParseCommand([]byte(`{"id":"` + id + `","op":"push.text","device_id":"d1","payload":{"text":"hi"}}`)); err != nil {
+		t.Errorf("ParseCommand(good) = %v", err)
+	}
+	for _, in := range []string{
+		`{"id":"nope","op":"push.text","device_id":"d1"}`,
+		`{"id":"` + id + `","op":"rm","device_id":"d1"}`,
+		`{"id":"` + id + `","op":"push.text","device_id":"d/1"}`,
+	} {
+		if _, err := ParseCommand([]byte(in)); !errors.Is(err, ErrBadMessage) {
+			t.Errorf("ParseCommand(%s) = %v; want ErrBadMessage", in, err)
+		}
+	}
+	if _, err := ParseSettings([]byte(`{"schema":{}}`)); !errors.Is(err, ErrBadMessage) {
+		t.Errorf("ParseSettings without reported = %v; want ErrBadMessage", err)
+	}
+}
+
+func FuzzParseMessages(f *testing.F) {
+	f.Add([]byte(`{"command_id":"01890a5d-ac96-774b-bcce-b302099a8057","state":"delivered"}`))
+	f.Add([]byte(`{"online":true,"battery":5,"seq":1}`))
+	f.Add([]byte(`{"reported":{"a":1},"schema":{}}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ParseReply(b)
+		ParseStatus(b)
+		ParseSettings(b)
+		ParseCommand(b)
+	})
+}

@@ -1,0 +1,80 @@
+package topics
+
+import (
+	"encoding/json"
+	"reflect"
+	"testing"
+)
+
+func intp(i int) *int { return &i }
+
+var testSchema = Schema{
+	"brightness":     {Type: SettingInt, Min: intp(0), Max: intp(100), Default: 50},
+	"do_not_disturb": {Type: SettingBool, Default: false},
+	"timezone":       {Type: SettingTimezone, Default: "UTC"},
+	"language":       {Type: SettingEnum, Values: []string{"en", "de"}, Default: "en"},
+	"nickname":       {Type: SettingString, MaxLen: 4, Default: ""},
+}
+
+func TestSchemaValidate(t *testing.T) {
+	tests := []struct {
+		in   string
+		want []string // fields named in errors
+	}{
+		{`{"brightness":0}`, nil},
+		{`{"brightness":100,"do_not_disturb":true,"timezone":"Europe/Berlin","language":"de","nickname":"abcd"}`, nil},
+		{`{"brightness":101}`, []string{"brightness"}},
+		{`{"brightness":-1}`, []string{"brightness"}},
+		{`{"brightness":1.5}`, []string{"brightness"}},
+		{`{"brightness":"5"}`, []string{"brightness"}},
+		{`{"do_not_disturb":1}`, []string{"do_not_disturb"}},
+		{`{"timezone":"Mars/Olympus"}`, []string{"timezone"}},
+		{`{"timezone":"Local"}`, []string{"timezone"}},
+		{`{"language":"xx"}`, []string{"language"}},
+		{`{"nickname":"abcde"}`, []string{"nickname"}},
+		{`{"volume":5,"brightness":500}`, []string{"brightness", "volume"}},
+	}
+	for _, tt := range tests {
+		var in map[string]any
+		if err := json.Unmarshal([]byte(tt.in), &in); err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, e := range testSchema.Validate(in) {
+			got = append(got, e.Field)
+		}
+		if !reflect.DeepEqual(got, tt.want) {
+			t.Errorf("Validate(%s) named %v; want %v", tt.in, got, tt.want)
+		}
+	}
+}
+
+func TestVersions(t *testing.T) {
+	for _, v := range []string{"1.0.0", "0.0.1", "10.20.30", "1.0.0-rc.1", "1.0.0+build.5"} {
+		if !ValidVersion(v) {
+			t.Errorf("ValidVersion(%q) = false; want true", v)
+		}
+	}
+	for _, v := range []string{"", "v1.0.0", "1.0", "1", "1.0.0.0", "01.0.0", "a.b.c", "1.0.0-"} {
+		if ValidVersion(v) {
+			t.Errorf("ValidVersion(%q) = true; want false", v)
+		}
+	}
+	tests := []struct {
+		a, b string
+		want int
+	}{
+		{"1.0.0", "1.0.0", 0},
+		{"1.9.0", "1.10.0", -1},
+		{"2.0.0", "1.99.99", 1},
+		{"1.0.0-rc.1", "1.0.0", -1},
+		{"1.0.0-alpha", "1.0.0-beta", -1},
+		{"1.0.0-rc.2", "1.0.0-rc.10", -1},
+		{"1.0.0+a", "1.0.0+b", 0},
+	}
+	for _, tt := range tests {
+		if got := CompareVersions(tt.a, tt.b); got != tt.want {
+			t.Errorf("CompareVersions(%q, %q) = %d; want %d", tt.a, tt.b, got, tt.want)
+		}
+	}
+}
