@@ -1,0 +1,27 @@
+# The two commands of the quick start are `make run` and `make test`.
+GO ?= go
+
+.PHONY: run test build bench fuzz vet clean
+
+# The server on its embedded defaults with a demo fleet of simulated devices.
+run:
+	$(GO) run ./cmd/companion serve --demo
+
+# Every test, with the race detector.
+test:
+	$(GO) test -race -count=1 -timeout 9m ./...
+
+build:
+	mkdir -p bin
+	$(GO) build -o bin/ ./cmd/...
+
+# Benchmarks print figures; no test asserts speed.
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem ./...
+
+vet:
+	gofmt -l . | (! grep .)
+	$(GO) vet ./...
+
+clean:
+	rm -rf bin data

@@ -1,0 +1,53 @@
+package broker
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+
+	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/store"
+)
+
+// AccountStore is what Accounts needs of the store.
+type AccountStore interface {
+	Bridge(ctx context.Context, id string) (store.Bridge, error)
+	User(ctx context.Context, id string) (store.User, error)
+	Binding(ctx context.Context, deviceID string) (store.Binding, error)
+}
+
+// Accounts tells the embedded MQTT broker who may connect and what users
+// own, from the store: bridges log in with their id and secret, users with
+// their user id and API token. Both secrets are kept only as SHA-256 hashes
+// and compared in constant time.
+type Accounts struct {
+	Store AccountStore
+}
+
+var _ embedded.Accounts = Accounts{}
+
+// Authenticate implements embedded.Accounts.
+func (a Accounts) Authenticate(ctx context.Context, username, password string) (embedded.Identity, bool) {
+	if username == "" || password == "" {
+		return embedded.Identity{}, false
+	}
+	sum := sha256.Sum256([]byte(password))
+	if b, err := a.Store.Bridge(ctx, username); err == nil {
+		if subtle.ConstantTimeCompare(sum[:], b.SecretHash) == 1 {
+			return embedded.Identity{Role: embedded.RoleBridge, ID: b.ID}, true
+		}
+		return embedded.Identity{}, false
+	}
+	if u, err := a.Store.User(ctx, username); err == nil {
+		if subtle.ConstantTimeCompare(sum[:], u.TokenHash) == 1 {
+			return embedded.Identity{Role: embedded.RoleUser, ID: u.ID}, true
+		}
+	}
+	return embedded.Identity{}, false
+}
+
+// UserOwnsDevice implements embedded.Accounts.
+func (a Accounts) UserOwnsDevice(ctx context.Context, userID, deviceID string) bool {
+	b, err := a.Store.Binding(ctx, deviceID)
+	return err == nil && b.UserID == userID
+}

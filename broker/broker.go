@@ -1,0 +1,537 @@
+package broker
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"sync"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// Store is what the broker needs of the store.
+type Store interface {
+	CreateCommand(ctx context.Context, c store.Command, maxOpen int, idem *store.Idempotency) (store.Command, bool, error)
+	Command(ctx context.Context, id string) (store.Command, error)
+	UpdateCommand(ctx context.Context, id string, fn func(*store.Command) error) (store.Command, error)
+	OpenCommands(ctx context.Context, states ...string) ([]store.Command, error)
+	PutStatus(ctx context.Context, s store.Status) (bool, error)
+	MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error)
+	PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
+	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
+	RegistryDevice(ctx context.Context, id string) (store.RegistryDevice, error)
+}
+
+// Options configure a Broker. The zero value of each optional field means
+// its default.
+type Options struct {
+	Store Store // required
+
+	MQTTURL   string // required: tcp://host:port, mqtt://, ssl://, tls:// or mqtts://
+	Username  string
+	Password  string
+	ClientID  string      // default "companion-server"
+	TLSConfig *tls.Config // for ssl:// and mqtts:// URLs
+
+	Topics          topics.Tree   // default topics.DefaultPrefix
+	MaxOpenCommands int           // unfinished commands per device; default 1000
+	SweepInterval   time.Duration // how often expired commands are swept; default 1s
+	PublishTimeout  time.Duration // how long a publish waits for its PUBACK; default 30s
+	Workers         int           // goroutines taking messages in; default 8
+
+	Logger *slog.Logger
+	Now    func() time.Time
+}
+
+// Broker is the command broker. Create it with New, start it with Start,
+// stop it with Close.
+type Broker struct {
+	opts   Options
+	st     Store
+	tree   topics.Tree
+	log    *slog.Logger
+	now    func() time.Time
+	client mqtt.Client
+
+	kick      chan struct{} // wakes the outbox
+	connected chan struct{} // one signal per (re)connect, for the outbox
+	lanes     []chan mqtt.Message
+
+	mu      sync.Mutex
+	waiters map[string][]chan store.Command
+	ready   bool
+	started bool
+	closed  bool
+
+	quit chan struct{}
+	wg   sync.WaitGroup
+}
+
+// New checks the options and returns a broker that is not yet connected.
+func New(opts Options) (*Broker, error) {
+	if opts.Store == nil {
+		return nil, errors.New("broker: no store")
+	}
+	if opts.MQTTURL == "" {
+		return nil, errors.New("broker: no MQTT URL")
+	}
+	if opts.ClientID == "" {
+		opts.ClientID = "companion-server"
+	}
+	if opts.Topics == (topics.Tree{}) {
+		opts.Topics = topics.MustNew(topics.DefaultPrefix)
+	}
+	if opts.MaxOpenCommands <= 0 {
+		opts.MaxOpenCommands = 1000
+	}
+	if opts.SweepInterval <= 0 {
+		opts.SweepInterval = time.Second
+	}
+	if opts.PublishTimeout <= 0 {
+		opts.PublishTimeout = 30 * time.Second
+	}
+	if opts.Workers <= 0 {
+		opts.Workers = 8
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	b := &Broker{
+		opts:      opts,
+		st:        opts.Store,
+		tree:      opts.Topics,
+		log:       opts.Logger.With("component", "broker"),
+		now:       opts.Now,
+		kick:      make(chan struct{}, 1),
+		connected: make(chan struct{}, 1),
+		waiters:   make(map[string][]chan store.Command),
+		quit:      make(chan struct{}),
+	}
+	for i := 0; i < opts.Workers; i++ {
+		b.lanes = append(b.lanes, make(chan mqtt.Message, 4096))
+	}
+
+	co := mqtt.NewClientOptions().
+		AddBroker(opts.MQTTURL).
+		SetClientID(opts.ClientID).
+		SetUsername(opts.Username).
+		SetPassword(opts.Password).
+		// A persistent session: replies published while the server is away
+		// wait in the broker for it.
+		SetCleanSession(false).
+		// Handlers only hand messages to the lanes, in arrival order, so
+		// the replies of one device are taken in the order they came.
+		SetOrderMatters(true).
+		// A message is acknowledged once the store has it: a crash in
+		// between makes the broker deliver it again.
+		SetAutoAckDisabled(true).
+		SetAutoReconnect(true).
+		SetConnectRetry(true).
+		SetConnectRetryInterval(time.Second).
+		SetMaxReconnectInterval(10 * time.Second).
+		SetKeepAlive(30 * time.Second).
+		SetDefaultPublishHandler(b.route).
+		SetOnConnectHandler(b.onConnect).
+		SetConnectionLostHandler(func(_ mqtt.Client, err error) {
+			b.setReady(false)
+			b.log.Warn("MQTT connection lost", "err", err)
+		})
+	if opts.TLSConfig != nil {
+		co.SetTLSConfig(opts.TLSConfig)
+	}
+	b.client = mqtt.NewClient(co)
+	return b, nil
+}
+
+// Start connects to the MQTT broker (retrying in the background until it
+// answers) and starts the outbox, the message workers and the expiry sweep.
+func (b *Broker) Start() error {
+	b.mu.Lock()
+	if b.started {
+		b.mu.Unlock()
+		return errors.New("broker: already started")
+	}
+	b.started = true
+	b.mu.Unlock()
+
+	for _, lane := range b.lanes {
+		b.wg.Add(1)
+		go b.work(lane)
+	}
+	b.wg.Add(2)
+	go b.outbox()
+	go b.sweep()
+	// With ConnectRetry the token completes only once connected; we do not
+	// wait for it: commands wait as queued until the broker is there.
+	b.client.Connect()
+	return nil
+}
+
+// Ready reports whether the broker is connected to MQTT.
+func (b *Broker) Ready() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.ready
+}
+
+func (b *Broker) setReady(v bool) {
+	b.mu.Lock()
+	b.ready = v
+	b.mu.Unlock()
+}
+
+// Close disconnects and waits for every goroutine of the broker to end.
+// Commands not yet published stay queued in the store for the next start.
+func (b *Broker) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
+	}
+	b.closed = true
+	b.mu.Unlock()
+	close(b.quit)
+	b.client.Disconnect(250)
+	b.wg.Wait()
+	return nil
+}
+
+func (b *Broker) onConnect(c mqtt.Client) {
+	b.log.Info("MQTT connected", "url", b.opts.MQTTURL)
+	filters := map[string]byte{
+		b.tree.AllReplies():      1,
+		b.tree.AllStatus():       1,
+		b.tree.AllSettings():     1,
+		b.tree.AllBridgeStates(): 1,
+	}
+	// Subscribing from the connect handler must not wait on the token in
+	// this goroutine for long; paho allows it, but bound it.
+	tok := c.SubscribeMultiple(filters, nil)
+	go func() {
+		if err := mqtt.WaitTokenTimeout(tok, b.opts.PublishTimeout); err != nil {
+			b.log.Error("MQTT subscribe failed", "err", err)
+			return
+		}
+		b.setReady(true)
+		select {
+		case b.connected <- struct{}{}:
+		default:
+		}
+	}()
+}
+
+// route hands a message to the lane of its device, keeping per-device order.
+// It blocks only when a lane is full, which pushes back on the broker.
+func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
+	h := fnv.New32a()
+	h.Write([]byte(laneKey(m.Topic())))
+	select {
+	case b.lanes[h.Sum32()%uint32(len(b.lanes))] <- m:
+	case <-b.quit:
+	}
+}
+
+// laneKey is the part of a topic that must keep its order: the device (or
+// bridge) level.
+func laneKey(topic string) string {
+	slashes := 0
+	for i := len(topic) - 1; i >= 0; i-- {
+		if topic[i] == '/' {
+			slashes++
+			if slashes == 1 {
+				return topic[:i]
+			}
+		}
+	}
+	return topic
+}
+
+func (b *Broker) work(lane chan mqtt.Message) {
+	defer b.wg.Done()
+	for {
+		select {
+		case <-b.quit:
+			return
+		case m := <-lane:
+			b.handle(m)
+			m.Ack()
+		}
+	}
+}
+
+// handle takes one message in. Nothing a bridge sends can make it fail
+// loudly: bad messages are logged and dropped.
+func (b *Broker) handle(m mqtt.Message) {
+	ctx := context.Background()
+	t, err := b.tree.Parse(m.Topic())
+	if err != nil {
+		b.log.Warn("message on an unknown topic", "topic", m.Topic())
+		return
+	}
+	switch t.Kind {
+	case topics.KindReplies:
+		r, err := topics.ParseReply(m.Payload())
+		if err != nil {
+			b.log.Warn("bad reply", "device_id", t.DeviceID, "err", err)
+			return
+		}
+		b.takeReply(ctx, t.DeviceID, r)
+	case topics.KindStatus:
+		if len(m.Payload()) == 0 {
+			return // a cleared retained message
+		}
+		s, err := topics.ParseStatus(m.Payload())
+		if err != nil {
+			b.log.Warn("bad status", "device_id", t.DeviceID, "err", err)
+			return
+		}
+		b.takeStatus(ctx, t.DeviceID, s)
+	case topics.KindSettings:
+		if len(m.Payload()) == 0 {
+			return
+		}
+		s, err := topics.ParseSettings(m.Payload())
+		if err != nil {
+			b.log.Warn("bad settings", "device_id", t.DeviceID, "err", err)
+			return
+		}
+		b.takeSettings(ctx, t.DeviceID, s)
+	case topics.KindBridgeState:
+		if string(m.Payload()) != topics.BridgeOffline {
+			return
+		}
+		ids, err := b.st.MarkBridgeOffline(ctx, t.BridgeID)
+		if err != nil {
+			b.log.Error("marking a bridge's devices offline", "bridge_id", t.BridgeID, "err", err)
+			return
+		}
+		b.log.Info("bridge offline", "bridge_id", t.BridgeID, "devices", len(ids))
+	case topics.KindCommand:
+		// Our own commands never come back: we do not subscribe to them.
+	}
+}
+
+// errStale marks a reply that must change nothing.
+var errStale = errors.New("stale reply")
+
+func (b *Broker) takeReply(ctx context.Context, deviceID string, r topics.Reply) {
+	cmd, err := b.st.UpdateCommand(ctx, r.CommandID, func(c *store.Command) error {
+		if c.DeviceID != deviceID {
+			return fmt.Errorf("%w: reply on device %s for a command of %s", errStale, deviceID, c.DeviceID)
+		}
+		switch {
+		case topics.Rank(r.State) < topics.Rank(c.State):
+			return errStale
+		case r.State == c.State && r.State != topics.StateInProgress:
+			return errStale
+		case r.State == topics.StateInProgress && r.Progress != nil && c.Progress != nil && *r.Progress < *c.Progress:
+			return errStale
+		}
+		c.State = r.State
+		if r.Progress != nil {
+			p := *r.Progress
+			c.Progress = &p
+		}
+		if r.State == topics.StateSucceeded {
+			p := 100
+			c.Progress = &p
+		}
+		if r.Error != nil {
+			c.Error = &store.CommandError{Code: r.Error.Code, Message: r.Error.Message}
+		}
+		if len(r.Result) > 0 {
+			c.Result = append(json.RawMessage(nil), r.Result...)
+		}
+		return nil
+	})
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
+		return
+	case errors.Is(err, store.ErrFinal), errors.Is(err, errStale):
+		b.log.Debug("stale reply ignored", "command_id", r.CommandID, "state", r.State, "err", err)
+		return
+	case err != nil:
+		b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
+		return
+	}
+	if topics.Final(cmd.State) {
+		b.notify(cmd)
+	}
+}
+
+func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Status) {
+	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
+		b.log.Warn("status for a device that was never provisioned", "device_id", deviceID)
+		return
+	}
+	apps := make([]store.App, 0, len(s.Apps))
+	for _, a := range s.Apps {
+		apps = append(apps, store.App{AppID: a.AppID, Version: a.Version})
+	}
+	_, err := b.st.PutStatus(ctx, store.Status{
+		DeviceID:        deviceID,
+		Online:          s.Online,
+		Battery:         s.Battery,
+		FirmwareVersion: s.FirmwareVersion,
+		Model:           s.Model,
+		Apps:            apps,
+		BridgeID:        s.BridgeID,
+		LastSeen:        s.At,
+		Seq:             s.Seq,
+	})
+	if err != nil {
+		b.log.Error("storing a status", "device_id", deviceID, "err", err)
+	}
+}
+
+func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Settings) {
+	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
+		b.log.Warn("settings for a device that was never provisioned", "device_id", deviceID)
+		return
+	}
+	reported := make(map[string]json.RawMessage, len(s.Reported))
+	for k, v := range s.Reported {
+		raw, err := json.Marshal(v)
+		if err != nil {
+			return
+		}
+		reported[k] = raw
+	}
+	schema, err := json.Marshal(s.Schema)
+	if err != nil {
+		return
+	}
+	if _, err := b.st.PutReportedSettings(ctx, deviceID, reported, schema, s.At, s.Seq); err != nil {
+		b.log.Error("storing settings", "device_id", deviceID, "err", err)
+	}
+}
+
+// Submit stores a command as queued (durably) and wakes the outbox. The store
+// assigns its id. With idem set, a repeat of the same request returns the
+// first command and replayed true.
+func (b *Broker) Submit(ctx context.Context, c store.Command, idem *store.Idempotency) (store.Command, bool, error) {
+	if !topics.ValidOp(c.Op) || c.Op == topics.OpCancel || !topics.ValidDeviceID(c.DeviceID) {
+		return store.Command{}, false, fmt.Errorf("broker: bad command %q for %q", c.Op, c.DeviceID)
+	}
+	cmd, replayed, err := b.st.CreateCommand(ctx, c, b.opts.MaxOpenCommands, idem)
+	if err != nil {
+		return store.Command{}, false, err
+	}
+	if !replayed {
+		b.wake()
+	}
+	return cmd, replayed, nil
+}
+
+func (b *Broker) wake() {
+	select {
+	case b.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Cancel cancels a command the bridge does not have yet. A command already
+// handed to the MQTT broker is also withdrawn from the bridge with a cancel
+// message; one the bridge has acknowledged can no longer be canceled.
+func (b *Broker) Cancel(ctx context.Context, id string) (store.Command, error) {
+	var was string
+	cmd, err := b.st.UpdateCommand(ctx, id, func(c *store.Command) error {
+		if c.State != topics.StateQueued && c.State != topics.StateSent {
+			return ErrNotCancelable
+		}
+		was = c.State
+		c.State = topics.StateCanceled
+		c.Error = &store.CommandError{Code: "canceled", Message: "canceled by the user"}
+		return nil
+	})
+	if err != nil {
+		return cmd, err
+	}
+	b.notify(cmd)
+	if was == topics.StateSent {
+		b.publishCancel(cmd)
+	}
+	return cmd, nil
+}
+
+func (b *Broker) publishCancel(cmd store.Command) {
+	topic, err := b.tree.Command(cmd.DeviceID, topics.OpCancel)
+	if err != nil {
+		return
+	}
+	payload, _ := json.Marshal(topics.Cancel{CommandID: cmd.ID})
+	msg, _ := json.Marshal(topics.Command{
+		ID:        cmd.ID,
+		Op:        topics.OpCancel,
+		DeviceID:  cmd.DeviceID,
+		CreatedAt: b.now().UTC(),
+		ExpiresAt: cmd.ExpiresAt,
+		Payload:   payload,
+	})
+	// Best effort: the bridge also checks expiry, and the server ignores
+	// whatever it reports for a canceled command.
+	b.client.Publish(topic, 1, false, msg)
+}
+
+// Wait returns the command once it is final, or its latest state when ctx
+// ends first.
+func (b *Broker) Wait(ctx context.Context, id string) (store.Command, error) {
+	ch := make(chan store.Command, 1)
+	b.mu.Lock()
+	b.waiters[id] = append(b.waiters[id], ch)
+	b.mu.Unlock()
+	defer b.forget(id, ch)
+
+	cmd, err := b.st.Command(ctx, id)
+	if err != nil || topics.Final(cmd.State) {
+		return cmd, err
+	}
+	select {
+	case cmd = <-ch:
+		return cmd, nil
+	case <-ctx.Done():
+		return b.st.Command(context.WithoutCancel(ctx), id)
+	case <-b.quit:
+		return b.st.Command(context.WithoutCancel(ctx), id)
+	}
+}
+
+func (b *Broker) forget(id string, ch chan store.Command) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	list := b.waiters[id]
+	for i, c := range list {
+		if c == ch {
+			list = append(list[:i], list[i+1:]...)
+			break
+		}
+	}
+	if len(list) == 0 {
+		delete(b.waiters, id)
+	} else {
+		b.waiters[id] = list
+	}
+}
+
+func (b *Broker) notify(cmd store.Command) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, ch := range b.waiters[cmd.ID] {
+		select {
+		case ch <- cmd:
+		default:
+		}
+	}
+}

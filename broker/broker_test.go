@@ -1,0 +1,324 @@
+package broker
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+var tree = topics.MustNew(topics.DefaultPrefix)
+
+// bridgeAccounts lets one bridge in.
+type bridgeAccounts struct{}
+
+func (bridgeAccounts) Authenticate(_ context.Context, u, p string) (embedded.Identity, bool) {
+	return embedded.Identity{Role: embedded.RoleBridge, ID: u}, u == "b1" && p == "secret"
+}
+func (bridgeAccounts) UserOwnsDevice(context.Context, string, string) bool { return false }
+
+// clock is a settable clock for expiry tests.
+type clock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *clock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.now }
+func (c *clock) Add(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	c.mu.Unlock()
+}
+
+type env struct {
+	db    *store.DB
+	mqtt  *embedded.Server
+	b     *Broker
+	clock *clock
+}
+
+func newEnv(t *testing.T, startMQTT bool) *env {
+	t.Helper()
+	e := &env{clock: &clock{now: time.Now()}}
+	var err error
+	e.db, err = store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Now: e.clock.Now})
+	require.NoError(t, err)
+	t.Cleanup(func() { e.db.Close() })
+	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-1", Model: "sim-1"}))
+	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-2", Model: "sim-1"}))
+
+	e.mqtt, err = embedded.New(embedded.Options{
+		Listen: "127.0.0.1:0", Topics: tree, Accounts: bridgeAccounts{},
+		ServerUsername: "server", ServerPassword: "pw", Logger: quiet(),
+	})
+	require.NoError(t, err)
+	require.NoError(t, e.mqtt.Start())
+	t.Cleanup(func() { e.mqtt.Close() })
+
+	e.b, err = New(Options{
+		Store: e.db, MQTTURL: "tcp://" + e.mqtt.Addr(), Username: "server", Password: "pw",
+		ClientID: "server-" + t.Name(), Topics: tree, SweepInterval: 20 * time.Millisecond,
+		Logger: quiet(), Now: e.clock.Now,
+	})
+	require.NoError(t, err)
+	if startMQTT {
+		require.NoError(t, e.b.Start())
+		t.Cleanup(func() { e.b.Close() })
+		waitFor(t, "broker ready", e.b.Ready)
+	}
+	return e
+}
+
+func quiet() *slog.Logger {
+	return slog.New(slog.NewTextHandler(discard{}, &slog.HandlerOptions{Level: slog.LevelError}))
+}
+
+type discard struct{}
+
+func (discard) Write(p []byte) (int, error) { return len(p), nil }
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// fakeBridge is a real paho client acting as a bridge.
+type fakeBridge struct {
+	c        mqtt.Client
+	commands chan topics.Command
+}
+
+func connectBridge(t *testing.T, e *env) *fakeBridge {
+	t.Helper()
+	fb := &fakeBridge{commands: make(chan topics.Command, 1000)}
+	o := mqtt.NewClientOptions().AddBroker("tcp://"+e.mqtt.Addr()).SetClientID("b1").
+		SetUsername("b1").SetPassword("secret").SetCleanSession(false).
+		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) {
+			c, err := topics.ParseCommand(m.Payload())
+			if err == nil {
+				fb.commands <- c
+			}
+		})
+	fb.c = mqtt.NewClient(o)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Connect(), 5*time.Second))
+	t.Cleanup(func() { fb.c.Disconnect(0) })
+	f, _ := tree.CommandsFilter("dev-1")
+	f2, _ := tree.CommandsFilter("dev-2")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.SubscribeMultiple(map[string]byte{f: 1, f2: 1}, nil), 5*time.Second))
+	return fb
+}
+
+func (fb *fakeBridge) next(t *testing.T) topics.Command {
+	t.Helper()
+	select {
+	case c := <-fb.commands:
+		return c
+	case <-time.After(10 * time.Second):
+		t.Fatal("no command arrived")
+		return topics.Command{}
+	}
+}
+
+func (fb *fakeBridge) publish(t *testing.T, topic string, v any) {
+	t.Helper()
+	b, err := json.Marshal(v)
+	require.NoError(t, err)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, false, b), 5*time.Second))
+}
+
+func (fb *fakeBridge) reply(t *testing.T, dev string, r topics.Reply) {
+	t.Helper()
+	topic, _ := tree.Replies(dev)
+	fb.publish(t, topic, r)
+}
+
+func submit(t *testing.T, e *env, dev, text string, ttl time.Duration) store.Command {
+	t.Helper()
+	p, _ := json.Marshal(topics.PushText{Text: text})
+	c, _, err := e.b.Submit(context.Background(), store.Command{
+		DeviceID: dev, UserID: "u1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(ttl),
+	}, nil)
+	require.NoError(t, err)
+	return c
+}
+
+func state(t *testing.T, e *env, id string) store.Command {
+	t.Helper()
+	c, err := e.db.Command(context.Background(), id)
+	require.NoError(t, err)
+	return c
+}
+
+func TestCommandLifecycle(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+
+	c := submit(t, e, "dev-1", "hello", time.Hour)
+	assert.Equal(t, topics.StateQueued, c.State)
+	got := fb.next(t)
+	assert.Equal(t, c.ID, got.ID)
+	assert.Equal(t, topics.OpPushText, got.Op)
+	assert.JSONEq(t, `{"text":"hello"}`, string(got.Payload))
+	waitFor(t, "sent", func() bool { return state(t, e, c.ID).State != topics.StateQueued })
+
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateDelivered, At: time.Now()})
+	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == topics.StateDelivered })
+	p := 40
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateInProgress, Progress: &p})
+	waitFor(t, "in progress", func() bool { return state(t, e, c.ID).State == topics.StateInProgress })
+
+	waitDone := make(chan store.Command, 1)
+	go func() {
+		cmd, _ := e.b.Wait(context.Background(), c.ID)
+		waitDone <- cmd
+	}()
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateSucceeded, Result: json.RawMessage(`{"ok":true}`)})
+	select {
+	case cmd := <-waitDone:
+		assert.Equal(t, topics.StateSucceeded, cmd.State)
+		assert.JSONEq(t, `{"ok":true}`, string(cmd.Result))
+	case <-time.After(10 * time.Second):
+		t.Fatal("Wait did not return")
+	}
+
+	// Replays and late replies change nothing; a final state is final.
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateDelivered})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateFailed, Error: &topics.Error{Code: "x"}})
+	// A reply for an unknown command is ignored; a marker reply on another
+	// command tells us the ones before it were taken in.
+	fb.reply(t, "dev-1", topics.Reply{CommandID: "01890a5d-ac96-774b-bcce-b302099a8057", State: topics.StateSucceeded})
+	marker := submit(t, e, "dev-1", "marker", time.Hour)
+	fb.next(t)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: marker.ID, State: topics.StateFailed, Error: &topics.Error{Code: "device_error"}})
+	waitFor(t, "marker", func() bool { return state(t, e, marker.ID).State == topics.StateFailed })
+	final := state(t, e, c.ID)
+	assert.Equal(t, topics.StateSucceeded, final.State)
+	assert.Nil(t, final.Error)
+	assert.Equal(t, "device_error", state(t, e, marker.ID).Error.Code)
+}
+
+func TestReplyOnAnotherDevicesTopicIsIgnored(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	fb.next(t)
+	fb.reply(t, "dev-2", topics.Reply{CommandID: c.ID, State: topics.StateSucceeded})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateDelivered})
+	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == topics.StateDelivered })
+}
+
+func TestCommandsGoOutInOrderOnceTheBrokerIsThere(t *testing.T) {
+	e := newEnv(t, false)
+	// Accepted before the MQTT connection exists: they wait as queued.
+	var ids []string
+	for i := 0; i < 50; i++ {
+		ids = append(ids, submit(t, e, "dev-1", fmt.Sprint(i), time.Hour).ID)
+	}
+	fb := connectBridge(t, e)
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	for _, id := range ids {
+		assert.Equal(t, id, fb.next(t).ID)
+	}
+}
+
+func TestExpiryBeforeDelivery(t *testing.T) {
+	e := newEnv(t, false)
+	c := submit(t, e, "dev-1", "late", time.Minute)
+	e.clock.Add(2 * time.Minute)
+	fb := connectBridge(t, e)
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	waitFor(t, "expired", func() bool { return state(t, e, c.ID).State == topics.StateExpired })
+	// It never went out: the next command is the first the bridge sees.
+	next := submit(t, e, "dev-1", "on time", time.Hour)
+	assert.Equal(t, next.ID, fb.next(t).ID)
+}
+
+func TestCancel(t *testing.T) {
+	e := newEnv(t, false)
+	c := submit(t, e, "dev-1", "never", time.Hour)
+	got, err := e.b.Cancel(context.Background(), c.ID)
+	require.NoError(t, err)
+	assert.Equal(t, topics.StateCanceled, got.State)
+	cmd, err := e.b.Wait(context.Background(), c.ID)
+	require.NoError(t, err)
+	assert.Equal(t, topics.StateCanceled, cmd.State)
+	_, err = e.b.Cancel(context.Background(), c.ID)
+	assert.ErrorIs(t, err, store.ErrFinal)
+
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	fb := connectBridge(t, e)
+	d := submit(t, e, "dev-1", "delivered", time.Hour)
+	assert.Equal(t, d.ID, fb.next(t).ID, "the canceled command was never published")
+	fb.reply(t, "dev-1", topics.Reply{CommandID: d.ID, State: topics.StateDelivered})
+	waitFor(t, "delivered", func() bool { return state(t, e, d.ID).State == topics.StateDelivered })
+	_, err = e.b.Cancel(context.Background(), d.ID)
+	assert.ErrorIs(t, err, ErrNotCancelable)
+}
+
+func TestStatusOrderingAndBridgeWill(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	bat := func(i int) *int { return &i }
+	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(90), FirmwareVersion: "1.0.0", BridgeID: "b1", Seq: 10, At: time.Now()})
+	waitFor(t, "status", func() bool {
+		s, _ := e.db.Status(context.Background(), "dev-1")
+		return s.Seq == 10
+	})
+	// An older report never overwrites a newer one.
+	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(10), BridgeID: "b1", Seq: 5})
+	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(80), BridgeID: "b1", Seq: 11})
+	waitFor(t, "newer status", func() bool {
+		s, _ := e.db.Status(context.Background(), "dev-1")
+		return s.Seq == 11
+	})
+	s, _ := e.db.Status(context.Background(), "dev-1")
+	assert.Equal(t, 80, *s.Battery)
+
+	// A status for a device that was never provisioned is dropped.
+	ghost, _ := tree.Status("ghost")
+	fb.publish(t, ghost, topics.Status{Online: true, Seq: 1})
+
+	state, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(state, 1, true, topics.BridgeOffline), 5*time.Second))
+	waitFor(t, "offline", func() bool {
+		s, _ := e.db.Status(context.Background(), "dev-1")
+		return !s.Online
+	})
+	g, _ := e.db.Status(context.Background(), "ghost")
+	assert.Zero(t, g.Seq)
+}
+
+func TestQueueLimit(t *testing.T) {
+	e := newEnv(t, false)
+	e.b.opts.MaxOpenCommands = 3
+	for i := 0; i < 3; i++ {
+		submit(t, e, "dev-1", "x", time.Hour)
+	}
+	p, _ := json.Marshal(topics.PushText{Text: "one too many"})
+	_, _, err := e.b.Submit(context.Background(), store.Command{DeviceID: "dev-1", Op: topics.OpPushText, Payload: p, ExpiresAt: time.Now().Add(time.Hour)}, nil)
+	assert.ErrorIs(t, err, store.ErrQueueFull)
+	// Other devices are not affected.
+	submit(t, e, "dev-2", "fine", time.Hour)
+}

@@ -1,0 +1,315 @@
+// Package embedded is the MQTT broker the companion server runs in-process
+// when no external broker is configured (`companion serve` without
+// `--mqtt-url`). It wraps mochi-mqtt v2 with the companion's authentication
+// and access rules (CONTRACT §3, "Who may do what on the broker") and with
+// capabilities chosen so that no QoS 1 message is dropped for a bridge whose
+// persistent session is offline.
+//
+// It is not a durable broker: sessions, queued messages and retained messages
+// live in memory and are lost when the process stops. The command broker's
+// outbox republishes what was not delivered after a restart (docs/design.md);
+// production deployments that want the broker to outlive the server use
+// Mosquitto (mosquitto.conf, docs/mosquitto.md).
+package embedded
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"sync"
+
+	mqtt "github.com/mochi-mqtt/server/v2"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// Role is the kind of account a connected client authenticated as.
+type Role int
+
+// The roles. The zero Role is no role at all and is allowed nothing.
+const (
+	// RoleServer is the companion server itself: everything under the prefix.
+	RoleServer Role = iota + 1
+	// RoleBridge is a bridge: it reads its devices' commands and writes their
+	// replies, status and settings, and its own state.
+	RoleBridge
+	// RoleUser is an API user watching the topics of the devices they own,
+	// read-only.
+	RoleUser
+)
+
+func (r Role) String() string {
+	switch r {
+	case RoleServer:
+		return "server"
+	case RoleBridge:
+		return "bridge"
+	case RoleUser:
+		return "user"
+	}
+	return fmt.Sprintf("Role(%d)", int(r))
+}
+
+// Identity is who a connected client is.
+type Identity struct {
+	Role Role
+	// ID is the bridge id for RoleBridge, the user id for RoleUser, and ""
+	// for RoleServer.
+	ID string
+}
+
+// Accounts is what the broker needs to know about who may connect. It is
+// implemented by the command broker, backed by the store.
+//
+// Both methods are called on the connection's own goroutine and should
+// answer quickly; they get a context with a few seconds' deadline.
+type Accounts interface {
+	// Authenticate checks a client's credentials. Bridges connect with
+	// username = bridge id and password = bridge secret; users with
+	// username = user id and password = API token. It returns the identity
+	// and true, or false for unknown accounts and wrong passwords. An
+	// identity with RoleServer is refused: only Options.ServerUsername is
+	// the server.
+	Authenticate(ctx context.Context, username, password string) (Identity, bool)
+
+	// UserOwnsDevice reports whether the device is bound to the user now.
+	// The broker asks on every subscription and every delivery to a user,
+	// so an unbind takes effect at once; it caches nothing.
+	UserOwnsDevice(ctx context.Context, userID, deviceID string) bool
+}
+
+// Options configure a Server. The zero value of each field means its default.
+type Options struct {
+	// Listen is the TCP address to listen on; default "127.0.0.1:1883".
+	// Port 0 picks a free port (see Server.Addr).
+	Listen string
+	// Topics is the topic tree whose prefix the rules apply to; the zero
+	// value means topics.DefaultPrefix.
+	Topics topics.Tree
+	// Accounts authenticates bridges and users. When nil, only the server
+	// account may connect.
+	Accounts Accounts
+	// ServerUsername and ServerPassword are the companion server's own
+	// credentials, with full access under the prefix. When ServerUsername
+	// is empty there is no server account. They are compared in constant
+	// time.
+	ServerUsername, ServerPassword string
+	// Logger receives the broker's log. Mochi's own messages are passed on
+	// only at Warn level and above. Default: discard.
+	Logger *slog.Logger
+}
+
+// DefaultListen is the address the broker listens on unless told otherwise.
+const DefaultListen = "127.0.0.1:1883"
+
+// MaxPacketSize is the largest MQTT packet the broker accepts: the largest
+// payload either side sends (topics.MaxPayload) plus 64 KiB for the fixed
+// header, the topic (a prefix of up to 512 bytes and ids of up to 64) and
+// MQTT 5 properties.
+const MaxPacketSize = topics.MaxPayload + 64<<10
+
+// The capabilities below decide whether a QoS 1 message can be lost; each is
+// set on purpose.
+const (
+	// maxInflight is how many QoS 1/2 messages mochi keeps per client,
+	// counting both those sent and awaiting PUBACK and those queued for an
+	// offline persistent session. Beyond it mochi drops the message ("client
+	// store quota reached"). 65535 is the most it allows: packet ids are 16
+	// bits and every queued message holds one. The contract allows 1000
+	// unfinished commands per device, so a bridge serving up to 65 devices
+	// with full queues fits; the outbox resends what a drop would lose once
+	// the server restarts, and the drop is logged at Warn.
+	maxInflight = math.MaxUint16
+
+	// maxWritesPending is the length of each client's outbound channel. When
+	// it is full, mochi drops the message and rolls it back out of the
+	// inflight store: for QoS 1 a loss. Every QoS 1 message in that channel
+	// is also in the inflight store, so a channel as long as maxInflight can
+	// never overflow with QoS 1 traffic. The channel is allocated up front:
+	// 8 bytes a slot, 512 KiB per connection, which is affordable for the
+	// handful of bridges and watchers one server has.
+	maxWritesPending = maxInflight
+
+	// maxSessionExpiry is how long (seconds) an offline persistent session
+	// is kept: 14 days, twice the longest command TTL (7 days), so a bridge
+	// offline for a week still finds its queue; Mosquitto's
+	// persistent_client_expiration in mosquitto.conf matches it. Mochi's
+	// default (MaxUint32) would keep abandoned sessions forever.
+	maxSessionExpiry = 14 * 24 * 60 * 60
+
+	// maxMessageExpiry 0 means "no maximum": mochi then expires a message
+	// only when its publisher set an MQTT 5 message expiry. Mochi's default
+	// of 86400 would silently drop a command queued for an offline bridge
+	// after one day though command TTLs run to 7 days, and would also delete
+	// retained status, settings and bridge state a day after they were
+	// published. Expiry of commands is the command broker's job (and the
+	// bridge drops a command past its expires_at), not the transport's.
+	maxMessageExpiry = 0
+
+	// sysTopicInterval is how often (seconds) mochi refreshes its $SYS
+	// topics. Nobody may read them here, and each refresh stops the world to
+	// read memory statistics, so rarely.
+	sysTopicInterval = 600
+)
+
+func capabilities() *mqtt.Capabilities {
+	c := mqtt.NewDefaultServerCapabilities()
+	c.MaximumInflight = maxInflight
+	c.MaximumClientWritesPending = maxWritesPending
+	c.MaximumSessionExpiryInterval = maxSessionExpiry
+	c.MaximumMessageExpiryInterval = maxMessageExpiry
+	c.MaximumPacketSize = MaxPacketSize
+	return c
+}
+
+// Server is a running (or ready to run) embedded broker. Create it with New,
+// then Start it; Close stops it.
+type Server struct {
+	log      *slog.Logger
+	listen   string
+	mochi    *mqtt.Server
+	hook     *hook
+	ln       *listener
+	mu       sync.Mutex
+	started  bool
+	closed   bool
+	closeErr error
+}
+
+// New checks opts and builds a Server. Nothing listens until Start.
+func New(opts Options) (*Server, error) {
+	if opts.Listen == "" {
+		opts.Listen = DefaultListen
+	}
+	if opts.Topics.Prefix() == "" {
+		opts.Topics = topics.MustNew(topics.DefaultPrefix)
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.ServerUsername != "" && opts.ServerPassword == "" {
+		return nil, errors.New("embedded: ServerUsername given without ServerPassword")
+	}
+	if opts.ServerUsername == "" && opts.ServerPassword != "" {
+		return nil, errors.New("embedded: ServerPassword given without ServerUsername")
+	}
+
+	log := opts.Logger.With("component", "mqtt-broker")
+	m := mqtt.New(&mqtt.Options{
+		Capabilities:           capabilities(),
+		Logger:                 slog.New(minLevel{h: log.Handler(), min: slog.LevelWarn}),
+		SysTopicResendInterval: sysTopicInterval,
+		// The inline client publishes and subscribes past every ACL check;
+		// the companion server connects as a normal client instead.
+		InlineClient: false,
+	})
+	s := &Server{log: log, listen: opts.Listen, mochi: m}
+	s.hook = &hook{
+		tree:     opts.Topics,
+		accounts: opts.Accounts,
+		log:      log,
+		clients:  m.Clients,
+		ids:      map[*mqtt.Client]Identity{},
+		seqs:     map[string]map[uint16]uint64{},
+		lastOut:  map[string]uint16{},
+		moved:    map[*mqtt.Client]movedID{},
+		replaced: map[*mqtt.Client]*mqtt.Client{},
+	}
+	if opts.ServerUsername != "" {
+		s.hook.serverUser = sha256.Sum256([]byte(opts.ServerUsername))
+		s.hook.serverPass = sha256.Sum256([]byte(opts.ServerPassword))
+		s.hook.hasServer = true
+	}
+	if err := m.AddHook(s.hook, nil); err != nil {
+		return nil, fmt.Errorf("embedded: %w", err)
+	}
+	return s, nil
+}
+
+// Start binds the listener and starts serving. It returns once the listener
+// is bound, so a client may connect to Addr as soon as it returns.
+func (s *Server) Start() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.closed:
+		return errors.New("embedded: server is closed")
+	case s.started:
+		return errors.New("embedded: server already started")
+	}
+	ln := newListener("tcp", s.listen, s.log)
+	if err := s.mochi.AddListener(ln); err != nil {
+		return fmt.Errorf("embedded: listen on %s: %w", s.listen, err)
+	}
+	if err := s.mochi.Serve(); err != nil {
+		ln.abandon()
+		return fmt.Errorf("embedded: serve: %w", err)
+	}
+	s.ln = ln
+	s.started = true
+	s.log.Info("mqtt broker listening", "addr", ln.Address())
+	return nil
+}
+
+// Addr returns the address the broker listens on (host:port), or "" before
+// Start. With a Listen port of 0 it holds the port actually bound.
+func (s *Server) Addr() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ln == nil {
+		return ""
+	}
+	return s.ln.Address()
+}
+
+// Close disconnects every client, stops the listener and returns once the
+// accept loop and every connection's goroutine have ended, so the port is
+// free when it returns. (Mochi's own Close does not wait for them.) Calling
+// Close again returns the first result.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return s.closeErr
+	}
+	s.closed = true
+	if !s.started {
+		return nil
+	}
+	s.closeErr = s.mochi.Close()
+	s.ln.wait()
+	s.log.Info("mqtt broker stopped")
+	return s.closeErr
+}
+
+// minLevel passes on records at min or above; mochi logs every connection
+// and hook at Info, which is noise in the server's log.
+type minLevel struct {
+	h   slog.Handler
+	min slog.Level
+}
+
+func (m minLevel) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= m.min && m.h.Enabled(ctx, l)
+}
+
+func (m minLevel) Handle(ctx context.Context, r slog.Record) error { return m.h.Handle(ctx, r) }
+
+func (m minLevel) WithAttrs(as []slog.Attr) slog.Handler {
+	return minLevel{h: m.h.WithAttrs(as), min: m.min}
+}
+
+func (m minLevel) WithGroup(name string) slog.Handler {
+	return minLevel{h: m.h.WithGroup(name), min: m.min}
+}
+
+// equalHash compares a secret with a stored hash in constant time. Hashing
+// first makes the comparison independent of the secret's length.
+func equalHash(secret string, want [32]byte) bool {
+	got := sha256.Sum256([]byte(secret))
+	return subtle.ConstantTimeCompare(got[:], want[:]) == 1
+}

@@ -1,0 +1,499 @@
+package embedded_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/topics"
+)
+
+const (
+	serverUser = "companion-server"
+	serverPass = "server-secret"
+	wait       = 5 * time.Second
+)
+
+var tree = topics.MustNew(topics.DefaultPrefix)
+
+// fakeAccounts is the Accounts of the tests: bridges and users with
+// passwords, and which user owns which device.
+type fakeAccounts struct {
+	mu      sync.Mutex
+	bridges map[string]string          // bridge id → secret
+	users   map[string]string          // user id → token
+	owns    map[string]map[string]bool // user id → device ids
+}
+
+func newFakeAccounts() *fakeAccounts {
+	return &fakeAccounts{
+		bridges: map[string]string{"bridge-1": "b1-secret", "bridge-2": "b2-secret"},
+		users:   map[string]string{"alice": "alice-token", "bob": "bob-token"},
+		owns: map[string]map[string]bool{
+			"alice": {"dev-1": true, "dev-3": true},
+			"bob":   {"dev-2": true},
+		},
+	}
+}
+
+func (f *fakeAccounts) Authenticate(_ context.Context, username, password string) (embedded.Identity, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if s, ok := f.bridges[username]; ok && s == password {
+		return embedded.Identity{Role: embedded.RoleBridge, ID: username}, true
+	}
+	if s, ok := f.users[username]; ok && s == password {
+		return embedded.Identity{Role: embedded.RoleUser, ID: username}, true
+	}
+	return embedded.Identity{}, false
+}
+
+func (f *fakeAccounts) UserOwnsDevice(_ context.Context, userID, deviceID string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.owns[userID][deviceID]
+}
+
+func (f *fakeAccounts) unbind(userID, deviceID string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.owns[userID], deviceID)
+}
+
+func startBroker(t *testing.T, acc embedded.Accounts) *embedded.Server {
+	t.Helper()
+	s, err := embedded.New(embedded.Options{
+		Listen:         "127.0.0.1:0",
+		Accounts:       acc,
+		ServerUsername: serverUser,
+		ServerPassword: serverPass,
+	})
+	require.NoError(t, err)
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+	return s
+}
+
+// client is a paho client whose every message lands in msgs and whose
+// connection loss is reported on lost.
+type client struct {
+	mqtt.Client
+	msgs     chan mqtt.Message
+	lost     chan error
+	overflow atomic.Int64
+}
+
+var clientSeq atomic.Int64
+
+func dial(t *testing.T, addr, user, pass string, mod func(*mqtt.ClientOptions)) (*client, error) {
+	t.Helper()
+	c := &client{msgs: make(chan mqtt.Message, 20000), lost: make(chan error, 1)}
+	o := mqtt.NewClientOptions().
+		AddBroker("tcp://" + addr).
+		SetClientID(fmt.Sprintf("test-%d", clientSeq.Add(1))).
+		SetUsername(user).
+		SetPassword(pass).
+		SetAutoReconnect(false).
+		SetConnectRetry(false).
+		SetConnectTimeout(wait).
+		SetOrderMatters(true).
+		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) {
+			select {
+			case c.msgs <- m:
+			default:
+				c.overflow.Add(1)
+			}
+		}).
+		SetConnectionLostHandler(func(_ mqtt.Client, err error) {
+			select {
+			case c.lost <- err:
+			default:
+			}
+		})
+	if mod != nil {
+		mod(o)
+	}
+	c.Client = mqtt.NewClient(o)
+	if err := mqtt.WaitTokenTimeout(c.Connect(), wait); err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() {
+		if c.IsConnected() {
+			c.Disconnect(100)
+		}
+	})
+	return c, nil
+}
+
+func mustDial(t *testing.T, addr, user, pass string, mod func(*mqtt.ClientOptions)) *client {
+	t.Helper()
+	c, err := dial(t, addr, user, pass, mod)
+	require.NoError(t, err, "connect as %q", user)
+	return c
+}
+
+// subscribe returns the SUBACK code for filter: the granted QoS, or 0x80.
+func (c *client) subscribe(t *testing.T, filter string) byte {
+	t.Helper()
+	tok := c.Subscribe(filter, 1, nil)
+	require.NoError(t, mqtt.WaitTokenTimeout(tok, wait), "subscribe %q", filter)
+	code, ok := tok.(*mqtt.SubscribeToken).Result()[filter]
+	require.True(t, ok, "no result for %q", filter)
+	return code
+}
+
+func (c *client) publish(t *testing.T, topic string, retained bool, payload string) {
+	t.Helper()
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Publish(topic, 1, retained, payload), wait), "publish %q", topic)
+}
+
+// next returns the next message, failing the test after a few seconds.
+func (c *client) next(t *testing.T) mqtt.Message {
+	t.Helper()
+	select {
+	case m := <-c.msgs:
+		return m
+	case <-time.After(wait):
+		t.Fatal("no message arrived")
+		return nil
+	}
+}
+
+// waitLost waits until the broker drops the connection.
+func (c *client) waitLost(t *testing.T) {
+	t.Helper()
+	select {
+	case <-c.lost:
+	case <-time.After(wait):
+		t.Fatal("the broker did not drop the connection")
+	}
+}
+
+// tp unwraps a topic builder's result; the ids in these tests are valid.
+func tp(s string, err error) string {
+	if err != nil {
+		panic(err)
+	}
+	return s
+}
+
+func TestConnectRefused(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	tests := []struct{ name, user, pass string }{
+		{"anonymous", "", ""},
+		{"username without password", "bridge-1", ""},
+		{"bridge wrong secret", "bridge-1", "nope"},
+		{"server wrong password", serverUser, "nope"},
+		{"server username with a bridge secret", serverUser, "b1-secret"},
+		{"user wrong token", "alice", "bob-token"},
+		{"unknown account", "mallory", "x"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := dial(t, s.Addr(), tt.user, tt.pass, nil)
+			require.Error(t, err, "connect(%q, %q) succeeded; want refused", tt.user, tt.pass)
+		})
+	}
+}
+
+func TestNilAccountsAdmitsOnlyServer(t *testing.T) {
+	s := startBroker(t, nil)
+	mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	_, err := dial(t, s.Addr(), "bridge-1", "b1-secret", nil)
+	require.Error(t, err)
+}
+
+func TestServerMayDoAnythingUnderPrefix(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+
+	require.Equal(t, byte(0x80), srv.subscribe(t, "#"), "outside the prefix")
+	require.Equal(t, byte(0x80), srv.subscribe(t, "$SYS/#"))
+	require.Equal(t, byte(1), srv.subscribe(t, tree.Prefix()+"/#"))
+
+	for _, topic := range []string{
+		tp(tree.Command("dev-1", topics.OpPushText)),
+		tp(tree.Replies("dev-1")),
+		tp(tree.Status("dev-1")),
+		tp(tree.BridgeState("bridge-9")),
+	} {
+		srv.publish(t, topic, false, "x")
+		require.Equal(t, topic, srv.next(t).Topic())
+	}
+}
+
+func TestBridgeRules(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.Equal(t, byte(1), srv.subscribe(t, tree.Prefix()+"/#"))
+	br := mustDial(t, s.Addr(), "bridge-1", "b1-secret", nil)
+
+	cmdFilter := tp(tree.CommandsFilter("dev-1"))
+	subs := []struct {
+		filter string
+		want   byte
+	}{
+		{cmdFilter, 1},
+		{strings.TrimSuffix(cmdFilter, "+") + "#", 1},
+		{tree.Prefix() + "/devices/+/commands/+", 1},
+		{tree.Prefix() + "/devices/+/commands/#", 1},
+		{tp(tree.Replies("dev-1")), 0x80},
+		{tp(tree.Status("dev-1")), 0x80},
+		{tree.AllStatus(), 0x80},
+		{tree.AllReplies(), 0x80},
+		{tree.AllBridgeStates(), 0x80},
+		{tree.Prefix() + "/#", 0x80},
+		{"#", 0x80},
+	}
+	for _, sub := range subs {
+		if got := br.subscribe(t, sub.filter); got != sub.want {
+			t.Errorf("bridge subscribe(%q) = %#x; want %#x", sub.filter, got, sub.want)
+		}
+	}
+
+	// What a bridge may publish reaches the server.
+	for _, topic := range []string{
+		tp(tree.Replies("dev-1")),
+		tp(tree.Status("dev-1")),
+		tp(tree.Settings("dev-1")),
+		tp(tree.BridgeState("bridge-1")),
+	} {
+		br.publish(t, topic, false, "ok")
+		require.Equal(t, topic, srv.next(t).Topic())
+	}
+
+	// What it may not is dropped: on one connection mochi handles packets
+	// in order, so had the refused ones gone through they would arrive
+	// before the marker.
+	cmdTopic := tp(tree.Command("dev-1", topics.OpPushText))
+	br.Publish(cmdTopic, 0, false, "forged")
+	br.Publish(tp(tree.BridgeState("bridge-2")), 0, false, "offline")
+	br.Publish(tree.Prefix()+"/anything", 0, false, "x")
+	marker := tp(tree.Status("dev-1"))
+	br.publish(t, marker, false, "marker")
+	m := srv.next(t)
+	require.Equal(t, marker, m.Topic())
+	require.Equal(t, "marker", string(m.Payload()))
+
+	// A refused QoS 1 publish closes an MQTT 3.1.1 connection (there is no
+	// way to say no in a PUBACK before MQTT 5).
+	br.Publish(cmdTopic, 1, false, "forged")
+	br.waitLost(t)
+}
+
+func TestBridgeWill(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	withWill := func(topic string) func(*mqtt.ClientOptions) {
+		return func(o *mqtt.ClientOptions) { o.SetWill(topic, topics.BridgeOffline, 1, true) }
+	}
+	_, err := dial(t, s.Addr(), "bridge-1", "b1-secret", withWill(tp(tree.BridgeState("bridge-2"))))
+	require.Error(t, err, "a Will on another bridge's state topic")
+	_, err = dial(t, s.Addr(), "bridge-1", "b1-secret", withWill(tp(tree.Status("dev-1"))))
+	require.Error(t, err, "a Will on a status topic")
+	_, err = dial(t, s.Addr(), "alice", "alice-token", withWill(tp(tree.Status("dev-1"))))
+	require.Error(t, err, "a user with a Will")
+
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.Equal(t, byte(1), srv.subscribe(t, tree.AllBridgeStates()))
+	own := tp(tree.BridgeState("bridge-1"))
+	br := mustDial(t, s.Addr(), "bridge-1", "b1-secret", withWill(own))
+	br.publish(t, own, true, topics.BridgeOnline)
+	require.Equal(t, topics.BridgeOnline, string(srv.next(t).Payload()))
+
+	// Taking over the first connection's client id from another account is
+	// refused; taking it over from the same account is allowed and fires
+	// the Will of the connection taken over.
+	_, err = dial(t, s.Addr(), "bridge-2", "b2-secret", func(o *mqtt.ClientOptions) { o.SetClientID(clientIDOf(br)) })
+	require.Error(t, err, "bridge-2 taking over bridge-1's session")
+	mustDial(t, s.Addr(), "bridge-1", "b1-secret", func(o *mqtt.ClientOptions) { o.SetClientID(clientIDOf(br)) })
+	m := srv.next(t)
+	require.Equal(t, own, m.Topic())
+	require.Equal(t, topics.BridgeOffline, string(m.Payload()))
+}
+
+func clientIDOf(c *client) string {
+	r := c.OptionsReader()
+	return r.ClientID()
+}
+
+func TestUserRules(t *testing.T) {
+	acc := newFakeAccounts()
+	s := startBroker(t, acc)
+	br := mustDial(t, s.Addr(), "bridge-1", "b1-secret", nil)
+	// A retained status published before the user subscribes. The PUBACK
+	// comes before mochi hands the message to subscribers, so wait until
+	// the server has it: else the user could get it twice, retained and live.
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.Equal(t, byte(1), srv.subscribe(t, tree.AllStatus()))
+	br.publish(t, tp(tree.Status("dev-1")), true, `{"online":true}`)
+	srv.next(t)
+
+	u := mustDial(t, s.Addr(), "alice", "alice-token", nil)
+	subs := []struct {
+		filter string
+		want   byte
+	}{
+		{tp(tree.DeviceFilter("dev-1")), 1},
+		{tp(tree.DeviceFilter("dev-3")), 1},
+		{tp(tree.DeviceFilter("dev-2")), 0x80}, // bob's
+		{tp(tree.Status("dev-2")), 0x80},
+		{tree.AllStatus(), 0x80},
+		{tree.Prefix() + "/devices/#", 0x80},
+		{tree.Prefix() + "/#", 0x80},
+		{tree.AllBridgeStates(), 0x80},
+	}
+	for _, sub := range subs {
+		if got := u.subscribe(t, sub.filter); got != sub.want {
+			t.Errorf("user subscribe(%q) = %#x; want %#x", sub.filter, got, sub.want)
+		}
+	}
+
+	m := u.next(t)
+	require.Equal(t, tp(tree.Status("dev-1")), m.Topic(), "the retained status")
+	require.Equal(t, `{"online":true}`, string(m.Payload()))
+
+	br.publish(t, tp(tree.Status("dev-1")), true, `{"online":false}`)
+	m = u.next(t)
+	require.Equal(t, `{"online":false}`, string(m.Payload()))
+
+	// After an unbind, nothing more of dev-1 reaches alice, even on the
+	// subscription she already has; dev-3 (published after) still does.
+	acc.unbind("alice", "dev-1")
+	br.publish(t, tp(tree.Status("dev-1")), true, "after unbind")
+	br.publish(t, tp(tree.Status("dev-3")), true, "dev-3")
+	m = u.next(t)
+	require.Equal(t, tp(tree.Status("dev-3")), m.Topic())
+	require.Equal(t, byte(0x80), u.subscribe(t, tp(tree.DeviceFilter("dev-1"))))
+
+	// A user never publishes.
+	statusTopic := tp(tree.Status("dev-3"))
+	u.Publish(statusTopic, 1, false, "forged")
+	u.waitLost(t)
+}
+
+// TestOfflineQueue: QoS 1 commands published while a bridge with a
+// persistent session is away all arrive when it returns, once each and in
+// order, including those that mochi would lose to a packet id clash.
+func TestOfflineQueue(t *testing.T) {
+	const n = 2000
+	s := startBroker(t, newFakeAccounts())
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	persistent := func(autoAck bool) func(*mqtt.ClientOptions) {
+		return func(o *mqtt.ClientOptions) {
+			o.SetClientID("bridge-1").SetCleanSession(false).SetAutoAckDisabled(!autoAck)
+		}
+	}
+
+	br := mustDial(t, s.Addr(), "bridge-1", "b1-secret", persistent(true))
+	require.Equal(t, byte(1), br.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	br.Disconnect(100)
+
+	topic := tp(tree.Command("dev-1", topics.OpPushText))
+	toks := make([]mqtt.Token, n)
+	for i := range toks {
+		toks[i] = srv.Publish(topic, 1, false, strconv.Itoa(i))
+	}
+	for _, tok := range toks {
+		require.NoError(t, mqtt.WaitTokenTimeout(tok, wait))
+	}
+
+	// First return: the bridge takes a few messages without acknowledging
+	// them and publishes QoS 1 replies, whose packet ids (1, 2, …) are the
+	// ids of the unacknowledged commands. Then it goes away again.
+	br = mustDial(t, s.Addr(), "bridge-1", "b1-secret", persistent(false))
+	for i := 0; i < 10; i++ {
+		m := br.next(t)
+		require.Equal(t, strconv.Itoa(i), string(m.Payload()), "message %d", i)
+		br.publish(t, tp(tree.Replies("dev-1")), false, "reply")
+	}
+	br.Disconnect(100)
+
+	// Second return, acknowledging: everything, in order, once.
+	br = mustDial(t, s.Addr(), "bridge-1", "b1-secret", persistent(true))
+	for i := 0; i < n; i++ {
+		m := br.next(t)
+		require.Equal(t, strconv.Itoa(i), string(m.Payload()), "message %d", i)
+	}
+	// Anything duplicated would have been resent before this marker.
+	srv.publish(t, topic, false, "marker")
+	require.Equal(t, "marker", string(br.next(t).Payload()))
+	require.Zero(t, br.overflow.Load())
+}
+
+func TestCloseWaits(t *testing.T) {
+	s, err := embedded.New(embedded.Options{
+		Listen:         "127.0.0.1:0",
+		Accounts:       newFakeAccounts(),
+		ServerUsername: serverUser,
+		ServerPassword: serverPass,
+	})
+	require.NoError(t, err)
+	require.Equal(t, "", s.Addr())
+	require.NoError(t, s.Start())
+	addr := s.Addr()
+
+	c := mustDial(t, addr, serverUser, serverPass, nil)
+	// A connection that never sends CONNECT must not hold Close up.
+	raw, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	defer raw.Close()
+
+	done := make(chan error, 1)
+	go func() { done <- s.Close() }()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(wait):
+		t.Fatal("Close did not return")
+	}
+	c.waitLost(t)
+	require.NoError(t, s.Close(), "a second Close")
+
+	ln, err := net.Listen("tcp", addr)
+	require.NoError(t, err, "the port is still taken after Close")
+	require.NoError(t, ln.Close())
+
+	// Close has waited for these goroutines to finish their work; give
+	// the scheduler a moment to retire them.
+	for _, frame := range []string{"broker/embedded.(*listener)", "mochi-mqtt/server/v2.(*Server).attachClient"} {
+		deadline := time.Now().Add(time.Second)
+		for len(stacksWith(frame)) > 0 && time.Now().Before(deadline) {
+			runtime.Gosched()
+		}
+		require.Empty(t, stacksWith(frame), "goroutines left running after Close")
+	}
+	require.Error(t, s.Start(), "Start after Close")
+}
+
+func stacksWith(frame string) []string {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var found []string
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, frame) {
+			found = append(found, g)
+		}
+	}
+	return found
+}
+
+func TestNewValidates(t *testing.T) {
+	_, err := embedded.New(embedded.Options{ServerUsername: "x"})
+	require.Error(t, err)
+	_, err = embedded.New(embedded.Options{ServerPassword: "x"})
+	require.Error(t, err)
+	s, err := embedded.New(embedded.Options{})
+	require.NoError(t, err)
+	require.NoError(t, s.Close(), "Close before Start")
+}

@@ -1,0 +1,172 @@
+package embedded
+
+import (
+	"errors"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/mochi-mqtt/server/v2/listeners"
+)
+
+// listener is a TCP listener for mochi that owns its goroutines: the accept
+// loop and one goroutine per connection are counted in wg, and every
+// accepted connection is closed on Close, so wait returns only when all of
+// them have ended. Mochi's own TCP listener starts goroutines nobody waits
+// for and leaves a connection that never sends CONNECT open forever.
+type listener struct {
+	network, address string
+	log              *slog.Logger
+
+	ln   net.Listener
+	wg   sync.WaitGroup
+	done chan struct{}
+
+	mu     sync.Mutex
+	closed bool
+	conns  map[net.Conn]struct{}
+}
+
+var _ listeners.Listener = (*listener)(nil)
+
+func newListener(network, address string, log *slog.Logger) *listener {
+	return &listener{
+		network: network,
+		address: address,
+		log:     log,
+		done:    make(chan struct{}),
+		conns:   map[net.Conn]struct{}{},
+	}
+}
+
+// ID names the listener for mochi.
+func (l *listener) ID() string { return "companion-tcp" }
+
+// Protocol is the listener's protocol for mochi's log.
+func (l *listener) Protocol() string { return l.network }
+
+// Address returns the bound address once Init has run.
+func (l *listener) Address() string {
+	if l.ln != nil {
+		return l.ln.Addr().String()
+	}
+	return l.address
+}
+
+// Init binds the address. Mochi calls it from AddListener, synchronously, so
+// Start returns with the port bound. The accept loop is counted here, before
+// mochi starts Serve on a goroutine of its own, so that wait can never miss it.
+func (l *listener) Init(_ *slog.Logger) error {
+	ln, err := net.Listen(l.network, l.address)
+	if err != nil {
+		return err
+	}
+	l.ln = ln
+	l.wg.Add(1)
+	return nil
+}
+
+// abandon undoes Init when Serve will never be called.
+func (l *listener) abandon() {
+	l.closeAll()
+	l.wg.Done()
+}
+
+// Serve accepts connections until Close and hands each to establish on a
+// goroutine of its own.
+func (l *listener) Serve(establish listeners.EstablishFn) {
+	defer l.wg.Done()
+	backoff := 5 * time.Millisecond
+	for {
+		conn, err := l.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) || l.isClosed() {
+				return
+			}
+			// Out of file descriptors and the like: wait a little, as
+			// net/http does, instead of spinning.
+			l.log.Warn("mqtt accept failed", "error", err, "retry_in", backoff)
+			t := time.NewTimer(backoff)
+			select {
+			case <-l.done:
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			backoff = min(2*backoff, time.Second)
+			continue
+		}
+		backoff = 5 * time.Millisecond
+		if !l.track(conn) {
+			_ = conn.Close()
+			return
+		}
+		go func() {
+			defer l.wg.Done()
+			defer l.untrack(conn)
+			if err := establish(l.ID(), conn); err != nil && !l.isClosed() {
+				l.log.Debug("mqtt connection ended", "remote", conn.RemoteAddr().String(), "error", err)
+			}
+		}()
+	}
+}
+
+// track records a new connection and counts its goroutine; false once closed.
+func (l *listener) track(c net.Conn) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return false
+	}
+	l.conns[c] = struct{}{}
+	l.wg.Add(1)
+	return true
+}
+
+func (l *listener) untrack(c net.Conn) {
+	_ = c.Close()
+	l.mu.Lock()
+	delete(l.conns, c)
+	l.mu.Unlock()
+}
+
+func (l *listener) isClosed() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.closed
+}
+
+// Close is called by mochi's Close: it disconnects the clients mochi knows
+// (closeClients sends each a DISCONNECT), stops accepting, closes every
+// connection still open, including those that never finished connecting,
+// and waits for their goroutines. Waiting here, before mochi's Close waits
+// on its own WaitGroup, also keeps mochi from calling that WaitGroup's Add
+// (at the start of each connection) while it waits.
+func (l *listener) Close(closeClients listeners.CloseFn) {
+	if l.isClosed() {
+		return
+	}
+	closeClients(l.ID())
+	l.closeAll()
+	l.wg.Wait()
+}
+
+func (l *listener) closeAll() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return
+	}
+	l.closed = true
+	close(l.done)
+	if l.ln != nil {
+		_ = l.ln.Close()
+	}
+	for c := range l.conns {
+		_ = c.Close()
+	}
+}
+
+// wait returns when the accept loop and every connection goroutine are done.
+func (l *listener) wait() { l.wg.Wait() }

@@ -1,0 +1,194 @@
+package broker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"sync"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// outboxBatch bounds how many commands one pass publishes before it waits
+// for their PUBACKs.
+const outboxBatch = 500
+
+// outbox publishes queued commands in acceptance order. It runs a pass when
+// a command is accepted, after every (re)connect, and every few seconds as a
+// safety net. The first pass after start also republishes commands that were
+// sent but never delivered: a broker that restarted with us (the embedded
+// one) lost them, and the bridge drops any id it has already seen.
+func (b *Broker) outbox() {
+	defer b.wg.Done()
+	tick := time.NewTicker(5 * time.Second)
+	defer tick.Stop()
+	resend := true
+	for {
+		select {
+		case <-b.quit:
+			return
+		case <-b.kick:
+		case <-b.connected:
+		case <-tick.C:
+		}
+		if !b.client.IsConnectionOpen() || !b.Ready() {
+			continue
+		}
+		states := []string{topics.StateQueued}
+		if resend {
+			states = append(states, topics.StateSent)
+		}
+		if err := b.publishPending(states); err != nil {
+			b.log.Warn("outbox pass incomplete; will retry", "err", err)
+			continue
+		}
+		resend = false
+	}
+}
+
+// publishPending publishes every command in the given states, oldest first.
+func (b *Broker) publishPending(states []string) error {
+	ctx := context.Background()
+	cmds, err := b.st.OpenCommands(ctx, states...)
+	if err != nil {
+		return err
+	}
+	for len(cmds) > 0 {
+		n := min(len(cmds), outboxBatch)
+		if err := b.publishBatch(ctx, cmds[:n]); err != nil {
+			return err
+		}
+		cmds = cmds[n:]
+		select {
+		case <-b.quit:
+			return ErrClosed
+		default:
+		}
+	}
+	return nil
+}
+
+type inflight struct {
+	cmd store.Command
+	tok mqtt.Token
+}
+
+func (b *Broker) publishBatch(ctx context.Context, cmds []store.Command) error {
+	now := b.now()
+	var pending []inflight
+	for _, c := range cmds {
+		if now.After(c.ExpiresAt) {
+			b.expire(ctx, c.ID)
+			continue
+		}
+		topic, err := b.tree.Command(c.DeviceID, c.Op)
+		if err != nil {
+			b.log.Error("command with an unpublishable topic", "command_id", c.ID, "err", err)
+			continue
+		}
+		msg, err := json.Marshal(topics.Command{
+			ID:        c.ID,
+			Op:        c.Op,
+			DeviceID:  c.DeviceID,
+			CreatedAt: c.CreatedAt.UTC(),
+			ExpiresAt: c.ExpiresAt.UTC(),
+			Payload:   c.Payload,
+		})
+		if err != nil {
+			return err
+		}
+		pending = append(pending, inflight{cmd: c, tok: b.client.Publish(topic, 1, false, msg)})
+	}
+
+	// Mark what the broker acknowledged as sent. Batch groups these writes.
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		lastErr error
+	)
+	sem := make(chan struct{}, 16)
+	for _, p := range pending {
+		if err := mqtt.WaitTokenTimeout(p.tok, b.opts.PublishTimeout); err != nil {
+			mu.Lock()
+			lastErr = err
+			mu.Unlock()
+			continue
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func(id string) {
+			defer wg.Done()
+			defer func() { <-sem }()
+			_, err := b.st.UpdateCommand(ctx, id, func(c *store.Command) error {
+				if c.State != topics.StateQueued {
+					return errStale // a reply got there first, or it was canceled
+				}
+				c.State = topics.StateSent
+				return nil
+			})
+			if err != nil && !errors.Is(err, errStale) && !errors.Is(err, store.ErrFinal) {
+				mu.Lock()
+				lastErr = err
+				mu.Unlock()
+			}
+		}(p.cmd.ID)
+	}
+	wg.Wait()
+	return lastErr
+}
+
+// sweep expires commands whose TTL passed before delivery, and forgets
+// idempotency keys older than a day.
+func (b *Broker) sweep() {
+	defer b.wg.Done()
+	tick := time.NewTicker(b.opts.SweepInterval)
+	defer tick.Stop()
+	lastPurge := time.Time{}
+	for {
+		select {
+		case <-b.quit:
+			return
+		case <-tick.C:
+		}
+		ctx := context.Background()
+		now := b.now()
+		cmds, err := b.st.OpenCommands(ctx, topics.StateQueued, topics.StateSent)
+		if err != nil {
+			b.log.Error("expiry sweep", "err", err)
+			continue
+		}
+		for _, c := range cmds {
+			if now.After(c.ExpiresAt) {
+				b.expire(ctx, c.ID)
+			}
+		}
+		if now.Sub(lastPurge) > time.Hour {
+			if _, err := b.st.PurgeIdempotency(ctx, now.Add(-24*time.Hour)); err != nil {
+				b.log.Error("purging idempotency keys", "err", err)
+			}
+			lastPurge = now
+		}
+	}
+}
+
+// expire ends a command that was not delivered in time.
+func (b *Broker) expire(ctx context.Context, id string) {
+	now := b.now()
+	cmd, err := b.st.UpdateCommand(ctx, id, func(c *store.Command) error {
+		if (c.State != topics.StateQueued && c.State != topics.StateSent) || !now.After(c.ExpiresAt) {
+			return errStale
+		}
+		c.State = topics.StateExpired
+		c.Error = &store.CommandError{Code: "expired", Message: "the command was not delivered before it expired"}
+		return nil
+	})
+	if err != nil {
+		return
+	}
+	b.log.Info("command expired", "command_id", id, "device_id", cmd.DeviceID)
+	b.notify(cmd)
+}

@@ -1,0 +1,171 @@
+package store
+
+import (
+	"context"
+	"crypto/subtle"
+	"fmt"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// CreateUser stores a new user, indexed by the hash of its token.
+// CreatedAt is set to now when zero. It returns ErrExists when the id or
+// the token hash is already taken.
+func (db *DB) CreateUser(ctx context.Context, u User) error {
+	if !validID(u.ID) || len(u.TokenHash) == 0 {
+		return fmt.Errorf("%w: user needs an id and a token hash", ErrInvalid)
+	}
+	if u.CreatedAt.IsZero() {
+		u.CreatedAt = db.now()
+	}
+	return db.update(func(tx *bolt.Tx) error {
+		users, tokens := tx.Bucket(bucketUsers), tx.Bucket(bucketUserTokens)
+		if users.Get([]byte(u.ID)) != nil || tokens.Get(u.TokenHash) != nil {
+			return abort(ErrExists)
+		}
+		if err := putJSON(users, []byte(u.ID), u); err != nil {
+			return err
+		}
+		return tokens.Put(u.TokenHash, []byte(u.ID))
+	})
+}
+
+// UserByTokenHash returns the user whose token has the SHA-256 hash, or
+// ErrNotFound. The hash found through the index is compared again in
+// constant time.
+func (db *DB) UserByTokenHash(ctx context.Context, hash []byte) (User, error) {
+	var u User
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		id := tx.Bucket(bucketUserTokens).Get(hash)
+		if id == nil {
+			return ErrNotFound
+		}
+		ok, err := getJSON(tx.Bucket(bucketUsers), id, &u)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return ErrNotFound
+		}
+		return nil
+	})
+	if err != nil {
+		return User{}, err
+	}
+	if subtle.ConstantTimeCompare(u.TokenHash, hash) != 1 {
+		return User{}, ErrNotFound
+	}
+	return u, nil
+}
+
+// User returns the user with the id, or ErrNotFound.
+func (db *DB) User(ctx context.Context, id string) (User, error) {
+	var u User
+	if err := db.get(bucketUsers, []byte(id), &u); err != nil {
+		return User{}, err
+	}
+	return u, nil
+}
+
+// ProvisionDevice adds a device to the registry. CreatedAt is set to now
+// when zero. It returns ErrExists when the id is taken.
+func (db *DB) ProvisionDevice(ctx context.Context, d RegistryDevice) error {
+	if !validID(d.ID) {
+		return fmt.Errorf("%w: device needs an id", ErrInvalid)
+	}
+	if d.CreatedAt.IsZero() {
+		d.CreatedAt = db.now()
+	}
+	return db.update(func(tx *bolt.Tx) error {
+		devices := tx.Bucket(bucketDevices)
+		if devices.Get([]byte(d.ID)) != nil {
+			return abort(ErrExists)
+		}
+		return putJSON(devices, []byte(d.ID), d)
+	})
+}
+
+// RegistryDevice returns the provisioned device with the id, or
+// ErrNotFound.
+func (db *DB) RegistryDevice(ctx context.Context, id string) (RegistryDevice, error) {
+	var d RegistryDevice
+	if err := db.get(bucketDevices, []byte(id), &d); err != nil {
+		return RegistryDevice{}, err
+	}
+	return d, nil
+}
+
+// CreateBridge stores a new bridge, indexed by the hash of its secret.
+// CreatedAt is set to now when zero. It returns ErrExists when the id or
+// the secret hash is already taken.
+func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
+	if !validID(b.ID) || len(b.SecretHash) == 0 {
+		return fmt.Errorf("%w: bridge needs an id and a secret hash", ErrInvalid)
+	}
+	if b.CreatedAt.IsZero() {
+		b.CreatedAt = db.now()
+	}
+	return db.update(func(tx *bolt.Tx) error {
+		bridges, secrets := tx.Bucket(bucketBridges), tx.Bucket(bucketBridgeSecrets)
+		if bridges.Get([]byte(b.ID)) != nil || secrets.Get(b.SecretHash) != nil {
+			return abort(ErrExists)
+		}
+		if err := putJSON(bridges, []byte(b.ID), b); err != nil {
+			return err
+		}
+		return secrets.Put(b.SecretHash, []byte(b.ID))
+	})
+}
+
+// Bridge returns the bridge with the id, or ErrNotFound.
+func (db *DB) Bridge(ctx context.Context, id string) (Bridge, error) {
+	var b Bridge
+	if err := db.get(bucketBridges, []byte(id), &b); err != nil {
+		return Bridge{}, err
+	}
+	return b, nil
+}
+
+// BridgeBySecretHash returns the bridge whose secret has the SHA-256 hash,
+// or ErrNotFound. The hash is compared again in constant time.
+func (db *DB) BridgeBySecretHash(ctx context.Context, hash []byte) (Bridge, error) {
+	var b Bridge
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		id := tx.Bucket(bucketBridgeSecrets).Get(hash)
+		if id == nil {
+			return ErrNotFound
+		}
+		ok, err := getJSON(tx.Bucket(bucketBridges), id, &b)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return ErrNotFound
+		}
+		return nil
+	})
+	if err != nil {
+		return Bridge{}, err
+	}
+	if subtle.ConstantTimeCompare(b.SecretHash, hash) != 1 {
+		return Bridge{}, ErrNotFound
+	}
+	return b, nil
+}
+
+// get decodes the value at k of the bucket into v, or returns ErrNotFound.
+func (db *DB) get(bucket, k []byte, v any) error {
+	if len(k) == 0 {
+		return ErrNotFound
+	}
+	return db.bolt.View(func(tx *bolt.Tx) error {
+		ok, err := getJSON(tx.Bucket(bucket), k, v)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return ErrNotFound
+		}
+		return nil
+	})
+}

@@ -1,0 +1,196 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+func shaHex(b []byte) string {
+	h := sha256.Sum256(b)
+	return hex.EncodeToString(h[:])
+}
+
+// tempFiles lists the temp files in the blob directory.
+func tempFiles(tb testing.TB, db *DB) []string {
+	tb.Helper()
+	names, err := filepath.Glob(filepath.Join(db.BlobDir(), tempPattern))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return names
+}
+
+func TestPutBlob(t *testing.T) {
+	ctx := context.Background()
+	clock := newFakeClock()
+	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
+	content := bytes.Repeat([]byte("firmware "), 100000)
+	sha := shaHex(content)
+
+	b, err := db.PutBlob(ctx, bytes.NewReader(content), int64(len(content)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.SHA256 != sha || b.Size != int64(len(content)) || !b.CreatedAt.Equal(clock.Now()) {
+		t.Errorf("PutBlob = %+v; want sha %s, size %d", b, sha, len(content))
+	}
+	path := filepath.Join(db.BlobDir(), sha[:2], sha)
+	if fi, err := os.Stat(path); err != nil || fi.Mode() != 0o600 {
+		t.Errorf("Stat(%s) = %v, %v; want a 0600 file", path, fi, err)
+	}
+
+	f, got, err := db.OpenBlob(ctx, sha)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, _ := io.ReadAll(f)
+	_ = f.Close()
+	if !bytes.Equal(data, content) || got != b {
+		t.Errorf("OpenBlob(%s) gave %d bytes, %+v", sha, len(data), got)
+	}
+
+	// The same content again: fine, same record, first CreatedAt kept.
+	clock.Advance(time.Hour)
+	again, err := db.PutBlob(ctx, bytes.NewReader(content), 0)
+	if err != nil || again != b {
+		t.Errorf("PutBlob(same content) = %+v, %v; want %+v", again, err, b)
+	}
+	if temps := tempFiles(t, db); len(temps) != 0 {
+		t.Errorf("temp files left: %v", temps)
+	}
+
+	empty, err := db.PutBlob(ctx, strings.NewReader(""), 10)
+	if err != nil || empty.SHA256 != shaHex(nil) || empty.Size != 0 {
+		t.Errorf("PutBlob(empty) = %+v, %v", empty, err)
+	}
+}
+
+func TestPutBlobLimits(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDB(t)
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	tests := []struct {
+		name    string
+		ctx     context.Context
+		content string
+		max     int64
+		want    error
+	}{
+		{"at the limit", ctx, "12345", 5, nil},
+		{"one over", ctx, "123456", 5, ErrTooLarge},
+		{"far over", ctx, strings.Repeat("x", 1<<20), 1000, ErrTooLarge},
+		{"no limit", ctx, strings.Repeat("y", 1<<20), 0, nil},
+		{"canceled", canceled, "abc", 0, context.Canceled},
+		{"reader fails", ctx, "", 0, io.ErrUnexpectedEOF},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var r io.Reader = strings.NewReader(tt.content)
+			if tt.want == io.ErrUnexpectedEOF {
+				r = io.MultiReader(strings.NewReader("part"), failingReader{})
+			}
+			b, err := db.PutBlob(tt.ctx, r, tt.max)
+			wantErr(t, "PutBlob", err, tt.want)
+			if temps := tempFiles(t, db); len(temps) != 0 {
+				t.Errorf("temp files left: %v", temps)
+			}
+			sha := shaHex([]byte(tt.content))
+			_, err = db.Blob(ctx, sha)
+			if tt.want == nil {
+				if err != nil || b.SHA256 != sha {
+					t.Errorf("Blob(%s) = %v; PutBlob gave %+v", sha, err, b)
+				}
+				return
+			}
+			wantErr(t, "Blob(refused content)", err, ErrNotFound)
+			if _, err := os.Stat(filepath.Join(db.BlobDir(), sha[:2], sha)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("refused content has a file: %v", err)
+			}
+		})
+	}
+}
+
+type failingReader struct{}
+
+func (failingReader) Read([]byte) (int, error) { return 0, io.ErrUnexpectedEOF }
+
+func TestPutBlobConcurrentSameContent(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDB(t)
+	content := bytes.Repeat([]byte("image"), 50000)
+	var wg sync.WaitGroup
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := db.PutBlob(ctx, bytes.NewReader(content), 0); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	f, b, err := db.OpenBlob(ctx, shaHex(content))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	data, _ := io.ReadAll(f)
+	if !bytes.Equal(data, content) || b.Size != int64(len(content)) {
+		t.Errorf("blob after concurrent puts: %d bytes, %+v", len(data), b)
+	}
+	if temps := tempFiles(t, db); len(temps) != 0 {
+		t.Errorf("temp files left: %v", temps)
+	}
+}
+
+func TestBlobLookups(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDB(t)
+	b, err := db.PutBlob(ctx, strings.NewReader("x"), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		sha  string
+		want error
+	}{
+		{"stored", b.SHA256, nil},
+		{"absent", shaHex([]byte("y")), ErrNotFound},
+		{"upper case", strings.ToUpper(b.SHA256), ErrNotFound},
+		{"short", b.SHA256[:63], ErrNotFound},
+		{"path", "../" + b.SHA256[3:], ErrNotFound},
+		{"empty", "", ErrNotFound},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := db.Blob(ctx, tt.sha)
+			wantErr(t, "Blob", err, tt.want)
+			f, _, err := db.OpenBlob(ctx, tt.sha)
+			wantErr(t, "OpenBlob", err, tt.want)
+			if f != nil {
+				_ = f.Close()
+			}
+		})
+	}
+
+	// A recorded blob whose file is gone is damage, not "not found".
+	if err := os.Remove(filepath.Join(db.BlobDir(), b.SHA256[:2], b.SHA256)); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = db.OpenBlob(ctx, b.SHA256)
+	if err == nil || errors.Is(err, ErrNotFound) {
+		t.Errorf("OpenBlob(missing file) = %v; want an error other than ErrNotFound", err)
+	}
+}

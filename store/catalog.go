@@ -1,0 +1,193 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+
+	bolt "go.etcd.io/bbolt"
+	"golang.org/x/mod/semver"
+)
+
+// ValidVersion reports whether v is a full semantic version without a
+// leading "v": MAJOR.MINOR.PATCH, with an optional pre-release and build.
+func ValidVersion(v string) bool {
+	sv := "v" + v
+	if !semver.IsValid(sv) {
+		return false
+	}
+	// semver.IsValid also takes the shorthands "v1" and "v1.2".
+	core, _, _ := strings.Cut(sv, "+")
+	return semver.Canonical(sv) == core
+}
+
+// CompareVersions compares two semantic versions (without "v") as
+// semver.Compare does: -1, 0 or +1. Build metadata does not count.
+func CompareVersions(a, b string) int {
+	return semver.Compare("v"+a, "v"+b)
+}
+
+// byVersion orders versions ascending; equal ones (differing only in build
+// metadata) by their text, so the order is total.
+func byVersion(a, b string) int {
+	if c := CompareVersions(a, b); c != 0 {
+		return c
+	}
+	return strings.Compare(a, b)
+}
+
+// PutFirmware publishes a firmware image. CreatedAt is set to now when
+// zero. Publishing the same model and version again with the same SHA256
+// is a no-op; with another SHA256 it is ErrExists.
+func (db *DB) PutFirmware(ctx context.Context, f Firmware) error {
+	if !validID(f.Model) || !ValidVersion(f.Version) || f.SHA256 == "" {
+		return fmt.Errorf("%w: firmware needs a model, a semantic version and a digest", ErrInvalid)
+	}
+	if f.CreatedAt.IsZero() {
+		f.CreatedAt = db.now()
+	}
+	return db.update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketFirmware)
+		var old Firmware
+		ok, err := getJSON(b, key(f.Model, f.Version), &old)
+		if err != nil {
+			return err
+		}
+		if ok {
+			if old.SHA256 == f.SHA256 {
+				return nil
+			}
+			return abort(ErrExists)
+		}
+		return putJSON(b, key(f.Model, f.Version), f)
+	})
+}
+
+// Firmware returns the firmware of the model and version, or ErrNotFound.
+func (db *DB) Firmware(ctx context.Context, model, version string) (Firmware, error) {
+	if !validID(model) || !validID(version) {
+		return Firmware{}, ErrNotFound
+	}
+	var f Firmware
+	if err := db.get(bucketFirmware, key(model, version), &f); err != nil {
+		return Firmware{}, err
+	}
+	return f, nil
+}
+
+// Firmwares returns the model's firmware images in ascending version
+// order; empty, not an error, when there are none.
+func (db *DB) Firmwares(ctx context.Context, model string) ([]Firmware, error) {
+	out := []Firmware{}
+	if !validID(model) {
+		return out, nil
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		return scanJSON(tx.Bucket(bucketFirmware), prefix(model), func(f Firmware) { out = append(out, f) })
+	})
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(out, func(a, b Firmware) int { return byVersion(a.Version, b.Version) })
+	return out, nil
+}
+
+// PutAppRelease publishes an app package. CreatedAt is set to now when
+// zero. Publishing the same app and version again with the same SHA256 is
+// a no-op; with another SHA256 it is ErrExists.
+func (db *DB) PutAppRelease(ctx context.Context, a AppRelease) error {
+	if !validID(a.AppID) || !ValidVersion(a.Version) || a.SHA256 == "" {
+		return fmt.Errorf("%w: app release needs an app id, a semantic version and a digest", ErrInvalid)
+	}
+	if a.CreatedAt.IsZero() {
+		a.CreatedAt = db.now()
+	}
+	return db.update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketApps)
+		var old AppRelease
+		ok, err := getJSON(b, key(a.AppID, a.Version), &old)
+		if err != nil {
+			return err
+		}
+		if ok {
+			if old.SHA256 == a.SHA256 {
+				return nil
+			}
+			return abort(ErrExists)
+		}
+		return putJSON(b, key(a.AppID, a.Version), a)
+	})
+}
+
+// AppRelease returns the release of the app and version, or ErrNotFound.
+func (db *DB) AppRelease(ctx context.Context, appID, version string) (AppRelease, error) {
+	if !validID(appID) || !validID(version) {
+		return AppRelease{}, ErrNotFound
+	}
+	var a AppRelease
+	if err := db.get(bucketApps, key(appID, version), &a); err != nil {
+		return AppRelease{}, err
+	}
+	return a, nil
+}
+
+// AppReleases returns the app's releases in ascending version order;
+// empty, not an error, when there are none.
+func (db *DB) AppReleases(ctx context.Context, appID string) ([]AppRelease, error) {
+	out := []AppRelease{}
+	if !validID(appID) {
+		return out, nil
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		return scanJSON(tx.Bucket(bucketApps), prefix(appID), func(a AppRelease) { out = append(out, a) })
+	})
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(out, func(a, b AppRelease) int { return byVersion(a.Version, b.Version) })
+	return out, nil
+}
+
+// LatestApps returns the highest version of every app in the catalog,
+// ordered by app id.
+func (db *DB) LatestApps(ctx context.Context) ([]AppRelease, error) {
+	out := []AppRelease{}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		// Keys are app id, NUL, version: all releases of an app are
+		// adjacent, and apps come in id order.
+		return scanJSON(tx.Bucket(bucketApps), nil, func(a AppRelease) {
+			if n := len(out); n > 0 && out[n-1].AppID == a.AppID {
+				if byVersion(a.Version, out[n-1].Version) > 0 {
+					out[n-1] = a
+				}
+				return
+			}
+			out = append(out, a)
+		})
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// scanJSON decodes every value of b under the key prefix p (all when p is
+// empty) in key order and passes it to fn.
+func scanJSON[T any](b *bolt.Bucket, p []byte, fn func(T)) error {
+	c := b.Cursor()
+	k, v := c.First()
+	if len(p) > 0 {
+		k, v = c.Seek(p)
+	}
+	for ; k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
+		var t T
+		if err := json.Unmarshal(v, &t); err != nil {
+			return fmt.Errorf("store: decode %q: %w", k, err)
+		}
+		fn(t)
+	}
+	return nil
+}

@@ -1,0 +1,320 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/google/uuid"
+	bolt "go.etcd.io/bbolt"
+)
+
+// Command states. The last four are final: a command in one of them never
+// changes again.
+const (
+	StateQueued     = "queued"
+	StateSent       = "sent"
+	StateDelivered  = "delivered"
+	StateInProgress = "in_progress"
+	StateSucceeded  = "succeeded"
+	StateFailed     = "failed"
+	StateExpired    = "expired"
+	StateCanceled   = "canceled"
+)
+
+// IsFinal reports whether state is one of the final states.
+func IsFinal(state string) bool {
+	switch state {
+	case StateSucceeded, StateFailed, StateExpired, StateCanceled:
+		return true
+	}
+	return false
+}
+
+// IdempotencyTTL is how long an idempotency record answers repeats.
+const IdempotencyTTL = 24 * time.Hour
+
+// CreateCommand stores c as a new queued command for c.DeviceID and returns
+// it with its id, state and times set. The id is a UUIDv7 assigned inside
+// the write transaction, so the order of ids is the order of commits.
+//
+// With idem set, a live record of (idem.UserID, idem.Key) with the same
+// RequestHash returns that record's command and replay = true, and one
+// with another RequestHash returns ErrIdemConflict; otherwise idem is
+// stored with CommandID set, in the same transaction as the command.
+// ErrQueueFull means the device already has maxOpen non-final commands
+// (maxOpen <= 0: no limit).
+//
+// Writers are grouped (bbolt Batch): the command is on disk when
+// CreateCommand returns nil.
+func (db *DB) CreateCommand(ctx context.Context, c Command, maxOpen int, idem *Idempotency) (cmd Command, replay bool, err error) {
+	if !validID(c.DeviceID) {
+		return Command{}, false, fmt.Errorf("%w: command needs a device id", ErrInvalid)
+	}
+	var rec Idempotency
+	if idem != nil {
+		if !validID(idem.UserID) || !validID(idem.Key) {
+			return Command{}, false, fmt.Errorf("%w: idempotency needs a user id and a key", ErrInvalid)
+		}
+		rec = *idem
+		rec.RequestHash = slices.Clone(idem.RequestHash)
+		rec.Body = slices.Clone(idem.Body)
+	}
+	c.Payload = cloneRaw(c.Payload)
+	c.Result = cloneRaw(c.Result)
+	err = db.batch(func(tx *bolt.Tx) error {
+		cmd, replay = Command{}, false
+		now := db.now()
+		idemB := tx.Bucket(bucketIdempotency)
+		if idem != nil {
+			var old Idempotency
+			ok, err := getJSON(idemB, idemKey(rec.UserID, rec.Key), &old)
+			if err != nil {
+				return err
+			}
+			if ok && live(old, now) {
+				if !bytes.Equal(old.RequestHash, rec.RequestHash) || old.CommandID == "" {
+					return abort(ErrIdemConflict)
+				}
+				found, err := getJSON(tx.Bucket(bucketCommands), []byte(old.CommandID), &cmd)
+				if err != nil {
+					return err
+				}
+				if !found {
+					return abort(fmt.Errorf("store: idempotency record names missing command %s: %w", old.CommandID, ErrNotFound))
+				}
+				replay = true
+				return nil
+			}
+		}
+		if maxOpen > 0 && countPrefix(tx.Bucket(bucketDeviceOpen), prefix(c.DeviceID), maxOpen) >= maxOpen {
+			return abort(ErrQueueFull)
+		}
+		id, err := uuid.NewV7()
+		if err != nil {
+			return err
+		}
+		nc := c
+		nc.ID = id.String()
+		nc.State = StateQueued
+		nc.CreatedAt, nc.UpdatedAt = now, now
+		if err := putJSON(tx.Bucket(bucketCommands), []byte(nc.ID), nc); err != nil {
+			return err
+		}
+		if err := tx.Bucket(bucketDeviceCmds).Put(key(nc.DeviceID, nc.ID), nil); err != nil {
+			return err
+		}
+		if err := tx.Bucket(bucketOpen).Put([]byte(nc.ID), []byte(nc.DeviceID)); err != nil {
+			return err
+		}
+		if err := tx.Bucket(bucketDeviceOpen).Put(key(nc.DeviceID, nc.ID), nil); err != nil {
+			return err
+		}
+		if idem != nil {
+			r := rec
+			r.CommandID = nc.ID
+			if r.CreatedAt.IsZero() {
+				r.CreatedAt = now
+			}
+			if err := putJSON(idemB, idemKey(r.UserID, r.Key), r); err != nil {
+				return err
+			}
+		}
+		cmd = nc
+		return nil
+	})
+	if err != nil {
+		return Command{}, false, err
+	}
+	// cmd may share Payload and Result with the copies made above; hand the
+	// caller slices of its own.
+	cmd.Payload = cloneRaw(cmd.Payload)
+	cmd.Result = cloneRaw(cmd.Result)
+	return cmd, replay, nil
+}
+
+// Command returns the command with the id, or ErrNotFound.
+func (db *DB) Command(ctx context.Context, id string) (Command, error) {
+	var c Command
+	if err := db.get(bucketCommands, []byte(id), &c); err != nil {
+		return Command{}, err
+	}
+	return c, nil
+}
+
+// UpdateCommand changes a command through fn and stores it with UpdatedAt
+// set to now, keeping the indexes of open commands true. fn gets a copy to
+// change; its ID, DeviceID and CreatedAt are kept whatever fn does. When fn
+// returns an error nothing is written and UpdateCommand returns it. A
+// command already final is not passed to fn: UpdateCommand returns it with
+// ErrFinal.
+//
+// fn runs inside the write transaction (grouped with others, bbolt Batch)
+// and may run more than once: it must only change the command it is given,
+// and must not call the store.
+func (db *DB) UpdateCommand(ctx context.Context, id string, fn func(*Command) error) (Command, error) {
+	if id == "" {
+		return Command{}, ErrNotFound
+	}
+	var (
+		out   Command
+		final bool
+	)
+	err := db.batch(func(tx *bolt.Tx) error {
+		out, final = Command{}, false
+		cmds := tx.Bucket(bucketCommands)
+		var nc Command
+		ok, err := getJSON(cmds, []byte(id), &nc)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return abort(ErrNotFound)
+		}
+		if IsFinal(nc.State) {
+			out, final = nc, true
+			return nil
+		}
+		cmdID, deviceID, createdAt := nc.ID, nc.DeviceID, nc.CreatedAt
+		if err := fn(&nc); err != nil {
+			return abort(err)
+		}
+		nc.ID, nc.DeviceID, nc.CreatedAt = cmdID, deviceID, createdAt
+		nc.UpdatedAt = db.now()
+		if err := putJSON(cmds, []byte(id), nc); err != nil {
+			return err
+		}
+		if IsFinal(nc.State) {
+			if err := tx.Bucket(bucketOpen).Delete([]byte(id)); err != nil {
+				return err
+			}
+			if err := tx.Bucket(bucketDeviceOpen).Delete(key(nc.DeviceID, id)); err != nil {
+				return err
+			}
+		}
+		out = nc
+		return nil
+	})
+	if err != nil {
+		return Command{}, err
+	}
+	if final {
+		return out, ErrFinal
+	}
+	return out, nil
+}
+
+// ListCommands returns the device's commands newest first, only those in
+// state unless it is "", starting below the id `before` ("" starts at the
+// newest), at most limit of them (limit <= 0: all). A `before` that is not
+// a command id is ErrInvalidCursor.
+func (db *DB) ListCommands(ctx context.Context, deviceID, state, before string, limit int) ([]Command, error) {
+	if before != "" && !validCommandID(before) {
+		return nil, ErrInvalidCursor
+	}
+	out := []Command{}
+	if !validID(deviceID) {
+		return out, nil
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		cmds := tx.Bucket(bucketCommands)
+		p := prefix(deviceID)
+		c := tx.Bucket(bucketDeviceCmds).Cursor()
+		// Position on the first key past the range, then walk back.
+		var k []byte
+		if before == "" {
+			k, _ = c.Seek(prefixEnd(p))
+		} else {
+			k, _ = c.Seek(key(deviceID, before))
+		}
+		if k == nil {
+			k, _ = c.Last()
+		} else {
+			k, _ = c.Prev()
+		}
+		for ; k != nil && bytes.HasPrefix(k, p); k, _ = c.Prev() {
+			if limit > 0 && len(out) >= limit {
+				break
+			}
+			var cmd Command
+			ok, err := getJSON(cmds, k[len(p):], &cmd)
+			if err != nil {
+				return err
+			}
+			if ok && (state == "" || cmd.State == state) {
+				out = append(out, cmd)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// OpenCommands returns the non-final commands whose state is one of states
+// (every non-final command when none is given), oldest first.
+func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]Command, error) {
+	out := []Command{}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		cmds := tx.Bucket(bucketCommands)
+		c := tx.Bucket(bucketOpen).Cursor()
+		for k, _ := c.First(); k != nil; k, _ = c.Next() {
+			var cmd Command
+			ok, err := getJSON(cmds, k, &cmd)
+			if err != nil {
+				return err
+			}
+			if ok && (len(states) == 0 || slices.Contains(states, cmd.State)) {
+				out = append(out, cmd)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// CountOpen returns how many non-final commands the device has.
+func (db *DB) CountOpen(ctx context.Context, deviceID string) (int, error) {
+	if !validID(deviceID) {
+		return 0, nil
+	}
+	var n int
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		n = countPrefix(tx.Bucket(bucketDeviceOpen), prefix(deviceID), 0)
+		return nil
+	})
+	return n, err
+}
+
+// countPrefix counts the keys of b starting with p, stopping at max when
+// max > 0.
+func countPrefix(b *bolt.Bucket, p []byte, max int) int {
+	n := 0
+	scanPrefix(b, p, func([]byte) bool {
+		n++
+		return max <= 0 || n < max
+	})
+	return n
+}
+
+// prefixEnd returns the smallest key greater than every key starting with
+// p. Our prefixes end in NUL, so incrementing that byte is enough.
+func prefixEnd(p []byte) []byte {
+	end := bytes.Clone(p)
+	end[len(end)-1]++
+	return end
+}
+
+// validCommandID reports whether s is a command id as CreateCommand makes
+// them: a UUID in its canonical lower-case form.
+func validCommandID(s string) bool {
+	u, err := uuid.Parse(s)
+	return err == nil && u.String() == s
+}

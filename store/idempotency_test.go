@@ -1,0 +1,71 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"testing"
+	"time"
+)
+
+func TestIdempotencyRecords(t *testing.T) {
+	ctx := context.Background()
+	clock := newFakeClock()
+	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
+	rec := Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("req"), Status: 201, Body: []byte(`{"ok":true}`), Location: "/x"}
+
+	_, err := db.Idempotency(ctx, "u1", "k1")
+	wantErr(t, "Idempotency(absent)", err, ErrNotFound)
+	mustNil(t, "PutIdempotency", db.PutIdempotency(ctx, rec))
+	wantErr(t, "PutIdempotency(live)", db.PutIdempotency(ctx, rec), ErrExists)
+	wantErr(t, "PutIdempotency(no key)", db.PutIdempotency(ctx, Idempotency{UserID: "u1"}), ErrInvalid)
+
+	got, err := db.Idempotency(ctx, "u1", "k1")
+	if err != nil || got.Status != 201 || !bytes.Equal(got.Body, rec.Body) || got.Location != "/x" ||
+		!bytes.Equal(got.RequestHash, rec.RequestHash) || !got.CreatedAt.Equal(clock.Now()) {
+		t.Errorf("Idempotency(u1, k1) = %+v, %v", got, err)
+	}
+	_, err = db.Idempotency(ctx, "u2", "k1")
+	wantErr(t, "Idempotency(other user)", err, ErrNotFound)
+
+	steps := []struct {
+		advance time.Duration
+		want    error
+	}{
+		{23*time.Hour + 59*time.Minute, nil},
+		{time.Minute, ErrNotFound}, // exactly 24 hours old
+	}
+	for _, st := range steps {
+		clock.Advance(st.advance)
+		_, err := db.Idempotency(ctx, "u1", "k1")
+		wantErr(t, "Idempotency after "+st.advance.String(), err, st.want)
+	}
+	// An expired record is replaced.
+	rec.Status = 200
+	mustNil(t, "PutIdempotency(over expired)", db.PutIdempotency(ctx, rec))
+	if got, _ := db.Idempotency(ctx, "u1", "k1"); got.Status != 200 {
+		t.Errorf("Idempotency after replace = %+v", got)
+	}
+}
+
+func TestPurgeIdempotency(t *testing.T) {
+	ctx := context.Background()
+	clock := newFakeClock()
+	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
+	t0 := clock.Now()
+	for i, key := range []string{"a", "b", "c", "d", "e"} {
+		mustNil(t, "PutIdempotency", db.PutIdempotency(ctx, Idempotency{
+			UserID: "u1", Key: key, CreatedAt: t0.Add(time.Duration(i) * time.Hour),
+		}))
+	}
+	n, err := db.PurgeIdempotency(ctx, t0.Add(3*time.Hour))
+	if err != nil || n != 3 {
+		t.Errorf("PurgeIdempotency = %d, %v; want 3", n, err)
+	}
+	for key, want := range map[string]error{"a": ErrNotFound, "b": ErrNotFound, "c": ErrNotFound, "d": nil, "e": nil} {
+		_, err := db.Idempotency(ctx, "u1", key)
+		wantErr(t, "Idempotency("+key+")", err, want)
+	}
+	if n, err := db.PurgeIdempotency(ctx, t0); err != nil || n != 0 {
+		t.Errorf("PurgeIdempotency again = %d, %v; want 0", n, err)
+	}
+}

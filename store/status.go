@@ -1,0 +1,258 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// newer reports whether a report with seq and at replaces one with
+// storedSeq and storedAt: a higher seq wins, and an equal seq with a later
+// time. Bridges use a nanosecond clock as seq, so it rises across their
+// restarts; a report that arrives late never overwrites a fresher one.
+func newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time) bool {
+	return seq > storedSeq || (seq == storedSeq && at.After(storedAt))
+}
+
+// Status returns the device's last reported status. A device that never
+// reported gets the zero Status with DeviceID set, and no error.
+func (db *DB) Status(ctx context.Context, deviceID string) (Status, error) {
+	s := Status{DeviceID: deviceID}
+	if !validID(deviceID) {
+		return s, nil
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		_, err := getJSON(tx.Bucket(bucketStatus), []byte(deviceID), &s)
+		return err
+	})
+	if err != nil {
+		return Status{}, err
+	}
+	return s, nil
+}
+
+// PutStatus stores s when it is newer than the stored status (higher Seq,
+// or equal Seq and later LastSeen; see newer) and reports whether it did.
+// UpdatedAt is set to now. The index from bridge to devices follows the
+// device when its bridge changes.
+func (db *DB) PutStatus(ctx context.Context, s Status) (bool, error) {
+	if !validID(s.DeviceID) || (s.BridgeID != "" && !validID(s.BridgeID)) {
+		return false, fmt.Errorf("%w: status needs a device id", ErrInvalid)
+	}
+	var applied bool
+	err := db.batch(func(tx *bolt.Tx) error {
+		applied = false
+		statuses := tx.Bucket(bucketStatus)
+		var old Status
+		found, err := getJSON(statuses, []byte(s.DeviceID), &old)
+		if err != nil {
+			return err
+		}
+		if found && !newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen) {
+			return nil
+		}
+		ns := s
+		ns.UpdatedAt = db.now()
+		if err := putJSON(statuses, []byte(ns.DeviceID), ns); err != nil {
+			return err
+		}
+		if !found || old.BridgeID != ns.BridgeID {
+			idx := tx.Bucket(bucketBridgeDevices)
+			if found && old.BridgeID != "" {
+				if err := idx.Delete(key(old.BridgeID, ns.DeviceID)); err != nil {
+					return err
+				}
+			}
+			if ns.BridgeID != "" {
+				if err := idx.Put(key(ns.BridgeID, ns.DeviceID), nil); err != nil {
+					return err
+				}
+			}
+		}
+		applied = true
+		return nil
+	})
+	return applied, err
+}
+
+// MarkBridgeOffline marks offline every device whose current status names
+// the bridge, as when the bridge's MQTT Will fires, and returns their ids
+// in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
+// bridge's next report applies as usual.
+func (db *DB) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error) {
+	if !validID(bridgeID) {
+		return []string{}, nil
+	}
+	var ids []string
+	err := db.batch(func(tx *bolt.Tx) error {
+		ids = []string{}
+		var devices [][]byte
+		scanPrefix(tx.Bucket(bucketBridgeDevices), prefix(bridgeID), func(rest []byte) bool {
+			devices = append(devices, bytes.Clone(rest))
+			return true
+		})
+		statuses := tx.Bucket(bucketStatus)
+		now := db.now()
+		for _, dev := range devices {
+			var s Status
+			ok, err := getJSON(statuses, dev, &s)
+			if err != nil {
+				return err
+			}
+			if !ok || s.BridgeID != bridgeID {
+				continue
+			}
+			s.Online = false
+			s.UpdatedAt = now
+			if err := putJSON(statuses, dev, s); err != nil {
+				return err
+			}
+			ids = append(ids, s.DeviceID)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return ids, nil
+}
+
+// Settings returns the device's settings. A device with none gets the zero
+// value with DeviceID set and empty (non-nil) maps.
+func (db *DB) Settings(ctx context.Context, deviceID string) (Settings, error) {
+	s := Settings{DeviceID: deviceID}
+	if validID(deviceID) {
+		err := db.bolt.View(func(tx *bolt.Tx) error {
+			_, err := getJSON(tx.Bucket(bucketSettings), []byte(deviceID), &s)
+			return err
+		})
+		if err != nil {
+			return Settings{}, err
+		}
+	}
+	fillMaps(&s)
+	return s, nil
+}
+
+// fillMaps makes the maps of s non-nil.
+func fillMaps(s *Settings) {
+	if s.Reported == nil {
+		s.Reported = map[string]json.RawMessage{}
+	}
+	if s.Desired == nil {
+		s.Desired = map[string]json.RawMessage{}
+	}
+}
+
+// PutReportedSettings stores the settings a device reported when the
+// report is newer than the stored one (same rule as PutStatus), and
+// reports whether it did. reported replaces the stored set; schema
+// replaces the stored schema unless it is empty. Each desired key whose
+// value the device now reports is dropped: it is no longer pending.
+func (db *DB) PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error) {
+	if !validID(deviceID) {
+		return false, fmt.Errorf("%w: settings need a device id", ErrInvalid)
+	}
+	rep := make(map[string]json.RawMessage, len(reported))
+	for k, v := range reported {
+		c, err := compact(v)
+		if err != nil {
+			return false, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err)
+		}
+		rep[k] = c
+	}
+	var sch json.RawMessage
+	if len(schema) > 0 {
+		c, err := compact(schema)
+		if err != nil {
+			return false, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err)
+		}
+		sch = c
+	}
+	var applied bool
+	err := db.batch(func(tx *bolt.Tx) error {
+		applied = false
+		b := tx.Bucket(bucketSettings)
+		s := Settings{DeviceID: deviceID}
+		found, err := getJSON(b, []byte(deviceID), &s)
+		if err != nil {
+			return err
+		}
+		if found && !newer(seq, at, s.Seq, s.At) {
+			return nil
+		}
+		fillMaps(&s)
+		s.Reported = maps.Clone(rep)
+		if sch != nil {
+			s.Schema = sch
+		}
+		for k, want := range s.Desired {
+			if got, ok := rep[k]; ok && jsonEqual(got, want) {
+				delete(s.Desired, k)
+			}
+		}
+		s.At, s.Seq, s.UpdatedAt = at, seq, db.now()
+		if err := putJSON(b, []byte(deviceID), s); err != nil {
+			return err
+		}
+		applied = true
+		return nil
+	})
+	return applied, err
+}
+
+// MergeDesiredSettings records values the user asked for: each key of
+// partial replaces the desired value of that key. Values are stored as
+// compacted JSON; validating them against the schema is the caller's job.
+func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error {
+	if !validID(deviceID) {
+		return fmt.Errorf("%w: settings need a device id", ErrInvalid)
+	}
+	want := make(map[string]json.RawMessage, len(partial))
+	for _, k := range slices.Sorted(maps.Keys(partial)) {
+		c, err := compact(partial[k])
+		if err != nil {
+			return fmt.Errorf("%w: desired setting %q: %v", ErrInvalid, k, err)
+		}
+		want[k] = c
+	}
+	return db.batch(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketSettings)
+		s := Settings{DeviceID: deviceID}
+		if _, err := getJSON(b, []byte(deviceID), &s); err != nil {
+			return err
+		}
+		fillMaps(&s)
+		maps.Copy(s.Desired, want)
+		s.UpdatedAt = db.now()
+		return putJSON(b, []byte(deviceID), s)
+	})
+}
+
+// compact returns v without insignificant white space, in a new slice.
+func compact(v json.RawMessage) (json.RawMessage, error) {
+	var buf bytes.Buffer
+	if err := json.Compact(&buf, v); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
+}
+
+// jsonEqual compares two JSON values by their compacted text.
+func jsonEqual(a, b json.RawMessage) bool {
+	ca, err := compact(a)
+	if err != nil {
+		return false
+	}
+	cb, err := compact(b)
+	if err != nil {
+		return false
+	}
+	return bytes.Equal(ca, cb)
+}

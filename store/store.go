@@ -1,0 +1,299 @@
+package store
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// ErrInvalid is returned when an argument cannot be stored as given: an
+// empty id, an id containing a NUL byte, or a version that is not a
+// semantic version. Callers validate input before it reaches the store, so
+// this error points at a bug in the caller.
+var ErrInvalid = errors.New("store: invalid argument")
+
+// SchemaVersion is the layout of the bbolt file this code reads and
+// writes. Open migrates older files up to it and refuses newer ones.
+const SchemaVersion = 1
+
+// Bucket names. Index buckets hold keys only (empty values) unless said
+// otherwise; composite keys join their parts with a NUL byte, which no id
+// may contain, so a part followed by NUL is a prefix for a cursor scan.
+var (
+	bucketMeta          = []byte("meta")
+	bucketUsers         = []byte("users")          // user id → User
+	bucketUserTokens    = []byte("user_tokens")    // token hash → user id
+	bucketDevices       = []byte("devices")        // device id → RegistryDevice
+	bucketBridges       = []byte("bridges")        // bridge id → Bridge
+	bucketBridgeSecrets = []byte("bridge_secrets") // secret hash → bridge id
+	bucketBindings      = []byte("bindings")       // device id → Binding
+	bucketUserBindings  = []byte("user_bindings")  // user id, device id
+	bucketStatus        = []byte("status")         // device id → Status
+	bucketBridgeDevices = []byte("bridge_devices") // bridge id, device id
+	bucketSettings      = []byte("settings")       // device id → Settings
+	bucketCommands      = []byte("commands")       // command id → Command
+	bucketDeviceCmds    = []byte("device_cmds")    // device id, command id
+	bucketOpen          = []byte("open")           // command id → device id, non-final only
+	bucketDeviceOpen    = []byte("device_open")    // device id, command id, non-final only
+	bucketIdempotency   = []byte("idempotency")    // user id, key → Idempotency
+	bucketFirmware      = []byte("firmware")       // model, version → Firmware
+	bucketApps          = []byte("apps")           // app id, version → AppRelease
+	bucketBlobs         = []byte("blobs")          // sha256 hex → Blob
+
+	keySchemaVersion = []byte("schema_version")
+)
+
+// allBuckets is every bucket of schema version 1.
+var allBuckets = [][]byte{
+	bucketMeta, bucketUsers, bucketUserTokens, bucketDevices, bucketBridges,
+	bucketBridgeSecrets, bucketBindings, bucketUserBindings, bucketStatus,
+	bucketBridgeDevices, bucketSettings, bucketCommands, bucketDeviceCmds,
+	bucketOpen, bucketDeviceOpen, bucketIdempotency, bucketFirmware,
+	bucketApps, bucketBlobs,
+}
+
+// migrations[v] takes a file from schema version v to v+1. A file with no
+// meta bucket is version 0 (new or empty).
+var migrations = []func(tx *bolt.Tx) error{
+	0: func(tx *bolt.Tx) error {
+		for _, name := range allBuckets {
+			if _, err := tx.CreateBucketIfNotExists(name); err != nil {
+				return fmt.Errorf("create bucket %s: %w", name, err)
+			}
+		}
+		return nil
+	},
+}
+
+// Options configures Open. The zero value gives the defaults.
+type Options struct {
+	// Now is the clock; time.Now when nil. Tests inject their own.
+	Now func() time.Time
+	// Logger receives the store's few log lines; slog.Default() when nil.
+	Logger *slog.Logger
+	// BlobDir holds blob files; "blobs" beside the bbolt file when empty.
+	BlobDir string
+	// Timeout bounds the wait for the bbolt file lock, so that a second
+	// process gets an error rather than hanging; 5s when zero.
+	Timeout time.Duration
+}
+
+// DB is the service's store: one bbolt file and a directory of blobs.
+// It is safe for concurrent use.
+type DB struct {
+	bolt    *bolt.DB
+	path    string
+	blobDir string
+	now     func() time.Time
+	log     *slog.Logger
+}
+
+// Open opens or creates the bbolt file at path, creating its directory
+// (mode 0700) and the blob directory, and migrates the file to
+// SchemaVersion. It returns ErrSchemaTooNew for a file written by a newer
+// version of the store.
+func Open(path string, opts Options) (*DB, error) {
+	if path == "" {
+		return nil, fmt.Errorf("%w: empty path", ErrInvalid)
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.BlobDir == "" {
+		opts.BlobDir = filepath.Join(filepath.Dir(path), "blobs")
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 5 * time.Second
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return nil, fmt.Errorf("store: %w", err)
+	}
+	if err := os.MkdirAll(opts.BlobDir, 0o700); err != nil {
+		return nil, fmt.Errorf("store: %w", err)
+	}
+	bdb, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: opts.Timeout})
+	if err != nil {
+		return nil, fmt.Errorf("store: open %s: %w", path, err)
+	}
+	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger}
+	if err := db.migrate(); err != nil {
+		_ = bdb.Close()
+		return nil, err
+	}
+	// We hold the file lock, so no other store uses this blob directory:
+	// temp files left there are from a crash.
+	db.removeStaleTemps()
+	return db, nil
+}
+
+// migrate takes the file from its stored schema version to SchemaVersion
+// in one transaction, one step at a time.
+func (db *DB) migrate() error {
+	return db.bolt.Update(func(tx *bolt.Tx) error {
+		from, err := schemaVersion(tx)
+		if err != nil {
+			return err
+		}
+		if from > SchemaVersion {
+			return fmt.Errorf("%w: file has schema %d, this build knows %d", ErrSchemaTooNew, from, SchemaVersion)
+		}
+		for v := from; v < SchemaVersion; v++ {
+			if err := migrations[v](tx); err != nil {
+				return fmt.Errorf("store: migrate schema %d to %d: %w", v, v+1, err)
+			}
+		}
+		if from == SchemaVersion {
+			return nil
+		}
+		if err := tx.Bucket(bucketMeta).Put(keySchemaVersion, []byte(strconv.Itoa(SchemaVersion))); err != nil {
+			return err
+		}
+		db.log.Info("store: schema migrated", "path", db.path, "from", from, "to", SchemaVersion)
+		return nil
+	})
+}
+
+// schemaVersion reads the stored schema version; 0 for a file without one.
+func schemaVersion(tx *bolt.Tx) (int, error) {
+	meta := tx.Bucket(bucketMeta)
+	if meta == nil {
+		return 0, nil
+	}
+	raw := meta.Get(keySchemaVersion)
+	if raw == nil {
+		return 0, nil
+	}
+	v, err := strconv.Atoi(string(raw))
+	if err != nil || v < 0 {
+		return 0, fmt.Errorf("store: bad schema version %q", raw)
+	}
+	return v, nil
+}
+
+// Close closes the bbolt file. Calls made after Close fail.
+func (db *DB) Close() error {
+	return db.bolt.Close()
+}
+
+// Path returns the path of the bbolt file.
+func (db *DB) Path() string {
+	return db.path
+}
+
+// BlobDir returns the directory holding blob files.
+func (db *DB) BlobDir() string {
+	return db.blobDir
+}
+
+// softError carries an error found by a Batch callback before it wrote
+// anything. See batch.
+type softError struct{ err error }
+
+func (e softError) Error() string { return e.err.Error() }
+
+// abort marks err as found before the callback wrote anything.
+func abort(err error) error { return softError{err} }
+
+// batch runs fn through bolt's Batch, which groups concurrent writers into
+// one transaction and one fsync. A callback that returns an error makes
+// bolt roll back the whole group and run it again without that callback.
+// Expected refusals (not found, queue full, …) are common and found before
+// any write, so fn returns them wrapped by abort: batch then commits the
+// group as usual and hands the error to its caller alone. fn may run more
+// than once; it must reset whatever it reports on each run.
+func (db *DB) batch(fn func(tx *bolt.Tx) error) error {
+	var soft error
+	err := db.bolt.Batch(func(tx *bolt.Tx) error {
+		soft = nil
+		err := fn(tx)
+		var se softError
+		if errors.As(err, &se) {
+			soft = se.err
+			return nil
+		}
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	return soft
+}
+
+// update runs fn in a write transaction of its own, for the rare writes
+// that gain nothing from grouping. Errors wrapped by abort are unwrapped.
+func (db *DB) update(fn func(tx *bolt.Tx) error) error {
+	err := db.bolt.Update(fn)
+	var se softError
+	if errors.As(err, &se) {
+		return se.err
+	}
+	return err
+}
+
+// key joins parts with NUL bytes into a bbolt key.
+func key(parts ...string) []byte {
+	return []byte(strings.Join(parts, "\x00"))
+}
+
+// prefix is the key prefix of every composite key whose first part is p.
+func prefix(p string) []byte {
+	return []byte(p + "\x00")
+}
+
+// validID reports whether s can be a part of a key.
+func validID(s string) bool {
+	return s != "" && !strings.ContainsRune(s, 0)
+}
+
+// getJSON decodes the value at k into v; false when absent. Decoding
+// copies, so v outlives the transaction.
+func getJSON(b *bolt.Bucket, k []byte, v any) (bool, error) {
+	raw := b.Get(k)
+	if raw == nil {
+		return false, nil
+	}
+	if err := json.Unmarshal(raw, v); err != nil {
+		return false, fmt.Errorf("store: decode %q: %w", k, err)
+	}
+	return true, nil
+}
+
+// putJSON encodes v and stores it at k.
+func putJSON(b *bolt.Bucket, k []byte, v any) error {
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("store: encode %q: %w", k, err)
+	}
+	return b.Put(k, raw)
+}
+
+// scanPrefix calls fn with the rest of every key in b that starts with p,
+// in key order, until fn returns false.
+func scanPrefix(b *bolt.Bucket, p []byte, fn func(rest []byte) bool) {
+	c := b.Cursor()
+	for k, _ := c.Seek(p); k != nil && bytes.HasPrefix(k, p); k, _ = c.Next() {
+		if !fn(k[len(p):]) {
+			return
+		}
+	}
+}
+
+// cloneRaw copies a JSON value, keeping nil as nil.
+func cloneRaw(m json.RawMessage) json.RawMessage {
+	if m == nil {
+		return nil
+	}
+	return bytes.Clone(m)
+}
