@@ -109,7 +109,7 @@ type fakeBridge struct {
 func connectBridge(t *testing.T, e *env) *fakeBridge {
 	t.Helper()
 	fb := &fakeBridge{commands: make(chan topics.Command, 1000)}
-	o := mqtt.NewClientOptions().AddBroker("tcp://"+e.mqtt.Addr()).SetClientID("b1").
+	o := mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("b1").
 		SetUsername("b1").SetPassword("secret").SetCleanSession(false).
 		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) {
 			c, err := topics.ParseCommand(m.Payload())

@@ -204,7 +204,9 @@ func (t Tree) BridgeState(bridgeID string) (string, error) {
 func (t Tree) DeviceFilter(deviceID string) (string, error) { return t.device(deviceID, "#") }
 
 // CommandsFilter matches every command topic of one device.
-func (t Tree) CommandsFilter(deviceID string) (string, error) { return t.device(deviceID, "commands/+") }
+func (t Tree) CommandsFilter(deviceID string) (string, error) {
+	return t.device(deviceID, "commands/+")
+}
 
 // AllReplies matches the replies topics of every device.
 func (t Tree) AllReplies() string { return t.prefix + "/devices/+/replies" }
