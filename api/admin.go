@@ -1,0 +1,303 @@
+package api
+
+import (
+	"crypto/sha256"
+	"errors"
+	"io"
+	"net/http"
+	"sort"
+	"time"
+
+	"github.com/gin-gonic/gin"
+	"github.com/google/uuid"
+
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+type createUserRequest struct {
+	Name string `json:"name"`
+}
+
+type userJSON struct {
+	UserID string `json:"user_id"`
+	Name   string `json:"name"`
+	Token  string `json:"token,omitempty"`
+}
+
+func (s *Server) adminCreateUser(c *gin.Context) error {
+	var req createUserRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	rec, replayed, err := s.beginIdempotent(c, adminUserID, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	if len(fields) == 0 {
+		fields = checkName("name", req.Name)
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	token, hash, err := newSecret(userTokenPrefix)
+	if err != nil {
+		return err
+	}
+	u := store.User{ID: uuid.NewString(), Name: req.Name, TokenHash: hash, CreatedAt: s.now()}
+	if err := s.store.CreateUser(c.Request.Context(), u); err != nil {
+		return err
+	}
+	// A repeat gets the answer without the token: it is stored nowhere.
+	out := userJSON{UserID: u.ID, Name: u.Name, Token: token}
+	return s.reply(c, http.StatusCreated, out, "", rec, userJSON{UserID: u.ID, Name: u.Name})
+}
+
+type provisionRequest struct {
+	DeviceID  string `json:"device_id"`
+	ClaimCode string `json:"claim_code"`
+	Model     string `json:"model"`
+}
+
+func (s *Server) adminProvisionDevice(c *gin.Context) error {
+	var req provisionRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	rec, replayed, err := s.beginIdempotent(c, adminUserID, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	if !topics.ValidDeviceID(req.DeviceID) {
+		fields = append(fields, FieldError{Field: "device_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
+	}
+	if req.ClaimCode == "" || len(req.ClaimCode) > maxClaimCodeBytes {
+		fields = append(fields, FieldError{Field: "claim_code", Message: "must be 1 to 256 bytes"})
+	}
+	if !topics.ValidDeviceID(req.Model) {
+		fields = append(fields, FieldError{Field: "model", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	claim := sha256.Sum256([]byte(req.ClaimCode))
+	d := store.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: claim[:], CreatedAt: s.now()}
+	err = s.store.ProvisionDevice(c.Request.Context(), d)
+	switch {
+	case errors.Is(err, store.ErrExists):
+		return &Error{Code: CodeDeviceExists}
+	case err != nil:
+		return err
+	}
+	return s.reply(c, http.StatusCreated, gin.H{"device_id": d.ID, "model": d.Model}, "", rec, nil)
+}
+
+type createBridgeRequest struct {
+	BridgeID string `json:"bridge_id"`
+}
+
+type bridgeJSON struct {
+	BridgeID string `json:"bridge_id"`
+	Secret   string `json:"secret,omitempty"`
+}
+
+func (s *Server) adminCreateBridge(c *gin.Context) error {
+	var req createBridgeRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	rec, replayed, err := s.beginIdempotent(c, adminUserID, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	if !topics.ValidBridgeID(req.BridgeID) {
+		fields = append(fields, FieldError{Field: "bridge_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	secret, hash, err := newSecret(bridgeSecretPrefix)
+	if err != nil {
+		return err
+	}
+	err = s.store.CreateBridge(c.Request.Context(), store.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now()})
+	switch {
+	case errors.Is(err, store.ErrExists):
+		return &Error{Code: CodeBridgeExists}
+	case err != nil:
+		return err
+	}
+	// A repeat gets the answer without the secret: it is stored nowhere.
+	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, bridgeJSON{BridgeID: req.BridgeID})
+}
+
+// upload streams a raw body of at most limit bytes into a blob. Its
+// Idempotency-Key covers method, path and the content's SHA-256.
+func (s *Server) upload(c *gin.Context, limit int64) (blob store.Blob, rec *store.Idempotency, replayed bool, err error) {
+	if _, err := idempotencyKey(c); err != nil {
+		return blob, nil, false, err
+	}
+	r := c.Request
+	if r.ContentLength > limit {
+		return blob, nil, false, errTooLarge
+	}
+	if r.ContentLength == 0 || r.Body == nil || r.Body == http.NoBody {
+		return blob, nil, false, invalid("body", "must not be empty")
+	}
+	blob, err = s.store.PutBlob(r.Context(), http.MaxBytesReader(c.Writer, r.Body, limit+1), limit)
+	var tooLarge *http.MaxBytesError
+	switch {
+	case errors.Is(err, store.ErrTooLarge), errors.As(err, &tooLarge):
+		return blob, nil, false, errTooLarge
+	case err != nil:
+		return blob, nil, false, err
+	case blob.Size == 0:
+		return blob, nil, false, invalid("body", "must not be empty")
+	}
+	rec, replayed, err = s.beginIdempotent(c, adminUserID, []byte("sha256:"+blob.SHA256))
+	return blob, rec, replayed, err
+}
+
+// releaseJSON is the answer to a firmware or app upload.
+type releaseJSON struct {
+	Model   string `json:"model,omitempty"`
+	AppID   string `json:"app_id,omitempty"`
+	Version string `json:"version"`
+	SHA256  string `json:"sha256"`
+	Size    int64  `json:"size"`
+}
+
+func (s *Server) adminPutFirmware(c *gin.Context) error {
+	model, version := c.Param("model"), c.Param("version")
+	if !topics.ValidDeviceID(model) {
+		return errNotFound
+	}
+	if !topics.ValidVersion(version) {
+		return invalid("version", "must be a semantic version such as 1.2.3")
+	}
+	blob, rec, replayed, err := s.upload(c, s.limits.MaxFirmwareBytes)
+	if err != nil || replayed {
+		return err
+	}
+	ctx := c.Request.Context()
+	fw := store.Firmware{Model: model, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
+	status := http.StatusCreated
+	if err := s.store.PutFirmware(ctx, fw); errors.Is(err, store.ErrExists) {
+		old, err := s.store.Firmware(ctx, model, version)
+		if err != nil {
+			return err
+		}
+		if old.SHA256 != fw.SHA256 {
+			return &Error{Code: CodeFirmwareExists, Detail: "firmware " + model + " " + version + " is already published with other content"}
+		}
+		status = http.StatusOK // the same content again: nothing to do
+	} else if err != nil {
+		return err
+	}
+	return s.reply(c, status, releaseJSON{Model: model, Version: version, SHA256: fw.SHA256, Size: fw.Size}, "", rec, nil)
+}
+
+func (s *Server) adminPutApp(c *gin.Context) error {
+	appID, version := c.Param("app_id"), c.Param("version")
+	if !topics.ValidAppID(appID) {
+		return errNotFound
+	}
+	if !topics.ValidVersion(version) {
+		return invalid("version", "must be a semantic version such as 1.2.3")
+	}
+	blob, rec, replayed, err := s.upload(c, s.limits.MaxAppBytes)
+	if err != nil || replayed {
+		return err
+	}
+	ctx := c.Request.Context()
+	rel := store.AppRelease{AppID: appID, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
+	status := http.StatusCreated
+	if err := s.store.PutAppRelease(ctx, rel); errors.Is(err, store.ErrExists) {
+		old, err := s.store.AppRelease(ctx, appID, version)
+		if err != nil {
+			return err
+		}
+		if old.SHA256 != rel.SHA256 {
+			return &Error{Code: CodeAppReleaseExists, Detail: "app " + appID + " " + version + " is already published with other content"}
+		}
+		status = http.StatusOK
+	} else if err != nil {
+		return err
+	}
+	return s.reply(c, status, releaseJSON{AppID: appID, Version: version, SHA256: rel.SHA256, Size: rel.Size}, "", rec, nil)
+}
+
+// catalogJSON is one app of the catalog: its latest release and every
+// version published.
+type catalogJSON struct {
+	AppID     string     `json:"app_id"`
+	Version   string     `json:"version"`
+	SHA256    string     `json:"sha256"`
+	Size      int64      `json:"size"`
+	CreatedAt *time.Time `json:"created_at"`
+	Versions  []string   `json:"versions"`
+}
+
+func (s *Server) appCatalog(c *gin.Context) error {
+	ctx := c.Request.Context()
+	latest, err := s.store.LatestApps(ctx)
+	if err != nil {
+		return err
+	}
+	apps := make([]catalogJSON, 0, len(latest))
+	for _, l := range latest {
+		rels, err := s.store.AppReleases(ctx, l.AppID)
+		if err != nil {
+			return err
+		}
+		versions := make([]string, 0, len(rels))
+		for _, r := range rels {
+			versions = append(versions, r.Version)
+		}
+		sort.SliceStable(versions, func(i, j int) bool { return topics.CompareVersions(versions[i], versions[j]) < 0 })
+		apps = append(apps, catalogJSON{AppID: l.AppID, Version: l.Version, SHA256: l.SHA256, Size: l.Size, CreatedAt: timeOrNull(l.CreatedAt), Versions: versions})
+	}
+	sort.Slice(apps, func(i, j int) bool { return apps[i].AppID < apps[j].AppID })
+	return s.reply(c, http.StatusOK, gin.H{"apps": apps}, "", nil, nil)
+}
+
+func validSHA256(s string) bool {
+	if len(s) != 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if !(s[i] >= '0' && s[i] <= '9' || s[i] >= 'a' && s[i] <= 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// getBlob serves content by SHA-256, with Range support so that a broken
+// download resumes.
+func (s *Server) getBlob(c *gin.Context) error {
+	sha := c.Param("sha256")
+	if !validSHA256(sha) {
+		return &Error{Code: CodeBlobNotFound}
+	}
+	f, blob, err := s.store.OpenBlob(c.Request.Context(), sha)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return &Error{Code: CodeBlobNotFound}
+	case err != nil:
+		return err
+	}
+	defer f.Close()
+	h := c.Writer.Header()
+	h.Set("Content-Type", "application/octet-stream")
+	h.Set("ETag", `"`+blob.SHA256+`"`)
+	h.Set("Cache-Control", "private, max-age=31536000, immutable")
+	http.ServeContent(c.Writer, c.Request, "", blob.CreatedAt, io.ReadSeeker(f))
+	return nil
+}

@@ -1,0 +1,204 @@
+package api
+
+import (
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"errors"
+	"math"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/store"
+)
+
+// Prefixes of the secrets the API hands out, so that a leaked one is
+// recognisable for what it is.
+const (
+	userTokenPrefix    = "ctk_"
+	bridgeSecretPrefix = "cbs_"
+)
+
+// adminUserID scopes the admin's Idempotency-Key records; user ids are
+// UUIDs, so it cannot collide with one.
+const adminUserID = "admin"
+
+// Keys of what the auth middlewares leave in the gin context.
+const (
+	ctxUser      = "companion.user"
+	ctxPrincipal = "companion.principal" // the rate limiter's key
+)
+
+var errUnauthorized = &Error{Code: CodeUnauthorized}
+
+// newSecret returns a prefixed 256-bit random secret and its SHA-256.
+func newSecret(prefix string) (string, []byte, error) {
+	var b [32]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", nil, err
+	}
+	s := prefix + base64.RawURLEncoding.EncodeToString(b[:])
+	h := sha256.Sum256([]byte(s))
+	return s, h[:], nil
+}
+
+// bearer returns the SHA-256 of the request's bearer token, or nil when
+// there is none.
+func bearer(c *gin.Context) []byte {
+	scheme, tok, ok := strings.Cut(c.GetHeader("Authorization"), " ")
+	tok = strings.TrimSpace(tok)
+	if !ok || !strings.EqualFold(scheme, "Bearer") || tok == "" || len(tok) > 512 {
+		return nil
+	}
+	h := sha256.Sum256([]byte(tok))
+	return h[:]
+}
+
+func (s *Server) isAdmin(hash []byte) bool {
+	return s.adminHash != nil && hash != nil && subtle.ConstantTimeCompare(hash, s.adminHash) == 1
+}
+
+// userAuth admits a user's API token.
+func (s *Server) userAuth(c *gin.Context) {
+	hash := bearer(c)
+	if hash == nil {
+		s.fail(c, errUnauthorized)
+		return
+	}
+	u, err := s.store.UserByTokenHash(c.Request.Context(), hash)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		s.fail(c, errUnauthorized)
+		return
+	case err != nil:
+		s.fail(c, err)
+		return
+	case subtle.ConstantTimeCompare(u.TokenHash, hash) != 1:
+		s.fail(c, errUnauthorized)
+		return
+	}
+	c.Set(ctxUser, u)
+	c.Set(ctxPrincipal, "user:"+u.ID)
+	c.Next()
+}
+
+// adminAuth admits the admin token.
+func (s *Server) adminAuth(c *gin.Context) {
+	if !s.isAdmin(bearer(c)) {
+		s.fail(c, errUnauthorized)
+		return
+	}
+	c.Set(ctxPrincipal, "admin")
+	c.Next()
+}
+
+// blobAuth admits a bridge's secret, or the admin token.
+func (s *Server) blobAuth(c *gin.Context) {
+	hash := bearer(c)
+	if hash == nil {
+		s.fail(c, errUnauthorized)
+		return
+	}
+	if s.isAdmin(hash) {
+		c.Set(ctxPrincipal, "admin")
+		c.Next()
+		return
+	}
+	b, err := s.store.BridgeBySecretHash(c.Request.Context(), hash)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		s.fail(c, errUnauthorized)
+		return
+	case err != nil:
+		s.fail(c, err)
+		return
+	case subtle.ConstantTimeCompare(b.SecretHash, hash) != 1:
+		s.fail(c, errUnauthorized)
+		return
+	}
+	c.Set(ctxPrincipal, "bridge:"+b.ID)
+	c.Next()
+}
+
+// currentUser is the user userAuth admitted.
+func currentUser(c *gin.Context) store.User {
+	u, _ := c.Get(ctxUser)
+	user, _ := u.(store.User)
+	return user
+}
+
+// rateLimit applies the per-token request rate.
+func (s *Server) rateLimit(c *gin.Context) {
+	if ok, wait := s.rate.allow(c.GetString(ctxPrincipal), s.now()); !ok {
+		s.fail(c, &Error{Code: CodeRateLimited, RetryAfter: ceilSeconds(wait)})
+		return
+	}
+	c.Next()
+}
+
+func ceilSeconds(d time.Duration) int {
+	return int(math.Ceil(d.Seconds()))
+}
+
+// limiter is a token bucket per key. A negative rate admits everything.
+type limiter struct {
+	rate, burst float64
+
+	mu      sync.Mutex
+	buckets map[string]*bucket
+}
+
+type bucket struct {
+	tokens float64
+	last   time.Time
+}
+
+// maxBuckets bounds the limiter's memory: past it, full buckets (keys idle
+// long enough to have refilled) are dropped.
+const maxBuckets = 10000
+
+func newLimiter(rate, burst float64) *limiter {
+	return &limiter{rate: rate, burst: max(burst, 1), buckets: make(map[string]*bucket)}
+}
+
+// allow takes a token from key's bucket; when there is none it says how
+// long until there is.
+func (l *limiter) allow(key string, now time.Time) (bool, time.Duration) {
+	if l.rate < 0 {
+		return true, 0
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	b := l.buckets[key]
+	if b == nil {
+		if len(l.buckets) >= maxBuckets {
+			l.prune(now)
+		}
+		b = &bucket{tokens: l.burst, last: now}
+		l.buckets[key] = b
+	}
+	if el := now.Sub(b.last); el > 0 {
+		b.tokens = min(l.burst, b.tokens+el.Seconds()*l.rate)
+		b.last = now
+	}
+	if b.tokens >= 1 {
+		b.tokens--
+		return true, 0
+	}
+	if l.rate == 0 {
+		return false, time.Hour
+	}
+	return false, time.Duration((1 - b.tokens) / l.rate * float64(time.Second))
+}
+
+func (l *limiter) prune(now time.Time) {
+	for k, b := range l.buckets {
+		if b.tokens+now.Sub(b.last).Seconds()*l.rate >= l.burst {
+			delete(l.buckets, k)
+		}
+	}
+}

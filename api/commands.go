@@ -1,0 +1,710 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"image"
+	_ "image/jpeg" // DecodeConfig reads JPEG headers
+	_ "image/png"  // and PNG headers
+	"math"
+	"mime"
+	"net/http"
+	"reflect"
+	"strconv"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+func commandLocation(deviceID, commandID string) string {
+	return "/api/v1/devices/" + deviceID + "/commands/" + commandID
+}
+
+func blobRef(sha string, size int64) topics.Blob {
+	return topics.Blob{SHA256: sha, Size: size, URL: "/api/v1/blobs/" + sha}
+}
+
+// beginCommand handles the Idempotency-Key of a request that creates a
+// command. A repeat of the first request is answered with that request's
+// command as it is now (replayed = true); otherwise it returns the record
+// for Submit (nil without a key).
+func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *store.Idempotency, replayed bool, err error) {
+	key, err := idempotencyKey(c)
+	if err != nil || key == "" {
+		return nil, false, err
+	}
+	user := currentUser(c)
+	hash := requestHash(c.Request, body)
+	ctx := c.Request.Context()
+	old, err := s.store.Idempotency(ctx, user.ID, key)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return &store.Idempotency{UserID: user.ID, Key: key, RequestHash: hash, Status: http.StatusAccepted}, false, nil
+	case err != nil:
+		return nil, false, err
+	case !bytes.Equal(old.RequestHash, hash) || old.CommandID == "":
+		return nil, false, errIdemReused
+	}
+	cmd, err := s.store.Command(ctx, old.CommandID)
+	if err != nil {
+		return nil, false, fmt.Errorf("command %s of an idempotency record: %w", old.CommandID, err)
+	}
+	return nil, true, s.answerCommand(c, cmd, http.StatusAccepted, true)
+}
+
+// send hands a new command to the broker.
+func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *store.Idempotency) (store.Command, error) {
+	p, err := json.Marshal(payload)
+	if err != nil {
+		return store.Command{}, err
+	}
+	cmd := store.Command{
+		DeviceID:  deviceID,
+		UserID:    currentUser(c).ID,
+		Op:        op,
+		Payload:   p,
+		ExpiresAt: s.now().Add(ttl),
+	}
+	got, _, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
+	switch {
+	case errors.Is(err, store.ErrQueueFull):
+		return store.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
+	case errors.Is(err, store.ErrIdemConflict):
+		return store.Command{}, errIdemReused
+	case err != nil:
+		return store.Command{}, err
+	}
+	return got, nil
+}
+
+// submit hands a new command to the broker and answers it.
+func (s *Server) submit(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *store.Idempotency) error {
+	cmd, err := s.send(c, deviceID, op, payload, ttl, idem)
+	if err != nil {
+		return err
+	}
+	return s.answerCommand(c, cmd, http.StatusAccepted, true)
+}
+
+// answerCommand answers with the command, after holding the answer until
+// it is final when the request says Prefer: wait=N. A final command is a
+// 200 with Preference-Applied.
+func (s *Server) answerCommand(c *gin.Context, cmd store.Command, status int, withLocation bool) error {
+	n, wants := s.preferWait(c.Request)
+	if wants && n > 0 && !topics.Final(cmd.State) {
+		ctx, cancel := context.WithTimeout(c.Request.Context(), time.Duration(n)*time.Second)
+		got, err := s.cmds.Wait(ctx, cmd.ID)
+		timedOut := ctx.Err() != nil
+		cancel()
+		switch {
+		case err == nil:
+			cmd = got
+		case !timedOut || c.Request.Context().Err() != nil:
+			return err
+		}
+	}
+	if wants && topics.Final(cmd.State) {
+		status = http.StatusOK
+		c.Header("Preference-Applied", "wait="+strconv.Itoa(n))
+	}
+	loc := ""
+	if withLocation {
+		loc = commandLocation(cmd.DeviceID, cmd.ID)
+	}
+	return s.reply(c, status, toCommand(cmd), loc, nil, nil)
+}
+
+// ttl checks an optional ttl_seconds.
+func (s *Server) ttl(v *float64) (time.Duration, []FieldError) {
+	if v == nil {
+		return s.limits.DefaultTTL, nil
+	}
+	lo, hi := s.limits.MinTTL.Seconds(), s.limits.MaxTTL.Seconds()
+	switch {
+	case *v != math.Trunc(*v):
+		return 0, []FieldError{{Field: "ttl_seconds", Message: "must be a whole number of seconds"}}
+	case *v < lo || *v > hi:
+		return 0, []FieldError{{Field: "ttl_seconds", Message: fmt.Sprintf("must be between %d and %d", int64(lo), int64(hi))}}
+	}
+	return time.Duration(*v) * time.Second, nil
+}
+
+type pushTextRequest struct {
+	Text  string   `json:"text"`
+	Title string   `json:"title"`
+	TTL   *float64 `json:"ttl_seconds"`
+}
+
+func (s *Server) pushText(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	var req pushTextRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	idem, replayed, err := s.beginCommand(c, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	switch {
+	case req.Text == "":
+		fields = append(fields, FieldError{Field: "text", Message: "is required"})
+	case len(req.Text) > s.limits.MaxTextBytes:
+		fields = append(fields, FieldError{Field: "text", Message: fmt.Sprintf("must be at most %d bytes", s.limits.MaxTextBytes)})
+	}
+	if len(req.Title) > s.limits.MaxTitleBytes {
+		fields = append(fields, FieldError{Field: "title", Message: fmt.Sprintf("must be at most %d bytes", s.limits.MaxTitleBytes)})
+	}
+	ttl, bad := s.ttl(req.TTL)
+	fields = append(fields, bad...)
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	return s.submit(c, b.DeviceID, topics.OpPushText, topics.PushText{Text: req.Text, Title: req.Title}, ttl, idem)
+}
+
+type pushImageRequest struct {
+	Image       string   `json:"image"`
+	ContentType *string  `json:"content_type"`
+	TTL         *float64 `json:"ttl_seconds"`
+}
+
+// imageFormats are the content types of the image formats a device takes,
+// by the name image.DecodeConfig gives them.
+var imageFormats = map[string]string{"png": "image/png", "jpeg": "image/jpeg"}
+
+// checkImage decodes and checks a pushed image from its header only: it
+// is never decoded whole here.
+func (s *Server) checkImage(b64 string, contentType *string) (data []byte, cfg image.Config, ctype string, fields []FieldError) {
+	if contentType != nil {
+		mt, _, err := mime.ParseMediaType(*contentType)
+		if err != nil || (mt != "image/png" && mt != "image/jpeg") {
+			fields = append(fields, FieldError{Field: "content_type", Message: "must be image/png or image/jpeg"})
+			contentType = nil
+		} else {
+			contentType = &mt
+		}
+	}
+	if b64 == "" {
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "is required"})
+	}
+	if int64(base64.StdEncoding.DecodedLen(len(b64))) > s.limits.MaxImageBytes+3 {
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: fmt.Sprintf("must be at most %d bytes decoded", s.limits.MaxImageBytes)})
+	}
+	data, err := base64.StdEncoding.DecodeString(b64)
+	if err != nil {
+		data, err = base64.RawStdEncoding.DecodeString(b64)
+	}
+	if err != nil {
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "must be standard base64"})
+	}
+	if int64(len(data)) > s.limits.MaxImageBytes {
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: fmt.Sprintf("must be at most %d bytes decoded", s.limits.MaxImageBytes)})
+	}
+	cfg, format, err := image.DecodeConfig(bytes.NewReader(data))
+	ctype = imageFormats[format]
+	if err != nil || ctype == "" {
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "must be a PNG or JPEG image"})
+	}
+	side := s.limits.MaxImageSide
+	if cfg.Width < 1 || cfg.Height < 1 || cfg.Width > side || cfg.Height > side {
+		fields = append(fields, FieldError{Field: "image", Message: fmt.Sprintf("must be at most %d×%d pixels (it is %d×%d)", side, side, cfg.Width, cfg.Height)})
+	}
+	if contentType != nil && *contentType != ctype {
+		fields = append(fields, FieldError{Field: "content_type", Message: "does not match the image, which is " + ctype})
+	}
+	return data, cfg, ctype, fields
+}
+
+func (s *Server) pushImage(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	var req pushImageRequest
+	body, err := readJSON(c, s.limits.imageBody(), false, &req)
+	if err != nil {
+		return err
+	}
+	idem, replayed, err := s.beginCommand(c, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	data, cfg, ctype, bad := s.checkImage(req.Image, req.ContentType)
+	fields = append(fields, bad...)
+	ttl, bad := s.ttl(req.TTL)
+	fields = append(fields, bad...)
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	blob, err := s.store.PutBlob(c.Request.Context(), bytes.NewReader(data), int64(len(data)))
+	if err != nil {
+		return err
+	}
+	payload := topics.PushImage{ContentType: ctype, Width: cfg.Width, Height: cfg.Height, Blob: blobRef(blob.SHA256, blob.Size)}
+	return s.submit(c, b.DeviceID, topics.OpPushImage, payload, ttl, idem)
+}
+
+// release finds an app release in the catalog: the version asked for, or
+// the latest when version is "".
+func (s *Server) release(ctx context.Context, appID, version string) (store.AppRelease, error) {
+	if version != "" {
+		r, err := s.store.AppRelease(ctx, appID, version)
+		if errors.Is(err, store.ErrNotFound) {
+			return store.AppRelease{}, errAppNotFound
+		}
+		return r, err
+	}
+	rs, err := s.store.AppReleases(ctx, appID)
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			return store.AppRelease{}, errAppNotFound
+		}
+		return store.AppRelease{}, err
+	}
+	if len(rs) == 0 {
+		return store.AppRelease{}, errAppNotFound
+	}
+	return latestOf(rs, func(r store.AppRelease) string { return r.Version }), nil
+}
+
+// latestOf returns the element of xs with the highest version.
+func latestOf[T any](xs []T, version func(T) string) T {
+	best := xs[0]
+	for _, x := range xs[1:] {
+		if topics.CompareVersions(version(x), version(best)) > 0 {
+			best = x
+		}
+	}
+	return best
+}
+
+func checkVersion(field string, v *string) []FieldError {
+	if v != nil && !topics.ValidVersion(*v) {
+		return []FieldError{{Field: field, Message: "must be a semantic version such as 1.2.3"}}
+	}
+	return nil
+}
+
+type installRequest struct {
+	AppID   string  `json:"app_id"`
+	Version *string `json:"version"`
+}
+
+func (s *Server) installApp(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	var req installRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	idem, replayed, err := s.beginCommand(c, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	switch {
+	case req.AppID == "":
+		fields = append(fields, FieldError{Field: "app_id", Message: "is required"})
+	case !topics.ValidAppID(req.AppID):
+		fields = append(fields, FieldError{Field: "app_id", Message: "must be 1 to 128 of a-z 0-9 . _ -"})
+	}
+	fields = append(fields, checkVersion("version", req.Version)...)
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	rel, err := s.release(c.Request.Context(), req.AppID, deref(req.Version))
+	if err != nil {
+		return err
+	}
+	payload := topics.AppInstall{AppID: rel.AppID, Version: rel.Version, Blob: blobRef(rel.SHA256, rel.Size)}
+	return s.submit(c, b.DeviceID, topics.OpAppInstall, payload, s.limits.DefaultTTL, idem)
+}
+
+func (s *Server) uninstallApp(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	appID := c.Param("app_id")
+	if !topics.ValidAppID(appID) {
+		return errAppNotFound
+	}
+	idem, replayed, err := s.beginCommand(c, nil)
+	if err != nil || replayed {
+		return err
+	}
+	return s.submit(c, b.DeviceID, topics.OpAppUninstall, topics.AppUninstall{AppID: appID}, s.limits.DefaultTTL, idem)
+}
+
+type versionRequest struct {
+	Version *string `json:"version"`
+}
+
+func (s *Server) updateApp(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	appID := c.Param("app_id")
+	if !topics.ValidAppID(appID) {
+		return errAppNotFound
+	}
+	var req versionRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, true, &req)
+	if err != nil {
+		return err
+	}
+	idem, replayed, err := s.beginCommand(c, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := append(body.utf8Errors(), checkVersion("version", req.Version)...)
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	ctx := c.Request.Context()
+	rel, err := s.release(ctx, appID, deref(req.Version))
+	if err != nil {
+		return err
+	}
+	st, err := s.store.Status(ctx, b.DeviceID)
+	if err != nil {
+		return err
+	}
+	for _, a := range st.Apps {
+		if a.AppID != appID || !topics.ValidVersion(a.Version) {
+			continue
+		}
+		cmp := topics.CompareVersions(rel.Version, a.Version)
+		if cmp == 0 || (req.Version == nil && cmp < 0) {
+			return &Error{Code: CodeNoUpdate, Detail: "the device already runs " + appID + " " + a.Version}
+		}
+	}
+	payload := topics.AppInstall{AppID: rel.AppID, Version: rel.Version, Blob: blobRef(rel.SHA256, rel.Size)}
+	return s.submit(c, b.DeviceID, topics.OpAppUpdate, payload, s.limits.DefaultTTL, idem)
+}
+
+func deref(p *string) string {
+	if p == nil {
+		return ""
+	}
+	return *p
+}
+
+// Settings.
+
+type settingsJSON struct {
+	Reported  map[string]json.RawMessage `json:"reported"`
+	Desired   map[string]json.RawMessage `json:"desired"`
+	Pending   []string                   `json:"pending"`
+	Schema    json.RawMessage            `json:"schema"`
+	UpdatedAt *time.Time                 `json:"updated_at"`
+}
+
+func (s *Server) getSettings(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	st, err := s.store.Settings(c.Request.Context(), b.DeviceID)
+	if err != nil {
+		return err
+	}
+	out := settingsJSON{
+		Reported:  nonNil(st.Reported),
+		Desired:   nonNil(st.Desired),
+		Pending:   []string{},
+		Schema:    json.RawMessage("{}"),
+		UpdatedAt: timeOrNull(st.UpdatedAt),
+	}
+	if len(st.Schema) > 0 && json.Valid(st.Schema) && string(st.Schema) != "null" {
+		out.Schema = st.Schema
+	}
+	for _, k := range sortedKeys(out.Desired) {
+		if !jsonEqual(out.Desired[k], out.Reported[k]) {
+			out.Pending = append(out.Pending, k)
+		}
+	}
+	return s.reply(c, http.StatusOK, out, "", nil, nil)
+}
+
+func nonNil(m map[string]json.RawMessage) map[string]json.RawMessage {
+	if m == nil {
+		return map[string]json.RawMessage{}
+	}
+	return m
+}
+
+// jsonEqual compares two JSON values by meaning, not spelling.
+func jsonEqual(a, b json.RawMessage) bool {
+	if a == nil || b == nil {
+		return a == nil && b == nil
+	}
+	var va, vb any
+	if json.Unmarshal(a, &va) != nil || json.Unmarshal(b, &vb) != nil {
+		return bytes.Equal(a, b)
+	}
+	return reflect.DeepEqual(va, vb)
+}
+
+func (s *Server) putSettings(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	var req map[string]any
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	idem, replayed, err := s.beginCommand(c, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	ctx := c.Request.Context()
+	st, err := s.store.Settings(ctx, b.DeviceID)
+	if err != nil {
+		return err
+	}
+	var schema topics.Schema
+	if len(st.Schema) > 0 {
+		if err := json.Unmarshal(st.Schema, &schema); err != nil {
+			return fmt.Errorf("stored settings schema of %s: %w", b.DeviceID, err)
+		}
+	}
+	if len(schema) == 0 {
+		return &Error{Code: CodeSettingsUnknown}
+	}
+	if len(req) == 0 {
+		return invalid("settings", "must name at least one setting")
+	}
+	fields := body.utf8Errors()
+	bad := map[string]bool{}
+	for _, f := range fields {
+		bad[f.Field] = true
+	}
+	for _, f := range schema.Validate(req) {
+		if !bad[f.Field] {
+			fields = append(fields, f)
+		}
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	cmd, err := s.send(c, b.DeviceID, topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: req}, s.limits.DefaultTTL, idem)
+	if err != nil {
+		return err
+	}
+	if err := s.store.MergeDesiredSettings(ctx, b.DeviceID, body.members); err != nil {
+		// The command is accepted; only the desired view lags until the
+		// device reports.
+		s.log.ErrorContext(ctx, "recording desired settings", "device", b.DeviceID, "err", err)
+	}
+	return s.answerCommand(c, cmd, http.StatusAccepted, true)
+}
+
+// OTA.
+
+type otaCheckJSON struct {
+	CurrentVersion  *string `json:"current_version"`
+	LatestVersion   *string `json:"latest_version"`
+	UpdateAvailable bool    `json:"update_available"`
+	Size            *int64  `json:"size"`
+	SHA256          *string `json:"sha256"`
+}
+
+func (s *Server) otaCheck(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	ctx := c.Request.Context()
+	st, err := s.store.Status(ctx, b.DeviceID)
+	if err != nil {
+		return err
+	}
+	fws, err := s.store.Firmwares(ctx, b.Model)
+	if err != nil && !errors.Is(err, store.ErrNotFound) {
+		return err
+	}
+	out := otaCheckJSON{CurrentVersion: stringOrNull(st.FirmwareVersion)}
+	if len(fws) > 0 {
+		latest := latestOf(fws, func(f store.Firmware) string { return f.Version })
+		out.LatestVersion, out.Size, out.SHA256 = &latest.Version, &latest.Size, &latest.SHA256
+		out.UpdateAvailable = newer(latest.Version, st.FirmwareVersion)
+	}
+	return s.reply(c, http.StatusOK, out, "", nil, nil)
+}
+
+// newer reports whether version v is an update for a device running cur;
+// any version is, for a device that never reported a valid one.
+func newer(v, cur string) bool {
+	return !topics.ValidVersion(cur) || topics.CompareVersions(v, cur) > 0
+}
+
+func (s *Server) otaUpdate(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	var req versionRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, true, &req)
+	if err != nil {
+		return err
+	}
+	idem, replayed, err := s.beginCommand(c, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := append(body.utf8Errors(), checkVersion("version", req.Version)...)
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	ctx := c.Request.Context()
+	st, err := s.store.Status(ctx, b.DeviceID)
+	if err != nil {
+		return err
+	}
+	var fw store.Firmware
+	if req.Version != nil {
+		fw, err = s.store.Firmware(ctx, b.Model, *req.Version)
+		switch {
+		case errors.Is(err, store.ErrNotFound):
+			return errFirmwareNotFnd
+		case err != nil:
+			return err
+		}
+		if topics.ValidVersion(st.FirmwareVersion) && topics.CompareVersions(fw.Version, st.FirmwareVersion) == 0 {
+			return &Error{Code: CodeNoUpdate, Detail: "the device already runs " + fw.Version}
+		}
+	} else {
+		fws, err := s.store.Firmwares(ctx, b.Model)
+		if err != nil && !errors.Is(err, store.ErrNotFound) {
+			return err
+		}
+		if len(fws) == 0 {
+			return errFirmwareNotFnd
+		}
+		fw = latestOf(fws, func(f store.Firmware) string { return f.Version })
+		if !newer(fw.Version, st.FirmwareVersion) {
+			return &Error{Code: CodeNoUpdate, Detail: "the device already runs " + st.FirmwareVersion + ", the latest for its model"}
+		}
+	}
+	payload := topics.OTAUpdate{Version: fw.Version, Blob: blobRef(fw.SHA256, fw.Size)}
+	return s.submit(c, b.DeviceID, topics.OpOTAUpdate, payload, s.limits.DefaultTTL, idem)
+}
+
+// The command resource.
+
+// deviceCommand is the command of the path when it belongs to the device
+// of the path and to the caller.
+func (s *Server) deviceCommand(c *gin.Context, b store.Binding) (store.Command, error) {
+	id := c.Param("command_id")
+	if !topics.ValidCommandID(id) {
+		return store.Command{}, errCommandNotFnd
+	}
+	cmd, err := s.store.Command(c.Request.Context(), id)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return store.Command{}, errCommandNotFnd
+	case err != nil:
+		return store.Command{}, err
+	case cmd.DeviceID != b.DeviceID || cmd.UserID != b.UserID:
+		return store.Command{}, errCommandNotFnd
+	}
+	return cmd, nil
+}
+
+func (s *Server) getCommand(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	cmd, err := s.deviceCommand(c, b)
+	if err != nil {
+		return err
+	}
+	return s.answerCommand(c, cmd, http.StatusOK, false)
+}
+
+func (s *Server) listCommands(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	var fields []FieldError
+	state := c.Query("state")
+	if state != "" && !topics.ValidState(state) {
+		fields = append(fields, FieldError{Field: "state", Message: fmt.Sprintf("must be one of %v", topics.States)})
+	}
+	limit, before, err := page(c, topics.ValidCommandID, fields)
+	if err != nil {
+		return err
+	}
+	cmds, err := s.store.ListCommands(c.Request.Context(), b.DeviceID, state, before, limit+1)
+	if errors.Is(err, store.ErrInvalidCursor) {
+		return &Error{Code: CodeInvalidCursor, Fields: []FieldError{{Field: "cursor", Message: "is not a cursor this list returned"}}}
+	}
+	if err != nil {
+		return err
+	}
+	var next *string
+	if len(cmds) > limit {
+		cmds = cmds[:limit]
+		next = cursorOf(cmds[len(cmds)-1].ID)
+	}
+	out := make([]commandJSON, 0, len(cmds))
+	for _, cmd := range cmds {
+		// A device keeps its history across owners; each sees their own.
+		if cmd.UserID == b.UserID {
+			out = append(out, toCommand(cmd))
+		}
+	}
+	return s.reply(c, http.StatusOK, gin.H{"commands": out, "next_cursor": next}, "", nil, nil)
+}
+
+func (s *Server) cancelCommand(c *gin.Context) error {
+	user := currentUser(c)
+	rec, replayed, err := s.beginIdempotent(c, user.ID, nil)
+	if err != nil || replayed {
+		return err
+	}
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	cmd, err := s.deviceCommand(c, b)
+	if err != nil {
+		return err
+	}
+	got, err := s.cmds.Cancel(c.Request.Context(), cmd.ID)
+	switch {
+	case errors.Is(err, broker.ErrNotCancelable), errors.Is(err, store.ErrFinal):
+		if got.State == "" {
+			got.State = cmd.State
+		}
+		return &Error{Code: CodeNotCancelable, Detail: "the command is " + got.State + " and can no longer be canceled"}
+	case errors.Is(err, store.ErrNotFound):
+		return errCommandNotFnd
+	case err != nil:
+		return err
+	}
+	return s.reply(c, http.StatusOK, toCommand(got), "", rec, nil)
+}

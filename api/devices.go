@@ -1,0 +1,220 @@
+package api
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"errors"
+	"net/http"
+	"unicode"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+const (
+	maxNameBytes      = 128
+	maxClaimCodeBytes = 256
+)
+
+// boundDevice is the device of the path when it is bound to the caller.
+// An id that breaks the rules, an unknown device and another user's device
+// are the same 404, so that nobody learns which ids exist.
+func (s *Server) boundDevice(c *gin.Context) (store.Binding, error) {
+	id := c.Param("id")
+	if !topics.ValidDeviceID(id) {
+		return store.Binding{}, errDeviceNotFound
+	}
+	b, err := s.store.Binding(c.Request.Context(), id)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return store.Binding{}, errDeviceNotFound
+	case err != nil:
+		return store.Binding{}, err
+	case b.UserID != currentUser(c).ID:
+		return store.Binding{}, errDeviceNotFound
+	}
+	return b, nil
+}
+
+func deviceLocation(id string) string { return "/api/v1/devices/" + id }
+
+// checkName checks a display name: 1–128 bytes, no control characters.
+func checkName(field, name string) []FieldError {
+	switch {
+	case name == "":
+		return []FieldError{{Field: field, Message: "must not be empty"}}
+	case len(name) > maxNameBytes:
+		return []FieldError{{Field: field, Message: "must be at most 128 bytes"}}
+	}
+	for _, r := range name {
+		if unicode.IsControl(r) {
+			return []FieldError{{Field: field, Message: "must not contain control characters"}}
+		}
+	}
+	return nil
+}
+
+type registerRequest struct {
+	DeviceID  string  `json:"device_id"`
+	ClaimCode string  `json:"claim_code"`
+	Name      *string `json:"name"`
+}
+
+// dummyClaimHash is compared against when the device is unknown, so that
+// an unknown device and a wrong code take the same time.
+var dummyClaimHash = sha256.Sum256([]byte("no such device"))
+
+func (s *Server) registerDevice(c *gin.Context) error {
+	user := currentUser(c)
+	if ok, wait := s.register.allow(user.ID, s.now()); !ok {
+		return &Error{Code: CodeRateLimited, Detail: "too many register attempts", RetryAfter: ceilSeconds(wait)}
+	}
+	var req registerRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	rec, replayed, err := s.beginIdempotent(c, user.ID, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	switch {
+	case req.DeviceID == "":
+		fields = append(fields, FieldError{Field: "device_id", Message: "is required"})
+	case !topics.ValidDeviceID(req.DeviceID):
+		fields = append(fields, FieldError{Field: "device_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
+	}
+	switch {
+	case req.ClaimCode == "":
+		fields = append(fields, FieldError{Field: "claim_code", Message: "is required"})
+	case len(req.ClaimCode) > maxClaimCodeBytes:
+		fields = append(fields, FieldError{Field: "claim_code", Message: "must be at most 256 bytes"})
+	}
+	name := req.DeviceID
+	if req.Name != nil {
+		fields = append(fields, checkName("name", *req.Name)...)
+		name = *req.Name
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
+
+	ctx := c.Request.Context()
+	reg, err := s.store.RegistryDevice(ctx, req.DeviceID)
+	want := dummyClaimHash[:]
+	switch {
+	case err == nil:
+		want = reg.ClaimHash
+	case !errors.Is(err, store.ErrNotFound):
+		return err
+	}
+	got := sha256.Sum256([]byte(req.ClaimCode))
+	if subtle.ConstantTimeCompare(got[:], want) != 1 || err != nil {
+		return errInvalidClaim
+	}
+
+	b, created, err := s.store.Bind(ctx, store.Binding{DeviceID: req.DeviceID, UserID: user.ID, Name: name, Model: reg.Model, BoundAt: s.now()})
+	switch {
+	case errors.Is(err, store.ErrBoundToOther):
+		return &Error{Code: CodeDeviceAlreadyBound}
+	case errors.Is(err, store.ErrNotFound):
+		return errInvalidClaim
+	case err != nil:
+		return err
+	}
+	st, err := s.store.Status(ctx, b.DeviceID)
+	if err != nil {
+		return err
+	}
+	status := http.StatusOK
+	if created {
+		status = http.StatusCreated
+	}
+	return s.reply(c, status, toDevice(b, st), deviceLocation(b.DeviceID), rec, nil)
+}
+
+func (s *Server) listDevices(c *gin.Context) error {
+	user := currentUser(c)
+	limit, after, err := page(c, topics.ValidDeviceID, nil)
+	if err != nil {
+		return err
+	}
+	ctx := c.Request.Context()
+	bs, err := s.store.ListBindings(ctx, user.ID, after, limit+1)
+	if err != nil {
+		return err
+	}
+	var next *string
+	if len(bs) > limit {
+		bs = bs[:limit]
+		next = cursorOf(bs[len(bs)-1].DeviceID)
+	}
+	devices := make([]deviceJSON, 0, len(bs))
+	for _, b := range bs {
+		st, err := s.store.Status(ctx, b.DeviceID)
+		if err != nil {
+			return err
+		}
+		devices = append(devices, toDevice(b, st))
+	}
+	return s.reply(c, http.StatusOK, gin.H{"devices": devices, "next_cursor": next}, "", nil, nil)
+}
+
+func (s *Server) getDevice(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	st, err := s.store.Status(c.Request.Context(), b.DeviceID)
+	if err != nil {
+		return err
+	}
+	return s.reply(c, http.StatusOK, toDevice(b, st), "", nil, nil)
+}
+
+func (s *Server) unbindDevice(c *gin.Context) error {
+	user := currentUser(c)
+	rec, replayed, err := s.beginIdempotent(c, user.ID, nil)
+	if err != nil || replayed {
+		return err
+	}
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	err = s.store.Unbind(c.Request.Context(), b.DeviceID, user.ID)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return errDeviceNotFound
+	case err != nil:
+		return err
+	}
+	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
+}
+
+func (s *Server) deviceStatus(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	st, err := s.store.Status(c.Request.Context(), b.DeviceID)
+	if err != nil {
+		return err
+	}
+	return s.reply(c, http.StatusOK, toStatus(b.DeviceID, b.Model, st), "", nil, nil)
+}
+
+func (s *Server) deviceApps(c *gin.Context) error {
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	st, err := s.store.Status(c.Request.Context(), b.DeviceID)
+	if err != nil {
+		return err
+	}
+	return s.reply(c, http.StatusOK, gin.H{"apps": toApps(st.Apps)}, "", nil, nil)
+}

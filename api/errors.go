@@ -1,0 +1,196 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"runtime/debug"
+	"strconv"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// FieldError names one bad field of a request and what is wrong with it.
+type FieldError = topics.FieldError
+
+// Error is the API's one application error. Its Code is a stable word
+// clients test; the table codes maps it to an HTTP status and title. Any
+// other error reaching a client is logged and answered as "internal error".
+type Error struct {
+	Code       string
+	Detail     string       // for humans; the code's default when empty
+	Fields     []FieldError // every bad field, for validation_failed
+	RetryAfter int          // seconds, for 429 answers
+}
+
+func (e *Error) Error() string {
+	if e.Detail != "" {
+		return e.Code + ": " + e.Detail
+	}
+	return e.Code
+}
+
+// Problem codes (CONTRACT §2).
+const (
+	CodeBadRequest           = "bad_request"
+	CodeMalformedJSON        = "malformed_json"
+	CodeUnauthorized         = "unauthorized"
+	CodeNotFound             = "not_found"
+	CodeDeviceNotFound       = "device_not_found"
+	CodeCommandNotFound      = "command_not_found"
+	CodeAppNotFound          = "app_not_found"
+	CodeFirmwareNotFound     = "firmware_not_found"
+	CodeBlobNotFound         = "blob_not_found"
+	CodeMethodNotAllowed     = "method_not_allowed"
+	CodeDeviceAlreadyBound   = "device_already_bound"
+	CodeNoUpdate             = "no_update"
+	CodeSettingsUnknown      = "settings_unknown"
+	CodeNotCancelable        = "not_cancelable"
+	CodeDeviceExists         = "device_exists"
+	CodeBridgeExists         = "bridge_exists"
+	CodeFirmwareExists       = "firmware_exists"
+	CodeAppReleaseExists     = "app_release_exists"
+	CodeBodyTooLarge         = "body_too_large"
+	CodeUnsupportedMedia     = "unsupported_media_type"
+	CodeValidationFailed     = "validation_failed"
+	CodeInvalidClaim         = "invalid_claim"
+	CodeIdempotencyKeyReused = "idempotency_key_reused"
+	CodeInvalidCursor        = "invalid_cursor"
+	CodeQueueFull            = "queue_full"
+	CodeRateLimited          = "rate_limited"
+	CodeInternal             = "internal"
+	CodeNotReady             = "not_ready"
+)
+
+type codeInfo struct {
+	status int
+	title  string
+	detail string // the default detail
+}
+
+// codes is the one table from problem codes to HTTP statuses.
+var codes = map[string]codeInfo{
+	CodeBadRequest:           {http.StatusBadRequest, "Bad request", "the request could not be read"},
+	CodeMalformedJSON:        {http.StatusBadRequest, "Malformed JSON", "the body is not the JSON this operation takes"},
+	CodeUnauthorized:         {http.StatusUnauthorized, "Unauthorized", "a valid bearer token is required"},
+	CodeNotFound:             {http.StatusNotFound, "Not found", "no such resource"},
+	CodeDeviceNotFound:       {http.StatusNotFound, "Device not found", "no such device among yours"},
+	CodeCommandNotFound:      {http.StatusNotFound, "Command not found", "no such command for this device"},
+	CodeAppNotFound:          {http.StatusNotFound, "App not found", "no such app or version in the catalog"},
+	CodeFirmwareNotFound:     {http.StatusNotFound, "Firmware not found", "no such firmware for this device's model"},
+	CodeBlobNotFound:         {http.StatusNotFound, "Blob not found", "no such content"},
+	CodeMethodNotAllowed:     {http.StatusMethodNotAllowed, "Method not allowed", "this resource does not take that method"},
+	CodeDeviceAlreadyBound:   {http.StatusConflict, "Device already bound", "the device is bound to another account"},
+	CodeNoUpdate:             {http.StatusConflict, "No update", "the device already runs that version"},
+	CodeSettingsUnknown:      {http.StatusConflict, "Settings unknown", "the device has not reported its settings yet"},
+	CodeNotCancelable:        {http.StatusConflict, "Not cancelable", "the command was already delivered or is final"},
+	CodeDeviceExists:         {http.StatusConflict, "Device exists", "a device with that id is already provisioned"},
+	CodeBridgeExists:         {http.StatusConflict, "Bridge exists", "a bridge with that id already exists"},
+	CodeFirmwareExists:       {http.StatusConflict, "Firmware exists", "that model and version is already published"},
+	CodeAppReleaseExists:     {http.StatusConflict, "App release exists", "that app and version is already published"},
+	CodeBodyTooLarge:         {http.StatusRequestEntityTooLarge, "Body too large", "the body is over its limit"},
+	CodeUnsupportedMedia:     {http.StatusUnsupportedMediaType, "Unsupported media type", "this operation takes application/json"},
+	CodeValidationFailed:     {http.StatusUnprocessableEntity, "Validation failed", "some fields are invalid"},
+	CodeInvalidClaim:         {http.StatusUnprocessableEntity, "Invalid claim", "unknown device or wrong claim code"},
+	CodeIdempotencyKeyReused: {http.StatusUnprocessableEntity, "Idempotency key reused", "the Idempotency-Key was used with another request"},
+	CodeInvalidCursor:        {http.StatusUnprocessableEntity, "Invalid cursor", "the cursor is not one this list returned"},
+	CodeQueueFull:            {http.StatusTooManyRequests, "Queue full", "the device has too many unfinished commands"},
+	CodeRateLimited:          {http.StatusTooManyRequests, "Rate limited", "too many requests"},
+	CodeInternal:             {http.StatusInternalServerError, "Internal error", "internal error"},
+	CodeNotReady:             {http.StatusServiceUnavailable, "Not ready", "the service is not ready"},
+}
+
+// Errors used as they are.
+var (
+	errNotFound       = &Error{Code: CodeNotFound}
+	errDeviceNotFound = &Error{Code: CodeDeviceNotFound}
+	errCommandNotFnd  = &Error{Code: CodeCommandNotFound}
+	errAppNotFound    = &Error{Code: CodeAppNotFound}
+	errFirmwareNotFnd = &Error{Code: CodeFirmwareNotFound}
+	errInvalidClaim   = &Error{Code: CodeInvalidClaim}
+	errIdemReused     = &Error{Code: CodeIdempotencyKeyReused}
+)
+
+// problem is an RFC 9457 problem details object with our extensions.
+type problem struct {
+	Type   string       `json:"type"`
+	Title  string       `json:"title"`
+	Status int          `json:"status"`
+	Detail string       `json:"detail"`
+	Code   string       `json:"code"`
+	Errors []FieldError `json:"errors"`
+}
+
+// fail answers err as a problem. Errors that are not *Error are logged
+// and shown only as "internal error".
+func (s *Server) fail(c *gin.Context, err error) {
+	var e *Error
+	if !errors.As(err, &e) {
+		ctx := c.Request.Context()
+		level := s.log.ErrorContext
+		if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+			level = s.log.DebugContext // the client went away
+		}
+		level(ctx, "request failed", "method", c.Request.Method, "path", c.Request.URL.Path, "err", err)
+		e = &Error{Code: CodeInternal}
+	}
+	s.writeProblem(c, e)
+}
+
+func (s *Server) writeProblem(c *gin.Context, e *Error) {
+	info, ok := codes[e.Code]
+	if !ok {
+		s.log.Error("problem code missing from the table", "code", e.Code)
+		e, info = &Error{Code: CodeInternal}, codes[CodeInternal]
+	}
+	p := problem{
+		Type:   "urn:companion:problem:" + e.Code,
+		Title:  info.title,
+		Status: info.status,
+		Detail: e.Detail,
+		Code:   e.Code,
+		Errors: e.Fields,
+	}
+	if p.Detail == "" || e.Code == CodeInternal {
+		p.Detail = info.detail
+	}
+	if p.Errors == nil {
+		p.Errors = []FieldError{}
+	}
+	switch {
+	case info.status == http.StatusUnauthorized:
+		if c.GetHeader("Authorization") == "" {
+			c.Header("WWW-Authenticate", `Bearer realm="companion"`)
+		} else {
+			c.Header("WWW-Authenticate", `Bearer realm="companion", error="invalid_token"`)
+		}
+	case info.status == http.StatusTooManyRequests:
+		ra := max(e.RetryAfter, 1)
+		c.Header("Retry-After", strconv.Itoa(ra))
+	}
+	b, err := json.Marshal(p)
+	if err != nil { // cannot happen: every field is a plain value
+		b = []byte(`{"type":"urn:companion:problem:internal","title":"Internal error","status":500,"detail":"internal error","code":"internal","errors":[]}`)
+	}
+	c.Abort()
+	c.Data(info.status, "application/problem+json", b)
+}
+
+// validationError returns the validation_failed error of fields, or nil
+// when there are none.
+func validationError(fields []FieldError) error {
+	if len(fields) == 0 {
+		return nil
+	}
+	return &Error{Code: CodeValidationFailed, Fields: fields}
+}
+
+// invalid is a validation_failed error of one field.
+func invalid(field, msg string) error {
+	return &Error{Code: CodeValidationFailed, Fields: []FieldError{{Field: field, Message: msg}}}
+}
+
+func stack() []byte { return debug.Stack() }

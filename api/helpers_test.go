@@ -1,0 +1,333 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+const testAdminToken = "admin-secret-for-tests"
+
+// fakeCommander stands in for the broker: it stores commands through the
+// real store, records what it was given, and lets a test move commands on.
+type fakeCommander struct {
+	db *store.DB
+
+	mu        sync.Mutex
+	submitted []store.Command
+	queueFull bool
+	onSubmit  func(store.Command) // called after each new command, when set
+	changed   chan struct{}       // closed and replaced on every change
+}
+
+func newFakeCommander(db *store.DB) *fakeCommander {
+	return &fakeCommander{db: db, changed: make(chan struct{})}
+}
+
+func (f *fakeCommander) Submit(ctx context.Context, c store.Command, idem *store.Idempotency) (store.Command, bool, error) {
+	f.mu.Lock()
+	full := f.queueFull
+	f.mu.Unlock()
+	if full {
+		return store.Command{}, false, store.ErrQueueFull
+	}
+	cmd, replayed, err := f.db.CreateCommand(ctx, c, 1000, idem)
+	if err != nil {
+		return store.Command{}, false, err
+	}
+	if !replayed {
+		f.mu.Lock()
+		f.submitted = append(f.submitted, cmd)
+		hook := f.onSubmit
+		f.mu.Unlock()
+		if hook != nil {
+			hook(cmd)
+		}
+	}
+	return cmd, replayed, nil
+}
+
+func (f *fakeCommander) Cancel(ctx context.Context, id string) (store.Command, error) {
+	cmd, err := f.db.UpdateCommand(ctx, id, func(c *store.Command) error {
+		if topics.Rank(c.State) >= topics.Rank(topics.StateDelivered) {
+			return broker.ErrNotCancelable
+		}
+		c.State = topics.StateCanceled
+		return nil
+	})
+	f.notify()
+	return cmd, err
+}
+
+func (f *fakeCommander) Wait(ctx context.Context, id string) (store.Command, error) {
+	for {
+		f.mu.Lock()
+		ch := f.changed
+		f.mu.Unlock()
+		cmd, err := f.db.Command(ctx, id)
+		if err != nil || topics.Final(cmd.State) {
+			return cmd, err
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return cmd, nil
+		}
+	}
+}
+
+// set moves a command to state, as replies from a bridge would. It may be
+// called from any goroutine.
+func (f *fakeCommander) set(t testing.TB, id, state string) {
+	t.Helper()
+	_, err := f.db.UpdateCommand(context.Background(), id, func(c *store.Command) error {
+		c.State = state
+		return nil
+	})
+	assert.NoError(t, err)
+	f.notify()
+}
+
+func (f *fakeCommander) notify() {
+	f.mu.Lock()
+	close(f.changed)
+	f.changed = make(chan struct{})
+	f.mu.Unlock()
+}
+
+func (f *fakeCommander) count() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.submitted)
+}
+
+func (f *fakeCommander) last(t testing.TB) store.Command {
+	t.Helper()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	require.NotEmpty(t, f.submitted, "no command was submitted")
+	return f.submitted[len(f.submitted)-1]
+}
+
+// env is a running API on a real HTTP server over a real store.
+type env struct {
+	t    testing.TB
+	db   *store.DB
+	cmds *fakeCommander
+	srv  *httptest.Server
+	api  *Server
+}
+
+type envOption func(*Options)
+
+func newEnv(t testing.TB, opts ...envOption) *env {
+	t.Helper()
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	return newEnvWith(t, db, db, opts...)
+}
+
+// newEnvWith serves st (which may wrap db to inject failures).
+func newEnvWith(t testing.TB, db *store.DB, st Store, opts ...envOption) *env {
+	t.Helper()
+	cmds := newFakeCommander(db)
+	o := Options{
+		Store:      st,
+		Commands:   cmds,
+		AdminToken: testAdminToken,
+		Limits:     Limits{RequestsPerSecond: -1, RegisterPerMinute: 1000},
+		Logger:     slog.New(slog.DiscardHandler),
+	}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	s, err := New(o)
+	require.NoError(t, err)
+	srv := httptest.NewServer(s.Handler())
+	t.Cleanup(srv.Close)
+	return &env{t: t, db: db, cmds: cmds, srv: srv, api: s}
+}
+
+// resp is an answer, read whole.
+type resp struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+func (r resp) json(t testing.TB) map[string]any {
+	t.Helper()
+	var m map[string]any
+	require.NoError(t, json.Unmarshal(r.body, &m), "body: %s", r.body)
+	return m
+}
+
+// problem decodes a problem+json answer and checks its shape.
+func (r resp) problem(t testing.TB) problem {
+	t.Helper()
+	require.Equal(t, "application/problem+json", r.header.Get("Content-Type"), "body: %s", r.body)
+	var raw map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(r.body, &raw))
+	for _, k := range []string{"type", "title", "status", "detail", "code", "errors"} {
+		require.Contains(t, raw, k, "problem member %q missing: %s", k, r.body)
+	}
+	var p problem
+	require.NoError(t, json.Unmarshal(r.body, &p))
+	require.Equal(t, r.status, p.Status)
+	require.NotNil(t, p.Errors)
+	return p
+}
+
+// fields is the set of field names a problem names.
+func (p problem) fields() []string {
+	var out []string
+	for _, f := range p.Errors {
+		out = append(out, f.Field)
+	}
+	return out
+}
+
+// req is one request to send.
+type req struct {
+	method, path, token string
+	body                any // []byte and string go as they are; anything else as JSON
+	header              map[string]string
+}
+
+func (e *env) send(r req) resp {
+	e.t.Helper()
+	var body io.Reader
+	ctype := ""
+	switch b := r.body.(type) {
+	case nil:
+	case []byte:
+		body, ctype = bytes.NewReader(b), "application/json"
+	case string:
+		body, ctype = strings.NewReader(b), "application/json"
+	default:
+		j, err := json.Marshal(b)
+		require.NoError(e.t, err)
+		body, ctype = bytes.NewReader(j), "application/json"
+	}
+	hr, err := http.NewRequest(r.method, e.srv.URL+r.path, body)
+	require.NoError(e.t, err)
+	if ctype != "" {
+		hr.Header.Set("Content-Type", ctype)
+	}
+	if r.token != "" {
+		hr.Header.Set("Authorization", "Bearer "+r.token)
+	}
+	for k, v := range r.header {
+		if v == "" {
+			hr.Header.Del(k)
+		} else {
+			hr.Header.Set(k, v)
+		}
+	}
+	res, err := e.srv.Client().Do(hr)
+	require.NoError(e.t, err)
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	require.NoError(e.t, err)
+	return resp{status: res.StatusCode, header: res.Header, body: b}
+}
+
+func (e *env) do(method, path, token string, body any) resp {
+	e.t.Helper()
+	return e.send(req{method: method, path: path, token: token, body: body})
+}
+
+// user creates a user through the admin API and returns its token.
+func (e *env) user(name string) string {
+	e.t.Helper()
+	r := e.do("POST", "/api/v1/admin/users", testAdminToken, map[string]any{"name": name})
+	require.Equal(e.t, http.StatusCreated, r.status, "%s", r.body)
+	tok, _ := r.json(e.t)["token"].(string)
+	require.True(e.t, strings.HasPrefix(tok, userTokenPrefix))
+	return tok
+}
+
+func (e *env) provision(id, code, model string) {
+	e.t.Helper()
+	r := e.do("POST", "/api/v1/admin/devices", testAdminToken, map[string]any{"device_id": id, "claim_code": code, "model": model})
+	require.Equal(e.t, http.StatusCreated, r.status, "%s", r.body)
+}
+
+// bound provisions a device and binds it to a new user, whose token it
+// returns.
+func (e *env) bound(id string) string {
+	e.t.Helper()
+	tok := e.user("owner of " + id)
+	e.provision(id, "code-"+id, "sim-1")
+	r := e.do("POST", "/api/v1/devices/register", tok, map[string]any{"device_id": id, "claim_code": "code-" + id})
+	require.Equal(e.t, http.StatusCreated, r.status, "%s", r.body)
+	return tok
+}
+
+// report stores a status for the device as a bridge would.
+func (e *env) report(id, firmware string, apps ...store.App) {
+	e.t.Helper()
+	battery := 80
+	_, err := e.db.PutStatus(context.Background(), store.Status{
+		DeviceID: id, Online: true, Battery: &battery, FirmwareVersion: firmware, Model: "sim-1",
+		Apps: apps, BridgeID: "bridge-1", LastSeen: time.Now(), Seq: uint64(time.Now().UnixNano()),
+	})
+	require.NoError(e.t, err)
+}
+
+// simSchema is the settings schema of CONTRACT §4.
+const simSchema = `{
+	"brightness": {"type": "int", "min": 0, "max": 100, "default": 50},
+	"volume": {"type": "int", "min": 0, "max": 100, "default": 50},
+	"do_not_disturb": {"type": "bool", "default": false},
+	"timezone": {"type": "timezone", "default": "UTC"},
+	"language": {"type": "enum", "values": ["en","de","fr","es","zh","ja"], "default": "en"},
+	"display_timeout_s": {"type": "int", "min": 5, "max": 600, "default": 30}
+}`
+
+func (e *env) reportSettings(id string) {
+	e.t.Helper()
+	reported := map[string]json.RawMessage{
+		"brightness": json.RawMessage("50"), "volume": json.RawMessage("50"), "do_not_disturb": json.RawMessage("false"),
+		"timezone": json.RawMessage(`"UTC"`), "language": json.RawMessage(`"en"`), "display_timeout_s": json.RawMessage("30"),
+	}
+	_, err := e.db.PutReportedSettings(context.Background(), id, reported, json.RawMessage(simSchema), time.Now(), uint64(time.Now().UnixNano()))
+	require.NoError(e.t, err)
+}
+
+// failingStore fails (or panics in) the calls a test picks.
+type failingStore struct {
+	*store.DB
+	failStatus  bool
+	panicStatus bool
+}
+
+var errDisk = errors.New("/var/lib/companion/db: input/output error at bucket status")
+
+func (f *failingStore) Status(ctx context.Context, id string) (store.Status, error) {
+	if f.panicStatus {
+		panic("status exploded: /secret/path")
+	}
+	if f.failStatus {
+		return store.Status{}, errDisk
+	}
+	return f.DB.Status(ctx, id)
+}

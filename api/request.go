@@ -1,0 +1,409 @@
+package api
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"reflect"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/store"
+)
+
+var errTooLarge = &Error{Code: CodeBodyTooLarge}
+
+// checkJSONType refuses a request whose Content-Type is not JSON in UTF-8.
+func checkJSONType(r *http.Request) error {
+	mt, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if err != nil || mt != "application/json" {
+		return &Error{Code: CodeUnsupportedMedia}
+	}
+	for k, v := range params {
+		if k != "charset" || !strings.EqualFold(v, "utf-8") {
+			return &Error{Code: CodeUnsupportedMedia, Detail: "this operation takes application/json in UTF-8"}
+		}
+	}
+	return nil
+}
+
+// readBody reads the whole body, refusing one over limit bytes.
+func readBody(c *gin.Context, limit int64) ([]byte, error) {
+	r := c.Request
+	if r.ContentLength > limit {
+		return nil, errTooLarge
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
+	}
+	b, err := io.ReadAll(http.MaxBytesReader(c.Writer, r.Body, limit))
+	var tooLarge *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooLarge):
+		return nil, errTooLarge
+	case err != nil:
+		return nil, &Error{Code: CodeBadRequest, Detail: "the body could not be read"}
+	}
+	return b, nil
+}
+
+// jsonBody is a request's JSON object: its bytes, and the raw value of each
+// top-level member.
+type jsonBody struct {
+	raw     []byte
+	members map[string]json.RawMessage
+}
+
+// utf8Errors names each top-level string member whose text is not valid
+// UTF-8. encoding/json replaces such bytes (and lone surrogate escapes)
+// with U+FFFD silently, so this looks at the raw text.
+func (b *jsonBody) utf8Errors() []FieldError {
+	var errs []FieldError
+	for _, name := range sortedKeys(b.members) {
+		if !validJSONString(b.members[name]) {
+			errs = append(errs, FieldError{Field: name, Message: "must be valid UTF-8"})
+		}
+	}
+	return errs
+}
+
+// readJSON reads a JSON object body into dst. When optional, an empty
+// body is fine and leaves dst as it is; a body that is there must still be
+// application/json.
+func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, error) {
+	if !optional {
+		if err := checkJSONType(c.Request); err != nil {
+			return nil, err
+		}
+	}
+	raw, err := readBody(c, limit)
+	if err != nil {
+		return nil, err
+	}
+	trimmed := bytes.TrimSpace(raw)
+	if len(trimmed) == 0 {
+		if optional {
+			return &jsonBody{raw: raw, members: map[string]json.RawMessage{}}, nil
+		}
+		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is empty; this operation takes a JSON object"}
+	}
+	if optional {
+		if err := checkJSONType(c.Request); err != nil {
+			return nil, err
+		}
+	}
+	if trimmed[0] != '{' {
+		if !json.Valid(trimmed) {
+			return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is not valid JSON"}
+		}
+		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body must be a JSON object"}
+	}
+	if err := decodeStrict(raw, dst); err != nil {
+		return nil, err
+	}
+	body := &jsonBody{raw: raw}
+	if err := json.Unmarshal(raw, &body.members); err != nil {
+		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is not valid JSON"}
+	}
+	return body, nil
+}
+
+// decodeStrict decodes exactly one JSON value into dst and refuses
+// anything after it.
+func decodeStrict(raw []byte, dst any) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	if err := dec.Decode(dst); err != nil {
+		return jsonError(err)
+	}
+	var extra json.RawMessage
+	if err := dec.Decode(&extra); err != io.EOF {
+		return &Error{Code: CodeMalformedJSON, Detail: "the body has data after its JSON value"}
+	}
+	return nil
+}
+
+func jsonError(err error) error {
+	var (
+		syn *json.SyntaxError
+		typ *json.UnmarshalTypeError
+	)
+	switch {
+	case errors.As(err, &typ):
+		field := typ.Field
+		if field == "" {
+			return &Error{Code: CodeMalformedJSON, Detail: "the body must be a JSON object"}
+		}
+		msg := "must be " + jsonTypeName(typ.Type)
+		if typ.Value == "number" || strings.HasPrefix(typ.Value, "number ") {
+			if k := typ.Type.Kind(); k != reflect.String && k != reflect.Bool && k != reflect.Slice && k != reflect.Map && k != reflect.Struct {
+				msg = "is not a number this field can hold"
+			}
+		}
+		return &Error{Code: CodeMalformedJSON, Detail: fmt.Sprintf("field %q has the wrong JSON type", field),
+			Fields: []FieldError{{Field: field, Message: msg}}}
+	case errors.As(err, &syn):
+		return &Error{Code: CodeMalformedJSON, Detail: fmt.Sprintf("the body is not valid JSON (at byte %d)", syn.Offset)}
+	case errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, io.EOF):
+		return &Error{Code: CodeMalformedJSON, Detail: "the body ends in the middle of its JSON value"}
+	}
+	return &Error{Code: CodeMalformedJSON}
+}
+
+func jsonTypeName(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64,
+		reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Map, reflect.Struct:
+		return "an object"
+	}
+	return "another JSON type"
+}
+
+// validJSONString reports whether raw, when it is a JSON string literal,
+// holds valid UTF-8 with no unpaired surrogate escapes. Other values are
+// fine.
+func validJSONString(raw json.RawMessage) bool {
+	if len(raw) == 0 || raw[0] != '"' {
+		return true
+	}
+	if !utf8.Valid(raw) {
+		return false
+	}
+	for i := 0; i < len(raw); i++ {
+		if raw[i] != '\\' {
+			continue
+		}
+		i++
+		if i >= len(raw) || raw[i] != 'u' {
+			continue
+		}
+		r, ok := hex4(raw[i+1:])
+		if !ok {
+			return false
+		}
+		i += 4
+		switch {
+		case r >= 0xDC00 && r < 0xE000:
+			return false // a low surrogate on its own
+		case r >= 0xD800 && r < 0xDC00:
+			if i+2 >= len(raw) || raw[i+1] != '\\' || raw[i+2] != 'u' {
+				return false
+			}
+			lo, ok := hex4(raw[i+3:])
+			if !ok || lo < 0xDC00 || lo >= 0xE000 {
+				return false
+			}
+			i += 6
+		}
+	}
+	return true
+}
+
+func hex4(b []byte) (rune, bool) {
+	if len(b) < 4 {
+		return 0, false
+	}
+	v, err := strconv.ParseUint(string(b[:4]), 16, 32)
+	return rune(v), err == nil
+}
+
+// preferWait reads RFC 7240 "Prefer: wait=N": the seconds to wait, capped
+// at MaxWait, and whether the preference was there at all. Malformed
+// preferences are ignored, as RFC 7240 asks.
+func (s *Server) preferWait(r *http.Request) (int, bool) {
+	maxWait := int(s.limits.MaxWait.Seconds())
+	for _, h := range r.Header.Values("Prefer") {
+		for _, pref := range strings.Split(h, ",") {
+			pref, _, _ = strings.Cut(pref, ";")
+			name, val, ok := strings.Cut(strings.TrimSpace(pref), "=")
+			if !ok || !strings.EqualFold(strings.TrimSpace(name), "wait") {
+				continue
+			}
+			val = strings.Trim(strings.TrimSpace(val), `"`)
+			if val == "" || strings.Trim(val, "0123456789") != "" {
+				continue
+			}
+			n, err := strconv.Atoi(val)
+			if err != nil || n > maxWait { // err: all digits, so out of range
+				n = maxWait
+			}
+			return n, true
+		}
+	}
+	return 0, false
+}
+
+// idempotencyKey returns the request's Idempotency-Key ("" when there is
+// none, and always on methods it does not apply to).
+func idempotencyKey(c *gin.Context) (string, error) {
+	switch c.Request.Method {
+	case http.MethodPost, http.MethodPut, http.MethodDelete:
+	default:
+		return "", nil
+	}
+	vals := c.Request.Header.Values("Idempotency-Key")
+	if len(vals) == 0 {
+		return "", nil
+	}
+	k := vals[0]
+	if len(vals) > 1 || k == "" || len(k) > 255 {
+		return "", invalid("Idempotency-Key", "must be one key of 1 to 255 printable ASCII characters")
+	}
+	for i := 0; i < len(k); i++ {
+		if k[i] < 0x20 || k[i] > 0x7e {
+			return "", invalid("Idempotency-Key", "must be one key of 1 to 255 printable ASCII characters")
+		}
+	}
+	return k, nil
+}
+
+// requestHash identifies a request for its Idempotency-Key: method, path
+// and body.
+func requestHash(r *http.Request, body []byte) []byte {
+	h := sha256.New()
+	io.WriteString(h, r.Method)
+	h.Write([]byte{0})
+	io.WriteString(h, r.URL.Path)
+	h.Write([]byte{0})
+	h.Write(body)
+	return h.Sum(nil)
+}
+
+// beginIdempotent handles the Idempotency-Key of a request that does not
+// create a command. When the key answered the same request before, it
+// replays that answer and returns replayed = true. Otherwise it returns the
+// record to store with the answer (nil when the request has no key); reply
+// stores it after a 2xx.
+func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (rec *store.Idempotency, replayed bool, err error) {
+	key, err := idempotencyKey(c)
+	if err != nil || key == "" {
+		return nil, false, err
+	}
+	hash := requestHash(c.Request, body)
+	old, err := s.store.Idempotency(c.Request.Context(), userID, key)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return &store.Idempotency{UserID: userID, Key: key, RequestHash: hash}, false, nil
+	case err != nil:
+		return nil, false, err
+	case !bytes.Equal(old.RequestHash, hash):
+		return nil, false, errIdemReused
+	}
+	if old.CommandID != "" { // cannot happen: the path is in the hash
+		return nil, false, errIdemReused
+	}
+	if old.Location != "" {
+		c.Header("Location", old.Location)
+	}
+	if len(old.Body) == 0 {
+		c.Status(old.Status)
+		c.Writer.WriteHeaderNow()
+	} else {
+		c.Data(old.Status, "application/json; charset=utf-8", old.Body)
+	}
+	return nil, true, nil
+}
+
+// reply answers status with v as JSON (nothing when v is nil) and, after a
+// 2xx, stores the answer under rec's Idempotency-Key. stored, when not nil,
+// is what the record keeps instead of v: answers carrying a secret keep
+// it out of the store.
+func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *store.Idempotency, stored any) error {
+	var b []byte
+	if v != nil {
+		var err error
+		if b, err = json.Marshal(v); err != nil {
+			return err
+		}
+	}
+	if rec != nil && status/100 == 2 {
+		r := *rec
+		r.Status, r.Body, r.Location, r.CreatedAt = status, b, location, s.now()
+		if stored != nil {
+			sb, err := json.Marshal(stored)
+			if err != nil {
+				return err
+			}
+			r.Body = sb
+		}
+		if err := s.store.PutIdempotency(c.Request.Context(), r); err != nil && !errors.Is(err, store.ErrExists) {
+			// The work is done; losing the record only means a repeat
+			// is not recognised.
+			s.log.ErrorContext(c.Request.Context(), "storing an idempotency record", "err", err)
+		}
+	}
+	if location != "" {
+		c.Header("Location", location)
+	}
+	if b == nil {
+		c.Status(status)
+		c.Writer.WriteHeaderNow()
+		return nil
+	}
+	c.Data(status, "application/json; charset=utf-8", b)
+	return nil
+}
+
+// Pagination.
+
+const (
+	defaultPageSize = 50
+	maxPageSize     = 200
+)
+
+// page reads limit and cursor. The cursor is the base64url of the last id
+// of the previous page; valid says what such an id looks like.
+func page(c *gin.Context, valid func(string) bool, more []FieldError) (limit int, after string, err error) {
+	limit = defaultPageSize
+	fields := more
+	if v, ok := c.GetQuery("limit"); ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > maxPageSize {
+			fields = append(fields, FieldError{Field: "limit", Message: fmt.Sprintf("must be an integer from 1 to %d", maxPageSize)})
+		}
+		limit = n
+	}
+	badCursor := false
+	if v, ok := c.GetQuery("cursor"); ok && v != "" {
+		id, err := base64.RawURLEncoding.DecodeString(v)
+		if err != nil || !valid(string(id)) {
+			badCursor = true
+		}
+		after = string(id)
+	}
+	switch {
+	case badCursor && len(fields) == 0:
+		return 0, "", &Error{Code: CodeInvalidCursor, Fields: []FieldError{{Field: "cursor", Message: "is not a cursor this list returned"}}}
+	case badCursor:
+		fields = append(fields, FieldError{Field: "cursor", Message: "is not a cursor this list returned"})
+	}
+	if err := validationError(fields); err != nil {
+		return 0, "", err
+	}
+	return limit, after, nil
+}
+
+func cursorOf(id string) *string {
+	s := base64.RawURLEncoding.EncodeToString([]byte(id))
+	return &s
+}

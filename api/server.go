@@ -1,0 +1,352 @@
+package api
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/store"
+)
+
+// Store is what the API needs of the store. *store.DB implements it.
+type Store interface {
+	CreateUser(ctx context.Context, u store.User) error
+	UserByTokenHash(ctx context.Context, hash []byte) (store.User, error)
+
+	ProvisionDevice(ctx context.Context, d store.RegistryDevice) error
+	RegistryDevice(ctx context.Context, id string) (store.RegistryDevice, error)
+
+	CreateBridge(ctx context.Context, b store.Bridge) error
+	BridgeBySecretHash(ctx context.Context, hash []byte) (store.Bridge, error)
+
+	Bind(ctx context.Context, b store.Binding) (store.Binding, bool, error)
+	Unbind(ctx context.Context, deviceID, userID string) error
+	Binding(ctx context.Context, deviceID string) (store.Binding, error)
+	ListBindings(ctx context.Context, userID, after string, limit int) ([]store.Binding, error)
+
+	Status(ctx context.Context, deviceID string) (store.Status, error)
+	Settings(ctx context.Context, deviceID string) (store.Settings, error)
+	MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error
+
+	Command(ctx context.Context, id string) (store.Command, error)
+	ListCommands(ctx context.Context, deviceID, state, before string, limit int) ([]store.Command, error)
+
+	Idempotency(ctx context.Context, userID, key string) (store.Idempotency, error)
+	PutIdempotency(ctx context.Context, rec store.Idempotency) error
+
+	PutFirmware(ctx context.Context, f store.Firmware) error
+	Firmware(ctx context.Context, model, version string) (store.Firmware, error)
+	Firmwares(ctx context.Context, model string) ([]store.Firmware, error)
+
+	PutAppRelease(ctx context.Context, r store.AppRelease) error
+	AppRelease(ctx context.Context, appID, version string) (store.AppRelease, error)
+	AppReleases(ctx context.Context, appID string) ([]store.AppRelease, error)
+	LatestApps(ctx context.Context) ([]store.AppRelease, error)
+
+	PutBlob(ctx context.Context, r io.Reader, max int64) (store.Blob, error)
+	OpenBlob(ctx context.Context, sha string) (*os.File, store.Blob, error)
+}
+
+// Commander is what the API needs of the command broker.
+type Commander interface {
+	// Submit stores the command (queued, on disk) and hands it to the
+	// broker. With idem set, a repeat of the same request returns the first
+	// command and replayed = true. Errors: store.ErrQueueFull,
+	// store.ErrIdemConflict.
+	Submit(ctx context.Context, c store.Command, idem *store.Idempotency) (cmd store.Command, replayed bool, err error)
+	// Cancel cancels a command not yet delivered: broker.ErrNotCancelable or
+	// store.ErrFinal after, store.ErrNotFound for an unknown id.
+	Cancel(ctx context.Context, id string) (store.Command, error)
+	// Wait returns when the command is final or ctx is done, with the
+	// command's latest state either way.
+	Wait(ctx context.Context, id string) (store.Command, error)
+}
+
+// Limits are the bounds of CONTRACT §6 the API enforces. A zero field means
+// its default; the rate fields take a negative value to mean "no limit".
+type Limits struct {
+	MaxTextBytes     int   // text of a push, bytes of UTF-8; 4096
+	MaxTitleBytes    int   // title of a text push; 128
+	MaxImageBytes    int64 // an image, decoded; 2 MiB
+	MaxImageSide     int   // an image's width and height, pixels; 4096
+	MaxAppBytes      int64 // an app package; 16 MiB
+	MaxFirmwareBytes int64 // a firmware image; 64 MiB
+	// MaxOpenCommands is the number of unfinished commands a device may
+	// have; 1000. The broker enforces it (Submit's store.ErrQueueFull); it
+	// is here so that one Limits value describes the service.
+	MaxOpenCommands int
+	MaxWait         time.Duration // longest Prefer: wait; 60s
+	DefaultTTL      time.Duration // of a command; 24h
+	MinTTL          time.Duration // 60s
+	MaxTTL          time.Duration // 7 days
+	MaxJSONBody     int64         // a JSON body other than an image push; 64 KiB
+
+	RequestsPerSecond float64 // per token; 50
+	RequestBurst      int     // per token; 100
+	RegisterPerMinute int     // register attempts per user; 10
+	// QueueFullRetryAfter is the Retry-After of a 429 queue_full; 5s.
+	QueueFullRetryAfter time.Duration
+}
+
+// DefaultLimits are the limits of CONTRACT §6.
+var DefaultLimits = Limits{
+	MaxTextBytes:        4096,
+	MaxTitleBytes:       128,
+	MaxImageBytes:       2 << 20,
+	MaxImageSide:        4096,
+	MaxAppBytes:         16 << 20,
+	MaxFirmwareBytes:    64 << 20,
+	MaxOpenCommands:     1000,
+	MaxWait:             60 * time.Second,
+	DefaultTTL:          86400 * time.Second,
+	MinTTL:              60 * time.Second,
+	MaxTTL:              604800 * time.Second,
+	MaxJSONBody:         64 << 10,
+	RequestsPerSecond:   50,
+	RequestBurst:        100,
+	RegisterPerMinute:   10,
+	QueueFullRetryAfter: 5 * time.Second,
+}
+
+func (l Limits) withDefaults() Limits {
+	d := DefaultLimits
+	set := func(v *int, def int) {
+		if *v == 0 {
+			*v = def
+		}
+	}
+	set64 := func(v *int64, def int64) {
+		if *v == 0 {
+			*v = def
+		}
+	}
+	setDur := func(v *time.Duration, def time.Duration) {
+		if *v == 0 {
+			*v = def
+		}
+	}
+	set(&l.MaxTextBytes, d.MaxTextBytes)
+	set(&l.MaxTitleBytes, d.MaxTitleBytes)
+	set64(&l.MaxImageBytes, d.MaxImageBytes)
+	set(&l.MaxImageSide, d.MaxImageSide)
+	set64(&l.MaxAppBytes, d.MaxAppBytes)
+	set64(&l.MaxFirmwareBytes, d.MaxFirmwareBytes)
+	set(&l.MaxOpenCommands, d.MaxOpenCommands)
+	setDur(&l.MaxWait, d.MaxWait)
+	setDur(&l.DefaultTTL, d.DefaultTTL)
+	setDur(&l.MinTTL, d.MinTTL)
+	setDur(&l.MaxTTL, d.MaxTTL)
+	set64(&l.MaxJSONBody, d.MaxJSONBody)
+	if l.RequestsPerSecond == 0 {
+		l.RequestsPerSecond = d.RequestsPerSecond
+	}
+	set(&l.RequestBurst, d.RequestBurst)
+	set(&l.RegisterPerMinute, d.RegisterPerMinute)
+	setDur(&l.QueueFullRetryAfter, d.QueueFullRetryAfter)
+	return l
+}
+
+func (l Limits) check() error {
+	switch {
+	case l.MaxTextBytes < 0, l.MaxTitleBytes < 0, l.MaxImageBytes < 0, l.MaxImageSide < 0,
+		l.MaxAppBytes < 0, l.MaxFirmwareBytes < 0, l.MaxOpenCommands < 0, l.MaxWait < 0,
+		l.MaxJSONBody < 0, l.QueueFullRetryAfter < 0:
+		return errors.New("api: negative limit")
+	case l.MinTTL < time.Second || l.MinTTL > l.DefaultTTL || l.DefaultTTL > l.MaxTTL:
+		return fmt.Errorf("api: TTLs must satisfy 1s <= MinTTL (%v) <= DefaultTTL (%v) <= MaxTTL (%v)", l.MinTTL, l.DefaultTTL, l.MaxTTL)
+	case l.MaxTTL%time.Second != 0 || l.MinTTL%time.Second != 0 || l.DefaultTTL%time.Second != 0:
+		return errors.New("api: TTLs must be whole seconds")
+	}
+	return nil
+}
+
+// imageBody is the body limit of an image push: the base64 of the largest
+// image plus the room of an ordinary JSON body.
+func (l Limits) imageBody() int64 {
+	return int64(base64.StdEncoding.EncodedLen(int(l.MaxImageBytes))) + l.MaxJSONBody
+}
+
+// Options configure New. The zero value of each optional field means its
+// default.
+type Options struct {
+	Store    Store     // required
+	Commands Commander // required
+	// AdminToken is the bearer of the admin API and may also fetch blobs.
+	// When empty the admin API refuses every request.
+	AdminToken string
+	Limits     Limits
+	// Ready reports whether the service can take requests (store open,
+	// MQTT connected), for /readyz; nil means always ready.
+	Ready  func() bool
+	Logger *slog.Logger     // slog.Default() when nil
+	Now    func() time.Time // time.Now when nil
+}
+
+// Server is the HTTP API. Create it with New; serve Handler.
+type Server struct {
+	store     Store
+	cmds      Commander
+	adminHash []byte // SHA-256 of the admin token; nil when there is none
+	limits    Limits
+	ready     func() bool
+	log       *slog.Logger
+	now       func() time.Time
+
+	rate     *limiter // requests per token
+	register *limiter // register attempts per user
+
+	engine *gin.Engine
+}
+
+var ginMode sync.Once
+
+// New checks the options and builds the server and its routes.
+func New(opts Options) (*Server, error) {
+	if opts.Store == nil {
+		return nil, errors.New("api: no store")
+	}
+	if opts.Commands == nil {
+		return nil, errors.New("api: no command broker")
+	}
+	limits := opts.Limits.withDefaults()
+	if err := limits.check(); err != nil {
+		return nil, err
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.Ready == nil {
+		opts.Ready = func() bool { return true }
+	}
+	s := &Server{
+		store:  opts.Store,
+		cmds:   opts.Commands,
+		limits: limits,
+		ready:  opts.Ready,
+		log:    opts.Logger.With("component", "api"),
+		now:    opts.Now,
+	}
+	if opts.AdminToken != "" {
+		h := sha256.Sum256([]byte(opts.AdminToken))
+		s.adminHash = h[:]
+	}
+	s.rate = newLimiter(limits.RequestsPerSecond, float64(limits.RequestBurst))
+	s.register = newLimiter(float64(limits.RegisterPerMinute)/60, float64(limits.RegisterPerMinute))
+	ginMode.Do(func() { gin.SetMode(gin.ReleaseMode) })
+	s.engine = s.routes()
+	return s, nil
+}
+
+// Handler returns the HTTP handler of every route.
+func (s *Server) Handler() http.Handler { return s.engine }
+
+// handler is a gin handler that returns its failure; h turns the failure
+// into a problem+json answer.
+type handler func(c *gin.Context) error
+
+func (s *Server) h(f handler) gin.HandlerFunc {
+	return func(c *gin.Context) {
+		if err := f(c); err != nil {
+			s.fail(c, err)
+		}
+	}
+}
+
+func (s *Server) routes() *gin.Engine {
+	e := gin.New()
+	e.HandleMethodNotAllowed = true
+	e.Use(s.recoverer, s.logRequest)
+	e.NoRoute(s.h(func(*gin.Context) error { return errNotFound }))
+	e.NoMethod(s.h(func(*gin.Context) error { return &Error{Code: CodeMethodNotAllowed} }))
+
+	e.GET("/healthz", s.healthz)
+	e.GET("/readyz", s.h(s.readyz))
+
+	v1 := e.Group("/api/v1")
+
+	user := v1.Group("", s.userAuth, s.rateLimit)
+	user.POST("/devices/register", s.h(s.registerDevice))
+	user.GET("/devices", s.h(s.listDevices))
+	user.GET("/devices/:id", s.h(s.getDevice))
+	user.DELETE("/devices/:id", s.h(s.unbindDevice))
+	user.GET("/devices/:id/status", s.h(s.deviceStatus))
+	user.POST("/devices/:id/push/text", s.h(s.pushText))
+	user.POST("/devices/:id/push/image", s.h(s.pushImage))
+	user.GET("/devices/:id/apps", s.h(s.deviceApps))
+	user.POST("/devices/:id/apps/install", s.h(s.installApp))
+	user.DELETE("/devices/:id/apps/:app_id", s.h(s.uninstallApp))
+	user.PUT("/devices/:id/apps/:app_id/update", s.h(s.updateApp))
+	user.GET("/devices/:id/settings", s.h(s.getSettings))
+	user.PUT("/devices/:id/settings", s.h(s.putSettings))
+	user.GET("/devices/:id/ota/check", s.h(s.otaCheck))
+	user.POST("/devices/:id/ota/update", s.h(s.otaUpdate))
+	user.GET("/devices/:id/commands", s.h(s.listCommands))
+	user.GET("/devices/:id/commands/:command_id", s.h(s.getCommand))
+	user.DELETE("/devices/:id/commands/:command_id", s.h(s.cancelCommand))
+	user.GET("/apps", s.h(s.appCatalog))
+
+	admin := v1.Group("/admin", s.adminAuth, s.rateLimit)
+	admin.POST("/users", s.h(s.adminCreateUser))
+	admin.POST("/devices", s.h(s.adminProvisionDevice))
+	admin.POST("/bridges", s.h(s.adminCreateBridge))
+	admin.PUT("/firmware/:model/:version", s.h(s.adminPutFirmware))
+	admin.PUT("/apps/:app_id/:version", s.h(s.adminPutApp))
+
+	v1.GET("/blobs/:sha256", s.blobAuth, s.rateLimit, s.h(s.getBlob))
+	v1.HEAD("/blobs/:sha256", s.blobAuth, s.rateLimit, s.h(s.getBlob))
+	return e
+}
+
+func (s *Server) healthz(c *gin.Context) {
+	c.JSON(http.StatusOK, gin.H{"status": "ok"})
+}
+
+func (s *Server) readyz(c *gin.Context) error {
+	if !s.ready() {
+		return &Error{Code: CodeNotReady}
+	}
+	c.JSON(http.StatusOK, gin.H{"status": "ready"})
+	return nil
+}
+
+// recoverer is the last line: a handler that panics is logged with its
+// stack and answered with a 500 that says nothing more.
+func (s *Server) recoverer(c *gin.Context) {
+	defer func() {
+		v := recover()
+		if v == nil {
+			return
+		}
+		if v == http.ErrAbortHandler {
+			panic(v)
+		}
+		s.log.ErrorContext(c.Request.Context(), "handler panicked",
+			"method", c.Request.Method, "path", c.Request.URL.Path, "panic", fmt.Sprint(v), "stack", string(stack()))
+		if !c.Writer.Written() {
+			s.writeProblem(c, &Error{Code: CodeInternal})
+		}
+		c.Abort()
+	}()
+	c.Next()
+}
+
+func (s *Server) logRequest(c *gin.Context) {
+	start := time.Now()
+	c.Next()
+	s.log.DebugContext(c.Request.Context(), "request",
+		"method", c.Request.Method, "route", c.FullPath(), "status", c.Writer.Status(), "duration", time.Since(start))
+}

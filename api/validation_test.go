@@ -1,0 +1,518 @@
+package api
+
+import (
+	"bytes"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"hash/crc32"
+	"image"
+	"image/color"
+	"image/gif"
+	"image/jpeg"
+	"image/png"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+func pngOf(t testing.TB, w, h int) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	require.NoError(t, png.Encode(&buf, image.NewGray(image.Rect(0, 0, w, h))))
+	return buf.Bytes()
+}
+
+func jpegOf(t testing.TB, w, h int) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	require.NoError(t, jpeg.Encode(&buf, image.NewRGBA(image.Rect(0, 0, w, h)), nil))
+	return buf.Bytes()
+}
+
+func gifOf(t testing.TB, w, h int) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	img := image.NewPaletted(image.Rect(0, 0, w, h), color.Palette{color.Black, color.White})
+	require.NoError(t, gif.Encode(&buf, img, nil))
+	return buf.Bytes()
+}
+
+// pngHeaderOnly is a PNG signature and an IHDR chunk claiming w×h pixels,
+// and nothing else: only a header-only check can get an answer from it.
+func pngHeaderOnly(w, h uint32) []byte {
+	var ihdr bytes.Buffer
+	ihdr.WriteString("IHDR")
+	binary.Write(&ihdr, binary.BigEndian, w)
+	binary.Write(&ihdr, binary.BigEndian, h)
+	ihdr.Write([]byte{8, 0, 0, 0, 0}) // 8-bit grey
+	var out bytes.Buffer
+	out.WriteString("\x89PNG\r\n\x1a\n")
+	binary.Write(&out, binary.BigEndian, uint32(13))
+	out.Write(ihdr.Bytes())
+	binary.Write(&out, binary.BigEndian, crc32.ChecksumIEEE(ihdr.Bytes()))
+	return out.Bytes()
+}
+
+func b64(b []byte) string { return base64.StdEncoding.EncodeToString(b) }
+
+// padTo appends zero bytes to a valid image until it is n bytes long; the
+// header, all a check reads, is unchanged.
+func padTo(b []byte, n int) []byte {
+	return append(b, make([]byte, n-len(b))...)
+}
+
+type bodyCase struct {
+	name   string
+	body   any
+	status int
+	fields []string // the fields the problem must name, in order; nil: none checked
+}
+
+func runBodyCases(t *testing.T, e *env, method, path, token string, cases []bodyCase) {
+	t.Helper()
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			r := e.do(method, path, token, tc.body)
+			require.Equal(t, tc.status, r.status, "%s %s (%s) = %d %s; want %d", method, path, tc.name, r.status, r.body, tc.status)
+			if tc.status >= 400 {
+				p := r.problem(t)
+				if tc.fields != nil {
+					assert.Equal(t, tc.fields, p.fields(), "fields of %s", r.body)
+				}
+				switch tc.status {
+				case http.StatusUnprocessableEntity:
+					if tc.fields != nil {
+						assert.Equal(t, CodeValidationFailed, p.Code)
+					}
+				case http.StatusBadRequest:
+					assert.Equal(t, CodeMalformedJSON, p.Code)
+				}
+			}
+		})
+	}
+}
+
+func TestPushTextValidation(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	path := "/api/v1/devices/dev-1/push/text"
+	a := func(n int) string { return strings.Repeat("a", n) }
+	cases := []bodyCase{
+		{"text at 4096 bytes", map[string]any{"text": a(4096)}, 202, nil},
+		{"text at 4097 bytes", map[string]any{"text": a(4097)}, 422, []string{"text"}},
+		{"text of 2048 two-byte runes", map[string]any{"text": strings.Repeat("é", 2048)}, 202, nil},
+		{"text of 2049 two-byte runes", map[string]any{"text": strings.Repeat("é", 2049)}, 422, []string{"text"}},
+		{"text empty", map[string]any{"text": ""}, 422, []string{"text"}},
+		{"text missing", map[string]any{"title": "t"}, 422, []string{"text"}},
+		{"text null", `{"text":null}`, 422, []string{"text"}},
+		{"text invalid UTF-8", []byte("{\"text\":\"ab\xff\xfecd\"}"), 422, []string{"text"}},
+		{"text lone high surrogate", `{"text":"a\ud800b"}`, 422, []string{"text"}},
+		{"text lone low surrogate", `{"text":"\udc00"}`, 422, []string{"text"}},
+		{"text surrogate pair", `{"text":"\ud83d\ude00"}`, 202, nil},
+		{"title invalid UTF-8", []byte("{\"text\":\"x\",\"title\":\"\xc3\"}"), 422, []string{"title"}},
+		{"title at 128", map[string]any{"text": "x", "title": a(128)}, 202, nil},
+		{"title at 129", map[string]any{"text": "x", "title": a(129)}, 422, []string{"title"}},
+		{"ttl 59", map[string]any{"text": "x", "ttl_seconds": 59}, 422, []string{"ttl_seconds"}},
+		{"ttl 60", map[string]any{"text": "x", "ttl_seconds": 60}, 202, nil},
+		{"ttl 604800", map[string]any{"text": "x", "ttl_seconds": 604800}, 202, nil},
+		{"ttl 604801", map[string]any{"text": "x", "ttl_seconds": 604801}, 422, []string{"ttl_seconds"}},
+		{"ttl fraction", map[string]any{"text": "x", "ttl_seconds": 60.5}, 422, []string{"ttl_seconds"}},
+		{"ttl negative", map[string]any{"text": "x", "ttl_seconds": -1}, 422, []string{"ttl_seconds"}},
+		{"ttl huge", `{"text":"x","ttl_seconds":1e300}`, 422, []string{"ttl_seconds"}},
+		{"ttl string", `{"text":"x","ttl_seconds":"60"}`, 400, []string{"ttl_seconds"}},
+		{"text number", `{"text":5}`, 400, []string{"text"}},
+		{"title object", `{"text":"x","title":{}}`, 400, []string{"title"}},
+		{"every field bad", map[string]any{"title": a(129), "ttl_seconds": 1}, 422, []string{"text", "title", "ttl_seconds"}},
+		{"unknown fields ignored", map[string]any{"text": "x", "colour": "red"}, 202, nil},
+		{"not JSON", "text=hello", 400, nil},
+		{"array", `[{"text":"x"}]`, 400, nil},
+		{"string", `"x"`, 400, nil},
+		{"null", `null`, 400, nil},
+		{"empty", ``, 400, nil},
+		{"truncated", `{"text":"x"`, 400, nil},
+		{"trailing data", `{"text":"x"} true`, 400, nil},
+		{"two objects", `{"text":"x"}{"text":"y"}`, 400, nil},
+	}
+	runBodyCases(t, e, "POST", path, tok, cases)
+
+	c := e.cmds.last(t)
+	assert.Equal(t, topics.OpPushText, c.Op)
+	assert.Equal(t, "dev-1", c.DeviceID)
+
+	t.Run("ttl sets expires_at", func(t *testing.T) {
+		before := time.Now()
+		r := e.do("POST", path, tok, map[string]any{"text": "x", "ttl_seconds": 3600})
+		require.Equal(t, 202, r.status)
+		exp, err := time.Parse(time.RFC3339Nano, r.json(t)["expires_at"].(string))
+		require.NoError(t, err)
+		assert.WithinDuration(t, before.Add(time.Hour), exp, 5*time.Second)
+		var p topics.PushText
+		require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &p))
+		assert.Equal(t, topics.PushText{Text: "x"}, p)
+	})
+}
+
+func TestContentTypeAndSize(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	path := "/api/v1/devices/dev-1/push/text"
+	body := `{"text":"hi"}`
+	for _, tc := range []struct {
+		ctype  string
+		status int
+	}{
+		{"application/json", 202},
+		{"application/json; charset=utf-8", 202},
+		{"application/json;charset=UTF-8", 202},
+		{"text/plain", 415},
+		{"", 415},
+		{"application/json; charset=latin1", 415},
+		{"application/x-www-form-urlencoded", 415},
+		{"application/jsonx", 415},
+		{"garbage;;;", 415},
+	} {
+		r := e.send(req{method: "POST", path: path, token: tok, body: body, header: map[string]string{"Content-Type": tc.ctype}})
+		require.Equal(t, tc.status, r.status, "Content-Type %q = %d %s; want %d", tc.ctype, r.status, r.body, tc.status)
+		if tc.status == 415 {
+			assert.Equal(t, CodeUnsupportedMedia, r.problem(t).Code)
+		}
+	}
+
+	t.Run("413 over the JSON limit", func(t *testing.T) {
+		big := map[string]any{"text": strings.Repeat("a", 70<<10)}
+		r := e.do("POST", path, tok, big)
+		require.Equal(t, 413, r.status, "%s", r.body)
+		assert.Equal(t, CodeBodyTooLarge, r.problem(t).Code)
+	})
+	t.Run("413 over the image limit", func(t *testing.T) {
+		big := map[string]any{"image": strings.Repeat("A", 3<<20)}
+		r := e.do("POST", "/api/v1/devices/dev-1/push/image", tok, big)
+		require.Equal(t, 413, r.status, "%s", r.body)
+		assert.Equal(t, CodeBodyTooLarge, r.problem(t).Code)
+	})
+	t.Run("optional bodies may be empty without a content type", func(t *testing.T) {
+		r := e.send(req{method: "POST", path: "/api/v1/devices/dev-1/ota/update", token: tok})
+		require.Equal(t, 404, r.status, "%s", r.body) // no firmware: past the body checks
+		assert.Equal(t, CodeFirmwareNotFound, r.problem(t).Code)
+		r = e.send(req{method: "POST", path: "/api/v1/devices/dev-1/ota/update", token: tok, body: `{}`, header: map[string]string{"Content-Type": "text/plain"}})
+		require.Equal(t, 415, r.status, "%s", r.body)
+	})
+}
+
+func TestPushImageValidation(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	path := "/api/v1/devices/dev-1/push/image"
+	small := pngOf(t, 8, 4)
+	const mib2 = 2 << 20
+	cases := []bodyCase{
+		{"png", map[string]any{"image": b64(small)}, 202, nil},
+		{"png unpadded base64", map[string]any{"image": base64.RawStdEncoding.EncodeToString(small)}, 202, nil},
+		{"png with its content type", map[string]any{"image": b64(small), "content_type": "image/png"}, 202, nil},
+		{"jpeg", map[string]any{"image": b64(jpegOf(t, 16, 16)), "content_type": "image/jpeg"}, 202, nil},
+		{"content type mismatch", map[string]any{"image": b64(small), "content_type": "image/jpeg"}, 422, []string{"content_type"}},
+		{"content type not an image we take", map[string]any{"image": b64(small), "content_type": "image/gif"}, 422, []string{"content_type"}},
+		{"content type garbage", map[string]any{"image": b64(small), "content_type": ";;"}, 422, []string{"content_type"}},
+		{"gif", map[string]any{"image": b64(gifOf(t, 4, 4))}, 422, []string{"image"}},
+		{"not an image", map[string]any{"image": b64([]byte("hello, world"))}, 422, []string{"image"}},
+		{"garbage base64", map[string]any{"image": "!!!not base64$$$"}, 422, []string{"image"}},
+		{"missing", map[string]any{"content_type": "image/png"}, 422, []string{"image"}},
+		{"empty", map[string]any{"image": ""}, 422, []string{"image"}},
+		{"number", `{"image":12}`, 400, []string{"image"}},
+		{"4096 wide", map[string]any{"image": b64(pngOf(t, 4096, 1))}, 202, nil},
+		{"4096 high", map[string]any{"image": b64(pngOf(t, 1, 4096))}, 202, nil},
+		{"4097 wide", map[string]any{"image": b64(pngOf(t, 4097, 1))}, 422, []string{"image"}},
+		{"4097 high", map[string]any{"image": b64(pngOf(t, 1, 4097))}, 422, []string{"image"}},
+		{"header claims 100000x100000", map[string]any{"image": b64(pngHeaderOnly(100000, 100000))}, 422, []string{"image"}},
+		{"2 MiB decoded", map[string]any{"image": b64(padTo(pngOf(t, 2, 2), mib2))}, 202, nil},
+		{"2 MiB + 1 decoded", map[string]any{"image": b64(padTo(pngOf(t, 2, 2), mib2+1))}, 422, []string{"image"}},
+		{"ttl 59", map[string]any{"image": b64(small), "ttl_seconds": 59}, 422, []string{"ttl_seconds"}},
+		{"ttl 604801 and a gif", map[string]any{"image": b64(gifOf(t, 1, 1)), "ttl_seconds": 604801}, 422, []string{"image", "ttl_seconds"}},
+	}
+	runBodyCases(t, e, "POST", path, tok, cases)
+
+	t.Run("payload references the blob", func(t *testing.T) {
+		img := pngOf(t, 3, 5)
+		r := e.do("POST", path, tok, map[string]any{"image": b64(img)})
+		require.Equal(t, 202, r.status, "%s", r.body)
+		var p topics.PushImage
+		require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &p))
+		assert.Equal(t, "image/png", p.ContentType)
+		assert.Equal(t, 3, p.Width)
+		assert.Equal(t, 5, p.Height)
+		assert.Equal(t, int64(len(img)), p.Blob.Size)
+		assert.Equal(t, "/api/v1/blobs/"+p.Blob.SHA256, p.Blob.URL)
+	})
+	t.Run("the header is refused with its size", func(t *testing.T) {
+		r := e.do("POST", path, tok, map[string]any{"image": b64(pngHeaderOnly(100000, 100000))})
+		p := r.problem(t)
+		require.Len(t, p.Errors, 1)
+		assert.Contains(t, p.Errors[0].Message, "100000×100000")
+	})
+}
+
+func TestSettingsValidation(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	path := "/api/v1/devices/dev-1/settings"
+
+	t.Run("no schema yet", func(t *testing.T) {
+		r := e.do("PUT", path, tok, map[string]any{"brightness": 10})
+		require.Equal(t, 409, r.status, "%s", r.body)
+		assert.Equal(t, CodeSettingsUnknown, r.problem(t).Code)
+	})
+
+	e.reportSettings("dev-1")
+	cases := []bodyCase{
+		{"one setting", map[string]any{"brightness": 70}, 202, nil},
+		{"every type", map[string]any{"volume": 0, "do_not_disturb": true, "timezone": "Europe/Berlin", "language": "ja", "display_timeout_s": 600}, 202, nil},
+		{"unknown key", map[string]any{"bogus": 1}, 422, []string{"bogus"}},
+		{"wrong type", map[string]any{"brightness": "high"}, 422, []string{"brightness"}},
+		{"above range", map[string]any{"brightness": 101}, 422, []string{"brightness"}},
+		{"below range", map[string]any{"display_timeout_s": 4}, 422, []string{"display_timeout_s"}},
+		{"not an integer", map[string]any{"volume": 1.5}, 422, []string{"volume"}},
+		{"bool as number", map[string]any{"do_not_disturb": 1}, 422, []string{"do_not_disturb"}},
+		{"enum value", map[string]any{"language": "xx"}, 422, []string{"language"}},
+		{"timezone", map[string]any{"timezone": "Mars/Olympus_Mons"}, 422, []string{"timezone"}},
+		{"null value", `{"brightness":null}`, 422, []string{"brightness"}},
+		{"invalid UTF-8 value", []byte("{\"language\":\"e\xffn\"}"), 422, []string{"language"}},
+		{"each bad key named", map[string]any{"brightness": 101, "bogus": 1, "language": "xx", "do_not_disturb": 1, "volume": 50},
+			422, []string{"bogus", "brightness", "do_not_disturb", "language"}},
+		{"empty object", `{}`, 422, []string{"settings"}},
+		{"array", `[]`, 400, nil},
+		{"huge number", `{"brightness":1e999}`, 400, nil},
+		{"trailing", `{"brightness":1}]`, 400, nil},
+	}
+	runBodyCases(t, e, "PUT", path, tok, cases)
+
+	r := e.do("PUT", path, tok, map[string]any{"brightness": 33})
+	require.Equal(t, 202, r.status)
+	var p topics.SettingsUpdate
+	require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &p))
+	assert.Equal(t, map[string]any{"brightness": 33.0}, p.Settings)
+
+	got := e.do("GET", path, tok, nil)
+	require.Equal(t, 200, got.status)
+	m := got.json(t)
+	assert.Equal(t, 33.0, m["desired"].(map[string]any)["brightness"])
+	assert.Equal(t, 50.0, m["reported"].(map[string]any)["brightness"])
+	assert.Contains(t, m["pending"], "brightness")
+	assert.Contains(t, m["schema"], "language")
+	assert.NotNil(t, m["updated_at"])
+}
+
+func TestAppAndOTAValidation(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.report("dev-1", "1.0.0", topicsApp("weather", "1.0.0"))
+
+	put := func(path string, body []byte) {
+		t.Helper()
+		r := e.send(req{method: "PUT", path: path, token: testAdminToken, body: body, header: map[string]string{"Content-Type": "application/octet-stream"}})
+		require.Equal(t, 201, r.status, "%s", r.body)
+	}
+	put("/api/v1/admin/apps/weather/1.0.0", []byte("weather 1.0.0"))
+	put("/api/v1/admin/apps/weather/1.2.0", []byte("weather 1.2.0"))
+	put("/api/v1/admin/apps/weather/1.10.0", []byte("weather 1.10.0"))
+
+	install := "/api/v1/devices/dev-1/apps/install"
+	runBodyCases(t, e, "POST", install, tok, []bodyCase{
+		{"app_id missing", map[string]any{}, 422, []string{"app_id"}},
+		{"app_id upper case", map[string]any{"app_id": "Weather"}, 422, []string{"app_id"}},
+		{"app_id 129", map[string]any{"app_id": strings.Repeat("a", 129)}, 422, []string{"app_id"}},
+		{"app_id number", `{"app_id":1}`, 400, []string{"app_id"}},
+		{"version not semver", map[string]any{"app_id": "weather", "version": "1.0"}, 422, []string{"version"}},
+		{"version with v", map[string]any{"app_id": "weather", "version": "v1.0.0"}, 422, []string{"version"}},
+		{"both bad", map[string]any{"app_id": "W", "version": ""}, 422, []string{"app_id", "version"}},
+		{"unknown app", map[string]any{"app_id": "nope"}, 404, nil},
+		{"unknown version", map[string]any{"app_id": "weather", "version": "9.9.9"}, 404, nil},
+		{"latest", map[string]any{"app_id": "weather"}, 202, nil},
+	})
+	var ai topics.AppInstall
+	require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &ai))
+	assert.Equal(t, "1.10.0", ai.Version, "semver order, not text order")
+	assert.Equal(t, "/api/v1/blobs/"+ai.Blob.SHA256, ai.Blob.URL)
+	r := e.do("POST", install, tok, map[string]any{"app_id": "nope"})
+	assert.Equal(t, CodeAppNotFound, r.problem(t).Code)
+
+	update := "/api/v1/devices/dev-1/apps/weather/update"
+	runBodyCases(t, e, "PUT", update, tok, []bodyCase{
+		{"version bad", map[string]any{"version": "latest"}, 422, []string{"version"}},
+		{"version number", `{"version":2}`, 400, []string{"version"}},
+		{"already runs it", map[string]any{"version": "1.0.0"}, 409, nil},
+		{"unknown version", map[string]any{"version": "3.0.0"}, 404, nil},
+		{"explicit", map[string]any{"version": "1.2.0"}, 202, nil},
+		{"latest", nil, 202, nil},
+	})
+	r = e.do("PUT", "/api/v1/devices/dev-1/apps/nope/update", tok, nil)
+	assert.Equal(t, 404, r.status)
+	assert.Equal(t, CodeAppNotFound, r.problem(t).Code)
+	r = e.do("PUT", "/api/v1/devices/dev-1/apps/BAD/update", tok, nil)
+	assert.Equal(t, 404, r.status)
+	e.report("dev-1", "1.0.0", topicsApp("weather", "1.10.0"))
+	r = e.do("PUT", update, tok, nil)
+	assert.Equal(t, 409, r.status, "%s", r.body)
+	assert.Equal(t, CodeNoUpdate, r.problem(t).Code)
+
+	r = e.do("DELETE", "/api/v1/devices/dev-1/apps/weather", tok, nil)
+	require.Equal(t, 202, r.status, "%s", r.body)
+	assert.Equal(t, topics.OpAppUninstall, e.cmds.last(t).Op)
+	r = e.do("DELETE", "/api/v1/devices/dev-1/apps/Not_Valid", tok, nil)
+	assert.Equal(t, 404, r.status)
+
+	// OTA.
+	check := func() map[string]any {
+		r := e.do("GET", "/api/v1/devices/dev-1/ota/check", tok, nil)
+		require.Equal(t, 200, r.status, "%s", r.body)
+		return r.json(t)
+	}
+	assert.Equal(t, map[string]any{"current_version": "1.0.0", "latest_version": nil, "update_available": false, "size": nil, "sha256": nil}, check())
+	ota := "/api/v1/devices/dev-1/ota/update"
+	r = e.do("POST", ota, tok, nil)
+	assert.Equal(t, CodeFirmwareNotFound, r.problem(t).Code)
+
+	put("/api/v1/admin/firmware/sim-1/1.0.0", []byte("fw 1.0.0"))
+	assert.Equal(t, false, check()["update_available"])
+	r = e.do("POST", ota, tok, nil)
+	assert.Equal(t, 409, r.status)
+	assert.Equal(t, CodeNoUpdate, r.problem(t).Code)
+
+	put("/api/v1/admin/firmware/sim-1/1.1.0", []byte("firmware 1.1.0"))
+	m := check()
+	assert.Equal(t, "1.1.0", m["latest_version"])
+	assert.Equal(t, true, m["update_available"])
+	assert.Equal(t, float64(len("firmware 1.1.0")), m["size"])
+	assert.Len(t, m["sha256"], 64)
+
+	runBodyCases(t, e, "POST", ota, tok, []bodyCase{
+		{"version bad", map[string]any{"version": "1"}, 422, []string{"version"}},
+		{"version type", `{"version":true}`, 400, []string{"version"}},
+		{"already runs it", map[string]any{"version": "1.0.0"}, 409, nil},
+		{"unknown version", map[string]any{"version": "2.0.0"}, 404, nil},
+		{"latest", `{}`, 202, nil},
+		{"explicit", map[string]any{"version": "1.1.0"}, 202, nil},
+	})
+	var ou topics.OTAUpdate
+	require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &ou))
+	assert.Equal(t, "1.1.0", ou.Version)
+	assert.Equal(t, int64(len("firmware 1.1.0")), ou.Blob.Size)
+}
+
+func TestListQueryValidation(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	for _, path := range []string{"/api/v1/devices", "/api/v1/devices/dev-1/commands"} {
+		for _, tc := range []struct {
+			query  string
+			status int
+			code   string
+			fields []string
+		}{
+			{"", 200, "", nil},
+			{"?limit=1", 200, "", nil},
+			{"?limit=200", 200, "", nil},
+			{"?limit=0", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=201", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=-1", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=ten", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=99999999999999999999", 422, CodeValidationFailed, []string{"limit"}},
+			{"?cursor=%21%21%21", 422, CodeInvalidCursor, []string{"cursor"}},
+			{"?cursor=" + base64.RawURLEncoding.EncodeToString([]byte("not an id!")), 422, CodeInvalidCursor, []string{"cursor"}},
+			{"?cursor=!!!&limit=0", 422, CodeValidationFailed, []string{"limit", "cursor"}},
+		} {
+			r := e.do("GET", path+tc.query, tok, nil)
+			require.Equal(t, tc.status, r.status, "GET %s%s = %d %s", path, tc.query, r.status, r.body)
+			if tc.status != 200 {
+				p := r.problem(t)
+				assert.Equal(t, tc.code, p.Code, "GET %s%s", path, tc.query)
+				assert.Equal(t, tc.fields, p.fields(), "GET %s%s", path, tc.query)
+			}
+		}
+	}
+	for _, tc := range []struct {
+		query  string
+		status int
+	}{
+		{"?state=queued", 200}, {"?state=succeeded", 200}, {"?state=canceled", 200},
+		{"?state=done", 422}, {"?state=QUEUED", 422},
+	} {
+		r := e.do("GET", "/api/v1/devices/dev-1/commands"+tc.query, tok, nil)
+		require.Equal(t, tc.status, r.status, "state %s: %s", tc.query, r.body)
+		if tc.status == 422 {
+			assert.Equal(t, []string{"state"}, r.problem(t).fields())
+		}
+	}
+}
+
+func TestPathIDs(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	cmdPath := "/api/v1/devices/dev-1/commands/"
+	for _, tc := range []struct {
+		method, path, code string
+	}{
+		{"GET", "/api/v1/devices/bad%20id/status", CodeDeviceNotFound},
+		{"GET", "/api/v1/devices/" + strings.Repeat("d", 65) + "/status", CodeDeviceNotFound},
+		{"GET", "/api/v1/devices/dev%2A1/status", CodeDeviceNotFound},
+		{"POST", "/api/v1/devices/d%C3%A9v/push/text", CodeDeviceNotFound},
+		{"GET", "/api/v1/devices/dev-2/status", CodeDeviceNotFound},
+		{"GET", cmdPath + "not-a-uuid", CodeCommandNotFound},
+		{"GET", cmdPath + "0195f3c4-0000-7000-8000-00000000000", CodeCommandNotFound},
+		{"GET", cmdPath + "0195f3c4-0000-7000-8000-000000000000", CodeCommandNotFound},
+		{"DELETE", cmdPath + "zzz", CodeCommandNotFound},
+		{"DELETE", "/api/v1/devices/dev-1/apps/UPPER", CodeAppNotFound},
+		{"PUT", "/api/v1/devices/dev-1/apps/a%20b/update", CodeAppNotFound},
+		{"GET", "/api/v1/nowhere", CodeNotFound},
+	} {
+		r := e.do(tc.method, tc.path, tok, nil)
+		require.Equal(t, 404, r.status, "%s %s = %d %s", tc.method, tc.path, r.status, r.body)
+		assert.Equal(t, tc.code, r.problem(t).Code, "%s %s", tc.method, tc.path)
+	}
+	r := e.do("PATCH", "/api/v1/devices/dev-1/settings", tok, nil)
+	assert.Equal(t, 405, r.status)
+	assert.Equal(t, CodeMethodNotAllowed, r.problem(t).Code)
+}
+
+// TestNoRouteAnswers5xxOnGarbage throws odd bodies at every JSON route: none may answer 5xx.
+func TestNoRouteAnswers5xxOnGarbage(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.reportSettings("dev-1")
+	routes := []struct{ method, path string }{
+		{"POST", "/api/v1/devices/register"},
+		{"POST", "/api/v1/devices/dev-1/push/text"},
+		{"POST", "/api/v1/devices/dev-1/push/image"},
+		{"POST", "/api/v1/devices/dev-1/apps/install"},
+		{"PUT", "/api/v1/devices/dev-1/apps/x/update"},
+		{"PUT", "/api/v1/devices/dev-1/settings"},
+		{"POST", "/api/v1/devices/dev-1/ota/update"},
+	}
+	bodies := []string{
+		``, ` `, `{`, `}`, `{"a":`, `[]`, `[1,2]`, `1`, `-0`, `true`, `null`, `"\u0000"`, `{"":""}`,
+		`{"text":{"a":[1,{"b":null}]}}`, `{"image":"` + strings.Repeat("/", 100) + `"}`,
+		`{"ttl_seconds":1e400}`, `{"version":"\ud800"}`, `{"app_id":"` + strings.Repeat("a", 5000) + `"}`,
+		"{\"device_id\":\"\xff\",\"claim_code\":\"\x00\"}", `{"brightness":[]}`, `{"a":1,"a":2}`,
+		`{"image":"iVBORw0KGgo="}`, `{"image":"/9j/4AAQSkZJRg=="}`, `{"image":"R0lGODlhAQABAAAAACw="}`,
+	}
+	for _, rt := range routes {
+		for _, b := range bodies {
+			r := e.do(rt.method, rt.path, tok, b)
+			require.Less(t, r.status, 500, "%s %s %q = %d %s", rt.method, rt.path, b, r.status, r.body)
+			if r.status >= 400 {
+				r.problem(t)
+			}
+		}
+	}
+}
+
+// topicsApp is an installed app as a status reports it.
+func topicsApp(id, version string) store.App { return store.App{AppID: id, Version: version} }
