@@ -67,6 +67,8 @@ type Broker struct {
 
 	mu      sync.Mutex
 	waiters map[string][]chan store.Command
+	online  map[string]bool // devices seen online since start
+	resend  map[string]bool // devices whose sent commands the outbox must publish again
 	ready   bool
 	started bool
 	closed  bool
@@ -116,6 +118,8 @@ func New(opts Options) (*Broker, error) {
 		kick:      make(chan struct{}, 1),
 		connected: make(chan struct{}, 1),
 		waiters:   make(map[string][]chan store.Command),
+		online:    make(map[string]bool),
+		resend:    make(map[string]bool),
 		quit:      make(chan struct{}),
 	}
 	for i := 0; i < opts.Workers; i++ {
@@ -316,6 +320,11 @@ func (b *Broker) handle(m mqtt.Message) {
 			b.log.Error("marking a bridge's devices offline", "bridge_id", t.BridgeID, "err", err)
 			return
 		}
+		b.mu.Lock()
+		for _, id := range ids {
+			delete(b.online, id)
+		}
+		b.mu.Unlock()
 		b.log.Info("bridge offline", "bridge_id", t.BridgeID, "devices", len(ids))
 	case topics.KindCommand:
 		// Our own commands never come back: we do not subscribe to them.
@@ -393,7 +402,30 @@ func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Statu
 	})
 	if err != nil {
 		b.log.Error("storing a status", "device_id", deviceID, "err", err)
+		return
 	}
+	b.sawDevice(deviceID, s.Online)
+}
+
+// sawDevice notes whether a device is online. The first time a device is
+// seen online after start, or after it went offline, its bridge has just
+// (re)subscribed: commands sent earlier may have reached a broker that had no
+// session for the bridge (a first connection, a broker restarted without its
+// queue, an expired session) and been dropped. The outbox publishes them
+// again; the bridge drops any it already has.
+func (b *Broker) sawDevice(deviceID string, online bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !online {
+		delete(b.online, deviceID)
+		return
+	}
+	if b.online[deviceID] {
+		return
+	}
+	b.online[deviceID] = true
+	b.resend[deviceID] = true
+	b.wake()
 }
 
 func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Settings) {

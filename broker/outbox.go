@@ -26,7 +26,7 @@ func (b *Broker) outbox() {
 	defer b.wg.Done()
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
-	resend := true
+	firstPass := true
 	for {
 		select {
 		case <-b.quit:
@@ -38,24 +38,41 @@ func (b *Broker) outbox() {
 		if !b.client.IsConnectionOpen() || !b.Ready() {
 			continue
 		}
-		states := []string{topics.StateQueued}
-		if resend {
-			states = append(states, topics.StateSent)
-		}
-		if err := b.publishPending(states); err != nil {
+		b.mu.Lock()
+		devices := b.resend
+		b.resend = make(map[string]bool)
+		b.mu.Unlock()
+		if err := b.publishPending(firstPass, devices); err != nil {
 			b.log.Warn("outbox pass incomplete; will retry", "err", err)
+			b.mu.Lock()
+			for d := range devices {
+				b.resend[d] = true
+			}
+			b.mu.Unlock()
 			continue
 		}
-		resend = false
+		firstPass = false
 	}
 }
 
-// publishPending publishes every command in the given states, oldest first.
-func (b *Broker) publishPending(states []string) error {
+// publishPending publishes every queued command, oldest first, together
+// with the sent but undelivered commands of the given devices (of every
+// device with all set), so that each device's commands go out in order.
+func (b *Broker) publishPending(all bool, devices map[string]bool) error {
 	ctx := context.Background()
-	cmds, err := b.st.OpenCommands(ctx, states...)
+	states := []string{topics.StateQueued}
+	if all || len(devices) > 0 {
+		states = append(states, topics.StateSent)
+	}
+	open, err := b.st.OpenCommands(ctx, states...)
 	if err != nil {
 		return err
+	}
+	cmds := open[:0]
+	for _, c := range open {
+		if c.State == topics.StateQueued || all || devices[c.DeviceID] {
+			cmds = append(cmds, c)
+		}
 	}
 	for len(cmds) > 0 {
 		n := min(len(cmds), outboxBatch)

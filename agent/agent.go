@@ -1,0 +1,597 @@
+// Package agent is the bridge: it sits near Bluetooth devices, takes command
+// messages from MQTT, runs them on the devices, and publishes replies, status
+// and settings back (CONTRACT §3, docs/design.md).
+//
+// Every command is written to a bbolt spool (fsync'd) before its MQTT message
+// is acknowledged, so neither a crash nor a broker outage loses one; the spool
+// also remembers finished command ids for DoneRetention, so that a repeated
+// message never runs twice. One worker per device runs that device's commands
+// in order of arrival, one at a time, each under a timeout.
+//
+// The agent talks to devices only through the Device interface; it knows
+// nothing of the server's HTTP API or store, and imports only topics of this
+// project.
+package agent
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// Device is what the agent needs of a device. Implementations: sim today,
+// GATT later.
+//
+// cmdID is the command id: a device treats a repeated cmdID as already done
+// and returns nil without doing it again. Every method must return soon
+// after ctx is done. Info and Settings may be called while a command runs.
+type Device interface {
+	ID() string
+	Info(ctx context.Context) (Info, error)
+	Settings(ctx context.Context) (map[string]any, topics.Schema, error)
+	PushText(ctx context.Context, cmdID, title, text string) error
+	PushImage(ctx context.Context, cmdID, contentType string, data []byte) error
+	// InstallApp installs an app, or updates it when installed already.
+	InstallApp(ctx context.Context, cmdID, appID, version string, pkg []byte) error
+	UninstallApp(ctx context.Context, cmdID, appID string) error
+	UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error
+	// UpdateFirmware writes the image, calling progress with 0–100 as it
+	// goes; the device reboots after it.
+	UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error
+}
+
+// Info is what a device reports about itself.
+//
+// It is an alias of an unnamed struct type rather than a named type so that
+// a device implementation can declare the identical type and satisfy Device
+// without importing this package (sim does; agent's tests import sim).
+type Info = struct {
+	Model           string
+	FirmwareVersion string
+	Battery         int
+	Apps            []topics.App
+}
+
+// Defaults of Options.
+const (
+	DefaultCommandTimeout = 10 * time.Minute
+	DefaultStatusInterval = time.Minute
+)
+
+// Options configure an Agent. The zero value of a field means its default.
+type Options struct {
+	MQTTURL string // required, e.g. tcp://127.0.0.1:1883
+	// Username and Password authenticate to the broker: the bridge id and
+	// its secret. Username defaults to BridgeID. Password is also the bearer
+	// token of blob downloads.
+	Username, Password string
+	BridgeID           string // required
+	// APIURL is the base of blob URLs, which arrive relative
+	// ("/api/v1/blobs/SHA") or absolute.
+	APIURL  string
+	DataDir string // required: the spool (spool.db) and the blob cache (blobs/)
+	Devices []Device
+	Topics  topics.Tree // default topics.DefaultPrefix
+	Logger  *slog.Logger
+	Now     func() time.Time
+
+	CommandTimeout time.Duration // default DefaultCommandTimeout
+	StatusInterval time.Duration // default DefaultStatusInterval
+	TLSConfig      *tls.Config   // optional, for ssl:// or tls:// broker URLs
+	HTTPClient     *http.Client  // optional, for blob downloads
+}
+
+// Agent is a running bridge. Create it with New, start it with Run, stop it
+// by canceling Run's context or with Close.
+type Agent struct {
+	opts       Options
+	log        *slog.Logger
+	now        func() time.Time
+	tree       topics.Tree
+	spool      *spool
+	blobs      *blobs
+	client     mqtt.Client
+	stateTopic string
+	devices    map[string]*deviceRunner
+	order      []*deviceRunner
+
+	connected atomic.Bool
+	stopping  atomic.Bool // Run is shutting down: do not say "online" again
+
+	seqMu   sync.Mutex
+	lastSeq uint64
+
+	intakeMu   sync.Mutex
+	intake     []mqtt.Message
+	intakeWake chan struct{}
+
+	outboxWake     chan struct{}
+	outboxMu       sync.Mutex
+	outboxInflight map[uint64]bool
+
+	runMu   sync.Mutex
+	started bool
+	closed  bool
+	stop    chan struct{} // closed by Close
+	stopped chan struct{} // closed when Run has stopped everything
+
+	closeDB sync.Once
+	dbErr   error
+
+	wg      sync.WaitGroup // the loops
+	waiters sync.WaitGroup // PUBACK waiters of the outbox
+}
+
+// New checks the options, opens the spool and prepares the MQTT client. It
+// does not connect: Run does.
+func New(opts Options) (*Agent, error) {
+	if !topics.ValidBridgeID(opts.BridgeID) {
+		return nil, fmt.Errorf("agent: invalid bridge id %q", opts.BridgeID)
+	}
+	if opts.MQTTURL == "" {
+		return nil, errors.New("agent: no MQTT URL")
+	}
+	if opts.DataDir == "" {
+		return nil, errors.New("agent: no data directory")
+	}
+	if opts.Username == "" {
+		opts.Username = opts.BridgeID
+	}
+	if opts.Topics.Prefix() == "" {
+		opts.Topics = topics.MustNew(topics.DefaultPrefix)
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.CommandTimeout <= 0 {
+		opts.CommandTimeout = DefaultCommandTimeout
+	}
+	if opts.StatusInterval <= 0 {
+		opts.StatusInterval = DefaultStatusInterval
+	}
+	if opts.HTTPClient == nil {
+		opts.HTTPClient = &http.Client{Transport: http.DefaultTransport}
+	}
+	a := &Agent{
+		opts:           opts,
+		log:            opts.Logger.With("bridge", opts.BridgeID),
+		now:            opts.Now,
+		tree:           opts.Topics,
+		devices:        map[string]*deviceRunner{},
+		intakeWake:     make(chan struct{}, 1),
+		outboxWake:     make(chan struct{}, 1),
+		outboxInflight: map[uint64]bool{},
+		stop:           make(chan struct{}),
+		stopped:        make(chan struct{}),
+	}
+	for _, d := range opts.Devices {
+		id := d.ID()
+		if !topics.ValidDeviceID(id) {
+			return nil, fmt.Errorf("agent: invalid device id %q", id)
+		}
+		if a.devices[id] != nil {
+			return nil, fmt.Errorf("agent: device %q given twice", id)
+		}
+		dr := newDeviceRunner(d)
+		a.devices[id] = dr
+		a.order = append(a.order, dr)
+	}
+	a.stateTopic, _ = a.tree.BridgeState(opts.BridgeID)
+
+	if err := os.MkdirAll(opts.DataDir, 0o700); err != nil {
+		return nil, fmt.Errorf("agent: data directory: %w", err)
+	}
+	var err error
+	if a.blobs, err = newBlobs(filepath.Join(opts.DataDir, "blobs"), opts.APIURL, opts.Password, opts.HTTPClient, a.now, a.log); err != nil {
+		return nil, err
+	}
+	if a.spool, err = openSpool(opts.DataDir); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	// Commands spooled before a restart are released to their workers at
+	// once: their "delivered" went out (or is moot) in the earlier life.
+	for _, dr := range a.order {
+		seq, err := a.spool.lastSeq(dr.id)
+		if err != nil {
+			a.spool.close()
+			return nil, fmt.Errorf("agent: %w", err)
+		}
+		dr.released.Store(seq)
+	}
+
+	co := mqtt.NewClientOptions().
+		AddBroker(opts.MQTTURL).
+		SetClientID("companion-bridge-"+opts.BridgeID).
+		SetUsername(opts.Username).
+		SetPassword(opts.Password).
+		SetCleanSession(false).
+		// Order matters: commands must reach the spool in the order they
+		// arrived, and PUBACKs go back in that order (MQTT-4.6.0-2). The
+		// handler only appends to an in-memory list, so it never blocks.
+		SetOrderMatters(true).
+		SetAutoAckDisabled(true).
+		SetAutoReconnect(true).
+		SetConnectRetry(true).
+		SetConnectRetryInterval(time.Second).
+		SetMaxReconnectInterval(15*time.Second).
+		SetConnectTimeout(10*time.Second).
+		SetKeepAlive(30*time.Second).
+		SetWriteTimeout(10*time.Second).
+		SetResumeSubs(false).
+		SetBinaryWill(a.stateTopic, []byte(topics.BridgeOffline), 1, true).
+		SetDefaultPublishHandler(a.onMessage).
+		SetOnConnectHandler(a.onConnect).
+		SetConnectionLostHandler(a.onConnectionLost)
+	if opts.TLSConfig != nil {
+		co.SetTLSConfig(opts.TLSConfig)
+	}
+	a.client = mqtt.NewClient(co)
+	return a, nil
+}
+
+// Run starts the workers, connects to the broker (retrying until it can or
+// ctx is done) and serves until ctx is canceled or Close is called. It
+// returns once everything it started has stopped, having published
+// "offline" on the bridge's state topic. Run may be called once.
+func (a *Agent) Run(ctx context.Context) error {
+	a.runMu.Lock()
+	if a.closed || a.started {
+		a.runMu.Unlock()
+		return errors.New("agent: Run called twice or after Close")
+	}
+	a.started = true
+	a.runMu.Unlock()
+	defer close(a.stopped)
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-a.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+
+	a.goLoop(func() { a.intakeLoop(ctx) })
+	a.goLoop(func() { a.outboxLoop(ctx) })
+	a.goLoop(func() { a.housekeeping(ctx) })
+	for _, dr := range a.order {
+		a.goLoop(func() { a.work(ctx, dr) })
+		a.goLoop(func() { a.report(ctx, dr) })
+	}
+
+	a.log.Info("connecting", "mqtt", a.opts.MQTTURL, "devices", len(a.order))
+	tok := a.client.Connect()
+	select {
+	case <-tok.Done():
+		if err := tok.Error(); err != nil {
+			a.log.Error("MQTT connect failed", "err", err)
+		}
+	case <-ctx.Done():
+	}
+	<-ctx.Done()
+
+	a.stopping.Store(true)
+	a.wg.Wait()
+	if a.client.IsConnectionOpen() {
+		// A clean disconnect does not fire the Will: say it ourselves.
+		t := a.client.Publish(a.stateTopic, 1, true, topics.BridgeOffline)
+		if err := mqtt.WaitTokenTimeout(t, 5*time.Second); err != nil {
+			a.log.Warn("publishing offline state failed", "err", err)
+		}
+	}
+	a.connected.Store(false)
+	a.client.Disconnect(250)
+	a.waiters.Wait()
+	a.log.Info("stopped")
+	return nil
+}
+
+func (a *Agent) goLoop(f func()) {
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		f()
+	}()
+}
+
+// Close stops Run, waits for it to finish, and closes the spool.
+func (a *Agent) Close() error {
+	a.runMu.Lock()
+	if !a.closed {
+		a.closed = true
+		close(a.stop)
+	}
+	started := a.started
+	a.runMu.Unlock()
+	if started {
+		<-a.stopped
+	}
+	a.closeDB.Do(func() { a.dbErr = a.spool.close() })
+	return a.dbErr
+}
+
+func signal(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
+}
+
+// onConnect runs on every (re)connection, in a goroutine of paho's.
+func (a *Agent) onConnect(c mqtt.Client) {
+	filters := map[string]byte{}
+	for _, dr := range a.order {
+		f, _ := a.tree.CommandsFilter(dr.id)
+		filters[f] = 1
+	}
+	if len(filters) > 0 {
+		// No callback: every message goes to the default handler, which
+		// also catches what a persistent session delivers before this
+		// subscription is made.
+		if err := mqtt.WaitTokenTimeout(c.SubscribeMultiple(filters, nil), 10*time.Second); err != nil {
+			a.log.Error("subscribing to commands failed", "err", err)
+		}
+	}
+	if a.stopping.Load() {
+		return
+	}
+	c.Publish(a.stateTopic, 1, true, topics.BridgeOnline)
+	a.connected.Store(true)
+	a.log.Info("connected", "mqtt", a.opts.MQTTURL)
+	for _, dr := range a.order {
+		dr.requestReport(true, true, true)
+	}
+	signal(a.outboxWake)
+}
+
+func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
+	a.connected.Store(false)
+	a.log.Warn("MQTT connection lost", "err", err)
+}
+
+// onMessage is paho's handler for every message. It must not block: it only
+// hands the message to the intake loop, which acknowledges it once spooled.
+func (a *Agent) onMessage(_ mqtt.Client, m mqtt.Message) {
+	a.intakeMu.Lock()
+	a.intake = append(a.intake, m)
+	a.intakeMu.Unlock()
+	signal(a.intakeWake)
+}
+
+func (a *Agent) intakeLoop(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-a.intakeWake:
+		}
+		a.intakeMu.Lock()
+		batch := a.intake
+		a.intake = nil
+		a.intakeMu.Unlock()
+		if len(batch) > 0 {
+			a.accept(ctx, batch)
+		}
+	}
+}
+
+// accept spools a batch of messages in one transaction, then acknowledges
+// them in order of arrival and answers each.
+func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
+	type item struct {
+		msg mqtt.Message
+		cmd *topics.Command
+		res acceptResult
+	}
+	items := make([]item, len(batch))
+	var cmds []topics.Command
+	for i, m := range batch {
+		items[i].msg = m
+		cmd, err := a.parse(m)
+		if err != nil {
+			a.log.Warn("dropping bad command message", "topic", m.Topic(), "err", err)
+			continue
+		}
+		items[i].cmd = &cmd
+		cmds = append(cmds, cmd)
+	}
+
+	var results []acceptResult
+	for len(cmds) > 0 {
+		var err error
+		if results, err = a.spool.accept(cmds, a.now()); err == nil {
+			break
+		}
+		a.log.Error("spooling commands failed; retrying", "err", err)
+		select {
+		case <-ctx.Done():
+			return // unacknowledged: the broker redelivers them
+		case <-time.After(time.Second):
+		}
+	}
+	j := 0
+	for i := range items {
+		if items[i].cmd != nil {
+			items[i].res = results[j]
+			j++
+		}
+	}
+
+	for _, it := range items {
+		it.msg.Ack()
+		if it.cmd == nil {
+			continue
+		}
+		c := it.cmd
+		dr := a.devices[c.DeviceID]
+		switch it.res.outcome {
+		case acceptQueued:
+			a.log.Debug("command spooled", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
+			a.publishReply(c.DeviceID, topics.Reply{CommandID: c.ID, State: topics.StateDelivered, At: a.now()})
+			dr.released.Store(it.res.seq)
+			signal(dr.wake)
+		case acceptKnown:
+			a.log.Debug("duplicate command dropped", "device", c.DeviceID, "cmd", c.ID)
+		case acceptDone:
+			a.log.Debug("finished command repeated; republishing its reply", "device", c.DeviceID, "cmd", c.ID)
+			if it.res.final != nil {
+				a.publishReply(c.DeviceID, *it.res.final)
+			}
+		case acceptCanceled:
+			a.log.Info("command canceled before it ran", "device", c.DeviceID, "cmd", it.res.final.CommandID)
+			a.publishReply(c.DeviceID, *it.res.final)
+		}
+	}
+}
+
+func (a *Agent) parse(m mqtt.Message) (topics.Command, error) {
+	t, err := a.tree.Parse(m.Topic())
+	if err != nil {
+		return topics.Command{}, err
+	}
+	if t.Kind != topics.KindCommand {
+		return topics.Command{}, fmt.Errorf("not a command topic")
+	}
+	if a.devices[t.DeviceID] == nil {
+		return topics.Command{}, fmt.Errorf("device %q is not served by this bridge", t.DeviceID)
+	}
+	c, err := topics.ParseCommand(m.Payload())
+	if err != nil {
+		return topics.Command{}, err
+	}
+	if c.DeviceID != t.DeviceID || c.Op != t.Op {
+		return topics.Command{}, fmt.Errorf("message for %s %s on the topic of %s %s", c.DeviceID, c.Op, t.DeviceID, t.Op)
+	}
+	return c, nil
+}
+
+// publishReply publishes a reply without waiting for its PUBACK. Final
+// replies also sit in the spool's outbox until acknowledged.
+func (a *Agent) publishReply(deviceID string, r topics.Reply) mqtt.Token {
+	topic, err := a.tree.Replies(deviceID)
+	if err != nil {
+		return nil
+	}
+	b, err := json.Marshal(r)
+	if err != nil {
+		return nil
+	}
+	return a.client.Publish(topic, 1, false, b)
+}
+
+// outboxLoop publishes the final replies in the spool's outbox and deletes
+// each once the broker has acknowledged it; whatever is left (the broker was
+// down, the bridge crashed) goes again after the next connect.
+func (a *Agent) outboxLoop(ctx context.Context) {
+	tick := time.NewTicker(30 * time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-a.outboxWake:
+		case <-tick.C:
+		}
+		if !a.connected.Load() {
+			continue
+		}
+		items, err := a.spool.outbox()
+		if err != nil {
+			a.log.Error("reading the outbox failed", "err", err)
+			continue
+		}
+		for _, it := range items {
+			a.outboxMu.Lock()
+			busy := a.outboxInflight[it.key]
+			a.outboxInflight[it.key] = true
+			a.outboxMu.Unlock()
+			if busy {
+				continue
+			}
+			tok := a.publishReply(it.DeviceID, it.Reply)
+			a.waiters.Add(1)
+			go a.awaitPuback(ctx, it.key, tok)
+		}
+	}
+}
+
+func (a *Agent) awaitPuback(ctx context.Context, key uint64, tok mqtt.Token) {
+	defer a.waiters.Done()
+	defer func() {
+		a.outboxMu.Lock()
+		delete(a.outboxInflight, key)
+		a.outboxMu.Unlock()
+	}()
+	if tok == nil {
+		return
+	}
+	t := time.NewTimer(30 * time.Second)
+	defer t.Stop()
+	select {
+	case <-tok.Done():
+	case <-t.C:
+		return
+	case <-ctx.Done():
+		return
+	}
+	if err := tok.Error(); err != nil {
+		a.log.Warn("final reply not acknowledged; it stays in the outbox", "err", err)
+		return
+	}
+	if err := a.spool.deleteOutbox(key); err != nil {
+		a.log.Error("deleting from the outbox failed", "err", err)
+	}
+}
+
+// housekeeping forgets old finished command ids and old cached blobs.
+func (a *Agent) housekeeping(ctx context.Context) {
+	tick := time.NewTicker(time.Hour)
+	defer tick.Stop()
+	for {
+		now := a.now()
+		if n, err := a.spool.purge(now.Add(-DoneRetention)); err != nil {
+			a.log.Error("purging the spool failed", "err", err)
+		} else if n > 0 {
+			a.log.Info("forgot old command ids", "count", n)
+		}
+		if n := a.blobs.purge(now.Add(-BlobCacheAge)); n > 0 {
+			a.log.Info("deleted old cached blobs", "count", n)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// nextSeq returns a status sequence number: the clock in nanoseconds, so it
+// rises across restarts without storage, and strictly increasing.
+func (a *Agent) nextSeq() uint64 {
+	a.seqMu.Lock()
+	defer a.seqMu.Unlock()
+	s := uint64(time.Now().UnixNano())
+	if s <= a.lastSeq {
+		s = a.lastSeq + 1
+	}
+	a.lastSeq = s
+	return s
+}

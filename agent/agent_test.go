@@ -1,0 +1,514 @@
+package agent_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+var _ agent.Device = (*sim.Device)(nil)
+
+// states returns the states of replies, in order.
+func states(rs []topics.Reply) []string {
+	out := make([]string, len(rs))
+	for i, r := range rs {
+		out[i] = r.State
+	}
+	return out
+}
+
+// checkLifecycle checks that a command's replies went delivered, then
+// in_progress (when wantProgress), then succeeded, never backwards.
+func checkLifecycle(t *testing.T, rs []topics.Reply, wantProgress bool) {
+	t.Helper()
+	if len(rs) == 0 || rs[0].State != topics.StateDelivered {
+		t.Fatalf("replies %v; want delivered first", states(rs))
+	}
+	sawProgress := false
+	rank := 0
+	for _, r := range rs {
+		if topics.Rank(r.State) < rank {
+			t.Fatalf("replies %v go backwards", states(rs))
+		}
+		rank = topics.Rank(r.State)
+		if r.State == topics.StateInProgress {
+			sawProgress = true
+			if r.Progress == nil || *r.Progress < 0 || *r.Progress > 100 {
+				t.Errorf("in_progress reply with progress %v", r.Progress)
+			}
+		}
+	}
+	if last := rs[len(rs)-1].State; last != topics.StateSucceeded {
+		t.Fatalf("replies %v; want succeeded last", states(rs))
+	}
+	if wantProgress && !sawProgress {
+		t.Errorf("replies %v; want in_progress among them", states(rs))
+	}
+}
+
+func TestEveryOpSucceeds(t *testing.T) {
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+	// The first status and settings are published on connect.
+	w.waitStatus("dev-1", "first", func(s topics.Status) bool {
+		return s.Online && s.FirmwareVersion == "1.0.0" && s.Model == "sim-1" && s.BridgeID == "b1" && s.Battery != nil
+	})
+
+	image := bytes.Repeat([]byte("\x89PNG-image-"), 1000)
+	appV1 := bytes.Repeat([]byte("app-1.0.0"), 500)
+	appV2 := bytes.Repeat([]byte("app-1.1.0"), 500)
+	firmware := bytes.Repeat([]byte("firmware-2.0.0"), 10000)
+
+	steps := []struct {
+		name         string
+		cmd          topics.Command
+		wantProgress bool
+		check        func(t *testing.T, r topics.Reply)
+	}{
+		{"push.text", command(t, "dev-1", topics.OpPushText, topics.PushText{Title: "Hi", Text: "Hello, device"}), false, func(t *testing.T, r topics.Reply) {
+			texts := dev.Texts()
+			if len(texts) != 1 || texts[0].Text != "Hello, device" || texts[0].Title != "Hi" {
+				t.Errorf("Texts() = %+v; want the pushed text", texts)
+			}
+		}},
+		{"push.image", command(t, "dev-1", topics.OpPushImage, topics.PushImage{ContentType: "image/png", Width: 1, Height: 1, Blob: bs.add(image)}), true, func(t *testing.T, r topics.Reply) {
+			imgs := dev.Images()
+			if len(imgs) != 1 || !bytes.Equal(imgs[0].Data, image) || imgs[0].ContentType != "image/png" {
+				t.Errorf("Images() has %d images; want the pushed one", len(imgs))
+			}
+		}},
+		{"app.install", command(t, "dev-1", topics.OpAppInstall, topics.AppInstall{AppID: "weather", Version: "1.0.0", Blob: bs.add(appV1)}), true, func(t *testing.T, r topics.Reply) {
+			if got := dev.Apps()["weather"]; got != "1.0.0" {
+				t.Errorf("weather app version %q; want 1.0.0", got)
+			}
+		}},
+		{"app.update", command(t, "dev-1", topics.OpAppUpdate, topics.AppInstall{AppID: "weather", Version: "1.1.0", Blob: bs.add(appV2)}), true, func(t *testing.T, r topics.Reply) {
+			if got := dev.Apps()["weather"]; got != "1.1.0" {
+				t.Errorf("weather app version %q; want 1.1.0", got)
+			}
+			w.waitStatus("dev-1", "app 1.1.0", func(s topics.Status) bool {
+				return len(s.Apps) == 1 && s.Apps[0] == topics.App{AppID: "weather", Version: "1.1.0"}
+			})
+		}},
+		{"app.uninstall", command(t, "dev-1", topics.OpAppUninstall, topics.AppUninstall{AppID: "weather"}), false, func(t *testing.T, r topics.Reply) {
+			if _, ok := dev.Apps()["weather"]; ok {
+				t.Errorf("weather app still installed")
+			}
+		}},
+		{"settings.update", command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80, "language": "de"}}), false, func(t *testing.T, r topics.Reply) {
+			topic, _ := tree.Settings("dev-1")
+			w.waitFor("settings with brightness 80", func(m message) bool {
+				s, err := topics.ParseSettings(m.payload)
+				return m.topic == topic && err == nil && s.Reported["brightness"] == float64(80) && s.Reported["language"] == "de" && s.Schema["brightness"].Type == topics.SettingInt
+			})
+		}},
+		{"ota.update", command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "2.0.0", Blob: bs.add(firmware)}), true, func(t *testing.T, r topics.Reply) {
+			if got := dev.Firmware(); got != "2.0.0" {
+				t.Errorf("Firmware() = %q; want 2.0.0", got)
+			}
+			var res struct {
+				FirmwareVersion string `json:"firmware_version"`
+			}
+			if err := json.Unmarshal(r.Result, &res); err != nil || res.FirmwareVersion != "2.0.0" {
+				t.Errorf("result %s; want firmware_version 2.0.0", r.Result)
+			}
+			w.waitStatus("dev-1", "firmware 2.0.0", func(s topics.Status) bool { return s.FirmwareVersion == "2.0.0" })
+		}},
+	}
+	for _, st := range steps {
+		t.Run(st.name, func(t *testing.T) {
+			w.send(st.cmd)
+			r := w.waitFinal("dev-1", st.cmd.ID)
+			if r.State != topics.StateSucceeded {
+				t.Fatalf("%s ended %s (%+v); want succeeded", st.name, r.State, r.Error)
+			}
+			checkLifecycle(t, w.replies("dev-1", st.cmd.ID), st.wantProgress)
+			if n := dev.Executions(st.cmd.ID); n != 1 {
+				t.Errorf("Executions(%s) = %d; want 1", st.name, n)
+			}
+			st.check(t, r)
+		})
+	}
+
+	// Every request for a blob carried the bridge secret.
+	for _, r := range bs.seen() {
+		if r.Header.Get("Authorization") != "Bearer "+testSecret {
+			t.Errorf("blob request without the bridge secret: %v", r.Header)
+		}
+	}
+}
+
+func TestDuplicateCommandRunsOnce(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "once"})
+	w.send(c)
+	w.send(c) // a redelivery before it ran
+	w.waitReply("dev-1", c.ID, topics.StateSucceeded)
+
+	w.send(c) // a redelivery after it finished: its final reply comes again
+	replyTopic, _ := tree.Replies("dev-1")
+	w.waitFor("the final reply again", func(m message) bool {
+		return m.topic == replyTopic && strings.Contains(string(m.payload), c.ID) && len(finals(w.replies("dev-1", c.ID))) >= 2
+	})
+
+	// A command sent after the duplicates finishes, so they have all been
+	// handled by now.
+	after := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "after"})
+	w.send(after)
+	w.waitReply("dev-1", after.ID, topics.StateSucceeded)
+
+	if n := dev.Executions(c.ID); n != 1 {
+		t.Errorf("Executions = %d; want 1", n)
+	}
+	if n := len(dev.Texts()); n != 2 {
+		t.Errorf("device has %d texts; want 2", n)
+	}
+	for _, r := range finals(w.replies("dev-1", c.ID)) {
+		if r.State != topics.StateSucceeded {
+			t.Errorf("final reply %s; want succeeded", r.State)
+		}
+	}
+}
+
+func finals(rs []topics.Reply) []topics.Reply {
+	var out []topics.Reply
+	for _, r := range rs {
+		if topics.Final(r.State) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+func TestExpiredCommandNeverRuns(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "too late"})
+	c.ExpiresAt = time.Now().Add(-time.Second)
+	w.send(c)
+	if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateExpired {
+		t.Fatalf("final state %s; want expired", r.State)
+	}
+	if n := dev.Executions(c.ID); n != 0 {
+		t.Errorf("Executions = %d; want 0", n)
+	}
+}
+
+func TestFailures(t *testing.T) {
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{dev}, timeout: 500 * time.Millisecond})
+
+	good := bs.add([]byte("good image"))
+	wrongSHA := bs.add([]byte("served bytes"))
+	wrongSHA.SHA256 = strings.Repeat("ab", 32)
+	wrongSHA.URL = "/api/v1/blobs/" + wrongSHA.SHA256
+	bs.mu.Lock()
+	bs.blobs[wrongSHA.SHA256] = []byte("served bytes")
+	bs.mu.Unlock()
+	missing := topics.Blob{SHA256: strings.Repeat("cd", 32), Size: 3, URL: "/api/v1/blobs/" + strings.Repeat("cd", 32)}
+
+	tests := []struct {
+		name     string
+		setup    func()
+		cmd      topics.Command
+		wantCode string
+	}{
+		{"settings out of range", nil, command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 500}}), "invalid_payload"},
+		{"unknown setting", nil, command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"colour": "red"}}), "invalid_payload"},
+		{"bad payload", nil, command(t, "dev-1", topics.OpPushText, "not an object"), "invalid_payload"},
+		{"device fails", func() { dev.FailNext(errors.New("screen broken")) }, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "x"}), "device_error"},
+		{"device hangs", dev.HangNext, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "y"}), "timeout"},
+		{"checksum mismatch", nil, command(t, "dev-1", topics.OpPushImage, topics.PushImage{ContentType: "image/png", Blob: wrongSHA}), "checksum_mismatch"},
+		{"blob missing", nil, command(t, "dev-1", topics.OpPushImage, topics.PushImage{ContentType: "image/png", Blob: missing}), "download_failed"},
+		{"uninstall absent app", nil, command(t, "dev-1", topics.OpAppUninstall, topics.AppUninstall{AppID: "nope"}), "device_error"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.setup != nil {
+				tt.setup()
+			}
+			w.send(tt.cmd)
+			// The next command is not held up by a failing one.
+			next := command(t, "dev-1", topics.OpPushImage, topics.PushImage{ContentType: "image/png", Blob: good})
+			w.send(next)
+
+			r := w.waitFinal("dev-1", tt.cmd.ID)
+			if r.State != topics.StateFailed || r.Error == nil || r.Error.Code != tt.wantCode {
+				t.Errorf("%s: final %s %+v; want failed %s", tt.name, r.State, r.Error, tt.wantCode)
+			}
+			if rn := w.waitFinal("dev-1", next.ID); rn.State != topics.StateSucceeded {
+				t.Errorf("next command ended %s %+v; want succeeded", rn.State, rn.Error)
+			}
+		})
+	}
+	settings, _, _ := dev.Settings(t.Context())
+	if settings["brightness"] != 50 {
+		t.Errorf("brightness = %v after bad updates; want 50", settings["brightness"])
+	}
+}
+
+func TestOrderPerDevice(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	devA, devB := newSim("dev-a"), newSim("dev-b")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{devA, devB}})
+
+	const n = 50
+	var lastA, lastB topics.Command
+	for i := range n {
+		lastA = command(t, "dev-a", topics.OpPushText, topics.PushText{Text: fmt.Sprint(i)})
+		lastB = command(t, "dev-b", topics.OpPushText, topics.PushText{Text: fmt.Sprint(i)})
+		w.send(lastA)
+		w.send(lastB)
+	}
+	w.waitReply("dev-a", lastA.ID, topics.StateSucceeded)
+	w.waitReply("dev-b", lastB.ID, topics.StateSucceeded)
+	for _, dev := range []*sim.Device{devA, devB} {
+		texts := dev.Texts()
+		if len(texts) != n {
+			t.Fatalf("%s has %d texts; want %d", dev.ID(), len(texts), n)
+		}
+		for i, tx := range texts {
+			if tx.Text != fmt.Sprint(i) {
+				t.Fatalf("%s text %d is %q; want %q (out of order)", dev.ID(), i, tx.Text, fmt.Sprint(i))
+			}
+		}
+	}
+}
+
+func TestCancelQueuedCommand(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, timeout: time.Second})
+
+	dev.HangNext()
+	first := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "hangs"})
+	second := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "canceled"})
+	third := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "runs"})
+	w.send(first)
+	w.send(second)
+	w.waitReply("dev-1", second.ID, topics.StateDelivered)
+	w.send(command(t, "dev-1", topics.OpCancel, topics.Cancel{CommandID: second.ID}))
+	w.send(third)
+
+	if r := w.waitFinal("dev-1", third.ID); r.State != topics.StateSucceeded {
+		t.Fatalf("third ended %s", r.State)
+	}
+	if n := dev.Executions(second.ID); n != 0 {
+		t.Errorf("canceled command ran %d times", n)
+	}
+	for _, r := range w.replies("dev-1", second.ID) {
+		if r.State == topics.StateSucceeded || r.State == topics.StateInProgress {
+			t.Errorf("canceled command has a %s reply", r.State)
+		}
+	}
+}
+
+func TestBadMessagesAreDropped(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+	topic, _ := tree.Command("dev-1", topics.OpPushText)
+	for _, payload := range []string{"", "{", `{"id":"not-a-uuid","op":"push.text","device_id":"dev-1"}`} {
+		w.client.Publish(topic, 1, false, payload).Wait()
+	}
+	mismatch := command(t, "dev-2", topics.OpPushText, topics.PushText{Text: "for another device"})
+	raw, _ := json.Marshal(mismatch)
+	w.client.Publish(topic, 1, false, raw).Wait()
+
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "fine"})
+	w.send(c)
+	if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+		t.Fatalf("ended %s", r.State)
+	}
+	if n := len(dev.Texts()); n != 1 {
+		t.Errorf("device has %d texts; want 1", n)
+	}
+}
+
+func TestBlobDownloadResumes(t *testing.T) {
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+	firmware := bytes.Repeat([]byte("0123456789abcdef"), 64<<10) // 1 MiB
+	ref := bs.add(firmware)
+	bs.cutNext(ref.SHA256, 300<<10)
+	c := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "1.1.0", Blob: ref})
+	w.send(c)
+	if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+		t.Fatalf("ended %s %+v", r.State, r.Error)
+	}
+	var ranges []string
+	for _, r := range bs.seen() {
+		if rg := r.Header.Get("Range"); rg != "" {
+			ranges = append(ranges, rg)
+		}
+	}
+	if len(ranges) != 1 || ranges[0] != fmt.Sprintf("bytes=%d-", 300<<10) {
+		t.Errorf("Range requests %q; want one from byte %d", ranges, 300<<10)
+	}
+	if dev.Firmware() != "1.1.0" {
+		t.Errorf("Firmware() = %q", dev.Firmware())
+	}
+
+	// A second command with the same blob uses the cache.
+	before := len(bs.seen())
+	c2 := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "1.1.0", Blob: ref})
+	w.send(c2)
+	if r := w.waitFinal("dev-1", c2.ID); r.State != topics.StateSucceeded {
+		t.Fatalf("ended %s %+v", r.State, r.Error)
+	}
+	if after := len(bs.seen()); after != before {
+		t.Errorf("%d more blob requests; want the cached blob reused", after-before)
+	}
+}
+
+func TestRestartKeepsCommands(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	dir := t.TempDir()
+	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
+
+	done := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "before"})
+	w.send(done)
+	w.waitReply("dev-1", done.ID, topics.StateSucceeded)
+	br.stop(t)
+	w.waitBridgeState("b1", topics.BridgeOffline, 1)
+
+	// While the bridge is down, the broker keeps its session's messages.
+	var queued []topics.Command
+	for i := range 3 {
+		c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: fmt.Sprint("while down ", i)})
+		queued = append(queued, c)
+		w.send(c)
+	}
+	w.send(done) // a repeat of a finished one
+
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
+	for _, c := range queued {
+		if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+			t.Errorf("%s ended %s", c.ID, r.State)
+		}
+	}
+	w.waitFor("the repeat's final reply", func(message) bool { return len(finals(w.replies("dev-1", done.ID))) >= 2 })
+	if n := dev.Executions(done.ID); n != 1 {
+		t.Errorf("finished command ran %d times; want 1", n)
+	}
+	texts := dev.Texts()
+	if len(texts) != 4 || texts[1].Text != "while down 0" || texts[3].Text != "while down 2" {
+		t.Errorf("texts %+v; want before and the three sent while down, in order", texts)
+	}
+}
+
+func TestCrashedCommandRunsAgainAfterRestart(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	dir := t.TempDir()
+
+	// A bridge took these in, then died before running them.
+	c1 := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "interrupted"})
+	c2 := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "queued"})
+	if err := agent.SpoolCommands(dir, []topics.Command{c1, c2}, true); err != nil {
+		t.Fatal(err)
+	}
+	// The device had done the first before the crash.
+	if err := dev.PushText(t.Context(), c1.ID, "", "interrupted"); err != nil {
+		t.Fatal(err)
+	}
+
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
+	for _, c := range []topics.Command{c1, c2} {
+		if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+			t.Errorf("%s ended %s", c.ID, r.State)
+		}
+		if n := dev.Executions(c.ID); n != 1 {
+			t.Errorf("Executions(%s) = %d; want 1", c.ID, n)
+		}
+	}
+}
+
+func TestWillAndCleanClose(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{newSim("dev-1")}})
+
+	b.dropClient(t, "companion-bridge-b1")
+	w.waitBridgeState("b1", topics.BridgeOffline, 1)
+	// It reconnects by itself and says so.
+	w.waitBridgeState("b1", topics.BridgeOnline, 2)
+
+	br.stop(t)
+	w.waitBridgeState("b1", topics.BridgeOffline, 2)
+
+	// The last word is retained for whoever subscribes next.
+	late := newWatcher(t, b)
+	topic, _ := tree.BridgeState("b1")
+	m := late.waitFor("retained state", func(m message) bool { return m.topic == topic })
+	if string(m.payload) != topics.BridgeOffline || !m.retained {
+		t.Errorf("retained state %q (retained %v); want offline", m.payload, m.retained)
+	}
+}
+
+func TestStatusSeqIncreases(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{newSim("dev-1")}, interval: 50 * time.Millisecond})
+
+	topic, _ := tree.Status("dev-1")
+	w.waitFor("four statuses", func(message) bool {
+		return w.count(func(m message) bool { return m.topic == topic }) >= 4
+	})
+	var last uint64
+	w.mu.Lock()
+	for _, m := range w.msgs {
+		if m.topic != topic {
+			continue
+		}
+		s, err := topics.ParseStatus(m.payload)
+		if err != nil {
+			t.Errorf("bad status %s: %v", m.payload, err)
+			continue
+		}
+		if s.Seq <= last {
+			t.Errorf("status seq %d after %d; want strictly increasing", s.Seq, last)
+		}
+		last = s.Seq
+	}
+	w.mu.Unlock()
+
+	late := newWatcher(t, b)
+	m := late.waitFor("retained status", func(m message) bool { return m.topic == topic })
+	if !m.retained {
+		t.Errorf("status is not retained")
+	}
+}

@@ -1,0 +1,307 @@
+package agent
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// BlobCacheAge is how long a downloaded blob (or a partial one) is kept.
+const BlobCacheAge = 24 * time.Hour
+
+// blobAttempts is how many times a transient download failure is retried.
+const blobAttempts = 5
+
+// blobs fetches binary content by SHA-256 into a cache directory, resuming
+// broken downloads with HTTP Range requests.
+type blobs struct {
+	dir    string
+	base   *url.URL
+	secret string
+	client *http.Client
+	now    func() time.Time
+	log    *slog.Logger
+
+	mu    sync.Mutex
+	locks map[string]*sync.Mutex // one download per sha at a time
+}
+
+func newBlobs(dir, apiURL, secret string, client *http.Client, now func() time.Time, log *slog.Logger) (*blobs, error) {
+	base, err := url.Parse(apiURL)
+	if err != nil || (apiURL != "" && (base.Scheme == "" || base.Host == "")) {
+		return nil, fmt.Errorf("agent: invalid API URL %q", apiURL)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("agent: blob cache: %w", err)
+	}
+	return &blobs{dir: dir, base: base, secret: secret, client: client, now: now, log: log, locks: map[string]*sync.Mutex{}}, nil
+}
+
+func (b *blobs) lock(sha string) func() {
+	b.mu.Lock()
+	l, ok := b.locks[sha]
+	if !ok {
+		l = &sync.Mutex{}
+		b.locks[sha] = l
+	}
+	b.mu.Unlock()
+	l.Lock()
+	return l.Unlock
+}
+
+func validSHA256(s string) bool {
+	if len(s) != 64 {
+		return false
+	}
+	_, err := hex.DecodeString(s)
+	return err == nil && strings.ToLower(s) == s
+}
+
+// fetch returns the blob's content, from the cache or downloaded. progress
+// is called with 0–100 as bytes arrive.
+func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct int)) ([]byte, error) {
+	if !validSHA256(ref.SHA256) || ref.Size < 0 || ref.URL == "" {
+		return nil, cmdErr(codeInvalidPayload, "blob reference needs sha256 (64 lowercase hex), size and url")
+	}
+	unlock := b.lock(ref.SHA256)
+	defer unlock()
+
+	final := filepath.Join(b.dir, ref.SHA256)
+	if data, err := os.ReadFile(final); err == nil {
+		if int64(len(data)) == ref.Size && sumHex(data) == ref.SHA256 {
+			now := b.now()
+			_ = os.Chtimes(final, now, now) // keep it in the cache while in use
+			progress(100)
+			return data, nil
+		}
+		os.Remove(final) // damaged: fetch it again
+	}
+
+	u, err := b.resolve(ref.URL)
+	if err != nil {
+		return nil, cmdErr(codeInvalidPayload, err.Error())
+	}
+	part := final + ".part"
+	var lastErr error
+	restarted := false
+	for attempt := 0; attempt < blobAttempts; attempt++ {
+		if attempt > 0 {
+			wait := min(200*time.Millisecond<<(attempt-1), 5*time.Second)
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return nil, ctx.Err()
+			case <-t.C:
+			}
+		}
+		err := b.download(ctx, u, part, ref.Size, progress)
+		if err == nil {
+			data, rerr := os.ReadFile(part)
+			if rerr != nil {
+				return nil, cmdErr(codeDownloadFailed, rerr.Error())
+			}
+			if int64(len(data)) != ref.Size || sumHex(data) != ref.SHA256 {
+				os.Remove(part)
+				err = cmdErr(codeChecksumMismatch, fmt.Sprintf("blob %s: got %d bytes with a different SHA-256", ref.SHA256, len(data)))
+				if !restarted { // a resumed download may have joined bad halves: try once from zero
+					restarted = true
+					lastErr = err
+					continue
+				}
+				return nil, err
+			}
+			if err := os.Rename(part, final); err != nil {
+				return nil, cmdErr(codeDownloadFailed, err.Error())
+			}
+			return data, nil
+		}
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		lastErr = err
+		var ce *commandError
+		if errors.As(err, &ce) && ce.Code != codeDownloadFailed || !transient(err) {
+			return nil, err
+		}
+		b.log.Warn("blob download failed; retrying", "sha256", ref.SHA256, "attempt", attempt+1, "err", err)
+	}
+	return nil, lastErr
+}
+
+func (b *blobs) resolve(ref string) (*url.URL, error) {
+	u, err := url.Parse(ref)
+	if err != nil {
+		return nil, fmt.Errorf("blob url %q: %v", ref, err)
+	}
+	if u.IsAbs() {
+		return u, nil
+	}
+	if b.base == nil || b.base.Host == "" {
+		return nil, fmt.Errorf("blob url %q is relative and no API URL is set", ref)
+	}
+	return b.base.ResolveReference(u), nil
+}
+
+// httpStatusError is a download answered with an unexpected status.
+type httpStatusError struct{ status int }
+
+func (e *httpStatusError) Error() string { return "blob download: HTTP " + strconv.Itoa(e.status) }
+
+func transient(err error) bool {
+	var se *httpStatusError
+	if errors.As(err, &se) {
+		return se.status >= 500 || se.status == http.StatusTooManyRequests || se.status == http.StatusRequestTimeout
+	}
+	var ce *commandError
+	if errors.As(err, &ce) {
+		return ce.Code == codeDownloadFailed && ce.transient
+	}
+	return true // network errors, short bodies
+}
+
+// download appends to the partial file what the server has beyond it.
+func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int64, progress func(pct int)) error {
+	f, err := os.OpenFile(part, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return cmdErr(codeDownloadFailed, err.Error())
+	}
+	defer f.Close()
+	have, err := f.Seek(0, io.SeekEnd)
+	if err != nil {
+		return cmdErr(codeDownloadFailed, err.Error())
+	}
+	if have > size {
+		if err := f.Truncate(0); err != nil {
+			return cmdErr(codeDownloadFailed, err.Error())
+		}
+		have, _ = f.Seek(0, io.SeekStart)
+	}
+	if have == size && size > 0 {
+		return nil // complete; the caller checks it
+	}
+
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
+	if err != nil {
+		return cmdErr(codeInvalidPayload, err.Error())
+	}
+	if b.secret != "" {
+		req.Header.Set("Authorization", "Bearer "+b.secret)
+	}
+	if have > 0 {
+		req.Header.Set("Range", fmt.Sprintf("bytes=%d-", have))
+	}
+	resp, err := b.client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+
+	switch {
+	case resp.StatusCode == http.StatusPartialContent && have > 0:
+		start, ok := rangeStart(resp.Header.Get("Content-Range"))
+		if !ok || start != have {
+			f.Truncate(0)
+			return &commandError{Code: codeDownloadFailed, Message: "blob download: unexpected Content-Range", transient: true}
+		}
+		b.log.Debug("blob download resumed", "url", u.Redacted(), "offset", have)
+	case resp.StatusCode == http.StatusOK:
+		if have > 0 { // the server ignored the Range: start again
+			if err := f.Truncate(0); err != nil {
+				return cmdErr(codeDownloadFailed, err.Error())
+			}
+			if _, err := f.Seek(0, io.SeekStart); err != nil {
+				return cmdErr(codeDownloadFailed, err.Error())
+			}
+			have = 0
+		}
+	case resp.StatusCode == http.StatusRequestedRangeNotSatisfiable:
+		f.Truncate(0)
+		return &commandError{Code: codeDownloadFailed, Message: "blob download: range not satisfiable", transient: true}
+	default:
+		err := &httpStatusError{status: resp.StatusCode}
+		if transient(err) {
+			return err
+		}
+		return cmdErr(codeDownloadFailed, err.Error())
+	}
+
+	w := &progressWriter{w: f, done: have, size: size, progress: progress}
+	// Read at most one byte beyond the expected size: enough to tell that
+	// the server sent something else.
+	if _, err := io.Copy(w, io.LimitReader(resp.Body, size-have+1)); err != nil {
+		f.Sync()
+		return err
+	}
+	return f.Sync()
+}
+
+func rangeStart(cr string) (int64, bool) {
+	rest, ok := strings.CutPrefix(cr, "bytes ")
+	if !ok {
+		return 0, false
+	}
+	startStr, _, ok := strings.Cut(rest, "-")
+	if !ok {
+		return 0, false
+	}
+	n, err := strconv.ParseInt(startStr, 10, 64)
+	return n, err == nil
+}
+
+type progressWriter struct {
+	w        io.Writer
+	done     int64
+	size     int64
+	progress func(pct int)
+}
+
+func (p *progressWriter) Write(b []byte) (int, error) {
+	n, err := p.w.Write(b)
+	p.done += int64(n)
+	if p.size > 0 {
+		p.progress(int(min(p.done*100/p.size, 100)))
+	}
+	return n, err
+}
+
+func sumHex(b []byte) string {
+	s := sha256.Sum256(b)
+	return hex.EncodeToString(s[:])
+}
+
+// purge deletes cached and partial blobs not touched since cutoff.
+func (b *blobs) purge(cutoff time.Time) int {
+	entries, err := os.ReadDir(b.dir)
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, e := range entries {
+		info, err := e.Info()
+		if err != nil || !info.Mode().IsRegular() || !info.ModTime().Before(cutoff) {
+			continue
+		}
+		name := strings.TrimSuffix(e.Name(), ".part")
+		unlock := b.lock(name)
+		if os.Remove(filepath.Join(b.dir, e.Name())) == nil {
+			n++
+		}
+		unlock()
+	}
+	return n
+}

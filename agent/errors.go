@@ -1,0 +1,26 @@
+package agent
+
+import "github.com/devicecompanion/companion/topics"
+
+// Error codes of failed commands, as they appear in a reply's error.code.
+const (
+	codeTimeout          = "timeout"
+	codeDownloadFailed   = "download_failed"
+	codeChecksumMismatch = "checksum_mismatch"
+	codeInvalidPayload   = "invalid_payload"
+	codeDeviceError      = "device_error"
+	codeVersionMismatch  = "version_mismatch"
+)
+
+// commandError is a command's failure with the code its reply carries.
+type commandError struct {
+	Code      string
+	Message   string
+	transient bool // worth retrying (downloads only)
+}
+
+func (e *commandError) Error() string { return e.Code + ": " + e.Message }
+
+func cmdErr(code, msg string) *commandError { return &commandError{Code: code, Message: msg} }
+
+func (e *commandError) reply() *topics.Error { return &topics.Error{Code: e.Code, Message: e.Message} }

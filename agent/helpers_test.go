@@ -1,0 +1,451 @@
+package agent_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/google/uuid"
+	mochi "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/listeners"
+	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// waitLong bounds every wait of these tests; nothing should take near it.
+const waitLong = 15 * time.Second
+
+var tree = topics.MustNew(topics.DefaultPrefix)
+
+func testLogger(tb testing.TB) *slog.Logger {
+	if os.Getenv("AGENT_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.DiscardHandler)
+}
+
+// testBroker is an embedded mochi MQTT broker on a free port that lets
+// everyone in.
+type testBroker struct {
+	srv *mochi.Server
+	url string
+}
+
+func startBroker(tb testing.TB) *testBroker {
+	tb.Helper()
+	srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
+	if err := srv.AddHook(new(allowHook), nil); err != nil {
+		tb.Fatal(err)
+	}
+	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
+	if err := srv.AddListener(l); err != nil {
+		tb.Fatal(err)
+	}
+	go srv.Serve()
+	tb.Cleanup(func() { srv.Close() })
+	return &testBroker{srv: srv, url: "tcp://" + l.Address()}
+}
+
+// allowHook lets every client in and allows everything, like mochi's
+// auth.AllowHook (whose package needs a module this one does not require).
+type allowHook struct{ mochi.HookBase }
+
+func (h *allowHook) ID() string { return "allow-all" }
+
+func (h *allowHook) Provides(b byte) bool {
+	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
+}
+
+func (h *allowHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
+
+func (h *allowHook) OnACLCheck(*mochi.Client, string, bool) bool { return true }
+
+// dropClient ends a client's connection abruptly, as a crash or a network
+// failure would: the broker then publishes the client's Will.
+func (b *testBroker) dropClient(tb testing.TB, clientID string) {
+	tb.Helper()
+	cl, ok := b.srv.Clients.Get(clientID)
+	if !ok {
+		tb.Fatalf("broker has no client %q", clientID)
+	}
+	cl.Stop(errors.New("test: connection dropped"))
+}
+
+// message is one message the watcher saw.
+type message struct {
+	topic    string
+	payload  []byte
+	retained bool
+}
+
+// watcher plays the server: a real paho client that publishes commands and
+// collects everything under the prefix.
+type watcher struct {
+	tb     testing.TB
+	client mqtt.Client
+
+	mu     sync.Mutex
+	msgs   []message
+	notify chan struct{} // closed and replaced on every message
+}
+
+func newWatcher(tb testing.TB, b *testBroker) *watcher {
+	tb.Helper()
+	w := &watcher{tb: tb, notify: make(chan struct{})}
+	opts := mqtt.NewClientOptions().AddBroker(b.url).
+		SetClientID("watcher-" + uuid.NewString()).
+		SetCleanSession(true).
+		SetDefaultPublishHandler(w.onMessage).
+		SetOnConnectHandler(func(c mqtt.Client) {
+			c.Subscribe(tree.Prefix()+"/#", 1, nil)
+		})
+	w.client = mqtt.NewClient(opts)
+	if err := mqtt.WaitTokenTimeout(w.client.Connect(), waitLong); err != nil {
+		tb.Fatal(err)
+	}
+	if err := mqtt.WaitTokenTimeout(w.client.Subscribe(tree.Prefix()+"/#", 1, nil), waitLong); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { w.client.Disconnect(100) })
+	return w
+}
+
+func (w *watcher) onMessage(_ mqtt.Client, m mqtt.Message) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.msgs = append(w.msgs, message{topic: m.Topic(), payload: append([]byte(nil), m.Payload()...), retained: m.Retained()})
+	close(w.notify)
+	w.notify = make(chan struct{})
+}
+
+// waitFor waits until some message seen so far satisfies match, and returns
+// the first such.
+func (w *watcher) waitFor(what string, match func(message) bool) message {
+	w.tb.Helper()
+	deadline := time.NewTimer(waitLong)
+	defer deadline.Stop()
+	for {
+		w.mu.Lock()
+		for _, m := range w.msgs {
+			if match(m) {
+				w.mu.Unlock()
+				return m
+			}
+		}
+		ch := w.notify
+		w.mu.Unlock()
+		select {
+		case <-ch:
+		case <-deadline.C:
+			w.tb.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// replies returns every reply seen so far for a command, in order.
+func (w *watcher) replies(deviceID, cmdID string) []topics.Reply {
+	topic, _ := tree.Replies(deviceID)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []topics.Reply
+	for _, m := range w.msgs {
+		if m.topic != topic {
+			continue
+		}
+		r, err := topics.ParseReply(m.payload)
+		if err != nil {
+			w.tb.Errorf("bad reply %s: %v", m.payload, err)
+			continue
+		}
+		if r.CommandID == cmdID {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// waitReply waits for a reply of the command in the given state.
+func (w *watcher) waitReply(deviceID, cmdID, state string) topics.Reply {
+	w.tb.Helper()
+	topic, _ := tree.Replies(deviceID)
+	m := w.waitFor(fmt.Sprintf("%s reply of %s", state, cmdID), func(m message) bool {
+		if m.topic != topic {
+			return false
+		}
+		r, err := topics.ParseReply(m.payload)
+		return err == nil && r.CommandID == cmdID && r.State == state
+	})
+	r, _ := topics.ParseReply(m.payload)
+	return r
+}
+
+// waitFinal waits for the command's final reply and returns it.
+func (w *watcher) waitFinal(deviceID, cmdID string) topics.Reply {
+	w.tb.Helper()
+	topic, _ := tree.Replies(deviceID)
+	m := w.waitFor("final reply of "+cmdID, func(m message) bool {
+		if m.topic != topic {
+			return false
+		}
+		r, err := topics.ParseReply(m.payload)
+		return err == nil && r.CommandID == cmdID && topics.Final(r.State)
+	})
+	r, _ := topics.ParseReply(m.payload)
+	return r
+}
+
+// waitStatus waits for a status of the device that satisfies match.
+func (w *watcher) waitStatus(deviceID, what string, match func(topics.Status) bool) topics.Status {
+	w.tb.Helper()
+	topic, _ := tree.Status(deviceID)
+	m := w.waitFor("status: "+what, func(m message) bool {
+		if m.topic != topic {
+			return false
+		}
+		s, err := topics.ParseStatus(m.payload)
+		return err == nil && match(s)
+	})
+	s, _ := topics.ParseStatus(m.payload)
+	return s
+}
+
+// waitBridgeState waits for the n-th message (counting from 1) on the
+// bridge's state topic with this payload.
+func (w *watcher) waitBridgeState(bridgeID, state string, n int) {
+	w.tb.Helper()
+	topic, _ := tree.BridgeState(bridgeID)
+	seen := 0
+	w.waitFor(fmt.Sprintf("bridge %s %s #%d", bridgeID, state, n), func(m message) bool {
+		if m.topic == topic && string(m.payload) == state {
+			seen++
+		}
+		return seen >= n
+	})
+}
+
+func (w *watcher) count(match func(message) bool) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := 0
+	for _, m := range w.msgs {
+		if match(m) {
+			n++
+		}
+	}
+	return n
+}
+
+// send publishes a command as the server would and waits for the PUBACK.
+func (w *watcher) send(c topics.Command) {
+	w.tb.Helper()
+	topic, err := tree.Command(c.DeviceID, c.Op)
+	if err != nil {
+		w.tb.Fatal(err)
+	}
+	b, err := json.Marshal(c)
+	if err != nil {
+		w.tb.Fatal(err)
+	}
+	if err := mqtt.WaitTokenTimeout(w.client.Publish(topic, 1, false, b), waitLong); err != nil {
+		w.tb.Fatal(err)
+	}
+}
+
+// command builds a command that expires in an hour.
+func command(tb testing.TB, deviceID, op string, payload any) topics.Command {
+	tb.Helper()
+	id, err := uuid.NewV7()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	b, err := json.Marshal(payload)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	now := time.Now().UTC()
+	return topics.Command{ID: id.String(), Op: op, DeviceID: deviceID, CreatedAt: now, ExpiresAt: now.Add(time.Hour), Payload: b}
+}
+
+const testSecret = "s3cret-of-the-bridge"
+
+// blobServer serves blobs at /api/v1/blobs/{sha} as the server does, with
+// Range support, and can cut a response short to prove that the bridge
+// resumes.
+type blobServer struct {
+	srv *httptest.Server
+
+	mu       sync.Mutex
+	blobs    map[string][]byte
+	cut      map[string]int // sha → bytes to send before breaking the next response
+	requests []*http.Request
+}
+
+func startBlobServer(tb testing.TB) *blobServer {
+	tb.Helper()
+	bs := &blobServer{blobs: map[string][]byte{}, cut: map[string]int{}}
+	bs.srv = httptest.NewServer(http.HandlerFunc(bs.serve))
+	tb.Cleanup(bs.srv.Close)
+	return bs
+}
+
+// add stores data and returns its reference, with a relative URL.
+func (bs *blobServer) add(data []byte) topics.Blob {
+	sum := sha256.Sum256(data)
+	sha := hex.EncodeToString(sum[:])
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	bs.blobs[sha] = data
+	return topics.Blob{SHA256: sha, Size: int64(len(data)), URL: "/api/v1/blobs/" + sha}
+}
+
+func (bs *blobServer) cutNext(sha string, after int) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	bs.cut[sha] = after
+}
+
+func (bs *blobServer) seen() []*http.Request {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	return append([]*http.Request(nil), bs.requests...)
+}
+
+type cutWriter struct {
+	http.ResponseWriter
+	left int
+}
+
+func (c *cutWriter) Write(b []byte) (int, error) {
+	if len(b) > c.left {
+		n, _ := c.ResponseWriter.Write(b[:c.left])
+		c.left -= n
+		c.ResponseWriter.(http.Flusher).Flush()
+		return n, errors.New("cut")
+	}
+	n, err := c.ResponseWriter.Write(b)
+	c.left -= n
+	return n, err
+}
+
+func (bs *blobServer) serve(w http.ResponseWriter, r *http.Request) {
+	bs.mu.Lock()
+	bs.requests = append(bs.requests, r.Clone(context.Background()))
+	sha, _ := strings.CutPrefix(r.URL.Path, "/api/v1/blobs/")
+	data, ok := bs.blobs[sha]
+	cut, cutting := bs.cut[sha]
+	delete(bs.cut, sha)
+	bs.mu.Unlock()
+	if r.Header.Get("Authorization") != "Bearer "+testSecret {
+		http.Error(w, "unauthorized", http.StatusUnauthorized)
+		return
+	}
+	if !ok {
+		http.NotFound(w, r)
+		return
+	}
+	if cutting {
+		http.ServeContent(&cutWriter{ResponseWriter: w, left: cut}, r, "", time.Time{}, strings.NewReader(string(data)))
+		panic(http.ErrAbortHandler) // break the connection mid-body
+	}
+	http.ServeContent(w, r, "", time.Time{}, strings.NewReader(string(data)))
+}
+
+// bridge is an agent under test with its sim devices.
+type bridge struct {
+	*agent.Agent
+	id      string
+	dataDir string
+	done    chan error
+}
+
+type bridgeConfig struct {
+	id       string
+	dataDir  string
+	devices  []*sim.Device
+	timeout  time.Duration
+	interval time.Duration
+	now      func() time.Time
+}
+
+// startBridge runs an agent against the broker and the blob server and
+// waits for it to say it is online.
+func startBridge(tb testing.TB, b *testBroker, bs *blobServer, w *watcher, cfg bridgeConfig) *bridge {
+	tb.Helper()
+	if cfg.id == "" {
+		cfg.id = "b1"
+	}
+	if cfg.dataDir == "" {
+		cfg.dataDir = tb.TempDir()
+	}
+	devs := make([]agent.Device, len(cfg.devices))
+	for i, d := range cfg.devices {
+		devs[i] = d
+	}
+	opts := agent.Options{
+		MQTTURL:        b.url,
+		Password:       testSecret,
+		BridgeID:       cfg.id,
+		DataDir:        cfg.dataDir,
+		Devices:        devs,
+		Logger:         testLogger(tb),
+		Now:            cfg.now,
+		CommandTimeout: cfg.timeout,
+		StatusInterval: cfg.interval,
+	}
+	if bs != nil {
+		opts.APIURL = bs.srv.URL
+	}
+	a, err := agent.New(opts)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	br := &bridge{Agent: a, id: cfg.id, dataDir: cfg.dataDir, done: make(chan error, 1)}
+	onlineBefore := w.count(isState(cfg.id, topics.BridgeOnline))
+	go func() { br.done <- a.Run(context.Background()) }()
+	tb.Cleanup(func() { br.stop(tb) })
+	w.waitBridgeState(cfg.id, topics.BridgeOnline, onlineBefore+1)
+	return br
+}
+
+func isState(bridgeID, state string) func(message) bool {
+	topic, _ := tree.BridgeState(bridgeID)
+	return func(m message) bool { return m.topic == topic && string(m.payload) == state }
+}
+
+// stop closes the agent and waits for Run to return; it may be called twice.
+func (br *bridge) stop(tb testing.TB) {
+	tb.Helper()
+	if err := br.Close(); err != nil {
+		tb.Errorf("Close: %v", err)
+	}
+	select {
+	case err, ok := <-br.done:
+		if ok && err != nil {
+			tb.Errorf("Run: %v", err)
+		}
+		if ok {
+			close(br.done)
+		}
+	case <-time.After(waitLong):
+		tb.Fatal("Run did not return after Close")
+	}
+}
+
+func newSim(id string) *sim.Device {
+	return sim.New(sim.Options{ID: id})
+}

@@ -1,0 +1,170 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// adminClient is the admin CLI: a thin client of the admin API of a running
+// server.
+type adminClient struct {
+	apiURL string
+	token  string
+	http   *http.Client
+}
+
+func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) < 2 {
+		return usageError{fmt.Sprintf("%s: missing sub-command", args[0])}
+	}
+	cmd := args[0] + " " + args[1]
+	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
+	token := fs.String("admin-token", "", "admin token (default: read from DATA/admin.token)")
+	data := fs.String("data", "./data", "the server's data directory, to find admin.token")
+	var claimCode, model, version, appID string
+	switch cmd {
+	case "device provision":
+		fs.StringVar(&claimCode, "claim-code", "", "the device's claim code (required)")
+		fs.StringVar(&model, "model", "", "the device's model (required)")
+	case "firmware publish":
+		fs.StringVar(&model, "model", "", "the model the firmware is for (required)")
+		fs.StringVar(&version, "version", "", "semantic version, e.g. 1.2.0 (required)")
+	case "app publish":
+		fs.StringVar(&appID, "app-id", "", "the app's id (required)")
+		fs.StringVar(&version, "version", "", "semantic version (required)")
+	case "user create", "bridge create":
+	default:
+		return usageError{fmt.Sprintf("unknown command %q", cmd)}
+	}
+	pos, err := parseInterspersed(fs, args[2:])
+	if err != nil {
+		return err
+	}
+	if err := applyEnv(fs); err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usageError{fmt.Sprintf("%s takes exactly one argument, got %d", cmd, len(pos))}
+	}
+	arg := pos[0]
+	tok := *token
+	if tok == "" {
+		b, err := os.ReadFile(filepath.Join(*data, "admin.token"))
+		if err != nil {
+			return usageError{fmt.Sprintf("no --admin-token and none readable in %s: %v", *data, err)}
+		}
+		tok = strings.TrimSpace(string(b))
+	}
+	c := adminClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: &http.Client{Timeout: 5 * time.Minute}}
+
+	var body []byte
+	switch cmd {
+	case "user create":
+		body, err = c.postJSON(ctx, "/api/v1/admin/users", map[string]string{"name": arg})
+	case "bridge create":
+		body, err = c.postJSON(ctx, "/api/v1/admin/bridges", map[string]string{"bridge_id": arg})
+	case "device provision":
+		if claimCode == "" || model == "" {
+			return usageError{"device provision needs --claim-code and --model"}
+		}
+		body, err = c.postJSON(ctx, "/api/v1/admin/devices", map[string]string{"device_id": arg, "claim_code": claimCode, "model": model})
+	case "firmware publish":
+		if model == "" || version == "" {
+			return usageError{"firmware publish needs --model and --version"}
+		}
+		body, err = c.putFile(ctx, "/api/v1/admin/firmware/"+url.PathEscape(model)+"/"+url.PathEscape(version), arg)
+	case "app publish":
+		if appID == "" || version == "" {
+			return usageError{"app publish needs --app-id and --version"}
+		}
+		body, err = c.putFile(ctx, "/api/v1/admin/apps/"+url.PathEscape(appID)+"/"+url.PathEscape(version), arg)
+	}
+	if err != nil {
+		return err
+	}
+	var pretty bytes.Buffer
+	if json.Indent(&pretty, body, "", "  ") == nil {
+		body = pretty.Bytes()
+	}
+	fmt.Fprintln(stdout, string(body))
+	return nil
+}
+
+// parseInterspersed parses flags that may come before or after positional
+// arguments, and returns the positional ones.
+func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return pos, nil
+		}
+		pos = append(pos, rest[0])
+		args = rest[1:]
+	}
+}
+
+func (c adminClient) postJSON(ctx context.Context, path string, v any) ([]byte, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, err
+	}
+	return c.do(ctx, http.MethodPost, path, "application/json", bytes.NewReader(b), int64(len(b)))
+}
+
+func (c adminClient) putFile(ctx context.Context, path, file string) ([]byte, error) {
+	f, err := os.Open(file)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	return c.do(ctx, http.MethodPut, path, "application/octet-stream", f, fi.Size())
+}
+
+func (c adminClient) do(ctx context.Context, method, path, ctype string, body io.Reader, size int64) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, method, c.apiURL+path, body)
+	if err != nil {
+		return nil, err
+	}
+	req.ContentLength = size
+	req.Header.Set("Content-Type", ctype)
+	req.Header.Set("Authorization", "Bearer "+c.token)
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	out, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode/100 != 2 {
+		var p struct {
+			Title, Detail, Code string
+		}
+		if json.Unmarshal(out, &p) == nil && p.Code != "" {
+			return nil, fmt.Errorf("%s %s: %d %s: %s", method, path, resp.StatusCode, p.Code, p.Detail)
+		}
+		return nil, fmt.Errorf("%s %s: %s", method, path, resp.Status)
+	}
+	return out, nil
+}

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The admin CLI is a client of the admin API of a running server.
+func TestAdminCLI(t *testing.T) {
+	m := startServer(t, Config{})
+	api := "http://" + m.HTTPAddr()
+	cli := func(args ...string) map[string]any {
+		t.Helper()
+		var out, errOut bytes.Buffer
+		err := run(context.Background(), append(args, "--api-url", api, "--admin-token", m.AdminToken()), &out, &errOut)
+		require.NoError(t, err, "companion %v: %s", args, errOut.String())
+		var v map[string]any
+		require.NoError(t, json.Unmarshal(out.Bytes(), &v), "%s", out.String())
+		return v
+	}
+	u := cli("user", "create", "bob")
+	assert.Equal(t, "bob", u["name"])
+	assert.NotEmpty(t, u["token"])
+	cli("device", "provision", "watch-42", "--claim-code", "ABCD-EFGH-IJKL-MNOP", "--model", "sim-1")
+	br := cli("bridge", "create", "kitchen")
+	assert.NotEmpty(t, br["secret"])
+
+	fw := filepath.Join(t.TempDir(), "fw.bin")
+	require.NoError(t, os.WriteFile(fw, bytes.Repeat([]byte{1}, 1000), 0o600))
+	got := cli("firmware", "publish", "--model", "sim-1", "--version", "1.2.0", fw)
+	assert.EqualValues(t, 1000, got["size"])
+	got = cli("app", "publish", "--app-id", "weather", "--version", "1.0.0", fw)
+	assert.Len(t, got["sha256"], 64)
+
+	// The user can now register the device.
+	c := newClient(t, m, u["token"].(string))
+	r := c.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "watch-42", "claim_code": "ABCD-EFGH-IJKL-MNOP"})
+	assert.Equal(t, 201, r.Status, "%s", r.Body)
+
+	// Mistakes are usage errors, and API errors are reported with their code.
+	err := run(context.Background(), []string{"device", "provision", "x", "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
+	var ue usageError
+	assert.ErrorAs(t, err, &ue)
+	err = run(context.Background(), []string{"user", "create", "eve", "--api-url", api, "--admin-token", "wrong"}, &bytes.Buffer{}, &bytes.Buffer{})
+	assert.ErrorContains(t, err, "401")
+}
+
+func TestFlagsFromEnvironment(t *testing.T) {
+	t.Setenv("COMPANION_MQTT_URL", "tcp://broker:1883")
+	t.Setenv("COMPANION_DEMO", "true")
+	t.Setenv("COMPANION_HTTP", "0.0.0.0:9")
+	var cfg Config
+	fs := newServeFlags(&cfg)
+	require.NoError(t, parseFlags(fs, []string{"--http", "127.0.0.1:1"}))
+	assert.Equal(t, "tcp://broker:1883", cfg.MQTTURL)
+	assert.True(t, cfg.Demo)
+	assert.Equal(t, "127.0.0.1:1", cfg.HTTP, "a flag wins over the environment")
+
+	t.Setenv("COMPANION_DEMO", "maybe")
+	fs = newServeFlags(&cfg)
+	assert.Error(t, parseFlags(fs, nil))
+}
+
+// The demo prints curl lines that work as printed.
+func TestDemoQuickStartWorksAsPrinted(t *testing.T) {
+	if _, err := exec.LookPath("curl"); err != nil {
+		t.Skip("curl not installed")
+	}
+	m := startServer(t, Config{Demo: true})
+	var out bytes.Buffer
+	m.Demo.PrintQuickStart(&out)
+	var lines []string
+	for _, l := range strings.Split(out.String(), "\n") {
+		l = strings.TrimSpace(l)
+		if strings.HasPrefix(l, "curl ") {
+			lines = append(lines, l)
+		}
+	}
+	require.GreaterOrEqual(t, len(lines), 10, "%s", out.String())
+	for _, l := range lines {
+		cmd := exec.Command("sh", "-c", l+" -w '\\n%{http_code}'")
+		b, err := cmd.CombinedOutput()
+		require.NoError(t, err, "%s: %s", l, b)
+		outLines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		code := outLines[len(outLines)-1]
+		assert.Contains(t, []string{"200", "201", "202"}, code, "%s\n%s", l, b)
+		if strings.Contains(l, "Prefer: wait") {
+			assert.Contains(t, string(b), `"state":"succeeded"`, "%s\n%s", l, b)
+		}
+	}
+	// demo.json holds what the quick start uses.
+	b, err := os.ReadFile(filepath.Join(m.Config.Data, "demo.json"))
+	require.NoError(t, err)
+	var f DemoFile
+	require.NoError(t, json.Unmarshal(b, &f))
+	assert.Len(t, f.Devices, 3)
+	fi, err := os.Stat(filepath.Join(m.Config.Data, "demo.json"))
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+}

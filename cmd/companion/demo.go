@@ -1,0 +1,259 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/base32"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/google/uuid"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// DemoFile is what --demo writes to DATA/demo.json (mode 0600).
+type DemoFile struct {
+	APIURL       string       `json:"api_url"`
+	Token        string       `json:"token"`
+	AdminToken   string       `json:"admin_token"`
+	UserID       string       `json:"user_id"`
+	Devices      []DemoDevice `json:"devices"`
+	BridgeID     string       `json:"bridge_id"`
+	BridgeSecret string       `json:"bridge_secret"`
+}
+
+// DemoDevice is one simulated device of the demo and its claim code.
+type DemoDevice struct {
+	DeviceID  string `json:"device_id"`
+	ClaimCode string `json:"claim_code"`
+}
+
+// Demo is the --demo fleet: a user, three provisioned simulated devices, a
+// firmware and an app in the catalogs, and an in-process bridge serving the
+// devices over MQTT like any other bridge.
+type Demo struct {
+	File    DemoFile
+	Sims    []*sim.Device
+	agent   *agent.Agent
+	mqttURL string
+
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+const (
+	demoModel    = "sim-1"
+	demoBridgeID = "demo-bridge"
+)
+
+func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
+	path := filepath.Join(m.Config.Data, "demo.json")
+	f, err := loadOrCreateDemo(ctx, m, path)
+	if err != nil {
+		return nil, err
+	}
+	d := &Demo{File: f, mqttURL: m.MQTTURL()}
+	var devices []agent.Device
+	for _, dev := range f.Devices {
+		s := sim.New(sim.Options{ID: dev.DeviceID, Model: demoModel, Firmware: "1.0.0", Logger: m.Logger})
+		d.Sims = append(d.Sims, s)
+		devices = append(devices, s)
+	}
+	d.agent, err = agent.New(agent.Options{
+		MQTTURL:  m.MQTTURL(),
+		Username: f.BridgeID,
+		Password: f.BridgeSecret,
+		BridgeID: f.BridgeID,
+		APIURL:   "http://" + m.HTTPAddr(),
+		DataDir:  filepath.Join(m.Config.Data, "demo-bridge"),
+		Devices:  devices,
+		Topics:   tree,
+		Logger:   m.Logger.With("component", "demo-bridge"),
+	})
+	if err != nil {
+		return nil, err
+	}
+	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	d.cancel = cancel
+	d.done = make(chan struct{})
+	go func() {
+		defer close(d.done)
+		if err := d.agent.Run(runCtx); err != nil && !errors.Is(err, context.Canceled) {
+			m.Logger.Error("demo bridge", "err", err)
+		}
+	}()
+	return d, nil
+}
+
+// Close stops the demo bridge and waits for it.
+func (d *Demo) Close() error {
+	d.cancel()
+	<-d.done
+	return d.agent.Close()
+}
+
+func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, error) {
+	var f DemoFile
+	b, err := os.ReadFile(path)
+	switch {
+	case err == nil:
+		if err := json.Unmarshal(b, &f); err != nil {
+			return f, fmt.Errorf("%s: %w", path, err)
+		}
+		f.APIURL = "http://" + m.HTTPAddr()
+		f.AdminToken = m.AdminToken()
+		return f, writeDemo(path, f)
+	case !errors.Is(err, os.ErrNotExist):
+		return f, err
+	}
+
+	now := m.Config.Now()
+	f = DemoFile{
+		APIURL:       "http://" + m.HTTPAddr(),
+		Token:        randomToken("ctk_"),
+		AdminToken:   m.AdminToken(),
+		UserID:       uuid.NewString(),
+		BridgeID:     demoBridgeID,
+		BridgeSecret: randomToken("cbs_"),
+	}
+	db := m.DB
+	if err := db.CreateUser(ctx, store.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token), CreatedAt: now}); err != nil {
+		return f, err
+	}
+	if err := db.CreateBridge(ctx, store.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret), CreatedAt: now}); err != nil && !errors.Is(err, store.ErrExists) {
+		return f, err
+	}
+	for i := 1; i <= 3; i++ {
+		dev := DemoDevice{DeviceID: fmt.Sprintf("sim-%03d", i), ClaimCode: claimCode()}
+		err := db.ProvisionDevice(ctx, store.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now})
+		if err != nil {
+			return f, err
+		}
+		f.Devices = append(f.Devices, dev)
+	}
+	// Something to install and something to update to.
+	if err := publishDemoContent(ctx, db); err != nil {
+		return f, err
+	}
+	return f, writeDemo(path, f)
+}
+
+func publishDemoContent(ctx context.Context, db *store.DB) error {
+	put := func(size int) (store.Blob, error) {
+		b := make([]byte, size)
+		if _, err := rand.Read(b); err != nil {
+			return store.Blob{}, err
+		}
+		return db.PutBlob(ctx, bytes.NewReader(b), int64(size))
+	}
+	fw, err := put(256 << 10)
+	if err != nil {
+		return err
+	}
+	if err := db.PutFirmware(ctx, store.Firmware{Model: demoModel, Version: "1.1.0", SHA256: fw.SHA256, Size: fw.Size}); err != nil {
+		return err
+	}
+	for _, v := range []string{"1.0.0", "1.1.0"} {
+		pkg, err := put(40 << 10)
+		if err != nil {
+			return err
+		}
+		if err := db.PutAppRelease(ctx, store.AppRelease{AppID: "weather", Version: v, SHA256: pkg.SHA256, Size: pkg.Size}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func writeDemo(path string, f DemoFile) error {
+	b, err := json.MarshalIndent(f, "", "  ")
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(path, append(b, '\n'), 0o600)
+}
+
+// claimCode returns 100 random bits as five groups of four base32 letters,
+// easy to type and hopeless to guess.
+func claimCode() string {
+	b := make([]byte, 13)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	s := base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b)[:20]
+	var parts []string
+	for i := 0; i < len(s); i += 4 {
+		parts = append(parts, s[i:i+4])
+	}
+	return strings.Join(parts, "-")
+}
+
+// PrintQuickStart prints curl lines that work as printed against this run.
+func (d *Demo) PrintQuickStart(w io.Writer) {
+	f := d.File
+	api := f.APIURL + "/api/v1"
+	auth := fmt.Sprintf("-H 'Authorization: Bearer %s'", f.Token)
+	js := "-H 'Content-Type: application/json'"
+	dev := f.Devices[0]
+	fmt.Fprintf(w, `
+Demo ready: user "demo", bridge %q serving %d simulated devices. Credentials are in %s.
+Try (each line works as printed):
+
+  # bind a device to the demo user, then read it
+  curl -s -X POST %s/devices/register %s %s -d '{"device_id":"%s","claim_code":"%s","name":"Kitchen"}'
+  curl -s %s/devices %s
+  curl -s %s/devices/%s/status %s
+
+  # push text and wait up to 10 s for the device to take it
+  curl -s -X POST %s/devices/%s/push/text %s %s -H 'Prefer: wait=10' -d '{"title":"Hello","text":"Hi from the cloud"}'
+
+  # settings, apps, firmware
+  curl -s %s/devices/%s/settings %s
+  curl -s -X PUT %s/devices/%s/settings %s %s -H 'Prefer: wait=10' -d '{"brightness":80,"language":"de"}'
+  curl -s -X POST %s/devices/%s/apps/install %s %s -H 'Prefer: wait=10' -d '{"app_id":"weather","version":"1.0.0"}'
+  curl -s %s/devices/%s/ota/check %s
+  curl -s -X POST %s/devices/%s/ota/update %s %s -H 'Prefer: wait=30' -d '{}'
+  curl -s %s/devices/%s/commands %s
+
+  # watch the device's MQTT conversation (user id and API token as credentials)
+  mosquitto_sub -h 127.0.0.1 -p %s -u %s -P %s -v -t 'companion/v1/devices/%s/#'
+
+`,
+		f.BridgeID, len(f.Devices), "demo.json in the data directory",
+		api, auth, js, dev.DeviceID, dev.ClaimCode,
+		api, auth,
+		api, dev.DeviceID, auth,
+		api, dev.DeviceID, auth, js,
+		api, dev.DeviceID, auth,
+		api, dev.DeviceID, auth, js,
+		api, dev.DeviceID, auth, js,
+		api, dev.DeviceID, auth,
+		api, dev.DeviceID, auth, js,
+		api, dev.DeviceID, auth,
+		mqttPort(d), f.UserID, f.Token, dev.DeviceID,
+	)
+	if len(f.Devices) > 1 {
+		fmt.Fprintln(w, "  other devices and their claim codes:")
+		for _, dv := range f.Devices[1:] {
+			fmt.Fprintf(w, "    %s  %s\n", dv.DeviceID, dv.ClaimCode)
+		}
+		fmt.Fprintln(w)
+	}
+}
+
+func mqttPort(d *Demo) string {
+	if i := strings.LastIndex(d.mqttURL, ":"); i >= 0 {
+		return d.mqttURL[i+1:]
+	}
+	return "1883"
+}

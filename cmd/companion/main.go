@@ -1,0 +1,100 @@
+// Command companion is the Device Companion server and its admin CLI.
+//
+//	companion serve [flags]                    run the server
+//	companion user create NAME                 create a user, print its API token
+//	companion device provision ID --claim-code C --model M
+//	companion bridge create ID                 create a bridge, print its secret
+//	companion firmware publish --model M --version V FILE
+//	companion app publish --app-id A --version V FILE
+//
+// Every flag can also be set in the environment as COMPANION_<FLAG>, with
+// dashes as underscores: --mqtt-url is COMPANION_MQTT_URL. Flags win.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(2)
+		}
+		var ue usageError
+		if errors.As(err, &ue) {
+			fmt.Fprintln(os.Stderr, "companion:", err)
+			os.Exit(2)
+		}
+		fmt.Fprintln(os.Stderr, "companion:", err)
+		os.Exit(1)
+	}
+}
+
+// usageError is a mistake on the command line (exit status 2).
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+const usage = `usage:
+  companion serve [--http ADDR] [--data DIR] [--mqtt-listen ADDR | --mqtt-url URL] [--demo] ...
+  companion user create NAME
+  companion device provision ID --claim-code CODE --model MODEL
+  companion bridge create ID
+  companion firmware publish --model MODEL --version VERSION FILE
+  companion app publish --app-id APP --version VERSION FILE
+Run "companion COMMAND -h" for the flags of a command.`
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprintln(stderr, usage)
+		return usageError{"no command given"}
+	}
+	switch args[0] {
+	case "serve":
+		return runServe(ctx, args[1:], stdout, stderr)
+	case "user", "device", "bridge", "firmware", "app":
+		return runAdmin(ctx, args, stdout, stderr)
+	case "-h", "--help", "help":
+		fmt.Fprintln(stdout, usage)
+		return nil
+	}
+	fmt.Fprintln(stderr, usage)
+	return usageError{fmt.Sprintf("unknown command %q", args[0])}
+}
+
+// parseFlags parses args, then fills every flag not given on the command
+// line from COMPANION_<FLAG> in the environment.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	return applyEnv(fs)
+}
+
+func applyEnv(fs *flag.FlagSet) error {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		if set[f.Name] || err != nil {
+			return
+		}
+		name := "COMPANION_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
+		if v, ok := os.LookupEnv(name); ok {
+			if e := f.Value.Set(v); e != nil {
+				err = usageError{fmt.Sprintf("%s: %v", name, e)}
+			}
+		}
+	})
+	return err
+}

@@ -1,0 +1,468 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"image"
+	"image/color"
+	"image/png"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// testLogger keeps test output readable: warnings and errors only, unless
+// -v is given.
+func testLogger(tb testing.TB) *slog.Logger {
+	tb.Helper()
+	level := slog.LevelWarn
+	if testing.Verbose() {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(&tbWriter{tb: tb}, &slog.HandlerOptions{Level: level}))
+}
+
+type tbWriter struct{ tb testing.TB }
+
+func (w *tbWriter) Write(p []byte) (int, error) {
+	w.tb.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+// startServer runs the real Main on port 0 and a temp dir (or cfg.Data).
+func startServer(tb testing.TB, cfg Config) *Main {
+	tb.Helper()
+	if cfg.HTTP == "" {
+		cfg.HTTP = "127.0.0.1:0"
+	}
+	if cfg.MQTTListen == "" && cfg.MQTTURL == "" {
+		cfg.MQTTListen = "127.0.0.1:0"
+	}
+	if cfg.Data == "" {
+		cfg.Data = tb.TempDir()
+	}
+	if cfg.AdminToken == "" {
+		cfg.AdminToken = "test-admin-token"
+	}
+	if cfg.TopicPrefix == "" {
+		cfg.TopicPrefix = topics.DefaultPrefix
+	}
+	if cfg.SweepInterval == 0 {
+		cfg.SweepInterval = 100 * time.Millisecond
+	}
+	m := NewMain(cfg, testLogger(tb))
+	if err := m.Run(context.Background()); err != nil {
+		m.Close()
+		tb.Fatalf("start server: %v", err)
+	}
+	tb.Cleanup(func() { m.Close() })
+	return m
+}
+
+// client is a test's view of the HTTP API.
+type client struct {
+	tb    testing.TB
+	base  string
+	token string
+}
+
+func newClient(tb testing.TB, m *Main, token string) *client {
+	return &client{tb: tb, base: "http://" + m.HTTPAddr(), token: token}
+}
+
+type response struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+func (r response) JSON(tb testing.TB) map[string]any {
+	tb.Helper()
+	var v map[string]any
+	require.NoError(tb, json.Unmarshal(r.Body, &v), "body: %s", r.Body)
+	return v
+}
+
+func (c *client) do(method, path string, body any, headers ...string) response {
+	c.tb.Helper()
+	var rd io.Reader
+	ctype := ""
+	switch b := body.(type) {
+	case nil:
+	case []byte:
+		rd, ctype = bytes.NewReader(b), "application/octet-stream"
+	default:
+		js, err := json.Marshal(b)
+		require.NoError(c.tb, err)
+		rd, ctype = bytes.NewReader(js), "application/json"
+	}
+	req, err := http.NewRequest(method, c.base+path, rd)
+	require.NoError(c.tb, err)
+	if ctype != "" {
+		req.Header.Set("Content-Type", ctype)
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(c.tb, err)
+	defer resp.Body.Close()
+	out, err := io.ReadAll(resp.Body)
+	require.NoError(c.tb, err)
+	return response{Status: resp.StatusCode, Header: resp.Header, Body: out}
+}
+
+// fleet is what a test sets up through the admin API: a user, provisioned
+// devices, a bridge, and catalog entries.
+type fleet struct {
+	admin        *client
+	user         *client
+	userID       string
+	bridgeID     string
+	bridgeSecret string
+	claims       map[string]string
+	firmware     []byte
+}
+
+func setupFleet(tb testing.TB, m *Main, devices ...string) *fleet {
+	tb.Helper()
+	f := &fleet{admin: newClient(tb, m, m.AdminToken()), claims: map[string]string{}}
+	r := f.admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "alice"})
+	require.Equal(tb, 201, r.Status, "%s", r.Body)
+	u := r.JSON(tb)
+	f.userID = u["user_id"].(string)
+	f.user = newClient(tb, m, u["token"].(string))
+
+	for i, id := range devices {
+		code := fmt.Sprintf("CLAIM-%d-%s", i, strings.Repeat("X", 12))
+		r := f.admin.do("POST", "/api/v1/admin/devices", map[string]string{"device_id": id, "claim_code": code, "model": "sim-1"})
+		require.Equal(tb, 201, r.Status, "%s", r.Body)
+		f.claims[id] = code
+	}
+	r = f.admin.do("POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-1"})
+	require.Equal(tb, 201, r.Status, "%s", r.Body)
+	f.bridgeID = "bridge-1"
+	f.bridgeSecret = r.JSON(tb)["secret"].(string)
+
+	f.firmware = bytes.Repeat([]byte("firmware"), 8<<10) // 64 KiB
+	r = f.admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.1.0", f.firmware)
+	require.Equal(tb, 201, r.Status, "%s", r.Body)
+	for _, v := range []string{"1.0.0", "1.2.0"} {
+		r = f.admin.do("PUT", "/api/v1/admin/apps/weather/"+v, bytes.Repeat([]byte(v), 1000))
+		require.Equal(tb, 201, r.Status, "%s", r.Body)
+	}
+	return f
+}
+
+// bridge is a real agent serving simulated devices.
+type bridge struct {
+	agent  *agent.Agent
+	sims   map[string]*sim.Device
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func startBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, dataDir string, devices ...string) *bridge {
+	tb.Helper()
+	if dataDir == "" {
+		dataDir = tb.TempDir()
+	}
+	b := &bridge{sims: map[string]*sim.Device{}, done: make(chan struct{})}
+	var devs []agent.Device
+	for _, id := range devices {
+		s := sim.New(sim.Options{ID: id})
+		b.sims[id] = s
+		devs = append(devs, s)
+	}
+	var err error
+	b.agent, err = agent.New(agent.Options{
+		MQTTURL:  mqttURL,
+		Username: f.bridgeID,
+		Password: f.bridgeSecret,
+		BridgeID: f.bridgeID,
+		APIURL:   "http://" + m.HTTPAddr(),
+		DataDir:  dataDir,
+		Devices:  devs,
+		Logger:   testLogger(tb).With("component", "bridge"),
+	})
+	require.NoError(tb, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	b.cancel = cancel
+	go func() {
+		defer close(b.done)
+		b.agent.Run(ctx)
+	}()
+	tb.Cleanup(b.stop)
+	return b
+}
+
+func (b *bridge) stop() {
+	select {
+	case <-b.done:
+		return
+	default:
+	}
+	b.cancel()
+	<-b.done
+	b.agent.Close()
+}
+
+// eventually polls cond until it holds or the deadline passes. It is for
+// state visible only through the API; the poll interval is not a sleep to
+// synchronise but a bounded wait for an observable change.
+func eventually(tb testing.TB, what string, cond func() bool) {
+	tb.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			tb.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// waitFinal asks the server to hold the answer until the command is final.
+func (c *client) waitFinal(deviceID, id string) map[string]any {
+	c.tb.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		r := c.do("GET", "/api/v1/devices/"+deviceID+"/commands/"+id, nil, "Prefer", "wait=10")
+		require.Contains(c.tb, []int{200, 202}, r.Status, "%s", r.Body)
+		cmd := r.JSON(c.tb)
+		if topics.Final(cmd["state"].(string)) {
+			return cmd
+		}
+		if time.Now().After(deadline) {
+			c.tb.Fatalf("command %s still %s", id, cmd["state"])
+		}
+	}
+}
+
+// accept sends a command request and checks the 202 (or the 200 of a
+// Prefer: wait that finished).
+func (c *client) accept(method, path string, body any, headers ...string) map[string]any {
+	c.tb.Helper()
+	r := c.do(method, path, body, headers...)
+	require.Contains(c.tb, []int{200, 202}, r.Status, "%s %s: %s", method, path, r.Body)
+	cmd := r.JSON(c.tb)
+	require.NotEmpty(c.tb, cmd["id"])
+	if r.Status == 202 {
+		require.Equal(c.tb, "/api/v1/devices/"+cmd["device_id"].(string)+"/commands/"+cmd["id"].(string), r.Header.Get("Location"))
+	}
+	return cmd
+}
+
+func pngImage(tb testing.TB, w, h int) []byte {
+	tb.Helper()
+	img := image.NewRGBA(image.Rect(0, 0, w, h))
+	for x := 0; x < w; x++ {
+		img.Set(x, x%h, color.RGBA{R: 200, A: 255})
+	}
+	var buf bytes.Buffer
+	require.NoError(tb, png.Encode(&buf, img))
+	return buf.Bytes()
+}
+
+// exerciseEveryOperation drives the twelve operations of the spec against
+// one registered device and checks the device's state after each.
+func exerciseEveryOperation(t *testing.T, f *fleet, b *bridge, dev string) {
+	u := f.user
+	s := b.sims[dev]
+	dp := "/api/v1/devices/" + dev
+
+	// Register and list.
+	r := u.do("POST", "/api/v1/devices/register", map[string]string{"device_id": dev, "claim_code": f.claims[dev], "name": "Kitchen"})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	r = u.do("POST", "/api/v1/devices/register", map[string]string{"device_id": dev, "claim_code": f.claims[dev]})
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	r = u.do("GET", "/api/v1/devices", nil)
+	require.Equal(t, 200, r.Status)
+	assert.Contains(t, string(r.Body), `"device_id":"`+dev+`"`)
+
+	// Status, once the bridge has reported.
+	eventually(t, "device online", func() bool {
+		r := u.do("GET", dp+"/status", nil)
+		return r.Status == 200 && r.JSON(t)["online"] == true
+	})
+	st := u.do("GET", dp+"/status", nil).JSON(t)
+	assert.Equal(t, "1.0.0", st["firmware_version"])
+	assert.Equal(t, f.bridgeID, st["bridge_id"])
+	assert.EqualValues(t, 100, st["battery"])
+
+	// Text.
+	cmd := u.accept("POST", dp+"/push/text", map[string]any{"title": "Hi", "text": "Hello, device"})
+	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	texts := s.Texts()
+	require.NotEmpty(t, texts)
+	assert.Equal(t, "Hello, device", texts[len(texts)-1].Text)
+
+	// Image.
+	img := pngImage(t, 64, 32)
+	cmd = u.accept("POST", dp+"/push/image", map[string]any{"image": base64.StdEncoding.EncodeToString(img), "content_type": "image/png"})
+	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	imgs := s.Images()
+	require.NotEmpty(t, imgs)
+	assert.Equal(t, img, imgs[len(imgs)-1].Data)
+
+	// Apps: install, update, list, uninstall.
+	cmd = u.accept("POST", dp+"/apps/install", map[string]any{"app_id": "weather", "version": "1.0.0"})
+	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	assert.Equal(t, "1.0.0", s.Apps()["weather"])
+	cmd = u.accept("PUT", dp+"/apps/weather/update", map[string]any{})
+	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	assert.Equal(t, "1.2.0", s.Apps()["weather"])
+	eventually(t, "apps reported", func() bool {
+		return strings.Contains(string(u.do("GET", dp+"/apps", nil).Body), `"version":"1.2.0"`)
+	})
+	cmd = u.accept("DELETE", dp+"/apps/weather", nil)
+	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	assert.NotContains(t, s.Apps(), "weather")
+
+	// Settings.
+	eventually(t, "settings reported", func() bool {
+		r := u.do("GET", dp+"/settings", nil)
+		return r.Status == 200 && r.JSON(t)["reported"].(map[string]any)["brightness"] != nil
+	})
+	set := u.do("GET", dp+"/settings", nil).JSON(t)
+	assert.EqualValues(t, 50, set["reported"].(map[string]any)["brightness"])
+	assert.Contains(t, set["schema"], "language")
+	cmd = u.accept("PUT", dp+"/settings", map[string]any{"brightness": 80, "language": "de"})
+	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	values, _, err := s.Settings(context.Background())
+	require.NoError(t, err)
+	assert.EqualValues(t, 80, values["brightness"])
+	eventually(t, "new settings reported", func() bool {
+		set := u.do("GET", dp+"/settings", nil).JSON(t)
+		return set["reported"].(map[string]any)["language"] == "de" && len(set["pending"].([]any)) == 0
+	})
+
+	// OTA.
+	chk := u.do("GET", dp+"/ota/check", nil).JSON(t)
+	assert.Equal(t, "1.0.0", chk["current_version"])
+	assert.Equal(t, "1.1.0", chk["latest_version"])
+	assert.Equal(t, true, chk["update_available"])
+	cmd = u.accept("POST", dp+"/ota/update", map[string]any{})
+	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	assert.Equal(t, "1.1.0", s.Firmware())
+	eventually(t, "new firmware reported", func() bool {
+		return u.do("GET", dp+"/status", nil).JSON(t)["firmware_version"] == "1.1.0"
+	})
+	r = u.do("POST", dp+"/ota/update", map[string]any{})
+	assert.Equal(t, 409, r.Status, "%s", r.Body)
+	assert.Equal(t, false, u.do("GET", dp+"/ota/check", nil).JSON(t)["update_available"])
+
+	// The command history holds them all, newest first.
+	hist := u.do("GET", dp+"/commands?limit=200", nil).JSON(t)["commands"].([]any)
+	assert.Len(t, hist, 7)
+	for _, c := range hist {
+		assert.Equal(t, "succeeded", c.(map[string]any)["state"])
+	}
+	for _, s := range b.sims {
+		for _, c := range hist {
+			assert.LessOrEqual(t, s.Executions(c.(map[string]any)["id"].(string)), 1)
+		}
+	}
+}
+
+func TestEveryOperationEmbeddedBroker(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1", "dev-2")
+	b := startBridge(t, m, m.MQTTURL(), f, "", "dev-1", "dev-2")
+	exerciseEveryOperation(t, f, b, "dev-1")
+}
+
+func TestIsolationBetweenUsers(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	startBridge(t, m, m.MQTTURL(), f, "", "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "mine"})
+
+	r = f.admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "mallory"})
+	require.Equal(t, 201, r.Status)
+	other := newClient(t, m, r.JSON(t)["token"].(string))
+
+	unknown := other.do("GET", "/api/v1/devices/no-such-device/status", nil)
+	require.Equal(t, 404, unknown.Status)
+	for _, req := range []struct{ method, path string }{
+		{"GET", "/api/v1/devices/dev-1/status"},
+		{"GET", "/api/v1/devices/dev-1/settings"},
+		{"GET", "/api/v1/devices/dev-1/apps"},
+		{"GET", "/api/v1/devices/dev-1/commands"},
+		{"GET", "/api/v1/devices/dev-1/commands/" + cmd["id"].(string)},
+		{"GET", "/api/v1/devices/dev-1/ota/check"},
+		{"DELETE", "/api/v1/devices/dev-1/commands/" + cmd["id"].(string)},
+		{"DELETE", "/api/v1/devices/dev-1"},
+	} {
+		r := other.do(req.method, req.path, nil)
+		assert.Equal(t, 404, r.Status, "%s %s: %s", req.method, req.path, r.Body)
+		assert.JSONEq(t, string(unknown.Body), strings.ReplaceAll(string(r.Body), "dev-1", "no-such-device"), "%s %s", req.method, req.path)
+	}
+	r = other.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "not yours"})
+	assert.Equal(t, 404, r.Status)
+	r = other.do("GET", "/api/v1/devices", nil)
+	assert.Equal(t, 200, r.Status)
+	assert.NotContains(t, string(r.Body), "dev-1")
+	r = other.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	assert.Equal(t, 409, r.Status, "%s", r.Body)
+}
+
+func TestRestartKeepsEverything(t *testing.T) {
+	dir := t.TempDir()
+	m := startServer(t, Config{Data: dir})
+	f := setupFleet(t, m, "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+
+	// No bridge yet: commands wait.
+	var ids []string
+	for i := 0; i < 5; i++ {
+		cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": fmt.Sprintf("msg %d", i)})
+		ids = append(ids, cmd["id"].(string))
+	}
+	require.NoError(t, m.Close())
+
+	// Same data, new process (new ports).
+	m2 := startServer(t, Config{Data: dir})
+	user := newClient(t, m2, f.user.token)
+	r = user.do("GET", "/api/v1/devices", nil)
+	require.Equal(t, 200, r.Status)
+	assert.Contains(t, string(r.Body), "dev-1")
+	for _, id := range ids {
+		r := user.do("GET", "/api/v1/devices/dev-1/commands/"+id, nil)
+		require.Equal(t, 200, r.Status, "%s", r.Body)
+	}
+	f.user = user
+	b := startBridge(t, m2, m2.MQTTURL(), f, "", "dev-1")
+	for _, id := range ids {
+		assert.Equal(t, "succeeded", user.waitFinal("dev-1", id)["state"])
+	}
+	texts := b.sims["dev-1"].Texts()
+	require.Len(t, texts, 5)
+	for i, tx := range texts {
+		assert.Equal(t, fmt.Sprintf("msg %d", i), tx.Text, "commands run in acceptance order")
+	}
+}
+
+func TestMain(m *testing.M) {
+	os.Exit(m.Run())
+}
+

@@ -1,0 +1,324 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/base64"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/devicecompanion/companion/api"
+	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// Config is everything `companion serve` can be told.
+type Config struct {
+	HTTP         string // listen address of the HTTP API
+	Data         string // directory of the bbolt file, blobs and tokens
+	MQTTListen   string // the embedded broker's address, when MQTTURL is empty
+	MQTTURL      string // an external broker; then nothing embedded listens
+	MQTTUsername string
+	MQTTPassword string
+	AdminToken   string // generated into DATA/admin.token when empty
+	TopicPrefix  string
+	Demo         bool
+	LogLevel     string
+
+	// For tests: a clock, and how often undelivered commands are checked for expiry.
+	Now           func() time.Time
+	SweepInterval time.Duration
+}
+
+func newServeFlags(c *Config) *flag.FlagSet {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.StringVar(&c.HTTP, "http", "127.0.0.1:8080", "HTTP API listen address")
+	fs.StringVar(&c.Data, "data", "./data", "data directory (bbolt file, blobs, admin token)")
+	fs.StringVar(&c.MQTTListen, "mqtt-listen", "127.0.0.1:1883", "listen address of the embedded MQTT broker")
+	fs.StringVar(&c.MQTTURL, "mqtt-url", "", "external MQTT broker (tcp://host:port); disables the embedded one")
+	fs.StringVar(&c.MQTTUsername, "mqtt-username", "", "username on the external MQTT broker")
+	fs.StringVar(&c.MQTTPassword, "mqtt-password", "", "password on the external MQTT broker")
+	fs.StringVar(&c.AdminToken, "admin-token", "", "admin API token (default: generated into DATA/admin.token)")
+	fs.StringVar(&c.TopicPrefix, "topic-prefix", topics.DefaultPrefix, "MQTT topic prefix")
+	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
+	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
+	return fs
+}
+
+func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var cfg Config
+	fs := newServeFlags(&cfg)
+	fs.SetOutput(stderr)
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageError{fmt.Sprintf("serve takes no arguments, got %q", fs.Args())}
+	}
+	logger, err := newLogger(cfg.LogLevel, stderr)
+	if err != nil {
+		return err
+	}
+	m := NewMain(cfg, logger)
+	if err := m.Run(ctx); err != nil {
+		m.Close()
+		return err
+	}
+	fmt.Fprintf(stdout, "companion: HTTP API on http://%s, MQTT on %s, data in %s\n", m.HTTPAddr(), m.MQTTURL(), cfg.Data)
+	if m.Demo != nil {
+		m.Demo.PrintQuickStart(stdout)
+	}
+	<-ctx.Done()
+	logger.Info("shutting down")
+	return m.Close()
+}
+
+func newLogger(level string, w io.Writer) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, usageError{fmt.Sprintf("bad --log-level %q", level)}
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}
+
+// Main is the whole server: store, MQTT broker (embedded or not), command
+// broker, HTTP API and, with --demo, a bridge of simulated devices. Tests run
+// the same Main on port 0 and a temp dir.
+type Main struct {
+	Config Config
+	Logger *slog.Logger
+
+	DB     *store.DB
+	MQTT   *embedded.Server // nil with --mqtt-url
+	Broker *broker.Broker
+	Demo   *Demo
+
+	adminToken string
+	mqttURL    string
+	ln         net.Listener
+	srv        *http.Server
+	serveDone  chan struct{}
+	closeOnce  sync.Once
+	closeErr   error
+}
+
+// NewMain returns a Main for cfg; nothing starts until Run.
+func NewMain(cfg Config, logger *slog.Logger) *Main {
+	if logger == nil {
+		logger = slog.Default()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Main{Config: cfg, Logger: logger}
+}
+
+// HTTPAddr is the address the API listens on (useful with port 0).
+func (m *Main) HTTPAddr() string { return m.ln.Addr().String() }
+
+// MQTTURL is the broker URL the server (and a bridge) connects to.
+func (m *Main) MQTTURL() string { return m.mqttURL }
+
+// AdminToken is the admin API token in force.
+func (m *Main) AdminToken() string { return m.adminToken }
+
+// Run opens the store, starts the MQTT side and the HTTP API, and returns
+// once all of them are listening. Close stops them.
+func (m *Main) Run(ctx context.Context) error {
+	cfg := m.Config
+	tree, err := topics.New(cfg.TopicPrefix)
+	if err != nil {
+		return usageError{fmt.Sprintf("bad --topic-prefix: %v", err)}
+	}
+	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
+		return err
+	}
+	m.DB, err = store.Open(filepath.Join(cfg.Data, "companion.db"), store.Options{Now: cfg.Now, Logger: m.Logger})
+	if err != nil {
+		return err
+	}
+	if m.adminToken, err = loadAdminToken(cfg); err != nil {
+		return err
+	}
+
+	username, password := cfg.MQTTUsername, cfg.MQTTPassword
+	if cfg.MQTTURL == "" {
+		// The server's own account on the embedded broker lives only as
+		// long as this process.
+		username, password = "companion-server", randomToken("")
+		m.MQTT, err = embedded.New(embedded.Options{
+			Listen:         cfg.MQTTListen,
+			Topics:         tree,
+			Accounts:       broker.Accounts{Store: m.DB},
+			ServerUsername: username,
+			ServerPassword: password,
+			Logger:         m.Logger,
+		})
+		if err != nil {
+			return err
+		}
+		if err := m.MQTT.Start(); err != nil {
+			return fmt.Errorf("embedded MQTT broker: %w", err)
+		}
+		m.mqttURL = "tcp://" + m.MQTT.Addr()
+	} else {
+		m.mqttURL = cfg.MQTTURL
+	}
+
+	m.Broker, err = broker.New(broker.Options{
+		Store:         m.DB,
+		MQTTURL:       m.mqttURL,
+		Username:      username,
+		Password:      password,
+		Topics:        tree,
+		SweepInterval: cfg.SweepInterval,
+		Logger:        m.Logger,
+		Now:           cfg.Now,
+	})
+	if err != nil {
+		return err
+	}
+	if err := m.Broker.Start(); err != nil {
+		return err
+	}
+
+	handler, err := api.New(api.Options{
+		Store:      m.DB,
+		Commands:   m.Broker,
+		AdminToken: m.adminToken,
+		Ready:      m.Broker.Ready,
+		Logger:     m.Logger,
+		Now:        cfg.Now,
+	})
+	if err != nil {
+		return err
+	}
+	m.ln, err = net.Listen("tcp", cfg.HTTP)
+	if err != nil {
+		return fmt.Errorf("HTTP listen: %w", err)
+	}
+	m.srv = &http.Server{
+		Handler:           handler.Handler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(m.Logger.Handler(), slog.LevelWarn),
+	}
+	m.serveDone = make(chan struct{})
+	go func() {
+		defer close(m.serveDone)
+		if err := m.srv.Serve(m.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			m.Logger.Error("HTTP server", "err", err)
+		}
+	}()
+
+	if cfg.Demo {
+		m.Demo, err = startDemo(ctx, m, tree)
+		if err != nil {
+			return fmt.Errorf("demo: %w", err)
+		}
+	}
+	return nil
+}
+
+// Close shuts down in reverse order: HTTP (letting requests in flight
+// finish), the demo bridge, the command broker, the MQTT broker, the store.
+func (m *Main) Close() error {
+	m.closeOnce.Do(func() {
+		var errs []error
+		if m.srv != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+			errs = append(errs, m.srv.Shutdown(ctx))
+			cancel()
+			<-m.serveDone
+		}
+		if m.Demo != nil {
+			errs = append(errs, m.Demo.Close())
+		}
+		if m.Broker != nil {
+			errs = append(errs, m.Broker.Close())
+		}
+		if m.MQTT != nil {
+			errs = append(errs, m.MQTT.Close())
+		}
+		if m.DB != nil {
+			errs = append(errs, m.DB.Close())
+		}
+		m.closeErr = errors.Join(errs...)
+	})
+	return m.closeErr
+}
+
+// loadAdminToken returns --admin-token, or the token in DATA/admin.token,
+// creating it (mode 0600) on first start.
+func loadAdminToken(cfg Config) (string, error) {
+	if cfg.AdminToken != "" {
+		return cfg.AdminToken, nil
+	}
+	path := filepath.Join(cfg.Data, "admin.token")
+	b, err := os.ReadFile(path)
+	if err == nil {
+		if tok := strings.TrimSpace(string(b)); tok != "" {
+			return tok, nil
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return "", err
+	}
+	tok := randomToken("cat_")
+	if err := writeFileAtomic(path, []byte(tok+"\n"), 0o600); err != nil {
+		return "", err
+	}
+	return tok, nil
+}
+
+// randomToken returns prefix and 256 random bits, base64url.
+func randomToken(prefix string) string {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		panic(err) // crypto/rand never fails on Linux
+	}
+	return prefix + base64.RawURLEncoding.EncodeToString(b)
+}
+
+func sha256Sum(s string) []byte {
+	h := sha256.Sum256([]byte(s))
+	return h[:]
+}
+
+// writeFileAtomic writes data to path through a temp file and a rename, so
+// a crash leaves either the old file or the new one.
+func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".tmp-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.Write(data); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Chmod(perm); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
