@@ -465,4 +465,3 @@ func TestRestartKeepsEverything(t *testing.T) {
 func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
-
