@@ -1,0 +1,112 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// readmeCommands returns the shell lines of the README's sh blocks, with
+// continuation lines joined.
+func readmeCommands(tb testing.TB) []string {
+	tb.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
+	require.NoError(tb, err)
+	var (
+		out    []string
+		inSh   bool
+		joined string
+	)
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "```sh"):
+			inSh = true
+			continue
+		case strings.HasPrefix(line, "```"):
+			inSh = false
+			continue
+		}
+		if !inSh {
+			continue
+		}
+		if strings.HasSuffix(line, `\`) {
+			joined += strings.TrimSuffix(line, `\`) + " "
+			continue
+		}
+		joined += line
+		out = append(out, strings.TrimSpace(joined))
+		joined = ""
+	}
+	return out
+}
+
+var trailingComment = regexp.MustCompile(`\s+# .*$`)
+
+// TestReadmeCurlLinesWork runs every curl line of the README, as printed,
+// against a demo server, with the variables the README's setup block sets.
+func TestReadmeCurlLinesWork(t *testing.T) {
+	if _, err := exec.LookPath("curl"); err != nil {
+		t.Skip("curl not installed")
+	}
+	m := startServer(t, Config{Demo: true})
+	dir := t.TempDir()
+	require.NoError(t, os.Symlink(m.Config.Data, filepath.Join(dir, "data")))
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "docs"), 0o755))
+	png, err := os.ReadFile(filepath.Join("..", "..", "docs", "sample.png"))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "docs", "sample.png"), png, 0o644))
+
+	var setup []string
+	var curls []string
+	for _, l := range readmeCommands(t) {
+		switch {
+		case strings.HasPrefix(l, "API="):
+			setup = append(setup, "API=http://"+m.HTTPAddr()+"/api/v1")
+		case strings.HasPrefix(l, "TOKEN="), strings.HasPrefix(l, "CLAIM="), strings.HasPrefix(l, "DEV="),
+			strings.HasPrefix(l, "IMG="), strings.HasPrefix(l, "USER_ID="):
+			setup = append(setup, l)
+		case strings.HasPrefix(l, "curl "):
+			curls = append(curls, trailingComment.ReplaceAllString(l, ""))
+		}
+	}
+	require.GreaterOrEqual(t, len(curls), 15, "the README shows a curl line for every operation")
+	prelude := strings.Join(setup, "\n") + "\n"
+	var lastCommand string
+	for _, l := range curls {
+		if strings.Contains(l, "COMMAND_ID") {
+			if lastCommand == "" {
+				continue
+			}
+			l = strings.ReplaceAll(l, "COMMAND_ID", lastCommand)
+		}
+		cmd := exec.Command("sh", "-c", prelude+l+" -w '\\n%{http_code}'")
+		cmd.Dir = dir
+		b, err := cmd.CombinedOutput()
+		require.NoError(t, err, "%s: %s", l, b)
+		lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		code := lines[len(lines)-1]
+		body := strings.Join(lines[:len(lines)-1], "\n")
+		if strings.Contains(l, "-X DELETE $API/devices/$DEV/commands/") {
+			// Canceling a finished command is refused, as documented.
+			assert.Equal(t, "409", code, "%s\n%s", l, body)
+			continue
+		}
+		assert.Contains(t, []string{"200", "201", "202"}, code, "%s\n%s", l, body)
+		if strings.Contains(l, "Prefer: wait") {
+			assert.Contains(t, body, `"state":"succeeded"`, "%s\n%s", l, body)
+			if id := regexp.MustCompile(`"id":"([0-9a-f-]{36})"`).FindStringSubmatch(body); id != nil {
+				lastCommand = id[1]
+			}
+		}
+	}
+}
