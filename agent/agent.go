@@ -6,7 +6,14 @@
 // is acknowledged, so neither a crash nor a broker outage loses one; the spool
 // also remembers finished command ids for DoneRetention, so that a repeated
 // message never runs twice. One worker per device runs that device's commands
-// in order of arrival, one at a time, each under a timeout.
+// one at a time, each under a timeout, in the order the server accepted them
+// (their ids are UUIDv7; ids of other versions run in order of arrival).
+//
+// Messages reach the spool in order of arrival: the paho client runs with
+// SetOrderMatters(true), and its handler only appends to an in-memory list
+// (it never blocks), so PUBACKs also go back in order (MQTT-4.6.0-2).
+// With SetOrderMatters(false) each message would get its own goroutine and
+// two commands could overtake each other on the way to the spool.
 //
 // The agent talks to devices only through the Device interface; it knows
 // nothing of the server's HTTP API or store, and imports only topics of this

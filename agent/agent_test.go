@@ -2,9 +2,11 @@ package agent_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -510,5 +512,52 @@ func TestStatusSeqIncreases(t *testing.T) {
 	m := late.waitFor("retained status", func(m message) bool { return m.topic == topic })
 	if !m.retained {
 		t.Errorf("status is not retained")
+	}
+}
+
+// TestBrokerDown: spooled commands run while the broker is unreachable, and
+// Run still returns promptly when canceled.
+func TestBrokerDown(t *testing.T) {
+	dir := t.TempDir()
+	dev := newSim("dev-1")
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "offline work"})
+	if err := agent.SpoolCommands(dir, []topics.Command{c}, false); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "tcp://" + l.Addr().String()
+	l.Close() // nothing listens there any more
+	a, err := agent.New(agent.Options{MQTTURL: url, BridgeID: "b1", DataDir: dir, Devices: []agent.Device{dev}, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(waitLong)
+	for dev.Executions(c.ID) == 0 {
+		select {
+		case <-tick.C:
+		case <-deadline:
+			t.Fatal("the spooled command did not run while the broker was down")
+		}
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run = %v", err)
+		}
+	case <-time.After(waitLong):
+		t.Fatal("Run did not return after cancel")
+	}
+	if err := a.Close(); err != nil {
+		t.Errorf("Close = %v", err)
 	}
 }

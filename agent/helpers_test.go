@@ -141,14 +141,13 @@ func (w *watcher) waitFor(what string, match func(message) bool) message {
 	defer deadline.Stop()
 	for {
 		w.mu.Lock()
-		for _, m := range w.msgs {
+		msgs, ch := w.msgs, w.notify
+		w.mu.Unlock()
+		for _, m := range msgs {
 			if match(m) {
-				w.mu.Unlock()
 				return m
 			}
 		}
-		ch := w.notify
-		w.mu.Unlock()
 		select {
 		case <-ch:
 		case <-deadline.C:
@@ -228,13 +227,8 @@ func (w *watcher) waitStatus(deviceID, what string, match func(topics.Status) bo
 // bridge's state topic with this payload.
 func (w *watcher) waitBridgeState(bridgeID, state string, n int) {
 	w.tb.Helper()
-	topic, _ := tree.BridgeState(bridgeID)
-	seen := 0
-	w.waitFor(fmt.Sprintf("bridge %s %s #%d", bridgeID, state, n), func(m message) bool {
-		if m.topic == topic && string(m.payload) == state {
-			seen++
-		}
-		return seen >= n
+	w.waitFor(fmt.Sprintf("bridge %s %s #%d", bridgeID, state, n), func(message) bool {
+		return w.count(isState(bridgeID, state)) >= n
 	})
 }
 

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicecompanion/companion/topics"
@@ -15,7 +16,8 @@ import (
 // The spool is the bridge's durable memory, one bbolt file:
 //
 //	commands  id → record: every command id seen, until purged
-//	queues    device id → (seq → id): the commands still to run, by arrival
+//	queues    device id → (queueKey → id): the commands still to run, in order
+//	          of acceptance (their UUIDv7 ids), then of arrival
 //	outbox    seq → outboxEntry: final replies not yet acknowledged by the broker
 var (
 	bucketCommands = []byte("commands")
@@ -78,6 +80,20 @@ func u64(v uint64) []byte {
 	binary.BigEndian.PutUint64(b, v)
 	return b
 }
+
+// queueKey orders a device's queue. Command ids are UUIDv7, assigned by the
+// server in acceptance order, so sorting by id keeps that order even when
+// the broker redelivers a backlog out of order (mochi does, within a
+// second). Ids of another version sort first, among themselves by arrival.
+func queueKey(id string, seq uint64) []byte {
+	k := make([]byte, 16, 24)
+	if u, err := uuid.Parse(id); err == nil && u.Version() == 7 {
+		copy(k, u[:])
+	}
+	return append(k, u64(seq)...)
+}
+
+func keySeq(k []byte) uint64 { return binary.BigEndian.Uint64(k[len(k)-8:]) }
 
 func getRecord(tx *bolt.Tx, id string) (*record, error) {
 	v := tx.Bucket(bucketCommands).Get([]byte(id))
@@ -172,7 +188,7 @@ func acceptCommand(tx *bolt.Tx, c topics.Command) (acceptResult, error) {
 	if err != nil {
 		return acceptResult{}, err
 	}
-	if err := q.Put(u64(seq), []byte(c.ID)); err != nil {
+	if err := q.Put(queueKey(c.ID, seq), []byte(c.ID)); err != nil {
 		return acceptResult{}, err
 	}
 	if err := putRecord(tx, &record{Cmd: c, Seq: seq, State: spoolQueued}); err != nil {
@@ -208,7 +224,7 @@ func acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, e
 		return acceptResult{outcome: acceptCancelNoop}, nil
 	}
 	if q := tx.Bucket(bucketQueues).Bucket([]byte(r.Cmd.DeviceID)); q != nil {
-		if err := q.Delete(u64(r.Seq)); err != nil {
+		if err := q.Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
 			return acceptResult{}, err
 		}
 	}
@@ -219,8 +235,8 @@ func acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, e
 	return acceptResult{outcome: acceptCanceled, final: final}, nil
 }
 
-// claim returns the first command of the device's queue whose seq is at most
-// upTo, marking it running, or nil when there is none. A command found
+// claim returns the first command of the device's queue, marking it
+// running, or nil when there is none or the first arrived after upTo. A command found
 // running already was interrupted by a crash: it is returned again.
 func (s *spool) claim(deviceID string, upTo uint64) (*record, error) {
 	var out *record
@@ -231,7 +247,7 @@ func (s *spool) claim(deviceID string, upTo uint64) (*record, error) {
 			return nil
 		}
 		k, v := q.Cursor().First()
-		if k == nil || binary.BigEndian.Uint64(k) > upTo {
+		if k == nil || keySeq(k) > upTo {
 			return nil
 		}
 		r, err := getRecord(tx, string(v))
@@ -258,7 +274,7 @@ func (s *spool) claim(deviceID string, upTo uint64) (*record, error) {
 func (s *spool) finish(r *record, final topics.Reply) error {
 	return s.db.Batch(func(tx *bolt.Tx) error {
 		if q := tx.Bucket(bucketQueues).Bucket([]byte(r.Cmd.DeviceID)); q != nil {
-			if err := q.Delete(u64(r.Seq)); err != nil {
+			if err := q.Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
 				return err
 			}
 		}
@@ -271,15 +287,12 @@ func (s *spool) finish(r *record, final topics.Reply) error {
 	})
 }
 
-// lastSeq returns the seq of the last command in the device's queue, 0 when
-// it is empty.
+// lastSeq returns the arrival seq of the last command spooled for the device.
 func (s *spool) lastSeq(deviceID string) (uint64, error) {
 	var seq uint64
 	err := s.db.View(func(tx *bolt.Tx) error {
 		if q := tx.Bucket(bucketQueues).Bucket([]byte(deviceID)); q != nil {
-			if k, _ := q.Cursor().Last(); k != nil {
-				seq = binary.BigEndian.Uint64(k)
-			}
+			seq = q.Sequence()
 		}
 		return nil
 	})

@@ -81,6 +81,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		start := time.Now()
 		cctx, cancel := context.WithTimeout(ctx, a.opts.CommandTimeout)
 		result, err := a.runOp(cctx, dr, c)
+		timedOut := errors.Is(cctx.Err(), context.DeadlineExceeded)
 		cancel()
 		if ctx.Err() != nil {
 			log.Info("stopping; the command will run again after restart")
@@ -93,7 +94,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		default:
 			var ce *commandError
 			if !errors.As(err, &ce) {
-				if errors.Is(err, context.DeadlineExceeded) || cctx.Err() != nil {
+				if timedOut || errors.Is(err, context.DeadlineExceeded) {
 					ce = cmdErr(codeTimeout, fmt.Sprintf("the command did not finish within %s", a.opts.CommandTimeout))
 				} else {
 					ce = cmdErr(codeDeviceError, err.Error())

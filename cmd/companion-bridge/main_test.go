@@ -1,0 +1,186 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/google/uuid"
+	mochi "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/listeners"
+	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+func TestParseFlags(t *testing.T) {
+	tests := []struct {
+		name    string
+		args    []string
+		env     map[string]string
+		wantErr string // substring; "" for success
+		check   func(t *testing.T, c Config)
+	}{
+		{
+			name: "flags",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "dev-1, dev-2", "--log-level", "debug"},
+			check: func(t *testing.T, c Config) {
+				if c.BridgeID != "b1" || len(c.SimDevices) != 2 || c.SimDevices[1] != "dev-2" || c.LogLevel != slog.LevelDebug {
+					t.Errorf("config %+v", c)
+				}
+				if c.MQTTURL != "tcp://127.0.0.1:1883" || c.APIURL != "http://127.0.0.1:8080" || c.Data != "./bridge-data" ||
+					c.SimModel != "sim-1" || c.SimFirmware != "1.0.0" || c.TopicPrefix != "companion/v1" {
+					t.Errorf("defaults %+v", c)
+				}
+			},
+		},
+		{
+			name: "environment, flags win",
+			args: []string{"--bridge-id", "from-flag"},
+			env: map[string]string{
+				"COMPANION_BRIDGE_ID": "from-env", "COMPANION_BRIDGE_SECRET": "env-secret",
+				"COMPANION_SIM_DEVICES": "a,b,c", "COMPANION_MQTT_URL": "tcp://broker:1883", "COMPANION_TOPIC_PREFIX": "acme/v1",
+			},
+			check: func(t *testing.T, c Config) {
+				if c.BridgeID != "from-flag" || c.BridgeSecret != "env-secret" || len(c.SimDevices) != 3 ||
+					c.MQTTURL != "tcp://broker:1883" || c.TopicPrefix != "acme/v1" {
+					t.Errorf("config %+v", c)
+				}
+			},
+		},
+		{name: "no secret", args: []string{"--bridge-id", "b1", "--sim-devices", "d"}, wantErr: "--bridge-secret"},
+		{name: "no bridge id", args: []string{"--bridge-secret", "s", "--sim-devices", "d"}, wantErr: "--bridge-id"},
+		{name: "bad bridge id", args: []string{"--bridge-id", "b/1", "--bridge-secret", "s", "--sim-devices", "d"}, wantErr: "--bridge-id"},
+		{name: "bad device id", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "ok,bad#id"}, wantErr: "bad#id"},
+		{name: "no devices", args: []string{"--bridge-id", "b1", "--bridge-secret", "s"}, wantErr: "no devices"},
+		{name: "gatt later", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez"}, wantErr: "later release"},
+		{name: "gatt unknown", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "winrt"}, wantErr: "only backend is bluez"},
+		{name: "bad log level", args: []string{"--log-level", "loud"}, wantErr: "loud"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for k, v := range tt.env {
+				t.Setenv(k, v)
+			}
+			m := NewMain()
+			m.Stderr = io.Discard
+			err := m.ParseFlags(tt.args)
+			switch {
+			case tt.wantErr == "" && err != nil:
+				t.Fatalf("ParseFlags(%q) = %v; want nil", tt.args, err)
+			case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+				t.Fatalf("ParseFlags(%q) = %v; want an error about %q", tt.args, err, tt.wantErr)
+			}
+			if tt.check != nil {
+				tt.check(t, m.Config)
+			}
+		})
+	}
+}
+
+type allowHook struct{ mochi.HookBase }
+
+func (h *allowHook) ID() string { return "allow-all" }
+func (h *allowHook) Provides(b byte) bool {
+	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
+}
+func (h *allowHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
+func (h *allowHook) OnACLCheck(*mochi.Client, string, bool) bool              { return true }
+
+func startBroker(tb testing.TB) string {
+	tb.Helper()
+	srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
+	if err := srv.AddHook(new(allowHook), nil); err != nil {
+		tb.Fatal(err)
+	}
+	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
+	if err := srv.AddListener(l); err != nil {
+		tb.Fatal(err)
+	}
+	go srv.Serve()
+	tb.Cleanup(func() { srv.Close() })
+	return "tcp://" + l.Address()
+}
+
+// TestMainEndToEnd runs the bridge program as main does, against a real
+// broker, and plays the server with a real MQTT client.
+func TestMainEndToEnd(t *testing.T) {
+	url := startBroker(t)
+	tree := topics.MustNew(topics.DefaultPrefix)
+
+	got := make(chan mqtt.Message, 100)
+	watcher := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("watcher").
+		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) { got <- m }))
+	if err := mqtt.WaitTokenTimeout(watcher.Connect(), 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	defer watcher.Disconnect(100)
+	if err := mqtt.WaitTokenTimeout(watcher.Subscribe(tree.Prefix()+"/#", 1, nil), 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	await := func(what string, match func(mqtt.Message) bool) mqtt.Message {
+		t.Helper()
+		timeout := time.After(15 * time.Second)
+		for {
+			select {
+			case m := <-got:
+				if match(m) {
+					return m
+				}
+			case <-timeout:
+				t.Fatalf("timed out waiting for %s", what)
+			}
+		}
+	}
+
+	m := NewMain()
+	m.Stderr = io.Discard
+	if err := m.ParseFlags([]string{"--mqtt-url", url, "--bridge-id", "b1", "--bridge-secret", "s", "--data", t.TempDir(), "--sim-devices", "dev-1"}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := m.Run(ctx); err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+
+	stateTopic, _ := tree.BridgeState("b1")
+	statusTopic, _ := tree.Status("dev-1")
+	await("online", func(m mqtt.Message) bool { return m.Topic() == stateTopic && string(m.Payload()) == "online" })
+	await("status", func(m mqtt.Message) bool {
+		s, err := topics.ParseStatus(m.Payload())
+		return m.Topic() == statusTopic && err == nil && s.Online && s.FirmwareVersion == "1.0.0"
+	})
+
+	payload, _ := json.Marshal(topics.PushText{Text: "hello"})
+	cmd := topics.Command{ID: uuid.Must(uuid.NewV7()).String(), Op: topics.OpPushText, DeviceID: "dev-1",
+		CreatedAt: time.Now(), ExpiresAt: time.Now().Add(time.Hour), Payload: payload}
+	b, _ := json.Marshal(cmd)
+	cmdTopic, _ := tree.Command("dev-1", topics.OpPushText)
+	watcher.Publish(cmdTopic, 1, false, b)
+	repliesTopic, _ := tree.Replies("dev-1")
+	await("succeeded", func(m mqtt.Message) bool {
+		r, err := topics.ParseReply(m.Payload())
+		return m.Topic() == repliesTopic && err == nil && r.CommandID == cmd.ID && r.State == topics.StateSucceeded
+	})
+	if texts := m.Sims()[0].Texts(); len(texts) != 1 || texts[0].Text != "hello" {
+		t.Errorf("texts %+v", texts)
+	}
+
+	cancel()
+	wg.Wait()
+	if err := m.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	await("offline", func(m mqtt.Message) bool { return m.Topic() == stateTopic && string(m.Payload()) == "offline" })
+}

@@ -1,0 +1,125 @@
+package sim_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/sim"
+)
+
+func TestRepeatedCommandRunsOnce(t *testing.T) {
+	d := sim.New(sim.Options{ID: "d"})
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	for range 10 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := d.PushText(ctx, "cmd-1", "t", "hello"); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := d.Executions("cmd-1"); n != 1 {
+		t.Errorf("Executions = %d; want 1", n)
+	}
+	if n := len(d.Texts()); n != 1 {
+		t.Errorf("%d texts; want 1", n)
+	}
+}
+
+func TestSettings(t *testing.T) {
+	d := sim.New(sim.Options{ID: "d"})
+	ctx := context.Background()
+	tests := []struct {
+		values map[string]any
+		ok     bool
+	}{
+		{map[string]any{"brightness": float64(80), "timezone": "Europe/Berlin", "language": "ja"}, true},
+		{map[string]any{"brightness": float64(101)}, false},
+		{map[string]any{"display_timeout_s": float64(4)}, false},
+		{map[string]any{"language": "xx"}, false},
+		{map[string]any{"timezone": "Mars/Olympus"}, false},
+		{map[string]any{"do_not_disturb": "yes"}, false},
+		{map[string]any{"colour": "red"}, false},
+	}
+	for i, tt := range tests {
+		err := d.UpdateSettings(ctx, "cmd-"+string(rune('a'+i)), tt.values)
+		if (err == nil) != tt.ok || (err != nil && !errors.Is(err, sim.ErrBadSettings)) {
+			t.Errorf("UpdateSettings(%v) = %v; want ok %v", tt.values, err, tt.ok)
+		}
+	}
+	got, schema, _ := d.Settings(ctx)
+	if got["brightness"] != 80 || got["timezone"] != "Europe/Berlin" || got["language"] != "ja" || got["volume"] != 50 {
+		t.Errorf("Settings() = %v", got)
+	}
+	if len(schema) != 6 {
+		t.Errorf("schema has %d settings; want 6", len(schema))
+	}
+}
+
+func TestBatteryDrains(t *testing.T) {
+	now := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+	var mu sync.Mutex
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	d := sim.New(sim.Options{ID: "d", Now: clock})
+	for _, tt := range []struct {
+		after time.Duration
+		want  int
+	}{{0, 100}, {sim.DrainEvery, 99}, {10 * sim.DrainEvery, 90}, {1000 * sim.DrainEvery, sim.MinBattery}} {
+		mu.Lock()
+		now = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC).Add(tt.after)
+		mu.Unlock()
+		info, _ := d.Info(context.Background())
+		if info.Battery != tt.want {
+			t.Errorf("battery after %v = %d; want %d", tt.after, info.Battery, tt.want)
+		}
+	}
+}
+
+func TestFirmwareAndApps(t *testing.T) {
+	d := sim.New(sim.Options{ID: "d"})
+	ctx := context.Background()
+	var steps []int
+	if err := d.UpdateFirmware(ctx, "ota", "2.0.0", []byte("image"), func(p int) { steps = append(steps, p) }); err != nil {
+		t.Fatal(err)
+	}
+	if d.Firmware() != "2.0.0" || len(steps) != 10 || steps[9] != 100 {
+		t.Errorf("firmware %q, progress %v", d.Firmware(), steps)
+	}
+	if err := d.InstallApp(ctx, "i1", "clock", "1.0.0", []byte("pkg")); err != nil {
+		t.Fatal(err)
+	}
+	info, _ := d.Info(ctx)
+	if info.FirmwareVersion != "2.0.0" || len(info.Apps) != 1 || info.Apps[0].AppID != "clock" {
+		t.Errorf("Info() = %+v", info)
+	}
+	if err := d.UninstallApp(ctx, "u1", "clock"); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.UninstallApp(ctx, "u2", "clock"); !errors.Is(err, sim.ErrAppNotInstalled) {
+		t.Errorf("second uninstall = %v; want ErrAppNotInstalled", err)
+	}
+}
+
+func TestHooks(t *testing.T) {
+	d := sim.New(sim.Options{ID: "d"})
+	boom := errors.New("boom")
+	d.FailNext(boom)
+	if err := d.PushText(context.Background(), "c1", "", "x"); !errors.Is(err, boom) {
+		t.Errorf("after FailNext: %v; want boom", err)
+	}
+	d.HangNext()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if err := d.PushText(ctx, "c2", "", "x"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("after HangNext: %v; want deadline exceeded", err)
+	}
+	if err := d.PushText(context.Background(), "c1", "", "x"); err != nil || d.Executions("c1") != 1 {
+		t.Errorf("retry after failure: %v, executions %d; want it done once", err, d.Executions("c1"))
+	}
+}
