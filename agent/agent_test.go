@@ -464,8 +464,12 @@ func TestWillAndCleanClose(t *testing.T) {
 	w := newWatcher(t, b)
 	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{newSim("dev-1")}})
 
+	// Keep the bridge out until the broker has noticed: a reconnect that
+	// takes the session over first would (rightly) never fire the Will.
+	b.hook.refuse.Store(true)
 	b.dropClient(t, "companion-bridge-b1")
 	w.waitBridgeState("b1", topics.BridgeOffline, 1)
+	b.hook.refuse.Store(false)
 	// It reconnects by itself and says so.
 	w.waitBridgeState("b1", topics.BridgeOnline, 2)
 

@@ -13,6 +13,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -42,14 +43,16 @@ func testLogger(tb testing.TB) *slog.Logger {
 // testBroker is an embedded mochi MQTT broker on a free port that lets
 // everyone in.
 type testBroker struct {
-	srv *mochi.Server
-	url string
+	srv  *mochi.Server
+	url  string
+	hook *allowHook
 }
 
 func startBroker(tb testing.TB) *testBroker {
 	tb.Helper()
 	srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
-	if err := srv.AddHook(new(allowHook), nil); err != nil {
+	hook := new(allowHook)
+	if err := srv.AddHook(hook, nil); err != nil {
 		tb.Fatal(err)
 	}
 	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
@@ -58,12 +61,16 @@ func startBroker(tb testing.TB) *testBroker {
 	}
 	go srv.Serve()
 	tb.Cleanup(func() { srv.Close() })
-	return &testBroker{srv: srv, url: "tcp://" + l.Address()}
+	return &testBroker{srv: srv, url: "tcp://" + l.Address(), hook: hook}
 }
 
 // allowHook lets every client in and allows everything, like mochi's
 // auth.AllowHook (whose package needs a module this one does not require).
-type allowHook struct{ mochi.HookBase }
+// Setting refuse turns every new connection away.
+type allowHook struct {
+	mochi.HookBase
+	refuse atomic.Bool
+}
 
 func (h *allowHook) ID() string { return "allow-all" }
 
@@ -71,7 +78,9 @@ func (h *allowHook) Provides(b byte) bool {
 	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
 }
 
-func (h *allowHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
+func (h *allowHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool {
+	return !h.refuse.Load()
+}
 
 func (h *allowHook) OnACLCheck(*mochi.Client, string, bool) bool { return true }
 
@@ -83,7 +92,10 @@ func (b *testBroker) dropClient(tb testing.TB, clientID string) {
 	if !ok {
 		tb.Fatalf("broker has no client %q", clientID)
 	}
-	cl.Stop(errors.New("test: connection dropped"))
+	// Closing the socket makes mochi's read loop fail, as a real network
+	// failure would; cl.Stop instead may end the loop cleanly, without
+	// the Will.
+	cl.Net.Conn.Close()
 }
 
 // message is one message the watcher saw.
