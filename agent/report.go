@@ -24,7 +24,7 @@ func (dr *deviceRunner) requestReport(status, force, settings bool) {
 }
 
 // report publishes a device's retained status and settings: on connect,
-// after commands, and its status every StatusInterval.
+// after commands, and both every StatusInterval.
 func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 	tick := time.NewTicker(a.opts.StatusInterval)
 	defer tick.Stop()
@@ -34,7 +34,8 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
-			dr.requestReport(true, true, false)
+			// Settings too: they may have changed on the device itself.
+			dr.requestReport(true, true, true)
 			continue
 		case <-dr.rwake:
 		}
