@@ -37,6 +37,7 @@ type Config struct {
 	TopicPrefix  string
 	Demo         bool
 	LogLevel     string
+	Limits       api.Limits // zero fields take CONTRACT §6's defaults
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -55,7 +56,28 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", topics.DefaultPrefix, "MQTT topic prefix")
 	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
+	d, l := api.DefaultLimits, &c.Limits
+	fs.IntVar(&l.MaxTextBytes, "max-text-bytes", d.MaxTextBytes, "largest text push, bytes of UTF-8")
+	fs.IntVar(&l.MaxTitleBytes, "max-title-bytes", d.MaxTitleBytes, "largest title of a text push")
+	fs.Int64Var(&l.MaxImageBytes, "max-image-bytes", d.MaxImageBytes, "largest image push, decoded bytes")
+	fs.IntVar(&l.MaxImageSide, "max-image-side", d.MaxImageSide, "largest image width or height, pixels")
+	fs.Int64Var(&l.MaxAppBytes, "max-app-bytes", d.MaxAppBytes, "largest app package")
+	fs.Int64Var(&l.MaxFirmwareBytes, "max-firmware-bytes", d.MaxFirmwareBytes, "largest firmware image")
+	fs.IntVar(&l.MaxOpenCommands, "max-open-commands", d.MaxOpenCommands, "unfinished commands a device may have")
+	fs.Float64Var(&l.RequestsPerSecond, "rate-per-token", d.RequestsPerSecond, "requests per second per token (0: no limit)")
+	fs.IntVar(&l.RequestBurst, "rate-burst", d.RequestBurst, "burst of requests per token")
+	fs.IntVar(&l.RegisterPerMinute, "register-per-minute", d.RegisterPerMinute, "register attempts a minute per user (0: no limit)")
 	return fs
+}
+
+// fromFlags turns the flags' "0 means no limit" into api.Limits' negative.
+func (c *Config) fromFlags() {
+	if c.Limits.RequestsPerSecond == 0 {
+		c.Limits.RequestsPerSecond = -1
+	}
+	if c.Limits.RegisterPerMinute == 0 {
+		c.Limits.RegisterPerMinute = -1
+	}
 }
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -68,6 +90,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if fs.NArg() > 0 {
 		return usageError{fmt.Sprintf("serve takes no arguments, got %q", fs.Args())}
 	}
+	cfg.fromFlags()
 	logger, err := newLogger(cfg.LogLevel, stderr)
 	if err != nil {
 		return err
@@ -179,14 +202,15 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 
 	m.Broker, err = broker.New(broker.Options{
-		Store:         m.DB,
-		MQTTURL:       m.mqttURL,
-		Username:      username,
-		Password:      password,
-		Topics:        tree,
-		SweepInterval: cfg.SweepInterval,
-		Logger:        m.Logger,
-		Now:           cfg.Now,
+		Store:           m.DB,
+		MQTTURL:         m.mqttURL,
+		Username:        username,
+		Password:        password,
+		Topics:          tree,
+		SweepInterval:   cfg.SweepInterval,
+		MaxOpenCommands: cfg.Limits.MaxOpenCommands,
+		Logger:          m.Logger,
+		Now:             cfg.Now,
 	})
 	if err != nil {
 		return err
@@ -199,6 +223,7 @@ func (m *Main) Run(ctx context.Context) error {
 		Store:      m.DB,
 		Commands:   m.Broker,
 		AdminToken: m.adminToken,
+		Limits:     cfg.Limits,
 		Ready:      m.Broker.Ready,
 		Logger:     m.Logger,
 		Now:        cfg.Now,
