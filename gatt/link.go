@@ -1,0 +1,58 @@
+// Package gatt is the bridge's Bluetooth side: the GATT link to a device
+// (CONTRACT §5, docs/gatt.md), the SMP client that frames management
+// messages over it, and the chunked transfer engine that moves images, app
+// packages and firmware to a device and resumes after a dropped connection.
+//
+// Two implementations of Link exist: a simulated link (sim devices, tests,
+// benchmarks) and BlueZ over D-Bus for real adapters on Linux gateways.
+package gatt
+
+import (
+	"context"
+	"errors"
+)
+
+// UUIDs of the profile. ServiceUUID and SMPCharUUID are the project's own
+// 128-bit UUIDs; the others are Bluetooth SIG assigned numbers.
+const (
+	ServiceUUID = "5c3a0001-8f2e-4d7a-9b1c-0d6e2f4a8b10" // the companion service
+	SMPCharUUID = "5c3a0002-8f2e-4d7a-9b1c-0d6e2f4a8b10" // SMP: write, write without response, notify
+
+	BatteryServiceUUID = "0000180f-0000-1000-8000-00805f9b34fb"
+	BatteryLevelUUID   = "00002a19-0000-1000-8000-00805f9b34fb" // read, notify; one byte 0–100
+	DeviceInfoUUID     = "0000180a-0000-1000-8000-00805f9b34fb"
+	ModelNumberUUID    = "00002a24-0000-1000-8000-00805f9b34fb" // read; UTF-8
+	SerialNumberUUID   = "00002a25-0000-1000-8000-00805f9b34fb" // read; UTF-8, the device_id
+	FirmwareRevUUID    = "00002a26-0000-1000-8000-00805f9b34fb" // read; UTF-8 semantic version
+)
+
+// DefaultMTU is the ATT MTU before any exchange (Bluetooth Core, Vol 3 Part F).
+const DefaultMTU = 23
+
+// ErrDisconnected is returned by a Link's methods once the link is down.
+var ErrDisconnected = errors.New("gatt: disconnected")
+
+// Link is one connection to a device's GATT server, as the bridge needs it.
+// Methods are safe for concurrent use.
+type Link interface {
+	// MTU is the negotiated ATT MTU; a write carries at most MTU-3 bytes.
+	MTU() int
+	// Read reads a characteristic's value.
+	Read(ctx context.Context, charUUID string) ([]byte, error)
+	// Write writes one value (at most MTU-3 bytes) to a characteristic,
+	// waiting for the device's response when withResponse is true.
+	Write(ctx context.Context, charUUID string, data []byte, withResponse bool) error
+	// Subscribe enables notifications of a characteristic and calls fn, in
+	// order, for each value; fn must not block.
+	Subscribe(ctx context.Context, charUUID string, fn func([]byte)) error
+	// Done is closed when the link is lost or closed.
+	Done() <-chan struct{}
+	// Close disconnects.
+	Close() error
+}
+
+// Connector opens links to devices by device id.
+type Connector interface {
+	// Connect finds the device and connects, within ctx's deadline.
+	Connect(ctx context.Context, deviceID string) (Link, error)
+}
