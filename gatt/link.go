@@ -56,3 +56,41 @@ type Connector interface {
 	// Connect finds the device and connects, within ctx's deadline.
 	Connect(ctx context.Context, deviceID string) (Link, error)
 }
+
+// Characteristic properties, as GATT names them.
+const (
+	PropRead                 = "read"
+	PropWrite                = "write"
+	PropWriteWithoutResponse = "write-without-response"
+	PropNotify               = "notify"
+)
+
+// Characteristic describes one characteristic a Peripheral serves.
+type Characteristic struct {
+	UUID       string
+	Properties []string
+}
+
+// Service describes one primary service a Peripheral serves.
+type Service struct {
+	UUID            string
+	Characteristics []Characteristic
+}
+
+// Peripheral is the device side of the profile: a GATT server. The
+// simulator implements it; the simulated link and the fake BlueZ of the
+// tests put it on the other end of a Link.
+type Peripheral interface {
+	// Services lists the primary services and their characteristics.
+	Services() []Service
+	// ReadChar answers a read of a characteristic.
+	ReadChar(charUUID string) ([]byte, error)
+	// WriteChar takes one ATT write (at most MTU-3 bytes) to a
+	// characteristic; it returns quickly and answers, if at all, by
+	// notification.
+	WriteChar(charUUID string, data []byte) error
+	// Connected tells the peripheral a central connected with this ATT MTU;
+	// notify sends a notification to it. Disconnected ends that.
+	Connected(mtu int, notify func(charUUID string, value []byte))
+	Disconnected()
+}
