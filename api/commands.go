@@ -60,6 +60,21 @@ func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *store.Idempoten
 	return nil, true, s.answerCommand(c, cmd, http.StatusAccepted, true)
 }
 
+// commandBody reads the JSON body of a request that creates a command into
+// req, and answers a repeat of an Idempotency-Key request (replayed). fields
+// holds the body's encoding errors, for the caller's checks to extend.
+func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any) (idem *store.Idempotency, fields []FieldError, replayed bool, err error) {
+	body, err := readJSON(c, limit, optional, req)
+	if err != nil {
+		return nil, nil, false, err
+	}
+	idem, replayed, err = s.beginCommand(c, body.raw)
+	if err != nil || replayed {
+		return nil, nil, replayed, err
+	}
+	return idem, body.utf8Errors(), false, nil
+}
+
 // send hands a new command to the broker.
 func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *store.Idempotency) (store.Command, error) {
 	p, err := json.Marshal(payload)
@@ -149,15 +164,10 @@ func (s *Server) pushText(c *gin.Context) error {
 		return err
 	}
 	var req pushTextRequest
-	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
-	if err != nil {
-		return err
-	}
-	idem, replayed, err := s.beginCommand(c, body.raw)
+	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, false, &req)
 	if err != nil || replayed {
 		return err
 	}
-	fields := body.utf8Errors()
 	switch {
 	case req.Text == "":
 		fields = append(fields, FieldError{Field: "text", Message: "is required"})
@@ -234,15 +244,10 @@ func (s *Server) pushImage(c *gin.Context) error {
 		return err
 	}
 	var req pushImageRequest
-	body, err := readJSON(c, s.limits.imageBody(), false, &req)
-	if err != nil {
-		return err
-	}
-	idem, replayed, err := s.beginCommand(c, body.raw)
+	idem, fields, replayed, err := s.commandBody(c, s.limits.imageBody(), false, &req)
 	if err != nil || replayed {
 		return err
 	}
-	fields := body.utf8Errors()
 	data, cfg, ctype, bad := s.checkImage(req.Image, req.ContentType)
 	fields = append(fields, bad...)
 	ttl, bad := s.ttl(req.TTL)
@@ -310,15 +315,10 @@ func (s *Server) installApp(c *gin.Context) error {
 		return err
 	}
 	var req installRequest
-	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
-	if err != nil {
-		return err
-	}
-	idem, replayed, err := s.beginCommand(c, body.raw)
+	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, false, &req)
 	if err != nil || replayed {
 		return err
 	}
-	fields := body.utf8Errors()
 	switch {
 	case req.AppID == "":
 		fields = append(fields, FieldError{Field: "app_id", Message: "is required"})
@@ -367,15 +367,11 @@ func (s *Server) updateApp(c *gin.Context) error {
 		return errAppNotFound
 	}
 	var req versionRequest
-	body, err := readJSON(c, s.limits.MaxJSONBody, true, &req)
-	if err != nil {
-		return err
-	}
-	idem, replayed, err := s.beginCommand(c, body.raw)
+	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, true, &req)
 	if err != nil || replayed {
 		return err
 	}
-	fields := append(body.utf8Errors(), checkVersion("version", req.Version)...)
+	fields = append(fields, checkVersion("version", req.Version)...)
 	if err := validationError(fields); err != nil {
 		return err
 	}
@@ -565,15 +561,11 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 		return err
 	}
 	var req versionRequest
-	body, err := readJSON(c, s.limits.MaxJSONBody, true, &req)
-	if err != nil {
-		return err
-	}
-	idem, replayed, err := s.beginCommand(c, body.raw)
+	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, true, &req)
 	if err != nil || replayed {
 		return err
 	}
-	fields := append(body.utf8Errors(), checkVersion("version", req.Version)...)
+	fields = append(fields, checkVersion("version", req.Version)...)
 	if err := validationError(fields); err != nil {
 		return err
 	}
