@@ -36,6 +36,7 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/pahostore"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -241,6 +242,7 @@ func New(opts Options) (*Agent, error) {
 		SetKeepAlive(30*time.Second).
 		SetWriteTimeout(10*time.Second).
 		SetResumeSubs(false).
+		SetStore(pahostore.New()).
 		SetBinaryWill(a.stateTopic, []byte(topics.BridgeOffline), 1, true).
 		SetDefaultPublishHandler(a.onMessage).
 		SetOnConnectHandler(a.onConnect).

@@ -13,6 +13,7 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/pahostore"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -145,6 +146,7 @@ func New(opts Options) (*Broker, error) {
 		SetConnectRetryInterval(time.Second).
 		SetMaxReconnectInterval(10 * time.Second).
 		SetKeepAlive(30 * time.Second).
+		SetStore(pahostore.New()).
 		SetDefaultPublishHandler(b.route).
 		SetOnConnectHandler(b.onConnect).
 		SetConnectionLostHandler(func(_ mqtt.Client, err error) {
