@@ -28,6 +28,7 @@ type Store interface {
 	MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error)
 	PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
+	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
 	RegistryDevice(ctx context.Context, id string) (store.RegistryDevice, error)
 }
 
@@ -46,6 +47,7 @@ type Options struct {
 	MaxOpenCommands int           // unfinished commands per device; default 1000
 	SweepInterval   time.Duration // how often expired commands are swept; default 1s
 	PublishTimeout  time.Duration // how long a publish waits for its PUBACK; default 30s
+	Retention       time.Duration // how long final commands are kept; default 30 days
 	Workers         int           // goroutines taking messages in; default 8
 
 	Logger *slog.Logger
@@ -100,6 +102,13 @@ func New(opts Options) (*Broker, error) {
 	}
 	if opts.PublishTimeout <= 0 {
 		opts.PublishTimeout = 30 * time.Second
+	}
+	if opts.Retention <= 0 {
+		opts.Retention = 30 * 24 * time.Hour
+	}
+	if opts.Retention < 24*time.Hour {
+		// An Idempotency-Key answers repeats for a day with its command.
+		return nil, errors.New("broker: retention must be at least 24h")
 	}
 	if opts.Workers <= 0 {
 		opts.Workers = 8

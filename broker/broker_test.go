@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -321,4 +322,58 @@ func TestQueueLimit(t *testing.T) {
 	assert.ErrorIs(t, err, store.ErrQueueFull)
 	// Other devices are not affected.
 	submit(t, e, "dev-2", "fine", time.Hour)
+}
+
+// Under steady load with retention, the bbolt file stops growing: final
+// commands past the retention are purged and their pages reused.
+func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
+	e := newEnv(t, false)
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	ctx := context.Background()
+	round := func() {
+		var wg sync.WaitGroup
+		ids := make(chan string, 200)
+		for i := 0; i < 200; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				p, _ := json.Marshal(topics.PushText{Text: "load"})
+				c, _, err := e.b.Submit(ctx, store.Command{DeviceID: "dev-1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				ids <- c.ID
+			}()
+		}
+		wg.Wait()
+		close(ids)
+		for id := range ids {
+			wg.Add(1)
+			go func(id string) {
+				defer wg.Done()
+				e.db.UpdateCommand(ctx, id, func(c *store.Command) error { c.State = topics.StateSucceeded; return nil })
+			}(id)
+		}
+		wg.Wait()
+		e.clock.Add(31 * 24 * time.Hour)
+		waitFor(t, "purge", func() bool {
+			l, _ := e.db.ListCommands(ctx, "dev-1", "", "", 0)
+			return len(l) == 0
+		})
+	}
+	size := func() int64 {
+		fi, err := os.Stat(e.db.Path())
+		require.NoError(t, err)
+		return fi.Size()
+	}
+	for i := 0; i < 3; i++ {
+		round()
+	}
+	steady := size()
+	for i := 0; i < 5; i++ {
+		round()
+	}
+	assert.Equal(t, steady, size(), "the file grew under steady load")
 }

@@ -158,8 +158,9 @@ func (b *Broker) publishBatch(ctx context.Context, cmds []store.Command) error {
 	return lastErr
 }
 
-// sweep expires commands whose TTL passed before delivery, and forgets
-// idempotency keys older than a day.
+// sweep expires commands whose TTL passed before delivery and, hourly,
+// forgets idempotency keys older than a day and final commands older than
+// the retention.
 func (b *Broker) sweep() {
 	defer b.wg.Done()
 	tick := time.NewTicker(b.opts.SweepInterval)
@@ -186,6 +187,11 @@ func (b *Broker) sweep() {
 		if now.Sub(lastPurge) > time.Hour {
 			if _, err := b.st.PurgeIdempotency(ctx, now.Add(-24*time.Hour)); err != nil {
 				b.log.Error("purging idempotency keys", "err", err)
+			}
+			if n, err := b.st.PurgeCommands(ctx, now.Add(-b.opts.Retention)); err != nil {
+				b.log.Error("purging old commands", "err", err)
+			} else if n > 0 {
+				b.log.Info("purged final commands past their retention", "count", n)
 			}
 			lastPurge = now
 		}

@@ -95,6 +95,8 @@ type DB struct {
 	blobDir string
 	now     func() time.Time
 	log     *slog.Logger
+
+	purgeBatch int // deletions per transaction of PurgeCommands
 }
 
 // Open opens or creates the bbolt file at path, creating its directory

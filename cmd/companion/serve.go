@@ -37,7 +37,8 @@ type Config struct {
 	TopicPrefix  string
 	Demo         bool
 	LogLevel     string
-	Limits       api.Limits // zero fields take CONTRACT §6's defaults
+	Limits       api.Limits    // zero fields take CONTRACT §6's defaults
+	Retention    time.Duration // how long final commands are kept
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -55,6 +56,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.AdminToken, "admin-token", "", "admin API token (default: generated into DATA/admin.token)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", topics.DefaultPrefix, "MQTT topic prefix")
 	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
+	fs.DurationVar(&c.Retention, "retention", 30*24*time.Hour, "how long finished commands are kept (at least 24h)")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	d, l := api.DefaultLimits, &c.Limits
 	fs.IntVar(&l.MaxTextBytes, "max-text-bytes", d.MaxTextBytes, "largest text push, bytes of UTF-8")
@@ -209,6 +211,7 @@ func (m *Main) Run(ctx context.Context) error {
 		Topics:          tree,
 		SweepInterval:   cfg.SweepInterval,
 		MaxOpenCommands: cfg.Limits.MaxOpenCommands,
+		Retention:       cfg.Retention,
 		Logger:          m.Logger,
 		Now:             cfg.Now,
 	})

@@ -1,0 +1,71 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// defaultPurgeBatch bounds the deletions of one write transaction, so a
+// purge never holds the writer for long.
+const defaultPurgeBatch = 1000
+
+// PurgeCommands deletes final commands that last changed before olderThan,
+// with their entries in the per-device history, and returns how many went.
+// Unfinished commands are never deleted. The space they held is reused by
+// later writes, so under steady load the file stops growing.
+//
+// Commands are keyed by UUIDv7, in creation order: the scan starts at the
+// oldest and stops at the first command created after olderThan.
+func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, error) {
+	batch := db.purgeBatch
+	if batch <= 0 {
+		batch = defaultPurgeBatch
+	}
+	total := 0
+	for {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		n, more := 0, false
+		err := db.update(func(tx *bolt.Tx) error {
+			n, more = 0, false
+			cmds := tx.Bucket(bucketCommands)
+			hist := tx.Bucket(bucketDeviceCmds)
+			var doomed []Command
+			c := cmds.Cursor()
+			for k, v := c.First(); k != nil; k, v = c.Next() {
+				var cmd Command
+				if err := json.Unmarshal(v, &cmd); err != nil {
+					return err
+				}
+				if !cmd.CreatedAt.Before(olderThan) {
+					break
+				}
+				if len(doomed) == batch {
+					more = true
+					break
+				}
+				if IsFinal(cmd.State) && cmd.UpdatedAt.Before(olderThan) {
+					doomed = append(doomed, cmd)
+				}
+			}
+			for _, cmd := range doomed {
+				if err := cmds.Delete([]byte(cmd.ID)); err != nil {
+					return err
+				}
+				if err := hist.Delete(key(cmd.DeviceID, cmd.ID)); err != nil {
+					return err
+				}
+			}
+			n = len(doomed)
+			return nil
+		})
+		total += n
+		if err != nil || !more {
+			return total, err
+		}
+	}
+}
