@@ -24,3 +24,11 @@ func (e *commandError) Error() string { return e.Code + ": " + e.Message }
 func cmdErr(code, msg string) *commandError { return &commandError{Code: code, Message: msg} }
 
 func (e *commandError) reply() *topics.Error { return &topics.Error{Code: e.Code, Message: e.Message} }
+
+// codedError is a device's error that names its own failure code (a GATT
+// device's rc mapped to checksum_mismatch, invalid_payload, …); any other
+// device error is reported as device_error.
+type codedError interface {
+	error
+	ErrorCode() string
+}

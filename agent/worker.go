@@ -93,8 +93,11 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 			log.Info("command succeeded", "took", time.Since(start).Round(time.Millisecond))
 		default:
 			var ce *commandError
+			var coded codedError
 			if !errors.As(err, &ce) {
-				if timedOut || errors.Is(err, context.DeadlineExceeded) {
+				if errors.As(err, &coded) && !timedOut {
+					ce = cmdErr(coded.ErrorCode(), err.Error())
+				} else if timedOut || errors.Is(err, context.DeadlineExceeded) {
 					ce = cmdErr(codeTimeout, fmt.Sprintf("the command did not finish within %s", a.opts.CommandTimeout))
 				} else {
 					ce = cmdErr(codeDeviceError, err.Error())

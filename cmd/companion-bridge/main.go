@@ -21,8 +21,11 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/gatt/bluez"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -57,7 +60,11 @@ type Config struct {
 	SimDevices   []string
 	SimModel     string
 	SimFirmware  string
+	SimMTU       int           // ATT MTU of the simulated link
+	SimKBPS      int           // rate of the simulated link, kbit/s each way
+	SimDropEvery time.Duration // the simulated link drops this often; 0 never
 	GATT         string
+	Devices      []string // ids of the real devices, with --gatt bluez
 	TopicPrefix  string
 	LogLevel     slog.Level
 }
@@ -67,9 +74,12 @@ type Main struct {
 	Config Config
 	Stderr io.Writer // logs; default os.Stderr
 
-	mu    sync.Mutex
-	agent *agent.Agent
-	sims  []*sim.Device
+	mu      sync.Mutex
+	agent   *agent.Agent
+	sims    []*sim.Device
+	network *sim.Network
+	gatts   []*gatt.Device
+	bluez   *bluez.Connector
 }
 
 // Sims returns the simulated devices once Run has built them.
@@ -88,6 +98,8 @@ func NewMain() *Main {
 			Data:        "./bridge-data",
 			SimModel:    sim.DefaultModel,
 			SimFirmware: sim.DefaultFirmware,
+			SimMTU:      sim.DefaultMTU,
+			SimKBPS:     sim.DefaultKBPS,
 			TopicPrefix: topics.DefaultPrefix,
 		},
 		Stderr: os.Stderr,
@@ -100,7 +112,7 @@ func (m *Main) ParseFlags(args []string) error {
 	c := &m.Config
 	fs := flag.NewFlagSet("companion-bridge", flag.ContinueOnError)
 	fs.SetOutput(m.Stderr)
-	var simDevices string
+	var simDevices, devices string
 	fs.StringVar(&c.MQTTURL, "mqtt-url", c.MQTTURL, "MQTT broker `URL` (tcp://, ssl://, ws://)")
 	fs.StringVar(&c.APIURL, "api-url", c.APIURL, "server base `URL` for blob downloads")
 	fs.StringVar(&c.BridgeID, "bridge-id", c.BridgeID, "this bridge's `id` (companion bridge create ID)")
@@ -109,7 +121,11 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.StringVar(&simDevices, "sim-devices", "", "comma-separated `ids` of simulated devices to run")
 	fs.StringVar(&c.SimModel, "sim-model", c.SimModel, "`model` of the simulated devices")
 	fs.StringVar(&c.SimFirmware, "sim-firmware", c.SimFirmware, "initial firmware `version` of the simulated devices")
+	fs.IntVar(&c.SimMTU, "sim-mtu", c.SimMTU, "ATT `MTU` of the simulated Bluetooth link (23–517)")
+	fs.IntVar(&c.SimKBPS, "sim-kbps", c.SimKBPS, "`rate` of the simulated Bluetooth link in kbit/s each way (default: BLE 2M PHY with data length extension)")
+	fs.DurationVar(&c.SimDropEvery, "sim-drop-every", c.SimDropEvery, "drop the simulated Bluetooth link this `often` (0: never)")
 	fs.StringVar(&c.GATT, "gatt", c.GATT, "Bluetooth `backend` for real devices (bluez)")
+	fs.StringVar(&devices, "devices", "", "comma-separated `ids` of the real devices to reach with --gatt (their DIS serial numbers)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", c.TopicPrefix, "MQTT topic `prefix`")
 	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log `level`: debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
@@ -124,6 +140,11 @@ func (m *Main) ParseFlags(args []string) error {
 	for _, id := range strings.Split(simDevices, ",") {
 		if id = strings.TrimSpace(id); id != "" {
 			c.SimDevices = append(c.SimDevices, id)
+		}
+	}
+	for _, id := range strings.Split(devices, ",") {
+		if id = strings.TrimSpace(id); id != "" {
+			c.Devices = append(c.Devices, id)
 		}
 	}
 	return m.validate()
@@ -160,20 +181,37 @@ func (m *Main) validate() error {
 		return errors.New("--bridge-secret (or COMPANION_BRIDGE_SECRET) is required: the secret printed by companion bridge create")
 	case c.GATT != "" && c.GATT != "bluez":
 		return fmt.Errorf("--gatt %q: the only backend is bluez", c.GATT)
-	case c.GATT == "bluez":
-		return errors.New("--gatt bluez: real Bluetooth devices arrive in a later release; use --sim-devices for now")
-	case len(c.SimDevices) == 0:
-		return errors.New("no devices: give --sim-devices id1,id2,…")
+	case c.GATT == "bluez" && len(c.Devices) == 0:
+		return errors.New("--gatt bluez needs --devices id1,id2,…: the ids (DIS serial numbers) of the devices to reach")
+	case c.GATT == "bluez" && len(c.SimDevices) > 0:
+		return errors.New("give either --sim-devices or --gatt bluez --devices, not both")
+	case c.GATT == "" && len(c.Devices) > 0:
+		return errors.New("--devices needs --gatt bluez")
+	case c.GATT == "" && len(c.SimDevices) == 0:
+		return errors.New("no devices: give --sim-devices id1,id2,… (or --gatt bluez --devices id1,id2,…)")
+	}
+	flagName, ids := "--sim-devices", c.SimDevices
+	if c.GATT == "bluez" {
+		flagName, ids = "--devices", c.Devices
 	}
 	seen := map[string]bool{}
-	for _, id := range c.SimDevices {
+	for _, id := range ids {
 		if !topics.ValidDeviceID(id) {
-			return fmt.Errorf("--sim-devices: %q is not a device id (1–64 of A–Z a–z 0–9 . _ : -)", id)
+			return fmt.Errorf("%s: %q is not a device id (1–64 of A–Z a–z 0–9 . _ : -)", flagName, id)
 		}
 		if seen[id] {
-			return fmt.Errorf("--sim-devices: %q given twice", id)
+			return fmt.Errorf("%s: %q given twice", flagName, id)
 		}
 		seen[id] = true
+	}
+	if c.SimMTU < gatt.DefaultMTU || c.SimMTU > 517 {
+		return fmt.Errorf("--sim-mtu %d: use 23–517", c.SimMTU)
+	}
+	if c.SimKBPS <= 0 {
+		return fmt.Errorf("--sim-kbps %d: must be positive", c.SimKBPS)
+	}
+	if c.SimDropEvery < 0 {
+		return fmt.Errorf("--sim-drop-every %s: must not be negative", c.SimDropEvery)
 	}
 	if !topics.ValidVersion(c.SimFirmware) {
 		return fmt.Errorf("--sim-firmware %q is not a semantic version", c.SimFirmware)
@@ -192,13 +230,19 @@ func (m *Main) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	var (
-		sims    []*sim.Device
-		devices []agent.Device
-	)
-	for _, id := range c.SimDevices {
-		d := sim.New(sim.Options{ID: id, Model: c.SimModel, Firmware: c.SimFirmware, Logger: log})
-		sims = append(sims, d)
+	conn, ids, err := m.connector(log)
+	if err != nil {
+		return err
+	}
+	var devices []agent.Device
+	for _, id := range ids {
+		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: id, Connector: conn, Logger: log})
+		if err != nil {
+			return err
+		}
+		m.mu.Lock()
+		m.gatts = append(m.gatts, d)
+		m.mu.Unlock()
 		devices = append(devices, d)
 	}
 	a, err := agent.New(agent.Options{
@@ -216,19 +260,67 @@ func (m *Main) Run(ctx context.Context) error {
 		return err
 	}
 	m.mu.Lock()
-	m.agent, m.sims = a, sims
+	m.agent = a
 	m.mu.Unlock()
-	log.Info("companion-bridge starting", "bridge", c.BridgeID, "mqtt", c.MQTTURL, "devices", c.SimDevices)
+	log.Info("companion-bridge starting", "bridge", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
 	return a.Run(ctx)
 }
 
-// Close stops the agent, if Run built one, waits for it and closes its spool.
+// connector builds the Bluetooth side from the configuration: the
+// Connector the devices are reached through and their ids. With
+// --sim-devices it is the simulated link to simulated devices; --gatt bluez
+// is where the BlueZ connector plugs in.
+func (m *Main) connector(log *slog.Logger) (gatt.Connector, []string, error) {
+	c := m.Config
+	if c.GATT == "bluez" {
+		// Real devices through BlueZ: gatt.Device reconnects with backoff.
+		bz, err := bluez.New(bluez.Options{Logger: log})
+		if err != nil {
+			return nil, nil, err
+		}
+		m.mu.Lock()
+		m.bluez = bz
+		m.mu.Unlock()
+		return bz, c.Devices, nil
+	}
+	network, sims := SimNetwork(c, log)
+	m.mu.Lock()
+	m.network, m.sims = network, sims
+	m.mu.Unlock()
+	return network, c.SimDevices, nil
+}
+
+// SimNetwork builds the simulated devices of c and the simulated link that
+// reaches them.
+func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device) {
+	network := sim.NewNetwork(sim.LinkOptions{MTU: c.SimMTU, KBPS: c.SimKBPS, DropEvery: c.SimDropEvery})
+	var sims []*sim.Device
+	for _, id := range c.SimDevices {
+		d := sim.New(sim.Options{ID: id, Model: c.SimModel, Firmware: c.SimFirmware, Logger: log})
+		network.Add(id, sim.NewPeripheral(d, sim.PeripheralOptions{Logger: log}))
+		sims = append(sims, d)
+	}
+	return network, sims
+}
+
+// Close stops the agent, if Run built one, waits for it and closes its
+// spool, then disconnects the devices.
 func (m *Main) Close() error {
 	m.mu.Lock()
-	a := m.agent
+	a, gatts, network, bz := m.agent, m.gatts, m.network, m.bluez
 	m.mu.Unlock()
-	if a == nil {
-		return nil
+	var err error
+	if a != nil {
+		err = a.Close()
 	}
-	return a.Close()
+	for _, d := range gatts {
+		d.Close()
+	}
+	if network != nil {
+		network.Close()
+	}
+	if bz != nil {
+		bz.Close()
+	}
+	return err
 }

@@ -59,7 +59,9 @@ func TestParseFlags(t *testing.T) {
 		{name: "bad bridge id", args: []string{"--bridge-id", "b/1", "--bridge-secret", "s", "--sim-devices", "d"}, wantErr: "--bridge-id"},
 		{name: "bad device id", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "ok,bad#id"}, wantErr: "bad#id"},
 		{name: "no devices", args: []string{"--bridge-id", "b1", "--bridge-secret", "s"}, wantErr: "no devices"},
-		{name: "gatt later", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez"}, wantErr: "later release"},
+		{name: "gatt needs devices", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez"}, wantErr: "needs --devices"},
+		{name: "gatt and sim", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--sim-devices", "d2"}, wantErr: "--sim-devices"},
+		{name: "sim mtu too small", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--sim-mtu", "10"}, wantErr: "mtu"},
 		{name: "gatt unknown", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "winrt"}, wantErr: "only backend is bluez"},
 		{name: "bad log level", args: []string{"--log-level", "loud"}, wantErr: "loud"},
 	}

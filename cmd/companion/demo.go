@@ -12,10 +12,12 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/google/uuid"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
@@ -40,11 +42,15 @@ type DemoDevice struct {
 
 // Demo is the --demo fleet: a user, three provisioned simulated devices, a
 // firmware and an app in the catalogs, and an in-process bridge serving the
-// devices over MQTT like any other bridge.
+// devices over MQTT like any other bridge. The bridge reaches its devices
+// over the simulated Bluetooth link (default MTU and rate), speaking the
+// GATT profile of docs/gatt.md.
 type Demo struct {
 	File    DemoFile
 	Sims    []*sim.Device
 	agent   *agent.Agent
+	network *sim.Network
+	gatts   []*gatt.Device
 	mqttURL string
 
 	cancel context.CancelFunc
@@ -64,10 +70,17 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 	}
 	d := &Demo{File: f, mqttURL: m.MQTTURL()}
 	var devices []agent.Device
+	d.network = sim.NewNetwork(sim.LinkOptions{})
 	for _, dev := range f.Devices {
 		s := sim.New(sim.Options{ID: dev.DeviceID, Model: demoModel, Firmware: "1.0.0", Logger: m.Logger})
 		d.Sims = append(d.Sims, s)
-		devices = append(devices, s)
+		d.network.Add(dev.DeviceID, sim.NewPeripheral(s, sim.PeripheralOptions{Logger: m.Logger}))
+		g, err := gatt.NewDevice(gatt.DeviceOptions{ID: dev.DeviceID, Connector: d.network, Logger: m.Logger})
+		if err != nil {
+			return nil, err
+		}
+		d.gatts = append(d.gatts, g)
+		devices = append(devices, g)
 	}
 	d.agent, err = agent.New(agent.Options{
 		MQTTURL:  m.MQTTURL(),
@@ -81,6 +94,7 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 		Logger:   m.Logger.With("component", "demo-bridge"),
 	})
 	if err != nil {
+		d.closeDevices()
 		return nil, err
 	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
@@ -92,14 +106,51 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 			m.Logger.Error("demo bridge", "err", err)
 		}
 	}()
+	d.awaitReports(ctx, m.DB)
 	return d, nil
+}
+
+// demoReadyTimeout bounds how long startDemo waits for the first reports.
+const demoReadyTimeout = 10 * time.Second
+
+// awaitReports waits until every demo device has reported its settings
+// through the bridge (over the simulated Bluetooth link that takes a few
+// round trips), so that the quick start's lines work the moment they are
+// printed. It gives up quietly after demoReadyTimeout.
+func (d *Demo) awaitReports(ctx context.Context, db *store.DB) {
+	ctx, cancel := context.WithTimeout(ctx, demoReadyTimeout)
+	defer cancel()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for _, dev := range d.File.Devices {
+		for {
+			s, err := db.Settings(ctx, dev.DeviceID)
+			if err == nil && len(s.Reported) > 0 {
+				break
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+		}
+	}
 }
 
 // Close stops the demo bridge and waits for it.
 func (d *Demo) Close() error {
 	d.cancel()
 	<-d.done
-	return d.agent.Close()
+	err := d.agent.Close()
+	d.closeDevices()
+	return err
+}
+
+func (d *Demo) closeDevices() {
+	for _, g := range d.gatts {
+		g.Close()
+	}
+	d.network.Close()
 }
 
 func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, error) {

@@ -1,0 +1,564 @@
+//go:build linux
+
+// Package bluez is the gatt.Connector for real Bluetooth adapters on Linux
+// gateways: BlueZ over D-Bus, through tinygo.org/x/bluetooth (pinned: its
+// API is marked unstable). It finds devices by scanning for the companion
+// service (gatt.ServiceUUID) and tells them apart by the serial number of
+// their Device Information Service, which is the device id.
+//
+// tinygo.org/x/bluetooth connects, discovers services and characteristics,
+// reads, writes, reads the MTU, starts notifications and disconnects. The
+// package talks D-Bus itself, on a private connection, where that library
+// falls short on Linux:
+//
+//   - discovery, because its Scan can be stopped only from its own callback
+//     (StopScan is not safe from another goroutine,
+//     https://github.com/tinygo-org/bluetooth/issues/128), so a scan could
+//     not honour a deadline;
+//   - the wait for ServicesResolved, which it polls for up to 10 s with no
+//     way to cancel;
+//   - disconnects, which it reports to a central on Linux only when the
+//     central itself disconnects;
+//   - notification values, which it hands to the callback through an
+//     unbuffered channel on godbus's default signal handler, which spawns a
+//     goroutine per signal when the receiver is busy and so reorders them
+//     (https://github.com/godbus/dbus/pull/117); SMP messages span several
+//     notifications and need them in order.
+//
+// The package does not pair or bond, and does not reconnect: a Link's Done
+// tells the caller the link is gone; the caller calls Connect again with a
+// backoff, as gatt.Device does.
+package bluez
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"strings"
+	"sync"
+
+	"github.com/godbus/dbus/v5"
+	"tinygo.org/x/bluetooth"
+
+	"github.com/devicecompanion/companion/gatt"
+)
+
+// D-Bus names of BlueZ.
+const (
+	bluezName      = "org.bluez"
+	ifaceAdapter   = "org.bluez.Adapter1"
+	ifaceDevice    = "org.bluez.Device1"
+	ifaceChar      = "org.bluez.GattCharacteristic1"
+	ifaceObjMgr    = "org.freedesktop.DBus.ObjectManager"
+	ifaceProps     = "org.freedesktop.DBus.Properties"
+	sigPropsChange = ifaceProps + ".PropertiesChanged"
+	sigIfaceAdded  = ifaceObjMgr + ".InterfacesAdded"
+	sigIfaceGone   = ifaceObjMgr + ".InterfacesRemoved"
+)
+
+// ErrClosed is returned by Connect once the Connector is closed.
+var ErrClosed = errors.New("bluez: connector closed")
+
+// Options configure a Connector. The zero value means defaults.
+type Options struct {
+	// Adapter is the BlueZ adapter to use; "hci0" when empty.
+	Adapter string
+	// Logger; slog.Default() when nil.
+	Logger *slog.Logger
+}
+
+// Connector opens GATT links to devices through BlueZ. It is safe for
+// concurrent use: several devices can connect at once, sharing one
+// discovery session.
+type Connector struct {
+	log         *slog.Logger
+	adapter     *bluetooth.Adapter
+	adapterPath dbus.ObjectPath
+	conn        *dbus.Conn // private: discovery and signals, in order
+	sigs        chan *dbus.Signal
+	wake        chan struct{} // pokes scanLoop
+	closing     chan struct{}
+	scanDone    chan struct{}
+	dispDone    chan struct{}
+
+	mu       sync.Mutex
+	closed   bool
+	calls    sync.WaitGroup                    // Connect calls and their cleanups
+	ids      map[string]string                 // address → device id (DIS serial)
+	busy     map[string]bool                   // addresses being probed or linked
+	links    map[dbus.ObjectPath]*link         // device path → open link
+	watch    map[dbus.ObjectPath]chan struct{} // device path → poked on Device1 changes
+	known    map[dbus.ObjectPath]*known        // Device1 objects of the adapter
+	wanted   int                               // Connect calls waiting for devices
+	scanning bool                              // discovery is on
+	scanErr  error                             // why discovery could not start
+	changed  chan struct{}                     // closed and replaced on news
+}
+
+// known is what the Connector knows of one Device1 object.
+type known struct {
+	address string
+	uuids   []string
+	seen    int // times found since discovery started; 0: not found
+}
+
+// New enables the adapter (powering it on if it is off) and returns a
+// Connector. Close releases it.
+func New(opts Options) (*Connector, error) {
+	if opts.Adapter == "" {
+		opts.Adapter = "hci0"
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	adapter := bluetooth.NewAdapter(opts.Adapter)
+	if err := adapter.Enable(); err != nil {
+		return nil, fmt.Errorf("bluez: enable %s: %w", opts.Adapter, err)
+	}
+	conn, err := dbus.ConnectSystemBus(dbus.WithSignalHandler(dbus.NewSequentialSignalHandler()))
+	if err != nil {
+		return nil, fmt.Errorf("bluez: connect to the system bus: %w", err)
+	}
+	c := &Connector{
+		log:         opts.Logger,
+		adapter:     adapter,
+		adapterPath: dbus.ObjectPath("/org/bluez/" + opts.Adapter),
+		conn:        conn,
+		sigs:        make(chan *dbus.Signal, 64),
+		wake:        make(chan struct{}, 1),
+		closing:     make(chan struct{}),
+		scanDone:    make(chan struct{}),
+		dispDone:    make(chan struct{}),
+		ids:         map[string]string{},
+		busy:        map[string]bool{},
+		links:       map[dbus.ObjectPath]*link{},
+		watch:       map[dbus.ObjectPath]chan struct{}{},
+		known:       map[dbus.ObjectPath]*known{},
+		changed:     make(chan struct{}),
+	}
+	if err := c.start(); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Connector) start() error {
+	ad := c.conn.Object(bluezName, c.adapterPath)
+	powered, err := ad.GetProperty(ifaceAdapter + ".Powered")
+	if err != nil {
+		return fmt.Errorf("bluez: adapter %s: %w", c.adapterPath, err)
+	}
+	if on, _ := powered.Value().(bool); !on {
+		c.log.Info("bluez: powering the adapter on", "adapter", c.adapterPath)
+		if err := ad.SetProperty(ifaceAdapter+".Powered", dbus.MakeVariant(true)); err != nil {
+			return fmt.Errorf("bluez: power %s on: %w", c.adapterPath, err)
+		}
+	}
+	// All of BlueZ's property changes under the adapter, and its objects
+	// coming and going; one channel, so they arrive in order.
+	c.conn.Signal(c.sigs)
+	rules := [][]dbus.MatchOption{
+		{dbus.WithMatchSender(bluezName), dbus.WithMatchInterface(ifaceProps), dbus.WithMatchMember("PropertiesChanged"), dbus.WithMatchPathNamespace(c.adapterPath)},
+		{dbus.WithMatchSender(bluezName), dbus.WithMatchInterface(ifaceObjMgr)},
+		// bluetoothd exiting takes every connection with it, silently.
+		{dbus.WithMatchSender("org.freedesktop.DBus"), dbus.WithMatchMember("NameOwnerChanged"), dbus.WithMatchArg(0, bluezName)},
+	}
+	for _, r := range rules {
+		if err := c.conn.AddMatchSignal(r...); err != nil {
+			return fmt.Errorf("bluez: add match: %w", err)
+		}
+	}
+	go c.dispatch()
+	go c.scanLoop()
+	return nil
+}
+
+// Close closes the open links, stops discovery and waits for the
+// Connector's goroutines, including Connect attempts it abandoned, which
+// end when BlueZ answers them. Connect calls in progress return ErrClosed.
+func (c *Connector) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	close(c.closing)
+	links := make([]*link, 0, len(c.links))
+	for _, l := range c.links {
+		links = append(links, l)
+	}
+	c.mu.Unlock()
+	for _, l := range links {
+		l.Close()
+	}
+	c.calls.Wait()
+	<-c.scanDone
+	err := c.conn.Close() // ends the signal channel, so dispatch
+	<-c.dispDone
+	return err
+}
+
+// poke wakes scanLoop to look at the demand for discovery.
+func (c *Connector) poke() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// broadcastLocked tells waiting Connect calls something changed.
+func (c *Connector) broadcastLocked() {
+	close(c.changed)
+	c.changed = make(chan struct{})
+}
+
+// Connect scans for the device with this id, connects and returns the link,
+// within ctx's deadline. Devices are told apart by their DIS serial number;
+// the address of each device read is remembered, so a reconnect needs no
+// probing. On a timeout the error wraps ctx.Err().
+func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, error) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, ErrClosed
+	}
+	c.calls.Add(1)
+	defer c.calls.Done()
+	c.wanted++
+	if c.wanted == 1 {
+		c.scanErr = nil
+	}
+	c.mu.Unlock()
+	c.poke()
+	defer func() {
+		c.mu.Lock()
+		c.wanted--
+		c.mu.Unlock()
+		c.poke()
+	}()
+
+	tried := map[dbus.ObjectPath]int{} // path → seen count when tried
+	for {
+		c.mu.Lock()
+		path, addr, ok := c.pickLocked(deviceID, tried)
+		changed, scanErr, closed := c.changed, c.scanErr, c.closed
+		c.mu.Unlock()
+		if closed {
+			return nil, ErrClosed
+		}
+		if ok {
+			l, err := c.open(ctx, path, addr, deviceID)
+			if err == nil {
+				return l, nil
+			}
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("bluez: connect %s (%s): %w", deviceID, addr, ctx.Err())
+			}
+			if !errors.Is(err, errOtherDevice) {
+				c.log.Warn("bluez: connect failed", "device", deviceID, "address", addr, "err", err)
+			}
+			continue
+		}
+		if scanErr != nil {
+			return nil, fmt.Errorf("bluez: discovery: %w", scanErr)
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("bluez: device %s not found: %w", deviceID, ctx.Err())
+		case <-c.closing:
+			return nil, ErrClosed
+		}
+	}
+}
+
+// pickLocked chooses a device to try for deviceID among those found by
+// discovery: its own address if known, else one whose id is not known yet.
+// It marks the address busy.
+func (c *Connector) pickLocked(deviceID string, tried map[dbus.ObjectPath]int) (dbus.ObjectPath, string, bool) {
+	var best, unknown dbus.ObjectPath
+	paths := make([]dbus.ObjectPath, 0, len(c.known))
+	for p := range c.known {
+		paths = append(paths, p)
+	}
+	sort.Slice(paths, func(i, j int) bool { return paths[i] < paths[j] })
+	for _, p := range paths {
+		k := c.known[p]
+		if k.seen == 0 || c.busy[k.address] || tried[p] == k.seen || !hasUUID(k.uuids, gatt.ServiceUUID) {
+			continue
+		}
+		id, ok := c.ids[k.address]
+		switch {
+		case ok && id == deviceID:
+			best = p
+		case !ok && unknown == "":
+			unknown = p
+		}
+	}
+	if best == "" {
+		best = unknown
+	}
+	if best == "" {
+		return "", "", false
+	}
+	k := c.known[best]
+	tried[best] = k.seen
+	c.busy[k.address] = true
+	return best, k.address, true
+}
+
+// release frees an address picked by pickLocked.
+func (c *Connector) release(addr string) {
+	c.mu.Lock()
+	delete(c.busy, addr)
+	c.broadcastLocked()
+	c.mu.Unlock()
+}
+
+func hasUUID(list []string, uuid string) bool {
+	for _, u := range list {
+		if strings.EqualFold(u, uuid) {
+			return true
+		}
+	}
+	return false
+}
+
+// scanLoop runs discovery while some Connect call waits for a device.
+func (c *Connector) scanLoop() {
+	defer close(c.scanDone)
+	for {
+		select {
+		case <-c.closing:
+			return
+		case <-c.wake:
+		}
+		if !c.demand() {
+			continue
+		}
+		err := c.startDiscovery()
+		c.mu.Lock()
+		c.scanErr = err
+		c.broadcastLocked()
+		c.mu.Unlock()
+		if err != nil {
+			c.log.Warn("bluez: discovery failed", "err", err)
+			continue
+		}
+		for c.demand() {
+			select {
+			case <-c.closing:
+			case <-c.wake:
+			}
+		}
+		c.stopDiscovery()
+		select {
+		case <-c.closing:
+			return
+		default:
+		}
+	}
+}
+
+func (c *Connector) demand() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.wanted > 0 && !c.closed
+}
+
+func (c *Connector) startDiscovery() error {
+	ad := c.conn.Object(bluezName, c.adapterPath)
+	filter := map[string]any{"Transport": "le", "UUIDs": []string{gatt.ServiceUUID}}
+	if err := ad.Call(ifaceAdapter+".SetDiscoveryFilter", 0, filter).Err; err != nil {
+		return fmt.Errorf("SetDiscoveryFilter: %w", err)
+	}
+	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
+	if err := c.conn.Object(bluezName, "/").Call(ifaceObjMgr+".GetManagedObjects", 0).Store(&objects); err != nil {
+		return fmt.Errorf("GetManagedObjects: %w", err)
+	}
+	c.mu.Lock()
+	for path, ifaces := range objects {
+		if props, ok := ifaces[ifaceDevice]; ok {
+			c.addKnownLocked(path, props)
+		}
+	}
+	// Before the call: devices may be reported before its reply.
+	c.scanning = true
+	c.mu.Unlock()
+	if err := ad.Call(ifaceAdapter+".StartDiscovery", 0).Err; err != nil {
+		c.mu.Lock()
+		c.scanning = false
+		c.mu.Unlock()
+		return fmt.Errorf("StartDiscovery: %w", err)
+	}
+	return nil
+}
+
+func (c *Connector) stopDiscovery() {
+	c.mu.Lock()
+	c.scanning = false
+	for _, k := range c.known {
+		k.seen = 0
+	}
+	c.mu.Unlock()
+	ad := c.conn.Object(bluezName, c.adapterPath)
+	if err := ad.Call(ifaceAdapter+".StopDiscovery", 0).Err; err != nil {
+		c.log.Debug("bluez: StopDiscovery", "err", err)
+	}
+	ad.Call(ifaceAdapter+".SetDiscoveryFilter", 0, map[string]any{})
+}
+
+// addKnownLocked records a Device1 object of our adapter. A device already
+// connected counts as found: it does not advertise while connected.
+func (c *Connector) addKnownLocked(path dbus.ObjectPath, props map[string]dbus.Variant) *known {
+	if !strings.HasPrefix(string(path), string(c.adapterPath)+"/") {
+		return nil
+	}
+	k := c.known[path]
+	if k == nil {
+		k = &known{}
+		c.known[path] = k
+	}
+	if v, ok := props["Address"].Value().(string); ok {
+		k.address = strings.ToUpper(v)
+	}
+	if v, ok := props["UUIDs"].Value().([]string); ok {
+		k.uuids = v
+	}
+	if conn, _ := props["Connected"].Value().(bool); conn && c.links[path] == nil {
+		k.seen++
+	}
+	return k
+}
+
+// dispatch handles BlueZ's signals in the order they come.
+func (c *Connector) dispatch() {
+	defer close(c.dispDone)
+	for sig := range c.sigs {
+		switch sig.Name {
+		case sigIfaceAdded:
+			path, _ := sig.Body[0].(dbus.ObjectPath)
+			ifaces, _ := sig.Body[1].(map[string]map[string]dbus.Variant)
+			props, ok := ifaces[ifaceDevice]
+			if !ok {
+				continue
+			}
+			c.mu.Lock()
+			if k := c.addKnownLocked(path, props); k != nil && c.scanning {
+				k.seen++
+				c.broadcastLocked()
+			}
+			c.mu.Unlock()
+		case sigIfaceGone:
+			path, _ := sig.Body[0].(dbus.ObjectPath)
+			ifaces, _ := sig.Body[1].([]string)
+			if !hasUUID(ifaces, ifaceDevice) {
+				continue
+			}
+			c.mu.Lock()
+			delete(c.known, path)
+			l := c.links[path]
+			c.mu.Unlock()
+			if l != nil {
+				l.lost()
+			}
+		case "org.freedesktop.DBus.NameOwnerChanged":
+			if name, _ := sig.Body[0].(string); name != bluezName {
+				continue
+			}
+			if owner, _ := sig.Body[2].(string); owner != "" {
+				continue
+			}
+			c.log.Warn("bluez: bluetoothd left the bus")
+			c.mu.Lock()
+			links := make([]*link, 0, len(c.links))
+			for _, l := range c.links {
+				links = append(links, l)
+			}
+			c.known = map[dbus.ObjectPath]*known{}
+			c.mu.Unlock()
+			for _, l := range links {
+				l.lost()
+			}
+		case sigPropsChange:
+			iface, _ := sig.Body[0].(string)
+			changes, _ := sig.Body[1].(map[string]dbus.Variant)
+			switch iface {
+			case ifaceDevice:
+				c.deviceChanged(sig.Path, changes)
+			case ifaceChar:
+				c.charChanged(sig.Path, changes)
+			}
+		}
+	}
+}
+
+func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.Variant) {
+	c.mu.Lock()
+	l := c.links[path]
+	if w := c.watch[path]; w != nil {
+		select {
+		case w <- struct{}{}:
+		default:
+		}
+	}
+	if k := c.known[path]; k != nil {
+		if v, ok := changes["UUIDs"].Value().([]string); ok {
+			k.uuids = v
+		}
+		// A device found again by discovery changes RSSI (or its
+		// advertising data).
+		_, rssi := changes["RSSI"]
+		_, md := changes["ManufacturerData"]
+		_, sd := changes["ServiceData"]
+		if c.scanning && (rssi || md || sd) {
+			k.seen++
+			c.broadcastLocked()
+		}
+	}
+	c.mu.Unlock()
+	if connected, ok := changes["Connected"].Value().(bool); ok && !connected && l != nil {
+		l.lost()
+	}
+}
+
+func (c *Connector) charChanged(path dbus.ObjectPath, changes map[string]dbus.Variant) {
+	c.mu.Lock()
+	var l *link
+	for dev, dl := range c.links {
+		if strings.HasPrefix(string(path), string(dev)+"/") {
+			l = dl
+			break
+		}
+	}
+	c.mu.Unlock()
+	if l == nil {
+		return
+	}
+	if v, ok := changes["MTU"].Value().(uint16); ok {
+		l.mtu.Store(int64(v))
+	}
+	if v, ok := changes["Value"].Value().([]byte); ok {
+		l.notified(path, v)
+	}
+}
+
+// watchDevice returns a channel poked on each change of the device's
+// Device1 properties, and a function to stop.
+func (c *Connector) watchDevice(path dbus.ObjectPath) (<-chan struct{}, func()) {
+	ch := make(chan struct{}, 1)
+	c.mu.Lock()
+	c.watch[path] = ch
+	c.mu.Unlock()
+	return ch, func() {
+		c.mu.Lock()
+		if c.watch[path] == ch {
+			delete(c.watch, path)
+		}
+		c.mu.Unlock()
+	}
+}

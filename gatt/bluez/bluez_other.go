@@ -1,0 +1,39 @@
+//go:build !linux
+
+// Package bluez is the gatt.Connector for real Bluetooth adapters on Linux
+// gateways (BlueZ over D-Bus). On other systems New returns an error.
+package bluez
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+
+	"github.com/devicecompanion/companion/gatt"
+)
+
+// ErrClosed is returned by Connect once the Connector is closed.
+var ErrClosed = errors.New("bluez: connector closed")
+
+// errNotLinux: BlueZ is Linux's Bluetooth stack.
+var errNotLinux = errors.New("bluez: BlueZ needs Linux")
+
+// Options configure a Connector. The zero value means defaults.
+type Options struct {
+	// Adapter is the BlueZ adapter to use; "hci0" when empty.
+	Adapter string
+	// Logger; slog.Default() when nil.
+	Logger *slog.Logger
+}
+
+// Connector opens GATT links through BlueZ; on this system it cannot.
+type Connector struct{}
+
+// New returns an error: BlueZ needs Linux.
+func New(Options) (*Connector, error) { return nil, errNotLinux }
+
+// Connect returns an error: BlueZ needs Linux.
+func (*Connector) Connect(context.Context, string) (gatt.Link, error) { return nil, errNotLinux }
+
+// Close does nothing.
+func (*Connector) Close() error { return nil }

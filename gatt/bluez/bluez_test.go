@@ -1,0 +1,450 @@
+//go:build linux
+
+package bluez_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/gatt/bluez"
+	"github.com/devicecompanion/companion/gatt/bluez/fakebluez"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// testPeripheral is a small device: the companion service with an echoing
+// SMP characteristic, DIS and battery.
+type testPeripheral struct {
+	serial string
+
+	mu        sync.Mutex
+	notify    func(string, []byte)
+	writes    [][]byte
+	connected []int // MTU of each connection
+	wrote     chan struct{}
+}
+
+func newTestPeripheral(serial string) *testPeripheral {
+	return &testPeripheral{serial: serial, wrote: make(chan struct{}, 1000)}
+}
+
+func (p *testPeripheral) Services() []gatt.Service {
+	return []gatt.Service{
+		{UUID: gatt.ServiceUUID, Characteristics: []gatt.Characteristic{{
+			UUID:       gatt.SMPCharUUID,
+			Properties: []string{gatt.PropWrite, gatt.PropWriteWithoutResponse, gatt.PropNotify},
+		}}},
+		{UUID: gatt.BatteryServiceUUID, Characteristics: []gatt.Characteristic{{
+			UUID: gatt.BatteryLevelUUID, Properties: []string{gatt.PropRead, gatt.PropNotify},
+		}}},
+		{UUID: gatt.DeviceInfoUUID, Characteristics: []gatt.Characteristic{
+			{UUID: gatt.ModelNumberUUID, Properties: []string{gatt.PropRead}},
+			{UUID: gatt.SerialNumberUUID, Properties: []string{gatt.PropRead}},
+			{UUID: gatt.FirmwareRevUUID, Properties: []string{gatt.PropRead}},
+		}},
+	}
+}
+
+func (p *testPeripheral) ReadChar(uuid string) ([]byte, error) {
+	switch uuid {
+	case gatt.SerialNumberUUID:
+		return []byte(p.serial), nil
+	case gatt.ModelNumberUUID:
+		return []byte("test-model"), nil
+	case gatt.FirmwareRevUUID:
+		return []byte("1.2.3"), nil
+	case gatt.BatteryLevelUUID:
+		return []byte{87}, nil
+	}
+	return nil, fmt.Errorf("no read of %s", uuid)
+}
+
+// WriteChar echoes each SMP write as a notification.
+func (p *testPeripheral) WriteChar(uuid string, data []byte) error {
+	p.mu.Lock()
+	p.writes = append(p.writes, data)
+	notify := p.notify
+	p.mu.Unlock()
+	p.wrote <- struct{}{}
+	if notify != nil {
+		notify(uuid, data)
+	}
+	return nil
+}
+
+func (p *testPeripheral) Connected(mtu int, notify func(string, []byte)) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.notify = notify
+	p.connected = append(p.connected, mtu)
+}
+
+func (p *testPeripheral) Disconnected() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.notify = nil
+}
+
+// burst sends n numbered notifications as fast as it can.
+func (p *testPeripheral) burst(n int) {
+	p.mu.Lock()
+	notify := p.notify
+	p.mu.Unlock()
+	for i := range n {
+		notify(gatt.SMPCharUUID, []byte(fmt.Sprint(i)))
+	}
+}
+
+func (p *testPeripheral) Writes() [][]byte {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.writes)
+}
+
+// newConnector returns a Connector on the fake's bus, closed in cleanup.
+func newConnector(t *testing.T) *bluez.Connector {
+	t.Helper()
+	c, err := bluez.New(bluez.Options{Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	if err != nil {
+		t.Fatalf("bluez.New: %v", err)
+	}
+	t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+	return c
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+// closeWithin fails the test if Close takes longer than d: Close waits for
+// every goroutine of the Connector, so this is the leak check.
+func closeWithin(t *testing.T, c *bluez.Connector, d time.Duration) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- c.Close() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	case <-time.After(d):
+		t.Errorf("Close did not return within %v: a goroutine is stuck", d)
+	}
+}
+
+func connect(t *testing.T, c *bluez.Connector, id string) gatt.Link {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	l, err := c.Connect(ctx, id)
+	if err != nil {
+		t.Fatalf("Connect(%q): %v", id, err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+func TestConnectFindsDeviceBySerial(t *testing.T) {
+	fake := fakebluez.New(t)
+	pa, pb := newTestPeripheral("dev-a"), newTestPeripheral("dev-b")
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:0A", Name: "a", Peripheral: pa})
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:0B", Name: "b", Peripheral: pb})
+	// A device without our service: never connected to.
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:01", UUIDs: []string{gatt.BatteryServiceUUID}, Peripheral: newTestPeripheral("other")})
+	c := newConnector(t)
+
+	l := connect(t, c, "dev-b")
+	ctx := context.Background()
+	got, err := l.Read(ctx, gatt.SerialNumberUUID)
+	if err != nil || string(got) != "dev-b" {
+		t.Fatalf("Read(serial) = %q, %v; want dev-b", got, err)
+	}
+	if got, err := l.Read(ctx, gatt.BatteryLevelUUID); err != nil || !slices.Equal(got, []byte{87}) {
+		t.Errorf("Read(battery) = %v, %v; want [87]", got, err)
+	}
+	if got := l.MTU(); got != 247 {
+		t.Errorf("MTU() = %d; want 247", got)
+	}
+	calls := strings.Join(fake.Calls(), "\n")
+	for _, want := range []string{"Adapter1.SetDiscoveryFilter", "Adapter1.StartDiscovery", "Device1.Connect /org/bluez/hci0/dev_C0_FF_EE_00_00_0B"} {
+		if !strings.Contains(calls, want) {
+			t.Errorf("fake BlueZ calls lack %q:\n%s", want, calls)
+		}
+	}
+	if strings.Contains(calls, "dev_C0_FF_EE_00_00_01") {
+		t.Errorf("connected to a device without the companion service:\n%s", calls)
+	}
+
+	// Both are known now; dev-a connects while dev-b stays connected.
+	la := connect(t, c, "dev-a")
+	if got, _ := la.Read(ctx, gatt.SerialNumberUUID); string(got) != "dev-a" {
+		t.Errorf("second link reads serial %q; want dev-a", got)
+	}
+}
+
+func TestConcurrentConnects(t *testing.T) {
+	fake := fakebluez.New(t)
+	ids := []string{"dev-1", "dev-2", "dev-3"}
+	for i, id := range ids {
+		fake.AddDevice(fakebluez.DeviceOptions{Address: fmt.Sprintf("C0:FF:EE:00:01:%02X", i), Peripheral: newTestPeripheral(id)})
+	}
+	c := newConnector(t)
+	var wg sync.WaitGroup
+	links := make([]gatt.Link, len(ids))
+	errs := make([]error, len(ids))
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	for i, id := range ids {
+		wg.Go(func() { links[i], errs[i] = c.Connect(ctx, id) })
+	}
+	wg.Wait()
+	for i, id := range ids {
+		if errs[i] != nil {
+			t.Errorf("Connect(%q): %v", id, errs[i])
+			continue
+		}
+		defer links[i].Close()
+		if got, err := links[i].Read(ctx, gatt.SerialNumberUUID); err != nil || string(got) != id {
+			t.Errorf("link for %q reads serial %q, %v", id, got, err)
+		}
+	}
+}
+
+func TestMTU(t *testing.T) {
+	for _, mtu := range []int{247, 185, 23} {
+		t.Run(fmt.Sprint(mtu), func(t *testing.T) {
+			fake := fakebluez.New(t)
+			p := newTestPeripheral("dev-mtu")
+			fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:02:01", MTU: mtu, Peripheral: p})
+			l := connect(t, newConnector(t), "dev-mtu")
+			if got := l.MTU(); got != mtu {
+				t.Errorf("MTU() = %d; want %d", got, mtu)
+			}
+			ctx := context.Background()
+			if err := l.Write(ctx, gatt.SMPCharUUID, make([]byte, mtu-3), false); err != nil {
+				t.Errorf("Write of MTU-3 bytes: %v", err)
+			}
+			if err := l.Write(ctx, gatt.SMPCharUUID, make([]byte, mtu-2), false); err == nil {
+				t.Errorf("Write of MTU-2 bytes succeeded; want an error")
+			}
+		})
+	}
+}
+
+func TestWrites(t *testing.T) {
+	fake := fakebluez.New(t)
+	p := newTestPeripheral("dev-w")
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:03:01", Peripheral: p})
+	l := connect(t, newConnector(t), "dev-w")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := l.Write(ctx, gatt.SMPCharUUID, []byte("with"), true); err != nil {
+		t.Fatalf("Write with response: %v", err)
+	}
+	if err := l.Write(ctx, gatt.SMPCharUUID, []byte("without"), false); err != nil {
+		t.Fatalf("Write without response: %v", err)
+	}
+	if got := p.Writes(); len(got) != 2 || string(got[0]) != "with" || string(got[1]) != "without" {
+		t.Errorf("peripheral got writes %q; want [with without]", got)
+	}
+	var types []string
+	for _, call := range fake.Calls() {
+		if strings.HasPrefix(call, "GattCharacteristic1.WriteValue") {
+			types = append(types, strings.Fields(call)[0])
+		}
+	}
+	want := []string{"GattCharacteristic1.WriteValue(request)", "GattCharacteristic1.WriteValue(command)"}
+	if !slices.Equal(types, want) {
+		t.Errorf("BlueZ saw writes %q; want %q", types, want)
+	}
+	if err := l.Write(ctx, gatt.ModelNumberUUID, []byte("x"), true); err == nil {
+		t.Errorf("Write to a read-only characteristic succeeded")
+	}
+}
+
+func TestNotificationsInOrder(t *testing.T) {
+	fake := fakebluez.New(t)
+	p := newTestPeripheral("dev-n")
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:04:01", Peripheral: p})
+	l := connect(t, newConnector(t), "dev-n")
+	const n = 500
+	got := make(chan string, n+10)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := l.Subscribe(ctx, gatt.SMPCharUUID, func(b []byte) { got <- string(b) }); err != nil {
+		t.Fatalf("Subscribe: %v", err)
+	}
+	go p.burst(n)
+	for i := range n {
+		select {
+		case v := <-got:
+			if v != fmt.Sprint(i) {
+				t.Fatalf("notification %d is %q; want %q", i, v, fmt.Sprint(i))
+			}
+		case <-ctx.Done():
+			t.Fatalf("got %d of %d notifications", i, n)
+		}
+	}
+	// An echoed write comes back after the burst.
+	if err := l.Write(ctx, gatt.SMPCharUUID, []byte("echo"), false); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case v := <-got:
+		if v != "echo" {
+			t.Errorf("echo notification %q", v)
+		}
+	case <-ctx.Done():
+		t.Fatal("no echo notification")
+	}
+}
+
+func TestConnectTimeout(t *testing.T) {
+	fake := fakebluez.New(t)
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:05:01", NeverConnect: true, Peripheral: newTestPeripheral("dev-t")})
+	c, err := bluez.New(bluez.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = c.Connect(ctx, "dev-t")
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Connect = %v; want context.DeadlineExceeded", err)
+	}
+	if el := time.Since(start); el > 3*time.Second {
+		t.Errorf("Connect returned after %v; the deadline was 500ms", el)
+	}
+	// Close waits for the abandoned tinygo Connect: it ends because the
+	// Connector asked BlueZ to disconnect, which aborts it.
+	closeWithin(t, c, 5*time.Second)
+	calls := strings.Join(fake.Calls(), "\n")
+	if !strings.Contains(calls, "Device1.Disconnect "+string(d.Path())) {
+		t.Errorf("no Device1.Disconnect to abort the connection attempt:\n%s", calls)
+	}
+	if d.Connected() {
+		t.Errorf("device connected after an abandoned attempt")
+	}
+}
+
+func TestConnectNotFound(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:06:01", Peripheral: newTestPeripheral("someone-else")})
+	c := newConnector(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	defer cancel()
+	if _, err := c.Connect(ctx, "dev-missing"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Connect = %v; want context.DeadlineExceeded", err)
+	}
+}
+
+func TestDropAndReconnect(t *testing.T) {
+	fake := fakebluez.New(t)
+	p := newTestPeripheral("dev-d")
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:07:01", Peripheral: p})
+	c := newConnector(t)
+	l := connect(t, c, "dev-d")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	got := make(chan string, 10)
+	if err := l.Subscribe(ctx, gatt.SMPCharUUID, func(b []byte) { got <- string(b) }); err != nil {
+		t.Fatal(err)
+	}
+
+	d.Drop()
+	select {
+	case <-l.Done():
+	case <-ctx.Done():
+		t.Fatal("Done not closed after the connection dropped")
+	}
+	if err := l.Write(ctx, gatt.SMPCharUUID, []byte("late"), false); !errors.Is(err, gatt.ErrDisconnected) {
+		t.Errorf("Write after the drop = %v; want gatt.ErrDisconnected", err)
+	}
+	if _, err := l.Read(ctx, gatt.SerialNumberUUID); !errors.Is(err, gatt.ErrDisconnected) {
+		t.Errorf("Read after the drop = %v; want gatt.ErrDisconnected", err)
+	}
+	if err := l.Close(); err != nil {
+		t.Errorf("Close after the drop: %v", err)
+	}
+
+	// The bridge reconnects: a new scan finds the known address again.
+	l2 := connect(t, c, "dev-d")
+	if err := l2.Subscribe(ctx, gatt.SMPCharUUID, func(b []byte) { got <- string(b) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := l2.Write(ctx, gatt.SMPCharUUID, []byte("again"), true); err != nil {
+		t.Fatalf("Write after reconnect: %v", err)
+	}
+	select {
+	case v := <-got:
+		if v != "again" {
+			t.Errorf("notification after reconnect %q; want again", v)
+		}
+	case <-ctx.Done():
+		t.Fatal("no notification after reconnect")
+	}
+	if n := strings.Count(strings.Join(fake.Calls(), "\n"), "Device1.Connect"); n != 2 {
+		t.Errorf("%d Device1.Connect calls; want 2 (no probing on reconnect)", n)
+	}
+
+	// Closing disconnects, and the device is free again.
+	if err := l2.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	select {
+	case <-l2.Done():
+	default:
+		t.Error("Done not closed by Close")
+	}
+	if d.Connected() {
+		t.Error("device still connected after Close")
+	}
+}
+
+// TestSMPEchoOverSimPeripheral runs the SMP client over BlueZ (fake) to the
+// simulator's peripheral.
+func TestSMPEchoOverSimPeripheral(t *testing.T) {
+	fake := fakebluez.New(t)
+	dev := sim.New(sim.Options{ID: "sim-1"})
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:08:01", MTU: 23, Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
+	l := connect(t, newConnector(t), "sim-1")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	client, err := gatt.NewClient(ctx, l, gatt.ClientOptions{})
+	if err != nil {
+		t.Fatalf("NewClient: %v", err)
+	}
+	defer client.Close()
+	// Longer than one write at MTU 23: split and reassembled both ways.
+	msg := strings.Repeat("hello over bluez ", 10)
+	got, err := client.Echo(ctx, msg)
+	if err != nil || got != msg {
+		t.Fatalf("Echo = %q, %v; want %q", got, err, msg)
+	}
+}
+
+func TestBluetoothdExit(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:09:01", Peripheral: newTestPeripheral("dev-x")})
+	l := connect(t, newConnector(t), "dev-x")
+	fake.Exit()
+	select {
+	case <-l.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("Done not closed after bluetoothd left the bus")
+	}
+	if err := l.Write(context.Background(), gatt.SMPCharUUID, []byte("x"), false); !errors.Is(err, gatt.ErrDisconnected) {
+		t.Errorf("Write = %v; want gatt.ErrDisconnected", err)
+	}
+}

@@ -1,0 +1,370 @@
+package fakebluez
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/godbus/dbus/v5"
+	"github.com/godbus/dbus/v5/prop"
+
+	"github.com/devicecompanion/companion/gatt"
+)
+
+// DeviceOptions describe a fake remote device.
+type DeviceOptions struct {
+	// Address is the device's MAC address, e.g. "C0:FF:EE:00:00:01".
+	Address string
+	// Name is the advertised local name.
+	Name string
+	// UUIDs are the advertised service UUIDs; gatt.ServiceUUID when nil.
+	UUIDs []string
+	// MTU is the ATT MTU the GattCharacteristic1 objects report; 247 when 0.
+	MTU int
+	// Peripheral serves the device's GATT database.
+	Peripheral gatt.Peripheral
+	// Advertising is whether discovery finds the device. AddDevice sets it;
+	// SetAdvertising changes it.
+	Advertising bool
+	// NeverConnect makes Device1.Connect hang, as with a device out of
+	// range, until Device1.Disconnect aborts it the way BlueZ does:
+	// org.bluez.Error.Failed "le-connection-abort-by-local".
+	NeverConnect bool
+}
+
+// Device is a fake remote device.
+type Device struct {
+	b    *BlueZ
+	path dbus.ObjectPath
+	opts DeviceOptions
+
+	// Guarded by b.mu.
+	props     *prop.Properties // nil until discovery first finds it
+	rssi      int16
+	connected bool
+	gen       int                  // connection generation, for notifications
+	pending   chan struct{}        // closed to abort a hanging Connect
+	chars     map[string]*gattChar // by UUID, while connected
+	gattPaths []dbus.ObjectPath
+}
+
+type gattChar struct {
+	path      dbus.ObjectPath
+	uuid      string
+	flags     []string
+	props     *prop.Properties
+	notifying bool
+}
+
+// AddDevice adds a device, advertising. Discovery reports it once it runs.
+func (b *BlueZ) AddDevice(opts DeviceOptions) *Device {
+	if opts.UUIDs == nil {
+		opts.UUIDs = []string{gatt.ServiceUUID}
+	}
+	if opts.MTU == 0 {
+		opts.MTU = 247
+	}
+	opts.Address = strings.ToUpper(opts.Address)
+	opts.Advertising = true
+	d := &Device{b: b, path: macPath(AdapterPath, opts.Address), opts: opts, rssi: -50}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if _, dup := b.devices[d.path]; dup {
+		b.tb.Fatalf("fakebluez: device %s added twice", opts.Address)
+	}
+	b.devices[d.path] = d
+	b.advertiseLater(d)
+	return d
+}
+
+// Path is the device's object path.
+func (d *Device) Path() dbus.ObjectPath { return d.path }
+
+// SetAdvertising starts or stops the device's advertising.
+func (d *Device) SetAdvertising(on bool) {
+	d.b.mu.Lock()
+	d.opts.Advertising = on
+	d.b.mu.Unlock()
+	if on {
+		d.b.advertiseLater(d)
+	}
+}
+
+// Connected reports whether a central is connected.
+func (d *Device) Connected() bool {
+	d.b.mu.Lock()
+	defer d.b.mu.Unlock()
+	return d.connected
+}
+
+// exportLocked creates the Device1 object.
+func (d *Device) exportLocked() {
+	d.props = d.b.addObjectLocked(d.path, prop.Map{ifaceDevice: {
+		"Address":          {Value: d.opts.Address, Emit: prop.EmitConst},
+		"AddressType":      {Value: "random", Emit: prop.EmitConst},
+		"Name":             {Value: d.opts.Name, Emit: prop.EmitConst},
+		"Alias":            {Value: d.opts.Name, Emit: prop.EmitTrue},
+		"Adapter":          {Value: AdapterPath, Emit: prop.EmitConst},
+		"UUIDs":            {Value: slices.Clone(d.opts.UUIDs), Emit: prop.EmitTrue},
+		"RSSI":             {Value: d.rssi, Emit: prop.EmitTrue},
+		"Paired":           {Value: false, Emit: prop.EmitTrue},
+		"Bonded":           {Value: false, Emit: prop.EmitTrue},
+		"Trusted":          {Value: false, Writable: true, Emit: prop.EmitTrue},
+		"Blocked":          {Value: false, Writable: true, Emit: prop.EmitTrue},
+		"LegacyPairing":    {Value: false, Emit: prop.EmitConst},
+		"Connected":        {Value: false, Emit: prop.EmitTrue},
+		"ServicesResolved": {Value: false, Emit: prop.EmitTrue},
+	}}, map[string]any{ifaceDevice: device1{d}})
+}
+
+// device1 is org.bluez.Device1.
+type device1 struct{ d *Device }
+
+func (x device1) Connect() *dbus.Error {
+	d, b := x.d, x.d.b
+	b.mu.Lock()
+	b.logCall("Device1.Connect %s", d.path)
+	switch {
+	case !b.adapter.GetMust(ifaceAdapter, "Powered").(bool):
+		b.mu.Unlock()
+		return dbus.NewError("org.bluez.Error.NotReady", []any{"Resource Not Ready"})
+	case d.connected:
+		b.mu.Unlock()
+		return dbus.NewError("org.bluez.Error.AlreadyConnected", []any{"Already Connected"})
+	case d.pending != nil:
+		b.mu.Unlock()
+		return dbus.NewError(errInProgress, []any{"In Progress"})
+	case d.opts.NeverConnect || !d.opts.Advertising:
+		abort := make(chan struct{})
+		d.pending = abort
+		b.mu.Unlock()
+		select {
+		case <-abort:
+		case <-b.closing:
+		}
+		return dbus.NewError(errFailed, []any{"le-connection-abort-by-local"})
+	}
+	d.connected = true
+	d.gen++
+	gen := d.gen
+	// BlueZ: Connected, then the GATT objects, then ServicesResolved, then
+	// the reply to Connect.
+	d.props.SetMust(ifaceDevice, "Connected", true)
+	d.exportGATTLocked()
+	p := d.opts.Peripheral
+	mtu := d.opts.MTU
+	b.mu.Unlock()
+
+	if p != nil {
+		p.Connected(mtu, func(charUUID string, value []byte) { d.notify(gen, charUUID, value) })
+	}
+
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if d.connected && d.gen == gen {
+		d.props.SetMust(ifaceDevice, "ServicesResolved", true)
+	}
+	return nil
+}
+
+func (x device1) Disconnect() *dbus.Error {
+	d, b := x.d, x.d.b
+	b.mu.Lock()
+	b.logCall("Device1.Disconnect %s", d.path)
+	if d.pending != nil {
+		close(d.pending)
+		d.pending = nil
+		b.mu.Unlock()
+		return nil
+	}
+	if !d.connected {
+		b.mu.Unlock()
+		return dbus.NewError("org.bluez.Error.NotConnected", []any{"Not Connected"})
+	}
+	b.mu.Unlock()
+	d.Drop()
+	return nil
+}
+
+// Drop ends the connection from the device's side, as a link loss does:
+// ServicesResolved and Connected turn false (PropertiesChanged) and the
+// GATT objects go away (InterfacesRemoved). It does nothing if no central
+// is connected.
+func (d *Device) Drop() {
+	b := d.b
+	b.mu.Lock()
+	if !d.connected {
+		b.mu.Unlock()
+		return
+	}
+	d.connected = false
+	d.gen++
+	d.props.SetMust(ifaceDevice, "ServicesResolved", false)
+	d.props.SetMust(ifaceDevice, "Connected", false)
+	for i := len(d.gattPaths) - 1; i >= 0; i-- {
+		b.removeObjectLocked(d.gattPaths[i])
+	}
+	d.gattPaths, d.chars = nil, nil
+	p := d.opts.Peripheral
+	b.mu.Unlock()
+	if p != nil {
+		p.Disconnected()
+	}
+}
+
+// exportGATTLocked creates the GattService1 and GattCharacteristic1 objects
+// of the peripheral's database, with handles numbered as BlueZ names them.
+func (d *Device) exportGATTLocked() {
+	d.chars = map[string]*gattChar{}
+	if d.opts.Peripheral == nil {
+		return
+	}
+	handle := 1
+	for _, s := range d.opts.Peripheral.Services() {
+		spath := dbus.ObjectPath(fmt.Sprintf("%s/service%04x", d.path, handle))
+		handle++
+		d.b.addObjectLocked(spath, prop.Map{ifaceService: {
+			"UUID":     {Value: strings.ToLower(s.UUID), Emit: prop.EmitConst},
+			"Device":   {Value: d.path, Emit: prop.EmitConst},
+			"Primary":  {Value: true, Emit: prop.EmitConst},
+			"Includes": {Value: []dbus.ObjectPath{}, Emit: prop.EmitConst},
+		}}, nil)
+		d.gattPaths = append(d.gattPaths, spath)
+		for _, c := range s.Characteristics {
+			cpath := dbus.ObjectPath(fmt.Sprintf("%s/char%04x", spath, handle))
+			handle += 2 // declaration and value
+			if slices.Contains(c.Properties, gatt.PropNotify) {
+				handle++ // CCCD
+			}
+			gc := &gattChar{path: cpath, uuid: strings.ToLower(c.UUID), flags: slices.Clone(c.Properties)}
+			gc.props = d.b.addObjectLocked(cpath, prop.Map{ifaceChar: {
+				"UUID":      {Value: gc.uuid, Emit: prop.EmitConst},
+				"Service":   {Value: spath, Emit: prop.EmitConst},
+				"Value":     {Value: []byte{}, Emit: prop.EmitTrue},
+				"Notifying": {Value: false, Emit: prop.EmitTrue},
+				"Flags":     {Value: gc.flags, Emit: prop.EmitConst},
+				"MTU":       {Value: uint16(d.opts.MTU), Emit: prop.EmitTrue},
+			}}, map[string]any{ifaceChar: char1{d, gc}})
+			d.gattPaths = append(d.gattPaths, cpath)
+			d.chars[gc.uuid] = gc
+		}
+	}
+}
+
+// notify is the peripheral's notify function for connection gen: a
+// PropertiesChanged of Value, if the central asked for notifications.
+func (d *Device) notify(gen int, charUUID string, value []byte) {
+	b := d.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !d.connected || d.gen != gen {
+		return
+	}
+	c, ok := d.chars[strings.ToLower(charUUID)]
+	if !ok || !c.notifying {
+		return
+	}
+	c.props.SetMust(ifaceChar, "Value", slices.Clone(value))
+}
+
+// char1 is org.bluez.GattCharacteristic1.
+type char1 struct {
+	d *Device
+	c *gattChar
+}
+
+// live checks, under b.mu, that the characteristic belongs to the current
+// connection.
+func (x char1) liveLocked() *dbus.Error {
+	if !x.d.connected || x.d.chars[x.c.uuid] != x.c {
+		return dbus.NewError("org.bluez.Error.NotConnected", []any{"Not Connected"})
+	}
+	return nil
+}
+
+func (x char1) ReadValue(opts map[string]dbus.Variant) ([]byte, *dbus.Error) {
+	b := x.d.b
+	b.mu.Lock()
+	b.logCall("GattCharacteristic1.ReadValue %s", x.c.path)
+	if err := x.liveLocked(); err != nil {
+		b.mu.Unlock()
+		return nil, err
+	}
+	b.mu.Unlock()
+	if !slices.Contains(x.c.flags, gatt.PropRead) {
+		return nil, dbus.NewError("org.bluez.Error.NotPermitted", []any{"Read not permitted"})
+	}
+	v, err := x.d.opts.Peripheral.ReadChar(x.c.uuid)
+	if err != nil {
+		return nil, dbus.NewError(errFailed, []any{err.Error()})
+	}
+	return v, nil
+}
+
+func (x char1) WriteValue(value []byte, opts map[string]dbus.Variant) *dbus.Error {
+	b := x.d.b
+	typ := "request"
+	if v, ok := opts["type"]; ok {
+		typ, _ = v.Value().(string)
+	}
+	b.mu.Lock()
+	b.logCall("GattCharacteristic1.WriteValue(%s) %s", typ, x.c.path)
+	if err := x.liveLocked(); err != nil {
+		b.mu.Unlock()
+		return err
+	}
+	mtu := x.d.opts.MTU
+	b.mu.Unlock()
+	need := gatt.PropWrite
+	switch typ {
+	case "command":
+		need = gatt.PropWriteWithoutResponse
+	case "request", "reliable":
+	default:
+		return dbus.NewError("org.bluez.Error.InvalidArguments", []any{"bad type " + typ})
+	}
+	if !slices.Contains(x.c.flags, need) {
+		return dbus.NewError("org.bluez.Error.NotPermitted", []any{"Write not permitted"})
+	}
+	if len(value) > mtu-3 {
+		return dbus.NewError("org.bluez.Error.InvalidValueLength", []any{"Invalid Length"})
+	}
+	if err := x.d.opts.Peripheral.WriteChar(x.c.uuid, slices.Clone(value)); err != nil {
+		return dbus.NewError(errFailed, []any{err.Error()})
+	}
+	return nil
+}
+
+func (x char1) StartNotify() *dbus.Error {
+	b := x.d.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.logCall("GattCharacteristic1.StartNotify %s", x.c.path)
+	if err := x.liveLocked(); err != nil {
+		return err
+	}
+	if !slices.Contains(x.c.flags, gatt.PropNotify) {
+		return dbus.NewError("org.bluez.Error.NotSupported", []any{"Operation is not supported"})
+	}
+	if !x.c.notifying {
+		x.c.notifying = true
+		x.c.props.SetMust(ifaceChar, "Notifying", true)
+	}
+	return nil
+}
+
+func (x char1) StopNotify() *dbus.Error {
+	b := x.d.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.logCall("GattCharacteristic1.StopNotify %s", x.c.path)
+	if err := x.liveLocked(); err != nil {
+		return err
+	}
+	if !x.c.notifying {
+		return dbus.NewError(errFailed, []any{"No notify session started"})
+	}
+	x.c.notifying = false
+	x.c.props.SetMust(ifaceChar, "Notifying", false)
+	return nil
+}

@@ -1,0 +1,306 @@
+package fakebluez
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/godbus/dbus/v5"
+	"github.com/godbus/dbus/v5/prop"
+)
+
+// D-Bus names BlueZ uses.
+const (
+	busName       = "org.bluez"
+	ifaceAdapter  = "org.bluez.Adapter1"
+	ifaceDevice   = "org.bluez.Device1"
+	ifaceService  = "org.bluez.GattService1"
+	ifaceChar     = "org.bluez.GattCharacteristic1"
+	ifaceObjMgr   = "org.freedesktop.DBus.ObjectManager"
+	ifaceProps    = "org.freedesktop.DBus.Properties"
+	AdapterPath   = dbus.ObjectPath("/org/bluez/hci0")
+	AdapterAddr   = "00:1A:7D:DA:71:01"
+	errFailed     = "org.bluez.Error.Failed"
+	errInProgress = "org.bluez.Error.InProgress"
+)
+
+// BlueZ is a fake org.bluez on a private bus. Its methods are safe for
+// concurrent use.
+type BlueZ struct {
+	tb   testing.TB
+	conn *dbus.Conn
+
+	mu          sync.Mutex
+	objects     map[dbus.ObjectPath]*object
+	adapter     *prop.Properties
+	devices     map[dbus.ObjectPath]*Device
+	discovering map[dbus.Sender]bool
+	filters     map[dbus.Sender][]string // UUIDs of SetDiscoveryFilter
+	calls       []string
+	wg          sync.WaitGroup
+	closing     chan struct{}
+}
+
+type object struct {
+	props  *prop.Properties
+	ifaces []string
+}
+
+// New starts a private bus (StartBus) and exports a fake BlueZ with one
+// powered adapter, hci0, on it. Everything stops in tb.Cleanup.
+func New(tb testing.TB) *BlueZ {
+	tb.Helper()
+	StartBus(tb)
+	conn, err := dbus.ConnectSystemBus()
+	if err != nil {
+		tb.Fatalf("fakebluez: connect: %v", err)
+	}
+	b := &BlueZ{
+		tb:          tb,
+		conn:        conn,
+		objects:     map[dbus.ObjectPath]*object{},
+		devices:     map[dbus.ObjectPath]*Device{},
+		discovering: map[dbus.Sender]bool{},
+		filters:     map[dbus.Sender][]string{},
+		closing:     make(chan struct{}),
+	}
+	tb.Cleanup(func() {
+		close(b.closing)
+		b.wg.Wait()
+		conn.Close()
+	})
+	if err := conn.Export(objectManager{b}, "/", ifaceObjMgr); err != nil {
+		tb.Fatal(err)
+	}
+	b.mu.Lock()
+	b.adapter = b.addObjectLocked(AdapterPath, prop.Map{ifaceAdapter: {
+		"Address":      {Value: AdapterAddr, Emit: prop.EmitConst},
+		"AddressType":  {Value: "public", Emit: prop.EmitConst},
+		"Name":         {Value: "fakebluez", Emit: prop.EmitConst},
+		"Alias":        {Value: "fakebluez", Writable: true, Emit: prop.EmitTrue},
+		"Powered":      {Value: true, Writable: true, Emit: prop.EmitTrue},
+		"Discoverable": {Value: false, Writable: true, Emit: prop.EmitTrue},
+		"Discovering":  {Value: false, Emit: prop.EmitTrue},
+		"UUIDs":        {Value: []string{}, Emit: prop.EmitTrue},
+	}}, map[string]any{ifaceAdapter: adapter1{b}})
+	b.mu.Unlock()
+	reply, err := conn.RequestName(busName, dbus.NameFlagDoNotQueue)
+	if err != nil || reply != dbus.RequestNameReplyPrimaryOwner {
+		tb.Fatalf("fakebluez: own %s: %v %v", busName, reply, err)
+	}
+	return b
+}
+
+// Calls lists the BlueZ methods called so far, in order, as
+// "Interface.Method path" with the write type for WriteValue, e.g.
+// "GattCharacteristic1.WriteValue(command) /org/bluez/hci0/dev_…/char000b".
+func (b *BlueZ) Calls() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return slices.Clone(b.calls)
+}
+
+func (b *BlueZ) logCall(format string, args ...any) {
+	b.calls = append(b.calls, fmt.Sprintf(format, args...))
+}
+
+// Exit gives up the org.bluez name without a word, as bluetoothd does when
+// it exits or crashes; clients see only NameOwnerChanged.
+func (b *BlueZ) Exit() {
+	if _, err := b.conn.ReleaseName(busName); err != nil {
+		b.tb.Errorf("fakebluez: release %s: %v", busName, err)
+	}
+}
+
+// SetPowered switches the adapter on or off, as rfkill or a user would.
+func (b *BlueZ) SetPowered(on bool) {
+	b.adapter.SetMust(ifaceAdapter, "Powered", on)
+}
+
+// addObjectLocked exports an object with its properties and methods and
+// announces it with InterfacesAdded.
+func (b *BlueZ) addObjectLocked(path dbus.ObjectPath, props prop.Map, methods map[string]any) *prop.Properties {
+	p, err := prop.Export(b.conn, path, props)
+	if err != nil {
+		b.tb.Errorf("fakebluez: export %s: %v", path, err)
+		return nil
+	}
+	o := &object{props: p}
+	for iface := range props {
+		o.ifaces = append(o.ifaces, iface)
+		if m, ok := methods[iface]; ok {
+			if err := b.conn.Export(m, path, iface); err != nil {
+				b.tb.Errorf("fakebluez: export %s %s: %v", path, iface, err)
+			}
+		}
+	}
+	sort.Strings(o.ifaces)
+	b.objects[path] = o
+	b.conn.Emit("/", ifaceObjMgr+".InterfacesAdded", path, o.all())
+	return p
+}
+
+// removeObjectLocked unexports an object and announces it with
+// InterfacesRemoved.
+func (b *BlueZ) removeObjectLocked(path dbus.ObjectPath) {
+	o, ok := b.objects[path]
+	if !ok {
+		return
+	}
+	delete(b.objects, path)
+	for _, iface := range o.ifaces {
+		b.conn.Export(nil, path, iface)
+	}
+	b.conn.Export(nil, path, ifaceProps)
+	b.conn.Emit("/", ifaceObjMgr+".InterfacesRemoved", path, o.ifaces)
+}
+
+func (o *object) all() map[string]map[string]dbus.Variant {
+	m := map[string]map[string]dbus.Variant{}
+	for _, iface := range o.ifaces {
+		v, err := o.props.GetAll(iface)
+		if err == nil {
+			m[iface] = v
+		}
+	}
+	return m
+}
+
+// objectManager is org.freedesktop.DBus.ObjectManager at /.
+type objectManager struct{ b *BlueZ }
+
+func (om objectManager) GetManagedObjects() (map[dbus.ObjectPath]map[string]map[string]dbus.Variant, *dbus.Error) {
+	b := om.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.logCall("ObjectManager.GetManagedObjects /")
+	out := make(map[dbus.ObjectPath]map[string]map[string]dbus.Variant, len(b.objects))
+	for path, o := range b.objects {
+		out[path] = o.all()
+	}
+	return out, nil
+}
+
+// adapter1 is org.bluez.Adapter1 at /org/bluez/hci0.
+type adapter1 struct{ b *BlueZ }
+
+func (a adapter1) SetDiscoveryFilter(sender dbus.Sender, filter map[string]dbus.Variant) *dbus.Error {
+	b := a.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.logCall("Adapter1.SetDiscoveryFilter %s", AdapterPath)
+	var uuids []string
+	if v, ok := filter["UUIDs"]; ok {
+		list, ok := v.Value().([]string)
+		if !ok {
+			return dbus.NewError("org.bluez.Error.InvalidArguments", []any{"UUIDs must be as"})
+		}
+		for _, u := range list {
+			uuids = append(uuids, strings.ToLower(u))
+		}
+	}
+	if v, ok := filter["Transport"]; ok {
+		if t, _ := v.Value().(string); t != "le" && t != "auto" && t != "bredr" {
+			return dbus.NewError("org.bluez.Error.InvalidArguments", []any{"bad Transport"})
+		}
+	}
+	b.filters[sender] = uuids
+	return nil
+}
+
+func (a adapter1) StartDiscovery(sender dbus.Sender) *dbus.Error {
+	b := a.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.logCall("Adapter1.StartDiscovery %s", AdapterPath)
+	if !b.adapter.GetMust(ifaceAdapter, "Powered").(bool) {
+		return dbus.NewError("org.bluez.Error.NotReady", []any{"Resource Not Ready"})
+	}
+	if b.discovering[sender] {
+		return dbus.NewError(errInProgress, []any{"Operation already in progress"})
+	}
+	b.discovering[sender] = true
+	if len(b.discovering) == 1 {
+		b.adapter.SetMust(ifaceAdapter, "Discovering", true)
+	}
+	// Devices are found after the reply, as with a radio.
+	for _, d := range b.devices {
+		b.advertiseLater(d)
+	}
+	return nil
+}
+
+func (a adapter1) StopDiscovery(sender dbus.Sender) *dbus.Error {
+	b := a.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.logCall("Adapter1.StopDiscovery %s", AdapterPath)
+	if !b.discovering[sender] {
+		return dbus.NewError(errFailed, []any{"No discovery started"})
+	}
+	delete(b.discovering, sender)
+	if len(b.discovering) == 0 {
+		b.adapter.SetMust(ifaceAdapter, "Discovering", false)
+	}
+	return nil
+}
+
+func (a adapter1) RemoveDevice(path dbus.ObjectPath) *dbus.Error {
+	b := a.b
+	b.mu.Lock()
+	d, ok := b.devices[path]
+	b.logCall("Adapter1.RemoveDevice %s", path)
+	b.mu.Unlock()
+	if !ok {
+		return dbus.NewError("org.bluez.Error.DoesNotExist", []any{"Does Not Exist"})
+	}
+	d.Drop()
+	b.mu.Lock()
+	b.removeObjectLocked(path)
+	d.props = nil
+	b.mu.Unlock()
+	return nil
+}
+
+// wants reports whether any discovery session's filter lets d through.
+func (b *BlueZ) wantsLocked(d *Device) bool {
+	for sender := range b.discovering {
+		f := b.filters[sender]
+		if len(f) == 0 {
+			return true
+		}
+		for _, u := range d.opts.UUIDs {
+			if slices.Contains(f, strings.ToLower(u)) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// advertiseLater reports d to discovering clients from another goroutine:
+// InterfacesAdded the first time, an RSSI change after that, as BlueZ does
+// for a device it already knows.
+func (b *BlueZ) advertiseLater(d *Device) {
+	b.wg.Add(1)
+	go func() {
+		defer b.wg.Done()
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if !d.opts.Advertising || len(b.discovering) == 0 || !b.wantsLocked(d) {
+			return
+		}
+		if d.props == nil {
+			d.exportLocked()
+			return
+		}
+		d.rssi--
+		if d.rssi < -90 {
+			d.rssi = -40
+		}
+		d.props.SetMust(ifaceDevice, "RSSI", d.rssi)
+	}()
+}

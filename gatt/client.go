@@ -1,0 +1,296 @@
+package gatt
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+)
+
+// Defaults of ClientOptions.
+const (
+	DefaultRequestTimeout = 30 * time.Second
+	DefaultMaxResponse    = 16 << 10
+)
+
+// ErrTimeout is returned when a response does not come within the request
+// timeout. It wraps context.DeadlineExceeded, so the agent reports the
+// command as timed out.
+var ErrTimeout = fmt.Errorf("gatt: no response within the request timeout: %w", context.DeadlineExceeded)
+
+// ClientOptions configure a Client. The zero value of a field means its
+// default.
+type ClientOptions struct {
+	RequestTimeout time.Duration // default DefaultRequestTimeout
+	MaxResponse    int           // largest response accepted, header included; default DefaultMaxResponse
+	Logger         *slog.Logger
+}
+
+// Client is the bridge's SMP client over one Link: it frames requests,
+// splits them into writes of at most MTU-3 bytes, reassembles notified
+// responses and matches them to requests by sequence number. When the
+// link goes down every pending request fails with ErrDisconnected. It is
+// safe for concurrent use.
+type Client struct {
+	link    Link
+	frag    int
+	timeout time.Duration
+	log     *slog.Logger
+
+	wmu sync.Mutex // the writes of one message go out together
+
+	mu      sync.Mutex
+	seq     uint8
+	pending map[uint8]*Call
+	reasm   *Reassembler
+	err     error // once set, the client is dead
+
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+type result struct {
+	msg Message
+	err error
+}
+
+// NewClient subscribes to the SMP characteristic of link and returns a
+// client. The client owns the link from then on: Close closes it.
+func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, error) {
+	if opts.RequestTimeout <= 0 {
+		opts.RequestTimeout = DefaultRequestTimeout
+	}
+	if opts.MaxResponse <= 0 {
+		opts.MaxResponse = DefaultMaxResponse
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if link.MTU() < DefaultMTU {
+		return nil, fmt.Errorf("gatt: MTU %d is below the minimum %d", link.MTU(), DefaultMTU)
+	}
+	c := &Client{
+		link:    link,
+		frag:    link.MTU() - 3,
+		timeout: opts.RequestTimeout,
+		log:     opts.Logger,
+		pending: map[uint8]*Call{},
+		reasm:   NewReassembler(opts.MaxResponse),
+		stop:    make(chan struct{}),
+	}
+	if err := link.Subscribe(ctx, SMPCharUUID, c.onNotify); err != nil {
+		return nil, fmt.Errorf("gatt: subscribe to SMP: %w", err)
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		select {
+		case <-link.Done():
+			c.fail(ErrDisconnected)
+		case <-c.stop:
+		}
+	}()
+	return c, nil
+}
+
+// MTU is the link's ATT MTU.
+func (c *Client) MTU() int { return c.link.MTU() }
+
+// Link returns the link the client speaks over.
+func (c *Client) Link() Link { return c.link }
+
+// Done is closed when the link is down.
+func (c *Client) Done() <-chan struct{} { return c.link.Done() }
+
+// Close fails pending requests, disconnects and waits for the client's
+// goroutine.
+func (c *Client) Close() error {
+	c.fail(ErrDisconnected)
+	err := c.link.Close()
+	c.mu.Lock()
+	select {
+	case <-c.stop:
+	default:
+		close(c.stop)
+	}
+	c.mu.Unlock()
+	c.wg.Wait()
+	return err
+}
+
+// fail ends every pending request with err; later requests fail at once.
+func (c *Client) fail(err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.err = err
+	}
+	for seq, call := range c.pending {
+		delete(c.pending, seq)
+		call.ch <- result{err: c.err}
+	}
+	c.reasm.Reset()
+}
+
+// onNotify runs on the link's notification goroutine; it never blocks.
+func (c *Client) onNotify(frag []byte) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	msgs, err := c.reasm.Feed(frag)
+	if err != nil {
+		c.log.Warn("dropping a malformed response stream", "err", err)
+	}
+	for _, m := range msgs {
+		call := c.pending[m.Seq]
+		if call == nil || m.Op != call.op+1 || m.Group != call.group || m.ID != call.id {
+			c.log.Debug("unmatched SMP response", "seq", m.Seq, "group", m.Group, "id", m.ID)
+			continue
+		}
+		delete(c.pending, m.Seq)
+		call.ch <- result{msg: m}
+	}
+}
+
+// Call is a request on its way; Wait for its response.
+type Call struct {
+	c     *Client
+	op    uint8
+	group uint16
+	id    uint8
+	seq   uint8
+	ch    chan result // buffered: one result
+	timer *time.Timer
+}
+
+// Start sends a request (op OpRead or OpWrite) and returns without waiting
+// for the response, so that several can be in flight.
+func (c *Client) Start(ctx context.Context, op uint8, group uint16, id uint8, req any) (*Call, error) {
+	if req == nil {
+		req = struct{}{}
+	}
+	body, err := EncodeBody(req)
+	if err != nil {
+		return nil, err
+	}
+	if len(body) > 0xffff {
+		return nil, fmt.Errorf("gatt: request body of %d bytes is too long", len(body))
+	}
+	call := &Call{c: c, op: op, group: group, id: id, ch: make(chan result, 1)}
+
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.mu.Lock()
+	if c.err != nil {
+		err := c.err
+		c.mu.Unlock()
+		return nil, err
+	}
+	if len(c.pending) >= 256 {
+		c.mu.Unlock()
+		return nil, errors.New("gatt: 256 requests in flight")
+	}
+	for c.pending[c.seq] != nil {
+		c.seq++
+	}
+	call.seq = c.seq
+	c.seq++
+	c.pending[call.seq] = call
+	c.mu.Unlock()
+
+	msg := make([]byte, 0, HeaderSize+len(body))
+	msg = AppendHeader(msg, Header{Op: op, Len: uint16(len(body)), Group: group, Seq: call.seq, ID: id})
+	msg = append(msg, body...)
+	for off := 0; off < len(msg); off += c.frag {
+		if err := c.link.Write(ctx, SMPCharUUID, msg[off:min(off+c.frag, len(msg))], false); err != nil {
+			call.Abandon()
+			if off > 0 {
+				// Half a message went out: the device's stream has lost its
+				// framing, so this link cannot carry another request.
+				c.link.Close()
+			}
+			if errors.Is(err, ErrDisconnected) || c.isDead() {
+				return nil, ErrDisconnected
+			}
+			return nil, err
+		}
+	}
+	call.timer = time.NewTimer(c.timeout)
+	return call, nil
+}
+
+func (c *Client) isDead() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err != nil
+}
+
+// Abandon forgets the request: a late response is dropped.
+func (call *Call) Abandon() {
+	c := call.c
+	c.mu.Lock()
+	if c.pending[call.seq] == call {
+		delete(c.pending, call.seq)
+	}
+	c.mu.Unlock()
+	if call.timer != nil {
+		call.timer.Stop()
+	}
+}
+
+// Wait waits for the response and decodes its body into resp (which may be
+// nil). A response with a non-zero rc is returned as an *Error.
+func (call *Call) Wait(ctx context.Context, resp any) error {
+	var r result
+	select {
+	case r = <-call.ch:
+		call.timer.Stop()
+	case <-call.timer.C:
+		call.Abandon()
+		return ErrTimeout
+	case <-ctx.Done():
+		call.Abandon()
+		return ctx.Err()
+	}
+	if r.err != nil {
+		return r.err
+	}
+	var st Status
+	if err := DecodeBody(r.msg.Body, &st); err != nil {
+		return fmt.Errorf("gatt: response to group %d command %d: %w", call.group, call.id, err)
+	}
+	if st.RC != RCOK {
+		return &Error{Group: call.group, ID: call.id, RC: st.RC, Reason: st.Reason}
+	}
+	if resp != nil {
+		if err := DecodeBody(r.msg.Body, resp); err != nil {
+			return fmt.Errorf("gatt: response to group %d command %d: %w", call.group, call.id, err)
+		}
+	}
+	return nil
+}
+
+// Do sends a request and waits for its response.
+func (c *Client) Do(ctx context.Context, op uint8, group uint16, id uint8, req, resp any) error {
+	call, err := c.Start(ctx, op, group, id, req)
+	if err != nil {
+		return err
+	}
+	return call.Wait(ctx, resp)
+}
+
+// Params asks the device for its SMP buffer size and count (OS group,
+// MCUmgr parameters).
+func (c *Client) Params(ctx context.Context) (ParamsResponse, error) {
+	var p ParamsResponse
+	err := c.Do(ctx, OpRead, GroupOS, CmdOSParams, nil, &p)
+	return p, err
+}
+
+// Echo sends d to the device and returns its answer (OS group, echo).
+func (c *Client) Echo(ctx context.Context, d string) (string, error) {
+	var r EchoResponse
+	err := c.Do(ctx, OpWrite, GroupOS, CmdOSEcho, EchoRequest{D: d}, &r)
+	return r.R, err
+}

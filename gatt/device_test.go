@@ -1,0 +1,157 @@
+package gatt_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// fastLink is a simulated link fast enough that tests are not about time.
+var fastLink = sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1}
+
+// newSimDevice returns a gatt.Device talking to a simulated device over a
+// simulated link with opts.
+func newSimDevice(tb testing.TB, opts sim.LinkOptions, dopts gatt.DeviceOptions) (*gatt.Device, *sim.Device, *sim.Network) {
+	tb.Helper()
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(opts)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
+	dopts.ID, dopts.Connector = "dev-1", n
+	if dopts.MinBackoff == 0 {
+		dopts.MinBackoff = time.Millisecond
+	}
+	d, err := gatt.NewDevice(dopts)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		d.Close()
+		n.Close()
+	})
+	return d, s, n
+}
+
+func randomBytes(tb testing.TB, n int) []byte {
+	tb.Helper()
+	b := make([]byte, n)
+	rand.Read(b)
+	return b
+}
+
+func TestEveryOperationOverSimLink(t *testing.T) {
+	for _, mtu := range []int{23, 247} {
+		t.Run("mtu"+itoa(mtu), func(t *testing.T) {
+			opts := fastLink
+			opts.MTU = mtu
+			d, s, _ := newSimDevice(t, opts, gatt.DeviceOptions{})
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+
+			info, err := d.Info(ctx)
+			if err != nil {
+				t.Fatalf("Info: %v", err)
+			}
+			if info.Model != "sim-1" || info.FirmwareVersion != "1.0.0" || info.Battery != 100 || len(info.Apps) != 0 {
+				t.Errorf("Info = %+v", info)
+			}
+			vals, schema, err := d.Settings(ctx)
+			if err != nil || vals["language"] != "en" || schema["brightness"].Type == "" {
+				t.Fatalf("Settings = %v, %v, %v", vals, schema, err)
+			}
+
+			if err := d.PushText(ctx, "c1", "Hi", "Hello"); err != nil {
+				t.Fatalf("PushText: %v", err)
+			}
+			if err := d.PushText(ctx, "c1", "Hi", "Hello"); err != nil { // a repeat
+				t.Fatalf("PushText again: %v", err)
+			}
+			if got := s.Texts(); len(got) != 1 || got[0].Text != "Hello" || s.Executions("c1") != 1 {
+				t.Errorf("texts %+v, executions %d", got, s.Executions("c1"))
+			}
+
+			img := randomBytes(t, 20_000)
+			if err := d.PushImage(ctx, "c2", "image/png", img); err != nil {
+				t.Fatalf("PushImage: %v", err)
+			}
+			if got := s.Images(); len(got) != 1 || !bytes.Equal(got[0].Data, img) || got[0].ContentType != "image/png" {
+				t.Errorf("images: %d", len(got))
+			}
+			if err := d.PushImage(ctx, "c2", "image/png", img); err != nil || len(s.Images()) != 1 {
+				t.Fatalf("PushImage again: %v, %d images", err, len(s.Images()))
+			}
+
+			if err := d.InstallApp(ctx, "c3", "weather", "1.0.0", randomBytes(t, 5000)); err != nil {
+				t.Fatalf("InstallApp: %v", err)
+			}
+			if err := d.InstallApp(ctx, "c4", "weather", "1.2.0", randomBytes(t, 5000)); err != nil {
+				t.Fatalf("InstallApp update: %v", err)
+			}
+			info, err = d.Info(ctx)
+			if err != nil || len(info.Apps) != 1 || info.Apps[0].Version != "1.2.0" {
+				t.Fatalf("Info after install = %+v, %v", info, err)
+			}
+			if err := d.UninstallApp(ctx, "c5", "weather"); err != nil {
+				t.Fatalf("UninstallApp: %v", err)
+			}
+			err = d.UninstallApp(ctx, "c6", "weather")
+			if code := errorCode(err); code != gatt.CodeNotInstalled {
+				t.Errorf("UninstallApp of a missing app = %v (code %q); want %s", err, code, gatt.CodeNotInstalled)
+			}
+
+			if err := d.UpdateSettings(ctx, "c7", map[string]any{"brightness": 80.0, "language": "de"}); err != nil {
+				t.Fatalf("UpdateSettings: %v", err)
+			}
+			vals, _, _ = s.Settings(ctx)
+			if vals["brightness"] != 80 || vals["language"] != "de" {
+				t.Errorf("settings %v", vals)
+			}
+			err = d.UpdateSettings(ctx, "c8", map[string]any{"brightness": 500.0})
+			if code := errorCode(err); code != gatt.CodeInvalidPayload {
+				t.Errorf("UpdateSettings out of range = %v (code %q)", err, code)
+			}
+
+			var pcts []int
+			fw := randomBytes(t, 50_000)
+			if err := d.UpdateFirmware(ctx, "c9", "1.1.0", fw, func(p int) { pcts = append(pcts, p) }); err != nil {
+				t.Fatalf("UpdateFirmware: %v", err)
+			}
+			if s.Firmware() != "1.1.0" || len(pcts) < 2 || pcts[len(pcts)-1] != 100 {
+				t.Errorf("firmware %s, progress %v", s.Firmware(), pcts)
+			}
+			if info, _ := d.Info(ctx); info.FirmwareVersion != "1.1.0" {
+				t.Errorf("Info firmware %q", info.FirmwareVersion)
+			}
+
+			s.FailNext(errors.New("flash worn out"))
+			err = d.PushText(ctx, "c10", "", "x")
+			if code := errorCode(err); code != gatt.CodeDeviceError {
+				t.Errorf("FailNext: %v (code %q)", err, code)
+			}
+		})
+	}
+}
+
+func errorCode(err error) string {
+	var coded interface{ ErrorCode() string }
+	if errors.As(err, &coded) {
+		return coded.ErrorCode()
+	}
+	return ""
+}
+
+func itoa(i int) string {
+	if i == 0 {
+		return "0"
+	}
+	var b []byte
+	for ; i > 0; i /= 10 {
+		b = append([]byte{byte('0' + i%10)}, b...)
+	}
+	return string(b)
+}

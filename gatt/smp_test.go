@@ -1,0 +1,134 @@
+package gatt
+
+import (
+	"bytes"
+	"encoding/hex"
+	"errors"
+	"testing"
+)
+
+func TestHeaderRoundTrip(t *testing.T) {
+	h := Header{Op: OpWrite, Flags: 0, Len: 0x0102, Group: GroupApps, Seq: 7, ID: CmdAppsInstall}
+	b := AppendHeader(nil, h)
+	if got, want := hex.EncodeToString(b), "0200010200420701"; got != want {
+		t.Errorf("AppendHeader(%+v) = %s; want %s", h, got, want)
+	}
+	got, err := ParseHeader(b)
+	if err != nil || got != h {
+		t.Errorf("ParseHeader(%x) = %+v, %v; want %+v", b, got, err, h)
+	}
+	if _, err := ParseHeader(b[:7]); !errors.Is(err, ErrShortHeader) {
+		t.Errorf("ParseHeader(7 bytes) = %v; want ErrShortHeader", err)
+	}
+}
+
+func TestMessageRoundTrip(t *testing.T) {
+	tests := []struct {
+		name  string
+		group uint16
+		id    uint8
+		body  any
+		into  func() any
+	}{
+		{"echo", GroupOS, CmdOSEcho, EchoRequest{D: "hi"}, func() any { return &EchoRequest{} }},
+		{"upload", GroupImage, CmdImageUpload, UploadRequest{CmdID: "c", Off: 0, Len: 5, SHA: bytes.Repeat([]byte{1}, 32), Data: []byte("hello"), Upgrade: true, Version: "1.1.0"}, func() any { return &UploadRequest{} }},
+		{"text", GroupText, CmdTextPush, TextRequest{CmdID: "c", Title: "t", Text: "x"}, func() any { return &TextRequest{} }},
+		{"settings", GroupSettings, CmdSettingsAll, SettingsRequest{CmdID: "c", Values: map[string]any{"language": "de"}}, func() any { return &SettingsRequest{} }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			msg, err := EncodeMessage(OpWrite, tt.group, 9, tt.id, tt.body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Split into 20-byte writes (MTU 23) and join again.
+			r := NewReassembler(4096)
+			var got []Message
+			for off := 0; off < len(msg); off += 20 {
+				ms, err := r.Feed(msg[off:min(off+20, len(msg))])
+				if err != nil {
+					t.Fatal(err)
+				}
+				got = append(got, ms...)
+			}
+			if len(got) != 1 || got[0].Group != tt.group || got[0].ID != tt.id || got[0].Seq != 9 || r.Pending() != 0 {
+				t.Fatalf("reassembled %+v", got)
+			}
+			v := tt.into()
+			if err := DecodeBody(got[0].Body, v); err != nil {
+				t.Fatal(err)
+			}
+			again, _ := EncodeBody(v)
+			first, _ := EncodeBody(tt.body)
+			if !bytes.Equal(again, first) {
+				t.Errorf("round trip %x; want %x", again, first)
+			}
+		})
+	}
+}
+
+func TestReassemblerJoinsAndRejects(t *testing.T) {
+	a, _ := EncodeMessage(OpReadRsp, GroupOS, 1, CmdOSParams, ParamsResponse{BufSize: 2475, BufCount: 4})
+	b, _ := EncodeMessage(OpWriteRsp, GroupOS, 2, CmdOSEcho, EchoResponse{R: "x"})
+	r := NewReassembler(64)
+	ms, err := r.Feed(append(append([]byte(nil), a...), b...)) // two in one fragment
+	if err != nil || len(ms) != 2 || ms[1].Seq != 2 {
+		t.Fatalf("Feed(two messages) = %d messages, %v", len(ms), err)
+	}
+	long := AppendHeader(nil, Header{Op: OpWrite, Len: 100})
+	if _, err := r.Feed(long); !errors.Is(err, ErrTooLong) {
+		t.Errorf("Feed(header claiming 108 bytes, limit 64) = %v; want ErrTooLong", err)
+	}
+	if r.Pending() != 0 {
+		t.Errorf("after an error the reassembler holds %d bytes", r.Pending())
+	}
+}
+
+func TestDecodeLimits(t *testing.T) {
+	deep := bytes.Repeat([]byte{0x81}, 100) // 100 nested arrays
+	deep = append(deep, 0x00)
+	var v any
+	if err := DecodeBody(deep, &v); err == nil {
+		t.Error("DecodeBody(100 nested arrays) = nil; want an error")
+	}
+	// A map header claiming 2^32 pairs in a few bytes.
+	if err := DecodeBody([]byte{0xba, 0xff, 0xff, 0xff, 0xff}, &v); err == nil {
+		t.Error("DecodeBody(huge map) = nil; want an error")
+	}
+	// A byte string claiming 4 GiB.
+	var u UploadRequest
+	if err := DecodeBody([]byte{0xa1, 0x64, 'd', 'a', 't', 'a', 0x5a, 0xff, 0xff, 0xff, 0xff}, &u); err == nil {
+		t.Error("DecodeBody(huge byte string) = nil; want an error")
+	}
+}
+
+// FuzzReassemble feeds arbitrary bytes, split at an arbitrary point, to the
+// reassembler and decodes every message it yields as each body type: no
+// input may panic or make a message longer than the limit.
+func FuzzReassemble(f *testing.F) {
+	seed, _ := EncodeMessage(OpWrite, GroupImage, 1, CmdImageUpload, UploadRequest{CmdID: "c", Len: 3, SHA: make([]byte, 32), Data: []byte("abc")})
+	f.Add(seed, uint8(20))
+	echo, _ := EncodeMessage(OpWrite, GroupOS, 0, CmdOSEcho, EchoRequest{D: "hello"})
+	f.Add(echo, uint8(3))
+	f.Add([]byte{0x02, 0x00, 0xff, 0xff, 0, 0, 0, 0}, uint8(1))
+	f.Fuzz(func(t *testing.T, data []byte, split uint8) {
+		r := NewReassembler(512)
+		n := int(split)%(len(data)+1) + 0
+		var msgs []Message
+		for _, part := range [][]byte{data[:n], data[n:]} {
+			ms, _ := r.Feed(part)
+			msgs = append(msgs, ms...)
+		}
+		for _, m := range msgs {
+			if HeaderSize+len(m.Body) > 512 {
+				t.Fatalf("message of %d bytes past the limit", len(m.Body))
+			}
+			var a any
+			_ = DecodeBody(m.Body, &a)
+			var u UploadRequest
+			_ = DecodeBody(m.Body, &u)
+			var s SettingsResponse
+			_ = DecodeBody(m.Body, &s)
+		}
+	})
+}
