@@ -23,21 +23,31 @@ import (
 // over the simulated Bluetooth link with opts.
 func startGATTBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, opts sim.LinkOptions, devices ...string) (*bridge, *sim.Network) {
 	tb.Helper()
-	b := &bridge{sims: map[string]*sim.Device{}, done: make(chan struct{})}
 	network := sim.NewNetwork(opts)
+	tb.Cleanup(func() { network.Close() })
+	sims := map[string]*sim.Device{}
+	for _, id := range devices {
+		s := sim.New(sim.Options{ID: id})
+		sims[id] = s
+		network.Add(id, sim.NewPeripheral(s, sim.PeripheralOptions{}))
+	}
+	return startBridgeOver(tb, m, mqttURL, f, network, sims), network
+}
+
+// startBridgeOver runs a real bridge whose devices are gatt.Devices reached
+// through connector; sims are the simulated devices behind it, by id.
+func startBridgeOver(tb testing.TB, m *Main, mqttURL string, f *fleet, connector gatt.Connector, sims map[string]*sim.Device) *bridge {
+	tb.Helper()
+	b := &bridge{sims: sims, done: make(chan struct{})}
 	var gatts []*gatt.Device
 	tb.Cleanup(func() { // runs after b.stop, registered below
 		for _, g := range gatts {
 			g.Close()
 		}
-		network.Close()
 	})
 	var devs []agent.Device
-	for _, id := range devices {
-		s := sim.New(sim.Options{ID: id})
-		b.sims[id] = s
-		network.Add(id, sim.NewPeripheral(s, sim.PeripheralOptions{}))
-		g, err := gatt.NewDevice(gatt.DeviceOptions{ID: id, Connector: network, Logger: testLogger(tb).With("component", "gatt")})
+	for id := range sims {
+		g, err := gatt.NewDevice(gatt.DeviceOptions{ID: id, Connector: connector, Logger: testLogger(tb).With("component", "gatt")})
 		require.NoError(tb, err)
 		gatts = append(gatts, g)
 		devs = append(devs, g)
@@ -61,7 +71,7 @@ func startGATTBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, opts sim.
 		b.agent.Run(ctx)
 	}()
 	tb.Cleanup(b.stop)
-	return b, network
+	return b
 }
 
 // noisePNG is a PNG of random pixels: it does not compress, so its size is
