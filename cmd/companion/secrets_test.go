@@ -1,0 +1,103 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// lockedBuffer collects log output from many goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// No token, secret or claim code ever reaches a log line, at debug level,
+// over a full run of every operation.
+func TestLogsHoldNoSecrets(t *testing.T) {
+	var logs lockedBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	cfg := Config{HTTP: "127.0.0.1:0", MQTTListen: "127.0.0.1:0", Data: t.TempDir(), AdminToken: "admin-token-never-logged", TopicPrefix: "companion/v1", LogLevel: "debug"}
+	m := NewMain(cfg, logger)
+	require.NoError(t, m.Run(context.Background()))
+	t.Cleanup(func() { m.Close() })
+
+	f := setupFleet(t, m, "dev-1")
+	// The bridge logs into the same buffer.
+	s := sim.New(sim.Options{ID: "dev-1", Logger: logger})
+	a, err := agent.New(agent.Options{
+		MQTTURL: m.MQTTURL(), Username: f.bridgeID, Password: f.bridgeSecret, BridgeID: f.bridgeID,
+		APIURL: "http://" + m.HTTPAddr(), DataDir: t.TempDir(), Devices: []agent.Device{s}, Logger: logger,
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	b := &bridge{agent: a, sims: map[string]*sim.Device{"dev-1": s}, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(b.done)
+		a.Run(ctx)
+	}()
+	t.Cleanup(b.stop)
+	exerciseEveryOperation(t, f, b, "dev-1")
+	// A wrong token and a wrong claim code are not logged either.
+	bad := newClient(t, m, "ctk_wrong-token-never-logged")
+	bad.do("GET", "/api/v1/devices", nil)
+	f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": "wrong-claim-never-logged"})
+	b.stop()
+	require.NoError(t, m.Close())
+
+	out := logs.String()
+	require.NotEmpty(t, out)
+	for name, secret := range map[string]string{
+		"admin token":   cfg.AdminToken,
+		"user token":    f.user.token,
+		"bridge secret": f.bridgeSecret,
+		"claim code":    f.claims["dev-1"],
+		"wrong token":   "wrong-token-never-logged",
+		"wrong claim":   "wrong-claim-never-logged",
+	} {
+		if strings.Contains(out, secret) {
+			t.Errorf("the logs contain the %s", name)
+		}
+	}
+}
+
+// Without --admin-token the server makes one, readable by its owner only,
+// and keeps it across restarts.
+func TestGeneratedAdminTokenFile(t *testing.T) {
+	dir := t.TempDir()
+	m := NewMain(Config{HTTP: "127.0.0.1:0", MQTTListen: "127.0.0.1:0", Data: dir, TopicPrefix: "companion/v1"}, testLogger(t))
+	require.NoError(t, m.Run(context.Background()))
+	tok := m.AdminToken()
+	require.NoError(t, m.Close())
+	fi, err := os.Stat(filepath.Join(dir, "admin.token"))
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+	require.GreaterOrEqual(t, len(tok), 40, "a 256-bit token")
+
+	m2 := NewMain(Config{HTTP: "127.0.0.1:0", MQTTListen: "127.0.0.1:0", Data: dir, TopicPrefix: "companion/v1"}, testLogger(t))
+	require.NoError(t, m2.Run(context.Background()))
+	defer m2.Close()
+	require.Equal(t, tok, m2.AdminToken())
+}
