@@ -49,21 +49,48 @@ func newSecret(prefix string) (string, []byte, error) {
 // bearer returns the SHA-256 of the request's bearer token, or nil when
 // there is none.
 func bearer(c *gin.Context) []byte {
-	scheme, tok, ok := strings.Cut(c.GetHeader("Authorization"), " ")
-	tok = strings.TrimSpace(tok)
-	if !ok || !strings.EqualFold(scheme, "Bearer") || tok == "" || len(tok) > 512 {
+	tok := bearerToken(c)
+	if tok == "" {
 		return nil
 	}
 	h := sha256.Sum256([]byte(tok))
 	return h[:]
 }
 
+// maxBearer bounds a bearer token; identity providers' JWTs run to a few KiB.
+const maxBearer = 8 << 10
+
+// bearerToken returns the request's bearer token, or "".
+func bearerToken(c *gin.Context) string {
+	scheme, tok, ok := strings.Cut(c.GetHeader("Authorization"), " ")
+	tok = strings.TrimSpace(tok)
+	if !ok || !strings.EqualFold(scheme, "Bearer") || len(tok) > maxBearer {
+		return ""
+	}
+	return tok
+}
+
 func (s *Server) isAdmin(hash []byte) bool {
 	return s.adminHash != nil && hash != nil && subtle.ConstantTimeCompare(hash, s.adminHash) == 1
 }
 
-// userAuth admits a user's API token.
+// userAuth admits a user's API token, or an identity provider's access
+// token when a TokenVerifier is configured.
 func (s *Server) userAuth(c *gin.Context) {
+	if tok := bearerToken(c); s.tokens != nil && looksLikeJWT(tok) {
+		sub, err := s.tokens.Verify(c.Request.Context(), tok)
+		if err != nil {
+			// Why a token was refused is for the log, never the caller.
+			s.log.InfoContext(c.Request.Context(), "access token refused", "reason", err)
+			s.fail(c, errUnauthorized)
+			return
+		}
+		u := store.User{ID: oidcUserPrefix + sub, Name: sub}
+		c.Set(ctxUser, u)
+		c.Set(ctxPrincipal, "user:"+u.ID)
+		c.Next()
+		return
+	}
 	hash := bearer(c)
 	if hash == nil {
 		s.fail(c, errUnauthorized)

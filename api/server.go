@@ -185,7 +185,10 @@ type Options struct {
 	// AdminToken is the bearer of the admin API and may also fetch blobs.
 	// When empty the admin API refuses every request.
 	AdminToken string
-	Limits     Limits
+	// Tokens, when set, admits access tokens of an identity provider
+	// (OIDCVerifier) besides the API's own tokens; their sub names the user.
+	Tokens TokenVerifier
+	Limits Limits
 	// Ready reports whether the service can take requests (store open,
 	// MQTT connected), for /readyz; nil means always ready.
 	Ready  func() bool
@@ -198,6 +201,7 @@ type Server struct {
 	store     Store
 	cmds      Commander
 	adminHash []byte // SHA-256 of the admin token; nil when there is none
+	tokens    TokenVerifier
 	limits    Limits
 	ready     func() bool
 	log       *slog.Logger
@@ -235,6 +239,7 @@ func New(opts Options) (*Server, error) {
 	s := &Server{
 		store:  opts.Store,
 		cmds:   opts.Commands,
+		tokens: opts.Tokens,
 		limits: limits,
 		ready:  opts.Ready,
 		log:    opts.Logger.With("component", "api"),

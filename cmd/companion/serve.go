@@ -37,8 +37,9 @@ type Config struct {
 	TopicPrefix  string
 	Demo         bool
 	LogLevel     string
-	Limits       api.Limits    // zero fields take CONTRACT §6's defaults
-	Retention    time.Duration // how long final commands are kept
+	Limits       api.Limits      // zero fields take CONTRACT §6's defaults
+	Retention    time.Duration   // how long final commands are kept
+	OIDC         api.OIDCOptions // access tokens of an identity provider, when Issuer is set
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -56,6 +57,10 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.AdminToken, "admin-token", "", "admin API token (default: generated into DATA/admin.token)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", topics.DefaultPrefix, "MQTT topic prefix")
 	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
+	fs.StringVar(&c.OIDC.Issuer, "oidc-issuer", "", "accept access tokens (JWT) of this OpenID Connect issuer; their sub names the user")
+	fs.StringVar(&c.OIDC.Audience, "oidc-audience", "", "the aud the issuer's tokens must carry (required with --oidc-issuer)")
+	fs.StringVar(&c.OIDC.JWKSURL, "oidc-jwks-url", "", "the issuer's JWKS (default: found by OpenID Connect discovery)")
+	fs.DurationVar(&c.OIDC.ClockSkew, "oidc-clock-skew", time.Minute, "how long past exp a token is still taken")
 	fs.DurationVar(&c.Retention, "retention", 30*24*time.Hour, "how long finished commands are kept (at least 24h)")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	d, l := api.DefaultLimits, &c.Limits
@@ -222,9 +227,20 @@ func (m *Main) Run(ctx context.Context) error {
 		return err
 	}
 
+	var tokens api.TokenVerifier
+	if cfg.OIDC.Issuer != "" {
+		dctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		v, err := api.NewOIDCVerifier(dctx, cfg.OIDC)
+		cancel()
+		if err != nil {
+			return err
+		}
+		tokens = v
+	}
 	handler, err := api.New(api.Options{
 		Store:      m.DB,
 		Commands:   m.Broker,
+		Tokens:     tokens,
 		AdminToken: m.adminToken,
 		Limits:     cfg.Limits,
 		Ready:      m.Broker.Ready,

@@ -1,0 +1,126 @@
+package api
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/rsa"
+	"encoding/base64"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-jose/go-jose/v4"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// idp is an identity provider the test runs: a JWKS endpoint and a signer.
+type idp struct {
+	key    *rsa.PrivateKey
+	server *httptest.Server
+}
+
+func newIDP(t *testing.T) *idp {
+	t.Helper()
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	require.NoError(t, err)
+	p := &idp{key: key}
+	jwks := jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &key.PublicKey, KeyID: "k1", Algorithm: "RS256", Use: "sig"}}}
+	p.server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		json.NewEncoder(w).Encode(jwks)
+	}))
+	t.Cleanup(p.server.Close)
+	return p
+}
+
+func sign(t *testing.T, key *rsa.PrivateKey, kid string, claims map[string]any) string {
+	t.Helper()
+	s, err := jose.NewSigner(jose.SigningKey{Algorithm: jose.RS256, Key: key}, (&jose.SignerOptions{}).WithHeader("kid", kid).WithType("JWT"))
+	require.NoError(t, err)
+	payload, err := json.Marshal(claims)
+	require.NoError(t, err)
+	jws, err := s.Sign(payload)
+	require.NoError(t, err)
+	out, err := jws.CompactSerialize()
+	require.NoError(t, err)
+	return out
+}
+
+// unsigned builds a token with "alg": "none".
+func unsigned(claims map[string]any) string {
+	h := base64.RawURLEncoding.EncodeToString([]byte(`{"alg":"none","typ":"JWT"}`))
+	p, _ := json.Marshal(claims)
+	return h + "." + base64.RawURLEncoding.EncodeToString(p) + "."
+}
+
+func TestOIDCAccessTokens(t *testing.T) {
+	p := newIDP(t)
+	const issuer, audience = "https://idp.example", "companion-api"
+	v, err := NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: issuer, Audience: audience, JWKSURL: p.server.URL})
+	require.NoError(t, err)
+	e := newEnv(t, func(o *Options) { o.Tokens = v })
+	e.provision("dev-1", "code-1", "sim-1")
+
+	now := time.Now()
+	claims := func(mod func(map[string]any)) map[string]any {
+		c := map[string]any{"iss": issuer, "aud": audience, "sub": "alice@idp", "exp": now.Add(time.Hour).Unix(), "iat": now.Unix()}
+		if mod != nil {
+			mod(c)
+		}
+		return c
+	}
+	good := sign(t, p.key, "k1", claims(nil))
+	r := e.do("GET", "/api/v1/devices", good, nil)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	r = e.do("POST", "/api/v1/devices/register", good, map[string]any{"device_id": "dev-1", "claim_code": "code-1"})
+	require.Equal(t, http.StatusCreated, r.status, "%s", r.body)
+	r = e.do("GET", "/api/v1/devices/dev-1/status", good, nil)
+	assert.Equal(t, http.StatusOK, r.status, "the device is the token's user's")
+
+	other, err := rsa.GenerateKey(rand.Reader, 2048)
+	require.NoError(t, err)
+	bad := map[string]string{
+		"expired":         sign(t, p.key, "k1", claims(func(c map[string]any) { c["exp"] = now.Add(-2 * time.Minute).Unix() })),
+		"wrong issuer":    sign(t, p.key, "k1", claims(func(c map[string]any) { c["iss"] = "https://evil.example" })),
+		"wrong audience":  sign(t, p.key, "k1", claims(func(c map[string]any) { c["aud"] = "another-api" })),
+		"wrong key":       sign(t, other, "k1", claims(nil)),
+		"unknown key id":  sign(t, other, "k2", claims(nil)),
+		"alg none":        unsigned(claims(nil)),
+		"not yet valid":   sign(t, p.key, "k1", claims(func(c map[string]any) { c["nbf"] = now.Add(time.Hour).Unix() })),
+		"no subject":      sign(t, p.key, "k1", claims(func(c map[string]any) { delete(c, "sub") })),
+		"garbage":         "a.b.c",
+		"tampered claims": tamper(good),
+	}
+	for name, tok := range bad {
+		r := e.do("GET", "/api/v1/devices", tok, nil)
+		assert.Equal(t, http.StatusUnauthorized, r.status, "%s: %s", name, r.body)
+		assert.Contains(t, r.header.Get("WWW-Authenticate"), "Bearer", name)
+	}
+	// Within the clock skew an expired token is still taken.
+	late := sign(t, p.key, "k1", claims(func(c map[string]any) { c["exp"] = now.Add(-20 * time.Second).Unix() }))
+	assert.Equal(t, http.StatusOK, e.do("GET", "/api/v1/devices", late, nil).status)
+
+	// Another subject sees nothing of alice's.
+	bob := sign(t, p.key, "k1", claims(func(c map[string]any) { c["sub"] = "bob@idp" }))
+	assert.Equal(t, http.StatusNotFound, e.do("GET", "/api/v1/devices/dev-1/status", bob, nil).status)
+}
+
+// tamper changes the payload of a signed token without re-signing it.
+func tamper(tok string) string {
+	parts := strings.Split(tok, ".")
+	p, _ := base64.RawURLEncoding.DecodeString(parts[1])
+	p = []byte(strings.Replace(string(p), "alice@idp", "mallory", 1))
+	parts[1] = base64.RawURLEncoding.EncodeToString(p)
+	return strings.Join(parts, ".")
+}
+
+func TestOIDCOptions(t *testing.T) {
+	_, err := NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: "x"})
+	assert.Error(t, err, "no audience")
+	_, err = NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: "x", Audience: "y", JWKSURL: "http://127.0.0.1:1", Algorithms: []string{"none"}})
+	assert.Error(t, err, `"none" is refused`)
+}
