@@ -26,6 +26,7 @@ type Store interface {
 	OpenCommands(ctx context.Context, states ...string) ([]store.Command, error)
 	PutStatus(ctx context.Context, s store.Status) (bool, error)
 	MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error)
+	BridgeDevices(ctx context.Context, bridgeID string) ([]string, error)
 	PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
@@ -323,6 +324,10 @@ func (b *Broker) handle(m mqtt.Message) {
 		}
 		b.takeSettings(ctx, t.DeviceID, s)
 	case topics.KindBridgeState:
+		if string(m.Payload()) == topics.BridgeOnline {
+			b.bridgeOnline(ctx, t.BridgeID)
+			return
+		}
 		if string(m.Payload()) != topics.BridgeOffline {
 			return
 		}
@@ -437,6 +442,33 @@ func (b *Broker) sawDevice(deviceID string, online bool) {
 	b.online[deviceID] = true
 	b.resend[deviceID] = true
 	b.wake()
+}
+
+// bridgeOnline takes a bridge's "online": the bridge has just connected and
+// subscribed (it says so only after its SUBACK). Its devices' commands that
+// are not final go out again. Without this, a broker that crashed (SIGKILL,
+// power loss) between its autosaves takes with it the commands it had
+// acknowledged to us but not yet handed to the bridge, and the final replies
+// it had acknowledged to the bridge but not yet handed to us; no Will fires
+// in a crash, so sawDevice would see no device come back online, and those
+// commands would stay sent or delivered forever. The bridge drops the ids it
+// has queued or running and answers those it finished with their final reply.
+func (b *Broker) bridgeOnline(ctx context.Context, bridgeID string) {
+	ids, err := b.st.BridgeDevices(ctx, bridgeID)
+	if err != nil {
+		b.log.Error("listing a bridge's devices", "bridge_id", bridgeID, "err", err)
+		return
+	}
+	if len(ids) == 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, id := range ids {
+		b.resend[id] = true
+	}
+	b.wake()
+	b.log.Info("bridge online; resending its devices' unfinished commands", "bridge_id", bridgeID, "devices", len(ids))
 }
 
 func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Settings) {

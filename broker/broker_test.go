@@ -377,3 +377,38 @@ func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
 	}
 	assert.Equal(t, steady, size(), "the file grew under steady load")
 }
+
+// A broker that crashes between its autosaves forgets the final replies it
+// acknowledged to the bridge and the commands it acknowledged to us; no Will
+// fires then. When the bridge says "online" again (after it has
+// subscribed), every unfinished command of its devices goes out again, so
+// that the bridge answers the finished ones with their final reply.
+func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	status, _ := tree.Status("dev-1")
+	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
+	waitFor(t, "status", func() bool {
+		s, _ := e.db.Status(context.Background(), "dev-1")
+		return s.Online
+	})
+
+	delivered := submit(t, e, "dev-1", "delivered, final reply lost", time.Hour)
+	assert.Equal(t, delivered.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: delivered.ID, State: topics.StateDelivered, At: time.Now()})
+	done := submit(t, e, "dev-1", "done", time.Hour)
+	assert.Equal(t, done.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: done.ID, State: topics.StateSucceeded, At: time.Now()})
+	waitFor(t, "replies taken", func() bool {
+		return state(t, e, delivered.ID).State == topics.StateDelivered && state(t, e, done.ID).State == topics.StateSucceeded
+	})
+
+	bs, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOnline), 5*time.Second))
+	assert.Equal(t, delivered.ID, fb.next(t).ID, "the unfinished command goes out again")
+	select {
+	case c := <-fb.commands:
+		t.Errorf("a finished command went out again: %s", c.ID)
+	case <-time.After(200 * time.Millisecond):
+	}
+}

@@ -19,9 +19,12 @@ const outboxBatch = 500
 
 // outbox publishes queued commands in acceptance order. It runs a pass when
 // a command is accepted, after every (re)connect, and every few seconds as a
-// safety net. The first pass after start also republishes commands that were
-// sent but never delivered: a broker that restarted with us (the embedded
-// one) lost them, and the bridge drops any id it has already seen.
+// safety net. The first pass after start also republishes every command that
+// was sent but is not final: a broker that restarted with us (the embedded
+// one) lost those not yet delivered, and also the final replies it had
+// acknowledged to the bridge but not yet handed to us. The bridge drops an id
+// it has queued or running, and answers one it has finished with its final
+// reply again (see publishPending).
 func (b *Broker) outbox() {
 	defer b.wg.Done()
 	tick := time.NewTicker(5 * time.Second)
@@ -56,13 +59,19 @@ func (b *Broker) outbox() {
 }
 
 // publishPending publishes every queued command, oldest first, together
-// with the sent but undelivered commands of the given devices (of every
-// device with all set), so that each device's commands go out in order.
+// with the sent but not final commands of the given devices (of every device
+// with all set), so that each device's commands go out in order.
+//
+// Delivered and in-progress commands go out again too: their final reply
+// may be lost for good (the bridge's final reply was acknowledged by a broker
+// that then died, or by the embedded broker of a server killed before it
+// stored the reply). A bridge that finished the command answers the repeat
+// with its final reply; one that has it queued or running drops it.
 func (b *Broker) publishPending(all bool, devices map[string]bool) error {
 	ctx := context.Background()
 	states := []string{topics.StateQueued}
 	if all || len(devices) > 0 {
-		states = append(states, topics.StateSent)
+		states = append(states, topics.StateSent, topics.StateDelivered, topics.StateInProgress)
 	}
 	open, err := b.st.OpenCommands(ctx, states...)
 	if err != nil {
@@ -98,7 +107,10 @@ func (b *Broker) publishBatch(ctx context.Context, cmds []store.Command) error {
 	now := b.now()
 	var pending []inflight
 	for _, c := range cmds {
-		if now.After(c.ExpiresAt) {
+		// The TTL bounds delivery: a command the bridge has is never
+		// expired, and its repeat fetches its final reply.
+		undelivered := c.State == topics.StateQueued || c.State == topics.StateSent
+		if undelivered && now.After(c.ExpiresAt) {
 			b.expire(ctx, c.ID)
 			continue
 		}

@@ -10,11 +10,16 @@
 package sim
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"maps"
+	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
@@ -69,6 +74,52 @@ type Options struct {
 	// ExecDelay, when set, makes every command take at least this long
 	// (it ends early when the command's context is done).
 	ExecDelay time.Duration
+	// StateDir, when set, makes the device remember the commands it ran
+	// across processes, as a real device remembers them across restarts of
+	// its bridge: each execution appends the command id to the file
+	// ExecLogPath(StateDir, ID), fsync'd before the command returns, and
+	// Open reads that file back so that a device made again drops the ids
+	// it has already run. The file is also the count tests and the soak read
+	// (ReadExecLog).
+	StateDir string
+}
+
+// ExecLogPath is the file in which a device with StateDir dir records the
+// command ids it executed, one per line, in order.
+func ExecLogPath(dir, deviceID string) string {
+	return filepath.Join(dir, deviceID+".executed")
+}
+
+// ReadExecLog returns how many times each command id appears in an
+// execution log written by a device with a StateDir. A last line without
+// its newline (a write cut short) is not counted: it did not happen.
+func ReadExecLog(path string) (map[string]int, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	counts := map[string]int{}
+	for _, id := range completeLines(b) {
+		counts[id]++
+	}
+	return counts, nil
+}
+
+// completeLines returns the non-empty lines of b that end in a newline.
+func completeLines(b []byte) []string {
+	if i := bytes.LastIndexByte(b, '\n'); i >= 0 {
+		b = b[:i+1]
+	} else {
+		b = nil
+	}
+	var ids []string
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		if id := strings.TrimSpace(sc.Text()); id != "" {
+			ids = append(ids, id)
+		}
+	}
+	return ids
 }
 
 // Text is a pushed text as the device keeps it.
@@ -102,12 +153,25 @@ type Device struct {
 	done       map[string]bool // ids run, bounded by doneOrder
 	doneOrder  []string
 	executions map[string]int // ids really executed, bounded with done
+	execLog    *os.File       // with Options.StateDir: every execution, appended
 	failNext   error
 	hangNext   bool
 }
 
-// New returns a device with default settings, full battery, no apps.
+// New returns a device with default settings, full battery, no apps. It
+// panics if Options.StateDir is set and its log cannot be read or opened:
+// use Open to get that error instead.
 func New(opts Options) *Device {
+	d, err := Open(opts)
+	if err != nil {
+		panic(err)
+	}
+	return d
+}
+
+// Open is New, reading back the ids a device of the same id ran before when
+// Options.StateDir is set. Close the device to close its log.
+func Open(opts Options) (*Device, error) {
 	if opts.Model == "" {
 		opts.Model = DefaultModel
 	}
@@ -136,7 +200,63 @@ func New(opts Options) *Device {
 	for name, spec := range DefaultSchema() {
 		d.settings[name] = spec.Default
 	}
-	return d
+	if opts.StateDir != "" {
+		if err := d.openExecLog(ExecLogPath(opts.StateDir, opts.ID)); err != nil {
+			return nil, fmt.Errorf("sim: device %s: %w", opts.ID, err)
+		}
+	}
+	return d, nil
+}
+
+// openExecLog reads the ids executed by an earlier life of the device and
+// opens the log for appending. A last line cut short by a crash is cut off
+// the file, so that the next id starts on a line of its own.
+func (d *Device) openExecLog(path string) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return err
+	}
+	b, err := io.ReadAll(f)
+	if err != nil {
+		f.Close()
+		return err
+	}
+	keep := int64(bytes.LastIndexByte(b, '\n') + 1)
+	if keep != int64(len(b)) {
+		if err := f.Truncate(keep); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	if _, err := f.Seek(keep, io.SeekStart); err != nil {
+		f.Close()
+		return err
+	}
+	for _, id := range completeLines(b) {
+		if !d.done[id] {
+			d.markDone(id)
+		} else {
+			d.executions[id]++ // a promise broken in an earlier life: keep the count
+		}
+	}
+	d.execLog = f
+	return nil
+}
+
+// Close closes the execution log of a device with a StateDir. The device
+// must not run commands after it.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.execLog == nil {
+		return nil
+	}
+	err := d.execLog.Close()
+	d.execLog = nil
+	return err
 }
 
 func intp(i int) *int { return &i }
@@ -226,6 +346,16 @@ func (d *Device) run(ctx context.Context, cmdID, op string, work func() error) e
 	}
 	if err := work(); err != nil {
 		return err
+	}
+	if d.execLog != nil {
+		// On disk before the command reports success: a crash after this
+		// point leaves a device that knows it ran the command.
+		if _, err := d.execLog.WriteString(cmdID + "\n"); err != nil {
+			return fmt.Errorf("sim: recording command %s: %w", cmdID, err)
+		}
+		if err := d.execLog.Sync(); err != nil {
+			return fmt.Errorf("sim: recording command %s: %w", cmdID, err)
+		}
 	}
 	d.markDone(cmdID)
 	d.log.Debug("command done", "cmd", cmdID, "op", op)

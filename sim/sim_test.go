@@ -3,6 +3,7 @@ package sim_test
 import (
 	"context"
 	"errors"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -121,5 +122,62 @@ func TestHooks(t *testing.T) {
 	}
 	if err := d.PushText(context.Background(), "c1", "", "x"); err != nil || d.Executions("c1") != 1 {
 		t.Errorf("retry after failure: %v, executions %d; want it done once", err, d.Executions("c1"))
+	}
+}
+
+// A device made again with the same StateDir drops the ids its earlier life
+// ran, and its log counts each execution once; a line cut short by a crash
+// is not an execution.
+func TestStateDirSurvivesRestart(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	d, err := sim.Open(sim.Options{ID: "d", StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"cmd-1", "cmd-2", "cmd-1"} {
+		if err := d.PushText(ctx, id, "", "hello"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	path := sim.ExecLogPath(dir, "d")
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteString("cmd-3") // a crash in the middle of a write
+	f.Close()
+
+	d2, err := sim.Open(sim.Options{ID: "d", StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d2.Close()
+	if n := d2.Executions("cmd-1"); n != 1 {
+		t.Errorf("after reopening, Executions(%q) = %d; want 1", "cmd-1", n)
+	}
+	for _, id := range []string{"cmd-1", "cmd-2", "cmd-3"} {
+		if err := d2.PushText(ctx, id, "", "again"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := len(d2.Texts()); n != 1 {
+		t.Errorf("%d texts after reopening; want 1 (only cmd-3 is new)", n)
+	}
+	counts, err := sim.ReadExecLog(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]int{"cmd-1": 1, "cmd-2": 1, "cmd-3": 1}
+	if len(counts) != len(want) {
+		t.Errorf("ReadExecLog = %v; want %v", counts, want)
+	}
+	for id, n := range want {
+		if counts[id] != n {
+			t.Errorf("ReadExecLog(%q)[%q] = %d; want %d", path, id, counts[id], n)
+		}
 	}
 }

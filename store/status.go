@@ -123,6 +123,35 @@ func (db *DB) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string,
 	return ids, nil
 }
 
+// BridgeDevices returns, in order, the ids of the devices whose current
+// status names the bridge.
+func (db *DB) BridgeDevices(ctx context.Context, bridgeID string) ([]string, error) {
+	ids := []string{}
+	if !validID(bridgeID) {
+		return ids, nil
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		statuses := tx.Bucket(bucketStatus)
+		var err error
+		scanPrefix(tx.Bucket(bucketBridgeDevices), prefix(bridgeID), func(dev []byte) bool {
+			var s Status
+			var ok bool
+			if ok, err = getJSON(statuses, dev, &s); err != nil {
+				return false
+			}
+			if ok && s.BridgeID == bridgeID {
+				ids = append(ids, s.DeviceID)
+			}
+			return true
+		})
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return ids, nil
+}
+
 // Settings returns the device's settings. A device with none gets the zero
 // value with DeviceID set and empty (non-nil) maps.
 func (db *DB) Settings(ctx context.Context, deviceID string) (Settings, error) {

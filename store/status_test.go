@@ -94,6 +94,9 @@ func TestMarkBridgeOffline(t *testing.T) {
 	put("d3", "br2", 1)
 	put("d4", "br1", 1)
 	put("d4", "br2", 2) // d4 moved to br2: br1's Will must not touch it
+	if ids, err := db.BridgeDevices(ctx, "br1"); err != nil || !slices.Equal(ids, []string{"d1", "d2"}) {
+		t.Errorf("BridgeDevices(br1) = %v, %v; want [d1 d2]", ids, err)
+	}
 
 	clock.Advance(time.Hour)
 	ids, err := db.MarkBridgeOffline(ctx, "br1")

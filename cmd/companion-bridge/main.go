@@ -63,6 +63,7 @@ type Config struct {
 	SimMTU       int           // ATT MTU of the simulated link
 	SimKBPS      int           // rate of the simulated link, kbit/s each way
 	SimDropEvery time.Duration // the simulated link drops this often; 0 never
+	SimState     string        // directory where simulated devices remember the commands they ran; "" none
 	GATT         string
 	Devices      []string // ids of the real devices, with --gatt bluez
 	TopicPrefix  string
@@ -124,6 +125,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.IntVar(&c.SimMTU, "sim-mtu", c.SimMTU, "ATT `MTU` of the simulated Bluetooth link (23–517)")
 	fs.IntVar(&c.SimKBPS, "sim-kbps", c.SimKBPS, "`rate` of the simulated Bluetooth link in kbit/s each way (default: BLE 2M PHY with data length extension)")
 	fs.DurationVar(&c.SimDropEvery, "sim-drop-every", c.SimDropEvery, "drop the simulated Bluetooth link this `often` (0: never)")
+	fs.StringVar(&c.SimState, "sim-state", c.SimState, "`directory` where the simulated devices record the command ids they ran (one file each), so that they drop repeats across bridge restarts as real devices do")
 	fs.StringVar(&c.GATT, "gatt", c.GATT, "Bluetooth `backend` for real devices (bluez)")
 	fs.StringVar(&devices, "devices", "", "comma-separated `ids` of the real devices to reach with --gatt (their DIS serial numbers)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", c.TopicPrefix, "MQTT topic `prefix`")
@@ -187,6 +189,8 @@ func (m *Main) validate() error {
 		return errors.New("give either --sim-devices or --gatt bluez --devices, not both")
 	case c.GATT == "" && len(c.Devices) > 0:
 		return errors.New("--devices needs --gatt bluez")
+	case c.GATT == "bluez" && c.SimState != "":
+		return errors.New("--sim-state is for --sim-devices; real devices keep their own state")
 	case c.GATT == "" && len(c.SimDevices) == 0:
 		return errors.New("no devices: give --sim-devices id1,id2,… (or --gatt bluez --devices id1,id2,…)")
 	}
@@ -283,7 +287,10 @@ func (m *Main) connector(log *slog.Logger) (gatt.Connector, []string, error) {
 		m.mu.Unlock()
 		return bz, c.Devices, nil
 	}
-	network, sims := SimNetwork(c, log)
+	network, sims, err := SimNetwork(c, log)
+	if err != nil {
+		return nil, nil, err
+	}
 	m.mu.Lock()
 	m.network, m.sims = network, sims
 	m.mu.Unlock()
@@ -291,23 +298,32 @@ func (m *Main) connector(log *slog.Logger) (gatt.Connector, []string, error) {
 }
 
 // SimNetwork builds the simulated devices of c and the simulated link that
-// reaches them.
-func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device) {
-	network := sim.NewNetwork(sim.LinkOptions{MTU: c.SimMTU, KBPS: c.SimKBPS, DropEvery: c.SimDropEvery})
+// reaches them. With c.SimState the devices read back the command ids they
+// ran in an earlier process.
+func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device, error) {
 	var sims []*sim.Device
 	for _, id := range c.SimDevices {
-		d := sim.New(sim.Options{ID: id, Model: c.SimModel, Firmware: c.SimFirmware, Logger: log})
-		network.Add(id, sim.NewPeripheral(d, sim.PeripheralOptions{Logger: log}))
+		d, err := sim.Open(sim.Options{ID: id, Model: c.SimModel, Firmware: c.SimFirmware, Logger: log, StateDir: c.SimState})
+		if err != nil {
+			for _, s := range sims {
+				s.Close()
+			}
+			return nil, nil, err
+		}
 		sims = append(sims, d)
 	}
-	return network, sims
+	network := sim.NewNetwork(sim.LinkOptions{MTU: c.SimMTU, KBPS: c.SimKBPS, DropEvery: c.SimDropEvery})
+	for _, d := range sims {
+		network.Add(d.ID(), sim.NewPeripheral(d, sim.PeripheralOptions{Logger: log}))
+	}
+	return network, sims, nil
 }
 
 // Close stops the agent, if Run built one, waits for it and closes its
 // spool, then disconnects the devices.
 func (m *Main) Close() error {
 	m.mu.Lock()
-	a, gatts, network, bz := m.agent, m.gatts, m.network, m.bluez
+	a, gatts, network, bz, sims := m.agent, m.gatts, m.network, m.bluez, m.sims
 	m.mu.Unlock()
 	var err error
 	if a != nil {
@@ -321,6 +337,11 @@ func (m *Main) Close() error {
 	}
 	if bz != nil {
 		bz.Close()
+	}
+	for _, d := range sims {
+		if cerr := d.Close(); err == nil {
+			err = cerr
+		}
 	}
 	return err
 }

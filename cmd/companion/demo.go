@@ -4,11 +4,14 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/base32"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -82,16 +85,22 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 		d.gatts = append(d.gatts, g)
 		devices = append(devices, g)
 	}
+	httpClient, err := demoHTTPClient(m.Config.TLSCert)
+	if err != nil {
+		d.closeDevices()
+		return nil, err
+	}
 	d.agent, err = agent.New(agent.Options{
-		MQTTURL:  m.MQTTURL(),
-		Username: f.BridgeID,
-		Password: f.BridgeSecret,
-		BridgeID: f.BridgeID,
-		APIURL:   "http://" + m.HTTPAddr(),
-		DataDir:  filepath.Join(m.Config.Data, "demo-bridge"),
-		Devices:  devices,
-		Topics:   tree,
-		Logger:   m.Logger.With("component", "demo-bridge"),
+		HTTPClient: httpClient,
+		MQTTURL:    m.MQTTURL(),
+		Username:   f.BridgeID,
+		Password:   f.BridgeSecret,
+		BridgeID:   f.BridgeID,
+		APIURL:     m.APIURL(),
+		DataDir:    filepath.Join(m.Config.Data, "demo-bridge"),
+		Devices:    devices,
+		Topics:     tree,
+		Logger:     m.Logger.With("component", "demo-bridge"),
 	})
 	if err != nil {
 		d.closeDevices()
@@ -161,7 +170,7 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 		if err := json.Unmarshal(b, &f); err != nil {
 			return f, fmt.Errorf("%s: %w", path, err)
 		}
-		f.APIURL = "http://" + m.HTTPAddr()
+		f.APIURL = m.APIURL()
 		f.AdminToken = m.AdminToken()
 		return f, writeDemo(path, f)
 	case !errors.Is(err, os.ErrNotExist):
@@ -170,7 +179,7 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 
 	now := m.Config.Now()
 	f = DemoFile{
-		APIURL:       "http://" + m.HTTPAddr(),
+		APIURL:       m.APIURL(),
 		Token:        randomToken("ctk_"),
 		AdminToken:   m.AdminToken(),
 		UserID:       uuid.NewString(),
@@ -307,4 +316,24 @@ func mqttPort(d *Demo) string {
 		return d.mqttURL[i+1:]
 	}
 	return "1883"
+}
+
+// demoHTTPClient is the demo bridge's client for blob downloads: with
+// --tls-cert it trusts the server's own certificate, which may be
+// self-signed.
+func demoHTTPClient(certFile string) (*http.Client, error) {
+	if certFile == "" {
+		return nil, nil
+	}
+	pem, err := os.ReadFile(certFile)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("%s: no PEM certificates", certFile)
+	}
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+	return &http.Client{Transport: t}, nil
 }

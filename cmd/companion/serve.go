@@ -4,6 +4,8 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/base64"
 	"errors"
 	"flag"
@@ -40,6 +42,9 @@ type Config struct {
 	Limits       api.Limits      // zero fields take CONTRACT §6's defaults
 	Retention    time.Duration   // how long final commands are kept
 	OIDC         api.OIDCOptions // access tokens of an identity provider, when Issuer is set
+	TLSCert      string          // PEM certificate (chain) of the HTTP API; HTTPS when set
+	TLSKey       string          // its private key
+	MQTTCA       string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -57,6 +62,9 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.AdminToken, "admin-token", "", "admin API token (default: generated into DATA/admin.token)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", topics.DefaultPrefix, "MQTT topic prefix")
 	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
+	fs.StringVar(&c.TLSCert, "tls-cert", "", "PEM certificate of the HTTP API (serve HTTPS)")
+	fs.StringVar(&c.TLSKey, "tls-key", "", "PEM private key of --tls-cert")
+	fs.StringVar(&c.MQTTCA, "mqtt-ca", "", "PEM CA bundle to verify the broker of an mqtts:// --mqtt-url")
 	fs.StringVar(&c.OIDC.Issuer, "oidc-issuer", "", "accept access tokens (JWT) of this OpenID Connect issuer; their sub names the user")
 	fs.StringVar(&c.OIDC.Audience, "oidc-audience", "", "the aud the issuer's tokens must carry (required with --oidc-issuer)")
 	fs.StringVar(&c.OIDC.JWKSURL, "oidc-jwks-url", "", "the issuer's JWKS (default: found by OpenID Connect discovery)")
@@ -159,6 +167,14 @@ func NewMain(cfg Config, logger *slog.Logger) *Main {
 // HTTPAddr is the address the API listens on (useful with port 0).
 func (m *Main) HTTPAddr() string { return m.ln.Addr().String() }
 
+// APIURL is the base URL of the HTTP API (https with --tls-cert).
+func (m *Main) APIURL() string {
+	if m.Config.TLSCert != "" {
+		return "https://" + m.HTTPAddr()
+	}
+	return "http://" + m.HTTPAddr()
+}
+
 // MQTTURL is the broker URL the server (and a bridge) connects to.
 func (m *Main) MQTTURL() string { return m.mqttURL }
 
@@ -172,6 +188,17 @@ func (m *Main) Run(ctx context.Context) error {
 	tree, err := topics.New(cfg.TopicPrefix)
 	if err != nil {
 		return usageError{fmt.Sprintf("bad --topic-prefix: %v", err)}
+	}
+	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
+		return usageError{"--tls-cert and --tls-key go together"}
+	}
+	var cert *tls.Certificate
+	if cfg.TLSCert != "" {
+		c, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
+		if err != nil {
+			return fmt.Errorf("TLS: %w", err)
+		}
+		cert = &c
 	}
 	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
 		return err
@@ -208,7 +235,12 @@ func (m *Main) Run(ctx context.Context) error {
 		m.mqttURL = cfg.MQTTURL
 	}
 
+	mqttTLS, err := clientTLS(m.mqttURL, cfg.MQTTCA)
+	if err != nil {
+		return err
+	}
 	m.Broker, err = broker.New(broker.Options{
+		TLSConfig:       mqttTLS,
 		Store:           m.DB,
 		MQTTURL:         m.mqttURL,
 		Username:        username,
@@ -260,10 +292,17 @@ func (m *Main) Run(ctx context.Context) error {
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(m.Logger.Handler(), slog.LevelWarn),
 	}
+	if cert != nil {
+		m.srv.TLSConfig = &tls.Config{Certificates: []tls.Certificate{*cert}, MinVersion: tls.VersionTLS12}
+	}
 	m.serveDone = make(chan struct{})
 	go func() {
 		defer close(m.serveDone)
-		if err := m.srv.Serve(m.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		serve := m.srv.Serve
+		if cert != nil {
+			serve = func(l net.Listener) error { return m.srv.ServeTLS(l, "", "") }
+		}
+		if err := serve(m.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			m.Logger.Error("HTTP server", "err", err)
 		}
 	}()
@@ -286,7 +325,9 @@ func (m *Main) Close() error {
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 			errs = append(errs, m.srv.Shutdown(ctx))
 			cancel()
-			<-m.serveDone
+			if m.serveDone != nil {
+				<-m.serveDone
+			}
 		}
 		if m.Demo != nil {
 			errs = append(errs, m.Demo.Close())
@@ -303,6 +344,33 @@ func (m *Main) Close() error {
 		m.closeErr = errors.Join(errs...)
 	})
 	return m.closeErr
+}
+
+// clientTLS returns the TLS settings for a broker URL: nil for plain
+// tcp:// or mqtt://, and for ssl://, tls://, mqtts:// a config that verifies
+// the broker with the CA bundle in caFile (the system roots when empty).
+func clientTLS(url, caFile string) (*tls.Config, error) {
+	scheme, _, _ := strings.Cut(url, "://")
+	switch scheme {
+	case "ssl", "tls", "mqtts", "tcps":
+	default:
+		if caFile != "" {
+			return nil, usageError{"--mqtt-ca needs an mqtts:// broker URL"}
+		}
+		return nil, nil
+	}
+	c := &tls.Config{MinVersion: tls.VersionTLS12}
+	if caFile != "" {
+		pem, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, err
+		}
+		c.RootCAs = x509.NewCertPool()
+		if !c.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%s: no PEM certificates", caFile)
+		}
+	}
+	return c, nil
 }
 
 // loadAdminToken returns --admin-token, or the token in DATA/admin.token,

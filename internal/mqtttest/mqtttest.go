@@ -384,6 +384,21 @@ func (m *Mosquitto) stop() error {
 	}
 }
 
+// Kill stops Mosquitto with SIGKILL, as a crash would: it saves nothing on
+// the way out, so Start brings it back with its last autosave (or nothing).
+func (m *Mosquitto) Kill(tb testing.TB) {
+	tb.Helper()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cmd == nil {
+		return
+	}
+	cmd, exited := m.cmd, m.exited
+	m.cmd, m.exited = nil, nil
+	_ = cmd.Process.Kill()
+	<-exited
+}
+
 func (m *Mosquitto) readLog() string {
 	b, err := os.ReadFile(m.logPath)
 	if err != nil {

@@ -1,0 +1,295 @@
+//go:build soak
+
+package main
+
+// The soak (make soak; not part of make test): minutes of mixed load against
+// the real binaries and a real Mosquitto started from the project's
+// mosquitto.conf, while the server, the bridge and the broker are killed
+// (SIGKILL) at random and restarted. At the end, once everything is back and
+// has settled, it prints what became of every accepted command and how many
+// commands a device executed twice, and fails when any accepted command was
+// lost or any was executed twice.
+//
+//	SOAK_MINUTES=10 go test -tags soak -run '^TestSoak$' -count=1 -timeout 0 -v ./cmd/companion
+
+import (
+	"bytes"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+const (
+	soakDevices = 8
+	soakWorkers = 8
+	soakSettle  = 5 * time.Minute // longest wait for every command to be final
+)
+
+func soakDuration(t *testing.T) time.Duration {
+	minutes := 10.0
+	if v := os.Getenv("SOAK_MINUTES"); v != "" {
+		f, err := strconv.ParseFloat(v, 64)
+		require.NoError(t, err, "SOAK_MINUTES")
+		minutes = f
+	}
+	return time.Duration(minutes * float64(time.Minute))
+}
+
+func TestSoak(t *testing.T) {
+	duration := soakDuration(t)
+	mq := mqtttest.StartMosquitto(t, mqtttest.MosquittoAccount{
+		Username: "companion-server", Password: "server-secret",
+		ACL: []string{"topic readwrite companion/v1/#"},
+	})
+	c := newProcCluster(t, soakDevices)
+	c.mqttURL = mq.URL
+	c.serverMQTT = []string{"--mqtt-url", mq.URL, "--mqtt-username", "companion-server", "--mqtt-password", "server-secret"}
+	c.startServer()
+	c.setupFleet()
+	mq.AddAccount(t, mqtttest.MosquittoAccount{Username: "bridge-1", Password: c.bridgeSecret, ACL: bridgeACL("bridge-1")})
+	admin := &client{tb: t, base: c.base(), token: c.adminToken}
+	r := admin.do("PUT", "/api/v1/admin/apps/weather/1.0.0", bytes.Repeat([]byte("app"), 2000))
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	c.startBridge()
+
+	img := base64.StdEncoding.EncodeToString(pngImage(t, 32, 32))
+	start := time.Now()
+	t.Logf("soak: %s of load on %d devices, server %s, broker %s", duration, soakDevices, c.httpAddr, mq.URL)
+
+	// Load: each worker sends a random operation to a random device, now
+	// and then, until told to stop. Only complete 202s count as accepted.
+	var (
+		mu        sync.Mutex
+		accepted  = map[string]string{} // id → device
+		requests  atomic.Int64
+		refused   atomic.Int64 // no answer: server down or killed mid-request
+		rejected  = map[int]int{}
+		stop      = make(chan struct{})
+		loadGroup sync.WaitGroup
+	)
+	hc := loadClient(soakWorkers)
+	for w := range soakWorkers {
+		loadGroup.Add(1)
+		go func() {
+			defer loadGroup.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), uint64(start.UnixNano())))
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				case <-time.After(time.Duration(rng.IntN(100)) * time.Millisecond):
+				}
+				dev := c.devices[rng.IntN(len(c.devices))]
+				method, path, body := soakOp(rng, dev, img, i)
+				p := c.send(hc, method, path, body)
+				requests.Add(1)
+				switch id := p.acceptedID(); {
+				case id != "":
+					mu.Lock()
+					accepted[id] = dev
+					mu.Unlock()
+				case p.err != nil:
+					refused.Add(1)
+				default:
+					mu.Lock()
+					rejected[p.status]++
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+
+	// Chaos: kill one piece at random, leave it down a moment, restart it.
+	kills := map[string]int{}
+	rng := rand.New(rand.NewPCG(1, uint64(start.UnixNano())))
+	for time.Since(start) < duration {
+		time.Sleep(time.Duration(2000+rng.IntN(8000)) * time.Millisecond) // the pace of the chaos, not a synchronisation
+		if time.Since(start) >= duration {
+			break
+		}
+		down := time.Duration(200+rng.IntN(4000)) * time.Millisecond
+		switch target := []string{"server", "bridge", "broker"}[rng.IntN(3)]; target {
+		case "server":
+			c.server.kill()
+			time.Sleep(down)
+			c.launchServer()
+			c.waitServer("/readyz")
+			kills[target]++
+		case "bridge":
+			c.bridgeProc.kill()
+			time.Sleep(down)
+			c.launchBridge()
+			kills[target]++
+		case "broker":
+			mq.Kill(t)
+			time.Sleep(down)
+			mq.Start(t)
+			kills[target]++
+		}
+	}
+	close(stop)
+	loadGroup.Wait()
+	hc.CloseIdleConnections()
+	loadTime := time.Since(start)
+	t.Logf("soak: load over after %s; settling", loadTime.Round(time.Second))
+
+	// Settle: everything is up; wait until every accepted command is final.
+	settleStart := time.Now()
+	var states map[string]string
+	for {
+		states = c.allStates()
+		open := 0
+		for id := range accepted {
+			if s, ok := states[id]; !ok || !topics.Final(s) {
+				open++
+			}
+		}
+		if open == 0 || time.Since(settleStart) > soakSettle {
+			break
+		}
+		time.Sleep(2 * time.Second) // polling the API for the backlog to drain
+	}
+	settled := time.Since(settleStart)
+
+	byState := map[string]int{}
+	var lost []string
+	for id := range accepted {
+		s, ok := states[id]
+		switch {
+		case !ok:
+			lost = append(lost, id+" (missing)")
+		case !topics.Final(s):
+			lost = append(lost, id+" ("+s+")")
+		default:
+			byState[s]++
+		}
+	}
+	executed, twice, expiredRun := 0, 0, 0
+	for _, dev := range c.devices {
+		counts, err := sim.ReadExecLog(sim.ExecLogPath(c.simState, dev))
+		if err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		for id, n := range counts {
+			executed++
+			if states[id] == topics.StateExpired {
+				expiredRun++ // the device ran a command the server reports expired
+			}
+			if n > 1 {
+				twice++
+				t.Errorf("device %s executed %s %d times", dev, id, n)
+			}
+		}
+	}
+
+	var rej []string
+	for status, n := range rejected {
+		rej = append(rej, fmt.Sprintf("%d×%d", n, status))
+	}
+	sort.Strings(rej)
+	var report strings.Builder
+	fmt.Fprintf(&report, "soak: %s of load, %d devices, %d load workers; settled in %s\n", loadTime.Round(time.Second), soakDevices, soakWorkers, settled.Round(time.Second))
+	fmt.Fprintf(&report, "kills (SIGKILL + restart): server %d, bridge %d, broker %d\n", kills["server"], kills["bridge"], kills["broker"])
+	fmt.Fprintf(&report, "requests %d: accepted %d, no answer %d, rejected %s\n", requests.Load(), len(accepted), refused.Load(), strings.Join(append(rej, "(none)")[:max(1, len(rej))], " "))
+	fmt.Fprintf(&report, "accepted   %d\n", len(accepted))
+	fmt.Fprintf(&report, "succeeded  %d\n", byState[topics.StateSucceeded])
+	fmt.Fprintf(&report, "failed     %d\n", byState[topics.StateFailed])
+	fmt.Fprintf(&report, "expired    %d\n", byState[topics.StateExpired])
+	fmt.Fprintf(&report, "canceled   %d\n", byState[topics.StateCanceled])
+	fmt.Fprintf(&report, "lost       %d\n", len(lost))
+	fmt.Fprintf(&report, "executed   %d distinct command ids on the devices\n", executed)
+	fmt.Fprintf(&report, "executed-twice %d\n", twice)
+	fmt.Fprintf(&report, "expired-but-executed %d\n", expiredRun)
+	fmt.Print(report.String())
+	if len(lost) > 0 {
+		sort.Strings(lost)
+		t.Errorf("%d accepted commands lost or not final, e.g. %v", len(lost), lost[:min(10, len(lost))])
+	}
+	if twice > 0 {
+		t.Errorf("%d commands executed twice", twice)
+	}
+	if byState[topics.StateFailed] > 0 {
+		t.Logf("failed commands (a final state, not a loss): see the server's command list for their errors")
+	}
+}
+
+// soakOp picks a request: mostly texts (some with the shortest TTL), then
+// settings, images and app installs.
+func soakOp(rng *rand.Rand, dev, img string, i int) (method, path string, body any) {
+	dp := "/api/v1/devices/" + dev
+	switch n := rng.IntN(100); {
+	case n < 50:
+		return "POST", dp + "/push/text", map[string]any{"text": fmt.Sprintf("soak %d", i)}
+	case n < 60:
+		return "POST", dp + "/push/text", map[string]any{"text": fmt.Sprintf("soak %d (short TTL)", i), "ttl_seconds": 60}
+	case n < 80:
+		return "PUT", dp + "/settings", map[string]any{"brightness": rng.IntN(101)}
+	case n < 90:
+		return "POST", dp + "/push/image", map[string]any{"image": img, "content_type": "image/png"}
+	default:
+		return "POST", dp + "/apps/install", map[string]any{"app_id": "weather", "version": "1.0.0"}
+	}
+}
+
+func (c *procCluster) send(hc *http.Client, method, path string, body any) procPush {
+	js, _ := json.Marshal(body)
+	req, err := http.NewRequest(method, c.base()+path, bytes.NewReader(js))
+	if err != nil {
+		return procPush{err: err}
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+c.user.token)
+	resp, err := hc.Do(req)
+	if err != nil {
+		return procPush{err: err}
+	}
+	defer resp.Body.Close()
+	var buf bytes.Buffer
+	_, err = buf.ReadFrom(resp.Body)
+	return procPush{status: resp.StatusCode, body: buf.Bytes(), err: err}
+}
+
+// allStates lists every command of every device through the API: id → state.
+func (c *procCluster) allStates() map[string]string {
+	c.tb.Helper()
+	states := map[string]string{}
+	for _, dev := range c.devices {
+		cursor := ""
+		for {
+			r := c.user.do("GET", "/api/v1/devices/"+dev+"/commands?limit=200&cursor="+cursor, nil)
+			require.Equal(c.tb, 200, r.Status, "%s", r.Body)
+			var page struct {
+				Commands []struct {
+					ID    string `json:"id"`
+					State string `json:"state"`
+				} `json:"commands"`
+				NextCursor string `json:"next_cursor"`
+			}
+			require.NoError(c.tb, json.Unmarshal(r.Body, &page))
+			for _, cmd := range page.Commands {
+				states[cmd.ID] = cmd.State
+			}
+			if page.NextCursor == "" {
+				break
+			}
+			cursor = page.NextCursor
+		}
+	}
+	return states
+}

@@ -1,0 +1,138 @@
+package main
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/pem"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// testCA is a certificate authority a test makes for itself.
+type testCA struct {
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	pem  []byte
+}
+
+func newTestCA(tb testing.TB) *testCA {
+	tb.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(tb, err)
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "companion test CA"},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(24 * time.Hour),
+		IsCA:                  true,
+		KeyUsage:              x509.KeyUsageCertSign,
+		BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	require.NoError(tb, err)
+	cert, err := x509.ParseCertificate(der)
+	require.NoError(tb, err)
+	return &testCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
+}
+
+// issue writes a certificate for 127.0.0.1 and localhost and its key into
+// dir, returning their paths.
+func (ca *testCA) issue(tb testing.TB, dir string) (certFile, keyFile string) {
+	tb.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(tb, err)
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2),
+		Subject:      pkix.Name{CommonName: "localhost"},
+		DNSNames:     []string{"localhost"},
+		IPAddresses:  []net.IP{net.ParseIP("127.0.0.1")},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	require.NoError(tb, err)
+	kder, err := x509.MarshalECPrivateKey(key)
+	require.NoError(tb, err)
+	certFile, keyFile = filepath.Join(dir, "server.crt"), filepath.Join(dir, "server.key")
+	chain := append(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), ca.pem...)
+	require.NoError(tb, os.WriteFile(certFile, chain, 0o600))
+	require.NoError(tb, os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), 0o600))
+	return certFile, keyFile
+}
+
+func (ca *testCA) client() *http.Client {
+	pool := x509.NewCertPool()
+	pool.AddCert(ca.cert)
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.TLSClientConfig = &tls.Config{RootCAs: pool}
+	return &http.Client{Transport: t, Timeout: 40 * time.Second}
+}
+
+// The HTTP API over TLS, with the demo bridge fetching blobs over HTTPS.
+func TestHTTPSWithDemo(t *testing.T) {
+	ca := newTestCA(t)
+	certFile, keyFile := ca.issue(t, t.TempDir())
+	m := startServer(t, Config{Demo: true, TLSCert: certFile, TLSKey: keyFile})
+	require.True(t, strings.HasPrefix(m.APIURL(), "https://"))
+	hc := ca.client()
+
+	f := m.Demo.File
+	dev := f.Devices[0]
+	do := func(method, path, body string, headers ...string) (int, map[string]any) {
+		t.Helper()
+		req, err := http.NewRequest(method, m.APIURL()+path, strings.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set("Authorization", "Bearer "+f.Token)
+		req.Header.Set("Content-Type", "application/json")
+		for i := 0; i+1 < len(headers); i += 2 {
+			req.Header.Set(headers[i], headers[i+1])
+		}
+		resp, err := hc.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		var v map[string]any
+		json.NewDecoder(resp.Body).Decode(&v)
+		return resp.StatusCode, v
+	}
+	code, _ := do("POST", "/api/v1/devices/register", `{"device_id":"`+dev.DeviceID+`","claim_code":"`+dev.ClaimCode+`"}`)
+	require.Equal(t, 201, code)
+	img := base64.StdEncoding.EncodeToString(pngImage(t, 16, 16))
+	code, cmd := do("POST", "/api/v1/devices/"+dev.DeviceID+"/push/image", `{"image":"`+img+`"}`, "Prefer", "wait=30")
+	require.Equal(t, 200, code, "%v", cmd)
+	assert.Equal(t, "succeeded", cmd["state"], "the bridge fetched the image over HTTPS: %v", cmd)
+
+	// Plain HTTP to the TLS port gets nothing useful.
+	resp, err := http.Get("http://" + m.HTTPAddr() + "/healthz")
+	if err == nil {
+		assert.Equal(t, http.StatusBadRequest, resp.StatusCode)
+		resp.Body.Close()
+	}
+	// A client that does not trust the CA is refused.
+	_, err = http.Get(m.APIURL() + "/healthz")
+	assert.Error(t, err)
+}
+
+func TestTLSFlagsGoTogether(t *testing.T) {
+	m := NewMain(Config{HTTP: "127.0.0.1:0", MQTTListen: "127.0.0.1:0", Data: t.TempDir(), AdminToken: "x", TLSCert: "a.crt", TopicPrefix: "companion/v1"}, testLogger(t))
+	err := m.Run(t.Context())
+	m.Close()
+	var ue usageError
+	assert.ErrorAs(t, err, &ue)
+}
