@@ -24,6 +24,7 @@ type Store interface {
 	Command(ctx context.Context, id string) (store.Command, error)
 	UpdateCommand(ctx context.Context, id string, fn func(*store.Command) error) (store.Command, error)
 	OpenCommands(ctx context.Context, states ...string) ([]store.Command, error)
+	ExpiredCommands(ctx context.Context, now time.Time) ([]store.Command, error)
 	PutStatus(ctx context.Context, s store.Status) (bool, error)
 	MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error)
 	BridgeDevices(ctx context.Context, bridgeID string) ([]string, error)

@@ -186,15 +186,13 @@ func (b *Broker) sweep() {
 		}
 		ctx := context.Background()
 		now := b.now()
-		cmds, err := b.st.OpenCommands(ctx, topics.StateQueued, topics.StateSent)
+		cmds, err := b.st.ExpiredCommands(ctx, now)
 		if err != nil {
 			b.log.Error("expiry sweep", "err", err)
 			continue
 		}
 		for _, c := range cmds {
-			if now.After(c.ExpiresAt) {
-				b.expire(ctx, c.ID)
-			}
+			b.expire(ctx, c.ID)
 		}
 		if now.Sub(lastPurge) > time.Hour {
 			if _, err := b.st.PurgeIdempotency(ctx, now.Add(-24*time.Hour)); err != nil {

@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"slices"
 	"time"
@@ -112,6 +113,9 @@ func (db *DB) CreateCommand(ctx context.Context, c Command, maxOpen int, idem *I
 		if err := tx.Bucket(bucketDeviceOpen).Put(key(nc.DeviceID, nc.ID), nil); err != nil {
 			return err
 		}
+		if err := indexCommand(tx, Command{}, nc); err != nil {
+			return err
+		}
 		if idem != nil {
 			r := rec
 			r.CommandID = nc.ID
@@ -177,11 +181,14 @@ func (db *DB) UpdateCommand(ctx context.Context, id string, fn func(*Command) er
 			out, final = nc, true
 			return nil
 		}
-		cmdID, deviceID, createdAt := nc.ID, nc.DeviceID, nc.CreatedAt
+		old := nc
 		if err := fn(&nc); err != nil {
 			return abort(err)
 		}
-		nc.ID, nc.DeviceID, nc.CreatedAt = cmdID, deviceID, createdAt
+		nc.ID, nc.DeviceID, nc.CreatedAt = old.ID, old.DeviceID, old.CreatedAt
+		if err := indexCommand(tx, old, nc); err != nil {
+			return err
+		}
 		nc.UpdatedAt = db.now()
 		if err := putJSON(cmds, []byte(id), nc); err != nil {
 			return err
@@ -255,13 +262,81 @@ func (db *DB) ListCommands(ctx context.Context, deviceID, state, before string, 
 	return out, nil
 }
 
+// indexCommand moves a command from the queued and expiry indexes it was in
+// as old (the zero Command for a new one) to those it belongs in as c.
+func indexCommand(tx *bolt.Tx, old, c Command) error {
+	queued, expiry := tx.Bucket(bucketQueued), tx.Bucket(bucketExpiry)
+	if old.State == StateQueued && c.State != StateQueued {
+		if err := queued.Delete([]byte(c.ID)); err != nil {
+			return err
+		}
+	}
+	if old.State != StateQueued && c.State == StateQueued {
+		if err := queued.Put([]byte(c.ID), []byte(c.DeviceID)); err != nil {
+			return err
+		}
+	}
+	was, is := expiring(old.State), expiring(c.State)
+	if was && (!is || !old.ExpiresAt.Equal(c.ExpiresAt)) {
+		if err := expiry.Delete(expiryKey(old)); err != nil {
+			return err
+		}
+	}
+	if is && (!was || !old.ExpiresAt.Equal(c.ExpiresAt)) {
+		if err := expiry.Put(expiryKey(c), nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// expiring reports whether a command in state s may still expire: the
+// bridge does not have it yet.
+func expiring(s string) bool { return s == StateQueued || s == StateSent }
+
+func expiryKey(c Command) []byte {
+	k := binary.BigEndian.AppendUint64(make([]byte, 0, 8+len(c.ID)), uint64(max(c.ExpiresAt.UnixNano(), 0)))
+	return append(k, c.ID...)
+}
+
+// ExpiredCommands returns the commands still queued or sent whose
+// ExpiresAt is before now, soonest first. It reads only those.
+func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]Command, error) {
+	out := []Command{}
+	end := binary.BigEndian.AppendUint64(nil, uint64(max(now.UnixNano(), 0)))
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		cmds := tx.Bucket(bucketCommands)
+		c := tx.Bucket(bucketExpiry).Cursor()
+		for k, _ := c.First(); k != nil && bytes.Compare(k[:8], end) < 0; k, _ = c.Next() {
+			var cmd Command
+			ok, err := getJSON(cmds, k[8:], &cmd)
+			if err != nil {
+				return err
+			}
+			if ok && expiring(cmd.State) {
+				out = append(out, cmd)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // OpenCommands returns the non-final commands whose state is one of states
-// (every non-final command when none is given), oldest first.
+// (every non-final command when none is given), oldest first. Asking for
+// queued commands alone reads only those.
 func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]Command, error) {
+	index := bucketOpen
+	if len(states) == 1 && states[0] == StateQueued {
+		index = bucketQueued
+	}
 	out := []Command{}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		cmds := tx.Bucket(bucketCommands)
-		c := tx.Bucket(bucketOpen).Cursor()
+		c := tx.Bucket(index).Cursor()
 		for k, _ := c.First(); k != nil; k, _ = c.Next() {
 			var cmd Command
 			ok, err := getJSON(cmds, k, &cmd)

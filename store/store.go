@@ -23,7 +23,7 @@ var ErrInvalid = errors.New("store: invalid argument")
 
 // SchemaVersion is the layout of the bbolt file this code reads and
 // writes. Open migrates older files up to it and refuses newer ones.
-const SchemaVersion = 1
+const SchemaVersion = 2
 
 // Bucket names. Index buckets hold keys only (empty values) unless said
 // otherwise; composite keys join their parts with a NUL byte, which no id
@@ -49,6 +49,11 @@ var (
 	bucketApps          = []byte("apps")           // app id, version → AppRelease
 	bucketBlobs         = []byte("blobs")          // sha256 hex → Blob
 
+	// Since schema version 2: what the outbox and the expiry sweep read,
+	// so that neither has to decode every open command.
+	bucketQueued = []byte("queued") // command id → device id, state queued only
+	bucketExpiry = []byte("expiry") // expires_at (8-byte big-endian unix ns), command id; queued or sent only
+
 	keySchemaVersion = []byte("schema_version")
 )
 
@@ -71,6 +76,22 @@ var migrations = []func(tx *bolt.Tx) error{
 			}
 		}
 		return nil
+	},
+	1: func(tx *bolt.Tx) error {
+		for _, name := range [][]byte{bucketQueued, bucketExpiry} {
+			if _, err := tx.CreateBucketIfNotExists(name); err != nil {
+				return fmt.Errorf("create bucket %s: %w", name, err)
+			}
+		}
+		cmds := tx.Bucket(bucketCommands)
+		return tx.Bucket(bucketOpen).ForEach(func(id, _ []byte) error {
+			var c Command
+			ok, err := getJSON(cmds, id, &c)
+			if err != nil || !ok {
+				return err
+			}
+			return indexCommand(tx, Command{}, c)
+		})
 	},
 }
 

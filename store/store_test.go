@@ -1,6 +1,7 @@
 package store
 
 import (
+	"strconv"
 	"context"
 	"errors"
 	"io"
@@ -122,8 +123,8 @@ func TestOpenCreatesFilesAndSchema(t *testing.T) {
 		if err != nil || v != SchemaVersion {
 			t.Errorf("schemaVersion() = %d, %v; want %d", v, err, SchemaVersion)
 		}
-		if got := string(tx.Bucket(bucketMeta).Get(keySchemaVersion)); got != "1" {
-			t.Errorf("meta/schema_version = %q; want \"1\"", got)
+		if got := string(tx.Bucket(bucketMeta).Get(keySchemaVersion)); got != strconv.Itoa(SchemaVersion) {
+			t.Errorf("meta/schema_version = %q; want %d", got, SchemaVersion)
 		}
 		return nil
 	}); err != nil {
@@ -142,7 +143,7 @@ func TestOpenSchemaTooNew(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := raw.Update(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucketMeta).Put(keySchemaVersion, []byte("2"))
+		return tx.Bucket(bucketMeta).Put(keySchemaVersion, []byte(strconv.Itoa(SchemaVersion+1)))
 	}); err != nil {
 		t.Fatal(err)
 	}

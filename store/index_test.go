@@ -1,0 +1,104 @@
+package store
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+func TestQueuedAndExpiryIndexes(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now, Logger: quietLogger()})
+	mk := func(ttl time.Duration) Command {
+		t.Helper()
+		c, _, err := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(ttl)}, 0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	set := func(id, state string) {
+		t.Helper()
+		if _, err := db.UpdateCommand(ctx, id, func(c *Command) error { c.State = state; return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, b, c := mk(time.Minute), mk(2*time.Minute), mk(time.Hour)
+
+	q, _ := db.OpenCommands(ctx, StateQueued)
+	if got := ids(q); len(got) != 3 || got[0] != a.ID || got[2] != c.ID {
+		t.Fatalf("queued = %v; want a, b, c in order", got)
+	}
+	set(a.ID, StateSent)
+	set(b.ID, StateDelivered)
+	q, _ = db.OpenCommands(ctx, StateQueued)
+	if got := ids(q); len(got) != 1 || got[0] != c.ID {
+		t.Fatalf("queued after a sent, b delivered = %v; want c", got)
+	}
+
+	exp, _ := db.ExpiredCommands(ctx, clk.Now().Add(90*time.Second))
+	if got := ids(exp); len(got) != 1 || got[0] != a.ID {
+		t.Fatalf("expired at +90s = %v; want a (b is delivered: the bridge has it)", got)
+	}
+	exp, _ = db.ExpiredCommands(ctx, clk.Now().Add(2*time.Hour))
+	if got := ids(exp); len(got) != 2 || got[0] != a.ID || got[1] != c.ID {
+		t.Fatalf("expired at +2h = %v; want a, c soonest first", got)
+	}
+	set(a.ID, StateExpired)
+	set(c.ID, StateCanceled)
+	exp, _ = db.ExpiredCommands(ctx, clk.Now().Add(2*time.Hour))
+	if len(exp) != 0 {
+		t.Fatalf("expired after a and c went final = %v; want none", ids(exp))
+	}
+	// Nothing left behind in the index buckets.
+	db.bolt.View(func(tx *bolt.Tx) error {
+		if n := tx.Bucket(bucketQueued).Stats().KeyN; n != 0 {
+			t.Errorf("queued index holds %d keys; want 0", n)
+		}
+		if n := tx.Bucket(bucketExpiry).Stats().KeyN; n != 0 {
+			t.Errorf("expiry index holds %d keys; want 0", n)
+		}
+		return nil
+	})
+}
+
+// A file of schema version 1 gets its indexes built from its commands.
+func TestMigrateBuildsIndexes(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	path := filepath.Join(t.TempDir(), "db")
+	db, err := Open(path, Options{Now: clk.Now, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, _, _ := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
+	s, _, _ := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
+	db.UpdateCommand(ctx, s.ID, func(c *Command) error { c.State = StateSent; return nil })
+	db.Close()
+
+	// Make it a version 1 file: no index buckets.
+	raw, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.Update(func(tx *bolt.Tx) error {
+		tx.DeleteBucket(bucketQueued)
+		tx.DeleteBucket(bucketExpiry)
+		return tx.Bucket(bucketMeta).Put(keySchemaVersion, []byte("1"))
+	})
+	raw.Close()
+
+	db = openTestDBWith(t, path, Options{Now: clk.Now})
+	queued, err := db.OpenCommands(ctx, StateQueued)
+	if err != nil || len(queued) != 1 || queued[0].ID != q.ID {
+		t.Fatalf("queued after migration = %v, %v; want %s", ids(queued), err, q.ID)
+	}
+	exp, _ := db.ExpiredCommands(ctx, clk.Now().Add(time.Hour))
+	if len(exp) != 2 {
+		t.Fatalf("expired after migration = %v; want both", ids(exp))
+	}
+}
