@@ -1,13 +1,13 @@
 package store
 
 import (
-	"strconv"
 	"context"
 	"errors"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
