@@ -40,6 +40,11 @@ type Peripheral struct {
 	opts PeripheralOptions
 	log  *slog.Logger
 
+	// connMu orders Connected and Disconnected: a connection's serving
+	// goroutine has ended before the next one starts (and wg.Add never
+	// races wg.Wait), whichever goroutines the link calls them from.
+	connMu sync.Mutex
+
 	mu      sync.Mutex
 	notify  func(charUUID string, value []byte)
 	mtu     int
@@ -140,6 +145,8 @@ func (p *Peripheral) WriteChar(charUUID string, data []byte) error {
 
 // Connected starts serving a central.
 func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byte)) {
+	p.connMu.Lock()
+	defer p.connMu.Unlock()
 	ctx, cancel := context.WithCancel(context.Background())
 	p.mu.Lock()
 	p.notify, p.mtu, p.cancel = notify, mtu, cancel
@@ -158,6 +165,8 @@ func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byt
 // Disconnected stops serving: the request being run is canceled and
 // requests not yet run are forgotten; uploads keep their offsets.
 func (p *Peripheral) Disconnected() {
+	p.connMu.Lock()
+	defer p.connMu.Unlock()
 	p.mu.Lock()
 	cancel := p.cancel
 	p.notify, p.reasm, p.queue, p.cancel = nil, nil, nil, nil
