@@ -50,7 +50,10 @@ type Options struct {
 	SweepInterval   time.Duration // how often expired commands are swept; default 1s
 	PublishTimeout  time.Duration // how long a publish waits for its PUBACK; default 30s
 	Retention       time.Duration // how long final commands are kept; default 30 days
-	Workers         int           // goroutines taking messages in; default 8
+	// ExpiryGrace is how long past its TTL a sent command waits for the
+	// bridge's word before the server calls it expired; default 1 min.
+	ExpiryGrace time.Duration
+	Workers     int // goroutines taking messages in; default 8
 
 	Logger *slog.Logger
 	Now    func() time.Time
@@ -104,6 +107,9 @@ func New(opts Options) (*Broker, error) {
 	}
 	if opts.PublishTimeout <= 0 {
 		opts.PublishTimeout = 30 * time.Second
+	}
+	if opts.ExpiryGrace <= 0 {
+		opts.ExpiryGrace = time.Minute
 	}
 	if opts.Retention <= 0 {
 		opts.Retention = 30 * 24 * time.Hour

@@ -412,3 +412,26 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	case <-time.After(200 * time.Millisecond):
 	}
 }
+
+// A sent command may be in the bridge's hands when its TTL passes: the
+// server waits ExpiryGrace for the bridge's word before it calls it expired,
+// so a delivered reply on the way is not overtaken.
+func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
+	e := newEnv(t, true)
+	e.b.opts.ExpiryGrace = time.Hour
+	fb := connectBridge(t, e)
+	late := submit(t, e, "dev-1", "taken just in time", time.Minute)
+	gone := submit(t, e, "dev-1", "never answered", time.Minute)
+	fb.next(t)
+	fb.next(t)
+	waitFor(t, "sent", func() bool { return state(t, e, gone.ID).State == topics.StateSent })
+
+	e.clock.Add(2 * time.Minute) // past the TTL, within the grace
+	fb.reply(t, "dev-1", topics.Reply{CommandID: late.ID, State: topics.StateDelivered})
+	waitFor(t, "delivered", func() bool { return state(t, e, late.ID).State == topics.StateDelivered })
+	assert.Equal(t, topics.StateSent, state(t, e, gone.ID).State, "not expired within the grace")
+
+	e.clock.Add(time.Hour)
+	waitFor(t, "expired", func() bool { return state(t, e, gone.ID).State == topics.StateExpired })
+	assert.Equal(t, topics.StateDelivered, state(t, e, late.ID).State, "a delivered command never expires")
+}

@@ -192,7 +192,9 @@ func (b *Broker) sweep() {
 			continue
 		}
 		for _, c := range cmds {
-			b.expire(ctx, c.ID)
+			if b.expiredAt(c, now) {
+				b.expire(ctx, c.ID)
+			}
 		}
 		if now.Sub(lastPurge) > time.Hour {
 			if _, err := b.st.PurgeIdempotency(ctx, now.Add(-24*time.Hour)); err != nil {
@@ -208,11 +210,26 @@ func (b *Broker) sweep() {
 	}
 }
 
+// expiredAt reports whether the server may end c as expired at now. A
+// queued command expires with its TTL: it never left the store. A sent one
+// may already be in the bridge's hands, its delivered reply on the way (the
+// bridge runs nothing past expires_at by its own clock): it expires only
+// ExpiryGrace later, so that such a reply lands first.
+func (b *Broker) expiredAt(c store.Command, now time.Time) bool {
+	switch c.State {
+	case topics.StateQueued:
+		return now.After(c.ExpiresAt)
+	case topics.StateSent:
+		return now.After(c.ExpiresAt.Add(b.opts.ExpiryGrace))
+	}
+	return false
+}
+
 // expire ends a command that was not delivered in time.
 func (b *Broker) expire(ctx context.Context, id string) {
 	now := b.now()
 	cmd, err := b.st.UpdateCommand(ctx, id, func(c *store.Command) error {
-		if (c.State != topics.StateQueued && c.State != topics.StateSent) || !now.After(c.ExpiresAt) {
+		if !b.expiredAt(*c, now) {
 			return errStale
 		}
 		c.State = topics.StateExpired

@@ -64,6 +64,9 @@ func startServer(tb testing.TB, cfg Config) *Main {
 	if cfg.SweepInterval == 0 {
 		cfg.SweepInterval = 100 * time.Millisecond
 	}
+	if cfg.ExpiryGrace == 0 {
+		cfg.ExpiryGrace = time.Second
+	}
 	m := NewMain(cfg, testLogger(tb))
 	if err := m.Run(context.Background()); err != nil {
 		m.Close()

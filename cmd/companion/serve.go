@@ -41,6 +41,7 @@ type Config struct {
 	LogLevel     string
 	Limits       api.Limits      // zero fields take CONTRACT §6's defaults
 	Retention    time.Duration   // how long final commands are kept
+	ExpiryGrace  time.Duration   // how long past its TTL a sent command waits for the bridge
 	OIDC         api.OIDCOptions // access tokens of an identity provider, when Issuer is set
 	TLSCert      string          // PEM certificate (chain) of the HTTP API; HTTPS when set
 	TLSKey       string          // its private key
@@ -69,6 +70,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.OIDC.Audience, "oidc-audience", "", "the aud the issuer's tokens must carry (required with --oidc-issuer)")
 	fs.StringVar(&c.OIDC.JWKSURL, "oidc-jwks-url", "", "the issuer's JWKS (default: found by OpenID Connect discovery)")
 	fs.DurationVar(&c.OIDC.ClockSkew, "oidc-clock-skew", time.Minute, "how long past exp a token is still taken")
+	fs.DurationVar(&c.ExpiryGrace, "expiry-grace", time.Minute, "how long past its TTL a command the broker has waits for the bridge's word before it is called expired")
 	fs.DurationVar(&c.Retention, "retention", 30*24*time.Hour, "how long finished commands are kept (at least 24h)")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	d, l := api.DefaultLimits, &c.Limits
@@ -249,6 +251,7 @@ func (m *Main) Run(ctx context.Context) error {
 		SweepInterval:   cfg.SweepInterval,
 		MaxOpenCommands: cfg.Limits.MaxOpenCommands,
 		Retention:       cfg.Retention,
+		ExpiryGrace:     cfg.ExpiryGrace,
 		Logger:          m.Logger,
 		Now:             cfg.Now,
 	})
