@@ -16,6 +16,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/subtle"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -87,6 +88,9 @@ type Options struct {
 	// Listen is the TCP address to listen on; default "127.0.0.1:1883".
 	// Port 0 picks a free port (see Server.Addr).
 	Listen string
+	// TLSConfig, when set, makes the listener TLS only (mqtts://); it
+	// needs Certificates.
+	TLSConfig *tls.Config
 	// Topics is the topic tree whose prefix the rules apply to; the zero
 	// value means topics.DefaultPrefix.
 	Topics topics.Tree
@@ -171,6 +175,7 @@ func capabilities() *mqtt.Capabilities {
 type Server struct {
 	log      *slog.Logger
 	listen   string
+	tls      *tls.Config
 	mochi    *mqtt.Server
 	hook     *hook
 	ln       *listener
@@ -207,7 +212,7 @@ func New(opts Options) (*Server, error) {
 		// the companion server connects as a normal client instead.
 		InlineClient: false,
 	})
-	s := &Server{log: log, listen: opts.Listen, mochi: m}
+	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m}
 	s.hook = &hook{
 		tree:     opts.Topics,
 		accounts: opts.Accounts,
@@ -242,6 +247,7 @@ func (s *Server) Start() error {
 		return errors.New("embedded: server already started")
 	}
 	ln := newListener("tcp", s.listen, s.log)
+	ln.tls = s.tls
 	if err := s.mochi.AddListener(ln); err != nil {
 		return fmt.Errorf("embedded: listen on %s: %w", s.listen, err)
 	}

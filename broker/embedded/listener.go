@@ -1,6 +1,7 @@
 package embedded
 
 import (
+	"crypto/tls"
 	"errors"
 	"log/slog"
 	"net"
@@ -17,6 +18,7 @@ import (
 // for and leaves a connection that never sends CONNECT open forever.
 type listener struct {
 	network, address string
+	tls              *tls.Config // TLS on every connection when set
 	log              *slog.Logger
 
 	ln   net.Listener
@@ -61,6 +63,9 @@ func (l *listener) Init(_ *slog.Logger) error {
 	ln, err := net.Listen(l.network, l.address)
 	if err != nil {
 		return err
+	}
+	if l.tls != nil {
+		ln = tls.NewListener(ln, l.tls)
 	}
 	l.ln = ln
 	l.wg.Add(1)

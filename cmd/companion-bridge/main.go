@@ -11,11 +11,14 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/signal"
 	"strings"
@@ -68,6 +71,7 @@ type Config struct {
 	Devices      []string // ids of the real devices, with --gatt bluez
 	TopicPrefix  string
 	LogLevel     slog.Level
+	CA           string // PEM CA bundle to verify an mqtts:// broker and an https:// API with
 }
 
 // Main is the bridge program: Run builds and runs it, Close stops it.
@@ -128,6 +132,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.StringVar(&c.SimState, "sim-state", c.SimState, "`directory` where the simulated devices record the command ids they ran (one file each), so that they drop repeats across bridge restarts as real devices do")
 	fs.StringVar(&c.GATT, "gatt", c.GATT, "Bluetooth `backend` for real devices (bluez)")
 	fs.StringVar(&devices, "devices", "", "comma-separated `ids` of the real devices to reach with --gatt (their DIS serial numbers)")
+	fs.StringVar(&c.CA, "ca", c.CA, "PEM CA `file` to verify an mqtts:// broker and an https:// --api-url with (default: the system's)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", c.TopicPrefix, "MQTT topic `prefix`")
 	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log `level`: debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
@@ -249,16 +254,22 @@ func (m *Main) Run(ctx context.Context) error {
 		m.mu.Unlock()
 		devices = append(devices, d)
 	}
+	tlsConf, httpClient, err := tlsClients(c.MQTTURL, c.CA)
+	if err != nil {
+		return err
+	}
 	a, err := agent.New(agent.Options{
-		MQTTURL:  c.MQTTURL,
-		Username: c.BridgeID,
-		Password: c.BridgeSecret,
-		BridgeID: c.BridgeID,
-		APIURL:   c.APIURL,
-		DataDir:  c.Data,
-		Devices:  devices,
-		Topics:   tree,
-		Logger:   log,
+		TLSConfig:  tlsConf,
+		HTTPClient: httpClient,
+		MQTTURL:    c.MQTTURL,
+		Username:   c.BridgeID,
+		Password:   c.BridgeSecret,
+		BridgeID:   c.BridgeID,
+		APIURL:     c.APIURL,
+		DataDir:    c.Data,
+		Devices:    devices,
+		Topics:     tree,
+		Logger:     log,
 	})
 	if err != nil {
 		return err
@@ -344,4 +355,30 @@ func (m *Main) Close() error {
 		}
 	}
 	return err
+}
+
+// tlsClients returns the TLS settings of the MQTT connection (nil for a
+// plain tcp:// broker) and the HTTP client for blob downloads, both
+// verifying servers with the CA bundle in caFile (system roots when "").
+func tlsClients(mqttURL, caFile string) (*tls.Config, *http.Client, error) {
+	conf := &tls.Config{MinVersion: tls.VersionTLS12}
+	if caFile != "" {
+		pem, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, nil, err
+		}
+		conf.RootCAs = x509.NewCertPool()
+		if !conf.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, nil, fmt.Errorf("%s: no PEM certificates", caFile)
+		}
+	}
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.TLSClientConfig = conf.Clone()
+	client := &http.Client{Transport: t}
+	scheme, _, _ := strings.Cut(mqttURL, "://")
+	switch scheme {
+	case "ssl", "tls", "mqtts", "tcps", "wss":
+		return conf, client, nil
+	}
+	return nil, client, nil
 }

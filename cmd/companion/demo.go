@@ -92,6 +92,7 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 	}
 	d.agent, err = agent.New(agent.Options{
 		HTTPClient: httpClient,
+		TLSConfig:  m.mqttTLS,
 		MQTTURL:    m.MQTTURL(),
 		Username:   f.BridgeID,
 		Password:   f.BridgeSecret,

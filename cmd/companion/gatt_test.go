@@ -54,14 +54,16 @@ func startBridgeOver(tb testing.TB, m *Main, mqttURL string, f *fleet, connector
 	}
 	var err error
 	b.agent, err = agent.New(agent.Options{
-		MQTTURL:  mqttURL,
-		Username: f.bridgeID,
-		Password: f.bridgeSecret,
-		BridgeID: f.bridgeID,
-		APIURL:   "http://" + m.HTTPAddr(),
-		DataDir:  tb.TempDir(),
-		Devices:  devs,
-		Logger:   testLogger(tb).With("component", "bridge"),
+		MQTTURL:    mqttURL,
+		Username:   f.bridgeID,
+		Password:   f.bridgeSecret,
+		BridgeID:   f.bridgeID,
+		APIURL:     m.APIURL(),
+		HTTPClient: httpClientFor(m),
+		TLSConfig:  mqttTLSFor(m),
+		DataDir:    tb.TempDir(),
+		Devices:    devs,
+		Logger:     testLogger(tb).With("component", "bridge"),
 	})
 	require.NoError(tb, err)
 	ctx, cancel := context.WithCancel(context.Background())

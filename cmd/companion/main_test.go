@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -81,10 +83,34 @@ type client struct {
 	tb    testing.TB
 	base  string
 	token string
+	hc    *http.Client
 }
 
 func newClient(tb testing.TB, m *Main, token string) *client {
-	return &client{tb: tb, base: "http://" + m.HTTPAddr(), token: token}
+	return &client{tb: tb, base: m.APIURL(), token: token, hc: httpClientFor(m)}
+}
+
+// tlsClients holds, for a Main serving HTTPS (and mqtts), the HTTP client
+// and MQTT TLS settings that trust its test CA.
+var tlsClients sync.Map // *Main → *testTLS
+
+type testTLS struct {
+	http *http.Client
+	mqtt *tls.Config
+}
+
+func httpClientFor(m *Main) *http.Client {
+	if v, ok := tlsClients.Load(m); ok {
+		return v.(*testTLS).http
+	}
+	return http.DefaultClient
+}
+
+func mqttTLSFor(m *Main) *tls.Config {
+	if v, ok := tlsClients.Load(m); ok {
+		return v.(*testTLS).mqtt
+	}
+	return nil
 }
 
 type response struct {
@@ -124,7 +150,11 @@ func (c *client) do(method, path string, body any, headers ...string) response {
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
-	resp, err := http.DefaultClient.Do(req)
+	hc := c.hc
+	if hc == nil {
+		hc = http.DefaultClient
+	}
+	resp, err := hc.Do(req)
 	require.NoError(c.tb, err)
 	defer resp.Body.Close()
 	out, err := io.ReadAll(resp.Body)
@@ -196,14 +226,16 @@ func startBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, dataDir strin
 	}
 	var err error
 	b.agent, err = agent.New(agent.Options{
-		MQTTURL:  mqttURL,
-		Username: f.bridgeID,
-		Password: f.bridgeSecret,
-		BridgeID: f.bridgeID,
-		APIURL:   "http://" + m.HTTPAddr(),
-		DataDir:  dataDir,
-		Devices:  devs,
-		Logger:   testLogger(tb).With("component", "bridge"),
+		MQTTURL:    mqttURL,
+		Username:   f.bridgeID,
+		Password:   f.bridgeSecret,
+		BridgeID:   f.bridgeID,
+		APIURL:     m.APIURL(),
+		HTTPClient: httpClientFor(m),
+		TLSConfig:  mqttTLSFor(m),
+		DataDir:    dataDir,
+		Devices:    devs,
+		Logger:     testLogger(tb).With("component", "bridge"),
 	})
 	require.NoError(tb, err)
 	ctx, cancel := context.WithCancel(context.Background())

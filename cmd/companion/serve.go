@@ -46,6 +46,8 @@ type Config struct {
 	TLSCert      string          // PEM certificate (chain) of the HTTP API; HTTPS when set
 	TLSKey       string          // its private key
 	MQTTCA       string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
+	MQTTTLSCert  string          // the embedded broker's certificate: it then serves mqtts:// only
+	MQTTTLSKey   string
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -65,6 +67,8 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
 	fs.StringVar(&c.TLSCert, "tls-cert", "", "PEM certificate of the HTTP API (serve HTTPS)")
 	fs.StringVar(&c.TLSKey, "tls-key", "", "PEM private key of --tls-cert")
+	fs.StringVar(&c.MQTTTLSCert, "mqtt-tls-cert", "", "PEM certificate of the embedded broker (it then serves mqtts:// only)")
+	fs.StringVar(&c.MQTTTLSKey, "mqtt-tls-key", "", "PEM private key of --mqtt-tls-cert")
 	fs.StringVar(&c.MQTTCA, "mqtt-ca", "", "PEM CA bundle to verify the broker of an mqtts:// --mqtt-url")
 	fs.StringVar(&c.OIDC.Issuer, "oidc-issuer", "", "accept access tokens (JWT) of this OpenID Connect issuer; their sub names the user")
 	fs.StringVar(&c.OIDC.Audience, "oidc-audience", "", "the aud the issuer's tokens must carry (required with --oidc-issuer)")
@@ -148,6 +152,7 @@ type Main struct {
 
 	adminToken string
 	mqttURL    string
+	mqttTLS    *tls.Config // how this server's clients verify an mqtts:// broker
 	ln         net.Listener
 	srv        *http.Server
 	serveDone  chan struct{}
@@ -202,6 +207,20 @@ func (m *Main) Run(ctx context.Context) error {
 		}
 		cert = &c
 	}
+	if (cfg.MQTTTLSCert == "") != (cfg.MQTTTLSKey == "") {
+		return usageError{"--mqtt-tls-cert and --mqtt-tls-key go together"}
+	}
+	var mqttServerTLS *tls.Config
+	if cfg.MQTTTLSCert != "" {
+		if cfg.MQTTURL != "" {
+			return usageError{"--mqtt-tls-cert is for the embedded broker; it has no use with --mqtt-url"}
+		}
+		c, err := tls.LoadX509KeyPair(cfg.MQTTTLSCert, cfg.MQTTTLSKey)
+		if err != nil {
+			return fmt.Errorf("MQTT TLS: %w", err)
+		}
+		mqttServerTLS = &tls.Config{Certificates: []tls.Certificate{c}, MinVersion: tls.VersionTLS12}
+	}
 	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
 		return err
 	}
@@ -220,6 +239,7 @@ func (m *Main) Run(ctx context.Context) error {
 		username, password = "companion-server", randomToken("")
 		m.MQTT, err = embedded.New(embedded.Options{
 			Listen:         cfg.MQTTListen,
+			TLSConfig:      mqttServerTLS,
 			Topics:         tree,
 			Accounts:       broker.Accounts{Store: m.DB},
 			ServerUsername: username,
@@ -233,14 +253,22 @@ func (m *Main) Run(ctx context.Context) error {
 			return fmt.Errorf("embedded MQTT broker: %w", err)
 		}
 		m.mqttURL = "tcp://" + m.MQTT.Addr()
+		if mqttServerTLS != nil {
+			m.mqttURL = "mqtts://" + m.MQTT.Addr()
+		}
 	} else {
 		m.mqttURL = cfg.MQTTURL
 	}
 
-	mqttTLS, err := clientTLS(m.mqttURL, cfg.MQTTCA)
+	ca := cfg.MQTTCA
+	if ca == "" && mqttServerTLS != nil {
+		ca = cfg.MQTTTLSCert // our own broker: trust its certificate's chain
+	}
+	mqttTLS, err := clientTLS(m.mqttURL, ca)
 	if err != nil {
 		return err
 	}
+	m.mqttTLS = mqttTLS
 	m.Broker, err = broker.New(broker.Options{
 		TLSConfig:       mqttTLS,
 		Store:           m.DB,

@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -135,4 +136,29 @@ func TestTLSFlagsGoTogether(t *testing.T) {
 	m.Close()
 	var ue usageError
 	assert.ErrorAs(t, err, &ue)
+}
+
+// Every operation with both hops encrypted: the API over HTTPS and MQTT
+// over mqtts:// (the embedded broker with --mqtt-tls-cert), the bridge
+// verifying both with the test's CA, as companion-bridge --ca does.
+func TestEveryOperationOverTLS(t *testing.T) {
+	ca := newTestCA(t)
+	certFile, keyFile := ca.issue(t, t.TempDir())
+	m := startServer(t, Config{TLSCert: certFile, TLSKey: keyFile, MQTTTLSCert: certFile, MQTTTLSKey: keyFile})
+	require.True(t, strings.HasPrefix(m.MQTTURL(), "mqtts://"), m.MQTTURL())
+	pool := x509.NewCertPool()
+	pool.AddCert(ca.cert)
+	tlsClients.Store(m, &testTLS{http: ca.client(), mqtt: &tls.Config{RootCAs: pool}})
+	t.Cleanup(func() { tlsClients.Delete(m) })
+
+	f := setupFleet(t, m, "dev-1")
+	b := startBridge(t, m, m.MQTTURL(), f, "", "dev-1")
+	exerciseEveryOperation(t, f, b, "dev-1")
+
+	// Plain MQTT to the TLS port gets nowhere.
+	o := mqtt.NewClientOptions().AddBroker("tcp://" + m.MQTT.Addr()).SetClientID("plain").
+		SetUsername(f.bridgeID).SetPassword(f.bridgeSecret).SetConnectTimeout(2 * time.Second)
+	c := mqtt.NewClient(o)
+	assert.Error(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+	c.Disconnect(0)
 }
