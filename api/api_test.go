@@ -666,3 +666,28 @@ func TestNewChecksOptions(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, DefaultLimits, s.limits)
 }
+
+// Requests without a valid token are limited per source address, so that
+// guessing tokens is hopeless; the address is the TCP peer, whatever
+// X-Forwarded-For says, and a valid token from elsewhere is unaffected.
+func TestUnauthenticatedRequestsAreLimitedPerSource(t *testing.T) {
+	e := newEnv(t, func(o *Options) { o.Limits.UnauthPerMinute = 5 })
+	tok := e.user("alice")
+	for i := 0; i < 5; i++ {
+		r := e.send(req{method: "GET", path: "/api/v1/devices", token: fmt.Sprintf("ctk_guess-%d", i)})
+		require.Equal(t, http.StatusUnauthorized, r.status)
+	}
+	for _, h := range []map[string]string{nil, {"X-Forwarded-For": "203.0.113.9"}} {
+		r := e.send(req{method: "GET", path: "/api/v1/devices", token: "ctk_guess-again", header: h})
+		assert.Equal(t, http.StatusTooManyRequests, r.status, "%s", r.body)
+		assert.Equal(t, CodeRateLimited, r.problem(t).Code)
+		assert.NotEmpty(t, r.header.Get("Retry-After"))
+	}
+	// The same address with a valid token is turned away too while the
+	// allowance is spent: the check comes before the token is looked at.
+	r := e.send(req{method: "GET", path: "/api/v1/devices", token: tok})
+	assert.Equal(t, http.StatusTooManyRequests, r.status)
+	// Admin and blob routes count too.
+	r = e.send(req{method: "POST", path: "/api/v1/admin/users", token: "wrong", body: map[string]any{"name": "x"}})
+	assert.Equal(t, http.StatusTooManyRequests, r.status)
+}

@@ -82,7 +82,7 @@ func (s *Server) userAuth(c *gin.Context) {
 		if err != nil {
 			// Why a token was refused is for the log, never the caller.
 			s.log.InfoContext(c.Request.Context(), "access token refused", "reason", err)
-			s.fail(c, errUnauthorized)
+			s.unauthorized(c)
 			return
 		}
 		u := store.User{ID: oidcUserPrefix + sub, Name: sub}
@@ -93,19 +93,19 @@ func (s *Server) userAuth(c *gin.Context) {
 	}
 	hash := bearer(c)
 	if hash == nil {
-		s.fail(c, errUnauthorized)
+		s.unauthorized(c)
 		return
 	}
 	u, err := s.store.UserByTokenHash(c.Request.Context(), hash)
 	switch {
 	case errors.Is(err, store.ErrNotFound):
-		s.fail(c, errUnauthorized)
+		s.unauthorized(c)
 		return
 	case err != nil:
 		s.fail(c, err)
 		return
 	case subtle.ConstantTimeCompare(u.TokenHash, hash) != 1:
-		s.fail(c, errUnauthorized)
+		s.unauthorized(c)
 		return
 	}
 	c.Set(ctxUser, u)
@@ -116,7 +116,7 @@ func (s *Server) userAuth(c *gin.Context) {
 // adminAuth admits the admin token.
 func (s *Server) adminAuth(c *gin.Context) {
 	if !s.isAdmin(bearer(c)) {
-		s.fail(c, errUnauthorized)
+		s.unauthorized(c)
 		return
 	}
 	c.Set(ctxPrincipal, "admin")
@@ -127,7 +127,7 @@ func (s *Server) adminAuth(c *gin.Context) {
 func (s *Server) blobAuth(c *gin.Context) {
 	hash := bearer(c)
 	if hash == nil {
-		s.fail(c, errUnauthorized)
+		s.unauthorized(c)
 		return
 	}
 	if s.isAdmin(hash) {
@@ -138,13 +138,13 @@ func (s *Server) blobAuth(c *gin.Context) {
 	b, err := s.store.BridgeBySecretHash(c.Request.Context(), hash)
 	switch {
 	case errors.Is(err, store.ErrNotFound):
-		s.fail(c, errUnauthorized)
+		s.unauthorized(c)
 		return
 	case err != nil:
 		s.fail(c, err)
 		return
 	case subtle.ConstantTimeCompare(b.SecretHash, hash) != 1:
-		s.fail(c, errUnauthorized)
+		s.unauthorized(c)
 		return
 	}
 	c.Set(ctxPrincipal, "bridge:"+b.ID)
@@ -156,6 +156,23 @@ func currentUser(c *gin.Context) store.User {
 	u, _ := c.Get(ctxUser)
 	user, _ := u.(store.User)
 	return user
+}
+
+// sourceLimit turns away a source address that has spent its allowance of
+// requests without a valid token (see unauthorized), so that guessing tokens
+// from one address is hopeless.
+func (s *Server) sourceLimit(c *gin.Context) {
+	if ok, wait := s.unauth.peek(c.ClientIP(), s.now()); !ok {
+		s.fail(c, &Error{Code: CodeRateLimited, RetryAfter: ceilSeconds(wait)})
+		return
+	}
+	c.Next()
+}
+
+// unauthorized answers 401 and counts the failure against the source.
+func (s *Server) unauthorized(c *gin.Context) {
+	s.unauth.allow(c.ClientIP(), s.now())
+	s.fail(c, errUnauthorized)
 }
 
 // rateLimit applies the per-token request rate.
@@ -220,6 +237,27 @@ func (l *limiter) allow(key string, now time.Time) (bool, time.Duration) {
 		return false, time.Hour
 	}
 	return false, time.Duration((1 - b.tokens) / l.rate * float64(time.Second))
+}
+
+// peek says whether key's bucket holds a token, without taking it.
+func (l *limiter) peek(key string, now time.Time) (bool, time.Duration) {
+	if l.rate < 0 {
+		return true, 0
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	b := l.buckets[key]
+	if b == nil {
+		return true, 0
+	}
+	tokens := min(l.burst, b.tokens+max(now.Sub(b.last), 0).Seconds()*l.rate)
+	if tokens >= 1 {
+		return true, 0
+	}
+	if l.rate == 0 {
+		return false, time.Hour
+	}
+	return false, time.Duration((1 - tokens) / l.rate * float64(time.Second))
 }
 
 func (l *limiter) prune(now time.Time) {

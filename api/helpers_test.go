@@ -153,7 +153,7 @@ func newEnvWith(t testing.TB, db *store.DB, st Store, opts ...envOption) *env {
 		Store:      st,
 		Commands:   cmds,
 		AdminToken: testAdminToken,
-		Limits:     Limits{RequestsPerSecond: -1, RegisterPerMinute: 1000},
+		Limits:     Limits{RequestsPerSecond: -1, RegisterPerMinute: 1000, UnauthPerMinute: -1},
 		Logger:     slog.New(slog.DiscardHandler),
 	}
 	for _, opt := range opts {

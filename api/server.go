@@ -95,6 +95,9 @@ type Limits struct {
 	RequestsPerSecond float64 // per token; 50
 	RequestBurst      int     // per token; 100
 	RegisterPerMinute int     // register attempts per user; 10
+	// UnauthPerMinute is how many requests without a valid token one
+	// source address may make a minute (the bucket holds as many); 60.
+	UnauthPerMinute int
 	// QueueFullRetryAfter is the Retry-After of a 429 queue_full; 5s.
 	QueueFullRetryAfter time.Duration
 }
@@ -116,6 +119,7 @@ var DefaultLimits = Limits{
 	RequestsPerSecond:   50,
 	RequestBurst:        100,
 	RegisterPerMinute:   10,
+	UnauthPerMinute:     60,
 	QueueFullRetryAfter: 5 * time.Second,
 }
 
@@ -153,6 +157,7 @@ func (l Limits) withDefaults() Limits {
 	}
 	set(&l.RequestBurst, d.RequestBurst)
 	set(&l.RegisterPerMinute, d.RegisterPerMinute)
+	set(&l.UnauthPerMinute, d.UnauthPerMinute)
 	setDur(&l.QueueFullRetryAfter, d.QueueFullRetryAfter)
 	return l
 }
@@ -209,6 +214,7 @@ type Server struct {
 
 	rate     *limiter // requests per token
 	register *limiter // register attempts per user
+	unauth   *limiter // requests without a valid token, per source address
 
 	engine *gin.Engine
 }
@@ -251,6 +257,7 @@ func New(opts Options) (*Server, error) {
 	}
 	s.rate = newLimiter(limits.RequestsPerSecond, float64(limits.RequestBurst))
 	s.register = newLimiter(float64(limits.RegisterPerMinute)/60, float64(limits.RegisterPerMinute))
+	s.unauth = newLimiter(float64(limits.UnauthPerMinute)/60, float64(limits.UnauthPerMinute))
 	ginMode.Do(func() { gin.SetMode(gin.ReleaseMode) })
 	s.engine = s.routes()
 	return s, nil
@@ -273,6 +280,9 @@ func (s *Server) h(f handler) gin.HandlerFunc {
 
 func (s *Server) routes() *gin.Engine {
 	e := gin.New()
+	// The source address is the TCP peer: no X-Forwarded-For is trusted,
+	// or a client could pick the address its failures are counted under.
+	e.SetTrustedProxies(nil)
 	e.HandleMethodNotAllowed = true
 	e.Use(s.recoverer, s.logRequest)
 	e.NoRoute(s.h(func(*gin.Context) error { return errNotFound }))
@@ -283,7 +293,7 @@ func (s *Server) routes() *gin.Engine {
 
 	v1 := e.Group("/api/v1")
 
-	user := v1.Group("", s.userAuth, s.rateLimit)
+	user := v1.Group("", s.sourceLimit, s.userAuth, s.rateLimit)
 	user.POST("/devices/register", s.h(s.registerDevice))
 	user.GET("/devices", s.h(s.listDevices))
 	user.GET("/devices/:id", s.h(s.getDevice))
@@ -304,15 +314,15 @@ func (s *Server) routes() *gin.Engine {
 	user.DELETE("/devices/:id/commands/:command_id", s.h(s.cancelCommand))
 	user.GET("/apps", s.h(s.appCatalog))
 
-	admin := v1.Group("/admin", s.adminAuth, s.rateLimit)
+	admin := v1.Group("/admin", s.sourceLimit, s.adminAuth, s.rateLimit)
 	admin.POST("/users", s.h(s.adminCreateUser))
 	admin.POST("/devices", s.h(s.adminProvisionDevice))
 	admin.POST("/bridges", s.h(s.adminCreateBridge))
 	admin.PUT("/firmware/:model/:version", s.h(s.adminPutFirmware))
 	admin.PUT("/apps/:app_id/:version", s.h(s.adminPutApp))
 
-	v1.GET("/blobs/:sha256", s.blobAuth, s.rateLimit, s.h(s.getBlob))
-	v1.HEAD("/blobs/:sha256", s.blobAuth, s.rateLimit, s.h(s.getBlob))
+	v1.GET("/blobs/:sha256", s.sourceLimit, s.blobAuth, s.rateLimit, s.h(s.getBlob))
+	v1.HEAD("/blobs/:sha256", s.sourceLimit, s.blobAuth, s.rateLimit, s.h(s.getBlob))
 	return e
 }
 

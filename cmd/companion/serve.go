@@ -88,6 +88,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.Float64Var(&l.RequestsPerSecond, "rate-per-token", d.RequestsPerSecond, "requests per second per token (0: no limit)")
 	fs.IntVar(&l.RequestBurst, "rate-burst", d.RequestBurst, "burst of requests per token")
 	fs.IntVar(&l.RegisterPerMinute, "register-per-minute", d.RegisterPerMinute, "register attempts a minute per user (0: no limit)")
+	fs.IntVar(&l.UnauthPerMinute, "unauth-per-minute", d.UnauthPerMinute, "requests without a valid token a minute per source address (0: no limit)")
 	return fs
 }
 
@@ -98,6 +99,9 @@ func (c *Config) fromFlags() {
 	}
 	if c.Limits.RegisterPerMinute == 0 {
 		c.Limits.RegisterPerMinute = -1
+	}
+	if c.Limits.UnauthPerMinute == 0 {
+		c.Limits.UnauthPerMinute = -1
 	}
 }
 
