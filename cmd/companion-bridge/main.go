@@ -29,6 +29,7 @@ import (
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/gatt/bluez"
+	"github.com/devicecompanion/companion/internal/envflag"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -141,7 +142,7 @@ func (m *Main) ParseFlags(args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	if err := applyEnv(fs); err != nil {
+	if err := envflag.Apply(fs, "COMPANION_"); err != nil {
 		return err
 	}
 	for _, id := range strings.Split(simDevices, ",") {
@@ -155,26 +156,6 @@ func (m *Main) ParseFlags(args []string) error {
 		}
 	}
 	return m.validate()
-}
-
-// applyEnv fills every flag not given on the command line from
-// COMPANION_<FLAG> in the environment.
-func applyEnv(fs *flag.FlagSet) error {
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var err error
-	fs.VisitAll(func(f *flag.Flag) {
-		if set[f.Name] || err != nil {
-			return
-		}
-		name := "COMPANION_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v, ok := os.LookupEnv(name); ok {
-			if e := f.Value.Set(v); e != nil {
-				err = fmt.Errorf("%s: %v", name, e)
-			}
-		}
-	})
-	return err
 }
 
 func (m *Main) validate() error {

@@ -19,8 +19,9 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
+
+	"github.com/devicecompanion/companion/internal/envflag"
 )
 
 func main() {
@@ -82,19 +83,8 @@ func parseFlags(fs *flag.FlagSet, args []string) error {
 }
 
 func applyEnv(fs *flag.FlagSet) error {
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var err error
-	fs.VisitAll(func(f *flag.Flag) {
-		if set[f.Name] || err != nil {
-			return
-		}
-		name := "COMPANION_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v, ok := os.LookupEnv(name); ok {
-			if e := f.Value.Set(v); e != nil {
-				err = usageError{fmt.Sprintf("%s: %v", name, e)}
-			}
-		}
-	})
-	return err
+	if err := envflag.Apply(fs, "COMPANION_"); err != nil {
+		return usageError{err.Error()}
+	}
+	return nil
 }

@@ -1,0 +1,38 @@
+// Package envflag reads flags from the environment: every flag of a
+// FlagSet not given on the command line takes PREFIX<FLAG> when it is set,
+// with the flag's name upper-cased and dashes as underscores
+// (--mqtt-url → COMPANION_MQTT_URL). Flags given on the command line win.
+package envflag
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+)
+
+// Name is the environment variable of a flag.
+func Name(prefix, flagName string) string {
+	return prefix + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// Apply fills the flags of fs that were not set on the command line (call
+// it after fs.Parse) from the environment. The error names the variable
+// whose value the flag refused.
+func Apply(fs *flag.FlagSet, prefix string) error {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		if set[f.Name] || err != nil {
+			return
+		}
+		name := Name(prefix, f.Name)
+		if v, ok := os.LookupEnv(name); ok {
+			if e := f.Value.Set(v); e != nil {
+				err = fmt.Errorf("%s: %v", name, e)
+			}
+		}
+	})
+	return err
+}
