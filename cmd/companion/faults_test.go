@@ -549,7 +549,7 @@ func startBridgeWith(tb testing.TB, m *Main, mqttURL string, f *fleet, bc bridge
 	if bc.dataDir == "" {
 		bc.dataDir = tb.TempDir()
 	}
-	b := &bridge{sims: map[string]*sim.Device{}, done: make(chan struct{})}
+	sims := map[string]*sim.Device{}
 	var devs []agent.Device
 	for _, id := range devices {
 		s := bc.sims[id]
@@ -559,30 +559,12 @@ func startBridgeWith(tb testing.TB, m *Main, mqttURL string, f *fleet, bc bridge
 				bc.sims[id] = s
 			}
 		}
-		b.sims[id] = s
+		sims[id] = s
 		devs = append(devs, s)
 	}
-	var err error
-	b.agent, err = agent.New(agent.Options{
-		MQTTURL:        mqttURL,
-		Username:       f.bridgeID,
-		Password:       f.bridgeSecret,
-		BridgeID:       f.bridgeID,
-		APIURL:         "http://" + m.HTTPAddr(),
-		DataDir:        bc.dataDir,
-		Devices:        devs,
-		CommandTimeout: bc.commandTimeout,
-		Logger:         testLogger(tb).With("component", "bridge"),
+	return runBridge(tb, m, mqttURL, f, devs, sims, func(o *agent.Options) {
+		o.DataDir, o.CommandTimeout = bc.dataDir, bc.commandTimeout
 	})
-	require.NoError(tb, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	b.cancel = cancel
-	go func() {
-		defer close(b.done)
-		b.agent.Run(ctx)
-	}()
-	tb.Cleanup(b.stop)
-	return b
 }
 
 // waitFor polls cond until it holds or timeout passes: for state seen only

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"crypto/rand"
 	"encoding/base64"
 	"image"
@@ -38,42 +37,14 @@ func startGATTBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, opts sim.
 // through connector; sims are the simulated devices behind it, by id.
 func startBridgeOver(tb testing.TB, m *Main, mqttURL string, f *fleet, connector gatt.Connector, sims map[string]*sim.Device) *bridge {
 	tb.Helper()
-	b := &bridge{sims: sims, done: make(chan struct{})}
-	var gatts []*gatt.Device
-	tb.Cleanup(func() { // runs after b.stop, registered below
-		for _, g := range gatts {
-			g.Close()
-		}
-	})
 	var devs []agent.Device
 	for id := range sims {
 		g, err := gatt.NewDevice(gatt.DeviceOptions{ID: id, Connector: connector, Logger: testLogger(tb).With("component", "gatt")})
 		require.NoError(tb, err)
-		gatts = append(gatts, g)
+		tb.Cleanup(func() { g.Close() }) // runs after the bridge stops
 		devs = append(devs, g)
 	}
-	var err error
-	b.agent, err = agent.New(agent.Options{
-		MQTTURL:    mqttURL,
-		Username:   f.bridgeID,
-		Password:   f.bridgeSecret,
-		BridgeID:   f.bridgeID,
-		APIURL:     m.APIURL(),
-		HTTPClient: httpClientFor(m),
-		TLSConfig:  mqttTLSFor(m),
-		DataDir:    tb.TempDir(),
-		Devices:    devs,
-		Logger:     testLogger(tb).With("component", "bridge"),
-	})
-	require.NoError(tb, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	b.cancel = cancel
-	go func() {
-		defer close(b.done)
-		b.agent.Run(ctx)
-	}()
-	tb.Cleanup(b.stop)
-	return b
+	return runBridge(tb, m, mqttURL, f, devs, sims, nil)
 }
 
 // noisePNG is a PNG of random pixels: it does not compress, so its size is

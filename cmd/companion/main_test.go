@@ -212,20 +212,30 @@ type bridge struct {
 	done   chan struct{}
 }
 
+// startBridge runs a real bridge for the fleet with new simulated devices
+// (in memory, no Bluetooth link), its spool in dataDir (a temp dir when "").
 func startBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, dataDir string, devices ...string) *bridge {
 	tb.Helper()
-	if dataDir == "" {
-		dataDir = tb.TempDir()
-	}
-	b := &bridge{sims: map[string]*sim.Device{}, done: make(chan struct{})}
+	sims := map[string]*sim.Device{}
 	var devs []agent.Device
 	for _, id := range devices {
 		s := sim.New(sim.Options{ID: id})
-		b.sims[id] = s
+		sims[id] = s
 		devs = append(devs, s)
 	}
-	var err error
-	b.agent, err = agent.New(agent.Options{
+	return runBridge(tb, m, mqttURL, f, devs, sims, func(o *agent.Options) {
+		if dataDir != "" {
+			o.DataDir = dataDir
+		}
+	})
+}
+
+// runBridge runs a real agent as the fleet's bridge, serving devs; sims are
+// the simulated devices behind them, by id. edit, when not nil, adjusts the
+// agent's options. The bridge stops at the end of the test.
+func runBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, devs []agent.Device, sims map[string]*sim.Device, edit func(*agent.Options)) *bridge {
+	tb.Helper()
+	opts := agent.Options{
 		MQTTURL:    mqttURL,
 		Username:   f.bridgeID,
 		Password:   f.bridgeSecret,
@@ -233,16 +243,20 @@ func startBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, dataDir strin
 		APIURL:     m.APIURL(),
 		HTTPClient: httpClientFor(m),
 		TLSConfig:  mqttTLSFor(m),
-		DataDir:    dataDir,
+		DataDir:    tb.TempDir(),
 		Devices:    devs,
 		Logger:     testLogger(tb).With("component", "bridge"),
-	})
+	}
+	if edit != nil {
+		edit(&opts)
+	}
+	a, err := agent.New(opts)
 	require.NoError(tb, err)
 	ctx, cancel := context.WithCancel(context.Background())
-	b.cancel = cancel
+	b := &bridge{agent: a, sims: sims, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(b.done)
-		b.agent.Run(ctx)
+		a.Run(ctx)
 	}()
 	tb.Cleanup(b.stop)
 	return b

@@ -47,18 +47,9 @@ func TestLogsHoldNoSecrets(t *testing.T) {
 	f := setupFleet(t, m, "dev-1")
 	// The bridge logs into the same buffer.
 	s := sim.New(sim.Options{ID: "dev-1", Logger: logger})
-	a, err := agent.New(agent.Options{
-		MQTTURL: m.MQTTURL(), Username: f.bridgeID, Password: f.bridgeSecret, BridgeID: f.bridgeID,
-		APIURL: "http://" + m.HTTPAddr(), DataDir: t.TempDir(), Devices: []agent.Device{s}, Logger: logger,
+	b := runBridge(t, m, m.MQTTURL(), f, []agent.Device{s}, map[string]*sim.Device{"dev-1": s}, func(o *agent.Options) {
+		o.Logger = logger
 	})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	b := &bridge{agent: a, sims: map[string]*sim.Device{"dev-1": s}, cancel: cancel, done: make(chan struct{})}
-	go func() {
-		defer close(b.done)
-		a.Run(ctx)
-	}()
-	t.Cleanup(b.stop)
 	exerciseEveryOperation(t, f, b, "dev-1")
 	// A wrong token and a wrong claim code are not logged either.
 	bad := newClient(t, m, "ctk_wrong-token-never-logged")
