@@ -50,6 +50,9 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 	if err := s.store.CreateUser(c.Request.Context(), u); err != nil {
 		return err
 	}
+	if s.accounts != nil {
+		_ = s.accounts.UserCreated(c.Request.Context(), u.ID, token) // logged and retried there
+	}
 	// A repeat gets the answer without the token: it is stored nowhere.
 	out := userJSON{UserID: u.ID, Name: u.Name, Token: token}
 	return s.reply(c, http.StatusCreated, out, "", rec, userJSON{UserID: u.ID, Name: u.Name})
@@ -132,6 +135,9 @@ func (s *Server) adminCreateBridge(c *gin.Context) error {
 		return &Error{Code: CodeBridgeExists}
 	case err != nil:
 		return err
+	}
+	if s.accounts != nil {
+		_ = s.accounts.BridgeCreated(c.Request.Context(), req.BridgeID, secret) // logged and retried there
 	}
 	// A repeat gets the answer without the secret: it is stored nowhere.
 	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, bridgeJSON{BridgeID: req.BridgeID})

@@ -125,6 +125,9 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	case err != nil:
 		return err
 	}
+	if created && s.accounts != nil {
+		_ = s.accounts.Bound(ctx, user.ID, b.DeviceID) // logged and retried there
+	}
 	st, err := s.store.Status(ctx, b.DeviceID)
 	if err != nil {
 		return err
@@ -191,6 +194,9 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 		return errDeviceNotFound
 	case err != nil:
 		return err
+	}
+	if s.accounts != nil {
+		_ = s.accounts.Unbound(c.Request.Context(), user.ID, b.DeviceID) // logged and retried there
 	}
 	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
 }

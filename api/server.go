@@ -73,6 +73,20 @@ type Commander interface {
 	Wait(ctx context.Context, id string) (store.Command, error)
 }
 
+// BrokerAccounts is told of every change to who may use the MQTT broker,
+// after the store has it, so that an external broker's accounts and ACLs
+// follow (dynsec.Driver drives Mosquitto's dynamic-security plugin). It is
+// nil with the embedded broker, which asks the store itself. Secrets are
+// passed only here, at creation, since the store keeps only their hashes.
+// Failures are the implementation's to log and retry: the API's answer
+// does not depend on them.
+type BrokerAccounts interface {
+	UserCreated(ctx context.Context, userID, token string) error
+	BridgeCreated(ctx context.Context, bridgeID, secret string) error
+	Bound(ctx context.Context, userID, deviceID string) error
+	Unbound(ctx context.Context, userID, deviceID string) error
+}
+
 // Limits are the bounds of CONTRACT §6 the API enforces. A zero field means
 // its default; the rate fields take a negative value to mean "no limit".
 type Limits struct {
@@ -193,7 +207,9 @@ type Options struct {
 	// Tokens, when set, admits access tokens of an identity provider
 	// (OIDCVerifier) besides the API's own tokens; their sub names the user.
 	Tokens TokenVerifier
-	Limits Limits
+	// BrokerAccounts, when set, keeps an external MQTT broker's accounts.
+	BrokerAccounts BrokerAccounts
+	Limits         Limits
 	// Ready reports whether the service can take requests (store open,
 	// MQTT connected), for /readyz; nil means always ready.
 	Ready  func() bool
@@ -207,6 +223,7 @@ type Server struct {
 	cmds      Commander
 	adminHash []byte // SHA-256 of the admin token; nil when there is none
 	tokens    TokenVerifier
+	accounts  BrokerAccounts // nil: nothing to tell
 	limits    Limits
 	ready     func() bool
 	log       *slog.Logger
@@ -243,13 +260,14 @@ func New(opts Options) (*Server, error) {
 		opts.Ready = func() bool { return true }
 	}
 	s := &Server{
-		store:  opts.Store,
-		cmds:   opts.Commands,
-		tokens: opts.Tokens,
-		limits: limits,
-		ready:  opts.Ready,
-		log:    opts.Logger.With("component", "api"),
-		now:    opts.Now,
+		store:    opts.Store,
+		cmds:     opts.Commands,
+		tokens:   opts.Tokens,
+		accounts: opts.BrokerAccounts,
+		limits:   limits,
+		ready:    opts.Ready,
+		log:      opts.Logger.With("component", "api"),
+		now:      opts.Now,
 	}
 	if opts.AdminToken != "" {
 		h := sha256.Sum256([]byte(opts.AdminToken))

@@ -80,6 +80,7 @@ type Broker struct {
 	ready   bool
 	started bool
 	closed  bool
+	extra   []extraSub // subscriptions of other users of the connection
 
 	quit chan struct{}
 	wg   sync.WaitGroup
@@ -241,10 +242,17 @@ func (b *Broker) onConnect(c mqtt.Client) {
 	// Subscribing from the connect handler must not wait on the token in
 	// this goroutine for long; paho allows it, but bound it.
 	tok := c.SubscribeMultiple(filters, nil)
+	b.mu.Lock()
+	extra := b.extra
+	b.mu.Unlock()
 	go func() {
 		if err := mqtt.WaitTokenTimeout(tok, b.opts.PublishTimeout); err != nil {
 			b.log.Error("MQTT subscribe failed", "err", err)
 			return
+		}
+		// Ready means every user of the connection is subscribed too.
+		for _, e := range extra {
+			b.subscribeExtra(c, e)
 		}
 		b.setReady(true)
 		select {
@@ -252,6 +260,64 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		default:
 		}
 	}()
+}
+
+// extraSub is a subscription made for another user of the broker's MQTT
+// connection (see Subscribe).
+type extraSub struct {
+	filter     string
+	subscribed func(granted bool)
+}
+
+// Subscribe adds a subscription that the broker makes on every connect,
+// besides its own, for another user of its MQTT connection (the
+// dynamic-security driver). Each message on filter is handed to msg in
+// arrival order and acknowledged after; msg must not block. After each
+// subscription attempt, subscribed is told whether the MQTT broker granted
+// it; it must not block either. Call Subscribe before Start.
+func (b *Broker) Subscribe(filter string, msg func(payload []byte), subscribed func(granted bool)) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.started {
+		return errors.New("broker: Subscribe after Start")
+	}
+	b.extra = append(b.extra, extraSub{filter: filter, subscribed: subscribed})
+	b.client.AddRoute(filter, func(_ mqtt.Client, m mqtt.Message) {
+		msg(m.Payload())
+		m.Ack()
+	})
+	return nil
+}
+
+func (b *Broker) subscribeExtra(c mqtt.Client, e extraSub) {
+	tok := c.Subscribe(e.filter, 1, nil)
+	err := mqtt.WaitTokenTimeout(tok, b.opts.PublishTimeout)
+	granted := err == nil && tok.(*mqtt.SubscribeToken).Result()[e.filter] != 0x80
+	if !granted {
+		b.log.Error("MQTT subscription refused", "filter", e.filter, "err", err)
+	}
+	e.subscribed(granted)
+}
+
+// ErrNotConnected is Publish's answer while the MQTT connection is down.
+var ErrNotConnected = errors.New("broker: MQTT not connected")
+
+// Publish publishes payload on topic at QoS 1, not retained, and waits for
+// the MQTT broker's PUBACK or ctx. It is for other users of the broker's
+// connection (the dynamic-security driver); commands go through Submit.
+// While the connection is down it fails at once with ErrNotConnected
+// rather than queue a message that would go out late.
+func (b *Broker) Publish(ctx context.Context, topic string, payload []byte) error {
+	if !b.client.IsConnectionOpen() {
+		return ErrNotConnected
+	}
+	tok := b.client.Publish(topic, 1, false, payload)
+	select {
+	case <-tok.Done():
+		return tok.Error()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // route hands a message to the lane of its device, keeping per-device order.

@@ -71,6 +71,12 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 	if err != nil {
 		return nil, err
 	}
+	if m.Dynsec != nil {
+		// demo.json keeps the secrets, so the accounts can be made (again)
+		// on every start; until connected they wait in the driver's retries.
+		_ = m.Dynsec.BridgeCreated(ctx, f.BridgeID, f.BridgeSecret)
+		_ = m.Dynsec.UserCreated(ctx, f.UserID, f.Token)
+	}
 	d := &Demo{File: f, mqttURL: m.MQTTURL()}
 	var devices []agent.Device
 	d.network = sim.NewNetwork(sim.LinkOptions{})

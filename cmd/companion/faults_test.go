@@ -510,18 +510,14 @@ func TestReplayedAndStaleMessagesChangeNothing(t *testing.T) {
 // --- helpers of the fault tests ---
 
 // startMosquittoFleet starts Mosquitto from the repository's mosquitto.conf
-// and the server on it (--mqtt-url), sets up the fleet, gives the bridge its
-// Mosquitto account and registers the devices to the user.
+// and the server on it (--mqtt-url, keeping Mosquitto's accounts), sets up
+// the fleet (which gives the bridge its Mosquitto account) and registers the
+// devices to the user.
 func startMosquittoFleet(t *testing.T, cfg Config, devices ...string) (*Main, *mqtttest.Mosquitto, *fleet) {
 	t.Helper()
-	mq := mqtttest.StartMosquitto(t, mqtttest.MosquittoAccount{
-		Username: "companion-server", Password: "server-secret",
-		ACL: []string{"topic readwrite companion/v1/#"},
-	})
-	cfg.MQTTURL, cfg.MQTTUsername, cfg.MQTTPassword = mq.URL, "companion-server", "server-secret"
-	m := startServer(t, cfg)
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	m := startOnMosquitto(t, cfg, mq)
 	f := setupFleet(t, m, devices...)
-	mq.AddAccount(t, mqtttest.MosquittoAccount{Username: f.bridgeID, Password: f.bridgeSecret, ACL: bridgeACL(f.bridgeID)})
 	registerDevices(t, f, devices...)
 	return m, mq, f
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -10,32 +11,45 @@ import (
 	"github.com/devicecompanion/companion/internal/mqtttest"
 )
 
-// bridgeACL is what docs/mosquitto.md tells an operator to grant a bridge.
-func bridgeACL(bridgeID string) []string {
-	return []string{
-		"topic read companion/v1/devices/+/commands/#",
-		"topic write companion/v1/devices/+/replies",
-		"topic write companion/v1/devices/+/status",
-		"topic write companion/v1/devices/+/settings",
-		"topic readwrite companion/v1/bridges/" + bridgeID + "/state",
-	}
+// serverAccount is the server's Mosquitto account in tests: everything
+// under the prefix, and the dynamic-security plugin's admin, as
+// docs/mosquitto.md has the operator make it.
+var serverAccount = mqtttest.MosquittoAccount{
+	Username: "companion-server", Password: "server-secret",
+	ACL:   []string{"topic readwrite companion/v1/#"},
+	Admin: true,
+}
+
+// mosquittoConfig points cfg at mq with the server's account, the server
+// keeping the accounts (--mqtt-dynsec, the default of the flag).
+func mosquittoConfig(cfg Config, mq *mqtttest.Mosquitto) Config {
+	cfg.MQTTURL, cfg.MQTTUsername, cfg.MQTTPassword = mq.URL, serverAccount.Username, serverAccount.Password
+	cfg.MQTTDynsec = true
+	return cfg
+}
+
+// startOnMosquitto starts the server on mq and waits until it is connected
+// and subscribed, so that the accounts the admin API creates next are made
+// in Mosquitto at once.
+func startOnMosquitto(t *testing.T, cfg Config, mq *mqtttest.Mosquitto) *Main {
+	t.Helper()
+	m := startServer(t, mosquittoConfig(cfg, mq))
+	require.Nil(t, m.MQTT, "nothing embedded runs with --mqtt-url")
+	waitFor(t, "the server connected to Mosquitto", 20*time.Second, m.Broker.Ready)
+	return m
 }
 
 func startWithMosquitto(t *testing.T, dir string) (*Main, *mqtttest.Mosquitto) {
 	t.Helper()
-	mq := mqtttest.StartMosquitto(t, mqtttest.MosquittoAccount{
-		Username: "companion-server", Password: "server-secret",
-		ACL: []string{"topic readwrite companion/v1/#"},
-	})
-	m := startServer(t, Config{Data: dir, MQTTURL: mq.URL, MQTTUsername: "companion-server", MQTTPassword: "server-secret"})
-	require.Nil(t, m.MQTT, "nothing embedded runs with --mqtt-url")
-	return m, mq
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	return startOnMosquitto(t, Config{Data: dir}, mq), mq
 }
 
+// The server makes the bridge's account through the dynamic-security
+// plugin when the admin API creates the bridge; nobody edits Mosquitto.
 func TestEveryOperationMosquitto(t *testing.T) {
 	m, mq := startWithMosquitto(t, t.TempDir())
 	f := setupFleet(t, m, "dev-1")
-	mq.AddAccount(t, mqtttest.MosquittoAccount{Username: f.bridgeID, Password: f.bridgeSecret, ACL: bridgeACL(f.bridgeID)})
 	b := startBridge(t, m, mq.URL, f, "", "dev-1")
 	exerciseEveryOperation(t, f, b, "dev-1")
 }
@@ -47,7 +61,6 @@ func TestQueuedCommandsSurviveBrokerOutageAndRestart(t *testing.T) {
 	dir := t.TempDir()
 	m, mq := startWithMosquitto(t, dir)
 	f := setupFleet(t, m, "dev-1")
-	mq.AddAccount(t, mqtttest.MosquittoAccount{Username: f.bridgeID, Password: f.bridgeSecret, ACL: bridgeACL(f.bridgeID)})
 	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 
@@ -61,7 +74,7 @@ func TestQueuedCommandsSurviveBrokerOutageAndRestart(t *testing.T) {
 	require.NoError(t, m.Close())
 
 	mq.Start(t)
-	m2 := startServer(t, Config{Data: dir, MQTTURL: mq.URL, MQTTUsername: "companion-server", MQTTPassword: "server-secret"})
+	m2 := startServer(t, mosquittoConfig(Config{Data: dir}, mq))
 	f.user = newClient(t, m2, f.user.token)
 	b := startBridge(t, m2, mq.URL, f, "", "dev-1")
 	for _, id := range ids {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/broker/embedded"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
@@ -35,19 +36,23 @@ type Config struct {
 	MQTTURL      string // an external broker; then nothing embedded listens
 	MQTTUsername string
 	MQTTPassword string
-	AdminToken   string // generated into DATA/admin.token when empty
-	TopicPrefix  string
-	Demo         bool
-	LogLevel     string
-	Limits       api.Limits      // zero fields take CONTRACT §6's defaults
-	Retention    time.Duration   // how long final commands are kept
-	ExpiryGrace  time.Duration   // how long past its TTL a sent command waits for the bridge
-	OIDC         api.OIDCOptions // access tokens of an identity provider, when Issuer is set
-	TLSCert      string          // PEM certificate (chain) of the HTTP API; HTTPS when set
-	TLSKey       string          // its private key
-	MQTTCA       string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
-	MQTTTLSCert  string          // the embedded broker's certificate: it then serves mqtts:// only
-	MQTTTLSKey   string
+	// MQTTDynsec, with MQTTURL, has the server keep Mosquitto's accounts
+	// and ACLs through its dynamic-security plugin (the flag defaults to
+	// true; the zero Config leaves them to the operator).
+	MQTTDynsec  bool
+	AdminToken  string // generated into DATA/admin.token when empty
+	TopicPrefix string
+	Demo        bool
+	LogLevel    string
+	Limits      api.Limits      // zero fields take CONTRACT §6's defaults
+	Retention   time.Duration   // how long final commands are kept
+	ExpiryGrace time.Duration   // how long past its TTL a sent command waits for the bridge
+	OIDC        api.OIDCOptions // access tokens of an identity provider, when Issuer is set
+	TLSCert     string          // PEM certificate (chain) of the HTTP API; HTTPS when set
+	TLSKey      string          // its private key
+	MQTTCA      string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
+	MQTTTLSCert string          // the embedded broker's certificate: it then serves mqtts:// only
+	MQTTTLSKey  string
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -62,6 +67,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.MQTTURL, "mqtt-url", "", "external MQTT broker (tcp://host:port); disables the embedded one")
 	fs.StringVar(&c.MQTTUsername, "mqtt-username", "", "username on the external MQTT broker")
 	fs.StringVar(&c.MQTTPassword, "mqtt-password", "", "password on the external MQTT broker")
+	fs.BoolVar(&c.MQTTDynsec, "mqtt-dynsec", true, "with --mqtt-url: keep Mosquitto's accounts and ACLs through its dynamic-security plugin (the server's account must be the plugin's admin)")
 	fs.StringVar(&c.AdminToken, "admin-token", "", "admin API token (default: generated into DATA/admin.token)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", topics.DefaultPrefix, "MQTT topic prefix")
 	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
@@ -152,6 +158,7 @@ type Main struct {
 	DB     *store.DB
 	MQTT   *embedded.Server // nil with --mqtt-url
 	Broker *broker.Broker
+	Dynsec *dynsec.Driver // with --mqtt-url and --mqtt-dynsec
 	Demo   *Demo
 
 	adminToken string
@@ -290,8 +297,25 @@ func (m *Main) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	var accounts api.BrokerAccounts
+	if cfg.MQTTURL != "" && cfg.MQTTDynsec {
+		m.Dynsec, err = dynsec.New(dynsec.Options{
+			Conn:           m.Broker,
+			Store:          m.DB,
+			ServerUsername: username,
+			Topics:         tree,
+			Logger:         m.Logger,
+		})
+		if err != nil {
+			return err
+		}
+		accounts = m.Dynsec
+	}
 	if err := m.Broker.Start(); err != nil {
 		return err
+	}
+	if m.Dynsec != nil {
+		m.Dynsec.Start()
 	}
 
 	var tokens api.TokenVerifier
@@ -305,14 +329,15 @@ func (m *Main) Run(ctx context.Context) error {
 		tokens = v
 	}
 	handler, err := api.New(api.Options{
-		Store:      m.DB,
-		Commands:   m.Broker,
-		Tokens:     tokens,
-		AdminToken: m.adminToken,
-		Limits:     cfg.Limits,
-		Ready:      m.Broker.Ready,
-		Logger:     m.Logger,
-		Now:        cfg.Now,
+		Store:          m.DB,
+		Commands:       m.Broker,
+		Tokens:         tokens,
+		BrokerAccounts: accounts,
+		AdminToken:     m.adminToken,
+		Limits:         cfg.Limits,
+		Ready:          m.Broker.Ready,
+		Logger:         m.Logger,
+		Now:            cfg.Now,
 	})
 	if err != nil {
 		return err
@@ -352,7 +377,8 @@ func (m *Main) Run(ctx context.Context) error {
 }
 
 // Close shuts down in reverse order: HTTP (letting requests in flight
-// finish), the demo bridge, the command broker, the MQTT broker, the store.
+// finish), the demo bridge, the dynamic-security driver, the command
+// broker, the MQTT broker, the store.
 func (m *Main) Close() error {
 	m.closeOnce.Do(func() {
 		var errs []error
@@ -366,6 +392,9 @@ func (m *Main) Close() error {
 		}
 		if m.Demo != nil {
 			errs = append(errs, m.Demo.Close())
+		}
+		if m.Dynsec != nil {
+			errs = append(errs, m.Dynsec.Close())
 		}
 		if m.Broker != nil {
 			errs = append(errs, m.Broker.Close())

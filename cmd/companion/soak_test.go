@@ -53,16 +53,12 @@ func soakDuration(t *testing.T) time.Duration {
 
 func TestSoak(t *testing.T) {
 	duration := soakDuration(t)
-	mq := mqtttest.StartMosquitto(t, mqtttest.MosquittoAccount{
-		Username: "companion-server", Password: "server-secret",
-		ACL: []string{"topic readwrite companion/v1/#"},
-	})
+	mq := mqtttest.StartMosquitto(t, serverAccount)
 	c := newProcCluster(t, soakDevices)
 	c.mqttURL = mq.URL
 	c.serverMQTT = []string{"--mqtt-url", mq.URL, "--mqtt-username", "companion-server", "--mqtt-password", "server-secret"}
 	c.startServer()
 	c.setupFleet()
-	mq.AddAccount(t, mqtttest.MosquittoAccount{Username: "bridge-1", Password: c.bridgeSecret, ACL: bridgeACL("bridge-1")})
 	admin := &client{tb: t, base: c.base(), token: c.adminToken}
 	r := admin.do("PUT", "/api/v1/admin/apps/weather/1.0.0", bytes.Repeat([]byte("app"), 2000))
 	require.Equal(t, 201, r.Status, "%s", r.Body)

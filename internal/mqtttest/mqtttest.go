@@ -1,6 +1,7 @@
 // Package mqtttest holds test helpers for every package that talks MQTT: a
 // free TCP port, and a real Mosquitto started from the repository's own
-// mosquitto.conf with accounts and ACLs of the test's choosing.
+// mosquitto.conf with accounts and ACLs of the test's choosing, kept in
+// Mosquitto's dynamic-security plugin as that file has it.
 //
 // It is for tests only; nothing outside _test.go files should import it.
 package mqtttest
@@ -8,6 +9,11 @@ package mqtttest
 import (
 	"bufio"
 	"bytes"
+	"crypto/pbkdf2"
+	"crypto/rand"
+	"crypto/sha512"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -41,8 +47,15 @@ func FreePort(tb testing.TB) int {
 type MosquittoAccount struct {
 	Username, Password string
 	// ACL holds acl_file lines for this user, such as
-	// "topic readwrite companion/v1/#" or "topic read companion/v1/devices/+/commands/#".
+	// "topic readwrite companion/v1/#" or "topic read companion/v1/devices/+/commands/#";
+	// they become the ACLs of a dynamic-security role of the account's own
+	// ("read": subscribePattern and publishClientReceive, "write":
+	// publishClientSend). Anything not granted is refused.
 	ACL []string
+	// Admin makes the account the dynamic-security plugin's admin: it may
+	// publish to $CONTROL/dynamic-security/# and read the responses, as
+	// the server's account must with --mqtt-dynsec.
+	Admin bool
 }
 
 // Mosquitto is a Mosquitto broker run for one test, from the repository's
@@ -51,17 +64,18 @@ type MosquittoAccount struct {
 type Mosquitto struct {
 	// URL is where clients connect: tcp://127.0.0.1:PORT.
 	URL string
-	// Dir holds the configuration, password and ACL files, the persistence
-	// database and the log (mosquitto.log).
+	// Dir holds the configuration, the plugin's dynamic-security.json,
+	// the persistence database and the log (mosquitto.log).
 	Dir string
 	// Port is the TCP port it listens on; it stays the same across Stop and
 	// Start.
 	Port int
 
-	bin      string
-	passwd   string
-	confPath string
-	logPath  string
+	bin        string
+	confPath   string
+	logPath    string
+	dynsecPath string
+	adminPass  string // of AdminUsername, the helper's own plugin admin
 
 	mu       sync.Mutex
 	accounts []MosquittoAccount
@@ -82,28 +96,29 @@ const (
 func StartMosquitto(tb testing.TB, accounts ...MosquittoAccount) *Mosquitto {
 	tb.Helper()
 	bin := findBinary("mosquitto")
-	passwd := findBinary("mosquitto_passwd")
-	if bin == "" || passwd == "" {
+	plugin := findPlugin()
+	if bin == "" || plugin == "" {
 		if os.Getenv("CI") == "" {
-			tb.Skip("mqtttest: mosquitto or mosquitto_passwd not installed")
+			tb.Skip("mqtttest: mosquitto or its dynamic-security plugin not installed")
 		}
-		tb.Fatal("mqtttest: mosquitto or mosquitto_passwd not installed (required in CI)")
+		tb.Fatal("mqtttest: mosquitto or its dynamic-security plugin not installed (required in CI)")
 	}
 	src, err := repoConf()
 	if err != nil {
 		tb.Fatalf("mqtttest: %v", err)
 	}
 	m := &Mosquitto{
-		Dir:    tb.TempDir(),
-		Port:   FreePort(tb),
-		bin:    bin,
-		passwd: passwd,
+		Dir:       tb.TempDir(),
+		Port:      FreePort(tb),
+		bin:       bin,
+		adminPass: randomString(),
 	}
 	m.URL = "tcp://127.0.0.1:" + strconv.Itoa(m.Port)
 	m.confPath = filepath.Join(m.Dir, "mosquitto.conf")
 	m.logPath = filepath.Join(m.Dir, "mosquitto.log")
+	m.dynsecPath = filepath.Join(m.Dir, "dynamic-security.json")
 
-	conf, err := rewriteConf(src, m.Port, m.Dir, m.logPath)
+	conf, err := rewriteConf(src, m.Port, m.Dir, m.logPath, plugin, m.dynsecPath)
 	if err != nil {
 		tb.Fatalf("mqtttest: %v", err)
 	}
@@ -111,7 +126,7 @@ func StartMosquitto(tb testing.TB, accounts ...MosquittoAccount) *Mosquitto {
 		tb.Fatalf("mqtttest: %v", err)
 	}
 	m.accounts = accounts
-	if err := m.writeAccounts(); err != nil {
+	if err := m.writeDynsec(); err != nil {
 		tb.Fatalf("mqtttest: %v", err)
 	}
 	tb.Cleanup(func() {
@@ -133,6 +148,20 @@ func findBinary(name string) string {
 	for _, dir := range []string{"/usr/sbin", "/usr/local/sbin", "/usr/bin"} {
 		p := filepath.Join(dir, name)
 		if fi, err := os.Stat(p); err == nil && !fi.IsDir() && fi.Mode()&0o111 != 0 {
+			return p
+		}
+	}
+	return ""
+}
+
+// findPlugin finds the dynamic-security plugin where Debian and a source
+// build install it.
+func findPlugin() string {
+	const name = "mosquitto_dynamic_security.so"
+	paths, _ := filepath.Glob("/usr/lib/*/" + name)
+	paths = append(paths, "/usr/lib/"+name, "/usr/local/lib/"+name, "/usr/lib/mosquitto/"+name)
+	for _, p := range paths {
+		if fi, err := os.Stat(p); err == nil && !fi.IsDir() {
 			return p
 		}
 	}
@@ -167,10 +196,11 @@ func repoConf() ([]byte, error) {
 // name a port, a path or the process's user are replaced, comments and
 // everything else kept. A listener line with a port other than 1883 (the
 // project's optional TLS listener) is dropped with the options that follow
-// it up to the next listener, as they belong to it.
-func rewriteConf(src []byte, port int, dir, logPath string) ([]byte, error) {
+// it up to the next listener, as they belong to it. Accounts live in the
+// dynamic-security plugin: a password_file or acl_file line is an error.
+func rewriteConf(src []byte, port int, dir, logPath, plugin, dynsecPath string) ([]byte, error) {
 	var out bytes.Buffer
-	sawListener, sawPersistLoc, sawPasswd, sawACL := false, false, false, false
+	sawListener, sawPersistLoc, sawPlugin, sawDynsec := false, false, false, false
 	inDropped := false
 	sc := bufio.NewScanner(bytes.NewReader(src))
 	for sc.Scan() {
@@ -199,12 +229,17 @@ func rewriteConf(src []byte, port int, dir, logPath string) ([]byte, error) {
 		case "persistence_location":
 			sawPersistLoc = true
 			fmt.Fprintf(&out, "persistence_location %s/\n", dir)
-		case "password_file":
-			sawPasswd = true
-			fmt.Fprintf(&out, "password_file %s\n", filepath.Join(dir, "passwd"))
-		case "acl_file":
-			sawACL = true
-			fmt.Fprintf(&out, "acl_file %s\n", filepath.Join(dir, "acl"))
+		case "plugin":
+			if len(fields) < 2 || filepath.Base(fields[1]) != "mosquitto_dynamic_security.so" {
+				return nil, fmt.Errorf("mosquitto.conf loads an unknown plugin: %q", line)
+			}
+			sawPlugin = true
+			fmt.Fprintf(&out, "plugin %s\n", plugin)
+		case "plugin_opt_config_file":
+			sawDynsec = true
+			fmt.Fprintf(&out, "plugin_opt_config_file %s\n", dynsecPath)
+		case "password_file", "acl_file":
+			return nil, fmt.Errorf("mosquitto.conf has %q: mqtttest keeps accounts in the dynamic-security plugin only", line)
 		case "log_dest":
 			// Every destination goes; one file replaces them below.
 			out.WriteString("# mqtttest dropped: " + line + "\n")
@@ -222,10 +257,10 @@ func rewriteConf(src []byte, port int, dir, logPath string) ([]byte, error) {
 		return nil, errors.New("mosquitto.conf has no \"listener 1883\" line")
 	case !sawPersistLoc:
 		return nil, errors.New("mosquitto.conf has no persistence_location line")
-	case !sawPasswd:
-		return nil, errors.New("mosquitto.conf has no password_file line")
-	case !sawACL:
-		return nil, errors.New("mosquitto.conf has no acl_file line")
+	case !sawPlugin:
+		return nil, errors.New("mosquitto.conf does not load the dynamic-security plugin")
+	case !sawDynsec:
+		return nil, errors.New("mosquitto.conf has no plugin_opt_config_file line")
 	}
 	fmt.Fprintf(&out, "log_dest file %s\n", logPath)
 	// Run as whoever runs the test: as root, Mosquitto would otherwise switch
@@ -236,61 +271,250 @@ func rewriteConf(src []byte, port int, dir, logPath string) ([]byte, error) {
 	return out.Bytes(), nil
 }
 
-// writeAccounts writes the password file (with mosquitto_passwd, which
-// hashes) and the ACL file from m.accounts.
-func (m *Mosquitto) writeAccounts() error {
-	pw := filepath.Join(m.Dir, "passwd")
-	if err := os.WriteFile(pw, nil, 0o600); err != nil {
-		return err
-	}
-	var acl bytes.Buffer
-	for _, a := range m.accounts {
-		if a.Username == "" || strings.ContainsAny(a.Username, ": \t\n") {
-			return fmt.Errorf("bad username %q", a.Username)
-		}
-		out, err := exec.Command(m.passwd, "-b", pw, a.Username, a.Password).CombinedOutput()
-		if err != nil {
-			return fmt.Errorf("mosquitto_passwd %s: %v: %s", a.Username, err, out)
-		}
-		fmt.Fprintf(&acl, "user %s\n", a.Username)
-		for _, l := range a.ACL {
-			acl.WriteString(l + "\n")
-		}
-		acl.WriteString("\n")
-	}
-	return os.WriteFile(filepath.Join(m.Dir, "acl"), acl.Bytes(), 0o600)
+// AdminUsername is the helper's own admin of the dynamic-security plugin,
+// which AddAccount and Dynsec use.
+const AdminUsername = "mqtttest-admin"
+
+// adminACLs are what `mosquitto_ctrl dynsec init` grants its admin user.
+var adminACLs = []dynsecACL{
+	{Type: "publishClientSend", Topic: "$CONTROL/dynamic-security/#", Allow: true},
+	{Type: "publishClientReceive", Topic: "$CONTROL/dynamic-security/#", Allow: true},
+	{Type: "subscribePattern", Topic: "$CONTROL/dynamic-security/#", Allow: true},
 }
 
-// AddAccount adds an account to the running broker: it rewrites the password
-// and ACL files, sends SIGHUP so Mosquitto reloads them, and returns once the
-// new account can connect.
+type dynsecACL struct {
+	Type  string `json:"acltype"`
+	Topic string `json:"topic"`
+	Allow bool   `json:"allow"`
+}
+
+type dynsecRole struct {
+	Name string      `json:"rolename"`
+	ACLs []dynsecACL `json:"acls"`
+}
+
+type dynsecRoleRef struct {
+	Name string `json:"rolename"`
+}
+
+type dynsecClient struct {
+	Username   string          `json:"username"`
+	Password   string          `json:"password"` // PBKDF2-SHA512, base64
+	Salt       string          `json:"salt"`     // base64
+	Iterations int             `json:"iterations"`
+	Roles      []dynsecRoleRef `json:"roles"`
+}
+
+// pbkdf2Iterations is what Mosquitto 2.0's plugin uses itself (101).
+const pbkdf2Iterations = 101
+
+// hashPassword hashes as Mosquitto 2.0's dynamic-security plugin does:
+// PBKDF2 with HMAC-SHA512, 12 random bytes of salt, 64 bytes of key.
+func hashPassword(password string) (hash, salt string, err error) {
+	s := make([]byte, 12)
+	if _, err := rand.Read(s); err != nil {
+		return "", "", err
+	}
+	k, err := pbkdf2.Key(sha512.New, password, s, pbkdf2Iterations, 64)
+	if err != nil {
+		return "", "", err
+	}
+	return base64.StdEncoding.EncodeToString(k), base64.StdEncoding.EncodeToString(s), nil
+}
+
+// aclOf turns acl_file lines into dynamic-security ACLs.
+func aclOf(lines []string) ([]dynsecACL, error) {
+	var out []dynsecACL
+	for _, l := range lines {
+		f := strings.Fields(l)
+		if len(f) < 2 || f[0] != "topic" {
+			return nil, fmt.Errorf("ACL line %q: only \"topic [read|write|readwrite] TOPIC\" is supported", l)
+		}
+		access, topic := "readwrite", f[1]
+		if len(f) == 3 {
+			access, topic = f[1], f[2]
+		}
+		if access == "read" || access == "readwrite" {
+			out = append(out,
+				dynsecACL{Type: "subscribePattern", Topic: topic, Allow: true},
+				dynsecACL{Type: "publishClientReceive", Topic: topic, Allow: true})
+		}
+		if access == "write" || access == "readwrite" {
+			out = append(out, dynsecACL{Type: "publishClientSend", Topic: topic, Allow: true})
+		}
+		if access != "read" && access != "write" && access != "readwrite" {
+			return nil, fmt.Errorf("ACL line %q: unknown access %q", l, access)
+		}
+	}
+	return out, nil
+}
+
+// roleOf is the role the helper makes for an account's ACL lines.
+func roleOf(username string) string { return "mqtttest-" + username }
+
+// writeDynsec writes the plugin's configuration before the first start:
+// the helper's admin, the accounts, and nothing allowed by default.
+func (m *Mosquitto) writeDynsec() error {
+	cfg := struct {
+		Clients          []dynsecClient  `json:"clients"`
+		Roles            []dynsecRole    `json:"roles"`
+		DefaultACLAccess map[string]bool `json:"defaultACLAccess"`
+	}{
+		Roles: []dynsecRole{{Name: "dynsec-admin", ACLs: adminACLs}},
+		DefaultACLAccess: map[string]bool{
+			"publishClientSend": false, "publishClientReceive": false,
+			"subscribe": false, "unsubscribe": true,
+		},
+	}
+	add := func(user, pass string, roles ...string) error {
+		h, salt, err := hashPassword(pass)
+		if err != nil {
+			return err
+		}
+		c := dynsecClient{Username: user, Password: h, Salt: salt, Iterations: pbkdf2Iterations}
+		for _, r := range roles {
+			c.Roles = append(c.Roles, dynsecRoleRef{Name: r})
+		}
+		cfg.Clients = append(cfg.Clients, c)
+		return nil
+	}
+	if err := add(AdminUsername, m.adminPass, "dynsec-admin"); err != nil {
+		return err
+	}
+	for _, a := range m.accounts {
+		if a.Username == "" || a.Username == AdminUsername {
+			return fmt.Errorf("bad username %q", a.Username)
+		}
+		acls, err := aclOf(a.ACL)
+		if err != nil {
+			return err
+		}
+		cfg.Roles = append(cfg.Roles, dynsecRole{Name: roleOf(a.Username), ACLs: acls})
+		roles := []string{roleOf(a.Username)}
+		if a.Admin {
+			roles = append(roles, "dynsec-admin")
+		}
+		if err := add(a.Username, a.Password, roles...); err != nil {
+			return err
+		}
+	}
+	b, err := json.MarshalIndent(cfg, "", "\t")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(m.dynsecPath, b, 0o600)
+}
+
+// AddAccount adds an account to the running broker through the
+// dynamic-security plugin's control API, and returns once the new account
+// can connect.
 func (m *Mosquitto) AddAccount(tb testing.TB, a MosquittoAccount) {
 	tb.Helper()
-	m.mu.Lock()
-	m.accounts = append(m.accounts, a)
-	err := m.writeAccounts()
-	cmd := m.cmd
-	m.mu.Unlock()
+	acls, err := aclOf(a.ACL)
 	if err != nil {
 		tb.Fatalf("mqtttest: %v", err)
 	}
-	if cmd == nil {
-		return // not running: Start reads the files
+	roles := []map[string]any{{"rolename": roleOf(a.Username)}}
+	if a.Admin {
+		roles = append(roles, map[string]any{"rolename": "dynsec-admin"})
 	}
-	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
-		tb.Fatalf("mqtttest: SIGHUP mosquitto: %v", err)
+	for _, r := range m.Dynsec(tb,
+		map[string]any{"command": "createRole", "rolename": roleOf(a.Username), "acls": acls},
+		map[string]any{"command": "createClient", "username": a.Username, "password": a.Password, "roles": roles},
+	) {
+		if r.Error != "" {
+			tb.Fatalf("mqtttest: AddAccount %q: %s: %s", a.Username, r.Command, r.Error)
+		}
 	}
-	deadline := time.Now().Add(startTimeout)
-	for {
-		err := m.tryConnect(a.Username, a.Password)
-		if err == nil {
+	m.mu.Lock()
+	m.accounts = append(m.accounts, a)
+	m.mu.Unlock()
+	if err := m.tryConnect(a.Username, a.Password); err != nil {
+		tb.Fatalf("mqtttest: account %q cannot connect: %v", a.Username, err)
+	}
+}
+
+// DynsecResponse is the plugin's answer to one command.
+type DynsecResponse struct {
+	Command string          `json:"command"`
+	Error   string          `json:"error"`
+	Data    json.RawMessage `json:"data"`
+}
+
+// Dynsec sends commands to the running broker's dynamic-security plugin as
+// the helper's admin, in one message, and returns the plugin's answers in
+// order. A refused command is an answer with Error set, not a failure.
+func (m *Mosquitto) Dynsec(tb testing.TB, cmds ...map[string]any) []DynsecResponse {
+	tb.Helper()
+	const topic = "$CONTROL/dynamic-security/v1"
+	got := make(chan []DynsecResponse, 1)
+	id := "mqtttest-" + randomString()
+	c := mqtt.NewClient(mqtt.NewClientOptions().
+		AddBroker(m.URL).
+		SetClientID(id).
+		SetUsername(AdminUsername).
+		SetPassword(m.adminPass).
+		SetAutoReconnect(false).
+		SetConnectTimeout(startTimeout))
+	if err := mqtt.WaitTokenTimeout(c.Connect(), startTimeout); err != nil {
+		tb.Fatalf("mqtttest: connect as %s: %v", AdminUsername, err)
+	}
+	defer c.Disconnect(50)
+	tok := c.Subscribe(topic+"/response", 1, func(_ mqtt.Client, msg mqtt.Message) {
+		var r struct {
+			Responses []struct {
+				DynsecResponse
+				CorrelationData string `json:"correlationData"`
+			} `json:"responses"`
+		}
+		if json.Unmarshal(msg.Payload(), &r) != nil || len(r.Responses) == 0 || r.Responses[0].CorrelationData != id {
 			return
 		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("mqtttest: account %q cannot connect after SIGHUP: %v", a.Username, err)
+		out := make([]DynsecResponse, len(r.Responses))
+		for i, x := range r.Responses {
+			out[i] = x.DynsecResponse
 		}
-		time.Sleep(20 * time.Millisecond) // polling a reload; there is nothing to wait on
+		select {
+		case got <- out:
+		default:
+		}
+	})
+	if err := mqtt.WaitTokenTimeout(tok, startTimeout); err != nil {
+		tb.Fatalf("mqtttest: subscribe to the plugin's responses: %v", err)
 	}
+	list := make([]map[string]any, len(cmds))
+	for i, cmd := range cmds {
+		cc := map[string]any{"correlationData": id}
+		for k, v := range cmd {
+			cc[k] = v
+		}
+		list[i] = cc
+	}
+	payload, err := json.Marshal(map[string]any{"commands": list})
+	if err != nil {
+		tb.Fatalf("mqtttest: %v", err)
+	}
+	if err := mqtt.WaitTokenTimeout(c.Publish(topic, 1, false, payload), startTimeout); err != nil {
+		tb.Fatalf("mqtttest: publish to the plugin: %v", err)
+	}
+	select {
+	case rs := <-got:
+		if len(rs) != len(cmds) {
+			tb.Fatalf("mqtttest: %d answers to %d commands", len(rs), len(cmds))
+		}
+		return rs
+	case <-time.After(startTimeout):
+		tb.Fatalf("mqtttest: the dynamic-security plugin did not answer")
+		return nil
+	}
+}
+
+func randomString() string {
+	b := make([]byte, 16)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return base64.RawURLEncoding.EncodeToString(b)
 }
 
 func (m *Mosquitto) tryConnect(user, pass string) error {

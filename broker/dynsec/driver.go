@@ -1,0 +1,626 @@
+package dynsec
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// Conn is what the driver needs of an MQTT connection. *broker.Broker
+// implements it with the server's own connection.
+type Conn interface {
+	// Subscribe subscribes on every connect; see broker.Broker.Subscribe.
+	Subscribe(filter string, msg func(payload []byte), subscribed func(granted bool)) error
+	// Publish publishes at QoS 1 and waits for the PUBACK or ctx.
+	Publish(ctx context.Context, topic string, payload []byte) error
+}
+
+// Store is what the driver needs of the store: who owns which device.
+type Store interface {
+	Binding(ctx context.Context, deviceID string) (store.Binding, error)
+	ListBindings(ctx context.Context, userID, after string, limit int) ([]store.Binding, error)
+}
+
+// Options configure New. The zero value of each optional field means its
+// default.
+type Options struct {
+	Conn  Conn  // required
+	Store Store // required
+	// ServerUsername is the server's own Mosquitto account: a bridge of
+	// that name is refused rather than given the server's account.
+	ServerUsername string
+	Topics         topics.Tree   // default topics.DefaultPrefix
+	Timeout        time.Duration // how long one request waits for its answer; default 10s
+	RetryInterval  time.Duration // how soon a failed change is tried again; default 30s
+	Logger         *slog.Logger
+}
+
+// Driver keeps Mosquitto's accounts and ACLs true. Create it with New
+// (before the broker starts), start it with Start, stop it with Close.
+type Driver struct {
+	opts Options
+	conn Conn
+	st   Store
+	tree topics.Tree
+	log  *slog.Logger
+
+	idPrefix string // of correlation data: unique to this process
+	seq      atomic.Uint64
+
+	mu        sync.Mutex
+	waiting   map[string]chan []Response // correlation id → waiter
+	granted   bool                       // the response topic is subscribed
+	refused   bool                       // … and was refused: not the plugin's admin
+	retry     []account                  // creations that failed, with their passwords (memory only)
+	connected chan struct{}              // one signal per (re)subscription
+	kick      chan struct{}              // a change failed: schedule a retry
+
+	change sync.Mutex // serialises changes to the plugin
+
+	quit chan struct{}
+	wg   sync.WaitGroup
+}
+
+// account is a client to create with its role.
+type account struct {
+	kind     string // "bridge" or "user", for logs
+	username string
+	password string
+	role     string
+	acls     []ACL
+}
+
+// ErrUnavailable is the answer while the server cannot use the plugin: not
+// connected yet, or its account may not subscribe to the response topic.
+var ErrUnavailable = errors.New("dynsec: the dynamic-security plugin cannot be reached")
+
+// New checks the options and subscribes to the plugin's responses on conn;
+// call it before the connection starts.
+func New(opts Options) (*Driver, error) {
+	if opts.Conn == nil || opts.Store == nil {
+		return nil, errors.New("dynsec: Conn and Store are required")
+	}
+	if opts.Topics == (topics.Tree{}) {
+		opts.Topics = topics.MustNew(topics.DefaultPrefix)
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 10 * time.Second
+	}
+	if opts.RetryInterval <= 0 {
+		opts.RetryInterval = 30 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	b := make([]byte, 8)
+	if _, err := rand.Read(b); err != nil {
+		return nil, err
+	}
+	d := &Driver{
+		opts:      opts,
+		conn:      opts.Conn,
+		st:        opts.Store,
+		tree:      opts.Topics,
+		log:       opts.Logger.With("component", "dynsec"),
+		idPrefix:  "companion-" + hex.EncodeToString(b) + "-",
+		waiting:   make(map[string]chan []Response),
+		connected: make(chan struct{}, 1),
+		kick:      make(chan struct{}, 1),
+		quit:      make(chan struct{}),
+	}
+	if err := d.conn.Subscribe(ResponseTopic, d.response, d.subscribed); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+// Start starts the loop that reconciles on every connect and retries what
+// failed.
+func (d *Driver) Start() {
+	d.wg.Add(1)
+	go d.run()
+}
+
+// Close stops the loop and waits for it.
+func (d *Driver) Close() error {
+	select {
+	case <-d.quit:
+	default:
+		close(d.quit)
+	}
+	d.wg.Wait()
+	return nil
+}
+
+func (d *Driver) subscribed(granted bool) {
+	d.mu.Lock()
+	d.granted = granted
+	wasRefused := d.refused
+	d.refused = !granted
+	d.mu.Unlock()
+	if !granted {
+		if !wasRefused {
+			d.log.Error("the server's MQTT account may not use the dynamic-security plugin: Mosquitto's accounts are not kept; " +
+				"give it the plugin's admin role (docs/mosquitto.md) or run with --mqtt-dynsec=false")
+		}
+		return
+	}
+	signal(d.connected)
+}
+
+func signal(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
+}
+
+// response takes one message of the response topic. It never blocks.
+func (d *Driver) response(payload []byte) {
+	var m struct {
+		Responses []Response `json:"responses"`
+	}
+	if err := json.Unmarshal(payload, &m); err != nil || len(m.Responses) == 0 {
+		return
+	}
+	d.mu.Lock()
+	ch := d.waiting[m.Responses[0].CorrelationData]
+	d.mu.Unlock()
+	if ch != nil {
+		select {
+		case ch <- m.Responses:
+		default:
+		}
+	}
+}
+
+// Do sends the commands in one message and returns the plugin's response
+// to each, in order. A command the plugin refused is not an error of Do:
+// see each Response's Err.
+func (d *Driver) Do(ctx context.Context, cmds ...Command) ([]Response, error) {
+	if len(cmds) == 0 {
+		return nil, nil
+	}
+	d.mu.Lock()
+	ok := d.granted
+	d.mu.Unlock()
+	if !ok {
+		return nil, ErrUnavailable
+	}
+	id := d.idPrefix + fmt.Sprint(d.seq.Add(1))
+	list := make([]Command, len(cmds))
+	for i, c := range cmds {
+		cc := make(Command, len(c)+1)
+		for k, v := range c {
+			cc[k] = v
+		}
+		cc["correlationData"] = id
+		list[i] = cc
+	}
+	payload, err := json.Marshal(map[string]any{"commands": list})
+	if err != nil {
+		return nil, err
+	}
+	ch := make(chan []Response, 1)
+	d.mu.Lock()
+	d.waiting[id] = ch
+	d.mu.Unlock()
+	defer func() {
+		d.mu.Lock()
+		delete(d.waiting, id)
+		d.mu.Unlock()
+	}()
+
+	ctx, cancel := context.WithTimeout(ctx, d.opts.Timeout)
+	defer cancel()
+	if err := d.conn.Publish(ctx, ControlTopic, payload); err != nil {
+		return nil, fmt.Errorf("dynsec: publish: %w", err)
+	}
+	select {
+	case rs := <-ch:
+		if len(rs) != len(cmds) {
+			return nil, fmt.Errorf("dynsec: %d responses to %d commands", len(rs), len(cmds))
+		}
+		return rs, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("dynsec: no answer from the plugin: %w", ctx.Err())
+	}
+}
+
+// BridgeRole and UserRole name the roles the server keeps.
+func BridgeRole(bridgeID string) string { return "bridge-" + bridgeID }
+
+// UserRole is the role of a user's client; see BridgeRole.
+func UserRole(userID string) string { return "user-" + userID }
+
+// BridgeACLs is what a bridge may do (CONTRACT §3): subscribe to and
+// receive the commands of every device, publish the replies, status and
+// settings of devices and its own state (also its Will).
+func (d *Driver) BridgeACLs(bridgeID string) []ACL {
+	cmds := d.tree.Prefix() + "/devices/+/commands/#"
+	state, _ := d.tree.BridgeState(bridgeID)
+	return []ACL{
+		{Type: SubscribePattern, Topic: cmds, Allow: true},
+		{Type: PublishClientReceive, Topic: cmds, Allow: true},
+		{Type: PublishClientSend, Topic: d.tree.AllReplies(), Allow: true},
+		{Type: PublishClientSend, Topic: d.tree.AllStatus(), Allow: true},
+		{Type: PublishClientSend, Topic: d.tree.AllSettings(), Allow: true},
+		{Type: PublishClientSend, Topic: state, Allow: true},
+	}
+}
+
+// deviceACLs is what the owner of a device may do with it: read its topics.
+func (d *Driver) deviceACLs(deviceID string) []ACL {
+	f, err := d.tree.DeviceFilter(deviceID)
+	if err != nil {
+		return nil
+	}
+	return []ACL{
+		{Type: SubscribePattern, Topic: f, Allow: true},
+		{Type: PublishClientReceive, Topic: f, Allow: true},
+	}
+}
+
+// BridgeCreated gives a new bridge its Mosquitto account. On failure the
+// account is retried while the process runs; the error is returned too.
+func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
+	return d.createAccount(ctx, account{kind: "bridge", username: bridgeID, password: secret, role: BridgeRole(bridgeID), acls: d.BridgeACLs(bridgeID)})
+}
+
+// UserCreated gives a new user a Mosquitto account that may read nothing
+// until they bind a device.
+func (d *Driver) UserCreated(ctx context.Context, userID, token string) error {
+	return d.createAccount(ctx, account{kind: "user", username: userID, password: token, role: UserRole(userID)})
+}
+
+// Bound grants the user the topics of the device, if the store still says
+// it is theirs.
+func (d *Driver) Bound(ctx context.Context, userID, deviceID string) error {
+	return d.syncBinding(ctx, userID, deviceID)
+}
+
+// Unbound takes the topics of the device from the user, unless the store
+// says it is theirs again. The plugin also disconnects the user's clients
+// when their role changes, and checks every delivery: nothing more of the
+// device reaches them.
+func (d *Driver) Unbound(ctx context.Context, userID, deviceID string) error {
+	return d.syncBinding(ctx, userID, deviceID)
+}
+
+var errNotOurs = errors.New("dynsec: a client of that name exists in Mosquitto and was not made by the server; not touching it")
+
+func (d *Driver) createAccount(ctx context.Context, a account) error {
+	if a.username == d.opts.ServerUsername {
+		err := fmt.Errorf("dynsec: a %s named %q would take the server's own Mosquitto account; not created", a.kind, a.username)
+		d.log.Error("account not created", "kind", a.kind, "username", a.username, "err", err)
+		return err
+	}
+	d.change.Lock()
+	defer d.change.Unlock()
+	err := d.create(ctx, a)
+	switch {
+	case err == nil:
+		d.log.Info("Mosquitto account created", "kind", a.kind, "username", a.username)
+	case errors.Is(err, errNotOurs):
+		d.log.Error("account not created", "kind", a.kind, "username", a.username, "err", err)
+	default:
+		d.log.Error("account not created; retrying while the server runs", "kind", a.kind, "username", a.username, "err", err)
+		d.mu.Lock()
+		d.retry = append(d.retry, a)
+		d.mu.Unlock()
+		signal(d.kick)
+	}
+	return err
+}
+
+// create makes the role and the client. Run with d.change held.
+func (d *Driver) create(ctx context.Context, a account) error {
+	acls := make([]map[string]any, 0, len(a.acls))
+	for _, x := range a.acls {
+		acls = append(acls, map[string]any{"acltype": x.Type, "topic": x.Topic, "allow": true, "priority": 0})
+	}
+	rs, err := d.Do(ctx,
+		Command{"command": "createRole", "rolename": a.role, "acls": acls},
+		Command{"command": "createClient", "username": a.username, "password": a.password,
+			"textname": "companion " + a.kind},
+	)
+	if err != nil {
+		return err
+	}
+	if err := rs[0].Err(); err != nil {
+		if !alreadyExists(err) {
+			return err
+		}
+		// A role left from before: make its ACLs right.
+		if err := d.syncRole(ctx, a.role, a.acls); err != nil {
+			return err
+		}
+	}
+	err = rs[1].Err()
+	if err == nil {
+		// The role is given with addClientRole rather than in createClient:
+		// Mosquitto 2.0.11 then links the client to the role both ways,
+		// which it needs to disconnect the client when the role changes.
+		return d.addRole(ctx, a)
+	}
+	if !alreadyExists(err) {
+		return err
+	}
+	// The client exists. If it is ours (only our role), set the password.
+	rs, err = d.Do(ctx, Command{"command": "getClient", "username": a.username})
+	if err != nil {
+		return err
+	}
+	if err := rs[0].Err(); err != nil {
+		return err
+	}
+	var got struct {
+		Client struct {
+			TextName string `json:"textname"`
+			Roles    []struct {
+				Name string `json:"rolename"`
+			} `json:"roles"`
+		} `json:"client"`
+	}
+	if err := json.Unmarshal(rs[0].Data, &got); err != nil {
+		return err
+	}
+	roles := got.Client.Roles
+	ours := got.Client.TextName == "companion "+a.kind &&
+		(len(roles) == 0 || len(roles) == 1 && roles[0].Name == a.role)
+	if !ours {
+		return errNotOurs
+	}
+	rs, err = d.Do(ctx, Command{"command": "setClientPassword", "username": a.username, "password": a.password})
+	if err != nil {
+		return err
+	}
+	if err := rs[0].Err(); err != nil {
+		return err
+	}
+	if len(roles) == 0 { // an earlier attempt stopped half-way
+		return d.addRole(ctx, a)
+	}
+	return nil
+}
+
+func (d *Driver) addRole(ctx context.Context, a account) error {
+	rs, err := d.Do(ctx, Command{"command": "addClientRole", "username": a.username, "rolename": a.role})
+	if err != nil {
+		return err
+	}
+	return rs[0].Err()
+}
+
+// syncRole makes a role's ACLs exactly want, as listed by getRole.
+func (d *Driver) syncRole(ctx context.Context, name string, want []ACL) error {
+	rs, err := d.Do(ctx, Command{"command": "getRole", "rolename": name})
+	if err != nil {
+		return err
+	}
+	if err := rs[0].Err(); err != nil {
+		return err
+	}
+	var got struct {
+		Role role `json:"role"`
+	}
+	if err := json.Unmarshal(rs[0].Data, &got); err != nil {
+		return err
+	}
+	return d.apply(ctx, diff(name, got.Role.ACLs, want))
+}
+
+// diff returns the commands that turn the ACLs have of a role into want:
+// removals first, receive rules before subscribe rules, so that access is
+// cut before it is granted anew.
+func diff(roleName string, have, want []ACL) []Command {
+	wantSet := make(map[ACL]bool, len(want))
+	for _, a := range want {
+		wantSet[a] = true
+	}
+	haveSet := make(map[ACL]bool, len(have))
+	var cmds []Command
+	for _, recvFirst := range []bool{true, false} {
+		for _, a := range have {
+			if (a.Type == PublishClientReceive) != recvFirst {
+				continue
+			}
+			haveSet[a] = true
+			if !wantSet[a] {
+				cmds = append(cmds, removeACL(roleName, a))
+			}
+		}
+	}
+	for _, a := range want {
+		if !haveSet[a] {
+			haveSet[a] = true
+			cmds = append(cmds, addACL(roleName, a))
+		}
+	}
+	return cmds
+}
+
+// apply sends changes in batches; "already exists" on an add and "not
+// found" on a removal mean the change is already made.
+func (d *Driver) apply(ctx context.Context, cmds []Command) error {
+	const batch = 100
+	for len(cmds) > 0 {
+		n := min(batch, len(cmds))
+		rs, err := d.Do(ctx, cmds[:n]...)
+		if err != nil {
+			return err
+		}
+		for _, r := range rs {
+			if err := r.Err(); err != nil && !alreadyExists(err) && !(r.Command == "removeRoleACL" && notFound(err)) {
+				return err
+			}
+		}
+		cmds = cmds[n:]
+	}
+	return nil
+}
+
+// syncBinding makes the user's role grant the device's topics exactly when
+// the store says the device is bound to them. It reads the store after
+// taking d.change, so concurrent binds and unbinds end as the store does.
+func (d *Driver) syncBinding(ctx context.Context, userID, deviceID string) error {
+	d.change.Lock()
+	defer d.change.Unlock()
+	err := d.syncBindingLocked(ctx, userID, deviceID)
+	if err != nil {
+		d.log.Error("Mosquitto ACL not updated; reconciling later", "user_id", userID, "device_id", deviceID, "err", err)
+		signal(d.kick)
+	}
+	return err
+}
+
+func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string) error {
+	b, err := d.st.Binding(ctx, deviceID)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+	case err != nil:
+		return err
+	}
+	roleName := UserRole(userID)
+	var cmds []Command
+	if err == nil && b.UserID == userID {
+		for _, a := range d.deviceACLs(deviceID) {
+			cmds = append(cmds, addACL(roleName, a))
+		}
+	} else {
+		acls := d.deviceACLs(deviceID)
+		for i := len(acls) - 1; i >= 0; i-- { // receive first
+			cmds = append(cmds, removeACL(roleName, acls[i]))
+		}
+	}
+	err = d.apply(ctx, cmds)
+	if notFound(err) && strings.Contains(err.Error(), "Role not found") {
+		d.log.Warn("user has no Mosquitto account; their devices' topics are not granted", "user_id", userID)
+		return nil
+	}
+	return err
+}
+
+// Reconcile makes the plugin agree with the store: everything not granted
+// is refused, every bridge-* role has a bridge's ACLs and every user-* role
+// grants exactly the topics of the user's devices. Account creations that
+// failed earlier in this process are retried. Passwords are not
+// reconciled: the server does not know them after the creation.
+func (d *Driver) Reconcile(ctx context.Context) error {
+	d.change.Lock()
+	defer d.change.Unlock()
+	d.mu.Lock()
+	retry := d.retry
+	d.retry = nil
+	d.mu.Unlock()
+	var failed []account
+	for _, a := range retry {
+		if err := d.create(ctx, a); err != nil && !errors.Is(err, errNotOurs) {
+			failed = append(failed, a)
+			continue
+		}
+		d.log.Info("Mosquitto account created on retry", "kind", a.kind, "username", a.username)
+	}
+	if len(failed) > 0 {
+		d.mu.Lock()
+		d.retry = append(failed, d.retry...)
+		d.mu.Unlock()
+	}
+
+	rs, err := d.Do(ctx, DenyByDefault(), Command{"command": "listRoles", "verbose": true, "count": -1, "offset": 0})
+	if err != nil {
+		return err
+	}
+	for _, r := range rs {
+		if err := r.Err(); err != nil {
+			return err
+		}
+	}
+	var list struct {
+		Roles []role `json:"roles"`
+	}
+	if err := json.Unmarshal(rs[1].Data, &list); err != nil {
+		return fmt.Errorf("dynsec: listRoles: %w", err)
+	}
+	var cmds []Command
+	for _, r := range list.Roles {
+		var want []ACL
+		switch {
+		case strings.HasPrefix(r.Name, "bridge-"):
+			id := strings.TrimPrefix(r.Name, "bridge-")
+			if !topics.ValidBridgeID(id) {
+				continue
+			}
+			want = d.BridgeACLs(id)
+		case strings.HasPrefix(r.Name, "user-"):
+			bs, err := d.st.ListBindings(ctx, strings.TrimPrefix(r.Name, "user-"), "", 0)
+			if err != nil {
+				return err
+			}
+			for _, b := range bs {
+				want = append(want, d.deviceACLs(b.DeviceID)...)
+			}
+		default:
+			continue
+		}
+		cmds = append(cmds, diff(r.Name, r.ACLs, want)...)
+	}
+	if err := d.apply(ctx, cmds); err != nil {
+		return err
+	}
+	if len(cmds) > 0 {
+		d.log.Info("Mosquitto ACLs reconciled with the store", "changes", len(cmds))
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("dynsec: %d account(s) still not created", len(failed))
+	}
+	return nil
+}
+
+// run reconciles on every connect, and again RetryInterval after a failure.
+func (d *Driver) run() {
+	defer d.wg.Done()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	d.wg.Add(1)
+	go func() { // cancels the request in flight when Close is called
+		defer d.wg.Done()
+		select {
+		case <-d.quit:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	retry := time.NewTimer(time.Hour)
+	retry.Stop()
+	for {
+		select {
+		case <-d.quit:
+			retry.Stop()
+			return
+		case <-d.connected:
+		case <-d.kick:
+			retry.Reset(d.opts.RetryInterval)
+			continue
+		case <-retry.C:
+		}
+		if err := d.Reconcile(ctx); err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			d.log.Error("reconciling Mosquitto's accounts failed; retrying", "err", err, "in", d.opts.RetryInterval)
+			retry.Reset(d.opts.RetryInterval)
+		}
+	}
+}

@@ -1,0 +1,185 @@
+package dynsec_test
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/broker/dynsec"
+	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/store"
+)
+
+// conn is a Conn over a real paho client, standing in for broker.Broker.
+type conn struct {
+	c       mqtt.Client
+	granted chan bool
+}
+
+func dialConn(t *testing.T, url, user, pass string) *conn {
+	t.Helper()
+	cn := &conn{granted: make(chan bool, 1)}
+	cn.c = mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("drv-" + user).
+		SetUsername(user).SetPassword(pass).SetAutoReconnect(false))
+	return cn
+}
+
+func (cn *conn) Subscribe(filter string, msg func([]byte), subscribed func(bool)) error {
+	tok := cn.c.Connect()
+	if err := mqtt.WaitTokenTimeout(tok, 10*time.Second); err != nil {
+		return err
+	}
+	st := cn.c.Subscribe(filter, 1, func(_ mqtt.Client, m mqtt.Message) { msg(m.Payload()) })
+	if err := mqtt.WaitTokenTimeout(st, 10*time.Second); err != nil {
+		return err
+	}
+	ok := st.(*mqtt.SubscribeToken).Result()[filter] != 0x80
+	subscribed(ok)
+	cn.granted <- ok
+	return nil
+}
+
+func (cn *conn) Publish(ctx context.Context, topic string, payload []byte) error {
+	return mqtt.WaitTokenTimeout(cn.c.Publish(topic, 1, false, payload), 10*time.Second)
+}
+
+// bindings is a hand-written Store.
+type bindings struct {
+	mu sync.Mutex
+	m  map[string]string // device → user
+}
+
+func (b *bindings) set(dev, user string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if user == "" {
+		delete(b.m, dev)
+		return
+	}
+	b.m[dev] = user
+}
+
+func (b *bindings) Binding(_ context.Context, dev string) (store.Binding, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u, ok := b.m[dev]
+	if !ok {
+		return store.Binding{}, store.ErrNotFound
+	}
+	return store.Binding{DeviceID: dev, UserID: u}, nil
+}
+
+func (b *bindings) ListBindings(_ context.Context, user, _ string, _ int) ([]store.Binding, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []store.Binding
+	for d, u := range b.m {
+		if u == user {
+			out = append(out, store.Binding{DeviceID: d, UserID: u})
+		}
+	}
+	return out, nil
+}
+
+var server = mqtttest.MosquittoAccount{Username: "companion-server", Password: "server-secret",
+	ACL: []string{"topic readwrite companion/v1/#"}, Admin: true}
+
+func newDriver(t *testing.T, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, st dynsec.Store) (*dynsec.Driver, bool) {
+	t.Helper()
+	cn := dialConn(t, mq.URL, a.Username, a.Password)
+	t.Cleanup(func() { cn.c.Disconnect(50) })
+	d, err := dynsec.New(dynsec.Options{Conn: cn, Store: st, ServerUsername: server.Username, Timeout: 5 * time.Second})
+	require.NoError(t, err)
+	return d, <-cn.granted
+}
+
+func canConnect(mq *mqtttest.Mosquitto, user, pass string) error {
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID("probe-" + user).
+		SetUsername(user).SetPassword(pass).SetAutoReconnect(false))
+	if err := mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second); err != nil {
+		return err
+	}
+	c.Disconnect(50)
+	return nil
+}
+
+func roleACLs(t *testing.T, mq *mqtttest.Mosquitto, role string) []dynsec.ACL {
+	t.Helper()
+	r := mq.Dynsec(t, map[string]any{"command": "getRole", "rolename": role})
+	require.Empty(t, r[0].Error)
+	var got struct {
+		Role struct {
+			ACLs []dynsec.ACL `json:"acls"`
+		} `json:"role"`
+	}
+	require.NoError(t, json.Unmarshal(r[0].Data, &got))
+	return got.Role.ACLs
+}
+
+func TestDriver(t *testing.T) {
+	ctx := context.Background()
+	operator := mqtttest.MosquittoAccount{Username: "operator", Password: "op-secret", ACL: []string{"topic read $SYS/#"}}
+	mq := mqtttest.StartMosquitto(t, server, operator)
+	st := &bindings{m: map[string]string{}}
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+
+	t.Run("bridge accounts, made again with a new secret", func(t *testing.T) {
+		require.NoError(t, d.BridgeCreated(ctx, "bridge-1", "first"))
+		require.NoError(t, canConnect(mq, "bridge-1", "first"))
+		require.NoError(t, d.BridgeCreated(ctx, "bridge-1", "second"))
+		assert.Error(t, canConnect(mq, "bridge-1", "first"))
+		assert.NoError(t, canConnect(mq, "bridge-1", "second"))
+		assert.ElementsMatch(t, d.BridgeACLs("bridge-1"), roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
+	})
+
+	t.Run("accounts the server did not make are not touched", func(t *testing.T) {
+		assert.Error(t, d.BridgeCreated(ctx, "operator", "hijack"))
+		assert.NoError(t, canConnect(mq, "operator", "op-secret"))
+		assert.Error(t, d.BridgeCreated(ctx, server.Username, "hijack"))
+		assert.NoError(t, canConnect(mq, server.Username, server.Password))
+	})
+
+	t.Run("bindings follow the store, and Reconcile repairs drift", func(t *testing.T) {
+		require.NoError(t, d.UserCreated(ctx, "user-a", "token-a"))
+		role := dynsec.UserRole("user-a")
+		assert.Empty(t, roleACLs(t, mq, role))
+
+		st.set("dev-1", "user-a")
+		require.NoError(t, d.Bound(ctx, "user-a", "dev-1"))
+		require.NoError(t, d.Bound(ctx, "user-a", "dev-1")) // idempotent
+		dev1 := []dynsec.ACL{
+			{Type: dynsec.SubscribePattern, Topic: "companion/v1/devices/dev-1/#", Allow: true},
+			{Type: dynsec.PublishClientReceive, Topic: "companion/v1/devices/dev-1/#", Allow: true},
+		}
+		assert.ElementsMatch(t, dev1, roleACLs(t, mq, role))
+
+		// A late Bound after the unbind grants nothing: the store decides.
+		st.set("dev-1", "")
+		require.NoError(t, d.Bound(ctx, "user-a", "dev-1"))
+		assert.Empty(t, roleACLs(t, mq, role))
+		require.NoError(t, d.Unbound(ctx, "user-a", "dev-1"))
+
+		// Drift: a change the server missed, and a rule nobody asked for.
+		st.set("dev-2", "user-a")
+		r := mq.Dynsec(t, map[string]any{"command": "addRoleACL", "rolename": role, "acltype": "publishClientSend", "topic": "#", "allow": true})
+		require.Empty(t, r[0].Error)
+		require.NoError(t, d.Reconcile(ctx))
+		assert.ElementsMatch(t, []dynsec.ACL{
+			{Type: dynsec.SubscribePattern, Topic: "companion/v1/devices/dev-2/#", Allow: true},
+			{Type: dynsec.PublishClientReceive, Topic: "companion/v1/devices/dev-2/#", Allow: true},
+		}, roleACLs(t, mq, role))
+	})
+
+	t.Run("an account that is not the plugin's admin never publishes to it", func(t *testing.T) {
+		d, granted := newDriver(t, mq, operator, st)
+		assert.False(t, granted)
+		assert.ErrorIs(t, d.UserCreated(ctx, "user-b", "token-b"), dynsec.ErrUnavailable)
+	})
+}
