@@ -12,7 +12,6 @@ package main
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -30,6 +29,7 @@ import (
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/gatt/bluez"
 	"github.com/devicecompanion/companion/internal/envflag"
+	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -342,24 +342,12 @@ func (m *Main) Close() error {
 // plain tcp:// broker) and the HTTP client for blob downloads, both
 // verifying servers with the CA bundle in caFile (system roots when "").
 func tlsClients(mqttURL, caFile string) (*tls.Config, *http.Client, error) {
-	conf := &tls.Config{MinVersion: tls.VersionTLS12}
-	if caFile != "" {
-		pem, err := os.ReadFile(caFile)
-		if err != nil {
-			return nil, nil, err
-		}
-		conf.RootCAs = x509.NewCertPool()
-		if !conf.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, nil, fmt.Errorf("%s: no PEM certificates", caFile)
-		}
+	conf, err := tlsclient.Config(caFile)
+	if err != nil {
+		return nil, nil, err
 	}
-	t := http.DefaultTransport.(*http.Transport).Clone()
-	t.TLSClientConfig = conf.Clone()
-	client := &http.Client{Transport: t}
-	scheme, _, _ := strings.Cut(mqttURL, "://")
-	switch scheme {
-	case "ssl", "tls", "mqtts", "tcps", "wss":
-		return conf, client, nil
+	if !tlsclient.IsTLSURL(mqttURL) {
+		return nil, tlsclient.HTTPClient(conf), nil
 	}
-	return nil, client, nil
+	return conf, tlsclient.HTTPClient(conf), nil
 }

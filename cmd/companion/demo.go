@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
 	"encoding/base32"
 	"encoding/json"
 	"errors"
@@ -21,6 +19,7 @@ import (
 
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
@@ -332,15 +331,9 @@ func demoHTTPClient(certFile string) (*http.Client, error) {
 	if certFile == "" {
 		return nil, nil
 	}
-	pem, err := os.ReadFile(certFile)
+	c, err := tlsclient.Config(certFile)
 	if err != nil {
 		return nil, err
 	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(pem) {
-		return nil, fmt.Errorf("%s: no PEM certificates", certFile)
-	}
-	t := http.DefaultTransport.(*http.Transport).Clone()
-	t.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
-	return &http.Client{Transport: t}, nil
+	return tlsclient.HTTPClient(c), nil
 }

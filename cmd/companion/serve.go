@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
 	"encoding/base64"
 	"errors"
 	"flag"
@@ -24,6 +23,7 @@ import (
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -414,27 +414,13 @@ func (m *Main) Close() error {
 // tcp:// or mqtt://, and for ssl://, tls://, mqtts:// a config that verifies
 // the broker with the CA bundle in caFile (the system roots when empty).
 func clientTLS(url, caFile string) (*tls.Config, error) {
-	scheme, _, _ := strings.Cut(url, "://")
-	switch scheme {
-	case "ssl", "tls", "mqtts", "tcps":
-	default:
+	if !tlsclient.IsTLSURL(url) {
 		if caFile != "" {
 			return nil, usageError{"--mqtt-ca needs an mqtts:// broker URL"}
 		}
 		return nil, nil
 	}
-	c := &tls.Config{MinVersion: tls.VersionTLS12}
-	if caFile != "" {
-		pem, err := os.ReadFile(caFile)
-		if err != nil {
-			return nil, err
-		}
-		c.RootCAs = x509.NewCertPool()
-		if !c.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%s: no PEM certificates", caFile)
-		}
-	}
-	return c, nil
+	return tlsclient.Config(caFile)
 }
 
 // loadAdminToken returns --admin-token, or the token in DATA/admin.token,

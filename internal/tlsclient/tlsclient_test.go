@@ -1,0 +1,33 @@
+package tlsclient
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+func TestConfig(t *testing.T) {
+	c, err := Config("")
+	if err != nil || c.RootCAs != nil {
+		t.Errorf("Config(\"\") = %v, %v; want system roots", c, err)
+	}
+	if _, err := Config(filepath.Join(t.TempDir(), "missing.pem")); err == nil {
+		t.Error("a missing file was accepted")
+	}
+	junk := filepath.Join(t.TempDir(), "junk.pem")
+	os.WriteFile(junk, []byte("not a certificate"), 0o600)
+	if _, err := Config(junk); err == nil {
+		t.Error("a file without certificates was accepted")
+	}
+}
+
+func TestIsTLSURL(t *testing.T) {
+	for url, want := range map[string]bool{
+		"tcp://h:1883": false, "mqtt://h:1883": false, "ws://h": false,
+		"mqtts://h:8883": true, "ssl://h:8883": true, "tls://h": true, "wss://h": true,
+	} {
+		if got := IsTLSURL(url); got != want {
+			t.Errorf("IsTLSURL(%q) = %v; want %v", url, got, want)
+		}
+	}
+}
