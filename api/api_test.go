@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
@@ -690,4 +691,19 @@ func TestUnauthenticatedRequestsAreLimitedPerSource(t *testing.T) {
 	// Admin and blob routes count too.
 	r = e.send(req{method: "POST", path: "/api/v1/admin/users", token: "wrong", body: map[string]any{"name": "x"}})
 	assert.Equal(t, http.StatusTooManyRequests, r.status)
+}
+
+// A command without ttl_seconds lives 86400 s (CONTRACT §2).
+func TestDefaultTTL(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "hi"})
+	require.Equal(t, http.StatusAccepted, r.status, "%s", r.body)
+	var cmd struct {
+		CreatedAt time.Time `json:"created_at"`
+		ExpiresAt time.Time `json:"expires_at"`
+	}
+	require.NoError(t, json.Unmarshal(r.body, &cmd))
+	ttl := cmd.ExpiresAt.Sub(cmd.CreatedAt)
+	assert.InDelta(t, (86400 * time.Second).Seconds(), ttl.Seconds(), 1, "ttl %v", ttl)
 }
