@@ -15,9 +15,15 @@ build:
 	mkdir -p bin
 	$(GO) build -o bin/ ./cmd/...
 
-# Benchmarks print figures; no test asserts speed.
+# Benchmarks print figures; no test asserts speed. The package benchmarks
+# first, then the command path against the bare forwarder it is built on
+# (cmd/companion/benchpath_test.go), whose line of CONTRACT §12 ends the
+# output. BENCH_SECONDS, BENCH_DEVICES, BENCH_E2E_CLIENTS,
+# BENCH_ACCEPT_CLIENTS and BENCH_PROFILE_DIR tune it.
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem ./...
+	$(GO) test -run '^$$' -bench . -benchmem -skip '^BenchmarkCommandPath$$' ./...
+	$(GO) test -run '^$$' -bench '^BenchmarkCommandPath$$' -benchtime 1x -timeout 30m ./cmd/companion | tee bench.out
+	@grep '^bench:' bench.out | tail -1
 
 # Not part of test: SOAK_MINUTES of mixed load against the real binaries and
 # Mosquitto with random SIGKILLs of the server, the bridge and the broker; it
@@ -31,7 +37,7 @@ vet:
 	$(GO) vet ./...
 
 clean:
-	rm -rf bin data
+	rm -rf bin data bench.out
 
 # Each fuzz target for FUZZTIME (seed corpora run in `make test` already).
 FUZZTIME ?= 30s

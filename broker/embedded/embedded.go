@@ -24,6 +24,7 @@ import (
 	"sync"
 
 	mqtt "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion/topics"
 )
@@ -248,6 +249,13 @@ func (s *Server) Start() error {
 	}
 	ln := newListener("tcp", s.listen, s.log)
 	ln.tls = s.tls
+	ln.disconnect = func() {
+		for _, cl := range s.mochi.Clients.GetAll() {
+			if cl.Net.Listener == ln.ID() && !cl.Closed() {
+				_ = s.mochi.DisconnectClient(cl, packets.ErrServerShuttingDown)
+			}
+		}
+	}
 	if err := s.mochi.AddListener(ln); err != nil {
 		return fmt.Errorf("embedded: listen on %s: %w", s.listen, err)
 	}

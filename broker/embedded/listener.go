@@ -20,6 +20,7 @@ type listener struct {
 	network, address string
 	tls              *tls.Config // TLS on every connection when set
 	log              *slog.Logger
+	disconnect       func() // sends DISCONNECT to the clients of this listener
 
 	ln   net.Listener
 	wg   sync.WaitGroup
@@ -143,16 +144,23 @@ func (l *listener) isClosed() bool {
 }
 
 // Close is called by mochi's Close: it disconnects the clients mochi knows
-// (closeClients sends each a DISCONNECT), stops accepting, closes every
-// connection still open, including those that never finished connecting,
-// and waits for their goroutines. Waiting here, before mochi's Close waits
-// on its own WaitGroup, also keeps mochi from calling that WaitGroup's Add
-// (at the start of each connection) while it waits.
-func (l *listener) Close(closeClients listeners.CloseFn) {
+// (each gets a DISCONNECT), stops accepting, closes every connection still
+// open, including those that never finished connecting, and waits for their
+// goroutines. Waiting here, before mochi's Close waits on its own
+// WaitGroup, also keeps mochi from calling that WaitGroup's Add (at the
+// start of each connection) while it waits.
+//
+// Mochi's closeClients is not used: its Clients.GetByListener takes the
+// clients' read lock twice (it calls Len under it), so a connection that
+// takes the write lock in between (a client id taken over) deadlocks both
+// for good. disconnect reads the clients under one read lock.
+func (l *listener) Close(listeners.CloseFn) {
 	if l.isClosed() {
 		return
 	}
-	closeClients(l.ID())
+	if l.disconnect != nil {
+		l.disconnect()
+	}
 	l.closeAll()
 	l.wg.Wait()
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/gatt/bluez"
 	"github.com/devicecompanion/companion/internal/envflag"
+	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
@@ -73,6 +74,7 @@ type Config struct {
 	TopicPrefix  string
 	LogLevel     slog.Level
 	CA           string // PEM CA bundle to verify an mqtts:// broker and an https:// API with
+	PProf        string // listen address of net/http/pprof; "" off
 }
 
 // Main is the bridge program: Run builds and runs it, Close stops it.
@@ -81,6 +83,7 @@ type Main struct {
 	Stderr io.Writer // logs; default os.Stderr
 
 	mu      sync.Mutex
+	pprof   *pprofserver.Server
 	agent   *agent.Agent
 	sims    []*sim.Device
 	network *sim.Network
@@ -136,6 +139,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.StringVar(&c.CA, "ca", c.CA, "PEM CA `file` to verify an mqtts:// broker and an https:// --api-url with (default: the system's)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", c.TopicPrefix, "MQTT topic `prefix`")
 	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log `level`: debug, info, warn, error")
+	fs.StringVar(&c.PProf, "pprof", c.PProf, "serve net/http/pprof on this `address` (off when empty; keep it on loopback)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -219,6 +223,15 @@ func (m *Main) Run(ctx context.Context) error {
 	tree, err := topics.New(c.TopicPrefix)
 	if err != nil {
 		return err
+	}
+	if c.PProf != "" {
+		ps, err := pprofserver.Start(c.PProf, log)
+		if err != nil {
+			return fmt.Errorf("--pprof: %w", err)
+		}
+		m.mu.Lock()
+		m.pprof = ps
+		m.mu.Unlock()
 	}
 	conn, ids, err := m.connector(log)
 	if err != nil {
@@ -315,11 +328,14 @@ func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device, error)
 // spool, then disconnects the devices.
 func (m *Main) Close() error {
 	m.mu.Lock()
-	a, gatts, network, bz, sims := m.agent, m.gatts, m.network, m.bluez, m.sims
+	a, gatts, network, bz, sims, ps := m.agent, m.gatts, m.network, m.bluez, m.sims, m.pprof
 	m.mu.Unlock()
 	var err error
 	if a != nil {
 		err = a.Close()
+	}
+	if ps != nil {
+		ps.Close()
 	}
 	for _, d := range gatts {
 		d.Close()

@@ -129,12 +129,18 @@ type osProc struct {
 
 func startProc(tb testing.TB, name, bin string, args ...string) *osProc {
 	tb.Helper()
+	return startProcEnv(tb, name, bin, procEnv(), args...)
+}
+
+// startProcEnv is startProc with the environment env.
+func startProcEnv(tb testing.TB, name, bin string, env []string, args ...string) *osProc {
+	tb.Helper()
 	logf, err := os.CreateTemp(tb.TempDir(), name+"-*.log")
 	require.NoError(tb, err)
 	p := &osProc{name: name, logPath: logf.Name(), exited: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
-	p.cmd.Env = procEnv()
+	p.cmd.Env = env
 	require.NoError(tb, p.cmd.Start(), "start %s", name)
 	logf.Close() // the child has its own descriptor
 	go func() {
@@ -200,6 +206,7 @@ type procCluster struct {
 	simState           string // the bridge's --sim-state
 	adminToken         string
 	devices            []string
+	serverArgs         []string // extra flags of the server
 	bridgeArgs         []string // extra flags of the bridge
 	// With an external broker: its URL and the server's flags for it
 	// (--mqtt-url …); otherwise the server's embedded broker on mqttAddr.
@@ -258,6 +265,7 @@ func (c *procCluster) launchServer() {
 		"--http", c.httpAddr, "--data", c.data,
 		"--admin-token", c.adminToken, "--log-level", "warn",
 		"--rate-per-token", "0", "--max-open-commands", "10000"}, mqttArgs...)
+	args = append(args, c.serverArgs...)
 	c.server = startProc(c.tb, "companion", c.companion, args...)
 }
 

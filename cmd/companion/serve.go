@@ -23,6 +23,7 @@ import (
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
@@ -53,6 +54,7 @@ type Config struct {
 	MQTTCA      string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
 	MQTTTLSCert string          // the embedded broker's certificate: it then serves mqtts:// only
 	MQTTTLSKey  string
+	PProf       string // listen address of net/http/pprof; "" off
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -83,6 +85,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.DurationVar(&c.ExpiryGrace, "expiry-grace", time.Minute, "how long past its TTL a command the broker has waits for the bridge's word before it is called expired")
 	fs.DurationVar(&c.Retention, "retention", 30*24*time.Hour, "how long finished commands are kept (at least 24h)")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&c.PProf, "pprof", "", "serve net/http/pprof on this address (off when empty; keep it on loopback)")
 	d, l := api.DefaultLimits, &c.Limits
 	fs.IntVar(&l.MaxTextBytes, "max-text-bytes", d.MaxTextBytes, "largest text push, bytes of UTF-8")
 	fs.IntVar(&l.MaxTitleBytes, "max-title-bytes", d.MaxTitleBytes, "largest title of a text push")
@@ -160,6 +163,7 @@ type Main struct {
 	Broker *broker.Broker
 	Dynsec *dynsec.Driver // with --mqtt-url and --mqtt-dynsec
 	Demo   *Demo
+	PProf  *pprofserver.Server // with --pprof
 
 	adminToken string
 	mqttURL    string
@@ -234,6 +238,11 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
 		return err
+	}
+	if cfg.PProf != "" {
+		if m.PProf, err = pprofserver.Start(cfg.PProf, m.Logger); err != nil {
+			return fmt.Errorf("--pprof: %w", err)
+		}
 	}
 	m.DB, err = store.Open(filepath.Join(cfg.Data, "companion.db"), store.Options{Now: cfg.Now, Logger: m.Logger})
 	if err != nil {
@@ -378,7 +387,7 @@ func (m *Main) Run(ctx context.Context) error {
 
 // Close shuts down in reverse order: HTTP (letting requests in flight
 // finish), the demo bridge, the dynamic-security driver, the command
-// broker, the MQTT broker, the store.
+// broker, the MQTT broker, the store, the pprof listener.
 func (m *Main) Close() error {
 	m.closeOnce.Do(func() {
 		var errs []error
@@ -404,6 +413,9 @@ func (m *Main) Close() error {
 		}
 		if m.DB != nil {
 			errs = append(errs, m.DB.Close())
+		}
+		if m.PProf != nil {
+			errs = append(errs, m.PProf.Close())
 		}
 		m.closeErr = errors.Join(errs...)
 	})

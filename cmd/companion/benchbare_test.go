@@ -1,0 +1,244 @@
+package main
+
+// The bare forwarder of BenchmarkCommandPath: what the command path is built
+// on, with nothing of the project in between. A gin handler publishes each
+// push at QoS 1 through paho to a mochi-mqtt broker in the same process and
+// answers 202 on the PUBACK (or, with Prefer: wait, on the bridge's reply); a
+// bare bridge subscribed to every command topic answers each with
+// "succeeded". No auth, no store, no spool, no device. Both run as processes
+// of their own, like the real server and bridge: the test binary runs
+// itself with benchRoleEnv set.
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/gin-gonic/gin"
+	"github.com/google/uuid"
+	mochi "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/listeners"
+	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// benchRoleEnv names the role a re-executed test binary plays: bare-server
+// or bare-bridge. BENCH_HTTP and BENCH_MQTT give its addresses.
+const benchRoleEnv = "COMPANION_BENCH_ROLE"
+
+// runBenchRole runs the role named in the environment until SIGTERM and
+// reports whether there was one.
+func runBenchRole() bool {
+	role := os.Getenv(benchRoleEnv)
+	if role == "" {
+		return false
+	}
+	var err error
+	switch role {
+	case "bare-server":
+		err = runBareServer(os.Getenv("BENCH_HTTP"), os.Getenv("BENCH_MQTT"))
+	case "bare-bridge":
+		err = runBareBridge(os.Getenv("BENCH_MQTT"))
+	default:
+		err = fmt.Errorf("unknown role %q", role)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, role+":", err)
+		os.Exit(1)
+	}
+	return true
+}
+
+func waitForSignal() {
+	ch := make(chan os.Signal, 1)
+	signal.Notify(ch, syscall.SIGTERM, os.Interrupt)
+	<-ch
+}
+
+func bareClient(url, id string, onConnect func(mqtt.Client)) (mqtt.Client, error) {
+	c := mqtt.NewClient(mqtt.NewClientOptions().
+		AddBroker(url).
+		SetClientID(id).
+		SetCleanSession(true).
+		SetAutoReconnect(true).
+		SetOnConnectHandler(onConnect))
+	if err := mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func runBareServer(httpAddr, mqttAddr string) error {
+	// Mochi's defaults drop QoS 1 messages once a client's write queue
+	// holds 1024; the project's embedded broker raises both limits, and so
+	// does the bare one, or it would lose commands under the accepting load.
+	caps := mochi.NewDefaultServerCapabilities()
+	caps.MaximumInflight = math.MaxUint16
+	caps.MaximumClientWritesPending = math.MaxUint16
+	broker := mochi.New(&mochi.Options{Capabilities: caps, Logger: slog.New(slog.DiscardHandler)})
+	if err := broker.AddHook(new(allowAll), nil); err != nil {
+		return err
+	}
+	if err := broker.AddListener(listeners.NewTCP(listeners.Config{ID: "tcp", Address: mqttAddr})); err != nil {
+		return err
+	}
+	if err := broker.Serve(); err != nil {
+		return err
+	}
+	defer broker.Close()
+
+	tree := topics.MustNew(topics.DefaultPrefix)
+	var (
+		mu      sync.Mutex
+		waiters = map[string]chan struct{}{}
+		open    = map[string]bool{}
+	)
+	onReply := func(_ mqtt.Client, m mqtt.Message) {
+		var r struct {
+			CommandID string `json:"command_id"`
+		}
+		if json.Unmarshal(m.Payload(), &r) != nil {
+			return
+		}
+		mu.Lock()
+		delete(open, r.CommandID)
+		if ch := waiters[r.CommandID]; ch != nil {
+			close(ch)
+			delete(waiters, r.CommandID)
+		}
+		mu.Unlock()
+	}
+	client, err := bareClient("tcp://"+mqttAddr, "bare-server", func(c mqtt.Client) {
+		c.Subscribe(tree.AllReplies(), 1, onReply)
+	})
+	if err != nil {
+		return err
+	}
+	defer client.Disconnect(100)
+
+	gin.SetMode(gin.ReleaseMode)
+	r := gin.New()
+	r.POST("/api/v1/devices/:id/push/text", func(c *gin.Context) {
+		var req struct {
+			Text string `json:"text"`
+		}
+		if err := c.ShouldBindJSON(&req); err != nil || req.Text == "" {
+			c.JSON(400, gin.H{"error": "bad body"})
+			return
+		}
+		dev := c.Param("id")
+		topic, err := tree.Command(dev, topics.OpPushText)
+		if err != nil {
+			c.JSON(404, gin.H{"error": "bad device"})
+			return
+		}
+		id := uuid.Must(uuid.NewV7()).String()
+		now := time.Now().UTC()
+		payload, _ := json.Marshal(topics.PushText{Text: req.Text})
+		msg, _ := json.Marshal(topics.Command{ID: id, Op: topics.OpPushText, DeviceID: dev, CreatedAt: now, ExpiresAt: now.Add(24 * time.Hour), Payload: payload})
+		wait := strings.HasPrefix(c.GetHeader("Prefer"), "wait=")
+		done := make(chan struct{})
+		mu.Lock()
+		if wait {
+			waiters[id] = done
+		} else {
+			open[id] = true // drained by the benchmark after accepting
+		}
+		mu.Unlock()
+		if err := mqtt.WaitTokenTimeout(client.Publish(topic, 1, false, msg), 30*time.Second); err != nil {
+			c.JSON(500, gin.H{"error": err.Error()})
+			return
+		}
+		status, state := 202, "sent"
+		if wait {
+			select {
+			case <-done:
+				status, state = 200, "succeeded"
+			case <-time.After(preferredWait(c.GetHeader("Prefer"))):
+			}
+		}
+		c.JSON(status, gin.H{"id": id, "device_id": dev, "op": topics.OpPushText, "state": state})
+	})
+	r.GET("/bench/open", func(c *gin.Context) {
+		mu.Lock()
+		n := len(open)
+		mu.Unlock()
+		c.JSON(200, gin.H{"open": n})
+	})
+	r.GET("/readyz", func(c *gin.Context) { c.Status(200) })
+	ln, err := net.Listen("tcp", httpAddr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: r, ErrorLog: nil}
+	go srv.Serve(ln)
+	waitForSignal()
+	return srv.Close()
+}
+
+// preferredWait reads Prefer: "wait=N".
+func preferredWait(prefer string) time.Duration {
+	n, err := strconv.Atoi(strings.TrimPrefix(prefer, "wait="))
+	if err != nil {
+		return time.Minute
+	}
+	return time.Duration(n) * time.Second
+}
+
+// allowAll lets every client connect and publish or subscribe anything.
+type allowAll struct{ mochi.HookBase }
+
+func (allowAll) ID() string { return "allow-all" }
+
+func (allowAll) Provides(b byte) bool {
+	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
+}
+
+func (allowAll) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
+
+func (allowAll) OnACLCheck(*mochi.Client, string, bool) bool { return true }
+
+func runBareBridge(mqttAddr string) error {
+	tree := topics.MustNew(topics.DefaultPrefix)
+	onCommand := func(c mqtt.Client, m mqtt.Message) {
+		var cmd topics.Command
+		if json.Unmarshal(m.Payload(), &cmd) != nil {
+			return
+		}
+		topic, err := tree.Replies(cmd.DeviceID)
+		if err != nil {
+			return
+		}
+		b, _ := json.Marshal(topics.Reply{CommandID: cmd.ID, State: topics.StateSucceeded, At: time.Now().UTC()})
+		c.Publish(topic, 1, false, b)
+	}
+	client, err := bareClient("tcp://"+mqttAddr, "bare-bridge", func(c mqtt.Client) {
+		c.Subscribe(tree.Prefix()+"/devices/+/commands/#", 1, onCommand)
+	})
+	if err != nil {
+		return err
+	}
+	waitForSignal()
+	client.Disconnect(100)
+	return nil
+}
+
+// discard drains and closes an HTTP answer's body so that its connection
+// is reused.
+func discard(r *http.Response) {
+	io.Copy(io.Discard, r.Body)
+	r.Body.Close()
+}

@@ -1,0 +1,62 @@
+// Package pprofserver serves net/http/pprof and expvar's /debug/vars on a
+// listener of its own, for the --pprof flag of companion serve and
+// companion-bridge. It is off unless asked for: the profiles say much about
+// the process and need no token, so the address should be a loopback one.
+package pprofserver
+
+import (
+	"errors"
+	"expvar"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"time"
+)
+
+// Server is a running pprof listener.
+type Server struct {
+	ln   net.Listener
+	srv  *http.Server
+	done chan struct{}
+}
+
+// Start listens on addr and serves /debug/pprof/ there until Close.
+func Start(addr string, log *slog.Logger) (*Server, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	// The process's counters (memstats, and what it publishes with expvar).
+	mux.Handle("/debug/vars", expvar.Handler())
+	s := &Server{
+		ln:   ln,
+		srv:  &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second},
+		done: make(chan struct{}),
+	}
+	go func() {
+		defer close(s.done)
+		if err := s.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("pprof server", "err", err)
+		}
+	}()
+	log.Info("pprof listening", "addr", ln.Addr().String())
+	return s, nil
+}
+
+// Addr is the address it listens on (useful with port 0).
+func (s *Server) Addr() string { return s.ln.Addr().String() }
+
+// Close stops the listener, cuts profiles in progress (a CPU profile may
+// run for many seconds) and waits for the serving goroutine.
+func (s *Server) Close() error {
+	err := s.srv.Close()
+	<-s.done
+	return err
+}
