@@ -118,6 +118,10 @@ type Agent struct {
 
 	connected atomic.Bool
 	stopping  atomic.Bool // Run is shutting down: do not say "online" again
+	// resync is set until the first message of a connection arrives, which
+	// sets settleUntil (unix ns): see settleTime.
+	resync      atomic.Bool
+	settleUntil atomic.Int64
 
 	seqMu   sync.Mutex
 	lastSeq uint64
@@ -126,9 +130,16 @@ type Agent struct {
 	intake     []mqtt.Message
 	intakeWake chan struct{}
 
-	outboxWake     chan struct{}
-	outboxMu       sync.Mutex
-	outboxInflight map[uint64]bool
+	delivMu    sync.Mutex
+	delivQueue []owedDelivered // "delivered" replies owed, oldest first
+	delivOwed  map[string]bool // ids of delivQueue whose reply is still owed
+	delivWake  chan struct{}
+
+	outboxWake chan struct{}
+	outboxMu   sync.Mutex
+	flying     map[uint64]bool   // outbox keys of final replies published, PUBACK awaited
+	unfinished []finishJob       // final replies the spool failed to record, to try again
+	acks       chan pendingFinal // published final replies awaiting their PUBACK, in order
 
 	runMu   sync.Mutex
 	started bool
@@ -139,8 +150,7 @@ type Agent struct {
 	closeDB sync.Once
 	dbErr   error
 
-	wg      sync.WaitGroup // the loops
-	waiters sync.WaitGroup // PUBACK waiters of the outbox
+	wg sync.WaitGroup // the loops
 }
 
 // New checks the options, opens the spool and prepares the MQTT client. It
@@ -177,16 +187,19 @@ func New(opts Options) (*Agent, error) {
 		opts.HTTPClient = &http.Client{Transport: http.DefaultTransport}
 	}
 	a := &Agent{
-		opts:           opts,
-		log:            opts.Logger.With("bridge", opts.BridgeID),
-		now:            opts.Now,
-		tree:           opts.Topics,
-		devices:        map[string]*deviceRunner{},
-		intakeWake:     make(chan struct{}, 1),
-		outboxWake:     make(chan struct{}, 1),
-		outboxInflight: map[uint64]bool{},
-		stop:           make(chan struct{}),
-		stopped:        make(chan struct{}),
+		opts:       opts,
+		log:        opts.Logger.With("bridge", opts.BridgeID),
+		now:        opts.Now,
+		tree:       opts.Topics,
+		devices:    map[string]*deviceRunner{},
+		intakeWake: make(chan struct{}, 1),
+		outboxWake: make(chan struct{}, 1),
+		delivOwed:  map[string]bool{},
+		delivWake:  make(chan struct{}, 1),
+		flying:     map[uint64]bool{},
+		acks:       make(chan pendingFinal, maxFlying),
+		stop:       make(chan struct{}),
+		stopped:    make(chan struct{}),
 	}
 	for _, d := range opts.Devices {
 		id := d.ID()
@@ -209,19 +222,12 @@ func New(opts Options) (*Agent, error) {
 	if a.blobs, err = newBlobs(filepath.Join(opts.DataDir, "blobs"), opts.APIURL, opts.Password, opts.HTTPClient, a.now, a.log); err != nil {
 		return nil, err
 	}
+	// Commands spooled before a restart are released to their workers at
+	// once: their "delivered" went out (or is moot) in the earlier life.
 	if a.spool, err = openSpool(opts.DataDir); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
-	// Commands spooled before a restart are released to their workers at
-	// once: their "delivered" went out (or is moot) in the earlier life.
-	for _, dr := range a.order {
-		seq, err := a.spool.lastSeq(dr.id)
-		if err != nil {
-			a.spool.close()
-			return nil, fmt.Errorf("agent: %w", err)
-		}
-		dr.released.Store(seq)
-	}
+	a.resync.Store(true)
 
 	co := mqtt.NewClientOptions().
 		AddBroker(opts.MQTTURL).
@@ -280,6 +286,8 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	a.goLoop(func() { a.intakeLoop(ctx) })
 	a.goLoop(func() { a.outboxLoop(ctx) })
+	a.goLoop(func() { a.confirm(ctx) })
+	a.goLoop(func() { a.deliveredLoop(ctx) })
 	a.goLoop(func() { a.housekeeping(ctx) })
 	for _, dr := range a.order {
 		a.goLoop(func() { a.work(ctx, dr) })
@@ -308,7 +316,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	a.connected.Store(false)
 	a.client.Disconnect(250)
-	a.waiters.Wait()
 	a.log.Info("stopped")
 	return nil
 }
@@ -373,12 +380,22 @@ func (a *Agent) onConnect(c mqtt.Client) {
 
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 	a.connected.Store(false)
+	a.resync.Store(true)
 	a.log.Warn("MQTT connection lost", "err", err)
 }
+
+// settleTime is how long the intake gathers the messages that arrive first
+// on a connection before it takes them in. Those are the backlog of the
+// bridge's session, which a broker may resend out of order (mochi does);
+// taken in together, each device's commands run in the order of their ids.
+const settleTime = 100 * time.Millisecond
 
 // onMessage is paho's handler for every message. It must not block: it only
 // hands the message to the intake loop, which acknowledges it once spooled.
 func (a *Agent) onMessage(_ mqtt.Client, m mqtt.Message) {
+	if a.resync.CompareAndSwap(true, false) {
+		a.settleUntil.Store(time.Now().Add(settleTime).UnixNano())
+	}
 	a.intakeMu.Lock()
 	a.intake = append(a.intake, m)
 	a.intakeMu.Unlock()
@@ -391,6 +408,9 @@ func (a *Agent) intakeLoop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-a.intakeWake:
+		}
+		if d := time.Until(time.Unix(0, a.settleUntil.Load())); d > 0 && !sleepCtx(ctx, d) {
+			return
 		}
 		a.intakeMu.Lock()
 		batch := a.intake
@@ -444,19 +464,18 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 		}
 	}
 
+	var released []*record
 	for _, it := range items {
 		it.msg.Ack()
 		if it.cmd == nil {
 			continue
 		}
 		c := it.cmd
-		dr := a.devices[c.DeviceID]
 		switch it.res.outcome {
 		case acceptQueued:
 			a.log.Debug("command spooled", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
-			a.publishReply(c.DeviceID, topics.Reply{CommandID: c.ID, State: topics.StateDelivered, At: a.now()})
-			dr.released.Store(it.res.seq)
-			signal(dr.wake)
+			a.oweDelivered(c.DeviceID, c.ID)
+			released = append(released, it.res.rec)
 		case acceptKnown:
 			a.log.Debug("duplicate command dropped", "device", c.DeviceID, "cmd", c.ID)
 		case acceptDone:
@@ -468,6 +487,12 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			a.log.Info("command canceled before it ran", "device", c.DeviceID, "cmd", it.res.final.CommandID)
 			a.publishReply(c.DeviceID, *it.res.final)
 		}
+	}
+	// The whole batch at once: a backlog the broker redelivers out of
+	// order (mochi does) runs in the order of the ids.
+	a.spool.release(released...)
+	for _, r := range released {
+		signal(a.devices[r.Cmd.DeviceID].wake)
 	}
 }
 
@@ -506,9 +531,134 @@ func (a *Agent) publishReply(deviceID string, r topics.Reply) mqtt.Token {
 	return a.client.Publish(topic, 1, false, b)
 }
 
-// outboxLoop publishes the final replies in the spool's outbox and deletes
-// each once the broker has acknowledged it; whatever is left (the broker was
-// down, the bridge crashed) goes again after the next connect.
+// deliveredDelay is how long the "delivered" reply of a command waits for
+// the command to end. A command that ends sooner gets its final reply only:
+// the final state says the bridge had it, and a reply message fewer, and a
+// write fewer in the server's store, make every quick command cheaper. A
+// command queued behind others on its device, or a long one, reads
+// "delivered" this much after the bridge took it.
+const deliveredDelay = 250 * time.Millisecond
+
+// owedDelivered is a "delivered" reply not yet published.
+type owedDelivered struct {
+	deviceID, id string
+	at           time.Time // when the bridge took the command in
+}
+
+// oweDelivered schedules the "delivered" reply of a command just spooled.
+func (a *Agent) oweDelivered(deviceID, id string) {
+	a.delivMu.Lock()
+	a.delivQueue = append(a.delivQueue, owedDelivered{deviceID: deviceID, id: id, at: time.Now()})
+	a.delivOwed[id] = true
+	first := len(a.delivQueue) == 1
+	a.delivMu.Unlock()
+	if first {
+		signal(a.delivWake)
+	}
+}
+
+// settleDelivered drops a command's owed "delivered" reply: a later state
+// is on its way.
+func (a *Agent) settleDelivered(id string) {
+	a.delivMu.Lock()
+	delete(a.delivOwed, id)
+	a.delivMu.Unlock()
+}
+
+// deliveredLoop publishes each owed "delivered" reply once deliveredDelay
+// has passed, unless the command has ended (or reported progress) since.
+func (a *Agent) deliveredLoop(ctx context.Context) {
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for {
+		a.delivMu.Lock()
+		var due []owedDelivered
+		wait := time.Duration(-1)
+		now := time.Now()
+		for len(a.delivQueue) > 0 {
+			d := a.delivQueue[0]
+			if left := d.at.Add(deliveredDelay).Sub(now); left > 0 {
+				wait = left
+				break
+			}
+			a.delivQueue[0] = owedDelivered{}
+			a.delivQueue = a.delivQueue[1:]
+			if a.delivOwed[d.id] {
+				delete(a.delivOwed, d.id)
+				due = append(due, d)
+			}
+		}
+		if len(a.delivQueue) == 0 {
+			a.delivQueue = nil
+		}
+		a.delivMu.Unlock()
+		for _, d := range due {
+			at := a.now().Add(d.at.Sub(now)) // on the agent's clock
+			a.publishReply(d.deviceID, topics.Reply{CommandID: d.id, State: topics.StateDelivered, At: at})
+		}
+		var timer <-chan time.Time
+		if wait >= 0 {
+			t.Reset(wait)
+			timer = t.C
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-a.delivWake:
+		case <-timer:
+		}
+	}
+}
+
+// maxFlying bounds the final replies published and not yet acknowledged by
+// the MQTT broker: past it, publishing waits for PUBACKs.
+const maxFlying = 4096
+
+// pendingFinal is a final reply published from the outbox, awaiting its
+// PUBACK.
+type pendingFinal struct {
+	key uint64
+	tok mqtt.Token
+}
+
+// publishFinal publishes a final reply that is in the spool's outbox under
+// key, unless it is on its way already or the broker is out of reach (the
+// outbox loop sends it after the next connect). confirm deletes it from the
+// outbox once the broker has acknowledged it.
+func (a *Agent) publishFinal(ctx context.Context, key uint64, deviceID string, r topics.Reply) {
+	if !a.connected.Load() {
+		return
+	}
+	a.outboxMu.Lock()
+	busy := a.flying[key]
+	a.flying[key] = true
+	a.outboxMu.Unlock()
+	if busy {
+		return
+	}
+	tok := a.publishReply(deviceID, r)
+	if tok == nil {
+		a.land(key)
+		return
+	}
+	select {
+	case a.acks <- pendingFinal{key: key, tok: tok}:
+	case <-ctx.Done():
+		a.land(key)
+	}
+}
+
+func (a *Agent) land(key uint64) {
+	a.outboxMu.Lock()
+	delete(a.flying, key)
+	a.outboxMu.Unlock()
+}
+
+// outboxLoop publishes the final replies in the spool's outbox after every
+// connect and every 30 s: those whose publish was lost (the broker was
+// down, the bridge crashed) go again. Replies finished while connected are
+// published as they finish (publishFinal). It also retries the final
+// replies the spool failed to record.
 func (a *Agent) outboxLoop(ctx context.Context) {
 	tick := time.NewTicker(30 * time.Second)
 	defer tick.Stop()
@@ -519,6 +669,13 @@ func (a *Agent) outboxLoop(ctx context.Context) {
 		case <-a.outboxWake:
 		case <-tick.C:
 		}
+		a.outboxMu.Lock()
+		retry := a.unfinished
+		a.unfinished = nil
+		a.outboxMu.Unlock()
+		for _, j := range retry {
+			a.finish(ctx, j.r, j.final)
+		}
 		if !a.connected.Load() {
 			continue
 		}
@@ -528,46 +685,66 @@ func (a *Agent) outboxLoop(ctx context.Context) {
 			continue
 		}
 		for _, it := range items {
-			a.outboxMu.Lock()
-			busy := a.outboxInflight[it.key]
-			a.outboxInflight[it.key] = true
-			a.outboxMu.Unlock()
-			if busy {
-				continue
-			}
-			tok := a.publishReply(it.DeviceID, it.Reply)
-			a.waiters.Add(1)
-			go a.awaitPuback(ctx, it.key, tok)
+			a.publishFinal(ctx, it.key, it.DeviceID, it.Reply)
 		}
 	}
 }
 
-func (a *Agent) awaitPuback(ctx context.Context, key uint64, tok mqtt.Token) {
-	defer a.waiters.Done()
-	defer func() {
-		a.outboxMu.Lock()
-		delete(a.outboxInflight, key)
-		a.outboxMu.Unlock()
-	}()
-	if tok == nil {
-		return
-	}
-	t := time.NewTimer(30 * time.Second)
+// confirm waits for the PUBACK of each published final reply, in the order
+// they were published, and then deletes it from the outbox (a write that
+// shares the spool's next commit). One not acknowledged stays in the
+// outbox for the next pass of the outbox loop.
+func (a *Agent) confirm(ctx context.Context) {
+	t := time.NewTimer(time.Hour)
 	defer t.Stop()
+	for {
+		var p pendingFinal
+		select {
+		case <-ctx.Done():
+			return
+		case p = <-a.acks:
+		}
+		t.Reset(30 * time.Second) // Go ≥ 1.23: no stale tick survives Reset
+		select {
+		case <-p.tok.Done():
+		case <-t.C:
+		case <-ctx.Done():
+			return
+		}
+		if err := p.tok.Error(); err != nil || !isDone(p.tok) {
+			a.log.Warn("final reply not acknowledged; it stays in the outbox", "err", err)
+			a.land(p.key)
+			continue
+		}
+		a.spool.deleteOutbox(p.key, func(err error) {
+			a.land(p.key)
+			if err != nil {
+				a.log.Error("deleting from the outbox failed", "err", err)
+			}
+		})
+	}
+}
+
+func isDone(tok mqtt.Token) bool {
 	select {
 	case <-tok.Done():
-	case <-t.C:
-		return
-	case <-ctx.Done():
-		return
+		return true
+	default:
+		return false
 	}
-	if err := tok.Error(); err != nil {
-		a.log.Warn("final reply not acknowledged; it stays in the outbox", "err", err)
-		return
-	}
-	if err := a.spool.deleteOutbox(key); err != nil {
-		a.log.Error("deleting from the outbox failed", "err", err)
-	}
+}
+
+// SpoolStats counts the spool's grouped writes.
+type SpoolStats struct {
+	Commits int64 `json:"commits"` // transactions committed, each one fsync of the spool
+	Writes  int64 `json:"writes"`  // writes they carried
+}
+
+// SpoolStats returns how many writes the spool has committed, and in how
+// many transactions, since New.
+func (a *Agent) SpoolStats() SpoolStats {
+	s := a.spool.w.Stats()
+	return SpoolStats{Commits: s.Commits, Writes: s.Ops}
 }
 
 // housekeeping forgets old finished command ids and old cached blobs.

@@ -7,21 +7,16 @@ import (
 )
 
 // SpoolCommands leaves the spool in dir as a bridge that took cmds in and
-// then crashed would: queued, the first one running when firstRunning.
-func SpoolCommands(dir string, cmds []topics.Command, firstRunning bool) error {
+// then crashed would: queued, the first one perhaps running.
+func SpoolCommands(dir string, cmds []topics.Command) error {
 	s, err := openSpool(dir)
 	if err != nil {
 		return err
 	}
 	defer s.close()
-	res, err := s.accept(cmds, time.Now())
-	if err != nil {
-		return err
-	}
-	if firstRunning && len(cmds) > 0 {
-		if _, err := s.claim(cmds[0].DeviceID, res[0].seq); err != nil {
-			return err
-		}
-	}
-	return nil
+	_, err = s.accept(cmds, time.Now())
+	return err
 }
+
+// DeliveredDelay is deliveredDelay, for tests.
+const DeliveredDelay = deliveredDelay

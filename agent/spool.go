@@ -1,15 +1,19 @@
 package agent
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"path/filepath"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
 
+	"github.com/devicecompanion/companion/internal/groupcommit"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -25,7 +29,9 @@ var (
 	bucketOutbox   = []byte("outbox")
 )
 
-// States of a spooled command.
+// States of a spooled command. A claimed command is running in memory
+// only; spoolRunning is what earlier versions wrote for it, read as queued
+// (and possibly running: a cancel leaves it alone).
 const (
 	spoolQueued  = "queued"
 	spoolRunning = "running"
@@ -49,31 +55,88 @@ type outboxEntry struct {
 	Reply    topics.Reply `json:"reply"`
 }
 
+// spool is the bbolt file and, in memory, each device's queue as the file
+// has it: the workers claim commands from memory, and the file is only
+// written (in grouped transactions): when commands arrive, when they
+// finish and when their final replies are acknowledged.
 type spool struct {
 	db *bolt.DB
+	w  *groupcommit.Committer
+
+	mu     sync.Mutex
+	queues map[string][]*record // device id → released commands not yet claimed, in queue order
+	// running holds the ids of claimed commands not yet finished on disk,
+	// and, after opening, the first command of each queue: it may have been
+	// running when the bridge stopped. A cancel leaves them alone.
+	running map[string]bool
 }
 
 func openSpool(dir string) (*spool, error) {
-	db, err := bolt.Open(filepath.Join(dir, "spool.db"), 0o600, &bolt.Options{Timeout: 5 * time.Second})
+	db, err := bolt.Open(filepath.Join(dir, "spool.db"), 0o600, &bolt.Options{
+		Timeout:        5 * time.Second,
+		NoFreelistSync: true, // see store.Open
+		FreelistType:   bolt.FreelistMapType,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("open spool: %w", err)
 	}
+	s := &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}}
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketCommands, bucketQueues, bucketOutbox} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
 		}
-		return nil
+		return s.load(tx)
 	})
 	if err != nil {
 		db.Close()
 		return nil, fmt.Errorf("open spool: %w", err)
 	}
-	return &spool{db: db}, nil
+	s.w = groupcommit.New(db)
+	return s, nil
 }
 
-func (s *spool) close() error { return s.db.Close() }
+// load reads every device's queue into memory, healing entries whose
+// record is gone or done (which cannot happen).
+func (s *spool) load(tx *bolt.Tx) error {
+	return tx.Bucket(bucketQueues).ForEachBucket(func(dev []byte) error {
+		q := tx.Bucket(bucketQueues).Bucket(dev)
+		var stale [][]byte
+		var recs []*record
+		err := q.ForEach(func(k, v []byte) error {
+			r, err := getRecord(tx, string(v))
+			if err != nil {
+				return err
+			}
+			if r == nil || r.State == spoolDone {
+				stale = append(stale, bytes.Clone(k))
+				return nil
+			}
+			recs = append(recs, r)
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		for _, k := range stale {
+			if err := q.Delete(k); err != nil {
+				return err
+			}
+		}
+		if len(recs) > 0 {
+			s.queues[string(dev)] = recs
+			s.running[recs[0].Cmd.ID] = true
+		}
+		return nil
+	})
+}
+
+// close finishes the writes under way and closes the file.
+func (s *spool) close() error {
+	s.w.Close()
+	return s.db.Close()
+}
 
 func u64(v uint64) []byte {
 	b := make([]byte, 8)
@@ -115,17 +178,17 @@ func putRecord(tx *bolt.Tx, r *record) error {
 	return tx.Bucket(bucketCommands).Put([]byte(r.Cmd.ID), v)
 }
 
-func putOutbox(tx *bolt.Tx, e outboxEntry) error {
+func putOutbox(tx *bolt.Tx, e outboxEntry) (uint64, error) {
 	b := tx.Bucket(bucketOutbox)
 	seq, err := b.NextSequence()
 	if err != nil {
-		return err
+		return 0, err
 	}
 	v, err := json.Marshal(e)
 	if err != nil {
-		return err
+		return 0, err
 	}
-	return b.Put(u64(seq), v)
+	return seq, b.Put(u64(seq), v)
 }
 
 // Outcomes of accepting a message.
@@ -141,21 +204,33 @@ const (
 
 type acceptResult struct {
 	outcome acceptOutcome
-	seq     uint64        // acceptQueued
+	rec     *record       // acceptQueued: to release once its delivered reply is out
 	final   *topics.Reply // acceptDone, acceptCanceled
+	// canceled is the id an acceptCanceled cancel took off its queue.
+	canceled string
 }
 
-// accept records a batch of parsed commands in one fsync'd transaction, in
-// order, and says what became of each.
+// accept records a batch of parsed commands in one fsync'd transaction
+// (shared with the spool's other writes), in order, and says what became of
+// each. The queued ones reach their workers when released.
 func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, error) {
-	results := make([]acceptResult, len(cmds))
-	err := s.db.Update(func(tx *bolt.Tx) error {
+	var results []acceptResult
+	err := s.w.Do(func(tx *bolt.Tx) error {
+		results = make([]acceptResult, len(cmds))
+		queued := map[string]int{} // id → index of a command queued by this batch
 		for i, c := range cmds {
 			var err error
 			if c.Op == topics.OpCancel {
-				results[i], err = acceptCancel(tx, c, now)
+				results[i], err = s.acceptCancel(tx, c, now)
+				if j, ok := queued[results[i].canceled]; ok && results[i].outcome == acceptCanceled {
+					// Canceled in the batch that brought it: it never runs.
+					results[j] = acceptResult{outcome: acceptKnown}
+				}
 			} else {
 				results[i], err = acceptCommand(tx, c)
+				if results[i].outcome == acceptQueued {
+					queued[c.ID] = i
+				}
 			}
 			if err != nil {
 				return err
@@ -167,6 +242,22 @@ func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, er
 		return nil, err
 	}
 	return results, nil
+}
+
+// release hands accepted commands to their devices' workers.
+func (s *spool) release(recs ...*record) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, r := range recs {
+		q := s.queues[r.Cmd.DeviceID]
+		k := queueKey(r.Cmd.ID, r.Seq)
+		// Almost always the last: ids rise with acceptance.
+		i := len(q)
+		for i > 0 && bytes.Compare(queueKey(q[i-1].Cmd.ID, q[i-1].Seq), k) > 0 {
+			i--
+		}
+		s.queues[r.Cmd.DeviceID] = slices.Insert(q, i, r)
+	}
 }
 
 func acceptCommand(tx *bolt.Tx, c topics.Command) (acceptResult, error) {
@@ -191,17 +282,18 @@ func acceptCommand(tx *bolt.Tx, c topics.Command) (acceptResult, error) {
 	if err := q.Put(queueKey(c.ID, seq), []byte(c.ID)); err != nil {
 		return acceptResult{}, err
 	}
-	if err := putRecord(tx, &record{Cmd: c, Seq: seq, State: spoolQueued}); err != nil {
+	nr := &record{Cmd: c, Seq: seq, State: spoolQueued}
+	if err := putRecord(tx, nr); err != nil {
 		return acceptResult{}, err
 	}
-	return acceptResult{outcome: acceptQueued, seq: seq}, nil
+	return acceptResult{outcome: acceptQueued, rec: nr}, nil
 }
 
 // acceptCancel takes a command not yet started off its queue. A cancel for an
 // id never seen leaves a tombstone, so that the command, should it still
 // arrive (handlers may see messages out of order after a redelivery), is
 // dropped. A cancel for a running or finished command does nothing.
-func acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, error) {
+func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, error) {
 	var p topics.Cancel
 	if err := json.Unmarshal(c.Payload, &p); err != nil || !topics.ValidCommandID(p.CommandID) {
 		return acceptResult{outcome: acceptCancelNoop}, nil
@@ -220,7 +312,7 @@ func acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, e
 			DoneAt: now,
 		}
 		return acceptResult{outcome: acceptCancelNoop}, putRecord(tx, tomb)
-	case r.State != spoolQueued:
+	case r.State != spoolQueued || !s.unrelease(r):
 		return acceptResult{outcome: acceptCancelNoop}, nil
 	}
 	if q := tx.Bucket(bucketQueues).Bucket([]byte(r.Cmd.DeviceID)); q != nil {
@@ -232,71 +324,71 @@ func acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, e
 	if err := putRecord(tx, r); err != nil {
 		return acceptResult{}, err
 	}
-	return acceptResult{outcome: acceptCanceled, final: final}, nil
+	return acceptResult{outcome: acceptCanceled, final: final, canceled: r.Cmd.ID}, nil
 }
 
-// claim returns the first command of the device's queue, marking it
-// running, or nil when there is none or the first arrived after upTo. A command found
-// running already was interrupted by a crash: it is returned again.
-func (s *spool) claim(deviceID string, upTo uint64) (*record, error) {
-	var out *record
-	err := s.db.Batch(func(tx *bolt.Tx) error {
-		out = nil
-		q := tx.Bucket(bucketQueues).Bucket([]byte(deviceID))
-		if q == nil {
-			return nil
-		}
-		k, v := q.Cursor().First()
-		if k == nil || keySeq(k) > upTo {
-			return nil
-		}
-		r, err := getRecord(tx, string(v))
-		if err != nil {
-			return err
-		}
-		if r == nil || r.State == spoolDone { // cannot happen; heal it
-			return q.Delete(k)
-		}
-		if r.State != spoolRunning {
-			r.State = spoolRunning
-			if err := putRecord(tx, r); err != nil {
-				return err
-			}
-		}
-		out = r
+// unrelease takes a command off its worker's queue before it runs, and
+// reports false when it is running (or may have been) already.
+func (s *spool) unrelease(r *record) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.running[r.Cmd.ID] {
+		return false
+	}
+	s.queues[r.Cmd.DeviceID] = slices.DeleteFunc(s.queues[r.Cmd.DeviceID], func(q *record) bool { return q.Cmd.ID == r.Cmd.ID })
+	return true
+}
+
+// claim returns the first released command of the device's queue and
+// marks it running (in memory: a command found in the queue after a restart
+// runs again either way), or nil when there is none.
+func (s *spool) claim(deviceID string) *record {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.queues[deviceID]
+	if len(q) == 0 {
 		return nil
-	})
-	return out, err
+	}
+	r := q[0]
+	q[0] = nil
+	if len(q) == 1 {
+		delete(s.queues, deviceID)
+	} else {
+		s.queues[deviceID] = q[1:]
+	}
+	s.running[r.Cmd.ID] = true
+	return r
 }
 
 // finish records a command as done with its final reply, takes it off its
-// queue and puts the reply in the outbox, in one transaction.
-func (s *spool) finish(r *record, final topics.Reply) error {
-	return s.db.Batch(func(tx *bolt.Tx) error {
+// queue and puts the reply in the outbox, in one transaction shared with
+// the spool's other writes. It does not wait: done gets the reply's outbox
+// key once it is on disk. The done callbacks run one at a time, in the
+// order of the calls.
+func (s *spool) finish(r *record, final topics.Reply, done func(key uint64, err error)) {
+	var key uint64
+	s.w.Go(func(tx *bolt.Tx) error {
 		if q := tx.Bucket(bucketQueues).Bucket([]byte(r.Cmd.DeviceID)); q != nil {
 			if err := q.Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
 				return err
 			}
 		}
-		done := *r
-		done.State, done.Final, done.DoneAt = spoolDone, &final, final.At
-		if err := putRecord(tx, &done); err != nil {
+		d := *r
+		d.State, d.Final, d.DoneAt = spoolDone, &final, final.At
+		if err := putRecord(tx, &d); err != nil {
 			return err
 		}
-		return putOutbox(tx, outboxEntry{DeviceID: r.Cmd.DeviceID, Reply: final})
-	})
-}
-
-// lastSeq returns the arrival seq of the last command spooled for the device.
-func (s *spool) lastSeq(deviceID string) (uint64, error) {
-	var seq uint64
-	err := s.db.View(func(tx *bolt.Tx) error {
-		if q := tx.Bucket(bucketQueues).Bucket([]byte(deviceID)); q != nil {
-			seq = q.Sequence()
+		var err error
+		key, err = putOutbox(tx, outboxEntry{DeviceID: r.Cmd.DeviceID, Reply: final})
+		return err
+	}, func(err error) {
+		if err == nil {
+			s.mu.Lock()
+			delete(s.running, r.Cmd.ID)
+			s.mu.Unlock()
 		}
-		return nil
+		done(key, err)
 	})
-	return seq, err
 }
 
 type outboxItem struct {
@@ -320,10 +412,13 @@ func (s *spool) outbox() ([]outboxItem, error) {
 	return items, err
 }
 
-func (s *spool) deleteOutbox(key uint64) error {
-	return s.db.Batch(func(tx *bolt.Tx) error {
+// deleteOutbox forgets an acknowledged final reply. It does not wait: the
+// delete shares the spool's next commit, and done (if not nil) gets its
+// outcome.
+func (s *spool) deleteOutbox(key uint64, done func(error)) {
+	s.w.Go(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketOutbox).Delete(u64(key))
-	})
+	}, done)
 }
 
 // purge forgets the ids of commands finished before cutoff and returns how

@@ -42,13 +42,16 @@ func TestSpoolLifecycle(t *testing.T) {
 	if res[0].outcome != acceptQueued || res[1].outcome != acceptQueued || res[2].outcome != acceptKnown {
 		t.Fatalf("accept outcomes %+v; want queued, queued, known", res)
 	}
-	// Nothing is claimed beyond what was released.
-	if r, err := s.claim("d", 0); err != nil || r != nil {
-		t.Fatalf("claim(upTo 0) = %v, %v; want nothing", r, err)
+	// Nothing is claimed before it is released.
+	if r := s.claim("d"); r != nil {
+		t.Fatalf("claim before release = %+v; want nothing", r)
 	}
-	r, err := s.claim("d", res[1].seq)
-	if err != nil || r == nil || r.Cmd.ID != a.ID || r.State != spoolRunning {
-		t.Fatalf("claim = %+v, %v; want a, running", r, err)
+	// Released out of order, they run in the order of their ids.
+	s.release(res[1].rec)
+	s.release(res[0].rec)
+	r := s.claim("d")
+	if r == nil || r.Cmd.ID != a.ID {
+		t.Fatalf("claim = %+v; want a", r)
 	}
 	// A cancel of a running command does nothing; of a queued one takes it off.
 	cancelA := testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: a.ID})
@@ -60,14 +63,12 @@ func TestSpoolLifecycle(t *testing.T) {
 	if res[0].outcome != acceptCancelNoop || res[1].outcome != acceptCanceled {
 		t.Fatalf("cancel outcomes %+v; want noop, canceled", res)
 	}
+	if r := s.claim("d"); r != nil {
+		t.Fatalf("claim after the cancel = %+v; want nothing", r)
+	}
 
 	final := topics.Reply{CommandID: a.ID, State: topics.StateSucceeded, At: now}
-	if err := s.finish(r, final); err != nil {
-		t.Fatal(err)
-	}
-	if r, err := s.claim("d", 100); err != nil || r != nil {
-		t.Fatalf("claim after finish = %+v, %v; want an empty queue", r, err)
-	}
+	key := finishSync(t, s, r, final)
 	res, err = s.accept([]topics.Command{a, b}, now)
 	if err != nil {
 		t.Fatal(err)
@@ -77,10 +78,12 @@ func TestSpoolLifecycle(t *testing.T) {
 	}
 
 	items, err := s.outbox()
-	if err != nil || len(items) != 1 || items[0].Reply.CommandID != a.ID {
-		t.Fatalf("outbox = %+v, %v; want a's final reply", items, err)
+	if err != nil || len(items) != 1 || items[0].Reply.CommandID != a.ID || items[0].key != key {
+		t.Fatalf("outbox = %+v, %v; want a's final reply under key %d", items, err, key)
 	}
-	if err := s.deleteOutbox(items[0].key); err != nil {
+	deleted := make(chan error, 1)
+	s.deleteOutbox(items[0].key, func(err error) { deleted <- err })
+	if err := <-deleted; err != nil {
 		t.Fatal(err)
 	}
 	if items, _ := s.outbox(); len(items) != 0 {
@@ -96,6 +99,84 @@ func TestSpoolLifecycle(t *testing.T) {
 	}
 	if st, _ := s.seen(a.ID); st != "" {
 		t.Errorf("a still known as %q after purge", st)
+	}
+}
+
+// finishSync finishes r and waits until it is on disk.
+func finishSync(tb testing.TB, s *spool, r *record, final topics.Reply) uint64 {
+	tb.Helper()
+	type result struct {
+		key uint64
+		err error
+	}
+	ch := make(chan result, 1)
+	s.finish(r, final, func(key uint64, err error) { ch <- result{key, err} })
+	res := <-ch
+	if res.err != nil {
+		tb.Fatal(res.err)
+	}
+	return res.key
+}
+
+// After a restart the queues come back from the file, the first command of
+// each perhaps running: a cancel leaves it alone, and it runs first.
+func TestSpoolReopen(t *testing.T) {
+	dir := t.TempDir()
+	s, err := openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "a"})
+	b := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "b"})
+	c := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "c"})
+	res, err := s.accept([]topics.Command{a, b, c}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.release(res[0].rec)
+	finishSync(t, s, s.claim("d"), topics.Reply{CommandID: a.ID, State: topics.StateSucceeded, At: time.Now()})
+	if err := s.close(); err != nil {
+		t.Fatal(err)
+	}
+
+	s, err = openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	res, err = s.accept([]topics.Command{
+		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: b.ID}),
+		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: c.ID}),
+	}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res[0].outcome != acceptCancelNoop || res[1].outcome != acceptCanceled {
+		t.Fatalf("cancel outcomes after reopen %+v; want noop (perhaps running), canceled", res)
+	}
+	if r := s.claim("d"); r == nil || r.Cmd.ID != b.ID {
+		t.Fatalf("first claim after reopen = %+v; want b", r)
+	}
+	if r := s.claim("d"); r != nil {
+		t.Fatalf("second claim after reopen = %+v; want nothing", r)
+	}
+}
+
+// A cancel in the batch that brought its command takes it off before it
+// is ever released.
+func TestSpoolCancelInSameBatch(t *testing.T) {
+	s := openTestSpool(t)
+	c := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "never"})
+	cancel := testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: c.ID})
+	res, err := s.accept([]topics.Command{c, cancel}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res[0].outcome != acceptKnown || res[0].rec != nil || res[1].outcome != acceptCanceled {
+		t.Fatalf("outcomes %+v; want the command dropped and the cancel done", res)
+	}
+	if st, _ := s.seen(c.ID); st != spoolDone {
+		t.Fatalf("command is %q; want done", st)
 	}
 }
 

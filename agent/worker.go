@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/devicecompanion/companion/topics"
@@ -19,8 +18,7 @@ type deviceRunner struct {
 	id  string
 	dev Device
 
-	wake     chan struct{}
-	released atomic.Uint64 // the worker runs queued commands up to this seq
+	wake chan struct{} // a command was released to the worker
 
 	rmu                                sync.Mutex
 	wantStatus, forceStatus, wantSetgs bool
@@ -34,14 +32,7 @@ func newDeviceRunner(d Device) *deviceRunner {
 // work runs the device's queue, in order, one command at a time.
 func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 	for {
-		r, err := a.spool.claim(dr.id, dr.released.Load())
-		if err != nil {
-			a.log.Error("reading the queue failed", "device", dr.id, "err", err)
-			if !sleepCtx(ctx, time.Second) {
-				return
-			}
-			continue
-		}
+		r := a.spool.claim(dr.id)
 		if r == nil {
 			select {
 			case <-ctx.Done():
@@ -108,19 +99,40 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		}
 	}
 	final.At = a.now()
-	for {
-		err := a.spool.finish(r, final)
-		if err == nil {
-			break
-		}
-		log.Error("recording the final reply failed; retrying", "err", err)
-		if !sleepCtx(ctx, time.Second) {
-			return false
-		}
+	a.settleDelivered(c.ID)
+	a.finish(ctx, r, final)
+	// Only these change what the status reports; the battery is read
+	// every StatusInterval.
+	status := c.Op == topics.OpAppInstall || c.Op == topics.OpAppUpdate || c.Op == topics.OpAppUninstall || c.Op == topics.OpOTAUpdate
+	if status || c.Op == topics.OpSettingsUpdate {
+		dr.requestReport(status, false, c.Op == topics.OpSettingsUpdate)
 	}
-	signal(a.outboxWake)
-	dr.requestReport(true, false, c.Op == topics.OpSettingsUpdate)
 	return true
+}
+
+// finish records the final reply in the spool and publishes it once it is
+// on disk. It does not wait: the worker goes on with the next command
+// while the spool commits, and the replies of a device go out in the order
+// its commands finished. A write that fails is tried again by the outbox
+// loop (a command never recorded runs again after a restart, and the
+// device drops the repeat).
+func (a *Agent) finish(ctx context.Context, r *record, final topics.Reply) {
+	a.spool.finish(r, final, func(key uint64, err error) {
+		if err == nil {
+			a.publishFinal(ctx, key, r.Cmd.DeviceID, final)
+			return
+		}
+		a.log.Error("recording the final reply failed; will retry", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
+		a.outboxMu.Lock()
+		a.unfinished = append(a.unfinished, finishJob{r, final})
+		a.outboxMu.Unlock()
+	})
+}
+
+// finishJob is a final reply whose write to the spool failed.
+type finishJob struct {
+	r     *record
+	final topics.Reply
 }
 
 // progressReporter publishes in_progress replies for one command, at most
@@ -143,6 +155,7 @@ func (p *progressReporter) stage(lo, hi int) func(pct int) {
 			return
 		}
 		p.last = pct
+		p.a.settleDelivered(p.id)
 		p.a.publishReply(p.dr.id, topics.Reply{CommandID: p.id, State: topics.StateInProgress, Progress: &pct, At: p.a.now()})
 	}
 }

@@ -6,8 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -18,17 +18,21 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// Store is what the broker needs of the store.
+// Store is what the broker needs of the store. The …Async writes call
+// their done callback once the write is on disk, one callback at a time in
+// the order the writes were made: the broker takes MQTT messages in and
+// acknowledges them without waiting for each fsync, in order.
 type Store interface {
-	CreateCommand(ctx context.Context, c store.Command, maxOpen int, idem *store.Idempotency) (store.Command, bool, error)
+	CreateCommandAsync(c store.Command, maxOpen int, idem *store.Idempotency, done func(store.Command, bool, error))
 	Command(ctx context.Context, id string) (store.Command, error)
 	UpdateCommand(ctx context.Context, id string, fn func(*store.Command) error) (store.Command, error)
+	UpdateCommandAsync(id string, fn func(*store.Command) error, done func(store.Command, error))
 	OpenCommands(ctx context.Context, states ...string) ([]store.Command, error)
 	ExpiredCommands(ctx context.Context, now time.Time) ([]store.Command, error)
-	PutStatus(ctx context.Context, s store.Status) (bool, error)
-	MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error)
+	PutStatusAsync(s store.Status, done func(bool, error))
+	MarkBridgeOfflineAsync(bridgeID string, done func([]string, error))
 	BridgeDevices(ctx context.Context, bridgeID string) ([]string, error)
-	PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
+	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
 	RegistryDevice(ctx context.Context, id string) (store.RegistryDevice, error)
@@ -53,7 +57,6 @@ type Options struct {
 	// ExpiryGrace is how long past its TTL a sent command waits for the
 	// bridge's word before the server calls it expired; default 1 min.
 	ExpiryGrace time.Duration
-	Workers     int // goroutines taking messages in; default 8
 
 	Logger *slog.Logger
 	Now    func() time.Time
@@ -71,12 +74,20 @@ type Broker struct {
 
 	kick      chan struct{} // wakes the outbox
 	connected chan struct{} // one signal per (re)connect, for the outbox
-	lanes     []chan mqtt.Message
+	acks      chan inflight // published commands awaiting their PUBACK, in order
 
 	mu      sync.Mutex
 	waiters map[string][]chan store.Command
 	online  map[string]bool // devices seen online since start
 	resend  map[string]bool // devices whose sent commands the outbox must publish again
+	pending []store.Command // accepted, on disk, not yet published: in commit order
+	scan    bool            // pending is incomplete: the outbox reads the queued commands from the store
+	// flying holds the commands the outbox took to publish whose state on
+	// disk is still queued: until the bridge answers, or sentDelay after
+	// the PUBACK, when "sent" is written (see flushSent).
+	flying  map[string]*outgoing
+	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
+	live    map[string]bool // commands accepted here and not final yet (see Wait)
 	ready   bool
 	started bool
 	closed  bool
@@ -119,9 +130,6 @@ func New(opts Options) (*Broker, error) {
 		// An Idempotency-Key answers repeats for a day with its command.
 		return nil, errors.New("broker: retention must be at least 24h")
 	}
-	if opts.Workers <= 0 {
-		opts.Workers = 8
-	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
@@ -139,10 +147,10 @@ func New(opts Options) (*Broker, error) {
 		waiters:   make(map[string][]chan store.Command),
 		online:    make(map[string]bool),
 		resend:    make(map[string]bool),
+		flying:    make(map[string]*outgoing),
+		live:      make(map[string]bool),
+		acks:      make(chan inflight, maxInflight),
 		quit:      make(chan struct{}),
-	}
-	for i := 0; i < opts.Workers; i++ {
-		b.lanes = append(b.lanes, make(chan mqtt.Message, 4096))
 	}
 
 	co := mqtt.NewClientOptions().
@@ -153,11 +161,11 @@ func New(opts Options) (*Broker, error) {
 		// A persistent session: replies published while the server is away
 		// wait in the broker for it.
 		SetCleanSession(false).
-		// Handlers only hand messages to the lanes, in arrival order, so
-		// the replies of one device are taken in the order they came.
+		// One handler call at a time, in arrival order: it hands each
+		// message to the store's grouped writes, which keep that order.
 		SetOrderMatters(true).
-		// A message is acknowledged once the store has it: a crash in
-		// between makes the broker deliver it again.
+		// A message is acknowledged once the store has it on disk: a crash
+		// in between makes the broker deliver it again.
 		SetAutoAckDisabled(true).
 		SetAutoReconnect(true).
 		SetConnectRetry(true).
@@ -189,12 +197,9 @@ func (b *Broker) Start() error {
 	b.started = true
 	b.mu.Unlock()
 
-	for _, lane := range b.lanes {
-		b.wg.Add(1)
-		go b.work(lane)
-	}
-	b.wg.Add(2)
+	b.wg.Add(3)
 	go b.outbox()
+	go b.confirm()
 	go b.sweep()
 	// With ConnectRetry the token completes only once connected; we do not
 	// wait for it: commands wait as queued until the broker is there.
@@ -320,52 +325,19 @@ func (b *Broker) Publish(ctx context.Context, topic string, payload []byte) erro
 	}
 }
 
-// route hands a message to the lane of its device, keeping per-device order.
-// It blocks only when a lane is full, which pushes back on the broker.
+// route takes one message in: it parses it and hands what it says to the
+// store, and acknowledges it once the store has it on disk. It never waits
+// for the disk: paho calls it for one message at a time, and the store's
+// writes keep their order, so the messages of a device are taken, and
+// acknowledged, in the order they came. A message that is dropped (bad,
+// stale, unknown) is acknowledged at once. Nothing a bridge sends can make
+// it fail loudly: bad messages are logged and dropped.
 func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
-	h := fnv.New32a()
-	h.Write([]byte(laneKey(m.Topic())))
-	select {
-	case b.lanes[h.Sum32()%uint32(len(b.lanes))] <- m:
-	case <-b.quit:
-	}
-}
-
-// laneKey is the part of a topic that must keep its order: the device (or
-// bridge) level.
-func laneKey(topic string) string {
-	slashes := 0
-	for i := len(topic) - 1; i >= 0; i-- {
-		if topic[i] == '/' {
-			slashes++
-			if slashes == 1 {
-				return topic[:i]
-			}
-		}
-	}
-	return topic
-}
-
-func (b *Broker) work(lane chan mqtt.Message) {
-	defer b.wg.Done()
-	for {
-		select {
-		case <-b.quit:
-			return
-		case m := <-lane:
-			b.handle(m)
-			m.Ack()
-		}
-	}
-}
-
-// handle takes one message in. Nothing a bridge sends can make it fail
-// loudly: bad messages are logged and dropped.
-func (b *Broker) handle(m mqtt.Message) {
 	ctx := context.Background()
 	t, err := b.tree.Parse(m.Topic())
 	if err != nil {
 		b.log.Warn("message on an unknown topic", "topic", m.Topic())
+		m.Ack()
 		return
 	}
 	switch t.Kind {
@@ -373,40 +345,57 @@ func (b *Broker) handle(m mqtt.Message) {
 		r, err := topics.ParseReply(m.Payload())
 		if err != nil {
 			b.log.Warn("bad reply", "device_id", t.DeviceID, "err", err)
+			m.Ack()
 			return
 		}
-		b.takeReply(ctx, t.DeviceID, r)
+		b.takeReply(t.DeviceID, r, m.Ack)
 	case topics.KindStatus:
 		if len(m.Payload()) == 0 {
-			return // a cleared retained message
+			m.Ack() // a cleared retained message
+			return
 		}
 		s, err := topics.ParseStatus(m.Payload())
 		if err != nil {
 			b.log.Warn("bad status", "device_id", t.DeviceID, "err", err)
+			m.Ack()
 			return
 		}
-		b.takeStatus(ctx, t.DeviceID, s)
+		b.takeStatus(ctx, t.DeviceID, s, m.Ack)
 	case topics.KindSettings:
 		if len(m.Payload()) == 0 {
+			m.Ack()
 			return
 		}
 		s, err := topics.ParseSettings(m.Payload())
 		if err != nil {
 			b.log.Warn("bad settings", "device_id", t.DeviceID, "err", err)
+			m.Ack()
 			return
 		}
-		b.takeSettings(ctx, t.DeviceID, s)
+		b.takeSettings(ctx, t.DeviceID, s, m.Ack)
 	case topics.KindBridgeState:
-		if string(m.Payload()) == topics.BridgeOnline {
+		switch string(m.Payload()) {
+		case topics.BridgeOnline:
 			b.bridgeOnline(ctx, t.BridgeID)
-			return
+			m.Ack()
+		case topics.BridgeOffline:
+			b.bridgeOffline(t.BridgeID, m.Ack)
+		default:
+			m.Ack()
 		}
-		if string(m.Payload()) != topics.BridgeOffline {
-			return
-		}
-		ids, err := b.st.MarkBridgeOffline(ctx, t.BridgeID)
+	default:
+		// Our own commands never come back: we do not subscribe to them.
+		m.Ack()
+	}
+}
+
+// bridgeOffline takes a bridge's Will: every device it served reads
+// offline.
+func (b *Broker) bridgeOffline(bridgeID string, ack func()) {
+	b.st.MarkBridgeOfflineAsync(bridgeID, func(ids []string, err error) {
+		defer ack()
 		if err != nil {
-			b.log.Error("marking a bridge's devices offline", "bridge_id", t.BridgeID, "err", err)
+			b.log.Error("marking a bridge's devices offline", "bridge_id", bridgeID, "err", err)
 			return
 		}
 		b.mu.Lock()
@@ -414,17 +403,17 @@ func (b *Broker) handle(m mqtt.Message) {
 			delete(b.online, id)
 		}
 		b.mu.Unlock()
-		b.log.Info("bridge offline", "bridge_id", t.BridgeID, "devices", len(ids))
-	case topics.KindCommand:
-		// Our own commands never come back: we do not subscribe to them.
-	}
+		b.log.Info("bridge offline", "bridge_id", bridgeID, "devices", len(ids))
+	})
 }
 
 // errStale marks a reply that must change nothing.
 var errStale = errors.New("stale reply")
 
-func (b *Broker) takeReply(ctx context.Context, deviceID string, r topics.Reply) {
-	cmd, err := b.st.UpdateCommand(ctx, r.CommandID, func(c *store.Command) error {
+// takeReply stores a bridge's reply to a command and, once it is on disk,
+// calls ack and wakes those waiting for the command if it is final.
+func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
+	b.st.UpdateCommandAsync(r.CommandID, func(c *store.Command) error {
 		if c.DeviceID != deviceID {
 			return fmt.Errorf("%w: reply on device %s for a command of %s", errStale, deviceID, c.DeviceID)
 		}
@@ -452,33 +441,34 @@ func (b *Broker) takeReply(ctx context.Context, deviceID string, r topics.Reply)
 			c.Result = append(json.RawMessage(nil), r.Result...)
 		}
 		return nil
+	}, func(cmd store.Command, err error) {
+		defer ack()
+		b.land(r.CommandID) // the bridge has it: no "sent" to write
+		switch {
+		case errors.Is(err, store.ErrNotFound):
+			b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
+		case errors.Is(err, store.ErrFinal), errors.Is(err, errStale):
+			b.log.Debug("stale reply ignored", "command_id", r.CommandID, "state", r.State, "err", err)
+		case err != nil:
+			b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
+		case topics.Final(cmd.State):
+			b.notify(cmd)
+		}
 	})
-	switch {
-	case errors.Is(err, store.ErrNotFound):
-		b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
-		return
-	case errors.Is(err, store.ErrFinal), errors.Is(err, errStale):
-		b.log.Debug("stale reply ignored", "command_id", r.CommandID, "state", r.State, "err", err)
-		return
-	case err != nil:
-		b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
-		return
-	}
-	if topics.Final(cmd.State) {
-		b.notify(cmd)
-	}
 }
 
-func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Status) {
+// takeStatus stores a device's status, then calls ack.
+func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Status, ack func()) {
 	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
 		b.log.Warn("status for a device that was never provisioned", "device_id", deviceID)
+		ack()
 		return
 	}
 	apps := make([]store.App, 0, len(s.Apps))
 	for _, a := range s.Apps {
 		apps = append(apps, store.App{AppID: a.AppID, Version: a.Version})
 	}
-	_, err := b.st.PutStatus(ctx, store.Status{
+	b.st.PutStatusAsync(store.Status{
 		DeviceID:        deviceID,
 		Online:          s.Online,
 		Battery:         s.Battery,
@@ -488,12 +478,14 @@ func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Statu
 		BridgeID:        s.BridgeID,
 		LastSeen:        s.At,
 		Seq:             s.Seq,
+	}, func(_ bool, err error) {
+		defer ack()
+		if err != nil {
+			b.log.Error("storing a status", "device_id", deviceID, "err", err)
+			return
+		}
+		b.sawDevice(deviceID, s.Online)
 	})
-	if err != nil {
-		b.log.Error("storing a status", "device_id", deviceID, "err", err)
-		return
-	}
-	b.sawDevice(deviceID, s.Online)
 }
 
 // sawDevice notes whether a device is online. The first time a device is
@@ -544,43 +536,63 @@ func (b *Broker) bridgeOnline(ctx context.Context, bridgeID string) {
 	b.log.Info("bridge online; resending its devices' unfinished commands", "bridge_id", bridgeID, "devices", len(ids))
 }
 
-func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Settings) {
+// takeSettings stores the settings a device reported, then calls ack.
+func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Settings, ack func()) {
 	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
 		b.log.Warn("settings for a device that was never provisioned", "device_id", deviceID)
+		ack()
 		return
 	}
 	reported := make(map[string]json.RawMessage, len(s.Reported))
 	for k, v := range s.Reported {
 		raw, err := json.Marshal(v)
 		if err != nil {
+			b.log.Warn("settings with a value that cannot be stored", "device_id", deviceID, "setting", k, "err", err)
+			ack()
 			return
 		}
 		reported[k] = raw
 	}
 	schema, err := json.Marshal(s.Schema)
 	if err != nil {
+		b.log.Warn("settings with a schema that cannot be stored", "device_id", deviceID, "err", err)
+		ack()
 		return
 	}
-	if _, err := b.st.PutReportedSettings(ctx, deviceID, reported, schema, s.At, s.Seq); err != nil {
-		b.log.Error("storing settings", "device_id", deviceID, "err", err)
-	}
+	b.st.PutReportedSettingsAsync(deviceID, reported, schema, s.At, s.Seq, func(_ bool, err error) {
+		defer ack()
+		if err != nil {
+			b.log.Error("storing settings", "device_id", deviceID, "err", err)
+		}
+	})
 }
 
-// Submit stores a command as queued (durably) and wakes the outbox. The store
-// assigns its id. With idem set, a repeat of the same request returns the
-// first command and replayed true.
+// Submit stores a command as queued (durably) and hands it to the outbox.
+// The store assigns its id. With idem set, a repeat of the same request
+// returns the first command and replayed true.
 func (b *Broker) Submit(ctx context.Context, c store.Command, idem *store.Idempotency) (store.Command, bool, error) {
 	if !topics.ValidOp(c.Op) || c.Op == topics.OpCancel || !topics.ValidDeviceID(c.DeviceID) {
 		return store.Command{}, false, fmt.Errorf("broker: bad command %q for %q", c.Op, c.DeviceID)
 	}
-	cmd, replayed, err := b.st.CreateCommand(ctx, c, b.opts.MaxOpenCommands, idem)
-	if err != nil {
-		return store.Command{}, false, err
+	type result struct {
+		cmd      store.Command
+		replayed bool
+		err      error
 	}
-	if !replayed {
-		b.wake()
-	}
-	return cmd, replayed, nil
+	ch := make(chan result, 1)
+	b.st.CreateCommandAsync(c, b.opts.MaxOpenCommands, idem, func(cmd store.Command, replayed bool, err error) {
+		// The store calls back in commit order: the outbox gets each
+		// device's commands in the order of their ids.
+		if err == nil && !replayed {
+			b.mu.Lock()
+			b.live[cmd.ID] = true
+			b.mu.Unlock()
+			b.enqueue(cmd)
+		}
+		ch <- result{cmd, replayed, err}
+	})
+	r := <-ch
+	return r.cmd, r.replayed, r.err
 }
 
 func (b *Broker) wake() {
@@ -608,7 +620,12 @@ func (b *Broker) Cancel(ctx context.Context, id string) (store.Command, error) {
 		return cmd, err
 	}
 	b.notify(cmd)
-	if was == topics.StateSent {
+	b.mu.Lock()
+	// Not yet taken by the outbox: it never goes out.
+	b.pending = slices.DeleteFunc(b.pending, func(c store.Command) bool { return c.ID == id })
+	_, out := b.flying[id] // taken, perhaps published: the cancel follows it
+	b.mu.Unlock()
+	if out || was == topics.StateSent {
 		b.publishCancel(cmd)
 	}
 	return cmd, nil
@@ -639,13 +656,19 @@ func (b *Broker) Wait(ctx context.Context, id string) (store.Command, error) {
 	ch := make(chan store.Command, 1)
 	b.mu.Lock()
 	b.waiters[id] = append(b.waiters[id], ch)
+	live := b.live[id]
 	b.mu.Unlock()
 	defer b.forget(id, ch)
 
-	cmd, err := b.st.Command(ctx, id)
-	if err != nil || topics.Final(cmd.State) {
-		return cmd, err
+	// A command accepted here and not final yet will be notified; any
+	// other may be final already.
+	if !live {
+		cmd, err := b.st.Command(ctx, id)
+		if err != nil || topics.Final(cmd.State) {
+			return cmd, err
+		}
 	}
+	var cmd store.Command
 	select {
 	case cmd = <-ch:
 		return cmd, nil
@@ -673,9 +696,11 @@ func (b *Broker) forget(id string, ch chan store.Command) {
 	}
 }
 
+// notify hands a command that became final to those waiting for it.
 func (b *Broker) notify(cmd store.Command) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	delete(b.live, cmd.ID)
 	for _, ch := range b.waiters[cmd.ID] {
 		select {
 		case ch <- cmd:

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"sync"
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
@@ -13,18 +12,42 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// outboxBatch bounds how many commands one pass publishes before it waits
-// for their PUBACKs.
-const outboxBatch = 500
+// maxInflight bounds the commands published and not yet acknowledged by
+// the MQTT broker: past it the outbox waits for PUBACKs.
+const maxInflight = 4096
 
-// outbox publishes queued commands in acceptance order. It runs a pass when
-// a command is accepted, after every (re)connect, and every few seconds as a
-// safety net. The first pass after start also republishes every command that
-// was sent but is not final: a broker that restarted with us (the embedded
-// one) lost those not yet delivered, and also the final replies it had
-// acknowledged to the bridge but not yet handed to us. The bridge drops an id
-// it has queued or running, and answers one it has finished with its final
-// reply again (see publishPending).
+// maxPending bounds the accepted commands the outbox holds in memory while
+// it cannot publish; past it they are dropped from memory and read back
+// from the store (where they are queued) when it can.
+const maxPending = 10000
+
+// enqueue hands a command that is on disk as queued to the outbox. The
+// store's callbacks call it in commit order, so each device's commands
+// arrive in the order of their ids.
+func (b *Broker) enqueue(c store.Command) {
+	b.mu.Lock()
+	if !b.ready || b.scan || len(b.pending) >= maxPending {
+		// It is queued on disk: the outbox's next read of the store
+		// finds it, in its order.
+		b.scan = true
+		b.pending = nil
+	} else {
+		b.pending = append(b.pending, c)
+	}
+	b.mu.Unlock()
+	b.wake()
+}
+
+// outbox publishes accepted commands in acceptance order. It takes them
+// from memory as they are accepted (enqueue) and reads the queued ones from
+// the store when memory is not the whole story: after start, after every
+// (re)connect, when it fell behind, and every few seconds as a safety net.
+// The first pass after start also republishes every command that was sent
+// but is not final: a broker that restarted with us (the embedded one) lost
+// those not yet delivered, and also the final replies it had acknowledged
+// to the bridge but not yet handed to us. The bridge drops an id it has
+// queued or running, and answers one it has finished with its final reply
+// again (see pendingFromStore).
 func (b *Broker) outbox() {
 	defer b.wg.Done()
 	tick := time.NewTicker(5 * time.Second)
@@ -36,87 +59,138 @@ func (b *Broker) outbox() {
 			return
 		case <-b.kick:
 		case <-b.connected:
+			b.mu.Lock()
+			b.scan = true
+			b.mu.Unlock()
 		case <-tick.C:
+			b.mu.Lock()
+			b.scan = true
+			b.mu.Unlock()
 		}
 		if !b.client.IsConnectionOpen() || !b.Ready() {
 			continue
 		}
 		b.mu.Lock()
-		devices := b.resend
-		b.resend = make(map[string]bool)
-		b.mu.Unlock()
-		if err := b.publishPending(firstPass, devices); err != nil {
-			b.log.Warn("outbox pass incomplete; will retry", "err", err)
-			b.mu.Lock()
-			for d := range devices {
-				b.resend[d] = true
+		devices, scan, pending := b.resend, b.scan || firstPass, b.pending
+		b.resend, b.scan, b.pending = make(map[string]bool), false, nil
+		for _, c := range pending {
+			// Taken: a cancel from now on follows it (see Cancel).
+			if b.flying[c.ID] == nil {
+				b.flying[c.ID] = &outgoing{}
 			}
-			b.mu.Unlock()
-			continue
 		}
+		b.mu.Unlock()
+		cmds := pending
+		if scan || len(devices) > 0 {
+			var err error
+			if cmds, err = b.pendingFromStore(firstPass, devices, pending); err != nil {
+				b.log.Warn("outbox: reading queued commands failed; will retry", "err", err)
+				b.mu.Lock()
+				for d := range devices {
+					b.resend[d] = true
+				}
+				b.scan = true
+				b.mu.Unlock()
+				continue
+			}
+		}
+		all := firstPass
 		firstPass = false
+		// A device whose bridge (re)connected gets every open command
+		// again, also those on their way: they may have gone to a broker
+		// session that was not the bridge's.
+		again := func(c store.Command) bool { return all || devices[c.DeviceID] }
+		if !b.publish(cmds, again) {
+			return
+		}
 	}
 }
 
-// publishPending publishes every queued command, oldest first, together
-// with the sent but not final commands of the given devices (of every device
-// with all set), so that each device's commands go out in order.
+// pendingFromStore returns every queued command, oldest first, together
+// with the sent but not final commands of the given devices (of every
+// device with all set), so that each device's commands go out in order;
+// then those of pending that the store did not have yet when it was read
+// (accepted since).
 //
 // Delivered and in-progress commands go out again too: their final reply
 // may be lost for good (the bridge's final reply was acknowledged by a broker
 // that then died, or by the embedded broker of a server killed before it
 // stored the reply). A bridge that finished the command answers the repeat
 // with its final reply; one that has it queued or running drops it.
-func (b *Broker) publishPending(all bool, devices map[string]bool) error {
-	ctx := context.Background()
+func (b *Broker) pendingFromStore(all bool, devices map[string]bool, pending []store.Command) ([]store.Command, error) {
 	states := []string{topics.StateQueued}
 	if all || len(devices) > 0 {
 		states = append(states, topics.StateSent, topics.StateDelivered, topics.StateInProgress)
 	}
-	open, err := b.st.OpenCommands(ctx, states...)
+	open, err := b.st.OpenCommands(context.Background(), states...)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	cmds := open[:0]
+	seen := make(map[string]bool, len(open))
 	for _, c := range open {
 		if c.State == topics.StateQueued || all || devices[c.DeviceID] {
 			cmds = append(cmds, c)
+			seen[c.ID] = true
 		}
 	}
-	for len(cmds) > 0 {
-		n := min(len(cmds), outboxBatch)
-		if err := b.publishBatch(ctx, cmds[:n]); err != nil {
-			return err
-		}
-		cmds = cmds[n:]
-		select {
-		case <-b.quit:
-			return ErrClosed
-		default:
+	for _, c := range pending {
+		if !seen[c.ID] {
+			cmds = append(cmds, c)
 		}
 	}
-	return nil
+	return cmds, nil
 }
 
+// inflight is a published command awaiting its PUBACK.
 type inflight struct {
 	cmd store.Command
 	tok mqtt.Token
 }
 
-func (b *Broker) publishBatch(ctx context.Context, cmds []store.Command) error {
+// outgoing is a command of the flying set.
+type outgoing struct {
+	published bool
+	acked     time.Time // when the MQTT broker acknowledged it; zero before
+}
+
+// sentDelay is how long after its PUBACK a command waits for the bridge's
+// first reply before "sent" is written for it. Most commands are answered
+// sooner, and their later state makes "sent" redundant on disk: one write
+// fewer per command. Until then the command reads queued, and it expires
+// as a sent one would (see expiredAt).
+const sentDelay = 500 * time.Millisecond
+
+// publish hands cmds to the MQTT broker in order, without waiting for their
+// PUBACKs: confirm takes those. It skips commands already on their way,
+// unless again says to send them again, and it reports false when the
+// broker is closing.
+func (b *Broker) publish(cmds []store.Command, again func(store.Command) bool) bool {
 	now := b.now()
-	var pending []inflight
 	for _, c := range cmds {
 		// The TTL bounds delivery: a command the bridge has is never
 		// expired, and its repeat fetches its final reply.
 		undelivered := c.State == topics.StateQueued || c.State == topics.StateSent
 		if undelivered && now.After(c.ExpiresAt) {
-			b.expire(ctx, c.ID)
+			b.expire(context.Background(), c.ID)
 			continue
+		}
+		b.mu.Lock()
+		o := b.flying[c.ID]
+		if o == nil {
+			o = &outgoing{}
+			b.flying[c.ID] = o
+		}
+		skip := o.published && !again(c)
+		o.published = true
+		b.mu.Unlock()
+		if skip {
+			continue // on its way already
 		}
 		topic, err := b.tree.Command(c.DeviceID, c.Op)
 		if err != nil {
 			b.log.Error("command with an unpublishable topic", "command_id", c.ID, "err", err)
+			b.land(c.ID)
 			continue
 		}
 		msg, err := json.Marshal(topics.Command{
@@ -128,46 +202,123 @@ func (b *Broker) publishBatch(ctx context.Context, cmds []store.Command) error {
 			Payload:   c.Payload,
 		})
 		if err != nil {
-			return err
-		}
-		pending = append(pending, inflight{cmd: c, tok: b.client.Publish(topic, 1, false, msg)})
-	}
-
-	// Mark what the broker acknowledged as sent. Batch groups these writes.
-	var (
-		wg      sync.WaitGroup
-		mu      sync.Mutex
-		lastErr error
-	)
-	sem := make(chan struct{}, 16)
-	for _, p := range pending {
-		if err := mqtt.WaitTokenTimeout(p.tok, b.opts.PublishTimeout); err != nil {
-			mu.Lock()
-			lastErr = err
-			mu.Unlock()
+			b.log.Error("command that cannot be encoded", "command_id", c.ID, "err", err)
+			b.land(c.ID)
 			continue
 		}
-		wg.Add(1)
-		sem <- struct{}{}
-		go func(id string) {
-			defer wg.Done()
-			defer func() { <-sem }()
-			_, err := b.st.UpdateCommand(ctx, id, func(c *store.Command) error {
-				if c.State != topics.StateQueued {
-					return errStale // a reply got there first, or it was canceled
-				}
-				c.State = topics.StateSent
-				return nil
-			})
-			if err != nil && !errors.Is(err, errStale) && !errors.Is(err, store.ErrFinal) {
-				mu.Lock()
-				lastErr = err
-				mu.Unlock()
-			}
-		}(p.cmd.ID)
+		select {
+		case b.acks <- inflight{cmd: c, tok: b.client.Publish(topic, 1, false, msg)}:
+		case <-b.quit:
+			return false
+		}
 	}
-	wg.Wait()
-	return lastErr
+	return true
+}
+
+// land forgets that a command is on its way: the bridge answered, "sent"
+// is written, or its publish failed.
+func (b *Broker) land(id string) {
+	b.mu.Lock()
+	delete(b.flying, id)
+	b.mu.Unlock()
+}
+
+// isFlying reports whether a command queued on disk is with the MQTT
+// broker, or on its way there.
+func (b *Broker) isFlying(id string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.flying[id] != nil
+}
+
+// confirm waits for the PUBACK of each published command, in the order
+// they were published, and notes when it came (flushSent writes "sent"
+// later, if still needed). A command whose publish failed stays queued on
+// disk; the outbox reads it back after the reconnect.
+func (b *Broker) confirm() {
+	defer b.wg.Done()
+	for {
+		var p inflight
+		select {
+		case <-b.quit:
+			return
+		case p = <-b.acks:
+		}
+		if err := b.waitToken(p.tok); err != nil {
+			if !errors.Is(err, ErrClosed) {
+				b.log.Warn("publishing a command failed; it stays queued", "command_id", p.cmd.ID, "err", err)
+			}
+			b.land(p.cmd.ID)
+			b.mu.Lock()
+			b.scan = true
+			b.mu.Unlock()
+			continue
+		}
+		b.mu.Lock()
+		if o := b.flying[p.cmd.ID]; o != nil {
+			o.acked = time.Now() // real time: sentDelay is about the path, not the clock of commands
+			b.unsent = append(b.unsent, p.cmd.ID)
+		}
+		b.mu.Unlock()
+	}
+}
+
+// flushSent writes "sent" for the commands acknowledged by the MQTT broker
+// sentDelay ago or more that the bridge has not answered yet. The writes
+// share the store's next commit.
+func (b *Broker) flushSent() {
+	var ids []string
+	b.mu.Lock()
+	n := 0
+	for _, id := range b.unsent {
+		o := b.flying[id]
+		if o == nil {
+			n++ // answered meanwhile
+			continue
+		}
+		if time.Since(o.acked) < sentDelay {
+			break
+		}
+		ids = append(ids, id)
+		n++
+	}
+	b.unsent = b.unsent[n:]
+	if len(b.unsent) == 0 {
+		b.unsent = nil
+	}
+	b.mu.Unlock()
+	for _, id := range ids {
+		b.st.UpdateCommandAsync(id, func(c *store.Command) error {
+			if c.State != topics.StateQueued {
+				return errStale // a reply got there first
+			}
+			c.State = topics.StateSent
+			return nil
+		}, func(c store.Command, err error) {
+			b.land(id)
+			switch {
+			case errors.Is(err, store.ErrFinal) && c.State == topics.StateCanceled:
+				b.publishCancel(c) // canceled while on its way to the broker
+			case err != nil && !errors.Is(err, errStale) && !errors.Is(err, store.ErrFinal) && !errors.Is(err, store.ErrNotFound):
+				b.log.Error("marking a command sent", "command_id", id, "err", err)
+			}
+		})
+	}
+}
+
+// waitToken waits for a publish token, PublishTimeout at most, or until the
+// broker closes.
+func (b *Broker) waitToken(tok mqtt.Token) error {
+	t := time.NewTimer(b.opts.PublishTimeout)
+	defer t.Stop()
+	select {
+	case <-tok.Done():
+		return tok.Error()
+	case <-t.C:
+		return errors.New("no PUBACK within the publish timeout")
+	case <-b.quit:
+		return ErrClosed
+	}
 }
 
 // sweep expires commands whose TTL passed before delivery and, hourly,
@@ -186,6 +337,7 @@ func (b *Broker) sweep() {
 		}
 		ctx := context.Background()
 		now := b.now()
+		b.flushSent()
 		cmds, err := b.st.ExpiredCommands(ctx, now)
 		if err != nil {
 			b.log.Error("expiry sweep", "err", err)
@@ -212,14 +364,16 @@ func (b *Broker) sweep() {
 
 // expiredAt reports whether the server may end c as expired at now. A
 // queued command expires with its TTL: it never left the store. A sent one
-// may already be in the bridge's hands, its delivered reply on the way (the
-// bridge runs nothing past expires_at by its own clock): it expires only
-// ExpiryGrace later, so that such a reply lands first.
+// (or one queued on disk that the outbox has handed to the MQTT broker) may
+// already be in the bridge's hands, its reply on the way (the bridge runs
+// nothing past expires_at by its own clock): it expires only ExpiryGrace
+// later, so that such a reply lands first.
 func (b *Broker) expiredAt(c store.Command, now time.Time) bool {
-	switch c.State {
-	case topics.StateQueued:
+	switch {
+	case c.State == topics.StateQueued && !b.isFlying(c.ID):
 		return now.After(c.ExpiresAt)
-	case topics.StateSent:
+	case c.State == topics.StateQueued, c.State == topics.StateSent:
+		// Queued on disk but with the MQTT broker already: as good as sent.
 		return now.After(c.ExpiresAt.Add(b.opts.ExpiryGrace))
 	}
 	return false

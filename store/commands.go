@@ -48,16 +48,35 @@ const IdempotencyTTL = 24 * time.Hour
 // ErrQueueFull means the device already has maxOpen non-final commands
 // (maxOpen <= 0: no limit).
 //
-// Writers are grouped (bbolt Batch): the command is on disk when
+// Writers are grouped (see batch): the command is on disk when
 // CreateCommand returns nil.
 func (db *DB) CreateCommand(ctx context.Context, c Command, maxOpen int, idem *Idempotency) (cmd Command, replay bool, err error) {
+	type result struct {
+		cmd    Command
+		replay bool
+		err    error
+	}
+	ch := make(chan result, 1)
+	db.CreateCommandAsync(c, maxOpen, idem, func(cmd Command, replay bool, err error) { ch <- result{cmd, replay, err} })
+	r := <-ch
+	return r.cmd, r.replay, r.err
+}
+
+// CreateCommandAsync is CreateCommand without the wait: done gets its
+// results once the command is on disk. The done callbacks of the store's
+// writes run one at a time in commit order, so the commands of one device
+// reach their callbacks in the order of their ids. done must be quick and
+// must not wait for another write of the store.
+func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done func(cmd Command, replay bool, err error)) {
 	if !validID(c.DeviceID) {
-		return Command{}, false, fmt.Errorf("%w: command needs a device id", ErrInvalid)
+		done(Command{}, false, fmt.Errorf("%w: command needs a device id", ErrInvalid))
+		return
 	}
 	var rec Idempotency
 	if idem != nil {
 		if !validID(idem.UserID) || !validID(idem.Key) {
-			return Command{}, false, fmt.Errorf("%w: idempotency needs a user id and a key", ErrInvalid)
+			done(Command{}, false, fmt.Errorf("%w: idempotency needs a user id and a key", ErrInvalid))
+			return
 		}
 		rec = *idem
 		rec.RequestHash = slices.Clone(idem.RequestHash)
@@ -65,7 +84,11 @@ func (db *DB) CreateCommand(ctx context.Context, c Command, maxOpen int, idem *I
 	}
 	c.Payload = cloneRaw(c.Payload)
 	c.Result = cloneRaw(c.Result)
-	err = db.batch(func(tx *bolt.Tx) error {
+	var (
+		cmd    Command
+		replay bool
+	)
+	db.batchAsync(func(tx *bolt.Tx) error {
 		cmd, replay = Command{}, false
 		now := db.now()
 		idemB := tx.Bucket(bucketIdempotency)
@@ -128,15 +151,17 @@ func (db *DB) CreateCommand(ctx context.Context, c Command, maxOpen int, idem *I
 		}
 		cmd = nc
 		return nil
+	}, func(err error) {
+		if err != nil {
+			done(Command{}, false, err)
+			return
+		}
+		// cmd may share Payload and Result with the copies made above;
+		// hand the caller slices of its own.
+		cmd.Payload = cloneRaw(cmd.Payload)
+		cmd.Result = cloneRaw(cmd.Result)
+		done(cmd, replay, nil)
 	})
-	if err != nil {
-		return Command{}, false, err
-	}
-	// cmd may share Payload and Result with the copies made above; hand the
-	// caller slices of its own.
-	cmd.Payload = cloneRaw(cmd.Payload)
-	cmd.Result = cloneRaw(cmd.Result)
-	return cmd, replay, nil
 }
 
 // Command returns the command with the id, or ErrNotFound.
@@ -155,18 +180,37 @@ func (db *DB) Command(ctx context.Context, id string) (Command, error) {
 // command already final is not passed to fn: UpdateCommand returns it with
 // ErrFinal.
 //
-// fn runs inside the write transaction (grouped with others, bbolt Batch)
+// fn runs inside the write transaction (grouped with others, see batch)
 // and may run more than once: it must only change the command it is given,
 // and must not call the store.
 func (db *DB) UpdateCommand(ctx context.Context, id string, fn func(*Command) error) (Command, error) {
+	type result struct {
+		cmd Command
+		err error
+	}
+	ch := make(chan result, 1)
+	db.UpdateCommandAsync(id, fn, func(c Command, err error) { ch <- result{c, err} })
+	r := <-ch
+	return r.cmd, r.err
+}
+
+// UpdateCommandAsync is UpdateCommand without the wait: done (if not nil)
+// gets its results once the change is on disk. The done callbacks of the
+// store's writes run one at a time in the order the writes were queued;
+// done must be quick and must not wait for another write of the store.
+func (db *DB) UpdateCommandAsync(id string, fn func(*Command) error, done func(Command, error)) {
+	if done == nil {
+		done = func(Command, error) {}
+	}
 	if id == "" {
-		return Command{}, ErrNotFound
+		done(Command{}, ErrNotFound)
+		return
 	}
 	var (
 		out   Command
 		final bool
 	)
-	err := db.batch(func(tx *bolt.Tx) error {
+	db.batchAsync(func(tx *bolt.Tx) error {
 		out, final = Command{}, false
 		cmds := tx.Bucket(bucketCommands)
 		var nc Command
@@ -203,14 +247,16 @@ func (db *DB) UpdateCommand(ctx context.Context, id string, fn func(*Command) er
 		}
 		out = nc
 		return nil
+	}, func(err error) {
+		switch {
+		case err != nil:
+			done(Command{}, err)
+		case final:
+			done(out, ErrFinal)
+		default:
+			done(out, nil)
+		}
 	})
-	if err != nil {
-		return Command{}, err
-	}
-	if final {
-		return out, ErrFinal
-	}
-	return out, nil
 }
 
 // ListCommands returns the device's commands newest first, only those in

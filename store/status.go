@@ -42,11 +42,34 @@ func (db *DB) Status(ctx context.Context, deviceID string) (Status, error) {
 // UpdatedAt is set to now. The index from bridge to devices follows the
 // device when its bridge changes.
 func (db *DB) PutStatus(ctx context.Context, s Status) (bool, error) {
+	return awaitBool(func(done func(bool, error)) { db.PutStatusAsync(s, done) })
+}
+
+// awaitBool runs an asynchronous write and waits for its outcome.
+func awaitBool(start func(done func(bool, error))) (bool, error) {
+	type result struct {
+		ok  bool
+		err error
+	}
+	ch := make(chan result, 1)
+	start(func(ok bool, err error) { ch <- result{ok, err} })
+	r := <-ch
+	return r.ok, r.err
+}
+
+// PutStatusAsync is PutStatus without the wait: done (if not nil) gets its
+// results once the status is on disk, in the order of the store's writes
+// (see UpdateCommandAsync).
+func (db *DB) PutStatusAsync(s Status, done func(applied bool, err error)) {
+	if done == nil {
+		done = func(bool, error) {}
+	}
 	if !validID(s.DeviceID) || (s.BridgeID != "" && !validID(s.BridgeID)) {
-		return false, fmt.Errorf("%w: status needs a device id", ErrInvalid)
+		done(false, fmt.Errorf("%w: status needs a device id", ErrInvalid))
+		return
 	}
 	var applied bool
-	err := db.batch(func(tx *bolt.Tx) error {
+	db.batchAsync(func(tx *bolt.Tx) error {
 		applied = false
 		statuses := tx.Bucket(bucketStatus)
 		var old Status
@@ -77,8 +100,7 @@ func (db *DB) PutStatus(ctx context.Context, s Status) (bool, error) {
 		}
 		applied = true
 		return nil
-	})
-	return applied, err
+	}, func(err error) { done(applied && err == nil, err) })
 }
 
 // MarkBridgeOffline marks offline every device whose current status names
@@ -86,11 +108,26 @@ func (db *DB) PutStatus(ctx context.Context, s Status) (bool, error) {
 // in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
 // bridge's next report applies as usual.
 func (db *DB) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error) {
+	type result struct {
+		ids []string
+		err error
+	}
+	ch := make(chan result, 1)
+	db.MarkBridgeOfflineAsync(bridgeID, func(ids []string, err error) { ch <- result{ids, err} })
+	r := <-ch
+	return r.ids, r.err
+}
+
+// MarkBridgeOfflineAsync is MarkBridgeOffline without the wait: done gets
+// its results once the change is on disk, in the order of the store's
+// writes (see UpdateCommandAsync).
+func (db *DB) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, err error)) {
 	if !validID(bridgeID) {
-		return []string{}, nil
+		done([]string{}, nil)
+		return
 	}
 	var ids []string
-	err := db.batch(func(tx *bolt.Tx) error {
+	db.batchAsync(func(tx *bolt.Tx) error {
 		ids = []string{}
 		var devices [][]byte
 		scanPrefix(tx.Bucket(bucketBridgeDevices), prefix(bridgeID), func(rest []byte) bool {
@@ -116,11 +153,13 @@ func (db *DB) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string,
 			ids = append(ids, s.DeviceID)
 		}
 		return nil
+	}, func(err error) {
+		if err != nil {
+			done(nil, err)
+			return
+		}
+		done(ids, nil)
 	})
-	if err != nil {
-		return nil, err
-	}
-	return ids, nil
 }
 
 // BridgeDevices returns, in order, the ids of the devices whose current
@@ -185,14 +224,28 @@ func fillMaps(s *Settings) {
 // replaces the stored schema unless it is empty. Each desired key whose
 // value the device now reports is dropped: it is no longer pending.
 func (db *DB) PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error) {
+	return awaitBool(func(done func(bool, error)) {
+		db.PutReportedSettingsAsync(deviceID, reported, schema, at, seq, done)
+	})
+}
+
+// PutReportedSettingsAsync is PutReportedSettings without the wait: done
+// (if not nil) gets its results once the settings are on disk, in the
+// order of the store's writes (see UpdateCommandAsync).
+func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
+	if done == nil {
+		done = func(bool, error) {}
+	}
 	if !validID(deviceID) {
-		return false, fmt.Errorf("%w: settings need a device id", ErrInvalid)
+		done(false, fmt.Errorf("%w: settings need a device id", ErrInvalid))
+		return
 	}
 	rep := make(map[string]json.RawMessage, len(reported))
 	for k, v := range reported {
 		c, err := compact(v)
 		if err != nil {
-			return false, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err)
+			done(false, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err))
+			return
 		}
 		rep[k] = c
 	}
@@ -200,12 +253,13 @@ func (db *DB) PutReportedSettings(ctx context.Context, deviceID string, reported
 	if len(schema) > 0 {
 		c, err := compact(schema)
 		if err != nil {
-			return false, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err)
+			done(false, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err))
+			return
 		}
 		sch = c
 	}
 	var applied bool
-	err := db.batch(func(tx *bolt.Tx) error {
+	db.batchAsync(func(tx *bolt.Tx) error {
 		applied = false
 		b := tx.Bucket(bucketSettings)
 		s := Settings{DeviceID: deviceID}
@@ -232,8 +286,7 @@ func (db *DB) PutReportedSettings(ctx context.Context, deviceID string, reported
 		}
 		applied = true
 		return nil
-	})
-	return applied, err
+	}, func(err error) { done(applied && err == nil, err) })
 }
 
 // MergeDesiredSettings records values the user asked for: each key of

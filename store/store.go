@@ -13,6 +13,8 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+
+	"github.com/devicecompanion/companion/internal/groupcommit"
 )
 
 // ErrInvalid is returned when an argument cannot be stored as given: an
@@ -112,6 +114,7 @@ type Options struct {
 // It is safe for concurrent use.
 type DB struct {
 	bolt    *bolt.DB
+	writer  *groupcommit.Committer // the grouped writes (batch)
 	path    string
 	blobDir string
 	now     func() time.Time
@@ -146,7 +149,15 @@ func Open(path string, opts Options) (*DB, error) {
 	if err := os.MkdirAll(opts.BlobDir, 0o700); err != nil {
 		return nil, fmt.Errorf("store: %w", err)
 	}
-	bdb, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: opts.Timeout})
+	bdb, err := bolt.Open(path, 0o600, &bolt.Options{
+		Timeout: opts.Timeout,
+		// The freelist is not written at each commit but rebuilt from the
+		// pages when the file is opened (as etcd does): a commit writes
+		// only the pages it changed. The hashmap freelist allocates in
+		// constant time however fragmented the file is.
+		NoFreelistSync: true,
+		FreelistType:   bolt.FreelistMapType,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
 	}
@@ -155,6 +166,7 @@ func Open(path string, opts Options) (*DB, error) {
 		_ = bdb.Close()
 		return nil, err
 	}
+	db.writer = groupcommit.New(bdb)
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
 	db.removeStaleTemps()
@@ -205,9 +217,24 @@ func schemaVersion(tx *bolt.Tx) (int, error) {
 	return v, nil
 }
 
-// Close closes the bbolt file. Calls made after Close fail.
+// Close finishes the writes under way and closes the bbolt file. Calls
+// made after Close fail.
 func (db *DB) Close() error {
+	db.writer.Close()
 	return db.bolt.Close()
+}
+
+// WriteStats counts the store's grouped writes.
+type WriteStats struct {
+	Commits int64 `json:"commits"` // transactions committed, each one fsync of the file
+	Writes  int64 `json:"writes"`  // writes they carried
+}
+
+// WriteStats returns how many grouped writes the store has committed, and
+// in how many transactions, since Open.
+func (db *DB) WriteStats() WriteStats {
+	s := db.writer.Stats()
+	return WriteStats{Commits: s.Commits, Writes: s.Ops}
 }
 
 // Path returns the path of the bbolt file.
@@ -229,16 +256,27 @@ func (e softError) Error() string { return e.err.Error() }
 // abort marks err as found before the callback wrote anything.
 func abort(err error) error { return softError{err} }
 
-// batch runs fn through bolt's Batch, which groups concurrent writers into
-// one transaction and one fsync. A callback that returns an error makes
-// bolt roll back the whole group and run it again without that callback.
+// batch runs fn in a write transaction shared with every other write that
+// queued up while the previous one was committing (internal/groupcommit):
+// one transaction and one fsync for all of them. A callback that returns an
+// error makes the group roll back and run again without that callback.
 // Expected refusals (not found, queue full, …) are common and found before
 // any write, so fn returns them wrapped by abort: batch then commits the
 // group as usual and hands the error to its caller alone. fn may run more
 // than once; it must reset whatever it reports on each run.
 func (db *DB) batch(fn func(tx *bolt.Tx) error) error {
+	ch := make(chan error, 1)
+	db.batchAsync(fn, func(err error) { ch <- err })
+	return <-ch
+}
+
+// batchAsync is batch without the wait: done (if not nil) gets the outcome
+// once the transaction is committed. The done callbacks of all writes run
+// one at a time in the order the writes were queued; they must be quick and
+// must not wait for another write of the store.
+func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 	var soft error
-	err := db.bolt.Batch(func(tx *bolt.Tx) error {
+	db.writer.Go(func(tx *bolt.Tx) error {
 		soft = nil
 		err := fn(tx)
 		var se softError
@@ -247,11 +285,14 @@ func (db *DB) batch(fn func(tx *bolt.Tx) error) error {
 			return nil
 		}
 		return err
+	}, func(err error) {
+		if err == nil {
+			err = soft
+		}
+		if done != nil {
+			done(err)
+		}
 	})
-	if err != nil {
-		return err
-	}
-	return soft
 }
 
 // update runs fn in a write transaction of its own, for the rare writes

@@ -300,6 +300,25 @@ func (s *Server) Close() error {
 	return s.closeErr
 }
 
+// Stats are the broker's message counters since Start.
+type Stats struct {
+	MessagesReceived int64 `json:"messages_received"` // PUBLISH packets from clients
+	MessagesSent     int64 `json:"messages_sent"`     // PUBLISH packets to clients
+	MessagesDropped  int64 `json:"messages_dropped"`  // dropped for a slow subscriber
+	InflightDropped  int64 `json:"inflight_dropped"`  // dropped past a client's inflight quota
+}
+
+// Stats returns the broker's message counters.
+func (s *Server) Stats() Stats {
+	i := s.mochi.Info.Clone()
+	return Stats{
+		MessagesReceived: i.MessagesReceived,
+		MessagesSent:     i.MessagesSent,
+		MessagesDropped:  i.MessagesDropped,
+		InflightDropped:  i.InflightDropped,
+	}
+}
+
 // minLevel passes on records at min or above; mochi logs every connection
 // and hook at Info, which is noise in the server's log.
 type minLevel struct {

@@ -271,6 +271,9 @@ func (m *Main) Run(ctx context.Context) error {
 	m.mu.Lock()
 	m.agent = a
 	m.mu.Unlock()
+	if c.PProf != "" {
+		pprofserver.Publish("spool", func() any { return a.SpoolStats() })
+	}
 	log.Info("companion-bridge starting", "bridge", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
 	return a.Run(ctx)
 }

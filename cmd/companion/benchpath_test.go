@@ -22,8 +22,10 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -78,6 +80,8 @@ type pathTarget struct {
 	// profile, when set, records CPU profiles and counters of the target's
 	// processes while run goes.
 	profile func(dir string, d time.Duration, run func()) error
+	// procs are the target's processes, for their CPU time.
+	procs map[string]*osProc
 }
 
 // loadResult is what one phase of load measured.
@@ -189,13 +193,50 @@ func runLoad(t pathTarget, clients int, d time.Duration, wait bool) loadResult {
 // pathFigures are one target's figures.
 type pathFigures struct {
 	e2e, accept loadResult
+	e2eCPU      map[string]time.Duration // CPU time of each process (and the load) in the end-to-end phase
+}
+
+// cpuTimes reads the CPU time (user and system) of each process so far,
+// and of this one as "load".
+func cpuTimes(procs map[string]*osProc) map[string]time.Duration {
+	out := map[string]time.Duration{}
+	for name, p := range procs {
+		out[name] = procCPU(p.cmd.Process.Pid)
+	}
+	out["load"] = procCPU(os.Getpid())
+	return out
+}
+
+// procCPU reads utime and stime of a process from /proc (clock ticks of
+// 1/100 s on Linux).
+func procCPU(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// The fields after the command name, which is in parentheses.
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * 10 * time.Millisecond
 }
 
 func measurePath(b *testing.B, cfg benchConfig, t pathTarget) pathFigures {
 	b.Helper()
 	runLoad(t, cfg.e2eClients, 2*time.Second, true) // warm up: connections, pages, caches
 	var f pathFigures
-	e2e := func() { f.e2e = runLoad(t, cfg.e2eClients, cfg.phase, true) }
+	e2e := func() {
+		before := cpuTimes(t.procs)
+		f.e2e = runLoad(t, cfg.e2eClients, cfg.phase, true)
+		after := cpuTimes(t.procs)
+		f.e2eCPU = map[string]time.Duration{}
+		for name, d := range after {
+			f.e2eCPU[name] = d - before[name]
+		}
+	}
 	if cfg.profileDir != "" && t.profile != nil {
 		if err := t.profile(cfg.profileDir, cfg.phase, e2e); err != nil {
 			b.Fatalf("%s: profile: %v", t.name, err)
@@ -220,6 +261,11 @@ func measurePath(b *testing.B, cfg benchConfig, t pathTarget) pathFigures {
 		t.name, f.e2e.rate(), cfg.e2eClients, ms(f.e2e.pct(0.5)), ms(f.e2e.pct(0.99)),
 		f.accept.rate(), cfg.acceptClients, ms(f.accept.pct(0.5)), ms(f.accept.pct(0.99)),
 		f.accept.done, time.Since(drainStart).Round(time.Millisecond))
+	var cpu []string
+	for _, name := range slices.Sorted(maps.Keys(f.e2eCPU)) {
+		cpu = append(cpu, fmt.Sprintf("%s %.3f", name, ms(f.e2eCPU[name])/float64(max(f.e2e.done, 1))))
+	}
+	fmt.Printf("%-8s e2e CPU ms per command: %s\n", t.name, strings.Join(cpu, ", "))
 	return f
 }
 
@@ -259,9 +305,10 @@ func startBarePath(b *testing.B, cfg benchConfig) pathTarget {
 	}
 	server := startRole("bare-server")
 	waitHTTP(b, server, "http://"+httpAddr+"/readyz")
-	startRole("bare-bridge")
+	bridge := startRole("bare-bridge")
 	base := "http://" + httpAddr
-	t := pathTarget{name: "bare", base: base, devices: benchDevices(cfg.devices)}
+	t := pathTarget{name: "bare", base: base, devices: benchDevices(cfg.devices),
+		procs: map[string]*osProc{"server": server, "bridge": bridge}}
 	// The bridge is up once a command comes back.
 	eventually(b, "the bare bridge", func() bool {
 		req, _ := http.NewRequest("POST", base+"/api/v1/devices/dev-1/push/text", strings.NewReader(`{"text":"up?"}`))
@@ -311,7 +358,8 @@ func startProjectPath(b *testing.B, cfg benchConfig) pathTarget {
 	c.bridgeArgs = []string{"--pprof", bridgePProf}
 	c.simState = ""
 	c.startBridge()
-	t := pathTarget{name: "project", base: c.base(), token: c.user.token, devices: c.devices}
+	t := pathTarget{name: "project", base: c.base(), token: c.user.token, devices: c.devices,
+		procs: map[string]*osProc{"server": c.server, "bridge": c.bridgeProc}}
 	t.drain = func(last map[string]string) error {
 		for dev, id := range last {
 			deadline := time.Now().Add(5 * time.Minute)
@@ -370,7 +418,59 @@ func profileProcs(dir string, d time.Duration, procs map[string]string, run func
 			return err
 		}
 	}
-	return vars("after")
+	if err := vars("after"); err != nil {
+		return err
+	}
+	for name, addr := range procs {
+		// Allocations since the process started, by where they were made.
+		if err := fetchTo("http://"+addr+"/debug/pprof/allocs", filepath.Join(dir, name+"-allocs.pprof")); err != nil {
+			return err
+		}
+	}
+	for name := range procs {
+		before, err1 := readCounters(filepath.Join(dir, name+"-vars-before.json"))
+		after, err2 := readCounters(filepath.Join(dir, name+"-vars-after.json"))
+		if err := errors.Join(err1, err2); err != nil {
+			return err
+		}
+		var out []string
+		for _, k := range slices.Sorted(maps.Keys(after)) {
+			out = append(out, fmt.Sprintf("%s=%d", k, after[k]-before[k]))
+		}
+		fmt.Printf("profile  %s counters over the phase: %s\n", name, strings.Join(out, " "))
+	}
+	return nil
+}
+
+// readCounters reads the counters worth a per-command figure from a
+// /debug/vars document: allocations, and the store's, spool's and MQTT
+// broker's counters where the process publishes them.
+func readCounters(path string) (map[string]int64, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var v map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return nil, err
+	}
+	out := map[string]int64{}
+	pick := func(group string, keys ...string) {
+		var g map[string]any
+		if json.Unmarshal(v[group], &g) != nil {
+			return
+		}
+		for _, k := range keys {
+			if n, ok := g[k].(float64); ok {
+				out[group+"."+k] = int64(n)
+			}
+		}
+	}
+	pick("memstats", "Mallocs", "NumGC")
+	pick("store", "commits", "writes")
+	pick("spool", "commits", "writes")
+	pick("mqtt", "messages_received", "messages_sent")
+	return out, nil
 }
 
 func fetchTo(url, path string) error {

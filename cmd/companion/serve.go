@@ -248,6 +248,10 @@ func (m *Main) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if m.PProf != nil {
+		db := m.DB
+		pprofserver.Publish("store", func() any { return db.WriteStats() })
+	}
 	if m.adminToken, err = loadAdminToken(cfg); err != nil {
 		return err
 	}
@@ -271,6 +275,10 @@ func (m *Main) Run(ctx context.Context) error {
 		}
 		if err := m.MQTT.Start(); err != nil {
 			return fmt.Errorf("embedded MQTT broker: %w", err)
+		}
+		if m.PProf != nil {
+			mq := m.MQTT
+			pprofserver.Publish("mqtt", func() any { return mq.Stats() })
 		}
 		m.mqttURL = "tcp://" + m.MQTT.Addr()
 		if mqttServerTLS != nil {

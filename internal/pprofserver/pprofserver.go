@@ -11,6 +11,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -48,6 +50,26 @@ func Start(addr string, log *slog.Logger) (*Server, error) {
 	}()
 	log.Info("pprof listening", "addr", ln.Addr().String())
 	return s, nil
+}
+
+var (
+	publishMu sync.Mutex
+	published = map[string]*atomic.Pointer[func() any]{}
+)
+
+// Publish shows what f returns under name in /debug/vars. expvar allows a
+// name once per process; a later Publish of the same name (a test that runs
+// a second server in the process) replaces f.
+func Publish(name string, f func() any) {
+	publishMu.Lock()
+	defer publishMu.Unlock()
+	p := published[name]
+	if p == nil {
+		p = new(atomic.Pointer[func() any])
+		published[name] = p
+		expvar.Publish(name, expvar.Func(func() any { return (*p.Load())() }))
+	}
+	p.Store(&f)
 }
 
 // Addr is the address it listens on (useful with port 0).

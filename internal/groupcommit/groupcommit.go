@@ -1,0 +1,207 @@
+// Package groupcommit groups the writes of many goroutines to one bbolt
+// file into shared transactions: one commit (one pair of fsyncs) for all the
+// writes that arrived while the previous commit was on its way to the disk.
+//
+// bbolt's own Batch does the same with a timer: a batch waits up to
+// MaxBatchDelay (10 ms) for company unless MaxBatchSize writers arrive first,
+// so a writer on a quiet file, or one of a few dozen on a busy one, waits
+// for the timer. Here a single committer goroutine takes whatever is queued
+// the moment the last commit ends: alone, a write costs one fsync and no
+// wait; under load, each commit carries everything that queued up during
+// the one before it.
+//
+// Writes may also be handed over without waiting (Go): their done callback
+// runs after the commit, in the order the writes were queued, on a goroutine
+// of the committer's, so a caller such as an MQTT handler can acknowledge
+// a message once it is on disk without blocking on the fsync.
+package groupcommit
+
+import (
+	"errors"
+	"sync"
+	"sync/atomic"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// MaxOps bounds the writes in one transaction, so that one commit stays
+// short whatever the backlog.
+const MaxOps = 2000
+
+// ErrClosed is the answer to writes after Close.
+var ErrClosed = errors.New("groupcommit: closed")
+
+type op struct {
+	fn   func(tx *bolt.Tx) error
+	done func(error)
+	err  error
+}
+
+// Committer runs writes to one bbolt file in grouped transactions. Create
+// it with New; Close stops it.
+type Committer struct {
+	db *bolt.DB
+
+	mu      sync.Mutex
+	queue   []*op
+	closed  bool
+	wake    chan struct{}
+	results chan []*op
+	quit    chan struct{}
+	wg      sync.WaitGroup
+
+	commits, ops atomic.Int64
+}
+
+// New starts a committer for db.
+func New(db *bolt.DB) *Committer {
+	c := &Committer{
+		db:      db,
+		wake:    make(chan struct{}, 1),
+		results: make(chan []*op, 64),
+		quit:    make(chan struct{}),
+	}
+	c.wg.Add(2)
+	go c.commitLoop()
+	go c.doneLoop()
+	return c
+}
+
+// Do runs fn in a shared write transaction and returns once that
+// transaction is committed (or failed). fn may run more than once: when
+// another write of its group fails, the group is rolled back and run again
+// without it. fn must therefore reset whatever it reports on each run, and
+// must not call the committer.
+//
+// An error from fn rolls back fn's writes only: the others of its group
+// are committed, and Do returns fn's error.
+func (c *Committer) Do(fn func(tx *bolt.Tx) error) error {
+	ch := make(chan error, 1)
+	c.Go(fn, func(err error) { ch <- err })
+	return <-ch
+}
+
+// Go queues fn like Do but returns at once; done (if not nil) is called
+// with the outcome after the commit. The done callbacks of all writes run
+// one at a time in the order the writes were queued, so they must not
+// block for long; a write queued after Close gets ErrClosed.
+func (c *Committer) Go(fn func(tx *bolt.Tx) error, done func(error)) {
+	o := &op{fn: fn, done: done}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		if done != nil {
+			done(ErrClosed)
+		}
+		return
+	}
+	c.queue = append(c.queue, o)
+	c.mu.Unlock()
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Stats are the committer's counters since New.
+type Stats struct {
+	Commits int64 // write transactions committed
+	Ops     int64 // writes they carried
+}
+
+// Stats returns the counters.
+func (c *Committer) Stats() Stats {
+	return Stats{Commits: c.commits.Load(), Ops: c.ops.Load()}
+}
+
+// Close runs what is queued, stops the committer and returns once every
+// done callback has run. Writes queued later fail with ErrClosed.
+func (c *Committer) Close() {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return
+	}
+	c.closed = true
+	c.mu.Unlock()
+	close(c.quit)
+	c.wg.Wait()
+}
+
+func (c *Committer) take() []*op {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := min(len(c.queue), MaxOps)
+	ops := c.queue[:n:n]
+	c.queue = c.queue[n:]
+	if len(c.queue) == 0 {
+		c.queue = nil
+	}
+	return ops
+}
+
+func (c *Committer) commitLoop() {
+	defer c.wg.Done()
+	defer close(c.results)
+	for {
+		ops := c.take()
+		if len(ops) == 0 {
+			select {
+			case <-c.wake:
+				continue
+			case <-c.quit:
+				// Close set closed before quit: nothing more can queue.
+				if ops = c.take(); len(ops) == 0 {
+					return
+				}
+			}
+		}
+		c.run(ops)
+		c.results <- ops
+	}
+}
+
+// run commits ops in one transaction. A write whose fn fails is set aside
+// with its error and the rest run again in a new transaction, as bbolt's
+// Batch does.
+func (c *Committer) run(ops []*op) {
+	live := ops
+	for len(live) > 0 {
+		failed := -1
+		err := c.db.Update(func(tx *bolt.Tx) error {
+			for i, o := range live {
+				if err := o.fn(tx); err != nil {
+					failed = i
+					o.err = err
+					return err
+				}
+			}
+			return nil
+		})
+		if failed < 0 {
+			if err != nil { // the commit itself failed: every write with it
+				for _, o := range live {
+					o.err = err
+				}
+			} else {
+				c.commits.Add(1)
+				c.ops.Add(int64(len(live)))
+			}
+			return
+		}
+		next := make([]*op, 0, len(live)-1)
+		next = append(next, live[:failed]...)
+		live = append(next, live[failed+1:]...)
+	}
+}
+
+func (c *Committer) doneLoop() {
+	defer c.wg.Done()
+	for ops := range c.results {
+		for _, o := range ops {
+			if o.done != nil {
+				o.done(o.err)
+			}
+		}
+	}
+}

@@ -1,0 +1,127 @@
+package groupcommit
+
+import (
+	"errors"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+func openDB(tb testing.TB) *bolt.DB {
+	tb.Helper()
+	db, err := bolt.Open(filepath.Join(tb.TempDir(), "db"), 0o600, nil)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { db.Close() })
+	if err := db.Update(func(tx *bolt.Tx) error { _, err := tx.CreateBucket([]byte("b")); return err }); err != nil {
+		tb.Fatal(err)
+	}
+	return db
+}
+
+func put(k string) func(tx *bolt.Tx) error {
+	return func(tx *bolt.Tx) error { return tx.Bucket([]byte("b")).Put([]byte(k), []byte(k)) }
+}
+
+func get(tb testing.TB, db *bolt.DB, k string) bool {
+	tb.Helper()
+	var ok bool
+	db.View(func(tx *bolt.Tx) error { ok = tx.Bucket([]byte("b")).Get([]byte(k)) != nil; return nil })
+	return ok
+}
+
+// Many concurrent writers share commits, and each is on disk when Do
+// returns.
+func TestDoGroupsWriters(t *testing.T) {
+	db := openDB(t)
+	c := New(db)
+	defer c.Close()
+	const n = 200
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			k := string(rune('a'+i%26)) + string(rune(i))
+			if err := c.Do(put(k)); err != nil {
+				t.Errorf("Do(%q) = %v", k, err)
+				return
+			}
+			if !get(t, db, k) {
+				t.Errorf("%q not there after Do returned", k)
+			}
+		}()
+	}
+	wg.Wait()
+	st := c.Stats()
+	if st.Ops != n {
+		t.Errorf("Stats().Ops = %d; want %d", st.Ops, n)
+	}
+	if st.Commits < 1 || st.Commits > n {
+		t.Errorf("Stats().Commits = %d; want 1..%d", st.Commits, n)
+	}
+	t.Logf("%d writes in %d commits", st.Ops, st.Commits)
+}
+
+// A write that fails is rolled back alone: the others of its group commit.
+func TestFailingWriteIsRolledBackAlone(t *testing.T) {
+	db := openDB(t)
+	c := New(db)
+	defer c.Close()
+	boom := errors.New("boom")
+	// Hold the committer so that the three writes share one group.
+	hold := make(chan struct{})
+	started := make(chan struct{})
+	c.Go(func(tx *bolt.Tx) error { close(started); <-hold; return nil }, nil)
+	<-started
+	results := make(chan error, 3)
+	c.Go(put("before"), func(err error) { results <- err })
+	c.Go(func(tx *bolt.Tx) error {
+		if err := put("bad")(tx); err != nil {
+			return err
+		}
+		return boom
+	}, func(err error) { results <- err })
+	c.Go(put("after"), func(err error) { results <- err })
+	close(hold)
+	for i, want := range []error{nil, boom, nil} {
+		if err := <-results; !errors.Is(err, want) {
+			t.Errorf("write %d: %v; want %v", i, err, want)
+		}
+	}
+	if !get(t, db, "before") || !get(t, db, "after") || get(t, db, "bad") {
+		t.Errorf("before %v, after %v, bad %v; want true, true, false", get(t, db, "before"), get(t, db, "after"), get(t, db, "bad"))
+	}
+}
+
+// Done callbacks run in the order the writes were queued.
+func TestDoneInOrder(t *testing.T) {
+	db := openDB(t)
+	c := New(db)
+	var (
+		mu  sync.Mutex
+		got []int
+	)
+	for i := range 500 {
+		c.Go(put(string(rune(i))), func(error) {
+			mu.Lock()
+			got = append(got, i)
+			mu.Unlock()
+		})
+	}
+	c.Close() // runs what is queued and every callback
+	if len(got) != 500 {
+		t.Fatalf("%d callbacks; want 500", len(got))
+	}
+	for i, v := range got {
+		if v != i {
+			t.Fatalf("callback %d was for write %d", i, v)
+		}
+	}
+	if err := c.Do(put("late")); !errors.Is(err, ErrClosed) {
+		t.Errorf("Do after Close = %v; want ErrClosed", err)
+	}
+}
