@@ -20,13 +20,19 @@ import (
 // The spool is the bridge's durable memory, one bbolt file:
 //
 //	commands  id → record: every command id seen, until purged
-//	queues    device id → (queueKey → id): the commands still to run, in order
-//	          of acceptance (their UUIDv7 ids), then of arrival
-//	outbox    seq → outboxEntry: final replies not yet acknowledged by the broker
+//	queue     queueKey → id: the commands still to run, of every device, in
+//	          order of acceptance (their UUIDv7 ids), then of arrival
+//	outbox    seq → command id: final replies (in their records) not yet
+//	          acknowledged by the broker
+//
+// Every bucket grows at its end, so a commit writes few pages however many
+// devices its writes are for. (Earlier versions kept a queue bucket per
+// device, "queues"; openSpool moves those into "queue".)
 var (
-	bucketCommands = []byte("commands")
-	bucketQueues   = []byte("queues")
-	bucketOutbox   = []byte("outbox")
+	bucketCommands  = []byte("commands")
+	bucketQueue     = []byte("queue")
+	bucketOutbox    = []byte("outbox")
+	bucketOldQueues = []byte("queues")
 )
 
 // States of a spooled command. A claimed command is running in memory
@@ -82,10 +88,13 @@ func openSpool(dir string) (*spool, error) {
 	}
 	s := &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketCommands, bucketQueues, bucketOutbox} {
+		for _, b := range [][]byte{bucketCommands, bucketQueue, bucketOutbox} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
+		}
+		if err := migrateQueues(tx); err != nil {
+			return err
 		}
 		return s.load(tx)
 	})
@@ -97,39 +106,65 @@ func openSpool(dir string) (*spool, error) {
 	return s, nil
 }
 
-// load reads every device's queue into memory, healing entries whose
-// record is gone or done (which cannot happen).
-func (s *spool) load(tx *bolt.Tx) error {
-	return tx.Bucket(bucketQueues).ForEachBucket(func(dev []byte) error {
-		q := tx.Bucket(bucketQueues).Bucket(dev)
-		var stale [][]byte
-		var recs []*record
-		err := q.ForEach(func(k, v []byte) error {
-			r, err := getRecord(tx, string(v))
-			if err != nil {
+// migrateQueues moves the per-device queue buckets of earlier versions into
+// the one queue, each device's commands in their order.
+func migrateQueues(tx *bolt.Tx) error {
+	old := tx.Bucket(bucketOldQueues)
+	if old == nil {
+		return nil
+	}
+	q := tx.Bucket(bucketQueue)
+	err := old.ForEachBucket(func(dev []byte) error {
+		return old.Bucket(dev).ForEach(func(_, id []byte) error {
+			r, err := getRecord(tx, string(id))
+			if err != nil || r == nil {
 				return err
 			}
-			if r == nil || r.State == spoolDone {
-				stale = append(stale, bytes.Clone(k))
-				return nil
+			if r.Seq, err = q.NextSequence(); err != nil {
+				return err
 			}
-			recs = append(recs, r)
-			return nil
+			if err := q.Put(queueKey(r.Cmd.ID, r.Seq), id); err != nil {
+				return err
+			}
+			return putRecord(tx, r)
 		})
+	})
+	if err != nil {
+		return err
+	}
+	return tx.DeleteBucket(bucketOldQueues)
+}
+
+// load reads the queue into memory, healing entries whose record is gone
+// or done (which cannot happen).
+func (s *spool) load(tx *bolt.Tx) error {
+	q := tx.Bucket(bucketQueue)
+	var stale [][]byte
+	err := q.ForEach(func(k, v []byte) error {
+		r, err := getRecord(tx, string(v))
 		if err != nil {
 			return err
 		}
-		for _, k := range stale {
-			if err := q.Delete(k); err != nil {
-				return err
-			}
+		if r == nil || r.State == spoolDone {
+			stale = append(stale, bytes.Clone(k))
+			return nil
 		}
-		if len(recs) > 0 {
-			s.queues[string(dev)] = recs
-			s.running[recs[0].Cmd.ID] = true
+		dev := r.Cmd.DeviceID
+		if len(s.queues[dev]) == 0 {
+			s.running[r.Cmd.ID] = true
 		}
+		s.queues[dev] = append(s.queues[dev], r)
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	for _, k := range stale {
+		if err := q.Delete(k); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // close finishes the writes under way and closes the file.
@@ -144,10 +179,11 @@ func u64(v uint64) []byte {
 	return b
 }
 
-// queueKey orders a device's queue. Command ids are UUIDv7, assigned by the
+// queueKey orders the queue. Command ids are UUIDv7, assigned by the
 // server in acceptance order, so sorting by id keeps that order even when
 // the broker redelivers a backlog out of order (mochi does, within a
-// second). Ids of another version sort first, among themselves by arrival.
+// second). Ids of another version sort first, among themselves by arrival
+// (seq, from the queue bucket's sequence).
 func queueKey(id string, seq uint64) []byte {
 	k := make([]byte, 16, 24)
 	if u, err := uuid.Parse(id); err == nil && u.Version() == 7 {
@@ -155,8 +191,6 @@ func queueKey(id string, seq uint64) []byte {
 	}
 	return append(k, u64(seq)...)
 }
-
-func keySeq(k []byte) uint64 { return binary.BigEndian.Uint64(k[len(k)-8:]) }
 
 func getRecord(tx *bolt.Tx, id string) (*record, error) {
 	v := tx.Bucket(bucketCommands).Get([]byte(id))
@@ -178,17 +212,15 @@ func putRecord(tx *bolt.Tx, r *record) error {
 	return tx.Bucket(bucketCommands).Put([]byte(r.Cmd.ID), v)
 }
 
-func putOutbox(tx *bolt.Tx, e outboxEntry) (uint64, error) {
+// putOutbox notes that the final reply in the record of id is owed to the
+// broker.
+func putOutbox(tx *bolt.Tx, id string) (uint64, error) {
 	b := tx.Bucket(bucketOutbox)
 	seq, err := b.NextSequence()
 	if err != nil {
 		return 0, err
 	}
-	v, err := json.Marshal(e)
-	if err != nil {
-		return 0, err
-	}
-	return seq, b.Put(u64(seq), v)
+	return seq, b.Put(u64(seq), []byte(id))
 }
 
 // Outcomes of accepting a message.
@@ -271,10 +303,7 @@ func acceptCommand(tx *bolt.Tx, c topics.Command) (acceptResult, error) {
 		}
 		return acceptResult{outcome: acceptKnown}, nil
 	}
-	q, err := tx.Bucket(bucketQueues).CreateBucketIfNotExists([]byte(c.DeviceID))
-	if err != nil {
-		return acceptResult{}, err
-	}
+	q := tx.Bucket(bucketQueue)
 	seq, err := q.NextSequence()
 	if err != nil {
 		return acceptResult{}, err
@@ -315,10 +344,8 @@ func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acce
 	case r.State != spoolQueued || !s.unrelease(r):
 		return acceptResult{outcome: acceptCancelNoop}, nil
 	}
-	if q := tx.Bucket(bucketQueues).Bucket([]byte(r.Cmd.DeviceID)); q != nil {
-		if err := q.Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
-			return acceptResult{}, err
-		}
+	if err := tx.Bucket(bucketQueue).Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
+		return acceptResult{}, err
 	}
 	r.State, r.Final, r.DoneAt = spoolDone, final, now
 	if err := putRecord(tx, r); err != nil {
@@ -368,18 +395,18 @@ func (s *spool) claim(deviceID string) *record {
 func (s *spool) finish(r *record, final topics.Reply, done func(key uint64, err error)) {
 	var key uint64
 	s.w.Go(func(tx *bolt.Tx) error {
-		if q := tx.Bucket(bucketQueues).Bucket([]byte(r.Cmd.DeviceID)); q != nil {
-			if err := q.Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
-				return err
-			}
+		if err := tx.Bucket(bucketQueue).Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
+			return err
 		}
-		d := *r
-		d.State, d.Final, d.DoneAt = spoolDone, &final, final.At
-		if err := putRecord(tx, &d); err != nil {
+		// What a done record is for: dropping a repeat, answering it with
+		// the final reply, forgetting it after DoneRetention. The payload
+		// is no longer needed.
+		d := &record{Cmd: topics.Command{ID: r.Cmd.ID, DeviceID: r.Cmd.DeviceID}, State: spoolDone, Final: &final, DoneAt: final.At}
+		if err := putRecord(tx, d); err != nil {
 			return err
 		}
 		var err error
-		key, err = putOutbox(tx, outboxEntry{DeviceID: r.Cmd.DeviceID, Reply: final})
+		key, err = putOutbox(tx, r.Cmd.ID)
 		return err
 	}, func(err error) {
 		if err == nil {
@@ -397,13 +424,25 @@ type outboxItem struct {
 }
 
 // outbox lists the final replies not yet acknowledged, oldest first.
+// Entries of earlier versions hold the reply itself.
 func (s *spool) outbox() ([]outboxItem, error) {
 	var items []outboxItem
 	err := s.db.View(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketOutbox).ForEach(func(k, v []byte) error {
 			var e outboxEntry
-			if err := json.Unmarshal(v, &e); err != nil {
-				return fmt.Errorf("spool outbox: %w", err)
+			if bytes.HasPrefix(v, []byte("{")) {
+				if err := json.Unmarshal(v, &e); err != nil {
+					return fmt.Errorf("spool outbox: %w", err)
+				}
+			} else {
+				r, err := getRecord(tx, string(v))
+				if err != nil {
+					return err
+				}
+				if r == nil || r.Final == nil {
+					return nil // purged since: nothing to send
+				}
+				e = outboxEntry{DeviceID: r.Cmd.DeviceID, Reply: *r.Final}
 			}
 			items = append(items, outboxItem{key: binary.BigEndian.Uint64(k), outboxEntry: e})
 			return nil
@@ -447,6 +486,23 @@ func (s *spool) purge(cutoff time.Time) (int, error) {
 			}
 		}
 		n = len(old)
+		// A final reply the broker never acknowledged in DoneRetention is
+		// forgotten with its record.
+		var orphans [][]byte
+		err = tx.Bucket(bucketOutbox).ForEach(func(k, v []byte) error {
+			if !bytes.HasPrefix(v, []byte("{")) && b.Get(v) == nil {
+				orphans = append(orphans, bytes.Clone(k))
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		for _, k := range orphans {
+			if err := tx.Bucket(bucketOutbox).Delete(k); err != nil {
+				return err
+			}
+		}
 		return nil
 	})
 	return n, err

@@ -2,10 +2,12 @@ package agent
 
 import (
 	"encoding/json"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicecompanion/companion/topics"
 )
@@ -191,4 +193,69 @@ func TestSpoolCancelBeforeCommand(t *testing.T) {
 	if res[1].outcome != acceptDone || res[1].final.State != topics.StateCanceled {
 		t.Fatalf("command after its cancel: %+v; want dropped as canceled", res[1])
 	}
+}
+
+// A spool of an earlier version, with a queue bucket per device, opens
+// with the same commands queued in the same order.
+func TestSpoolMigratesPerDeviceQueues(t *testing.T) {
+	dir := t.TempDir()
+	a := testCommand(t, "d1", topics.OpPushText, topics.PushText{Text: "a"})
+	b := testCommand(t, "d1", topics.OpPushText, topics.PushText{Text: "b"})
+	c := testCommand(t, "d2", topics.OpPushText, topics.PushText{Text: "c"})
+	db, err := bolt.Open(filepath.Join(dir, "spool.db"), 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		cmds, err := tx.CreateBucket(bucketCommands)
+		if err != nil {
+			return err
+		}
+		queues, err := tx.CreateBucket(bucketOldQueues)
+		if err != nil {
+			return err
+		}
+		for _, cmd := range []topics.Command{a, b, c} {
+			q, err := queues.CreateBucketIfNotExists([]byte(cmd.DeviceID))
+			if err != nil {
+				return err
+			}
+			seq, _ := q.NextSequence()
+			if err := q.Put(queueKey(cmd.ID, seq), []byte(cmd.ID)); err != nil {
+				return err
+			}
+			v, _ := json.Marshal(record{Cmd: cmd, Seq: seq, State: spoolQueued})
+			if err := cmds.Put([]byte(cmd.ID), v); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+
+	s, err := openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	for _, want := range []topics.Command{a, b} {
+		if r := s.claim("d1"); r == nil || r.Cmd.ID != want.ID {
+			t.Fatalf("claim(d1) = %+v; want %s", r, want.Payload)
+		}
+	}
+	if r := s.claim("d2"); r == nil || r.Cmd.ID != c.ID {
+		t.Fatalf("claim(d2) = %+v; want c", r)
+	}
+	s.db.View(func(tx *bolt.Tx) error {
+		if tx.Bucket(bucketOldQueues) != nil {
+			t.Errorf("the old queues bucket is still there")
+		}
+		if n := tx.Bucket(bucketQueue).Stats().KeyN; n != 3 {
+			t.Errorf("queue holds %d commands; want 3", n)
+		}
+		return nil
+	})
 }

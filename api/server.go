@@ -33,7 +33,9 @@ type Store interface {
 	Bind(ctx context.Context, b store.Binding) (store.Binding, bool, error)
 	Unbind(ctx context.Context, deviceID, userID string) error
 	Binding(ctx context.Context, deviceID string) (store.Binding, error)
-	ListBindings(ctx context.Context, userID, after string, limit int) ([]store.Binding, error)
+	// ListDevices reads a page of the user's devices with their statuses
+	// in one read transaction.
+	ListDevices(ctx context.Context, userID, after string, limit int) ([]store.BoundDevice, error)
 
 	Status(ctx context.Context, deviceID string) (store.Status, error)
 	Settings(ctx context.Context, deviceID string) (store.Settings, error)
@@ -378,8 +380,13 @@ func (s *Server) recoverer(c *gin.Context) {
 }
 
 func (s *Server) logRequest(c *gin.Context) {
+	ctx := c.Request.Context()
+	if !s.log.Enabled(ctx, slog.LevelDebug) {
+		c.Next() // no arguments to build for a line nobody reads
+		return
+	}
 	start := time.Now()
 	c.Next()
-	s.log.DebugContext(c.Request.Context(), "request",
+	s.log.DebugContext(ctx, "request",
 		"method", c.Request.Method, "route", c.FullPath(), "status", c.Writer.Status(), "duration", time.Since(start))
 }

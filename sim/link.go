@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -51,7 +52,8 @@ type LinkOptions struct {
 // dropped connections in real time. A peripheral takes one central at a
 // time: connecting again drops the old link.
 type Network struct {
-	opts LinkOptions
+	opts  LinkOptions
+	sched *scheduler
 
 	mu          sync.Mutex
 	peripherals map[string]gatt.Peripheral
@@ -78,7 +80,7 @@ func NewNetwork(opts LinkOptions) *Network {
 		opts.ConnectDelay = DefaultConnectDelay
 	}
 	opts.ConnectDelay = max(opts.ConnectDelay, 0)
-	return &Network{opts: opts, peripherals: map[string]gatt.Peripheral{}, links: map[string]*Link{}}
+	return &Network{opts: opts, sched: newScheduler(), peripherals: map[string]gatt.Peripheral{}, links: map[string]*Link{}}
 }
 
 // Options returns the network's options with defaults filled in.
@@ -156,7 +158,8 @@ func (n *Network) Drop(deviceID string) bool {
 	return true
 }
 
-// Close drops every link; Connect fails from then on.
+// Close drops every link and stops the network's scheduler; Connect fails
+// from then on.
 func (n *Network) Close() {
 	n.mu.Lock()
 	n.closed = true
@@ -168,6 +171,7 @@ func (n *Network) Close() {
 	for _, l := range links {
 		l.Close()
 	}
+	n.sched.stop()
 }
 
 // Link is one simulated connection. It implements gatt.Link.
@@ -186,25 +190,47 @@ type Link struct {
 	stopOnce  sync.Once
 	torn      chan struct{} // closed when teardown has finished
 	dropTimer *time.Timer
-	wg        sync.WaitGroup
+
+	// runMu guards dead and running: a delivery runs only while the link
+	// is up, and teardown waits for the one running.
+	runMu   sync.Mutex
+	dead    bool
+	running int
+	idle    *sync.Cond
 }
 
 func newLink(n *Network, id string, p gatt.Peripheral) *Link {
 	l := &Link{n: n, id: id, p: p, mtu: n.opts.MTU, subs: map[string]func([]byte){},
 		done: make(chan struct{}), torn: make(chan struct{})}
+	l.idle = sync.NewCond(&l.runMu)
 	rate := n.Capacity()
-	l.up = newWire(rate, n.opts.Latency, l.done)
-	l.down = newWire(rate, n.opts.Latency, l.done)
+	l.up = newWire(l, rate, n.opts.Latency)
+	l.down = newWire(l, rate, n.opts.Latency)
 	return l
 }
 
 func (l *Link) start() {
-	l.wg.Add(2)
-	go func() { defer l.wg.Done(); l.up.deliver() }()
-	go func() { defer l.wg.Done(); l.down.deliver() }()
 	if d := l.n.opts.DropEvery; d > 0 {
 		l.dropTimer = time.AfterFunc(d, func() { l.n.Drop(l.id) })
 	}
+}
+
+// run runs a delivery of the link unless the link is down.
+func (l *Link) run(deliver func()) {
+	l.runMu.Lock()
+	if l.dead {
+		l.runMu.Unlock()
+		return
+	}
+	l.running++
+	l.runMu.Unlock()
+	deliver()
+	l.runMu.Lock()
+	l.running--
+	if l.running == 0 {
+		l.idle.Broadcast()
+	}
+	l.runMu.Unlock()
 }
 
 func (l *Link) alive() bool {
@@ -231,7 +257,13 @@ func (l *Link) teardown() {
 	if l.dropTimer != nil {
 		l.dropTimer.Stop()
 	}
-	l.wg.Wait()
+	// What is still on the air is lost; what is being delivered finishes.
+	l.runMu.Lock()
+	l.dead = true
+	for l.running > 0 {
+		l.idle.Wait()
+	}
+	l.runMu.Unlock()
 	l.p.Disconnected()
 	l.n.mu.Lock()
 	if l.n.links[l.id] == l {
@@ -341,29 +373,24 @@ func (l *Link) notify(charUUID string, value []byte) {
 }
 
 // wire is one direction of a link: PDUs take their air time one after
-// another, then arrive after the latency, in order.
+// another, then arrive after the latency, in order. Their arrivals are
+// events of the network's scheduler.
 type wire struct {
+	link        *Link
 	bytesPerSec float64
 	latency     time.Duration
-	done        <-chan struct{}
 
 	mu   sync.Mutex
 	free time.Time // when the air is free for the next PDU
-	q    []pdu
-	wake chan struct{}
 }
 
-type pdu struct {
-	at      time.Time
-	deliver func()
+func newWire(l *Link, bytesPerSec float64, latency time.Duration) *wire {
+	return &wire{link: l, bytesPerSec: bytesPerSec, latency: latency}
 }
 
-func newWire(bytesPerSec float64, latency time.Duration, done <-chan struct{}) *wire {
-	return &wire{bytesPerSec: bytesPerSec, latency: latency, done: done, wake: make(chan struct{}, 1)}
-}
-
-// send books size bytes of air time and queues deliver for their arrival;
-// it returns when the PDU has finished going out.
+// send books size bytes of air time and schedules deliver for their
+// arrival; it returns when the PDU has finished going out. The scheduler
+// keeps the order of one wire's PDUs: their arrival times never decrease.
 func (w *wire) send(size int, deliver func()) time.Time {
 	air := time.Duration(float64(size) / w.bytesPerSec * float64(time.Second))
 	w.mu.Lock()
@@ -373,54 +400,126 @@ func (w *wire) send(size int, deliver func()) time.Time {
 	}
 	w.free = w.free.Add(air)
 	onAir := w.free
-	w.q = append(w.q, pdu{at: onAir.Add(w.latency), deliver: deliver})
+	w.link.n.sched.add(onAir.Add(w.latency), w.link, deliver)
 	w.mu.Unlock()
-	select {
-	case w.wake <- struct{}{}:
-	default:
-	}
 	return onAir
 }
 
-// deliver runs queued deliveries at their arrival times until the link is
-// down; what is still queued then is lost.
-func (w *wire) deliver() {
-	t := time.NewTimer(time.Hour)
-	defer t.Stop()
-	for {
-		w.mu.Lock()
-		queued := len(w.q) > 0
-		var at time.Time
-		if queued {
-			at = w.q[0].at
-		}
-		w.mu.Unlock()
-		if !queued {
-			select {
-			case <-w.done:
-				return
-			case <-w.wake:
-				continue
-			}
-		}
-		if d := time.Until(at); d > 0 {
-			t.Reset(d)
-			select {
-			case <-w.done:
-				return
-			case <-t.C:
-			}
-		}
+// scheduler runs the deliveries of every link of a network at their
+// arrival times, on one goroutine with one timer, rather than a goroutine
+// and a timer per direction of each link. Deliveries must not block: they
+// hand a PDU to a peripheral or to a central's notification handler.
+type scheduler struct {
+	mu      sync.Mutex
+	events  eventHeap
+	seq     uint64
+	started bool
+	stopped bool
+	wake    chan struct{}
+	quit    chan struct{}
+	done    chan struct{}
+}
+
+type event struct {
+	at      time.Time
+	seq     uint64 // order of scheduling, among events due at once
+	link    *Link
+	deliver func()
+}
+
+type eventHeap []event
+
+func (h eventHeap) Len() int { return len(h) }
+func (h eventHeap) Less(i, j int) bool {
+	if !h[i].at.Equal(h[j].at) {
+		return h[i].at.Before(h[j].at)
+	}
+	return h[i].seq < h[j].seq
+}
+func (h eventHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *eventHeap) Push(x any)   { *h = append(*h, x.(event)) }
+func (h *eventHeap) Pop() any {
+	old := *h
+	e := old[len(old)-1]
+	old[len(old)-1] = event{}
+	*h = old[:len(old)-1]
+	return e
+}
+
+func newScheduler() *scheduler {
+	return &scheduler{wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{})}
+}
+
+// add schedules deliver on link at at; the scheduler's goroutine starts
+// with the first event.
+func (s *scheduler) add(at time.Time, l *Link, deliver func()) {
+	s.mu.Lock()
+	if s.stopped {
+		s.mu.Unlock()
+		return
+	}
+	s.seq++
+	heap.Push(&s.events, event{at: at, seq: s.seq, link: l, deliver: deliver})
+	first := s.events[0].seq == s.seq
+	if !s.started {
+		s.started = true
+		go s.run()
+	}
+	s.mu.Unlock()
+	if first {
 		select {
-		case <-w.done:
-			return
+		case s.wake <- struct{}{}:
 		default:
 		}
-		w.mu.Lock()
-		p := w.q[0]
-		w.q[0] = pdu{}
-		w.q = w.q[1:]
-		w.mu.Unlock()
-		p.deliver()
+	}
+}
+
+func (s *scheduler) run() {
+	defer close(s.done)
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	var due []event
+	for {
+		s.mu.Lock()
+		now := time.Now()
+		wait := time.Duration(-1)
+		for len(s.events) > 0 {
+			if d := s.events[0].at.Sub(now); d > 0 {
+				wait = d
+				break
+			}
+			due = append(due, heap.Pop(&s.events).(event))
+		}
+		s.mu.Unlock()
+		for i, e := range due {
+			e.link.run(e.deliver)
+			due[i] = event{}
+		}
+		due = due[:0]
+		var timer <-chan time.Time
+		if wait >= 0 {
+			t.Reset(wait)
+			timer = t.C
+		}
+		select {
+		case <-s.quit:
+			return
+		case <-s.wake:
+		case <-timer:
+		}
+	}
+}
+
+// stop ends the scheduler's goroutine; events still queued are lost.
+func (s *scheduler) stop() {
+	s.mu.Lock()
+	started := s.started
+	if !s.stopped {
+		s.stopped = true
+		close(s.quit)
+	}
+	s.mu.Unlock()
+	if started {
+		<-s.done
 	}
 }

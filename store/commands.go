@@ -113,7 +113,11 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 				return nil
 			}
 		}
-		if maxOpen > 0 && countPrefix(tx.Bucket(bucketDeviceOpen), prefix(c.DeviceID), maxOpen) >= maxOpen {
+		full, err := addOpen(tx.Bucket(bucketOpenCount), []byte(c.DeviceID), 1, maxOpen)
+		if err != nil {
+			return err
+		}
+		if full {
 			return abort(ErrQueueFull)
 		}
 		id, err := uuid.NewV7()
@@ -131,9 +135,6 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 			return err
 		}
 		if err := tx.Bucket(bucketOpen).Put([]byte(nc.ID), []byte(nc.DeviceID)); err != nil {
-			return err
-		}
-		if err := tx.Bucket(bucketDeviceOpen).Put(key(nc.DeviceID, nc.ID), nil); err != nil {
 			return err
 		}
 		if err := indexCommand(tx, Command{}, nc); err != nil {
@@ -241,7 +242,7 @@ func (db *DB) UpdateCommandAsync(id string, fn func(*Command) error, done func(C
 			if err := tx.Bucket(bucketOpen).Delete([]byte(id)); err != nil {
 				return err
 			}
-			if err := tx.Bucket(bucketDeviceOpen).Delete(key(nc.DeviceID, id)); err != nil {
+			if _, err := addOpen(tx.Bucket(bucketOpenCount), []byte(nc.DeviceID), -1, 0); err != nil {
 				return err
 			}
 		}
@@ -406,23 +407,36 @@ func (db *DB) CountOpen(ctx context.Context, deviceID string) (int, error) {
 	if !validID(deviceID) {
 		return 0, nil
 	}
-	var n int
+	var n uint64
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		n = countPrefix(tx.Bucket(bucketDeviceOpen), prefix(deviceID), 0)
+		if v := tx.Bucket(bucketOpenCount).Get([]byte(deviceID)); len(v) == 8 {
+			n = binary.BigEndian.Uint64(v)
+		}
 		return nil
 	})
-	return n, err
+	return int(n), err
 }
 
-// countPrefix counts the keys of b starting with p, stopping at max when
-// max > 0.
-func countPrefix(b *bolt.Bucket, p []byte, max int) int {
-	n := 0
-	scanPrefix(b, p, func([]byte) bool {
-		n++
-		return max <= 0 || n < max
-	})
-	return n
+// addOpen adds delta to the device's count of non-final commands, unless
+// delta is positive and the count has reached max already (max > 0): it
+// then changes nothing and reports full.
+func addOpen(counts *bolt.Bucket, deviceID []byte, delta, max int) (full bool, err error) {
+	var n uint64
+	if v := counts.Get(deviceID); len(v) == 8 {
+		n = binary.BigEndian.Uint64(v)
+	}
+	if delta > 0 && max > 0 && n >= uint64(max) {
+		return true, nil
+	}
+	switch {
+	case delta < 0 && n <= uint64(-delta):
+		return false, counts.Delete(deviceID)
+	case delta < 0:
+		n -= uint64(-delta)
+	default:
+		n += uint64(delta)
+	}
+	return false, counts.Put(deviceID, binary.BigEndian.AppendUint64(nil, n))
 }
 
 // prefixEnd returns the smallest key greater than every key starting with

@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
 	"testing"
 	"time"
@@ -100,5 +101,63 @@ func TestMigrateBuildsIndexes(t *testing.T) {
 	exp, _ := db.ExpiredCommands(ctx, clk.Now().Add(time.Hour))
 	if len(exp) != 2 {
 		t.Fatalf("expired after migration = %v; want both", ids(exp))
+	}
+}
+
+// A schema 2 file counted a device's open commands in device_open; the
+// migration to 3 counts them into open_count and drops device_open.
+func TestMigrateCountsOpenCommands(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	path := filepath.Join(t.TempDir(), "db")
+	db, err := Open(path, Options{Now: clk.Now, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for range 3 {
+		c, _, err := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, c.ID)
+	}
+	db.UpdateCommand(ctx, ids[0], func(c *Command) error { c.State = StateSucceeded; return nil })
+	db.Close()
+
+	// Make it a version 2 file: device_open, no open_count.
+	raw, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.Update(func(tx *bolt.Tx) error {
+		tx.DeleteBucket(bucketOpenCount)
+		b, _ := tx.CreateBucket(bucketDeviceOpen)
+		for _, id := range ids[1:] {
+			b.Put(key("d", id), nil)
+		}
+		return tx.Bucket(bucketMeta).Put(keySchemaVersion, []byte("2"))
+	})
+	raw.Close()
+
+	db = openTestDBWith(t, path, Options{Now: clk.Now})
+	if n, err := db.CountOpen(ctx, "d"); err != nil || n != 2 {
+		t.Fatalf("CountOpen after migration = %d, %v; want 2", n, err)
+	}
+	db.bolt.View(func(tx *bolt.Tx) error {
+		if tx.Bucket(bucketDeviceOpen) != nil {
+			t.Errorf("device_open is still there")
+		}
+		return nil
+	})
+	// The limit counts what the migration counted.
+	if _, _, err := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text"}, 2, nil); !errors.Is(err, ErrQueueFull) {
+		t.Errorf("CreateCommand past the limit = %v; want ErrQueueFull", err)
+	}
+	for _, id := range ids[1:] {
+		db.UpdateCommand(ctx, id, func(c *Command) error { c.State = StateFailed; return nil })
+	}
+	if n, _ := db.CountOpen(ctx, "d"); n != 0 {
+		t.Errorf("CountOpen once all are final = %d; want 0", n)
 	}
 }

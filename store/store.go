@@ -25,7 +25,7 @@ var ErrInvalid = errors.New("store: invalid argument")
 
 // SchemaVersion is the layout of the bbolt file this code reads and
 // writes. Open migrates older files up to it and refuses newer ones.
-const SchemaVersion = 2
+const SchemaVersion = 3
 
 // Bucket names. Index buckets hold keys only (empty values) unless said
 // otherwise; composite keys join their parts with a NUL byte, which no id
@@ -45,7 +45,7 @@ var (
 	bucketCommands      = []byte("commands")       // command id → Command
 	bucketDeviceCmds    = []byte("device_cmds")    // device id, command id
 	bucketOpen          = []byte("open")           // command id → device id, non-final only
-	bucketDeviceOpen    = []byte("device_open")    // device id, command id, non-final only
+	bucketDeviceOpen    = []byte("device_open")    // device id, command id, non-final only; until schema 3
 	bucketIdempotency   = []byte("idempotency")    // user id, key → Idempotency
 	bucketFirmware      = []byte("firmware")       // model, version → Firmware
 	bucketApps          = []byte("apps")           // app id, version → AppRelease
@@ -55,6 +55,12 @@ var (
 	// so that neither has to decode every open command.
 	bucketQueued = []byte("queued") // command id → device id, state queued only
 	bucketExpiry = []byte("expiry") // expires_at (8-byte big-endian unix ns), command id; queued or sent only
+
+	// Since schema version 3, in place of device_open: how many non-final
+	// commands each device has, so that accepting one reads one key rather
+	// than counting up to the limit, and a commit writes one small page
+	// for all of them.
+	bucketOpenCount = []byte("open_count") // device id → count (8-byte big-endian), when not 0
 
 	keySchemaVersion = []byte("schema_version")
 )
@@ -94,6 +100,26 @@ var migrations = []func(tx *bolt.Tx) error{
 			}
 			return indexCommand(tx, Command{}, c)
 		})
+	},
+	2: func(tx *bolt.Tx) error {
+		if err := tx.DeleteBucket(bucketOpenCount); err != nil && !errors.Is(err, bolt.ErrBucketNotFound) {
+			return err
+		}
+		counts, err := tx.CreateBucket(bucketOpenCount)
+		if err != nil {
+			return err
+		}
+		err = tx.Bucket(bucketOpen).ForEach(func(_, dev []byte) error {
+			_, err := addOpen(counts, bytes.Clone(dev), 1, 0)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		if err := tx.DeleteBucket(bucketDeviceOpen); err != nil && !errors.Is(err, bolt.ErrBucketNotFound) {
+			return err
+		}
+		return nil
 	},
 }
 

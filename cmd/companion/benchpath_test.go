@@ -9,15 +9,32 @@ package main
 // The project's path is the real binaries as a user runs them: `companion
 // serve` on its embedded broker and bbolt, and `companion-bridge
 // --sim-devices` with the simulator's defaults. The load is HTTP from this
-// process on loopback: end to end, clients that each POST a text push with
-// Prefer: wait=60 and send the next once it is answered; accepting, clients
-// that POST without waiting. Each client has devices of its own, so that no
-// two requests queue behind each other on one device.
+// process on loopback, text pushes:
 //
-// Knobs (environment): BENCH_DEVICES (200), BENCH_E2E_CLIENTS (64),
-// BENCH_ACCEPT_CLIENTS (32), BENCH_SECONDS per phase (10), BENCH_PROFILE_DIR
-// (when set, CPU profiles of the project's server and bridge under the end
-// to end load, and their counters, are written there).
+//   - end to end (e2e_cps): clients that each POST with Prefer: wait=60 and
+//     send the next once the command is final. Each client has devices of
+//     its own, so that no two requests queue behind each other on one
+//     device. There are as many clients as devices (200): by Little's law
+//     a path whose every command crosses a simulated Bluetooth round trip
+//     (15 ms at the simulator's default 7.5 ms each way) could never pass
+//     64/0.015 ≈ 4,300 commands/s with 64 clients, however cheap the rest.
+//   - accepting (accept_rps, accept_p99_ms): clients that POST without
+//     waiting, each answered 202 once the command is on disk, to devices
+//     that are registered but that no bridge serves ("parked"): the
+//     figure is the server's intake alone, as a burst for a fleet whose
+//     bridges are offline meets it. (With the bridges serving them, the
+//     commands would also be run, and the figure would be the end-to-end
+//     capacity again.)
+//
+// Both paths run at once and are measured in turn, in rounds of alternating
+// order (bare, project, then project, bare, …), and each figure is over all
+// rounds, so that a drift of this noisy machine weighs on both alike.
+//
+// Knobs (environment): BENCH_DEVICES (200), BENCH_E2E_CLIENTS (200),
+// BENCH_ACCEPT_CLIENTS (32), BENCH_SECONDS per phase (10), BENCH_ROUNDS (2),
+// BENCH_PROFILE_DIR (when set, CPU profiles of the project's server and
+// bridge under each load of the first round, with their counters and
+// allocations, are written to its e2e/ and accept/).
 
 import (
 	"bytes"
@@ -40,9 +57,9 @@ import (
 )
 
 type benchConfig struct {
-	devices, e2eClients, acceptClients int
-	phase                              time.Duration
-	profileDir                         string
+	devices, e2eClients, acceptClients, rounds int
+	phase                                      time.Duration
+	profileDir                                 string
 }
 
 func benchConfigFromEnv(tb testing.TB) benchConfig {
@@ -60,28 +77,25 @@ func benchConfigFromEnv(tb testing.TB) benchConfig {
 	}
 	return benchConfig{
 		devices:       num("BENCH_DEVICES", 200),
-		e2eClients:    num("BENCH_E2E_CLIENTS", 64),
+		e2eClients:    num("BENCH_E2E_CLIENTS", 200),
 		acceptClients: num("BENCH_ACCEPT_CLIENTS", 32),
+		rounds:        num("BENCH_ROUNDS", 2),
 		phase:         time.Duration(num("BENCH_SECONDS", 10)) * time.Second,
 		profileDir:    os.Getenv("BENCH_PROFILE_DIR"),
 	}
 }
 
-// pathTarget is one command path under load: its HTTP base, the token and
-// the devices to push to.
+// pathTarget is one command path under load.
 type pathTarget struct {
 	name    string
 	base    string
 	token   string
-	devices []string
-	// drain waits until every command accepted so far is final; last holds
-	// the last command id accepted per device.
-	drain func(last map[string]string) error
+	devices []string // served by the path's bridge
+	parked  []string // registered, served by no bridge
+	procs   map[string]*osProc
 	// profile, when set, records CPU profiles and counters of the target's
 	// processes while run goes.
 	profile func(dir string, d time.Duration, run func()) error
-	// procs are the target's processes, for their CPU time.
-	procs map[string]*osProc
 }
 
 // loadResult is what one phase of load measured.
@@ -91,7 +105,27 @@ type loadResult struct {
 	lat      []time.Duration // sorted
 	errs     int
 	firstErr string
-	last     map[string]string // device → last command id accepted
+	cpu      map[string]time.Duration // CPU time of each process, and of the load, over the phase
+	// segs splits each waited command's time: request to stored, stored to
+	// final, final to answer (bare: only the total is known).
+	segs [][3]time.Duration
+}
+
+// segments formats the medians of segs.
+func (r loadResult) segments() string {
+	if len(r.segs) == 0 {
+		return ""
+	}
+	var out []string
+	for i, name := range []string{"to stored", "stored to final", "final to answer"} {
+		v := make([]time.Duration, len(r.segs))
+		for j, s := range r.segs {
+			v[j] = s[i]
+		}
+		slices.Sort(v)
+		out = append(out, fmt.Sprintf("%s %.1f", name, ms(v[len(v)/2])))
+	}
+	return "; median ms " + strings.Join(out, ", ")
 }
 
 func (r loadResult) rate() float64 { return float64(r.done) / r.elapsed.Seconds() }
@@ -103,13 +137,41 @@ func (r loadResult) pct(p float64) time.Duration {
 	return r.lat[min(len(r.lat)-1, int(float64(len(r.lat))*p))]
 }
 
+// add merges another round's result of the same phase into r.
+func (r *loadResult) add(o loadResult) {
+	r.done += o.done
+	r.elapsed += o.elapsed
+	r.lat = append(r.lat, o.lat...)
+	slices.Sort(r.lat)
+	r.segs = append(r.segs, o.segs...)
+	r.errs += o.errs
+	if r.firstErr == "" {
+		r.firstErr = o.firstErr
+	}
+	if r.cpu == nil {
+		r.cpu = map[string]time.Duration{}
+	}
+	for k, v := range o.cpu {
+		r.cpu[k] += v
+	}
+}
+
+// cpuPerCommand formats the CPU time per command of each process.
+func (r loadResult) cpuPerCommand() string {
+	var out []string
+	for _, name := range slices.Sorted(maps.Keys(r.cpu)) {
+		out = append(out, fmt.Sprintf("%s %.3f", name, ms(r.cpu[name])/float64(max(r.done, 1))))
+	}
+	return strings.Join(out, ", ")
+}
+
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
-// runLoad has clients POST text pushes to t for d. Client i pushes to the
-// devices i, i+clients, i+2·clients, … in turn. With wait, each request
+// runLoad has clients POST text pushes to devs for d. Client i pushes to
+// the devices i, i+clients, i+2·clients, … in turn. With wait, each request
 // holds its answer until the command is final (200); otherwise it is
 // answered once accepted (202).
-func runLoad(t pathTarget, clients int, d time.Duration, wait bool) loadResult {
+func runLoad(t pathTarget, devs []string, clients int, d time.Duration, wait bool) loadResult {
 	tr := &http.Transport{MaxIdleConnsPerHost: clients, DisableCompression: true}
 	defer tr.CloseIdleConnections()
 	hc := &http.Client{Transport: tr, Timeout: 90 * time.Second}
@@ -120,24 +182,25 @@ func runLoad(t pathTarget, clients int, d time.Duration, wait bool) loadResult {
 	body := []byte(`{"text":"bench"}`)
 	var (
 		mu  sync.Mutex
-		res = loadResult{last: map[string]string{}}
+		res loadResult
 		wg  sync.WaitGroup
 	)
+	before := cpuTimes(t.procs)
 	start := time.Now()
 	deadline := start.Add(d)
 	for i := range clients {
 		var mine []string
-		for j := i; j < len(t.devices); j += clients {
-			mine = append(mine, t.devices[j])
+		for j := i; j < len(devs); j += clients {
+			mine = append(mine, devs[j])
 		}
 		if len(mine) == 0 {
-			mine = []string{t.devices[i%len(t.devices)]}
+			mine = []string{devs[i%len(devs)]}
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			var lat []time.Duration
-			last := map[string]string{}
+			var segs [][3]time.Duration
 			errs, firstErr := 0, ""
 			for n := 0; time.Now().Before(deadline); n++ {
 				dev := mine[n%len(mine)]
@@ -157,28 +220,34 @@ func runLoad(t pathTarget, clients int, d time.Duration, wait bool) loadResult {
 					continue
 				}
 				var cmd struct {
-					ID string `json:"id"`
+					ID        string    `json:"id"`
+					CreatedAt time.Time `json:"created_at"`
+					UpdatedAt time.Time `json:"updated_at"`
 				}
 				raw, _ := io.ReadAll(resp.Body)
 				resp.Body.Close()
-				if resp.StatusCode != want || json.Unmarshal(raw, &cmd) != nil {
+				if resp.StatusCode != want || json.Unmarshal(raw, &cmd) != nil || cmd.ID == "" {
 					errs++
 					if firstErr == "" {
 						firstErr = fmt.Sprintf("%d %s", resp.StatusCode, raw)
 					}
 					continue
 				}
-				lat = append(lat, time.Since(t0))
-				last[dev] = cmd.ID
+				t1 := time.Now()
+				lat = append(lat, t1.Sub(t0))
+				if wait && !cmd.CreatedAt.IsZero() {
+					// Where the time went, by the server's clock (the same
+					// machine's): until the command was stored, until its
+					// final state was, and until the answer arrived.
+					segs = append(segs, [3]time.Duration{cmd.CreatedAt.Sub(t0), cmd.UpdatedAt.Sub(cmd.CreatedAt), t1.Sub(cmd.UpdatedAt)})
+				}
 			}
 			mu.Lock()
 			res.lat = append(res.lat, lat...)
+			res.segs = append(res.segs, segs...)
 			res.errs += errs
 			if res.firstErr == "" {
 				res.firstErr = firstErr
-			}
-			for k, v := range last {
-				res.last[k] = v
 			}
 			mu.Unlock()
 		}()
@@ -187,13 +256,17 @@ func runLoad(t pathTarget, clients int, d time.Duration, wait bool) loadResult {
 	res.elapsed = time.Since(start)
 	res.done = len(res.lat)
 	slices.Sort(res.lat)
+	after := cpuTimes(t.procs)
+	res.cpu = map[string]time.Duration{}
+	for name, d := range after {
+		res.cpu[name] = d - before[name]
+	}
 	return res
 }
 
 // pathFigures are one target's figures.
 type pathFigures struct {
 	e2e, accept loadResult
-	e2eCPU      map[string]time.Duration // CPU time of each process (and the load) in the end-to-end phase
 }
 
 // cpuTimes reads the CPU time (user and system) of each process so far,
@@ -224,31 +297,23 @@ func procCPU(pid int) time.Duration {
 	return time.Duration(ut+st) * 10 * time.Millisecond
 }
 
-func measurePath(b *testing.B, cfg benchConfig, t pathTarget) pathFigures {
+// measurePath runs one round of load on t: a warm-up, the end-to-end phase
+// (under the profiler when asked) and the accepting phase.
+func measurePath(b *testing.B, cfg benchConfig, t pathTarget, profile bool) pathFigures {
 	b.Helper()
-	runLoad(t, cfg.e2eClients, 2*time.Second, true) // warm up: connections, pages, caches
+	runLoad(t, t.devices, cfg.e2eClients, 2*time.Second, true) // warm up: connections, pages, caches
 	var f pathFigures
-	e2e := func() {
-		before := cpuTimes(t.procs)
-		f.e2e = runLoad(t, cfg.e2eClients, cfg.phase, true)
-		after := cpuTimes(t.procs)
-		f.e2eCPU = map[string]time.Duration{}
-		for name, d := range after {
-			f.e2eCPU[name] = d - before[name]
+	phase := func(name string, run func()) {
+		if !profile || t.profile == nil {
+			run()
+			return
 		}
-	}
-	if cfg.profileDir != "" && t.profile != nil {
-		if err := t.profile(cfg.profileDir, cfg.phase, e2e); err != nil {
+		if err := t.profile(filepath.Join(cfg.profileDir, name), cfg.phase, run); err != nil {
 			b.Fatalf("%s: profile: %v", t.name, err)
 		}
-	} else {
-		e2e()
 	}
-	f.accept = runLoad(t, cfg.acceptClients, cfg.phase, false)
-	drainStart := time.Now()
-	if err := t.drain(f.accept.last); err != nil {
-		b.Fatalf("%s: drain after accepting: %v", t.name, err)
-	}
+	phase("e2e", func() { f.e2e = runLoad(t, t.devices, cfg.e2eClients, cfg.phase, true) })
+	phase("accept", func() { f.accept = runLoad(t, t.parked, cfg.acceptClients, cfg.phase, false) })
 	for _, r := range []struct {
 		name string
 		res  loadResult
@@ -257,16 +322,15 @@ func measurePath(b *testing.B, cfg benchConfig, t pathTarget) pathFigures {
 			b.Errorf("%s %s: %d failed requests, the first: %s", t.name, r.name, r.res.errs, r.res.firstErr)
 		}
 	}
-	fmt.Printf("%-8s e2e: %6.0f commands/s (%d clients, p50 %.1f ms, p99 %.1f ms)  accept: %6.0f/s (%d clients, p50 %.1f ms, p99 %.1f ms); backlog of %d drained in %s\n",
-		t.name, f.e2e.rate(), cfg.e2eClients, ms(f.e2e.pct(0.5)), ms(f.e2e.pct(0.99)),
-		f.accept.rate(), cfg.acceptClients, ms(f.accept.pct(0.5)), ms(f.accept.pct(0.99)),
-		f.accept.done, time.Since(drainStart).Round(time.Millisecond))
-	var cpu []string
-	for _, name := range slices.Sorted(maps.Keys(f.e2eCPU)) {
-		cpu = append(cpu, fmt.Sprintf("%s %.3f", name, ms(f.e2eCPU[name])/float64(max(f.e2e.done, 1))))
-	}
-	fmt.Printf("%-8s e2e CPU ms per command: %s\n", t.name, strings.Join(cpu, ", "))
+	printFigures(t.name, cfg, f)
 	return f
+}
+
+func printFigures(name string, cfg benchConfig, f pathFigures) {
+	fmt.Printf("%-8s e2e: %6.0f commands/s (%d clients, p50 %.1f ms, p99 %.1f ms)  accept: %6.0f/s (%d clients, p50 %.1f ms, p99 %.1f ms)\n",
+		name, f.e2e.rate(), cfg.e2eClients, ms(f.e2e.pct(0.5)), ms(f.e2e.pct(0.99)),
+		f.accept.rate(), cfg.acceptClients, ms(f.accept.pct(0.5)), ms(f.accept.pct(0.99)))
+	fmt.Printf("%-8s CPU ms per command: e2e %s; accept %s%s\n", name, f.e2e.cpuPerCommand(), f.accept.cpuPerCommand(), f.e2e.segments())
 }
 
 // BenchmarkCommandPath prints the bench line of CONTRACT §12. Run it alone
@@ -274,11 +338,27 @@ func measurePath(b *testing.B, cfg benchConfig, t pathTarget) pathFigures {
 func BenchmarkCommandPath(b *testing.B) {
 	cfg := benchConfigFromEnv(b)
 	for range b.N {
-		bare := measurePath(b, cfg, startBarePath(b, cfg))
-		proj := measurePath(b, cfg, startProjectPath(b, cfg))
+		bare, proj := startBarePath(b, cfg), startProjectPath(b, cfg)
+		var sum [2]pathFigures // bare, project
+		for r := range cfg.rounds {
+			fmt.Printf("round %d\n", r+1)
+			order := []int{0, 1}
+			if r%2 == 1 {
+				order = []int{1, 0}
+			}
+			for _, i := range order {
+				t := []pathTarget{bare, proj}[i]
+				f := measurePath(b, cfg, t, r == 0 && cfg.profileDir != "")
+				sum[i].e2e.add(f.e2e)
+				sum[i].accept.add(f.accept)
+			}
+		}
+		fmt.Printf("over %d rounds of %s per phase\n", cfg.rounds, cfg.phase)
+		printFigures(bare.name, cfg, sum[0])
+		printFigures(proj.name, cfg, sum[1])
 		fmt.Printf("bench: e2e_cps=%.0f baseline_e2e_cps=%.0f vs_baseline=%.2f accept_rps=%.0f baseline_accept_rps=%.0f accept_p99_ms=%.1f\n",
-			proj.e2e.rate(), bare.e2e.rate(), proj.e2e.rate()/bare.e2e.rate(),
-			proj.accept.rate(), bare.accept.rate(), ms(proj.accept.pct(0.99)))
+			sum[1].e2e.rate(), sum[0].e2e.rate(), sum[1].e2e.rate()/sum[0].e2e.rate(),
+			sum[1].accept.rate(), sum[0].accept.rate(), ms(sum[1].accept.pct(0.99)))
 	}
 }
 
@@ -286,6 +366,16 @@ func benchDevices(n int) []string {
 	devs := make([]string, n)
 	for i := range devs {
 		devs[i] = fmt.Sprintf("dev-%d", i+1)
+	}
+	return devs
+}
+
+// parkedDevices are the devices of the accepting load: twice as many as
+// its clients, registered, served by no bridge.
+func parkedDevices(cfg benchConfig) []string {
+	devs := make([]string, 2*cfg.acceptClients)
+	for i := range devs {
+		devs[i] = fmt.Sprintf("parked-%d", i+1)
 	}
 	return devs
 }
@@ -299,7 +389,8 @@ func startBarePath(b *testing.B, cfg benchConfig) pathTarget {
 	if err != nil {
 		b.Fatal(err)
 	}
-	env := append(procEnv(), "BENCH_HTTP="+httpAddr, "BENCH_MQTT="+mqttAddr)
+	devices := benchDevices(cfg.devices)
+	env := append(procEnv(), "BENCH_HTTP="+httpAddr, "BENCH_MQTT="+mqttAddr, "BENCH_DEVICE_IDS="+strings.Join(devices, ","))
 	startRole := func(role string) *osProc {
 		return startProcEnv(b, role, self, append(env, benchRoleEnv+"="+role))
 	}
@@ -307,11 +398,11 @@ func startBarePath(b *testing.B, cfg benchConfig) pathTarget {
 	waitHTTP(b, server, "http://"+httpAddr+"/readyz")
 	bridge := startRole("bare-bridge")
 	base := "http://" + httpAddr
-	t := pathTarget{name: "bare", base: base, devices: benchDevices(cfg.devices),
+	t := pathTarget{name: "bare", base: base, devices: devices, parked: parkedDevices(cfg),
 		procs: map[string]*osProc{"server": server, "bridge": bridge}}
 	// The bridge is up once a command comes back.
 	eventually(b, "the bare bridge", func() bool {
-		req, _ := http.NewRequest("POST", base+"/api/v1/devices/dev-1/push/text", strings.NewReader(`{"text":"up?"}`))
+		req, _ := http.NewRequest("POST", base+"/api/v1/devices/"+devices[len(devices)-1]+"/push/text", strings.NewReader(`{"text":"up?"}`))
 		req.Header.Set("Prefer", "wait=1")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -320,61 +411,27 @@ func startBarePath(b *testing.B, cfg benchConfig) pathTarget {
 		discard(resp)
 		return resp.StatusCode == http.StatusOK
 	})
-	t.drain = func(map[string]string) error {
-		deadline := time.Now().Add(5 * time.Minute)
-		for time.Now().Before(deadline) {
-			resp, err := http.Get(base + "/bench/open")
-			if err != nil {
-				return err
-			}
-			var v struct{ Open int }
-			err = json.NewDecoder(resp.Body).Decode(&v)
-			discard(resp)
-			if err != nil {
-				return err
-			}
-			if v.Open == 0 {
-				return nil
-			}
-			time.Sleep(50 * time.Millisecond) // polling another process
-		}
-		return fmt.Errorf("commands still open after 5 minutes")
-	}
 	return t
 }
 
 // startProjectPath runs `companion serve` and `companion-bridge
 // --sim-devices` as a user does, each with --pprof, and registers the
-// devices to a user.
+// devices, and the parked ones, to a user.
 func startProjectPath(b *testing.B, cfg benchConfig) pathTarget {
 	b.Helper()
 	c := newProcCluster(b, cfg.devices)
+	parked := parkedDevices(cfg)
 	serverPProf := "127.0.0.1:" + strconv.Itoa(mqtttest.FreePort(b))
 	bridgePProf := "127.0.0.1:" + strconv.Itoa(mqtttest.FreePort(b))
 	c.serverArgs = []string{"--pprof", serverPProf, "--register-per-minute", "0"}
 	c.startServer()
-	c.setupFleet()
+	c.setupFleet(parked...)
 	// The bridge as it runs by default: no --sim-state.
 	c.bridgeArgs = []string{"--pprof", bridgePProf}
 	c.simState = ""
 	c.startBridge()
-	t := pathTarget{name: "project", base: c.base(), token: c.user.token, devices: c.devices,
+	t := pathTarget{name: "project", base: c.base(), token: c.user.token, devices: c.devices, parked: parked,
 		procs: map[string]*osProc{"server": c.server, "bridge": c.bridgeProc}}
-	t.drain = func(last map[string]string) error {
-		for dev, id := range last {
-			deadline := time.Now().Add(5 * time.Minute)
-			for {
-				if time.Now().After(deadline) {
-					return fmt.Errorf("command %s of %s not final after 5 minutes", id, dev)
-				}
-				r := c.user.do("GET", "/api/v1/devices/"+dev+"/commands/"+id, nil, "Prefer", "wait=60")
-				if r.Status == 200 && r.Header.Get("Preference-Applied") != "" {
-					break
-				}
-			}
-		}
-		return nil
-	}
 	t.profile = func(dir string, d time.Duration, run func()) error {
 		return profileProcs(dir, d, map[string]string{"server": serverPProf, "bridge": bridgePProf}, run)
 	}
@@ -407,6 +464,11 @@ func profileProcs(dir string, d time.Duration, procs map[string]string, run func
 		go func() {
 			defer wg.Done()
 			time.Sleep(time.Second) // past the phase's start
+			// Where the goroutines wait, once, then the CPU profile.
+			if err := fetchTo("http://"+addr+"/debug/pprof/goroutine?debug=1", filepath.Join(dir, name+"-goroutines.txt")); err != nil {
+				errs <- err
+				return
+			}
 			errs <- fetchTo(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", addr, secs), filepath.Join(dir, name+".pprof"))
 		}()
 	}
@@ -437,7 +499,7 @@ func profileProcs(dir string, d time.Duration, procs map[string]string, run func
 		for _, k := range slices.Sorted(maps.Keys(after)) {
 			out = append(out, fmt.Sprintf("%s=%d", k, after[k]-before[k]))
 		}
-		fmt.Printf("profile  %s counters over the phase: %s\n", name, strings.Join(out, " "))
+		fmt.Printf("profile  %s %s counters over the phase: %s\n", filepath.Base(dir), name, strings.Join(out, " "))
 	}
 	return nil
 }

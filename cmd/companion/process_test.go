@@ -21,6 +21,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -292,15 +293,16 @@ func (c *procCluster) waitServer(path string) {
 }
 
 // setupFleet creates a user, the devices (registered to the user) and a
-// bridge through the admin API of the running server.
-func (c *procCluster) setupFleet() {
+// bridge through the admin API of the running server. The extra devices
+// are registered too, but the bridge does not serve them.
+func (c *procCluster) setupFleet(extra ...string) {
 	tb := c.tb
 	tb.Helper()
 	admin := &client{tb: tb, base: c.base(), token: c.adminToken}
 	r := admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "alice"})
 	require.Equal(tb, 201, r.Status, "%s", r.Body)
 	c.user = &client{tb: tb, base: c.base(), token: r.JSON(tb)["token"].(string)}
-	for i, id := range c.devices {
+	for i, id := range append(slices.Clip(c.devices), extra...) {
 		code := fmt.Sprintf("CLAIM-%d-XXXXXXXXXXXX", i)
 		r := admin.do("POST", "/api/v1/admin/devices", map[string]string{"device_id": id, "claim_code": code, "model": "sim-1"})
 		require.Equal(tb, 201, r.Status, "%s", r.Body)
