@@ -145,23 +145,18 @@ func (s *Server) listDevices(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
-	ctx := c.Request.Context()
-	bs, err := s.store.ListBindings(ctx, user.ID, after, limit+1)
+	ds, err := s.store.ListDevices(c.Request.Context(), user.ID, after, limit+1)
 	if err != nil {
 		return err
 	}
 	var next *string
-	if len(bs) > limit {
-		bs = bs[:limit]
-		next = cursorOf(bs[len(bs)-1].DeviceID)
+	if len(ds) > limit {
+		ds = ds[:limit]
+		next = cursorOf(ds[len(ds)-1].Binding.DeviceID)
 	}
-	devices := make([]deviceJSON, 0, len(bs))
-	for _, b := range bs {
-		st, err := s.store.Status(ctx, b.DeviceID)
-		if err != nil {
-			return err
-		}
-		devices = append(devices, toDevice(b, st))
+	devices := make([]deviceJSON, 0, len(ds))
+	for _, d := range ds {
+		devices = append(devices, toDevice(d.Binding, d.Status))
 	}
 	return s.reply(c, http.StatusOK, gin.H{"devices": devices, "next_cursor": next}, "", nil, nil)
 }

@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 
@@ -105,39 +106,100 @@ func (db *DB) Binding(ctx context.Context, deviceID string) (Binding, error) {
 // most limit of them (limit <= 0: all). An `after` containing a NUL byte
 // is ErrInvalidCursor.
 func (db *DB) ListBindings(ctx context.Context, userID, after string, limit int) ([]Binding, error) {
-	if strings.ContainsRune(after, 0) {
-		return nil, ErrInvalidCursor
-	}
-	if !validID(userID) {
-		return []Binding{}, nil
-	}
-	out := []Binding{}
+	out := make([]Binding, 0, pageCap(limit))
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		bindings := tx.Bucket(bucketBindings)
-		p := prefix(userID)
-		c := tx.Bucket(bucketUserBindings).Cursor()
-		start := append(bytes.Clone(p), after...)
-		k, _ := c.Seek(start)
-		if after != "" && bytes.Equal(k, start) {
-			k, _ = c.Next()
-		}
-		for ; k != nil && bytes.HasPrefix(k, p); k, _ = c.Next() {
-			if limit > 0 && len(out) >= limit {
-				break
-			}
-			var b Binding
-			ok, err := getJSON(bindings, k[len(p):], &b)
-			if err != nil {
-				return err
-			}
-			if ok && b.UserID == userID {
-				out = append(out, b)
-			}
-		}
-		return nil
+		return scanBindings(tx, userID, after, limit, func(b Binding) error {
+			out = append(out, b)
+			return nil
+		})
 	})
 	if err != nil {
 		return nil, err
 	}
 	return out, nil
+}
+
+// BoundDevice is a device bound to a user, with its last reported status.
+type BoundDevice struct {
+	Binding Binding
+	Status  Status // as Status returns it: the zero Status with DeviceID set before any report
+}
+
+// ListDevices is ListBindings with each device's status, read in the same
+// transaction: a page of devices costs one read transaction rather than one
+// per device, which is what a user with many devices pays on every page.
+func (db *DB) ListDevices(ctx context.Context, userID, after string, limit int) ([]BoundDevice, error) {
+	out := make([]BoundDevice, 0, pageCap(limit))
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		statuses := tx.Bucket(bucketStatus).Cursor()
+		return scanBindings(tx, userID, after, limit, func(b Binding) error {
+			out = append(out, BoundDevice{Binding: b, Status: Status{DeviceID: b.DeviceID}})
+			_, err := seekJSON(statuses, []byte(b.DeviceID), &out[len(out)-1].Status)
+			return err
+		})
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// pageCap is the capacity to give a page of at most limit items: a page
+// of devices grown by append would allocate it about twice over.
+func pageCap(limit int) int {
+	if limit <= 0 {
+		return 0
+	}
+	return min(limit, 1000)
+}
+
+// scanBindings calls fn with the bindings of the user as ListBindings
+// selects them.
+func scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b Binding) error) error {
+	if strings.ContainsRune(after, 0) {
+		return ErrInvalidCursor
+	}
+	if !validID(userID) {
+		return nil
+	}
+	bindings := tx.Bucket(bucketBindings).Cursor()
+	p := prefix(userID)
+	c := tx.Bucket(bucketUserBindings).Cursor()
+	start := append(bytes.Clone(p), after...)
+	k, _ := c.Seek(start)
+	if after != "" && bytes.Equal(k, start) {
+		k, _ = c.Next()
+	}
+	for n := 0; k != nil && bytes.HasPrefix(k, p); k, _ = c.Next() {
+		if limit > 0 && n >= limit {
+			break
+		}
+		var b Binding
+		ok, err := seekJSON(bindings, k[len(p):], &b)
+		if err != nil {
+			return err
+		}
+		if !ok || b.UserID != userID {
+			continue
+		}
+		if err := fn(b); err != nil {
+			return err
+		}
+		n++
+	}
+	return nil
+}
+
+// seekJSON is getJSON through a cursor of the bucket, for the many reads of
+// one transaction: Bucket.Get makes a new cursor, and allocates its stack,
+// on every call.
+func seekJSON(c *bolt.Cursor, k []byte, v any) (bool, error) {
+	got, raw := c.Seek(k)
+	if raw == nil || !bytes.Equal(got, k) {
+		return false, nil
+	}
+	if err := json.Unmarshal(raw, v); err != nil {
+		return false, fmt.Errorf("store: decode %q: %w", k, err)
+	}
+	return true, nil
 }

@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"slices"
 	"sync"
 	"testing"
@@ -205,4 +206,61 @@ func TestListBindingsPagination(t *testing.T) {
 	}
 	_, err := db.ListBindings(ctx, "u1", "a\x00b", 10)
 	wantErr(t, "ListBindings(bad cursor)", err, ErrInvalidCursor)
+}
+
+func TestListDevices(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDB(t)
+	provision(t, db, "sim-1", "a", "b", "c", "other")
+	for _, id := range []string{"a", "b", "c"} {
+		if _, _, err := db.Bind(ctx, Binding{DeviceID: id, UserID: "u1", Name: "name " + id}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := db.Bind(ctx, Binding{DeviceID: "other", UserID: "u2"}); err != nil {
+		t.Fatal(err)
+	}
+	battery := 70
+	for _, id := range []string{"a", "c"} {
+		if _, err := db.PutStatus(ctx, Status{DeviceID: id, Online: true, Battery: &battery, Seq: 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	tests := []struct {
+		user, after string
+		limit       int
+		want        []string // device ids
+		online      []bool
+	}{
+		{"u1", "", 0, []string{"a", "b", "c"}, []bool{true, false, true}},
+		{"u1", "a", 1, []string{"b"}, []bool{false}},
+		{"u1", "b", 10, []string{"c"}, []bool{true}},
+		{"u2", "", 10, []string{"other"}, []bool{false}},
+		{"nobody", "", 10, nil, nil},
+	}
+	for _, tt := range tests {
+		ds, err := db.ListDevices(ctx, tt.user, tt.after, tt.limit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		var online []bool
+		for _, d := range ds {
+			got = append(got, d.Binding.DeviceID)
+			online = append(online, d.Status.Online)
+			if d.Status.DeviceID != d.Binding.DeviceID || d.Binding.UserID != tt.user {
+				t.Errorf("ListDevices(%q) gave %+v", tt.user, d)
+			}
+			// The same as the single reads.
+			if s, err := db.Status(ctx, d.Binding.DeviceID); err != nil || !reflect.DeepEqual(s, d.Status) {
+				t.Errorf("ListDevices status of %s = %+v; Status = %+v, %v", d.Binding.DeviceID, d.Status, s, err)
+			}
+		}
+		if !slices.Equal(got, tt.want) || !slices.Equal(online, tt.online) {
+			t.Errorf("ListDevices(%q, %q, %d) = %v online %v; want %v online %v", tt.user, tt.after, tt.limit, got, online, tt.want, tt.online)
+		}
+	}
+	_, err := db.ListDevices(ctx, "u1", "a\x00b", 10)
+	wantErr(t, "ListDevices(bad cursor)", err, ErrInvalidCursor)
 }
