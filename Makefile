@@ -18,8 +18,8 @@ build:
 # Benchmarks print figures; no test asserts speed. The package benchmarks
 # first, then the command path against the bare forwarder it is built on
 # (cmd/companion/benchpath_test.go), whose line of CONTRACT §12 ends the
-# output. BENCH_SECONDS, BENCH_DEVICES, BENCH_E2E_CLIENTS,
-# BENCH_ACCEPT_CLIENTS and BENCH_PROFILE_DIR tune it.
+# output. BENCH_SECONDS, BENCH_ROUNDS, BENCH_DEVICES, BENCH_E2E_CLIENTS,
+# BENCH_ACCEPT_CLIENTS and BENCH_PROFILE_DIR tune it (docs/performance.md).
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -skip '^(BenchmarkCommandPath|BenchmarkStoreScale)$$' ./...
 	$(GO) test -run '^$$' -bench '^BenchmarkCommandPath$$' -benchtime 1x -timeout 30m ./cmd/companion | tee bench.out

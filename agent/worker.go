@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"time"
@@ -63,10 +64,17 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 // again, with the same id, after a restart.
 func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	c := r.Cmd
-	log := a.log.With("device", dr.id, "cmd", c.ID, "op", c.Op)
+	// The command's attributes, for the few lines logged about it; not a
+	// logger made With them, which formats them for every command.
+	attrs := []any{"device", dr.id, "cmd", c.ID, "op", c.Op}
+	log := func(level slog.Level, msg string, args ...any) {
+		if a.log.Enabled(ctx, level) {
+			a.log.Log(ctx, level, msg, append(attrs, args...)...)
+		}
+	}
 	final := topics.Reply{CommandID: c.ID}
 	if !c.ExpiresAt.IsZero() && a.now().After(c.ExpiresAt) {
-		log.Info("command expired before it ran")
+		log(slog.LevelInfo, "command expired before it ran")
 		final.State = topics.StateExpired
 	} else {
 		start := time.Now()
@@ -75,13 +83,13 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		timedOut := errors.Is(cctx.Err(), context.DeadlineExceeded)
 		cancel()
 		if ctx.Err() != nil {
-			log.Info("stopping; the command will run again after restart")
+			log(slog.LevelInfo, "stopping; the command will run again after restart")
 			return false
 		}
 		switch {
 		case err == nil:
 			final.State, final.Result = topics.StateSucceeded, result
-			log.Info("command succeeded", "took", time.Since(start).Round(time.Millisecond))
+			log(slog.LevelDebug, "command succeeded", "took", time.Since(start).Round(time.Millisecond))
 		default:
 			var ce *commandError
 			var coded codedError
@@ -95,7 +103,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 				}
 			}
 			final.State, final.Error = topics.StateFailed, ce.reply()
-			log.Warn("command failed", "code", ce.Code, "err", ce.Message)
+			log(slog.LevelWarn, "command failed", "code", ce.Code, "err", ce.Message)
 		}
 	}
 	final.At = a.now()
