@@ -172,6 +172,11 @@ func (b *Broker) publish(cmds []store.Command, again func(store.Command) bool) b
 		// expired, and its repeat fetches its final reply.
 		undelivered := c.State == topics.StateQueued || c.State == topics.StateSent
 		if undelivered && now.After(c.ExpiresAt) {
+			b.mu.Lock()
+			if o := b.flying[c.ID]; o != nil && !o.published {
+				delete(b.flying, c.ID) // taken from memory only: it never went out
+			}
+			b.mu.Unlock()
 			b.expire(context.Background(), c.ID)
 			continue
 		}
