@@ -212,42 +212,9 @@ func (db *DB) UpdateCommandAsync(id string, fn func(*Command) error, done func(C
 		final bool
 	)
 	db.batchAsync(func(tx *bolt.Tx) error {
-		out, final = Command{}, false
-		cmds := tx.Bucket(bucketCommands)
-		var nc Command
-		ok, err := getJSON(cmds, []byte(id), &nc)
-		if err != nil {
-			return err
-		}
-		if !ok {
-			return abort(ErrNotFound)
-		}
-		if IsFinal(nc.State) {
-			out, final = nc, true
-			return nil
-		}
-		old := nc
-		if err := fn(&nc); err != nil {
-			return abort(err)
-		}
-		nc.ID, nc.DeviceID, nc.CreatedAt = old.ID, old.DeviceID, old.CreatedAt
-		if err := indexCommand(tx, old, nc); err != nil {
-			return err
-		}
-		nc.UpdatedAt = db.now()
-		if err := putJSON(cmds, []byte(id), nc); err != nil {
-			return err
-		}
-		if IsFinal(nc.State) {
-			if err := tx.Bucket(bucketOpen).Delete([]byte(id)); err != nil {
-				return err
-			}
-			if _, err := addOpen(tx.Bucket(bucketOpenCount), []byte(nc.DeviceID), -1, 0); err != nil {
-				return err
-			}
-		}
-		out = nc
-		return nil
+		var err error
+		out, final, err = db.updateCommand(tx, id, fn)
+		return err
 	}, func(err error) {
 		switch {
 		case err != nil:
@@ -258,6 +225,45 @@ func (db *DB) UpdateCommandAsync(id string, fn func(*Command) error, done func(C
 			done(out, nil)
 		}
 	})
+}
+
+// updateCommand is UpdateCommand inside a write transaction: it returns
+// the command as stored, and final true (and no change) when it was final
+// already. fn's error is returned wrapped by abort.
+func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*Command) error) (Command, bool, error) {
+	cmds := tx.Bucket(bucketCommands)
+	var nc Command
+	ok, err := getJSON(cmds, []byte(id), &nc)
+	if err != nil {
+		return Command{}, false, err
+	}
+	if !ok {
+		return Command{}, false, abort(ErrNotFound)
+	}
+	if IsFinal(nc.State) {
+		return nc, true, nil
+	}
+	old := nc
+	if err := fn(&nc); err != nil {
+		return Command{}, false, abort(err)
+	}
+	nc.ID, nc.DeviceID, nc.CreatedAt = old.ID, old.DeviceID, old.CreatedAt
+	if err := indexCommand(tx, old, nc); err != nil {
+		return Command{}, false, err
+	}
+	nc.UpdatedAt = db.now()
+	if err := putJSON(cmds, []byte(id), nc); err != nil {
+		return Command{}, false, err
+	}
+	if IsFinal(nc.State) {
+		if err := tx.Bucket(bucketOpen).Delete([]byte(id)); err != nil {
+			return Command{}, false, err
+		}
+		if _, err := addOpen(tx.Bucket(bucketOpenCount), []byte(nc.DeviceID), -1, 0); err != nil {
+			return Command{}, false, err
+		}
+	}
+	return nc, false, nil
 }
 
 // ListCommands returns the device's commands newest first, only those in
