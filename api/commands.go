@@ -650,7 +650,9 @@ func (s *Server) listCommands(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
-	cmds, err := s.store.ListCommands(c.Request.Context(), b.DeviceID, state, before, limit+1)
+	// A device keeps its history across owners; each sees their own.
+	q := store.CommandQuery{DeviceID: b.DeviceID, UserID: b.UserID, State: state, Before: before, Limit: limit}
+	cmds, more, err := s.store.ListCommands(c.Request.Context(), q)
 	if errors.Is(err, store.ErrInvalidCursor) {
 		return &Error{Code: CodeInvalidCursor, Fields: []FieldError{{Field: "cursor", Message: "is not a cursor this list returned"}}}
 	}
@@ -658,16 +660,12 @@ func (s *Server) listCommands(c *gin.Context) error {
 		return err
 	}
 	var next *string
-	if len(cmds) > limit {
-		cmds = cmds[:limit]
+	if more && len(cmds) > 0 {
 		next = cursorOf(cmds[len(cmds)-1].ID)
 	}
 	out := make([]commandJSON, 0, len(cmds))
 	for _, cmd := range cmds {
-		// A device keeps its history across owners; each sees their own.
-		if cmd.UserID == b.UserID {
-			out = append(out, toCommand(cmd))
-		}
+		out = append(out, toCommand(cmd))
 	}
 	return s.reply(c, http.StatusOK, gin.H{"commands": out, "next_cursor": next}, "", nil, nil)
 }

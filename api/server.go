@@ -42,7 +42,9 @@ type Store interface {
 	MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error
 
 	Command(ctx context.Context, id string) (store.Command, error)
-	ListCommands(ctx context.Context, deviceID, state, before string, limit int) ([]store.Command, error)
+	// ListCommands reads a page of a device's commands, filtered as it
+	// walks, and whether more follow it.
+	ListCommands(ctx context.Context, q store.CommandQuery) (page []store.Command, more bool, err error)
 
 	Idempotency(ctx context.Context, userID, key string) (store.Idempotency, error)
 	PutIdempotency(ctx context.Context, rec store.Idempotency) error

@@ -359,7 +359,7 @@ func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
 		wg.Wait()
 		e.clock.Add(31 * 24 * time.Hour)
 		waitFor(t, "purge", func() bool {
-			l, _ := e.db.ListCommands(ctx, "dev-1", "", "", 0)
+			l, _, _ := e.db.ListCommands(ctx, store.CommandQuery{DeviceID: "dev-1"})
 			return len(l) == 0
 		})
 	}

@@ -266,28 +266,44 @@ func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*Command) error) (Co
 	return nc, false, nil
 }
 
-// ListCommands returns the device's commands newest first, only those in
-// state unless it is "", starting below the id `before` ("" starts at the
-// newest), at most limit of them (limit <= 0: all). A `before` that is not
-// a command id is ErrInvalidCursor.
-func (db *DB) ListCommands(ctx context.Context, deviceID, state, before string, limit int) ([]Command, error) {
-	if before != "" && !validCommandID(before) {
-		return nil, ErrInvalidCursor
+// CommandQuery selects the commands of one device that ListCommands
+// returns. The zero value of each field but DeviceID selects everything.
+type CommandQuery struct {
+	DeviceID string
+	// UserID keeps only the commands this user sent ("" keeps every
+	// user's): a device keeps its history across owners, and each owner
+	// sees their own.
+	UserID string
+	State  string // only commands in this state ("" for every state)
+	// Before starts the list below this command id, the last of the
+	// previous page ("" starts at the newest).
+	Before string
+	Limit  int // at most this many (<= 0: all)
+}
+
+// ListCommands returns the commands q selects, newest first. It filters
+// while it walks the device's commands, so a page holds q.Limit commands
+// whenever that many are left, and more is true exactly when commands that
+// q selects follow the last one returned. A Before that is not a command
+// id is ErrInvalidCursor.
+func (db *DB) ListCommands(ctx context.Context, q CommandQuery) (page []Command, more bool, err error) {
+	if q.Before != "" && !validCommandID(q.Before) {
+		return nil, false, ErrInvalidCursor
 	}
-	out := []Command{}
-	if !validID(deviceID) {
-		return out, nil
+	out := make([]Command, 0, pageCap(q.Limit))
+	if !validID(q.DeviceID) {
+		return out, false, nil
 	}
-	err := db.bolt.View(func(tx *bolt.Tx) error {
-		cmds := tx.Bucket(bucketCommands)
-		p := prefix(deviceID)
+	err = db.bolt.View(func(tx *bolt.Tx) error {
+		cmds := tx.Bucket(bucketCommands).Cursor()
+		p := prefix(q.DeviceID)
 		c := tx.Bucket(bucketDeviceCmds).Cursor()
 		// Position on the first key past the range, then walk back.
 		var k []byte
-		if before == "" {
+		if q.Before == "" {
 			k, _ = c.Seek(prefixEnd(p))
 		} else {
-			k, _ = c.Seek(key(deviceID, before))
+			k, _ = c.Seek(key(q.DeviceID, q.Before))
 		}
 		if k == nil {
 			k, _ = c.Last()
@@ -295,24 +311,26 @@ func (db *DB) ListCommands(ctx context.Context, deviceID, state, before string, 
 			k, _ = c.Prev()
 		}
 		for ; k != nil && bytes.HasPrefix(k, p); k, _ = c.Prev() {
-			if limit > 0 && len(out) >= limit {
-				break
-			}
 			var cmd Command
-			ok, err := getJSON(cmds, k[len(p):], &cmd)
+			ok, err := seekJSON(cmds, k[len(p):], &cmd)
 			if err != nil {
 				return err
 			}
-			if ok && (state == "" || cmd.State == state) {
-				out = append(out, cmd)
+			if !ok || (q.UserID != "" && cmd.UserID != q.UserID) || (q.State != "" && cmd.State != q.State) {
+				continue
 			}
+			if q.Limit > 0 && len(out) == q.Limit {
+				more = true
+				break
+			}
+			out = append(out, cmd)
 		}
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	return out, nil
+	return out, more, nil
 }
 
 // indexCommand moves a command from the queued and expiry indexes it was in

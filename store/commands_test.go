@@ -370,20 +370,28 @@ func TestListCommands(t *testing.T) {
 		state, before string
 		limit         int
 		want          []string
+		more          bool
 	}{
-		{"all", "", "", 0, newest},
-		{"first page", "", "", 5, newest[:5]},
-		{"second page", "", newest[4], 5, newest[5:10]},
-		{"last page", "", newest[9], 5, newest[10:]},
-		{"before oldest", "", made[0], 5, nil},
-		{"queued", StateQueued, "", 0, pick(func(i int) bool { return i%3 == 0 })},
-		{"sent, paged", StateSent, made[10], 2, []string{made[7], made[4]}},
-		{"succeeded", StateSucceeded, "", 100, pick(func(i int) bool { return i%3 == 2 })},
-		{"no such state", "nope", "", 0, nil},
+		{"all", "", "", 0, newest, false},
+		{"first page", "", "", 5, newest[:5], true},
+		{"second page", "", newest[4], 5, newest[5:10], true},
+		{"last page", "", newest[9], 5, newest[10:], false},
+		{"last page, exactly full", "", newest[7], 4, newest[8:], false},
+		{"before oldest", "", made[0], 5, nil, false},
+		{"queued", StateQueued, "", 0, pick(func(i int) bool { return i%3 == 0 }), false},
+		{"sent, paged", StateSent, made[10], 2, []string{made[7], made[4]}, true},
+		{"sent, last page exactly full", StateSent, made[7], 2, []string{made[4], made[1]}, false},
+		{"succeeded", StateSucceeded, "", 100, pick(func(i int) bool { return i%3 == 2 }), false},
+		{"no such state", "nope", "", 0, nil, false},
+		{"another user's", "", "", 5, nil, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := db.ListCommands(ctx, "dev-1", tt.state, tt.before, tt.limit)
+			q := CommandQuery{DeviceID: "dev-1", UserID: "u1", State: tt.state, Before: tt.before, Limit: tt.limit}
+			if tt.name == "another user's" {
+				q.UserID = "u2"
+			}
+			got, more, err := db.ListCommands(ctx, q)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -392,8 +400,8 @@ func TestListCommands(t *testing.T) {
 					t.Errorf("listed %s of %s", c.ID, c.DeviceID)
 				}
 			}
-			if !slices.Equal(ids(got), tt.want) {
-				t.Errorf("ListCommands(%q, %q, %d) = %v; want %v", tt.state, tt.before, tt.limit, ids(got), tt.want)
+			if !slices.Equal(ids(got), tt.want) || more != tt.more {
+				t.Errorf("ListCommands(%+v) = %v, more %v; want %v, more %v", q, ids(got), more, tt.want, tt.more)
 			}
 		})
 	}
@@ -402,12 +410,12 @@ func TestListCommands(t *testing.T) {
 	var walked []string
 	before := ""
 	for {
-		page, err := db.ListCommands(ctx, "dev-1", "", before, 4)
+		page, more, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-1", Before: before, Limit: 4})
 		if err != nil {
 			t.Fatal(err)
 		}
 		walked = append(walked, ids(page)...)
-		if len(page) < 4 {
+		if !more {
 			break
 		}
 		before = page[len(page)-1].ID
@@ -417,11 +425,73 @@ func TestListCommands(t *testing.T) {
 	}
 
 	for _, bad := range []string{"x", "{" + made[0] + "}", "urn:uuid:" + made[0]} {
-		_, err := db.ListCommands(ctx, "dev-1", "", bad, 5)
+		_, _, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-1", Before: bad, Limit: 5})
 		wantErr(t, fmt.Sprintf("ListCommands(before %q)", bad), err, ErrInvalidCursor)
 	}
-	if got, err := db.ListCommands(ctx, "dev-9", "", "", 5); err != nil || len(got) != 0 {
-		t.Errorf("ListCommands(dev-9) = %v, %v; want none", got, err)
+	if got, more, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-9", Limit: 5}); err != nil || len(got) != 0 || more {
+		t.Errorf("ListCommands(dev-9) = %v, %v, %v; want none", got, more, err)
+	}
+}
+
+// A device that changed hands keeps the commands of both owners; each
+// owner's pages are full and end where that owner's commands end, however
+// the two are interleaved.
+func TestListCommandsOfOneOwner(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDB(t)
+	mine := map[string][]string{} // newest first, by user
+	send := func(user string) {
+		c := newCmd("dev-1")
+		c.UserID = user
+		mine[user] = append([]string{create(t, db, c).ID}, mine[user]...)
+	}
+	// u1's run of commands, then u2's interleaved with a few of u1's
+	// (as when u1's spool drains late), then u2's alone.
+	for range 5 {
+		send("u1")
+	}
+	for i := range 7 {
+		send("u2")
+		if i%2 == 0 {
+			send("u1")
+		}
+	}
+	for range 3 {
+		send("u2")
+	}
+	for _, user := range []string{"u1", "u2"} {
+		for _, limit := range []int{1, 2, 3, 5, len(mine[user]), 100} {
+			var pages [][]string
+			before := ""
+			for {
+				page, more, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-1", UserID: user, Before: before, Limit: limit})
+				if err != nil {
+					t.Fatal(err)
+				}
+				pages = append(pages, ids(page))
+				for _, c := range page {
+					if c.UserID != user {
+						t.Errorf("%s's list (limit %d) has %s of %s", user, limit, c.ID, c.UserID)
+					}
+				}
+				if !more {
+					break
+				}
+				if len(page) != limit {
+					t.Errorf("%s's page %d (limit %d) = %v with more to come; want it full", user, len(pages), limit, ids(page))
+				}
+				if len(pages) > len(mine[user]) {
+					t.Fatalf("%s's pages (limit %d) do not end: %v", user, limit, pages)
+				}
+				before = page[len(page)-1].ID
+			}
+			if got := slices.Concat(pages...); !slices.Equal(got, mine[user]) {
+				t.Errorf("%s's pages (limit %d) = %v; want %v", user, limit, pages, mine[user])
+			}
+			if n := len(mine[user]); len(pages) != max(1, (n+limit-1)/limit) {
+				t.Errorf("%s's %d commands came in %d pages of %d; want %d (no empty last page)", user, n, len(pages), limit, (n+limit-1)/limit)
+			}
+		}
 	}
 }
 

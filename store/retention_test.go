@@ -45,7 +45,7 @@ func TestPurgeCommands(t *testing.T) {
 			t.Errorf("Command(%s) = %v; want kept", id, err)
 		}
 	}
-	hist, err := db.ListCommands(ctx, "d1", "", "", 0)
+	hist, _, err := db.ListCommands(ctx, CommandQuery{DeviceID: "d1"})
 	if err != nil || len(hist) != 2 {
 		t.Fatalf("history after purge = %d commands, %v; want 2", len(hist), err)
 	}

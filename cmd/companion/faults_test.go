@@ -30,6 +30,7 @@ import (
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -205,7 +206,7 @@ func TestBacklogForAbsentBridge(t *testing.T) {
 
 	n := 0
 	for _, d := range devs {
-		cmds, err := m.DB.ListCommands(ctx, d, "", "", 0)
+		cmds, _, err := m.DB.ListCommands(ctx, store.CommandQuery{DeviceID: d})
 		require.NoError(t, err)
 		require.Len(t, cmds, len(ids[d]), "%s", d)
 		for _, c := range cmds {

@@ -1,0 +1,156 @@
+package api
+
+import (
+	"fmt"
+	"net/url"
+	"slices"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// pages walks a list by its next_cursor and returns the ids of each page.
+// member is the list's member ("commands", "devices") and idKey the id of
+// an item. It fails the test unless every page but the last is full and
+// the walk ends.
+func (e *env) pages(tok, path, member, idKey string, limit int) [][]string {
+	e.t.Helper()
+	var pages [][]string
+	cursor := ""
+	for {
+		u, err := url.Parse(path)
+		require.NoError(e.t, err)
+		q := u.Query()
+		q.Set("limit", fmt.Sprint(limit))
+		if cursor != "" {
+			q.Set("cursor", cursor)
+		}
+		u.RawQuery = q.Encode()
+		r := e.do("GET", u.String(), tok, nil)
+		require.Equal(e.t, 200, r.status, "GET %s: %s", u, r.body)
+		m := r.json(e.t)
+		require.Contains(e.t, m, "next_cursor", "GET %s: %s", u, r.body)
+		page := []string{}
+		for _, it := range m[member].([]any) {
+			page = append(page, it.(map[string]any)[idKey].(string))
+		}
+		pages = append(pages, page)
+		next, ok := m["next_cursor"].(string)
+		if !ok {
+			require.Nil(e.t, m["next_cursor"], "GET %s", u)
+			return pages
+		}
+		require.Len(e.t, page, limit, "GET %s = %v with a next_cursor: a page before the last must be full", u, page)
+		require.Less(e.t, len(pages), 100, "GET %s: the pages do not end", path)
+		cursor = next
+	}
+}
+
+// wantPages checks a walk of pages against the ids it should have listed:
+// all of them in order, in full pages, and no empty page after the last
+// full one.
+func wantPages(t *testing.T, what string, pages [][]string, want []string, limit int) {
+	t.Helper()
+	got := append([]string{}, slices.Concat(pages...)...)
+	assert.Equal(t, append([]string{}, want...), got, "%s: the ids of the pages %v", what, pages)
+	n := max(1, (len(want)+limit-1)/limit)
+	assert.Len(t, pages, n, "%s: %d ids in pages of %d come in %d pages: %v", what, len(want), limit, n, pages)
+}
+
+// After a device changes hands, each owner lists only their own commands,
+// in full pages, and next_cursor is null exactly when nothing follows.
+func TestCommandPagesAfterChangeOfOwner(t *testing.T) {
+	e := newEnv(t)
+	const path = "/api/v1/devices/dev-1/commands"
+	alice := e.bound("dev-1") // provisions dev-1 with claim code code-dev-1
+	push := func(tok string) string {
+		t.Helper()
+		r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "hi"})
+		require.Equal(t, 202, r.status, "%s", r.body)
+		return r.json(t)["id"].(string)
+	}
+	handOver := func(from, to string) {
+		t.Helper()
+		r := e.do("DELETE", "/api/v1/devices/dev-1", from, nil)
+		require.Equal(t, 204, r.status, "%s", r.body)
+		r = e.do("POST", "/api/v1/devices/register", to, map[string]any{"device_id": "dev-1", "claim_code": "code-dev-1"})
+		require.Equal(t, 201, r.status, "%s", r.body)
+	}
+	var alices, bobs []string // newest first
+	for range 3 {
+		alices = slices.Insert(alices, 0, push(alice))
+	}
+	bob := e.user("bob")
+	handOver(alice, bob)
+	for range 5 {
+		bobs = slices.Insert(bobs, 0, push(bob))
+	}
+
+	t.Run("a short last page", func(t *testing.T) {
+		wantPages(t, "bob, 5 commands", e.pages(bob, path, "commands", "id", 2), bobs, 2)
+	})
+	t.Run("an exact multiple of the limit", func(t *testing.T) {
+		bobs = slices.Insert(bobs, 0, push(bob))
+		for _, limit := range []int{2, 3, 6} {
+			wantPages(t, fmt.Sprintf("bob, 6 commands, limit %d", limit), e.pages(bob, path, "commands", "id", limit), bobs, limit)
+		}
+	})
+	t.Run("the state filter", func(t *testing.T) {
+		// Cancel bob's 1st, 3rd, 5th and 6th; alice's stay queued.
+		var canceled, queued []string
+		for i, id := range bobs { // newest first: i 0 is the 6th
+			if i == 0 || i%2 == 1 {
+				r := e.do("DELETE", path+"/"+id, bob, nil)
+				require.Equal(t, 200, r.status, "%s", r.body)
+				canceled = append(canceled, id)
+			} else {
+				queued = append(queued, id)
+			}
+		}
+		wantPages(t, "bob's canceled", e.pages(bob, path+"?state=canceled", "commands", "id", 2), canceled, 2)
+		wantPages(t, "bob's queued", e.pages(bob, path+"?state=queued", "commands", "id", 1), queued, 1)
+		wantPages(t, "bob's queued", e.pages(bob, path+"?state=queued", "commands", "id", 2), queued, 2)
+		wantPages(t, "bob's succeeded", e.pages(bob, path+"?state=succeeded", "commands", "id", 2), nil, 2)
+	})
+	t.Run("another owner's commands in between", func(t *testing.T) {
+		// Back to alice: bob's six lie between her old commands and her new.
+		handOver(bob, alice)
+		alices = slices.Insert(alices, 0, push(alice))
+		for _, limit := range []int{1, 2, 3} {
+			wantPages(t, fmt.Sprintf("alice, limit %d", limit), e.pages(alice, path, "commands", "id", limit), alices, limit)
+		}
+		wantPages(t, "alice's queued", e.pages(alice, path+"?state=queued", "commands", "id", 2), alices, 2)
+	})
+}
+
+// GET /devices pages over the caller's devices only, in full pages, with
+// next_cursor null exactly when nothing follows: also when the last page is
+// full, and when devices were unbound or belong to others.
+func TestDevicePagesAreFull(t *testing.T) {
+	e := newEnv(t)
+	erin, frank := e.user("erin"), e.user("frank")
+	var want []string
+	for i := range 9 {
+		id := fmt.Sprintf("dev-%d", i)
+		e.provision(id, "c", "sim-1")
+		tok := erin
+		if i%3 == 1 {
+			tok = frank // frank's devices lie between erin's in id order
+		}
+		r := e.do("POST", "/api/v1/devices/register", tok, map[string]any{"device_id": id, "claim_code": "c"})
+		require.Equal(t, 201, r.status, "%s", r.body)
+		if tok == erin {
+			want = append(want, id)
+		}
+	}
+	// One of erin's is unbound again.
+	r := e.do("DELETE", "/api/v1/devices/dev-3", erin, nil)
+	require.Equal(t, 204, r.status, "%s", r.body)
+	want = slices.DeleteFunc(want, func(id string) bool { return id == "dev-3" })
+	require.Len(t, want, 5)
+	for _, limit := range []int{1, 2, 4, 5, 6} {
+		wantPages(t, fmt.Sprintf("erin's devices, limit %d", limit), e.pages(erin, "/api/v1/devices", "devices", "device_id", limit), want, limit)
+	}
+	wantPages(t, "a user without devices", e.pages(e.user("gina"), "/api/v1/devices", "devices", "device_id", 2), nil, 2)
+}
