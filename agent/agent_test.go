@@ -135,6 +135,9 @@ func TestEveryOpSucceeds(t *testing.T) {
 			if got := dev.Apps()["weather"]; got != "1.0.0" {
 				t.Errorf("weather app version %q; want 1.0.0", got)
 			}
+			if r.Status == nil || len(r.Status.Apps) != 1 || r.Status.Apps[0] != (topics.App{AppID: "weather", Version: "1.0.0"}) || r.Status.Seq == 0 {
+				t.Errorf("final reply's status %+v; want the app installed, with a seq", r.Status)
+			}
 		}},
 		{"app.update", command(t, "dev-1", topics.OpAppUpdate, topics.AppInstall{AppID: "weather", Version: "1.1.0", Blob: bs.add(appV2)}), true, func(t *testing.T, r topics.Reply) {
 			if got := dev.Apps()["weather"]; got != "1.1.0" {
@@ -148,8 +151,14 @@ func TestEveryOpSucceeds(t *testing.T) {
 			if _, ok := dev.Apps()["weather"]; ok {
 				t.Errorf("weather app still installed")
 			}
+			if r.Status == nil || len(r.Status.Apps) != 0 {
+				t.Errorf("final reply's status %+v; want no apps", r.Status)
+			}
 		}},
 		{"settings.update", command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80, "language": "de"}}), false, func(t *testing.T, r topics.Reply) {
+			if r.Settings == nil || r.Settings.Reported["language"] != "de" || r.Settings.Schema["brightness"].Type != topics.SettingInt {
+				t.Errorf("final reply's settings %+v; want the new values and the schema", r.Settings)
+			}
 			topic, _ := tree.Settings("dev-1")
 			w.waitFor("settings with brightness 80", func(m message) bool {
 				s, err := topics.ParseSettings(m.payload)
@@ -165,6 +174,9 @@ func TestEveryOpSucceeds(t *testing.T) {
 			}
 			if err := json.Unmarshal(r.Result, &res); err != nil || res.FirmwareVersion != "2.0.0" {
 				t.Errorf("result %s; want firmware_version 2.0.0", r.Result)
+			}
+			if r.Status == nil || r.Status.FirmwareVersion != "2.0.0" {
+				t.Errorf("final reply's status %+v; want firmware 2.0.0", r.Status)
 			}
 			w.waitStatus("dev-1", "firmware 2.0.0", func(s topics.Status) bool { return s.FirmwareVersion == "2.0.0" })
 		}},

@@ -23,6 +23,23 @@ func (dr *deviceRunner) requestReport(status, force, settings bool) {
 	signal(dr.rwake)
 }
 
+// offer hands the reporter the state a command read back from the device,
+// to publish on the retained topics as it is.
+func (dr *deviceRunner) offer(st deviceState) {
+	if st.status == nil && st.settings == nil {
+		return
+	}
+	dr.rmu.Lock()
+	if st.status != nil {
+		dr.offered.status = st.status
+	}
+	if st.settings != nil {
+		dr.offered.settings = st.settings
+	}
+	dr.rmu.Unlock()
+	signal(dr.rwake)
+}
+
 // report publishes a device's retained status and settings: on connect,
 // after commands, and both every StatusInterval.
 func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
@@ -41,10 +58,19 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 		}
 		dr.rmu.Lock()
 		status, force, settings := dr.wantStatus, dr.forceStatus, dr.wantSetgs
+		offered := dr.offered
 		dr.wantStatus, dr.forceStatus, dr.wantSetgs = false, false, false
+		dr.offered = deviceState{}
 		dr.rmu.Unlock()
 		if !a.connected.Load() {
 			continue // every connect asks for everything again
+		}
+		if st := offered.status; st != nil && !status {
+			a.publish(dr, a.tree.Status, st)
+			last = st
+		}
+		if set := offered.settings; set != nil && !settings {
+			a.publish(dr, a.tree.Settings, set)
 		}
 		if status {
 			last = a.publishStatus(ctx, dr, last, force)
@@ -62,69 +88,100 @@ func sameStatus(a, b *topics.Status) bool {
 		slices.Equal(a.Apps, b.Apps)
 }
 
-// publishStatus reads the device and publishes its status when it differs
-// from last, or when force. It returns what is now the last status.
-func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topics.Status, force bool) *topics.Status {
+// readStatus reads the device's status. Its seq is taken before the read,
+// so that of two reads the one that started later wins, whichever ends
+// last.
+func (a *Agent) readStatus(ctx context.Context, dr *deviceRunner) (topics.Status, error) {
+	seq := a.nextSeq()
 	rctx, cancel := context.WithTimeout(ctx, reportTimeout)
 	info, err := dr.dev.Info(rctx)
 	cancel()
-	var st topics.Status
+	if err != nil {
+		return topics.Status{}, err
+	}
+	battery := info.Battery
+	st := topics.Status{
+		Online:          true,
+		Battery:         &battery,
+		FirmwareVersion: info.FirmwareVersion,
+		Model:           info.Model,
+		Apps:            info.Apps,
+		BridgeID:        a.opts.BridgeID,
+		At:              a.now(),
+		Seq:             seq,
+	}
+	if st.Apps == nil {
+		st.Apps = []topics.App{}
+	}
+	return st, nil
+}
+
+// readSettings reads the device's settings and schema, with a seq taken
+// before the read (see readStatus).
+func (a *Agent) readSettings(ctx context.Context, dr *deviceRunner) (topics.Settings, error) {
+	seq := a.nextSeq()
+	rctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	reported, schema, err := dr.dev.Settings(rctx)
+	cancel()
+	if err != nil {
+		return topics.Settings{}, err
+	}
+	if reported == nil {
+		reported = map[string]any{}
+	}
+	return topics.Settings{Reported: reported, Schema: schema, At: a.now(), Seq: seq}, nil
+}
+
+// publish publishes a device's retained status or settings on the topic
+// topicOf gives.
+func (a *Agent) publish(dr *deviceRunner, topicOf func(deviceID string) (string, error), v any) {
+	topic, err := topicOf(dr.id)
+	if err != nil {
+		a.log.Error("no topic for a device", "device", dr.id, "err", err)
+		return
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		a.log.Error("encoding a report", "device", dr.id, "err", err)
+		return
+	}
+	a.client.Publish(topic, 1, true, b)
+}
+
+// publishStatus reads the device and publishes its status when it differs
+// from last, or when force. It returns what is now the last status. A
+// device it cannot read is reported offline, with what was last known.
+func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topics.Status, force bool) *topics.Status {
+	st, err := a.readStatus(ctx, dr)
 	if err != nil {
 		if ctx.Err() != nil {
 			return last
 		}
-		// Unreachable: report it offline, keeping what was last known.
 		a.log.Warn("reading device info failed", "device", dr.id, "err", err)
 		if last != nil {
 			st = *last
 		}
 		st.Online = false
-	} else {
-		battery := info.Battery
-		st = topics.Status{
-			Online:          true,
-			Battery:         &battery,
-			FirmwareVersion: info.FirmwareVersion,
-			Model:           info.Model,
-			Apps:            info.Apps,
+		if st.Apps == nil {
+			st.Apps = []topics.App{}
 		}
+		st.BridgeID = a.opts.BridgeID
+		st.At, st.Seq = a.now(), a.nextSeq()
 	}
-	if st.Apps == nil {
-		st.Apps = []topics.App{}
-	}
-	st.BridgeID = a.opts.BridgeID
 	if !force && sameStatus(&st, last) {
 		return last
 	}
-	st.At = a.now()
-	st.Seq = a.nextSeq()
-	topic, _ := a.tree.Status(dr.id)
-	b, err := json.Marshal(st)
-	if err != nil {
-		return last
-	}
-	a.client.Publish(topic, 1, true, b)
+	a.publish(dr, a.tree.Status, st)
 	return &st
 }
 
 func (a *Agent) publishSettings(ctx context.Context, dr *deviceRunner) {
-	rctx, cancel := context.WithTimeout(ctx, reportTimeout)
-	reported, schema, err := dr.dev.Settings(rctx)
-	cancel()
+	s, err := a.readSettings(ctx, dr)
 	if err != nil {
 		if ctx.Err() == nil {
 			a.log.Warn("reading device settings failed", "device", dr.id, "err", err)
 		}
 		return
 	}
-	if reported == nil {
-		reported = map[string]any{}
-	}
-	s := topics.Settings{Reported: reported, Schema: schema, At: a.now(), Seq: a.nextSeq()}
-	topic, _ := a.tree.Settings(dr.id)
-	b, err := json.Marshal(s)
-	if err != nil {
-		return
-	}
-	a.client.Publish(topic, 1, true, b)
+	a.publish(dr, a.tree.Settings, s)
 }

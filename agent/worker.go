@@ -23,6 +23,7 @@ type deviceRunner struct {
 
 	rmu                                sync.Mutex
 	wantStatus, forceStatus, wantSetgs bool
+	offered                            deviceState // read after a command: publish as is
 	rwake                              chan struct{}
 }
 
@@ -73,13 +74,15 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		}
 	}
 	final := topics.Reply{CommandID: c.ID}
+	var state deviceState
 	if !c.ExpiresAt.IsZero() && a.now().After(c.ExpiresAt) {
 		log(slog.LevelInfo, "command expired before it ran")
 		final.State = topics.StateExpired
 	} else {
 		start := time.Now()
 		cctx, cancel := context.WithTimeout(ctx, a.opts.CommandTimeout)
-		result, err := a.runOp(cctx, dr, c)
+		result, changed, err := a.runOp(cctx, dr, c)
+		state = changed
 		timedOut := errors.Is(cctx.Err(), context.DeadlineExceeded)
 		cancel()
 		if ctx.Err() != nil {
@@ -107,13 +110,19 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		}
 	}
 	final.At = a.now()
+	// What the command changed goes with its final reply, so that the
+	// server stores both at once, and on the retained topics.
+	final.Status, final.Settings = state.status, state.settings
 	a.settleDelivered(c.ID)
 	a.finish(ctx, r, final)
-	// Only these change what the status reports; the battery is read
-	// every StatusInterval.
+	dr.offer(state)
+	// Only these change what the status reports (the battery is read every
+	// StatusInterval); when the state could not be read after the command,
+	// the reporter reads it again.
 	status := c.Op == topics.OpAppInstall || c.Op == topics.OpAppUpdate || c.Op == topics.OpAppUninstall || c.Op == topics.OpOTAUpdate
-	if status || c.Op == topics.OpSettingsUpdate {
-		dr.requestReport(status, false, c.Op == topics.OpSettingsUpdate)
+	settings := c.Op == topics.OpSettingsUpdate
+	if (status && state.status == nil) || (settings && state.settings == nil) {
+		dr.requestReport(status, false, settings)
 	}
 	return true
 }
@@ -178,118 +187,171 @@ func decodePayload(c topics.Command, v any) error {
 	return nil
 }
 
+// resultJSON encodes a command's result. Results are small structs and maps
+// of strings and JSON values, which always encode: an error here is a bug,
+// and the command then reports no result rather than a broken one.
 func resultJSON(v any) json.RawMessage {
-	b, _ := json.Marshal(v)
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil
+	}
 	return b
 }
 
-// runOp does the work of one command on its device and returns its result.
-func (a *Agent) runOp(ctx context.Context, dr *deviceRunner, c topics.Command) (json.RawMessage, error) {
-	d := dr.dev
-	prog := &progressReporter{a: a, dr: dr, id: c.ID, last: -1}
-	switch c.Op {
-	case topics.OpPushText:
-		var p topics.PushText
-		if err := decodePayload(c, &p); err != nil {
-			return nil, err
-		}
-		if p.Text == "" {
-			return nil, cmdErr(codeInvalidPayload, "text is empty")
-		}
-		return nil, d.PushText(ctx, c.ID, p.Title, p.Text)
+// deviceState is what a command changed on its device, read back from it
+// after the command: it travels with the final reply (CONTRACT §8) and on
+// the retained status and settings topics.
+type deviceState struct {
+	status   *topics.Status
+	settings *topics.Settings
+}
 
-	case topics.OpPushImage:
-		var p topics.PushImage
-		if err := decodePayload(c, &p); err != nil {
-			return nil, err
-		}
-		prog.stage(0, 90)(0)
-		data, err := a.blobs.fetch(ctx, p.Blob, prog.stage(0, 90))
-		if err != nil {
-			return nil, err
-		}
-		return nil, d.PushImage(ctx, c.ID, p.ContentType, data)
+// opFunc runs one op on its device and returns the command's result and
+// the device's state the op changed.
+type opFunc func(a *Agent, ctx context.Context, dr *deviceRunner, c topics.Command, prog *progressReporter) (json.RawMessage, deviceState, error)
 
-	case topics.OpAppInstall, topics.OpAppUpdate:
-		var p topics.AppInstall
-		if err := decodePayload(c, &p); err != nil {
-			return nil, err
-		}
-		if !topics.ValidAppID(p.AppID) || !topics.ValidVersion(p.Version) {
-			return nil, cmdErr(codeInvalidPayload, fmt.Sprintf("app %q version %q", p.AppID, p.Version))
-		}
-		prog.stage(0, 90)(0)
-		pkg, err := a.blobs.fetch(ctx, p.Blob, prog.stage(0, 90))
-		if err != nil {
-			return nil, err
-		}
-		if err := d.InstallApp(ctx, c.ID, p.AppID, p.Version, pkg); err != nil {
-			return nil, err
-		}
-		return resultJSON(topics.App{AppID: p.AppID, Version: p.Version}), nil
+// ops are the ops a bridge runs.
+var ops = map[string]opFunc{
+	topics.OpPushText:       (*Agent).pushText,
+	topics.OpPushImage:      (*Agent).pushImage,
+	topics.OpAppInstall:     (*Agent).installApp,
+	topics.OpAppUpdate:      (*Agent).installApp,
+	topics.OpAppUninstall:   (*Agent).uninstallApp,
+	topics.OpSettingsUpdate: (*Agent).updateSettings,
+	topics.OpOTAUpdate:      (*Agent).updateFirmware,
+}
 
-	case topics.OpAppUninstall:
-		var p topics.AppUninstall
-		if err := decodePayload(c, &p); err != nil {
-			return nil, err
-		}
-		if !topics.ValidAppID(p.AppID) {
-			return nil, cmdErr(codeInvalidPayload, fmt.Sprintf("app %q", p.AppID))
-		}
-		return nil, d.UninstallApp(ctx, c.ID, p.AppID)
-
-	case topics.OpSettingsUpdate:
-		var p topics.SettingsUpdate
-		if err := decodePayload(c, &p); err != nil {
-			return nil, err
-		}
-		if len(p.Settings) == 0 {
-			return nil, cmdErr(codeInvalidPayload, "no settings to change")
-		}
-		_, schema, err := d.Settings(ctx)
-		if err != nil {
-			return nil, err
-		}
-		if errs := schema.Validate(p.Settings); len(errs) > 0 {
-			msgs := make([]string, len(errs))
-			for i, e := range errs {
-				msgs[i] = e.Field + ": " + e.Message
-			}
-			return nil, cmdErr(codeInvalidPayload, strings.Join(msgs, "; "))
-		}
-		if err := d.UpdateSettings(ctx, c.ID, p.Settings); err != nil {
-			return nil, err
-		}
-		reported, _, err := d.Settings(ctx)
-		if err != nil {
-			return nil, nil // done; the settings message will follow
-		}
-		return resultJSON(map[string]any{"reported": reported}), nil
-
-	case topics.OpOTAUpdate:
-		var p topics.OTAUpdate
-		if err := decodePayload(c, &p); err != nil {
-			return nil, err
-		}
-		if !topics.ValidVersion(p.Version) {
-			return nil, cmdErr(codeInvalidPayload, fmt.Sprintf("version %q", p.Version))
-		}
-		prog.stage(0, 50)(0)
-		image, err := a.blobs.fetch(ctx, p.Blob, prog.stage(0, 50))
-		if err != nil {
-			return nil, err
-		}
-		if err := d.UpdateFirmware(ctx, c.ID, p.Version, image, prog.stage(50, 100)); err != nil {
-			return nil, err
-		}
-		info, err := d.Info(ctx)
-		if err != nil {
-			return nil, err
-		}
-		if info.FirmwareVersion != p.Version {
-			return nil, cmdErr(codeVersionMismatch, fmt.Sprintf("the device reports firmware %q after the update to %q", info.FirmwareVersion, p.Version))
-		}
-		return resultJSON(map[string]string{"firmware_version": info.FirmwareVersion}), nil
+// runOp does the work of one command on its device and returns its result
+// and what it changed.
+func (a *Agent) runOp(ctx context.Context, dr *deviceRunner, c topics.Command) (json.RawMessage, deviceState, error) {
+	run := ops[c.Op]
+	if run == nil {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, fmt.Sprintf("op %q is not one this bridge runs", c.Op))
 	}
-	return nil, cmdErr(codeInvalidPayload, fmt.Sprintf("op %q is not one this bridge runs", c.Op))
+	return run(a, ctx, dr, c, &progressReporter{a: a, dr: dr, id: c.ID, last: -1})
+}
+
+func (a *Agent) pushText(ctx context.Context, dr *deviceRunner, c topics.Command, _ *progressReporter) (json.RawMessage, deviceState, error) {
+	var p topics.PushText
+	if err := decodePayload(c, &p); err != nil {
+		return nil, deviceState{}, err
+	}
+	if p.Text == "" {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, "text is empty")
+	}
+	return nil, deviceState{}, dr.dev.PushText(ctx, c.ID, p.Title, p.Text)
+}
+
+func (a *Agent) pushImage(ctx context.Context, dr *deviceRunner, c topics.Command, prog *progressReporter) (json.RawMessage, deviceState, error) {
+	var p topics.PushImage
+	if err := decodePayload(c, &p); err != nil {
+		return nil, deviceState{}, err
+	}
+	prog.stage(0, 90)(0)
+	data, err := a.blobs.fetch(ctx, p.Blob, prog.stage(0, 90))
+	if err != nil {
+		return nil, deviceState{}, err
+	}
+	return nil, deviceState{}, dr.dev.PushImage(ctx, c.ID, p.ContentType, data)
+}
+
+func (a *Agent) installApp(ctx context.Context, dr *deviceRunner, c topics.Command, prog *progressReporter) (json.RawMessage, deviceState, error) {
+	var p topics.AppInstall
+	if err := decodePayload(c, &p); err != nil {
+		return nil, deviceState{}, err
+	}
+	if !topics.ValidAppID(p.AppID) || !topics.ValidVersion(p.Version) {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, fmt.Sprintf("app %q version %q", p.AppID, p.Version))
+	}
+	prog.stage(0, 90)(0)
+	pkg, err := a.blobs.fetch(ctx, p.Blob, prog.stage(0, 90))
+	if err != nil {
+		return nil, deviceState{}, err
+	}
+	if err := dr.dev.InstallApp(ctx, c.ID, p.AppID, p.Version, pkg); err != nil {
+		return nil, deviceState{}, err
+	}
+	return resultJSON(topics.App{AppID: p.AppID, Version: p.Version}), a.statusAfter(ctx, dr), nil
+}
+
+func (a *Agent) uninstallApp(ctx context.Context, dr *deviceRunner, c topics.Command, _ *progressReporter) (json.RawMessage, deviceState, error) {
+	var p topics.AppUninstall
+	if err := decodePayload(c, &p); err != nil {
+		return nil, deviceState{}, err
+	}
+	if !topics.ValidAppID(p.AppID) {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, fmt.Sprintf("app %q", p.AppID))
+	}
+	if err := dr.dev.UninstallApp(ctx, c.ID, p.AppID); err != nil {
+		return nil, deviceState{}, err
+	}
+	return nil, a.statusAfter(ctx, dr), nil
+}
+
+func (a *Agent) updateSettings(ctx context.Context, dr *deviceRunner, c topics.Command, _ *progressReporter) (json.RawMessage, deviceState, error) {
+	var p topics.SettingsUpdate
+	if err := decodePayload(c, &p); err != nil {
+		return nil, deviceState{}, err
+	}
+	if len(p.Settings) == 0 {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, "no settings to change")
+	}
+	_, schema, err := dr.dev.Settings(ctx)
+	if err != nil {
+		return nil, deviceState{}, err
+	}
+	if errs := schema.Validate(p.Settings); len(errs) > 0 {
+		msgs := make([]string, len(errs))
+		for i, e := range errs {
+			msgs[i] = e.Field + ": " + e.Message
+		}
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, strings.Join(msgs, "; "))
+	}
+	if err := dr.dev.UpdateSettings(ctx, c.ID, p.Settings); err != nil {
+		return nil, deviceState{}, err
+	}
+	set, err := a.readSettings(ctx, dr)
+	if err != nil {
+		a.log.Warn("reading the settings after a change failed; they follow in a report", "device", dr.id, "cmd", c.ID, "err", err)
+		return nil, deviceState{}, nil // done
+	}
+	return resultJSON(map[string]any{"reported": set.Reported}), deviceState{settings: &set}, nil
+}
+
+func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.Command, prog *progressReporter) (json.RawMessage, deviceState, error) {
+	var p topics.OTAUpdate
+	if err := decodePayload(c, &p); err != nil {
+		return nil, deviceState{}, err
+	}
+	if !topics.ValidVersion(p.Version) {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, fmt.Sprintf("version %q", p.Version))
+	}
+	prog.stage(0, 50)(0)
+	image, err := a.blobs.fetch(ctx, p.Blob, prog.stage(0, 50))
+	if err != nil {
+		return nil, deviceState{}, err
+	}
+	if err := dr.dev.UpdateFirmware(ctx, c.ID, p.Version, image, prog.stage(50, 100)); err != nil {
+		return nil, deviceState{}, err
+	}
+	st, err := a.readStatus(ctx, dr)
+	if err != nil {
+		return nil, deviceState{}, err
+	}
+	if st.FirmwareVersion != p.Version {
+		return nil, deviceState{status: &st}, cmdErr(codeVersionMismatch, fmt.Sprintf("the device reports firmware %q after the update to %q", st.FirmwareVersion, p.Version))
+	}
+	return resultJSON(map[string]string{"firmware_version": st.FirmwareVersion}), deviceState{status: &st}, nil
+}
+
+// statusAfter reads the device's status after a command that changed it;
+// when the read fails the command is still done, and the status follows in
+// a report.
+func (a *Agent) statusAfter(ctx context.Context, dr *deviceRunner) deviceState {
+	st, err := a.readStatus(ctx, dr)
+	if err != nil {
+		a.log.Warn("reading the status after a change failed; it follows in a report", "device", dr.id, "err", err)
+		return deviceState{}
+	}
+	return deviceState{status: &st}
 }

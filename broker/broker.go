@@ -27,6 +27,7 @@ type Store interface {
 	Command(ctx context.Context, id string) (store.Command, error)
 	UpdateCommand(ctx context.Context, id string, fn func(*store.Command) error) (store.Command, error)
 	UpdateCommandAsync(id string, fn func(*store.Command) error, done func(store.Command, error))
+	UpdateCommandWithReportAsync(id string, fn func(*store.Command) error, report store.DeviceReport, done func(store.Command, error))
 	OpenCommands(ctx context.Context, states ...string) ([]store.Command, error)
 	ExpiredCommands(ctx context.Context, now time.Time) ([]store.Command, error)
 	PutStatusAsync(s store.Status, done func(bool, error))
@@ -410,10 +411,24 @@ func (b *Broker) bridgeOffline(bridgeID string, ack func()) {
 // errStale marks a reply that must change nothing.
 var errStale = errors.New("stale reply")
 
-// takeReply stores a bridge's reply to a command and, once it is on disk,
-// calls ack and wakes those waiting for the command if it is final.
+// takeReply stores a bridge's reply to a command, with the device's state
+// that came with it, and once both are on disk calls ack and wakes those
+// waiting for the command if it is final: what they read next reflects it.
 func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
-	b.st.UpdateCommandAsync(r.CommandID, func(c *store.Command) error {
+	var report store.DeviceReport
+	if r.Status != nil {
+		s := storeStatus(deviceID, *r.Status)
+		report.Status = &s
+	}
+	if r.Settings != nil {
+		rs, err := reportedSettings(*r.Settings)
+		if err != nil {
+			b.log.Warn("reply with settings that cannot be stored; storing the reply without them", "device_id", deviceID, "command_id", r.CommandID, "err", err)
+		} else {
+			report.Settings = &rs
+		}
+	}
+	b.st.UpdateCommandWithReportAsync(r.CommandID, func(c *store.Command) error {
 		if c.DeviceID != deviceID {
 			return fmt.Errorf("%w: reply on device %s for a command of %s", errStale, deviceID, c.DeviceID)
 		}
@@ -441,7 +456,7 @@ func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
 			c.Result = append(json.RawMessage(nil), r.Result...)
 		}
 		return nil
-	}, func(cmd store.Command, err error) {
+	}, report, func(cmd store.Command, err error) {
 		defer ack()
 		b.land(r.CommandID) // the bridge has it: no "sent" to write
 		switch {
@@ -464,21 +479,7 @@ func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Statu
 		ack()
 		return
 	}
-	apps := make([]store.App, 0, len(s.Apps))
-	for _, a := range s.Apps {
-		apps = append(apps, store.App{AppID: a.AppID, Version: a.Version})
-	}
-	b.st.PutStatusAsync(store.Status{
-		DeviceID:        deviceID,
-		Online:          s.Online,
-		Battery:         s.Battery,
-		FirmwareVersion: s.FirmwareVersion,
-		Model:           s.Model,
-		Apps:            apps,
-		BridgeID:        s.BridgeID,
-		LastSeen:        s.At,
-		Seq:             s.Seq,
-	}, func(_ bool, err error) {
+	b.st.PutStatusAsync(storeStatus(deviceID, s), func(_ bool, err error) {
 		defer ack()
 		if err != nil {
 			b.log.Error("storing a status", "device_id", deviceID, "err", err)
@@ -543,28 +544,54 @@ func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Set
 		ack()
 		return
 	}
-	reported := make(map[string]json.RawMessage, len(s.Reported))
-	for k, v := range s.Reported {
-		raw, err := json.Marshal(v)
-		if err != nil {
-			b.log.Warn("settings with a value that cannot be stored", "device_id", deviceID, "setting", k, "err", err)
-			ack()
-			return
-		}
-		reported[k] = raw
-	}
-	schema, err := json.Marshal(s.Schema)
+	r, err := reportedSettings(s)
 	if err != nil {
-		b.log.Warn("settings with a schema that cannot be stored", "device_id", deviceID, "err", err)
+		b.log.Warn("settings that cannot be stored", "device_id", deviceID, "err", err)
 		ack()
 		return
 	}
-	b.st.PutReportedSettingsAsync(deviceID, reported, schema, s.At, s.Seq, func(_ bool, err error) {
+	b.st.PutReportedSettingsAsync(deviceID, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
 		defer ack()
 		if err != nil {
 			b.log.Error("storing settings", "device_id", deviceID, "err", err)
 		}
 	})
+}
+
+// storeStatus is a device's status message as the store keeps it.
+func storeStatus(deviceID string, s topics.Status) store.Status {
+	apps := make([]store.App, 0, len(s.Apps))
+	for _, a := range s.Apps {
+		apps = append(apps, store.App{AppID: a.AppID, Version: a.Version})
+	}
+	return store.Status{
+		DeviceID:        deviceID,
+		Online:          s.Online,
+		Battery:         s.Battery,
+		FirmwareVersion: s.FirmwareVersion,
+		Model:           s.Model,
+		Apps:            apps,
+		BridgeID:        s.BridgeID,
+		LastSeen:        s.At,
+		Seq:             s.Seq,
+	}
+}
+
+// reportedSettings is a device's settings message as the store keeps it.
+func reportedSettings(s topics.Settings) (store.ReportedSettings, error) {
+	reported := make(map[string]json.RawMessage, len(s.Reported))
+	for k, v := range s.Reported {
+		raw, err := json.Marshal(v)
+		if err != nil {
+			return store.ReportedSettings{}, fmt.Errorf("setting %q: %w", k, err)
+		}
+		reported[k] = raw
+	}
+	schema, err := json.Marshal(s.Schema)
+	if err != nil {
+		return store.ReportedSettings{}, fmt.Errorf("schema: %w", err)
+	}
+	return store.NewReportedSettings(reported, schema, s.At, s.Seq)
 }
 
 // Submit stores a command as queued (durably) and hands it to the outbox.

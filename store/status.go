@@ -70,37 +70,42 @@ func (db *DB) PutStatusAsync(s Status, done func(applied bool, err error)) {
 	}
 	var applied bool
 	db.batchAsync(func(tx *bolt.Tx) error {
-		applied = false
-		statuses := tx.Bucket(bucketStatus)
-		var old Status
-		found, err := getJSON(statuses, []byte(s.DeviceID), &old)
-		if err != nil {
-			return err
-		}
-		if found && !newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen) {
-			return nil
-		}
-		ns := s
-		ns.UpdatedAt = db.now()
-		if err := putJSON(statuses, []byte(ns.DeviceID), ns); err != nil {
-			return err
-		}
-		if !found || old.BridgeID != ns.BridgeID {
-			idx := tx.Bucket(bucketBridgeDevices)
-			if found && old.BridgeID != "" {
-				if err := idx.Delete(key(old.BridgeID, ns.DeviceID)); err != nil {
-					return err
-				}
-			}
-			if ns.BridgeID != "" {
-				if err := idx.Put(key(ns.BridgeID, ns.DeviceID), nil); err != nil {
-					return err
-				}
-			}
-		}
-		applied = true
-		return nil
+		var err error
+		applied, err = db.putStatus(tx, s)
+		return err
 	}, func(err error) { done(applied && err == nil, err) })
+}
+
+// putStatus is PutStatus inside a write transaction; s is checked already.
+func (db *DB) putStatus(tx *bolt.Tx, s Status) (bool, error) {
+	statuses := tx.Bucket(bucketStatus)
+	var old Status
+	found, err := getJSON(statuses, []byte(s.DeviceID), &old)
+	if err != nil {
+		return false, err
+	}
+	if found && !newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen) {
+		return false, nil
+	}
+	ns := s
+	ns.UpdatedAt = db.now()
+	if err := putJSON(statuses, []byte(ns.DeviceID), ns); err != nil {
+		return false, err
+	}
+	if !found || old.BridgeID != ns.BridgeID {
+		idx := tx.Bucket(bucketBridgeDevices)
+		if found && old.BridgeID != "" {
+			if err := idx.Delete(key(old.BridgeID, ns.DeviceID)); err != nil {
+				return false, err
+			}
+		}
+		if ns.BridgeID != "" {
+			if err := idx.Put(key(ns.BridgeID, ns.DeviceID), nil); err != nil {
+				return false, err
+			}
+		}
+	}
+	return true, nil
 }
 
 // MarkBridgeOffline marks offline every device whose current status names
@@ -240,53 +245,75 @@ func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json
 		done(false, fmt.Errorf("%w: settings need a device id", ErrInvalid))
 		return
 	}
-	rep := make(map[string]json.RawMessage, len(reported))
-	for k, v := range reported {
-		c, err := compact(v)
-		if err != nil {
-			done(false, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err))
-			return
-		}
-		rep[k] = c
-	}
-	var sch json.RawMessage
-	if len(schema) > 0 {
-		c, err := compact(schema)
-		if err != nil {
-			done(false, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err))
-			return
-		}
-		sch = c
+	r, err := newReportedSettings(reported, schema, at, seq)
+	if err != nil {
+		done(false, err)
+		return
 	}
 	var applied bool
 	db.batchAsync(func(tx *bolt.Tx) error {
-		applied = false
-		b := tx.Bucket(bucketSettings)
-		s := Settings{DeviceID: deviceID}
-		found, err := getJSON(b, []byte(deviceID), &s)
-		if err != nil {
-			return err
-		}
-		if found && !newer(seq, at, s.Seq, s.At) {
-			return nil
-		}
-		fillMaps(&s)
-		s.Reported = maps.Clone(rep)
-		if sch != nil {
-			s.Schema = sch
-		}
-		for k, want := range s.Desired {
-			if got, ok := rep[k]; ok && jsonEqual(got, want) {
-				delete(s.Desired, k)
-			}
-		}
-		s.At, s.Seq, s.UpdatedAt = at, seq, db.now()
-		if err := putJSON(b, []byte(deviceID), s); err != nil {
-			return err
-		}
-		applied = true
-		return nil
+		var err error
+		applied, err = db.putReportedSettings(tx, deviceID, r)
+		return err
 	}, func(err error) { done(applied && err == nil, err) })
+}
+
+// ReportedSettings are settings as a device reported them: each value and
+// the schema as JSON.
+type ReportedSettings struct {
+	Reported map[string]json.RawMessage
+	Schema   json.RawMessage // kept as stored when empty
+	At       time.Time
+	Seq      uint64
+}
+
+// newReportedSettings checks and compacts what a device reported.
+func newReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (ReportedSettings, error) {
+	r := ReportedSettings{Reported: make(map[string]json.RawMessage, len(reported)), At: at, Seq: seq}
+	for k, v := range reported {
+		c, err := compact(v)
+		if err != nil {
+			return ReportedSettings{}, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err)
+		}
+		r.Reported[k] = c
+	}
+	if len(schema) > 0 {
+		c, err := compact(schema)
+		if err != nil {
+			return ReportedSettings{}, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err)
+		}
+		r.Schema = c
+	}
+	return r, nil
+}
+
+// putReportedSettings is PutReportedSettings inside a write transaction;
+// r is checked and compacted already.
+func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r ReportedSettings) (bool, error) {
+	b := tx.Bucket(bucketSettings)
+	s := Settings{DeviceID: deviceID}
+	found, err := getJSON(b, []byte(deviceID), &s)
+	if err != nil {
+		return false, err
+	}
+	if found && !newer(r.Seq, r.At, s.Seq, s.At) {
+		return false, nil
+	}
+	fillMaps(&s)
+	s.Reported = maps.Clone(r.Reported)
+	if r.Schema != nil {
+		s.Schema = r.Schema
+	}
+	for k, want := range s.Desired {
+		if got, ok := r.Reported[k]; ok && jsonEqual(got, want) {
+			delete(s.Desired, k)
+		}
+	}
+	s.At, s.Seq, s.UpdatedAt = r.At, r.Seq, db.now()
+	if err := putJSON(b, []byte(deviceID), s); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // MergeDesiredSettings records values the user asked for: each key of

@@ -97,6 +97,15 @@ type Reply struct {
 	Error     *Error          `json:"error,omitempty"`
 	Result    json.RawMessage `json:"result,omitempty"`
 	At        time.Time       `json:"at"`
+
+	// The device's state after the command, in a final reply of a command
+	// that changed it (CONTRACT §8): the status after an app or OTA
+	// command, the settings after a settings command. They are the
+	// messages of the status and settings topics, with their seq: the
+	// server stores them with the command's final state, in one
+	// transaction, and a newer report still wins.
+	Status   *Status   `json:"status,omitempty"`
+	Settings *Settings `json:"settings,omitempty"`
 }
 
 // App is an installed app as a device reports it.
@@ -245,6 +254,18 @@ func ParseReply(b []byte) (Reply, error) {
 		return Reply{}, fmt.Errorf("%w: state %q is not one a bridge reports", ErrBadMessage, r.State)
 	case r.Progress != nil && (*r.Progress < 0 || *r.Progress > 100):
 		return Reply{}, fmt.Errorf("%w: progress %d", ErrBadMessage, *r.Progress)
+	case (r.Status != nil || r.Settings != nil) && !Final(r.State):
+		return Reply{}, fmt.Errorf("%w: device state in a %s reply", ErrBadMessage, r.State)
+	}
+	if r.Status != nil {
+		if err := checkStatus(*r.Status); err != nil {
+			return Reply{}, err
+		}
+	}
+	if r.Settings != nil {
+		if err := checkSettings(*r.Settings); err != nil {
+			return Reply{}, err
+		}
 	}
 	return r, nil
 }
@@ -255,18 +276,25 @@ func ParseStatus(b []byte) (Status, error) {
 	if err := decode(b, &s); err != nil {
 		return Status{}, err
 	}
+	if err := checkStatus(s); err != nil {
+		return Status{}, err
+	}
+	return s, nil
+}
+
+func checkStatus(s Status) error {
 	if s.Battery != nil && (*s.Battery < 0 || *s.Battery > 100) {
-		return Status{}, fmt.Errorf("%w: battery %d", ErrBadMessage, *s.Battery)
+		return fmt.Errorf("%w: battery %d", ErrBadMessage, *s.Battery)
 	}
 	if s.BridgeID != "" && !ValidBridgeID(s.BridgeID) {
-		return Status{}, fmt.Errorf("%w: bridge id %q", ErrBadMessage, s.BridgeID)
+		return fmt.Errorf("%w: bridge id %q", ErrBadMessage, s.BridgeID)
 	}
 	for _, a := range s.Apps {
 		if !ValidAppID(a.AppID) {
-			return Status{}, fmt.Errorf("%w: app id %q", ErrBadMessage, a.AppID)
+			return fmt.Errorf("%w: app id %q", ErrBadMessage, a.AppID)
 		}
 	}
-	return s, nil
+	return nil
 }
 
 // ParseSettings decodes a settings message.
@@ -275,8 +303,15 @@ func ParseSettings(b []byte) (Settings, error) {
 	if err := decode(b, &s); err != nil {
 		return Settings{}, err
 	}
-	if s.Reported == nil {
-		return Settings{}, fmt.Errorf("%w: no reported settings", ErrBadMessage)
+	if err := checkSettings(s); err != nil {
+		return Settings{}, err
 	}
 	return s, nil
+}
+
+func checkSettings(s Settings) error {
+	if s.Reported == nil {
+		return fmt.Errorf("%w: no reported settings", ErrBadMessage)
+	}
+	return nil
 }

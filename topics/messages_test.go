@@ -30,6 +30,8 @@ func TestParseReply(t *testing.T) {
 		`{"command_id":"` + id + `","state":"delivered","at":"2026-01-01T00:00:00Z"}`,
 		`{"command_id":"` + id + `","state":"in_progress","progress":50}`,
 		`{"command_id":"` + id + `","state":"failed","error":{"code":"x","message":"y"}}`,
+		`{"command_id":"` + id + `","state":"succeeded","status":{"online":true,"battery":80,"firmware_version":"1.0.0","apps":[{"app_id":"clock","version":"1.0.0"}],"bridge_id":"b1","at":"2026-01-01T00:00:00Z","seq":7}}`,
+		`{"command_id":"` + id + `","state":"succeeded","settings":{"reported":{"volume":70},"schema":{},"seq":8}}`,
 	}
 	for _, in := range ok {
 		if _, err := ParseReply([]byte(in)); err != nil {
@@ -45,6 +47,12 @@ func TestParseReply(t *testing.T) {
 		`{"command_id":"` + id + `","state":"in_progress","progress":-1}`,
 		`{"command_id":"` + id + `","state":"delivered","at":"yesterday"}`,
 		`{"command_id":"` + id + `","state":"delivered","x":"` + strings.Repeat("a", MaxPayload) + `"}`,
+		// The device's state comes with a final reply only, and is checked
+		// as its own message is.
+		`{"command_id":"` + id + `","state":"in_progress","progress":5,"status":{"online":true,"apps":[]}}`,
+		`{"command_id":"` + id + `","state":"succeeded","status":{"online":true,"battery":101,"apps":[]}}`,
+		`{"command_id":"` + id + `","state":"succeeded","status":{"online":true,"apps":[{"app_id":"Bad App"}]}}`,
+		`{"command_id":"` + id + `","state":"succeeded","settings":{"schema":{}}}`,
 	}
 	for _, in := range bad {
 		if _, err := ParseReply([]byte(in)); !errors.Is(err, ErrBadMessage) {

@@ -370,19 +370,21 @@ func exerciseEveryOperation(t *testing.T, f *fleet, b *bridge, dev string) {
 	require.NotEmpty(t, imgs)
 	assert.Equal(t, img, imgs[len(imgs)-1].Data)
 
-	// Apps: install, update, list, uninstall.
-	cmd = u.accept("POST", dp+"/apps/install", map[string]any{"app_id": "weather", "version": "1.0.0"})
-	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	// Apps: install, update, list, uninstall. A read right after a command
+	// ends reflects it, whether the end was waited for in the command's
+	// own request (Prefer: wait) or in a GET of it (CONTRACT §8).
+	cmd = u.accept("POST", dp+"/apps/install", map[string]any{"app_id": "weather", "version": "1.0.0"}, "Prefer", "wait=30")
+	require.Equal(t, "succeeded", cmd["state"], "%v", cmd)
 	assert.Equal(t, "1.0.0", s.Apps()["weather"])
+	assert.JSONEq(t, `{"apps":[{"app_id":"weather","version":"1.0.0"}]}`, string(u.do("GET", dp+"/apps", nil).Body))
 	cmd = u.accept("PUT", dp+"/apps/weather/update", map[string]any{})
 	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
 	assert.Equal(t, "1.2.0", s.Apps()["weather"])
-	eventually(t, "apps reported", func() bool {
-		return strings.Contains(string(u.do("GET", dp+"/apps", nil).Body), `"version":"1.2.0"`)
-	})
-	cmd = u.accept("DELETE", dp+"/apps/weather", nil)
-	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	assert.JSONEq(t, `{"apps":[{"app_id":"weather","version":"1.2.0"}]}`, string(u.do("GET", dp+"/apps", nil).Body))
+	cmd = u.accept("DELETE", dp+"/apps/weather", nil, "Prefer", "wait=30")
+	require.Equal(t, "succeeded", cmd["state"], "%v", cmd)
 	assert.NotContains(t, s.Apps(), "weather")
+	assert.JSONEq(t, `{"apps":[]}`, string(u.do("GET", dp+"/apps", nil).Body))
 
 	// Settings.
 	eventually(t, "settings reported", func() bool {
@@ -392,15 +394,15 @@ func exerciseEveryOperation(t *testing.T, f *fleet, b *bridge, dev string) {
 	set := u.do("GET", dp+"/settings", nil).JSON(t)
 	assert.EqualValues(t, 50, set["reported"].(map[string]any)["brightness"])
 	assert.Contains(t, set["schema"], "language")
-	cmd = u.accept("PUT", dp+"/settings", map[string]any{"brightness": 80, "language": "de"})
-	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
+	cmd = u.accept("PUT", dp+"/settings", map[string]any{"brightness": 80, "language": "de"}, "Prefer", "wait=30")
+	require.Equal(t, "succeeded", cmd["state"], "%v", cmd)
 	values, _, err := s.Settings(context.Background())
 	require.NoError(t, err)
 	assert.EqualValues(t, 80, values["brightness"])
-	eventually(t, "new settings reported", func() bool {
-		set := u.do("GET", dp+"/settings", nil).JSON(t)
-		return set["reported"].(map[string]any)["language"] == "de" && len(set["pending"].([]any)) == 0
-	})
+	set = u.do("GET", dp+"/settings", nil).JSON(t)
+	assert.Equal(t, "de", set["reported"].(map[string]any)["language"], "settings right after the command: %v", set)
+	assert.EqualValues(t, 80, set["reported"].(map[string]any)["brightness"])
+	assert.Empty(t, set["pending"])
 
 	// OTA.
 	chk := u.do("GET", dp+"/ota/check", nil).JSON(t)
@@ -410,9 +412,8 @@ func exerciseEveryOperation(t *testing.T, f *fleet, b *bridge, dev string) {
 	cmd = u.accept("POST", dp+"/ota/update", map[string]any{})
 	assert.Equal(t, "succeeded", u.waitFinal(dev, cmd["id"].(string))["state"])
 	assert.Equal(t, "1.1.0", s.Firmware())
-	eventually(t, "new firmware reported", func() bool {
-		return u.do("GET", dp+"/status", nil).JSON(t)["firmware_version"] == "1.1.0"
-	})
+	assert.Equal(t, "1.1.0", u.do("GET", dp+"/status", nil).JSON(t)["firmware_version"], "status right after the update")
+	assert.Equal(t, "1.1.0", u.do("GET", dp+"/ota/check", nil).JSON(t)["current_version"])
 	r = u.do("POST", dp+"/ota/update", map[string]any{})
 	assert.Equal(t, 409, r.Status, "%s", r.Body)
 	assert.Equal(t, false, u.do("GET", dp+"/ota/check", nil).JSON(t)["update_available"])

@@ -1,0 +1,74 @@
+package store
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// DeviceReport is the state of a device that came with a reply to one of
+// its commands: what the command changed.
+type DeviceReport struct {
+	Status   *Status           // stored as PutStatus stores it
+	Settings *ReportedSettings // stored as PutReportedSettings stores it
+}
+
+// NewReportedSettings checks and compacts settings as a device reported
+// them, for a DeviceReport.
+func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (ReportedSettings, error) {
+	return newReportedSettings(reported, schema, at, seq)
+}
+
+// UpdateCommandWithReportAsync is UpdateCommandAsync that also stores the
+// device's state that came with the change, in the same transaction and
+// only when fn changed the command: whoever reads the command's new state
+// reads that state of the device too (CONTRACT §8). The report is about the
+// command's device, whatever DeviceID its Status names; a newer report
+// stored already still wins, as with PutStatus and PutReportedSettings.
+func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*Command) error, report DeviceReport, done func(Command, error)) {
+	if done == nil {
+		done = func(Command, error) {}
+	}
+	if id == "" {
+		done(Command{}, ErrNotFound)
+		return
+	}
+	if s := report.Status; s != nil && s.BridgeID != "" && !validID(s.BridgeID) {
+		done(Command{}, fmt.Errorf("%w: status with bridge id %q", ErrInvalid, s.BridgeID))
+		return
+	}
+	var (
+		out   Command
+		final bool
+	)
+	db.batchAsync(func(tx *bolt.Tx) error {
+		var err error
+		if out, final, err = db.updateCommand(tx, id, fn); err != nil || final {
+			return err
+		}
+		if report.Status != nil {
+			s := *report.Status
+			s.DeviceID = out.DeviceID
+			if _, err := db.putStatus(tx, s); err != nil {
+				return err
+			}
+		}
+		if report.Settings != nil {
+			if _, err := db.putReportedSettings(tx, out.DeviceID, *report.Settings); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, func(err error) {
+		switch {
+		case err != nil:
+			done(Command{}, err)
+		case final:
+			done(out, ErrFinal)
+		default:
+			done(out, nil)
+		}
+	})
+}
