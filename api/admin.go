@@ -143,7 +143,8 @@ func (s *Server) adminCreateBridge(c *gin.Context) error {
 	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, bridgeJSON{BridgeID: req.BridgeID})
 }
 
-// upload streams a raw body of at most limit bytes into a blob. Its
+// upload streams a raw body of at most limit bytes into a blob; one over
+// it leaves nothing behind and is answered as readBody answers it. Its
 // Idempotency-Key covers method, path and the content's SHA-256.
 func (s *Server) upload(c *gin.Context, limit int64) (blob store.Blob, rec *store.Idempotency, replayed bool, err error) {
 	if _, err := idempotencyKey(c); err != nil {
@@ -151,16 +152,16 @@ func (s *Server) upload(c *gin.Context, limit int64) (blob store.Blob, rec *stor
 	}
 	r := c.Request
 	if r.ContentLength > limit {
-		return blob, nil, false, errTooLarge
+		return blob, nil, false, bodyTooLarge(c, 0, limit)
 	}
 	if r.ContentLength == 0 || r.Body == nil || r.Body == http.NoBody {
 		return blob, nil, false, invalid("body", "must not be empty")
 	}
-	blob, err = s.store.PutBlob(r.Context(), http.MaxBytesReader(c.Writer, r.Body, limit+1), limit)
-	var tooLarge *http.MaxBytesError
+	body := &countingReader{r: r.Body}
+	blob, err = s.store.PutBlob(r.Context(), body, limit)
 	switch {
-	case errors.Is(err, store.ErrTooLarge), errors.As(err, &tooLarge):
-		return blob, nil, false, errTooLarge
+	case errors.Is(err, store.ErrTooLarge):
+		return blob, nil, false, bodyTooLarge(c, body.n, limit)
 	case err != nil:
 		return blob, nil, false, err
 	case blob.Size == 0:

@@ -14,13 +14,13 @@ import (
 // member is the list's member ("commands", "devices") and idKey the id of
 // an item. It fails the test unless every page but the last is full and
 // the walk ends.
-func (e *env) pages(tok, path, member, idKey string, limit int) [][]string {
-	e.t.Helper()
+func (e *env) pages(t testing.TB, tok, path, member, idKey string, limit int) [][]string {
+	t.Helper()
 	var pages [][]string
 	cursor := ""
 	for {
 		u, err := url.Parse(path)
-		require.NoError(e.t, err)
+		require.NoError(t, err)
 		q := u.Query()
 		q.Set("limit", fmt.Sprint(limit))
 		if cursor != "" {
@@ -28,9 +28,9 @@ func (e *env) pages(tok, path, member, idKey string, limit int) [][]string {
 		}
 		u.RawQuery = q.Encode()
 		r := e.do("GET", u.String(), tok, nil)
-		require.Equal(e.t, 200, r.status, "GET %s: %s", u, r.body)
-		m := r.json(e.t)
-		require.Contains(e.t, m, "next_cursor", "GET %s: %s", u, r.body)
+		require.Equal(t, 200, r.status, "GET %s: %s", u, r.body)
+		m := r.json(t)
+		require.Contains(t, m, "next_cursor", "GET %s: %s", u, r.body)
 		page := []string{}
 		for _, it := range m[member].([]any) {
 			page = append(page, it.(map[string]any)[idKey].(string))
@@ -38,11 +38,11 @@ func (e *env) pages(tok, path, member, idKey string, limit int) [][]string {
 		pages = append(pages, page)
 		next, ok := m["next_cursor"].(string)
 		if !ok {
-			require.Nil(e.t, m["next_cursor"], "GET %s", u)
+			require.Nil(t, m["next_cursor"], "GET %s", u)
 			return pages
 		}
-		require.Len(e.t, page, limit, "GET %s = %v with a next_cursor: a page before the last must be full", u, page)
-		require.Less(e.t, len(pages), 100, "GET %s: the pages do not end", path)
+		require.Len(t, page, limit, "GET %s = %v with a next_cursor: a page before the last must be full", u, page)
+		require.Less(t, len(pages), 100, "GET %s: the pages do not end", path)
 		cursor = next
 	}
 }
@@ -88,12 +88,12 @@ func TestCommandPagesAfterChangeOfOwner(t *testing.T) {
 	}
 
 	t.Run("a short last page", func(t *testing.T) {
-		wantPages(t, "bob, 5 commands", e.pages(bob, path, "commands", "id", 2), bobs, 2)
+		wantPages(t, "bob, 5 commands", e.pages(t, bob, path, "commands", "id", 2), bobs, 2)
 	})
 	t.Run("an exact multiple of the limit", func(t *testing.T) {
 		bobs = slices.Insert(bobs, 0, push(bob))
 		for _, limit := range []int{2, 3, 6} {
-			wantPages(t, fmt.Sprintf("bob, 6 commands, limit %d", limit), e.pages(bob, path, "commands", "id", limit), bobs, limit)
+			wantPages(t, fmt.Sprintf("bob, 6 commands, limit %d", limit), e.pages(t, bob, path, "commands", "id", limit), bobs, limit)
 		}
 	})
 	t.Run("the state filter", func(t *testing.T) {
@@ -108,19 +108,19 @@ func TestCommandPagesAfterChangeOfOwner(t *testing.T) {
 				queued = append(queued, id)
 			}
 		}
-		wantPages(t, "bob's canceled", e.pages(bob, path+"?state=canceled", "commands", "id", 2), canceled, 2)
-		wantPages(t, "bob's queued", e.pages(bob, path+"?state=queued", "commands", "id", 1), queued, 1)
-		wantPages(t, "bob's queued", e.pages(bob, path+"?state=queued", "commands", "id", 2), queued, 2)
-		wantPages(t, "bob's succeeded", e.pages(bob, path+"?state=succeeded", "commands", "id", 2), nil, 2)
+		wantPages(t, "bob's canceled", e.pages(t, bob, path+"?state=canceled", "commands", "id", 2), canceled, 2)
+		wantPages(t, "bob's queued", e.pages(t, bob, path+"?state=queued", "commands", "id", 1), queued, 1)
+		wantPages(t, "bob's queued", e.pages(t, bob, path+"?state=queued", "commands", "id", 2), queued, 2)
+		wantPages(t, "bob's succeeded", e.pages(t, bob, path+"?state=succeeded", "commands", "id", 2), nil, 2)
 	})
 	t.Run("another owner's commands in between", func(t *testing.T) {
 		// Back to alice: bob's six lie between her old commands and her new.
 		handOver(bob, alice)
 		alices = slices.Insert(alices, 0, push(alice))
 		for _, limit := range []int{1, 2, 3} {
-			wantPages(t, fmt.Sprintf("alice, limit %d", limit), e.pages(alice, path, "commands", "id", limit), alices, limit)
+			wantPages(t, fmt.Sprintf("alice, limit %d", limit), e.pages(t, alice, path, "commands", "id", limit), alices, limit)
 		}
-		wantPages(t, "alice's queued", e.pages(alice, path+"?state=queued", "commands", "id", 2), alices, 2)
+		wantPages(t, "alice's queued", e.pages(t, alice, path+"?state=queued", "commands", "id", 2), alices, 2)
 	})
 }
 
@@ -150,7 +150,7 @@ func TestDevicePagesAreFull(t *testing.T) {
 	want = slices.DeleteFunc(want, func(id string) bool { return id == "dev-3" })
 	require.Len(t, want, 5)
 	for _, limit := range []int{1, 2, 4, 5, 6} {
-		wantPages(t, fmt.Sprintf("erin's devices, limit %d", limit), e.pages(erin, "/api/v1/devices", "devices", "device_id", limit), want, limit)
+		wantPages(t, fmt.Sprintf("erin's devices, limit %d", limit), e.pages(t, erin, "/api/v1/devices", "devices", "device_id", limit), want, limit)
 	}
-	wantPages(t, "a user without devices", e.pages(e.user("gina"), "/api/v1/devices", "devices", "device_id", 2), nil, 2)
+	wantPages(t, "a user without devices", e.pages(t, e.user("gina"), "/api/v1/devices", "devices", "device_id", 2), nil, 2)
 }

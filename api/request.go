@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"mime"
 	"net/http"
 	"reflect"
@@ -36,24 +37,57 @@ func checkJSONType(r *http.Request) error {
 	return nil
 }
 
-// readBody reads the whole body, refusing one over limit bytes.
+// readBody reads the whole body, refusing one over limit bytes (see
+// bodyTooLarge).
 func readBody(c *gin.Context, limit int64) ([]byte, error) {
 	r := c.Request
 	if r.ContentLength > limit {
-		return nil, errTooLarge
+		return nil, bodyTooLarge(c, 0, limit)
 	}
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
-	b, err := io.ReadAll(http.MaxBytesReader(c.Writer, r.Body, limit))
-	var tooLarge *http.MaxBytesError
+	b, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
 	switch {
-	case errors.As(err, &tooLarge):
-		return nil, errTooLarge
 	case err != nil:
 		return nil, &Error{Code: CodeBadRequest, Detail: "the body could not be read"}
+	case int64(len(b)) > limit:
+		return nil, bodyTooLarge(c, int64(len(b)), limit)
 	}
 	return b, nil
+}
+
+// drainFactor bounds how much of a body over its limit the server reads:
+// up to drainFactor times the limit in all (CONTRACT §8).
+const drainFactor = 4
+
+// bodyTooLarge is the answer to a body over limit, of which the handler
+// has read the first `read` bytes. Many clients (Python's urllib, mobile
+// HTTP stacks) send the whole body before they read the answer; if the
+// server answered and closed with the body still coming, the client would
+// see a reset instead of the 413. So it reads and discards what follows,
+// up to drainFactor×limit bytes in all, and answers with Connection: close.
+// Beyond that it stops: the server then closes the connection with the
+// body unread, and such a client may see a reset. It reads nothing when
+// the declared length is beyond that already, or when the client waits for
+// 100 Continue before it sends the body.
+func bodyTooLarge(c *gin.Context, read, limit int64) error {
+	r := c.Request
+	if r.ProtoMajor < 2 { // HTTP/2 ends one stream, not the connection
+		c.Header("Connection", "close")
+	}
+	most := limit
+	if limit < math.MaxInt64/drainFactor {
+		most = drainFactor * limit
+	}
+	waits := read == 0 && strings.EqualFold(r.Header.Get("Expect"), "100-continue")
+	if r.Body == nil || r.Body == http.NoBody || waits || r.ContentLength > most || read >= most {
+		return errTooLarge
+	}
+	// Whatever happens here, the answer is the same 413: a failed read
+	// only means the connection is closed sooner.
+	_, _ = io.CopyN(io.Discard, r.Body, most-read)
+	return errTooLarge
 }
 
 // jsonBody is a request's JSON object: its bytes, and the raw value of each
@@ -406,4 +440,16 @@ func page(c *gin.Context, valid func(string) bool, more []FieldError) (limit int
 func cursorOf(id string) *string {
 	s := base64.RawURLEncoding.EncodeToString([]byte(id))
 	return &s
+}
+
+// countingReader counts the bytes read through it.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
 }

@@ -1,0 +1,278 @@
+package api
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/store"
+)
+
+// rawDeadline bounds every raw exchange, so that a server that stops
+// reading fails the test instead of hanging it.
+const rawDeadline = 30 * time.Second
+
+// rawRequest is the head of an HTTP/1.1 request with a body of n bytes.
+func rawRequest(method, path, token, ctype string, n int64) string {
+	return fmt.Sprintf("%s %s HTTP/1.1\r\nHost: companion\r\nAuthorization: Bearer %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n",
+		method, path, token, ctype, n)
+}
+
+// rawResp is an answer read off a raw connection.
+type rawResp struct {
+	resp
+	close  bool // the answer said Connection: close
+	closed bool // the server closed the connection after the answer
+}
+
+// readRaw reads one answer, whole, off br.
+func readRaw(br *bufio.Reader) (rawResp, error) {
+	res, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return rawResp{}, err
+	}
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	if err != nil {
+		return rawResp{}, err
+	}
+	return rawResp{resp: resp{status: res.StatusCode, header: res.Header, body: b}, close: res.Close}, nil
+}
+
+// sendWholeThenRead does what many clients do (Python's urllib, mobile
+// HTTP stacks): it writes the request head and the whole body on a new
+// connection, and only then reads the answer, which it returns.
+func (e *env) sendWholeThenRead(t testing.TB, head string, body io.Reader) rawResp {
+	t.Helper()
+	conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+	require.NoError(t, err)
+	defer conn.Close()
+	require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
+	_, err = io.Copy(conn, io.MultiReader(strings.NewReader(head), body))
+	require.NoError(t, err, "writing the whole request: the server must read it before it answers")
+	br := bufio.NewReader(conn)
+	r, err := readRaw(br)
+	require.NoError(t, err, "reading the answer")
+	// After the answer, the server closes: the next read ends at once.
+	_, err = br.ReadByte()
+	r.closed = err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+	return r
+}
+
+// sendEndless writes a request whose body goes on far beyond any limit
+// while it reads the answer, the way a client that reads as it writes
+// does. It returns once the server has closed the connection (failing the
+// test if that takes longer than rawDeadline), with the answer if one
+// could be read before the close; a reset may come instead.
+func (e *env) sendEndless(t testing.TB, head string) *rawResp {
+	t.Helper()
+	conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+	require.NoError(t, err)
+	require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
+	wrote := make(chan error, 1)
+	go func() {
+		chunk := bytes.Repeat([]byte("A"), 64<<10)
+		_, err := io.WriteString(conn, head)
+		for err == nil {
+			_, err = conn.Write(chunk)
+		}
+		wrote <- err
+	}()
+	br := bufio.NewReader(conn)
+	var got *rawResp
+	if r, err := readRaw(br); err == nil {
+		got = &r
+	}
+	_, err = io.Copy(io.Discard, br)
+	require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the server kept the connection open: %v", err)
+	if got != nil {
+		got.closed = true
+	}
+	conn.Close()
+	werr := <-wrote
+	require.False(t, errors.Is(werr, os.ErrDeadlineExceeded), "the server kept reading: %v", werr)
+	return got
+}
+
+// chunkedHead is the head of a request whose body comes in chunks with no
+// declared length.
+func chunkedHead(method, path, token, ctype string) string {
+	return fmt.Sprintf("%s %s HTTP/1.1\r\nHost: companion\r\nAuthorization: Bearer %s\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n\r\n",
+		method, path, token, ctype)
+}
+
+// chunked encodes n bytes of filler as one chunk and the last chunk.
+func chunked(n int64) io.Reader {
+	return io.MultiReader(
+		strings.NewReader(fmt.Sprintf("%x\r\n", n)),
+		io.LimitReader(repeatReader('A'), n),
+		strings.NewReader("\r\n0\r\n\r\n"))
+}
+
+type repeatReader byte
+
+func (r repeatReader) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = byte(r)
+	}
+	return len(p), nil
+}
+
+// imageJSON is a push/image body of n bytes in all, its image being
+// base64 filler.
+func imageJSON(n int64) io.Reader {
+	const pre, post = `{"image":"`, `"}`
+	return io.MultiReader(strings.NewReader(pre), io.LimitReader(repeatReader('A'), n-int64(len(pre)+len(post))), strings.NewReader(post))
+}
+
+// wantReadable413 checks a 413 that a client reading only after it sent
+// everything could read: the whole problem+json, Connection: close, and
+// the connection closed after it.
+func wantReadable413(t *testing.T, r rawResp) {
+	t.Helper()
+	require.Equal(t, http.StatusRequestEntityTooLarge, r.status, "%s", r.body)
+	assert.Equal(t, CodeBodyTooLarge, r.problem(t).Code)
+	assert.True(t, r.close, "a 413 says Connection: close")
+	assert.True(t, r.closed, "the server must close the connection after a 413")
+}
+
+// A body over its limit gets a 413 that a client sending the whole body
+// before it reads can read (CONTRACT §8); a body beyond 4× the limit gets
+// the connection closed, without hanging the server; nothing is stored.
+func TestBodyOverLimitIsReadable(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	const path = "/api/v1/devices/dev-1/push/image"
+	limit := e.api.limits.imageBody()
+	require.Greater(t, int64(5<<20), limit)
+	require.Less(t, int64(5<<20), 4*limit)
+
+	ok := func(t *testing.T) {
+		t.Helper()
+		// A normal request on a new connection works, and the refused
+		// ones stored nothing: no command, no blob.
+		r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "still here"})
+		require.Equal(t, 202, r.status, "%s", r.body)
+		cmds, _, err := e.db.ListCommands(t.Context(), store.CommandQuery{DeviceID: "dev-1"})
+		require.NoError(t, err)
+		for _, c := range cmds {
+			assert.Equal(t, "push.text", c.Op, "a refused body made a command")
+		}
+		assert.Empty(t, blobFiles(t, e.db), "a refused body left a blob")
+	}
+
+	t.Run("5 MiB image, declared length", func(t *testing.T) {
+		wantReadable413(t, e.sendWholeThenRead(t, rawRequest("POST", path, tok, "application/json", 5<<20), imageJSON(5<<20)))
+		ok(t)
+	})
+	t.Run("10 MiB image, chunked", func(t *testing.T) {
+		// The server learns of the excess only as it reads.
+		require.Less(t, int64(10<<20), 4*limit)
+		wantReadable413(t, e.sendWholeThenRead(t, chunkedHead("POST", path, tok, "application/json"), chunked(10<<20)))
+		ok(t)
+	})
+	t.Run("exactly 4× the limit", func(t *testing.T) {
+		wantReadable413(t, e.sendWholeThenRead(t, rawRequest("POST", path, tok, "application/json", 4*limit), imageJSON(4*limit)))
+		ok(t)
+	})
+	t.Run("beyond 4× the limit, declared length", func(t *testing.T) {
+		if r := e.sendEndless(t, rawRequest("POST", path, tok, "application/json", 1<<40)); r != nil {
+			wantReadable413(t, *r)
+		}
+		ok(t)
+	})
+	t.Run("beyond 4× the limit, chunked", func(t *testing.T) {
+		// A chunk that never ends: the server reads 4× the limit of it and
+		// stops.
+		if r := e.sendEndless(t, chunkedHead("POST", path, tok, "application/json")+"fffffffffff\r\n"); r != nil {
+			wantReadable413(t, *r)
+		}
+		ok(t)
+	})
+}
+
+// A client that waits for 100 Continue before it sends a body over the
+// limit gets the 413 at once and never sends the body.
+func TestBodyOverLimitWithExpectContinue(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+	require.NoError(t, err)
+	defer conn.Close()
+	require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
+	head := rawRequest("POST", "/api/v1/devices/dev-1/push/text", tok, "application/json", 1<<20)
+	head = strings.Replace(head, "\r\n\r\n", "\r\nExpect: 100-continue\r\n\r\n", 1)
+	_, err = io.WriteString(conn, head)
+	require.NoError(t, err)
+	r, err := readRaw(bufio.NewReader(conn))
+	require.NoError(t, err)
+	require.Equal(t, http.StatusRequestEntityTooLarge, r.status, "%s", r.body)
+	assert.Equal(t, CodeBodyTooLarge, r.problem(t).Code)
+	assert.True(t, r.close, "a 413 says Connection: close")
+}
+
+// Uploads streamed into blobs behave the same: the 413 is readable, and no
+// blob, temp file or release is left of the refused body.
+func TestUploadOverLimitIsReadable(t *testing.T) {
+	// The body is larger than what the sockets buffer (or the client
+	// would finish writing whatever the server does).
+	const limit = 2 << 20
+	e := newEnv(t, func(o *Options) { o.Limits.MaxFirmwareBytes = limit })
+	const path = "/api/v1/admin/firmware/sim-1/1.0.0"
+	for _, tc := range []struct {
+		name string
+		head string
+		body io.Reader
+	}{
+		{"declared length", rawRequest("PUT", path, testAdminToken, "application/octet-stream", 3.5*limit), io.LimitReader(repeatReader('f'), 3.5*limit)},
+		{"chunked", chunkedHead("PUT", path, testAdminToken, "application/octet-stream"), chunked(3.5 * limit)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			wantReadable413(t, e.sendWholeThenRead(t, tc.head, tc.body))
+			_, err := e.db.Firmware(t.Context(), "sim-1", "1.0.0")
+			assert.ErrorIs(t, err, store.ErrNotFound)
+			assert.Empty(t, blobFiles(t, e.db))
+		})
+	}
+	t.Run("beyond 4× the limit", func(t *testing.T) {
+		if r := e.sendEndless(t, rawRequest("PUT", path, testAdminToken, "application/octet-stream", 1<<40)); r != nil {
+			wantReadable413(t, *r)
+		}
+		if r := e.sendEndless(t, chunkedHead("PUT", path, testAdminToken, "application/octet-stream")+"fffffffffff\r\n"); r != nil {
+			wantReadable413(t, *r)
+		}
+		assert.Empty(t, blobFiles(t, e.db))
+	})
+	// The limit itself is fine, on a new connection.
+	fw := bytes.Repeat([]byte("f"), limit)
+	r := e.send(req{method: "PUT", path: path, token: testAdminToken, body: fw, header: map[string]string{"Content-Type": "application/octet-stream"}})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	assert.Len(t, blobFiles(t, e.db), 1)
+}
+
+// blobFiles lists every file under the store's blob directory, temp files
+// included.
+func blobFiles(t *testing.T, db *store.DB) []string {
+	t.Helper()
+	var out []string
+	err := filepath.WalkDir(db.BlobDir(), func(path string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			out = append(out, path)
+		}
+		return err
+	})
+	require.NoError(t, err)
+	return out
+}
