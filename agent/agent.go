@@ -113,6 +113,7 @@ type Agent struct {
 	blobs      *blobs
 	client     mqtt.Client
 	stateTopic string
+	filters    map[string]byte // the command topics of the devices, to subscribe to
 	devices    map[string]*deviceRunner
 	order      []*deviceRunner
 
@@ -213,12 +214,22 @@ func New(opts Options) (*Agent, error) {
 		a.devices[id] = dr
 		a.order = append(a.order, dr)
 	}
-	a.stateTopic, _ = a.tree.BridgeState(opts.BridgeID)
+	var err error
+	if a.stateTopic, err = a.tree.BridgeState(opts.BridgeID); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	a.filters = map[string]byte{}
+	for _, dr := range a.order {
+		f, err := a.tree.CommandsFilter(dr.id)
+		if err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
+		}
+		a.filters[f] = 1
+	}
 
 	if err := os.MkdirAll(opts.DataDir, 0o700); err != nil {
 		return nil, fmt.Errorf("agent: data directory: %w", err)
 	}
-	var err error
 	if a.blobs, err = newBlobs(filepath.Join(opts.DataDir, "blobs"), opts.APIURL, opts.Password, opts.HTTPClient, a.now, a.log); err != nil {
 		return nil, err
 	}
@@ -353,11 +364,7 @@ func signal(c chan struct{}) {
 
 // onConnect runs on every (re)connection, in a goroutine of paho's.
 func (a *Agent) onConnect(c mqtt.Client) {
-	filters := map[string]byte{}
-	for _, dr := range a.order {
-		f, _ := a.tree.CommandsFilter(dr.id)
-		filters[f] = 1
-	}
+	filters := a.filters
 	if len(filters) > 0 {
 		// No callback: every message goes to the default handler, which
 		// also catches what a persistent session delivers before this
@@ -522,10 +529,12 @@ func (a *Agent) parse(m mqtt.Message) (topics.Command, error) {
 func (a *Agent) publishReply(deviceID string, r topics.Reply) mqtt.Token {
 	topic, err := a.tree.Replies(deviceID)
 	if err != nil {
+		a.log.Error("reply dropped: no topic for the device", "device", deviceID, "cmd", r.CommandID, "err", err)
 		return nil
 	}
 	b, err := json.Marshal(r)
 	if err != nil {
+		a.log.Error("reply dropped: it cannot be encoded", "device", deviceID, "cmd", r.CommandID, "err", err)
 		return nil
 	}
 	return a.client.Publish(topic, 1, false, b)

@@ -198,10 +198,9 @@ func (b *Broker) Start() error {
 	b.started = true
 	b.mu.Unlock()
 
-	b.wg.Add(3)
-	go b.outbox()
-	go b.confirm()
-	go b.sweep()
+	b.goOwned(b.outbox)
+	b.goOwned(b.confirm)
+	b.goOwned(b.sweep)
 	// With ConnectRetry the token completes only once connected; we do not
 	// wait for it: commands wait as queued until the broker is there.
 	b.client.Connect()
@@ -251,9 +250,11 @@ func (b *Broker) onConnect(c mqtt.Client) {
 	b.mu.Lock()
 	extra := b.extra
 	b.mu.Unlock()
-	go func() {
-		if err := mqtt.WaitTokenTimeout(tok, b.opts.PublishTimeout); err != nil {
-			b.log.Error("MQTT subscribe failed", "err", err)
+	b.goOwned(func() {
+		if err := b.waitToken(tok); err != nil {
+			if !errors.Is(err, ErrClosed) {
+				b.log.Error("MQTT subscribe failed", "err", err)
+			}
 			return
 		}
 		// Ready means every user of the connection is subscribed too.
@@ -265,6 +266,21 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		case b.connected <- struct{}{}:
 		default:
 		}
+	})
+}
+
+// goOwned runs f on a goroutine that Close waits for, unless the broker is
+// closing already: every goroutine of the broker has an owner.
+func (b *Broker) goOwned(f func()) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return
+	}
+	b.wg.Add(1)
+	go func() {
+		defer b.wg.Done()
+		f()
 	}()
 }
 
@@ -297,7 +313,10 @@ func (b *Broker) Subscribe(filter string, msg func(payload []byte), subscribed f
 
 func (b *Broker) subscribeExtra(c mqtt.Client, e extraSub) {
 	tok := c.Subscribe(e.filter, 1, nil)
-	err := mqtt.WaitTokenTimeout(tok, b.opts.PublishTimeout)
+	err := b.waitToken(tok)
+	if errors.Is(err, ErrClosed) {
+		return
+	}
 	granted := err == nil && tok.(*mqtt.SubscribeToken).Result()[e.filter] != 0x80
 	if !granted {
 		b.log.Error("MQTT subscription refused", "filter", e.filter, "err", err)
@@ -658,13 +677,21 @@ func (b *Broker) Cancel(ctx context.Context, id string) (store.Command, error) {
 	return cmd, nil
 }
 
+// publishCancel withdraws a canceled command from the bridge. It is best
+// effort: the bridge also checks expiry, and the server ignores whatever it
+// reports for a canceled command.
 func (b *Broker) publishCancel(cmd store.Command) {
 	topic, err := b.tree.Command(cmd.DeviceID, topics.OpCancel)
 	if err != nil {
+		b.log.Error("cancel not sent: no topic for the device", "command_id", cmd.ID, "device_id", cmd.DeviceID, "err", err)
 		return
 	}
-	payload, _ := json.Marshal(topics.Cancel{CommandID: cmd.ID})
-	msg, _ := json.Marshal(topics.Command{
+	payload, err := json.Marshal(topics.Cancel{CommandID: cmd.ID})
+	if err != nil {
+		b.log.Error("cancel not sent", "command_id", cmd.ID, "err", err)
+		return
+	}
+	msg, err := json.Marshal(topics.Command{
 		ID:        cmd.ID,
 		Op:        topics.OpCancel,
 		DeviceID:  cmd.DeviceID,
@@ -672,8 +699,10 @@ func (b *Broker) publishCancel(cmd store.Command) {
 		ExpiresAt: cmd.ExpiresAt,
 		Payload:   payload,
 	})
-	// Best effort: the bridge also checks expiry, and the server ignores
-	// whatever it reports for a canceled command.
+	if err != nil {
+		b.log.Error("cancel not sent", "command_id", cmd.ID, "err", err)
+		return
+	}
 	b.client.Publish(topic, 1, false, msg)
 }
 

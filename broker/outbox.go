@@ -49,7 +49,6 @@ func (b *Broker) enqueue(c store.Command) {
 // queued or running, and answers one it has finished with its final reply
 // again (see pendingFromStore).
 func (b *Broker) outbox() {
-	defer b.wg.Done()
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
 	firstPass := true
@@ -241,7 +240,6 @@ func (b *Broker) isFlying(id string) bool {
 // later, if still needed). A command whose publish failed stays queued on
 // disk; the outbox reads it back after the reconnect.
 func (b *Broker) confirm() {
-	defer b.wg.Done()
 	for {
 		var p inflight
 		select {
@@ -330,7 +328,6 @@ func (b *Broker) waitToken(tok mqtt.Token) error {
 // forgets idempotency keys older than a day and final commands older than
 // the retention.
 func (b *Broker) sweep() {
-	defer b.wg.Done()
 	tick := time.NewTicker(b.opts.SweepInterval)
 	defer tick.Stop()
 	lastPurge := time.Time{}
