@@ -59,9 +59,10 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 }
 
 type provisionRequest struct {
-	DeviceID  string `json:"device_id"`
-	ClaimCode string `json:"claim_code"`
-	Model     string `json:"model"`
+	DeviceID  string  `json:"device_id"`
+	ClaimCode string  `json:"claim_code"`
+	Model     string  `json:"model"`
+	BridgeID  *string `json:"bridge_id"` // optional: the bridge that serves it
 }
 
 func (s *Server) adminProvisionDevice(c *gin.Context) error {
@@ -84,63 +85,38 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	if !topics.ValidDeviceID(req.Model) {
 		fields = append(fields, FieldError{Field: "model", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
 	}
+	bridge := ""
+	if req.BridgeID != nil {
+		bridge = *req.BridgeID
+		if !topics.ValidBridgeID(bridge) {
+			fields = append(fields, FieldError{Field: "bridge_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
+		}
+	}
 	if err := validationError(fields); err != nil {
 		return err
 	}
 	claim := sha256.Sum256([]byte(req.ClaimCode))
-	d := store.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: claim[:], CreatedAt: s.now()}
-	err = s.store.ProvisionDevice(c.Request.Context(), d)
+	d := store.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: claim[:], CreatedAt: s.now(), BridgeID: bridge}
+	ctx := c.Request.Context()
+	err = s.store.ProvisionDevice(ctx, d)
 	switch {
 	case errors.Is(err, store.ErrExists):
 		return &Error{Code: CodeDeviceExists}
+	case errors.Is(err, store.ErrNotFound):
+		return &Error{Code: CodeBridgeNotFound}
 	case err != nil:
 		return err
 	}
-	return s.reply(c, http.StatusCreated, gin.H{"device_id": d.ID, "model": d.Model}, "", rec, nil)
+	if bridge != "" {
+		s.moved(ctx, d.ID, "", bridge)
+	}
+	return s.reply(c, http.StatusCreated, provisionJSON{DeviceID: d.ID, Model: d.Model, BridgeID: stringOrNull(bridge)}, "", rec, nil)
 }
 
-type createBridgeRequest struct {
-	BridgeID string `json:"bridge_id"`
-}
-
-type bridgeJSON struct {
-	BridgeID string `json:"bridge_id"`
-	Secret   string `json:"secret,omitempty"`
-}
-
-func (s *Server) adminCreateBridge(c *gin.Context) error {
-	var req createBridgeRequest
-	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
-	if err != nil {
-		return err
-	}
-	rec, replayed, err := s.beginIdempotent(c, adminUserID, body.raw)
-	if err != nil || replayed {
-		return err
-	}
-	fields := body.utf8Errors()
-	if !topics.ValidBridgeID(req.BridgeID) {
-		fields = append(fields, FieldError{Field: "bridge_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
-	}
-	if err := validationError(fields); err != nil {
-		return err
-	}
-	secret, hash, err := newSecret(bridgeSecretPrefix)
-	if err != nil {
-		return err
-	}
-	err = s.store.CreateBridge(c.Request.Context(), store.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now()})
-	switch {
-	case errors.Is(err, store.ErrExists):
-		return &Error{Code: CodeBridgeExists}
-	case err != nil:
-		return err
-	}
-	if s.accounts != nil {
-		_ = s.accounts.BridgeCreated(c.Request.Context(), req.BridgeID, secret) // logged and retried there
-	}
-	// A repeat gets the answer without the secret: it is stored nowhere.
-	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, bridgeJSON{BridgeID: req.BridgeID})
+type provisionJSON struct {
+	DeviceID string  `json:"device_id"`
+	Model    string  `json:"model"`
+	BridgeID *string `json:"bridge_id"`
 }
 
 // upload streams a raw body of at most limit bytes into a blob; one over
@@ -293,7 +269,19 @@ func (s *Server) getBlob(c *gin.Context) error {
 	if !validSHA256(sha) {
 		return &Error{Code: CodeBlobNotFound}
 	}
-	f, blob, err := s.store.OpenBlob(c.Request.Context(), sha)
+	ctx := c.Request.Context()
+	if bridge := currentBridge(c); bridge != "" {
+		// A bridge gets only what an unfinished command of one of its
+		// devices references (CONTRACT §9): anything else reads as absent.
+		needed, err := s.store.BlobNeeded(ctx, sha, bridge)
+		if err != nil {
+			return err
+		}
+		if !needed {
+			return &Error{Code: CodeBlobNotFound}
+		}
+	}
+	f, blob, err := s.store.OpenBlob(ctx, sha)
 	switch {
 	case errors.Is(err, store.ErrNotFound):
 		return &Error{Code: CodeBlobNotFound}

@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -615,7 +616,21 @@ func TestBlobs(t *testing.T) {
 	sha := r.json(t)["sha256"].(string)
 	br := e.do("POST", "/api/v1/admin/bridges", testAdminToken, map[string]any{"bridge_id": "b-1"})
 	secret := br.json(t)["secret"].(string)
+	other := e.do("POST", "/api/v1/admin/bridges", testAdminToken, map[string]any{"bridge_id": "b-2"}).json(t)["secret"].(string)
 	path := "/api/v1/blobs/" + sha
+
+	// A bridge gets a blob only while an unfinished command of a device it
+	// serves references it (CONTRACT §9).
+	r = e.do("GET", path, secret, nil)
+	require.Equal(t, 404, r.status, "a blob no command of the bridge's needs")
+	assert.Equal(t, CodeBlobNotFound, r.problem(t).Code)
+	r = e.do("POST", "/api/v1/admin/devices", testAdminToken, map[string]any{"device_id": "dev-b", "claim_code": "code-b", "model": "sim-1", "bridge_id": "b-1"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	ctx := context.Background()
+	cmd, _, err := e.db.CreateCommand(ctx, store.Command{DeviceID: "dev-b", Op: topics.OpOTAUpdate, Payload: []byte(`{}`), Blob: sha}, 0, nil)
+	require.NoError(t, err)
+	r = e.do("GET", path, other, nil)
+	assert.Equal(t, 404, r.status, "another bridge's device's blob")
 
 	r = e.do("GET", path, secret, nil)
 	require.Equal(t, 200, r.status)
@@ -642,6 +657,14 @@ func TestBlobs(t *testing.T) {
 		require.Equal(t, 404, r.status, bad)
 		assert.Equal(t, CodeBlobNotFound, r.problem(t).Code)
 	}
+
+	// Once the command is final, the bridge needs it no more.
+	_, err = e.db.UpdateCommand(ctx, cmd.ID, func(c *store.Command) error { c.State = topics.StateSucceeded; return nil })
+	require.NoError(t, err)
+	r = e.do("GET", path, secret, nil)
+	assert.Equal(t, 404, r.status, "the blob of a finished command")
+	r = e.do("GET", path, testAdminToken, nil)
+	assert.Equal(t, 200, r.status, "the admin gets any blob")
 }
 
 func TestProblemShape(t *testing.T) {

@@ -31,6 +31,7 @@ const adminUserID = "admin"
 const (
 	ctxUser      = "companion.user"
 	ctxPrincipal = "companion.principal" // the rate limiter's key
+	ctxBridge    = "companion.bridge"    // the bridge blobAuth admitted
 )
 
 var errUnauthorized = &Error{Code: CodeUnauthorized}
@@ -148,7 +149,13 @@ func (s *Server) blobAuth(c *gin.Context) {
 		return
 	}
 	c.Set(ctxPrincipal, "bridge:"+b.ID)
+	c.Set(ctxBridge, b.ID)
 	c.Next()
+}
+
+// currentBridge is the bridge blobAuth admitted, "" for the admin.
+func currentBridge(c *gin.Context) string {
+	return c.GetString(ctxBridge)
 }
 
 // currentUser is the user userAuth admitted.

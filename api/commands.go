@@ -87,6 +87,7 @@ func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time
 		Op:        op,
 		Payload:   p,
 		ExpiresAt: s.now().Add(ttl),
+		Blob:      blobOf(payload),
 	}
 	got, _, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
 	switch {
@@ -98,6 +99,20 @@ func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time
 		return store.Command{}, err
 	}
 	return got, nil
+}
+
+// blobOf is the SHA-256 of the blob a command's payload references: the
+// bridge may download it while the command is unfinished.
+func blobOf(payload any) string {
+	switch p := payload.(type) {
+	case topics.PushImage:
+		return p.Blob.SHA256
+	case topics.AppInstall:
+		return p.Blob.SHA256
+	case topics.OTAUpdate:
+		return p.Blob.SHA256
+	}
+	return ""
 }
 
 // submit hands a new command to the broker and answers it.

@@ -183,7 +183,8 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
-	err = s.store.Unbind(c.Request.Context(), b.DeviceID, user.ID)
+	ctx := c.Request.Context()
+	unassigned, err := s.store.Unbind(ctx, b.DeviceID, user.ID)
 	switch {
 	case errors.Is(err, store.ErrNotFound):
 		return errDeviceNotFound
@@ -191,7 +192,11 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 		return err
 	}
 	if s.accounts != nil {
-		_ = s.accounts.Unbound(c.Request.Context(), user.ID, b.DeviceID) // logged and retried there
+		_ = s.accounts.Unbound(ctx, user.ID, b.DeviceID) // logged and retried there
+	}
+	if unassigned != "" {
+		// The user's own bridge serves only the user's devices.
+		s.moved(ctx, b.DeviceID, unassigned, "")
 	}
 	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
 }

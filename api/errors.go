@@ -44,6 +44,7 @@ const (
 	CodeAppNotFound          = "app_not_found"
 	CodeFirmwareNotFound     = "firmware_not_found"
 	CodeBlobNotFound         = "blob_not_found"
+	CodeBridgeNotFound       = "bridge_not_found"
 	CodeMethodNotAllowed     = "method_not_allowed"
 	CodeDeviceAlreadyBound   = "device_already_bound"
 	CodeNoUpdate             = "no_update"
@@ -88,6 +89,7 @@ var codes = map[string]codeInfo{
 	CodeSettingsUnknown:      {http.StatusConflict, "Settings unknown", "the device has not reported its settings yet"},
 	CodeNotCancelable:        {http.StatusConflict, "Not cancelable", "the command was already delivered or is final"},
 	CodeDeviceExists:         {http.StatusConflict, "Device exists", "a device with that id is already provisioned"},
+	CodeBridgeNotFound:       {http.StatusNotFound, "Bridge not found", "no such bridge among yours"},
 	CodeBridgeExists:         {http.StatusConflict, "Bridge exists", "a bridge with that id already exists"},
 	CodeFirmwareExists:       {http.StatusConflict, "Firmware exists", "that model and version is already published"},
 	CodeAppReleaseExists:     {http.StatusConflict, "App release exists", "that app and version is already published"},

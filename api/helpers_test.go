@@ -64,6 +64,8 @@ func (f *fakeCommander) Submit(ctx context.Context, c store.Command, idem *store
 	return cmd, replayed, nil
 }
 
+func (f *fakeCommander) DeviceMoved(string) {}
+
 func (f *fakeCommander) Cancel(ctx context.Context, id string) (store.Command, error) {
 	cmd, err := f.db.UpdateCommand(ctx, id, func(c *store.Command) error {
 		if topics.Rank(c.State) >= topics.Rank(topics.StateDelivered) {

@@ -29,9 +29,14 @@ type Store interface {
 
 	CreateBridge(ctx context.Context, b store.Bridge) error
 	BridgeBySecretHash(ctx context.Context, hash []byte) (store.Bridge, error)
+	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]store.Bridge, bool, error)
+	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
+	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
+	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (string, error)
+	BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error)
 
 	Bind(ctx context.Context, b store.Binding) (store.Binding, bool, error)
-	Unbind(ctx context.Context, deviceID, userID string) error
+	Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error)
 	Binding(ctx context.Context, deviceID string) (store.Binding, error)
 	// ListDevices reads a page of the user's devices with their statuses
 	// in one read transaction.
@@ -75,6 +80,9 @@ type Commander interface {
 	// Wait returns when the command is final or ctx is done, with the
 	// command's latest state either way.
 	Wait(ctx context.Context, id string) (store.Command, error)
+	// DeviceMoved says a device changed bridges (or lost its bridge): its
+	// unfinished commands go to the bridge that serves it now.
+	DeviceMoved(deviceID string)
 }
 
 // BrokerAccounts is told of every change to who may use the MQTT broker,
@@ -87,8 +95,12 @@ type Commander interface {
 type BrokerAccounts interface {
 	UserCreated(ctx context.Context, userID, token string) error
 	BridgeCreated(ctx context.Context, bridgeID, secret string) error
+	BridgeDeleted(ctx context.Context, bridgeID string) error
 	Bound(ctx context.Context, userID, deviceID string) error
 	Unbound(ctx context.Context, userID, deviceID string) error
+	// Assigned says deviceID moved from bridge `from` to bridge `to` (either
+	// "" for none): the rights of both follow at once.
+	Assigned(ctx context.Context, deviceID, from, to string) error
 }
 
 // Limits are the bounds of CONTRACT §6 the API enforces. A zero field means
@@ -334,11 +346,16 @@ func (s *Server) routes() *gin.Engine {
 	user.GET("/devices/:id/commands", s.h(s.listCommands))
 	user.GET("/devices/:id/commands/:command_id", s.h(s.getCommand))
 	user.DELETE("/devices/:id/commands/:command_id", s.h(s.cancelCommand))
+	user.PUT("/devices/:id/bridge", s.h(s.assignUserDevice))
+	user.POST("/bridges", s.h(s.createUserBridge))
+	user.GET("/bridges", s.h(s.listUserBridges))
+	user.DELETE("/bridges/:bridge_id", s.h(s.deleteUserBridge))
 	user.GET("/apps", s.h(s.appCatalog))
 
 	admin := v1.Group("/admin", s.sourceLimit, s.adminAuth, s.rateLimit)
 	admin.POST("/users", s.h(s.adminCreateUser))
 	admin.POST("/devices", s.h(s.adminProvisionDevice))
+	admin.PUT("/devices/:device_id/bridge", s.h(s.adminAssignDevice))
 	admin.POST("/bridges", s.h(s.adminCreateBridge))
 	admin.PUT("/firmware/:model/:version", s.h(s.adminPutFirmware))
 	admin.PUT("/apps/:app_id/:version", s.h(s.adminPutApp))

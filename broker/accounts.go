@@ -14,6 +14,7 @@ type AccountStore interface {
 	Bridge(ctx context.Context, id string) (store.Bridge, error)
 	User(ctx context.Context, id string) (store.User, error)
 	Binding(ctx context.Context, deviceID string) (store.Binding, error)
+	BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error)
 }
 
 // Accounts tells the embedded MQTT broker who may connect and what users
@@ -50,4 +51,10 @@ func (a Accounts) Authenticate(ctx context.Context, username, password string) (
 func (a Accounts) UserOwnsDevice(ctx context.Context, userID, deviceID string) bool {
 	b, err := a.Store.Binding(ctx, deviceID)
 	return err == nil && b.UserID == userID
+}
+
+// BridgeServesDevice implements embedded.Accounts.
+func (a Accounts) BridgeServesDevice(ctx context.Context, bridgeID, deviceID string) bool {
+	ok, err := a.Store.BridgeServes(ctx, bridgeID, deviceID)
+	return err == nil && ok
 }

@@ -32,7 +32,8 @@ type Store interface {
 	ExpiredCommands(ctx context.Context, now time.Time) ([]store.Command, error)
 	PutStatusAsync(s store.Status, done func(bool, error))
 	MarkBridgeOfflineAsync(bridgeID string, done func([]string, error))
-	BridgeDevices(ctx context.Context, bridgeID string) ([]string, error)
+	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
+	DeviceBridge(ctx context.Context, deviceID string) (string, error)
 	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
@@ -368,6 +369,10 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 			m.Ack()
 			return
 		}
+		if !b.served(ctx, t.DeviceID, "") {
+			m.Ack()
+			return
+		}
 		b.takeReply(t.DeviceID, r, m.Ack)
 	case topics.KindStatus:
 		if len(m.Payload()) == 0 {
@@ -380,6 +385,10 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 			m.Ack()
 			return
 		}
+		if !b.served(ctx, t.DeviceID, s.BridgeID) {
+			m.Ack()
+			return
+		}
 		b.takeStatus(ctx, t.DeviceID, s, m.Ack)
 	case topics.KindSettings:
 		if len(m.Payload()) == 0 {
@@ -389,6 +398,10 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 		s, err := topics.ParseSettings(m.Payload())
 		if err != nil {
 			b.log.Warn("bad settings", "device_id", t.DeviceID, "err", err)
+			m.Ack()
+			return
+		}
+		if !b.served(ctx, t.DeviceID, "") {
 			m.Ack()
 			return
 		}
@@ -407,6 +420,37 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 		// Our own commands never come back: we do not subscribe to them.
 		m.Ack()
 	}
+}
+
+// served reports whether a message about deviceID may be taken in: the
+// device is served by a bridge, by bridgeID when the message names one
+// (a status does). The broker's rights keep a bridge to the devices it
+// serves; what slips past them (a broker without them, a race with a
+// move) is dropped here, and logged (CONTRACT §9).
+func (b *Broker) served(ctx context.Context, deviceID, bridgeID string) bool {
+	bridge, err := b.st.DeviceBridge(ctx, deviceID)
+	switch {
+	case err != nil:
+		b.log.Error("reading a device's bridge; message dropped", "device_id", deviceID, "err", err)
+		return false
+	case bridge == "":
+		b.log.Warn("message for a device no bridge serves; dropped", "device_id", deviceID, "bridge_id", bridgeID)
+		return false
+	case bridgeID != "" && bridge != bridgeID:
+		b.log.Warn("message from a bridge that does not serve the device; dropped", "device_id", deviceID, "bridge_id", bridgeID, "serving", bridge)
+		return false
+	}
+	return true
+}
+
+// DeviceMoved says a device changed bridges, or lost its bridge: its
+// unfinished commands go again, to whichever bridge serves it now (those
+// of a device no bridge serves wait queued).
+func (b *Broker) DeviceMoved(deviceID string) {
+	b.mu.Lock()
+	b.resend[deviceID] = true
+	b.mu.Unlock()
+	b.wake()
 }
 
 // bridgeOffline takes a bridge's Will: every device it served reads
@@ -539,7 +583,7 @@ func (b *Broker) sawDevice(deviceID string, online bool) {
 // commands would stay sent or delivered forever. The bridge drops the ids it
 // has queued or running and answers those it finished with their final reply.
 func (b *Broker) bridgeOnline(ctx context.Context, bridgeID string) {
-	ids, err := b.st.BridgeDevices(ctx, bridgeID)
+	ids, err := b.st.ServedDevices(ctx, bridgeID)
 	if err != nil {
 		b.log.Error("listing a bridge's devices", "bridge_id", bridgeID, "err", err)
 		return

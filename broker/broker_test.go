@@ -23,12 +23,17 @@ import (
 var tree = topics.MustNew(topics.DefaultPrefix)
 
 // bridgeAccounts lets one bridge in.
-type bridgeAccounts struct{}
+// bridgeAccounts admits the bridge b1, which serves what the store says.
+type bridgeAccounts struct{ db *store.DB }
 
 func (bridgeAccounts) Authenticate(_ context.Context, u, p string) (embedded.Identity, bool) {
 	return embedded.Identity{Role: embedded.RoleBridge, ID: u}, u == "b1" && p == "secret"
 }
 func (bridgeAccounts) UserOwnsDevice(context.Context, string, string) bool { return false }
+func (a bridgeAccounts) BridgeServesDevice(ctx context.Context, bridgeID, deviceID string) bool {
+	ok, err := a.db.BridgeServes(ctx, bridgeID, deviceID)
+	return err == nil && ok
+}
 
 // clock is a settable clock for expiry tests.
 type clock struct {
@@ -57,11 +62,12 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 	e.db, err = store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Now: e.clock.Now})
 	require.NoError(t, err)
 	t.Cleanup(func() { e.db.Close() })
-	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-1", Model: "sim-1"}))
-	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-2", Model: "sim-1"}))
+	require.NoError(t, e.db.CreateBridge(context.Background(), store.Bridge{ID: "b1", SecretHash: []byte("not used: bridgeAccounts checks")}))
+	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-1", Model: "sim-1", BridgeID: "b1"}))
+	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-2", Model: "sim-1", BridgeID: "b1"}))
 
 	e.mqtt, err = embedded.New(embedded.Options{
-		Listen: "127.0.0.1:0", Topics: tree, Accounts: bridgeAccounts{},
+		Listen: "127.0.0.1:0", Topics: tree, Accounts: bridgeAccounts{db: e.db},
 		ServerUsername: "server", ServerPassword: "pw", Logger: quiet(),
 	})
 	require.NoError(t, err)
@@ -297,9 +303,35 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 	s, _ := e.db.Status(context.Background(), "dev-1")
 	assert.Equal(t, 80, *s.Battery)
 
-	// A status for a device that was never provisioned is dropped.
+	// A status for a device the bridge does not serve is refused by the
+	// broker (at QoS 0 silently; QoS 1 would cost the connection).
 	ghost, _ := tree.Status("ghost")
-	fb.publish(t, ghost, topics.Status{Online: true, Seq: 1})
+	b, _ := json.Marshal(topics.Status{Online: true, Seq: 1})
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(ghost, 0, false, b), 5*time.Second))
+
+	// What slips past the broker's rights (here: published with the
+	// server's own account) is dropped by the server when the status names
+	// a bridge that does not serve the device, or the device is served by
+	// none (CONTRACT §9).
+	intruder := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("intruder").
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Connect(), 5*time.Second))
+	defer intruder.Disconnect(0)
+	for _, st := range []struct {
+		topic string
+		s     topics.Status
+	}{
+		{topic, topics.Status{Online: true, Battery: bat(1), BridgeID: "b2", Seq: 99}},
+		{ghost, topics.Status{Online: true, BridgeID: "b1", Seq: 99}},
+	} {
+		b, _ := json.Marshal(st.s)
+		require.NoError(t, mqtt.WaitTokenTimeout(intruder.Publish(st.topic, 1, false, b), 5*time.Second))
+	}
+	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(70), BridgeID: "b1", Seq: 12})
+	waitFor(t, "the bridge's status after the forged ones", func() bool {
+		s, _ := e.db.Status(context.Background(), "dev-1")
+		return s.Seq == 12
+	})
 
 	state, _ := tree.BridgeState("b1")
 	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(state, 1, true, topics.BridgeOffline), 5*time.Second))
@@ -434,4 +466,44 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 	e.clock.Add(time.Hour)
 	waitFor(t, "expired", func() bool { return state(t, e, gone.ID).State == topics.StateExpired })
 	assert.Equal(t, topics.StateDelivered, state(t, e, late.ID).State, "a delivered command never expires")
+}
+
+// The commands of a device no bridge serves wait queued (CONTRACT §9);
+// once a bridge serves it they go to that bridge, in order. Replies for it
+// that slip past the broker meanwhile change nothing.
+func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	require.NoError(t, e.db.ProvisionDevice(ctx, store.RegistryDevice{ID: "dev-3", Model: "sim-1"}))
+	fb := connectBridge(t, e)
+
+	waiting := []store.Command{submit(t, e, "dev-3", "first", time.Hour), submit(t, e, "dev-3", "second", time.Hour)}
+	served := submit(t, e, "dev-1", "served", time.Hour)
+	assert.Equal(t, served.ID, fb.next(t).ID)
+	// dev-1's command is written sent half a second after its PUBACK; had
+	// dev-3's gone out with it, they would be sent by then too.
+	waitFor(t, "sent", func() bool { return state(t, e, served.ID).State == topics.StateSent })
+	for _, c := range waiting {
+		assert.Equal(t, topics.StateQueued, state(t, e, c.ID).State, "a command of an unserved device left the queue")
+	}
+
+	// A reply for it, past the broker's rights (the server's account),
+	// is dropped: no bridge serves dev-3.
+	intruder := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("intruder").
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Connect(), 5*time.Second))
+	defer intruder.Disconnect(0)
+	replies, _ := tree.Replies("dev-3")
+	b, _ := json.Marshal(topics.Reply{CommandID: waiting[0].ID, State: topics.StateSucceeded, At: time.Now()})
+	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Publish(replies, 1, false, b), 5*time.Second))
+
+	_, err := e.db.AssignDevice(ctx, "dev-3", "b1", "")
+	require.NoError(t, err)
+	f, _ := tree.CommandsFilter("dev-3") // granted now that b1 serves dev-3
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Subscribe(f, 1, nil), 5*time.Second))
+	e.b.DeviceMoved("dev-3")
+	for _, c := range waiting {
+		assert.Equal(t, c.ID, fb.next(t).ID, "the waiting commands go out in order")
+	}
+	assert.NotEqual(t, topics.StateSucceeded, state(t, e, waiting[0].ID).State, "a forged reply was taken")
 }

@@ -166,6 +166,7 @@ const sentDelay = 500 * time.Millisecond
 // broker is closing.
 func (b *Broker) publish(cmds []store.Command, again func(store.Command) bool) bool {
 	now := b.now()
+	bridges := map[string]string{} // device → the bridge serving it, for this pass
 	for _, c := range cmds {
 		// The TTL bounds delivery: a command the bridge has is never
 		// expired, and its repeat fetches its final reply.
@@ -177,6 +178,24 @@ func (b *Broker) publish(cmds []store.Command, again func(store.Command) bool) b
 			}
 			b.mu.Unlock()
 			b.expire(context.Background(), c.ID)
+			continue
+		}
+		bridge, ok := bridges[c.DeviceID]
+		if !ok {
+			var err error
+			if bridge, err = b.st.DeviceBridge(context.Background(), c.DeviceID); err != nil {
+				b.log.Error("reading a device's bridge; its commands wait", "device_id", c.DeviceID, "err", err)
+			}
+			bridges[c.DeviceID] = bridge
+		}
+		if bridge == "" {
+			// No bridge serves the device: its commands wait queued until
+			// one does (DeviceMoved).
+			b.mu.Lock()
+			if o := b.flying[c.ID]; o != nil && !o.published {
+				delete(b.flying, c.ID)
+			}
+			b.mu.Unlock()
 			continue
 		}
 		b.mu.Lock()

@@ -67,10 +67,13 @@ func (db *DB) User(ctx context.Context, id string) (User, error) {
 	return u, nil
 }
 
-// ProvisionDevice adds a device to the registry. CreatedAt is set to now
-// when zero. It returns ErrExists when the id is taken.
+// ProvisionDevice adds a device to the registry, assigned to d.BridgeID
+// when it is set: that must be one of the operator's bridges (ErrNotFound
+// otherwise; a user's own bridge serves only devices bound to that user).
+// CreatedAt is set to now when zero. It returns ErrExists when the id is
+// taken.
 func (db *DB) ProvisionDevice(ctx context.Context, d RegistryDevice) error {
-	if !validID(d.ID) {
+	if !validID(d.ID) || (d.BridgeID != "" && !validID(d.BridgeID)) {
 		return fmt.Errorf("%w: device needs an id", ErrInvalid)
 	}
 	if d.CreatedAt.IsZero() {
@@ -81,25 +84,52 @@ func (db *DB) ProvisionDevice(ctx context.Context, d RegistryDevice) error {
 		if devices.Get([]byte(d.ID)) != nil {
 			return abort(ErrExists)
 		}
+		if d.BridgeID != "" {
+			var b Bridge
+			ok, err := getJSON(tx.Bucket(bucketBridges), []byte(d.BridgeID), &b)
+			if err != nil {
+				return err
+			}
+			if !ok || b.OwnerID != "" {
+				return abort(ErrNotFound)
+			}
+			if err := assign(tx, d.ID, d.BridgeID); err != nil {
+				return err
+			}
+		}
 		return putJSON(devices, []byte(d.ID), d)
 	})
 }
 
-// RegistryDevice returns the provisioned device with the id, or
-// ErrNotFound.
+// RegistryDevice returns the provisioned device with the id, with the
+// bridge it is assigned to, or ErrNotFound.
 func (db *DB) RegistryDevice(ctx context.Context, id string) (RegistryDevice, error) {
 	var d RegistryDevice
-	if err := db.get(bucketDevices, []byte(id), &d); err != nil {
+	if len(id) == 0 {
+		return RegistryDevice{}, ErrNotFound
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		ok, err := getJSON(tx.Bucket(bucketDevices), []byte(id), &d)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return ErrNotFound
+		}
+		d.BridgeID = string(tx.Bucket(bucketAssignments).Get([]byte(id)))
+		return nil
+	})
+	if err != nil {
 		return RegistryDevice{}, err
 	}
 	return d, nil
 }
 
-// CreateBridge stores a new bridge, indexed by the hash of its secret.
-// CreatedAt is set to now when zero. It returns ErrExists when the id or
-// the secret hash is already taken.
+// CreateBridge stores a new bridge, indexed by the hash of its secret (and
+// by its owner, for a user's own). CreatedAt is set to now when zero. It
+// returns ErrExists when the id or the secret hash is already taken.
 func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
-	if !validID(b.ID) || len(b.SecretHash) == 0 {
+	if !validID(b.ID) || len(b.SecretHash) == 0 || (b.OwnerID != "" && !validID(b.OwnerID)) {
 		return fmt.Errorf("%w: bridge needs an id and a secret hash", ErrInvalid)
 	}
 	if b.CreatedAt.IsZero() {
@@ -112,6 +142,11 @@ func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
 		}
 		if err := putJSON(bridges, []byte(b.ID), b); err != nil {
 			return err
+		}
+		if b.OwnerID != "" {
+			if err := tx.Bucket(bucketOwnerBridges).Put(key(b.OwnerID, b.ID), nil); err != nil {
+				return err
+			}
 		}
 		return secrets.Put(b.SecretHash, []byte(b.ID))
 	})

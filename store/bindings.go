@@ -69,12 +69,15 @@ func (db *DB) Bind(ctx context.Context, b Binding) (Binding, bool, error) {
 
 // Unbind removes the binding of the device to userID. It returns
 // ErrNotFound unless the device is bound to that user. Status, settings
-// and commands of the device stay.
-func (db *DB) Unbind(ctx context.Context, deviceID, userID string) error {
+// and commands of the device stay, and so does its assignment to one of
+// the operator's bridges; one of the user's own bridges stops serving it,
+// and Unbind returns that bridge ("" otherwise).
+func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error) {
 	if !validID(deviceID) || !validID(userID) {
-		return ErrNotFound
+		return "", ErrNotFound
 	}
-	return db.batch(func(tx *bolt.Tx) error {
+	err = db.batch(func(tx *bolt.Tx) error {
+		unassigned = ""
 		bindings := tx.Bucket(bucketBindings)
 		var existing Binding
 		ok, err := getJSON(bindings, []byte(deviceID), &existing)
@@ -87,8 +90,16 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) error {
 		if err := bindings.Delete([]byte(deviceID)); err != nil {
 			return err
 		}
-		return tx.Bucket(bucketUserBindings).Delete(key(userID, deviceID))
+		if err := tx.Bucket(bucketUserBindings).Delete(key(userID, deviceID)); err != nil {
+			return err
+		}
+		if bridge := tx.Bucket(bucketAssignments).Get([]byte(deviceID)); bridge != nil &&
+			tx.Bucket(bucketOwnerBridges).Get(key(userID, string(bridge))) != nil {
+			unassigned, err = unassign(tx, deviceID)
+		}
+		return err
 	})
+	return unassigned, err
 }
 
 // Binding returns the binding of the device, or ErrNotFound when it is not

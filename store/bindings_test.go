@@ -105,10 +105,14 @@ func TestUnbind(t *testing.T) {
 	if _, _, err := db.Bind(ctx, Binding{DeviceID: "d1", UserID: "u1"}); err != nil {
 		t.Fatal(err)
 	}
-	wantErr(t, "Unbind(other user)", db.Unbind(ctx, "d1", "u2"), ErrNotFound)
-	wantErr(t, "Unbind(unknown device)", db.Unbind(ctx, "d9", "u1"), ErrNotFound)
-	mustNil(t, "Unbind", db.Unbind(ctx, "d1", "u1"))
-	wantErr(t, "Unbind again", db.Unbind(ctx, "d1", "u1"), ErrNotFound)
+	unbind := func(dev, user string) error {
+		_, err := db.Unbind(ctx, dev, user)
+		return err
+	}
+	wantErr(t, "Unbind(other user)", unbind("d1", "u2"), ErrNotFound)
+	wantErr(t, "Unbind(unknown device)", unbind("d9", "u1"), ErrNotFound)
+	mustNil(t, "Unbind", unbind("d1", "u1"))
+	wantErr(t, "Unbind again", unbind("d1", "u1"), ErrNotFound)
 	_, err := db.Binding(ctx, "d1")
 	wantErr(t, "Binding after Unbind", err, ErrNotFound)
 	if bs, err := db.ListBindings(ctx, "u1", "", 0); err != nil || len(bs) != 0 {

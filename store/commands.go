@@ -140,6 +140,11 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 		if err := indexCommand(tx, Command{}, nc); err != nil {
 			return err
 		}
+		if nc.Blob != "" {
+			if err := tx.Bucket(bucketBlobRefs).Put(key(nc.Blob, nc.ID), []byte(nc.DeviceID)); err != nil {
+				return err
+			}
+		}
 		if idem != nil {
 			r := rec
 			r.CommandID = nc.ID
@@ -261,6 +266,11 @@ func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*Command) error) (Co
 		}
 		if _, err := addOpen(tx.Bucket(bucketOpenCount), []byte(nc.DeviceID), -1, 0); err != nil {
 			return Command{}, false, err
+		}
+		if nc.Blob != "" {
+			if err := tx.Bucket(bucketBlobRefs).Delete(key(nc.Blob, nc.ID)); err != nil {
+				return Command{}, false, err
+			}
 		}
 	}
 	return nc, false, nil

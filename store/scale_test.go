@@ -330,6 +330,8 @@ func (noCommands) Wait(context.Context, string) (store.Command, error) {
 	return store.Command{}, errNoCommands
 }
 
+func (noCommands) DeviceMoved(string) {}
+
 // scaleLoad runs jobs on concurrent HTTP clients.
 type scaleLoad struct {
 	fleet   *scaleFleet

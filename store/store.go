@@ -25,7 +25,7 @@ var ErrInvalid = errors.New("store: invalid argument")
 
 // SchemaVersion is the layout of the bbolt file this code reads and
 // writes. Open migrates older files up to it and refuses newer ones.
-const SchemaVersion = 3
+const SchemaVersion = 4
 
 // Bucket names. Index buckets hold keys only (empty values) unless said
 // otherwise; composite keys join their parts with a NUL byte, which no id
@@ -61,6 +61,13 @@ var (
 	// than counting up to the limit, and a commit writes one small page
 	// for all of them.
 	bucketOpenCount = []byte("open_count") // device id → count (8-byte big-endian), when not 0
+
+	// Since schema version 4: which bridge serves which device (CONTRACT
+	// §9), and which unfinished commands need which blob.
+	bucketAssignments  = []byte("assignments")   // device id → bridge id
+	bucketBridgeServes = []byte("bridge_serves") // bridge id, device id
+	bucketBlobRefs     = []byte("blob_refs")     // sha256, command id → device id; non-final only
+	bucketOwnerBridges = []byte("owner_bridges") // user id, bridge id: the users' own bridges
 
 	keySchemaVersion = []byte("schema_version")
 )
@@ -121,6 +128,54 @@ var migrations = []func(tx *bolt.Tx) error{
 		}
 		return nil
 	},
+	3: migrateTo4,
+}
+
+// migrateTo4 makes the buckets of bridge assignments and blob references.
+// So that an upgrade does not stop every device, each device is assigned
+// to the bridge that last reported it, if that bridge still exists; and
+// each unfinished command's blob is read from its payload.
+func migrateTo4(tx *bolt.Tx) error {
+	for _, name := range [][]byte{bucketAssignments, bucketBridgeServes, bucketBlobRefs, bucketOwnerBridges} {
+		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
+			return fmt.Errorf("create bucket %s: %w", name, err)
+		}
+	}
+	bridges := tx.Bucket(bucketBridges)
+	err := tx.Bucket(bucketStatus).ForEach(func(dev, v []byte) error {
+		var s Status
+		if err := json.Unmarshal(v, &s); err != nil {
+			return fmt.Errorf("status %s: %w", dev, err)
+		}
+		if s.BridgeID == "" || bridges.Get([]byte(s.BridgeID)) == nil || tx.Bucket(bucketDevices).Get(dev) == nil {
+			return nil
+		}
+		return assign(tx, string(dev), s.BridgeID)
+	})
+	if err != nil {
+		return err
+	}
+	cmds := tx.Bucket(bucketCommands)
+	return tx.Bucket(bucketOpen).ForEach(func(id, _ []byte) error {
+		var c Command
+		ok, err := getJSON(cmds, id, &c)
+		if err != nil || !ok {
+			return err
+		}
+		var p struct {
+			Blob struct {
+				SHA256 string `json:"sha256"`
+			} `json:"blob"`
+		}
+		if json.Unmarshal(c.Payload, &p) != nil || p.Blob.SHA256 == "" {
+			return nil
+		}
+		c.Blob = p.Blob.SHA256
+		if err := putJSON(cmds, id, c); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketBlobRefs).Put(key(c.Blob, c.ID), []byte(c.DeviceID))
+	})
 }
 
 // Options configures Open. The zero value gives the defaults.

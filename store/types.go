@@ -36,13 +36,21 @@ type RegistryDevice struct {
 	Model     string    `json:"model"`
 	ClaimHash []byte    `json:"claim_hash"` // SHA-256 of the claim code
 	CreatedAt time.Time `json:"created_at"`
+	// BridgeID is the bridge the device is assigned to ("" none). It is
+	// kept apart (the assignments bucket): ProvisionDevice assigns it, and
+	// RegistryDevice reads it back.
+	BridgeID string `json:"-"`
 }
 
-// Bridge is an edge agent allowed onto the broker.
+// Bridge is an edge agent allowed onto the broker. It serves the devices
+// assigned to it (CONTRACT §9).
 type Bridge struct {
 	ID         string    `json:"id"`
 	SecretHash []byte    `json:"secret_hash"`
 	CreatedAt  time.Time `json:"created_at"`
+	// OwnerID is the user whose own bridge it is (a phone, a home hub): it
+	// serves only devices bound to that user. "" is one of the operator's.
+	OwnerID string `json:"owner_id,omitempty"`
 }
 
 // Binding ties a device to the user who registered it.
@@ -95,18 +103,22 @@ type CommandError struct {
 
 // Command is one operation on one device and its life so far.
 type Command struct {
-	ID        string          `json:"id"` // UUIDv7, assigned by CreateCommand
-	DeviceID  string          `json:"device_id"`
-	UserID    string          `json:"user_id"`
-	Op        string          `json:"op"`
-	State     string          `json:"state"`
-	Progress  *int            `json:"progress,omitempty"`
-	Error     *CommandError   `json:"error,omitempty"`
-	Result    json.RawMessage `json:"result,omitempty"`
-	Payload   json.RawMessage `json:"payload,omitempty"` // what the bridge receives
-	CreatedAt time.Time       `json:"created_at"`
-	UpdatedAt time.Time       `json:"updated_at"`
-	ExpiresAt time.Time       `json:"expires_at"`
+	ID       string          `json:"id"` // UUIDv7, assigned by CreateCommand
+	DeviceID string          `json:"device_id"`
+	UserID   string          `json:"user_id"`
+	Op       string          `json:"op"`
+	State    string          `json:"state"`
+	Progress *int            `json:"progress,omitempty"`
+	Error    *CommandError   `json:"error,omitempty"`
+	Result   json.RawMessage `json:"result,omitempty"`
+	Payload  json.RawMessage `json:"payload,omitempty"` // what the bridge receives
+	// Blob is the SHA-256 of the blob the payload references ("" none):
+	// the bridge serving the device may download it while the command is
+	// not final (CONTRACT §9).
+	Blob      string    `json:"blob,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+	UpdatedAt time.Time `json:"updated_at"`
+	ExpiresAt time.Time `json:"expires_at"`
 }
 
 // Idempotency remembers the first answer to a request carrying an

@@ -26,10 +26,13 @@ type Conn interface {
 	Publish(ctx context.Context, topic string, payload []byte) error
 }
 
-// Store is what the driver needs of the store: who owns which device.
+// Store is what the driver needs of the store: who owns which device, and
+// which bridge serves which.
 type Store interface {
 	Binding(ctx context.Context, deviceID string) (store.Binding, error)
 	ListBindings(ctx context.Context, userID, after string, limit int) ([]store.Binding, error)
+	Bridge(ctx context.Context, id string) (store.Bridge, error)
+	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 }
 
 // Options configure New. The zero value of each optional field means its
@@ -244,20 +247,46 @@ func BridgeRole(bridgeID string) string { return "bridge-" + bridgeID }
 // UserRole is the role of a user's client; see BridgeRole.
 func UserRole(userID string) string { return "user-" + userID }
 
-// BridgeACLs is what a bridge may do (CONTRACT §3): subscribe to and
-// receive the commands of every device, publish the replies, status and
-// settings of devices and its own state (also its Will).
-func (d *Driver) BridgeACLs(bridgeID string) []ACL {
-	cmds := d.tree.Prefix() + "/devices/+/commands/#"
-	state, _ := d.tree.BridgeState(bridgeID)
-	return []ACL{
-		{Type: SubscribePattern, Topic: cmds, Allow: true},
-		{Type: PublishClientReceive, Topic: cmds, Allow: true},
-		{Type: PublishClientSend, Topic: d.tree.AllReplies(), Allow: true},
-		{Type: PublishClientSend, Topic: d.tree.AllStatus(), Allow: true},
-		{Type: PublishClientSend, Topic: d.tree.AllSettings(), Allow: true},
-		{Type: PublishClientSend, Topic: state, Allow: true},
+// BridgeACLs is what a bridge may do (CONTRACT §3, §9): subscribe to and
+// receive the commands of the devices it serves, publish their replies,
+// status and settings, and its own state (also its Will). The store says
+// which devices it serves.
+func (d *Driver) BridgeACLs(ctx context.Context, bridgeID string) ([]ACL, error) {
+	state, err := d.tree.BridgeState(bridgeID)
+	if err != nil {
+		return nil, err
 	}
+	served, err := d.st.ServedDevices(ctx, bridgeID)
+	if err != nil {
+		return nil, err
+	}
+	acls := []ACL{{Type: PublishClientSend, Topic: state, Allow: true}}
+	for _, dev := range served {
+		more, err := d.servedDeviceACLs(dev)
+		if err != nil {
+			return nil, err
+		}
+		acls = append(acls, more...)
+	}
+	return acls, nil
+}
+
+// servedDeviceACLs is what the bridge serving a device may do with it.
+func (d *Driver) servedDeviceACLs(deviceID string) ([]ACL, error) {
+	cmds, err := d.tree.CommandsFilter(deviceID)
+	if err != nil {
+		return nil, err
+	}
+	var acls []ACL
+	acls = append(acls, ACL{Type: SubscribePattern, Topic: cmds, Allow: true}, ACL{Type: PublishClientReceive, Topic: cmds, Allow: true})
+	for _, topic := range []func(string) (string, error){d.tree.Replies, d.tree.Status, d.tree.Settings} {
+		t, err := topic(deviceID)
+		if err != nil {
+			return nil, err
+		}
+		acls = append(acls, ACL{Type: PublishClientSend, Topic: t, Allow: true})
+	}
+	return acls, nil
 }
 
 // deviceACLs is what the owner of a device may do with it: read its topics.
@@ -275,7 +304,88 @@ func (d *Driver) deviceACLs(deviceID string) []ACL {
 // BridgeCreated gives a new bridge its Mosquitto account. On failure the
 // account is retried while the process runs; the error is returned too.
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
-	return d.createAccount(ctx, account{kind: "bridge", username: bridgeID, password: secret, role: BridgeRole(bridgeID), acls: d.BridgeACLs(bridgeID)})
+	acls, err := d.BridgeACLs(ctx, bridgeID)
+	if err != nil {
+		d.log.Error("bridge account not created", "bridge_id", bridgeID, "err", err)
+		return err
+	}
+	return d.createAccount(ctx, account{kind: "bridge", username: bridgeID, password: secret, role: BridgeRole(bridgeID), acls: acls})
+}
+
+// BridgeDeleted removes a bridge's account and role: its connections are
+// cut and its secret stops working.
+func (d *Driver) BridgeDeleted(ctx context.Context, bridgeID string) error {
+	d.change.Lock()
+	defer d.change.Unlock()
+	err := d.deleteBridge(ctx, bridgeID)
+	if err != nil {
+		d.log.Error("bridge account not deleted; reconciling later", "bridge_id", bridgeID, "err", err)
+		signal(d.kick)
+	}
+	return err
+}
+
+// deleteBridge deletes the bridge's role, and its client if the server
+// made it (a client of that name it did not make is left alone). Run with
+// d.change held.
+func (d *Driver) deleteBridge(ctx context.Context, bridgeID string) error {
+	cmds := []Command{{"command": "deleteRole", "rolename": BridgeRole(bridgeID)}}
+	switch _, err := d.ourClient(ctx, bridgeID, "bridge", BridgeRole(bridgeID)); {
+	case err == nil:
+		cmds = append([]Command{{"command": "deleteClient", "username": bridgeID}}, cmds...)
+	case errors.Is(err, errNotOurs) || notFound(err):
+	default:
+		return err
+	}
+	rs, err := d.Do(ctx, cmds...)
+	if err != nil {
+		return err
+	}
+	for _, r := range rs {
+		if err := r.Err(); err != nil && !notFound(err) {
+			return err
+		}
+	}
+	return nil
+}
+
+// Assigned makes the rights of the bridges a device moved between follow
+// the store at once: the one it left loses the device's topics, the one it
+// joined gets them. (Mosquitto also disconnects the clients of a role that
+// changes; the bridge reconnects.)
+func (d *Driver) Assigned(ctx context.Context, deviceID, from, to string) error {
+	d.change.Lock()
+	defer d.change.Unlock()
+	var errs []error
+	for _, bridge := range []string{from, to} {
+		if bridge == "" {
+			continue
+		}
+		if err := d.syncBridge(ctx, bridge); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	err := errors.Join(errs...)
+	if err != nil {
+		d.log.Error("Mosquitto ACL not updated; reconciling later", "device_id", deviceID, "from", from, "to", to, "err", err)
+		signal(d.kick)
+	}
+	return err
+}
+
+// syncBridge makes a bridge's role grant exactly what the store says it
+// serves. Run with d.change held.
+func (d *Driver) syncBridge(ctx context.Context, bridgeID string) error {
+	want, err := d.BridgeACLs(ctx, bridgeID)
+	if err != nil {
+		return err
+	}
+	err = d.syncRole(ctx, BridgeRole(bridgeID), want)
+	if notFound(err) && strings.Contains(err.Error(), "Role not found") {
+		d.log.Warn("bridge has no Mosquitto account; its devices' topics are not granted", "bridge_id", bridgeID)
+		return nil
+	}
+	return err
 }
 
 // UserCreated gives a new user a Mosquitto account that may read nothing
@@ -358,12 +468,33 @@ func (d *Driver) create(ctx context.Context, a account) error {
 		return err
 	}
 	// The client exists. If it is ours (only our role), set the password.
-	rs, err = d.Do(ctx, Command{"command": "getClient", "username": a.username})
+	roles, err := d.ourClient(ctx, a.username, a.kind, a.role)
+	if err != nil {
+		return err
+	}
+	rs, err = d.Do(ctx, Command{"command": "setClientPassword", "username": a.username, "password": a.password})
 	if err != nil {
 		return err
 	}
 	if err := rs[0].Err(); err != nil {
 		return err
+	}
+	if roles == 0 { // an earlier attempt stopped half-way
+		return d.addRole(ctx, a)
+	}
+	return nil
+}
+
+// ourClient checks that the client named username is one the server made:
+// of its kind, with no role but role. It returns how many roles it has, or
+// errNotOurs, or the plugin's "not found".
+func (d *Driver) ourClient(ctx context.Context, username, kind, role string) (int, error) {
+	rs, err := d.Do(ctx, Command{"command": "getClient", "username": username})
+	if err != nil {
+		return 0, err
+	}
+	if err := rs[0].Err(); err != nil {
+		return 0, err
 	}
 	var got struct {
 		Client struct {
@@ -374,25 +505,13 @@ func (d *Driver) create(ctx context.Context, a account) error {
 		} `json:"client"`
 	}
 	if err := json.Unmarshal(rs[0].Data, &got); err != nil {
-		return err
+		return 0, err
 	}
 	roles := got.Client.Roles
-	ours := got.Client.TextName == "companion "+a.kind &&
-		(len(roles) == 0 || len(roles) == 1 && roles[0].Name == a.role)
-	if !ours {
-		return errNotOurs
+	if got.Client.TextName != "companion "+kind || len(roles) > 1 || len(roles) == 1 && roles[0].Name != role {
+		return 0, errNotOurs
 	}
-	rs, err = d.Do(ctx, Command{"command": "setClientPassword", "username": a.username, "password": a.password})
-	if err != nil {
-		return err
-	}
-	if err := rs[0].Err(); err != nil {
-		return err
-	}
-	if len(roles) == 0 { // an earlier attempt stopped half-way
-		return d.addRole(ctx, a)
-	}
-	return nil
+	return len(roles), nil
 }
 
 func (d *Driver) addRole(ctx context.Context, a account) error {
@@ -562,7 +681,16 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			if !topics.ValidBridgeID(id) {
 				continue
 			}
-			want = d.BridgeACLs(id)
+			if _, err := d.st.Bridge(ctx, id); errors.Is(err, store.ErrNotFound) {
+				// Deleted while Mosquitto was away.
+				if err := d.deleteBridge(ctx, id); err != nil {
+					return err
+				}
+				continue
+			}
+			if want, err = d.BridgeACLs(ctx, id); err != nil {
+				return err
+			}
 		case strings.HasPrefix(r.Name, "user-"):
 			bs, err := d.st.ListBindings(ctx, strings.TrimPrefix(r.Name, "user-"), "", 0)
 			if err != nil {

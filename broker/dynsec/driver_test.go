@@ -51,8 +51,45 @@ func (cn *conn) Publish(ctx context.Context, topic string, payload []byte) error
 
 // bindings is a hand-written Store.
 type bindings struct {
-	mu sync.Mutex
-	m  map[string]string // device → user
+	mu      sync.Mutex
+	m       map[string]string // device → user
+	serves  map[string]string // device → bridge
+	bridges map[string]bool
+}
+
+func newBindings() *bindings {
+	return &bindings{m: map[string]string{}, serves: map[string]string{}, bridges: map[string]bool{}}
+}
+
+func (b *bindings) assign(dev, bridge string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if bridge == "" {
+		delete(b.serves, dev)
+		return
+	}
+	b.serves[dev] = bridge
+}
+
+func (b *bindings) Bridge(_ context.Context, id string) (store.Bridge, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.bridges[id] {
+		return store.Bridge{}, store.ErrNotFound
+	}
+	return store.Bridge{ID: id}, nil
+}
+
+func (b *bindings) ServedDevices(_ context.Context, bridge string) ([]string, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := []string{}
+	for d, br := range b.serves {
+		if br == bridge {
+			out = append(out, d)
+		}
+	}
+	return out, nil
 }
 
 func (b *bindings) set(dev, user string) {
@@ -126,7 +163,8 @@ func TestDriver(t *testing.T) {
 	ctx := context.Background()
 	operator := mqtttest.MosquittoAccount{Username: "operator", Password: "op-secret", ACL: []string{"topic read $SYS/#"}}
 	mq := mqtttest.StartMosquitto(t, server, operator)
-	st := &bindings{m: map[string]string{}}
+	st := newBindings()
+	st.bridges["bridge-1"] = true
 	d, granted := newDriver(t, mq, server, st)
 	require.True(t, granted)
 
@@ -136,7 +174,49 @@ func TestDriver(t *testing.T) {
 		require.NoError(t, d.BridgeCreated(ctx, "bridge-1", "second"))
 		assert.Error(t, canConnect(mq, "bridge-1", "first"))
 		assert.NoError(t, canConnect(mq, "bridge-1", "second"))
-		assert.ElementsMatch(t, d.BridgeACLs("bridge-1"), roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
+		want, err := d.BridgeACLs(ctx, "bridge-1")
+		require.NoError(t, err)
+		assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
+		assert.Equal(t, []dynsec.ACL{{Type: dynsec.PublishClientSend, Topic: "companion/v1/bridges/bridge-1/state", Allow: true}}, want,
+			"a bridge that serves nothing may only say whether it is online")
+	})
+
+	t.Run("a bridge's rights follow its devices, and go with it", func(t *testing.T) {
+		st.bridges["bridge-2"] = true
+		require.NoError(t, d.BridgeCreated(ctx, "bridge-2", "secret-2"))
+		served := func(dev string) []dynsec.ACL {
+			p := "companion/v1/devices/" + dev
+			return []dynsec.ACL{
+				{Type: dynsec.SubscribePattern, Topic: p + "/commands/+", Allow: true},
+				{Type: dynsec.PublishClientReceive, Topic: p + "/commands/+", Allow: true},
+				{Type: dynsec.PublishClientSend, Topic: p + "/replies", Allow: true},
+				{Type: dynsec.PublishClientSend, Topic: p + "/status", Allow: true},
+				{Type: dynsec.PublishClientSend, Topic: p + "/settings", Allow: true},
+			}
+		}
+		state := func(bridge string) dynsec.ACL {
+			return dynsec.ACL{Type: dynsec.PublishClientSend, Topic: "companion/v1/bridges/" + bridge + "/state", Allow: true}
+		}
+		st.assign("dev-7", "bridge-1")
+		require.NoError(t, d.Assigned(ctx, "dev-7", "", "bridge-1"))
+		assert.ElementsMatch(t, append(served("dev-7"), state("bridge-1")), roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
+
+		st.assign("dev-7", "bridge-2")
+		require.NoError(t, d.Assigned(ctx, "dev-7", "bridge-1", "bridge-2"))
+		assert.ElementsMatch(t, []dynsec.ACL{state("bridge-1")}, roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
+		assert.ElementsMatch(t, append(served("dev-7"), state("bridge-2")), roleACLs(t, mq, dynsec.BridgeRole("bridge-2")))
+
+		// Drift: an assignment the server missed, repaired by Reconcile.
+		st.assign("dev-8", "bridge-2")
+		require.NoError(t, d.Reconcile(ctx))
+		assert.ElementsMatch(t, append(append(served("dev-7"), served("dev-8")...), state("bridge-2")), roleACLs(t, mq, dynsec.BridgeRole("bridge-2")))
+
+		require.NoError(t, canConnect(mq, "bridge-2", "secret-2"))
+		delete(st.bridges, "bridge-2")
+		require.NoError(t, d.BridgeDeleted(ctx, "bridge-2"))
+		assert.Error(t, canConnect(mq, "bridge-2", "secret-2"), "a deleted bridge's secret still works")
+		r := mq.Dynsec(t, map[string]any{"command": "getRole", "rolename": dynsec.BridgeRole("bridge-2")})
+		assert.NotEmpty(t, r[0].Error, "the deleted bridge's role is still there")
 	})
 
 	t.Run("accounts the server did not make are not touched", func(t *testing.T) {

@@ -82,6 +82,12 @@ type Accounts interface {
 	// The broker asks on every subscription and every delivery to a user,
 	// so an unbind takes effect at once; it caches nothing.
 	UserOwnsDevice(ctx context.Context, userID, deviceID string) bool
+
+	// BridgeServesDevice reports whether the device is assigned to the
+	// bridge now (CONTRACT §9). The broker asks on every subscription and
+	// publish of a bridge and every delivery to one, so moving a device
+	// moves its rights at once; it caches nothing.
+	BridgeServesDevice(ctx context.Context, bridgeID, deviceID string) bool
 }
 
 // Options configure a Server. The zero value of each field means its default.

@@ -34,6 +34,7 @@ type fakeAccounts struct {
 	bridges map[string]string          // bridge id → secret
 	users   map[string]string          // user id → token
 	owns    map[string]map[string]bool // user id → device ids
+	serves  map[string]string          // device id → bridge id
 }
 
 func newFakeAccounts() *fakeAccounts {
@@ -44,7 +45,20 @@ func newFakeAccounts() *fakeAccounts {
 			"alice": {"dev-1": true, "dev-3": true},
 			"bob":   {"dev-2": true},
 		},
+		serves: map[string]string{"dev-1": "bridge-1", "dev-3": "bridge-1", "dev-2": "bridge-2"},
 	}
+}
+
+func (f *fakeAccounts) BridgeServesDevice(_ context.Context, bridgeID, deviceID string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.serves[deviceID] == bridgeID
+}
+
+func (f *fakeAccounts) move(deviceID, bridgeID string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.serves[deviceID] = bridgeID
 }
 
 func (f *fakeAccounts) Authenticate(_ context.Context, username, password string) (embedded.Identity, bool) {
@@ -246,8 +260,10 @@ func TestBridgeRules(t *testing.T) {
 	}{
 		{cmdFilter, 1},
 		{strings.TrimSuffix(cmdFilter, "+") + "#", 1},
-		{tree.Prefix() + "/devices/+/commands/+", 1},
-		{tree.Prefix() + "/devices/+/commands/#", 1},
+		{tp(tree.CommandsFilter("dev-2")), 0x80}, // bridge-2's device
+		{tp(tree.CommandsFilter("dev-9")), 0x80}, // nobody's
+		{tree.Prefix() + "/devices/+/commands/+", 0x80},
+		{tree.Prefix() + "/devices/+/commands/#", 0x80},
 		{tp(tree.Replies("dev-1")), 0x80},
 		{tp(tree.Status("dev-1")), 0x80},
 		{tree.AllStatus(), 0x80},
@@ -280,6 +296,10 @@ func TestBridgeRules(t *testing.T) {
 	br.Publish(cmdTopic, 0, false, "forged")
 	br.Publish(tp(tree.BridgeState("bridge-2")), 0, false, "offline")
 	br.Publish(tree.Prefix()+"/anything", 0, false, "x")
+	// Nor what belongs to a device another bridge serves.
+	br.Publish(tp(tree.Replies("dev-2")), 0, false, "forged")
+	br.Publish(tp(tree.Status("dev-2")), 0, false, "forged")
+	br.Publish(tp(tree.Settings("dev-2")), 0, false, "forged")
 	marker := tp(tree.Status("dev-1"))
 	br.publish(t, marker, false, "marker")
 	m := srv.next(t)
@@ -290,6 +310,40 @@ func TestBridgeRules(t *testing.T) {
 	// way to say no in a PUBACK before MQTT 5).
 	br.Publish(cmdTopic, 1, false, "forged")
 	br.waitLost(t)
+}
+
+// Moving a device moves its rights at once, for a bridge that is
+// connected and subscribed: the bridge it left receives nothing more of it
+// and may publish nothing for it; the one it joined may.
+func TestBridgeRightsFollowAMove(t *testing.T) {
+	acc := newFakeAccounts()
+	s := startBroker(t, acc)
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.Equal(t, byte(1), srv.subscribe(t, tree.AllReplies()))
+	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", nil)
+	b2 := mustDial(t, s.Addr(), "bridge-2", "b2-secret", nil)
+	require.Equal(t, byte(1), b1.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	require.Equal(t, byte(1), b1.subscribe(t, tp(tree.CommandsFilter("dev-3"))))
+	require.Equal(t, byte(0x80), b2.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	cmd1, cmd3 := tp(tree.Command("dev-1", topics.OpPushText)), tp(tree.Command("dev-3", topics.OpPushText))
+
+	srv.publish(t, cmd1, false, "before")
+	require.Equal(t, "before", string(b1.next(t).Payload()))
+
+	acc.move("dev-1", "bridge-2")
+	srv.publish(t, cmd1, false, "after")
+	srv.publish(t, cmd3, false, "marker")
+	require.Equal(t, "marker", string(b1.next(t).Payload()), "bridge-1 still got dev-1's command after the move")
+
+	// bridge-1's reply for dev-1 is refused (and closes its connection,
+	// as a refused QoS 1 publish does); bridge-2's goes through.
+	b1.Publish(tp(tree.Replies("dev-1")), 1, false, "from bridge-1")
+	b1.waitLost(t)
+	require.Equal(t, byte(1), b2.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	b2.publish(t, tp(tree.Replies("dev-1")), false, "from bridge-2")
+	require.Equal(t, "from bridge-2", string(srv.next(t).Payload()))
+	srv.publish(t, cmd1, false, "to bridge-2")
+	require.Equal(t, "to bridge-2", string(b2.next(t).Payload()))
 }
 
 func TestBridgeWill(t *testing.T) {

@@ -176,12 +176,22 @@ func (h *hook) mayWrite(id Identity, topic string) bool {
 		}
 		switch t.Kind {
 		case topics.KindReplies, topics.KindStatus, topics.KindSettings:
-			return true
+			return h.serves(id.ID, t.DeviceID)
 		case topics.KindBridgeState:
 			return t.BridgeID == id.ID
 		}
 	}
 	return false
+}
+
+// serves asks the accounts whether the bridge serves the device now.
+func (h *hook) serves(bridgeID, deviceID string) bool {
+	if h.accounts == nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), accountsTimeout)
+	defer cancel()
+	return h.accounts.BridgeServesDevice(ctx, bridgeID, deviceID)
 }
 
 // mayWill says whether id may leave a Will on topic. A bridge's Will is its
@@ -208,12 +218,13 @@ func (h *hook) mayRead(id Identity, filter string) bool {
 	case RoleServer:
 		return true
 	case RoleBridge:
-		// devices/{id|+}/commands/{op|+|#}
+		// devices/{an id it serves}/commands/{op|+|#}; a wildcard device
+		// is refused.
 		if len(levels) != 4 || levels[0] != "devices" || levels[2] != "commands" {
 			return false
 		}
 		dev, op := levels[1], levels[3]
-		return (dev == "+" || topics.ValidDeviceID(dev)) && (op == "+" || op == "#" || topics.ValidOp(op))
+		return topics.ValidDeviceID(dev) && (op == "+" || op == "#" || topics.ValidOp(op)) && h.serves(id.ID, dev)
 	case RoleUser:
 		// devices/{an id they own}/… ; a wildcard device is refused.
 		if len(levels) < 2 || levels[0] != "devices" || !topics.ValidDeviceID(levels[1]) {

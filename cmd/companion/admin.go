@@ -33,11 +33,16 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
 	token := fs.String("admin-token", "", "admin token (default: read from DATA/admin.token)")
 	data := fs.String("data", "./data", "the server's data directory, to find admin.token")
-	var claimCode, model, version, appID string
+	var claimCode, model, version, appID, bridge string
+	var noBridge bool
 	switch cmd {
 	case "device provision":
 		fs.StringVar(&claimCode, "claim-code", "", "the device's claim code (required)")
 		fs.StringVar(&model, "model", "", "the device's model (required)")
+		fs.StringVar(&bridge, "bridge", "", "the bridge that serves it (its commands wait until one does)")
+	case "device assign":
+		fs.StringVar(&bridge, "bridge", "", "the bridge that serves it from now on")
+		fs.BoolVar(&noBridge, "none", false, "no bridge serves it from now on (its commands wait)")
 	case "firmware publish":
 		fs.StringVar(&model, "model", "", "the model the firmware is for (required)")
 		fs.StringVar(&version, "version", "", "semantic version, e.g. 1.2.0 (required)")
@@ -79,7 +84,20 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if claimCode == "" || model == "" {
 			return usageError{"device provision needs --claim-code and --model"}
 		}
-		body, err = c.postJSON(ctx, "/api/v1/admin/devices", map[string]string{"device_id": arg, "claim_code": claimCode, "model": model})
+		req := map[string]string{"device_id": arg, "claim_code": claimCode, "model": model}
+		if bridge != "" {
+			req["bridge_id"] = bridge
+		}
+		body, err = c.postJSON(ctx, "/api/v1/admin/devices", req)
+	case "device assign":
+		if (bridge == "") == !noBridge {
+			return usageError{"device assign needs --bridge ID, or --none"}
+		}
+		req := map[string]any{"bridge_id": nil}
+		if bridge != "" {
+			req["bridge_id"] = bridge
+		}
+		body, err = c.sendJSON(ctx, http.MethodPut, "/api/v1/admin/devices/"+url.PathEscape(arg)+"/bridge", req)
 	case "firmware publish":
 		if model == "" || version == "" {
 			return usageError{"firmware publish needs --model and --version"}
@@ -120,11 +138,15 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 }
 
 func (c adminClient) postJSON(ctx context.Context, path string, v any) ([]byte, error) {
+	return c.sendJSON(ctx, http.MethodPost, path, v)
+}
+
+func (c adminClient) sendJSON(ctx context.Context, method, path string, v any) ([]byte, error) {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return nil, err
 	}
-	return c.do(ctx, http.MethodPost, path, "application/json", bytes.NewReader(b), int64(len(b)))
+	return c.do(ctx, method, path, "application/json", bytes.NewReader(b), int64(len(b)))
 }
 
 func (c adminClient) putFile(ctx context.Context, path, file string) ([]byte, error) {

@@ -201,7 +201,7 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 	}
 	for i := 1; i <= 3; i++ {
 		dev := DemoDevice{DeviceID: fmt.Sprintf("sim-%03d", i), ClaimCode: claimCode()}
-		err := db.ProvisionDevice(ctx, store.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now})
+		err := db.ProvisionDevice(ctx, store.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now, BridgeID: f.BridgeID})
 		if err != nil {
 			return f, err
 		}

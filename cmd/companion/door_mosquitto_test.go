@@ -134,7 +134,9 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 		b := mustDialMQTT(t, mq.URL, "probe-bridge", f.bridgeID, f.bridgeSecret)
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.AllReplies()))
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/#"))
-		assert.Equal(t, byte(1), b.subscribe(t, must(tree.CommandsFilter("dev-9"))))
+		assert.Equal(t, byte(1), b.subscribe(t, must(tree.CommandsFilter("dev-1"))))
+		assert.Equal(t, byte(0x80), b.subscribe(t, must(tree.CommandsFilter("dev-9"))), "a device it does not serve")
+		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/devices/+/commands/#"), "every device")
 		assertRefused(b, "bridge")
 	})
 

@@ -2,7 +2,8 @@
 //
 //	companion serve [flags]                    run the server
 //	companion user create NAME                 create a user, print its API token
-//	companion device provision ID --claim-code C --model M
+//	companion device provision ID --claim-code C --model M [--bridge B]
+//	companion device assign ID --bridge B | --none
 //	companion bridge create ID                 create a bridge, print its secret
 //	companion firmware publish --model M --version V FILE
 //	companion app publish --app-id A --version V FILE
@@ -60,7 +61,8 @@ func (e usageError) Error() string { return e.msg }
 const usage = `usage:
   companion serve [--http ADDR] [--data DIR] [--mqtt-listen ADDR | --mqtt-url URL] [--demo] ...
   companion user create NAME
-  companion device provision ID --claim-code CODE --model MODEL
+  companion device provision ID --claim-code CODE --model MODEL [--bridge BRIDGE]
+  companion device assign ID --bridge BRIDGE | --none
   companion bridge create ID
   companion firmware publish --model MODEL --version VERSION FILE
   companion app publish --app-id APP --version VERSION FILE

@@ -183,16 +183,16 @@ func setupFleet(tb testing.TB, m *Main, devices ...string) *fleet {
 	f.userID = u["user_id"].(string)
 	f.user = newClient(tb, m, u["token"].(string))
 
-	for i, id := range devices {
-		code := fmt.Sprintf("CLAIM-%d-%s", i, strings.Repeat("X", 12))
-		r := f.admin.do("POST", "/api/v1/admin/devices", map[string]string{"device_id": id, "claim_code": code, "model": "sim-1"})
-		require.Equal(tb, 201, r.Status, "%s", r.Body)
-		f.claims[id] = code
-	}
 	r = f.admin.do("POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-1"})
 	require.Equal(tb, 201, r.Status, "%s", r.Body)
 	f.bridgeID = "bridge-1"
 	f.bridgeSecret = r.JSON(tb)["secret"].(string)
+	for i, id := range devices {
+		code := fmt.Sprintf("CLAIM-%d-%s", i, strings.Repeat("X", 12))
+		r := f.admin.do("POST", "/api/v1/admin/devices", map[string]string{"device_id": id, "claim_code": code, "model": "sim-1", "bridge_id": f.bridgeID})
+		require.Equal(tb, 201, r.Status, "%s", r.Body)
+		f.claims[id] = code
+	}
 
 	f.firmware = bytes.Repeat([]byte("firmware"), 8<<10) // 64 KiB
 	r = f.admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.1.0", f.firmware)

@@ -292,9 +292,11 @@ func (c *procCluster) waitServer(path string) {
 	}
 }
 
-// setupFleet creates a user, the devices (registered to the user) and a
-// bridge through the admin API of the running server. The extra devices
-// are registered too, but the bridge does not serve them.
+// setupFleet creates a user, a bridge and the devices (served by the
+// bridge, registered to the user) through the admin API of the running
+// server. The extra devices are registered too, served by a second bridge
+// that never connects: their commands go to the broker and no further, as
+// for a fleet whose bridge is offline.
 func (c *procCluster) setupFleet(extra ...string) {
 	tb := c.tb
 	tb.Helper()
@@ -302,16 +304,24 @@ func (c *procCluster) setupFleet(extra ...string) {
 	r := admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "alice"})
 	require.Equal(tb, 201, r.Status, "%s", r.Body)
 	c.user = &client{tb: tb, base: c.base(), token: r.JSON(tb)["token"].(string)}
+	r = admin.do("POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-1"})
+	require.Equal(tb, 201, r.Status, "%s", r.Body)
+	c.bridgeSecret = r.JSON(tb)["secret"].(string)
+	if len(extra) > 0 {
+		r = admin.do("POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-offline"})
+		require.Equal(tb, 201, r.Status, "%s", r.Body)
+	}
 	for i, id := range append(slices.Clip(c.devices), extra...) {
 		code := fmt.Sprintf("CLAIM-%d-XXXXXXXXXXXX", i)
-		r := admin.do("POST", "/api/v1/admin/devices", map[string]string{"device_id": id, "claim_code": code, "model": "sim-1"})
+		bridge := "bridge-1"
+		if i >= len(c.devices) {
+			bridge = "bridge-offline"
+		}
+		r := admin.do("POST", "/api/v1/admin/devices", map[string]string{"device_id": id, "claim_code": code, "model": "sim-1", "bridge_id": bridge})
 		require.Equal(tb, 201, r.Status, "%s", r.Body)
 		r = c.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": id, "claim_code": code})
 		require.Equal(tb, 201, r.Status, "%s", r.Body)
 	}
-	r = admin.do("POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-1"})
-	require.Equal(tb, 201, r.Status, "%s", r.Body)
-	c.bridgeSecret = r.JSON(tb)["secret"].(string)
 }
 
 // startBridge starts companion-bridge with the cluster's devices, spool and

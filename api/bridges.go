@@ -1,0 +1,216 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// Bridges serve the devices assigned to them (CONTRACT §9). The operator's
+// bridges are made through the admin API; a user may run bridges of their
+// own (a phone, a home hub), which serve only that user's devices.
+
+type createBridgeRequest struct {
+	BridgeID string `json:"bridge_id"`
+}
+
+type bridgeJSON struct {
+	BridgeID string `json:"bridge_id"`
+	Secret   string `json:"secret,omitempty"`
+}
+
+type assignRequest struct {
+	BridgeID *string `json:"bridge_id"` // null: no bridge
+}
+
+func (s *Server) adminCreateBridge(c *gin.Context) error { return s.createBridge(c, "") }
+
+func (s *Server) createUserBridge(c *gin.Context) error {
+	return s.createBridge(c, currentUser(c).ID)
+}
+
+// createBridge makes a bridge of ownerID ("" the operator's) and answers
+// its secret, which exists only in this answer.
+func (s *Server) createBridge(c *gin.Context, ownerID string) error {
+	var req createBridgeRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	principal := adminUserID
+	if ownerID != "" {
+		principal = ownerID
+	}
+	rec, replayed, err := s.beginIdempotent(c, principal, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	if !topics.ValidBridgeID(req.BridgeID) {
+		fields = append(fields, FieldError{Field: "bridge_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	secret, hash, err := newSecret(bridgeSecretPrefix)
+	if err != nil {
+		return err
+	}
+	ctx := c.Request.Context()
+	err = s.store.CreateBridge(ctx, store.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
+	switch {
+	case errors.Is(err, store.ErrExists):
+		return &Error{Code: CodeBridgeExists}
+	case err != nil:
+		return err
+	}
+	if s.accounts != nil {
+		_ = s.accounts.BridgeCreated(ctx, req.BridgeID, secret) // logged and retried there
+	}
+	// A repeat gets the answer without the secret: it is stored nowhere.
+	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, bridgeJSON{BridgeID: req.BridgeID})
+}
+
+type userBridgeJSON struct {
+	BridgeID  string     `json:"bridge_id"`
+	Devices   []string   `json:"devices"`
+	CreatedAt *time.Time `json:"created_at"`
+}
+
+// listUserBridges answers the caller's own bridges, with the devices each
+// serves, in full pages.
+func (s *Server) listUserBridges(c *gin.Context) error {
+	user := currentUser(c)
+	limit, after, err := page(c, topics.ValidBridgeID, nil)
+	if err != nil {
+		return err
+	}
+	ctx := c.Request.Context()
+	bs, more, err := s.store.ListBridges(ctx, user.ID, after, limit)
+	if err != nil {
+		return err
+	}
+	out := make([]userBridgeJSON, 0, len(bs))
+	for _, b := range bs {
+		devices, err := s.store.ServedDevices(ctx, b.ID)
+		if err != nil {
+			return err
+		}
+		out = append(out, userBridgeJSON{BridgeID: b.ID, Devices: devices, CreatedAt: timeOrNull(b.CreatedAt)})
+	}
+	var next *string
+	if more && len(bs) > 0 {
+		next = cursorOf(bs[len(bs)-1].ID)
+	}
+	return s.reply(c, http.StatusOK, gin.H{"bridges": out, "next_cursor": next}, "", nil, nil)
+}
+
+// deleteUserBridge removes one of the caller's own bridges: its devices
+// are served by no bridge from then on, and its secret stops working.
+func (s *Server) deleteUserBridge(c *gin.Context) error {
+	user := currentUser(c)
+	rec, replayed, err := s.beginIdempotent(c, user.ID, nil)
+	if err != nil || replayed {
+		return err
+	}
+	id := c.Param("bridge_id")
+	if !topics.ValidBridgeID(id) {
+		return &Error{Code: CodeBridgeNotFound}
+	}
+	ctx := c.Request.Context()
+	served, err := s.store.DeleteBridge(ctx, id, user.ID)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return &Error{Code: CodeBridgeNotFound}
+	case err != nil:
+		return err
+	}
+	for _, dev := range served {
+		s.moved(ctx, dev, id, "")
+	}
+	if s.accounts != nil {
+		_ = s.accounts.BridgeDeleted(ctx, id) // logged and retried there
+	}
+	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
+}
+
+// assignUserDevice assigns one of the caller's devices to one of the
+// caller's bridges (or, with null, to none).
+func (s *Server) assignUserDevice(c *gin.Context) error {
+	user := currentUser(c)
+	b, err := s.boundDevice(c)
+	if err != nil {
+		return err
+	}
+	return s.assign(c, b.DeviceID, user.ID)
+}
+
+// adminAssignDevice assigns any device to a bridge, or to none.
+func (s *Server) adminAssignDevice(c *gin.Context) error {
+	id := c.Param("device_id")
+	if !topics.ValidDeviceID(id) {
+		return errDeviceNotFound
+	}
+	return s.assign(c, id, "")
+}
+
+func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
+	var req assignRequest
+	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
+	if err != nil {
+		return err
+	}
+	principal := adminUserID
+	if ownerID != "" {
+		principal = ownerID
+	}
+	rec, replayed, err := s.beginIdempotent(c, principal, body.raw)
+	if err != nil || replayed {
+		return err
+	}
+	fields := body.utf8Errors()
+	bridge := ""
+	if req.BridgeID != nil {
+		bridge = *req.BridgeID
+		if !topics.ValidBridgeID(bridge) {
+			fields = append(fields, FieldError{Field: "bridge_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -, or null"})
+		}
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
+	ctx := c.Request.Context()
+	previous, err := s.store.AssignDevice(ctx, deviceID, bridge, ownerID)
+	switch {
+	case errors.Is(err, store.ErrNotFound) && bridge != "":
+		// A bridge that is not the caller's reads as none at all.
+		if _, derr := s.store.RegistryDevice(ctx, deviceID); errors.Is(derr, store.ErrNotFound) {
+			return errDeviceNotFound
+		}
+		return &Error{Code: CodeBridgeNotFound}
+	case errors.Is(err, store.ErrNotFound):
+		return errDeviceNotFound
+	case err != nil:
+		return err
+	}
+	if previous != bridge {
+		s.moved(ctx, deviceID, previous, bridge)
+	}
+	return s.reply(c, http.StatusOK, gin.H{"device_id": deviceID, "bridge_id": stringOrNull(bridge)}, "", rec, nil)
+}
+
+// moved tells the broker and the broker's accounts that a device changed
+// bridges: its unfinished commands go to the new one, and the rights on the
+// broker follow.
+func (s *Server) moved(ctx context.Context, deviceID, from, to string) {
+	s.cmds.DeviceMoved(deviceID)
+	if s.accounts != nil {
+		_ = s.accounts.Assigned(ctx, deviceID, from, to) // logged and retried there
+	}
+}

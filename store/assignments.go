@@ -1,0 +1,263 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// Bridges serve the devices assigned to them, each device at most one
+// bridge (CONTRACT §9). The assignment decides what the bridge may read and
+// write on the broker, which blobs it may download, and whether the
+// device's commands go out at all: those of an unassigned device wait
+// queued.
+
+// ErrNotOwned is returned when a user names a bridge or device that is not
+// theirs. The API answers it as not found.
+var ErrNotOwned = fmt.Errorf("%w: not the caller's", ErrNotFound)
+
+// assign makes bridgeID serve deviceID in tx, moving it from the bridge
+// that served it before, if any.
+func assign(tx *bolt.Tx, deviceID, bridgeID string) error {
+	if _, err := unassign(tx, deviceID); err != nil {
+		return err
+	}
+	if err := tx.Bucket(bucketAssignments).Put([]byte(deviceID), []byte(bridgeID)); err != nil {
+		return err
+	}
+	return tx.Bucket(bucketBridgeServes).Put(key(bridgeID, deviceID), nil)
+}
+
+// unassign takes deviceID from the bridge serving it, and returns that
+// bridge ("" when none did).
+func unassign(tx *bolt.Tx, deviceID string) (string, error) {
+	assignments := tx.Bucket(bucketAssignments)
+	old := string(assignments.Get([]byte(deviceID)))
+	if old == "" {
+		return "", nil
+	}
+	if err := assignments.Delete([]byte(deviceID)); err != nil {
+		return "", err
+	}
+	return old, tx.Bucket(bucketBridgeServes).Delete(key(old, deviceID))
+}
+
+// AssignDevice makes bridgeID serve deviceID, or no bridge when bridgeID is
+// "", and returns the bridge that served it before ("" none). With ownerID
+// set, it is a user's request: the device must be bound to that user and
+// the bridge must be one of that user's own (ErrNotOwned otherwise; an
+// unassignment needs only the device). ErrNotFound means no such device or
+// bridge.
+func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (previous string, err error) {
+	if !validID(deviceID) || (bridgeID != "" && !validID(bridgeID)) {
+		return "", ErrNotFound
+	}
+	err = db.update(func(tx *bolt.Tx) error {
+		previous = ""
+		if tx.Bucket(bucketDevices).Get([]byte(deviceID)) == nil {
+			return abort(ErrNotFound)
+		}
+		if ownerID != "" {
+			var b Binding
+			ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
+			if err != nil {
+				return err
+			}
+			if !ok || b.UserID != ownerID {
+				return abort(ErrNotOwned)
+			}
+		}
+		if bridgeID == "" {
+			var err error
+			previous, err = unassign(tx, deviceID)
+			return err
+		}
+		var br Bridge
+		ok, err := getJSON(tx.Bucket(bucketBridges), []byte(bridgeID), &br)
+		if err != nil {
+			return err
+		}
+		switch {
+		case !ok:
+			return abort(ErrNotFound)
+		case ownerID != "" && br.OwnerID != ownerID:
+			return abort(ErrNotOwned)
+		case br.OwnerID != "" && ownerID == "":
+			// The operator too keeps a user's bridge to that user's devices.
+			var b Binding
+			ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
+			if err != nil {
+				return err
+			}
+			if !ok || b.UserID != br.OwnerID {
+				return abort(ErrNotOwned)
+			}
+		}
+		previous = string(tx.Bucket(bucketAssignments).Get([]byte(deviceID)))
+		return assign(tx, deviceID, bridgeID)
+	})
+	return previous, err
+}
+
+// DeviceBridge returns the bridge serving the device, "" when none does.
+func (db *DB) DeviceBridge(ctx context.Context, deviceID string) (string, error) {
+	var bridge string
+	if !validID(deviceID) {
+		return "", nil
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		bridge = string(tx.Bucket(bucketAssignments).Get([]byte(deviceID)))
+		return nil
+	})
+	return bridge, err
+}
+
+// BridgeServes reports whether bridgeID serves deviceID.
+func (db *DB) BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error) {
+	if !validID(bridgeID) || !validID(deviceID) {
+		return false, nil
+	}
+	var ok bool
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		ok = tx.Bucket(bucketBridgeServes).Get(key(bridgeID, deviceID)) != nil
+		return nil
+	})
+	return ok, err
+}
+
+// ServedDevices returns, in order, the ids of the devices bridgeID serves.
+func (db *DB) ServedDevices(ctx context.Context, bridgeID string) ([]string, error) {
+	ids := []string{}
+	if !validID(bridgeID) {
+		return ids, nil
+	}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		scanPrefix(tx.Bucket(bucketBridgeServes), prefix(bridgeID), func(dev []byte) bool {
+			ids = append(ids, string(dev))
+			return true
+		})
+		return nil
+	})
+	return ids, err
+}
+
+// ListBridges returns the bridges of ownerID ("" the operator's) in id
+// order, after the bridge id `after`, at most limit of them (limit <= 0:
+// all), and whether more follow.
+func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]Bridge, bool, error) {
+	out := []Bridge{}
+	var more bool
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		bridges := tx.Bucket(bucketBridges)
+		each := func(id []byte) (bool, error) {
+			if limit > 0 && len(out) == limit {
+				more = true
+				return false, nil
+			}
+			var b Bridge
+			ok, err := getJSON(bridges, id, &b)
+			if err != nil || !ok || b.OwnerID != ownerID {
+				return err == nil, err
+			}
+			out = append(out, b)
+			return true, nil
+		}
+		if ownerID != "" {
+			p := prefix(ownerID)
+			c := tx.Bucket(bucketOwnerBridges).Cursor()
+			for k, _ := c.Seek(append(bytes.Clone(p), after...)); k != nil && bytes.HasPrefix(k, p); k, _ = c.Next() {
+				if string(k[len(p):]) == after {
+					continue
+				}
+				if goOn, err := each(k[len(p):]); err != nil || !goOn {
+					return err
+				}
+			}
+			return nil
+		}
+		c := bridges.Cursor()
+		for k, _ := c.Seek([]byte(after)); k != nil; k, _ = c.Next() {
+			if string(k) == after {
+				continue
+			}
+			if goOn, err := each(k); err != nil || !goOn {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, false, err
+	}
+	return out, more, nil
+}
+
+// DeleteBridge removes a bridge, its secret and its assignments, and
+// returns the devices it served. With ownerID set, only one of that user's
+// own bridges goes (ErrNotOwned for another's).
+func (db *DB) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error) {
+	if !validID(bridgeID) {
+		return nil, ErrNotFound
+	}
+	var served []string
+	err := db.update(func(tx *bolt.Tx) error {
+		served = nil
+		var b Bridge
+		ok, err := getJSON(tx.Bucket(bucketBridges), []byte(bridgeID), &b)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return abort(ErrNotFound)
+		}
+		if ownerID != "" && b.OwnerID != ownerID {
+			return abort(ErrNotOwned)
+		}
+		scanPrefix(tx.Bucket(bucketBridgeServes), prefix(bridgeID), func(dev []byte) bool {
+			served = append(served, string(dev))
+			return true
+		})
+		for _, dev := range served {
+			if _, err := unassign(tx, dev); err != nil {
+				return err
+			}
+		}
+		if err := tx.Bucket(bucketBridgeSecrets).Delete(b.SecretHash); err != nil {
+			return err
+		}
+		if b.OwnerID != "" {
+			if err := tx.Bucket(bucketOwnerBridges).Delete(key(b.OwnerID, b.ID)); err != nil {
+				return err
+			}
+		}
+		return tx.Bucket(bucketBridges).Delete([]byte(bridgeID))
+	})
+	if err != nil {
+		return nil, err
+	}
+	return served, nil
+}
+
+// BlobNeeded reports whether an unfinished command of a device bridgeID
+// serves references the blob: only then may the bridge download it.
+func (db *DB) BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error) {
+	if !validID(sha) || !validID(bridgeID) {
+		return false, nil
+	}
+	var needed bool
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		serves := tx.Bucket(bucketBridgeServes)
+		c := tx.Bucket(bucketBlobRefs).Cursor()
+		p := prefix(sha)
+		for k, dev := c.Seek(p); k != nil && bytes.HasPrefix(k, p); k, dev = c.Next() {
+			if serves.Get(key(bridgeID, string(dev))) != nil {
+				needed = true
+				return nil
+			}
+		}
+		return nil
+	})
+	return needed, err
+}
