@@ -1,0 +1,174 @@
+package mcuboot_test
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/devicecompanion/companion/mcuboot"
+)
+
+// The files in testdata were written by MCUboot's imgtool from payload.bin:
+//
+//	imgtool sign --version 1.2.3+4 --header-size 0x200 --pad-header --slot-size 0x20000 payload.bin imgtool-1.2.3+4.bin
+//	imgtool sign --version 2.0.0 --header-size 0x200 --pad-header --slot-size 0x20000 --security-counter 7 payload.bin imgtool-2.0.0-seccnt7.bin
+//
+// imgtool verify reports the second's digest as below.
+func TestImgtoolImages(t *testing.T) {
+	payload := readFile(t, "payload.bin")
+	for _, tt := range []struct {
+		file string
+		opts mcuboot.Options
+		hash string
+	}{
+		{"imgtool-1.2.3+4.bin", mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 2, Revision: 3, Build: 4}, HeaderSize: 0x200}, ""},
+		{"imgtool-2.0.0-seccnt7.bin", mcuboot.Options{Version: mcuboot.Version{Major: 2}, HeaderSize: 0x200,
+			Protected: []mcuboot.TLV{{Type: mcuboot.TLVSecurityCounter, Value: []byte{7, 0, 0, 0}}}},
+			"b4e288b3a789f0348f0f55d4b8ee81bca86ba1c04c0ef0b345617bb619adebfa"},
+	} {
+		t.Run(tt.file, func(t *testing.T) {
+			want := readFile(t, tt.file)
+			img, err := mcuboot.Parse(want)
+			if err != nil {
+				t.Fatalf("Parse(%s) = %v", tt.file, err)
+			}
+			if img.Header.Version != tt.opts.Version || img.Header.HeaderSize != 0x200 || int(img.Header.ImageSize) != len(payload) {
+				t.Errorf("Parse(%s).Header = %+v", tt.file, img.Header)
+			}
+			if tt.hash != "" && hex.EncodeToString(img.Hash) != tt.hash {
+				t.Errorf("Parse(%s).Hash = %x; want imgtool's %s", tt.file, img.Hash, tt.hash)
+			}
+			if len(img.Protected) != len(tt.opts.Protected) {
+				t.Errorf("Parse(%s) has %d protected TLVs; want %d", tt.file, len(img.Protected), len(tt.opts.Protected))
+			}
+			got, err := mcuboot.Build(payload, tt.opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Errorf("Build(payload, %+v) differs from imgtool's %s", tt.opts, tt.file)
+			}
+		})
+	}
+}
+
+func readFile(tb testing.TB, name string) []byte {
+	tb.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", name))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return b
+}
+
+// Every way an image can be broken is refused naming the part.
+func TestParseRefuses(t *testing.T) {
+	good := mcuboot.MustBuild(bytes.Repeat([]byte{0xa5}, 300), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 1}})
+	edit := func(f func(b []byte) []byte) []byte { return f(bytes.Clone(good)) }
+	tlvStart := 32 + 300
+	for _, tt := range []struct {
+		name  string
+		b     []byte
+		field string
+	}{
+		{"empty", nil, "header"},
+		{"short header", good[:20], "header"},
+		{"not an image", bytes.Repeat([]byte("firmware"), 100), "magic"},
+		{"header size below 32", edit(func(b []byte) []byte { b[8] = 16; return b }), "header_size"},
+		{"truncated image", good[:200], "image_size"},
+		{"no TLVs", good[:tlvStart], "image_size"},
+		{"image size too large", edit(func(b []byte) []byte { binary.LittleEndian.PutUint32(b[12:], 1<<20); return b }), "image_size"},
+		{"bad TLV magic", edit(func(b []byte) []byte { b[tlvStart] = 0; return b }), "tlv_info"},
+		{"trailing bytes", append(bytes.Clone(good), 0xff, 0xff), "size"},
+		{"area size past the end", edit(func(b []byte) []byte { b[tlvStart+2]++; return b }), "tlv_info"},
+		{"corrupt image byte", edit(func(b []byte) []byte { b[100] ^= 1; return b }), "sha256"},
+		{"corrupt hash", edit(func(b []byte) []byte { b[len(b)-1] ^= 1; return b }), "sha256"},
+		{"no hash TLV", edit(func(b []byte) []byte { b[tlvStart+4] = 0x11; return b }), "sha256"},
+		{"protected area not in header", edit(func(b []byte) []byte {
+			binary.LittleEndian.PutUint16(b[tlvStart:], mcuboot.ProtectedTLVInfoMagic)
+			return b
+		}), "protected_tlv"},
+		{"protected size without area", edit(func(b []byte) []byte { binary.LittleEndian.PutUint16(b[10:], 8); return b }), "protected_tlv"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := mcuboot.Parse(tt.b)
+			var fe *mcuboot.FormatError
+			if !errors.As(err, &fe) || fe.Field != tt.field {
+				t.Errorf("Parse(%s) = %v; want a FormatError of field %q", tt.name, err, tt.field)
+			}
+		})
+	}
+}
+
+// A Verifier fed a byte at a time agrees with Parse; ReadInfo skips the
+// hash (as img_mgmt does) but checks the structure.
+func TestVerifierStreams(t *testing.T) {
+	payload := make([]byte, 5000)
+	for i := range payload {
+		payload[i] = byte(i * 7)
+	}
+	b := mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 3, Minor: 1, Revision: 4, Build: 1},
+		HeaderSize: 0x200, Protected: []mcuboot.TLV{{Type: mcuboot.TLVSecurityCounter, Value: []byte{1, 0, 0, 0}}},
+		TLVs: []mcuboot.TLV{{Type: 0x01, Value: make([]byte, 32)}}})
+	v := mcuboot.NewVerifier()
+	for i := range b {
+		v.Write(b[i : i+1])
+	}
+	img, err := v.Close()
+	if err != nil {
+		t.Fatalf("streamed: %v", err)
+	}
+	sum := sha256.Sum256(b[:img.Header.HashedSize()])
+	if !bytes.Equal(img.Hash, sum[:]) || img.Size != int64(len(b)) || len(img.TLVs) != 2 {
+		t.Errorf("streamed image %+v", img)
+	}
+	b[300] ^= 0xff
+	if _, err := mcuboot.Parse(b); err == nil {
+		t.Error("Parse of a corrupt image succeeded")
+	}
+	if img, err := mcuboot.ReadInfo(b); err != nil || img.Header.Version.String() != "3.1.4+1" {
+		t.Errorf("ReadInfo of a corrupt image = %v, %v; want its info", img, err)
+	}
+}
+
+func TestVersions(t *testing.T) {
+	for _, tt := range []struct {
+		in, semver, mcumgr string
+		ok                 bool
+	}{
+		{"1.2.3", "1.2.3", "1.2.3", true},
+		{"1.2.3+4", "1.2.3+4", "1.2.3.4", true},
+		{"255.255.65535+4294967295", "255.255.65535+4294967295", "255.255.65535.4294967295", true},
+		{"1.2.3+0", "1.2.3", "1.2.3", true},
+		{"256.0.0", "", "", false},
+		{"1.2.65536", "", "", false},
+		{"1.2.0-rc1", "", "", false},
+		{"1.2", "", "", false},
+		{"01.2.3", "", "", false},
+		{"1.2.3+build", "", "", false},
+	} {
+		v, err := mcuboot.ParseVersion(tt.in)
+		if (err == nil) != tt.ok {
+			t.Errorf("ParseVersion(%q) = %v; want ok %v", tt.in, err, tt.ok)
+			continue
+		}
+		if !tt.ok {
+			continue
+		}
+		if v.String() != tt.semver || v.MCUmgrString() != tt.mcumgr {
+			t.Errorf("ParseVersion(%q) = %s / %s; want %s / %s", tt.in, v, v.MCUmgrString(), tt.semver, tt.mcumgr)
+		}
+		if w, err := mcuboot.ParseMCUmgrVersion(v.MCUmgrString()); err != nil || w != v {
+			t.Errorf("ParseMCUmgrVersion(%q) = %v, %v; want %v", v.MCUmgrString(), w, err, v)
+		}
+	}
+	a, b := mcuboot.Version{Major: 1, Minor: 2, Revision: 3}, mcuboot.Version{Major: 1, Minor: 2, Revision: 3, Build: 1}
+	if a.Compare(b) != -1 || b.Compare(a) != 1 || a.Compare(a) != 0 {
+		t.Errorf("Compare(%s, %s) = %d", a, b, a.Compare(b))
+	}
+}
