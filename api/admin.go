@@ -11,6 +11,7 @@ import (
 	"github.com/gin-gonic/gin"
 	"github.com/google/uuid"
 
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -120,9 +121,11 @@ type provisionJSON struct {
 }
 
 // upload streams a raw body of at most limit bytes into a blob; one over
-// it leaves nothing behind and is answered as readBody answers it. Its
+// it leaves nothing behind and is answered as readBody answers it. check,
+// when not nil, wraps the body: an error it returns instead of the body's
+// end leaves nothing behind either, and comes back as it is. Its
 // Idempotency-Key covers method, path and the content's SHA-256.
-func (s *Server) upload(c *gin.Context, limit int64) (blob store.Blob, rec *store.Idempotency, replayed bool, err error) {
+func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Reader) (blob store.Blob, rec *store.Idempotency, replayed bool, err error) {
 	if _, err := idempotencyKey(c); err != nil {
 		return blob, nil, false, err
 	}
@@ -134,7 +137,11 @@ func (s *Server) upload(c *gin.Context, limit int64) (blob store.Blob, rec *stor
 		return blob, nil, false, invalid("body", "must not be empty")
 	}
 	body := &countingReader{r: r.Body}
-	blob, err = s.store.PutBlob(r.Context(), body, limit)
+	var src io.Reader = body
+	if check != nil {
+		src = check(body)
+	}
+	blob, err = s.store.PutBlob(r.Context(), src, limit)
 	switch {
 	case errors.Is(err, store.ErrTooLarge):
 		return blob, nil, false, bodyTooLarge(c, body.n, limit)
@@ -164,7 +171,21 @@ func (s *Server) adminPutFirmware(c *gin.Context) error {
 	if !topics.ValidVersion(version) {
 		return invalid("version", "must be a semantic version such as 1.2.3")
 	}
-	blob, rec, replayed, err := s.upload(c, s.limits.MaxFirmwareBytes)
+	want, err := mcuboot.ParseVersion(version)
+	if err != nil {
+		return invalid("version", "an MCUboot image header cannot hold it: it takes major.minor.revision (at most 255.255.65535) and an optional +build number")
+	}
+	blob, rec, replayed, err := s.upload(c, s.limits.MaxFirmwareBytes, func(r io.Reader) io.Reader {
+		return &imageReader{r: r, v: mcuboot.NewVerifier(), want: want}
+	})
+	var fe *mcuboot.FormatError
+	if errors.As(err, &fe) {
+		detail := "the body is not an MCUboot image (imgtool's format): " + fe.Field + ": " + fe.Msg
+		if fe.Field == "version" {
+			detail = fe.Msg
+		}
+		return &Error{Code: CodeValidationFailed, Detail: detail, Fields: []FieldError{{Field: "image." + fe.Field, Message: fe.Msg}}}
+	}
 	if err != nil || replayed {
 		return err
 	}
@@ -186,6 +207,32 @@ func (s *Server) adminPutFirmware(c *gin.Context) error {
 	return s.reply(c, status, releaseJSON{Model: model, Version: version, SHA256: fw.SHA256, Size: fw.Size}, "", rec, nil)
 }
 
+// imageReader passes a firmware body through while it checks it as an
+// MCUboot image: at the body's end it returns the image's *FormatError
+// instead of io.EOF when it is not one, or when its header's version is
+// not want (Field "version"), so that nothing of it is stored.
+type imageReader struct {
+	r    io.Reader
+	v    *mcuboot.Verifier
+	want mcuboot.Version
+}
+
+func (ir *imageReader) Read(p []byte) (int, error) {
+	n, err := ir.r.Read(p)
+	ir.v.Write(p[:n])
+	if err != io.EOF {
+		return n, err
+	}
+	img, verr := ir.v.Close()
+	switch {
+	case verr != nil:
+		return n, verr
+	case img.Header.Version != ir.want:
+		return n, &mcuboot.FormatError{Field: "version", Msg: "the image header's version is " + img.Header.Version.String() + ", not the " + ir.want.String() + " it is published as"}
+	}
+	return n, io.EOF
+}
+
 func (s *Server) adminPutApp(c *gin.Context) error {
 	appID, version := c.Param("app_id"), c.Param("version")
 	if !topics.ValidAppID(appID) {
@@ -194,7 +241,7 @@ func (s *Server) adminPutApp(c *gin.Context) error {
 	if !topics.ValidVersion(version) {
 		return invalid("version", "must be a semantic version such as 1.2.3")
 	}
-	blob, rec, replayed, err := s.upload(c, s.limits.MaxAppBytes)
+	blob, rec, replayed, err := s.upload(c, s.limits.MaxAppBytes, nil)
 	if err != nil || replayed {
 		return err
 	}

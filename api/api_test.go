@@ -558,14 +558,14 @@ func TestAdmin(t *testing.T) {
 		{"missing", map[string]any{}, 422, []string{"bridge_id"}},
 	})
 
-	fw := bytes.Repeat([]byte("f"), 1000)
+	fw := firmwareImage(t, "1.0.0", 1000)
 	r = raw("/api/v1/admin/firmware/sim-1/1.0.0", fw)
 	require.Equal(t, 201, r.status, "%s", r.body)
 	sum := sha256.Sum256(fw)
 	assert.Equal(t, map[string]any{"model": "sim-1", "version": "1.0.0", "sha256": hex.EncodeToString(sum[:]), "size": 1000.0}, r.json(t))
 	r = raw("/api/v1/admin/firmware/sim-1/1.0.0", fw)
 	assert.Less(t, r.status, 300, "the same content again is fine: %s", r.body)
-	r = raw("/api/v1/admin/firmware/sim-1/1.0.0", []byte("other"))
+	r = raw("/api/v1/admin/firmware/sim-1/1.0.0", firmwareImage(t, "1.0.0", 900))
 	assert.Equal(t, 409, r.status)
 	assert.Equal(t, CodeFirmwareExists, r.problem(t).Code)
 	r = raw("/api/v1/admin/firmware/sim-1/1.0.1", append(fw, 'x'))
@@ -606,10 +606,7 @@ func TestAdmin(t *testing.T) {
 
 func TestBlobs(t *testing.T) {
 	e := newEnv(t)
-	content := make([]byte, 10000)
-	for i := range content {
-		content[i] = byte(i * 7)
-	}
+	content := firmwareImage(t, "1.0.0", 10000)
 	r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.0.0", token: testAdminToken, body: content,
 		header: map[string]string{"Content-Type": "application/octet-stream"}})
 	require.Equal(t, 201, r.status, "%s", r.body)

@@ -256,7 +256,7 @@ func TestUploadOverLimitIsReadable(t *testing.T) {
 		assert.Empty(t, blobFiles(t, e.db))
 	})
 	// The limit itself is fine, on a new connection.
-	fw := bytes.Repeat([]byte("f"), limit)
+	fw := firmwareImage(t, "1.0.0", limit)
 	r := e.send(req{method: "PUT", path: path, token: testAdminToken, body: fw, header: map[string]string{"Content-Type": "application/octet-stream"}})
 	require.Equal(t, 201, r.status, "%s", r.body)
 	assert.Len(t, blobFiles(t, e.db), 1)

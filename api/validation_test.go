@@ -379,17 +379,18 @@ func TestAppAndOTAValidation(t *testing.T) {
 	r = e.do("POST", ota, tok, nil)
 	assert.Equal(t, CodeFirmwareNotFound, r.problem(t).Code)
 
-	put("/api/v1/admin/firmware/sim-1/1.0.0", []byte("fw 1.0.0"))
+	put("/api/v1/admin/firmware/sim-1/1.0.0", firmwareImage(t, "1.0.0", 500))
 	assert.Equal(t, false, check()["update_available"])
 	r = e.do("POST", ota, tok, nil)
 	assert.Equal(t, 409, r.status)
 	assert.Equal(t, CodeNoUpdate, r.problem(t).Code)
 
-	put("/api/v1/admin/firmware/sim-1/1.1.0", []byte("firmware 1.1.0"))
+	fw := firmwareImage(t, "1.1.0", 600)
+	put("/api/v1/admin/firmware/sim-1/1.1.0", fw)
 	m := check()
 	assert.Equal(t, "1.1.0", m["latest_version"])
 	assert.Equal(t, true, m["update_available"])
-	assert.Equal(t, float64(len("firmware 1.1.0")), m["size"])
+	assert.Equal(t, float64(len(fw)), m["size"])
 	assert.Len(t, m["sha256"], 64)
 
 	runBodyCases(t, e, "POST", ota, tok, []bodyCase{
@@ -403,7 +404,7 @@ func TestAppAndOTAValidation(t *testing.T) {
 	var ou topics.OTAUpdate
 	require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &ou))
 	assert.Equal(t, "1.1.0", ou.Version)
-	assert.Equal(t, int64(len("firmware 1.1.0")), ou.Blob.Size)
+	assert.Equal(t, int64(len(fw)), ou.Blob.Size)
 }
 
 func TestListQueryValidation(t *testing.T) {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -182,9 +183,14 @@ func (c adminClient) do(ctx context.Context, method, path, ctype string, body io
 	if resp.StatusCode/100 != 2 {
 		var p struct {
 			Title, Detail, Code string
+			Errors              []struct{ Field, Message string }
 		}
 		if json.Unmarshal(out, &p) == nil && p.Code != "" {
-			return nil, fmt.Errorf("%s %s: %d %s: %s", method, path, resp.StatusCode, p.Code, p.Detail)
+			msg := fmt.Sprintf("%s %s: %d %s: %s", method, path, resp.StatusCode, p.Code, p.Detail)
+			for _, e := range p.Errors {
+				msg += fmt.Sprintf("\n  %s: %s", e.Field, e.Message)
+			}
+			return nil, errors.New(msg)
 		}
 		return nil, fmt.Errorf("%s %s: %s", method, path, resp.Status)
 	}

@@ -35,9 +35,10 @@ func TestAdminCLI(t *testing.T) {
 	assert.NotEmpty(t, br["secret"])
 
 	fw := filepath.Join(t.TempDir(), "fw.bin")
-	require.NoError(t, os.WriteFile(fw, bytes.Repeat([]byte{1}, 1000), 0o600))
+	img := firmwareImage(t, "1.2.0", 1000)
+	require.NoError(t, os.WriteFile(fw, img, 0o600))
 	got := cli("firmware", "publish", "--model", "sim-1", "--version", "1.2.0", fw)
-	assert.EqualValues(t, 1000, got["size"])
+	assert.EqualValues(t, len(img), got["size"])
 	got = cli("app", "publish", "--app-id", "weather", "--version", "1.0.0", fw)
 	assert.Len(t, got["sha256"], 64)
 
@@ -52,6 +53,16 @@ func TestAdminCLI(t *testing.T) {
 	assert.ErrorAs(t, err, &ue)
 	err = run(context.Background(), []string{"user", "create", "eve", "--api-url", api, "--admin-token", "wrong"}, &bytes.Buffer{}, &bytes.Buffer{})
 	assert.ErrorContains(t, err, "401")
+
+	// Firmware that is not an MCUboot image of the version it is published
+	// as is refused, and the CLI says which part is wrong.
+	raw := filepath.Join(t.TempDir(), "raw.bin")
+	require.NoError(t, os.WriteFile(raw, bytes.Repeat([]byte{1}, 1000), 0o600))
+	err = run(context.Background(), []string{"firmware", "publish", "--model", "sim-1", "--version", "1.3.0", raw, "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
+	assert.ErrorContains(t, err, "422 validation_failed")
+	assert.ErrorContains(t, err, "image.magic: 0x01010101 is not MCUboot's 0x96f3b83d")
+	err = run(context.Background(), []string{"firmware", "publish", "--model", "sim-1", "--version", "1.3.0", fw, "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
+	assert.ErrorContains(t, err, "image.version: the image header's version is 1.2.0, not the 1.3.0 it is published as")
 }
 
 func TestFlagsFromEnvironment(t *testing.T) {

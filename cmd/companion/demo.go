@@ -20,6 +20,7 @@ import (
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/internal/tlsclient"
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
@@ -215,14 +216,28 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 }
 
 func publishDemoContent(ctx context.Context, db *store.DB) error {
-	put := func(size int) (store.Blob, error) {
+	random := func(size int) ([]byte, error) {
 		b := make([]byte, size)
-		if _, err := rand.Read(b); err != nil {
+		_, err := rand.Read(b)
+		return b, err
+	}
+	put := func(size int) (store.Blob, error) {
+		b, err := random(size)
+		if err != nil {
 			return store.Blob{}, err
 		}
 		return db.PutBlob(ctx, bytes.NewReader(b), int64(size))
 	}
-	fw, err := put(256 << 10)
+	// The firmware is an MCUboot image, as a Zephyr build signs it.
+	app, err := random(256 << 10)
+	if err != nil {
+		return err
+	}
+	img, err := mcuboot.Build(app, mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 1}, HeaderSize: 0x200})
+	if err != nil {
+		return err
+	}
+	fw, err := db.PutBlob(ctx, bytes.NewReader(img), int64(len(img)))
 	if err != nil {
 		return err
 	}

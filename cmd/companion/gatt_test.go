@@ -76,8 +76,7 @@ func TestEveryOperationOverGATT(t *testing.T) {
 	require.NotEmpty(t, imgs)
 	assert.True(t, bytes.Equal(img, imgs[len(imgs)-1].Data), "the device holds the image as sent")
 
-	fw := make([]byte, 256<<10)
-	rand.Read(fw)
+	fw := firmwareImage(t, "1.3.0", 256<<10)
 	r := f.admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.3.0", fw)
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	cmd = u.accept("POST", dp+"/ota/update", map[string]any{"version": "1.3.0"})

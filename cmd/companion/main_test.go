@@ -194,7 +194,7 @@ func setupFleet(tb testing.TB, m *Main, devices ...string) *fleet {
 		f.claims[id] = code
 	}
 
-	f.firmware = bytes.Repeat([]byte("firmware"), 8<<10) // 64 KiB
+	f.firmware = firmwareImage(tb, "1.1.0", 64<<10) // an MCUboot image of 64 KiB
 	r = f.admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.1.0", f.firmware)
 	require.Equal(tb, 201, r.Status, "%s", r.Body)
 	for _, v := range []string{"1.0.0", "1.2.0"} {
