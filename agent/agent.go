@@ -40,8 +40,9 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// Device is what the agent needs of a device. Implementations: sim today,
-// GATT later.
+// Device is what the agent needs of a device. Implementations: gatt.Device
+// (a device over Bluetooth, stock MCUmgr and the project's groups) and
+// sim.Device (the simulator driven without a link).
 //
 // cmdID is the command id: a device treats a repeated cmdID as already done
 // and returns nil without doing it again. Every method must return soon
@@ -56,8 +57,9 @@ type Device interface {
 	InstallApp(ctx context.Context, cmdID, appID, version string, pkg []byte) error
 	UninstallApp(ctx context.Context, cmdID, appID string) error
 	UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error
-	// UpdateFirmware writes the image, calling progress with 0–100 as it
-	// goes; the device reboots after it.
+	// UpdateFirmware installs image, an MCUboot image of version, calling
+	// progress with 0–100 as it goes: the device reboots into it and it is
+	// confirmed before UpdateFirmware returns nil.
 	UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error
 }
 

@@ -111,7 +111,7 @@ func TestEveryOpSucceeds(t *testing.T) {
 	image := bytes.Repeat([]byte("\x89PNG-image-"), 1000)
 	appV1 := bytes.Repeat([]byte("app-1.0.0"), 500)
 	appV2 := bytes.Repeat([]byte("app-1.1.0"), 500)
-	firmware := bytes.Repeat([]byte("firmware-2.0.0"), 10000)
+	firmware := firmwareImage(t, "2.0.0", bytes.Repeat([]byte("firmware-2.0.0"), 10000))
 
 	steps := []struct {
 		name         string
@@ -412,7 +412,7 @@ func TestBlobDownloadResumes(t *testing.T) {
 	dev := newSim("dev-1")
 	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{dev}})
 
-	firmware := bytes.Repeat([]byte("0123456789abcdef"), 64<<10) // 1 MiB
+	firmware := firmwareImage(t, "1.1.0", bytes.Repeat([]byte("0123456789abcdef"), 64<<10)) // 1 MiB and a little
 	ref := bs.add(firmware)
 	bs.cutNext(ref.SHA256, 300<<10)
 	c := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "1.1.0", Blob: ref})

@@ -24,6 +24,7 @@ import (
 	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -454,4 +455,15 @@ func (br *bridge) stop(tb testing.TB) {
 
 func newSim(id string) *sim.Device {
 	return sim.New(sim.Options{ID: id})
+}
+
+// firmwareImage makes payload an MCUboot image of version, as a firmware
+// engineer's build signs it.
+func firmwareImage(tb testing.TB, version string, payload []byte) []byte {
+	tb.Helper()
+	v, err := mcuboot.ParseVersion(version)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return mcuboot.MustBuild(payload, mcuboot.Options{Version: v, HeaderSize: 0x200})
 }

@@ -40,12 +40,11 @@ func BenchmarkGoodput(b *testing.B) {
 }
 
 // BenchmarkDropCost measures the time one dropped connection adds to a
-// 1 MiB firmware transfer at MTU 247: the same transfer with and without a
-// drop at half way.
+// 1 MiB firmware update at MTU 247: the same update (upload, test, reset,
+// confirm) with and without a drop half way through the upload.
 func BenchmarkDropCost(b *testing.B) {
 	d, _, _ := newSimDevice(b, sim.LinkOptions{}, gatt.DeviceOptions{})
 	dropD, _, dropN := newSimDevice(b, sim.LinkOptions{}, gatt.DeviceOptions{})
-	data := randomBytes(b, 1<<20)
 	ctx := context.Background()
 	for _, dev := range []*gatt.Device{d, dropD} {
 		if _, err := dev.Info(ctx); err != nil {
@@ -54,16 +53,23 @@ func BenchmarkDropCost(b *testing.B) {
 	}
 	var lost time.Duration
 	b.ResetTimer()
+	var size int
 	for i := 0; i < b.N; i++ {
+		// A new version each time: the device runs the last one.
+		version := fmt.Sprintf("2.%d.0", i+1)
+		b.StopTimer()
+		data := firmwareImage(b, version, 1<<20)
+		size = len(data)
+		b.StartTimer()
 		start := time.Now()
-		if err := d.UpdateFirmware(ctx, fmt.Sprintf("fw-%d", i), "2.0.0", data, nil); err != nil {
+		if err := d.UpdateFirmware(ctx, fmt.Sprintf("fw-%d", i), version, data, nil); err != nil {
 			b.Fatal(err)
 		}
 		clean := time.Since(start)
 		var once sync.Once
 		start = time.Now()
-		err := dropD.UpdateFirmware(ctx, fmt.Sprintf("fw-%d", i), "2.0.0", data, func(pct int) {
-			if pct >= 50 {
+		err := dropD.UpdateFirmware(ctx, fmt.Sprintf("fw-%d", i), version, data, func(pct int) {
+			if pct >= 45 {
 				once.Do(func() { dropN.Drop("dev-1") })
 			}
 		})
@@ -75,5 +81,5 @@ func BenchmarkDropCost(b *testing.B) {
 	b.ReportMetric(float64(lost.Milliseconds())/float64(b.N), "ms-lost/drop")
 	st := dropD.TransferStats()
 	last := st[len(st)-1]
-	b.ReportMetric(float64(last.DataBytesSent-int64(len(data))), "bytes-resent/drop")
+	b.ReportMetric(float64(last.DataBytesSent-int64(size)), "bytes-resent/drop")
 }

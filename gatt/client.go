@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -28,16 +30,20 @@ type ClientOptions struct {
 	Logger         *slog.Logger
 }
 
-// Client is the bridge's SMP client over one Link: it frames requests,
-// splits them into writes of at most MTU-3 bytes, reassembles notified
-// responses and matches them to requests by sequence number. When the
-// link goes down every pending request fails with ErrDisconnected. It is
-// safe for concurrent use.
+// Client is the bridge's SMP client over one Link: it frames requests
+// (SMP version 2; a device answering version 1 is understood too), writes
+// them, reassembles notified responses and matches them to requests by
+// sequence number. A request goes out in one write of at most MTU-3 bytes
+// unless SetMaxRequest allows longer ones (a device that reassembles):
+// those are split into consecutive writes. When the link goes down every
+// pending request fails with ErrDisconnected. It is safe for concurrent
+// use.
 type Client struct {
 	link    Link
 	frag    int
 	timeout time.Duration
 	log     *slog.Logger
+	maxReq  atomic.Int64 // the longest request message sent
 
 	wmu sync.Mutex // the writes of one message go out together
 
@@ -80,6 +86,7 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 		reasm:   NewReassembler(opts.MaxResponse),
 		stop:    make(chan struct{}),
 	}
+	c.maxReq.Store(int64(c.frag))
 	if err := link.Subscribe(ctx, SMPCharUUID, c.onNotify); err != nil {
 		return nil, fmt.Errorf("gatt: subscribe to SMP: %w", err)
 	}
@@ -97,6 +104,17 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 
 // MTU is the link's ATT MTU.
 func (c *Client) MTU() int { return c.link.MTU() }
+
+// Frag is the most bytes one write carries: MTU-3.
+func (c *Client) Frag() int { return c.frag }
+
+// MaxRequest is the longest request message, header included, the client
+// sends: one write unless SetMaxRequest said otherwise.
+func (c *Client) MaxRequest() int { return int(c.maxReq.Load()) }
+
+// SetMaxRequest lets requests of up to n bytes go out, split across
+// writes: for a device that reassembles them into buffers of n bytes.
+func (c *Client) SetMaxRequest(n int) { c.maxReq.Store(int64(min(max(n, HeaderSize+1), MaxMessage))) }
 
 // Link returns the link the client speaks over.
 func (c *Client) Link() Link { return c.link }
@@ -174,9 +192,19 @@ func (c *Client) Start(ctx context.Context, op uint8, group uint16, id uint8, re
 	if err != nil {
 		return nil, err
 	}
-	if len(body) > 0xffff {
-		return nil, fmt.Errorf("gatt: request body of %d bytes is too long", len(body))
+	if n := HeaderSize + len(body); n > c.MaxRequest() {
+		why := "one write: the device does not reassemble"
+		if c.MaxRequest() > c.frag {
+			why = "its SMP buffer"
+		}
+		return nil, &Error{Group: group, ID: id, RC: RCMsgSize,
+			Reason: fmt.Sprintf("the request of %d bytes is longer than the %d the device takes (%s)", n, c.MaxRequest(), why)}
 	}
+	return c.send(ctx, op, group, id, body)
+}
+
+// send writes a framed request of any length, split into writes.
+func (c *Client) send(ctx context.Context, op uint8, group uint16, id uint8, body []byte) (*Call, error) {
 	call := &Call{c: c, op: op, group: group, id: id, ch: make(chan result, 1)}
 
 	c.wmu.Lock()
@@ -200,7 +228,7 @@ func (c *Client) Start(ctx context.Context, op uint8, group uint16, id uint8, re
 	c.mu.Unlock()
 
 	msg := make([]byte, 0, HeaderSize+len(body))
-	msg = AppendHeader(msg, Header{Op: op, Len: uint16(len(body)), Group: group, Seq: call.seq, ID: id})
+	msg = AppendHeader(msg, Header{Op: op, Version: SMPv2, Len: uint16(len(body)), Group: group, Seq: call.seq, ID: id})
 	msg = append(msg, body...)
 	for off := 0; off < len(msg); off += c.frag {
 		if err := c.link.Write(ctx, SMPCharUUID, msg[off:min(off+c.frag, len(msg))], false); err != nil {
@@ -240,7 +268,8 @@ func (call *Call) Abandon() {
 }
 
 // Wait waits for the response and decodes its body into resp (which may be
-// nil). A response with a non-zero rc is returned as an *Error.
+// nil). A response with a non-zero rc, or a group's error, is returned as
+// an *Error.
 func (call *Call) Wait(ctx context.Context, resp any) error {
 	var r result
 	select {
@@ -259,6 +288,9 @@ func (call *Call) Wait(ctx context.Context, resp any) error {
 	var st Status
 	if err := DecodeBody(r.msg.Body, &st); err != nil {
 		return fmt.Errorf("gatt: response to group %d command %d: %w", call.group, call.id, err)
+	}
+	if st.Err != nil && st.Err.RC != 0 {
+		return &Error{Group: st.Err.Group, ID: call.id, GroupRC: st.Err.RC, Reason: st.Reason}
 	}
 	if st.RC != RCOK {
 		return &Error{Group: call.group, ID: call.id, RC: st.RC, Reason: st.Reason}
@@ -293,4 +325,54 @@ func (c *Client) Echo(ctx context.Context, d string) (string, error) {
 	var r EchoResponse
 	err := c.Do(ctx, OpWrite, GroupOS, CmdOSEcho, EchoRequest{D: d}, &r)
 	return r.R, err
+}
+
+// ProbeReassembly finds out whether the device joins a request split
+// across writes (Zephyr: CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY), which
+// nothing it reports says. It sends an echo one byte longer than a write:
+// the header and most of the body in the first write, 1 byte in the
+// second. A device that reassembles answers it (or answers rc 8 if it has
+// no echo: either way it read the whole message). One that does not takes
+// the first write as a message cut short and answers rc 9 (ECORRUPT), and
+// drops the 1-byte write, too short for a header, without an answer.
+func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bool, error) {
+	// The message is one write and k more bytes, 1 ≤ k < 8: too few for
+	// a header, so a device that does not reassemble drops them.
+	var body []byte
+	for k := 1; k < HeaderSize && body == nil; k++ {
+		for n := c.frag + k - HeaderSize - 3; n >= 0; n-- {
+			b, err := EncodeBody(EchoRequest{D: strings.Repeat("r", n)})
+			if err != nil {
+				return false, err
+			}
+			if HeaderSize+len(b) == c.frag+k {
+				body = b
+				break
+			}
+			if HeaderSize+len(b) < c.frag+k {
+				break
+			}
+		}
+	}
+	if body == nil {
+		return false, fmt.Errorf("gatt: no reassembly probe fits writes of %d bytes", c.frag)
+	}
+	call, err := c.send(ctx, OpWrite, GroupOS, CmdOSEcho, body)
+	if err != nil {
+		return false, err
+	}
+	call.timer.Reset(timeout)
+	err = call.Wait(ctx, nil)
+	var e *Error
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.As(err, &e) && e.RC == RCCorrupt:
+		return false, nil
+	case errors.As(err, &e):
+		return true, nil // it parsed the whole message to refuse it
+	case errors.Is(err, ErrTimeout):
+		return false, nil
+	}
+	return false, err
 }

@@ -2,6 +2,7 @@ package gatt
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -10,7 +11,9 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -29,8 +32,13 @@ const (
 	DefaultConnectTimeout = 10 * time.Second
 	DefaultMinBackoff     = 50 * time.Millisecond
 	DefaultMaxBackoff     = 5 * time.Second
+	DefaultProbeTimeout   = 2 * time.Second
+	DefaultRebootTimeout  = 10 * time.Second
 	// busyRetries is how often a request answered "busy" is repeated.
 	busyRetries = 5
+	// maxResets is how often the bridge resets a device that comes back
+	// with the new image still pending (it did not reboot).
+	maxResets = 3
 )
 
 // DeviceOptions configure a Device. The zero value of a field means its
@@ -43,10 +51,19 @@ type DeviceOptions struct {
 	RequestTimeout time.Duration // per SMP request; default DefaultRequestTimeout
 	MinBackoff     time.Duration // first pause between connection attempts; default DefaultMinBackoff
 	MaxBackoff     time.Duration // longest pause; default DefaultMaxBackoff
-	// Window is the most upload chunks in flight; 0 means the device's
-	// buf_count (MCUmgr parameters), or DefaultWindow if it does not say.
+	// Window is the most upload chunks in flight; 0 means one less than
+	// the device's buf_count (MCUmgr parameters: its buffers serve requests
+	// and responses alike, so one must stay free for the answer), or 1 if
+	// it does not say.
 	Window int
-	Logger *slog.Logger
+	// ProbeTimeout bounds the wait for the answer to the reassembly probe
+	// (Client.ProbeReassembly); default DefaultProbeTimeout.
+	ProbeTimeout time.Duration
+	// RebootTimeout is how long the bridge waits, after an OS reset, for
+	// the device to drop the link as it reboots; default
+	// DefaultRebootTimeout.
+	RebootTimeout time.Duration
+	Logger        *slog.Logger
 }
 
 // Device is a device reached over GATT. It satisfies agent.Device: it
@@ -67,9 +84,10 @@ type Device struct {
 }
 
 type session struct {
-	client   *Client
-	bufSize  int
-	bufCount int
+	client      *Client
+	bufSize     int
+	bufCount    int
+	reassembles bool
 }
 
 // ErrClosed is returned by a closed Device.
@@ -94,6 +112,12 @@ func NewDevice(opts DeviceOptions) (*Device, error) {
 	}
 	if opts.MaxBackoff < opts.MinBackoff {
 		opts.MaxBackoff = max(DefaultMaxBackoff, opts.MinBackoff)
+	}
+	if opts.ProbeTimeout <= 0 {
+		opts.ProbeTimeout = DefaultProbeTimeout
+	}
+	if opts.RebootTimeout <= 0 {
+		opts.RebootTimeout = DefaultRebootTimeout
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
@@ -193,7 +217,7 @@ func (d *Device) current() (*session, error) {
 }
 
 // connect makes one attempt: connect, subscribe, check the serial number,
-// learn the device's buffers.
+// learn the device's buffers and whether it reassembles requests.
 func (d *Device) connect(ctx context.Context) (*session, error) {
 	cctx, cancel := context.WithTimeout(ctx, d.opts.ConnectTimeout)
 	defer cancel()
@@ -216,16 +240,44 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		return nil, fmt.Errorf("the device reports serial number %q, not %q", serial, d.opts.ID)
 	}
 	p, err := c.Params(cctx)
-	if err != nil {
+	var e *Error
+	switch {
+	case errors.As(err, &e) && e.RC == RCNotSupported:
+		// No CONFIG_MCUMGR_GRP_OS_MCUMGR_PARAMS: one write per request,
+		// one request in flight.
+		p = ParamsResponse{}
+	case err != nil:
 		c.Close()
 		return nil, fmt.Errorf("MCUmgr parameters: %w", err)
 	}
 	s := &session{client: c, bufSize: p.BufSize, bufCount: p.BufCount}
-	if s.bufSize <= 0 {
-		s.bufSize = link.MTU() - 3 // a device that does not say takes one write
+	// Buffers longer than a write are a hint of reassembly, not a proof:
+	// Zephyr's smp_bt joins writes only with
+	// CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY, which nothing reports.
+	if p.BufSize > c.Frag() {
+		ok, err := c.ProbeReassembly(cctx, d.opts.ProbeTimeout)
+		if err != nil {
+			c.Close()
+			return nil, fmt.Errorf("reassembly probe: %w", err)
+		}
+		if ok {
+			s.reassembles = true
+			c.SetMaxRequest(p.BufSize)
+		}
 	}
-	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount)
+	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount, "reassembles", s.reassembles)
 	return s, nil
+}
+
+// window is the most upload requests in flight on s.
+func (d *Device) window(s *session) int {
+	switch {
+	case d.opts.Window > 0:
+		return d.opts.Window
+	case s.bufCount > 1:
+		return s.bufCount - 1
+	}
+	return 1
 }
 
 // retry runs fn over the live session, again over a new one whenever the
@@ -269,17 +321,14 @@ func (d *Device) do(ctx context.Context, op uint8, group uint16, id uint8, req, 
 	return d.retry(ctx, func(s *session) error { return s.client.Do(ctx, op, group, id, req, resp) })
 }
 
-// Info reads the Device Information and Battery services and lists the
-// installed apps.
+// Info reads the model (Device Information) and the battery level, the
+// running image's version (image state: the active slot) and the installed
+// apps.
 func (d *Device) Info(ctx context.Context) (Info, error) {
 	var info Info
 	err := d.retry(ctx, func(s *session) error {
 		link := s.client.Link()
 		model, err := link.Read(ctx, ModelNumberUUID)
-		if err != nil {
-			return err
-		}
-		fw, err := link.Read(ctx, FirmwareRevUUID)
 		if err != nil {
 			return err
 		}
@@ -290,11 +339,19 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 		if len(batt) != 1 || batt[0] > 100 {
 			return fmt.Errorf("gatt: battery level %x is not one byte 0–100", batt)
 		}
+		var st ImageStateResponse
+		if err := s.client.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st); err != nil {
+			return err
+		}
+		fw, err := runningVersion(st)
+		if err != nil {
+			return err
+		}
 		var apps AppsResponse
 		if err := s.client.Do(ctx, OpRead, GroupApps, CmdAppsList, nil, &apps); err != nil {
 			return err
 		}
-		info = Info{Model: string(model), FirmwareVersion: string(fw), Battery: int(batt[0]), Apps: []topics.App{}}
+		info = Info{Model: string(model), FirmwareVersion: fw, Battery: int(batt[0]), Apps: []topics.App{}}
 		for _, a := range apps.Apps {
 			info.Apps = append(info.Apps, topics.App{AppID: a.AppID, Version: a.Version})
 		}
@@ -304,16 +361,112 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 	return info, err
 }
 
-// Settings reads every setting and the schema (settings group).
+// runningVersion is the version of the active slot, as a semantic version.
+func runningVersion(st ImageStateResponse) (string, error) {
+	for _, sl := range st.Images {
+		if sl.Active && sl.Image == 0 {
+			v, err := mcuboot.ParseMCUmgrVersion(sl.Version)
+			if err != nil {
+				return "", fmt.Errorf("gatt: the image state's active version: %w", err)
+			}
+			return v.String(), nil
+		}
+	}
+	return "", errors.New("gatt: the image state lists no active image")
+}
+
+// Settings reads the schema (group 67) and then every setting by name
+// through settings_mgmt (group 3).
 func (d *Device) Settings(ctx context.Context) (map[string]any, topics.Schema, error) {
-	var r SettingsResponse
-	if err := d.do(ctx, OpRead, GroupSettings, CmdSettingsAll, nil, &r); err != nil {
+	var values map[string]any
+	var schema topics.Schema
+	err := d.retry(ctx, func(s *session) error {
+		var sr SchemaResponse
+		if err := s.client.Do(ctx, OpRead, GroupSettingsSchema, CmdSchemaRead, nil, &sr); err != nil {
+			return err
+		}
+		vals := make(map[string]any, len(sr.Schema))
+		for _, name := range sortedKeys(sr.Schema) {
+			var r SettingReadResponse
+			if err := s.client.Do(ctx, OpRead, GroupSettings, CmdSettingsValue, SettingReadRequest{Name: SettingsPrefix + name}, &r); err != nil {
+				return fmt.Errorf("read setting %s: %w", name, err)
+			}
+			v, err := DecodeSetting(sr.Schema[name], r.Val)
+			if err != nil {
+				return fmt.Errorf("setting %s: %w", name, err)
+			}
+			vals[name] = v
+		}
+		values, schema = vals, sr.Schema
+		return nil
+	})
+	if err != nil {
 		return nil, nil, err
 	}
-	if r.Values == nil {
-		r.Values = map[string]any{}
+	return values, schema, nil
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
 	}
-	return r.Values, r.Schema, nil
+	sort.Strings(keys)
+	return keys
+}
+
+// EncodeSetting turns a setting's value into the bytes settings_mgmt
+// carries as val, which the device's settings handler takes: an int as
+// 4 bytes little endian (int32_t), a bool as one byte 0 or 1, text as its
+// UTF-8 bytes. Whole numbers may come as float64 (from JSON).
+func EncodeSetting(v any) ([]byte, error) {
+	switch x := v.(type) {
+	case bool:
+		if x {
+			return []byte{1}, nil
+		}
+		return []byte{0}, nil
+	case string:
+		return []byte(x), nil
+	case float64:
+		if x != math.Trunc(x) || x < math.MinInt32 || x > math.MaxInt32 {
+			return nil, fmt.Errorf("gatt: %v is not a 32-bit integer", x)
+		}
+		return binary.LittleEndian.AppendUint32(nil, uint32(int32(x))), nil
+	case int:
+		return EncodeSetting(float64(x))
+	case int64:
+		return EncodeSetting(float64(x))
+	}
+	return nil, fmt.Errorf("gatt: a setting cannot be %T", v)
+}
+
+// DecodeSetting reads the bytes of a setting of spec's type: an int of 1,
+// 2, 4 or 8 bytes little endian, a bool of one byte, text as UTF-8.
+func DecodeSetting(spec topics.SettingSpec, b []byte) (any, error) {
+	switch spec.Type {
+	case topics.SettingInt:
+		switch len(b) {
+		case 1:
+			return int64(int8(b[0])), nil
+		case 2:
+			return int64(int16(binary.LittleEndian.Uint16(b))), nil
+		case 4:
+			return int64(int32(binary.LittleEndian.Uint32(b))), nil
+		case 8:
+			return int64(binary.LittleEndian.Uint64(b)), nil
+		}
+		return nil, fmt.Errorf("gatt: an int of %d bytes", len(b))
+	case topics.SettingBool:
+		if len(b) != 1 || b[0] > 1 {
+			return nil, fmt.Errorf("gatt: a bool of bytes %x", b)
+		}
+		return b[0] == 1, nil
+	}
+	if !utf8.Valid(b) {
+		return nil, errors.New("gatt: text that is not UTF-8")
+	}
+	return string(b), nil
 }
 
 // PushText shows a text (group 64).
@@ -324,13 +477,13 @@ func (d *Device) PushText(ctx context.Context, cmdID, title, text string) error 
 // PushImage uploads a picture to show (group 65).
 func (d *Device) PushImage(ctx context.Context, cmdID, contentType string, data []byte) error {
 	return d.upload(ctx, Upload{Group: GroupPush, ID: CmdPushUpload,
-		First: UploadRequest{CmdID: cmdID, ContentType: contentType}, Data: data})
+		First: UploadRequest{CmdID: cmdID, ContentType: contentType}, Data: data}, nil)
 }
 
 // InstallApp uploads an app package, installing or updating it (group 66).
 func (d *Device) InstallApp(ctx context.Context, cmdID, appID, version string, pkg []byte) error {
 	return d.upload(ctx, Upload{Group: GroupApps, ID: CmdAppsInstall,
-		First: UploadRequest{CmdID: cmdID, AppID: appID, Version: version}, Data: pkg})
+		First: UploadRequest{CmdID: cmdID, AppID: appID, Version: version}, Data: pkg}, nil)
 }
 
 // UninstallApp removes an app (group 66); the device answers RCNotFound
@@ -339,45 +492,160 @@ func (d *Device) UninstallApp(ctx context.Context, cmdID, appID string) error {
 	return d.do(ctx, OpWrite, GroupApps, CmdAppsUninstall, UninstallRequest{CmdID: cmdID, AppID: appID}, nil)
 }
 
-// UpdateSettings changes some settings (settings group). Whole numbers
-// travel as CBOR integers, whatever JSON made of them.
+// UpdateSettings changes some settings through settings_mgmt: a write of
+// each (sorted by name), then commit (the device's handlers apply them)
+// and save (they persist). The stock group has no command id and no
+// all-or-nothing write: each write is idempotent, so a repeat after a
+// dropped link is harmless, and the agent checks every value against the
+// device's schema before the first write.
 func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error {
-	vals := make(map[string]any, len(values))
-	for k, v := range values {
-		if f, ok := v.(float64); ok && f == math.Trunc(f) && math.Abs(f) < 1<<53 {
-			v = int64(f)
+	for _, name := range sortedKeys(values) {
+		val, err := EncodeSetting(values[name])
+		if err != nil {
+			return &Error{Group: GroupSettings, ID: CmdSettingsValue, RC: RCInvalid, Reason: name + ": " + err.Error()}
 		}
-		vals[k] = v
+		if err := d.do(ctx, OpWrite, GroupSettings, CmdSettingsValue, SettingWriteRequest{Name: SettingsPrefix + name, Val: val}, nil); err != nil {
+			return fmt.Errorf("write setting %s: %w", name, err)
+		}
 	}
-	return d.do(ctx, OpWrite, GroupSettings, CmdSettingsAll, SettingsRequest{CmdID: cmdID, Values: vals}, nil)
+	if err := d.do(ctx, OpWrite, GroupSettings, CmdSettingsCommit, nil, nil); err != nil {
+		return fmt.Errorf("commit settings: %w", err)
+	}
+	if err := d.do(ctx, OpWrite, GroupSettings, CmdSettingsSave, nil, nil); err != nil {
+		return fmt.Errorf("save settings: %w", err)
+	}
+	return nil
 }
 
-// UpdateFirmware uploads a firmware image with the image group's upload and
-// upgrade set: the device checks it, boots it and then reports version.
+// UpdateFirmware installs an MCUboot image the way Zephyr's img_mgmt and
+// MCUboot take one: upload it to the free slot (resumed from the device's
+// offset after a drop; the device's match checked), mark it for test with
+// its hash as the image state reports it, reset the device (OS group), and
+// once it runs the new image, confirm it. A device that comes back on its
+// old image (MCUboot refused or reverted the new one) fails with
+// CodeFirmwareReverted. Every step is decided by the image state read
+// before it, so a command run again after a bridge restart takes up where
+// the device is (cmdID is not needed on the device: the stock groups have
+// none).
 func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
-	u := Upload{Group: GroupImage, ID: CmdImageUpload,
-		First: UploadRequest{CmdID: cmdID, Version: version, Upgrade: true}, Data: image}
-	if progress != nil {
-		u.Progress = func(acked, total int) { progress(acked * 100 / max(total, 1)) }
+	img, err := mcuboot.Parse(image)
+	if err != nil {
+		return &Error{Group: GroupImage, ID: CmdImageUpload, RC: RCInvalid, Reason: "the firmware is not an MCUboot image: " + err.Error()}
 	}
-	return d.upload(ctx, u)
+	if got := img.Header.Version.String(); got != version {
+		return &Error{Group: GroupImage, ID: CmdImageUpload, RC: RCInvalid, Reason: fmt.Sprintf("the image's header says version %s, not %s", got, version)}
+	}
+	report := func(pct int) {
+		if progress != nil {
+			progress(pct)
+		}
+	}
+	resets, uploads := 0, 0
+	for {
+		var st ImageStateResponse
+		if err := d.do(ctx, OpRead, GroupImage, CmdImageState, nil, &st); err != nil {
+			return fmt.Errorf("read the image state: %w", err)
+		}
+		held := slotWithHash(st, img.Hash)
+		switch {
+		case held != nil && held.Active && held.Confirmed:
+			report(100)
+			return nil
+		case held != nil && held.Active:
+			// It runs the image under test: MCUboot would revert it at
+			// the next reset. Confirm it (no hash: the running image).
+			report(98)
+			if err := d.do(ctx, OpWrite, GroupImage, CmdImageState, ImageStateRequest{Confirm: true}, nil); err != nil {
+				return fmt.Errorf("confirm the image: %w", err)
+			}
+		case resets > 0 && (held == nil || !held.Pending):
+			running, _ := runningVersion(st)
+			return &Error{Group: GroupImage, ID: CmdImageState, Code: CodeFirmwareReverted,
+				Reason: fmt.Sprintf("after the reboot the device runs %s, not %s: MCUboot refused the new image or reverted it", running, version)}
+		case held != nil && held.Pending:
+			if resets == maxResets {
+				return &Error{Group: GroupOS, ID: CmdOSReset, RC: RCUnknown, Reason: fmt.Sprintf("the image is still pending after %d resets: the device does not reboot", resets)}
+			}
+			resets++
+			report(95)
+			if err := d.reset(ctx); err != nil {
+				return err
+			}
+		case held != nil:
+			if err := d.do(ctx, OpWrite, GroupImage, CmdImageState, ImageStateRequest{Hash: img.Hash}, nil); err != nil {
+				return fmt.Errorf("mark the image for test: %w", err)
+			}
+			report(92)
+		case uploads > 0:
+			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Reason: "the device does not list the image it took"}
+		default:
+			uploads++
+			u := Upload{Group: GroupImage, ID: CmdImageUpload, Stock: true, Data: image,
+				Progress: func(acked, total int) { report(acked * 90 / max(total, 1)) }}
+			if err := d.upload(ctx, u, img.Hash); err != nil {
+				return err
+			}
+		}
+	}
 }
 
-// upload runs a chunked transfer to the end, across reconnects.
-func (d *Device) upload(ctx context.Context, u Upload) error {
+// slotWithHash is the slot of the image state holding the image with this
+// hash, or nil.
+func slotWithHash(st ImageStateResponse, hash []byte) *ImageSlot {
+	for i := range st.Images {
+		if string(st.Images[i].Hash) == string(hash) {
+			return &st.Images[i]
+		}
+	}
+	return nil
+}
+
+// reset asks the device to reboot (OS group) and waits until it drops the
+// link: Zephyr answers first and reboots CONFIG_MCUMGR_GRP_OS_RESET_MS
+// later, and what the bridge reads before that is the old image's.
+func (d *Device) reset(ctx context.Context) error {
+	s, err := d.session(ctx)
+	if err != nil {
+		return err
+	}
+	if err := s.client.Do(ctx, OpWrite, GroupOS, CmdOSReset, ResetRequest{}, nil); err != nil && !IsDisconnect(err) {
+		return fmt.Errorf("reset: %w", err)
+	}
+	t := time.NewTimer(d.opts.RebootTimeout)
+	defer t.Stop()
+	select {
+	case <-s.client.Done():
+		d.log.Debug("the device rebooted")
+	case <-t.C:
+		// It did not go away: the next read goes over a new link, and
+		// finds the image still pending if it never rebooted.
+		s.client.Close()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return nil
+}
+
+// upload runs a chunked transfer to the end, across reconnects. For
+// img_mgmt's upload, hash is the image's: after a dropped link the bridge
+// first asks the image state whether the device finished the upload whose
+// last answer was lost (a new request at off 0 would start it again).
+func (d *Device) upload(ctx context.Context, u Upload, hash []byte) error {
 	if len(u.Data) == 0 {
 		return &Error{Group: u.Group, ID: u.ID, RC: RCInvalid, Reason: "nothing to upload"}
 	}
 	t := NewTransfer(u)
 	err := d.retry(ctx, func(s *session) error {
-		window := d.opts.Window
-		if window <= 0 {
-			window = s.bufCount
+		if hash != nil && t.Stats().Attempts > 0 {
+			var st ImageStateResponse
+			if err := s.client.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st); err != nil {
+				return err
+			}
+			if slotWithHash(st, hash) != nil {
+				return nil
+			}
 		}
-		if window <= 0 {
-			window = DefaultWindow
-		}
-		return t.Run(ctx, s.client, s.bufSize, window)
+		return t.Run(ctx, s.client, d.window(s))
 	})
 	st := t.Stats()
 	d.mu.Lock()

@@ -21,7 +21,7 @@ func newSimDevice(tb testing.TB, opts sim.LinkOptions, dopts gatt.DeviceOptions)
 	tb.Helper()
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(opts)
-	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
 	dopts.ID, dopts.Connector = "dev-1", n
 	if dopts.MinBackoff == 0 {
 		dopts.MinBackoff = time.Millisecond
@@ -117,12 +117,12 @@ func TestEveryOperationOverSimLink(t *testing.T) {
 			}
 
 			var pcts []int
-			fw := randomBytes(t, 50_000)
+			fw := firmwareImage(t, "1.1.0", 50_000)
 			if err := d.UpdateFirmware(ctx, "c9", "1.1.0", fw, func(p int) { pcts = append(pcts, p) }); err != nil {
 				t.Fatalf("UpdateFirmware: %v", err)
 			}
-			if s.Firmware() != "1.1.0" || len(pcts) < 2 || pcts[len(pcts)-1] != 100 {
-				t.Errorf("firmware %s, progress %v", s.Firmware(), pcts)
+			if s.Firmware() != "1.1.0" || !s.FirmwareConfirmed() || len(pcts) < 2 || pcts[len(pcts)-1] != 100 {
+				t.Errorf("firmware %s (confirmed %v), progress %v", s.Firmware(), s.FirmwareConfirmed(), pcts)
 			}
 			if info, _ := d.Info(ctx); info.FirmwareVersion != "1.1.0" {
 				t.Errorf("Info firmware %q", info.FirmwareVersion)

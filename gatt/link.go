@@ -12,11 +12,13 @@ import (
 	"errors"
 )
 
-// UUIDs of the profile. ServiceUUID and SMPCharUUID are the project's own
-// 128-bit UUIDs; the others are Bluetooth SIG assigned numbers.
+// UUIDs of the profile. ServiceUUID and SMPCharUUID are Zephyr's SMP
+// service and characteristic (subsys/mgmt/mcumgr/transport/smp_bt.c), the
+// ones a device with CONFIG_MCUMGR_TRANSPORT_BT serves; the others are
+// Bluetooth SIG assigned numbers.
 const (
-	ServiceUUID = "5c3a0001-8f2e-4d7a-9b1c-0d6e2f4a8b10" // the companion service
-	SMPCharUUID = "5c3a0002-8f2e-4d7a-9b1c-0d6e2f4a8b10" // SMP: write, write without response, notify
+	ServiceUUID = "8d53dc1d-1db7-4cd3-868b-8a527460aa84" // Zephyr's SMP service
+	SMPCharUUID = "da2e7828-fbce-4e01-ae9e-261174997c48" // SMP: write without response, notify
 
 	BatteryServiceUUID = "0000180f-0000-1000-8000-00805f9b34fb"
 	BatteryLevelUUID   = "00002a19-0000-1000-8000-00805f9b34fb" // read, notify; one byte 0–100
@@ -90,7 +92,10 @@ type Peripheral interface {
 	// notification.
 	WriteChar(charUUID string, data []byte) error
 	// Connected tells the peripheral a central connected with this ATT MTU;
-	// notify sends a notification to it. Disconnected ends that.
-	Connected(mtu int, notify func(charUUID string, value []byte))
+	// notify sends a notification to it, and drop ends the connection from
+	// the device's side (as a reboot does). A peripheral that takes no
+	// connection now (it is rebooting) returns an error, and the link
+	// fails. Disconnected ends a connection, whoever ended it.
+	Connected(mtu int, notify func(charUUID string, value []byte), drop func()) error
 	Disconnected()
 }

@@ -8,7 +8,8 @@ import (
 
 // Return codes (rc) of SMP responses, as MCUmgr numbers them (MGMT_ERR_*).
 // Every response body may carry "rc" (absent means RCOK) and "rsn", a
-// human-readable reason.
+// human-readable reason; in SMP version 2 a group's own failure comes as
+// "err": {"group", "rc"} instead, with the group's codes (below).
 const (
 	RCOK           = 0  // done
 	RCUnknown      = 1  // unknown failure
@@ -19,9 +20,44 @@ const (
 	RCBadState     = 6  // not now (another upload holds the slot)
 	RCMsgSize      = 7  // the message is larger than the buffer
 	RCNotSupported = 8  // unknown group or command
-	RCCorrupt      = 9  // the whole transfer's SHA-256 did not match
+	RCCorrupt      = 9  // corrupt: a message cut short, or a transfer whose SHA-256 did not match
 	RCBusy         = 10 // busy: try again shortly
 	RCAccessDenied = 11 // not allowed
+	RCTooOld       = 12 // the request's SMP version is older than the device takes
+	RCTooNew       = 13 // the request's SMP version is newer than the device takes
+)
+
+// Errors of the image group (img_mgmt's IMG_MGMT_ERR_*), as SMP version 2
+// reports them in err.rc. The names are Zephyr's.
+const (
+	ImgErrUnknown                 = 1
+	ImgErrNoImage                 = 3
+	ImgErrNoTLVs                  = 4
+	ImgErrHashNotFound            = 8
+	ImgErrNoFreeSlot              = 9
+	ImgErrFlashWriteFailed        = 12
+	ImgErrInvalidOffset           = 20
+	ImgErrInvalidLength           = 21
+	ImgErrInvalidImageHeader      = 22
+	ImgErrInvalidImageHeaderMagic = 23
+	ImgErrInvalidHash             = 24
+	ImgErrCurrentVersionIsNewer   = 27
+	ImgErrImageAlreadyPending     = 28
+	ImgErrImageTooLarge           = 30
+	ImgErrDataOverrun             = 31
+	ImgErrConfirmationDenied      = 32
+	ImgErrTestToActiveDenied      = 33
+)
+
+// Errors of the settings group (settings_mgmt's SETTINGS_MGMT_ERR_*).
+const (
+	SettingsErrUnknown            = 1
+	SettingsErrKeyTooLong         = 2
+	SettingsErrKeyNotFound        = 3
+	SettingsErrReadNotSupported   = 4
+	SettingsErrRootKeyNotFound    = 5
+	SettingsErrWriteNotSupported  = 6
+	SettingsErrDeleteNotSupported = 7
 )
 
 // Failure codes of commands, as the agent reports them in a reply's
@@ -32,18 +68,35 @@ const (
 	CodeChecksumMismatch = "checksum_mismatch"
 	CodeNotInstalled     = "not_installed"
 	CodeDeviceBusy       = "device_busy"
+	// CodeFirmwareReverted: the device came back from the reboot on its old
+	// image (MCUboot refused the new one, or reverted it when it was not
+	// confirmed).
+	CodeFirmwareReverted = "firmware_reverted"
 )
 
-// Error is a response with a non-zero rc.
+// Error is a response with a non-zero rc, or (SMP version 2) a group's
+// error.
 type Error struct {
-	Group  uint16
-	ID     uint8
-	RC     int
-	Reason string
+	Group   uint16
+	ID      uint8
+	RC      int // MCUmgr's rc; 0 when the group's error says it
+	GroupRC int // the group's own error (err.rc of SMP version 2); 0 when none
+	Reason  string
+	// Code, when set, is the failure code the agent reports, whatever the
+	// rc (the bridge's own verdicts: a reverted image).
+	Code string
 }
 
 func (e *Error) Error() string {
-	s := fmt.Sprintf("device answered rc %d (%s) to group %d command %d", e.RC, rcName(e.RC), e.Group, e.ID)
+	var s string
+	if e.RC == 0 && e.GroupRC == 0 {
+		return "gatt: " + e.Reason
+	}
+	if e.GroupRC != 0 {
+		s = fmt.Sprintf("device answered error %d (%s) of group %d to command %d", e.GroupRC, groupErrName(e.Group, e.GroupRC), e.Group, e.ID)
+	} else {
+		s = fmt.Sprintf("device answered rc %d (%s) to group %d command %d", e.RC, rcName(e.RC), e.Group, e.ID)
+	}
 	if e.Reason != "" {
 		s += ": " + e.Reason
 	}
@@ -53,6 +106,20 @@ func (e *Error) Error() string {
 // ErrorCode is the failure code the agent reports for this error: what a
 // firmware engineer's rc becomes in the command's reply.
 func (e *Error) ErrorCode() string {
+	if e.Code != "" {
+		return e.Code
+	}
+	if e.GroupRC != 0 {
+		switch {
+		case e.Group == GroupImage && (e.GroupRC >= ImgErrInvalidOffset && e.GroupRC <= ImgErrInvalidHash ||
+			e.GroupRC == ImgErrImageTooLarge || e.GroupRC == ImgErrDataOverrun):
+			return CodeInvalidPayload
+		case e.Group == GroupSettings && (e.GroupRC == SettingsErrKeyTooLong || e.GroupRC == SettingsErrKeyNotFound ||
+			e.GroupRC == SettingsErrRootKeyNotFound):
+			return CodeInvalidPayload
+		}
+		return CodeDeviceError
+	}
 	switch e.RC {
 	case RCInvalid, RCMsgSize:
 		return CodeInvalidPayload
@@ -71,17 +138,47 @@ func (e *Error) Temporary() bool { return e.RC == RCBusy || e.RC == RCTimeout }
 
 func rcName(rc int) string {
 	names := []string{"ok", "unknown", "no memory", "invalid", "timeout", "not found", "bad state",
-		"message size", "not supported", "corrupt", "busy", "access denied"}
+		"message size", "not supported", "corrupt", "busy", "access denied", "protocol version too old",
+		"protocol version too new"}
 	if rc >= 0 && rc < len(names) {
 		return names[rc]
 	}
 	return "unknown rc"
 }
 
+func groupErrName(group uint16, rc int) string {
+	var names []string
+	switch group {
+	case GroupImage:
+		names = []string{"ok", "unknown", "flash config query fail", "no image", "no TLVs", "invalid TLV",
+			"multiple hashes", "TLV invalid size", "hash not found", "no free slot", "flash open failed",
+			"flash read failed", "flash write failed", "flash erase failed", "invalid slot", "no free memory",
+			"flash context already set", "flash context not set", "flash area device null", "invalid page offset",
+			"invalid offset", "invalid length", "invalid image header", "invalid image header magic",
+			"invalid hash", "invalid flash address", "version get failed", "current version is newer",
+			"image already pending", "invalid image vector table", "image too large", "data overrun",
+			"confirmation denied", "setting test to active denied", "active slot not known"}
+	case GroupSettings:
+		names = []string{"ok", "unknown", "key too long", "key not found", "read not supported",
+			"root key not found", "write not supported", "delete not supported"}
+	}
+	if rc >= 0 && rc < len(names) {
+		return names[rc]
+	}
+	return "error of the group"
+}
+
+// GroupError is a group's own error in an SMP version 2 response.
+type GroupError struct {
+	Group uint16 `cbor:"group"`
+	RC    int    `cbor:"rc"`
+}
+
 // Status is the part every response body shares.
 type Status struct {
-	RC     int    `cbor:"rc,omitempty"`
-	Reason string `cbor:"rsn,omitempty"`
+	RC     int         `cbor:"rc,omitempty"`
+	Reason string      `cbor:"rsn,omitempty"`
+	Err    *GroupError `cbor:"err,omitempty"`
 }
 
 // EchoRequest is OS echo (group 0, command 0, write).
@@ -96,19 +193,110 @@ type EchoResponse struct {
 }
 
 // ParamsResponse answers MCUmgr parameters (group 0, command 6, read):
-// the size of the device's SMP receive buffer (the largest whole message,
-// header included, it takes) and how many of them it has.
+// the size of the device's SMP buffers (CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE:
+// the largest whole message, header included, it takes) and how many it
+// has (CONFIG_MCUMGR_TRANSPORT_NETBUF_COUNT, shared by requests and
+// responses).
 type ParamsResponse struct {
 	Status
 	BufSize  int `cbor:"buf_size"`
 	BufCount int `cbor:"buf_count"`
 }
 
-// UploadRequest is one chunk of a chunked upload (image group command 1 for
-// firmware, group 65 command 1 for pictures, group 66 command 1 for app
-// packages). The first request of an upload, off 0, also carries len, sha
-// and the group's fields; it may have no data, and then it only asks for
-// the offset the device holds for this sha.
+// ResetRequest is OS reset (group 0, command 5, write). Zephyr answers,
+// then reboots CONFIG_MCUMGR_GRP_OS_RESET_MS later.
+type ResetRequest struct {
+	Force bool `cbor:"force,omitempty"`
+}
+
+// ImageUploadRequest is one chunk of img_mgmt's upload (group 1, command
+// 1). The request at off 0 opens the upload: it carries len, sha (the
+// SHA-256 of the whole file) and the first bytes, at least the image
+// header, which the device checks. Later ones carry off and data only.
+// Upgrade asks the device to refuse an image not newer than the one it
+// runs; the bridge leaves it out (an explicit older version is a rollback
+// the API allows).
+type ImageUploadRequest struct {
+	Off     uint64 `cbor:"off"`
+	Data    []byte `cbor:"data"`
+	Len     uint64 `cbor:"len,omitempty"`
+	SHA     []byte `cbor:"sha,omitempty"`
+	Upgrade bool   `cbor:"upgrade,omitempty"`
+}
+
+// UploadResponse answers an upload request with the offset the device
+// holds: the next byte it wants. img_mgmt's answer to the request that
+// completes an upload adds match: whether the SHA-256 of what it wrote is
+// the sha it was given (CONFIG_IMG_ENABLE_IMAGE_CHECK).
+type UploadResponse struct {
+	Status
+	Off   uint64 `cbor:"off"`
+	Match *bool  `cbor:"match,omitempty"`
+}
+
+// ImageSlot is one slot of the image state (group 1, command 0).
+type ImageSlot struct {
+	Image     int    `cbor:"image,omitempty"`
+	Slot      int    `cbor:"slot"`
+	Version   string `cbor:"version"` // "1.2.3", or "1.2.3.4" with a build number
+	Hash      []byte `cbor:"hash"`    // the image's SHA-256 TLV
+	Bootable  bool   `cbor:"bootable,omitempty"`
+	Pending   bool   `cbor:"pending,omitempty"`
+	Confirmed bool   `cbor:"confirmed,omitempty"`
+	Active    bool   `cbor:"active,omitempty"`
+	Permanent bool   `cbor:"permanent,omitempty"`
+}
+
+// ImageStateResponse answers an image state read or write.
+type ImageStateResponse struct {
+	Status
+	Images      []ImageSlot `cbor:"images"`
+	SplitStatus int         `cbor:"splitStatus,omitempty"`
+}
+
+// ImageStateRequest is an image state write: test the image with hash on
+// the next boot (confirm false), or make it permanent (confirm true; no
+// hash: the running image).
+type ImageStateRequest struct {
+	Hash    []byte `cbor:"hash,omitempty"`
+	Confirm bool   `cbor:"confirm"`
+}
+
+// SettingReadRequest reads one setting (group 3, command 0, read).
+type SettingReadRequest struct {
+	Name string `cbor:"name"`
+}
+
+// SettingReadResponse answers SettingReadRequest with the value's bytes as
+// the device's settings handler gives them.
+type SettingReadResponse struct {
+	Status
+	Val []byte `cbor:"val"`
+}
+
+// SettingWriteRequest writes one setting (group 3, command 0, write).
+type SettingWriteRequest struct {
+	Name string `cbor:"name"`
+	Val  []byte `cbor:"val"`
+}
+
+// SchemaResponse answers the settings schema read (group 67, command 0):
+// the settings the device has, by name (read and written through group 3
+// as SettingsPrefix+name).
+type SchemaResponse struct {
+	Status
+	Schema topics.Schema `cbor:"schema"`
+}
+
+// SettingsPrefix is the subtree of the device's settings the bridge reads
+// and writes: setting "brightness" is the Zephyr settings key
+// "companion/brightness".
+const SettingsPrefix = "companion/"
+
+// UploadRequest is one chunk of a project group's upload (group 65 command
+// 1 for pictures, group 66 command 1 for app packages). The first request
+// of an upload, off 0, also carries len, sha and the group's fields; it
+// has no data, and only asks for the offset the device holds.
 type UploadRequest struct {
 	CmdID string `cbor:"cid"`
 	Off   uint64 `cbor:"off"`
@@ -116,17 +304,9 @@ type UploadRequest struct {
 	Len   uint64 `cbor:"len,omitempty"`
 	SHA   []byte `cbor:"sha,omitempty"`
 
-	Upgrade     bool   `cbor:"upgrade,omitempty"`      // firmware: boot it when complete
-	Version     string `cbor:"version,omitempty"`      // firmware and apps
+	Version     string `cbor:"version,omitempty"`      // apps
 	ContentType string `cbor:"content_type,omitempty"` // pictures
 	AppID       string `cbor:"app_id,omitempty"`       // apps
-}
-
-// UploadResponse answers an UploadRequest with the offset the device
-// holds: the next byte it wants.
-type UploadResponse struct {
-	Status
-	Off uint64 `cbor:"off"`
 }
 
 // TextRequest pushes a text (group 64, command 0, write).
@@ -152,18 +332,4 @@ type AppsResponse struct {
 type UninstallRequest struct {
 	CmdID string `cbor:"cid"`
 	AppID string `cbor:"app_id"`
-}
-
-// SettingsResponse answers a settings read (group 3, command 0, read).
-type SettingsResponse struct {
-	Status
-	Values map[string]any `cbor:"values"`
-	Schema topics.Schema  `cbor:"schema"`
-}
-
-// SettingsRequest changes some settings (group 3, command 0, write); all
-// or none apply.
-type SettingsRequest struct {
-	CmdID  string         `cbor:"cid"`
-	Values map[string]any `cbor:"values"`
 }

@@ -23,22 +23,39 @@ const HeaderSize = 8
 // MaxMessage is the largest SMP message the header's 16-bit length allows.
 const MaxMessage = HeaderSize + 0xffff
 
-// Groups and command ids of the profile (docs/gatt.md). Groups below 64 are
-// MCUmgr's; 64 and up are the project's own.
+// SMP versions, as the header's bits 3–4 carry them. Version 2 answers a
+// group's own error as {"err": {"group", "rc"}} where version 1 has one rc
+// of MCUmgr's; a device answers in the version of the request.
 const (
-	GroupOS       uint16 = 0
-	GroupImage    uint16 = 1
-	GroupSettings uint16 = 3
-	GroupText     uint16 = 64
-	GroupPush     uint16 = 65 // image push: the chunked upload of a picture to show
-	GroupApps     uint16 = 66
+	SMPv1 uint8 = 0
+	SMPv2 uint8 = 1
+)
+
+// Groups and command ids of the profile (docs/gatt.md). Groups below 64 are
+// MCUmgr's, with the commands Zephyr's os_mgmt, img_mgmt and settings_mgmt
+// give them; 64 and up are the project's own.
+const (
+	GroupOS             uint16 = 0
+	GroupImage          uint16 = 1
+	GroupSettings       uint16 = 3
+	GroupText           uint16 = 64
+	GroupPush           uint16 = 65 // image push: the chunked upload of a picture to show
+	GroupApps           uint16 = 66
+	GroupSettingsSchema uint16 = 67 // the names and kinds of the settings that group 3 reads and writes
 
 	CmdOSEcho   uint8 = 0
+	CmdOSReset  uint8 = 5
 	CmdOSParams uint8 = 6 // MCUmgr parameters: buf_size, buf_count
 
+	CmdImageState  uint8 = 0 // read: the slots; write: test or confirm an image
 	CmdImageUpload uint8 = 1
 
-	CmdSettingsAll uint8 = 0 // read: every value and the schema; write: change some
+	CmdSettingsValue  uint8 = 0 // read {name} → {val}; write {name, val}
+	CmdSettingsDelete uint8 = 1
+	CmdSettingsCommit uint8 = 2
+	CmdSettingsSave   uint8 = 3 // write: save; read: load
+
+	CmdSchemaRead uint8 = 0
 
 	CmdTextPush uint8 = 0
 
@@ -49,21 +66,22 @@ const (
 	CmdAppsUninstall uint8 = 2
 )
 
-// Header is the 8-byte SMP header, big-endian on the wire:
-// op (low 3 bits; the MCUmgr version in bits 3–4, 0 here), flags, length of
-// the CBOR body (uint16), group (uint16), sequence, command id.
+// Header is the 8-byte SMP header, big-endian on the wire: op (bits 0–2)
+// and SMP version (bits 3–4) in one byte, flags, length of the CBOR body
+// (uint16), group (uint16), sequence, command id.
 type Header struct {
-	Op    uint8
-	Flags uint8
-	Len   uint16
-	Group uint16
-	Seq   uint8
-	ID    uint8
+	Op      uint8
+	Version uint8 // SMPv1 or SMPv2
+	Flags   uint8
+	Len     uint16
+	Group   uint16
+	Seq     uint8
+	ID      uint8
 }
 
 // AppendHeader appends h's 8 bytes to b.
 func AppendHeader(b []byte, h Header) []byte {
-	b = append(b, h.Op&7, h.Flags)
+	b = append(b, h.Op&7|(h.Version&3)<<3, h.Flags)
 	b = binary.BigEndian.AppendUint16(b, h.Len)
 	b = binary.BigEndian.AppendUint16(b, h.Group)
 	return append(b, h.Seq, h.ID)
@@ -78,12 +96,13 @@ func ParseHeader(b []byte) (Header, error) {
 		return Header{}, ErrShortHeader
 	}
 	return Header{
-		Op:    b[0] & 7,
-		Flags: b[1],
-		Len:   binary.BigEndian.Uint16(b[2:4]),
-		Group: binary.BigEndian.Uint16(b[4:6]),
-		Seq:   b[6],
-		ID:    b[7],
+		Op:      b[0] & 7,
+		Version: b[0] >> 3 & 3,
+		Flags:   b[1],
+		Len:     binary.BigEndian.Uint16(b[2:4]),
+		Group:   binary.BigEndian.Uint16(b[4:6]),
+		Seq:     b[6],
+		ID:      b[7],
 	}, nil
 }
 
@@ -138,7 +157,8 @@ func DecodeBody(body []byte, v any) error {
 	return decMode.Unmarshal(body, v)
 }
 
-// EncodeMessage builds a whole SMP message: header then CBOR of body.
+// EncodeMessage builds a whole SMP message of version SMPv2: header then
+// CBOR of body.
 func EncodeMessage(op uint8, group uint16, seq, id uint8, body any) ([]byte, error) {
 	b, err := EncodeBody(body)
 	if err != nil {
@@ -148,7 +168,7 @@ func EncodeMessage(op uint8, group uint16, seq, id uint8, body any) ([]byte, err
 		return nil, fmt.Errorf("gatt: SMP body of %d bytes is too long", len(b))
 	}
 	out := make([]byte, 0, HeaderSize+len(b))
-	out = AppendHeader(out, Header{Op: op, Len: uint16(len(b)), Group: group, Seq: seq, ID: id})
+	out = AppendHeader(out, Header{Op: op, Version: SMPv2, Len: uint16(len(b)), Group: group, Seq: seq, ID: id})
 	return append(out, b...), nil
 }
 

@@ -8,15 +8,24 @@ import (
 )
 
 func TestHeaderRoundTrip(t *testing.T) {
-	h := Header{Op: OpWrite, Flags: 0, Len: 0x0102, Group: GroupApps, Seq: 7, ID: CmdAppsInstall}
-	b := AppendHeader(nil, h)
-	if got, want := hex.EncodeToString(b), "0200010200420701"; got != want {
-		t.Errorf("AppendHeader(%+v) = %s; want %s", h, got, want)
+	for _, tt := range []struct {
+		h    Header
+		want string
+	}{
+		{Header{Op: OpWrite, Flags: 0, Len: 0x0102, Group: GroupApps, Seq: 7, ID: CmdAppsInstall}, "0200010200420701"},
+		// SMP version 2 is bit 3 of the first byte (Zephyr's nh_version).
+		{Header{Op: OpReadRsp, Version: SMPv2, Len: 5, Group: GroupImage, Seq: 255, ID: CmdImageState}, "090000050001ff00"},
+	} {
+		b := AppendHeader(nil, tt.h)
+		if got := hex.EncodeToString(b); got != tt.want {
+			t.Errorf("AppendHeader(%+v) = %s; want %s", tt.h, got, tt.want)
+		}
+		got, err := ParseHeader(b)
+		if err != nil || got != tt.h {
+			t.Errorf("ParseHeader(%x) = %+v, %v; want %+v", b, got, err, tt.h)
+		}
 	}
-	got, err := ParseHeader(b)
-	if err != nil || got != h {
-		t.Errorf("ParseHeader(%x) = %+v, %v; want %+v", b, got, err, h)
-	}
+	b := AppendHeader(nil, Header{})
 	if _, err := ParseHeader(b[:7]); !errors.Is(err, ErrShortHeader) {
 		t.Errorf("ParseHeader(7 bytes) = %v; want ErrShortHeader", err)
 	}
@@ -31,9 +40,11 @@ func TestMessageRoundTrip(t *testing.T) {
 		into  func() any
 	}{
 		{"echo", GroupOS, CmdOSEcho, EchoRequest{D: "hi"}, func() any { return &EchoRequest{} }},
-		{"upload", GroupImage, CmdImageUpload, UploadRequest{CmdID: "c", Off: 0, Len: 5, SHA: bytes.Repeat([]byte{1}, 32), Data: []byte("hello"), Upgrade: true, Version: "1.1.0"}, func() any { return &UploadRequest{} }},
+		{"image upload", GroupImage, CmdImageUpload, ImageUploadRequest{Off: 0, Len: 5, SHA: bytes.Repeat([]byte{1}, 32), Data: []byte("hello"), Upgrade: true}, func() any { return &ImageUploadRequest{} }},
+		{"app upload", GroupApps, CmdAppsInstall, UploadRequest{CmdID: "c", Off: 0, Len: 5, SHA: bytes.Repeat([]byte{1}, 32), Data: []byte("hello"), AppID: "a", Version: "1.1.0"}, func() any { return &UploadRequest{} }},
+		{"image state", GroupImage, CmdImageState, ImageStateRequest{Hash: bytes.Repeat([]byte{2}, 32)}, func() any { return &ImageStateRequest{} }},
 		{"text", GroupText, CmdTextPush, TextRequest{CmdID: "c", Title: "t", Text: "x"}, func() any { return &TextRequest{} }},
-		{"settings", GroupSettings, CmdSettingsAll, SettingsRequest{CmdID: "c", Values: map[string]any{"language": "de"}}, func() any { return &SettingsRequest{} }},
+		{"setting", GroupSettings, CmdSettingsValue, SettingWriteRequest{Name: "companion/language", Val: []byte("de")}, func() any { return &SettingWriteRequest{} }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -106,7 +117,7 @@ func TestDecodeLimits(t *testing.T) {
 // reassembler and decodes every message it yields as each body type: no
 // input may panic or make a message longer than the limit.
 func FuzzReassemble(f *testing.F) {
-	seed, _ := EncodeMessage(OpWrite, GroupImage, 1, CmdImageUpload, UploadRequest{CmdID: "c", Len: 3, SHA: make([]byte, 32), Data: []byte("abc")})
+	seed, _ := EncodeMessage(OpWrite, GroupImage, 1, CmdImageUpload, ImageUploadRequest{Len: 3, SHA: make([]byte, 32), Data: []byte("abc")})
 	f.Add(seed, uint8(20))
 	echo, _ := EncodeMessage(OpWrite, GroupOS, 0, CmdOSEcho, EchoRequest{D: "hello"})
 	f.Add(echo, uint8(3))
@@ -127,8 +138,10 @@ func FuzzReassemble(f *testing.F) {
 			_ = DecodeBody(m.Body, &a)
 			var u UploadRequest
 			_ = DecodeBody(m.Body, &u)
-			var s SettingsResponse
+			var s ImageStateResponse
 			_ = DecodeBody(m.Body, &s)
+			var st Status
+			_ = DecodeBody(m.Body, &st)
 		}
 	})
 }

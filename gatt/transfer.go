@@ -6,20 +6,23 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+
+	"github.com/devicecompanion/companion/mcuboot"
 )
 
-// DefaultWindow is how many chunks a transfer keeps in flight when the
-// device does not say how many buffers it has.
-const DefaultWindow = 4
-
 // Upload describes one chunked upload: which group and command carry it,
-// the fields its first request carries besides off, len, sha and data
-// (the command id, and version, app id or content type as the group wants),
 // and the bytes.
 type Upload struct {
 	Group uint16
 	ID    uint8
-	First UploadRequest // CmdID and the group's fields; Off, Len, SHA and Data are set by the transfer
+	// Stock makes it img_mgmt's upload (the image group): no command id,
+	// the request that opens the upload carries the first chunk (the image
+	// header in it, which the device checks), and the answer that completes
+	// it may say whether the device's SHA-256 matched (match).
+	Stock bool
+	// First holds, for a project group's upload, the command id and the
+	// group's fields; Off, Len, SHA and Data are set by the transfer.
+	First UploadRequest
 	Data  []byte
 	// Progress, when set, is called with the offset the device has
 	// acknowledged as it advances.
@@ -60,27 +63,45 @@ func (t *Transfer) Stats() TransferStats {
 	return TransferStats{Attempts: int(t.attempts.Load()), Requests: int(t.requests.Load()), DataBytesSent: t.dataSent.Load()}
 }
 
-// ChunkSize is the data bytes of one upload request: the largest that keeps
-// the whole message, header and CBOR included, within the device's buffer,
-// with the message rounded down to whole writes of MTU-3 bytes so that no
-// write goes out part-empty.
-func (t *Transfer) ChunkSize(mtu, bufSize int) (int, error) {
-	probe := t.u.First
-	probe.Off, probe.Data, probe.Len, probe.SHA = t.total, nil, 0, nil
+// request is the request for data at off; open is the request at off 0
+// that opens (or resumes) the upload, with len and sha.
+func (t *Transfer) request(off uint64, data []byte, open bool) any {
+	if t.u.Stock {
+		r := ImageUploadRequest{Off: off, Data: data}
+		if open {
+			r.Len, r.SHA = t.total, t.sha
+		}
+		return r
+	}
+	r := UploadRequest{CmdID: t.u.First.CmdID, Off: off, Data: data}
+	if open {
+		r = t.u.First
+		r.Off, r.Data, r.Len, r.SHA = 0, data, t.total, t.sha
+	}
+	return r
+}
+
+// ChunkSize is the data bytes of one upload request (of the request that
+// opens the upload when open): the most that keep the whole message,
+// header and CBOR included, within maxReq bytes. When a message may take
+// several writes of frag bytes it is rounded down to whole writes, so that
+// no write goes out part-empty.
+func (t *Transfer) ChunkSize(frag, maxReq int, open bool) (int, error) {
+	probe := t.request(t.total, nil, open)
 	body, err := EncodeBody(probe)
 	if err != nil {
 		return 0, err
 	}
 	// An empty byte string's head is one byte; up to 65535 bytes it is three.
 	overhead := HeaderSize + len(body) + 2
-	frag := mtu - 3
-	limit := bufSize
+	limit := maxReq
 	if limit > frag {
 		limit = limit / frag * frag
 	}
 	n := limit - overhead
 	if n < 1 {
-		return 0, fmt.Errorf("gatt: the device's SMP buffer of %d bytes cannot carry an upload chunk", bufSize)
+		return 0, &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize,
+			Reason: fmt.Sprintf("requests of %d bytes cannot carry an upload chunk", maxReq)}
 	}
 	return n, nil
 }
@@ -90,29 +111,56 @@ type inflight struct {
 	end  uint64
 }
 
+// errRestart: the device no longer holds the upload (it answered off 0
+// to a later chunk: it rebooted, or another upload took its place).
+var errRestart = errors.New("gatt: the device lost the upload")
+
 // Run carries the upload over c as far as it can: it returns nil when the
 // device has acknowledged every byte (and so checked the SHA-256), an
-// *Error when the device refuses, and ErrDisconnected (or the context's
-// error) when it must be run again. window is the most chunks in flight.
-func (t *Transfer) Run(ctx context.Context, c *Client, bufSize, window int) error {
+// *Error when the device refuses (a match of false among them), and
+// ErrDisconnected (or the context's error) when it must be run again.
+// window is the most chunks in flight.
+func (t *Transfer) Run(ctx context.Context, c *Client, window int) error {
 	t.attempts.Add(1)
-	window = max(window, 1)
-	chunk, err := t.ChunkSize(c.MTU(), bufSize)
+	for restarts := 0; ; restarts++ {
+		err := t.run(ctx, c, max(window, 1))
+		if !errors.Is(err, errRestart) || restarts == 3 {
+			return err
+		}
+	}
+}
+
+func (t *Transfer) run(ctx context.Context, c *Client, window int) error {
+	chunk, err := t.ChunkSize(c.Frag(), c.MaxRequest(), false)
 	if err != nil {
 		return err
 	}
-	// The first request: len, sha and the group's fields, no data. The
-	// device answers the offset it holds for this sha and command: 0 for a
+	// The request that opens the upload. A project group's has no data: the
+	// device answers the offset it holds for this sha and command, 0 for a
 	// new upload, where it stopped for one it has seen, len for one done.
-	first := t.u.First
-	first.Off, first.Len, first.SHA, first.Data = 0, t.total, t.sha, []byte{}
+	// img_mgmt's carries the first chunk, header included; the device
+	// answers the offset it holds when it has an upload of this sha, and
+	// starts anew (keeping the chunk) otherwise.
+	data := []byte{}
+	if t.u.Stock {
+		n, err := t.ChunkSize(c.Frag(), c.MaxRequest(), true)
+		if err != nil {
+			return err
+		}
+		if n < mcuboot.HeaderSize && t.total >= mcuboot.HeaderSize {
+			return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize,
+				Reason: fmt.Sprintf("requests of %d bytes cannot carry the image header with len and sha", c.MaxRequest())}
+		}
+		data = t.u.Data[:min(uint64(n), t.total)]
+		t.dataSent.Add(int64(len(data)))
+	}
 	var rsp UploadResponse
 	t.requests.Add(1)
-	if err := c.Do(ctx, OpWrite, t.u.Group, t.u.ID, first, &rsp); err != nil {
+	if err := c.Do(ctx, OpWrite, t.u.Group, t.u.ID, t.request(0, data, true), &rsp); err != nil {
 		return err
 	}
-	if rsp.Off > t.total {
-		return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCInvalid, Reason: fmt.Sprintf("device holds offset %d of %d", rsp.Off, t.total)}
+	if err := t.check(rsp); err != nil {
+		return err
 	}
 	acked := rsp.Off
 	t.progress(acked)
@@ -127,8 +175,7 @@ func (t *Transfer) Run(ctx context.Context, c *Client, bufSize, window int) erro
 	for acked < t.total {
 		for len(queue) < window && next < t.total {
 			n := min(uint64(chunk), t.total-next)
-			req := UploadRequest{CmdID: t.u.First.CmdID, Off: next, Data: t.u.Data[next : next+n]}
-			call, err := c.Start(ctx, OpWrite, t.u.Group, t.u.ID, req)
+			call, err := c.Start(ctx, OpWrite, t.u.Group, t.u.ID, t.request(next, t.u.Data[next:next+n], false))
 			if err != nil {
 				abandon()
 				return err
@@ -145,27 +192,32 @@ func (t *Transfer) Run(ctx context.Context, c *Client, bufSize, window int) erro
 			abandon()
 			return err
 		}
-		if rsp.Off > t.total {
+		if err := t.check(rsp); err != nil {
 			abandon()
-			return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCInvalid, Reason: fmt.Sprintf("device holds offset %d of %d", rsp.Off, t.total)}
+			return err
 		}
 		if rsp.Off != f.end {
 			// The device holds another offset than this chunk's end: it
 			// dropped a chunk it could not place. Let the rest of the window
 			// drain (the device answers each with the offset it holds) and
 			// go on from the last answer.
-			for _, g := range queue {
+			for len(queue) > 0 {
+				g := queue[0]
+				queue = queue[1:]
 				var r UploadResponse
-				if err := g.call.Wait(ctx, &r); err != nil {
-					queue = nil
+				err := g.call.Wait(ctx, &r)
+				if err == nil {
+					err = t.check(r)
+				}
+				if err != nil {
 					abandon()
 					return err
 				}
 				rsp = r
 			}
 			queue = nil
-			if rsp.Off > t.total {
-				return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCInvalid, Reason: fmt.Sprintf("device holds offset %d of %d", rsp.Off, t.total)}
+			if t.u.Stock && rsp.Off == 0 {
+				return errRestart
 			}
 			next = rsp.Off
 		}
@@ -173,6 +225,19 @@ func (t *Transfer) Run(ctx context.Context, c *Client, bufSize, window int) erro
 		t.progress(acked)
 	}
 	abandon()
+	return nil
+}
+
+// check refuses an answer whose offset is past the end, and the answer
+// that completes an upload with match false.
+func (t *Transfer) check(rsp UploadResponse) error {
+	if rsp.Off > t.total {
+		return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCInvalid, Reason: fmt.Sprintf("device holds offset %d of %d", rsp.Off, t.total)}
+	}
+	if rsp.Match != nil && !*rsp.Match {
+		return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCCorrupt,
+			Reason: "the SHA-256 of what the device wrote does not match the upload's (match: false)"}
+	}
 	return nil
 }
 

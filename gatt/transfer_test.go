@@ -20,10 +20,10 @@ func TestResumeAfterDropCostsOneRoundTrip(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 
-	img := randomBytes(t, 200_000)
+	img := firmwareImage(t, "2.0.0", 200_000)
 	var once sync.Once
 	err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", img, func(pct int) {
-		if pct >= 50 {
+		if pct >= 45 {
 			once.Do(func() {
 				if !n.Drop("dev-1") {
 					t.Error("no link to drop")
@@ -42,11 +42,11 @@ func TestResumeAfterDropCostsOneRoundTrip(t *testing.T) {
 		t.Fatalf("stats %+v", stats)
 	}
 	st := stats[0]
-	chunk, err := gatt.NewTransfer(gatt.Upload{First: gatt.UploadRequest{CmdID: "fw-1"}, Data: img}).ChunkSize(247, sim.DefaultBufSize)
+	chunk, err := gatt.NewTransfer(gatt.Upload{Stock: true, Data: img}).ChunkSize(247-3, sim.DefaultBufSize, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	window := sim.DefaultBufCount
+	window := sim.DefaultBufCount - 1
 	resent := st.DataBytesSent - int64(len(img))
 	if st.Attempts != 2 {
 		t.Errorf("attempts = %d; want 2 (one drop)", st.Attempts)
@@ -54,7 +54,8 @@ func TestResumeAfterDropCostsOneRoundTrip(t *testing.T) {
 	if resent < 0 || resent > int64(window*chunk) {
 		t.Errorf("re-sent %d bytes; want at most one window (%d chunks of %d = %d)", resent, window, chunk, window*chunk)
 	}
-	// Requests: one probe per attempt plus the chunks sent.
+	// Requests: one that opens (or resumes) the upload per attempt, plus
+	// the chunks sent.
 	chunks := (st.DataBytesSent + int64(chunk) - 1) / int64(chunk)
 	if int64(st.Requests) > chunks+int64(st.Attempts)+int64(window) {
 		t.Errorf("requests %d for %d chunks over %d attempts", st.Requests, chunks, st.Attempts)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -138,8 +139,17 @@ func (n *Network) Connect(ctx context.Context, deviceID string) (gatt.Link, erro
 	}
 	n.links[deviceID] = l
 	n.mu.Unlock()
+	if err := p.Connected(l.mtu, l.notify, func() { l.teardown() }); err != nil {
+		n.mu.Lock()
+		if n.links[deviceID] == l {
+			delete(n.links, deviceID)
+		}
+		n.mu.Unlock()
+		l.stopOnce.Do(func() { close(l.done) })
+		close(l.torn)
+		return nil, fmt.Errorf("sim: connect to %s: %w", deviceID, err)
+	}
 	n.connects.Add(1)
-	p.Connected(l.mtu, l.notify)
 	l.start()
 	return l, nil
 }
@@ -158,7 +168,8 @@ func (n *Network) Drop(deviceID string) bool {
 	return true
 }
 
-// Close drops every link and stops the network's scheduler; Connect fails
+// Close drops every link, closes the peripherals that have a Close (a
+// reboot under way ends), and stops the network's scheduler; Connect fails
 // from then on.
 func (n *Network) Close() {
 	n.mu.Lock()
@@ -167,9 +178,18 @@ func (n *Network) Close() {
 	for _, l := range n.links {
 		links = append(links, l)
 	}
+	var closers []io.Closer
+	for _, p := range n.peripherals {
+		if c, ok := p.(io.Closer); ok {
+			closers = append(closers, c)
+		}
+	}
 	n.mu.Unlock()
 	for _, l := range links {
 		l.Close()
+	}
+	for _, c := range closers {
+		c.Close()
 	}
 	n.sched.stop()
 }

@@ -8,33 +8,52 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/mcuboot"
 )
 
 // Defaults of PeripheralOptions. 2475 bytes is the SMP buffer Nordic
-// recommends for fast DFU over Bluetooth (ten 247-byte writes plus headers).
+// recommends for fast DFU over Bluetooth (ten 247-byte writes plus headers);
+// 250 ms is Zephyr's CONFIG_MCUMGR_GRP_OS_RESET_MS.
 const (
-	DefaultBufSize   = 2475
-	DefaultBufCount  = 4
-	DefaultMaxUpload = 64 << 20
+	DefaultBufSize    = 2475
+	DefaultBufCount   = 4
+	DefaultMaxUpload  = 64 << 20
+	DefaultResetDelay = 250 * time.Millisecond
+	DefaultBootTime   = 100 * time.Millisecond
 )
 
 // PeripheralOptions configure a Peripheral. The zero value of a field means
 // its default.
 type PeripheralOptions struct {
-	BufSize   int // the SMP receive buffer: the largest whole message; default DefaultBufSize
-	BufCount  int // reported as buf_count; default DefaultBufCount
-	MaxUpload int // the largest upload accepted; default DefaultMaxUpload
-	Logger    *slog.Logger
+	// BufSize and BufCount are the SMP buffers
+	// (CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE and _COUNT), reported by MCUmgr
+	// parameters; requests and responses share them.
+	BufSize  int // default DefaultBufSize
+	BufCount int // default DefaultBufCount
+	// NoReassembly makes the device take each ATT write as a whole SMP
+	// packet, as Zephyr does without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY.
+	NoReassembly bool
+	MaxUpload    int           // the secondary slot's size; default DefaultMaxUpload
+	ResetDelay   time.Duration // from the answer to an OS reset to the reboot; default DefaultResetDelay
+	BootTime     time.Duration // from the reboot to advertising again; default DefaultBootTime
+	Logger       *slog.Logger
 }
 
-// Peripheral is the device side of the GATT profile (docs/gatt.md) in front
-// of a simulated Device: it serves the Device Information and Battery
-// services and the SMP characteristic, reassembles requests, runs them one
-// at a time in arrival order, receives chunked uploads (keeping the offset
-// across reconnects and checking the SHA-256 at the end) and drops a
-// repeated command id. It implements gatt.Peripheral.
+// Peripheral is a Zephyr device with the stock MCUmgr subsystem in front of
+// a simulated Device (docs/gatt.md): the Device Information and Battery
+// services and Zephyr's SMP service. It answers the standard groups as
+// os_mgmt, img_mgmt (with MCUboot below it) and settings_mgmt do, in the
+// SMP version of each request, and the project's groups (64 and up). Like
+// Zephyr's smp_bt it reassembles requests split across writes (or, with
+// NoReassembly, takes each write as a packet), has BufCount buffers shared
+// by requests and responses (a write that finds none free is lost), and
+// runs requests one at a time in arrival order. An OS reset reboots it:
+// the link drops, MCUboot swaps images, and it takes connections again
+// after BootTime. It implements gatt.Peripheral.
 type Peripheral struct {
 	dev  *Device
 	opts PeripheralOptions
@@ -47,13 +66,40 @@ type Peripheral struct {
 
 	mu      sync.Mutex
 	notify  func(charUUID string, value []byte)
+	drop    func()
 	mtu     int
-	reasm   *gatt.Reassembler
-	queue   []gatt.Message
+	queue   []packet
+	inUse   int // buffers held: queued packets, the one being collected, two while one is answered
+	cur     []byte
+	want    int // bytes the message being collected still needs
+	skip    int // bytes of a dropped message still to come
 	wake    chan struct{}
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
-	uploads map[uint16]*upload // by group; kept across connections
+	booting bool
+	closed  bool
+	image   imageUpload        // img_mgmt's upload in progress (RAM: lost at reboot)
+	uploads map[uint16]*upload // the project groups', by group; kept across connections
+
+	rebootTimer *time.Timer
+	rebootWG    sync.WaitGroup
+	closing     chan struct{}
+
+	dropped atomic.Int64
+}
+
+// packet is what one buffer holds: the messages of one write, or of one
+// reassembled message; corrupt is the header of a message cut short.
+type packet struct {
+	msgs    []gatt.Message
+	corrupt *gatt.Header
+}
+
+// imageUpload is img_mgmt's g_img_mgmt_state.
+type imageUpload struct {
+	active    bool
+	off, size uint64
+	sha       []byte
 }
 
 type upload struct {
@@ -70,24 +116,52 @@ func NewPeripheral(dev *Device, opts PeripheralOptions) *Peripheral {
 	if opts.BufCount <= 0 {
 		opts.BufCount = DefaultBufCount
 	}
+	opts.BufCount = max(opts.BufCount, 2)
 	if opts.MaxUpload <= 0 {
 		opts.MaxUpload = DefaultMaxUpload
+	}
+	if opts.ResetDelay <= 0 {
+		opts.ResetDelay = DefaultResetDelay
+	}
+	if opts.BootTime <= 0 {
+		opts.BootTime = DefaultBootTime
 	}
 	if opts.Logger == nil {
 		opts.Logger = dev.log
 	}
 	return &Peripheral{dev: dev, opts: opts, log: opts.Logger.With("device", dev.ID(), "side", "peripheral"),
-		uploads: map[uint16]*upload{}}
+		uploads: map[uint16]*upload{}, closing: make(chan struct{})}
 }
 
 // Device returns the simulated device behind the peripheral.
 func (p *Peripheral) Device() *Device { return p.dev }
 
-// Services lists the profile's services.
+// Dropped counts the writes the device lost for want of a buffer, or
+// because they broke the framing of a message.
+func (p *Peripheral) Dropped() int64 { return p.dropped.Load() }
+
+// Close stops a reboot under way and waits for it. The network closes the
+// peripherals it has; close others yourself.
+func (p *Peripheral) Close() error {
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		close(p.closing)
+		if p.rebootTimer != nil && p.rebootTimer.Stop() {
+			p.rebootWG.Done()
+		}
+	}
+	p.mu.Unlock()
+	p.rebootWG.Wait()
+	return nil
+}
+
+// Services lists the profile's services: Zephyr's SMP characteristic has
+// write without response and notify only.
 func (p *Peripheral) Services() []gatt.Service {
 	return []gatt.Service{
 		{UUID: gatt.ServiceUUID, Characteristics: []gatt.Characteristic{
-			{UUID: gatt.SMPCharUUID, Properties: []string{gatt.PropWrite, gatt.PropWriteWithoutResponse, gatt.PropNotify}},
+			{UUID: gatt.SMPCharUUID, Properties: []string{gatt.PropWriteWithoutResponse, gatt.PropNotify}},
 		}},
 		{UUID: gatt.BatteryServiceUUID, Characteristics: []gatt.Characteristic{
 			{UUID: gatt.BatteryLevelUUID, Properties: []string{gatt.PropRead, gatt.PropNotify}},
@@ -119,39 +193,129 @@ func (p *Peripheral) ReadChar(charUUID string) ([]byte, error) {
 	return nil, fmt.Errorf("sim: characteristic %s is not readable", charUUID)
 }
 
-// WriteChar takes one write to the SMP characteristic.
+// WriteChar takes one write to the SMP characteristic, as smp_bt does.
 func (p *Peripheral) WriteChar(charUUID string, data []byte) error {
 	if charUUID != gatt.SMPCharUUID {
 		return fmt.Errorf("sim: characteristic %s is not writable", charUUID)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.reasm == nil {
+	if p.wake == nil {
 		return gatt.ErrDisconnected
 	}
-	msgs, err := p.reasm.Feed(data)
-	if err != nil {
-		p.log.Warn("dropping a malformed request stream", "err", err)
-	}
-	if len(msgs) > 0 {
-		p.queue = append(p.queue, msgs...)
-		select {
-		case p.wake <- struct{}{}:
-		default:
-		}
+	if p.opts.NoReassembly {
+		p.takePacketLocked(data)
+	} else {
+		p.collectLocked(data)
 	}
 	return nil
 }
 
-// Connected starts serving a central.
-func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byte)) {
+// lostLocked counts a write the device could not take.
+func (p *Peripheral) lostLocked(why string, n int) {
+	p.dropped.Add(1)
+	p.log.Warn("SMP write lost", "why", why, "bytes", n)
+}
+
+// takePacketLocked is smp_bt without reassembly: the write is a packet of
+// whole messages; one cut short is answered rc 9, and fewer than 8 bytes
+// left are dropped without an answer.
+func (p *Peripheral) takePacketLocked(data []byte) {
+	if p.inUse >= p.opts.BufCount {
+		p.lostLocked("no free buffer", len(data))
+		return
+	}
+	if len(data) > p.opts.BufSize {
+		p.lostLocked("longer than a buffer", len(data))
+		return
+	}
+	var pk packet
+	for len(data) >= gatt.HeaderSize {
+		h, _ := gatt.ParseHeader(data)
+		end := gatt.HeaderSize + int(h.Len)
+		if end > len(data) {
+			pk.corrupt = &h
+			break
+		}
+		pk.msgs = append(pk.msgs, gatt.Message{Header: h, Body: bytes.Clone(data[gatt.HeaderSize:end])})
+		data = data[end:]
+	}
+	if len(pk.msgs) == 0 && pk.corrupt == nil {
+		return
+	}
+	p.inUse++
+	p.queueLocked(pk)
+}
+
+// collectLocked is smp_bt with reassembly: the first write of a message
+// holds its header, and the writes that follow add to it until it is whole.
+// A message longer than a buffer, a write that runs past its message, or a
+// new message that finds no buffer free is lost.
+func (p *Peripheral) collectLocked(data []byte) {
+	if p.skip > 0 {
+		n := min(p.skip, len(data))
+		p.skip -= n
+		data = data[n:]
+		if len(data) == 0 {
+			return
+		}
+	}
+	if p.cur == nil {
+		if len(data) < gatt.HeaderSize {
+			p.lostLocked("a first write without a whole header", len(data))
+			return
+		}
+		h, _ := gatt.ParseHeader(data)
+		total := gatt.HeaderSize + int(h.Len)
+		switch {
+		case total > p.opts.BufSize:
+			p.lostLocked("a message longer than a buffer", total)
+			p.skip = max(total-len(data), 0)
+			return
+		case p.inUse >= p.opts.BufCount:
+			p.lostLocked("no free buffer", total)
+			p.skip = max(total-len(data), 0)
+			return
+		}
+		p.inUse++
+		p.cur, p.want = make([]byte, 0, total), total
+	}
+	if len(data) > p.want {
+		p.lostLocked("a write past the message's end", len(data))
+		p.cur, p.want = nil, 0
+		p.inUse--
+		return
+	}
+	p.cur = append(p.cur, data...)
+	p.want -= len(data)
+	if p.want > 0 {
+		return
+	}
+	h, _ := gatt.ParseHeader(p.cur)
+	p.queueLocked(packet{msgs: []gatt.Message{{Header: h, Body: p.cur[gatt.HeaderSize:]}}})
+	p.cur = nil
+}
+
+func (p *Peripheral) queueLocked(pk packet) {
+	p.queue = append(p.queue, pk)
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Connected starts serving a central, unless the device is rebooting.
+func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byte), drop func()) error {
 	p.connMu.Lock()
 	defer p.connMu.Unlock()
-	ctx, cancel := context.WithCancel(context.Background())
 	p.mu.Lock()
-	p.notify, p.mtu, p.cancel = notify, mtu, cancel
-	p.reasm = gatt.NewReassembler(p.opts.BufSize)
-	p.queue = nil
+	if p.booting || p.closed {
+		p.mu.Unlock()
+		return errors.New("sim: the device is rebooting")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p.notify, p.drop, p.mtu, p.cancel = notify, drop, mtu, cancel
+	p.queue, p.inUse, p.cur, p.want, p.skip = nil, 0, nil, 0, 0
 	p.wake = make(chan struct{}, 1)
 	wake := p.wake
 	p.mu.Unlock()
@@ -160,6 +324,7 @@ func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byt
 		defer p.wg.Done()
 		p.serve(ctx, wake)
 	}()
+	return nil
 }
 
 // Disconnected stops serving: the request being run is canceled and
@@ -169,7 +334,7 @@ func (p *Peripheral) Disconnected() {
 	defer p.connMu.Unlock()
 	p.mu.Lock()
 	cancel := p.cancel
-	p.notify, p.reasm, p.queue, p.cancel = nil, nil, nil, nil
+	p.notify, p.drop, p.queue, p.cancel, p.wake, p.cur = nil, nil, nil, nil, nil, nil
 	p.mu.Unlock()
 	if cancel != nil {
 		cancel()
@@ -180,13 +345,12 @@ func (p *Peripheral) Disconnected() {
 func (p *Peripheral) serve(ctx context.Context, wake chan struct{}) {
 	for {
 		p.mu.Lock()
-		var m gatt.Message
+		var pk packet
 		ok := len(p.queue) > 0 && ctx.Err() == nil
 		if ok {
-			m = p.queue[0]
+			pk = p.queue[0]
 			p.queue = p.queue[1:]
 		}
-		notify, mtu := p.notify, p.mtu
 		p.mu.Unlock()
 		if !ok {
 			select {
@@ -196,90 +360,244 @@ func (p *Peripheral) serve(ctx context.Context, wake chan struct{}) {
 				continue
 			}
 		}
-		rsp := p.handle(ctx, m)
-		if ctx.Err() != nil || notify == nil {
-			return
+		n := len(pk.msgs)
+		if pk.corrupt != nil {
+			n++
 		}
-		body, err := gatt.EncodeBody(rsp)
-		if err != nil {
-			p.log.Error("encoding a response", "err", err)
-			continue
-		}
-		out := gatt.AppendHeader(nil, gatt.Header{Op: m.Op + 1, Len: uint16(len(body)), Group: m.Group, Seq: m.Seq, ID: m.ID})
-		out = append(out, body...)
-		for off := 0; off < len(out); off += mtu - 3 {
-			notify(gatt.SMPCharUUID, out[off:min(off+mtu-3, len(out))])
+		for i := range n {
+			last := i == n-1
+			if i < len(pk.msgs) {
+				m := pk.msgs[i]
+				if !p.respond(ctx, m.Header, last, func() reply { return p.handle(ctx, m) }) {
+					return
+				}
+			} else if !p.respond(ctx, *pk.corrupt, last, func() reply { return failRC(gatt.RCCorrupt, "message cut short") }) {
+				return
+			}
 		}
 	}
 }
 
-func fail(rc int, err error) gatt.Status {
-	return gatt.Status{RC: rc, Reason: err.Error()}
+// respond runs a request and answers it, holding a response buffer while
+// it does. The buffers are free again as the answer goes out (with the
+// request's, after the packet's last request): Zephyr frees them when the
+// notifications are sent, before the central can have read them and
+// written again. It reports false when the connection is gone.
+func (p *Peripheral) respond(ctx context.Context, h gatt.Header, last bool, run func() reply) bool {
+	p.mu.Lock()
+	p.inUse++
+	p.mu.Unlock()
+	r := run()
+	p.mu.Lock()
+	p.inUse--
+	if last {
+		p.inUse--
+	}
+	p.mu.Unlock()
+	return p.answer(ctx, h, r)
+}
+
+// reply is a handler's answer: a body, an MCUmgr rc (with no body), or a
+// group's own error.
+type reply struct {
+	body  any
+	rc    int
+	group uint16
+	grc   int
+	rsn   string
+	after func() // runs once the answer is out (a reset's reboot)
+}
+
+func ok(body any) reply { return reply{body: body} }
+
+func failRC(rc int, rsn string) reply { return reply{rc: rc, rsn: rsn} }
+
+func groupErr(group uint16, grc int, rsn string) reply {
+	return reply{group: group, grc: grc, rsn: rsn}
+}
+
+// answer encodes r in the request's SMP version and notifies it; it
+// reports false when the connection is gone. While it is built it holds a
+// response buffer.
+func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
+	version := h.Version
+	if version > gatt.SMPv2 {
+		version = gatt.SMPv2
+		r = failRC(gatt.RCTooNew, "SMP version not supported")
+	}
+	var body any = r.body
+	switch {
+	case r.rc != 0:
+		m := map[string]any{"rc": r.rc}
+		if r.rsn != "" {
+			m["rsn"] = r.rsn
+		}
+		body = m
+	case r.grc != 0 && version == gatt.SMPv2:
+		m := map[string]any{"err": gatt.GroupError{Group: r.group, RC: r.grc}}
+		if r.rsn != "" {
+			m["rsn"] = r.rsn
+		}
+		body = m
+	case r.grc != 0:
+		m := map[string]any{"rc": legacyRC(r.group, r.grc)}
+		if r.rsn != "" {
+			m["rsn"] = r.rsn
+		}
+		body = m
+	case body == nil:
+		body = struct{}{}
+	}
+	b, err := gatt.EncodeBody(body)
+	if err != nil {
+		p.log.Error("encoding a response", "err", err)
+		return true
+	}
+	p.mu.Lock()
+	notify, mtu := p.notify, p.mtu
+	p.mu.Unlock()
+	if ctx.Err() != nil || notify == nil {
+		return false
+	}
+	out := gatt.AppendHeader(nil, gatt.Header{Op: h.Op + 1, Version: version, Len: uint16(len(b)), Group: h.Group, Seq: h.Seq, ID: h.ID})
+	out = append(out, b...)
+	for off := 0; off < len(out); off += mtu - 3 {
+		notify(gatt.SMPCharUUID, out[off:min(off+mtu-3, len(out))])
+	}
+	if r.after != nil {
+		r.after()
+	}
+	return true
+}
+
+// legacyRC is the SMP version 1 rc of a group's error, as Zephyr's
+// img_mgmt and settings_mgmt translate them; other groups' are EUNKNOWN.
+func legacyRC(group uint16, grc int) int {
+	switch group {
+	case gatt.GroupImage:
+		switch grc {
+		case gatt.ImgErrNoImage, gatt.ImgErrNoTLVs:
+			return gatt.RCNotFound
+		case gatt.ImgErrNoFreeSlot, gatt.ImgErrCurrentVersionIsNewer, gatt.ImgErrImageAlreadyPending:
+			return gatt.RCBadState
+		case 15: // no free memory
+			return gatt.RCNoMemory
+		case 14, 19, gatt.ImgErrInvalidOffset, gatt.ImgErrInvalidLength, gatt.ImgErrInvalidImageHeader,
+			gatt.ImgErrInvalidHash, 25: // invalid slot, page offset, …, flash address
+			return gatt.RCInvalid
+		}
+	case gatt.GroupSettings:
+		switch grc {
+		case gatt.SettingsErrKeyTooLong:
+			return gatt.RCInvalid
+		case gatt.SettingsErrKeyNotFound, gatt.SettingsErrReadNotSupported:
+			return gatt.RCNotFound
+		}
+	}
+	return gatt.RCUnknown
 }
 
 // status maps the device's errors to SMP return codes.
-func status(err error) gatt.Status {
+func status(err error) reply {
 	switch {
 	case err == nil:
-		return gatt.Status{}
+		return ok(nil)
 	case errors.Is(err, ErrBadArgument), errors.Is(err, ErrBadSettings):
-		return fail(gatt.RCInvalid, err)
+		return failRC(gatt.RCInvalid, err.Error())
 	case errors.Is(err, ErrAppNotInstalled):
-		return fail(gatt.RCNotFound, err)
+		return failRC(gatt.RCNotFound, err.Error())
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
-		return fail(gatt.RCTimeout, err)
+		return failRC(gatt.RCTimeout, err.Error())
 	}
-	return fail(gatt.RCUnknown, err)
+	return failRC(gatt.RCUnknown, err.Error())
 }
 
-// handle runs one request and returns the response body.
-func (p *Peripheral) handle(ctx context.Context, m gatt.Message) any {
-	bad := func(err error) any { return fail(gatt.RCInvalid, err) }
+// handle runs one request and returns the answer.
+func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
+	bad := func(err error) reply { return failRC(gatt.RCInvalid, err.Error()) }
 	read, write := m.Op == gatt.OpRead, m.Op == gatt.OpWrite
+	if !read && !write {
+		return failRC(gatt.RCInvalid, "not a request")
+	}
+	if m.Version > gatt.SMPv2 {
+		return failRC(gatt.RCTooNew, "SMP version not supported")
+	}
+	g, id := m.Group, m.ID
 	switch {
-	case m.Group == gatt.GroupOS && m.ID == gatt.CmdOSEcho && write:
+	case g == gatt.GroupOS && id == gatt.CmdOSEcho && write:
 		var req gatt.EchoRequest
 		if err := gatt.DecodeBody(m.Body, &req); err != nil {
 			return bad(err)
 		}
-		return gatt.EchoResponse{R: req.D}
+		return ok(gatt.EchoResponse{R: req.D})
 
-	case m.Group == gatt.GroupOS && m.ID == gatt.CmdOSParams && read:
-		return gatt.ParamsResponse{BufSize: p.opts.BufSize, BufCount: p.opts.BufCount}
+	case g == gatt.GroupOS && id == gatt.CmdOSReset && write:
+		return reply{body: struct{}{}, after: p.scheduleReboot}
 
-	case m.Group == gatt.GroupSettings && m.ID == gatt.CmdSettingsAll && read:
-		vals, schema, err := p.dev.Settings(ctx)
-		if err != nil {
-			return status(err)
+	case g == gatt.GroupOS && id == gatt.CmdOSParams && read:
+		return ok(gatt.ParamsResponse{BufSize: p.opts.BufSize, BufCount: p.opts.BufCount})
+
+	case g == gatt.GroupImage && id == gatt.CmdImageState && read:
+		return ok(gatt.ImageStateResponse{Images: p.dev.imageState()})
+
+	case g == gatt.GroupImage && id == gatt.CmdImageState && write:
+		return p.imageStateWrite(m)
+
+	case g == gatt.GroupImage && id == gatt.CmdImageUpload && write:
+		return p.imageUpload(m)
+
+	case g == gatt.GroupSettings && id == gatt.CmdSettingsValue:
+		var req gatt.SettingWriteRequest
+		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.Name == "" {
+			return failRC(gatt.RCInvalid, "name required")
 		}
-		return gatt.SettingsResponse{Values: vals, Schema: schema}
-
-	case m.Group == gatt.GroupSettings && m.ID == gatt.CmdSettingsAll && write:
-		var req gatt.SettingsRequest
-		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.CmdID == "" || len(req.Values) == 0 {
-			return bad(fmt.Errorf("settings write needs cid and values: %v", err))
+		if len(req.Name) >= 64 { // CONFIG_MCUMGR_GRP_SETTINGS_NAME_LEN
+			return groupErr(g, gatt.SettingsErrKeyTooLong, "")
 		}
-		// The device's schema check speaks JSON's types: numbers as float64.
-		vals := make(map[string]any, len(req.Values))
-		for k, v := range req.Values {
-			switch n := v.(type) {
-			case uint64:
-				v = float64(n)
-			case int64:
-				v = float64(n)
+		if read {
+			val, grc := p.dev.setting(req.Name)
+			if grc != 0 {
+				return groupErr(g, grc, req.Name)
 			}
-			vals[k] = v
+			return ok(gatt.SettingReadResponse{Val: val})
 		}
-		return status(p.dev.UpdateSettings(ctx, req.CmdID, vals))
+		if grc := p.dev.setSetting(req.Name, req.Val); grc != 0 {
+			return groupErr(g, grc, req.Name)
+		}
+		return ok(nil)
 
-	case m.Group == gatt.GroupText && m.ID == gatt.CmdTextPush && write:
+	case g == gatt.GroupSettings && id == gatt.CmdSettingsDelete && write:
+		var req gatt.SettingReadRequest
+		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.Name == "" {
+			return failRC(gatt.RCInvalid, "name required")
+		}
+		if grc := p.dev.deleteSetting(req.Name); grc != 0 {
+			return groupErr(g, grc, req.Name)
+		}
+		return ok(nil)
+
+	case g == gatt.GroupSettings && id == gatt.CmdSettingsCommit && write:
+		return ok(nil) // the handlers apply values as they are set
+
+	case g == gatt.GroupSettings && id == gatt.CmdSettingsSave:
+		if write {
+			p.dev.saveSettings()
+		} else {
+			p.dev.loadSettings()
+		}
+		return ok(nil)
+
+	case g == gatt.GroupSettingsSchema && id == gatt.CmdSchemaRead && read:
+		return ok(gatt.SchemaResponse{Schema: DefaultSchema()})
+
+	case g == gatt.GroupText && id == gatt.CmdTextPush && write:
 		var req gatt.TextRequest
 		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.CmdID == "" || req.Text == "" {
 			return bad(fmt.Errorf("text push needs cid and text: %v", err))
 		}
 		return status(p.dev.PushText(ctx, req.CmdID, req.Title, req.Text))
 
-	case m.Group == gatt.GroupApps && m.ID == gatt.CmdAppsList && read:
+	case g == gatt.GroupApps && id == gatt.CmdAppsList && read:
 		info, err := p.dev.Info(ctx)
 		if err != nil {
 			return status(err)
@@ -288,41 +606,198 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) any {
 		for _, a := range info.Apps {
 			r.Apps = append(r.Apps, gatt.AppEntry{AppID: a.AppID, Version: a.Version})
 		}
-		return r
+		return ok(r)
 
-	case m.Group == gatt.GroupApps && m.ID == gatt.CmdAppsUninstall && write:
+	case g == gatt.GroupApps && id == gatt.CmdAppsUninstall && write:
 		var req gatt.UninstallRequest
 		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.CmdID == "" || req.AppID == "" {
 			return bad(fmt.Errorf("uninstall needs cid and app_id: %v", err))
 		}
 		return status(p.dev.UninstallApp(ctx, req.CmdID, req.AppID))
 
-	case write && (m.Group == gatt.GroupImage && m.ID == gatt.CmdImageUpload ||
-		m.Group == gatt.GroupPush && m.ID == gatt.CmdPushUpload ||
-		m.Group == gatt.GroupApps && m.ID == gatt.CmdAppsInstall):
+	case write && (g == gatt.GroupPush && id == gatt.CmdPushUpload || g == gatt.GroupApps && id == gatt.CmdAppsInstall):
 		var req gatt.UploadRequest
 		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.CmdID == "" {
 			return bad(fmt.Errorf("upload needs cid, off and data: %v", err))
 		}
-		return p.upload(ctx, m.Group, req)
+		return p.upload(ctx, g, req)
 	}
-	return gatt.Status{RC: gatt.RCNotSupported, Reason: fmt.Sprintf("op %d of group %d command %d", m.Op, m.Group, m.ID)}
+	return failRC(gatt.RCNotSupported, fmt.Sprintf("op %d of group %d command %d", m.Op, g, id))
 }
 
-// upload takes one chunk (see docs/gatt.md, "Chunked upload") and answers
-// the offset held.
-func (p *Peripheral) upload(ctx context.Context, group uint16, req gatt.UploadRequest) any {
+// imageUploadRequest is img_mgmt's upload request, with the fields whose
+// absence matters as pointers.
+type imageUploadRequest struct {
+	Image   *uint32 `cbor:"image"`
+	Off     *uint64 `cbor:"off"`
+	Len     *uint64 `cbor:"len"`
+	Data    []byte  `cbor:"data"`
+	SHA     []byte  `cbor:"sha"`
+	Upgrade bool    `cbor:"upgrade"`
+}
+
+// imageUpload is img_mgmt_upload with img_mgmt_upload_inspect: the request
+// at off 0 opens an upload (its data must begin with an MCUboot header, and
+// len is required) or resumes the one of the same sha; a later one is
+// written when its off is the one held, and answered with the offset held
+// either way. The answer that completes the upload says whether the SHA-256
+// of what was written is sha (match).
+func (p *Peripheral) imageUpload(m gatt.Message) reply {
+	const g = gatt.GroupImage
+	var req imageUploadRequest
+	if err := gatt.DecodeBody(m.Body, &req); err != nil {
+		return failRC(gatt.RCInvalid, err.Error())
+	}
+	if req.Image != nil && *req.Image != 0 {
+		return groupErr(g, 14, "one image only") // invalid slot
+	}
+	if req.Off == nil {
+		return groupErr(g, gatt.ImgErrInvalidOffset, "off required")
+	}
+	p.mu.Lock()
+	st := p.image
+	p.mu.Unlock()
+	off := *req.Off
+	if off == 0 {
+		if len(req.Data) < mcuboot.HeaderSize {
+			return groupErr(g, gatt.ImgErrInvalidImageHeader, "the first chunk must hold the image header")
+		}
+		if req.Len == nil {
+			return groupErr(g, gatt.ImgErrInvalidLength, "len required at off 0")
+		}
+		hdr, err := mcuboot.ParseHeader(req.Data)
+		var fe *mcuboot.FormatError
+		if errors.As(err, &fe) && fe.Field == "magic" {
+			return groupErr(g, gatt.ImgErrInvalidImageHeaderMagic, "magic mismatch")
+		}
+		if len(req.SHA) > sha256.Size {
+			return groupErr(g, gatt.ImgErrInvalidHash, "sha longer than 32 bytes")
+		}
+		if len(req.SHA) > 0 && st.active && bytes.Equal(st.sha, req.SHA) {
+			return ok(gatt.UploadResponse{Off: st.off}) // resume
+		}
+		if p.dev.secondaryInUse() {
+			return groupErr(g, gatt.ImgErrNoFreeSlot, "the secondary slot is pending or holds the image to revert to")
+		}
+		if *req.Len > uint64(p.opts.MaxUpload) {
+			return groupErr(g, gatt.ImgErrImageTooLarge, fmt.Sprintf("%d bytes; the slot has %d", *req.Len, p.opts.MaxUpload))
+		}
+		if req.Upgrade && err == nil {
+			cur, _ := mcuboot.ParseVersion(p.dev.Firmware())
+			if cur.Compare(hdr.Version) >= 0 {
+				return groupErr(g, gatt.ImgErrCurrentVersionIsNewer, "downgrade")
+			}
+		}
+		p.dev.eraseSecondary()
+		st = imageUpload{active: true, size: *req.Len, sha: bytes.Clone(req.SHA)}
+	} else {
+		if off != st.off || !st.active {
+			return ok(gatt.UploadResponse{Off: st.off})
+		}
+		if off+uint64(len(req.Data)) > st.size {
+			p.setImageUpload(imageUpload{})
+			return groupErr(g, gatt.ImgErrDataOverrun, "data past len")
+		}
+	}
+	if len(req.Data) > 0 {
+		if st.off+uint64(len(req.Data)) > st.size {
+			p.setImageUpload(imageUpload{})
+			return groupErr(g, gatt.ImgErrDataOverrun, "data past len")
+		}
+		p.dev.writeSecondary(req.Data)
+		st.off += uint64(len(req.Data))
+		if st.off == st.size {
+			p.setImageUpload(imageUpload{}) // done
+			match := len(st.sha) == sha256.Size && p.dev.secondaryMatches(st.sha)
+			return ok(gatt.UploadResponse{Off: st.off, Match: &match})
+		}
+	}
+	p.setImageUpload(st)
+	return ok(gatt.UploadResponse{Off: st.off})
+}
+
+func (p *Peripheral) setImageUpload(st imageUpload) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.image = st
+}
+
+// imageStateWrite is img_mgmt_state_write: hash picks the slot (no hash
+// with confirm: the running one), confirm makes it permanent, else it is
+// tested at the next boot. It answers the new image state.
+func (p *Peripheral) imageStateWrite(m gatt.Message) reply {
+	const g = gatt.GroupImage
+	var req gatt.ImageStateRequest
+	if err := gatt.DecodeBody(m.Body, &req); err != nil {
+		return failRC(gatt.RCInvalid, err.Error())
+	}
+	slot := 0
+	switch {
+	case len(req.Hash) == 0 && !req.Confirm:
+		return groupErr(g, gatt.ImgErrInvalidHash, "a test needs a hash")
+	case len(req.Hash) == 0:
+	case len(req.Hash) != sha256.Size:
+		return groupErr(g, gatt.ImgErrInvalidHash, "")
+	default:
+		if slot = p.dev.slotOfHash(req.Hash); slot < 0 {
+			return groupErr(g, gatt.ImgErrHashNotFound, "")
+		}
+	}
+	if grc := p.dev.setNextBoot(slot, req.Confirm); grc != 0 {
+		return groupErr(g, grc, "")
+	}
+	return ok(gatt.ImageStateResponse{Images: p.dev.imageState()})
+}
+
+// scheduleReboot reboots the device ResetDelay after a reset's answer.
+func (p *Peripheral) scheduleReboot() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed || p.rebootTimer != nil {
+		return
+	}
+	p.rebootWG.Add(1)
+	p.rebootTimer = time.AfterFunc(p.opts.ResetDelay, p.reboot)
+}
+
+// reboot drops the link, reboots the device (MCUboot's swap, the saved
+// settings) and takes connections again after BootTime.
+func (p *Peripheral) reboot() {
+	defer p.rebootWG.Done()
+	p.mu.Lock()
+	p.booting = true
+	drop := p.drop
+	p.image = imageUpload{}
+	p.mu.Unlock()
+	if drop != nil {
+		drop()
+	}
+	p.dev.reboot()
+	t := time.NewTimer(p.opts.BootTime)
+	select {
+	case <-t.C:
+	case <-p.closing:
+		t.Stop()
+	}
+	p.mu.Lock()
+	p.booting, p.rebootTimer = false, nil
+	p.mu.Unlock()
+}
+
+// upload takes one chunk of a project group's upload (see docs/gatt.md,
+// "Chunked upload") and answers the offset held.
+func (p *Peripheral) upload(ctx context.Context, group uint16, req gatt.UploadRequest) reply {
 	p.mu.Lock()
 	u := p.uploads[group]
 	p.mu.Unlock()
 	if req.Off == 0 && req.Len > 0 { // the first request of an upload
 		switch {
 		case len(req.SHA) != sha256.Size:
-			return fail(gatt.RCInvalid, errors.New("sha must be 32 bytes of SHA-256"))
+			return failRC(gatt.RCInvalid, "sha must be 32 bytes of SHA-256")
 		case req.Len > uint64(p.opts.MaxUpload):
-			return fail(gatt.RCNoMemory, fmt.Errorf("%d bytes is more than the %d this device takes", req.Len, p.opts.MaxUpload))
+			return failRC(gatt.RCNoMemory, fmt.Sprintf("%d bytes is more than the %d this device takes", req.Len, p.opts.MaxUpload))
 		case p.dev.Executions(req.CmdID) > 0: // done already: say so
-			return gatt.UploadResponse{Off: req.Len}
+			return ok(gatt.UploadResponse{Off: req.Len})
 		}
 		if u == nil || u.first.CmdID != req.CmdID || !bytes.Equal(u.first.SHA, req.SHA) || u.first.Len != req.Len {
 			first := req
@@ -333,21 +808,21 @@ func (p *Peripheral) upload(ctx context.Context, group uint16, req gatt.UploadRe
 			p.mu.Unlock()
 		}
 		if len(u.data) > 0 || len(req.Data) == 0 {
-			return gatt.UploadResponse{Off: uint64(len(u.data))}
+			return ok(gatt.UploadResponse{Off: uint64(len(u.data))})
 		}
 	} else if u == nil || u.first.CmdID != req.CmdID {
-		return fail(gatt.RCBadState, errors.New("no upload of this command in progress: start at off 0 with len and sha"))
+		return failRC(gatt.RCBadState, "no upload of this command in progress: start at off 0 with len and sha")
 	}
 	held := uint64(len(u.data))
 	if req.Off != held || len(req.Data) == 0 {
-		return gatt.UploadResponse{Off: held}
+		return ok(gatt.UploadResponse{Off: held})
 	}
 	if held+uint64(len(req.Data)) > u.first.Len {
-		return fail(gatt.RCInvalid, fmt.Errorf("data runs past len %d", u.first.Len))
+		return failRC(gatt.RCInvalid, fmt.Sprintf("data runs past len %d", u.first.Len))
 	}
 	u.data = append(u.data, req.Data...)
 	if uint64(len(u.data)) < u.first.Len {
-		return gatt.UploadResponse{Off: uint64(len(u.data))}
+		return ok(gatt.UploadResponse{Off: uint64(len(u.data))})
 	}
 
 	// Complete: check the whole, then act on it.
@@ -355,16 +830,11 @@ func (p *Peripheral) upload(ctx context.Context, group uint16, req gatt.UploadRe
 	delete(p.uploads, group)
 	p.mu.Unlock()
 	if sum := sha256.Sum256(u.data); !bytes.Equal(sum[:], u.first.SHA) {
-		return fail(gatt.RCCorrupt, errors.New("the SHA-256 of the data does not match sha"))
+		return failRC(gatt.RCCorrupt, "the SHA-256 of the data does not match sha")
 	}
 	var err error
 	f := u.first
 	switch group {
-	case gatt.GroupImage:
-		if !f.Upgrade {
-			return gatt.UploadResponse{Off: f.Len} // stored, not booted
-		}
-		err = p.dev.UpdateFirmware(ctx, f.CmdID, f.Version, u.data, nil)
 	case gatt.GroupPush:
 		err = p.dev.PushImage(ctx, f.CmdID, f.ContentType, u.data)
 	case gatt.GroupApps:
@@ -373,5 +843,5 @@ func (p *Peripheral) upload(ctx context.Context, group uint16, req gatt.UploadRe
 	if err != nil {
 		return status(err)
 	}
-	return gatt.UploadResponse{Off: f.Len}
+	return ok(gatt.UploadResponse{Off: f.Len})
 }

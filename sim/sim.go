@@ -1,9 +1,11 @@
 // Package sim is the simulated device of CONTRACT §4: what
 // `companion-bridge --sim-devices` runs and what the tests drive.
 //
-// A Device keeps pushed texts and images, installed apps and its firmware
-// version, checks settings against DefaultSchema, drains its battery slowly
-// by its clock, and treats a repeated command id as already done. It
+// A Device keeps pushed texts and images, installed apps, its settings
+// (in use and saved) and its firmware as MCUboot images in two slots that
+// a reboot swaps as MCUboot does (boot.go); it checks settings against
+// DefaultSchema, drains its battery slowly by its clock, and treats a
+// repeated command id as already done. It
 // satisfies agent.Device without importing agent (see Info). It is not a
 // model of any real hardware: it has no Bluetooth and no timing of its own
 // beyond Options.ExecDelay.
@@ -25,6 +27,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -68,7 +71,7 @@ type Info = struct {
 type Options struct {
 	ID       string
 	Model    string // default DefaultModel
-	Firmware string // default DefaultFirmware
+	Firmware string // the version of the image it starts with; default DefaultFirmware
 	Now      func() time.Time
 	Logger   *slog.Logger
 	// ExecDelay, when set, makes every command take at least this long
@@ -145,8 +148,9 @@ type Device struct {
 	born      time.Time
 
 	mu         sync.Mutex
-	firmware   string
-	settings   map[string]any
+	flash      flash
+	settings   map[string]any // in use
+	saved      map[string]any // in the settings storage: what a reboot loads
 	apps       map[string]string
 	texts      []Text
 	images     []Image
@@ -190,16 +194,21 @@ func Open(opts Options) (*Device, error) {
 		now:        opts.Now,
 		log:        opts.Logger.With("device", opts.ID),
 		delay:      opts.ExecDelay,
-		firmware:   opts.Firmware,
 		settings:   map[string]any{},
 		apps:       map[string]string{},
 		done:       map[string]bool{},
 		executions: map[string]int{},
 	}
 	d.born = d.now()
+	v, err := mcuboot.ParseVersion(opts.Firmware)
+	if err != nil {
+		return nil, fmt.Errorf("sim: device %s: firmware %w", opts.ID, err)
+	}
+	d.flash.primary = firstImage(opts.Model, v)
 	for name, spec := range DefaultSchema() {
 		d.settings[name] = spec.Default
 	}
+	d.saved = maps.Clone(d.settings)
 	if opts.StateDir != "" {
 		if err := d.openExecLog(ExecLogPath(opts.StateDir, opts.ID)); err != nil {
 			return nil, fmt.Errorf("sim: device %s: %w", opts.ID, err)
@@ -288,7 +297,7 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 		apps = append(apps, topics.App{AppID: id, Version: v})
 	}
 	sort.Slice(apps, func(i, j int) bool { return apps[i].AppID < apps[j].AppID })
-	return Info{Model: d.model, FirmwareVersion: d.firmware, Battery: d.battery(), Apps: apps}, nil
+	return Info{Model: d.model, FirmwareVersion: d.versionLocked(), Battery: d.battery(), Apps: apps}, nil
 }
 
 func (d *Device) battery() int {
@@ -441,28 +450,8 @@ func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[st
 				v = int(f)
 			}
 			d.settings[k] = v
+			d.saved[k] = v
 		}
-		return nil
-	})
-}
-
-// UpdateFirmware "writes" the image in ten steps, calling progress after
-// each, then "reboots" into version.
-func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
-	if !topics.ValidVersion(version) || len(image) == 0 {
-		return fmt.Errorf("%w: firmware %q of %d bytes", ErrBadArgument, version, len(image))
-	}
-	return d.run(ctx, cmdID, topics.OpOTAUpdate, func() error {
-		for pct := 10; pct <= 100; pct += 10 {
-			if err := ctx.Err(); err != nil {
-				return err
-			}
-			if progress != nil {
-				progress(pct)
-			}
-		}
-		d.firmware = version
-		d.log.Info("rebooted", "firmware", version)
 		return nil
 	})
 }
@@ -510,9 +499,9 @@ func (d *Device) Apps() map[string]string {
 	return maps.Clone(d.apps)
 }
 
-// Firmware returns the firmware version the device runs.
+// Firmware returns the version of the image the device runs.
 func (d *Device) Firmware() string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.firmware
+	return d.versionLocked()
 }

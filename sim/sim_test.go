@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
 )
 
@@ -86,11 +87,23 @@ func TestFirmwareAndApps(t *testing.T) {
 	d := sim.New(sim.Options{ID: "d"})
 	ctx := context.Background()
 	var steps []int
-	if err := d.UpdateFirmware(ctx, "ota", "2.0.0", []byte("image"), func(p int) { steps = append(steps, p) }); err != nil {
+	if err := d.UpdateFirmware(ctx, "ota", "2.0.0", []byte("image"), nil); !errors.Is(err, sim.ErrBadArgument) {
+		t.Errorf("UpdateFirmware(not an MCUboot image) = %v; want ErrBadArgument", err)
+	}
+	img := mcuboot.MustBuild([]byte("application 2.0.0"), mcuboot.Options{Version: mcuboot.Version{Major: 2}})
+	if err := d.UpdateFirmware(ctx, "ota", "2.1.0", img, nil); !errors.Is(err, sim.ErrBadArgument) {
+		t.Errorf("UpdateFirmware(2.0.0 as 2.1.0) = %v; want ErrBadArgument", err)
+	}
+	if err := d.UpdateFirmware(ctx, "ota", "2.0.0", img, func(p int) { steps = append(steps, p) }); err != nil {
 		t.Fatal(err)
 	}
-	if d.Firmware() != "2.0.0" || len(steps) != 10 || steps[9] != 100 {
-		t.Errorf("firmware %q, progress %v", d.Firmware(), steps)
+	if d.Firmware() != "2.0.0" || !d.FirmwareConfirmed() || d.Boots() != 1 || len(steps) != 10 || steps[9] != 100 {
+		t.Errorf("firmware %q (confirmed %v, %d boots), progress %v", d.Firmware(), d.FirmwareConfirmed(), d.Boots(), steps)
+	}
+	d.CrashNextBoot()
+	img2 := mcuboot.MustBuild([]byte("application 2.1.0"), mcuboot.Options{Version: mcuboot.Version{Major: 2, Minor: 1}})
+	if err := d.UpdateFirmware(ctx, "ota-2", "2.1.0", img2, nil); !errors.Is(err, sim.ErrReverted) || d.Firmware() != "2.0.0" {
+		t.Errorf("UpdateFirmware with a crashing image = %v, firmware %s; want ErrReverted, 2.0.0", err, d.Firmware())
 	}
 	if err := d.InstallApp(ctx, "i1", "clock", "1.0.0", []byte("pkg")); err != nil {
 		t.Fatal(err)

@@ -60,7 +60,8 @@ func noisePNG(tb testing.TB, w, h int) []byte {
 
 // Every operation of the spec over the simulated Bluetooth link at the
 // smallest MTU, with the link dropping every 3 s, including a 300 KiB
-// image and a 256 KiB firmware that must resume across drops.
+// image and a 256 KiB MCUboot image that must resume across drops, boot
+// and be confirmed; then an image the device reverts.
 func TestEveryOperationOverGATT(t *testing.T) {
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1", "dev-2")
@@ -79,11 +80,24 @@ func TestEveryOperationOverGATT(t *testing.T) {
 	fw := firmwareImage(t, "1.3.0", 256<<10)
 	r := f.admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.3.0", fw)
 	require.Equal(t, 201, r.Status, "%s", r.Body)
+	boots := s.Boots()
 	cmd = u.accept("POST", dp+"/ota/update", map[string]any{"version": "1.3.0"})
 	final := u.waitFinal("dev-1", cmd["id"].(string))
 	assert.Equal(t, "succeeded", final["state"], "%v", final)
 	assert.Equal(t, "1.3.0", s.Firmware())
-	assert.Equal(t, 1, s.Executions(cmd["id"].(string)))
+	assert.True(t, s.FirmwareConfirmed(), "the bridge confirmed the image the device booted")
+	assert.Equal(t, boots+1, s.Boots(), "one reboot into the new image")
+	assert.Equal(t, "1.3.0", u.do("GET", dp+"/status", nil).JSON(t)["firmware_version"])
+
+	// An image the device reverts fails the command with its own code.
+	s.CrashNextBoot()
+	r = f.admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.4.0", firmwareImage(t, "1.4.0", 64<<10))
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	cmd = u.accept("POST", dp+"/ota/update", map[string]any{"version": "1.4.0"})
+	final = u.waitFinal("dev-1", cmd["id"].(string))
+	assert.Equal(t, "failed", final["state"], "%v", final)
+	assert.Equal(t, "firmware_reverted", final["error"].(map[string]any)["code"], "%v", final)
+	assert.Equal(t, "1.3.0", s.Firmware())
 
 	assert.Positive(t, network.Drops(), "the link never dropped: the test did not test resumption")
 	t.Logf("link drops: %d, connects: %d", network.Drops(), network.Connects())

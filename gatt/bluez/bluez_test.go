@@ -19,7 +19,7 @@ import (
 	"github.com/devicecompanion/companion/sim"
 )
 
-// testPeripheral is a small device: the companion service with an echoing
+// testPeripheral is a small device: Zephyr's SMP service with an echoing
 // SMP characteristic, DIS and battery.
 type testPeripheral struct {
 	serial string
@@ -79,11 +79,12 @@ func (p *testPeripheral) WriteChar(uuid string, data []byte) error {
 	return nil
 }
 
-func (p *testPeripheral) Connected(mtu int, notify func(string, []byte)) {
+func (p *testPeripheral) Connected(mtu int, notify func(string, []byte), drop func()) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.notify = notify
 	p.connected = append(p.connected, mtu)
+	return nil
 }
 
 func (p *testPeripheral) Disconnected() {
@@ -413,24 +414,45 @@ func TestDropAndReconnect(t *testing.T) {
 }
 
 // TestSMPEchoOverSimPeripheral runs the SMP client over BlueZ (fake) to the
-// simulator's peripheral.
+// simulator's peripheral, found by Zephyr's SMP service UUID: a device that
+// reassembles takes a request split across writes, one that does not
+// answers the probe rc 9 and gets single writes.
 func TestSMPEchoOverSimPeripheral(t *testing.T) {
 	fake := fakebluez.New(t)
 	dev := sim.New(sim.Options{ID: "sim-1"})
 	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:08:01", MTU: 23, Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
-	l := connect(t, newConnector(t), "sim-1")
+	plain := sim.New(sim.Options{ID: "sim-2"})
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:08:02", MTU: 23, Peripheral: sim.NewPeripheral(plain, sim.PeripheralOptions{NoReassembly: true})})
+	conn := newConnector(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	client, err := gatt.NewClient(ctx, l, gatt.ClientOptions{})
+
+	client, err := gatt.NewClient(ctx, connect(t, conn, "sim-1"), gatt.ClientOptions{})
 	if err != nil {
 		t.Fatalf("NewClient: %v", err)
 	}
 	defer client.Close()
+	if ok, err := client.ProbeReassembly(ctx, time.Second); !ok || err != nil {
+		t.Fatalf("ProbeReassembly = %v, %v; want true", ok, err)
+	}
+	client.SetMaxRequest(sim.DefaultBufSize)
 	// Longer than one write at MTU 23: split and reassembled both ways.
 	msg := strings.Repeat("hello over bluez ", 10)
 	got, err := client.Echo(ctx, msg)
 	if err != nil || got != msg {
 		t.Fatalf("Echo = %q, %v; want %q", got, err, msg)
+	}
+
+	c2, err := gatt.NewClient(ctx, connect(t, conn, "sim-2"), gatt.ClientOptions{})
+	if err != nil {
+		t.Fatalf("NewClient: %v", err)
+	}
+	defer c2.Close()
+	if ok, err := c2.ProbeReassembly(ctx, time.Second); ok || err != nil {
+		t.Fatalf("ProbeReassembly of a device without reassembly = %v, %v; want false", ok, err)
+	}
+	if got, err := c2.Echo(ctx, "hi"); err != nil || got != "hi" {
+		t.Fatalf("Echo after the probe = %q, %v; want hi", got, err)
 	}
 }
 

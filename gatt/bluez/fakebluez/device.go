@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/godbus/dbus/v5"
 	"github.com/godbus/dbus/v5/prop"
@@ -156,7 +157,21 @@ func (x device1) Connect() *dbus.Error {
 	b.mu.Unlock()
 
 	if p != nil {
-		p.Connected(mtu, func(charUUID string, value []byte) { d.notify(gen, charUUID, value) })
+		notify := func(charUUID string, value []byte) { d.notify(gen, charUUID, value) }
+		// The device ends the connection itself when it reboots; it
+		// advertises again once it is up.
+		drop := func() {
+			d.dropGen(gen)
+			b.advertiseAfter(d, readvertiseDelay)
+		}
+		if err := p.Connected(mtu, notify, drop); err != nil {
+			// A device that takes no connection (it is rebooting): BlueZ
+			// reports the attempt failed, and discovery finds the device
+			// again once it advertises.
+			d.dropGen(gen)
+			b.advertiseAfter(d, readvertiseDelay)
+			return dbus.NewError(errFailed, []any{"le-connection-abort-by-local"})
+		}
 	}
 
 	b.mu.Lock()
@@ -184,6 +199,20 @@ func (x device1) Disconnect() *dbus.Error {
 	b.mu.Unlock()
 	d.Drop()
 	return nil
+}
+
+// readvertiseDelay is how soon a device that ended a connection (or took
+// none) is found by discovery again.
+const readvertiseDelay = 20 * time.Millisecond
+
+// dropGen is Drop for connection gen only: a later connection stays.
+func (d *Device) dropGen(gen int) {
+	d.b.mu.Lock()
+	same := d.connected && d.gen == gen
+	d.b.mu.Unlock()
+	if same {
+		d.Drop()
+	}
 }
 
 // Drop ends the connection from the device's side, as a link loss does:

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/godbus/dbus/v5"
 	"github.com/godbus/dbus/v5/prop"
@@ -284,6 +285,21 @@ func (b *BlueZ) wantsLocked(d *Device) bool {
 // advertiseLater reports d to discovering clients from another goroutine:
 // InterfacesAdded the first time, an RSSI change after that, as BlueZ does
 // for a device it already knows.
+// advertiseAfter is advertiseLater after a delay (a device rebooting).
+func (b *BlueZ) advertiseAfter(d *Device, delay time.Duration) {
+	b.wg.Add(1)
+	go func() {
+		defer b.wg.Done()
+		t := time.NewTimer(delay)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			b.advertiseLater(d)
+		case <-b.closing:
+		}
+	}()
+}
+
 func (b *BlueZ) advertiseLater(d *Device) {
 	b.wg.Add(1)
 	go func() {

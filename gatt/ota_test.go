@@ -1,0 +1,205 @@
+package gatt_test
+
+import (
+	"bytes"
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/mcuboot"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// firmwareImage builds an MCUboot image of version of exactly size bytes.
+func firmwareImage(tb testing.TB, version string, size int) []byte {
+	tb.Helper()
+	v, err := mcuboot.ParseVersion(version)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	const overhead = 0x200 + 4 + 4 + 32 // header as Zephyr pads it, TLV info, SHA-256 TLV
+	payload := randomBytes(tb, size-overhead)
+	b, err := mcuboot.Build(payload, mcuboot.Options{Version: v, HeaderSize: 0x200})
+	if err != nil || len(b) != size {
+		tb.Fatalf("Build: %d bytes, %v", len(b), err)
+	}
+	return b
+}
+
+// The stock flow over the smallest MTU with the link dropping all the
+// time: the upload resumes from the device's offset, the device reboots
+// into the image for test and the bridge confirms it; settings saved
+// before survive the reboot.
+func TestOTAOverMTU23WithDrops(t *testing.T) {
+	opts := sim.LinkOptions{MTU: 23, KBPS: 4000, Latency: -1, ConnectDelay: -1, DropEvery: 50 * time.Millisecond}
+	d, s, n := newSimDevice(t, opts, gatt.DeviceOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := d.UpdateSettings(ctx, "s1", map[string]any{"volume": 7.0, "timezone": "Europe/Paris"}); err != nil {
+		t.Fatalf("UpdateSettings: %v", err)
+	}
+	img := firmwareImage(t, "1.4.2+7", 120<<10)
+	var last int
+	err := d.UpdateFirmware(ctx, "fw-1", "1.4.2+7", img, func(pct int) { last = pct })
+	if err != nil {
+		t.Fatalf("UpdateFirmware: %v", err)
+	}
+	if s.Firmware() != "1.4.2+7" || !s.FirmwareConfirmed() || last != 100 {
+		t.Errorf("device runs %s (confirmed %v), progress %d; want 1.4.2+7 confirmed, 100", s.Firmware(), s.FirmwareConfirmed(), last)
+	}
+	if s.Boots() != 1 {
+		t.Errorf("%d boots; want 1", s.Boots())
+	}
+	st := d.TransferStats()
+	if n.Drops() < 2 || len(st) != 1 || st[0].Attempts < 2 {
+		t.Errorf("drops %d, stats %+v: the upload was not cut", n.Drops(), st)
+	}
+	info, err := d.Info(ctx)
+	if err != nil || info.FirmwareVersion != "1.4.2+7" {
+		t.Errorf("Info = %+v, %v; want firmware 1.4.2+7 from the image state", info, err)
+	}
+	vals, _, err := d.Settings(ctx)
+	if err != nil || vals["volume"] != int64(7) || vals["timezone"] != "Europe/Paris" {
+		t.Errorf("settings after the reboot = %v, %v; want the saved ones", vals, err)
+	}
+	// The same command again finds the image running and confirmed.
+	if err := d.UpdateFirmware(ctx, "fw-1", "1.4.2+7", img, nil); err != nil || s.Boots() != 1 {
+		t.Errorf("UpdateFirmware again = %v, %d boots; want nil without a reboot", err, s.Boots())
+	}
+	t.Logf("drops %d, upload attempts %d, sent %d of %d bytes", n.Drops(), st[0].Attempts, st[0].DataBytesSent, len(img))
+}
+
+// A device that comes back on its old image fails the command with a code
+// of its own, whether MCUboot refused the image or the new image crashed
+// before it was confirmed; a corrupt upload (match false) fails before any
+// reboot.
+func TestOTAFailures(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		hook  func(*sim.Device)
+		code  string
+		boots int
+	}{
+		{"MCUboot refuses the image", (*sim.Device).FailNextBoot, gatt.CodeFirmwareReverted, 1},
+		{"the new image crashes before confirming", (*sim.Device).CrashNextBoot, gatt.CodeFirmwareReverted, 2},
+		{"corrupt upload", (*sim.Device).CorruptNextUpload, gatt.CodeChecksumMismatch, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d, s, _ := newSimDevice(t, fastLink, gatt.DeviceOptions{})
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			tt.hook(s)
+			err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 40_000), nil)
+			if code := errorCode(err); code != tt.code {
+				t.Fatalf("UpdateFirmware = %v (code %q); want %s", err, code, tt.code)
+			}
+			if s.Firmware() != "1.0.0" || !s.FirmwareConfirmed() || s.Boots() != tt.boots {
+				t.Errorf("device runs %s (confirmed %v) after %d boots; want 1.0.0 confirmed after %d", s.Firmware(), s.FirmwareConfirmed(), s.Boots(), tt.boots)
+			}
+			// The next update goes through.
+			if err := d.UpdateFirmware(ctx, "fw-2", "2.0.1", firmwareImage(t, "2.0.1", 30_000), nil); err != nil || s.Firmware() != "2.0.1" {
+				t.Errorf("the next update = %v, firmware %s", err, s.Firmware())
+			}
+		})
+	}
+	t.Run("not an MCUboot image", func(t *testing.T) {
+		d, _, _ := newSimDevice(t, fastLink, gatt.DeviceOptions{})
+		err := d.UpdateFirmware(context.Background(), "fw-1", "2.0.0", randomBytes(t, 5000), nil)
+		if code := errorCode(err); code != gatt.CodeInvalidPayload {
+			t.Errorf("UpdateFirmware(random bytes) = %v (code %q)", err, code)
+		}
+		err = d.UpdateFirmware(context.Background(), "fw-1", "2.0.1", firmwareImage(t, "2.0.0", 5000), nil)
+		if code := errorCode(err); code != gatt.CodeInvalidPayload {
+			t.Errorf("UpdateFirmware(version 2.0.0 as 2.0.1) = %v (code %q)", err, code)
+		}
+	})
+}
+
+// wholeWrites records every write to the SMP characteristic, to check that
+// each carries whole messages.
+type wholeWrites struct {
+	gatt.Connector
+	mu     sync.Mutex
+	writes [][]byte
+}
+
+type recordingLink struct {
+	gatt.Link
+	w *wholeWrites
+}
+
+func (w *wholeWrites) Connect(ctx context.Context, id string) (gatt.Link, error) {
+	l, err := w.Connector.Connect(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &recordingLink{Link: l, w: w}, nil
+}
+
+func (l *recordingLink) Write(ctx context.Context, uuid string, data []byte, withResp bool) error {
+	l.w.mu.Lock()
+	l.w.writes = append(l.w.writes, bytes.Clone(data))
+	l.w.mu.Unlock()
+	return l.Link.Write(ctx, uuid, data, withResp)
+}
+
+// A device without reassembly (no CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY)
+// gets every request in one write, although its buffers are larger: after
+// the probe, no write holds part of a message.
+func TestNoReassemblySingleWrites(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(sim.LinkOptions{MTU: 185, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	p := sim.NewPeripheral(s, sim.PeripheralOptions{NoReassembly: true, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond})
+	n.Add("dev-1", p)
+	rec := &wholeWrites{Connector: n}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: rec, MinBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	if err := d.PushText(ctx, "t1", "", "hello"); err != nil {
+		t.Fatalf("PushText: %v", err)
+	}
+	if err := d.UpdateSettings(ctx, "s1", map[string]any{"language": "fr"}); err != nil {
+		t.Fatalf("UpdateSettings: %v", err)
+	}
+	if err := d.PushImage(ctx, "i1", "image/png", randomBytes(t, 10_000)); err != nil {
+		t.Fatalf("PushImage: %v", err)
+	}
+	if err := d.UpdateFirmware(ctx, "fw-1", "1.1.0", firmwareImage(t, "1.1.0", 30_000), nil); err != nil {
+		t.Fatalf("UpdateFirmware: %v", err)
+	}
+	if s.Firmware() != "1.1.0" || len(s.Images()) != 1 {
+		t.Errorf("firmware %s, %d images", s.Firmware(), len(s.Images()))
+	}
+	if err := d.PushText(ctx, "t2", "", string(bytes.Repeat([]byte("x"), 400))); errorCode(err) != gatt.CodeInvalidPayload {
+		t.Errorf("a text longer than a write = %v; want %s", err, gatt.CodeInvalidPayload)
+	}
+
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	probes := 0
+	for _, w := range rec.writes {
+		h, err := gatt.ParseHeader(w)
+		if err != nil || len(w) != gatt.HeaderSize+int(h.Len) {
+			if len(w) == 185-3 && err == nil && h.Group == gatt.GroupOS && h.ID == gatt.CmdOSEcho {
+				probes++ // the reassembly probe's first write, and its tail
+				continue
+			}
+			if len(w) < gatt.HeaderSize {
+				continue
+			}
+			t.Errorf("a write of %d bytes is not one whole message (header %+v)", len(w), h)
+		}
+	}
+	if probes == 0 || p.Dropped() != 0 {
+		t.Errorf("%d probes, %d writes dropped by the device", probes, p.Dropped())
+	}
+	t.Logf("%d writes, %d probes", len(rec.writes), probes)
+}

@@ -1,0 +1,263 @@
+package sim_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/mcuboot"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// rawSMP speaks SMP to a simulated peripheral byte by byte, the way a
+// stock MCUmgr client (or a test of the device) does: no gatt.Client.
+type rawSMP struct {
+	tb   testing.TB
+	link gatt.Link
+	msgs chan gatt.Message
+	seq  uint8
+}
+
+func newRawSMP(tb testing.TB, mtu int, popts sim.PeripheralOptions) (*rawSMP, *sim.Device, *sim.Peripheral) {
+	tb.Helper()
+	d := sim.New(sim.Options{ID: "dev-1"})
+	p := sim.NewPeripheral(d, popts)
+	n := sim.NewNetwork(sim.LinkOptions{MTU: mtu, KBPS: 100_000, Latency: -1, ConnectDelay: -1})
+	n.Add("dev-1", p)
+	tb.Cleanup(n.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	l, err := n.Connect(ctx, "dev-1")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	r := &rawSMP{tb: tb, link: l, msgs: make(chan gatt.Message, 16)}
+	reasm := gatt.NewReassembler(gatt.MaxMessage)
+	if err := l.Subscribe(ctx, gatt.SMPCharUUID, func(b []byte) {
+		ms, _ := reasm.Feed(b)
+		for _, m := range ms {
+			r.msgs <- m
+		}
+	}); err != nil {
+		tb.Fatal(err)
+	}
+	return r, d, p
+}
+
+// send writes one request of SMP version v split into writes of the
+// link's size, and returns the answer's header and body.
+func (r *rawSMP) send(v, op uint8, group uint16, id uint8, body any) (gatt.Header, map[string]any) {
+	r.tb.Helper()
+	b, err := gatt.EncodeBody(body)
+	if err != nil {
+		r.tb.Fatal(err)
+	}
+	r.seq++
+	msg := gatt.AppendHeader(nil, gatt.Header{Op: op, Version: v, Len: uint16(len(b)), Group: group, Seq: r.seq, ID: id})
+	msg = append(msg, b...)
+	r.write(msg)
+	return r.answer()
+}
+
+func (r *rawSMP) write(msg []byte) {
+	r.tb.Helper()
+	frag := r.link.MTU() - 3
+	for off := 0; off < len(msg); off += frag {
+		if err := r.link.Write(context.Background(), gatt.SMPCharUUID, msg[off:min(off+frag, len(msg))], false); err != nil {
+			r.tb.Fatal(err)
+		}
+	}
+}
+
+func (r *rawSMP) answer() (gatt.Header, map[string]any) {
+	r.tb.Helper()
+	select {
+	case m := <-r.msgs:
+		var v map[string]any
+		if err := gatt.DecodeBody(m.Body, &v); err != nil {
+			r.tb.Fatal(err)
+		}
+		return m.Header, v
+	case <-time.After(3 * time.Second):
+		r.tb.Fatal("no answer")
+	}
+	return gatt.Header{}, nil
+}
+
+// waitBoots waits until the device has booted n times: it reboots just
+// after it drops the link.
+func waitBoots(tb testing.TB, d *sim.Device, n int) {
+	tb.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for d.Boots() < n {
+		if time.Now().After(deadline) {
+			tb.Fatalf("%d boots; want %d", d.Boots(), n)
+		}
+		time.Sleep(time.Millisecond) // polling the device's reboot count
+	}
+}
+
+// The image group's upload is img_mgmt's: the request at off 0 needs len
+// and an MCUboot header (rc 3 in version 1 otherwise; version 2 names the
+// group's error), the answer to a version-2 request is version 2, a
+// resumed upload answers the offset held, the last answer says match, and
+// upgrade refuses an image not newer than the running one.
+func TestImageUploadAsZephyr(t *testing.T) {
+	r, d, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	img := mcuboot.MustBuild(bytes.Repeat([]byte("app "), 500), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 2}})
+	sum := sha256.Sum256(img)
+	up := func(v uint8, body map[string]any) (gatt.Header, map[string]any) {
+		return r.send(v, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, body)
+	}
+	rcOf := func(m map[string]any) any { return m["rc"] }
+	errOf := func(m map[string]any) any {
+		if e, ok := m["err"].(map[string]any); ok {
+			return e["rc"]
+		}
+		return nil
+	}
+	for _, tt := range []struct {
+		name  string
+		body  map[string]any
+		v1rc  uint64 // version 1: MCUmgr's rc
+		v2err uint64 // version 2: the image group's error
+	}{
+		{"no len at off 0", map[string]any{"off": 0, "data": img[:100], "sha": sum[:]}, 3, gatt.ImgErrInvalidLength},
+		{"no header at off 0", map[string]any{"off": 0, "len": len(img), "data": []byte("short"), "sha": sum[:]}, 3, gatt.ImgErrInvalidImageHeader},
+		{"not MCUboot", map[string]any{"off": 0, "len": len(img), "data": bytes.Repeat([]byte{1}, 64), "sha": sum[:]}, 1, gatt.ImgErrInvalidImageHeaderMagic},
+		{"no off", map[string]any{"len": len(img), "data": img[:64]}, 3, gatt.ImgErrInvalidOffset},
+		{"upgrade to an older version", map[string]any{"off": 0, "len": 100, "upgrade": true,
+			"data": mcuboot.MustBuild([]byte("old"), mcuboot.Options{Version: mcuboot.Version{Minor: 9}})[:64]}, 6, gatt.ImgErrCurrentVersionIsNewer},
+	} {
+		h, m := up(gatt.SMPv1, tt.body)
+		if h.Version != gatt.SMPv1 || rcOf(m) != tt.v1rc {
+			t.Errorf("%s, version 1: header version %d, body %v; want rc %d", tt.name, h.Version, m, tt.v1rc)
+		}
+		h, m = up(gatt.SMPv2, tt.body)
+		if h.Version != gatt.SMPv2 || errOf(m) != tt.v2err || m["err"].(map[string]any)["group"] != uint64(gatt.GroupImage) {
+			t.Errorf("%s, version 2: header version %d, body %v; want err {1, %d}", tt.name, h.Version, m, tt.v2err)
+		}
+	}
+
+	// A good upload in version 2, cut after the first chunk and resumed.
+	h, m := up(gatt.SMPv2, map[string]any{"off": 0, "len": len(img), "sha": sum[:], "data": img[:500]})
+	if h.Version != gatt.SMPv2 || h.Op != gatt.OpWriteRsp || m["off"] != uint64(500) {
+		t.Fatalf("first chunk: %+v %v", h, m)
+	}
+	_, m = up(gatt.SMPv2, map[string]any{"off": 0, "len": len(img), "sha": sum[:], "data": img[:500]})
+	if m["off"] != uint64(500) {
+		t.Errorf("resume: %v; want off 500, the offset held", m)
+	}
+	_, m = up(gatt.SMPv1, map[string]any{"off": 900, "data": img[900:1000]})
+	if m["off"] != uint64(500) {
+		t.Errorf("a chunk at the wrong offset: %v; want off 500 and nothing written", m)
+	}
+	_, m = up(gatt.SMPv1, map[string]any{"off": 500, "data": img[500:]})
+	if m["off"] != uint64(len(img)) || m["match"] != true {
+		t.Errorf("last chunk: %v; want off %d, match true", m, len(img))
+	}
+
+	// The image state lists it; a test, a reset, and the device runs it.
+	parsed, _ := mcuboot.Parse(img)
+	_, m = r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupImage, gatt.CmdImageState, map[string]any{})
+	slots := m["images"].([]any)
+	if len(slots) != 2 || !bytes.Equal(slots[1].(map[string]any)["hash"].([]byte), parsed.Hash) || slots[1].(map[string]any)["version"] != "1.2.0" {
+		t.Fatalf("image state %v", m)
+	}
+	_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageState, map[string]any{"hash": parsed.Hash, "confirm": false})
+	if s := m["images"].([]any)[1].(map[string]any); s["pending"] != true {
+		t.Fatalf("after test: %v", m)
+	}
+	_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageState, map[string]any{"hash": parsed.Hash, "confirm": false})
+	if m["err"] != nil || m["rc"] != nil {
+		t.Errorf("test again: %v; want nothing to do", m)
+	}
+	if _, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSReset, map[string]any{}); len(m) != 0 {
+		t.Errorf("reset: %v", m)
+	}
+	select {
+	case <-r.link.Done():
+	case <-time.After(3 * time.Second):
+		t.Fatal("the device did not drop the link to reboot")
+	}
+	waitBoots(t, d, 1)
+	if d.Firmware() != "1.2.0" || d.FirmwareConfirmed() {
+		t.Errorf("after the reboot: firmware %s, confirmed %v; want 1.2.0 under test", d.Firmware(), d.FirmwareConfirmed())
+	}
+}
+
+// Settings through settings_mgmt: read {name} → {val}, write {name, val},
+// save; a value survives a reboot only once saved. Errors in version 2
+// are the settings group's.
+func TestSettingsAsZephyr(t *testing.T) {
+	r, d, _ := newRawSMP(t, 23, sim.PeripheralOptions{})
+	_, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/language"})
+	if !bytes.Equal(m["val"].([]byte), []byte("en")) {
+		t.Errorf("read language: %v", m)
+	}
+	_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/brightness", "val": []byte{80, 0, 0, 0}})
+	if len(m) != 0 {
+		t.Errorf("write brightness: %v", m)
+	}
+	_, m = r.send(gatt.SMPv1, gatt.OpRead, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/brightness"})
+	if hex.EncodeToString(m["val"].([]byte)) != "50000000" {
+		t.Errorf("read brightness: %v", m)
+	}
+	_, m = r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/colour"})
+	if e := m["err"].(map[string]any); e["group"] != uint64(gatt.GroupSettings) || e["rc"] != uint64(gatt.SettingsErrKeyNotFound) {
+		t.Errorf("read an unknown key, version 2: %v", m)
+	}
+	_, m = r.send(gatt.SMPv1, gatt.OpRead, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/colour"})
+	if m["rc"] != uint64(gatt.RCNotFound) {
+		t.Errorf("read an unknown key, version 1: %v", m)
+	}
+	_, m = r.send(gatt.SMPv1, gatt.OpWrite, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/brightness", "val": []byte{200, 0, 0, 0}})
+	if m["rc"] == nil {
+		t.Errorf("write brightness 200: %v; want an error", m)
+	}
+	// Not saved yet: a reboot loses it.
+	r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSReset, map[string]any{})
+	<-r.link.Done()
+	waitBoots(t, d, 1)
+	vals, _, _ := d.Settings(context.Background())
+	if vals["brightness"] != 50 {
+		t.Errorf("brightness after a reboot without save = %v; want the default 50", vals["brightness"])
+	}
+}
+
+// Without reassembly each write is a packet: a message split across writes
+// is answered rc 9 and its tail dropped; with it, the buffers are
+// reported by MCUmgr parameters and a split message is joined.
+func TestReassemblyOption(t *testing.T) {
+	for _, noReasm := range []bool{false, true} {
+		r, _, p := newRawSMP(t, 23, sim.PeripheralOptions{NoReassembly: noReasm})
+		_, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupOS, gatt.CmdOSParams, map[string]any{})
+		if m["buf_size"] != uint64(sim.DefaultBufSize) || m["buf_count"] != uint64(sim.DefaultBufCount) {
+			t.Errorf("params %v", m)
+		}
+		// 25 bytes: a write of 20 and one of 5, too short for a header.
+		_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": "thirteen char"})
+		switch {
+		case noReasm && m["rc"] != uint64(gatt.RCCorrupt):
+			t.Errorf("split echo without reassembly: %v; want rc 9", m)
+		case !noReasm && m["r"] != "thirteen char":
+			t.Errorf("split echo with reassembly: %v", m)
+		}
+		_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": "short"})
+		if m["r"] != "short" || p.Dropped() != 0 {
+			t.Errorf("echo in one write (reassembly %v): %v, %d dropped", !noReasm, m, p.Dropped())
+		}
+		_, m = r.send(3, gatt.OpRead, gatt.GroupOS, gatt.CmdOSParams, map[string]any{})
+		if m["rc"] != uint64(gatt.RCTooNew) {
+			t.Errorf("SMP version 4: %v; want rc 13", m)
+		}
+		_, m = r.send(gatt.SMPv2, gatt.OpRead, 99, 0, map[string]any{})
+		if m["rc"] != uint64(gatt.RCNotSupported) {
+			t.Errorf("unknown group: %v; want rc 8", m)
+		}
+	}
+}
