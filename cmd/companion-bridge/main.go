@@ -32,6 +32,7 @@ import (
 	"github.com/devicecompanion/companion/internal/envflag"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -80,12 +81,15 @@ type Config struct {
 	SimKBPS      int           // rate of the simulated link, kbit/s each way
 	SimDropEvery time.Duration // the simulated link drops this often; 0 never
 	SimState     string        // directory where simulated devices remember the commands they ran; "" none
-	GATT         string
-	Devices      []string // ids of the real devices, with --gatt bluez
-	TopicPrefix  string
-	LogLevel     slog.Level
-	CA           string // PEM CA bundle to verify an mqtts:// broker and an https:// API with
-	PProf        string // listen address of net/http/pprof; "" off
+	// SimNoReassembly makes the simulated devices take each ATT write as a
+	// whole SMP packet (Zephyr without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY).
+	SimNoReassembly bool
+	GATT            string
+	Devices         []string // ids of the real devices, with --gatt bluez
+	TopicPrefix     string
+	LogLevel        slog.Level
+	CA              string // PEM CA bundle to verify an mqtts:// broker and an https:// API with
+	PProf           string // listen address of net/http/pprof; "" off
 }
 
 // Main is the bridge program: Run builds and runs it, Close stops it.
@@ -144,6 +148,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.IntVar(&c.SimMTU, "sim-mtu", c.SimMTU, "ATT `MTU` of the simulated Bluetooth link (23–517)")
 	fs.IntVar(&c.SimKBPS, "sim-kbps", c.SimKBPS, "`rate` of the simulated Bluetooth link in kbit/s each way (default: BLE 2M PHY with data length extension)")
 	fs.DurationVar(&c.SimDropEvery, "sim-drop-every", c.SimDropEvery, "drop the simulated Bluetooth link this `often` (0: never)")
+	fs.BoolVar(&c.SimNoReassembly, "sim-no-reassembly", c.SimNoReassembly, "the simulated devices do not join SMP requests split across writes (Zephyr without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY)")
 	fs.StringVar(&c.SimState, "sim-state", c.SimState, "`directory` where the simulated devices record the command ids they ran (one file each), so that they drop repeats across bridge restarts as real devices do")
 	fs.StringVar(&c.GATT, "gatt", c.GATT, "Bluetooth `backend` for real devices (bluez)")
 	fs.StringVar(&devices, "devices", "", "comma-separated `ids` of the real devices to reach with --gatt (their DIS serial numbers)")
@@ -218,8 +223,8 @@ func (m *Main) validate() error {
 	if c.SimDropEvery < 0 {
 		return fmt.Errorf("--sim-drop-every %s: must not be negative", c.SimDropEvery)
 	}
-	if !topics.ValidVersion(c.SimFirmware) {
-		return fmt.Errorf("--sim-firmware %q is not a semantic version", c.SimFirmware)
+	if _, err := mcuboot.ParseVersion(c.SimFirmware); err != nil || !topics.ValidVersion(c.SimFirmware) {
+		return fmt.Errorf("--sim-firmware %q is not a version an MCUboot image holds (major.minor.revision, optional +build)", c.SimFirmware)
 	}
 	if _, err := topics.New(c.TopicPrefix); err != nil {
 		return fmt.Errorf("--topic-prefix: %v", err)
@@ -333,7 +338,7 @@ func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device, error)
 	}
 	network := sim.NewNetwork(sim.LinkOptions{MTU: c.SimMTU, KBPS: c.SimKBPS, DropEvery: c.SimDropEvery})
 	for _, d := range sims {
-		network.Add(d.ID(), sim.NewPeripheral(d, sim.PeripheralOptions{Logger: log}))
+		network.Add(d.ID(), sim.NewPeripheral(d, sim.PeripheralOptions{NoReassembly: c.SimNoReassembly, Logger: log}))
 	}
 	return network, sims, nil
 }
