@@ -127,7 +127,9 @@ func (db *DB) RegistryDevice(ctx context.Context, id string) (RegistryDevice, er
 
 // CreateBridge stores a new bridge, indexed by the hash of its secret (and
 // by its owner, for a user's own). CreatedAt is set to now when zero. It
-// returns ErrExists when the id or the secret hash is already taken.
+// returns ErrExists when the id or the secret hash is already taken, the
+// id also by a user: bridges and users log in to the broker alike, the id
+// their username, and a user may name their own bridges.
 func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
 	if !validID(b.ID) || len(b.SecretHash) == 0 || (b.OwnerID != "" && !validID(b.OwnerID)) {
 		return fmt.Errorf("%w: bridge needs an id and a secret hash", ErrInvalid)
@@ -137,7 +139,7 @@ func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
 	}
 	return db.update(func(tx *bolt.Tx) error {
 		bridges, secrets := tx.Bucket(bucketBridges), tx.Bucket(bucketBridgeSecrets)
-		if bridges.Get([]byte(b.ID)) != nil || secrets.Get(b.SecretHash) != nil {
+		if bridges.Get([]byte(b.ID)) != nil || secrets.Get(b.SecretHash) != nil || tx.Bucket(bucketUsers).Get([]byte(b.ID)) != nil {
 			return abort(ErrExists)
 		}
 		if err := putJSON(bridges, []byte(b.ID), b); err != nil {

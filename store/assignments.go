@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"time"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -44,12 +45,28 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 	return old, tx.Bucket(bucketBridgeServes).Delete(key(old, deviceID))
 }
 
+// markUnserved marks offline a device no bridge serves any more (CONTRACT
+// §9): nothing reports it now, and its old bridge's Will need not fire
+// (Mosquitto's plugin cuts a bridge off without it). Seq and LastSeen stay,
+// as MarkBridgeOffline keeps them, so the next report applies as usual.
+func markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
+	statuses := tx.Bucket(bucketStatus)
+	var s Status
+	ok, err := getJSON(statuses, []byte(deviceID), &s)
+	if err != nil || !ok || !s.Online {
+		return err
+	}
+	s.Online = false
+	s.UpdatedAt = now
+	return putJSON(statuses, []byte(deviceID), s)
+}
+
 // AssignDevice makes bridgeID serve deviceID, or no bridge when bridgeID is
-// "", and returns the bridge that served it before ("" none). With ownerID
-// set, it is a user's request: the device must be bound to that user and
-// the bridge must be one of that user's own (ErrNotOwned otherwise; an
-// unassignment needs only the device). ErrNotFound means no such device or
-// bridge.
+// "" (the device then reads offline), and returns the bridge that served
+// it before ("" none). With ownerID set, it is a user's request: the
+// device must be bound to that user and the bridge must be one of that
+// user's own (ErrNotOwned otherwise; an unassignment needs only the
+// device). ErrNotFound means no such device or bridge.
 func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (previous string, err error) {
 	if !validID(deviceID) || (bridgeID != "" && !validID(bridgeID)) {
 		return "", ErrNotFound
@@ -71,8 +88,10 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 		}
 		if bridgeID == "" {
 			var err error
-			previous, err = unassign(tx, deviceID)
-			return err
+			if previous, err = unassign(tx, deviceID); err != nil || previous == "" {
+				return err
+			}
+			return markUnserved(tx, deviceID, db.now())
 		}
 		var br Bridge
 		ok, err := getJSON(tx.Bucket(bucketBridges), []byte(bridgeID), &br)
@@ -152,14 +171,15 @@ func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int)
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		bridges := tx.Bucket(bucketBridges)
 		each := func(id []byte) (bool, error) {
-			if limit > 0 && len(out) == limit {
-				more = true
-				return false, nil
-			}
 			var b Bridge
 			ok, err := getJSON(bridges, id, &b)
 			if err != nil || !ok || b.OwnerID != ownerID {
 				return err == nil, err
+			}
+			// Only one of the owner's own after a full page means more.
+			if limit > 0 && len(out) == limit {
+				more = true
+				return false, nil
 			}
 			out = append(out, b)
 			return true, nil
@@ -195,8 +215,8 @@ func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int)
 }
 
 // DeleteBridge removes a bridge, its secret and its assignments, and
-// returns the devices it served. With ownerID set, only one of that user's
-// own bridges goes (ErrNotOwned for another's).
+// returns the devices it served, which read offline. With ownerID set,
+// only one of that user's own bridges goes (ErrNotOwned for another's).
 func (db *DB) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error) {
 	if !validID(bridgeID) {
 		return nil, ErrNotFound
@@ -221,6 +241,9 @@ func (db *DB) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]str
 		})
 		for _, dev := range served {
 			if _, err := unassign(tx, dev); err != nil {
+				return err
+			}
+			if err := markUnserved(tx, dev, db.now()); err != nil {
 				return err
 			}
 		}

@@ -70,8 +70,8 @@ func (db *DB) Bind(ctx context.Context, b Binding) (Binding, bool, error) {
 // Unbind removes the binding of the device to userID. It returns
 // ErrNotFound unless the device is bound to that user. Status, settings
 // and commands of the device stay, and so does its assignment to one of
-// the operator's bridges; one of the user's own bridges stops serving it,
-// and Unbind returns that bridge ("" otherwise).
+// the operator's bridges; one of the user's own bridges stops serving it
+// (it reads offline then), and Unbind returns that bridge ("" otherwise).
 func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error) {
 	if !validID(deviceID) || !validID(userID) {
 		return "", ErrNotFound
@@ -95,9 +95,12 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned s
 		}
 		if bridge := tx.Bucket(bucketAssignments).Get([]byte(deviceID)); bridge != nil &&
 			tx.Bucket(bucketOwnerBridges).Get(key(userID, string(bridge))) != nil {
-			unassigned, err = unassign(tx, deviceID)
+			if unassigned, err = unassign(tx, deviceID); err != nil {
+				return err
+			}
+			return markUnserved(tx, deviceID, db.now())
 		}
-		return err
+		return nil
 	})
 	return unassigned, err
 }
