@@ -176,6 +176,10 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	}
 	fields := body.utf8Errors()
 	bridge := ""
+	if _, ok := body.members["bridge_id"]; !ok {
+		// Only an explicit null unassigns: a misspelt member must not.
+		fields = append(fields, FieldError{Field: "bridge_id", Message: "is required: a bridge id, or null for no bridge"})
+	}
 	if req.BridgeID != nil {
 		bridge = *req.BridgeID
 		if !topics.ValidBridgeID(bridge) {
