@@ -306,6 +306,27 @@ func (s *Server) Close() error {
 	return s.closeErr
 }
 
+// DisconnectBridge closes the connections of the bridge's clients, as
+// Mosquitto's dynamic-security plugin does to the clients of a role that
+// changed. Call it when the devices the bridge serves change (CONTRACT §9):
+// the bridge connects again and subscribes anew under its new rights
+// (a subscription refused before is granted now), and the server resends
+// its devices' unfinished commands once it says it is online. Sessions
+// stay. It returns how many connections it closed.
+func (s *Server) DisconnectBridge(bridgeID string) int {
+	n := 0
+	for _, cl := range s.mochi.Clients.GetAll() {
+		if id, ok := s.hook.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
+			_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
+			n++
+		}
+	}
+	if n > 0 {
+		s.log.Info("bridge disconnected: its devices changed", "bridge_id", bridgeID, "connections", n)
+	}
+	return n
+}
+
 // Stats are the broker's message counters since Start.
 type Stats struct {
 	MessagesReceived int64 `json:"messages_received"` // PUBLISH packets from clients

@@ -306,8 +306,23 @@ func TestBridgeRules(t *testing.T) {
 	require.Equal(t, marker, m.Topic())
 	require.Equal(t, "marker", string(m.Payload()))
 
-	// A refused QoS 1 publish closes an MQTT 3.1.1 connection (there is no
-	// way to say no in a PUBACK before MQTT 5).
+	// At QoS 1, what belongs to another bridge's device is acknowledged
+	// and dropped, as Mosquitto does: the connection stays, so a bridge
+	// whose list names a device that moved away keeps serving the others.
+	br.publish(t, tp(tree.Status("dev-2")), true, "forged")
+	br.publish(t, marker, false, "marker 2")
+	m = srv.next(t)
+	require.Equal(t, marker, m.Topic())
+	require.Equal(t, "marker 2", string(m.Payload()))
+	require.True(t, br.IsConnectionOpen())
+	late := mustDial(t, s.Addr(), serverUser, serverPass, func(o *mqtt.ClientOptions) { o.SetClientID("late-server") })
+	require.Equal(t, byte(1), late.subscribe(t, tp(tree.Status("dev-2"))))
+	late.publish(t, tp(tree.Status("dev-2")), false, "marker 3")
+	require.Equal(t, "marker 3", string(late.next(t).Payload()), "the dropped status was retained")
+
+	// A refused QoS 1 publish on a topic no bridge may use closes an MQTT
+	// 3.1.1 connection (there is no way to say no in a PUBACK before
+	// MQTT 5).
 	br.Publish(cmdTopic, 1, false, "forged")
 	br.waitLost(t)
 }
@@ -335,15 +350,46 @@ func TestBridgeRightsFollowAMove(t *testing.T) {
 	srv.publish(t, cmd3, false, "marker")
 	require.Equal(t, "marker", string(b1.next(t).Payload()), "bridge-1 still got dev-1's command after the move")
 
-	// bridge-1's reply for dev-1 is refused (and closes its connection,
-	// as a refused QoS 1 publish does); bridge-2's goes through.
-	b1.Publish(tp(tree.Replies("dev-1")), 1, false, "from bridge-1")
-	b1.waitLost(t)
+	// bridge-1's reply for dev-1 is dropped (acknowledged, so that its
+	// connection and its other devices stay); bridge-2's goes through.
+	b1.publish(t, tp(tree.Replies("dev-1")), false, "from bridge-1")
 	require.Equal(t, byte(1), b2.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
 	b2.publish(t, tp(tree.Replies("dev-1")), false, "from bridge-2")
 	require.Equal(t, "from bridge-2", string(srv.next(t).Payload()))
 	srv.publish(t, cmd1, false, "to bridge-2")
 	require.Equal(t, "to bridge-2", string(b2.next(t).Payload()))
+}
+
+// DisconnectBridge closes the connections of that bridge and no other,
+// and keeps its persistent session: the bridge connects again, its old
+// subscriptions still there, and a subscription refused before a move is
+// granted after it.
+func TestDisconnectBridge(t *testing.T) {
+	acc := newFakeAccounts()
+	s := startBroker(t, acc)
+	persistent := func(o *mqtt.ClientOptions) { o.SetClientID("bridge-1-session").SetCleanSession(false) }
+	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", persistent)
+	b2 := mustDial(t, s.Addr(), "bridge-2", "b2-secret", nil)
+	u := mustDial(t, s.Addr(), "alice", "alice-token", nil)
+	cmd1, cmd2 := tp(tree.Command("dev-1", topics.OpPushText)), tp(tree.Command("dev-2", topics.OpPushText))
+	require.Equal(t, byte(1), b1.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	require.Equal(t, byte(0x80), b1.subscribe(t, tp(tree.CommandsFilter("dev-2"))))
+
+	acc.move("dev-2", "bridge-1")
+	require.Equal(t, 0, s.DisconnectBridge("bridge-9"))
+	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))
+	b1.waitLost(t)
+	b2.publish(t, tp(tree.BridgeState("bridge-2")), true, topics.BridgeOnline)
+	require.Equal(t, byte(1), u.subscribe(t, tp(tree.DeviceFilter("dev-1"))))
+	require.True(t, b2.IsConnectionOpen() && u.IsConnectionOpen(), "another client was disconnected")
+
+	b1 = mustDial(t, s.Addr(), "bridge-1", "b1-secret", persistent)
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	srv.publish(t, cmd1, false, "kept")
+	require.Equal(t, "kept", string(b1.next(t).Payload()), "the session's subscription")
+	require.Equal(t, byte(1), b1.subscribe(t, tp(tree.CommandsFilter("dev-2"))))
+	srv.publish(t, cmd2, false, "granted")
+	require.Equal(t, "granted", string(b1.next(t).Payload()))
 }
 
 func TestBridgeWill(t *testing.T) {

@@ -26,7 +26,8 @@ const accountsTimeout = 5 * time.Second
 //     with write=false for each SUBSCRIBE filter, and again with write=false
 //     and the topic name for each message it delivers (including to an
 //     offline session's queue). It never checks a Will, so the Will topic is
-//     checked at connect time.
+//     checked at connect time. What a bridge publishes for a device it does
+//     not serve passes OnACLCheck and is dropped, acknowledged, in OnPublish.
 //   - keeping queued messages in order: mochi resends an offline session's
 //     queue sorted by uint16(Created seconds) with an unstable sort, which
 //     shuffles everything queued within one second. The hook numbers each
@@ -69,7 +70,7 @@ func (h *hook) ID() string { return "companion-auth" }
 // Provides lists the events the hook handles.
 func (h *hook) Provides(b byte) bool {
 	switch b {
-	case mqtt.OnConnectAuthenticate, mqtt.OnACLCheck, mqtt.OnSessionEstablish, mqtt.OnSessionEstablished,
+	case mqtt.OnConnectAuthenticate, mqtt.OnACLCheck, mqtt.OnPublish, mqtt.OnSessionEstablish, mqtt.OnSessionEstablished,
 		mqtt.OnDisconnect, mqtt.OnClientExpired,
 		mqtt.OnQosPublish, mqtt.OnQosComplete, mqtt.OnQosDropped,
 		mqtt.OnPacketRead, mqtt.OnPacketEncode, mqtt.OnPacketProcessed:
@@ -176,12 +177,33 @@ func (h *hook) mayWrite(id Identity, topic string) bool {
 		}
 		switch t.Kind {
 		case topics.KindReplies, topics.KindStatus, topics.KindSettings:
-			return h.serves(id.ID, t.DeviceID)
+			// Whether the bridge serves the device is OnPublish's to say.
+			return true
 		case topics.KindBridgeState:
 			return t.BridgeID == id.ID
 		}
 	}
 	return false
+}
+
+// OnPublish drops what a bridge publishes for a device it does not serve
+// now (CONTRACT §9), and acknowledges it all the same, as Mosquitto does.
+// Refused in OnACLCheck, a QoS 1 publish would cost the connection (all
+// MQTT 3.1.1 allows besides an acknowledgement), and the bridge would
+// send it again after each reconnect: a bridge whose list still names a
+// device that moved away would be cut off for all its devices.
+func (h *hook) OnPublish(cl *mqtt.Client, pk packets.Packet) (packets.Packet, error) {
+	id, ok := h.identity(cl)
+	if !ok || id.Role != RoleBridge {
+		return pk, nil
+	}
+	t, err := h.tree.Parse(pk.TopicName)
+	if err != nil || t.DeviceID == "" || h.serves(id.ID, t.DeviceID) {
+		return pk, nil
+	}
+	h.log.Warn("mqtt publish for a device the bridge does not serve dropped", "bridge_id", id.ID,
+		"device_id", t.DeviceID, "topic", pk.TopicName, "client_id", cl.ID)
+	return pk, packets.CodeSuccessIgnore
 }
 
 // serves asks the accounts whether the bridge serves the device now.

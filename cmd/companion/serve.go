@@ -328,6 +328,9 @@ func (m *Main) Run(ctx context.Context) error {
 		}
 		accounts = m.Dynsec
 	}
+	if m.MQTT != nil {
+		accounts = embeddedAccounts{m.MQTT}
+	}
 	if err := m.Broker.Start(); err != nil {
 		return err
 	}
@@ -428,6 +431,33 @@ func (m *Main) Close() error {
 		m.closeErr = errors.Join(errs...)
 	})
 	return m.closeErr
+}
+
+// embeddedAccounts is what the API tells the embedded broker of changes
+// to who may do what. The broker reads accounts, bindings and assignments
+// from the store on every check, so it has only one thing to do: when the
+// devices a bridge serves change, or the bridge is deleted, its
+// connections are closed, as Mosquitto's plugin does (see
+// embedded.Server.DisconnectBridge).
+type embeddedAccounts struct{ mqtt *embedded.Server }
+
+func (embeddedAccounts) UserCreated(context.Context, string, string) error   { return nil }
+func (embeddedAccounts) BridgeCreated(context.Context, string, string) error { return nil }
+func (embeddedAccounts) Bound(context.Context, string, string) error         { return nil }
+func (embeddedAccounts) Unbound(context.Context, string, string) error       { return nil }
+
+func (a embeddedAccounts) BridgeDeleted(_ context.Context, bridgeID string) error {
+	a.mqtt.DisconnectBridge(bridgeID)
+	return nil
+}
+
+func (a embeddedAccounts) Assigned(_ context.Context, _, from, to string) error {
+	for _, b := range []string{from, to} {
+		if b != "" {
+			a.mqtt.DisconnectBridge(b)
+		}
+	}
+	return nil
 }
 
 // clientTLS returns the TLS settings for a broker URL: nil for plain
