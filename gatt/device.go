@@ -66,11 +66,13 @@ type DeviceOptions struct {
 	Logger        *slog.Logger
 }
 
-// Device is a device reached over GATT. It satisfies agent.Device: it
-// connects on demand, reconnects with backoff when the link drops, repeats
-// a request the link lost (the device drops a repeated command id) and
-// resumes an upload from the offset the device holds. It is safe for
-// concurrent use.
+// Device is a device reached over GATT: a Zephyr device with stock MCUmgr
+// and the project's groups (docs/gatt.md). It satisfies agent.Device: it
+// connects on demand, learns on each connection whether the device
+// reassembles requests, reconnects with backoff when the link drops,
+// repeats a request the link lost (idempotent in the standard groups; the
+// device drops a repeated command id in the project's) and resumes an
+// upload from the offset the device holds. It is safe for concurrent use.
 type Device struct {
 	opts DeviceOptions
 	log  *slog.Logger

@@ -145,3 +145,10 @@ func FuzzReassemble(f *testing.F) {
 		}
 	})
 }
+
+// The profile is Zephyr's: a stock MCUmgr device serves these.
+func TestZephyrUUIDs(t *testing.T) {
+	if ServiceUUID != "8d53dc1d-1db7-4cd3-868b-8a527460aa84" || SMPCharUUID != "da2e7828-fbce-4e01-ae9e-261174997c48" {
+		t.Errorf("SMP service %s, characteristic %s; want Zephyr's", ServiceUUID, SMPCharUUID)
+	}
+}

@@ -123,14 +123,14 @@ var errRestart = errors.New("gatt: the device lost the upload")
 func (t *Transfer) Run(ctx context.Context, c *Client, window int) error {
 	t.attempts.Add(1)
 	for restarts := 0; ; restarts++ {
-		err := t.run(ctx, c, max(window, 1))
+		err := t.run(ctx, c, max(window, 1), restarts > 0)
 		if !errors.Is(err, errRestart) || restarts == 3 {
 			return err
 		}
 	}
 }
 
-func (t *Transfer) run(ctx context.Context, c *Client, window int) error {
+func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted bool) error {
 	chunk, err := t.ChunkSize(c.Frag(), c.MaxRequest(), false)
 	if err != nil {
 		return err
@@ -150,6 +150,12 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int) error {
 		if n < mcuboot.HeaderSize && t.total >= mcuboot.HeaderSize {
 			return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize,
 				Reason: fmt.Sprintf("requests of %d bytes cannot carry the image header with len and sha", c.MaxRequest())}
+		}
+		if t.attempts.Load() > 1 || restarted {
+			// Resuming, most likely: the device keeps what it holds and
+			// discards this request's data, so send only the header it
+			// checks.
+			n = mcuboot.HeaderSize
 		}
 		data = t.u.Data[:min(uint64(n), t.total)]
 		t.dataSent.Add(int64(len(data)))

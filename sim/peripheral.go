@@ -551,7 +551,7 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.Name == "" {
 			return failRC(gatt.RCInvalid, "name required")
 		}
-		if len(req.Name) >= 64 { // CONFIG_MCUMGR_GRP_SETTINGS_NAME_LEN
+		if len(req.Name) >= 32 { // CONFIG_MCUMGR_GRP_SETTINGS_NAME_LEN
 			return groupErr(g, gatt.SettingsErrKeyTooLong, "")
 		}
 		if read {

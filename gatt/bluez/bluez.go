@@ -2,9 +2,10 @@
 
 // Package bluez is the gatt.Connector for real Bluetooth adapters on Linux
 // gateways: BlueZ over D-Bus, through tinygo.org/x/bluetooth (pinned: its
-// API is marked unstable). It finds devices by scanning for the companion
-// service (gatt.ServiceUUID) and tells them apart by the serial number of
-// their Device Information Service, which is the device id.
+// API is marked unstable). It finds devices by scanning for Zephyr's SMP
+// service (gatt.ServiceUUID), which a device with MCUmgr's Bluetooth
+// transport advertises, and tells them apart by the serial number of their
+// Device Information Service, which is the device id.
 //
 // tinygo.org/x/bluetooth connects, discovers services and characteristics,
 // reads, writes, reads the MTU, starts notifications and disconnects. The

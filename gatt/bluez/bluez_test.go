@@ -158,8 +158,10 @@ func connect(t *testing.T, c *bluez.Connector, id string) gatt.Link {
 func TestConnectFindsDeviceBySerial(t *testing.T) {
 	fake := fakebluez.New(t)
 	pa, pb := newTestPeripheral("dev-a"), newTestPeripheral("dev-b")
-	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:0A", Name: "a", Peripheral: pa})
-	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:0B", Name: "b", Peripheral: pb})
+	// They advertise Zephyr's SMP service, as smp_svr does (CONTRACT §10).
+	zephyrSMP := []string{"8D53DC1D-1DB7-4CD3-868B-8A527460AA84"}
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:0A", Name: "a", UUIDs: zephyrSMP, Peripheral: pa})
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:0B", Name: "b", UUIDs: zephyrSMP, Peripheral: pb})
 	// A device without our service: never connected to.
 	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:01", UUIDs: []string{gatt.BatteryServiceUUID}, Peripheral: newTestPeripheral("other")})
 	c := newConnector(t)
@@ -183,7 +185,7 @@ func TestConnectFindsDeviceBySerial(t *testing.T) {
 		}
 	}
 	if strings.Contains(calls, "dev_C0_FF_EE_00_00_01") {
-		t.Errorf("connected to a device without the companion service:\n%s", calls)
+		t.Errorf("connected to a device without the SMP service:\n%s", calls)
 	}
 
 	// Both are known now; dev-a connects while dev-b stays connected.
