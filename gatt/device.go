@@ -39,6 +39,10 @@ const (
 	// maxResets is how often the bridge resets a device that comes back
 	// with the new image still pending (it did not reboot).
 	maxResets = 3
+	// maxOTASteps bounds the steps of an update (upload, test, reset,
+	// confirm, each read back), against a device whose state does not
+	// follow its answers.
+	maxOTASteps = 16
 )
 
 // DeviceOptions configure a Device. The zero value of a field means its
@@ -543,7 +547,10 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 		}
 	}
 	resets, uploads := 0, 0
-	for {
+	for step := 0; ; step++ {
+		if step == maxOTASteps {
+			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Reason: fmt.Sprintf("the image state did not move after %d steps", step)}
+		}
 		var st ImageStateResponse
 		if err := d.do(ctx, OpRead, GroupImage, CmdImageState, nil, &st); err != nil {
 			return fmt.Errorf("read the image state: %w", err)
