@@ -8,23 +8,11 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/devicecompanion/companion/mcuboot"
+	"github.com/devicecompanion/companion/internal/mcuboottest"
 )
 
-// firmwareImage builds an MCUboot image of version of exactly size bytes
-// (header, payload and the SHA-256 TLV).
-func firmwareImage(tb testing.TB, version string, size int) []byte {
-	tb.Helper()
-	v, err := mcuboot.ParseVersion(version)
-	require.NoError(tb, err)
-	const overhead = mcuboot.HeaderSize + 4 + 4 + 32 // header, TLV info, SHA-256 TLV
-	require.GreaterOrEqual(tb, size, overhead)
-	payload := bytes.Repeat([]byte("firmware "+version+" "), size/10+1)[:size-overhead]
-	b, err := mcuboot.Build(payload, mcuboot.Options{Version: v})
-	require.NoError(tb, err)
-	require.Len(tb, b, size)
-	return b
-}
+// firmwareImage builds an MCUboot image of version of exactly size bytes.
+var firmwareImage = mcuboottest.Image
 
 // A firmware blob must be an MCUboot image whose header holds the version
 // it is published as; anything else is a 422 naming what is wrong, and

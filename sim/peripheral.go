@@ -304,10 +304,13 @@ func (p *Peripheral) queueLocked(pk packet) {
 	}
 }
 
-// Connected starts serving a central, unless the device is rebooting.
+// Connected starts serving a central, unless the device is rebooting. A
+// connection still served (its end never reported) ends first: one
+// central at a time, as on a Zephyr device with one connection.
 func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byte), drop func()) error {
 	p.connMu.Lock()
 	defer p.connMu.Unlock()
+	p.endLocked()
 	p.mu.Lock()
 	if p.booting || p.closed {
 		p.mu.Unlock()
@@ -332,6 +335,12 @@ func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byt
 func (p *Peripheral) Disconnected() {
 	p.connMu.Lock()
 	defer p.connMu.Unlock()
+	p.endLocked()
+}
+
+// endLocked ends the connection being served, if any, and waits for its
+// server; p.connMu is held.
+func (p *Peripheral) endLocked() {
 	p.mu.Lock()
 	cancel := p.cancel
 	p.notify, p.drop, p.queue, p.cancel, p.wake, p.cur = nil, nil, nil, nil, nil, nil

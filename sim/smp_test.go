@@ -261,3 +261,54 @@ func TestReassemblyOption(t *testing.T) {
 		}
 	}
 }
+
+// A central that connects again before the end of its last connection was
+// reported (a Disconnect that raced a Connect in BlueZ) gets one
+// connection: the old one's answers stop, the new one's are answered, and
+// ending it returns.
+func TestConnectedAgainEndsTheLastConnection(t *testing.T) {
+	d := sim.New(sim.Options{ID: "dev-1"})
+	p := sim.NewPeripheral(d, sim.PeripheralOptions{})
+	t.Cleanup(func() { _ = p.Close() })
+	notified := func(ch chan<- string, name string) func(string, []byte) {
+		return func(string, []byte) {
+			select {
+			case ch <- name:
+			default:
+			}
+		}
+	}
+	got := make(chan string, 16)
+	if err := p.Connected(247, notified(got, "first"), func() {}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Connected(247, notified(got, "second"), func() {}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := gatt.EncodeBody(gatt.EchoRequest{D: "hi"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := gatt.AppendHeader(nil, gatt.Header{Op: gatt.OpWrite, Version: 1, Len: uint16(len(b)), Group: gatt.GroupOS, ID: gatt.CmdOSEcho})
+	if err := p.WriteChar(gatt.SMPCharUUID, append(msg, b...)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case who := <-got:
+		if who != "second" {
+			t.Fatalf("the answer went to the %s connection", who)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("no answer")
+	}
+	done := make(chan struct{})
+	go func() {
+		p.Disconnected()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(3 * time.Second):
+		t.Fatal("Disconnected waits for the first connection, which nothing ends")
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/godbus/dbus/v5"
@@ -38,6 +39,13 @@ type Device struct {
 	b    *BlueZ
 	path dbus.ObjectPath
 	opts DeviceOptions
+
+	// linkMu orders a connection's start and end as the peripheral sees
+	// them: Connect holds it from marking the device connected until the
+	// peripheral serves, Drop from marking it disconnected until the
+	// peripheral has stopped, so a Disconnect racing a Connect never
+	// reaches the peripheral first. Taken before b.mu.
+	linkMu sync.Mutex
 
 	// Guarded by b.mu.
 	props     *prop.Properties // nil until discovery first finds it
@@ -123,22 +131,27 @@ type device1 struct{ d *Device }
 
 func (x device1) Connect() *dbus.Error {
 	d, b := x.d, x.d.b
+	d.linkMu.Lock()
 	b.mu.Lock()
 	b.logCall("Device1.Connect %s", d.path)
 	switch {
 	case !b.adapter.GetMust(ifaceAdapter, "Powered").(bool):
 		b.mu.Unlock()
+		d.linkMu.Unlock()
 		return dbus.NewError("org.bluez.Error.NotReady", []any{"Resource Not Ready"})
 	case d.connected:
 		b.mu.Unlock()
+		d.linkMu.Unlock()
 		return dbus.NewError("org.bluez.Error.AlreadyConnected", []any{"Already Connected"})
 	case d.pending != nil:
 		b.mu.Unlock()
+		d.linkMu.Unlock()
 		return dbus.NewError(errInProgress, []any{"In Progress"})
 	case d.opts.NeverConnect || !d.opts.Advertising:
 		abort := make(chan struct{})
 		d.pending = abort
 		b.mu.Unlock()
+		d.linkMu.Unlock()
 		select {
 		case <-abort:
 		case <-b.closing:
@@ -156,7 +169,9 @@ func (x device1) Connect() *dbus.Error {
 	mtu := d.opts.MTU
 	b.mu.Unlock()
 
-	if p != nil {
+	if p == nil {
+		d.linkMu.Unlock()
+	} else {
 		notify := func(charUUID string, value []byte) { d.notify(gen, charUUID, value) }
 		// The device ends the connection itself when it reboots; it
 		// advertises again once it is up.
@@ -164,7 +179,9 @@ func (x device1) Connect() *dbus.Error {
 			d.dropGen(gen)
 			b.advertiseAfter(d, readvertiseDelay)
 		}
-		if err := p.Connected(mtu, notify, drop); err != nil {
+		err := p.Connected(mtu, notify, drop)
+		d.linkMu.Unlock()
+		if err != nil {
 			// A device that takes no connection (it is rebooting): BlueZ
 			// reports the attempt failed, and discovery finds the device
 			// again once it advertises.
@@ -221,6 +238,8 @@ func (d *Device) dropGen(gen int) {
 // is connected.
 func (d *Device) Drop() {
 	b := d.b
+	d.linkMu.Lock()
+	defer d.linkMu.Unlock()
 	b.mu.Lock()
 	if !d.connected {
 		b.mu.Unlock()
