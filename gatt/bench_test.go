@@ -83,3 +83,36 @@ func BenchmarkDropCost(b *testing.B) {
 	last := st[len(st)-1]
 	b.ReportMetric(float64(last.DataBytesSent-int64(size)), "bytes-resent/drop")
 }
+
+// BenchmarkOps times each operation a command costs on the device, over
+// the simulated link at its defaults (MTU 247, one 7.5 ms connection
+// interval each way): a text, the status read after an app or OTA
+// command, the settings read after a settings command, and a one-setting
+// update (write, commit, save).
+func BenchmarkOps(b *testing.B) {
+	d, _, _ := newSimDevice(b, sim.LinkOptions{}, gatt.DeviceOptions{})
+	ctx := context.Background()
+	if _, err := d.Info(ctx); err != nil { // connect outside the timing
+		b.Fatal(err)
+	}
+	ops := []struct {
+		name string
+		run  func(i int) error
+	}{
+		{"text", func(i int) error { return d.PushText(ctx, fmt.Sprintf("t-%d", i), "", "hello") }},
+		{"status", func(int) error { _, err := d.Info(ctx); return err }},
+		{"settings_read", func(int) error { _, _, err := d.Settings(ctx); return err }},
+		{"settings_update", func(i int) error {
+			return d.UpdateSettings(ctx, fmt.Sprintf("s-%d", i), map[string]any{"brightness": i % 100})
+		}},
+	}
+	for _, op := range ops {
+		b.Run(op.name, func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				if err := op.run(i); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
