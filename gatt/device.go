@@ -329,32 +329,39 @@ func (d *Device) do(ctx context.Context, op uint8, group uint16, id uint8, req, 
 
 // Info reads the model (Device Information) and the battery level, the
 // running image's version (image state: the active slot) and the installed
-// apps.
+// apps. The two SMP requests go out first and are answered while the
+// characteristics are read.
 func (d *Device) Info(ctx context.Context) (Info, error) {
 	var info Info
 	err := d.retry(ctx, func(s *session) error {
+		var st ImageStateResponse
+		var apps AppsResponse
+		calls, err := d.start(ctx, s, []exchange{
+			{op: OpRead, group: GroupImage, id: CmdImageState, resp: &st},
+			{op: OpRead, group: GroupApps, id: CmdAppsList, resp: &apps},
+		})
+		if err != nil {
+			return err
+		}
 		link := s.client.Link()
 		model, err := link.Read(ctx, ModelNumberUUID)
 		if err != nil {
+			calls.abandon()
 			return err
 		}
 		batt, err := link.Read(ctx, BatteryLevelUUID)
 		if err != nil {
+			calls.abandon()
+			return err
+		}
+		if err := calls.wait(ctx); err != nil {
 			return err
 		}
 		if len(batt) != 1 || batt[0] > 100 {
 			return fmt.Errorf("gatt: battery level %x is not one byte 0–100", batt)
 		}
-		var st ImageStateResponse
-		if err := s.client.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st); err != nil {
-			return err
-		}
 		fw, err := runningVersion(st)
 		if err != nil {
-			return err
-		}
-		var apps AppsResponse
-		if err := s.client.Do(ctx, OpRead, GroupApps, CmdAppsList, nil, &apps); err != nil {
 			return err
 		}
 		info = Info{Model: string(model), FirmwareVersion: fw, Battery: int(batt[0]), Apps: []topics.App{}}
@@ -365,6 +372,79 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 		return nil
 	})
 	return info, err
+}
+
+// exchange is one request of several sent together, and where its
+// response goes.
+type exchange struct {
+	op    uint8
+	group uint16
+	id    uint8
+	req   any
+	resp  any
+	call  *Call
+}
+
+// inFlight is a batch of exchanges whose requests have all gone out.
+type inFlight []exchange
+
+// start sends every request without waiting: they must fit the device's
+// window (its SMP buffers but one).
+func (d *Device) start(ctx context.Context, s *session, xs []exchange) (inFlight, error) {
+	if len(xs) > d.window(s) {
+		return nil, fmt.Errorf("gatt: %d requests at once, and the device takes %d", len(xs), d.window(s))
+	}
+	for i := range xs {
+		c, err := s.client.Start(ctx, xs[i].op, xs[i].group, xs[i].id, xs[i].req)
+		if err != nil {
+			inFlight(xs[:i]).abandon()
+			return nil, err
+		}
+		xs[i].call = c
+	}
+	return xs, nil
+}
+
+// wait waits for every response in order; after the first error the rest
+// are abandoned.
+func (f inFlight) wait(ctx context.Context) error {
+	for i := range f {
+		if err := f[i].call.Wait(ctx, f[i].resp); err != nil {
+			f[i+1:].abandon()
+			return err
+		}
+	}
+	return nil
+}
+
+func (f inFlight) abandon() {
+	for _, x := range f {
+		x.call.Abandon()
+	}
+}
+
+// pipeline sends the requests with up to the device's window in flight
+// and waits for every response, in order; the first error ends it. The
+// device handles its requests in the order they come, so a pipeline costs
+// about one round trip per window rather than one per request.
+func (d *Device) pipeline(ctx context.Context, s *session, xs []exchange) error {
+	w := d.window(s)
+	started := 0
+	for i := range xs {
+		for ; started < len(xs) && started < i+w; started++ {
+			c, err := s.client.Start(ctx, xs[started].op, xs[started].group, xs[started].id, xs[started].req)
+			if err != nil {
+				inFlight(xs[i:started]).abandon()
+				return err
+			}
+			xs[started].call = c
+		}
+		if err := xs[i].call.Wait(ctx, xs[i].resp); err != nil {
+			inFlight(xs[i+1 : started]).abandon()
+			return err
+		}
+	}
+	return nil
 }
 
 // runningVersion is the version of the active slot, as a semantic version.
@@ -382,7 +462,7 @@ func runningVersion(st ImageStateResponse) (string, error) {
 }
 
 // Settings reads the schema (group 67) and then every setting by name
-// through settings_mgmt (group 3).
+// through settings_mgmt (group 3), the reads pipelined.
 func (d *Device) Settings(ctx context.Context) (map[string]any, topics.Schema, error) {
 	var values map[string]any
 	var schema topics.Schema
@@ -391,13 +471,19 @@ func (d *Device) Settings(ctx context.Context) (map[string]any, topics.Schema, e
 		if err := s.client.Do(ctx, OpRead, GroupSettingsSchema, CmdSchemaRead, nil, &sr); err != nil {
 			return err
 		}
-		vals := make(map[string]any, len(sr.Schema))
-		for _, name := range sortedKeys(sr.Schema) {
-			var r SettingReadResponse
-			if err := s.client.Do(ctx, OpRead, GroupSettings, CmdSettingsValue, SettingReadRequest{Name: SettingsPrefix + name}, &r); err != nil {
-				return fmt.Errorf("read setting %s: %w", name, err)
-			}
-			v, err := DecodeSetting(sr.Schema[name], r.Val)
+		names := sortedKeys(sr.Schema)
+		reads := make([]exchange, len(names))
+		answers := make([]SettingReadResponse, len(names))
+		for i, name := range names {
+			reads[i] = exchange{op: OpRead, group: GroupSettings, id: CmdSettingsValue,
+				req: SettingReadRequest{Name: SettingsPrefix + name}, resp: &answers[i]}
+		}
+		if err := d.pipeline(ctx, s, reads); err != nil {
+			return fmt.Errorf("read settings: %w", err)
+		}
+		vals := make(map[string]any, len(names))
+		for i, name := range names {
+			v, err := DecodeSetting(sr.Schema[name], answers[i].Val)
 			if err != nil {
 				return fmt.Errorf("setting %s: %w", name, err)
 			}
@@ -505,14 +591,20 @@ func (d *Device) UninstallApp(ctx context.Context, cmdID, appID string) error {
 // dropped link is harmless, and the agent checks every value against the
 // device's schema before the first write.
 func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error {
-	for _, name := range sortedKeys(values) {
+	names := sortedKeys(values)
+	writes := make([]exchange, len(names))
+	for i, name := range names {
 		val, err := EncodeSetting(values[name])
 		if err != nil {
 			return &Error{Group: GroupSettings, ID: CmdSettingsValue, RC: RCInvalid, Reason: name + ": " + err.Error()}
 		}
-		if err := d.do(ctx, OpWrite, GroupSettings, CmdSettingsValue, SettingWriteRequest{Name: SettingsPrefix + name, Val: val}, nil); err != nil {
-			return fmt.Errorf("write setting %s: %w", name, err)
-		}
+		writes[i] = exchange{op: OpWrite, group: GroupSettings, id: CmdSettingsValue,
+			req: SettingWriteRequest{Name: SettingsPrefix + name, Val: val}}
+	}
+	// The writes are pipelined; commit waits for all of them, so that a
+	// write the device refuses leaves its handlers as they were.
+	if err := d.retry(ctx, func(s *session) error { return d.pipeline(ctx, s, writes) }); err != nil {
+		return fmt.Errorf("write settings: %w", err)
 	}
 	if err := d.do(ctx, OpWrite, GroupSettings, CmdSettingsCommit, nil, nil); err != nil {
 		return fmt.Errorf("commit settings: %w", err)

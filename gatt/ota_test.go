@@ -3,6 +3,7 @@ package gatt_test
 import (
 	"bytes"
 	"context"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -202,4 +203,44 @@ func TestNoReassemblySingleWrites(t *testing.T) {
 		t.Errorf("%d probes, %d writes dropped by the device", probes, p.Dropped())
 	}
 	t.Logf("%d writes, %d probes", len(rec.writes), probes)
+}
+
+// Settings writes go out together, but a write the device refuses stops
+// the update before commit and save, so that what the device persists is
+// never half of an update.
+func TestRefusedSettingWriteIsNotCommitted(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(sim.LinkOptions{MTU: 185, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{NoReassembly: true}))
+	rec := &wholeWrites{Connector: n}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: rec, MinBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	err = d.UpdateSettings(ctx, "s1", map[string]any{"brightness": 500.0, "language": "fr", "volume": 3.0})
+	if code := errorCode(err); code != gatt.CodeInvalidPayload {
+		t.Fatalf("UpdateSettings with brightness 500 = %v (code %q); want %s", err, code, gatt.CodeInvalidPayload)
+	}
+	if err := d.UpdateSettings(ctx, "s2", map[string]any{"volume": 4.0}); err != nil {
+		t.Fatalf("UpdateSettings: %v", err)
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	var seq []uint8
+	for _, w := range rec.writes {
+		if h, err := gatt.ParseHeader(w); err == nil && h.Group == gatt.GroupSettings {
+			seq = append(seq, h.ID)
+		}
+	}
+	// The first update: its writes, no commit, no save; the second: a
+	// write, commit, save.
+	v, c, sv := gatt.CmdSettingsValue, gatt.CmdSettingsCommit, gatt.CmdSettingsSave
+	if want := []uint8{v, v, v, v, c, sv}; !slices.Equal(seq, want) && !slices.Equal(seq, want[1:]) && !slices.Equal(seq, want[2:]) {
+		t.Errorf("settings requests %v; want %v (or fewer first writes)", seq, want)
+	}
 }
