@@ -1,14 +1,21 @@
 # The two commands of the quick start are `make run` and `make test`.
 GO ?= go
 
-.PHONY: run test build bench bench-scale fuzz vet clean soak
+.PHONY: run deps test build bench bench-scale fuzz vet clean soak
 
 # The server on its embedded defaults with a demo fleet of simulated devices.
 run:
 	$(GO) run ./cmd/companion serve --demo
 
-# Every test, with the race detector.
-test:
+# What the tests need, when it is missing: Debian's mosquitto,
+# mosquitto-clients, dbus, postgresql and curl with apt-get (as root or with
+# sudo without a password; otherwise it stops, printing the command), and
+# NATS Server into bin/ from the Go module proxy (scripts/deps).
+deps:
+	GO=$(GO) scripts/deps
+
+# Every test, with the race detector, after deps.
+test: deps
 	$(GO) test -race -count=1 -timeout 9m ./...
 
 build:
@@ -20,7 +27,7 @@ build:
 # (cmd/companion/benchpath_test.go), whose line of CONTRACT §12 ends the
 # output. BENCH_SECONDS, BENCH_ROUNDS, BENCH_DEVICES, BENCH_E2E_CLIENTS,
 # BENCH_ACCEPT_CLIENTS and BENCH_PROFILE_DIR tune it (docs/performance.md).
-bench:
+bench: deps
 	$(GO) test -run '^$$' -bench . -benchmem -skip '^(BenchmarkCommandPath|BenchmarkStoreScale)$$' ./...
 	$(GO) test -run '^$$' -bench '^BenchmarkCommandPath$$' -benchtime 1x -timeout 30m ./cmd/companion | tee bench.out
 	@grep '^bench:' bench.out | tail -1
@@ -37,7 +44,7 @@ bench-scale:
 # Mosquitto with random SIGKILLs of the server, the bridge and the broker; it
 # fails if an accepted command is lost or a device executes one twice.
 SOAK_MINUTES ?= 10
-soak:
+soak: deps
 	SOAK_MINUTES=$(SOAK_MINUTES) $(GO) test -tags soak -run '^TestSoak$$' -count=1 -timeout 0 -v ./cmd/companion
 
 vet:

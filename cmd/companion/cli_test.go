@@ -84,7 +84,7 @@ func TestFlagsFromEnvironment(t *testing.T) {
 // The demo prints curl lines that work as printed.
 func TestDemoQuickStartWorksAsPrinted(t *testing.T) {
 	if _, err := exec.LookPath("curl"); err != nil {
-		t.Skip("curl not installed")
+		t.Fatal("curl not installed: run make deps (it installs Debian's curl)")
 	}
 	m := startServer(t, Config{Demo: true})
 	var out bytes.Buffer

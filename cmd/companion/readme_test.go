@@ -56,7 +56,7 @@ var trailingComment = regexp.MustCompile(`\s+# .*$`)
 // against a demo server, with the variables the README's setup block sets.
 func TestReadmeCurlLinesWork(t *testing.T) {
 	if _, err := exec.LookPath("curl"); err != nil {
-		t.Skip("curl not installed")
+		t.Fatal("curl not installed: run make deps (it installs Debian's curl)")
 	}
 	m := startServer(t, Config{Demo: true})
 	dir := t.TempDir()

@@ -271,7 +271,7 @@ type mosquittoSub struct {
 func startMosquittoSub(t *testing.T, mqttURL, user, pass string, filters ...string) *mosquittoSub {
 	t.Helper()
 	bin, err := exec.LookPath("mosquitto_sub")
-	require.NoError(t, err, "mosquitto_sub is required")
+	require.NoError(t, err, "mosquitto_sub not installed: run make deps (it installs Debian's mosquitto-clients)")
 	// Its stdout is a pipe here: stdbuf (coreutils) makes it line-buffered,
 	// so that its SUBACK line arrives while it runs.
 	stdbuf, err := exec.LookPath("stdbuf")
