@@ -34,6 +34,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/devicecompanion/companion/internal/pahostore"
@@ -72,7 +74,7 @@ type Info = struct {
 	Model           string
 	FirmwareVersion string
 	Battery         int
-	Apps            []topics.App
+	Apps            []companion.App
 }
 
 // Defaults of Options.
@@ -605,7 +607,7 @@ func (a *Agent) deliveredLoop(ctx context.Context) {
 		a.delivMu.Unlock()
 		for _, d := range due {
 			at := a.now().Add(d.at.Sub(now)) // on the agent's clock
-			a.publishReply(d.deviceID, topics.Reply{CommandID: d.id, State: topics.StateDelivered, At: at})
+			a.publishReply(d.deviceID, topics.Reply{CommandID: d.id, State: companion.StateDelivered, At: at})
 		}
 		var timer <-chan time.Time
 		if wait >= 0 {

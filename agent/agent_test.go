@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
@@ -38,25 +40,25 @@ func checkLifecycle(t *testing.T, rs []topics.Reply, wantProgress bool) {
 		t.Fatalf("no replies")
 	}
 	for i, r := range rs {
-		if r.State == topics.StateDelivered && i > 0 {
+		if r.State == companion.StateDelivered && i > 0 {
 			t.Fatalf("replies %v; want delivered first if at all", states(rs))
 		}
 	}
 	sawProgress := false
 	rank := 0
 	for _, r := range rs {
-		if topics.Rank(r.State) < rank {
+		if companion.Rank(r.State) < rank {
 			t.Fatalf("replies %v go backwards", states(rs))
 		}
-		rank = topics.Rank(r.State)
-		if r.State == topics.StateInProgress {
+		rank = companion.Rank(r.State)
+		if r.State == companion.StateInProgress {
 			sawProgress = true
 			if r.Progress == nil || *r.Progress < 0 || *r.Progress > 100 {
 				t.Errorf("in_progress reply with progress %v", r.Progress)
 			}
 		}
 	}
-	if last := rs[len(rs)-1].State; last != topics.StateSucceeded {
+	if last := rs[len(rs)-1].State; last != companion.StateSucceeded {
 		t.Fatalf("replies %v; want succeeded last", states(rs))
 	}
 	if wantProgress && !sawProgress {
@@ -75,7 +77,7 @@ func TestDeliveredOnlyWhenACommandTakesLong(t *testing.T) {
 
 	q := command(t, "dev-quick", topics.OpPushText, topics.PushText{Text: "quick"})
 	w.send(q)
-	if r := w.waitFinal("dev-quick", q.ID); r.State != topics.StateSucceeded {
+	if r := w.waitFinal("dev-quick", q.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("quick command ended %s", r.State)
 	}
 
@@ -84,10 +86,10 @@ func TestDeliveredOnlyWhenACommandTakesLong(t *testing.T) {
 	w.send(first)
 	w.send(second)
 	for _, c := range []topics.Command{first, second} {
-		if r := w.waitFinal("dev-slow", c.ID); r.State != topics.StateSucceeded {
+		if r := w.waitFinal("dev-slow", c.ID); r.State != companion.StateSucceeded {
 			t.Fatalf("%s ended %s", c.Payload, r.State)
 		}
-		if got := states(w.replies("dev-slow", c.ID)); len(got) != 2 || got[0] != topics.StateDelivered {
+		if got := states(w.replies("dev-slow", c.ID)); len(got) != 2 || got[0] != companion.StateDelivered {
 			t.Errorf("replies of %s: %v; want delivered, succeeded", c.Payload, got)
 		}
 	}
@@ -135,7 +137,7 @@ func TestEveryOpSucceeds(t *testing.T) {
 			if got := dev.Apps()["weather"]; got != "1.0.0" {
 				t.Errorf("weather app version %q; want 1.0.0", got)
 			}
-			if r.Status == nil || len(r.Status.Apps) != 1 || r.Status.Apps[0] != (topics.App{AppID: "weather", Version: "1.0.0"}) || r.Status.Seq == 0 {
+			if r.Status == nil || len(r.Status.Apps) != 1 || r.Status.Apps[0] != (companion.App{AppID: "weather", Version: "1.0.0"}) || r.Status.Seq == 0 {
 				t.Errorf("final reply's status %+v; want the app installed, with a seq", r.Status)
 			}
 		}},
@@ -144,7 +146,7 @@ func TestEveryOpSucceeds(t *testing.T) {
 				t.Errorf("weather app version %q; want 1.1.0", got)
 			}
 			w.waitStatus("dev-1", "app 1.1.0", func(s topics.Status) bool {
-				return len(s.Apps) == 1 && s.Apps[0] == topics.App{AppID: "weather", Version: "1.1.0"}
+				return len(s.Apps) == 1 && s.Apps[0] == companion.App{AppID: "weather", Version: "1.1.0"}
 			})
 		}},
 		{"app.uninstall", command(t, "dev-1", topics.OpAppUninstall, topics.AppUninstall{AppID: "weather"}), false, func(t *testing.T, r topics.Reply) {
@@ -185,7 +187,7 @@ func TestEveryOpSucceeds(t *testing.T) {
 		t.Run(st.name, func(t *testing.T) {
 			w.send(st.cmd)
 			r := w.waitFinal("dev-1", st.cmd.ID)
-			if r.State != topics.StateSucceeded {
+			if r.State != companion.StateSucceeded {
 				t.Fatalf("%s ended %s (%+v); want succeeded", st.name, r.State, r.Error)
 			}
 			checkLifecycle(t, w.replies("dev-1", st.cmd.ID), st.wantProgress)
@@ -213,7 +215,7 @@ func TestDuplicateCommandRunsOnce(t *testing.T) {
 	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "once"})
 	w.send(c)
 	w.send(c) // a redelivery before it ran
-	w.waitReply("dev-1", c.ID, topics.StateSucceeded)
+	w.waitReply("dev-1", c.ID, companion.StateSucceeded)
 
 	w.send(c) // a redelivery after it finished: its final reply comes again
 	replyTopic, _ := tree.Replies("dev-1")
@@ -225,7 +227,7 @@ func TestDuplicateCommandRunsOnce(t *testing.T) {
 	// handled by now.
 	after := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "after"})
 	w.send(after)
-	w.waitReply("dev-1", after.ID, topics.StateSucceeded)
+	w.waitReply("dev-1", after.ID, companion.StateSucceeded)
 
 	if n := dev.Executions(c.ID); n != 1 {
 		t.Errorf("Executions = %d; want 1", n)
@@ -234,7 +236,7 @@ func TestDuplicateCommandRunsOnce(t *testing.T) {
 		t.Errorf("device has %d texts; want 2", n)
 	}
 	for _, r := range finals(w.replies("dev-1", c.ID)) {
-		if r.State != topics.StateSucceeded {
+		if r.State != companion.StateSucceeded {
 			t.Errorf("final reply %s; want succeeded", r.State)
 		}
 	}
@@ -243,7 +245,7 @@ func TestDuplicateCommandRunsOnce(t *testing.T) {
 func finals(rs []topics.Reply) []topics.Reply {
 	var out []topics.Reply
 	for _, r := range rs {
-		if topics.Final(r.State) {
+		if companion.IsFinal(r.State) {
 			out = append(out, r)
 		}
 	}
@@ -259,7 +261,7 @@ func TestExpiredCommandNeverRuns(t *testing.T) {
 	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "too late"})
 	c.ExpiresAt = time.Now().Add(-time.Second)
 	w.send(c)
-	if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateExpired {
+	if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateExpired {
 		t.Fatalf("final state %s; want expired", r.State)
 	}
 	if n := dev.Executions(c.ID); n != 0 {
@@ -309,10 +311,10 @@ func TestFailures(t *testing.T) {
 			w.send(next)
 
 			r := w.waitFinal("dev-1", tt.cmd.ID)
-			if r.State != topics.StateFailed || r.Error == nil || r.Error.Code != tt.wantCode {
+			if r.State != companion.StateFailed || r.Error == nil || r.Error.Code != tt.wantCode {
 				t.Errorf("%s: final %s %+v; want failed %s", tt.name, r.State, r.Error, tt.wantCode)
 			}
-			if rn := w.waitFinal("dev-1", next.ID); rn.State != topics.StateSucceeded {
+			if rn := w.waitFinal("dev-1", next.ID); rn.State != companion.StateSucceeded {
 				t.Errorf("next command ended %s %+v; want succeeded", rn.State, rn.Error)
 			}
 		})
@@ -337,8 +339,8 @@ func TestOrderPerDevice(t *testing.T) {
 		w.send(lastA)
 		w.send(lastB)
 	}
-	w.waitReply("dev-a", lastA.ID, topics.StateSucceeded)
-	w.waitReply("dev-b", lastB.ID, topics.StateSucceeded)
+	w.waitReply("dev-a", lastA.ID, companion.StateSucceeded)
+	w.waitReply("dev-b", lastB.ID, companion.StateSucceeded)
 	for _, dev := range []*sim.Device{devA, devB} {
 		texts := dev.Texts()
 		if len(texts) != n {
@@ -364,18 +366,18 @@ func TestCancelQueuedCommand(t *testing.T) {
 	third := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "runs"})
 	w.send(first)
 	w.send(second)
-	w.waitReply("dev-1", second.ID, topics.StateDelivered)
+	w.waitReply("dev-1", second.ID, companion.StateDelivered)
 	w.send(command(t, "dev-1", topics.OpCancel, topics.Cancel{CommandID: second.ID}))
 	w.send(third)
 
-	if r := w.waitFinal("dev-1", third.ID); r.State != topics.StateSucceeded {
+	if r := w.waitFinal("dev-1", third.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("third ended %s", r.State)
 	}
 	if n := dev.Executions(second.ID); n != 0 {
 		t.Errorf("canceled command ran %d times", n)
 	}
 	for _, r := range w.replies("dev-1", second.ID) {
-		if r.State == topics.StateSucceeded || r.State == topics.StateInProgress {
+		if r.State == companion.StateSucceeded || r.State == companion.StateInProgress {
 			t.Errorf("canceled command has a %s reply", r.State)
 		}
 	}
@@ -397,7 +399,7 @@ func TestBadMessagesAreDropped(t *testing.T) {
 
 	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "fine"})
 	w.send(c)
-	if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+	if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("ended %s", r.State)
 	}
 	if n := len(dev.Texts()); n != 1 {
@@ -417,7 +419,7 @@ func TestBlobDownloadResumes(t *testing.T) {
 	bs.cutNext(ref.SHA256, 300<<10)
 	c := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "1.1.0", Blob: ref})
 	w.send(c)
-	if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+	if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("ended %s %+v", r.State, r.Error)
 	}
 	var ranges []string
@@ -437,7 +439,7 @@ func TestBlobDownloadResumes(t *testing.T) {
 	before := len(bs.seen())
 	c2 := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "1.1.0", Blob: ref})
 	w.send(c2)
-	if r := w.waitFinal("dev-1", c2.ID); r.State != topics.StateSucceeded {
+	if r := w.waitFinal("dev-1", c2.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("ended %s %+v", r.State, r.Error)
 	}
 	if after := len(bs.seen()); after != before {
@@ -454,7 +456,7 @@ func TestRestartKeepsCommands(t *testing.T) {
 
 	done := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "before"})
 	w.send(done)
-	w.waitReply("dev-1", done.ID, topics.StateSucceeded)
+	w.waitReply("dev-1", done.ID, companion.StateSucceeded)
 	br.stop(t)
 	w.waitBridgeState("b1", topics.BridgeOffline, 1)
 
@@ -469,7 +471,7 @@ func TestRestartKeepsCommands(t *testing.T) {
 
 	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
 	for _, c := range queued {
-		if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+		if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
 			t.Errorf("%s ended %s", c.ID, r.State)
 		}
 	}
@@ -502,7 +504,7 @@ func TestCrashedCommandRunsAgainAfterRestart(t *testing.T) {
 
 	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
 	for _, c := range []topics.Command{c1, c2} {
-		if r := w.waitFinal("dev-1", c.ID); r.State != topics.StateSucceeded {
+		if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
 			t.Errorf("%s ended %s", c.ID, r.State)
 		}
 		if n := dev.Executions(c.ID); n != 1 {

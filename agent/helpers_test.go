@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/google/uuid"
 	mochi "github.com/mochi-mqtt/server/v2"
@@ -215,7 +217,7 @@ func (w *watcher) waitFinal(deviceID, cmdID string) topics.Reply {
 			return false
 		}
 		r, err := topics.ParseReply(m.payload)
-		return err == nil && r.CommandID == cmdID && topics.Final(r.State)
+		return err == nil && r.CommandID == cmdID && companion.IsFinal(r.State)
 	})
 	r, _ := topics.ParseReply(m.payload)
 	return r

@@ -6,6 +6,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -111,7 +113,7 @@ func (a *Agent) readStatus(ctx context.Context, dr *deviceRunner) (topics.Status
 		Seq:             seq,
 	}
 	if st.Apps == nil {
-		st.Apps = []topics.App{}
+		st.Apps = []companion.App{}
 	}
 	return st, nil
 }
@@ -163,7 +165,7 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 		}
 		st.Online = false
 		if st.Apps == nil {
-			st.Apps = []topics.App{}
+			st.Apps = []companion.App{}
 		}
 		st.BridgeID = a.opts.BridgeID
 		st.At, st.Seq = a.now(), a.nextSeq()

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
 
@@ -327,7 +329,7 @@ func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acce
 	if err := json.Unmarshal(c.Payload, &p); err != nil || !topics.ValidCommandID(p.CommandID) {
 		return acceptResult{outcome: acceptCancelNoop}, nil
 	}
-	final := &topics.Reply{CommandID: p.CommandID, State: topics.StateCanceled, At: now}
+	final := &topics.Reply{CommandID: p.CommandID, State: companion.StateCanceled, At: now}
 	r, err := getRecord(tx, p.CommandID)
 	if err != nil {
 		return acceptResult{}, err

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
 
@@ -69,13 +71,13 @@ func TestSpoolLifecycle(t *testing.T) {
 		t.Fatalf("claim after the cancel = %+v; want nothing", r)
 	}
 
-	final := topics.Reply{CommandID: a.ID, State: topics.StateSucceeded, At: now}
+	final := topics.Reply{CommandID: a.ID, State: companion.StateSucceeded, At: now}
 	key := finishSync(t, s, r, final)
 	res, err = s.accept([]topics.Command{a, b}, now)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res[0].outcome != acceptDone || res[0].final.State != topics.StateSucceeded || res[1].outcome != acceptDone || res[1].final.State != topics.StateCanceled {
+	if res[0].outcome != acceptDone || res[0].final.State != companion.StateSucceeded || res[1].outcome != acceptDone || res[1].final.State != companion.StateCanceled {
 		t.Fatalf("repeat outcomes %+v; want done succeeded, done canceled", res)
 	}
 
@@ -136,7 +138,7 @@ func TestSpoolReopen(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.release(res[0].rec)
-	finishSync(t, s, s.claim("d"), topics.Reply{CommandID: a.ID, State: topics.StateSucceeded, At: time.Now()})
+	finishSync(t, s, s.claim("d"), topics.Reply{CommandID: a.ID, State: companion.StateSucceeded, At: time.Now()})
 	if err := s.close(); err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +192,7 @@ func TestSpoolCancelBeforeCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res[1].outcome != acceptDone || res[1].final.State != topics.StateCanceled {
+	if res[1].outcome != acceptDone || res[1].final.State != companion.StateCanceled {
 		t.Fatalf("command after its cancel: %+v; want dropped as canceled", res[1])
 	}
 }

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -77,7 +79,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	var state deviceState
 	if !c.ExpiresAt.IsZero() && a.now().After(c.ExpiresAt) {
 		log(slog.LevelInfo, "command expired before it ran")
-		final.State = topics.StateExpired
+		final.State = companion.StateExpired
 	} else {
 		start := time.Now()
 		cctx, cancel := context.WithTimeout(ctx, a.opts.CommandTimeout)
@@ -91,7 +93,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		}
 		switch {
 		case err == nil:
-			final.State, final.Result = topics.StateSucceeded, result
+			final.State, final.Result = companion.StateSucceeded, result
 			log(slog.LevelDebug, "command succeeded", "took", time.Since(start).Round(time.Millisecond))
 		default:
 			var ce *commandError
@@ -105,7 +107,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 					ce = cmdErr(codeDeviceError, err.Error())
 				}
 			}
-			final.State, final.Error = topics.StateFailed, ce.reply()
+			final.State, final.Error = companion.StateFailed, ce.reply()
 			log(slog.LevelWarn, "command failed", "code", ce.Code, "err", ce.Message)
 		}
 	}
@@ -173,7 +175,7 @@ func (p *progressReporter) stage(lo, hi int) func(pct int) {
 		}
 		p.last = pct
 		p.a.settleDelivered(p.id)
-		p.a.publishReply(p.dr.id, topics.Reply{CommandID: p.id, State: topics.StateInProgress, Progress: &pct, At: p.a.now()})
+		p.a.publishReply(p.dr.id, topics.Reply{CommandID: p.id, State: companion.StateInProgress, Progress: &pct, At: p.a.now()})
 	}
 }
 
@@ -271,7 +273,7 @@ func (a *Agent) installApp(ctx context.Context, dr *deviceRunner, c topics.Comma
 	if err := dr.dev.InstallApp(ctx, c.ID, p.AppID, p.Version, pkg); err != nil {
 		return nil, deviceState{}, err
 	}
-	return resultJSON(topics.App{AppID: p.AppID, Version: p.Version}), a.statusAfter(ctx, dr), nil
+	return resultJSON(companion.App{AppID: p.AppID, Version: p.Version}), a.statusAfter(ctx, dr), nil
 }
 
 func (a *Agent) uninstallApp(ctx context.Context, dr *deviceRunner, c topics.Command, _ *progressReporter) (json.RawMessage, deviceState, error) {

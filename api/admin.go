@@ -8,11 +8,12 @@ import (
 	"sort"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/gin-gonic/gin"
 	"github.com/google/uuid"
 
 	"github.com/devicecompanion/companion/mcuboot"
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -47,7 +48,7 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
-	u := store.User{ID: uuid.NewString(), Name: req.Name, TokenHash: hash, CreatedAt: s.now()}
+	u := companion.User{ID: uuid.NewString(), Name: req.Name, TokenHash: hash, CreatedAt: s.now()}
 	if err := s.store.CreateUser(c.Request.Context(), u); err != nil {
 		return err
 	}
@@ -97,13 +98,13 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 		return err
 	}
 	claim := sha256.Sum256([]byte(req.ClaimCode))
-	d := store.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: claim[:], CreatedAt: s.now(), BridgeID: bridge}
+	d := companion.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: claim[:], CreatedAt: s.now(), BridgeID: bridge}
 	ctx := c.Request.Context()
 	err = s.store.ProvisionDevice(ctx, d)
 	switch {
-	case errors.Is(err, store.ErrExists):
+	case errors.Is(err, companion.ErrExists):
 		return &Error{Code: CodeDeviceExists}
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		return &Error{Code: CodeBridgeNotFound}
 	case err != nil:
 		return err
@@ -125,7 +126,7 @@ type provisionJSON struct {
 // when not nil, wraps the body: an error it returns instead of the body's
 // end leaves nothing behind either, and comes back as it is. Its
 // Idempotency-Key covers method, path and the content's SHA-256.
-func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Reader) (blob store.Blob, rec *store.Idempotency, replayed bool, err error) {
+func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Reader) (blob companion.Blob, rec *companion.Idempotency, replayed bool, err error) {
 	if _, err := idempotencyKey(c); err != nil {
 		return blob, nil, false, err
 	}
@@ -143,7 +144,7 @@ func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Re
 	}
 	blob, err = s.store.PutBlob(r.Context(), src, limit)
 	switch {
-	case errors.Is(err, store.ErrTooLarge):
+	case errors.Is(err, companion.ErrTooLarge):
 		return blob, nil, false, bodyTooLarge(c, body.n, limit)
 	case err != nil:
 		return blob, nil, false, err
@@ -190,9 +191,9 @@ func (s *Server) adminPutFirmware(c *gin.Context) error {
 		return err
 	}
 	ctx := c.Request.Context()
-	fw := store.Firmware{Model: model, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
+	fw := companion.Firmware{Model: model, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
 	status := http.StatusCreated
-	if err := s.store.PutFirmware(ctx, fw); errors.Is(err, store.ErrExists) {
+	if err := s.store.PutFirmware(ctx, fw); errors.Is(err, companion.ErrExists) {
 		old, err := s.store.Firmware(ctx, model, version)
 		if err != nil {
 			return err
@@ -246,9 +247,9 @@ func (s *Server) adminPutApp(c *gin.Context) error {
 		return err
 	}
 	ctx := c.Request.Context()
-	rel := store.AppRelease{AppID: appID, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
+	rel := companion.AppRelease{AppID: appID, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
 	status := http.StatusCreated
-	if err := s.store.PutAppRelease(ctx, rel); errors.Is(err, store.ErrExists) {
+	if err := s.store.PutAppRelease(ctx, rel); errors.Is(err, companion.ErrExists) {
 		old, err := s.store.AppRelease(ctx, appID, version)
 		if err != nil {
 			return err
@@ -330,7 +331,7 @@ func (s *Server) getBlob(c *gin.Context) error {
 	}
 	f, blob, err := s.store.OpenBlob(ctx, sha)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		return &Error{Code: CodeBlobNotFound}
 	case err != nil:
 		return err

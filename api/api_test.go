@@ -13,10 +13,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -313,7 +314,7 @@ func TestCommandsResource(t *testing.T) {
 	r = e.do("DELETE", "/api/v1/devices/dev-1/commands/"+ids[0], tok, nil)
 	require.Equal(t, 409, r.status, "%s", r.body)
 	assert.Equal(t, CodeNotCancelable, r.problem(t).Code)
-	e.cmds.set(t, ids[1], topics.StateDelivered)
+	e.cmds.set(t, ids[1], companion.StateDelivered)
 	r = e.do("DELETE", "/api/v1/devices/dev-1/commands/"+ids[1], tok, nil)
 	require.Equal(t, 409, r.status, "%s", r.body)
 	assert.Equal(t, CodeNotCancelable, r.problem(t).Code)
@@ -347,7 +348,7 @@ func TestIdempotency(t *testing.T) {
 	assert.Equal(t, 1, e.cmds.count(), "a repeat creates nothing")
 
 	// The replay shows the command as it is now.
-	e.cmds.set(t, first.json(t)["id"].(string), topics.StateSucceeded)
+	e.cmds.set(t, first.json(t)["id"].(string), companion.StateSucceeded)
 	again = withKey("POST", path, "k-1", map[string]any{"text": "once"})
 	assert.Equal(t, "succeeded", again.json(t)["state"])
 
@@ -427,8 +428,8 @@ func TestPreferWait(t *testing.T) {
 
 	t.Run("final in time", func(t *testing.T) {
 		e.cmds.mu.Lock()
-		e.cmds.onSubmit = func(c store.Command) {
-			go e.cmds.set(t, c.ID, topics.StateSucceeded)
+		e.cmds.onSubmit = func(c companion.Command) {
+			go e.cmds.set(t, c.ID, companion.StateSucceeded)
 		}
 		e.cmds.mu.Unlock()
 		defer func() { e.cmds.mu.Lock(); e.cmds.onSubmit = nil; e.cmds.mu.Unlock() }()
@@ -455,7 +456,7 @@ func TestPreferWait(t *testing.T) {
 	t.Run("capped at MaxWait, on GET of one command", func(t *testing.T) {
 		r := prefer("")
 		id := r.json(t)["id"].(string)
-		e.cmds.set(t, id, topics.StateFailed)
+		e.cmds.set(t, id, companion.StateFailed)
 		r = e.send(req{method: "GET", path: "/api/v1/devices/dev-1/commands/" + id, token: tok, header: map[string]string{"Prefer": "wait=99999999999999999999"}})
 		require.Equal(t, 200, r.status)
 		assert.Equal(t, "wait=3", r.header.Get("Preference-Applied"))
@@ -468,8 +469,8 @@ func TestPreferWait(t *testing.T) {
 		go func() {
 			done <- e.send(req{method: "GET", path: "/api/v1/devices/dev-1/commands/" + id, token: tok, header: map[string]string{"Prefer": "wait=3"}})
 		}()
-		e.cmds.set(t, id, topics.StateInProgress)
-		e.cmds.set(t, id, topics.StateSucceeded)
+		e.cmds.set(t, id, companion.StateInProgress)
+		e.cmds.set(t, id, companion.StateSucceeded)
 		select {
 		case r := <-done:
 			require.Equal(t, 200, r.status)
@@ -624,7 +625,7 @@ func TestBlobs(t *testing.T) {
 	r = e.do("POST", "/api/v1/admin/devices", testAdminToken, map[string]any{"device_id": "dev-b", "claim_code": "code-b", "model": "sim-1", "bridge_id": "b-1"})
 	require.Equal(t, 201, r.status, "%s", r.body)
 	ctx := context.Background()
-	cmd, _, err := e.db.CreateCommand(ctx, store.Command{DeviceID: "dev-b", Op: topics.OpOTAUpdate, Payload: []byte(`{}`), Blob: sha}, 0, nil)
+	cmd, _, err := e.db.CreateCommand(ctx, companion.Command{DeviceID: "dev-b", Op: topics.OpOTAUpdate, Payload: []byte(`{}`), Blob: sha}, 0, nil)
 	require.NoError(t, err)
 	r = e.do("GET", path, other, nil)
 	assert.Equal(t, 404, r.status, "another bridge's device's blob")
@@ -656,7 +657,7 @@ func TestBlobs(t *testing.T) {
 	}
 
 	// Once the command is final, the bridge needs it no more.
-	_, err = e.db.UpdateCommand(ctx, cmd.ID, func(c *store.Command) error { c.State = topics.StateSucceeded; return nil })
+	_, err = e.db.UpdateCommand(ctx, cmd.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
 	require.NoError(t, err)
 	r = e.do("GET", path, secret, nil)
 	assert.Equal(t, 404, r.status, "the blob of a finished command")

@@ -11,9 +11,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gin-gonic/gin"
+	"github.com/devicecompanion/companion"
 
-	"github.com/devicecompanion/companion/store"
+	"github.com/gin-gonic/gin"
 )
 
 // Prefixes of the secrets the API hands out, so that a leaked one is
@@ -86,7 +86,7 @@ func (s *Server) userAuth(c *gin.Context) {
 			s.unauthorized(c)
 			return
 		}
-		u := store.User{ID: oidcUserPrefix + sub, Name: sub}
+		u := companion.User{ID: oidcUserPrefix + sub, Name: sub}
 		c.Set(ctxUser, u)
 		c.Set(ctxPrincipal, "user:"+u.ID)
 		c.Next()
@@ -99,7 +99,7 @@ func (s *Server) userAuth(c *gin.Context) {
 	}
 	u, err := s.store.UserByTokenHash(c.Request.Context(), hash)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		s.unauthorized(c)
 		return
 	case err != nil:
@@ -138,7 +138,7 @@ func (s *Server) blobAuth(c *gin.Context) {
 	}
 	b, err := s.store.BridgeBySecretHash(c.Request.Context(), hash)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		s.unauthorized(c)
 		return
 	case err != nil:
@@ -159,9 +159,9 @@ func currentBridge(c *gin.Context) string {
 }
 
 // currentUser is the user userAuth admitted.
-func currentUser(c *gin.Context) store.User {
+func currentUser(c *gin.Context) companion.User {
 	u, _ := c.Get(ctxUser)
-	user, _ := u.(store.User)
+	user, _ := u.(companion.User)
 	return user
 }
 

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -165,7 +167,7 @@ func TestBodyOverLimitIsReadable(t *testing.T) {
 		// ones stored nothing: no command, no blob.
 		r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "still here"})
 		require.Equal(t, 202, r.status, "%s", r.body)
-		cmds, _, err := e.db.ListCommands(t.Context(), store.CommandQuery{DeviceID: "dev-1"})
+		cmds, _, err := e.db.ListCommands(t.Context(), companion.CommandQuery{DeviceID: "dev-1"})
 		require.NoError(t, err)
 		for _, c := range cmds {
 			assert.Equal(t, "push.text", c.Op, "a refused body made a command")
@@ -242,7 +244,7 @@ func TestUploadOverLimitIsReadable(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			wantReadable413(t, e.sendWholeThenRead(t, tc.head, tc.body))
 			_, err := e.db.Firmware(t.Context(), "sim-1", "1.0.0")
-			assert.ErrorIs(t, err, store.ErrNotFound)
+			assert.ErrorIs(t, err, companion.ErrNotFound)
 			assert.Empty(t, blobFiles(t, e.db))
 		})
 	}

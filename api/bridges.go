@@ -6,9 +6,10 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/gin-gonic/gin"
 
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -63,9 +64,9 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 		return err
 	}
 	ctx := c.Request.Context()
-	err = s.store.CreateBridge(ctx, store.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
+	err = s.store.CreateBridge(ctx, companion.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
 	switch {
-	case errors.Is(err, store.ErrExists):
+	case errors.Is(err, companion.ErrExists):
 		return &Error{Code: CodeBridgeExists}
 	case err != nil:
 		return err
@@ -126,7 +127,7 @@ func (s *Server) deleteUserBridge(c *gin.Context) error {
 	ctx := c.Request.Context()
 	served, err := s.store.DeleteBridge(ctx, id, user.ID)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		return &Error{Code: CodeBridgeNotFound}
 	case err != nil:
 		return err
@@ -192,13 +193,13 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	ctx := c.Request.Context()
 	previous, err := s.store.AssignDevice(ctx, deviceID, bridge, ownerID)
 	switch {
-	case errors.Is(err, store.ErrNotFound) && bridge != "":
+	case errors.Is(err, companion.ErrNotFound) && bridge != "":
 		// A bridge that is not the caller's reads as none at all.
-		if _, derr := s.store.RegistryDevice(ctx, deviceID); errors.Is(derr, store.ErrNotFound) {
+		if _, derr := s.store.RegistryDevice(ctx, deviceID); errors.Is(derr, companion.ErrNotFound) {
 			return errDeviceNotFound
 		}
 		return &Error{Code: CodeBridgeNotFound}
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		return errDeviceNotFound
 	case err != nil:
 		return err

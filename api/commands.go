@@ -17,10 +17,11 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/gin-gonic/gin"
 
 	"github.com/devicecompanion/companion/broker"
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -36,7 +37,7 @@ func blobRef(sha string, size int64) topics.Blob {
 // command. A repeat of the first request is answered with that request's
 // command as it is now (replayed = true); otherwise it returns the record
 // for Submit (nil without a key).
-func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *store.Idempotency, replayed bool, err error) {
+func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *companion.Idempotency, replayed bool, err error) {
 	key, err := idempotencyKey(c)
 	if err != nil || key == "" {
 		return nil, false, err
@@ -46,8 +47,8 @@ func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *store.Idempoten
 	ctx := c.Request.Context()
 	old, err := s.store.Idempotency(ctx, user.ID, key)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
-		return &store.Idempotency{UserID: user.ID, Key: key, RequestHash: hash, Status: http.StatusAccepted}, false, nil
+	case errors.Is(err, companion.ErrNotFound):
+		return &companion.Idempotency{UserID: user.ID, Key: key, RequestHash: hash, Status: http.StatusAccepted}, false, nil
 	case err != nil:
 		return nil, false, err
 	case !bytes.Equal(old.RequestHash, hash) || old.CommandID == "":
@@ -63,7 +64,7 @@ func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *store.Idempoten
 // commandBody reads the JSON body of a request that creates a command into
 // req, and answers a repeat of an Idempotency-Key request (replayed). fields
 // holds the body's encoding errors, for the caller's checks to extend.
-func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any) (idem *store.Idempotency, fields []FieldError, replayed bool, err error) {
+func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any) (idem *companion.Idempotency, fields []FieldError, replayed bool, err error) {
 	body, err := readJSON(c, limit, optional, req)
 	if err != nil {
 		return nil, nil, false, err
@@ -76,12 +77,12 @@ func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any
 }
 
 // send hands a new command to the broker.
-func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *store.Idempotency) (store.Command, error) {
+func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) (companion.Command, error) {
 	p, err := json.Marshal(payload)
 	if err != nil {
-		return store.Command{}, err
+		return companion.Command{}, err
 	}
-	cmd := store.Command{
+	cmd := companion.Command{
 		DeviceID:  deviceID,
 		UserID:    currentUser(c).ID,
 		Op:        op,
@@ -91,12 +92,12 @@ func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time
 	}
 	got, _, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
 	switch {
-	case errors.Is(err, store.ErrQueueFull):
-		return store.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
-	case errors.Is(err, store.ErrIdemConflict):
-		return store.Command{}, errIdemReused
+	case errors.Is(err, companion.ErrQueueFull):
+		return companion.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
+	case errors.Is(err, companion.ErrIdemConflict):
+		return companion.Command{}, errIdemReused
 	case err != nil:
-		return store.Command{}, err
+		return companion.Command{}, err
 	}
 	return got, nil
 }
@@ -116,7 +117,7 @@ func blobOf(payload any) string {
 }
 
 // submit hands a new command to the broker and answers it.
-func (s *Server) submit(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *store.Idempotency) error {
+func (s *Server) submit(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) error {
 	cmd, err := s.send(c, deviceID, op, payload, ttl, idem)
 	if err != nil {
 		return err
@@ -127,9 +128,9 @@ func (s *Server) submit(c *gin.Context, deviceID, op string, payload any, ttl ti
 // answerCommand answers with the command, after holding the answer until
 // it is final when the request says Prefer: wait=N. A final command is a
 // 200 with Preference-Applied.
-func (s *Server) answerCommand(c *gin.Context, cmd store.Command, status int, withLocation bool) error {
+func (s *Server) answerCommand(c *gin.Context, cmd companion.Command, status int, withLocation bool) error {
 	n, wants := s.preferWait(c.Request)
-	if wants && n > 0 && !topics.Final(cmd.State) {
+	if wants && n > 0 && !companion.IsFinal(cmd.State) {
 		ctx, cancel := context.WithTimeout(c.Request.Context(), time.Duration(n)*time.Second)
 		got, err := s.cmds.Wait(ctx, cmd.ID)
 		timedOut := ctx.Err() != nil
@@ -141,7 +142,7 @@ func (s *Server) answerCommand(c *gin.Context, cmd store.Command, status int, wi
 			return err
 		}
 	}
-	if wants && topics.Final(cmd.State) {
+	if wants && companion.IsFinal(cmd.State) {
 		status = http.StatusOK
 		c.Header("Preference-Applied", "wait="+strconv.Itoa(n))
 	}
@@ -280,25 +281,25 @@ func (s *Server) pushImage(c *gin.Context) error {
 
 // release finds an app release in the catalog: the version asked for, or
 // the latest when version is "".
-func (s *Server) release(ctx context.Context, appID, version string) (store.AppRelease, error) {
+func (s *Server) release(ctx context.Context, appID, version string) (companion.AppRelease, error) {
 	if version != "" {
 		r, err := s.store.AppRelease(ctx, appID, version)
-		if errors.Is(err, store.ErrNotFound) {
-			return store.AppRelease{}, errAppNotFound
+		if errors.Is(err, companion.ErrNotFound) {
+			return companion.AppRelease{}, errAppNotFound
 		}
 		return r, err
 	}
 	rs, err := s.store.AppReleases(ctx, appID)
 	if err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			return store.AppRelease{}, errAppNotFound
+		if errors.Is(err, companion.ErrNotFound) {
+			return companion.AppRelease{}, errAppNotFound
 		}
-		return store.AppRelease{}, err
+		return companion.AppRelease{}, err
 	}
 	if len(rs) == 0 {
-		return store.AppRelease{}, errAppNotFound
+		return companion.AppRelease{}, errAppNotFound
 	}
-	return latestOf(rs, func(r store.AppRelease) string { return r.Version }), nil
+	return latestOf(rs, func(r companion.AppRelease) string { return r.Version }), nil
 }
 
 // latestOf returns the element of xs with the highest version.
@@ -552,12 +553,12 @@ func (s *Server) otaCheck(c *gin.Context) error {
 		return err
 	}
 	fws, err := s.store.Firmwares(ctx, b.Model)
-	if err != nil && !errors.Is(err, store.ErrNotFound) {
+	if err != nil && !errors.Is(err, companion.ErrNotFound) {
 		return err
 	}
 	out := otaCheckJSON{CurrentVersion: stringOrNull(st.FirmwareVersion)}
 	if len(fws) > 0 {
-		latest := latestOf(fws, func(f store.Firmware) string { return f.Version })
+		latest := latestOf(fws, func(f companion.Firmware) string { return f.Version })
 		out.LatestVersion, out.Size, out.SHA256 = &latest.Version, &latest.Size, &latest.SHA256
 		out.UpdateAvailable = newer(latest.Version, st.FirmwareVersion)
 	}
@@ -589,11 +590,11 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
-	var fw store.Firmware
+	var fw companion.Firmware
 	if req.Version != nil {
 		fw, err = s.store.Firmware(ctx, b.Model, *req.Version)
 		switch {
-		case errors.Is(err, store.ErrNotFound):
+		case errors.Is(err, companion.ErrNotFound):
 			return errFirmwareNotFnd
 		case err != nil:
 			return err
@@ -603,13 +604,13 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 		}
 	} else {
 		fws, err := s.store.Firmwares(ctx, b.Model)
-		if err != nil && !errors.Is(err, store.ErrNotFound) {
+		if err != nil && !errors.Is(err, companion.ErrNotFound) {
 			return err
 		}
 		if len(fws) == 0 {
 			return errFirmwareNotFnd
 		}
-		fw = latestOf(fws, func(f store.Firmware) string { return f.Version })
+		fw = latestOf(fws, func(f companion.Firmware) string { return f.Version })
 		if !newer(fw.Version, st.FirmwareVersion) {
 			return &Error{Code: CodeNoUpdate, Detail: "the device already runs " + st.FirmwareVersion + ", the latest for its model"}
 		}
@@ -622,19 +623,19 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 
 // deviceCommand is the command of the path when it belongs to the device
 // of the path and to the caller.
-func (s *Server) deviceCommand(c *gin.Context, b store.Binding) (store.Command, error) {
+func (s *Server) deviceCommand(c *gin.Context, b companion.Binding) (companion.Command, error) {
 	id := c.Param("command_id")
 	if !topics.ValidCommandID(id) {
-		return store.Command{}, errCommandNotFnd
+		return companion.Command{}, errCommandNotFnd
 	}
 	cmd, err := s.store.Command(c.Request.Context(), id)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
-		return store.Command{}, errCommandNotFnd
+	case errors.Is(err, companion.ErrNotFound):
+		return companion.Command{}, errCommandNotFnd
 	case err != nil:
-		return store.Command{}, err
+		return companion.Command{}, err
 	case cmd.DeviceID != b.DeviceID || cmd.UserID != b.UserID:
-		return store.Command{}, errCommandNotFnd
+		return companion.Command{}, errCommandNotFnd
 	}
 	return cmd, nil
 }
@@ -658,17 +659,17 @@ func (s *Server) listCommands(c *gin.Context) error {
 	}
 	var fields []FieldError
 	state := c.Query("state")
-	if state != "" && !topics.ValidState(state) {
-		fields = append(fields, FieldError{Field: "state", Message: fmt.Sprintf("must be one of %v", topics.States)})
+	if state != "" && !companion.ValidState(state) {
+		fields = append(fields, FieldError{Field: "state", Message: fmt.Sprintf("must be one of %v", companion.States)})
 	}
 	limit, before, err := page(c, topics.ValidCommandID, fields)
 	if err != nil {
 		return err
 	}
 	// A device keeps its history across owners; each sees their own.
-	q := store.CommandQuery{DeviceID: b.DeviceID, UserID: b.UserID, State: state, Before: before, Limit: limit}
+	q := companion.CommandQuery{DeviceID: b.DeviceID, UserID: b.UserID, State: state, Before: before, Limit: limit}
 	cmds, more, err := s.store.ListCommands(c.Request.Context(), q)
-	if errors.Is(err, store.ErrInvalidCursor) {
+	if errors.Is(err, companion.ErrInvalidCursor) {
 		return &Error{Code: CodeInvalidCursor, Fields: []FieldError{{Field: "cursor", Message: "is not a cursor this list returned"}}}
 	}
 	if err != nil {
@@ -701,12 +702,12 @@ func (s *Server) cancelCommand(c *gin.Context) error {
 	}
 	got, err := s.cmds.Cancel(c.Request.Context(), cmd.ID)
 	switch {
-	case errors.Is(err, broker.ErrNotCancelable), errors.Is(err, store.ErrFinal):
+	case errors.Is(err, broker.ErrNotCancelable), errors.Is(err, companion.ErrFinal):
 		if got.State == "" {
 			got.State = cmd.State
 		}
 		return &Error{Code: CodeNotCancelable, Detail: "the command is " + got.State + " and can no longer be canceled"}
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		return errCommandNotFnd
 	case err != nil:
 		return err

@@ -7,9 +7,10 @@ import (
 	"net/http"
 	"unicode"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/gin-gonic/gin"
 
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -21,19 +22,19 @@ const (
 // boundDevice is the device of the path when it is bound to the caller.
 // An id that breaks the rules, an unknown device and another user's device
 // are the same 404, so that nobody learns which ids exist.
-func (s *Server) boundDevice(c *gin.Context) (store.Binding, error) {
+func (s *Server) boundDevice(c *gin.Context) (companion.Binding, error) {
 	id := c.Param("id")
 	if !topics.ValidDeviceID(id) {
-		return store.Binding{}, errDeviceNotFound
+		return companion.Binding{}, errDeviceNotFound
 	}
 	b, err := s.store.Binding(c.Request.Context(), id)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
-		return store.Binding{}, errDeviceNotFound
+	case errors.Is(err, companion.ErrNotFound):
+		return companion.Binding{}, errDeviceNotFound
 	case err != nil:
-		return store.Binding{}, err
+		return companion.Binding{}, err
 	case b.UserID != currentUser(c).ID:
-		return store.Binding{}, errDeviceNotFound
+		return companion.Binding{}, errDeviceNotFound
 	}
 	return b, nil
 }
@@ -108,7 +109,7 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	switch {
 	case err == nil:
 		want = reg.ClaimHash
-	case !errors.Is(err, store.ErrNotFound):
+	case !errors.Is(err, companion.ErrNotFound):
 		return err
 	}
 	got := sha256.Sum256([]byte(req.ClaimCode))
@@ -116,11 +117,11 @@ func (s *Server) registerDevice(c *gin.Context) error {
 		return errInvalidClaim
 	}
 
-	b, created, err := s.store.Bind(ctx, store.Binding{DeviceID: req.DeviceID, UserID: user.ID, Name: name, Model: reg.Model, BoundAt: s.now()})
+	b, created, err := s.store.Bind(ctx, companion.Binding{DeviceID: req.DeviceID, UserID: user.ID, Name: name, Model: reg.Model, BoundAt: s.now()})
 	switch {
-	case errors.Is(err, store.ErrBoundToOther):
+	case errors.Is(err, companion.ErrBoundToOther):
 		return &Error{Code: CodeDeviceAlreadyBound}
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		return errInvalidClaim
 	case err != nil:
 		return err
@@ -186,7 +187,7 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 	ctx := c.Request.Context()
 	unassigned, err := s.store.Unbind(ctx, b.DeviceID, user.ID)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 		return errDeviceNotFound
 	case err != nil:
 		return err

@@ -15,12 +15,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/store"
-	"github.com/devicecompanion/companion/topics"
 )
 
 const testAdminToken = "admin-secret-for-tests"
@@ -31,26 +32,26 @@ type fakeCommander struct {
 	db *store.DB
 
 	mu        sync.Mutex
-	submitted []store.Command
+	submitted []companion.Command
 	queueFull bool
-	onSubmit  func(store.Command) // called after each new command, when set
-	changed   chan struct{}       // closed and replaced on every change
+	onSubmit  func(companion.Command) // called after each new command, when set
+	changed   chan struct{}           // closed and replaced on every change
 }
 
 func newFakeCommander(db *store.DB) *fakeCommander {
 	return &fakeCommander{db: db, changed: make(chan struct{})}
 }
 
-func (f *fakeCommander) Submit(ctx context.Context, c store.Command, idem *store.Idempotency) (store.Command, bool, error) {
+func (f *fakeCommander) Submit(ctx context.Context, c companion.Command, idem *companion.Idempotency) (companion.Command, bool, error) {
 	f.mu.Lock()
 	full := f.queueFull
 	f.mu.Unlock()
 	if full {
-		return store.Command{}, false, store.ErrQueueFull
+		return companion.Command{}, false, companion.ErrQueueFull
 	}
 	cmd, replayed, err := f.db.CreateCommand(ctx, c, 1000, idem)
 	if err != nil {
-		return store.Command{}, false, err
+		return companion.Command{}, false, err
 	}
 	if !replayed {
 		f.mu.Lock()
@@ -66,25 +67,25 @@ func (f *fakeCommander) Submit(ctx context.Context, c store.Command, idem *store
 
 func (f *fakeCommander) DeviceMoved(string) {}
 
-func (f *fakeCommander) Cancel(ctx context.Context, id string) (store.Command, error) {
-	cmd, err := f.db.UpdateCommand(ctx, id, func(c *store.Command) error {
-		if topics.Rank(c.State) >= topics.Rank(topics.StateDelivered) {
+func (f *fakeCommander) Cancel(ctx context.Context, id string) (companion.Command, error) {
+	cmd, err := f.db.UpdateCommand(ctx, id, func(c *companion.Command) error {
+		if companion.Rank(c.State) >= companion.Rank(companion.StateDelivered) {
 			return broker.ErrNotCancelable
 		}
-		c.State = topics.StateCanceled
+		c.State = companion.StateCanceled
 		return nil
 	})
 	f.notify()
 	return cmd, err
 }
 
-func (f *fakeCommander) Wait(ctx context.Context, id string) (store.Command, error) {
+func (f *fakeCommander) Wait(ctx context.Context, id string) (companion.Command, error) {
 	for {
 		f.mu.Lock()
 		ch := f.changed
 		f.mu.Unlock()
 		cmd, err := f.db.Command(ctx, id)
-		if err != nil || topics.Final(cmd.State) {
+		if err != nil || companion.IsFinal(cmd.State) {
 			return cmd, err
 		}
 		select {
@@ -99,7 +100,7 @@ func (f *fakeCommander) Wait(ctx context.Context, id string) (store.Command, err
 // called from any goroutine.
 func (f *fakeCommander) set(t testing.TB, id, state string) {
 	t.Helper()
-	_, err := f.db.UpdateCommand(context.Background(), id, func(c *store.Command) error {
+	_, err := f.db.UpdateCommand(context.Background(), id, func(c *companion.Command) error {
 		c.State = state
 		return nil
 	})
@@ -120,7 +121,7 @@ func (f *fakeCommander) count() int {
 	return len(f.submitted)
 }
 
-func (f *fakeCommander) last(t testing.TB) store.Command {
+func (f *fakeCommander) last(t testing.TB) companion.Command {
 	t.Helper()
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -285,10 +286,10 @@ func (e *env) bound(id string) string {
 }
 
 // report stores a status for the device as a bridge would.
-func (e *env) report(id, firmware string, apps ...store.App) {
+func (e *env) report(id, firmware string, apps ...companion.App) {
 	e.t.Helper()
 	battery := 80
-	_, err := e.db.PutStatus(context.Background(), store.Status{
+	_, err := e.db.PutStatus(context.Background(), companion.Status{
 		DeviceID: id, Online: true, Battery: &battery, FirmwareVersion: firmware, Model: "sim-1",
 		Apps: apps, BridgeID: "bridge-1", LastSeen: time.Now(), Seq: uint64(time.Now().UnixNano()),
 	})
@@ -324,12 +325,12 @@ type failingStore struct {
 
 var errDisk = errors.New("/var/lib/companion/db: input/output error at bucket status")
 
-func (f *failingStore) Status(ctx context.Context, id string) (store.Status, error) {
+func (f *failingStore) Status(ctx context.Context, id string) (companion.Status, error) {
 	if f.panicStatus {
 		panic("status exploded: /secret/path")
 	}
 	if f.failStatus {
-		return store.Status{}, errDisk
+		return companion.Status{}, errDisk
 	}
 	return f.DB.Status(ctx, id)
 }

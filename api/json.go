@@ -5,7 +5,7 @@ import (
 	"sort"
 	"time"
 
-	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion"
 )
 
 // The shapes of CONTRACT §2's answers. Times never set are null.
@@ -30,16 +30,16 @@ type deviceJSON struct {
 }
 
 type commandJSON struct {
-	ID        string              `json:"id"`
-	DeviceID  string              `json:"device_id"`
-	Op        string              `json:"op"`
-	State     string              `json:"state"`
-	Progress  *int                `json:"progress,omitempty"`
-	Error     *store.CommandError `json:"error,omitempty"`
-	Result    json.RawMessage     `json:"result,omitempty"`
-	CreatedAt *time.Time          `json:"created_at"`
-	UpdatedAt *time.Time          `json:"updated_at"`
-	ExpiresAt *time.Time          `json:"expires_at"`
+	ID        string                  `json:"id"`
+	DeviceID  string                  `json:"device_id"`
+	Op        string                  `json:"op"`
+	State     string                  `json:"state"`
+	Progress  *int                    `json:"progress,omitempty"`
+	Error     *companion.CommandError `json:"error,omitempty"`
+	Result    json.RawMessage         `json:"result,omitempty"`
+	CreatedAt *time.Time              `json:"created_at"`
+	UpdatedAt *time.Time              `json:"updated_at"`
+	ExpiresAt *time.Time              `json:"expires_at"`
 }
 
 type appJSON struct {
@@ -62,7 +62,7 @@ func stringOrNull(s string) *string {
 	return &s
 }
 
-func toStatus(deviceID, model string, st store.Status) statusJSON {
+func toStatus(deviceID, model string, st companion.Status) statusJSON {
 	if st.Model != "" {
 		model = st.Model
 	}
@@ -78,7 +78,7 @@ func toStatus(deviceID, model string, st store.Status) statusJSON {
 	}
 }
 
-func toDevice(b store.Binding, st store.Status) deviceJSON {
+func toDevice(b companion.Binding, st companion.Status) deviceJSON {
 	return deviceJSON{
 		DeviceID: b.DeviceID,
 		Name:     b.Name,
@@ -88,7 +88,7 @@ func toDevice(b store.Binding, st store.Status) deviceJSON {
 	}
 }
 
-func toCommand(c store.Command) commandJSON {
+func toCommand(c companion.Command) commandJSON {
 	var result json.RawMessage
 	if len(c.Result) > 0 && json.Valid(c.Result) {
 		result = c.Result
@@ -107,7 +107,7 @@ func toCommand(c store.Command) commandJSON {
 	}
 }
 
-func toApps(apps []store.App) []appJSON {
+func toApps(apps []companion.App) []appJSON {
 	out := make([]appJSON, 0, len(apps))
 	for _, a := range apps {
 		out = append(out, appJSON(a))

@@ -16,9 +16,9 @@ import (
 	"strings"
 	"unicode/utf8"
 
-	"github.com/gin-gonic/gin"
+	"github.com/devicecompanion/companion"
 
-	"github.com/devicecompanion/companion/store"
+	"github.com/gin-gonic/gin"
 )
 
 var errTooLarge = &Error{Code: CodeBodyTooLarge}
@@ -328,7 +328,7 @@ func requestHash(r *http.Request, body []byte) []byte {
 // replays that answer and returns replayed = true. Otherwise it returns the
 // record to store with the answer (nil when the request has no key); reply
 // stores it after a 2xx.
-func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (rec *store.Idempotency, replayed bool, err error) {
+func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (rec *companion.Idempotency, replayed bool, err error) {
 	key, err := idempotencyKey(c)
 	if err != nil || key == "" {
 		return nil, false, err
@@ -336,8 +336,8 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 	hash := requestHash(c.Request, body)
 	old, err := s.store.Idempotency(c.Request.Context(), userID, key)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
-		return &store.Idempotency{UserID: userID, Key: key, RequestHash: hash}, false, nil
+	case errors.Is(err, companion.ErrNotFound):
+		return &companion.Idempotency{UserID: userID, Key: key, RequestHash: hash}, false, nil
 	case err != nil:
 		return nil, false, err
 	case !bytes.Equal(old.RequestHash, hash):
@@ -362,7 +362,7 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 // 2xx, stores the answer under rec's Idempotency-Key. stored, when not nil,
 // is what the record keeps instead of v: answers carrying a secret keep
 // it out of the store.
-func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *store.Idempotency, stored any) error {
+func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *companion.Idempotency, stored any) error {
 	var b []byte
 	if v != nil {
 		var err error
@@ -380,7 +380,7 @@ func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *
 			}
 			r.Body = sb
 		}
-		if err := s.store.PutIdempotency(c.Request.Context(), r); err != nil && !errors.Is(err, store.ErrExists) {
+		if err := s.store.PutIdempotency(c.Request.Context(), r); err != nil && !errors.Is(err, companion.ErrExists) {
 			// The work is done; losing the record only means a repeat
 			// is not recognised.
 			s.log.ErrorContext(c.Request.Context(), "storing an idempotency record", "err", err)

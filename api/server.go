@@ -14,72 +14,72 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gin-gonic/gin"
+	"github.com/devicecompanion/companion"
 
-	"github.com/devicecompanion/companion/store"
+	"github.com/gin-gonic/gin"
 )
 
 // Store is what the API needs of the store. *store.DB implements it.
 type Store interface {
-	CreateUser(ctx context.Context, u store.User) error
-	UserByTokenHash(ctx context.Context, hash []byte) (store.User, error)
+	CreateUser(ctx context.Context, u companion.User) error
+	UserByTokenHash(ctx context.Context, hash []byte) (companion.User, error)
 
-	ProvisionDevice(ctx context.Context, d store.RegistryDevice) error
-	RegistryDevice(ctx context.Context, id string) (store.RegistryDevice, error)
+	ProvisionDevice(ctx context.Context, d companion.RegistryDevice) error
+	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
 
-	CreateBridge(ctx context.Context, b store.Bridge) error
-	BridgeBySecretHash(ctx context.Context, hash []byte) (store.Bridge, error)
-	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]store.Bridge, bool, error)
+	CreateBridge(ctx context.Context, b companion.Bridge) error
+	BridgeBySecretHash(ctx context.Context, hash []byte) (companion.Bridge, error)
+	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.Bridge, bool, error)
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (string, error)
 	BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error)
 
-	Bind(ctx context.Context, b store.Binding) (store.Binding, bool, error)
+	Bind(ctx context.Context, b companion.Binding) (companion.Binding, bool, error)
 	Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error)
-	Binding(ctx context.Context, deviceID string) (store.Binding, error)
+	Binding(ctx context.Context, deviceID string) (companion.Binding, error)
 	// ListDevices reads a page of the user's devices with their statuses
 	// in one read transaction.
-	ListDevices(ctx context.Context, userID, after string, limit int) ([]store.BoundDevice, error)
+	ListDevices(ctx context.Context, userID, after string, limit int) ([]companion.BoundDevice, error)
 
-	Status(ctx context.Context, deviceID string) (store.Status, error)
-	Settings(ctx context.Context, deviceID string) (store.Settings, error)
+	Status(ctx context.Context, deviceID string) (companion.Status, error)
+	Settings(ctx context.Context, deviceID string) (companion.Settings, error)
 	MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error
 
-	Command(ctx context.Context, id string) (store.Command, error)
+	Command(ctx context.Context, id string) (companion.Command, error)
 	// ListCommands reads a page of a device's commands, filtered as it
 	// walks, and whether more follow it.
-	ListCommands(ctx context.Context, q store.CommandQuery) (page []store.Command, more bool, err error)
+	ListCommands(ctx context.Context, q companion.CommandQuery) (page []companion.Command, more bool, err error)
 
-	Idempotency(ctx context.Context, userID, key string) (store.Idempotency, error)
-	PutIdempotency(ctx context.Context, rec store.Idempotency) error
+	Idempotency(ctx context.Context, userID, key string) (companion.Idempotency, error)
+	PutIdempotency(ctx context.Context, rec companion.Idempotency) error
 
-	PutFirmware(ctx context.Context, f store.Firmware) error
-	Firmware(ctx context.Context, model, version string) (store.Firmware, error)
-	Firmwares(ctx context.Context, model string) ([]store.Firmware, error)
+	PutFirmware(ctx context.Context, f companion.Firmware) error
+	Firmware(ctx context.Context, model, version string) (companion.Firmware, error)
+	Firmwares(ctx context.Context, model string) ([]companion.Firmware, error)
 
-	PutAppRelease(ctx context.Context, r store.AppRelease) error
-	AppRelease(ctx context.Context, appID, version string) (store.AppRelease, error)
-	AppReleases(ctx context.Context, appID string) ([]store.AppRelease, error)
-	LatestApps(ctx context.Context) ([]store.AppRelease, error)
+	PutAppRelease(ctx context.Context, r companion.AppRelease) error
+	AppRelease(ctx context.Context, appID, version string) (companion.AppRelease, error)
+	AppReleases(ctx context.Context, appID string) ([]companion.AppRelease, error)
+	LatestApps(ctx context.Context) ([]companion.AppRelease, error)
 
-	PutBlob(ctx context.Context, r io.Reader, max int64) (store.Blob, error)
-	OpenBlob(ctx context.Context, sha string) (*os.File, store.Blob, error)
+	PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error)
+	OpenBlob(ctx context.Context, sha string) (*os.File, companion.Blob, error)
 }
 
 // Commander is what the API needs of the command broker.
 type Commander interface {
 	// Submit stores the command (queued, on disk) and hands it to the
 	// broker. With idem set, a repeat of the same request returns the first
-	// command and replayed = true. Errors: store.ErrQueueFull,
-	// store.ErrIdemConflict.
-	Submit(ctx context.Context, c store.Command, idem *store.Idempotency) (cmd store.Command, replayed bool, err error)
+	// command and replayed = true. Errors: companion.ErrQueueFull,
+	// companion.ErrIdemConflict.
+	Submit(ctx context.Context, c companion.Command, idem *companion.Idempotency) (cmd companion.Command, replayed bool, err error)
 	// Cancel cancels a command not yet delivered: broker.ErrNotCancelable or
-	// store.ErrFinal after, store.ErrNotFound for an unknown id.
-	Cancel(ctx context.Context, id string) (store.Command, error)
+	// companion.ErrFinal after, companion.ErrNotFound for an unknown id.
+	Cancel(ctx context.Context, id string) (companion.Command, error)
 	// Wait returns when the command is final or ctx is done, with the
 	// command's latest state either way.
-	Wait(ctx context.Context, id string) (store.Command, error)
+	Wait(ctx context.Context, id string) (companion.Command, error)
 	// DeviceMoved says a device changed bridges (or lost its bridge): its
 	// unfinished commands go to the bridge that serves it now.
 	DeviceMoved(deviceID string)
@@ -113,7 +113,7 @@ type Limits struct {
 	MaxAppBytes      int64 // an app package; 16 MiB
 	MaxFirmwareBytes int64 // a firmware image; 64 MiB
 	// MaxOpenCommands is the number of unfinished commands a device may
-	// have; 1000. The broker enforces it (Submit's store.ErrQueueFull); it
+	// have; 1000. The broker enforces it (Submit's companion.ErrQueueFull); it
 	// is here so that one Limits value describes the service.
 	MaxOpenCommands int
 	MaxWait         time.Duration // longest Prefer: wait; 60s

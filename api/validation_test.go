@@ -16,10 +16,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -516,4 +517,4 @@ func TestNoRouteAnswers5xxOnGarbage(t *testing.T) {
 }
 
 // topicsApp is an installed app as a status reports it.
-func topicsApp(id, version string) store.App { return store.App{AppID: id, Version: version} }
+func topicsApp(id, version string) companion.App { return companion.App{AppID: id, Version: version} }

@@ -5,15 +5,16 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/broker/embedded"
-	"github.com/devicecompanion/companion/store"
 )
 
 // AccountStore is what Accounts needs of the store.
 type AccountStore interface {
-	Bridge(ctx context.Context, id string) (store.Bridge, error)
-	User(ctx context.Context, id string) (store.User, error)
-	Binding(ctx context.Context, deviceID string) (store.Binding, error)
+	Bridge(ctx context.Context, id string) (companion.Bridge, error)
+	User(ctx context.Context, id string) (companion.User, error)
+	Binding(ctx context.Context, deviceID string) (companion.Binding, error)
 	BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error)
 }
 

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/devicecompanion/companion/internal/pahostore"
@@ -23,21 +25,21 @@ import (
 // the order the writes were made: the broker takes MQTT messages in and
 // acknowledges them without waiting for each fsync, in order.
 type Store interface {
-	CreateCommandAsync(c store.Command, maxOpen int, idem *store.Idempotency, done func(store.Command, bool, error))
-	Command(ctx context.Context, id string) (store.Command, error)
-	UpdateCommand(ctx context.Context, id string, fn func(*store.Command) error) (store.Command, error)
-	UpdateCommandAsync(id string, fn func(*store.Command) error, done func(store.Command, error))
-	UpdateCommandWithReportAsync(id string, fn func(*store.Command) error, report store.DeviceReport, done func(store.Command, error))
-	OpenCommands(ctx context.Context, states ...string) ([]store.Command, error)
-	ExpiredCommands(ctx context.Context, now time.Time) ([]store.Command, error)
-	PutStatusAsync(s store.Status, done func(bool, error))
+	CreateCommandAsync(c companion.Command, maxOpen int, idem *companion.Idempotency, done func(companion.Command, bool, error))
+	Command(ctx context.Context, id string) (companion.Command, error)
+	UpdateCommand(ctx context.Context, id string, fn func(*companion.Command) error) (companion.Command, error)
+	UpdateCommandAsync(id string, fn func(*companion.Command) error, done func(companion.Command, error))
+	UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error))
+	OpenCommands(ctx context.Context, states ...string) ([]companion.Command, error)
+	ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error)
+	PutStatusAsync(s companion.Status, done func(bool, error))
 	MarkBridgeOfflineAsync(bridgeID string, done func([]string, error))
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	DeviceBridge(ctx context.Context, deviceID string) (string, error)
 	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
-	RegistryDevice(ctx context.Context, id string) (store.RegistryDevice, error)
+	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
 }
 
 // Options configure a Broker. The zero value of each optional field means
@@ -79,11 +81,11 @@ type Broker struct {
 	acks      chan inflight // published commands awaiting their PUBACK, in order
 
 	mu      sync.Mutex
-	waiters map[string][]chan store.Command
-	online  map[string]bool // devices seen online since start
-	resend  map[string]bool // devices whose sent commands the outbox must publish again
-	pending []store.Command // accepted, on disk, not yet published: in commit order
-	scan    bool            // pending is incomplete: the outbox reads the queued commands from the store
+	waiters map[string][]chan companion.Command
+	online  map[string]bool     // devices seen online since start
+	resend  map[string]bool     // devices whose sent commands the outbox must publish again
+	pending []companion.Command // accepted, on disk, not yet published: in commit order
+	scan    bool                // pending is incomplete: the outbox reads the queued commands from the store
 	// flying holds the commands the outbox took to publish whose state on
 	// disk is still queued: until the bridge answers, or sentDelay after
 	// the PUBACK, when "sent" is written (see flushSent).
@@ -146,7 +148,7 @@ func New(opts Options) (*Broker, error) {
 		now:       opts.Now,
 		kick:      make(chan struct{}, 1),
 		connected: make(chan struct{}, 1),
-		waiters:   make(map[string][]chan store.Command),
+		waiters:   make(map[string][]chan companion.Command),
 		online:    make(map[string]bool),
 		resend:    make(map[string]bool),
 		flying:    make(map[string]*outgoing),
@@ -478,7 +480,7 @@ var errStale = errors.New("stale reply")
 // that came with it, and once both are on disk calls ack and wakes those
 // waiting for the command if it is final: what they read next reflects it.
 func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
-	var report store.DeviceReport
+	var report companion.DeviceReport
 	if r.Status != nil {
 		s := storeStatus(deviceID, *r.Status)
 		report.Status = &s
@@ -491,16 +493,16 @@ func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
 			report.Settings = &rs
 		}
 	}
-	b.st.UpdateCommandWithReportAsync(r.CommandID, func(c *store.Command) error {
+	b.st.UpdateCommandWithReportAsync(r.CommandID, func(c *companion.Command) error {
 		if c.DeviceID != deviceID {
 			return fmt.Errorf("%w: reply on device %s for a command of %s", errStale, deviceID, c.DeviceID)
 		}
 		switch {
-		case topics.Rank(r.State) < topics.Rank(c.State):
+		case companion.Rank(r.State) < companion.Rank(c.State):
 			return errStale
-		case r.State == c.State && r.State != topics.StateInProgress:
+		case r.State == c.State && r.State != companion.StateInProgress:
 			return errStale
-		case r.State == topics.StateInProgress && r.Progress != nil && c.Progress != nil && *r.Progress < *c.Progress:
+		case r.State == companion.StateInProgress && r.Progress != nil && c.Progress != nil && *r.Progress < *c.Progress:
 			return errStale
 		}
 		c.State = r.State
@@ -508,28 +510,28 @@ func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
 			p := *r.Progress
 			c.Progress = &p
 		}
-		if r.State == topics.StateSucceeded {
+		if r.State == companion.StateSucceeded {
 			p := 100
 			c.Progress = &p
 		}
 		if r.Error != nil {
-			c.Error = &store.CommandError{Code: r.Error.Code, Message: r.Error.Message}
+			c.Error = &companion.CommandError{Code: r.Error.Code, Message: r.Error.Message}
 		}
 		if len(r.Result) > 0 {
 			c.Result = append(json.RawMessage(nil), r.Result...)
 		}
 		return nil
-	}, report, func(cmd store.Command, err error) {
+	}, report, func(cmd companion.Command, err error) {
 		defer ack()
 		b.land(r.CommandID) // the bridge has it: no "sent" to write
 		switch {
-		case errors.Is(err, store.ErrNotFound):
+		case errors.Is(err, companion.ErrNotFound):
 			b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
-		case errors.Is(err, store.ErrFinal), errors.Is(err, errStale):
+		case errors.Is(err, companion.ErrFinal), errors.Is(err, errStale):
 			b.log.Debug("stale reply ignored", "command_id", r.CommandID, "state", r.State, "err", err)
 		case err != nil:
 			b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
-		case topics.Final(cmd.State):
+		case companion.IsFinal(cmd.State):
 			b.notify(cmd)
 		}
 	})
@@ -622,12 +624,12 @@ func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Set
 }
 
 // storeStatus is a device's status message as the store keeps it.
-func storeStatus(deviceID string, s topics.Status) store.Status {
-	apps := make([]store.App, 0, len(s.Apps))
+func storeStatus(deviceID string, s topics.Status) companion.Status {
+	apps := make([]companion.App, 0, len(s.Apps))
 	for _, a := range s.Apps {
-		apps = append(apps, store.App{AppID: a.AppID, Version: a.Version})
+		apps = append(apps, companion.App{AppID: a.AppID, Version: a.Version})
 	}
-	return store.Status{
+	return companion.Status{
 		DeviceID:        deviceID,
 		Online:          s.Online,
 		Battery:         s.Battery,
@@ -641,18 +643,18 @@ func storeStatus(deviceID string, s topics.Status) store.Status {
 }
 
 // reportedSettings is a device's settings message as the store keeps it.
-func reportedSettings(s topics.Settings) (store.ReportedSettings, error) {
+func reportedSettings(s topics.Settings) (companion.ReportedSettings, error) {
 	reported := make(map[string]json.RawMessage, len(s.Reported))
 	for k, v := range s.Reported {
 		raw, err := json.Marshal(v)
 		if err != nil {
-			return store.ReportedSettings{}, fmt.Errorf("setting %q: %w", k, err)
+			return companion.ReportedSettings{}, fmt.Errorf("setting %q: %w", k, err)
 		}
 		reported[k] = raw
 	}
 	schema, err := json.Marshal(s.Schema)
 	if err != nil {
-		return store.ReportedSettings{}, fmt.Errorf("schema: %w", err)
+		return companion.ReportedSettings{}, fmt.Errorf("schema: %w", err)
 	}
 	return store.NewReportedSettings(reported, schema, s.At, s.Seq)
 }
@@ -660,17 +662,17 @@ func reportedSettings(s topics.Settings) (store.ReportedSettings, error) {
 // Submit stores a command as queued (durably) and hands it to the outbox.
 // The store assigns its id. With idem set, a repeat of the same request
 // returns the first command and replayed true.
-func (b *Broker) Submit(ctx context.Context, c store.Command, idem *store.Idempotency) (store.Command, bool, error) {
+func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companion.Idempotency) (companion.Command, bool, error) {
 	if !topics.ValidOp(c.Op) || c.Op == topics.OpCancel || !topics.ValidDeviceID(c.DeviceID) {
-		return store.Command{}, false, fmt.Errorf("broker: bad command %q for %q", c.Op, c.DeviceID)
+		return companion.Command{}, false, fmt.Errorf("broker: bad command %q for %q", c.Op, c.DeviceID)
 	}
 	type result struct {
-		cmd      store.Command
+		cmd      companion.Command
 		replayed bool
 		err      error
 	}
 	ch := make(chan result, 1)
-	b.st.CreateCommandAsync(c, b.opts.MaxOpenCommands, idem, func(cmd store.Command, replayed bool, err error) {
+	b.st.CreateCommandAsync(c, b.opts.MaxOpenCommands, idem, func(cmd companion.Command, replayed bool, err error) {
 		// The store calls back in commit order: the outbox gets each
 		// device's commands in the order of their ids.
 		if err == nil && !replayed {
@@ -695,15 +697,15 @@ func (b *Broker) wake() {
 // Cancel cancels a command the bridge does not have yet. A command already
 // handed to the MQTT broker is also withdrawn from the bridge with a cancel
 // message; one the bridge has acknowledged can no longer be canceled.
-func (b *Broker) Cancel(ctx context.Context, id string) (store.Command, error) {
+func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, error) {
 	var was string
-	cmd, err := b.st.UpdateCommand(ctx, id, func(c *store.Command) error {
-		if c.State != topics.StateQueued && c.State != topics.StateSent {
+	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
+		if c.State != companion.StateQueued && c.State != companion.StateSent {
 			return ErrNotCancelable
 		}
 		was = c.State
-		c.State = topics.StateCanceled
-		c.Error = &store.CommandError{Code: "canceled", Message: "canceled by the user"}
+		c.State = companion.StateCanceled
+		c.Error = &companion.CommandError{Code: "canceled", Message: "canceled by the user"}
 		return nil
 	})
 	if err != nil {
@@ -712,10 +714,10 @@ func (b *Broker) Cancel(ctx context.Context, id string) (store.Command, error) {
 	b.notify(cmd)
 	b.mu.Lock()
 	// Not yet taken by the outbox: it never goes out.
-	b.pending = slices.DeleteFunc(b.pending, func(c store.Command) bool { return c.ID == id })
+	b.pending = slices.DeleteFunc(b.pending, func(c companion.Command) bool { return c.ID == id })
 	_, out := b.flying[id] // taken, perhaps published: the cancel follows it
 	b.mu.Unlock()
-	if out || was == topics.StateSent {
+	if out || was == companion.StateSent {
 		b.publishCancel(cmd)
 	}
 	return cmd, nil
@@ -724,7 +726,7 @@ func (b *Broker) Cancel(ctx context.Context, id string) (store.Command, error) {
 // publishCancel withdraws a canceled command from the bridge. It is best
 // effort: the bridge also checks expiry, and the server ignores whatever it
 // reports for a canceled command.
-func (b *Broker) publishCancel(cmd store.Command) {
+func (b *Broker) publishCancel(cmd companion.Command) {
 	topic, err := b.tree.Command(cmd.DeviceID, topics.OpCancel)
 	if err != nil {
 		b.log.Error("cancel not sent: no topic for the device", "command_id", cmd.ID, "device_id", cmd.DeviceID, "err", err)
@@ -752,8 +754,8 @@ func (b *Broker) publishCancel(cmd store.Command) {
 
 // Wait returns the command once it is final, or its latest state when ctx
 // ends first.
-func (b *Broker) Wait(ctx context.Context, id string) (store.Command, error) {
-	ch := make(chan store.Command, 1)
+func (b *Broker) Wait(ctx context.Context, id string) (companion.Command, error) {
+	ch := make(chan companion.Command, 1)
 	b.mu.Lock()
 	b.waiters[id] = append(b.waiters[id], ch)
 	live := b.live[id]
@@ -764,11 +766,11 @@ func (b *Broker) Wait(ctx context.Context, id string) (store.Command, error) {
 	// other may be final already.
 	if !live {
 		cmd, err := b.st.Command(ctx, id)
-		if err != nil || topics.Final(cmd.State) {
+		if err != nil || companion.IsFinal(cmd.State) {
 			return cmd, err
 		}
 	}
-	var cmd store.Command
+	var cmd companion.Command
 	select {
 	case cmd = <-ch:
 		return cmd, nil
@@ -779,7 +781,7 @@ func (b *Broker) Wait(ctx context.Context, id string) (store.Command, error) {
 	}
 }
 
-func (b *Broker) forget(id string, ch chan store.Command) {
+func (b *Broker) forget(id string, ch chan companion.Command) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	list := b.waiters[id]
@@ -797,7 +799,7 @@ func (b *Broker) forget(id string, ch chan store.Command) {
 }
 
 // notify hands a command that became final to those waiting for it.
-func (b *Broker) notify(cmd store.Command) {
+func (b *Broker) notify(cmd companion.Command) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	delete(b.live, cmd.ID)

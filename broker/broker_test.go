@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -62,9 +64,9 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 	e.db, err = store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Now: e.clock.Now})
 	require.NoError(t, err)
 	t.Cleanup(func() { e.db.Close() })
-	require.NoError(t, e.db.CreateBridge(context.Background(), store.Bridge{ID: "b1", SecretHash: []byte("not used: bridgeAccounts checks")}))
-	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-1", Model: "sim-1", BridgeID: "b1"}))
-	require.NoError(t, e.db.ProvisionDevice(context.Background(), store.RegistryDevice{ID: "dev-2", Model: "sim-1", BridgeID: "b1"}))
+	require.NoError(t, e.db.CreateBridge(context.Background(), companion.Bridge{ID: "b1", SecretHash: []byte("not used: bridgeAccounts checks")}))
+	require.NoError(t, e.db.ProvisionDevice(context.Background(), companion.RegistryDevice{ID: "dev-1", Model: "sim-1", BridgeID: "b1"}))
+	require.NoError(t, e.db.ProvisionDevice(context.Background(), companion.RegistryDevice{ID: "dev-2", Model: "sim-1", BridgeID: "b1"}))
 
 	e.mqtt, err = embedded.New(embedded.Options{
 		Listen: "127.0.0.1:0", Topics: tree, Accounts: bridgeAccounts{db: e.db},
@@ -157,17 +159,17 @@ func (fb *fakeBridge) reply(t *testing.T, dev string, r topics.Reply) {
 	fb.publish(t, topic, r)
 }
 
-func submit(t *testing.T, e *env, dev, text string, ttl time.Duration) store.Command {
+func submit(t *testing.T, e *env, dev, text string, ttl time.Duration) companion.Command {
 	t.Helper()
 	p, _ := json.Marshal(topics.PushText{Text: text})
-	c, _, err := e.b.Submit(context.Background(), store.Command{
+	c, _, err := e.b.Submit(context.Background(), companion.Command{
 		DeviceID: dev, UserID: "u1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(ttl),
 	}, nil)
 	require.NoError(t, err)
 	return c
 }
 
-func state(t *testing.T, e *env, id string) store.Command {
+func state(t *testing.T, e *env, id string) companion.Command {
 	t.Helper()
 	c, err := e.db.Command(context.Background(), id)
 	require.NoError(t, err)
@@ -179,45 +181,45 @@ func TestCommandLifecycle(t *testing.T) {
 	fb := connectBridge(t, e)
 
 	c := submit(t, e, "dev-1", "hello", time.Hour)
-	assert.Equal(t, topics.StateQueued, c.State)
+	assert.Equal(t, companion.StateQueued, c.State)
 	got := fb.next(t)
 	assert.Equal(t, c.ID, got.ID)
 	assert.Equal(t, topics.OpPushText, got.Op)
 	assert.JSONEq(t, `{"text":"hello"}`, string(got.Payload))
-	waitFor(t, "sent", func() bool { return state(t, e, c.ID).State != topics.StateQueued })
+	waitFor(t, "sent", func() bool { return state(t, e, c.ID).State != companion.StateQueued })
 
-	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateDelivered, At: time.Now()})
-	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == topics.StateDelivered })
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
+	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
 	p := 40
-	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateInProgress, Progress: &p})
-	waitFor(t, "in progress", func() bool { return state(t, e, c.ID).State == topics.StateInProgress })
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateInProgress, Progress: &p})
+	waitFor(t, "in progress", func() bool { return state(t, e, c.ID).State == companion.StateInProgress })
 
-	waitDone := make(chan store.Command, 1)
+	waitDone := make(chan companion.Command, 1)
 	go func() {
 		cmd, _ := e.b.Wait(context.Background(), c.ID)
 		waitDone <- cmd
 	}()
-	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateSucceeded, Result: json.RawMessage(`{"ok":true}`)})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, Result: json.RawMessage(`{"ok":true}`)})
 	select {
 	case cmd := <-waitDone:
-		assert.Equal(t, topics.StateSucceeded, cmd.State)
+		assert.Equal(t, companion.StateSucceeded, cmd.State)
 		assert.JSONEq(t, `{"ok":true}`, string(cmd.Result))
 	case <-time.After(10 * time.Second):
 		t.Fatal("Wait did not return")
 	}
 
 	// Replays and late replies change nothing; a final state is final.
-	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateDelivered})
-	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateFailed, Error: &topics.Error{Code: "x"}})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateFailed, Error: &topics.Error{Code: "x"}})
 	// A reply for an unknown command is ignored; a marker reply on another
 	// command tells us the ones before it were taken in.
-	fb.reply(t, "dev-1", topics.Reply{CommandID: "01890a5d-ac96-774b-bcce-b302099a8057", State: topics.StateSucceeded})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: "01890a5d-ac96-774b-bcce-b302099a8057", State: companion.StateSucceeded})
 	marker := submit(t, e, "dev-1", "marker", time.Hour)
 	fb.next(t)
-	fb.reply(t, "dev-1", topics.Reply{CommandID: marker.ID, State: topics.StateFailed, Error: &topics.Error{Code: "device_error"}})
-	waitFor(t, "marker", func() bool { return state(t, e, marker.ID).State == topics.StateFailed })
+	fb.reply(t, "dev-1", topics.Reply{CommandID: marker.ID, State: companion.StateFailed, Error: &topics.Error{Code: "device_error"}})
+	waitFor(t, "marker", func() bool { return state(t, e, marker.ID).State == companion.StateFailed })
 	final := state(t, e, c.ID)
-	assert.Equal(t, topics.StateSucceeded, final.State)
+	assert.Equal(t, companion.StateSucceeded, final.State)
 	assert.Nil(t, final.Error)
 	assert.Equal(t, "device_error", state(t, e, marker.ID).Error.Code)
 }
@@ -227,9 +229,9 @@ func TestReplyOnAnotherDevicesTopicIsIgnored(t *testing.T) {
 	fb := connectBridge(t, e)
 	c := submit(t, e, "dev-1", "x", time.Hour)
 	fb.next(t)
-	fb.reply(t, "dev-2", topics.Reply{CommandID: c.ID, State: topics.StateSucceeded})
-	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: topics.StateDelivered})
-	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == topics.StateDelivered })
+	fb.reply(t, "dev-2", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered})
+	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
 }
 
 func TestCommandsGoOutInOrderOnceTheBrokerIsThere(t *testing.T) {
@@ -254,7 +256,7 @@ func TestExpiryBeforeDelivery(t *testing.T) {
 	fb := connectBridge(t, e)
 	require.NoError(t, e.b.Start())
 	t.Cleanup(func() { e.b.Close() })
-	waitFor(t, "expired", func() bool { return state(t, e, c.ID).State == topics.StateExpired })
+	waitFor(t, "expired", func() bool { return state(t, e, c.ID).State == companion.StateExpired })
 	// It never went out: the next command is the first the bridge sees.
 	next := submit(t, e, "dev-1", "on time", time.Hour)
 	assert.Equal(t, next.ID, fb.next(t).ID)
@@ -265,20 +267,20 @@ func TestCancel(t *testing.T) {
 	c := submit(t, e, "dev-1", "never", time.Hour)
 	got, err := e.b.Cancel(context.Background(), c.ID)
 	require.NoError(t, err)
-	assert.Equal(t, topics.StateCanceled, got.State)
+	assert.Equal(t, companion.StateCanceled, got.State)
 	cmd, err := e.b.Wait(context.Background(), c.ID)
 	require.NoError(t, err)
-	assert.Equal(t, topics.StateCanceled, cmd.State)
+	assert.Equal(t, companion.StateCanceled, cmd.State)
 	_, err = e.b.Cancel(context.Background(), c.ID)
-	assert.ErrorIs(t, err, store.ErrFinal)
+	assert.ErrorIs(t, err, companion.ErrFinal)
 
 	require.NoError(t, e.b.Start())
 	t.Cleanup(func() { e.b.Close() })
 	fb := connectBridge(t, e)
 	d := submit(t, e, "dev-1", "delivered", time.Hour)
 	assert.Equal(t, d.ID, fb.next(t).ID, "the canceled command was never published")
-	fb.reply(t, "dev-1", topics.Reply{CommandID: d.ID, State: topics.StateDelivered})
-	waitFor(t, "delivered", func() bool { return state(t, e, d.ID).State == topics.StateDelivered })
+	fb.reply(t, "dev-1", topics.Reply{CommandID: d.ID, State: companion.StateDelivered})
+	waitFor(t, "delivered", func() bool { return state(t, e, d.ID).State == companion.StateDelivered })
 	_, err = e.b.Cancel(context.Background(), d.ID)
 	assert.ErrorIs(t, err, ErrNotCancelable)
 }
@@ -350,8 +352,8 @@ func TestQueueLimit(t *testing.T) {
 		submit(t, e, "dev-1", "x", time.Hour)
 	}
 	p, _ := json.Marshal(topics.PushText{Text: "one too many"})
-	_, _, err := e.b.Submit(context.Background(), store.Command{DeviceID: "dev-1", Op: topics.OpPushText, Payload: p, ExpiresAt: time.Now().Add(time.Hour)}, nil)
-	assert.ErrorIs(t, err, store.ErrQueueFull)
+	_, _, err := e.b.Submit(context.Background(), companion.Command{DeviceID: "dev-1", Op: topics.OpPushText, Payload: p, ExpiresAt: time.Now().Add(time.Hour)}, nil)
+	assert.ErrorIs(t, err, companion.ErrQueueFull)
 	// Other devices are not affected.
 	submit(t, e, "dev-2", "fine", time.Hour)
 }
@@ -371,7 +373,7 @@ func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				p, _ := json.Marshal(topics.PushText{Text: "load"})
-				c, _, err := e.b.Submit(ctx, store.Command{DeviceID: "dev-1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
+				c, _, err := e.b.Submit(ctx, companion.Command{DeviceID: "dev-1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
 				if err != nil {
 					t.Error(err)
 					return
@@ -385,13 +387,13 @@ func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
 			wg.Add(1)
 			go func(id string) {
 				defer wg.Done()
-				e.db.UpdateCommand(ctx, id, func(c *store.Command) error { c.State = topics.StateSucceeded; return nil })
+				e.db.UpdateCommand(ctx, id, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
 			}(id)
 		}
 		wg.Wait()
 		e.clock.Add(31 * 24 * time.Hour)
 		waitFor(t, "purge", func() bool {
-			l, _, _ := e.db.ListCommands(ctx, store.CommandQuery{DeviceID: "dev-1"})
+			l, _, _ := e.db.ListCommands(ctx, companion.CommandQuery{DeviceID: "dev-1"})
 			return len(l) == 0
 		})
 	}
@@ -427,12 +429,12 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 
 	delivered := submit(t, e, "dev-1", "delivered, final reply lost", time.Hour)
 	assert.Equal(t, delivered.ID, fb.next(t).ID)
-	fb.reply(t, "dev-1", topics.Reply{CommandID: delivered.ID, State: topics.StateDelivered, At: time.Now()})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: delivered.ID, State: companion.StateDelivered, At: time.Now()})
 	done := submit(t, e, "dev-1", "done", time.Hour)
 	assert.Equal(t, done.ID, fb.next(t).ID)
-	fb.reply(t, "dev-1", topics.Reply{CommandID: done.ID, State: topics.StateSucceeded, At: time.Now()})
+	fb.reply(t, "dev-1", topics.Reply{CommandID: done.ID, State: companion.StateSucceeded, At: time.Now()})
 	waitFor(t, "replies taken", func() bool {
-		return state(t, e, delivered.ID).State == topics.StateDelivered && state(t, e, done.ID).State == topics.StateSucceeded
+		return state(t, e, delivered.ID).State == companion.StateDelivered && state(t, e, done.ID).State == companion.StateSucceeded
 	})
 
 	bs, _ := tree.BridgeState("b1")
@@ -456,16 +458,16 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 	gone := submit(t, e, "dev-1", "never answered", time.Minute)
 	fb.next(t)
 	fb.next(t)
-	waitFor(t, "sent", func() bool { return state(t, e, gone.ID).State == topics.StateSent })
+	waitFor(t, "sent", func() bool { return state(t, e, gone.ID).State == companion.StateSent })
 
 	e.clock.Add(2 * time.Minute) // past the TTL, within the grace
-	fb.reply(t, "dev-1", topics.Reply{CommandID: late.ID, State: topics.StateDelivered})
-	waitFor(t, "delivered", func() bool { return state(t, e, late.ID).State == topics.StateDelivered })
-	assert.Equal(t, topics.StateSent, state(t, e, gone.ID).State, "not expired within the grace")
+	fb.reply(t, "dev-1", topics.Reply{CommandID: late.ID, State: companion.StateDelivered})
+	waitFor(t, "delivered", func() bool { return state(t, e, late.ID).State == companion.StateDelivered })
+	assert.Equal(t, companion.StateSent, state(t, e, gone.ID).State, "not expired within the grace")
 
 	e.clock.Add(time.Hour)
-	waitFor(t, "expired", func() bool { return state(t, e, gone.ID).State == topics.StateExpired })
-	assert.Equal(t, topics.StateDelivered, state(t, e, late.ID).State, "a delivered command never expires")
+	waitFor(t, "expired", func() bool { return state(t, e, gone.ID).State == companion.StateExpired })
+	assert.Equal(t, companion.StateDelivered, state(t, e, late.ID).State, "a delivered command never expires")
 }
 
 // The commands of a device no bridge serves wait queued (CONTRACT §9);
@@ -474,17 +476,17 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	e := newEnv(t, true)
 	ctx := context.Background()
-	require.NoError(t, e.db.ProvisionDevice(ctx, store.RegistryDevice{ID: "dev-3", Model: "sim-1"}))
+	require.NoError(t, e.db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "dev-3", Model: "sim-1"}))
 	fb := connectBridge(t, e)
 
-	waiting := []store.Command{submit(t, e, "dev-3", "first", time.Hour), submit(t, e, "dev-3", "second", time.Hour)}
+	waiting := []companion.Command{submit(t, e, "dev-3", "first", time.Hour), submit(t, e, "dev-3", "second", time.Hour)}
 	served := submit(t, e, "dev-1", "served", time.Hour)
 	assert.Equal(t, served.ID, fb.next(t).ID)
 	// dev-1's command is written sent half a second after its PUBACK; had
 	// dev-3's gone out with it, they would be sent by then too.
-	waitFor(t, "sent", func() bool { return state(t, e, served.ID).State == topics.StateSent })
+	waitFor(t, "sent", func() bool { return state(t, e, served.ID).State == companion.StateSent })
 	for _, c := range waiting {
-		assert.Equal(t, topics.StateQueued, state(t, e, c.ID).State, "a command of an unserved device left the queue")
+		assert.Equal(t, companion.StateQueued, state(t, e, c.ID).State, "a command of an unserved device left the queue")
 	}
 
 	// A reply for it, past the broker's rights (the server's account),
@@ -494,7 +496,7 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Connect(), 5*time.Second))
 	defer intruder.Disconnect(0)
 	replies, _ := tree.Replies("dev-3")
-	b, _ := json.Marshal(topics.Reply{CommandID: waiting[0].ID, State: topics.StateSucceeded, At: time.Now()})
+	b, _ := json.Marshal(topics.Reply{CommandID: waiting[0].ID, State: companion.StateSucceeded, At: time.Now()})
 	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Publish(replies, 1, false, b), 5*time.Second))
 	// The server takes one connection's messages in order: once it has
 	// stored a status sent after the reply, it has dropped the reply (had
@@ -516,5 +518,5 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	for _, c := range waiting {
 		assert.Equal(t, c.ID, fb.next(t).ID, "the waiting commands go out in order")
 	}
-	assert.NotEqual(t, topics.StateSucceeded, state(t, e, waiting[0].ID).State, "a forged reply was taken")
+	assert.NotEqual(t, companion.StateSucceeded, state(t, e, waiting[0].ID).State, "a forged reply was taken")
 }

@@ -3,7 +3,7 @@ package broker
 import "errors"
 
 // Errors of the broker, for callers to test with errors.Is. Store errors
-// (store.ErrNotFound, store.ErrQueueFull, store.ErrIdemConflict, store.ErrFinal)
+// (companion.ErrNotFound, companion.ErrQueueFull, companion.ErrIdemConflict, companion.ErrFinal)
 // pass through unchanged.
 var (
 	// ErrNotCancelable means the bridge already has the command: it can no

@@ -6,9 +6,10 @@ import (
 	"errors"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -24,7 +25,7 @@ const maxPending = 10000
 // enqueue hands a command that is on disk as queued to the outbox. The
 // store's callbacks call it in commit order, so each device's commands
 // arrive in the order of their ids.
-func (b *Broker) enqueue(c store.Command) {
+func (b *Broker) enqueue(c companion.Command) {
 	b.mu.Lock()
 	if !b.ready || b.scan || len(b.pending) >= maxPending {
 		// It is queued on disk: the outbox's next read of the store
@@ -98,7 +99,7 @@ func (b *Broker) outbox() {
 		// A device whose bridge (re)connected gets every open command
 		// again, also those on their way: they may have gone to a broker
 		// session that was not the bridge's.
-		again := func(c store.Command) bool { return all || devices[c.DeviceID] }
+		again := func(c companion.Command) bool { return all || devices[c.DeviceID] }
 		if !b.publish(cmds, again) {
 			return
 		}
@@ -116,10 +117,10 @@ func (b *Broker) outbox() {
 // that then died, or by the embedded broker of a server killed before it
 // stored the reply). A bridge that finished the command answers the repeat
 // with its final reply; one that has it queued or running drops it.
-func (b *Broker) pendingFromStore(all bool, devices map[string]bool, pending []store.Command) ([]store.Command, error) {
-	states := []string{topics.StateQueued}
+func (b *Broker) pendingFromStore(all bool, devices map[string]bool, pending []companion.Command) ([]companion.Command, error) {
+	states := []string{companion.StateQueued}
 	if all || len(devices) > 0 {
-		states = append(states, topics.StateSent, topics.StateDelivered, topics.StateInProgress)
+		states = append(states, companion.StateSent, companion.StateDelivered, companion.StateInProgress)
 	}
 	open, err := b.st.OpenCommands(context.Background(), states...)
 	if err != nil {
@@ -128,7 +129,7 @@ func (b *Broker) pendingFromStore(all bool, devices map[string]bool, pending []s
 	cmds := open[:0]
 	seen := make(map[string]bool, len(open))
 	for _, c := range open {
-		if c.State == topics.StateQueued || all || devices[c.DeviceID] {
+		if c.State == companion.StateQueued || all || devices[c.DeviceID] {
 			cmds = append(cmds, c)
 			seen[c.ID] = true
 		}
@@ -143,7 +144,7 @@ func (b *Broker) pendingFromStore(all bool, devices map[string]bool, pending []s
 
 // inflight is a published command awaiting its PUBACK.
 type inflight struct {
-	cmd store.Command
+	cmd companion.Command
 	tok mqtt.Token
 }
 
@@ -164,13 +165,13 @@ const sentDelay = 500 * time.Millisecond
 // PUBACKs: confirm takes those. It skips commands already on their way,
 // unless again says to send them again, and it reports false when the
 // broker is closing.
-func (b *Broker) publish(cmds []store.Command, again func(store.Command) bool) bool {
+func (b *Broker) publish(cmds []companion.Command, again func(companion.Command) bool) bool {
 	now := b.now()
 	bridges := map[string]string{} // device → the bridge serving it, for this pass
 	for _, c := range cmds {
 		// The TTL bounds delivery: a command the bridge has is never
 		// expired, and its repeat fetches its final reply.
-		undelivered := c.State == topics.StateQueued || c.State == topics.StateSent
+		undelivered := c.State == companion.StateQueued || c.State == companion.StateSent
 		if undelivered && now.After(c.ExpiresAt) {
 			b.mu.Lock()
 			if o := b.flying[c.ID]; o != nil && !o.published {
@@ -310,18 +311,18 @@ func (b *Broker) flushSent() {
 	}
 	b.mu.Unlock()
 	for _, id := range ids {
-		b.st.UpdateCommandAsync(id, func(c *store.Command) error {
-			if c.State != topics.StateQueued {
+		b.st.UpdateCommandAsync(id, func(c *companion.Command) error {
+			if c.State != companion.StateQueued {
 				return errStale // a reply got there first
 			}
-			c.State = topics.StateSent
+			c.State = companion.StateSent
 			return nil
-		}, func(c store.Command, err error) {
+		}, func(c companion.Command, err error) {
 			b.land(id)
 			switch {
-			case errors.Is(err, store.ErrFinal) && c.State == topics.StateCanceled:
+			case errors.Is(err, companion.ErrFinal) && c.State == companion.StateCanceled:
 				b.publishCancel(c) // canceled while on its way to the broker
-			case err != nil && !errors.Is(err, errStale) && !errors.Is(err, store.ErrFinal) && !errors.Is(err, store.ErrNotFound):
+			case err != nil && !errors.Is(err, errStale) && !errors.Is(err, companion.ErrFinal) && !errors.Is(err, companion.ErrNotFound):
 				b.log.Error("marking a command sent", "command_id", id, "err", err)
 			}
 		})
@@ -389,11 +390,11 @@ func (b *Broker) sweep() {
 // already be in the bridge's hands, its reply on the way (the bridge runs
 // nothing past expires_at by its own clock): it expires only ExpiryGrace
 // later, so that such a reply lands first.
-func (b *Broker) expiredAt(c store.Command, now time.Time) bool {
+func (b *Broker) expiredAt(c companion.Command, now time.Time) bool {
 	switch {
-	case c.State == topics.StateQueued && !b.isFlying(c.ID):
+	case c.State == companion.StateQueued && !b.isFlying(c.ID):
 		return now.After(c.ExpiresAt)
-	case c.State == topics.StateQueued, c.State == topics.StateSent:
+	case c.State == companion.StateQueued, c.State == companion.StateSent:
 		// Queued on disk but with the MQTT broker already: as good as sent.
 		return now.After(c.ExpiresAt.Add(b.opts.ExpiryGrace))
 	}
@@ -403,12 +404,12 @@ func (b *Broker) expiredAt(c store.Command, now time.Time) bool {
 // expire ends a command that was not delivered in time.
 func (b *Broker) expire(ctx context.Context, id string) {
 	now := b.now()
-	cmd, err := b.st.UpdateCommand(ctx, id, func(c *store.Command) error {
+	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
 		if !b.expiredAt(*c, now) {
 			return errStale
 		}
-		c.State = topics.StateExpired
-		c.Error = &store.CommandError{Code: "expired", Message: "the command was not delivered before it expired"}
+		c.State = companion.StateExpired
+		c.Error = &companion.CommandError{Code: "expired", Message: "the command was not delivered before it expired"}
 		return nil
 	})
 	if err != nil {

@@ -13,6 +13,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -24,7 +26,7 @@ type Info = struct {
 	Model           string
 	FirmwareVersion string
 	Battery         int
-	Apps            []topics.App
+	Apps            []companion.App
 }
 
 // Defaults of DeviceOptions.
@@ -364,9 +366,9 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 		if err != nil {
 			return err
 		}
-		info = Info{Model: string(model), FirmwareVersion: fw, Battery: int(batt[0]), Apps: []topics.App{}}
+		info = Info{Model: string(model), FirmwareVersion: fw, Battery: int(batt[0]), Apps: []companion.App{}}
 		for _, a := range apps.Apps {
-			info.Apps = append(info.Apps, topics.App{AppID: a.AppID, Version: a.Version})
+			info.Apps = append(info.Apps, companion.App{AppID: a.AppID, Version: a.Version})
 		}
 		sort.Slice(info.Apps, func(i, j int) bool { return info.Apps[i].AppID < info.Apps[j].AppID })
 		return nil

@@ -27,6 +27,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -64,7 +66,7 @@ type Info = struct {
 	Model           string
 	FirmwareVersion string
 	Battery         int
-	Apps            []topics.App
+	Apps            []companion.App
 }
 
 // Options configure a Device. The zero value of each field means its default.
@@ -292,9 +294,9 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	apps := make([]topics.App, 0, len(d.apps))
+	apps := make([]companion.App, 0, len(d.apps))
 	for id, v := range d.apps {
-		apps = append(apps, topics.App{AppID: id, Version: v})
+		apps = append(apps, companion.App{AppID: id, Version: v})
 	}
 	sort.Slice(apps, func(i, j int) bool { return apps[i].AppID < apps[j].AppID })
 	return Info{Model: d.model, FirmwareVersion: d.versionLocked(), Battery: d.battery(), Apps: apps}, nil

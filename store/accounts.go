@@ -5,15 +5,17 @@ import (
 	"crypto/subtle"
 	"fmt"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
 // CreateUser stores a new user, indexed by the hash of its token.
 // CreatedAt is set to now when zero. It returns ErrExists when the id or
 // the token hash is already taken.
-func (db *DB) CreateUser(ctx context.Context, u User) error {
+func (db *DB) CreateUser(ctx context.Context, u companion.User) error {
 	if !validID(u.ID) || len(u.TokenHash) == 0 {
-		return fmt.Errorf("%w: user needs an id and a token hash", ErrInvalid)
+		return fmt.Errorf("%w: user needs an id and a token hash", companion.ErrInvalid)
 	}
 	if u.CreatedAt.IsZero() {
 		u.CreatedAt = db.now()
@@ -21,7 +23,7 @@ func (db *DB) CreateUser(ctx context.Context, u User) error {
 	return db.update(func(tx *bolt.Tx) error {
 		users, tokens := tx.Bucket(bucketUsers), tx.Bucket(bucketUserTokens)
 		if users.Get([]byte(u.ID)) != nil || tokens.Get(u.TokenHash) != nil {
-			return abort(ErrExists)
+			return abort(companion.ErrExists)
 		}
 		if err := putJSON(users, []byte(u.ID), u); err != nil {
 			return err
@@ -33,36 +35,36 @@ func (db *DB) CreateUser(ctx context.Context, u User) error {
 // UserByTokenHash returns the user whose token has the SHA-256 hash, or
 // ErrNotFound. The hash found through the index is compared again in
 // constant time.
-func (db *DB) UserByTokenHash(ctx context.Context, hash []byte) (User, error) {
-	var u User
+func (db *DB) UserByTokenHash(ctx context.Context, hash []byte) (companion.User, error) {
+	var u companion.User
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		id := tx.Bucket(bucketUserTokens).Get(hash)
 		if id == nil {
-			return ErrNotFound
+			return companion.ErrNotFound
 		}
 		ok, err := getJSON(tx.Bucket(bucketUsers), id, &u)
 		if err != nil {
 			return err
 		}
 		if !ok {
-			return ErrNotFound
+			return companion.ErrNotFound
 		}
 		return nil
 	})
 	if err != nil {
-		return User{}, err
+		return companion.User{}, err
 	}
 	if subtle.ConstantTimeCompare(u.TokenHash, hash) != 1 {
-		return User{}, ErrNotFound
+		return companion.User{}, companion.ErrNotFound
 	}
 	return u, nil
 }
 
 // User returns the user with the id, or ErrNotFound.
-func (db *DB) User(ctx context.Context, id string) (User, error) {
-	var u User
+func (db *DB) User(ctx context.Context, id string) (companion.User, error) {
+	var u companion.User
 	if err := db.get(bucketUsers, []byte(id), &u); err != nil {
-		return User{}, err
+		return companion.User{}, err
 	}
 	return u, nil
 }
@@ -72,9 +74,9 @@ func (db *DB) User(ctx context.Context, id string) (User, error) {
 // otherwise; a user's own bridge serves only devices bound to that user).
 // CreatedAt is set to now when zero. It returns ErrExists when the id is
 // taken.
-func (db *DB) ProvisionDevice(ctx context.Context, d RegistryDevice) error {
+func (db *DB) ProvisionDevice(ctx context.Context, d companion.RegistryDevice) error {
 	if !validID(d.ID) || (d.BridgeID != "" && !validID(d.BridgeID)) {
-		return fmt.Errorf("%w: device needs an id", ErrInvalid)
+		return fmt.Errorf("%w: device needs an id", companion.ErrInvalid)
 	}
 	if d.CreatedAt.IsZero() {
 		d.CreatedAt = db.now()
@@ -82,16 +84,16 @@ func (db *DB) ProvisionDevice(ctx context.Context, d RegistryDevice) error {
 	return db.update(func(tx *bolt.Tx) error {
 		devices := tx.Bucket(bucketDevices)
 		if devices.Get([]byte(d.ID)) != nil {
-			return abort(ErrExists)
+			return abort(companion.ErrExists)
 		}
 		if d.BridgeID != "" {
-			var b Bridge
+			var b companion.Bridge
 			ok, err := getJSON(tx.Bucket(bucketBridges), []byte(d.BridgeID), &b)
 			if err != nil {
 				return err
 			}
 			if !ok || b.OwnerID != "" {
-				return abort(ErrNotFound)
+				return abort(companion.ErrNotFound)
 			}
 			if err := assign(tx, d.ID, d.BridgeID); err != nil {
 				return err
@@ -103,10 +105,10 @@ func (db *DB) ProvisionDevice(ctx context.Context, d RegistryDevice) error {
 
 // RegistryDevice returns the provisioned device with the id, with the
 // bridge it is assigned to, or ErrNotFound.
-func (db *DB) RegistryDevice(ctx context.Context, id string) (RegistryDevice, error) {
-	var d RegistryDevice
+func (db *DB) RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error) {
+	var d companion.RegistryDevice
 	if len(id) == 0 {
-		return RegistryDevice{}, ErrNotFound
+		return companion.RegistryDevice{}, companion.ErrNotFound
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		ok, err := getJSON(tx.Bucket(bucketDevices), []byte(id), &d)
@@ -114,13 +116,13 @@ func (db *DB) RegistryDevice(ctx context.Context, id string) (RegistryDevice, er
 			return err
 		}
 		if !ok {
-			return ErrNotFound
+			return companion.ErrNotFound
 		}
 		d.BridgeID = string(tx.Bucket(bucketAssignments).Get([]byte(id)))
 		return nil
 	})
 	if err != nil {
-		return RegistryDevice{}, err
+		return companion.RegistryDevice{}, err
 	}
 	return d, nil
 }
@@ -130,9 +132,9 @@ func (db *DB) RegistryDevice(ctx context.Context, id string) (RegistryDevice, er
 // returns ErrExists when the id or the secret hash is already taken, the
 // id also by a user: bridges and users log in to the broker alike, the id
 // their username, and a user may name their own bridges.
-func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
+func (db *DB) CreateBridge(ctx context.Context, b companion.Bridge) error {
 	if !validID(b.ID) || len(b.SecretHash) == 0 || (b.OwnerID != "" && !validID(b.OwnerID)) {
-		return fmt.Errorf("%w: bridge needs an id and a secret hash", ErrInvalid)
+		return fmt.Errorf("%w: bridge needs an id and a secret hash", companion.ErrInvalid)
 	}
 	if b.CreatedAt.IsZero() {
 		b.CreatedAt = db.now()
@@ -140,7 +142,7 @@ func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
 	return db.update(func(tx *bolt.Tx) error {
 		bridges, secrets := tx.Bucket(bucketBridges), tx.Bucket(bucketBridgeSecrets)
 		if bridges.Get([]byte(b.ID)) != nil || secrets.Get(b.SecretHash) != nil || tx.Bucket(bucketUsers).Get([]byte(b.ID)) != nil {
-			return abort(ErrExists)
+			return abort(companion.ErrExists)
 		}
 		if err := putJSON(bridges, []byte(b.ID), b); err != nil {
 			return err
@@ -155,37 +157,37 @@ func (db *DB) CreateBridge(ctx context.Context, b Bridge) error {
 }
 
 // Bridge returns the bridge with the id, or ErrNotFound.
-func (db *DB) Bridge(ctx context.Context, id string) (Bridge, error) {
-	var b Bridge
+func (db *DB) Bridge(ctx context.Context, id string) (companion.Bridge, error) {
+	var b companion.Bridge
 	if err := db.get(bucketBridges, []byte(id), &b); err != nil {
-		return Bridge{}, err
+		return companion.Bridge{}, err
 	}
 	return b, nil
 }
 
 // BridgeBySecretHash returns the bridge whose secret has the SHA-256 hash,
 // or ErrNotFound. The hash is compared again in constant time.
-func (db *DB) BridgeBySecretHash(ctx context.Context, hash []byte) (Bridge, error) {
-	var b Bridge
+func (db *DB) BridgeBySecretHash(ctx context.Context, hash []byte) (companion.Bridge, error) {
+	var b companion.Bridge
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		id := tx.Bucket(bucketBridgeSecrets).Get(hash)
 		if id == nil {
-			return ErrNotFound
+			return companion.ErrNotFound
 		}
 		ok, err := getJSON(tx.Bucket(bucketBridges), id, &b)
 		if err != nil {
 			return err
 		}
 		if !ok {
-			return ErrNotFound
+			return companion.ErrNotFound
 		}
 		return nil
 	})
 	if err != nil {
-		return Bridge{}, err
+		return companion.Bridge{}, err
 	}
 	if subtle.ConstantTimeCompare(b.SecretHash, hash) != 1 {
-		return Bridge{}, ErrNotFound
+		return companion.Bridge{}, companion.ErrNotFound
 	}
 	return b, nil
 }
@@ -193,7 +195,7 @@ func (db *DB) BridgeBySecretHash(ctx context.Context, hash []byte) (Bridge, erro
 // get decodes the value at k of the bucket into v, or returns ErrNotFound.
 func (db *DB) get(bucket, k []byte, v any) error {
 	if len(k) == 0 {
-		return ErrNotFound
+		return companion.ErrNotFound
 	}
 	return db.bolt.View(func(tx *bolt.Tx) error {
 		ok, err := getJSON(tx.Bucket(bucket), k, v)
@@ -201,7 +203,7 @@ func (db *DB) get(bucket, k []byte, v any) error {
 			return err
 		}
 		if !ok {
-			return ErrNotFound
+			return companion.ErrNotFound
 		}
 		return nil
 	})

@@ -5,6 +5,8 @@ import (
 	"context"
 	"crypto/sha256"
 	"testing"
+
+	"github.com/devicecompanion/companion"
 )
 
 func hashOf(s string) []byte {
@@ -16,19 +18,19 @@ func TestCreateUser(t *testing.T) {
 	ctx := context.Background()
 	clock := newFakeClock()
 	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
-	mustNil(t, "CreateUser(u1)", db.CreateUser(ctx, User{ID: "u1", Name: "Ann", TokenHash: hashOf("t1")}))
+	mustNil(t, "CreateUser(u1)", db.CreateUser(ctx, companion.User{ID: "u1", Name: "Ann", TokenHash: hashOf("t1")}))
 
 	tests := []struct {
 		name string
-		u    User
+		u    companion.User
 		want error
 	}{
-		{"second user", User{ID: "u2", Name: "Bob", TokenHash: hashOf("t2")}, nil},
-		{"same id", User{ID: "u1", TokenHash: hashOf("t3")}, ErrExists},
-		{"same token", User{ID: "u3", TokenHash: hashOf("t1")}, ErrExists},
-		{"no id", User{TokenHash: hashOf("t4")}, ErrInvalid},
-		{"no token", User{ID: "u4"}, ErrInvalid},
-		{"NUL in id", User{ID: "u\x005", TokenHash: hashOf("t5")}, ErrInvalid},
+		{"second user", companion.User{ID: "u2", Name: "Bob", TokenHash: hashOf("t2")}, nil},
+		{"same id", companion.User{ID: "u1", TokenHash: hashOf("t3")}, companion.ErrExists},
+		{"same token", companion.User{ID: "u3", TokenHash: hashOf("t1")}, companion.ErrExists},
+		{"no id", companion.User{TokenHash: hashOf("t4")}, companion.ErrInvalid},
+		{"no token", companion.User{ID: "u4"}, companion.ErrInvalid},
+		{"NUL in id", companion.User{ID: "u\x005", TokenHash: hashOf("t5")}, companion.ErrInvalid},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -41,18 +43,18 @@ func TestCreateUser(t *testing.T) {
 		t.Errorf("User(u1) = %+v, %v", u, err)
 	}
 	_, err = db.User(ctx, "nobody")
-	wantErr(t, "User(nobody)", err, ErrNotFound)
+	wantErr(t, "User(nobody)", err, companion.ErrNotFound)
 	_, err = db.User(ctx, "")
-	wantErr(t, "User(\"\")", err, ErrNotFound)
+	wantErr(t, "User(\"\")", err, companion.ErrNotFound)
 	// A failed CreateUser left no index entry behind.
 	_, err = db.UserByTokenHash(ctx, hashOf("t3"))
-	wantErr(t, "UserByTokenHash(t3)", err, ErrNotFound)
+	wantErr(t, "UserByTokenHash(t3)", err, companion.ErrNotFound)
 }
 
 func TestUserByTokenHash(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
-	mustNil(t, "CreateUser", db.CreateUser(ctx, User{ID: "u1", Name: "Ann", TokenHash: hashOf("t1")}))
+	mustNil(t, "CreateUser", db.CreateUser(ctx, companion.User{ID: "u1", Name: "Ann", TokenHash: hashOf("t1")}))
 	tests := []struct {
 		name   string
 		hash   []byte
@@ -60,8 +62,8 @@ func TestUserByTokenHash(t *testing.T) {
 		want   error
 	}{
 		{"right token", hashOf("t1"), "u1", nil},
-		{"wrong token", hashOf("t2"), "", ErrNotFound},
-		{"empty", nil, "", ErrNotFound},
+		{"wrong token", hashOf("t2"), "", companion.ErrNotFound},
+		{"empty", nil, "", companion.ErrNotFound},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -84,32 +86,32 @@ func TestUserByTokenHash(t *testing.T) {
 func TestProvisionDevice(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
-	d := RegistryDevice{ID: "dev-1", Model: "sim-1", ClaimHash: hashOf("claim")}
+	d := companion.RegistryDevice{ID: "dev-1", Model: "sim-1", ClaimHash: hashOf("claim")}
 	mustNil(t, "ProvisionDevice", db.ProvisionDevice(ctx, d))
-	wantErr(t, "ProvisionDevice again", db.ProvisionDevice(ctx, d), ErrExists)
-	wantErr(t, "ProvisionDevice(no id)", db.ProvisionDevice(ctx, RegistryDevice{Model: "x"}), ErrInvalid)
+	wantErr(t, "ProvisionDevice again", db.ProvisionDevice(ctx, d), companion.ErrExists)
+	wantErr(t, "ProvisionDevice(no id)", db.ProvisionDevice(ctx, companion.RegistryDevice{Model: "x"}), companion.ErrInvalid)
 
 	got, err := db.RegistryDevice(ctx, "dev-1")
 	if err != nil || got.Model != "sim-1" || !bytes.Equal(got.ClaimHash, hashOf("claim")) || got.CreatedAt.IsZero() {
 		t.Errorf("RegistryDevice(dev-1) = %+v, %v", got, err)
 	}
 	_, err = db.RegistryDevice(ctx, "dev-2")
-	wantErr(t, "RegistryDevice(dev-2)", err, ErrNotFound)
+	wantErr(t, "RegistryDevice(dev-2)", err, companion.ErrNotFound)
 }
 
 func TestBridges(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
-	mustNil(t, "CreateBridge", db.CreateBridge(ctx, Bridge{ID: "br1", SecretHash: hashOf("s1")}))
+	mustNil(t, "CreateBridge", db.CreateBridge(ctx, companion.Bridge{ID: "br1", SecretHash: hashOf("s1")}))
 	tests := []struct {
 		name string
-		b    Bridge
+		b    companion.Bridge
 		want error
 	}{
-		{"same id", Bridge{ID: "br1", SecretHash: hashOf("s2")}, ErrExists},
-		{"same secret", Bridge{ID: "br2", SecretHash: hashOf("s1")}, ErrExists},
-		{"no secret", Bridge{ID: "br3"}, ErrInvalid},
-		{"another", Bridge{ID: "br4", SecretHash: hashOf("s4")}, nil},
+		{"same id", companion.Bridge{ID: "br1", SecretHash: hashOf("s2")}, companion.ErrExists},
+		{"same secret", companion.Bridge{ID: "br2", SecretHash: hashOf("s1")}, companion.ErrExists},
+		{"no secret", companion.Bridge{ID: "br3"}, companion.ErrInvalid},
+		{"another", companion.Bridge{ID: "br4", SecretHash: hashOf("s4")}, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -121,10 +123,10 @@ func TestBridges(t *testing.T) {
 		t.Errorf("Bridge(br1) = %+v, %v", b, err)
 	}
 	_, err := db.Bridge(ctx, "nope")
-	wantErr(t, "Bridge(nope)", err, ErrNotFound)
+	wantErr(t, "Bridge(nope)", err, companion.ErrNotFound)
 	if b, err := db.BridgeBySecretHash(ctx, hashOf("s4")); err != nil || b.ID != "br4" {
 		t.Errorf("BridgeBySecretHash(s4) = %+v, %v", b, err)
 	}
 	_, err = db.BridgeBySecretHash(ctx, hashOf("s2"))
-	wantErr(t, "BridgeBySecretHash(s2)", err, ErrNotFound)
+	wantErr(t, "BridgeBySecretHash(s2)", err, companion.ErrNotFound)
 }

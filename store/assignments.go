@@ -3,8 +3,9 @@ package store
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"time"
+
+	"github.com/devicecompanion/companion"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -14,10 +15,6 @@ import (
 // write on the broker, which blobs it may download, and whether the
 // device's commands go out at all: those of an unassigned device wait
 // queued.
-
-// ErrNotOwned is returned when a user names a bridge or device that is not
-// theirs. The API answers it as not found.
-var ErrNotOwned = fmt.Errorf("%w: not the caller's", ErrNotFound)
 
 // assign makes bridgeID serve deviceID in tx, moving it from the bridge
 // that served it before, if any.
@@ -51,7 +48,7 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 // as MarkBridgeOffline keeps them, so the next report applies as usual.
 func markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
 	statuses := tx.Bucket(bucketStatus)
-	var s Status
+	var s companion.Status
 	ok, err := getJSON(statuses, []byte(deviceID), &s)
 	if err != nil || !ok || !s.Online {
 		return err
@@ -69,21 +66,21 @@ func markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
 // device). ErrNotFound means no such device or bridge.
 func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (previous string, err error) {
 	if !validID(deviceID) || (bridgeID != "" && !validID(bridgeID)) {
-		return "", ErrNotFound
+		return "", companion.ErrNotFound
 	}
 	err = db.update(func(tx *bolt.Tx) error {
 		previous = ""
 		if tx.Bucket(bucketDevices).Get([]byte(deviceID)) == nil {
-			return abort(ErrNotFound)
+			return abort(companion.ErrNotFound)
 		}
 		if ownerID != "" {
-			var b Binding
+			var b companion.Binding
 			ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
 			if err != nil {
 				return err
 			}
 			if !ok || b.UserID != ownerID {
-				return abort(ErrNotOwned)
+				return abort(companion.ErrNotOwned)
 			}
 		}
 		if bridgeID == "" {
@@ -93,25 +90,25 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			}
 			return markUnserved(tx, deviceID, db.now())
 		}
-		var br Bridge
+		var br companion.Bridge
 		ok, err := getJSON(tx.Bucket(bucketBridges), []byte(bridgeID), &br)
 		if err != nil {
 			return err
 		}
 		switch {
 		case !ok:
-			return abort(ErrNotFound)
+			return abort(companion.ErrNotFound)
 		case ownerID != "" && br.OwnerID != ownerID:
-			return abort(ErrNotOwned)
+			return abort(companion.ErrNotOwned)
 		case br.OwnerID != "" && ownerID == "":
 			// The operator too keeps a user's bridge to that user's devices.
-			var b Binding
+			var b companion.Binding
 			ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
 			if err != nil {
 				return err
 			}
 			if !ok || b.UserID != br.OwnerID {
-				return abort(ErrNotOwned)
+				return abort(companion.ErrNotOwned)
 			}
 		}
 		previous = string(tx.Bucket(bucketAssignments).Get([]byte(deviceID)))
@@ -165,13 +162,13 @@ func (db *DB) ServedDevices(ctx context.Context, bridgeID string) ([]string, err
 // ListBridges returns the bridges of ownerID ("" the operator's) in id
 // order, after the bridge id `after`, at most limit of them (limit <= 0:
 // all), and whether more follow.
-func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]Bridge, bool, error) {
-	out := []Bridge{}
+func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.Bridge, bool, error) {
+	out := []companion.Bridge{}
 	var more bool
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		bridges := tx.Bucket(bucketBridges)
 		each := func(id []byte) (bool, error) {
-			var b Bridge
+			var b companion.Bridge
 			ok, err := getJSON(bridges, id, &b)
 			if err != nil || !ok || b.OwnerID != ownerID {
 				return err == nil, err
@@ -219,21 +216,21 @@ func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int)
 // only one of that user's own bridges goes (ErrNotOwned for another's).
 func (db *DB) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error) {
 	if !validID(bridgeID) {
-		return nil, ErrNotFound
+		return nil, companion.ErrNotFound
 	}
 	var served []string
 	err := db.update(func(tx *bolt.Tx) error {
 		served = nil
-		var b Bridge
+		var b companion.Bridge
 		ok, err := getJSON(tx.Bucket(bucketBridges), []byte(bridgeID), &b)
 		if err != nil {
 			return err
 		}
 		if !ok {
-			return abort(ErrNotFound)
+			return abort(companion.ErrNotFound)
 		}
 		if ownerID != "" && b.OwnerID != ownerID {
-			return abort(ErrNotOwned)
+			return abort(companion.ErrNotOwned)
 		}
 		scanPrefix(tx.Bucket(bucketBridgeServes), prefix(bridgeID), func(dev []byte) bool {
 			served = append(served, string(dev))

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -21,7 +23,7 @@ func tenancy(t *testing.T) *DB {
 	ctx := context.Background()
 	db := openTestDB(t)
 	provision(t, db, "sim-1", "d1", "d2", "d3", "d4")
-	for _, b := range []Bridge{
+	for _, b := range []companion.Bridge{
 		{ID: "op1", SecretHash: hashOf("op1")},
 		{ID: "op2", SecretHash: hashOf("op2")},
 		{ID: "u1-hub", SecretHash: hashOf("u1-hub"), OwnerID: "u1"},
@@ -30,7 +32,7 @@ func tenancy(t *testing.T) *DB {
 		mustNil(t, "CreateBridge("+b.ID+")", db.CreateBridge(ctx, b))
 	}
 	for dev, user := range map[string]string{"d1": "u1", "d4": "u1", "d2": "u2"} {
-		if _, _, err := db.Bind(ctx, Binding{DeviceID: dev, UserID: user}); err != nil {
+		if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: dev, UserID: user}); err != nil {
 			t.Fatalf("Bind(%s, %s) = %v", dev, user, err)
 		}
 	}
@@ -78,7 +80,7 @@ func contains(s []string, v string) bool {
 func TestAssignDevice(t *testing.T) {
 	ctx := context.Background()
 	db := tenancy(t)
-	if !errors.Is(ErrNotOwned, ErrNotFound) {
+	if !errors.Is(companion.ErrNotOwned, companion.ErrNotFound) {
 		t.Fatal("ErrNotOwned is not an ErrNotFound: the API would tell them apart")
 	}
 	steps := []struct {
@@ -88,22 +90,22 @@ func TestAssignDevice(t *testing.T) {
 		wantErr            error
 		wantBridge         string // the device's bridge after the step
 	}{
-		{name: "unknown device", dev: "ghost", bridge: "op1", wantErr: ErrNotFound},
-		{name: "unknown bridge", dev: "d1", bridge: "nope", wantErr: ErrNotFound},
-		{name: "invalid device id", dev: "d1\x00", bridge: "op1", wantErr: ErrNotFound},
-		{name: "invalid bridge id", dev: "d1", bridge: "op\x001", wantErr: ErrNotFound},
+		{name: "unknown device", dev: "ghost", bridge: "op1", wantErr: companion.ErrNotFound},
+		{name: "unknown bridge", dev: "d1", bridge: "nope", wantErr: companion.ErrNotFound},
+		{name: "invalid device id", dev: "d1\x00", bridge: "op1", wantErr: companion.ErrNotFound},
+		{name: "invalid bridge id", dev: "d1", bridge: "op\x001", wantErr: companion.ErrNotFound},
 		{name: "operator assigns", dev: "d1", bridge: "op1", wantBridge: "op1"},
 		{name: "operator moves", dev: "d1", bridge: "op2", wantPrev: "op1", wantBridge: "op2"},
 		{name: "same bridge again", dev: "d1", bridge: "op2", wantPrev: "op2", wantBridge: "op2"},
 		{name: "user to own bridge", dev: "d1", bridge: "u1-hub", owner: "u1", wantPrev: "op2", wantBridge: "u1-hub"},
-		{name: "user to another user's bridge", dev: "d1", bridge: "u2-hub", owner: "u1", wantErr: ErrNotOwned, wantBridge: "u1-hub"},
-		{name: "user to an operator's bridge", dev: "d1", bridge: "op1", owner: "u1", wantErr: ErrNotOwned, wantBridge: "u1-hub"},
-		{name: "user to unknown bridge", dev: "d1", bridge: "nope", owner: "u1", wantErr: ErrNotFound, wantBridge: "u1-hub"},
-		{name: "another user's device", dev: "d1", bridge: "u2-hub", owner: "u2", wantErr: ErrNotOwned, wantBridge: "u1-hub"},
-		{name: "another user's device to none", dev: "d1", owner: "u2", wantErr: ErrNotOwned, wantBridge: "u1-hub"},
-		{name: "user, unbound device", dev: "d3", bridge: "u1-hub", owner: "u1", wantErr: ErrNotOwned},
-		{name: "operator, u2's device to u1's bridge", dev: "d2", bridge: "u1-hub", wantErr: ErrNotOwned},
-		{name: "operator, unbound device to u1's bridge", dev: "d3", bridge: "u1-hub", wantErr: ErrNotOwned},
+		{name: "user to another user's bridge", dev: "d1", bridge: "u2-hub", owner: "u1", wantErr: companion.ErrNotOwned, wantBridge: "u1-hub"},
+		{name: "user to an operator's bridge", dev: "d1", bridge: "op1", owner: "u1", wantErr: companion.ErrNotOwned, wantBridge: "u1-hub"},
+		{name: "user to unknown bridge", dev: "d1", bridge: "nope", owner: "u1", wantErr: companion.ErrNotFound, wantBridge: "u1-hub"},
+		{name: "another user's device", dev: "d1", bridge: "u2-hub", owner: "u2", wantErr: companion.ErrNotOwned, wantBridge: "u1-hub"},
+		{name: "another user's device to none", dev: "d1", owner: "u2", wantErr: companion.ErrNotOwned, wantBridge: "u1-hub"},
+		{name: "user, unbound device", dev: "d3", bridge: "u1-hub", owner: "u1", wantErr: companion.ErrNotOwned},
+		{name: "operator, u2's device to u1's bridge", dev: "d2", bridge: "u1-hub", wantErr: companion.ErrNotOwned},
+		{name: "operator, unbound device to u1's bridge", dev: "d3", bridge: "u1-hub", wantErr: companion.ErrNotOwned},
 		{name: "operator, u2's device to u2's bridge", dev: "d2", bridge: "u2-hub", wantBridge: "u2-hub"},
 		{name: "operator, unbound device to op1", dev: "d3", bridge: "op1", wantBridge: "op1"},
 		{name: "user unassigns own device", dev: "d1", owner: "u1", wantPrev: "u1-hub"},
@@ -113,7 +115,7 @@ func TestAssignDevice(t *testing.T) {
 	for _, s := range steps {
 		t.Run(s.name, func(t *testing.T) {
 			prev, err := db.AssignDevice(ctx, s.dev, s.bridge, s.owner)
-			if !errors.Is(err, s.wantErr) || (s.wantErr == ErrNotFound && errors.Is(err, ErrNotOwned)) {
+			if !errors.Is(err, s.wantErr) || (s.wantErr == companion.ErrNotFound && errors.Is(err, companion.ErrNotOwned)) {
 				t.Fatalf("AssignDevice(%q, %q, %q) = %q, %v; want error %v", s.dev, s.bridge, s.owner, prev, err, s.wantErr)
 			}
 			if err == nil && prev != s.wantPrev {
@@ -130,13 +132,13 @@ func TestAssignDevice(t *testing.T) {
 func TestProvisionDeviceOnABridge(t *testing.T) {
 	ctx := context.Background()
 	db := tenancy(t)
-	mustNil(t, "ProvisionDevice(d5, op1)", db.ProvisionDevice(ctx, RegistryDevice{ID: "d5", Model: "sim-1", BridgeID: "op1"}))
+	mustNil(t, "ProvisionDevice(d5, op1)", db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d5", Model: "sim-1", BridgeID: "op1"}))
 	wantBridge(t, db, "d5", "op1")
 	for _, bridge := range []string{"nope", "u1-hub"} {
-		err := db.ProvisionDevice(ctx, RegistryDevice{ID: "d6", Model: "sim-1", BridgeID: bridge})
-		wantErr(t, "ProvisionDevice(d6, "+bridge+")", err, ErrNotFound)
+		err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d6", Model: "sim-1", BridgeID: bridge})
+		wantErr(t, "ProvisionDevice(d6, "+bridge+")", err, companion.ErrNotFound)
 		_, err = db.RegistryDevice(ctx, "d6")
-		wantErr(t, "RegistryDevice(d6) after a refused provision", err, ErrNotFound)
+		wantErr(t, "RegistryDevice(d6) after a refused provision", err, companion.ErrNotFound)
 	}
 }
 
@@ -153,11 +155,11 @@ func TestDeleteBridge(t *testing.T) {
 
 	for _, c := range []struct{ bridge, owner string }{{"u1-hub", "u2"}, {"op1", "u1"}} {
 		_, err := db.DeleteBridge(ctx, c.bridge, c.owner)
-		wantErr(t, fmt.Sprintf("DeleteBridge(%q, %q)", c.bridge, c.owner), err, ErrNotOwned)
+		wantErr(t, fmt.Sprintf("DeleteBridge(%q, %q)", c.bridge, c.owner), err, companion.ErrNotOwned)
 	}
 	_, err := db.DeleteBridge(ctx, "nope", "u1")
-	wantErr(t, "DeleteBridge(nope)", err, ErrNotFound)
-	if errors.Is(err, ErrNotOwned) {
+	wantErr(t, "DeleteBridge(nope)", err, companion.ErrNotFound)
+	if errors.Is(err, companion.ErrNotOwned) {
 		t.Errorf("DeleteBridge(nope) = %v; want a plain not found", err)
 	}
 	wantBridge(t, db, "d1", "u1-hub")
@@ -170,14 +172,14 @@ func TestDeleteBridge(t *testing.T) {
 	wantBridge(t, db, "d4", "")
 	wantBridge(t, db, "d2", "op1")
 	_, err = db.Bridge(ctx, "u1-hub")
-	wantErr(t, "Bridge(u1-hub) after delete", err, ErrNotFound)
+	wantErr(t, "Bridge(u1-hub) after delete", err, companion.ErrNotFound)
 	_, err = db.BridgeBySecretHash(ctx, hashOf("u1-hub"))
-	wantErr(t, "BridgeBySecretHash(u1-hub's secret) after delete", err, ErrNotFound)
+	wantErr(t, "BridgeBySecretHash(u1-hub's secret) after delete", err, companion.ErrNotFound)
 	if bs, more, err := db.ListBridges(ctx, "u1", "", 0); err != nil || len(bs) != 0 || more {
 		t.Errorf("ListBridges(u1) after delete = %v, %v, %v; want none", bs, more, err)
 	}
 	_, err = db.DeleteBridge(ctx, "u1-hub", "u1")
-	wantErr(t, "DeleteBridge(u1-hub) again", err, ErrNotFound)
+	wantErr(t, "DeleteBridge(u1-hub) again", err, companion.ErrNotFound)
 
 	// The operator deletes any bridge, a user's too; the id is free again.
 	served, err = db.DeleteBridge(ctx, "op1", "")
@@ -187,7 +189,7 @@ func TestDeleteBridge(t *testing.T) {
 	if served, err := db.DeleteBridge(ctx, "u2-hub", ""); err != nil || len(served) != 0 {
 		t.Errorf("DeleteBridge(u2-hub, operator) = %v, %v; want nothing served", served, err)
 	}
-	mustNil(t, "CreateBridge(u1-hub) again", db.CreateBridge(ctx, Bridge{ID: "u1-hub", SecretHash: hashOf("new"), OwnerID: "u1"}))
+	mustNil(t, "CreateBridge(u1-hub) again", db.CreateBridge(ctx, companion.Bridge{ID: "u1-hub", SecretHash: hashOf("new"), OwnerID: "u1"}))
 	wantBridge(t, db, "d1", "")
 }
 
@@ -196,10 +198,10 @@ func TestDeleteBridge(t *testing.T) {
 func TestCreateBridgeNotAUsersID(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
-	mustNil(t, "CreateUser", db.CreateUser(ctx, User{ID: "9c1f0d1e-user", Name: "alice", TokenHash: hashOf("tok")}))
-	err := db.CreateBridge(ctx, Bridge{ID: "9c1f0d1e-user", SecretHash: hashOf("s"), OwnerID: "u2"})
-	wantErr(t, "CreateBridge(a user's id)", err, ErrExists)
-	if _, err := db.Bridge(ctx, "9c1f0d1e-user"); !errors.Is(err, ErrNotFound) {
+	mustNil(t, "CreateUser", db.CreateUser(ctx, companion.User{ID: "9c1f0d1e-user", Name: "alice", TokenHash: hashOf("tok")}))
+	err := db.CreateBridge(ctx, companion.Bridge{ID: "9c1f0d1e-user", SecretHash: hashOf("s"), OwnerID: "u2"})
+	wantErr(t, "CreateBridge(a user's id)", err, companion.ErrExists)
+	if _, err := db.Bridge(ctx, "9c1f0d1e-user"); !errors.Is(err, companion.ErrNotFound) {
 		t.Errorf("Bridge(a user's id) = %v; want not found", err)
 	}
 }
@@ -216,7 +218,7 @@ func TestListBridges(t *testing.T) {
 	}
 	want := map[string][]string{}
 	for id, owner := range owners {
-		mustNil(t, "CreateBridge("+id+")", db.CreateBridge(ctx, Bridge{ID: id, SecretHash: hashOf(id), OwnerID: owner}))
+		mustNil(t, "CreateBridge("+id+")", db.CreateBridge(ctx, companion.Bridge{ID: id, SecretHash: hashOf(id), OwnerID: owner}))
 	}
 	for _, id := range []string{"a-op", "b-u1", "c-op", "d-u2", "e-u1", "f-op", "g-u1", "h-u2", "i-u1", "j-op", "k-u1", "z-u2"} {
 		want[owners[id]] = append(want[owners[id]], id)
@@ -275,7 +277,7 @@ func TestBlobNeeded(t *testing.T) {
 		}
 	}
 	shaA, shaB := strings.Repeat("a", 64), strings.Repeat("b", 64)
-	withBlob := func(dev, sha string) Command {
+	withBlob := func(dev, sha string) companion.Command {
 		c := newCmd(dev)
 		c.Op, c.Payload, c.Blob = "push.image", raw(`{"blob":{"sha256":"`+sha+`"}}`), sha
 		return create(t, db, c)
@@ -305,7 +307,7 @@ func TestBlobNeeded(t *testing.T) {
 	needed(shaB, "op2", true)
 
 	// While one command still needs it, the blob stays needed.
-	setState(t, db, a1.ID, StateSucceeded)
+	setState(t, db, a1.ID, companion.StateSucceeded)
 	needed(shaA, "op1", true)
 	// Moving the device moves the right.
 	if _, err := db.AssignDevice(ctx, "d1", "op2", ""); err != nil {
@@ -313,7 +315,7 @@ func TestBlobNeeded(t *testing.T) {
 	}
 	needed(shaA, "op1", false)
 	needed(shaA, "op2", true)
-	for _, c := range []struct{ id, state string }{{a2.ID, StateDelivered}, {a2.ID, StateFailed}, {b3.ID, StateExpired}} {
+	for _, c := range []struct{ id, state string }{{a2.ID, companion.StateDelivered}, {a2.ID, companion.StateFailed}, {b3.ID, companion.StateExpired}} {
 		setState(t, db, c.id, c.state)
 	}
 	needed(shaA, "op2", false)
@@ -340,13 +342,13 @@ func TestUnbindUnassignsFromTheUsersBridge(t *testing.T) {
 	wantBridge(t, db, "d4", "op1")
 
 	// Bound to u2 now, d1 cannot go back on u1's bridge.
-	if _, _, err := db.Bind(ctx, Binding{DeviceID: "d1", UserID: "u2"}); err != nil {
+	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u2"}); err != nil {
 		t.Fatal(err)
 	}
 	_, err := db.AssignDevice(ctx, "d1", "u1-hub", "u1")
-	wantErr(t, "AssignDevice(d1 of u2, u1-hub, u1)", err, ErrNotOwned)
+	wantErr(t, "AssignDevice(d1 of u2, u1-hub, u1)", err, companion.ErrNotOwned)
 	_, err = db.AssignDevice(ctx, "d1", "u1-hub", "")
-	wantErr(t, "AssignDevice(d1 of u2, u1-hub, operator)", err, ErrNotOwned)
+	wantErr(t, "AssignDevice(d1 of u2, u1-hub, operator)", err, companion.ErrNotOwned)
 }
 
 // A schema 3 file, migrated to 4: each device is assigned to the bridge
@@ -357,25 +359,25 @@ func TestMigrateAssignsDevicesAndBlobs(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "db")
 	db := openTestDBWith(t, path, Options{})
 	provision(t, db, "sim-1", "d1", "d2", "d3", "d4")
-	mustNil(t, "CreateBridge(b1)", db.CreateBridge(ctx, Bridge{ID: "b1", SecretHash: hashOf("b1")}))
-	mustNil(t, "CreateBridge(b2)", db.CreateBridge(ctx, Bridge{ID: "b2", SecretHash: hashOf("b2")}))
+	mustNil(t, "CreateBridge(b1)", db.CreateBridge(ctx, companion.Bridge{ID: "b1", SecretHash: hashOf("b1")}))
+	mustNil(t, "CreateBridge(b2)", db.CreateBridge(ctx, companion.Bridge{ID: "b2", SecretHash: hashOf("b2")}))
 	for dev, bridge := range map[string]string{"d1": "b1", "d2": "gone", "d4": "b2", "ghost": "b1"} {
-		if _, err := db.PutStatus(ctx, Status{DeviceID: dev, Online: true, BridgeID: bridge, Seq: 1}); err != nil {
+		if _, err := db.PutStatus(ctx, companion.Status{DeviceID: dev, Online: true, BridgeID: bridge, Seq: 1}); err != nil {
 			t.Fatalf("PutStatus(%s) = %v", dev, err)
 		}
 	}
 	// A device whose last status named another bridge than its first.
-	if _, err := db.PutStatus(ctx, Status{DeviceID: "d4", Online: true, BridgeID: "b1", Seq: 2}); err != nil {
+	if _, err := db.PutStatus(ctx, companion.Status{DeviceID: "d4", Online: true, BridgeID: "b1", Seq: 2}); err != nil {
 		t.Fatal(err)
 	}
 	shaOpen, shaDone := strings.Repeat("1", 64), strings.Repeat("2", 64)
-	blobCmd := func(dev, sha string) Command {
+	blobCmd := func(dev, sha string) companion.Command {
 		c := newCmd(dev)
 		c.Op, c.Payload = "push.image", raw(`{"content_type":"image/png","blob":{"sha256":"`+sha+`","size":3,"url":"/api/v1/blobs/`+sha+`"}}`)
 		return create(t, db, c) // no Blob: schema 3 had none
 	}
 	open, done := blobCmd("d1", shaOpen), blobCmd("d1", shaDone)
-	setState(t, db, done.ID, StateSucceeded)
+	setState(t, db, done.ID, companion.StateSucceeded)
 	text := create(t, db, newCmd("d2"))
 	mustNil(t, "Close", db.Close())
 
@@ -427,7 +429,7 @@ func TestMigrateAssignsDevicesAndBlobs(t *testing.T) {
 		}
 	}
 	// The command's end releases the blob, as for one made under schema 4.
-	setState(t, db, open.ID, StateSucceeded)
+	setState(t, db, open.ID, companion.StateSucceeded)
 	if got, _ := db.BlobNeeded(ctx, shaOpen, "b1"); got {
 		t.Error("BlobNeeded after the migrated command finished = true")
 	}
@@ -444,7 +446,7 @@ func TestADeviceWithoutABridgeReadsOffline(t *testing.T) {
 		if _, err := db.AssignDevice(ctx, a[0], a[1], a[2]); err != nil {
 			t.Fatalf("AssignDevice(%v) = %v", a, err)
 		}
-		if _, err := db.PutStatus(ctx, Status{DeviceID: a[0], Online: true, BridgeID: a[1], Seq: 7}); err != nil {
+		if _, err := db.PutStatus(ctx, companion.Status{DeviceID: a[0], Online: true, BridgeID: a[1], Seq: 7}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -473,7 +475,7 @@ func TestADeviceWithoutABridgeReadsOffline(t *testing.T) {
 		t.Fatal(err)
 	}
 	online("d4", false)
-	if ok, err := db.PutStatus(ctx, Status{DeviceID: "d1", Online: true, BridgeID: "op1", Seq: 8}); err != nil || !ok {
+	if ok, err := db.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op1", Seq: 8}); err != nil || !ok {
 		t.Errorf("PutStatus(d1, seq 8) after the unassignment = %v, %v; want applied", ok, err)
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -16,36 +18,36 @@ import (
 // already bound to the same user, ErrBoundToOther when it is bound to
 // another user, and ErrNotFound when the device was never provisioned.
 // Checking the claim code is the caller's job.
-func (db *DB) Bind(ctx context.Context, b Binding) (Binding, bool, error) {
+func (db *DB) Bind(ctx context.Context, b companion.Binding) (companion.Binding, bool, error) {
 	if !validID(b.DeviceID) || !validID(b.UserID) {
-		return Binding{}, false, fmt.Errorf("%w: binding needs a device id and a user id", ErrInvalid)
+		return companion.Binding{}, false, fmt.Errorf("%w: binding needs a device id and a user id", companion.ErrInvalid)
 	}
 	if b.BoundAt.IsZero() {
 		b.BoundAt = db.now()
 	}
 	var (
-		out     Binding
+		out     companion.Binding
 		created bool
 	)
 	err := db.batch(func(tx *bolt.Tx) error {
-		out, created = Binding{}, false
-		var dev RegistryDevice
+		out, created = companion.Binding{}, false
+		var dev companion.RegistryDevice
 		ok, err := getJSON(tx.Bucket(bucketDevices), []byte(b.DeviceID), &dev)
 		if err != nil {
 			return err
 		}
 		if !ok {
-			return abort(ErrNotFound)
+			return abort(companion.ErrNotFound)
 		}
 		bindings := tx.Bucket(bucketBindings)
-		var existing Binding
+		var existing companion.Binding
 		ok, err = getJSON(bindings, []byte(b.DeviceID), &existing)
 		if err != nil {
 			return err
 		}
 		if ok {
 			if existing.UserID != b.UserID {
-				return abort(ErrBoundToOther)
+				return abort(companion.ErrBoundToOther)
 			}
 			out = existing
 			return nil
@@ -62,7 +64,7 @@ func (db *DB) Bind(ctx context.Context, b Binding) (Binding, bool, error) {
 		return nil
 	})
 	if err != nil {
-		return Binding{}, false, err
+		return companion.Binding{}, false, err
 	}
 	return out, created, nil
 }
@@ -74,18 +76,18 @@ func (db *DB) Bind(ctx context.Context, b Binding) (Binding, bool, error) {
 // (it reads offline then), and Unbind returns that bridge ("" otherwise).
 func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error) {
 	if !validID(deviceID) || !validID(userID) {
-		return "", ErrNotFound
+		return "", companion.ErrNotFound
 	}
 	err = db.batch(func(tx *bolt.Tx) error {
 		unassigned = ""
 		bindings := tx.Bucket(bucketBindings)
-		var existing Binding
+		var existing companion.Binding
 		ok, err := getJSON(bindings, []byte(deviceID), &existing)
 		if err != nil {
 			return err
 		}
 		if !ok || existing.UserID != userID {
-			return abort(ErrNotFound)
+			return abort(companion.ErrNotFound)
 		}
 		if err := bindings.Delete([]byte(deviceID)); err != nil {
 			return err
@@ -107,10 +109,10 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned s
 
 // Binding returns the binding of the device, or ErrNotFound when it is not
 // bound.
-func (db *DB) Binding(ctx context.Context, deviceID string) (Binding, error) {
-	var b Binding
+func (db *DB) Binding(ctx context.Context, deviceID string) (companion.Binding, error) {
+	var b companion.Binding
 	if err := db.get(bucketBindings, []byte(deviceID), &b); err != nil {
-		return Binding{}, err
+		return companion.Binding{}, err
 	}
 	return b, nil
 }
@@ -119,10 +121,10 @@ func (db *DB) Binding(ctx context.Context, deviceID string) (Binding, error) {
 // starting after the device id `after` ("" starts at the beginning), at
 // most limit of them (limit <= 0: all). An `after` containing a NUL byte
 // is ErrInvalidCursor.
-func (db *DB) ListBindings(ctx context.Context, userID, after string, limit int) ([]Binding, error) {
-	out := make([]Binding, 0, pageCap(limit))
+func (db *DB) ListBindings(ctx context.Context, userID, after string, limit int) ([]companion.Binding, error) {
+	out := make([]companion.Binding, 0, pageCap(limit))
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		return scanBindings(tx, userID, after, limit, func(b Binding) error {
+		return scanBindings(tx, userID, after, limit, func(b companion.Binding) error {
 			out = append(out, b)
 			return nil
 		})
@@ -133,21 +135,15 @@ func (db *DB) ListBindings(ctx context.Context, userID, after string, limit int)
 	return out, nil
 }
 
-// BoundDevice is a device bound to a user, with its last reported status.
-type BoundDevice struct {
-	Binding Binding
-	Status  Status // as Status returns it: the zero Status with DeviceID set before any report
-}
-
 // ListDevices is ListBindings with each device's status, read in the same
 // transaction: a page of devices costs one read transaction rather than one
 // per device, which is what a user with many devices pays on every page.
-func (db *DB) ListDevices(ctx context.Context, userID, after string, limit int) ([]BoundDevice, error) {
-	out := make([]BoundDevice, 0, pageCap(limit))
+func (db *DB) ListDevices(ctx context.Context, userID, after string, limit int) ([]companion.BoundDevice, error) {
+	out := make([]companion.BoundDevice, 0, pageCap(limit))
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		statuses := tx.Bucket(bucketStatus).Cursor()
-		return scanBindings(tx, userID, after, limit, func(b Binding) error {
-			out = append(out, BoundDevice{Binding: b, Status: Status{DeviceID: b.DeviceID}})
+		return scanBindings(tx, userID, after, limit, func(b companion.Binding) error {
+			out = append(out, companion.BoundDevice{Binding: b, Status: companion.Status{DeviceID: b.DeviceID}})
 			_, err := seekJSON(statuses, []byte(b.DeviceID), &out[len(out)-1].Status)
 			return err
 		})
@@ -169,9 +165,9 @@ func pageCap(limit int) int {
 
 // scanBindings calls fn with the bindings of the user as ListBindings
 // selects them.
-func scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b Binding) error) error {
+func scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b companion.Binding) error) error {
 	if strings.ContainsRune(after, 0) {
-		return ErrInvalidCursor
+		return companion.ErrInvalidCursor
 	}
 	if !validID(userID) {
 		return nil
@@ -188,7 +184,7 @@ func scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b Bindin
 		if limit > 0 && n >= limit {
 			break
 		}
-		var b Binding
+		var b companion.Binding
 		ok, err := seekJSON(bindings, k[len(p):], &b)
 		if err != nil {
 			return err

@@ -8,13 +8,15 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion"
 )
 
 // provision adds devices with the model to the registry.
 func provision(tb testing.TB, db *DB, model string, ids ...string) {
 	tb.Helper()
 	for _, id := range ids {
-		mustNil(tb, "ProvisionDevice("+id+")", db.ProvisionDevice(context.Background(), RegistryDevice{ID: id, Model: model, ClaimHash: hashOf(id)}))
+		mustNil(tb, "ProvisionDevice("+id+")", db.ProvisionDevice(context.Background(), companion.RegistryDevice{ID: id, Model: model, ClaimHash: hashOf(id)}))
 	}
 }
 
@@ -27,18 +29,18 @@ func TestBind(t *testing.T) {
 
 	tests := []struct {
 		name        string
-		b           Binding
+		b           companion.Binding
 		wantCreated bool
 		wantName    string
 		wantBoundAt time.Time
 		want        error
 	}{
-		{"new binding", Binding{DeviceID: "d1", UserID: "u1", Name: "desk", Model: "ignored"}, true, "desk", clock.Now(), nil},
-		{"same user again", Binding{DeviceID: "d1", UserID: "u1", Name: "other name"}, false, "desk", clock.Now(), nil},
-		{"other user", Binding{DeviceID: "d1", UserID: "u2"}, false, "", time.Time{}, ErrBoundToOther},
-		{"not provisioned", Binding{DeviceID: "d9", UserID: "u1"}, false, "", time.Time{}, ErrNotFound},
-		{"given BoundAt", Binding{DeviceID: "d2", UserID: "u2", BoundAt: fixed}, true, "", fixed, nil},
-		{"no user", Binding{DeviceID: "d2"}, false, "", time.Time{}, ErrInvalid},
+		{"new binding", companion.Binding{DeviceID: "d1", UserID: "u1", Name: "desk", Model: "ignored"}, true, "desk", clock.Now(), nil},
+		{"same user again", companion.Binding{DeviceID: "d1", UserID: "u1", Name: "other name"}, false, "desk", clock.Now(), nil},
+		{"other user", companion.Binding{DeviceID: "d1", UserID: "u2"}, false, "", time.Time{}, companion.ErrBoundToOther},
+		{"not provisioned", companion.Binding{DeviceID: "d9", UserID: "u1"}, false, "", time.Time{}, companion.ErrNotFound},
+		{"given BoundAt", companion.Binding{DeviceID: "d2", UserID: "u2", BoundAt: fixed}, true, "", fixed, nil},
+		{"no user", companion.Binding{DeviceID: "d2"}, false, "", time.Time{}, companion.ErrInvalid},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -61,7 +63,7 @@ func TestBind(t *testing.T) {
 		t.Errorf("Binding(d1) = %+v, %v", b, err)
 	}
 	_, err = db.Binding(ctx, "d9")
-	wantErr(t, "Binding(d9)", err, ErrNotFound)
+	wantErr(t, "Binding(d9)", err, companion.ErrNotFound)
 }
 
 func TestBindConcurrentOneWinner(t *testing.T) {
@@ -79,13 +81,13 @@ func TestBindConcurrentOneWinner(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			_, c, err := db.Bind(ctx, Binding{DeviceID: "d1", UserID: fmt.Sprintf("u%d", i)})
+			_, c, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: fmt.Sprintf("u%d", i)})
 			mu.Lock()
 			defer mu.Unlock()
 			switch {
 			case c:
 				created++
-			case err == ErrBoundToOther:
+			case err == companion.ErrBoundToOther:
 				others++
 			default:
 				t.Errorf("Bind = %v, %v", c, err)
@@ -102,24 +104,24 @@ func TestUnbind(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
 	provision(t, db, "sim-1", "d1")
-	if _, _, err := db.Bind(ctx, Binding{DeviceID: "d1", UserID: "u1"}); err != nil {
+	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1"}); err != nil {
 		t.Fatal(err)
 	}
 	unbind := func(dev, user string) error {
 		_, err := db.Unbind(ctx, dev, user)
 		return err
 	}
-	wantErr(t, "Unbind(other user)", unbind("d1", "u2"), ErrNotFound)
-	wantErr(t, "Unbind(unknown device)", unbind("d9", "u1"), ErrNotFound)
+	wantErr(t, "Unbind(other user)", unbind("d1", "u2"), companion.ErrNotFound)
+	wantErr(t, "Unbind(unknown device)", unbind("d9", "u1"), companion.ErrNotFound)
 	mustNil(t, "Unbind", unbind("d1", "u1"))
-	wantErr(t, "Unbind again", unbind("d1", "u1"), ErrNotFound)
+	wantErr(t, "Unbind again", unbind("d1", "u1"), companion.ErrNotFound)
 	_, err := db.Binding(ctx, "d1")
-	wantErr(t, "Binding after Unbind", err, ErrNotFound)
+	wantErr(t, "Binding after Unbind", err, companion.ErrNotFound)
 	if bs, err := db.ListBindings(ctx, "u1", "", 0); err != nil || len(bs) != 0 {
 		t.Errorf("ListBindings after Unbind = %+v, %v; want none", bs, err)
 	}
 	// The device can be bound again, by anyone.
-	if _, created, err := db.Bind(ctx, Binding{DeviceID: "d1", UserID: "u2"}); err != nil || !created {
+	if _, created, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u2"}); err != nil || !created {
 		t.Errorf("Bind after Unbind = %v, %v; want created", created, err)
 	}
 }
@@ -139,13 +141,13 @@ func TestListBindingsPagination(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if _, _, err := db.Bind(ctx, Binding{DeviceID: id, UserID: "u1"}); err != nil {
+			if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: id, UserID: "u1"}); err != nil {
 				t.Error(err)
 			}
 		}()
 	}
 	for _, id := range []string{"dev-05x", "zzz", "a"} {
-		if _, _, err := db.Bind(ctx, Binding{DeviceID: id, UserID: "u2"}); err != nil {
+		if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: id, UserID: "u2"}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -209,7 +211,7 @@ func TestListBindingsPagination(t *testing.T) {
 		}
 	}
 	_, err := db.ListBindings(ctx, "u1", "a\x00b", 10)
-	wantErr(t, "ListBindings(bad cursor)", err, ErrInvalidCursor)
+	wantErr(t, "ListBindings(bad cursor)", err, companion.ErrInvalidCursor)
 }
 
 func TestListDevices(t *testing.T) {
@@ -217,16 +219,16 @@ func TestListDevices(t *testing.T) {
 	db := openTestDB(t)
 	provision(t, db, "sim-1", "a", "b", "c", "other")
 	for _, id := range []string{"a", "b", "c"} {
-		if _, _, err := db.Bind(ctx, Binding{DeviceID: id, UserID: "u1", Name: "name " + id}); err != nil {
+		if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: id, UserID: "u1", Name: "name " + id}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if _, _, err := db.Bind(ctx, Binding{DeviceID: "other", UserID: "u2"}); err != nil {
+	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "other", UserID: "u2"}); err != nil {
 		t.Fatal(err)
 	}
 	battery := 70
 	for _, id := range []string{"a", "c"} {
-		if _, err := db.PutStatus(ctx, Status{DeviceID: id, Online: true, Battery: &battery, Seq: 1}); err != nil {
+		if _, err := db.PutStatus(ctx, companion.Status{DeviceID: id, Online: true, Battery: &battery, Seq: 1}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -266,5 +268,5 @@ func TestListDevices(t *testing.T) {
 		}
 	}
 	_, err := db.ListDevices(ctx, "u1", "a\x00b", 10)
-	wantErr(t, "ListDevices(bad cursor)", err, ErrInvalidCursor)
+	wantErr(t, "ListDevices(bad cursor)", err, companion.ErrInvalidCursor)
 }

@@ -10,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -23,10 +25,10 @@ const tempPattern = ".tmp-*"
 // max bytes (max <= 0: no limit) is ErrTooLarge and leaves nothing behind.
 // Storing content that is already stored is fine, concurrently too; the
 // record keeps its first CreatedAt.
-func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (Blob, error) {
+func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error) {
 	tmp, err := os.CreateTemp(db.blobDir, tempPattern)
 	if err != nil {
-		return Blob{}, fmt.Errorf("store: blob temp file: %w", err)
+		return companion.Blob{}, fmt.Errorf("store: blob temp file: %w", err)
 	}
 	tmpName := tmp.Name()
 	placed := false
@@ -44,66 +46,66 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (Blob, error)
 	}
 	n, err := io.Copy(io.MultiWriter(tmp, h), src)
 	if err != nil {
-		return Blob{}, fmt.Errorf("store: write blob: %w", err)
+		return companion.Blob{}, fmt.Errorf("store: write blob: %w", err)
 	}
 	if max > 0 && n > max {
-		return Blob{}, ErrTooLarge
+		return companion.Blob{}, companion.ErrTooLarge
 	}
 	if err := tmp.Sync(); err != nil {
-		return Blob{}, fmt.Errorf("store: sync blob: %w", err)
+		return companion.Blob{}, fmt.Errorf("store: sync blob: %w", err)
 	}
 	if err := tmp.Close(); err != nil {
-		return Blob{}, fmt.Errorf("store: close blob: %w", err)
+		return companion.Blob{}, fmt.Errorf("store: close blob: %w", err)
 	}
 
 	sha := hex.EncodeToString(h.Sum(nil))
 	dir := filepath.Dir(db.blobPath(sha))
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
-			return Blob{}, fmt.Errorf("store: blob dir: %w", err)
+			return companion.Blob{}, fmt.Errorf("store: blob dir: %w", err)
 		}
 		if err := syncDir(db.blobDir); err != nil {
-			return Blob{}, err
+			return companion.Blob{}, err
 		}
 	}
 	if _, err := os.Stat(db.blobPath(sha)); err == nil {
 		// Same name, same content: keep the file already in place.
 		if err := os.Remove(tmpName); err != nil {
-			return Blob{}, fmt.Errorf("store: remove blob temp: %w", err)
+			return companion.Blob{}, fmt.Errorf("store: remove blob temp: %w", err)
 		}
 	} else if err := os.Rename(tmpName, db.blobPath(sha)); err != nil {
-		return Blob{}, fmt.Errorf("store: place blob: %w", err)
+		return companion.Blob{}, fmt.Errorf("store: place blob: %w", err)
 	}
 	placed = true
 	if err := syncDir(dir); err != nil {
-		return Blob{}, err
+		return companion.Blob{}, err
 	}
 
-	var out Blob
+	var out companion.Blob
 	err = db.batch(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketBlobs)
 		ok, err := getJSON(b, []byte(sha), &out)
 		if err != nil || ok {
 			return err
 		}
-		out = Blob{SHA256: sha, Size: n, CreatedAt: db.now()}
+		out = companion.Blob{SHA256: sha, Size: n, CreatedAt: db.now()}
 		return putJSON(b, []byte(sha), out)
 	})
 	if err != nil {
-		return Blob{}, err
+		return companion.Blob{}, err
 	}
 	return out, nil
 }
 
 // Blob returns the record of the blob with the SHA-256 (64 lower-case hex
 // digits), or ErrNotFound; a malformed digest is ErrNotFound too.
-func (db *DB) Blob(ctx context.Context, sha string) (Blob, error) {
+func (db *DB) Blob(ctx context.Context, sha string) (companion.Blob, error) {
 	if !validSHA256(sha) {
-		return Blob{}, ErrNotFound
+		return companion.Blob{}, companion.ErrNotFound
 	}
-	var b Blob
+	var b companion.Blob
 	if err := db.get(bucketBlobs, []byte(sha), &b); err != nil {
-		return Blob{}, err
+		return companion.Blob{}, err
 	}
 	return b, nil
 }
@@ -111,15 +113,15 @@ func (db *DB) Blob(ctx context.Context, sha string) (Blob, error) {
 // OpenBlob opens the file of the blob for reading; the caller closes it.
 // It returns ErrNotFound as Blob does. A recorded blob whose file is gone
 // is an error of its own, not ErrNotFound: the data directory is damaged.
-func (db *DB) OpenBlob(ctx context.Context, sha string) (*os.File, Blob, error) {
+func (db *DB) OpenBlob(ctx context.Context, sha string) (*os.File, companion.Blob, error) {
 	b, err := db.Blob(ctx, sha)
 	if err != nil {
-		return nil, Blob{}, err
+		return nil, companion.Blob{}, err
 	}
 	f, err := os.Open(db.blobPath(sha))
 	if err != nil {
 		db.log.Error("store: blob recorded but unreadable", "sha256", sha, "err", err)
-		return nil, Blob{}, fmt.Errorf("store: open blob %s: %w", sha, err)
+		return nil, companion.Blob{}, fmt.Errorf("store: open blob %s: %w", sha, err)
 	}
 	return f, b, nil
 }

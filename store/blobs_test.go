@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion"
 )
 
 func shaHex(b []byte) string {
@@ -88,8 +90,8 @@ func TestPutBlobLimits(t *testing.T) {
 		want    error
 	}{
 		{"at the limit", ctx, "12345", 5, nil},
-		{"one over", ctx, "123456", 5, ErrTooLarge},
-		{"far over", ctx, strings.Repeat("x", 1<<20), 1000, ErrTooLarge},
+		{"one over", ctx, "123456", 5, companion.ErrTooLarge},
+		{"far over", ctx, strings.Repeat("x", 1<<20), 1000, companion.ErrTooLarge},
 		{"no limit", ctx, strings.Repeat("y", 1<<20), 0, nil},
 		{"canceled", canceled, "abc", 0, context.Canceled},
 		{"reader fails", ctx, "", 0, io.ErrUnexpectedEOF},
@@ -113,7 +115,7 @@ func TestPutBlobLimits(t *testing.T) {
 				}
 				return
 			}
-			wantErr(t, "Blob(refused content)", err, ErrNotFound)
+			wantErr(t, "Blob(refused content)", err, companion.ErrNotFound)
 			if _, err := os.Stat(filepath.Join(db.BlobDir(), sha[:2], sha)); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("refused content has a file: %v", err)
 			}
@@ -167,11 +169,11 @@ func TestBlobLookups(t *testing.T) {
 		want error
 	}{
 		{"stored", b.SHA256, nil},
-		{"absent", shaHex([]byte("y")), ErrNotFound},
-		{"upper case", strings.ToUpper(b.SHA256), ErrNotFound},
-		{"short", b.SHA256[:63], ErrNotFound},
-		{"path", "../" + b.SHA256[3:], ErrNotFound},
-		{"empty", "", ErrNotFound},
+		{"absent", shaHex([]byte("y")), companion.ErrNotFound},
+		{"upper case", strings.ToUpper(b.SHA256), companion.ErrNotFound},
+		{"short", b.SHA256[:63], companion.ErrNotFound},
+		{"path", "../" + b.SHA256[3:], companion.ErrNotFound},
+		{"empty", "", companion.ErrNotFound},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -190,7 +192,7 @@ func TestBlobLookups(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, _, err = db.OpenBlob(ctx, b.SHA256)
-	if err == nil || errors.Is(err, ErrNotFound) {
+	if err == nil || errors.Is(err, companion.ErrNotFound) {
 		t.Errorf("OpenBlob(missing file) = %v; want an error other than ErrNotFound", err)
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 	"golang.org/x/mod/semver"
 )
@@ -42,16 +44,16 @@ func byVersion(a, b string) int {
 // PutFirmware publishes a firmware image. CreatedAt is set to now when
 // zero. Publishing the same model and version again with the same SHA256
 // is a no-op; with another SHA256 it is ErrExists.
-func (db *DB) PutFirmware(ctx context.Context, f Firmware) error {
+func (db *DB) PutFirmware(ctx context.Context, f companion.Firmware) error {
 	if !validID(f.Model) || !ValidVersion(f.Version) || f.SHA256 == "" {
-		return fmt.Errorf("%w: firmware needs a model, a semantic version and a digest", ErrInvalid)
+		return fmt.Errorf("%w: firmware needs a model, a semantic version and a digest", companion.ErrInvalid)
 	}
 	if f.CreatedAt.IsZero() {
 		f.CreatedAt = db.now()
 	}
 	return db.update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketFirmware)
-		var old Firmware
+		var old companion.Firmware
 		ok, err := getJSON(b, key(f.Model, f.Version), &old)
 		if err != nil {
 			return err
@@ -60,54 +62,54 @@ func (db *DB) PutFirmware(ctx context.Context, f Firmware) error {
 			if old.SHA256 == f.SHA256 {
 				return nil
 			}
-			return abort(ErrExists)
+			return abort(companion.ErrExists)
 		}
 		return putJSON(b, key(f.Model, f.Version), f)
 	})
 }
 
 // Firmware returns the firmware of the model and version, or ErrNotFound.
-func (db *DB) Firmware(ctx context.Context, model, version string) (Firmware, error) {
+func (db *DB) Firmware(ctx context.Context, model, version string) (companion.Firmware, error) {
 	if !validID(model) || !validID(version) {
-		return Firmware{}, ErrNotFound
+		return companion.Firmware{}, companion.ErrNotFound
 	}
-	var f Firmware
+	var f companion.Firmware
 	if err := db.get(bucketFirmware, key(model, version), &f); err != nil {
-		return Firmware{}, err
+		return companion.Firmware{}, err
 	}
 	return f, nil
 }
 
 // Firmwares returns the model's firmware images in ascending version
 // order; empty, not an error, when there are none.
-func (db *DB) Firmwares(ctx context.Context, model string) ([]Firmware, error) {
-	out := []Firmware{}
+func (db *DB) Firmwares(ctx context.Context, model string) ([]companion.Firmware, error) {
+	out := []companion.Firmware{}
 	if !validID(model) {
 		return out, nil
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		return scanJSON(tx.Bucket(bucketFirmware), prefix(model), func(f Firmware) { out = append(out, f) })
+		return scanJSON(tx.Bucket(bucketFirmware), prefix(model), func(f companion.Firmware) { out = append(out, f) })
 	})
 	if err != nil {
 		return nil, err
 	}
-	slices.SortFunc(out, func(a, b Firmware) int { return byVersion(a.Version, b.Version) })
+	slices.SortFunc(out, func(a, b companion.Firmware) int { return byVersion(a.Version, b.Version) })
 	return out, nil
 }
 
 // PutAppRelease publishes an app package. CreatedAt is set to now when
 // zero. Publishing the same app and version again with the same SHA256 is
 // a no-op; with another SHA256 it is ErrExists.
-func (db *DB) PutAppRelease(ctx context.Context, a AppRelease) error {
+func (db *DB) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
 	if !validID(a.AppID) || !ValidVersion(a.Version) || a.SHA256 == "" {
-		return fmt.Errorf("%w: app release needs an app id, a semantic version and a digest", ErrInvalid)
+		return fmt.Errorf("%w: app release needs an app id, a semantic version and a digest", companion.ErrInvalid)
 	}
 	if a.CreatedAt.IsZero() {
 		a.CreatedAt = db.now()
 	}
 	return db.update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketApps)
-		var old AppRelease
+		var old companion.AppRelease
 		ok, err := getJSON(b, key(a.AppID, a.Version), &old)
 		if err != nil {
 			return err
@@ -116,49 +118,49 @@ func (db *DB) PutAppRelease(ctx context.Context, a AppRelease) error {
 			if old.SHA256 == a.SHA256 {
 				return nil
 			}
-			return abort(ErrExists)
+			return abort(companion.ErrExists)
 		}
 		return putJSON(b, key(a.AppID, a.Version), a)
 	})
 }
 
 // AppRelease returns the release of the app and version, or ErrNotFound.
-func (db *DB) AppRelease(ctx context.Context, appID, version string) (AppRelease, error) {
+func (db *DB) AppRelease(ctx context.Context, appID, version string) (companion.AppRelease, error) {
 	if !validID(appID) || !validID(version) {
-		return AppRelease{}, ErrNotFound
+		return companion.AppRelease{}, companion.ErrNotFound
 	}
-	var a AppRelease
+	var a companion.AppRelease
 	if err := db.get(bucketApps, key(appID, version), &a); err != nil {
-		return AppRelease{}, err
+		return companion.AppRelease{}, err
 	}
 	return a, nil
 }
 
 // AppReleases returns the app's releases in ascending version order;
 // empty, not an error, when there are none.
-func (db *DB) AppReleases(ctx context.Context, appID string) ([]AppRelease, error) {
-	out := []AppRelease{}
+func (db *DB) AppReleases(ctx context.Context, appID string) ([]companion.AppRelease, error) {
+	out := []companion.AppRelease{}
 	if !validID(appID) {
 		return out, nil
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		return scanJSON(tx.Bucket(bucketApps), prefix(appID), func(a AppRelease) { out = append(out, a) })
+		return scanJSON(tx.Bucket(bucketApps), prefix(appID), func(a companion.AppRelease) { out = append(out, a) })
 	})
 	if err != nil {
 		return nil, err
 	}
-	slices.SortFunc(out, func(a, b AppRelease) int { return byVersion(a.Version, b.Version) })
+	slices.SortFunc(out, func(a, b companion.AppRelease) int { return byVersion(a.Version, b.Version) })
 	return out, nil
 }
 
 // LatestApps returns the highest version of every app in the catalog,
 // ordered by app id.
-func (db *DB) LatestApps(ctx context.Context) ([]AppRelease, error) {
-	out := []AppRelease{}
+func (db *DB) LatestApps(ctx context.Context) ([]companion.AppRelease, error) {
+	out := []companion.AppRelease{}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		// Keys are app id, NUL, version: all releases of an app are
 		// adjacent, and apps come in id order.
-		return scanJSON(tx.Bucket(bucketApps), nil, func(a AppRelease) {
+		return scanJSON(tx.Bucket(bucketApps), nil, func(a companion.AppRelease) {
 			if n := len(out); n > 0 && out[n-1].AppID == a.AppID {
 				if byVersion(a.Version, out[n-1].Version) > 0 {
 					out[n-1] = a

@@ -4,6 +4,8 @@ import (
 	"context"
 	"slices"
 	"testing"
+
+	"github.com/devicecompanion/companion"
 )
 
 func TestValidVersion(t *testing.T) {
@@ -40,21 +42,21 @@ func TestFirmware(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
 	for _, v := range []string{"1.9.0", "1.10.0", "1.0.0", "1.0.0-rc.1", "0.9.9"} {
-		mustNil(t, "PutFirmware("+v+")", db.PutFirmware(ctx, Firmware{Model: "sim-1", Version: v, SHA256: "sha-" + v, Size: 10}))
+		mustNil(t, "PutFirmware("+v+")", db.PutFirmware(ctx, companion.Firmware{Model: "sim-1", Version: v, SHA256: "sha-" + v, Size: 10}))
 	}
-	mustNil(t, "PutFirmware(other model)", db.PutFirmware(ctx, Firmware{Model: "sim-10", Version: "9.0.0", SHA256: "x"}))
+	mustNil(t, "PutFirmware(other model)", db.PutFirmware(ctx, companion.Firmware{Model: "sim-10", Version: "9.0.0", SHA256: "x"}))
 
 	tests := []struct {
 		name string
-		f    Firmware
+		f    companion.Firmware
 		want error
 	}{
-		{"same sha again", Firmware{Model: "sim-1", Version: "1.9.0", SHA256: "sha-1.9.0"}, nil},
-		{"other sha", Firmware{Model: "sim-1", Version: "1.9.0", SHA256: "other"}, ErrExists},
-		{"shorthand version", Firmware{Model: "sim-1", Version: "1.2", SHA256: "a"}, ErrInvalid},
-		{"leading v", Firmware{Model: "sim-1", Version: "v1.2.0", SHA256: "a"}, ErrInvalid},
-		{"no model", Firmware{Version: "1.2.0", SHA256: "a"}, ErrInvalid},
-		{"no sha", Firmware{Model: "sim-1", Version: "1.2.0"}, ErrInvalid},
+		{"same sha again", companion.Firmware{Model: "sim-1", Version: "1.9.0", SHA256: "sha-1.9.0"}, nil},
+		{"other sha", companion.Firmware{Model: "sim-1", Version: "1.9.0", SHA256: "other"}, companion.ErrExists},
+		{"shorthand version", companion.Firmware{Model: "sim-1", Version: "1.2", SHA256: "a"}, companion.ErrInvalid},
+		{"leading v", companion.Firmware{Model: "sim-1", Version: "v1.2.0", SHA256: "a"}, companion.ErrInvalid},
+		{"no model", companion.Firmware{Version: "1.2.0", SHA256: "a"}, companion.ErrInvalid},
+		{"no sha", companion.Firmware{Model: "sim-1", Version: "1.2.0"}, companion.ErrInvalid},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -77,7 +79,7 @@ func TestFirmware(t *testing.T) {
 		t.Errorf("Firmware(sim-1, 1.10.0) = %+v, %v", f, err)
 	}
 	_, err = db.Firmware(ctx, "sim-1", "2.0.0")
-	wantErr(t, "Firmware(absent)", err, ErrNotFound)
+	wantErr(t, "Firmware(absent)", err, companion.ErrNotFound)
 	if got, err := db.Firmwares(ctx, "nope"); err != nil || len(got) != 0 {
 		t.Errorf("Firmwares(nope) = %v, %v; want none", got, err)
 	}
@@ -93,12 +95,12 @@ func TestAppReleases(t *testing.T) {
 	}
 	for app, vs := range releases {
 		for _, v := range vs {
-			mustNil(t, "PutAppRelease", db.PutAppRelease(ctx, AppRelease{AppID: app, Version: v, SHA256: app + v, Size: 1}))
+			mustNil(t, "PutAppRelease", db.PutAppRelease(ctx, companion.AppRelease{AppID: app, Version: v, SHA256: app + v, Size: 1}))
 		}
 	}
-	mustNil(t, "PutAppRelease(again)", db.PutAppRelease(ctx, AppRelease{AppID: "clock", Version: "1.0.0", SHA256: "clock1.0.0"}))
-	wantErr(t, "PutAppRelease(other sha)", db.PutAppRelease(ctx, AppRelease{AppID: "clock", Version: "1.0.0", SHA256: "x"}), ErrExists)
-	wantErr(t, "PutAppRelease(bad version)", db.PutAppRelease(ctx, AppRelease{AppID: "clock", Version: "latest", SHA256: "x"}), ErrInvalid)
+	mustNil(t, "PutAppRelease(again)", db.PutAppRelease(ctx, companion.AppRelease{AppID: "clock", Version: "1.0.0", SHA256: "clock1.0.0"}))
+	wantErr(t, "PutAppRelease(other sha)", db.PutAppRelease(ctx, companion.AppRelease{AppID: "clock", Version: "1.0.0", SHA256: "x"}), companion.ErrExists)
+	wantErr(t, "PutAppRelease(bad version)", db.PutAppRelease(ctx, companion.AppRelease{AppID: "clock", Version: "latest", SHA256: "x"}), companion.ErrInvalid)
 
 	tests := []struct {
 		app  string
@@ -138,5 +140,5 @@ func TestAppReleases(t *testing.T) {
 		t.Errorf("AppRelease(weather, 1.0.0-beta) = %+v, %v", a, err)
 	}
 	_, err = db.AppRelease(ctx, "weather", "9.9.9")
-	wantErr(t, "AppRelease(absent)", err, ErrNotFound)
+	wantErr(t, "AppRelease(absent)", err, companion.ErrNotFound)
 }

@@ -8,31 +8,11 @@ import (
 	"slices"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
 )
-
-// Command states. The last four are final: a command in one of them never
-// changes again.
-const (
-	StateQueued     = "queued"
-	StateSent       = "sent"
-	StateDelivered  = "delivered"
-	StateInProgress = "in_progress"
-	StateSucceeded  = "succeeded"
-	StateFailed     = "failed"
-	StateExpired    = "expired"
-	StateCanceled   = "canceled"
-)
-
-// IsFinal reports whether state is one of the final states.
-func IsFinal(state string) bool {
-	switch state {
-	case StateSucceeded, StateFailed, StateExpired, StateCanceled:
-		return true
-	}
-	return false
-}
 
 // IdempotencyTTL is how long an idempotency record answers repeats.
 const IdempotencyTTL = 24 * time.Hour
@@ -50,14 +30,14 @@ const IdempotencyTTL = 24 * time.Hour
 //
 // Writers are grouped (see batch): the command is on disk when
 // CreateCommand returns nil.
-func (db *DB) CreateCommand(ctx context.Context, c Command, maxOpen int, idem *Idempotency) (cmd Command, replay bool, err error) {
+func (db *DB) CreateCommand(ctx context.Context, c companion.Command, maxOpen int, idem *companion.Idempotency) (cmd companion.Command, replay bool, err error) {
 	type result struct {
-		cmd    Command
+		cmd    companion.Command
 		replay bool
 		err    error
 	}
 	ch := make(chan result, 1)
-	db.CreateCommandAsync(c, maxOpen, idem, func(cmd Command, replay bool, err error) { ch <- result{cmd, replay, err} })
+	db.CreateCommandAsync(c, maxOpen, idem, func(cmd companion.Command, replay bool, err error) { ch <- result{cmd, replay, err} })
 	r := <-ch
 	return r.cmd, r.replay, r.err
 }
@@ -67,15 +47,15 @@ func (db *DB) CreateCommand(ctx context.Context, c Command, maxOpen int, idem *I
 // writes run one at a time in commit order, so the commands of one device
 // reach their callbacks in the order of their ids. done must be quick and
 // must not wait for another write of the store.
-func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done func(cmd Command, replay bool, err error)) {
+func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *companion.Idempotency, done func(cmd companion.Command, replay bool, err error)) {
 	if !validID(c.DeviceID) {
-		done(Command{}, false, fmt.Errorf("%w: command needs a device id", ErrInvalid))
+		done(companion.Command{}, false, fmt.Errorf("%w: command needs a device id", companion.ErrInvalid))
 		return
 	}
-	var rec Idempotency
+	var rec companion.Idempotency
 	if idem != nil {
 		if !validID(idem.UserID) || !validID(idem.Key) {
-			done(Command{}, false, fmt.Errorf("%w: idempotency needs a user id and a key", ErrInvalid))
+			done(companion.Command{}, false, fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid))
 			return
 		}
 		rec = *idem
@@ -85,29 +65,29 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 	c.Payload = cloneRaw(c.Payload)
 	c.Result = cloneRaw(c.Result)
 	var (
-		cmd    Command
+		cmd    companion.Command
 		replay bool
 	)
 	db.batchAsync(func(tx *bolt.Tx) error {
-		cmd, replay = Command{}, false
+		cmd, replay = companion.Command{}, false
 		now := db.now()
 		idemB := tx.Bucket(bucketIdempotency)
 		if idem != nil {
-			var old Idempotency
+			var old companion.Idempotency
 			ok, err := getJSON(idemB, idemKey(rec.UserID, rec.Key), &old)
 			if err != nil {
 				return err
 			}
 			if ok && live(old, now) {
 				if !bytes.Equal(old.RequestHash, rec.RequestHash) || old.CommandID == "" {
-					return abort(ErrIdemConflict)
+					return abort(companion.ErrIdemConflict)
 				}
 				found, err := getJSON(tx.Bucket(bucketCommands), []byte(old.CommandID), &cmd)
 				if err != nil {
 					return err
 				}
 				if !found {
-					return abort(fmt.Errorf("store: idempotency record names missing command %s: %w", old.CommandID, ErrNotFound))
+					return abort(fmt.Errorf("store: idempotency record names missing command %s: %w", old.CommandID, companion.ErrNotFound))
 				}
 				replay = true
 				return nil
@@ -118,7 +98,7 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 			return err
 		}
 		if full {
-			return abort(ErrQueueFull)
+			return abort(companion.ErrQueueFull)
 		}
 		id, err := uuid.NewV7()
 		if err != nil {
@@ -126,7 +106,7 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 		}
 		nc := c
 		nc.ID = id.String()
-		nc.State = StateQueued
+		nc.State = companion.StateQueued
 		nc.CreatedAt, nc.UpdatedAt = now, now
 		if err := putJSON(tx.Bucket(bucketCommands), []byte(nc.ID), nc); err != nil {
 			return err
@@ -137,7 +117,7 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 		if err := tx.Bucket(bucketOpen).Put([]byte(nc.ID), []byte(nc.DeviceID)); err != nil {
 			return err
 		}
-		if err := indexCommand(tx, Command{}, nc); err != nil {
+		if err := indexCommand(tx, companion.Command{}, nc); err != nil {
 			return err
 		}
 		if nc.Blob != "" {
@@ -159,7 +139,7 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 		return nil
 	}, func(err error) {
 		if err != nil {
-			done(Command{}, false, err)
+			done(companion.Command{}, false, err)
 			return
 		}
 		// cmd may share Payload and Result with the copies made above;
@@ -171,10 +151,10 @@ func (db *DB) CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done
 }
 
 // Command returns the command with the id, or ErrNotFound.
-func (db *DB) Command(ctx context.Context, id string) (Command, error) {
-	var c Command
+func (db *DB) Command(ctx context.Context, id string) (companion.Command, error) {
+	var c companion.Command
 	if err := db.get(bucketCommands, []byte(id), &c); err != nil {
-		return Command{}, err
+		return companion.Command{}, err
 	}
 	return c, nil
 }
@@ -189,13 +169,13 @@ func (db *DB) Command(ctx context.Context, id string) (Command, error) {
 // fn runs inside the write transaction (grouped with others, see batch)
 // and may run more than once: it must only change the command it is given,
 // and must not call the store.
-func (db *DB) UpdateCommand(ctx context.Context, id string, fn func(*Command) error) (Command, error) {
+func (db *DB) UpdateCommand(ctx context.Context, id string, fn func(*companion.Command) error) (companion.Command, error) {
 	type result struct {
-		cmd Command
+		cmd companion.Command
 		err error
 	}
 	ch := make(chan result, 1)
-	db.UpdateCommandAsync(id, fn, func(c Command, err error) { ch <- result{c, err} })
+	db.UpdateCommandAsync(id, fn, func(c companion.Command, err error) { ch <- result{c, err} })
 	r := <-ch
 	return r.cmd, r.err
 }
@@ -204,16 +184,16 @@ func (db *DB) UpdateCommand(ctx context.Context, id string, fn func(*Command) er
 // gets its results once the change is on disk. The done callbacks of the
 // store's writes run one at a time in the order the writes were queued;
 // done must be quick and must not wait for another write of the store.
-func (db *DB) UpdateCommandAsync(id string, fn func(*Command) error, done func(Command, error)) {
+func (db *DB) UpdateCommandAsync(id string, fn func(*companion.Command) error, done func(companion.Command, error)) {
 	if done == nil {
-		done = func(Command, error) {}
+		done = func(companion.Command, error) {}
 	}
 	if id == "" {
-		done(Command{}, ErrNotFound)
+		done(companion.Command{}, companion.ErrNotFound)
 		return
 	}
 	var (
-		out   Command
+		out   companion.Command
 		final bool
 	)
 	db.batchAsync(func(tx *bolt.Tx) error {
@@ -223,9 +203,9 @@ func (db *DB) UpdateCommandAsync(id string, fn func(*Command) error, done func(C
 	}, func(err error) {
 		switch {
 		case err != nil:
-			done(Command{}, err)
+			done(companion.Command{}, err)
 		case final:
-			done(out, ErrFinal)
+			done(out, companion.ErrFinal)
 		default:
 			done(out, nil)
 		}
@@ -235,60 +215,45 @@ func (db *DB) UpdateCommandAsync(id string, fn func(*Command) error, done func(C
 // updateCommand is UpdateCommand inside a write transaction: it returns
 // the command as stored, and final true (and no change) when it was final
 // already. fn's error is returned wrapped by abort.
-func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*Command) error) (Command, bool, error) {
+func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*companion.Command) error) (companion.Command, bool, error) {
 	cmds := tx.Bucket(bucketCommands)
-	var nc Command
+	var nc companion.Command
 	ok, err := getJSON(cmds, []byte(id), &nc)
 	if err != nil {
-		return Command{}, false, err
+		return companion.Command{}, false, err
 	}
 	if !ok {
-		return Command{}, false, abort(ErrNotFound)
+		return companion.Command{}, false, abort(companion.ErrNotFound)
 	}
-	if IsFinal(nc.State) {
+	if companion.IsFinal(nc.State) {
 		return nc, true, nil
 	}
 	old := nc
 	if err := fn(&nc); err != nil {
-		return Command{}, false, abort(err)
+		return companion.Command{}, false, abort(err)
 	}
 	nc.ID, nc.DeviceID, nc.CreatedAt = old.ID, old.DeviceID, old.CreatedAt
 	if err := indexCommand(tx, old, nc); err != nil {
-		return Command{}, false, err
+		return companion.Command{}, false, err
 	}
 	nc.UpdatedAt = db.now()
 	if err := putJSON(cmds, []byte(id), nc); err != nil {
-		return Command{}, false, err
+		return companion.Command{}, false, err
 	}
-	if IsFinal(nc.State) {
+	if companion.IsFinal(nc.State) {
 		if err := tx.Bucket(bucketOpen).Delete([]byte(id)); err != nil {
-			return Command{}, false, err
+			return companion.Command{}, false, err
 		}
 		if _, err := addOpen(tx.Bucket(bucketOpenCount), []byte(nc.DeviceID), -1, 0); err != nil {
-			return Command{}, false, err
+			return companion.Command{}, false, err
 		}
 		if nc.Blob != "" {
 			if err := tx.Bucket(bucketBlobRefs).Delete(key(nc.Blob, nc.ID)); err != nil {
-				return Command{}, false, err
+				return companion.Command{}, false, err
 			}
 		}
 	}
 	return nc, false, nil
-}
-
-// CommandQuery selects the commands of one device that ListCommands
-// returns. The zero value of each field but DeviceID selects everything.
-type CommandQuery struct {
-	DeviceID string
-	// UserID keeps only the commands this user sent ("" keeps every
-	// user's): a device keeps its history across owners, and each owner
-	// sees their own.
-	UserID string
-	State  string // only commands in this state ("" for every state)
-	// Before starts the list below this command id, the last of the
-	// previous page ("" starts at the newest).
-	Before string
-	Limit  int // at most this many (<= 0: all)
 }
 
 // ListCommands returns the commands q selects, newest first. It filters
@@ -296,11 +261,11 @@ type CommandQuery struct {
 // whenever that many are left, and more is true exactly when commands that
 // q selects follow the last one returned. A Before that is not a command
 // id is ErrInvalidCursor.
-func (db *DB) ListCommands(ctx context.Context, q CommandQuery) (page []Command, more bool, err error) {
+func (db *DB) ListCommands(ctx context.Context, q companion.CommandQuery) (page []companion.Command, more bool, err error) {
 	if q.Before != "" && !validCommandID(q.Before) {
-		return nil, false, ErrInvalidCursor
+		return nil, false, companion.ErrInvalidCursor
 	}
-	out := make([]Command, 0, pageCap(q.Limit))
+	out := make([]companion.Command, 0, pageCap(q.Limit))
 	if !validID(q.DeviceID) {
 		return out, false, nil
 	}
@@ -321,7 +286,7 @@ func (db *DB) ListCommands(ctx context.Context, q CommandQuery) (page []Command,
 			k, _ = c.Prev()
 		}
 		for ; k != nil && bytes.HasPrefix(k, p); k, _ = c.Prev() {
-			var cmd Command
+			var cmd companion.Command
 			ok, err := seekJSON(cmds, k[len(p):], &cmd)
 			if err != nil {
 				return err
@@ -345,14 +310,14 @@ func (db *DB) ListCommands(ctx context.Context, q CommandQuery) (page []Command,
 
 // indexCommand moves a command from the queued and expiry indexes it was in
 // as old (the zero Command for a new one) to those it belongs in as c.
-func indexCommand(tx *bolt.Tx, old, c Command) error {
+func indexCommand(tx *bolt.Tx, old, c companion.Command) error {
 	queued, expiry := tx.Bucket(bucketQueued), tx.Bucket(bucketExpiry)
-	if old.State == StateQueued && c.State != StateQueued {
+	if old.State == companion.StateQueued && c.State != companion.StateQueued {
 		if err := queued.Delete([]byte(c.ID)); err != nil {
 			return err
 		}
 	}
-	if old.State != StateQueued && c.State == StateQueued {
+	if old.State != companion.StateQueued && c.State == companion.StateQueued {
 		if err := queued.Put([]byte(c.ID), []byte(c.DeviceID)); err != nil {
 			return err
 		}
@@ -373,23 +338,23 @@ func indexCommand(tx *bolt.Tx, old, c Command) error {
 
 // expiring reports whether a command in state s may still expire: the
 // bridge does not have it yet.
-func expiring(s string) bool { return s == StateQueued || s == StateSent }
+func expiring(s string) bool { return s == companion.StateQueued || s == companion.StateSent }
 
-func expiryKey(c Command) []byte {
+func expiryKey(c companion.Command) []byte {
 	k := binary.BigEndian.AppendUint64(make([]byte, 0, 8+len(c.ID)), uint64(max(c.ExpiresAt.UnixNano(), 0)))
 	return append(k, c.ID...)
 }
 
 // ExpiredCommands returns the commands still queued or sent whose
 // ExpiresAt is before now, soonest first. It reads only those.
-func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]Command, error) {
-	out := []Command{}
+func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error) {
+	out := []companion.Command{}
 	end := binary.BigEndian.AppendUint64(nil, uint64(max(now.UnixNano(), 0)))
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		cmds := tx.Bucket(bucketCommands)
 		c := tx.Bucket(bucketExpiry).Cursor()
 		for k, _ := c.First(); k != nil && bytes.Compare(k[:8], end) < 0; k, _ = c.Next() {
-			var cmd Command
+			var cmd companion.Command
 			ok, err := getJSON(cmds, k[8:], &cmd)
 			if err != nil {
 				return err
@@ -409,17 +374,17 @@ func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]Command, er
 // OpenCommands returns the non-final commands whose state is one of states
 // (every non-final command when none is given), oldest first. Asking for
 // queued commands alone reads only those.
-func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]Command, error) {
+func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]companion.Command, error) {
 	index := bucketOpen
-	if len(states) == 1 && states[0] == StateQueued {
+	if len(states) == 1 && states[0] == companion.StateQueued {
 		index = bucketQueued
 	}
-	out := []Command{}
+	out := []companion.Command{}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		cmds := tx.Bucket(bucketCommands)
 		c := tx.Bucket(index).Cursor()
 		for k, _ := c.First(); k != nil; k, _ = c.Next() {
-			var cmd Command
+			var cmd companion.Command
 			ok, err := getJSON(cmds, k, &cmd)
 			if err != nil {
 				return err

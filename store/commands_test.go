@@ -10,16 +10,18 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/google/uuid"
 )
 
 // newCmd is a command for the device as the broker would submit it.
-func newCmd(dev string) Command {
-	return Command{DeviceID: dev, UserID: "u1", Op: "push.text", Payload: raw(`{"text":"hi"}`)}
+func newCmd(dev string) companion.Command {
+	return companion.Command{DeviceID: dev, UserID: "u1", Op: "push.text", Payload: raw(`{"text":"hi"}`)}
 }
 
 // create stores a command or fails the test.
-func create(tb testing.TB, db *DB, c Command) Command {
+func create(tb testing.TB, db *DB, c companion.Command) companion.Command {
 	tb.Helper()
 	got, _, err := db.CreateCommand(context.Background(), c, 0, nil)
 	if err != nil {
@@ -29,9 +31,9 @@ func create(tb testing.TB, db *DB, c Command) Command {
 }
 
 // setState moves a command to state or fails the test.
-func setState(tb testing.TB, db *DB, id, state string) Command {
+func setState(tb testing.TB, db *DB, id, state string) companion.Command {
 	tb.Helper()
-	c, err := db.UpdateCommand(context.Background(), id, func(c *Command) error {
+	c, err := db.UpdateCommand(context.Background(), id, func(c *companion.Command) error {
 		c.State = state
 		return nil
 	})
@@ -41,7 +43,7 @@ func setState(tb testing.TB, db *DB, id, state string) Command {
 	return c
 }
 
-func ids(cs []Command) []string {
+func ids(cs []companion.Command) []string {
 	out := make([]string, len(cs))
 	for i, c := range cs {
 		out[i] = c.ID
@@ -64,7 +66,7 @@ func TestCreateCommand(t *testing.T) {
 	if err != nil || u.Version() != 7 || u.String() != c.ID {
 		t.Errorf("id %q is not a canonical UUIDv7 (%v)", c.ID, err)
 	}
-	if c.State != StateQueued || !c.CreatedAt.Equal(clock.Now()) || !c.UpdatedAt.Equal(clock.Now()) || !c.ExpiresAt.Equal(in.ExpiresAt) {
+	if c.State != companion.StateQueued || !c.CreatedAt.Equal(clock.Now()) || !c.UpdatedAt.Equal(clock.Now()) || !c.ExpiresAt.Equal(in.ExpiresAt) {
 		t.Errorf("CreateCommand = %+v", c)
 	}
 	in.Payload[2] = 'X' // the caller's slice is not the store's
@@ -73,9 +75,9 @@ func TestCreateCommand(t *testing.T) {
 		t.Errorf("Command(%s) = %+v, %v", c.ID, got, err)
 	}
 	_, err = db.Command(ctx, uuid.NewString())
-	wantErr(t, "Command(unknown)", err, ErrNotFound)
-	_, _, err = db.CreateCommand(ctx, Command{}, 0, nil)
-	wantErr(t, "CreateCommand(no device)", err, ErrInvalid)
+	wantErr(t, "Command(unknown)", err, companion.ErrNotFound)
+	_, _, err = db.CreateCommand(ctx, companion.Command{}, 0, nil)
+	wantErr(t, "CreateCommand(no device)", err, companion.ErrInvalid)
 }
 
 func TestCreateCommandConcurrentIDsIncrease(t *testing.T) {
@@ -133,7 +135,7 @@ func TestCreateCommandQueueFull(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
 	const maxOpen = 3
-	var made []Command
+	var made []companion.Command
 	for i := range maxOpen {
 		c, _, err := db.CreateCommand(ctx, newCmd("d1"), maxOpen, nil)
 		if err != nil {
@@ -142,7 +144,7 @@ func TestCreateCommandQueueFull(t *testing.T) {
 		made = append(made, c)
 	}
 	_, _, err := db.CreateCommand(ctx, newCmd("d1"), maxOpen, nil)
-	wantErr(t, "CreateCommand over maxOpen", err, ErrQueueFull)
+	wantErr(t, "CreateCommand over maxOpen", err, companion.ErrQueueFull)
 	// Another device has its own queue; no limit means none.
 	if _, _, err := db.CreateCommand(ctx, newCmd("d2"), maxOpen, nil); err != nil {
 		t.Errorf("CreateCommand(d2) = %v", err)
@@ -159,7 +161,7 @@ func TestCreateCommandQueueFull(t *testing.T) {
 		state string
 		want  int
 	}{
-		{StateSent, 4}, {StateDelivered, 4}, {StateInProgress, 4}, {StateSucceeded, 3},
+		{companion.StateSent, 4}, {companion.StateDelivered, 4}, {companion.StateInProgress, 4}, {companion.StateSucceeded, 3},
 	}
 	for _, st := range steps {
 		setState(t, db, made[0].ID, st.state)
@@ -167,7 +169,7 @@ func TestCreateCommandQueueFull(t *testing.T) {
 			t.Errorf("CountOpen after %s = %d, %v; want %d", st.state, n, err, st.want)
 		}
 	}
-	for i, final := range []string{StateFailed, StateCanceled} {
+	for i, final := range []string{companion.StateFailed, companion.StateCanceled} {
 		setState(t, db, made[i+1].ID, final)
 	}
 	if n, _ := db.CountOpen(ctx, "d1"); n != 1 {
@@ -192,7 +194,7 @@ func TestCreateCommandQueueFullConcurrent(t *testing.T) {
 			switch {
 			case err == nil:
 				ok.Add(1)
-			case errors.Is(err, ErrQueueFull):
+			case errors.Is(err, companion.ErrQueueFull):
 				full.Add(1)
 			default:
 				t.Error(err)
@@ -209,8 +211,8 @@ func TestCreateCommandIdempotency(t *testing.T) {
 	ctx := context.Background()
 	clock := newFakeClock()
 	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
-	idem := func(key, body string) *Idempotency {
-		return &Idempotency{UserID: "u1", Key: key, RequestHash: hashOf(body), Status: 202}
+	idem := func(key, body string) *companion.Idempotency {
+		return &companion.Idempotency{UserID: "u1", Key: key, RequestHash: hashOf(body), Status: 202}
 	}
 
 	first, replay, err := db.CreateCommand(ctx, newCmd("d1"), 0, idem("k1", "a"))
@@ -232,7 +234,7 @@ func TestCreateCommandIdempotency(t *testing.T) {
 		want       error
 	}{
 		{"same key and body", "u1", "k1", "a", true, true, nil},
-		{"same key, other body", "u1", "k1", "b", false, false, ErrIdemConflict},
+		{"same key, other body", "u1", "k1", "b", false, false, companion.ErrIdemConflict},
 		{"other key", "u1", "k2", "a", false, false, nil},
 		{"other user, same key", "u2", "k1", "b", false, false, nil},
 	}
@@ -253,9 +255,9 @@ func TestCreateCommandIdempotency(t *testing.T) {
 
 	// A replay also works once the command has moved on, and a full queue
 	// does not stop it: the answer is the stored one.
-	setState(t, db, first.ID, StateSucceeded)
+	setState(t, db, first.ID, companion.StateSucceeded)
 	c, replay, err := db.CreateCommand(ctx, newCmd("d1"), 1, idem("k1", "a"))
-	if err != nil || !replay || c.State != StateSucceeded {
+	if err != nil || !replay || c.State != companion.StateSucceeded {
 		t.Errorf("replay after success = %+v, %v, %v", c, replay, err)
 	}
 
@@ -277,8 +279,8 @@ func TestUpdateCommand(t *testing.T) {
 	c := create(t, db, newCmd("d1"))
 
 	clock.Advance(time.Second)
-	got, err := db.UpdateCommand(ctx, c.ID, func(c *Command) error {
-		c.State = StateInProgress
+	got, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+		c.State = companion.StateInProgress
 		c.Progress = intp(40)
 		c.ID, c.DeviceID = "changed", "d2" // not allowed to stick
 		return nil
@@ -286,29 +288,29 @@ func TestUpdateCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.ID != c.ID || got.DeviceID != "d1" || got.State != StateInProgress || *got.Progress != 40 ||
+	if got.ID != c.ID || got.DeviceID != "d1" || got.State != companion.StateInProgress || *got.Progress != 40 ||
 		!got.UpdatedAt.Equal(clock.Now()) || !got.CreatedAt.Equal(c.CreatedAt) {
 		t.Errorf("UpdateCommand = %+v", got)
 	}
 
 	// An error from fn writes nothing.
 	boom := errors.New("boom")
-	_, err = db.UpdateCommand(ctx, c.ID, func(c *Command) error {
-		c.State = StateFailed
+	_, err = db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+		c.State = companion.StateFailed
 		return boom
 	})
 	wantErr(t, "UpdateCommand(fn fails)", err, boom)
-	if got, _ := db.Command(ctx, c.ID); got.State != StateInProgress {
+	if got, _ := db.Command(ctx, c.ID); got.State != companion.StateInProgress {
 		t.Errorf("state after failed fn = %s; want in_progress", got.State)
 	}
 
-	_, err = db.UpdateCommand(ctx, uuid.NewString(), func(*Command) error { return nil })
-	wantErr(t, "UpdateCommand(unknown)", err, ErrNotFound)
+	_, err = db.UpdateCommand(ctx, uuid.NewString(), func(*companion.Command) error { return nil })
+	wantErr(t, "UpdateCommand(unknown)", err, companion.ErrNotFound)
 
 	clock.Advance(time.Second)
-	final, err := db.UpdateCommand(ctx, c.ID, func(c *Command) error {
-		c.State = StateFailed
-		c.Error = &CommandError{Code: "device_error", Message: "no"}
+	final, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+		c.State = companion.StateFailed
+		c.Error = &companion.CommandError{Code: "device_error", Message: "no"}
 		c.Result = raw(`{"x":1}`)
 		return nil
 	})
@@ -316,16 +318,16 @@ func TestUpdateCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 	called := false
-	again, err := db.UpdateCommand(ctx, c.ID, func(c *Command) error {
+	again, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
 		called = true
-		c.State = StateSucceeded
+		c.State = companion.StateSucceeded
 		return nil
 	})
-	wantErr(t, "UpdateCommand(final)", err, ErrFinal)
+	wantErr(t, "UpdateCommand(final)", err, companion.ErrFinal)
 	if called {
 		t.Error("UpdateCommand called fn on a final command")
 	}
-	if again.State != StateFailed || again.Error == nil || again.Error.Code != "device_error" ||
+	if again.State != companion.StateFailed || again.Error == nil || again.Error.Code != "device_error" ||
 		string(again.Result) != `{"x":1}` || !again.UpdatedAt.Equal(final.UpdatedAt) {
 		t.Errorf("UpdateCommand(final) = %+v; want the stored command", again)
 	}
@@ -348,9 +350,9 @@ func TestListCommands(t *testing.T) {
 	for i, id := range made {
 		switch i % 3 {
 		case 1:
-			setState(t, db, id, StateSent)
+			setState(t, db, id, companion.StateSent)
 		case 2:
-			setState(t, db, id, StateSucceeded)
+			setState(t, db, id, companion.StateSucceeded)
 		}
 	}
 	newest := slices.Clone(made)
@@ -378,16 +380,16 @@ func TestListCommands(t *testing.T) {
 		{"last page", "", newest[9], 5, newest[10:], false},
 		{"last page, exactly full", "", newest[7], 4, newest[8:], false},
 		{"before oldest", "", made[0], 5, nil, false},
-		{"queued", StateQueued, "", 0, pick(func(i int) bool { return i%3 == 0 }), false},
-		{"sent, paged", StateSent, made[10], 2, []string{made[7], made[4]}, true},
-		{"sent, last page exactly full", StateSent, made[7], 2, []string{made[4], made[1]}, false},
-		{"succeeded", StateSucceeded, "", 100, pick(func(i int) bool { return i%3 == 2 }), false},
+		{"queued", companion.StateQueued, "", 0, pick(func(i int) bool { return i%3 == 0 }), false},
+		{"sent, paged", companion.StateSent, made[10], 2, []string{made[7], made[4]}, true},
+		{"sent, last page exactly full", companion.StateSent, made[7], 2, []string{made[4], made[1]}, false},
+		{"succeeded", companion.StateSucceeded, "", 100, pick(func(i int) bool { return i%3 == 2 }), false},
 		{"no such state", "nope", "", 0, nil, false},
 		{"another user's", "", "", 5, nil, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			q := CommandQuery{DeviceID: "dev-1", UserID: "u1", State: tt.state, Before: tt.before, Limit: tt.limit}
+			q := companion.CommandQuery{DeviceID: "dev-1", UserID: "u1", State: tt.state, Before: tt.before, Limit: tt.limit}
 			if tt.name == "another user's" {
 				q.UserID = "u2"
 			}
@@ -410,7 +412,7 @@ func TestListCommands(t *testing.T) {
 	var walked []string
 	before := ""
 	for {
-		page, more, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-1", Before: before, Limit: 4})
+		page, more, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "dev-1", Before: before, Limit: 4})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -425,10 +427,10 @@ func TestListCommands(t *testing.T) {
 	}
 
 	for _, bad := range []string{"x", "{" + made[0] + "}", "urn:uuid:" + made[0]} {
-		_, _, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-1", Before: bad, Limit: 5})
-		wantErr(t, fmt.Sprintf("ListCommands(before %q)", bad), err, ErrInvalidCursor)
+		_, _, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "dev-1", Before: bad, Limit: 5})
+		wantErr(t, fmt.Sprintf("ListCommands(before %q)", bad), err, companion.ErrInvalidCursor)
 	}
-	if got, more, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-9", Limit: 5}); err != nil || len(got) != 0 || more {
+	if got, more, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "dev-9", Limit: 5}); err != nil || len(got) != 0 || more {
 		t.Errorf("ListCommands(dev-9) = %v, %v, %v; want none", got, more, err)
 	}
 }
@@ -464,7 +466,7 @@ func TestListCommandsOfOneOwner(t *testing.T) {
 			var pages [][]string
 			before := ""
 			for {
-				page, more, err := db.ListCommands(ctx, CommandQuery{DeviceID: "dev-1", UserID: user, Before: before, Limit: limit})
+				page, more, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "dev-1", UserID: user, Before: before, Limit: limit})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -502,18 +504,18 @@ func TestOpenCommands(t *testing.T) {
 	b := create(t, db, newCmd("d2"))
 	c := create(t, db, newCmd("d1"))
 	d := create(t, db, newCmd("d3"))
-	setState(t, db, b.ID, StateSent)
-	setState(t, db, c.ID, StateDelivered)
-	setState(t, db, d.ID, StateExpired)
+	setState(t, db, b.ID, companion.StateSent)
+	setState(t, db, c.ID, companion.StateDelivered)
+	setState(t, db, d.ID, companion.StateExpired)
 
 	tests := []struct {
 		states []string
 		want   []string
 	}{
 		{nil, []string{a.ID, b.ID, c.ID}},
-		{[]string{StateQueued}, []string{a.ID}},
-		{[]string{StateQueued, StateSent}, []string{a.ID, b.ID}},
-		{[]string{StateExpired}, nil},
+		{[]string{companion.StateQueued}, []string{a.ID}},
+		{[]string{companion.StateQueued, companion.StateSent}, []string{a.ID, b.ID}},
+		{[]string{companion.StateExpired}, nil},
 	}
 	for _, tt := range tests {
 		got, err := db.OpenCommands(ctx, tt.states...)
@@ -528,10 +530,10 @@ func TestOpenCommands(t *testing.T) {
 
 func TestIsFinal(t *testing.T) {
 	for state, want := range map[string]bool{
-		StateQueued: false, StateSent: false, StateDelivered: false, StateInProgress: false,
-		StateSucceeded: true, StateFailed: true, StateExpired: true, StateCanceled: true,
+		companion.StateQueued: false, companion.StateSent: false, companion.StateDelivered: false, companion.StateInProgress: false,
+		companion.StateSucceeded: true, companion.StateFailed: true, companion.StateExpired: true, companion.StateCanceled: true,
 	} {
-		if got := IsFinal(state); got != want {
+		if got := companion.IsFinal(state); got != want {
 			t.Errorf("IsFinal(%q) = %v; want %v", state, got, want)
 		}
 	}

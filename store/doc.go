@@ -3,8 +3,9 @@
 //
 // Every access goes through Update, View or Batch callbacks; byte slices are
 // copied out before a transaction ends. Concurrent writers use Batch so that
-// their fsyncs are grouped. The store knows nothing of HTTP or MQTT and
-// imports nothing of this project.
+// their fsyncs are grouped. The store knows nothing of HTTP or MQTT; of this
+// project it imports only the domain (package companion, the module's
+// root), whose types it stores and whose errors it returns.
 //
 // Values are JSON in buckets keyed by id. Lookups other than by id go
 // through index buckets kept in the same transaction as the records they

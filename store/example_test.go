@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/store"
 )
 
@@ -24,13 +26,13 @@ func ExampleDB_CreateCommand() {
 	defer db.Close()
 	ctx := context.Background()
 
-	cmd, _, err := db.CreateCommand(ctx, store.Command{DeviceID: "desk-1", Op: "push.text"}, 1000, nil)
+	cmd, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "desk-1", Op: "push.text"}, 1000, nil)
 	if err != nil {
 		panic(err)
 	}
 	fmt.Println(cmd.State)
-	cmd, err = db.UpdateCommand(ctx, cmd.ID, func(c *store.Command) error {
-		c.State = store.StateSucceeded
+	cmd, err = db.UpdateCommand(ctx, cmd.ID, func(c *companion.Command) error {
+		c.State = companion.StateSucceeded
 		return nil
 	})
 	fmt.Println(cmd.State, err)

@@ -3,6 +3,8 @@ package store
 import (
 	"fmt"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -11,19 +13,19 @@ import (
 // provisions a million devices: ProvisionDevice commits (and fsyncs) each
 // one alone, which would take longer than everything the benchmark measures.
 // The whole call fails, writing nothing, if one device is invalid or exists.
-func (db *DB) ProvisionDevices(ds []RegistryDevice) error {
+func (db *DB) ProvisionDevices(ds []companion.RegistryDevice) error {
 	now := db.now()
 	return db.update(func(tx *bolt.Tx) error {
 		devices := tx.Bucket(bucketDevices)
 		for _, d := range ds {
 			if !validID(d.ID) {
-				return fmt.Errorf("%w: device needs an id", ErrInvalid)
+				return fmt.Errorf("%w: device needs an id", companion.ErrInvalid)
 			}
 			if d.CreatedAt.IsZero() {
 				d.CreatedAt = now
 			}
 			if devices.Get([]byte(d.ID)) != nil {
-				return fmt.Errorf("device %s: %w", d.ID, ErrExists)
+				return fmt.Errorf("device %s: %w", d.ID, companion.ErrExists)
 			}
 			if err := putJSON(devices, []byte(d.ID), d); err != nil {
 				return err

@@ -7,26 +7,28 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
 // live reports whether rec still answers repeats at now.
-func live(rec Idempotency, now time.Time) bool {
+func live(rec companion.Idempotency, now time.Time) bool {
 	return now.Sub(rec.CreatedAt) < IdempotencyTTL
 }
 
 // Idempotency returns the record of the user's key, or ErrNotFound when
 // there is none or it is older than IdempotencyTTL.
-func (db *DB) Idempotency(ctx context.Context, userID, key string) (Idempotency, error) {
+func (db *DB) Idempotency(ctx context.Context, userID, key string) (companion.Idempotency, error) {
 	if !validID(userID) || !validID(key) {
-		return Idempotency{}, ErrNotFound
+		return companion.Idempotency{}, companion.ErrNotFound
 	}
-	var rec Idempotency
+	var rec companion.Idempotency
 	if err := db.get(bucketIdempotency, idemKey(userID, key), &rec); err != nil {
-		return Idempotency{}, err
+		return companion.Idempotency{}, err
 	}
 	if !live(rec, db.now()) {
-		return Idempotency{}, ErrNotFound
+		return companion.Idempotency{}, companion.ErrNotFound
 	}
 	return rec, nil
 }
@@ -34,21 +36,21 @@ func (db *DB) Idempotency(ctx context.Context, userID, key string) (Idempotency,
 // PutIdempotency stores the first answer to a request. CreatedAt is set to
 // now when zero. It returns ErrExists when a live record of the same user
 // and key exists; an expired one is replaced.
-func (db *DB) PutIdempotency(ctx context.Context, rec Idempotency) error {
+func (db *DB) PutIdempotency(ctx context.Context, rec companion.Idempotency) error {
 	if !validID(rec.UserID) || !validID(rec.Key) {
-		return fmt.Errorf("%w: idempotency needs a user id and a key", ErrInvalid)
+		return fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid)
 	}
 	return db.batch(func(tx *bolt.Tx) error {
 		now := db.now()
 		b := tx.Bucket(bucketIdempotency)
 		k := idemKey(rec.UserID, rec.Key)
-		var old Idempotency
+		var old companion.Idempotency
 		ok, err := getJSON(b, k, &old)
 		if err != nil {
 			return err
 		}
 		if ok && live(old, now) {
-			return abort(ErrExists)
+			return abort(companion.ErrExists)
 		}
 		r := rec
 		if r.CreatedAt.IsZero() {
@@ -68,7 +70,7 @@ func (db *DB) PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, e
 		var doomed [][]byte
 		c := b.Cursor()
 		for k, v := c.First(); k != nil; k, v = c.Next() {
-			var rec Idempotency
+			var rec companion.Idempotency
 			if err := json.Unmarshal(v, &rec); err != nil {
 				return fmt.Errorf("store: decode idempotency %q: %w", k, err)
 			}

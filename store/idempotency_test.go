@@ -5,19 +5,21 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion"
 )
 
 func TestIdempotencyRecords(t *testing.T) {
 	ctx := context.Background()
 	clock := newFakeClock()
 	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
-	rec := Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("req"), Status: 201, Body: []byte(`{"ok":true}`), Location: "/x"}
+	rec := companion.Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("req"), Status: 201, Body: []byte(`{"ok":true}`), Location: "/x"}
 
 	_, err := db.Idempotency(ctx, "u1", "k1")
-	wantErr(t, "Idempotency(absent)", err, ErrNotFound)
+	wantErr(t, "Idempotency(absent)", err, companion.ErrNotFound)
 	mustNil(t, "PutIdempotency", db.PutIdempotency(ctx, rec))
-	wantErr(t, "PutIdempotency(live)", db.PutIdempotency(ctx, rec), ErrExists)
-	wantErr(t, "PutIdempotency(no key)", db.PutIdempotency(ctx, Idempotency{UserID: "u1"}), ErrInvalid)
+	wantErr(t, "PutIdempotency(live)", db.PutIdempotency(ctx, rec), companion.ErrExists)
+	wantErr(t, "PutIdempotency(no key)", db.PutIdempotency(ctx, companion.Idempotency{UserID: "u1"}), companion.ErrInvalid)
 
 	got, err := db.Idempotency(ctx, "u1", "k1")
 	if err != nil || got.Status != 201 || !bytes.Equal(got.Body, rec.Body) || got.Location != "/x" ||
@@ -25,14 +27,14 @@ func TestIdempotencyRecords(t *testing.T) {
 		t.Errorf("Idempotency(u1, k1) = %+v, %v", got, err)
 	}
 	_, err = db.Idempotency(ctx, "u2", "k1")
-	wantErr(t, "Idempotency(other user)", err, ErrNotFound)
+	wantErr(t, "Idempotency(other user)", err, companion.ErrNotFound)
 
 	steps := []struct {
 		advance time.Duration
 		want    error
 	}{
 		{23*time.Hour + 59*time.Minute, nil},
-		{time.Minute, ErrNotFound}, // exactly 24 hours old
+		{time.Minute, companion.ErrNotFound}, // exactly 24 hours old
 	}
 	for _, st := range steps {
 		clock.Advance(st.advance)
@@ -53,7 +55,7 @@ func TestPurgeIdempotency(t *testing.T) {
 	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
 	t0 := clock.Now()
 	for i, key := range []string{"a", "b", "c", "d", "e"} {
-		mustNil(t, "PutIdempotency", db.PutIdempotency(ctx, Idempotency{
+		mustNil(t, "PutIdempotency", db.PutIdempotency(ctx, companion.Idempotency{
 			UserID: "u1", Key: key, CreatedAt: t0.Add(time.Duration(i) * time.Hour),
 		}))
 	}
@@ -61,7 +63,7 @@ func TestPurgeIdempotency(t *testing.T) {
 	if err != nil || n != 3 {
 		t.Errorf("PurgeIdempotency = %d, %v; want 3", n, err)
 	}
-	for key, want := range map[string]error{"a": ErrNotFound, "b": ErrNotFound, "c": ErrNotFound, "d": nil, "e": nil} {
+	for key, want := range map[string]error{"a": companion.ErrNotFound, "b": companion.ErrNotFound, "c": companion.ErrNotFound, "d": nil, "e": nil} {
 		_, err := db.Idempotency(ctx, "u1", key)
 		wantErr(t, "Idempotency("+key+")", err, want)
 	}

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -14,9 +16,9 @@ func TestQueuedAndExpiryIndexes(t *testing.T) {
 	ctx := context.Background()
 	clk := newFakeClock()
 	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now, Logger: quietLogger()})
-	mk := func(ttl time.Duration) Command {
+	mk := func(ttl time.Duration) companion.Command {
 		t.Helper()
-		c, _, err := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(ttl)}, 0, nil)
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(ttl)}, 0, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -24,19 +26,19 @@ func TestQueuedAndExpiryIndexes(t *testing.T) {
 	}
 	set := func(id, state string) {
 		t.Helper()
-		if _, err := db.UpdateCommand(ctx, id, func(c *Command) error { c.State = state; return nil }); err != nil {
+		if _, err := db.UpdateCommand(ctx, id, func(c *companion.Command) error { c.State = state; return nil }); err != nil {
 			t.Fatal(err)
 		}
 	}
 	a, b, c := mk(time.Minute), mk(2*time.Minute), mk(time.Hour)
 
-	q, _ := db.OpenCommands(ctx, StateQueued)
+	q, _ := db.OpenCommands(ctx, companion.StateQueued)
 	if got := ids(q); len(got) != 3 || got[0] != a.ID || got[2] != c.ID {
 		t.Fatalf("queued = %v; want a, b, c in order", got)
 	}
-	set(a.ID, StateSent)
-	set(b.ID, StateDelivered)
-	q, _ = db.OpenCommands(ctx, StateQueued)
+	set(a.ID, companion.StateSent)
+	set(b.ID, companion.StateDelivered)
+	q, _ = db.OpenCommands(ctx, companion.StateQueued)
 	if got := ids(q); len(got) != 1 || got[0] != c.ID {
 		t.Fatalf("queued after a sent, b delivered = %v; want c", got)
 	}
@@ -49,8 +51,8 @@ func TestQueuedAndExpiryIndexes(t *testing.T) {
 	if got := ids(exp); len(got) != 2 || got[0] != a.ID || got[1] != c.ID {
 		t.Fatalf("expired at +2h = %v; want a, c soonest first", got)
 	}
-	set(a.ID, StateExpired)
-	set(c.ID, StateCanceled)
+	set(a.ID, companion.StateExpired)
+	set(c.ID, companion.StateCanceled)
 	exp, _ = db.ExpiredCommands(ctx, clk.Now().Add(2*time.Hour))
 	if len(exp) != 0 {
 		t.Fatalf("expired after a and c went final = %v; want none", ids(exp))
@@ -76,9 +78,9 @@ func TestMigrateBuildsIndexes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	q, _, _ := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
-	s, _, _ := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
-	db.UpdateCommand(ctx, s.ID, func(c *Command) error { c.State = StateSent; return nil })
+	q, _, _ := db.CreateCommand(ctx, companion.Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
+	s, _, _ := db.CreateCommand(ctx, companion.Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
+	db.UpdateCommand(ctx, s.ID, func(c *companion.Command) error { c.State = companion.StateSent; return nil })
 	db.Close()
 
 	// Make it a version 1 file: no index buckets.
@@ -94,7 +96,7 @@ func TestMigrateBuildsIndexes(t *testing.T) {
 	raw.Close()
 
 	db = openTestDBWith(t, path, Options{Now: clk.Now})
-	queued, err := db.OpenCommands(ctx, StateQueued)
+	queued, err := db.OpenCommands(ctx, companion.StateQueued)
 	if err != nil || len(queued) != 1 || queued[0].ID != q.ID {
 		t.Fatalf("queued after migration = %v, %v; want %s", ids(queued), err, q.ID)
 	}
@@ -116,13 +118,13 @@ func TestMigrateCountsOpenCommands(t *testing.T) {
 	}
 	var ids []string
 	for range 3 {
-		c, _, err := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d", Op: "push.text", ExpiresAt: clk.Now().Add(time.Minute)}, 0, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
 		ids = append(ids, c.ID)
 	}
-	db.UpdateCommand(ctx, ids[0], func(c *Command) error { c.State = StateSucceeded; return nil })
+	db.UpdateCommand(ctx, ids[0], func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
 	db.Close()
 
 	// Make it a version 2 file: device_open, no open_count.
@@ -151,11 +153,11 @@ func TestMigrateCountsOpenCommands(t *testing.T) {
 		return nil
 	})
 	// The limit counts what the migration counted.
-	if _, _, err := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text"}, 2, nil); !errors.Is(err, ErrQueueFull) {
+	if _, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d", Op: "push.text"}, 2, nil); !errors.Is(err, companion.ErrQueueFull) {
 		t.Errorf("CreateCommand past the limit = %v; want ErrQueueFull", err)
 	}
 	for _, id := range ids[1:] {
-		db.UpdateCommand(ctx, id, func(c *Command) error { c.State = StateFailed; return nil })
+		db.UpdateCommand(ctx, id, func(c *companion.Command) error { c.State = companion.StateFailed; return nil })
 	}
 	if n, _ := db.CountOpen(ctx, "d"); n != 0 {
 		t.Errorf("CountOpen once all are final = %d; want 0", n)

@@ -5,19 +5,14 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
-// DeviceReport is the state of a device that came with a reply to one of
-// its commands: what the command changed.
-type DeviceReport struct {
-	Status   *Status           // stored as PutStatus stores it
-	Settings *ReportedSettings // stored as PutReportedSettings stores it
-}
-
 // NewReportedSettings checks and compacts settings as a device reported
 // them, for a DeviceReport.
-func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (ReportedSettings, error) {
+func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (companion.ReportedSettings, error) {
 	return newReportedSettings(reported, schema, at, seq)
 }
 
@@ -27,20 +22,20 @@ func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMes
 // reads that state of the device too (CONTRACT §8). The report is about the
 // command's device, whatever DeviceID its Status names; a newer report
 // stored already still wins, as with PutStatus and PutReportedSettings.
-func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*Command) error, report DeviceReport, done func(Command, error)) {
+func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error)) {
 	if done == nil {
-		done = func(Command, error) {}
+		done = func(companion.Command, error) {}
 	}
 	if id == "" {
-		done(Command{}, ErrNotFound)
+		done(companion.Command{}, companion.ErrNotFound)
 		return
 	}
 	if s := report.Status; s != nil && s.BridgeID != "" && !validID(s.BridgeID) {
-		done(Command{}, fmt.Errorf("%w: status with bridge id %q", ErrInvalid, s.BridgeID))
+		done(companion.Command{}, fmt.Errorf("%w: status with bridge id %q", companion.ErrInvalid, s.BridgeID))
 		return
 	}
 	var (
-		out   Command
+		out   companion.Command
 		final bool
 	)
 	db.batchAsync(func(tx *bolt.Tx) error {
@@ -64,9 +59,9 @@ func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*Command) error, r
 	}, func(err error) {
 		switch {
 		case err != nil:
-			done(Command{}, err)
+			done(companion.Command{}, err)
 		case final:
-			done(out, ErrFinal)
+			done(out, companion.ErrFinal)
 		default:
 			done(out, nil)
 		}

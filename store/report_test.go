@@ -6,6 +6,8 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion"
 )
 
 // A final state and the device state that came with it are stored in one
@@ -13,23 +15,23 @@ import (
 func TestUpdateCommandWithReport(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDB(t)
-	c, _, err := db.CreateCommand(ctx, Command{DeviceID: "d1", Op: "app.install"}, 0, nil)
+	c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "app.install"}, 0, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.PutStatus(ctx, Status{DeviceID: "d1", Online: true, FirmwareVersion: "1.0.0", Seq: 10}); err != nil {
+	if _, err := db.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, FirmwareVersion: "1.0.0", Seq: 10}); err != nil {
 		t.Fatal(err)
 	}
 	settings, err := NewReportedSettings(map[string]json.RawMessage{"volume": json.RawMessage(`70`)}, nil, time.Now(), 11)
 	if err != nil {
 		t.Fatal(err)
 	}
-	report := DeviceReport{
-		Status:   &Status{DeviceID: "ignored", Online: true, FirmwareVersion: "1.0.0", Apps: []App{{AppID: "clock", Version: "1.0.0"}}, Seq: 11},
+	report := companion.DeviceReport{
+		Status:   &companion.Status{DeviceID: "ignored", Online: true, FirmwareVersion: "1.0.0", Apps: []companion.App{{AppID: "clock", Version: "1.0.0"}}, Seq: 11},
 		Settings: &settings,
 	}
 	done := make(chan error, 1)
-	db.UpdateCommandWithReportAsync(c.ID, func(c *Command) error { c.State = StateSucceeded; return nil }, report, func(_ Command, err error) { done <- err })
+	db.UpdateCommandWithReportAsync(c.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil }, report, func(_ companion.Command, err error) { done <- err })
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
@@ -47,13 +49,13 @@ func TestUpdateCommandWithReport(t *testing.T) {
 
 	// A repeat of the final reply (the command is final) changes nothing,
 	// and an older report never overwrites a newer one.
-	c2, _, _ := db.CreateCommand(ctx, Command{DeviceID: "d1", Op: "app.uninstall"}, 0, nil)
-	old := DeviceReport{Status: &Status{Online: true, Apps: []App{}, Seq: 5}}
-	db.UpdateCommandWithReportAsync(c.ID, func(c *Command) error { return nil }, old, func(_ Command, err error) { done <- err })
-	if err := <-done; !errors.Is(err, ErrFinal) {
+	c2, _, _ := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "app.uninstall"}, 0, nil)
+	old := companion.DeviceReport{Status: &companion.Status{Online: true, Apps: []companion.App{}, Seq: 5}}
+	db.UpdateCommandWithReportAsync(c.ID, func(c *companion.Command) error { return nil }, old, func(_ companion.Command, err error) { done <- err })
+	if err := <-done; !errors.Is(err, companion.ErrFinal) {
 		t.Errorf("repeat = %v; want ErrFinal", err)
 	}
-	db.UpdateCommandWithReportAsync(c2.ID, func(c *Command) error { c.State = StateSucceeded; return nil }, old, func(_ Command, err error) { done <- err })
+	db.UpdateCommandWithReportAsync(c2.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil }, old, func(_ companion.Command, err error) { done <- err })
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
@@ -62,10 +64,10 @@ func TestUpdateCommandWithReport(t *testing.T) {
 	}
 
 	// A change fn refuses stores no report either.
-	c3, _, _ := db.CreateCommand(ctx, Command{DeviceID: "d1", Op: "app.uninstall"}, 0, nil)
-	newer := DeviceReport{Status: &Status{Online: true, Apps: []App{}, Seq: 99}}
+	c3, _, _ := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "app.uninstall"}, 0, nil)
+	newer := companion.DeviceReport{Status: &companion.Status{Online: true, Apps: []companion.App{}, Seq: 99}}
 	refused := errors.New("refused")
-	db.UpdateCommandWithReportAsync(c3.ID, func(c *Command) error { return refused }, newer, func(_ Command, err error) { done <- err })
+	db.UpdateCommandWithReportAsync(c3.ID, func(c *companion.Command) error { return refused }, newer, func(_ companion.Command, err error) { done <- err })
 	if err := <-done; !errors.Is(err, refused) {
 		t.Errorf("refused change = %v; want its error", err)
 	}

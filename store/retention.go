@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -34,10 +36,10 @@ func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, erro
 			n, more = 0, false
 			cmds := tx.Bucket(bucketCommands)
 			hist := tx.Bucket(bucketDeviceCmds)
-			var doomed []Command
+			var doomed []companion.Command
 			c := cmds.Cursor()
 			for k, v := c.First(); k != nil; k, v = c.Next() {
-				var cmd Command
+				var cmd companion.Command
 				if err := json.Unmarshal(v, &cmd); err != nil {
 					return err
 				}
@@ -48,7 +50,7 @@ func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, erro
 					more = true
 					break
 				}
-				if IsFinal(cmd.State) && cmd.UpdatedAt.Before(olderThan) {
+				if companion.IsFinal(cmd.State) && cmd.UpdatedAt.Before(olderThan) {
 					doomed = append(doomed, cmd)
 				}
 			}

@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion"
 )
 
 func TestPurgeCommands(t *testing.T) {
@@ -12,9 +14,9 @@ func TestPurgeCommands(t *testing.T) {
 	clk := newFakeClock()
 	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now})
 
-	newCmd := func(dev string) Command {
+	newCmd := func(dev string) companion.Command {
 		t.Helper()
-		c, _, err := db.CreateCommand(ctx, Command{DeviceID: dev, Op: "push.text", ExpiresAt: clk.Now().Add(time.Hour)}, 0, nil)
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: dev, Op: "push.text", ExpiresAt: clk.Now().Add(time.Hour)}, 0, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -22,7 +24,7 @@ func TestPurgeCommands(t *testing.T) {
 	}
 	finish := func(id string) {
 		t.Helper()
-		if _, err := db.UpdateCommand(ctx, id, func(c *Command) error { c.State = StateSucceeded; return nil }); err != nil {
+		if _, err := db.UpdateCommand(ctx, id, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -37,7 +39,7 @@ func TestPurgeCommands(t *testing.T) {
 	if err != nil || n != 1 {
 		t.Fatalf("PurgeCommands = %d, %v; want 1, nil", n, err)
 	}
-	if _, err := db.Command(ctx, oldDone.ID); err != ErrNotFound {
+	if _, err := db.Command(ctx, oldDone.ID); err != companion.ErrNotFound {
 		t.Errorf("Command(purged) error = %v; want ErrNotFound", err)
 	}
 	for _, id := range []string{oldOpen.ID, newDone.ID} {
@@ -45,7 +47,7 @@ func TestPurgeCommands(t *testing.T) {
 			t.Errorf("Command(%s) = %v; want kept", id, err)
 		}
 	}
-	hist, _, err := db.ListCommands(ctx, CommandQuery{DeviceID: "d1"})
+	hist, _, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "d1"})
 	if err != nil || len(hist) != 2 {
 		t.Fatalf("history after purge = %d commands, %v; want 2", len(hist), err)
 	}
@@ -63,11 +65,11 @@ func TestPurgeCommandsInBatches(t *testing.T) {
 	db.purgeBatch = 10
 	const total = 27
 	for i := 0; i < total; i++ {
-		c, _, err := db.CreateCommand(ctx, Command{DeviceID: "d", Op: "push.text"}, 0, nil)
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d", Op: "push.text"}, 0, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := db.UpdateCommand(ctx, c.ID, func(c *Command) error { c.State = StateFailed; return nil }); err != nil {
+		if _, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateFailed; return nil }); err != nil {
 			t.Fatal(err)
 		}
 	}

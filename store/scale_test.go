@@ -25,6 +25,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/google/uuid"
 
 	"github.com/devicecompanion/companion/api"
@@ -183,7 +185,7 @@ func buildFleet(tb testing.TB, db *store.DB, f *scaleFleet) {
 	now := time.Now().UTC()
 	err := each(len(f.users), 1, func(u int) error {
 		h := sha256.Sum256([]byte(f.users[u].token))
-		return db.CreateUser(ctx, store.User{ID: f.users[u].id, Name: fmt.Sprintf("user %d", u), TokenHash: h[:]})
+		return db.CreateUser(ctx, companion.User{ID: f.users[u].id, Name: fmt.Sprintf("user %d", u), TokenHash: h[:]})
 	})
 	if err != nil {
 		tb.Fatalf("users: %v", err)
@@ -191,10 +193,10 @@ func buildFleet(tb testing.TB, db *store.DB, f *scaleFleet) {
 
 	const chunk = 50_000
 	for lo := 0; lo < f.devices; lo += chunk {
-		ds := make([]store.RegistryDevice, 0, chunk)
+		ds := make([]companion.RegistryDevice, 0, chunk)
 		for i := lo; i < min(lo+chunk, f.devices); i++ {
 			h := sha256.Sum256([]byte("claim-" + strconv.Itoa(i)))
-			ds = append(ds, store.RegistryDevice{ID: scaleDeviceID(i), Model: "cm-1", ClaimHash: h[:], CreatedAt: now})
+			ds = append(ds, companion.RegistryDevice{ID: scaleDeviceID(i), Model: "cm-1", ClaimHash: h[:], CreatedAt: now})
 		}
 		if err := db.ProvisionDevices(ds); err != nil {
 			tb.Fatalf("provision: %v", err)
@@ -202,7 +204,7 @@ func buildFleet(tb testing.TB, db *store.DB, f *scaleFleet) {
 	}
 
 	err = each(f.devices, 2000, func(i int) error {
-		_, _, err := db.Bind(ctx, store.Binding{
+		_, _, err := db.Bind(ctx, companion.Binding{
 			DeviceID: scaleDeviceID(i),
 			UserID:   f.users[f.owner(i)].id,
 			Name:     fmt.Sprintf("Kitchen display %d", i),
@@ -216,13 +218,13 @@ func buildFleet(tb testing.TB, db *store.DB, f *scaleFleet) {
 
 	err = eachAsync(f.devices, 4000, func(i int, done func(error)) {
 		battery := i % 101
-		db.PutStatusAsync(store.Status{
+		db.PutStatusAsync(companion.Status{
 			DeviceID:        scaleDeviceID(i),
 			Online:          i%3 != 0,
 			Battery:         &battery,
 			FirmwareVersion: "1.4.2",
 			Model:           "cm-1",
-			Apps:            []store.App{{AppID: "com.example.clock", Version: "1.2.0"}, {AppID: "com.example.weather", Version: "2.0.1"}},
+			Apps:            []companion.App{{AppID: "com.example.clock", Version: "1.2.0"}, {AppID: "com.example.weather", Version: "2.0.1"}},
 			BridgeID:        fmt.Sprintf("bridge-%04d", i/1000),
 			LastSeen:        now,
 			Seq:             uint64(now.UnixNano()),
@@ -252,16 +254,16 @@ func addHistory(tb testing.TB, db *store.DB, f *scaleFleet) int {
 	expires := time.Now().Add(24 * time.Hour)
 	err = eachAsync(len(ids), 4000, func(n int, done func(error)) {
 		i := ids[n]
-		c := store.Command{DeviceID: scaleDeviceID(i), UserID: f.users[f.owner(i)].id, Op: topics.OpPushText, Payload: payload, ExpiresAt: expires}
-		db.CreateCommandAsync(c, 1000, nil, func(cmd store.Command, _ bool, err error) {
+		c := companion.Command{DeviceID: scaleDeviceID(i), UserID: f.users[f.owner(i)].id, Op: topics.OpPushText, Payload: payload, ExpiresAt: expires}
+		db.CreateCommandAsync(c, 1000, nil, func(cmd companion.Command, _ bool, err error) {
 			if err != nil {
 				done(err)
 				return
 			}
-			db.UpdateCommandAsync(cmd.ID, func(c *store.Command) error {
-				c.State = store.StateSucceeded
+			db.UpdateCommandAsync(cmd.ID, func(c *companion.Command) error {
+				c.State = companion.StateSucceeded
 				return nil
-			}, func(_ store.Command, err error) { done(err) })
+			}, func(_ companion.Command, err error) { done(err) })
 		})
 	})
 	if err != nil {
@@ -318,16 +320,16 @@ type noCommands struct{}
 
 var errNoCommands = errors.New("scale benchmark: no commands")
 
-func (noCommands) Submit(context.Context, store.Command, *store.Idempotency) (store.Command, bool, error) {
-	return store.Command{}, false, errNoCommands
+func (noCommands) Submit(context.Context, companion.Command, *companion.Idempotency) (companion.Command, bool, error) {
+	return companion.Command{}, false, errNoCommands
 }
 
-func (noCommands) Cancel(context.Context, string) (store.Command, error) {
-	return store.Command{}, errNoCommands
+func (noCommands) Cancel(context.Context, string) (companion.Command, error) {
+	return companion.Command{}, errNoCommands
 }
 
-func (noCommands) Wait(context.Context, string) (store.Command, error) {
-	return store.Command{}, errNoCommands
+func (noCommands) Wait(context.Context, string) (companion.Command, error) {
+	return companion.Command{}, errNoCommands
 }
 
 func (noCommands) DeviceMoved(string) {}

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -22,8 +24,8 @@ func newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time) bool 
 
 // Status returns the device's last reported status. A device that never
 // reported gets the zero Status with DeviceID set, and no error.
-func (db *DB) Status(ctx context.Context, deviceID string) (Status, error) {
-	s := Status{DeviceID: deviceID}
+func (db *DB) Status(ctx context.Context, deviceID string) (companion.Status, error) {
+	s := companion.Status{DeviceID: deviceID}
 	if !validID(deviceID) {
 		return s, nil
 	}
@@ -32,7 +34,7 @@ func (db *DB) Status(ctx context.Context, deviceID string) (Status, error) {
 		return err
 	})
 	if err != nil {
-		return Status{}, err
+		return companion.Status{}, err
 	}
 	return s, nil
 }
@@ -41,7 +43,7 @@ func (db *DB) Status(ctx context.Context, deviceID string) (Status, error) {
 // or equal Seq and later LastSeen; see newer) and reports whether it did.
 // UpdatedAt is set to now. The index from bridge to devices follows the
 // device when its bridge changes.
-func (db *DB) PutStatus(ctx context.Context, s Status) (bool, error) {
+func (db *DB) PutStatus(ctx context.Context, s companion.Status) (bool, error) {
 	return awaitBool(func(done func(bool, error)) { db.PutStatusAsync(s, done) })
 }
 
@@ -60,12 +62,12 @@ func awaitBool(start func(done func(bool, error))) (bool, error) {
 // PutStatusAsync is PutStatus without the wait: done (if not nil) gets its
 // results once the status is on disk, in the order of the store's writes
 // (see UpdateCommandAsync).
-func (db *DB) PutStatusAsync(s Status, done func(applied bool, err error)) {
+func (db *DB) PutStatusAsync(s companion.Status, done func(applied bool, err error)) {
 	if done == nil {
 		done = func(bool, error) {}
 	}
 	if !validID(s.DeviceID) || (s.BridgeID != "" && !validID(s.BridgeID)) {
-		done(false, fmt.Errorf("%w: status needs a device id", ErrInvalid))
+		done(false, fmt.Errorf("%w: status needs a device id", companion.ErrInvalid))
 		return
 	}
 	var applied bool
@@ -77,9 +79,9 @@ func (db *DB) PutStatusAsync(s Status, done func(applied bool, err error)) {
 }
 
 // putStatus is PutStatus inside a write transaction; s is checked already.
-func (db *DB) putStatus(tx *bolt.Tx, s Status) (bool, error) {
+func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	statuses := tx.Bucket(bucketStatus)
-	var old Status
+	var old companion.Status
 	found, err := getJSON(statuses, []byte(s.DeviceID), &old)
 	if err != nil {
 		return false, err
@@ -142,7 +144,7 @@ func (db *DB) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, er
 		statuses := tx.Bucket(bucketStatus)
 		now := db.now()
 		for _, dev := range devices {
-			var s Status
+			var s companion.Status
 			ok, err := getJSON(statuses, dev, &s)
 			if err != nil {
 				return err
@@ -178,7 +180,7 @@ func (db *DB) BridgeDevices(ctx context.Context, bridgeID string) ([]string, err
 		statuses := tx.Bucket(bucketStatus)
 		var err error
 		scanPrefix(tx.Bucket(bucketBridgeDevices), prefix(bridgeID), func(dev []byte) bool {
-			var s Status
+			var s companion.Status
 			var ok bool
 			if ok, err = getJSON(statuses, dev, &s); err != nil {
 				return false
@@ -198,15 +200,15 @@ func (db *DB) BridgeDevices(ctx context.Context, bridgeID string) ([]string, err
 
 // Settings returns the device's settings. A device with none gets the zero
 // value with DeviceID set and empty (non-nil) maps.
-func (db *DB) Settings(ctx context.Context, deviceID string) (Settings, error) {
-	s := Settings{DeviceID: deviceID}
+func (db *DB) Settings(ctx context.Context, deviceID string) (companion.Settings, error) {
+	s := companion.Settings{DeviceID: deviceID}
 	if validID(deviceID) {
 		err := db.bolt.View(func(tx *bolt.Tx) error {
 			_, err := getJSON(tx.Bucket(bucketSettings), []byte(deviceID), &s)
 			return err
 		})
 		if err != nil {
-			return Settings{}, err
+			return companion.Settings{}, err
 		}
 	}
 	fillMaps(&s)
@@ -214,7 +216,7 @@ func (db *DB) Settings(ctx context.Context, deviceID string) (Settings, error) {
 }
 
 // fillMaps makes the maps of s non-nil.
-func fillMaps(s *Settings) {
+func fillMaps(s *companion.Settings) {
 	if s.Reported == nil {
 		s.Reported = map[string]json.RawMessage{}
 	}
@@ -242,7 +244,7 @@ func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json
 		done = func(bool, error) {}
 	}
 	if !validID(deviceID) {
-		done(false, fmt.Errorf("%w: settings need a device id", ErrInvalid))
+		done(false, fmt.Errorf("%w: settings need a device id", companion.ErrInvalid))
 		return
 	}
 	r, err := newReportedSettings(reported, schema, at, seq)
@@ -258,29 +260,20 @@ func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json
 	}, func(err error) { done(applied && err == nil, err) })
 }
 
-// ReportedSettings are settings as a device reported them: each value and
-// the schema as JSON.
-type ReportedSettings struct {
-	Reported map[string]json.RawMessage
-	Schema   json.RawMessage // kept as stored when empty
-	At       time.Time
-	Seq      uint64
-}
-
 // newReportedSettings checks and compacts what a device reported.
-func newReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (ReportedSettings, error) {
-	r := ReportedSettings{Reported: make(map[string]json.RawMessage, len(reported)), At: at, Seq: seq}
+func newReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (companion.ReportedSettings, error) {
+	r := companion.ReportedSettings{Reported: make(map[string]json.RawMessage, len(reported)), At: at, Seq: seq}
 	for k, v := range reported {
 		c, err := compact(v)
 		if err != nil {
-			return ReportedSettings{}, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err)
+			return companion.ReportedSettings{}, fmt.Errorf("%w: reported setting %q: %v", companion.ErrInvalid, k, err)
 		}
 		r.Reported[k] = c
 	}
 	if len(schema) > 0 {
 		c, err := compact(schema)
 		if err != nil {
-			return ReportedSettings{}, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err)
+			return companion.ReportedSettings{}, fmt.Errorf("%w: settings schema: %v", companion.ErrInvalid, err)
 		}
 		r.Schema = c
 	}
@@ -289,9 +282,9 @@ func newReportedSettings(reported map[string]json.RawMessage, schema json.RawMes
 
 // putReportedSettings is PutReportedSettings inside a write transaction;
 // r is checked and compacted already.
-func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r ReportedSettings) (bool, error) {
+func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.ReportedSettings) (bool, error) {
 	b := tx.Bucket(bucketSettings)
-	s := Settings{DeviceID: deviceID}
+	s := companion.Settings{DeviceID: deviceID}
 	found, err := getJSON(b, []byte(deviceID), &s)
 	if err != nil {
 		return false, err
@@ -321,19 +314,19 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r ReportedSettin
 // compacted JSON; validating them against the schema is the caller's job.
 func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error {
 	if !validID(deviceID) {
-		return fmt.Errorf("%w: settings need a device id", ErrInvalid)
+		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
 	}
 	want := make(map[string]json.RawMessage, len(partial))
 	for _, k := range slices.Sorted(maps.Keys(partial)) {
 		c, err := compact(partial[k])
 		if err != nil {
-			return fmt.Errorf("%w: desired setting %q: %v", ErrInvalid, k, err)
+			return fmt.Errorf("%w: desired setting %q: %v", companion.ErrInvalid, k, err)
 		}
 		want[k] = c
 	}
 	return db.batch(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketSettings)
-		s := Settings{DeviceID: deviceID}
+		s := companion.Settings{DeviceID: deviceID}
 		if _, err := getJSON(b, []byte(deviceID), &s); err != nil {
 			return err
 		}

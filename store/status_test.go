@@ -7,6 +7,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion"
 )
 
 func intp(i int) *int { return &i }
@@ -48,9 +50,9 @@ func TestPutStatusOrdering(t *testing.T) {
 	}
 	for _, st := range steps {
 		clock.Advance(time.Minute)
-		applied, err := db.PutStatus(ctx, Status{
+		applied, err := db.PutStatus(ctx, companion.Status{
 			DeviceID: "d1", Online: true, Battery: intp(st.battery), BridgeID: "br1",
-			FirmwareVersion: "1.0.0", Apps: []App{{AppID: "clock", Version: "1.0.0"}},
+			FirmwareVersion: "1.0.0", Apps: []companion.App{{AppID: "clock", Version: "1.0.0"}},
 			LastSeen: st.at, Seq: st.seq,
 		})
 		if err != nil {
@@ -74,7 +76,7 @@ func TestPutStatusOrdering(t *testing.T) {
 	if len(s.Apps) != 1 || s.Apps[0].AppID != "clock" || s.FirmwareVersion != "1.0.0" {
 		t.Errorf("Status = %+v", s)
 	}
-	if _, err := db.PutStatus(ctx, Status{}); err == nil {
+	if _, err := db.PutStatus(ctx, companion.Status{}); err == nil {
 		t.Error("PutStatus(no device) = nil; want an error")
 	}
 }
@@ -85,7 +87,7 @@ func TestMarkBridgeOffline(t *testing.T) {
 	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
 	put := func(dev, bridge string, seq uint64) {
 		t.Helper()
-		if ok, err := db.PutStatus(ctx, Status{DeviceID: dev, Online: true, BridgeID: bridge, Seq: seq}); err != nil || !ok {
+		if ok, err := db.PutStatus(ctx, companion.Status{DeviceID: dev, Online: true, BridgeID: bridge, Seq: seq}); err != nil || !ok {
 			t.Fatalf("PutStatus(%s, %s) = %v, %v", dev, bridge, ok, err)
 		}
 	}
@@ -158,7 +160,7 @@ func TestReportedSettingsClearDesired(t *testing.T) {
 		"brightness": raw(" 80 "), "volume": raw("20"), "language": raw(`"de"`),
 	}))
 	mustNil(t, "MergeDesiredSettings", db.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}))
-	wantErr(t, "MergeDesiredSettings(bad JSON)", db.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("{")}), ErrInvalid)
+	wantErr(t, "MergeDesiredSettings(bad JSON)", db.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("{")}), companion.ErrInvalid)
 
 	s, _ := db.Settings(ctx, "d1")
 	if want := map[string]string{"brightness": "80", "volume": "30", "language": `"de"`}; !equalRaw(s.Desired, want) {

@@ -12,16 +12,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicecompanion/companion/internal/groupcommit"
 )
-
-// ErrInvalid is returned when an argument cannot be stored as given: an
-// empty id, an id containing a NUL byte, or a version that is not a
-// semantic version. Callers validate input before it reaches the store, so
-// this error points at a bug in the caller.
-var ErrInvalid = errors.New("store: invalid argument")
 
 // SchemaVersion is the layout of the bbolt file this code reads and
 // writes. Open migrates older files up to it and refuses newer ones.
@@ -100,12 +96,12 @@ var migrations = []func(tx *bolt.Tx) error{
 		}
 		cmds := tx.Bucket(bucketCommands)
 		return tx.Bucket(bucketOpen).ForEach(func(id, _ []byte) error {
-			var c Command
+			var c companion.Command
 			ok, err := getJSON(cmds, id, &c)
 			if err != nil || !ok {
 				return err
 			}
-			return indexCommand(tx, Command{}, c)
+			return indexCommand(tx, companion.Command{}, c)
 		})
 	},
 	2: func(tx *bolt.Tx) error {
@@ -143,7 +139,7 @@ func migrateTo4(tx *bolt.Tx) error {
 	}
 	bridges := tx.Bucket(bucketBridges)
 	err := tx.Bucket(bucketStatus).ForEach(func(dev, v []byte) error {
-		var s Status
+		var s companion.Status
 		if err := json.Unmarshal(v, &s); err != nil {
 			return fmt.Errorf("status %s: %w", dev, err)
 		}
@@ -157,7 +153,7 @@ func migrateTo4(tx *bolt.Tx) error {
 	}
 	cmds := tx.Bucket(bucketCommands)
 	return tx.Bucket(bucketOpen).ForEach(func(id, _ []byte) error {
-		var c Command
+		var c companion.Command
 		ok, err := getJSON(cmds, id, &c)
 		if err != nil || !ok {
 			return err
@@ -210,7 +206,7 @@ type DB struct {
 // version of the store.
 func Open(path string, opts Options) (*DB, error) {
 	if path == "" {
-		return nil, fmt.Errorf("%w: empty path", ErrInvalid)
+		return nil, fmt.Errorf("%w: empty path", companion.ErrInvalid)
 	}
 	if opts.Now == nil {
 		opts.Now = time.Now
@@ -263,7 +259,7 @@ func (db *DB) migrate() error {
 			return err
 		}
 		if from > SchemaVersion {
-			return fmt.Errorf("%w: file has schema %d, this build knows %d", ErrSchemaTooNew, from, SchemaVersion)
+			return fmt.Errorf("%w: file has schema %d, this build knows %d", companion.ErrSchemaTooNew, from, SchemaVersion)
 		}
 		for v := from; v < SchemaVersion; v++ {
 			if err := migrations[v](tx); err != nil {

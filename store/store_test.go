@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	bolt "go.etcd.io/bbolt"
 	berrors "go.etcd.io/bbolt/errors"
 )
@@ -156,7 +158,7 @@ func TestOpenSchemaTooNew(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = Open(path, Options{Logger: quietLogger()})
-	wantErr(t, "Open(newer file)", err, ErrSchemaTooNew)
+	wantErr(t, "Open(newer file)", err, companion.ErrSchemaTooNew)
 
 	// The refusal released the lock: an older-schema rewrite opens again.
 	raw, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: time.Second})
@@ -182,7 +184,7 @@ func TestOpenMigratesFromVersionZero(t *testing.T) {
 	_ = raw.Close()
 
 	db := openTestDBWith(t, path, Options{})
-	if err := db.CreateUser(context.Background(), User{ID: "u1", TokenHash: []byte("h")}); err != nil {
+	if err := db.CreateUser(context.Background(), companion.User{ID: "u1", TokenHash: []byte("h")}); err != nil {
 		t.Fatalf("CreateUser after migration = %v", err)
 	}
 }
@@ -211,7 +213,7 @@ func TestOpenRemovesStaleTemps(t *testing.T) {
 
 func TestOpenEmptyPath(t *testing.T) {
 	_, err := Open("", Options{})
-	wantErr(t, "Open(\"\")", err, ErrInvalid)
+	wantErr(t, "Open(\"\")", err, companion.ErrInvalid)
 }
 
 func TestClosedDB(t *testing.T) {
@@ -230,21 +232,21 @@ func TestReopenKeepsEverything(t *testing.T) {
 	dir := t.TempDir()
 	db := openTestDBWith(t, filepath.Join(dir, "companion.db"), Options{Now: clock.Now})
 
-	mustNil(t, "CreateUser", db.CreateUser(ctx, User{ID: "u1", Name: "Ann", TokenHash: []byte("tok")}))
-	mustNil(t, "CreateBridge", db.CreateBridge(ctx, Bridge{ID: "br1", SecretHash: []byte("sec")}))
-	mustNil(t, "ProvisionDevice", db.ProvisionDevice(ctx, RegistryDevice{ID: "d1", Model: "sim-1", ClaimHash: []byte("claim")}))
-	if _, _, err := db.Bind(ctx, Binding{DeviceID: "d1", UserID: "u1", Name: "desk"}); err != nil {
+	mustNil(t, "CreateUser", db.CreateUser(ctx, companion.User{ID: "u1", Name: "Ann", TokenHash: []byte("tok")}))
+	mustNil(t, "CreateBridge", db.CreateBridge(ctx, companion.Bridge{ID: "br1", SecretHash: []byte("sec")}))
+	mustNil(t, "ProvisionDevice", db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "sim-1", ClaimHash: []byte("claim")}))
+	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1", Name: "desk"}); err != nil {
 		t.Fatal(err)
 	}
-	cmd, _, err := db.CreateCommand(ctx, Command{DeviceID: "d1", UserID: "u1", Op: "push.text", Payload: []byte(`{"text":"hi"}`)}, 0, nil)
+	cmd, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", UserID: "u1", Op: "push.text", Payload: []byte(`{"text":"hi"}`)}, 0, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.PutStatus(ctx, Status{DeviceID: "d1", Online: true, BridgeID: "br1", Seq: 1}); err != nil {
+	if _, err := db.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "br1", Seq: 1}); err != nil {
 		t.Fatal(err)
 	}
-	mustNil(t, "PutFirmware", db.PutFirmware(ctx, Firmware{Model: "sim-1", Version: "1.0.0", SHA256: "aa", Size: 1}))
-	mustNil(t, "PutAppRelease", db.PutAppRelease(ctx, AppRelease{AppID: "clock", Version: "1.0.0", SHA256: "bb", Size: 2}))
+	mustNil(t, "PutFirmware", db.PutFirmware(ctx, companion.Firmware{Model: "sim-1", Version: "1.0.0", SHA256: "aa", Size: 1}))
+	mustNil(t, "PutAppRelease", db.PutAppRelease(ctx, companion.AppRelease{AppID: "clock", Version: "1.0.0", SHA256: "bb", Size: 2}))
 	blob, err := db.PutBlob(ctx, strings.NewReader("hello"), 0)
 	if err != nil {
 		t.Fatal(err)
@@ -264,7 +266,7 @@ func TestReopenKeepsEverything(t *testing.T) {
 	if bs, err := db.ListBindings(ctx, "u1", "", 10); err != nil || len(bs) != 1 || bs[0].Name != "desk" {
 		t.Errorf("ListBindings after reopen = %+v, %v", bs, err)
 	}
-	if c, err := db.Command(ctx, cmd.ID); err != nil || string(c.Payload) != `{"text":"hi"}` || c.State != StateQueued {
+	if c, err := db.Command(ctx, cmd.ID); err != nil || string(c.Payload) != `{"text":"hi"}` || c.State != companion.StateQueued {
 		t.Errorf("Command after reopen = %+v, %v", c, err)
 	}
 	if n, err := db.CountOpen(ctx, "d1"); err != nil || n != 1 {

@@ -6,61 +6,10 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/google/uuid"
 )
-
-// Command states (CONTRACT §2). The last four are final.
-const (
-	StateQueued     = "queued"
-	StateSent       = "sent"
-	StateDelivered  = "delivered"
-	StateInProgress = "in_progress"
-	StateSucceeded  = "succeeded"
-	StateFailed     = "failed"
-	StateExpired    = "expired"
-	StateCanceled   = "canceled"
-)
-
-// States lists every command state in lifecycle order.
-var States = []string{StateQueued, StateSent, StateDelivered, StateInProgress, StateSucceeded, StateFailed, StateExpired, StateCanceled}
-
-// ValidState reports whether s is one of States.
-func ValidState(s string) bool {
-	for _, st := range States {
-		if st == s {
-			return true
-		}
-	}
-	return false
-}
-
-// Final reports whether a command in state s can never change again.
-func Final(s string) bool {
-	switch s {
-	case StateSucceeded, StateFailed, StateExpired, StateCanceled:
-		return true
-	}
-	return false
-}
-
-// Rank orders the non-final states so that a late or replayed reply can never
-// move a command backwards; final states rank highest.
-func Rank(s string) int {
-	switch s {
-	case StateQueued:
-		return 0
-	case StateSent:
-		return 1
-	case StateDelivered:
-		return 2
-	case StateInProgress:
-		return 3
-	}
-	if Final(s) {
-		return 4
-	}
-	return -1
-}
 
 // Bridge states, the payload of a bridge's state topic.
 const (
@@ -108,22 +57,16 @@ type Reply struct {
 	Settings *Settings `json:"settings,omitempty"`
 }
 
-// App is an installed app as a device reports it.
-type App struct {
-	AppID   string `json:"app_id"`
-	Version string `json:"version"`
-}
-
 // Status is the retained status a bridge publishes for a device.
 type Status struct {
-	Online          bool      `json:"online"`
-	Battery         *int      `json:"battery"`
-	FirmwareVersion string    `json:"firmware_version"`
-	Model           string    `json:"model,omitempty"`
-	Apps            []App     `json:"apps"`
-	BridgeID        string    `json:"bridge_id"`
-	At              time.Time `json:"at"`
-	Seq             uint64    `json:"seq"`
+	Online          bool            `json:"online"`
+	Battery         *int            `json:"battery"`
+	FirmwareVersion string          `json:"firmware_version"`
+	Model           string          `json:"model,omitempty"`
+	Apps            []companion.App `json:"apps"`
+	BridgeID        string          `json:"bridge_id"`
+	At              time.Time       `json:"at"`
+	Seq             uint64          `json:"seq"`
 }
 
 // Setting types of a settings schema.
@@ -250,11 +193,11 @@ func ParseReply(b []byte) (Reply, error) {
 	switch {
 	case !ValidCommandID(r.CommandID):
 		return Reply{}, fmt.Errorf("%w: command id %q", ErrBadMessage, r.CommandID)
-	case !ValidState(r.State) || r.State == StateQueued || r.State == StateSent:
+	case !companion.ValidState(r.State) || r.State == companion.StateQueued || r.State == companion.StateSent:
 		return Reply{}, fmt.Errorf("%w: state %q is not one a bridge reports", ErrBadMessage, r.State)
 	case r.Progress != nil && (*r.Progress < 0 || *r.Progress > 100):
 		return Reply{}, fmt.Errorf("%w: progress %d", ErrBadMessage, *r.Progress)
-	case (r.Status != nil || r.Settings != nil) && !Final(r.State):
+	case (r.Status != nil || r.Settings != nil) && !companion.IsFinal(r.State):
 		return Reply{}, fmt.Errorf("%w: device state in a %s reply", ErrBadMessage, r.State)
 	}
 	if r.Status != nil {

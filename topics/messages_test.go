@@ -4,23 +4,25 @@ import (
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/devicecompanion/companion"
 )
 
 func TestFinalAndRank(t *testing.T) {
-	for _, s := range States {
-		final := s == StateSucceeded || s == StateFailed || s == StateExpired || s == StateCanceled
-		if Final(s) != final {
-			t.Errorf("Final(%q) = %v; want %v", s, Final(s), final)
+	for _, s := range companion.States {
+		final := s == companion.StateSucceeded || s == companion.StateFailed || s == companion.StateExpired || s == companion.StateCanceled
+		if companion.IsFinal(s) != final {
+			t.Errorf("Final(%q) = %v; want %v", s, companion.IsFinal(s), final)
 		}
 	}
-	order := []string{StateQueued, StateSent, StateDelivered, StateInProgress, StateSucceeded}
+	order := []string{companion.StateQueued, companion.StateSent, companion.StateDelivered, companion.StateInProgress, companion.StateSucceeded}
 	for i := 1; i < len(order); i++ {
-		if Rank(order[i-1]) >= Rank(order[i]) {
+		if companion.Rank(order[i-1]) >= companion.Rank(order[i]) {
 			t.Errorf("Rank(%q) >= Rank(%q)", order[i-1], order[i])
 		}
 	}
-	if Rank("bogus") != -1 {
-		t.Errorf("Rank(bogus) = %d; want -1", Rank("bogus"))
+	if companion.Rank("bogus") != -1 {
+		t.Errorf("Rank(bogus) = %d; want -1", companion.Rank("bogus"))
 	}
 }
 

@@ -3,7 +3,8 @@
 // rules that keep hostile ids out of topic names, and the message types that
 // travel on them (CONTRACT §3).
 //
-// It is the one package both the server and the bridge import. It does no I/O.
+// It is the wire format only: the command states and the domain types it
+// carries come from package companion (the module's root). It does no I/O.
 package topics
 
 import (

@@ -13,7 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion"
+
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -29,9 +30,9 @@ type Conn interface {
 // Store is what the driver needs of the store: who owns which device, and
 // which bridge serves which.
 type Store interface {
-	Binding(ctx context.Context, deviceID string) (store.Binding, error)
-	ListBindings(ctx context.Context, userID, after string, limit int) ([]store.Binding, error)
-	Bridge(ctx context.Context, id string) (store.Bridge, error)
+	Binding(ctx context.Context, deviceID string) (companion.Binding, error)
+	ListBindings(ctx context.Context, userID, after string, limit int) ([]companion.Binding, error)
+	Bridge(ctx context.Context, id string) (companion.Bridge, error)
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 }
 
@@ -607,7 +608,7 @@ func (d *Driver) syncBinding(ctx context.Context, userID, deviceID string) error
 func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string) error {
 	b, err := d.st.Binding(ctx, deviceID)
 	switch {
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, companion.ErrNotFound):
 	case err != nil:
 		return err
 	}
@@ -681,7 +682,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			if !topics.ValidBridgeID(id) {
 				continue
 			}
-			if _, err := d.st.Bridge(ctx, id); errors.Is(err, store.ErrNotFound) {
+			if _, err := d.st.Bridge(ctx, id); errors.Is(err, companion.ErrNotFound) {
 				// Deleted while Mosquitto was away.
 				if err := d.deleteBridge(ctx, id); err != nil {
 					return err

@@ -7,13 +7,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/internal/mqtttest"
-	"github.com/devicecompanion/companion/store"
 )
 
 // conn is a Conn over a real paho client, standing in for broker.Broker.
@@ -71,13 +72,13 @@ func (b *bindings) assign(dev, bridge string) {
 	b.serves[dev] = bridge
 }
 
-func (b *bindings) Bridge(_ context.Context, id string) (store.Bridge, error) {
+func (b *bindings) Bridge(_ context.Context, id string) (companion.Bridge, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.bridges[id] {
-		return store.Bridge{}, store.ErrNotFound
+		return companion.Bridge{}, companion.ErrNotFound
 	}
-	return store.Bridge{ID: id}, nil
+	return companion.Bridge{ID: id}, nil
 }
 
 func (b *bindings) ServedDevices(_ context.Context, bridge string) ([]string, error) {
@@ -102,23 +103,23 @@ func (b *bindings) set(dev, user string) {
 	b.m[dev] = user
 }
 
-func (b *bindings) Binding(_ context.Context, dev string) (store.Binding, error) {
+func (b *bindings) Binding(_ context.Context, dev string) (companion.Binding, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	u, ok := b.m[dev]
 	if !ok {
-		return store.Binding{}, store.ErrNotFound
+		return companion.Binding{}, companion.ErrNotFound
 	}
-	return store.Binding{DeviceID: dev, UserID: u}, nil
+	return companion.Binding{DeviceID: dev, UserID: u}, nil
 }
 
-func (b *bindings) ListBindings(_ context.Context, user, _ string, _ int) ([]store.Binding, error) {
+func (b *bindings) ListBindings(_ context.Context, user, _ string, _ int) ([]companion.Binding, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	var out []store.Binding
+	var out []companion.Binding
 	for d, u := range b.m {
 		if u == user {
-			out = append(out, store.Binding{DeviceID: d, UserID: u})
+			out = append(out, companion.Binding{DeviceID: d, UserID: u})
 		}
 	}
 	return out, nil

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/google/uuid"
 	mochi "github.com/mochi-mqtt/server/v2"
@@ -173,7 +175,7 @@ func TestMainEndToEnd(t *testing.T) {
 	repliesTopic, _ := tree.Replies("dev-1")
 	await("succeeded", func(m mqtt.Message) bool {
 		r, err := topics.ParseReply(m.Payload())
-		return m.Topic() == repliesTopic && err == nil && r.CommandID == cmd.ID && r.State == topics.StateSucceeded
+		return m.Topic() == repliesTopic && err == nil && r.CommandID == cmd.ID && r.State == companion.StateSucceeded
 	})
 	if texts := m.Sims()[0].Texts(); len(texts) != 1 || texts[0].Text != "hello" {
 		t.Errorf("texts %+v", texts)

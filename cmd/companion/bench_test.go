@@ -3,9 +3,10 @@ package main
 import (
 	"fmt"
 
-	"github.com/devicecompanion/companion/api"
 	"sync"
 	"testing"
+
+	"github.com/devicecompanion/companion/api"
 )
 
 // BenchmarkAcceptPushText measures POST …/push/text answered 202 (the

@@ -25,6 +25,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/gin-gonic/gin"
 	"github.com/google/uuid"
@@ -218,7 +220,7 @@ func runBareBridge(mqttAddr string, devices []string) error {
 		if err != nil {
 			return
 		}
-		b, _ := json.Marshal(topics.Reply{CommandID: cmd.ID, State: topics.StateSucceeded, At: time.Now().UTC()})
+		b, _ := json.Marshal(topics.Reply{CommandID: cmd.ID, State: companion.StateSucceeded, At: time.Now().UTC()})
 		c.Publish(topic, 1, false, b)
 	}
 	filters := map[string]byte{}

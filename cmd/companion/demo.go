@@ -15,6 +15,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/google/uuid"
 
 	"github.com/devicecompanion/companion/agent"
@@ -194,15 +196,15 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 		BridgeSecret: randomToken("cbs_"),
 	}
 	db := m.DB
-	if err := db.CreateUser(ctx, store.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token), CreatedAt: now}); err != nil {
+	if err := db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token), CreatedAt: now}); err != nil {
 		return f, err
 	}
-	if err := db.CreateBridge(ctx, store.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret), CreatedAt: now}); err != nil && !errors.Is(err, store.ErrExists) {
+	if err := db.CreateBridge(ctx, companion.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret), CreatedAt: now}); err != nil && !errors.Is(err, companion.ErrExists) {
 		return f, err
 	}
 	for i := 1; i <= 3; i++ {
 		dev := DemoDevice{DeviceID: fmt.Sprintf("sim-%03d", i), ClaimCode: claimCode()}
-		err := db.ProvisionDevice(ctx, store.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now, BridgeID: f.BridgeID})
+		err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now, BridgeID: f.BridgeID})
 		if err != nil {
 			return f, err
 		}
@@ -221,10 +223,10 @@ func publishDemoContent(ctx context.Context, db *store.DB) error {
 		_, err := rand.Read(b)
 		return b, err
 	}
-	put := func(size int) (store.Blob, error) {
+	put := func(size int) (companion.Blob, error) {
 		b, err := random(size)
 		if err != nil {
-			return store.Blob{}, err
+			return companion.Blob{}, err
 		}
 		return db.PutBlob(ctx, bytes.NewReader(b), int64(size))
 	}
@@ -241,7 +243,7 @@ func publishDemoContent(ctx context.Context, db *store.DB) error {
 	if err != nil {
 		return err
 	}
-	if err := db.PutFirmware(ctx, store.Firmware{Model: demoModel, Version: "1.1.0", SHA256: fw.SHA256, Size: fw.Size}); err != nil {
+	if err := db.PutFirmware(ctx, companion.Firmware{Model: demoModel, Version: "1.1.0", SHA256: fw.SHA256, Size: fw.Size}); err != nil {
 		return err
 	}
 	for _, v := range []string{"1.0.0", "1.1.0"} {
@@ -249,7 +251,7 @@ func publishDemoContent(ctx context.Context, db *store.DB) error {
 		if err != nil {
 			return err
 		}
-		if err := db.PutAppRelease(ctx, store.AppRelease{AppID: "weather", Version: v, SHA256: pkg.SHA256, Size: pkg.Size}); err != nil {
+		if err := db.PutAppRelease(ctx, companion.AppRelease{AppID: "weather", Version: v, SHA256: pkg.SHA256, Size: pkg.Size}); err != nil {
 			return err
 		}
 	}

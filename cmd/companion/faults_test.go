@@ -21,6 +21,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
@@ -30,7 +32,6 @@ import (
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/sim"
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -184,7 +185,7 @@ func TestBacklogForAbsentBridge(t *testing.T) {
 	accepted := time.Since(start)
 	ctx := context.Background()
 	waitFor(t, "every command handed to Mosquitto", 2*time.Minute, func() bool {
-		q, err := m.DB.OpenCommands(ctx, topics.StateQueued)
+		q, err := m.DB.OpenCommands(ctx, companion.StateQueued)
 		require.NoError(t, err)
 		return len(q) == 0
 	})
@@ -206,11 +207,11 @@ func TestBacklogForAbsentBridge(t *testing.T) {
 
 	n := 0
 	for _, d := range devs {
-		cmds, _, err := m.DB.ListCommands(ctx, store.CommandQuery{DeviceID: d})
+		cmds, _, err := m.DB.ListCommands(ctx, companion.CommandQuery{DeviceID: d})
 		require.NoError(t, err)
 		require.Len(t, cmds, len(ids[d]), "%s", d)
 		for _, c := range cmds {
-			if c.State != topics.StateSucceeded {
+			if c.State != companion.StateSucceeded {
 				t.Errorf("command %s of %s is %s (%v)", c.ID, d, c.State, c.Error)
 			}
 		}
@@ -400,7 +401,7 @@ func TestFailingOrHangingCommandHoldsUpNothing(t *testing.T) {
 		assert.Equal(t, "succeeded", f.user.waitFinal("dev-free", id)["state"])
 	}
 	st := commandState(t, f.user, "dev-hang", hung)
-	require.False(t, topics.Final(st), "the hang ended (%s) before the other devices were done: the test proves nothing", st)
+	require.False(t, companion.IsFinal(st), "the hang ended (%s) before the other devices were done: the test proves nothing", st)
 
 	cmd := f.user.waitFinal("dev-fail", failed)
 	assert.Equal(t, "failed", cmd["state"])
@@ -440,7 +441,7 @@ func TestReplayedAndStaleMessagesChangeNothing(t *testing.T) {
 		if result != nil {
 			r.Result, _ = json.Marshal(result)
 		}
-		if state == topics.StateFailed {
+		if state == companion.StateFailed {
 			r.Error = &topics.Error{Code: "device_error", Message: "replayed failure"}
 		}
 		fake.publish(replies, r, false)
@@ -460,16 +461,16 @@ func TestReplayedAndStaleMessagesChangeNothing(t *testing.T) {
 	c, marker1, marker2, marker3 := cmds[0], cmds[1], cmds[2], cmds[3]
 
 	t.Run("replayed replies", func(t *testing.T) {
-		reply(c, topics.StateDelivered, nil)
-		reply(c, topics.StateSucceeded, map[string]int{"n": 1})
+		reply(c, companion.StateDelivered, nil)
+		reply(c, companion.StateSucceeded, map[string]int{"n": 1})
 		require.Equal(t, "succeeded", f.user.waitFinal("dev-1", c)["state"])
 		before := f.user.do("GET", "/api/v1/devices/dev-1/commands/"+c, nil).Body
 
-		reply(c, topics.StateDelivered, nil)
-		reply(c, topics.StateInProgress, nil)
-		reply(c, topics.StateSucceeded, map[string]int{"n": 2})
-		reply(c, topics.StateFailed, nil)
-		reply(marker1, topics.StateDelivered, nil)
+		reply(c, companion.StateDelivered, nil)
+		reply(c, companion.StateInProgress, nil)
+		reply(c, companion.StateSucceeded, map[string]int{"n": 2})
+		reply(c, companion.StateFailed, nil)
+		reply(marker1, companion.StateDelivered, nil)
 		waitState(t, f.user, "dev-1", marker1, "delivered")
 		assert.JSONEq(t, string(before), string(f.user.do("GET", "/api/v1/devices/dev-1/commands/"+c, nil).Body))
 	})
@@ -478,7 +479,7 @@ func TestReplayedAndStaleMessagesChangeNothing(t *testing.T) {
 		at := time.Now().UTC()
 		status := func(seq uint64, at time.Time, online bool, battery int) {
 			fake.publish(statusTopic, topics.Status{Online: online, Battery: &battery, FirmwareVersion: "1.0.0",
-				Model: "sim-1", Apps: []topics.App{}, BridgeID: f.bridgeID, At: at, Seq: seq}, true)
+				Model: "sim-1", Apps: []companion.App{}, BridgeID: f.bridgeID, At: at, Seq: seq}, true)
 		}
 		status(1000, at, true, 80)
 		waitFor(t, "the first status", 20*time.Second, func() bool {
@@ -489,16 +490,16 @@ func TestReplayedAndStaleMessagesChangeNothing(t *testing.T) {
 		status(999, at.Add(time.Minute), false, 10)   // lower seq, later time
 		status(1000, at.Add(-time.Minute), false, 20) // same seq, earlier time
 		status(1000, at, false, 30)                   // same seq, same time
-		reply(marker2, topics.StateDelivered, nil)
+		reply(marker2, companion.StateDelivered, nil)
 		waitState(t, f.user, "dev-1", marker2, "delivered")
 		assert.JSONEq(t, string(before), string(f.user.do("GET", "/api/v1/devices/dev-1/status", nil).Body))
 	})
 
 	t.Run("reply for an unknown command", func(t *testing.T) {
 		unknown := uuid.Must(uuid.NewV7()).String()
-		reply(unknown, topics.StateSucceeded, nil)
-		reply(other, topics.StateSucceeded, nil) // dev-2's command, on dev-1's topic
-		reply(marker3, topics.StateDelivered, nil)
+		reply(unknown, companion.StateSucceeded, nil)
+		reply(other, companion.StateSucceeded, nil) // dev-2's command, on dev-1's topic
+		reply(marker3, companion.StateDelivered, nil)
 		waitState(t, f.user, "dev-1", marker3, "delivered")
 
 		assert.Equal(t, 404, f.user.do("GET", "/api/v1/devices/dev-1/commands/"+unknown, nil).Status)
@@ -601,7 +602,7 @@ func waitState(tb testing.TB, c *client, dev, id, want string) {
 	tb.Helper()
 	waitFor(tb, fmt.Sprintf("command %s %s", id, want), 30*time.Second, func() bool {
 		st := commandState(tb, c, dev, id)
-		if st != want && topics.Final(st) {
+		if st != want && companion.IsFinal(st) {
 			tb.Fatalf("command %s is %s; want %s", id, st, want)
 		}
 		return st == want

@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -295,7 +297,7 @@ func (c *client) waitFinal(deviceID, id string) map[string]any {
 		r := c.do("GET", "/api/v1/devices/"+deviceID+"/commands/"+id, nil, "Prefer", "wait=10")
 		require.Contains(c.tb, []int{200, 202}, r.Status, "%s", r.Body)
 		cmd := r.JSON(c.tb)
-		if topics.Final(cmd["state"].(string)) {
+		if companion.IsFinal(cmd["state"].(string)) {
 			return cmd
 		}
 		if time.Now().After(deadline) {

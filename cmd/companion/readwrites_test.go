@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -76,7 +78,7 @@ func (fb *fakeBridge) answerWithState(tb testing.TB, bridgeID, deviceID string) 
 
 	battery := 90
 	status := topics.Status{Online: true, Battery: &battery, FirmwareVersion: "1.0.0", Model: sim.DefaultModel,
-		Apps: []topics.App{}, BridgeID: bridgeID, At: time.Now(), Seq: uint64(time.Now().UnixNano())}
+		Apps: []companion.App{}, BridgeID: bridgeID, At: time.Now(), Seq: uint64(time.Now().UnixNano())}
 	settings := topics.Settings{Reported: map[string]any{"brightness": 50}, Schema: sim.DefaultSchema(), At: time.Now(), Seq: uint64(time.Now().UnixNano())}
 	fb.publish(statusTopic, status, true)
 	fb.publish(settingsTopic, settings, true)
@@ -91,13 +93,13 @@ func (fb *fakeBridge) answerWithState(tb testing.TB, bridgeID, deviceID string) 
 		if err != nil {
 			return
 		}
-		reply := topics.Reply{CommandID: c.ID, State: topics.StateSucceeded, At: time.Now()}
+		reply := topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()}
 		seq := uint64(time.Now().UnixNano())
 		switch c.Op {
 		case topics.OpAppInstall:
 			var p topics.AppInstall
 			json.Unmarshal(c.Payload, &p)
-			status.Apps = []topics.App{{AppID: p.AppID, Version: p.Version}}
+			status.Apps = []companion.App{{AppID: p.AppID, Version: p.Version}}
 			status.Seq = seq
 			st := status
 			reply.Status = &st

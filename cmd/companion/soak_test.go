@@ -28,11 +28,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/sim"
-	"github.com/devicecompanion/companion/topics"
 )
 
 const (
@@ -152,7 +153,7 @@ func TestSoak(t *testing.T) {
 		states = c.allStates()
 		open := 0
 		for id := range accepted {
-			if s, ok := states[id]; !ok || !topics.Final(s) {
+			if s, ok := states[id]; !ok || !companion.IsFinal(s) {
 				open++
 			}
 		}
@@ -170,7 +171,7 @@ func TestSoak(t *testing.T) {
 		switch {
 		case !ok:
 			lost = append(lost, id+" (missing)")
-		case !topics.Final(s):
+		case !companion.IsFinal(s):
 			lost = append(lost, id+" ("+s+")")
 		default:
 			byState[s]++
@@ -184,7 +185,7 @@ func TestSoak(t *testing.T) {
 		}
 		for id, n := range counts {
 			executed++
-			if states[id] == topics.StateExpired {
+			if states[id] == companion.StateExpired {
 				expiredRun++ // the device ran a command the server reports expired
 			}
 			if n > 1 {
@@ -204,10 +205,10 @@ func TestSoak(t *testing.T) {
 	fmt.Fprintf(&report, "kills (SIGKILL + restart): server %d, bridge %d, broker %d\n", kills["server"], kills["bridge"], kills["broker"])
 	fmt.Fprintf(&report, "requests %d: accepted %d, no answer %d, rejected %s\n", requests.Load(), len(accepted), refused.Load(), strings.Join(append(rej, "(none)")[:max(1, len(rej))], " "))
 	fmt.Fprintf(&report, "accepted   %d\n", len(accepted))
-	fmt.Fprintf(&report, "succeeded  %d\n", byState[topics.StateSucceeded])
-	fmt.Fprintf(&report, "failed     %d\n", byState[topics.StateFailed])
-	fmt.Fprintf(&report, "expired    %d\n", byState[topics.StateExpired])
-	fmt.Fprintf(&report, "canceled   %d\n", byState[topics.StateCanceled])
+	fmt.Fprintf(&report, "succeeded  %d\n", byState[companion.StateSucceeded])
+	fmt.Fprintf(&report, "failed     %d\n", byState[companion.StateFailed])
+	fmt.Fprintf(&report, "expired    %d\n", byState[companion.StateExpired])
+	fmt.Fprintf(&report, "canceled   %d\n", byState[companion.StateCanceled])
 	fmt.Fprintf(&report, "lost       %d\n", len(lost))
 	fmt.Fprintf(&report, "executed   %d distinct command ids on the devices\n", executed)
 	fmt.Fprintf(&report, "executed-twice %d\n", twice)
@@ -220,7 +221,7 @@ func TestSoak(t *testing.T) {
 	if twice > 0 {
 		t.Errorf("%d commands executed twice", twice)
 	}
-	if byState[topics.StateFailed] > 0 {
+	if byState[companion.StateFailed] > 0 {
 		t.Logf("failed commands (a final state, not a loss): see the server's command list for their errors")
 	}
 }

@@ -16,12 +16,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/sim"
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -185,7 +186,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				replies := must(tree.Replies("dev-1"))
 				status := func(seq uint64, battery int) topics.Status {
 					return topics.Status{Online: true, Battery: &battery, FirmwareVersion: "1.0.0", Model: "sim-1",
-						Apps: []topics.App{}, BridgeID: f.bridgeID, At: time.Now(), Seq: seq}
+						Apps: []companion.App{}, BridgeID: f.bridgeID, At: time.Now(), Seq: seq}
 				}
 				settings := func(seq uint64, brightness int) topics.Settings {
 					return topics.Settings{Reported: map[string]any{"brightness": brightness}, Schema: sim.DefaultSchema(), At: time.Now(), Seq: seq}
@@ -206,7 +207,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				for _, qos := range []byte{0, 1} {
 					p.publishRefused(t, qos, statusTopic, status(1<<60, 1), cmds2)
 					p.publishRefused(t, qos, settingsTopic, settings(1<<60, 1), cmds2)
-					p.publishRefused(t, qos, replies, topics.Reply{CommandID: cmd, State: topics.StateSucceeded, At: time.Now()}, cmds2)
+					p.publishRefused(t, qos, replies, topics.Reply{CommandID: cmd, State: companion.StateSucceeded, At: time.Now()}, cmds2)
 				}
 
 				// Then bridge-1 reports with lower seqs, and says the command
@@ -214,7 +215,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				// messages been taken.
 				fb.publish(statusTopic, status(101, 70), true)
 				fb.publish(settingsTopic, settings(101, 60), true)
-				fb.publish(replies, topics.Reply{CommandID: cmd, State: topics.StateDelivered, At: time.Now()}, false)
+				fb.publish(replies, topics.Reply{CommandID: cmd, State: companion.StateDelivered, At: time.Now()}, false)
 				waitState(t, u, "dev-1", cmd, "delivered")
 				eventually(t, "bridge-1's later status", func() bool {
 					return u.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["battery"] == 70.0
@@ -234,7 +235,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				sum := sha256.Sum256(img)
 				path := "/api/v1/blobs/" + hex.EncodeToString(sum[:])
 				cmd := u.accept("POST", "/api/v1/devices/dev-1/push/image", map[string]any{"image": base64.StdEncoding.EncodeToString(img), "content_type": "image/png"})
-				require.False(t, topics.Final(commandState(t, u, "dev-1", cmd["id"].(string))))
+				require.False(t, companion.IsFinal(commandState(t, u, "dev-1", cmd["id"].(string))))
 
 				as2, as1 := newClient(t, m, f2.bridgeSecret), newClient(t, m, f.bridgeSecret)
 				r := as2.do("GET", path, nil)
@@ -399,7 +400,7 @@ func TestMovingADeviceMovesItsRights(t *testing.T) {
 			require.Equal(t, byte(0x80), b2.subscribe(t, cmds("dev-1")), "bridge-2 read dev-1's commands before the move")
 			first := push("dev-1", "to bridge-1")
 			assert.Equal(t, first, commandOf(t, b1.assertNext(t, text("dev-1"), "dev-1's command")).ID)
-			b, err := json.Marshal(topics.Status{Online: true, FirmwareVersion: "1.0.0", Model: "sim-1", Apps: []topics.App{},
+			b, err := json.Marshal(topics.Status{Online: true, FirmwareVersion: "1.0.0", Model: "sim-1", Apps: []companion.App{},
 				BridgeID: f.bridgeID, At: time.Now(), Seq: 1})
 			require.NoError(t, err)
 			require.NoError(t, mqtt.WaitTokenTimeout(b1.Publish(must(tree.Status("dev-1")), 1, true, b), 10*time.Second))
@@ -436,10 +437,10 @@ func TestMovingADeviceMovesItsRights(t *testing.T) {
 
 			// bridge-1 may not answer for dev-1 now: its "failed" is
 			// refused, and bridge-2's "succeeded" after it ends the command.
-			b1.publishRefused(t, 1, must(tree.Replies("dev-1")), topics.Reply{CommandID: waiting, State: topics.StateFailed,
+			b1.publishRefused(t, 1, must(tree.Replies("dev-1")), topics.Reply{CommandID: waiting, State: companion.StateFailed,
 				Error: &topics.Error{Code: "forged", Message: "by bridge-1"}, At: time.Now()}, cmds("dev-3"))
 			for _, id := range []string{first, waiting} {
-				reply(b2, "dev-1", id, topics.StateSucceeded)
+				reply(b2, "dev-1", id, companion.StateSucceeded)
 				assert.Equal(t, "succeeded", u.waitFinal("dev-1", id)["state"])
 			}
 
@@ -722,5 +723,5 @@ func TestAdminCLIAssignsDevices(t *testing.T) {
 	}
 	assert.Equal(t, "hub-1", bridgeOf("watch-2"), "a refused assignment changed nothing")
 	_, err := m.DB.RegistryDevice(context.Background(), "watch-3")
-	assert.ErrorIs(t, err, store.ErrNotFound, "a device provisioned onto a bridge it may not have")
+	assert.ErrorIs(t, err, companion.ErrNotFound, "a device provisioned onto a bridge it may not have")
 }

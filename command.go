@@ -1,0 +1,113 @@
+package companion
+
+import (
+	"encoding/json"
+	"time"
+)
+
+// Command states (CONTRACT §2). The last four are final.
+const (
+	StateQueued     = "queued"
+	StateSent       = "sent"
+	StateDelivered  = "delivered"
+	StateInProgress = "in_progress"
+	StateSucceeded  = "succeeded"
+	StateFailed     = "failed"
+	StateExpired    = "expired"
+	StateCanceled   = "canceled"
+)
+
+// States lists every command state in lifecycle order.
+var States = []string{StateQueued, StateSent, StateDelivered, StateInProgress, StateSucceeded, StateFailed, StateExpired, StateCanceled}
+
+// ValidState reports whether s is one of States.
+func ValidState(s string) bool {
+	for _, st := range States {
+		if st == s {
+			return true
+		}
+	}
+	return false
+}
+
+// IsFinal reports whether a command in state s can never change again.
+func IsFinal(s string) bool {
+	switch s {
+	case StateSucceeded, StateFailed, StateExpired, StateCanceled:
+		return true
+	}
+	return false
+}
+
+// Rank orders the non-final states so that a late or replayed reply can never
+// move a command backwards; final states rank highest.
+func Rank(s string) int {
+	switch s {
+	case StateQueued:
+		return 0
+	case StateSent:
+		return 1
+	case StateDelivered:
+		return 2
+	case StateInProgress:
+		return 3
+	}
+	if IsFinal(s) {
+		return 4
+	}
+	return -1
+}
+
+// CommandError is why a command failed.
+type CommandError struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Command is one operation on one device and its life so far.
+type Command struct {
+	ID       string          `json:"id"` // UUIDv7, assigned by CreateCommand
+	DeviceID string          `json:"device_id"`
+	UserID   string          `json:"user_id"`
+	Op       string          `json:"op"`
+	State    string          `json:"state"`
+	Progress *int            `json:"progress,omitempty"`
+	Error    *CommandError   `json:"error,omitempty"`
+	Result   json.RawMessage `json:"result,omitempty"`
+	Payload  json.RawMessage `json:"payload,omitempty"` // what the bridge receives
+	// Blob is the SHA-256 of the blob the payload references ("" none):
+	// the bridge serving the device may download it while the command is
+	// not final (CONTRACT §9).
+	Blob      string    `json:"blob,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+	UpdatedAt time.Time `json:"updated_at"`
+	ExpiresAt time.Time `json:"expires_at"`
+}
+
+// CommandQuery selects the commands of one device that ListCommands
+// returns. The zero value of each field but DeviceID selects everything.
+type CommandQuery struct {
+	DeviceID string
+	// UserID keeps only the commands this user sent ("" keeps every
+	// user's): a device keeps its history across owners, and each owner
+	// sees their own.
+	UserID string
+	State  string // only commands in this state ("" for every state)
+	// Before starts the list below this command id, the last of the
+	// previous page ("" starts at the newest).
+	Before string
+	Limit  int // at most this many (<= 0: all)
+}
+
+// Idempotency remembers the first answer to a request carrying an
+// Idempotency-Key, scoped to the user who sent it.
+type Idempotency struct {
+	UserID      string    `json:"user_id"`
+	Key         string    `json:"key"`
+	RequestHash []byte    `json:"request_hash"` // SHA-256 of method, path and body
+	Status      int       `json:"status"`
+	CommandID   string    `json:"command_id,omitempty"` // set when the answer was a command
+	Body        []byte    `json:"body,omitempty"`       // set when it was not
+	Location    string    `json:"location,omitempty"`
+	CreatedAt   time.Time `json:"created_at"`
+}

@@ -1,0 +1,103 @@
+package companion
+
+import (
+	"encoding/json"
+	"time"
+)
+
+// User is an account of the service. Its API token is kept only as a
+// SHA-256 hash: tokens are 256-bit random strings, so a fast hash is enough.
+type User struct {
+	ID        string    `json:"id"` // a UUID
+	Name      string    `json:"name"`
+	TokenHash []byte    `json:"token_hash"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// RegistryDevice is a device as provisioned by the operator, before and
+// after anyone binds it.
+type RegistryDevice struct {
+	ID        string    `json:"id"`
+	Model     string    `json:"model"`
+	ClaimHash []byte    `json:"claim_hash"` // SHA-256 of the claim code
+	CreatedAt time.Time `json:"created_at"`
+	// BridgeID is the bridge the device is assigned to ("" none). It is
+	// kept apart (the assignments bucket): ProvisionDevice assigns it, and
+	// RegistryDevice reads it back.
+	BridgeID string `json:"-"`
+}
+
+// Bridge is an edge agent allowed onto the broker. It serves the devices
+// assigned to it (CONTRACT §9).
+type Bridge struct {
+	ID         string    `json:"id"`
+	SecretHash []byte    `json:"secret_hash"`
+	CreatedAt  time.Time `json:"created_at"`
+	// OwnerID is the user whose own bridge it is (a phone, a home hub): it
+	// serves only devices bound to that user. "" is one of the operator's.
+	OwnerID string `json:"owner_id,omitempty"`
+}
+
+// Binding ties a device to the user who registered it.
+type Binding struct {
+	DeviceID string    `json:"device_id"`
+	UserID   string    `json:"user_id"`
+	Name     string    `json:"name"`
+	Model    string    `json:"model"`
+	BoundAt  time.Time `json:"bound_at"`
+}
+
+// App is an installed app as a device last reported it.
+type App struct {
+	AppID   string `json:"app_id"`
+	Version string `json:"version"`
+}
+
+// Status is a device's last reported status. The zero value is the status
+// of a device that never reported: offline, battery unknown.
+type Status struct {
+	DeviceID        string    `json:"device_id"`
+	Online          bool      `json:"online"`
+	Battery         *int      `json:"battery"`
+	FirmwareVersion string    `json:"firmware_version"`
+	Model           string    `json:"model"`
+	Apps            []App     `json:"apps"`
+	BridgeID        string    `json:"bridge_id"`
+	LastSeen        time.Time `json:"last_seen"`  // the At of the last report
+	UpdatedAt       time.Time `json:"updated_at"` // when the store last changed it
+	Seq             uint64    `json:"seq"`
+}
+
+// Settings holds a device's settings as reported, as desired by its user,
+// and the schema the device declared. Values are JSON values.
+type Settings struct {
+	DeviceID  string                     `json:"device_id"`
+	Reported  map[string]json.RawMessage `json:"reported"`
+	Desired   map[string]json.RawMessage `json:"desired"`
+	Schema    json.RawMessage            `json:"schema"` // a topics.Schema as JSON
+	At        time.Time                  `json:"at"`     // the At of the last report
+	Seq       uint64                     `json:"seq"`
+	UpdatedAt time.Time                  `json:"updated_at"`
+}
+
+// BoundDevice is a device bound to a user, with its last reported status.
+type BoundDevice struct {
+	Binding Binding
+	Status  Status // as Status returns it: the zero Status with DeviceID set before any report
+}
+
+// DeviceReport is the state of a device that came with a reply to one of
+// its commands: what the command changed.
+type DeviceReport struct {
+	Status   *Status           // stored as PutStatus stores it
+	Settings *ReportedSettings // stored as PutReportedSettings stores it
+}
+
+// ReportedSettings are settings as a device reported them: each value and
+// the schema as JSON.
+type ReportedSettings struct {
+	Reported map[string]json.RawMessage
+	Schema   json.RawMessage // kept as stored when empty
+	At       time.Time
+	Seq      uint64
+}
