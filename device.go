@@ -1,7 +1,9 @@
 package companion
 
 import (
+	"bytes"
 	"encoding/json"
+	"fmt"
 	"time"
 )
 
@@ -100,4 +102,33 @@ type ReportedSettings struct {
 	Schema   json.RawMessage // kept as stored when empty
 	At       time.Time
 	Seq      uint64
+}
+
+// NewReportedSettings checks and compacts settings as a device reported
+// them: each value and the schema must be JSON (ErrInvalid otherwise).
+func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (ReportedSettings, error) {
+	r := ReportedSettings{Reported: make(map[string]json.RawMessage, len(reported)), At: at, Seq: seq}
+	for k, v := range reported {
+		c, err := compactJSON(v)
+		if err != nil {
+			return ReportedSettings{}, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err)
+		}
+		r.Reported[k] = c
+	}
+	if len(schema) > 0 {
+		c, err := compactJSON(schema)
+		if err != nil {
+			return ReportedSettings{}, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err)
+		}
+		r.Schema = c
+	}
+	return r, nil
+}
+
+func compactJSON(v json.RawMessage) (json.RawMessage, error) {
+	var buf bytes.Buffer
+	if err := json.Compact(&buf, v); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
 }

@@ -341,6 +341,6 @@ func (s *Server) getBlob(c *gin.Context) error {
 	h.Set("Content-Type", "application/octet-stream")
 	h.Set("ETag", `"`+blob.SHA256+`"`)
 	h.Set("Cache-Control", "private, max-age=31536000, immutable")
-	http.ServeContent(c.Writer, c.Request, "", blob.CreatedAt, io.ReadSeeker(f))
+	http.ServeContent(c.Writer, c.Request, "", blob.CreatedAt, f)
 	return nil
 }

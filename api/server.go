@@ -10,7 +10,6 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"os"
 	"sync"
 	"time"
 
@@ -64,7 +63,7 @@ type Store interface {
 	LatestApps(ctx context.Context) ([]companion.AppRelease, error)
 
 	PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error)
-	OpenBlob(ctx context.Context, sha string) (*os.File, companion.Blob, error)
+	OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, companion.Blob, error)
 }
 
 // Commander is what the API needs of the command broker.

@@ -16,7 +16,6 @@ import (
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/devicecompanion/companion/internal/pahostore"
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -656,7 +655,7 @@ func reportedSettings(s topics.Settings) (companion.ReportedSettings, error) {
 	if err != nil {
 		return companion.ReportedSettings{}, fmt.Errorf("schema: %w", err)
 	}
-	return store.NewReportedSettings(reported, schema, s.At, s.Seq)
+	return companion.NewReportedSettings(reported, schema, s.At, s.Seq)
 }
 
 // Submit stores a command as queued (durably) and hands it to the outbox.

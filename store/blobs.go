@@ -113,7 +113,7 @@ func (db *DB) Blob(ctx context.Context, sha string) (companion.Blob, error) {
 // OpenBlob opens the file of the blob for reading; the caller closes it.
 // It returns ErrNotFound as Blob does. A recorded blob whose file is gone
 // is an error of its own, not ErrNotFound: the data directory is damaged.
-func (db *DB) OpenBlob(ctx context.Context, sha string) (*os.File, companion.Blob, error) {
+func (db *DB) OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, companion.Blob, error) {
 	b, err := db.Blob(ctx, sha)
 	if err != nil {
 		return nil, companion.Blob{}, err

@@ -1,20 +1,12 @@
 package store
 
 import (
-	"encoding/json"
 	"fmt"
-	"time"
 
 	"github.com/devicecompanion/companion"
 
 	bolt "go.etcd.io/bbolt"
 )
-
-// NewReportedSettings checks and compacts settings as a device reported
-// them, for a DeviceReport.
-func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (companion.ReportedSettings, error) {
-	return newReportedSettings(reported, schema, at, seq)
-}
 
 // UpdateCommandWithReportAsync is UpdateCommandAsync that also stores the
 // device's state that came with the change, in the same transaction and

@@ -22,7 +22,7 @@ func TestUpdateCommandWithReport(t *testing.T) {
 	if _, err := db.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, FirmwareVersion: "1.0.0", Seq: 10}); err != nil {
 		t.Fatal(err)
 	}
-	settings, err := NewReportedSettings(map[string]json.RawMessage{"volume": json.RawMessage(`70`)}, nil, time.Now(), 11)
+	settings, err := companion.NewReportedSettings(map[string]json.RawMessage{"volume": json.RawMessage(`70`)}, nil, time.Now(), 11)
 	if err != nil {
 		t.Fatal(err)
 	}

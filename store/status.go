@@ -247,7 +247,7 @@ func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json
 		done(false, fmt.Errorf("%w: settings need a device id", companion.ErrInvalid))
 		return
 	}
-	r, err := newReportedSettings(reported, schema, at, seq)
+	r, err := companion.NewReportedSettings(reported, schema, at, seq)
 	if err != nil {
 		done(false, err)
 		return
@@ -258,26 +258,6 @@ func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json
 		applied, err = db.putReportedSettings(tx, deviceID, r)
 		return err
 	}, func(err error) { done(applied && err == nil, err) })
-}
-
-// newReportedSettings checks and compacts what a device reported.
-func newReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (companion.ReportedSettings, error) {
-	r := companion.ReportedSettings{Reported: make(map[string]json.RawMessage, len(reported)), At: at, Seq: seq}
-	for k, v := range reported {
-		c, err := compact(v)
-		if err != nil {
-			return companion.ReportedSettings{}, fmt.Errorf("%w: reported setting %q: %v", companion.ErrInvalid, k, err)
-		}
-		r.Reported[k] = c
-	}
-	if len(schema) > 0 {
-		c, err := compact(schema)
-		if err != nil {
-			return companion.ReportedSettings{}, fmt.Errorf("%w: settings schema: %v", companion.ErrInvalid, err)
-		}
-		r.Schema = c
-	}
-	return r, nil
 }
 
 // putReportedSettings is PutReportedSettings inside a write transaction;

@@ -438,3 +438,5 @@ func cloneRaw(m json.RawMessage) json.RawMessage {
 	}
 	return bytes.Clone(m)
 }
+
+var _ companion.Store = (*DB)(nil)

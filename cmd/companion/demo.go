@@ -24,7 +24,6 @@ import (
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
-	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -135,7 +134,7 @@ const demoReadyTimeout = 10 * time.Second
 // through the bridge (over the simulated Bluetooth link that takes a few
 // round trips), so that the quick start's lines work the moment they are
 // printed. It gives up quietly after demoReadyTimeout.
-func (d *Demo) awaitReports(ctx context.Context, db *store.DB) {
+func (d *Demo) awaitReports(ctx context.Context, db companion.Store) {
 	ctx, cancel := context.WithTimeout(ctx, demoReadyTimeout)
 	defer cancel()
 	tick := time.NewTicker(20 * time.Millisecond)
@@ -217,7 +216,7 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 	return f, writeDemo(path, f)
 }
 
-func publishDemoContent(ctx context.Context, db *store.DB) error {
+func publishDemoContent(ctx context.Context, db companion.Store) error {
 	random := func(size int) ([]byte, error) {
 		b := make([]byte, size)
 		_, err := rand.Read(b)

@@ -19,6 +19,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/broker/dynsec"
@@ -158,7 +159,7 @@ type Main struct {
 	Config Config
 	Logger *slog.Logger
 
-	DB     *store.DB
+	DB     companion.Store
 	MQTT   *embedded.Server // nil with --mqtt-url
 	Broker *broker.Broker
 	Dynsec *dynsec.Driver // with --mqtt-url and --mqtt-dynsec
@@ -244,13 +245,13 @@ func (m *Main) Run(ctx context.Context) error {
 			return fmt.Errorf("--pprof: %w", err)
 		}
 	}
-	m.DB, err = store.Open(filepath.Join(cfg.Data, "companion.db"), store.Options{Now: cfg.Now, Logger: m.Logger})
+	bdb, err := store.Open(filepath.Join(cfg.Data, "companion.db"), store.Options{Now: cfg.Now, Logger: m.Logger})
 	if err != nil {
 		return err
 	}
+	m.DB = bdb
 	if m.PProf != nil {
-		db := m.DB
-		pprofserver.Publish("store", func() any { return db.WriteStats() })
+		pprofserver.Publish("store", func() any { return bdb.WriteStats() })
 	}
 	if m.adminToken, err = loadAdminToken(cfg); err != nil {
 		return err

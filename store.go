@@ -1,0 +1,89 @@
+package companion
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"time"
+)
+
+// Store is everything the service keeps, whatever the engine: store.DB
+// (bbolt, one process) and postgres.Store (PostgreSQL, any number of
+// server replicas) implement it, and store/storetest holds the tests both
+// pass. Its users declare the part they need (api.Store, broker.Store,
+// broker.AccountStore, dynsec.Store); the server wires a whole Store.
+//
+// Lookups of what does not exist return ErrNotFound. Writes are durable
+// when they return nil (or when their done func is called with nil): a
+// 202 means committed. The ...Async methods return at once and call done
+// from another goroutine when the write is durable; writes to one device
+// are applied in the order they were made.
+type Store interface {
+	CreateUser(ctx context.Context, u User) error
+	User(ctx context.Context, id string) (User, error)
+	UserByTokenHash(ctx context.Context, hash []byte) (User, error)
+
+	ProvisionDevice(ctx context.Context, d RegistryDevice) error
+	RegistryDevice(ctx context.Context, id string) (RegistryDevice, error)
+
+	CreateBridge(ctx context.Context, b Bridge) error
+	Bridge(ctx context.Context, id string) (Bridge, error)
+	BridgeBySecretHash(ctx context.Context, hash []byte) (Bridge, error)
+	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]Bridge, bool, error)
+	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
+	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (previous string, err error)
+	DeviceBridge(ctx context.Context, deviceID string) (string, error)
+	BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error)
+	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
+	BridgeDevices(ctx context.Context, bridgeID string) ([]string, error)
+	BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error)
+
+	Bind(ctx context.Context, b Binding) (Binding, bool, error)
+	Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error)
+	Binding(ctx context.Context, deviceID string) (Binding, error)
+	ListBindings(ctx context.Context, userID, after string, limit int) ([]Binding, error)
+	ListDevices(ctx context.Context, userID, after string, limit int) ([]BoundDevice, error)
+
+	Status(ctx context.Context, deviceID string) (Status, error)
+	PutStatus(ctx context.Context, s Status) (applied bool, err error)
+	PutStatusAsync(s Status, done func(applied bool, err error))
+	MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error)
+	MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, err error))
+	Settings(ctx context.Context, deviceID string) (Settings, error)
+	PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
+	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
+	MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error
+
+	CreateCommand(ctx context.Context, c Command, maxOpen int, idem *Idempotency) (cmd Command, replay bool, err error)
+	CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done func(cmd Command, replay bool, err error))
+	Command(ctx context.Context, id string) (Command, error)
+	UpdateCommand(ctx context.Context, id string, fn func(*Command) error) (Command, error)
+	UpdateCommandAsync(id string, fn func(*Command) error, done func(Command, error))
+	UpdateCommandWithReportAsync(id string, fn func(*Command) error, report DeviceReport, done func(Command, error))
+	ListCommands(ctx context.Context, q CommandQuery) (page []Command, more bool, err error)
+	OpenCommands(ctx context.Context, states ...string) ([]Command, error)
+	ExpiredCommands(ctx context.Context, now time.Time) ([]Command, error)
+	CountOpen(ctx context.Context, deviceID string) (int, error)
+	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
+
+	Idempotency(ctx context.Context, userID, key string) (Idempotency, error)
+	PutIdempotency(ctx context.Context, rec Idempotency) error
+	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
+
+	PutFirmware(ctx context.Context, f Firmware) error
+	Firmware(ctx context.Context, model, version string) (Firmware, error)
+	Firmwares(ctx context.Context, model string) ([]Firmware, error)
+	PutAppRelease(ctx context.Context, a AppRelease) error
+	AppRelease(ctx context.Context, appID, version string) (AppRelease, error)
+	AppReleases(ctx context.Context, appID string) ([]AppRelease, error)
+	LatestApps(ctx context.Context) ([]AppRelease, error)
+
+	// PutBlob stores what r holds (at most max bytes: ErrTooLarge) under
+	// its SHA-256; storing the same content again is not an error.
+	PutBlob(ctx context.Context, r io.Reader, max int64) (Blob, error)
+	Blob(ctx context.Context, sha string) (Blob, error)
+	// OpenBlob opens a blob for reading; the caller closes it.
+	OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, Blob, error)
+
+	Close() error
+}
