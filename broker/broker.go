@@ -797,6 +797,26 @@ func (b *Broker) forget(id string, ch chan companion.Command) {
 	}
 }
 
+// CommandChanged says another replica changed command id in the shared
+// store (the store's notification): those waiting here for it are
+// answered if it is final now. It costs nothing when nobody here waits.
+func (b *Broker) CommandChanged(ctx context.Context, id string) {
+	b.mu.Lock()
+	waited := len(b.waiters[id]) > 0
+	b.mu.Unlock()
+	if !waited {
+		return
+	}
+	cmd, err := b.st.Command(ctx, id)
+	if err != nil {
+		b.log.Warn("a changed command could not be read", "command_id", id, "err", err)
+		return
+	}
+	if companion.IsFinal(cmd.State) {
+		b.notify(cmd)
+	}
+}
+
 // notify hands a command that became final to those waiting for it.
 func (b *Broker) notify(cmd companion.Command) {
 	b.mu.Lock()

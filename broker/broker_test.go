@@ -520,3 +520,45 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	}
 	assert.NotEqual(t, companion.StateSucceeded, state(t, e, waiting[0].ID).State, "a forged reply was taken")
 }
+
+// A command that another replica finishes in the shared store answers the
+// waiters here once the store says it changed (CONTRACT §11: a Prefer:
+// wait on any replica, whichever replica takes the reply in).
+func TestWaitersHearOfAnotherReplicasFinalState(t *testing.T) {
+	e := newEnv(t, false)
+	ctx := context.Background()
+	// Stored by "another replica": straight into the store, not through
+	// this broker.
+	cmd, _, err := e.db.CreateCommand(ctx, companion.Command{DeviceID: "dev-1", UserID: "u1", Op: "text.push",
+		Payload: []byte(`{}`), ExpiresAt: e.clock.Now().Add(time.Hour)}, 0, nil)
+	require.NoError(t, err)
+
+	got := make(chan companion.Command, 1)
+	go func() {
+		c, _ := e.b.Wait(ctx, cmd.ID)
+		got <- c
+	}()
+	waitFor(t, "a waiter", func() bool {
+		e.b.mu.Lock()
+		defer e.b.mu.Unlock()
+		return len(e.b.waiters[cmd.ID]) == 1
+	})
+	e.b.CommandChanged(ctx, cmd.ID) // not final yet: the waiter keeps waiting
+	select {
+	case c := <-got:
+		t.Fatalf("Wait returned %s before the command was final", c.State)
+	default:
+	}
+	_, err = e.db.UpdateCommand(ctx, cmd.ID, func(c *companion.Command) error {
+		c.State = companion.StateSucceeded
+		return nil
+	})
+	require.NoError(t, err)
+	e.b.CommandChanged(ctx, cmd.ID)
+	select {
+	case c := <-got:
+		assert.Equal(t, companion.StateSucceeded, c.State)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiter did not hear of the final state")
+	}
+}
