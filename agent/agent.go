@@ -39,6 +39,7 @@ import (
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/devicecompanion/companion/internal/pahostore"
+	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -164,8 +165,9 @@ func New(opts Options) (*Agent, error) {
 	if !topics.ValidBridgeID(opts.BridgeID) {
 		return nil, fmt.Errorf("agent: invalid bridge id %q", opts.BridgeID)
 	}
-	if opts.MQTTURL == "" {
-		return nil, errors.New("agent: no MQTT URL")
+	urls, err := tlsclient.BrokerURLs(opts.MQTTURL)
+	if err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
 	}
 	if opts.DataDir == "" {
 		return nil, errors.New("agent: no data directory")
@@ -218,7 +220,6 @@ func New(opts Options) (*Agent, error) {
 		a.devices[id] = dr
 		a.order = append(a.order, dr)
 	}
-	var err error
 	if a.stateTopic, err = a.tree.BridgeState(opts.BridgeID); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
@@ -244,9 +245,11 @@ func New(opts Options) (*Agent, error) {
 	}
 	a.resync.Store(true)
 
-	co := mqtt.NewClientOptions().
-		AddBroker(opts.MQTTURL).
-		SetClientID("companion-bridge-"+opts.BridgeID).
+	co := mqtt.NewClientOptions()
+	for _, u := range urls {
+		co.AddBroker(u)
+	}
+	co.SetClientID("companion-bridge-"+opts.BridgeID).
 		SetUsername(opts.Username).
 		SetPassword(opts.Password).
 		SetCleanSession(false).

@@ -16,6 +16,7 @@ import (
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/devicecompanion/companion/internal/pahostore"
+	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -46,7 +47,10 @@ type Store interface {
 type Options struct {
 	Store Store // required
 
-	MQTTURL   string // required: tcp://host:port, mqtt://, ssl://, tls:// or mqtts://
+	// MQTTURL is required: tcp://host:port, mqtt://, ssl://, tls:// or
+	// mqtts://, or a comma-separated list of them (a cluster's nodes,
+	// tried in turn on every connect: paho fails over between them).
+	MQTTURL   string
 	Username  string
 	Password  string
 	ClientID  string      // default "companion-server"
@@ -105,8 +109,9 @@ func New(opts Options) (*Broker, error) {
 	if opts.Store == nil {
 		return nil, errors.New("broker: no store")
 	}
-	if opts.MQTTURL == "" {
-		return nil, errors.New("broker: no MQTT URL")
+	urls, err := tlsclient.BrokerURLs(opts.MQTTURL)
+	if err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
 	}
 	if opts.ClientID == "" {
 		opts.ClientID = "companion-server"
@@ -156,9 +161,11 @@ func New(opts Options) (*Broker, error) {
 		quit:      make(chan struct{}),
 	}
 
-	co := mqtt.NewClientOptions().
-		AddBroker(opts.MQTTURL).
-		SetClientID(opts.ClientID).
+	co := mqtt.NewClientOptions()
+	for _, u := range urls {
+		co.AddBroker(u)
+	}
+	co.SetClientID(opts.ClientID).
 		SetUsername(opts.Username).
 		SetPassword(opts.Password).
 		// A persistent session: replies published while the server is away

@@ -137,7 +137,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs := flag.NewFlagSet("companion-bridge", flag.ContinueOnError)
 	fs.SetOutput(m.Stderr)
 	var simDevices, devices string
-	fs.StringVar(&c.MQTTURL, "mqtt-url", c.MQTTURL, "MQTT broker `URL` (tcp://, ssl://, ws://)")
+	fs.StringVar(&c.MQTTURL, "mqtt-url", c.MQTTURL, "MQTT broker `URL` (tcp://, ssl://, ws://), or a comma-separated list of a cluster's nodes to fail over between")
 	fs.StringVar(&c.APIURL, "api-url", c.APIURL, "server base `URL` for blob downloads")
 	fs.StringVar(&c.BridgeID, "bridge-id", c.BridgeID, "this bridge's `id` (companion bridge create ID)")
 	fs.StringVar(&c.BridgeSecret, "bridge-secret", c.BridgeSecret, "this bridge's `secret`")

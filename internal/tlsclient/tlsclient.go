@@ -37,9 +37,32 @@ func HTTPClient(c *tls.Config) *http.Client {
 	return &http.Client{Transport: t}
 }
 
-// IsTLSURL reports whether paho dials a broker URL over TLS.
+// BrokerURLs splits a comma-separated list of broker URLs (a cluster's
+// nodes, which paho tries in turn and fails over between), dropping empty
+// entries. All must be TLS or none: one TLS setting serves them all.
+func BrokerURLs(list string) ([]string, error) {
+	var urls []string
+	for _, u := range strings.Split(list, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	if len(urls) == 0 {
+		return nil, fmt.Errorf("no broker URL in %q", list)
+	}
+	for _, u := range urls[1:] {
+		if IsTLSURL(u) != IsTLSURL(urls[0]) {
+			return nil, fmt.Errorf("broker URLs %s and %s: all TLS or none", urls[0], u)
+		}
+	}
+	return urls, nil
+}
+
+// IsTLSURL reports whether paho dials a broker URL (the first of a list)
+// over TLS.
 func IsTLSURL(url string) bool {
-	scheme, _, _ := strings.Cut(url, "://")
+	url, _, _ = strings.Cut(url, ",")
+	scheme, _, _ := strings.Cut(strings.TrimSpace(url), "://")
 	switch scheme {
 	case "ssl", "tls", "mqtts", "mqtt+ssl", "tcps", "wss":
 		return true

@@ -31,3 +31,18 @@ func TestIsTLSURL(t *testing.T) {
 		}
 	}
 }
+
+func TestBrokerURLs(t *testing.T) {
+	got, err := BrokerURLs(" tcp://a:1883, ,tcp://b:1883,tcp://c:1883 ")
+	if err != nil || len(got) != 3 || got[0] != "tcp://a:1883" || got[2] != "tcp://c:1883" {
+		t.Errorf("BrokerURLs = %q, %v", got, err)
+	}
+	for _, bad := range []string{"", " , ", "tcp://a:1883,mqtts://b:8883"} {
+		if _, err := BrokerURLs(bad); err == nil {
+			t.Errorf("BrokerURLs(%q) took it", bad)
+		}
+	}
+	if !IsTLSURL("mqtts://a:8883,mqtts://b:8883") || IsTLSURL("tcp://a:1883,tcp://b:1883") {
+		t.Error("IsTLSURL of a list goes by its first URL")
+	}
+}

@@ -1,0 +1,84 @@
+package storetest
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/devicecompanion/companion"
+)
+
+func testBlobNeeded(t *testing.T, open Opener) {
+	subtests(t, open, []namedTest{
+		{"Rules", testBlobNeededRules},
+	})
+}
+
+// BlobNeeded: a bridge may download a blob exactly while an unfinished
+// command of a device it serves now references it (CONTRACT §9).
+func testBlobNeededRules(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	tenancy(t, s)
+	assign(t, s, "d1", "op1", "")
+	assign(t, s, "d2", "op2", "")
+	shaA, shaB := strings.Repeat("a", 64), strings.Repeat("b", 64)
+	withBlob := func(dev, sha string) companion.Command {
+		c := newCmd(dev)
+		c.Op, c.Payload, c.Blob = "push.image", raw(`{"blob":{"sha256":"`+sha+`"}}`), sha
+		return create(t, s, c)
+	}
+	needed := func(sha, bridge string, want bool) {
+		t.Helper()
+		if got, err := s.BlobNeeded(ctx, sha, bridge); err != nil || got != want {
+			t.Errorf("BlobNeeded(%.4s…, %q) = %v, %v; want %v", sha, bridge, got, err, want)
+		}
+	}
+
+	needed(shaA, "op1", false) // nothing references it yet
+	a1, a2 := withBlob("d1", shaA), withBlob("d1", shaA)
+	b3 := withBlob("d3", shaB) // d3: no bridge serves it
+	create(t, s, newCmd("d2"))
+	needed(shaA, "op1", true)
+	needed(shaA, "op2", false) // another bridge's device
+	needed(shaB, "op1", false)
+	needed(shaB, "op2", false)
+	needed(strings.Repeat("c", 64), "op1", false)
+	needed(shaA, "nope", false)
+	needed("", "op1", false)
+	needed(shaA, "", false)
+
+	assign(t, s, "d3", "op2", "")
+	needed(shaB, "op2", true)
+
+	// While one command still needs it, the blob stays needed; a command
+	// that moved on but is not final still needs it.
+	setState(t, s, a1.ID, companion.StateSucceeded)
+	needed(shaA, "op1", true)
+	setState(t, s, a2.ID, companion.StateInProgress)
+	needed(shaA, "op1", true)
+	// Moving the device moves the right.
+	assign(t, s, "d1", "op2", "")
+	needed(shaA, "op1", false)
+	needed(shaA, "op2", true)
+	setState(t, s, a2.ID, companion.StateFailed)
+	setState(t, s, b3.ID, companion.StateExpired)
+	needed(shaA, "op2", false)
+	needed(shaB, "op2", false)
+
+	// A user's own bridge: only while it serves the device.
+	a4 := withBlob("d4", shaA)
+	needed(shaA, "u1-hub", false)
+	assign(t, s, "d4", "u1-hub", "u1")
+	needed(shaA, "u1-hub", true)
+	if _, err := s.Unbind(ctx, "d4", "u1"); err != nil {
+		t.Fatalf("Unbind(d4) = %v", err)
+	}
+	needed(shaA, "u1-hub", false)
+	assign(t, s, "d4", "op1", "")
+	needed(shaA, "op1", true)
+	// A deleted bridge serves nothing.
+	if _, err := s.DeleteBridge(ctx, "op1", ""); err != nil {
+		t.Fatalf("DeleteBridge(op1) = %v", err)
+	}
+	needed(shaA, "op1", false)
+	setState(t, s, a4.ID, companion.StateCanceled)
+}

@@ -1,0 +1,270 @@
+package storetest
+
+import (
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func testStatus(t *testing.T, open Opener) {
+	subtests(t, open, []namedTest{
+		{"NeverReported", func(t *testing.T, s companion.Store) {
+			st, err := s.Status(t.Context(), "d1")
+			require.NoError(t, err)
+			if st.DeviceID != "d1" || st.Online || st.Battery != nil || st.Seq != 0 || !st.UpdatedAt.IsZero() || !st.LastSeen.IsZero() {
+				t.Errorf("Status(d1) = %+v; want the zero status of d1", st)
+			}
+		}},
+		{"Ordering", testPutStatusOrdering},
+		{"Invalid", func(t *testing.T, s companion.Store) {
+			_, err := s.PutStatus(t.Context(), companion.Status{Seq: 1})
+			assert.ErrorIs(t, err, companion.ErrInvalid, "PutStatus(no device)")
+			_, err = s.PutStatus(t.Context(), companion.Status{DeviceID: "a\x00b", Seq: 1})
+			assert.ErrorIs(t, err, companion.ErrInvalid, "PutStatus(NUL in device id)")
+		}},
+		{"MarkBridgeOffline", testMarkBridgeOffline},
+	})
+}
+
+// A report replaces the stored status when its seq is higher, or equal
+// with a later time; never an older one.
+func testPutStatusOrdering(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	t0 := now().Add(-72 * time.Hour)
+
+	// Each step is applied to the state the previous steps left.
+	steps := []struct {
+		name        string
+		seq         uint64
+		at          time.Time
+		battery     int
+		wantApplied bool
+		wantBattery int
+	}{
+		{"first report", 10, t0, 90, true, 90},
+		{"higher seq", 20, t0.Add(time.Second), 80, true, 80},
+		{"lower seq, later time", 15, t0.Add(time.Hour), 70, false, 80},
+		{"same seq, same time", 20, t0.Add(time.Second), 60, false, 80},
+		{"same seq, earlier time", 20, t0, 60, false, 80},
+		{"same seq, later time", 20, t0.Add(2 * time.Second), 50, true, 50},
+		{"seq zero", 0, t0.Add(48 * time.Hour), 40, false, 50},
+		{"much higher seq, earlier time", 1 << 40, t0.Add(-time.Hour), 30, true, 30},
+	}
+	var last companion.Status
+	for _, st := range steps {
+		applied, err := s.PutStatus(ctx, companion.Status{
+			DeviceID: "d1", Online: true, Battery: intp(st.battery), BridgeID: "br1",
+			FirmwareVersion: "1.0.0", Model: "sim-1", Apps: []companion.App{{AppID: "clock", Version: "1.0.0"}},
+			LastSeen: st.at, Seq: st.seq,
+		})
+		require.NoError(t, err, "%s: PutStatus", st.name)
+		assert.Equal(t, st.wantApplied, applied, "%s: PutStatus(seq %d) applied", st.name, st.seq)
+		got, err := s.Status(ctx, "d1")
+		require.NoError(t, err)
+		if got.Battery == nil || *got.Battery != st.wantBattery {
+			t.Errorf("%s: battery = %v; want %d", st.name, got.Battery, st.wantBattery)
+		}
+		if applied {
+			assert.Equal(t, st.seq, got.Seq, "%s: Seq", st.name)
+			assert.True(t, got.LastSeen.Equal(st.at), "%s: LastSeen = %v; want %v", st.name, got.LastSeen, st.at)
+			near(t, st.name+": UpdatedAt", got.UpdatedAt)
+			assert.False(t, got.UpdatedAt.Before(last.UpdatedAt), "%s: UpdatedAt %v went back from %v", st.name, got.UpdatedAt, last.UpdatedAt)
+		} else {
+			sameStatus(t, st.name+": a report not applied changes nothing", got, last)
+		}
+		last = got
+	}
+	assert.Equal(t, "d1", last.DeviceID)
+	assert.True(t, last.Online)
+	assert.Equal(t, "br1", last.BridgeID)
+	assert.Equal(t, "1.0.0", last.FirmwareVersion)
+	assert.Equal(t, "sim-1", last.Model)
+	assert.Equal(t, []companion.App{{AppID: "clock", Version: "1.0.0"}}, last.Apps)
+}
+
+func testMarkBridgeOffline(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	put := func(dev, bridge string, seq uint64) {
+		t.Helper()
+		ok, err := s.PutStatus(ctx, companion.Status{DeviceID: dev, Online: true, BridgeID: bridge, LastSeen: now(), Seq: seq})
+		require.NoError(t, err, "PutStatus(%s, %s)", dev, bridge)
+		require.True(t, ok, "PutStatus(%s, %s) applied", dev, bridge)
+	}
+	put("d1", "br1", 1)
+	put("d2", "br1", 1)
+	put("d3", "br2", 1)
+	put("d4", "br1", 1)
+	put("d4", "br2", 2) // d4 moved to br2: br1's Will must not touch it
+	ids, err := s.BridgeDevices(ctx, "br1")
+	require.NoError(t, err)
+	assert.Equal(t, []string{"d1", "d2"}, ids, "BridgeDevices(br1)")
+	ids, err = s.BridgeDevices(ctx, "br2")
+	require.NoError(t, err)
+	assert.Equal(t, []string{"d3", "d4"}, ids, "BridgeDevices(br2)")
+
+	before := map[string]companion.Status{}
+	for _, dev := range []string{"d1", "d2", "d3", "d4"} {
+		before[dev], err = s.Status(ctx, dev)
+		require.NoError(t, err)
+	}
+	ids, err = s.MarkBridgeOffline(ctx, "br1")
+	require.NoError(t, err)
+	assert.Equal(t, []string{"d1", "d2"}, ids, "MarkBridgeOffline(br1)")
+	for _, c := range []struct {
+		dev    string
+		online bool
+	}{{"d1", false}, {"d2", false}, {"d3", true}, {"d4", true}} {
+		st, err := s.Status(ctx, c.dev)
+		require.NoError(t, err)
+		assert.Equal(t, c.online, st.Online, "Status(%s).Online", c.dev)
+		if c.online {
+			sameStatus(t, "Status("+c.dev+") of another bridge", st, before[c.dev])
+			continue
+		}
+		// Seq and LastSeen are kept, so the bridge's next report applies.
+		assert.Equal(t, uint64(1), st.Seq, "Status(%s).Seq", c.dev)
+		assert.True(t, st.LastSeen.Equal(before[c.dev].LastSeen), "Status(%s).LastSeen = %v; want kept %v", c.dev, st.LastSeen, before[c.dev].LastSeen)
+		assert.Equal(t, "br1", st.BridgeID, "Status(%s).BridgeID", c.dev)
+		near(t, "Status("+c.dev+").UpdatedAt", st.UpdatedAt)
+		assert.False(t, st.UpdatedAt.Before(before[c.dev].UpdatedAt), "Status(%s).UpdatedAt went back", c.dev)
+	}
+	// The bridge's next report (a higher seq) brings the device back.
+	put("d1", "br1", 2)
+	st, err := s.Status(ctx, "d1")
+	require.NoError(t, err)
+	assert.True(t, st.Online, "d1 online after a newer report")
+	ids, err = s.MarkBridgeOffline(ctx, "br9")
+	require.NoError(t, err)
+	assert.Empty(t, ids, "MarkBridgeOffline(br9)")
+	ids, err = s.BridgeDevices(ctx, "br9")
+	require.NoError(t, err)
+	assert.Empty(t, ids, "BridgeDevices(br9)")
+}
+
+func testSettings(t *testing.T, open Opener) {
+	subtests(t, open, []namedTest{
+		{"Empty", func(t *testing.T, s companion.Store) {
+			st, err := s.Settings(t.Context(), "d1")
+			require.NoError(t, err)
+			if st.DeviceID != "d1" || st.Reported == nil || st.Desired == nil || len(st.Reported)+len(st.Desired) != 0 || st.Seq != 0 {
+				t.Errorf("Settings(d1) = %+v; want empty non-nil maps", st)
+			}
+		}},
+		{"ReportedDesiredMerge", testReportedSettings},
+		{"DesiredBeforeAnyReport", func(t *testing.T, s companion.Store) {
+			ctx := t.Context()
+			require.NoError(t, s.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}))
+			st, err := s.Settings(ctx, "d1")
+			require.NoError(t, err)
+			assert.True(t, equalRaw(st.Desired, map[string]string{"volume": "30"}), "Desired = %s", st.Desired)
+			assert.NotNil(t, st.Reported)
+			assert.Empty(t, st.Reported)
+			// A first report is applied whatever its seq.
+			ok, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}, nil, now(), 1)
+			require.NoError(t, err)
+			assert.True(t, ok, "first PutReportedSettings applied")
+			st, err = s.Settings(ctx, "d1")
+			require.NoError(t, err)
+			assert.Empty(t, st.Desired, "Desired once the device reports the value")
+		}},
+		{"Invalid", func(t *testing.T, s companion.Store) {
+			ctx := t.Context()
+			_, err := s.PutReportedSettings(ctx, "", map[string]json.RawMessage{"x": raw("1")}, nil, now(), 1)
+			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(no device)")
+			_, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("{")}, nil, now(), 1)
+			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(bad JSON value)")
+			_, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("1")}, raw("{"), now(), 1)
+			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(bad JSON schema)")
+			assert.ErrorIs(t, s.MergeDesiredSettings(ctx, "", map[string]json.RawMessage{"x": raw("1")}), companion.ErrInvalid, "MergeDesiredSettings(no device)")
+			st, err := s.Settings(ctx, "d1")
+			require.NoError(t, err)
+			assert.Empty(t, st.Reported, "Settings(d1) after refused reports")
+			assert.Zero(t, st.Seq)
+		}},
+	})
+}
+
+func testReportedSettings(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	t0 := now().Add(-time.Hour)
+	schema := raw(`{"brightness": {"type": "int", "min": 0, "max": 100}}`)
+
+	ok, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{
+		"brightness": raw("50"), "volume": raw("50"), "language": raw(`"en"`),
+	}, schema, t0, 1)
+	require.NoError(t, err)
+	require.True(t, ok, "PutReportedSettings applied")
+	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{
+		"brightness": raw(" 80 "), "volume": raw("20"), "language": raw(`"de"`),
+	}))
+	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}))
+	assert.ErrorIs(t, s.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("{")}), companion.ErrInvalid, "MergeDesiredSettings(bad JSON)")
+
+	st, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	if want := map[string]string{"brightness": "80", "volume": "30", "language": `"de"`}; !equalRaw(st.Desired, want) {
+		t.Errorf("Desired = %s; want %v (merged, compacted)", st.Desired, want)
+	}
+	near(t, "Settings.UpdatedAt after a merge", st.UpdatedAt)
+
+	// The device applied brightness and language (with other spacing);
+	// volume is still pending.
+	ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{
+		"brightness": raw("80"), "volume": raw("50"), "language": raw(` "de"`),
+	}, nil, t0.Add(time.Minute), 2)
+	require.NoError(t, err)
+	require.True(t, ok, "PutReportedSettings(seq 2) applied")
+	st, err = s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	if want := map[string]string{"volume": "30"}; !equalRaw(st.Desired, want) {
+		t.Errorf("Desired after report = %s; want %v", st.Desired, want)
+	}
+	if want := map[string]string{"brightness": "80", "volume": "50", "language": `"de"`}; !equalRaw(st.Reported, want) {
+		t.Errorf("Reported = %s; want %v", st.Reported, want)
+	}
+	assert.JSONEq(t, `{"brightness":{"type":"int","min":0,"max":100}}`, string(st.Schema), "Schema: the first report's, kept by a report without one")
+	assert.Equal(t, uint64(2), st.Seq)
+	assert.True(t, st.At.Equal(t0.Add(time.Minute)), "At = %v; want %v", st.At, t0.Add(time.Minute))
+	near(t, "Settings.UpdatedAt", st.UpdatedAt)
+	assert.Equal(t, "d1", st.DeviceID)
+
+	// An older report changes nothing; so does one of the same seq and time.
+	for _, old := range []struct {
+		seq uint64
+		at  time.Time
+	}{{1, t0.Add(time.Hour)}, {2, t0.Add(time.Minute)}, {2, t0}} {
+		ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}, raw(`{}`), old.at, old.seq)
+		require.NoError(t, err)
+		assert.False(t, ok, "PutReportedSettings(seq %d, at %v) applied", old.seq, old.at)
+	}
+	got, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	assert.Len(t, got.Desired, 1, "Desired after older reports")
+	assert.Len(t, got.Reported, 3, "Reported after older reports")
+	assert.Equal(t, uint64(2), got.Seq)
+	assert.JSONEq(t, string(st.Schema), string(got.Schema), "Schema after older reports")
+
+	// Returned maps are copies.
+	got.Desired["volume"] = raw("99")
+	got.Reported["new"] = raw("1")
+	again, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	if canon(again.Desired["volume"]) != "30" || len(again.Reported) != 3 {
+		t.Errorf("Settings changed through a returned map: %+v", again)
+	}
+
+	// A newer report replaces the reported set (a key it lacks goes) and
+	// a new schema replaces the old one.
+	ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}, raw(`{"volume": {"type": "int"}}`), t0, 3)
+	require.NoError(t, err)
+	require.True(t, ok, "PutReportedSettings(seq 3) applied")
+	got, err = s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	assert.True(t, equalRaw(got.Reported, map[string]string{"volume": "30"}), "Reported = %s", got.Reported)
+	assert.Empty(t, got.Desired, "Desired once volume is reported")
+	assert.JSONEq(t, `{"volume":{"type":"int"}}`, string(got.Schema), "Schema of a newer report")
+}
