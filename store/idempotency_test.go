@@ -48,26 +48,3 @@ func TestIdempotencyRecords(t *testing.T) {
 		t.Errorf("Idempotency after replace = %+v", got)
 	}
 }
-
-func TestPurgeIdempotency(t *testing.T) {
-	ctx := context.Background()
-	clock := newFakeClock()
-	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
-	t0 := clock.Now()
-	for i, key := range []string{"a", "b", "c", "d", "e"} {
-		mustNil(t, "PutIdempotency", db.PutIdempotency(ctx, companion.Idempotency{
-			UserID: "u1", Key: key, CreatedAt: t0.Add(time.Duration(i) * time.Hour),
-		}))
-	}
-	n, err := db.PurgeIdempotency(ctx, t0.Add(3*time.Hour))
-	if err != nil || n != 3 {
-		t.Errorf("PurgeIdempotency = %d, %v; want 3", n, err)
-	}
-	for key, want := range map[string]error{"a": companion.ErrNotFound, "b": companion.ErrNotFound, "c": companion.ErrNotFound, "d": nil, "e": nil} {
-		_, err := db.Idempotency(ctx, "u1", key)
-		wantErr(t, "Idempotency("+key+")", err, want)
-	}
-	if n, err := db.PurgeIdempotency(ctx, t0); err != nil || n != 0 {
-		t.Errorf("PurgeIdempotency again = %d, %v; want 0", n, err)
-	}
-}

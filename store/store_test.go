@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -297,5 +298,14 @@ func mustNil(tb testing.TB, what string, err error) {
 	tb.Helper()
 	if err != nil {
 		tb.Fatalf("%s = %v", what, err)
+	}
+}
+
+func raw(s string) json.RawMessage { return json.RawMessage(s) }
+
+func provision(tb testing.TB, db *DB, model string, ids ...string) {
+	tb.Helper()
+	for _, id := range ids {
+		mustNil(tb, "ProvisionDevice("+id+")", db.ProvisionDevice(context.Background(), companion.RegistryDevice{ID: id, Model: model, ClaimHash: hashOf(id)}))
 	}
 }
