@@ -807,20 +807,28 @@ func (b *Broker) forget(id string, ch chan companion.Command) {
 // CommandChanged says another replica changed command id in the shared
 // store (the store's notification): those waiting here for it are
 // answered if it is final now. It costs nothing when nobody here waits.
+// An empty id means notifications may have been lost (the store's listener
+// reconnected): every command waited for here is read again.
 func (b *Broker) CommandChanged(ctx context.Context, id string) {
 	b.mu.Lock()
-	waited := len(b.waiters[id]) > 0
+	var ids []string
+	if id == "" {
+		for w := range b.waiters {
+			ids = append(ids, w)
+		}
+	} else if len(b.waiters[id]) > 0 {
+		ids = append(ids, id)
+	}
 	b.mu.Unlock()
-	if !waited {
-		return
-	}
-	cmd, err := b.st.Command(ctx, id)
-	if err != nil {
-		b.log.Warn("a changed command could not be read", "command_id", id, "err", err)
-		return
-	}
-	if companion.IsFinal(cmd.State) {
-		b.notify(cmd)
+	for _, id := range ids {
+		cmd, err := b.st.Command(ctx, id)
+		if err != nil {
+			b.log.Warn("a changed command could not be read", "command_id", id, "err", err)
+			continue
+		}
+		if companion.IsFinal(cmd.State) {
+			b.notify(cmd)
+		}
 	}
 }
 

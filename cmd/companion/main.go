@@ -60,6 +60,7 @@ func (e usageError) Error() string { return e.msg }
 
 const usage = `usage:
   companion serve [--http ADDR] [--data DIR] [--mqtt-listen ADDR | --mqtt-url URL] [--demo] ...
+  companion migrate --store postgres://USER@HOST:PORT/DB
   companion user create NAME
   companion device provision ID --claim-code CODE --model MODEL [--bridge BRIDGE]
   companion device assign ID --bridge BRIDGE | --none
@@ -76,6 +77,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	switch args[0] {
 	case "serve":
 		return runServe(ctx, args[1:], stdout, stderr)
+	case "migrate":
+		return runMigrate(ctx, args[1:], stdout, stderr)
 	case "user", "device", "bridge", "firmware", "app":
 		return runAdmin(ctx, args, stdout, stderr)
 	case "-h", "--help", "help":

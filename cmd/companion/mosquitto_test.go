@@ -86,3 +86,22 @@ func TestQueuedCommandsSurviveBrokerOutageAndRestart(t *testing.T) {
 		assert.Equal(t, fmt.Sprintf("msg %d", i), tx.Text)
 	}
 }
+
+// --mqtt-url takes a list of brokers (a cluster's nodes, CONTRACT §11):
+// with the first one down, the server and the bridge connect to the next,
+// and commands run.
+func TestBrokerListFailsOver(t *testing.T) {
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	down := fmt.Sprintf("tcp://127.0.0.1:%d", mqtttest.FreePort(t)) // nothing listens there
+	cfg := mosquittoConfig(Config{}, mq)
+	cfg.MQTTURL = down + "," + mq.URL
+	m := startServer(t, cfg)
+	waitFor(t, "the server connected through the second URL", 20*time.Second, m.Broker.Ready)
+	f := setupFleet(t, m, "dev-1")
+	b := startBridge(t, m, down+","+mq.URL, f, "", "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "over the second broker"})
+	assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", cmd["id"].(string))["state"])
+	require.Len(t, b.sims["dev-1"].Texts(), 1)
+}

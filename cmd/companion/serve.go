@@ -26,7 +26,7 @@ import (
 	"github.com/devicecompanion/companion/broker/embedded"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
-	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/store/postgres"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -56,6 +56,13 @@ type Config struct {
 	MQTTTLSCert string          // the embedded broker's certificate: it then serves mqtts:// only
 	MQTTTLSKey  string
 	PProf       string // listen address of net/http/pprof; "" off
+	// Store is a postgres:// URL to keep everything in PostgreSQL; "" keeps
+	// it in the bbolt file of Data.
+	Store string
+	// ReplicaID names this server among replicas sharing one store and
+	// broker: its MQTT client id is companion-server-ReplicaID (default
+	// with a PostgreSQL store: the host name).
+	ReplicaID string
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
@@ -67,7 +74,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.HTTP, "http", "127.0.0.1:8080", "HTTP API listen address")
 	fs.StringVar(&c.Data, "data", "./data", "data directory (bbolt file, blobs, admin token)")
 	fs.StringVar(&c.MQTTListen, "mqtt-listen", "127.0.0.1:1883", "listen address of the embedded MQTT broker")
-	fs.StringVar(&c.MQTTURL, "mqtt-url", "", "external MQTT broker (tcp://host:port); disables the embedded one")
+	fs.StringVar(&c.MQTTURL, "mqtt-url", "", "external MQTT broker (tcp://host:port), or a comma-separated list of a cluster's nodes to fail over between; disables the embedded one")
 	fs.StringVar(&c.MQTTUsername, "mqtt-username", "", "username on the external MQTT broker")
 	fs.StringVar(&c.MQTTPassword, "mqtt-password", "", "password on the external MQTT broker")
 	fs.BoolVar(&c.MQTTDynsec, "mqtt-dynsec", true, "with --mqtt-url: keep Mosquitto's accounts and ACLs through its dynamic-security plugin (the server's account must be the plugin's admin)")
@@ -86,6 +93,8 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.DurationVar(&c.ExpiryGrace, "expiry-grace", time.Minute, "how long past its TTL a command the broker has waits for the bridge's word before it is called expired")
 	fs.DurationVar(&c.Retention, "retention", 30*24*time.Hour, "how long finished commands are kept (at least 24h)")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&c.Store, "store", "", "postgres://USER@HOST:PORT/DB keeps everything in PostgreSQL, shared by replicas (run companion migrate first); empty: the bbolt file in --data")
+	fs.StringVar(&c.ReplicaID, "replica-id", "", "this replica's name among servers sharing a store and broker; its MQTT client id is companion-server-ID (default with --store postgres://: the host name)")
 	fs.StringVar(&c.PProf, "pprof", "", "serve net/http/pprof on this address (off when empty; keep it on loopback)")
 	d, l := api.DefaultLimits, &c.Limits
 	fs.IntVar(&l.MaxTextBytes, "max-text-bytes", d.MaxTextBytes, "largest text push, bytes of UTF-8")
@@ -166,6 +175,10 @@ type Main struct {
 	Demo   *Demo
 	PProf  *pprofserver.Server // with --pprof
 
+	pg         *postgres.Store // the store, when it is PostgreSQL
+	stopListen context.CancelFunc
+	listenDone chan struct{}
+
 	adminToken string
 	mqttURL    string
 	mqttTLS    *tls.Config // how this server's clients verify an mqtts:// broker
@@ -245,13 +258,8 @@ func (m *Main) Run(ctx context.Context) error {
 			return fmt.Errorf("--pprof: %w", err)
 		}
 	}
-	bdb, err := store.Open(filepath.Join(cfg.Data, "companion.db"), store.Options{Now: cfg.Now, Logger: m.Logger})
-	if err != nil {
+	if err := m.openStore(ctx); err != nil {
 		return err
-	}
-	m.DB = bdb
-	if m.PProf != nil {
-		pprofserver.Publish("store", func() any { return bdb.WriteStats() })
 	}
 	if m.adminToken, err = loadAdminToken(cfg); err != nil {
 		return err
@@ -298,7 +306,12 @@ func (m *Main) Run(ctx context.Context) error {
 		return err
 	}
 	m.mqttTLS = mqttTLS
+	clientID, err := replicaClientID(cfg)
+	if err != nil {
+		return err
+	}
 	m.Broker, err = broker.New(broker.Options{
+		ClientID:        clientID,
 		TLSConfig:       mqttTLS,
 		Store:           m.DB,
 		MQTTURL:         m.mqttURL,
@@ -335,6 +348,7 @@ func (m *Main) Run(ctx context.Context) error {
 	if err := m.Broker.Start(); err != nil {
 		return err
 	}
+	m.listenForOtherReplicas()
 	if m.Dynsec != nil {
 		m.Dynsec.Start()
 	}
@@ -416,6 +430,10 @@ func (m *Main) Close() error {
 		}
 		if m.Dynsec != nil {
 			errs = append(errs, m.Dynsec.Close())
+		}
+		if m.stopListen != nil {
+			m.stopListen()
+			<-m.listenDone
 		}
 		if m.Broker != nil {
 			errs = append(errs, m.Broker.Close())

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/devicecompanion/companion/internal/pprofserver"
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/store/postgres"
+)
+
+// isPostgres reports whether --store names a PostgreSQL database.
+func isPostgres(s string) bool {
+	return strings.HasPrefix(s, "postgres://") || strings.HasPrefix(s, "postgresql://")
+}
+
+// openStore opens the store the configuration names: PostgreSQL for a
+// postgres:// --store, the bbolt file in --data otherwise.
+func (m *Main) openStore(ctx context.Context) error {
+	cfg := m.Config
+	switch {
+	case isPostgres(cfg.Store):
+		pg, err := postgres.Open(ctx, cfg.Store, postgres.Options{Logger: m.Logger, Now: cfg.Now})
+		if err != nil {
+			return fmt.Errorf("--store: %w", err)
+		}
+		m.DB, m.pg = pg, pg
+	case cfg.Store == "":
+		db, err := store.Open(filepath.Join(cfg.Data, "companion.db"), store.Options{Now: cfg.Now, Logger: m.Logger})
+		if err != nil {
+			return err
+		}
+		m.DB = db
+		if m.PProf != nil {
+			pprofserver.Publish("store", func() any { return db.WriteStats() })
+		}
+	default:
+		return usageError{fmt.Sprintf("--store %q: give a postgres:// URL, or nothing for the bbolt file in --data", cfg.Store)}
+	}
+	return nil
+}
+
+// listenForOtherReplicas answers this replica's waiters when another
+// replica on the same PostgreSQL store finishes a command (CONTRACT §11).
+// Its goroutine ends in Close.
+func (m *Main) listenForOtherReplicas() {
+	if m.pg == nil {
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	m.stopListen = cancel
+	m.listenDone = make(chan struct{})
+	go func() {
+		defer close(m.listenDone)
+		err := m.pg.ListenCommands(ctx, func(id string) { m.Broker.CommandChanged(ctx, id) })
+		if err != nil && ctx.Err() == nil {
+			m.Logger.Error("listening for other replicas' commands ended", "err", err)
+		}
+	}()
+}
+
+// replicaClientID is the server's MQTT client id: companion-server alone,
+// or companion-server-ID for a replica that shares its store (PostgreSQL)
+// and broker with others, which must each have their own (by default the
+// host's name).
+func replicaClientID(cfg Config) (string, error) {
+	id := cfg.ReplicaID
+	if id == "" && isPostgres(cfg.Store) {
+		h, err := os.Hostname()
+		if err != nil {
+			return "", fmt.Errorf("--replica-id: no host name to default to: %w", err)
+		}
+		id = h
+	}
+	if id == "" {
+		return "companion-server", nil
+	}
+	return "companion-server-" + id, nil
+}
+
+// runMigrate applies the PostgreSQL store's schema (companion migrate
+// --store URL); the server checks it at start and refuses an older one.
+func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	dsn := fs.String("store", "", "postgres://USER@HOST:PORT/DB to bring to this version's schema")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageError{fmt.Sprintf("migrate takes no arguments, got %q", fs.Args())}
+	}
+	if !isPostgres(*dsn) {
+		return usageError{"migrate needs --store postgres://…: the bbolt file migrates itself when the server opens it"}
+	}
+	if err := postgres.Migrate(ctx, *dsn); err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, "companion: the store's schema is up to date")
+	return nil
+}

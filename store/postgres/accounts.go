@@ -1,0 +1,192 @@
+package postgres
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// CreateUser stores a new user, found again by the hash of its token.
+// CreatedAt is set to now when zero. It returns ErrExists when the id or
+// the token hash is already taken.
+func (s *Store) CreateUser(ctx context.Context, u companion.User) error {
+	if !validID(u.ID) || len(u.TokenHash) == 0 {
+		return fmt.Errorf("%w: user needs an id and a token hash", companion.ErrInvalid)
+	}
+	if u.CreatedAt.IsZero() {
+		u.CreatedAt = s.clock()
+	}
+	_, err := s.pool.Exec(ctx, `INSERT INTO users (id, name, token_hash, created_at) VALUES ($1, $2, $3, $4)`,
+		u.ID, u.Name, u.TokenHash, u.CreatedAt)
+	if isUniqueViolation(err) {
+		return companion.ErrExists
+	}
+	return err
+}
+
+// User returns the user with the id, or ErrNotFound.
+func (s *Store) User(ctx context.Context, id string) (companion.User, error) {
+	if !validID(id) {
+		return companion.User{}, companion.ErrNotFound
+	}
+	return s.user(ctx, `SELECT id, name, token_hash, created_at FROM users WHERE id = $1`, id)
+}
+
+// UserByTokenHash returns the user whose token has the SHA-256 hash, or
+// ErrNotFound. The hash found through the index is compared again in
+// constant time.
+func (s *Store) UserByTokenHash(ctx context.Context, hash []byte) (companion.User, error) {
+	if len(hash) == 0 {
+		return companion.User{}, companion.ErrNotFound
+	}
+	u, err := s.user(ctx, `SELECT id, name, token_hash, created_at FROM users WHERE token_hash = $1`, hash)
+	if err != nil {
+		return companion.User{}, err
+	}
+	if subtle.ConstantTimeCompare(u.TokenHash, hash) != 1 {
+		return companion.User{}, companion.ErrNotFound
+	}
+	return u, nil
+}
+
+func (s *Store) user(ctx context.Context, query string, arg any) (companion.User, error) {
+	var u companion.User
+	err := s.pool.QueryRow(ctx, query, arg).Scan(&u.ID, &u.Name, &u.TokenHash, &u.CreatedAt)
+	if err != nil {
+		return companion.User{}, notFound(err)
+	}
+	u.CreatedAt = u.CreatedAt.UTC()
+	return u, nil
+}
+
+// notFound turns pgx.ErrNoRows into ErrNotFound.
+func notFound(err error) error {
+	if errors.Is(err, pgx.ErrNoRows) {
+		return companion.ErrNotFound
+	}
+	return err
+}
+
+// ProvisionDevice adds a device to the registry, assigned to d.BridgeID
+// when it is set: that must be one of the operator's bridges (ErrNotFound
+// otherwise). CreatedAt is set to now when zero. It returns ErrExists
+// when the id is taken.
+func (s *Store) ProvisionDevice(ctx context.Context, d companion.RegistryDevice) error {
+	if !validID(d.ID) || (d.BridgeID != "" && !validID(d.BridgeID)) {
+		return fmt.Errorf("%w: device needs an id", companion.ErrInvalid)
+	}
+	if d.CreatedAt.IsZero() {
+		d.CreatedAt = s.clock()
+	}
+	return s.tx(ctx, func(tx pgx.Tx) error {
+		if d.BridgeID != "" {
+			var owner string
+			err := tx.QueryRow(ctx, `SELECT owner_id FROM bridges WHERE id = $1 FOR SHARE`, d.BridgeID).Scan(&owner)
+			if err != nil {
+				return notFound(err)
+			}
+			if owner != "" {
+				return companion.ErrNotFound
+			}
+		}
+		tag, err := tx.Exec(ctx, `INSERT INTO devices (id, model, claim_hash, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO NOTHING`,
+			d.ID, d.Model, d.ClaimHash, d.CreatedAt)
+		if err != nil {
+			return err
+		}
+		if tag.RowsAffected() == 0 {
+			return companion.ErrExists
+		}
+		if d.BridgeID != "" {
+			return assign(ctx, tx, d.ID, d.BridgeID)
+		}
+		return nil
+	})
+}
+
+// RegistryDevice returns the provisioned device with the id, with the
+// bridge it is assigned to, or ErrNotFound.
+func (s *Store) RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error) {
+	if !validID(id) {
+		return companion.RegistryDevice{}, companion.ErrNotFound
+	}
+	var d companion.RegistryDevice
+	err := s.pool.QueryRow(ctx, `
+		SELECT d.id, d.model, d.claim_hash, d.created_at, coalesce(a.bridge_id, '')
+		FROM devices d LEFT JOIN assignments a ON a.device_id = d.id
+		WHERE d.id = $1`, id).Scan(&d.ID, &d.Model, &d.ClaimHash, &d.CreatedAt, &d.BridgeID)
+	if err != nil {
+		return companion.RegistryDevice{}, notFound(err)
+	}
+	d.CreatedAt = d.CreatedAt.UTC()
+	return d, nil
+}
+
+// CreateBridge stores a new bridge, found again by the hash of its secret
+// (and by its owner, for a user's own). CreatedAt is set to now when zero.
+// It returns ErrExists when the id or the secret hash is already taken,
+// the id also by a user: bridges and users log in to the broker alike.
+func (s *Store) CreateBridge(ctx context.Context, b companion.Bridge) error {
+	if !validID(b.ID) || len(b.SecretHash) == 0 || (b.OwnerID != "" && !validID(b.OwnerID)) {
+		return fmt.Errorf("%w: bridge needs an id and a secret hash", companion.ErrInvalid)
+	}
+	if b.CreatedAt.IsZero() {
+		b.CreatedAt = s.clock()
+	}
+	err := s.tx(ctx, func(tx pgx.Tx) error {
+		var taken bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM users WHERE id = $1)`, b.ID).Scan(&taken); err != nil {
+			return err
+		}
+		if taken {
+			return companion.ErrExists
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO bridges (id, secret_hash, owner_id, created_at) VALUES ($1, $2, $3, $4)`,
+			b.ID, b.SecretHash, b.OwnerID, b.CreatedAt)
+		return err
+	})
+	if isUniqueViolation(err) {
+		return companion.ErrExists
+	}
+	return err
+}
+
+const bridgeColumns = `id, secret_hash, owner_id, created_at`
+
+func scanBridge(row pgx.Row) (companion.Bridge, error) {
+	var b companion.Bridge
+	if err := row.Scan(&b.ID, &b.SecretHash, &b.OwnerID, &b.CreatedAt); err != nil {
+		return companion.Bridge{}, notFound(err)
+	}
+	b.CreatedAt = b.CreatedAt.UTC()
+	return b, nil
+}
+
+// Bridge returns the bridge with the id, or ErrNotFound.
+func (s *Store) Bridge(ctx context.Context, id string) (companion.Bridge, error) {
+	if !validID(id) {
+		return companion.Bridge{}, companion.ErrNotFound
+	}
+	return scanBridge(s.pool.QueryRow(ctx, `SELECT `+bridgeColumns+` FROM bridges WHERE id = $1`, id))
+}
+
+// BridgeBySecretHash returns the bridge whose secret has the SHA-256 hash,
+// or ErrNotFound. The hash is compared again in constant time.
+func (s *Store) BridgeBySecretHash(ctx context.Context, hash []byte) (companion.Bridge, error) {
+	if len(hash) == 0 {
+		return companion.Bridge{}, companion.ErrNotFound
+	}
+	b, err := scanBridge(s.pool.QueryRow(ctx, `SELECT `+bridgeColumns+` FROM bridges WHERE secret_hash = $1`, hash))
+	if err != nil {
+		return companion.Bridge{}, err
+	}
+	if subtle.ConstantTimeCompare(b.SecretHash, hash) != 1 {
+		return companion.Bridge{}, companion.ErrNotFound
+	}
+	return b, nil
+}

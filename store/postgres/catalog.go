@@ -1,0 +1,168 @@
+package postgres
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/jackc/pgx/v5"
+	"golang.org/x/mod/semver"
+)
+
+// validVersion reports whether v is a full semantic version without a
+// leading "v": MAJOR.MINOR.PATCH, with an optional pre-release and build
+// (the rule of store.ValidVersion, which this engine does not import).
+func validVersion(v string) bool {
+	sv := "v" + v
+	if !semver.IsValid(sv) {
+		return false
+	}
+	core, _, _ := strings.Cut(sv, "+")
+	return semver.Canonical(sv) == core
+}
+
+// byVersion orders versions ascending; equal ones (differing only in build
+// metadata) by their text, so the order is total.
+func byVersion(a, b string) int {
+	if c := semver.Compare("v"+a, "v"+b); c != 0 {
+		return c
+	}
+	return strings.Compare(a, b)
+}
+
+// putRelease publishes a release in table: the same name and version again
+// with the same digest is a no-op, with another digest ErrExists.
+func (s *Store) putRelease(ctx context.Context, table, nameCol, name, version, sha string, size int64, created any) error {
+	return s.tx(ctx, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, `INSERT INTO `+table+` (`+nameCol+`, version, sha256, size, created_at) VALUES ($1, $2, $3, $4, $5)
+			ON CONFLICT DO NOTHING`, name, version, sha, size, created)
+		if err != nil || tag.RowsAffected() == 1 {
+			return err
+		}
+		var old string
+		if err := tx.QueryRow(ctx, `SELECT sha256 FROM `+table+` WHERE `+nameCol+` = $1 AND version = $2`, name, version).Scan(&old); err != nil {
+			return err
+		}
+		if old != sha {
+			return companion.ErrExists
+		}
+		return nil
+	})
+}
+
+// PutFirmware publishes a firmware image. CreatedAt is set to now when
+// zero. Publishing the same model and version again with the same SHA256
+// is a no-op; with another SHA256 it is ErrExists.
+func (s *Store) PutFirmware(ctx context.Context, f companion.Firmware) error {
+	if !validID(f.Model) || !validVersion(f.Version) || f.SHA256 == "" || strings.ContainsRune(f.SHA256, 0) {
+		return fmt.Errorf("%w: firmware needs a model, a semantic version and a digest", companion.ErrInvalid)
+	}
+	if f.CreatedAt.IsZero() {
+		f.CreatedAt = s.clock()
+	}
+	return s.putRelease(ctx, "firmware", "model", f.Model, f.Version, f.SHA256, f.Size, f.CreatedAt)
+}
+
+func scanFirmware(row pgx.CollectableRow) (companion.Firmware, error) {
+	var f companion.Firmware
+	err := row.Scan(&f.Model, &f.Version, &f.SHA256, &f.Size, &f.CreatedAt)
+	f.CreatedAt = f.CreatedAt.UTC()
+	return f, err
+}
+
+// Firmware returns the firmware of the model and version, or ErrNotFound.
+func (s *Store) Firmware(ctx context.Context, model, version string) (companion.Firmware, error) {
+	if !validID(model) || !validID(version) {
+		return companion.Firmware{}, companion.ErrNotFound
+	}
+	rows, _ := s.pool.Query(ctx, `SELECT model, version, sha256, size, created_at FROM firmware WHERE model = $1 AND version = $2`, model, version)
+	f, err := pgx.CollectExactlyOneRow(rows, scanFirmware)
+	return f, notFound(err)
+}
+
+// Firmwares returns the model's firmware images in ascending version
+// order; empty, not an error, when there are none.
+func (s *Store) Firmwares(ctx context.Context, model string) ([]companion.Firmware, error) {
+	out := []companion.Firmware{}
+	if !validID(model) {
+		return out, nil
+	}
+	rows, _ := s.pool.Query(ctx, `SELECT model, version, sha256, size, created_at FROM firmware WHERE model = $1`, model)
+	out, err := pgx.AppendRows(out, rows, scanFirmware)
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(out, func(a, b companion.Firmware) int { return byVersion(a.Version, b.Version) })
+	return out, nil
+}
+
+// PutAppRelease publishes an app package. CreatedAt is set to now when
+// zero. Publishing the same app and version again with the same SHA256 is
+// a no-op; with another SHA256 it is ErrExists.
+func (s *Store) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
+	if !validID(a.AppID) || !validVersion(a.Version) || a.SHA256 == "" || strings.ContainsRune(a.SHA256, 0) {
+		return fmt.Errorf("%w: app release needs an app id, a semantic version and a digest", companion.ErrInvalid)
+	}
+	if a.CreatedAt.IsZero() {
+		a.CreatedAt = s.clock()
+	}
+	return s.putRelease(ctx, "app_releases", "app_id", a.AppID, a.Version, a.SHA256, a.Size, a.CreatedAt)
+}
+
+func scanApp(row pgx.CollectableRow) (companion.AppRelease, error) {
+	var a companion.AppRelease
+	err := row.Scan(&a.AppID, &a.Version, &a.SHA256, &a.Size, &a.CreatedAt)
+	a.CreatedAt = a.CreatedAt.UTC()
+	return a, err
+}
+
+// AppRelease returns the release of the app and version, or ErrNotFound.
+func (s *Store) AppRelease(ctx context.Context, appID, version string) (companion.AppRelease, error) {
+	if !validID(appID) || !validID(version) {
+		return companion.AppRelease{}, companion.ErrNotFound
+	}
+	rows, _ := s.pool.Query(ctx, `SELECT app_id, version, sha256, size, created_at FROM app_releases WHERE app_id = $1 AND version = $2`, appID, version)
+	a, err := pgx.CollectExactlyOneRow(rows, scanApp)
+	return a, notFound(err)
+}
+
+// AppReleases returns the app's releases in ascending version order;
+// empty, not an error, when there are none.
+func (s *Store) AppReleases(ctx context.Context, appID string) ([]companion.AppRelease, error) {
+	out := []companion.AppRelease{}
+	if !validID(appID) {
+		return out, nil
+	}
+	rows, _ := s.pool.Query(ctx, `SELECT app_id, version, sha256, size, created_at FROM app_releases WHERE app_id = $1`, appID)
+	out, err := pgx.AppendRows(out, rows, scanApp)
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(out, func(a, b companion.AppRelease) int { return byVersion(a.Version, b.Version) })
+	return out, nil
+}
+
+// LatestApps returns the highest version of every app in the catalog,
+// ordered by app id. Versions are compared as semantic versions, which
+// SQL cannot do, so it reads every release.
+func (s *Store) LatestApps(ctx context.Context) ([]companion.AppRelease, error) {
+	rows, _ := s.pool.Query(ctx, `SELECT app_id, version, sha256, size, created_at FROM app_releases ORDER BY app_id`)
+	all, err := pgx.CollectRows(rows, scanApp)
+	if err != nil {
+		return nil, err
+	}
+	out := []companion.AppRelease{}
+	for _, a := range all {
+		if n := len(out); n > 0 && out[n-1].AppID == a.AppID {
+			if byVersion(a.Version, out[n-1].Version) > 0 {
+				out[n-1] = a
+			}
+			continue
+		}
+		out = append(out, a)
+	}
+	return out, nil
+}

@@ -1,0 +1,108 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/jackc/pgx/v5"
+)
+
+const idempotencyColumns = `user_id, key, request_hash, status, command_id, body, location, created_at`
+
+func scanIdempotency(row pgx.Row) (companion.Idempotency, error) {
+	var r companion.Idempotency
+	err := row.Scan(&r.UserID, &r.Key, &r.RequestHash, &r.Status, &r.CommandID, &r.Body, &r.Location, &r.CreatedAt)
+	if err != nil {
+		return companion.Idempotency{}, notFound(err)
+	}
+	r.CreatedAt = r.CreatedAt.UTC()
+	return r, nil
+}
+
+// lockIdempotency takes the advisory lock of the user's key and reads its
+// record; found is false when there is none.
+func (s *Store) lockIdempotency(ctx context.Context, tx pgx.Tx, userID, key string) (rec companion.Idempotency, found bool, err error) {
+	if err := lockIdempotencyKey(ctx, tx, userID, key); err != nil {
+		return companion.Idempotency{}, false, err
+	}
+	rec, err = scanIdempotency(tx.QueryRow(ctx, `SELECT `+idempotencyColumns+` FROM idempotency WHERE user_id = $1 AND key = $2`, userID, key))
+	if errors.Is(err, companion.ErrNotFound) {
+		return companion.Idempotency{}, false, nil
+	}
+	return rec, err == nil, err
+}
+
+// idempotencyUpsert stores a record over any record of its key.
+const idempotencyUpsert = `INSERT INTO idempotency (` + idempotencyColumns + `) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+	ON CONFLICT (user_id, key) DO UPDATE SET request_hash = EXCLUDED.request_hash, status = EXCLUDED.status,
+		command_id = EXCLUDED.command_id, body = EXCLUDED.body, location = EXCLUDED.location, created_at = EXCLUDED.created_at`
+
+// idempotencyArgs are the parameters of idempotencyUpsert.
+func idempotencyArgs(r companion.Idempotency) []any {
+	if len(r.Body) == 0 {
+		r.Body = nil // no body, as the bbolt engine reads one back
+	}
+	return []any{r.UserID, r.Key, r.RequestHash, r.Status, r.CommandID, r.Body, r.Location, pgTime(r.CreatedAt)}
+}
+
+// queueIdempotency queues in b the storing of r over any record of its
+// key.
+func queueIdempotency(b *pgx.Batch, r companion.Idempotency) {
+	b.Queue(idempotencyUpsert, idempotencyArgs(r)...)
+}
+
+// Idempotency returns the record of the user's key, or ErrNotFound when
+// there is none or it is older than IdempotencyTTL.
+func (s *Store) Idempotency(ctx context.Context, userID, key string) (companion.Idempotency, error) {
+	if !validID(userID) || !validID(key) {
+		return companion.Idempotency{}, companion.ErrNotFound
+	}
+	rec, err := scanIdempotency(s.pool.QueryRow(ctx, `SELECT `+idempotencyColumns+` FROM idempotency WHERE user_id = $1 AND key = $2`, userID, key))
+	if err != nil {
+		return companion.Idempotency{}, err
+	}
+	if !live(rec.CreatedAt, s.clock()) {
+		return companion.Idempotency{}, companion.ErrNotFound
+	}
+	return rec, nil
+}
+
+// PutIdempotency stores the first answer to a request. CreatedAt is set to
+// now when zero. It returns ErrExists when a live record of the same user
+// and key exists; an expired one is replaced.
+func (s *Store) PutIdempotency(ctx context.Context, rec companion.Idempotency) error {
+	if !validID(rec.UserID) || !validID(rec.Key) || strings.ContainsRune(rec.CommandID+rec.Location, 0) {
+		return fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid)
+	}
+	return s.tx(ctx, func(tx pgx.Tx) error {
+		now := s.clock()
+		old, found, err := s.lockIdempotency(ctx, tx, rec.UserID, rec.Key)
+		if err != nil {
+			return err
+		}
+		if found && live(old.CreatedAt, now) {
+			return companion.ErrExists
+		}
+		r := rec
+		if r.CreatedAt.IsZero() {
+			r.CreatedAt = now
+		}
+		_, err = tx.Exec(ctx, idempotencyUpsert, idempotencyArgs(r)...)
+		return err
+	})
+}
+
+// PurgeIdempotency deletes the records created before olderThan and
+// returns how many it deleted.
+func (s *Store) PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error) {
+	tag, err := s.pool.Exec(ctx, `DELETE FROM idempotency WHERE created_at < $1`, olderThan)
+	if err != nil {
+		return 0, err
+	}
+	return int(tag.RowsAffected()), nil
+}

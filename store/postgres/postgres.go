@@ -1,0 +1,304 @@
+package postgres
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"path"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// ErrClosed is returned by the methods of a closed Store.
+var ErrClosed = errors.New("postgres: store closed")
+
+// IdempotencyTTL is how long an idempotency record answers repeats.
+const IdempotencyTTL = 24 * time.Hour
+
+// Options configures Open. The zero value gives the defaults.
+type Options struct {
+	// Logger receives the store's few log lines; slog.Default() when nil.
+	Logger *slog.Logger
+	// Now is the clock; time.Now when nil. Tests inject their own.
+	Now func() time.Time
+	// MaxConns bounds the connection pool; 16 when <= 0. Half of them
+	// (at least 2) are the lanes of the per-device writes. ListenCommands
+	// uses a connection of its own besides.
+	MaxConns int32
+}
+
+// Store is companion.Store on PostgreSQL. It is safe for concurrent use,
+// by any number of processes on one database.
+type Store struct {
+	pool   *pgxpool.Pool
+	cfg    *pgxpool.Config
+	now    func() time.Time
+	log    *slog.Logger
+	ids    idGen
+	lanes  []*lane
+	wg     sync.WaitGroup // the lanes' goroutines
+	mu     sync.RWMutex   // closed, and submissions against Close
+	closed bool
+	done   chan struct{} // closed by Close: stops ListenCommands
+}
+
+var _ companion.Store = (*Store)(nil)
+
+// Open connects to the database of dsn (a PostgreSQL URL or key=value
+// string; a search_path parameter puts the tables in that schema),
+// applies the migrations it lacks (see Migrate) and starts the lanes of
+// the per-device writes. Its sessions run with synchronous_commit on
+// unless the DSN sets it.
+func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.MaxConns <= 0 {
+		opts.MaxConns = 16
+	}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	cfg.MaxConns = opts.MaxConns
+	// A 202 means committed: a commit returns once its WAL is flushed,
+	// whatever the database's or role's default says, unless the DSN
+	// itself says otherwise.
+	params := cfg.ConnConfig.RuntimeParams
+	if _, ok := params["synchronous_commit"]; !ok {
+		params["synchronous_commit"] = "on"
+	}
+	if _, ok := params["application_name"]; !ok {
+		params["application_name"] = "companion"
+	}
+	if err := migrate(ctx, cfg.ConnConfig, opts.Logger); err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	s := &Store{pool: pool, cfg: cfg, now: opts.Now, log: opts.Logger, done: make(chan struct{})}
+	n := max(2, int(opts.MaxConns)/2)
+	s.lanes = make([]*lane, n)
+	for i := range s.lanes {
+		s.lanes[i] = newLane()
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.runLane(s.lanes[i])
+		}()
+	}
+	return s, nil
+}
+
+// Close finishes the writes under way (their done funcs are called), stops
+// ListenCommands and closes the pool. Calls made after Close fail with
+// ErrClosed.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.done)
+	for _, l := range s.lanes {
+		l.close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	s.pool.Close()
+	return nil
+}
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// migration is one file of migrations: NNNN_name.sql applies version NNNN.
+type migration struct {
+	version int
+	name    string
+	sql     string
+}
+
+// migrations returns the embedded migrations in version order.
+func migrations() ([]migration, error) {
+	names, err := fs.Glob(migrationFiles, "migrations/*.sql")
+	if err != nil {
+		return nil, err
+	}
+	var out []migration
+	for _, name := range names {
+		base := path.Base(name)
+		num, _, ok := strings.Cut(base, "_")
+		v, err := strconv.Atoi(num)
+		if !ok || err != nil || v <= 0 {
+			return nil, fmt.Errorf("postgres: migration %s: name is not NNNN_name.sql", base)
+		}
+		b, err := migrationFiles.ReadFile(name)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, migration{version: v, name: strings.TrimSuffix(base, ".sql"), sql: string(b)})
+	}
+	slices.SortFunc(out, func(a, b migration) int { return a.version - b.version })
+	for i, m := range out {
+		if m.version != i+1 {
+			return nil, fmt.Errorf("postgres: migration %s: want version %d", m.name, i+1)
+		}
+	}
+	return out, nil
+}
+
+// SchemaVersion is the highest migration this build knows.
+func SchemaVersion() int {
+	ms, err := migrations()
+	if err != nil {
+		panic(err) // the embedded files are part of the build
+	}
+	return len(ms)
+}
+
+// Migrate applies to the database of dsn the migrations it lacks, each in
+// a transaction of its own that first takes an advisory lock, so replicas
+// that start together apply each one once. A database migrated by a newer
+// build is ErrSchemaTooNew.
+func Migrate(ctx context.Context, dsn string) error {
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		return fmt.Errorf("postgres: %w", err)
+	}
+	return migrate(ctx, cfg, slog.Default())
+}
+
+// migrationLock is the advisory lock (two-key form, which does not overlap
+// the one-key locks of idempotency keys) that migrations take.
+const migrationLock = `SELECT pg_advisory_xact_lock(1668246896, 1)`
+
+func migrate(ctx context.Context, cfg *pgx.ConnConfig, log *slog.Logger) error {
+	ms, err := migrations()
+	if err != nil {
+		return err
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("postgres: %w", err)
+	}
+	defer conn.Close(context.Background())
+	for _, m := range append(ms, migration{}) {
+		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, migrationLock); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS schema_migrations (
+				version    integer PRIMARY KEY,
+				name       text NOT NULL,
+				applied_at timestamptz NOT NULL DEFAULT now())`)
+			if err != nil {
+				return err
+			}
+			var have int
+			if err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM schema_migrations`).Scan(&have); err != nil {
+				return err
+			}
+			if have > len(ms) {
+				return fmt.Errorf("%w: database has schema %d, this build knows %d", companion.ErrSchemaTooNew, have, len(ms))
+			}
+			if m.version == 0 || have >= m.version {
+				return nil // the check alone, or applied already
+			}
+			if _, err := tx.Exec(ctx, m.sql); err != nil {
+				return fmt.Errorf("migration %s: %w", m.name, err)
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO schema_migrations (version, name) VALUES ($1, $2)`, m.version, m.name)
+			if err == nil {
+				log.Info("postgres: schema migrated", "migration", m.name)
+			}
+			return err
+		})
+		if err != nil {
+			if errors.Is(err, companion.ErrSchemaTooNew) {
+				return err
+			}
+			return fmt.Errorf("postgres: migrate: %w", err)
+		}
+	}
+	return nil
+}
+
+// tx runs fn in a transaction (READ COMMITTED) and commits it. fn may run
+// more than once: a deadlock or a serialization failure, which PostgreSQL
+// resolves by aborting one transaction, runs it again. Whatever else fn
+// returns rolls the transaction back and is returned as is.
+func (s *Store) tx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	for attempt := 1; ; attempt++ {
+		err := pgx.BeginFunc(ctx, s.pool, fn)
+		if attempt < 5 && retryable(err) {
+			continue
+		}
+		return err
+	}
+}
+
+// clock returns the store's time to the microsecond, as PostgreSQL keeps
+// it, so that what a write returns equals what a read returns later.
+func (s *Store) clock() time.Time {
+	return pgTime(s.now())
+}
+
+// pgTime is t in UTC to the microsecond, as a timestamptz keeps it.
+func pgTime(t time.Time) time.Time {
+	return t.Truncate(time.Microsecond).UTC()
+}
+
+// validID reports whether s can be an id: not empty, no NUL byte (which
+// PostgreSQL's text cannot hold, and which the bbolt engine refuses).
+func validID(s string) bool {
+	return s != "" && !strings.ContainsRune(s, 0)
+}
+
+// isUniqueViolation reports whether err is a unique_violation.
+func isUniqueViolation(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "23505"
+}
+
+// pageCap is the capacity to give a page of at most limit items.
+func pageCap(limit int) int {
+	if limit <= 0 {
+		return 0
+	}
+	return min(limit, 1000)
+}
+
+// seqText is a uint64 as the text of a numeric.
+func seqText(seq uint64) string { return strconv.FormatUint(seq, 10) }
+
+// parseSeq reads back what seqText wrote.
+func parseSeq(s string) (uint64, error) {
+	v, err := strconv.ParseUint(s, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("postgres: bad seq %q: %w", s, err)
+	}
+	return v, nil
+}

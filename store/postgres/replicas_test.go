@@ -1,0 +1,520 @@
+package postgres_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/store/postgres"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func init() {
+	ownTests = append(ownTests, []struct {
+		name string
+		run  func(t *testing.T, e *testEnv)
+	}{
+		{"Migrate", testMigrate},
+		{"TwoStoresOneDevice", testTwoStoresOneDevice},
+		{"ClockSkewKeepsIDOrder", testClockSkew},
+		{"IdempotencyAcrossStores", testIdempotencyAcrossStores},
+		{"ClaimAcrossStores", testClaimAcrossStores},
+		{"ListenCommands", testListenCommands},
+		{"ListenReconnects", testListenReconnects},
+		{"BarrierOrder", testBarrierOrder},
+		{"CloseWaitsForWrites", testCloseWaits},
+		{"BlobChunks", testBlobChunks},
+		{"BatchIsolatesFailures", testBatchIsolatesFailures},
+	}...)
+}
+
+func cmd(dev string) companion.Command {
+	return companion.Command{DeviceID: dev, UserID: "u1", Op: "push.text", Payload: []byte(`{"text":"hi"}`), ExpiresAt: time.Now().Add(time.Hour)}
+}
+
+// Replicas that start together apply each migration once; a database of
+// a newer build is refused.
+func testMigrate(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	ctx := t.Context()
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Go(func() { errs[i] = postgres.Migrate(ctx, dsn) })
+	}
+	wg.Wait()
+	for i, err := range errs {
+		require.NoError(t, err, "Migrate #%d", i)
+	}
+	conn, err := pgx.Connect(ctx, dsn)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var n, v int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*), max(version) FROM schema_migrations`).Scan(&n, &v))
+	assert.Equal(t, postgres.SchemaVersion(), n, "rows of schema_migrations")
+	assert.Equal(t, postgres.SchemaVersion(), v, "schema version")
+	e.open(t, dsn) // Open of a migrated database changes nothing
+
+	_, err = conn.Exec(ctx, `INSERT INTO schema_migrations (version, name) VALUES (999, '0999_future')`)
+	require.NoError(t, err)
+	assert.ErrorIs(t, postgres.Migrate(ctx, dsn), companion.ErrSchemaTooNew)
+	_, err = postgres.Open(ctx, dsn, postgres.Options{})
+	assert.ErrorIs(t, err, companion.ErrSchemaTooNew, "Open")
+}
+
+// Two replicas creating commands for one device at once: the queue limit
+// holds across them, and ids are unique and rise in each caller's order.
+func testTwoStoresOneDevice(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	stores := []*postgres.Store{e.open(t, dsn), e.open(t, dsn)}
+	ctx := t.Context()
+	const workers, each, maxOpen = 8, 10, 50
+	perWorker := make([][]string, workers)
+	var full atomic.Int32
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			s := stores[w%2]
+			for range each {
+				c, _, err := s.CreateCommand(ctx, cmd("d1"), maxOpen, nil)
+				if errors.Is(err, companion.ErrQueueFull) {
+					full.Add(1)
+					continue
+				}
+				if err != nil {
+					t.Errorf("CreateCommand = %v", err)
+					return
+				}
+				perWorker[w] = append(perWorker[w], c.ID)
+			}
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, int32(workers*each-maxOpen), full.Load(), "refused with ErrQueueFull")
+	seen := map[string]bool{}
+	for w, ids := range perWorker {
+		assert.True(t, slices.IsSorted(ids), "worker %d's ids do not rise: %v", w, ids)
+		for _, id := range ids {
+			assert.False(t, seen[id], "id %s given twice", id)
+			seen[id] = true
+		}
+	}
+	assert.Len(t, seen, maxOpen)
+	for _, s := range stores {
+		n, err := s.CountOpen(ctx, "d1")
+		require.NoError(t, err)
+		assert.Equal(t, maxOpen, n, "CountOpen")
+	}
+}
+
+// A replica whose clock is behind still gives a device's next command an
+// id above the last one another replica gave.
+func testClockSkew(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	ahead := e.openWith(t, dsn, postgres.Options{Now: func() time.Time { return time.Now().Add(time.Hour) }})
+	behind := e.open(t, dsn)
+	ctx := t.Context()
+	var ids []string
+	for i := range 6 {
+		s := ahead
+		if i%2 == 1 {
+			s = behind
+		}
+		c, _, err := s.CreateCommand(ctx, cmd("d1"), 0, nil)
+		require.NoError(t, err)
+		ids = append(ids, c.ID)
+	}
+	assert.True(t, slices.IsSorted(ids), "ids in commit order %v; want rising", ids)
+	list, _, err := behind.ListCommands(ctx, companion.CommandQuery{DeviceID: "d1"})
+	require.NoError(t, err)
+	got := make([]string, len(list))
+	for i, c := range list {
+		got[len(list)-1-i] = c.ID
+	}
+	assert.Equal(t, ids, got, "ListCommands, oldest first")
+	// Another device is not held back by d1's ids.
+	c, _, err := behind.CreateCommand(ctx, cmd("d2"), 0, nil)
+	require.NoError(t, err)
+	assert.Less(t, c.ID, ids[0], "d2's id made by the replica behind")
+}
+
+// Two replicas given one idempotency key at once create one command.
+func testIdempotencyAcrossStores(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	stores := []*postgres.Store{e.open(t, dsn), e.open(t, dsn)}
+	ctx := t.Context()
+	hash := sha256.Sum256([]byte("body"))
+	const tries = 10
+	ids := make([]string, tries)
+	replays := make([]bool, tries)
+	var wg sync.WaitGroup
+	for i := range tries {
+		wg.Go(func() {
+			c, replay, err := stores[i%2].CreateCommand(ctx, cmd("d1"), 0, &companion.Idempotency{UserID: "u1", Key: "k", RequestHash: hash[:], Status: 202})
+			if err != nil {
+				t.Errorf("CreateCommand = %v", err)
+				return
+			}
+			ids[i], replays[i] = c.ID, replay
+		})
+	}
+	wg.Wait()
+	for i := range ids {
+		assert.Equal(t, ids[0], ids[i], "command of try %d", i)
+	}
+	fresh := 0
+	for _, r := range replays {
+		if !r {
+			fresh++
+		}
+	}
+	assert.Equal(t, 1, fresh, "tries that created the command")
+	n, err := stores[0].CountOpen(ctx, "d1")
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+}
+
+// Of two replicas that both try to move a queued command on, one does:
+// the other's fn sees it moved (the outbox's claim).
+func testClaimAcrossStores(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	stores := []*postgres.Store{e.open(t, dsn), e.open(t, dsn)}
+	ctx := t.Context()
+	errStale := errors.New("stale")
+	for range 10 {
+		c, _, err := stores[0].CreateCommand(ctx, cmd("d1"), 0, nil)
+		require.NoError(t, err)
+		var won atomic.Int32
+		var wg sync.WaitGroup
+		for _, s := range stores {
+			wg.Go(func() {
+				_, err := s.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+					if c.State != companion.StateQueued {
+						return errStale
+					}
+					c.State = companion.StateSent
+					return nil
+				})
+				switch {
+				case err == nil:
+					won.Add(1)
+				case !errors.Is(err, errStale):
+					t.Errorf("UpdateCommand = %v", err)
+				}
+			})
+		}
+		wg.Wait()
+		assert.Equal(t, int32(1), won.Load(), "replicas that marked %s sent", c.ID)
+	}
+}
+
+// A replica hears of the state changes another replica stores.
+func testListenCommands(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	a, b := e.open(t, dsn), e.open(t, dsn)
+	heard := make(chan string, 100)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	listened := make(chan error, 1)
+	go func() { listened <- a.ListenCommands(ctx, func(id string) { heard <- id }) }()
+
+	// LISTEN takes a moment: change commands until one is heard. Those
+	// changed meanwhile may be heard later; they are skipped below.
+	warm := map[string]bool{}
+	deadline := time.After(waitFor)
+	for heardOne := false; !heardOne; {
+		c, _, err := b.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+		require.NoError(t, err)
+		warm[c.ID] = true
+		_, err = b.UpdateCommand(t.Context(), c.ID, func(c *companion.Command) error { c.State = companion.StateSent; return nil })
+		require.NoError(t, err)
+		select {
+		case id := <-heard:
+			assert.True(t, warm[id], "heard %q; want one of the commands changed", id)
+			heardOne = true
+		case <-time.After(100 * time.Millisecond):
+		case <-deadline:
+			t.Fatal("no notification heard")
+		}
+	}
+	next := func(within time.Duration) (string, bool) {
+		t.Helper()
+		timeout := time.After(within)
+		for {
+			select {
+			case id := <-heard:
+				if !warm[id] {
+					return id, true
+				}
+			case <-timeout:
+				return "", false
+			}
+		}
+	}
+	// Now every change of state is heard, in commit order; a change that
+	// keeps the state (progress) is not announced, nor a refused one.
+	c, _, err := b.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	for _, st := range []string{companion.StateDelivered, companion.StateInProgress, companion.StateInProgress, companion.StateSucceeded} {
+		_, err := b.UpdateCommand(t.Context(), c.ID, func(c *companion.Command) error { c.State = st; return nil })
+		require.NoError(t, err)
+	}
+	_, err = b.UpdateCommand(t.Context(), c.ID, func(c *companion.Command) error { return nil })
+	require.ErrorIs(t, err, companion.ErrFinal)
+	for i := range 3 {
+		id, ok := next(waitFor)
+		require.True(t, ok, "notification %d not heard", i)
+		assert.Equal(t, c.ID, id, "notification %d", i)
+	}
+	if id, ok := next(200 * time.Millisecond); ok {
+		t.Errorf("heard %q; want nothing more", id)
+	}
+
+	// Closing the store ends ListenCommands with nil.
+	require.NoError(t, a.Close())
+	select {
+	case err := <-listened:
+		assert.NoError(t, err, "ListenCommands after Close")
+	case <-time.After(waitFor):
+		t.Fatal("ListenCommands did not return after Close")
+	}
+}
+
+// When its connection is cut, ListenCommands reconnects and says so with
+// fn(""); ctx's end ends it.
+func testListenReconnects(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	s := e.open(t, dsn)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	heard := make(chan string, 100)
+	listened := make(chan error, 1)
+	go func() { listened <- s.ListenCommands(ctx, func(id string) { heard <- id }) }()
+
+	conn, err := pgx.Connect(t.Context(), dsn)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	terminate := func() int {
+		var n int
+		err := conn.QueryRow(t.Context(), `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE datname = current_database() AND query = 'LISTEN companion_commands' AND pid <> pg_backend_pid()`).Scan(&n)
+		require.NoError(t, err)
+		return n
+	}
+	deadline := time.Now().Add(waitFor)
+	for terminate() == 0 {
+		require.True(t, time.Now().Before(deadline), "no listening connection to cut")
+		time.Sleep(20 * time.Millisecond) // polling pg_stat_activity; nothing to wait on
+	}
+	select {
+	case id := <-heard:
+		assert.Equal(t, "", id, "first call after the connection was cut")
+	case <-time.After(waitFor):
+		t.Fatal(`fn("") not called after reconnecting`)
+	}
+	c, _, err := s.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	_, err = s.UpdateCommand(t.Context(), c.ID, func(c *companion.Command) error { c.State = companion.StateSent; return nil })
+	require.NoError(t, err)
+	select {
+	case id := <-heard:
+		assert.Equal(t, c.ID, id, "after reconnecting")
+	case <-time.After(waitFor):
+		t.Fatal("nothing heard after reconnecting")
+	}
+	cancel()
+	select {
+	case err := <-listened:
+		assert.ErrorIs(t, err, context.Canceled)
+	case <-time.After(waitFor):
+		t.Fatal("ListenCommands did not return when its context ended")
+	}
+}
+
+// MarkBridgeOffline applies after the writes made before it and before
+// those made after it, whichever device they are for.
+func testBarrierOrder(t *testing.T, e *testEnv) {
+	s := e.open(t, e.newDB(t))
+	const devices = 16
+	var order []string
+	var mu sync.Mutex
+	note := func(what string) {
+		mu.Lock()
+		order = append(order, what)
+		mu.Unlock()
+	}
+	done := make(chan struct{}, 3*devices+1)
+	for i := range devices {
+		dev := fmt.Sprintf("d%d", i)
+		s.PutStatusAsync(companion.Status{DeviceID: dev, Online: true, BridgeID: "br1", Seq: 1}, func(ok bool, err error) {
+			assert.True(t, ok && err == nil, "first status of %s: %v %v", dev, ok, err)
+			note("before")
+			done <- struct{}{}
+		})
+	}
+	var marked []string
+	s.MarkBridgeOfflineAsync("br1", func(ids []string, err error) {
+		assert.NoError(t, err)
+		marked = ids
+		note("barrier")
+		done <- struct{}{}
+	})
+	for i := range devices / 2 {
+		dev := fmt.Sprintf("d%d", i)
+		s.PutStatusAsync(companion.Status{DeviceID: dev, Online: true, BridgeID: "br1", Seq: 2}, func(ok bool, err error) {
+			assert.True(t, ok && err == nil, "second status of %s: %v %v", dev, ok, err)
+			note("after")
+			done <- struct{}{}
+		})
+	}
+	for range devices + 1 + devices/2 {
+		select {
+		case <-done:
+		case <-time.After(waitFor):
+			t.Fatal("done not called")
+		}
+	}
+	want := slices.Concat(slices.Repeat([]string{"before"}, devices), []string{"barrier"}, slices.Repeat([]string{"after"}, devices/2))
+	assert.Equal(t, want, order, "order of the done calls")
+	assert.Len(t, marked, devices, "MarkBridgeOffline's devices")
+	for i := range devices {
+		st, err := s.Status(t.Context(), fmt.Sprintf("d%d", i))
+		require.NoError(t, err)
+		assert.Equal(t, i < devices/2, st.Online, "d%d online", i)
+	}
+}
+
+// Close waits for the writes under way; later writes fail with ErrClosed.
+func testCloseWaits(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	s, err := postgres.Open(t.Context(), dsn, postgres.Options{MaxConns: 4})
+	require.NoError(t, err)
+	const n = 40
+	var calls atomic.Int32
+	for i := range n {
+		s.CreateCommandAsync(cmd(fmt.Sprintf("d%d", i%5)), 0, nil, func(c companion.Command, _ bool, err error) {
+			assert.NoError(t, err)
+			calls.Add(1)
+		})
+	}
+	require.NoError(t, s.Close())
+	assert.Equal(t, int32(n), calls.Load(), "done calls when Close returned")
+	var got error
+	s.PutStatusAsync(companion.Status{DeviceID: "d1", Seq: 1}, func(_ bool, err error) { got = err })
+	assert.ErrorIs(t, got, postgres.ErrClosed, "PutStatusAsync after Close")
+	_, _, err = s.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+	assert.ErrorIs(t, err, postgres.ErrClosed, "CreateCommand after Close")
+
+	s2 := e.open(t, dsn)
+	for i := range 5 {
+		c, err := s2.CountOpen(t.Context(), fmt.Sprintf("d%d", i))
+		require.NoError(t, err)
+		assert.Equal(t, n/5, c, "CountOpen(d%d) after Close", i)
+	}
+}
+
+// A blob over several chunks reads back whole, and seeks across chunks.
+func testBlobChunks(t *testing.T, e *testEnv) {
+	s := e.open(t, e.newDB(t))
+	ctx := t.Context()
+	content := make([]byte, 600<<10+123)
+	_, _ = rand.Read(content)
+	sum := sha256.Sum256(content)
+	b, err := s.PutBlob(ctx, bytes.NewReader(content), int64(len(content)))
+	require.NoError(t, err)
+	assert.Equal(t, hex.EncodeToString(sum[:]), b.SHA256)
+	assert.Equal(t, int64(len(content)), b.Size)
+
+	r, got, err := s.OpenBlob(ctx, b.SHA256)
+	require.NoError(t, err)
+	defer r.Close()
+	assert.Equal(t, b.SHA256, got.SHA256)
+	all, err := io.ReadAll(r)
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(content, all), "read %d bytes; want the %d stored", len(all), len(content))
+	for _, off := range []int64{0, 1, 256<<10 - 1, 256 << 10, 512<<10 + 7, int64(len(content)) - 1} {
+		pos, err := r.Seek(off, io.SeekStart)
+		require.NoError(t, err)
+		require.Equal(t, off, pos)
+		buf := make([]byte, 300<<10)
+		n, err := io.ReadFull(r, buf)
+		if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) {
+			t.Fatalf("read at %d: %v", off, err)
+		}
+		assert.True(t, bytes.Equal(content[off:off+int64(n)], buf[:n]), "content at %d", off)
+		assert.Equal(t, min(int64(len(buf)), int64(len(content))-off), int64(n), "bytes read at %d", off)
+	}
+	end, err := r.Seek(0, io.SeekEnd)
+	require.NoError(t, err)
+	assert.Equal(t, int64(len(content)), end)
+	n, err := r.Read(make([]byte, 10))
+	assert.Equal(t, 0, n)
+	assert.ErrorIs(t, err, io.EOF)
+
+	// Over the limit by a byte: nothing is stored, chunks included.
+	_, err = s.PutBlob(ctx, bytes.NewReader(content), int64(len(content)-1))
+	assert.ErrorIs(t, err, companion.ErrTooLarge)
+	again, err := s.PutBlob(ctx, bytes.NewReader(content), 0)
+	require.NoError(t, err)
+	assert.True(t, again.CreatedAt.Equal(b.CreatedAt), "CreatedAt of content stored again")
+}
+
+// Writes that share a transaction (a lane's batch) fail alone: one that
+// PostgreSQL refuses leaves the others stored, in order.
+func testBatchIsolatesFailures(t *testing.T, e *testEnv) {
+	s := e.open(t, e.newDB(t))
+	ctx := t.Context()
+	c, _, err := s.CreateCommand(ctx, cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	const n = 40
+	errs := make(chan error, n)
+	results := make([]error, n)
+	for i := range n {
+		s.UpdateCommandAsync(c.ID, func(c *companion.Command) error {
+			c.State = companion.StateInProgress
+			if i%7 == 3 {
+				c.Op = "bad \xff utf-8" // PostgreSQL refuses the text
+				return nil
+			}
+			p := i
+			c.Progress = &p
+			return nil
+		}, func(_ companion.Command, err error) {
+			results[i] = err
+			errs <- err
+		})
+	}
+	for range n {
+		select {
+		case <-errs:
+		case <-time.After(waitFor):
+			t.Fatal("done not called")
+		}
+	}
+	for i, err := range results {
+		if i%7 == 3 {
+			assert.Error(t, err, "update %d with bad text", i)
+		} else {
+			assert.NoError(t, err, "update %d", i)
+		}
+	}
+	got, err := s.Command(ctx, c.ID)
+	require.NoError(t, err)
+	require.NotNil(t, got.Progress)
+	assert.Equal(t, n-1, *got.Progress, "progress after the updates, in order")
+	assert.Equal(t, "push.text", got.Op)
+}

@@ -1,0 +1,480 @@
+package postgres
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// statusColumnsOf lists the columns statusRow scans, of the table alias t.
+func statusColumnsOf(t string) string {
+	return t + ".device_id, " + t + ".online, " + t + ".battery, " + t + ".firmware_version, " + t + ".model, " +
+		t + ".apps, " + t + ".bridge_id, " + t + ".last_seen, " + t + ".updated_at, " + t + ".seq::text"
+}
+
+// statusRow is a row of statuses as scanned, every column nullable (a
+// device without one, through a LEFT JOIN).
+type statusRow struct {
+	deviceID, firmware, model, bridge, seq *string
+	online                                 *bool
+	battery                                *int32
+	apps                                   []byte
+	lastSeen, updatedAt                    *time.Time
+}
+
+func (r *statusRow) dest() []any {
+	return []any{&r.deviceID, &r.online, &r.battery, &r.firmware, &r.model, &r.apps, &r.bridge, &r.lastSeen, &r.updatedAt, &r.seq}
+}
+
+// status returns the status the row holds: the zero Status with DeviceID
+// set when there was none.
+func (r *statusRow) status(deviceID string) (companion.Status, error) {
+	s := companion.Status{DeviceID: deviceID}
+	if r.deviceID == nil {
+		return s, nil
+	}
+	s.Online, s.FirmwareVersion, s.Model, s.BridgeID = *r.online, *r.firmware, *r.model, *r.bridge
+	if r.battery != nil {
+		b := int(*r.battery)
+		s.Battery = &b
+	}
+	if len(r.apps) > 0 {
+		if err := json.Unmarshal(r.apps, &s.Apps); err != nil {
+			return companion.Status{}, fmt.Errorf("postgres: status %s: apps: %w", deviceID, err)
+		}
+	}
+	s.LastSeen, s.UpdatedAt = r.lastSeen.UTC(), r.updatedAt.UTC()
+	seq, err := parseSeq(*r.seq)
+	if err != nil {
+		return companion.Status{}, err
+	}
+	s.Seq = seq
+	return s, nil
+}
+
+// newer is the rule of reports, in SQL over the excluded (new) row and
+// the stored one of the table t: a higher seq wins, and an equal seq with
+// a later time.
+func newerSQL(t, at string) string {
+	return `(EXCLUDED.seq > ` + t + `.seq OR (EXCLUDED.seq = ` + t + `.seq AND EXCLUDED.` + at + ` > ` + t + `.` + at + `))`
+}
+
+// Status returns the device's last reported status. A device that never
+// reported gets the zero Status with DeviceID set, and no error.
+func (s *Store) Status(ctx context.Context, deviceID string) (companion.Status, error) {
+	if !validID(deviceID) {
+		return companion.Status{DeviceID: deviceID}, nil
+	}
+	var r statusRow
+	err := s.pool.QueryRow(ctx, `SELECT `+statusColumnsOf("statuses")+` FROM statuses WHERE device_id = $1`, deviceID).Scan(r.dest()...)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return companion.Status{}, err
+	}
+	return r.status(deviceID)
+}
+
+// PutStatus stores s when it is newer than the stored status (higher Seq,
+// or equal Seq and later LastSeen) and reports whether it did. UpdatedAt
+// is set to now.
+func (s *Store) PutStatus(ctx context.Context, st companion.Status) (bool, error) {
+	return awaitBool(ctx, func(done func(bool, error)) { s.putStatusAsync(ctx, st, done) })
+}
+
+// awaitBool runs a lane write and waits for its outcome, or for ctx.
+func awaitBool(ctx context.Context, start func(done func(bool, error))) (bool, error) {
+	type result struct {
+		ok  bool
+		err error
+	}
+	ch := make(chan result, 1)
+	start(func(ok bool, err error) { ch <- result{ok, err} })
+	r, err := wait(ctx, ch)
+	if err != nil {
+		return false, err
+	}
+	return r.ok, r.err
+}
+
+// PutStatusAsync is PutStatus without the wait: done (if not nil) gets its
+// results once the status is committed, after the device's writes made
+// before.
+func (s *Store) PutStatusAsync(st companion.Status, done func(applied bool, err error)) {
+	s.putStatusAsync(nil, st, done)
+}
+
+// putStatusAsync runs PutStatus on the device's lane; with ctx set (a
+// synchronous call), in that context, and not at all once it is done.
+func (s *Store) putStatusAsync(ctx context.Context, st companion.Status, done func(bool, error)) {
+	if done == nil {
+		done = func(bool, error) {}
+	}
+	if !validID(st.DeviceID) || (st.BridgeID != "" && !validID(st.BridgeID)) {
+		done(false, fmt.Errorf("%w: status needs a device id", companion.ErrInvalid))
+		return
+	}
+	var applied bool
+	ok := s.submit(job{
+		ctx: ctx,
+		key: deviceHash(st.DeviceID),
+		body: func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			applied, err = s.putStatus(ctx, tx, st)
+			return err
+		},
+		finish: func(err error) { done(applied && err == nil, err) },
+	})
+	if !ok {
+		done(false, ErrClosed)
+	}
+}
+
+// putStatus is PutStatus inside a transaction; st is checked already.
+func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (bool, error) {
+	var apps []byte
+	if st.Apps != nil {
+		var err error
+		if apps, err = json.Marshal(st.Apps); err != nil {
+			return false, err
+		}
+	}
+	var battery *int32
+	if st.Battery != nil {
+		b := int32(*st.Battery)
+		battery = &b
+	}
+	tag, err := tx.Exec(ctx, `INSERT INTO statuses AS t (device_id, online, battery, firmware_version, model, apps, bridge_id, last_seen, updated_at, seq)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::text::numeric)
+		ON CONFLICT (device_id) DO UPDATE SET online = EXCLUDED.online, battery = EXCLUDED.battery,
+			firmware_version = EXCLUDED.firmware_version, model = EXCLUDED.model, apps = EXCLUDED.apps,
+			bridge_id = EXCLUDED.bridge_id, last_seen = EXCLUDED.last_seen, updated_at = EXCLUDED.updated_at, seq = EXCLUDED.seq
+		WHERE `+newerSQL("t", "last_seen"),
+		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, s.clock(), seqText(st.Seq))
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// MarkBridgeOffline marks offline every device whose current status names
+// the bridge, as when the bridge's MQTT Will fires, and returns their ids
+// in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
+// bridge's next report applies as usual.
+func (s *Store) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error) {
+	type result struct {
+		ids []string
+		err error
+	}
+	ch := make(chan result, 1)
+	s.MarkBridgeOfflineAsync(bridgeID, func(ids []string, err error) { ch <- result{ids, err} })
+	r, err := wait(ctx, ch)
+	if err != nil {
+		return nil, err
+	}
+	return r.ids, r.err
+}
+
+// MarkBridgeOfflineAsync is MarkBridgeOffline without the wait: done gets
+// its results once the change is committed. It applies after every write
+// of the store made before it, and before every one made after it.
+func (s *Store) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, err error)) {
+	if done == nil {
+		done = func([]string, error) {}
+	}
+	if !validID(bridgeID) {
+		done([]string{}, nil)
+		return
+	}
+	ok := s.barrier(func(ctx context.Context) {
+		var ids []string
+		err := s.tx(ctx, func(tx pgx.Tx) error {
+			rows, _ := tx.Query(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE bridge_id = $1 RETURNING device_id`, bridgeID, s.clock())
+			var err error
+			ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
+			return err
+		})
+		if err != nil {
+			done(nil, err)
+			return
+		}
+		if ids == nil {
+			ids = []string{}
+		}
+		slices.Sort(ids)
+		done(ids, nil)
+	})
+	if !ok {
+		done(nil, ErrClosed)
+	}
+}
+
+// BridgeDevices returns, in order, the ids of the devices whose current
+// status names the bridge.
+func (s *Store) BridgeDevices(ctx context.Context, bridgeID string) ([]string, error) {
+	if !validID(bridgeID) {
+		return []string{}, nil
+	}
+	return s.strings(ctx, `SELECT device_id FROM statuses WHERE bridge_id = $1 ORDER BY device_id`, bridgeID)
+}
+
+// settingsRow is a row of settings as scanned.
+type settingsRow struct {
+	reported, desired, schema []byte
+	seq                       string
+	s                         companion.Settings
+}
+
+const settingsColumns = `reported, desired, schema, at, seq::text, updated_at`
+
+func (r *settingsRow) dest() []any {
+	return []any{&r.reported, &r.desired, &r.schema, &r.s.At, &r.seq, &r.s.UpdatedAt}
+}
+
+// settings decodes the row into r.s.
+func (r *settingsRow) settings() error {
+	if err := json.Unmarshal(r.reported, &r.s.Reported); err != nil {
+		return fmt.Errorf("postgres: settings of %s: %w", r.s.DeviceID, err)
+	}
+	if err := json.Unmarshal(r.desired, &r.s.Desired); err != nil {
+		return fmt.Errorf("postgres: settings of %s: %w", r.s.DeviceID, err)
+	}
+	if len(r.schema) > 0 {
+		r.s.Schema = json.RawMessage(r.schema)
+	}
+	seq, err := parseSeq(r.seq)
+	if err != nil {
+		return err
+	}
+	r.s.Seq = seq
+	r.s.At, r.s.UpdatedAt = r.s.At.UTC(), r.s.UpdatedAt.UTC()
+	fillMaps(&r.s)
+	return nil
+}
+
+// fillMaps makes the maps of s non-nil.
+func fillMaps(s *companion.Settings) {
+	if s.Reported == nil {
+		s.Reported = map[string]json.RawMessage{}
+	}
+	if s.Desired == nil {
+		s.Desired = map[string]json.RawMessage{}
+	}
+}
+
+// Settings returns the device's settings. A device with none gets the zero
+// value with DeviceID set and empty (non-nil) maps.
+func (s *Store) Settings(ctx context.Context, deviceID string) (companion.Settings, error) {
+	r := settingsRow{s: companion.Settings{DeviceID: deviceID}}
+	if validID(deviceID) {
+		err := s.pool.QueryRow(ctx, `SELECT `+settingsColumns+` FROM settings WHERE device_id = $1`, deviceID).Scan(r.dest()...)
+		switch {
+		case err == nil:
+			if err := r.settings(); err != nil {
+				return companion.Settings{}, err
+			}
+		case !errors.Is(err, pgx.ErrNoRows):
+			return companion.Settings{}, err
+		}
+	}
+	fillMaps(&r.s)
+	return r.s, nil
+}
+
+// lockSettings reads the device's settings FOR UPDATE, making the row
+// when there is none: found says whether there was one.
+func lockSettings(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) (r settingsRow, found bool, err error) {
+	for {
+		r = settingsRow{s: companion.Settings{DeviceID: deviceID}}
+		err = tx.QueryRow(ctx, `SELECT `+settingsColumns+` FROM settings WHERE device_id = $1 FOR UPDATE`, deviceID).Scan(r.dest()...)
+		if err == nil {
+			return r, true, r.settings()
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return r, false, err
+		}
+		tag, err := tx.Exec(ctx, `INSERT INTO settings (device_id, reported, desired, at, seq, updated_at)
+			VALUES ($1, '{}', '{}', '0001-01-01 00:00:00+00', 0, $2) ON CONFLICT (device_id) DO NOTHING`, deviceID, now)
+		if err != nil {
+			return r, false, err
+		}
+		if tag.RowsAffected() == 1 {
+			// Ours, locked by the insert.
+			r.s.UpdatedAt = now
+			fillMaps(&r.s)
+			return r, false, nil
+		}
+		// Another transaction made it meanwhile: lock that one.
+	}
+}
+
+// writeSettings stores r.s as the device's settings.
+func writeSettings(ctx context.Context, tx pgx.Tx, st companion.Settings) error {
+	reported, err := json.Marshal(st.Reported)
+	if err != nil {
+		return err
+	}
+	desired, err := json.Marshal(st.Desired)
+	if err != nil {
+		return err
+	}
+	var schema []byte
+	if len(st.Schema) > 0 {
+		schema = st.Schema
+	}
+	_, err = tx.Exec(ctx, `UPDATE settings SET reported = $2, desired = $3, schema = $4, at = $5, seq = $6::text::numeric, updated_at = $7 WHERE device_id = $1`,
+		st.DeviceID, reported, desired, schema, st.At, seqText(st.Seq), st.UpdatedAt)
+	return err
+}
+
+// PutReportedSettings stores the settings a device reported when the
+// report is newer than the stored one (same rule as PutStatus), and
+// reports whether it did. reported replaces the stored set; schema
+// replaces the stored schema unless it is empty. Each desired key whose
+// value the device now reports is dropped: it is no longer pending.
+func (s *Store) PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error) {
+	return awaitBool(ctx, func(done func(bool, error)) {
+		s.putReportedSettingsAsync(ctx, deviceID, reported, schema, at, seq, done)
+	})
+}
+
+// PutReportedSettingsAsync is PutReportedSettings without the wait: done
+// (if not nil) gets its results once the settings are committed, after
+// the device's writes made before.
+func (s *Store) PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
+	s.putReportedSettingsAsync(nil, deviceID, reported, schema, at, seq, done)
+}
+
+func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
+	if done == nil {
+		done = func(bool, error) {}
+	}
+	if !validID(deviceID) {
+		done(false, fmt.Errorf("%w: settings need a device id", companion.ErrInvalid))
+		return
+	}
+	r, err := companion.NewReportedSettings(reported, schema, at, seq)
+	if err != nil {
+		done(false, err)
+		return
+	}
+	var applied bool
+	ok := s.submit(job{
+		ctx: ctx,
+		key: deviceHash(deviceID),
+		body: func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			applied, err = s.putReportedSettings(ctx, tx, deviceID, r)
+			return err
+		},
+		finish: func(err error) { done(applied && err == nil, err) },
+	})
+	if !ok {
+		done(false, ErrClosed)
+	}
+}
+
+// putReportedSettings is PutReportedSettings inside a transaction; r is
+// checked and compacted already.
+func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID string, r companion.ReportedSettings) (bool, error) {
+	now := s.clock()
+	row, found, err := lockSettings(ctx, tx, deviceID, now)
+	if err != nil {
+		return false, err
+	}
+	st := row.s
+	if found && !newer(r.Seq, r.At, st.Seq, st.At) {
+		return false, nil
+	}
+	st.Reported = maps.Clone(r.Reported)
+	if r.Schema != nil {
+		st.Schema = r.Schema
+	}
+	for k, want := range st.Desired {
+		if got, ok := r.Reported[k]; ok && jsonEqual(got, want) {
+			delete(st.Desired, k)
+		}
+	}
+	st.At, st.Seq, st.UpdatedAt = pgTime(r.At), r.Seq, now
+	if err := writeSettings(ctx, tx, st); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// newer reports whether a report with seq and at replaces one with
+// storedSeq and storedAt: a higher seq wins, and an equal seq with a later
+// time.
+func newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time) bool {
+	return seq > storedSeq || (seq == storedSeq && pgTime(at).After(storedAt))
+}
+
+// MergeDesiredSettings records values the user asked for: each key of
+// partial replaces the desired value of that key. Values are stored as
+// compacted JSON; validating them against the schema is the caller's job.
+func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error {
+	if !validID(deviceID) {
+		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
+	}
+	want := make(map[string]json.RawMessage, len(partial))
+	for _, k := range slices.Sorted(maps.Keys(partial)) {
+		c, err := compact(partial[k])
+		if err != nil {
+			return fmt.Errorf("%w: desired setting %q: %v", companion.ErrInvalid, k, err)
+		}
+		want[k] = c
+	}
+	ch := make(chan error, 1)
+	ok := s.submit(job{
+		ctx: ctx,
+		key: deviceHash(deviceID),
+		body: func(ctx context.Context, tx pgx.Tx) error {
+			now := s.clock()
+			row, _, err := lockSettings(ctx, tx, deviceID, now)
+			if err != nil {
+				return err
+			}
+			maps.Copy(row.s.Desired, want)
+			row.s.UpdatedAt = now
+			return writeSettings(ctx, tx, row.s)
+		},
+		finish: func(err error) { ch <- err },
+	})
+	if !ok {
+		return ErrClosed
+	}
+	err, werr := wait(ctx, ch)
+	if werr != nil {
+		return werr
+	}
+	return err
+}
+
+// compact returns v without insignificant white space, in a new slice.
+func compact(v json.RawMessage) (json.RawMessage, error) {
+	var buf bytes.Buffer
+	if err := json.Compact(&buf, v); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
+}
+
+// jsonEqual compares two JSON values by their compacted text.
+func jsonEqual(a, b json.RawMessage) bool {
+	ca, err := compact(a)
+	if err != nil {
+		return false
+	}
+	cb, err := compact(b)
+	if err != nil {
+		return false
+	}
+	return bytes.Equal(ca, cb)
+}
