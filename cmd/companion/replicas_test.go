@@ -10,6 +10,7 @@ import (
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/store/postgres"
 )
 
 // Two server replicas on one PostgreSQL database and one broker (CONTRACT
@@ -20,6 +21,14 @@ import (
 func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	pg := pgtest.Start(t)
 	dsn := pg.NewDatabase(t)
+	// The server checks the schema and does not change it: companion
+	// migrate does.
+	early := NewMain(Config{Store: dsn, Data: t.TempDir(), HTTP: "127.0.0.1:0", MQTTListen: "127.0.0.1:0"}, testLogger(t))
+	err := early.Run(context.Background())
+	early.Close()
+	require.ErrorIs(t, err, postgres.ErrSchemaOld)
+	assert.Contains(t, err.Error(), "companion migrate")
+
 	var out, errOut bytes.Buffer
 	require.NoError(t, run(context.Background(), []string{"migrate", "--store", dsn}, &out, &errOut), "%s", errOut.String())
 	assert.Contains(t, out.String(), "up to date")

@@ -18,7 +18,7 @@ func TestCommittedSurvivesCrash(t *testing.T) {
 	srv := pgtest.Start(t)
 	e := &testEnv{srv: srv}
 	dsn := e.newDB(t)
-	s, err := postgres.Open(t.Context(), dsn, postgres.Options{MaxConns: 4})
+	s, err := postgres.Open(t.Context(), dsn, postgres.Options{MaxConns: 4, Migrate: true})
 	require.NoError(t, err)
 	var made []companion.Command
 	for range 5 {

@@ -37,6 +37,12 @@ type Options struct {
 	// (at least 2) are the lanes of the per-device writes. ListenCommands
 	// uses a connection of its own besides.
 	MaxConns int32
+	// Migrate has Open apply the migrations the database lacks. Without
+	// it Open only checks the schema and refuses one older than this
+	// build's (CONTRACT §11: `companion migrate` applies it, so that a
+	// replica of a new build never changes the schema under the replicas
+	// of the old one).
+	Migrate bool
 }
 
 // Store is companion.Store on PostgreSQL. It is safe for concurrent use,
@@ -58,7 +64,8 @@ var _ companion.Store = (*Store)(nil)
 
 // Open connects to the database of dsn (a PostgreSQL URL or key=value
 // string; a search_path parameter puts the tables in that schema),
-// applies the migrations it lacks (see Migrate) and starts the lanes of
+// checks its schema (applies the migrations it lacks with opts.Migrate;
+// see Migrate) and starts the lanes of
 // the per-device writes. Its sessions run with synchronous_commit on
 // unless the DSN sets it.
 func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
@@ -86,7 +93,7 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	if _, ok := params["application_name"]; !ok {
 		params["application_name"] = "companion"
 	}
-	if err := migrate(ctx, cfg.ConnConfig, opts.Logger); err != nil {
+	if err := migrate(ctx, cfg.ConnConfig, opts.Logger, opts.Migrate); err != nil {
 		return nil, err
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -188,14 +195,20 @@ func Migrate(ctx context.Context, dsn string) error {
 	if err != nil {
 		return fmt.Errorf("postgres: %w", err)
 	}
-	return migrate(ctx, cfg, slog.Default())
+	return migrate(ctx, cfg, slog.Default(), true)
 }
 
 // migrationLock is the advisory lock (two-key form, which does not overlap
 // the one-key locks of idempotency keys) that migrations take.
 const migrationLock = `SELECT pg_advisory_xact_lock(1668246896, 1)`
 
-func migrate(ctx context.Context, cfg *pgx.ConnConfig, log *slog.Logger) error {
+// ErrSchemaOld is returned by Open for a database whose schema is older
+// than this build's: run companion migrate.
+var ErrSchemaOld = errors.New("postgres: the database's schema is older than this build's: run companion migrate --store URL")
+
+// migrate applies the migrations the database lacks, or with apply false
+// only checks that it lacks none.
+func migrate(ctx context.Context, cfg *pgx.ConnConfig, log *slog.Logger, apply bool) error {
 	ms, err := migrations()
 	if err != nil {
 		return err
@@ -227,6 +240,9 @@ func migrate(ctx context.Context, cfg *pgx.ConnConfig, log *slog.Logger) error {
 			if m.version == 0 || have >= m.version {
 				return nil // the check alone, or applied already
 			}
+			if !apply {
+				return fmt.Errorf("%w (it has %d, this build needs %d)", ErrSchemaOld, have, len(ms))
+			}
 			if _, err := tx.Exec(ctx, m.sql); err != nil {
 				return fmt.Errorf("migration %s: %w", m.name, err)
 			}
@@ -237,7 +253,7 @@ func migrate(ctx context.Context, cfg *pgx.ConnConfig, log *slog.Logger) error {
 			return err
 		})
 		if err != nil {
-			if errors.Is(err, companion.ErrSchemaTooNew) {
+			if errors.Is(err, companion.ErrSchemaTooNew) || errors.Is(err, ErrSchemaOld) {
 				return err
 			}
 			return fmt.Errorf("postgres: migrate: %w", err)

@@ -70,6 +70,7 @@ func (e *testEnv) openWith(t *testing.T, dsn string, opts postgres.Options) *pos
 	if opts.MaxConns == 0 {
 		opts.MaxConns = 8
 	}
+	opts.Migrate = true
 	s, err := postgres.Open(t.Context(), dsn, opts)
 	if err != nil {
 		t.Fatalf("Open = %v", err)

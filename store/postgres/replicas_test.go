@@ -51,6 +51,10 @@ func cmd(dev string) companion.Command {
 func testMigrate(t *testing.T, e *testEnv) {
 	dsn := e.newDB(t)
 	ctx := t.Context()
+	// Without Migrate, Open refuses a database whose schema is behind:
+	// companion migrate applies it.
+	_, err := postgres.Open(ctx, dsn, postgres.Options{})
+	require.ErrorIs(t, err, postgres.ErrSchemaOld, "Open of an empty database")
 	var wg sync.WaitGroup
 	errs := make([]error, 4)
 	for i := range errs {
@@ -401,7 +405,7 @@ func testBarrierOrder(t *testing.T, e *testEnv) {
 // Close waits for the writes under way; later writes fail with ErrClosed.
 func testCloseWaits(t *testing.T, e *testEnv) {
 	dsn := e.newDB(t)
-	s, err := postgres.Open(t.Context(), dsn, postgres.Options{MaxConns: 4})
+	s, err := postgres.Open(t.Context(), dsn, postgres.Options{MaxConns: 4, Migrate: true})
 	require.NoError(t, err)
 	const n = 40
 	var calls atomic.Int32
