@@ -65,8 +65,27 @@ type Options struct {
 	// bridge's word before the server calls it expired; default 1 min.
 	ExpiryGrace time.Duration
 
+	// Dispatcher, for replicas sharing one store, says whether this
+	// replica is the one that publishes queued commands, resends them and
+	// sweeps expiry (postgres.Store elects one; see docs/scale-out.md).
+	// With one set, this replica publishes only while it dispatches, and
+	// always from the store, in id order, so that one device's commands go
+	// out once and in order whichever replica accepted them. nil: this
+	// server is alone and always dispatches.
+	Dispatcher Dispatcher
+
 	Logger *slog.Logger
 	Now    func() time.Time
+}
+
+// Dispatcher tells a replica whether it dispatches now.
+type Dispatcher interface {
+	Dispatching() bool
+}
+
+// dispatching reports whether this replica publishes and sweeps now.
+func (b *Broker) dispatching() bool {
+	return b.opts.Dispatcher == nil || b.opts.Dispatcher.Dispatching()
 }
 
 // Broker is the command broker. Create it with New, start it with Start,
@@ -92,7 +111,11 @@ type Broker struct {
 	// flying holds the commands the outbox took to publish whose state on
 	// disk is still queued: until the bridge answers, or sentDelay after
 	// the PUBACK, when "sent" is written (see flushSent).
-	flying  map[string]*outgoing
+	flying map[string]*outgoing
+	// landed holds the ids that landed (see land) since the outbox last
+	// read the store, while it publishes what it read: the store said
+	// queued before they landed, so they must not go out again.
+	landed  map[string]bool
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here and not final yet (see Wait)
 	ready   bool
@@ -723,7 +746,9 @@ func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, erro
 	b.pending = slices.DeleteFunc(b.pending, func(c companion.Command) bool { return c.ID == id })
 	_, out := b.flying[id] // taken, perhaps published: the cancel follows it
 	b.mu.Unlock()
-	if out || was == companion.StateSent {
+	// With replicas, the dispatcher may have published it although the
+	// store still says queued (sent is written after the PUBACK).
+	if out || was == companion.StateSent || b.opts.Dispatcher != nil {
 		b.publishCancel(cmd)
 	}
 	return cmd, nil
@@ -804,12 +829,29 @@ func (b *Broker) forget(id string, ch chan companion.Command) {
 	}
 }
 
+// DispatcherChanged tells the broker that this replica started or stopped
+// dispatching: a new dispatcher reads the store at once.
+func (b *Broker) DispatcherChanged(dispatching bool) {
+	b.log.Info("dispatcher", "dispatching", dispatching)
+	if dispatching {
+		b.wake()
+	}
+}
+
 // CommandChanged says another replica changed command id in the shared
 // store (the store's notification): those waiting here for it are
 // answered if it is final now. It costs nothing when nobody here waits.
 // An empty id means notifications may have been lost (the store's listener
 // reconnected): every command waited for here is read again.
 func (b *Broker) CommandChanged(ctx context.Context, id string) {
+	if b.opts.Dispatcher != nil {
+		// Perhaps a command another replica accepted: the dispatcher reads
+		// the queue again.
+		b.mu.Lock()
+		b.scan = true
+		b.mu.Unlock()
+		b.wake()
+	}
 	b.mu.Lock()
 	var ids []string
 	if id == "" {

@@ -27,7 +27,7 @@ const maxPending = 10000
 // arrive in the order of their ids.
 func (b *Broker) enqueue(c companion.Command) {
 	b.mu.Lock()
-	if !b.ready || b.scan || len(b.pending) >= maxPending {
+	if !b.ready || b.scan || len(b.pending) >= maxPending || b.opts.Dispatcher != nil {
 		// It is queued on disk: the outbox's next read of the store
 		// finds it, in its order.
 		b.scan = true
@@ -70,6 +70,16 @@ func (b *Broker) outbox() {
 		if !b.client.IsConnectionOpen() || !b.Ready() {
 			continue
 		}
+		if !b.dispatching() {
+			// Another replica publishes. Should this one take over, its
+			// first pass sends every open command again: the last
+			// dispatcher's may not have gone out.
+			b.mu.Lock()
+			b.resend, b.pending = make(map[string]bool), nil
+			b.mu.Unlock()
+			firstPass = true
+			continue
+		}
 		b.mu.Lock()
 		devices, scan, pending := b.resend, b.scan || firstPass, b.pending
 		b.resend, b.scan, b.pending = make(map[string]bool), false, nil
@@ -82,6 +92,9 @@ func (b *Broker) outbox() {
 		b.mu.Unlock()
 		cmds := pending
 		if scan || len(devices) > 0 {
+			b.mu.Lock()
+			b.landed = make(map[string]bool)
+			b.mu.Unlock()
 			var err error
 			if cmds, err = b.pendingFromStore(firstPass, devices, pending); err != nil {
 				b.log.Warn("outbox: reading queued commands failed; will retry", "err", err)
@@ -100,7 +113,11 @@ func (b *Broker) outbox() {
 		// again, also those on their way: they may have gone to a broker
 		// session that was not the bridge's.
 		again := func(c companion.Command) bool { return all || devices[c.DeviceID] }
-		if !b.publish(cmds, again) {
+		ok := b.publish(cmds, again)
+		b.mu.Lock()
+		b.landed = nil
+		b.mu.Unlock()
+		if !ok {
 			return
 		}
 	}
@@ -200,6 +217,12 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			continue
 		}
 		b.mu.Lock()
+		if b.landed[c.ID] {
+			// Answered, or written sent, since the store was read: the
+			// bridge has it.
+			b.mu.Unlock()
+			continue
+		}
 		o := b.flying[c.ID]
 		if o == nil {
 			o = &outgoing{}
@@ -244,6 +267,9 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 func (b *Broker) land(id string) {
 	b.mu.Lock()
 	delete(b.flying, id)
+	if b.landed != nil {
+		b.landed[id] = true
+	}
 	b.mu.Unlock()
 }
 
@@ -360,6 +386,9 @@ func (b *Broker) sweep() {
 		ctx := context.Background()
 		now := b.now()
 		b.flushSent()
+		if !b.dispatching() {
+			continue // the dispatcher sweeps
+		}
 		cmds, err := b.st.ExpiredCommands(ctx, now)
 		if err != nil {
 			b.log.Error("expiry sweep", "err", err)

@@ -3,14 +3,21 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sync"
 	"testing"
+	"time"
 
+	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/pgtest"
 	"github.com/devicecompanion/companion/store/postgres"
+	"github.com/devicecompanion/companion/topics"
 )
 
 // Two server replicas on one PostgreSQL database and one broker (CONTRACT
@@ -57,4 +64,88 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	}
 	texts := b.sims["dev-2"].Texts()
 	require.Len(t, texts, 2, "each command ran once")
+}
+
+// With two replicas one dispatches (CONTRACT §11): commands accepted on
+// either go out once each, in the order they were accepted, and when the
+// dispatcher goes, the other replica takes over and what is sent to it
+// still runs.
+func TestReplicasPublishEachCommandOnceInOrder(t *testing.T) {
+	pg := pgtest.Start(t)
+	dsn := pg.NewDatabase(t)
+	require.NoError(t, postgres.Migrate(context.Background(), dsn))
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	m1 := startOnMosquitto(t, Config{Store: dsn, ReplicaID: "r1"}, mq)
+	m2 := startOnMosquitto(t, Config{Store: dsn, ReplicaID: "r2"}, mq)
+	f := setupFleet(t, m1, "dev-1")
+	on := []*client{f.user, newClient(t, m2, f.user.token)}
+	r := on[1].do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+
+	// Everything published on the device's command topics, as the broker
+	// hands it out.
+	var mu sync.Mutex
+	var published []string
+	watch := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID("watch").
+		SetUsername(serverAccount.Username).SetPassword(serverAccount.Password).
+		SetOrderMatters(true))
+	require.NoError(t, mqtt.WaitTokenTimeout(watch.Connect(), 10*time.Second))
+	defer watch.Disconnect(0)
+	require.NoError(t, mqtt.WaitTokenTimeout(watch.Subscribe("companion/v1/devices/dev-1/commands/#", 1, func(_ mqtt.Client, msg mqtt.Message) {
+		var c topics.Command
+		if json.Unmarshal(msg.Payload(), &c) == nil && c.Op != topics.OpCancel {
+			mu.Lock()
+			published = append(published, c.ID)
+			mu.Unlock()
+		}
+	}), 10*time.Second))
+	b := startBridge(t, m1, mq.URL, f, "", "dev-1")
+	// Once the bridge is online: its coming online resends what is open,
+	// by design (it may have missed it), which is not what is counted here.
+	eventually(t, "the device online", func() bool {
+		r := on[0].do("GET", "/api/v1/devices/dev-1/status", nil)
+		return r.Status == 200 && r.JSON(t)["online"] == true
+	})
+
+	// Both replicas accept at once, 40 each: acceptance order is the
+	// order of the ids (they rise in commit order per device).
+	var ids []string
+	var wg sync.WaitGroup
+	for _, c := range on {
+		wg.Go(func() {
+			for i := range 40 {
+				cmd := c.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": fmt.Sprintf("t%d", i)})
+				mu.Lock()
+				ids = append(ids, cmd["id"].(string))
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	slices.Sort(ids)
+	for _, id := range ids {
+		assert.Equal(t, "succeeded", on[0].waitFinal("dev-1", id)["state"])
+	}
+	assert.Equal(t, ids, textIDs(b.sims["dev-1"]), "the device ran them in acceptance order")
+	mu.Lock()
+	assert.Equal(t, ids, published, "each went out once, in acceptance order")
+	mu.Unlock()
+
+	// The dispatcher goes; the other takes over.
+	var stays *Main
+	var stay *client
+	switch {
+	case m1.pg.Dispatching():
+		require.NoError(t, m1.Close())
+		stays, stay = m2, on[1]
+	case m2.pg.Dispatching():
+		require.NoError(t, m2.Close())
+		stays, stay = m1, on[0]
+	default:
+		t.Fatal("neither replica dispatches")
+	}
+	require.Eventually(t, stays.pg.Dispatching, 20*time.Second, 50*time.Millisecond, "the other replica did not take over")
+	cmd := stay.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "after the takeover"})
+	assert.Equal(t, "succeeded", stay.waitFinal("dev-1", cmd["id"].(string))["state"])
+	assert.Equal(t, append(ids, cmd["id"].(string)), textIDs(b.sims["dev-1"]))
 }

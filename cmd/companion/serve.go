@@ -312,6 +312,7 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	m.Broker, err = broker.New(broker.Options{
 		ClientID:        clientID,
+		Dispatcher:      m.dispatcher(),
 		TLSConfig:       mqttTLS,
 		Store:           m.DB,
 		MQTTURL:         m.mqttURL,
@@ -348,7 +349,7 @@ func (m *Main) Run(ctx context.Context) error {
 	if err := m.Broker.Start(); err != nil {
 		return err
 	}
-	m.listenForOtherReplicas()
+	m.joinReplicas()
 	if m.Dynsec != nil {
 		m.Dynsec.Start()
 	}

@@ -8,7 +8,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 
+	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/store/postgres"
@@ -45,23 +47,43 @@ func (m *Main) openStore(ctx context.Context) error {
 	return nil
 }
 
-// listenForOtherReplicas answers this replica's waiters when another
-// replica on the same PostgreSQL store finishes a command (CONTRACT §11).
-// Its goroutine ends in Close.
-func (m *Main) listenForOtherReplicas() {
+// joinReplicas, with a PostgreSQL store, answers this replica's waiters
+// when another replica finishes a command and wakes the dispatcher when
+// another accepts one (the store's notifications), and campaigns to be the
+// replica that dispatches (CONTRACT §11). Its goroutines end in Close.
+func (m *Main) joinReplicas() {
 	if m.pg == nil {
 		return
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	m.stopListen = cancel
 	m.listenDone = make(chan struct{})
-	go func() {
-		defer close(m.listenDone)
+	var wg sync.WaitGroup
+	wg.Go(func() {
 		err := m.pg.ListenCommands(ctx, func(id string) { m.Broker.CommandChanged(ctx, id) })
 		if err != nil && ctx.Err() == nil {
 			m.Logger.Error("listening for other replicas' commands ended", "err", err)
 		}
+	})
+	wg.Go(func() {
+		err := m.pg.Campaign(ctx, m.Broker.DispatcherChanged)
+		if err != nil && ctx.Err() == nil {
+			m.Logger.Error("the dispatcher campaign ended", "err", err)
+		}
+	})
+	go func() {
+		wg.Wait()
+		close(m.listenDone)
 	}()
+}
+
+// dispatcher is the broker's Dispatcher: the PostgreSQL store's election,
+// or none for a server alone on its bbolt file.
+func (m *Main) dispatcher() broker.Dispatcher {
+	if m.pg == nil {
+		return nil
+	}
+	return m.pg
 }
 
 // replicaClientID is the server's MQTT client id: companion-server alone,

@@ -1,5 +1,5 @@
-// Package pahostore is paho's in-memory store with one difference: Get
-// returns a copy of a stored PUBLISH packet.
+// Package pahostore is paho's in-memory store with one difference: it
+// keeps, and Get returns, copies of PUBLISH packets.
 //
 // On reconnect paho's resume sets the DUP flag on the packets it loads from
 // the store while the previous connection's writer may still be packing the
@@ -17,6 +17,18 @@ import (
 // Store is an mqtt.Store; create it with New.
 type Store struct {
 	*mqtt.MemoryStore
+}
+
+// Put stores a copy of a PUBLISH packet: a packet published while paho
+// resumes after a reconnect is in the store and in the new connection's
+// send queue at once, and the writer sets its length while Get would copy
+// it (seen with a NATS node killed under load).
+func (s *Store) Put(key string, p packets.ControlPacket) {
+	if pub, ok := p.(*packets.PublishPacket); ok {
+		cp := *pub
+		p = &cp
+	}
+	s.MemoryStore.Put(key, p)
 }
 
 // New returns an empty store for mqtt.ClientOptions.SetStore.

@@ -226,6 +226,8 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 				VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)`,
 			append([]any{nc.ID, nc.DeviceID}, commandArgs(nc)...)...)
 		b.Queue(`UPDATE device_queues SET last_id = $2, open_count = open_count + 1 WHERE device_id = $1`, nc.DeviceID, nc.ID)
+		// The dispatcher (another replica, perhaps) publishes it.
+		b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, nc.ID)
 		if idem != nil {
 			r := rec
 			r.CommandID = nc.ID

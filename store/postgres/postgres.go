@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -57,7 +58,9 @@ type Store struct {
 	wg     sync.WaitGroup // the lanes' goroutines
 	mu     sync.RWMutex   // closed, and submissions against Close
 	closed bool
-	done   chan struct{} // closed by Close: stops ListenCommands
+	done   chan struct{} // closed by Close: stops ListenCommands and Campaign
+
+	dispatching atomic.Bool // this store holds the dispatcher's lock (Campaign)
 }
 
 var _ companion.Store = (*Store)(nil)

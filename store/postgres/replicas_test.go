@@ -39,6 +39,7 @@ func init() {
 		{"CloseWaitsForWrites", testCloseWaits},
 		{"BlobChunks", testBlobChunks},
 		{"BatchIsolatesFailures", testBatchIsolatesFailures},
+		{"OneDispatcher", testOneDispatcher},
 	}...)
 }
 
@@ -269,8 +270,9 @@ func testListenCommands(t *testing.T, e *testEnv) {
 			}
 		}
 	}
-	// Now every change of state is heard, in commit order; a change that
-	// keeps the state (progress) is not announced, nor a refused one.
+	// Now the creation (for the dispatcher) and every change of state are
+	// heard, in commit order; a change that keeps the state (progress) is
+	// not announced, nor a refused one.
 	c, _, err := b.CreateCommand(t.Context(), cmd("d1"), 0, nil)
 	require.NoError(t, err)
 	for _, st := range []string{companion.StateDelivered, companion.StateInProgress, companion.StateInProgress, companion.StateSucceeded} {
@@ -279,7 +281,7 @@ func testListenCommands(t *testing.T, e *testEnv) {
 	}
 	_, err = b.UpdateCommand(t.Context(), c.ID, func(c *companion.Command) error { return nil })
 	require.ErrorIs(t, err, companion.ErrFinal)
-	for i := range 3 {
+	for i := range 4 {
 		id, ok := next(waitFor)
 		require.True(t, ok, "notification %d not heard", i)
 		assert.Equal(t, c.ID, id, "notification %d", i)

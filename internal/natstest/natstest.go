@@ -1,0 +1,901 @@
+// Package natstest starts, for one test, the broker cluster CONTRACT §11
+// supports: three NATS Server nodes with JetStream and MQTT, routed to each
+// other, with static users whose rights are given as MQTT topic filters.
+//
+// The binary is the repository's bin/nats-server, which `make deps` builds
+// from the Go module proxy. It is for tests only; nothing outside _test.go
+// files should import it.
+package natstest
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+)
+
+// Nodes is how many nodes a Cluster has: the three of CONTRACT §11.
+const Nodes = 3
+
+const (
+	startTimeout = 30 * time.Second
+	stopTimeout  = 10 * time.Second
+	// logTail is how much of each node's log a failed test prints.
+	logTail = 64 << 10
+)
+
+// User is a static NATS user that MQTT clients log in as (MQTT username and
+// password). Publish and Subscribe are MQTT topic names or filters
+// ("companion/v1/devices/+/commands/#"); StartCluster turns them into the
+// NATS subjects NATS's MQTT maps them to ("companion.v1.devices.*.commands.>"
+// and, since an MQTT "#" also matches its parent level, "companion.v1.devices.*.commands").
+// Whatever is not listed is refused. Every user may also subscribe to the
+// internal "$MQTT.sub.>" subjects QoS 1 and 2 deliveries use (implicit from
+// NATS 2.12.3, required before it).
+type User struct {
+	Username, Password string
+	Publish, Subscribe []string
+}
+
+// Options are StartCluster's.
+type Options struct {
+	// Users are the static users of every node; SetUsers replaces them.
+	Users []User
+	// AckWait is NATS MQTT's ack_wait: how long a QoS 1 message sent to
+	// a subscriber waits for its PUBACK before JetStream sends it again.
+	// Zero keeps NATS's default (30s).
+	AckWait time.Duration
+	// Debug adds NATS's debug logging to the nodes' logs.
+	Debug bool
+}
+
+// Cluster is three nats-server processes run for one test. Node indexes
+// are 0, 1 and 2 (server names nats-1, nats-2, nats-3); every slice is in
+// that order. The nodes are stopped when the test ends.
+type Cluster struct {
+	// MQTTURLs are the nodes' MQTT listeners, tcp://127.0.0.1:PORT.
+	MQTTURLs []string
+	// MonitorURLs are the nodes' monitoring endpoints, http://127.0.0.1:PORT.
+	MonitorURLs []string
+	// Dir holds each node's nats-N.conf, nats-N.log and JetStream store
+	// directory js-N.
+	Dir string
+
+	bin       string
+	opts      Options
+	probeUser User // the helper's own user, to check that a node serves MQTT
+
+	mu    sync.Mutex
+	users []User
+	nodes [Nodes]*node
+}
+
+type node struct {
+	name                                    string
+	confPath, logPath, storeDir             string
+	clientPort, clusterPort, mqttPort, http int
+
+	cmd    *exec.Cmd // nil while not running
+	exited chan struct{}
+	err    error // of cmd.Wait, once exited is closed
+}
+
+// StartCluster starts the three nodes on free ports of 127.0.0.1 and waits
+// until each reports itself healthy (JetStream on, meta leader known) and
+// serves MQTT. Without bin/nats-server the test fails, naming make deps. The
+// nodes are stopped (SIGTERM, SIGKILL after a timeout) when the test ends;
+// if it failed, the end of each node's log is printed.
+func StartCluster(tb testing.TB, opts Options) *Cluster {
+	tb.Helper()
+	bin, err := findBinary()
+	if err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+	if err := checkUsers(opts.Users); err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+	c := &Cluster{
+		Dir:       tb.TempDir(),
+		bin:       bin,
+		opts:      opts,
+		probeUser: User{Username: "natstest-probe", Password: randomString(), Publish: []string{"natstest/probe"}, Subscribe: []string{"natstest/probe"}},
+		users:     append([]User(nil), opts.Users...),
+	}
+	ports, err := freePorts(4 * Nodes)
+	if err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+	for i := range c.nodes {
+		n := &node{
+			name:        fmt.Sprintf("nats-%d", i+1),
+			clientPort:  ports[4*i],
+			clusterPort: ports[4*i+1],
+			mqttPort:    ports[4*i+2],
+			http:        ports[4*i+3],
+		}
+		n.confPath = filepath.Join(c.Dir, n.name+".conf")
+		n.logPath = filepath.Join(c.Dir, n.name+".log")
+		n.storeDir = filepath.Join(c.Dir, fmt.Sprintf("js-%d", i+1))
+		c.nodes[i] = n
+		c.MQTTURLs = append(c.MQTTURLs, "tcp://127.0.0.1:"+strconv.Itoa(n.mqttPort))
+		c.MonitorURLs = append(c.MonitorURLs, "http://127.0.0.1:"+strconv.Itoa(n.http))
+	}
+	if err := c.writeConfigs(); err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+	tb.Cleanup(func() {
+		for i := range c.nodes {
+			if err := c.stop(i); err != nil {
+				tb.Logf("natstest: %v", err)
+			}
+		}
+		if tb.Failed() {
+			c.dumpLogs(tb)
+		}
+	})
+	for i := range c.nodes {
+		if err := c.spawn(i); err != nil {
+			tb.Fatalf("natstest: %v", err)
+		}
+	}
+	// All three must be up before any is healthy: JetStream elects its meta
+	// leader, and MQTT makes its streams with three replicas, only then.
+	for i := range c.nodes {
+		if err := c.waitReady(i); err != nil {
+			tb.Fatalf("natstest: %v", err)
+		}
+	}
+	return c
+}
+
+// MQTTURL is the nodes' MQTT URLs joined with commas, as --mqtt-url takes
+// them.
+func (c *Cluster) MQTTURL() string { return strings.Join(c.MQTTURLs, ",") }
+
+// ConfigPath is the configuration file of node i.
+func (c *Cluster) ConfigPath(i int) string { return c.nodes[i].confPath }
+
+// LogPath is the log file of node i (appended to across restarts).
+func (c *Cluster) LogPath(i int) string { return c.nodes[i].logPath }
+
+// Log returns node i's log so far.
+func (c *Cluster) Log(i int) string {
+	b, err := os.ReadFile(c.nodes[i].logPath)
+	if err != nil {
+		return "(no log: " + err.Error() + ")"
+	}
+	return string(b)
+}
+
+// Running reports whether node i's process is running.
+func (c *Cluster) Running(i int) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.nodes[i].cmd != nil
+}
+
+// PID is node i's process id, or 0 when it is not running.
+func (c *Cluster) PID(i int) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.nodes[i].cmd == nil {
+		return 0
+	}
+	return c.nodes[i].cmd.Process.Pid
+}
+
+// Kill stops node i with SIGKILL, as a crash would, and waits for the
+// process to be gone. Restart brings it back.
+func (c *Cluster) Kill(tb testing.TB, i int) {
+	tb.Helper()
+	c.checkIndex(tb, i)
+	c.mu.Lock()
+	n := c.nodes[i]
+	cmd, exited := n.cmd, n.exited
+	n.cmd, n.exited = nil, nil
+	c.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	_ = cmd.Process.Kill()
+	<-exited
+}
+
+// Stop stops node i with SIGTERM (SIGKILL after a timeout) and waits for it.
+func (c *Cluster) Stop(tb testing.TB, i int) {
+	tb.Helper()
+	c.checkIndex(tb, i)
+	if err := c.stop(i); err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+}
+
+// Restart starts node i again, with the same configuration (and the users
+// last given), ports and JetStream store directory, and waits until it is
+// healthy and serves MQTT. The node must have been stopped or killed.
+func (c *Cluster) Restart(tb testing.TB, i int) {
+	tb.Helper()
+	c.checkIndex(tb, i)
+	if err := c.spawn(i); err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+	if err := c.waitReady(i); err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+}
+
+// WaitHealthy waits until every running node answers /healthz with 200,
+// its /jsz names running nodes as the leaders of JetStream's meta group
+// and of every stream and consumer it holds, and it serves MQTT end to
+// end (a QoS 1 subscription is granted, a QoS 1 message published there
+// comes back). After a Kill the survivors take some seconds to elect new
+// leaders (a Raft election each); until then what needs the JetStream API
+// fails after NATS's 5s timeout: an MQTT client's connect with a
+// persistent session ("loading session record: timeout"), a new
+// subscription (SUBACK 0x80), the retained messages of a subscription.
+func (c *Cluster) WaitHealthy(tb testing.TB) {
+	tb.Helper()
+	for i := range c.nodes {
+		if !c.Running(i) {
+			continue
+		}
+		if err := c.waitHealthz(i); err != nil {
+			tb.Fatalf("natstest: %v", err)
+		}
+		if err := c.waitLeaders(i); err != nil {
+			tb.Fatalf("natstest: %v", err)
+		}
+		if err := c.waitRoundTrip(i); err != nil {
+			tb.Fatalf("natstest: %v", err)
+		}
+	}
+}
+
+// waitLeaders waits until node i's /jsz names, as leaders of the
+// JetStream meta group and of every stream and consumer it holds a replica
+// of (the MQTT sessions, messages, retained messages, QoS 2 state and the
+// subscriptions' durable consumers), running nodes only.
+func (c *Cluster) waitLeaders(i int) error {
+	deadline := time.Now().Add(startTimeout)
+	hc := &http.Client{Timeout: 2 * time.Second}
+	for {
+		missing, err := c.leaderless(hc, i)
+		if err == nil && len(missing) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: no running leader after %v for %v (%v)", c.nodes[i].name, startTimeout, missing, err)
+		}
+		time.Sleep(100 * time.Millisecond) // polling an endpoint; there is nothing to wait on
+	}
+}
+
+func (c *Cluster) leaderless(hc *http.Client, i int) ([]string, error) {
+	resp, err := hc.Get(c.MonitorURLs[i] + "/jsz?accounts=true&streams=true&consumers=true")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	type clusterInfo struct {
+		Leader string `json:"leader"`
+	}
+	var jsz struct {
+		Meta     *clusterInfo `json:"meta_cluster"`
+		Accounts []struct {
+			Streams []struct {
+				Name      string       `json:"name"`
+				Cluster   *clusterInfo `json:"cluster"`
+				Consumers []struct {
+					Name    string       `json:"name"`
+					Cluster *clusterInfo `json:"cluster"`
+				} `json:"consumer_detail"`
+			} `json:"stream_detail"`
+		} `json:"account_details"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&jsz); err != nil {
+		return nil, err
+	}
+	running := map[string]bool{}
+	for j, n := range c.nodes {
+		if c.Running(j) {
+			running[n.name] = true
+		}
+	}
+	var missing []string
+	if jsz.Meta == nil || !running[jsz.Meta.Leader] {
+		missing = append(missing, "meta")
+	}
+	for _, a := range jsz.Accounts {
+		for _, st := range a.Streams {
+			if st.Cluster == nil || !running[st.Cluster.Leader] {
+				missing = append(missing, st.Name)
+			}
+			for _, co := range st.Consumers {
+				if co.Cluster == nil || !running[co.Cluster.Leader] {
+					missing = append(missing, st.Name+">"+co.Name)
+				}
+			}
+		}
+	}
+	return missing, nil
+}
+
+// NodeOf returns the index of the running node that MQTT client clientID
+// is connected to, from the nodes' /connz, or -1 when it is connected to
+// none.
+func (c *Cluster) NodeOf(tb testing.TB, clientID string) int {
+	tb.Helper()
+	hc := &http.Client{Timeout: 5 * time.Second}
+	for i := range c.nodes {
+		if !c.Running(i) {
+			continue
+		}
+		resp, err := hc.Get(c.MonitorURLs[i] + "/connz?mqtt_client=" + url.QueryEscape(clientID))
+		if err != nil {
+			tb.Fatalf("natstest: %s /connz: %v", c.nodes[i].name, err)
+		}
+		var cz struct {
+			Conns []struct {
+				MQTTClient string `json:"mqtt_client"`
+			} `json:"connections"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&cz)
+		resp.Body.Close()
+		if err != nil {
+			tb.Fatalf("natstest: %s /connz: %v", c.nodes[i].name, err)
+		}
+		for _, cn := range cz.Conns {
+			if cn.MQTTClient == clientID {
+				return i
+			}
+		}
+	}
+	return -1
+}
+
+// Users returns the users the nodes were last configured with.
+func (c *Cluster) Users() []User {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]User(nil), c.users...)
+}
+
+// SetUsers replaces the static users of every node: it rewrites the three
+// configuration files, has each running node reload its configuration
+// (SIGHUP), and returns once every given user can connect to every running
+// node. A stopped node takes the new users when restarted.
+//
+// NATS drops, on reload, the retained messages whose publisher no longer
+// exists or may no longer publish on their topic: keep the users who
+// published retained messages that must stay.
+func (c *Cluster) SetUsers(tb testing.TB, users []User) {
+	tb.Helper()
+	if err := checkUsers(users); err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+	c.mu.Lock()
+	c.users = append([]User(nil), users...)
+	err := c.writeConfigsLocked()
+	var running []int
+	for i, n := range c.nodes {
+		if n.cmd != nil {
+			if err == nil {
+				err = n.cmd.Process.Signal(syscall.SIGHUP)
+			}
+			running = append(running, i)
+		}
+	}
+	c.mu.Unlock()
+	if err != nil {
+		tb.Fatalf("natstest: reload the users: %v", err)
+	}
+	for _, i := range running {
+		for _, u := range users {
+			if err := c.waitConnect(i, u); err != nil {
+				tb.Fatalf("natstest: after reload: %v", err)
+			}
+		}
+	}
+}
+
+// AddUser adds (or replaces, by username) one user on every node; see
+// SetUsers.
+func (c *Cluster) AddUser(tb testing.TB, u User) {
+	tb.Helper()
+	users := c.Users()
+	replaced := false
+	for i := range users {
+		if users[i].Username == u.Username {
+			users[i], replaced = u, true
+		}
+	}
+	if !replaced {
+		users = append(users, u)
+	}
+	c.SetUsers(tb, users)
+}
+
+func (c *Cluster) checkIndex(tb testing.TB, i int) {
+	tb.Helper()
+	if i < 0 || i >= Nodes {
+		tb.Fatalf("natstest: no node %d (nodes are 0..%d)", i, Nodes-1)
+	}
+}
+
+// findBinary finds bin/nats-server beside go.mod, walking up from the
+// working directory (a package's directory under go test).
+func findBinary() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			p := filepath.Join(dir, "bin", "nats-server")
+			fi, err := os.Stat(p)
+			if err != nil || fi.IsDir() || fi.Mode()&0o111 == 0 {
+				return "", fmt.Errorf("%s is missing: run make deps (it builds NATS Server from the Go module proxy into bin/)", p)
+			}
+			return p, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("no go.mod above the working directory, so no bin/nats-server: run the tests inside the module, after make deps")
+		}
+		dir = parent
+	}
+}
+
+// freePorts returns n distinct TCP ports of 127.0.0.1 that were free a
+// moment ago: all are held at once so that none is returned twice.
+func freePorts(n int) ([]int, error) {
+	var lns []net.Listener
+	defer func() {
+		for _, ln := range lns {
+			ln.Close()
+		}
+	}()
+	var ports []int
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, fmt.Errorf("find a free port: %w", err)
+		}
+		lns = append(lns, ln)
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+func randomString() string {
+	b := make([]byte, 16)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return base64.RawURLEncoding.EncodeToString(b)
+}
+
+func checkUsers(users []User) error {
+	seen := map[string]bool{}
+	for _, u := range users {
+		if u.Username == "" || u.Password == "" {
+			return fmt.Errorf("user %q: a username and a password are needed", u.Username)
+		}
+		if u.Username == "natstest-probe" {
+			return errors.New("natstest-probe is the helper's own user")
+		}
+		if seen[u.Username] {
+			return fmt.Errorf("user %q given twice", u.Username)
+		}
+		seen[u.Username] = true
+		for _, s := range []string{u.Username, u.Password} {
+			if _, err := quote(s); err != nil {
+				return fmt.Errorf("user %q: %w", u.Username, err)
+			}
+		}
+		for _, f := range append(append([]string(nil), u.Publish...), u.Subscribe...) {
+			if _, err := Subjects(f); err != nil {
+				return fmt.Errorf("user %q: %w", u.Username, err)
+			}
+		}
+	}
+	return nil
+}
+
+// Subjects returns the NATS subjects an MQTT topic name or filter is
+// checked against by NATS's MQTT: levels become tokens, "+" "*", "#" ">",
+// a "." inside a level "//"; a filter ending in "#" gives its parent too,
+// which NATS subscribes to as well (MQTT's "a/#" matches "a"). Empty levels
+// (which NATS maps in ways a test should not rely on) and "$MQTT" topics
+// (NATS's own, which MQTT clients may not use) are refused.
+func Subjects(filter string) ([]string, error) {
+	if filter == "" || strings.HasPrefix(filter, "$MQTT") {
+		return nil, fmt.Errorf("topic filter %q: empty or a $MQTT topic", filter)
+	}
+	levels := strings.Split(filter, "/")
+	toks := make([]string, len(levels))
+	for i, l := range levels {
+		switch {
+		case l == "":
+			return nil, fmt.Errorf("topic filter %q: empty level", filter)
+		case l == "+":
+			toks[i] = "*"
+		case l == "#":
+			if i != len(levels)-1 {
+				return nil, fmt.Errorf("topic filter %q: # not last", filter)
+			}
+			toks[i] = ">"
+		case strings.ContainsAny(l, "+#"):
+			return nil, fmt.Errorf("topic filter %q: wildcard inside a level", filter)
+		case strings.ContainsAny(l, " \t\r\n\f*>\x7f"):
+			return nil, fmt.Errorf("topic filter %q: a character NATS does not take", filter)
+		default:
+			toks[i] = strings.ReplaceAll(l, ".", "//")
+		}
+	}
+	out := []string{strings.Join(toks, ".")}
+	if len(toks) > 1 && toks[len(toks)-1] == ">" {
+		out = append(out, strings.Join(toks[:len(toks)-1], "."))
+	}
+	return out, nil
+}
+
+// quote returns s as a double-quoted string of NATS's configuration
+// language, which takes printable ASCII only here.
+func quote(s string) (string, error) {
+	for _, r := range s {
+		if r < 0x20 || r > 0x7e {
+			return "", fmt.Errorf("%q: only printable ASCII is written to a NATS configuration", s)
+		}
+	}
+	s = strings.ReplaceAll(s, `\`, `\\`)
+	s = strings.ReplaceAll(s, `"`, `\"`)
+	return `"` + s + `"`, nil
+}
+
+func quoteAll(ss []string) string {
+	q := make([]string, 0, len(ss))
+	for _, s := range ss {
+		v, err := quote(s)
+		if err != nil {
+			panic(err) // checked by checkUsers
+		}
+		q = append(q, v)
+	}
+	return "[" + strings.Join(q, ", ") + "]"
+}
+
+// subjectsOf turns MQTT filters into NATS subjects, without repeats.
+func subjectsOf(filters []string) []string {
+	var out []string
+	seen := map[string]bool{}
+	for _, f := range filters {
+		ss, err := Subjects(f)
+		if err != nil {
+			panic(err) // checked by checkUsers
+		}
+		for _, s := range ss {
+			if !seen[s] {
+				seen[s] = true
+				out = append(out, s)
+			}
+		}
+	}
+	return out
+}
+
+// config is node i's configuration file.
+func (c *Cluster) config(i int) []byte {
+	n := c.nodes[i]
+	var b bytes.Buffer
+	fmt.Fprintf(&b, "# Written by internal/natstest for one test.\n")
+	fmt.Fprintf(&b, "server_name: %s\n", n.name)
+	fmt.Fprintf(&b, "listen: 127.0.0.1:%d\n", n.clientPort)
+	fmt.Fprintf(&b, "http: 127.0.0.1:%d\n", n.http)
+	if c.opts.Debug {
+		b.WriteString("debug: true\n")
+	}
+	b.WriteString("\njetstream {\n")
+	fmt.Fprintf(&b, "  store_dir: %s\n", mustQuote(n.storeDir))
+	b.WriteString("  max_memory_store: 64MB\n  max_file_store: 512MB\n}\n")
+	b.WriteString("\ncluster {\n  name: natstest\n")
+	fmt.Fprintf(&b, "  listen: 127.0.0.1:%d\n", n.clusterPort)
+	var routes []string
+	for j, o := range c.nodes {
+		if j != i {
+			routes = append(routes, fmt.Sprintf("nats-route://127.0.0.1:%d", o.clusterPort))
+		}
+	}
+	fmt.Fprintf(&b, "  routes: %s\n}\n", quoteAll(routes))
+	b.WriteString("\nmqtt {\n")
+	fmt.Fprintf(&b, "  listen: 127.0.0.1:%d\n", n.mqttPort)
+	// Sessions, retained messages and QoS 1 messages in flight live in
+	// JetStream streams; three replicas keep them through the loss of a
+	// node. Their consumers take the stream's replicas (NATS 2.15 ignores
+	// consumer_replicas and warns about it, so it is not written).
+	fmt.Fprintf(&b, "  stream_replicas: %d\n", Nodes)
+	if c.opts.AckWait > 0 {
+		fmt.Fprintf(&b, "  ack_wait: %q\n", c.opts.AckWait.String())
+	}
+	b.WriteString("}\n")
+	b.WriteString("\nauthorization {\n  users: [\n")
+	for _, u := range append([]User{c.probeUser}, c.users...) {
+		fmt.Fprintf(&b, "    {\n      user: %s\n      password: %s\n", mustQuote(u.Username), mustQuote(u.Password))
+		b.WriteString("      permissions: {\n")
+		if pub := subjectsOf(u.Publish); len(pub) > 0 {
+			fmt.Fprintf(&b, "        publish: { allow: %s }\n", quoteAll(pub))
+		} else {
+			// An empty allow list would allow everything.
+			b.WriteString("        publish: { deny: [\">\"] }\n")
+		}
+		sub := append(subjectsOf(u.Subscribe), "$MQTT.sub.>")
+		fmt.Fprintf(&b, "        subscribe: { allow: %s }\n", quoteAll(sub))
+		b.WriteString("      }\n    }\n")
+	}
+	b.WriteString("  ]\n}\n")
+	return b.Bytes()
+}
+
+func mustQuote(s string) string {
+	q, err := quote(s)
+	if err != nil {
+		panic(err)
+	}
+	return q
+}
+
+func (c *Cluster) writeConfigs() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.writeConfigsLocked()
+}
+
+func (c *Cluster) writeConfigsLocked() error {
+	for i, n := range c.nodes {
+		// Write and rename, so that a reload never reads half a file.
+		tmp := n.confPath + ".tmp"
+		if err := os.WriteFile(tmp, c.config(i), 0o600); err != nil {
+			return err
+		}
+		if err := os.Rename(tmp, n.confPath); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// spawn starts node i's process.
+func (c *Cluster) spawn(i int) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := c.nodes[i]
+	if n.cmd != nil {
+		return fmt.Errorf("%s is already running", n.name)
+	}
+	logf, err := os.OpenFile(n.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(logf, "=== natstest: starting %s at %s\n", n.name, time.Now().Format(time.RFC3339Nano))
+	cmd := exec.Command(c.bin, "-c", n.confPath)
+	cmd.Dir = c.Dir
+	cmd.Stdout, cmd.Stderr = logf, logf
+	// Should the test binary die without its cleanups (a -timeout panic),
+	// the node dies with it instead of running on.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return fmt.Errorf("start %s: %w", n.name, err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		err := cmd.Wait()
+		logf.Close()
+		c.mu.Lock()
+		n.err = err
+		c.mu.Unlock()
+		close(exited)
+	}()
+	n.cmd, n.exited = cmd, exited
+	return nil
+}
+
+func (c *Cluster) stop(i int) error {
+	c.mu.Lock()
+	n := c.nodes[i]
+	cmd, exited := n.cmd, n.exited
+	n.cmd, n.exited = nil, nil
+	c.mu.Unlock()
+	if cmd == nil {
+		return nil
+	}
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-exited:
+		return nil
+	case <-time.After(stopTimeout):
+		_ = cmd.Process.Kill()
+		<-exited
+		return fmt.Errorf("%s did not stop on SIGTERM within %v; killed", n.name, stopTimeout)
+	}
+}
+
+// waitReady waits until node i answers /healthz with 200 (JetStream
+// enabled, meta leader known, its streams current) and a QoS 1 message
+// makes the round trip through its MQTT listener.
+func (c *Cluster) waitReady(i int) error {
+	if err := c.waitHealthz(i); err != nil {
+		return err
+	}
+	return c.waitRoundTrip(i)
+}
+
+func (c *Cluster) waitHealthz(i int) error {
+	c.mu.Lock()
+	n := c.nodes[i]
+	exited := n.exited
+	c.mu.Unlock()
+	if exited == nil {
+		return fmt.Errorf("%s is not running", n.name)
+	}
+	deadline := time.Now().Add(startTimeout)
+	hc := &http.Client{Timeout: 2 * time.Second}
+	healthz := c.MonitorURLs[i] + "/healthz"
+	var last string
+	for {
+		select {
+		case <-exited:
+			c.mu.Lock()
+			err := n.err
+			c.mu.Unlock()
+			return fmt.Errorf("%s exited at start (%v):\n%s", n.name, err, tail(c.Log(i), logTail))
+		default:
+		}
+		resp, err := hc.Get(healthz)
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				break
+			}
+			last = fmt.Sprintf("%d %s", resp.StatusCode, bytes.TrimSpace(body))
+		} else {
+			last = err.Error()
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not healthy after %v (last /healthz: %s):\n%s", n.name, startTimeout, last, tail(c.Log(i), logTail))
+		}
+		time.Sleep(50 * time.Millisecond) // polling an endpoint; there is nothing to wait on
+	}
+	return nil
+}
+
+// waitConnect waits until u can open an MQTT connection to node i.
+func (c *Cluster) waitConnect(i int, u User) error {
+	deadline := time.Now().Add(startTimeout)
+	for {
+		err := c.tryConnect(i, u)
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("user %q cannot connect to %s (%s): %v\n%s", u.Username, c.nodes[i].name, c.MQTTURLs[i], err, tail(c.Log(i), logTail))
+		}
+		time.Sleep(100 * time.Millisecond) // polling a port; there is nothing to wait on
+	}
+}
+
+// waitRoundTrip waits until the probe user, on node i, is granted a QoS 1
+// subscription and receives its own QoS 1 message through it.
+func (c *Cluster) waitRoundTrip(i int) error {
+	deadline := time.Now().Add(startTimeout)
+	for {
+		err := c.roundTrip(i)
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("no QoS 1 round trip through %s after %v: %v\n%s", c.nodes[i].name, startTimeout, err, tail(c.Log(i), logTail))
+		}
+		time.Sleep(200 * time.Millisecond) // retrying a refused subscription; there is nothing to wait on
+	}
+}
+
+func (c *Cluster) roundTrip(i int) error {
+	const topic = "natstest/probe"
+	got := make(chan string, 10)
+	cl := mqtt.NewClient(mqtt.NewClientOptions().
+		AddBroker(c.MQTTURLs[i]).
+		SetClientID("natstest-probe-" + randomString()).
+		SetUsername(c.probeUser.Username).
+		SetPassword(c.probeUser.Password).
+		SetCleanSession(true).
+		// 3.1.1 only: paho would retry a refused login as MQTT 3.1,
+		// which NATS refuses too, with one more error in its log.
+		SetProtocolVersion(4).
+		SetAutoReconnect(false).
+		SetConnectRetry(false).
+		SetConnectTimeout(5 * time.Second).
+		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) {
+			select {
+			case got <- string(m.Payload()):
+			default:
+			}
+		}))
+	if err := mqtt.WaitTokenTimeout(cl.Connect(), 6*time.Second); err != nil {
+		return fmt.Errorf("connect: %w", err)
+	}
+	defer cl.Disconnect(50)
+	tok := cl.Subscribe(topic, 1, nil)
+	if err := mqtt.WaitTokenTimeout(tok, 10*time.Second); err != nil {
+		return fmt.Errorf("subscribe: %w", err)
+	}
+	if code := tok.(*mqtt.SubscribeToken).Result()[topic]; code != 1 {
+		return fmt.Errorf("subscribe: SUBACK %#x", code)
+	}
+	payload := randomString()
+	if err := mqtt.WaitTokenTimeout(cl.Publish(topic, 1, false, payload), 10*time.Second); err != nil {
+		return fmt.Errorf("publish: %w", err)
+	}
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case p := <-got:
+			if p == payload {
+				return nil
+			}
+		case <-timeout:
+			return errors.New("own QoS 1 message not received")
+		}
+	}
+}
+
+func (c *Cluster) tryConnect(i int, u User) error {
+	cl := mqtt.NewClient(mqtt.NewClientOptions().
+		AddBroker(c.MQTTURLs[i]).
+		SetClientID("natstest-probe-" + randomString()).
+		SetUsername(u.Username).
+		SetPassword(u.Password).
+		SetCleanSession(true).
+		// 3.1.1 only: paho would retry a refused login as MQTT 3.1,
+		// which NATS refuses too, with one more error in its log.
+		SetProtocolVersion(4).
+		SetAutoReconnect(false).
+		SetConnectRetry(false).
+		SetConnectTimeout(5 * time.Second))
+	if err := mqtt.WaitTokenTimeout(cl.Connect(), 6*time.Second); err != nil {
+		return err
+	}
+	cl.Disconnect(50)
+	return nil
+}
+
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return "[… " + strconv.Itoa(len(s)-n) + " bytes cut]\n" + s[len(s)-n:]
+}
+
+func (c *Cluster) dumpLogs(tb testing.TB) {
+	for i, n := range c.nodes {
+		tb.Logf("natstest: %s log (%s, config %s):\n%s", n.name, n.logPath, n.confPath, tail(c.Log(i), logTail))
+	}
+}

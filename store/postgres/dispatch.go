@@ -1,0 +1,99 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// dispatchLock is the session-level advisory lock (two-key form, apart
+// from the migrations' and the idempotency keys') that the dispatcher
+// holds: one replica at a time publishes the queued commands, resends and
+// sweeps expiry (CONTRACT §11).
+const dispatchLock = `SELECT pg_try_advisory_lock(1668246896, 2)`
+
+// Dispatching reports whether this Store holds the dispatcher's lock (see
+// Campaign). It is the broker's Dispatcher.
+func (s *Store) Dispatching() bool { return s.dispatching.Load() }
+
+// Campaign competes for the dispatcher's lock until ctx is done or the
+// store is closed: on a connection of its own it takes the advisory lock
+// when no other replica holds it and keeps it while the connection lives
+// (PostgreSQL frees it when the session ends, also when the replica dies:
+// then another replica takes it within about a second). onChange is
+// called with true when this store starts dispatching and with false when
+// it stops.
+func (s *Store) Campaign(ctx context.Context, onChange func(dispatching bool)) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-s.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	set := func(v bool) {
+		if s.dispatching.Swap(v) != v && onChange != nil {
+			onChange(v)
+		}
+	}
+	defer set(false)
+	for {
+		err := s.holdDispatch(ctx, set)
+		set(false)
+		if ctx.Err() != nil {
+			select {
+			case <-s.done:
+				return nil
+			default:
+				return ctx.Err()
+			}
+		}
+		s.log.Warn("postgres: dispatcher campaign", "err", err)
+		t := time.NewTimer(time.Second)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
+	}
+}
+
+// campaignInterval is how often a replica without the lock tries again,
+// and how often the holder checks that its session is alive.
+const campaignInterval = 500 * time.Millisecond
+
+// holdDispatch connects, then tries the lock every campaignInterval; once
+// it has it, it pings the session at the same pace until it fails.
+func (s *Store) holdDispatch(ctx context.Context, set func(bool)) error {
+	conn, err := pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	tick := time.NewTicker(campaignInterval)
+	defer tick.Stop()
+	held := false
+	for {
+		if held {
+			if err := conn.Ping(ctx); err != nil {
+				return errors.Join(errors.New("the dispatcher's session was lost"), err)
+			}
+		} else {
+			if err := conn.QueryRow(ctx, dispatchLock).Scan(&held); err != nil {
+				return err
+			}
+			if held {
+				set(true)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+		}
+	}
+}
