@@ -27,9 +27,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -376,8 +378,8 @@ func (a *Agent) onConnect(c mqtt.Client) {
 		// No callback: every message goes to the default handler, which
 		// also catches what a persistent session delivers before this
 		// subscription is made.
-		if err := mqtt.WaitTokenTimeout(c.SubscribeMultiple(filters, nil), 10*time.Second); err != nil {
-			a.log.Error("subscribing to commands failed", "err", err)
+		if !a.grantAll(c, filters) {
+			return
 		}
 	}
 	if a.stopping.Load() {
@@ -390,6 +392,38 @@ func (a *Agent) onConnect(c mqtt.Client) {
 		dr.requestReport(true, true, true)
 	}
 	signal(a.outboxWake)
+}
+
+// grantAll asks again, every second, for the filters the broker refused
+// (SUBACK 0x80: NATS does while a node's JetStream leaders are elected),
+// until it grants them all: only then does the bridge say it is online,
+// which has the server send it what is open. It reports false when the
+// bridge stops or the connection drops first (the next connect asks
+// again).
+func (a *Agent) grantAll(c mqtt.Client, filters map[string]byte) bool {
+	for {
+		tok := c.SubscribeMultiple(filters, nil)
+		if err := mqtt.WaitTokenTimeout(tok, 10*time.Second); err != nil {
+			a.log.Error("subscribing to commands failed", "err", err)
+		}
+		refused := map[string]byte{}
+		if st, ok := tok.(*mqtt.SubscribeToken); ok {
+			for f, qos := range filters {
+				if st.Result()[f] == 0x80 {
+					refused[f] = qos
+				}
+			}
+		}
+		if len(refused) == 0 {
+			return true
+		}
+		a.log.Warn("the broker refused subscriptions; asking again", "filters", slices.Sorted(maps.Keys(refused)))
+		filters = refused
+		time.Sleep(time.Second)
+		if a.stopping.Load() || !c.IsConnectionOpen() {
+			return false
+		}
+	}
 }
 
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -289,6 +290,29 @@ func (b *Broker) onConnect(c mqtt.Client) {
 			}
 			return
 		}
+		// A broker may refuse a filter (SUBACK 0x80) for a while: NATS
+		// does while a node's JetStream leaders are elected. Not ready
+		// until every one is granted.
+		for refused := refusedFilters(tok, filters); len(refused) > 0; refused = refusedFilters(tok, refused) {
+			b.log.Warn("MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)))
+			t := time.NewTimer(time.Second)
+			select {
+			case <-b.quit:
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			if !c.IsConnectionOpen() {
+				return // the next connect subscribes again
+			}
+			tok = c.SubscribeMultiple(refused, nil)
+			if err := b.waitToken(tok); err != nil {
+				if !errors.Is(err, ErrClosed) {
+					b.log.Error("MQTT subscribe failed", "err", err)
+				}
+				return
+			}
+		}
 		// Ready means every user of the connection is subscribed too.
 		for _, e := range extra {
 			b.subscribeExtra(c, e)
@@ -299,6 +323,21 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		default:
 		}
 	})
+}
+
+// refusedFilters are those of filters that the SUBACK of tok refused.
+func refusedFilters(tok mqtt.Token, filters map[string]byte) map[string]byte {
+	st, ok := tok.(*mqtt.SubscribeToken)
+	if !ok {
+		return nil
+	}
+	refused := map[string]byte{}
+	for f, qos := range filters {
+		if code, ok := st.Result()[f]; ok && code == 0x80 {
+			refused[f] = qos
+		}
+	}
+	return refused
 }
 
 // goOwned runs f on a goroutine that Close waits for, unless the broker is
