@@ -373,15 +373,10 @@ func signal(c chan struct{}) {
 
 // onConnect runs on every (re)connection, in a goroutine of paho's.
 func (a *Agent) onConnect(c mqtt.Client) {
-	filters := a.filters
-	if len(filters) > 0 {
-		// No callback: every message goes to the default handler, which
-		// also catches what a persistent session delivers before this
-		// subscription is made.
-		if !a.grantAll(c, filters) {
-			return
-		}
-	}
+	// No callback: every message goes to the default handler, which also
+	// catches what a persistent session delivers before this subscription
+	// is made.
+	refused := a.subscribe(c, a.filters)
 	if a.stopping.Load() {
 		return
 	}
@@ -392,38 +387,35 @@ func (a *Agent) onConnect(c mqtt.Client) {
 		dr.requestReport(true, true, true)
 	}
 	signal(a.outboxWake)
+	if len(refused) > 0 {
+		// For good when the bridge does not serve the device (CONTRACT §9):
+		// a change of assignment disconnects the bridge, and the next
+		// connect asks again. NATS also refuses for a while when it cannot
+		// (while a node's JetStream leaders are elected): see
+		// docs/scale-out.md.
+		a.log.Warn("the broker refused the commands of some devices", "filters", slices.Sorted(maps.Keys(refused)))
+	}
 }
 
-// grantAll asks again, every second, for the filters the broker refused
-// (SUBACK 0x80: NATS does while a node's JetStream leaders are elected),
-// until it grants them all: only then does the bridge say it is online,
-// which has the server send it what is open. It reports false when the
-// bridge stops or the connection drops first (the next connect asks
-// again).
-func (a *Agent) grantAll(c mqtt.Client, filters map[string]byte) bool {
-	for {
-		tok := c.SubscribeMultiple(filters, nil)
-		if err := mqtt.WaitTokenTimeout(tok, 10*time.Second); err != nil {
-			a.log.Error("subscribing to commands failed", "err", err)
-		}
-		refused := map[string]byte{}
-		if st, ok := tok.(*mqtt.SubscribeToken); ok {
-			for f, qos := range filters {
-				if st.Result()[f] == 0x80 {
-					refused[f] = qos
-				}
+// subscribe subscribes to filters and returns those the broker refused
+// (SUBACK 0x80).
+func (a *Agent) subscribe(c mqtt.Client, filters map[string]byte) map[string]byte {
+	if len(filters) == 0 {
+		return nil
+	}
+	tok := c.SubscribeMultiple(filters, nil)
+	if err := mqtt.WaitTokenTimeout(tok, 10*time.Second); err != nil {
+		a.log.Error("subscribing to commands failed", "err", err)
+	}
+	refused := map[string]byte{}
+	if st, ok := tok.(*mqtt.SubscribeToken); ok {
+		for f, qos := range filters {
+			if st.Result()[f] == 0x80 {
+				refused[f] = qos
 			}
 		}
-		if len(refused) == 0 {
-			return true
-		}
-		a.log.Warn("the broker refused subscriptions; asking again", "filters", slices.Sorted(maps.Keys(refused)))
-		filters = refused
-		time.Sleep(time.Second)
-		if a.stopping.Load() || !c.IsConnectionOpen() {
-			return false
-		}
 	}
+	return refused
 }
 
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {

@@ -548,6 +548,25 @@ var errStale = errors.New("stale reply")
 // that came with it, and once both are on disk calls ack and wakes those
 // waiting for the command if it is final: what they read next reflects it.
 func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
+	b.takeReplyAttempt(deviceID, r, ack, 1)
+}
+
+// maxReplyAttempts bounds how often a reply the store fails to take is
+// taken again: about ten minutes of an unreachable store.
+const maxReplyAttempts = 64
+
+// replyRetryDelay is the pause before attempt+1: 100 ms doubling up to 10 s.
+func replyRetryDelay(attempt int) time.Duration {
+	return min(100*time.Millisecond<<min(attempt-1, 7), 10*time.Second)
+}
+
+// later runs f after d on a goroutine Close waits for, unless the broker
+// is closing by then.
+func (b *Broker) later(d time.Duration, f func()) {
+	time.AfterFunc(d, func() { b.goOwned(f) })
+}
+
+func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), attempt int) {
 	var report companion.DeviceReport
 	if r.Status != nil {
 		s := storeStatus(deviceID, *r.Status)
@@ -590,6 +609,15 @@ func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
 		}
 		return nil
 	}, report, func(cmd companion.Command, err error) {
+		if err != nil && !errors.Is(err, companion.ErrNotFound) && !errors.Is(err, companion.ErrFinal) &&
+			!errors.Is(err, errStale) && !errors.Is(err, companion.ErrInvalid) && attempt < maxReplyAttempts {
+			// The store failed (PostgreSQL restarting, say): the reply is
+			// not acknowledged, and is taken again a little later; the
+			// bridge's later replies meanwhile are ranked against it.
+			b.log.Warn("storing a reply failed; taking it again", "command_id", r.CommandID, "attempt", attempt, "err", err)
+			b.later(replyRetryDelay(attempt), func() { b.takeReplyAttempt(deviceID, r, ack, attempt+1) })
+			return
+		}
 		defer ack()
 		b.land(r.CommandID) // the bridge has it: no "sent" to write
 		switch {

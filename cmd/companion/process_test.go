@@ -407,8 +407,13 @@ type procPush struct {
 }
 
 func (c *procCluster) push(hc *http.Client, dev string, n int) procPush {
+	return c.pushTo(hc, c.base(), dev, n)
+}
+
+// pushTo is push to the server at base (one replica of several).
+func (c *procCluster) pushTo(hc *http.Client, base, dev string, n int) procPush {
 	body, _ := json.Marshal(map[string]any{"text": fmt.Sprintf("message %d", n)})
-	req, err := http.NewRequest("POST", c.base()+"/api/v1/devices/"+dev+"/push/text", bytes.NewReader(body))
+	req, err := http.NewRequest("POST", base+"/api/v1/devices/"+dev+"/push/text", bytes.NewReader(body))
 	if err != nil {
 		return procPush{err: err}
 	}

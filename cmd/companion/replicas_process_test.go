@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/store/postgres"
+)
+
+// Two `companion serve` replicas on one PostgreSQL and one Mosquitto take
+// load through both; the first, which dispatches (it campaigned first), is
+// SIGKILLed halfway (CONTRACT §11). Every command either replica accepted
+// succeeds, and each runs once on its device.
+func TestProcessReplicaKilledUnderLoad(t *testing.T) {
+	pg := pgtest.Start(t)
+	dsn := pg.NewDatabase(t)
+	require.NoError(t, postgres.Migrate(context.Background(), dsn))
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+
+	c := newProcCluster(t, 4)
+	c.mqttURL = mq.URL
+	c.serverMQTT = []string{"--mqtt-url", mq.URL, "--mqtt-username", serverAccount.Username, "--mqtt-password", serverAccount.Password}
+	c.serverArgs = []string{"--store", dsn, "--replica-id", "r1"}
+	c.startServer()
+	c.setupFleet()
+
+	// The second replica: its own address and data, the same store,
+	// broker and admin token.
+	second := "127.0.0.1:" + strconv.Itoa(mqtttest.FreePort(t))
+	args := append([]string{"serve", "--http", second, "--data", t.TempDir(),
+		"--admin-token", c.adminToken, "--log-level", "warn",
+		"--rate-per-token", "0", "--max-open-commands", "10000",
+		"--store", dsn, "--replica-id", "r2"}, c.serverMQTT...)
+	r2 := startProc(t, "companion-r2", c.companion, args...)
+	eventually(t, "replica 2 ready", func() bool {
+		if !r2.running() {
+			t.Fatalf("replica 2 exited: %v", r2.waitErr)
+		}
+		resp, err := http.Get("http://" + second + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
+	c.startBridge()
+
+	bases := []string{c.base(), "http://" + second}
+	const perReplica = 150
+	var (
+		mu       sync.Mutex
+		accepted = map[string]string{}
+		wg       sync.WaitGroup
+		sent     = make(chan struct{}, 2*perReplica)
+	)
+	for r, base := range bases {
+		for w := range 4 {
+			wg.Go(func() {
+				hc := loadClient(1)
+				defer hc.CloseIdleConnections()
+				for i := w; i < perReplica; i += 4 {
+					dev := c.devices[i%len(c.devices)]
+					p := c.pushTo(hc, base, dev, r*perReplica+i)
+					sent <- struct{}{}
+					if id := p.acceptedID(); id != "" {
+						mu.Lock()
+						accepted[id] = dev
+						mu.Unlock()
+					}
+				}
+			})
+		}
+	}
+	for range perReplica {
+		<-sent // halfway through the load
+	}
+	c.server.kill()
+	wg.Wait()
+
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("replica 1 killed under load; %d of %d requests accepted", len(accepted), 2*perReplica)
+	require.Greater(t, len(accepted), perReplica, "replica 2 accepted its share")
+	c.user = &client{tb: t, base: "http://" + second, token: c.user.token, hc: http.DefaultClient}
+	c.checkExactlyOnce(accepted)
+}
+
+// PostgreSQL restarted under load: requests it refuses meanwhile get no
+// 202; every command accepted before or after succeeds, each once.
+func TestProcessPostgresRestartedUnderLoad(t *testing.T) {
+	pg := pgtest.Start(t)
+	dsn := pg.NewDatabase(t)
+	require.NoError(t, postgres.Migrate(context.Background(), dsn))
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+
+	c := newProcCluster(t, 4)
+	c.mqttURL = mq.URL
+	c.serverMQTT = []string{"--mqtt-url", mq.URL, "--mqtt-username", serverAccount.Username, "--mqtt-password", serverAccount.Password}
+	c.serverArgs = []string{"--store", dsn, "--replica-id", "r1"}
+	c.startServer()
+	c.setupFleet()
+	c.startBridge()
+
+	const n = 300
+	var (
+		mu       sync.Mutex
+		refused  = map[int]int{} // status → count (0: no answer)
+		accepted = map[string]string{}
+		wg       sync.WaitGroup
+		sent     = make(chan struct{}, n)
+	)
+	for w := range 4 {
+		wg.Go(func() {
+			hc := loadClient(1)
+			defer hc.CloseIdleConnections()
+			for i := w; i < n; i += 4 {
+				dev := c.devices[i%len(c.devices)]
+				p := c.push(hc, dev, i)
+				sent <- struct{}{}
+				mu.Lock()
+				if id := p.acceptedID(); id != "" {
+					accepted[id] = dev
+				} else {
+					refused[p.status]++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	for range n / 3 {
+		<-sent
+	}
+	pg.Restart(t)
+	wg.Wait()
+
+	// Once it is back, every request is taken again.
+	hc := loadClient(1)
+	defer hc.CloseIdleConnections()
+	for i := range 40 {
+		dev := c.devices[i%len(c.devices)]
+		p := c.push(hc, dev, n+i)
+		id := p.acceptedID()
+		require.NotEmpty(t, id, "after the restart: %d %v %s", p.status, p.err, p.body)
+		accepted[id] = dev
+	}
+
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("PostgreSQL restarted under load; %d of %d requests accepted; refused by status: %v", len(accepted), n+40, refused)
+	c.checkExactlyOnce(accepted)
+}
