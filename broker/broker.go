@@ -439,11 +439,7 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 			m.Ack()
 			return
 		}
-		if !b.served(ctx, t.DeviceID, "") {
-			m.Ack()
-			return
-		}
-		b.takeReply(t.DeviceID, r, m.Ack)
+		b.takeReply(t.DeviceID, r, m.Ack) // it checks that a bridge serves the device
 	case topics.KindStatus:
 		if len(m.Payload()) == 0 {
 			m.Ack() // a cleared retained message
@@ -499,10 +495,16 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 // move) is dropped here, and logged (CONTRACT §9).
 func (b *Broker) served(ctx context.Context, deviceID, bridgeID string) bool {
 	bridge, err := b.st.DeviceBridge(ctx, deviceID)
-	switch {
-	case err != nil:
+	if err != nil {
 		b.log.Error("reading a device's bridge; message dropped", "device_id", deviceID, "err", err)
 		return false
+	}
+	return b.servedBy(deviceID, bridgeID, bridge)
+}
+
+// servedBy is served once the device's bridge is read: bridge serves it.
+func (b *Broker) servedBy(deviceID, bridgeID, bridge string) bool {
+	switch {
 	case bridge == "":
 		b.log.Warn("message for a device no bridge serves; dropped", "device_id", deviceID, "bridge_id", bridgeID)
 		return false
@@ -567,6 +569,22 @@ func (b *Broker) later(d time.Duration, f func()) {
 }
 
 func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), attempt int) {
+	bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
+	if err != nil && !errors.Is(err, companion.ErrNotFound) && attempt < maxReplyAttempts {
+		// As below: the store failed, the reply waits unacknowledged.
+		b.log.Warn("reading a device's bridge failed; taking its reply again", "device_id", deviceID, "attempt", attempt, "err", err)
+		b.later(replyRetryDelay(attempt), func() { b.takeReplyAttempt(deviceID, r, ack, attempt+1) })
+		return
+	}
+	if err != nil {
+		b.log.Error("reading a device's bridge; reply dropped", "device_id", deviceID, "err", err)
+		ack()
+		return
+	}
+	if !b.servedBy(deviceID, "", bridge) {
+		ack()
+		return
+	}
 	var report companion.DeviceReport
 	if r.Status != nil {
 		s := storeStatus(deviceID, *r.Status)

@@ -371,6 +371,14 @@ func (c *procCluster) executions() map[string]int {
 // checkExactlyOnce checks that every accepted command succeeded and that the
 // devices executed each exactly once, and nothing else.
 func (c *procCluster) checkExactlyOnce(accepted map[string]string) {
+	c.tb.Helper()
+	c.checkRunOnce(accepted, false)
+}
+
+// checkRunOnce is checkExactlyOnce that, with unanswered set, also lets
+// the devices run commands that were never answered (a server killed
+// between its commit and its 202), each once.
+func (c *procCluster) checkRunOnce(accepted map[string]string, unanswered bool) {
 	t := c.tb
 	t.Helper()
 	for id, dev := range accepted {
@@ -390,9 +398,14 @@ func (c *procCluster) checkExactlyOnce(accepted map[string]string) {
 	}
 	assert.Zero(t, missing, "accepted commands the devices never executed")
 	assert.Zero(t, twice, "commands executed more than once")
-	for id := range exec {
+	for id, n := range exec {
 		if _, ok := accepted[id]; !ok {
-			t.Errorf("the devices executed %s, which was never accepted", id)
+			switch {
+			case !unanswered:
+				t.Errorf("the devices executed %s, which was never accepted", id)
+			case n > 1:
+				t.Errorf("unanswered command %s executed %d times", id, n)
+			}
 		}
 	}
 	t.Logf("%d commands accepted, %d executed, each once", len(accepted), len(exec))

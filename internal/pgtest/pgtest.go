@@ -491,8 +491,18 @@ func (s *Server) Restart(tb testing.TB) {
 	if err := s.Stop(); err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
-	if err := s.start(); err != nil {
-		tb.Fatalf("pgtest: restart: %v\n%s", err, s.readLog())
+	// After Kill, the old server's backends may still hold its shared
+	// memory for a moment (they end when they notice the postmaster is
+	// gone): PostgreSQL then refuses to start. Try again for a while.
+	for attempt := 1; ; attempt++ {
+		err := s.start()
+		if err == nil {
+			return
+		}
+		if attempt == 50 || !strings.Contains(s.readLog(), "pre-existing shared memory block") {
+			tb.Fatalf("pgtest: restart: %v\n%s", err, s.readLog())
+		}
+		time.Sleep(100 * time.Millisecond) // waiting on processes that are not ours
 	}
 }
 
