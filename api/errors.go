@@ -64,6 +64,7 @@ const (
 	CodeRateLimited          = "rate_limited"
 	CodeInternal             = "internal"
 	CodeNotReady             = "not_ready"
+	CodeUnavailable          = "unavailable"
 )
 
 type codeInfo struct {
@@ -103,6 +104,7 @@ var codes = map[string]codeInfo{
 	CodeRateLimited:          {http.StatusTooManyRequests, "Rate limited", "too many requests"},
 	CodeInternal:             {http.StatusInternalServerError, "Internal error", "internal error"},
 	CodeNotReady:             {http.StatusServiceUnavailable, "Not ready", "the service is not ready"},
+	CodeUnavailable:          {http.StatusServiceUnavailable, "Unavailable", "the store cannot be reached now; try again"},
 }
 
 // Errors used as they are.
@@ -138,6 +140,9 @@ func (s *Server) fail(c *gin.Context, err error) {
 		}
 		level(ctx, "request failed", "method", c.Request.Method, "path", c.Request.URL.Path, "err", err)
 		e = &Error{Code: CodeInternal}
+		if s.unavailable(err) {
+			e = &Error{Code: CodeUnavailable}
+		}
 	}
 	s.writeProblem(c, e)
 }
@@ -169,7 +174,7 @@ func (s *Server) writeProblem(c *gin.Context, e *Error) {
 		} else {
 			c.Header("WWW-Authenticate", `Bearer realm="companion", error="invalid_token"`)
 		}
-	case info.status == http.StatusTooManyRequests:
+	case info.status == http.StatusTooManyRequests, e.Code == CodeUnavailable:
 		ra := max(e.RetryAfter, 1)
 		c.Header("Retry-After", strconv.Itoa(ra))
 	}

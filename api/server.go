@@ -227,9 +227,13 @@ type Options struct {
 	Limits         Limits
 	// Ready reports whether the service can take requests (store open,
 	// MQTT connected), for /readyz; nil means always ready.
-	Ready  func() bool
-	Logger *slog.Logger     // slog.Default() when nil
-	Now    func() time.Time // time.Now when nil
+	Ready func() bool
+	// Unavailable tells the errors of a store that cannot be reached now
+	// (PostgreSQL restarting): they are answered 503 unavailable with
+	// Retry-After, not 500. nil: none is.
+	Unavailable func(error) bool
+	Logger      *slog.Logger     // slog.Default() when nil
+	Now         func() time.Time // time.Now when nil
 }
 
 // Server is the HTTP API. Create it with New; serve Handler.
@@ -241,8 +245,10 @@ type Server struct {
 	accounts  BrokerAccounts // nil: nothing to tell
 	limits    Limits
 	ready     func() bool
-	log       *slog.Logger
-	now       func() time.Time
+	// unavailable tells the store's errors of being unreachable.
+	unavailable func(error) bool
+	log         *slog.Logger
+	now         func() time.Time
 
 	rate     *limiter // requests per token
 	register *limiter // register attempts per user
@@ -274,15 +280,19 @@ func New(opts Options) (*Server, error) {
 	if opts.Ready == nil {
 		opts.Ready = func() bool { return true }
 	}
+	if opts.Unavailable == nil {
+		opts.Unavailable = func(error) bool { return false }
+	}
 	s := &Server{
-		store:    opts.Store,
-		cmds:     opts.Commands,
-		tokens:   opts.Tokens,
-		accounts: opts.BrokerAccounts,
-		limits:   limits,
-		ready:    opts.Ready,
-		log:      opts.Logger.With("component", "api"),
-		now:      opts.Now,
+		store:       opts.Store,
+		cmds:        opts.Commands,
+		tokens:      opts.Tokens,
+		accounts:    opts.BrokerAccounts,
+		limits:      limits,
+		ready:       opts.Ready,
+		unavailable: opts.Unavailable,
+		log:         opts.Logger.With("component", "api"),
+		now:         opts.Now,
 	}
 	if opts.AdminToken != "" {
 		h := sha256.Sum256([]byte(opts.AdminToken))

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
@@ -84,8 +85,9 @@ func TestProcessReplicaKilledUnderLoad(t *testing.T) {
 	c.checkRunOnce(accepted, true)
 }
 
-// PostgreSQL restarted under load: requests it refuses meanwhile get no
-// 202; every command accepted before or after succeeds, each once.
+// PostgreSQL restarted under load: requests it refuses meanwhile get 503
+// unavailable, no 202; every command accepted before or after succeeds,
+// each once.
 func TestProcessPostgresRestartedUnderLoad(t *testing.T) {
 	c, pg, _ := newPostgresProcCluster(t)
 	c.startBridge()
@@ -136,6 +138,7 @@ func TestProcessPostgresRestartedUnderLoad(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	t.Logf("PostgreSQL restarted under load; %d of %d requests accepted; refused by status: %v", len(accepted), n+40, refused)
+	assert.Zero(t, refused[500], "requests the outage refused are 503 unavailable, not 500")
 	// A commit whose answer the restart cut off reads as refused to its
 	// client; such a command may run (once).
 	c.checkRunOnce(accepted, true)

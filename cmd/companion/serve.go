@@ -372,6 +372,7 @@ func (m *Main) Run(ctx context.Context) error {
 		AdminToken:     m.adminToken,
 		Limits:         cfg.Limits,
 		Ready:          m.Broker.Ready,
+		Unavailable:    m.storeUnavailable,
 		Logger:         m.Logger,
 		Now:            cfg.Now,
 	})

@@ -126,3 +126,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fmt.Fprintln(stdout, "companion: the store's schema is up to date")
 	return nil
 }
+
+// storeUnavailable tells the store's errors of being unreachable (the API
+// answers them 503): PostgreSQL's; the bbolt file has none.
+func (m *Main) storeUnavailable(err error) bool {
+	return m.pg != nil && postgres.IsUnavailable(err)
+}
