@@ -109,14 +109,14 @@ type ReportedSettings struct {
 func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (ReportedSettings, error) {
 	r := ReportedSettings{Reported: make(map[string]json.RawMessage, len(reported)), At: at, Seq: seq}
 	for k, v := range reported {
-		c, err := compactJSON(v)
+		c, err := CompactJSON(v)
 		if err != nil {
 			return ReportedSettings{}, fmt.Errorf("%w: reported setting %q: %v", ErrInvalid, k, err)
 		}
 		r.Reported[k] = c
 	}
 	if len(schema) > 0 {
-		c, err := compactJSON(schema)
+		c, err := CompactJSON(schema)
 		if err != nil {
 			return ReportedSettings{}, fmt.Errorf("%w: settings schema: %v", ErrInvalid, err)
 		}
@@ -125,10 +125,26 @@ func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMes
 	return r, nil
 }
 
-func compactJSON(v json.RawMessage) (json.RawMessage, error) {
+// CompactJSON returns v without insignificant white space, in a new
+// slice: how the stores keep JSON values, whatever the engine.
+func CompactJSON(v json.RawMessage) (json.RawMessage, error) {
 	var buf bytes.Buffer
 	if err := json.Compact(&buf, v); err != nil {
 		return nil, err
 	}
 	return buf.Bytes(), nil
+}
+
+// SameJSON reports whether two JSON values have the same compacted text
+// (false when either is not JSON).
+func SameJSON(a, b json.RawMessage) bool {
+	ca, err := CompactJSON(a)
+	if err != nil {
+		return false
+	}
+	cb, err := CompactJSON(b)
+	if err != nil {
+		return false
+	}
+	return bytes.Equal(ca, cb)
 }

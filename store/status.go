@@ -278,7 +278,7 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 		s.Schema = r.Schema
 	}
 	for k, want := range s.Desired {
-		if got, ok := r.Reported[k]; ok && jsonEqual(got, want) {
+		if got, ok := r.Reported[k]; ok && companion.SameJSON(got, want) {
 			delete(s.Desired, k)
 		}
 	}
@@ -298,7 +298,7 @@ func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID string, partial
 	}
 	want := make(map[string]json.RawMessage, len(partial))
 	for _, k := range slices.Sorted(maps.Keys(partial)) {
-		c, err := compact(partial[k])
+		c, err := companion.CompactJSON(partial[k])
 		if err != nil {
 			return fmt.Errorf("%w: desired setting %q: %v", companion.ErrInvalid, k, err)
 		}
@@ -315,26 +315,4 @@ func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID string, partial
 		s.UpdatedAt = db.now()
 		return putJSON(b, []byte(deviceID), s)
 	})
-}
-
-// compact returns v without insignificant white space, in a new slice.
-func compact(v json.RawMessage) (json.RawMessage, error) {
-	var buf bytes.Buffer
-	if err := json.Compact(&buf, v); err != nil {
-		return nil, err
-	}
-	return buf.Bytes(), nil
-}
-
-// jsonEqual compares two JSON values by their compacted text.
-func jsonEqual(a, b json.RawMessage) bool {
-	ca, err := compact(a)
-	if err != nil {
-		return false
-	}
-	cb, err := compact(b)
-	if err != nil {
-		return false
-	}
-	return bytes.Equal(ca, cb)
 }

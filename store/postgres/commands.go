@@ -95,7 +95,7 @@ func compactCommand(c *companion.Command) error {
 			*f = nil
 			continue
 		}
-		v, err := compact(*f)
+		v, err := companion.CompactJSON(*f)
 		if err != nil {
 			return fmt.Errorf("%w: command JSON: %v", companion.ErrInvalid, err)
 		}

@@ -1,7 +1,6 @@
 package postgres
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -398,7 +397,7 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 		st.Schema = r.Schema
 	}
 	for k, want := range st.Desired {
-		if got, ok := r.Reported[k]; ok && jsonEqual(got, want) {
+		if got, ok := r.Reported[k]; ok && companion.SameJSON(got, want) {
 			delete(st.Desired, k)
 		}
 	}
@@ -425,7 +424,7 @@ func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID string, parti
 	}
 	want := make(map[string]json.RawMessage, len(partial))
 	for _, k := range slices.Sorted(maps.Keys(partial)) {
-		c, err := compact(partial[k])
+		c, err := companion.CompactJSON(partial[k])
 		if err != nil {
 			return fmt.Errorf("%w: desired setting %q: %v", companion.ErrInvalid, k, err)
 		}
@@ -455,26 +454,4 @@ func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID string, parti
 		return werr
 	}
 	return err
-}
-
-// compact returns v without insignificant white space, in a new slice.
-func compact(v json.RawMessage) (json.RawMessage, error) {
-	var buf bytes.Buffer
-	if err := json.Compact(&buf, v); err != nil {
-		return nil, err
-	}
-	return buf.Bytes(), nil
-}
-
-// jsonEqual compares two JSON values by their compacted text.
-func jsonEqual(a, b json.RawMessage) bool {
-	ca, err := compact(a)
-	if err != nil {
-		return false
-	}
-	cb, err := compact(b)
-	if err != nil {
-		return false
-	}
-	return bytes.Equal(ca, cb)
 }
