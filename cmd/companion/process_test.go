@@ -35,6 +35,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 )
 
@@ -58,7 +59,7 @@ func procBinaries(tb testing.TB) (companion, bridge string) {
 			procBins.err = err
 			return
 		}
-		root, err := repoRoot()
+		root, err := testenv.RepoRoot()
 		if err != nil {
 			procBins.err = err
 			return
@@ -98,23 +99,6 @@ func removeStaleBinDirs() {
 		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); errors.Is(err, os.ErrNotExist) {
 			os.RemoveAll(d)
 		}
-	}
-}
-
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("no go.mod above the working directory")
-		}
-		dir = parent
 	}
 }
 

@@ -27,20 +27,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/testenv"
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 )
 
-// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago. Some
-// other process may take it before the caller binds it; for servers that can
-// listen on port 0 and report their address, prefer that.
+// FreePort is testenv.FreePort, here for the tests that start Mosquitto.
 func FreePort(tb testing.TB) int {
 	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatalf("mqtttest: find a free port: %v", err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return testenv.FreePort(tb)
 }
 
 // MosquittoAccount is an account to create in a test Mosquitto.
@@ -167,24 +161,15 @@ func findPlugin() string {
 // repoConf reads the repository's mosquitto.conf, found beside go.mod by
 // walking up from the working directory (a package's directory under go test).
 func repoConf() ([]byte, error) {
-	dir, err := os.Getwd()
+	root, err := testenv.RepoRoot()
 	if err != nil {
 		return nil, err
 	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			b, err := os.ReadFile(filepath.Join(dir, "mosquitto.conf"))
-			if err != nil {
-				return nil, fmt.Errorf("read the repository's mosquitto.conf: %w", err)
-			}
-			return b, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return nil, errors.New("no go.mod above the working directory")
-		}
-		dir = parent
+	b, err := os.ReadFile(filepath.Join(root, "mosquitto.conf"))
+	if err != nil {
+		return nil, fmt.Errorf("read the repository's mosquitto.conf: %w", err)
 	}
+	return b, nil
 }
 
 // rewriteConf points a configuration at the test's port and directory. Each

@@ -28,6 +28,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/testenv"
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 )
 
@@ -442,25 +443,16 @@ func (c *Cluster) checkIndex(tb testing.TB, i int) {
 // findBinary finds bin/nats-server beside go.mod, walking up from the
 // working directory (a package's directory under go test).
 func findBinary() (string, error) {
-	dir, err := os.Getwd()
+	root, err := testenv.RepoRoot()
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("%w, so no bin/nats-server (make deps builds it)", err)
 	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			p := filepath.Join(dir, "bin", "nats-server")
-			fi, err := os.Stat(p)
-			if err != nil || fi.IsDir() || fi.Mode()&0o111 == 0 {
-				return "", fmt.Errorf("%s is missing: run make deps (it builds NATS Server from the Go module proxy into bin/)", p)
-			}
-			return p, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("no go.mod above the working directory, so no bin/nats-server: run the tests inside the module, after make deps")
-		}
-		dir = parent
+	p := filepath.Join(root, "bin", "nats-server")
+	fi, err := os.Stat(p)
+	if err != nil || fi.IsDir() || fi.Mode()&0o111 == 0 {
+		return "", fmt.Errorf("%s is missing: run make deps (it builds NATS Server from the Go module proxy into bin/)", p)
 	}
+	return p, nil
 }
 
 // freePorts returns n distinct TCP ports of 127.0.0.1 that were free a

@@ -44,6 +44,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -140,7 +141,7 @@ func Start(tb testing.TB) *Server {
 	// The free port may be taken before the server binds it; then try
 	// another.
 	for attempt := 1; ; attempt++ {
-		s.setPort(freePort(tb))
+		s.setPort(testenv.FreePort(tb)) // PostgreSQL cannot listen on port 0: Start retries on another when it is taken
 		err := s.start()
 		if err == nil {
 			return s
@@ -540,19 +541,6 @@ func sanitize(name string) string {
 		}
 	}
 	return b.String()
-}
-
-// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
-// PostgreSQL cannot listen on port 0, so Start retries on another port when
-// the server finds it taken.
-func freePort(tb testing.TB) int {
-	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatalf("pgtest: find a free port: %v", err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
 }
 
 func randomString() string {
