@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -19,62 +21,68 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// natsServerUser is the server's NATS user: everything under the prefix.
-// (NATS's MQTT needs nothing else of it: the "$MQTT.sub.>" subjects QoS 1
-// deliveries use are granted to every user by natstest.)
+// natsServerUser is the server's account on a NATS cluster: as a static
+// NATS user, everything under the prefix; with the auth callout
+// (natsCallout), the --mqtt-username/--mqtt-password the server's
+// responder grants that. (NATS's MQTT needs nothing else of it: the
+// "$MQTT.sub.>" subjects QoS 1 deliveries use are granted implicitly.)
 var natsServerUser = natstest.User{
 	Username: "companion-server", Password: "server-secret",
 	Publish:   []string{topics.DefaultPrefix + "/#"},
 	Subscribe: []string{topics.DefaultPrefix + "/#"},
 }
 
-// natsBridgeUser is the NATS user of the fleet's bridge, as CONTRACT §3 and
-// §9 have a bridge's rights: subscribe to the commands of its devices,
-// publish their replies, status and settings, and its own state.
-func natsBridgeUser(t *testing.T, f *fleet, devices ...string) natstest.User {
-	t.Helper()
-	tree := topics.MustNew(topics.DefaultPrefix)
-	state, err := tree.BridgeState(f.bridgeID)
-	require.NoError(t, err)
-	u := natstest.User{Username: f.bridgeID, Password: f.bridgeSecret, Publish: []string{state}}
-	for _, d := range devices {
-		cmds, err := tree.CommandsFilter(d)
-		require.NoError(t, err)
-		u.Subscribe = append(u.Subscribe, cmds)
-		for _, leaf := range []func(string) (string, error){tree.Replies, tree.Status, tree.Settings} {
-			topic, err := leaf(d)
-			require.NoError(t, err)
-			u.Publish = append(u.Publish, topic)
-		}
+// natsCallout returns cfg for a server on cl, a cluster started with
+// natstest.Options.Callout, answering its authorization: all three nodes
+// in --mqtt-url, natsServerUser's credentials as its own MQTT account,
+// --nats-callout with the cluster's auth user, system user and issuer
+// seed (written to a file, as --nats-issuer-seed takes it). --mqtt-dynsec
+// keeps the flag's default, which --nats-callout turns off.
+func natsCallout(tb testing.TB, cl *natstest.Cluster, cfg Config) Config {
+	tb.Helper()
+	co := cl.Callout
+	require.NotNil(tb, co, "the cluster was started without natstest.Options.Callout")
+	seed := filepath.Join(tb.TempDir(), "issuer.nk")
+	require.NoError(tb, os.WriteFile(seed, co.IssuerSeed, 0o600))
+	cfg.MQTTURL = cl.MQTTURL()
+	cfg.MQTTUsername, cfg.MQTTPassword = natsServerUser.Username, natsServerUser.Password
+	cfg.MQTTDynsec = true
+	cfg.NATS = NATSConfig{
+		URL:  co.URL,
+		User: co.User, Password: co.Password,
+		SystemUser: co.SystemUser, SystemPassword: co.SystemPassword,
+		IssuerSeedFile: seed,
+		Account:        co.Account,
 	}
-	return u
+	return cfg
 }
 
-// startOnNATS starts a three-node NATS cluster with the server's user, the
-// server on it (all three nodes in --mqtt-url, the accounts left to the
-// cluster's configuration: no --mqtt-dynsec), and the fleet; the bridge's
-// secret, which the admin API generates and nobody can choose, is then
-// given to the cluster as the bridge's NATS user (a configuration reload
-// of every node), and the bridge started on all three nodes.
-func startOnNATS(t *testing.T, devices ...string) (*natstest.Cluster, *Main, *fleet, *bridge) {
+// startNATSCallout starts a three-node NATS cluster that sends every
+// MQTT login to an auth callout, and the server on it answering them.
+func startNATSCallout(t *testing.T) (*natstest.Cluster, *Main) {
 	t.Helper()
 	cl := natstest.StartCluster(t, natstest.Options{
-		Users: []natstest.User{natsServerUser},
+		Callout: true,
 		// A QoS 1 message whose PUBACK died with a node comes again after
 		// this (NATS's default is 30s).
 		AckWait: 5 * time.Second,
 	})
-	m := startServer(t, Config{
-		MQTTURL:      cl.MQTTURL(),
-		MQTTUsername: natsServerUser.Username,
-		MQTTPassword: natsServerUser.Password,
-		MQTTDynsec:   false,
-		Limits:       api.Limits{RequestsPerSecond: -1},
-	})
+	m := startServer(t, natsCallout(t, cl, Config{Limits: api.Limits{RequestsPerSecond: -1}}))
 	require.Nil(t, m.MQTT, "nothing embedded runs with --mqtt-url")
-	waitFor(t, "the server connected to the NATS cluster", 30*time.Second, m.Broker.Ready)
+	require.Nil(t, m.Dynsec, "--nats-callout turns --mqtt-dynsec off")
+	require.NotNil(t, m.NATSAuth)
+	waitFor(t, "the server logged in to the NATS cluster through its own callout", 30*time.Second, m.Broker.Ready)
+	return cl, m
+}
+
+// startOnNATS starts a three-node NATS cluster whose MQTT logins the
+// server answers (the auth callout), the server on it, the fleet, and the
+// bridge on all three nodes: the bridge's rights come from the store at
+// its login, as CONTRACT §3 and §9 have them.
+func startOnNATS(t *testing.T, devices ...string) (*natstest.Cluster, *Main, *fleet, *bridge) {
+	t.Helper()
+	cl, m := startNATSCallout(t)
 	f := setupFleet(t, m, devices...)
-	cl.AddUser(t, natsBridgeUser(t, f, devices...))
 	b := startBridge(t, m, cl.MQTTURL(), f, "", devices...)
 	return cl, m, f, b
 }

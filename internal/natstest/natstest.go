@@ -1,6 +1,9 @@
 // Package natstest starts, for one test, the broker cluster CONTRACT §11
 // supports: three NATS Server nodes with JetStream and MQTT, routed to each
-// other, with static users whose rights are given as MQTT topic filters.
+// other, with static users whose rights are given as MQTT topic filters,
+// or (Options.Callout) with NATS's auth callout, where an authorization
+// service (the companion server's broker/natsauth) decides who logs in
+// and with which rights.
 //
 // The binary is the repository's bin/nats-server, which `make deps` builds
 // from the Go module proxy. It is for tests only; nothing outside _test.go
@@ -28,8 +31,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicecompanion/companion/internal/testenv"
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+
+	"github.com/devicecompanion/companion/broker/natsauth"
+	"github.com/devicecompanion/companion/internal/natsconf"
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // Nodes is how many nodes a Cluster has: the three of CONTRACT §11.
@@ -65,6 +71,36 @@ type Options struct {
 	AckWait time.Duration
 	// Debug adds NATS's debug logging to the nodes' logs.
 	Debug bool
+	// Callout has every MQTT login that is not one of Users sent to an
+	// authorization service (NATS's auth_callout): see Callout. Users
+	// are then static users that bypass it, in the same account.
+	Callout bool
+	// MaxAckPending is NATS MQTT's max_ack_pending: how many QoS 1
+	// messages a subscription may have awaiting their PUBACK. Zero means
+	// natsconf.DefaultMaxAckPending (64: a session may then hold 1,023
+	// QoS 1 subscriptions), a negative value NATS's default (1,024: 63).
+	MaxAckPending int
+}
+
+// Callout is what the authorization service of a cluster started with
+// Options.Callout needs, all made for the one cluster. The nodes'
+// configuration is natsconf.Callout's, with the static users (Options.Users
+// and the helper's own) in Account and among the callout's auth_users.
+type Callout struct {
+	// URL is the nodes' NATS client URLs, comma-separated.
+	URL string
+	// User and Password are the service's own login (an auth user, in
+	// account AUTH, where NATS sends its requests).
+	User, Password string
+	// SystemUser and SystemPassword are a user of the system account.
+	SystemUser, SystemPassword string
+	// IssuerSeed is the seed of the account key pair whose public key,
+	// Issuer, is the callout's issuer: the service signs with it.
+	IssuerSeed []byte
+	Issuer     string
+	// Account is where the service places MQTT clients (the user JWT's
+	// audience); it has JetStream.
+	Account string
 }
 
 // Cluster is three nats-server processes run for one test. Node indexes
@@ -75,9 +111,13 @@ type Cluster struct {
 	MQTTURLs []string
 	// MonitorURLs are the nodes' monitoring endpoints, http://127.0.0.1:PORT.
 	MonitorURLs []string
+	// ClientURLs are the nodes' NATS client listeners, nats://127.0.0.1:PORT.
+	ClientURLs []string
 	// Dir holds each node's nats-N.conf, nats-N.log and JetStream store
 	// directory js-N.
 	Dir string
+	// Callout is set when the cluster was started with Options.Callout.
+	Callout *Callout
 
 	bin       string
 	opts      Options
@@ -136,7 +176,13 @@ func StartCluster(tb testing.TB, opts Options) *Cluster {
 		n.storeDir = filepath.Join(c.Dir, fmt.Sprintf("js-%d", i+1))
 		c.nodes[i] = n
 		c.MQTTURLs = append(c.MQTTURLs, "tcp://127.0.0.1:"+strconv.Itoa(n.mqttPort))
+		c.ClientURLs = append(c.ClientURLs, "nats://127.0.0.1:"+strconv.Itoa(n.clientPort))
 		c.MonitorURLs = append(c.MonitorURLs, "http://127.0.0.1:"+strconv.Itoa(n.http))
+	}
+	if opts.Callout {
+		if c.Callout, err = newCallout(strings.Join(c.ClientURLs, ",")); err != nil {
+			tb.Fatalf("natstest: %v", err)
+		}
 	}
 	if err := c.writeConfigs(); err != nil {
 		tb.Fatalf("natstest: %v", err)
@@ -371,6 +417,22 @@ func (c *Cluster) NodeOf(tb testing.TB, clientID string) int {
 	return -1
 }
 
+// newCallout makes the accounts' credentials and the issuer key of one
+// cluster.
+func newCallout(url string) (*Callout, error) {
+	seed, pub, err := natsconf.NewIssuer()
+	if err != nil {
+		return nil, err
+	}
+	return &Callout{
+		URL:  url,
+		User: "natstest-auth", Password: randomString(),
+		SystemUser: "natstest-sys", SystemPassword: randomString(),
+		IssuerSeed: seed, Issuer: pub,
+		Account: natsauth.DefaultAccount,
+	}, nil
+}
+
 // Users returns the users the nodes were last configured with.
 func (c *Cluster) Users() []User {
 	c.mu.Lock()
@@ -380,16 +442,28 @@ func (c *Cluster) Users() []User {
 
 // SetUsers replaces the static users of every node: it rewrites the three
 // configuration files, has each running node reload its configuration
-// (SIGHUP), and returns once every given user can connect to every running
-// node. A stopped node takes the new users when restarted.
+// (SIGHUP), and returns once every running node has reloaded (/varz) and
+// every given user can connect to every running node. A stopped node takes the new users when restarted.
 //
 // NATS drops, on reload, the retained messages whose publisher no longer
 // exists or may no longer publish on their topic: keep the users who
-// published retained messages that must stay.
+// published retained messages that must stay. With Options.Callout, the
+// users the callout let in are not static users: a reload drops every
+// retained message they published.
 func (c *Cluster) SetUsers(tb testing.TB, users []User) {
 	tb.Helper()
 	if err := checkUsers(users); err != nil {
 		tb.Fatalf("natstest: %v", err)
+	}
+	loaded := map[int]time.Time{}
+	for i := range c.nodes {
+		if c.Running(i) {
+			t, err := c.configLoadTime(i)
+			if err != nil {
+				tb.Fatalf("natstest: %v", err)
+			}
+			loaded[i] = t
+		}
 	}
 	c.mu.Lock()
 	c.users = append([]User(nil), users...)
@@ -408,11 +482,47 @@ func (c *Cluster) SetUsers(tb testing.TB, users []User) {
 		tb.Fatalf("natstest: reload the users: %v", err)
 	}
 	for _, i := range running {
+		if err := c.waitReloaded(i, loaded[i]); err != nil {
+			tb.Fatalf("natstest: %v", err)
+		}
 		for _, u := range users {
 			if err := c.waitConnect(i, u); err != nil {
 				tb.Fatalf("natstest: after reload: %v", err)
 			}
 		}
+	}
+}
+
+// configLoadTime is when node i last loaded its configuration (/varz).
+func (c *Cluster) configLoadTime(i int) (time.Time, error) {
+	hc := &http.Client{Timeout: 2 * time.Second}
+	resp, err := hc.Get(c.MonitorURLs[i] + "/varz")
+	if err != nil {
+		return time.Time{}, err
+	}
+	defer resp.Body.Close()
+	var v struct {
+		ConfigLoadTime time.Time `json:"config_load_time"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&v); err != nil {
+		return time.Time{}, fmt.Errorf("%s /varz: %w", c.nodes[i].name, err)
+	}
+	return v.ConfigLoadTime, nil
+}
+
+// waitReloaded waits until node i has loaded its configuration after
+// before.
+func (c *Cluster) waitReloaded(i int, before time.Time) error {
+	deadline := time.Now().Add(startTimeout)
+	for {
+		t, err := c.configLoadTime(i)
+		if err == nil && t.After(before) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s did not reload its configuration within %v (%v):\n%s", c.nodes[i].name, startTimeout, err, tail(c.Log(i), logTail))
+		}
+		time.Sleep(50 * time.Millisecond) // polling an endpoint; there is nothing to wait on
 	}
 }
 
@@ -490,15 +600,15 @@ func checkUsers(users []User) error {
 		if u.Username == "" || u.Password == "" {
 			return fmt.Errorf("user %q: a username and a password are needed", u.Username)
 		}
-		if u.Username == "natstest-probe" {
-			return errors.New("natstest-probe is the helper's own user")
+		if strings.HasPrefix(u.Username, "natstest-") {
+			return fmt.Errorf("%s: natstest-* are the helper's own users", u.Username)
 		}
 		if seen[u.Username] {
 			return fmt.Errorf("user %q given twice", u.Username)
 		}
 		seen[u.Username] = true
 		for _, s := range []string{u.Username, u.Password} {
-			if _, err := quote(s); err != nil {
+			if err := natsconf.CheckString(s); err != nil {
 				return fmt.Errorf("user %q: %w", u.Username, err)
 			}
 		}
@@ -516,63 +626,9 @@ func checkUsers(users []User) error {
 // a "." inside a level "//"; a filter ending in "#" gives its parent too,
 // which NATS subscribes to as well (MQTT's "a/#" matches "a"). Empty levels
 // (which NATS maps in ways a test should not rely on) and "$MQTT" topics
-// (NATS's own, which MQTT clients may not use) are refused.
-func Subjects(filter string) ([]string, error) {
-	if filter == "" || strings.HasPrefix(filter, "$MQTT") {
-		return nil, fmt.Errorf("topic filter %q: empty or a $MQTT topic", filter)
-	}
-	levels := strings.Split(filter, "/")
-	toks := make([]string, len(levels))
-	for i, l := range levels {
-		switch {
-		case l == "":
-			return nil, fmt.Errorf("topic filter %q: empty level", filter)
-		case l == "+":
-			toks[i] = "*"
-		case l == "#":
-			if i != len(levels)-1 {
-				return nil, fmt.Errorf("topic filter %q: # not last", filter)
-			}
-			toks[i] = ">"
-		case strings.ContainsAny(l, "+#"):
-			return nil, fmt.Errorf("topic filter %q: wildcard inside a level", filter)
-		case strings.ContainsAny(l, " \t\r\n\f*>\x7f"):
-			return nil, fmt.Errorf("topic filter %q: a character NATS does not take", filter)
-		default:
-			toks[i] = strings.ReplaceAll(l, ".", "//")
-		}
-	}
-	out := []string{strings.Join(toks, ".")}
-	if len(toks) > 1 && toks[len(toks)-1] == ">" {
-		out = append(out, strings.Join(toks[:len(toks)-1], "."))
-	}
-	return out, nil
-}
-
-// quote returns s as a double-quoted string of NATS's configuration
-// language, which takes printable ASCII only here.
-func quote(s string) (string, error) {
-	for _, r := range s {
-		if r < 0x20 || r > 0x7e {
-			return "", fmt.Errorf("%q: only printable ASCII is written to a NATS configuration", s)
-		}
-	}
-	s = strings.ReplaceAll(s, `\`, `\\`)
-	s = strings.ReplaceAll(s, `"`, `\"`)
-	return `"` + s + `"`, nil
-}
-
-func quoteAll(ss []string) string {
-	q := make([]string, 0, len(ss))
-	for _, s := range ss {
-		v, err := quote(s)
-		if err != nil {
-			panic(err) // checked by checkUsers
-		}
-		q = append(q, v)
-	}
-	return "[" + strings.Join(q, ", ") + "]"
-}
+// (NATS's own, which MQTT clients may not use) are refused. It is
+// natsauth.Subjects, which the authorization service uses.
+func Subjects(filter string) ([]string, error) { return natsauth.Subjects(filter) }
 
 // subjectsOf turns MQTT filters into NATS subjects, without repeats.
 func subjectsOf(filters []string) []string {
@@ -593,64 +649,38 @@ func subjectsOf(filters []string) []string {
 	return out
 }
 
-// config is node i's configuration file.
-func (c *Cluster) config(i int) []byte {
-	n := c.nodes[i]
-	var b bytes.Buffer
-	fmt.Fprintf(&b, "# Written by internal/natstest for one test.\n")
-	fmt.Fprintf(&b, "server_name: %s\n", n.name)
-	fmt.Fprintf(&b, "listen: 127.0.0.1:%d\n", n.clientPort)
-	fmt.Fprintf(&b, "http: 127.0.0.1:%d\n", n.http)
-	if c.opts.Debug {
-		b.WriteString("debug: true\n")
+// config is the cluster's configuration, the same for every node but its
+// own block (natsconf, which scripts/cluster writes with too).
+func (c *Cluster) config() natsconf.Config {
+	cfg := natsconf.Config{
+		Comment:       "Written by internal/natstest for one test.",
+		ClusterName:   "natstest",
+		AckWait:       c.opts.AckWait,
+		MaxAckPending: c.opts.MaxAckPending,
+		Debug:         c.opts.Debug,
 	}
-	b.WriteString("\njetstream {\n")
-	fmt.Fprintf(&b, "  store_dir: %s\n", mustQuote(n.storeDir))
-	b.WriteString("  max_memory_store: 64MB\n  max_file_store: 512MB\n}\n")
-	b.WriteString("\ncluster {\n  name: natstest\n")
-	fmt.Fprintf(&b, "  listen: 127.0.0.1:%d\n", n.clusterPort)
-	var routes []string
-	for j, o := range c.nodes {
-		if j != i {
-			routes = append(routes, fmt.Sprintf("nats-route://127.0.0.1:%d", o.clusterPort))
-		}
+	for _, n := range c.nodes {
+		cfg.Nodes = append(cfg.Nodes, natsconf.Node{
+			Name:   n.name,
+			Client: n.clientPort, Route: n.clusterPort, MQTT: n.mqttPort, Monitor: n.http,
+			StoreDir: n.storeDir,
+		})
 	}
-	fmt.Fprintf(&b, "  routes: %s\n}\n", quoteAll(routes))
-	b.WriteString("\nmqtt {\n")
-	fmt.Fprintf(&b, "  listen: 127.0.0.1:%d\n", n.mqttPort)
-	// Sessions, retained messages and QoS 1 messages in flight live in
-	// JetStream streams; three replicas keep them through the loss of a
-	// node. Their consumers take the stream's replicas (NATS 2.15 ignores
-	// consumer_replicas and warns about it, so it is not written).
-	fmt.Fprintf(&b, "  stream_replicas: %d\n", Nodes)
-	if c.opts.AckWait > 0 {
-		fmt.Fprintf(&b, "  ack_wait: %q\n", c.opts.AckWait.String())
-	}
-	b.WriteString("}\n")
-	b.WriteString("\nauthorization {\n  users: [\n")
 	for _, u := range append([]User{c.probeUser}, c.users...) {
-		fmt.Fprintf(&b, "    {\n      user: %s\n      password: %s\n", mustQuote(u.Username), mustQuote(u.Password))
-		b.WriteString("      permissions: {\n")
-		if pub := subjectsOf(u.Publish); len(pub) > 0 {
-			fmt.Fprintf(&b, "        publish: { allow: %s }\n", quoteAll(pub))
-		} else {
-			// An empty allow list would allow everything.
-			b.WriteString("        publish: { deny: [\">\"] }\n")
+		cfg.Users = append(cfg.Users, natsconf.User{
+			Name: u.Username, Password: u.Password,
+			Publish: subjectsOf(u.Publish), Subscribe: subjectsOf(u.Subscribe),
+		})
+	}
+	if co := c.Callout; co != nil {
+		cfg.Callout = &natsconf.Callout{
+			User: co.User, Password: co.Password,
+			SystemUser: co.SystemUser, SystemPassword: co.SystemPassword,
+			Issuer:  co.Issuer,
+			Account: co.Account,
 		}
-		sub := append(subjectsOf(u.Subscribe), "$MQTT.sub.>")
-		fmt.Fprintf(&b, "        subscribe: { allow: %s }\n", quoteAll(sub))
-		b.WriteString("      }\n    }\n")
 	}
-	b.WriteString("  ]\n}\n")
-	return b.Bytes()
-}
-
-func mustQuote(s string) string {
-	q, err := quote(s)
-	if err != nil {
-		panic(err)
-	}
-	return q
+	return cfg
 }
 
 func (c *Cluster) writeConfigs() error {
@@ -660,10 +690,15 @@ func (c *Cluster) writeConfigs() error {
 }
 
 func (c *Cluster) writeConfigsLocked() error {
+	cfg := c.config()
 	for i, n := range c.nodes {
+		conf, err := cfg.Node(i)
+		if err != nil {
+			return err
+		}
 		// Write and rename, so that a reload never reads half a file.
 		tmp := n.confPath + ".tmp"
-		if err := os.WriteFile(tmp, c.config(i), 0o600); err != nil {
+		if err := os.WriteFile(tmp, []byte(conf), 0o600); err != nil {
 			return err
 		}
 		if err := os.Rename(tmp, n.confPath); err != nil {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/nats-io/nkeys"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -242,4 +243,87 @@ func TestMissingUserRefused(t *testing.T) {
 	require.Error(t, err, "nobody anonymous")
 	_, err = dial(t, c.MQTTURLs[1], "mallory", natstest.User{Username: "mallory", Password: "x"}, true)
 	require.Error(t, err)
+}
+
+// With Options.Callout, the static users still log in, in the account
+// the callout's clients go to (with JetStream: QoS 1 works), and the
+// service gets what it needs; nobody else gets in while no service
+// answers.
+func TestCalloutMode(t *testing.T) {
+	c := natstest.StartCluster(t, natstest.Options{Users: []natstest.User{alice}, Callout: true})
+	co := c.Callout
+	require.NotNil(t, co)
+	assert.Equal(t, strings.Join(c.ClientURLs, ","), co.URL)
+	assert.NotEmpty(t, co.User)
+	assert.NotEmpty(t, co.SystemUser)
+	assert.Equal(t, "COMPANION", co.Account)
+	kp, err := nkeys.FromSeed(co.IssuerSeed)
+	require.NoError(t, err)
+	pub, err := kp.PublicKey()
+	require.NoError(t, err)
+	assert.Equal(t, co.Issuer, pub)
+	assert.True(t, nkeys.IsValidPublicAccountKey(pub))
+	conf, err := os.ReadFile(c.ConfigPath(0))
+	require.NoError(t, err)
+	assert.Contains(t, string(conf), "auth_callout")
+
+	sub := mustDial(t, c.MQTTURLs[0], "sub", alice, true)
+	require.EqualValues(t, 1, sub.subscribe(t, "t/#", 1))
+	pub1 := mustDial(t, c.MQTTURLs[2], "pub", alice, true)
+	pub1.publish(t, "t/x", false, "across nodes")
+	sub.expect(t, "t/x", "across nodes")
+
+	_, err = dial(t, c.MQTTURLs[1], "mallory", natstest.User{Username: "mallory", Password: "x"}, true)
+	require.Error(t, err, "no service answers")
+}
+
+// A session's QoS 1 subscriptions together may have 65,535 messages
+// awaiting their PUBACK, each subscription max_ack_pending of them. With
+// the helper's 64 (natsconf.DefaultMaxAckPending), one client's 200
+// subscriptions (a bridge's 200 devices) are all granted; with NATS's
+// default of 1,024 the 64th is refused.
+func TestManySubscriptions(t *testing.T) {
+	filters := map[string]byte{}
+	for i := range 200 {
+		filters[fmt.Sprintf("t/dev-%03d/commands/+", i)] = 1
+	}
+	subscribeAll := func(t *testing.T, c *natstest.Cluster) map[string]byte {
+		t.Helper()
+		cl := mustDial(t, c.MQTTURLs[0], "many", alice, true)
+		start := time.Now()
+		tok := cl.SubscribeMultiple(filters, nil)
+		require.NoError(t, mqtt.WaitTokenTimeout(tok, 2*time.Minute))
+		// NATS makes a session's durable consumers one after another:
+		// how long this takes is what a bridge's first connect waits.
+		t.Logf("SUBACK for %d filters after %v", len(filters), time.Since(start).Round(time.Millisecond))
+		return tok.(*mqtt.SubscribeToken).Result()
+	}
+	t.Run("max_ack_pending=64", func(t *testing.T) {
+		c := natstest.StartCluster(t, natstest.Options{Users: []natstest.User{alice}})
+		conf, err := os.ReadFile(c.ConfigPath(0))
+		require.NoError(t, err)
+		assert.Contains(t, string(conf), "max_ack_pending: 64")
+		got := subscribeAll(t, c)
+		granted := 0
+		for f := range filters {
+			if got[f] == 1 {
+				granted++
+			} else {
+				t.Errorf("SUBACK for %s = %#x; want 1", f, got[f])
+			}
+		}
+		assert.Equal(t, len(filters), granted)
+	})
+	t.Run("NATS's default", func(t *testing.T) {
+		c := natstest.StartCluster(t, natstest.Options{Users: []natstest.User{alice}, MaxAckPending: -1})
+		got := subscribeAll(t, c)
+		granted := 0
+		for f := range filters {
+			if got[f] == 1 {
+				granted++
+			}
+		}
+		// 65,535 / 1,024: 63 subscriptions, whichever NATS took first.
+		assert.Equal(t, 63, granted)
+	})
 }

@@ -29,13 +29,9 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"net"
-	"net/url"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -44,6 +40,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/pgctl"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/jackc/pgx/v5"
 )
@@ -100,11 +97,11 @@ type Server struct {
 // failed, its log is printed first.
 func Start(tb testing.TB) *Server {
 	tb.Helper()
-	initdb, postgres := findBinaries()
-	if initdb == "" || postgres == "" {
-		tb.Fatal("pgtest: PostgreSQL's initdb and postgres not found in /usr/lib/postgresql/*/bin or PATH: run make deps (it installs Debian's postgresql)")
+	bin, err := pgctl.Bin()
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
 	}
-	cred, err := serverCredential()
+	cred, err := pgctl.Credential()
 	if err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
@@ -117,7 +114,7 @@ func Start(tb testing.TB) *Server {
 	}
 	s := &Server{
 		Dir:      dir,
-		postgres: postgres,
+		postgres: filepath.Join(bin, "postgres"),
 		dataDir:  filepath.Join(dir, "data"),
 		sockDir:  filepath.Join(dir, "sock"),
 		logPath:  filepath.Join(dir, "postgres.log"),
@@ -135,7 +132,7 @@ func Start(tb testing.TB) *Server {
 			tb.Errorf("pgtest: %v", err)
 		}
 	})
-	if err := s.prepare(initdb); err != nil {
+	if err := s.prepare(bin); err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
 	// The free port may be taken before the server binds it; then try
@@ -152,146 +149,18 @@ func Start(tb testing.TB) *Server {
 	}
 }
 
-// findBinaries finds initdb and postgres in Debian's
-// /usr/lib/postgresql/VERSION/bin, highest version first, and then in PATH;
-// Debian puts neither in PATH.
-func findBinaries() (initdb, postgres string) {
-	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
-	version := func(d string) float64 {
-		v, _ := strconv.ParseFloat(filepath.Base(filepath.Dir(d)), 64)
-		return v
-	}
-	slices.SortFunc(dirs, func(a, b string) int {
-		va, vb := version(a), version(b)
-		switch {
-		case va > vb:
-			return -1
-		case va < vb:
-			return 1
-		}
-		return 0
-	})
-	for _, d := range dirs {
-		i, p := filepath.Join(d, "initdb"), filepath.Join(d, "postgres")
-		if isExecutable(i) && isExecutable(p) {
-			return i, p
-		}
-	}
-	i, err1 := exec.LookPath("initdb")
-	p, err2 := exec.LookPath("postgres")
-	if err1 != nil || err2 != nil {
-		return "", ""
-	}
-	return i, p
-}
-
-func isExecutable(p string) bool {
-	fi, err := os.Stat(p)
-	return err == nil && !fi.IsDir() && fi.Mode()&0o111 != 0
-}
-
-// serverCredential says whom initdb and the server run as: nil (the test's
-// own user) unless the test runs as root, which PostgreSQL refuses; then
-// the system user postgres, or nobody.
-func serverCredential() (*syscall.Credential, error) {
-	if os.Geteuid() != 0 {
-		return nil, nil
-	}
-	var errs []error
-	for _, name := range []string{"postgres", "nobody"} {
-		u, err := user.Lookup(name)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		uid, err1 := strconv.ParseUint(u.Uid, 10, 32)
-		gid, err2 := strconv.ParseUint(u.Gid, 10, 32)
-		if err1 != nil || err2 != nil {
-			errs = append(errs, fmt.Errorf("user %s: uid %q, gid %q", name, u.Uid, u.Gid))
-			continue
-		}
-		// No supplementary groups: root's must not follow.
-		return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}, nil
-	}
-	return nil, fmt.Errorf("running as root, and PostgreSQL refuses root: no user to run it as: %w", errors.Join(errs...))
-}
-
-// prepare gives Dir to the server's user, checks that the user can reach
-// it, and runs initdb.
-func (s *Server) prepare(initdb string) error {
+// prepare makes the socket's directory and runs initdb (pgctl.InitDB),
+// giving both to the server's user.
+func (s *Server) prepare(bin string) error {
 	if err := os.Mkdir(s.sockDir, 0o700); err != nil {
 		return err
 	}
-	pwfile := filepath.Join(s.Dir, "pwfile")
-	if err := os.WriteFile(pwfile, []byte(s.password+"\n"), 0o600); err != nil {
-		return err
-	}
-	defer os.Remove(pwfile)
 	if s.cred != nil {
-		for _, p := range []string{s.Dir, s.sockDir, pwfile} {
-			if err := os.Chown(p, int(s.cred.Uid), int(s.cred.Gid)); err != nil {
-				return err
-			}
-		}
-		if err := s.checkReachable(); err != nil {
+		if err := os.Chown(s.sockDir, int(s.cred.Uid), int(s.cred.Gid)); err != nil {
 			return err
 		}
 	}
-	cmd := exec.Command(initdb,
-		"--pgdata="+s.dataDir,
-		"--username="+Superuser,
-		"--pwfile="+pwfile,
-		"--auth=scram-sha-256",
-		"--encoding=UTF8",
-		"--locale=C",
-	)
-	cmd.Dir = s.Dir
-	cmd.Env = serverEnv()
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: s.cred}
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("initdb: %v\n%s", err, out)
-	}
-	return nil
-}
-
-// checkReachable checks that the server's user can search every directory
-// above Dir: os.MkdirTemp puts it under $TMPDIR, which may be a private
-// directory of root's.
-func (s *Server) checkReachable() error {
-	for d := filepath.Dir(s.Dir); ; d = filepath.Dir(d) {
-		fi, err := os.Stat(d)
-		if err != nil {
-			return err
-		}
-		st, ok := fi.Sys().(*syscall.Stat_t)
-		if !ok {
-			return fmt.Errorf("stat %s: no owner", d)
-		}
-		m := fi.Mode().Perm()
-		can := m&0o001 != 0 ||
-			(st.Gid == s.cred.Gid && m&0o010 != 0) ||
-			(st.Uid == s.cred.Uid && m&0o100 != 0)
-		if !can {
-			return fmt.Errorf("the server's user (uid %d) cannot reach %s through %s (mode %#o): set TMPDIR to a directory it can reach, such as /tmp", s.cred.Uid, s.Dir, d, m)
-		}
-		if d == filepath.Dir(d) {
-			return nil
-		}
-	}
-}
-
-// serverEnv is the environment of initdb and the server: the test's, but
-// with a C locale and without the PG variables that would point them
-// elsewhere.
-func serverEnv() []string {
-	var env []string
-	for _, kv := range os.Environ() {
-		if strings.HasPrefix(kv, "PG") || strings.HasPrefix(kv, "LC_") || strings.HasPrefix(kv, "LANG=") {
-			continue
-		}
-		env = append(env, kv)
-	}
-	return append(env, "LC_ALL=C")
+	return pgctl.InitDB(context.Background(), bin, s.Dir, Superuser, s.password, s.cred)
 }
 
 func (s *Server) setPort(port int) {
@@ -301,14 +170,7 @@ func (s *Server) setPort(port int) {
 
 // dsn is the superuser's URL for a database.
 func (s *Server) dsn(database string) string {
-	u := url.URL{
-		Scheme:   "postgres",
-		User:     url.UserPassword(Superuser, s.password),
-		Host:     net.JoinHostPort("127.0.0.1", strconv.Itoa(s.Port)),
-		Path:     "/" + database,
-		RawQuery: "sslmode=disable",
-	}
-	return u.String()
+	return pgctl.URL(s.Port, Superuser, s.password, database)
 }
 
 // errBind marks a server that exited at start because its port was taken.
@@ -341,7 +203,7 @@ func (s *Server) start() error {
 		"-c", "full_page_writes=on",
 	)
 	cmd.Dir = s.Dir
-	cmd.Env = serverEnv()
+	cmd.Env = pgctl.Env(os.Environ())
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{

@@ -1,0 +1,289 @@
+package natsauth
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// The system account's requests the responder uses (nats-server's
+// server/events.go): every node answers a CONNZ ping with its own
+// connections; KICK closes one connection of one node.
+const (
+	connzPing   = "$SYS.REQ.SERVER.PING.CONNZ"
+	kickSubject = "$SYS.REQ.SERVER.%s.KICK"
+)
+
+// Gathering the nodes' answers to a CONNZ ping: done once as many nodes
+// answered as the connection knows of, or when none answered for
+// connzQuiet, and at most connzMax.
+const (
+	connzQuiet = 250 * time.Millisecond
+	connzMax   = 2 * time.Second
+	// connzLimit is how many connections of one account a node lists.
+	connzLimit = 4096
+)
+
+// ErrNoSystemUser is returned when connections should be closed and the
+// responder has no system user to do it with.
+var ErrNoSystemUser = errors.New("natsauth: no system user: connections whose rights changed keep them until they log in again")
+
+// UserCreated does nothing: the store is asked at each login.
+func (r *Responder) UserCreated(context.Context, string, string) error { return nil }
+
+// BridgeCreated does nothing: the store is asked at each login.
+func (r *Responder) BridgeCreated(context.Context, string, string) error { return nil }
+
+// BridgeDeleted closes the bridge's connections: its secret no longer
+// opens anything.
+func (r *Responder) BridgeDeleted(ctx context.Context, bridgeID string) error {
+	return r.Disconnect(ctx, bridgeID)
+}
+
+// Bound closes the user's connections, so that they log in again with
+// the device's topics.
+func (r *Responder) Bound(ctx context.Context, userID, _ string) error {
+	return r.Disconnect(ctx, userID)
+}
+
+// Unbound closes the user's connections, so that they log in again
+// without the device's topics.
+func (r *Responder) Unbound(ctx context.Context, userID, _ string) error {
+	return r.Disconnect(ctx, userID)
+}
+
+// Assigned closes the connections of the bridge the device left and of
+// the bridge it joined: they log in again with the rights the store gives
+// them now (CONTRACT §9: moving a device moves the rights at once).
+func (r *Responder) Assigned(ctx context.Context, _, from, to string) error {
+	var names []string
+	for _, b := range []string{from, to} {
+		if b != "" {
+			names = append(names, b)
+		}
+	}
+	return r.Disconnect(ctx, names...)
+}
+
+// Disconnect closes, on every node, the MQTT connections in the
+// responder's account logged in with the usernames (a bridge id, a user
+// id), and returns once the nodes have closed them. What fails is tried
+// again every RetryInterval while the responder runs, and returned too.
+func (r *Responder) Disconnect(ctx context.Context, usernames ...string) error {
+	if len(usernames) == 0 {
+		return nil
+	}
+	if r.sys == nil {
+		return ErrNoSystemUser
+	}
+	var errs []error
+	for _, u := range usernames {
+		n, err := r.disconnect(ctx, u)
+		if err != nil {
+			r.log.Error("connections whose rights changed not closed; retrying", "username", u, "err", err, "in", r.opts.RetryInterval)
+			r.mu.Lock()
+			r.pending[u] = true
+			r.mu.Unlock()
+			signal(r.retry)
+			errs = append(errs, err)
+			continue
+		}
+		r.mu.Lock()
+		delete(r.pending, u)
+		r.mu.Unlock()
+		if n > 0 {
+			r.log.Info("connections closed: rights changed", "username", u, "connections", n)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func signal(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
+}
+
+// connRef is one connection of one node.
+type connRef struct {
+	serverID, serverName string
+	cid                  uint64
+}
+
+// disconnect closes the username's connections and returns how many.
+func (r *Responder) disconnect(ctx context.Context, username string) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, r.opts.Timeout)
+	defer cancel()
+	conns, err := r.connz(ctx, username)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, c := range conns {
+		body, _ := json.Marshal(map[string]uint64{"cid": c.cid})
+		m, err := r.sys.RequestWithContext(ctx, fmt.Sprintf(kickSubject, c.serverID), body)
+		if err != nil {
+			return n, fmt.Errorf("kick connection %d on %s: %w", c.cid, c.serverName, err)
+		}
+		var resp apiResponse
+		if err := json.Unmarshal(m.Data, &resp); err != nil {
+			return n, fmt.Errorf("kick connection %d on %s: %w", c.cid, c.serverName, err)
+		}
+		if resp.Error != nil && !strings.Contains(resp.Error.Description, "no such client") {
+			return n, fmt.Errorf("kick connection %d on %s: %s", c.cid, c.serverName, resp.Error.Description)
+		}
+		n++
+	}
+	return n, nil
+}
+
+// apiResponse is the part of nats-server's ServerAPIResponse read here.
+type apiResponse struct {
+	Server struct {
+		Name string `json:"name"`
+		ID   string `json:"id"`
+	} `json:"server"`
+	Data  json.RawMessage `json:"data"`
+	Error *struct {
+		Code        int    `json:"code"`
+		Description string `json:"description"`
+	} `json:"error"`
+}
+
+// connz asks every node for the open connections of username in the
+// responder's account.
+func (r *Responder) connz(ctx context.Context, username string) ([]connRef, error) {
+	if !r.sys.IsConnected() {
+		return nil, errors.New("not connected to the system account")
+	}
+	inbox := r.sys.NewRespInbox()
+	ch := make(chan *nats.Msg, 64)
+	sub, err := r.sys.ChanSubscribe(inbox, ch)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	body, _ := json.Marshal(map[string]any{"user": username, "acc": r.opts.Account, "limit": connzLimit})
+	if err := r.sys.PublishRequest(connzPing, inbox, body); err != nil {
+		return nil, err
+	}
+	nodes := r.knownNodes()
+	seen := map[string]bool{}
+	var out []connRef
+	quiet := time.NewTimer(connzMax)
+	defer quiet.Stop()
+	max := time.NewTimer(connzMax)
+	defer max.Stop()
+	for len(seen) < nodes || nodes == 0 {
+		select {
+		case m := <-ch:
+			var resp apiResponse
+			if err := json.Unmarshal(m.Data, &resp); err != nil {
+				return nil, fmt.Errorf("CONNZ answer: %w", err)
+			}
+			if resp.Error != nil {
+				return nil, fmt.Errorf("CONNZ on %s: %s", resp.Server.Name, resp.Error.Description)
+			}
+			var cz struct {
+				Conns []struct {
+					CID uint64 `json:"cid"`
+				} `json:"connections"`
+			}
+			if err := json.Unmarshal(resp.Data, &cz); err != nil {
+				return nil, fmt.Errorf("CONNZ on %s: %w", resp.Server.Name, err)
+			}
+			seen[resp.Server.ID] = true
+			for _, c := range cz.Conns {
+				out = append(out, connRef{serverID: resp.Server.ID, serverName: resp.Server.Name, cid: c.CID})
+			}
+			quiet.Reset(connzQuiet)
+		case <-quiet.C:
+			return r.gathered(seen, out)
+		case <-max.C:
+			return r.gathered(seen, out)
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return out, nil
+}
+
+func (r *Responder) gathered(seen map[string]bool, out []connRef) ([]connRef, error) {
+	if len(seen) == 0 {
+		return nil, errors.New("no NATS node answered the CONNZ request (is the system user in the system account?)")
+	}
+	return out, nil
+}
+
+// knownNodes is how many nodes the system connection knows of: the URLs
+// it was given and those the cluster told it of, by host and port. A URL
+// that is not a node (a load balancer) makes it too many, and the CONNZ
+// gathering then ends on silence instead.
+func (r *Responder) knownNodes() int {
+	hosts := map[string]bool{}
+	for _, s := range r.sys.Servers() {
+		if u, err := url.Parse(s); err == nil && u.Host != "" {
+			hosts[u.Host] = true
+		}
+	}
+	return len(hosts)
+}
+
+// retryLoop closes, every RetryInterval, the connections Disconnect
+// failed to close.
+func (r *Responder) retryLoop() {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if !r.goroutine(func() { // cancels the kick under way when Close is called
+		select {
+		case <-r.quit:
+			cancel()
+		case <-ctx.Done():
+		}
+	}) {
+		return
+	}
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	defer t.Stop()
+	for {
+		select {
+		case <-r.quit:
+			return
+		case <-r.retry:
+			t.Reset(r.opts.RetryInterval)
+			continue
+		case <-t.C:
+		}
+		r.mu.Lock()
+		names := make([]string, 0, len(r.pending))
+		for u := range r.pending {
+			names = append(names, u)
+		}
+		r.mu.Unlock()
+		sort.Strings(names)
+		failed := false
+		for _, u := range names {
+			n, err := r.disconnect(ctx, u)
+			if err != nil {
+				failed = true
+				continue
+			}
+			r.mu.Lock()
+			delete(r.pending, u)
+			r.mu.Unlock()
+			r.log.Info("connections closed on retry: rights changed", "username", u, "connections", n)
+		}
+		if failed {
+			t.Reset(r.opts.RetryInterval)
+		}
+	}
+}

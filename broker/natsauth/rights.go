@@ -1,0 +1,124 @@
+package natsauth
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/devicecompanion/companion/broker/embedded"
+)
+
+// rights are the NATS subjects one MQTT client may publish and subscribe
+// to, and how many devices they cover.
+type rights struct {
+	pub, sub []string
+	devices  int
+}
+
+// add appends the subjects of MQTT topics or filters to list, without
+// repeats.
+func add(list []string, seen map[string]bool, filters ...string) ([]string, error) {
+	for _, f := range filters {
+		ss, err := Subjects(f)
+		if err != nil {
+			return nil, err
+		}
+		for _, s := range ss {
+			if !seen[s] {
+				seen[s] = true
+				list = append(list, s)
+			}
+		}
+	}
+	return list, nil
+}
+
+// rightsOf returns what id may do (CONTRACT §3, §9), from the store:
+//   - the server: publish and subscribe to everything under the prefix;
+//   - a bridge: subscribe to the commands of the devices it serves,
+//     publish their replies, status and settings, and its own state (its
+//     Will too);
+//   - a user: subscribe to the topics of the devices bound to them, and
+//     publish nothing.
+func (r *Responder) rightsOf(ctx context.Context, id embedded.Identity) (rights, error) {
+	var (
+		rt       rights
+		err      error
+		pub, sub = map[string]bool{}, map[string]bool{}
+	)
+	switch id.Role {
+	case embedded.RoleServer:
+		all := r.tree.Prefix() + "/#"
+		if rt.pub, err = add(rt.pub, pub, all); err != nil {
+			return rights{}, err
+		}
+		rt.sub, err = add(rt.sub, sub, all)
+		return rt, err
+	case embedded.RoleBridge:
+		state, err := r.tree.BridgeState(id.ID)
+		if err != nil {
+			return rights{}, err
+		}
+		if rt.pub, err = add(rt.pub, pub, state); err != nil {
+			return rights{}, err
+		}
+		served, err := r.st.ServedDevices(ctx, id.ID)
+		if err != nil {
+			return rights{}, err
+		}
+		sort.Strings(served)
+		for _, dev := range served {
+			cmds, err1 := r.tree.CommandsFilter(dev)
+			replies, err2 := r.tree.Replies(dev)
+			status, err3 := r.tree.Status(dev)
+			settings, err4 := r.tree.Settings(dev)
+			for _, e := range []error{err1, err2, err3, err4} {
+				if e != nil {
+					return rights{}, e
+				}
+			}
+			if rt.sub, err = add(rt.sub, sub, cmds); err != nil {
+				return rights{}, err
+			}
+			if rt.pub, err = add(rt.pub, pub, replies, status, settings); err != nil {
+				return rights{}, err
+			}
+		}
+		rt.devices = len(served)
+		return rt, nil
+	case embedded.RoleUser:
+		bs, err := r.st.ListBindings(ctx, id.ID, "", 0)
+		if err != nil {
+			return rights{}, err
+		}
+		for _, b := range bs {
+			f, err := r.tree.DeviceFilter(b.DeviceID)
+			if err != nil {
+				return rights{}, err
+			}
+			if rt.sub, err = add(rt.sub, sub, f); err != nil {
+				return rights{}, err
+			}
+		}
+		rt.devices = len(bs)
+		return rt, nil
+	}
+	return rights{}, fmt.Errorf("natsauth: no rights for role %v", id.Role)
+}
+
+// mayUseClientID says whether id may connect with MQTT client id cid.
+// The server's and the bridges' client ids ("companion-server…",
+// "companion-bridge-ID") belong to them: NATS hands a client that takes a
+// client id over the session's queued messages and closes the other
+// connection, so another account must not take one.
+func mayUseClientID(id embedded.Identity, cid string) bool {
+	const server, bridge = "companion-server", "companion-bridge-"
+	switch {
+	case cid == server || strings.HasPrefix(cid, server+"-"):
+		return id.Role == embedded.RoleServer
+	case strings.HasPrefix(cid, bridge):
+		return id.Role == embedded.RoleBridge && cid == bridge+id.ID
+	}
+	return true
+}
