@@ -1,15 +1,16 @@
 # The two commands of the quick start are `make run` and `make test`.
 GO ?= go
 
-.PHONY: run deps test build bench bench-scale fuzz vet clean soak
+.PHONY: run deps test build bench bench-scale fuzz vet clean soak cluster cluster-down dist
 
 # The server on its embedded defaults with a demo fleet of simulated devices.
 run:
 	$(GO) run ./cmd/companion serve --demo
 
 # What the tests need, when it is missing: Debian's mosquitto,
-# mosquitto-clients, dbus, postgresql and curl with apt-get (as root or with
-# sudo without a password; otherwise it stops, printing the command), and
+# mosquitto-clients, dbus, postgresql, curl and systemd (systemd-analyze)
+# with apt-get (as root or with sudo without a password; otherwise it stops,
+# printing the command), and
 # NATS Server into bin/ from the Go module proxy (scripts/deps).
 deps:
 	GO=$(GO) scripts/deps
@@ -22,13 +23,37 @@ build:
 	mkdir -p bin
 	$(GO) build -o bin/ ./cmd/...
 
+# Release packages for operators (README, "Packages"): both binaries for
+# each of DIST_PLATFORMS, static (CGO_ENABLED=0), -trimpath, stamped with
+# VERSION (their --version prints it), named COMMAND-OS-ARCH (linux/arm is
+# GOARM=7, named armv7), the systemd units of packaging/systemd, and
+# SHA256SUMS of it all, into DIST (the test builds into a temp dir).
+DIST ?= dist
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo devel)
+DIST_PLATFORMS ?= linux/amd64 linux/arm64 linux/arm
+dist:
+	mkdir -p $(DIST)/systemd
+	rm -f $(DIST)/companion-* $(DIST)/SHA256SUMS
+	@set -e; for p in $(DIST_PLATFORMS); do \
+	  os=$${p%/*}; arch=$${p#*/}; name=$$arch; \
+	  [ "$$arch" = arm ] && name=armv7; \
+	  for c in companion companion-bridge; do \
+	    echo "dist: $$c $$os/$$arch $(VERSION)"; \
+	    CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch GOARM=7 $(GO) build -trimpath \
+	      -ldflags "-s -w -X main.version=$(VERSION)" \
+	      -o $(DIST)/$$c-$$os-$$name ./cmd/$$c; \
+	  done; \
+	done
+	cp packaging/systemd/*.service packaging/systemd/*.env $(DIST)/systemd/
+	cd $(DIST) && sha256sum companion-* systemd/* > SHA256SUMS
+
 # Benchmarks print figures; no test asserts speed. The package benchmarks
 # first, then the command path against the bare forwarder it is built on
 # (cmd/companion/benchpath_test.go), whose line of CONTRACT §12 ends the
 # output. BENCH_SECONDS, BENCH_ROUNDS, BENCH_DEVICES, BENCH_E2E_CLIENTS,
 # BENCH_ACCEPT_CLIENTS and BENCH_PROFILE_DIR tune it (docs/performance.md).
 bench: deps
-	$(GO) test -run '^$$' -bench . -benchmem -skip '^(BenchmarkCommandPath|BenchmarkStoreScale)$$' ./...
+	$(GO) test -run '^$$' -bench . -benchmem -skip '^(BenchmarkCommandPath|BenchmarkStoreScale|BenchmarkReplicas)$$' ./...
 	$(GO) test -run '^$$' -bench '^BenchmarkCommandPath$$' -benchtime 1x -timeout 30m ./cmd/companion | tee bench.out
 	@grep '^bench:' bench.out | tail -1
 
@@ -40,6 +65,16 @@ bench: deps
 bench-scale:
 	$(GO) test -run '^$$' -bench '^BenchmarkStoreScale$$' -benchtime 1x -timeout 30m ./store
 
+# Not part of bench: one replica against three on PostgreSQL and three NATS
+# nodes (cmd/companion/benchreplicas_test.go), one 'replicas:' line per
+# configuration with the CPU per command of each kind of process, which
+# docs/scale-out.md sizes from. BENCH_SECONDS, BENCH_DEVICES,
+# BENCH_E2E_CLIENTS, BENCH_ACCEPT_CLIENTS and BENCH_REPLICAS tune it.
+.PHONY: bench-cluster
+bench-cluster: deps
+	$(GO) test -run '^$$' -bench '^BenchmarkReplicas$$' -benchtime 1x -timeout 30m ./cmd/companion | tee bench-cluster.out
+	@grep '^replicas:' bench-cluster.out | tail -2
+
 # Not part of test: SOAK_MINUTES of mixed load against the real binaries and
 # Mosquitto with random SIGKILLs of the server, the bridge and the broker; it
 # fails if an accepted command is lost or a device executes one twice.
@@ -47,12 +82,30 @@ SOAK_MINUTES ?= 10
 soak: deps
 	SOAK_MINUTES=$(SOAK_MINUTES) $(GO) test -tags soak -run '^TestSoak$$' -count=1 -timeout 0 -v ./cmd/companion
 
+# The same soak on CONTRACT §11's cluster (cmd/companion/soak_cluster_test.go):
+# PostgreSQL, three NATS nodes and three replicas, the load spread over the
+# replicas, with random SIGKILLs of a replica, a NATS node or PostgreSQL.
+.PHONY: soak-cluster
+soak-cluster: deps
+	SOAK_MINUTES=$(SOAK_MINUTES) $(GO) test -tags soak -run '^TestSoakCluster$$' -count=1 -timeout 0 -v ./cmd/companion
+
+# The cluster of CONTRACT §11 on one machine, to try (docs/scale-out.md,
+# "Try the cluster"): three NATS nodes, PostgreSQL, three replicas and a
+# bridge with simulated devices, detached, on free ports under cluster/,
+# which holds cluster.json, the logs and the data (scripts/cluster). When
+# one is up already it says so and starts nothing. cluster-down stops it.
+cluster: deps build
+	$(GO) run ./scripts/cluster -dir cluster -bin bin up
+
+cluster-down:
+	$(GO) run ./scripts/cluster -dir cluster down
+
 vet:
 	gofmt -l . | (! grep .)
 	$(GO) vet ./...
 
 clean:
-	rm -rf bin data bench.out
+	rm -rf bin data bench.out dist
 
 # Each fuzz target for FUZZTIME (seed corpora run in `make test` already).
 FUZZTIME ?= 30s

@@ -82,6 +82,21 @@ type Store interface {
 	// its SHA-256; storing the same content again is not an error.
 	PutBlob(ctx context.Context, r io.Reader, max int64) (Blob, error)
 	Blob(ctx context.Context, sha string) (Blob, error)
+
+	// Events returns, oldest first, at most limit (<= 0: 1000) of the
+	// events of userID ("" for every user's) after the cursor after (""
+	// for the oldest kept; a malformed one is ErrInvalidCursor), with the
+	// cursor to pass next. The log has no gap: an event that Events has
+	// not returned after a cursor is never committed before it later.
+	// The writes that change commands and statuses append the events in
+	// their own transactions.
+	Events(ctx context.Context, userID, after string, limit int) (events []Event, next string, err error)
+	// EventsHead returns the cursor of the present: Events after it
+	// returns only events committed from now on (and perhaps a few of the
+	// last moments).
+	EventsHead(ctx context.Context) (string, error)
+	// PurgeEvents deletes the events older than olderThan.
+	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 	// OpenBlob opens a blob for reading; the caller closes it.
 	OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, Blob, error)
 

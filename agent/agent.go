@@ -107,6 +107,9 @@ type Options struct {
 	StatusInterval time.Duration // default DefaultStatusInterval
 	TLSConfig      *tls.Config   // optional, for ssl:// or tls:// broker URLs
 	HTTPClient     *http.Client  // optional, for blob downloads
+	// Observer, when set, is told of finished commands and of the MQTT
+	// connection, for the bridge's metrics.
+	Observer Observer
 }
 
 // Agent is a running bridge. Create it with New, start it with Run, stop it
@@ -194,6 +197,9 @@ func New(opts Options) (*Agent, error) {
 	}
 	if opts.HTTPClient == nil {
 		opts.HTTPClient = &http.Client{Transport: http.DefaultTransport}
+	}
+	if opts.Observer == nil {
+		opts.Observer = nopObserver{}
 	}
 	a := &Agent{
 		opts:       opts,
@@ -335,6 +341,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 	}
 	a.connected.Store(false)
+	a.opts.Observer.MQTTConnected(false)
 	a.client.Disconnect(250)
 	a.log.Info("stopped")
 	return nil
@@ -382,6 +389,7 @@ func (a *Agent) onConnect(c mqtt.Client) {
 	}
 	c.Publish(a.stateTopic, 1, true, topics.BridgeOnline)
 	a.connected.Store(true)
+	a.opts.Observer.MQTTConnected(true)
 	a.log.Info("connected", "mqtt", a.opts.MQTTURL)
 	for _, dr := range a.order {
 		dr.requestReport(true, true, true)
@@ -420,6 +428,7 @@ func (a *Agent) subscribe(c mqtt.Client, filters map[string]byte) map[string]byt
 
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 	a.connected.Store(false)
+	a.opts.Observer.MQTTConnected(false)
 	a.resync.Store(true)
 	a.log.Warn("MQTT connection lost", "err", err)
 }

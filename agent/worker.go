@@ -77,11 +77,11 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	}
 	final := topics.Reply{CommandID: c.ID}
 	var state deviceState
+	start := time.Now()
 	if !c.ExpiresAt.IsZero() && a.now().After(c.ExpiresAt) {
 		log(slog.LevelInfo, "command expired before it ran")
 		final.State = companion.StateExpired
 	} else {
-		start := time.Now()
 		cctx, cancel := context.WithTimeout(ctx, a.opts.CommandTimeout)
 		result, changed, err := a.runOp(cctx, dr, c)
 		state = changed
@@ -112,6 +112,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		}
 	}
 	final.At = a.now()
+	a.opts.Observer.CommandDone(c.Op, final.State, time.Since(start))
 	// What the command changed goes with its final reply, so that the
 	// server stores both at once, and on the retained topics.
 	final.Status, final.Settings = state.status, state.settings

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"math"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -169,22 +168,36 @@ func currentUser(c *gin.Context) companion.User {
 // requests without a valid token (see unauthorized), so that guessing tokens
 // from one address is hopeless.
 func (s *Server) sourceLimit(c *gin.Context) {
-	if ok, wait := s.unauth.peek(c.ClientIP(), s.now()); !ok {
+	ok, wait, err := s.peek(c, s.unauth, c.ClientIP())
+	switch {
+	case err != nil:
+		s.fail(c, err)
+		return
+	case !ok:
 		s.fail(c, &Error{Code: CodeRateLimited, RetryAfter: ceilSeconds(wait)})
 		return
 	}
 	c.Next()
 }
 
-// unauthorized answers 401 and counts the failure against the source.
+// unauthorized answers 401 and counts the failure against the source. A
+// failure the RateLimiter could not count is logged: the answer is a 401
+// all the same.
 func (s *Server) unauthorized(c *gin.Context) {
-	s.unauth.allow(c.ClientIP(), s.now())
+	if _, _, err := s.allow(c, s.unauth, c.ClientIP()); err != nil {
+		s.log.WarnContext(c.Request.Context(), "a request without a valid token was not counted against its source", "err", err)
+	}
 	s.fail(c, errUnauthorized)
 }
 
 // rateLimit applies the per-token request rate.
 func (s *Server) rateLimit(c *gin.Context) {
-	if ok, wait := s.rate.allow(c.GetString(ctxPrincipal), s.now()); !ok {
+	ok, wait, err := s.allow(c, s.rate, c.GetString(ctxPrincipal))
+	switch {
+	case err != nil:
+		s.fail(c, err)
+		return
+	case !ok:
 		s.fail(c, &Error{Code: CodeRateLimited, RetryAfter: ceilSeconds(wait)})
 		return
 	}
@@ -193,84 +206,4 @@ func (s *Server) rateLimit(c *gin.Context) {
 
 func ceilSeconds(d time.Duration) int {
 	return int(math.Ceil(d.Seconds()))
-}
-
-// limiter is a token bucket per key. A negative rate admits everything.
-type limiter struct {
-	rate, burst float64
-
-	mu      sync.Mutex
-	buckets map[string]*bucket
-}
-
-type bucket struct {
-	tokens float64
-	last   time.Time
-}
-
-// maxBuckets bounds the limiter's memory: past it, full buckets (keys idle
-// long enough to have refilled) are dropped.
-const maxBuckets = 10000
-
-func newLimiter(rate, burst float64) *limiter {
-	return &limiter{rate: rate, burst: max(burst, 1), buckets: make(map[string]*bucket)}
-}
-
-// allow takes a token from key's bucket; when there is none it says how
-// long until there is.
-func (l *limiter) allow(key string, now time.Time) (bool, time.Duration) {
-	if l.rate < 0 {
-		return true, 0
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	b := l.buckets[key]
-	if b == nil {
-		if len(l.buckets) >= maxBuckets {
-			l.prune(now)
-		}
-		b = &bucket{tokens: l.burst, last: now}
-		l.buckets[key] = b
-	}
-	if el := now.Sub(b.last); el > 0 {
-		b.tokens = min(l.burst, b.tokens+el.Seconds()*l.rate)
-		b.last = now
-	}
-	if b.tokens >= 1 {
-		b.tokens--
-		return true, 0
-	}
-	if l.rate == 0 {
-		return false, time.Hour
-	}
-	return false, time.Duration((1 - b.tokens) / l.rate * float64(time.Second))
-}
-
-// peek says whether key's bucket holds a token, without taking it.
-func (l *limiter) peek(key string, now time.Time) (bool, time.Duration) {
-	if l.rate < 0 {
-		return true, 0
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	b := l.buckets[key]
-	if b == nil {
-		return true, 0
-	}
-	tokens := min(l.burst, b.tokens+max(now.Sub(b.last), 0).Seconds()*l.rate)
-	if tokens >= 1 {
-		return true, 0
-	}
-	if l.rate == 0 {
-		return false, time.Hour
-	}
-	return false, time.Duration((1 - tokens) / l.rate * float64(time.Second))
-}
-
-func (l *limiter) prune(now time.Time) {
-	for k, b := range l.buckets {
-		if b.tokens+now.Sub(b.last).Seconds()*l.rate >= l.burst {
-			delete(l.buckets, k)
-		}
-	}
 }

@@ -69,7 +69,9 @@ var dummyClaimHash = sha256.Sum256([]byte("no such device"))
 
 func (s *Server) registerDevice(c *gin.Context) error {
 	user := currentUser(c)
-	if ok, wait := s.register.allow(user.ID, s.now()); !ok {
+	if ok, wait, err := s.allow(c, s.register, user.ID); err != nil {
+		return err
+	} else if !ok {
 		return &Error{Code: CodeRateLimited, Detail: "too many register attempts", RetryAfter: ceilSeconds(wait)}
 	}
 	var req registerRequest

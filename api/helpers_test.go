@@ -215,20 +215,26 @@ type req struct {
 	header              map[string]string
 }
 
+// send makes the request and reads the answer, and checks both against
+// api/openapi.json (see contract.check): a disagreement fails the test.
 func (e *env) send(r req) resp {
 	e.t.Helper()
-	var body io.Reader
-	ctype := ""
+	var raw []byte
 	switch b := r.body.(type) {
 	case nil:
 	case []byte:
-		body, ctype = bytes.NewReader(b), "application/json"
+		raw = b
 	case string:
-		body, ctype = strings.NewReader(b), "application/json"
+		raw = []byte(b)
 	default:
 		j, err := json.Marshal(b)
 		require.NoError(e.t, err)
-		body, ctype = bytes.NewReader(j), "application/json"
+		raw = j
+	}
+	var body io.Reader
+	ctype := ""
+	if r.body != nil {
+		body, ctype = bytes.NewReader(raw), "application/json"
 	}
 	hr, err := http.NewRequest(r.method, e.srv.URL+r.path, body)
 	require.NoError(e.t, err)
@@ -250,7 +256,9 @@ func (e *env) send(r req) resp {
 	defer res.Body.Close()
 	b, err := io.ReadAll(res.Body)
 	require.NoError(e.t, err)
-	return resp{status: res.StatusCode, header: res.Header, body: b}
+	got := resp{status: res.StatusCode, header: res.Header, body: b}
+	mustContract(e.t).check(e.t, hr, raw, got)
+	return got
 }
 
 func (e *env) do(method, path, token string, body any) resp {

@@ -232,8 +232,18 @@ type Options struct {
 	// (PostgreSQL restarting): they are answered 503 unavailable with
 	// Retry-After, not 500. nil: none is.
 	Unavailable func(error) bool
-	Logger      *slog.Logger     // slog.Default() when nil
-	Now         func() time.Time // time.Now when nil
+	// Events is the hub of GET /api/v1/events (see NewEvents); nil: the
+	// route answers 404.
+	Events *Events
+	// RateLimiter keeps the buckets of the rate limits of Limits; nil
+	// keeps them in this process. Replicas behind one balancer share one
+	// (postgres.Store.RateLimiter), or a client gets each one's allowance.
+	RateLimiter RateLimiter
+	// Requests, when set, is told of every answered request, for the
+	// server's metrics.
+	Requests RequestObserver
+	Logger   *slog.Logger     // slog.Default() when nil
+	Now      func() time.Time // time.Now when nil
 }
 
 // Server is the HTTP API. Create it with New; serve Handler.
@@ -247,12 +257,15 @@ type Server struct {
 	ready     func() bool
 	// unavailable tells the store's errors of being unreachable.
 	unavailable func(error) bool
+	events      *Events // the hub of GET /events; nil: none
 	log         *slog.Logger
 	now         func() time.Time
+	requests    RequestObserver // nil: nobody counts requests
 
-	rate     *limiter // requests per token
-	register *limiter // register attempts per user
-	unauth   *limiter // requests without a valid token, per source address
+	limiter  RateLimiter // the buckets of the three limits below
+	rate     limitSpec   // requests per token
+	register limitSpec   // register attempts per user
+	unauth   limitSpec   // requests without a valid token, per source address
 
 	engine *gin.Engine
 }
@@ -291,6 +304,8 @@ func New(opts Options) (*Server, error) {
 		limits:      limits,
 		ready:       opts.Ready,
 		unavailable: opts.Unavailable,
+		events:      opts.Events,
+		requests:    opts.Requests,
 		log:         opts.Logger.With("component", "api"),
 		now:         opts.Now,
 	}
@@ -298,9 +313,13 @@ func New(opts Options) (*Server, error) {
 		h := sha256.Sum256([]byte(opts.AdminToken))
 		s.adminHash = h[:]
 	}
-	s.rate = newLimiter(limits.RequestsPerSecond, float64(limits.RequestBurst))
-	s.register = newLimiter(float64(limits.RegisterPerMinute)/60, float64(limits.RegisterPerMinute))
-	s.unauth = newLimiter(float64(limits.UnauthPerMinute)/60, float64(limits.UnauthPerMinute))
+	s.limiter = opts.RateLimiter
+	if s.limiter == nil {
+		s.limiter = newLocalLimiter(s.now)
+	}
+	s.rate = newLimit("request:", limits.RequestsPerSecond, limits.RequestBurst)
+	s.register = newLimit("register:", float64(limits.RegisterPerMinute)/60, limits.RegisterPerMinute)
+	s.unauth = newLimit("unauth:", float64(limits.UnauthPerMinute)/60, limits.UnauthPerMinute)
 	ginMode.Do(func() { gin.SetMode(gin.ReleaseMode) })
 	s.engine = s.routes()
 	return s, nil
@@ -327,6 +346,9 @@ func (s *Server) routes() *gin.Engine {
 	// or a client could pick the address its failures are counted under.
 	e.SetTrustedProxies(nil)
 	e.HandleMethodNotAllowed = true
+	if s.requests != nil {
+		e.Use(s.observeRequest)
+	}
 	e.Use(s.recoverer, s.logRequest)
 	e.NoRoute(s.h(func(*gin.Context) error { return errNotFound }))
 	e.NoMethod(s.h(func(*gin.Context) error { return &Error{Code: CodeMethodNotAllowed} }))
@@ -335,6 +357,7 @@ func (s *Server) routes() *gin.Engine {
 	e.GET("/readyz", s.h(s.readyz))
 
 	v1 := e.Group("/api/v1")
+	v1.GET("/openapi.json", s.openapi)
 
 	user := v1.Group("", s.sourceLimit, s.userAuth, s.rateLimit)
 	user.POST("/devices/register", s.h(s.registerDevice))
@@ -360,6 +383,7 @@ func (s *Server) routes() *gin.Engine {
 	user.GET("/bridges", s.h(s.listUserBridges))
 	user.DELETE("/bridges/:bridge_id", s.h(s.deleteUserBridge))
 	user.GET("/apps", s.h(s.appCatalog))
+	user.GET("/events", s.h(s.streamEvents))
 
 	admin := v1.Group("/admin", s.sourceLimit, s.adminAuth, s.rateLimit)
 	admin.POST("/users", s.h(s.adminCreateUser))

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	"github.com/devicecompanion/companion"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
@@ -40,6 +41,7 @@ type Store interface {
 	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
+	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
 }
 
@@ -74,6 +76,10 @@ type Options struct {
 	// out once and in order whichever replica accepted them. nil: this
 	// server is alone and always dispatches.
 	Dispatcher Dispatcher
+
+	// Observer, when set, is told of state changes, the MQTT connection
+	// and store writes, for the server's metrics.
+	Observer Observer
 
 	Logger *slog.Logger
 	Now    func() time.Time
@@ -168,6 +174,9 @@ func New(opts Options) (*Broker, error) {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
+	if opts.Observer == nil {
+		opts.Observer = nopObserver{}
+	}
 	b := &Broker{
 		opts:      opts,
 		st:        opts.Store,
@@ -251,6 +260,7 @@ func (b *Broker) setReady(v bool) {
 	b.mu.Lock()
 	b.ready = v
 	b.mu.Unlock()
+	b.opts.Observer.MQTTConnected(v)
 }
 
 // Close disconnects and waits for every goroutine of the broker to end.
@@ -528,8 +538,10 @@ func (b *Broker) DeviceMoved(deviceID string) {
 // bridgeOffline takes a bridge's Will: every device it served reads
 // offline.
 func (b *Broker) bridgeOffline(bridgeID string, ack func()) {
+	start := time.Now()
 	b.st.MarkBridgeOfflineAsync(bridgeID, func(ids []string, err error) {
 		defer ack()
+		b.opts.Observer.StoreWrite(StoreWriteOffline, time.Since(start))
 		if err != nil {
 			b.log.Error("marking a bridge's devices offline", "bridge_id", bridgeID, "err", err)
 			return
@@ -557,9 +569,24 @@ func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
 // taken again: about ten minutes of an unreachable store.
 const maxReplyAttempts = 64
 
-// replyRetryDelay is the pause before attempt+1: 100 ms doubling up to 10 s.
+// replyRetryDelay is the pause before attempt+1: 100 ms doubling up to
+// 10 s, each ±50% (the library's ExponentialBackOff, as in gatt), so that
+// replicas whose store came back together do not retry in lockstep. The
+// jitter is even on both sides: maxReplyAttempts still spans about ten
+// minutes.
 func replyRetryDelay(attempt int) time.Duration {
-	return min(100*time.Millisecond<<min(attempt-1, 7), 10*time.Second)
+	bo := backoff.ExponentialBackOff{
+		InitialInterval:     100 * time.Millisecond,
+		RandomizationFactor: 0.5,
+		Multiplier:          2,
+		MaxInterval:         10 * time.Second,
+	}
+	// A reply's attempts share no state: step to this one (the interval
+	// reaches its cap at the eighth).
+	for range min(attempt, 8) - 1 {
+		bo.NextBackOff()
+	}
+	return bo.NextBackOff()
 }
 
 // later runs f after d on a goroutine Close waits for, unless the broker
@@ -598,6 +625,8 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 			report.Settings = &rs
 		}
 	}
+	start := time.Now()
+	var from string // the state before the reply, for the Observer
 	b.st.UpdateCommandWithReportAsync(r.CommandID, func(c *companion.Command) error {
 		if c.DeviceID != deviceID {
 			return fmt.Errorf("%w: reply on device %s for a command of %s", errStale, deviceID, c.DeviceID)
@@ -610,6 +639,7 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 		case r.State == companion.StateInProgress && r.Progress != nil && c.Progress != nil && *r.Progress < *c.Progress:
 			return errStale
 		}
+		from = c.State
 		c.State = r.State
 		if r.Progress != nil {
 			p := *r.Progress
@@ -627,6 +657,10 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 		}
 		return nil
 	}, report, func(cmd companion.Command, err error) {
+		b.opts.Observer.StoreWrite(StoreWriteReply, time.Since(start))
+		if err == nil && cmd.State != from {
+			b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+		}
 		if err != nil && !errors.Is(err, companion.ErrNotFound) && !errors.Is(err, companion.ErrFinal) &&
 			!errors.Is(err, errStale) && !errors.Is(err, companion.ErrInvalid) && attempt < maxReplyAttempts {
 			// The store failed (PostgreSQL restarting, say): the reply is
@@ -658,8 +692,10 @@ func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Statu
 		ack()
 		return
 	}
+	start := time.Now()
 	b.st.PutStatusAsync(storeStatus(deviceID, s), func(_ bool, err error) {
 		defer ack()
+		b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
 		if err != nil {
 			b.log.Error("storing a status", "device_id", deviceID, "err", err)
 			return
@@ -729,8 +765,10 @@ func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Set
 		ack()
 		return
 	}
+	start := time.Now()
 	b.st.PutReportedSettingsAsync(deviceID, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
 		defer ack()
+		b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))
 		if err != nil {
 			b.log.Error("storing settings", "device_id", deviceID, "err", err)
 		}
@@ -786,10 +824,13 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 		err      error
 	}
 	ch := make(chan result, 1)
+	start := time.Now()
 	b.st.CreateCommandAsync(c, b.opts.MaxOpenCommands, idem, func(cmd companion.Command, replayed bool, err error) {
+		b.opts.Observer.StoreWrite(StoreWriteCreate, time.Since(start))
 		// The store calls back in commit order: the outbox gets each
 		// device's commands in the order of their ids.
 		if err == nil && !replayed {
+			b.opts.Observer.CommandState(cmd.Op, cmd.State, 0)
 			b.mu.Lock()
 			b.live[cmd.ID] = true
 			b.mu.Unlock()
@@ -813,6 +854,7 @@ func (b *Broker) wake() {
 // message; one the bridge has acknowledged can no longer be canceled.
 func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, error) {
 	var was string
+	start := time.Now()
 	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
 		if c.State != companion.StateQueued && c.State != companion.StateSent {
 			return ErrNotCancelable
@@ -822,9 +864,11 @@ func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, erro
 		c.Error = &companion.CommandError{Code: "canceled", Message: "canceled by the user"}
 		return nil
 	})
+	b.opts.Observer.StoreWrite(StoreWriteCancel, time.Since(start))
 	if err != nil {
 		return cmd, err
 	}
+	b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
 	b.notify(cmd)
 	b.mu.Lock()
 	// Not yet taken by the outbox: it never goes out.

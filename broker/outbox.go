@@ -336,6 +336,7 @@ func (b *Broker) flushSent() {
 		b.unsent = nil
 	}
 	b.mu.Unlock()
+	start := time.Now()
 	for _, id := range ids {
 		b.st.UpdateCommandAsync(id, func(c *companion.Command) error {
 			if c.State != companion.StateQueued {
@@ -345,6 +346,10 @@ func (b *Broker) flushSent() {
 			return nil
 		}, func(c companion.Command, err error) {
 			b.land(id)
+			b.opts.Observer.StoreWrite(StoreWriteSent, time.Since(start))
+			if err == nil {
+				b.opts.Observer.CommandState(c.Op, c.State, b.now().Sub(c.CreatedAt))
+			}
 			switch {
 			case errors.Is(err, companion.ErrFinal) && c.State == companion.StateCanceled:
 				b.publishCancel(c) // canceled while on its way to the broker
@@ -408,6 +413,11 @@ func (b *Broker) sweep() {
 			} else if n > 0 {
 				b.log.Info("purged final commands past their retention", "count", n)
 			}
+			// The event log keeps companion.EventRetention, so that a
+			// stream resumes without a gap for at least an hour.
+			if _, err := b.st.PurgeEvents(ctx, now.Add(-companion.EventRetention)); err != nil {
+				b.log.Error("purging old events", "err", err)
+			}
 			lastPurge = now
 		}
 	}
@@ -433,6 +443,7 @@ func (b *Broker) expiredAt(c companion.Command, now time.Time) bool {
 // expire ends a command that was not delivered in time.
 func (b *Broker) expire(ctx context.Context, id string) {
 	now := b.now()
+	start := time.Now()
 	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
 		if !b.expiredAt(*c, now) {
 			return errStale
@@ -441,9 +452,11 @@ func (b *Broker) expire(ctx context.Context, id string) {
 		c.Error = &companion.CommandError{Code: "expired", Message: "the command was not delivered before it expired"}
 		return nil
 	})
+	b.opts.Observer.StoreWrite(StoreWriteExpire, time.Since(start))
 	if err != nil {
 		return
 	}
+	b.opts.Observer.CommandState(cmd.Op, cmd.State, now.Sub(cmd.CreatedAt))
 	b.log.Info("command expired", "command_id", id, "device_id", cmd.DeviceID)
 	b.notify(cmd)
 }

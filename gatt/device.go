@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/cenkalti/backoff/v5"
 	"github.com/devicecompanion/companion"
 
 	"github.com/devicecompanion/companion/mcuboot"
@@ -55,8 +56,8 @@ type DeviceOptions struct {
 
 	ConnectTimeout time.Duration // per attempt; default DefaultConnectTimeout
 	RequestTimeout time.Duration // per SMP request; default DefaultRequestTimeout
-	MinBackoff     time.Duration // first pause between connection attempts; default DefaultMinBackoff
-	MaxBackoff     time.Duration // longest pause; default DefaultMaxBackoff
+	MinBackoff     time.Duration // first pause between connection attempts, ±50%; default DefaultMinBackoff
+	MaxBackoff     time.Duration // longest pause, ±50%; default DefaultMaxBackoff
 	// Window is the most upload chunks in flight; 0 means one less than
 	// the device's buf_count (MCUmgr parameters: its buffers serve requests
 	// and responses alike, so one must stay free for the answer), or 1 if
@@ -70,6 +71,9 @@ type DeviceOptions struct {
 	// DefaultRebootTimeout.
 	RebootTimeout time.Duration
 	Logger        *slog.Logger
+	// Observer, when set, is told of transfers and lost links, for the
+	// bridge's metrics.
+	Observer Observer
 }
 
 // Device is a device reached over GATT: a Zephyr device with stock MCUmgr
@@ -130,6 +134,9 @@ func NewDevice(opts DeviceOptions) (*Device, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
+	if opts.Observer == nil {
+		opts.Observer = nopObserver{}
+	}
 	return &Device{opts: opts, log: opts.Logger.With("device", opts.ID)}, nil
 }
 
@@ -173,7 +180,7 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 	}
 	d.connMu.Lock()
 	defer d.connMu.Unlock()
-	backoff := d.opts.MinBackoff
+	bo := newBackoff(d.opts.MinBackoff, d.opts.MaxBackoff)
 	for {
 		if s, err := d.current(); s != nil || err != nil {
 			return s, err
@@ -193,15 +200,32 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("gatt: connect to %s: %w", d.opts.ID, err)
 		}
-		d.log.Debug("connection attempt failed", "err", err, "retry_in", backoff)
-		t := time.NewTimer(backoff)
+		wait := bo.NextBackOff()
+		d.log.Debug("connection attempt failed", "err", err, "retry_in", wait)
+		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return nil, fmt.Errorf("gatt: connect to %s: %w", d.opts.ID, err)
 		case <-t.C:
 		}
-		backoff = min(2*backoff, d.opts.MaxBackoff)
+	}
+}
+
+// newBackoff returns pauses that start at initial and double up to limit,
+// each randomised by ±50% so that bridges whose links dropped together
+// (a BlueZ restart, say) do not retry in lockstep.
+//
+// It is github.com/cenkalti/backoff, not a loop of our own: the OpenTelemetry
+// Go SDK and much else depend on it, it is small, and it has no
+// dependencies. The pauses are its ExponentialBackOff, not its Retry: the
+// loops here decide themselves when to stop and what to log.
+func newBackoff(initial, limit time.Duration) *backoff.ExponentialBackOff {
+	return &backoff.ExponentialBackOff{
+		InitialInterval:     initial,
+		RandomizationFactor: 0.5,
+		Multiplier:          2,
+		MaxInterval:         limit,
 	}
 }
 
@@ -219,6 +243,7 @@ func (d *Device) current() (*session, error) {
 	d.sess = nil
 	d.mu.Unlock()
 	if s != nil {
+		d.opts.Observer.LinkLost()
 		s.client.Close() // the link is down already; release it
 	}
 	return nil, nil
@@ -292,6 +317,7 @@ func (d *Device) window(s *session) int {
 // link drops, and again after a pause when the device is busy.
 func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 	busy := 0
+	busyWait := newBackoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
 	for {
 		s, err := d.session(ctx)
 		if err != nil {
@@ -312,7 +338,7 @@ func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 			return err
 		case errors.As(err, &e) && e.Temporary() && busy < busyRetries:
 			busy++
-			t := time.NewTimer(d.opts.MinBackoff << busy)
+			t := time.NewTimer(busyWait.NextBackOff())
 			select {
 			case <-ctx.Done():
 				t.Stop()
@@ -738,6 +764,7 @@ func (d *Device) upload(ctx context.Context, u Upload, hash []byte) error {
 		return &Error{Group: u.Group, ID: u.ID, RC: RCInvalid, Reason: "nothing to upload"}
 	}
 	t := NewTransfer(u)
+	start := time.Now()
 	err := d.retry(ctx, func(s *session) error {
 		if hash != nil && t.Stats().Attempts > 0 {
 			var st ImageStateResponse
@@ -751,6 +778,7 @@ func (d *Device) upload(ctx context.Context, u Upload, hash []byte) error {
 		return t.Run(ctx, s.client, d.window(s))
 	})
 	st := t.Stats()
+	d.opts.Observer.Transfer(groupName(u.Group), st.DataBytesSent, time.Since(start), err != nil)
 	d.mu.Lock()
 	d.stats = append(d.stats, st)
 	if len(d.stats) > 64 {

@@ -50,7 +50,7 @@ func TestDepsNamesTheCommandWhenItCannotInstall(t *testing.T) {
 	}
 	for _, want := range []string{
 		"cannot install packages",
-		"sudo sh -c 'apt-get update && apt-get install -y --no-install-recommends mosquitto mosquitto-clients dbus postgresql curl'",
+		"sudo sh -c 'apt-get update && apt-get install -y --no-install-recommends mosquitto mosquitto-clients dbus postgresql curl systemd'",
 	} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("output lacks %q:\n%s", want, out)

@@ -46,16 +46,20 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 // §9): nothing reports it now, and its old bridge's Will need not fire
 // (Mosquitto's plugin cuts a bridge off without it). Seq and LastSeen stay,
 // as MarkBridgeOffline keeps them, so the next report applies as usual.
-func markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
+func (db *DB) markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
 	statuses := tx.Bucket(bucketStatus)
 	var s companion.Status
 	ok, err := getJSON(statuses, []byte(deviceID), &s)
 	if err != nil || !ok || !s.Online {
 		return err
 	}
+	old := s
 	s.Online = false
 	s.UpdatedAt = now
-	return putJSON(statuses, []byte(deviceID), s)
+	if err := putJSON(statuses, []byte(deviceID), s); err != nil {
+		return err
+	}
+	return db.appendDeviceEvent(tx, old, true, s)
 }
 
 // AssignDevice makes bridgeID serve deviceID, or no bridge when bridgeID is
@@ -88,7 +92,7 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			if previous, err = unassign(tx, deviceID); err != nil || previous == "" {
 				return err
 			}
-			return markUnserved(tx, deviceID, db.now())
+			return db.markUnserved(tx, deviceID, db.now())
 		}
 		var br companion.Bridge
 		ok, err := getJSON(tx.Bucket(bucketBridges), []byte(bridgeID), &br)
@@ -240,7 +244,7 @@ func (db *DB) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]str
 			if _, err := unassign(tx, dev); err != nil {
 				return err
 			}
-			if err := markUnserved(tx, dev, db.now()); err != nil {
+			if err := db.markUnserved(tx, dev, db.now()); err != nil {
 				return err
 			}
 		}

@@ -100,7 +100,7 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned s
 			if unassigned, err = unassign(tx, deviceID); err != nil {
 				return err
 			}
-			return markUnserved(tx, deviceID, db.now())
+			return db.markUnserved(tx, deviceID, db.now())
 		}
 		return nil
 	})

@@ -120,6 +120,9 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		if err := indexCommand(tx, companion.Command{}, nc); err != nil {
 			return err
 		}
+		if err := db.appendEvent(tx, companion.CommandChanged(nc)); err != nil {
+			return err
+		}
 		if nc.Blob != "" {
 			if err := tx.Bucket(bucketBlobRefs).Put(key(nc.Blob, nc.ID), []byte(nc.DeviceID)); err != nil {
 				return err
@@ -239,6 +242,11 @@ func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*companion.Command) 
 	nc.UpdatedAt = db.now()
 	if err := putJSON(cmds, []byte(id), nc); err != nil {
 		return companion.Command{}, false, err
+	}
+	if companion.CommandEventDue(old, nc) {
+		if err := db.appendEvent(tx, companion.CommandChanged(nc)); err != nil {
+			return companion.Command{}, false, err
+		}
 	}
 	if companion.IsFinal(nc.State) {
 		if err := tx.Bucket(bucketOpen).Delete([]byte(id)); err != nil {

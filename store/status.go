@@ -94,6 +94,9 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	if err := putJSON(statuses, []byte(ns.DeviceID), ns); err != nil {
 		return false, err
 	}
+	if err := db.appendDeviceEvent(tx, old, found, ns); err != nil {
+		return false, err
+	}
 	if !found || old.BridgeID != ns.BridgeID {
 		idx := tx.Bucket(bucketBridgeDevices)
 		if found && old.BridgeID != "" {
@@ -152,9 +155,13 @@ func (db *DB) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, er
 			if !ok || s.BridgeID != bridgeID {
 				continue
 			}
+			old := s
 			s.Online = false
 			s.UpdatedAt = now
 			if err := putJSON(statuses, dev, s); err != nil {
+				return err
+			}
+			if err := db.appendDeviceEvent(tx, old, true, s); err != nil {
 				return err
 			}
 			ids = append(ids, s.DeviceID)

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -21,7 +22,7 @@ import (
 
 // SchemaVersion is the layout of the bbolt file this code reads and
 // writes. Open migrates older files up to it and refuses newer ones.
-const SchemaVersion = 4
+const SchemaVersion = 5
 
 // Bucket names. Index buckets hold keys only (empty values) unless said
 // otherwise; composite keys join their parts with a NUL byte, which no id
@@ -125,6 +126,7 @@ var migrations = []func(tx *bolt.Tx) error{
 		return nil
 	},
 	3: migrateTo4,
+	4: migrateTo5,
 }
 
 // migrateTo4 makes the buckets of bridge assignments and blob references.
@@ -198,6 +200,8 @@ type DB struct {
 	log     *slog.Logger
 
 	purgeBatch int // deletions per transaction of PurgeCommands
+
+	onEvents atomic.Pointer[func()] // called after each commit that appended events (OnEvents)
 }
 
 // Open opens or creates the bbolt file at path, creating its directory

@@ -3,6 +3,7 @@
 // settings back (see package agent).
 //
 //	companion-bridge --bridge-id ID --bridge-secret SECRET --sim-devices dev-1,dev-2 [flags]
+//	companion-bridge --version
 //
 // Every flag can also be set in the environment as COMPANION_<FLAG>, with
 // dashes as underscores: --bridge-secret is COMPANION_BRIDGE_SECRET. Flags
@@ -29,7 +30,9 @@ import (
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/gatt/bluez"
+	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
+	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/mcuboot"
@@ -44,7 +47,16 @@ import (
 // (docs/performance.md).
 const gcPercent = 400
 
+// version is stamped at build time (make dist: -ldflags
+// "-X main.version=$(git describe --always --dirty)"); when empty,
+// --version prints the VCS revision Go recorded, or "devel".
+var version string
+
 func main() {
+	if len(os.Args) == 2 && (os.Args[1] == "--version" || os.Args[1] == "-version") {
+		fmt.Println("companion-bridge", buildinfo.Version(version))
+		return
+	}
 	if os.Getenv("GOGC") == "" {
 		debug.SetGCPercent(gcPercent)
 	}
@@ -90,6 +102,7 @@ type Config struct {
 	LogLevel        slog.Level
 	CA              string // PEM CA bundle to verify an mqtts:// broker and an https:// API with
 	PProf           string // listen address of net/http/pprof; "" off
+	Metrics         string // listen address of GET /metrics (Prometheus); "" off
 }
 
 // Main is the bridge program: Run builds and runs it, Close stops it.
@@ -104,6 +117,9 @@ type Main struct {
 	network *sim.Network
 	gatts   []*gatt.Device
 	bluez   *bluez.Connector
+
+	metrics   *metrics.Bridge // with --metrics
+	metricsLn *metrics.Listener
 }
 
 // Sims returns the simulated devices once Run has built them.
@@ -156,6 +172,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", c.TopicPrefix, "MQTT topic `prefix`")
 	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log `level`: debug, info, warn, error")
 	fs.StringVar(&c.PProf, "pprof", c.PProf, "serve net/http/pprof on this `address` (off when empty; keep it on loopback)")
+	fs.StringVar(&c.Metrics, "metrics", c.Metrics, "serve GET /metrics (Prometheus) on this `address` (off when empty)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -249,13 +266,16 @@ func (m *Main) Run(ctx context.Context) error {
 		m.pprof = ps
 		m.mu.Unlock()
 	}
+	if err := m.startMetrics(log); err != nil {
+		return fmt.Errorf("--metrics: %w", err)
+	}
 	conn, ids, err := m.connector(log)
 	if err != nil {
 		return err
 	}
 	var devices []agent.Device
 	for _, id := range ids {
-		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: id, Connector: conn, Logger: log})
+		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: id, Connector: conn, Logger: log, Observer: m.gattObserver()})
 		if err != nil {
 			return err
 		}
@@ -280,6 +300,7 @@ func (m *Main) Run(ctx context.Context) error {
 		Devices:    devices,
 		Topics:     tree,
 		Logger:     log,
+		Observer:   m.agentObserver(),
 	})
 	if err != nil {
 		return err
@@ -348,6 +369,7 @@ func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device, error)
 func (m *Main) Close() error {
 	m.mu.Lock()
 	a, gatts, network, bz, sims, ps := m.agent, m.gatts, m.network, m.bluez, m.sims, m.pprof
+	ml := m.metricsLn
 	m.mu.Unlock()
 	var err error
 	if a != nil {
@@ -369,6 +391,9 @@ func (m *Main) Close() error {
 		if cerr := d.Close(); err == nil {
 			err = cerr
 		}
+	}
+	if ml != nil {
+		ml.Close()
 	}
 	return err
 }

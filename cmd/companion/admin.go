@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -16,9 +15,10 @@ import (
 	"time"
 )
 
-// adminClient is the admin CLI: a thin client of the admin API of a running
-// server.
-type adminClient struct {
+// apiClient is a thin client of the API of a running server, with the
+// token it was given: the admin token for the admin CLI, a user's for
+// command wait.
+type apiClient struct {
 	apiURL string
 	token  string
 	http   *http.Client
@@ -73,7 +73,7 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		tok = strings.TrimSpace(string(b))
 	}
-	c := adminClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: &http.Client{Timeout: 5 * time.Minute}}
+	c := apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: &http.Client{Timeout: 5 * time.Minute}}
 
 	var body []byte
 	switch cmd {
@@ -103,12 +103,12 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if model == "" || version == "" {
 			return usageError{"firmware publish needs --model and --version"}
 		}
-		body, err = c.putFile(ctx, "/api/v1/admin/firmware/"+url.PathEscape(model)+"/"+url.PathEscape(version), arg)
+		body, err = c.putFile(ctx, "/api/v1/admin/firmware/"+url.PathEscape(model)+"/"+url.PathEscape(version), arg, stderr)
 	case "app publish":
 		if appID == "" || version == "" {
 			return usageError{"app publish needs --app-id and --version"}
 		}
-		body, err = c.putFile(ctx, "/api/v1/admin/apps/"+url.PathEscape(appID)+"/"+url.PathEscape(version), arg)
+		body, err = c.putFile(ctx, "/api/v1/admin/apps/"+url.PathEscape(appID)+"/"+url.PathEscape(version), arg, stderr)
 	}
 	if err != nil {
 		return err
@@ -138,11 +138,11 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
-func (c adminClient) postJSON(ctx context.Context, path string, v any) ([]byte, error) {
+func (c apiClient) postJSON(ctx context.Context, path string, v any) ([]byte, error) {
 	return c.sendJSON(ctx, http.MethodPost, path, v)
 }
 
-func (c adminClient) sendJSON(ctx context.Context, method, path string, v any) ([]byte, error) {
+func (c apiClient) sendJSON(ctx context.Context, method, path string, v any) ([]byte, error) {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return nil, err
@@ -150,7 +150,8 @@ func (c adminClient) sendJSON(ctx context.Context, method, path string, v any) (
 	return c.do(ctx, method, path, "application/json", bytes.NewReader(b), int64(len(b)))
 }
 
-func (c adminClient) putFile(ctx context.Context, path, file string) ([]byte, error) {
+// putFile uploads file, telling on progressTo how it goes.
+func (c apiClient) putFile(ctx context.Context, path, file string, progressTo io.Writer) ([]byte, error) {
 	f, err := os.Open(file)
 	if err != nil {
 		return nil, err
@@ -160,39 +161,54 @@ func (c adminClient) putFile(ctx context.Context, path, file string) ([]byte, er
 	if err != nil {
 		return nil, err
 	}
-	return c.do(ctx, http.MethodPut, path, "application/octet-stream", f, fi.Size())
+	p := newProgress(progressTo, fi.Size())
+	defer p.finish()
+	return c.do(ctx, http.MethodPut, path, "application/octet-stream", &countingReader{r: f, p: p}, fi.Size())
 }
 
-func (c adminClient) do(ctx context.Context, method, path, ctype string, body io.Reader, size int64) ([]byte, error) {
+func (c apiClient) do(ctx context.Context, method, path, ctype string, body io.Reader, size int64) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, method, c.apiURL+path, body)
 	if err != nil {
 		return nil, err
 	}
 	req.ContentLength = size
-	req.Header.Set("Content-Type", ctype)
+	if ctype != "" {
+		req.Header.Set("Content-Type", ctype)
+	}
 	req.Header.Set("Authorization", "Bearer "+c.token)
 	resp, err := c.http.Do(req)
 	if err != nil {
 		return nil, err
 	}
 	defer resp.Body.Close()
-	out, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if err != nil {
-		return nil, err
-	}
 	if resp.StatusCode/100 != 2 {
-		var p struct {
-			Title, Detail, Code string
-			Errors              []struct{ Field, Message string }
-		}
-		if json.Unmarshal(out, &p) == nil && p.Code != "" {
-			msg := fmt.Sprintf("%s %s: %d %s: %s", method, path, resp.StatusCode, p.Code, p.Detail)
-			for _, e := range p.Errors {
-				msg += fmt.Sprintf("\n  %s: %s", e.Field, e.Message)
-			}
-			return nil, errors.New(msg)
-		}
-		return nil, fmt.Errorf("%s %s: %s", method, path, resp.Status)
+		return nil, responseError(method, path, resp)
 	}
-	return out, nil
+	return io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+}
+
+// apiError is an answer of the API other than a 2xx, told as the
+// problem's code, detail and fields when it has them.
+type apiError struct {
+	status int
+	msg    string
+}
+
+func (e *apiError) Error() string { return e.msg }
+
+// responseError reads resp, an answer other than a 2xx, into an *apiError.
+func responseError(method, path string, resp *http.Response) error {
+	out, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	var p struct {
+		Title, Detail, Code string
+		Errors              []struct{ Field, Message string }
+	}
+	if json.Unmarshal(out, &p) == nil && p.Code != "" {
+		msg := fmt.Sprintf("%s %s: %d %s: %s", method, path, resp.StatusCode, p.Code, p.Detail)
+		for _, e := range p.Errors {
+			msg += fmt.Sprintf("\n  %s: %s", e.Field, e.Message)
+		}
+		return &apiError{status: resp.StatusCode, msg: msg}
+	}
+	return &apiError{status: resp.StatusCode, msg: fmt.Sprintf("%s %s: %s", method, path, resp.Status)}
 }

@@ -7,6 +7,8 @@
 //	companion bridge create ID                 create a bridge, print its secret
 //	companion firmware publish --model M --version V FILE
 //	companion app publish --app-id A --version V FILE
+//	companion command wait DEVICE ID --token T  follow a command until it is final
+//	companion --version                        print the build's version
 //
 // Every flag can also be set in the environment as COMPANION_<FLAG>, with
 // dashes as underscores: --mqtt-url is COMPANION_MQTT_URL. Flags win.
@@ -23,8 +25,14 @@ import (
 	"runtime/debug"
 	"syscall"
 
+	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
 )
+
+// version is stamped at build time (make dist: -ldflags
+// "-X main.version=$(git describe --always --dirty)"); when empty,
+// --version prints the VCS revision Go recorded, or "devel".
+var version string
 
 // gcPercent is the garbage collector's target unless GOGC says otherwise.
 // The live heap is small (tens of MB) and the allocation rate high, so
@@ -42,6 +50,11 @@ func main() {
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			os.Exit(2)
+		}
+		var ee exitError
+		if errors.As(err, &ee) {
+			fmt.Fprintln(os.Stderr, "companion:", err)
+			os.Exit(ee.code)
 		}
 		var ue usageError
 		if errors.As(err, &ue) {
@@ -67,6 +80,8 @@ const usage = `usage:
   companion bridge create ID
   companion firmware publish --model MODEL --version VERSION FILE
   companion app publish --app-id APP --version VERSION FILE
+  companion command wait DEVICE ID --token TOKEN [--api-url URL] [--timeout DURATION]
+  companion --version
 Run "companion COMMAND -h" for the flags of a command.`
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -81,8 +96,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runMigrate(ctx, args[1:], stdout, stderr)
 	case "user", "device", "bridge", "firmware", "app":
 		return runAdmin(ctx, args, stdout, stderr)
+	case "command":
+		return runCommand(ctx, args, stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprintln(stdout, usage)
+		return nil
+	case "--version", "-version", "version":
+		fmt.Fprintln(stdout, "companion", buildinfo.Version(version))
 		return nil
 	}
 	fmt.Fprintln(stderr, usage)

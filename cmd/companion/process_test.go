@@ -11,6 +11,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -200,6 +201,7 @@ type procCluster struct {
 
 	server, bridgeProc *osProc
 	user               *client
+	bridgeID           string // the bridge's id; bridge-1 when empty
 	bridgeSecret       string
 }
 
@@ -328,7 +330,7 @@ func (c *procCluster) launchBridge() {
 	c.tb.Helper()
 	args := append([]string{
 		"--mqtt-url", c.brokerURL(), "--api-url", c.base(),
-		"--bridge-id", "bridge-1", "--bridge-secret", c.bridgeSecret,
+		"--bridge-id", cmp.Or(c.bridgeID, "bridge-1"), "--bridge-secret", c.bridgeSecret,
 		"--data", c.bridgeData, "--sim-state", c.simState,
 		"--sim-devices", strings.Join(c.devices, ","), "--log-level", "warn",
 	}, c.bridgeArgs...)

@@ -24,6 +24,8 @@ import (
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/broker/natsauth"
+	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/store/postgres"
@@ -56,6 +58,9 @@ type Config struct {
 	MQTTTLSCert string          // the embedded broker's certificate: it then serves mqtts:// only
 	MQTTTLSKey  string
 	PProf       string // listen address of net/http/pprof; "" off
+	// Metrics is the listen address of GET /metrics (Prometheus); "" off.
+	Metrics         string
+	metricsOptional bool // the demo's default address: taken is no error
 	// Store is a postgres:// URL to keep everything in PostgreSQL; "" keeps
 	// it in the bbolt file of Data.
 	Store string
@@ -63,10 +68,16 @@ type Config struct {
 	// broker: its MQTT client id is companion-server-ReplicaID (default
 	// with a PostgreSQL store: the host name).
 	ReplicaID string
+	// NATS, with URL set, answers a NATS cluster's authorization (auth
+	// callout) of the MQTT clients; --mqtt-dynsec is then off.
+	NATS NATSConfig
 
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
 	SweepInterval time.Duration
+	// For tests: the options of GET /api/v1/events (heartbeat, buffer),
+	// zero fields taking their defaults.
+	Events api.EventsOptions
 }
 
 func newServeFlags(c *Config) *flag.FlagSet {
@@ -96,6 +107,8 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.Store, "store", "", "postgres://USER@HOST:PORT/DB keeps everything in PostgreSQL, shared by replicas (run companion migrate first); empty: the bbolt file in --data")
 	fs.StringVar(&c.ReplicaID, "replica-id", "", "this replica's name among servers sharing a store and broker; its MQTT client id is companion-server-ID (default with --store postgres://: the host name)")
 	fs.StringVar(&c.PProf, "pprof", "", "serve net/http/pprof on this address (off when empty; keep it on loopback)")
+	addNATSFlags(fs, &c.NATS)
+	fs.StringVar(&c.Metrics, "metrics", "", "serve GET /metrics (Prometheus) on this address (off when empty; --demo: "+demoMetricsAddr+")")
 	d, l := api.DefaultLimits, &c.Limits
 	fs.IntVar(&l.MaxTextBytes, "max-text-bytes", d.MaxTextBytes, "largest text push, bytes of UTF-8")
 	fs.IntVar(&l.MaxTitleBytes, "max-title-bytes", d.MaxTitleBytes, "largest title of a text push")
@@ -135,6 +148,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return usageError{fmt.Sprintf("serve takes no arguments, got %q", fs.Args())}
 	}
 	cfg.fromFlags()
+	cfg.demoMetrics(fs)
 	logger, err := newLogger(cfg.LogLevel, stderr)
 	if err != nil {
 		return err
@@ -174,10 +188,20 @@ type Main struct {
 	Dynsec *dynsec.Driver // with --mqtt-url and --mqtt-dynsec
 	Demo   *Demo
 	PProf  *pprofserver.Server // with --pprof
+	// Metrics holds what GET /metrics serves, with --metrics.
+	Metrics   *metrics.Server
+	metricsLn *metrics.Listener
+
+	// NATSAuth answers the NATS cluster's authorization, with --nats-callout.
+	NATSAuth *natsauth.Responder
 
 	pg         *postgres.Store // the store, when it is PostgreSQL
 	stopListen context.CancelFunc
 	listenDone chan struct{}
+
+	// Events is the hub of GET /api/v1/events (events.go).
+	Events     *api.Events
+	stopEvents func()
 
 	adminToken string
 	mqttURL    string
@@ -261,10 +285,19 @@ func (m *Main) Run(ctx context.Context) error {
 	if err := m.openStore(ctx); err != nil {
 		return err
 	}
+	if err := m.startEvents(); err != nil {
+		return err
+	}
+	if err := m.startMetrics(ctx); err != nil {
+		return err
+	}
 	if m.adminToken, err = loadAdminToken(cfg); err != nil {
 		return err
 	}
 
+	if err := m.startNATSAuth(tree); err != nil {
+		return err
+	}
 	username, password := cfg.MQTTUsername, cfg.MQTTPassword
 	if cfg.MQTTURL == "" {
 		// The server's own account on the embedded broker lives only as
@@ -323,6 +356,7 @@ func (m *Main) Run(ctx context.Context) error {
 		MaxOpenCommands: cfg.Limits.MaxOpenCommands,
 		Retention:       cfg.Retention,
 		ExpiryGrace:     cfg.ExpiryGrace,
+		Observer:        m.brokerObserver(),
 		Logger:          m.Logger,
 		Now:             cfg.Now,
 	})
@@ -330,7 +364,7 @@ func (m *Main) Run(ctx context.Context) error {
 		return err
 	}
 	var accounts api.BrokerAccounts
-	if cfg.MQTTURL != "" && cfg.MQTTDynsec {
+	if cfg.MQTTURL != "" && cfg.MQTTDynsec && m.NATSAuth == nil {
 		m.Dynsec, err = dynsec.New(dynsec.Options{
 			Conn:           m.Broker,
 			Store:          m.DB,
@@ -345,6 +379,9 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	if m.MQTT != nil {
 		accounts = embeddedAccounts{m.MQTT}
+	}
+	if m.NATSAuth != nil {
+		accounts = m.NATSAuth
 	}
 	if err := m.Broker.Start(); err != nil {
 		return err
@@ -373,6 +410,9 @@ func (m *Main) Run(ctx context.Context) error {
 		Limits:         cfg.Limits,
 		Ready:          m.Broker.Ready,
 		Unavailable:    m.storeUnavailable,
+		Events:         m.Events,
+		RateLimiter:    m.rateLimiter(),
+		Requests:       m.requestObserver(),
 		Logger:         m.Logger,
 		Now:            cfg.Now,
 	})
@@ -419,6 +459,10 @@ func (m *Main) Run(ctx context.Context) error {
 func (m *Main) Close() error {
 	m.closeOnce.Do(func() {
 		var errs []error
+		// The event streams never idle: end them, or Shutdown waits.
+		if m.stopEvents != nil {
+			m.stopEvents()
+		}
 		if m.srv != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 			errs = append(errs, m.srv.Shutdown(ctx))
@@ -440,6 +484,9 @@ func (m *Main) Close() error {
 		if m.Broker != nil {
 			errs = append(errs, m.Broker.Close())
 		}
+		if m.NATSAuth != nil {
+			errs = append(errs, m.NATSAuth.Close())
+		}
 		if m.MQTT != nil {
 			errs = append(errs, m.MQTT.Close())
 		}
@@ -449,6 +496,7 @@ func (m *Main) Close() error {
 		if m.PProf != nil {
 			errs = append(errs, m.PProf.Close())
 		}
+		errs = append(errs, m.closeMetrics())
 		m.closeErr = errors.Join(errs...)
 	})
 	return m.closeErr

@@ -65,54 +65,106 @@ func TestSoak(t *testing.T) {
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	c.startBridge()
 
-	img := base64.StdEncoding.EncodeToString(pngImage(t, 32, 32))
 	start := time.Now()
 	t.Logf("soak: %s of load on %d devices, server %s, broker %s", duration, soakDevices, c.httpAddr, mq.URL)
+	load := startSoakLoad(t, c, start, []string{c.base()})
 
-	// Load: each worker sends a random operation to a random device, now
-	// and then, until told to stop. Only complete 202s count as accepted.
-	var (
-		mu        sync.Mutex
-		accepted  = map[string]string{} // id → device
-		requests  atomic.Int64
-		refused   atomic.Int64 // no answer: server down or killed mid-request
-		rejected  = map[int]int{}
-		stop      = make(chan struct{})
-		loadGroup sync.WaitGroup
-	)
-	hc := loadClient(soakWorkers)
+	// Chaos: kill one piece at random, leave it down a moment, restart it.
+	kills := soakChaos(start, duration, []soakFault{
+		{"server", func(down time.Duration) {
+			c.server.kill()
+			time.Sleep(down)
+			c.launchServer()
+			c.waitServer("/readyz")
+		}},
+		{"bridge", func(down time.Duration) {
+			c.bridgeProc.kill()
+			time.Sleep(down)
+			c.launchBridge()
+		}},
+		{"broker", func(down time.Duration) {
+			mq.Kill(t)
+			time.Sleep(down)
+			mq.Start(t)
+		}},
+	})
+	load.finish()
+	soakSettleAndReport(t, c, load, "soak", fmt.Sprintf("server %d, bridge %d, broker %d", kills["server"], kills["bridge"], kills["broker"]))
+}
+
+// soakLoad is the soak's load: soakWorkers goroutines, each sending a
+// random operation to a random device, now and then, until finish. Only
+// complete 202s count as accepted.
+type soakLoad struct {
+	start    time.Time
+	mu       sync.Mutex
+	accepted map[string]string // id → device
+	rejected map[int]int       // status → count
+	requests atomic.Int64
+	refused  atomic.Int64 // no answer: server down or killed mid-request
+	stop     chan struct{}
+	wg       sync.WaitGroup
+	hc       *http.Client
+}
+
+// startSoakLoad starts the load on c's devices. Each request goes to one
+// of bases (servers sharing the work) chosen at random.
+func startSoakLoad(tb testing.TB, c *procCluster, start time.Time, bases []string) *soakLoad {
+	tb.Helper()
+	img := base64.StdEncoding.EncodeToString(pngImage(tb, 32, 32))
+	l := &soakLoad{start: start, accepted: map[string]string{}, rejected: map[int]int{},
+		stop: make(chan struct{}), hc: loadClient(soakWorkers * len(bases))}
 	for w := range soakWorkers {
-		loadGroup.Add(1)
+		l.wg.Add(1)
 		go func() {
-			defer loadGroup.Done()
+			defer l.wg.Done()
 			rng := rand.New(rand.NewPCG(uint64(w), uint64(start.UnixNano())))
 			for i := 0; ; i++ {
 				select {
-				case <-stop:
+				case <-l.stop:
 					return
 				case <-time.After(time.Duration(rng.IntN(100)) * time.Millisecond):
 				}
 				dev := c.devices[rng.IntN(len(c.devices))]
 				method, path, body := soakOp(rng, dev, img, i)
-				p := c.send(hc, method, path, body)
-				requests.Add(1)
+				p := c.sendTo(l.hc, bases[rng.IntN(len(bases))], method, path, body)
+				l.requests.Add(1)
 				switch id := p.acceptedID(); {
 				case id != "":
-					mu.Lock()
-					accepted[id] = dev
-					mu.Unlock()
+					l.mu.Lock()
+					l.accepted[id] = dev
+					l.mu.Unlock()
 				case p.err != nil:
-					refused.Add(1)
+					l.refused.Add(1)
 				default:
-					mu.Lock()
-					rejected[p.status]++
-					mu.Unlock()
+					l.mu.Lock()
+					l.rejected[p.status]++
+					l.mu.Unlock()
 				}
 			}
 		}()
 	}
+	return l
+}
 
-	// Chaos: kill one piece at random, leave it down a moment, restart it.
+// finish stops the load and waits for its workers.
+func (l *soakLoad) finish() {
+	close(l.stop)
+	l.wg.Wait()
+	l.hc.CloseIdleConnections()
+}
+
+// soakFault is one kind of fault of the chaos: fault kills a piece,
+// leaves it down for down, and brings it back.
+type soakFault struct {
+	name  string
+	fault func(down time.Duration)
+}
+
+// soakChaos injects one of faults at random every 2–12 s, each down for
+// 0.2–4.2 s, until duration has passed since start, and counts them by
+// name.
+func soakChaos(start time.Time, duration time.Duration, faults []soakFault) map[string]int {
 	kills := map[string]int{}
 	rng := rand.New(rand.NewPCG(1, uint64(start.UnixNano())))
 	for time.Since(start) < duration {
@@ -121,30 +173,24 @@ func TestSoak(t *testing.T) {
 			break
 		}
 		down := time.Duration(200+rng.IntN(4000)) * time.Millisecond
-		switch target := []string{"server", "bridge", "broker"}[rng.IntN(3)]; target {
-		case "server":
-			c.server.kill()
-			time.Sleep(down)
-			c.launchServer()
-			c.waitServer("/readyz")
-			kills[target]++
-		case "bridge":
-			c.bridgeProc.kill()
-			time.Sleep(down)
-			c.launchBridge()
-			kills[target]++
-		case "broker":
-			mq.Kill(t)
-			time.Sleep(down)
-			mq.Start(t)
-			kills[target]++
-		}
+		f := faults[rng.IntN(len(faults))]
+		f.fault(down)
+		kills[f.name]++
 	}
-	close(stop)
-	loadGroup.Wait()
-	hc.CloseIdleConnections()
-	loadTime := time.Since(start)
-	t.Logf("soak: load over after %s; settling", loadTime.Round(time.Second))
+	return kills
+}
+
+// soakSettleAndReport waits, with everything up and the load over, until
+// every accepted command is final (at most soakSettle), prints what became
+// of them under the heading name, with the kills line killed, and fails
+// the test when one was lost or one ran twice.
+func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, killed string) {
+	t.Helper()
+	loadTime := time.Since(load.start)
+	t.Logf("%s: load over after %s; settling", name, loadTime.Round(time.Second))
+	load.mu.Lock()
+	defer load.mu.Unlock()
+	accepted := load.accepted
 
 	// Settle: everything is up; wait until every accepted command is final.
 	settleStart := time.Now()
@@ -196,14 +242,14 @@ func TestSoak(t *testing.T) {
 	}
 
 	var rej []string
-	for status, n := range rejected {
+	for status, n := range load.rejected {
 		rej = append(rej, fmt.Sprintf("%d×%d", n, status))
 	}
 	sort.Strings(rej)
 	var report strings.Builder
-	fmt.Fprintf(&report, "soak: %s of load, %d devices, %d load workers; settled in %s\n", loadTime.Round(time.Second), soakDevices, soakWorkers, settled.Round(time.Second))
-	fmt.Fprintf(&report, "kills (SIGKILL + restart): server %d, bridge %d, broker %d\n", kills["server"], kills["bridge"], kills["broker"])
-	fmt.Fprintf(&report, "requests %d: accepted %d, no answer %d, rejected %s\n", requests.Load(), len(accepted), refused.Load(), strings.Join(append(rej, "(none)")[:max(1, len(rej))], " "))
+	fmt.Fprintf(&report, "%s: %s of load, %d devices, %d load workers; settled in %s\n", name, loadTime.Round(time.Second), len(c.devices), soakWorkers, settled.Round(time.Second))
+	fmt.Fprintf(&report, "kills (SIGKILL + restart): %s\n", killed)
+	fmt.Fprintf(&report, "requests %d: accepted %d, no answer %d, rejected %s\n", load.requests.Load(), len(accepted), load.refused.Load(), strings.Join(append(rej, "(none)")[:max(1, len(rej))], " "))
 	fmt.Fprintf(&report, "accepted   %d\n", len(accepted))
 	fmt.Fprintf(&report, "succeeded  %d\n", byState[companion.StateSucceeded])
 	fmt.Fprintf(&report, "failed     %d\n", byState[companion.StateFailed])
@@ -244,9 +290,10 @@ func soakOp(rng *rand.Rand, dev, img string, i int) (method, path string, body a
 	}
 }
 
-func (c *procCluster) send(hc *http.Client, method, path string, body any) procPush {
+// sendTo sends one request of the soak's user to the server at base.
+func (c *procCluster) sendTo(hc *http.Client, base, method, path string, body any) procPush {
 	js, _ := json.Marshal(body)
-	req, err := http.NewRequest(method, c.base()+path, bytes.NewReader(js))
+	req, err := http.NewRequest(method, base+path, bytes.NewReader(js))
 	if err != nil {
 		return procPush{err: err}
 	}

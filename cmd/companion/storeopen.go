@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/store"
@@ -84,6 +85,17 @@ func (m *Main) dispatcher() broker.Dispatcher {
 		return nil
 	}
 	return m.pg
+}
+
+// rateLimiter keeps the API's rate limits: with a PostgreSQL store in the
+// database, so that the replicas on it share one budget per token, user
+// and source address (CONTRACT §11); with the bbolt file, nil (the API's
+// own, in this process).
+func (m *Main) rateLimiter() api.RateLimiter {
+	if m.pg == nil {
+		return nil
+	}
+	return m.pg.RateLimiter(postgres.RateLimiterOptions{})
 }
 
 // replicaClientID is the server's MQTT client id: companion-server alone,

@@ -36,8 +36,20 @@ func unassign(ctx context.Context, tx pgx.Tx, deviceID string) (string, error) {
 // markUnserved marks offline a device no bridge serves any more (CONTRACT
 // §9). Seq and LastSeen stay, so the next report applies as usual.
 func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) error {
-	_, err := tx.Exec(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE device_id = $1 AND online`, deviceID, now)
-	return err
+	var r statusRow
+	err := tx.QueryRow(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE device_id = $1 AND online
+		RETURNING `+statusColumnsOf("statuses"), deviceID, now).Scan(r.dest()...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil // no status, or offline already
+	}
+	if err != nil {
+		return err
+	}
+	st, err := r.status(deviceID)
+	if err != nil {
+		return err
+	}
+	return insertDeviceEvent(ctx, tx, st)
 }
 
 // bindingOwner returns the user the device is bound to ("" none).

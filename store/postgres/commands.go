@@ -228,6 +228,9 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 		b.Queue(`UPDATE device_queues SET last_id = $2, open_count = open_count + 1 WHERE device_id = $1`, nc.DeviceID, nc.ID)
 		// The dispatcher (another replica, perhaps) publishes it.
 		b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, nc.ID)
+		if err := queueCommandEvent(&b, nc); err != nil {
+			return err
+		}
 		if idem != nil {
 			r := rec
 			r.CommandID = nc.ID
@@ -446,6 +449,11 @@ func (s *Store) updateCommand(ctx context.Context, tx pgx.Tx, id string, fn func
 	}
 	if nc.State != old.State {
 		b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, nc.ID)
+	}
+	if companion.CommandEventDue(old, nc) {
+		if err := queueCommandEvent(&b, nc); err != nil {
+			return companion.Command{}, false, err
+		}
 	}
 	if err := sendBatch(ctx, tx, &b); err != nil {
 		return companion.Command{}, false, err

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -16,9 +17,16 @@ import (
 // it must be quick.
 //
 // It LISTENs on a connection of its own, outside the pool, and
-// reconnects (backing off up to 5 seconds) when it is lost. It returns
+// reconnects (backing off up to 5 seconds, ±50%) when it is lost. It returns
 // when ctx is done (ctx.Err()) or the store is closed (nil).
 func (s *Store) ListenCommands(ctx context.Context, fn func(id string)) error {
+	return s.listenLoop(ctx, notifyChannel, fn)
+}
+
+// listenLoop LISTENs on channel and calls fn with the payload of each
+// notification, and fn("") after each reconnection, until ctx is done or
+// the store is closed (see ListenCommands).
+func (s *Store) listenLoop(ctx context.Context, channel string, fn func(payload string)) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go func() {
@@ -28,10 +36,11 @@ func (s *Store) ListenCommands(ctx context.Context, fn func(id string)) error {
 		case <-ctx.Done():
 		}
 	}()
-	const minBackoff, maxBackoff = 50 * time.Millisecond, 5 * time.Second
-	backoff := minBackoff
+	// Jittered, so that replicas that lost PostgreSQL together (a restart)
+	// do not reconnect in lockstep.
+	bo := listenBackoff()
 	for first := true; ; first = false {
-		err := s.listen(ctx, fn, !first)
+		err := s.listen(ctx, channel, fn, !first)
 		select {
 		case <-s.done:
 			return nil
@@ -41,16 +50,27 @@ func (s *Store) ListenCommands(ctx context.Context, fn func(id string)) error {
 			return ctx.Err()
 		}
 		if errors.Is(err, errListening) {
-			backoff = minBackoff // it worked for a while
+			bo.Reset() // it worked for a while
 		}
-		s.log.Warn("postgres: listening for command changes", "err", err, "retry_in", backoff)
-		t := time.NewTimer(backoff)
+		wait := bo.NextBackOff()
+		s.log.Warn("postgres: listening for notifications", "channel", channel, "err", err, "retry_in", wait)
+		t := time.NewTimer(wait)
 		select {
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
 		}
-		backoff = min(2*backoff, maxBackoff)
+	}
+}
+
+// listenBackoff returns the pauses between attempts to LISTEN: 50 ms
+// doubling up to 5 s, each ±50%.
+func listenBackoff() *backoff.ExponentialBackOff {
+	return &backoff.ExponentialBackOff{
+		InitialInterval:     50 * time.Millisecond,
+		RandomizationFactor: 0.5,
+		Multiplier:          2,
+		MaxInterval:         5 * time.Second,
 	}
 }
 
@@ -60,13 +80,13 @@ var errListening = errors.New("lost while listening")
 
 // listen connects, LISTENs, calls fn("") when it reconnected, then fn of
 // each notification until the connection fails or ctx is done.
-func (s *Store) listen(ctx context.Context, fn func(id string), reconnected bool) error {
+func (s *Store) listen(ctx context.Context, channel string, fn func(payload string), reconnected bool) error {
 	conn, err := pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
 	if err != nil {
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
 		return err
 	}
 	if reconnected {
@@ -77,7 +97,7 @@ func (s *Store) listen(ctx context.Context, fn func(id string), reconnected bool
 		if err != nil {
 			return errors.Join(errListening, err)
 		}
-		if n.Channel == notifyChannel {
+		if n.Channel == channel {
 			fn(n.Payload)
 		}
 	}

@@ -150,17 +150,40 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 		b := int32(*st.Battery)
 		battery = &b
 	}
-	tag, err := tx.Exec(ctx, `INSERT INTO statuses AS t (device_id, online, battery, firmware_version, model, apps, bridge_id, last_seen, updated_at, seq)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::text::numeric)
-		ON CONFLICT (device_id) DO UPDATE SET online = EXCLUDED.online, battery = EXCLUDED.battery,
-			firmware_version = EXCLUDED.firmware_version, model = EXCLUDED.model, apps = EXCLUDED.apps,
-			bridge_id = EXCLUDED.bridge_id, last_seen = EXCLUDED.last_seen, updated_at = EXCLUDED.updated_at, seq = EXCLUDED.seq
-		WHERE `+newerSQL("t", "last_seen"),
-		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, s.clock(), seqText(st.Seq))
+	// One statement stores the status and, when it applied and changed
+	// what a user sees (companion.DeviceEventDue), the event for the
+	// user the device is bound to (events.go).
+	now := s.clock()
+	ns := st
+	ns.UpdatedAt = now
+	event, err := json.Marshal(companion.DeviceChanged("", ns))
 	if err != nil {
 		return false, err
 	}
-	return tag.RowsAffected() == 1, nil
+	var applied int
+	err = tx.QueryRow(ctx, `WITH old AS (
+			SELECT online, battery, firmware_version, apps::text AS apps FROM statuses WHERE device_id = $1),
+		up AS (
+			INSERT INTO statuses AS t (device_id, online, battery, firmware_version, model, apps, bridge_id, last_seen, updated_at, seq)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::text::numeric)
+			ON CONFLICT (device_id) DO UPDATE SET online = EXCLUDED.online, battery = EXCLUDED.battery,
+				firmware_version = EXCLUDED.firmware_version, model = EXCLUDED.model, apps = EXCLUDED.apps,
+				bridge_id = EXCLUDED.bridge_id, last_seen = EXCLUDED.last_seen, updated_at = EXCLUDED.updated_at, seq = EXCLUDED.seq
+			WHERE `+newerSQL("t", "last_seen")+`
+			RETURNING device_id),
+		ev AS (
+			INSERT INTO events (xid, user_id, device_id, at, data)
+			SELECT pg_current_xact_id(), b.user_id, b.device_id, $9, $11 FROM up JOIN bindings b ON b.device_id = up.device_id
+			WHERE NOT EXISTS (SELECT 1 FROM old WHERE old.online = $2 AND old.battery IS NOT DISTINCT FROM $3
+				AND old.firmware_version = $4 AND old.apps IS NOT DISTINCT FROM $6::json::text)
+			RETURNING 1),
+		notified AS (SELECT pg_notify('`+eventsChannel+`', '') FROM ev LIMIT 1)
+		SELECT (SELECT count(*) FROM up) + 0 * (SELECT count(*) FROM notified)`,
+		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, now, seqText(st.Seq), event).Scan(&applied)
+	if err != nil {
+		return false, err
+	}
+	return applied == 1, nil
 }
 
 // MarkBridgeOffline marks offline every device whose current status names
@@ -195,10 +218,38 @@ func (s *Store) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, 
 	ok := s.barrier(func(ctx context.Context) {
 		var ids []string
 		err := s.tx(ctx, func(tx pgx.Tx) error {
-			rows, _ := tx.Query(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE bridge_id = $1 RETURNING device_id`, bridgeID, s.clock())
+			// The devices going offline now have events (events.go).
+			now := s.clock()
+			rows, _ := tx.Query(ctx, `SELECT `+statusColumnsOf("statuses")+` FROM statuses WHERE bridge_id = $1 AND online FOR UPDATE`, bridgeID)
+			var going []companion.Status
+			for rows.Next() {
+				var r statusRow
+				if err := rows.Scan(r.dest()...); err != nil {
+					rows.Close()
+					return err
+				}
+				st, err := r.status(*r.deviceID)
+				if err != nil {
+					rows.Close()
+					return err
+				}
+				going = append(going, st)
+			}
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			rows, _ = tx.Query(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE bridge_id = $1 RETURNING device_id`, bridgeID, now)
 			var err error
-			ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
-			return err
+			if ids, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+				return err
+			}
+			for _, st := range going {
+				st.Online, st.UpdatedAt = false, now
+				if err := insertDeviceEvent(ctx, tx, st); err != nil {
+					return err
+				}
+			}
+			return nil
 		})
 		if err != nil {
 			done(nil, err)

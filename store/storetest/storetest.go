@@ -51,6 +51,7 @@ func Run(t *testing.T, open func(t *testing.T) companion.Store) {
 		{"Catalog", testCatalog},
 		{"Blobs", testBlobs},
 		{"BlobNeeded", testBlobNeeded},
+		{"Events", testEvents},
 	}
 	for _, g := range groups {
 		t.Run(g.name, func(t *testing.T) { g.run(t, open) })

@@ -1,0 +1,25 @@
+package agent
+
+import "time"
+
+// Observer is told what the bridge does, for its metrics (internal/metrics
+// implements it with Prometheus; companion-bridge --metrics). It is
+// declared here, where it is called, so that the agent imports no metrics
+// library; Options.Observer nil means nobody counts. Its methods are
+// called from the workers and paho's handlers: they must be quick and must
+// not block.
+type Observer interface {
+	// CommandDone is called once for each command the bridge ran to its
+	// end (or found expired before it ran), with its op, its final state
+	// (succeeded, failed or expired) and how long it ran.
+	CommandDone(op, result string, took time.Duration)
+	// MQTTConnected is called when the bridge's MQTT connection comes up
+	// (subscribed, "online" said) and when it is lost.
+	MQTTConnected(up bool)
+}
+
+// nopObserver is the Observer of an agent nobody observes.
+type nopObserver struct{}
+
+func (nopObserver) CommandDone(string, string, time.Duration) {}
+func (nopObserver) MQTTConnected(bool)                        {}

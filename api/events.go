@@ -1,0 +1,501 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// GET /api/v1/events: Server-Sent Events of the caller's command state
+// changes and device status changes (CONTRACT §12; docs/api.md "Events").
+//
+// The store keeps the events in a log, written in the transaction of the
+// change each one describes (companion.Store.Events), so that an event is
+// announced only once committed, every committed change is announced, and
+// any replica can serve any stream: a stream resumes from the log after
+// its Last-Event-ID, whichever replica took the change in.
+//
+// Each process has one hub (Events) that reads the log after its cursor
+// whenever it is woken (the bbolt store's signal after a commit, or
+// PostgreSQL's NOTIFY from any replica) and at least every PollInterval,
+// and hands each event to the streams of its user: each stream has a
+// channel of Buffer events, and a stream whose channel is full is
+// dropped, never waited for. Its response then ends, and the client
+// resumes with its Last-Event-ID from the log. So a slow reader costs the
+// server one bounded buffer and never slows anyone else.
+//
+// A stream that resumes registers with the hub first, then reads the log
+// after its Last-Event-ID, then serves what the hub hands it, skipping
+// ids it sent already (ids compare as strings in log order): the hub's
+// cursor when the stream registered is at or before the end of the read,
+// so nothing falls between the two, and nothing comes twice.
+
+// EventStore is what the event hub and the streams need of the store.
+type EventStore interface {
+	Events(ctx context.Context, userID, after string, limit int) ([]companion.Event, string, error)
+	EventsHead(ctx context.Context) (string, error)
+}
+
+// EventsOptions configure NewEvents. The zero value of each optional
+// field means its default.
+type EventsOptions struct {
+	Store EventStore // required
+	// PollInterval is how often the hub reads the log without being
+	// woken: the safety net under the store's signals; 1s.
+	PollInterval time.Duration
+	// Buffer is how many events a stream may have waiting before it is
+	// dropped; 256.
+	Buffer int
+	// Heartbeat is how often an idle stream gets a ": ping" comment; 15s.
+	Heartbeat time.Duration
+	// WriteTimeout ends a stream whose client takes longer than this to
+	// take one write; 30s.
+	WriteTimeout time.Duration
+	Logger       *slog.Logger // slog.Default() when nil
+}
+
+// Events is the hub of a process's event streams. Create it with
+// NewEvents, hand it to the API (Options.Events), wake it when the store
+// committed events (Wake), and Close it before the HTTP server shuts
+// down: Close ends every stream.
+type Events struct {
+	opts EventsOptions
+	log  *slog.Logger
+
+	wake   chan struct{} // capacity 1
+	quit   chan struct{}
+	ctx    context.Context // of the hub's reads; canceled by Close
+	cancel context.CancelFunc
+	done   chan struct{}
+	ready  chan struct{} // closed once the hub has its first cursor
+
+	mu     sync.Mutex
+	users  map[string]map[*eventSub]struct{}
+	cursor string
+	closed bool
+
+	dropped atomic.Int64
+}
+
+// eventSub is one stream's registration.
+type eventSub struct {
+	hub      *Events
+	userID   string
+	deviceID string // "" for every device
+	ch       chan companion.Event
+	// gone is closed when the hub drops the stream (its buffer was full)
+	// or closes.
+	gone chan struct{}
+}
+
+// NewEvents checks the options and starts the hub's goroutine.
+func NewEvents(opts EventsOptions) (*Events, error) {
+	if opts.Store == nil {
+		return nil, errors.New("api: events: no store")
+	}
+	if opts.PollInterval <= 0 {
+		opts.PollInterval = time.Second
+	}
+	if opts.Buffer <= 0 {
+		opts.Buffer = 256
+	}
+	if opts.Heartbeat <= 0 {
+		opts.Heartbeat = 15 * time.Second
+	}
+	if opts.WriteTimeout <= 0 {
+		opts.WriteTimeout = 30 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	h := &Events{
+		ctx:    ctx,
+		cancel: cancel,
+		opts:   opts,
+		log:    opts.Logger.With("component", "events"),
+		wake:   make(chan struct{}, 1),
+		quit:   make(chan struct{}),
+		done:   make(chan struct{}),
+		ready:  make(chan struct{}),
+		users:  map[string]map[*eventSub]struct{}{},
+	}
+	go h.run()
+	return h, nil
+}
+
+// Wake has the hub read the log now. It never blocks.
+func (h *Events) Wake() {
+	select {
+	case h.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Close ends every stream and stops the hub; it returns once the hub's
+// goroutine has.
+func (h *Events) Close() {
+	h.mu.Lock()
+	if !h.closed {
+		h.closed = true
+		close(h.quit)
+		h.cancel()
+		for _, subs := range h.users {
+			for sub := range subs {
+				close(sub.gone)
+			}
+		}
+		h.users = map[string]map[*eventSub]struct{}{}
+	}
+	h.mu.Unlock()
+	<-h.done
+}
+
+// Dropped is how many streams the hub dropped for falling behind.
+func (h *Events) Dropped() int64 { return h.dropped.Load() }
+
+// errEventsClosed is the answer to a stream that starts while the hub
+// closes.
+var errEventsClosed = errors.New("api: events: closed")
+
+// subscribe registers a stream of the user's events (of one device
+// when deviceID is set), once the hub has its cursor: errEventsClosed
+// when it has none within a few seconds (the store cannot be read) or
+// is closed.
+func (h *Events) subscribe(ctx context.Context, userID, deviceID string) (*eventSub, error) {
+	wait := time.NewTimer(5 * time.Second)
+	defer wait.Stop()
+	select {
+	case <-h.ready:
+	case <-h.quit:
+		return nil, errEventsClosed
+	case <-wait.C:
+		return nil, errEventsClosed
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	sub := &eventSub{hub: h, userID: userID, deviceID: deviceID, ch: make(chan companion.Event, h.opts.Buffer), gone: make(chan struct{})}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return nil, errEventsClosed
+	}
+	subs := h.users[userID]
+	if subs == nil {
+		subs = map[*eventSub]struct{}{}
+		h.users[userID] = subs
+	}
+	subs[sub] = struct{}{}
+	return sub, nil
+}
+
+// close takes the stream off the hub.
+func (sub *eventSub) close() {
+	h := sub.hub
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.remove(sub)
+}
+
+// remove takes sub off the hub and reports whether it was on; h.mu held.
+func (h *Events) remove(sub *eventSub) bool {
+	subs := h.users[sub.userID]
+	if _, ok := subs[sub]; !ok {
+		return false
+	}
+	delete(subs, sub)
+	if len(subs) == 0 {
+		delete(h.users, sub.userID)
+	}
+	return true
+}
+
+func (h *Events) run() {
+	defer close(h.done)
+	ctx := h.ctx
+	poll := time.NewTicker(h.opts.PollInterval)
+	defer poll.Stop()
+	for {
+		head, err := h.opts.Store.EventsHead(ctx)
+		if err == nil {
+			h.mu.Lock()
+			h.cursor = head
+			h.mu.Unlock()
+			close(h.ready)
+			break
+		}
+		h.log.Warn("reading the event log's head", "err", err)
+		select {
+		case <-h.quit:
+			return
+		case <-poll.C:
+		}
+	}
+	// After a wake that found nothing, look again a little later: on
+	// PostgreSQL an event shows only once the transactions older than
+	// its own have ended, and those may announce nothing themselves.
+	var retry <-chan time.Time
+	backoff := 10 * time.Millisecond
+	for {
+		select {
+		case <-h.quit:
+			return
+		case <-h.wake:
+			backoff = 10 * time.Millisecond
+		case <-poll.C:
+		case <-retry:
+		}
+		retry = nil
+		n, err := h.read(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			h.log.Error("reading the event log", "err", err)
+		case n == 0 && backoff < h.opts.PollInterval:
+			retry = time.After(backoff)
+			backoff *= 4
+		}
+	}
+}
+
+// read hands every event of the log after the hub's cursor to the
+// streams, and returns how many it read.
+func (h *Events) read(ctx context.Context) (int, error) {
+	const page = 500
+	total := 0
+	for {
+		h.mu.Lock()
+		after := h.cursor
+		h.mu.Unlock()
+		evs, next, err := h.opts.Store.Events(ctx, "", after, page)
+		if err != nil {
+			return total, err
+		}
+		h.mu.Lock()
+		for _, ev := range evs {
+			h.fanOut(ev)
+		}
+		h.cursor = next
+		h.mu.Unlock()
+		total += len(evs)
+		if len(evs) < page {
+			return total, nil
+		}
+	}
+}
+
+// fanOut hands ev to the streams that want it, dropping those that are
+// full; h.mu held.
+func (h *Events) fanOut(ev companion.Event) {
+	for sub := range h.users[ev.UserID] {
+		if sub.deviceID != "" && sub.deviceID != ev.DeviceID {
+			continue
+		}
+		select {
+		case sub.ch <- ev:
+		default:
+			h.remove(sub)
+			close(sub.gone)
+			h.dropped.Add(1)
+			h.log.Info("dropped an event stream that fell behind", "user_id", sub.userID, "buffer", cap(sub.ch))
+		}
+	}
+}
+
+// The shapes of the events' data (docs/api.md "Events"), named as the
+// commands and statuses of the rest of the API.
+
+type commandEventJSON struct {
+	ID       string                  `json:"id"`
+	DeviceID string                  `json:"device_id"`
+	Op       string                  `json:"op"`
+	State    string                  `json:"state"`
+	Progress *int                    `json:"progress,omitempty"`
+	Error    *companion.CommandError `json:"error,omitempty"`
+	At       *time.Time              `json:"at"`
+}
+
+type deviceEventJSON struct {
+	DeviceID        string     `json:"device_id"`
+	Online          bool       `json:"online"`
+	Battery         *int       `json:"battery"`
+	FirmwareVersion *string    `json:"firmware_version"`
+	Apps            []appJSON  `json:"apps"`
+	At              *time.Time `json:"at"`
+}
+
+// eventData is the SSE event name and data of ev; false for an event of a
+// kind this build does not know.
+func eventData(ev companion.Event) (string, []byte, bool) {
+	var v any
+	switch {
+	case ev.Kind == companion.EventCommand && ev.Command != nil:
+		c := ev.Command
+		v = commandEventJSON{ID: c.ID, DeviceID: ev.DeviceID, Op: c.Op, State: c.State, Progress: c.Progress, Error: c.Error, At: timeOrNull(ev.At)}
+	case ev.Kind == companion.EventDevice && ev.Device != nil:
+		d := ev.Device
+		v = deviceEventJSON{DeviceID: ev.DeviceID, Online: d.Online, Battery: d.Battery, FirmwareVersion: stringOrNull(d.FirmwareVersion),
+			Apps: toApps(d.Apps), At: timeOrNull(ev.At)}
+	default:
+		return "", nil, false
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return "", nil, false
+	}
+	return ev.Kind, b, true
+}
+
+// eventsBacklogPage is how many events a resuming stream reads at a time.
+const eventsBacklogPage = 200
+
+// streamEvents serves GET /api/v1/events.
+func (s *Server) streamEvents(c *gin.Context) error {
+	hub := s.events
+	if hub == nil {
+		return errNotFound
+	}
+	ctx := c.Request.Context()
+	user := currentUser(c)
+	deviceID, filtered := c.GetQuery("device_id")
+	if filtered {
+		if !topics.ValidDeviceID(deviceID) {
+			return errDeviceNotFound
+		}
+		b, err := s.store.Binding(ctx, deviceID)
+		switch {
+		case errors.Is(err, companion.ErrNotFound):
+			return errDeviceNotFound
+		case err != nil:
+			return err
+		case b.UserID != user.ID:
+			return errDeviceNotFound
+		}
+	}
+	// EventSource sends Last-Event-ID when it reconnects; the query is
+	// for clients that cannot set a header on their first request.
+	last := c.GetHeader("Last-Event-ID")
+	field := "Last-Event-ID"
+	if last == "" {
+		last, field = c.Query("last_event_id"), "last_event_id"
+	}
+	sub, err := hub.subscribe(ctx, user.ID, deviceID)
+	if err != nil {
+		if errors.Is(err, errEventsClosed) {
+			return &Error{Code: CodeNotReady}
+		}
+		return err
+	}
+	defer sub.close()
+
+	// The first page of the backlog comes before the answer's status, so
+	// that an id that is no cursor is a 422 problem.
+	var backlog []companion.Event
+	after, caughtUp := last, last == ""
+	if !caughtUp {
+		backlog, after, err = hub.opts.Store.Events(ctx, user.ID, last, eventsBacklogPage)
+		if errors.Is(err, companion.ErrInvalidCursor) {
+			return &Error{Code: CodeInvalidCursor, Fields: []FieldError{{Field: field, Message: "is not the id of an event"}}}
+		}
+		if err != nil {
+			return err
+		}
+		caughtUp = len(backlog) < eventsBacklogPage
+	}
+
+	w := &sseWriter{c: c, rc: http.NewResponseController(c.Writer), timeout: hub.opts.WriteTimeout, last: last}
+	// The deadline stays on the connection, which may serve another
+	// request once the stream ends.
+	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
+	h := c.Writer.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-store")
+	h.Set("X-Accel-Buffering", "no") // no proxy buffering
+	c.Status(http.StatusOK)
+	if err := w.write([]byte("retry: 2000\n\n")); err != nil {
+		return nil
+	}
+	for {
+		for _, ev := range backlog {
+			if filtered && ev.DeviceID != deviceID {
+				continue
+			}
+			if err := w.event(ev); err != nil {
+				return nil
+			}
+		}
+		if caughtUp {
+			break
+		}
+		if backlog, after, err = hub.opts.Store.Events(ctx, user.ID, after, eventsBacklogPage); err != nil {
+			s.log.ErrorContext(ctx, "reading an event stream's backlog", "err", err)
+			return nil // the client resumes from its last id
+		}
+		caughtUp = len(backlog) < eventsBacklogPage
+	}
+
+	ping := time.NewTicker(hub.opts.Heartbeat)
+	defer ping.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-sub.gone:
+			return nil // dropped, or the hub closed: the client resumes
+		case ev := <-sub.ch:
+			if w.last != "" && ev.ID <= w.last {
+				continue // sent from the backlog already
+			}
+			if err := w.event(ev); err != nil {
+				return nil
+			}
+		case <-ping.C:
+			if err := w.write([]byte(": ping\n\n")); err != nil {
+				return nil
+			}
+		}
+	}
+}
+
+// sseWriter writes a stream's events, each flushed within its deadline.
+type sseWriter struct {
+	c       *gin.Context
+	rc      *http.ResponseController
+	timeout time.Duration
+	last    string // the id of the last event written
+}
+
+func (w *sseWriter) event(ev companion.Event) error {
+	name, data, ok := eventData(ev)
+	if !ok {
+		return nil
+	}
+	if err := w.write(fmt.Appendf(nil, "id: %s\nevent: %s\ndata: %s\n\n", ev.ID, name, data)); err != nil {
+		return err
+	}
+	w.last = ev.ID
+	return nil
+}
+
+func (w *sseWriter) write(b []byte) error {
+	// A client that does not take a write in time is dropped as one
+	// that falls behind is.
+	if err := w.rc.SetWriteDeadline(time.Now().Add(w.timeout)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		return err
+	}
+	if _, err := w.c.Writer.Write(b); err != nil {
+		return err
+	}
+	return w.rc.Flush()
+}

@@ -1,0 +1,453 @@
+package api
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/sse"
+	"github.com/devicecompanion/companion/store"
+)
+
+// sseEvent is one event (or comment) of a stream as a client parses it.
+type sseEvent struct {
+	id, event, data string
+	comment         string // a comment line's text, for a comment
+}
+
+func (e sseEvent) json(t testing.TB) map[string]any {
+	t.Helper()
+	var m map[string]any
+	require.NoError(t, json.Unmarshal([]byte(e.data), &m), "data: %s", e.data)
+	return m
+}
+
+// sseStream is a client's stream of GET /api/v1/events, parsed line by
+// line as the SSE format says.
+type sseStream struct {
+	res    *http.Response
+	ch     chan sseEvent
+	done   chan struct{} // closed when the stream ended (EOF or error)
+	closer sync.Once
+}
+
+// sseOpen opens a stream over a real HTTP connection and checks it
+// started; the test's end closes it.
+func sseOpen(t testing.TB, client *http.Client, url, token string, header map[string]string) *sseStream {
+	t.Helper()
+	res := sseRequest(t, client, url, token, header)
+	require.Equal(t, http.StatusOK, res.StatusCode)
+	require.Equal(t, "text/event-stream", res.Header.Get("Content-Type"))
+	s := &sseStream{res: res, ch: make(chan sseEvent, 10000), done: make(chan struct{})}
+	go s.parse()
+	t.Cleanup(s.close)
+	return s
+}
+
+func sseRequest(t testing.TB, client *http.Client, url, token string, header map[string]string) *http.Response {
+	t.Helper()
+	req, err := http.NewRequest("GET", url, nil)
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+token)
+	req.Header.Set("Accept", "text/event-stream")
+	for k, v := range header {
+		req.Header.Set(k, v)
+	}
+	res, err := client.Do(req)
+	require.NoError(t, err)
+	return res
+}
+
+func (s *sseStream) parse() {
+	defer close(s.done)
+	defer close(s.ch)
+	r := sse.NewReader(s.res.Body)
+	r.OnComment = func(text string) { s.ch <- sseEvent{comment: text} }
+	for {
+		ev, err := r.Next()
+		if err != nil {
+			return
+		}
+		s.ch <- sseEvent{id: ev.ID, event: ev.Type, data: ev.Data}
+	}
+}
+
+func (s *sseStream) close() {
+	s.closer.Do(func() {
+		s.res.Body.Close()
+		<-s.done
+	})
+}
+
+// next returns the next event, skipping comments, or fails the test
+// after a while.
+func (s *sseStream) next(t testing.TB) sseEvent {
+	t.Helper()
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case ev, ok := <-s.ch:
+			require.True(t, ok, "the stream ended")
+			if ev.comment != "" || ev.id == "" {
+				continue
+			}
+			return ev
+		case <-timeout:
+			t.Fatal("no event within 10s")
+		}
+	}
+}
+
+// nextN returns the next n events.
+func (s *sseStream) nextN(t testing.TB, n int) []sseEvent {
+	t.Helper()
+	out := make([]sseEvent, 0, n)
+	for range n {
+		out = append(out, s.next(t))
+	}
+	return out
+}
+
+// quiet fails the test if an event comes within d.
+func (s *sseStream) quiet(t testing.TB, d time.Duration) {
+	t.Helper()
+	timeout := time.After(d)
+	for {
+		select {
+		case ev, ok := <-s.ch:
+			if ok && ev.comment != "" {
+				continue
+			}
+			t.Fatalf("unexpected event %+v", ev)
+		case <-timeout:
+			return
+		}
+	}
+}
+
+// eventsEnv is an API with an event hub over a real bbolt store.
+type eventsEnv struct {
+	*env
+	hub *Events
+}
+
+func newEventsEnv(t testing.TB, opts EventsOptions) *eventsEnv {
+	t.Helper()
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	opts.Store = db
+	opts.Logger = slog.New(slog.DiscardHandler)
+	hub, err := NewEvents(opts)
+	require.NoError(t, err)
+	db.OnEvents(hub.Wake)
+	e := newEnvWith(t, db, db, func(o *Options) { o.Events = hub })
+	// Before the HTTP server's Close (registered earlier, run later).
+	t.Cleanup(hub.Close)
+	return &eventsEnv{env: e, hub: hub}
+}
+
+func (e *eventsEnv) stream(t testing.TB, token, query string, header map[string]string) *sseStream {
+	t.Helper()
+	return sseOpen(t, e.srv.Client(), e.srv.URL+"/api/v1/events"+query, token, header)
+}
+
+// push sends a text push through the API and returns the command's id.
+func (e *eventsEnv) push(t testing.TB, token, dev string) string {
+	t.Helper()
+	r := e.do("POST", "/api/v1/devices/"+dev+"/push/text", token, map[string]any{"text": "hi"})
+	require.Equal(t, 202, r.status, "%s", r.body)
+	return r.json(t)["id"].(string)
+}
+
+func eventsOfCommand(t testing.TB, evs []sseEvent) []string {
+	t.Helper()
+	var out []string
+	for _, ev := range evs {
+		require.Equal(t, "command", ev.event)
+		out = append(out, ev.json(t)["state"].(string))
+	}
+	return out
+}
+
+func TestEventsCommandStates(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	s := e.stream(t, tok, "", nil)
+	id := e.push(t, tok, "dev-1")
+	e.cmds.set(t, id, companion.StateSent)
+	e.cmds.set(t, id, companion.StateDelivered)
+	_, err := e.db.UpdateCommand(t.Context(), id, func(c *companion.Command) error {
+		p := 40
+		c.State, c.Progress = companion.StateInProgress, &p
+		return nil
+	})
+	require.NoError(t, err)
+	e.cmds.set(t, id, companion.StateSucceeded)
+
+	evs := s.nextN(t, 5)
+	assert.Equal(t, []string{"queued", "sent", "delivered", "in_progress", "succeeded"}, eventsOfCommand(t, evs))
+	for i, ev := range evs {
+		require.NotEmpty(t, ev.id)
+		if i > 0 {
+			assert.Less(t, evs[i-1].id, ev.id, "ids rise")
+		}
+		m := ev.json(t)
+		assert.Equal(t, id, m["id"])
+		assert.Equal(t, "dev-1", m["device_id"])
+		assert.Equal(t, "push.text", m["op"])
+		assert.NotEmpty(t, m["at"])
+	}
+	assert.Equal(t, 40.0, evs[3].json(t)["progress"])
+	assert.NotContains(t, evs[0].json(t), "progress")
+}
+
+func TestEventsResumeWithLastEventID(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	s := e.stream(t, tok, "", nil)
+	id := e.push(t, tok, "dev-1")
+	first := s.next(t)
+	s.close()
+
+	// Missed while away.
+	e.cmds.set(t, id, companion.StateSent)
+	id2 := e.push(t, tok, "dev-1")
+	e.cmds.set(t, id, companion.StateSucceeded)
+
+	for _, how := range []struct {
+		name   string
+		query  string
+		header map[string]string
+	}{
+		{"header", "", map[string]string{"Last-Event-ID": first.id}},
+		{"query", "?last_event_id=" + first.id, nil},
+	} {
+		t.Run(how.name, func(t *testing.T) {
+			s := e.stream(t, tok, how.query, how.header)
+			evs := s.nextN(t, 3)
+			assert.Equal(t, []string{"sent", "queued", "succeeded"}, eventsOfCommand(t, evs))
+			assert.Equal(t, []any{id, id2, id}, []any{evs[0].json(t)["id"], evs[1].json(t)["id"], evs[2].json(t)["id"]})
+			s.quiet(t, 100*time.Millisecond)
+		})
+	}
+	// Then live, with nothing twice.
+	s = e.stream(t, tok, "", map[string]string{"Last-Event-ID": first.id})
+	evs := s.nextN(t, 3)
+	id3 := e.push(t, tok, "dev-1")
+	ev := s.next(t)
+	assert.Equal(t, id3, ev.json(t)["id"])
+	assert.Greater(t, ev.id, evs[2].id)
+	s.quiet(t, 100*time.Millisecond)
+
+	r := e.send(req{method: "GET", path: "/api/v1/events", token: tok, header: map[string]string{"Last-Event-ID": "nonsense"}})
+	require.Equal(t, 422, r.status, "%s", r.body)
+	assert.Equal(t, CodeInvalidCursor, r.problem(t).Code)
+}
+
+func TestEventsDeviceStatusFilterAndIsolation(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	alice := e.bound("dev-a")
+	e.provision("dev-a2", "code-a2", "sim-1")
+	r := e.do("POST", "/api/v1/devices/register", alice, map[string]any{"device_id": "dev-a2", "claim_code": "code-a2"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	bob := e.bound("dev-b")
+
+	all := e.stream(t, alice, "", nil)
+	onlyA2 := e.stream(t, alice, "?device_id=dev-a2", nil)
+	bobs := e.stream(t, bob, "", nil)
+
+	e.report("dev-a", "1.0.0")
+	e.report("dev-b", "1.0.0")
+	e.report("dev-a2", "1.0.0", companion.App{AppID: "weather", Version: "1.0.0"})
+	e.report("dev-a2", "1.0.0", companion.App{AppID: "weather", Version: "1.0.0"}) // the same: no event
+	_, err := e.db.MarkBridgeOffline(t.Context(), "bridge-1")
+	require.NoError(t, err)
+
+	evs := all.nextN(t, 4)
+	var got []string
+	for _, ev := range evs {
+		require.Equal(t, "device", ev.event)
+		m := ev.json(t)
+		got = append(got, fmt.Sprintf("%s %v", m["device_id"], m["online"]))
+		assert.Equal(t, 80.0, m["battery"])
+		assert.Equal(t, "1.0.0", m["firmware_version"])
+		assert.NotNil(t, m["apps"])
+		assert.NotEmpty(t, m["at"])
+	}
+	assert.ElementsMatch(t, []string{"dev-a true", "dev-a2 true", "dev-a false", "dev-a2 false"}, got)
+	assert.Equal(t, []any{map[string]any{"app_id": "weather", "version": "1.0.0"}}, evs[1].json(t)["apps"])
+	all.quiet(t, 100*time.Millisecond)
+
+	for _, ev := range onlyA2.nextN(t, 2) {
+		assert.Equal(t, "dev-a2", ev.json(t)["device_id"])
+	}
+	onlyA2.quiet(t, 100*time.Millisecond)
+	for _, ev := range bobs.nextN(t, 2) {
+		assert.Equal(t, "dev-b", ev.json(t)["device_id"], "bob sees only his device")
+	}
+	bobs.quiet(t, 100*time.Millisecond)
+
+	for _, dev := range []string{"dev-b", "dev-404", "bad id"} {
+		r := e.send(req{method: "GET", path: "/api/v1/events?device_id=" + strings.ReplaceAll(dev, " ", "%20"), token: alice})
+		require.Equal(t, 404, r.status, "%s: %s", dev, r.body)
+		assert.Equal(t, CodeDeviceNotFound, r.problem(t).Code)
+	}
+	r = e.send(req{method: "GET", path: "/api/v1/events"})
+	assert.Equal(t, 401, r.status)
+}
+
+func TestEventsHeartbeat(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
+	tok := e.bound("dev-1")
+	s := e.stream(t, tok, "", nil)
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case ev := <-s.ch:
+			if ev.comment == "ping" {
+				return
+			}
+		case <-timeout:
+			t.Fatal("no heartbeat")
+		}
+	}
+}
+
+// sseSlowClient is an HTTP client whose connections take almost nothing
+// into their receive buffers, so that a stream it never reads stops the
+// server's writes after a few kilobytes.
+func sseSlowClient() *http.Client {
+	d := &net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 2048)
+		})
+		if err != nil {
+			return err
+		}
+		return serr
+	}}
+	return &http.Client{Transport: &http.Transport{DialContext: d.DialContext, DisableKeepAlives: true}}
+}
+
+// sseSmallBuffers gives each connection it accepts a small send buffer
+// (which also stops the kernel from growing it).
+type sseSmallBuffers struct{ net.Listener }
+
+func (l sseSmallBuffers) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if tc, ok := c.(*net.TCPConn); ok {
+		_ = tc.SetWriteBuffer(4096)
+	}
+	return c, err
+}
+
+// A stream that is never read costs the others nothing: it is dropped
+// once its buffer is full, ends, and resumes from its last id.
+func TestEventsSlowReaderIsDropped(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{Buffer: 64})
+	tok := e.bound("dev-1")
+	fast := e.stream(t, tok, "", nil)
+	// The slow client's connection has small buffers on both ends, as
+	// over a slow mobile link, so that the server's writes stop after a
+	// few kilobytes rather than the megabytes loopback would take.
+	slowSrv := httptest.NewUnstartedServer(e.api.Handler())
+	slowSrv.Listener = sseSmallBuffers{slowSrv.Listener}
+	slowSrv.Start()
+	t.Cleanup(slowSrv.Close)
+	t.Cleanup(e.hub.Close) // first: it ends the streams
+	slow := sseRequest(t, sseSlowClient(), slowSrv.URL+"/api/v1/events", tok, nil)
+	require.Equal(t, 200, slow.StatusCode)
+	defer slow.Body.Close()
+
+	// Events in bursts of 20 (a burst over a stream's buffer drops any
+	// stream): the fast stream keeps up, the slow one is stuck.
+	const n, burst = 600, 20
+	var want []sseEvent
+	start := time.Now()
+	for i := 0; i < n; i += burst {
+		var wg sync.WaitGroup
+		for j := i; j < i+burst; j++ {
+			wg.Add(1)
+			battery := j % 101
+			e.db.PutStatusAsync(companion.Status{DeviceID: "dev-1", Online: true, Battery: &battery, FirmwareVersion: strings.Repeat("1", 60),
+				Model: "sim-1", BridgeID: "bridge-1", LastSeen: time.Now(), Seq: uint64(j + 1)}, func(bool, error) { wg.Done() })
+		}
+		wg.Wait()
+		want = append(want, fast.nextN(t, burst)...)
+	}
+	// Other requests too.
+	r := e.do("GET", "/api/v1/devices", tok, nil)
+	require.Equal(t, 200, r.status)
+	assert.Less(t, time.Since(start), 20*time.Second)
+	deadline := time.Now().Add(10 * time.Second)
+	for e.hub.Dropped() == 0 {
+		require.True(t, time.Now().Before(deadline), "the slow stream was never dropped")
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	// The slow stream, read now, ends after some of the events, in order.
+	s := &sseStream{res: slow, ch: make(chan sseEvent, 10000), done: make(chan struct{})}
+	go s.parse()
+	select {
+	case <-s.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the dropped stream did not end")
+	}
+	var got []sseEvent
+	for ev := range s.ch {
+		if ev.id != "" {
+			got = append(got, ev)
+		}
+	}
+	require.NotEmpty(t, got, "the slow stream had some events before it fell behind")
+	require.Less(t, len(got), n, "the slow stream was cut short")
+	assert.Equal(t, sseIDs(want[:len(got)]), sseIDs(got))
+
+	// It resumes with its last id, and gets exactly the rest.
+	again := e.stream(t, tok, "", map[string]string{"Last-Event-ID": got[len(got)-1].id})
+	rest := again.nextN(t, n-len(got))
+	assert.Equal(t, sseIDs(want[len(got):]), sseIDs(rest))
+	again.quiet(t, 100*time.Millisecond)
+}
+
+func sseIDs(evs []sseEvent) []string {
+	out := make([]string, 0, len(evs))
+	for _, ev := range evs {
+		out = append(out, ev.id)
+	}
+	return out
+}
+
+// Closing the hub ends every stream, so that the HTTP server can shut
+// down.
+func TestEventsHubCloseEndsStreams(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	s := e.stream(t, tok, "", nil)
+	e.hub.Close()
+	select {
+	case <-s.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stream did not end")
+	}
+	_, _ = io.Copy(io.Discard, s.res.Body)
+	r := e.send(req{method: "GET", path: "/api/v1/events", token: tok})
+	assert.Equal(t, 503, r.status)
+}

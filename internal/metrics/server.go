@@ -1,0 +1,245 @@
+package metrics
+
+import (
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/devicecompanion/companion/api"
+	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// The server's ops and states, in the order of their pre-bound series.
+var (
+	serverOps = []string{
+		topics.OpPushText, topics.OpPushImage, topics.OpAppInstall, topics.OpAppUninstall,
+		topics.OpAppUpdate, topics.OpSettingsUpdate, topics.OpOTAUpdate,
+	}
+	commandStates = []string{
+		companion.StateQueued, companion.StateSent, companion.StateDelivered, companion.StateInProgress,
+		companion.StateSucceeded, companion.StateFailed, companion.StateExpired, companion.StateCanceled,
+	}
+	storeWrites = []string{
+		broker.StoreWriteCreate, broker.StoreWriteReply, broker.StoreWriteSent, broker.StoreWriteCancel,
+		broker.StoreWriteExpire, broker.StoreWriteStatus, broker.StoreWriteSettings, broker.StoreWriteOffline,
+	}
+)
+
+// stateIndex is the index of state in commandStates; -1 for another.
+func stateIndex(state string) int {
+	switch state {
+	case companion.StateQueued:
+		return 0
+	case companion.StateSent:
+		return 1
+	case companion.StateDelivered:
+		return 2
+	case companion.StateInProgress:
+		return 3
+	case companion.StateSucceeded:
+		return 4
+	case companion.StateFailed:
+		return 5
+	case companion.StateExpired:
+		return 6
+	case companion.StateCanceled:
+		return 7
+	}
+	return -1
+}
+
+// opSeries are the pre-bound series of one op.
+type opSeries struct {
+	entered [8]prometheus.Counter  // by stateIndex
+	latency [8]prometheus.Observer // by stateIndex; final states only
+}
+
+// Server holds the figures of companion serve. It implements
+// broker.Observer and api.RequestObserver; create it with NewServer.
+type Server struct {
+	reg *prometheus.Registry
+
+	entered *prometheus.CounterVec
+	latency *prometheus.HistogramVec
+	ops     map[string]*opSeries // read-only after NewServer
+	open    prometheus.Gauge
+	mqtt    prometheus.Gauge
+	store   map[string]prometheus.Observer // read-only after NewServer
+	storeV  *prometheus.HistogramVec
+
+	httpTotal *prometheus.CounterVec
+	httpTime  *prometheus.HistogramVec
+	httpMu    sync.RWMutex
+	http      map[httpKey]httpSeries
+}
+
+type httpKey struct {
+	method, route string
+	status        int
+}
+
+type httpSeries struct {
+	total prometheus.Counter
+	took  prometheus.Observer
+}
+
+// NewServer registers the server's metrics in a registry of its own.
+func NewServer() *Server {
+	s := &Server{
+		reg: newRegistry(),
+		entered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "companion_commands_total",
+			Help: "Commands that entered a state on this server, by op and state (queued when accepted; sent and delivered may be skipped).",
+		}, []string{"op", "state"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "companion_command_duration_seconds",
+			Help:    "Time from a command's acceptance to its final state, by op and final state.",
+			Buckets: commandBuckets,
+		}, []string{"op", "state"}),
+		open: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "companion_commands_open",
+			Help: "Commands accepted and not final yet (read from the store at start, then followed).",
+		}),
+		mqtt: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "companion_mqtt_connected",
+			Help: "1 while the server's MQTT connection is up and subscribed, else 0.",
+		}),
+		storeV: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "companion_store_write_duration_seconds",
+			Help:    "Time for a write of the command broker to be durable in the store, by kind of write.",
+			Buckets: storeBuckets,
+		}, []string{"write"}),
+		httpTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "companion_http_requests_total",
+			Help: "HTTP requests answered, by method, route (as registered, not the URL) and status code.",
+		}, []string{"method", "route", "code"}),
+		httpTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "companion_http_request_duration_seconds",
+			Help:    "Time to answer an HTTP request, by method and route.",
+			Buckets: prometheus.DefBuckets,
+		}, []string{"method", "route"}),
+		ops:   make(map[string]*opSeries, len(serverOps)),
+		store: make(map[string]prometheus.Observer, len(storeWrites)),
+		http:  make(map[httpKey]httpSeries),
+	}
+	s.reg.MustRegister(s.entered, s.latency, s.open, s.mqtt, s.storeV, s.httpTotal, s.httpTime)
+	for _, op := range serverOps {
+		o := &opSeries{}
+		for i, st := range commandStates {
+			o.entered[i] = s.entered.WithLabelValues(op, st)
+			if companion.IsFinal(st) {
+				o.latency[i] = s.latency.WithLabelValues(op, st)
+			}
+		}
+		s.ops[op] = o
+	}
+	for _, w := range storeWrites {
+		s.store[w] = s.storeV.WithLabelValues(w)
+	}
+	return s
+}
+
+// Registry is where the server's metrics are registered.
+func (s *Server) Registry() *prometheus.Registry { return s.reg }
+
+// SetOpenCommands sets the open commands gauge, at start, from the store;
+// CommandState follows it from then on.
+func (s *Server) SetOpenCommands(n int) { s.open.Set(float64(n)) }
+
+// CommandState counts a command entering state; a final state also ends
+// its accept-to-final time, and takes it off the open commands.
+func (s *Server) CommandState(op, state string, age time.Duration) {
+	i := stateIndex(state)
+	o := s.ops[op]
+	if o == nil || i < 0 {
+		// Not one of the ops or states known at build time (the broker
+		// refuses other ops): counted all the same, at the price of a
+		// lookup.
+		s.entered.WithLabelValues(op, state).Inc()
+		if companion.IsFinal(state) {
+			s.latency.WithLabelValues(op, state).Observe(age.Seconds())
+			s.open.Dec()
+		}
+		return
+	}
+	o.entered[i].Inc()
+	switch {
+	case state == companion.StateQueued:
+		s.open.Inc()
+	case o.latency[i] != nil:
+		o.latency[i].Observe(age.Seconds())
+		s.open.Dec()
+	}
+}
+
+// MQTTConnected sets the connection gauge.
+func (s *Server) MQTTConnected(up bool) { s.mqtt.Set(gauge01(up)) }
+
+// StoreWrite observes how long a write of the broker took.
+func (s *Server) StoreWrite(kind string, took time.Duration) {
+	h := s.store[kind]
+	if h == nil {
+		h = s.storeV.WithLabelValues(kind)
+	}
+	h.Observe(took.Seconds())
+}
+
+// Request counts an answered HTTP request. Routes are the API's own, a
+// bounded set; a request no route matched counts under route "unmatched",
+// and a method outside HTTP's usual ones as "other", so that no client can
+// make up series.
+func (s *Server) Request(method, route string, status int, took time.Duration) {
+	method = knownMethod(method)
+	if route == "" {
+		route = "unmatched"
+	}
+	k := httpKey{method, route, status}
+	s.httpMu.RLock()
+	hs, ok := s.http[k]
+	s.httpMu.RUnlock()
+	if !ok {
+		hs = httpSeries{
+			total: s.httpTotal.WithLabelValues(method, route, strconv.Itoa(status)),
+			took:  s.httpTime.WithLabelValues(method, route),
+		}
+		s.httpMu.Lock()
+		s.http[k] = hs
+		s.httpMu.Unlock()
+	}
+	hs.total.Inc()
+	hs.took.Observe(took.Seconds())
+}
+
+// knownMethod returns method as the constant string of net/http, or
+// "other".
+func knownMethod(m string) string {
+	switch m {
+	case http.MethodGet:
+		return http.MethodGet
+	case http.MethodHead:
+		return http.MethodHead
+	case http.MethodPost:
+		return http.MethodPost
+	case http.MethodPut:
+		return http.MethodPut
+	case http.MethodPatch:
+		return http.MethodPatch
+	case http.MethodDelete:
+		return http.MethodDelete
+	case http.MethodOptions:
+		return http.MethodOptions
+	}
+	return "other"
+}
+
+// The server's metrics serve what these packages ask of an observer.
+var (
+	_ broker.Observer     = (*Server)(nil)
+	_ api.RequestObserver = (*Server)(nil)
+)

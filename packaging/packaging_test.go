@@ -1,0 +1,382 @@
+package packaging
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"debug/elf"
+	"encoding/hex"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/internal/testenv"
+)
+
+var commands = []string{"companion", "companion-bridge"}
+
+func repoRoot(t *testing.T) string {
+	t.Helper()
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
+
+func goTool() string {
+	if g := os.Getenv("GO"); g != "" {
+		return g
+	}
+	return filepath.Join(runtime.GOROOT(), "bin", "go")
+}
+
+// run runs name with args in dir and returns its combined output, failing
+// t when it fails.
+func run(t *testing.T, timeout time.Duration, dir string, env []string, name string, args ...string) []byte {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// Both binaries print the version stamped at build time.
+func TestVersionFlag(t *testing.T) {
+	root := repoRoot(t)
+	dir := t.TempDir()
+	const stamp = "v0.0.0-versiontest"
+	for _, c := range commands {
+		bin := filepath.Join(dir, c)
+		run(t, 5*time.Minute, root, nil, goTool(), "build", "-ldflags", "-X main.version="+stamp, "-o", bin, "./cmd/"+c)
+		for _, flag := range []string{"--version", "-version"} {
+			out := run(t, 30*time.Second, dir, nil, bin, flag)
+			if got, want := string(out), c+" "+stamp+"\n"; got != want {
+				t.Errorf("%s %s = %q; want %q", c, flag, got, want)
+			}
+		}
+	}
+}
+
+// make dist builds both binaries for the three Linux platforms, static,
+// stamped with git describe, with the systemd units and SHA256SUMS.
+func TestMakeDist(t *testing.T) {
+	if testing.Short() {
+		t.Skip("cross-compiles six binaries")
+	}
+	make, err := exec.LookPath("make")
+	if err != nil {
+		t.Fatalf("make is needed: %v", err)
+	}
+	root := repoRoot(t)
+	dist := t.TempDir()
+	// The version make stamps, as the Makefile asks git for it.
+	want := "devel"
+	if out, err := exec.Command("git", "-C", root, "describe", "--always", "--dirty").Output(); err == nil {
+		want = strings.TrimSpace(string(out))
+	}
+	out := run(t, 15*time.Minute, root, []string{"GO=" + goTool()}, make, "dist", "DIST="+dist)
+	// Others may edit the tree meanwhile: take the version make printed,
+	// which must be git's but for the -dirty mark.
+	var got string
+	for _, l := range strings.Split(string(out), "\n") {
+		if f := strings.Fields(l); len(f) == 4 && f[0] == "dist:" {
+			got = f[3]
+		}
+	}
+	if strings.TrimSuffix(got, "-dirty") != strings.TrimSuffix(want, "-dirty") {
+		t.Fatalf("make dist stamped %q; git describe --always --dirty says %q\n%s", got, want, out)
+	}
+
+	for _, p := range []struct {
+		name    string
+		machine elf.Machine
+		class   elf.Class
+	}{
+		{"linux-amd64", elf.EM_X86_64, elf.ELFCLASS64},
+		{"linux-arm64", elf.EM_AARCH64, elf.ELFCLASS64},
+		{"linux-armv7", elf.EM_ARM, elf.ELFCLASS32},
+	} {
+		for _, c := range commands {
+			path := filepath.Join(dist, c+"-"+p.name)
+			f, err := elf.Open(path)
+			if err != nil {
+				t.Errorf("%s: %v", path, err)
+				continue
+			}
+			if f.Machine != p.machine || f.Class != p.class {
+				t.Errorf("%s: ELF machine %v, class %v; want %v, %v", path, f.Machine, f.Class, p.machine, p.class)
+			}
+			for _, prog := range f.Progs {
+				if prog.Type == elf.PT_INTERP || prog.Type == elf.PT_DYNAMIC {
+					t.Errorf("%s: dynamically linked (%v): CGO_ENABLED=0 must make it static", path, prog.Type)
+				}
+			}
+			f.Close()
+			b, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Contains(b, []byte(got)) {
+				t.Errorf("%s does not hold its version %q", path, got)
+			}
+			if bytes.Contains(b, []byte(root)) {
+				t.Errorf("%s holds the build's directory %s: -trimpath is missing", path, root)
+			}
+			if p.name == "linux-"+runtime.GOARCH || (runtime.GOARCH == "arm" && p.name == "linux-armv7") {
+				if v := run(t, 30*time.Second, dist, nil, path, "--version"); string(v) != c+" "+got+"\n" {
+					t.Errorf("%s --version = %q; want %q", path, v, c+" "+got+"\n")
+				}
+			}
+		}
+	}
+
+	// SHA256SUMS covers every file and is right about each.
+	sums, err := os.ReadFile(filepath.Join(dist, "SHA256SUMS"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed := map[string]bool{}
+	sc := bufio.NewScanner(bytes.NewReader(sums))
+	for sc.Scan() {
+		sum, name, ok := strings.Cut(sc.Text(), "  ")
+		if !ok {
+			t.Fatalf("SHA256SUMS line %q", sc.Text())
+		}
+		b, err := os.ReadFile(filepath.Join(dist, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h := sha256.Sum256(b); hex.EncodeToString(h[:]) != sum {
+			t.Errorf("SHA256SUMS: %s is wrong for %s", sum, name)
+		}
+		listed[name] = true
+	}
+	for _, name := range []string{
+		"companion-linux-amd64", "companion-bridge-linux-amd64",
+		"companion-linux-arm64", "companion-bridge-linux-arm64",
+		"companion-linux-armv7", "companion-bridge-linux-armv7",
+		"systemd/companion.service", "systemd/companion-bridge.service",
+		"systemd/companion.env", "systemd/companion-bridge.env",
+	} {
+		if !listed[name] {
+			t.Errorf("SHA256SUMS does not list %s:\n%s", name, sums)
+		}
+	}
+}
+
+// systemdAnalyze runs systemd-analyze with args and returns its output and
+// whether it succeeded. It works without systemd running as PID 1.
+func systemdAnalyze(t *testing.T, args ...string) (string, bool) {
+	t.Helper()
+	bin, err := exec.LookPath("systemd-analyze")
+	if err != nil {
+		t.Fatalf("systemd-analyze not installed: run make deps (it installs Debian's systemd): %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	var ee *exec.ExitError
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatalf("systemd-analyze: %v", err)
+	}
+	return string(out), err == nil
+}
+
+// unitCopy writes unit into dir with its ExecStart binary replaced by an
+// executable stub (systemd-analyze verify refuses a unit whose binary is
+// missing, and the test does not install one), and edit applied.
+func unitCopy(t *testing.T, dir, unit string, edit func(string) string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), "packaging", "systemd", unit))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stub := filepath.Join(dir, "stub")
+	if err := os.WriteFile(stub, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	text := strings.ReplaceAll(string(b), "ExecStart=/usr/local/bin/", "ExecStart="+dir+"/bin/")
+	if err := os.MkdirAll(filepath.Join(dir, "bin"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range commands {
+		if err := os.Symlink(stub, filepath.Join(dir, "bin", c)); err != nil && !os.IsExist(err) {
+			t.Fatal(err)
+		}
+	}
+	if edit != nil {
+		text = edit(text)
+	}
+	path := filepath.Join(dir, unit)
+	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// The units pass systemd-analyze verify without a word, keep their
+// hardening, and score as well exposed as systemd-analyze security rates
+// "OK"; a broken unit fails the same check.
+func TestSystemdUnits(t *testing.T) {
+	hardening := []string{
+		"DynamicUser=yes", "StateDirectory=", "NoNewPrivileges=yes", "ProtectSystem=strict",
+		"ProtectHome=yes", "PrivateTmp=yes", "PrivateDevices=yes",
+		"RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "CapabilityBoundingSet=\n",
+		"SystemCallFilter=@system-service", "MemoryDenyWriteExecute=yes", "LockPersonality=yes",
+		"RestrictNamespaces=yes", "Restart=on-failure", "EnvironmentFile=",
+	}
+	for _, unit := range []string{"companion.service", "companion-bridge.service"} {
+		t.Run(unit, func(t *testing.T) {
+			dir := t.TempDir()
+			path := unitCopy(t, dir, unit, nil)
+			if out, ok := systemdAnalyze(t, "verify", path); !ok || out != "" {
+				t.Errorf("systemd-analyze verify %s (ok %v):\n%s", unit, ok, out)
+			}
+			text, _ := os.ReadFile(path)
+			for _, h := range hardening {
+				if !strings.Contains(string(text), "\n"+h) {
+					t.Errorf("%s lacks %q", unit, strings.TrimSpace(h))
+				}
+			}
+			// 2.0 and below is what systemd-analyze calls OK.
+			if out, ok := systemdAnalyze(t, "security", "--offline=yes", "--threshold=20", path); !ok {
+				t.Errorf("systemd-analyze security %s: exposure over 2.0:\n%s", unit, out)
+			}
+
+			broken := t.TempDir()
+			for _, edit := range []func(string) string{
+				func(s string) string { return strings.Replace(s, "ProtectSystem=strict", "ProtectSystem=stricter", 1) },
+				func(s string) string { return strings.Replace(s, "[Service]\n", "[Service]\nExecStart=/bin/true\n", 1) },
+				func(s string) string { return strings.Replace(s, "Restart=on-failure", "Restart=sometimes", 1) },
+			} {
+				path := unitCopy(t, broken, unit, edit)
+				if out, ok := systemdAnalyze(t, "verify", path); ok && out == "" {
+					t.Errorf("systemd-analyze verify passes a broken %s:\n%s", unit, readFile(t, path))
+				}
+			}
+		})
+	}
+}
+
+func readFile(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// The images' Dockerfiles build a static binary into an image that holds
+// nothing else but CA certificates, and run it as an unprivileged user.
+func TestDockerfiles(t *testing.T) {
+	for _, tc := range []struct {
+		command string
+		expose  string
+	}{
+		{"companion", "EXPOSE 8080 1883 9464"},
+		{"companion-bridge", ""},
+	} {
+		text := readFile(t, filepath.Join(repoRoot(t), "packaging", "docker", tc.command+".Dockerfile"))
+		stages := strings.Split(text, "\nFROM ")
+		final := stages[len(stages)-1]
+		for _, want := range []string{
+			"CGO_ENABLED=0", "-trimpath", "-X main.version=$VERSION", "./cmd/" + tc.command,
+		} {
+			if !strings.Contains(text, want) {
+				t.Errorf("%s.Dockerfile builds without %q", tc.command, want)
+			}
+		}
+		for _, want := range []string{
+			"scratch\n", "/etc/ssl/certs/ca-certificates.crt", "\nUSER 65532:65532\n",
+			`ENTRYPOINT ["/usr/local/bin/` + tc.command + `"]`, "\nVOLUME /data\n",
+		} {
+			if !strings.Contains(final, want) {
+				t.Errorf("the image of %s.Dockerfile lacks %q", tc.command, strings.TrimSpace(want))
+			}
+		}
+		if tc.expose != "" && !strings.Contains(final, "\n"+tc.expose+"\n") {
+			t.Errorf("the image of %s.Dockerfile lacks %q", tc.command, tc.expose)
+		}
+		if tc.expose == "" && strings.Contains(final, "\nEXPOSE") {
+			t.Errorf("the image of %s.Dockerfile exposes a port; it listens on none", tc.command)
+		}
+	}
+}
+
+// imageBuilder returns the command line that builds an image with the
+// first builder that works here (a Docker daemon, Podman, Buildah), or ""
+// and why none does.
+func imageBuilder(t *testing.T) (func(dockerfile, tag, context string) []string, string) {
+	t.Helper()
+	works := func(name string, args ...string) bool {
+		if _, err := exec.LookPath(name); err != nil {
+			return false
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		return exec.CommandContext(ctx, name, args...).Run() == nil
+	}
+	switch {
+	case works("docker", "info"):
+		return func(f, tag, c string) []string {
+			return []string{"docker", "build", "-f", f, "-t", tag, "--build-arg", "VERSION=v0.0.0-imagetest", c}
+		}, ""
+	case works("podman", "info"):
+		return func(f, tag, c string) []string {
+			return []string{"podman", "build", "-f", f, "-t", tag, "--build-arg", "VERSION=v0.0.0-imagetest", c}
+		}, ""
+	case works("buildah", "--storage-driver", "vfs", "images"):
+		return func(f, tag, c string) []string {
+			return []string{"buildah", "--storage-driver", "vfs", "build", "--isolation", "chroot", "-f", f, "-t", tag, "--build-arg", "VERSION=v0.0.0-imagetest", c}
+		}, ""
+	}
+	return nil, "no image builder works here: no Docker daemon, and neither podman nor buildah runs"
+}
+
+// The images build, where a builder works and can pull the Go base image.
+func TestDockerImagesBuild(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds images")
+	}
+	build, why := imageBuilder(t)
+	if build == nil {
+		t.Skip(why)
+	}
+	root := repoRoot(t)
+	for _, c := range commands {
+		args := build(filepath.Join(root, "packaging", "docker", c+".Dockerfile"), "companion-test/"+c+":test", root)
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+		out, err := exec.CommandContext(ctx, args[0], args[1:]...).CombinedOutput()
+		cancel()
+		if err != nil {
+			for _, pull := range []string{"pinging container registry", "no such host", "failed to resolve", "pull access denied", "error pulling image", "initializing source"} {
+				if strings.Contains(string(out), pull) {
+					t.Skipf("%s works, but the base image cannot be pulled here (no container registry is reachable):\n%s", args[0], lastLines(out, 3))
+				}
+			}
+			t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+}
+
+func lastLines(b []byte, n int) string {
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}

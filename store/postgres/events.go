@@ -1,0 +1,215 @@
+package postgres
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The event log (migration 0002). The writes that change a command or a
+// status insert their events in their own transaction, and notify the
+// channel companion_events (see ListenEvents) on commit.
+//
+// An id from a sequence is not in commit order: of two transactions,
+// the one that took id 10 may commit after the one that took id 11, and
+// a reader that saw 11 and resumed after it would miss 10. So each event
+// also keeps the id of the transaction that wrote it (pg_current_xact_id,
+// a 64-bit xid8 that never wraps), the log is ordered by (xid, id), and a
+// reader reads only the events whose xid is below the xmin of its own
+// snapshot (pg_snapshot_xmin): every transaction below it has ended,
+// committed (and visible) or rolled back, so no event can ever appear
+// before the last one read. An event shows once every transaction that
+// began before it has ended: a long write transaction elsewhere on the
+// server delays the events committed meanwhile, it does not lose them.
+//
+// A cursor is the event's (xid, id) as two 16-digit hex numbers joined by
+// "-", so that cursors compare as strings in log order.
+
+// eventsChannel is the channel of pg_notify that says events were
+// committed (no payload: readers read the log).
+const eventsChannel = "companion_events"
+
+// maxEventsPage bounds a page of Events.
+const maxEventsPage = 1000
+
+// eventCursor is a place in the log: after the event (xid, id).
+type eventCursor struct{ xid, id uint64 }
+
+func (c eventCursor) String() string { return fmt.Sprintf("%016x-%016x", c.xid, c.id) }
+
+func (c eventCursor) less(o eventCursor) bool {
+	return c.xid < o.xid || (c.xid == o.xid && c.id < o.id)
+}
+
+// parseEventCursor reads a cursor: "" is before every event.
+func parseEventCursor(s string) (eventCursor, error) {
+	if s == "" {
+		return eventCursor{}, nil
+	}
+	x, i, ok := strings.Cut(s, "-")
+	if !ok || len(x) != 16 || len(i) != 16 {
+		return eventCursor{}, companion.ErrInvalidCursor
+	}
+	xid, err1 := strconv.ParseUint(x, 16, 64)
+	id, err2 := strconv.ParseUint(i, 16, 64)
+	if err1 != nil || err2 != nil || id > 1<<63-1 || xid > 1<<63-1 {
+		return eventCursor{}, companion.ErrInvalidCursor
+	}
+	return eventCursor{xid, id}, nil
+}
+
+// queueCommandEvent queues on b the event of command c as now stored.
+func queueCommandEvent(b *pgx.Batch, c companion.Command) error {
+	if c.UserID == "" {
+		return nil
+	}
+	data, err := json.Marshal(companion.CommandChanged(c))
+	if err != nil {
+		return err
+	}
+	b.Queue(`INSERT INTO events (xid, user_id, device_id, at, data) VALUES (pg_current_xact_id(), $1, $2, $3, $4)`,
+		c.UserID, c.DeviceID, c.UpdatedAt, data)
+	b.Queue(`SELECT pg_notify($1, '')`, eventsChannel)
+	return nil
+}
+
+// insertDeviceEvent appends the event of status st, as now stored, for the
+// user the device is bound to (none when it is bound to no one).
+func insertDeviceEvent(ctx context.Context, tx pgx.Tx, st companion.Status) error {
+	data, err := json.Marshal(companion.DeviceChanged("", st))
+	if err != nil {
+		return err
+	}
+	_, err = tx.Exec(ctx, `WITH ev AS (
+			INSERT INTO events (xid, user_id, device_id, at, data)
+			SELECT pg_current_xact_id(), user_id, device_id, $2, $3 FROM bindings WHERE device_id = $1
+			RETURNING 1)
+		SELECT pg_notify('`+eventsChannel+`', '') FROM ev`, st.DeviceID, st.UpdatedAt, data)
+	return err
+}
+
+// Events returns the user's events after the cursor (every user's with
+// userID ""), oldest first; see companion.Store and the comment above.
+func (s *Store) Events(ctx context.Context, userID, after string, limit int) ([]companion.Event, string, error) {
+	from, err := parseEventCursor(after)
+	if err != nil {
+		return nil, "", err
+	}
+	if limit <= 0 || limit > maxEventsPage {
+		limit = maxEventsPage
+	}
+	out := []companion.Event{}
+	if userID != "" && !validID(userID) {
+		return out, from.String(), nil
+	}
+	// One statement, so one snapshot: its xmin, and the events below it.
+	// The row of the snapshot comes back even when no event does.
+	where := `(e.xid, e.id) > ($1::text::xid8, $2) AND e.xid < snap.xmin`
+	args := []any{strconv.FormatUint(from.xid, 10), int64(from.id), limit}
+	if userID != "" {
+		where = `e.user_id = $4 AND ` + where
+		args = append(args, userID)
+	}
+	rows, err := s.pool.Query(ctx, `WITH snap AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin)
+		SELECT snap.xmin::text, e.xid::text, e.id, e.user_id, e.data::text
+		FROM snap LEFT JOIN LATERAL (
+			SELECT e.xid, e.id, e.user_id, e.data FROM events e
+			WHERE `+where+` ORDER BY e.xid, e.id LIMIT $3) e ON true
+		ORDER BY e.xid, e.id`, args...)
+	if err != nil {
+		return nil, "", err
+	}
+	defer rows.Close()
+	var xmin uint64
+	last := from
+	for rows.Next() {
+		var (
+			xminText      string
+			xidText, user *string
+			id            *int64
+			data          *string
+		)
+		if err := rows.Scan(&xminText, &xidText, &id, &user, &data); err != nil {
+			return nil, "", err
+		}
+		if xmin, err = strconv.ParseUint(xminText, 10, 64); err != nil {
+			return nil, "", fmt.Errorf("postgres: snapshot xmin %q: %w", xminText, err)
+		}
+		if xidText == nil {
+			continue // no event
+		}
+		xid, err := strconv.ParseUint(*xidText, 10, 64)
+		if err != nil {
+			return nil, "", fmt.Errorf("postgres: event xid %q: %w", *xidText, err)
+		}
+		var ev companion.Event
+		if err := json.Unmarshal([]byte(*data), &ev); err != nil {
+			return nil, "", fmt.Errorf("postgres: event %d: %w", *id, err)
+		}
+		last = eventCursor{xid, uint64(*id)}
+		ev.ID, ev.UserID = last.String(), *user
+		ev.At = ev.At.UTC()
+		out = append(out, ev)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, "", err
+	}
+	next := last
+	if len(out) < limit {
+		// Every event of the user below xmin has been read: the next
+		// read starts at xmin (whose events, if any, are not visible yet).
+		if c := (eventCursor{xid: xmin}); next.less(c) {
+			next = c
+		}
+	}
+	return out, next.String(), nil
+}
+
+// EventsHead returns the cursor of the present: the xmin of a snapshot
+// taken now.
+func (s *Store) EventsHead(ctx context.Context) (string, error) {
+	var xmin string
+	if err := s.pool.QueryRow(ctx, `SELECT pg_snapshot_xmin(pg_current_snapshot())::text`).Scan(&xmin); err != nil {
+		return "", err
+	}
+	v, err := strconv.ParseUint(xmin, 10, 64)
+	if err != nil {
+		return "", fmt.Errorf("postgres: snapshot xmin %q: %w", xmin, err)
+	}
+	return eventCursor{xid: v}.String(), nil
+}
+
+// PurgeEvents deletes the events older than olderThan, at most
+// purgeBatch in each transaction.
+func (s *Store) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {
+	total := 0
+	for {
+		tag, err := s.pool.Exec(ctx, `DELETE FROM events WHERE (xid, id) IN (
+			SELECT xid, id FROM events WHERE at < $1 LIMIT $2)`, olderThan, purgeBatch)
+		if err != nil {
+			return total, err
+		}
+		n := int(tag.RowsAffected())
+		total += n
+		if n < purgeBatch {
+			return total, nil
+		}
+	}
+}
+
+// ListenEvents calls fn each time a transaction that appended events
+// committed, on any replica of the database, and when notifications may
+// have been missed (the connection was lost and is back): fn then reads
+// the log. fn runs on ListenEvents' goroutine, one call at a time: it must
+// be quick. It LISTENs on a connection of its own, as ListenCommands does,
+// and returns when ctx is done (ctx.Err()) or the store is closed (nil).
+func (s *Store) ListenEvents(ctx context.Context, fn func()) error {
+	return s.listenLoop(ctx, eventsChannel, func(string) { fn() })
+}
