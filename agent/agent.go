@@ -27,11 +27,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -123,12 +121,16 @@ type Agent struct {
 	blobs      *blobs
 	client     mqtt.Client
 	stateTopic string
-	filters    map[string]byte // the command topics of the devices, to subscribe to
+	filters    []string // the command topics of the devices, in their order, to subscribe to
 	devices    map[string]*deviceRunner
 	order      []*deviceRunner
 
 	connected atomic.Bool
-	stopping  atomic.Bool // Run is shutting down: do not say "online" again
+	// conn counts the connections; onConnect adds one and wakes the
+	// subscriber (subWake), which makes that connection's subscriptions.
+	conn      atomic.Uint64
+	subWake   chan struct{}
+	subTiming subscribeTiming
 	// resync is set until the first message of a connection arrives, which
 	// sets settleUntil (unix ns): see settleTime.
 	resync      atomic.Bool
@@ -208,6 +210,8 @@ func New(opts Options) (*Agent, error) {
 		tree:       opts.Topics,
 		devices:    map[string]*deviceRunner{},
 		intakeWake: make(chan struct{}, 1),
+		subWake:    make(chan struct{}, 1),
+		subTiming:  subscribeTiming{timeout: subscribeTimeout, retryMin: subscribeRetryMin, retryMax: subscribeRetryMax},
 		outboxWake: make(chan struct{}, 1),
 		delivOwed:  map[string]bool{},
 		delivWake:  make(chan struct{}, 1),
@@ -231,13 +235,12 @@ func New(opts Options) (*Agent, error) {
 	if a.stateTopic, err = a.tree.BridgeState(opts.BridgeID); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
-	a.filters = map[string]byte{}
 	for _, dr := range a.order {
 		f, err := a.tree.CommandsFilter(dr.id)
 		if err != nil {
 			return nil, fmt.Errorf("agent: %w", err)
 		}
-		a.filters[f] = 1
+		a.filters = append(a.filters, f)
 	}
 
 	if err := os.MkdirAll(opts.DataDir, 0o700); err != nil {
@@ -315,6 +318,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.goLoop(func() { a.confirm(ctx) })
 	a.goLoop(func() { a.deliveredLoop(ctx) })
 	a.goLoop(func() { a.housekeeping(ctx) })
+	a.goLoop(func() { a.subscriber(ctx) })
 	for _, dr := range a.order {
 		a.goLoop(func() { a.work(ctx, dr) })
 		a.goLoop(func() { a.report(ctx, dr) })
@@ -331,7 +335,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	<-ctx.Done()
 
-	a.stopping.Store(true)
 	a.wg.Wait()
 	if a.client.IsConnectionOpen() {
 		// A clean disconnect does not fire the Will: say it ourselves.
@@ -378,58 +381,21 @@ func signal(c chan struct{}) {
 	}
 }
 
-// onConnect runs on every (re)connection, in a goroutine of paho's.
-func (a *Agent) onConnect(c mqtt.Client) {
-	// No callback: every message goes to the default handler, which also
-	// catches what a persistent session delivers before this subscription
-	// is made.
-	refused := a.subscribe(c, a.filters)
-	if a.stopping.Load() {
-		return
-	}
-	c.Publish(a.stateTopic, 1, true, topics.BridgeOnline)
-	a.connected.Store(true)
-	a.opts.Observer.MQTTConnected(true)
-	a.log.Info("connected", "mqtt", a.opts.MQTTURL)
-	for _, dr := range a.order {
-		dr.requestReport(true, true, true)
-	}
-	signal(a.outboxWake)
-	if len(refused) > 0 {
-		// For good when the bridge does not serve the device (CONTRACT §9):
-		// a change of assignment disconnects the bridge, and the next
-		// connect asks again. NATS also refuses for a while when it cannot
-		// (while a node's JetStream leaders are elected): see
-		// docs/scale-out.md.
-		a.log.Warn("the broker refused the commands of some devices", "filters", slices.Sorted(maps.Keys(refused)))
-	}
-}
-
-// subscribe subscribes to filters and returns those the broker refused
-// (SUBACK 0x80).
-func (a *Agent) subscribe(c mqtt.Client, filters map[string]byte) map[string]byte {
-	if len(filters) == 0 {
-		return nil
-	}
-	tok := c.SubscribeMultiple(filters, nil)
-	if err := mqtt.WaitTokenTimeout(tok, 10*time.Second); err != nil {
-		a.log.Error("subscribing to commands failed", "err", err)
-	}
-	refused := map[string]byte{}
-	if st, ok := tok.(*mqtt.SubscribeToken); ok {
-		for f, qos := range filters {
-			if st.Result()[f] == 0x80 {
-				refused[f] = qos
-			}
-		}
-	}
-	return refused
+// onConnect runs on every (re)connection, in a goroutine of paho's. It
+// only wakes the subscriber, which subscribes (that may take minutes on
+// NATS: see subscribe.go) and then says the bridge is online. Until then
+// every message goes to the default handler, which also catches what a
+// persistent session delivers before the subscriptions are made again.
+func (a *Agent) onConnect(mqtt.Client) {
+	a.conn.Add(1)
+	signal(a.subWake)
 }
 
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 	a.connected.Store(false)
 	a.opts.Observer.MQTTConnected(false)
 	a.resync.Store(true)
+	signal(a.subWake) // stop asking for refused filters on the lost connection
 	a.log.Warn("MQTT connection lost", "err", err)
 }
 

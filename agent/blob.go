@@ -26,6 +26,14 @@ const BlobCacheAge = 24 * time.Hour
 // blobAttempts is how many times a transient download failure is retried.
 const blobAttempts = 5
 
+// The pauses between download attempts: from blobRetryMin, doubling up to
+// blobRetryMax, each randomised by ±50% (newBackoff) so that bridges that
+// lost one server together do not come back to it in lockstep.
+const (
+	blobRetryMin = 200 * time.Millisecond
+	blobRetryMax = 5 * time.Second
+)
+
 // blobs fetches binary content by SHA-256 into a cache directory, resuming
 // broken downloads with HTTP Range requests.
 type blobs struct {
@@ -98,10 +106,10 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 	part := final + ".part"
 	var lastErr error
 	restarted := false
+	bo := newBackoff(blobRetryMin, blobRetryMax)
 	for attempt := 0; attempt < blobAttempts; attempt++ {
 		if attempt > 0 {
-			wait := min(200*time.Millisecond<<(attempt-1), 5*time.Second)
-			t := time.NewTimer(wait)
+			t := time.NewTimer(bo.NextBackOff())
 			select {
 			case <-ctx.Done():
 				t.Stop()

@@ -3,6 +3,7 @@ package api
 import (
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"sort"
@@ -341,6 +342,47 @@ func (s *Server) getBlob(c *gin.Context) error {
 	h.Set("Content-Type", "application/octet-stream")
 	h.Set("ETag", `"`+blob.SHA256+`"`)
 	h.Set("Cache-Control", "private, max-age=31536000, immutable")
-	http.ServeContent(c.Writer, c.Request, "", blob.CreatedAt, f)
-	return nil
+	w := &blobWriter{ResponseWriter: c.Writer}
+	http.ServeContent(w, c.Request, "", blob.CreatedAt, f)
+	if w.failed == 0 {
+		return nil
+	}
+	// ServeContent has set its plain-text error's headers (and dropped the
+	// ETag and Cache-Control of a success): clear them for the problem.
+	h.Del("Content-Type")
+	h.Del("X-Content-Type-Options")
+	if w.failed == http.StatusRequestedRangeNotSatisfiable {
+		// RFC 9110 §15.5.17: the answer names the content's length, also
+		// when the Range was not even well-formed.
+		h.Set("Content-Range", fmt.Sprintf("bytes */%d", blob.Size))
+		return &Error{Code: CodeRangeNotSatisfiable}
+	}
+	h.Del("Content-Range")
+	return fmt.Errorf("serving blob %s: http.ServeContent answered %d", sha, w.failed)
+}
+
+// blobWriter stands between http.ServeContent and the client. ServeContent
+// answers its own errors (an unsatisfiable range, a failed seek) as plain
+// text, which CONTRACT §2 does not allow: blobWriter keeps such an answer
+// back and records its status, for getBlob to answer as a problem.
+type blobWriter struct {
+	http.ResponseWriter
+	failed int // the status of the error ServeContent answered, if any
+}
+
+func (w *blobWriter) WriteHeader(code int) {
+	switch {
+	case w.failed != 0:
+	case code >= 400:
+		w.failed = code
+	default:
+		w.ResponseWriter.WriteHeader(code)
+	}
+}
+
+func (w *blobWriter) Write(p []byte) (int, error) {
+	if w.failed != 0 {
+		return len(p), nil // the error's text, never sent
+	}
+	return w.ResponseWriter.Write(p)
 }

@@ -644,8 +644,15 @@ func TestBlobs(t *testing.T) {
 	require.Equal(t, http.StatusPartialContent, r.status)
 	assert.Equal(t, content[9990:], r.body)
 
-	r = e.send(req{method: "GET", path: path, token: secret, header: map[string]string{"Range": "bytes=20000-"}})
-	assert.Equal(t, http.StatusRequestedRangeNotSatisfiable, r.status)
+	// A range it cannot serve is a problem (CONTRACT §2), with the
+	// content's length (RFC 9110 §15.5.17), also when it is no byte range.
+	for _, rng := range []string{"bytes=20000-", "bytes=x-y"} {
+		r = e.send(req{method: "GET", path: path, token: secret, header: map[string]string{"Range": rng}})
+		require.Equal(t, http.StatusRequestedRangeNotSatisfiable, r.status, rng)
+		assert.Equal(t, CodeRangeNotSatisfiable, r.problem(t).Code, rng)
+		assert.Equal(t, "bytes */10000", r.header.Get("Content-Range"), rng)
+		assert.Empty(t, r.header.Get("ETag"), "%s: a problem is not the blob", rng)
+	}
 
 	r = e.do("GET", path, testAdminToken, nil)
 	assert.Equal(t, 200, r.status)

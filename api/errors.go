@@ -60,6 +60,7 @@ const (
 	CodeInvalidClaim         = "invalid_claim"
 	CodeIdempotencyKeyReused = "idempotency_key_reused"
 	CodeInvalidCursor        = "invalid_cursor"
+	CodeRangeNotSatisfiable  = "range_not_satisfiable"
 	CodeQueueFull            = "queue_full"
 	CodeRateLimited          = "rate_limited"
 	CodeInternal             = "internal"
@@ -100,6 +101,7 @@ var codes = map[string]codeInfo{
 	CodeInvalidClaim:         {http.StatusUnprocessableEntity, "Invalid claim", "unknown device or wrong claim code"},
 	CodeIdempotencyKeyReused: {http.StatusUnprocessableEntity, "Idempotency key reused", "the Idempotency-Key was used with another request"},
 	CodeInvalidCursor:        {http.StatusUnprocessableEntity, "Invalid cursor", "the cursor is not one this list returned"},
+	CodeRangeNotSatisfiable:  {http.StatusRequestedRangeNotSatisfiable, "Range not satisfiable", "the range lies outside the content"},
 	CodeQueueFull:            {http.StatusTooManyRequests, "Queue full", "the device has too many unfinished commands"},
 	CodeRateLimited:          {http.StatusTooManyRequests, "Rate limited", "too many requests"},
 	CodeInternal:             {http.StatusInternalServerError, "Internal error", "internal error"},

@@ -3,7 +3,6 @@ package api
 import (
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -21,14 +20,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/sse"
+	"github.com/devicecompanion/companion/internal/ssetest"
 	"github.com/devicecompanion/companion/store"
 )
 
-// sseEvent is one event (or comment) of a stream as a client parses it.
-type sseEvent struct {
-	id, event, data string
-	comment         string // a comment line's text, for a comment
-}
+// sseEvent is one event of a stream as a client parses it.
+type sseEvent struct{ id, event, data string }
 
 func (e sseEvent) json(t testing.TB) map[string]any {
 	t.Helper()
@@ -37,29 +34,22 @@ func (e sseEvent) json(t testing.TB) map[string]any {
 	return m
 }
 
-// sseStream is a client's stream of GET /api/v1/events, parsed line by
-// line as the SSE format says.
-type sseStream struct {
-	res    *http.Response
-	ch     chan sseEvent
-	done   chan struct{} // closed when the stream ended (EOF or error)
-	closer sync.Once
+// sseEventOf is ev as sseEvent.
+func sseEventOf(ev sse.Event) sseEvent {
+	return sseEvent{id: ev.ID, event: ev.Type, data: ev.Data}
 }
+
+// sseStream is a client's stream of GET /api/v1/events.
+type sseStream struct{ *ssetest.Stream }
 
 // sseOpen opens a stream over a real HTTP connection and checks it
 // started; the test's end closes it.
 func sseOpen(t testing.TB, client *http.Client, url, token string, header map[string]string) *sseStream {
 	t.Helper()
-	res := sseRequest(t, client, url, token, header)
-	require.Equal(t, http.StatusOK, res.StatusCode)
-	require.Equal(t, "text/event-stream", res.Header.Get("Content-Type"))
-	s := &sseStream{res: res, ch: make(chan sseEvent, 10000), done: make(chan struct{})}
-	go s.parse()
-	t.Cleanup(s.close)
-	return s
+	return &sseStream{ssetest.Open(t, client, sseRequest(t, url, token, header))}
 }
 
-func sseRequest(t testing.TB, client *http.Client, url, token string, header map[string]string) *http.Response {
+func sseRequest(t testing.TB, url, token string, header map[string]string) *http.Request {
 	t.Helper()
 	req, err := http.NewRequest("GET", url, nil)
 	require.NoError(t, err)
@@ -68,49 +58,15 @@ func sseRequest(t testing.TB, client *http.Client, url, token string, header map
 	for k, v := range header {
 		req.Header.Set(k, v)
 	}
-	res, err := client.Do(req)
-	require.NoError(t, err)
-	return res
+	return req
 }
 
-func (s *sseStream) parse() {
-	defer close(s.done)
-	defer close(s.ch)
-	r := sse.NewReader(s.res.Body)
-	r.OnComment = func(text string) { s.ch <- sseEvent{comment: text} }
-	for {
-		ev, err := r.Next()
-		if err != nil {
-			return
-		}
-		s.ch <- sseEvent{id: ev.ID, event: ev.Type, data: ev.Data}
-	}
-}
-
-func (s *sseStream) close() {
-	s.closer.Do(func() {
-		s.res.Body.Close()
-		<-s.done
-	})
-}
-
-// next returns the next event, skipping comments, or fails the test
-// after a while.
+// next returns the next event, or fails the test after a while.
 func (s *sseStream) next(t testing.TB) sseEvent {
 	t.Helper()
-	timeout := time.After(10 * time.Second)
-	for {
-		select {
-		case ev, ok := <-s.ch:
-			require.True(t, ok, "the stream ended")
-			if ev.comment != "" || ev.id == "" {
-				continue
-			}
-			return ev
-		case <-timeout:
-			t.Fatal("no event within 10s")
-		}
-	}
+	ev, err := s.Next(10 * time.Second)
+	require.NoError(t, err)
+	return sseEventOf(ev)
 }
 
 // nextN returns the next n events.
@@ -126,17 +82,8 @@ func (s *sseStream) nextN(t testing.TB, n int) []sseEvent {
 // quiet fails the test if an event comes within d.
 func (s *sseStream) quiet(t testing.TB, d time.Duration) {
 	t.Helper()
-	timeout := time.After(d)
-	for {
-		select {
-		case ev, ok := <-s.ch:
-			if ok && ev.comment != "" {
-				continue
-			}
-			t.Fatalf("unexpected event %+v", ev)
-		case <-timeout:
-			return
-		}
+	if ev, err := s.Next(d); err != ssetest.ErrTimeout {
+		t.Fatalf("unexpected event %+v (%v)", ev, err)
 	}
 }
 
@@ -223,7 +170,7 @@ func TestEventsResumeWithLastEventID(t *testing.T) {
 	s := e.stream(t, tok, "", nil)
 	id := e.push(t, tok, "dev-1")
 	first := s.next(t)
-	s.close()
+	s.Close()
 
 	// Missed while away.
 	e.cmds.set(t, id, companion.StateSent)
@@ -319,8 +266,8 @@ func TestEventsHeartbeat(t *testing.T) {
 	timeout := time.After(10 * time.Second)
 	for {
 		select {
-		case ev := <-s.ch:
-			if ev.comment == "ping" {
+		case ev := <-s.Events():
+			if ev.IsComment() && ev.Comment == "ping" {
 				return
 			}
 		case <-timeout:
@@ -372,7 +319,8 @@ func TestEventsSlowReaderIsDropped(t *testing.T) {
 	slowSrv.Start()
 	t.Cleanup(slowSrv.Close)
 	t.Cleanup(e.hub.Close) // first: it ends the streams
-	slow := sseRequest(t, sseSlowClient(), slowSrv.URL+"/api/v1/events", tok, nil)
+	slow, err := sseSlowClient().Do(sseRequest(t, slowSrv.URL+"/api/v1/events", tok, nil))
+	require.NoError(t, err)
 	require.Equal(t, 200, slow.StatusCode)
 	defer slow.Body.Close()
 
@@ -403,17 +351,16 @@ func TestEventsSlowReaderIsDropped(t *testing.T) {
 	}
 
 	// The slow stream, read now, ends after some of the events, in order.
-	s := &sseStream{res: slow, ch: make(chan sseEvent, 10000), done: make(chan struct{})}
-	go s.parse()
+	s := ssetest.Read(t, slow)
 	select {
-	case <-s.done:
+	case <-s.Done():
 	case <-time.After(10 * time.Second):
 		t.Fatal("the dropped stream did not end")
 	}
 	var got []sseEvent
-	for ev := range s.ch {
-		if ev.id != "" {
-			got = append(got, ev)
+	for ev := range s.Events() {
+		if !ev.IsComment() {
+			got = append(got, sseEventOf(ev.Event))
 		}
 	}
 	require.NotEmpty(t, got, "the slow stream had some events before it fell behind")
@@ -443,11 +390,10 @@ func TestEventsHubCloseEndsStreams(t *testing.T) {
 	s := e.stream(t, tok, "", nil)
 	e.hub.Close()
 	select {
-	case <-s.done:
+	case <-s.Done():
 	case <-time.After(10 * time.Second):
 		t.Fatal("the stream did not end")
 	}
-	_, _ = io.Copy(io.Discard, s.res.Body)
 	r := e.send(req{method: "GET", path: "/api/v1/events", token: tok})
 	assert.Equal(t, 503, r.status)
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/internal/openapitest"
 	"github.com/devicecompanion/companion/store"
 )
 
@@ -216,7 +217,8 @@ type req struct {
 }
 
 // send makes the request and reads the answer, and checks both against
-// api/openapi.json (see contract.check): a disagreement fails the test.
+// api/openapi.json (see openapitest.Contract.Check): a disagreement fails
+// the test.
 func (e *env) send(r req) resp {
 	e.t.Helper()
 	var raw []byte
@@ -256,9 +258,8 @@ func (e *env) send(r req) resp {
 	defer res.Body.Close()
 	b, err := io.ReadAll(res.Body)
 	require.NoError(e.t, err)
-	got := resp{status: res.StatusCode, header: res.Header, body: b}
-	mustContract(e.t).check(e.t, hr, raw, got)
-	return got
+	mustContract(e.t).Check(e.t, hr, raw, openapitest.Answer{Status: res.StatusCode, Header: res.Header, Body: b})
+	return resp{status: res.StatusCode, header: res.Header, body: b}
 }
 
 func (e *env) do(method, path, token string, body any) resp {

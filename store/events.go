@@ -182,53 +182,37 @@ func (db *DB) EventsHead(ctx context.Context) (string, error) {
 // PurgeEvents deletes the events older than olderThan, oldest first, at
 // most purgeBatch of them in each write transaction.
 func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {
-	batch := db.purgeBatch
-	if batch <= 0 {
-		batch = defaultPurgeBatch
-	}
-	total := 0
-	for {
-		if err := ctx.Err(); err != nil {
-			return total, err
+	return db.purgeInBatches(ctx, func(tx *bolt.Tx, batch int) (int, bool, error) {
+		events, byUser := tx.Bucket(bucketEvents), tx.Bucket(bucketUserEvents)
+		type doomed struct {
+			k    []byte
+			user string
 		}
-		n, more := 0, false
-		err := db.update(func(tx *bolt.Tx) error {
-			n, more = 0, false
-			events, byUser := tx.Bucket(bucketEvents), tx.Bucket(bucketUserEvents)
-			type doomed struct {
-				k    []byte
-				user string
+		var gone []doomed
+		more := false
+		c := events.Cursor()
+		for k, v := c.First(); k != nil; k, v = c.Next() {
+			var ev companion.Event
+			if err := json.Unmarshal(v, &ev); err != nil {
+				return 0, false, fmt.Errorf("store: decode event %x: %w", k, err)
 			}
-			var gone []doomed
-			c := events.Cursor()
-			for k, v := c.First(); k != nil; k, v = c.Next() {
-				var ev companion.Event
-				if err := json.Unmarshal(v, &ev); err != nil {
-					return fmt.Errorf("store: decode event %x: %w", k, err)
-				}
-				if !ev.At.Before(olderThan) {
-					break
-				}
-				if len(gone) == batch {
-					more = true
-					break
-				}
-				gone = append(gone, doomed{bytes.Clone(k), ev.UserID})
+			if !ev.At.Before(olderThan) {
+				break
 			}
-			for _, d := range gone {
-				if err := events.Delete(d.k); err != nil {
-					return err
-				}
-				if err := byUser.Delete(append(prefix(d.user), d.k...)); err != nil {
-					return err
-				}
+			if len(gone) == batch {
+				more = true
+				break
 			}
-			n = len(gone)
-			return nil
-		})
-		total += n
-		if err != nil || !more {
-			return total, err
+			gone = append(gone, doomed{bytes.Clone(k), ev.UserID})
 		}
-	}
+		for _, d := range gone {
+			if err := events.Delete(d.k); err != nil {
+				return 0, false, err
+			}
+			if err := byUser.Delete(append(prefix(d.user), d.k...)); err != nil {
+				return 0, false, err
+			}
+		}
+		return len(gone), more, nil
+	})
 }

@@ -199,7 +199,7 @@ type DB struct {
 	now     func() time.Time
 	log     *slog.Logger
 
-	purgeBatch int // deletions per transaction of PurgeCommands
+	purgeBatch int // deletions per transaction of PurgeCommands and PurgeEvents
 
 	onEvents atomic.Pointer[func()] // called after each commit that appended events (OnEvents)
 }

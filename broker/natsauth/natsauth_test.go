@@ -20,6 +20,7 @@ import (
 
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/broker/natsauth"
+	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/natstest"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -217,36 +218,15 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 // probe is a real paho client.
-type probe struct {
-	mqtt.Client
-	msgs chan mqtt.Message
-	lost chan error
-}
+type probe struct{ *mqtttest.Probe }
 
 func dialOnce(t *testing.T, url, id, user, pass string) (*probe, error) {
 	t.Helper()
-	p := &probe{msgs: make(chan mqtt.Message, 1000), lost: make(chan error, 1)}
-	p.Client = mqtt.NewClient(mqtt.NewClientOptions().
-		AddBroker(url).
-		SetClientID(id).
-		SetUsername(user).
-		SetPassword(pass).
-		SetCleanSession(true).
-		SetProtocolVersion(4).
-		SetAutoReconnect(false).
-		SetConnectTimeout(wait).
-		SetOrderMatters(true).
-		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) { p.msgs <- m }).
-		SetConnectionLostHandler(func(_ mqtt.Client, err error) { p.lost <- err }))
-	if err := mqtt.WaitTokenTimeout(p.Connect(), wait); err != nil {
+	p, err := mqtttest.DialProbe(t, url, id, user, pass)
+	if err != nil {
 		return nil, err
 	}
-	t.Cleanup(func() {
-		if p.IsConnected() {
-			p.Disconnect(50)
-		}
-	})
-	return p, nil
+	return &probe{p}, nil
 }
 
 func (d *door) dial(t *testing.T, node int, id, user, pass string) *probe {
@@ -285,7 +265,7 @@ func (p *probe) nextOn(t *testing.T, topic, why string) mqtt.Message {
 func (p *probe) next(t *testing.T, why string) mqtt.Message {
 	t.Helper()
 	select {
-	case m := <-p.msgs:
+	case m := <-p.Msgs:
 		return m
 	case <-time.After(wait):
 		t.Fatalf("no message: %s", why)
@@ -296,7 +276,7 @@ func (p *probe) next(t *testing.T, why string) mqtt.Message {
 func (p *probe) waitCut(t *testing.T, why string) {
 	t.Helper()
 	select {
-	case <-p.lost:
+	case <-p.Lost:
 	case <-time.After(wait):
 		t.Fatalf("the connection was not closed: %s", why)
 	}
@@ -536,7 +516,7 @@ func TestReloadDropsRetainedMessagesOfCalloutClients(t *testing.T) {
 	u2 := d.dial(t, 0, "alice-2", "alice", "token-a")
 	require.Equal(t, byte(1), u2.subscribe(t, status))
 	select {
-	case m := <-u2.msgs:
+	case m := <-u2.Msgs:
 		t.Fatalf("the retained status outlived the reload: %s", m.Payload())
 	case <-time.After(2 * time.Second):
 	}

@@ -167,11 +167,13 @@ func (r loadResult) cpuPerCommand() string {
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
-// runLoad has clients POST text pushes to devs for d. Client i pushes to
-// the devices i, i+clients, i+2·clients, … in turn. With wait, each request
-// holds its answer until the command is final (200); otherwise it is
-// answered once accepted (202).
-func runLoad(t pathTarget, devs []string, clients int, d time.Duration, wait bool) loadResult {
+// runLoad has clients POST text pushes to devs for d, as token, spread
+// round-robin over bases: client i pushes to the devices i, i+clients,
+// i+2·clients, … in turn, its k-th request to bases[(i+k) mod len(bases)].
+// With wait, each request holds its answer until the command is final
+// (200); otherwise it is answered once accepted (202). The result's cpu is
+// left to the caller, who knows the processes.
+func runLoad(bases []string, token string, devs []string, clients int, d time.Duration, wait bool) loadResult {
 	tr := &http.Transport{MaxIdleConnsPerHost: clients, DisableCompression: true}
 	defer tr.CloseIdleConnections()
 	hc := &http.Client{Transport: tr, Timeout: 90 * time.Second}
@@ -185,7 +187,6 @@ func runLoad(t pathTarget, devs []string, clients int, d time.Duration, wait boo
 		res loadResult
 		wg  sync.WaitGroup
 	)
-	before := cpuTimes(t.procs)
 	start := time.Now()
 	deadline := start.Add(d)
 	for i := range clients {
@@ -196,17 +197,15 @@ func runLoad(t pathTarget, devs []string, clients int, d time.Duration, wait boo
 		if len(mine) == 0 {
 			mine = []string{devs[i%len(devs)]}
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			var lat []time.Duration
 			var segs [][3]time.Duration
 			errs, firstErr := 0, ""
-			for n := 0; time.Now().Before(deadline); n++ {
-				dev := mine[n%len(mine)]
-				req, _ := http.NewRequest("POST", t.base+"/api/v1/devices/"+dev+"/push/text", bytes.NewReader(body))
+			for k := 0; time.Now().Before(deadline); k++ {
+				base := bases[(i+k)%len(bases)]
+				req, _ := http.NewRequest("POST", base+"/api/v1/devices/"+mine[k%len(mine)]+"/push/text", bytes.NewReader(body))
 				req.Header.Set("Content-Type", "application/json")
-				req.Header.Set("Authorization", "Bearer "+t.token)
+				req.Header.Set("Authorization", "Bearer "+token)
 				if wait {
 					req.Header.Set("Prefer", "wait=60")
 				}
@@ -229,7 +228,7 @@ func runLoad(t pathTarget, devs []string, clients int, d time.Duration, wait boo
 				if resp.StatusCode != want || json.Unmarshal(raw, &cmd) != nil || cmd.ID == "" {
 					errs++
 					if firstErr == "" {
-						firstErr = fmt.Sprintf("%d %s", resp.StatusCode, raw)
+						firstErr = fmt.Sprintf("%s: %d %s", base, resp.StatusCode, raw)
 					}
 					continue
 				}
@@ -250,12 +249,20 @@ func runLoad(t pathTarget, devs []string, clients int, d time.Duration, wait boo
 				res.firstErr = firstErr
 			}
 			mu.Unlock()
-		}()
+		})
 	}
 	wg.Wait()
 	res.elapsed = time.Since(start)
 	res.done = len(res.lat)
 	slices.Sort(res.lat)
+	return res
+}
+
+// load runs runLoad on t and measures the CPU time of t's processes, and
+// of this one, over it.
+func (t pathTarget) load(devs []string, clients int, d time.Duration, wait bool) loadResult {
+	before := cpuTimes(t.procs)
+	res := runLoad([]string{t.base}, t.token, devs, clients, d, wait)
 	after := cpuTimes(t.procs)
 	res.cpu = map[string]time.Duration{}
 	for name, d := range after {
@@ -301,7 +308,7 @@ func procCPU(pid int) time.Duration {
 // (under the profiler when asked) and the accepting phase.
 func measurePath(b *testing.B, cfg benchConfig, t pathTarget, profile bool) pathFigures {
 	b.Helper()
-	runLoad(t, t.devices, cfg.e2eClients, 2*time.Second, true) // warm up: connections, pages, caches
+	t.load(t.devices, cfg.e2eClients, 2*time.Second, true) // warm up: connections, pages, caches
 	var f pathFigures
 	phase := func(name string, run func()) {
 		if !profile || t.profile == nil {
@@ -312,8 +319,8 @@ func measurePath(b *testing.B, cfg benchConfig, t pathTarget, profile bool) path
 			b.Fatalf("%s: profile: %v", t.name, err)
 		}
 	}
-	phase("e2e", func() { f.e2e = runLoad(t, t.devices, cfg.e2eClients, cfg.phase, true) })
-	phase("accept", func() { f.accept = runLoad(t, t.parked, cfg.acceptClients, cfg.phase, false) })
+	phase("e2e", func() { f.e2e = t.load(t.devices, cfg.e2eClients, cfg.phase, true) })
+	phase("accept", func() { f.accept = t.load(t.parked, cfg.acceptClients, cfg.phase, false) })
 	for _, r := range []struct {
 		name string
 		res  loadResult

@@ -40,9 +40,7 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -161,38 +159,20 @@ func clusterCalloutFlags(tb testing.TB, cl *natstest.Cluster) []string {
 // (TestManySubscriptions), and its devices read online only after it.
 const clusterBridgeStart = 3 * time.Minute
 
-// startBridge starts c's bridge, waits until its devices read online, and
-// starts it again (at most four times) while its log says NATS refused
-// some of its command subscriptions or a command to one of its devices
-// does not come back final: NATS refuses new QoS 1 subscriptions for a
-// while after a start (until JetStream's leaders are elected) and for
-// good past a session's limit (max_ack_pending), and a bridge asks again
-// only on its next connect (docs/scale-out.md). The bridge's own wait for
-// its SUBACK (10 s) may pass first on a busy machine ("subscribing to
-// commands failed"); the subscriptions are made all the same, and the
-// probe shows whether they were.
+// startBridge starts c's bridge and waits until its devices read online
+// and a command to each comes back final. NATS may refuse new QoS 1
+// subscriptions for a while after a start (until JetStream's leaders are
+// elected); the bridge asks again for those by itself (agent/subscribe.go),
+// so the probe waits rather than restarting it.
 func (r *clusterRig) startBridge(tb testing.TB, c *procCluster) {
 	tb.Helper()
-	for attempt := 1; ; attempt++ {
-		c.launchBridge()
-		problem := r.waitOnline(tb, c)
-		if problem == "" {
-			log, _ := os.ReadFile(c.bridgeProc.logPath)
-			if msg := "the broker refused the commands"; bytes.Contains(log, []byte(msg)) {
-				problem = msg
-			}
-		}
-		if problem == "" {
-			problem = r.probe(c.devices)
-		}
-		if problem == "" {
-			return
-		}
-		if attempt == 5 {
-			tb.Fatalf("the bridge's commands do not get through NATS after %d starts: %s", attempt, problem)
-		}
-		tb.Logf("bridge start %d: %s; starting it again", attempt, problem)
-		c.bridgeProc.kill()
+	c.launchBridge()
+	problem := r.waitOnline(tb, c)
+	if problem == "" {
+		problem = r.probe(c.devices)
+	}
+	if problem != "" {
+		tb.Fatalf("the bridge's commands do not get through NATS: %s", problem)
 	}
 }
 
@@ -359,7 +339,7 @@ func (r *clusterRig) measure(tb testing.TB, token string, devs []string, clients
 	tb.Helper()
 	x0, w0 := clusterPGCounters(tb, r.pg.DSN)
 	before := r.clusterCPU()
-	res := clusterLoad(r.bases(), token, devs, clients, d, wait)
+	res := runLoad(r.bases(), token, devs, clients, d, wait)
 	after := r.clusterCPU()
 	x1, w1 := clusterPGCounters(tb, r.pg.DSN)
 	res.cpu = map[string]time.Duration{}
@@ -367,85 +347,6 @@ func (r *clusterRig) measure(tb testing.TB, token string, devs []string, clients
 		res.cpu[k] = v - before[k]
 	}
 	return clusterPhase{res: res, xids: x1 - x0, walBytes: w1 - w0}
-}
-
-// clusterLoad is runLoad (benchpath_test.go) with the requests spread
-// round-robin over bases: clients POST text pushes to devs for d, client i
-// to the devices i, i+clients, … in turn, its k-th request to bases[(i+k)
-// mod len(bases)]. With wait, each request holds its answer until the
-// command is final (200); otherwise it is answered once accepted (202).
-func clusterLoad(bases []string, token string, devs []string, clients int, d time.Duration, wait bool) loadResult {
-	tr := &http.Transport{MaxIdleConnsPerHost: clients, DisableCompression: true}
-	defer tr.CloseIdleConnections()
-	hc := &http.Client{Transport: tr, Timeout: 90 * time.Second}
-	want := http.StatusAccepted
-	if wait {
-		want = http.StatusOK
-	}
-	body := []byte(`{"text":"bench"}`)
-	var (
-		mu  sync.Mutex
-		res loadResult
-		wg  sync.WaitGroup
-	)
-	start := time.Now()
-	deadline := start.Add(d)
-	for i := range clients {
-		var mine []string
-		for j := i; j < len(devs); j += clients {
-			mine = append(mine, devs[j])
-		}
-		if len(mine) == 0 {
-			mine = []string{devs[i%len(devs)]}
-		}
-		wg.Go(func() {
-			var lat []time.Duration
-			errs, firstErr := 0, ""
-			for k := 0; time.Now().Before(deadline); k++ {
-				base := bases[(i+k)%len(bases)]
-				req, _ := http.NewRequest("POST", base+"/api/v1/devices/"+mine[k%len(mine)]+"/push/text", bytes.NewReader(body))
-				req.Header.Set("Content-Type", "application/json")
-				req.Header.Set("Authorization", "Bearer "+token)
-				if wait {
-					req.Header.Set("Prefer", "wait=60")
-				}
-				t0 := time.Now()
-				resp, err := hc.Do(req)
-				if err != nil {
-					errs++
-					if firstErr == "" {
-						firstErr = err.Error()
-					}
-					continue
-				}
-				raw, _ := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				var cmd struct {
-					ID string `json:"id"`
-				}
-				if resp.StatusCode != want || json.Unmarshal(raw, &cmd) != nil || cmd.ID == "" {
-					errs++
-					if firstErr == "" {
-						firstErr = fmt.Sprintf("%s: %d %s", base, resp.StatusCode, raw)
-					}
-					continue
-				}
-				lat = append(lat, time.Since(t0))
-			}
-			mu.Lock()
-			res.lat = append(res.lat, lat...)
-			res.errs += errs
-			if res.firstErr == "" {
-				res.firstErr = firstErr
-			}
-			mu.Unlock()
-		})
-	}
-	wg.Wait()
-	res.elapsed = time.Since(start)
-	res.done = len(res.lat)
-	slices.Sort(res.lat)
-	return res
 }
 
 // clusterReplicaCounts reads BENCH_REPLICAS: the numbers of replicas to
@@ -499,7 +400,7 @@ func BenchmarkReplicas(b *testing.B) {
 				parked := parkedDevices(cfg)
 				r := startClusterRig(b, clusterRigOptions{replicas: n, devices: cfg.devices, parked: parked})
 				token := r.c.user.token
-				clusterLoad(r.bases(), token, r.devices, cfg.e2eClients, 2*time.Second, true) // warm up: connections, consumers, caches
+				runLoad(r.bases(), token, r.devices, cfg.e2eClients, 2*time.Second, true) // warm up: connections, consumers, caches
 				e2e := r.measure(b, token, r.devices, cfg.e2eClients, cfg.phase, true)
 				accept := r.measure(b, token, parked, cfg.acceptClients, cfg.phase, false)
 				for _, p := range []struct {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,6 +17,7 @@ import (
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/pgtest"
 	"github.com/devicecompanion/companion/internal/sse"
+	"github.com/devicecompanion/companion/internal/ssetest"
 )
 
 // sseEvent is an event of GET /api/v1/events as a plain client parses it;
@@ -28,13 +28,19 @@ type sseEvent struct {
 	comment   string
 }
 
-// sseStream reads a live stream over HTTP, line by line.
+// sseEventOf is ev as sseEvent, its data parsed as JSON.
+func sseEventOf(ev sse.Event) sseEvent {
+	out := sseEvent{id: ev.ID, event: ev.Type}
+	if err := json.Unmarshal([]byte(ev.Data), &out.data); err != nil {
+		out.data = map[string]any{"unparsable": ev.Data}
+	}
+	return out
+}
+
+// sseStream is a live stream of GET /api/v1/events over HTTP.
 type sseStream struct {
-	tb   testing.TB
-	res  *http.Response
-	ch   chan sseEvent
-	done chan struct{}
-	once sync.Once
+	*ssetest.Stream
+	tb testing.TB
 }
 
 // sseOpen opens GET /api/v1/events (query and headers as given, in pairs)
@@ -51,60 +57,21 @@ func sseOpen(tb testing.TB, c *client, query string, headers ...string) *sseStre
 	if hc == nil {
 		hc = http.DefaultClient
 	}
-	res, err := hc.Do(req)
-	require.NoError(tb, err)
-	require.Equal(tb, 200, res.StatusCode)
-	require.Equal(tb, "text/event-stream", res.Header.Get("Content-Type"))
-	s := &sseStream{tb: tb, res: res, ch: make(chan sseEvent, 10000), done: make(chan struct{})}
-	go s.parse()
-	tb.Cleanup(s.close)
-	return s
-}
-
-func (s *sseStream) parse() {
-	defer close(s.done)
-	defer close(s.ch)
-	r := sse.NewReader(s.res.Body)
-	r.OnComment = func(text string) { s.ch <- sseEvent{comment: text} }
-	for {
-		ev, err := r.Next()
-		if err != nil {
-			return
-		}
-		out := sseEvent{id: ev.ID, event: ev.Type}
-		if err := json.Unmarshal([]byte(ev.Data), &out.data); err != nil {
-			out.data = map[string]any{"unparsable": ev.Data}
-		}
-		s.ch <- out
-	}
-}
-
-func (s *sseStream) close() {
-	s.once.Do(func() {
-		s.res.Body.Close()
-		<-s.done
-	})
+	return &sseStream{Stream: ssetest.Open(tb, hc, req), tb: tb}
 }
 
 // until returns the events (comments left out) up to and including the
 // first for which stop holds, failing the test after a while.
 func (s *sseStream) until(stop func(sseEvent) bool) []sseEvent {
 	s.tb.Helper()
-	timeout := time.After(60 * time.Second)
+	deadline := time.Now().Add(60 * time.Second)
 	var out []sseEvent
 	for {
-		select {
-		case ev, ok := <-s.ch:
-			require.True(s.tb, ok, "the stream ended; had %d events", len(out))
-			if ev.id == "" {
-				continue
-			}
-			out = append(out, ev)
-			if stop(ev) {
-				return out
-			}
-		case <-timeout:
-			s.tb.Fatalf("timed out; had %d events", len(out))
+		ev, err := s.Next(time.Until(deadline))
+		require.NoError(s.tb, err, "had %d events", len(out))
+		out = append(out, sseEventOf(ev))
+		if stop(out[len(out)-1]) {
+			return out
 		}
 	}
 }
@@ -114,11 +81,15 @@ func (s *sseStream) drain() []sseEvent {
 	var out []sseEvent
 	for {
 		select {
-		case ev, ok := <-s.ch:
+		case ev, ok := <-s.Events():
 			if !ok {
 				return out
 			}
-			out = append(out, ev)
+			if ev.IsComment() {
+				out = append(out, sseEvent{comment: ev.Comment})
+			} else {
+				out = append(out, sseEventOf(ev.Event))
+			}
 		default:
 			return out
 		}
@@ -233,7 +204,7 @@ func TestEventsSSEEndToEnd(t *testing.T) {
 		}
 	}
 	last := evs[len(evs)-1].id
-	s.close()
+	s.Close()
 
 	// Missed while disconnected.
 	cmd2 := f.user.accept("POST", "/api/v1/devices/dev-2/push/text", map[string]any{"text": "two"})
@@ -307,7 +278,7 @@ func TestEventsSSETwoReplicas(t *testing.T) {
 	evs := s2.until(sseFinalOf(id))
 	sseInStateOrder(t, sseCommandStates(t, evs, id))
 	last := evs[len(evs)-1].id
-	s2.close()
+	s2.Close()
 
 	cmd2 := on2.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "via r2"})
 	id2 := cmd2["id"].(string)

@@ -25,6 +25,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/openapitest"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -88,8 +89,10 @@ type client struct {
 	hc    *http.Client
 }
 
+// newClient returns a client of m's API whose traffic is checked against
+// api/openapi.json (a disagreement fails tb).
 func newClient(tb testing.TB, m *Main, token string) *client {
-	return &client{tb: tb, base: m.APIURL(), token: token, hc: httpClientFor(m)}
+	return &client{tb: tb, base: m.APIURL(), token: token, hc: openapitest.Client(tb, httpClientFor(m))}
 }
 
 // tlsClients holds, for a Main serving HTTPS (and mqtts), the HTTP client
@@ -243,7 +246,7 @@ func runBridge(tb testing.TB, m *Main, mqttURL string, f *fleet, devs []agent.De
 		Password:   f.bridgeSecret,
 		BridgeID:   f.bridgeID,
 		APIURL:     m.APIURL(),
-		HTTPClient: httpClientFor(m),
+		HTTPClient: openapitest.Client(tb, httpClientFor(m)), // its downloads checked too
 		TLSConfig:  mqttTLSFor(m),
 		DataDir:    tb.TempDir(),
 		Devices:    devs,

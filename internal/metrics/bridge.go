@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"slices"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -19,22 +20,9 @@ var (
 	transferKinds = []string{"image", "app", "firmware"}
 )
 
-// resultIndex is the index of result in bridgeResults; -1 for another.
-func resultIndex(result string) int {
-	switch result {
-	case companion.StateSucceeded:
-		return 0
-	case companion.StateFailed:
-		return 1
-	case companion.StateExpired:
-		return 2
-	}
-	return -1
-}
-
 // bridgeOp are the pre-bound series of one op on the bridge.
 type bridgeOp struct {
-	done [3]prometheus.Counter // by resultIndex
+	done [3]prometheus.Counter // by index in bridgeResults
 	took prometheus.Observer
 }
 
@@ -148,7 +136,7 @@ func (b *Bridge) Registry() *prometheus.Registry { return b.reg }
 // CommandDone counts a command the bridge ended and observes how long it
 // ran.
 func (b *Bridge) CommandDone(op, result string, took time.Duration) {
-	o, i := b.ops[op], resultIndex(result)
+	o, i := b.ops[op], slices.Index(bridgeResults, result)
 	if o == nil || i < 0 {
 		// An op no bridge runs (it fails at once) or an unknown result:
 		// counted all the same; the op is one the server sent, so the

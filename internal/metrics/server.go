@@ -2,6 +2,7 @@ package metrics
 
 import (
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -31,33 +32,10 @@ var (
 	}
 )
 
-// stateIndex is the index of state in commandStates; -1 for another.
-func stateIndex(state string) int {
-	switch state {
-	case companion.StateQueued:
-		return 0
-	case companion.StateSent:
-		return 1
-	case companion.StateDelivered:
-		return 2
-	case companion.StateInProgress:
-		return 3
-	case companion.StateSucceeded:
-		return 4
-	case companion.StateFailed:
-		return 5
-	case companion.StateExpired:
-		return 6
-	case companion.StateCanceled:
-		return 7
-	}
-	return -1
-}
-
 // opSeries are the pre-bound series of one op.
 type opSeries struct {
-	entered [8]prometheus.Counter  // by stateIndex
-	latency [8]prometheus.Observer // by stateIndex; final states only
+	entered [8]prometheus.Counter  // by index in commandStates
+	latency [8]prometheus.Observer // by index in commandStates; final states only
 }
 
 // Server holds the figures of companion serve. It implements
@@ -155,7 +133,7 @@ func (s *Server) SetOpenCommands(n int) { s.open.Set(float64(n)) }
 // CommandState counts a command entering state; a final state also ends
 // its accept-to-final time, and takes it off the open commands.
 func (s *Server) CommandState(op, state string, age time.Duration) {
-	i := stateIndex(state)
+	i := slices.Index(commandStates, state)
 	o := s.ops[op]
 	if o == nil || i < 0 {
 		// Not one of the ops or states known at build time (the broker
@@ -216,24 +194,17 @@ func (s *Server) Request(method, route string, status int, took time.Duration) {
 	hs.took.Observe(took.Seconds())
 }
 
-// knownMethod returns method as the constant string of net/http, or
-// "other".
+// knownMethods are the methods of net/http, which HTTP requests are
+// counted by; any other counts as "other".
+var knownMethods = []string{
+	http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut,
+	http.MethodPatch, http.MethodDelete, http.MethodOptions,
+}
+
+// knownMethod returns m as the constant string of net/http, or "other".
 func knownMethod(m string) string {
-	switch m {
-	case http.MethodGet:
-		return http.MethodGet
-	case http.MethodHead:
-		return http.MethodHead
-	case http.MethodPost:
-		return http.MethodPost
-	case http.MethodPut:
-		return http.MethodPut
-	case http.MethodPatch:
-		return http.MethodPatch
-	case http.MethodDelete:
-		return http.MethodDelete
-	case http.MethodOptions:
-		return http.MethodOptions
+	if i := slices.Index(knownMethods, m); i >= 0 {
+		return knownMethods[i]
 	}
 	return "other"
 }

@@ -1,0 +1,17 @@
+package agent
+
+import "testing"
+
+// The pauses between download attempts double from blobRetryMin up to
+// blobRetryMax, each within ±50% of its step.
+func TestBlobRetryPauses(t *testing.T) {
+	bo := newBackoff(blobRetryMin, blobRetryMax)
+	step := blobRetryMin
+	for i := range 8 {
+		got := bo.NextBackOff()
+		if lo, hi := step/2, step*3/2+1; got < lo || got > hi {
+			t.Errorf("pause %d = %v; want %v..%v", i+1, got, lo, hi)
+		}
+		step = min(2*step, blobRetryMax)
+	}
+}

@@ -1,0 +1,215 @@
+package agent
+
+import (
+	"context"
+	"slices"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// How the bridge subscribes to its devices' command topics, once per device.
+//
+// NATS Server's MQTT makes a session's subscriptions one after another (each
+// a replicated JetStream consumer) and reads nothing else of the connection
+// meanwhile: 200 took 18 s on a busy 2-core machine. One SUBSCRIBE of every
+// filter would leave the connection's PINGREQs unanswered past the keep-alive
+// and no SUBACK in any reasonable time; so the filters go in chunks, each
+// SUBACK awaited for its own generous timeout. A broker may also refuse a
+// filter (SUBACK 0x80): for a while (NATS, while a killed node's JetStream
+// leaders are elected) or for good (a device the bridge does not serve,
+// CONTRACT §9; a change of assignment disconnects the bridge). What is
+// refused or unanswered is asked again, with backoff, while the connection
+// lasts; each connection starts over with every filter, because paho
+// restores no subscription (SetResumeSubs concerns only SUBSCRIBEs not yet
+// sent) and the session may be new.
+const (
+	// subscribeChunk is how many filters one SUBSCRIBE carries: about 3 s
+	// of NATS's work here, well inside the keep-alive.
+	subscribeChunk = 32
+	// subscribeTimeout is how long a SUBACK is awaited before its filters
+	// are left to the next round.
+	subscribeTimeout = 30 * time.Second
+	// subscribeRetryMin and subscribeRetryMax bound the pause between
+	// rounds: a filter refused for a while is granted within a few rounds,
+	// one refused for good is asked once a minute.
+	subscribeRetryMin = time.Second
+	subscribeRetryMax = time.Minute
+)
+
+// subscribeTiming is the timing of subscriptions, which tests shorten.
+type subscribeTiming struct {
+	timeout            time.Duration
+	retryMin, retryMax time.Duration
+}
+
+// subscriber makes the command subscriptions of every connection: onConnect
+// counts the connection and wakes it. It runs for the whole of Run.
+func (a *Agent) subscriber(ctx context.Context) {
+	var made uint64 // the connection served last
+	for {
+		if conn := a.conn.Load(); conn != made && a.client.IsConnectionOpen() {
+			made = conn
+			a.subscribeConn(ctx, conn)
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-a.subWake:
+		}
+	}
+}
+
+// subscribeConn subscribes to every command filter on connection conn, then
+// says the bridge is online, then asks again for what the broker refused or
+// did not answer until it is granted, ctx is done or the connection ends.
+func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
+	missing := a.filters
+	logged := map[string]bool{} // refused filters logged on this connection
+	var bo *backoff.ExponentialBackOff
+	for first := true; ; first = false {
+		left, ok := a.subscribeRound(ctx, conn, missing, logged)
+		if !ok {
+			return
+		}
+		switch {
+		case first:
+			a.announce(len(missing) - len(left))
+		case len(left) < len(missing):
+			still := make(map[string]bool, len(left))
+			for _, f := range left {
+				still[f] = true
+			}
+			granted := slices.DeleteFunc(slices.Clone(missing), func(f string) bool { return still[f] })
+			a.log.Info("the broker granted the commands of devices asked for again", "filters", granted)
+			// The commands the server sent while the filters were missing
+			// were dropped by the broker. "online" again has the server
+			// send its devices' unfinished commands again (the bridge
+			// drops those it has): as after a connect.
+			a.client.Publish(a.stateTopic, 1, true, topics.BridgeOnline)
+		}
+		if len(left) == 0 {
+			return
+		}
+		if bo == nil {
+			bo = newBackoff(a.subTiming.retryMin, a.subTiming.retryMax)
+		}
+		if !a.subscribePause(ctx, conn, bo.NextBackOff()) {
+			return
+		}
+		missing = left
+	}
+}
+
+// announce tells the broker and the server that the bridge is online, once
+// the first round of a connection's subscriptions is done.
+func (a *Agent) announce(subscribed int) {
+	a.client.Publish(a.stateTopic, 1, true, topics.BridgeOnline)
+	a.connected.Store(true)
+	a.opts.Observer.MQTTConnected(true)
+	a.log.Info("connected", "mqtt", a.opts.MQTTURL, "subscribed", subscribed, "devices", len(a.filters))
+	for _, dr := range a.order {
+		dr.requestReport(true, true, true)
+	}
+	signal(a.outboxWake)
+}
+
+// subscribeRound subscribes to filters in chunks of subscribeChunk, one
+// SUBACK awaited at a time, and returns those not granted: refused,
+// unanswered within the timeout, or failed. It logs each refused filter
+// the first time on the connection (logged). ok is false when ctx is done
+// or the connection ended.
+func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []string, logged map[string]bool) (left []string, ok bool) {
+	for chunk := range slices.Chunk(filters, subscribeChunk) {
+		want := make(map[string]byte, len(chunk))
+		for _, f := range chunk {
+			want[f] = 1
+		}
+		tok := a.client.SubscribeMultiple(want, nil) // every message goes to the default handler
+		if !a.awaitSubscribe(ctx, conn, tok) {
+			return nil, false
+		}
+		if !isDone(tok) {
+			a.log.Warn("no SUBACK in time; asking for its devices' commands again later", "filters", len(chunk), "timeout", a.subTiming.timeout)
+			left = append(left, chunk...)
+			continue
+		}
+		if err := tok.Error(); err != nil {
+			if !a.current(conn) {
+				return nil, false
+			}
+			a.log.Warn("a SUBSCRIBE failed; asking for its devices' commands again later", "filters", len(chunk), "err", err)
+			left = append(left, chunk...)
+			continue
+		}
+		var granted map[string]byte
+		if st, isSub := tok.(*mqtt.SubscribeToken); isSub {
+			granted = st.Result()
+		}
+		var refused []string
+		for _, f := range chunk {
+			if code, ok := granted[f]; ok && code != 0x80 {
+				continue
+			}
+			left = append(left, f)
+			if !logged[f] {
+				logged[f] = true
+				refused = append(refused, f)
+			}
+		}
+		if len(refused) > 0 {
+			a.log.Warn("the broker refused the commands of some devices; asking again", "filters", refused)
+		}
+	}
+	return left, true
+}
+
+// awaitSubscribe waits for tok's SUBACK or the subscribe timeout. It
+// returns false when ctx is done or connection conn ended.
+func (a *Agent) awaitSubscribe(ctx context.Context, conn uint64, tok mqtt.Token) bool {
+	t := time.NewTimer(a.subTiming.timeout)
+	defer t.Stop()
+	for {
+		select {
+		case <-tok.Done():
+			return true
+		case <-t.C:
+			return true
+		case <-ctx.Done():
+			return false
+		case <-a.subWake:
+			if !a.current(conn) {
+				return false
+			}
+		}
+	}
+}
+
+// subscribePause waits d. It returns false when ctx is done or connection
+// conn ended first.
+func (a *Agent) subscribePause(ctx context.Context, conn uint64, d time.Duration) bool {
+	a.log.Debug("asking for refused command subscriptions again", "in", d)
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+			return a.current(conn)
+		case <-ctx.Done():
+			return false
+		case <-a.subWake:
+			if !a.current(conn) {
+				return false
+			}
+		}
+	}
+}
+
+// current reports whether connection conn is the open one.
+func (a *Agent) current(conn uint64) bool {
+	return a.conn.Load() == conn && a.client.IsConnectionOpen()
+}

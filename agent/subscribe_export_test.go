@@ -1,0 +1,10 @@
+package agent
+
+import "time"
+
+// SetSubscribeTiming shortens how long a SUBACK is awaited and the pauses
+// between the rounds that ask again for what the broker refused. Call it
+// before Run.
+func (a *Agent) SetSubscribeTiming(timeout, retryMin, retryMax time.Duration) {
+	a.subTiming = subscribeTiming{timeout: timeout, retryMin: retryMin, retryMax: retryMax}
+}

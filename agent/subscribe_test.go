@@ -1,0 +1,337 @@
+package agent_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	mochi "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/listeners"
+	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// subscribeHook lets every client in and allows everything but the
+// SUBSCRIBE of the filters in refused (SUBACK 0x80), which a test may
+// grant later without a reconnect; while hold is open, the bridge's
+// SUBSCRIBEs wait in it (the broker reads nothing else of the connection
+// meanwhile, as NATS does while it makes subscriptions). It counts each
+// filter's SUBSCRIBEs and each client's connections.
+type subscribeHook struct {
+	mochi.HookBase
+	mu       sync.Mutex
+	refused  map[string]bool
+	asked    map[string]int
+	connects map[string]int
+	hold     chan struct{}
+	notify   chan struct{} // closed and replaced on every SUBSCRIBE of the bridge
+}
+
+func (h *subscribeHook) ID() string { return "subscribe-test" }
+
+func (h *subscribeHook) Provides(b byte) bool {
+	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck || b == mochi.OnSubscribe || b == mochi.OnConnect
+}
+
+func (h *subscribeHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
+
+func (h *subscribeHook) OnConnect(cl *mochi.Client, _ packets.Packet) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.connects[cl.ID]++
+	return nil
+}
+
+func (h *subscribeHook) OnACLCheck(_ *mochi.Client, topic string, write bool) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return write || !h.refused[topic]
+}
+
+func (h *subscribeHook) OnSubscribe(cl *mochi.Client, pk packets.Packet) packets.Packet {
+	if !strings.HasPrefix(cl.ID, "companion-bridge-") {
+		return pk
+	}
+	h.mu.Lock()
+	for _, f := range pk.Filters {
+		h.asked[f.Filter]++
+	}
+	close(h.notify)
+	h.notify = make(chan struct{})
+	hold := h.hold
+	h.mu.Unlock()
+	if hold != nil {
+		<-hold
+	}
+	return pk
+}
+
+func (h *subscribeHook) grant(filter string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.refused, filter)
+}
+
+func (h *subscribeHook) timesAsked(filter string) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.asked[filter]
+}
+
+// waitAsked waits until the bridge has asked for filter n times.
+func (h *subscribeHook) waitAsked(tb testing.TB, filter string, n int) {
+	tb.Helper()
+	deadline := time.NewTimer(waitLong)
+	defer deadline.Stop()
+	for {
+		h.mu.Lock()
+		asked, ch := h.asked[filter], h.notify
+		h.mu.Unlock()
+		if asked >= n {
+			return
+		}
+		select {
+		case <-ch:
+		case <-deadline.C:
+			tb.Fatalf("%s asked for %d times; waited for %d", filter, asked, n)
+		}
+	}
+}
+
+func (h *subscribeHook) connections(clientID string) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.connects[clientID]
+}
+
+// startSubscribeBroker starts an embedded broker on a free port whose
+// SUBSCRIBEs go through a subscribeHook refusing the filters given.
+func startSubscribeBroker(tb testing.TB, refused ...string) (*testBroker, *subscribeHook) {
+	tb.Helper()
+	hook := &subscribeHook{refused: map[string]bool{}, asked: map[string]int{}, connects: map[string]int{}, notify: make(chan struct{})}
+	for _, f := range refused {
+		hook.refused[f] = true
+	}
+	srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
+	if err := srv.AddHook(hook, nil); err != nil {
+		tb.Fatal(err)
+	}
+	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
+	if err := srv.AddListener(l); err != nil {
+		tb.Fatal(err)
+	}
+	go srv.Serve()
+	tb.Cleanup(func() { srv.Close() })
+	return &testBroker{srv: srv, url: "tcp://" + l.Address()}, hook
+}
+
+// subscribeLog is a logger's output, kept for the test to read.
+type subscribeLog struct {
+	mu     sync.Mutex
+	buf    bytes.Buffer
+	notify chan struct{} // closed and replaced on every write
+}
+
+func newSubscribeLog() *subscribeLog { return &subscribeLog{notify: make(chan struct{})} }
+
+func (l *subscribeLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	close(l.notify)
+	l.notify = make(chan struct{})
+	return l.buf.Write(p)
+}
+
+// waitLine waits until a line that contains every one of parts is logged.
+func (l *subscribeLog) waitLine(tb testing.TB, parts ...string) {
+	tb.Helper()
+	deadline := time.NewTimer(waitLong)
+	defer deadline.Stop()
+	for {
+		l.mu.Lock()
+		ch := l.notify
+		l.mu.Unlock()
+		if len(l.lines(parts...)) > 0 {
+			return
+		}
+		select {
+		case <-ch:
+		case <-deadline.C:
+			tb.Fatalf("nothing logged with %q", parts)
+		}
+	}
+}
+
+// lines returns the lines logged so far that contain every one of parts.
+func (l *subscribeLog) lines(parts ...string) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for line := range strings.Lines(l.buf.String()) {
+		all := true
+		for _, p := range parts {
+			all = all && strings.Contains(line, p)
+		}
+		if all {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// subscribeBridge runs an agent serving sims on b with the subscriptions'
+// timing shortened, its log kept in the returned subscribeLog. It does not
+// wait for the bridge to come online.
+func subscribeBridge(tb testing.TB, b *testBroker, sims []*sim.Device, timeout time.Duration) (*bridge, *subscribeLog) {
+	tb.Helper()
+	log := newSubscribeLog()
+	devs := make([]agent.Device, len(sims))
+	for i, s := range sims {
+		devs[i] = s
+	}
+	a, err := agent.New(agent.Options{
+		MQTTURL:  b.url,
+		Password: testSecret,
+		BridgeID: "b1",
+		DataDir:  tb.TempDir(),
+		Devices:  devs,
+		Logger:   slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	a.SetSubscribeTiming(timeout, 20*time.Millisecond, 200*time.Millisecond)
+	br := &bridge{Agent: a, id: "b1", done: make(chan error, 1)}
+	go func() { br.done <- a.Run(context.Background()) }()
+	tb.Cleanup(func() { br.stop(tb) })
+	return br, log
+}
+
+func subscribeSims(n int) []*sim.Device {
+	sims := make([]*sim.Device, n)
+	for i := range sims {
+		sims[i] = newSim(fmt.Sprintf("dev-%02d", i))
+	}
+	return sims
+}
+
+func mustCommandsFilter(tb testing.TB, deviceID string) string {
+	tb.Helper()
+	f, err := tree.CommandsFilter(deviceID)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return f
+}
+
+// A broker refuses a device's commands for a while (NATS does while a
+// killed node's JetStream leaders are elected), then grants them: the
+// bridge asks again on the same connection, says "online" again so that
+// the server sends that device's commands again, and the device's command
+// arrives and runs, with no reconnect. Another device's commands, refused
+// for good, are asked for again and again but logged once. The bridge
+// serves 40 devices: its SUBSCRIBEs go in more than one chunk.
+func TestSubscribeRefusedThenGranted(t *testing.T) {
+	sims := subscribeSims(40)
+	later, never := mustCommandsFilter(t, "dev-37"), mustCommandsFilter(t, "dev-38")
+	b, hook := startSubscribeBroker(t, later, never)
+	w := newWatcher(t, b)
+	_, log := subscribeBridge(t, b, sims, waitLong)
+	w.waitBridgeState("b1", topics.BridgeOnline, 1)
+
+	// Granted devices work at once, in either chunk.
+	for _, dev := range []string{"dev-00", "dev-39"} {
+		cmd := command(t, dev, topics.OpPushText, map[string]string{"text": "hello " + dev})
+		w.send(cmd)
+		if r := w.waitFinal(dev, cmd.ID); r.State != companion.StateSucceeded {
+			t.Fatalf("%s: %s reply; want succeeded", dev, r.State)
+		}
+	}
+
+	// A command sent while dev-37's filter is refused reaches no one.
+	lost := command(t, "dev-37", topics.OpPushText, map[string]string{"text": "lost"})
+	w.send(lost)
+	hook.grant(later)
+	w.waitBridgeState("b1", topics.BridgeOnline, 2)
+	// The server sends it again after the second "online".
+	w.send(lost)
+	if r := w.waitFinal("dev-37", lost.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("dev-37: %s reply; want succeeded", r.State)
+	}
+	if got := len(sims[37].Texts()); got != 1 {
+		t.Errorf("dev-37 showed %d texts; want 1", got)
+	}
+	if got := log.lines("granted the commands", later); len(got) != 1 {
+		t.Errorf("the grant of %s logged %d times; want once: %q", later, len(got), got)
+	}
+
+	// dev-38's filter is asked for again (at the backoff's pace, up to
+	// once a minute outside tests), and its refusal is logged once.
+	hook.waitAsked(t, never, 4)
+	if got := log.lines("refused the commands", never); len(got) != 1 {
+		t.Errorf("the refusal of %s logged %d times; want once: %q", never, len(got), got)
+	}
+	if got := log.lines("refused the commands", later); len(got) != 1 {
+		t.Errorf("the refusal of %s logged %d times; want once: %q", later, len(got), got)
+	}
+	if got := hook.timesAsked(mustCommandsFilter(t, "dev-00")); got != 1 {
+		t.Errorf("a granted filter was asked for %d times; want once", got)
+	}
+	if got := hook.connections("companion-bridge-b1"); got != 1 {
+		t.Errorf("the bridge connected %d times; want once", got)
+	}
+	if got := w.count(isState("b1", topics.BridgeOnline)); got != 2 {
+		t.Errorf(`the bridge said "online" %d times; want 2 (connect, grant)`, got)
+	}
+	if got := log.lines("subscribing to commands failed"); len(got) != 0 {
+		t.Errorf("logged %q", got)
+	}
+}
+
+// A broker that does not answer a SUBSCRIBE in time (NATS making hundreds
+// of subscriptions one after another) does not lose its filters: the
+// bridge says "online" once the first round is over, asks again on the
+// same connection, and says "online" again once they are granted; the
+// device's command then runs.
+func TestSubscribeUnansweredIsAskedAgain(t *testing.T) {
+	sims := subscribeSims(2)
+	filter := mustCommandsFilter(t, "dev-01")
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	hold := make(chan struct{})
+	hook.mu.Lock()
+	hook.hold = hold
+	hook.mu.Unlock()
+	_, log := subscribeBridge(t, b, sims, 300*time.Millisecond)
+	hook.waitAsked(t, filter, 1)
+	log.waitLine(t, "no SUBACK in time")
+	hook.mu.Lock()
+	hook.hold = nil
+	hook.mu.Unlock()
+	close(hold)
+
+	w.waitBridgeState("b1", topics.BridgeOnline, 2)
+	cmd := command(t, "dev-01", topics.OpPushText, map[string]string{"text": "late but there"})
+	w.send(cmd)
+	if r := w.waitFinal("dev-01", cmd.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("dev-01: %s reply; want succeeded", r.State)
+	}
+	if got := hook.timesAsked(filter); got < 2 {
+		t.Errorf("%s asked for %d times; want it asked again", filter, got)
+	}
+	if got := hook.connections("companion-bridge-b1"); got != 1 {
+		t.Errorf("the bridge connected %d times; want once", got)
+	}
+	if got := log.lines("subscribing to commands failed"); len(got) != 0 {
+		t.Errorf("logged %q", got)
+	}
+}
