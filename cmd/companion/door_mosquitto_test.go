@@ -17,36 +17,17 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// mqttProbe is a real paho client of the broker's door tests.
-type mqttProbe struct {
-	mqtt.Client
-	msgs chan mqtt.Message
-	lost chan error // the broker closed the connection
-}
+// mqttProbe is a real paho client of the broker's door tests
+// (mqtttest.Probe), with the door tests' helpers.
+type mqttProbe struct{ *mqtttest.Probe }
 
 func dialMQTT(t *testing.T, url, clientID, user, pass string) (*mqttProbe, error) {
 	t.Helper()
-	p := &mqttProbe{msgs: make(chan mqtt.Message, 1000), lost: make(chan error, 1)}
-	p.Client = mqtt.NewClient(mqtt.NewClientOptions().
-		AddBroker(url).
-		SetClientID(clientID).
-		SetUsername(user).
-		SetPassword(pass).
-		SetCleanSession(true).
-		SetAutoReconnect(false).
-		SetConnectTimeout(10 * time.Second).
-		SetOrderMatters(true).
-		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) { p.msgs <- m }).
-		SetConnectionLostHandler(func(_ mqtt.Client, err error) { p.lost <- err }))
-	if err := mqtt.WaitTokenTimeout(p.Connect(), 10*time.Second); err != nil {
+	p, err := mqtttest.DialProbe(t, url, clientID, user, pass)
+	if err != nil {
 		return nil, err
 	}
-	t.Cleanup(func() {
-		if p.IsConnected() {
-			p.Disconnect(50)
-		}
-	})
-	return p, nil
+	return &mqttProbe{p}, nil
 }
 
 func mustDialMQTT(t *testing.T, url, clientID, user, pass string) *mqttProbe {
@@ -70,7 +51,7 @@ func (p *mqttProbe) nextOn(t *testing.T, topic string) mqtt.Message {
 	deadline := time.After(10 * time.Second)
 	for {
 		select {
-		case m := <-p.msgs:
+		case m := <-p.Msgs:
 			if m.Topic() == topic {
 				return m
 			}
@@ -177,7 +158,7 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 		require.Equal(t, 204, r.Status, "%s", r.Body)
 		// The plugin disconnects a client whose role changed...
 		select {
-		case <-u.lost:
+		case <-u.Lost:
 		case <-time.After(10 * time.Second):
 			t.Fatal("the user's connection was not closed on unbind")
 		}

@@ -92,7 +92,7 @@ func (p *mqttProbe) publishRefused(t *testing.T, qos byte, topic string, v any, 
 	require.NoError(t, mqtt.WaitTokenTimeout(p.Publish(topic, qos, false, b), 10*time.Second))
 	tok := p.Subscribe(filter, 1, nil)
 	select {
-	case err := <-p.lost:
+	case err := <-p.Lost:
 		t.Fatalf("the broker closed the connection after a refused publish on %s: %v", topic, err)
 	case <-tok.Done():
 		require.NoError(t, tok.Error())
@@ -107,7 +107,7 @@ func (p *mqttProbe) publishRefused(t *testing.T, qos byte, topic string, v any, 
 func (p *mqttProbe) assertNext(t *testing.T, topic, why string) mqtt.Message {
 	t.Helper()
 	select {
-	case m := <-p.msgs:
+	case m := <-p.Msgs:
 		require.Equal(t, topic, m.Topic(), "%s: %s", why, m.Payload())
 		return m
 	case <-time.After(10 * time.Second):
@@ -120,7 +120,7 @@ func (p *mqttProbe) assertNext(t *testing.T, topic, why string) mqtt.Message {
 func (p *mqttProbe) waitCut(t *testing.T, why string) {
 	t.Helper()
 	select {
-	case <-p.lost:
+	case <-p.Lost:
 	case <-time.After(10 * time.Second):
 		t.Fatalf("the connection was not closed: %s", why)
 	}
