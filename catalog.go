@@ -1,6 +1,34 @@
 package companion
 
-import "time"
+import (
+	"strings"
+	"time"
+
+	"golang.org/x/mod/semver"
+)
+
+// ValidVersion reports whether v is a full semantic version without a
+// leading "v": MAJOR.MINOR.PATCH, with an optional pre-release and build.
+// It is the rule the stores apply to catalog versions, whatever the engine.
+func ValidVersion(v string) bool {
+	sv := "v" + v
+	if !semver.IsValid(sv) {
+		return false
+	}
+	// semver.IsValid also takes the shorthands "v1" and "v1.2".
+	core, _, _ := strings.Cut(sv, "+")
+	return semver.Canonical(sv) == core
+}
+
+// ByVersion orders versions (without "v") ascending as semantic versions;
+// equal ones (differing only in build metadata) by their text, so the
+// order is total: how the stores list a catalog.
+func ByVersion(a, b string) int {
+	if c := semver.Compare("v"+a, "v"+b); c != 0 {
+		return c
+	}
+	return strings.Compare(a, b)
+}
 
 // Firmware is one published firmware image for a model.
 type Firmware struct {

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 )
 
@@ -123,6 +125,46 @@ func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMes
 		r.Schema = c
 	}
 	return r, nil
+}
+
+// Newer reports whether a report with seq and at replaces one with
+// storedSeq and storedAt: a higher seq wins, and an equal seq with a later
+// time. Bridges use a nanosecond clock as seq, so it rises across their
+// restarts; a report that arrives late never overwrites a fresher one.
+func Newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time) bool {
+	return seq > storedSeq || (seq == storedSeq && at.After(storedAt))
+}
+
+// ApplyTo merges the report into s, whose maps are not nil: Reported is
+// replaced, Schema unless the report's is empty, At and Seq become the
+// report's, and each desired key whose value the device now reports is
+// dropped, as it is no longer pending. UpdatedAt is the caller's.
+func (r ReportedSettings) ApplyTo(s *Settings) {
+	s.Reported = maps.Clone(r.Reported)
+	if r.Schema != nil {
+		s.Schema = r.Schema
+	}
+	for k, want := range s.Desired {
+		if got, ok := r.Reported[k]; ok && SameJSON(got, want) {
+			delete(s.Desired, k)
+		}
+	}
+	s.At, s.Seq = r.At, r.Seq
+}
+
+// NewDesiredSettings checks and compacts settings a user asked for: each
+// value must be JSON (ErrInvalid otherwise, naming the first bad key in
+// key order).
+func NewDesiredSettings(partial map[string]json.RawMessage) (map[string]json.RawMessage, error) {
+	want := make(map[string]json.RawMessage, len(partial))
+	for _, k := range slices.Sorted(maps.Keys(partial)) {
+		c, err := CompactJSON(partial[k])
+		if err != nil {
+			return nil, fmt.Errorf("%w: desired setting %q: %v", ErrInvalid, k, err)
+		}
+		want[k] = c
+	}
+	return want, nil
 }
 
 // CompactJSON returns v without insignificant white space, in a new

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
-	"strings"
 
 	"github.com/devicecompanion/companion"
 
@@ -15,30 +14,14 @@ import (
 )
 
 // ValidVersion reports whether v is a full semantic version without a
-// leading "v": MAJOR.MINOR.PATCH, with an optional pre-release and build.
-func ValidVersion(v string) bool {
-	sv := "v" + v
-	if !semver.IsValid(sv) {
-		return false
-	}
-	// semver.IsValid also takes the shorthands "v1" and "v1.2".
-	core, _, _ := strings.Cut(sv, "+")
-	return semver.Canonical(sv) == core
-}
+// leading "v": MAJOR.MINOR.PATCH, with an optional pre-release and build
+// (companion.ValidVersion).
+func ValidVersion(v string) bool { return companion.ValidVersion(v) }
 
 // CompareVersions compares two semantic versions (without "v") as
 // semver.Compare does: -1, 0 or +1. Build metadata does not count.
 func CompareVersions(a, b string) int {
 	return semver.Compare("v"+a, "v"+b)
-}
-
-// byVersion orders versions ascending; equal ones (differing only in build
-// metadata) by their text, so the order is total.
-func byVersion(a, b string) int {
-	if c := CompareVersions(a, b); c != 0 {
-		return c
-	}
-	return strings.Compare(a, b)
 }
 
 // PutFirmware publishes a firmware image. CreatedAt is set to now when
@@ -93,7 +76,7 @@ func (db *DB) Firmwares(ctx context.Context, model string) ([]companion.Firmware
 	if err != nil {
 		return nil, err
 	}
-	slices.SortFunc(out, func(a, b companion.Firmware) int { return byVersion(a.Version, b.Version) })
+	slices.SortFunc(out, func(a, b companion.Firmware) int { return companion.ByVersion(a.Version, b.Version) })
 	return out, nil
 }
 
@@ -149,7 +132,7 @@ func (db *DB) AppReleases(ctx context.Context, appID string) ([]companion.AppRel
 	if err != nil {
 		return nil, err
 	}
-	slices.SortFunc(out, func(a, b companion.AppRelease) int { return byVersion(a.Version, b.Version) })
+	slices.SortFunc(out, func(a, b companion.AppRelease) int { return companion.ByVersion(a.Version, b.Version) })
 	return out, nil
 }
 
@@ -162,7 +145,7 @@ func (db *DB) LatestApps(ctx context.Context) ([]companion.AppRelease, error) {
 		// adjacent, and apps come in id order.
 		return scanJSON(tx.Bucket(bucketApps), nil, func(a companion.AppRelease) {
 			if n := len(out); n > 0 && out[n-1].AppID == a.AppID {
-				if byVersion(a.Version, out[n-1].Version) > 0 {
+				if companion.ByVersion(a.Version, out[n-1].Version) > 0 {
 					out[n-1] = a
 				}
 				return

@@ -6,21 +6,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
-	"slices"
 	"time"
 
 	"github.com/devicecompanion/companion"
 
 	bolt "go.etcd.io/bbolt"
 )
-
-// newer reports whether a report with seq and at replaces one with
-// storedSeq and storedAt: a higher seq wins, and an equal seq with a later
-// time. Bridges use a nanosecond clock as seq, so it rises across their
-// restarts; a report that arrives late never overwrites a fresher one.
-func newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time) bool {
-	return seq > storedSeq || (seq == storedSeq && at.After(storedAt))
-}
 
 // Status returns the device's last reported status. A device that never
 // reported gets the zero Status with DeviceID set, and no error.
@@ -86,7 +77,7 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if found && !newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen) {
+	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen) {
 		return false, nil
 	}
 	ns := s
@@ -276,20 +267,12 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 	if err != nil {
 		return false, err
 	}
-	if found && !newer(r.Seq, r.At, s.Seq, s.At) {
+	if found && !companion.Newer(r.Seq, r.At, s.Seq, s.At) {
 		return false, nil
 	}
 	fillMaps(&s)
-	s.Reported = maps.Clone(r.Reported)
-	if r.Schema != nil {
-		s.Schema = r.Schema
-	}
-	for k, want := range s.Desired {
-		if got, ok := r.Reported[k]; ok && companion.SameJSON(got, want) {
-			delete(s.Desired, k)
-		}
-	}
-	s.At, s.Seq, s.UpdatedAt = r.At, r.Seq, db.now()
+	r.ApplyTo(&s)
+	s.UpdatedAt = db.now()
 	if err := putJSON(b, []byte(deviceID), s); err != nil {
 		return false, err
 	}
@@ -303,13 +286,9 @@ func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID string, partial
 	if !validID(deviceID) {
 		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
 	}
-	want := make(map[string]json.RawMessage, len(partial))
-	for _, k := range slices.Sorted(maps.Keys(partial)) {
-		c, err := companion.CompactJSON(partial[k])
-		if err != nil {
-			return fmt.Errorf("%w: desired setting %q: %v", companion.ErrInvalid, k, err)
-		}
-		want[k] = c
+	want, err := companion.NewDesiredSettings(partial)
+	if err != nil {
+		return err
 	}
 	return db.batch(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketSettings)

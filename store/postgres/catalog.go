@@ -9,29 +9,7 @@ import (
 	"github.com/devicecompanion/companion"
 
 	"github.com/jackc/pgx/v5"
-	"golang.org/x/mod/semver"
 )
-
-// validVersion reports whether v is a full semantic version without a
-// leading "v": MAJOR.MINOR.PATCH, with an optional pre-release and build
-// (the rule of store.ValidVersion, which this engine does not import).
-func validVersion(v string) bool {
-	sv := "v" + v
-	if !semver.IsValid(sv) {
-		return false
-	}
-	core, _, _ := strings.Cut(sv, "+")
-	return semver.Canonical(sv) == core
-}
-
-// byVersion orders versions ascending; equal ones (differing only in build
-// metadata) by their text, so the order is total.
-func byVersion(a, b string) int {
-	if c := semver.Compare("v"+a, "v"+b); c != 0 {
-		return c
-	}
-	return strings.Compare(a, b)
-}
 
 // putRelease publishes a release in table: the same name and version again
 // with the same digest is a no-op, with another digest ErrExists.
@@ -57,7 +35,7 @@ func (s *Store) putRelease(ctx context.Context, table, nameCol, name, version, s
 // zero. Publishing the same model and version again with the same SHA256
 // is a no-op; with another SHA256 it is ErrExists.
 func (s *Store) PutFirmware(ctx context.Context, f companion.Firmware) error {
-	if !validID(f.Model) || !validVersion(f.Version) || f.SHA256 == "" || strings.ContainsRune(f.SHA256, 0) {
+	if !validID(f.Model) || !companion.ValidVersion(f.Version) || f.SHA256 == "" || strings.ContainsRune(f.SHA256, 0) {
 		return fmt.Errorf("%w: firmware needs a model, a semantic version and a digest", companion.ErrInvalid)
 	}
 	if f.CreatedAt.IsZero() {
@@ -90,12 +68,19 @@ func (s *Store) Firmwares(ctx context.Context, model string) ([]companion.Firmwa
 	if !validID(model) {
 		return out, nil
 	}
-	rows, _ := s.pool.Query(ctx, `SELECT model, version, sha256, size, created_at FROM firmware WHERE model = $1`, model)
-	out, err := pgx.AppendRows(out, rows, scanFirmware)
+	return releases(ctx, s, out, `SELECT model, version, sha256, size, created_at FROM firmware WHERE model = $1`, model,
+		scanFirmware, func(f companion.Firmware) string { return f.Version })
+}
+
+// releases appends to out the releases query selects with arg, in
+// ascending version order (which SQL cannot sort by).
+func releases[T any](ctx context.Context, s *Store, out []T, query, arg string, scan pgx.RowToFunc[T], version func(T) string) ([]T, error) {
+	rows, _ := s.pool.Query(ctx, query, arg)
+	out, err := pgx.AppendRows(out, rows, scan)
 	if err != nil {
 		return nil, err
 	}
-	slices.SortFunc(out, func(a, b companion.Firmware) int { return byVersion(a.Version, b.Version) })
+	slices.SortFunc(out, func(a, b T) int { return companion.ByVersion(version(a), version(b)) })
 	return out, nil
 }
 
@@ -103,7 +88,7 @@ func (s *Store) Firmwares(ctx context.Context, model string) ([]companion.Firmwa
 // zero. Publishing the same app and version again with the same SHA256 is
 // a no-op; with another SHA256 it is ErrExists.
 func (s *Store) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
-	if !validID(a.AppID) || !validVersion(a.Version) || a.SHA256 == "" || strings.ContainsRune(a.SHA256, 0) {
+	if !validID(a.AppID) || !companion.ValidVersion(a.Version) || a.SHA256 == "" || strings.ContainsRune(a.SHA256, 0) {
 		return fmt.Errorf("%w: app release needs an app id, a semantic version and a digest", companion.ErrInvalid)
 	}
 	if a.CreatedAt.IsZero() {
@@ -136,13 +121,8 @@ func (s *Store) AppReleases(ctx context.Context, appID string) ([]companion.AppR
 	if !validID(appID) {
 		return out, nil
 	}
-	rows, _ := s.pool.Query(ctx, `SELECT app_id, version, sha256, size, created_at FROM app_releases WHERE app_id = $1`, appID)
-	out, err := pgx.AppendRows(out, rows, scanApp)
-	if err != nil {
-		return nil, err
-	}
-	slices.SortFunc(out, func(a, b companion.AppRelease) int { return byVersion(a.Version, b.Version) })
-	return out, nil
+	return releases(ctx, s, out, `SELECT app_id, version, sha256, size, created_at FROM app_releases WHERE app_id = $1`, appID,
+		scanApp, func(a companion.AppRelease) string { return a.Version })
 }
 
 // LatestApps returns the highest version of every app in the catalog,
@@ -157,7 +137,7 @@ func (s *Store) LatestApps(ctx context.Context) ([]companion.AppRelease, error) 
 	out := []companion.AppRelease{}
 	for _, a := range all {
 		if n := len(out); n > 0 && out[n-1].AppID == a.AppID {
-			if byVersion(a.Version, out[n-1].Version) > 0 {
+			if companion.ByVersion(a.Version, out[n-1].Version) > 0 {
 				out[n-1] = a
 			}
 			continue

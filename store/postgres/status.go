@@ -440,30 +440,17 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 		return false, err
 	}
 	st := row.s
-	if found && !newer(r.Seq, r.At, st.Seq, st.At) {
+	// Stored times have microseconds: r.At is compared and kept as stored.
+	r.At = pgTime(r.At)
+	if found && !companion.Newer(r.Seq, r.At, st.Seq, st.At) {
 		return false, nil
 	}
-	st.Reported = maps.Clone(r.Reported)
-	if r.Schema != nil {
-		st.Schema = r.Schema
-	}
-	for k, want := range st.Desired {
-		if got, ok := r.Reported[k]; ok && companion.SameJSON(got, want) {
-			delete(st.Desired, k)
-		}
-	}
-	st.At, st.Seq, st.UpdatedAt = pgTime(r.At), r.Seq, now
+	r.ApplyTo(&st)
+	st.UpdatedAt = now
 	if err := writeSettings(ctx, tx, st); err != nil {
 		return false, err
 	}
 	return true, nil
-}
-
-// newer reports whether a report with seq and at replaces one with
-// storedSeq and storedAt: a higher seq wins, and an equal seq with a later
-// time.
-func newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time) bool {
-	return seq > storedSeq || (seq == storedSeq && pgTime(at).After(storedAt))
 }
 
 // MergeDesiredSettings records values the user asked for: each key of
@@ -473,13 +460,9 @@ func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID string, parti
 	if !validID(deviceID) {
 		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
 	}
-	want := make(map[string]json.RawMessage, len(partial))
-	for _, k := range slices.Sorted(maps.Keys(partial)) {
-		c, err := companion.CompactJSON(partial[k])
-		if err != nil {
-			return fmt.Errorf("%w: desired setting %q: %v", companion.ErrInvalid, k, err)
-		}
-		want[k] = c
+	want, err := companion.NewDesiredSettings(partial)
+	if err != nil {
+		return err
 	}
 	ch := make(chan error, 1)
 	ok := s.submit(job{
