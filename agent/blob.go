@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/retry"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -27,7 +28,7 @@ const BlobCacheAge = 24 * time.Hour
 const blobAttempts = 5
 
 // The pauses between download attempts: from blobRetryMin, doubling up to
-// blobRetryMax, each randomised by ±50% (newBackoff) so that bridges that
+// blobRetryMax, each randomised by ±50% (retry.Backoff) so that bridges that
 // lost one server together do not come back to it in lockstep.
 const (
 	blobRetryMin = 200 * time.Millisecond
@@ -106,7 +107,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 	part := final + ".part"
 	var lastErr error
 	restarted := false
-	bo := newBackoff(blobRetryMin, blobRetryMax)
+	bo := retry.Backoff(blobRetryMin, blobRetryMax)
 	for attempt := 0; attempt < blobAttempts; attempt++ {
 		if attempt > 0 {
 			t := time.NewTimer(bo.NextBackOff())

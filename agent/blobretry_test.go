@@ -1,11 +1,15 @@
 package agent
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/devicecompanion/companion/internal/retry"
+)
 
 // The pauses between download attempts double from blobRetryMin up to
 // blobRetryMax, each within ±50% of its step.
 func TestBlobRetryPauses(t *testing.T) {
-	bo := newBackoff(blobRetryMin, blobRetryMax)
+	bo := retry.Backoff(blobRetryMin, blobRetryMax)
 	step := blobRetryMin
 	for i := range 8 {
 		got := bo.NextBackOff()

@@ -12,12 +12,12 @@ import (
 	"sync"
 	"time"
 
-	"github.com/cenkalti/backoff/v5"
 	"github.com/devicecompanion/companion"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/devicecompanion/companion/internal/pahostore"
+	"github.com/devicecompanion/companion/internal/retry"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -575,12 +575,7 @@ const maxReplyAttempts = 64
 // jitter is even on both sides: maxReplyAttempts still spans about ten
 // minutes.
 func replyRetryDelay(attempt int) time.Duration {
-	bo := backoff.ExponentialBackOff{
-		InitialInterval:     100 * time.Millisecond,
-		RandomizationFactor: 0.5,
-		Multiplier:          2,
-		MaxInterval:         10 * time.Second,
-	}
+	bo := retry.Backoff(100*time.Millisecond, 10*time.Second)
 	// A reply's attempts share no state: step to this one (the interval
 	// reaches its cap at the eighth).
 	for range min(attempt, 8) - 1 {

@@ -3,6 +3,8 @@ package gatt
 import (
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion/internal/retry"
 )
 
 // TestNewBackoff checks the pauses between connection attempts and between
@@ -18,7 +20,7 @@ func TestNewBackoff(t *testing.T) {
 		{"busy", 2 * DefaultMinBackoff, DefaultMinBackoff << busyRetries, busyRetries},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			b := newBackoff(tc.initial, tc.max)
+			b := retry.Backoff(tc.initial, tc.max)
 			for round := range 2 {
 				interval := tc.initial
 				for i := range tc.steps {
@@ -38,7 +40,7 @@ func TestNewBackoff(t *testing.T) {
 func TestNewBackoffJitters(t *testing.T) {
 	seen := map[time.Duration]bool{}
 	for range 20 {
-		seen[newBackoff(DefaultMinBackoff, DefaultMaxBackoff).NextBackOff()] = true
+		seen[retry.Backoff(DefaultMinBackoff, DefaultMaxBackoff).NextBackOff()] = true
 	}
 	if len(seen) < 2 {
 		t.Errorf("20 first pauses took %d distinct values; want jitter", len(seen))

@@ -13,9 +13,9 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/cenkalti/backoff/v5"
 	"github.com/devicecompanion/companion"
 
+	"github.com/devicecompanion/companion/internal/retry"
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -180,7 +180,7 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 	}
 	d.connMu.Lock()
 	defer d.connMu.Unlock()
-	bo := newBackoff(d.opts.MinBackoff, d.opts.MaxBackoff)
+	bo := retry.Backoff(d.opts.MinBackoff, d.opts.MaxBackoff)
 	for {
 		if s, err := d.current(); s != nil || err != nil {
 			return s, err
@@ -209,23 +209,6 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 			return nil, fmt.Errorf("gatt: connect to %s: %w", d.opts.ID, err)
 		case <-t.C:
 		}
-	}
-}
-
-// newBackoff returns pauses that start at initial and double up to limit,
-// each randomised by ±50% so that bridges whose links dropped together
-// (a BlueZ restart, say) do not retry in lockstep.
-//
-// It is github.com/cenkalti/backoff, not a loop of our own: the OpenTelemetry
-// Go SDK and much else depend on it, it is small, and it has no
-// dependencies. The pauses are its ExponentialBackOff, not its Retry: the
-// loops here decide themselves when to stop and what to log.
-func newBackoff(initial, limit time.Duration) *backoff.ExponentialBackOff {
-	return &backoff.ExponentialBackOff{
-		InitialInterval:     initial,
-		RandomizationFactor: 0.5,
-		Multiplier:          2,
-		MaxInterval:         limit,
 	}
 }
 
@@ -317,7 +300,7 @@ func (d *Device) window(s *session) int {
 // link drops, and again after a pause when the device is busy.
 func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 	busy := 0
-	busyWait := newBackoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
+	busyWait := retry.Backoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
 	for {
 		s, err := d.session(ctx)
 		if err != nil {

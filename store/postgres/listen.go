@@ -7,6 +7,8 @@ import (
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5"
+
+	"github.com/devicecompanion/companion/internal/retry"
 )
 
 // ListenCommands calls fn with the id of every command whose state a
@@ -66,12 +68,7 @@ func (s *Store) listenLoop(ctx context.Context, channel string, fn func(payload 
 // listenBackoff returns the pauses between attempts to LISTEN: 50 ms
 // doubling up to 5 s, each ±50%.
 func listenBackoff() *backoff.ExponentialBackOff {
-	return &backoff.ExponentialBackOff{
-		InitialInterval:     50 * time.Millisecond,
-		RandomizationFactor: 0.5,
-		Multiplier:          2,
-		MaxInterval:         5 * time.Second,
-	}
+	return retry.Backoff(50*time.Millisecond, 5*time.Second)
 }
 
 // errListening marks an error that came once LISTEN was in place: the
