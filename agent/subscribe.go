@@ -8,6 +8,7 @@ import (
 	"github.com/cenkalti/backoff/v5"
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/retry"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -96,7 +97,7 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 			return
 		}
 		if bo == nil {
-			bo = newBackoff(a.subTiming.retryMin, a.subTiming.retryMax)
+			bo = retry.Backoff(a.subTiming.retryMin, a.subTiming.retryMax)
 		}
 		if !a.subscribePause(ctx, conn, bo.NextBackOff()) {
 			return
@@ -171,34 +172,27 @@ func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []strin
 // awaitSubscribe waits for tok's SUBACK or the subscribe timeout. It
 // returns false when ctx is done or connection conn ended.
 func (a *Agent) awaitSubscribe(ctx context.Context, conn uint64, tok mqtt.Token) bool {
-	t := time.NewTimer(a.subTiming.timeout)
-	defer t.Stop()
-	for {
-		select {
-		case <-tok.Done():
-			return true
-		case <-t.C:
-			return true
-		case <-ctx.Done():
-			return false
-		case <-a.subWake:
-			if !a.current(conn) {
-				return false
-			}
-		}
-	}
+	return a.waitConn(ctx, conn, a.subTiming.timeout, tok.Done())
 }
 
 // subscribePause waits d. It returns false when ctx is done or connection
 // conn ended first.
 func (a *Agent) subscribePause(ctx context.Context, conn uint64, d time.Duration) bool {
 	a.log.Debug("asking for refused command subscriptions again", "in", d)
+	return a.waitConn(ctx, conn, d, nil) && a.current(conn)
+}
+
+// waitConn waits d or until done is closed (nil: never), whichever comes
+// first. It returns false when ctx is done or connection conn ended first.
+func (a *Agent) waitConn(ctx context.Context, conn uint64, d time.Duration, done <-chan struct{}) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	for {
 		select {
+		case <-done:
+			return true
 		case <-t.C:
-			return a.current(conn)
+			return true
 		case <-ctx.Done():
 			return false
 		case <-a.subWake:

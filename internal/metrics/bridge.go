@@ -13,8 +13,8 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// The bridge's ops, results and kinds of transfer, in the order of their
-// pre-bound series.
+// The bridge's results and kinds of transfer, in the order of their
+// pre-bound series (its ops are topics.Ops).
 var (
 	bridgeResults = []string{companion.StateSucceeded, companion.StateFailed, companion.StateExpired}
 	transferKinds = []string{"image", "app", "firmware"}
@@ -92,7 +92,7 @@ func NewBridge(opts BridgeOptions) *Bridge {
 			Name: "companion_bridge_gatt_link_drops_total",
 			Help: "Bluetooth links found down that the bridge had not closed (lost, dropped by the device, or closed after a request timed out).",
 		}),
-		ops:       make(map[string]*bridgeOp, len(serverOps)),
+		ops:       make(map[string]*bridgeOp, len(topics.Ops)),
 		transfers: make(map[string]*transferSeries, len(transferKinds)),
 	}
 	b.reg.MustRegister(b.doneV, b.tookV, b.mqtt, b.bytesV, b.transferV, b.transfersV, b.drops)
@@ -108,7 +108,7 @@ func NewBridge(opts BridgeOptions) *Bridge {
 			Help: "Devices with a live Bluetooth link now.",
 		}, func() float64 { return float64(opts.ConnectedDevices()) }))
 	}
-	for _, op := range serverOps {
+	for _, op := range topics.Ops {
 		o := &bridgeOp{took: b.tookV.WithLabelValues(op)}
 		for i, r := range bridgeResults {
 			o.done[i] = b.doneV.WithLabelValues(op, r)

@@ -89,6 +89,11 @@ func TestMetricsServer(t *testing.T) {
 	if got := f.Count("companion_http_request_duration_seconds", "method", "POST", "route", "/api/v1/devices/:id/push/text"); got != 2 {
 		t.Errorf("HTTP duration count = %d; want 2", got)
 	}
+	// The connection gauge follows the connection down as well as up.
+	s.MQTTConnected(false)
+	if got := metricstest.Scrape(t, url).Value("companion_mqtt_connected"); got != 0 {
+		t.Errorf("companion_mqtt_connected = %v after the connection was lost; want 0", got)
+	}
 	for _, name := range []string{"go_goroutines", "process_cpu_seconds_total", "promhttp_metric_handler_requests_total"} {
 		if f[name] == nil {
 			t.Errorf("%s absent: want the Go, process and handler collectors", name)

@@ -16,26 +16,17 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// The server's ops and states, in the order of their pre-bound series.
-var (
-	serverOps = []string{
-		topics.OpPushText, topics.OpPushImage, topics.OpAppInstall, topics.OpAppUninstall,
-		topics.OpAppUpdate, topics.OpSettingsUpdate, topics.OpOTAUpdate,
-	}
-	commandStates = []string{
-		companion.StateQueued, companion.StateSent, companion.StateDelivered, companion.StateInProgress,
-		companion.StateSucceeded, companion.StateFailed, companion.StateExpired, companion.StateCanceled,
-	}
-	storeWrites = []string{
-		broker.StoreWriteCreate, broker.StoreWriteReply, broker.StoreWriteSent, broker.StoreWriteCancel,
-		broker.StoreWriteExpire, broker.StoreWriteStatus, broker.StoreWriteSettings, broker.StoreWriteOffline,
-	}
-)
+// The kinds of store write, in the order of their pre-bound series. The ops
+// and states are topics.Ops and companion.States.
+var storeWrites = []string{
+	broker.StoreWriteCreate, broker.StoreWriteReply, broker.StoreWriteSent, broker.StoreWriteCancel,
+	broker.StoreWriteExpire, broker.StoreWriteStatus, broker.StoreWriteSettings, broker.StoreWriteOffline,
+}
 
 // opSeries are the pre-bound series of one op.
 type opSeries struct {
-	entered [8]prometheus.Counter  // by index in commandStates
-	latency [8]prometheus.Observer // by index in commandStates; final states only
+	entered []prometheus.Counter  // by index in companion.States
+	latency []prometheus.Observer // by index in companion.States; final states only
 }
 
 // Server holds the figures of companion serve. It implements
@@ -102,14 +93,17 @@ func NewServer() *Server {
 			Help:    "Time to answer an HTTP request, by method and route.",
 			Buckets: prometheus.DefBuckets,
 		}, []string{"method", "route"}),
-		ops:   make(map[string]*opSeries, len(serverOps)),
+		ops:   make(map[string]*opSeries, len(topics.Ops)),
 		store: make(map[string]prometheus.Observer, len(storeWrites)),
 		http:  make(map[httpKey]httpSeries),
 	}
 	s.reg.MustRegister(s.entered, s.latency, s.open, s.mqtt, s.storeV, s.httpTotal, s.httpTime)
-	for _, op := range serverOps {
-		o := &opSeries{}
-		for i, st := range commandStates {
+	for _, op := range topics.Ops {
+		o := &opSeries{
+			entered: make([]prometheus.Counter, len(companion.States)),
+			latency: make([]prometheus.Observer, len(companion.States)),
+		}
+		for i, st := range companion.States {
 			o.entered[i] = s.entered.WithLabelValues(op, st)
 			if companion.IsFinal(st) {
 				o.latency[i] = s.latency.WithLabelValues(op, st)
@@ -133,25 +127,25 @@ func (s *Server) SetOpenCommands(n int) { s.open.Set(float64(n)) }
 // CommandState counts a command entering state; a final state also ends
 // its accept-to-final time, and takes it off the open commands.
 func (s *Server) CommandState(op, state string, age time.Duration) {
-	i := slices.Index(commandStates, state)
-	o := s.ops[op]
-	if o == nil || i < 0 {
+	final := companion.IsFinal(state)
+	if o, i := s.ops[op], slices.Index(companion.States, state); o != nil && i >= 0 {
+		o.entered[i].Inc()
+		if final {
+			o.latency[i].Observe(age.Seconds())
+		}
+	} else {
 		// Not one of the ops or states known at build time (the broker
 		// refuses other ops): counted all the same, at the price of a
 		// lookup.
 		s.entered.WithLabelValues(op, state).Inc()
-		if companion.IsFinal(state) {
+		if final {
 			s.latency.WithLabelValues(op, state).Observe(age.Seconds())
-			s.open.Dec()
 		}
-		return
 	}
-	o.entered[i].Inc()
 	switch {
 	case state == companion.StateQueued:
 		s.open.Inc()
-	case o.latency[i] != nil:
-		o.latency[i].Observe(age.Seconds())
+	case final:
 		s.open.Dec()
 	}
 }

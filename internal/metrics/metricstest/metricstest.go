@@ -134,19 +134,25 @@ func (f Families) Total(name string, labels ...string) float64 {
 	}
 	var t float64
 	for _, m := range fam.GetMetric() {
-		if !hasLabels(m, labels) {
-			continue
-		}
-		switch {
-		case m.Counter != nil:
-			t += m.Counter.GetValue()
-		case m.Gauge != nil:
-			t += m.Gauge.GetValue()
-		case m.Histogram != nil:
-			t += float64(m.Histogram.GetSampleCount())
+		if hasLabels(m, labels) {
+			t += sample(m)
 		}
 	}
 	return t
+}
+
+// sample is the value of a counter or gauge series, or the sample count of
+// a histogram's.
+func sample(m *dto.Metric) float64 {
+	switch {
+	case m.Counter != nil:
+		return m.Counter.GetValue()
+	case m.Gauge != nil:
+		return m.Gauge.GetValue()
+	case m.Histogram != nil:
+		return float64(m.Histogram.GetSampleCount())
+	}
+	return 0
 }
 
 // Dump lists the series of name that have a non-zero value, for failure
@@ -158,15 +164,7 @@ func (f Families) Dump(name string) string {
 	}
 	var lines []string
 	for _, m := range fam.GetMetric() {
-		var v float64
-		switch {
-		case m.Counter != nil:
-			v = m.Counter.GetValue()
-		case m.Gauge != nil:
-			v = m.Gauge.GetValue()
-		case m.Histogram != nil:
-			v = float64(m.Histogram.GetSampleCount())
-		}
+		v := sample(m)
 		if v == 0 {
 			continue
 		}
