@@ -74,9 +74,8 @@ type Events struct {
 	opts EventsOptions
 	log  *slog.Logger
 
-	wake   chan struct{} // capacity 1
-	quit   chan struct{}
-	ctx    context.Context // of the hub's reads; canceled by Close
+	wake   chan struct{}   // capacity 1
+	ctx    context.Context // of the hub's reads; canceled by Close, which its Done announces
 	cancel context.CancelFunc
 	done   chan struct{}
 	ready  chan struct{} // closed once the hub has its first cursor
@@ -127,7 +126,6 @@ func NewEvents(opts EventsOptions) (*Events, error) {
 		opts:   opts,
 		log:    opts.Logger.With("component", "events"),
 		wake:   make(chan struct{}, 1),
-		quit:   make(chan struct{}),
 		done:   make(chan struct{}),
 		ready:  make(chan struct{}),
 		users:  map[string]map[*eventSub]struct{}{},
@@ -150,7 +148,6 @@ func (h *Events) Close() {
 	h.mu.Lock()
 	if !h.closed {
 		h.closed = true
-		close(h.quit)
 		h.cancel()
 		for _, subs := range h.users {
 			for sub := range subs {
@@ -179,7 +176,7 @@ func (h *Events) subscribe(ctx context.Context, userID, deviceID string) (*event
 	defer wait.Stop()
 	select {
 	case <-h.ready:
-	case <-h.quit:
+	case <-h.ctx.Done():
 		return nil, errEventsClosed
 	case <-wait.C:
 		return nil, errEventsClosed
@@ -209,17 +206,13 @@ func (sub *eventSub) close() {
 	h.remove(sub)
 }
 
-// remove takes sub off the hub and reports whether it was on; h.mu held.
-func (h *Events) remove(sub *eventSub) bool {
+// remove takes sub off the hub, if it is on; h.mu held.
+func (h *Events) remove(sub *eventSub) {
 	subs := h.users[sub.userID]
-	if _, ok := subs[sub]; !ok {
-		return false
-	}
 	delete(subs, sub)
 	if len(subs) == 0 {
 		delete(h.users, sub.userID)
 	}
-	return true
 }
 
 func (h *Events) run() {
@@ -238,7 +231,7 @@ func (h *Events) run() {
 		}
 		h.log.Warn("reading the event log's head", "err", err)
 		select {
-		case <-h.quit:
+		case <-ctx.Done():
 			return
 		case <-poll.C:
 		}
@@ -250,7 +243,7 @@ func (h *Events) run() {
 	backoff := 10 * time.Millisecond
 	for {
 		select {
-		case <-h.quit:
+		case <-ctx.Done():
 			return
 		case <-h.wake:
 			backoff = 10 * time.Millisecond

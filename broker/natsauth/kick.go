@@ -85,19 +85,13 @@ func (r *Responder) Disconnect(ctx context.Context, usernames ...string) error {
 	}
 	var errs []error
 	for _, u := range usernames {
-		n, err := r.disconnect(ctx, u)
+		n, err := r.kick(ctx, u)
 		if err != nil {
 			r.log.Error("connections whose rights changed not closed; retrying", "username", u, "err", err, "in", r.opts.RetryInterval)
-			r.mu.Lock()
-			r.pending[u] = true
-			r.mu.Unlock()
 			signal(r.retry)
 			errs = append(errs, err)
 			continue
 		}
-		r.mu.Lock()
-		delete(r.pending, u)
-		r.mu.Unlock()
 		if n > 0 {
 			r.log.Info("connections closed: rights changed", "username", u, "connections", n)
 		}
@@ -110,6 +104,20 @@ func signal(c chan struct{}) {
 	case c <- struct{}{}:
 	default:
 	}
+}
+
+// kick closes the username's connections, as disconnect, and keeps the
+// username pending (for retryLoop) until that succeeds.
+func (r *Responder) kick(ctx context.Context, username string) (int, error) {
+	n, err := r.disconnect(ctx, username)
+	r.mu.Lock()
+	if err != nil {
+		r.pending[username] = true
+	} else {
+		delete(r.pending, username)
+	}
+	r.mu.Unlock()
+	return n, err
 }
 
 // connRef is one connection of one node.
@@ -272,14 +280,11 @@ func (r *Responder) retryLoop() {
 		sort.Strings(names)
 		failed := false
 		for _, u := range names {
-			n, err := r.disconnect(ctx, u)
+			n, err := r.kick(ctx, u)
 			if err != nil {
 				failed = true
 				continue
 			}
-			r.mu.Lock()
-			delete(r.pending, u)
-			r.mu.Unlock()
 			r.log.Info("connections closed on retry: rights changed", "username", u, "connections", n)
 		}
 		if failed {

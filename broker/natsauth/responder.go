@@ -95,11 +95,8 @@ type Options struct {
 // Responder answers NATS's authorization requests. Create it with New,
 // stop it with Close.
 type Responder struct {
-	opts     Options
-	tree     topics.Tree
-	st       Store
+	opts     Options // defaults filled in
 	accounts broker.Accounts
-	issuer   nkeys.KeyPair
 	log      *slog.Logger
 
 	serverUser, serverPass [32]byte
@@ -165,10 +162,7 @@ func New(opts Options) (*Responder, error) {
 	}
 	r := &Responder{
 		opts:       opts,
-		tree:       opts.Topics,
-		st:         opts.Store,
 		accounts:   broker.Accounts{Store: opts.Store},
-		issuer:     opts.Issuer,
 		log:        opts.Logger.With("component", "natsauth"),
 		serverUser: sha256.Sum256([]byte(opts.ServerUsername)),
 		serverPass: sha256.Sum256([]byte(opts.ServerPassword)),
@@ -299,7 +293,7 @@ func (r *Responder) answer(m *nats.Msg) {
 	} else {
 		resp.Jwt = userJWT
 	}
-	tok, err := resp.Encode(r.issuer)
+	tok, err := resp.Encode(r.opts.Issuer)
 	if err != nil {
 		log.Error("authorization answer not signed", "err", err)
 		return
@@ -310,7 +304,7 @@ func (r *Responder) answer(m *nats.Msg) {
 			"bytes", len(tok), "max_payload", max)
 		refusal = fmt.Sprintf("the rights of %s %s do not fit in max_payload (%d bytes > %d)", who.Role, who.ID, len(tok), max)
 		resp.Jwt, resp.Error = "", refusal
-		if tok, err = resp.Encode(r.issuer); err != nil {
+		if tok, err = resp.Encode(r.opts.Issuer); err != nil {
 			return
 		}
 	}
@@ -363,7 +357,7 @@ func (r *Responder) decide(ctx context.Context, req *jwt.AuthorizationRequestCla
 	} else {
 		uc.Sub.Deny = jwt.StringList{">"}
 	}
-	tok, err := uc.Encode(r.issuer)
+	tok, err := uc.Encode(r.opts.Issuer)
 	if err != nil {
 		r.log.Error("user JWT not signed", "err", err)
 		return "", id, "internal error"

@@ -10,10 +10,9 @@ import (
 )
 
 // rights are the NATS subjects one MQTT client may publish and subscribe
-// to, and how many devices they cover.
+// to.
 type rights struct {
 	pub, sub []string
-	devices  int
 }
 
 // add appends the subjects of MQTT topics or filters to list, without
@@ -49,30 +48,30 @@ func (r *Responder) rightsOf(ctx context.Context, id embedded.Identity) (rights,
 	)
 	switch id.Role {
 	case embedded.RoleServer:
-		all := r.tree.Prefix() + "/#"
+		all := r.opts.Topics.Prefix() + "/#"
 		if rt.pub, err = add(rt.pub, pub, all); err != nil {
 			return rights{}, err
 		}
 		rt.sub, err = add(rt.sub, sub, all)
 		return rt, err
 	case embedded.RoleBridge:
-		state, err := r.tree.BridgeState(id.ID)
+		state, err := r.opts.Topics.BridgeState(id.ID)
 		if err != nil {
 			return rights{}, err
 		}
 		if rt.pub, err = add(rt.pub, pub, state); err != nil {
 			return rights{}, err
 		}
-		served, err := r.st.ServedDevices(ctx, id.ID)
+		served, err := r.opts.Store.ServedDevices(ctx, id.ID)
 		if err != nil {
 			return rights{}, err
 		}
 		sort.Strings(served)
 		for _, dev := range served {
-			cmds, err1 := r.tree.CommandsFilter(dev)
-			replies, err2 := r.tree.Replies(dev)
-			status, err3 := r.tree.Status(dev)
-			settings, err4 := r.tree.Settings(dev)
+			cmds, err1 := r.opts.Topics.CommandsFilter(dev)
+			replies, err2 := r.opts.Topics.Replies(dev)
+			status, err3 := r.opts.Topics.Status(dev)
+			settings, err4 := r.opts.Topics.Settings(dev)
 			for _, e := range []error{err1, err2, err3, err4} {
 				if e != nil {
 					return rights{}, e
@@ -85,15 +84,14 @@ func (r *Responder) rightsOf(ctx context.Context, id embedded.Identity) (rights,
 				return rights{}, err
 			}
 		}
-		rt.devices = len(served)
 		return rt, nil
 	case embedded.RoleUser:
-		bs, err := r.st.ListBindings(ctx, id.ID, "", 0)
+		bs, err := r.opts.Store.ListBindings(ctx, id.ID, "", 0)
 		if err != nil {
 			return rights{}, err
 		}
 		for _, b := range bs {
-			f, err := r.tree.DeviceFilter(b.DeviceID)
+			f, err := r.opts.Topics.DeviceFilter(b.DeviceID)
 			if err != nil {
 				return rights{}, err
 			}
@@ -101,7 +99,6 @@ func (r *Responder) rightsOf(ctx context.Context, id embedded.Identity) (rights,
 				return rights{}, err
 			}
 		}
-		rt.devices = len(bs)
 		return rt, nil
 	}
 	return rights{}, fmt.Errorf("natsauth: no rights for role %v", id.Role)
