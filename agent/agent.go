@@ -23,7 +23,6 @@ package agent
 import (
 	"context"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -38,6 +37,7 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/internal/pahostore"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/topics"
@@ -540,7 +540,7 @@ func (a *Agent) publishReply(deviceID string, r topics.Reply) mqtt.Token {
 		a.log.Error("reply dropped: no topic for the device", "device", deviceID, "cmd", r.CommandID, "err", err)
 		return nil
 	}
-	b, err := json.Marshal(r)
+	b, err := fastjson.Marshal(r)
 	if err != nil {
 		a.log.Error("reply dropped: it cannot be encoded", "device", deviceID, "cmd", r.CommandID, "err", err)
 		return nil
@@ -755,13 +755,15 @@ func isDone(tok mqtt.Token) bool {
 type SpoolStats struct {
 	Commits int64 `json:"commits"` // transactions committed, each one fsync of the spool
 	Writes  int64 `json:"writes"`  // writes they carried
+	Pages   int64 `json:"pages"`   // dirty pages the transactions wrote (bbolt's spilled nodes)
 }
 
 // SpoolStats returns how many writes the spool has committed, and in how
 // many transactions, since New.
 func (a *Agent) SpoolStats() SpoolStats {
 	s := a.spool.w.Stats()
-	return SpoolStats{Commits: s.Commits, Writes: s.Ops}
+	b := a.spool.db.Stats()
+	return SpoolStats{Commits: s.Commits, Writes: s.Ops, Pages: b.TxStats.GetSpill()}
 }
 
 // housekeeping forgets old finished command ids and old cached blobs.

@@ -2,12 +2,12 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"slices"
 	"time"
 
 	"github.com/devicecompanion/companion"
 
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -142,7 +142,7 @@ func (a *Agent) publish(dr *deviceRunner, topicOf func(deviceID string) (string,
 		a.log.Error("no topic for a device", "device", dr.id, "err", err)
 		return
 	}
-	b, err := json.Marshal(v)
+	b, err := fastjson.Marshal(v)
 	if err != nil {
 		a.log.Error("encoding a report", "device", dr.id, "err", err)
 		return

@@ -12,6 +12,7 @@ import (
 
 	"github.com/devicecompanion/companion"
 
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -194,7 +195,7 @@ func decodePayload(c topics.Command, v any) error {
 // of strings and JSON values, which always encode: an error here is a bug,
 // and the command then reports no result rather than a broken one.
 func resultJSON(v any) json.RawMessage {
-	b, err := json.Marshal(v)
+	b, err := fastjson.Marshal(v)
 	if err != nil {
 		return nil
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/gin-gonic/gin"
 
 	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -78,7 +79,7 @@ func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any
 
 // send hands a new command to the broker.
 func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) (companion.Command, error) {
-	p, err := json.Marshal(payload)
+	p, err := fastjson.Marshal(payload)
 	if err != nil {
 		return companion.Command{}, err
 	}

@@ -2,7 +2,6 @@ package api
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -364,7 +364,7 @@ func eventData(ev companion.Event) (string, []byte, bool) {
 	default:
 		return "", nil, false
 	}
-	b, err := json.Marshal(v)
+	b, err := fastjson.Marshal(v)
 	if err != nil {
 		return "", nil, false
 	}

@@ -17,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 
 	"github.com/gin-gonic/gin"
 )
@@ -366,7 +367,7 @@ func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *
 	var b []byte
 	if v != nil {
 		var err error
-		if b, err = json.Marshal(v); err != nil {
+		if b, err = fastjson.Marshal(v); err != nil {
 			return err
 		}
 	}
@@ -374,7 +375,7 @@ func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *
 		r := *rec
 		r.Status, r.Body, r.Location, r.CreatedAt = status, b, location, s.now()
 		if stored != nil {
-			sb, err := json.Marshal(stored)
+			sb, err := fastjson.Marshal(stored)
 			if err != nil {
 				return err
 			}

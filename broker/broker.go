@@ -16,6 +16,7 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/internal/pahostore"
 	"github.com/devicecompanion/companion/internal/retry"
 	"github.com/devicecompanion/companion/internal/tlsclient"
@@ -243,6 +244,7 @@ func (b *Broker) Start() error {
 	b.goOwned(b.outbox)
 	b.goOwned(b.confirm)
 	b.goOwned(b.sweep)
+	b.goOwned(b.sentLoop)
 	// With ConnectRetry the token completes only once connected; we do not
 	// wait for it: commands wait as queued until the broker is there.
 	b.client.Connect()
@@ -793,13 +795,13 @@ func storeStatus(deviceID string, s topics.Status) companion.Status {
 func reportedSettings(s topics.Settings) (companion.ReportedSettings, error) {
 	reported := make(map[string]json.RawMessage, len(s.Reported))
 	for k, v := range s.Reported {
-		raw, err := json.Marshal(v)
+		raw, err := fastjson.Marshal(v)
 		if err != nil {
 			return companion.ReportedSettings{}, fmt.Errorf("setting %q: %w", k, err)
 		}
 		reported[k] = raw
 	}
-	schema, err := json.Marshal(s.Schema)
+	schema, err := fastjson.Marshal(s.Schema)
 	if err != nil {
 		return companion.ReportedSettings{}, fmt.Errorf("schema: %w", err)
 	}
@@ -887,12 +889,12 @@ func (b *Broker) publishCancel(cmd companion.Command) {
 		b.log.Error("cancel not sent: no topic for the device", "command_id", cmd.ID, "device_id", cmd.DeviceID, "err", err)
 		return
 	}
-	payload, err := json.Marshal(topics.Cancel{CommandID: cmd.ID})
+	payload, err := fastjson.Marshal(topics.Cancel{CommandID: cmd.ID})
 	if err != nil {
 		b.log.Error("cancel not sent", "command_id", cmd.ID, "err", err)
 		return
 	}
-	msg, err := json.Marshal(topics.Command{
+	msg, err := fastjson.Marshal(topics.Command{
 		ID:        cmd.ID,
 		Op:        topics.OpCancel,
 		DeviceID:  cmd.DeviceID,

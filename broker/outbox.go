@@ -2,7 +2,6 @@ package broker
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"time"
 
@@ -10,6 +9,7 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -178,6 +178,26 @@ type outgoing struct {
 // as a sent one would (see expiredAt).
 const sentDelay = 500 * time.Millisecond
 
+// sentFlushEvery is how often the "sent" writes that came due are handed to
+// the store. Often, so that each flush is small: flushed once a second, a
+// second's worth of them (thousands under load) went into one commit that
+// every command accepted meanwhile waited behind.
+const sentFlushEvery = sentDelay / 10
+
+// sentLoop runs flushSent every sentFlushEvery until the broker closes.
+func (b *Broker) sentLoop() {
+	tick := time.NewTicker(sentFlushEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case <-b.quit:
+			return
+		case <-tick.C:
+			b.flushSent()
+		}
+	}
+}
+
 // publish hands cmds to the MQTT broker in order, without waiting for their
 // PUBACKs: confirm takes those. It skips commands already on their way,
 // unless again says to send them again, and it reports false when the
@@ -240,7 +260,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			b.land(c.ID)
 			continue
 		}
-		msg, err := json.Marshal(topics.Command{
+		msg, err := fastjson.Marshal(topics.Command{
 			ID:        c.ID,
 			Op:        c.Op,
 			DeviceID:  c.DeviceID,
@@ -390,7 +410,6 @@ func (b *Broker) sweep() {
 		}
 		ctx := context.Background()
 		now := b.now()
-		b.flushSent()
 		if !b.dispatching() {
 			continue // the dispatcher sweeps
 		}

@@ -3,11 +3,11 @@ package store
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"strings"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -208,7 +208,7 @@ func seekJSON(c *bolt.Cursor, k []byte, v any) (bool, error) {
 	if raw == nil || !bytes.Equal(got, k) {
 		return false, nil
 	}
-	if err := json.Unmarshal(raw, v); err != nil {
+	if err := fastjson.Unmarshal(raw, v); err != nil {
 		return false, fmt.Errorf("store: decode %q: %w", k, err)
 	}
 	return true, nil

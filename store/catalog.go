@@ -3,11 +3,11 @@ package store
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"slices"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 
 	bolt "go.etcd.io/bbolt"
 	"golang.org/x/mod/semver"
@@ -169,7 +169,7 @@ func scanJSON[T any](b *bolt.Bucket, p []byte, fn func(T)) error {
 	}
 	for ; k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
 		var t T
-		if err := json.Unmarshal(v, &t); err != nil {
+		if err := fastjson.Unmarshal(v, &t); err != nil {
 			return fmt.Errorf("store: decode %q: %w", k, err)
 		}
 		fn(t)

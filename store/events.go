@@ -4,12 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
 	"strconv"
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -126,7 +126,7 @@ func (db *DB) Events(ctx context.Context, userID, after string, limit int) ([]co
 		start := binary.BigEndian.AppendUint64(nil, from+1)
 		add := func(k, v []byte) error {
 			var ev companion.Event
-			if err := json.Unmarshal(v, &ev); err != nil {
+			if err := fastjson.Unmarshal(v, &ev); err != nil {
 				return fmt.Errorf("store: decode event %x: %w", k, err)
 			}
 			seq := binary.BigEndian.Uint64(k)
@@ -193,7 +193,7 @@ func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 		c := events.Cursor()
 		for k, v := c.First(); k != nil; k, v = c.Next() {
 			var ev companion.Event
-			if err := json.Unmarshal(v, &ev); err != nil {
+			if err := fastjson.Unmarshal(v, &ev); err != nil {
 				return 0, false, fmt.Errorf("store: decode event %x: %w", k, err)
 			}
 			if !ev.At.Before(olderThan) {

@@ -3,11 +3,11 @@ package store
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -71,7 +71,7 @@ func (db *DB) PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, e
 		c := b.Cursor()
 		for k, v := c.First(); k != nil; k, v = c.Next() {
 			var rec companion.Idempotency
-			if err := json.Unmarshal(v, &rec); err != nil {
+			if err := fastjson.Unmarshal(v, &rec); err != nil {
 				return fmt.Errorf("store: decode idempotency %q: %w", k, err)
 			}
 			if rec.CreatedAt.Before(olderThan) {

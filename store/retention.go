@@ -2,10 +2,10 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -30,7 +30,7 @@ func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, erro
 		c := cmds.Cursor()
 		for k, v := c.First(); k != nil; k, v = c.Next() {
 			var cmd companion.Command
-			if err := json.Unmarshal(v, &cmd); err != nil {
+			if err := fastjson.Unmarshal(v, &cmd); err != nil {
 				return 0, false, err
 			}
 			if !cmd.CreatedAt.Before(olderThan) {

@@ -536,8 +536,8 @@ func readCounters(path string) (map[string]int64, error) {
 		}
 	}
 	pick("memstats", "Mallocs", "NumGC")
-	pick("store", "commits", "writes")
-	pick("spool", "commits", "writes")
+	pick("store", "commits", "writes", "pages")
+	pick("spool", "commits", "writes", "pages")
 	pick("mqtt", "messages_received", "messages_sent")
 	return out, nil
 }

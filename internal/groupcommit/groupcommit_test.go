@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -37,7 +38,7 @@ func get(tb testing.TB, db *bolt.DB, k string) bool {
 // returns.
 func TestDoGroupsWriters(t *testing.T) {
 	db := openDB(t)
-	c := New(db)
+	c := New(db, 0)
 	defer c.Close()
 	const n = 200
 	var wg sync.WaitGroup
@@ -69,7 +70,7 @@ func TestDoGroupsWriters(t *testing.T) {
 // A write that fails is rolled back alone: the others of its group commit.
 func TestFailingWriteIsRolledBackAlone(t *testing.T) {
 	db := openDB(t)
-	c := New(db)
+	c := New(db, 0)
 	defer c.Close()
 	boom := errors.New("boom")
 	// Hold the committer so that the three writes share one group.
@@ -100,7 +101,7 @@ func TestFailingWriteIsRolledBackAlone(t *testing.T) {
 // Done callbacks run in the order the writes were queued.
 func TestDoneInOrder(t *testing.T) {
 	db := openDB(t)
-	c := New(db)
+	c := New(db, 0)
 	var (
 		mu  sync.Mutex
 		got []int
@@ -123,5 +124,75 @@ func TestDoneInOrder(t *testing.T) {
 	}
 	if err := c.Do(put("late")); !errors.Is(err, ErrClosed) {
 		t.Errorf("Do after Close = %v; want ErrClosed", err)
+	}
+}
+
+// After a commit of several writes the committer lingers for company:
+// writes queued meanwhile share one commit, which Close does not wait out.
+// A lone write never lingers.
+func TestLinger(t *testing.T) {
+	db := openDB(t)
+	c := New(db, time.Hour)
+	// Lone writes, one after another: each commits at once.
+	for _, k := range []string{"lone1", "lone2", "lone3"} {
+		done := make(chan error, 1)
+		go func() { done <- c.Do(put(k)) }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("a lone write (%s) lingered", k)
+		}
+	}
+	// Two writes queued while a third holds the transaction commit together.
+	release := make(chan struct{})
+	held := make(chan struct{})
+	first := make(chan error, 1)
+	c.Go(func(tx *bolt.Tx) error { close(held); <-release; return put("a")(tx) }, func(err error) { first <- err })
+	<-held
+	var pair sync.WaitGroup
+	for _, k := range []string{"b", "c"} {
+		pair.Add(1)
+		c.Go(put(k), func(err error) {
+			defer pair.Done()
+			if err != nil {
+				t.Errorf("%s: %v", k, err)
+			}
+		})
+	}
+	close(release)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	pair.Wait()
+	before := c.Stats()
+	if before.Commits != 5 || before.Ops != 6 {
+		t.Fatalf("Stats() = %+v; want 5 commits of 6 writes", before)
+	}
+	// Now it lingers: these wait for company rather than commit. (Without
+	// the linger the first would commit within microseconds.)
+	for _, k := range []string{"d", "e", "f"} {
+		c.Go(put(k), nil)
+		time.Sleep(50 * time.Millisecond)
+	}
+	if got := c.Stats(); got != before {
+		t.Fatalf("Stats() = %+v while lingering; want %+v", got, before)
+	}
+	closed := make(chan struct{})
+	go func() { c.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close waited out the linger")
+	}
+	if got := c.Stats(); got.Commits != 6 || got.Ops != 9 {
+		t.Errorf("Stats() after Close = %+v; want the three lingering writes in one more commit", got)
+	}
+	for _, k := range []string{"d", "e", "f"} {
+		if !get(t, db, k) {
+			t.Errorf("%s not committed by Close", k)
+		}
 	}
 }
