@@ -368,6 +368,7 @@ func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 	var soft error
 	db.writer.Go(func(tx *bolt.Tx) error {
 		soft = nil
+		fillAppendOnly(tx)
 		err := fn(tx)
 		var se softError
 		if errors.As(err, &se) {
@@ -383,6 +384,24 @@ func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 			done(err)
 		}
 	})
+}
+
+// appendOnly are the buckets whose new keys sort after the old ones:
+// UUIDv7 command ids, the event log's sequence, expiry times. bbolt splits
+// a full page at the bucket's FillPercent, 50 % unless told, so that every
+// page such a bucket leaves behind stays half empty for good: twice the
+// pages to write, to keep and to walk.
+var appendOnly = [][]byte{bucketCommands, bucketOpen, bucketQueued, bucketExpiry, bucketEvents}
+
+// fillAppendOnly has the append-only buckets of tx split their pages at 90 %
+// (bbolt keeps a bucket per transaction, so that this holds for every later
+// tx.Bucket of the same transaction).
+func fillAppendOnly(tx *bolt.Tx) {
+	for _, name := range appendOnly {
+		if b := tx.Bucket(name); b != nil {
+			b.FillPercent = 0.9
+		}
+	}
 }
 
 // update runs fn in a write transaction of its own, for the rare writes
