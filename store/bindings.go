@@ -54,10 +54,14 @@ func (db *DB) Bind(ctx context.Context, b companion.Binding) (companion.Binding,
 		}
 		nb := b
 		nb.Model = dev.Model
-		if err := putJSON(bindings, []byte(nb.DeviceID), nb); err != nil {
+		raw, err := fastjson.Marshal(nb)
+		if err != nil {
+			return fmt.Errorf("store: encode binding: %w", err)
+		}
+		if err := bindings.Put([]byte(nb.DeviceID), raw); err != nil {
 			return err
 		}
-		if err := tx.Bucket(bucketUserBindings).Put(key(nb.UserID, nb.DeviceID), nil); err != nil {
+		if err := tx.Bucket(bucketUserBindings).Put(key(nb.UserID, nb.DeviceID), raw); err != nil {
 			return err
 		}
 		out, created = nb, true
@@ -172,24 +176,22 @@ func scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b compan
 	if !validID(userID) {
 		return nil
 	}
-	bindings := tx.Bucket(bucketBindings).Cursor()
 	p := prefix(userID)
 	c := tx.Bucket(bucketUserBindings).Cursor()
 	start := append(bytes.Clone(p), after...)
-	k, _ := c.Seek(start)
+	k, v := c.Seek(start)
 	if after != "" && bytes.Equal(k, start) {
-		k, _ = c.Next()
+		k, v = c.Next()
 	}
-	for n := 0; k != nil && bytes.HasPrefix(k, p); k, _ = c.Next() {
+	for n := 0; k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
 		if limit > 0 && n >= limit {
 			break
 		}
 		var b companion.Binding
-		ok, err := seekJSON(bindings, k[len(p):], &b)
-		if err != nil {
-			return err
+		if err := fastjson.Unmarshal(v, &b); err != nil {
+			return fmt.Errorf("store: decode %q: %w", k, err)
 		}
-		if !ok || b.UserID != userID {
+		if b.UserID != userID {
 			continue
 		}
 		if err := fn(b); err != nil {
@@ -212,4 +214,50 @@ func seekJSON(c *bolt.Cursor, k []byte, v any) (bool, error) {
 		return false, fmt.Errorf("store: decode %q: %w", k, err)
 	}
 	return true, nil
+}
+
+// migrateTo6 copies each binding into its user_bindings entry, which held
+// nothing before, so that listing a user's devices reads their bindings in
+// key order instead of seeking each in the bindings bucket. An entry whose
+// binding is gone or is another user's (none should be) is dropped: the
+// list skipped it before. bbolt's cursors do not survive changes to their
+// bucket, so it reads a thousand entries, writes them, and seeks again.
+func migrateTo6(tx *bolt.Tx) error {
+	bindings, idx := tx.Bucket(bucketBindings), tx.Bucket(bucketUserBindings)
+	type entry struct{ k, v []byte } // v nil: drop the entry
+	var from []byte
+	for {
+		var batch []entry
+		c := idx.Cursor()
+		k, _ := c.Seek(from)
+		if from != nil && bytes.Equal(k, from) {
+			k, _ = c.Next()
+		}
+		for ; k != nil && len(batch) < 1000; k, _ = c.Next() {
+			e := entry{k: bytes.Clone(k)}
+			if i := bytes.IndexByte(k, 0); i >= 0 {
+				raw := bindings.Get(k[i+1:])
+				var b companion.Binding
+				if raw != nil && fastjson.Unmarshal(raw, &b) == nil && b.UserID == string(k[:i]) {
+					e.v = bytes.Clone(raw)
+				}
+			}
+			batch = append(batch, e)
+		}
+		if len(batch) == 0 {
+			return nil
+		}
+		for _, e := range batch {
+			var err error
+			if e.v == nil {
+				err = idx.Delete(e.k)
+			} else {
+				err = idx.Put(e.k, e.v)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		from = batch[len(batch)-1].k
+	}
 }

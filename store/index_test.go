@@ -1,8 +1,10 @@
 package store
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"testing"
 	"time"
@@ -162,4 +164,83 @@ func TestMigrateCountsOpenCommands(t *testing.T) {
 	if n, _ := db.CountOpen(ctx, "d"); n != 0 {
 		t.Errorf("CountOpen once all are final = %d; want 0", n)
 	}
+}
+
+// A schema 5 file kept nothing in user_bindings but the keys; the migration
+// to 6 copies each binding there, in batches, and drops entries whose
+// binding is gone or is another user's. Lists read the copies.
+func TestMigrateCopiesBindingsIntoTheUserIndex(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "db")
+	db, err := Open(path, Options{Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 2500 // more than one batch of the migration
+	var devs []companion.RegistryDevice
+	for i := range n {
+		devs = append(devs, companion.RegistryDevice{ID: fmt.Sprintf("dev-%05d", i), Model: "m"})
+	}
+	if err := db.ProvisionDevices(devs); err != nil {
+		t.Fatal(err)
+	}
+	for i, d := range devs {
+		user := []string{"u1", "u2"}[i%2]
+		if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: d.ID, UserID: user, Name: "n" + d.ID}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	db.Close()
+
+	// Make it a version 5 file: empty values, plus two stale entries.
+	raw, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = raw.Update(func(tx *bolt.Tx) error {
+		idx := tx.Bucket(bucketUserBindings)
+		var keys [][]byte
+		idx.ForEach(func(k, _ []byte) error { keys = append(keys, bytes.Clone(k)); return nil })
+		for _, k := range keys {
+			if err := idx.Put(k, nil); err != nil {
+				return err
+			}
+		}
+		idx.Put(key("u1", "dev-gone"), nil)  // no binding
+		idx.Put(key("u1", "dev-00001"), nil) // bound to u2
+		return tx.Bucket(bucketMeta).Put(keySchemaVersion, []byte("5"))
+	})
+	raw.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	db = openTestDBWith(t, path, Options{})
+	for u, parity := range map[string]int{"u1": 0, "u2": 1} {
+		got, err := db.ListDevices(ctx, u, "", 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) != n/2 {
+			t.Fatalf("%s lists %d devices after migration; want %d", u, len(got), n/2)
+		}
+		for j, d := range got {
+			want := fmt.Sprintf("dev-%05d", 2*j+parity)
+			if b := d.Binding; b.DeviceID != want || b.UserID != u || b.Name != "n"+want || b.Model != "m" {
+				t.Fatalf("%s's device %d = %+v; want %s bound to %s", u, j, d.Binding, want, u)
+			}
+		}
+	}
+	db.bolt.View(func(tx *bolt.Tx) error {
+		idx := tx.Bucket(bucketUserBindings)
+		if n := idx.Stats().KeyN; n != 2500 {
+			t.Errorf("user_bindings holds %d keys; want the 2500 bindings alone", n)
+		}
+		return idx.ForEach(func(k, v []byte) error {
+			if !bytes.Equal(v, tx.Bucket(bucketBindings).Get(k[bytes.IndexByte(k, 0)+1:])) {
+				t.Errorf("user_bindings %q = %q; want its binding", k, v)
+			}
+			return nil
+		})
+	})
 }

@@ -23,7 +23,7 @@ import (
 
 // SchemaVersion is the layout of the bbolt file this code reads and
 // writes. Open migrates older files up to it and refuses newer ones.
-const SchemaVersion = 5
+const SchemaVersion = 6
 
 // Bucket names. Index buckets hold keys only (empty values) unless said
 // otherwise; composite keys join their parts with a NUL byte, which no id
@@ -36,7 +36,7 @@ var (
 	bucketBridges       = []byte("bridges")        // bridge id → Bridge
 	bucketBridgeSecrets = []byte("bridge_secrets") // secret hash → bridge id
 	bucketBindings      = []byte("bindings")       // device id → Binding
-	bucketUserBindings  = []byte("user_bindings")  // user id, device id
+	bucketUserBindings  = []byte("user_bindings")  // user id, device id → Binding (a copy: a list reads no second bucket); schema 6 on
 	bucketStatus        = []byte("status")         // device id → Status
 	bucketBridgeDevices = []byte("bridge_devices") // bridge id, device id
 	bucketSettings      = []byte("settings")       // device id → Settings
@@ -128,6 +128,7 @@ var migrations = []func(tx *bolt.Tx) error{
 	},
 	3: migrateTo4,
 	4: migrateTo5,
+	5: migrateTo6,
 }
 
 // migrateTo4 makes the buckets of bridge assignments and blob references.
