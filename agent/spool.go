@@ -89,9 +89,10 @@ const spoolCommitLinger = 2 * time.Millisecond
 
 func openSpool(dir string) (*spool, error) {
 	db, err := bolt.Open(filepath.Join(dir, "spool.db"), 0o600, &bolt.Options{
-		Timeout:        5 * time.Second,
-		NoFreelistSync: true, // see store.Open
-		FreelistType:   bolt.FreelistMapType,
+		Timeout:         5 * time.Second,
+		NoFreelistSync:  true, // see store.Open
+		FreelistType:    bolt.FreelistMapType,
+		InitialMmapSize: groupcommit.MmapReserve, // see store.Open
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open spool: %w", err)

@@ -247,6 +247,12 @@ func Open(path string, opts Options) (*DB, error) {
 		// constant time however fragmented the file is.
 		NoFreelistSync: true,
 		FreelistType:   bolt.FreelistMapType,
+		// bbolt maps the file and maps it again, larger, whenever it
+		// outgrows the mapping (doubling up to 1 GiB), and to do so a commit
+		// waits until every read transaction has ended and holds new ones
+		// off. Reserving the address space up front (as etcd does) spares a
+		// growing store those stalls; the reservation is not memory.
+		InitialMmapSize: groupcommit.MmapReserve,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("store: open %s: %w", path, err)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -17,6 +18,8 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	bolt "go.etcd.io/bbolt"
 	berrors "go.etcd.io/bbolt/errors"
@@ -308,4 +311,48 @@ func provision(tb testing.TB, db *DB, model string, ids ...string) {
 	for _, id := range ids {
 		mustNil(tb, "ProvisionDevice("+id+")", db.ProvisionDevice(context.Background(), companion.RegistryDevice{ID: id, Model: model, ClaimHash: hashOf(id)}))
 	}
+}
+
+// A store growing by tens of megabytes commits while a read transaction
+// stays open: its file is mapped with room to grow (MmapReserve), so no
+// commit waits for readers to let bbolt map it again.
+func TestGrowingStoreDoesNotWaitForReaders(t *testing.T) {
+	db := openTestDB(t)
+	ctx := context.Background()
+	release := make(chan struct{})
+	reading := make(chan struct{})
+	readDone := make(chan error, 1)
+	go func() {
+		readDone <- db.bolt.View(func(*bolt.Tx) error {
+			close(reading)
+			<-release
+			return nil
+		})
+	}()
+	<-reading
+	payload := json.RawMessage(`{"text":"` + strings.Repeat("x", 32<<10) + `"}`)
+	wrote := make(chan error, 1)
+	go func() {
+		for i := range 1000 { // about 33 MB
+			_, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: fmt.Sprintf("d%d", i%50), Op: "push.text",
+				Payload: payload, ExpiresAt: time.Now().Add(time.Hour)}, 0, nil)
+			if err != nil {
+				wrote <- err
+				return
+			}
+		}
+		wrote <- nil
+	}()
+	select {
+	case err := <-wrote:
+		require.NoError(t, err)
+	case <-time.After(60 * time.Second):
+		close(release)
+		t.Fatal("commits waited for an open read transaction while the file grew")
+	}
+	close(release)
+	require.NoError(t, <-readDone)
+	st, err := os.Stat(db.Path())
+	require.NoError(t, err)
+	assert.Greater(t, st.Size(), int64(32<<20), "the file grew past 32 MB")
 }

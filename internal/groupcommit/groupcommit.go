@@ -25,6 +25,7 @@ package groupcommit
 
 import (
 	"errors"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -35,6 +36,14 @@ import (
 // MaxOps bounds the writes in one transaction, so that one commit stays
 // short whatever the backlog.
 const MaxOps = 2000
+
+// MmapReserve is the address space to map a committer's bbolt file with
+// from the start (bolt.Options.InitialMmapSize): 1 GiB, or 128 MiB where
+// addresses are 32 bits (linux/arm). bbolt maps the file again, larger,
+// whenever it outgrows the mapping, and for that a commit waits until every
+// read transaction has ended; a file that grows past the reservation is
+// still mapped again.
+const MmapReserve = 1 << (27 + 3*(strconv.IntSize/64)) // 1<<30 on 64 bits, 1<<27 on 32
 
 // ErrClosed is the answer to writes after Close.
 var ErrClosed = errors.New("groupcommit: closed")
