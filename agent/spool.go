@@ -81,7 +81,7 @@ type spool struct {
 }
 
 // spoolCommitLinger is how long the spool's committer waits for company
-// after a commit of several writes (groupcommit.New). Nothing waits on the
+// after a commit of several writes (groupcommit.Options.Linger). Nothing waits on the
 // spool but the command's own round trip, and most of the bridge's CPU went
 // to commits: at 2 ms it spends a fifth less per command (make bench,
 // docs/performance.md).
@@ -113,7 +113,7 @@ func openSpool(dir string) (*spool, error) {
 		db.Close()
 		return nil, fmt.Errorf("open spool: %w", err)
 	}
-	s.w = groupcommit.New(db, spoolCommitLinger)
+	s.w = groupcommit.New(db, groupcommit.Options{Linger: spoolCommitLinger})
 	return s, nil
 }
 

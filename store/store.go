@@ -207,7 +207,7 @@ type DB struct {
 }
 
 // commitLinger is how long the store's committer waits for company after a
-// commit of several writes (groupcommit.New). Measured with make bench
+// commit of several writes (groupcommit.Options.Linger). Measured with make bench
 // (docs/performance.md): at 1 ms the server spends a fifth less CPU per
 // accepted command, and at 2 ms its accept rate fell again in the closed
 // loop of 32 clients.
@@ -262,7 +262,7 @@ func Open(path string, opts Options) (*DB, error) {
 		_ = bdb.Close()
 		return nil, err
 	}
-	db.writer = groupcommit.New(bdb, commitLinger)
+	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly})
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
 	db.removeStaleTemps()
@@ -375,7 +375,6 @@ func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 	var soft error
 	db.writer.Go(func(tx *bolt.Tx) error {
 		soft = nil
-		fillAppendOnly(tx)
 		err := fn(tx)
 		var se softError
 		if errors.As(err, &se) {
@@ -400,9 +399,10 @@ func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 // pages to write, to keep and to walk.
 var appendOnly = [][]byte{bucketCommands, bucketOpen, bucketQueued, bucketExpiry, bucketEvents}
 
-// fillAppendOnly has the append-only buckets of tx split their pages at 90 %
-// (bbolt keeps a bucket per transaction, so that this holds for every later
-// tx.Bucket of the same transaction).
+// fillAppendOnly has the append-only buckets of tx split their pages at 90 %;
+// the committer runs it at the start of each transaction (bbolt keeps a
+// bucket per transaction, so that this holds for every later tx.Bucket of
+// it).
 func fillAppendOnly(tx *bolt.Tx) {
 	for _, name := range appendOnly {
 		if b := tx.Bucket(name); b != nil {

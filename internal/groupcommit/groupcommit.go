@@ -11,8 +11,8 @@
 // the one before it.
 //
 // Under load a commit may also linger: when the last commit carried more
-// than one write, the committer waits up to the linger New was given before
-// it takes the next group. A commit costs its two fsyncs and the pages of
+// than one write, the committer waits up to Options.Linger before it takes
+// the next group. A commit costs its two fsyncs and the pages of
 // every bucket it touches whatever it carries, so that fewer, larger
 // commits cost less CPU per write; a lone write on a quiet file still
 // commits at once. (Kafka's producers call the same thing linger.ms.)
@@ -57,8 +57,8 @@ type op struct {
 // Committer runs writes to one bbolt file in grouped transactions. Create
 // it with New; Close stops it.
 type Committer struct {
-	db     *bolt.DB
-	linger time.Duration
+	db   *bolt.DB
+	opts Options
 
 	mu      sync.Mutex
 	queue   []*op
@@ -71,12 +71,22 @@ type Committer struct {
 	commits, ops atomic.Int64
 }
 
-// New starts a committer for db that lingers up to linger (0: never)
-// before a commit that follows one of several writes.
-func New(db *bolt.DB, linger time.Duration) *Committer {
+// Options tune a Committer; the zero value never lingers.
+type Options struct {
+	// Linger is how long the committer waits for company before a commit
+	// that follows one of several writes (0: never).
+	Linger time.Duration
+	// Begin, when set, runs at the start of every transaction, before its
+	// writes: for settings bbolt keeps per transaction, such as a
+	// bucket's FillPercent.
+	Begin func(tx *bolt.Tx)
+}
+
+// New starts a committer for db.
+func New(db *bolt.DB, opts Options) *Committer {
 	c := &Committer{
 		db:      db,
-		linger:  linger,
+		opts:    opts,
 		wake:    make(chan struct{}, 1),
 		results: make(chan []*op, 64),
 		quit:    make(chan struct{}),
@@ -166,11 +176,11 @@ func (c *Committer) commitLoop() {
 	var linger *time.Timer
 	last := 0 // writes in the last commit
 	for {
-		if last > 1 && c.linger > 0 {
+		if last > 1 && c.opts.Linger > 0 {
 			if linger == nil {
-				linger = time.NewTimer(c.linger)
+				linger = time.NewTimer(c.opts.Linger)
 			} else {
-				linger.Reset(c.linger)
+				linger.Reset(c.opts.Linger)
 			}
 			select {
 			case <-linger.C:
@@ -179,6 +189,7 @@ func (c *Committer) commitLoop() {
 		}
 		ops := c.take()
 		if len(ops) == 0 {
+			last = 0 // quiet: the next write, alone, commits at once
 			select {
 			case <-c.wake:
 				continue
@@ -203,6 +214,9 @@ func (c *Committer) run(ops []*op) {
 	for len(live) > 0 {
 		failed := -1
 		err := c.db.Update(func(tx *bolt.Tx) error {
+			if c.opts.Begin != nil {
+				c.opts.Begin(tx)
+			}
 			for i, o := range live {
 				if err := o.fn(tx); err != nil {
 					failed = i

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -38,7 +39,7 @@ func get(tb testing.TB, db *bolt.DB, k string) bool {
 // returns.
 func TestDoGroupsWriters(t *testing.T) {
 	db := openDB(t)
-	c := New(db, 0)
+	c := New(db, Options{})
 	defer c.Close()
 	const n = 200
 	var wg sync.WaitGroup
@@ -70,7 +71,7 @@ func TestDoGroupsWriters(t *testing.T) {
 // A write that fails is rolled back alone: the others of its group commit.
 func TestFailingWriteIsRolledBackAlone(t *testing.T) {
 	db := openDB(t)
-	c := New(db, 0)
+	c := New(db, Options{})
 	defer c.Close()
 	boom := errors.New("boom")
 	// Hold the committer so that the three writes share one group.
@@ -101,7 +102,7 @@ func TestFailingWriteIsRolledBackAlone(t *testing.T) {
 // Done callbacks run in the order the writes were queued.
 func TestDoneInOrder(t *testing.T) {
 	db := openDB(t)
-	c := New(db, 0)
+	c := New(db, Options{})
 	var (
 		mu  sync.Mutex
 		got []int
@@ -132,7 +133,7 @@ func TestDoneInOrder(t *testing.T) {
 // A lone write never lingers.
 func TestLinger(t *testing.T) {
 	db := openDB(t)
-	c := New(db, time.Hour)
+	c := New(db, Options{Linger: time.Hour})
 	// Lone writes, one after another: each commits at once.
 	for _, k := range []string{"lone1", "lone2", "lone3"} {
 		done := make(chan error, 1)
@@ -194,5 +195,65 @@ func TestLinger(t *testing.T) {
 		if !get(t, db, k) {
 			t.Errorf("%s not committed by Close", k)
 		}
+	}
+}
+
+// Once the queue has run dry the committer is quiet again: a write that
+// comes later, alone, commits without lingering, however busy the last
+// commit was.
+func TestQuietAfterLoadDoesNotLinger(t *testing.T) {
+	const linger = 300 * time.Millisecond
+	db := openDB(t)
+	c := New(db, Options{Linger: linger})
+	defer c.Close()
+	// A commit of two writes, after which the committer lingers.
+	release, held := make(chan struct{}), make(chan struct{})
+	c.Go(func(tx *bolt.Tx) error { close(held); <-release; return put("a")(tx) }, nil)
+	<-held
+	var pair sync.WaitGroup
+	pair.Add(2)
+	c.Go(put("b"), func(error) { pair.Done() })
+	c.Go(put("c"), func(error) { pair.Done() })
+	close(release)
+	pair.Wait()
+	// The linger ends on an empty queue (perhaps twice: the pair left a
+	// wake-up behind).
+	time.Sleep(4 * linger)
+	before := c.Stats()
+	// x comes alone and commits at once; y, a moment later, commits on
+	// its own. Had x lingered, y would have joined its commit.
+	var xy sync.WaitGroup
+	xy.Add(2)
+	c.Go(put("x"), func(error) { xy.Done() })
+	time.Sleep(linger / 3)
+	c.Go(put("y"), func(error) { xy.Done() })
+	xy.Wait()
+	if got := c.Stats(); got.Commits-before.Commits != 2 || got.Ops-before.Ops != 2 {
+		t.Errorf("Stats() went from %+v to %+v; want two commits of one write each", before, got)
+	}
+}
+
+// Begin runs at the start of every transaction, before its writes.
+func TestBeginRunsFirstInEveryTransaction(t *testing.T) {
+	db := openDB(t)
+	var begun atomic.Int64
+	c := New(db, Options{Begin: func(tx *bolt.Tx) {
+		begun.Add(1)
+		tx.Bucket([]byte("b")).FillPercent = 0.9
+	}})
+	defer c.Close()
+	for _, k := range []string{"p", "q", "r"} {
+		err := c.Do(func(tx *bolt.Tx) error {
+			if fp := tx.Bucket([]byte("b")).FillPercent; fp != 0.9 {
+				t.Errorf("FillPercent = %v in a write; want Begin's 0.9", fp)
+			}
+			return put(k)(tx)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, commits := begun.Load(), c.Stats().Commits; n != commits {
+		t.Errorf("Begin ran %d times for %d transactions", n, commits)
 	}
 }
