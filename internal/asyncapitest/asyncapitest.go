@@ -16,8 +16,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"regexp"
 	"sort"
 	"strings"
@@ -54,15 +52,7 @@ type channel struct {
 // if it cannot.
 func Load(tb testing.TB) *Doc {
 	tb.Helper()
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	b, err := os.ReadFile(filepath.Join(root, Path))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	d, err := Parse(b)
+	d, err := Parse(testenv.ReadRepoFile(tb, Path))
 	if err != nil {
 		tb.Fatalf("%s: %v", Path, err)
 	}

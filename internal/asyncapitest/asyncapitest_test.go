@@ -147,14 +147,7 @@ func TestParseRefusesBrokenDocuments(t *testing.T) {
 // docs/asyncapi.yaml is a valid AsyncAPI 3.0.0 document, by the JSON
 // Schema the AsyncAPI project publishes for it (testdata/README.md).
 func TestDocumentIsAsyncAPI3(t *testing.T) {
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	docYAML, err := os.ReadFile(filepath.Join(root, Path))
-	if err != nil {
-		t.Fatal(err)
-	}
+	docYAML := testenv.ReadRepoFile(t, Path)
 	var raw any
 	if err := yaml.Unmarshal(docYAML, &raw); err != nil {
 		t.Fatal(err)

@@ -23,8 +23,6 @@ import (
 	"io"
 	"mime"
 	"net/http"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -143,15 +141,7 @@ func ProblemCodes(s *openapi3.Schema) []string {
 // Load parses the repository's api/openapi.json, failing tb if it cannot.
 func Load(tb testing.TB) *Contract {
 	tb.Helper()
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	b, err := os.ReadFile(filepath.Join(root, Path))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	c, err := Parse(b)
+	c, err := Parse(testenv.ReadRepoFile(tb, Path))
 	if err != nil {
 		tb.Fatalf("%s: %v", Path, err)
 	}

@@ -30,6 +30,21 @@ func RepoRoot() (string, error) {
 	}
 }
 
+// ReadRepoFile returns the file at rel, a path from the repository's root,
+// failing tb if it cannot be read.
+func ReadRepoFile(tb testing.TB, rel string) []byte {
+	tb.Helper()
+	root, err := RepoRoot()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	b, err := os.ReadFile(filepath.Join(root, rel))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return b
+}
+
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago. Some
 // other process may take it before the caller binds it; for servers that can
 // listen on port 0 and report their address, prefer that.

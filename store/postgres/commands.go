@@ -583,18 +583,15 @@ func (s *Store) CountOpen(ctx context.Context, deviceID string) (int, error) {
 	return n, err
 }
 
-// purgeBatch bounds the deletions of one transaction of PurgeCommands.
+// purgeBatch bounds the deletions of one transaction of the Purge methods.
 const purgeBatch = 1000
 
-// PurgeCommands deletes final commands that last changed before olderThan
-// and returns how many went, deleting at most purgeBatch in each
-// transaction. Unfinished commands are never deleted.
-func (s *Store) PurgeCommands(ctx context.Context, olderThan time.Time) (int, error) {
+// purge runs del, a DELETE of at most $2 rows older than $1, until it
+// deletes fewer than purgeBatch, and returns how many rows went.
+func (s *Store) purge(ctx context.Context, del string, olderThan time.Time) (int, error) {
 	total := 0
 	for {
-		tag, err := s.pool.Exec(ctx, `DELETE FROM commands WHERE id IN (
-			SELECT id FROM commands WHERE state IN `+finalStates+` AND updated_at < $1 AND created_at < $1 LIMIT $2)`,
-			olderThan, purgeBatch)
+		tag, err := s.pool.Exec(ctx, del, olderThan, purgeBatch)
 		if err != nil {
 			return total, err
 		}
@@ -604,4 +601,12 @@ func (s *Store) PurgeCommands(ctx context.Context, olderThan time.Time) (int, er
 			return total, nil
 		}
 	}
+}
+
+// PurgeCommands deletes final commands that last changed before olderThan
+// and returns how many went, deleting at most purgeBatch in each
+// transaction. Unfinished commands are never deleted.
+func (s *Store) PurgeCommands(ctx context.Context, olderThan time.Time) (int, error) {
+	return s.purge(ctx, `DELETE FROM commands WHERE id IN (
+		SELECT id FROM commands WHERE state IN `+finalStates+` AND updated_at < $1 AND created_at < $1 LIMIT $2)`, olderThan)
 }

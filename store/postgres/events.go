@@ -189,19 +189,8 @@ func (s *Store) EventsHead(ctx context.Context) (string, error) {
 // PurgeEvents deletes the events older than olderThan, at most
 // purgeBatch in each transaction.
 func (s *Store) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {
-	total := 0
-	for {
-		tag, err := s.pool.Exec(ctx, `DELETE FROM events WHERE (xid, id) IN (
-			SELECT xid, id FROM events WHERE at < $1 LIMIT $2)`, olderThan, purgeBatch)
-		if err != nil {
-			return total, err
-		}
-		n := int(tag.RowsAffected())
-		total += n
-		if n < purgeBatch {
-			return total, nil
-		}
-	}
+	return s.purge(ctx, `DELETE FROM events WHERE (xid, id) IN (
+		SELECT xid, id FROM events WHERE at < $1 LIMIT $2)`, olderThan)
 }
 
 // ListenEvents calls fn each time a transaction that appended events
