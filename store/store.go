@@ -207,10 +207,10 @@ type DB struct {
 }
 
 // commitLinger is how long the store's committer waits for company after a
-// commit of several writes (groupcommit.Options.Linger). Measured with make bench
-// (docs/performance.md): at 1 ms the server spends a fifth less CPU per
-// accepted command, and at 2 ms its accept rate fell again in the closed
-// loop of 32 clients.
+// commit of several writes (groupcommit.Options.Linger). Measured with the
+// path benchmark (docs/performance.md): at 1 ms the server spends a fifth
+// less CPU per accepted command; 2 ms saved more end to end but accepted
+// no faster in the closed loop of 32 clients, whose every request waits it.
 const commitLinger = time.Millisecond
 
 // Open opens or creates the bbolt file at path, creating its directory
