@@ -59,6 +59,10 @@ type Options struct {
 	Password  string
 	ClientID  string      // default "companion-server"
 	TLSConfig *tls.Config // for ssl:// and mqtts:// URLs
+	// NewClient, when set, makes the MQTT client from the options the
+	// broker chose, instead of paho's mqtt.NewClient: the embedded
+	// broker's in-process connection (embedded.Server.NewClient).
+	NewClient func(*mqtt.ClientOptions) mqtt.Client
 
 	Topics          topics.Tree   // default topics.DefaultPrefix
 	MaxOpenCommands int           // unfinished commands per device; default 1000
@@ -226,7 +230,11 @@ func New(opts Options) (*Broker, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
-	b.client = mqtt.NewClient(co)
+	newClient := opts.NewClient
+	if newClient == nil {
+		newClient = mqtt.NewClient
+	}
+	b.client = newClient(co)
 	return b, nil
 }
 
@@ -400,7 +408,10 @@ func (b *Broker) subscribeExtra(c mqtt.Client, e extraSub) {
 	if errors.Is(err, ErrClosed) {
 		return
 	}
-	granted := err == nil && tok.(*mqtt.SubscribeToken).Result()[e.filter] != 0x80
+	granted := err == nil
+	if st, ok := tok.(*mqtt.SubscribeToken); ok && st.Result()[e.filter] == 0x80 {
+		granted = false
+	}
 	if !granted {
 		b.log.Error("MQTT subscription refused", "filter", e.filter, "err", err)
 	}

@@ -80,6 +80,7 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 		Store: e.db, MQTTURL: "tcp://" + e.mqtt.Addr(), Username: "server", Password: "pw",
 		ClientID: "server-" + t.Name(), Topics: tree, SweepInterval: 20 * time.Millisecond,
 		Logger: quiet(), Now: e.clock.Now,
+		NewClient: map[bool]func(*mqtt.ClientOptions) mqtt.Client{true: e.mqtt.NewClient}[inlineConn],
 	})
 	require.NoError(t, err)
 	if startMQTT {
@@ -88,6 +89,31 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 		waitFor(t, "broker ready", e.b.Ready)
 	}
 	return e
+}
+
+// inlineConn, when set, has newEnv connect the broker to the embedded one
+// in-process (embedded.Server.NewClient), as `companion serve` does,
+// instead of over TCP.
+var inlineConn bool
+
+// TestWithTheInlineConnection runs the tests of the command's life, of
+// cancelling, of status and of a bridge's return over the in-process
+// connection the server uses with its embedded broker.
+func TestWithTheInlineConnection(t *testing.T) {
+	inlineConn = true
+	defer func() { inlineConn = false }()
+	for name, test := range map[string]func(*testing.T){
+		"CommandLifecycle":                  TestCommandLifecycle,
+		"Cancel":                            TestCancel,
+		"StatusOrderingAndBridgeWill":       TestStatusOrderingAndBridgeWill,
+		"BridgeOnlineResendsUnfinished":     TestBridgeOnlineResendsUnfinishedCommands,
+		"CommandsOfAnUnservedDeviceWait":    TestCommandsOfAnUnservedDeviceWait,
+		"QueueLimit":                        TestQueueLimit,
+		"SentCommandsExpireAfterTheGrace":   TestSentCommandsExpireAfterTheGrace,
+		"ReplyOnAnotherDevicesTopicIgnored": TestReplyOnAnotherDevicesTopicIsIgnored,
+	} {
+		t.Run(name, test)
+	}
 }
 
 func quiet() *slog.Logger {

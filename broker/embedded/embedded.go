@@ -215,9 +215,9 @@ func New(opts Options) (*Server, error) {
 		Capabilities:           capabilities(),
 		Logger:                 slog.New(minLevel{h: log.Handler(), min: slog.LevelWarn}),
 		SysTopicResendInterval: sysTopicInterval,
-		// The inline client publishes and subscribes past every ACL check;
-		// the companion server connects as a normal client instead.
-		InlineClient: false,
+		// The companion server's own connection (NewClient): it publishes
+		// and subscribes past every ACL check, as the server account may.
+		InlineClient: true,
 	})
 	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m}
 	s.hook = &hook{
@@ -273,6 +273,12 @@ func (s *Server) Start() error {
 	s.started = true
 	s.log.Info("mqtt broker listening", "addr", ln.Address())
 	return nil
+}
+
+func (s *Server) isStarted() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.started && !s.closed
 }
 
 // Addr returns the address the broker listens on (host:port), or "" before

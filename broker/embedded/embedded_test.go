@@ -491,10 +491,25 @@ func TestUserRules(t *testing.T) {
 // TestOfflineQueue: QoS 1 commands published while a bridge with a
 // persistent session is away all arrive when it returns, once each and in
 // order, including those that mochi would lose to a packet id clash.
+// TestOfflineQueue runs for both of the server's connections: a paho
+// client over TCP (a broker of its own) and the in-process one.
 func TestOfflineQueue(t *testing.T) {
+	for _, inline := range []bool{false, true} {
+		t.Run(map[bool]string{false: "tcp", true: "inline"}[inline], func(t *testing.T) {
+			testOfflineQueue(t, inline)
+		})
+	}
+}
+
+func testOfflineQueue(t *testing.T, inline bool) {
 	const n = 2000
 	s := startBroker(t, newFakeAccounts())
-	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	var srv serverConn
+	if inline {
+		srv = connectInline(t, s, nil, nil)
+	} else {
+		srv = mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	}
 	persistent := func(autoAck bool) func(*mqtt.ClientOptions) {
 		return func(o *mqtt.ClientOptions) {
 			o.SetClientID("bridge-1").SetCleanSession(false).SetAutoAckDisabled(!autoAck)
@@ -532,7 +547,7 @@ func TestOfflineQueue(t *testing.T) {
 		require.Equal(t, strconv.Itoa(i), string(m.Payload()), "message %d", i)
 	}
 	// Anything duplicated would have been resent before this marker.
-	srv.publish(t, topic, false, "marker")
+	require.NoError(t, mqtt.WaitTokenTimeout(srv.Publish(topic, 1, false, "marker"), wait))
 	require.Equal(t, "marker", string(br.next(t).Payload()))
 	require.Zero(t, br.overflow.Load())
 }

@@ -19,6 +19,8 @@ import (
 	"sync"
 	"time"
 
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
@@ -300,17 +302,15 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	username, password := cfg.MQTTUsername, cfg.MQTTPassword
 	if cfg.MQTTURL == "" {
-		// The server's own account on the embedded broker lives only as
-		// long as this process.
-		username, password = "companion-server", randomToken("")
+		// No server account: the server's own connection to its embedded
+		// broker is in-process (newClient below), and nobody connects as
+		// the server over the network.
 		m.MQTT, err = embedded.New(embedded.Options{
-			Listen:         cfg.MQTTListen,
-			TLSConfig:      mqttServerTLS,
-			Topics:         tree,
-			Accounts:       broker.Accounts{Store: m.DB},
-			ServerUsername: username,
-			ServerPassword: password,
-			Logger:         m.Logger,
+			Listen:    cfg.MQTTListen,
+			TLSConfig: mqttServerTLS,
+			Topics:    tree,
+			Accounts:  broker.Accounts{Store: m.DB},
+			Logger:    m.Logger,
 		})
 		if err != nil {
 			return err
@@ -343,6 +343,12 @@ func (m *Main) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	var newClient func(*mqtt.ClientOptions) mqtt.Client
+	if m.MQTT != nil {
+		// In-process: no socket, no MQTT encoding and no PUBACK round trip
+		// between the server and its own broker (docs/performance.md).
+		newClient = m.MQTT.NewClient
+	}
 	m.Broker, err = broker.New(broker.Options{
 		ClientID:        clientID,
 		Dispatcher:      m.dispatcher(),
@@ -359,6 +365,7 @@ func (m *Main) Run(ctx context.Context) error {
 		Observer:        m.brokerObserver(),
 		Logger:          m.Logger,
 		Now:             cfg.Now,
+		NewClient:       newClient,
 	})
 	if err != nil {
 		return err
