@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/groupcommit"
 
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
@@ -111,7 +113,7 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		if err := putJSON(tx.Bucket(bucketCommands), []byte(nc.ID), nc); err != nil {
 			return err
 		}
-		if err := tx.Bucket(bucketDeviceCmds).Put(key(nc.DeviceID, nc.ID), nil); err != nil {
+		if err := tx.Bucket(bucketDeviceCmdsNew).Put([]byte(nc.ID), []byte(nc.DeviceID)); err != nil {
 			return err
 		}
 		if err := tx.Bucket(bucketOpen).Put([]byte(nc.ID), []byte(nc.DeviceID)); err != nil {
@@ -145,12 +147,70 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 			done(companion.Command{}, false, err)
 			return
 		}
+		if !replay {
+			db.staged.Add(1)
+			db.foldDeviceCmdsIfDue()
+		}
 		// cmd may share Payload and Result with the copies made above;
 		// hand the caller slices of its own.
 		cmd.Payload = cloneRaw(cmd.Payload)
 		cmd.Result = cloneRaw(cmd.Result)
 		done(cmd, replay, nil)
 	})
+}
+
+// foldDeviceCmdsAt is how many entries device_cmds_new holds before they
+// are folded into device_cmds. A new command's entry goes to the end of
+// device_cmds_new, one page for a whole commit, where an entry in
+// device_cmds dirties a page of its device's, one per device a commit
+// writes to; folded together, a device's entries share that page. A list
+// of a device's commands reads all of device_cmds_new, about 50 KiB at
+// most (docs/performance.md, "The fifth pass").
+const foldDeviceCmdsAt = 1024
+
+// foldDeviceCmdsIfDue queues a fold of device_cmds_new into device_cmds
+// once it holds foldAt entries, unless one is under way. The fold is a
+// write of its own in the commit queue: the commands are on disk already,
+// in both buckets' view (ListCommands reads both).
+func (db *DB) foldDeviceCmdsIfDue() {
+	if db.staged.Load() < db.foldAt || !db.folding.CompareAndSwap(false, true) {
+		return
+	}
+	db.batchAsync(foldDeviceCmds, func(err error) {
+		switch {
+		case errors.Is(err, groupcommit.ErrClosed):
+			// Closing: the entries stay in device_cmds_new for the next Open.
+		case err != nil:
+			db.log.Error("store: folding the newest commands into the device index", "err", err)
+		default:
+			// Callbacks run in commit order, so the creates counted after
+			// this are exactly those after the fold.
+			db.staged.Store(0)
+		}
+		db.folding.Store(false)
+	})
+}
+
+// foldDeviceCmds moves every entry of device_cmds_new into device_cmds.
+func foldDeviceCmds(tx *bolt.Tx) error {
+	hist := tx.Bucket(bucketDeviceCmds)
+	err := tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
+		return hist.Put(key(string(dev), string(id)), nil)
+	})
+	if err != nil {
+		return err
+	}
+	// Dropping the bucket frees its pages at once, rather than one
+	// deletion at a time.
+	if err := tx.DeleteBucket(bucketDeviceCmdsNew); err != nil {
+		return err
+	}
+	staged, err := tx.CreateBucket(bucketDeviceCmdsNew)
+	if err != nil {
+		return err
+	}
+	staged.FillPercent = appendFill
+	return nil
 }
 
 // Command returns the command with the id, or ErrNotFound.
@@ -280,6 +340,19 @@ func (db *DB) ListCommands(ctx context.Context, q companion.CommandQuery) (page 
 	err = db.bolt.View(func(tx *bolt.Tx) error {
 		cmds := tx.Bucket(bucketCommands).Cursor()
 		p := prefix(q.DeviceID)
+		// The device's newest commands may still be in device_cmds_new
+		// (foldDeviceCmds): take theirs, in id order, then walk both, the
+		// greater id first.
+		var staged [][]byte
+		err := tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
+			if string(dev) == q.DeviceID && (q.Before == "" || string(id) < q.Before) {
+				staged = append(staged, id)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
 		c := tx.Bucket(bucketDeviceCmds).Cursor()
 		// Position on the first key past the range, then walk back.
 		var k []byte
@@ -293,9 +366,21 @@ func (db *DB) ListCommands(ctx context.Context, q companion.CommandQuery) (page 
 		} else {
 			k, _ = c.Prev()
 		}
-		for ; k != nil && bytes.HasPrefix(k, p); k, _ = c.Prev() {
+		for {
+			var id []byte
+			indexed := k != nil && bytes.HasPrefix(k, p)
+			switch n := len(staged); {
+			case n > 0 && (!indexed || bytes.Compare(staged[n-1], k[len(p):]) > 0):
+				id, staged = staged[n-1], staged[:n-1]
+			case indexed:
+				id = k[len(p):]
+				k, _ = c.Prev()
+			}
+			if id == nil {
+				break
+			}
 			var cmd companion.Command
-			ok, err := seekJSON(cmds, k[len(p):], &cmd)
+			ok, err := seekJSON(cmds, id, &cmd)
 			if err != nil {
 				return err
 			}

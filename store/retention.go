@@ -15,7 +15,7 @@ import (
 const defaultPurgeBatch = 1000
 
 // PurgeCommands deletes final commands that last changed before olderThan,
-// with their entries in the per-device history, and returns how many went.
+// with their entries in the per-device history (folded or not), and returns how many went.
 // Unfinished commands are never deleted. The space they held is reused by
 // later writes, so under steady load the file stops growing.
 //
@@ -24,7 +24,7 @@ const defaultPurgeBatch = 1000
 func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, error) {
 	return db.purgeInBatches(ctx, func(tx *bolt.Tx, batch int) (int, bool, error) {
 		cmds := tx.Bucket(bucketCommands)
-		hist := tx.Bucket(bucketDeviceCmds)
+		hist, staged := tx.Bucket(bucketDeviceCmds), tx.Bucket(bucketDeviceCmdsNew)
 		var doomed []companion.Command
 		more := false
 		c := cmds.Cursor()
@@ -49,6 +49,9 @@ func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, erro
 				return 0, false, err
 			}
 			if err := hist.Delete(key(cmd.DeviceID, cmd.ID)); err != nil {
+				return 0, false, err
+			}
+			if err := staged.Delete([]byte(cmd.ID)); err != nil {
 				return 0, false, err
 			}
 		}

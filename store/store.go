@@ -23,7 +23,7 @@ import (
 
 // SchemaVersion is the layout of the bbolt file this code reads and
 // writes. Open migrates older files up to it and refuses newer ones.
-const SchemaVersion = 6
+const SchemaVersion = 7
 
 // Bucket names. Index buckets hold keys only (empty values) unless said
 // otherwise; composite keys join their parts with a NUL byte, which no id
@@ -41,7 +41,7 @@ var (
 	bucketBridgeDevices = []byte("bridge_devices") // bridge id, device id
 	bucketSettings      = []byte("settings")       // device id → Settings
 	bucketCommands      = []byte("commands")       // command id → Command
-	bucketDeviceCmds    = []byte("device_cmds")    // device id, command id
+	bucketDeviceCmds    = []byte("device_cmds")    // device id, command id; from schema 7, once folded from device_cmds_new
 	bucketOpen          = []byte("open")           // command id → device id, non-final only
 	bucketDeviceOpen    = []byte("device_open")    // device id, command id, non-final only; until schema 3
 	bucketIdempotency   = []byte("idempotency")    // user id, key → Idempotency
@@ -66,6 +66,12 @@ var (
 	bucketBridgeServes = []byte("bridge_serves") // bridge id, device id
 	bucketBlobRefs     = []byte("blob_refs")     // sha256, command id → device id; non-final only
 	bucketOwnerBridges = []byte("owner_bridges") // user id, bridge id: the users' own bridges
+
+	// Since schema version 7: the device_cmds entries of the newest
+	// commands, not yet folded into device_cmds (see foldDeviceCmds). A
+	// command's entry in device_cmds dirties a page of its own device,
+	// while this bucket only grows at its end.
+	bucketDeviceCmdsNew = []byte("device_cmds_new") // command id → device id
 
 	keySchemaVersion = []byte("schema_version")
 )
@@ -129,6 +135,10 @@ var migrations = []func(tx *bolt.Tx) error{
 	3: migrateTo4,
 	4: migrateTo5,
 	5: migrateTo6,
+	6: func(tx *bolt.Tx) error {
+		_, err := tx.CreateBucketIfNotExists(bucketDeviceCmdsNew)
+		return err
+	},
 }
 
 // migrateTo4 makes the buckets of bridge assignments and blob references.
@@ -204,6 +214,12 @@ type DB struct {
 	purgeBatch int // deletions per transaction of PurgeCommands and PurgeEvents
 
 	onEvents atomic.Pointer[func()] // called after each commit that appended events (OnEvents)
+
+	// The device_cmds_new entries (about: counted in commit callbacks),
+	// whether a fold of them is under way, and how many make one due.
+	staged  atomic.Int64
+	folding atomic.Bool
+	foldAt  int64
 }
 
 // commitLinger is how long the store's committer waits for company after a
@@ -262,6 +278,15 @@ func Open(path string, opts Options) (*DB, error) {
 		_ = bdb.Close()
 		return nil, err
 	}
+	err = bdb.View(func(tx *bolt.Tx) error {
+		db.staged.Store(int64(tx.Bucket(bucketDeviceCmdsNew).Stats().KeyN))
+		return nil
+	})
+	if err != nil {
+		_ = bdb.Close()
+		return nil, fmt.Errorf("store: %w", err)
+	}
+	db.foldAt = foldDeviceCmdsAt
 	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly})
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
@@ -397,7 +422,10 @@ func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 // a full page at the bucket's FillPercent, 50 % unless told, so that every
 // page such a bucket leaves behind stays half empty for good: twice the
 // pages to write, to keep and to walk.
-var appendOnly = [][]byte{bucketCommands, bucketOpen, bucketQueued, bucketExpiry, bucketEvents}
+var appendOnly = [][]byte{bucketCommands, bucketOpen, bucketQueued, bucketExpiry, bucketEvents, bucketDeviceCmdsNew}
+
+// appendFill is where the append-only buckets split a full page.
+const appendFill = 0.9
 
 // fillAppendOnly has the append-only buckets of tx split their pages at 90 %;
 // the committer runs it at the start of each transaction (bbolt keeps a
@@ -406,7 +434,7 @@ var appendOnly = [][]byte{bucketCommands, bucketOpen, bucketQueued, bucketExpiry
 func fillAppendOnly(tx *bolt.Tx) {
 	for _, name := range appendOnly {
 		if b := tx.Bucket(name); b != nil {
-			b.FillPercent = 0.9
+			b.FillPercent = appendFill
 		}
 	}
 }

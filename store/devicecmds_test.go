@@ -1,0 +1,159 @@
+package store
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/devicecompanion/companion"
+)
+
+// TestDeviceIndexFolds: a device's commands are listed whole, newest
+// first, page by page, whether their entries are still in device_cmds_new
+// or folded into device_cmds, before and after the store is opened again;
+// a purge takes them from both.
+func TestDeviceIndexFolds(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	path := filepath.Join(t.TempDir(), "db")
+	db := openTestDBWith(t, path, Options{Now: clk.Now})
+	db.foldAt = 7
+	devices := []string{"d1", "d2", "d3"}
+	want := map[string][]string{} // newest first
+	for i := range 40 {
+		dev := devices[i%3]
+		if i%5 == 0 {
+			dev = "d1" // d1 gets more
+		}
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: dev, Op: "push.text"}, 0, nil)
+		require.NoError(t, err)
+		want[dev] = append([]string{c.ID}, want[dev]...)
+		if i%6 == 0 {
+			_, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateFailed; return nil })
+			require.NoError(t, err)
+		}
+		if i == 20 {
+			checkDeviceLists(t, db, want)
+		}
+	}
+	// A write behind the last fold waits for it: commits go in order.
+	require.NoError(t, db.writer.Do(func(*bolt.Tx) error { return nil }))
+	staged, folded := countDeviceIndex(t, db)
+	require.Less(t, staged, 7, "device_cmds_new was not folded")
+	require.Equal(t, 40, staged+folded)
+	require.NotZero(t, staged, "the test should leave some entries unfolded")
+	checkDeviceLists(t, db, want)
+
+	// Only the failed ones, across both buckets.
+	failed, _, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "d1", State: companion.StateFailed})
+	require.NoError(t, err)
+	require.NotEmpty(t, failed)
+	for _, c := range failed {
+		require.Equal(t, companion.StateFailed, c.State)
+	}
+
+	require.NoError(t, db.Close())
+	db = openTestDBWith(t, path, Options{Now: clk.Now})
+	require.Equal(t, int64(staged), db.staged.Load(), "staged entries counted at Open")
+	checkDeviceLists(t, db, want)
+
+	// Purged, a command leaves both buckets.
+	for _, ids := range want {
+		for _, id := range ids {
+			_, err := db.UpdateCommand(ctx, id, func(c *companion.Command) error { c.State = companion.StateFailed; return nil })
+			if err != nil {
+				require.ErrorIs(t, err, companion.ErrFinal)
+			}
+		}
+	}
+	clk.Advance(time.Hour)
+	n, err := db.PurgeCommands(ctx, clk.Now())
+	require.NoError(t, err)
+	require.Equal(t, 40, n)
+	staged, folded = countDeviceIndex(t, db)
+	require.Zero(t, staged+folded)
+	checkDeviceLists(t, db, map[string][]string{"d1": nil, "d2": nil, "d3": nil})
+}
+
+// checkDeviceLists lists each device's commands whole and three at a
+// time, and compares them with want (ids, newest first).
+func checkDeviceLists(t *testing.T, db *DB, want map[string][]string) {
+	t.Helper()
+	ctx := context.Background()
+	for dev, ids := range want {
+		all, more, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: dev})
+		require.NoError(t, err)
+		require.False(t, more)
+		require.Equal(t, ids, commandIDs(all), "%s, whole", dev)
+		var paged []string
+		before := ""
+		for {
+			page, more, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: dev, Limit: 3, Before: before})
+			require.NoError(t, err)
+			paged = append(paged, commandIDs(page)...)
+			if !more {
+				break
+			}
+			before = page[len(page)-1].ID
+		}
+		require.Equal(t, ids, paged, "%s, three at a time", dev)
+	}
+}
+
+func commandIDs(cs []companion.Command) []string {
+	var ids []string
+	for _, c := range cs {
+		ids = append(ids, c.ID)
+	}
+	return ids
+}
+
+// countDeviceIndex counts the entries of device_cmds_new and device_cmds.
+func countDeviceIndex(t *testing.T, db *DB) (staged, folded int) {
+	t.Helper()
+	require.NoError(t, db.bolt.View(func(tx *bolt.Tx) error {
+		staged = tx.Bucket(bucketDeviceCmdsNew).Stats().KeyN
+		folded = tx.Bucket(bucketDeviceCmds).Stats().KeyN
+		return nil
+	}))
+	return staged, folded
+}
+
+// TestMigrateAddsTheNewCommandsIndex: a schema 6 file, whose device_cmds
+// holds every entry and which has no device_cmds_new, lists its commands
+// as before once opened, and takes new ones.
+func TestMigrateAddsTheNewCommandsIndex(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "db")
+	db := openTestDBWith(t, path, Options{})
+	var ids []string
+	for range 3 {
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text"}, 0, nil)
+		require.NoError(t, err)
+		ids = append([]string{c.ID}, ids...)
+	}
+	require.NoError(t, db.Close())
+
+	// Make it a version 6 file.
+	raw, err := bolt.Open(path, 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, raw.Update(func(tx *bolt.Tx) error {
+		if err := foldDeviceCmds(tx); err != nil {
+			return err
+		}
+		if err := tx.DeleteBucket(bucketDeviceCmdsNew); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketMeta).Put(keySchemaVersion, []byte("6"))
+	}))
+	require.NoError(t, raw.Close())
+
+	db = openTestDBWith(t, path, Options{})
+	c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text"}, 0, nil)
+	require.NoError(t, err)
+	checkDeviceLists(t, db, map[string][]string{"d1": append([]string{c.ID}, ids...)})
+}
