@@ -198,8 +198,11 @@ func (c *inlineClient) OptionsReader() paho.ClientOptionsReader { return paho.Ne
 
 // enqueue is called by mochi on the goroutine of the message's publisher
 // (a bridge's connection): it must not wait for the handler, which may
-// itself publish. The queue has no bound of its own; what waits in it
-// would otherwise wait in mochi's queue for a slow subscriber.
+// itself publish. The queue has no bound of its own, like the store's
+// commit queue the handler feeds: the handler never waits for the disk,
+// so it drains as fast as the commits take the writes. (Over TCP, mochi
+// queued up to maxWritesPending messages for the server and dropped the
+// rest.)
 func (c *inlineClient) enqueue(m *inlineMessage) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
