@@ -4,13 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"slices"
 	"time"
 
 	"github.com/devicecompanion/companion"
-	"github.com/devicecompanion/companion/internal/groupcommit"
 
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
@@ -113,7 +111,7 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		if err := putJSON(tx.Bucket(bucketCommands), []byte(nc.ID), nc); err != nil {
 			return err
 		}
-		if err := tx.Bucket(bucketDeviceCmdsNew).Put([]byte(nc.ID), []byte(nc.DeviceID)); err != nil {
+		if err := db.stageDeviceCmd(tx, nc); err != nil {
 			return err
 		}
 		if err := tx.Bucket(bucketOpen).Put([]byte(nc.ID), []byte(nc.DeviceID)); err != nil {
@@ -147,10 +145,6 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 			done(companion.Command{}, false, err)
 			return
 		}
-		if !replay {
-			db.staged.Add(1)
-			db.foldDeviceCmdsIfDue()
-		}
 		// cmd may share Payload and Result with the copies made above;
 		// hand the caller slices of its own.
 		cmd.Payload = cloneRaw(cmd.Payload)
@@ -168,30 +162,26 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 // most (docs/performance.md, "The fifth pass").
 const foldDeviceCmdsAt = 1024
 
-// foldDeviceCmdsIfDue queues a fold of device_cmds_new into device_cmds
-// once it holds foldAt entries, unless one is under way. The fold is a
-// write of its own in the commit queue: the commands are on disk already,
-// in both buckets' view (ListCommands reads both).
-func (db *DB) foldDeviceCmdsIfDue() {
-	if db.staged.Load() < db.foldAt || !db.folding.CompareAndSwap(false, true) {
-		return
+// stageDeviceCmd adds the new command's entry to device_cmds_new, and
+// folds that bucket into device_cmds, in the same transaction, once it has
+// taken foldAt entries since it was last emptied. Its sequence counts
+// them: it lives and rolls back with the bucket, so the count needs
+// neither memory nor a walk at Open. (Purged entries stay counted until
+// the fold; that only brings the fold forward.)
+func (db *DB) stageDeviceCmd(tx *bolt.Tx, c companion.Command) error {
+	staged := tx.Bucket(bucketDeviceCmdsNew)
+	if err := staged.Put([]byte(c.ID), []byte(c.DeviceID)); err != nil {
+		return err
 	}
-	db.batchAsync(foldDeviceCmds, func(err error) {
-		switch {
-		case errors.Is(err, groupcommit.ErrClosed):
-			// Closing: the entries stay in device_cmds_new for the next Open.
-		case err != nil:
-			db.log.Error("store: folding the newest commands into the device index", "err", err)
-		default:
-			// Callbacks run in commit order, so the creates counted after
-			// this are exactly those after the fold.
-			db.staged.Store(0)
-		}
-		db.folding.Store(false)
-	})
+	n, err := staged.NextSequence()
+	if err != nil || n < uint64(db.foldAt) {
+		return err
+	}
+	return foldDeviceCmds(tx)
 }
 
-// foldDeviceCmds moves every entry of device_cmds_new into device_cmds.
+// foldDeviceCmds moves every entry of device_cmds_new into device_cmds and
+// empties it, its sequence too.
 func foldDeviceCmds(tx *bolt.Tx) error {
 	hist := tx.Bucket(bucketDeviceCmds)
 	err := tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {

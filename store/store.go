@@ -215,11 +215,7 @@ type DB struct {
 
 	onEvents atomic.Pointer[func()] // called after each commit that appended events (OnEvents)
 
-	// The device_cmds_new entries (about: counted in commit callbacks),
-	// whether a fold of them is under way, and how many make one due.
-	staged  atomic.Int64
-	folding atomic.Bool
-	foldAt  int64
+	foldAt int // device_cmds_new entries that make a fold due (foldDeviceCmdsAt)
 }
 
 // commitLinger is how long the store's committer waits for company after a
@@ -273,20 +269,11 @@ func Open(path string, opts Options) (*DB, error) {
 	if err != nil {
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
 	}
-	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger}
+	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger, foldAt: foldDeviceCmdsAt}
 	if err := db.migrate(); err != nil {
 		_ = bdb.Close()
 		return nil, err
 	}
-	err = bdb.View(func(tx *bolt.Tx) error {
-		db.staged.Store(int64(tx.Bucket(bucketDeviceCmdsNew).Stats().KeyN))
-		return nil
-	})
-	if err != nil {
-		_ = bdb.Close()
-		return nil, fmt.Errorf("store: %w", err)
-	}
-	db.foldAt = foldDeviceCmdsAt
 	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly})
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
