@@ -76,12 +76,15 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 	require.NoError(t, e.mqtt.Start())
 	t.Cleanup(func() { e.mqtt.Close() })
 
-	e.b, err = New(Options{
+	opts := Options{
 		Store: e.db, MQTTURL: "tcp://" + e.mqtt.Addr(), Username: "server", Password: "pw",
 		ClientID: "server-" + t.Name(), Topics: tree, SweepInterval: 20 * time.Millisecond,
 		Logger: quiet(), Now: e.clock.Now,
-		NewClient: map[bool]func(*mqtt.ClientOptions) mqtt.Client{true: e.mqtt.NewClient}[inlineConn],
-	})
+	}
+	if inlineConn {
+		opts.NewClient = e.mqtt.NewClient
+	}
+	e.b, err = New(opts)
 	require.NoError(t, err)
 	if startMQTT {
 		require.NoError(t, e.b.Start())

@@ -104,10 +104,11 @@ type Options struct {
 	// Accounts authenticates bridges and users. When nil, only the server
 	// account may connect.
 	Accounts Accounts
-	// ServerUsername and ServerPassword are the companion server's own
-	// credentials, with full access under the prefix. When ServerUsername
-	// is empty there is no server account. They are compared in constant
-	// time.
+	// ServerUsername and ServerPassword are the credentials of a server
+	// account, with full access under the prefix, for a companion server
+	// that connects over the network. `companion serve` sets none: it
+	// connects in-process (NewClient). When ServerUsername is empty there
+	// is no server account. They are compared in constant time.
 	ServerUsername, ServerPassword string
 	// Logger receives the broker's log. Mochi's own messages are passed on
 	// only at Warn level and above. Default: discard.
