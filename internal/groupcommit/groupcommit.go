@@ -16,6 +16,9 @@
 // every bucket it touches whatever it carries, so that fewer, larger
 // commits cost less CPU per write; a lone write on a quiet file still
 // commits at once. (Kafka's producers call the same thing linger.ms.)
+// The lingering is not idle: each write runs in the group's open
+// transaction as it is queued, so that when the linger ends only the
+// commit is left to do, and the group's writes do not add to its wait.
 //
 // Writes may also be handed over without waiting (Go): their done callback
 // runs after the commit, in the order the writes were queued, on a goroutine
@@ -25,6 +28,7 @@ package groupcommit
 
 import (
 	"errors"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -158,10 +162,11 @@ func (c *Committer) Close() {
 	c.wg.Wait()
 }
 
-func (c *Committer) take() []*op {
+// take returns up to max of the queued writes, oldest first.
+func (c *Committer) take(max int) []*op {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	n := min(len(c.queue), MaxOps)
+	n := min(len(c.queue), max)
 	ops := c.queue[:n:n]
 	c.queue = c.queue[n:]
 	if len(c.queue) == 0 {
@@ -176,71 +181,118 @@ func (c *Committer) commitLoop() {
 	var linger *time.Timer
 	last := 0 // writes in the last commit
 	for {
+		g := group{db: c.db, begin: c.opts.Begin}
 		if last > 1 && c.opts.Linger > 0 {
 			if linger == nil {
 				linger = time.NewTimer(c.opts.Linger)
 			} else {
 				linger.Reset(c.opts.Linger)
 			}
-			select {
-			case <-linger.C:
-			case <-c.quit:
-			}
+			c.fill(&g, linger.C)
+		} else {
+			g.apply(c.take(MaxOps))
 		}
-		ops := c.take()
-		if len(ops) == 0 {
+		if len(g.taken) == 0 {
 			last = 0 // quiet: the next write, alone, commits at once
 			select {
 			case <-c.wake:
 				continue
 			case <-c.quit:
 				// Close set closed before quit: nothing more can queue.
-				if ops = c.take(); len(ops) == 0 {
+				if g.apply(c.take(MaxOps)); len(g.taken) == 0 {
 					return
 				}
 			}
 		}
-		c.run(ops)
-		c.results <- ops
-		last = len(ops)
+		if g.commit() {
+			c.commits.Add(1)
+			c.ops.Add(int64(len(g.live)))
+		}
+		c.results <- g.taken
+		last = len(g.taken)
 	}
 }
 
-// run commits ops in one transaction. A write whose fn fails is set aside
-// with its error and the rest run again in a new transaction, as bbolt's
-// Batch does.
-func (c *Committer) run(ops []*op) {
-	live := ops
-	for len(live) > 0 {
-		failed := -1
-		err := c.db.Update(func(tx *bolt.Tx) error {
-			if c.opts.Begin != nil {
-				c.opts.Begin(tx)
-			}
-			for i, o := range live {
-				if err := o.fn(tx); err != nil {
-					failed = i
-					o.err = err
-					return err
-				}
-			}
-			return nil
-		})
-		if failed < 0 {
-			if err != nil { // the commit itself failed: every write with it
-				for _, o := range live {
-					o.err = err
-				}
-			} else {
-				c.commits.Add(1)
-				c.ops.Add(int64(len(live)))
-			}
+// fill applies writes to g as they are queued, until the linger ends, g
+// holds MaxOps writes, or the committer closes. The writes run while the
+// committer waits for company rather than after it, so the commit that
+// follows starts when the linger ends.
+func (c *Committer) fill(g *group, end <-chan time.Time) {
+	for {
+		g.apply(c.take(MaxOps - len(g.taken)))
+		if len(g.taken) >= MaxOps {
 			return
 		}
-		next := make([]*op, 0, len(live)-1)
-		next = append(next, live[:failed]...)
-		live = append(next, live[failed+1:]...)
+		select {
+		case <-c.wake:
+		case <-end:
+			// A write queued as the linger ended goes with it.
+			g.apply(c.take(MaxOps - len(g.taken)))
+			return
+		case <-c.quit:
+			return
+		}
 	}
+}
+
+// group is one write transaction of the committer and the writes in it.
+type group struct {
+	db    *bolt.DB
+	begin func(tx *bolt.Tx)
+	tx    *bolt.Tx // open once a write ran
+	taken []*op    // every write of the group, in queue order
+	live  []*op    // the writes in tx, in order
+}
+
+// apply runs ops in g's transaction, beginning one when none is open. A
+// write whose fn fails is set aside with its error: the transaction is
+// rolled back and the writes before it run again without it, as bbolt's
+// Batch does. A transaction that cannot begin fails every write of g.
+func (g *group) apply(ops []*op) {
+	g.taken = append(g.taken, ops...)
+	for len(ops) > 0 {
+		if g.tx == nil {
+			tx, err := g.db.Begin(true)
+			if err != nil {
+				for _, o := range ops {
+					o.err = err
+				}
+				return
+			}
+			g.tx = tx
+			if g.begin != nil {
+				g.begin(tx)
+			}
+		}
+		o := ops[0]
+		ops = ops[1:]
+		if err := o.fn(g.tx); err != nil {
+			o.err = err
+			_ = g.tx.Rollback()
+			g.tx = nil
+			ops = append(slices.Clip(g.live), ops...) // again, without o
+			g.live = nil
+			continue
+		}
+		g.live = append(g.live, o)
+	}
+}
+
+// commit commits g's transaction and reports whether it did; a failed
+// commit fails every write in it.
+func (g *group) commit() bool {
+	if g.tx == nil {
+		return false // nothing ran, or every write failed
+	}
+	err := g.tx.Commit()
+	g.tx = nil
+	if err != nil {
+		for _, o := range g.live {
+			o.err = err
+		}
+		return false
+	}
+	return true
 }
 
 func (c *Committer) doneLoop() {

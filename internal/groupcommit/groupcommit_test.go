@@ -206,16 +206,7 @@ func TestQuietAfterLoadDoesNotLinger(t *testing.T) {
 	db := openDB(t)
 	c := New(db, Options{Linger: linger})
 	defer c.Close()
-	// A commit of two writes, after which the committer lingers.
-	release, held := make(chan struct{}), make(chan struct{})
-	c.Go(func(tx *bolt.Tx) error { close(held); <-release; return put("a")(tx) }, nil)
-	<-held
-	var pair sync.WaitGroup
-	pair.Add(2)
-	c.Go(put("b"), func(error) { pair.Done() })
-	c.Go(put("c"), func(error) { pair.Done() })
-	close(release)
-	pair.Wait()
+	commitSeveral(c)
 	// The linger ends on an empty queue (perhaps twice: the pair left a
 	// wake-up behind).
 	time.Sleep(4 * linger)
@@ -230,6 +221,68 @@ func TestQuietAfterLoadDoesNotLinger(t *testing.T) {
 	xy.Wait()
 	if got := c.Stats(); got.Commits-before.Commits != 2 || got.Ops-before.Ops != 2 {
 		t.Errorf("Stats() went from %+v to %+v; want two commits of one write each", before, got)
+	}
+}
+
+// commitSeveral has c commit a group of three writes (a, b, c), after which
+// it lingers.
+func commitSeveral(c *Committer) {
+	release, held := make(chan struct{}), make(chan struct{})
+	c.Go(func(tx *bolt.Tx) error { close(held); <-release; return put("a")(tx) }, nil)
+	<-held
+	var pair sync.WaitGroup
+	pair.Add(2)
+	c.Go(put("b"), func(error) { pair.Done() })
+	c.Go(put("c"), func(error) { pair.Done() })
+	close(release)
+	pair.Wait()
+}
+
+// While the committer lingers, each write runs as it is queued, in the
+// group's open transaction: a later write of the group sees an earlier
+// one's, and one that fails is rolled back alone.
+func TestWritesRunWhileLingering(t *testing.T) {
+	db := openDB(t)
+	c := New(db, Options{Linger: time.Hour})
+	commitSeveral(c)
+	before := c.Stats()
+	ran := make(chan struct{})
+	errs := make(map[string]error)
+	var mu sync.Mutex
+	done := func(k string) func(error) {
+		return func(err error) { mu.Lock(); errs[k] = err; mu.Unlock() }
+	}
+	boom := errors.New("boom")
+	c.Go(put("d"), done("d"))
+	c.Go(func(tx *bolt.Tx) error { put("e")(tx); return boom }, done("e"))
+	c.Go(func(tx *bolt.Tx) error {
+		defer close(ran)
+		if tx.Bucket([]byte("b")).Get([]byte("d")) == nil {
+			return errors.New("f does not see d")
+		}
+		return put("f")(tx)
+	}, done("f"))
+	select {
+	case <-ran:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a write queued while the committer lingers did not run until the linger ended")
+	}
+	if got := c.Stats(); got != before {
+		t.Fatalf("Stats() = %+v while lingering; want %+v", got, before)
+	}
+	c.Close()
+	if got := c.Stats(); got.Commits != before.Commits+1 || got.Ops != before.Ops+2 {
+		t.Errorf("Stats() after Close = %+v; want one more commit of d and f (before: %+v)", got, before)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if errs["d"] != nil || errs["f"] != nil || !errors.Is(errs["e"], boom) {
+		t.Errorf("outcomes d, e, f = %v, %v, %v; want nil, boom, nil", errs["d"], errs["e"], errs["f"])
+	}
+	for k, want := range map[string]bool{"d": true, "e": false, "f": true} {
+		if get(t, db, k) != want {
+			t.Errorf("%s on disk: %v, want %v", k, !want, want)
+		}
 	}
 }
 
