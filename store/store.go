@@ -225,6 +225,11 @@ type DB struct {
 // no faster in the closed loop of 32 clients, whose every request waits it.
 const commitLinger = time.Millisecond
 
+// preallocate is how much of the file past its last page the store keeps
+// written with zeros (groupcommit.Options.Preallocate): a store that grows
+// under load then commits into blocks the file system has allocated.
+const preallocate = 4 << 20
+
 // Open opens or creates the bbolt file at path, creating its directory
 // (mode 0700) and the blob directory, and migrates the file to
 // SchemaVersion. It returns ErrSchemaTooNew for a file written by a newer
@@ -274,7 +279,7 @@ func Open(path string, opts Options) (*DB, error) {
 		_ = bdb.Close()
 		return nil, err
 	}
-	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly})
+	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly, Preallocate: preallocate})
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
 	db.removeStaleTemps()

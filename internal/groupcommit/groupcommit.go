@@ -73,6 +73,8 @@ type Committer struct {
 	wg      sync.WaitGroup
 
 	commits, ops atomic.Int64
+
+	ahead *zeroFill // nil unless Options.Preallocate; the commit loop's own
 }
 
 // Options tune a Committer; the zero value never lingers.
@@ -84,6 +86,9 @@ type Options struct {
 	// writes: for settings bbolt keeps per transaction, such as a
 	// bucket's FillPercent.
 	Begin func(tx *bolt.Tx)
+	// Preallocate, when set, is how much of the file past its last page in
+	// use the committer keeps written with zeros (see preallocate).
+	Preallocate int64
 }
 
 // New starts a committer for db.
@@ -94,6 +99,9 @@ func New(db *bolt.DB, opts Options) *Committer {
 		wake:    make(chan struct{}, 1),
 		results: make(chan []*op, 64),
 		quit:    make(chan struct{}),
+	}
+	if opts.Preallocate > 0 {
+		c.ahead = newZeroFill(db.Path(), opts.Preallocate)
 	}
 	c.wg.Add(2)
 	go c.commitLoop()
@@ -175,13 +183,26 @@ func (c *Committer) take(max int) []*op {
 	return ops
 }
 
+// begin prepares each transaction of the committer, before its writes.
+func (c *Committer) begin(tx *bolt.Tx) {
+	if c.ahead != nil {
+		c.ahead.fill(tx)
+	}
+	if c.opts.Begin != nil {
+		c.opts.Begin(tx)
+	}
+}
+
 func (c *Committer) commitLoop() {
 	defer c.wg.Done()
 	defer close(c.results)
+	if c.ahead != nil {
+		defer c.ahead.close()
+	}
 	var linger *time.Timer
 	last := 0 // writes in the last commit
 	for {
-		g := group{db: c.db, begin: c.opts.Begin}
+		g := group{db: c.db, begin: c.begin}
 		if last > 1 && c.opts.Linger > 0 {
 			if linger == nil {
 				linger = time.NewTimer(c.opts.Linger)

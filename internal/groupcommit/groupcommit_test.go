@@ -2,6 +2,8 @@ package groupcommit
 
 import (
 	"errors"
+	"fmt"
+	"os"
 	"path/filepath"
 	"sync"
 	"sync/atomic"
@@ -9,6 +11,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	"golang.org/x/sys/unix"
 )
 
 func openDB(tb testing.TB) *bolt.DB {
@@ -308,5 +311,87 @@ func TestBeginRunsFirstInEveryTransaction(t *testing.T) {
 	}
 	if n, commits := begun.Load(), c.Stats().Commits; n != commits {
 		t.Errorf("Begin ran %d times for %d transactions", n, commits)
+	}
+}
+
+// With Preallocate the file past bbolt's last page is written, not a
+// hole, and stays so as bbolt grows, also when one transaction outgrows
+// the zeros; the file reads back whole.
+func TestPreallocateWritesAhead(t *testing.T) {
+	const ahead = 2 << 20
+	path := filepath.Join(t.TempDir(), "db")
+	db, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Update(func(tx *bolt.Tx) error { _, err := tx.CreateBucket([]byte("b")); return err }); err != nil {
+		t.Fatal(err)
+	}
+	c := New(db, Options{Preallocate: ahead})
+	value := make([]byte, 4000)
+	write := func(prefix string, n int) {
+		t.Helper()
+		err := c.Do(func(tx *bolt.Tx) error {
+			for i := range n {
+				if err := tx.Bucket([]byte("b")).Put(fmt.Appendf(nil, "%s-%06d", prefix, i), value); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The written part past the pages in use: up to the first hole.
+	written := func() (used, past int64) {
+		t.Helper()
+		if err := db.View(func(tx *bolt.Tx) error { used = tx.Size(); return nil }); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		hole, err := f.Seek(used, unix.SEEK_HOLE)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return used, hole - used
+	}
+	for i := range 4 { // a few commits: the fill goes a chunk at a time
+		write(fmt.Sprintf("small%d", i), 10)
+	}
+	if used, past := written(); past < zeroFillChunk {
+		t.Fatalf("%d bytes written past the %d in use; want at least %d", past, used, zeroFillChunk)
+	}
+	write("large", 2000) // about 8 MB in one transaction: past the zeros
+	for i := range 4 {
+		write(fmt.Sprintf("after%d", i), 10)
+	}
+	if used, past := written(); past < zeroFillChunk {
+		t.Fatalf("after bbolt outgrew the zeros: %d bytes written past the %d in use; want at least %d", past, used, zeroFillChunk)
+	}
+	c.Close()
+	if err := db.Close(); err != nil {
+		t.Fatal(err)
+	}
+	db, err = bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	err = db.View(func(tx *bolt.Tx) error {
+		for err := range tx.Check() {
+			return err
+		}
+		if n := tx.Bucket([]byte("b")).Stats().KeyN; n != 2080 {
+			return fmt.Errorf("%d keys read back; want 2080", n)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

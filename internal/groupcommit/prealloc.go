@@ -1,0 +1,83 @@
+package groupcommit
+
+import (
+	"os"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// zeroFillChunk is how much a transaction writes of zeros at most: under
+// load the fill keeps up a megabyte at a time, and the commit that carries
+// one pays for it about 0.75 ms more on this machine's disk. (Four
+// megabytes at once made that commit 15 ms longer.)
+const zeroFillChunk = 1 << 20
+
+// zeroFill keeps the end of a bbolt file written with zeros ahead of the
+// pages bbolt adds.
+//
+// bbolt grows its file with ftruncate, which leaves the new space a hole:
+// the file system allocates its blocks only when a commit writes pages
+// there, and that commit's fdatasync then also commits the allocation to
+// the file system's journal. On this machine a commit's two fdatasyncs
+// took 0.70 ms into a hole against 0.45 ms into blocks written before,
+// and a store that grows under load (every accepted command adds to it)
+// pays that on most commits. With the space written ahead, the allocation
+// happens once a megabyte instead, and bbolt does not grow the file while
+// the zeros last (it grows only past the file's size).
+//
+// fill runs in a write transaction before its writes, on the committer's
+// goroutine: bbolt writes no page past tx.Size() until that transaction
+// commits, and holds every other writer off until then, so the zeros
+// never land on a page in use.
+type zeroFill struct {
+	f      *os.File // nil once writing failed: the file is then left to bbolt
+	ahead  int64    // how far past the last page in use to keep zeros
+	zeroed int64    // the file is written (with pages or zeros) up to here
+	zeros  []byte
+}
+
+// newZeroFill opens the bbolt file at path for writing zeros ahead. It
+// returns nil, and bbolt grows the file as it would alone, when the file
+// cannot be opened.
+func newZeroFill(path string, ahead int64) *zeroFill {
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		return nil
+	}
+	return &zeroFill{f: f, ahead: ahead}
+}
+
+// fill writes zeros after what the file holds, up to one chunk, when less
+// than ahead is left past the last page tx sees in use.
+func (z *zeroFill) fill(tx *bolt.Tx) {
+	if z.f == nil {
+		return
+	}
+	used := tx.Size()
+	if z.zeroed < used {
+		// The first transaction, or bbolt outgrew the zeros (or wrote its
+		// pages past them from a transaction of its own): what lies
+		// beyond its pages may be a hole.
+		z.zeroed = used
+	}
+	n := min(used+z.ahead-z.zeroed, zeroFillChunk)
+	if n <= 0 {
+		return
+	}
+	if z.zeros == nil {
+		z.zeros = make([]byte, zeroFillChunk)
+	}
+	if _, err := z.f.WriteAt(z.zeros[:n], z.zeroed); err != nil {
+		// A full disk, say: stop, and let bbolt report what it meets.
+		z.close()
+		return
+	}
+	z.zeroed += n
+}
+
+func (z *zeroFill) close() {
+	if z.f != nil {
+		_ = z.f.Close()
+		z.f = nil
+	}
+}
