@@ -186,7 +186,7 @@ func (c *Committer) take(max int) []*op {
 // begin prepares each transaction of the committer, before its writes.
 func (c *Committer) begin(tx *bolt.Tx) {
 	if c.ahead != nil {
-		c.ahead.fill(tx)
+		c.ahead.fill(tx.Size())
 	}
 	if c.opts.Begin != nil {
 		c.opts.Begin(tx)

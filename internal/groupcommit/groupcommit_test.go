@@ -1,6 +1,7 @@
 package groupcommit
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -393,5 +394,73 @@ func TestPreallocateWritesAhead(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// The zeros go a whole chunk at a time: commits that add a few pages each
+// allocate no blocks until a chunk of the zeros is used up.
+func TestZeroFillGoesByChunks(t *testing.T) {
+	const ahead = 4 * zeroFillChunk
+	path := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	z := newZeroFill(path, ahead)
+	defer z.close()
+	size := func() int64 {
+		t.Helper()
+		fi, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fi.Size()
+	}
+	for range 4 { // one chunk a transaction, up to ahead
+		z.fill(0)
+	}
+	if got := size(); got != ahead {
+		t.Fatalf("after four fills the file has %d bytes; want %d", got, ahead)
+	}
+	for used := int64(4096); used < zeroFillChunk; used += 4096 {
+		z.fill(used)
+		if got := size(); got != ahead {
+			t.Fatalf("with %d bytes in use the file has %d; want still %d (no zeros until a chunk is used up)", used, got, ahead)
+		}
+	}
+	z.fill(zeroFillChunk)
+	if got := size(); got != ahead+zeroFillChunk {
+		t.Fatalf("with a chunk in use the file has %d bytes; want %d", got, ahead+zeroFillChunk)
+	}
+}
+
+// BenchmarkGrowingCommits measures commits that each append 16 values of
+// 450 bytes to a growing file (as a group of accepted commands does), one
+// after another, with and without zeros written ahead.
+func BenchmarkGrowingCommits(b *testing.B) {
+	for _, pre := range []int64{0, 4 << 20} {
+		b.Run(fmt.Sprintf("preallocate=%d", pre), func(b *testing.B) {
+			db := openDB(b)
+			c := New(db, Options{Preallocate: pre})
+			defer c.Close()
+			value := make([]byte, 450)
+			var seq uint64
+			b.ResetTimer()
+			for range b.N {
+				err := c.Do(func(tx *bolt.Tx) error {
+					bk := tx.Bucket([]byte("b"))
+					bk.FillPercent = 0.9
+					for range 16 {
+						seq++
+						if err := bk.Put(binary.BigEndian.AppendUint64(nil, seq), value); err != nil {
+							return err
+						}
+					}
+					return nil
+				})
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }

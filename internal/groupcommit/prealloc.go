@@ -1,10 +1,6 @@
 package groupcommit
 
-import (
-	"os"
-
-	bolt "go.etcd.io/bbolt"
-)
+import "os"
 
 // zeroFillChunk is how much a transaction writes of zeros at most: under
 // load the fill keeps up a megabyte at a time, and the commit that carries
@@ -47,32 +43,34 @@ func newZeroFill(path string, ahead int64) *zeroFill {
 	return &zeroFill{f: f, ahead: ahead}
 }
 
-// fill writes zeros after what the file holds, up to one chunk, when less
-// than ahead is left past the last page tx sees in use.
-func (z *zeroFill) fill(tx *bolt.Tx) {
+// fill writes a chunk of zeros after what the file holds when a whole
+// chunk of ahead is missing past used, the end of the last page in use
+// (tx.Size() of the write transaction).
+func (z *zeroFill) fill(used int64) {
 	if z.f == nil {
 		return
 	}
-	used := tx.Size()
 	if z.zeroed < used {
 		// The first transaction, or bbolt outgrew the zeros (or wrote its
 		// pages past them from a transaction of its own): what lies
 		// beyond its pages may be a hole.
 		z.zeroed = used
 	}
-	n := min(used+z.ahead-z.zeroed, zeroFillChunk)
-	if n <= 0 {
+	if used+z.ahead-z.zeroed < zeroFillChunk {
+		// Less than a chunk to go: wait for a whole one. Topping up
+		// by the few pages each commit adds would allocate blocks in
+		// every commit again, a little further on.
 		return
 	}
 	if z.zeros == nil {
 		z.zeros = make([]byte, zeroFillChunk)
 	}
-	if _, err := z.f.WriteAt(z.zeros[:n], z.zeroed); err != nil {
+	if _, err := z.f.WriteAt(z.zeros, z.zeroed); err != nil {
 		// A full disk, say: stop, and let bbolt report what it meets.
 		z.close()
 		return
 	}
-	z.zeroed += n
+	z.zeroed += zeroFillChunk
 }
 
 func (z *zeroFill) close() {
