@@ -46,6 +46,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -106,6 +107,10 @@ type loadResult struct {
 	errs     int
 	firstErr string
 	cpu      map[string]time.Duration // CPU time of each process, and of the load, over the phase
+	// idle and steal are the machine's, summed over its cores: time no
+	// process ran, and time the hypervisor gave this machine's cores to
+	// another (a noisy neighbour), over the phase.
+	idle, steal time.Duration
 	// segs splits each waited command's time: request to stored, stored to
 	// final, final to answer (bare: only the total is known).
 	segs [][3]time.Duration
@@ -154,6 +159,14 @@ func (r *loadResult) add(o loadResult) {
 	for k, v := range o.cpu {
 		r.cpu[k] += v
 	}
+	r.idle += o.idle
+	r.steal += o.steal
+}
+
+// machine formats the machine's idle and stolen shares of the phase.
+func (r loadResult) machine() string {
+	all := float64(r.elapsed) * float64(runtime.NumCPU())
+	return fmt.Sprintf("idle %.0f%%, steal %.0f%%", 100*float64(r.idle)/all, 100*float64(r.steal)/all)
 }
 
 // cpuPerCommand formats the CPU time per command of each process.
@@ -262,8 +275,11 @@ func runLoad(bases []string, token string, devs []string, clients int, d time.Du
 // of this one, over it.
 func (t pathTarget) load(devs []string, clients int, d time.Duration, wait bool) loadResult {
 	before := cpuTimes(t.procs)
+	idle, steal := machineTimes()
 	res := runLoad([]string{t.base}, t.token, devs, clients, d, wait)
 	after := cpuTimes(t.procs)
+	idle2, steal2 := machineTimes()
+	res.idle, res.steal = idle2-idle, steal2-steal
 	res.cpu = map[string]time.Duration{}
 	for name, d := range after {
 		res.cpu[name] = d - before[name]
@@ -304,6 +320,26 @@ func procCPU(pid int) time.Duration {
 	return time.Duration(ut+st) * 10 * time.Millisecond
 }
 
+// machineTimes reads the idle (with I/O wait) and stolen time of all the
+// machine's cores so far, from the first line of /proc/stat (clock ticks
+// of 1/100 s).
+func machineTimes() (idle, steal time.Duration) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal …
+	if len(f) < 9 {
+		return 0, 0
+	}
+	tick := func(i int) time.Duration {
+		n, _ := strconv.ParseInt(f[i], 10, 64)
+		return time.Duration(n) * 10 * time.Millisecond
+	}
+	return tick(4) + tick(5), tick(8)
+}
+
 // measurePath runs one round of load on t: a warm-up, the end-to-end phase
 // (under the profiler when asked) and the accepting phase.
 func measurePath(b *testing.B, cfg benchConfig, t pathTarget, profile bool) pathFigures {
@@ -338,6 +374,7 @@ func printFigures(name string, cfg benchConfig, f pathFigures) {
 		name, f.e2e.rate(), cfg.e2eClients, ms(f.e2e.pct(0.5)), ms(f.e2e.pct(0.99)),
 		f.accept.rate(), cfg.acceptClients, ms(f.accept.pct(0.5)), ms(f.accept.pct(0.99)))
 	fmt.Printf("%-8s CPU ms per command: e2e %s; accept %s%s\n", name, f.e2e.cpuPerCommand(), f.accept.cpuPerCommand(), f.e2e.segments())
+	fmt.Printf("%-8s machine: e2e %s; accept %s\n", name, f.e2e.machine(), f.accept.machine())
 }
 
 // BenchmarkCommandPath prints the bench line of CONTRACT §12. Run it alone
