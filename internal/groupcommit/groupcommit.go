@@ -74,7 +74,7 @@ type Committer struct {
 
 	commits, ops atomic.Int64
 
-	ahead *zeroFill // nil unless Options.Preallocate; the commit loop's own
+	ahead *zeroFill // nil unless Options.Preallocate; used by the commit loop only
 }
 
 // Options tune a Committer; the zero value never lingers.
@@ -87,7 +87,7 @@ type Options struct {
 	// bucket's FillPercent.
 	Begin func(tx *bolt.Tx)
 	// Preallocate, when set, is how much of the file past its last page in
-	// use the committer keeps written with zeros (see preallocate).
+	// use the committer keeps written with zeros (see zeroFill).
 	Preallocate int64
 }
 
