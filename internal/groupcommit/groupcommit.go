@@ -268,7 +268,7 @@ type group struct {
 // apply runs ops in g's transaction, beginning one when none is open. A
 // write whose fn fails is set aside with its error: the transaction is
 // rolled back and the writes before it run again without it, as bbolt's
-// Batch does. A transaction that cannot begin fails every write of g.
+// Batch does. A transaction that cannot begin fails the writes left to run.
 func (g *group) apply(ops []*op) {
 	g.taken = append(g.taken, ops...)
 	for len(ops) > 0 {

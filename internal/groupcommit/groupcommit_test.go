@@ -274,6 +274,12 @@ func TestWritesRunWhileLingering(t *testing.T) {
 	if got := c.Stats(); got != before {
 		t.Fatalf("Stats() = %+v while lingering; want %+v", got, before)
 	}
+	mu.Lock()
+	early := len(errs)
+	mu.Unlock()
+	if early != 0 {
+		t.Fatalf("%d writes reported done while lingering, before their commit", early)
+	}
 	c.Close()
 	if got := c.Stats(); got.Commits != before.Commits+1 || got.Ops != before.Ops+2 {
 		t.Errorf("Stats() after Close = %+v; want one more commit of d and f (before: %+v)", got, before)
@@ -320,14 +326,8 @@ func TestBeginRunsFirstInEveryTransaction(t *testing.T) {
 // the zeros; the file reads back whole.
 func TestPreallocateWritesAhead(t *testing.T) {
 	const ahead = 2 << 20
-	path := filepath.Join(t.TempDir(), "db")
-	db, err := bolt.Open(path, 0o600, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := db.Update(func(tx *bolt.Tx) error { _, err := tx.CreateBucket([]byte("b")); return err }); err != nil {
-		t.Fatal(err)
-	}
+	db := openDB(t)
+	path := db.Path()
 	c := New(db, Options{Preallocate: ahead})
 	value := make([]byte, 4000)
 	write := func(prefix string, n int) {
@@ -378,7 +378,7 @@ func TestPreallocateWritesAhead(t *testing.T) {
 	if err := db.Close(); err != nil {
 		t.Fatal(err)
 	}
-	db, err = bolt.Open(path, 0o600, nil)
+	db, err := bolt.Open(path, 0o600, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
