@@ -180,6 +180,13 @@ func (db *DB) stageDeviceCmd(tx *bolt.Tx, c companion.Command) error {
 	return foldDeviceCmds(tx)
 }
 
+// migrateTo7 makes device_cmds_new, where new commands' device index
+// entries wait for stageDeviceCmd to fold them.
+func migrateTo7(tx *bolt.Tx) error {
+	_, err := tx.CreateBucketIfNotExists(bucketDeviceCmdsNew)
+	return err
+}
+
 // foldDeviceCmds moves every entry of device_cmds_new into device_cmds and
 // empties it, its sequence too.
 func foldDeviceCmds(tx *bolt.Tx) error {

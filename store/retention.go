@@ -15,9 +15,10 @@ import (
 const defaultPurgeBatch = 1000
 
 // PurgeCommands deletes final commands that last changed before olderThan,
-// with their entries in the per-device history (folded or not), and returns how many went.
-// Unfinished commands are never deleted. The space they held is reused by
-// later writes, so under steady load the file stops growing.
+// with their entries in the per-device history (folded or not), and
+// returns how many went. Unfinished commands are never deleted. The space
+// they held is reused by later writes, so under steady load the file stops
+// growing.
 //
 // Commands are keyed by UUIDv7, in creation order: the scan starts at the
 // oldest and stops at the first command created after olderThan.

@@ -135,10 +135,7 @@ var migrations = []func(tx *bolt.Tx) error{
 	3: migrateTo4,
 	4: migrateTo5,
 	5: migrateTo6,
-	6: func(tx *bolt.Tx) error {
-		_, err := tx.CreateBucketIfNotExists(bucketDeviceCmdsNew)
-		return err
-	},
+	6: migrateTo7,
 }
 
 // migrateTo4 makes the buckets of bridge assignments and blob references.
