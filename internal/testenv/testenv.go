@@ -5,9 +5,13 @@ package testenv
 
 import (
 	"errors"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
 	"testing"
 )
 
@@ -45,15 +49,85 @@ func ReadRepoFile(tb testing.TB, rel string) []byte {
 	return b
 }
 
-// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago. Some
-// other process may take it before the caller binds it; for servers that can
-// listen on port 0 and report their address, prefer that.
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago, for
+// a server that must be told its port before it starts (a child process,
+// Mosquitto, NATS, PostgreSQL). For servers that can listen on port 0 and
+// report their address, prefer that.
+//
+// The port is below the kernel's ephemeral range
+// (net.ipv4.ip_local_port_range), where a port from listening on :0 would
+// be: the kernel gives ports of that range to outgoing connections too, so
+// that between FreePort and the server's bind any connection this machine
+// opens (a test's HTTP client, a bridge dialing its broker) could take it,
+// and the server would fail with "address already in use". Below the
+// range only another listener can, and a port is not handed out twice by
+// one process. Where no such range is known it falls back to :0.
 func FreePort(tb testing.TB) int {
 	tb.Helper()
+	if p, ok := freePortIn(belowEphemeral()); ok {
+		return p
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatalf("find a free port: %v", err)
 	}
 	defer ln.Close()
 	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// freePortIn returns a port of [lo, hi) that no listener holds and that
+// this process has not handed out, trying up to 200 at random.
+func freePortIn(lo, hi int) (int, bool) {
+	for range 200 {
+		if hi <= lo {
+			break
+		}
+		p := lo + rand.IntN(hi-lo)
+		if !reservePort(p) {
+			continue
+		}
+		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p)))
+		if err != nil {
+			continue // another listener has it; it stays reserved
+		}
+		ln.Close()
+		return p, true
+	}
+	return 0, false
+}
+
+var (
+	portsMu  sync.Mutex
+	reserved = map[int]bool{}
+)
+
+// reservePort reports whether p was not handed out before by this process,
+// and reserves it.
+func reservePort(p int) bool {
+	portsMu.Lock()
+	defer portsMu.Unlock()
+	if reserved[p] {
+		return false
+	}
+	reserved[p] = true
+	return true
+}
+
+// belowEphemeral returns the ports FreePort picks from: up to 10,000 ports
+// just below the ephemeral range, and none below 10,000, where services
+// listen by convention. It returns lo == hi when the range cannot be read.
+func belowEphemeral() (lo, hi int) {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 0, 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		return 0, 0
+	}
+	first, err := strconv.Atoi(f[0])
+	if err != nil {
+		return 0, 0
+	}
+	return max(10000, first-10000), max(10000, first)
 }
