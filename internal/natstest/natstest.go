@@ -18,7 +18,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -159,9 +158,11 @@ func StartCluster(tb testing.TB, opts Options) *Cluster {
 		probeUser: User{Username: "natstest-probe", Password: randomString(), Publish: []string{"natstest/probe"}, Subscribe: []string{"natstest/probe"}},
 		users:     append([]User(nil), opts.Users...),
 	}
-	ports, err := freePorts(4 * Nodes)
-	if err != nil {
-		tb.Fatalf("natstest: %v", err)
+	// testenv.FreePort: ports no outgoing connection can take meanwhile,
+	// none handed out twice.
+	ports := make([]int, 4*Nodes)
+	for i := range ports {
+		ports[i] = testenv.FreePort(tb)
 	}
 	for i := range c.nodes {
 		n := &node{
@@ -563,27 +564,6 @@ func findBinary() (string, error) {
 		return "", fmt.Errorf("%s is missing: run make deps (it builds NATS Server from the Go module proxy into bin/)", p)
 	}
 	return p, nil
-}
-
-// freePorts returns n distinct TCP ports of 127.0.0.1 that were free a
-// moment ago: all are held at once so that none is returned twice.
-func freePorts(n int) ([]int, error) {
-	var lns []net.Listener
-	defer func() {
-		for _, ln := range lns {
-			ln.Close()
-		}
-	}()
-	var ports []int
-	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("find a free port: %w", err)
-		}
-		lns = append(lns, ln)
-		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
 }
 
 func randomString() string {
