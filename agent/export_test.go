@@ -20,3 +20,10 @@ func SpoolCommands(dir string, cmds []topics.Command) error {
 
 // DeliveredDelay is deliveredDelay, for tests.
 const DeliveredDelay = deliveredDelay
+
+// Failure is failure, for tests: the code and message of a failed
+// command's reply.
+func Failure(err error, timedOut bool, limit time.Duration) (code, message string) {
+	ce := failure(err, timedOut, limit)
+	return ce.Code, ce.Message
+}

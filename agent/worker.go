@@ -97,17 +97,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 			final.State, final.Result = companion.StateSucceeded, result
 			log(slog.LevelDebug, "command succeeded", "took", time.Since(start).Round(time.Millisecond))
 		default:
-			var ce *commandError
-			var coded codedError
-			if !errors.As(err, &ce) {
-				if errors.As(err, &coded) && !timedOut {
-					ce = cmdErr(coded.ErrorCode(), err.Error())
-				} else if timedOut || errors.Is(err, context.DeadlineExceeded) {
-					ce = cmdErr(codeTimeout, fmt.Sprintf("the command did not finish within %s", a.opts.CommandTimeout))
-				} else {
-					ce = cmdErr(codeDeviceError, err.Error())
-				}
-			}
+			ce := failure(err, timedOut, a.opts.CommandTimeout)
 			final.State, final.Error = companion.StateFailed, ce.reply()
 			log(slog.LevelWarn, "command failed", "code", ce.Code, "err", ce.Message)
 		}
