@@ -44,6 +44,7 @@ type Store interface {
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
+	Status(ctx context.Context, deviceID string) (companion.Status, error)
 }
 
 // Options configure a Broker. The zero value of each optional field means
@@ -72,6 +73,10 @@ type Options struct {
 	// ExpiryGrace is how long past its TTL a sent command waits for the
 	// bridge's word before the server calls it expired; default 1 min.
 	ExpiryGrace time.Duration
+	// SentRetry is how long a command may stay sent, with no word from the
+	// bridge, while its device reads online, before it is sent again (see
+	// retrySent); default 1 min.
+	SentRetry time.Duration
 
 	// Dispatcher, for replicas sharing one store, says whether this
 	// replica is the one that publishes queued commands, resends them and
@@ -166,6 +171,9 @@ func New(opts Options) (*Broker, error) {
 	if opts.ExpiryGrace <= 0 {
 		opts.ExpiryGrace = time.Minute
 	}
+	if opts.SentRetry <= 0 {
+		opts.SentRetry = time.Minute
+	}
 	if opts.Retention <= 0 {
 		opts.Retention = 30 * 24 * time.Hour
 	}
@@ -253,6 +261,7 @@ func (b *Broker) Start() error {
 	b.goOwned(b.confirm)
 	b.goOwned(b.sweep)
 	b.goOwned(b.sentLoop)
+	b.goOwned(b.retryLoop)
 	// With ConnectRetry the token completes only once connected; we do not
 	// wait for it: commands wait as queued until the broker is there.
 	b.client.Connect()

@@ -485,6 +485,57 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	}
 }
 
+// A command that stays sent, with no word from the bridge, while its device
+// reads online was lost on its way (a broker that dropped it and told
+// nobody): SentRetry after it was sent it goes out again, and again only
+// after another SentRetry. One whose device reads offline waits for its
+// bridge's return, which sends everything again anyway.
+func TestLongSentCommandsGoOutAgain(t *testing.T) {
+	ctx := context.Background()
+	e := newEnv(t, false)
+	e.b.opts.SentRetry = 200 * time.Millisecond // ticks every 100 ms of real time; the age is on e.clock
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	waitFor(t, "broker ready", e.b.Ready)
+	fb := connectBridge(t, e)
+	status, _ := tree.Status("dev-1")
+	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
+	waitFor(t, "dev-1 online", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Online
+	})
+
+	lost := submit(t, e, "dev-1", "lost on its way", time.Hour)
+	away := submit(t, e, "dev-2", "for a device that reads offline", time.Hour)
+	// The bridge takes both and says nothing, as if they never came.
+	got := map[string]bool{fb.next(t).ID: true, fb.next(t).ID: true}
+	require.True(t, got[lost.ID] && got[away.ID], "both went out: %v", got)
+	waitFor(t, "both sent", func() bool {
+		return state(t, e, lost.ID).State == companion.StateSent && state(t, e, away.ID).State == companion.StateSent
+	})
+	noCommand := func(why string) {
+		t.Helper()
+		select {
+		case c := <-fb.commands:
+			t.Fatalf("%s went out again: %s", why, c.ID)
+		case <-time.After(500 * time.Millisecond): // five ticks
+		}
+	}
+	noCommand("a command sent less than SentRetry ago")
+
+	e.clock.Add(time.Minute)
+	assert.Equal(t, lost.ID, fb.next(t).ID, "sent long ago to an online device: sent again")
+	noCommand("a command retried less than SentRetry ago, or one of a device that reads offline,")
+
+	e.clock.Add(time.Minute)
+	assert.Equal(t, lost.ID, fb.next(t).ID, "still no word: sent again")
+	fb.reply(t, "dev-1", topics.Reply{CommandID: lost.ID, State: companion.StateDelivered, At: time.Now()})
+	waitFor(t, "delivered", func() bool { return state(t, e, lost.ID).State == companion.StateDelivered })
+	e.clock.Add(time.Minute)
+	noCommand("a delivered command")
+	assert.Equal(t, companion.StateSent, state(t, e, away.ID).State)
+}
+
 // A sent command may be in the bridge's hands when its TTL passes: the
 // server waits ExpiryGrace for the bridge's word before it calls it expired,
 // so a delivered reply on the way is not overtaken.

@@ -479,3 +479,77 @@ func (b *Broker) expire(ctx context.Context, id string) {
 	b.log.Info("command expired", "command_id", id, "device_id", cmd.DeviceID)
 	b.notify(cmd)
 }
+
+// retryLoop runs retrySent every half SentRetry until the broker closes.
+func (b *Broker) retryLoop() {
+	tick := time.NewTicker(b.opts.SentRetry / 2)
+	defer tick.Stop()
+	retried := map[string]time.Time{}
+	for {
+		select {
+		case <-b.quit:
+			return
+		case <-tick.C:
+		}
+		if b.dispatching() {
+			b.retrySent(context.Background(), retried)
+		}
+	}
+}
+
+// retrySent sends again the commands that have been sent for SentRetry or
+// longer, with no word from the bridge, while their device reads online.
+// A bridge says "delivered" within a moment of taking a command (even one
+// queued behind others on its device), so such a command went to a broker
+// that lost it where nothing told the server: every loss the server hears
+// of (a bridge or a broker coming back, a device coming online, a restart)
+// sends a device's unfinished commands again already, and this catches
+// the rest, such as a broker that dropped a message with no session to
+// hold it while the bridge's was being made anew. The bridge drops a
+// command it has and answers one it finished with its final reply, so a
+// repeat costs a message. A device that reads offline waits for its bridge
+// to come back, which sends everything again; so does a command the
+// retry sent: again only after another SentRetry (retried holds when, and
+// forgets the commands no longer sent).
+func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) {
+	sent, err := b.st.OpenCommands(ctx, companion.StateSent)
+	if err != nil {
+		b.log.Warn("reading sent commands to send again failed", "err", err)
+		return
+	}
+	now := b.now()
+	stillSent := make(map[string]bool, len(sent))
+	online := map[string]bool{}
+	devices := map[string]bool{}
+	for _, c := range sent {
+		stillSent[c.ID] = true
+		if now.Sub(c.UpdatedAt) < b.opts.SentRetry || now.Sub(retried[c.ID]) < b.opts.SentRetry {
+			continue
+		}
+		on, known := online[c.DeviceID]
+		if !known {
+			s, err := b.st.Status(ctx, c.DeviceID)
+			on = err == nil && s.Online
+			online[c.DeviceID] = on
+		}
+		if on {
+			devices[c.DeviceID] = true
+			retried[c.ID] = now
+		}
+	}
+	for id := range retried {
+		if !stillSent[id] {
+			delete(retried, id)
+		}
+	}
+	if len(devices) == 0 {
+		return
+	}
+	b.mu.Lock()
+	for d := range devices {
+		b.resend[d] = true
+	}
+	b.mu.Unlock()
+	b.wake()
+	b.log.Info("commands sent long ago to online devices with no word from their bridge; sending them again", "devices", len(devices))
+}
