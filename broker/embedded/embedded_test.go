@@ -392,6 +392,38 @@ func TestDisconnectBridge(t *testing.T) {
 	require.Equal(t, "granted", string(b1.next(t).Payload()))
 }
 
+// A client's SUBSCRIBE or UNSUBSCRIBE may carry a packet id that one of
+// the messages on their way to it holds (the two directions pick their ids
+// apart; mochi keeps both in one store and would refuse it with 0x91,
+// "packet identifier in use"): a bridge back on its persistent session
+// subscribes while its commands arrive. It is granted, its acknowledgement
+// carries the client's id (or the token would never complete), and the
+// messages on their way stay there.
+func TestSubscribeOnAPacketIDInUse(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", func(o *mqtt.ClientOptions) { o.SetAutoAckDisabled(true) })
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	filter := tp(tree.CommandsFilter("dev-1"))
+	require.Equal(t, byte(1), b1.subscribe(t, filter)) // the client's packet id 1
+	cmd := tp(tree.Command("dev-1", topics.OpPushText))
+	// The server's ids for the bridge: 1 and 2, held until acknowledged.
+	srv.publish(t, cmd, false, "first")
+	srv.publish(t, cmd, false, "second")
+	m1, m2 := b1.next(t), b1.next(t)
+	require.Equal(t, []string{"first", "second"}, []string{string(m1.Payload()), string(m2.Payload())})
+
+	// The client's next ids, 2 and 3, meet the server's 2.
+	require.Equal(t, byte(1), b1.subscribe(t, tp(tree.CommandsFilter("dev-1"))), "a SUBSCRIBE on id 2")
+	tok := b1.Unsubscribe(tp(tree.CommandsFilter("dev-1")))
+	require.NoError(t, mqtt.WaitTokenTimeout(tok, wait), "an UNSUBSCRIBE")
+	require.Equal(t, byte(1), b1.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+
+	m1.Ack()
+	m2.Ack()
+	srv.publish(t, cmd, false, "third")
+	require.Equal(t, "third", string(b1.next(t).Payload()), "after the acknowledgements, nothing of the first two comes again")
+}
+
 func TestBridgeWill(t *testing.T) {
 	s := startBroker(t, newFakeAccounts())
 	withWill := func(topic string) func(*mqtt.ClientOptions) {

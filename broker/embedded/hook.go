@@ -364,20 +364,31 @@ func (h *hook) forget(clientID string, packetID uint16) {
 	}
 }
 
-// OnPacketRead moves an incoming QoS 1 PUBLISH off a packet id that one
-// of the client's outgoing messages holds (see hook): mochi would delete
-// that message from the inflight store. The publish is given a free id for
-// its trip through mochi, and OnPacketEncode puts the client's own id back
-// on the PUBACK. The free id is searched downwards from the id mochi handed
-// out last, the far end of the space from the ids it hands out next.
-// Packets of one client are processed one at a time, so each client has at
-// most one publish moved at once.
+// OnPacketRead moves an incoming packet off a packet id that one of the
+// client's outgoing messages holds (see hook). The client picks the ids of
+// what it sends and the server those of what it sends, but mochi keeps
+// both in one inflight store: for a QoS 1 PUBLISH it would delete the
+// outgoing message from that store, and it refuses a SUBSCRIBE or an
+// UNSUBSCRIBE with 0x91, "packet identifier in use" (a bridge back on its
+// persistent session, its commands on their way, subscribing while they
+// are). The packet is given a free id for its trip through mochi, and
+// OnPacketEncode puts the client's own id back on the acknowledgement. The
+// free id is searched downwards from the id mochi handed out last, the far
+// end of the space from the ids it hands out next. Packets of one client
+// are processed one at a time, so each client has at most one packet moved
+// at once.
 func (h *hook) OnPacketRead(cl *mqtt.Client, pk packets.Packet) (packets.Packet, error) {
-	if pk.FixedHeader.Type != packets.Publish || pk.FixedHeader.Qos != 1 {
-		return pk, nil
-	}
-	out, ok := cl.State.Inflight.Get(pk.PacketID)
-	if !ok || (out.FixedHeader.Type != packets.Publish && out.FixedHeader.Type != packets.Pubrel) {
+	switch t := pk.FixedHeader.Type; {
+	case t == packets.Publish && pk.FixedHeader.Qos == 1:
+		out, ok := cl.State.Inflight.Get(pk.PacketID)
+		if !ok || (out.FixedHeader.Type != packets.Publish && out.FixedHeader.Type != packets.Pubrel) {
+			return pk, nil
+		}
+	case t == packets.Subscribe || t == packets.Unsubscribe:
+		if _, ok := cl.State.Inflight.Get(pk.PacketID); !ok {
+			return pk, nil
+		}
+	default:
 		return pk, nil
 	}
 	h.mu.Lock()
@@ -394,13 +405,15 @@ func (h *hook) OnPacketRead(cl *mqtt.Client, pk packets.Packet) (packets.Packet,
 			return pk, nil
 		}
 	}
-	h.log.Warn("mqtt inflight store full; an incoming publish may displace a queued message", "client_id", cl.ID)
+	h.log.Warn("mqtt inflight store full; an incoming packet may displace a queued message", "client_id", cl.ID)
 	return pk, nil
 }
 
-// OnPacketEncode gives a moved publish's acknowledgement back its id.
+// OnPacketEncode gives a moved packet's acknowledgement back its id.
 func (h *hook) OnPacketEncode(cl *mqtt.Client, pk packets.Packet) packets.Packet {
-	if pk.FixedHeader.Type != packets.Puback {
+	switch pk.FixedHeader.Type {
+	case packets.Puback, packets.Suback, packets.Unsuback:
+	default:
 		return pk
 	}
 	h.mu.Lock()
@@ -412,10 +425,12 @@ func (h *hook) OnPacketEncode(cl *mqtt.Client, pk packets.Packet) packets.Packet
 	return pk
 }
 
-// OnPacketProcessed drops a move whose publish was not acknowledged (a
+// OnPacketProcessed drops a move whose packet was not acknowledged (a
 // refused publish).
 func (h *hook) OnPacketProcessed(cl *mqtt.Client, pk packets.Packet, _ error) {
-	if pk.FixedHeader.Type != packets.Publish {
+	switch pk.FixedHeader.Type {
+	case packets.Publish, packets.Subscribe, packets.Unsubscribe:
+	default:
 		return
 	}
 	h.mu.Lock()
