@@ -209,7 +209,7 @@ type Link struct {
 	done      chan struct{}
 	stopOnce  sync.Once
 	torn      chan struct{} // closed when teardown has finished
-	dropTimer *time.Timer
+	dropTimer *time.Timer   // guarded by runMu: start and teardown may race
 
 	// runMu guards dead and running: a delivery runs only while the link
 	// is up, and teardown waits for the one running.
@@ -229,8 +229,16 @@ func newLink(n *Network, id string, p gatt.Peripheral) *Link {
 	return l
 }
 
+// start arms the link's drop timer, unless the link is down already: the
+// peripheral may end it (a reboot) as soon as it is connected.
 func (l *Link) start() {
-	if d := l.n.opts.DropEvery; d > 0 {
+	d := l.n.opts.DropEvery
+	if d <= 0 {
+		return
+	}
+	l.runMu.Lock()
+	defer l.runMu.Unlock()
+	if !l.dead {
 		l.dropTimer = time.AfterFunc(d, func() { l.n.Drop(l.id) })
 	}
 }
@@ -274,12 +282,12 @@ func (l *Link) teardown() {
 		<-l.torn
 		return
 	}
-	if l.dropTimer != nil {
-		l.dropTimer.Stop()
-	}
 	// What is still on the air is lost; what is being delivered finishes.
 	l.runMu.Lock()
 	l.dead = true
+	if l.dropTimer != nil {
+		l.dropTimer.Stop()
+	}
 	for l.running > 0 {
 		l.idle.Wait()
 	}
