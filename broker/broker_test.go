@@ -493,7 +493,7 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 func TestLongSentCommandsGoOutAgain(t *testing.T) {
 	ctx := context.Background()
 	e := newEnv(t, false)
-	e.b.opts.SentRetry = 200 * time.Millisecond // ticks every 100 ms of real time; the age is on e.clock
+	e.b.opts.SentRetry = 100 * time.Millisecond // ticks every 100 ms of real time; the age is on e.clock
 	require.NoError(t, e.b.Start())
 	t.Cleanup(func() { e.b.Close() })
 	waitFor(t, "broker ready", e.b.Ready)

@@ -480,9 +480,12 @@ func (b *Broker) expire(ctx context.Context, id string) {
 	b.notify(cmd)
 }
 
-// retryLoop runs retrySent every half SentRetry until the broker closes.
+// retryLoop runs retrySent every SentRetry until the broker closes. Each
+// run reads every open command (a backlog of a hundred thousand is about
+// half a second of a core), so not more often: a command stays sent for
+// two SentRetry at most before it goes out again.
 func (b *Broker) retryLoop() {
-	tick := time.NewTicker(b.opts.SentRetry / 2)
+	tick := time.NewTicker(b.opts.SentRetry)
 	defer tick.Stop()
 	retried := map[string]time.Time{}
 	for {
