@@ -48,11 +48,14 @@ func TestFreePortSkipsABoundPort(t *testing.T) {
 		}
 	}()
 	hold := func(base int) bool {
+		portsMu.Lock()
 		for p := base; p < base+n; p++ {
 			if reserved[p] {
+				portsMu.Unlock()
 				return false
 			}
 		}
+		portsMu.Unlock()
 		for p := base; p < base+n-1; p++ {
 			ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p)))
 			if err != nil {
