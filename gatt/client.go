@@ -35,9 +35,9 @@ type ClientOptions struct {
 // them, reassembles notified responses and matches them to requests by
 // sequence number. A request goes out in one write of at most MTU-3 bytes
 // unless SetMaxRequest allows longer ones (a device that reassembles):
-// those are split into consecutive writes. When the link goes down every
-// pending request fails with ErrDisconnected. It is safe for concurrent
-// use.
+// those are split into consecutive writes. SetWindow bounds the requests
+// in flight across all callers. When the link goes down every pending
+// request fails with ErrDisconnected. It is safe for concurrent use.
 type Client struct {
 	link    Link
 	frag    int
@@ -46,6 +46,13 @@ type Client struct {
 	maxReq  atomic.Int64 // the longest request message sent
 
 	wmu sync.Mutex // the writes of one message go out together
+
+	// slots holds a token for each request in flight (nil: no bound). A
+	// request keeps its token until the device has answered it, it timed
+	// out, or the link is down: the device holds a buffer for it until
+	// then, even when the caller has stopped waiting.
+	slots chan struct{}
+	dead  chan struct{} // closed when the client fails
 
 	mu      sync.Mutex
 	seq     uint8
@@ -85,6 +92,7 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 		pending: map[uint8]*Call{},
 		reasm:   NewReassembler(opts.MaxResponse),
 		stop:    make(chan struct{}),
+		dead:    make(chan struct{}),
 	}
 	c.maxReq.Store(int64(c.frag))
 	if err := link.Subscribe(ctx, SMPCharUUID, c.onNotify); err != nil {
@@ -116,6 +124,18 @@ func (c *Client) MaxRequest() int { return int(c.maxReq.Load()) }
 // writes: for a device that reassembles them into buffers of n bytes.
 func (c *Client) SetMaxRequest(n int) { c.maxReq.Store(int64(min(max(n, HeaderSize+1), MaxMessage))) }
 
+// SetWindow bounds the requests in flight, of all callers together, to n
+// (n < 1: no bound): a stock device loses a request that finds its SMP
+// buffers taken, and every caller on the link shares them. Start waits for
+// a free place. Call it before the client carries requests.
+func (c *Client) SetWindow(n int) {
+	if n < 1 {
+		c.slots = nil
+		return
+	}
+	c.slots = make(chan struct{}, n)
+}
+
 // Link returns the link the client speaks over.
 func (c *Client) Link() Link { return c.link }
 
@@ -144,10 +164,14 @@ func (c *Client) fail(err error) {
 	defer c.mu.Unlock()
 	if c.err == nil {
 		c.err = err
+		close(c.dead)
 	}
 	for seq, call := range c.pending {
 		delete(c.pending, seq)
-		call.ch <- result{err: c.err}
+		call.release()
+		if !call.abandoned {
+			call.ch <- result{err: c.err}
+		}
 	}
 	c.reasm.Reset()
 }
@@ -167,7 +191,10 @@ func (c *Client) onNotify(frag []byte) {
 			continue
 		}
 		delete(c.pending, m.Seq)
-		call.ch <- result{msg: m}
+		call.release()
+		if !call.abandoned {
+			call.ch <- result{msg: m}
+		}
 	}
 }
 
@@ -180,6 +207,17 @@ type Call struct {
 	seq   uint8
 	ch    chan result // buffered: one result
 	timer *time.Timer
+
+	slot      bool      // holds a token of c.slots
+	freed     sync.Once // gives the token back
+	abandoned bool      // guarded by c.mu: nobody waits for the answer
+}
+
+// release gives back the call's place in the window, once.
+func (call *Call) release() {
+	if call.slot {
+		call.freed.Do(func() { <-call.c.slots })
+	}
 }
 
 // Start sends a request (op OpRead or OpWrite) and returns without waiting
@@ -206,6 +244,19 @@ func (c *Client) Start(ctx context.Context, op uint8, group uint16, id uint8, re
 // send writes a framed request of any length, split into writes.
 func (c *Client) send(ctx context.Context, op uint8, group uint16, id uint8, body []byte) (*Call, error) {
 	call := &Call{c: c, op: op, group: group, id: id, ch: make(chan result, 1)}
+	if c.slots != nil {
+		select {
+		case c.slots <- struct{}{}:
+			call.slot = true
+		case <-c.dead:
+			c.mu.Lock()
+			err := c.err
+			c.mu.Unlock()
+			return nil, err
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -213,10 +264,12 @@ func (c *Client) send(ctx context.Context, op uint8, group uint16, id uint8, bod
 	if c.err != nil {
 		err := c.err
 		c.mu.Unlock()
+		call.release()
 		return nil, err
 	}
 	if len(c.pending) >= 256 {
 		c.mu.Unlock()
+		call.release()
 		return nil, errors.New("gatt: 256 requests in flight")
 	}
 	for c.pending[c.seq] != nil {
@@ -232,7 +285,7 @@ func (c *Client) send(ctx context.Context, op uint8, group uint16, id uint8, bod
 	msg = append(msg, body...)
 	for off := 0; off < len(msg); off += c.frag {
 		if err := c.link.Write(ctx, SMPCharUUID, msg[off:min(off+c.frag, len(msg))], false); err != nil {
-			call.Abandon()
+			call.forget()
 			if off > 0 {
 				// Half a message went out: the device's stream has lost its
 				// framing, so this link cannot carry another request.
@@ -254,17 +307,47 @@ func (c *Client) isDead() bool {
 	return c.err != nil
 }
 
-// Abandon forgets the request: a late response is dropped.
+// Abandon stops waiting for the response: a late one is dropped. The
+// request keeps its place in the window (SetWindow) until the device
+// answers it or the request timeout passes, as the device still holds it.
 func (call *Call) Abandon() {
 	c := call.c
 	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.pending[call.seq] != call || call.abandoned {
+		return
+	}
+	call.abandoned = true
+	if !call.slot {
+		delete(c.pending, call.seq)
+		call.timer.Stop()
+		return
+	}
+	if call.timer.Stop() {
+		// Answered or not, the device is done with it by the timeout.
+		time.AfterFunc(c.timeout, call.forget)
+	} else {
+		call.forgetLocked()
+	}
+}
+
+// forget drops the request and gives its place back: it failed to go
+// out, or the device did not answer it within the request timeout.
+func (call *Call) forget() {
+	call.c.mu.Lock()
+	defer call.c.mu.Unlock()
+	call.forgetLocked()
+}
+
+func (call *Call) forgetLocked() {
+	c := call.c
 	if c.pending[call.seq] == call {
 		delete(c.pending, call.seq)
 	}
-	c.mu.Unlock()
 	if call.timer != nil {
 		call.timer.Stop()
 	}
+	call.release()
 }
 
 // Wait waits for the response and decodes its body into resp (which may be
@@ -276,7 +359,7 @@ func (call *Call) Wait(ctx context.Context, resp any) error {
 	case r = <-call.ch:
 		call.timer.Stop()
 	case <-call.timer.C:
-		call.Abandon()
+		call.forget()
 		return ErrTimeout
 	case <-ctx.Done():
 		call.Abandon()

@@ -58,10 +58,11 @@ type DeviceOptions struct {
 	RequestTimeout time.Duration // per SMP request; default DefaultRequestTimeout
 	MinBackoff     time.Duration // first pause between connection attempts, ±50%; default DefaultMinBackoff
 	MaxBackoff     time.Duration // longest pause, ±50%; default DefaultMaxBackoff
-	// Window is the most upload chunks in flight; 0 means one less than
-	// the device's buf_count (MCUmgr parameters: its buffers serve requests
-	// and responses alike, so one must stay free for the answer), or 1 if
-	// it does not say.
+	// Window is the most requests in flight on the device, of every
+	// caller together (an upload's chunks, a status read's requests); 0
+	// means one less than the device's buf_count (MCUmgr parameters: its
+	// buffers serve requests and responses alike, so one must stay free
+	// for the answer), or 1 if it does not say.
 	Window int
 	// ProbeTimeout bounds the wait for the answer to the reassembly probe
 	// (Client.ProbeReassembly); default DefaultProbeTimeout.
@@ -281,11 +282,15 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 			c.SetMaxRequest(p.BufSize)
 		}
 	}
-	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount, "reassembles", s.reassembles)
+	// The status reads of the bridge's reporter and a command's requests
+	// may reach the device at once: together they keep no more in flight
+	// than its buffers take.
+	c.SetWindow(d.window(s))
+	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount, "reassembles", s.reassembles, "window", d.window(s))
 	return s, nil
 }
 
-// window is the most upload requests in flight on s.
+// window is the most requests in flight on s, of all callers together.
 func (d *Device) window(s *session) int {
 	switch {
 	case d.opts.Window > 0:
@@ -340,17 +345,20 @@ func (d *Device) do(ctx context.Context, op uint8, group uint16, id uint8, req, 
 
 // Info reads the model (Device Information) and the battery level, the
 // running image's version (image state: the active slot) and the installed
-// apps. The two SMP requests go out first and are answered while the
-// characteristics are read.
+// apps. The SMP requests go out first, as many as the device's window
+// takes, and are answered while the characteristics are read; the rest
+// follow.
 func (d *Device) Info(ctx context.Context) (Info, error) {
 	var info Info
 	err := d.retry(ctx, func(s *session) error {
 		var st ImageStateResponse
 		var apps AppsResponse
-		calls, err := d.start(ctx, s, []exchange{
+		xs := []exchange{
 			{op: OpRead, group: GroupImage, id: CmdImageState, resp: &st},
 			{op: OpRead, group: GroupApps, id: CmdAppsList, resp: &apps},
-		})
+		}
+		first := min(len(xs), d.window(s))
+		calls, err := d.start(ctx, s, xs[:first])
 		if err != nil {
 			return err
 		}
@@ -366,6 +374,9 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 			return err
 		}
 		if err := calls.wait(ctx); err != nil {
+			return err
+		}
+		if err := d.pipeline(ctx, s, xs[first:]); err != nil {
 			return err
 		}
 		if len(batt) != 1 || batt[0] > 100 {

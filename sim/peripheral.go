@@ -41,6 +41,10 @@ type PeripheralOptions struct {
 	ResetDelay   time.Duration // from the answer to an OS reset to the reboot; default DefaultResetDelay
 	BootTime     time.Duration // from the reboot to advertising again; default DefaultBootTime
 	Logger       *slog.Logger
+	// HandleTime is how long the device works on each SMP request before
+	// it answers (a flash write, a busy MCU); default none. Requests
+	// queue behind it in the device's buffers.
+	HandleTime time.Duration
 }
 
 // Peripheral is a Zephyr device with the stock MCUmgr subsystem in front of
@@ -396,6 +400,14 @@ func (p *Peripheral) respond(ctx context.Context, h gatt.Header, last bool, run 
 	p.mu.Lock()
 	p.inUse++
 	p.mu.Unlock()
+	if p.opts.HandleTime > 0 {
+		t := time.NewTimer(p.opts.HandleTime)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
+	}
 	r := run()
 	p.mu.Lock()
 	p.inUse--

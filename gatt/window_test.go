@@ -1,0 +1,113 @@
+package gatt_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// The status reads of the bridge's reporter and a command's upload go to
+// one device at once. A stock device has BufCount SMP buffers for both
+// (four by default) and loses a write that finds none free, so together
+// the callers keep no more requests in flight than one caller may: a lost
+// write would cost its request the whole request timeout.
+func TestConcurrentCallersShareTheWindow(t *testing.T) {
+	// Two buffers (the fewest MCUmgr runs with) leave a window of one.
+	for _, bufs := range []int{2, 4} {
+		t.Run(fmt.Sprint("bufs", bufs), func(t *testing.T) {
+			s := sim.New(sim.Options{ID: "dev-1"})
+			n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+			// A device that takes its time over each request, as one
+			// writing flash does: requests queue in its buffers.
+			p := sim.NewPeripheral(s, sim.PeripheralOptions{BufCount: bufs, HandleTime: 2 * time.Millisecond})
+			n.Add("dev-1", p)
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, RequestTimeout: 5 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				d.Close()
+				n.Close()
+			})
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			var wg sync.WaitGroup
+			errs := make(chan error, 100)
+			wg.Go(func() {
+				for i := range 3 {
+					if err := d.PushImage(ctx, fmt.Sprint("img", i), "image/png", randomBytes(t, 20_000)); err != nil {
+						errs <- fmt.Errorf("PushImage %d: %w", i, err)
+					}
+				}
+			})
+			wg.Go(func() {
+				for i := range 10 {
+					if _, err := d.Info(ctx); err != nil {
+						errs <- fmt.Errorf("Info %d: %w", i, err)
+					}
+					if _, _, err := d.Settings(ctx); err != nil {
+						errs <- fmt.Errorf("Settings %d: %w", i, err)
+					}
+				}
+			})
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Error(err)
+			}
+			if got := p.Dropped(); got != 0 {
+				t.Errorf("the device lost %d writes for want of a buffer", got)
+			}
+			if got := len(s.Images()); got != 3 {
+				t.Errorf("%d images shown, want 3", got)
+			}
+		})
+	}
+}
+
+// A request the caller stops waiting for still holds a buffer on the
+// device until the device answers it, so it keeps its place in the window:
+// the next request waits rather than reach a device with no buffer free.
+func TestAbandonedRequestKeepsItsPlace(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	p := sim.NewPeripheral(s, sim.PeripheralOptions{BufCount: 2, HandleTime: 20 * time.Millisecond})
+	n.Add("dev-1", p)
+	t.Cleanup(func() { n.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	link, err := n.Connect(ctx, "dev-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := gatt.NewClient(ctx, link, gatt.ClientOptions{RequestTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetWindow(1) // two buffers: one request and its answer
+
+	for i := range 3 {
+		call, err := c.Start(ctx, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, gatt.EchoRequest{D: fmt.Sprint("abandoned ", i)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Let the device start on it: from then on it holds both of its
+		// buffers, the request's and the answer's. (Were the next request
+		// to arrive first, it would be taken anyway, and the test would
+		// prove less, never fail for it.)
+		time.Sleep(5 * time.Millisecond)
+		call.Abandon()
+		if got, err := c.Echo(ctx, fmt.Sprint("next ", i)); err != nil || got != fmt.Sprint("next ", i) {
+			t.Fatalf("echo after an abandoned request = %q, %v", got, err)
+		}
+	}
+	if got := p.Dropped(); got != 0 {
+		t.Errorf("the device lost %d writes for want of a buffer", got)
+	}
+}
