@@ -54,8 +54,9 @@ type PeripheralOptions struct {
 // SMP version of each request, and the project's groups (64 and up). Like
 // Zephyr's smp_bt it reassembles requests split across writes (or, with
 // NoReassembly, takes each write as a packet), has BufCount buffers shared
-// by requests and responses (a write that finds none free is lost), and
-// runs requests one at a time in arrival order. An OS reset reboots it:
+// by requests and responses (a write that finds none free is lost, and so
+// is a request whose answer finds none free, as smp.c drops a request when
+// smp_alloc_rsp fails), and runs requests one at a time in arrival order. An OS reset reboots it:
 // the link drops, MCUboot swaps images, and it takes connections again
 // after BootTime. It implements gatt.Peripheral.
 type Peripheral struct {
@@ -141,7 +142,8 @@ func NewPeripheral(dev *Device, opts PeripheralOptions) *Peripheral {
 func (p *Peripheral) Device() *Device { return p.dev }
 
 // Dropped counts the writes the device lost for want of a buffer, or
-// because they broke the framing of a message.
+// because they broke the framing of a message, and the requests it left
+// unanswered for want of a buffer for the answer.
 func (p *Peripheral) Dropped() int64 { return p.dropped.Load() }
 
 // Close stops a reboot under way and waits for it. The network closes the
@@ -398,6 +400,16 @@ func (p *Peripheral) serve(ctx context.Context, wake chan struct{}) {
 // written again. It reports false when the connection is gone.
 func (p *Peripheral) respond(ctx context.Context, h gatt.Header, last bool, run func() reply) bool {
 	p.mu.Lock()
+	if p.inUse >= p.opts.BufCount {
+		// No buffer for the answer: smp.c drops the request unanswered
+		// (smp_alloc_rsp fails, and so does the error response).
+		if last {
+			p.inUse--
+		}
+		p.lostLocked("no free buffer for the answer", int(h.Len))
+		p.mu.Unlock()
+		return true
+	}
 	p.inUse++
 	p.mu.Unlock()
 	if p.opts.HandleTime > 0 {
