@@ -122,18 +122,28 @@ type watcher struct {
 func newWatcher(tb testing.TB, b *testBroker) *watcher {
 	tb.Helper()
 	w := &watcher{tb: tb, notify: make(chan struct{})}
+	// One subscription, made on every connect. (Subscribing again after
+	// Connect as well raced the handler, which paho runs on a goroutine of
+	// its own: a SUBSCRIBE that arrived after the bridge's first status
+	// replaced the subscription, and the broker sent the retained status
+	// again, as MQTT 3.1.1 says it must.)
+	subscribed := make(chan error, 1)
 	opts := mqtt.NewClientOptions().AddBroker(b.url).
 		SetClientID("watcher-" + uuid.NewString()).
 		SetCleanSession(true).
 		SetDefaultPublishHandler(w.onMessage).
 		SetOnConnectHandler(func(c mqtt.Client) {
-			c.Subscribe(tree.Prefix()+"/#", 1, nil)
+			err := mqtt.WaitTokenTimeout(c.Subscribe(tree.Prefix()+"/#", 1, nil), waitLong)
+			select {
+			case subscribed <- err:
+			default:
+			}
 		})
 	w.client = mqtt.NewClient(opts)
 	if err := mqtt.WaitTokenTimeout(w.client.Connect(), waitLong); err != nil {
 		tb.Fatal(err)
 	}
-	if err := mqtt.WaitTokenTimeout(w.client.Subscribe(tree.Prefix()+"/#", 1, nil), waitLong); err != nil {
+	if err := <-subscribed; err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { w.client.Disconnect(100) })
