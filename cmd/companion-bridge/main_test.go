@@ -18,6 +18,7 @@ import (
 	"github.com/mochi-mqtt/server/v2/listeners"
 	"github.com/mochi-mqtt/server/v2/packets"
 
+	"github.com/devicecompanion/companion/internal/mochitest"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -108,7 +109,7 @@ func startBroker(tb testing.TB) string {
 		tb.Fatal(err)
 	}
 	go srv.Serve()
-	tb.Cleanup(func() { srv.Close() })
+	tb.Cleanup(func() { mochitest.Close(srv) })
 	return "tcp://" + l.Address()
 }
 

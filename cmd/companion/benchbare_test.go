@@ -34,6 +34,7 @@ import (
 	"github.com/mochi-mqtt/server/v2/listeners"
 	"github.com/mochi-mqtt/server/v2/packets"
 
+	"github.com/devicecompanion/companion/internal/mochitest"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -104,7 +105,7 @@ func runBareServer(httpAddr, mqttAddr string) error {
 	if err := broker.Serve(); err != nil {
 		return err
 	}
-	defer broker.Close()
+	defer mochitest.Close(broker)
 
 	tree := topics.MustNew(topics.DefaultPrefix)
 	var (
