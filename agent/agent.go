@@ -277,7 +277,9 @@ func New(opts Options) (*Agent, error) {
 		SetKeepAlive(30*time.Second).
 		SetWriteTimeout(10*time.Second).
 		SetResumeSubs(false).
-		SetStore(pahostore.New()).
+		// The state is said anew on every connect: an old one sent again
+		// could land after a newer one (see pahostore.Store.NotResent).
+		SetStore(pahostore.New().NotResent(func(topic string) bool { return topic == a.stateTopic })).
 		SetBinaryWill(a.stateTopic, []byte(topics.BridgeOffline), 1, true).
 		SetDefaultPublishHandler(a.onMessage).
 		SetOnConnectHandler(a.onConnect).

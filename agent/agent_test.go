@@ -525,7 +525,7 @@ func TestWillAndCleanClose(t *testing.T) {
 	w.waitBridgeState("b1", topics.BridgeOffline, 1)
 	b.hook.refuse.Store(false)
 	// It reconnects by itself and says so.
-	w.waitBridgeState("b1", topics.BridgeOnline, 2)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
 
 	br.stop(t)
 	w.waitBridgeState("b1", topics.BridgeOffline, 2)
@@ -549,11 +549,19 @@ func TestStatusSeqIncreases(t *testing.T) {
 		return w.count(func(m message) bool { return m.topic == topic }) >= 4
 	})
 	var last uint64
+	seen := map[string]bool{}
 	w.mu.Lock()
 	for _, m := range w.msgs {
 		if m.topic != topic {
 			continue
 		}
+		if seen[string(m.payload)] {
+			// A QoS 1 repeat: paho sends a status published as it
+			// connects a second time (see pahostore.Store.NotResent),
+			// which the server's seq check ignores.
+			continue
+		}
+		seen[string(m.payload)] = true
 		s, err := topics.ParseStatus(m.payload)
 		if err != nil {
 			t.Errorf("bad status %s: %v", m.payload, err)

@@ -26,6 +26,7 @@ import (
 	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/mochitest"
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
@@ -49,6 +50,7 @@ type testBroker struct {
 	srv  *mochi.Server
 	url  string
 	hook *allowHook
+	pubs *publishCounter
 }
 
 func startBroker(tb testing.TB) *testBroker {
@@ -58,13 +60,80 @@ func startBroker(tb testing.TB) *testBroker {
 	if err := srv.AddHook(hook, nil); err != nil {
 		tb.Fatal(err)
 	}
+	pubs := addPublishCounter(tb, srv)
 	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
 	if err := srv.AddListener(l); err != nil {
 		tb.Fatal(err)
 	}
 	go srv.Serve()
-	tb.Cleanup(func() { srv.Close() })
-	return &testBroker{srv: srv, url: "tcp://" + l.Address(), hook: hook}
+	tb.Cleanup(func() { mochitest.Close(srv) })
+	return &testBroker{srv: srv, url: "tcp://" + l.Address(), hook: hook, pubs: pubs}
+}
+
+// publishCounter counts the PUBLISHes the broker takes, by topic and
+// payload, leaving out those a client sent again (DUP). A bridge's
+// "online" can reach subscribers twice: paho, resuming a session, also
+// sends what was published while it read its store, with DUP set; QoS 1
+// allows it. So "the bridge said online again" is counted here.
+type publishCounter struct {
+	mochi.HookBase
+	mu     sync.Mutex
+	n      map[string]int
+	notify chan struct{} // closed and replaced on every count
+}
+
+func addPublishCounter(tb testing.TB, srv *mochi.Server) *publishCounter {
+	tb.Helper()
+	c := &publishCounter{n: map[string]int{}, notify: make(chan struct{})}
+	if err := srv.AddHook(c, nil); err != nil {
+		tb.Fatal(err)
+	}
+	return c
+}
+
+func (c *publishCounter) ID() string { return "publish-counter" }
+
+func (c *publishCounter) Provides(b byte) bool { return b == mochi.OnPublish }
+
+func (c *publishCounter) OnPublish(_ *mochi.Client, pk packets.Packet) (packets.Packet, error) {
+	if pk.FixedHeader.Dup {
+		return pk, nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.n[pk.TopicName+"\x00"+string(pk.Payload)]++
+	close(c.notify)
+	c.notify = make(chan struct{})
+	return pk, nil
+}
+
+// count is how many times topic was published with payload.
+func (c *publishCounter) count(topic, payload string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[topic+"\x00"+payload]
+}
+
+// waitBridgeState waits until the bridge has published state n times
+// (counting from 1, repeats sent with DUP left out).
+func (b *testBroker) waitBridgeState(tb testing.TB, bridgeID, state string, n int) {
+	tb.Helper()
+	topic, _ := tree.BridgeState(bridgeID)
+	deadline := time.NewTimer(waitLong)
+	defer deadline.Stop()
+	for {
+		b.pubs.mu.Lock()
+		got, ch := b.pubs.n[topic+"\x00"+state], b.pubs.notify
+		b.pubs.mu.Unlock()
+		if got >= n {
+			return
+		}
+		select {
+		case <-ch:
+		case <-deadline.C:
+			tb.Fatalf("bridge %s published %s %d times; waited for %d", bridgeID, state, got, n)
+		}
+	}
 }
 
 // allowHook lets every client in and allows everything, like mochi's
@@ -249,7 +318,8 @@ func (w *watcher) waitStatus(deviceID, what string, match func(topics.Status) bo
 }
 
 // waitBridgeState waits for the n-th message (counting from 1) on the
-// bridge's state topic with this payload.
+// bridge's state topic with this payload. A bridge's "online" may come
+// twice (see publishCounter): count those with testBroker.waitBridgeState.
 func (w *watcher) waitBridgeState(bridgeID, state string, n int) {
 	w.tb.Helper()
 	w.waitFor(fmt.Sprintf("bridge %s %s #%d", bridgeID, state, n), func(message) bool {
@@ -434,10 +504,11 @@ func startBridge(tb testing.TB, b *testBroker, bs *blobServer, w *watcher, cfg b
 		tb.Fatal(err)
 	}
 	br := &bridge{Agent: a, id: cfg.id, dataDir: cfg.dataDir, done: make(chan error, 1)}
-	onlineBefore := w.count(isState(cfg.id, topics.BridgeOnline))
+	stateTopic, _ := tree.BridgeState(cfg.id)
+	onlineBefore := b.pubs.count(stateTopic, topics.BridgeOnline)
 	go func() { br.done <- a.Run(context.Background()) }()
 	tb.Cleanup(func() { br.stop(tb) })
-	w.waitBridgeState(cfg.id, topics.BridgeOnline, onlineBefore+1)
+	b.waitBridgeState(tb, cfg.id, topics.BridgeOnline, onlineBefore+1)
 	return br
 }
 

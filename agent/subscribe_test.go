@@ -16,6 +16,7 @@ import (
 
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/mochitest"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -125,13 +126,14 @@ func startSubscribeBroker(tb testing.TB, refused ...string) (*testBroker, *subsc
 	if err := srv.AddHook(hook, nil); err != nil {
 		tb.Fatal(err)
 	}
+	pubs := addPublishCounter(tb, srv)
 	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
 	if err := srv.AddListener(l); err != nil {
 		tb.Fatal(err)
 	}
 	go srv.Serve()
-	tb.Cleanup(func() { srv.Close() })
-	return &testBroker{srv: srv, url: "tcp://" + l.Address()}, hook
+	tb.Cleanup(func() { mochitest.Close(srv) })
+	return &testBroker{srv: srv, url: "tcp://" + l.Address(), pubs: pubs}, hook
 }
 
 // subscribeLog is a logger's output, kept for the test to read.
@@ -246,7 +248,7 @@ func TestSubscribeRefusedThenGranted(t *testing.T) {
 	b, hook := startSubscribeBroker(t, later, never)
 	w := newWatcher(t, b)
 	_, log := subscribeBridge(t, b, sims, waitLong)
-	w.waitBridgeState("b1", topics.BridgeOnline, 1)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 1)
 
 	// Granted devices work at once, in either chunk.
 	for _, dev := range []string{"dev-00", "dev-39"} {
@@ -261,7 +263,7 @@ func TestSubscribeRefusedThenGranted(t *testing.T) {
 	lost := command(t, "dev-37", topics.OpPushText, map[string]string{"text": "lost"})
 	w.send(lost)
 	hook.grant(later)
-	w.waitBridgeState("b1", topics.BridgeOnline, 2)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
 	// The server sends it again after the second "online".
 	w.send(lost)
 	if r := w.waitFinal("dev-37", lost.ID); r.State != companion.StateSucceeded {
@@ -289,7 +291,8 @@ func TestSubscribeRefusedThenGranted(t *testing.T) {
 	if got := hook.connections("companion-bridge-b1"); got != 1 {
 		t.Errorf("the bridge connected %d times; want once", got)
 	}
-	if got := w.count(isState("b1", topics.BridgeOnline)); got != 2 {
+	stateTopic, _ := tree.BridgeState("b1")
+	if got := b.pubs.count(stateTopic, topics.BridgeOnline); got != 2 {
 		t.Errorf(`the bridge said "online" %d times; want 2 (connect, grant)`, got)
 	}
 	if got := log.lines("subscribing to commands failed"); len(got) != 0 {
@@ -319,7 +322,7 @@ func TestSubscribeUnansweredIsAskedAgain(t *testing.T) {
 	hook.mu.Unlock()
 	close(hold)
 
-	w.waitBridgeState("b1", topics.BridgeOnline, 2)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
 	cmd := command(t, "dev-01", topics.OpPushText, map[string]string{"text": "late but there"})
 	w.send(cmd)
 	if r := w.waitFinal("dev-01", cmd.ID); r.State != companion.StateSucceeded {

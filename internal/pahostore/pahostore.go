@@ -1,5 +1,6 @@
-// Package pahostore is paho's in-memory store with one difference: it
-// keeps, and Get returns, copies of PUBLISH packets.
+// Package pahostore is paho's in-memory store with two differences: it
+// keeps, and Get returns, copies of PUBLISH packets; and it can keep
+// resume from sending chosen PUBLISHes again (NotResent).
 //
 // On reconnect paho's resume sets the DUP flag on the packets it loads from
 // the store while the previous connection's writer may still be packing the
@@ -10,6 +11,8 @@
 package pahostore
 
 import (
+	"strings"
+
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/eclipse/paho.mqtt.golang/packets"
 )
@@ -17,6 +20,42 @@ import (
 // Store is an mqtt.Store; create it with New.
 type Store struct {
 	*mqtt.MemoryStore
+	notResent func(topic string) bool // nil: resend every PUBLISH
+}
+
+// NotResent has paho's resume (on connect) leave out the outgoing
+// PUBLISHes whose topic match accepts: All drops them from the store, so
+// they are neither sent again nor kept. It returns s.
+//
+// For a message that the client says anew on every connect, and that must
+// not arrive after a newer one: the bridge's retained state. Paho calls
+// the OnConnect handler before resume reads the store, so a PUBLISH made
+// from that handler is in the store when resume reads it and goes out
+// twice, the second time with DUP set and possibly after later messages
+// (seen: "online" sent at connect arriving again after the "offline" of a
+// clean stop, which left the bridge retained online). A PUBLISH dropped
+// here that the broker never acknowledged is covered by the next connect's
+// own, or by the Will.
+func (s *Store) NotResent(match func(topic string) bool) *Store {
+	s.notResent = match
+	return s
+}
+
+// All returns the keys of the stored packets, less those NotResent drops.
+func (s *Store) All() []string {
+	keys := s.MemoryStore.All()
+	if s.notResent == nil {
+		return keys
+	}
+	kept := keys[:0]
+	for _, k := range keys {
+		if pub, ok := s.MemoryStore.Get(k).(*packets.PublishPacket); ok && strings.HasPrefix(k, "o.") && s.notResent(pub.TopicName) {
+			s.MemoryStore.Del(k)
+			continue
+		}
+		kept = append(kept, k)
+	}
+	return kept
 }
 
 // Put stores a copy of a PUBLISH packet: a packet published while paho
