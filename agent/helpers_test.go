@@ -71,10 +71,11 @@ func startBroker(tb testing.TB) *testBroker {
 }
 
 // publishCounter counts the PUBLISHes the broker takes, by topic and
-// payload, leaving out those a client sent again (DUP). A bridge's
-// "online" can reach subscribers twice: paho, resuming a session, also
-// sends what was published while it read its store, with DUP set; QoS 1
-// allows it. So "the bridge said online again" is counted here.
+// payload, leaving out those a client sent again (DUP). A message a client
+// publishes as it connects can reach subscribers twice: paho, resuming a
+// session, also sends what was published while it read its store, with
+// DUP set, and QoS 1 allows it. (The bridge keeps resume from its state
+// messages, pahostore.Store.NotResent; a count here does not depend on it.)
 type publishCounter struct {
 	mochi.HookBase
 	mu     sync.Mutex
