@@ -22,7 +22,6 @@ import (
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/google/uuid"
 	mochi "github.com/mochi-mqtt/server/v2"
-	"github.com/mochi-mqtt/server/v2/listeners"
 	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion/agent"
@@ -55,19 +54,9 @@ type testBroker struct {
 
 func startBroker(tb testing.TB) *testBroker {
 	tb.Helper()
-	srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
-	hook := new(allowHook)
-	if err := srv.AddHook(hook, nil); err != nil {
-		tb.Fatal(err)
-	}
-	pubs := addPublishCounter(tb, srv)
-	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
-	if err := srv.AddListener(l); err != nil {
-		tb.Fatal(err)
-	}
-	go srv.Serve()
-	tb.Cleanup(func() { mochitest.Close(srv) })
-	return &testBroker{srv: srv, url: "tcp://" + l.Address(), hook: hook, pubs: pubs}
+	hook, pubs := new(allowHook), newPublishCounter()
+	srv, url := mochitest.Start(tb, hook, pubs)
+	return &testBroker{srv: srv, url: url, hook: hook, pubs: pubs}
 }
 
 // publishCounter counts the PUBLISHes the broker takes, by topic and
@@ -83,13 +72,8 @@ type publishCounter struct {
 	notify chan struct{} // closed and replaced on every count
 }
 
-func addPublishCounter(tb testing.TB, srv *mochi.Server) *publishCounter {
-	tb.Helper()
-	c := &publishCounter{n: map[string]int{}, notify: make(chan struct{})}
-	if err := srv.AddHook(c, nil); err != nil {
-		tb.Fatal(err)
-	}
-	return c
+func newPublishCounter() *publishCounter {
+	return &publishCounter{n: map[string]int{}, notify: make(chan struct{})}
 }
 
 func (c *publishCounter) ID() string { return "publish-counter" }

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	mochi "github.com/mochi-mqtt/server/v2"
-	"github.com/mochi-mqtt/server/v2/listeners"
 	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion"
@@ -122,18 +121,9 @@ func startSubscribeBroker(tb testing.TB, refused ...string) (*testBroker, *subsc
 	for _, f := range refused {
 		hook.refused[f] = true
 	}
-	srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
-	if err := srv.AddHook(hook, nil); err != nil {
-		tb.Fatal(err)
-	}
-	pubs := addPublishCounter(tb, srv)
-	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
-	if err := srv.AddListener(l); err != nil {
-		tb.Fatal(err)
-	}
-	go srv.Serve()
-	tb.Cleanup(func() { mochitest.Close(srv) })
-	return &testBroker{srv: srv, url: "tcp://" + l.Address(), pubs: pubs}, hook
+	pubs := newPublishCounter()
+	srv, url := mochitest.Start(tb, hook, pubs)
+	return &testBroker{srv: srv, url: url, pubs: pubs}, hook
 }
 
 // subscribeLog is a logger's output, kept for the test to read.

@@ -19,9 +19,18 @@ var fastLink = sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1}
 // simulated link with opts.
 func newSimDevice(tb testing.TB, opts sim.LinkOptions, dopts gatt.DeviceOptions) (*gatt.Device, *sim.Device, *sim.Network) {
 	tb.Helper()
+	d, s, n, _ := newSimPeripheral(tb, opts, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}, dopts)
+	return d, s, n
+}
+
+// newSimPeripheral is newSimDevice with the peripheral's options, and the
+// peripheral returned too.
+func newSimPeripheral(tb testing.TB, opts sim.LinkOptions, popts sim.PeripheralOptions, dopts gatt.DeviceOptions) (*gatt.Device, *sim.Device, *sim.Network, *sim.Peripheral) {
+	tb.Helper()
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(opts)
-	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+	p := sim.NewPeripheral(s, popts)
+	n.Add("dev-1", p)
 	dopts.ID, dopts.Connector = "dev-1", n
 	if dopts.MinBackoff == 0 {
 		dopts.MinBackoff = time.Millisecond
@@ -34,7 +43,7 @@ func newSimDevice(tb testing.TB, opts sim.LinkOptions, dopts gatt.DeviceOptions)
 		d.Close()
 		n.Close()
 	})
-	return d, s, n
+	return d, s, n, p
 }
 
 func randomBytes(tb testing.TB, n int) []byte {

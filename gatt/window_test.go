@@ -20,20 +20,11 @@ func TestConcurrentCallersShareTheWindow(t *testing.T) {
 	// Two buffers (the fewest MCUmgr runs with) leave a window of one.
 	for _, bufs := range []int{2, 4} {
 		t.Run(fmt.Sprint("bufs", bufs), func(t *testing.T) {
-			s := sim.New(sim.Options{ID: "dev-1"})
-			n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
 			// A device that takes its time over each request, as one
 			// writing flash does: requests queue in its buffers.
-			p := sim.NewPeripheral(s, sim.PeripheralOptions{BufCount: bufs, HandleTime: 2 * time.Millisecond})
-			n.Add("dev-1", p)
-			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, RequestTimeout: 5 * time.Second})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				d.Close()
-				n.Close()
-			})
+			d, s, _, p := newSimPeripheral(t, fastLink,
+				sim.PeripheralOptions{BufCount: bufs, HandleTime: 2 * time.Millisecond},
+				gatt.DeviceOptions{RequestTimeout: 5 * time.Second})
 			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 			defer cancel()
 			var wg sync.WaitGroup

@@ -14,9 +14,6 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/google/uuid"
-	mochi "github.com/mochi-mqtt/server/v2"
-	"github.com/mochi-mqtt/server/v2/listeners"
-	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion/internal/mochitest"
 	"github.com/devicecompanion/companion/topics"
@@ -89,28 +86,10 @@ func TestParseFlags(t *testing.T) {
 	}
 }
 
-type allowHook struct{ mochi.HookBase }
-
-func (h *allowHook) ID() string { return "allow-all" }
-func (h *allowHook) Provides(b byte) bool {
-	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
-}
-func (h *allowHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
-func (h *allowHook) OnACLCheck(*mochi.Client, string, bool) bool              { return true }
-
 func startBroker(tb testing.TB) string {
 	tb.Helper()
-	srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
-	if err := srv.AddHook(new(allowHook), nil); err != nil {
-		tb.Fatal(err)
-	}
-	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
-	if err := srv.AddListener(l); err != nil {
-		tb.Fatal(err)
-	}
-	go srv.Serve()
-	tb.Cleanup(func() { mochitest.Close(srv) })
-	return "tcp://" + l.Address()
+	_, url := mochitest.Start(tb)
+	return url
 }
 
 // TestMainEndToEnd runs the bridge program as main does, against a real

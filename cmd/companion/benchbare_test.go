@@ -32,7 +32,6 @@ import (
 	"github.com/google/uuid"
 	mochi "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/listeners"
-	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion/internal/mochitest"
 	"github.com/devicecompanion/companion/topics"
@@ -96,7 +95,7 @@ func runBareServer(httpAddr, mqttAddr string) error {
 	caps.MaximumInflight = math.MaxUint16
 	caps.MaximumClientWritesPending = math.MaxUint16
 	broker := mochi.New(&mochi.Options{Capabilities: caps, Logger: slog.New(slog.DiscardHandler)})
-	if err := broker.AddHook(new(allowAll), nil); err != nil {
+	if err := broker.AddHook(new(mochitest.AllowAll), nil); err != nil {
 		return err
 	}
 	if err := broker.AddListener(listeners.NewTCP(listeners.Config{ID: "tcp", Address: mqttAddr})); err != nil {
@@ -194,19 +193,6 @@ func preferredWait(prefer string) time.Duration {
 	}
 	return time.Duration(n) * time.Second
 }
-
-// allowAll lets every client connect and publish or subscribe anything.
-type allowAll struct{ mochi.HookBase }
-
-func (allowAll) ID() string { return "allow-all" }
-
-func (allowAll) Provides(b byte) bool {
-	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
-}
-
-func (allowAll) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
-
-func (allowAll) OnACLCheck(*mochi.Client, string, bool) bool { return true }
 
 // runBareBridge answers the commands of the devices it serves, each with
 // a subscription of its own as the real bridge has.

@@ -2,7 +2,6 @@ package mochitest_test
 
 import (
 	"fmt"
-	"log/slog"
 	"os"
 	"sync"
 	"testing"
@@ -10,20 +9,9 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	mochi "github.com/mochi-mqtt/server/v2"
-	"github.com/mochi-mqtt/server/v2/listeners"
-	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion/internal/mochitest"
 )
-
-type allowAll struct{ mochi.HookBase }
-
-func (allowAll) ID() string { return "allow" }
-func (allowAll) Provides(b byte) bool {
-	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
-}
-func (allowAll) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
-func (allowAll) OnACLCheck(*mochi.Client, string, bool) bool              { return true }
 
 // Close returns while clients leave, and closes those that stay: each
 // round closes the broker while half of its clients disconnect, the moment
@@ -38,20 +26,13 @@ func TestCloseWhileClientsLeave(t *testing.T) {
 		stop = (*mochi.Server).Close // to see the deadlock this avoids
 	}
 	for round := range 60 {
-		srv := mochi.New(&mochi.Options{Logger: slog.New(slog.DiscardHandler)})
-		if err := srv.AddHook(new(allowAll), nil); err != nil {
-			t.Fatal(err)
-		}
-		l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
-		if err := srv.AddListener(l); err != nil {
-			t.Fatal(err)
-		}
-		if err := srv.Serve(); err != nil {
+		srv, url, err := mochitest.Serve()
+		if err != nil {
 			t.Fatal(err)
 		}
 		var clients []mqtt.Client
 		for i := range 16 {
-			c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + l.Address()).
+			c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).
 				SetClientID(fmt.Sprintf("c%d", i)).SetAutoReconnect(false))
 			if tok := c.Connect(); !tok.WaitTimeout(10*time.Second) || tok.Error() != nil {
 				t.Fatalf("round %d: connect: %v", round, tok.Error())

@@ -49,6 +49,8 @@ func (s *Store) All() []string {
 	}
 	kept := keys[:0]
 	for _, k := range keys {
+		// "o." is paho's prefix of the keys of outgoing packets: incoming
+		// ones are paho's to acknowledge.
 		if pub, ok := s.MemoryStore.Get(k).(*packets.PublishPacket); ok && strings.HasPrefix(k, "o.") && s.notResent(pub.TopicName) {
 			s.MemoryStore.Del(k)
 			continue
