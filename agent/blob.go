@@ -224,7 +224,9 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 	case resp.StatusCode == http.StatusPartialContent && have > 0:
 		start, ok := rangeStart(resp.Header.Get("Content-Range"))
 		if !ok || start != have {
-			f.Truncate(0)
+			if err := f.Truncate(0); err != nil {
+				return cmdErr(codeDownloadFailed, err.Error())
+			}
 			return &commandError{Code: codeDownloadFailed, Message: "blob download: unexpected Content-Range", transient: true}
 		}
 		b.log.Debug("blob download resumed", "url", u.Redacted(), "offset", have)
@@ -239,7 +241,9 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 			have = 0
 		}
 	case resp.StatusCode == http.StatusRequestedRangeNotSatisfiable:
-		f.Truncate(0)
+		if err := f.Truncate(0); err != nil {
+			return cmdErr(codeDownloadFailed, err.Error())
+		}
 		return &commandError{Code: codeDownloadFailed, Message: "blob download: range not satisfiable", transient: true}
 	default:
 		err := &httpStatusError{status: resp.StatusCode}

@@ -291,15 +291,15 @@ func (d *Driver) servedDeviceACLs(deviceID string) ([]ACL, error) {
 }
 
 // deviceACLs is what the owner of a device may do with it: read its topics.
-func (d *Driver) deviceACLs(deviceID string) []ACL {
+func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 	f, err := d.tree.DeviceFilter(deviceID)
 	if err != nil {
-		return nil
+		return nil, err
 	}
 	return []ACL{
 		{Type: SubscribePattern, Topic: f, Allow: true},
 		{Type: PublishClientReceive, Topic: f, Allow: true},
-	}
+	}, nil
 }
 
 // BridgeCreated gives a new bridge its Mosquitto account. On failure the
@@ -612,14 +612,18 @@ func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string)
 	case err != nil:
 		return err
 	}
+	bound := err == nil && b.UserID == userID
+	acls, err := d.deviceACLs(deviceID)
+	if err != nil {
+		return err
+	}
 	roleName := UserRole(userID)
 	var cmds []Command
-	if err == nil && b.UserID == userID {
-		for _, a := range d.deviceACLs(deviceID) {
+	if bound {
+		for _, a := range acls {
 			cmds = append(cmds, addACL(roleName, a))
 		}
 	} else {
-		acls := d.deviceACLs(deviceID)
 		for i := len(acls) - 1; i >= 0; i-- { // receive first
 			cmds = append(cmds, removeACL(roleName, acls[i]))
 		}
@@ -698,7 +702,11 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 				return err
 			}
 			for _, b := range bs {
-				want = append(want, d.deviceACLs(b.DeviceID)...)
+				acls, err := d.deviceACLs(b.DeviceID)
+				if err != nil {
+					return err
+				}
+				want = append(want, acls...)
 			}
 		default:
 			continue

@@ -247,6 +247,10 @@ func TestDriver(t *testing.T) {
 		assert.Empty(t, roleACLs(t, mq, role))
 		require.NoError(t, d.Unbound(ctx, "user-a", "dev-1"))
 
+		// A device id that names no topic is an error, not a silent no-op.
+		assert.Error(t, d.Bound(ctx, "user-a", "dev/#"))
+		assert.Empty(t, roleACLs(t, mq, role))
+
 		// Drift: a change the server missed, and a rule nobody asked for.
 		st.set("dev-2", "user-a")
 		r := mq.Dynsec(t, map[string]any{"command": "addRoleACL", "rolename": role, "acltype": "publishClientSend", "topic": "#", "allow": true})
