@@ -50,7 +50,8 @@ type inlineClient struct {
 	subs      map[string]int                 // filter → inline subscription id
 	nextSub   int
 	queue     []*inlineMessage
-	delivered chan struct{} // closed when deliver has returned
+	delivered chan struct{}  // closed when deliver has returned
+	onConnect sync.WaitGroup // the OnConnect call, joined by Disconnect
 }
 
 // IsConnected reports whether Connect was called and Disconnect was not.
@@ -81,7 +82,7 @@ func (c *inlineClient) Connect() paho.Token {
 	c.delivered = make(chan struct{})
 	go c.deliver()
 	if h := c.opts.OnConnect; h != nil {
-		go h(c)
+		c.onConnect.Go(func() { h(c) })
 	}
 	return doneToken(nil)
 }
@@ -89,7 +90,7 @@ func (c *inlineClient) Connect() paho.Token {
 // Disconnect drops the subscriptions, lets the message being handled
 // finish and drops those still queued: what a closed connection does
 // to messages not acknowledged yet (with the broker going too, nobody
-// would deliver them again anyway).
+// would deliver them again anyway). It returns once OnConnect has too.
 func (c *inlineClient) Disconnect(uint) {
 	c.mu.Lock()
 	if c.closed {
@@ -109,6 +110,7 @@ func (c *inlineClient) Disconnect(uint) {
 	if delivered != nil {
 		<-delivered
 	}
+	c.onConnect.Wait()
 }
 
 // Publish hands the message to mochi, which delivers it to every

@@ -169,6 +169,35 @@ func TestInlineClientDisconnect(t *testing.T) {
 	}
 }
 
+// TestInlineClientDisconnectJoinsOnConnect: Disconnect returns only once
+// the OnConnect call has, so nothing of the connection's owner runs after
+// it is closed.
+func TestInlineClientDisconnectJoinsOnConnect(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	entered, release := make(chan struct{}), make(chan struct{})
+	c := connectInline(t, s, func(mqtt.Client, mqtt.Message) {}, func(mqtt.Client) {
+		close(entered)
+		<-release
+	})
+	<-entered
+	disconnected := make(chan struct{})
+	go func() {
+		c.Disconnect(0)
+		close(disconnected)
+	}()
+	select {
+	case <-disconnected:
+		t.Fatal("Disconnect returned while OnConnect was still running")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	select {
+	case <-disconnected:
+	case <-time.After(wait):
+		t.Fatal("Disconnect did not return after OnConnect did")
+	}
+}
+
 // TestInlineClientIDIsNotTaken: no network client takes over the session
 // of mochi's inline client, whose subscriptions pass every access rule.
 func TestInlineClientIDIsNotTaken(t *testing.T) {
