@@ -30,11 +30,13 @@ func repoRoot(t *testing.T) string {
 	return root
 }
 
-func goTool() string {
-	if g := os.Getenv("GO"); g != "" {
-		return g
+func goTool(tb testing.TB) string {
+	tb.Helper()
+	g, err := testenv.GoTool()
+	if err != nil {
+		tb.Fatalf("the go command: %v", err)
 	}
-	return filepath.Join(runtime.GOROOT(), "bin", "go")
+	return g
 }
 
 // run runs name with args in dir and returns its combined output, failing
@@ -60,7 +62,7 @@ func TestVersionFlag(t *testing.T) {
 	const stamp = "v0.0.0-versiontest"
 	for _, c := range commands {
 		bin := filepath.Join(dir, c)
-		run(t, 5*time.Minute, root, nil, goTool(), "build", "-ldflags", "-X main.version="+stamp, "-o", bin, "./cmd/"+c)
+		run(t, 5*time.Minute, root, nil, goTool(t), "build", "-ldflags", "-X main.version="+stamp, "-o", bin, "./cmd/"+c)
 		for _, flag := range []string{"--version", "-version"} {
 			out := run(t, 30*time.Second, dir, nil, bin, flag)
 			if got, want := string(out), c+" "+stamp+"\n"; got != want {
@@ -87,7 +89,7 @@ func TestMakeDist(t *testing.T) {
 	if out, err := exec.Command("git", "-C", root, "describe", "--always", "--dirty").Output(); err == nil {
 		want = strings.TrimSpace(string(out))
 	}
-	out := run(t, 15*time.Minute, root, []string{"GO=" + goTool()}, make, "dist", "DIST="+dist)
+	out := run(t, 15*time.Minute, root, []string{"GO=" + goTool(t)}, make, "dist", "DIST="+dist)
 	// Others may edit the tree meanwhile: take the version make printed,
 	// which must be git's but for the -dirty mark.
 	var got string

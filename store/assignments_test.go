@@ -13,63 +13,6 @@ import (
 	bolt "go.etcd.io/bbolt"
 )
 
-// tenancy is a store with the devices and bridges of the assignment tests:
-// the operator's bridges op1 and op2, u1's own bridge u1-hub and u2's
-// u2-hub; d1 and d4 bound to u1, d2 to u2, d3 to nobody, none assigned.
-func tenancy(t *testing.T) *DB {
-	t.Helper()
-	ctx := context.Background()
-	db := openTestDB(t)
-	provision(t, db, "sim-1", "d1", "d2", "d3", "d4")
-	for _, b := range []companion.Bridge{
-		{ID: "op1", SecretHash: hashOf("op1")},
-		{ID: "op2", SecretHash: hashOf("op2")},
-		{ID: "u1-hub", SecretHash: hashOf("u1-hub"), OwnerID: "u1"},
-		{ID: "u2-hub", SecretHash: hashOf("u2-hub"), OwnerID: "u2"},
-	} {
-		mustNil(t, "CreateBridge("+b.ID+")", db.CreateBridge(ctx, b))
-	}
-	for dev, user := range map[string]string{"d1": "u1", "d4": "u1", "d2": "u2"} {
-		if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: dev, UserID: user}); err != nil {
-			t.Fatalf("Bind(%s, %s) = %v", dev, user, err)
-		}
-	}
-	return db
-}
-
-// wantBridge fails the test unless the device is served by bridge ("" none),
-// as every lookup of the store tells it.
-func wantBridge(t *testing.T, db *DB, dev, bridge string) {
-	t.Helper()
-	ctx := context.Background()
-	got, err := db.DeviceBridge(ctx, dev)
-	if err != nil || got != bridge {
-		t.Errorf("DeviceBridge(%q) = %q, %v; want %q", dev, got, err, bridge)
-	}
-	if d, err := db.RegistryDevice(ctx, dev); err != nil || d.BridgeID != bridge {
-		t.Errorf("RegistryDevice(%q).BridgeID = %q, %v; want %q", dev, d.BridgeID, err, bridge)
-	}
-	for _, b := range []string{"op1", "op2", "u1-hub", "u2-hub"} {
-		serves, err := db.BridgeServes(ctx, b, dev)
-		if err != nil || serves != (b == bridge) {
-			t.Errorf("BridgeServes(%q, %q) = %v, %v; want %v", b, dev, serves, err, b == bridge)
-		}
-		served, err := db.ServedDevices(ctx, b)
-		if err != nil || contains(served, dev) != (b == bridge) {
-			t.Errorf("ServedDevices(%q) = %v, %v; want %q in it: %v", b, served, err, dev, b == bridge)
-		}
-	}
-}
-
-func contains(s []string, v string) bool {
-	for _, x := range s {
-		if x == v {
-			return true
-		}
-	}
-	return false
-}
-
 // A schema 3 file, migrated to 4: each device is assigned to the bridge
 // its last status named, if that bridge still exists, and each unfinished
 // command's blob is read from its payload (finished ones need none).

@@ -16,6 +16,7 @@ import (
 	"github.com/devicecompanion/companion"
 
 	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/internal/groupcommit"
@@ -113,7 +114,7 @@ var migrations = []func(tx *bolt.Tx) error{
 		})
 	},
 	2: func(tx *bolt.Tx) error {
-		if err := tx.DeleteBucket(bucketOpenCount); err != nil && !errors.Is(err, bolt.ErrBucketNotFound) {
+		if err := tx.DeleteBucket(bucketOpenCount); err != nil && !errors.Is(err, bolterrors.ErrBucketNotFound) {
 			return err
 		}
 		counts, err := tx.CreateBucket(bucketOpenCount)
@@ -127,7 +128,7 @@ var migrations = []func(tx *bolt.Tx) error{
 		if err != nil {
 			return err
 		}
-		if err := tx.DeleteBucket(bucketDeviceOpen); err != nil && !errors.Is(err, bolt.ErrBucketNotFound) {
+		if err := tx.DeleteBucket(bucketDeviceOpen); err != nil && !errors.Is(err, bolterrors.ErrBucketNotFound) {
 			return err
 		}
 		return nil

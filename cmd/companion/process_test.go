@@ -21,7 +21,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -65,9 +64,10 @@ func procBinaries(tb testing.TB) (companion, bridge string) {
 			procBins.err = err
 			return
 		}
-		goBin, err := exec.LookPath("go")
+		goBin, err := testenv.GoTool()
 		if err != nil {
-			goBin = filepath.Join(runtime.GOROOT(), "bin", "go")
+			procBins.err = err
+			return
 		}
 		cmd := exec.Command(goBin, "build", "-o", dir+string(filepath.Separator), "./cmd/companion", "./cmd/companion-bridge")
 		cmd.Dir = root

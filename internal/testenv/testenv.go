@@ -1,6 +1,6 @@
 // Package testenv holds what every test kit of the project needs of its
-// surroundings: the repository's root (for mosquitto.conf and bin/) and a
-// free port. mqtttest, pgtest and natstest build on it.
+// surroundings: the repository's root (for mosquitto.conf and bin/), the go
+// command and a free port. mqtttest, pgtest and natstest build on it.
 package testenv
 
 import (
@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -32,6 +33,16 @@ func RepoRoot() (string, error) {
 		}
 		dir = parent
 	}
+}
+
+// GoTool is the go command for tests that build the project's binaries:
+// $GO when set (as make passes it), else the go on PATH, where go test puts
+// its own GOROOT/bin first.
+func GoTool() (string, error) {
+	if g := os.Getenv("GO"); g != "" {
+		return g, nil
+	}
+	return exec.LookPath("go")
 }
 
 // ReadRepoFile returns the file at rel, a path from the repository's root,

@@ -11,7 +11,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -151,9 +150,9 @@ func buildBinaries(t *testing.T) string {
 		t.Fatalf("%s is missing: run make deps (it builds NATS Server from the Go module proxy into bin/)", nats)
 	}
 	bin := t.TempDir()
-	goBin, err := exec.LookPath("go")
+	goBin, err := testenv.GoTool()
 	if err != nil {
-		goBin = filepath.Join(runtime.GOROOT(), "bin", "go")
+		t.Fatalf("the go command: %v", err)
 	}
 	build := exec.Command(goBin, "build", "-o", bin+string(filepath.Separator), "./cmd/companion", "./cmd/companion-bridge", "./scripts/cluster")
 	build.Dir = root

@@ -155,7 +155,7 @@ func (s *Store) CreateCommand(ctx context.Context, c companion.Command, maxOpen 
 // results once the command is committed. The commands of one device are
 // created in the order of the calls, so their ids rise in that order.
 func (s *Store) CreateCommandAsync(c companion.Command, maxOpen int, idem *companion.Idempotency, done func(cmd companion.Command, replay bool, err error)) {
-	s.createCommand(nil, c, maxOpen, idem, done)
+	s.createCommand(context.Background(), c, maxOpen, idem, done)
 }
 
 func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen int, idem *companion.Idempotency, done func(companion.Command, bool, error)) {
@@ -345,7 +345,7 @@ func (s *Store) awaitCommand(ctx context.Context, start func(done func(companion
 // gets its results once the change is committed, after the writes of the
 // command's device made before.
 func (s *Store) UpdateCommandAsync(id string, fn func(*companion.Command) error, done func(companion.Command, error)) {
-	s.updateCommandAsync(nil, id, fn, companion.DeviceReport{}, done)
+	s.updateCommandAsync(context.Background(), id, fn, companion.DeviceReport{}, done)
 }
 
 // UpdateCommandWithReportAsync is UpdateCommandAsync that also stores the
@@ -355,7 +355,7 @@ func (s *Store) UpdateCommandAsync(id string, fn func(*companion.Command) error,
 // command's device, whatever DeviceID its Status names; a newer report
 // stored already still wins, as with PutStatus and PutReportedSettings.
 func (s *Store) UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error)) {
-	s.updateCommandAsync(nil, id, fn, report, done)
+	s.updateCommandAsync(context.Background(), id, fn, report, done)
 }
 
 func (s *Store) updateCommandAsync(ctx context.Context, id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error)) {

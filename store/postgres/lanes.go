@@ -20,7 +20,7 @@ const maxBatch = 32
 // with its outcome once the transaction committed; or run alone (a
 // barrier).
 type job struct {
-	ctx context.Context // the caller's, for a synchronous call; nil otherwise
+	ctx context.Context // the caller's, for a synchronous call; Background otherwise
 	key uint16          // the device's hash: the lane, and the order of a batch's locks
 	// body makes the write in tx. It may run more than once (a batch that
 	// failed runs its writes again one by one): it must set what it
@@ -113,7 +113,7 @@ func (s *Store) runLane(l *lane) {
 func (s *Store) runBatch(batch []job) {
 	live := make([]job, 0, len(batch))
 	for _, j := range batch {
-		if j.ctx != nil && j.ctx.Err() != nil {
+		if j.ctx.Err() != nil {
 			j.finish(j.ctx.Err()) // the caller is gone: write nothing
 			continue
 		}
@@ -182,11 +182,7 @@ func (s *Store) runBatch(batch []job) {
 
 // runAlone runs one write in a transaction of its own.
 func (s *Store) runAlone(j job) {
-	ctx := j.ctx
-	if ctx == nil {
-		ctx = context.Background()
-	}
-	j.finish(s.tx(ctx, func(tx pgx.Tx) error { return j.body(ctx, tx) }))
+	j.finish(s.tx(j.ctx, func(tx pgx.Tx) error { return j.body(j.ctx, tx) }))
 }
 
 // retryable reports whether err is one PostgreSQL resolves by aborting a

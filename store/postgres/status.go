@@ -107,11 +107,11 @@ func awaitBool(ctx context.Context, start func(done func(bool, error))) (bool, e
 // results once the status is committed, after the device's writes made
 // before.
 func (s *Store) PutStatusAsync(st companion.Status, done func(applied bool, err error)) {
-	s.putStatusAsync(nil, st, done)
+	s.putStatusAsync(context.Background(), st, done)
 }
 
-// putStatusAsync runs PutStatus on the device's lane; with ctx set (a
-// synchronous call), in that context, and not at all once it is done.
+// putStatusAsync runs PutStatus on the device's lane in ctx (Background
+// for an asynchronous call), and not at all once ctx is done.
 func (s *Store) putStatusAsync(ctx context.Context, st companion.Status, done func(bool, error)) {
 	if done == nil {
 		done = func(bool, error) {}
@@ -399,7 +399,7 @@ func (s *Store) PutReportedSettings(ctx context.Context, deviceID string, report
 // (if not nil) gets its results once the settings are committed, after
 // the device's writes made before.
 func (s *Store) PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
-	s.putReportedSettingsAsync(nil, deviceID, reported, schema, at, seq, done)
+	s.putReportedSettingsAsync(context.Background(), deviceID, reported, schema, at, seq, done)
 }
 
 func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
