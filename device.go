@@ -57,6 +57,16 @@ type App struct {
 	Version string `json:"version"`
 }
 
+// DeviceInfo is what a device reports about itself when asked: the
+// bridge reads it on connect, every minute and after an app or OTA
+// command, and turns it into a Status.
+type DeviceInfo struct {
+	Model           string
+	FirmwareVersion string
+	Battery         int
+	Apps            []App
+}
+
 // Status is a device's last reported status. The zero value is the status
 // of a device that never reported: offline, battery unknown.
 type Status struct {

@@ -52,7 +52,7 @@ import (
 // after ctx is done. Info and Settings may be called while a command runs.
 type Device interface {
 	ID() string
-	Info(ctx context.Context) (Info, error)
+	Info(ctx context.Context) (companion.DeviceInfo, error)
 	Settings(ctx context.Context) (map[string]any, topics.Schema, error)
 	PushText(ctx context.Context, cmdID, title, text string) error
 	PushImage(ctx context.Context, cmdID, contentType string, data []byte) error
@@ -64,18 +64,6 @@ type Device interface {
 	// progress with 0–100 as it goes: the device reboots into it and it is
 	// confirmed before UpdateFirmware returns nil.
 	UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error
-}
-
-// Info is what a device reports about itself.
-//
-// It is an alias of an unnamed struct type rather than a named type so that
-// a device implementation can declare the identical type and satisfy Device
-// without importing this package (sim does; agent's tests import sim).
-type Info = struct {
-	Model           string
-	FirmwareVersion string
-	Battery         int
-	Apps            []companion.App
 }
 
 // Defaults of Options.

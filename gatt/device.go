@@ -20,16 +20,6 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// Info is what a device reports about itself. It is an alias of the same
-// unnamed struct as agent.Info, so that *Device satisfies agent.Device
-// without this package importing agent.
-type Info = struct {
-	Model           string
-	FirmwareVersion string
-	Battery         int
-	Apps            []companion.App
-}
-
 // Defaults of DeviceOptions.
 const (
 	DefaultConnectTimeout = 10 * time.Second
@@ -348,8 +338,8 @@ func (d *Device) do(ctx context.Context, op uint8, group uint16, id uint8, req, 
 // apps. The SMP requests go out first, as many as the device's window
 // takes, and are answered while the characteristics are read; the rest
 // follow.
-func (d *Device) Info(ctx context.Context) (Info, error) {
-	var info Info
+func (d *Device) Info(ctx context.Context) (companion.DeviceInfo, error) {
+	var info companion.DeviceInfo
 	err := d.retry(ctx, func(s *session) error {
 		var st ImageStateResponse
 		var apps AppsResponse
@@ -386,7 +376,7 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 		if err != nil {
 			return err
 		}
-		info = Info{Model: string(model), FirmwareVersion: fw, Battery: int(batt[0]), Apps: []companion.App{}}
+		info = companion.DeviceInfo{Model: string(model), FirmwareVersion: fw, Battery: int(batt[0]), Apps: []companion.App{}}
 		for _, a := range apps.Apps {
 			info.Apps = append(info.Apps, companion.App{AppID: a.AppID, Version: a.Version})
 		}

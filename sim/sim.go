@@ -5,10 +5,9 @@
 // (in use and saved) and its firmware as MCUboot images in two slots that
 // a reboot swaps as MCUboot does (boot.go); it checks settings against
 // DefaultSchema, drains its battery slowly by its clock, and treats a
-// repeated command id as already done. It
-// satisfies agent.Device without importing agent (see Info). It is not a
-// model of any real hardware: it has no Bluetooth and no timing of its own
-// beyond Options.ExecDelay.
+// repeated command id as already done. It satisfies agent.Device without
+// importing agent. It is not a model of any real hardware: it has no
+// Bluetooth and no timing of its own beyond Options.ExecDelay.
 package sim
 
 import (
@@ -58,16 +57,6 @@ var (
 	ErrAppNotInstalled = errors.New("sim: app not installed")
 	ErrBadArgument     = errors.New("sim: invalid argument")
 )
-
-// Info is what the device reports about itself. It is an alias of an unnamed
-// struct type, identical to agent.Info, so that a *Device satisfies
-// agent.Device without this package importing agent.
-type Info = struct {
-	Model           string
-	FirmwareVersion string
-	Battery         int
-	Apps            []companion.App
-}
 
 // Options configure a Device. The zero value of each field means its default.
 type Options struct {
@@ -288,9 +277,9 @@ func DefaultSchema() topics.Schema {
 func (d *Device) ID() string { return d.id }
 
 // Info reports model, firmware, battery and installed apps (sorted by id).
-func (d *Device) Info(ctx context.Context) (Info, error) {
+func (d *Device) Info(ctx context.Context) (companion.DeviceInfo, error) {
 	if err := ctx.Err(); err != nil {
-		return Info{}, err
+		return companion.DeviceInfo{}, err
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -299,7 +288,7 @@ func (d *Device) Info(ctx context.Context) (Info, error) {
 		apps = append(apps, companion.App{AppID: id, Version: v})
 	}
 	sort.Slice(apps, func(i, j int) bool { return apps[i].AppID < apps[j].AppID })
-	return Info{Model: d.model, FirmwareVersion: d.versionLocked(), Battery: d.battery(), Apps: apps}, nil
+	return companion.DeviceInfo{Model: d.model, FirmwareVersion: d.versionLocked(), Battery: d.battery(), Apps: apps}, nil
 }
 
 func (d *Device) battery() int {
