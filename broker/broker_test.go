@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -89,7 +90,7 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 	if startMQTT {
 		require.NoError(t, e.b.Start())
 		t.Cleanup(func() { e.b.Close() })
-		waitFor(t, "broker ready", e.b.Ready)
+		testenv.Eventually(t, 10*time.Second, "broker ready", e.b.Ready)
 	}
 	return e
 }
@@ -126,17 +127,6 @@ func quiet() *slog.Logger {
 type discard struct{}
 
 func (discard) Write(p []byte) (int, error) { return len(p), nil }
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
 
 // fakeBridge is a real paho client acting as a bridge.
 type fakeBridge struct {
@@ -215,13 +205,13 @@ func TestCommandLifecycle(t *testing.T) {
 	assert.Equal(t, c.ID, got.ID)
 	assert.Equal(t, topics.OpPushText, got.Op)
 	assert.JSONEq(t, `{"text":"hello"}`, string(got.Payload))
-	waitFor(t, "sent", func() bool { return state(t, e, c.ID).State != companion.StateQueued })
+	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, c.ID).State != companion.StateQueued })
 
 	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
-	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
 	p := 40
 	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateInProgress, Progress: &p})
-	waitFor(t, "in progress", func() bool { return state(t, e, c.ID).State == companion.StateInProgress })
+	testenv.Eventually(t, 10*time.Second, "in progress", func() bool { return state(t, e, c.ID).State == companion.StateInProgress })
 
 	waitDone := make(chan companion.Command, 1)
 	go func() {
@@ -246,7 +236,7 @@ func TestCommandLifecycle(t *testing.T) {
 	marker := submit(t, e, "dev-1", "marker", time.Hour)
 	fb.next(t)
 	fb.reply(t, "dev-1", topics.Reply{CommandID: marker.ID, State: companion.StateFailed, Error: &topics.Error{Code: "device_error"}})
-	waitFor(t, "marker", func() bool { return state(t, e, marker.ID).State == companion.StateFailed })
+	testenv.Eventually(t, 10*time.Second, "marker", func() bool { return state(t, e, marker.ID).State == companion.StateFailed })
 	final := state(t, e, c.ID)
 	assert.Equal(t, companion.StateSucceeded, final.State)
 	assert.Nil(t, final.Error)
@@ -260,7 +250,7 @@ func TestReplyOnAnotherDevicesTopicIsIgnored(t *testing.T) {
 	fb.next(t)
 	fb.reply(t, "dev-2", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded})
 	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered})
-	waitFor(t, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
 }
 
 func TestCommandsGoOutInOrderOnceTheBrokerIsThere(t *testing.T) {
@@ -294,7 +284,7 @@ func TestExpiryBeforeDelivery(t *testing.T) {
 	fb := connectBridge(t, e)
 	require.NoError(t, e.b.Start())
 	t.Cleanup(func() { e.b.Close() })
-	waitFor(t, "expired", func() bool { return state(t, e, c.ID).State == companion.StateExpired })
+	testenv.Eventually(t, 10*time.Second, "expired", func() bool { return state(t, e, c.ID).State == companion.StateExpired })
 	// It never went out: the next command is the first the bridge sees.
 	next := submit(t, e, "dev-1", "on time", time.Hour)
 	assert.Equal(t, next.ID, fb.next(t).ID)
@@ -318,7 +308,7 @@ func TestCancel(t *testing.T) {
 	d := submit(t, e, "dev-1", "delivered", time.Hour)
 	assert.Equal(t, d.ID, fb.next(t).ID, "the canceled command was never published")
 	fb.reply(t, "dev-1", topics.Reply{CommandID: d.ID, State: companion.StateDelivered})
-	waitFor(t, "delivered", func() bool { return state(t, e, d.ID).State == companion.StateDelivered })
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, d.ID).State == companion.StateDelivered })
 	_, err = e.b.Cancel(context.Background(), d.ID)
 	assert.ErrorIs(t, err, ErrNotCancelable)
 }
@@ -329,14 +319,14 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 	topic, _ := tree.Status("dev-1")
 	bat := func(i int) *int { return &i }
 	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(90), FirmwareVersion: "1.0.0", BridgeID: "b1", Seq: 10, At: time.Now()})
-	waitFor(t, "status", func() bool {
+	testenv.Eventually(t, 10*time.Second, "status", func() bool {
 		s, _ := e.db.Status(context.Background(), "dev-1")
 		return s.Seq == 10
 	})
 	// An older report never overwrites a newer one.
 	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(10), BridgeID: "b1", Seq: 5})
 	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(80), BridgeID: "b1", Seq: 11})
-	waitFor(t, "newer status", func() bool {
+	testenv.Eventually(t, 10*time.Second, "newer status", func() bool {
 		s, _ := e.db.Status(context.Background(), "dev-1")
 		return s.Seq == 11
 	})
@@ -368,14 +358,14 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 		require.NoError(t, mqtt.WaitTokenTimeout(intruder.Publish(st.topic, 1, false, b), 5*time.Second))
 	}
 	fb.publish(t, topic, topics.Status{Online: true, Battery: bat(70), BridgeID: "b1", Seq: 12})
-	waitFor(t, "the bridge's status after the forged ones", func() bool {
+	testenv.Eventually(t, 10*time.Second, "the bridge's status after the forged ones", func() bool {
 		s, _ := e.db.Status(context.Background(), "dev-1")
 		return s.Seq == 12
 	})
 
 	state, _ := tree.BridgeState("b1")
 	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(state, 1, true, topics.BridgeOffline), 5*time.Second))
-	waitFor(t, "offline", func() bool {
+	testenv.Eventually(t, 10*time.Second, "offline", func() bool {
 		s, _ := e.db.Status(context.Background(), "dev-1")
 		return !s.Online
 	})
@@ -430,7 +420,7 @@ func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
 		}
 		wg.Wait()
 		e.clock.Add(31 * 24 * time.Hour)
-		waitFor(t, "purge", func() bool {
+		testenv.Eventually(t, 10*time.Second, "purge", func() bool {
 			l, _, _ := e.db.ListCommands(ctx, companion.CommandQuery{DeviceID: "dev-1"})
 			return len(l) == 0
 		})
@@ -460,7 +450,7 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	fb := connectBridge(t, e)
 	status, _ := tree.Status("dev-1")
 	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	waitFor(t, "status", func() bool {
+	testenv.Eventually(t, 10*time.Second, "status", func() bool {
 		s, _ := e.db.Status(context.Background(), "dev-1")
 		return s.Online
 	})
@@ -471,7 +461,7 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	done := submit(t, e, "dev-1", "done", time.Hour)
 	assert.Equal(t, done.ID, fb.next(t).ID)
 	fb.reply(t, "dev-1", topics.Reply{CommandID: done.ID, State: companion.StateSucceeded, At: time.Now()})
-	waitFor(t, "replies taken", func() bool {
+	testenv.Eventually(t, 10*time.Second, "replies taken", func() bool {
 		return state(t, e, delivered.ID).State == companion.StateDelivered && state(t, e, done.ID).State == companion.StateSucceeded
 	})
 
@@ -496,11 +486,11 @@ func TestLongSentCommandsGoOutAgain(t *testing.T) {
 	e.b.opts.SentRetry = 100 * time.Millisecond // ticks every 100 ms of real time; the age is on e.clock
 	require.NoError(t, e.b.Start())
 	t.Cleanup(func() { e.b.Close() })
-	waitFor(t, "broker ready", e.b.Ready)
+	testenv.Eventually(t, 10*time.Second, "broker ready", e.b.Ready)
 	fb := connectBridge(t, e)
 	status, _ := tree.Status("dev-1")
 	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	waitFor(t, "dev-1 online", func() bool {
+	testenv.Eventually(t, 10*time.Second, "dev-1 online", func() bool {
 		s, _ := e.db.Status(ctx, "dev-1")
 		return s.Online
 	})
@@ -510,7 +500,7 @@ func TestLongSentCommandsGoOutAgain(t *testing.T) {
 	// The bridge takes both and says nothing, as if they never came.
 	got := map[string]bool{fb.next(t).ID: true, fb.next(t).ID: true}
 	require.True(t, got[lost.ID] && got[away.ID], "both went out: %v", got)
-	waitFor(t, "both sent", func() bool {
+	testenv.Eventually(t, 10*time.Second, "both sent", func() bool {
 		return state(t, e, lost.ID).State == companion.StateSent && state(t, e, away.ID).State == companion.StateSent
 	})
 	noCommand := func(why string) {
@@ -530,7 +520,7 @@ func TestLongSentCommandsGoOutAgain(t *testing.T) {
 	e.clock.Add(time.Minute)
 	assert.Equal(t, lost.ID, fb.next(t).ID, "still no word: sent again")
 	fb.reply(t, "dev-1", topics.Reply{CommandID: lost.ID, State: companion.StateDelivered, At: time.Now()})
-	waitFor(t, "delivered", func() bool { return state(t, e, lost.ID).State == companion.StateDelivered })
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, lost.ID).State == companion.StateDelivered })
 	e.clock.Add(time.Minute)
 	noCommand("a delivered command")
 	assert.Equal(t, companion.StateSent, state(t, e, away.ID).State)
@@ -547,15 +537,15 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 	gone := submit(t, e, "dev-1", "never answered", time.Minute)
 	fb.next(t)
 	fb.next(t)
-	waitFor(t, "sent", func() bool { return state(t, e, gone.ID).State == companion.StateSent })
+	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, gone.ID).State == companion.StateSent })
 
 	e.clock.Add(2 * time.Minute) // past the TTL, within the grace
 	fb.reply(t, "dev-1", topics.Reply{CommandID: late.ID, State: companion.StateDelivered})
-	waitFor(t, "delivered", func() bool { return state(t, e, late.ID).State == companion.StateDelivered })
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, late.ID).State == companion.StateDelivered })
 	assert.Equal(t, companion.StateSent, state(t, e, gone.ID).State, "not expired within the grace")
 
 	e.clock.Add(time.Hour)
-	waitFor(t, "expired", func() bool { return state(t, e, gone.ID).State == companion.StateExpired })
+	testenv.Eventually(t, 10*time.Second, "expired", func() bool { return state(t, e, gone.ID).State == companion.StateExpired })
 	assert.Equal(t, companion.StateDelivered, state(t, e, late.ID).State, "a delivered command never expires")
 }
 
@@ -573,7 +563,7 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	assert.Equal(t, served.ID, fb.next(t).ID)
 	// dev-1's command is written sent half a second after its PUBACK; had
 	// dev-3's gone out with it, they would be sent by then too.
-	waitFor(t, "sent", func() bool { return state(t, e, served.ID).State == companion.StateSent })
+	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, served.ID).State == companion.StateSent })
 	for _, c := range waiting {
 		assert.Equal(t, companion.StateQueued, state(t, e, c.ID).State, "a command of an unserved device left the queue")
 	}
@@ -594,7 +584,7 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	status1, _ := tree.Status("dev-1")
 	b, _ = json.Marshal(topics.Status{Online: false, BridgeID: "b1", Seq: 4242, At: time.Now()})
 	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Publish(status1, 1, false, b), 5*time.Second))
-	waitFor(t, "the status after the reply", func() bool {
+	testenv.Eventually(t, 10*time.Second, "the status after the reply", func() bool {
 		s, _ := e.db.Status(context.Background(), "dev-1")
 		return s.Seq == 4242
 	})
@@ -627,7 +617,7 @@ func TestWaitersHearOfAnotherReplicasFinalState(t *testing.T) {
 		c, _ := e.b.Wait(ctx, cmd.ID)
 		got <- c
 	}()
-	waitFor(t, "a waiter", func() bool {
+	testenv.Eventually(t, 10*time.Second, "a waiter", func() bool {
 		e.b.mu.Lock()
 		defer e.b.mu.Unlock()
 		return len(e.b.waiters[cmd.ID]) == 1

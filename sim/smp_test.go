@@ -5,10 +5,12 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
 )
@@ -92,13 +94,7 @@ func (r *rawSMP) answer() (gatt.Header, map[string]any) {
 // after it drops the link.
 func waitBoots(tb testing.TB, d *sim.Device, n int) {
 	tb.Helper()
-	deadline := time.Now().Add(3 * time.Second)
-	for d.Boots() < n {
-		if time.Now().After(deadline) {
-			tb.Fatalf("%d boots; want %d", d.Boots(), n)
-		}
-		time.Sleep(time.Millisecond) // polling the device's reboot count
-	}
+	testenv.Eventually(tb, 3*time.Second, "boot "+strconv.Itoa(n), func() bool { return d.Boots() >= n })
 }
 
 // The image group's upload is img_mgmt's: the request at off 0 needs len

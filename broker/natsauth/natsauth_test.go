@@ -22,6 +22,7 @@ import (
 	"github.com/devicecompanion/companion/broker/natsauth"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/natstest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -184,7 +185,7 @@ func startDoor(t *testing.T, edit func(*natsauth.Options)) *door {
 	t.Cleanup(func() { d.r.Close() })
 	// Every node must know of the responder's subscription.
 	for i := range cl.MQTTURLs {
-		waitFor(t, fmt.Sprintf("the server logs in on nats-%d", i+1), func() bool {
+		testenv.Eventually(t, 30*time.Second, fmt.Sprintf("the server logs in on nats-%d", i+1), func() bool {
 			_, err := dialOnce(t, cl.MQTTURLs[i], "probe-login", serverUser, serverPass)
 			return err == nil
 		})
@@ -204,17 +205,6 @@ type tWriter struct{ t *testing.T }
 func (w tWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimRight(string(p), "\n"))
 	return len(p), nil
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(100 * time.Millisecond) // polling a login; there is nothing to wait on
-	}
 }
 
 // probe is a real paho client.

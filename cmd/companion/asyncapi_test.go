@@ -11,6 +11,7 @@ import (
 
 	"github.com/devicecompanion/companion/internal/asyncapitest"
 	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -92,19 +93,19 @@ func TestAsyncAPIDocumentsEveryMessage(t *testing.T) {
 	id := cmd["id"].(string)
 	pushTopic, err := tree.Command("dev-2", topics.OpPushText)
 	require.NoError(t, err)
-	waitFor(t, "the command on its topic", 20*time.Second, func() bool { return log.seen(pushTopic, id) })
+	testenv.Eventually(t, 20*time.Second, "the command on its topic", func() bool { return log.seen(pushTopic, id) })
 	r := f.user.do("DELETE", "/api/v1/devices/dev-2/commands/"+id, nil)
 	require.Equal(t, 200, r.Status, "%s", r.Body)
 	cancelTopic, err := tree.Command("dev-2", topics.OpCancel)
 	require.NoError(t, err)
-	waitFor(t, "the cancel on its topic", 20*time.Second, func() bool { return log.seen(cancelTopic, id) })
+	testenv.Eventually(t, 20*time.Second, "the cancel on its topic", func() bool { return log.seen(cancelTopic, id) })
 
 	b := startBridge(t, m, mq.URL, f, "", "dev-1", "dev-2")
 	exerciseEveryOperation(t, f, b, "dev-1")
 	b.stop()
 	stateTopic, err := tree.BridgeState(f.bridgeID)
 	require.NoError(t, err)
-	waitFor(t, "the bridge's offline state", 20*time.Second, func() bool { return log.seen(stateTopic, topics.BridgeOffline) })
+	testenv.Eventually(t, 20*time.Second, "the bridge's offline state", func() bool { return log.seen(stateTopic, topics.BridgeOffline) })
 
 	used := map[string]int{}
 	for _, msg := range log.all() {

@@ -55,6 +55,7 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 type benchConfig struct {
@@ -445,7 +446,7 @@ func startBarePath(b *testing.B, cfg benchConfig) pathTarget {
 	t := pathTarget{name: "bare", base: base, devices: devices, parked: parkedDevices(cfg),
 		procs: map[string]*osProc{"server": server, "bridge": bridge}}
 	// The bridge is up once a command comes back.
-	eventually(b, "the bare bridge", func() bool {
+	testenv.Eventually(b, 20*time.Second, "the bare bridge", func() bool {
 		req, _ := http.NewRequest("POST", base+"/api/v1/devices/"+devices[len(devices)-1]+"/push/text", strings.NewReader(`{"text":"up?"}`))
 		req.Header.Set("Prefer", "wait=1")
 		resp, err := http.DefaultClient.Do(req)
@@ -601,7 +602,7 @@ func fetchTo(url, path string) error {
 
 func waitHTTP(tb testing.TB, p *osProc, url string) {
 	tb.Helper()
-	eventually(tb, url, func() bool {
+	testenv.Eventually(tb, 20*time.Second, url, func() bool {
 		if !p.running() {
 			tb.Fatalf("%s exited: %v", p.name, p.waitErr)
 		}

@@ -4,12 +4,14 @@ import (
 	"encoding/base64"
 	"runtime"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/gatt/bluez"
 	"github.com/devicecompanion/companion/gatt/bluez/fakebluez"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 )
 
@@ -49,7 +51,7 @@ func TestEveryOperationOverBlueZ(t *testing.T) {
 	img := noisePNG(t, 300, 256)
 	cmd := u.accept("POST", dp+"/push/image", map[string]any{"image": base64.StdEncoding.EncodeToString(img)})
 	id := cmd["id"].(string)
-	eventually(t, "the transfer under way", func() bool {
+	testenv.Eventually(t, 20*time.Second, "the transfer under way", func() bool {
 		c := u.do("GET", dp+"/commands/"+id, nil).JSON(t)
 		return c["state"] == "in_progress" || c["state"] == "succeeded"
 	})

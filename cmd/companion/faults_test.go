@@ -31,6 +31,7 @@ import (
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -45,7 +46,7 @@ func TestBrokerOutageQueuesCommandsUntilItReturns(t *testing.T) {
 	waitOnline(t, f, true, devs...)
 
 	mq.Stop(t)
-	waitFor(t, "the server to notice the broker is gone", 20*time.Second, func() bool { return !m.Broker.Ready() })
+	testenv.Eventually(t, 20*time.Second, "the server to notice the broker is gone", func() bool { return !m.Broker.Ready() })
 	require.Equal(t, 503, f.user.do("GET", "/readyz", nil).Status)
 
 	ids := map[string][]string{}
@@ -184,7 +185,7 @@ func TestBacklogForAbsentBridge(t *testing.T) {
 	ids := pushConcurrently(t, f.user, 16, total, func(i int) string { return devs[i%nDevs] })
 	accepted := time.Since(start)
 	ctx := context.Background()
-	waitFor(t, "every command handed to Mosquitto", 2*time.Minute, func() bool {
+	testenv.Eventually(t, 2*time.Minute, "every command handed to Mosquitto", func() bool {
 		q, err := m.DB.OpenCommands(ctx, companion.StateQueued)
 		require.NoError(t, err)
 		return len(q) == 0
@@ -192,7 +193,7 @@ func TestBacklogForAbsentBridge(t *testing.T) {
 	sent := time.Since(start)
 
 	b = startBridgeWith(t, m, mq.URL, f, bridgeConfig{dataDir: spool, sims: sims}, devs...)
-	waitFor(t, "every command final", 4*time.Minute, func() bool {
+	testenv.Eventually(t, 4*time.Minute, "every command final", func() bool {
 		for _, d := range devs {
 			n, err := m.DB.CountOpen(ctx, d)
 			require.NoError(t, err)
@@ -255,7 +256,7 @@ func TestExpiredCommandNeverReachesDevice(t *testing.T) {
 		b := startBridge(t, m, mq.URL, f, "", "dev-1")
 		waitOnline(t, f, true, "dev-1")
 		mq.Stop(t)
-		waitFor(t, "the server to notice the broker is gone", 20*time.Second, func() bool { return !m.Broker.Ready() })
+		testenv.Eventually(t, 20*time.Second, "the server to notice the broker is gone", func() bool { return !m.Broker.Ready() })
 
 		short := pushShort(t, m, f)
 		waitState(t, f.user, "dev-1", short, "expired")
@@ -489,7 +490,7 @@ func TestReplayedAndStaleMessagesChangeNothing(t *testing.T) {
 				Model: "sim-1", Apps: []companion.App{}, BridgeID: f.bridgeID, At: at, Seq: seq}, true)
 		}
 		status(1000, at, true, 80)
-		waitFor(t, "the first status", 20*time.Second, func() bool {
+		testenv.Eventually(t, 20*time.Second, "the first status", func() bool {
 			return f.user.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["battery"] == 80.0
 		})
 		before := f.user.do("GET", "/api/v1/devices/dev-1/status", nil).Body
@@ -572,24 +573,10 @@ func startBridgeWith(tb testing.TB, m *Main, mqttURL string, f *fleet, bc bridge
 	})
 }
 
-// waitFor polls cond until it holds or timeout passes: for state seen only
-// through the API or the store, the poll is a bounded wait for an
-// observable change, not a sleep to synchronise.
-func waitFor(tb testing.TB, what string, timeout time.Duration, cond func() bool) {
-	tb.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			tb.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 func waitOnline(tb testing.TB, f *fleet, online bool, devices ...string) {
 	tb.Helper()
 	for _, d := range devices {
-		waitFor(tb, fmt.Sprintf("%s online=%v", d, online), 30*time.Second, func() bool {
+		testenv.Eventually(tb, 30*time.Second, fmt.Sprintf("%s online=%v", d, online), func() bool {
 			r := f.user.do("GET", "/api/v1/devices/"+d+"/status", nil)
 			return r.Status == 200 && r.JSON(tb)["online"] == online
 		})
@@ -607,7 +594,7 @@ func commandState(tb testing.TB, c *client, dev, id string) string {
 // command becomes final in another state.
 func waitState(tb testing.TB, c *client, dev, id, want string) {
 	tb.Helper()
-	waitFor(tb, fmt.Sprintf("command %s %s", id, want), 30*time.Second, func() bool {
+	testenv.Eventually(tb, 30*time.Second, fmt.Sprintf("command %s %s", id, want), func() bool {
 		st := commandState(tb, c, dev, id)
 		if st != want && companion.IsFinal(st) {
 			tb.Fatalf("command %s is %s; want %s", id, st, want)

@@ -26,6 +26,7 @@ import (
 
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/openapitest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -41,6 +42,24 @@ func testLogger(tb testing.TB) *slog.Logger {
 	return slog.New(slog.NewTextHandler(&tbWriter{tb: tb}, &slog.HandlerOptions{Level: level}))
 }
 
+// logSignal is an io.Writer of log lines that closes seen at the first
+// line holding text: a test waits on it for what the server says only in
+// its log.
+type logSignal struct {
+	text string
+	once sync.Once
+	seen chan struct{}
+}
+
+func newLogSignal(text string) *logSignal { return &logSignal{text: text, seen: make(chan struct{})} }
+
+func (l *logSignal) Write(p []byte) (int, error) {
+	if strings.Contains(string(p), l.text) {
+		l.once.Do(func() { close(l.seen) })
+	}
+	return len(p), nil
+}
+
 type tbWriter struct{ tb testing.TB }
 
 func (w *tbWriter) Write(p []byte) (int, error) {
@@ -50,6 +69,12 @@ func (w *tbWriter) Write(p []byte) (int, error) {
 
 // startServer runs the real Main on port 0 and a temp dir (or cfg.Data).
 func startServer(tb testing.TB, cfg Config) *Main {
+	tb.Helper()
+	return startServerLogging(tb, cfg, testLogger(tb))
+}
+
+// startServerLogging is startServer with the server's logger.
+func startServerLogging(tb testing.TB, cfg Config, logger *slog.Logger) *Main {
 	tb.Helper()
 	if cfg.HTTP == "" {
 		cfg.HTTP = "127.0.0.1:0"
@@ -72,7 +97,7 @@ func startServer(tb testing.TB, cfg Config) *Main {
 	if cfg.ExpiryGrace == 0 {
 		cfg.ExpiryGrace = time.Second
 	}
-	m := NewMain(cfg, testLogger(tb))
+	m := NewMain(cfg, logger)
 	if err := m.Run(context.Background()); err != nil {
 		m.Close()
 		tb.Fatalf("start server: %v", err)
@@ -278,20 +303,6 @@ func (b *bridge) stop() {
 	b.agent.Close()
 }
 
-// eventually polls cond until it holds or the deadline passes. It is for
-// state visible only through the API; the poll interval is not a sleep to
-// synchronise but a bounded wait for an observable change.
-func eventually(tb testing.TB, what string, cond func() bool) {
-	tb.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			tb.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // waitFinal asks the server to hold the answer until the command is final.
 func (c *client) waitFinal(deviceID, id string) map[string]any {
 	c.tb.Helper()
@@ -351,7 +362,7 @@ func exerciseEveryOperation(t *testing.T, f *fleet, b *bridge, dev string) {
 	assert.Contains(t, string(r.Body), `"device_id":"`+dev+`"`)
 
 	// Status, once the bridge has reported.
-	eventually(t, "device online", func() bool {
+	testenv.Eventually(t, 20*time.Second, "device online", func() bool {
 		r := u.do("GET", dp+"/status", nil)
 		return r.Status == 200 && r.JSON(t)["online"] == true
 	})
@@ -392,7 +403,7 @@ func exerciseEveryOperation(t *testing.T, f *fleet, b *bridge, dev string) {
 	assert.JSONEq(t, `{"apps":[]}`, string(u.do("GET", dp+"/apps", nil).Body))
 
 	// Settings.
-	eventually(t, "settings reported", func() bool {
+	testenv.Eventually(t, 20*time.Second, "settings reported", func() bool {
 		r := u.do("GET", dp+"/settings", nil)
 		return r.Status == 200 && r.JSON(t)["reported"].(map[string]any)["brightness"] != nil
 	})

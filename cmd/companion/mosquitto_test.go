@@ -2,6 +2,8 @@ package main
 
 import (
 	"fmt"
+	"io"
+	"log/slog"
 	"maps"
 	"testing"
 	"time"
@@ -10,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // serverAccount is the server's Mosquitto account in tests: everything
@@ -36,7 +39,7 @@ func startOnMosquitto(t *testing.T, cfg Config, mq *mqtttest.Mosquitto) *Main {
 	t.Helper()
 	m := startServer(t, mosquittoConfig(cfg, mq))
 	require.Nil(t, m.MQTT, "nothing embedded runs with --mqtt-url")
-	waitFor(t, "the server connected to Mosquitto", 20*time.Second, m.Broker.Ready)
+	testenv.Eventually(t, 20*time.Second, "the server connected to Mosquitto", m.Broker.Ready)
 	return m
 }
 
@@ -97,7 +100,7 @@ func TestBrokerListFailsOver(t *testing.T) {
 	cfg := mosquittoConfig(Config{}, mq)
 	cfg.MQTTURL = down + "," + mq.URL
 	m := startServer(t, cfg)
-	waitFor(t, "the server connected through the second URL", 20*time.Second, m.Broker.Ready)
+	testenv.Eventually(t, 20*time.Second, "the server connected through the second URL", m.Broker.Ready)
 	f := setupFleet(t, m, "dev-1")
 	b := startBridge(t, m, down+","+mq.URL, f, "", "dev-1")
 	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
@@ -120,8 +123,14 @@ func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 	for _, r := range mq.Dynsec(t, deny) {
 		require.Empty(t, r.Error, "%s", r.Command)
 	}
-	m := startServer(t, mosquittoConfig(Config{}, mq))
-	time.Sleep(2 * time.Second) // its SUBACK came back refused by now
+	refused := newLogSignal("MQTT subscriptions refused")
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(&tbWriter{tb: t}, refused), &slog.HandlerOptions{Level: slog.LevelWarn}))
+	m := startServerLogging(t, mosquittoConfig(Config{}, mq), logger)
+	select {
+	case <-refused.seen:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the server never said its subscription was refused")
+	}
 	require.False(t, m.Broker.Ready(), "ready without its subscription to the replies")
 
 	allow := map[string]any{"command": "removeRoleACL"}
@@ -130,7 +139,7 @@ func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 	for _, r := range mq.Dynsec(t, allow) {
 		require.Empty(t, r.Error, "%s", r.Command)
 	}
-	waitFor(t, "ready once the broker grants it", 20*time.Second, m.Broker.Ready)
+	testenv.Eventually(t, 20*time.Second, "ready once the broker grants it", m.Broker.Ready)
 	f := setupFleet(t, m, "dev-1")
 	b := startBridge(t, m, mq.URL, f, "", "dev-1")
 	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})

@@ -18,6 +18,7 @@ import (
 
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/internal/natstest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -71,7 +72,7 @@ func startNATSCallout(t *testing.T) (*natstest.Cluster, *Main) {
 	require.Nil(t, m.MQTT, "nothing embedded runs with --mqtt-url")
 	require.Nil(t, m.Dynsec, "--nats-callout turns --mqtt-dynsec off")
 	require.NotNil(t, m.NATSAuth)
-	waitFor(t, "the server logged in to the NATS cluster through its own callout", 30*time.Second, m.Broker.Ready)
+	testenv.Eventually(t, 30*time.Second, "the server logged in to the NATS cluster through its own callout", m.Broker.Ready)
 	return cl, m
 }
 
@@ -132,7 +133,7 @@ func TestNATSNodeKilledUnderLoad(t *testing.T) {
 
 	bridgeClient := "companion-bridge-" + f.bridgeID
 	var victim int
-	waitFor(t, "the bridge connected to a node", 10*time.Second, func() bool {
+	testenv.Eventually(t, 10*time.Second, "the bridge connected to a node", func() bool {
 		victim = cl.NodeOf(t, bridgeClient)
 		return victim >= 0
 	})

@@ -316,7 +316,7 @@ func (c *procCluster) startBridge() {
 	c.tb.Helper()
 	c.launchBridge()
 	for _, id := range c.devices {
-		eventually(c.tb, id+" online", func() bool {
+		testenv.Eventually(c.tb, 20*time.Second, id+" online", func() bool {
 			if !c.bridgeProc.running() {
 				c.tb.Fatalf("companion-bridge exited: %v", c.bridgeProc.waitErr)
 			}
@@ -542,13 +542,7 @@ func TestProcessBridgeKilledMidBurst(t *testing.T) {
 		done <- acc
 	}()
 
-	deadline := time.Now().Add(30 * time.Second)
-	for len(c.executions()) < n/4 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the devices executed only %d commands in 30 s", len(c.executions()))
-		}
-		time.Sleep(5 * time.Millisecond) // polling files another process writes
-	}
+	testenv.Eventually(t, 30*time.Second, "a quarter of the commands executed", func() bool { return len(c.executions()) >= n/4 })
 	c.bridgeProc.kill()
 	executedAtKill := len(c.executions())
 	t.Logf("bridge killed with %d of %d commands executed", executedAtKill, n)
@@ -612,7 +606,7 @@ func TestProcessGracefulShutdownUnderLoad(t *testing.T) {
 		}()
 	}
 
-	eventually(t, "100 commands accepted under load", func() bool { return accepted.Load() >= 100 })
+	testenv.Eventually(t, 20*time.Second, "100 commands accepted under load", func() bool { return accepted.Load() >= 100 })
 	termAt := time.Now()
 	require.NoError(t, c.server.cmd.Process.Signal(syscall.SIGTERM))
 	select {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -41,7 +42,7 @@ func TestReadsAfterAFinalReply(t *testing.T) {
 			fb := connectFakeBridge(t, url, f)
 			fb.answerWithState(t, f.bridgeID, "dev-1")
 			u, dp := f.user, "/api/v1/devices/dev-1"
-			eventually(t, "the first reports", func() bool {
+			testenv.Eventually(t, 20*time.Second, "the first reports", func() bool {
 				set := u.do("GET", dp+"/settings", nil).JSON(t)
 				return u.do("GET", dp+"/status", nil).JSON(t)["online"] == true && len(set["schema"].(map[string]any)) > 0
 			})

@@ -6,12 +6,14 @@ import (
 	"strconv"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/store/postgres"
 )
 
@@ -30,7 +32,7 @@ func TestProcessReplicaKilledUnderLoad(t *testing.T) {
 		"--rate-per-token", "0", "--max-open-commands", "10000",
 		"--store", dsn, "--replica-id", "r2"}, c.serverMQTT...)
 	r2 := startProc(t, "companion-r2", c.companion, args...)
-	eventually(t, "replica 2 ready", func() bool {
+	testenv.Eventually(t, 20*time.Second, "replica 2 ready", func() bool {
 		if !r2.running() {
 			t.Fatalf("replica 2 exited: %v", r2.waitErr)
 		}

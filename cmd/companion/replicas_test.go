@@ -16,6 +16,7 @@ import (
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/store/postgres"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -102,7 +103,7 @@ func TestReplicasPublishEachCommandOnceInOrder(t *testing.T) {
 	b := startBridge(t, m1, mq.URL, f, "", "dev-1")
 	// Once the bridge is online: its coming online resends what is open,
 	// by design (it may have missed it), which is not what is counted here.
-	eventually(t, "the device online", func() bool {
+	testenv.Eventually(t, 20*time.Second, "the device online", func() bool {
 		r := on[0].do("GET", "/api/v1/devices/dev-1/status", nil)
 		return r.Status == 200 && r.JSON(t)["online"] == true
 	})

@@ -22,6 +22,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -195,7 +196,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				fb.publish(settingsTopic, settings(100, 50), true)
 				cmd := u.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "real"})["id"].(string)
 				waitState(t, u, "dev-1", cmd, "sent")
-				eventually(t, "the first reports", func() bool {
+				testenv.Eventually(t, 20*time.Second, "the first reports", func() bool {
 					return u.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["battery"] == 80.0 &&
 						u.do("GET", "/api/v1/devices/dev-1/settings", nil).Status == 200
 				})
@@ -217,10 +218,10 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				fb.publish(settingsTopic, settings(101, 60), true)
 				fb.publish(replies, topics.Reply{CommandID: cmd, State: companion.StateDelivered, At: time.Now()}, false)
 				waitState(t, u, "dev-1", cmd, "delivered")
-				eventually(t, "bridge-1's later status", func() bool {
+				testenv.Eventually(t, 20*time.Second, "bridge-1's later status", func() bool {
 					return u.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["battery"] == 70.0
 				})
-				eventually(t, "bridge-1's later settings", func() bool {
+				testenv.Eventually(t, 20*time.Second, "bridge-1's later settings", func() bool {
 					rep, _ := u.do("GET", "/api/v1/devices/dev-1/settings", nil).JSON(t)["reported"].(map[string]any)
 					return rep["brightness"] == 60.0
 				})
@@ -492,7 +493,7 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 			assert.Equal(t, []string{before}, textIDs(b1.sims["dev-1"]), "bridge-1 ran dev-1's command after dev-1 left it")
 			other := push("dev-3", "still bridge-1's")
 			assert.Equal(t, "succeeded", u.waitFinal("dev-3", other)["state"])
-			eventually(t, "dev-1's status from bridge-2", func() bool {
+			testenv.Eventually(t, 20*time.Second, "dev-1's status from bridge-2", func() bool {
 				return u.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["bridge_id"] == f2.bridgeID
 			})
 		})

@@ -1,6 +1,6 @@
 // Package testenv holds what every test kit of the project needs of its
 // surroundings: the repository's root (for mosquitto.conf and bin/), the go
-// command and a free port. mqtttest, pgtest and natstest build on it.
+// command, a free port, and a bounded wait for a change seen only by asking. mqtttest, pgtest and natstest build on it.
 package testenv
 
 import (
@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // RepoRoot is the directory of go.mod, found by walking up from the
@@ -32,6 +33,22 @@ func RepoRoot() (string, error) {
 			return "", errors.New("no go.mod above the working directory: run the tests inside the module")
 		}
 		dir = parent
+	}
+}
+
+// Eventually polls cond until it holds, failing tb once timeout has passed.
+// It is for state seen only by asking (the API, the store, a login): the
+// poll, every 5 ms at first and every 100 ms at most, is a bounded wait for
+// an observable change, not a sleep to synchronise. Wait on a channel
+// wherever there is one.
+func Eventually(tb testing.TB, timeout time.Duration, what string, cond func() bool) {
+	tb.Helper()
+	deadline := time.Now().Add(timeout)
+	for pause := 5 * time.Millisecond; !cond(); pause = min(2*pause, 100*time.Millisecond) {
+		if time.Now().After(deadline) {
+			tb.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(pause)
 	}
 }
 

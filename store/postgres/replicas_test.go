@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/store/postgres"
 
 	"github.com/jackc/pgx/v5"
@@ -321,11 +322,7 @@ func testListenReconnects(t *testing.T, e *testEnv) {
 		require.NoError(t, err)
 		return n
 	}
-	deadline := time.Now().Add(waitFor)
-	for terminate() == 0 {
-		require.True(t, time.Now().Before(deadline), "no listening connection to cut")
-		time.Sleep(20 * time.Millisecond) // polling pg_stat_activity; nothing to wait on
-	}
+	testenv.Eventually(t, waitFor, "a listening connection to cut", func() bool { return terminate() > 0 })
 	select {
 	case id := <-heard:
 		assert.Equal(t, "", id, "first call after the connection was cut")
