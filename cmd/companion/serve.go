@@ -251,30 +251,9 @@ func (m *Main) Run(ctx context.Context) error {
 	if err != nil {
 		return usageError{fmt.Sprintf("bad --topic-prefix: %v", err)}
 	}
-	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
-		return usageError{"--tls-cert and --tls-key go together"}
-	}
-	var cert *tls.Certificate
-	if cfg.TLSCert != "" {
-		c, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
-		if err != nil {
-			return fmt.Errorf("TLS: %w", err)
-		}
-		cert = &c
-	}
-	if (cfg.MQTTTLSCert == "") != (cfg.MQTTTLSKey == "") {
-		return usageError{"--mqtt-tls-cert and --mqtt-tls-key go together"}
-	}
-	var mqttServerTLS *tls.Config
-	if cfg.MQTTTLSCert != "" {
-		if cfg.MQTTURL != "" {
-			return usageError{"--mqtt-tls-cert is for the embedded broker; it has no use with --mqtt-url"}
-		}
-		c, err := tls.LoadX509KeyPair(cfg.MQTTTLSCert, cfg.MQTTTLSKey)
-		if err != nil {
-			return fmt.Errorf("MQTT TLS: %w", err)
-		}
-		mqttServerTLS = &tls.Config{Certificates: []tls.Certificate{c}, MinVersion: tls.VersionTLS12}
+	httpCert, mqttServerTLS, err := serverTLS(cfg)
+	if err != nil {
+		return err
 	}
 	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
 		return err
@@ -296,42 +275,112 @@ func (m *Main) Run(ctx context.Context) error {
 	if m.adminToken, err = loadAdminToken(cfg); err != nil {
 		return err
 	}
-
 	if err := m.startNATSAuth(tree); err != nil {
 		return err
 	}
-	username, password := cfg.MQTTUsername, cfg.MQTTPassword
-	if cfg.MQTTURL == "" {
-		// No server account: the server's own connection to its embedded
-		// broker is in-process (newClient below), and nobody connects as
-		// the server over the network.
-		m.MQTT, err = embedded.New(embedded.Options{
-			Listen:    cfg.MQTTListen,
-			TLSConfig: mqttServerTLS,
-			Topics:    tree,
-			Accounts:  broker.Accounts{Store: m.DB},
-			Logger:    m.Logger,
-		})
-		if err != nil {
-			return err
-		}
-		if err := m.MQTT.Start(); err != nil {
-			return fmt.Errorf("embedded MQTT broker: %w", err)
-		}
-		if m.PProf != nil {
-			mq := m.MQTT
-			pprofserver.Publish("mqtt", func() any { return mq.Stats() })
-		}
-		m.mqttURL = "tcp://" + m.MQTT.Addr()
-		if mqttServerTLS != nil {
-			m.mqttURL = "mqtts://" + m.MQTT.Addr()
-		}
-	} else {
-		m.mqttURL = cfg.MQTTURL
+	if err := m.startMQTT(tree, mqttServerTLS); err != nil {
+		return err
 	}
+	if err := m.newBroker(tree, mqttServerTLS != nil); err != nil {
+		return err
+	}
+	accounts, err := m.brokerAccounts(tree)
+	if err != nil {
+		return err
+	}
+	if err := m.Broker.Start(); err != nil {
+		return err
+	}
+	m.joinReplicas()
+	if m.Dynsec != nil {
+		m.Dynsec.Start()
+	}
+	if err := m.serveHTTP(ctx, accounts, httpCert); err != nil {
+		return err
+	}
+	if cfg.Demo {
+		m.Demo, err = startDemo(ctx, m, tree)
+		if err != nil {
+			return fmt.Errorf("demo: %w", err)
+		}
+	}
+	return nil
+}
 
+// serverTLS checks the TLS flags and loads what they name: the API's
+// certificate (nil without --tls-cert) and the embedded broker's TLS
+// settings (nil without --mqtt-tls-cert).
+func serverTLS(cfg Config) (httpCert *tls.Certificate, mqtt *tls.Config, err error) {
+	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
+		return nil, nil, usageError{"--tls-cert and --tls-key go together"}
+	}
+	if cfg.TLSCert != "" {
+		c, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
+		if err != nil {
+			return nil, nil, fmt.Errorf("TLS: %w", err)
+		}
+		httpCert = &c
+	}
+	if (cfg.MQTTTLSCert == "") != (cfg.MQTTTLSKey == "") {
+		return nil, nil, usageError{"--mqtt-tls-cert and --mqtt-tls-key go together"}
+	}
+	if cfg.MQTTTLSCert != "" {
+		if cfg.MQTTURL != "" {
+			return nil, nil, usageError{"--mqtt-tls-cert is for the embedded broker; it has no use with --mqtt-url"}
+		}
+		c, err := tls.LoadX509KeyPair(cfg.MQTTTLSCert, cfg.MQTTTLSKey)
+		if err != nil {
+			return nil, nil, fmt.Errorf("MQTT TLS: %w", err)
+		}
+		mqtt = &tls.Config{Certificates: []tls.Certificate{c}, MinVersion: tls.VersionTLS12}
+	}
+	return httpCert, mqtt, nil
+}
+
+// startMQTT starts the embedded broker, serving TLS with mqttServerTLS
+// when set, unless --mqtt-url names another; either way it sets the URL
+// the server and the demo bridge connect to.
+func (m *Main) startMQTT(tree topics.Tree, mqttServerTLS *tls.Config) error {
+	cfg := m.Config
+	if cfg.MQTTURL != "" {
+		m.mqttURL = cfg.MQTTURL
+		return nil
+	}
+	// No server account: the server's own connection to its embedded
+	// broker is in-process (see newBroker), and nobody connects as the
+	// server over the network.
+	var err error
+	m.MQTT, err = embedded.New(embedded.Options{
+		Listen:    cfg.MQTTListen,
+		TLSConfig: mqttServerTLS,
+		Topics:    tree,
+		Accounts:  broker.Accounts{Store: m.DB},
+		Logger:    m.Logger,
+	})
+	if err != nil {
+		return err
+	}
+	if err := m.MQTT.Start(); err != nil {
+		return fmt.Errorf("embedded MQTT broker: %w", err)
+	}
+	if m.PProf != nil {
+		mq := m.MQTT
+		pprofserver.Publish("mqtt", func() any { return mq.Stats() })
+	}
+	m.mqttURL = "tcp://" + m.MQTT.Addr()
+	if mqttServerTLS != nil {
+		m.mqttURL = "mqtts://" + m.MQTT.Addr()
+	}
+	return nil
+}
+
+// newBroker makes the command broker on the MQTT broker that startMQTT
+// chose; ownTLS says the embedded broker serves TLS, whose certificate the
+// server then trusts.
+func (m *Main) newBroker(tree topics.Tree, ownTLS bool) error {
+	cfg := m.Config
 	ca := cfg.MQTTCA
-	if ca == "" && mqttServerTLS != nil {
+	if ca == "" && ownTLS {
 		ca = cfg.MQTTTLSCert // our own broker: trust its certificate's chain
 	}
 	mqttTLS, err := clientTLS(m.mqttURL, ca)
@@ -355,8 +404,8 @@ func (m *Main) Run(ctx context.Context) error {
 		TLSConfig:       mqttTLS,
 		Store:           m.DB,
 		MQTTURL:         m.mqttURL,
-		Username:        username,
-		Password:        password,
+		Username:        cfg.MQTTUsername,
+		Password:        cfg.MQTTPassword,
 		Topics:          tree,
 		SweepInterval:   cfg.SweepInterval,
 		MaxOpenCommands: cfg.Limits.MaxOpenCommands,
@@ -367,37 +416,41 @@ func (m *Main) Run(ctx context.Context) error {
 		Now:             cfg.Now,
 		NewClient:       newClient,
 	})
-	if err != nil {
-		return err
-	}
-	var accounts api.BrokerAccounts
-	if cfg.MQTTURL != "" && cfg.MQTTDynsec && m.NATSAuth == nil {
+	return err
+}
+
+// brokerAccounts is what the API tells of changes to who may use the MQTT
+// broker: the NATS callout, the embedded broker, or Mosquitto's
+// dynamic-security plugin (whose driver it makes; Run starts it). Nil for
+// an external broker that the server does not manage.
+func (m *Main) brokerAccounts(tree topics.Tree) (api.BrokerAccounts, error) {
+	cfg := m.Config
+	switch {
+	case m.NATSAuth != nil:
+		return m.NATSAuth, nil
+	case m.MQTT != nil:
+		return embeddedAccounts{m.MQTT}, nil
+	case cfg.MQTTDynsec:
+		var err error
 		m.Dynsec, err = dynsec.New(dynsec.Options{
 			Conn:           m.Broker,
 			Store:          m.DB,
-			ServerUsername: username,
+			ServerUsername: cfg.MQTTUsername,
 			Topics:         tree,
 			Logger:         m.Logger,
 		})
 		if err != nil {
-			return err
+			return nil, err
 		}
-		accounts = m.Dynsec
+		return m.Dynsec, nil
 	}
-	if m.MQTT != nil {
-		accounts = embeddedAccounts{m.MQTT}
-	}
-	if m.NATSAuth != nil {
-		accounts = m.NATSAuth
-	}
-	if err := m.Broker.Start(); err != nil {
-		return err
-	}
-	m.joinReplicas()
-	if m.Dynsec != nil {
-		m.Dynsec.Start()
-	}
+	return nil, nil
+}
 
+// serveHTTP makes the API's handler and serves it, with TLS when cert is
+// set, until Close.
+func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert *tls.Certificate) error {
+	cfg := m.Config
 	var tokens api.TokenVerifier
 	if cfg.OIDC.Issuer != "" {
 		dctx, cancel := context.WithTimeout(ctx, 15*time.Second)
@@ -436,27 +489,18 @@ func (m *Main) Run(ctx context.Context) error {
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(m.Logger.Handler(), slog.LevelWarn),
 	}
+	serve := m.srv.Serve
 	if cert != nil {
 		m.srv.TLSConfig = &tls.Config{Certificates: []tls.Certificate{*cert}, MinVersion: tls.VersionTLS12}
+		serve = func(l net.Listener) error { return m.srv.ServeTLS(l, "", "") }
 	}
 	m.serveDone = make(chan struct{})
 	go func() {
 		defer close(m.serveDone)
-		serve := m.srv.Serve
-		if cert != nil {
-			serve = func(l net.Listener) error { return m.srv.ServeTLS(l, "", "") }
-		}
 		if err := serve(m.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			m.Logger.Error("HTTP server", "err", err)
 		}
 	}()
-
-	if cfg.Demo {
-		m.Demo, err = startDemo(ctx, m, tree)
-		if err != nil {
-			return fmt.Errorf("demo: %w", err)
-		}
-	}
 	return nil
 }
 
