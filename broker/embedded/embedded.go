@@ -185,7 +185,7 @@ type Server struct {
 	listen   string
 	tls      *tls.Config
 	mochi    *mqtt.Server
-	hook     *hook
+	auth     *authHook
 	ln       *listener
 	mu       sync.Mutex
 	started  bool
@@ -221,24 +221,29 @@ func New(opts Options) (*Server, error) {
 		InlineClient: true,
 	})
 	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m}
-	s.hook = &hook{
+	s.auth = &authHook{
 		tree:     opts.Topics,
 		accounts: opts.Accounts,
 		log:      log,
 		clients:  m.Clients,
 		ids:      map[*mqtt.Client]Identity{},
-		seqs:     map[string]map[uint16]uint64{},
-		lastOut:  map[string]uint16{},
-		moved:    map[*mqtt.Client]movedID{},
 		replaced: map[*mqtt.Client]*mqtt.Client{},
 	}
 	if opts.ServerUsername != "" {
-		s.hook.serverUser = sha256.Sum256([]byte(opts.ServerUsername))
-		s.hook.serverPass = sha256.Sum256([]byte(opts.ServerPassword))
-		s.hook.hasServer = true
+		s.auth.serverUser = sha256.Sum256([]byte(opts.ServerUsername))
+		s.auth.serverPass = sha256.Sum256([]byte(opts.ServerPassword))
+		s.auth.hasServer = true
 	}
-	if err := m.AddHook(s.hook, nil); err != nil {
-		return nil, fmt.Errorf("embedded: %w", err)
+	// Three hooks, one job each: who may do what, queued messages resent in
+	// publish order, incoming packets kept off the ids of queued ones.
+	for _, h := range []mqtt.Hook{
+		s.auth,
+		&orderHook{clients: m.Clients, seqs: map[string]map[uint16]uint64{}},
+		&packetIDHook{log: log, clients: m.Clients, lastOut: map[string]uint16{}, moved: map[*mqtt.Client]movedID{}},
+	} {
+		if err := m.AddHook(h, nil); err != nil {
+			return nil, fmt.Errorf("embedded: %w", err)
+		}
 	}
 	return s, nil
 }
@@ -323,7 +328,7 @@ func (s *Server) Close() error {
 func (s *Server) DisconnectBridge(bridgeID string) int {
 	n := 0
 	for _, cl := range s.mochi.Clients.GetAll() {
-		if id, ok := s.hook.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
+		if id, ok := s.auth.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
 			_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
 			n++
 		}

@@ -1,0 +1,284 @@
+package embedded
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	mqtt "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/packets"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// accountsTimeout bounds each call to Accounts; it runs on the client's
+// connection goroutine.
+const accountsTimeout = 5 * time.Second
+
+// authHook is the broker's authentication and access control (CONTRACT §3):
+// OnConnectAuthenticate and OnACLCheck. Mochi calls OnACLCheck with
+// write=true for each PUBLISH, with write=false for each SUBSCRIBE filter,
+// and again with write=false and the topic name for each message it
+// delivers (including to an offline session's queue). It never checks a
+// Will, so the Will topic is checked at connect time. What a bridge
+// publishes for a device it does not serve passes OnACLCheck and is
+// dropped, acknowledged, in OnPublish.
+type authHook struct {
+	mqtt.HookBase
+
+	tree       topics.Tree
+	accounts   Accounts
+	log        *slog.Logger
+	clients    *mqtt.Clients
+	hasServer  bool
+	serverUser [32]byte // SHA-256 of ServerUsername
+	serverPass [32]byte // SHA-256 of ServerPassword
+
+	mu       sync.Mutex
+	ids      map[*mqtt.Client]Identity     // who each known client is, while mochi keeps it
+	replaced map[*mqtt.Client]*mqtt.Client // new client → the one whose session it takes over
+}
+
+// ID names the hook in mochi's log.
+func (h *authHook) ID() string { return "companion-auth" }
+
+// Provides lists the events the hook handles.
+func (h *authHook) Provides(b byte) bool {
+	switch b {
+	case mqtt.OnConnectAuthenticate, mqtt.OnACLCheck, mqtt.OnPublish,
+		mqtt.OnSessionEstablish, mqtt.OnSessionEstablished, mqtt.OnDisconnect, mqtt.OnClientExpired:
+		return true
+	}
+	return false
+}
+
+func (h *authHook) identity(cl *mqtt.Client) (Identity, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	id, ok := h.ids[cl]
+	return id, ok
+}
+
+// OnConnectAuthenticate admits a client when its credentials are good, its
+// Will (if any) is a topic it may publish, and its client id does not name
+// a session that belongs to another account.
+func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) bool {
+	username := string(pk.Connect.Username)
+	refuse := func(why string) bool {
+		h.log.Info("mqtt connect refused", "reason", why, "username", username,
+			"client_id", cl.ID, "remote", cl.Net.Remote)
+		return false
+	}
+	if !pk.Connect.UsernameFlag || username == "" || !pk.Connect.PasswordFlag {
+		return refuse("anonymous")
+	}
+	id, ok := h.authenticate(username, string(pk.Connect.Password))
+	if !ok {
+		return refuse("bad credentials")
+	}
+	if pk.Connect.WillFlag && !h.mayWill(id, pk.Connect.WillTopic) {
+		return refuse("will topic not allowed")
+	}
+	if existing, ok := h.clients.Get(cl.ID); ok {
+		owner, known := h.identity(existing)
+		if known && owner != id || !known && !bytes.Equal(existing.Properties.Username, pk.Connect.Username) {
+			// Taking over the session would hand this client the other
+			// account's subscriptions and queued messages, which mochi
+			// resends without an ACL check.
+			return refuse("client id belongs to another account")
+		}
+	}
+	h.mu.Lock()
+	h.ids[cl] = id
+	h.mu.Unlock()
+	return true
+}
+
+func (h *authHook) authenticate(username, password string) (Identity, bool) {
+	if h.hasServer && equalHash(username, h.serverUser) {
+		// The server's username never falls through to Accounts.
+		return Identity{Role: RoleServer}, equalHash(password, h.serverPass)
+	}
+	if h.accounts == nil {
+		return Identity{}, false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), accountsTimeout)
+	defer cancel()
+	id, ok := h.accounts.Authenticate(ctx, username, password)
+	if !ok || (id.Role != RoleBridge && id.Role != RoleUser) {
+		return Identity{}, false
+	}
+	if id.Role == RoleBridge && !topics.ValidBridgeID(id.ID) {
+		return Identity{}, false
+	}
+	return id, true
+}
+
+// OnACLCheck decides each publish (write) and each subscription filter or
+// delivery (read).
+func (h *authHook) OnACLCheck(cl *mqtt.Client, topic string, write bool) bool {
+	id, ok := h.identity(cl)
+	if !ok {
+		return false
+	}
+	if write {
+		return h.mayWrite(id, topic)
+	}
+	return h.mayRead(id, topic)
+}
+
+// below returns the levels of a topic or filter under the prefix.
+func (h *authHook) below(s string) ([]string, bool) {
+	rest, ok := strings.CutPrefix(s, h.tree.Prefix()+"/")
+	if !ok || rest == "" {
+		return nil, false
+	}
+	return strings.Split(rest, "/"), true
+}
+
+// mayWrite says whether id may publish to topic (never a filter: mochi
+// refuses wildcards in topic names before it asks).
+func (h *authHook) mayWrite(id Identity, topic string) bool {
+	switch id.Role {
+	case RoleServer:
+		_, ok := h.below(topic)
+		return ok
+	case RoleBridge:
+		t, err := h.tree.Parse(topic)
+		if err != nil {
+			return false
+		}
+		switch t.Kind {
+		case topics.KindReplies, topics.KindStatus, topics.KindSettings:
+			// Whether the bridge serves the device is OnPublish's to say.
+			return true
+		case topics.KindBridgeState:
+			return t.BridgeID == id.ID
+		}
+	}
+	return false
+}
+
+// OnPublish drops what a bridge publishes for a device it does not serve
+// now (CONTRACT §9), and acknowledges it all the same, as Mosquitto does.
+// Refused in OnACLCheck, a QoS 1 publish would cost the connection (all
+// MQTT 3.1.1 allows besides an acknowledgement), and the bridge would
+// send it again after each reconnect: a bridge whose list still names a
+// device that moved away would be cut off for all its devices.
+func (h *authHook) OnPublish(cl *mqtt.Client, pk packets.Packet) (packets.Packet, error) {
+	id, ok := h.identity(cl)
+	if !ok || id.Role != RoleBridge {
+		return pk, nil
+	}
+	t, err := h.tree.Parse(pk.TopicName)
+	if err != nil || t.DeviceID == "" || h.serves(id.ID, t.DeviceID) {
+		return pk, nil
+	}
+	h.log.Warn("mqtt publish for a device the bridge does not serve dropped", "bridge_id", id.ID,
+		"device_id", t.DeviceID, "topic", pk.TopicName, "client_id", cl.ID)
+	return pk, packets.CodeSuccessIgnore
+}
+
+// serves asks the accounts whether the bridge serves the device now.
+func (h *authHook) serves(bridgeID, deviceID string) bool {
+	if h.accounts == nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), accountsTimeout)
+	defer cancel()
+	return h.accounts.BridgeServesDevice(ctx, bridgeID, deviceID)
+}
+
+// mayWill says whether id may leave a Will on topic. A bridge's Will is its
+// own state topic ("offline"); a user may not publish at all.
+func (h *authHook) mayWill(id Identity, topic string) bool {
+	switch id.Role {
+	case RoleServer:
+		return h.mayWrite(id, topic)
+	case RoleBridge:
+		t, err := h.tree.Parse(topic)
+		return err == nil && t.Kind == topics.KindBridgeState && t.BridgeID == id.ID
+	}
+	return false
+}
+
+// mayRead says whether id may subscribe to filter, or receive a message on
+// the topic filter names.
+func (h *authHook) mayRead(id Identity, filter string) bool {
+	levels, ok := h.below(filter)
+	if !ok {
+		return false
+	}
+	switch id.Role {
+	case RoleServer:
+		return true
+	case RoleBridge:
+		// devices/{an id it serves}/commands/{op|+|#}; a wildcard device
+		// is refused.
+		if len(levels) != 4 || levels[0] != "devices" || levels[2] != "commands" {
+			return false
+		}
+		dev, op := levels[1], levels[3]
+		return topics.ValidDeviceID(dev) && (op == "+" || op == "#" || topics.ValidOp(op)) && h.serves(id.ID, dev)
+	case RoleUser:
+		// devices/{an id they own}/… ; a wildcard device is refused.
+		if len(levels) < 2 || levels[0] != "devices" || !topics.ValidDeviceID(levels[1]) {
+			return false
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), accountsTimeout)
+		defer cancel()
+		return h.accounts != nil && h.accounts.UserOwnsDevice(ctx, id.ID, levels[1])
+	}
+	return false
+}
+
+// OnSessionEstablish notes the client whose session cl takes over. The old
+// client object is replaced by cl in mochi's client map once the session
+// is established; an offline one never reports a disconnect again, so its
+// identity is dropped then (not now: until then mochi still queues
+// messages for it, checking the ACL).
+func (h *authHook) OnSessionEstablish(cl *mqtt.Client, _ packets.Packet) {
+	existing, ok := h.clients.Get(cl.ID)
+	if !ok || existing == cl {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.replaced[cl] = existing
+}
+
+// OnSessionEstablished forgets the client object cl replaced.
+func (h *authHook) OnSessionEstablished(cl *mqtt.Client, _ packets.Packet) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.dropReplaced(cl)
+}
+
+func (h *authHook) dropReplaced(cl *mqtt.Client) {
+	if old, ok := h.replaced[cl]; ok {
+		delete(h.ids, old)
+		delete(h.replaced, cl)
+	}
+}
+
+// OnDisconnect forgets a client whose session ends with its connection.
+// A persistent session keeps its identity: mochi checks the ACL for each
+// message it queues for it while it is offline.
+func (h *authHook) OnDisconnect(cl *mqtt.Client, _ error, expire bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.dropReplaced(cl)
+	if expire || cl.IsTakenOver() {
+		delete(h.ids, cl)
+	}
+}
+
+// OnClientExpired forgets a persistent session mochi has given up on.
+func (h *authHook) OnClientExpired(cl *mqtt.Client) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.ids, cl)
+}
