@@ -1,0 +1,217 @@
+package broker
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// Submit stores a command as queued (durably) and hands it to the outbox.
+// The store assigns its id. With idem set, a repeat of the same request
+// returns the first command and replayed true.
+func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companion.Idempotency) (companion.Command, bool, error) {
+	if !topics.ValidOp(c.Op) || c.Op == topics.OpCancel || !topics.ValidDeviceID(c.DeviceID) {
+		return companion.Command{}, false, fmt.Errorf("broker: bad command %q for %q", c.Op, c.DeviceID)
+	}
+	type result struct {
+		cmd      companion.Command
+		replayed bool
+		err      error
+	}
+	ch := make(chan result, 1)
+	start := time.Now()
+	b.st.CreateCommandAsync(c, b.opts.MaxOpenCommands, idem, func(cmd companion.Command, replayed bool, err error) {
+		b.opts.Observer.StoreWrite(StoreWriteCreate, time.Since(start))
+		// The store calls back in commit order: the outbox gets each
+		// device's commands in the order of their ids.
+		if err == nil && !replayed {
+			b.opts.Observer.CommandState(cmd.Op, cmd.State, 0)
+			b.mu.Lock()
+			b.live[cmd.ID] = true
+			b.mu.Unlock()
+			b.enqueue(cmd)
+		}
+		ch <- result{cmd, replayed, err}
+	})
+	r := <-ch
+	return r.cmd, r.replayed, r.err
+}
+
+func (b *Broker) wake() {
+	select {
+	case b.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Cancel cancels a command the bridge does not have yet. A command already
+// handed to the MQTT broker is also withdrawn from the bridge with a cancel
+// message; one the bridge has acknowledged can no longer be canceled.
+func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, error) {
+	var was string
+	start := time.Now()
+	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
+		if c.State != companion.StateQueued && c.State != companion.StateSent {
+			return ErrNotCancelable
+		}
+		was = c.State
+		c.State = companion.StateCanceled
+		c.Error = &companion.CommandError{Code: "canceled", Message: "canceled by the user"}
+		return nil
+	})
+	b.opts.Observer.StoreWrite(StoreWriteCancel, time.Since(start))
+	if err != nil {
+		return cmd, err
+	}
+	b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+	b.notify(cmd)
+	b.mu.Lock()
+	// Not yet taken by the outbox: it never goes out.
+	b.pending = slices.DeleteFunc(b.pending, func(c companion.Command) bool { return c.ID == id })
+	_, out := b.flying[id] // taken, perhaps published: the cancel follows it
+	b.mu.Unlock()
+	// With replicas, the dispatcher may have published it although the
+	// store still says queued (sent is written after the PUBACK).
+	if out || was == companion.StateSent || b.opts.Dispatcher != nil {
+		b.publishCancel(cmd)
+	}
+	return cmd, nil
+}
+
+// publishCancel withdraws a canceled command from the bridge. It is best
+// effort: the bridge also checks expiry, and the server ignores whatever it
+// reports for a canceled command.
+func (b *Broker) publishCancel(cmd companion.Command) {
+	topic, err := b.tree.Command(cmd.DeviceID, topics.OpCancel)
+	if err != nil {
+		b.log.Error("cancel not sent: no topic for the device", "command_id", cmd.ID, "device_id", cmd.DeviceID, "err", err)
+		return
+	}
+	payload, err := fastjson.Marshal(topics.Cancel{CommandID: cmd.ID})
+	if err != nil {
+		b.log.Error("cancel not sent", "command_id", cmd.ID, "err", err)
+		return
+	}
+	msg, err := fastjson.Marshal(topics.Command{
+		ID:        cmd.ID,
+		Op:        topics.OpCancel,
+		DeviceID:  cmd.DeviceID,
+		CreatedAt: b.now().UTC(),
+		ExpiresAt: cmd.ExpiresAt,
+		Payload:   payload,
+	})
+	if err != nil {
+		b.log.Error("cancel not sent", "command_id", cmd.ID, "err", err)
+		return
+	}
+	b.client.Publish(topic, 1, false, msg)
+}
+
+// Wait returns the command once it is final, or its latest state when ctx
+// ends first.
+func (b *Broker) Wait(ctx context.Context, id string) (companion.Command, error) {
+	ch := make(chan companion.Command, 1)
+	b.mu.Lock()
+	b.waiters[id] = append(b.waiters[id], ch)
+	live := b.live[id]
+	b.mu.Unlock()
+	defer b.forget(id, ch)
+
+	// A command accepted here and not final yet will be notified; any
+	// other may be final already.
+	if !live {
+		cmd, err := b.st.Command(ctx, id)
+		if err != nil || companion.IsFinal(cmd.State) {
+			return cmd, err
+		}
+	}
+	var cmd companion.Command
+	select {
+	case cmd = <-ch:
+		return cmd, nil
+	case <-ctx.Done():
+		return b.st.Command(context.WithoutCancel(ctx), id)
+	case <-b.quit:
+		return b.st.Command(context.WithoutCancel(ctx), id)
+	}
+}
+
+func (b *Broker) forget(id string, ch chan companion.Command) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	list := b.waiters[id]
+	for i, c := range list {
+		if c == ch {
+			list = append(list[:i], list[i+1:]...)
+			break
+		}
+	}
+	if len(list) == 0 {
+		delete(b.waiters, id)
+	} else {
+		b.waiters[id] = list
+	}
+}
+
+// DispatcherChanged tells the broker that this replica started or stopped
+// dispatching: a new dispatcher reads the store at once.
+func (b *Broker) DispatcherChanged(dispatching bool) {
+	b.log.Info("dispatcher", "dispatching", dispatching)
+	if dispatching {
+		b.wake()
+	}
+}
+
+// CommandChanged says another replica changed command id in the shared
+// store (the store's notification): those waiting here for it are
+// answered if it is final now. It costs nothing when nobody here waits.
+// An empty id means notifications may have been lost (the store's listener
+// reconnected): every command waited for here is read again.
+func (b *Broker) CommandChanged(ctx context.Context, id string) {
+	if b.opts.Dispatcher != nil {
+		// Perhaps a command another replica accepted: the dispatcher reads
+		// the queue again.
+		b.mu.Lock()
+		b.scan = true
+		b.mu.Unlock()
+		b.wake()
+	}
+	b.mu.Lock()
+	var ids []string
+	if id == "" {
+		for w := range b.waiters {
+			ids = append(ids, w)
+		}
+	} else if len(b.waiters[id]) > 0 {
+		ids = append(ids, id)
+	}
+	b.mu.Unlock()
+	for _, id := range ids {
+		cmd, err := b.st.Command(ctx, id)
+		if err != nil {
+			b.log.Warn("a changed command could not be read", "command_id", id, "err", err)
+			continue
+		}
+		if companion.IsFinal(cmd.State) {
+			b.notify(cmd)
+		}
+	}
+}
+
+// notify hands a command that became final to those waiting for it.
+func (b *Broker) notify(cmd companion.Command) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.live, cmd.ID)
+	for _, ch := range b.waiters[cmd.ID] {
+		select {
+		case ch <- cmd:
+		default:
+		}
+	}
+}

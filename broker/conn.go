@@ -1,0 +1,220 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"slices"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+
+	"github.com/devicecompanion/companion/topics"
+)
+
+// onConnect subscribes to what the bridges publish, and to the filters of
+// the connection's other users, on every connect; the broker is ready once
+// the MQTT broker has granted them all.
+func (b *Broker) onConnect(c mqtt.Client) {
+	b.log.Info("MQTT connected", "url", b.opts.MQTTURL)
+	filters := map[string]byte{
+		b.tree.AllReplies():      1,
+		b.tree.AllStatus():       1,
+		b.tree.AllSettings():     1,
+		b.tree.AllBridgeStates(): 1,
+	}
+	// Subscribing from the connect handler must not wait on the token in
+	// this goroutine for long; paho allows it, but bound it.
+	tok := c.SubscribeMultiple(filters, nil)
+	b.mu.Lock()
+	extra := b.extra
+	b.mu.Unlock()
+	b.goOwned(func() {
+		if err := b.waitToken(tok); err != nil {
+			if !errors.Is(err, ErrClosed) {
+				b.log.Error("MQTT subscribe failed", "err", err)
+			}
+			return
+		}
+		// A broker may refuse a filter (SUBACK 0x80) for a while: NATS
+		// does while a node's JetStream leaders are elected. Not ready
+		// until every one is granted.
+		for refused := refusedFilters(tok, filters); len(refused) > 0; refused = refusedFilters(tok, refused) {
+			b.log.Warn("MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)))
+			t := time.NewTimer(time.Second)
+			select {
+			case <-b.quit:
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			if !c.IsConnectionOpen() {
+				return // the next connect subscribes again
+			}
+			tok = c.SubscribeMultiple(refused, nil)
+			if err := b.waitToken(tok); err != nil {
+				if !errors.Is(err, ErrClosed) {
+					b.log.Error("MQTT subscribe failed", "err", err)
+				}
+				return
+			}
+		}
+		// Ready means every user of the connection is subscribed too.
+		for _, e := range extra {
+			b.subscribeExtra(c, e)
+		}
+		b.setReady(true)
+		select {
+		case b.connected <- struct{}{}:
+		default:
+		}
+	})
+}
+
+// refusedFilters are those of filters that the SUBACK of tok refused.
+func refusedFilters(tok mqtt.Token, filters map[string]byte) map[string]byte {
+	st, ok := tok.(*mqtt.SubscribeToken)
+	if !ok {
+		return nil
+	}
+	refused := map[string]byte{}
+	for f, qos := range filters {
+		if code, ok := st.Result()[f]; ok && code == 0x80 {
+			refused[f] = qos
+		}
+	}
+	return refused
+}
+
+// extraSub is a subscription made for another user of the broker's MQTT
+// connection (see Subscribe).
+type extraSub struct {
+	filter     string
+	subscribed func(granted bool)
+}
+
+// Subscribe adds a subscription that the broker makes on every connect,
+// besides its own, for another user of its MQTT connection (the
+// dynamic-security driver). Each message on filter is handed to msg in
+// arrival order and acknowledged after; msg must not block. After each
+// subscription attempt, subscribed is told whether the MQTT broker granted
+// it; it must not block either. Call Subscribe before Start.
+func (b *Broker) Subscribe(filter string, msg func(payload []byte), subscribed func(granted bool)) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.started {
+		return errors.New("broker: Subscribe after Start")
+	}
+	b.extra = append(b.extra, extraSub{filter: filter, subscribed: subscribed})
+	b.client.AddRoute(filter, func(_ mqtt.Client, m mqtt.Message) {
+		msg(m.Payload())
+		m.Ack()
+	})
+	return nil
+}
+
+func (b *Broker) subscribeExtra(c mqtt.Client, e extraSub) {
+	tok := c.Subscribe(e.filter, 1, nil)
+	err := b.waitToken(tok)
+	if errors.Is(err, ErrClosed) {
+		return
+	}
+	granted := err == nil
+	if st, ok := tok.(*mqtt.SubscribeToken); ok && st.Result()[e.filter] == 0x80 {
+		granted = false
+	}
+	if !granted {
+		b.log.Error("MQTT subscription refused", "filter", e.filter, "err", err)
+	}
+	e.subscribed(granted)
+}
+
+// Publish publishes payload on topic at QoS 1, not retained, and waits for
+// the MQTT broker's PUBACK or ctx. It is for other users of the broker's
+// connection (the dynamic-security driver); commands go through Submit.
+// While the connection is down it fails at once with ErrNotConnected
+// rather than queue a message that would go out late.
+func (b *Broker) Publish(ctx context.Context, topic string, payload []byte) error {
+	if !b.client.IsConnectionOpen() {
+		return ErrNotConnected
+	}
+	tok := b.client.Publish(topic, 1, false, payload)
+	select {
+	case <-tok.Done():
+		return tok.Error()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// route takes one message in: it parses it and hands what it says to the
+// store, and acknowledges it once the store has it on disk. It never waits
+// for the disk: paho calls it for one message at a time, and the store's
+// writes keep their order, so the messages of a device are taken, and
+// acknowledged, in the order they came. A message that is dropped (bad,
+// stale, unknown) is acknowledged at once. Nothing a bridge sends can make
+// it fail loudly: bad messages are logged and dropped.
+func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
+	ctx := context.Background()
+	t, err := b.tree.Parse(m.Topic())
+	if err != nil {
+		b.log.Warn("message on an unknown topic", "topic", m.Topic())
+		m.Ack()
+		return
+	}
+	switch t.Kind {
+	case topics.KindReplies:
+		r, err := topics.ParseReply(m.Payload())
+		if err != nil {
+			b.log.Warn("bad reply", "device_id", t.DeviceID, "err", err)
+			m.Ack()
+			return
+		}
+		b.takeReply(t.DeviceID, r, m.Ack) // it checks that a bridge serves the device
+	case topics.KindStatus:
+		if len(m.Payload()) == 0 {
+			m.Ack() // a cleared retained message
+			return
+		}
+		s, err := topics.ParseStatus(m.Payload())
+		if err != nil {
+			b.log.Warn("bad status", "device_id", t.DeviceID, "err", err)
+			m.Ack()
+			return
+		}
+		if !b.served(ctx, t.DeviceID, s.BridgeID) {
+			m.Ack()
+			return
+		}
+		b.takeStatus(ctx, t.DeviceID, s, m.Ack)
+	case topics.KindSettings:
+		if len(m.Payload()) == 0 {
+			m.Ack()
+			return
+		}
+		s, err := topics.ParseSettings(m.Payload())
+		if err != nil {
+			b.log.Warn("bad settings", "device_id", t.DeviceID, "err", err)
+			m.Ack()
+			return
+		}
+		if !b.served(ctx, t.DeviceID, "") {
+			m.Ack()
+			return
+		}
+		b.takeSettings(ctx, t.DeviceID, s, m.Ack)
+	case topics.KindBridgeState:
+		switch string(m.Payload()) {
+		case topics.BridgeOnline:
+			b.bridgeOnline(ctx, t.BridgeID)
+			m.Ack()
+		case topics.BridgeOffline:
+			b.bridgeOffline(t.BridgeID, m.Ack)
+		default:
+			m.Ack()
+		}
+	default:
+		// Our own commands never come back: we do not subscribe to them.
+		m.Ack()
+	}
+}

@@ -1,0 +1,315 @@
+package broker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
+	"github.com/devicecompanion/companion/internal/retry"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// served reports whether a message about deviceID may be taken in: the
+// device is served by a bridge, by bridgeID when the message names one
+// (a status does). The broker's rights keep a bridge to the devices it
+// serves; what slips past them (a broker without them, a race with a
+// move) is dropped here, and logged (CONTRACT §9).
+func (b *Broker) served(ctx context.Context, deviceID, bridgeID string) bool {
+	bridge, err := b.st.DeviceBridge(ctx, deviceID)
+	if err != nil {
+		b.log.Error("reading a device's bridge; message dropped", "device_id", deviceID, "err", err)
+		return false
+	}
+	return b.servedBy(deviceID, bridgeID, bridge)
+}
+
+// servedBy is served once the device's bridge is read: bridge serves it.
+func (b *Broker) servedBy(deviceID, bridgeID, bridge string) bool {
+	switch {
+	case bridge == "":
+		b.log.Warn("message for a device no bridge serves; dropped", "device_id", deviceID, "bridge_id", bridgeID)
+		return false
+	case bridgeID != "" && bridge != bridgeID:
+		b.log.Warn("message from a bridge that does not serve the device; dropped", "device_id", deviceID, "bridge_id", bridgeID, "serving", bridge)
+		return false
+	}
+	return true
+}
+
+// DeviceMoved says a device changed bridges, or lost its bridge: its
+// unfinished commands go again, to whichever bridge serves it now (those
+// of a device no bridge serves wait queued).
+func (b *Broker) DeviceMoved(deviceID string) {
+	b.mu.Lock()
+	b.resend[deviceID] = true
+	b.mu.Unlock()
+	b.wake()
+}
+
+// bridgeOffline takes a bridge's Will: every device it served reads
+// offline.
+func (b *Broker) bridgeOffline(bridgeID string, ack func()) {
+	start := time.Now()
+	b.st.MarkBridgeOfflineAsync(bridgeID, func(ids []string, err error) {
+		defer ack()
+		b.opts.Observer.StoreWrite(StoreWriteOffline, time.Since(start))
+		if err != nil {
+			b.log.Error("marking a bridge's devices offline", "bridge_id", bridgeID, "err", err)
+			return
+		}
+		b.mu.Lock()
+		for _, id := range ids {
+			delete(b.online, id)
+		}
+		b.mu.Unlock()
+		b.log.Info("bridge offline", "bridge_id", bridgeID, "devices", len(ids))
+	})
+}
+
+// takeReply stores a bridge's reply to a command, with the device's state
+// that came with it, and once both are on disk calls ack and wakes those
+// waiting for the command if it is final: what they read next reflects it.
+func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
+	b.takeReplyAttempt(deviceID, r, ack, 1)
+}
+
+// replyRetryDelay is the pause before attempt+1: 100 ms doubling up to
+// 10 s, each ±50% (the library's ExponentialBackOff, as in gatt), so that
+// replicas whose store came back together do not retry in lockstep. The
+// jitter is even on both sides: maxReplyAttempts still spans about ten
+// minutes.
+func replyRetryDelay(attempt int) time.Duration {
+	bo := retry.Backoff(100*time.Millisecond, 10*time.Second)
+	// A reply's attempts share no state: step to this one (the interval
+	// reaches its cap at the eighth).
+	for range min(attempt, 8) - 1 {
+		bo.NextBackOff()
+	}
+	return bo.NextBackOff()
+}
+
+// later runs f after d on a goroutine Close waits for, unless the broker
+// is closing by then.
+func (b *Broker) later(d time.Duration, f func()) {
+	time.AfterFunc(d, func() { b.goOwned(f) })
+}
+
+func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), attempt int) {
+	bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
+	if err != nil && !errors.Is(err, companion.ErrNotFound) && attempt < maxReplyAttempts {
+		// As below: the store failed, the reply waits unacknowledged.
+		b.log.Warn("reading a device's bridge failed; taking its reply again", "device_id", deviceID, "attempt", attempt, "err", err)
+		b.later(replyRetryDelay(attempt), func() { b.takeReplyAttempt(deviceID, r, ack, attempt+1) })
+		return
+	}
+	if err != nil {
+		b.log.Error("reading a device's bridge; reply dropped", "device_id", deviceID, "err", err)
+		ack()
+		return
+	}
+	if !b.servedBy(deviceID, "", bridge) {
+		ack()
+		return
+	}
+	var report companion.DeviceReport
+	if r.Status != nil {
+		s := storeStatus(deviceID, *r.Status)
+		report.Status = &s
+	}
+	if r.Settings != nil {
+		rs, err := reportedSettings(*r.Settings)
+		if err != nil {
+			b.log.Warn("reply with settings that cannot be stored; storing the reply without them", "device_id", deviceID, "command_id", r.CommandID, "err", err)
+		} else {
+			report.Settings = &rs
+		}
+	}
+	start := time.Now()
+	var from string // the state before the reply, for the Observer
+	b.st.UpdateCommandWithReportAsync(r.CommandID, func(c *companion.Command) error {
+		if c.DeviceID != deviceID {
+			return fmt.Errorf("%w: reply on device %s for a command of %s", errStale, deviceID, c.DeviceID)
+		}
+		switch {
+		case companion.Rank(r.State) < companion.Rank(c.State):
+			return errStale
+		case r.State == c.State && r.State != companion.StateInProgress:
+			return errStale
+		case r.State == companion.StateInProgress && r.Progress != nil && c.Progress != nil && *r.Progress < *c.Progress:
+			return errStale
+		}
+		from = c.State
+		c.State = r.State
+		if r.Progress != nil {
+			p := *r.Progress
+			c.Progress = &p
+		}
+		if r.State == companion.StateSucceeded {
+			p := 100
+			c.Progress = &p
+		}
+		if r.Error != nil {
+			c.Error = &companion.CommandError{Code: r.Error.Code, Message: r.Error.Message}
+		}
+		if len(r.Result) > 0 {
+			c.Result = append(json.RawMessage(nil), r.Result...)
+		}
+		return nil
+	}, report, func(cmd companion.Command, err error) {
+		b.opts.Observer.StoreWrite(StoreWriteReply, time.Since(start))
+		if err == nil && cmd.State != from {
+			b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+		}
+		if err != nil && !errors.Is(err, companion.ErrNotFound) && !errors.Is(err, companion.ErrFinal) &&
+			!errors.Is(err, errStale) && !errors.Is(err, companion.ErrInvalid) && attempt < maxReplyAttempts {
+			// The store failed (PostgreSQL restarting, say): the reply is
+			// not acknowledged, and is taken again a little later; the
+			// bridge's later replies meanwhile are ranked against it.
+			b.log.Warn("storing a reply failed; taking it again", "command_id", r.CommandID, "attempt", attempt, "err", err)
+			b.later(replyRetryDelay(attempt), func() { b.takeReplyAttempt(deviceID, r, ack, attempt+1) })
+			return
+		}
+		defer ack()
+		b.land(r.CommandID) // the bridge has it: no "sent" to write
+		switch {
+		case errors.Is(err, companion.ErrNotFound):
+			b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
+		case errors.Is(err, companion.ErrFinal), errors.Is(err, errStale):
+			b.log.Debug("stale reply ignored", "command_id", r.CommandID, "state", r.State, "err", err)
+		case err != nil:
+			b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
+		case companion.IsFinal(cmd.State):
+			b.notify(cmd)
+		}
+	})
+}
+
+// takeStatus stores a device's status, then calls ack.
+func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Status, ack func()) {
+	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
+		b.log.Warn("status for a device that was never provisioned", "device_id", deviceID)
+		ack()
+		return
+	}
+	start := time.Now()
+	b.st.PutStatusAsync(storeStatus(deviceID, s), func(_ bool, err error) {
+		defer ack()
+		b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
+		if err != nil {
+			b.log.Error("storing a status", "device_id", deviceID, "err", err)
+			return
+		}
+		b.sawDevice(deviceID, s.Online)
+	})
+}
+
+// sawDevice notes whether a device is online. The first time a device is
+// seen online after start, or after it went offline, its bridge has just
+// (re)subscribed: commands sent earlier may have reached a broker that had no
+// session for the bridge (a first connection, a broker restarted without its
+// queue, an expired session) and been dropped. The outbox publishes them
+// again; the bridge drops any it already has.
+func (b *Broker) sawDevice(deviceID string, online bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !online {
+		delete(b.online, deviceID)
+		return
+	}
+	if b.online[deviceID] {
+		return
+	}
+	b.online[deviceID] = true
+	b.resend[deviceID] = true
+	b.wake()
+}
+
+// bridgeOnline takes a bridge's "online": the bridge has just connected and
+// subscribed (it says so only after its SUBACK). Its devices' commands that
+// are not final go out again. Without this, a broker that crashed (SIGKILL,
+// power loss) between its autosaves takes with it the commands it had
+// acknowledged to us but not yet handed to the bridge, and the final replies
+// it had acknowledged to the bridge but not yet handed to us; no Will fires
+// in a crash, so sawDevice would see no device come back online, and those
+// commands would stay sent or delivered forever. The bridge drops the ids it
+// has queued or running and answers those it finished with their final reply.
+func (b *Broker) bridgeOnline(ctx context.Context, bridgeID string) {
+	ids, err := b.st.ServedDevices(ctx, bridgeID)
+	if err != nil {
+		b.log.Error("listing a bridge's devices", "bridge_id", bridgeID, "err", err)
+		return
+	}
+	if len(ids) == 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, id := range ids {
+		b.resend[id] = true
+	}
+	b.wake()
+	b.log.Info("bridge online; resending its devices' unfinished commands", "bridge_id", bridgeID, "devices", len(ids))
+}
+
+// takeSettings stores the settings a device reported, then calls ack.
+func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Settings, ack func()) {
+	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
+		b.log.Warn("settings for a device that was never provisioned", "device_id", deviceID)
+		ack()
+		return
+	}
+	r, err := reportedSettings(s)
+	if err != nil {
+		b.log.Warn("settings that cannot be stored", "device_id", deviceID, "err", err)
+		ack()
+		return
+	}
+	start := time.Now()
+	b.st.PutReportedSettingsAsync(deviceID, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
+		defer ack()
+		b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))
+		if err != nil {
+			b.log.Error("storing settings", "device_id", deviceID, "err", err)
+		}
+	})
+}
+
+// storeStatus is a device's status message as the store keeps it.
+func storeStatus(deviceID string, s topics.Status) companion.Status {
+	apps := make([]companion.App, 0, len(s.Apps))
+	for _, a := range s.Apps {
+		apps = append(apps, companion.App{AppID: a.AppID, Version: a.Version})
+	}
+	return companion.Status{
+		DeviceID:        deviceID,
+		Online:          s.Online,
+		Battery:         s.Battery,
+		FirmwareVersion: s.FirmwareVersion,
+		Model:           s.Model,
+		Apps:            apps,
+		BridgeID:        s.BridgeID,
+		LastSeen:        s.At,
+		Seq:             s.Seq,
+	}
+}
+
+// reportedSettings is a device's settings message as the store keeps it.
+func reportedSettings(s topics.Settings) (companion.ReportedSettings, error) {
+	reported := make(map[string]json.RawMessage, len(s.Reported))
+	for k, v := range s.Reported {
+		raw, err := fastjson.Marshal(v)
+		if err != nil {
+			return companion.ReportedSettings{}, fmt.Errorf("setting %q: %w", k, err)
+		}
+		reported[k] = raw
+	}
+	schema, err := fastjson.Marshal(s.Schema)
+	if err != nil {
+		return companion.ReportedSettings{}, fmt.Errorf("schema: %w", err)
+	}
+	return companion.NewReportedSettings(reported, schema, s.At, s.Seq)
+}
