@@ -38,6 +38,7 @@ import (
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
 	"github.com/devicecompanion/companion/internal/fastjson"
+	"github.com/devicecompanion/companion/internal/pahoconn"
 	"github.com/devicecompanion/companion/internal/pahostore"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/topics"
@@ -275,7 +276,7 @@ func New(opts Options) (*Agent, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
-	a.client = mqtt.NewClient(co)
+	a.client = mqtt.NewClient(pahoconn.Buffered(co))
 	return a, nil
 }
 

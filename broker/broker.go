@@ -14,6 +14,7 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/pahoconn"
 	"github.com/devicecompanion/companion/internal/pahostore"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/topics"
@@ -234,6 +235,7 @@ func New(opts Options) (*Broker, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
+	pahoconn.Buffered(co)
 	newClient := opts.NewClient
 	if newClient == nil {
 		newClient = mqtt.NewClient
