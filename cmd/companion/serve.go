@@ -310,7 +310,7 @@ func (m *Main) Run(ctx context.Context) error {
 // serverTLS checks the TLS flags and loads what they name: the API's
 // certificate (nil without --tls-cert) and the embedded broker's TLS
 // settings (nil without --mqtt-tls-cert).
-func serverTLS(cfg Config) (httpCert *tls.Certificate, mqtt *tls.Config, err error) {
+func serverTLS(cfg Config) (httpCert *tls.Certificate, mqttTLS *tls.Config, err error) {
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		return nil, nil, usageError{"--tls-cert and --tls-key go together"}
 	}
@@ -332,9 +332,9 @@ func serverTLS(cfg Config) (httpCert *tls.Certificate, mqtt *tls.Config, err err
 		if err != nil {
 			return nil, nil, fmt.Errorf("MQTT TLS: %w", err)
 		}
-		mqtt = &tls.Config{Certificates: []tls.Certificate{c}, MinVersion: tls.VersionTLS12}
+		mqttTLS = &tls.Config{Certificates: []tls.Certificate{c}, MinVersion: tls.VersionTLS12}
 	}
-	return httpCert, mqtt, nil
+	return httpCert, mqttTLS, nil
 }
 
 // startMQTT starts the embedded broker, serving TLS with mqttServerTLS
