@@ -148,7 +148,7 @@ func TestReplicasPublishEachCommandOnceInOrder(t *testing.T) {
 	default:
 		t.Fatal("neither replica dispatches")
 	}
-	require.Eventually(t, stays.pg.Dispatching, 20*time.Second, 50*time.Millisecond, "the other replica did not take over")
+	testenv.Eventually(t, 20*time.Second, "the other replica to take over", stays.pg.Dispatching)
 	cmd := stay.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "after the takeover"})
 	assert.Equal(t, "succeeded", stay.waitFinal("dev-1", cmd["id"].(string))["state"])
 	assert.Equal(t, append(ids, cmd["id"].(string)), textIDs(b.sims["dev-1"]))

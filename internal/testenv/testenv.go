@@ -40,7 +40,9 @@ func RepoRoot() (string, error) {
 // It is for state seen only by asking (the API, the store, a login): the
 // poll, every 5 ms at first and every 100 ms at most, is a bounded wait for
 // an observable change, not a sleep to synchronise. Wait on a channel
-// wherever there is one.
+// wherever there is one. Unlike testify's Eventually, cond runs on the
+// test's own goroutine, so it may fail the test itself (require.NoError
+// inside it), which FailNow allows only there.
 func Eventually(tb testing.TB, timeout time.Duration, what string, cond func() bool) {
 	tb.Helper()
 	deadline := time.Now().Add(timeout)

@@ -8,6 +8,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // Of the stores campaigning on one database one dispatches at a time;
@@ -35,7 +37,7 @@ func testOneDispatcher(t *testing.T, e *testEnv) {
 	assert.False(t, b.Dispatching(), "two dispatchers at once")
 
 	require.NoError(t, a.Close()) // a's session ends: the lock is free
-	require.Eventually(t, b.Dispatching, waitFor, 50*time.Millisecond, "b did not take over")
+	testenv.Eventually(t, waitFor, "b to take over", b.Dispatching)
 	assert.False(t, a.Dispatching())
 	bcancel()
 	<-bdone
