@@ -58,6 +58,25 @@ func Rank(s string) int {
 	return -1
 }
 
+// CodeDeviceUnbound is the error code of a command that ended because its
+// user unbound the device (EndUnbound).
+const CodeDeviceUnbound = "device_unbound"
+
+// EndUnbound ends a command of a device its user unbound. One the bridge
+// does not have yet is canceled: it never runs (the broker withdraws it
+// from the bridge). One the bridge has may have run, or be running, and
+// fails, since nobody can tell what it did. c must not be final.
+func EndUnbound(c *Command) {
+	switch c.State {
+	case StateQueued, StateSent:
+		c.State = StateCanceled
+		c.Error = &CommandError{Code: CodeDeviceUnbound, Message: "the device was unbound before its bridge took the command"}
+	default:
+		c.State = StateFailed
+		c.Error = &CommandError{Code: CodeDeviceUnbound, Message: "the device was unbound while its bridge had the command; whether it took effect is not known"}
+	}
+}
+
 // CommandError is why a command failed.
 type CommandError struct {
 	Code    string `json:"code"`

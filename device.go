@@ -51,6 +51,20 @@ type Binding struct {
 	BoundAt  time.Time `json:"bound_at"`
 }
 
+// Unbound is what an unbinding changed besides the binding. What the user
+// asked of the device and it has not done yet is theirs, not the next
+// owner's: their unfinished commands end (EndUnbound) and their desired
+// settings are dropped, in the unbinding's transaction, so that nothing of
+// theirs reaches the device, or its next owner's bridge, afterwards.
+type Unbound struct {
+	// Bridge is the user's own bridge that stopped serving the device ("":
+	// none did; a device stays on the operator's bridge).
+	Bridge string
+	// Ended are the user's commands of the device that were not final, as
+	// EndUnbound left them, oldest first.
+	Ended []Command
+}
+
 // App is an installed app as a device last reported it.
 type App struct {
 	AppID   string `json:"app_id"`

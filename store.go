@@ -39,7 +39,7 @@ type Store interface {
 	BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error)
 
 	Bind(ctx context.Context, b Binding) (Binding, bool, error)
-	Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error)
+	Unbind(ctx context.Context, deviceID, userID string) (Unbound, error)
 	Binding(ctx context.Context, deviceID string) (Binding, error)
 	ListBindings(ctx context.Context, userID, after string, limit int) ([]Binding, error)
 	ListDevices(ctx context.Context, userID, after string, limit int) ([]BoundDevice, error)

@@ -187,19 +187,22 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 		return err
 	}
 	ctx := c.Request.Context()
-	unassigned, err := s.store.Unbind(ctx, b.DeviceID, user.ID)
+	unbound, err := s.store.Unbind(ctx, b.DeviceID, user.ID)
 	switch {
 	case errors.Is(err, companion.ErrNotFound):
 		return errDeviceNotFound
 	case err != nil:
 		return err
 	}
+	// The user's unfinished commands ended with the binding: none of
+	// them may reach the device, or its next owner's bridge.
+	s.cmds.Ended(unbound.Ended)
 	if s.accounts != nil {
 		_ = s.accounts.Unbound(ctx, user.ID, b.DeviceID) // logged and retried there
 	}
-	if unassigned != "" {
+	if unbound.Bridge != "" {
 		// The user's own bridge serves only the user's devices.
-		s.moved(ctx, b.DeviceID, unassigned, "")
+		s.moved(ctx, b.DeviceID, unbound.Bridge, "")
 	}
 	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
 }

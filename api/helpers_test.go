@@ -68,6 +68,8 @@ func (f *fakeCommander) Submit(ctx context.Context, c companion.Command, idem *c
 
 func (f *fakeCommander) DeviceMoved(string) {}
 
+func (f *fakeCommander) Ended([]companion.Command) {}
+
 func (f *fakeCommander) Cancel(ctx context.Context, id string) (companion.Command, error) {
 	cmd, err := f.db.UpdateCommand(ctx, id, func(c *companion.Command) error {
 		if companion.Rank(c.State) >= companion.Rank(companion.StateDelivered) {

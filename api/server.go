@@ -35,7 +35,7 @@ type Store interface {
 	BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error)
 
 	Bind(ctx context.Context, b companion.Binding) (companion.Binding, bool, error)
-	Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error)
+	Unbind(ctx context.Context, deviceID, userID string) (companion.Unbound, error)
 	Binding(ctx context.Context, deviceID string) (companion.Binding, error)
 	// ListDevices reads a page of the user's devices with their statuses
 	// in one read transaction.
@@ -82,6 +82,9 @@ type Commander interface {
 	// DeviceMoved says a device changed bridges (or lost its bridge): its
 	// unfinished commands go to the bridge that serves it now.
 	DeviceMoved(deviceID string)
+	// Ended says the store ended these commands itself (an unbind): their
+	// waiters are answered and the bridge is told to drop them.
+	Ended(cmds []companion.Command)
 }
 
 // BrokerAccounts is told of every change to who may use the MQTT broker,

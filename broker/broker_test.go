@@ -641,3 +641,44 @@ func TestWaitersHearOfAnotherReplicasFinalState(t *testing.T) {
 		t.Fatal("the waiter did not hear of the final state")
 	}
 }
+
+// Commands that an unbind ended in the store (companion.Unbound) answer
+// their waiters at once and are withdrawn from the bridge, the one it has
+// as well as the one on its way: a bridge drops a command canceled before
+// it starts.
+func TestEndedCommandsAreAnsweredAndWithdrawn(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	_, _, err := e.db.Bind(ctx, companion.Binding{DeviceID: "dev-1", UserID: "u1"})
+	require.NoError(t, err)
+	fb := connectBridge(t, e)
+	had := submit(t, e, "dev-1", "the bridge has it", time.Hour)
+	require.Equal(t, had.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: had.ID, State: companion.StateDelivered, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, had.ID).State == companion.StateDelivered })
+	sent := submit(t, e, "dev-1", "on its way", time.Hour)
+	require.Equal(t, sent.ID, fb.next(t).ID)
+	waited := make(chan companion.Command, 1)
+	go func() {
+		c, _ := e.b.Wait(ctx, sent.ID)
+		waited <- c
+	}()
+
+	unbound, err := e.db.Unbind(ctx, "dev-1", "u1")
+	require.NoError(t, err)
+	require.Len(t, unbound.Ended, 2)
+	e.b.Ended(unbound.Ended)
+	select {
+	case c := <-waited:
+		assert.Equal(t, companion.StateCanceled, c.State, "the waiter's answer")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiter was not answered")
+	}
+	for _, want := range []string{had.ID, sent.ID} {
+		c := fb.next(t)
+		require.Equal(t, topics.OpCancel, c.Op, "withdrawn: %+v", c)
+		var p topics.Cancel
+		require.NoError(t, json.Unmarshal(c.Payload, &p))
+		assert.Equal(t, want, p.CommandID, "the cancels, oldest first")
+	}
+}

@@ -83,6 +83,22 @@ func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, erro
 	return cmd, nil
 }
 
+// Ended takes in commands that the store ended outside the broker (an
+// unbind, companion.Unbound): their waiters get them, the outbox drops
+// them, and each is withdrawn from the bridge with a cancel message,
+// which a bridge that has not started the command obeys. A cancel for a
+// command no bridge ever had is dropped by the bridges and harmless.
+func (b *Broker) Ended(cmds []companion.Command) {
+	for _, cmd := range cmds {
+		b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+		b.notify(cmd)
+		b.mu.Lock()
+		b.pending = slices.DeleteFunc(b.pending, func(c companion.Command) bool { return c.ID == cmd.ID })
+		b.mu.Unlock()
+		b.publishCancel(cmd)
+	}
+}
+
 // publishCancel withdraws a canceled command from the bridge. It is best
 // effort: the bridge also checks expiry, and the server ignores whatever it
 // reports for a canceled command.

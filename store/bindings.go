@@ -3,7 +3,10 @@ package store
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
+	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/devicecompanion/companion"
@@ -74,16 +77,20 @@ func (db *DB) Bind(ctx context.Context, b companion.Binding) (companion.Binding,
 }
 
 // Unbind removes the binding of the device to userID. It returns
-// ErrNotFound unless the device is bound to that user. Status, settings
-// and commands of the device stay, and so does its assignment to one of
-// the operator's bridges; one of the user's own bridges stops serving it
-// (it reads offline then), and Unbind returns that bridge ("" otherwise).
-func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error) {
+// ErrNotFound unless the device is bound to that user. In the same
+// transaction it ends the user's unfinished commands of the device
+// (companion.EndUnbound) and drops its desired settings: those were the
+// user's wishes, not the next owner's. Status, reported settings and the
+// history of commands stay, and so does its assignment to one of the
+// operator's bridges; one of the user's own bridges stops serving it (it
+// reads offline then). The result says which bridge, and which commands.
+func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (companion.Unbound, error) {
 	if !validID(deviceID) || !validID(userID) {
-		return "", companion.ErrNotFound
+		return companion.Unbound{}, companion.ErrNotFound
 	}
-	err = db.batch(func(tx *bolt.Tx) error {
-		unassigned = ""
+	var out companion.Unbound
+	err := db.batch(func(tx *bolt.Tx) error {
+		out = companion.Unbound{}
 		bindings := tx.Bucket(bucketBindings)
 		var existing companion.Binding
 		ok, err := getJSON(bindings, []byte(deviceID), &existing)
@@ -99,16 +106,112 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (unassigned s
 		if err := tx.Bucket(bucketUserBindings).Delete(key(userID, deviceID)); err != nil {
 			return err
 		}
+		if out.Ended, err = db.endUnbound(tx, deviceID, userID); err != nil {
+			return err
+		}
+		if err := db.dropDesired(tx, deviceID); err != nil {
+			return err
+		}
 		if bridge := tx.Bucket(bucketAssignments).Get([]byte(deviceID)); bridge != nil &&
 			tx.Bucket(bucketOwnerBridges).Get(key(userID, string(bridge))) != nil {
-			if unassigned, err = unassign(tx, deviceID); err != nil {
+			if out.Bridge, err = unassign(tx, deviceID); err != nil {
 				return err
 			}
 			return db.markUnserved(tx, deviceID, db.now())
 		}
 		return nil
 	})
-	return unassigned, err
+	if err != nil {
+		return companion.Unbound{}, err
+	}
+	return out, nil
+}
+
+// endUnbound ends the user's unfinished commands of the device in tx
+// (companion.EndUnbound) and returns them, oldest first. It reads the
+// device's commands newest first (unfinished ones are mostly recent), and
+// stops once it has seen as many unfinished ones as the device counts.
+func (db *DB) endUnbound(tx *bolt.Tx, deviceID, userID string) ([]companion.Command, error) {
+	var open uint64
+	if v := tx.Bucket(bucketOpenCount).Get([]byte(deviceID)); len(v) == 8 {
+		open = binary.BigEndian.Uint64(v)
+	}
+	if open == 0 {
+		return nil, nil
+	}
+	cmds := tx.Bucket(bucketCommands)
+	var ids []string
+	seen := uint64(0)
+	visit := func(id []byte) (more bool, err error) {
+		var c companion.Command
+		ok, err := getJSON(cmds, id, &c)
+		if err != nil {
+			return false, err
+		}
+		if !ok || companion.IsFinal(c.State) {
+			return true, nil
+		}
+		if c.UserID == userID {
+			ids = append(ids, c.ID)
+		}
+		seen++
+		return seen < open, nil
+	}
+	more := true
+	// The newest commands' entries may still wait in device_cmds_new;
+	// device_cmds holds the older ones, walked from its newest back.
+	err := tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
+		if !more || string(dev) != deviceID {
+			return nil
+		}
+		var err error
+		more, err = visit(id)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	p := prefix(deviceID)
+	c := tx.Bucket(bucketDeviceCmds).Cursor()
+	k, _ := c.Seek(prefixEnd(p))
+	if k == nil {
+		k, _ = c.Last()
+	} else {
+		k, _ = c.Prev()
+	}
+	for ; more && k != nil && bytes.HasPrefix(k, p); k, _ = c.Prev() {
+		if more, err = visit(k[len(p):]); err != nil {
+			return nil, err
+		}
+	}
+	slices.Sort(ids) // UUIDv7: oldest first
+	ended := make([]companion.Command, 0, len(ids))
+	for _, id := range ids {
+		c, final, err := db.updateCommand(tx, id, func(c *companion.Command) error {
+			companion.EndUnbound(c)
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		if !final {
+			ended = append(ended, c)
+		}
+	}
+	return ended, nil
+}
+
+// dropDesired forgets the desired settings of the device in tx.
+func (db *DB) dropDesired(tx *bolt.Tx, deviceID string) error {
+	b := tx.Bucket(bucketSettings)
+	var s companion.Settings
+	ok, err := getJSON(b, []byte(deviceID), &s)
+	if err != nil || !ok || len(s.Desired) == 0 {
+		return err
+	}
+	s.Desired = map[string]json.RawMessage{}
+	s.UpdatedAt = db.now()
+	return putJSON(b, []byte(deviceID), s)
 }
 
 // Binding returns the binding of the device, or ErrNotFound when it is not

@@ -166,3 +166,48 @@ func TestMigrateAddsTheNewCommandsIndex(t *testing.T) {
 	require.NoError(t, err)
 	checkDeviceLists(t, db, map[string][]string{"d1": append([]string{c.ID}, ids...)})
 }
+
+// TestUnbindFindsFoldedCommands: an unbind ends the user's unfinished
+// commands of the device whether their index entries are folded into
+// device_cmds or still staged in device_cmds_new, and leaves the other
+// devices' and the finished ones alone.
+func TestUnbindFindsFoldedCommands(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{})
+	db.foldAt = 5
+	for _, dev := range []string{"d1", "d2"} {
+		require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev, Model: "sim-1"}))
+		_, _, err := db.Bind(ctx, companion.Binding{DeviceID: dev, UserID: "u1"})
+		require.NoError(t, err)
+	}
+	var want []string // d1's unfinished, oldest first
+	for i := range 23 {
+		dev := []string{"d1", "d2"}[i%2]
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: dev, UserID: "u1", Op: "push.text"}, 0, nil)
+		require.NoError(t, err)
+		switch {
+		case i%3 == 0:
+			_, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
+			require.NoError(t, err)
+		case dev == "d1":
+			want = append(want, c.ID)
+		}
+	}
+	staged, folded := countDeviceIndex(t, db)
+	require.NotZero(t, staged, "the test should leave some entries unfolded")
+	require.NotZero(t, folded, "the test should fold some entries")
+
+	got, err := db.Unbind(ctx, "d1", "u1")
+	require.NoError(t, err)
+	var ended []string
+	for _, c := range got.Ended {
+		ended = append(ended, c.ID)
+	}
+	require.Equal(t, want, ended)
+	n, err := db.CountOpen(ctx, "d1")
+	require.NoError(t, err)
+	require.Zero(t, n, "d1's open commands after the unbind")
+	n, err = db.CountOpen(ctx, "d2")
+	require.NoError(t, err)
+	require.NotZero(t, n, "d2 keeps its open commands")
+}

@@ -334,6 +334,8 @@ func (noCommands) Wait(context.Context, string) (companion.Command, error) {
 
 func (noCommands) DeviceMoved(string) {}
 
+func (noCommands) Ended([]companion.Command) {}
+
 // scaleLoad runs jobs on concurrent HTTP clients.
 type scaleLoad struct {
 	fleet   *scaleFleet

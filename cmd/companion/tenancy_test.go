@@ -726,3 +726,43 @@ func TestAdminCLIAssignsDevices(t *testing.T) {
 	_, err := m.DB.RegistryDevice(context.Background(), "watch-3")
 	assert.ErrorIs(t, err, companion.ErrNotFound, "a device provisioned onto a bridge it may not have")
 }
+
+// TestUnbindEndsThePreviousOwnersCommands: what a user asked of a device
+// and it has not done ends with the binding. Alice's text, waiting for a
+// bridge, is canceled when she unbinds the device (her event stream says
+// so), and never shows on the device once Bob registers it and its bridge
+// comes up: Bob's own text is all the device shows.
+func TestUnbindEndsThePreviousOwnersCommands(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	registerDevices(t, f, "dev-1")
+	events := sseOpen(t, f.user, "")
+	alices := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "alice's private note"})
+	r := f.user.do("DELETE", "/api/v1/devices/dev-1", nil)
+	require.Equal(t, 204, r.Status, "%s", r.Body)
+	evs := events.until(sseFinalOf(alices["id"].(string)))
+	last := evs[len(evs)-1].data
+	assert.Equal(t, companion.StateCanceled, last["state"], "alice's command after the unbind: %v", last)
+	if e, ok := last["error"].(map[string]any); assert.True(t, ok, "error: %v", last) {
+		assert.Equal(t, companion.CodeDeviceUnbound, e["code"])
+	}
+
+	r = f.admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "bob"})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	bob := newClient(t, m, r.JSON(t)["token"].(string))
+	r = bob.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	b := startBridge(t, m, m.MQTTURL(), f, "", "dev-1")
+	// A device runs its commands in the order they were accepted: once
+	// Bob's is done, Alice's older one would have run before it.
+	bobs := bob.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "bob's note"})
+	assert.Equal(t, companion.StateSucceeded, bob.waitFinal("dev-1", bobs["id"].(string))["state"])
+	var shown []string
+	for _, tx := range b.sims["dev-1"].Texts() {
+		shown = append(shown, tx.Text)
+	}
+	assert.Equal(t, []string{"bob's note"}, shown, "texts the device showed")
+	r = bob.do("GET", "/api/v1/devices/dev-1/commands", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	assert.Len(t, r.JSON(t)["commands"], 1, "bob's commands: his own only: %s", r.Body)
+}

@@ -73,16 +73,20 @@ func scanBinding(row pgx.Row) (companion.Binding, error) {
 }
 
 // Unbind removes the binding of the device to userID. It returns
-// ErrNotFound unless the device is bound to that user. Status, settings
-// and commands of the device stay, and so does its assignment to one of
-// the operator's bridges; one of the user's own bridges stops serving it
-// (it reads offline then), and Unbind returns that bridge ("" otherwise).
-func (s *Store) Unbind(ctx context.Context, deviceID, userID string) (unassigned string, err error) {
+// ErrNotFound unless the device is bound to that user. In the same
+// transaction it ends the user's unfinished commands of the device
+// (companion.EndUnbound) and drops its desired settings: those were the
+// user's wishes, not the next owner's. Status, reported settings and the
+// history of commands stay, and so does its assignment to one of the
+// operator's bridges; one of the user's own bridges stops serving it (it
+// reads offline then). The result says which bridge, and which commands.
+func (s *Store) Unbind(ctx context.Context, deviceID, userID string) (companion.Unbound, error) {
 	if !validID(deviceID) || !validID(userID) {
-		return "", companion.ErrNotFound
+		return companion.Unbound{}, companion.ErrNotFound
 	}
-	err = s.tx(ctx, func(tx pgx.Tx) error {
-		unassigned = ""
+	var out companion.Unbound
+	err := s.tx(ctx, func(tx pgx.Tx) error {
+		out = companion.Unbound{}
 		var one int
 		if err := tx.QueryRow(ctx, `SELECT 1 FROM devices WHERE id = $1 FOR UPDATE`, deviceID).Scan(&one); err != nil {
 			return notFound(err)
@@ -94,9 +98,16 @@ func (s *Store) Unbind(ctx context.Context, deviceID, userID string) (unassigned
 		if tag.RowsAffected() == 0 {
 			return companion.ErrNotFound
 		}
+		if out.Ended, err = s.endUnbound(ctx, tx, deviceID, userID); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `UPDATE settings SET desired = '{}', updated_at = $2 WHERE device_id = $1 AND desired::text <> '{}'`,
+			deviceID, s.clock()); err != nil {
+			return err
+		}
 		err = tx.QueryRow(ctx, `DELETE FROM assignments a USING bridges b
 			WHERE a.device_id = $1 AND b.id = a.bridge_id AND b.owner_id = $2
-			RETURNING a.bridge_id`, deviceID, userID).Scan(&unassigned)
+			RETURNING a.bridge_id`, deviceID, userID).Scan(&out.Bridge)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil
 		}
@@ -106,9 +117,41 @@ func (s *Store) Unbind(ctx context.Context, deviceID, userID string) (unassigned
 		return markUnserved(ctx, tx, deviceID, s.clock())
 	})
 	if err != nil {
-		return "", err
+		return companion.Unbound{}, err
 	}
-	return unassigned, nil
+	return out, nil
+}
+
+// endUnbound ends the user's unfinished commands of the device in tx
+// (companion.EndUnbound) and returns them, oldest first. It locks them all
+// first, in id order, before it writes the device's count of open
+// commands, as UpdateCommand takes its command and then that count.
+func (s *Store) endUnbound(ctx context.Context, tx pgx.Tx, deviceID, userID string) ([]companion.Command, error) {
+	rows, err := tx.Query(ctx, `SELECT id::text FROM commands
+		WHERE device_id = $1 AND user_id = $2 AND state IN ($3, $4, $5, $6)
+		ORDER BY id FOR UPDATE`,
+		deviceID, userID, companion.StateQueued, companion.StateSent, companion.StateDelivered, companion.StateInProgress)
+	if err != nil {
+		return nil, err
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, err
+	}
+	var ended []companion.Command
+	for _, id := range ids {
+		c, final, err := s.updateCommand(ctx, tx, id, func(c *companion.Command) error {
+			companion.EndUnbound(c)
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		if !final {
+			ended = append(ended, c)
+		}
+	}
+	return ended, nil
 }
 
 // Binding returns the binding of the device, or ErrNotFound when it is not

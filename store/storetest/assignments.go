@@ -131,11 +131,11 @@ func testUnbindUnassigns(t *testing.T, s companion.Store) {
 	assign(t, s, "d4", "op1", "")
 	got, err := s.Unbind(ctx, "d1", "u1")
 	require.NoError(t, err, "Unbind(d1)")
-	assert.Equal(t, "u1-hub", got, "Unbind(d1) unassigned")
+	assert.Equal(t, "u1-hub", got.Bridge, "Unbind(d1) unassigned")
 	wantBridge(t, s, "d1", "")
 	got, err = s.Unbind(ctx, "d4", "u1")
 	require.NoError(t, err, "Unbind(d4)")
-	assert.Equal(t, "", got, "Unbind(d4): nothing unassigned")
+	assert.Equal(t, "", got.Bridge, "Unbind(d4): nothing unassigned")
 	wantBridge(t, s, "d4", "op1")
 
 	// Bound to u2 now, d1 cannot go back on u1's bridge.

@@ -1,6 +1,7 @@
 package storetest
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -18,6 +19,7 @@ func testBindings(t *testing.T, open Opener) {
 		{"Bind", testBind},
 		{"ConcurrentOneWinner", testBindConcurrent},
 		{"Unbind", testUnbind},
+		{"UnbindEndsTheUsersCommands", testUnbindEndsCommands},
 		{"ListBindings", testListBindings},
 	})
 }
@@ -136,6 +138,84 @@ func testUnbind(t *testing.T, s companion.Store) {
 	_, created, err := s.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u2"})
 	require.NoError(t, err, "Bind after Unbind")
 	assert.True(t, created, "Bind after Unbind created")
+}
+
+// What a user asked of a device and it has not done is theirs: after an
+// unbind none of it is left to reach the device or its next owner.
+func testUnbindEndsCommands(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "d1", "d2")
+	bind(t, s, "u1", "d1", "d2")
+	var want []string // d1's unfinished commands, oldest first
+	states := []string{companion.StateQueued, companion.StateSent, companion.StateDelivered, companion.StateInProgress}
+	for _, st := range states {
+		c := create(t, s, newCmd("d1"))
+		if st != companion.StateQueued {
+			setState(t, s, c.ID, st)
+		}
+		want = append(want, c.ID)
+	}
+	done := setState(t, s, create(t, s, newCmd("d1")).ID, companion.StateSucceeded)
+	other := create(t, s, newCmd("d2")) // the user keeps d2
+	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"language": raw(`"fr"`)}))
+	_, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"language": raw(`"en"`)}, nil, now(), 1)
+	require.NoError(t, err)
+	_, events, err := s.Events(ctx, "u1", "", 0)
+	require.NoError(t, err)
+
+	got, err := s.Unbind(ctx, "d1", "u1")
+	require.NoError(t, err, "Unbind")
+	require.Equal(t, want, ids(got.Ended), "Unbind ended the unfinished commands, oldest first")
+	wantState := []string{companion.StateCanceled, companion.StateCanceled, companion.StateFailed, companion.StateFailed}
+	for i, id := range want {
+		c, err := s.Command(ctx, id)
+		require.NoError(t, err)
+		assert.Equal(t, wantState[i], c.State, "%s, %s before the unbind", id, states[i])
+		if assert.NotNil(t, c.Error, "%s: error", id) {
+			assert.Equal(t, companion.CodeDeviceUnbound, c.Error.Code, "%s: error code", id)
+		}
+		assert.Equal(t, c.State, got.Ended[i].State, "Unbound.Ended[%d] as stored", i)
+	}
+	c, err := s.Command(ctx, done.ID)
+	require.NoError(t, err)
+	assert.Equal(t, companion.StateSucceeded, c.State, "a finished command stays as it was")
+	c, err = s.Command(ctx, other.ID)
+	require.NoError(t, err)
+	assert.Equal(t, companion.StateQueued, c.State, "a command of another device stays as it was")
+
+	assert.Zero(t, countOpen(t, s, "d1"), "d1's open commands")
+	open, err := s.OpenCommands(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, []string{other.ID}, ids(open), "OpenCommands")
+	st, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	assert.Empty(t, st.Desired, "desired settings after the unbind")
+	assert.True(t, equalRaw(st.Reported, map[string]string{"language": `"en"`}), "reported settings stay: %s", st.Reported)
+	// The user hears of each command's end, as of any change of state.
+	evs, _, err := s.Events(ctx, "u1", events, 0)
+	require.NoError(t, err)
+	var ended []string
+	for _, ev := range evs {
+		if ev.Command != nil {
+			ended = append(ended, ev.Command.ID+" "+ev.Command.State)
+		}
+	}
+	var wantEvents []string
+	for i, id := range want {
+		wantEvents = append(wantEvents, id+" "+wantState[i])
+	}
+	assert.Equal(t, wantEvents, ended, "u1's command events after the unbind")
+
+	// The next owner starts with none of it: a queue limit of one takes
+	// their first command.
+	bind(t, s, "u2", "d1")
+	c2 := newCmd("d1")
+	c2.UserID = "u2"
+	_, _, err = s.CreateCommand(ctx, c2, 1, nil)
+	require.NoError(t, err, "the next owner's first command, with room for one")
+	got, err = s.Unbind(ctx, "d1", "u2")
+	require.NoError(t, err)
+	assert.Len(t, got.Ended, 1, "u2's unbind ends u2's command")
 }
 
 func testListBindings(t *testing.T, s companion.Store) {

@@ -73,12 +73,18 @@ func testBlobNeededRules(t *testing.T, s companion.Store) {
 		t.Fatalf("Unbind(d4) = %v", err)
 	}
 	needed(shaA, "u1-hub", false)
+	// The unbind ended a4 too: the device's next bridge may not have it.
 	assign(t, s, "d4", "op1", "")
-	needed(shaA, "op1", true)
+	needed(shaA, "op1", false)
+	if c, err := s.Command(ctx, a4.ID); err != nil || !companion.IsFinal(c.State) {
+		t.Errorf("a4 after the unbind = %s, %v; want it final", c.State, err)
+	}
 	// A deleted bridge serves nothing.
+	a5 := withBlob("d4", shaA)
+	needed(shaA, "op1", true)
 	if _, err := s.DeleteBridge(ctx, "op1", ""); err != nil {
 		t.Fatalf("DeleteBridge(op1) = %v", err)
 	}
 	needed(shaA, "op1", false)
-	setState(t, s, a4.ID, companion.StateCanceled)
+	setState(t, s, a5.ID, companion.StateCanceled)
 }
