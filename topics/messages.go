@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -200,10 +201,14 @@ func ParseReply(b []byte) (Reply, error) {
 	case (r.Status != nil || r.Settings != nil) && !companion.IsFinal(r.State):
 		return Reply{}, fmt.Errorf("%w: device state in a %s reply", ErrBadMessage, r.State)
 	}
+	if r.Error != nil {
+		r.Error.Code, r.Error.Message = deviceText(r.Error.Code), deviceText(r.Error.Message)
+	}
 	if r.Status != nil {
 		if err := checkStatus(*r.Status); err != nil {
 			return Reply{}, err
 		}
+		cleanStatus(r.Status)
 	}
 	if r.Settings != nil {
 		if err := checkSettings(*r.Settings); err != nil {
@@ -222,7 +227,29 @@ func ParseStatus(b []byte) (Status, error) {
 	if err := checkStatus(s); err != nil {
 		return Status{}, err
 	}
+	cleanStatus(&s)
 	return s, nil
+}
+
+// cleanStatus makes the text a device reported storable (deviceText).
+func cleanStatus(s *Status) {
+	s.FirmwareVersion, s.Model = deviceText(s.FirmwareVersion), deviceText(s.Model)
+	for i := range s.Apps {
+		s.Apps[i].Version = deviceText(s.Apps[i].Version)
+	}
+}
+
+// deviceText is text a device reported (a GATT string, an error message),
+// made storable in every store: firmware that hands over a C string with
+// its terminator is common, and PostgreSQL's text cannot hold a NUL, which
+// bbolt would keep. Trailing NULs go; one inside becomes U+FFFD, as
+// encoding/json already makes of invalid UTF-8.
+func deviceText(s string) string {
+	s = strings.TrimRight(s, "\x00")
+	if strings.IndexByte(s, 0) < 0 {
+		return s
+	}
+	return strings.ReplaceAll(s, "\x00", "\uFFFD")
 }
 
 func checkStatus(s Status) error {

@@ -101,3 +101,27 @@ func FuzzParseMessages(f *testing.F) {
 		ParseCommand(b)
 	})
 }
+
+// Text a device reported reaches every store: a C string's terminator is
+// dropped, a NUL inside one is replaced (PostgreSQL's text cannot hold it).
+func TestDeviceTextLosesItsNULs(t *testing.T) {
+	const id = "0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"
+	r, err := ParseReply([]byte(`{"command_id":"` + id + `","state":"failed","error":{"code":"smp\u0000","message":"rc 3\u0000 bad\u0000\u0000"},
+		"status":{"online":true,"firmware_version":"1.0.0\u0000","model":"sim-1\u0000","apps":[{"app_id":"weather","version":"1.2.0\u0000"}],"bridge_id":"b1","seq":1}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Error.Code != "smp" || r.Error.Message != "rc 3\uFFFD bad" {
+		t.Errorf("error = %q, %q; want \"smp\", \"rc 3\\uFFFD bad\"", r.Error.Code, r.Error.Message)
+	}
+	if st := r.Status; st.Model != "sim-1" || st.FirmwareVersion != "1.0.0" || st.Apps[0].Version != "1.2.0" {
+		t.Errorf("status = %+v; want its text without NULs", *st)
+	}
+	s, err := ParseStatus([]byte(`{"online":true,"firmware_version":"\u00001.0","model":"sim\u0000-1","apps":[],"bridge_id":"b1","seq":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Model != "sim\uFFFD-1" || s.FirmwareVersion != "\uFFFD1.0" {
+		t.Errorf("status = %q, %q", s.Model, s.FirmwareVersion)
+	}
+}
