@@ -581,13 +581,13 @@ func (d *Device) PushText(ctx context.Context, cmdID, title, text string) error 
 // PushImage uploads a picture to show (group 65).
 func (d *Device) PushImage(ctx context.Context, cmdID, contentType string, data []byte) error {
 	return d.upload(ctx, Upload{Group: GroupPush, ID: CmdPushUpload,
-		First: UploadRequest{CmdID: cmdID, ContentType: contentType}, Data: data}, nil)
+		First: UploadRequest{CmdID: cmdID, ContentType: contentType}, Data: data})
 }
 
 // InstallApp uploads an app package, installing or updating it (group 66).
 func (d *Device) InstallApp(ctx context.Context, cmdID, appID, version string, pkg []byte) error {
 	return d.upload(ctx, Upload{Group: GroupApps, ID: CmdAppsInstall,
-		First: UploadRequest{CmdID: cmdID, AppID: appID, Version: version}, Data: pkg}, nil)
+		First: UploadRequest{CmdID: cmdID, AppID: appID, Version: version}, Data: pkg})
 }
 
 // UninstallApp removes an app (group 66); the device answers RCNotFound
@@ -601,22 +601,35 @@ func (d *Device) UninstallApp(ctx context.Context, cmdID, appID string) error {
 // and save (they persist). The stock group has no command id and no
 // all-or-nothing write: each write is idempotent, so a repeat after a
 // dropped link is harmless, and the agent checks every value against the
-// device's schema before the first write.
+// device's schema before the first write. The values in use are read
+// first, and put back when a write fails.
 func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error {
 	names := sortedKeys(values)
+	reads := make([]exchange, len(names))
+	before := make([]SettingReadResponse, len(names))
 	writes := make([]exchange, len(names))
 	for i, name := range names {
 		val, err := EncodeSetting(values[name])
 		if err != nil {
 			return &Error{Group: GroupSettings, ID: CmdSettingsValue, RC: RCInvalid, Reason: name + ": " + err.Error()}
 		}
+		reads[i] = exchange{op: OpRead, group: GroupSettings, id: CmdSettingsValue,
+			req: SettingReadRequest{Name: SettingsPrefix + name}, resp: &before[i]}
 		writes[i] = exchange{op: OpWrite, group: GroupSettings, id: CmdSettingsValue,
 			req: SettingWriteRequest{Name: SettingsPrefix + name, Val: val}}
 	}
-	// The writes are pipelined; commit waits for all of them, so that a
-	// write the device refuses leaves its handlers as they were.
+	// settings_mgmt hands each write to the handler's h_set at once, and
+	// the writes are pipelined: when one is refused, the others of the
+	// window are live already, and a live value is what the device
+	// reports and what the next save persists. Skipping commit and save is
+	// not enough, so the earlier values go back. (settings_mgmt's load
+	// would not do: settings_load sets only the values the storage holds,
+	// and one never saved stays as written.)
+	if err := d.retry(ctx, func(s *session) error { return d.pipeline(ctx, s, reads) }); err != nil {
+		return fmt.Errorf("read settings: %w", err)
+	}
 	if err := d.retry(ctx, func(s *session) error { return d.pipeline(ctx, s, writes) }); err != nil {
-		return fmt.Errorf("write settings: %w", err)
+		return d.putBackSettings(ctx, names, before, fmt.Errorf("write settings: %w", err))
 	}
 	if err := d.do(ctx, OpWrite, GroupSettings, CmdSettingsCommit, nil, nil); err != nil {
 		return fmt.Errorf("commit settings: %w", err)
@@ -625,6 +638,22 @@ func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[st
 		return fmt.Errorf("save settings: %w", err)
 	}
 	return nil
+}
+
+// putBackSettings writes the values read before an update whose writes
+// failed with err, every one of them: a write abandoned in flight may
+// have been applied. It returns err, saying so if a value could not go
+// back.
+func (d *Device) putBackSettings(ctx context.Context, names []string, before []SettingReadResponse, err error) error {
+	undo := make([]exchange, len(names))
+	for i, name := range names {
+		undo[i] = exchange{op: OpWrite, group: GroupSettings, id: CmdSettingsValue,
+			req: SettingWriteRequest{Name: SettingsPrefix + name, Val: before[i].Val}}
+	}
+	if uerr := d.retry(ctx, func(s *session) error { return d.pipeline(ctx, s, undo) }); uerr != nil {
+		return fmt.Errorf("%w (and putting the earlier values back failed: %v)", err, uerr)
+	}
+	return err
 }
 
 // UpdateFirmware installs an MCUboot image the way Zephyr's img_mgmt and
@@ -636,7 +665,8 @@ func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[st
 // CodeFirmwareReverted. Every step is decided by the image state read
 // before it, so a command run again after a bridge restart takes up where
 // the device is (cmdID is not needed on the device: the stock groups have
-// none).
+// none), but for an image the free slot holds and nothing marked yet: that
+// one is uploaded again.
 func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
 	img, err := mcuboot.Parse(image)
 	if err != nil {
@@ -684,7 +714,14 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 			if err := d.reset(ctx); err != nil {
 				return err
 			}
-		case held != nil:
+		case held != nil && uploads > 0:
+			// Only an image this command uploaded, the device's match
+			// checked, is marked for test. The image state's hash is the
+			// SHA-256 TLV img_mgmt reads from the slot without checking
+			// the image: a slot that lists it may hold an upload that
+			// ended with match false, or one cut short with the TLVs
+			// written. Such an image falls to the default below, and the
+			// upload at off 0 makes img_mgmt erase the slot.
 			if err := d.do(ctx, OpWrite, GroupImage, CmdImageState, ImageStateRequest{Hash: img.Hash}, nil); err != nil {
 				return fmt.Errorf("mark the image for test: %w", err)
 			}
@@ -695,7 +732,7 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 			uploads++
 			u := Upload{Group: GroupImage, ID: CmdImageUpload, Stock: true, Data: image,
 				Progress: func(acked, total int) { report(acked * 90 / max(total, 1)) }}
-			if err := d.upload(ctx, u, img.Hash); err != nil {
+			if err := d.upload(ctx, u); err != nil {
 				return err
 			}
 		}
@@ -739,28 +776,19 @@ func (d *Device) reset(ctx context.Context) error {
 	return nil
 }
 
-// upload runs a chunked transfer to the end, across reconnects. For
-// img_mgmt's upload, hash is the image's: after a dropped link the bridge
-// first asks the image state whether the device finished the upload whose
-// last answer was lost (a new request at off 0 would start it again).
-func (d *Device) upload(ctx context.Context, u Upload, hash []byte) error {
+// upload runs a chunked transfer to the end, across reconnects: after a
+// dropped link the request at off 0 resumes it from the offset the device
+// holds. When the link dropped with the last answer, img_mgmt has closed
+// the upload and that request starts it again: the image state could not
+// tell whether the slot's bytes matched (it lists the hash of any image
+// whose TLVs are written), and only the last answer's match does.
+func (d *Device) upload(ctx context.Context, u Upload) error {
 	if len(u.Data) == 0 {
 		return &Error{Group: u.Group, ID: u.ID, RC: RCInvalid, Reason: "nothing to upload"}
 	}
 	t := NewTransfer(u)
 	start := time.Now()
-	err := d.retry(ctx, func(s *session) error {
-		if hash != nil && t.Stats().Attempts > 0 {
-			var st ImageStateResponse
-			if err := s.client.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st); err != nil {
-				return err
-			}
-			if slotWithHash(st, hash) != nil {
-				return nil
-			}
-		}
-		return t.Run(ctx, s.client, d.window(s))
-	})
+	err := d.retry(ctx, func(s *session) error { return t.Run(ctx, s.client, d.window(s)) })
 	st := t.Stats()
 	d.opts.Observer.Transfer(groupName(u.Group), st.DataBytesSent, time.Since(start), err != nil)
 	d.mu.Lock()

@@ -164,3 +164,26 @@ func itoa(i int) string {
 	}
 	return string(b)
 }
+
+// A refused settings write leaves every setting as it was: the writes that
+// went with it (settings_mgmt applies each at once) are put back, so the
+// device neither reports them nor saves them with the next update.
+func TestRefusedSettingsUpdateChangesNothing(t *testing.T) {
+	d, s, _ := newSimDevice(t, fastLink, gatt.DeviceOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := d.UpdateSettings(ctx, "s1", map[string]any{"brightness": 500.0, "language": "fr", "volume": 3.0}); errorCode(err) != gatt.CodeInvalidPayload {
+		t.Fatalf("UpdateSettings with brightness 500 = %v (code %q); want %s", err, errorCode(err), gatt.CodeInvalidPayload)
+	}
+	vals, _, _ := s.Settings(ctx)
+	if vals["brightness"] != 50 || vals["language"] != "en" || vals["volume"] != 50 {
+		t.Errorf("after the refused update: %v; want brightness 50, language en, volume 50", vals)
+	}
+	if err := d.UpdateSettings(ctx, "s2", map[string]any{"timezone": "Europe/Paris"}); err != nil {
+		t.Fatalf("UpdateSettings: %v", err)
+	}
+	vals, _, _ = s.Settings(ctx)
+	if vals["language"] != "en" || vals["volume"] != 50 || vals["timezone"] != "Europe/Paris" {
+		t.Errorf("after the next update (which saves what is in use): %v; want language en, volume 50, timezone Europe/Paris", vals)
+	}
+}

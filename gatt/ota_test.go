@@ -5,6 +5,7 @@ import (
 	"context"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -206,8 +207,8 @@ func TestNoReassemblySingleWrites(t *testing.T) {
 }
 
 // Settings writes go out together, but a write the device refuses stops
-// the update before commit and save, so that what the device persists is
-// never half of an update.
+// the update before commit and save, and the earlier values are written
+// back, so that what the device persists is never half of an update.
 func TestRefusedSettingWriteIsNotCommitted(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(sim.LinkOptions{MTU: 185, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
@@ -233,14 +234,98 @@ func TestRefusedSettingWriteIsNotCommitted(t *testing.T) {
 	defer rec.mu.Unlock()
 	var seq []uint8
 	for _, w := range rec.writes {
-		if h, err := gatt.ParseHeader(w); err == nil && h.Group == gatt.GroupSettings {
+		if h, err := gatt.ParseHeader(w); err == nil && h.Group == gatt.GroupSettings && h.Op == gatt.OpWrite {
 			seq = append(seq, h.ID)
 		}
 	}
-	// The first update: its writes, no commit, no save; the second: a
-	// write, commit, save.
+	// The first update: its writes, the three earlier values written back,
+	// no commit, no save; the second: a write, commit, save. (The reads of
+	// the values in use before each update are not counted.)
 	v, c, sv := gatt.CmdSettingsValue, gatt.CmdSettingsCommit, gatt.CmdSettingsSave
-	if want := []uint8{v, v, v, v, c, sv}; !slices.Equal(seq, want) && !slices.Equal(seq, want[1:]) && !slices.Equal(seq, want[2:]) {
-		t.Errorf("settings requests %v; want %v (or fewer first writes)", seq, want)
+	if want := []uint8{v, v, v, v, v, v, v, c, sv}; !slices.Equal(seq, want) && !slices.Equal(seq, want[1:]) && !slices.Equal(seq, want[2:]) {
+		t.Errorf("settings writes %v; want %v (or fewer first writes)", seq, want)
+	}
+}
+
+// The same firmware again after a corrupt upload is uploaded again: the
+// slot lists the image's hash (img_mgmt reads it from the TLVs without
+// checking the image), but only an upload the device matched is marked
+// for test.
+func TestOTARetryAfterCorruptUploadUploadsAgain(t *testing.T) {
+	d, s, _ := newSimDevice(t, fastLink, gatt.DeviceOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	img := firmwareImage(t, "2.0.0", 40_000)
+	s.CorruptNextUpload()
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", img, nil); errorCode(err) != gatt.CodeChecksumMismatch {
+		t.Fatalf("UpdateFirmware with a corrupt upload = %v (code %q); want %s", err, errorCode(err), gatt.CodeChecksumMismatch)
+	}
+	err := d.UpdateFirmware(ctx, "fw-2", "2.0.0", img, nil)
+	if err != nil || s.Firmware() != "2.0.0" || s.Boots() != 1 {
+		t.Fatalf("UpdateFirmware again = %v (code %q), firmware %s after %d boots; want nil, 2.0.0 after 1", err, errorCode(err), s.Firmware(), s.Boots())
+	}
+	if st := d.TransferStats(); len(st) != 2 || st[1].DataBytesSent < int64(len(img)) {
+		t.Errorf("transfers %+v; want the whole image sent again", st)
+	}
+}
+
+// dropFirstUpload drops the link at the first image upload request once
+// armed, before the device gets it.
+type dropFirstUpload struct {
+	*sim.Network
+	armed atomic.Bool
+}
+
+type dropLink struct {
+	gatt.Link
+	c *dropFirstUpload
+}
+
+func (c *dropFirstUpload) Connect(ctx context.Context, id string) (gatt.Link, error) {
+	l, err := c.Network.Connect(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &dropLink{Link: l, c: c}, nil
+}
+
+func (l *dropLink) Write(ctx context.Context, uuid string, data []byte, withResp bool) error {
+	if h, err := gatt.ParseHeader(data); err == nil && h.Group == gatt.GroupImage && h.ID == gatt.CmdImageUpload &&
+		l.c.armed.CompareAndSwap(true, false) {
+		l.c.Drop("dev-1")
+		return gatt.ErrDisconnected
+	}
+	return l.Link.Write(ctx, uuid, data, withResp)
+}
+
+// A link that drops during an upload is no proof that the upload ended:
+// here it drops before the device got the first request, while the slot
+// still lists the image of a corrupt upload, and the bridge resumes the
+// upload rather than marking that image for test.
+func TestOTADropDoesNotTrustTheSlot(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+	c := &dropFirstUpload{Network: n}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: c, MinBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	img := firmwareImage(t, "2.0.0", 40_000)
+
+	s.CorruptNextUpload()
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", img, nil); errorCode(err) != gatt.CodeChecksumMismatch {
+		t.Fatalf("UpdateFirmware with a corrupt upload = %v (code %q); want %s", err, errorCode(err), gatt.CodeChecksumMismatch)
+	}
+	c.armed.Store(true)
+	if err := d.UpdateFirmware(ctx, "fw-2", "2.0.0", img, nil); err != nil || s.Firmware() != "2.0.0" {
+		t.Fatalf("UpdateFirmware again = %v (code %q), firmware %s after %d boots", err, errorCode(err), s.Firmware(), s.Boots())
+	}
+	if n.Drops() != 1 {
+		t.Errorf("%d drops; want 1", n.Drops())
 	}
 }

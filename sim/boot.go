@@ -217,7 +217,18 @@ func (d *Device) rebootLocked() {
 	default:
 		d.log.Info("rebooted", "firmware", d.versionLocked())
 	}
-	d.settings = maps.Clone(d.saved)
+	d.settings = defaultSettings()
+	maps.Copy(d.settings, d.saved)
+}
+
+// defaultSettings are the values the application starts with, before
+// settings_load sets the saved ones.
+func defaultSettings() map[string]any {
+	vals := map[string]any{}
+	for name, spec := range DefaultSchema() {
+		vals[name] = spec.Default
+	}
+	return vals
 }
 
 // FailNextBoot makes MCUboot find the next image it is to boot invalid
@@ -354,20 +365,19 @@ func (d *Device) setSetting(key string, val []byte) int {
 	return 0
 }
 
-// deleteSetting removes a saved value: the default comes back at the next
-// boot.
+// deleteSetting removes a saved value (settings_delete): the value in use
+// stays, and the default comes back at the next boot.
 func (d *Device) deleteSetting(key string) int {
 	name, ok := cutPrefix(key)
 	if !ok {
 		return gatt.SettingsErrRootKeyNotFound
 	}
-	spec, known := DefaultSchema()[name]
-	if !known {
+	if _, known := DefaultSchema()[name]; !known {
 		return gatt.SettingsErrKeyNotFound
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.saved[name] = spec.Default
+	delete(d.saved, name)
 	return 0
 }
 
@@ -378,11 +388,13 @@ func (d *Device) saveSettings() {
 	d.saved = maps.Clone(d.settings)
 }
 
-// loadSettings reads the saved values back (settings_load).
+// loadSettings reads the saved values back (settings_load): it calls the
+// handler for each value the storage holds, so a value never saved (or
+// deleted) stays as it is in use.
 func (d *Device) loadSettings() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.settings = maps.Clone(d.saved)
+	maps.Copy(d.settings, d.saved)
 }
 
 func cutPrefix(key string) (string, bool) {

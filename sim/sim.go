@@ -141,7 +141,7 @@ type Device struct {
 	mu         sync.Mutex
 	flash      flash
 	settings   map[string]any // in use
-	saved      map[string]any // in the settings storage: what a reboot loads
+	saved      map[string]any // in the settings storage, only the values saved: what settings_load sets
 	apps       map[string]string
 	texts      []Text
 	images     []Image
@@ -185,7 +185,6 @@ func Open(opts Options) (*Device, error) {
 		now:        opts.Now,
 		log:        opts.Logger.With("device", opts.ID),
 		delay:      opts.ExecDelay,
-		settings:   map[string]any{},
 		apps:       map[string]string{},
 		done:       map[string]bool{},
 		executions: map[string]int{},
@@ -196,10 +195,7 @@ func Open(opts Options) (*Device, error) {
 		return nil, fmt.Errorf("sim: device %s: firmware %w", opts.ID, err)
 	}
 	d.flash.primary = firstImage(opts.Model, v)
-	for name, spec := range DefaultSchema() {
-		d.settings[name] = spec.Default
-	}
-	d.saved = maps.Clone(d.settings)
+	d.settings, d.saved = defaultSettings(), map[string]any{}
 	if opts.StateDir != "" {
 		if err := d.openExecLog(ExecLogPath(opts.StateDir, opts.ID)); err != nil {
 			return nil, fmt.Errorf("sim: device %s: %w", opts.ID, err)

@@ -225,6 +225,48 @@ func TestSettingsAsZephyr(t *testing.T) {
 	}
 }
 
+// Settings load (command 3, read) is settings_load: it sets again the
+// values the storage holds, and leaves those never saved, or deleted, as
+// they are in use; delete removes the saved value, and the default comes
+// back at the next boot.
+func TestSettingsLoadAsZephyr(t *testing.T) {
+	r, d, _ := newRawSMP(t, 23, sim.PeripheralOptions{})
+	set := func(b byte) {
+		t.Helper()
+		if _, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/brightness", "val": []byte{b, 0, 0, 0}}); len(m) != 0 {
+			t.Fatalf("write brightness %d: %v", b, m)
+		}
+	}
+	load := func() byte {
+		t.Helper()
+		if _, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupSettings, gatt.CmdSettingsSave, map[string]any{}); len(m) != 0 {
+			t.Fatalf("load: %v", m)
+		}
+		_, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/brightness"})
+		return m["val"].([]byte)[0]
+	}
+	set(80)
+	if got := load(); got != 80 {
+		t.Errorf("brightness after load, never saved = %d; want 80, as in use", got)
+	}
+	r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupSettings, gatt.CmdSettingsSave, map[string]any{})
+	set(30)
+	if got := load(); got != 80 {
+		t.Errorf("brightness after load = %d; want the saved 80", got)
+	}
+	r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupSettings, gatt.CmdSettingsDelete, map[string]any{"name": "companion/brightness"})
+	set(30)
+	if got := load(); got != 30 {
+		t.Errorf("brightness after delete and load = %d; want 30, as in use", got)
+	}
+	r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSReset, map[string]any{})
+	<-r.link.Done()
+	waitBoots(t, d, 1)
+	if vals, _, _ := d.Settings(context.Background()); vals["brightness"] != 50 {
+		t.Errorf("brightness after delete and a reboot = %v; want the default 50", vals["brightness"])
+	}
+}
+
 // Without reassembly each write is a packet: a message split across writes
 // is answered rc 9 and its tail dropped; with it, the buffers are
 // reported by MCUmgr parameters and a split message is joined.
