@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -511,6 +512,152 @@ func TestCrashedCommandRunsAgainAfterRestart(t *testing.T) {
 			t.Errorf("Executions(%s) = %d; want 1", c.ID, n)
 		}
 	}
+}
+
+// A command the device ran before a bridge crash, whose final reply never
+// reached the spool, ends with the device's answer when the bridge comes
+// back after its TTL: expired means never delivered (CONTRACT §2).
+func TestRanBeforeCrashIsNotExpired(t *testing.T) {
+	tests := []struct {
+		name  string
+		spool func(dir string, cmds []topics.Command) error
+		ran   int // how many of the commands the device ran before the crash
+	}{
+		{"first of its queue", func(dir string, cmds []topics.Command) error {
+			return agent.SpoolCommands(dir, cmds[:1])
+		}, 1},
+		// The worker goes on to the next command while the final reply of
+		// the one before is on its way to the file.
+		{"second, the first's final reply not on disk", func(dir string, cmds []topics.Command) error {
+			return agent.SpoolStarted(dir, cmds, 2)
+		}, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b := startBroker(t)
+			w := newWatcher(t, b)
+			dev := newSim("dev-1")
+			dir := t.TempDir()
+			cmds := []topics.Command{
+				command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "one"}),
+				command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "two"}),
+			}
+			if err := tt.spool(dir, cmds); err != nil {
+				t.Fatal(err)
+			}
+			ran := cmds[:tt.ran]
+			for _, c := range ran { // before the crash
+				if err := dev.PushText(t.Context(), c.ID, "", "ran"); err != nil {
+					t.Fatal(err)
+				}
+			}
+
+			// Back two hours later, past every TTL.
+			later := func() time.Time { return time.Now().Add(2 * time.Hour) }
+			startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir, now: later})
+			for _, c := range ran {
+				if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+					t.Errorf("%s ended %s; want succeeded (the device ran it)", c.ID, r.State)
+				}
+				if n := dev.Executions(c.ID); n != 1 {
+					t.Errorf("Executions(%s) = %d; want 1", c.ID, n)
+				}
+			}
+		})
+	}
+}
+
+// A command that never started before a bridge crash still expires when
+// the bridge comes back after its TTL, behind one that may have run.
+func TestNeverStartedExpiresAfterRestart(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	dir := t.TempDir()
+	ran := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "ran"})
+	never := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "never"})
+	if err := agent.SpoolCommands(dir, []topics.Command{ran, never}); err != nil {
+		t.Fatal(err)
+	}
+	if err := dev.PushText(t.Context(), ran.ID, "", "ran"); err != nil {
+		t.Fatal(err)
+	}
+
+	later := func() time.Time { return time.Now().Add(2 * time.Hour) }
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir, now: later})
+	if r := w.waitFinal("dev-1", ran.ID); r.State != companion.StateSucceeded {
+		t.Errorf("the command that ran ended %s; want succeeded", r.State)
+	}
+	if r := w.waitFinal("dev-1", never.ID); r.State != companion.StateExpired {
+		t.Errorf("the command that never started ended %s; want expired", r.State)
+	}
+	if n := dev.Executions(never.ID); n != 0 {
+		t.Errorf("Executions(never) = %d; want 0", n)
+	}
+}
+
+// Every command is on disk as possibly started before it reaches the
+// device, also when the worker takes it while the final reply of the one
+// before is still on its way to the file.
+func TestCommandIsSpooledAsStartedBeforeItRuns(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dir := t.TempDir()
+	var cmds []topics.Command
+	for i := range 8 {
+		cmds = append(cmds, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: fmt.Sprint("text ", i)}))
+	}
+	if err := agent.SpoolCommands(dir, cmds); err != nil {
+		t.Fatal(err)
+	}
+	dev := &spoolWatch{Device: newSim("dev-1"), ready: make(chan struct{}), states: map[string]string{}}
+	dev.br = startBridge(t, b, nil, w, bridgeConfig{
+		devices: []*sim.Device{dev.Device},
+		dataDir: dir,
+		wrap:    func(*sim.Device) agent.Device { return dev },
+	})
+	close(dev.ready)
+	for i := range 4 { // and a few that arrive while it works
+		c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: fmt.Sprint("late ", i)})
+		cmds = append(cmds, c)
+		w.send(c)
+	}
+	for _, c := range cmds {
+		w.waitFinal("dev-1", c.ID)
+		dev.mu.Lock()
+		st := dev.states[c.ID]
+		dev.mu.Unlock()
+		if st != "running" {
+			t.Errorf("%s reached the device %q in the spool; want running", c.ID, st)
+		}
+	}
+}
+
+// spoolWatch is a simulated device that notes, as each text reaches it,
+// the state of its command in the bridge's spool.
+type spoolWatch struct {
+	*sim.Device
+	ready chan struct{} // closed once br is set
+	br    *bridge
+
+	mu     sync.Mutex
+	states map[string]string // command id → spool state as it reached the device
+}
+
+func (d *spoolWatch) PushText(ctx context.Context, cmdID, title, text string) error {
+	select {
+	case <-d.ready:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	st, err := d.br.SpoolState(cmdID)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	d.states[cmdID] = st
+	d.mu.Unlock()
+	return d.Device.PushText(ctx, cmdID, title, text)
 }
 
 func TestWillAndCleanClose(t *testing.T) {

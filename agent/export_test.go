@@ -1,13 +1,15 @@
 package agent
 
 import (
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/devicecompanion/companion/topics"
 )
 
 // SpoolCommands leaves the spool in dir as a bridge that took cmds in and
-// then crashed would: queued, the first one perhaps running.
+// then crashed would: queued, the first of each device perhaps running.
 func SpoolCommands(dir string, cmds []topics.Command) error {
 	s, err := openSpool(dir)
 	if err != nil {
@@ -16,6 +18,43 @@ func SpoolCommands(dir string, cmds []topics.Command) error {
 	defer s.close()
 	_, err = s.accept(cmds, time.Now())
 	return err
+}
+
+// SpoolStarted leaves the spool in dir as a bridge that took cmds in (all
+// for one device), started the first n of them and crashed before any
+// final reply was on disk would: its worker goes on to the next command
+// while the final reply of the last one is on its way to the file.
+func SpoolStarted(dir string, cmds []topics.Command, n int) (err error) {
+	s, err := openSpool(dir)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, s.close()) }()
+	res, err := s.accept(cmds, time.Now())
+	if err != nil {
+		return err
+	}
+	for _, r := range res {
+		if r.rec != nil {
+			s.release(r.rec)
+		}
+	}
+	for _, c := range cmds[:n] {
+		r := s.claim(c.DeviceID)
+		if r == nil || r.Cmd.ID != c.ID {
+			return fmt.Errorf("claimed %+v; want %s", r, c.ID)
+		}
+		if err := s.start(r); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// SpoolState is the state of a command in the agent's spool ("" when
+// unknown): queued, running (it may have started) or done.
+func (a *Agent) SpoolState(id string) (string, error) {
+	return a.spool.seen(id)
 }
 
 // DeliveredDelay is deliveredDelay, for tests.

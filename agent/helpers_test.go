@@ -454,6 +454,8 @@ type bridgeConfig struct {
 	timeout  time.Duration
 	interval time.Duration
 	now      func() time.Time
+	// wrap, when set, stands between the bridge and each device.
+	wrap func(*sim.Device) agent.Device
 }
 
 // startBridge runs an agent against the broker and the blob server and
@@ -469,6 +471,9 @@ func startBridge(tb testing.TB, b *testBroker, bs *blobServer, w *watcher, cfg b
 	devs := make([]agent.Device, len(cfg.devices))
 	for i, d := range cfg.devices {
 		devs[i] = d
+		if cfg.wrap != nil {
+			devs[i] = cfg.wrap(d)
+		}
 	}
 	opts := agent.Options{
 		MQTTURL:        b.url,

@@ -38,9 +38,15 @@ var (
 	bucketOldQueues = []byte("queues")
 )
 
-// States of a spooled command. A claimed command is running in memory
-// only; spoolRunning is what earlier versions wrote for it, read as queued
-// (and possibly running: a cancel leaves it alone).
+// States of a spooled command. A command is spoolRunning on disk once it
+// may have started: the file says so before the command can reach its
+// device (spool.start). Most are written so ahead of their turn, in writes
+// the spool makes anyway: the first of a device's line when it is accepted,
+// the next ones in the transaction that finishes the one before them
+// (spoolLookahead). So a queued command certainly never ran, and a running
+// one found after a restart may have: it runs again whatever its TTL (the
+// device drops an id it has run), and a cancel leaves it alone. Earlier
+// versions wrote spoolRunning when a command was claimed; it reads the same.
 const (
 	spoolQueued  = "queued"
 	spoolRunning = "running"
@@ -57,7 +63,23 @@ type record struct {
 	State  string         `json:"state"`
 	Final  *topics.Reply  `json:"final,omitempty"`
 	DoneAt time.Time      `json:"done_at,omitzero"`
+
+	// In memory only. marked: the file has the command as spoolRunning
+	// (guarded by spool.mu). resumed: it was found so when the spool was
+	// opened, so it may have run before the restart (set by load, then
+	// only read).
+	marked  bool
+	resumed bool
 }
+
+// spoolLookahead is how many of a device's commands, at the head of its
+// queue, the transaction that finishes a command marks as running: the
+// next one is then on disk as running before the worker claims it (the
+// transaction commits while the command before it runs), and the worker
+// waits for no write of its own. A restart finds about these (and the
+// first of a device's line, marked as it arrived), besides the one that
+// was running, marked though they never started.
+const spoolLookahead = 2
 
 type outboxEntry struct {
 	DeviceID string       `json:"device_id"`
@@ -75,8 +97,8 @@ type spool struct {
 	mu     sync.Mutex
 	queues map[string][]*record // device id → released commands not yet claimed, in queue order
 	// running holds the ids of claimed commands not yet finished on disk,
-	// and, after opening, the first command of each queue: it may have been
-	// running when the bridge stopped. A cancel leaves them alone.
+	// and, after opening, those that may have been running when the bridge
+	// stopped (resumed). A cancel leaves them alone.
 	running map[string]bool
 }
 
@@ -147,7 +169,10 @@ func migrateQueues(tx *bolt.Tx) error {
 }
 
 // load reads the queue into memory, healing entries whose record is gone
-// or done (which cannot happen).
+// or done (which cannot happen). A command marked running may have run
+// before the restart; so may the first of each device's queue when the
+// file was written by a version that marked commands only as it claimed
+// them, or not at all.
 func (s *spool) load(tx *bolt.Tx) error {
 	q := tx.Bucket(bucketQueue)
 	var stale [][]byte
@@ -161,7 +186,9 @@ func (s *spool) load(tx *bolt.Tx) error {
 			return nil
 		}
 		dev := r.Cmd.DeviceID
-		if len(s.queues[dev]) == 0 {
+		r.marked = r.State == spoolRunning
+		if r.marked || len(s.queues[dev]) == 0 {
+			r.resumed = true
 			s.running[r.Cmd.ID] = true
 		}
 		s.queues[dev] = append(s.queues[dev], r)
@@ -260,7 +287,8 @@ func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, er
 	var results []acceptResult
 	err := s.w.Do(func(tx *bolt.Tx) error {
 		results = make([]acceptResult, len(cmds))
-		queued := map[string]int{} // id → index of a command queued by this batch
+		queued := map[string]int{}  // id → index of a command queued by this batch
+		behind := map[string]bool{} // device → a command of this batch is queued for it
 		for i, c := range cmds {
 			var err error
 			if c.Op == topics.OpCancel {
@@ -270,9 +298,13 @@ func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, er
 					results[j] = acceptResult{outcome: acceptKnown}
 				}
 			} else {
-				results[i], err = acceptCommand(tx, c)
+				// The first of a device's line is marked running as it is
+				// written: its worker takes it at once.
+				first := !behind[c.DeviceID] && s.lineEmpty(c.DeviceID)
+				results[i], err = acceptCommand(tx, c, first)
 				if results[i].outcome == acceptQueued {
 					queued[c.ID] = i
+					behind[c.DeviceID] = true
 				}
 			}
 			if err != nil {
@@ -284,7 +316,20 @@ func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, er
 	if err != nil {
 		return nil, err
 	}
+	for _, r := range results {
+		if r.rec != nil && r.rec.State == spoolRunning {
+			r.rec.marked = true // not yet released: no one else has it
+		}
+	}
 	return results, nil
+}
+
+// lineEmpty reports whether no released command waits for the device's
+// worker.
+func (s *spool) lineEmpty(deviceID string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.queues[deviceID]) == 0
 }
 
 // release hands accepted commands to their devices' workers.
@@ -303,7 +348,9 @@ func (s *spool) release(recs ...*record) {
 	}
 }
 
-func acceptCommand(tx *bolt.Tx, c topics.Command) (acceptResult, error) {
+// acceptCommand spools a new command, as running when it is the first of
+// its device's line.
+func acceptCommand(tx *bolt.Tx, c topics.Command, first bool) (acceptResult, error) {
 	r, err := getRecord(tx, c.ID)
 	if err != nil {
 		return acceptResult{}, err
@@ -323,6 +370,9 @@ func acceptCommand(tx *bolt.Tx, c topics.Command) (acceptResult, error) {
 		return acceptResult{}, err
 	}
 	nr := &record{Cmd: c, Seq: seq, State: spoolQueued}
+	if first {
+		nr.State = spoolRunning
+	}
 	if err := putRecord(tx, nr); err != nil {
 		return acceptResult{}, err
 	}
@@ -332,7 +382,10 @@ func acceptCommand(tx *bolt.Tx, c topics.Command) (acceptResult, error) {
 // acceptCancel takes a command not yet started off its queue. A cancel for an
 // id never seen leaves a tombstone, so that the command, should it still
 // arrive (handlers may see messages out of order after a redelivery), is
-// dropped. A cancel for a running or finished command does nothing.
+// dropped. A cancel for a running or finished command does nothing: a
+// command marked running on disk but still in its queue (marked ahead of
+// its turn) has not started and can be canceled; after a restart it may
+// have, and unrelease refuses it.
 func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, error) {
 	var p topics.Cancel
 	if err := json.Unmarshal(c.Payload, &p); err != nil || !topics.ValidCommandID(p.CommandID) {
@@ -352,7 +405,7 @@ func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acce
 			DoneAt: now,
 		}
 		return acceptResult{outcome: acceptCancelNoop}, putRecord(tx, tomb)
-	case r.State != spoolQueued || !s.unrelease(r):
+	case r.State == spoolDone || !s.unrelease(r):
 		return acceptResult{outcome: acceptCancelNoop}, nil
 	}
 	if err := tx.Bucket(bucketQueue).Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
@@ -378,8 +431,8 @@ func (s *spool) unrelease(r *record) bool {
 }
 
 // claim returns the first released command of the device's queue and
-// marks it running (in memory: a command found in the queue after a restart
-// runs again either way), or nil when there is none.
+// takes it off (a cancel then leaves it alone), or nil when there is none.
+// Before it runs, start makes sure the file has it as running.
 func (s *spool) claim(deviceID string) *record {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -398,14 +451,65 @@ func (s *spool) claim(deviceID string) *record {
 	return r
 }
 
+// start returns once the file has a claimed command as running, so that a
+// restart after it reached the device finds it possibly started rather
+// than never started (and neither expires it nor lets it be canceled).
+// Mostly it was marked ahead of its turn and start writes nothing; else
+// its write shares the spool's next commit.
+func (s *spool) start(r *record) error {
+	s.mu.Lock()
+	marked := r.marked
+	s.mu.Unlock()
+	if marked {
+		return nil
+	}
+	err := s.w.Do(func(tx *bolt.Tx) error { return putRunning(tx, r) })
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	r.marked = true
+	s.mu.Unlock()
+	return nil
+}
+
+// putRunning writes a queued command's record as running.
+func putRunning(tx *bolt.Tx, r *record) error {
+	return putRecord(tx, &record{Cmd: r.Cmd, Seq: r.Seq, State: spoolRunning})
+}
+
+// markAhead marks the first spoolLookahead commands of a device's queue
+// running in tx, and returns those it marked: they are marked in memory
+// once tx is committed.
+func (s *spool) markAhead(tx *bolt.Tx, deviceID string) ([]*record, error) {
+	s.mu.Lock()
+	q := s.queues[deviceID]
+	var next []*record
+	for _, r := range q[:min(spoolLookahead, len(q))] {
+		if !r.marked {
+			next = append(next, r)
+		}
+	}
+	s.mu.Unlock()
+	for _, r := range next {
+		if err := putRunning(tx, r); err != nil {
+			return nil, err
+		}
+	}
+	return next, nil
+}
+
 // finish records a command as done with its final reply, takes it off its
 // queue and puts the reply in the outbox, in one transaction shared with
-// the spool's other writes. It does not wait: done gets the reply's outbox
-// key once it is on disk. The done callbacks run one at a time, in the
-// order of the calls.
+// the spool's other writes; the transaction also marks the device's next
+// commands running (markAhead). It does not wait: done gets the reply's
+// outbox key once it is on disk. The done callbacks run one at a time, in
+// the order of the calls.
 func (s *spool) finish(r *record, final topics.Reply, done func(key uint64, err error)) {
 	var key uint64
+	var ahead []*record
 	s.w.Go(func(tx *bolt.Tx) error {
+		ahead = nil // the transaction may run again (groupcommit.Committer.Do)
 		if err := tx.Bucket(bucketQueue).Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
 			return err
 		}
@@ -417,12 +521,18 @@ func (s *spool) finish(r *record, final topics.Reply, done func(key uint64, err 
 			return err
 		}
 		var err error
-		key, err = putOutbox(tx, r.Cmd.ID)
+		if key, err = putOutbox(tx, r.Cmd.ID); err != nil {
+			return err
+		}
+		ahead, err = s.markAhead(tx, r.Cmd.DeviceID)
 		return err
 	}, func(err error) {
 		if err == nil {
 			s.mu.Lock()
 			delete(s.running, r.Cmd.ID)
+			for _, a := range ahead {
+				a.marked = true
+			}
 			s.mu.Unlock()
 		}
 		done(key, err)

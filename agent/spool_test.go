@@ -124,6 +124,7 @@ func finishSync(tb testing.TB, s *spool, r *record, final topics.Reply) uint64 {
 
 // After a restart the queues come back from the file, the first command of
 // each perhaps running: a cancel leaves it alone, and it runs first.
+// (TestSpoolMarksRunningAhead: which commands come back perhaps running.)
 func TestSpoolReopen(t *testing.T) {
 	dir := t.TempDir()
 	s, err := openSpool(dir)
@@ -163,6 +164,93 @@ func TestSpoolReopen(t *testing.T) {
 	}
 	if r := s.claim("d"); r != nil {
 		t.Fatalf("second claim after reopen = %+v; want nothing", r)
+	}
+}
+
+// A command is on disk as running before it can reach its device: the
+// first of a device's line as it is accepted, the next spoolLookahead in
+// the transaction that finishes the one before, any other when it starts.
+// After a restart exactly those may have run: they run whatever their TTL
+// and a cancel leaves them alone; the others are queued as before.
+func TestSpoolMarksRunningAhead(t *testing.T) {
+	dir := t.TempDir()
+	s, err := openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cmds []topics.Command
+	for _, text := range []string{"a", "b", "c", "d", "e"} {
+		cmds = append(cmds, testCommand(t, "d", topics.OpPushText, topics.PushText{Text: text}))
+	}
+	a, b, c, d, e := cmds[0], cmds[1], cmds[2], cmds[3], cmds[4]
+	wantStates := func(when string, want map[string]string) {
+		t.Helper()
+		for _, cmd := range cmds {
+			if st, err := s.seen(cmd.ID); err != nil || st != want[cmd.ID] {
+				t.Errorf("%s: %s is %q, %v; want %q", when, cmd.Payload, st, err, want[cmd.ID])
+			}
+		}
+	}
+
+	res, err := s.accept(cmds[:4], time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantStates("accepted", map[string]string{a.ID: spoolRunning, b.ID: spoolQueued, c.ID: spoolQueued, d.ID: spoolQueued})
+	for _, r := range res {
+		s.release(r.rec)
+	}
+	r := s.claim("d")
+	if err := s.start(r); err != nil {
+		t.Fatal(err)
+	}
+	finishSync(t, s, r, topics.Reply{CommandID: a.ID, State: companion.StateSucceeded, At: time.Now()})
+	wantStates("a finished", map[string]string{a.ID: spoolDone, b.ID: spoolRunning, c.ID: spoolRunning, d.ID: spoolQueued})
+
+	// b starts without a write of its own; e arrives behind d.
+	commits := s.w.Stats().Commits
+	if r = s.claim("d"); r == nil || r.Cmd.ID != b.ID {
+		t.Fatalf("claim = %+v; want b", r)
+	}
+	if err := s.start(r); err != nil {
+		t.Fatal(err)
+	}
+	if n := s.w.Stats().Commits - commits; n != 0 {
+		t.Errorf("starting b, marked ahead, took %d commits; want 0", n)
+	}
+	res, err = s.accept(cmds[4:], time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.release(res[0].rec)
+	wantStates("b started", map[string]string{a.ID: spoolDone, b.ID: spoolRunning, c.ID: spoolRunning, d.ID: spoolQueued, e.ID: spoolQueued})
+	if err := s.close(); err != nil { // and b's final reply never reached the file
+		t.Fatal(err)
+	}
+
+	s, err = openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	res, err = s.accept([]topics.Command{
+		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: c.ID}),
+		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: d.ID}),
+	}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res[0].outcome != acceptCancelNoop || res[1].outcome != acceptCanceled {
+		t.Fatalf("cancel outcomes after reopen %+v; want noop (perhaps running), canceled", res)
+	}
+	for _, want := range []struct {
+		cmd     topics.Command
+		resumed bool
+	}{{b, true}, {c, true}, {e, false}} {
+		r := s.claim("d")
+		if r == nil || r.Cmd.ID != want.cmd.ID || r.resumed != want.resumed {
+			t.Fatalf("claim after reopen = %+v; want %s resumed %v", r, want.cmd.Payload, want.resumed)
+		}
 	}
 }
 

@@ -79,10 +79,20 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	final := topics.Reply{CommandID: c.ID}
 	var state deviceState
 	start := time.Now()
-	if !c.ExpiresAt.IsZero() && a.now().After(c.ExpiresAt) {
+	// Expired means never delivered (CONTRACT §2): a command that may have
+	// reached the device before a restart runs again whatever its TTL, and
+	// ends with the device's answer (the device drops an id it has run).
+	pastTTL := !c.ExpiresAt.IsZero() && a.now().After(c.ExpiresAt)
+	if pastTTL && !r.resumed {
 		log(slog.LevelInfo, "command expired before it ran")
 		final.State = companion.StateExpired
 	} else {
+		if pastTTL {
+			log(slog.LevelInfo, "command past its TTL may have run before the restart; running it again")
+		}
+		if !a.markStarted(ctx, r) {
+			return false
+		}
 		cctx, cancel := context.WithTimeout(ctx, a.opts.CommandTimeout)
 		result, changed, err := a.runOp(cctx, dr, c)
 		state = changed
@@ -119,6 +129,22 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		dr.requestReport(status, false, settings)
 	}
 	return true
+}
+
+// markStarted returns once the spool has the command as possibly started,
+// trying again while writing it fails; false when the agent is stopping
+// first (the command never started and stays queued).
+func (a *Agent) markStarted(ctx context.Context, r *record) bool {
+	for {
+		err := a.spool.start(r)
+		if err == nil {
+			return true
+		}
+		a.log.Error("marking a command as started failed; retrying", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
+		if !sleepCtx(ctx, time.Second) {
+			return false
+		}
+	}
 }
 
 // finish records the final reply in the spool and publishes it once it is
