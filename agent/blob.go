@@ -166,6 +166,14 @@ func (b *blobs) resolve(ref string) (*url.URL, error) {
 	return b.base.ResolveReference(u), nil
 }
 
+// ownOrigin reports whether u is on the API's scheme and host: only there
+// does the bridge's secret go. The server names its blobs by a path of its
+// own; an absolute URL elsewhere (a store in front of it, say) must carry
+// its own authority, not the bridge's credentials.
+func (b *blobs) ownOrigin(u *url.URL) bool {
+	return b.base != nil && strings.EqualFold(u.Scheme, b.base.Scheme) && strings.EqualFold(u.Host, b.base.Host)
+}
+
 // httpStatusError is a download answered with an unexpected status.
 type httpStatusError struct{ status int }
 
@@ -208,7 +216,7 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 	if err != nil {
 		return cmdErr(codeInvalidPayload, err.Error())
 	}
-	if b.secret != "" {
+	if b.secret != "" && b.ownOrigin(u) {
 		req.Header.Set("Authorization", "Bearer "+b.secret)
 	}
 	if have > 0 {

@@ -92,3 +92,37 @@ func TestBlobFetchErrors(t *testing.T) {
 		}
 	}
 }
+
+// The bridge's secret goes to the API's origin only: a blob named by an
+// absolute URL elsewhere is fetched without it.
+func TestBlobSecretStaysWithTheAPI(t *testing.T) {
+	data := []byte("elsewhere")
+	var auth atomic.Value
+	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		auth.Store(r.Header.Get("Authorization"))
+		w.Write(data)
+	}))
+	defer elsewhere.Close()
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		auth.Store(r.Header.Get("Authorization"))
+		w.Write(data)
+	}))
+	defer api.Close()
+	b := newTestBlobs(t, api.URL)
+	ref := blobRef(data)
+	ref.URL = elsewhere.URL + ref.URL
+	if _, err := b.fetch(context.Background(), ref, func(int) {}); err != nil {
+		t.Fatal(err)
+	}
+	if got := auth.Load(); got != "" {
+		t.Errorf("another origin got Authorization %q; want none", got)
+	}
+	ref.URL = api.URL + "/api/v1/blobs/" + ref.SHA256
+	os.Remove(filepath.Join(b.dir, ref.SHA256)) // fetch it again
+	if _, err := b.fetch(context.Background(), ref, func(int) {}); err != nil {
+		t.Fatal(err)
+	}
+	if got := auth.Load(); got != "Bearer secret" {
+		t.Errorf("the API got Authorization %q; want the bridge's secret", got)
+	}
+}
