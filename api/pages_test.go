@@ -97,7 +97,7 @@ func TestCommandPagesAfterChangeOfOwner(t *testing.T) {
 		}
 	})
 	t.Run("the state filter", func(t *testing.T) {
-		// Cancel bob's 1st, 3rd, 5th and 6th; alice's stay queued.
+		// Cancel bob's 1st, 3rd, 5th and 6th; alice's ended with her unbind.
 		var canceled, queued []string
 		for i, id := range bobs { // newest first: i 0 is the 6th
 			if i == 0 || i%2 == 1 {
@@ -120,7 +120,10 @@ func TestCommandPagesAfterChangeOfOwner(t *testing.T) {
 		for _, limit := range []int{1, 2, 3} {
 			wantPages(t, fmt.Sprintf("alice, limit %d", limit), e.pages(t, alice, path, "commands", "id", limit), alices, limit)
 		}
-		wantPages(t, "alice's queued", e.pages(t, alice, path+"?state=queued", "commands", "id", 2), alices, 2)
+		// Her old ones ended with her unbind (canceled, never run); her
+		// new one waits.
+		wantPages(t, "alice's queued", e.pages(t, alice, path+"?state=queued", "commands", "id", 2), alices[:1], 2)
+		wantPages(t, "alice's canceled", e.pages(t, alice, path+"?state=canceled", "commands", "id", 2), alices[1:], 2)
 	})
 }
 
