@@ -59,6 +59,7 @@ const (
 	CodeValidationFailed     = "validation_failed"
 	CodeInvalidClaim         = "invalid_claim"
 	CodeIdempotencyKeyReused = "idempotency_key_reused"
+	CodeIdempotencyKeyInUse  = "idempotency_key_in_use"
 	CodeInvalidCursor        = "invalid_cursor"
 	CodeRangeNotSatisfiable  = "range_not_satisfiable"
 	CodeQueueFull            = "queue_full"
@@ -100,6 +101,7 @@ var codes = map[string]codeInfo{
 	CodeValidationFailed:     {http.StatusUnprocessableEntity, "Validation failed", "some fields are invalid"},
 	CodeInvalidClaim:         {http.StatusUnprocessableEntity, "Invalid claim", "unknown device or wrong claim code"},
 	CodeIdempotencyKeyReused: {http.StatusUnprocessableEntity, "Idempotency key reused", "the Idempotency-Key was used with another request"},
+	CodeIdempotencyKeyInUse:  {http.StatusConflict, "Idempotency key in use", "a request with this Idempotency-Key is still being answered; repeat it later for its answer"},
 	CodeInvalidCursor:        {http.StatusUnprocessableEntity, "Invalid cursor", "the cursor is not one this list returned"},
 	CodeRangeNotSatisfiable:  {http.StatusRequestedRangeNotSatisfiable, "Range not satisfiable", "the range lies outside the content"},
 	CodeQueueFull:            {http.StatusTooManyRequests, "Queue full", "the device has too many unfinished commands"},
@@ -118,6 +120,7 @@ var (
 	errFirmwareNotFnd = &Error{Code: CodeFirmwareNotFound}
 	errInvalidClaim   = &Error{Code: CodeInvalidClaim}
 	errIdemReused     = &Error{Code: CodeIdempotencyKeyReused}
+	errIdemInUse      = &Error{Code: CodeIdempotencyKeyInUse}
 )
 
 // problem is an RFC 9457 problem details object with our extensions.
@@ -131,8 +134,11 @@ type problem struct {
 }
 
 // fail answers err as a problem. Errors that are not *Error are logged
-// and shown only as "internal error".
+// and shown only as "internal error". A request that fails gives up the
+// claim on its Idempotency-Key (see beginIdempotent), as it records no
+// answer: a repeat does the work again.
 func (s *Server) fail(c *gin.Context, err error) {
+	s.releaseIdempotent(c)
 	var e *Error
 	if !errors.As(err, &e) {
 		ctx := c.Request.Context()

@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
@@ -12,8 +13,10 @@ import (
 	"mime"
 	"net/http"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/devicecompanion/companion"
@@ -149,7 +152,62 @@ func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, e
 	if err := json.Unmarshal(raw, &body.members); err != nil {
 		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is not valid JSON"}
 	}
+	if err := validationError(caseErrors(body.members, reflect.TypeOf(dst))); err != nil {
+		return nil, err
+	}
 	return body, nil
+}
+
+// caseErrors names each member whose name is the JSON name of one of t's
+// fields only when case is ignored (t a struct, or a pointer to one).
+// encoding/json matches names that way, so {"TEXT": "hi"} would fill the
+// required text without naming it, and {"bridge_id": null, "BRIDGE_ID":
+// "b"} would assign b after a check of bridge_id had seen null. Members
+// that match no field at all are ignored, as encoding/json ignores them.
+func caseErrors(members map[string]json.RawMessage, t reflect.Type) []FieldError {
+	names := jsonNames(t, nil)
+	var errs []FieldError
+	for _, m := range sortedKeys(members) {
+		if slices.Contains(names, m) {
+			continue
+		}
+		for _, name := range names {
+			if strings.EqualFold(m, name) {
+				errs = append(errs, FieldError{Field: m, Message: fmt.Sprintf("must be written %q: member names are case-sensitive", name)})
+				break
+			}
+		}
+	}
+	return errs
+}
+
+// jsonNames appends to names the JSON names encoding/json decodes into
+// t's fields (those of embedded structs included).
+func jsonNames(t reflect.Type, names []string) []string {
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t == nil || t.Kind() != reflect.Struct {
+		return names
+	}
+	for i := range t.NumField() {
+		f := t.Field(i)
+		tag := f.Tag.Get("json")
+		if tag == "-" {
+			continue
+		}
+		name, _, _ := strings.Cut(tag, ",")
+		switch {
+		case f.Anonymous && name == "":
+			names = jsonNames(f.Type, names)
+		case !f.IsExported():
+		case name == "":
+			names = append(names, f.Name)
+		default:
+			names = append(names, name)
+		}
+	}
+	return names
 }
 
 // decodeStrict decodes exactly one JSON value into dst and refuses
@@ -324,45 +382,140 @@ func requestHash(r *http.Request, body []byte) []byte {
 	return h.Sum(nil)
 }
 
+// idempotencyWait bounds how long a request waits for the answer of an
+// earlier request with its Idempotency-Key that is still being worked on,
+// before it answers 409 idempotency_key_in_use. A variable for the tests.
+var idempotencyWait = 5 * time.Second
+
+// idempotencyPoll is how often a waiting request reads the key's record:
+// the record may be answered on another replica, so it is read, not told.
+const idempotencyPoll = 20 * time.Millisecond
+
+// settleTimeout bounds the store write that answers or gives up a claim.
+// The write does not end with the request: a client gone after the work
+// must still leave its answer for the repeat it will send.
+const settleTimeout = 10 * time.Second
+
+// claimContextKey is the gin context key of the request's claim (a
+// *companion.Idempotency) while it holds one.
+const claimContextKey = "companion.idempotency.claim"
+
 // beginIdempotent handles the Idempotency-Key of a request that does not
 // create a command. When the key answered the same request before, it
-// replays that answer and returns replayed = true. Otherwise it returns the
-// record to store with the answer (nil when the request has no key); reply
-// stores it after a 2xx.
+// replays that answer and returns replayed = true. Otherwise it claims the
+// key for this request, before the work, and returns the claim (nil when
+// the request has no key): reply stores the answer over it after a 2xx, and
+// an answer that is not a 2xx (fail included) gives it up, for a repeat to
+// do the work again. A repeat that finds the key claimed by a request
+// still at work waits for that answer, up to idempotencyWait, and then
+// answers 409 idempotency_key_in_use. Claiming first is what makes two
+// overlapping requests with one key do the work once: the store refuses
+// the second claim atomically (companion.ErrExists).
 func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (rec *companion.Idempotency, replayed bool, err error) {
 	key, err := idempotencyKey(c)
 	if err != nil || key == "" {
 		return nil, false, err
 	}
-	hash := requestHash(c.Request, body)
-	old, err := s.store.Idempotency(c.Request.Context(), userID, key)
-	switch {
-	case errors.Is(err, companion.ErrNotFound):
-		return &companion.Idempotency{UserID: userID, Key: key, RequestHash: hash}, false, nil
-	case err != nil:
-		return nil, false, err
-	case !bytes.Equal(old.RequestHash, hash):
-		return nil, false, errIdemReused
+	claim := &companion.Idempotency{UserID: userID, Key: key, RequestHash: requestHash(c.Request, body)}
+	ctx := c.Request.Context()
+	deadline := time.NewTimer(idempotencyWait)
+	defer deadline.Stop()
+	tick := time.NewTicker(idempotencyPoll)
+	defer tick.Stop()
+	for {
+		old, err := s.store.Idempotency(ctx, userID, key)
+		switch {
+		case errors.Is(err, companion.ErrNotFound):
+			err = s.store.PutIdempotency(ctx, *claim)
+			if err == nil {
+				c.Set(claimContextKey, claim)
+				return claim, false, nil
+			}
+			if !errors.Is(err, companion.ErrExists) {
+				return nil, false, err
+			}
+			continue // claimed first by another request: read its record
+		case err != nil:
+			return nil, false, err
+		case !bytes.Equal(old.RequestHash, claim.RequestHash):
+			return nil, false, errIdemReused
+		case old.CommandID != "": // cannot happen: the path is in the hash
+			return nil, false, errIdemReused
+		case old.Status != 0:
+			replayAnswer(c, old)
+			return nil, true, nil
+		}
+		// Claimed by the same request, still at work: wait for its answer.
+		select {
+		case <-ctx.Done():
+			return nil, false, ctx.Err()
+		case <-deadline.C:
+			return nil, false, errIdemInUse
+		case <-tick.C:
+		}
 	}
-	if old.CommandID != "" { // cannot happen: the path is in the hash
-		return nil, false, errIdemReused
-	}
-	if old.Location != "" {
-		c.Header("Location", old.Location)
-	}
-	if len(old.Body) == 0 {
-		c.Status(old.Status)
-		c.Writer.WriteHeaderNow()
-	} else {
-		c.Data(old.Status, "application/json; charset=utf-8", old.Body)
-	}
-	return nil, true, nil
 }
 
-// reply answers status with v as JSON (nothing when v is nil) and, after a
-// 2xx, stores the answer under rec's Idempotency-Key. stored, when not nil,
-// is what the record keeps instead of v: answers carrying a secret keep
-// it out of the store.
+// replayAnswer answers as rec records.
+func replayAnswer(c *gin.Context, rec companion.Idempotency) {
+	if rec.Location != "" {
+		c.Header("Location", rec.Location)
+	}
+	if len(rec.Body) == 0 {
+		c.Status(rec.Status)
+		c.Writer.WriteHeaderNow()
+		return
+	}
+	c.Data(rec.Status, "application/json; charset=utf-8", rec.Body)
+}
+
+// heldClaim returns the claim the request holds, or nil, and forgets it:
+// it is settled once.
+func heldClaim(c *gin.Context) *companion.Idempotency {
+	v, ok := c.Get(claimContextKey)
+	if !ok {
+		return nil
+	}
+	claim, _ := v.(*companion.Idempotency)
+	if claim != nil {
+		c.Set(claimContextKey, (*companion.Idempotency)(nil))
+	}
+	return claim
+}
+
+// settleContext is the context of a write that settles the request's
+// claim: not canceled with the request, bounded by settleTimeout.
+func settleContext(c *gin.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(c.Request.Context()), settleTimeout)
+}
+
+// releaseIdempotent gives up the request's claim on its Idempotency-Key,
+// if it holds one: the request answers without recording its answer, and
+// a repeat may do the work again. The claim is put again as made long ago,
+// which the store reads as the key free (see PutIdempotency).
+func (s *Server) releaseIdempotent(c *gin.Context) {
+	claim := heldClaim(c)
+	if claim == nil {
+		return
+	}
+	ctx, cancel := settleContext(c)
+	defer cancel()
+	gone := *claim
+	gone.CreatedAt = longAgo
+	if err := s.store.PutIdempotency(ctx, gone); err != nil {
+		// The claim then frees the key when it runs out, a minute on.
+		s.log.ErrorContext(ctx, "giving up an idempotency claim", "err", err)
+	}
+}
+
+// longAgo is the time of a claim given up: older than any record lives.
+var longAgo = time.Unix(0, 0).UTC()
+
+// reply answers status with v as JSON (nothing when v is nil). With rec,
+// the request's claim on its Idempotency-Key, it first stores the answer
+// over the claim after a 2xx, and gives the claim up otherwise. stored,
+// when not nil, is what the record keeps instead of v: answers carrying a
+// secret keep it out of the store.
 func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *companion.Idempotency, stored any) error {
 	var b []byte
 	if v != nil {
@@ -381,11 +534,18 @@ func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *
 			}
 			r.Body = sb
 		}
-		if err := s.store.PutIdempotency(c.Request.Context(), r); err != nil && !errors.Is(err, companion.ErrExists) {
+		heldClaim(c) // settled here, whatever the store says
+		ctx, cancel := settleContext(c)
+		err := s.store.PutIdempotency(ctx, r)
+		cancel()
+		if err != nil {
 			// The work is done; losing the record only means a repeat
-			// is not recognised.
+			// waits while the claim holds and then does the work again.
+			// ErrExists: the claim ran out and another request answered.
 			s.log.ErrorContext(c.Request.Context(), "storing an idempotency record", "err", err)
 		}
+	} else if rec != nil {
+		s.releaseIdempotent(c)
 	}
 	if location != "" {
 		c.Header("Location", location)

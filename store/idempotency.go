@@ -12,13 +12,33 @@ import (
 	bolt "go.etcd.io/bbolt"
 )
 
-// live reports whether rec still answers repeats at now.
+// IdempotencyClaimTTL is how long a claim (a record with Status 0: its
+// request is being worked on) holds its key. A request's work takes far
+// less; a claim older than this one's request died before it answered, and
+// its key is free again.
+const IdempotencyClaimTTL = time.Minute
+
+// live reports whether rec still answers repeats at now. CreateCommand
+// holds every record to it: its own records are never claims, and a key
+// that another request used, even one that never answered, is a conflict
+// for a command.
 func live(rec companion.Idempotency, now time.Time) bool {
 	return now.Sub(rec.CreatedAt) < IdempotencyTTL
 }
 
+// holds reports whether rec holds its key at now: an answer for
+// IdempotencyTTL, a claim for IdempotencyClaimTTL.
+func holds(rec companion.Idempotency, now time.Time) bool {
+	if rec.Status == 0 {
+		return now.Sub(rec.CreatedAt) < IdempotencyClaimTTL
+	}
+	return live(rec, now)
+}
+
 // Idempotency returns the record of the user's key, or ErrNotFound when
-// there is none or it is older than IdempotencyTTL.
+// there is none or it no longer holds the key (an answer older than
+// IdempotencyTTL, a claim older than IdempotencyClaimTTL). A record with
+// Status 0 is a claim: its request has no answer yet.
 func (db *DB) Idempotency(ctx context.Context, userID, key string) (companion.Idempotency, error) {
 	if !validID(userID) || !validID(key) {
 		return companion.Idempotency{}, companion.ErrNotFound
@@ -27,15 +47,21 @@ func (db *DB) Idempotency(ctx context.Context, userID, key string) (companion.Id
 	if err := db.get(bucketIdempotency, idemKey(userID, key), &rec); err != nil {
 		return companion.Idempotency{}, err
 	}
-	if !live(rec, db.now()) {
+	if !holds(rec, db.now()) {
 		return companion.Idempotency{}, companion.ErrNotFound
 	}
 	return rec, nil
 }
 
-// PutIdempotency stores the first answer to a request. CreatedAt is set to
-// now when zero. It returns ErrExists when a live record of the same user
-// and key exists; an expired one is replaced.
+// PutIdempotency stores rec: the first answer to a request or, with Status
+// 0, a claim (the request is being worked on: repeats wait for its
+// answer). CreatedAt is set to now when zero. It returns ErrExists when a
+// record of the same user and key holds the key (see Idempotency), with
+// one exception, which lets the claimant finish: a claim is replaced by a
+// record of the same request (the same RequestHash) that is its answer
+// (Status not 0), or that no longer holds the key itself (the claimant gave
+// up, and the key is free). A record that no longer holds its key is
+// replaced.
 func (db *DB) PutIdempotency(ctx context.Context, rec companion.Idempotency) error {
 	if !validID(rec.UserID) || !validID(rec.Key) {
 		return fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid)
@@ -49,15 +75,21 @@ func (db *DB) PutIdempotency(ctx context.Context, rec companion.Idempotency) err
 		if err != nil {
 			return err
 		}
-		if ok && live(old, now) {
-			return abort(companion.ErrExists)
-		}
 		r := rec
 		if r.CreatedAt.IsZero() {
 			r.CreatedAt = now
 		}
+		if ok && holds(old, now) && !settles(old, r, now) {
+			return abort(companion.ErrExists)
+		}
 		return putJSON(b, k, r)
 	})
+}
+
+// settles reports whether r is what the claimant of old puts over it: the
+// answer of the same request, or the claim given up.
+func settles(old, r companion.Idempotency, now time.Time) bool {
+	return old.Status == 0 && bytes.Equal(old.RequestHash, r.RequestHash) && (r.Status != 0 || !holds(r, now))
 }
 
 // PurgeIdempotency deletes the records created before olderThan and

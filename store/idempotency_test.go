@@ -48,3 +48,25 @@ func TestIdempotencyRecords(t *testing.T) {
 		t.Errorf("Idempotency after replace = %+v", got)
 	}
 }
+
+// A claim (Status 0) holds its key for IdempotencyClaimTTL, to the
+// nanosecond: then its key is free for any request.
+func TestIdempotencyClaimLifetime(t *testing.T) {
+	ctx := context.Background()
+	clock := newFakeClock()
+	db := openTestDBWith(t, t.TempDir()+"/c.db", Options{Now: clock.Now})
+	claim := companion.Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("req")}
+	mustNil(t, "PutIdempotency(claim)", db.PutIdempotency(ctx, claim))
+
+	clock.Advance(IdempotencyClaimTTL - time.Nanosecond)
+	if got, err := db.Idempotency(ctx, "u1", "k1"); err != nil || got.Status != 0 {
+		t.Errorf("Idempotency(claim a moment before it runs out) = %+v, %v; want the claim", got, err)
+	}
+	other := companion.Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("other")}
+	wantErr(t, "PutIdempotency(another request's claim)", db.PutIdempotency(ctx, other), companion.ErrExists)
+
+	clock.Advance(time.Nanosecond)
+	_, err := db.Idempotency(ctx, "u1", "k1")
+	wantErr(t, "Idempotency(claim run out)", err, companion.ErrNotFound)
+	mustNil(t, "PutIdempotency(another request's claim, after)", db.PutIdempotency(ctx, other))
+}

@@ -1,6 +1,7 @@
 package postgres
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -56,8 +57,34 @@ func queueIdempotency(b *pgx.Batch, r companion.Idempotency) {
 	b.Queue(idempotencyUpsert, idempotencyArgs(r)...)
 }
 
+// IdempotencyClaimTTL is how long a claim (a record with Status 0: its
+// request is being worked on) holds its key. A request's work takes far
+// less; a claim older than this one's request died before it answered, and
+// its key is free again.
+const IdempotencyClaimTTL = time.Minute
+
+// holds reports whether rec holds its key at now: an answer for
+// IdempotencyTTL, a claim for IdempotencyClaimTTL. CreateCommand holds
+// every record to IdempotencyTTL (live): its own records are never claims,
+// and a key that another request used, even one that never answered, is a
+// conflict for a command.
+func holds(rec companion.Idempotency, now time.Time) bool {
+	if rec.Status == 0 {
+		return now.Sub(rec.CreatedAt) < IdempotencyClaimTTL
+	}
+	return live(rec.CreatedAt, now)
+}
+
+// settles reports whether r is what the claimant of old puts over it: the
+// answer of the same request, or the claim given up.
+func settles(old, r companion.Idempotency, now time.Time) bool {
+	return old.Status == 0 && bytes.Equal(old.RequestHash, r.RequestHash) && (r.Status != 0 || !holds(r, now))
+}
+
 // Idempotency returns the record of the user's key, or ErrNotFound when
-// there is none or it is older than IdempotencyTTL.
+// there is none or it no longer holds the key (an answer older than
+// IdempotencyTTL, a claim older than IdempotencyClaimTTL). A record with
+// Status 0 is a claim: its request has no answer yet.
 func (s *Store) Idempotency(ctx context.Context, userID, key string) (companion.Idempotency, error) {
 	if !validID(userID) || !validID(key) {
 		return companion.Idempotency{}, companion.ErrNotFound
@@ -66,15 +93,22 @@ func (s *Store) Idempotency(ctx context.Context, userID, key string) (companion.
 	if err != nil {
 		return companion.Idempotency{}, err
 	}
-	if !live(rec.CreatedAt, s.clock()) {
+	if !holds(rec, s.clock()) {
 		return companion.Idempotency{}, companion.ErrNotFound
 	}
 	return rec, nil
 }
 
-// PutIdempotency stores the first answer to a request. CreatedAt is set to
-// now when zero. It returns ErrExists when a live record of the same user
-// and key exists; an expired one is replaced.
+// PutIdempotency stores rec: the first answer to a request or, with Status
+// 0, a claim (the request is being worked on: repeats wait for its
+// answer). CreatedAt is set to now when zero. It returns ErrExists when a
+// record of the same user and key holds the key (see Idempotency), with
+// one exception, which lets the claimant finish: a claim is replaced by a
+// record of the same request (the same RequestHash) that is its answer
+// (Status not 0), or that no longer holds the key itself (the claimant gave
+// up, and the key is free). A record that no longer holds its key is
+// replaced. The key's advisory lock orders it with every other write of
+// the key, across replicas.
 func (s *Store) PutIdempotency(ctx context.Context, rec companion.Idempotency) error {
 	if !validID(rec.UserID) || !validID(rec.Key) || strings.ContainsRune(rec.CommandID+rec.Location, 0) {
 		return fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid)
@@ -85,12 +119,12 @@ func (s *Store) PutIdempotency(ctx context.Context, rec companion.Idempotency) e
 		if err != nil {
 			return err
 		}
-		if found && live(old.CreatedAt, now) {
-			return companion.ErrExists
-		}
 		r := rec
 		if r.CreatedAt.IsZero() {
 			r.CreatedAt = now
+		}
+		if found && holds(old, now) && !settles(old, r, now) {
+			return companion.ErrExists
 		}
 		_, err = tx.Exec(ctx, idempotencyUpsert, idempotencyArgs(r)...)
 		return err

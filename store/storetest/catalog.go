@@ -15,6 +15,8 @@ func testIdempotency(t *testing.T, open Opener) {
 		{"PutGet", testIdempotencyRecords},
 		{"Expiry", testIdempotencyExpiry},
 		{"Purge", testPurgeIdempotency},
+		{"Claims", testIdempotencyClaims},
+		{"ClaimRace", testIdempotencyClaimRace},
 	})
 }
 

@@ -1,0 +1,216 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+type slowUsers struct{ Store }
+
+func (s slowUsers) CreateUser(ctx context.Context, u companion.User) error {
+	time.Sleep(200 * time.Millisecond)
+	return s.Store.CreateUser(ctx, u)
+}
+
+// The defect as it was reported: two overlapping requests with one key
+// both did the work, and made two users.
+func TestIdempotentCreateUserOverlapping(t *testing.T) {
+	e0 := newEnv(t)
+	e := newEnvWith(t, e0.db, slowUsers{e0.db})
+	var wg sync.WaitGroup
+	ids := make([]any, 2)
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := e.send(req{method: "POST", path: "/api/v1/admin/users", token: testAdminToken,
+				body: map[string]any{"name": "gina"}, header: map[string]string{"Idempotency-Key": "u-1"}})
+			ids[i] = r.json(t)["user_id"]
+		}()
+		time.Sleep(20 * time.Millisecond)
+	}
+	wg.Wait()
+	assert.Equal(t, ids[0], ids[1])
+}
+
+// gatedStore holds CreateUser and CreateBridge until the test opens its
+// gate, and tells the test when a read finds a key claimed by a request
+// still at work.
+type gatedStore struct {
+	Store
+	entered chan struct{} // one send per create that started
+	gate    chan struct{} // closed by open: creates go on
+	opened  sync.Once
+	claimed chan struct{} // one send (when there is room) per read of a claim
+	fails   atomic.Int32  // so many creates fail before they start
+	creates atomic.Int32  // creates that got through
+}
+
+func newGatedStore(t *testing.T, s Store) *gatedStore {
+	g := &gatedStore{Store: s, entered: make(chan struct{}, 64), gate: make(chan struct{}), claimed: make(chan struct{}, 1)}
+	t.Cleanup(g.open) // a failed test must not leave requests held
+	return g
+}
+
+func (g *gatedStore) open() { g.opened.Do(func() { close(g.gate) }) }
+
+func (g *gatedStore) hold() error {
+	if g.fails.Add(-1) >= 0 {
+		return errDisk
+	}
+	g.entered <- struct{}{}
+	select {
+	case <-g.gate:
+	case <-time.After(10 * time.Second):
+		return errors.New("held too long: the test never opened the gate")
+	}
+	g.creates.Add(1)
+	return nil
+}
+
+func (g *gatedStore) CreateUser(ctx context.Context, u companion.User) error {
+	if err := g.hold(); err != nil {
+		return err
+	}
+	return g.Store.CreateUser(ctx, u)
+}
+
+func (g *gatedStore) CreateBridge(ctx context.Context, b companion.Bridge) error {
+	if err := g.hold(); err != nil {
+		return err
+	}
+	return g.Store.CreateBridge(ctx, b)
+}
+
+func (g *gatedStore) Idempotency(ctx context.Context, userID, key string) (companion.Idempotency, error) {
+	rec, err := g.Store.Idempotency(ctx, userID, key)
+	if err == nil && rec.Status == 0 {
+		select {
+		case g.claimed <- struct{}{}:
+		default:
+		}
+	}
+	return rec, err
+}
+
+// waitFor fails the test unless ch delivers within a few seconds.
+func waitFor(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("timed out waiting until %s", what)
+	}
+}
+
+// shortWait makes a request wait at most d for another with its key.
+func shortWait(t *testing.T, d time.Duration) {
+	old := idempotencyWait
+	idempotencyWait = d
+	t.Cleanup(func() { idempotencyWait = old })
+}
+
+// A repeat that comes while the first request with its key is still at
+// work waits for that answer and creates nothing (CONTRACT §2).
+func TestIdempotentOverlapAnswersOnce(t *testing.T) {
+	for _, tc := range []struct {
+		name, path, token, secret string
+		body                      map[string]any
+		id                        string // the member naming what was made
+	}{
+		{"admin user", "/api/v1/admin/users", testAdminToken, "token", map[string]any{"name": "gina"}, "user_id"},
+		{"admin bridge", "/api/v1/admin/bridges", testAdminToken, "secret", map[string]any{"bridge_id": "hub-1"}, "bridge_id"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e0 := newEnv(t)
+			g := newGatedStore(t, e0.db)
+			e := newEnvWith(t, e0.db, g)
+			send := func() resp {
+				return e.send(req{method: "POST", path: tc.path, token: tc.token, body: tc.body, header: map[string]string{"Idempotency-Key": "k-1"}})
+			}
+			answers := make(chan resp, 2)
+			go func() { answers <- send() }()
+			waitFor(t, g.entered, "the first request is at work")
+			go func() { answers <- send() }()
+			waitFor(t, g.claimed, "the repeat finds the key claimed")
+			g.open()
+			a, b := <-answers, <-answers
+			require.Equal(t, 201, a.status, "%s", a.body)
+			require.Equal(t, 201, b.status, "%s", b.body)
+			first, repeat := a.json(t), b.json(t)
+			if _, ok := first[tc.secret]; !ok {
+				first, repeat = repeat, first
+			}
+			assert.NotEmpty(t, first[tc.secret], "the first answer carries the secret")
+			assert.NotContains(t, repeat, tc.secret, "the repeat is the first answer as stored, without the secret")
+			assert.Equal(t, first[tc.id], repeat[tc.id])
+			assert.EqualValues(t, 1, g.creates.Load(), "creates")
+		})
+	}
+}
+
+// A repeat that has waited idempotencyWait for the first request answers
+// 409 idempotency_key_in_use; once the first has answered, a repeat gets
+// that answer.
+func TestIdempotencyKeyInUse(t *testing.T) {
+	shortWait(t, 50*time.Millisecond)
+	e0 := newEnv(t)
+	g := newGatedStore(t, e0.db)
+	e := newEnvWith(t, e0.db, g)
+	send := func() resp {
+		return e.send(req{method: "POST", path: "/api/v1/admin/users", token: testAdminToken,
+			body: map[string]any{"name": "gina"}, header: map[string]string{"Idempotency-Key": "u-1"}})
+	}
+	first := make(chan resp, 1)
+	go func() { first <- send() }()
+	waitFor(t, g.entered, "the first request is at work")
+
+	r := send()
+	require.Equal(t, 409, r.status, "%s", r.body)
+	assert.Equal(t, CodeIdempotencyKeyInUse, r.problem(t).Code)
+
+	g.open()
+	a := <-first
+	require.Equal(t, 201, a.status, "%s", a.body)
+	r = send()
+	require.Equal(t, 201, r.status, "%s", r.body)
+	assert.Equal(t, a.json(t)["user_id"], r.json(t)["user_id"])
+	assert.EqualValues(t, 1, g.creates.Load(), "creates")
+}
+
+// A request that fails records no answer and gives its key up: a repeat
+// does the work again at once, rather than wait for an answer that never
+// comes and answer 409.
+func TestIdempotentFailureFreesTheKey(t *testing.T) {
+	e0 := newEnv(t)
+	g := newGatedStore(t, e0.db)
+	g.open()
+	e := newEnvWith(t, e0.db, g)
+	require.Equal(t, 201, e.do("POST", "/api/v1/admin/bridges", testAdminToken, map[string]any{"bridge_id": "hub-1"}).status)
+	shortWait(t, time.Second)
+	send := func(key, path string, body map[string]any) resp {
+		return e.send(req{method: "POST", path: path, token: testAdminToken, body: body, header: map[string]string{"Idempotency-Key": key}})
+	}
+
+	g.fails.Store(1)
+	r := send("k-500", "/api/v1/admin/users", map[string]any{"name": "gina"})
+	require.Equal(t, 500, r.status, "%s", r.body)
+	r = send("k-500", "/api/v1/admin/users", map[string]any{"name": "gina"})
+	assert.Equal(t, 201, r.status, "after a 500: %s", r.body)
+	for i := range 2 {
+		r = send("k-422", "/api/v1/admin/bridges", map[string]any{"bridge_id": "bad id"})
+		assert.Equal(t, 422, r.status, "invalid, %d: %s", i, r.body)
+		r = send("k-409", "/api/v1/admin/bridges", map[string]any{"bridge_id": "hub-1"})
+		require.Equal(t, 409, r.status, "taken, %d: %s", i, r.body)
+		assert.Equal(t, CodeBridgeExists, r.problem(t).Code)
+	}
+}
