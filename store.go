@@ -99,6 +99,11 @@ type Store interface {
 	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 	// OpenBlob opens a blob for reading; the caller closes it.
 	OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, Blob, error)
+	// PurgeBlobs deletes the blobs that no unfinished command, firmware
+	// or app release references and that were last stored (PutBlob, also
+	// of content stored already) before olderThan, and returns how many
+	// went.
+	PurgeBlobs(ctx context.Context, olderThan time.Time) (int, error)
 
 	Close() error
 }

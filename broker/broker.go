@@ -40,6 +40,7 @@ type Store interface {
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
+	PurgeBlobs(ctx context.Context, olderThan time.Time) (int, error)
 	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
 	Status(ctx context.Context, deviceID string) (companion.Status, error)
 }

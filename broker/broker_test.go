@@ -3,10 +3,12 @@ package broker
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -438,6 +440,47 @@ func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
 		round()
 	}
 	assert.Equal(t, steady, size(), "the file grew under steady load")
+}
+
+// The hourly retention pass deletes the blobs nothing needs once they are
+// older than blobGrace, and keeps those stored within it (content is
+// stored before the command that references it) and those of unfinished
+// commands.
+func TestRetentionPurgesUnneededBlobs(t *testing.T) {
+	e := newEnv(t, false)
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	ctx := context.Background()
+	put := func(content string) string {
+		t.Helper()
+		b, err := e.db.PutBlob(ctx, strings.NewReader(content), 0)
+		require.NoError(t, err)
+		return b.SHA256
+	}
+	gone := func(sha string) func() bool {
+		return func() bool {
+			_, err := e.db.Blob(ctx, sha)
+			return errors.Is(err, companion.ErrNotFound)
+		}
+	}
+	first := put("first")
+	forCmd := put("for an unfinished command")
+	p, _ := json.Marshal(topics.PushText{Text: "with a blob"})
+	_, _, err := e.b.Submit(ctx, companion.Command{DeviceID: "dev-1", Op: topics.OpPushText, Payload: p, Blob: forCmd, ExpiresAt: e.clock.Now().Add(30 * 24 * time.Hour)}, nil)
+	require.NoError(t, err)
+
+	// A pass runs at start and then once more than an hour has passed.
+	e.clock.Add(61 * time.Minute)
+	testenv.Eventually(t, 10*time.Second, "the first blob purged", gone(first))
+	second := put("second")
+	e.clock.Add(30 * time.Minute)
+	recent := put("recent")
+	e.clock.Add(31 * time.Minute)
+	testenv.Eventually(t, 10*time.Second, "the second blob purged", gone(second))
+	_, err = e.db.Blob(ctx, recent)
+	assert.NoError(t, err, "a blob stored half an hour before the pass")
+	_, err = e.db.Blob(ctx, forCmd)
+	assert.NoError(t, err, "the blob of an unfinished command")
 }
 
 // A broker that crashes between its autosaves forgets the final replies it

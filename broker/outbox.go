@@ -395,9 +395,19 @@ func (b *Broker) waitToken(tok mqtt.Token) error {
 	}
 }
 
+// blobGrace is how long the retention pass keeps a blob that nothing
+// references. Content is stored first (PutBlob, which also refreshes the
+// time of content stored already) and the command, firmware or app
+// release that references it is written a moment later, within the same
+// request: a blob stored since the last pass may not be referenced yet.
+// An hour is far more than a request takes, and than the clocks of
+// replicas sharing a store differ by, and costs at most an hour's worth
+// of unreferenced uploads on disk.
+const blobGrace = time.Hour
+
 // sweep expires commands whose TTL passed before delivery and, hourly,
-// forgets idempotency keys older than a day and final commands older than
-// the retention.
+// forgets idempotency keys older than a day, final commands older than
+// the retention, and blobs nothing needs any more (blobGrace).
 func (b *Broker) sweep() {
 	tick := time.NewTicker(b.opts.SweepInterval)
 	defer tick.Stop()
@@ -436,6 +446,14 @@ func (b *Broker) sweep() {
 			// stream resumes without a gap for at least an hour.
 			if _, err := b.st.PurgeEvents(ctx, now.Add(-companion.EventRetention)); err != nil {
 				b.log.Error("purging old events", "err", err)
+			}
+			// A blob goes once no unfinished command, firmware or app
+			// release references it: the bridge downloads only those of
+			// unfinished commands (CONTRACT §9).
+			if n, err := b.st.PurgeBlobs(ctx, now.Add(-blobGrace)); err != nil {
+				b.log.Error("purging unneeded blobs", "err", err)
+			} else if n > 0 {
+				b.log.Info("purged blobs nothing needs", "count", n)
 			}
 			lastPurge = now
 		}

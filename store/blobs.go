@@ -9,6 +9,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
+	"time"
 
 	"github.com/devicecompanion/companion"
 
@@ -24,7 +26,9 @@ const tempPattern = ".tmp-*"
 // two hex digits), so a blob file is either whole or absent. Content over
 // max bytes (max <= 0: no limit) is ErrTooLarge and leaves nothing behind.
 // Storing content that is already stored is fine, concurrently too; the
-// record keeps its first CreatedAt.
+// record keeps its first CreatedAt, and its storedAt becomes now, so that
+// PurgeBlobs spares content stored again for a command about to reference
+// it, however old the blob.
 func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error) {
 	tmp, err := os.CreateTemp(db.blobDir, tempPattern)
 	if err != nil {
@@ -59,6 +63,12 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 	}
 
 	sha := hex.EncodeToString(h.Sum(nil))
+	// The file is placed and recorded under the blob directory's lock, so
+	// that PurgeBlobs does not take it for one without a record between
+	// the two.
+	lock := db.blobLock()
+	lock.RLock()
+	defer lock.RUnlock()
 	dir := filepath.Dir(db.blobPath(sha))
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
@@ -81,21 +91,61 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 		return companion.Blob{}, err
 	}
 
-	var out companion.Blob
+	var rec blobRecord
 	err = db.batch(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketBlobs)
-		ok, err := getJSON(b, []byte(sha), &out)
-		if err != nil || ok {
+		now := db.now()
+		rec = blobRecord{}
+		ok, err := getJSON(b, []byte(sha), &rec)
+		if err != nil {
 			return err
 		}
-		out = companion.Blob{SHA256: sha, Size: n, CreatedAt: db.now()}
-		return putJSON(b, []byte(sha), out)
+		switch {
+		case !ok:
+			rec = blobRecord{SHA256: sha, Size: n, CreatedAt: now, StoredAt: now}
+		case now.After(rec.storedAt()):
+			rec.StoredAt = now
+		default:
+			return nil // stored as late already
+		}
+		return putJSON(b, []byte(sha), rec)
 	})
 	if err != nil {
 		return companion.Blob{}, err
 	}
-	return out, nil
+	return rec.blob(), nil
 }
+
+// blobRecord is a blob's value in the blobs bucket: companion.Blob and
+// when its content was last stored (PutBlob, first or again), which
+// PurgeBlobs reads. Records written before StoredAt existed lack it: their
+// CreatedAt stands for it.
+type blobRecord struct {
+	SHA256    string    `json:"sha256"`
+	Size      int64     `json:"size"`
+	CreatedAt time.Time `json:"created_at"`
+	StoredAt  time.Time `json:"stored_at"`
+}
+
+// storedAt is when the content was last stored.
+func (r blobRecord) storedAt() time.Time {
+	if r.StoredAt.IsZero() {
+		return r.CreatedAt
+	}
+	return r.StoredAt
+}
+
+func (r blobRecord) blob() companion.Blob {
+	return companion.Blob{SHA256: r.SHA256, Size: r.Size, CreatedAt: r.CreatedAt}
+}
+
+// blobLock is the lock of the DB's blob directory (DB.blobMu): PutBlob
+// holds it shared while it places a file and records it, PurgeBlobs
+// exclusively while it removes the files without a record, so that a file
+// PutBlob has just found in place is not removed before its record is
+// written. (Only one DB uses a blob directory at a time: Open takes the
+// bbolt file's lock.)
+func (db *DB) blobLock() *sync.RWMutex { return &db.blobMu }
 
 // Blob returns the record of the blob with the SHA-256 (64 lower-case hex
 // digits), or ErrNotFound; a malformed digest is ErrNotFound too.
@@ -103,22 +153,30 @@ func (db *DB) Blob(ctx context.Context, sha string) (companion.Blob, error) {
 	if !validSHA256(sha) {
 		return companion.Blob{}, companion.ErrNotFound
 	}
-	var b companion.Blob
-	if err := db.get(bucketBlobs, []byte(sha), &b); err != nil {
+	var rec blobRecord
+	if err := db.get(bucketBlobs, []byte(sha), &rec); err != nil {
 		return companion.Blob{}, err
 	}
-	return b, nil
+	return rec.blob(), nil
 }
 
 // OpenBlob opens the file of the blob for reading; the caller closes it.
-// It returns ErrNotFound as Blob does. A recorded blob whose file is gone
-// is an error of its own, not ErrNotFound: the data directory is damaged.
+// It returns ErrNotFound as Blob does, and when the file is gone: PurgeBlobs
+// deleted the blob between the lookup and the open, or (logged, the record
+// being still there) the data directory lost it. A file that is there but
+// unreadable is an error of its own.
 func (db *DB) OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, companion.Blob, error) {
 	b, err := db.Blob(ctx, sha)
 	if err != nil {
 		return nil, companion.Blob{}, err
 	}
 	f, err := os.Open(db.blobPath(sha))
+	if errors.Is(err, os.ErrNotExist) {
+		if _, err := db.Blob(ctx, sha); err == nil {
+			db.log.Error("store: blob recorded but its file is gone", "sha256", sha)
+		}
+		return nil, companion.Blob{}, companion.ErrNotFound
+	}
 	if err != nil {
 		db.log.Error("store: blob recorded but unreadable", "sha256", sha, "err", err)
 		return nil, companion.Blob{}, fmt.Errorf("store: open blob %s: %w", sha, err)

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -15,6 +16,8 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion"
+
+	bolt "go.etcd.io/bbolt"
 )
 
 func shaHex(b []byte) string {
@@ -187,12 +190,61 @@ func TestBlobLookups(t *testing.T) {
 		})
 	}
 
-	// A recorded blob whose file is gone is damage, not "not found".
+	// A recorded blob whose file is gone (PurgeBlobs removed it after
+	// the lookup, or the directory lost it) is not found, not a failure.
 	if err := os.Remove(filepath.Join(db.BlobDir(), b.SHA256[:2], b.SHA256)); err != nil {
 		t.Fatal(err)
 	}
 	_, _, err = db.OpenBlob(ctx, b.SHA256)
-	if err == nil || errors.Is(err, companion.ErrNotFound) {
-		t.Errorf("OpenBlob(missing file) = %v; want an error other than ErrNotFound", err)
+	wantErr(t, "OpenBlob(missing file)", err, companion.ErrNotFound)
+	// Storing the content again brings the file back.
+	if _, err := db.PutBlob(ctx, strings.NewReader("x"), 0); err != nil {
+		t.Fatal(err)
+	}
+	f, _, err := db.OpenBlob(ctx, b.SHA256)
+	if err != nil {
+		t.Fatalf("OpenBlob after PutBlob again = %v", err)
+	}
+	_ = f.Close()
+}
+
+// A record written before blobs had a stored time reads as before, and
+// counts as stored when created; storing its content again refreshes it.
+func TestBlobRecordWithoutStoredAt(t *testing.T) {
+	ctx := context.Background()
+	clock := newFakeClock()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "c.db"), Options{Now: clock.Now})
+	content := []byte("old record")
+	sha := shaHex(content)
+	created := clock.Now().Add(-365 * 24 * time.Hour)
+	old := fmt.Sprintf(`{"sha256":%q,"size":%d,"created_at":%q}`, sha, len(content), created.Format(time.RFC3339Nano))
+	if err := os.MkdirAll(filepath.Join(db.BlobDir(), sha[:2]), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(db.BlobDir(), sha[:2], sha), content, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.update(func(tx *bolt.Tx) error { return tx.Bucket(bucketBlobs).Put([]byte(sha), []byte(old)) }); err != nil {
+		t.Fatal(err)
+	}
+	want := companion.Blob{SHA256: sha, Size: int64(len(content)), CreatedAt: created}
+	if b, err := db.Blob(ctx, sha); err != nil || !b.CreatedAt.Equal(created) || b.Size != want.Size {
+		t.Fatalf("Blob(old record) = %+v, %v; want %+v", b, err, want)
+	}
+
+	if n, err := db.PurgeBlobs(ctx, created.Add(-time.Hour)); err != nil || n != 0 {
+		t.Fatalf("PurgeBlobs(before it was created) = %d, %v; want 0", n, err)
+	}
+
+	// Stored again today: kept by a purge of what is older than an hour.
+	if b, err := db.PutBlob(ctx, bytes.NewReader(content), 0); err != nil || !b.CreatedAt.Equal(created) {
+		t.Fatalf("PutBlob(old content) = %+v, %v; want CreatedAt %v kept", b, err, created)
+	}
+	clock.Advance(2 * time.Hour)
+	if n, err := db.PurgeBlobs(ctx, clock.Now().Add(-3*time.Hour)); err != nil || n != 0 {
+		t.Fatalf("PurgeBlobs(before it was stored again) = %d, %v; want 0", n, err)
+	}
+	if n, err := db.PurgeBlobs(ctx, clock.Now().Add(-time.Hour)); err != nil || n != 1 {
+		t.Fatalf("PurgeBlobs(after it was stored again) = %d, %v; want 1", n, err)
 	}
 }

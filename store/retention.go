@@ -1,7 +1,13 @@
 package store
 
 import (
+	"bytes"
 	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -89,4 +95,232 @@ func (db *DB) purgeInBatches(ctx context.Context, purge func(tx *bolt.Tx, batch 
 			return total, nil
 		}
 	}
+}
+
+// defaultBlobPurgeBatch bounds the blobs one write transaction of
+// PurgeBlobs deletes.
+const defaultBlobPurgeBatch = 1000
+
+// PurgeBlobs deletes the blobs that nothing needs any more and that were
+// last stored (PutBlob, the first time or again) before olderThan, and
+// returns how many went. A blob is needed while an unfinished command
+// references it (blob_refs: a bridge downloads only those, CONTRACT §9; a
+// final command keeps the digest, not the blob) or a firmware or an app
+// release does. Content is stored before the command or release that will
+// reference it is written: callers pass a time well before now, so that
+// such content, just stored, is kept.
+//
+// The blobs bucket is scanned in key order, a window at a time in read
+// transactions; each batch of the blobs found (db.purgeBatch, or
+// defaultBlobPurgeBatch) is checked again and its records deleted in one
+// write transaction. The files go after the records: PurgeBlobs ends by
+// removing every blob file that has no record (removeOrphanBlobs). So a
+// crash leaves at worst files without records, never a record without
+// its file, and those files go with the next purge, as do the ones a
+// crash of PutBlob leaves between its rename and its record.
+func (db *DB) PurgeBlobs(ctx context.Context, olderThan time.Time) (int, error) {
+	batch := db.purgeBatch
+	if batch <= 0 {
+		batch = defaultBlobPurgeBatch
+	}
+	total := 0
+	var from []byte
+	for {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		doomed, next, err := db.unneededBlobs(from, olderThan, batch)
+		if err != nil {
+			return total, err
+		}
+		n, err := db.deleteBlobRecords(doomed, olderThan)
+		total += n
+		if err != nil {
+			return total, err
+		}
+		if next == nil {
+			break
+		}
+		from = next
+	}
+	return total, db.removeOrphanBlobs(ctx)
+}
+
+// unneededBlobs returns up to batch digests of blobs, from the key from
+// on (nil: the first), that nothing needs and that were last stored
+// before olderThan, and the key to go on from (nil: the scan is done). It
+// reads at most 16 batches' worth of records, so that its read
+// transaction stays short.
+func (db *DB) unneededBlobs(from []byte, olderThan time.Time, batch int) (doomed []string, next []byte, err error) {
+	err = db.bolt.View(func(tx *bolt.Tx) error {
+		released, err := releasedBlobs(tx)
+		if err != nil {
+			return err
+		}
+		c := tx.Bucket(bucketBlobs).Cursor()
+		k, v := c.First()
+		if from != nil {
+			k, v = c.Seek(from)
+		}
+		for read := 0; k != nil; k, v = c.Next() {
+			if len(doomed) == batch || read == 16*batch {
+				next = bytes.Clone(k)
+				return nil
+			}
+			read++
+			var rec blobRecord
+			if err := fastjson.Unmarshal(v, &rec); err != nil {
+				return fmt.Errorf("store: decode blob %q: %w", k, err)
+			}
+			if !blobNeeded(tx, released, string(k), rec, olderThan) {
+				doomed = append(doomed, string(k))
+			}
+		}
+		return nil
+	})
+	return doomed, next, err
+}
+
+// deleteBlobRecords deletes the records of those of the blobs that still
+// are unneeded and stored before olderThan (see PurgeBlobs), and returns
+// how many went.
+func (db *DB) deleteBlobRecords(shas []string, olderThan time.Time) (int, error) {
+	if len(shas) == 0 {
+		return 0, nil
+	}
+	n := 0
+	err := db.update(func(tx *bolt.Tx) error {
+		n = 0
+		released, err := releasedBlobs(tx)
+		if err != nil {
+			return err
+		}
+		b := tx.Bucket(bucketBlobs)
+		for _, sha := range shas {
+			var rec blobRecord
+			ok, err := getJSON(b, []byte(sha), &rec)
+			if err != nil {
+				return err
+			}
+			if !ok || blobNeeded(tx, released, sha, rec, olderThan) {
+				continue
+			}
+			if err := b.Delete([]byte(sha)); err != nil {
+				return err
+			}
+			n++
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	return n, nil
+}
+
+// blobNeeded reports whether PurgeBlobs keeps the blob of rec: stored
+// since olderThan, referenced by an unfinished command, or released (its
+// digest in released).
+func blobNeeded(tx *bolt.Tx, released map[string]bool, sha string, rec blobRecord, olderThan time.Time) bool {
+	if !rec.storedAt().Before(olderThan) || released[sha] {
+		return true
+	}
+	k, _ := tx.Bucket(bucketBlobRefs).Cursor().Seek(prefix(sha))
+	return k != nil && bytes.HasPrefix(k, prefix(sha))
+}
+
+// releasedBlobs returns the digests of every firmware and app release.
+// The catalog is small: a few releases of a few models and apps.
+func releasedBlobs(tx *bolt.Tx) (map[string]bool, error) {
+	released := make(map[string]bool)
+	for _, name := range [][]byte{bucketFirmware, bucketApps} {
+		err := tx.Bucket(name).ForEach(func(k, v []byte) error {
+			var r struct {
+				SHA256 string `json:"sha256"`
+			}
+			if err := fastjson.Unmarshal(v, &r); err != nil {
+				return fmt.Errorf("store: decode %s %q: %w", name, k, err)
+			}
+			released[r.SHA256] = true
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	return released, nil
+}
+
+// removeOrphanBlobs removes the blob files that have no record (see
+// PurgeBlobs): only files named as blobs, in the directories blobs go in.
+// It checks and removes a directory's files under the blob directory's
+// lock (blobLock), which PutBlob holds from the moment it finds or places
+// a file until its record is written: a file whose record is on its way
+// stays, and one removed here is placed again by a PutBlob that follows.
+func (db *DB) removeOrphanBlobs(ctx context.Context) error {
+	dirs, err := os.ReadDir(db.blobDir)
+	if err != nil {
+		return fmt.Errorf("store: read blob dir: %w", err)
+	}
+	removed := 0
+	for _, d := range dirs {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if !d.IsDir() || len(d.Name()) != 2 {
+			continue
+		}
+		entries, err := os.ReadDir(filepath.Join(db.blobDir, d.Name()))
+		if err != nil {
+			return fmt.Errorf("store: read blob dir: %w", err)
+		}
+		var names []string
+		for _, e := range entries {
+			if name := e.Name(); validSHA256(name) && strings.HasPrefix(name, d.Name()) {
+				names = append(names, name)
+			}
+		}
+		n, err := db.removeOrphansAmong(names)
+		removed += n
+		if err != nil {
+			return err
+		}
+	}
+	if removed > 0 {
+		db.log.Info("store: removed blob files without a record", "count", removed)
+	}
+	return nil
+}
+
+// removeOrphansAmong removes the files of those of the blobs that have no
+// record, and returns how many it removed.
+func (db *DB) removeOrphansAmong(shas []string) (int, error) {
+	if len(shas) == 0 {
+		return 0, nil
+	}
+	lock := db.blobLock()
+	lock.Lock()
+	defer lock.Unlock()
+	var orphans []string
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketBlobs)
+		for _, sha := range shas {
+			if b.Get([]byte(sha)) == nil {
+				orphans = append(orphans, sha)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	removed := 0
+	for _, sha := range orphans {
+		if err := os.Remove(db.blobPath(sha)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			db.log.Warn("store: remove blob file without a record", "sha256", sha, "err", err)
+			continue
+		}
+		removed++
+	}
+	return removed, nil
 }

@@ -1,8 +1,14 @@
 package store
 
 import (
+	"bytes"
 	"context"
+	"errors"
+	"fmt"
+	"os"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -28,5 +34,170 @@ func TestPurgeCommandsInBatches(t *testing.T) {
 	n, err := db.PurgeCommands(ctx, clk.Now())
 	if err != nil || n != total {
 		t.Fatalf("PurgeCommands = %d, %v; want %d", n, err, total)
+	}
+}
+
+// PurgeBlobs deletes unneeded blobs a batch at a time, records and files,
+// however many batches it takes, and keeps the needed ones among them.
+func TestPurgeBlobsInBatches(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now})
+	db.purgeBatch = 3
+	put := func(content string) string {
+		t.Helper()
+		b, err := db.PutBlob(ctx, strings.NewReader(content), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b.SHA256
+	}
+	var doomed, kept []string
+	for i := range 50 {
+		sha := put(fmt.Sprint("unneeded ", i))
+		if i%5 != 0 {
+			doomed = append(doomed, sha)
+			continue
+		}
+		kept = append(kept, sha)
+		create(t, db, companion.Command{DeviceID: fmt.Sprint("d", i), Op: "push.image", Blob: sha})
+	}
+	fw := put("firmware")
+	kept = append(kept, fw)
+	if err := db.PutFirmware(ctx, companion.Firmware{Model: "m", Version: "1.0.0", SHA256: fw}); err != nil {
+		t.Fatal(err)
+	}
+	clk.Advance(2 * time.Hour)
+	kept = append(kept, put("recent"))
+
+	n, err := db.PurgeBlobs(ctx, clk.Now().Add(-time.Hour))
+	if err != nil || n != len(doomed) {
+		t.Fatalf("PurgeBlobs = %d, %v; want %d", n, err, len(doomed))
+	}
+	for _, sha := range doomed {
+		if _, err := db.Blob(ctx, sha); !errors.Is(err, companion.ErrNotFound) {
+			t.Errorf("Blob(purged %s) = %v; want ErrNotFound", sha, err)
+		}
+		if _, err := os.Stat(db.blobPath(sha)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the file of purged blob %s: %v; want it gone", sha, err)
+		}
+	}
+	for _, sha := range kept {
+		f, _, err := db.OpenBlob(ctx, sha)
+		if err != nil {
+			t.Errorf("OpenBlob(kept %s) = %v", sha, err)
+			continue
+		}
+		_ = f.Close()
+	}
+}
+
+// A blob file without a record (a crash between a purge's commit and its
+// file removals, or within PutBlob) goes with the next purge; other files
+// in the blob directory stay.
+func TestPurgeBlobsRemovesFilesWithoutRecord(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDB(t)
+	kept, err := db.PutBlob(ctx, strings.NewReader("kept"), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	orphan := shaHex([]byte("orphan"))
+	others := []string{
+		filepath.Join(db.BlobDir(), "notes.txt"),
+		filepath.Join(db.BlobDir(), orphan[:2], "notes.txt"),
+		filepath.Join(db.BlobDir(), "zz", orphan), // not where the blob goes
+	}
+	for _, name := range append(others, db.blobPath(orphan)) {
+		if err := os.MkdirAll(filepath.Dir(name), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(name, []byte("orphan"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := db.PurgeBlobs(ctx, db.now().Add(-time.Hour)); err != nil || n != 0 {
+		t.Fatalf("PurgeBlobs = %d, %v; want 0 (no record to delete)", n, err)
+	}
+	if _, err := os.Stat(db.blobPath(orphan)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a blob file without a record: %v; want it gone", err)
+	}
+	for _, name := range append(others, db.blobPath(kept.SHA256)) {
+		if _, err := os.Stat(name); err != nil {
+			t.Errorf("%s: %v; want it kept", name, err)
+		}
+	}
+}
+
+// A PutBlob of content stored long ago, racing a purge that would delete
+// it, leaves a blob that can be read: either the purge went first and
+// PutBlob stored it anew, or PutBlob refreshed it and the purge kept it.
+// Never a record without its file.
+func TestPutBlobRacesPurgeBlobs(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now})
+	content := bytes.Repeat([]byte("photo"), 1000)
+	for i := range 300 {
+		if _, err := db.PutBlob(ctx, bytes.NewReader(content), 0); err != nil {
+			t.Fatal(err)
+		}
+		clk.Advance(2 * time.Hour)
+		cutoff := clk.Now().Add(-time.Hour)
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			if _, err := db.PurgeBlobs(ctx, cutoff); err != nil {
+				t.Error(err)
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			if _, err := db.PutBlob(ctx, bytes.NewReader(content), 0); err != nil {
+				t.Error(err)
+			}
+		}()
+		wg.Wait()
+		f, _, err := db.OpenBlob(ctx, shaHex(content))
+		if err != nil {
+			t.Fatalf("round %d: OpenBlob after PutBlob raced PurgeBlobs = %v", i, err)
+		}
+		_ = f.Close()
+	}
+}
+
+// The write transaction of a purge checks each blob its read found again:
+// one that was stored again, or became referenced, in between is kept.
+func TestPurgeBlobsChecksAgainBeforeDeleting(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now})
+	put := func(content string) string {
+		t.Helper()
+		b, err := db.PutBlob(ctx, strings.NewReader(content), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b.SHA256
+	}
+	again, forCmd, forApp, unneeded := put("again"), put("command"), put("app"), put("unneeded")
+	clk.Advance(2 * time.Hour)
+	cutoff := clk.Now().Add(-time.Hour)
+	doomed, next, err := db.unneededBlobs(nil, cutoff, 10)
+	if err != nil || len(doomed) != 4 || next != nil {
+		t.Fatalf("unneededBlobs = %d blobs, %q, %v; want all 4 and the end", len(doomed), next, err)
+	}
+	put("again")
+	create(t, db, companion.Command{DeviceID: "d", Op: "push.image", Blob: forCmd})
+	if err := db.PutAppRelease(ctx, companion.AppRelease{AppID: "a", Version: "1.0.0", SHA256: forApp}); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := db.deleteBlobRecords(doomed, cutoff); err != nil || n != 1 {
+		t.Fatalf("deleteBlobRecords = %d, %v; want 1", n, err)
+	}
+	for sha, want := range map[string]error{again: nil, forCmd: nil, forApp: nil, unneeded: companion.ErrNotFound} {
+		_, err := db.Blob(ctx, sha)
+		wantErr(t, "Blob("+sha+")", err, want)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -212,6 +213,8 @@ type DB struct {
 	purgeBatch int // deletions per transaction of PurgeCommands and PurgeEvents
 
 	onEvents atomic.Pointer[func()] // called after each commit that appended events (OnEvents)
+
+	blobMu sync.RWMutex // the blob directory's files against their records (blobLock)
 
 	foldAt int // device_cmds_new entries that make a fold due (foldDeviceCmdsAt)
 }

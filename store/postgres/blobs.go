@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"time"
 
 	"github.com/devicecompanion/companion"
 
@@ -25,8 +26,13 @@ const chunkSize = 256 << 10
 // computed, all in one transaction: a blob is whole or absent. Content
 // over max bytes (max <= 0: no limit) is ErrTooLarge and leaves nothing
 // behind. Storing content that is already stored is fine, concurrently
-// too: the second transaction rolls back and the record keeps its first
-// CreatedAt.
+// too: the row keeps its content and first CreatedAt, the chunks just
+// written are deleted in the same transaction, and the row's stored_at
+// becomes now, so that PurgeBlobs spares content stored again for a
+// command about to reference it, however old the blob. The row is
+// written with one INSERT … ON CONFLICT DO UPDATE, which either adds it
+// or updates the one in place, also when PurgeBlobs deletes that one at
+// the same moment (the insert then goes ahead once the delete committed).
 func (s *Store) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error) {
 	var out companion.Blob
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
@@ -38,30 +44,68 @@ func (s *Store) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.
 			return fmt.Errorf("postgres: write blob: %w", err)
 		}
 		sha := hex.EncodeToString(src.h.Sum(nil))
-		b := companion.Blob{SHA256: sha, Size: src.size, CreatedAt: s.clock()}
-		tag, err := tx.Exec(ctx, `INSERT INTO blobs (sha256, content_id, size, chunk_size, created_at) VALUES ($1, $2, $3, $4, $5)
-			ON CONFLICT (sha256) DO NOTHING`, b.SHA256, src.content.String(), b.Size, chunkSize, b.CreatedAt)
+		now := s.clock()
+		var content string
+		err := tx.QueryRow(ctx, `INSERT INTO blobs (sha256, content_id, size, chunk_size, created_at, stored_at) VALUES ($1, $2, $3, $4, $5, $5)
+			ON CONFLICT (sha256) DO UPDATE SET stored_at = greatest(blobs.stored_at, excluded.stored_at)
+			RETURNING content_id::text, size, created_at`, sha, src.content.String(), src.size, chunkSize, now).
+			Scan(&content, &out.Size, &out.CreatedAt)
 		if err != nil {
 			return err
 		}
-		if tag.RowsAffected() == 1 {
-			out = b
+		out.SHA256, out.CreatedAt = sha, out.CreatedAt.UTC()
+		if content == src.content.String() {
 			return nil
 		}
-		out.SHA256 = sha
-		return errStoredAlready // roll back our copy
+		// Stored already: ours are surplus.
+		_, err = tx.Exec(ctx, `DELETE FROM blob_chunks WHERE content_id = $1`, src.content.String())
+		return err
 	})
-	if errors.Is(err, errStoredAlready) {
-		return s.Blob(ctx, out.SHA256)
-	}
 	if err != nil {
 		return companion.Blob{}, err
 	}
 	return out, nil
 }
 
-// errStoredAlready rolls back a PutBlob of content stored already.
-var errStoredAlready = errors.New("blob stored already")
+// blobPurgeBatch bounds the blobs one statement of PurgeBlobs deletes, with
+// their chunks: a firmware has 256 of them, each stored out of line.
+const blobPurgeBatch = 100
+
+// PurgeBlobs deletes the blobs that nothing needs any more and that were
+// last stored (PutBlob, the first time or again) before olderThan, with
+// their chunks, and returns how many went; at most blobPurgeBatch in each
+// statement. A blob is needed while an unfinished command references it
+// (as BlobNeeded reads them: a final command keeps the digest, not the
+// blob) or a firmware or an app release does. Content is stored before
+// the command or release that will reference it is written: callers pass
+// a time well before now, so that such content, just stored, is kept.
+//
+// The outer WHERE checks stored_at again: a PutBlob that refreshed a row
+// after the statement's snapshot makes the delete skip it (READ COMMITTED
+// evaluates the target row's conditions again on its newest version).
+func (s *Store) PurgeBlobs(ctx context.Context, olderThan time.Time) (int, error) {
+	total := 0
+	for {
+		var n int
+		err := s.pool.QueryRow(ctx, `WITH doomed AS (
+				DELETE FROM blobs WHERE stored_at < $1 AND sha256 IN (
+					SELECT b.sha256 FROM blobs b WHERE b.stored_at < $1
+					AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.blob = b.sha256 AND c.state IN `+openStates+`)
+					AND NOT EXISTS (SELECT 1 FROM firmware f WHERE f.sha256 = b.sha256)
+					AND NOT EXISTS (SELECT 1 FROM app_releases a WHERE a.sha256 = b.sha256)
+					LIMIT $2)
+				RETURNING content_id),
+			chunks AS (DELETE FROM blob_chunks WHERE content_id IN (SELECT content_id FROM doomed))
+			SELECT count(*) FROM doomed`, olderThan, blobPurgeBatch).Scan(&n)
+		if err != nil {
+			return total, err
+		}
+		total += n
+		if n < blobPurgeBatch {
+			return total, nil
+		}
+	}
+}
 
 // chunkSource is the pgx.CopyFromSource of PutBlob: the chunks of r, as
 // they are read.

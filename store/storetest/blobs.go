@@ -20,6 +20,8 @@ func testBlobs(t *testing.T, open Opener) {
 		{"Limits", testBlobLimits},
 		{"ConcurrentSameContent", testBlobConcurrent},
 		{"Lookups", testBlobLookups},
+		{"Purge", testPurgeBlobs},
+		{"PurgeRacesPutBlob", testPurgeBlobsRacesPutBlob},
 	})
 }
 
