@@ -35,6 +35,16 @@ const (
 	blobRetryMax = 5 * time.Second
 )
 
+// blobIdleTimeout is how long a download may go without a byte before it
+// is given up and resumed: a server or link that stalls mid-body would
+// otherwise hold the device's worker until the command's timeout (10
+// minutes), since the bridge's HTTP client has no timeout of its own (a
+// firmware image may take minutes to come, and that is fine).
+const blobIdleTimeout = 30 * time.Second
+
+// errStalled is why a download was cut: no byte for blobs.idle.
+var errStalled = errors.New("blob download stalled")
+
 // blobs fetches binary content by SHA-256 into a cache directory, resuming
 // broken downloads with HTTP Range requests.
 type blobs struct {
@@ -44,6 +54,7 @@ type blobs struct {
 	client *http.Client
 	now    func() time.Time
 	log    *slog.Logger
+	idle   time.Duration // blobIdleTimeout; shorter in tests
 
 	mu    sync.Mutex
 	locks map[string]*sync.Mutex // one download per sha at a time
@@ -57,7 +68,7 @@ func newBlobs(dir, apiURL, secret string, client *http.Client, now func() time.T
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("agent: blob cache: %w", err)
 	}
-	return &blobs{dir: dir, base: base, secret: secret, client: client, now: now, log: log, locks: map[string]*sync.Mutex{}}, nil
+	return &blobs{dir: dir, base: base, secret: secret, client: client, now: now, log: log, idle: blobIdleTimeout, locks: map[string]*sync.Mutex{}}, nil
 }
 
 func (b *blobs) lock(sha string) func() {
@@ -212,6 +223,12 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 		return nil // complete; the caller checks it
 	}
 
+	// The request is cut when no byte came for b.idle (the answer's
+	// headers included), and the next attempt resumes it.
+	ctx, cut := context.WithCancelCause(ctx)
+	defer cut(nil)
+	stall := time.AfterFunc(b.idle, func() { cut(errStalled) })
+	defer stall.Stop()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
 	if err != nil {
 		return cmdErr(codeInvalidPayload, err.Error())
@@ -224,7 +241,7 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 	}
 	resp, err := b.client.Do(req)
 	if err != nil {
-		return err
+		return stalled(ctx, err)
 	}
 	defer resp.Body.Close()
 
@@ -262,13 +279,38 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 	}
 
 	w := &progressWriter{w: f, done: have, size: size, progress: progress}
+	body := &idleReader{r: resp.Body, stall: stall, idle: b.idle}
 	// Read at most one byte beyond the expected size: enough to tell that
 	// the server sent something else.
-	if _, err := io.Copy(w, io.LimitReader(resp.Body, size-have+1)); err != nil {
+	if _, err := io.Copy(w, io.LimitReader(body, size-have+1)); err != nil {
 		f.Sync()
-		return err
+		return stalled(ctx, err)
 	}
 	return f.Sync()
+}
+
+// idleReader puts off the download's stall timer with every byte read.
+type idleReader struct {
+	r     io.Reader
+	stall *time.Timer
+	idle  time.Duration
+}
+
+func (ir *idleReader) Read(p []byte) (int, error) {
+	n, err := ir.r.Read(p)
+	if n > 0 {
+		ir.stall.Reset(ir.idle)
+	}
+	return n, err
+}
+
+// stalled says so when err comes of the download's cut for a stall (a
+// transient error: the next attempt resumes where it stopped).
+func stalled(ctx context.Context, err error) error {
+	if errors.Is(context.Cause(ctx), errStalled) {
+		return fmt.Errorf("%w: no data for a while: %v", errStalled, err)
+	}
+	return err
 }
 
 func rangeStart(cr string) (int64, bool) {

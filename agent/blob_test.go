@@ -11,6 +11,9 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -124,5 +127,49 @@ func TestBlobSecretStaysWithTheAPI(t *testing.T) {
 	}
 	if got := auth.Load(); got != "Bearer secret" {
 		t.Errorf("the API got Authorization %q; want the bridge's secret", got)
+	}
+}
+
+// A download that stalls mid-body is cut after the idle time and resumed
+// from where it stopped, rather than holding the device's worker until
+// the command's timeout.
+func TestBlobStallIsResumed(t *testing.T) {
+	data := bytes.Repeat([]byte("stall"), 20000)
+	var requests atomic.Int32
+	var ranges []string
+	var mu sync.Mutex
+	release := make(chan struct{})
+	defer close(release)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		ranges = append(ranges, r.Header.Get("Range"))
+		mu.Unlock()
+		if requests.Add(1) == 1 {
+			w.Header().Set("Content-Length", strconv.Itoa(len(data)))
+			w.Write(data[:len(data)/2])
+			w.(http.Flusher).Flush()
+			select { // then nothing more
+			case <-r.Context().Done():
+			case <-release:
+			}
+			return
+		}
+		http.ServeContent(w, r, "", time.Time{}, bytes.NewReader(data))
+	}))
+	defer srv.Close()
+	b := newTestBlobs(t, srv.URL)
+	b.idle = 200 * time.Millisecond
+	// Without the cut the first request never ends: the command's own
+	// timeout, standing in here, would end the fetch with an error.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	got, err := b.fetch(ctx, blobRef(data), func(int) {})
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("fetch = %d bytes, %v; want the blob", len(got), err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []string{"", "bytes=" + strconv.Itoa(len(data)/2) + "-"}; !slices.Equal(ranges, want) {
+		t.Errorf("requests' Range headers = %q; want %q (the stalled download resumed)", ranges, want)
 	}
 }
