@@ -97,6 +97,9 @@ type eventSub struct {
 	// gone is closed when the hub drops the stream (its buffer was full)
 	// or closes.
 	gone chan struct{}
+	// from is the hub's cursor when the stream registered: the stream gets
+	// every event after it.
+	from string
 }
 
 // NewEvents checks the options and starts the hub's goroutine.
@@ -195,6 +198,7 @@ func (h *Events) subscribe(ctx context.Context, userID, deviceID string) (*event
 		h.users[userID] = subs
 	}
 	subs[sub] = struct{}{}
+	sub.from = h.cursor
 	return sub, nil
 }
 
@@ -437,7 +441,15 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	h.Set("Cache-Control", "no-store")
 	h.Set("X-Accel-Buffering", "no") // no proxy buffering
 	c.Status(http.StatusOK)
-	if err := w.write([]byte("retry: 2000\n\n")); err != nil {
+	// A stream that starts from now gets its starting point as its first
+	// id, in an event without data (EventSource keeps the id and fires
+	// nothing): a client that loses the stream before any event came
+	// resumes from there, instead of from whatever is "now" when it is back.
+	hello := "retry: 2000\n\n"
+	if last == "" && sub.from != "" {
+		hello = "retry: 2000\nid: " + sub.from + "\n\n"
+	}
+	if err := w.write([]byte(hello)); err != nil {
 		return nil
 	}
 	for {

@@ -394,3 +394,27 @@ func TestEventsHubCloseEndsStreams(t *testing.T) {
 	r := e.send(req{method: "GET", path: "/api/v1/events", token: tok})
 	assert.Equal(t, 503, r.status)
 }
+
+// A stream that starts from now carries its starting point as an id
+// before any event: a client that loses it before an event came resumes
+// from there and misses nothing.
+func TestEventsFreshStreamCanResume(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
+	tok := e.bound("dev-1")
+	s := e.stream(t, tok, "", nil)
+	var last string
+	for ev := range s.Events() { // the first heartbeat follows the id
+		if ev.IsComment() {
+			last = ev.ID
+			break
+		}
+	}
+	require.NotEmpty(t, last, "the stream's last event id before any event")
+	s.Close()
+
+	id := e.push(t, tok, "dev-1") // while away
+	s = e.stream(t, tok, "", map[string]string{"Last-Event-ID": last})
+	ev := s.next(t)
+	assert.Equal(t, id, ev.json(t)["id"], "the event missed while away")
+	assert.Equal(t, "queued", ev.json(t)["state"])
+}

@@ -34,7 +34,9 @@ var (
 type Event struct {
 	sse.Event
 	// Comment is a comment line's text (what follows the colon, less one
-	// leading space), for a comment.
+	// leading space), for a comment. A comment's ID is the stream's last
+	// event ID so far, which an event without data (an id line alone)
+	// sets too: what the client would send as Last-Event-ID.
 	Comment string
 }
 
@@ -88,7 +90,7 @@ func (s *Stream) read() {
 		}
 	}
 	r := sse.NewReader(s.res.Body)
-	r.OnComment = func(text string) { send(Event{Comment: text}) }
+	r.OnComment = func(text string) { send(Event{Event: sse.Event{ID: r.LastEventID()}, Comment: text}) }
 	for {
 		ev, err := r.Next()
 		if err != nil || !send(Event{Event: ev}) {
