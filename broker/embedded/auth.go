@@ -23,7 +23,9 @@ const accountsTimeout = 5 * time.Second
 // write=true for each PUBLISH, with write=false for each SUBSCRIBE filter,
 // and again with write=false and the topic name for each message it
 // delivers (including to an offline session's queue). It never checks a
-// Will, so the Will topic is checked at connect time. What a bridge
+// Will, so the Will topic is checked at connect time, nor a queue it
+// resends to the client that takes the session over, so
+// OnSessionEstablish checks that queue. What a bridge
 // publishes for a device it does not serve passes OnACLCheck and is
 // dropped, acknowledged, in OnPublish.
 type authHook struct {
@@ -36,6 +38,9 @@ type authHook struct {
 	hasServer  bool
 	serverUser [32]byte // SHA-256 of ServerUsername
 	serverPass [32]byte // SHA-256 of ServerPassword
+	// drop removes a queued message from a client's session as mochi
+	// drops one (Server.dropQueued).
+	drop func(cl *mqtt.Client, pk packets.Packet)
 
 	mu       sync.Mutex
 	ids      map[*mqtt.Client]Identity     // who each known client is, while mochi keeps it
@@ -235,19 +240,54 @@ func (h *authHook) mayRead(id Identity, filter string) bool {
 	return false
 }
 
-// OnSessionEstablish notes the client whose session cl takes over. The old
+// OnSessionEstablish notes the client whose session cl takes over, and
+// drops from that session's queue what cl may not read now. The old
 // client object is replaced by cl in mochi's client map once the session
 // is established; an offline one never reports a disconnect again, so its
 // identity is dropped then (not now: until then mochi still queues
 // messages for it, checking the ACL).
-func (h *authHook) OnSessionEstablish(cl *mqtt.Client, _ packets.Packet) {
+func (h *authHook) OnSessionEstablish(cl *mqtt.Client, pk packets.Packet) {
 	existing, ok := h.clients.Get(cl.ID)
 	if !ok || existing == cl {
 		return
 	}
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	h.replaced[cl] = existing
+	h.mu.Unlock()
+	if !pk.Connect.Clean { // a clean start discards the queue anyway
+		h.dropUnreadable(cl, existing)
+	}
+}
+
+// dropUnreadable drops each message queued in existing's session that cl
+// may not read now. Mochi checks the ACL when it queues a message, and
+// resends the queue to the client taking the session over without a
+// check: a device that moved to another bridge, or was unbound, in the
+// meantime would have its messages delivered where they no longer belong
+// (CONTRACT §9), and twice for a command once the server resends it to
+// the device's new bridge.
+func (h *authHook) dropUnreadable(cl, existing *mqtt.Client) {
+	id, known := h.identity(cl)
+	may := map[string]bool{} // topic → whether cl may read it; asked once each
+	n := 0
+	for _, p := range existing.State.Inflight.GetAll(false) {
+		if p.FixedHeader.Type != packets.Publish {
+			continue // an acknowledgement on its way, not a message
+		}
+		ok, asked := may[p.TopicName]
+		if !asked {
+			ok = known && h.mayRead(id, p.TopicName)
+			may[p.TopicName] = ok
+		}
+		if !ok {
+			h.drop(existing, p)
+			n++
+		}
+	}
+	if n > 0 {
+		h.log.Info("mqtt queued messages dropped: the client may no longer read them",
+			"client_id", cl.ID, "messages", n)
+	}
 }
 
 // OnSessionEstablished forgets the client object cl replaced.

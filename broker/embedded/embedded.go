@@ -22,6 +22,7 @@ import (
 	"log/slog"
 	"math"
 	"sync"
+	"sync/atomic"
 
 	mqtt "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -186,6 +187,7 @@ type Server struct {
 	tls      *tls.Config
 	mochi    *mqtt.Server
 	auth     *authHook
+	hooks    []mqtt.Hook // the three hooks, in the order mochi calls them
 	ln       *listener
 	mu       sync.Mutex
 	started  bool
@@ -234,13 +236,17 @@ func New(opts Options) (*Server, error) {
 		s.auth.serverPass = sha256.Sum256([]byte(opts.ServerPassword))
 		s.auth.hasServer = true
 	}
+	s.auth.drop = s.dropQueued
 	// Three hooks, one job each: who may do what, queued messages resent in
-	// publish order, incoming packets kept off the ids of queued ones.
-	for _, h := range []mqtt.Hook{
+	// publish order, incoming packets kept off the ids of queued ones. The
+	// order matters: what the first drops from a queue the second does not
+	// put in order.
+	s.hooks = []mqtt.Hook{
 		s.auth,
 		&orderHook{clients: m.Clients, seqs: map[string]map[uint16]uint64{}},
 		&packetIDHook{log: log, clients: m.Clients, lastOut: map[string]uint16{}, moved: map[*mqtt.Client]movedID{}},
-	} {
+	}
+	for _, h := range s.hooks {
 		if err := m.AddHook(h, nil); err != nil {
 			return nil, fmt.Errorf("embedded: %w", err)
 		}
@@ -324,7 +330,9 @@ func (s *Server) Close() error {
 // the bridge connects again and subscribes anew under its new rights
 // (a subscription refused before is granted now), and the server resends
 // its devices' unfinished commands once it says it is online. Sessions
-// stay. It returns how many connections it closed.
+// stay (DeleteBridge discards them), and what a session queued for a
+// device the bridge no longer serves is dropped when the bridge resumes
+// it. It returns how many connections it closed.
 func (s *Server) DisconnectBridge(bridgeID string) int {
 	n := 0
 	for _, cl := range s.mochi.Clients.GetAll() {
@@ -337,6 +345,79 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 		s.log.Info("bridge disconnected: its devices changed", "bridge_id", bridgeID, "connections", n)
 	}
 	return n
+}
+
+// DeleteBridge closes the connections of a bridge that no longer exists
+// and discards its sessions, subscriptions and queued messages, so that a
+// bridge created later under the same id (by anyone) starts with nothing of
+// the old one's. Call it instead of DisconnectBridge when the bridge is
+// deleted. It returns how many connections it closed.
+func (s *Server) DeleteBridge(bridgeID string) int {
+	n, sessions := 0, 0
+	for _, cl := range s.mochi.Clients.GetAll() {
+		if id, ok := s.auth.identity(cl); !ok || id.Role != RoleBridge || id.ID != bridgeID {
+			continue
+		}
+		if !cl.Closed() {
+			_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
+			n++
+		}
+		if !endsWithConnection(cl) && s.discardSession(cl) {
+			sessions++
+		}
+	}
+	if sessions > 0 {
+		s.log.Info("bridge deleted: its sessions discarded", "bridge_id", bridgeID,
+			"connections", n, "sessions", sessions)
+	}
+	return n
+}
+
+// discardSession ends cl's session as mochi ends one that expires with
+// its connection (a clean session): its queue dropped, its subscriptions
+// removed, the client forgotten, and the hooks told as when a persistent
+// session expires. A client that has just taken over cl's id keeps its
+// own. It reports whether it discarded anything.
+func (s *Server) discardSession(cl *mqtt.Client) bool {
+	if cur, ok := s.mochi.Clients.Get(cl.ID); !ok || cur != cl {
+		return false
+	}
+	cl.ClearInflights()
+	s.mochi.UnsubscribeClient(cl)
+	s.mochi.Clients.Delete(cl.ID)
+	for _, h := range s.hooks {
+		if h.Provides(mqtt.OnClientExpired) {
+			h.OnClientExpired(cl)
+		}
+	}
+	return true
+}
+
+// endsWithConnection says whether mochi ends cl's session itself when its
+// connection closes (a clean session). Such a session is left to mochi:
+// ended here first, mochi's own cleanup would then remove by id a client
+// that took the id in between.
+func endsWithConnection(cl *mqtt.Client) bool {
+	if cl.Properties.ProtocolVersion < 5 {
+		return cl.Properties.Clean
+	}
+	return cl.Properties.Props.SessionExpiryInterval == 0
+}
+
+// dropQueued removes a QoS 1 or 2 message on its way to cl from cl's
+// session as mochi drops one: the broker's inflight count and cl's send
+// quota give it back, and the hooks hear OnQosDropped.
+func (s *Server) dropQueued(cl *mqtt.Client, pk packets.Packet) {
+	if !cl.State.Inflight.Delete(pk.PacketID) {
+		return
+	}
+	atomic.AddInt64(&s.mochi.Info.Inflight, -1)
+	cl.State.Inflight.IncreaseSendQuota()
+	for _, h := range s.hooks {
+		if h.Provides(mqtt.OnQosDropped) {
+			h.OnQosDropped(cl, pk)
+		}
+	}
 }
 
 // Stats are the broker's message counters since Start.

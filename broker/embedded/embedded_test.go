@@ -103,9 +103,10 @@ func startBroker(t *testing.T, acc embedded.Accounts) *embedded.Server {
 // connection loss is reported on lost.
 type client struct {
 	mqtt.Client
-	msgs     chan mqtt.Message
-	lost     chan error
-	overflow atomic.Int64
+	msgs           chan mqtt.Message
+	lost           chan error
+	overflow       atomic.Int64
+	sessionPresent bool // the CONNACK's: the broker resumed a session
 }
 
 var clientSeq atomic.Int64
@@ -139,9 +140,11 @@ func dial(t *testing.T, addr, user, pass string, mod func(*mqtt.ClientOptions)) 
 		mod(o)
 	}
 	c.Client = mqtt.NewClient(o)
-	if err := mqtt.WaitTokenTimeout(c.Connect(), wait); err != nil {
+	tok := c.Connect()
+	if err := mqtt.WaitTokenTimeout(tok, wait); err != nil {
 		return nil, err
 	}
+	c.sessionPresent = tok.(*mqtt.ConnectToken).SessionPresent()
 	t.Cleanup(func() {
 		if c.IsConnected() {
 			c.Disconnect(100)
@@ -170,6 +173,15 @@ func (c *client) subscribe(t *testing.T, filter string) byte {
 func (c *client) publish(t *testing.T, topic string, retained bool, payload string) {
 	t.Helper()
 	require.NoError(t, mqtt.WaitTokenTimeout(c.Publish(topic, 1, retained, payload), wait), "publish %q", topic)
+}
+
+// handedOut returns once the broker has handed every message c published
+// to its subscribers (or their sessions' queues). Mochi acknowledges a
+// QoS 1 publish before it hands it out, but takes one client's packets in
+// turn: once one more publish is acknowledged, those before it are out.
+func (c *client) handedOut(t *testing.T) {
+	t.Helper()
+	c.publish(t, tp(tree.Status("dev-nobody-reads")), false, "")
 }
 
 // next returns the next message, failing the test after a few seconds.
@@ -390,6 +402,164 @@ func TestDisconnectBridge(t *testing.T) {
 	require.Equal(t, byte(1), b1.subscribe(t, tp(tree.CommandsFilter("dev-2"))))
 	srv.publish(t, cmd2, false, "granted")
 	require.Equal(t, "granted", string(b1.next(t).Payload()))
+}
+
+// A persistent session's queue is resent to the client that resumes it
+// only where that client may read now (CONTRACT §9): a bridge whose device
+// moved while it was away, a user who unbound a device, and a bridge id
+// deleted and created again by another user (when the server only
+// disconnects it) get nothing queued for it before. Each client then gets
+// a message it may read, published after: mochi resends a session's
+// queue, in order, before anything new, so whatever the queue held would
+// arrive first.
+func TestResumedSessionGetsOnlyWhatItMayRead(t *testing.T) {
+	cmd := func(dev string) string { return tp(tree.Command(dev, topics.OpPushText)) }
+	for _, tc := range []struct {
+		name       string
+		user, pass string
+		filters    []string
+		queued     string                                // topic of the message queued while away
+		change     func(*fakeAccounts, *embedded.Server) // while away, after it is queued
+		pass2      string                                // password on return
+		marker     string                                // topic it may read after the change
+		markerSub  string                                // filter subscribed to on return, if any
+	}{
+		{
+			name: "device moved", user: "bridge-1", pass: "b1-secret", pass2: "b1-secret",
+			filters: []string{tp(tree.CommandsFilter("dev-1")), tp(tree.CommandsFilter("dev-3"))},
+			queued:  cmd("dev-1"),
+			change: func(acc *fakeAccounts, s *embedded.Server) {
+				acc.move("dev-1", "bridge-2")
+				s.DisconnectBridge("bridge-1")
+				s.DisconnectBridge("bridge-2")
+			},
+			marker: cmd("dev-3"),
+		},
+		{
+			name: "device unbound", user: "alice", pass: "alice-token", pass2: "alice-token",
+			filters: []string{tp(tree.DeviceFilter("dev-1")), tp(tree.DeviceFilter("dev-3"))},
+			queued:  tp(tree.Status("dev-1")),
+			change:  func(acc *fakeAccounts, _ *embedded.Server) { acc.unbind("alice", "dev-1") },
+			marker:  tp(tree.Status("dev-3")),
+		},
+		{
+			name: "bridge id reused", user: "bridge-1", pass: "b1-secret", pass2: "bob-new-secret",
+			filters: []string{tp(tree.CommandsFilter("dev-1"))},
+			queued:  cmd("dev-1"),
+			change: func(acc *fakeAccounts, s *embedded.Server) {
+				// alice deletes bridge-1 (its devices unassigned); bob
+				// creates his own bridge-1 and assigns it his dev-2.
+				acc.mu.Lock()
+				acc.bridges["bridge-1"] = "bob-new-secret"
+				acc.serves["dev-1"], acc.serves["dev-3"], acc.serves["dev-2"] = "", "", "bridge-1"
+				acc.mu.Unlock()
+				s.DisconnectBridge("bridge-1")
+			},
+			marker: cmd("dev-2"), markerSub: tp(tree.CommandsFilter("dev-2")),
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			acc := newFakeAccounts()
+			s := startBroker(t, acc)
+			session := func(o *mqtt.ClientOptions) { o.SetClientID("persistent-" + tc.user).SetCleanSession(false) }
+			c := mustDial(t, s.Addr(), tc.user, tc.pass, session)
+			for _, f := range tc.filters {
+				require.Equal(t, byte(1), c.subscribe(t, f), "subscribe %q", f)
+			}
+			c.Disconnect(100)
+
+			srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+			srv.publish(t, tc.queued, false, "queued before the change")
+			srv.handedOut(t)
+			tc.change(acc, s)
+
+			c = mustDial(t, s.Addr(), tc.user, tc.pass2, session)
+			require.True(t, c.sessionPresent, "the session was not resumed")
+			if tc.markerSub != "" {
+				require.Equal(t, byte(1), c.subscribe(t, tc.markerSub))
+			}
+			srv.publish(t, tc.marker, false, "marker")
+			m := c.next(t)
+			require.Equal(t, tc.marker, m.Topic(), "received %q on %s", m.Payload(), m.Topic())
+		})
+	}
+}
+
+// A message dropped from a resumed queue is forgotten by the hook that
+// keeps queues in publish order: the next message, which mochi gives the
+// dropped one's packet id, takes its place in the order after those
+// published before it, not the dropped one's place.
+func TestDroppedQueuedMessageLeavesOrder(t *testing.T) {
+	acc := newFakeAccounts()
+	s := startBroker(t, acc)
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	session := func(o *mqtt.ClientOptions) {
+		o.SetClientID("bridge-1").SetCleanSession(false).SetAutoAckDisabled(true)
+	}
+	br := mustDial(t, s.Addr(), "bridge-1", "b1-secret", session)
+	require.Equal(t, byte(1), br.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	require.Equal(t, byte(1), br.subscribe(t, tp(tree.CommandsFilter("dev-3"))))
+	br.Disconnect(100)
+	cmd1, cmd3 := tp(tree.Command("dev-1", topics.OpPushText)), tp(tree.Command("dev-3", topics.OpPushText))
+
+	srv.publish(t, cmd1, false, "moved away") // packet id 1, dropped on return
+	srv.publish(t, cmd3, false, "B")          // packet id 2
+	srv.handedOut(t)
+	acc.move("dev-1", "bridge-2")
+	br = mustDial(t, s.Addr(), "bridge-1", "b1-secret", session)
+	require.Equal(t, "B", string(br.next(t).Payload()))
+	srv.publish(t, cmd3, false, "C") // packet id 1 again
+	require.Equal(t, "C", string(br.next(t).Payload()))
+	require.Equal(t, 1, s.DisconnectBridge("bridge-1")) // B and C not acknowledged
+	br.waitLost(t)
+	srv.publish(t, cmd3, false, "D")
+	srv.handedOut(t)
+
+	br = mustDial(t, s.Addr(), "bridge-1", "b1-secret", session)
+	var got []string
+	for range 3 {
+		got = append(got, string(br.next(t).Payload()))
+	}
+	require.Equal(t, []string{"B", "C", "D"}, got)
+}
+
+// DeleteBridge discards the bridge's sessions, connected or not: a bridge
+// created again under the same id resumes no session (nothing of the old
+// one's subscriptions or queue), and the queue of a session the old
+// bridge still held open is not resent to anyone.
+func TestDeleteBridge(t *testing.T) {
+	acc := newFakeAccounts()
+	s := startBroker(t, acc)
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	offline := func(o *mqtt.ClientOptions) { o.SetClientID("bridge-1-offline").SetCleanSession(false) }
+	online := func(o *mqtt.ClientOptions) {
+		o.SetClientID("bridge-1-online").SetCleanSession(false).SetAutoAckDisabled(true)
+	}
+	off := mustDial(t, s.Addr(), "bridge-1", "b1-secret", offline)
+	require.Equal(t, byte(1), off.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	require.Equal(t, 1, s.DisconnectBridge("bridge-1")) // closed at once, unlike a client's DISCONNECT
+	off.waitLost(t)
+	on := mustDial(t, s.Addr(), "bridge-1", "b1-secret", online)
+	require.Equal(t, byte(1), on.subscribe(t, tp(tree.CommandsFilter("dev-1"))))
+	srv.publish(t, tp(tree.Command("dev-1", topics.OpPushText)), false, "alice's note")
+	on.next(t) // on its way, not acknowledged
+
+	acc.mu.Lock()
+	acc.bridges["bridge-1"] = "bob-new-secret"
+	acc.serves["dev-1"], acc.serves["dev-3"], acc.serves["dev-2"] = "", "", "bridge-1"
+	acc.mu.Unlock()
+	require.Equal(t, 1, s.DeleteBridge("bridge-1"))
+	on.waitLost(t)
+
+	for _, mod := range []func(*mqtt.ClientOptions){offline, online} {
+		c := mustDial(t, s.Addr(), "bridge-1", "bob-new-secret", mod)
+		require.False(t, c.sessionPresent, "%s resumed the deleted bridge's session", clientIDOf(c))
+		require.Equal(t, byte(1), c.subscribe(t, tp(tree.CommandsFilter("dev-2"))))
+		srv.publish(t, tp(tree.Command("dev-2", topics.OpPushText)), false, "bob's")
+		require.Equal(t, "bob's", string(c.next(t).Payload()), clientIDOf(c))
+		c.Disconnect(100)
+	}
+	require.Equal(t, 0, s.DeleteBridge("bridge-9"))
 }
 
 // A client's SUBSCRIBE or UNSUBSCRIBE may carry a packet id that one of
