@@ -132,14 +132,17 @@ type Broker struct {
 	// queued before they landed, so they must not go out again.
 	landed  map[string]bool
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
-	live    map[string]bool // commands accepted here and not final yet (see Wait)
+	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
 	ready   bool
 	started bool
 	closed  bool
 	extra   []extraSub // subscriptions of other users of the connection
 
-	quit chan struct{}
-	wg   sync.WaitGroup
+	// release is closed by Release (and Close): every Wait, under way or
+	// to come, answers at once.
+	release chan struct{}
+	quit    chan struct{}
+	wg      sync.WaitGroup
 }
 
 // New checks the options and returns a broker that is not yet connected.
@@ -202,6 +205,7 @@ func New(opts Options) (*Broker, error) {
 		flying:    make(map[string]*outgoing),
 		live:      make(map[string]bool),
 		acks:      make(chan inflight, maxInflight),
+		release:   make(chan struct{}),
 		quit:      make(chan struct{}),
 	}
 
@@ -291,6 +295,7 @@ func (b *Broker) Close() error {
 	}
 	b.closed = true
 	b.mu.Unlock()
+	b.Release()
 	close(b.quit)
 	b.client.Disconnect(250)
 	b.wg.Wait()

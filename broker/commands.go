@@ -129,7 +129,7 @@ func (b *Broker) publishCancel(cmd companion.Command) {
 }
 
 // Wait returns the command once it is final, or its latest state when ctx
-// ends first.
+// ends first or the broker releases its waiters (Release, Close).
 func (b *Broker) Wait(ctx context.Context, id string) (companion.Command, error) {
 	ch := make(chan companion.Command, 1)
 	b.mu.Lock()
@@ -152,8 +152,24 @@ func (b *Broker) Wait(ctx context.Context, id string) (companion.Command, error)
 		return cmd, nil
 	case <-ctx.Done():
 		return b.st.Command(context.WithoutCancel(ctx), id)
-	case <-b.quit:
+	case <-b.release:
 		return b.st.Command(context.WithoutCancel(ctx), id)
+	}
+}
+
+// Release answers every Wait, those under way and those to come, with the
+// command's latest state, as when their ctx ends. A server shutting down
+// calls it before it lets its requests in flight finish: a Prefer: wait
+// is then answered 202 at once instead of holding the shutdown until its
+// N seconds (up to a minute) run out. The broker goes on working
+// otherwise; Close releases the waiters too.
+func (b *Broker) Release() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	select {
+	case <-b.release:
+	default:
+		close(b.release)
 	}
 }
 
@@ -185,9 +201,9 @@ func (b *Broker) DispatcherChanged(dispatching bool) {
 
 // CommandChanged says another replica changed command id in the shared
 // store (the store's notification): those waiting here for it are
-// answered if it is final now. It costs nothing when nobody here waits.
-// An empty id means notifications may have been lost (the store's listener
-// reconnected): every command waited for here is read again.
+// answered if it is final now. It reads the store only when someone here
+// waits. An empty id means notifications may have been lost (the store's
+// listener reconnected): every command waited for here is read again.
 func (b *Broker) CommandChanged(ctx context.Context, id string) {
 	if b.opts.Dispatcher != nil {
 		// Perhaps a command another replica accepted: the dispatcher reads
@@ -203,8 +219,17 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 		for w := range b.waiters {
 			ids = append(ids, w)
 		}
-	} else if len(b.waiters[id]) > 0 {
-		ids = append(ids, id)
+	} else {
+		// Another replica changed it, perhaps to final (it took the reply,
+		// or canceled it): this replica will not see it become final, so
+		// it is no longer live here. Else live leaks the ids of about half
+		// the commands accepted here, and a later Wait, trusting live,
+		// skips the store read and waits out its time for a command
+		// already final.
+		delete(b.live, id)
+		if len(b.waiters[id]) > 0 {
+			ids = append(ids, id)
+		}
 	}
 	b.mu.Unlock()
 	for _, id := range ids {

@@ -180,6 +180,20 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 			b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
 		case errors.Is(err, companion.ErrFinal), errors.Is(err, errStale):
 			b.log.Debug("stale reply ignored", "command_id", r.CommandID, "state", r.State, "err", err)
+			if companion.IsFinal(cmd.State) {
+				// Final already (ErrFinal comes with the stored command):
+				// perhaps another replica took the final reply first, or
+				// the command was canceled there. Those waiting here have
+				// it now, and it is no longer live here.
+				b.notify(cmd)
+				break
+			}
+			// Another replica took a later reply: this one no longer
+			// follows the command's state, and must not keep it live
+			// (see Wait).
+			b.mu.Lock()
+			delete(b.live, r.CommandID)
+			b.mu.Unlock()
 		case err != nil:
 			b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
 		case companion.IsFinal(cmd.State):

@@ -62,6 +62,9 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// A second signal, during a slow shutdown, kills the process (Go's
+	// default, given back once the first one started the shutdown).
+	context.AfterFunc(ctx, stop)
 	m := NewMain()
 	if err := m.ParseFlags(os.Args[1:]); err != nil {
 		if !errors.Is(err, flag.ErrHelp) {

@@ -160,13 +160,18 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		m.Close()
 		return err
 	}
-	fmt.Fprintf(stdout, "companion: HTTP API on http://%s, MQTT on %s, data in %s\n", m.HTTPAddr(), m.MQTTURL(), cfg.Data)
+	fmt.Fprintln(stdout, m.startupLine())
 	if m.Demo != nil {
 		m.Demo.PrintQuickStart(stdout)
 	}
 	<-ctx.Done()
 	logger.Info("shutting down")
 	return m.Close()
+}
+
+// startupLine is what `companion serve` prints once it is listening.
+func (m *Main) startupLine() string {
+	return fmt.Sprintf("companion: HTTP API on %s, MQTT on %s, data in %s", m.APIURL(), m.MQTTURL(), m.Config.Data)
 }
 
 func newLogger(level string, w io.Writer) (*slog.Logger, error) {
@@ -505,8 +510,9 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 }
 
 // Close shuts down in reverse order: HTTP (letting requests in flight
-// finish), the demo bridge, the dynamic-security driver, the command
-// broker, the MQTT broker, the store, the pprof listener.
+// finish, those held by Prefer: wait answered at once), the demo bridge,
+// the dynamic-security driver, the command broker, the MQTT broker, the
+// store, the pprof listener.
 func (m *Main) Close() error {
 	m.closeOnce.Do(func() {
 		var errs []error
@@ -515,6 +521,11 @@ func (m *Main) Close() error {
 			m.stopEvents()
 		}
 		if m.srv != nil {
+			// Requests held by Prefer: wait are answered now (202, as when
+			// their time runs out), or Shutdown waits for them.
+			if m.Broker != nil {
+				m.Broker.Release()
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 			errs = append(errs, m.srv.Shutdown(ctx))
 			cancel()
@@ -556,9 +567,10 @@ func (m *Main) Close() error {
 // embeddedAccounts is what the API tells the embedded broker of changes
 // to who may do what. The broker reads accounts, bindings and assignments
 // from the store on every check, so it has only one thing to do: when the
-// devices a bridge serves change, or the bridge is deleted, its
-// connections are closed, as Mosquitto's plugin does (see
-// embedded.Server.DisconnectBridge).
+// devices a bridge serves change, its connections are closed, as
+// Mosquitto's plugin does (see embedded.Server.DisconnectBridge); when the
+// bridge is deleted, its persistent sessions go too, so that a bridge
+// created later under the same id inherits nothing (DeleteBridge).
 type embeddedAccounts struct{ mqtt *embedded.Server }
 
 func (embeddedAccounts) UserCreated(context.Context, string, string) error   { return nil }
@@ -567,7 +579,7 @@ func (embeddedAccounts) Bound(context.Context, string, string) error         { r
 func (embeddedAccounts) Unbound(context.Context, string, string) error       { return nil }
 
 func (a embeddedAccounts) BridgeDeleted(_ context.Context, bridgeID string) error {
-	a.mqtt.DisconnectBridge(bridgeID)
+	a.mqtt.DeleteBridge(bridgeID)
 	return nil
 }
 

@@ -1,0 +1,148 @@
+package broker
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// waitAnswer runs Wait for id with a ctx that has no deadline (it ends with
+// the test) and returns its answer, failing t if none comes within 10 s:
+// Wait must answer on its own, not because its time ran out.
+func waitAnswer(t *testing.T, e *env, id string) companion.Command {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	type answer struct {
+		cmd companion.Command
+		err error
+	}
+	got := make(chan answer, 1)
+	go func() {
+		c, err := e.b.Wait(ctx, id)
+		got <- answer{c, err}
+	}()
+	select {
+	case a := <-got:
+		require.NoError(t, a.err)
+		return a.cmd
+	case <-time.After(10 * time.Second):
+		t.Fatalf("Wait(%s) did not answer", id)
+		return companion.Command{}
+	}
+}
+
+func liveCount(e *env) int {
+	e.b.mu.Lock()
+	defer e.b.mu.Unlock()
+	return len(e.b.live)
+}
+
+// Commands accepted here that another replica finishes (it took the final
+// reply, or the user canceled there) do not stay live here: live does not
+// grow without bound, and a Wait for one reads the final state from the
+// store instead of waiting for a notify that never comes (CONTRACT §11).
+func TestCommandsFinishedByAnotherReplicaAreNotLive(t *testing.T) {
+	e := newEnv(t, false)
+	ctx := context.Background()
+	var last companion.Command
+	for range 50 {
+		last = submit(t, e, "dev-1", "x", time.Hour)
+		// The other replica's write, then its notification.
+		_, err := e.db.UpdateCommand(ctx, last.ID, func(c *companion.Command) error {
+			c.State = companion.StateSucceeded
+			return nil
+		})
+		require.NoError(t, err)
+		e.b.CommandChanged(ctx, last.ID)
+	}
+	assert.Zero(t, liveCount(e), "commands finished elsewhere still live here")
+	assert.Equal(t, companion.StateSucceeded, waitAnswer(t, e, last.ID).State)
+}
+
+// A final reply that reaches this replica after another one stored the
+// command's final state (ErrFinal here) takes the command out of live too,
+// even before the other replica's notification arrives.
+func TestAReplyForACommandFinalElsewhereEndsItsLife(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	ctx := context.Background()
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	_, err := e.db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+		c.State = companion.StateSucceeded
+		return nil
+	})
+	require.NoError(t, err)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()})
+	// Replies are taken in order: once the marker's is taken (its waiter
+	// answered), so is c's.
+	marker := submit(t, e, "dev-1", "marker", time.Hour)
+	require.Equal(t, marker.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: marker.ID, State: companion.StateSucceeded, At: time.Now()})
+	require.Equal(t, companion.StateSucceeded, waitAnswer(t, e, marker.ID).State)
+
+	assert.Zero(t, liveCount(e), "a command final elsewhere is still live here")
+	assert.Equal(t, companion.StateSucceeded, waitAnswer(t, e, c.ID).State)
+}
+
+// A reply older than the state another replica stored (errStale here)
+// takes the command out of live as well: this replica no longer follows
+// its state, and a Wait for it reads the store.
+func TestAReplyOlderThanAnotherReplicasEndsItsLife(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	ctx := context.Background()
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	_, err := e.db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+		c.State = companion.StateInProgress
+		return nil
+	})
+	require.NoError(t, err)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
+	marker := submit(t, e, "dev-1", "marker", time.Hour)
+	require.Equal(t, marker.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: marker.ID, State: companion.StateSucceeded, At: time.Now()})
+	require.Equal(t, companion.StateSucceeded, waitAnswer(t, e, marker.ID).State)
+
+	assert.Zero(t, liveCount(e), "a command another replica follows is still live here")
+	assert.Equal(t, companion.StateInProgress, state(t, e, c.ID).State, "the stale reply changed nothing")
+}
+
+// Release answers the waits under way and those that come after it with
+// the command's latest state, as when their time runs out: a server that
+// shuts down lets its held Prefer: wait requests finish at once.
+func TestReleaseAnswersWaiters(t *testing.T) {
+	e := newEnv(t, false)
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	got := make(chan companion.Command, 1)
+	go func() {
+		cmd, _ := e.b.Wait(ctx, c.ID) // an error shows as an empty command
+		got <- cmd
+	}()
+	testenv.Eventually(t, 10*time.Second, "a waiter", func() bool {
+		e.b.mu.Lock()
+		defer e.b.mu.Unlock()
+		return len(e.b.waiters[c.ID]) == 1
+	})
+	e.b.Release()
+	select {
+	case cmd := <-got:
+		assert.Equal(t, c.ID, cmd.ID)
+		assert.Equal(t, companion.StateQueued, cmd.State, "its latest state")
+	case <-time.After(10 * time.Second):
+		t.Fatal("Release did not answer the waiter")
+	}
+	assert.Equal(t, companion.StateQueued, waitAnswer(t, e, c.ID).State, "a Wait after Release")
+}

@@ -1,0 +1,144 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
+)
+
+// A shutdown answers the requests held by Prefer: wait at once, with a
+// 202 and the command as when their time runs out, and ends cleanly:
+// Close does not wait out the HTTP server's shutdown limit for them and
+// fail with its deadline (the process would exit with status 1).
+func TestShutdownAnswersHeldWaits(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1") // no bridge: the command stays unfinished
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+
+	type answer struct {
+		status int
+		body   []byte
+		err    error
+	}
+	held := make(chan answer, 1)
+	go func() {
+		req, err := http.NewRequest("POST", m.APIURL()+"/api/v1/devices/dev-1/push/text", bytes.NewReader([]byte(`{"text":"hi"}`)))
+		if err != nil {
+			held <- answer{err: err}
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Authorization", "Bearer "+f.user.token)
+		req.Header.Set("Prefer", "wait=60")
+		resp, err := (&http.Client{Timeout: 90 * time.Second}).Do(req)
+		if err != nil {
+			held <- answer{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		held <- answer{resp.StatusCode, body, err}
+	}()
+	// Once the command is stored, its request is in the handler, which
+	// holds it (or is about to: a Wait that starts after the shutdown
+	// began answers at once too).
+	testenv.Eventually(t, 10*time.Second, "the command stored", func() bool {
+		r := f.user.do("GET", "/api/v1/devices/dev-1/commands", nil)
+		return r.Status == 200 && len(r.JSON(t)["commands"].([]any)) == 1
+	})
+
+	require.NoError(t, m.Close(), "Close with a request held by Prefer: wait")
+	select {
+	case a := <-held:
+		require.NoError(t, a.err)
+		require.Equal(t, http.StatusAccepted, a.status, "%s", a.body)
+		var cmd struct {
+			ID    string `json:"id"`
+			State string `json:"state"`
+		}
+		require.NoError(t, json.Unmarshal(a.body, &cmd))
+		assert.NotEmpty(t, cmd.ID)
+		assert.False(t, companion.IsFinal(cmd.State), "state %q", cmd.State)
+	case <-time.After(60 * time.Second):
+		t.Fatal("the held request got no answer")
+	}
+}
+
+// The start-up line names the API's URL with its scheme: https with
+// --tls-cert.
+func TestServeStartupLineNamesTheScheme(t *testing.T) {
+	ca := newTestCA(t)
+	certFile, keyFile := ca.issue(t, t.TempDir())
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"plain", Config{}, "http://"},
+		{"tls", Config{TLSCert: certFile, TLSKey: keyFile}, "https://"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := startServer(t, tc.cfg)
+			line := m.startupLine()
+			want := "HTTP API on " + tc.want + m.HTTPAddr() + ","
+			assert.True(t, strings.Contains(line, want), "startupLine() = %q; want it to contain %q", line, want)
+		})
+	}
+}
+
+// A second SIGTERM while `companion serve` shuts down kills it at once,
+// as Go's default does, instead of being swallowed while the shutdown
+// waits for a request that does not end (here an upload whose body
+// stalls).
+func TestShutdownSecondSignalKills(t *testing.T) {
+	c := newProcCluster(t, 0)
+	c.serverArgs = []string{"--log-level", "info"} // for "shutting down"
+	c.startServer()
+
+	conn, err := net.Dial("tcp", c.httpAddr)
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = fmt.Fprintf(conn, "PUT /api/v1/admin/apps/stalled/1.0.0 HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"+
+		"Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\nExpect: 100-continue\r\n\r\n", c.httpAddr, c.adminToken)
+	require.NoError(t, err)
+	// 100 Continue: the handler reads the body, which never comes.
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(20*time.Second)))
+	line, err := bufio.NewReader(conn).ReadString('\n')
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(line, "HTTP/1.1 100"), "answer %q", line)
+
+	require.NoError(t, c.server.cmd.Process.Signal(syscall.SIGTERM))
+	testenv.Eventually(t, 20*time.Second, "shutting down", func() bool {
+		b, _ := os.ReadFile(c.server.logPath)
+		return strings.Contains(string(b), "shutting down")
+	})
+	require.NoError(t, c.server.cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-c.server.exited:
+	case <-time.After(60 * time.Second):
+		t.Fatal("companion did not exit")
+	}
+	var ee *exec.ExitError
+	require.ErrorAs(t, c.server.waitErr, &ee)
+	ws, ok := ee.Sys().(syscall.WaitStatus)
+	require.True(t, ok)
+	assert.True(t, ws.Signaled() && ws.Signal() == syscall.SIGTERM, "exit after the second SIGTERM: %v, want killed by it", c.server.waitErr)
+}
