@@ -64,6 +64,9 @@ type Store interface {
 	OpenCommands(ctx context.Context, states ...string) ([]Command, error)
 	ExpiredCommands(ctx context.Context, now time.Time) ([]Command, error)
 	CountOpen(ctx context.Context, deviceID string) (int, error)
+	// CountAllOpen is how many commands of all devices are not final,
+	// without reading them.
+	CountAllOpen(ctx context.Context) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
 
 	Idempotency(ctx context.Context, userID, key string) (Idempotency, error)

@@ -506,6 +506,18 @@ func (db *DB) CountOpen(ctx context.Context, deviceID string) (int, error) {
 	return int(n), err
 }
 
+// CountAllOpen returns how many non-final commands all devices have: the
+// keys of the open index, counted from its pages without reading a
+// command (bbolt's Bucket.Stats).
+func (db *DB) CountAllOpen(ctx context.Context) (int, error) {
+	var n int
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		n = tx.Bucket(bucketOpen).Stats().KeyN
+		return nil
+	})
+	return n, err
+}
+
 // addOpen adds delta to the device's count of non-final commands, unless
 // delta is positive and the count has reached max already (max > 0): it
 // then changes nothing and reports full.

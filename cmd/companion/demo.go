@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -170,6 +171,12 @@ func (d *Demo) closeDevices() {
 	d.network.Close()
 }
 
+// loadOrCreateDemo returns the demo's credentials from DATA/demo.json, or
+// new ones when there is none, and makes the store hold what they name.
+// demo.json is written first and the store's records after, each made
+// only when missing: a start killed at any point leaves either no
+// demo.json (then nothing of the demo may be in the store yet) or one that
+// the next start completes the store from.
 func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, error) {
 	var f DemoFile
 	b, err := os.ReadFile(path)
@@ -178,59 +185,180 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 		if err := json.Unmarshal(b, &f); err != nil {
 			return f, fmt.Errorf("%s: %w", path, err)
 		}
-		f.APIURL = m.APIURL()
-		f.AdminToken = m.AdminToken()
-		return f, writeDemo(path, f)
-	case !errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, os.ErrNotExist):
+		f = newDemoFile()
+	default:
 		return f, err
 	}
+	f.APIURL = m.APIURL()
+	f.AdminToken = m.AdminToken()
+	for i := range f.Devices {
+		if f.Devices[i].ClaimCode == "" {
+			// Lost before (see provisionDemo); a store made anew since
+			// takes a new one.
+			f.Devices[i].ClaimCode = claimCode()
+		}
+	}
+	if err := writeDemo(path, f); err != nil {
+		return f, err
+	}
+	before := f
+	before.Devices = slices.Clone(f.Devices)
+	if err := provisionDemo(ctx, m, &f); err != nil {
+		return f, err
+	}
+	if f.UserID != before.UserID || !slices.Equal(f.Devices, before.Devices) {
+		return f, writeDemo(path, f)
+	}
+	return f, nil
+}
 
-	now := m.Config.Now()
-	f = DemoFile{
-		APIURL:       m.APIURL(),
+// newDemoFile returns fresh credentials for the demo user, its bridge and
+// its three devices.
+func newDemoFile() DemoFile {
+	f := DemoFile{
 		Token:        randomToken("ctk_"),
-		AdminToken:   m.AdminToken(),
 		UserID:       uuid.NewString(),
 		BridgeID:     demoBridgeID,
 		BridgeSecret: randomToken("cbs_"),
 	}
-	db := m.DB
-	if err := db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token), CreatedAt: now}); err != nil {
-		return f, err
-	}
-	if err := db.CreateBridge(ctx, companion.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret), CreatedAt: now}); err != nil && !errors.Is(err, companion.ErrExists) {
-		return f, err
-	}
 	for i := 1; i <= 3; i++ {
-		dev := DemoDevice{DeviceID: fmt.Sprintf("sim-%03d", i), ClaimCode: claimCode()}
-		err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now, BridgeID: f.BridgeID})
-		if err != nil {
-			return f, err
-		}
-		f.Devices = append(f.Devices, dev)
+		f.Devices = append(f.Devices, DemoDevice{DeviceID: fmt.Sprintf("sim-%03d", i), ClaimCode: claimCode()})
 	}
-	// Something to install and something to update to.
-	if err := publishDemoContent(ctx, db); err != nil {
-		return f, err
-	}
-	return f, writeDemo(path, f)
+	return f
 }
 
-func publishDemoContent(ctx context.Context, db companion.Store) error {
-	random := func(size int) ([]byte, error) {
-		b := make([]byte, size)
-		_, err := rand.Read(b)
-		return b, err
+// provisionDemo makes the store hold the demo user, bridge, devices and
+// catalog of f, making what is missing and keeping what is there.
+//
+// A record may be there under credentials f does not hold when an earlier
+// demo.json is gone (deleted, or an older server killed before it wrote
+// it). The bridge is then made again with f's secret, and the user anew
+// (a new f.UserID and f.Token) if f's id is taken. A device's claim code
+// cannot be changed (the store has no way to): the device is bound to the
+// demo user instead, and its claim code in f left empty.
+func provisionDemo(ctx context.Context, m *Main, f *DemoFile) error {
+	db, now := m.DB, m.Config.Now()
+	if err := provisionDemoUser(ctx, db, now, f); err != nil {
+		return err
 	}
-	put := func(size int) (companion.Blob, error) {
-		b, err := random(size)
-		if err != nil {
-			return companion.Blob{}, err
+	if err := provisionDemoBridge(ctx, db, now, f); err != nil {
+		return err
+	}
+	for i := range f.Devices {
+		dev := &f.Devices[i]
+		err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now, BridgeID: f.BridgeID})
+		switch {
+		case err == nil:
+			continue
+		case !errors.Is(err, companion.ErrExists):
+			return err
 		}
-		return db.PutBlob(ctx, bytes.NewReader(b), int64(size))
+		reg, err := db.RegistryDevice(ctx, dev.DeviceID)
+		if err != nil {
+			return err
+		}
+		if reg.BridgeID != f.BridgeID {
+			if _, err := db.AssignDevice(ctx, dev.DeviceID, f.BridgeID, ""); err != nil {
+				return err
+			}
+		}
+		if bytes.Equal(reg.ClaimHash, sha256Sum(dev.ClaimCode)) {
+			continue
+		}
+		dev.ClaimCode = ""
+		_, bound, err := db.Bind(ctx, companion.Binding{DeviceID: dev.DeviceID, UserID: f.UserID, Name: dev.DeviceID, Model: reg.Model, BoundAt: now})
+		switch {
+		case errors.Is(err, companion.ErrBoundToOther):
+			m.Logger.Warn("demo: the device's claim code went with an earlier demo.json and another user has it; delete the data directory for a new demo", "device_id", dev.DeviceID)
+		case err != nil:
+			return err
+		case bound:
+			m.Logger.Warn("demo: the device's claim code went with an earlier demo.json: it is bound to the demo user instead", "device_id", dev.DeviceID)
+		}
 	}
-	// The firmware is an MCUboot image, as a Zephyr build signs it.
-	app, err := random(256 << 10)
+	// Something to install and something to update to.
+	return publishDemoContent(ctx, db)
+}
+
+// provisionDemoUser makes the demo user of f, or a new one (a new id and
+// token in f) when f's id is taken under another token.
+func provisionDemoUser(ctx context.Context, db companion.Store, now time.Time, f *DemoFile) error {
+	for {
+		err := db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token), CreatedAt: now})
+		if !errors.Is(err, companion.ErrExists) {
+			return err
+		}
+		u, err := db.User(ctx, f.UserID)
+		if err == nil && bytes.Equal(u.TokenHash, sha256Sum(f.Token)) {
+			return nil
+		}
+		if err != nil && !errors.Is(err, companion.ErrNotFound) {
+			return err
+		}
+		f.UserID, f.Token = uuid.NewString(), randomToken("ctk_")
+	}
+}
+
+// provisionDemoBridge makes the demo bridge with f's secret. A demo bridge
+// already there under another secret is made again (the store cannot
+// change a secret), which unassigns its devices: provisionDemo assigns
+// them back.
+func provisionDemoBridge(ctx context.Context, db companion.Store, now time.Time, f *DemoFile) error {
+	bridge := companion.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret), CreatedAt: now}
+	err := db.CreateBridge(ctx, bridge)
+	if !errors.Is(err, companion.ErrExists) {
+		return err
+	}
+	old, err := db.Bridge(ctx, f.BridgeID)
+	if err != nil {
+		return err
+	}
+	if bytes.Equal(old.SecretHash, bridge.SecretHash) {
+		return nil
+	}
+	if _, err := db.DeleteBridge(ctx, f.BridgeID, ""); err != nil {
+		return err
+	}
+	return db.CreateBridge(ctx, bridge)
+}
+
+// publishDemoContent publishes a firmware to update to and an app in two
+// versions, those an earlier start has not published already (random
+// content again under the same version would be refused).
+func publishDemoContent(ctx context.Context, db companion.Store) error {
+	if err := publishDemoFirmware(ctx, db); err != nil {
+		return err
+	}
+	for _, v := range []string{"1.0.0", "1.1.0"} {
+		if _, err := db.AppRelease(ctx, "weather", v); !errors.Is(err, companion.ErrNotFound) {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		pkg, err := randomBytes(40 << 10)
+		if err != nil {
+			return err
+		}
+		blob, err := db.PutBlob(ctx, bytes.NewReader(pkg), int64(len(pkg)))
+		if err != nil {
+			return err
+		}
+		if err := db.PutAppRelease(ctx, companion.AppRelease{AppID: "weather", Version: v, SHA256: blob.SHA256, Size: blob.Size}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// publishDemoFirmware publishes firmware 1.1.0 of the demo's model, an
+// MCUboot image as a Zephyr build signs it, unless it is there already.
+func publishDemoFirmware(ctx context.Context, db companion.Store) error {
+	if _, err := db.Firmware(ctx, demoModel, "1.1.0"); !errors.Is(err, companion.ErrNotFound) {
+		return err
+	}
+	app, err := randomBytes(256 << 10)
 	if err != nil {
 		return err
 	}
@@ -242,27 +370,31 @@ func publishDemoContent(ctx context.Context, db companion.Store) error {
 	if err != nil {
 		return err
 	}
-	if err := db.PutFirmware(ctx, companion.Firmware{Model: demoModel, Version: "1.1.0", SHA256: fw.SHA256, Size: fw.Size}); err != nil {
-		return err
-	}
-	for _, v := range []string{"1.0.0", "1.1.0"} {
-		pkg, err := put(40 << 10)
-		if err != nil {
-			return err
-		}
-		if err := db.PutAppRelease(ctx, companion.AppRelease{AppID: "weather", Version: v, SHA256: pkg.SHA256, Size: pkg.Size}); err != nil {
-			return err
-		}
-	}
-	return nil
+	return db.PutFirmware(ctx, companion.Firmware{Model: demoModel, Version: "1.1.0", SHA256: fw.SHA256, Size: fw.Size})
 }
 
+func randomBytes(size int) ([]byte, error) {
+	b := make([]byte, size)
+	_, err := rand.Read(b)
+	return b, err
+}
+
+// writeDemo writes demo.json and makes its name durable too: the store's
+// records that follow it must not outlive it in a power cut.
 func writeDemo(path string, f DemoFile) error {
 	b, err := json.MarshalIndent(f, "", "  ")
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(path, append(b, '\n'), 0o600)
+	if err := writeFileAtomic(path, append(b, '\n'), 0o600); err != nil {
+		return err
+	}
+	dir, err := os.Open(filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	return dir.Sync()
 }
 
 // claimCode returns 100 random bits as five groups of four base32 letters,
@@ -287,12 +419,17 @@ func (d *Demo) PrintQuickStart(w io.Writer) {
 	auth := fmt.Sprintf("-H 'Authorization: Bearer %s'", f.Token)
 	js := "-H 'Content-Type: application/json'"
 	dev := f.Devices[0]
+	register := fmt.Sprintf(`curl -s -X POST %s/devices/register %s %s -d '{"device_id":"%s","claim_code":"%s","name":"Kitchen"}'`,
+		api, auth, js, dev.DeviceID, dev.ClaimCode)
+	if dev.ClaimCode == "" {
+		register = fmt.Sprintf("# %s is bound to the demo user already (its claim code went with an earlier demo.json)", dev.DeviceID)
+	}
 	fmt.Fprintf(w, `
 Demo ready: user "demo", bridge %q serving %d simulated devices. Credentials are in %s.
 Try (each line works as printed):
 
   # bind a device to the demo user, then read it
-  curl -s -X POST %s/devices/register %s %s -d '{"device_id":"%s","claim_code":"%s","name":"Kitchen"}'
+  %s
   curl -s %s/devices %s
   curl -s %s/devices/%s/status %s
 
@@ -312,7 +449,7 @@ Try (each line works as printed):
 
 `,
 		f.BridgeID, len(f.Devices), "demo.json in the data directory",
-		api, auth, js, dev.DeviceID, dev.ClaimCode,
+		register,
 		api, auth,
 		api, dev.DeviceID, auth,
 		api, dev.DeviceID, auth, js,
@@ -327,7 +464,11 @@ Try (each line works as printed):
 	if len(f.Devices) > 1 {
 		fmt.Fprintln(w, "  other devices and their claim codes:")
 		for _, dv := range f.Devices[1:] {
-			fmt.Fprintf(w, "    %s  %s\n", dv.DeviceID, dv.ClaimCode)
+			code := dv.ClaimCode
+			if code == "" {
+				code = "(bound to the demo user already)"
+			}
+			fmt.Fprintf(w, "    %s  %s\n", dv.DeviceID, code)
 		}
 		fmt.Fprintln(w)
 	}

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/devicecompanion/companion"
-
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/internal/metrics"
@@ -32,22 +30,16 @@ func (c *Config) demoMetrics(fs *flag.FlagSet) {
 	c.Metrics, c.metricsOptional = demoMetricsAddr, true
 }
 
-// startMetrics, with --metrics, serves GET /metrics on its own listener and
-// sets the open commands gauge from the store; the broker and the API are
-// then given m.Metrics as their observer. It runs before the broker starts,
-// so that no command changes state between the count and the first
-// change it follows.
-func (m *Main) startMetrics(ctx context.Context) error {
+// startMetrics, with --metrics, serves GET /metrics on its own listener;
+// the broker and the API are then given m.Metrics as their observer. The
+// open commands are counted in the store at each scrape (not followed from
+// this replica's changes, which would miss what other replicas end).
+func (m *Main) startMetrics(_ context.Context) error {
 	addr := m.Config.Metrics
 	if addr == "" {
 		return nil
 	}
-	s := metrics.NewServer()
-	open, err := m.DB.OpenCommands(ctx, companion.StateQueued, companion.StateSent, companion.StateDelivered, companion.StateInProgress)
-	if err != nil {
-		return fmt.Errorf("--metrics: counting the open commands: %w", err)
-	}
-	s.SetOpenCommands(len(open))
+	s := metrics.NewServer(metrics.ServerOptions{OpenCommands: m.countOpenCommands, Logger: m.Logger})
 	ln, err := metrics.Listen(addr, s.Registry(), m.Logger)
 	if err != nil {
 		if m.Config.metricsOptional {
@@ -58,6 +50,13 @@ func (m *Main) startMetrics(ctx context.Context) error {
 	}
 	m.Metrics, m.metricsLn = s, ln
 	return nil
+}
+
+// countOpenCommands counts the commands of every device that are not
+// final, in the store (CountAllOpen reads no command). The metrics server
+// holds a count for ten times as long as it took.
+func (m *Main) countOpenCommands(ctx context.Context) (int, error) {
+	return m.DB.CountAllOpen(ctx)
 }
 
 // MetricsAddr is the address GET /metrics is served on (useful with port

@@ -1,12 +1,18 @@
 package main
 
 import (
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/metrics/metricstest"
+	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/store/postgres"
 )
 
 // metricsScrape scrapes the server's GET /metrics over HTTP.
@@ -141,6 +147,51 @@ func TestMetricsDemoDefault(t *testing.T) {
 			if cfg.Metrics != tt.want {
 				t.Errorf("serve %q (COMPANION_METRICS=%q): Metrics = %q; want %q", tt.args, tt.env, cfg.Metrics, tt.want)
 			}
+		})
+	}
+}
+
+// TestMetricsOpenCommandsOnReplicas runs two replicas on one PostgreSQL
+// store and one Mosquitto: the open commands gauge is the store's count on
+// both, whichever replica accepted or ended the commands, and whenever the
+// replica started.
+func TestMetricsOpenCommandsOnReplicas(t *testing.T) {
+	pg := pgtest.Start(t)
+	dsn := pg.NewDatabase(t)
+	require.NoError(t, postgres.Migrate(t.Context(), dsn))
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	m1 := startOnMosquitto(t, Config{Store: dsn, ReplicaID: "r1", Metrics: "127.0.0.1:0"}, mq)
+	f := setupFleet(t, m1, "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+
+	// No bridge runs: the commands stay open until canceled.
+	var ids []string
+	for i := range 5 {
+		cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": fmt.Sprint("msg ", i)})
+		ids = append(ids, cmd["id"].(string))
+	}
+	m2 := startOnMosquitto(t, Config{Store: dsn, ReplicaID: "r2", Metrics: "127.0.0.1:0"}, mq)
+	replicas := map[string]*Main{"r1": m1, "r2": m2}
+	for name, m := range replicas {
+		if got := metricsScrape(t, m).Value("companion_commands_open"); got != 5 {
+			t.Errorf("companion_commands_open on %s = %v; want 5", name, got)
+		}
+	}
+
+	// Three canceled through r1, two through r2.
+	on2 := newClient(t, m2, f.user.token)
+	for i, id := range ids {
+		c := f.user
+		if i >= 3 {
+			c = on2
+		}
+		r := c.do("DELETE", "/api/v1/devices/dev-1/commands/"+id, nil)
+		require.Equal(t, 200, r.Status, "%s", r.Body)
+	}
+	for name, m := range replicas {
+		testenv.Eventually(t, 10*time.Second, "companion_commands_open at 0 on "+name, func() bool {
+			return metricsScrape(t, m).Value("companion_commands_open") == 0
 		})
 	}
 }

@@ -1,15 +1,20 @@
 package metrics_test
 
 import (
+	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/metrics/metricstest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -28,12 +33,16 @@ func metricsListen(tb testing.TB, listen func(addr string) (*metrics.Listener, e
 func metricsQuiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
 func TestMetricsServer(t *testing.T) {
-	s := metrics.NewServer()
+	var open atomic.Int64
+	open.Store(5)
+	s := metrics.NewServer(metrics.ServerOptions{
+		OpenCommands: func(context.Context) (int, error) { return int(open.Load()), nil },
+		Logger:       metricsQuiet(),
+	})
 	url := metricsListen(t, func(addr string) (*metrics.Listener, error) {
 		return metrics.Listen(addr, s.Registry(), metricsQuiet())
 	})
 
-	s.SetOpenCommands(5)
 	s.MQTTConnected(true)
 	for range 3 {
 		s.CommandState(topics.OpPushText, "queued", 0)
@@ -60,7 +69,7 @@ func TestMetricsServer(t *testing.T) {
 		{"companion_commands_total", []string{"op", "push.text", "state", "succeeded"}, 2},
 		{"companion_commands_total", []string{"op", "ota.update", "state", "failed"}, 1},
 		{"companion_commands_total", []string{"op", "app.install", "state", "queued"}, 0},
-		{"companion_commands_open", nil, 5 + 3 - 3},
+		{"companion_commands_open", nil, 5}, // what the store counts, not what this server saw
 		{"companion_mqtt_connected", nil, 1},
 		{"companion_http_requests_total", []string{"method", "POST", "route", "/api/v1/devices/:id/push/text", "code", "202"}, 2},
 		{"companion_http_requests_total", []string{"method", "GET", "route", "unmatched", "code", "404"}, 1},
@@ -89,10 +98,16 @@ func TestMetricsServer(t *testing.T) {
 	if got := f.Count("companion_http_request_duration_seconds", "method", "POST", "route", "/api/v1/devices/:id/push/text"); got != 2 {
 		t.Errorf("HTTP duration count = %d; want 2", got)
 	}
-	// The connection gauge follows the connection down as well as up.
+	// The connection gauge follows the connection down as well as up; the
+	// open commands are what the store counts now.
 	s.MQTTConnected(false)
-	if got := metricstest.Scrape(t, url).Value("companion_mqtt_connected"); got != 0 {
+	open.Store(2)
+	f = metricstest.Scrape(t, url)
+	if got := f.Value("companion_mqtt_connected"); got != 0 {
 		t.Errorf("companion_mqtt_connected = %v after the connection was lost; want 0", got)
+	}
+	if got := f.Value("companion_commands_open"); got != 2 {
+		t.Errorf("companion_commands_open = %v after the store's count fell to 2; want 2", got)
 	}
 	for _, name := range []string{"go_goroutines", "process_cpu_seconds_total", "promhttp_metric_handler_requests_total"} {
 		if f[name] == nil {
@@ -156,7 +171,7 @@ func TestMetricsBridge(t *testing.T) {
 // TestMetricsHotPathAllocs checks that an observer call on a hot path
 // allocates nothing once its series exist.
 func TestMetricsHotPathAllocs(t *testing.T) {
-	s := metrics.NewServer()
+	s := metrics.NewServer(metrics.ServerOptions{})
 	b := metrics.NewBridge(metrics.BridgeOptions{})
 	s.Request("POST", "/api/v1/devices/:id/push/text", 202, time.Millisecond) // creates its series
 	calls := map[string]func(){
@@ -179,7 +194,7 @@ func TestMetricsHotPathAllocs(t *testing.T) {
 }
 
 func TestMetricsListenNotFound(t *testing.T) {
-	s := metrics.NewServer()
+	s := metrics.NewServer(metrics.ServerOptions{})
 	l, err := metrics.Listen("127.0.0.1:0", s.Registry(), metricsQuiet())
 	if err != nil {
 		t.Fatal(err)
@@ -195,4 +210,48 @@ func TestMetricsListenNotFound(t *testing.T) {
 			t.Errorf("GET %s = %d; want %d", path, resp.StatusCode, want)
 		}
 	}
+}
+
+// TestMetricsOpenCommandsCount checks how the open commands gauge uses its
+// count: a count is served again for ten times as long as it took, scrapes
+// at once share one count, and a failed count leaves the gauge out.
+func TestMetricsOpenCommandsCount(t *testing.T) {
+	var (
+		mu    sync.Mutex
+		calls int
+		fail  error
+	)
+	const took = 50 * time.Millisecond
+	s := metrics.NewServer(metrics.ServerOptions{
+		OpenCommands: func(context.Context) (int, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			calls++
+			time.Sleep(took) // a count over many open commands
+			return 7, fail
+		},
+		Logger: metricsQuiet(),
+	})
+	url := metricsListen(t, func(addr string) (*metrics.Listener, error) {
+		return metrics.Listen(addr, s.Registry(), metricsQuiet())
+	})
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			if got := metricstest.Scrape(t, url).Value("companion_commands_open"); got != 7 {
+				t.Errorf("companion_commands_open = %v; want 7", got)
+			}
+		})
+	}
+	wg.Wait()
+	mu.Lock()
+	if calls != 1 {
+		t.Errorf("4 scrapes at once within %v counted %d times; want once", 10*took, calls)
+	}
+	fail = errors.New("store down")
+	mu.Unlock()
+
+	testenv.Eventually(t, 10*time.Second, "companion_commands_open left out once its count fails", func() bool {
+		return !metricstest.Scrape(t, url).Has("companion_commands_open")
+	})
 }

@@ -1,6 +1,8 @@
 package metrics
 
 import (
+	"context"
+	"log/slog"
 	"net/http"
 	"slices"
 	"strconv"
@@ -29,6 +31,17 @@ type opSeries struct {
 	latency []prometheus.Observer // by index in companion.States; final states only
 }
 
+// ServerOptions configure a Server.
+type ServerOptions struct {
+	// OpenCommands counts the commands accepted and not final yet in the
+	// store, every replica's. Without it the open commands gauge is not
+	// served.
+	OpenCommands func(context.Context) (int, error)
+	// Logger receives a failed count of the open commands;
+	// slog.Default() when nil.
+	Logger *slog.Logger
+}
+
 // Server holds the figures of companion serve. It implements
 // broker.Observer and api.RequestObserver; create it with NewServer.
 type Server struct {
@@ -37,7 +50,7 @@ type Server struct {
 	entered *prometheus.CounterVec
 	latency *prometheus.HistogramVec
 	ops     map[string]*opSeries // read-only after NewServer
-	open    prometheus.Gauge
+	open    *openCommands
 	mqtt    prometheus.Gauge
 	store   map[string]prometheus.Observer // read-only after NewServer
 	storeV  *prometheus.HistogramVec
@@ -59,7 +72,10 @@ type httpSeries struct {
 }
 
 // NewServer registers the server's metrics in a registry of its own.
-func NewServer() *Server {
+func NewServer(opts ServerOptions) *Server {
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
 	s := &Server{
 		reg: newRegistry(),
 		entered: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -71,10 +87,12 @@ func NewServer() *Server {
 			Help:    "Time from a command's acceptance to its final state, by op and final state.",
 			Buckets: commandBuckets,
 		}, []string{"op", "state"}),
-		open: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "companion_commands_open",
-			Help: "Commands accepted and not final yet (read from the store at start, then followed).",
-		}),
+		open: &openCommands{
+			desc: prometheus.NewDesc("companion_commands_open",
+				"Commands accepted and not final yet (counted in the store, so every replica's).", nil, nil),
+			count: opts.OpenCommands,
+			log:   opts.Logger,
+		},
 		mqtt: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "companion_mqtt_connected",
 			Help: "1 while the server's MQTT connection is up and subscribed, else 0.",
@@ -97,7 +115,10 @@ func NewServer() *Server {
 		store: make(map[string]prometheus.Observer, len(storeWrites)),
 		http:  make(map[httpKey]httpSeries),
 	}
-	s.reg.MustRegister(s.entered, s.latency, s.open, s.mqtt, s.storeV, s.httpTotal, s.httpTime)
+	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.storeV, s.httpTotal, s.httpTime)
+	if s.open.count != nil {
+		s.reg.MustRegister(s.open)
+	}
 	for _, op := range topics.Ops {
 		o := &opSeries{
 			entered: make([]prometheus.Counter, len(companion.States)),
@@ -120,12 +141,8 @@ func NewServer() *Server {
 // Registry is where the server's metrics are registered.
 func (s *Server) Registry() *prometheus.Registry { return s.reg }
 
-// SetOpenCommands sets the open commands gauge, at start, from the store;
-// CommandState follows it from then on.
-func (s *Server) SetOpenCommands(n int) { s.open.Set(float64(n)) }
-
 // CommandState counts a command entering state; a final state also ends
-// its accept-to-final time, and takes it off the open commands.
+// its accept-to-final time.
 func (s *Server) CommandState(op, state string, age time.Duration) {
 	final := companion.IsFinal(state)
 	if o, i := s.ops[op], slices.Index(companion.States, state); o != nil && i >= 0 {
@@ -141,12 +158,6 @@ func (s *Server) CommandState(op, state string, age time.Duration) {
 		if final {
 			s.latency.WithLabelValues(op, state).Observe(age.Seconds())
 		}
-	}
-	switch {
-	case state == companion.StateQueued:
-		s.open.Inc()
-	case final:
-		s.open.Dec()
 	}
 }
 
@@ -201,6 +212,60 @@ func knownMethod(m string) string {
 		return knownMethods[i]
 	}
 	return "other"
+}
+
+// openCommands is the open commands gauge, counted in the store when
+// scraped. Followed here from the states this server saw, it would miss
+// what other replicas of a shared store end (PostgreSQL): each replica
+// would count those open for good.
+//
+// A count is the store's (companion.Store.CountAllOpen: the keys of an
+// index on bbolt, a sum of the devices' counts on PostgreSQL), cheap but
+// not free at a million devices: a count is served again, rather than made
+// anew, for openReuse times as long as it took, which bounds the time spent
+// counting to about a tenth whatever the scrapers do, and keeps the figure
+// fresh when counting is cheap. Scrapes at the same time wait for one count.
+type openCommands struct {
+	desc  *prometheus.Desc
+	count func(context.Context) (int, error)
+	log   *slog.Logger
+
+	mu   sync.Mutex
+	n    int
+	err  error         // of the last count, then n means nothing
+	at   time.Time     // when the last count began; zero before the first
+	took time.Duration // how long the last count took
+}
+
+const (
+	// openReuse is how many times as long as it took a count is served.
+	openReuse = 10
+	// openTimeout bounds a count: the scrape itself gives up after 10 s.
+	openTimeout = 9 * time.Second
+)
+
+// Describe implements prometheus.Collector.
+func (o *openCommands) Describe(ch chan<- *prometheus.Desc) { ch <- o.desc }
+
+// Collect implements prometheus.Collector. A count that failed (or timed
+// out) leaves the gauge out (and logs why): no figure rather than a wrong
+// one. It is not tried again sooner than a count that succeeded would be.
+func (o *openCommands) Collect(ch chan<- prometheus.Metric) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.at.IsZero() || time.Since(o.at) >= openReuse*o.took {
+		ctx, cancel := context.WithTimeout(context.Background(), openTimeout)
+		defer cancel()
+		o.at = time.Now()
+		o.n, o.err = o.count(ctx)
+		o.took = time.Since(o.at)
+		if o.err != nil {
+			o.log.Warn("metrics: counting the open commands", "err", o.err, "took", o.took)
+		}
+	}
+	if o.err == nil {
+		ch <- prometheus.MustNewConstMetric(o.desc, prometheus.GaugeValue, float64(o.n))
+	}
 }
 
 // The server's metrics serve what these packages ask of an observer.

@@ -583,6 +583,14 @@ func (s *Store) CountOpen(ctx context.Context, deviceID string) (int, error) {
 	return n, err
 }
 
+// CountAllOpen returns how many non-final commands all devices have, from
+// the devices' counts.
+func (s *Store) CountAllOpen(ctx context.Context) (int, error) {
+	var n int
+	err := s.pool.QueryRow(ctx, `SELECT coalesce(sum(open_count), 0)::int FROM device_queues`).Scan(&n)
+	return n, err
+}
+
 // purgeBatch bounds the deletions of one transaction of the Purge methods.
 const purgeBatch = 1000
 

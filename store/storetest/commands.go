@@ -710,6 +710,9 @@ func testCountOpen(t *testing.T, s companion.Store) {
 	_, err := s.UpdateCommand(t.Context(), a.ID, func(c *companion.Command) error { c.State = companion.StateFailed; return nil })
 	assert.ErrorIs(t, err, companion.ErrFinal)
 	assert.Equal(t, 1, countOpen(t, s, "d1"))
+	all, err := s.CountAllOpen(t.Context())
+	require.NoError(t, err)
+	assert.Equal(t, 2, all, "CountAllOpen: d1's one and d10's")
 }
 
 // PurgeCommands deletes final commands that last changed before the time

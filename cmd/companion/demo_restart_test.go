@@ -1,0 +1,161 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/store"
+)
+
+// A first --demo start killed after it wrote some of the demo to the store
+// and before it wrote demo.json (what an older server did, in that order;
+// or demo.json deleted by hand): the next start still starts, and what the
+// new demo.json holds works end to end.
+func TestDemoStartsAfterAnInterruptedFirstStart(t *testing.T) {
+	dir := t.TempDir()
+	first := startServer(t, Config{Data: dir, Demo: true})
+	before := first.Demo.File
+	require.NoError(t, first.Close())
+	require.NoError(t, os.Remove(filepath.Join(dir, "demo.json")))
+
+	m := NewMain(Config{Data: dir, Demo: true, HTTP: "127.0.0.1:0", MQTTListen: "127.0.0.1:0", AdminToken: "x", TopicPrefix: "companion/v1"}, testLogger(t))
+	err := m.Run(context.Background())
+	t.Cleanup(func() { m.Close() })
+	require.NoError(t, err)
+
+	f := demoFileOf(t, m)
+	assert.NotEqual(t, before.Token, f.Token, "the lost demo.json's token")
+	assert.NotEqual(t, before.BridgeSecret, f.BridgeSecret, "the lost demo.json's bridge secret")
+	// The claim codes went with the lost demo.json: the devices are the
+	// demo user's already.
+	user := newClient(t, m, f.Token)
+	r := user.do("GET", "/api/v1/devices", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	var got []string
+	for _, d := range r.JSON(t)["devices"].([]any) {
+		got = append(got, d.(map[string]any)["device_id"].(string))
+	}
+	assert.Equal(t, []string{"sim-001", "sim-002", "sim-003"}, got)
+	demoWorks(t, m, f)
+	demoQuickStartWorks(t, m, 9) // all but the register line
+
+	// Once more on the same data: the same demo.
+	require.NoError(t, m.Close())
+	m = startServer(t, Config{Data: dir, Demo: true})
+	assert.Equal(t, f.Token, demoFileOf(t, m).Token)
+	demoWorks(t, m, f)
+}
+
+// A --demo start killed after it wrote demo.json and part of the demo to
+// the store: the next start completes the store with demo.json's
+// credentials, which then all work, claim codes included.
+func TestDemoCompletesAStartKilledAfterDemoJSON(t *testing.T) {
+	dir := t.TempDir()
+	f := DemoFile{
+		Token:        randomToken("ctk_"),
+		UserID:       uuid.NewString(),
+		BridgeID:     demoBridgeID,
+		BridgeSecret: randomToken("cbs_"),
+	}
+	for i := 1; i <= 3; i++ {
+		f.Devices = append(f.Devices, DemoDevice{DeviceID: fmt.Sprintf("sim-%03d", i), ClaimCode: claimCode()})
+	}
+	require.NoError(t, writeDemo(filepath.Join(dir, "demo.json"), f))
+	// The store as that start left it: the user, the bridge and the first
+	// device made, nothing else.
+	db, err := store.Open(filepath.Join(dir, "companion.db"), store.Options{})
+	require.NoError(t, err)
+	ctx := t.Context()
+	require.NoError(t, db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token)}))
+	require.NoError(t, db.CreateBridge(ctx, companion.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret)}))
+	require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "sim-001", Model: demoModel, ClaimHash: sha256Sum(f.Devices[0].ClaimCode), BridgeID: f.BridgeID}))
+	require.NoError(t, db.Close())
+
+	m := startServer(t, Config{Data: dir, Demo: true})
+	got := demoFileOf(t, m)
+	assert.Equal(t, f.Token, got.Token)
+	assert.Equal(t, f.UserID, got.UserID)
+	assert.Equal(t, f.BridgeSecret, got.BridgeSecret)
+	assert.Equal(t, f.Devices, got.Devices)
+	demoQuickStartWorks(t, m, 10)
+	user := newClient(t, m, f.Token)
+	for _, dev := range f.Devices[1:] {
+		r := user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": dev.DeviceID, "claim_code": dev.ClaimCode})
+		assert.Equal(t, 201, r.Status, "register %s: %s", dev.DeviceID, r.Body)
+	}
+	demoWorks(t, m, f)
+}
+
+// demoFileOf reads the demo.json m wrote and checks it is the demo m runs.
+func demoFileOf(tb testing.TB, m *Main) DemoFile {
+	tb.Helper()
+	b, err := os.ReadFile(filepath.Join(m.Config.Data, "demo.json"))
+	require.NoError(tb, err)
+	var f DemoFile
+	require.NoError(tb, json.Unmarshal(b, &f))
+	require.Equal(tb, m.Demo.File, f)
+	return f
+}
+
+// demoWorks checks that f's credentials log in on m: the user's token
+// lists the demo devices, the bridge's secret is taken, and a text pushed
+// to sim-001 through the demo bridge succeeds. sim-001 must be bound to
+// the demo user.
+func demoWorks(tb testing.TB, m *Main, f DemoFile) {
+	tb.Helper()
+	user := newClient(tb, m, f.Token)
+	r := user.do("GET", "/api/v1/devices", nil)
+	require.Equal(tb, 200, r.Status, "%s", r.Body)
+	assert.NotEmpty(tb, r.JSON(tb)["devices"])
+	// A bridge's secret reads blobs: 404 for one it need not, 401 for a
+	// secret the server does not know.
+	r = newClient(tb, m, f.BridgeSecret).do("GET", "/api/v1/blobs/"+strings.Repeat("0", 64), nil)
+	assert.Equal(tb, 404, r.Status, "the bridge secret: %s", r.Body)
+	r = user.do("POST", "/api/v1/devices/sim-001/push/text", map[string]any{"text": "hello"}, "Prefer", "wait=20")
+	require.Equal(tb, 200, r.Status, "%s", r.Body)
+	assert.Equal(tb, "succeeded", r.JSON(tb)["state"], "through the demo bridge: %s", r.Body)
+}
+
+// demoQuickStartWorks runs the curl lines m's demo prints, want of them,
+// and checks each answers 2xx (and the waiting ones with a command that
+// succeeded).
+func demoQuickStartWorks(tb testing.TB, m *Main, want int) {
+	tb.Helper()
+	if _, err := exec.LookPath("curl"); err != nil {
+		tb.Fatal("curl not installed: run make deps (it installs Debian's curl)")
+	}
+	var out bytes.Buffer
+	m.Demo.PrintQuickStart(&out)
+	var lines []string
+	for _, l := range strings.Split(out.String(), "\n") {
+		if l = strings.TrimSpace(l); strings.HasPrefix(l, "curl ") {
+			lines = append(lines, l)
+		}
+	}
+	require.Len(tb, lines, want, "%s", out.String())
+	for _, l := range lines {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		b, err := exec.CommandContext(ctx, "sh", "-c", l+" -w '\\n%{http_code}'").CombinedOutput()
+		cancel()
+		require.NoError(tb, err, "%s: %s", l, b)
+		outLines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		assert.Contains(tb, []string{"200", "201", "202"}, outLines[len(outLines)-1], "%s\n%s", l, b)
+		if strings.Contains(l, "Prefer: wait") {
+			assert.Contains(tb, string(b), `"state":"succeeded"`, "%s\n%s", l, b)
+		}
+	}
+}
