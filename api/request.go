@@ -16,6 +16,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -165,7 +166,7 @@ func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, e
 // "b"} would assign b after a check of bridge_id had seen null. Members
 // that match no field at all are ignored, as encoding/json ignores them.
 func caseErrors(members map[string]json.RawMessage, t reflect.Type) []FieldError {
-	names := jsonNames(t, nil)
+	names := fieldNames(t)
 	var errs []FieldError
 	for _, m := range sortedKeys(members) {
 		if slices.Contains(names, m) {
@@ -179,6 +180,22 @@ func caseErrors(members map[string]json.RawMessage, t reflect.Type) []FieldError
 		}
 	}
 	return errs
+}
+
+// fieldNamesOf caches jsonNames by type: the types are the handlers' few
+// request structs, and a request would otherwise walk its type's fields.
+var fieldNamesOf sync.Map // reflect.Type → []string
+
+// fieldNames is jsonNames(t, nil), computed once per type.
+func fieldNames(t reflect.Type) []string {
+	if t == nil {
+		return nil
+	}
+	if names, ok := fieldNamesOf.Load(t); ok {
+		return names.([]string)
+	}
+	names, _ := fieldNamesOf.LoadOrStore(t, jsonNames(t, nil))
+	return names.([]string)
 }
 
 // jsonNames appends to names the JSON names encoding/json decodes into
