@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,7 +13,6 @@ import (
 
 	"github.com/devicecompanion/companion"
 
-	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -65,15 +63,7 @@ func TestDemoStartsAfterAnInterruptedFirstStart(t *testing.T) {
 // credentials, which then all work, claim codes included.
 func TestDemoCompletesAStartKilledAfterDemoJSON(t *testing.T) {
 	dir := t.TempDir()
-	f := DemoFile{
-		Token:        randomToken("ctk_"),
-		UserID:       uuid.NewString(),
-		BridgeID:     demoBridgeID,
-		BridgeSecret: randomToken("cbs_"),
-	}
-	for i := 1; i <= 3; i++ {
-		f.Devices = append(f.Devices, DemoDevice{DeviceID: fmt.Sprintf("sim-%03d", i), ClaimCode: claimCode()})
-	}
+	f := newDemoFile()
 	require.NoError(t, writeDemo(filepath.Join(dir, "demo.json"), f))
 	// The store as that start left it: the user, the bridge and the first
 	// device made, nothing else.
