@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"strings"
 	"time"
 
 	"golang.org/x/mod/semver"
@@ -94,9 +95,19 @@ func bound(p *int) string {
 }
 
 // ValidTimezone reports whether name is an IANA time zone name known to this
-// system ("UTC" included; "Local" and "" are not names).
+// system ("UTC" included; "Local" and "" are not names). The files of a
+// zoneinfo directory that are not zone names are refused too, though the
+// host's time package loads them: "localtime" (the host's own zone),
+// "posixrules", "Factory" (no zone: "-00"), and the duplicate trees
+// "posix/" and "right/" (leap seconds counted), which a device's time
+// zone database does not know by those names.
 func ValidTimezone(name string) bool {
 	if name == "" || name == "Local" || len(name) > 64 {
+		return false
+	}
+	switch {
+	case name == "localtime", name == "posixrules", name == "Factory",
+		strings.HasPrefix(name, "posix/"), strings.HasPrefix(name, "right/"):
 		return false
 	}
 	_, err := time.LoadLocation(name)
