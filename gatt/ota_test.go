@@ -119,32 +119,18 @@ func TestOTAFailures(t *testing.T) {
 	})
 }
 
-// wholeWrites records every write to the SMP characteristic, to check that
-// each carries whole messages.
+// wholeWrites records every write to the SMP characteristic (its record
+// is a tap of tapConnector), to check that each carries whole messages.
 type wholeWrites struct {
-	gatt.Connector
 	mu     sync.Mutex
 	writes [][]byte
 }
 
-type recordingLink struct {
-	gatt.Link
-	w *wholeWrites
-}
-
-func (w *wholeWrites) Connect(ctx context.Context, id string) (gatt.Link, error) {
-	l, err := w.Connector.Connect(ctx, id)
-	if err != nil {
-		return nil, err
-	}
-	return &recordingLink{Link: l, w: w}, nil
-}
-
-func (l *recordingLink) Write(ctx context.Context, uuid string, data []byte, withResp bool) error {
-	l.w.mu.Lock()
-	l.w.writes = append(l.w.writes, bytes.Clone(data))
-	l.w.mu.Unlock()
-	return l.Link.Write(ctx, uuid, data, withResp)
+func (w *wholeWrites) record(_ gatt.Link, data []byte) ([]byte, error) {
+	w.mu.Lock()
+	w.writes = append(w.writes, bytes.Clone(data))
+	w.mu.Unlock()
+	return data, nil
 }
 
 // A device without reassembly (no CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY)
@@ -155,8 +141,8 @@ func TestNoReassemblySingleWrites(t *testing.T) {
 	n := sim.NewNetwork(sim.LinkOptions{MTU: 185, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
 	p := sim.NewPeripheral(s, sim.PeripheralOptions{NoReassembly: true, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond})
 	n.Add("dev-1", p)
-	rec := &wholeWrites{Connector: n}
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: rec, MinBackoff: time.Millisecond})
+	rec := &wholeWrites{}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: rec.record}, MinBackoff: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -213,8 +199,8 @@ func TestRefusedSettingWriteIsNotCommitted(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(sim.LinkOptions{MTU: 185, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
 	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{NoReassembly: true}))
-	rec := &wholeWrites{Connector: n}
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: rec, MinBackoff: time.Millisecond})
+	rec := &wholeWrites{}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: rec.record}, MinBackoff: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -270,32 +256,19 @@ func TestOTARetryAfterCorruptUploadUploadsAgain(t *testing.T) {
 }
 
 // dropFirstUpload drops the link at the first image upload request once
-// armed, before the device gets it.
+// armed, before the device gets it (a tap of tapConnector).
 type dropFirstUpload struct {
-	*sim.Network
+	n     *sim.Network
 	armed atomic.Bool
 }
 
-type dropLink struct {
-	gatt.Link
-	c *dropFirstUpload
-}
-
-func (c *dropFirstUpload) Connect(ctx context.Context, id string) (gatt.Link, error) {
-	l, err := c.Network.Connect(ctx, id)
-	if err != nil {
-		return nil, err
-	}
-	return &dropLink{Link: l, c: c}, nil
-}
-
-func (l *dropLink) Write(ctx context.Context, uuid string, data []byte, withResp bool) error {
+func (c *dropFirstUpload) tap(_ gatt.Link, data []byte) ([]byte, error) {
 	if h, err := gatt.ParseHeader(data); err == nil && h.Group == gatt.GroupImage && h.ID == gatt.CmdImageUpload &&
-		l.c.armed.CompareAndSwap(true, false) {
-		l.c.Drop("dev-1")
-		return gatt.ErrDisconnected
+		c.armed.CompareAndSwap(true, false) {
+		c.n.Drop("dev-1")
+		return nil, gatt.ErrDisconnected
 	}
-	return l.Link.Write(ctx, uuid, data, withResp)
+	return data, nil
 }
 
 // A link that drops during an upload is no proof that the upload ended:
@@ -306,8 +279,8 @@ func TestOTADropDoesNotTrustTheSlot(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(fastLink)
 	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
-	c := &dropFirstUpload{Network: n}
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: c, MinBackoff: time.Millisecond})
+	c := &dropFirstUpload{n: n}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: c.tap}, MinBackoff: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

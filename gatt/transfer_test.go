@@ -63,41 +63,57 @@ func TestResumeAfterDropCostsOneRoundTrip(t *testing.T) {
 	t.Logf("chunk %d, window %d, re-sent %d bytes, %d requests", chunk, window, resent, st.Requests)
 }
 
-// corruptingConnector flips the last byte of one full-size write of upload
-// data: the transfer's framing survives, its SHA-256 does not.
-type corruptingConnector struct {
-	gatt.Connector
+// corrupter flips the last byte of one full-size write of upload data (a
+// tap of tapConnector): the transfer's framing survives, its SHA-256 does
+// not.
+type corrupter struct {
 	mu     sync.Mutex
 	writes int
 	done   bool
 }
 
-type corruptingLink struct {
-	gatt.Link
-	c *corruptingConnector
-}
-
-func (c *corruptingConnector) Connect(ctx context.Context, id string) (gatt.Link, error) {
-	l, err := c.Connector.Connect(ctx, id)
-	if err != nil {
-		return nil, err
-	}
-	return &corruptingLink{Link: l, c: c}, nil
-}
-
-func (l *corruptingLink) Write(ctx context.Context, uuid string, data []byte, withResp bool) error {
-	l.c.mu.Lock()
+func (c *corrupter) tap(l gatt.Link, data []byte) ([]byte, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	if len(data) == l.MTU()-3 {
-		l.c.writes++
+		c.writes++
 		// Full writes after the first few carry upload data, and data is
 		// the last field of the body, so a fragment's last byte is data.
-		if l.c.writes == 6 && !l.c.done {
-			l.c.done = true
+		if c.writes == 6 && !c.done {
+			c.done = true
 			data = append([]byte(nil), data...)
 			data[len(data)-1] ^= 0xff
 		}
 	}
-	l.c.mu.Unlock()
+	return data, nil
+}
+
+// tapConnector makes its Connector's links pass each write through tap
+// first: tap returns what the link is to write, or an error that fails the
+// write in the link's place.
+type tapConnector struct {
+	gatt.Connector
+	tap func(l gatt.Link, data []byte) ([]byte, error)
+}
+
+type tapLink struct {
+	gatt.Link
+	tap func(l gatt.Link, data []byte) ([]byte, error)
+}
+
+func (c *tapConnector) Connect(ctx context.Context, id string) (gatt.Link, error) {
+	l, err := c.Connector.Connect(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &tapLink{Link: l, tap: c.tap}, nil
+}
+
+func (l *tapLink) Write(ctx context.Context, uuid string, data []byte, withResp bool) error {
+	data, err := l.tap(l.Link, data)
+	if err != nil {
+		return err
+	}
 	return l.Link.Write(ctx, uuid, data, withResp)
 }
 
@@ -105,8 +121,8 @@ func TestChecksumMismatchFails(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(fastLink)
 	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
-	cc := &corruptingConnector{Connector: n}
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: cc})
+	cc := &corrupter{}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: cc.tap}})
 	if err != nil {
 		t.Fatal(err)
 	}
