@@ -144,21 +144,8 @@ func TestSpoolReopen(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	s, err = openSpool(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s = reopenAndCancel(t, dir, b, c)
 	defer s.close()
-	res, err = s.accept([]topics.Command{
-		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: b.ID}),
-		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: c.ID}),
-	}, time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if res[0].outcome != acceptCancelNoop || res[1].outcome != acceptCanceled {
-		t.Fatalf("cancel outcomes after reopen %+v; want noop (perhaps running), canceled", res)
-	}
 	if r := s.claim("d"); r == nil || r.Cmd.ID != b.ID {
 		t.Fatalf("first claim after reopen = %+v; want b", r)
 	}
@@ -228,21 +215,8 @@ func TestSpoolMarksRunningAhead(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	s, err = openSpool(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s = reopenAndCancel(t, dir, c, d)
 	defer s.close()
-	res, err = s.accept([]topics.Command{
-		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: c.ID}),
-		testCommand(t, "d", topics.OpCancel, topics.Cancel{CommandID: d.ID}),
-	}, time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if res[0].outcome != acceptCancelNoop || res[1].outcome != acceptCanceled {
-		t.Fatalf("cancel outcomes after reopen %+v; want noop (perhaps running), canceled", res)
-	}
 	for _, want := range []struct {
 		cmd     topics.Command
 		resumed bool
@@ -348,4 +322,28 @@ func TestSpoolMigratesPerDeviceQueues(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// reopenAndCancel opens the spool in dir again and sends it cancels of
+// running and of queued, in one batch: the first must be left alone (it
+// may have been running at the restart), the second taken off its queue.
+func reopenAndCancel(t *testing.T, dir string, running, queued topics.Command) *spool {
+	t.Helper()
+	s, err := openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.accept([]topics.Command{
+		testCommand(t, running.DeviceID, topics.OpCancel, topics.Cancel{CommandID: running.ID}),
+		testCommand(t, queued.DeviceID, topics.OpCancel, topics.Cancel{CommandID: queued.ID}),
+	}, time.Now())
+	if err != nil {
+		s.close()
+		t.Fatal(err)
+	}
+	if res[0].outcome != acceptCancelNoop || res[1].outcome != acceptCanceled {
+		s.close()
+		t.Fatalf("cancel outcomes after reopen %+v; want noop (perhaps running), canceled", res)
+	}
+	return s
 }
