@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/idleread"
 	"github.com/devicecompanion/companion/internal/retry"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -279,7 +280,7 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 	}
 
 	w := &progressWriter{w: f, done: have, size: size, progress: progress}
-	body := &idleReader{r: resp.Body, stall: stall, idle: b.idle}
+	body := &idleread.Reader{R: resp.Body, Timer: stall, Idle: b.idle}
 	// Read at most one byte beyond the expected size: enough to tell that
 	// the server sent something else.
 	if _, err := io.Copy(w, io.LimitReader(body, size-have+1)); err != nil {
@@ -287,21 +288,6 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 		return stalled(ctx, err)
 	}
 	return f.Sync()
-}
-
-// idleReader puts off the download's stall timer with every byte read.
-type idleReader struct {
-	r     io.Reader
-	stall *time.Timer
-	idle  time.Duration
-}
-
-func (ir *idleReader) Read(p []byte) (int, error) {
-	n, err := ir.r.Read(p)
-	if n > 0 {
-		ir.stall.Reset(ir.idle)
-	}
-	return n, err
 }
 
 // stalled says so when err comes of the download's cut for a stall (a

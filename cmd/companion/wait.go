@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/idleread"
 	"github.com/devicecompanion/companion/internal/sse"
 )
 
@@ -181,7 +182,9 @@ func (w *waiter) follow(ctx context.Context) error {
 
 	idle := time.AfterFunc(w.idle, cancel)
 	defer idle.Stop()
-	rd := sse.NewReader(&idleReader{r: resp.Body, timer: idle, d: w.idle})
+	// The server sends a ping every 15 s, so a stream silent for longer
+	// than a few is a dead connection, which the timer then cancels.
+	rd := sse.NewReader(&idleread.Reader{R: resp.Body, Timer: idle, Idle: w.idle})
 	for {
 		ev, err := rd.Next()
 		w.lastID = rd.LastEventID()
@@ -273,21 +276,4 @@ func retryable(err error) bool {
 		return ae.status == http.StatusTooManyRequests || ae.status >= 500
 	}
 	return true
-}
-
-// idleReader pushes timer back by d whenever it reads a byte. The server
-// sends a ping every 15 s, so a stream silent for longer than a few is a
-// dead connection that the timer then cancels.
-type idleReader struct {
-	r     io.Reader
-	timer *time.Timer
-	d     time.Duration
-}
-
-func (r *idleReader) Read(p []byte) (int, error) {
-	n, err := r.r.Read(p)
-	if n > 0 {
-		r.timer.Reset(r.d)
-	}
-	return n, err
 }
