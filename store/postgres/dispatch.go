@@ -66,24 +66,52 @@ func (s *Store) Campaign(ctx context.Context, onChange func(dispatching bool)) e
 // and how often the holder checks that its session is alive.
 const campaignInterval = 500 * time.Millisecond
 
+// checkTimeout bounds each step of the campaign connection: the connect,
+// each try for the lock, each ping of the holder, the close. A ping
+// answers in milliseconds; without a bound of its own, on a black-holed
+// link (packets dropped, no reset) it would wait for the kernel's TCP
+// timeout, minutes, while this replica still says it dispatches and
+// PostgreSQL may already have ended the session and let another replica
+// take the lock. Four intervals (2 s) is long enough that a busy server's
+// slow answer does not cost the lock, and short enough that the holder
+// stops at most campaignInterval+checkTimeout (2.5 s) after its last
+// answered ping.
+const checkTimeout = 4 * campaignInterval
+
+// bounded runs one step of the campaign connection with checkTimeout of its
+// own.
+func bounded(ctx context.Context, step func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, checkTimeout)
+	defer cancel()
+	return step(ctx)
+}
+
 // holdDispatch connects, then tries the lock every campaignInterval; once
-// it has it, it pings the session at the same pace until it fails.
+// it has it, it pings the session at the same pace until a ping fails or
+// goes unanswered for checkTimeout.
 func (s *Store) holdDispatch(ctx context.Context, set func(bool)) error {
-	conn, err := pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
+	var conn *pgx.Conn
+	err := bounded(ctx, func(ctx context.Context) (err error) {
+		conn, err = pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
+		return err
+	})
 	if err != nil {
 		return err
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
+	defer bounded(context.WithoutCancel(ctx), conn.Close)
 	tick := time.NewTicker(campaignInterval)
 	defer tick.Stop()
 	held := false
 	for {
 		if held {
-			if err := conn.Ping(ctx); err != nil {
+			if err := bounded(ctx, conn.Ping); err != nil {
 				return errors.Join(errors.New("the dispatcher's session was lost"), err)
 			}
 		} else {
-			if err := conn.QueryRow(ctx, dispatchLock).Scan(&held); err != nil {
+			err := bounded(ctx, func(ctx context.Context) error {
+				return conn.QueryRow(ctx, dispatchLock).Scan(&held)
+			})
+			if err != nil {
 				return err
 			}
 			if held {

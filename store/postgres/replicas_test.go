@@ -41,6 +41,7 @@ func init() {
 		{"BlobChunks", testBlobChunks},
 		{"BatchIsolatesFailures", testBatchIsolatesFailures},
 		{"OneDispatcher", testOneDispatcher},
+		{"CutOffDispatcherStops", testCutOffDispatcherStops},
 	}...)
 }
 
