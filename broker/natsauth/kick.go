@@ -124,13 +124,14 @@ func (r *Responder) kick(ctx context.Context, username string) (int, error) {
 type connRef struct {
 	serverID, serverName string
 	cid                  uint64
+	user                 string // the username it logged in with
 }
 
 // disconnect closes the username's connections and returns how many.
 func (r *Responder) disconnect(ctx context.Context, username string) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.opts.Timeout)
 	defer cancel()
-	conns, err := r.connz(ctx, username)
+	conns, err := r.connz(ctx, connzFilter{User: username})
 	if err != nil {
 		return 0, err
 	}
@@ -166,9 +167,16 @@ type apiResponse struct {
 	} `json:"error"`
 }
 
-// connz asks every node for the open connections of username in the
-// responder's account.
-func (r *Responder) connz(ctx context.Context, username string) ([]connRef, error) {
+// connzFilter is what a CONNZ ping selects, besides the responder's
+// account (nats-server's ConnzOptions, server/monitor.go).
+type connzFilter struct {
+	User       string `json:"user,omitempty"`
+	MQTTClient string `json:"mqtt_client,omitempty"`
+}
+
+// connz asks every node for the open connections in the responder's
+// account that match f.
+func (r *Responder) connz(ctx context.Context, f connzFilter) ([]connRef, error) {
 	if !r.sys.IsConnected() {
 		return nil, errors.New("not connected to the system account")
 	}
@@ -179,7 +187,14 @@ func (r *Responder) connz(ctx context.Context, username string) ([]connRef, erro
 		return nil, err
 	}
 	defer func() { _ = sub.Unsubscribe() }()
-	body, _ := json.Marshal(map[string]any{"user": username, "acc": r.opts.Account, "limit": connzLimit})
+	// "auth" adds each connection's username. The callout's clients carry
+	// no JWT of their own in it: NATS clears it (server/auth_callout.go).
+	body, _ := json.Marshal(struct {
+		connzFilter
+		Account string `json:"acc"`
+		Auth    bool   `json:"auth"`
+		Limit   int    `json:"limit"`
+	}{f, r.opts.Account, true, connzLimit})
 	if err := r.sys.PublishRequest(connzPing, inbox, body); err != nil {
 		return nil, err
 	}
@@ -202,7 +217,8 @@ func (r *Responder) connz(ctx context.Context, username string) ([]connRef, erro
 			}
 			var cz struct {
 				Conns []struct {
-					CID uint64 `json:"cid"`
+					CID  uint64 `json:"cid"`
+					User string `json:"authorized_user"`
 				} `json:"connections"`
 			}
 			if err := json.Unmarshal(resp.Data, &cz); err != nil {
@@ -210,7 +226,7 @@ func (r *Responder) connz(ctx context.Context, username string) ([]connRef, erro
 			}
 			seen[resp.Server.ID] = true
 			for _, c := range cz.Conns {
-				out = append(out, connRef{serverID: resp.Server.ID, serverName: resp.Server.Name, cid: c.CID})
+				out = append(out, connRef{serverID: resp.Server.ID, serverName: resp.Server.Name, cid: c.CID, user: c.User})
 			}
 			quiet.Reset(connzQuiet)
 		case <-quiet.C:

@@ -414,6 +414,45 @@ func TestDoor(t *testing.T) {
 	})
 }
 
+// A login with a client id that another account has a connection open
+// with, on any node, is refused, and that connection stays up: NATS
+// itself would close it (a takeover), as the embedded broker does not.
+// The account that holds the client id may take it over.
+func TestClientIDOfAnotherAccount(t *testing.T) {
+	d := startDoor(t, nil)
+	d.st.set(func(f *fakeStore) {
+		f.bridges["bridge-1"] = "secret-1"
+		f.users["alice"], f.users["bob"] = "token-a", "token-b"
+		f.owner["dev-2"] = "bob"
+	})
+	status := must(t)(d.tree.Status("dev-2"))
+	srv := d.dial(t, 0, "companion-server", serverUser, serverPass)
+	bob := d.dial(t, 0, "bob-phone", "bob", "token-b")
+	require.Equal(t, byte(1), bob.subscribe(t, status))
+
+	for _, c := range []struct{ who, user, pass string }{
+		{"another user", "alice", "token-a"},
+		{"a bridge", "bridge-1", "secret-1"},
+		{"the server", serverUser, serverPass},
+	} {
+		for node, url := range d.cl.MQTTURLs {
+			_, err := dialOnce(t, url, "bob-phone", c.user, c.pass)
+			assert.Error(t, err, "%s logs in with bob's client id on nats-%d", c.who, node+1)
+		}
+	}
+	srv.publish(t, status, "after the refused logins")
+	assert.Equal(t, "after the refused logins", string(bob.next(t, "bob's connection stays up").Payload()))
+	select {
+	case err := <-bob.Lost:
+		t.Fatalf("bob's connection was closed: %v", err)
+	default:
+	}
+
+	bob2 := d.dial(t, 2, "bob-phone", "bob", "token-b")
+	bob.waitCut(t, "bob logged in again with his client id, on another node")
+	assert.True(t, bob2.IsConnected())
+}
+
 // Rights too large for one NATS message are refused, saying so; the
 // documented size is let in: 1,000 devices of the longest ids, for a
 // bridge and for a user, fit in NATS's default max_payload (1 MB).

@@ -11,7 +11,8 @@
 //
 // It is not a NATS authorization service for anything but the service's
 // MQTT clients (the JWT allows MQTT connections only), and it keeps no
-// state: rights are read from the store at each login. docs/scale-out.md
+// state: rights are read from the store at each login, and who holds the
+// client's MQTT client id from the cluster's nodes. docs/scale-out.md
 // shows the NATS configuration it expects.
 package natsauth
 
@@ -333,6 +334,15 @@ func (r *Responder) decide(ctx context.Context, req *jwt.AuthorizationRequestCla
 		return "", embedded.Identity{}, "bad credentials"
 	}
 	if !mayUseClientID(id, req.ClientInformation.MQTT) {
+		return "", id, "client id belongs to another account"
+	}
+	if holder, err := r.clientIDHolder(ctx, req); err != nil {
+		// The check keeps one account from closing another's connection;
+		// it guards no data, so a cluster that cannot be asked does not
+		// keep everyone out.
+		r.log.Warn("client id not checked against the cluster's connections; connect allowed",
+			"client_id", req.ClientInformation.MQTT, "err", err)
+	} else if holder != "" {
 		return "", id, "client id belongs to another account"
 	}
 	rt, err := r.rightsOf(ctx, id)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sort"
-	"strings"
 
 	"github.com/devicecompanion/companion/broker/embedded"
 )
@@ -102,20 +101,4 @@ func (r *Responder) rightsOf(ctx context.Context, id embedded.Identity) (rights,
 		return rt, nil
 	}
 	return rights{}, fmt.Errorf("natsauth: no rights for role %v", id.Role)
-}
-
-// mayUseClientID says whether id may connect with MQTT client id cid.
-// The server's and the bridges' client ids ("companion-server…",
-// "companion-bridge-ID") belong to them: NATS hands a client that takes a
-// client id over the session's queued messages and closes the other
-// connection, so another account must not take one.
-func mayUseClientID(id embedded.Identity, cid string) bool {
-	const server, bridge = "companion-server", "companion-bridge-"
-	switch {
-	case cid == server || strings.HasPrefix(cid, server+"-"):
-		return id.Role == embedded.RoleServer
-	case strings.HasPrefix(cid, bridge):
-		return id.Role == embedded.RoleBridge && cid == bridge+id.ID
-	}
-	return true
 }
