@@ -202,9 +202,18 @@ func (b *Broker) sentLoop() {
 // PUBACKs: confirm takes those. It skips commands already on their way,
 // unless again says to send them again, and it reports false when the
 // broker is closing.
+//
+// A command that paho fails at once did not go out: it, and every later
+// command of its device, goes again in the next pass, in order. Paho does
+// so when its writer has been stuck for its write timeout (30 s) on a
+// connection that is still up, and the commands after it then went out
+// first once the writer moved again; the bridge, which runs what arrives
+// while its device is idle, ran them before it (docs/reliability.md,
+// bug 8).
 func (b *Broker) publish(cmds []companion.Command, again func(companion.Command) bool) bool {
 	now := b.now()
 	bridges := map[string]string{} // device → the bridge serving it, for this pass
+	held := map[string]bool{}      // devices with a command that did not go out in this pass
 	for _, c := range cmds {
 		// The TTL bounds delivery: a command the bridge has is never
 		// expired, and its repeat fetches its final reply.
@@ -226,9 +235,10 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			}
 			bridges[c.DeviceID] = bridge
 		}
-		if bridge == "" {
+		if bridge == "" || held[c.DeviceID] {
 			// No bridge serves the device: its commands wait queued until
-			// one does (DeviceMoved).
+			// one does (DeviceMoved). Or one of its commands did not go
+			// out: those after it wait for the next pass (resend).
 			b.mu.Lock()
 			if o := b.flying[c.ID]; o != nil && !o.published {
 				delete(b.flying, c.ID)
@@ -273,13 +283,34 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			b.land(c.ID)
 			continue
 		}
+		tok := b.client.Publish(topic, 1, false, msg)
+		if err := failedAtOnce(tok); err != nil {
+			b.log.Warn("publishing a command failed; it and its device's later commands go again", "command_id", c.ID, "err", err)
+			held[c.DeviceID] = true
+			b.mu.Lock()
+			delete(b.flying, c.ID)
+			b.resend[c.DeviceID] = true
+			b.mu.Unlock()
+			continue
+		}
 		select {
-		case b.acks <- inflight{cmd: c, tok: b.client.Publish(topic, 1, false, msg)}:
+		case b.acks <- inflight{cmd: c, tok: tok}:
 		case <-b.quit:
 			return false
 		}
 	}
 	return true
+}
+
+// failedAtOnce returns the error of a publish token that failed by the
+// time Publish returned it, and nil for one that has not (yet).
+func failedAtOnce(tok mqtt.Token) error {
+	select {
+	case <-tok.Done():
+		return tok.Error()
+	default:
+		return nil
+	}
 }
 
 // land forgets that a command is on its way: the bridge answered, "sent"

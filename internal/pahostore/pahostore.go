@@ -1,6 +1,15 @@
-// Package pahostore is paho's in-memory store with two differences: it
-// keeps, and Get returns, copies of PUBLISH packets; and it can keep
-// resume from sending chosen PUBLISHes again (NotResent).
+// Package pahostore is paho's in-memory store with three differences: it
+// keeps, and Get returns, copies of PUBLISH packets; All hands out the
+// packets in the order they were put; and it can keep resume from sending
+// chosen PUBLISHes again (NotResent).
+//
+// On reconnect paho's resume sends again, in the order All gives, every
+// PUBLISH the broker had not acknowledged. Paho's MemoryStore gives them in
+// the order of a Go map, that is at random: the commands of one device lost
+// with the server's connection reached the bridge shuffled, and it ran a
+// later one first (docs/reliability.md, bug 8). Paho's OrderedMemoryStore
+// sorts by a clock reading taken at each Put, with an unstable sort: two
+// Puts within the clock's resolution can swap. A count cannot.
 //
 // On reconnect paho's resume sets the DUP flag on the packets it loads from
 // the store while the previous connection's writer may still be packing the
@@ -11,7 +20,10 @@
 package pahostore
 
 import (
+	"cmp"
+	"slices"
 	"strings"
+	"sync"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/eclipse/paho.mqtt.golang/packets"
@@ -21,6 +33,10 @@ import (
 type Store struct {
 	*mqtt.MemoryStore
 	notResent func(topic string) bool // nil: resend every PUBLISH
+
+	mu    sync.Mutex        // keeps order in step with the packets
+	order map[string]uint64 // key → the count of its Put: All's order
+	puts  uint64
 }
 
 // NotResent has paho's resume (on connect) leave out the outgoing
@@ -41,9 +57,13 @@ func (s *Store) NotResent(match func(topic string) bool) *Store {
 	return s
 }
 
-// All returns the keys of the stored packets, less those NotResent drops.
+// All returns the keys of the stored packets in the order they were put,
+// less those NotResent drops.
 func (s *Store) All() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	keys := s.MemoryStore.All()
+	slices.SortFunc(keys, func(a, b string) int { return cmp.Compare(s.order[a], s.order[b]) })
 	if s.notResent == nil {
 		return keys
 	}
@@ -53,6 +73,7 @@ func (s *Store) All() []string {
 		// ones are paho's to acknowledge.
 		if pub, ok := s.MemoryStore.Get(k).(*packets.PublishPacket); ok && strings.HasPrefix(k, "o.") && s.notResent(pub.TopicName) {
 			s.MemoryStore.Del(k)
+			delete(s.order, k)
 			continue
 		}
 		kept = append(kept, k)
@@ -69,11 +90,31 @@ func (s *Store) Put(key string, p packets.ControlPacket) {
 		cp := *pub
 		p = &cp
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.puts++
+	s.order[key] = s.puts
 	s.MemoryStore.Put(key, p)
 }
 
+// Del deletes the packet stored under key.
+func (s *Store) Del(key string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.order, key)
+	s.MemoryStore.Del(key)
+}
+
+// Reset deletes every stored packet.
+func (s *Store) Reset() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	clear(s.order)
+	s.MemoryStore.Reset()
+}
+
 // New returns an empty store for mqtt.ClientOptions.SetStore.
-func New() *Store { return &Store{MemoryStore: mqtt.NewMemoryStore()} }
+func New() *Store { return &Store{MemoryStore: mqtt.NewMemoryStore(), order: map[string]uint64{}} }
 
 // Get returns the stored packet, or for a PUBLISH a copy of it.
 func (s *Store) Get(key string) packets.ControlPacket {

@@ -1,6 +1,7 @@
 package pahostore
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 
@@ -58,5 +59,52 @@ func TestNotResentLeavesOutChosenPublishes(t *testing.T) {
 	}
 	if p := s.Get("o.2"); p == nil || p.(*packets.PublishPacket).TopicName != "d/replies" {
 		t.Errorf("Get(o.2) = %v; want the reply kept", p)
+	}
+}
+
+// All hands out the packets in the order they were put, whatever their
+// keys (message ids wrap around), after deletes, and after a key is put
+// again: resume sends again in publish order what it gets from All.
+func TestAllIsInPutOrder(t *testing.T) {
+	for _, notResent := range []bool{false, true} {
+		s := New()
+		if notResent {
+			s.NotResent(func(topic string) bool { return topic == "b/state" })
+		}
+		s.Open()
+		var want []string
+		for i := range 200 {
+			// Ids from 65436 up, wrapping past 65535 to 1, as paho's do.
+			id := uint16((65435+i)%65535 + 1)
+			p := packets.NewControlPacket(packets.Publish).(*packets.PublishPacket)
+			p.Qos, p.MessageID, p.TopicName = 1, id, "d/commands"
+			key := fmt.Sprintf("o.%d", id)
+			s.Put(key, p)
+			want = append(want, key)
+			if i == 100 {
+				st := packets.NewControlPacket(packets.Publish).(*packets.PublishPacket)
+				st.Qos, st.MessageID, st.TopicName = 1, 200, "b/state"
+				s.Put("o.200", st)
+				if !notResent {
+					want = append(want, "o.200")
+				}
+			}
+		}
+		for _, k := range []string{"o.65500", "o.3", "o.90"} {
+			s.Del(k)
+			want = slices.DeleteFunc(want, func(w string) bool { return w == k })
+		}
+		again := packets.NewControlPacket(packets.Publish).(*packets.PublishPacket)
+		again.Qos, again.MessageID, again.TopicName = 1, 3, "d/commands"
+		s.Put("o.3", again) // the id freed and used again: the newest
+		want = append(want, "o.3")
+		if got := s.All(); !slices.Equal(got, want) {
+			t.Errorf("All (NotResent set: %v) = %v; want %v", notResent, got, want)
+		}
+		s.Reset()
+		if got := s.All(); len(got) != 0 {
+			t.Errorf("All after Reset = %v; want none", got)
+		}
+		s.Close()
 	}
 }

@@ -1,0 +1,324 @@
+package broker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	mochi "github.com/mochi-mqtt/server/v2"
+	"github.com/mochi-mqtt/server/v2/packets"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/mochitest"
+	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/store"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// cutOnCommand is a mochi hook that, once armed, holds the next command
+// PUBLISH it reads until cut is called, and then ends that client's
+// connection without taking the message in: the command, and every one
+// the client wrote after it meanwhile, are lost unacknowledged, as when the
+// network between the server and its MQTT broker fails under way.
+type cutOnCommand struct {
+	mochi.HookBase
+	armed   atomic.Bool
+	release chan struct{}
+	once    sync.Once
+}
+
+func newCutOnCommand() *cutOnCommand { return &cutOnCommand{release: make(chan struct{})} }
+
+func (h *cutOnCommand) ID() string { return "cut-on-command" }
+
+func (h *cutOnCommand) Provides(b byte) bool { return b == mochi.OnPacketRead }
+
+func (h *cutOnCommand) OnPacketRead(_ *mochi.Client, pk packets.Packet) (packets.Packet, error) {
+	if pk.FixedHeader.Type != packets.Publish {
+		return pk, nil
+	}
+	if t, err := tree.Parse(pk.TopicName); err != nil || t.Kind != topics.KindCommand || !h.armed.CompareAndSwap(true, false) {
+		return pk, nil
+	}
+	<-h.release // the connection's reading stops here: what follows waits unread
+	// mochi ends the connection of a packet a hook rejects (and ignores a
+	// hook's other errors).
+	return pk, packets.ErrRejectPacket
+}
+
+// cut lets the held command go, and its connection with it.
+func (h *cutOnCommand) cut() { h.once.Do(func() { close(h.release) }) }
+
+// testClient is the server's paho client, noting the id of every command
+// it has been handed to publish, and failing the next publish of the text
+// push failText, at once and without sending it: as paho's Publish does
+// when it cannot take a message ("publish was broken by timeout" when its
+// writer has been stuck for the write timeout, 30 s by default, on a
+// connection that is still up).
+type testClient struct {
+	mqtt.Client
+	mu       sync.Mutex
+	ids      map[string]bool
+	order    []string // the ids of ids, in the order each was first handed over
+	failText string
+}
+
+func newTestClient() *testClient { return &testClient{ids: map[string]bool{}} }
+
+// newClient is for Options.NewClient.
+func (c *testClient) newClient(o *mqtt.ClientOptions) mqtt.Client {
+	c.Client = mqtt.NewClient(o)
+	return c
+}
+
+func (c *testClient) Publish(topic string, qos byte, retained bool, payload any) mqtt.Token {
+	b, _ := payload.([]byte)
+	cmd, err := topics.ParseCommand(b)
+	if err != nil {
+		return c.Client.Publish(topic, qos, retained, payload)
+	}
+	var text topics.PushText
+	_ = json.Unmarshal(cmd.Payload, &text)
+	c.mu.Lock()
+	fail := c.failText != "" && text.Text == c.failText
+	switch {
+	case fail:
+		c.failText = ""
+	case !c.ids[cmd.ID]:
+		c.ids[cmd.ID] = true
+		c.order = append(c.order, cmd.ID)
+	}
+	c.mu.Unlock()
+	if fail {
+		return failedToken{errors.New("test: publish was broken by timeout")}
+	}
+	return c.Client.Publish(topic, qos, retained, payload)
+}
+
+// failNext makes the next publish of the text push text fail.
+func (c *testClient) failNext(text string) {
+	c.mu.Lock()
+	c.failText = text
+	c.mu.Unlock()
+}
+
+// failed reports whether the publish failNext asked for has failed.
+func (c *testClient) failed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.failText == ""
+}
+
+func (c *testClient) published(ids []string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, id := range ids {
+		if !c.ids[id] {
+			return false
+		}
+	}
+	return true
+}
+
+// firstPublished returns the commands of ids handed over, in the order
+// each was handed over the first time.
+func (c *testClient) firstPublished(ids []string) []string {
+	want := map[string]bool{}
+	for _, id := range ids {
+		want[id] = true
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var got []string
+	for _, id := range c.order {
+		if want[id] {
+			got = append(got, id)
+		}
+	}
+	return got
+}
+
+// failedToken is a publish token that failed as it was made.
+type failedToken struct{ err error }
+
+func (t failedToken) Wait() bool                     { return true }
+func (t failedToken) WaitTimeout(time.Duration) bool { return true }
+func (t failedToken) Done() <-chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}
+func (t failedToken) Error() error { return t.err }
+
+// orderEnv is a server and a real bridge (the agent, with one simulated
+// device, dev-1) on a bare mochi broker, over TCP, with the server's paho
+// client wrapped in a testClient.
+type orderEnv struct {
+	*env
+	srv    *mochi.Server
+	url    string
+	client *testClient
+	dev    *sim.Device
+}
+
+// newOrderEnv starts the broker with hooks besides AllowAll and the bridge,
+// waits for the bridge's subscription, and makes the server, not started
+// (newServer).
+func newOrderEnv(t *testing.T, hooks ...mochi.Hook) *orderEnv {
+	t.Helper()
+	srv, url := mochitest.Start(t, append([]mochi.Hook{new(mochitest.AllowAll)}, hooks...)...)
+	ctx := context.Background()
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	require.NoError(t, db.CreateBridge(ctx, companion.Bridge{ID: "b1", SecretHash: []byte("not used: the broker lets everyone in")}))
+	require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "dev-1", Model: "sim-1", BridgeID: "b1"}))
+
+	o := &orderEnv{env: &env{db: db, clock: &clock{now: time.Now()}}, srv: srv, url: url}
+	o.dev = sim.New(sim.Options{ID: "dev-1", Logger: quiet()})
+	a, err := agent.New(agent.Options{
+		MQTTURL: url, BridgeID: "b1", Password: "secret", DataDir: t.TempDir(),
+		Devices: []agent.Device{o.dev}, Logger: quiet(),
+	})
+	require.NoError(t, err)
+	runCtx, stop := context.WithCancel(ctx)
+	ran := make(chan error, 1)
+	go func() { ran <- a.Run(runCtx) }()
+	t.Cleanup(func() {
+		stop()
+		<-ran
+		a.Close()
+	})
+	cmdTopic, err := tree.Command("dev-1", topics.OpPushText)
+	require.NoError(t, err)
+	testenv.Eventually(t, 10*time.Second, "the bridge subscribed", func() bool {
+		return len(srv.Topics.Subscribers(cmdTopic).Subscriptions) > 0
+	})
+
+	o.newServer(t)
+	return o
+}
+
+// newServer makes the server anew, not started, with a testClient of its
+// own. Close the one before first.
+func (o *orderEnv) newServer(t *testing.T) {
+	t.Helper()
+	o.client = newTestClient()
+	b, err := New(Options{
+		Store: o.db, MQTTURL: o.url, ClientID: "server-" + t.Name(), Topics: tree,
+		Logger: quiet(), Now: o.clock.Now, NewClient: o.client.newClient,
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { b.Close() })
+	o.b = b
+}
+
+// warmUp runs a command through the server, so that the bridge is past the
+// burst of its connection's first messages, which it gathers and sorts
+// before it runs them: a bridge that has been running.
+func (o *orderEnv) warmUp(t *testing.T) {
+	t.Helper()
+	o.waitSucceeded(t, submit(t, o.env, "dev-1", "warm-up", time.Hour).ID)
+}
+
+// waitSucceeded waits until every command of ids has succeeded.
+func (o *orderEnv) waitSucceeded(t *testing.T, ids ...string) {
+	t.Helper()
+	testenv.Eventually(t, 30*time.Second, "the commands succeeded", func() bool {
+		for _, id := range ids {
+			if state(t, o.env, id).State != companion.StateSucceeded {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// ranInOrder checks that the device ran ids, after skip commands before
+// them, in that order and each once.
+func (o *orderEnv) ranInOrder(t *testing.T, skip int, ids []string) {
+	t.Helper()
+	var order []string
+	for _, x := range o.dev.Texts()[skip:] {
+		order = append(order, x.CmdID)
+	}
+	assert.Equal(t, ids, order, "the order the device ran them in")
+	for _, id := range ids {
+		assert.Equal(t, 1, o.dev.Executions(id), "executions of %s", id)
+	}
+}
+
+// Commands whose publishes are lost with the server's MQTT connection go
+// out again once it is back, and a bridge that stayed connected runs them
+// on its device in the order they were accepted, each once (CONTRACT §2,
+// §7). Paho sends them again from its store as it reconnects, before the
+// outbox can: the store must give them back in the order they were
+// published (pahostore), or the bridge, which runs what arrives while its
+// device is idle, runs a later command before an earlier one.
+func TestCommandsLostWithTheConnectionRunInOrder(t *testing.T) {
+	cut := newCutOnCommand()
+	o := newOrderEnv(t, cut)
+	t.Cleanup(cut.cut) // never leave mochi's reader held
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+
+	// Each goes out as it is accepted; the first is held unread, and the
+	// others wait behind it on the connection, which is then cut.
+	cut.armed.Store(true)
+	var ids []string
+	for i := range 20 {
+		ids = append(ids, submit(t, o.env, "dev-1", string(rune('a'+i)), time.Hour).ID)
+	}
+	testenv.Eventually(t, 10*time.Second, "every command handed to paho", func() bool { return o.client.published(ids) })
+	require.False(t, cut.armed.Load(), "no command was held")
+	cut.cut()
+
+	o.waitSucceeded(t, ids...)
+	o.ranInOrder(t, 1, ids)
+}
+
+// A command whose publish fails at once holds back its device's later
+// commands, and they go out after it, in order: the bridge runs them in
+// the order they were accepted, each once (CONTRACT §2, §7). Without the
+// hold, the outbox went on to the later ones of its pass, and a later
+// pass published a command accepted meanwhile, before the store scan
+// published the failed one after them.
+func TestAFailedPublishHoldsBackItsDevicesLaterCommands(t *testing.T) {
+	o := newOrderEnv(t)
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+
+	// In one pass: accepted while the server is down; once it is back, its
+	// first pass publishes them back to back, and the second fails.
+	require.NoError(t, o.b.Close())
+	o.newServer(t)
+	var ids []string
+	for _, text := range []string{"a", "b", "c", "d", "e"} {
+		ids = append(ids, submit(t, o.env, "dev-1", text, time.Hour).ID)
+	}
+	o.client.failNext("b")
+	require.NoError(t, o.b.Start())
+	o.waitSucceeded(t, ids...)
+
+	// In the pass after: a command accepted once the one before it has
+	// failed, with nothing else to send, goes out after it.
+	o.client.failNext("f")
+	ids = append(ids, submit(t, o.env, "dev-1", "f", time.Hour).ID)
+	testenv.Eventually(t, 10*time.Second, "the publish of f failed", o.client.failed)
+	ids = append(ids, submit(t, o.env, "dev-1", "g", time.Hour).ID)
+
+	o.waitSucceeded(t, ids...)
+	assert.Equal(t, ids, o.client.firstPublished(ids), "the order they first went out in")
+	o.ranInOrder(t, 1, ids)
+}
