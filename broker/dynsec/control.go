@@ -2,10 +2,13 @@
 // store, by driving Mosquitto 2's dynamic-security plugin over its control
 // topic ($CONTROL/dynamic-security/v1) on the server's own MQTT connection.
 //
-// Each bridge gets a client (username = bridge id, password = its secret)
-// with the role bridge-ID; each user a client (username = user id, password
-// = API token) with the role user-ID, whose ACLs grant reading the topics of
-// the user's devices and nothing else. Passwords are known only when the
+// Each bridge gets a client (username = bridge id, password = its secret,
+// client id companion-bridge-ID and no other) with the role bridge-ID; each
+// user a client (username = user id, password = API token, client id
+// companion-user-ID) with the role user-ID, whose ACLs grant reading the
+// topics of the user's devices and nothing else. Tying each account to its
+// client id keeps it from taking the server's session, or a bridge's
+// (BridgeClientID). Passwords are known only when the
 // account is created, so a creation that fails is retried only while the
 // process runs; bindings are re-read from the store and reconciled on every
 // connect. The roles named bridge-* and user-* belong to the server.

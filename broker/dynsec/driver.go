@@ -44,10 +44,17 @@ type Options struct {
 	// ServerUsername is the server's own Mosquitto account: a bridge of
 	// that name is refused rather than given the server's account.
 	ServerUsername string
-	Topics         topics.Tree   // default topics.DefaultPrefix
-	Timeout        time.Duration // how long one request waits for its answer; default 10s
-	RetryInterval  time.Duration // how soon a failed change is tried again; default 30s
-	Logger         *slog.Logger
+	// PinUsers ties each user's account to the client id
+	// UserClientID(user id), as every bridge's is to BridgeClientID: then
+	// no account the server makes can take the server's session or a
+	// bridge's, but a user has one MQTT connection at a time, with that
+	// client id. Off, a user logs in with any client id (CONTRACT §3's
+	// watcher), the server's and the bridges' included.
+	PinUsers      bool
+	Topics        topics.Tree   // default topics.DefaultPrefix
+	Timeout       time.Duration // how long one request waits for its answer; default 10s
+	RetryInterval time.Duration // how soon a failed change is tried again; default 30s
+	Logger        *slog.Logger
 }
 
 // Driver keeps Mosquitto's accounts and ACLs true. Create it with New
@@ -81,6 +88,7 @@ type account struct {
 	kind     string // "bridge" or "user", for logs
 	username string
 	password string
+	clientID string // the only MQTT client id it may connect with
 	role     string
 	acls     []ACL
 }
@@ -248,6 +256,26 @@ func BridgeRole(bridgeID string) string { return "bridge-" + bridgeID }
 // UserRole is the role of a user's client; see BridgeRole.
 func UserRole(userID string) string { return "user-" + userID }
 
+// BridgeClientID is the only MQTT client id a bridge's account may connect
+// with: the one the bridge uses (agent).
+//
+// Mosquitto lets any account take any client id: it closes the connection
+// that had it and hands the newcomer its persistent session, so a user
+// logging in as "companion-server" would cut the server off and take the
+// replies queued for it (dropped, as the user may not read them). The
+// plugin's only tie between accounts and client ids is a client id pinned
+// to an account, which binds that account and no other. So every bridge
+// is pinned, and with Options.PinUsers every user: then no account the
+// server makes can take the server's client id, a bridge's or a user's.
+// Without it a user still can (the contract's watcher logs in with any
+// client id); docs/mosquitto.md.
+func BridgeClientID(bridgeID string) string { return "companion-bridge-" + bridgeID }
+
+// UserClientID is the only MQTT client id a user's account may connect
+// with when Options.PinUsers is set; see BridgeClientID. A user then has
+// one MQTT connection at a time.
+func UserClientID(userID string) string { return "companion-user-" + userID }
+
 // BridgeACLs is what a bridge may do (CONTRACT §3, §9): subscribe to and
 // receive the commands of the devices it serves, publish their replies,
 // status and settings, and its own state (also its Will). The store says
@@ -310,7 +338,8 @@ func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) err
 		d.log.Error("bridge account not created", "bridge_id", bridgeID, "err", err)
 		return err
 	}
-	return d.createAccount(ctx, account{kind: "bridge", username: bridgeID, password: secret, role: BridgeRole(bridgeID), acls: acls})
+	return d.createAccount(ctx, account{kind: "bridge", username: bridgeID, password: secret,
+		clientID: BridgeClientID(bridgeID), role: BridgeRole(bridgeID), acls: acls})
 }
 
 // BridgeDeleted removes a bridge's account and role: its connections are
@@ -392,7 +421,8 @@ func (d *Driver) syncBridge(ctx context.Context, bridgeID string) error {
 // UserCreated gives a new user a Mosquitto account that may read nothing
 // until they bind a device.
 func (d *Driver) UserCreated(ctx context.Context, userID, token string) error {
-	return d.createAccount(ctx, account{kind: "user", username: userID, password: token, role: UserRole(userID)})
+	return d.createAccount(ctx, account{kind: "user", username: userID, password: token,
+		clientID: d.userClientID(userID), role: UserRole(userID)})
 }
 
 // Bound grants the user the topics of the device, if the store still says
@@ -443,8 +473,8 @@ func (d *Driver) create(ctx context.Context, a account) error {
 	}
 	rs, err := d.Do(ctx,
 		Command{"command": "createRole", "rolename": a.role, "acls": acls},
-		Command{"command": "createClient", "username": a.username, "password": a.password,
-			"textname": "companion " + a.kind},
+		withClientID(Command{"command": "createClient", "username": a.username, "password": a.password,
+			"textname": "companion " + a.kind}, a.clientID),
 	)
 	if err != nil {
 		return err
@@ -468,17 +498,22 @@ func (d *Driver) create(ctx context.Context, a account) error {
 	if !alreadyExists(err) {
 		return err
 	}
-	// The client exists. If it is ours (only our role), set the password.
+	// The client exists. If it is ours (only our role), set the password
+	// and pin the client id (a client made before ids were pinned).
 	roles, err := d.ourClient(ctx, a.username, a.kind, a.role)
 	if err != nil {
 		return err
 	}
-	rs, err = d.Do(ctx, Command{"command": "setClientPassword", "username": a.username, "password": a.password})
+	rs, err = d.Do(ctx,
+		Command{"command": "setClientPassword", "username": a.username, "password": a.password},
+		withClientID(Command{"command": "setClientId", "username": a.username}, a.clientID))
 	if err != nil {
 		return err
 	}
-	if err := rs[0].Err(); err != nil {
-		return err
+	for _, r := range rs {
+		if err := r.Err(); err != nil {
+			return err
+		}
 	}
 	if roles == 0 { // an earlier attempt stopped half-way
 		return d.addRole(ctx, a)
@@ -498,21 +533,68 @@ func (d *Driver) ourClient(ctx context.Context, username, kind, role string) (in
 		return 0, err
 	}
 	var got struct {
-		Client struct {
-			TextName string `json:"textname"`
-			Roles    []struct {
-				Name string `json:"rolename"`
-			} `json:"roles"`
-		} `json:"client"`
+		Client client `json:"client"`
 	}
 	if err := json.Unmarshal(rs[0].Data, &got); err != nil {
 		return 0, err
 	}
-	roles := got.Client.Roles
-	if got.Client.TextName != "companion "+kind || len(roles) > 1 || len(roles) == 1 && roles[0].Name != role {
+	if !got.Client.ours(kind, role) {
 		return 0, errNotOurs
 	}
-	return len(roles), nil
+	return len(got.Client.Roles), nil
+}
+
+// client is a client as getClient and listClients report it.
+type client struct {
+	Username string `json:"username"`
+	ClientID string `json:"clientid"`
+	TextName string `json:"textname"`
+	Roles    []struct {
+		Name string `json:"rolename"`
+	} `json:"roles"`
+}
+
+// ours says whether the server made c as an account of kind with role: its
+// text name says so, and it has no role but that one.
+func (c client) ours(kind, role string) bool {
+	return c.TextName == "companion "+kind && (len(c.Roles) == 0 || len(c.Roles) == 1 && c.Roles[0].Name == role)
+}
+
+// userClientID is the client id a user's account is pinned to: none ("")
+// unless Options.PinUsers.
+func (d *Driver) userClientID(userID string) string {
+	if !d.opts.PinUsers {
+		return ""
+	}
+	return UserClientID(userID)
+}
+
+// withClientID sets cmd's clientid to id; with id "" the client has none
+// (any client id; setClientId then takes a pinned one away).
+func withClientID(cmd Command, id string) Command {
+	if id != "" {
+		cmd["clientid"] = id
+	}
+	return cmd
+}
+
+// pin returns the setClientId command that gives a client the server made
+// the client id it should have (BridgeClientID; for users, userClientID),
+// or nil when it has it already or is not the server's.
+func (d *Driver) pin(c client) Command {
+	var want string
+	switch {
+	case c.ours("bridge", BridgeRole(c.Username)):
+		want = BridgeClientID(c.Username)
+	case c.ours("user", UserRole(c.Username)):
+		want = d.userClientID(c.Username)
+	default:
+		return nil
+	}
+	if c.ClientID == want {
+		return nil
+	}
+	return withClientID(Command{"command": "setClientId", "username": c.Username}, want)
 }
 
 func (d *Driver) addRole(ctx context.Context, a account) error {
@@ -572,7 +654,8 @@ func diff(roleName string, have, want []ACL) []Command {
 }
 
 // apply sends changes in batches; "already exists" on an add and "not
-// found" on a removal mean the change is already made.
+// found" on a removal mean the change is already made (and on a
+// setClientId, that the client went meanwhile).
 func (d *Driver) apply(ctx context.Context, cmds []Command) error {
 	const batch = 100
 	for len(cmds) > 0 {
@@ -582,7 +665,7 @@ func (d *Driver) apply(ctx context.Context, cmds []Command) error {
 			return err
 		}
 		for _, r := range rs {
-			if err := r.Err(); err != nil && !alreadyExists(err) && !(r.Command == "removeRoleACL" && notFound(err)) {
+			if err := r.Err(); err != nil && !alreadyExists(err) && !((r.Command == "removeRoleACL" || r.Command == "setClientId") && notFound(err)) {
 				return err
 			}
 		}
@@ -638,9 +721,12 @@ func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string)
 
 // Reconcile makes the plugin agree with the store: everything not granted
 // is refused, every bridge-* role has a bridge's ACLs and every user-* role
-// grants exactly the topics of the user's devices. Account creations that
-// failed earlier in this process are retried. Passwords are not
-// reconciled: the server does not know them after the creation.
+// grants exactly the topics of the user's devices, and every client the
+// server made has the client id it should have (BridgeClientID; for
+// users, UserClientID with Options.PinUsers and none without: a client
+// whose id changes is disconnected once by the plugin). Account creations that failed earlier in this process are
+// retried. Passwords are not reconciled: the server does not know them
+// after the creation.
 func (d *Driver) Reconcile(ctx context.Context) error {
 	d.change.Lock()
 	defer d.change.Unlock()
@@ -662,7 +748,9 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		d.mu.Unlock()
 	}
 
-	rs, err := d.Do(ctx, DenyByDefault(), Command{"command": "listRoles", "verbose": true, "count": -1, "offset": 0})
+	rs, err := d.Do(ctx, DenyByDefault(),
+		Command{"command": "listRoles", "verbose": true, "count": -1, "offset": 0},
+		Command{"command": "listClients", "verbose": true, "count": -1, "offset": 0})
 	if err != nil {
 		return err
 	}
@@ -676,6 +764,24 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	}
 	if err := json.Unmarshal(rs[1].Data, &list); err != nil {
 		return fmt.Errorf("dynsec: listRoles: %w", err)
+	}
+	var clients struct {
+		Clients []client `json:"clients"`
+	}
+	if err := json.Unmarshal(rs[2].Data, &clients); err != nil {
+		return fmt.Errorf("dynsec: listClients: %w", err)
+	}
+	var pins []Command
+	for _, c := range clients.Clients {
+		if p := d.pin(c); p != nil {
+			pins = append(pins, p)
+		}
+	}
+	if err := d.apply(ctx, pins); err != nil {
+		return err
+	}
+	if len(pins) > 0 {
+		d.log.Info("Mosquitto clients pinned to their client ids", "clients", len(pins))
 	}
 	var cmds []Command
 	for _, r := range list.Roles {

@@ -130,15 +130,25 @@ var server = mqtttest.MosquittoAccount{Username: "companion-server", Password: "
 
 func newDriver(t *testing.T, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, st dynsec.Store) (*dynsec.Driver, bool) {
 	t.Helper()
+	return newDriverWith(t, mq, a, dynsec.Options{Store: st})
+}
+
+// newDriverWith is newDriver with opts (their Conn, ServerUsername and
+// Timeout set here).
+func newDriverWith(t *testing.T, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, opts dynsec.Options) (*dynsec.Driver, bool) {
+	t.Helper()
 	cn := dialConn(t, mq.URL, a.Username, a.Password)
 	t.Cleanup(func() { cn.c.Disconnect(50) })
-	d, err := dynsec.New(dynsec.Options{Conn: cn, Store: st, ServerUsername: server.Username, Timeout: 5 * time.Second})
+	opts.Conn, opts.ServerUsername, opts.Timeout = cn, server.Username, 5*time.Second
+	d, err := dynsec.New(opts)
 	require.NoError(t, err)
 	return d, <-cn.granted
 }
 
-func canConnect(mq *mqtttest.Mosquitto, user, pass string) error {
-	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID("probe-" + user).
+// canConnect logs in with the client id the account may use: a bridge's
+// own (dynsec.BridgeClientID) for a bridge, any other for other accounts.
+func canConnect(mq *mqtttest.Mosquitto, clientID, user, pass string) error {
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID(clientID).
 		SetUsername(user).SetPassword(pass).SetAutoReconnect(false))
 	if err := mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second); err != nil {
 		return err
@@ -171,10 +181,10 @@ func TestDriver(t *testing.T) {
 
 	t.Run("bridge accounts, made again with a new secret", func(t *testing.T) {
 		require.NoError(t, d.BridgeCreated(ctx, "bridge-1", "first"))
-		require.NoError(t, canConnect(mq, "bridge-1", "first"))
+		require.NoError(t, canConnect(mq, dynsec.BridgeClientID("bridge-1"), "bridge-1", "first"))
 		require.NoError(t, d.BridgeCreated(ctx, "bridge-1", "second"))
-		assert.Error(t, canConnect(mq, "bridge-1", "first"))
-		assert.NoError(t, canConnect(mq, "bridge-1", "second"))
+		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("bridge-1"), "bridge-1", "first"))
+		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("bridge-1"), "bridge-1", "second"))
 		want, err := d.BridgeACLs(ctx, "bridge-1")
 		require.NoError(t, err)
 		assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
@@ -212,19 +222,19 @@ func TestDriver(t *testing.T) {
 		require.NoError(t, d.Reconcile(ctx))
 		assert.ElementsMatch(t, append(append(served("dev-7"), served("dev-8")...), state("bridge-2")), roleACLs(t, mq, dynsec.BridgeRole("bridge-2")))
 
-		require.NoError(t, canConnect(mq, "bridge-2", "secret-2"))
+		require.NoError(t, canConnect(mq, dynsec.BridgeClientID("bridge-2"), "bridge-2", "secret-2"))
 		delete(st.bridges, "bridge-2")
 		require.NoError(t, d.BridgeDeleted(ctx, "bridge-2"))
-		assert.Error(t, canConnect(mq, "bridge-2", "secret-2"), "a deleted bridge's secret still works")
+		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("bridge-2"), "bridge-2", "secret-2"), "a deleted bridge's secret still works")
 		r := mq.Dynsec(t, map[string]any{"command": "getRole", "rolename": dynsec.BridgeRole("bridge-2")})
 		assert.NotEmpty(t, r[0].Error, "the deleted bridge's role is still there")
 	})
 
 	t.Run("accounts the server did not make are not touched", func(t *testing.T) {
 		assert.Error(t, d.BridgeCreated(ctx, "operator", "hijack"))
-		assert.NoError(t, canConnect(mq, "operator", "op-secret"))
+		assert.NoError(t, canConnect(mq, "probe-operator", "operator", "op-secret"))
 		assert.Error(t, d.BridgeCreated(ctx, server.Username, "hijack"))
-		assert.NoError(t, canConnect(mq, server.Username, server.Password))
+		assert.NoError(t, canConnect(mq, "probe-server", server.Username, server.Password))
 	})
 
 	t.Run("bindings follow the store, and Reconcile repairs drift", func(t *testing.T) {
