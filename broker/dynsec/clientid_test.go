@@ -40,7 +40,7 @@ func dialSession(t *testing.T, mq *mqtttest.Mosquitto, clientID, user, pass stri
 }
 
 // On Mosquitto a login with a client id that is connected closes that
-// connection and takes its persistent session. With PinUsers no account
+// connection and takes its persistent session. With PinClientIDs no account
 // the server makes may take the server's client id, a bridge's or another
 // user's: the login is refused and the owner stays connected. Accounts
 // made before client ids were tied get theirs on the next Reconcile.
@@ -49,7 +49,7 @@ func TestClientIDsBelongToTheirAccounts(t *testing.T) {
 	mq := mqtttest.StartMosquitto(t, server)
 	st := newBindings()
 	st.bridges["b1"], st.bridges["b2"] = true, true
-	d, granted := newDriverWith(t, mq, server, dynsec.Options{Store: st, PinUsers: true})
+	d, granted := newDriverWith(t, mq, server, dynsec.Options{Store: st, PinClientIDs: true})
 	require.True(t, granted)
 	require.NoError(t, d.UserCreated(ctx, "user-a", "token-a"))
 	require.NoError(t, d.UserCreated(ctx, "user-b", "token-b"))
@@ -161,10 +161,10 @@ func TestClientIDsBelongToTheirAccounts(t *testing.T) {
 	})
 }
 
-// Without PinUsers a user logs in with any client id (CONTRACT §3's
-// watcher), while a bridge is still tied to its own; a user tied by a
-// server that pinned users is untied again by Reconcile.
-func TestUsersLogInWithAnyClientIDUnlessPinned(t *testing.T) {
+// Without PinClientIDs a user and a bridge log in with any client id
+// (CONTRACT §3's watcher, a probe beside a running bridge); an account tied
+// by a server that pinned client ids is untied again by Reconcile.
+func TestAnyClientIDUnlessPinned(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
 	st := newBindings()
@@ -174,21 +174,22 @@ func TestUsersLogInWithAnyClientIDUnlessPinned(t *testing.T) {
 	require.NoError(t, d.UserCreated(ctx, "user-a", "token-a"))
 	require.NoError(t, d.BridgeCreated(ctx, "b1", "secret-1"))
 
-	for _, cid := range []string{"mosq-watcher", dynsec.UserClientID("user-a")} {
-		_, err := dialSession(t, mq, cid, "user-a", "token-a")
-		assert.NoError(t, err, "the user as %q", cid)
-	}
-	for _, cid := range []string{"companion-server", "mosq-watcher"} {
-		_, err := dialSession(t, mq, cid, "b1", "secret-1")
-		assert.Error(t, err, "the bridge logged in as %q", cid)
-	}
+	type login struct{ user, pass, own string }
+	for _, who := range []login{
+		{"user-a", "token-a", dynsec.UserClientID("user-a")},
+		{"b1", "secret-1", dynsec.BridgeClientID("b1")},
+	} {
+		for _, cid := range []string{"mosq-watcher-" + who.user, who.own} {
+			_, err := dialSession(t, mq, cid, who.user, who.pass)
+			assert.NoError(t, err, "%s as %q", who.user, cid)
+		}
 
-	// As a server with PinUsers left it.
-	require.Empty(t, mq.Dynsec(t, map[string]any{"command": "setClientId", "username": "user-a",
-		"clientid": dynsec.UserClientID("user-a")})[0].Error)
-	_, err := dialSession(t, mq, "mosq-watcher-2", "user-a", "token-a")
-	require.Error(t, err, "the pinned user logged in with another client id")
-	require.NoError(t, d.Reconcile(ctx))
-	_, err = dialSession(t, mq, "mosq-watcher-2", "user-a", "token-a")
-	assert.NoError(t, err, "the user is still pinned after Reconcile")
+		// As a server with PinClientIDs left it.
+		require.Empty(t, mq.Dynsec(t, map[string]any{"command": "setClientId", "username": who.user, "clientid": who.own})[0].Error)
+		_, err := dialSession(t, mq, "probe-"+who.user, who.user, who.pass)
+		require.Error(t, err, "%s, pinned, logged in with another client id", who.user)
+		require.NoError(t, d.Reconcile(ctx))
+		_, err = dialSession(t, mq, "probe-"+who.user, who.user, who.pass)
+		assert.NoError(t, err, "%s is still pinned after Reconcile", who.user)
+	}
 }

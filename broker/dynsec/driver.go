@@ -44,13 +44,13 @@ type Options struct {
 	// ServerUsername is the server's own Mosquitto account: a bridge of
 	// that name is refused rather than given the server's account.
 	ServerUsername string
-	// PinUsers ties each user's account to the client id
-	// UserClientID(user id), as every bridge's is to BridgeClientID: then
-	// no account the server makes can take the server's session or a
-	// bridge's, but a user has one MQTT connection at a time, with that
-	// client id. Off, a user logs in with any client id (CONTRACT §3's
-	// watcher), the server's and the bridges' included.
-	PinUsers      bool
+	// PinClientIDs ties each bridge's account to the client id
+	// BridgeClientID(bridge id) and each user's to UserClientID(user id):
+	// then no account the server makes can take the server's session, a
+	// bridge's or a user's, but each has one MQTT connection at a time,
+	// with that client id. Off, they log in with any client id (CONTRACT
+	// §3's watcher), the server's and the bridges' included.
+	PinClientIDs  bool
 	Topics        topics.Tree   // default topics.DefaultPrefix
 	Timeout       time.Duration // how long one request waits for its answer; default 10s
 	RetryInterval time.Duration // how soon a failed change is tried again; default 30s
@@ -257,23 +257,23 @@ func BridgeRole(bridgeID string) string { return "bridge-" + bridgeID }
 func UserRole(userID string) string { return "user-" + userID }
 
 // BridgeClientID is the only MQTT client id a bridge's account may connect
-// with: the one the bridge uses (agent).
+// with when Options.PinClientIDs is set: the one the bridge uses (agent).
 //
 // Mosquitto lets any account take any client id: it closes the connection
 // that had it and hands the newcomer its persistent session, so a user
 // logging in as "companion-server" would cut the server off and take the
 // replies queued for it (dropped, as the user may not read them). The
 // plugin's only tie between accounts and client ids is a client id pinned
-// to an account, which binds that account and no other. So every bridge
-// is pinned, and with Options.PinUsers every user: then no account the
-// server makes can take the server's client id, a bridge's or a user's.
-// Without it a user still can (the contract's watcher logs in with any
-// client id); docs/mosquitto.md.
+// to an account, which binds that account and no other. So with
+// Options.PinClientIDs every account the server makes is pinned, and none
+// can take the server's client id, a bridge's or a user's. Without it any
+// can (the contract's watcher logs in with any client id);
+// docs/mosquitto.md.
 func BridgeClientID(bridgeID string) string { return "companion-bridge-" + bridgeID }
 
 // UserClientID is the only MQTT client id a user's account may connect
-// with when Options.PinUsers is set; see BridgeClientID. A user then has
-// one MQTT connection at a time.
+// with when Options.PinClientIDs is set; see BridgeClientID. A user then
+// has one MQTT connection at a time.
 func UserClientID(userID string) string { return "companion-user-" + userID }
 
 // BridgeACLs is what a bridge may do (CONTRACT §3, §9): subscribe to and
@@ -339,7 +339,7 @@ func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) err
 		return err
 	}
 	return d.createAccount(ctx, account{kind: "bridge", username: bridgeID, password: secret,
-		clientID: BridgeClientID(bridgeID), role: BridgeRole(bridgeID), acls: acls})
+		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), acls: acls})
 }
 
 // BridgeDeleted removes a bridge's account and role: its connections are
@@ -422,7 +422,7 @@ func (d *Driver) syncBridge(ctx context.Context, bridgeID string) error {
 // until they bind a device.
 func (d *Driver) UserCreated(ctx context.Context, userID, token string) error {
 	return d.createAccount(ctx, account{kind: "user", username: userID, password: token,
-		clientID: d.userClientID(userID), role: UserRole(userID)})
+		clientID: d.clientID(UserClientID(userID)), role: UserRole(userID)})
 }
 
 // Bound grants the user the topics of the device, if the store still says
@@ -560,13 +560,13 @@ func (c client) ours(kind, role string) bool {
 	return c.TextName == "companion "+kind && (len(c.Roles) == 0 || len(c.Roles) == 1 && c.Roles[0].Name == role)
 }
 
-// userClientID is the client id a user's account is pinned to: none ("")
-// unless Options.PinUsers.
-func (d *Driver) userClientID(userID string) string {
-	if !d.opts.PinUsers {
+// clientID is the client id an account whose own is id is pinned to: id
+// with Options.PinClientIDs, none ("") without.
+func (d *Driver) clientID(id string) string {
+	if !d.opts.PinClientIDs {
 		return ""
 	}
-	return UserClientID(userID)
+	return id
 }
 
 // withClientID sets cmd's clientid to id; with id "" the client has none
@@ -579,15 +579,15 @@ func withClientID(cmd Command, id string) Command {
 }
 
 // pin returns the setClientId command that gives a client the server made
-// the client id it should have (BridgeClientID; for users, userClientID),
-// or nil when it has it already or is not the server's.
+// the client id it should have (see clientID), or nil when it has it
+// already or is not the server's.
 func (d *Driver) pin(c client) Command {
 	var want string
 	switch {
 	case c.ours("bridge", BridgeRole(c.Username)):
-		want = BridgeClientID(c.Username)
+		want = d.clientID(BridgeClientID(c.Username))
 	case c.ours("user", UserRole(c.Username)):
-		want = d.userClientID(c.Username)
+		want = d.clientID(UserClientID(c.Username))
 	default:
 		return nil
 	}
@@ -722,10 +722,10 @@ func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string)
 // Reconcile makes the plugin agree with the store: everything not granted
 // is refused, every bridge-* role has a bridge's ACLs and every user-* role
 // grants exactly the topics of the user's devices, and every client the
-// server made has the client id it should have (BridgeClientID; for
-// users, UserClientID with Options.PinUsers and none without: a client
-// whose id changes is disconnected once by the plugin). Account creations that failed earlier in this process are
-// retried. Passwords are not reconciled: the server does not know them
+// server made has the client id it should have (BridgeClientID and
+// UserClientID with Options.PinClientIDs, none without: a client whose id
+// changes is disconnected once by the plugin). Account creations that
+// failed earlier in this process are retried. Passwords are not reconciled: the server does not know them
 // after the creation.
 func (d *Driver) Reconcile(ctx context.Context) error {
 	d.change.Lock()

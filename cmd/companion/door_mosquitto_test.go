@@ -66,11 +66,7 @@ func (p *mqttProbe) nextOn(t *testing.T, topic string) mqtt.Message {
 // (docs/security.md) on Mosquitto, with the accounts and ACLs the server
 // made through the dynamic-security plugin: a user reads their own device's
 // topics and nothing else and loses them on unbind, a bridge cannot read
-// replies or send commands, nobody anonymous gets in, and a bridge logs in
-// with its own client id only (dynsec.BridgeClientID), so not with the
-// server's or a user's. A user logs in with any client id, as the
-// contract's watcher does (TestMosquittoPinUsers: with --mqtt-pin-users
-// only with their own).
+// replies or send commands, nobody anonymous gets in.
 func TestBrokerDoorMosquitto(t *testing.T) {
 	m, mq := startWithMosquitto(t, t.TempDir())
 	f := setupFleet(t, m, "dev-1", "dev-2")
@@ -81,7 +77,7 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 	bob := newClient(t, m, r.JSON(t)["token"].(string))
 	r = bob.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-2", "claim_code": f.claims["dev-2"]})
 	require.Equal(t, 201, r.Status, "%s", r.Body)
-	bridgeCID := dynsec.BridgeClientID(f.bridgeID)
+	startBridge(t, m, mq.URL, f, "", "dev-1", "dev-2")
 
 	tree := topics.MustNew(topics.DefaultPrefix)
 	must := func(s string, err error) string {
@@ -110,32 +106,18 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 		assert.Error(t, err, "anonymous")
 		_, err = dialMQTT(t, mq.URL, "wrong-user", f.userID, "not-the-token")
 		assert.Error(t, err, "user with a wrong token")
-		_, err = dialMQTT(t, mq.URL, bridgeCID, f.bridgeID, "not-the-secret")
+		_, err = dialMQTT(t, mq.URL, "wrong-bridge", f.bridgeID, "not-the-secret")
 		assert.Error(t, err, "bridge with a wrong secret")
 	})
 
-	// Before the bridge runs: the probe logs in with its client id.
 	t.Run("a bridge cannot read replies or send commands", func(t *testing.T) {
-		b := mustDialMQTT(t, mq.URL, bridgeCID, f.bridgeID, f.bridgeSecret)
+		b := mustDialMQTT(t, mq.URL, "probe-bridge", f.bridgeID, f.bridgeSecret)
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.AllReplies()))
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/#"))
 		assert.Equal(t, byte(1), b.subscribe(t, must(tree.CommandsFilter("dev-1"))))
 		assert.Equal(t, byte(0x80), b.subscribe(t, must(tree.CommandsFilter("dev-9"))), "a device it does not serve")
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/devices/+/commands/#"), "every device")
 		assertRefused(b, "bridge")
-	})
-	startBridge(t, m, mq.URL, f, "", "dev-1", "dev-2")
-
-	t.Run("a bridge takes neither the server's client id nor a user's", func(t *testing.T) {
-		// Mosquitto would close the owner's connection and hand the
-		// newcomer its persistent session (the server's queued replies).
-		u := mustDialMQTT(t, mq.URL, "alice-phone", f.userID, f.user.token)
-		for _, cid := range []string{"companion-server", "companion-server-r2", "alice-phone"} {
-			_, err := dialMQTT(t, mq.URL, cid, f.bridgeID, f.bridgeSecret)
-			assert.Error(t, err, "the bridge logged in as %s", cid)
-		}
-		assert.True(t, m.Broker.Ready(), "the server lost its connection")
-		assert.True(t, u.IsConnected(), "the user lost their connection")
 	})
 
 	t.Run("mosquitto_sub as the user sees the device's status", func(t *testing.T) {
@@ -156,11 +138,6 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 		assert.Equal(t, f.bridgeID, s.BridgeID)
 	})
 
-	t.Run("a user cannot publish", func(t *testing.T) {
-		p := mustDialMQTT(t, mq.URL, "alice-publisher", f.userID, f.user.token)
-		assertRefused(p, "user")
-	})
-
 	u := mustDialMQTT(t, mq.URL, "alice", f.userID, f.user.token)
 	t.Run("a user reads their own device and nothing else", func(t *testing.T) {
 		require.Equal(t, byte(1), u.subscribe(t, dev1))
@@ -169,6 +146,11 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 		assert.Equal(t, byte(0x80), u.subscribe(t, dev2), "another user's device")
 		assert.Equal(t, byte(0x80), u.subscribe(t, tree.Prefix()+"/#"))
 		assert.Equal(t, byte(0x80), u.subscribe(t, must(tree.Status("dev-2"))))
+	})
+
+	t.Run("a user cannot publish", func(t *testing.T) {
+		p := mustDialMQTT(t, mq.URL, "alice-publisher", f.userID, f.user.token)
+		assertRefused(p, "user")
 	})
 
 	t.Run("unbinding cuts the user off at once", func(t *testing.T) {
@@ -190,23 +172,34 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 	})
 }
 
-// With --mqtt-pin-users a user's account logs in with its own client id
-// only (dynsec.UserClientID): neither the server's client id nor the
-// bridge's, whose owners stay connected.
-func TestMosquittoPinUsers(t *testing.T) {
+// With --mqtt-pin-client-ids a user's account logs in with its own client
+// id only (dynsec.UserClientID), and a bridge's with its own
+// (dynsec.BridgeClientID): neither takes the server's client id nor the
+// other's, and the owners stay connected. (Mosquitto would close the
+// owner's connection and hand the newcomer its persistent session, the
+// server's queued replies or the bridge's commands.)
+func TestMosquittoPinClientIDs(t *testing.T) {
 	mq := mqtttest.StartMosquitto(t, serverAccount)
-	m := startOnMosquitto(t, Config{Data: t.TempDir(), MQTTPinUsers: true}, mq)
+	m := startOnMosquitto(t, Config{Data: t.TempDir(), MQTTPinClientIDs: true}, mq)
 	f := setupFleet(t, m, "dev-1")
 	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	startBridge(t, m, mq.URL, f, "", "dev-1")
-	for _, cid := range []string{"companion-server", dynsec.BridgeClientID(f.bridgeID), "alice"} {
-		_, err := dialMQTT(t, mq.URL, cid, f.userID, f.user.token)
-		assert.Error(t, err, "the user logged in as %s", cid)
+	userCID := dynsec.UserClientID(f.userID)
+	for _, c := range []struct{ cid, user, pass string }{
+		{"companion-server", f.userID, f.user.token},
+		{"companion-server-r2", f.userID, f.user.token},
+		{dynsec.BridgeClientID(f.bridgeID), f.userID, f.user.token},
+		{"alice", f.userID, f.user.token},
+		{"companion-server", f.bridgeID, f.bridgeSecret},
+		{userCID, f.bridgeID, f.bridgeSecret},
+	} {
+		_, err := dialMQTT(t, mq.URL, c.cid, c.user, c.pass)
+		assert.Error(t, err, "%s logged in as %s", c.user, c.cid)
 	}
 	// The server and the bridge still carry a command through.
 	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "still here"})
 	assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", cmd["id"].(string))["state"])
-	u := mustDialMQTT(t, mq.URL, dynsec.UserClientID(f.userID), f.userID, f.user.token)
+	u := mustDialMQTT(t, mq.URL, userCID, f.userID, f.user.token)
 	assert.True(t, u.IsConnected())
 }

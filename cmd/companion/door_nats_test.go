@@ -133,7 +133,7 @@ func TestBrokerDoorNATS(t *testing.T) {
 	})
 
 	t.Run("mosquitto_sub with a bridge's credentials gets its own device's commands only", func(t *testing.T) {
-		ms := startMosquittoSub(t, urls[2], "mosquitto-sub-"+f2.bridgeID, f2.bridgeID, f2.bridgeSecret, cmds("dev-1"), cmds("dev-3"))
+		ms := startMosquittoSub(t, urls[2], f2.bridgeID, f2.bridgeSecret, cmds("dev-1"), cmds("dev-3"))
 		assert.Equal(t, "128, 1", ms.granted, "SUBACK codes of dev-1's and dev-3's commands")
 		hidden := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "for bridge-1 only"})
 		assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", hidden["id"].(string))["state"])
@@ -176,7 +176,7 @@ func TestBrokerDoorNATS(t *testing.T) {
 		s, err := topics.ParseStatus([]byte(status))
 		require.NoError(t, err, "%s", status)
 		assert.Equal(t, f.bridgeID, s.BridgeID)
-		ms := startMosquittoSub(t, urls[1], "mosquitto-sub-"+f.userID, f.userID, f.user.token, dev2)
+		ms := startMosquittoSub(t, urls[1], f.userID, f.user.token, dev2)
 		assert.Equal(t, "128", ms.granted, "bob's device")
 	})
 

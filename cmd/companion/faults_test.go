@@ -30,7 +30,6 @@ import (
 
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/api"
-	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
@@ -725,9 +724,7 @@ func pushConcurrently(t *testing.T, c *client, workers, total int, device func(i
 	return ids
 }
 
-// fakeBridge is a real paho client logged in with a bridge's credentials
-// and its client id (the only one Mosquitto lets the bridge's account use),
-// in place of the bridge.
+// fakeBridge is a real paho client logged in with a bridge's credentials.
 type fakeBridge struct {
 	tb testing.TB
 	c  mqtt.Client
@@ -737,7 +734,7 @@ func connectFakeBridge(tb testing.TB, url string, f *fleet) *fakeBridge {
 	tb.Helper()
 	c := mqtt.NewClient(mqtt.NewClientOptions().
 		AddBroker(url).
-		SetClientID(dynsec.BridgeClientID(f.bridgeID)).
+		SetClientID("fake-" + f.bridgeID).
 		SetUsername(f.bridgeID).
 		SetPassword(f.bridgeSecret).
 		SetAutoReconnect(false))

@@ -46,23 +46,23 @@ type Config struct {
 	// and ACLs through its dynamic-security plugin (the flag defaults to
 	// true; the zero Config leaves them to the operator).
 	MQTTDynsec bool
-	// MQTTPinUsers, with MQTTDynsec, ties each user's Mosquitto account
-	// to the client id companion-user-ID (dynsec.Options.PinUsers).
-	MQTTPinUsers bool
-	AdminToken   string // generated into DATA/admin.token when empty
-	TopicPrefix  string
-	Demo         bool
-	LogLevel     string
-	Limits       api.Limits      // zero fields take CONTRACT §6's defaults
-	Retention    time.Duration   // how long final commands are kept
-	ExpiryGrace  time.Duration   // how long past its TTL a sent command waits for the bridge
-	OIDC         api.OIDCOptions // access tokens of an identity provider, when Issuer is set
-	TLSCert      string          // PEM certificate (chain) of the HTTP API; HTTPS when set
-	TLSKey       string          // its private key
-	MQTTCA       string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
-	MQTTTLSCert  string          // the embedded broker's certificate: it then serves mqtts:// only
-	MQTTTLSKey   string
-	PProf        string // listen address of net/http/pprof; "" off
+	// MQTTPinClientIDs, with MQTTDynsec, ties each bridge's and user's
+	// Mosquitto account to its client id (dynsec.Options.PinClientIDs).
+	MQTTPinClientIDs bool
+	AdminToken       string // generated into DATA/admin.token when empty
+	TopicPrefix      string
+	Demo             bool
+	LogLevel         string
+	Limits           api.Limits      // zero fields take CONTRACT §6's defaults
+	Retention        time.Duration   // how long final commands are kept
+	ExpiryGrace      time.Duration   // how long past its TTL a sent command waits for the bridge
+	OIDC             api.OIDCOptions // access tokens of an identity provider, when Issuer is set
+	TLSCert          string          // PEM certificate (chain) of the HTTP API; HTTPS when set
+	TLSKey           string          // its private key
+	MQTTCA           string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
+	MQTTTLSCert      string          // the embedded broker's certificate: it then serves mqtts:// only
+	MQTTTLSKey       string
+	PProf            string // listen address of net/http/pprof; "" off
 	// Metrics is the listen address of GET /metrics (Prometheus); "" off.
 	Metrics         string
 	metricsOptional bool // the demo's default address: taken is no error
@@ -94,7 +94,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.MQTTUsername, "mqtt-username", "", "username on the external MQTT broker")
 	fs.StringVar(&c.MQTTPassword, "mqtt-password", "", "password on the external MQTT broker")
 	fs.BoolVar(&c.MQTTDynsec, "mqtt-dynsec", true, "with --mqtt-url: keep Mosquitto's accounts and ACLs through its dynamic-security plugin (the server's account must be the plugin's admin)")
-	fs.BoolVar(&c.MQTTPinUsers, "mqtt-pin-users", false, "with --mqtt-dynsec: a user may log in to Mosquitto only with client id companion-user-ID (one connection each), so that no user can take the server's or a bridge's session")
+	fs.BoolVar(&c.MQTTPinClientIDs, "mqtt-pin-client-ids", false, "with --mqtt-dynsec: a bridge may log in to Mosquitto only with client id companion-bridge-ID and a user only with companion-user-ID (one connection each), so that none can take the server's session or another's")
 	fs.StringVar(&c.AdminToken, "admin-token", "", "admin API token (default: generated into DATA/admin.token)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", topics.DefaultPrefix, "MQTT topic prefix")
 	fs.BoolVar(&c.Demo, "demo", false, "also run a bridge with three simulated devices and a demo user")
@@ -445,7 +445,7 @@ func (m *Main) brokerAccounts(tree topics.Tree) (api.BrokerAccounts, error) {
 			Conn:           m.Broker,
 			Store:          m.DB,
 			ServerUsername: cfg.MQTTUsername,
-			PinUsers:       cfg.MQTTPinUsers,
+			PinClientIDs:   cfg.MQTTPinClientIDs,
 			Topics:         tree,
 			Logger:         m.Logger,
 		})

@@ -22,7 +22,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
@@ -153,7 +152,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 			u := f.user
 
 			t.Run("paho cannot subscribe to its commands", func(t *testing.T) {
-				p := mustDialMQTT(t, mqttURL, dynsec.BridgeClientID(f2.bridgeID), f2.bridgeID, f2.bridgeSecret)
+				p := mustDialMQTT(t, mqttURL, "probe-bridge-2", f2.bridgeID, f2.bridgeSecret)
 				assert.Equal(t, byte(0x80), p.subscribe(t, cmds1), "the first bridge's device")
 				assert.Equal(t, byte(0x80), p.subscribe(t, must(tree.Command("dev-1", topics.OpPushText))), "one op of it")
 				assert.Equal(t, byte(0x80), p.subscribe(t, tree.Prefix()+"/devices/+/commands/#"), "every device")
@@ -166,7 +165,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				// dev-2's granted. A command to dev-1 goes to the broker
 				// first, then one to dev-2, the marker: the first message
 				// mosquitto_sub prints (-C 1) must be the marker.
-				ms := startMosquittoSub(t, mqttURL, dynsec.BridgeClientID(f2.bridgeID), f2.bridgeID, f2.bridgeSecret, cmds1, cmds2)
+				ms := startMosquittoSub(t, mqttURL, f2.bridgeID, f2.bridgeSecret, cmds1, cmds2)
 				assert.Equal(t, "128, 1", ms.granted, "SUBACK codes of dev-1's and dev-2's commands")
 				hidden := u.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "for bridge-1 only"})
 				waitState(t, u, "dev-1", hidden["id"].(string), "sent") // the broker has had it for half a second
@@ -205,7 +204,7 @@ func TestSecondBridgeSeesNothingOfTheFirst(t *testing.T) {
 				// bridge-2 publishes a status and settings with a far higher
 				// seq, naming bridge-1, and a final reply for the command.
 				// Both at QoS 0 and at QoS 1, as a bridge publishes.
-				p := mustDialMQTT(t, mqttURL, dynsec.BridgeClientID(f2.bridgeID), f2.bridgeID, f2.bridgeSecret)
+				p := mustDialMQTT(t, mqttURL, "forger-bridge-2", f2.bridgeID, f2.bridgeSecret)
 				for _, qos := range []byte{0, 1} {
 					p.publishRefused(t, qos, statusTopic, status(1<<60, 1), cmds2)
 					p.publishRefused(t, qos, settingsTopic, settings(1<<60, 1), cmds2)
@@ -267,11 +266,11 @@ type mosquittoSub struct {
 	lines   chan string
 }
 
-// startMosquittoSub runs mosquitto_sub (-d -v, QoS 1) as clientID with the
-// credentials on the filters until it has printed one message (-C 1) or 20 seconds
+// startMosquittoSub runs mosquitto_sub (-d -v, QoS 1) with the credentials
+// on the filters until it has printed one message (-C 1) or 20 seconds
 // passed (-W 20), and returns once the broker has answered its
 // subscription.
-func startMosquittoSub(t *testing.T, mqttURL, clientID, user, pass string, filters ...string) *mosquittoSub {
+func startMosquittoSub(t *testing.T, mqttURL, user, pass string, filters ...string) *mosquittoSub {
 	t.Helper()
 	bin, err := exec.LookPath("mosquitto_sub")
 	require.NoError(t, err, "mosquitto_sub not installed: run make deps (it installs Debian's mosquitto-clients)")
@@ -281,7 +280,7 @@ func startMosquittoSub(t *testing.T, mqttURL, clientID, user, pass string, filte
 	require.NoError(t, err, "stdbuf (coreutils) is required")
 	u, err := url.Parse(mqttURL)
 	require.NoError(t, err)
-	args := []string{"-oL", bin, "-h", u.Hostname(), "-p", u.Port(), "-u", user, "-P", pass, "-i", clientID,
+	args := []string{"-oL", bin, "-h", u.Hostname(), "-p", u.Port(), "-u", user, "-P", pass, "-i", "mosquitto-sub-" + user,
 		"-q", "1", "-d", "-v", "-C", "1", "-W", "20"}
 	for _, f := range filters {
 		args = append(args, "-t", f)
@@ -358,9 +357,11 @@ func TestMovingADeviceMovesItsRights(t *testing.T) {
 			text := func(dev string) string { return must(tree.Command(dev, topics.OpPushText)) }
 			u := f.user
 
+			probes := 0
 			dial := func(g *fleet, filters ...string) *mqttProbe {
 				t.Helper()
-				p := mustDialMQTT(t, mqttURL, dynsec.BridgeClientID(g.bridgeID), g.bridgeID, g.bridgeSecret)
+				probes++
+				p := mustDialMQTT(t, mqttURL, fmt.Sprintf("%s-probe-%d", g.bridgeID, probes), g.bridgeID, g.bridgeSecret)
 				for _, filter := range filters {
 					require.Equal(t, byte(1), p.subscribe(t, filter), "%s may read %s", g.bridgeID, filter)
 				}
@@ -628,7 +629,7 @@ func TestUsersOwnBridge(t *testing.T) {
 			marker := alice.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "marker"})["id"].(string)
 			waitState(t, alice, "dev-1", marker, "sent")
 			assert.Equal(t, "queued", commandState(t, alice, "phone-1", after))
-			_, err = dialMQTT(t, mqttURL, dynsec.BridgeClientID(hub.bridgeID), hub.bridgeID, hub.bridgeSecret)
+			_, err = dialMQTT(t, mqttURL, "deleted-hub", hub.bridgeID, hub.bridgeSecret)
 			assert.Error(t, err, "the deleted bridge's secret still connects")
 			r = newClient(t, m, hub.bridgeSecret).do("GET", "/api/v1/blobs/"+strings.Repeat("0", 64), nil)
 			assert.Equal(t, 401, r.Status, "%s", r.Body)
