@@ -347,17 +347,22 @@ func (s *Server) getBlob(c *gin.Context) error {
 	if w.failed == 0 {
 		return nil
 	}
-	// ServeContent has set its plain-text error's headers (and dropped the
-	// ETag and Cache-Control of a success): clear them for the problem.
-	h.Del("Content-Type")
-	h.Del("X-Content-Type-Options")
-	if w.failed == http.StatusRequestedRangeNotSatisfiable {
+	// ServeContent has set its plain-text error's headers, and left those
+	// of a success on some errors: a problem is not the content, and must
+	// not be cached as it is.
+	for _, k := range []string{"Content-Type", "X-Content-Type-Options", "Content-Range", "ETag", "Cache-Control", "Last-Modified"} {
+		h.Del(k)
+	}
+	switch w.failed {
+	case http.StatusRequestedRangeNotSatisfiable:
 		// RFC 9110 §15.5.17: the answer names the content's length, also
 		// when the Range was not even well-formed.
 		h.Set("Content-Range", fmt.Sprintf("bytes */%d", blob.Size))
 		return &Error{Code: CodeRangeNotSatisfiable}
+	case http.StatusPreconditionFailed:
+		// The client's If-Match or If-Unmodified-Since is false.
+		return &Error{Code: CodePreconditionFailed}
 	}
-	h.Del("Content-Range")
 	return fmt.Errorf("serving blob %s: http.ServeContent answered %d", sha, w.failed)
 }
 

@@ -672,6 +672,45 @@ func TestBlobs(t *testing.T) {
 	assert.Equal(t, 200, r.status, "the admin gets any blob")
 }
 
+// A blob's If-Match or If-Unmodified-Since that fails is the client's
+// 412 (RFC 9110 §13.1.1, §13.1.4), as a problem: never a 500, and never
+// with the cache headers of the content.
+func TestBlobPreconditions(t *testing.T) {
+	e := newEnv(t)
+	content := firmwareImage(t, "1.0.0", 1000)
+	r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.0.0", token: testAdminToken, body: content,
+		header: map[string]string{"Content-Type": "application/octet-stream"}})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	sha := r.json(t)["sha256"].(string)
+	path := "/api/v1/blobs/" + sha
+	hourAgo := time.Now().Add(-time.Hour).UTC().Format(http.TimeFormat)
+	for _, method := range []string{"GET", "HEAD"} {
+		for _, tc := range []struct {
+			name   string
+			header map[string]string
+			status int
+		}{
+			{"If-Match another", map[string]string{"If-Match": `"0000"`}, http.StatusPreconditionFailed},
+			{"If-Match another, with a range", map[string]string{"If-Match": `"0000"`, "Range": "bytes=10-"}, http.StatusPreconditionFailed},
+			{"If-Unmodified-Since before it was stored", map[string]string{"If-Unmodified-Since": hourAgo}, http.StatusPreconditionFailed},
+			{"If-Match its ETag", map[string]string{"If-Match": `"` + sha + `"`}, http.StatusOK},
+			{"If-Match any", map[string]string{"If-Match": "*"}, http.StatusOK},
+		} {
+			r := e.send(req{method: method, path: path, token: testAdminToken, header: tc.header})
+			require.Equal(t, tc.status, r.status, "%s %s: %s", method, tc.name, r.body)
+			if tc.status != http.StatusPreconditionFailed {
+				continue
+			}
+			for _, h := range []string{"ETag", "Cache-Control", "Last-Modified", "Content-Range"} {
+				assert.Empty(t, r.header.Get(h), "%s %s: %s of a problem", method, tc.name, h)
+			}
+			if method == "GET" {
+				assert.Equal(t, CodePreconditionFailed, r.problem(t).Code, tc.name)
+			}
+		}
+	}
+}
+
 func TestProblemShape(t *testing.T) {
 	e := newEnv(t)
 	tok := e.bound("dev-1")

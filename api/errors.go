@@ -62,6 +62,7 @@ const (
 	CodeIdempotencyKeyInUse  = "idempotency_key_in_use"
 	CodeInvalidCursor        = "invalid_cursor"
 	CodeRangeNotSatisfiable  = "range_not_satisfiable"
+	CodePreconditionFailed   = "precondition_failed"
 	CodeQueueFull            = "queue_full"
 	CodeRateLimited          = "rate_limited"
 	CodeInternal             = "internal"
@@ -104,6 +105,7 @@ var codes = map[string]codeInfo{
 	CodeIdempotencyKeyInUse:  {http.StatusConflict, "Idempotency key in use", "a request with this Idempotency-Key is still being answered; repeat it later for its answer"},
 	CodeInvalidCursor:        {http.StatusUnprocessableEntity, "Invalid cursor", "the cursor is not one this list returned"},
 	CodeRangeNotSatisfiable:  {http.StatusRequestedRangeNotSatisfiable, "Range not satisfiable", "the range lies outside the content"},
+	CodePreconditionFailed:   {http.StatusPreconditionFailed, "Precondition failed", "the content does not meet the request's If-Match or If-Unmodified-Since"},
 	CodeQueueFull:            {http.StatusTooManyRequests, "Queue full", "the device has too many unfinished commands"},
 	CodeRateLimited:          {http.StatusTooManyRequests, "Rate limited", "too many requests"},
 	CodeInternal:             {http.StatusInternalServerError, "Internal error", "internal error"},

@@ -349,6 +349,10 @@ func (s *Server) routes() *gin.Engine {
 	// or a client could pick the address its failures are counted under.
 	e.SetTrustedProxies(nil)
 	e.HandleMethodNotAllowed = true
+	// A path with a trailing slash names nothing: gin's default answers it
+	// with a redirect in plain HTML, which is no problem+json and which a
+	// client of a POST follows or drops; it is the 404 of any unknown path.
+	e.RedirectTrailingSlash = false
 	if s.requests != nil {
 		e.Use(s.observeRequest)
 	}

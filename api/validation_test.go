@@ -408,6 +408,37 @@ func TestAppAndOTAValidation(t *testing.T) {
 	assert.Equal(t, int64(len(fw)), ou.Blob.Size)
 }
 
+// An optional member that is null is taken as absent, as many JSON
+// encoders write an unset field; api/openapi.json says so, so that a
+// client checked against it may send one.
+func TestOptionalMembersMayBeNull(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.report("dev-1", "0.9.0")
+	r := e.send(req{method: "PUT", path: "/api/v1/admin/apps/weather/1.0.0", token: testAdminToken, body: []byte("pkg"),
+		header: map[string]string{"Content-Type": "application/octet-stream"}})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	r = e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.0.0", token: testAdminToken, body: firmwareImage(t, "1.0.0", 500),
+		header: map[string]string{"Content-Type": "application/octet-stream"}})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	png := b64(pngOf(t, 2, 2))
+	for _, tc := range []struct {
+		method, path, body string
+		status             int
+	}{
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":"hi","title":null,"ttl_seconds":null}`, 202},
+		{"POST", "/api/v1/devices/dev-1/push/image", `{"image":"` + png + `","content_type":null,"ttl_seconds":null}`, 202},
+		{"POST", "/api/v1/devices/dev-1/apps/install", `{"app_id":"weather","version":null}`, 202},
+		{"PUT", "/api/v1/devices/dev-1/apps/weather/update", `{"version":null}`, 202},
+		{"POST", "/api/v1/devices/dev-1/ota/update", `{"version":null}`, 202},
+		{"POST", "/api/v1/devices/register", `{"device_id":"dev-1","claim_code":"code-dev-1","name":null}`, 200},
+	} {
+		r := e.do(tc.method, tc.path, tok, tc.body)
+		require.Equal(t, tc.status, r.status, "%s %s %s: %s", tc.method, tc.path, tc.body, r.body)
+	}
+	assert.Equal(t, "dev-1", e.do("GET", "/api/v1/devices/dev-1", tok, nil).json(t)["name"], "a null name is the device id")
+}
+
 func TestListQueryValidation(t *testing.T) {
 	e := newEnv(t)
 	tok := e.bound("dev-1")
@@ -474,6 +505,12 @@ func TestPathIDs(t *testing.T) {
 		{"DELETE", "/api/v1/devices/dev-1/apps/UPPER", CodeAppNotFound},
 		{"PUT", "/api/v1/devices/dev-1/apps/a%20b/update", CodeAppNotFound},
 		{"GET", "/api/v1/nowhere", CodeNotFound},
+		// A trailing slash names no resource: a problem, not a redirect
+		// in plain HTML that a POST client would follow or drop.
+		{"GET", "/api/v1/devices/", CodeNotFound},
+		{"GET", "/api/v1/devices/dev-1/status/", CodeNotFound},
+		{"POST", "/api/v1/devices/dev-1/push/text/", CodeNotFound},
+		{"DELETE", "/api/v1/devices/dev-1/", CodeNotFound},
 	} {
 		r := e.do(tc.method, tc.path, tok, nil)
 		require.Equal(t, 404, r.status, "%s %s = %d %s", tc.method, tc.path, r.status, r.body)
