@@ -28,8 +28,15 @@ func TestHealth(t *testing.T) {
 	r := e.do("GET", "/readyz", "", nil)
 	require.Equal(t, 503, r.status)
 	assert.Equal(t, CodeNotReady, r.problem(t).Code)
+	// HEAD, as some load balancers probe: the same status, no body.
+	for path, want := range map[string]int{"/healthz": 200, "/readyz": 503} {
+		r := e.do("HEAD", path, "", nil)
+		assert.Equal(t, want, r.status, "HEAD %s", path)
+		assert.Empty(t, r.body, "HEAD %s", path)
+	}
 	ready.Store(true)
 	assert.Equal(t, 200, e.do("GET", "/readyz", "", nil).status)
+	assert.Equal(t, 200, e.do("HEAD", "/readyz", "", nil).status)
 }
 
 func TestAuth(t *testing.T) {

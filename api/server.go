@@ -360,8 +360,11 @@ func (s *Server) routes() *gin.Engine {
 	e.NoRoute(s.h(func(*gin.Context) error { return errNotFound }))
 	e.NoMethod(s.h(func(*gin.Context) error { return &Error{Code: CodeMethodNotAllowed} }))
 
+	// HEAD too: some load balancers and uptime checkers probe with it.
 	e.GET("/healthz", s.healthz)
+	e.HEAD("/healthz", s.healthz)
 	e.GET("/readyz", s.h(s.readyz))
+	e.HEAD("/readyz", s.h(s.readyz))
 
 	v1 := e.Group("/api/v1")
 	v1.GET("/openapi.json", s.openapi)
