@@ -483,7 +483,14 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			a.oweDelivered(c.DeviceID, c.ID)
 			released = append(released, it.res.rec)
 		case acceptKnown:
-			a.log.Debug("duplicate command dropped", "device", c.DeviceID, "cmd", c.ID)
+			// Held already, queued or running: it does not run again, but
+			// is answered "delivered" (unless it ends first). The server
+			// sends a command again when it has not heard that the bridge
+			// has it (the "delivered" lost with a crash of the bridge, a
+			// broker or the server); unanswered, it read sent, went out
+			// again every minute and expired past its TTL while held here.
+			a.log.Debug("duplicate command not run again", "device", c.DeviceID, "cmd", c.ID)
+			a.oweDelivered(c.DeviceID, c.ID)
 		case acceptDone:
 			a.log.Debug("finished command repeated; republishing its reply", "device", c.DeviceID, "cmd", c.ID)
 			if it.res.final != nil {
@@ -491,6 +498,9 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			}
 		case acceptCanceled:
 			a.log.Info("command canceled before it ran", "device", c.DeviceID, "cmd", it.res.final.CommandID)
+			// No "delivered" after "canceled": the one owed when the
+			// command (or a repeat of it, earlier in this batch) came in.
+			a.settleDelivered(it.res.canceled)
 			a.publishReply(c.DeviceID, *it.res.final)
 		}
 	}

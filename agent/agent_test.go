@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -243,6 +244,41 @@ func TestDuplicateCommandRunsOnce(t *testing.T) {
 	}
 }
 
+// A repeat of a command the bridge holds, queued or running, is answered
+// "delivered". The server sends a command again when it has not heard that
+// the bridge has it: here the bridge took the commands in and crashed
+// before their "delivered" went out, and the server sends them again when
+// the bridge says online (a broker or a server that lost the reply does
+// the same). Dropped unanswered, the second read sent until it ended: sent
+// again every minute, cancelable while it ran, expired by the server past
+// its TTL while the bridge held it.
+func TestRepeatOfAHeldCommandIsAnsweredDelivered(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := sim.New(sim.Options{ID: "dev-1", ExecDelay: 4 * agent.DeliveredDelay})
+	dir := t.TempDir()
+	first := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "first"})
+	second := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "second"})
+	if err := agent.SpoolCommands(dir, []topics.Command{first, second}); err != nil {
+		t.Fatal(err)
+	}
+
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
+	w.send(first) // the server's resend after "online"
+	w.send(second)
+	if r := w.waitFinal("dev-1", second.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("second ended %s", r.State)
+	}
+	if got := states(w.replies("dev-1", second.ID)); len(got) != 2 || got[0] != companion.StateDelivered {
+		t.Errorf("replies of the second: %v; want delivered, succeeded", got)
+	}
+	for _, c := range []topics.Command{first, second} {
+		if n := dev.Executions(c.ID); n != 1 {
+			t.Errorf("Executions(%s) = %d; want 1", c.Payload, n)
+		}
+	}
+}
+
 func finals(rs []topics.Reply) []topics.Reply {
 	var out []topics.Reply
 	for _, r := range rs {
@@ -381,6 +417,29 @@ func TestCancelQueuedCommand(t *testing.T) {
 		if r.State == companion.StateSucceeded || r.State == companion.StateInProgress {
 			t.Errorf("canceled command has a %s reply", r.State)
 		}
+	}
+}
+
+// A command canceled soon after it came in, before its "delivered" was
+// due, never reads "delivered" after "canceled".
+func TestNoDeliveredAfterCanceled(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, timeout: time.Second})
+
+	dev.HangNext()
+	first := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "hangs"})
+	second := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "canceled"})
+	w.send(first)
+	w.send(second)
+	w.send(command(t, "dev-1", topics.OpCancel, topics.Cancel{CommandID: second.ID}))
+	w.waitReply("dev-1", second.ID, companion.StateCanceled)
+	// The first ends with the command timeout, well after the second's
+	// "delivered" would have been due.
+	w.waitFinal("dev-1", first.ID)
+	if got := states(w.replies("dev-1", second.ID)); got[len(got)-1] != companion.StateCanceled {
+		t.Errorf("replies of the canceled command: %v; want canceled last", got)
 	}
 }
 
@@ -776,4 +835,45 @@ func TestBrokerDown(t *testing.T) {
 	if err := a.Close(); err != nil {
 		t.Errorf("Close = %v", err)
 	}
+}
+
+// A device the bridge cannot read after a restart is reported offline
+// with what was last known of it, as within one run of the bridge. The
+// server stores a status whole: a blank one put the device's firmware
+// version, model, battery and apps out of its records until the device was
+// back in reach (GET …/apps listed none, the OTA check offered every
+// firmware as an update).
+func TestOutOfReachAfterRestartKeepsWhatWasKnown(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	if err := dev.InstallApp(t.Context(), "before-the-bridge", "weather", "1.2.0", []byte("pkg")); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
+	known := w.waitStatus("dev-1", "read from the device", func(s topics.Status) bool { return s.Online && len(s.Apps) == 1 })
+	br.stop(t)
+
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir,
+		wrap: func(d *sim.Device) agent.Device { return outOfReach{d} }})
+	st := w.waitStatus("dev-1", "offline", func(s topics.Status) bool { return !s.Online })
+	if st.FirmwareVersion != known.FirmwareVersion || st.Model != known.Model || st.Battery == nil ||
+		*st.Battery != *known.Battery || !slices.Equal(st.Apps, known.Apps) {
+		t.Errorf("offline status %+v; want what was known: %+v", st, known)
+	}
+	if st.Seq <= known.Seq {
+		t.Errorf("offline status seq %d; want above the known one's %d", st.Seq, known.Seq)
+	}
+}
+
+// outOfReach is a device the bridge cannot reach: every read fails.
+type outOfReach struct{ *sim.Device }
+
+func (outOfReach) Info(context.Context) (companion.DeviceInfo, error) {
+	return companion.DeviceInfo{}, errors.New("out of reach")
+}
+
+func (outOfReach) Settings(context.Context) (map[string]any, topics.Schema, error) {
+	return nil, nil, errors.New("out of reach")
 }

@@ -58,7 +58,15 @@ type blobs struct {
 	idle   time.Duration // blobIdleTimeout; shorter in tests
 
 	mu    sync.Mutex
-	locks map[string]*sync.Mutex // one download per sha at a time
+	locks map[string]*blobLock // one download per sha at a time
+}
+
+// blobLock keeps the downloads of one blob apart. It is in blobs.locks
+// only while someone holds it or waits for it: kept for good, the locks
+// grew the bridge's memory with every blob it fetched.
+type blobLock struct {
+	sync.Mutex
+	users int // holders and waiters, guarded by blobs.mu
 }
 
 func newBlobs(dir, apiURL, secret string, client *http.Client, now func() time.Time, log *slog.Logger) (*blobs, error) {
@@ -69,19 +77,28 @@ func newBlobs(dir, apiURL, secret string, client *http.Client, now func() time.T
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("agent: blob cache: %w", err)
 	}
-	return &blobs{dir: dir, base: base, secret: secret, client: client, now: now, log: log, idle: blobIdleTimeout, locks: map[string]*sync.Mutex{}}, nil
+	return &blobs{dir: dir, base: base, secret: secret, client: client, now: now, log: log, idle: blobIdleTimeout, locks: map[string]*blobLock{}}, nil
 }
 
+// lock takes the lock of a blob's downloads and returns its unlock.
 func (b *blobs) lock(sha string) func() {
 	b.mu.Lock()
-	l, ok := b.locks[sha]
-	if !ok {
-		l = &sync.Mutex{}
+	l := b.locks[sha]
+	if l == nil {
+		l = &blobLock{}
 		b.locks[sha] = l
 	}
+	l.users++
 	b.mu.Unlock()
 	l.Lock()
-	return l.Unlock
+	return func() {
+		l.Unlock()
+		b.mu.Lock()
+		if l.users--; l.users == 0 {
+			delete(b.locks, sha)
+		}
+		b.mu.Unlock()
+	}
 }
 
 func validSHA256(s string) bool {

@@ -173,3 +173,40 @@ func TestBlobStallIsResumed(t *testing.T) {
 		t.Errorf("requests' Range headers = %q; want %q (the stalled download resumed)", ranges, want)
 	}
 }
+
+// The lock that keeps two downloads of one blob apart goes once nobody
+// holds it or waits for it: one was kept for every blob ever fetched (and
+// every cached file purged), a bridge's memory growing with each image
+// pushed for as long as it ran.
+func TestBlobLocksDoNotPileUp(t *testing.T) {
+	served := map[string][]byte{}
+	var refs []topics.Blob
+	for i := range 3 {
+		data := []byte("image " + strconv.Itoa(i))
+		ref := blobRef(data)
+		served[ref.SHA256] = data
+		refs = append(refs, ref)
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write(served[filepath.Base(r.URL.Path)])
+	}))
+	defer srv.Close()
+	b := newTestBlobs(t, srv.URL)
+	var wg sync.WaitGroup
+	for _, ref := range append(refs, refs...) { // two at a time for each
+		wg.Go(func() {
+			if _, err := b.fetch(context.Background(), ref, func(int) {}); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+	if n := b.purge(time.Now().Add(time.Hour)); n != len(refs) {
+		t.Errorf("purge removed %d files; want %d", n, len(refs))
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if n := len(b.locks); n != 0 {
+		t.Errorf("%d blob locks left after the fetches and the purge; want none", n)
+	}
+}

@@ -44,11 +44,29 @@ func (dr *deviceRunner) offer(st deviceState) {
 
 // report publishes a device's retained status and settings: on connect,
 // after commands, and both every StatusInterval.
+//
+// The status last read from the device is kept in the spool: a device the
+// bridge cannot read is reported offline with what was known of it, also
+// after a restart. The server stores a status whole, so a blank one would
+// put the device's firmware version, model, battery and apps out of its
+// records until the device is back in reach.
 func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 	tick := time.NewTicker(a.opts.StatusInterval)
 	defer tick.Stop()
-	var last *topics.Status
+	last, err := a.spool.lastStatus(dr.id)
+	if err != nil {
+		a.log.Warn("reading the device's last known status failed", "device", dr.id, "err", err)
+	}
+	kept := last // what the spool has
 	for {
+		if last != nil && last.Online && !sameStatus(last, kept) {
+			kept = last
+			a.spool.keepStatus(dr.id, *last, func(err error) {
+				if err != nil {
+					a.log.Warn("keeping the device's status failed", "device", dr.id, "err", err)
+				}
+			})
+		}
 		select {
 		case <-ctx.Done():
 			return

@@ -27,14 +27,19 @@ import (
 //	          order of acceptance (their UUIDv7 ids), then of arrival
 //	outbox    seq → command id: final replies (in their records) not yet
 //	          acknowledged by the broker
+//	status    device id → the status last read from the device, so that
+//	          one the bridge cannot read after a restart is reported with
+//	          what was known of it (report.go)
 //
-// Every bucket grows at its end, so a commit writes few pages however many
+// Every bucket but status (written when a device's status says something
+// new) grows at its end, so a commit writes few pages however many
 // devices its writes are for. (Earlier versions kept a queue bucket per
 // device, "queues"; openSpool moves those into "queue".)
 var (
 	bucketCommands  = []byte("commands")
 	bucketQueue     = []byte("queue")
 	bucketOutbox    = []byte("outbox")
+	bucketStatus    = []byte("status")
 	bucketOldQueues = []byte("queues")
 )
 
@@ -121,7 +126,7 @@ func openSpool(dir string) (*spool, error) {
 	}
 	s := &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketCommands, bucketQueue, bucketOutbox} {
+		for _, b := range [][]byte{bucketCommands, bucketQueue, bucketOutbox, bucketStatus} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -578,6 +583,37 @@ func (s *spool) outbox() ([]outboxItem, error) {
 func (s *spool) deleteOutbox(key uint64, done func(error)) {
 	s.w.Go(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketOutbox).Delete(u64(key))
+	}, done)
+}
+
+// lastStatus returns the status last read from the device that keepStatus
+// kept, nil when none was.
+func (s *spool) lastStatus(deviceID string) (*topics.Status, error) {
+	var st *topics.Status
+	err := s.db.View(func(tx *bolt.Tx) error {
+		v := tx.Bucket(bucketStatus).Get([]byte(deviceID))
+		if v == nil {
+			return nil
+		}
+		st = new(topics.Status)
+		if err := fastjson.Unmarshal(v, st); err != nil {
+			return fmt.Errorf("spool status of %s: %w", deviceID, err)
+		}
+		return nil
+	})
+	return st, err
+}
+
+// keepStatus keeps a status read from the device. It does not wait: the
+// write shares the spool's next commit, and done gets its outcome.
+func (s *spool) keepStatus(deviceID string, st topics.Status, done func(error)) {
+	v, err := fastjson.Marshal(st)
+	if err != nil {
+		done(err)
+		return
+	}
+	s.w.Go(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketStatus).Put([]byte(deviceID), v)
 	}, done)
 }
 

@@ -557,9 +557,10 @@ func (b *Broker) retryLoop() {
 // of (a bridge or a broker coming back, a device coming online, a restart)
 // sends a device's unfinished commands again already, and this catches
 // the rest, such as a broker that dropped a message with no session to
-// hold it while the bridge's was being made anew. The bridge drops a
-// command it has and answers one it finished with its final reply, so a
-// repeat costs a message. A device that reads offline waits for its bridge
+// hold it while the bridge's was being made anew (or whose "delivered"
+// was lost). The bridge runs no command twice: it answers one it holds
+// with "delivered" and one it finished with its final reply, so a repeat
+// costs a message. A device that reads offline waits for its bridge
 // to come back, which sends everything again; so does a command the
 // retry sent: again only after another SentRetry (retried holds when, and
 // forgets the commands no longer sent).
