@@ -276,7 +276,7 @@ func New(opts Options) (*Agent, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
-	a.client = mqtt.NewClient(pahoconn.Buffered(co))
+	a.client = mqtt.NewClient(pahoconn.ReportFailures(pahoconn.Buffered(co), a.log))
 	return a, nil
 }
 

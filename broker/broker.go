@@ -240,7 +240,7 @@ func New(opts Options) (*Broker, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
-	pahoconn.Buffered(co)
+	pahoconn.ReportFailures(pahoconn.Buffered(co), b.log)
 	newClient := opts.NewClient
 	if newClient == nil {
 		newClient = mqtt.NewClient

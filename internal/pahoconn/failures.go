@@ -1,0 +1,61 @@
+package pahoconn
+
+import (
+	"log/slog"
+	"sync"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+)
+
+// failureRepeat is how often the same connect failure is logged again
+// while it lasts.
+const failureRepeat = time.Minute
+
+// ReportFailures has the client that o configures log its failed attempts
+// to connect. Paho retries them on its own (ConnectRetry, AutoReconnect)
+// and says nothing: a wrong password, or a broker that is not there, showed
+// only a client that never connected. The first failure is a warning with
+// paho's reason (the broker's refusal, or the dial's error); the same reason
+// again is logged once a minute at most, with the attempts since, and a
+// connection ends the run. It returns o.
+func ReportFailures(o *mqtt.ClientOptions, log *slog.Logger) *mqtt.ClientOptions {
+	var r failureLog
+	return o.SetConnectionNotificationHandler(func(_ mqtt.Client, n mqtt.ConnectionNotification) {
+		switch n := n.(type) {
+		case mqtt.ConnectionNotificationConnected:
+			r.connected()
+		case mqtt.ConnectionNotificationFailed:
+			r.failed(log, n.Reason, time.Now())
+		}
+	})
+}
+
+// failureLog is the run of failed attempts since the last connection.
+type failureLog struct {
+	mu       sync.Mutex
+	reason   string    // of the last failure logged; "" when connected
+	loggedAt time.Time // when it was logged
+	attempts int       // failures since
+}
+
+func (r *failureLog) connected() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.reason, r.attempts = "", 0
+}
+
+func (r *failureLog) failed(log *slog.Logger, err error, now time.Time) {
+	reason := "unknown"
+	if err != nil {
+		reason = err.Error()
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.attempts++
+	if reason == r.reason && now.Sub(r.loggedAt) < failureRepeat {
+		return
+	}
+	log.Warn("MQTT connect failed; retrying", "err", reason, "attempts", r.attempts)
+	r.reason, r.loggedAt, r.attempts = reason, now, 0
+}
