@@ -106,6 +106,10 @@ type Config struct {
 	CA              string // PEM CA bundle to verify an mqtts:// broker and an https:// API with
 	PProf           string // listen address of net/http/pprof; "" off
 	Metrics         string // listen address of GET /metrics (Prometheus); "" off
+	// CommandTimeout bounds one command on its device, an OTA's upload
+	// included: a 64 MiB image over a real BLE link at tens of KB/s
+	// takes longer than the default.
+	CommandTimeout time.Duration
 }
 
 // Main is the bridge program: Run builds and runs it, Close stops it.
@@ -144,6 +148,8 @@ func NewMain() *Main {
 			SimMTU:      sim.DefaultMTU,
 			SimKBPS:     sim.DefaultKBPS,
 			TopicPrefix: topics.DefaultPrefix,
+
+			CommandTimeout: agent.DefaultCommandTimeout,
 		},
 		Stderr: os.Stderr,
 	}
@@ -176,6 +182,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log `level`: debug, info, warn, error")
 	fs.StringVar(&c.PProf, "pprof", c.PProf, "serve net/http/pprof on this `address` (off when empty; keep it on loopback)")
 	fs.StringVar(&c.Metrics, "metrics", c.Metrics, "serve GET /metrics (Prometheus) on this `address` (off when empty)")
+	fs.DurationVar(&c.CommandTimeout, "command-timeout", c.CommandTimeout, "how `long` one command may take on its device, an OTA's upload included (a large image over a slow link needs more)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -184,6 +191,20 @@ func (m *Main) ParseFlags(args []string) error {
 	}
 	if err := envflag.Apply(fs, "COMPANION_"); err != nil {
 		return err
+	}
+	if c.GATT == "bluez" {
+		// The simulator's flags do nothing to real devices: say so
+		// rather than take them (from the command line or the
+		// environment, which envflag sets through fs.Set).
+		var sim []string
+		fs.Visit(func(f *flag.Flag) {
+			if strings.HasPrefix(f.Name, "sim-") && f.Name != "sim-devices" {
+				sim = append(sim, "--"+f.Name)
+			}
+		})
+		if len(sim) > 0 {
+			return fmt.Errorf("%s: for --sim-devices; real devices (--gatt bluez) have their own", strings.Join(sim, ", "))
+		}
 	}
 	for _, id := range strings.Split(simDevices, ",") {
 		if id = strings.TrimSpace(id); id != "" {
@@ -215,8 +236,6 @@ func (m *Main) validate() error {
 		return errors.New("give either --sim-devices or --gatt bluez --devices, not both")
 	case c.GATT == "" && len(c.Devices) > 0:
 		return errors.New("--devices needs --gatt bluez")
-	case c.GATT == "bluez" && c.SimState != "":
-		return errors.New("--sim-state is for --sim-devices; real devices keep their own state")
 	case c.GATT == "" && len(c.SimDevices) == 0:
 		return errors.New("no devices: give --sim-devices id1,id2,… (or --gatt bluez --devices id1,id2,…)")
 	}
@@ -239,6 +258,9 @@ func (m *Main) validate() error {
 	}
 	if c.SimKBPS <= 0 {
 		return fmt.Errorf("--sim-kbps %d: must be positive", c.SimKBPS)
+	}
+	if c.CommandTimeout <= 0 {
+		return fmt.Errorf("--command-timeout %s: must be positive", c.CommandTimeout)
 	}
 	if c.SimDropEvery < 0 {
 		return fmt.Errorf("--sim-drop-every %s: must not be negative", c.SimDropEvery)
@@ -304,6 +326,8 @@ func (m *Main) Run(ctx context.Context) error {
 		Topics:     tree,
 		Logger:     log,
 		Observer:   m.agentObserver(),
+
+		CommandTimeout: c.CommandTimeout,
 	})
 	if err != nil {
 		return err

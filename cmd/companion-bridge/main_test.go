@@ -15,6 +15,7 @@ import (
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 	"github.com/google/uuid"
 
+	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/mochitest"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -64,6 +65,34 @@ func TestParseFlags(t *testing.T) {
 		{name: "sim mtu too small", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--sim-mtu", "10"}, wantErr: "mtu"},
 		{name: "gatt unknown", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "winrt"}, wantErr: "only backend is bluez"},
 		{name: "bad log level", args: []string{"--log-level", "loud"}, wantErr: "loud"},
+		{
+			name: "command timeout",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--command-timeout", "45m"},
+			check: func(t *testing.T, c Config) {
+				if c.CommandTimeout != 45*time.Minute {
+					t.Errorf("CommandTimeout = %s", c.CommandTimeout)
+				}
+			},
+		},
+		{
+			name: "command timeout by default",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1"},
+			check: func(t *testing.T, c Config) {
+				if c.CommandTimeout != agent.DefaultCommandTimeout {
+					t.Errorf("CommandTimeout = %s", c.CommandTimeout)
+				}
+			},
+		},
+		{name: "command timeout zero", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--command-timeout", "0s"}, wantErr: "--command-timeout"},
+		// The simulator's flags would do nothing to real devices.
+		{name: "gatt and a sim flag", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--sim-mtu", "100"}, wantErr: "--sim-mtu"},
+		{name: "gatt and sim state", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--sim-state", "/tmp/x"}, wantErr: "--sim-state"},
+		{
+			name:    "gatt and a sim flag in the environment",
+			args:    []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1"},
+			env:     map[string]string{"COMPANION_SIM_KBPS": "100"},
+			wantErr: "--sim-kbps",
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -92,23 +121,22 @@ func startBroker(tb testing.TB) string {
 	return url
 }
 
-// TestMainEndToEnd runs the bridge program as main does, against a real
-// broker, and plays the server with a real MQTT client.
-func TestMainEndToEnd(t *testing.T) {
-	url := startBroker(t)
-	tree := topics.MustNew(topics.DefaultPrefix)
-
+// watch subscribes a real MQTT client, playing the server, to every topic
+// of the tree and returns a function that waits (15 s at most) for a
+// message match accepts.
+func watch(t *testing.T, url string, tree topics.Tree) func(what string, match func(mqtt.Message) bool) mqtt.Message {
+	t.Helper()
 	got := make(chan mqtt.Message, 100)
 	watcher := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("watcher").
 		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) { got <- m }))
 	if err := mqtt.WaitTokenTimeout(watcher.Connect(), 10*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	defer watcher.Disconnect(100)
+	t.Cleanup(func() { watcher.Disconnect(100) })
 	if err := mqtt.WaitTokenTimeout(watcher.Subscribe(tree.Prefix()+"/#", 1, nil), 10*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	await := func(what string, match func(mqtt.Message) bool) mqtt.Message {
+	return func(what string, match func(mqtt.Message) bool) mqtt.Message {
 		t.Helper()
 		timeout := time.After(15 * time.Second)
 		for {
@@ -122,21 +150,59 @@ func TestMainEndToEnd(t *testing.T) {
 			}
 		}
 	}
+}
 
-	m := NewMain()
+// runMain runs the bridge program with args as main does, until stop.
+func runMain(t *testing.T, args ...string) (m *Main, stop func()) {
+	t.Helper()
+	m = NewMain()
 	m.Stderr = io.Discard
-	if err := m.ParseFlags([]string{"--mqtt-url", url, "--bridge-id", "b1", "--bridge-secret", "s", "--data", t.TempDir(), "--sim-devices", "dev-1"}); err != nil {
+	if err := m.ParseFlags(args); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		if err := m.Run(ctx); err != nil {
 			t.Errorf("Run: %v", err)
 		}
-	}()
+	})
+	return m, func() {
+		cancel()
+		wg.Wait()
+		if err := m.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	}
+}
+
+// pushText publishes a text push for dev-1 as the server does and returns
+// its command id.
+func pushText(t *testing.T, url string, tree topics.Tree, text string) string {
+	t.Helper()
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("server"))
+	if err := mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Disconnect(100)
+	payload, _ := json.Marshal(topics.PushText{Text: text})
+	cmd := topics.Command{ID: uuid.Must(uuid.NewV7()).String(), Op: topics.OpPushText, DeviceID: "dev-1",
+		CreatedAt: time.Now(), ExpiresAt: time.Now().Add(time.Hour), Payload: payload}
+	b, _ := json.Marshal(cmd)
+	cmdTopic, _ := tree.Command("dev-1", topics.OpPushText)
+	if err := mqtt.WaitTokenTimeout(c.Publish(cmdTopic, 1, false, b), 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	return cmd.ID
+}
+
+// TestMainEndToEnd runs the bridge program as main does, against a real
+// broker, and plays the server with a real MQTT client.
+func TestMainEndToEnd(t *testing.T) {
+	url := startBroker(t)
+	tree := topics.MustNew(topics.DefaultPrefix)
+	await := watch(t, url, tree)
+	m, stop := runMain(t, "--mqtt-url", url, "--bridge-id", "b1", "--bridge-secret", "s", "--data", t.TempDir(), "--sim-devices", "dev-1")
 
 	stateTopic, _ := tree.BridgeState("b1")
 	statusTopic, _ := tree.Status("dev-1")
@@ -146,25 +212,41 @@ func TestMainEndToEnd(t *testing.T) {
 		return m.Topic() == statusTopic && err == nil && s.Online && s.FirmwareVersion == "1.0.0"
 	})
 
-	payload, _ := json.Marshal(topics.PushText{Text: "hello"})
-	cmd := topics.Command{ID: uuid.Must(uuid.NewV7()).String(), Op: topics.OpPushText, DeviceID: "dev-1",
-		CreatedAt: time.Now(), ExpiresAt: time.Now().Add(time.Hour), Payload: payload}
-	b, _ := json.Marshal(cmd)
-	cmdTopic, _ := tree.Command("dev-1", topics.OpPushText)
-	watcher.Publish(cmdTopic, 1, false, b)
+	id := pushText(t, url, tree, "hello")
 	repliesTopic, _ := tree.Replies("dev-1")
 	await("succeeded", func(m mqtt.Message) bool {
 		r, err := topics.ParseReply(m.Payload())
-		return m.Topic() == repliesTopic && err == nil && r.CommandID == cmd.ID && r.State == companion.StateSucceeded
+		return m.Topic() == repliesTopic && err == nil && r.CommandID == id && r.State == companion.StateSucceeded
 	})
 	if texts := m.Sims()[0].Texts(); len(texts) != 1 || texts[0].Text != "hello" {
 		t.Errorf("texts %+v", texts)
 	}
 
-	cancel()
-	wg.Wait()
-	if err := m.Close(); err != nil {
-		t.Errorf("Close: %v", err)
-	}
+	stop()
 	await("offline", func(m mqtt.Message) bool { return m.Topic() == stateTopic && string(m.Payload()) == "offline" })
+}
+
+// --command-timeout reaches the commands: a push that cannot cross the
+// simulated link (a round trip of 15 ms) within 1 ms fails with the code
+// timeout.
+func TestCommandTimeoutFlag(t *testing.T) {
+	url := startBroker(t)
+	tree := topics.MustNew(topics.DefaultPrefix)
+	await := watch(t, url, tree)
+	_, stop := runMain(t, "--mqtt-url", url, "--bridge-id", "b1", "--bridge-secret", "s", "--data", t.TempDir(),
+		"--sim-devices", "dev-1", "--command-timeout", "1ms")
+	defer stop()
+	stateTopic, _ := tree.BridgeState("b1")
+	await("online", func(m mqtt.Message) bool { return m.Topic() == stateTopic && string(m.Payload()) == "online" })
+
+	id := pushText(t, url, tree, "too slow")
+	repliesTopic, _ := tree.Replies("dev-1")
+	m := await("the final reply", func(m mqtt.Message) bool {
+		r, err := topics.ParseReply(m.Payload())
+		return m.Topic() == repliesTopic && err == nil && r.CommandID == id && companion.IsFinal(r.State)
+	})
+	r, _ := topics.ParseReply(m.Payload())
+	if r.State != companion.StateFailed || r.Error == nil || r.Error.Code != "timeout" {
+		t.Errorf("final reply %+v (error %+v); want failed with code timeout", r, r.Error)
+	}
 }

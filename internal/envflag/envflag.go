@@ -17,8 +17,9 @@ func Name(prefix, flagName string) string {
 }
 
 // Apply fills the flags of fs that were not set on the command line (call
-// it after fs.Parse) from the environment. The error names the variable
-// whose value the flag refused.
+// it after fs.Parse) from the environment, through fs.Set: fs.Visit then
+// counts them as given, as those of the command line. The error names the
+// variable whose value the flag refused.
 func Apply(fs *flag.FlagSet, prefix string) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -29,7 +30,7 @@ func Apply(fs *flag.FlagSet, prefix string) error {
 		}
 		name := Name(prefix, f.Name)
 		if v, ok := os.LookupEnv(name); ok {
-			if e := f.Value.Set(v); e != nil {
+			if e := fs.Set(f.Name, v); e != nil {
 				err = fmt.Errorf("%s: %v", name, e)
 			}
 		}

@@ -2,6 +2,7 @@ package envflag
 
 import (
 	"flag"
+	"strings"
 	"testing"
 )
 
@@ -22,6 +23,11 @@ func TestApply(t *testing.T) {
 	}
 	if *url != "tcp://from-env" || *port != 2 || !*demo || *other != "default" {
 		t.Errorf("got url=%q port=%d demo=%v other=%q; want the env for unset flags, the command line for port", *url, *port, *demo, *other)
+	}
+	var given []string
+	fs.Visit(func(f *flag.Flag) { given = append(given, f.Name) })
+	if strings.Join(given, ",") != "demo,mqtt-url,port" {
+		t.Errorf("flags given: %q; want those of the command line and of the environment", given)
 	}
 
 	t.Setenv("X_PORT", "nine")
