@@ -55,6 +55,7 @@ const (
 	CodeFirmwareExists       = "firmware_exists"
 	CodeAppReleaseExists     = "app_release_exists"
 	CodeBodyTooLarge         = "body_too_large"
+	CodeBodyTimeout          = "body_timeout"
 	CodeUnsupportedMedia     = "unsupported_media_type"
 	CodeValidationFailed     = "validation_failed"
 	CodeInvalidClaim         = "invalid_claim"
@@ -98,6 +99,7 @@ var codes = map[string]codeInfo{
 	CodeFirmwareExists:       {http.StatusConflict, "Firmware exists", "that model and version is already published"},
 	CodeAppReleaseExists:     {http.StatusConflict, "App release exists", "that app and version is already published"},
 	CodeBodyTooLarge:         {http.StatusRequestEntityTooLarge, "Body too large", "the body is over its limit"},
+	CodeBodyTimeout:          {http.StatusRequestTimeout, "Body timeout", "the body stopped coming"},
 	CodeUnsupportedMedia:     {http.StatusUnsupportedMediaType, "Unsupported media type", "this operation takes application/json"},
 	CodeValidationFailed:     {http.StatusUnprocessableEntity, "Validation failed", "some fields are invalid"},
 	CodeInvalidClaim:         {http.StatusUnprocessableEntity, "Invalid claim", "unknown device or wrong claim code"},

@@ -94,7 +94,7 @@ type eventsEnv struct {
 	hub *Events
 }
 
-func newEventsEnv(t testing.TB, opts EventsOptions) *eventsEnv {
+func newEventsEnv(t testing.TB, opts EventsOptions, more ...envOption) *eventsEnv {
 	t.Helper()
 	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
@@ -104,7 +104,7 @@ func newEventsEnv(t testing.TB, opts EventsOptions) *eventsEnv {
 	hub, err := NewEvents(opts)
 	require.NoError(t, err)
 	db.OnEvents(hub.Wake)
-	e := newEnvWith(t, db, db, func(o *Options) { o.Events = hub })
+	e := newEnvWith(t, db, db, append(more, func(o *Options) { o.Events = hub })...)
 	// Before the HTTP server's Close (registered earlier, run later).
 	t.Cleanup(hub.Close)
 	return &eventsEnv{env: e, hub: hub}

@@ -53,7 +53,10 @@ func readBody(c *gin.Context, limit int64) ([]byte, error) {
 		return nil, nil
 	}
 	b, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	var e *Error
 	switch {
+	case errors.As(err, &e): // the body stalled (bodyIdle)
+		return nil, e
 	case err != nil:
 		return nil, &Error{Code: CodeBadRequest, Detail: "the body could not be read"}
 	case int64(len(b)) > limit:

@@ -123,6 +123,13 @@ type Limits struct {
 	MinTTL          time.Duration // 60s
 	MaxTTL          time.Duration // 7 days
 	MaxJSONBody     int64         // a JSON body other than an image push; 64 KiB
+	// BodyIdle is the longest a request body may go without a byte; 60s.
+	// A read of the body that waits longer fails, and the request is
+	// answered 408 body_timeout (see bodyIdle). It bounds pauses, not
+	// the body's time in all: a large upload over a slow link is fine.
+	// 60 s, nginx's default client_body_timeout, leaves room for TCP's
+	// retransmission backoff after a link has dropped out for a while.
+	BodyIdle time.Duration
 
 	RequestsPerSecond float64 // per token; 50
 	RequestBurst      int     // per token; 100
@@ -148,6 +155,7 @@ var DefaultLimits = Limits{
 	MinTTL:              60 * time.Second,
 	MaxTTL:              604800 * time.Second,
 	MaxJSONBody:         64 << 10,
+	BodyIdle:            60 * time.Second,
 	RequestsPerSecond:   50,
 	RequestBurst:        100,
 	RegisterPerMinute:   10,
@@ -184,6 +192,7 @@ func (l Limits) withDefaults() Limits {
 	setDur(&l.MinTTL, d.MinTTL)
 	setDur(&l.MaxTTL, d.MaxTTL)
 	set64(&l.MaxJSONBody, d.MaxJSONBody)
+	setDur(&l.BodyIdle, d.BodyIdle)
 	if l.RequestsPerSecond == 0 {
 		l.RequestsPerSecond = d.RequestsPerSecond
 	}
@@ -198,7 +207,7 @@ func (l Limits) check() error {
 	switch {
 	case l.MaxTextBytes < 0, l.MaxTitleBytes < 0, l.MaxImageBytes < 0, l.MaxImageSide < 0,
 		l.MaxAppBytes < 0, l.MaxFirmwareBytes < 0, l.MaxOpenCommands < 0, l.MaxWait < 0,
-		l.MaxJSONBody < 0, l.QueueFullRetryAfter < 0:
+		l.MaxJSONBody < 0, l.BodyIdle < 0, l.QueueFullRetryAfter < 0:
 		return errors.New("api: negative limit")
 	case l.MinTTL < time.Second || l.MinTTL > l.DefaultTTL || l.DefaultTTL > l.MaxTTL:
 		return fmt.Errorf("api: TTLs must satisfy 1s <= MinTTL (%v) <= DefaultTTL (%v) <= MaxTTL (%v)", l.MinTTL, l.DefaultTTL, l.MaxTTL)
@@ -356,7 +365,7 @@ func (s *Server) routes() *gin.Engine {
 	if s.requests != nil {
 		e.Use(s.observeRequest)
 	}
-	e.Use(s.recoverer, s.logRequest)
+	e.Use(s.recoverer, s.logRequest, s.bodyIdle)
 	e.NoRoute(s.h(func(*gin.Context) error { return errNotFound }))
 	e.NoMethod(s.h(func(*gin.Context) error { return &Error{Code: CodeMethodNotAllowed} }))
 

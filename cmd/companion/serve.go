@@ -494,7 +494,10 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		return fmt.Errorf("HTTP listen: %w", err)
 	}
 	m.srv = &http.Server{
-		Handler:           handler.Handler(),
+		Handler: handler.Handler(),
+		// No ReadTimeout: it would bound a whole upload, however steadily
+		// it comes. The API cuts a request body that stalls instead
+		// (api.Limits.BodyIdle).
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(m.Logger.Handler(), slog.LevelWarn),

@@ -1,0 +1,165 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/gin-gonic/gin"
+)
+
+// bodyIdle runs before the handlers of every route, authentication
+// included, and before the answers to unknown routes: it cuts a request body
+// that stalls, so that a client that sends its headers and then a body
+// slowly or not at all cannot hold a handler and a connection for ever.
+// http.Server.ReadTimeout cannot do that: it bounds the whole request,
+// and a firmware upload over a slow link may rightly take many minutes.
+// Instead every read of the body may wait at most Limits.BodyIdle for a
+// byte (see idleBody), however long the body takes in all; a read that
+// waits longer fails with the 408 body_timeout the handler answers.
+//
+// It sets the connection's read deadline (http.ResponseController), which
+// a timer put off by every byte (internal/idleread) could not replace: the
+// timer would also run while the handler is busy between two reads, and
+// blame the client for the server's own slowness. A request without a
+// body is left alone: net/http reads its connection in the background
+// to notice a client that goes away, and a deadline would end that
+// read, and with it the request's context (a Prefer: wait, an event
+// stream).
+func (s *Server) bodyIdle(c *gin.Context) {
+	r := c.Request
+	if r.Body == nil || r.Body == http.NoBody {
+		c.Next()
+		return
+	}
+	b := &idleBody{
+		body:    r.Body,
+		rc:      http.NewResponseController(c.Writer),
+		idle:    s.limits.BodyIdle,
+		http1:   r.ProtoMajor == 1,
+		stalled: &Error{Code: CodeBodyTimeout, Detail: "no byte of the body came for " + seconds(s.limits.BodyIdle)},
+	}
+	if b.http1 {
+		// net/http reads a body the handler has not read (up to 256 KiB
+		// of it, to keep the connection) when the answer is first
+		// flushed: this bounds that read for a handler that answers
+		// without reading (a 401).
+		b.arm()
+		if b.off {
+			c.Next() // not net/http's connection (a test's recorder)
+			return
+		}
+	}
+	// The handlers read a copy of the request: net/http keeps the
+	// original, and its handling of an unread body looks at its type.
+	wrapped := *r
+	wrapped.Body = b
+	c.Request = &wrapped
+	defer b.handlerDone(r.Context())
+	c.Next()
+}
+
+// idleBody is a request body whose reads fail with stalled once the client
+// has sent nothing for idle. Like any request body it is not for
+// concurrent use.
+//
+// Over HTTP/1 the deadline is the connection's; it matters only while
+// something reads it, so it stays set between reads and bounds net/http's
+// own reads too. Once the body is done with it is cleared: at its end, or
+// when net/http has read it to its end and closed it already (it does when
+// the handler flushes an answer before reading), since net/http then
+// reads the connection in the background. (That read clears the deadline
+// as it starts, as of Go 1.26, but a read of ours after the body's end
+// sets it again.) After any other error it stays, expired: the connection
+// is done with, and net/http, which reads what is left of an unread body
+// before it answers, fails at once and closes the connection after the
+// answer instead of waiting.
+//
+// Over HTTP/2 the deadline is the stream's, a timer that fires whether or
+// not anything reads, so it is set only for the length of each read.
+type idleBody struct {
+	body    io.ReadCloser
+	rc      *http.ResponseController
+	idle    time.Duration
+	http1   bool
+	stalled error // a read's error when nothing came in time
+	off     bool  // the connection takes no deadline
+	err     error // the first error a read returned, io.EOF included
+}
+
+func (b *idleBody) Read(p []byte) (int, error) {
+	if b.err != nil {
+		return 0, b.err
+	}
+	b.arm()
+	n, err := b.body.Read(p)
+	switch {
+	case err == nil:
+		if !b.http1 {
+			b.set(time.Time{})
+		}
+	case err == io.EOF, errors.Is(err, http.ErrBodyReadAfterClose):
+		b.err = err
+		b.set(time.Time{})
+	default:
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			err = b.stalled
+		}
+		b.err = err
+		if !b.http1 {
+			b.set(time.Time{})
+		}
+	}
+	return n, err
+}
+
+// Close closes the body. Over HTTP/1 net/http then reads what is left of
+// it, up to 256 KiB, to keep the connection: the deadline bounds that
+// read. Nothing reads the body after that, and the deadline is cleared.
+func (b *idleBody) Close() error {
+	if b.err == nil && b.http1 {
+		b.arm()
+	}
+	err := b.body.Close()
+	if b.err == nil || b.err == io.EOF {
+		b.err = http.ErrBodyReadAfterClose
+	}
+	b.set(time.Time{})
+	return err
+}
+
+// handlerDone runs when the handler has returned. Over HTTP/1 net/http
+// reads a body the handler left unfinished (up to 256 KiB, to keep the
+// connection) before it writes the answer: the deadline, set again here,
+// bounds that read to idle in all, after which the connection is closed
+// once answered. Not when ctx, the request's, has ended: over HTTP/1 that
+// means a read of the connection failed (net/http's own, of the body, when
+// the handler answered before it read), and the expired deadline makes
+// the next one fail at once.
+func (b *idleBody) handlerDone(ctx context.Context) {
+	if b.err == nil && b.http1 && ctx.Err() == nil {
+		b.arm()
+	}
+}
+
+func (b *idleBody) arm() { b.set(time.Now().Add(b.idle)) }
+
+func (b *idleBody) set(deadline time.Time) {
+	if b.off {
+		return
+	}
+	// http.ErrNotSupported: the writer is not net/http's. Any other error
+	// (the connection is closed) the next read returns anyway.
+	if err := b.rc.SetReadDeadline(deadline); err != nil {
+		b.off = true
+	}
+}
+
+// seconds is d as "60 s", or "0.5 s".
+func seconds(d time.Duration) string {
+	return strconv.FormatFloat(d.Seconds(), 'f', -1, 64) + " s"
+}
