@@ -73,7 +73,7 @@ func (db *DB) User(ctx context.Context, id string) (companion.User, error) {
 // when it is set: that must be one of the operator's bridges (ErrNotFound
 // otherwise; a user's own bridge serves only devices bound to that user).
 // CreatedAt is set to now when zero. It returns ErrExists when the id is
-// taken.
+// taken, whatever bridge d names.
 func (db *DB) ProvisionDevice(ctx context.Context, d companion.RegistryDevice) error {
 	if !validID(d.ID) || (d.BridgeID != "" && !validID(d.BridgeID)) {
 		return fmt.Errorf("%w: device needs an id", companion.ErrInvalid)

@@ -19,7 +19,8 @@ const IdempotencyTTL = 24 * time.Hour
 
 // CreateCommand stores c as a new queued command for c.DeviceID and returns
 // it with its id, state and times set. The id is a UUIDv7 assigned inside
-// the write transaction, so the order of ids is the order of commits.
+// the write transaction, above every id stored (commandID), so the order of
+// ids is the order of commits, across restarts too.
 //
 // With idem set, a live record of (idem.UserID, idem.Key) with the same
 // RequestHash returns that record's command and replay = true, and one
@@ -100,12 +101,12 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		if full {
 			return abort(companion.ErrQueueFull)
 		}
-		id, err := uuid.NewV7()
+		id, err := db.commandID(tx)
 		if err != nil {
 			return err
 		}
 		nc := c
-		nc.ID = id.String()
+		nc.ID = id
 		nc.State = companion.StateQueued
 		nc.CreatedAt, nc.UpdatedAt = now, now
 		if err := putJSON(tx.Bucket(bucketCommands), []byte(nc.ID), nc); err != nil {
@@ -151,6 +152,35 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		cmd.Result = cloneRaw(cmd.Result)
 		done(cmd, replay, nil)
 	})
+}
+
+// commandID returns the id of a new command in tx: a UUIDv7 of the clock
+// (db.uuidV7), or the next one above the highest id stored when the clock
+// is behind the one that made that id, so that ids rise in commit order
+// across restarts too. google/uuid's V7 rises within the process only: a
+// server started again after its clock went back (set by hand, or stepped
+// back by NTP while it was down) made ids below those of the commands it
+// had accepted before, and the outbox, the bridge and GET …/commands,
+// which order a device's commands by id, put the new ones first.
+func (db *DB) commandID(tx *bolt.Tx) (string, error) {
+	id, err := db.uuidV7()
+	if err != nil {
+		return "", err
+	}
+	last, _ := tx.Bucket(bucketCommands).Cursor().Last()
+	if last == nil || id.String() > string(last) {
+		return id.String(), nil
+	}
+	prev, err := uuid.Parse(string(last))
+	if err != nil {
+		return "", fmt.Errorf("store: highest command id %q: %w", last, err)
+	}
+	// The 48-bit milliseconds and 12-bit rand_a of prev, plus one, with
+	// the version and id's random rand_b (and variant).
+	stamp := binary.BigEndian.Uint64(prev[:8]) // ms (48 bits), version (4), rand_a (12)
+	next := ((stamp >> 16 << 12) | (stamp & 0xfff)) + 1
+	binary.BigEndian.PutUint64(id[:8], (next>>12<<16)|0x7000|(next&0xfff))
+	return id.String(), nil
 }
 
 // foldDeviceCmdsAt is how many entries device_cmds_new holds before they

@@ -16,6 +16,7 @@ import (
 
 	"github.com/devicecompanion/companion"
 
+	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
 	bolterrors "go.etcd.io/bbolt/errors"
 
@@ -217,6 +218,8 @@ type DB struct {
 	blobMu sync.RWMutex // the blob directory's files against their records (blobLock)
 
 	foldAt int // device_cmds_new entries that make a fold due (foldDeviceCmdsAt)
+
+	uuidV7 func() (uuid.UUID, error) // the UUIDv7 a command id starts from (commandID); uuid.NewV7
 }
 
 // commitLinger is how long the store's committer waits for company after a
@@ -275,7 +278,7 @@ func Open(path string, opts Options) (*DB, error) {
 	if err != nil {
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
 	}
-	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger, foldAt: foldDeviceCmdsAt}
+	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger, foldAt: foldDeviceCmdsAt, uuidV7: uuid.NewV7}
 	if err := db.migrate(); err != nil {
 		_ = bdb.Close()
 		return nil, err

@@ -75,7 +75,7 @@ func notFound(err error) error {
 // ProvisionDevice adds a device to the registry, assigned to d.BridgeID
 // when it is set: that must be one of the operator's bridges (ErrNotFound
 // otherwise). CreatedAt is set to now when zero. It returns ErrExists
-// when the id is taken.
+// when the id is taken, whatever bridge d names.
 func (s *Store) ProvisionDevice(ctx context.Context, d companion.RegistryDevice) error {
 	if !validID(d.ID) || (d.BridgeID != "" && !validID(d.BridgeID)) {
 		return fmt.Errorf("%w: device needs an id", companion.ErrInvalid)
@@ -84,16 +84,9 @@ func (s *Store) ProvisionDevice(ctx context.Context, d companion.RegistryDevice)
 		d.CreatedAt = s.clock()
 	}
 	return s.tx(ctx, func(tx pgx.Tx) error {
-		if d.BridgeID != "" {
-			var owner string
-			err := tx.QueryRow(ctx, `SELECT owner_id FROM bridges WHERE id = $1 FOR SHARE`, d.BridgeID).Scan(&owner)
-			if err != nil {
-				return notFound(err)
-			}
-			if owner != "" {
-				return companion.ErrNotFound
-			}
-		}
+		// A device that exists is ErrExists whatever bridge is named, as
+		// in the bbolt engine: the insert comes first, and a refused
+		// bridge rolls it back.
 		tag, err := tx.Exec(ctx, `INSERT INTO devices (id, model, claim_hash, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO NOTHING`,
 			d.ID, d.Model, d.ClaimHash, d.CreatedAt)
 		if err != nil {
@@ -102,10 +95,18 @@ func (s *Store) ProvisionDevice(ctx context.Context, d companion.RegistryDevice)
 		if tag.RowsAffected() == 0 {
 			return companion.ErrExists
 		}
-		if d.BridgeID != "" {
-			return assign(ctx, tx, d.ID, d.BridgeID)
+		if d.BridgeID == "" {
+			return nil
 		}
-		return nil
+		var owner string
+		err = tx.QueryRow(ctx, `SELECT owner_id FROM bridges WHERE id = $1 FOR SHARE`, d.BridgeID).Scan(&owner)
+		if err != nil {
+			return notFound(err)
+		}
+		if owner != "" {
+			return companion.ErrNotFound
+		}
+		return assign(ctx, tx, d.ID, d.BridgeID)
 	})
 }
 

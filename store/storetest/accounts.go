@@ -120,6 +120,14 @@ func testDevices(t *testing.T, open Opener) {
 				_, err = s.RegistryDevice(ctx, "d6")
 				assert.ErrorIs(t, err, companion.ErrNotFound, "RegistryDevice(d6) after a refused provision on %s", bridge)
 			}
+			// A device provisioned already is ErrExists whatever bridge the
+			// repeat names (CONTRACT §2: 409 if it exists), and stays
+			// where it is.
+			for _, bridge := range []string{"op2", "nope", "u1-hub"} {
+				err := s.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d5", Model: "sim-1", BridgeID: bridge})
+				assert.ErrorIs(t, err, companion.ErrExists, "ProvisionDevice(d5 again, %s)", bridge)
+			}
+			wantBridge(t, s, "d5", "op1")
 		}},
 	})
 }
