@@ -16,12 +16,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // waitRun is one "companion command wait" run, its output line by line.
 type waitRun struct {
 	lines  chan string
-	stderr lockedBuffer
+	stderr testenv.Buffer
 	done   chan error
 }
 

@@ -1,10 +1,8 @@
 package pahoconn
 
 import (
-	"bytes"
 	"log/slog"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -29,22 +27,9 @@ func (h *refuseAll) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool {
 	return false
 }
 
-// lockedBuffer is a log's output, written and read from two goroutines.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (w *lockedBuffer) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
-}
-
-func (w *lockedBuffer) lines() []string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return strings.Split(strings.TrimSpace(w.b.String()), "\n")
+// lines returns the lines written to w.
+func lines(w *testenv.Buffer) []string {
+	return strings.Split(strings.TrimSpace(w.String()), "\n")
 }
 
 // A client the broker refuses says so, with the broker's reason, once for
@@ -53,7 +38,7 @@ func (w *lockedBuffer) lines() []string {
 func TestReportFailuresLogsARefusal(t *testing.T) {
 	var logins atomic.Int64
 	_, url := mochitest.Start(t, &refuseAll{logins: &logins})
-	var out lockedBuffer
+	var out testenv.Buffer
 	o := mqtt.NewClientOptions().AddBroker(url).SetClientID("c").SetUsername("u").SetPassword("wrong").
 		SetConnectRetry(true).SetConnectRetryInterval(10 * time.Millisecond)
 	c := mqtt.NewClient(ReportFailures(o, slog.New(slog.NewTextHandler(&out, nil))))
@@ -61,7 +46,7 @@ func TestReportFailuresLogsARefusal(t *testing.T) {
 	testenv.Eventually(t, 20*time.Second, "five refused logins", func() bool { return logins.Load() >= 5 })
 	c.Disconnect(0)
 
-	lines := out.lines()
+	lines := lines(&out)
 	if len(lines) != 1 {
 		t.Fatalf("logged %d lines for %d refused logins, want 1:\n%s", len(lines), logins.Load(), strings.Join(lines, "\n"))
 	}
@@ -78,7 +63,7 @@ func TestReportFailuresLogsARefusal(t *testing.T) {
 // The same reason is logged again once a minute with the attempts since,
 // another reason at once, and a connection ends the run.
 func TestFailureLogRepeats(t *testing.T) {
-	var out lockedBuffer
+	var out testenv.Buffer
 	log := slog.New(slog.NewTextHandler(&out, &slog.HandlerOptions{ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
 		if a.Key == slog.TimeKey {
 			return slog.Attr{}
@@ -101,7 +86,7 @@ func TestFailureLogRepeats(t *testing.T) {
 		`level=WARN msg="MQTT connect failed; retrying" err="connection refused" attempts=1`,
 		`level=WARN msg="MQTT connect failed; retrying" err="connection refused" attempts=1`,
 	}
-	got := out.lines()
+	got := lines(&out)
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Errorf("logged\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}

@@ -161,3 +161,23 @@ func belowEphemeral() (lo, hi int) {
 	}
 	return max(10000, first-10000), max(10000, first)
 }
+
+// Buffer collects output, such as a logger's, written from many goroutines
+// while a test reads it.
+type Buffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (w *Buffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+// String returns what was written so far.
+func (w *Buffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
