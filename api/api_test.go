@@ -612,13 +612,20 @@ func TestAdmin(t *testing.T) {
 	assert.Equal(t, []any{"1.0.0", "1.2.0"}, clock["versions"])
 }
 
-func TestBlobs(t *testing.T) {
-	e := newEnv(t)
-	content := firmwareImage(t, "1.0.0", 10000)
+// putFirmware publishes firmware 1.0.0 of sim-1, an image of size bytes,
+// and returns it with its SHA-256.
+func putFirmware(t *testing.T, e *env, size int) (content []byte, sha string) {
+	t.Helper()
+	content = firmwareImage(t, "1.0.0", size)
 	r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.0.0", token: testAdminToken, body: content,
 		header: map[string]string{"Content-Type": "application/octet-stream"}})
 	require.Equal(t, 201, r.status, "%s", r.body)
-	sha := r.json(t)["sha256"].(string)
+	return content, r.json(t)["sha256"].(string)
+}
+
+func TestBlobs(t *testing.T) {
+	e := newEnv(t)
+	content, sha := putFirmware(t, e, 10000)
 	br := e.do("POST", "/api/v1/admin/bridges", testAdminToken, map[string]any{"bridge_id": "b-1"})
 	secret := br.json(t)["secret"].(string)
 	other := e.do("POST", "/api/v1/admin/bridges", testAdminToken, map[string]any{"bridge_id": "b-2"}).json(t)["secret"].(string)
@@ -626,7 +633,7 @@ func TestBlobs(t *testing.T) {
 
 	// A bridge gets a blob only while an unfinished command of a device it
 	// serves references it (CONTRACT §9).
-	r = e.do("GET", path, secret, nil)
+	r := e.do("GET", path, secret, nil)
 	require.Equal(t, 404, r.status, "a blob no command of the bridge's needs")
 	assert.Equal(t, CodeBlobNotFound, r.problem(t).Code)
 	r = e.do("POST", "/api/v1/admin/devices", testAdminToken, map[string]any{"device_id": "dev-b", "claim_code": "code-b", "model": "sim-1", "bridge_id": "b-1"})
@@ -684,11 +691,7 @@ func TestBlobs(t *testing.T) {
 // with the cache headers of the content.
 func TestBlobPreconditions(t *testing.T) {
 	e := newEnv(t)
-	content := firmwareImage(t, "1.0.0", 1000)
-	r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.0.0", token: testAdminToken, body: content,
-		header: map[string]string{"Content-Type": "application/octet-stream"}})
-	require.Equal(t, 201, r.status, "%s", r.body)
-	sha := r.json(t)["sha256"].(string)
+	_, sha := putFirmware(t, e, 1000)
 	path := "/api/v1/blobs/" + sha
 	hourAgo := time.Now().Add(-time.Hour).UTC().Format(http.TimeFormat)
 	for _, method := range []string{"GET", "HEAD"} {
