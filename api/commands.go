@@ -97,6 +97,10 @@ func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time
 		return companion.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
 	case errors.Is(err, companion.ErrIdemConflict):
 		return companion.Command{}, errIdemReused
+	case errors.Is(err, companion.ErrNotOwned):
+		// Unbound (or bound anew) since boundDevice looked: the store
+		// checks again as it stores the command.
+		return companion.Command{}, errDeviceNotFound
 	case err != nil:
 		return companion.Command{}, err
 	}

@@ -60,6 +60,15 @@ type env struct {
 	clock *clock
 }
 
+// bind binds the devices to u1, the user of submit's commands.
+func bind(t *testing.T, e *env, devices ...string) {
+	t.Helper()
+	for _, d := range devices {
+		_, _, err := e.db.Bind(context.Background(), companion.Binding{DeviceID: d, UserID: "u1"})
+		require.NoError(t, err)
+	}
+}
+
 func newEnv(t *testing.T, startMQTT bool) *env {
 	t.Helper()
 	e := &env{clock: &clock{now: time.Now()}}
@@ -70,6 +79,7 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 	require.NoError(t, e.db.CreateBridge(context.Background(), companion.Bridge{ID: "b1", SecretHash: []byte("not used: bridgeAccounts checks")}))
 	require.NoError(t, e.db.ProvisionDevice(context.Background(), companion.RegistryDevice{ID: "dev-1", Model: "sim-1", BridgeID: "b1"}))
 	require.NoError(t, e.db.ProvisionDevice(context.Background(), companion.RegistryDevice{ID: "dev-2", Model: "sim-1", BridgeID: "b1"}))
+	bind(t, e, "dev-1", "dev-2") // submit's commands are u1's, and the store takes a user's commands only for their devices
 
 	e.mqtt, err = embedded.New(embedded.Options{
 		Listen: "127.0.0.1:0", Topics: tree, Accounts: bridgeAccounts{db: e.db},
@@ -599,6 +609,7 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	e := newEnv(t, true)
 	ctx := context.Background()
 	require.NoError(t, e.db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "dev-3", Model: "sim-1"}))
+	bind(t, e, "dev-3")
 	fb := connectBridge(t, e)
 
 	waiting := []companion.Command{submit(t, e, "dev-3", "first", time.Hour), submit(t, e, "dev-3", "second", time.Hour)}

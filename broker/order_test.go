@@ -186,6 +186,7 @@ func newOrderEnv(t *testing.T, hooks ...mochi.Hook) *orderEnv {
 	require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "dev-1", Model: "sim-1", BridgeID: "b1"}))
 
 	o := &orderEnv{env: &env{db: db, clock: &clock{now: time.Now()}}, srv: srv, url: url}
+	bind(t, o.env, "dev-1")
 	o.dev = sim.New(sim.Options{ID: "dev-1", Logger: quiet()})
 	a, err := agent.New(agent.Options{
 		MQTTURL: url, BridgeID: "b1", Password: "secret", DataDir: t.TempDir(),

@@ -21,6 +21,10 @@ func TestMigrateAssignsDevicesAndBlobs(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "db")
 	db := openTestDBWith(t, path, Options{})
 	provision(t, db, "sim-1", "d1", "d2", "d3", "d4")
+	for _, dev := range []string{"d1", "d2"} { // newCmd's commands are u1's
+		_, _, err := db.Bind(ctx, companion.Binding{DeviceID: dev, UserID: "u1"})
+		mustNil(t, "Bind("+dev+")", err)
+	}
 	mustNil(t, "CreateBridge(b1)", db.CreateBridge(ctx, companion.Bridge{ID: "b1", SecretHash: hashOf("b1")}))
 	mustNil(t, "CreateBridge(b2)", db.CreateBridge(ctx, companion.Bridge{ID: "b2", SecretHash: hashOf("b2")}))
 	for dev, bridge := range map[string]string{"d1": "b1", "d2": "gone", "d4": "b2", "ghost": "b1"} {

@@ -94,6 +94,20 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 				return nil
 			}
 		}
+		// The device is the user's (or no device of the registry: a
+		// test's). The API checked it before it read the body; checked
+		// again in the write that stores the command, an unbind cannot
+		// slip in between and leave the command to the device's next
+		// owner (CONTRACT §9).
+		if c.UserID != "" && tx.Bucket(bucketDevices).Get([]byte(c.DeviceID)) != nil {
+			ok, err := boundTo(tx, c.DeviceID, c.UserID)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return abort(companion.ErrNotOwned)
+			}
+		}
 		full, err := addOpen(tx.Bucket(bucketOpenCount), []byte(c.DeviceID), 1, maxOpen)
 		if err != nil {
 			return err
@@ -152,6 +166,15 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		cmd.Result = cloneRaw(cmd.Result)
 		done(cmd, replay, nil)
 	})
+}
+
+// boundTo says whether deviceID is bound to userID in tx.
+func boundTo(tx *bolt.Tx, deviceID, userID string) (bool, error) {
+	var b struct {
+		UserID string `json:"user_id"`
+	}
+	ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
+	return ok && b.UserID == userID, err
 }
 
 // commandID returns the id of a new command in tx: a UUIDv7 of the clock

@@ -204,6 +204,11 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 				return err
 			}
 		}
+		if c.UserID != "" {
+			if err := lockOwnBinding(ctx, tx, c.DeviceID, c.UserID); err != nil {
+				return err
+			}
+		}
 		last, open, err := lockDeviceQueue(ctx, tx, c.DeviceID)
 		if err != nil {
 			return err
@@ -261,6 +266,35 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 // lockDeviceQueue locks the device's row of device_queues, making it when
 // there is none, and returns the last id the device was given (the zero
 // UUID for none) and how many of its commands are not final.
+// lockOwnBinding returns companion.ErrNotOwned unless the device is bound
+// to the user, or is no device of the registry at all (a test's). The API
+// checked it before it read the request's body; checked again here, under
+// the binding's share lock until the command is stored, an unbind cannot
+// slip in between and leave the command to the device's next owner
+// (CONTRACT §9): it deletes the binding first, and so waits for this
+// transaction, and then ends the command with the user's others. Taken
+// before the device's queue, as Unbind takes the binding before it.
+func lockOwnBinding(ctx context.Context, tx pgx.Tx, deviceID, userID string) error {
+	var owner string
+	err := tx.QueryRow(ctx, `SELECT user_id FROM bindings WHERE device_id = $1 FOR SHARE`, deviceID).Scan(&owner)
+	switch {
+	case err == nil && owner == userID:
+		return nil
+	case err == nil:
+		return companion.ErrNotOwned
+	case !errors.Is(err, pgx.ErrNoRows):
+		return err
+	}
+	var registered bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM devices WHERE id = $1)`, deviceID).Scan(&registered); err != nil {
+		return err
+	}
+	if registered {
+		return companion.ErrNotOwned
+	}
+	return nil
+}
+
 func lockDeviceQueue(ctx context.Context, tx pgx.Tx, deviceID string) (uuid.UUID, int, error) {
 	for {
 		var (

@@ -20,6 +20,8 @@ func testBindings(t *testing.T, open Opener) {
 		{"ConcurrentOneWinner", testBindConcurrent},
 		{"Unbind", testUnbind},
 		{"UnbindEndsTheUsersCommands", testUnbindEndsCommands},
+		{"CommandsOnlyForTheOwner", testCommandsOnlyForTheOwner},
+		{"NoCommandOutlivesAConcurrentUnbind", testNoCommandOutlivesUnbind},
 		{"ListBindings", testListBindings},
 	})
 }
@@ -399,4 +401,59 @@ func sameStatus(t *testing.T, what string, a, b companion.Status) {
 		return s
 	}
 	assert.Equal(t, norm(b), norm(a), what)
+}
+
+// A store takes a user's command for a device of the registry only while
+// the device is bound to that user: not after the unbind, nor once another
+// user has bound it (the API checks before it reads the body; the store
+// checks in the write, CONTRACT §9).
+func testCommandsOnlyForTheOwner(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "d1")
+	bind(t, s, "u1", "d1")
+	create(t, s, newCmd("d1"))
+	if _, err := s.Unbind(ctx, "d1", "u1"); err != nil {
+		t.Fatalf("Unbind = %v", err)
+	}
+	if _, _, err := s.CreateCommand(ctx, newCmd("d1"), 0, nil); !errors.Is(err, companion.ErrNotOwned) {
+		t.Errorf("CreateCommand after the unbind = %v; want ErrNotOwned", err)
+	}
+	bind(t, s, "u2", "d1")
+	if _, _, err := s.CreateCommand(ctx, newCmd("d1"), 0, nil); !errors.Is(err, companion.ErrNotOwned) {
+		t.Errorf("CreateCommand of the previous owner = %v; want ErrNotOwned", err)
+	}
+	c := newCmd("d1")
+	c.UserID = "u2"
+	create(t, s, c)
+	if n, err := s.CountOpen(ctx, "d1"); err != nil || n != 1 {
+		t.Errorf("CountOpen(d1) = %d, %v; want 1, the new owner's", n, err)
+	}
+}
+
+// An unbind and a command of the same user racing each other: either the
+// command is refused, or it is stored and the unbind ends it. None is
+// left unfinished for the device's next owner.
+func testNoCommandOutlivesUnbind(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "d1")
+	for i := range 30 {
+		bind(t, s, "u1", "d1")
+		var (
+			wg      sync.WaitGroup
+			cmd     companion.Command
+			err     error
+			unbound error
+		)
+		wg.Go(func() { cmd, _, err = s.CreateCommand(ctx, newCmd("d1"), 0, nil) })
+		wg.Go(func() { _, unbound = s.Unbind(ctx, "d1", "u1") })
+		wg.Wait()
+		require.NoError(t, unbound, "round %d: Unbind", i)
+		if err != nil {
+			require.ErrorIs(t, err, companion.ErrNotOwned, "round %d: CreateCommand", i)
+			continue
+		}
+		got, err := s.Command(ctx, cmd.ID)
+		require.NoError(t, err)
+		assert.True(t, companion.IsFinal(got.State), "round %d: a command stored across the unbind is %s", i, got.State)
+	}
 }

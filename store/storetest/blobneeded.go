@@ -18,6 +18,7 @@ func testBlobNeeded(t *testing.T, open Opener) {
 func testBlobNeededRules(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)
+	bind(t, s, "u1", "d3") // a store takes a user's commands for their own devices only
 	assign(t, s, "d1", "op1", "")
 	assign(t, s, "d2", "op2", "")
 	shaA, shaB := strings.Repeat("a", 64), strings.Repeat("b", 64)
@@ -36,7 +37,9 @@ func testBlobNeededRules(t *testing.T, s companion.Store) {
 	needed(shaA, "op1", false) // nothing references it yet
 	a1, a2 := withBlob("d1", shaA), withBlob("d1", shaA)
 	b3 := withBlob("d3", shaB) // d3: no bridge serves it
-	create(t, s, newCmd("d2"))
+	d2 := newCmd("d2")
+	d2.UserID = "u2" // d2's owner
+	create(t, s, d2)
 	needed(shaA, "op1", true)
 	needed(shaA, "op2", false) // another bridge's device
 	needed(shaB, "op1", false)
@@ -80,6 +83,7 @@ func testBlobNeededRules(t *testing.T, s companion.Store) {
 		t.Errorf("a4 after the unbind = %s, %v; want it final", c.State, err)
 	}
 	// A deleted bridge serves nothing.
+	bind(t, s, "u1", "d4") // bound again, for a command of u1's
 	a5 := withBlob("d4", shaA)
 	needed(shaA, "op1", true)
 	if _, err := s.DeleteBridge(ctx, "op1", ""); err != nil {
