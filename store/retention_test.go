@@ -44,14 +44,7 @@ func TestPurgeBlobsInBatches(t *testing.T) {
 	clk := newFakeClock()
 	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now})
 	db.purgeBatch = 3
-	put := func(content string) string {
-		t.Helper()
-		b, err := db.PutBlob(ctx, strings.NewReader(content), 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return b.SHA256
-	}
+	put := func(content string) string { return putBlob(t, db, content) }
 	var doomed, kept []string
 	for i := range 50 {
 		sha := put(fmt.Sprint("unneeded ", i))
@@ -173,14 +166,7 @@ func TestPurgeBlobsChecksAgainBeforeDeleting(t *testing.T) {
 	ctx := context.Background()
 	clk := newFakeClock()
 	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now})
-	put := func(content string) string {
-		t.Helper()
-		b, err := db.PutBlob(ctx, strings.NewReader(content), 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return b.SHA256
-	}
+	put := func(content string) string { return putBlob(t, db, content) }
 	again, forCmd, forApp, unneeded := put("again"), put("command"), put("app"), put("unneeded")
 	clk.Advance(2 * time.Hour)
 	cutoff := clk.Now().Add(-time.Hour)
@@ -200,4 +186,14 @@ func TestPurgeBlobsChecksAgainBeforeDeleting(t *testing.T) {
 		_, err := db.Blob(ctx, sha)
 		wantErr(t, "Blob("+sha+")", err, want)
 	}
+}
+
+// putBlob stores content as a blob and returns its SHA-256.
+func putBlob(t *testing.T, db *DB, content string) string {
+	t.Helper()
+	b, err := db.PutBlob(context.Background(), strings.NewReader(content), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b.SHA256
 }
