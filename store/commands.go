@@ -27,7 +27,8 @@ const IdempotencyTTL = 24 * time.Hour
 // with another RequestHash returns ErrIdemConflict; otherwise idem is
 // stored with CommandID set, in the same transaction as the command.
 // ErrQueueFull means the device already has maxOpen non-final commands
-// (maxOpen <= 0: no limit).
+// (maxOpen <= 0: no limit). ErrNotOwned means c.UserID is set and the
+// device, one of the registry, is not bound to that user.
 //
 // Writers are grouped (see batch): the command is on disk when
 // CreateCommand returns nil.

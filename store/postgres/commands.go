@@ -136,6 +136,8 @@ func lockIdempotencyKey(ctx context.Context, tx pgx.Tx, userID, key string) erro
 // returns ErrIdemConflict; otherwise idem is stored with CommandID set, in
 // the same transaction as the command. ErrQueueFull means the device
 // already has maxOpen non-final commands (maxOpen <= 0: no limit).
+// ErrNotOwned means c.UserID is set and the device, one of the registry,
+// is not bound to that user (lockOwnBinding).
 func (s *Store) CreateCommand(ctx context.Context, c companion.Command, maxOpen int, idem *companion.Idempotency) (cmd companion.Command, replay bool, err error) {
 	type result struct {
 		cmd    companion.Command
