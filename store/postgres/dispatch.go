@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -22,7 +23,8 @@ func (s *Store) Dispatching() bool { return s.dispatching.Load() }
 // store is closed: on a connection of its own it takes the advisory lock
 // when no other replica holds it and keeps it while the connection lives
 // (PostgreSQL frees it when the session ends, also when the replica dies:
-// then another replica takes it within about a second). onChange is
+// then another replica takes it within about a second; when the holder's
+// link goes silent, within about 12 s: see sessionKeepalive). onChange is
 // called with true when this store starts dispatching and with false when
 // it stops.
 func (s *Store) Campaign(ctx context.Context, onChange func(dispatching bool)) error {
@@ -78,6 +80,54 @@ const campaignInterval = 500 * time.Millisecond
 // answered ping.
 const checkTimeout = 4 * campaignInterval
 
+// sessionKeepalive is what the campaign session asks of PostgreSQL's side
+// of its TCP connection (run-time parameters of the startup message, so
+// they hold from the session's first byte). The holder stops dispatching
+// at most 2.5 s after its link goes silent (checkTimeout), but PostgreSQL
+// keeps the session, and with it the lock, until its own TCP gives the
+// client up: with the kernel's defaults (tcp_keepalives_idle 0, that is
+// two hours of idleness before a first probe) no other replica could take
+// over for hours after a black-holed link or a host gone without a FIN or
+// RST. With these the server ends a silent session about 10–11 s after it
+// last heard from it:
+//   - idle 5 s: the campaign speaks every 0.5 s, so a live session is never
+//     idle that long and no probe is ever sent on a healthy link;
+//   - interval 2 s, count 3: three unanswered probes, 5+3·2 = 11 s after
+//     the last packet, end an idle session;
+//   - user timeout 10 s: the same bound when the server has an answer in
+//     flight (a pong sent into the silence is retransmitted, and while
+//     data is unacknowledged keepalives are not sent); on Linux it also
+//     caps the probing: the first probe due 10 s or more after the last
+//     answer ends the session instead.
+//
+// Another replica, trying every 0.5 s, then takes the lock about 12 s
+// after the link went silent. The bound must stay well above the holder's
+// 2.5 s, so that the server never frees the lock while the old holder may
+// still dispatch; 10 s leaves room for a slow or lossy link. They are set
+// over whatever the DSN says, as they belong to the campaign's timing,
+// not to the pool's.
+var sessionKeepalive = map[string]string{
+	"tcp_keepalives_idle":     "5",     // seconds
+	"tcp_keepalives_interval": "2",     // seconds
+	"tcp_keepalives_count":    "3",     // probes
+	"tcp_user_timeout":        "10000", // milliseconds (PostgreSQL 12+)
+}
+
+// campaignConfig is the connection config of the campaign session: the
+// store's, with sessionKeepalive.
+func (s *Store) campaignConfig() *pgx.ConnConfig {
+	cfg := s.cfg.ConnConfig.Copy()
+	for k, v := range sessionKeepalive {
+		cfg.RuntimeParams[k] = v
+	}
+	return cfg
+}
+
+// testHookHeld, when set (by tests only), is called on the campaign's
+// connection just after it took the lock. Atomic: a campaign of an earlier
+// test may still be winding down when a test sets it.
+var testHookHeld atomic.Pointer[func(ctx context.Context, conn *pgx.Conn)]
+
 // bounded runs one step of the campaign connection with checkTimeout of its
 // own.
 func bounded(ctx context.Context, step func(context.Context) error) error {
@@ -92,7 +142,7 @@ func bounded(ctx context.Context, step func(context.Context) error) error {
 func (s *Store) holdDispatch(ctx context.Context, set func(bool)) error {
 	var conn *pgx.Conn
 	err := bounded(ctx, func(ctx context.Context) (err error) {
-		conn, err = pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
+		conn, err = pgx.ConnectConfig(ctx, s.campaignConfig())
 		return err
 	})
 	if err != nil {
@@ -115,6 +165,9 @@ func (s *Store) holdDispatch(ctx context.Context, set func(bool)) error {
 				return err
 			}
 			if held {
+				if hook := testHookHeld.Load(); hook != nil {
+					(*hook)(ctx, conn)
+				}
 				set(true)
 			}
 		}

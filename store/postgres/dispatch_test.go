@@ -8,10 +8,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/store/postgres"
 )
 
 // Of the stores campaigning on one database one dispatches at a time;
@@ -76,6 +78,56 @@ func testCutOffDispatcherStops(t *testing.T, e *testEnv) {
 		assert.False(t, v, "change after the cut")
 	case <-time.After(waitFor):
 		t.Fatal("onChange(false) not called")
+	}
+}
+
+// The session that holds the dispatcher's lock asks PostgreSQL to give it
+// up about 10 s after its link goes silent (TCP keepalives and user
+// timeout on the server's side), not after the kernel's two hours, so that
+// another replica can take over. This checks the settings on that very
+// session, as the server applies them to its socket (SHOW reads them back
+// from the socket). It cannot check the takeover after a really silent
+// link: CutOffDispatcherStops's proxy is a userspace relay whose kernel
+// keeps acknowledging the server's packets and probes after blackhole, so
+// the server's TCP never finds the peer gone.
+func testDispatcherSessionKeepalive(t *testing.T, e *testEnv) {
+	type settings struct {
+		idle, interval, count, userTimeout string
+		holdsLock                          bool
+	}
+	got := make(chan settings, 1)
+	postgres.SetHookHeld(t, func(ctx context.Context, conn *pgx.Conn) {
+		var s settings
+		err := conn.QueryRow(ctx, `SELECT current_setting('tcp_keepalives_idle'),
+			current_setting('tcp_keepalives_interval'),
+			current_setting('tcp_keepalives_count'),
+			current_setting('tcp_user_timeout'),
+			EXISTS (SELECT FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory'
+				AND classid = 1668246896 AND objid = 2 AND objsubid = 2 AND granted)`).
+			Scan(&s.idle, &s.interval, &s.count, &s.userTimeout, &s.holdsLock)
+		if err != nil {
+			t.Errorf("reading the campaign session's settings: %v", err)
+		}
+		select {
+		case got <- s:
+		default:
+		}
+	})
+	s := e.open(t, e.newDB(t))
+	ctx, cancel := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	wg.Go(func() { s.Campaign(ctx, nil) })
+	select {
+	case v := <-got:
+		assert.True(t, v.holdsLock, "the session read holds the dispatcher's lock")
+		assert.Equal(t, "5", v.idle, "tcp_keepalives_idle (s)")
+		assert.Equal(t, "2", v.interval, "tcp_keepalives_interval (s)")
+		assert.Equal(t, "3", v.count, "tcp_keepalives_count")
+		assert.Equal(t, "10000", v.userTimeout, "tcp_user_timeout (ms)")
+	case <-time.After(waitFor):
+		t.Fatal("the store never took the dispatcher's lock")
 	}
 }
 

@@ -42,6 +42,7 @@ func init() {
 		{"BatchIsolatesFailures", testBatchIsolatesFailures},
 		{"OneDispatcher", testOneDispatcher},
 		{"CutOffDispatcherStops", testCutOffDispatcherStops},
+		{"DispatcherSessionKeepalive", testDispatcherSessionKeepalive},
 	}...)
 }
 
