@@ -304,6 +304,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 	}()
 
+	a.failUnserved(ctx)
 	a.goLoop(func() { a.intakeLoop(ctx) })
 	a.goLoop(func() { a.outboxLoop(ctx) })
 	a.goLoop(func() { a.confirm(ctx) })
@@ -339,6 +340,25 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.client.Disconnect(250)
 	a.log.Info("stopped")
 	return nil
+}
+
+// failUnserved ends the commands the spool holds for devices the bridge
+// no longer serves: its Devices lost them since the commands were spooled
+// (a restart with a shorter list). No worker runs them and nothing else
+// answers them, so the server would read them delivered until the device
+// moved to another bridge. Each fails with device_not_served through the
+// spool's finish, as a command that ran does: its final reply is on disk
+// and goes out from the outbox, again until the broker acknowledges it.
+// The device may have started one before the restart; what it did is not
+// known, hence failed rather than expired or canceled.
+func (a *Agent) failUnserved(ctx context.Context) {
+	for _, r := range a.spool.claimUnserved(func(id string) bool { return a.devices[id] != nil }) {
+		c := r.Cmd
+		ce := cmdErr(codeDeviceNotServed, fmt.Sprintf("bridge %s no longer serves device %s", a.opts.BridgeID, c.DeviceID))
+		a.log.Warn("command failed: the bridge no longer serves its device", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
+		a.opts.Observer.CommandDone(c.Op, companion.StateFailed, 0)
+		a.finish(ctx, r, topics.Reply{CommandID: c.ID, State: companion.StateFailed, Error: ce.reply(), At: a.now()})
+	}
 }
 
 func (a *Agent) goLoop(f func()) {

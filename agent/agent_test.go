@@ -362,6 +362,120 @@ func TestFailures(t *testing.T) {
 	}
 }
 
+// An OTA whose UpdateFirmware returned nil has happened: the device runs
+// the image and has confirmed it. A status read that fails right after it
+// leaves the command succeeded, with the version UpdateFirmware confirmed,
+// and the status follows in a report; one that reports another version
+// fails it with version_mismatch. (The read failing failed the update.)
+func TestOTAStatusReadAfterTheUpdate(t *testing.T) {
+	tests := []struct {
+		name      string
+		dev       func(*sim.Device) *afterUpdate
+		wantState string
+		wantCode  string
+	}{
+		{"the read fails", func(d *sim.Device) *afterUpdate {
+			return &afterUpdate{Device: d, readErr: errors.New("link dropped after the reboot")}
+		}, companion.StateSucceeded, ""},
+		{"the read reports another version", func(d *sim.Device) *afterUpdate {
+			return &afterUpdate{Device: d, version: "1.0.0"}
+		}, companion.StateFailed, "version_mismatch"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b := startBroker(t)
+			bs := startBlobServer(t)
+			w := newWatcher(t, b)
+			sd := newSim("dev-1")
+			dev := tt.dev(sd)
+			startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{sd}, wrap: func(*sim.Device) agent.Device { return dev }})
+			// The reporter's first read is done before the update: the
+			// next read after it is the worker's.
+			w.waitStatus("dev-1", "first", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "1.0.0" })
+
+			firmware := firmwareImage(t, "2.0.0", bytes.Repeat([]byte("firmware-2.0.0"), 1000))
+			c := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "2.0.0", Blob: bs.add(firmware)})
+			w.send(c)
+			r := w.waitFinal("dev-1", c.ID)
+			if !dev.readAfterUpdate() {
+				t.Fatal("no status read after the update")
+			}
+			if got := sd.Firmware(); got != "2.0.0" {
+				t.Fatalf("Firmware() = %q; want 2.0.0 (the update happened)", got)
+			}
+			if tt.wantCode != "" {
+				if r.State != tt.wantState || r.Error == nil || r.Error.Code != tt.wantCode {
+					t.Fatalf("final %s %+v; want %s %s", r.State, r.Error, tt.wantState, tt.wantCode)
+				}
+				if r.Status == nil || r.Status.FirmwareVersion != dev.version {
+					t.Errorf("final reply's status %+v; want the version the device reported, %s", r.Status, dev.version)
+				}
+				return
+			}
+			if r.State != tt.wantState {
+				t.Fatalf("final %s %+v; want %s", r.State, r.Error, tt.wantState)
+			}
+			var res struct {
+				FirmwareVersion string `json:"firmware_version"`
+			}
+			if err := json.Unmarshal(r.Result, &res); err != nil || res.FirmwareVersion != "2.0.0" {
+				t.Errorf("result %s; want firmware_version 2.0.0", r.Result)
+			}
+			if r.Status != nil {
+				t.Errorf("final reply's status %+v; want none (the read failed)", r.Status)
+			}
+			w.waitStatus("dev-1", "firmware 2.0.0 in a report", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "2.0.0" })
+		})
+	}
+}
+
+// afterUpdate is a simulated device whose first status read after a
+// firmware update that returned nil goes wrong: it fails with readErr, or
+// reports version as the firmware it runs.
+type afterUpdate struct {
+	*sim.Device
+	readErr error
+	version string
+
+	mu      sync.Mutex
+	updated bool // an update returned nil, and no read followed yet
+	read    bool // a read followed an update
+}
+
+func (d *afterUpdate) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
+	err := d.Device.UpdateFirmware(ctx, cmdID, version, image, progress)
+	if err == nil {
+		d.mu.Lock()
+		d.updated = true
+		d.mu.Unlock()
+	}
+	return err
+}
+
+func (d *afterUpdate) Info(ctx context.Context) (companion.DeviceInfo, error) {
+	d.mu.Lock()
+	first := d.updated
+	d.updated = false
+	d.read = d.read || first
+	d.mu.Unlock()
+	info, err := d.Device.Info(ctx)
+	if !first || err != nil {
+		return info, err
+	}
+	if d.readErr != nil {
+		return companion.DeviceInfo{}, d.readErr
+	}
+	info.FirmwareVersion = d.version
+	return info, nil
+}
+
+// readAfterUpdate reports whether a status read followed an update.
+func (d *afterUpdate) readAfterUpdate() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.read
+}
+
 func TestOrderPerDevice(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -542,6 +656,84 @@ func TestRestartKeepsCommands(t *testing.T) {
 	texts := dev.Texts()
 	if len(texts) != 4 || texts[1].Text != "while down 0" || texts[3].Text != "while down 2" {
 		t.Errorf("texts %+v; want before and the three sent while down, in order", texts)
+	}
+}
+
+// Commands the spool holds for a device the bridge no longer serves (it
+// restarted with a shorter device list) end failed with device_not_served,
+// their final replies published as any other: nothing ran or answered
+// them, and the server read them delivered until the device moved to
+// another bridge.
+func TestCommandsOfADeviceNoLongerServedFail(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	devA, devB := newSim("dev-a"), newSim("dev-b")
+	dir := t.TempDir()
+	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{devA, devB}, dataDir: dir})
+
+	// The first hangs on the device until the bridge stops; the second
+	// waits behind it.
+	devB.HangNext()
+	running := command(t, "dev-b", topics.OpPushText, topics.PushText{Text: "hangs"})
+	queued := command(t, "dev-b", topics.OpPushText, topics.PushText{Text: "queued"})
+	w.send(running)
+	w.send(queued)
+	w.waitReply("dev-b", queued.ID, companion.StateDelivered)
+	br.stop(t)
+
+	// Back with dev-a only, while the broker turns it away: the commands
+	// end on disk, and their final replies wait in the outbox through
+	// another restart.
+	b.hook.refuse.Store(true)
+	a, err := agent.New(agent.Options{MQTTURL: b.url, BridgeID: "b1", DataDir: dir, Devices: []agent.Device{devA}, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- a.Run(context.Background()) }()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(waitLong)
+	for _, c := range []topics.Command{running, queued} {
+		for {
+			st, err := a.SpoolState(c.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st == "done" {
+				break
+			}
+			select {
+			case <-tick.C:
+			case <-deadline:
+				t.Fatalf("%s is %q in the spool; want done", c.Payload, st)
+			}
+		}
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	b.hook.refuse.Store(false)
+
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{devA}, dataDir: dir})
+	for _, c := range []topics.Command{running, queued} {
+		r := w.waitFinal("dev-b", c.ID)
+		if r.State != companion.StateFailed || r.Error == nil || r.Error.Code != "device_not_served" ||
+			!strings.Contains(r.Error.Message, "no longer serves") {
+			t.Errorf("%s ended %s %+v; want failed device_not_served", c.Payload, r.State, r.Error)
+		}
+	}
+	if n := devB.Executions(queued.ID); n != 0 {
+		t.Errorf("Executions(queued) = %d; want 0", n)
+	}
+
+	served := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "still served"})
+	w.send(served)
+	if r := w.waitFinal("dev-a", served.ID); r.State != companion.StateSucceeded {
+		t.Errorf("the command of the served device ended %s %+v; want succeeded", r.State, r.Error)
 	}
 }
 

@@ -10,7 +10,8 @@ import "time"
 // not block.
 type Observer interface {
 	// CommandDone is called once for each command the bridge ran to its
-	// end (or found expired before it ran), with its op, its final state
+	// end (or found expired before it ran, or failed with
+	// device_not_served at start), with its op, its final state
 	// (succeeded, failed or expired) and how long it ran.
 	CommandDone(op, result string, took time.Duration)
 	// MQTTConnected is called when the bridge's MQTT connection comes up

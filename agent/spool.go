@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -105,6 +106,9 @@ type spool struct {
 	// and, after opening, those that may have been running when the bridge
 	// stopped (resumed). A cancel leaves them alone.
 	running map[string]bool
+
+	// afterChunk, when set, runs between purge's chunks (tests).
+	afterChunk func()
 }
 
 // spoolCommitLinger is how long the spool's committer waits for company
@@ -456,6 +460,27 @@ func (s *spool) claim(deviceID string) *record {
 	return r
 }
 
+// claimUnserved claims every command queued for a device the bridge does
+// not serve (served reports false for it), each device's in queue order,
+// and returns them: no worker will claim them, and finish ends them as it
+// ends any claimed command.
+func (s *spool) claimUnserved(served func(deviceID string) bool) []*record {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var recs []*record
+	for _, dev := range slices.Sorted(maps.Keys(s.queues)) {
+		if served(dev) {
+			continue
+		}
+		for _, r := range s.queues[dev] {
+			s.running[r.Cmd.ID] = true
+			recs = append(recs, r)
+		}
+		delete(s.queues, dev)
+	}
+	return recs
+}
+
 // start returns once the file has a claimed command as running, so that a
 // restart after it reached the device finds it possibly started rather
 // than never started (and neither expires it nor lets it be canceled).
@@ -617,52 +642,183 @@ func (s *spool) keepStatus(deviceID string, st topics.Status, done func(error)) 
 	}, done)
 }
 
+// purgeChunk is how many keys purge reads in one read transaction, and so
+// the most it deletes in one write. A busy bridge holds millions of done
+// records over DoneRetention; one transaction over all of them held every
+// other write of the spool (intake, finishes, status) for as long as it
+// took to decode them. A variable: tests lower it.
+var purgeChunk = 1000
+
 // purge forgets the ids of commands finished before cutoff and returns how
-// many it forgot.
+// many it forgot. It reads the records a chunk at a time, each chunk in a
+// read transaction of its own (which holds up no writer), and deletes each
+// chunk's old ones in a short write shared with the spool's other writes,
+// so that they wait for one chunk at most. afterChunk, when set, runs
+// between chunks (tests).
 func (s *spool) purge(cutoff time.Time) (int, error) {
-	var n int
-	err := s.db.Update(func(tx *bolt.Tx) error {
-		b := tx.Bucket(bucketCommands)
-		var old [][]byte
-		err := b.ForEach(func(k, v []byte) error {
-			var r record
-			if err := fastjson.Unmarshal(v, &r); err != nil {
+	n := 0
+	var after []byte // the last key read; nil: none yet
+	for {
+		old, last, err := s.oldDone(after, cutoff)
+		if err != nil {
+			return n, err
+		}
+		if len(old) > 0 {
+			deleted, err := s.deleteOld(old, cutoff)
+			n += deleted
+			if err != nil {
+				return n, err
+			}
+		}
+		if last == nil {
+			break
+		}
+		after = last
+		if s.afterChunk != nil {
+			s.afterChunk()
+		}
+	}
+	return n, s.purgeOrphans()
+}
+
+// doneAt is what purge reads of a record: not the command, whose payload
+// it need not decode.
+type doneAt struct {
+	State  string    `json:"state"`
+	DoneAt time.Time `json:"done_at,omitzero"`
+}
+
+func (d doneAt) old(cutoff time.Time) bool {
+	return d.State == spoolDone && d.DoneAt.Before(cutoff)
+}
+
+// oldDone reads up to purgeChunk records after the key after (from the
+// first when nil) and returns the keys of those done before cutoff, and
+// the last key it read, nil when it read to the end.
+func (s *spool) oldDone(after []byte, cutoff time.Time) (old [][]byte, last []byte, err error) {
+	err = s.db.View(func(tx *bolt.Tx) error {
+		old, last = nil, nil
+		c := tx.Bucket(bucketCommands).Cursor()
+		k, v := c.First()
+		if after != nil {
+			if k, v = c.Seek(after); bytes.Equal(k, after) {
+				k, v = c.Next()
+			}
+		}
+		for i := 0; k != nil && i < purgeChunk; k, v = c.Next() {
+			i++
+			var d doneAt
+			if err := fastjson.Unmarshal(v, &d); err != nil {
 				return fmt.Errorf("spool record %s: %w", k, err)
 			}
-			if r.State == spoolDone && r.DoneAt.Before(cutoff) {
-				old = append(old, append([]byte(nil), k...))
+			if d.old(cutoff) {
+				old = append(old, bytes.Clone(k))
 			}
-			return nil
-		})
-		if err != nil {
-			return err
+			last = bytes.Clone(k)
 		}
-		for _, k := range old {
-			if err := b.Delete(k); err != nil {
-				return err
-			}
-		}
-		n = len(old)
-		// A final reply the broker never acknowledged in DoneRetention is
-		// forgotten with its record.
-		var orphans [][]byte
-		err = tx.Bucket(bucketOutbox).ForEach(func(k, v []byte) error {
-			if !bytes.HasPrefix(v, []byte("{")) && b.Get(v) == nil {
-				orphans = append(orphans, bytes.Clone(k))
-			}
-			return nil
-		})
-		if err != nil {
-			return err
-		}
-		for _, k := range orphans {
-			if err := tx.Bucket(bucketOutbox).Delete(k); err != nil {
-				return err
-			}
+		if k == nil {
+			last = nil // read to the end
 		}
 		return nil
 	})
-	return n, err
+	return old, last, err
+}
+
+// deleteOld deletes the records of ids that are still done before cutoff
+// (checked again: the read that found them has ended), in one write
+// shared with the spool's others, and returns how many it deleted.
+func (s *spool) deleteOld(ids [][]byte, cutoff time.Time) (int, error) {
+	var n int
+	err := s.w.Do(func(tx *bolt.Tx) error {
+		n = 0 // the transaction may run again (groupcommit.Committer.Do)
+		b := tx.Bucket(bucketCommands)
+		for _, k := range ids {
+			v := b.Get(k)
+			if v == nil {
+				continue
+			}
+			var d doneAt
+			if err := fastjson.Unmarshal(v, &d); err != nil {
+				return fmt.Errorf("spool record %s: %w", k, err)
+			}
+			if !d.old(cutoff) {
+				continue
+			}
+			if err := b.Delete(k); err != nil {
+				return err
+			}
+			n++
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	return n, nil
+}
+
+// purgeOrphans forgets the final replies whose record purge forgot: one the
+// broker never acknowledged in DoneRetention goes with its record. It
+// reads the outbox a chunk at a time, as purge reads the records, and
+// deletes each chunk's orphans in a write of its own.
+func (s *spool) purgeOrphans() error {
+	var after []byte
+	for {
+		var orphans [][]byte
+		var last []byte
+		err := s.db.View(func(tx *bolt.Tx) error {
+			orphans, last = nil, nil
+			cmds := tx.Bucket(bucketCommands)
+			c := tx.Bucket(bucketOutbox).Cursor()
+			k, v := c.First()
+			if after != nil {
+				if k, v = c.Seek(after); bytes.Equal(k, after) {
+					k, v = c.Next()
+				}
+			}
+			for i := 0; k != nil && i < purgeChunk; k, v = c.Next() {
+				i++
+				if orphan(cmds, v) {
+					orphans = append(orphans, bytes.Clone(k))
+				}
+				last = bytes.Clone(k)
+			}
+			if k == nil {
+				last = nil
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if len(orphans) > 0 {
+			err := s.w.Do(func(tx *bolt.Tx) error {
+				cmds, out := tx.Bucket(bucketCommands), tx.Bucket(bucketOutbox)
+				for _, k := range orphans {
+					if v := out.Get(k); v == nil || !orphan(cmds, v) {
+						continue // acknowledged since, or its record is back
+					}
+					if err := out.Delete(k); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				return err
+			}
+		}
+		if last == nil {
+			return nil
+		}
+		after = last
+	}
+}
+
+// orphan reports whether an outbox entry names a command whose record is
+// gone. Entries of earlier versions hold their reply and are never orphans.
+func orphan(cmds *bolt.Bucket, v []byte) bool {
+	return !bytes.HasPrefix(v, []byte("{")) && cmds.Get(v) == nil
 }
 
 // seen reports the spool state of a command id ("" when unknown). Tests use it.

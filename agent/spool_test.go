@@ -347,3 +347,182 @@ func reopenAndCancel(t *testing.T, dir string, running, queued topics.Command) *
 	}
 	return s
 }
+
+// lowerPurgeChunk sets purgeChunk to n for the test.
+func lowerPurgeChunk(tb testing.TB, n int) {
+	tb.Helper()
+	old := purgeChunk
+	purgeChunk = n
+	tb.Cleanup(func() { purgeChunk = old })
+}
+
+// putDone writes the record of a command of device d finished at doneAt,
+// as finish does, its final reply in the outbox when owed; it returns
+// the command's id and the outbox key (0 when not owed).
+func putDone(tb testing.TB, s *spool, doneAt time.Time, owed bool) (id string, key uint64) {
+	tb.Helper()
+	c := testCommand(tb, "d", topics.OpPushText, topics.PushText{Text: "x"})
+	err := s.db.Update(func(tx *bolt.Tx) error {
+		final := &topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: doneAt}
+		r := &record{Cmd: topics.Command{ID: c.ID, DeviceID: c.DeviceID}, State: spoolDone, Final: final, DoneAt: doneAt}
+		if err := putRecord(tx, r); err != nil {
+			return err
+		}
+		if !owed {
+			return nil
+		}
+		var err error
+		key, err = putOutbox(tx, c.ID)
+		return err
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return c.ID, key
+}
+
+// purge reads and deletes in chunks, across more records than one chunk
+// holds: it forgets exactly the commands done before the cutoff, counts
+// them, keeps the others (done later, queued, running), and forgets the
+// final replies of the records it forgot, but no other.
+func TestSpoolPurgeInChunks(t *testing.T) {
+	lowerPurgeChunk(t, 7)
+	s := openTestSpool(t)
+	cutoff := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+	want := map[string]string{} // id → its state after the purge, "" when forgotten
+	var oldIDs int
+	keptKeys := map[uint64]bool{}
+	for i := range 45 {
+		switch i % 3 {
+		case 0:
+			id, _ := putDone(t, s, cutoff.Add(-time.Hour), i%2 == 0)
+			want[id] = ""
+			oldIDs++
+		case 1:
+			id, key := putDone(t, s, cutoff.Add(time.Hour), i%2 == 0)
+			want[id] = spoolDone
+			if key != 0 {
+				keptKeys[key] = true
+			}
+		case 2:
+			c := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "waits"})
+			res, err := s.accept([]topics.Command{c}, cutoff.Add(-48*time.Hour))
+			if err != nil {
+				t.Fatal(err)
+			}
+			want[c.ID] = res[0].rec.State // the first running, the rest queued
+		}
+	}
+	// An outbox entry of an earlier version holds its reply: no orphan.
+	var jsonKey uint64
+	err := s.db.Update(func(tx *bolt.Tx) error {
+		var err error
+		if jsonKey, err = tx.Bucket(bucketOutbox).NextSequence(); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketOutbox).Put(u64(jsonKey), []byte(`{"device_id":"d","reply":{"command_id":"x","state":"succeeded"}}`))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keptKeys[jsonKey] = true
+
+	chunks := 1
+	s.afterChunk = func() { chunks++ }
+	n, err := s.purge(cutoff)
+	if err != nil || n != oldIDs {
+		t.Fatalf("purge = %d, %v; want %d", n, err, oldIDs)
+	}
+	if wantChunks := (len(want) + purgeChunk - 1) / purgeChunk; chunks != wantChunks {
+		t.Errorf("purge read %d chunks of %d records; want %d", chunks, len(want), wantChunks)
+	}
+	for id, st := range want {
+		if got, err := s.seen(id); err != nil || got != st {
+			t.Errorf("after the purge %s is %q, %v; want %q", id, got, err, st)
+		}
+	}
+	items, err := s.outbox()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[uint64]bool{}
+	for _, it := range items {
+		got[it.key] = true
+	}
+	err = s.db.View(func(tx *bolt.Tx) error {
+		if n := tx.Bucket(bucketOutbox).Stats().KeyN; n != len(keptKeys) {
+			t.Errorf("outbox holds %d entries after the purge; want %d", n, len(keptKeys))
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k := range keptKeys {
+		if !got[k] {
+			t.Errorf("outbox entry %d forgotten; its record is kept", k)
+		}
+	}
+	if n, err := s.purge(cutoff); err != nil || n != 0 {
+		t.Errorf("second purge = %d, %v; want 0", n, err)
+	}
+}
+
+// The spool's writes go on while a purge of many records runs: between two
+// of its chunks a status is kept and a command accepted, and each commits
+// before the purge reads on. (The purge in one write transaction held every
+// write until it had read and deleted all the records.)
+func TestSpoolWritesGoOnDuringPurge(t *testing.T) {
+	lowerPurgeChunk(t, 10)
+	s := openTestSpool(t)
+	cutoff := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+	const old = 100
+	for i := range old {
+		putDone(t, s, cutoff.Add(-time.Hour), i%2 == 0)
+	}
+
+	// A write the purge holds up never commits while the hook waits: the
+	// bound only keeps the test from hanging on such a deadlock.
+	const deadlock = 15 * time.Second
+	var hooks, stuck int
+	s.afterChunk = func() {
+		hooks++
+		if stuck > 0 {
+			return // one write held up is enough to know
+		}
+		battery := hooks
+		kept := make(chan error, 1)
+		s.keepStatus("d", topics.Status{Online: true, Battery: &battery}, func(err error) { kept <- err })
+		accepted := make(chan error, 1)
+		c := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "during the purge"})
+		go func() {
+			_, err := s.accept([]topics.Command{c}, cutoff)
+			accepted <- err
+		}()
+		for _, ch := range []chan error{kept, accepted} {
+			select {
+			case err := <-ch:
+				if err != nil {
+					t.Errorf("write during the purge: %v", err)
+				}
+			case <-time.After(deadlock):
+				stuck++
+				t.Errorf("a write between the purge's chunks did not commit before the purge went on")
+				return
+			}
+		}
+		if st, err := s.lastStatus("d"); err != nil || st == nil || st.Battery == nil || *st.Battery != battery {
+			t.Errorf("status kept during the purge reads %+v, %v; want battery %d", st, err, battery)
+		}
+		if st, err := s.seen(c.ID); err != nil || st == "" {
+			t.Errorf("command accepted during the purge is %q, %v; want it spooled", st, err)
+		}
+	}
+	n, err := s.purge(cutoff)
+	if err != nil || n != old {
+		t.Fatalf("purge = %d, %v; want %d", n, err, old)
+	}
+	if hooks == 0 {
+		t.Fatal("no write ran between the purge's chunks")
+	}
+}

@@ -354,9 +354,16 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 	if err := dr.dev.UpdateFirmware(ctx, c.ID, p.Version, image, prog.stage(50, 100)); err != nil {
 		return nil, deviceState{}, err
 	}
+	// UpdateFirmware returning nil means the device runs the image and has
+	// confirmed it: a status read that fails now does not undo the update,
+	// and failing the command would report an update that happened as
+	// failed. The status then follows in a report, as after other commands
+	// (statusAfter). A read that succeeds with another version is a
+	// mismatch all the same.
 	st, err := a.readStatus(ctx, dr)
 	if err != nil {
-		return nil, deviceState{}, err
+		a.log.Warn("reading the status after a firmware update failed; it follows in a report", "device", dr.id, "cmd", c.ID, "err", err)
+		return resultJSON(map[string]string{"firmware_version": p.Version}), deviceState{}, nil
 	}
 	if st.FirmwareVersion != p.Version {
 		return nil, deviceState{status: &st}, cmdErr(codeVersionMismatch, fmt.Sprintf("the device reports firmware %q after the update to %q", st.FirmwareVersion, p.Version))
