@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/textproto"
 	"sort"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -343,7 +346,14 @@ func (s *Server) getBlob(c *gin.Context) error {
 	h.Set("ETag", `"`+blob.SHA256+`"`)
 	h.Set("Cache-Control", "private, max-age=31536000, immutable")
 	w := &blobWriter{ResponseWriter: c.Writer}
-	http.ServeContent(w, c.Request, "", blob.CreatedAt, f)
+	r := c.Request
+	if rng := r.Header.Get("Range"); rng != "" {
+		if kept := withoutEmptySuffixes(rng, blob.Size); kept != rng {
+			r = r.Clone(ctx)
+			r.Header.Set("Range", kept)
+		}
+	}
+	http.ServeContent(w, r, "", blob.CreatedAt, f)
 	if w.failed == 0 {
 		return nil
 	}
@@ -364,6 +374,43 @@ func (s *Server) getBlob(c *gin.Context) error {
 		return &Error{Code: CodePreconditionFailed}
 	}
 	return fmt.Errorf("serving blob %s: http.ServeContent answered %d", sha, w.failed)
+}
+
+// withoutEmptySuffixes returns the Range header h without its suffix
+// ranges of length 0 ("bytes=-0"). RFC 9110 §14.1.1 has such a range
+// unsatisfiable, and a set of only unsatisfiable ranges a 416, but
+// http.ServeContent serves it as an empty part (a 206). When no other range
+// is left, it asks for the range just past the content's end, which
+// ServeContent answers 416 as the RFC does, after the preconditions and
+// If-Range as always. A header without such a range is returned as it is.
+func withoutEmptySuffixes(h string, size int64) string {
+	const unit = "bytes="
+	set, ok := strings.CutPrefix(h, unit)
+	if !ok {
+		return h
+	}
+	var kept []string
+	dropped, left := false, false
+	for spec := range strings.SplitSeq(set, ",") {
+		// Read as ServeContent reads it.
+		first, last, ok := strings.Cut(textproto.TrimString(spec), "-")
+		first, last = textproto.TrimString(first), textproto.TrimString(last)
+		if ok && first == "" && last != "" && last[0] != '-' {
+			if n, err := strconv.ParseInt(last, 10, 64); err == nil && n == 0 {
+				dropped = true
+				continue
+			}
+		}
+		kept = append(kept, spec)
+		left = left || textproto.TrimString(spec) != ""
+	}
+	switch {
+	case !dropped:
+		return h
+	case !left:
+		return unit + strconv.FormatInt(size, 10) + "-"
+	}
+	return unit + strings.Join(kept, ",")
 }
 
 // blobWriter stands between http.ServeContent and the client. ServeContent

@@ -721,6 +721,55 @@ func TestBlobPreconditions(t *testing.T) {
 	}
 }
 
+// A suffix range of length 0 ("bytes=-0") is unsatisfiable (RFC 9110
+// §14.1.1): alone it is a 416 with the content's length, never the 206 of
+// an empty part that http.ServeContent gives it; beside a satisfiable
+// range it is left out. Preconditions and If-Range still come first.
+func TestBlobEmptySuffixRange(t *testing.T) {
+	e := newEnv(t)
+	content, sha := putFirmware(t, e, 1000)
+	path := "/api/v1/blobs/" + sha
+	etag := `"` + sha + `"`
+	for _, method := range []string{"GET", "HEAD"} {
+		for _, tc := range []struct {
+			header map[string]string
+			status int
+			rng    string // the Content-Range of the answer
+		}{
+			{map[string]string{"Range": "bytes=-0"}, http.StatusRequestedRangeNotSatisfiable, "bytes */1000"},
+			{map[string]string{"Range": "bytes=-000"}, http.StatusRequestedRangeNotSatisfiable, "bytes */1000"},
+			{map[string]string{"Range": "bytes= -0 , -0"}, http.StatusRequestedRangeNotSatisfiable, "bytes */1000"},
+			{map[string]string{"Range": "bytes=-0,5000-"}, http.StatusRequestedRangeNotSatisfiable, "bytes */1000"},
+			{map[string]string{"Range": "bytes=-0", "If-Range": etag}, http.StatusRequestedRangeNotSatisfiable, "bytes */1000"},
+			{map[string]string{"Range": "bytes=-0,10-19"}, http.StatusPartialContent, "bytes 10-19/1000"},
+			{map[string]string{"Range": "bytes=-1"}, http.StatusPartialContent, "bytes 999-999/1000"},
+			// If-Range of another version: the whole content, as always.
+			{map[string]string{"Range": "bytes=-0", "If-Range": `"other"`}, http.StatusOK, ""},
+			{map[string]string{"Range": "bytes=-0", "If-None-Match": etag}, http.StatusNotModified, ""},
+			{map[string]string{"Range": "bytes=-0", "If-Match": `"other"`}, http.StatusPreconditionFailed, ""},
+		} {
+			r := e.send(req{method: method, path: path, token: testAdminToken, header: tc.header})
+			require.Equal(t, tc.status, r.status, "%s %v: %s", method, tc.header, r.body)
+			assert.Equal(t, tc.rng, r.header.Get("Content-Range"), "%s %v", method, tc.header)
+			if method != "GET" {
+				continue
+			}
+			switch tc.status {
+			case http.StatusRequestedRangeNotSatisfiable:
+				assert.Equal(t, CodeRangeNotSatisfiable, r.problem(t).Code)
+			case http.StatusPartialContent:
+				if tc.rng == "bytes 10-19/1000" {
+					assert.Equal(t, content[10:20], r.body)
+				} else {
+					assert.Equal(t, content[999:], r.body)
+				}
+			case http.StatusOK:
+				assert.Equal(t, content, r.body)
+			}
+		}
+	}
+}
+
 func TestProblemShape(t *testing.T) {
 	e := newEnv(t)
 	tok := e.bound("dev-1")

@@ -662,9 +662,14 @@ func (s *Server) listCommands(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
+	// A state given empty, or twice with different values, names no
+	// state: it is refused, never read as no filter at all.
 	var fields []FieldError
-	state := c.Query("state")
-	if state != "" && !companion.ValidState(state) {
+	state, given, twice := queryOnce(c, "state")
+	switch {
+	case twice:
+		fields = append(fields, FieldError{Field: "state", Message: "must be given once"})
+	case given && !companion.ValidState(state):
 		fields = append(fields, FieldError{Field: "state", Message: fmt.Sprintf("must be one of %v", companion.States)})
 	}
 	limit, before, err := page(c, topics.ValidCommandID, fields)

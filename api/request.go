@@ -231,11 +231,34 @@ func jsonNames(t reflect.Type, names []string) []string {
 }
 
 // decodeStrict decodes exactly one JSON value into dst and refuses
-// anything after it.
+// anything after it. A number too large for a float64 (1e400) is
+// well-formed JSON, which has no range limit, that encoding/json cannot
+// hold: each such number is a 422 naming its path, unless the body has a
+// fault of another kind, a 400, which comes first.
 func decodeStrict(raw []byte, dst any) error {
+	err := decodeOne(raw, dst)
+	if err == nil {
+		return nil
+	}
+	if rangeError(err) {
+		// encoding/json reports only its first error: decode again with
+		// the numbers out of range cleared, to find any other.
+		if fields, cleared := outOfRange(raw); len(fields) > 0 {
+			if err := decodeOne(cleared, dst); err != nil {
+				return jsonError(err)
+			}
+			return validationError(fields)
+		}
+	}
+	return jsonError(err)
+}
+
+// decodeOne decodes exactly one JSON value into dst, with encoding/json's
+// error, and refuses anything after it.
+func decodeOne(raw []byte, dst any) error {
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	if err := dec.Decode(dst); err != nil {
-		return jsonError(err)
+		return err
 	}
 	var extra json.RawMessage
 	if err := dec.Decode(&extra); err != io.EOF {
@@ -244,12 +267,111 @@ func decodeStrict(raw []byte, dst any) error {
 	return nil
 }
 
+// rangeError reports whether err is encoding/json's account of a number
+// too large for the Go value it goes into.
+func rangeError(err error) bool {
+	var typ *json.UnmarshalTypeError
+	if errors.As(err, &typ) {
+		if lit, ok := strings.CutPrefix(typ.Value, "number "); ok && numberOutOfRange(lit) {
+			return true
+		}
+	}
+	return errors.Is(err, strconv.ErrRange)
+}
+
+// numberOutOfRange reports whether the JSON number lit is beyond what a
+// float64 holds. (One too small for it reads as 0, as JSON allows.)
+func numberOutOfRange(lit string) bool {
+	_, err := strconv.ParseFloat(lit, 64)
+	return errors.Is(err, strconv.ErrRange)
+}
+
+// outOfRange names the path of each number in raw, a valid JSON text,
+// that is beyond what a float64 holds ("ttl_seconds", "a.b[2]"), and
+// returns raw with each of them replaced by 0.
+func outOfRange(raw []byte) (fields []FieldError, cleared []byte) {
+	type level struct {
+		array bool
+		key   string // of an object: the member being read
+		atKey bool   // of an object: a member name comes next
+		index int    // of an array: the element being read
+	}
+	var (
+		stack []level
+		out   bytes.Buffer
+		from  int // raw[from:] is not yet in out
+	)
+	path := func() string {
+		var b strings.Builder
+		for _, l := range stack {
+			switch {
+			case l.array:
+				fmt.Fprintf(&b, "[%d]", l.index)
+			case b.Len() > 0:
+				b.WriteString("." + l.key)
+			default:
+				b.WriteString(l.key)
+			}
+		}
+		return b.String()
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			break
+		}
+		if n := len(stack); n > 0 && stack[n-1].atKey {
+			if key, ok := tok.(string); ok {
+				stack[n-1].key, stack[n-1].atKey = key, false
+				continue
+			}
+		}
+		switch t := tok.(type) {
+		case json.Delim:
+			switch t {
+			case '{':
+				stack = append(stack, level{atKey: true})
+				continue
+			case '[':
+				stack = append(stack, level{array: true})
+				continue
+			}
+			stack = stack[:len(stack)-1]
+		case json.Number:
+			end := int(dec.InputOffset())
+			start := end - len(t)
+			if numberOutOfRange(string(t)) && start >= from && string(raw[start:end]) == string(t) {
+				fields = append(fields, FieldError{Field: path(), Message: "is a number out of range"})
+				out.Write(raw[from:start])
+				out.WriteString("0")
+				from = end
+			}
+		}
+		// A value ended: the enclosing one moves on to its next.
+		if len(stack) == 0 {
+			break
+		}
+		if top := &stack[len(stack)-1]; top.array {
+			top.index++
+		} else {
+			top.atKey = true
+		}
+	}
+	out.Write(raw[from:])
+	return fields, out.Bytes()
+}
+
 func jsonError(err error) error {
 	var (
+		e   *Error
 		syn *json.SyntaxError
 		typ *json.UnmarshalTypeError
 	)
 	switch {
+	case errors.As(err, &e):
+		return e
 	case errors.As(err, &typ):
 		field := typ.Field
 		if field == "" {
@@ -586,20 +708,43 @@ const (
 	maxPageSize     = 200
 )
 
+// queryOnce reads the query parameter name: its value, whether it is
+// there (empty or not), and whether it is there twice with different
+// values, which no parameter of ours takes.
+func queryOnce(c *gin.Context, name string) (value string, given, twice bool) {
+	vs, given := c.GetQueryArray(name)
+	if !given {
+		return "", false, false
+	}
+	for _, v := range vs[1:] {
+		if v != vs[0] {
+			twice = true
+		}
+	}
+	return vs[0], true, twice
+}
+
 // page reads limit and cursor. The cursor is the base64url of the last id
-// of the previous page; valid says what such an id looks like.
+// of the previous page; valid says what such an id looks like. An empty
+// limit is no number, and refused; an empty cursor is the first page's,
+// as there is no page before it.
 func page(c *gin.Context, valid func(string) bool, more []FieldError) (limit int, after string, err error) {
 	limit = defaultPageSize
 	fields := more
-	if v, ok := c.GetQuery("limit"); ok {
+	if v, ok, twice := queryOnce(c, "limit"); ok {
 		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > maxPageSize {
+		switch {
+		case twice:
+			fields = append(fields, FieldError{Field: "limit", Message: "must be given once"})
+		case err != nil || n < 1 || n > maxPageSize:
 			fields = append(fields, FieldError{Field: "limit", Message: fmt.Sprintf("must be an integer from 1 to %d", maxPageSize)})
 		}
 		limit = n
 	}
 	badCursor := false
-	if v, ok := c.GetQuery("cursor"); ok && v != "" {
+	if v, ok, twice := queryOnce(c, "cursor"); twice {
+		fields = append(fields, FieldError{Field: "cursor", Message: "must be given once"})
+	} else if ok && v != "" {
 		id, err := base64.RawURLEncoding.DecodeString(v)
 		if err != nil || !valid(string(id)) {
 			badCursor = true

@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
+	"fmt"
 	"hash/crc32"
 	"image"
 	"image/color"
@@ -289,7 +290,9 @@ func TestSettingsValidation(t *testing.T) {
 			422, []string{"bogus", "brightness", "do_not_disturb", "language"}},
 		{"empty object", `{}`, 422, []string{"settings"}},
 		{"array", `[]`, 400, nil},
-		{"huge number", `{"brightness":1e999}`, 400, nil},
+		// JSON numbers have no range: one beyond a float64 is well-formed
+		// but invalid (CONTRACT §2), a 422, not a 400.
+		{"huge number", `{"brightness":1e999}`, 422, []string{"brightness"}},
 		{"trailing", `{"brightness":1}]`, 400, nil},
 	}
 	runBodyCases(t, e, "PUT", path, tok, cases)
@@ -308,6 +311,53 @@ func TestSettingsValidation(t *testing.T) {
 	assert.Contains(t, m["pending"], "brightness")
 	assert.Contains(t, m["schema"], "language")
 	assert.NotNil(t, m["updated_at"])
+}
+
+// A number beyond what a float64 holds is well-formed JSON (JSON has no
+// range limit), so it is a 422 naming its path, on a struct field and in
+// settings alike, while a real wrong type stays a 400.
+func TestNumberOutOfRangeIs422(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.reportSettings("dev-1")
+	small := b64(pngOf(t, 2, 2))
+	for _, tc := range []struct {
+		method, path, body string
+		status             int
+		fields             []string
+	}{
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":"x","ttl_seconds":1e400}`, 422, []string{"ttl_seconds"}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":"x","ttl_seconds":-1e400}`, 422, []string{"ttl_seconds"}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":"x","ttl_seconds":1e-400}`, 422, []string{"ttl_seconds"}}, // 0: below 60
+		{"POST", "/api/v1/devices/dev-1/push/image", `{"image":"` + small + `","ttl_seconds":179769313486231570000e300}`, 422, []string{"ttl_seconds"}},
+		// A wrong type is a 400 whichever comes first, and a number into
+		// a string is one.
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"ttl_seconds":1e400,"text":5}`, 400, []string{"text"}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":5,"ttl_seconds":1e400}`, 400, []string{"text"}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":1e400}`, 400, []string{"text"}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":"x","ttl_seconds":1e400} true`, 400, nil},
+		{"PUT", "/api/v1/devices/dev-1/settings", `{"brightness":1e400}`, 422, []string{"brightness"}},
+		{"PUT", "/api/v1/devices/dev-1/settings", `{"volume":50,"brightness":-1E+400,"language":1e999}`, 422, []string{"brightness", "language"}},
+		{"PUT", "/api/v1/devices/dev-1/settings", `{"brightness":{"a":[1,{"b":1e400}]}}`, 422, []string{"brightness.a[1].b"}},
+		{"PUT", "/api/v1/devices/dev-1/settings", `{"brightness":1e308}`, 422, []string{"brightness"}}, // a float64: out of the schema's range
+	} {
+		r := e.do(tc.method, tc.path, tok, tc.body)
+		require.Equal(t, tc.status, r.status, "%s %s %s = %d %s", tc.method, tc.path, tc.body, r.status, r.body)
+		p := r.problem(t)
+		if tc.fields != nil {
+			assert.Equal(t, tc.fields, p.fields(), "%s: %s", tc.body, r.body)
+		}
+		switch tc.status {
+		case 422:
+			assert.Equal(t, CodeValidationFailed, p.Code, tc.body)
+		case 400:
+			assert.Equal(t, CodeMalformedJSON, p.Code, tc.body)
+		}
+	}
+	r := e.do("PUT", "/api/v1/devices/dev-1/settings", tok, `{"brightness":1e400}`)
+	require.Equal(t, 422, r.status)
+	assert.Equal(t, []FieldError{{Field: "brightness", Message: "is a number out of range"}}, r.problem(t).Errors)
+	assert.Zero(t, e.cmds.count(), "no command for a refused body")
 }
 
 func TestAppAndOTAValidation(t *testing.T) {
@@ -461,6 +511,13 @@ func TestListQueryValidation(t *testing.T) {
 			{"?cursor=%21%21%21", 422, CodeInvalidCursor, []string{"cursor"}},
 			{"?cursor=" + base64.RawURLEncoding.EncodeToString([]byte("not an id!")), 422, CodeInvalidCursor, []string{"cursor"}},
 			{"?cursor=!!!&limit=0", 422, CodeValidationFailed, []string{"limit", "cursor"}},
+			// Given twice with different values: which one was meant?
+			{"?limit=1&limit=2", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=2&limit=2", 200, "", nil},
+			{"?cursor=a&cursor=b", 422, CodeValidationFailed, []string{"cursor"}},
+			// An empty cursor is the first page's (docs/api.md).
+			{"?cursor=", 200, "", nil},
+			{"?limit=1&cursor=", 200, "", nil},
 		} {
 			r := e.do("GET", path+tc.query, tok, nil)
 			require.Equal(t, tc.status, r.status, "GET %s%s = %d %s", path, tc.query, r.status, r.body)
@@ -477,13 +534,31 @@ func TestListQueryValidation(t *testing.T) {
 	}{
 		{"?state=queued", 200}, {"?state=succeeded", 200}, {"?state=canceled", 200},
 		{"?state=done", 422}, {"?state=QUEUED", 422},
+		// Given but empty, or twice with different values, it names no
+		// state: never a list of every command.
+		{"?state=", 422}, {"?state", 422}, {"?state=&limit=5", 422},
+		{"?state=queued&state=failed", 422}, {"?state=queued&state=", 422},
+		{"?state=queued&state=queued", 200},
 	} {
 		r := e.do("GET", "/api/v1/devices/dev-1/commands"+tc.query, tok, nil)
 		require.Equal(t, tc.status, r.status, "state %s: %s", tc.query, r.body)
 		if tc.status == 422 {
-			assert.Equal(t, []string{"state"}, r.problem(t).fields())
+			p := r.problem(t)
+			assert.Equal(t, CodeValidationFailed, p.Code, "state %s", tc.query)
+			assert.Equal(t, []string{"state"}, p.fields(), "state %s", tc.query)
 		}
 	}
+
+	// An empty cursor reads the first page, as no cursor does.
+	for i := range 3 {
+		require.Equal(t, 202, e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": fmt.Sprint(i)}).status)
+	}
+	first := e.do("GET", "/api/v1/devices/dev-1/commands?limit=2", tok, nil)
+	require.Equal(t, 200, first.status, "%s", first.body)
+	empty := e.do("GET", "/api/v1/devices/dev-1/commands?limit=2&cursor=", tok, nil)
+	require.Equal(t, 200, empty.status, "%s", empty.body)
+	assert.JSONEq(t, string(first.body), string(empty.body))
+	assert.NotNil(t, empty.json(t)["next_cursor"])
 }
 
 func TestPathIDs(t *testing.T) {
