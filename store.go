@@ -98,6 +98,14 @@ type Store interface {
 	// returns only events committed from now on (and perhaps a few of the
 	// last moments).
 	EventsHead(ctx context.Context) (string, error)
+	// EventsPastEnd reports whether the cursor after is past every id
+	// the store has ever assigned, as one that a client kept across a
+	// reset of the store (the bbolt file deleted, the database recreated)
+	// may be: Events after it would return nothing until the log passed
+	// it. No cursor the store handed out (an event's id, a next cursor,
+	// the head) is ever past the end; a malformed one is
+	// ErrInvalidCursor.
+	EventsPastEnd(ctx context.Context, after string) (bool, error)
 	// PurgeEvents deletes the events older than olderThan.
 	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 	// OpenBlob opens a blob for reading; the caller closes it.

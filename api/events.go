@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -41,11 +42,18 @@ import (
 // ids it sent already (ids compare as strings in log order): the hub's
 // cursor when the stream registered is at or before the end of the read,
 // so nothing falls between the two, and nothing comes twice.
+//
+// A Last-Event-ID past every id the store has assigned was kept across a
+// reset of the store (companion.Store.EventsPastEnd): every event the log
+// holds is new to that client, so its stream reads the log from its start,
+// as after an id older than the log, rather than waiting for the log to
+// pass the id.
 
 // EventStore is what the event hub and the streams need of the store.
 type EventStore interface {
 	Events(ctx context.Context, userID, after string, limit int) ([]companion.Event, string, error)
 	EventsHead(ctx context.Context) (string, error)
+	EventsPastEnd(ctx context.Context, after string) (bool, error)
 }
 
 // EventsOptions configure NewEvents. The zero value of each optional
@@ -417,16 +425,25 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	}
 	defer sub.close()
 
-	// The first page of the backlog comes before the answer's status, so
-	// that an id that is no cursor is a 422 problem.
+	// The id is checked, and the first page of the backlog read, before
+	// the answer's status, so that an id that is no cursor is a 422
+	// problem.
 	var backlog []companion.Event
 	after, caughtUp := last, last == ""
 	if !caughtUp {
-		backlog, after, err = hub.opts.Store.Events(ctx, user.ID, last, eventsBacklogPage)
+		pastEnd, err := hub.opts.Store.EventsPastEnd(ctx, last)
 		if errors.Is(err, companion.ErrInvalidCursor) {
 			return &Error{Code: CodeInvalidCursor, Fields: []FieldError{{Field: field, Message: "is not the id of an event"}}}
 		}
 		if err != nil {
+			return err
+		}
+		if pastEnd {
+			// Kept across a reset of the store: all the log holds is new
+			// to the client.
+			last, after = "", ""
+		}
+		if backlog, after, err = hub.opts.Store.Events(ctx, user.ID, after, eventsBacklogPage); err != nil {
 			return err
 		}
 		caughtUp = len(backlog) < eventsBacklogPage
@@ -445,8 +462,15 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	// id, in an event without data (EventSource keeps the id and fires
 	// nothing): a client that loses the stream before any event came
 	// resumes from there, instead of from whatever is "now" when it is back.
+	// A stream after an id past the end gets it too when its backlog has
+	// nothing for it (the old id would replay the log's start only while
+	// the log has not passed it), not before a backlog: resumed after the
+	// hub's cursor, the client would miss the backlog.
 	hello := "retry: 2000\n\n"
-	if last == "" && sub.from != "" {
+	fromNow := last == "" && caughtUp && !slices.ContainsFunc(backlog, func(ev companion.Event) bool {
+		return !filtered || ev.DeviceID == deviceID
+	})
+	if fromNow && sub.from != "" {
 		hello = "retry: 2000\nid: " + sub.from + "\n\n"
 	}
 	if err := w.write([]byte(hello)); err != nil {

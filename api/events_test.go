@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -417,4 +418,74 @@ func TestEventsFreshStreamCanResume(t *testing.T) {
 	ev := s.next(t)
 	assert.Equal(t, id, ev.json(t)["id"], "the event missed while away")
 	assert.Equal(t, "queued", ev.json(t)["state"])
+}
+
+// A Last-Event-ID past every id the store has assigned, kept across a
+// reset of the store, resumes from the log's start, then live, instead of
+// waiting in silence for the log to pass it.
+func TestEventsResumePastTheEnd(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
+	tok := e.bound("dev-1")
+	const kept = "00000000000003e8" // the store's log is far shorter
+
+	// Nothing in the log for the user yet: the stream says where it
+	// starts, as a stream without an id does, then carries what comes.
+	s := e.stream(t, tok, "", map[string]string{"Last-Event-ID": kept})
+	var start string
+	for ev := range s.Events() { // the first heartbeat follows the id
+		if ev.IsComment() {
+			start = ev.ID
+			break
+		}
+	}
+	assert.NotEmpty(t, start, "the stream's starting point")
+	assert.NotEqual(t, kept, start, "the stream's starting point")
+	id := e.push(t, tok, "dev-1")
+	ev := s.next(t)
+	assert.Equal(t, id, ev.json(t)["id"])
+	assert.Equal(t, "queued", ev.json(t)["state"])
+	s.Close()
+
+	// With events in the log: all of them, then live, nothing twice. The
+	// stream starts without an id, so that a client that loses it before
+	// the first event keeps its own, which still reads the log's start.
+	e.cmds.set(t, id, companion.StateSent)
+	res, err := e.srv.Client().Do(sseRequest(t, e.srv.URL+"/api/v1/events", tok, map[string]string{"Last-Event-ID": kept}))
+	require.NoError(t, err)
+	require.Equal(t, 200, res.StatusCode)
+	r := bufio.NewReader(res.Body)
+	first, err := r.ReadString('\n')
+	require.NoError(t, err)
+	second, err := r.ReadString('\n')
+	res.Body.Close()
+	require.NoError(t, err)
+	assert.Equal(t, []string{"retry: 2000\n", "\n"}, []string{first, second}, "the stream's first lines")
+	for _, how := range []struct {
+		name   string
+		query  string
+		header map[string]string
+	}{
+		{"header", "", map[string]string{"Last-Event-ID": kept}},
+		{"query", "?last_event_id=" + kept, nil},
+	} {
+		t.Run(how.name, func(t *testing.T) {
+			log, _, err := e.db.Events(t.Context(), "", "", 100)
+			require.NoError(t, err)
+			require.GreaterOrEqual(t, len(log), 2)
+			s := e.stream(t, tok, how.query, how.header)
+			evs := s.nextN(t, len(log))
+			assert.Equal(t, []string{"queued", "sent"}, eventsOfCommand(t, evs[:2]))
+			var want []string
+			for _, ev := range log {
+				want = append(want, ev.ID)
+			}
+			assert.Equal(t, want, sseIDs(evs), "the log's events")
+			id2 := e.push(t, tok, "dev-1")
+			ev := s.next(t)
+			assert.Equal(t, id2, ev.json(t)["id"])
+			assert.Equal(t, "queued", ev.json(t)["state"])
+			assert.Greater(t, ev.id, evs[len(evs)-1].id)
+			s.quiet(t, 100*time.Millisecond)
+		})
+	}
 }

@@ -179,6 +179,22 @@ func (db *DB) EventsHead(ctx context.Context) (string, error) {
 	return eventID(seq), err
 }
 
+// EventsPastEnd reports whether the cursor after is past the bucket's
+// sequence: no event has had that id yet, in this file (it survives a
+// purge of the events, not the file's deletion).
+func (db *DB) EventsPastEnd(ctx context.Context, after string) (bool, error) {
+	seq, err := parseEventID(after)
+	if err != nil {
+		return false, err
+	}
+	var past bool
+	err = db.bolt.View(func(tx *bolt.Tx) error {
+		past = seq > tx.Bucket(bucketEvents).Sequence()
+		return nil
+	})
+	return past, err
+}
+
 // PurgeEvents deletes the events older than olderThan, oldest first, at
 // most purgeBatch of them in each write transaction.
 func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {

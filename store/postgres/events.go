@@ -186,6 +186,46 @@ func (s *Store) EventsHead(ctx context.Context) (string, error) {
 	return eventCursor{xid: v}.String(), nil
 }
 
+// EventsPastEnd reports whether the cursor after is past every id the
+// database has assigned: its xid is one that no transaction has had yet,
+// or its id one that the sequence of the events (events_id_seq, of the
+// bigserial) has not handed out.
+//
+// Not the xmin of a snapshot (the head): a transaction open elsewhere
+// holds it back, and the ids committed since are above it. Nor the xmax of
+// the snapshot: it is one past the last transaction that ended, and a
+// transaction still open may have a later xid. The server's next xid is
+// what age(xid) counts from in a transaction that has none of its own,
+// as this one. The head of a server where no transaction runs is (next
+// xid, 0), so only what follows it in cursor order is past the end. A
+// sequence is not transactional: its last value counts the ids of
+// transactions committed, open or rolled back alike.
+func (s *Store) EventsPastEnd(ctx context.Context, after string) (bool, error) {
+	c, err := parseEventCursor(after)
+	if err != nil {
+		return false, err
+	}
+	var (
+		xmaxText string
+		age      int32 // of the snapshot's xmax: how far the next xid is past it
+		lastID   int64
+	)
+	err = s.pool.QueryRow(ctx, `SELECT snap.xmax::text, age(snap.xmax::xid), CASE WHEN seq.is_called THEN seq.last_value ELSE 0 END
+		FROM (SELECT pg_snapshot_xmax(pg_current_snapshot()) AS xmax) snap, events_id_seq seq`).Scan(&xmaxText, &age, &lastID)
+	if err != nil {
+		return false, err
+	}
+	xmax, err := strconv.ParseUint(xmaxText, 10, 64)
+	if err != nil {
+		return false, fmt.Errorf("postgres: snapshot xmax %q: %w", xmaxText, err)
+	}
+	// The age of an xid whose low 32 bits are a special xid (once every
+	// 2^32 transactions) is the largest int4: then hardly any xid is past
+	// the end, which keeps the behaviour of a cursor that is not.
+	next := eventCursor{xid: xmax + uint64(max(age, 0))}
+	return next.less(c) || c.id > uint64(lastID), nil
+}
+
 // PurgeEvents deletes the events older than olderThan, at most
 // purgeBatch in each transaction.
 func (s *Store) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {

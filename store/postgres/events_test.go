@@ -2,6 +2,8 @@ package postgres_test
 
 import (
 	"context"
+	"fmt"
+	"strconv"
 	"testing"
 	"time"
 
@@ -57,6 +59,91 @@ func TestPostgresEvents(t *testing.T) {
 		assert.Less(t, evs[0].ID, evs[1].ID)
 		assert.Greater(t, next2, next)
 	})
+	t.Run("PastEndAroundOpenTransaction", func(t *testing.T) {
+		ctx := t.Context()
+		dsn := env.newDB(t)
+		s := env.open(t, dsn)
+		require.NoError(t, s.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "m"}))
+		_, _, err := s.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1"})
+		require.NoError(t, err)
+		create := func() {
+			t.Helper()
+			_, _, err := s.CreateCommand(ctx, companion.Command{DeviceID: "d1", UserID: "u1", Op: "push.text", ExpiresAt: time.Now().Add(time.Hour)}, 0, nil)
+			require.NoError(t, err)
+		}
+		create() // id 1
+		pastEnd := func(xid, id uint64) bool {
+			t.Helper()
+			c := fmt.Sprintf("%016x-%016x", xid, id)
+			past, err := s.EventsPastEnd(ctx, c)
+			require.NoError(t, err, "EventsPastEnd(%q)", c)
+			return past
+		}
+
+		// A transaction appends an event (id 2) and stays open, with an
+		// xid at or above the xmax of the snapshots taken meanwhile (one
+		// past the last transaction that ended): that xmax does not tell
+		// the end. (Retried in case a transaction elsewhere on the server,
+		// autovacuum's, ends with a later xid meanwhile.)
+		conn, err := pgx.Connect(ctx, dsn)
+		require.NoError(t, err)
+		defer conn.Close(context.Background())
+		other, err := pgx.Connect(ctx, dsn)
+		require.NoError(t, err)
+		defer other.Close(context.Background())
+		var tx pgx.Tx
+		var xid, id uint64
+		for attempt := 1; ; attempt++ {
+			tx, err = conn.Begin(ctx)
+			require.NoError(t, err)
+			var xidText string
+			require.NoError(t, tx.QueryRow(ctx, `INSERT INTO events (xid, user_id, device_id, at, data)
+				VALUES (pg_current_xact_id(), 'u1', 'd1', now(), '{"kind":"command","device_id":"d1","at":"2026-01-01T00:00:00Z","command":{"id":"open","op":"x","state":"queued"}}')
+				RETURNING xid::text, id`).Scan(&xidText, &id))
+			xid, err = strconv.ParseUint(xidText, 10, 64)
+			require.NoError(t, err)
+			var xmaxText string
+			require.NoError(t, other.QueryRow(ctx, `SELECT pg_snapshot_xmax(pg_current_snapshot())::text`).Scan(&xmaxText))
+			xmax, err := strconv.ParseUint(xmaxText, 10, 64)
+			require.NoError(t, err)
+			if xid >= xmax {
+				break
+			}
+			require.NoError(t, tx.Rollback(ctx))
+			require.Less(t, attempt, 10, "an open transaction's xid %d stays below the xmax %d", xid, xmax)
+		}
+		defer tx.Rollback(context.Background())
+
+		assert.False(t, pastEnd(xid, id), "the id of the open transaction's event")
+		assert.False(t, pastEnd(xid, 0), "the cursor before it")
+		assert.True(t, pastEnd(xid, id+1), "an id the sequence has not handed out")
+		assert.True(t, pastEnd(xid+1<<20, 0), "an xid no transaction has had")
+		assert.True(t, pastEnd(xid+1<<20, 1), "an xid no transaction has had")
+		assert.True(t, pastEnd(1<<62, 1), "an xid no transaction has had")
+
+		// A later transaction commits an event (id 3) meanwhile: its id is
+		// above the head (the open transaction holds the xmin back), and
+		// not past the end.
+		create()
+		head, err := s.EventsHead(ctx)
+		require.NoError(t, err)
+		all, _, err := s.Events(ctx, "", "", 100)
+		require.NoError(t, err)
+		require.Len(t, all, 1, "only the event before the open transaction shows")
+		evs, err := eventsInTable(ctx, other)
+		require.NoError(t, err)
+		require.Len(t, evs, 2, "the committed events")
+		committed := evs[1]
+		assert.Greater(t, committed, head, "the later event's id is above the head")
+		past, err := s.EventsPastEnd(ctx, committed)
+		require.NoError(t, err)
+		assert.False(t, past, "EventsPastEnd(%q) of an event committed while an older transaction is open", committed)
+
+		// Rolled back, its ids stay taken.
+		require.NoError(t, tx.Rollback(ctx))
+		assert.False(t, pastEnd(xid, id), "the id of a rolled back event")
+		assert.True(t, pastEnd(xid, id+2), "an id the sequence has not handed out")
+	})
 	t.Run("ListenEvents", func(t *testing.T) {
 		ctx, cancel := context.WithCancel(t.Context())
 		s := env.open(t, env.newDB(t))
@@ -87,5 +174,25 @@ func TestPostgresEvents(t *testing.T) {
 				t.Fatal("no notification of events")
 			}
 		}
+	})
+}
+
+// eventsInTable returns the ids of the events committed, as cursors, in
+// log order, read from the table without the readers' xmin bound.
+func eventsInTable(ctx context.Context, conn *pgx.Conn) ([]string, error) {
+	rows, err := conn.Query(ctx, `SELECT xid::text, id FROM events ORDER BY xid, id`)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (string, error) {
+		var (
+			xidText string
+			id      uint64
+		)
+		if err := row.Scan(&xidText, &id); err != nil {
+			return "", err
+		}
+		xid, err := strconv.ParseUint(xidText, 10, 64)
+		return fmt.Sprintf("%016x-%016x", xid, id), err
 	})
 }

@@ -28,6 +28,7 @@ func testEvents(t *testing.T, open Opener) {
 		{"Retention", testEventsRetention},
 		{"ConcurrentWriters", testEventsConcurrentWriters},
 	})
+	t.Run("PastEnd", func(t *testing.T) { testEventsPastEnd(t, open) })
 }
 
 // eventsAll reads every event of the user after the cursor, a page of
@@ -280,6 +281,68 @@ func testEventsInvalidCursor(t *testing.T, s companion.Store) {
 	for _, c := range []string{"x", "12", "not-a-cursor-at-all", "-1"} {
 		_, _, err := s.Events(t.Context(), "u1", c, 10)
 		assert.ErrorIs(t, err, companion.ErrInvalidCursor, "Events(after %q)", c)
+	}
+}
+
+// An id that a client kept across a reset of the store (here: an id of
+// another store, whose log is longer) is past the end until the new log
+// has assigned it, and no id that the store handed out ever is: its
+// events' ids, its cursors, its head, the ids of events purged since.
+func testEventsPastEnd(t *testing.T, open Opener) {
+	ctx := t.Context()
+	before := open(t)
+	provision(t, before, "m", "d1")
+	bind(t, before, "u1", "d1")
+	for range 6 {
+		create(t, before, newCmd("d1"))
+	}
+	kept, _ := eventsAll(t, before, "u1", "", 100)
+	require.Len(t, kept, 6)
+	keptID := kept[5].ID
+
+	s := open(t) // after the reset
+	pastEnd := func(id string) bool {
+		t.Helper()
+		past, err := s.EventsPastEnd(ctx, id)
+		require.NoError(t, err, "EventsPastEnd(%q)", id)
+		return past
+	}
+	head, err := s.EventsHead(ctx)
+	require.NoError(t, err)
+	assert.False(t, pastEnd(""), "EventsPastEnd(\"\") of an empty store")
+	assert.False(t, pastEnd(head), "EventsPastEnd(head %q) of an empty store", head)
+	assert.True(t, pastEnd(keptID), "EventsPastEnd(%q) of an empty store", keptID)
+
+	// Five events: the last assigned is one before the kept id's.
+	provision(t, s, "m", "d1")
+	bind(t, s, "u1", "d1")
+	for range 5 {
+		create(t, s, newCmd("d1"))
+	}
+	evs, next := eventsAll(t, s, "u1", "", 100)
+	require.Len(t, evs, 5)
+	head, err = s.EventsHead(ctx)
+	require.NoError(t, err)
+	for _, id := range append(eventIDs(evs), next, head) {
+		assert.False(t, pastEnd(id), "EventsPastEnd(%q), an id or cursor of the store", id)
+	}
+	assert.True(t, pastEnd(keptID), "EventsPastEnd(%q), past the last of 5 events %q", keptID, evs[4].ID)
+
+	// The sixth: the kept id's place is assigned now.
+	create(t, s, newCmd("d1"))
+	assert.False(t, pastEnd(keptID), "EventsPastEnd(%q) once the store assigned 6 events", keptID)
+
+	// A purge leaves the ids assigned.
+	n, err := s.PurgeEvents(ctx, time.Now().Add(maxClockSkew))
+	require.NoError(t, err)
+	require.Equal(t, 6, n)
+	for _, id := range append(eventIDs(evs), keptID) {
+		assert.False(t, pastEnd(id), "EventsPastEnd(%q) after a purge", id)
+	}
+
+	for _, c := range []string{"x", "12", "not-a-cursor-at-all", "-1"} {
+		_, err := s.EventsPastEnd(ctx, c)
+		assert.ErrorIs(t, err, companion.ErrInvalidCursor, "EventsPastEnd(%q)", c)
 	}
 }
 
