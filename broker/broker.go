@@ -112,6 +112,9 @@ type Broker struct {
 	log    *slog.Logger
 	now    func() time.Time
 	client mqtt.Client
+	// made is when New made the broker: a command accepted before it may
+	// have been published by the server before this one (see expiredAt).
+	made time.Time
 
 	kick      chan struct{} // wakes the outbox
 	connected chan struct{} // one signal per (re)connect, for the outbox
@@ -197,6 +200,7 @@ func New(opts Options) (*Broker, error) {
 		tree:      opts.Topics,
 		log:       opts.Logger.With("component", "broker"),
 		now:       opts.Now,
+		made:      opts.Now(),
 		kick:      make(chan struct{}, 1),
 		connected: make(chan struct{}, 1),
 		waiters:   make(map[string][]chan companion.Command),

@@ -736,3 +736,106 @@ func TestEndedCommandsAreAnsweredAndWithdrawn(t *testing.T) {
 		assert.Equal(t, want, p.CommandID, "the cancels, oldest first")
 	}
 }
+
+// restart closes e's broker and starts a new one on the same store and MQTT
+// broker, with the same options (and MQTT session), as after a restart of
+// the server.
+func restart(t *testing.T, e *env) {
+	t.Helper()
+	require.NoError(t, e.b.Close())
+	b, err := New(e.b.opts)
+	require.NoError(t, err)
+	e.b = b
+	require.NoError(t, b.Start())
+	t.Cleanup(func() { b.Close() })
+	testenv.Eventually(t, 10*time.Second, "broker ready", b.Ready)
+}
+
+// A command the bridge took just before its TTL ran out reads queued on
+// disk when the server stops within sentDelay of the PUBACK (before its
+// "delivered" comes, or with it lost in the embedded broker). Restarted
+// past the TTL, the server cannot tell it from one that never went out: it
+// waits the grace, as for a sent one, and takes the final reply the bridge
+// sends once it is back (the bridge keeps it until the broker has it),
+// instead of calling expired a command the device ran.
+func TestCommandTakenBeforeARestartIsNotExpiredAtItsTTL(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-1", "taken just in time", time.Minute)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	require.NoError(t, e.b.Close())
+	require.Equal(t, companion.StateQueued, state(t, e, c.ID).State, "closed within sentDelay of the PUBACK: sent not written")
+
+	e.clock.Add(2 * time.Minute) // past the TTL
+	e.b.opts.ExpiryGrace = time.Hour
+	restart(t, e)
+	// The restarted server's first pass deals with the open commands, in
+	// id order, before one accepted after the restart goes out.
+	marker := submit(t, e, "dev-2", "after the restart", time.Hour)
+	for got := fb.next(t); got.ID != marker.ID; got = fb.next(t) {
+		require.NotEqual(t, c.ID, got.ID, "a command past its TTL went out again")
+	}
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the bridge's final reply taken", func() bool { return state(t, e, c.ID).State != companion.StateQueued })
+	assert.Equal(t, companion.StateSucceeded, state(t, e, c.ID).State)
+}
+
+// A final reply's status, like one on the status topic, names the bridge
+// that sent it: one naming a bridge that does not serve the device (the
+// bridge the device was moved from, its reply slipping past the broker's
+// rights) is not stored, or the device would read as that bridge's, and
+// that bridge's Will would mark it offline while the bridge serving it is
+// up (CONTRACT §9). The command's state is taken.
+func TestReplyStatusFromABridgeThatDoesNotServeTheDeviceIsDropped(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-1", "run on b1", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+
+	// dev-1 moves to b2, which reports it online.
+	require.NoError(t, e.db.CreateBridge(ctx, companion.Bridge{ID: "b2", SecretHash: []byte("not used")}))
+	_, err := e.db.AssignDevice(ctx, "dev-1", "b2", "")
+	require.NoError(t, err)
+	intruder := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("intruder").
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Connect(), 5*time.Second))
+	defer intruder.Disconnect(0)
+	publish := func(topic string, v any) {
+		t.Helper()
+		b, err := json.Marshal(v)
+		require.NoError(t, err)
+		require.NoError(t, mqtt.WaitTokenTimeout(intruder.Publish(topic, 1, false, b), 5*time.Second))
+	}
+	status, _ := tree.Status("dev-1")
+	publish(status, topics.Status{Online: true, FirmwareVersion: "1.0.0", BridgeID: "b2", Seq: 10, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "b2's status", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Seq == 10
+	})
+
+	// b1's final reply for the command it ran, past the broker's rights
+	// (the server's account), with the status b1 read.
+	replies, _ := tree.Replies("dev-1")
+	publish(replies, topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now(),
+		Status: &topics.Status{Online: true, FirmwareVersion: "1.0.0", BridgeID: "b1", Seq: 20, At: time.Now()}})
+	testenv.Eventually(t, 10*time.Second, "the reply taken", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
+	s, err := e.db.Status(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.Equal(t, "b2", s.BridgeID, "the device's bridge, as its status reads")
+
+	// b1's Will marks b1's devices offline; dev-1 is not one of them. The
+	// server takes one connection's messages in order: once a status
+	// published after the Will is stored, the Will is taken.
+	b1, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(intruder.Publish(b1, 1, true, topics.BridgeOffline), 5*time.Second))
+	status2, _ := tree.Status("dev-2")
+	publish(status2, topics.Status{Online: false, BridgeID: "b1", Seq: 5, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the status after the Will", func() bool {
+		s, _ := e.db.Status(ctx, "dev-2")
+		return s.Seq == 5
+	})
+	s, err = e.db.Status(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.True(t, s.Online, "dev-1, served by b2, read offline on b1's Will")
+}

@@ -49,17 +49,16 @@ func (b *Broker) wake() {
 	}
 }
 
-// Cancel cancels a command the bridge does not have yet. A command already
-// handed to the MQTT broker is also withdrawn from the bridge with a cancel
-// message; one the bridge has acknowledged can no longer be canceled.
+// Cancel cancels a command the bridge does not have yet, and withdraws it
+// from the bridge with a cancel message, which a bridge that has not
+// started the command obeys; one the bridge has acknowledged can no longer
+// be canceled.
 func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, error) {
-	var was string
 	start := time.Now()
 	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
 		if c.State != companion.StateQueued && c.State != companion.StateSent {
 			return ErrNotCancelable
 		}
-		was = c.State
 		c.State = companion.StateCanceled
 		c.Error = &companion.CommandError{Code: "canceled", Message: "canceled by the user"}
 		return nil
@@ -73,21 +72,25 @@ func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, erro
 	b.mu.Lock()
 	// Not yet taken by the outbox: it never goes out.
 	b.pending = slices.DeleteFunc(b.pending, func(c companion.Command) bool { return c.ID == id })
-	_, out := b.flying[id] // taken, perhaps published: the cancel follows it
 	b.mu.Unlock()
-	// With replicas, the dispatcher may have published it although the
-	// store still says queued (sent is written after the PUBACK).
-	if out || was == companion.StateSent || b.opts.Dispatcher != nil {
-		b.publishCancel(cmd)
-	}
+	// Nor does the copy an outbox pass read queued from the store before
+	// the cancel and has not published yet.
+	b.land(id)
+	// The cancel goes whatever the outbox knows of the command: queued on
+	// disk, it may still be in paho's session store, which sends it again
+	// after a reconnect (its publish timed out, or another replica
+	// published it); and a command no bridge ever had costs the bridge a
+	// dropped cancel (see Ended).
+	b.publishCancel(cmd)
 	return cmd, nil
 }
 
 // Ended takes in commands that the store ended outside the broker (an
 // unbind, companion.Unbound): their waiters get them, the outbox drops
-// them, and each is withdrawn from the bridge with a cancel message,
-// which a bridge that has not started the command obeys. A cancel for a
-// command no bridge ever had is dropped by the bridges and harmless.
+// them (also a copy it read from the store before), and each is withdrawn
+// from the bridge with a cancel message, which a bridge that has not
+// started the command obeys. A cancel for a command no bridge ever had is
+// dropped by the bridges and harmless.
 func (b *Broker) Ended(cmds []companion.Command) {
 	for _, cmd := range cmds {
 		b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
@@ -95,6 +98,7 @@ func (b *Broker) Ended(cmds []companion.Command) {
 		b.mu.Lock()
 		b.pending = slices.DeleteFunc(b.pending, func(c companion.Command) bool { return c.ID == cmd.ID })
 		b.mu.Unlock()
+		b.land(cmd.ID)
 		b.publishCancel(cmd)
 	}
 }

@@ -116,7 +116,14 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 		return
 	}
 	var report companion.DeviceReport
-	if r.Status != nil {
+	switch {
+	case r.Status != nil && r.Status.BridgeID != "" && r.Status.BridgeID != bridge:
+		// As on the status topic (served): the bridge the device was
+		// moved from, say. Its reply says what became of the command; its
+		// status would make the device read as that bridge's.
+		b.log.Warn("reply with a status from a bridge that does not serve the device; storing the reply without it",
+			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "serving", bridge)
+	case r.Status != nil:
 		s := storeStatus(deviceID, *r.Status)
 		report.Status = &s
 	}

@@ -61,17 +61,23 @@ func (h *cutOnCommand) OnPacketRead(_ *mochi.Client, pk packets.Packet) (packets
 func (h *cutOnCommand) cut() { h.once.Do(func() { close(h.release) }) }
 
 // testClient is the server's paho client, noting the id of every command
-// it has been handed to publish, and failing the next publish of the text
-// push failText, at once and without sending it: as paho's Publish does
-// when it cannot take a message ("publish was broken by timeout" when its
-// writer has been stuck for the write timeout, 30 s by default, on a
-// connection that is still up).
+// (not cancel) it has been handed to publish, and failing the next publish
+// of the text push failText, at once and without sending it: as paho's
+// Publish does when it cannot take a message ("publish was broken by
+// timeout" when its writer has been stuck for the write timeout, 30 s by
+// default, on a connection that is still up). It can also hold a publish
+// (holdNext).
 type testClient struct {
 	mqtt.Client
 	mu       sync.Mutex
 	ids      map[string]bool
 	order    []string // the ids of ids, in the order each was first handed over
 	failText string
+	// holdText, when set, holds the next publish of that text push in
+	// Publish until unhold is closed, after closing holding.
+	holdText string
+	holding  chan struct{}
+	unhold   chan struct{}
 }
 
 func newTestClient() *testClient { return &testClient{ids: map[string]bool{}} }
@@ -85,12 +91,19 @@ func (c *testClient) newClient(o *mqtt.ClientOptions) mqtt.Client {
 func (c *testClient) Publish(topic string, qos byte, retained bool, payload any) mqtt.Token {
 	b, _ := payload.([]byte)
 	cmd, err := topics.ParseCommand(b)
-	if err != nil {
+	if err != nil || cmd.Op == topics.OpCancel {
 		return c.Client.Publish(topic, qos, retained, payload)
 	}
 	var text topics.PushText
 	_ = json.Unmarshal(cmd.Payload, &text)
 	c.mu.Lock()
+	if c.holdText != "" && text.Text == c.holdText {
+		c.holdText = ""
+		c.mu.Unlock()
+		close(c.holding)
+		<-c.unhold
+		c.mu.Lock()
+	}
 	fail := c.failText != "" && text.Text == c.failText
 	switch {
 	case fail:
@@ -111,6 +124,24 @@ func (c *testClient) failNext(text string) {
 	c.mu.Lock()
 	c.failText = text
 	c.mu.Unlock()
+}
+
+// holdNext holds the next publish of the text push text in Publish (the
+// outbox's goroutine waits there) until the function it returns is called;
+// the channel is closed once the publish is held. The hold ends with the
+// test at the latest.
+func (c *testClient) holdNext(t *testing.T, text string) (held <-chan struct{}, release func()) {
+	c.mu.Lock()
+	c.holdText = text
+	c.holding = make(chan struct{})
+	c.unhold = make(chan struct{})
+	unhold := c.unhold
+	held = c.holding
+	c.mu.Unlock()
+	var once sync.Once
+	release = func() { once.Do(func() { close(unhold) }) }
+	t.Cleanup(release)
+	return held, release
 }
 
 // failed reports whether the publish failNext asked for has failed.
@@ -170,6 +201,51 @@ type orderEnv struct {
 	url    string
 	client *testClient
 	dev    *sim.Device
+	gate   *gatedDevice // dev as the bridge has it
+}
+
+// gatedDevice is a simulated device that, once told to, holds the text
+// push of one text before it runs it, until the test lets it go: a device
+// busy with a command, while the bridge queues those that come after.
+type gatedDevice struct {
+	*sim.Device
+	mu      sync.Mutex
+	text    string
+	entered chan struct{}
+	open    chan struct{}
+}
+
+// hold makes the next push of text wait until the function it returns is
+// called; the channel is closed once it waits. It ends with the test at
+// the latest.
+func (g *gatedDevice) hold(t *testing.T, text string) (waiting <-chan struct{}, release func()) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.text, g.entered, g.open = text, make(chan struct{}), make(chan struct{})
+	open := g.open
+	var once sync.Once
+	release = func() { once.Do(func() { close(open) }) }
+	t.Cleanup(release)
+	return g.entered, release
+}
+
+func (g *gatedDevice) PushText(ctx context.Context, cmdID, title, text string) error {
+	g.mu.Lock()
+	held := g.text != "" && text == g.text
+	entered, open := g.entered, g.open
+	if held {
+		g.text = ""
+	}
+	g.mu.Unlock()
+	if held {
+		close(entered)
+		select {
+		case <-open:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return g.Device.PushText(ctx, cmdID, title, text)
 }
 
 // newOrderEnv starts the broker with hooks besides AllowAll and the bridge,
@@ -188,9 +264,10 @@ func newOrderEnv(t *testing.T, hooks ...mochi.Hook) *orderEnv {
 	o := &orderEnv{env: &env{db: db, clock: &clock{now: time.Now()}}, srv: srv, url: url}
 	bind(t, o.env, "dev-1")
 	o.dev = sim.New(sim.Options{ID: "dev-1", Logger: quiet()})
+	o.gate = &gatedDevice{Device: o.dev}
 	a, err := agent.New(agent.Options{
 		MQTTURL: url, BridgeID: "b1", Password: "secret", DataDir: t.TempDir(),
-		Devices: []agent.Device{o.dev}, Logger: quiet(),
+		Devices: []agent.Device{o.gate}, Logger: quiet(),
 	})
 	require.NoError(t, err)
 	runCtx, stop := context.WithCancel(ctx)
@@ -322,4 +399,159 @@ func TestAFailedPublishHoldsBackItsDevicesLaterCommands(t *testing.T) {
 	o.waitSucceeded(t, ids...)
 	assert.Equal(t, ids, o.client.firstPublished(ids), "the order they first went out in")
 	o.ranInOrder(t, 1, ids)
+}
+
+// A command canceled while the outbox publishes what it read of the store
+// is not published, and never runs: the outbox read it queued before the
+// cancel, and held nothing of it yet (CONTRACT §2: a cancel takes a
+// command the bridge does not have, and canceled is final).
+func TestCanceledWhileTheOutboxPublishesNeverRuns(t *testing.T) {
+	o := newOrderEnv(t)
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+
+	// Accepted while the server is down: its first pass reads both from
+	// the store, and publishes them one after the other.
+	require.NoError(t, o.b.Close())
+	o.newServer(t)
+	first := submit(t, o.env, "dev-1", "a", time.Hour)
+	canceled := submit(t, o.env, "dev-1", "b", time.Hour)
+	held, release := o.client.holdNext(t, "a")
+	require.NoError(t, o.b.Start())
+	select {
+	case <-held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first command was not published")
+	}
+	got, err := o.b.Cancel(context.Background(), canceled.ID)
+	require.NoError(t, err)
+	require.Equal(t, companion.StateCanceled, got.State)
+	release()
+
+	// The device runs a device's commands in order: once the one after
+	// has run, the canceled one would have run before it.
+	after := submit(t, o.env, "dev-1", "c", time.Hour)
+	o.waitSucceeded(t, first.ID, after.ID)
+	assert.Zero(t, o.dev.Executions(canceled.ID), "executions of the canceled command")
+	assert.False(t, o.client.published([]string{canceled.ID}), "the canceled command was published")
+	assert.Equal(t, companion.StateCanceled, state(t, o.env, canceled.ID).State)
+	o.ranInOrder(t, 1, []string{first.ID, after.ID})
+}
+
+// Commands an unbind ends while the outbox publishes what it read of the
+// store are not published after their end (Ended): the stale copy would go
+// out after the cancel that withdraws them, to whichever bridge serves the
+// device by then (its next owner's, CONTRACT §9).
+func TestEndedWhileTheOutboxPublishesIsNotPublished(t *testing.T) {
+	ctx := context.Background()
+	o := newOrderEnv(t)
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+
+	require.NoError(t, o.b.Close())
+	o.newServer(t)
+	first := submit(t, o.env, "dev-1", "a", time.Hour)
+	ended := submit(t, o.env, "dev-1", "b", time.Hour)
+	held, release := o.client.holdNext(t, "a")
+	require.NoError(t, o.b.Start())
+	select {
+	case <-held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first command was not published")
+	}
+	unbound, err := o.db.Unbind(ctx, "dev-1", "u1")
+	require.NoError(t, err)
+	o.b.Ended(unbound.Ended)
+	release()
+
+	// Bound again, the device takes a new command: by the time it has
+	// run, the stale copy would have gone out.
+	bind(t, o.env, "dev-1")
+	after := submit(t, o.env, "dev-1", "c", time.Hour)
+	o.waitSucceeded(t, after.ID)
+	assert.False(t, o.client.published([]string{ended.ID}), "a command ended by the unbind was published")
+	assert.Zero(t, o.dev.Executions(ended.ID), "executions of the ended command")
+	assert.Equal(t, companion.StateCanceled, state(t, o.env, first.ID).State)
+}
+
+// watchReplies subscribes to the replies of device on the broker at url
+// and hands over each, in order.
+func watchReplies(t *testing.T, url, device string) <-chan topics.Reply {
+	t.Helper()
+	replies := make(chan topics.Reply, 100)
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("watcher-" + t.Name()))
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+	t.Cleanup(func() { c.Disconnect(0) })
+	topic, err := tree.Replies(device)
+	require.NoError(t, err)
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
+		if r, err := topics.ParseReply(m.Payload()); err == nil {
+			replies <- r
+		}
+	}), 5*time.Second))
+	return replies
+}
+
+// A command whose publish got no PUBACK within the publish timeout may
+// still reach the bridge: paho keeps it and sends it again after a
+// reconnect. Canceled meanwhile, it is withdrawn with a cancel message,
+// which the bridge obeys while the command waits in its queue; without
+// one, the bridge runs a command the server reads canceled.
+func TestCanceledAfterItsPublishTimedOutNeverRuns(t *testing.T) {
+	ctx := context.Background()
+	cut := newCutOnCommand()
+	o := newOrderEnv(t, cut)
+	t.Cleanup(cut.cut) // never leave mochi's reader held
+	o.b.opts.PublishTimeout = 300 * time.Millisecond
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+
+	// The device is busy: what the bridge takes now waits in its queue.
+	busyWaiting, unbusy := o.gate.hold(t, "busy")
+	busy := submit(t, o.env, "dev-1", "busy", time.Hour)
+	select {
+	case <-busyWaiting:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the device did not start the first command")
+	}
+	replies := watchReplies(t, o.url, "dev-1")
+
+	// Its publish is held unread until the server gives up waiting for
+	// the PUBACK; the connection is then cut, and paho sends it again.
+	cut.armed.Store(true)
+	c := submit(t, o.env, "dev-1", "c", time.Hour)
+	testenv.Eventually(t, 10*time.Second, "the publish timed out", func() bool {
+		return !cut.armed.Load() && !o.b.isFlying(c.ID)
+	})
+	got, err := o.b.Cancel(ctx, c.ID)
+	require.NoError(t, err)
+	require.Equal(t, companion.StateCanceled, got.State)
+	cut.cut()
+
+	// The bridge's first word about it: it has it, or it took it off.
+	r := firstReply(t, replies, c.ID)
+	t.Logf("the bridge's first reply for the canceled command: %s", r.State)
+	unbusy()
+	after := submit(t, o.env, "dev-1", "after", time.Hour)
+	o.waitSucceeded(t, busy.ID, after.ID)
+	assert.Zero(t, o.dev.Executions(c.ID), "executions of the canceled command")
+	assert.Equal(t, companion.StateCanceled, state(t, o.env, c.ID).State)
+}
+
+// firstReply returns the first reply of replies for the command id,
+// failing t if none comes within 10 s.
+func firstReply(t *testing.T, replies <-chan topics.Reply, id string) topics.Reply {
+	t.Helper()
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case r := <-replies:
+			if r.CommandID == id {
+				return r
+			}
+		case <-timeout:
+			t.Fatalf("no reply for %s", id)
+			return topics.Reply{}
+		}
+	}
 }

@@ -314,7 +314,7 @@ func failedAtOnce(tok mqtt.Token) error {
 }
 
 // land forgets that a command is on its way: the bridge answered, "sent"
-// is written, or its publish failed.
+// is written, its publish failed, or it was canceled.
 func (b *Broker) land(id string) {
 	b.mu.Lock()
 	delete(b.flying, id)
@@ -496,10 +496,12 @@ func (b *Broker) sweep() {
 // (or one queued on disk that the outbox has handed to the MQTT broker) may
 // already be in the bridge's hands, its reply on the way (the bridge runs
 // nothing past expires_at by its own clock): it expires only ExpiryGrace
-// later, so that such a reply lands first.
+// later, so that such a reply lands first. So does one queued on disk that
+// was accepted before this broker was made: the server before it may have
+// published it (sent is written only sentDelay after the PUBACK).
 func (b *Broker) expiredAt(c companion.Command, now time.Time) bool {
 	switch {
-	case c.State == companion.StateQueued && !b.isFlying(c.ID):
+	case c.State == companion.StateQueued && !b.isFlying(c.ID) && !c.CreatedAt.Before(b.made):
 		return now.After(c.ExpiresAt)
 	case c.State == companion.StateQueued, c.State == companion.StateSent:
 		// Queued on disk but with the MQTT broker already: as good as sent.
