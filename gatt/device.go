@@ -78,7 +78,11 @@ type Device struct {
 	opts DeviceOptions
 	log  *slog.Logger
 
-	connMu sync.Mutex // held while connecting: one attempt at a time
+	// connecting holds a token while a caller connects: one attempt at a
+	// time. A channel rather than a mutex, so that a caller waiting for
+	// another's connection (which may try for as long as a command's
+	// context) gives up at its own deadline.
+	connecting chan struct{}
 
 	mu     sync.Mutex
 	sess   *session
@@ -128,7 +132,7 @@ func NewDevice(opts DeviceOptions) (*Device, error) {
 	if opts.Observer == nil {
 		opts.Observer = nopObserver{}
 	}
-	return &Device{opts: opts, log: opts.Logger.With("device", opts.ID)}, nil
+	return &Device{opts: opts, log: opts.Logger.With("device", opts.ID), connecting: make(chan struct{}, 1)}, nil
 }
 
 // ID returns the device id.
@@ -169,8 +173,12 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 	if s, err := d.current(); s != nil || err != nil {
 		return s, err
 	}
-	d.connMu.Lock()
-	defer d.connMu.Unlock()
+	select {
+	case d.connecting <- struct{}{}:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("gatt: connect to %s: %w", d.opts.ID, ctx.Err())
+	}
+	defer func() { <-d.connecting }()
 	bo := retry.Backoff(d.opts.MinBackoff, d.opts.MaxBackoff)
 	for {
 		if s, err := d.current(); s != nil || err != nil {

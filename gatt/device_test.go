@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -186,4 +187,48 @@ func TestRefusedSettingsUpdateChangesNothing(t *testing.T) {
 	if vals["language"] != "en" || vals["volume"] != 50 || vals["timezone"] != "Europe/Paris" {
 		t.Errorf("after the next update (which saves what is in use): %v; want language en, volume 50, timezone Europe/Paris", vals)
 	}
+}
+
+// unreachable is a Connector for a device out of range: each attempt
+// waits for its deadline, as a connection to an absent device does. It
+// tells of the first attempt on started.
+type unreachable struct {
+	started chan struct{}
+	once    sync.Once
+}
+
+func (u *unreachable) Connect(ctx context.Context, deviceID string) (gatt.Link, error) {
+	u.once.Do(func() { close(u.started) })
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+// A caller that finds another connecting waits for it only as long as its
+// own context lets it: a command trying for minutes to reach a device out
+// of range does not hold a status read (30 s) past its deadline.
+func TestWaitForAnotherConnectionEndsWithTheContext(t *testing.T) {
+	u := &unreachable{started: make(chan struct{})}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: u, ConnectTimeout: time.Second, MinBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	long, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- d.PushText(long, "c1", "", "hello") }()
+	select {
+	case <-u.started:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the first caller never tried to connect")
+	}
+	short, cancelShort := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancelShort()
+	start := time.Now()
+	_, err = d.Info(short)
+	if took := time.Since(start); took > time.Second || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Info with 100 ms left = %v after %v; want the deadline's error within a second", err, took.Round(time.Millisecond))
+	}
+	cancel()
+	<-done
 }

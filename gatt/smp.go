@@ -137,8 +137,12 @@ func init() {
 		MaxArrayElements: maxArrayElems,
 		// Byte and text strings can be no longer than the message that
 		// carries them, which the reassembler has bounded already.
-		DupMapKey:      cbor.DupMapKeyEnforcedAPF,
-		IndefLength:    cbor.IndefLengthForbidden,
+		DupMapKey: cbor.DupMapKeyEnforcedAPF,
+		// Zephyr's zcbor writes every map and array with indefinite
+		// length unless the firmware sets CONFIG_ZCBOR_CANONICAL (off by
+		// default): a stock device answers nothing else. The limits above
+		// hold for them too.
+		IndefLength:    cbor.IndefLengthAllowed,
 		DefaultMapType: reflect.TypeFor[map[string]any](),
 	}.DecMode()
 	if err != nil {

@@ -2,9 +2,13 @@ package gatt
 
 import (
 	"bytes"
+	"context"
 	"encoding/hex"
 	"errors"
+	"strings"
+	"sync"
 	"testing"
+	"time"
 )
 
 func TestHeaderRoundTrip(t *testing.T) {
@@ -106,6 +110,26 @@ func TestDecodeLimits(t *testing.T) {
 	if err := DecodeBody([]byte{0xba, 0xff, 0xff, 0xff, 0xff}, &v); err == nil {
 		t.Error("DecodeBody(huge map) = nil; want an error")
 	}
+	// The same in indefinite length, as zcbor writes maps and arrays: too
+	// deep, too many pairs, too many elements, never closed.
+	indef := append(bytes.Repeat([]byte{0x9f}, 100), bytes.Repeat([]byte{0xff}, 100)...)
+	if err := DecodeBody(indef, &v); err == nil {
+		t.Error("DecodeBody(100 nested indefinite arrays) = nil; want an error")
+	}
+	pairs := []byte{0xbf}
+	for i := range 300 {
+		pairs = append(pairs, 0x19, byte(i>>8), byte(i), 0x00)
+	}
+	if err := DecodeBody(append(pairs, 0xff), &v); err == nil {
+		t.Error("DecodeBody(indefinite map of 300 pairs) = nil; want an error")
+	}
+	elems := append(append([]byte{0x9f}, bytes.Repeat([]byte{0x00}, 2000)...), 0xff)
+	if err := DecodeBody(elems, &v); err == nil {
+		t.Error("DecodeBody(indefinite array of 2000 elements) = nil; want an error")
+	}
+	if err := DecodeBody([]byte{0xbf, 0x62, 'r', 'c', 0x00}, &v); err == nil {
+		t.Error("DecodeBody(indefinite map never closed) = nil; want an error")
+	}
 	// A byte string claiming 4 GiB.
 	var u UploadRequest
 	if err := DecodeBody([]byte{0xa1, 0x64, 'd', 'a', 't', 'a', 0x5a, 0xff, 0xff, 0xff, 0xff}, &u); err == nil {
@@ -122,6 +146,9 @@ func FuzzReassemble(f *testing.F) {
 	echo, _ := EncodeMessage(OpWrite, GroupOS, 0, CmdOSEcho, EchoRequest{D: "hello"})
 	f.Add(echo, uint8(3))
 	f.Add([]byte{0x02, 0x00, 0xff, 0xff, 0, 0, 0, 0}, uint8(1))
+	// An answer as Zephyr's zcbor writes it: maps of indefinite length.
+	zcbor, _ := hex.DecodeString("0900001900000106bf686275665f73697a651909ab696275665f636f756e7404ff")
+	f.Add(zcbor, uint8(9))
 	f.Fuzz(func(t *testing.T, data []byte, split uint8) {
 		r := NewReassembler(512)
 		n := int(split)%(len(data)+1) + 0
@@ -150,5 +177,95 @@ func FuzzReassemble(f *testing.F) {
 func TestZephyrUUIDs(t *testing.T) {
 	if ServiceUUID != "8d53dc1d-1db7-4cd3-868b-8a527460aa84" || SMPCharUUID != "da2e7828-fbce-4e01-ae9e-261174997c48" {
 		t.Errorf("SMP service %s, characteristic %s; want Zephyr's", ServiceUUID, SMPCharUUID)
+	}
+}
+
+// cannedLink is a device that answers each SMP request with a body given
+// as hex, as a test wants it on the wire.
+type cannedLink struct {
+	answer func(h Header) string
+	mu     sync.Mutex
+	notify func([]byte)
+	done   chan struct{}
+}
+
+func (l *cannedLink) MTU() int                                     { return 247 }
+func (l *cannedLink) Read(context.Context, string) ([]byte, error) { return nil, ErrDisconnected }
+func (l *cannedLink) Done() <-chan struct{}                        { return l.done }
+func (l *cannedLink) Close() error                                 { return nil }
+func (l *cannedLink) Subscribe(_ context.Context, _ string, fn func([]byte)) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.notify = fn
+	return nil
+}
+
+func (l *cannedLink) Write(_ context.Context, _ string, data []byte, _ bool) error {
+	h, err := ParseHeader(data)
+	if err != nil {
+		return err
+	}
+	body, err := hex.DecodeString(l.answer(h))
+	if err != nil {
+		return err
+	}
+	h.Op++
+	h.Len = uint16(len(body))
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	go l.notify(append(AppendHeader(nil, h), body...))
+	return nil
+}
+
+// Zephyr's MCUmgr encodes its answers with zcbor, which writes every map
+// and array with indefinite length (0xbf … 0xff, 0x9f … 0xff) unless the
+// firmware sets CONFIG_ZCBOR_CANONICAL, off by default: smp.c opens the
+// answer's map with zcbor_map_start_encode, img_mgmt_state.c its list of
+// slots with zcbor_list_start_encode. The bridge must read them.
+func TestZephyrIndefiniteLengthAnswers(t *testing.T) {
+	hash := strings.Repeat("ab", 32)
+	answers := map[uint16]string{
+		// {"buf_size": 2475, "buf_count": 4}
+		GroupOS: "bf" + "686275665f73697a65" + "1909ab" + "696275665f636f756e74" + "04" + "ff",
+		// {"images": [{"slot": 0, "version": "1.2.3.4", "hash": …, "bootable": true, "pending": false,
+		// "confirmed": true, "active": true, "permanent": false}], "splitStatus": 0}
+		GroupImage: "bf" + "66696d61676573" + "9f" + "bf" +
+			"64736c6f74" + "00" + "6776657273696f6e" + "67312e322e332e34" + "6468617368" + "5820" + hash +
+			"68626f6f7461626c65" + "f5" + "6770656e64696e67" + "f4" + "69636f6e6669726d6564" + "f5" +
+			"66616374697665" + "f5" + "697065726d616e656e74" + "f4" + "ff" + "ff" +
+			"6b73706c6974537461747573" + "00" + "ff",
+		// {"err": {"group": 3, "rc": 3}}: version 2, a setting not found
+		GroupSettings: "bf" + "63657272" + "bf" + "6567726f7570" + "03" + "627263" + "03" + "ff" + "ff",
+		// {"rc": 8}
+		GroupApps: "bf" + "627263" + "08" + "ff",
+	}
+	link := &cannedLink{answer: func(h Header) string { return answers[h.Group] }, done: make(chan struct{})}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+
+	p, err := c.Params(ctx)
+	if err != nil || p.BufSize != 2475 || p.BufCount != 4 {
+		t.Errorf("Params() = %+v, %v; want buf_size 2475, buf_count 4", p, err)
+	}
+	var st ImageStateResponse
+	err = c.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st)
+	if err != nil || len(st.Images) != 1 || !st.Images[0].Active || !st.Images[0].Confirmed || hex.EncodeToString(st.Images[0].Hash) != hash {
+		t.Errorf("image state = %+v, %v", st, err)
+	} else if v, err := runningVersion(st); err != nil || v != "1.2.3+4" {
+		t.Errorf("runningVersion = %q, %v; want 1.2.3+4", v, err)
+	}
+	var e *Error
+	err = c.Do(ctx, OpRead, GroupSettings, CmdSettingsValue, SettingReadRequest{Name: "companion/x"}, nil)
+	if !errors.As(err, &e) || e.Group != GroupSettings || e.GroupRC != SettingsErrKeyNotFound {
+		t.Errorf("setting read = %v; want the settings group's error 3", err)
+	}
+	err = c.Do(ctx, OpRead, GroupApps, CmdAppsList, nil, nil)
+	if !errors.As(err, &e) || e.RC != RCNotSupported {
+		t.Errorf("apps list = %v; want rc 8", err)
 	}
 }

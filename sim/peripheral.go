@@ -449,9 +449,9 @@ func groupErr(group uint16, grc int, rsn string) reply {
 	return reply{group: group, grc: grc, rsn: rsn}
 }
 
-// answer encodes r in the request's SMP version and notifies it; it
-// reports false when the connection is gone. While it is built it holds a
-// response buffer.
+// answer encodes r in the request's SMP version, as zcbor does, and
+// notifies it; it reports false when the connection is gone. While it is
+// built it holds a response buffer.
 func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
 	version := h.Version
 	if version > gatt.SMPv2 {
@@ -486,6 +486,7 @@ func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
 		p.log.Error("encoding a response", "err", err)
 		return true
 	}
+	b, _ = zcborForm(nil, b)
 	p.mu.Lock()
 	notify, mtu := p.notify, p.mtu
 	p.mu.Unlock()
@@ -501,6 +502,45 @@ func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
 		r.after()
 	}
 	return true
+}
+
+// zcborForm appends the first CBOR item of b as Zephyr's zcbor writes it
+// without CONFIG_ZCBOR_CANONICAL (off by default): every map and array
+// with indefinite length, closed by a break byte. It returns the rest of
+// b. b is well-formed CBOR of the simulator's own encoding.
+func zcborForm(out, b []byte) ([]byte, []byte) {
+	major, ai := b[0]>>5, b[0]&0x1f
+	head := 1
+	var n uint64
+	switch {
+	case ai < 24:
+		n = uint64(ai)
+	case ai <= 27:
+		size := 1 << (ai - 24)
+		for _, c := range b[1 : 1+size] {
+			n = n<<8 | uint64(c)
+		}
+		head += size
+	}
+	switch major {
+	case 2, 3: // byte and text strings
+		end := head + int(n)
+		return append(out, b[:end]...), b[end:]
+	case 4, 5: // arrays and maps
+		out = append(out, major<<5|31)
+		items := n
+		if major == 5 {
+			items *= 2
+		}
+		rest := b[head:]
+		for range items {
+			out, rest = zcborForm(out, rest)
+		}
+		return append(out, 0xff), rest
+	case 6: // a tag and its item
+		return zcborForm(append(out, b[:head]...), b[head:])
+	}
+	return append(out, b[:head]...), b[head:]
 }
 
 // legacyRC is the SMP version 1 rc of a group's error, as Zephyr's

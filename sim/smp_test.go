@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -348,5 +349,33 @@ func TestConnectedAgainEndsTheLastConnection(t *testing.T) {
 	case <-done:
 	case <-time.After(3 * time.Second):
 		t.Fatal("Disconnected waits for the first connection, which nothing ends")
+	}
+}
+
+// The device answers as Zephyr's zcbor encodes (CONFIG_ZCBOR_CANONICAL
+// off, the default): maps and arrays of indefinite length.
+func TestAnswersInZcborForm(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	for _, tt := range []struct {
+		op    uint8
+		group uint16
+		id    uint8
+		want  string
+	}{
+		{gatt.OpRead, gatt.GroupOS, gatt.CmdOSParams, "bf686275665f73697a651909ab696275665f636f756e7404ff"},
+		{gatt.OpRead, gatt.GroupImage, gatt.CmdImageState, "bf66696d616765739fbf"},
+		{gatt.OpRead, gatt.GroupOS, 99, "bf627263"},
+	} {
+		b, _ := gatt.EncodeBody(struct{}{})
+		r.seq++
+		r.write(append(gatt.AppendHeader(nil, gatt.Header{Op: tt.op, Version: gatt.SMPv2, Len: uint16(len(b)), Group: tt.group, Seq: r.seq, ID: tt.id}), b...))
+		select {
+		case m := <-r.msgs:
+			if got := hex.EncodeToString(m.Body); !strings.HasPrefix(got, tt.want) || !strings.HasSuffix(got, "ff") {
+				t.Errorf("answer to group %d command %d = %s; want %s…ff", tt.group, tt.id, got, tt.want)
+			}
+		case <-time.After(3 * time.Second):
+			t.Fatal("no answer")
+		}
 	}
 }
