@@ -28,6 +28,8 @@ package groupcommit
 
 import (
 	"errors"
+	"fmt"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -51,6 +53,21 @@ const MmapReserve = 1 << (27 + 3*(strconv.IntSize/64)) // 1<<30 on 64 bits, 1<<2
 
 // ErrClosed is the answer to writes after Close.
 var ErrClosed = errors.New("groupcommit: closed")
+
+// PanicError is the outcome of a write whose fn panicked: the write fails
+// alone, as one that returns an error does, and the others of its group
+// commit. Do panics with it in its caller, as bolt's Update would; Go's
+// done gets it. (Left to run its course on the committer's goroutine, the
+// panic ended the process and every write queued with it, out of reach of
+// the recover of the caller, such as the API's that answers 500.)
+type PanicError struct {
+	Value any    // what fn panicked with
+	Stack []byte // fn's goroutine when it panicked
+}
+
+func (e *PanicError) Error() string {
+	return fmt.Sprintf("groupcommit: write panicked: %v\n%s", e.Value, e.Stack)
+}
 
 type op struct {
 	fn   func(tx *bolt.Tx) error
@@ -116,11 +133,16 @@ func New(db *bolt.DB, opts Options) *Committer {
 // must not call the committer.
 //
 // An error from fn rolls back fn's writes only: the others of its group
-// are committed, and Do returns fn's error.
+// are committed, and Do returns fn's error. A panic in fn does the same,
+// and Do then panics with a *PanicError.
 func (c *Committer) Do(fn func(tx *bolt.Tx) error) error {
 	ch := make(chan error, 1)
 	c.Go(fn, func(err error) { ch <- err })
-	return <-ch
+	err := <-ch
+	if p, ok := err.(*PanicError); ok {
+		panic(p)
+	}
+	return err
 }
 
 // Go queues fn like Do but returns at once; done (if not nil) is called
@@ -160,13 +182,14 @@ func (c *Committer) Stats() Stats {
 // done callback has run. Writes queued later fail with ErrClosed.
 func (c *Committer) Close() {
 	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
-		return
-	}
+	first := !c.closed
 	c.closed = true
 	c.mu.Unlock()
-	close(c.quit)
+	if first {
+		close(c.quit)
+	}
+	// Every caller waits, not only the first: each may close the bbolt
+	// file next.
 	c.wg.Wait()
 }
 
@@ -268,7 +291,8 @@ type group struct {
 // apply runs ops in g's transaction, beginning one when none is open. A
 // write whose fn fails is set aside with its error: the transaction is
 // rolled back and the writes before it run again without it, as bbolt's
-// Batch does. A transaction that cannot begin fails the writes left to run.
+// Batch does; so is one whose fn panics. A transaction that cannot begin
+// fails the writes left to run.
 func (g *group) apply(ops []*op) {
 	g.taken = append(g.taken, ops...)
 	for len(ops) > 0 {
@@ -287,7 +311,7 @@ func (g *group) apply(ops []*op) {
 		}
 		o := ops[0]
 		ops = ops[1:]
-		if err := o.fn(g.tx); err != nil {
+		if err := run(o.fn, g.tx); err != nil {
 			o.err = err
 			_ = g.tx.Rollback()
 			g.tx = nil
@@ -297,6 +321,16 @@ func (g *group) apply(ops []*op) {
 		}
 		g.live = append(g.live, o)
 	}
+}
+
+// run calls fn, returning a panic in it as a *PanicError.
+func run(fn func(tx *bolt.Tx) error, tx *bolt.Tx) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &PanicError{Value: v, Stack: debug.Stack()}
+		}
+	}()
+	return fn(tx)
 }
 
 // commit commits g's transaction and reports whether it did; a failed

@@ -13,6 +13,8 @@ import (
 
 	bolt "go.etcd.io/bbolt"
 	"golang.org/x/sys/unix"
+
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 func openDB(tb testing.TB) *bolt.DB {
@@ -462,5 +464,100 @@ func BenchmarkGrowingCommits(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// A write whose fn panics fails alone, as one that returns an error does:
+// the others of its group commit and hear so, the committer goes on, and
+// Do panics in its caller (as bolt's Update does), not on the committer's
+// goroutine, where the panic ended the process with every write waiting.
+func TestPanickingWriteFailsAlone(t *testing.T) {
+	db := openDB(t)
+	c := New(db, Options{})
+	defer c.Close()
+	hold := make(chan struct{})
+	started := make(chan struct{})
+	c.Go(func(tx *bolt.Tx) error { close(started); <-hold; return nil }, nil)
+	<-started
+	results := make(chan error, 3)
+	c.Go(put("before"), func(err error) { results <- err })
+	c.Go(func(tx *bolt.Tx) error {
+		if err := put("bad")(tx); err != nil {
+			return err
+		}
+		panic("boom")
+	}, func(err error) { results <- err })
+	c.Go(put("after"), func(err error) { results <- err })
+	close(hold)
+	var pe *PanicError
+	for i, check := range []func(error) bool{
+		func(err error) bool { return err == nil },
+		func(err error) bool { return errors.As(err, &pe) && pe.Value == "boom" },
+		func(err error) bool { return err == nil },
+	} {
+		select {
+		case err := <-results:
+			if !check(err) {
+				t.Errorf("write %d: %v", i, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no outcome for write %d", i)
+		}
+	}
+	if !get(t, db, "before") || !get(t, db, "after") || get(t, db, "bad") {
+		t.Errorf("before %v, after %v, bad %v; want true, true, false", get(t, db, "before"), get(t, db, "after"), get(t, db, "bad"))
+	}
+
+	func() {
+		defer func() {
+			if p, ok := recover().(*PanicError); !ok || p.Value != "again" {
+				t.Errorf("Do of a panicking write panicked with %v; want its *PanicError", p)
+			}
+		}()
+		err := c.Do(func(tx *bolt.Tx) error { panic("again") })
+		t.Errorf("Do of a panicking write returned %v; want a panic", err)
+	}()
+	if err := c.Do(put("later")); err != nil || !get(t, db, "later") {
+		t.Errorf("Do after a panic = %v, on disk %v; want nil, true", err, get(t, db, "later"))
+	}
+}
+
+// Close returns once what was queued before it has run and been answered,
+// also for a Close called while another is under way: the caller closes
+// the bbolt file next, which would fail the writes still waiting.
+func TestEveryCloseWaitsForTheQueue(t *testing.T) {
+	db := openDB(t)
+	c := New(db, Options{})
+	hold := make(chan struct{})
+	started := make(chan struct{})
+	c.Go(func(tx *bolt.Tx) error { close(started); <-hold; return nil }, nil)
+	<-started
+	var answered atomic.Bool
+	c.Go(put("queued"), func(err error) {
+		if err != nil {
+			t.Errorf("queued write: %v", err)
+		}
+		answered.Store(true)
+	})
+	first := make(chan struct{})
+	go func() { c.Close(); close(first) }()
+	testenv.Eventually(t, 10*time.Second, "the first Close under way", func() bool {
+		var closed atomic.Bool // answered at once only after Close
+		c.Go(put("probe"), func(err error) { closed.Store(errors.Is(err, ErrClosed)) })
+		return closed.Load()
+	})
+	second := make(chan bool)
+	go func() { c.Close(); second <- answered.Load() }()
+	var ok bool
+	select {
+	case ok = <-second:
+		close(hold)
+	case <-time.After(200 * time.Millisecond): // it waits, as it should: let the writes go
+		close(hold)
+		ok = <-second
+	}
+	<-first
+	if !ok {
+		t.Error("a second Close returned before the write queued before it was answered")
 	}
 }
