@@ -127,7 +127,7 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
-			return nil, err
+			return nil, flagError(err)
 		}
 		rest := fs.Args()
 		if len(rest) == 0 {

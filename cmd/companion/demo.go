@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/base32"
@@ -9,7 +10,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -57,6 +60,11 @@ type Demo struct {
 	network *sim.Network
 	gatts   []*gatt.Device
 	mqttURL string
+	// caFile, with --tls-cert, is the server's certificate (absolute),
+	// which the quick start's curl lines trust: no system may; mqttCAFile
+	// likewise what its mosquitto_sub line trusts, with an mqtts:// broker.
+	caFile, mqttCAFile string
+	prefix             string // the MQTT topics'
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -79,7 +87,14 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 		_ = m.Dynsec.BridgeCreated(ctx, f.BridgeID, f.BridgeSecret)
 		_ = m.Dynsec.UserCreated(ctx, f.UserID, f.Token)
 	}
-	d := &Demo{File: f, mqttURL: m.MQTTURL()}
+	d := &Demo{File: f, mqttURL: m.MQTTURL(), prefix: tree.Prefix()}
+	if d.caFile, err = absPath(m.Config.TLSCert); err != nil {
+		return nil, err
+	}
+	// The CA the server's own client trusts (newBroker).
+	if d.mqttCAFile, err = absPath(cmp.Or(m.Config.MQTTCA, m.Config.MQTTTLSCert)); err != nil {
+		return nil, err
+	}
 	var devices []agent.Device
 	d.network = sim.NewNetwork(sim.LinkOptions{})
 	for _, dev := range f.Devices {
@@ -424,7 +439,8 @@ func (d *Demo) PrintQuickStart(w io.Writer) {
 	if dev.ClaimCode == "" {
 		register = fmt.Sprintf("# %s is bound to the demo user already (its claim code went with an earlier demo.json)", dev.DeviceID)
 	}
-	fmt.Fprintf(w, `
+	var out strings.Builder
+	fmt.Fprintf(&out, `
 Demo ready: user "demo", bridge %q serving %d simulated devices. Credentials are in %s.
 Try (each line works as printed):
 
@@ -445,7 +461,7 @@ Try (each line works as printed):
   curl -s %s/devices/%s/commands %s
 
   # watch the device's MQTT conversation (user id and API token as credentials)
-  mosquitto_sub -h 127.0.0.1 -p %s -u %s -P %s -v -t 'companion/v1/devices/%s/#'
+  %s -u %s -P %s -v -t '%s/devices/%s/#'
 
 `,
 		f.BridgeID, len(f.Devices), "demo.json in the data directory",
@@ -459,8 +475,13 @@ Try (each line works as printed):
 		api, dev.DeviceID, auth,
 		api, dev.DeviceID, auth, js,
 		api, dev.DeviceID, auth,
-		mqttPort(d), f.UserID, f.Token, dev.DeviceID,
+		d.mosquittoSub(), f.UserID, f.Token, d.prefix, dev.DeviceID,
 	)
+	text := out.String()
+	if d.caFile != "" {
+		text = strings.ReplaceAll(text, "curl -s ", "curl -s --cacert "+shellQuote(d.caFile)+" ")
+	}
+	io.WriteString(w, text)
 	if len(f.Devices) > 1 {
 		fmt.Fprintln(w, "  other devices and their claim codes:")
 		for _, dv := range f.Devices[1:] {
@@ -474,11 +495,40 @@ Try (each line works as printed):
 	}
 }
 
-func mqttPort(d *Demo) string {
-	if i := strings.LastIndex(d.mqttURL, ":"); i >= 0 {
-		return d.mqttURL[i+1:]
+// mosquittoSub is the quick start's mosquitto_sub up to its credentials:
+// the broker (the first of a list), and with mqtts:// the CA to trust.
+func (d *Demo) mosquittoSub() string {
+	first, _, _ := strings.Cut(d.mqttURL, ",")
+	host, port := "127.0.0.1", "1883"
+	if u, err := url.Parse(first); err == nil {
+		if h := u.Hostname(); h != "" && !net.ParseIP(h).IsUnspecified() {
+			host = h
+		}
+		port = cmp.Or(u.Port(), port)
 	}
-	return "1883"
+	sub := "mosquitto_sub -h " + host + " -p " + port
+	switch {
+	case !tlsclient.IsTLSURL(first):
+	case d.mqttCAFile != "":
+		sub += " --cafile " + shellQuote(d.mqttCAFile)
+	default:
+		sub += " --capath /etc/ssl/certs"
+	}
+	return sub
+}
+
+// absPath is path made absolute, so that a line printed with it works
+// from any directory; "" stays "".
+func absPath(path string) (string, error) {
+	if path == "" {
+		return "", nil
+	}
+	return filepath.Abs(path)
+}
+
+// shellQuote quotes s for sh.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // demoHTTPClient is the demo bridge's client for blob downloads: with

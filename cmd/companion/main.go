@@ -117,9 +117,19 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 // line from COMPANION_<FLAG> in the environment.
 func parseFlags(fs *flag.FlagSet, args []string) error {
 	if err := fs.Parse(args); err != nil {
-		return err
+		return flagError(err)
 	}
 	return applyEnv(fs)
+}
+
+// flagError makes an error of fs.Parse (an unknown flag, a value the flag
+// cannot take) a usage error, exit status 2 as for one from the
+// environment; -h stays flag.ErrHelp.
+func flagError(err error) error {
+	if errors.Is(err, flag.ErrHelp) {
+		return err
+	}
+	return usageError{err.Error()}
 }
 
 func applyEnv(fs *flag.FlagSet) error {

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -108,5 +109,54 @@ func TestReadmeCurlLinesWork(t *testing.T) {
 				lastCommand = id[1]
 			}
 		}
+	}
+}
+
+// TestReadmeCLILinesWork runs the README's lines of the companion CLI
+// (command wait and the admin commands), as printed, with the binary for
+// `go run ./cmd/companion`, against a demo server in a directory whose
+// ./data is the server's, and the files they name made there. The server
+// is not on the README's 127.0.0.1:8080: the admin lines find it through
+// COMPANION_API_URL, and the --api-url of command wait is replaced.
+func TestReadmeCLILinesWork(t *testing.T) {
+	companion, _ := procBinaries(t)
+	// No --admin-token: the admin lines read the one generated into
+	// data/admin.token.
+	m := NewMain(Config{HTTP: "127.0.0.1:0", MQTTListen: "127.0.0.1:0", Data: t.TempDir(), TopicPrefix: "companion/v1", Demo: true}, testLogger(t))
+	t.Cleanup(func() { m.Close() })
+	require.NoError(t, m.Run(context.Background()))
+	dir := t.TempDir()
+	require.NoError(t, os.Symlink(m.Config.Data, filepath.Join(dir, "data")))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "zephyr.signed.bin"), firmwareImage(t, "1.2.0", 32<<10), 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "weather.pkg"), bytes.Repeat([]byte("pkg"), 1000), 0o600))
+
+	user := newClient(t, m, m.Demo.File.Token)
+	r := user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "sim-001", "claim_code": m.Demo.File.Devices[0].ClaimCode})
+	require.Contains(t, []int{200, 201}, r.Status, "%s", r.Body)
+	r = user.do("POST", "/api/v1/devices/sim-001/push/text", map[string]any{"text": "hi"}, "Prefer", "wait=20")
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	commandID := r.JSON(t)["id"].(string)
+
+	// openssl, for a claim code, is not among what make deps installs.
+	setup := []string{`openssl() { echo 0123456789abcdef01234567; }`}
+	var lines []string
+	for _, l := range readmeCommands(t) {
+		switch {
+		case strings.HasPrefix(l, "TOKEN="), strings.HasPrefix(l, "DEV="):
+			setup = append(setup, l)
+		case strings.HasPrefix(l, "go run ./cmd/companion ") && !strings.HasPrefix(l, "go run ./cmd/companion serve"):
+			l = strings.Replace(trailingComment.ReplaceAllString(l, ""), "go run ./cmd/companion", companion, 1)
+			l = strings.ReplaceAll(l, "http://127.0.0.1:8080", m.APIURL())
+			lines = append(lines, strings.ReplaceAll(l, "COMMAND_ID", commandID))
+		}
+	}
+	require.GreaterOrEqual(t, len(lines), 7, "command wait and the six admin commands")
+	prelude := strings.Join(setup, "\n") + "\n"
+	for _, l := range lines {
+		cmd := exec.Command("sh", "-c", prelude+l)
+		cmd.Dir = dir
+		cmd.Env = append(procEnv(), "COMPANION_API_URL="+m.APIURL())
+		out, err := cmd.CombinedOutput()
+		assert.NoError(t, err, "%s:\n%s", l, out)
 	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -130,6 +131,71 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	return fs
 }
 
+// minRetention is the shortest --retention the broker takes: an
+// Idempotency-Key answers repeats for a day with its command.
+const minRetention = 24 * time.Hour
+
+// checkFlags refuses, naming the flag, a value the server cannot run with
+// (exit status 2), where the packages it goes to would take it for their
+// default (a zero), fail later with a message of their own, or log it (a
+// broker URL's password). onCommandLine names the flags of the command
+// line: --mqtt-listen there wins over COMPANION_MQTT_URL, as a flag wins
+// over the environment.
+func (c *Config) checkFlags(onCommandLine map[string]bool) error {
+	switch {
+	case onCommandLine["mqtt-listen"] && onCommandLine["mqtt-url"]:
+		return usageError{"give --mqtt-listen (the embedded broker) or --mqtt-url (another broker), not both"}
+	case onCommandLine["mqtt-listen"]:
+		c.MQTTURL = ""
+	}
+	if tlsclient.HasCredentials(c.MQTTURL) {
+		return usageError{"--mqtt-url: a broker URL holds credentials (user:password@), which would be printed and logged; give them as --mqtt-username and --mqtt-password"}
+	}
+	l := c.Limits
+	for _, f := range []struct {
+		name string
+		v    int64
+	}{
+		{"max-text-bytes", int64(l.MaxTextBytes)},
+		{"max-title-bytes", int64(l.MaxTitleBytes)},
+		{"max-image-bytes", l.MaxImageBytes},
+		{"max-image-side", int64(l.MaxImageSide)},
+		{"max-app-bytes", l.MaxAppBytes},
+		{"max-firmware-bytes", l.MaxFirmwareBytes},
+		{"max-open-commands", int64(l.MaxOpenCommands)},
+		{"rate-burst", int64(l.RequestBurst)},
+	} {
+		if f.v <= 0 {
+			return usageError{fmt.Sprintf("--%s %d: must be positive", f.name, f.v)}
+		}
+	}
+	for _, f := range []struct {
+		name string
+		v    float64
+	}{
+		{"rate-per-token", l.RequestsPerSecond},
+		{"register-per-minute", float64(l.RegisterPerMinute)},
+		{"unauth-per-minute", float64(l.UnauthPerMinute)},
+	} {
+		if !(f.v >= 0) { // NaN too
+			return usageError{fmt.Sprintf("--%s %v: must be 0 (no limit) or more", f.name, f.v)}
+		}
+	}
+	switch {
+	case c.Retention < minRetention:
+		return usageError{fmt.Sprintf("--retention %s: must be at least %s (an Idempotency-Key answers repeats for a day)", c.Retention, minRetention)}
+	case c.ExpiryGrace <= 0:
+		return usageError{fmt.Sprintf("--expiry-grace %s: must be positive", c.ExpiryGrace)}
+	case c.OIDC.ClockSkew <= 0:
+		return usageError{fmt.Sprintf("--oidc-clock-skew %s: must be positive", c.OIDC.ClockSkew)}
+	case c.OIDC.Issuer != "" && c.OIDC.Audience == "":
+		return usageError{"--oidc-issuer needs --oidc-audience: the aud its tokens must carry"}
+	case c.OIDC.Issuer == "" && (c.OIDC.Audience != "" || c.OIDC.JWKSURL != ""):
+		return usageError{"--oidc-audience and --oidc-jwks-url need --oidc-issuer"}
+	}
+	return nil
+}
+
 // fromFlags turns the flags' "0 means no limit" into api.Limits' negative.
 func (c *Config) fromFlags() {
 	if c.Limits.RequestsPerSecond == 0 {
@@ -147,11 +213,19 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var cfg Config
 	fs := newServeFlags(&cfg)
 	fs.SetOutput(stderr)
-	if err := parseFlags(fs, args); err != nil {
-		return err
+	if err := fs.Parse(args); err != nil {
+		return flagError(err)
 	}
 	if fs.NArg() > 0 {
 		return usageError{fmt.Sprintf("serve takes no arguments, got %q", fs.Args())}
+	}
+	onCommandLine := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { onCommandLine[f.Name] = true })
+	if err := applyEnv(fs); err != nil {
+		return err
+	}
+	if err := cfg.checkFlags(onCommandLine); err != nil {
+		return err
 	}
 	cfg.fromFlags()
 	cfg.demoMetrics(fs)
@@ -477,7 +551,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		Tokens:         tokens,
 		BrokerAccounts: accounts,
 		AdminToken:     m.adminToken,
-		Limits:         cfg.Limits,
+		Limits:         withTextRoom(cfg.Limits),
 		Ready:          m.Broker.Ready,
 		Unavailable:    m.storeUnavailable,
 		Events:         m.Events,
@@ -515,6 +589,23 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		}
 	}()
 	return nil
+}
+
+// withTextRoom gives the JSON body of a text push room for the longest
+// text and title that l allows, each byte escaped at its longest ("<" is
+// \u003c, six bytes), when the default JSON body limit has too little:
+// a --max-text-bytes past it took texts that the body limit refused (413).
+// A MaxJSONBody set in l stands.
+func withTextRoom(l api.Limits) api.Limits {
+	d := api.DefaultLimits
+	if l.MaxJSONBody != 0 {
+		return l
+	}
+	need := 6*int64(cmp.Or(l.MaxTextBytes, d.MaxTextBytes)+cmp.Or(l.MaxTitleBytes, d.MaxTitleBytes)) + 4<<10
+	if need > d.MaxJSONBody {
+		l.MaxJSONBody = need
+	}
+	return l
 }
 
 // Close shuts down in reverse order: HTTP (letting requests in flight

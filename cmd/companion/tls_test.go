@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -14,6 +15,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -161,4 +163,33 @@ func TestEveryOperationOverTLS(t *testing.T) {
 	c := mqtt.NewClient(o)
 	assert.Error(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
 	c.Disconnect(0)
+}
+
+// With --tls-cert and --mqtt-tls-cert the demo's quick start works as
+// printed too: its curl lines and its mosquitto_sub line trust the
+// server's certificates, which no system trusts (a private CA's, or
+// self-signed ones); and its mosquitto_sub line watches the topics of
+// --topic-prefix.
+func TestDemoQuickStartWorksOverTLS(t *testing.T) {
+	if _, err := exec.LookPath("mosquitto_sub"); err != nil {
+		t.Fatal("mosquitto_sub not installed: run make deps (it installs Debian's mosquitto-clients)")
+	}
+	ca := newTestCA(t)
+	certFile, keyFile := ca.issue(t, t.TempDir())
+	m := startServer(t, Config{Demo: true, TLSCert: certFile, TLSKey: keyFile, MQTTTLSCert: certFile, MQTTTLSKey: keyFile, TopicPrefix: "acme/v1"})
+	demoQuickStartWorks(t, m, 10) // the first binds sim-001 to the demo user
+
+	var out bytes.Buffer
+	m.Demo.PrintQuickStart(&out)
+	var sub string
+	for _, l := range strings.Split(out.String(), "\n") {
+		if l = strings.TrimSpace(l); strings.HasPrefix(l, "mosquitto_sub ") {
+			sub = l
+		}
+	}
+	require.NotEmpty(t, sub, "%s", out.String())
+	// The device's retained status and settings are there at once.
+	b, err := exec.Command("sh", "-c", sub+" -C 1 -W 20").CombinedOutput()
+	require.NoError(t, err, "%s: %s", sub, b)
+	assert.True(t, strings.HasPrefix(string(b), "acme/v1/devices/sim-001/"), "%s: %s", sub, b)
 }

@@ -59,6 +59,9 @@ func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if *token == "" {
 		return usageError{"command wait needs --token (or COMPANION_TOKEN)"}
 	}
+	if *timeout < 0 {
+		return usageError{fmt.Sprintf("--timeout %s: must not be negative (0: wait until the command is final)", *timeout)}
+	}
 	if *timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, *timeout)

@@ -58,6 +58,22 @@ func BrokerURLs(list string) ([]string, error) {
 	return urls, nil
 }
 
+// HasCredentials reports whether a URL of list (comma-separated broker
+// URLs) holds credentials (user:password@), which paho would log in with
+// and the binaries would print and log with the URL: any "@" after the
+// scheme (paho takes a URL without one as tcp://).
+func HasCredentials(list string) bool {
+	for _, u := range strings.Split(list, ",") {
+		if _, rest, ok := strings.Cut(u, "://"); ok {
+			u = rest
+		}
+		if strings.Contains(u, "@") {
+			return true
+		}
+	}
+	return false
+}
+
 // IsTLSURL reports whether paho dials a broker URL (the first of a list)
 // over TLS.
 func IsTLSURL(url string) bool {

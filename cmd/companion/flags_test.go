@@ -1,0 +1,161 @@
+package main
+
+import (
+	"errors"
+	"io"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/api"
+	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
+)
+
+// procExit runs bin with args (and env added to procEnv's) until it
+// exits, and returns its exit status and what it wrote. A process that
+// starts instead (it writes started) took args: it is killed, and the
+// status is -1.
+func procExit(tb testing.TB, started string, env []string, bin string, args ...string) (int, string) {
+	tb.Helper()
+	var out testenv.Buffer
+	up := newLogSignal(started)
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(procEnv(), env...)
+	cmd.Stdout = io.MultiWriter(&out, up)
+	cmd.Stderr = cmd.Stdout
+	require.NoError(tb, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return ee.ExitCode(), out.String()
+		}
+		require.NoError(tb, err)
+		return 0, out.String()
+	case <-up.seen:
+		_ = cmd.Process.Kill()
+		<-exited
+		return -1, out.String()
+	case <-time.After(60 * time.Second):
+		_ = cmd.Process.Kill()
+		<-exited
+		tb.Fatalf("%s %q neither exited nor started within 60 s:\n%s", bin, args, out.String())
+		return 0, ""
+	}
+}
+
+// A flag the command line gets wrong, or a value the server cannot run
+// with, ends `companion` with a message naming the flag and exit status 2,
+// before anything starts: never a start with a default in the value's
+// place, nor exit status 1.
+func TestBadFlagsAreUsageErrors(t *testing.T) {
+	companion, bridge := procBinaries(t)
+	const serverUp, bridgeUp = "companion: HTTP API on", "companion-bridge starting"
+	for _, tc := range []struct {
+		name string
+		args []string // after serve --http 127.0.0.1:0 --data DIR (--mqtt-listen 127.0.0.1:0 without --mqtt-url)
+		want string   // in the output
+	}{
+		{"unknown flag", []string{"--bogus"}, "-bogus"},
+		{"value not a duration", []string{"--retention", "a month"}, "-retention"},
+		{"value not a number", []string{"--max-text-bytes", "lots"}, "-max-text-bytes"},
+		{"retention under a day", []string{"--retention", "1h"}, "--retention"},
+		{"retention zero", []string{"--retention", "0s"}, "--retention"},
+		{"expiry grace zero", []string{"--expiry-grace", "0s"}, "--expiry-grace"},
+		{"expiry grace negative", []string{"--expiry-grace", "-1m"}, "--expiry-grace"},
+		{"text limit zero", []string{"--max-text-bytes", "0"}, "--max-text-bytes"},
+		{"image limit negative", []string{"--max-image-bytes", "-1"}, "--max-image-bytes"},
+		{"open commands zero", []string{"--max-open-commands", "0"}, "--max-open-commands"},
+		{"burst zero", []string{"--rate-burst", "0"}, "--rate-burst"},
+		{"rate negative", []string{"--rate-per-token", "-3"}, "--rate-per-token"},
+		{"register rate negative", []string{"--register-per-minute", "-5"}, "--register-per-minute"},
+		{"unauthenticated rate negative", []string{"--unauth-per-minute", "-1"}, "--unauth-per-minute"},
+		{"clock skew zero", []string{"--oidc-clock-skew", "0s"}, "--oidc-clock-skew"},
+		{"issuer without audience", []string{"--oidc-issuer", "https://id.example.com"}, "--oidc-audience"},
+		{"embedded and external broker", []string{"--mqtt-listen", "127.0.0.1:0", "--mqtt-url", "tcp://127.0.0.1:1"}, "--mqtt-listen"},
+		{"credentials in the broker URL", []string{"--mqtt-url", "tcp://srv:s3cret-pw@127.0.0.1:1", "--mqtt-dynsec=false"}, "--mqtt-username"},
+		{"credentials in a broker URL of a list", []string{"--mqtt-url", "tcp://127.0.0.1:1,srv:s3cret-pw@127.0.0.1:2", "--mqtt-dynsec=false"}, "--mqtt-username"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := []string{"serve", "--http", "127.0.0.1:0", "--data", t.TempDir(), "--log-level", "info"}
+			if !slices.Contains(tc.args, "--mqtt-url") {
+				args = append(args, "--mqtt-listen", "127.0.0.1:0")
+			}
+			code, out := procExit(t, serverUp, nil, companion, append(args, tc.args...)...)
+			assert.Equal(t, 2, code, "companion %q: exit status (-1: it started)\n%s", tc.args, out)
+			assert.Contains(t, out, tc.want)
+			assert.NotContains(t, out, "s3cret-pw", "the password of the broker URL")
+			assert.NotContains(t, out, "goroutine ")
+		})
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"admin: unknown flag", []string{"user", "create", "alice", "--bogus"}},
+		{"wait: value not a duration", []string{"command", "wait", "dev-1", "0190a000-0000-7000-8000-000000000000", "--token", "t", "--timeout", "soon"}},
+		{"wait: timeout negative", []string{"command", "wait", "dev-1", "0190a000-0000-7000-8000-000000000000", "--token", "t", "--timeout", "-5s"}},
+		{"migrate: unknown flag", []string{"migrate", "--bogus"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out := procExit(t, serverUp, nil, companion, tc.args...)
+			assert.Equal(t, 2, code, "companion %q: exit status\n%s", tc.args, out)
+		})
+	}
+	t.Run("bridge: credentials in the broker URL", func(t *testing.T) {
+		code, out := procExit(t, bridgeUp, nil, bridge, "--mqtt-url", "tcp://b1:s3cret-pw@127.0.0.1:1",
+			"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "dev-1", "--data", t.TempDir())
+		assert.Equal(t, 2, code, "exit status (-1: it started)\n%s", out)
+		assert.Contains(t, out, "--bridge-secret")
+		assert.NotContains(t, out, "s3cret-pw", "the password of the broker URL")
+	})
+}
+
+// --mqtt-listen on the command line wins over COMPANION_MQTT_URL in the
+// environment (a flag wins over the environment, also over the variable
+// of the other flag of the pair): the server runs its embedded broker
+// there. From the environment both, --mqtt-url wins, as the packaging's
+// files have it (COMPANION_MQTT_LISTEN always, COMPANION_MQTT_URL for an
+// external broker).
+func TestMQTTListenOnTheCommandLineWinsOverTheEnvironment(t *testing.T) {
+	companion, _ := procBinaries(t)
+	listen := "127.0.0.1:" + strconv.Itoa(mqtttest.FreePort(t))
+	elsewhere := "tcp://127.0.0.1:" + strconv.Itoa(mqtttest.FreePort(t))
+	code, out := procExit(t, "companion: HTTP API on", []string{"COMPANION_MQTT_URL=" + elsewhere}, companion,
+		"serve", "--http", "127.0.0.1:0", "--data", t.TempDir(), "--mqtt-listen", listen)
+	require.Equal(t, -1, code, "companion did not start:\n%s", out)
+	assert.Contains(t, out, "MQTT on tcp://"+listen+",", "the start-up line")
+
+	code, out = procExit(t, "companion: HTTP API on", []string{"COMPANION_MQTT_URL=" + elsewhere, "COMPANION_MQTT_LISTEN=" + listen}, companion,
+		"serve", "--http", "127.0.0.1:0", "--data", t.TempDir())
+	require.Equal(t, -1, code, "companion did not start:\n%s", out)
+	assert.True(t, strings.Contains(out, "MQTT on "+elsewhere+","), "the start-up line: want the external broker\n%s", out)
+}
+
+// --max-text-bytes above what the JSON body limit (64 KiB) holds takes
+// texts up to it, escaped as JSON at its longest too (six bytes for each
+// of "<"): the body of a text push has room for the text and title the
+// limits allow. (The OpenAPI document gives the default limits: this
+// client does not check against it.)
+func TestTextLimitAboveTheJSONBodyLimit(t *testing.T) {
+	m := startServer(t, Config{Limits: api.Limits{MaxTextBytes: 100_000, MaxTitleBytes: 1000}})
+	f := setupFleet(t, m, "dev-1")
+	user := &client{tb: t, base: m.APIURL(), token: f.user.token}
+	r := user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	for _, text := range []string{strings.Repeat("a", 100_000), strings.Repeat("<", 100_000)} {
+		r = user.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": text, "title": strings.Repeat("<", 1000)})
+		assert.Equal(t, 202, r.Status, "a text of %d bytes: %.300s", len(text), r.Body)
+	}
+	r = user.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": strings.Repeat("a", 100_001)})
+	assert.Equal(t, 422, r.Status, "over --max-text-bytes: %.300s", r.Body)
+}
