@@ -139,10 +139,8 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		if err := db.appendEvent(tx, companion.CommandChanged(nc)); err != nil {
 			return err
 		}
-		if nc.Blob != "" {
-			if err := tx.Bucket(bucketBlobRefs).Put(key(nc.Blob, nc.ID), []byte(nc.DeviceID)); err != nil {
-				return err
-			}
+		if err := indexBlob(tx, companion.Command{}, nc); err != nil {
+			return err
 		}
 		if idem != nil {
 			r := rec
@@ -350,6 +348,9 @@ func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*companion.Command) 
 	if err := indexCommand(tx, old, nc); err != nil {
 		return companion.Command{}, false, err
 	}
+	if err := indexBlob(tx, old, nc); err != nil {
+		return companion.Command{}, false, err
+	}
 	nc.UpdatedAt = db.now()
 	if err := putJSON(cmds, []byte(id), nc); err != nil {
 		return companion.Command{}, false, err
@@ -365,11 +366,6 @@ func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*companion.Command) 
 		}
 		if _, err := addOpen(tx.Bucket(bucketOpenCount), []byte(nc.DeviceID), -1, 0); err != nil {
 			return companion.Command{}, false, err
-		}
-		if nc.Blob != "" {
-			if err := tx.Bucket(bucketBlobRefs).Delete(key(nc.Blob, nc.ID)); err != nil {
-				return companion.Command{}, false, err
-			}
 		}
 	}
 	return nc, false, nil
@@ -476,6 +472,29 @@ func indexCommand(tx *bolt.Tx, old, c companion.Command) error {
 		if err := expiry.Put(expiryKey(c), nil); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// indexBlob moves a command's entry in blob_refs from the blob it
+// referenced as old (the zero Command for a new one) to the one it
+// references as c: an unfinished command keeps the blob it references
+// now needed (PurgeBlobs, BlobNeeded), whatever fn of UpdateCommand did
+// to its Blob, and a final one none.
+func indexBlob(tx *bolt.Tx, old, c companion.Command) error {
+	was := old.Blob != "" && !companion.IsFinal(old.State)
+	is := c.Blob != "" && !companion.IsFinal(c.State)
+	if was == is && old.Blob == c.Blob {
+		return nil
+	}
+	refs := tx.Bucket(bucketBlobRefs)
+	if was {
+		if err := refs.Delete(key(old.Blob, c.ID)); err != nil {
+			return err
+		}
+	}
+	if is {
+		return refs.Put(key(c.Blob, c.ID), []byte(c.DeviceID))
 	}
 	return nil
 }

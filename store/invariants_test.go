@@ -70,6 +70,9 @@ func checkIndexesUnderRandomWork(t *testing.T, rnd *rand.Rand) {
 				if rnd.IntN(4) == 0 {
 					c.ExpiresAt = c.ExpiresAt.Add(time.Minute)
 				}
+				if rnd.IntN(6) == 0 { // fn may change the blob too
+					c.Blob = strings.Repeat(string(rune('a'+rnd.IntN(3))), 64*rnd.IntN(2))
+				}
 				return nil
 			})
 			if err != nil && err != companion.ErrFinal {

@@ -152,7 +152,8 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 	}
 	// One statement stores the status and, when it applied and changed
 	// what a user sees (companion.DeviceEventDue), the event for the
-	// user the device is bound to (events.go).
+	// user the device is bound to (events.go). No apps (NULL) and an empty
+	// list are the same to a user: an event shows both as [].
 	now := s.clock()
 	ns := st
 	ns.UpdatedAt = now
@@ -175,7 +176,7 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 			INSERT INTO events (xid, user_id, device_id, at, data)
 			SELECT pg_current_xact_id(), b.user_id, b.device_id, $9, $11 FROM up JOIN bindings b ON b.device_id = up.device_id
 			WHERE NOT EXISTS (SELECT 1 FROM old WHERE old.online = $2 AND old.battery IS NOT DISTINCT FROM $3
-				AND old.firmware_version = $4 AND old.apps IS NOT DISTINCT FROM $6::json::text)
+				AND old.firmware_version = $4 AND coalesce(old.apps, '[]') = coalesce($6::json::text, '[]'))
 			RETURNING 1),
 		notified AS (SELECT pg_notify('`+eventsChannel+`', '') FROM ev LIMIT 1)
 		SELECT (SELECT count(*) FROM up) + 0 * (SELECT count(*) FROM notified)`,
@@ -218,9 +219,10 @@ func (s *Store) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, 
 	ok := s.barrier(func(ctx context.Context) {
 		var ids []string
 		err := s.tx(ctx, func(tx pgx.Tx) error {
-			// The devices going offline now have events (events.go).
+			// The devices going offline now have events (events.go), in
+			// device order as the bbolt engine appends them.
 			now := s.clock()
-			rows, _ := tx.Query(ctx, `SELECT `+statusColumnsOf("statuses")+` FROM statuses WHERE bridge_id = $1 AND online FOR UPDATE`, bridgeID)
+			rows, _ := tx.Query(ctx, `SELECT `+statusColumnsOf("statuses")+` FROM statuses WHERE bridge_id = $1 AND online ORDER BY device_id FOR UPDATE`, bridgeID)
 			var going []companion.Status
 			for rows.Next() {
 				var r statusRow

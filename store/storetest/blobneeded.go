@@ -1,15 +1,20 @@
 package storetest
 
 import (
+	"bytes"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func testBlobNeeded(t *testing.T, open Opener) {
 	subtests(t, open, []namedTest{
 		{"Rules", testBlobNeededRules},
+		{"FollowsTheCommandsBlob", testBlobNeededFollowsTheCommand},
 	})
 }
 
@@ -91,4 +96,65 @@ func testBlobNeededRules(t *testing.T, s companion.Store) {
 	}
 	needed(shaA, "op1", false)
 	setState(t, s, a5.ID, companion.StateCanceled)
+}
+
+// What keeps a blob needed is the blob an unfinished command references
+// now. UpdateCommand's fn may change any field but the id, the device and
+// the creation time: a command whose Blob it changes needs the new blob
+// and no longer the old, for BlobNeeded and PurgeBlobs alike, and needs
+// neither once it is final.
+func testBlobNeededFollowsTheCommand(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	tenancy(t, s)
+	assign(t, s, "d1", "op1", "")
+	put := func(content string) string {
+		t.Helper()
+		b, err := s.PutBlob(ctx, bytes.NewReader([]byte(content)), 0)
+		require.NoError(t, err, "PutBlob(%s)", content)
+		return b.SHA256
+	}
+	shaA, shaB := put("first image"), put("second image")
+	needed := func(sha string, want bool) {
+		t.Helper()
+		if got, err := s.BlobNeeded(ctx, sha, "op1"); err != nil || got != want {
+			t.Errorf("BlobNeeded(%.4s…, op1) = %v, %v; want %v", sha, got, err, want)
+		}
+	}
+	// Every blob counts as stored before a cut an hour ahead: only what
+	// references a blob keeps it.
+	purge := func(want int, what string) {
+		t.Helper()
+		n, err := s.PurgeBlobs(ctx, time.Now().Add(time.Hour))
+		require.NoError(t, err)
+		assert.Equal(t, want, n, "PurgeBlobs %s", what)
+	}
+	stored := func(sha string, want bool) {
+		t.Helper()
+		_, err := s.Blob(ctx, sha)
+		if (err == nil) != want {
+			t.Errorf("Blob(%.4s…) = %v; want it there: %v", sha, err, want)
+		}
+	}
+
+	c := newCmd("d1")
+	c.Op, c.Blob = "push.image", shaA
+	c = create(t, s, c)
+	needed(shaA, true)
+	needed(shaB, false)
+
+	_, err := s.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+		c.State, c.Blob = companion.StateSent, shaB
+		return nil
+	})
+	require.NoError(t, err, "UpdateCommand(→ sent, other blob)")
+	needed(shaA, false)
+	needed(shaB, true)
+	purge(1, "after the command's blob changed")
+	stored(shaA, false)
+	stored(shaB, true)
+
+	setState(t, s, c.ID, companion.StateSucceeded)
+	needed(shaB, false)
+	purge(1, "after the command ended")
+	stored(shaB, false)
 }

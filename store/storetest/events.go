@@ -21,6 +21,7 @@ func testEvents(t *testing.T, open Opener) {
 	subtests(t, open, []namedTest{
 		{"CommandStates", testEventsCommandStates},
 		{"DeviceStatus", testEventsDeviceStatus},
+		{"BridgeOfflineInDeviceOrder", testEventsBridgeOfflineOrder},
 		{"ResumeWithoutGap", testEventsResume},
 		{"PerUser", testEventsPerUser},
 		{"Head", testEventsHead},
@@ -145,9 +146,11 @@ func testEventsDeviceStatus(t *testing.T, s companion.Store) {
 	}
 	put("d1", 1, true, 90, "1.0.0")
 	put("d1", 2, true, 90, "1.0.0")                                          // the same: no event
-	put("d1", 3, true, 80, "1.0.0")                                          // battery
-	put("d1", 4, true, 80, "1.1.0")                                          // firmware
-	put("d1", 5, true, 80, "1.1.0", companion.App{AppID: "a", Version: "1"}) // apps
+	put("d1", 3, true, 90, "1.0.0", []companion.App{}...)                    // no apps as an empty list: the same
+	put("d1", 4, true, 80, "1.0.0")                                          // battery
+	put("d1", 5, true, 80, "1.1.0")                                          // firmware
+	put("d1", 6, true, 80, "1.1.0", companion.App{AppID: "a", Version: "1"}) // apps
+	put("d1", 7, true, 80, "1.1.0", companion.App{AppID: "a", Version: "1"}) // the same again
 	put("d2", 1, true, 50, "1.0.0")                                          // bound to no one
 	_, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: false, Battery: intp(1), Model: "m", BridgeID: "br1", LastSeen: t0, Seq: 1})
 	require.NoError(t, err) // older: not applied, no event
@@ -197,6 +200,36 @@ func testEventsDeviceStatus(t *testing.T, s companion.Store) {
 	}
 	require.NotNil(t, dev)
 	assert.Equal(t, "2.0.0", dev.Device.FirmwareVersion)
+}
+
+// The devices a bridge's Will marks offline are announced in device
+// order, as MarkBridgeOffline returns them, whatever order their
+// statuses were last written in.
+func testEventsBridgeOfflineOrder(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	devs := []string{"d1", "d2", "d3", "d4"}
+	provision(t, s, "m", devs...)
+	bind(t, s, "u1", devs...)
+	t0 := now()
+	seq := uint64(0)
+	for _, dev := range []string{"d3", "d1", "d4", "d2", "d1", "d3"} {
+		seq++
+		_, err := s.PutStatus(ctx, companion.Status{DeviceID: dev, Online: true, Battery: intp(int(seq)), Model: "m",
+			BridgeID: "br1", LastSeen: t0.Add(time.Duration(seq) * time.Second), Seq: seq})
+		require.NoError(t, err)
+	}
+	ids, err := s.MarkBridgeOffline(ctx, "br1")
+	require.NoError(t, err)
+	require.Equal(t, devs, ids, "MarkBridgeOffline")
+	evs, _ := eventsAll(t, s, "u1", "", 100)
+	var offline []string
+	for _, ev := range evs {
+		require.NotNil(t, ev.Device, "event %+v", ev)
+		if !ev.Device.Online {
+			offline = append(offline, ev.DeviceID)
+		}
+	}
+	assert.Equal(t, devs, offline, "the devices of the offline events, in log order")
 }
 
 // Events after any event's id are exactly those that follow it, however
