@@ -11,10 +11,10 @@ import (
 	_ "image/jpeg" // DecodeConfig reads JPEG headers
 	_ "image/png"  // and PNG headers
 	"math"
-	"mime"
 	"net/http"
 	"reflect"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -219,20 +219,22 @@ var imageFormats = map[string]string{"png": "image/png", "jpeg": "image/jpeg"}
 // checkImage decodes and checks a pushed image from its header only: it
 // is never decoded whole here.
 func (s *Server) checkImage(b64 string, contentType *string) (data []byte, cfg image.Config, ctype string, fields []FieldError) {
-	if contentType != nil {
-		mt, _, err := mime.ParseMediaType(*contentType)
-		if err != nil || (mt != "image/png" && mt != "image/jpeg") {
-			fields = append(fields, FieldError{Field: "content_type", Message: "must be image/png or image/jpeg"})
-			contentType = nil
-		} else {
-			contentType = &mt
-		}
+	// Spelled as api/openapi.json lists them: the member is one of two
+	// values, not a media type with parameters or in another case.
+	if contentType != nil && *contentType != "image/png" && *contentType != "image/jpeg" {
+		fields = append(fields, FieldError{Field: "content_type", Message: "must be image/png or image/jpeg"})
+		contentType = nil
 	}
 	if b64 == "" {
 		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "is required"})
 	}
 	if int64(base64.StdEncoding.DecodedLen(len(b64))) > s.limits.MaxImageBytes+3 {
 		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: fmt.Sprintf("must be at most %d bytes decoded", s.limits.MaxImageBytes)})
+	}
+	// encoding/base64 skips line breaks, which standard base64 does not
+	// have (RFC 4648 §3.1) and api/openapi.json refuses.
+	if strings.ContainsAny(b64, "\r\n") {
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "must be standard base64"})
 	}
 	data, err := base64.StdEncoding.DecodeString(b64)
 	if err != nil {

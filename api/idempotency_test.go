@@ -214,3 +214,36 @@ func TestIdempotentFailureFreesTheKey(t *testing.T) {
 		assert.Equal(t, CodeBridgeExists, r.problem(t).Code)
 	}
 }
+
+// panicOnce panics in its first CreateUser, as a bug would.
+type panicOnce struct {
+	Store
+	panicked atomic.Bool
+}
+
+func (p *panicOnce) CreateUser(ctx context.Context, u companion.User) error {
+	if p.panicked.CompareAndSwap(false, true) {
+		panic("create user exploded")
+	}
+	return p.Store.CreateUser(ctx, u)
+}
+
+// A request that panics is answered 500 as any failure is, and gives its
+// Idempotency-Key up as any failure does: a repeat does the work again,
+// rather than wait for an answer that never comes and answer 409
+// idempotency_key_in_use until the claim runs out a minute later.
+func TestPanicGivesUpTheIdempotencyKey(t *testing.T) {
+	shortWait(t, 200*time.Millisecond)
+	e0 := newEnv(t)
+	e := newEnvWith(t, e0.db, &panicOnce{Store: e0.db})
+	send := func() resp {
+		return e.send(req{method: "POST", path: "/api/v1/admin/users", token: testAdminToken,
+			body: map[string]any{"name": "gina"}, header: map[string]string{"Idempotency-Key": "u-1"}})
+	}
+	r := send()
+	require.Equal(t, 500, r.status, "%s", r.body)
+	assert.Equal(t, CodeInternal, r.problem(t).Code)
+	r = send()
+	require.Equal(t, 201, r.status, "the repeat does the work: %s", r.body)
+	assert.NotEmpty(t, r.json(t)["token"], "it is the first answer with a token")
+}

@@ -430,7 +430,9 @@ func (s *Server) readyz(c *gin.Context) error {
 }
 
 // recoverer is the last line: a handler that panics is logged with its
-// stack and answered with a 500 that says nothing more.
+// stack and answered with a 500 that says nothing more. Like any failure
+// (see fail) it gives up the request's claim on its Idempotency-Key, which
+// would otherwise hold the key, and answer its repeats 409, for a minute.
 func (s *Server) recoverer(c *gin.Context) {
 	defer func() {
 		v := recover()
@@ -442,6 +444,7 @@ func (s *Server) recoverer(c *gin.Context) {
 		}
 		s.log.ErrorContext(c.Request.Context(), "handler panicked",
 			"method", c.Request.Method, "path", c.Request.URL.Path, "panic", fmt.Sprint(v), "stack", string(stack()))
+		s.releaseIdempotent(c)
 		if !c.Writer.Written() {
 			s.writeProblem(c, &Error{Code: CodeInternal})
 		}

@@ -630,3 +630,21 @@ func TestNoRouteAnswers5xxOnGarbage(t *testing.T) {
 
 // topicsApp is an installed app as a status reports it.
 func topicsApp(id, version string) companion.App { return companion.App{AppID: id, Version: version} }
+
+// A pushed image is what api/openapi.json says it is, and nothing more:
+// standard base64 without line breaks (encoding/base64 skips them), and a
+// content_type spelled as one of the two values the document lists.
+func TestPushImageAsDocumented(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	img := b64(pngOf(t, 8, 4))
+	runBodyCases(t, e, "POST", "/api/v1/devices/dev-1/push/image", tok, []bodyCase{
+		{"base64 wrapped with LF", map[string]any{"image": img[:20] + "\n" + img[20:]}, 422, []string{"image"}},
+		{"base64 wrapped with CRLF", map[string]any{"image": img[:20] + "\r\n" + img[20:]}, 422, []string{"image"}},
+		{"base64 ending in a newline", map[string]any{"image": img + "\n"}, 422, []string{"image"}},
+		{"content type in capitals", map[string]any{"image": img, "content_type": "IMAGE/PNG"}, 422, []string{"content_type"}},
+		{"content type with a parameter", map[string]any{"image": img, "content_type": "image/png; q=1"}, 422, []string{"content_type"}},
+		{"content type with a space", map[string]any{"image": img, "content_type": "image/png "}, 422, []string{"content_type"}},
+	})
+	assert.Zero(t, e.cmds.count(), "nothing was sent")
+}
