@@ -531,7 +531,13 @@ func (s *Server) putSettings(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := s.store.MergeDesiredSettings(ctx, b.DeviceID, body.members); err != nil {
+	switch err := s.store.MergeDesiredSettings(ctx, b.DeviceID, b.UserID, body.members); {
+	case errors.Is(err, companion.ErrNotOwned):
+		// Unbound since the command was stored: the unbind ended the
+		// command and dropped the desired settings, and the next owner
+		// must not find these.
+		s.log.InfoContext(ctx, "desired settings not recorded: the device was unbound meanwhile", "device", b.DeviceID)
+	case err != nil:
 		// The command is accepted; only the desired view lags until the
 		// device reports.
 		s.log.ErrorContext(ctx, "recording desired settings", "device", b.DeviceID, "err", err)

@@ -43,7 +43,7 @@ type Store interface {
 
 	Status(ctx context.Context, deviceID string) (companion.Status, error)
 	Settings(ctx context.Context, deviceID string) (companion.Settings, error)
-	MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error
+	MergeDesiredSettings(ctx context.Context, deviceID, userID string, partial map[string]json.RawMessage) error
 
 	Command(ctx context.Context, id string) (companion.Command, error)
 	// ListCommands reads a page of a device's commands, filtered as it

@@ -282,7 +282,11 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 // MergeDesiredSettings records values the user asked for: each key of
 // partial replaces the desired value of that key. Values are stored as
 // compacted JSON; validating them against the schema is the caller's job.
-func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error {
+// With userID set, ErrNotOwned (and nothing stored) when the device, one
+// of the registry, is not bound to that user, checked in the write: an
+// unbind between the settings command and this merge drops the desired
+// settings, and the old owner's must not come back for the next one.
+func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID, userID string, partial map[string]json.RawMessage) error {
 	if !validID(deviceID) {
 		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
 	}
@@ -291,6 +295,15 @@ func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID string, partial
 		return err
 	}
 	return db.batch(func(tx *bolt.Tx) error {
+		if userID != "" && tx.Bucket(bucketDevices).Get([]byte(deviceID)) != nil {
+			ok, err := boundTo(tx, deviceID, userID)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return abort(companion.ErrNotOwned)
+			}
+		}
 		b := tx.Bucket(bucketSettings)
 		s := companion.Settings{DeviceID: deviceID}
 		if _, err := getJSON(b, []byte(deviceID), &s); err != nil {

@@ -458,7 +458,12 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 // MergeDesiredSettings records values the user asked for: each key of
 // partial replaces the desired value of that key. Values are stored as
 // compacted JSON; validating them against the schema is the caller's job.
-func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID string, partial map[string]json.RawMessage) error {
+// With userID set, ErrNotOwned (and nothing stored) when the device, one
+// of the registry, is not bound to that user, under the binding's share
+// lock (lockOwnBinding): an unbind between the settings command and this
+// merge drops the desired settings, and the old owner's must not come
+// back for the next one.
+func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID, userID string, partial map[string]json.RawMessage) error {
 	if !validID(deviceID) {
 		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
 	}
@@ -471,6 +476,11 @@ func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID string, parti
 		ctx: ctx,
 		key: deviceHash(deviceID),
 		body: func(ctx context.Context, tx pgx.Tx) error {
+			if userID != "" {
+				if err := lockOwnBinding(ctx, tx, deviceID, userID); err != nil {
+					return err
+				}
+			}
 			now := s.clock()
 			row, _, err := lockSettings(ctx, tx, deviceID, now)
 			if err != nil {

@@ -22,6 +22,7 @@ func testBindings(t *testing.T, open Opener) {
 		{"UnbindEndsTheUsersCommands", testUnbindEndsCommands},
 		{"CommandsOnlyForTheOwner", testCommandsOnlyForTheOwner},
 		{"NoCommandOutlivesAConcurrentUnbind", testNoCommandOutlivesUnbind},
+		{"DesiredSettingsOnlyForTheOwner", testDesiredSettingsOnlyForTheOwner},
 		{"ListBindings", testListBindings},
 	})
 }
@@ -159,7 +160,7 @@ func testUnbindEndsCommands(t *testing.T, s companion.Store) {
 	}
 	done := setState(t, s, create(t, s, newCmd("d1")).ID, companion.StateSucceeded)
 	other := create(t, s, newCmd("d2")) // the user keeps d2
-	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", map[string]json.RawMessage{"language": raw(`"fr"`)}))
+	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "", map[string]json.RawMessage{"language": raw(`"fr"`)}))
 	_, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"language": raw(`"en"`)}, nil, now(), 1)
 	require.NoError(t, err)
 	_, events, err := s.Events(ctx, "u1", "", 0)
@@ -428,6 +429,32 @@ func testCommandsOnlyForTheOwner(t *testing.T, s companion.Store) {
 	if n, err := s.CountOpen(ctx, "d1"); err != nil || n != 1 {
 		t.Errorf("CountOpen(d1) = %d, %v; want 1, the new owner's", n, err)
 	}
+}
+
+// Desired settings are recorded for the device's owner only, checked in
+// the write: an unbind that lands between a settings command and the
+// merge of its values drops the desired settings, and the merge that
+// follows must not bring the old owner's back for the next one.
+func testDesiredSettingsOnlyForTheOwner(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "d1")
+	bind(t, s, "u1", "d1")
+	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "u1", map[string]json.RawMessage{"volume": raw("10")}), "the owner's merge")
+	if _, err := s.Unbind(ctx, "d1", "u1"); err != nil {
+		t.Fatalf("Unbind = %v", err)
+	}
+	err := s.MergeDesiredSettings(ctx, "d1", "u1", map[string]json.RawMessage{"language": raw(`"fr"`)})
+	assert.ErrorIs(t, err, companion.ErrNotOwned, "MergeDesiredSettings after the unbind")
+	bind(t, s, "u2", "d1")
+	err = s.MergeDesiredSettings(ctx, "d1", "u1", map[string]json.RawMessage{"language": raw(`"de"`)})
+	assert.ErrorIs(t, err, companion.ErrNotOwned, "MergeDesiredSettings of the previous owner")
+	st, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	assert.Empty(t, st.Desired, "the next owner's desired settings")
+	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "u2", map[string]json.RawMessage{"volume": raw("20")}), "the new owner's merge")
+	st, err = s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	assert.True(t, equalRaw(st.Desired, map[string]string{"volume": "20"}), "Desired = %s", st.Desired)
 }
 
 // An unbind and a command of the same user racing each other: either the
