@@ -68,8 +68,9 @@ func (h *authHook) identity(cl *mqtt.Client) (Identity, bool) {
 }
 
 // OnConnectAuthenticate admits a client when its credentials are good, its
-// Will (if any) is a topic it may publish, and its client id does not name
-// a session that belongs to another account.
+// Will (if any) is a topic it may publish, and its client id is not the
+// server's or a bridge's of another account (MayUseClientID) and does not
+// name a session that belongs to another account.
 func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) bool {
 	username := string(pk.Connect.Username)
 	refuse := func(why string) bool {
@@ -87,6 +88,9 @@ func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) boo
 	if pk.Connect.WillFlag && !h.mayWill(id, pk.Connect.WillTopic) {
 		return refuse("will topic not allowed")
 	}
+	if !MayUseClientID(id, cl.ID) {
+		return refuse("client id belongs to another account")
+	}
 	if existing, ok := h.clients.Get(cl.ID); ok {
 		owner, known := h.identity(existing)
 		if known && owner != id || !known && !bytes.Equal(existing.Properties.Username, pk.Connect.Username) {
@@ -99,6 +103,34 @@ func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) boo
 	h.mu.Lock()
 	h.ids[cl] = id
 	h.mu.Unlock()
+	return true
+}
+
+// The server's client ids are "companion-server" and
+// "companion-server-REPLICA"; a bridge's is "companion-bridge-ID".
+const serverClientID, bridgeClientIDPrefix = "companion-server", "companion-bridge-"
+
+// ReservedClientID says whether cid is one of the server's or the
+// bridges' client ids, which MayUseClientID ties to their accounts by
+// name.
+func ReservedClientID(cid string) bool {
+	return cid == serverClientID || strings.HasPrefix(cid, serverClientID+"-") ||
+		strings.HasPrefix(cid, bridgeClientIDPrefix)
+}
+
+// MayUseClientID says whether id may connect with MQTT client id cid.
+// The server's and the bridges' client ids belong to them whether they
+// are connected or not: a broker hands a client that takes a client id
+// the session's queued messages and closes the other connection, and
+// one that holds it (connected, or with a persistent session) keeps the
+// owner out.
+func MayUseClientID(id Identity, cid string) bool {
+	switch {
+	case cid == serverClientID || strings.HasPrefix(cid, serverClientID+"-"):
+		return id.Role == RoleServer
+	case strings.HasPrefix(cid, bridgeClientIDPrefix):
+		return id.Role == RoleBridge && cid == bridgeClientIDPrefix+id.ID
+	}
 	return true
 }
 

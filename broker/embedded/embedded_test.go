@@ -13,6 +13,7 @@ import (
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/embedded"
@@ -628,6 +629,30 @@ func TestBridgeWill(t *testing.T) {
 		}
 		require.Equal(t, topics.BridgeOnline, string(m.Payload()))
 	}
+}
+
+// The server's client ids (companion-server, companion-server-REPLICA)
+// and a bridge's (companion-bridge-ID) belong to them, also while they are
+// not connected: after a restart of the broker, a user or another bridge
+// that logged in first with one (and kept a persistent session on it)
+// would keep the bridge out for as long as it held it.
+func TestReservedClientIDs(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	for _, c := range []struct{ name, clientID, user, pass string }{
+		{"a user with a bridge's client id", "companion-bridge-bridge-1", "alice", "alice-token"},
+		{"another bridge with a bridge's client id", "companion-bridge-bridge-1", "bridge-2", "b2-secret"},
+		{"a user with the server's client id", "companion-server", "alice", "alice-token"},
+		{"a bridge with a replica's client id", "companion-server-r2", "bridge-1", "b1-secret"},
+		{"the server with a bridge's client id", "companion-bridge-bridge-1", serverUser, serverPass},
+	} {
+		_, err := dial(t, s.Addr(), c.user, c.pass, func(o *mqtt.ClientOptions) {
+			o.SetClientID(c.clientID).SetCleanSession(false)
+		})
+		assert.Error(t, err, "%s: connect(%q as %q) succeeded; want refused", c.name, c.clientID, c.user)
+	}
+	mustDial(t, s.Addr(), "bridge-1", "b1-secret", func(o *mqtt.ClientOptions) { o.SetClientID("companion-bridge-bridge-1") })
+	mustDial(t, s.Addr(), serverUser, serverPass, func(o *mqtt.ClientOptions) { o.SetClientID("companion-server-r2") })
+	mustDial(t, s.Addr(), "alice", "alice-token", func(o *mqtt.ClientOptions) { o.SetClientID("companion-user-alice") })
 }
 
 func clientIDOf(c *client) string {

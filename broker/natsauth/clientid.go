@@ -2,38 +2,11 @@ package natsauth
 
 import (
 	"context"
-	"strings"
 
 	"github.com/nats-io/jwt/v2"
 
 	"github.com/devicecompanion/companion/broker/embedded"
 )
-
-// The server's client ids are "companion-server" and
-// "companion-server-REPLICA"; a bridge's is "companion-bridge-ID".
-const serverClientID, bridgeClientIDPrefix = "companion-server", "companion-bridge-"
-
-// reservedClientID says whether cid is one of the server's or the
-// bridges' client ids, which mayUseClientID ties to their accounts by
-// name.
-func reservedClientID(cid string) bool {
-	return cid == serverClientID || strings.HasPrefix(cid, serverClientID+"-") ||
-		strings.HasPrefix(cid, bridgeClientIDPrefix)
-}
-
-// mayUseClientID says whether id may connect with MQTT client id cid.
-// The server's and the bridges' client ids belong to them: NATS hands a
-// client that takes a client id over the session's queued messages and
-// closes the other connection, so another account must not take one.
-func mayUseClientID(id embedded.Identity, cid string) bool {
-	switch {
-	case cid == serverClientID || strings.HasPrefix(cid, serverClientID+"-"):
-		return id.Role == embedded.RoleServer
-	case strings.HasPrefix(cid, bridgeClientIDPrefix):
-		return id.Role == embedded.RoleBridge && cid == bridgeClientIDPrefix+id.ID
-	}
-	return true
-}
 
 // clientIDHolder returns the username of another account that has a
 // connection open, on any node, with the MQTT client id of the login req
@@ -46,10 +19,10 @@ func mayUseClientID(id embedded.Identity, cid string) bool {
 // client id, with their usernames). A persistent session whose client is
 // offline is not among them, and NATS keeps no username with it. Without
 // a system user nothing is asked; nor for a reserved client id, which
-// mayUseClientID has decided.
+// embedded.MayUseClientID has decided.
 func (r *Responder) clientIDHolder(ctx context.Context, req *jwt.AuthorizationRequestClaims) (string, error) {
 	ci := req.ClientInformation
-	if r.sys == nil || ci.MQTT == "" || reservedClientID(ci.MQTT) {
+	if r.sys == nil || ci.MQTT == "" || embedded.ReservedClientID(ci.MQTT) {
 		return "", nil
 	}
 	conns, err := r.connz(ctx, connzFilter{MQTTClient: ci.MQTT})

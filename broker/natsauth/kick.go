@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats.go"
 )
 
@@ -128,12 +129,25 @@ type connRef struct {
 }
 
 // disconnect closes the username's connections and returns how many.
+// Besides those the nodes list, it closes the logins under way or lately
+// let in (loginsOf): their rights may have been read before the change,
+// and a node lists a connection only once it has taken the answer in.
 func (r *Responder) disconnect(ctx context.Context, username string) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.opts.Timeout)
 	defer cancel()
+	under := r.loginsOf(username)
 	conns, err := r.connz(ctx, connzFilter{User: username})
 	if err != nil {
 		return 0, err
+	}
+	listed := map[connRef]bool{}
+	for _, c := range conns {
+		listed[connRef{serverID: c.serverID, cid: c.cid}] = true
+	}
+	for _, c := range under {
+		if !listed[connRef{serverID: c.serverID, cid: c.cid}] {
+			conns = append(conns, c)
+		}
 	}
 	n := 0
 	for _, c := range conns {
@@ -146,12 +160,90 @@ func (r *Responder) disconnect(ctx context.Context, username string) (int, error
 		if err := json.Unmarshal(m.Data, &resp); err != nil {
 			return n, fmt.Errorf("kick connection %d on %s: %w", c.cid, c.serverName, err)
 		}
-		if resp.Error != nil && !strings.Contains(resp.Error.Description, "no such client") {
+		switch {
+		case resp.Error == nil:
+			n++
+		case !strings.Contains(resp.Error.Description, "no such client"):
 			return n, fmt.Errorf("kick connection %d on %s: %s", c.cid, c.serverName, resp.Error.Description)
 		}
-		n++
 	}
 	return n, nil
+}
+
+// loginSettle is how long after a login is let in the responder still
+// counts it as under way: a node takes the answer in, and lists the
+// connection, as soon as the answer arrives, and takes no answer later
+// than its authorization timeout (5 s in docs/scale-out.md).
+const loginSettle = 10 * time.Second
+
+// login is one connection's authorization, from before its rights are
+// read until loginSettle after it was let in.
+type login struct {
+	username string
+	conn     connRef   // the node and the connection asking
+	until    time.Time // zero while it is being answered
+}
+
+// beginLogin notes the login req asks for, before its rights are read: a
+// change of rights from then on closes it (disconnect).
+func (r *Responder) beginLogin(req *jwt.AuthorizationRequestClaims) *login {
+	l := &login{
+		username: req.ConnectOptions.Username,
+		conn:     connRef{serverID: req.Server.ID, serverName: req.Server.Name, cid: req.ClientInformation.ID},
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.settle()
+	if r.logins[l.username] == nil {
+		r.logins[l.username] = map[*login]bool{}
+	}
+	r.logins[l.username][l] = true
+	return l
+}
+
+// endLogin forgets a login that was refused or not answered, and keeps
+// one let in for loginSettle.
+func (r *Responder) endLogin(l *login, let bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !let {
+		r.forget(l)
+		return
+	}
+	l.until = time.Now().Add(loginSettle)
+	r.settling = append(r.settling, l)
+}
+
+// loginsOf returns the connections of the username's logins under way or
+// let in within loginSettle.
+func (r *Responder) loginsOf(username string) []connRef {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.settle()
+	var out []connRef
+	for l := range r.logins[username] {
+		out = append(out, l.conn)
+	}
+	return out
+}
+
+// settle forgets the logins let in more than loginSettle ago. Run with
+// r.mu held.
+func (r *Responder) settle() {
+	now := time.Now()
+	for len(r.settling) > 0 && now.After(r.settling[0].until) {
+		r.forget(r.settling[0])
+		r.settling[0] = nil
+		r.settling = r.settling[1:]
+	}
+}
+
+// forget drops a login. Run with r.mu held.
+func (r *Responder) forget(l *login) {
+	delete(r.logins[l.username], l)
+	if len(r.logins[l.username]) == 0 {
+		delete(r.logins, l.username)
+	}
 }
 
 // apiResponse is the part of nats-server's ServerAPIResponse read here.

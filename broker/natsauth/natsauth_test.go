@@ -36,6 +36,10 @@ type fakeStore struct {
 	owner   map[string]string // device → user
 	serves  map[string]string // device → bridge
 	fail    bool              // every read fails
+	// read, when set, is called by ServedDevices and ListBindings with
+	// the account asked about, once the store is read and before the
+	// answer is returned.
+	read func(account string)
 }
 
 func newFakeStore() *fakeStore {
@@ -93,8 +97,8 @@ func (f *fakeStore) BridgeServes(_ context.Context, bridge, dev string) (bool, e
 
 func (f *fakeStore) ServedDevices(_ context.Context, bridge string) ([]string, error) {
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	if f.fail {
+		f.mu.Unlock()
 		return nil, errDown
 	}
 	var out []string
@@ -103,14 +107,19 @@ func (f *fakeStore) ServedDevices(_ context.Context, bridge string) ([]string, e
 			out = append(out, d)
 		}
 	}
+	read := f.read
+	f.mu.Unlock()
 	sort.Strings(out)
+	if read != nil {
+		read(bridge)
+	}
 	return out, nil
 }
 
 func (f *fakeStore) ListBindings(_ context.Context, user, _ string, _ int) ([]companion.Binding, error) {
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	if f.fail {
+		f.mu.Unlock()
 		return nil, errDown
 	}
 	var out []companion.Binding
@@ -119,7 +128,12 @@ func (f *fakeStore) ListBindings(_ context.Context, user, _ string, _ int) ([]co
 			out = append(out, companion.Binding{DeviceID: d, UserID: u})
 		}
 	}
+	read := f.read
+	f.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].DeviceID < out[j].DeviceID })
+	if read != nil {
+		read(user)
+	}
 	return out, nil
 }
 
@@ -412,6 +426,103 @@ func TestDoor(t *testing.T) {
 		_, err := dialOnce(t, d.cl.MQTTURLs[0], "when-down", "bridge-1", "secret-1")
 		assert.Error(t, err)
 	})
+}
+
+// A change of rights closes the logins under way too: a login whose
+// rights were read before the change and answered after it (the change
+// finding no connection of the account to close yet) would keep rights
+// the account no longer has until it logs in again.
+func TestChangeDuringLogin(t *testing.T) {
+	d := startDoor(t, nil)
+	d.st.set(func(f *fakeStore) {
+		f.bridges["bridge-1"], f.bridges["bridge-2"], f.bridges["bridge-3"] = "secret-1", "secret-2", "secret-3"
+		f.users["alice"] = "token-a"
+		f.serves["dev-1"], f.serves["dev-3"] = "bridge-1", "bridge-3"
+		f.owner["dev-2"] = "alice"
+	})
+	m, ctx := must(t), context.Background()
+	for _, c := range []struct {
+		name, user, pass, filter string
+		change                   func() error
+	}{
+		{"a device moved away", "bridge-1", "secret-1", m(d.tree.CommandsFilter("dev-1")), func() error {
+			d.st.set(func(f *fakeStore) { f.serves["dev-1"] = "bridge-2" })
+			return d.r.Assigned(ctx, "dev-1", "bridge-1", "bridge-2")
+		}},
+		{"a device unbound", "alice", "token-a", m(d.tree.DeviceFilter("dev-2")), func() error {
+			d.st.set(func(f *fakeStore) { delete(f.owner, "dev-2") })
+			return d.r.Unbound(ctx, "alice", "dev-2")
+		}},
+		{"a bridge deleted", "bridge-3", "secret-3", m(d.tree.CommandsFilter("dev-3")), func() error {
+			d.st.set(func(f *fakeStore) { delete(f.bridges, "bridge-3"); delete(f.serves, "dev-3") })
+			return d.r.BridgeDeleted(ctx, "bridge-3")
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			held, release := make(chan struct{}), make(chan struct{})
+			var once sync.Once
+			d.st.set(func(f *fakeStore) {
+				f.read = func(account string) {
+					if account == c.user {
+						once.Do(func() { close(held); <-release })
+					}
+				}
+			})
+			defer d.st.set(func(f *fakeStore) { f.read = nil })
+			type login struct {
+				p   *probe
+				err error
+			}
+			done := make(chan login, 1)
+			go func() {
+				p, err := dialOnce(t, d.cl.MQTTURLs[1], "racer-"+c.user, c.user, c.pass)
+				done <- login{p, err}
+			}()
+			select {
+			case <-held:
+			case <-time.After(wait):
+				t.Fatal("the login did not read the store")
+			}
+			require.NoError(t, c.change())
+			close(release)
+			l := <-done
+			if l.err != nil {
+				return // refused or closed: it logs in again with its rights of now
+			}
+			assert.NotEqual(t, byte(1), l.p.subscribe(t, c.filter), "%s: the login under way kept the rights", c.name)
+			l.p.waitCut(t, "a login under way while its rights changed")
+		})
+	}
+}
+
+// NATS publishes a closed connection's Will with the rights the
+// connection logged in with: a bridge closed because a device left it
+// still puts its Will on that device's topics after the move, retained
+// if it asked. The responder cannot refuse such a Will (NATS does not
+// show Wills to the auth callout); docs/scale-out.md says so. This shows
+// it on NATS 2.15.2.
+func TestWillOfAClosedBridgeHasItsOldRights(t *testing.T) {
+	d := startDoor(t, nil)
+	d.st.set(func(f *fakeStore) {
+		f.bridges["bridge-1"], f.bridges["bridge-2"] = "secret-1", "secret-2"
+		f.serves["dev-1"] = "bridge-1"
+	})
+	status := must(t)(d.tree.Status("dev-1"))
+	srv := d.dial(t, 0, "companion-server", serverUser, serverPass)
+	require.Equal(t, byte(1), srv.subscribe(t, status))
+	b := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(d.cl.MQTTURLs[1]).
+		SetClientID("companion-bridge-bridge-1").SetUsername("bridge-1").SetPassword("secret-1").
+		SetProtocolVersion(4).SetAutoReconnect(false).
+		SetWill(status, "will", 1, true))
+	require.NoError(t, mqtt.WaitTokenTimeout(b.Connect(), wait))
+	t.Cleanup(func() { b.Disconnect(50) })
+
+	d.st.set(func(f *fakeStore) { f.serves["dev-1"] = "bridge-2" })
+	require.NoError(t, d.r.Assigned(context.Background(), "dev-1", "bridge-1", "bridge-2"))
+	assert.Equal(t, "will", string(srv.next(t, "bridge-1's Will, after dev-1 left it").Payload()))
+	later := d.dial(t, 2, "later", serverUser, serverPass)
+	require.Equal(t, byte(1), later.subscribe(t, status))
+	assert.Equal(t, "will", string(later.next(t, "the Will, retained").Payload()))
 }
 
 // A login with a client id that another account has a connection open

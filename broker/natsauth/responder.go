@@ -107,13 +107,15 @@ type Responder struct {
 	sub  *nats.Subscription
 	sem  chan struct{} // one token per request being answered
 
-	mu      sync.Mutex
-	closed  bool
-	pending map[string]bool // usernames whose connections are still to be closed
-	retry   chan struct{}
-	quit    chan struct{}
-	wg      sync.WaitGroup
-	once    sync.Once
+	mu       sync.Mutex
+	closed   bool
+	pending  map[string]bool            // usernames whose connections are still to be closed
+	logins   map[string]map[*login]bool // by username: logins being answered or lately let in
+	settling []*login                   // the logins let in, oldest first
+	retry    chan struct{}
+	quit     chan struct{}
+	wg       sync.WaitGroup
+	once     sync.Once
 }
 
 // New checks the options, connects to the cluster (retrying in the
@@ -169,6 +171,7 @@ func New(opts Options) (*Responder, error) {
 		serverPass: sha256.Sum256([]byte(opts.ServerPassword)),
 		sem:        make(chan struct{}, opts.Workers),
 		pending:    map[string]bool{},
+		logins:     map[string]map[*login]bool{},
 		retry:      make(chan struct{}, 1),
 		quit:       make(chan struct{}),
 	}
@@ -282,6 +285,9 @@ func (r *Responder) answer(m *nats.Msg) {
 	ctx, cancel := context.WithTimeout(context.Background(), r.opts.Timeout)
 	defer cancel()
 	start := time.Now()
+	l := r.beginLogin(req)
+	let := false
+	defer func() { r.endLogin(l, let) }()
 	userJWT, who, refusal := r.decide(ctx, req)
 	ci := req.ClientInformation
 	log := r.log.With("username", req.ConnectOptions.Username, "client_id", ci.MQTT, "remote", ci.Host,
@@ -317,6 +323,7 @@ func (r *Responder) answer(m *nats.Msg) {
 		log.Warn("authorization answer not sent", "err", err)
 		return
 	}
+	let = refusal == ""
 	if refusal == "" {
 		log.Debug("mqtt connect allowed", "role", who.Role, "id", who.ID, "bytes", len(tok), "took", time.Since(start))
 	}
@@ -333,7 +340,7 @@ func (r *Responder) decide(ctx context.Context, req *jwt.AuthorizationRequestCla
 	if !ok {
 		return "", embedded.Identity{}, "bad credentials"
 	}
-	if !mayUseClientID(id, req.ClientInformation.MQTT) {
+	if !embedded.MayUseClientID(id, req.ClientInformation.MQTT) {
 		return "", id, "client id belongs to another account"
 	}
 	if holder, err := r.clientIDHolder(ctx, req); err != nil {
