@@ -697,16 +697,8 @@ func (d doneAt) old(cutoff time.Time) bool {
 // the last key it read, nil when it read to the end.
 func (s *spool) oldDone(after []byte, cutoff time.Time) (old [][]byte, last []byte, err error) {
 	err = s.db.View(func(tx *bolt.Tx) error {
-		old, last = nil, nil
-		c := tx.Bucket(bucketCommands).Cursor()
-		k, v := c.First()
-		if after != nil {
-			if k, v = c.Seek(after); bytes.Equal(k, after) {
-				k, v = c.Next()
-			}
-		}
-		for i := 0; k != nil && i < purgeChunk; k, v = c.Next() {
-			i++
+		old = nil
+		last, err = readChunk(tx.Bucket(bucketCommands), after, func(k, v []byte) error {
 			var d doneAt
 			if err := fastjson.Unmarshal(v, &d); err != nil {
 				return fmt.Errorf("spool record %s: %w", k, err)
@@ -714,14 +706,35 @@ func (s *spool) oldDone(after []byte, cutoff time.Time) (old [][]byte, last []by
 			if d.old(cutoff) {
 				old = append(old, bytes.Clone(k))
 			}
-			last = bytes.Clone(k)
-		}
-		if k == nil {
-			last = nil // read to the end
-		}
-		return nil
+			return nil
+		})
+		return err
 	})
 	return old, last, err
+}
+
+// readChunk calls f with up to purgeChunk entries of b after the key
+// after (from the first when nil), and returns the last key it read, nil
+// when it read to the end.
+func readChunk(b *bolt.Bucket, after []byte, f func(k, v []byte) error) (last []byte, err error) {
+	c := b.Cursor()
+	k, v := c.First()
+	if after != nil {
+		if k, v = c.Seek(after); bytes.Equal(k, after) {
+			k, v = c.Next()
+		}
+	}
+	for i := 0; k != nil && i < purgeChunk; k, v = c.Next() {
+		i++
+		if err := f(k, v); err != nil {
+			return nil, err
+		}
+		last = bytes.Clone(k)
+	}
+	if k == nil {
+		return nil, nil // read to the end
+	}
+	return last, nil
 }
 
 // deleteOld deletes the records of ids that are still done before cutoff
@@ -767,26 +780,16 @@ func (s *spool) purgeOrphans() error {
 		var orphans [][]byte
 		var last []byte
 		err := s.db.View(func(tx *bolt.Tx) error {
-			orphans, last = nil, nil
+			orphans = nil
 			cmds := tx.Bucket(bucketCommands)
-			c := tx.Bucket(bucketOutbox).Cursor()
-			k, v := c.First()
-			if after != nil {
-				if k, v = c.Seek(after); bytes.Equal(k, after) {
-					k, v = c.Next()
-				}
-			}
-			for i := 0; k != nil && i < purgeChunk; k, v = c.Next() {
-				i++
+			var err error
+			last, err = readChunk(tx.Bucket(bucketOutbox), after, func(k, v []byte) error {
 				if orphan(cmds, v) {
 					orphans = append(orphans, bytes.Clone(k))
 				}
-				last = bytes.Clone(k)
-			}
-			if k == nil {
-				last = nil
-			}
-			return nil
+				return nil
+			})
+			return err
 		})
 		if err != nil {
 			return err
