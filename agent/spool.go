@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"path/filepath"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/internal/groupcommit"
@@ -118,13 +120,20 @@ type spool struct {
 // docs/performance.md).
 const spoolCommitLinger = 2 * time.Millisecond
 
+// spoolLockWait is how long opening the spool waits for another process
+// to let go of the file. A variable: tests lower it.
+var spoolLockWait = 5 * time.Second
+
 func openSpool(dir string) (*spool, error) {
 	db, err := bolt.Open(filepath.Join(dir, "spool.db"), 0o600, &bolt.Options{
-		Timeout:         5 * time.Second,
+		Timeout:         spoolLockWait,
 		NoFreelistSync:  true, // see store.Open
 		FreelistType:    bolt.FreelistMapType,
 		InitialMmapSize: groupcommit.MmapReserve, // see store.Open
 	})
+	if errors.Is(err, bolterrors.ErrTimeout) {
+		return nil, fmt.Errorf("open spool: %s: another process holds it (a bridge already running on this --data?): %w", filepath.Join(dir, "spool.db"), err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("open spool: %w", err)
 	}

@@ -3,6 +3,7 @@ package agent
 import (
 	"encoding/json"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -524,5 +525,23 @@ func TestSpoolWritesGoOnDuringPurge(t *testing.T) {
 	}
 	if hooks == 0 {
 		t.Fatal("no write ran between the purge's chunks")
+	}
+}
+
+// A second bridge on the same data directory is told that another process
+// holds the spool, not a bare "timeout".
+func TestSpoolHeldByAnotherProcess(t *testing.T) {
+	old := spoolLockWait
+	spoolLockWait = 100 * time.Millisecond
+	t.Cleanup(func() { spoolLockWait = old })
+	dir := t.TempDir()
+	s, err := openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	_, err = openSpool(dir)
+	if err == nil || !strings.Contains(err.Error(), "another process holds it") {
+		t.Fatalf("second openSpool = %v; want it to say another process holds the file", err)
 	}
 }

@@ -275,6 +275,11 @@ func Open(path string, opts Options) (*DB, error) {
 		// growing store those stalls; the reservation is not memory.
 		InitialMmapSize: groupcommit.MmapReserve,
 	})
+	if errors.Is(err, bolterrors.ErrTimeout) {
+		// bbolt locks the file for one process: say who holds it rather
+		// than a bare "timeout".
+		return nil, fmt.Errorf("store: open %s: another process holds it (a companion server already running on this --data?): %w", path, err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
 	}

@@ -198,6 +198,9 @@ func TestOpenLockTimeout(t *testing.T) {
 	start := time.Now()
 	_, err := Open(db.Path(), Options{Timeout: 100 * time.Millisecond, Logger: quietLogger()})
 	wantErr(t, "second Open", err, berrors.ErrTimeout)
+	if err != nil && !strings.Contains(err.Error(), "another process holds it") {
+		t.Errorf("second Open = %v; want it to say another process holds the file", err)
+	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("second Open took %v", d)
 	}
