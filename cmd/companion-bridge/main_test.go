@@ -60,6 +60,7 @@ func TestParseFlags(t *testing.T) {
 		{name: "bad bridge id", args: []string{"--bridge-id", "b/1", "--bridge-secret", "s", "--sim-devices", "d"}, wantErr: "--bridge-id"},
 		{name: "bad device id", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "ok,bad#id"}, wantErr: "bad#id"},
 		{name: "credentials in the broker URL", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d", "--mqtt-url", "tcp://b1:pw@127.0.0.1:1883"}, wantErr: "--mqtt-url"},
+		{name: "broker URL without a port", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d", "--mqtt-url", "broker"}, wantErr: "needs a host and a port"},
 		{name: "no devices", args: []string{"--bridge-id", "b1", "--bridge-secret", "s"}, wantErr: "no devices"},
 		{name: "gatt needs devices", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez"}, wantErr: "needs --devices"},
 		{name: "gatt and sim", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--sim-devices", "d2"}, wantErr: "--sim-devices"},

@@ -84,6 +84,8 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"embedded and external broker", []string{"--mqtt-listen", "127.0.0.1:0", "--mqtt-url", "tcp://127.0.0.1:1"}, "--mqtt-listen"},
 		{"credentials in the broker URL", []string{"--mqtt-url", "tcp://srv:s3cret-pw@127.0.0.1:1", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"credentials in a broker URL of a list", []string{"--mqtt-url", "tcp://127.0.0.1:1,srv:s3cret-pw@127.0.0.1:2", "--mqtt-dynsec=false"}, "--mqtt-username"},
+		{"broker URL without a port", []string{"--mqtt-url", "tcp://127.0.0.1", "--mqtt-dynsec=false"}, "needs a host and a port"},
+		{"broker URL of another scheme", []string{"--mqtt-url", "http://127.0.0.1:1", "--mqtt-dynsec=false"}, "scheme \"http\""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			args := []string{"serve", "--http", "127.0.0.1:0", "--data", t.TempDir(), "--log-level", "info"}

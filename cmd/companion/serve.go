@@ -151,6 +151,11 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 	if tlsclient.HasCredentials(c.MQTTURL) {
 		return usageError{"--mqtt-url: a broker URL holds credentials (user:password@), which would be printed and logged; give them as --mqtt-username and --mqtt-password"}
 	}
+	if c.MQTTURL != "" {
+		if _, err := tlsclient.BrokerURLs(c.MQTTURL); err != nil {
+			return usageError{"--mqtt-url: " + err.Error()}
+		}
+	}
 	l := c.Limits
 	for _, f := range []struct {
 		name string

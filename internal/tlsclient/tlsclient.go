@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"strings"
 )
@@ -50,12 +51,67 @@ func BrokerURLs(list string) ([]string, error) {
 	if len(urls) == 0 {
 		return nil, fmt.Errorf("no broker URL in %q", list)
 	}
+	for _, u := range urls {
+		if err := checkBrokerURL(u); err != nil {
+			return nil, err
+		}
+	}
 	for _, u := range urls[1:] {
 		if IsTLSURL(u) != IsTLSURL(urls[0]) {
 			return nil, fmt.Errorf("broker URLs %s and %s: all TLS or none", urls[0], u)
 		}
 	}
 	return urls, nil
+}
+
+// checkBrokerURL refuses a broker URL that paho would take and then fail
+// to dial on every try, forever (a scheme it has no dialer for, a TCP
+// address without a port). It reads u as paho's AddBroker does: ":1883"
+// is 127.0.0.1's, and a URL without a scheme is tcp://. Credentials are
+// not named in the message (HasCredentials).
+func checkBrokerURL(u string) error {
+	s := u
+	if strings.HasPrefix(s, ":") {
+		s = "127.0.0.1" + s
+	}
+	if !strings.Contains(s, "://") {
+		s = "tcp://" + s
+	}
+	p, err := url.Parse(s)
+	if err != nil {
+		return fmt.Errorf("broker URL %q: %w", redact(u), err)
+	}
+	switch p.Scheme {
+	case "tcp", "mqtt", "ssl", "tls", "mqtts", "mqtt+ssl", "tcps":
+		if p.Hostname() == "" || p.Port() == "" {
+			return fmt.Errorf("broker URL %q: needs a host and a port (tcp://HOST:1883, mqtts://HOST:8883)", redact(u))
+		}
+	case "ws", "wss":
+		if p.Hostname() == "" {
+			return fmt.Errorf("broker URL %q: needs a host", redact(u))
+		}
+	case "unix":
+		if p.Path == "" && p.Host == "" {
+			return fmt.Errorf("broker URL %q: needs a socket path", redact(u))
+		}
+	default:
+		return fmt.Errorf("broker URL %q: scheme %q is not one of tcp, mqtt, ssl, tls, mqtts, mqtt+ssl, tcps, ws, wss, unix", redact(u), p.Scheme)
+	}
+	return nil
+}
+
+// redact returns u without what comes before an "@" after its scheme.
+func redact(u string) string {
+	if scheme, rest, ok := strings.Cut(u, "://"); ok {
+		if _, host, ok := strings.Cut(rest, "@"); ok {
+			return scheme + "://…@" + host
+		}
+		return u
+	}
+	if _, host, ok := strings.Cut(u, "@"); ok {
+		return "…@" + host
+	}
+	return u
 }
 
 // HasCredentials reports whether a URL of list (comma-separated broker

@@ -3,6 +3,7 @@ package tlsclient
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -36,6 +37,20 @@ func TestBrokerURLs(t *testing.T) {
 	got, err := BrokerURLs(" tcp://a:1883, ,tcp://b:1883,tcp://c:1883 ")
 	if err != nil || len(got) != 3 || got[0] != "tcp://a:1883" || got[2] != "tcp://c:1883" {
 		t.Errorf("BrokerURLs = %q, %v", got, err)
+	}
+	for _, good := range []string{"a:1883", ":1883", "mqtt://a:1883", "ssl://a:8883", "ws://a/mqtt", "wss://a:443/mqtt", "unix:///run/mosquitto.sock"} {
+		if _, err := BrokerURLs(good); err != nil {
+			t.Errorf("BrokerURLs(%q) = %v", good, err)
+		}
+	}
+	// paho takes these and fails to dial them on every try, forever.
+	for _, bad := range []string{"a", "tcp://a", "tcp://:1883", "http://a:80", "mqtt://a:1883,foo", "ws://"} {
+		if _, err := BrokerURLs(bad); err == nil {
+			t.Errorf("BrokerURLs(%q) took it", bad)
+		}
+	}
+	if _, err := BrokerURLs("http://u:s3cret@a:80"); err == nil || strings.Contains(err.Error(), "s3cret") {
+		t.Errorf("BrokerURLs of a URL with credentials = %v; want an error that does not repeat them", err)
 	}
 	for _, bad := range []string{"", " , ", "tcp://a:1883,mqtts://b:8883"} {
 		if _, err := BrokerURLs(bad); err == nil {
