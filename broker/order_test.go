@@ -401,21 +401,18 @@ func TestAFailedPublishHoldsBackItsDevicesLaterCommands(t *testing.T) {
 	o.ranInOrder(t, 1, ids)
 }
 
-// A command canceled while the outbox publishes what it read of the store
-// is not published, and never runs: the outbox read it queued before the
-// cancel, and held nothing of it yet (CONTRACT §2: a cancel takes a
-// command the bridge does not have, and canceled is final).
-func TestCanceledWhileTheOutboxPublishesNeverRuns(t *testing.T) {
-	o := newOrderEnv(t)
+// passHeldOnFirst accepts two commands of dev-1 ("a", then "b") while the
+// server is down, and starts it again: its first pass reads both from the
+// store and publishes them one after the other. The pass is held on the
+// publish of the first until release is called.
+func (o *orderEnv) passHeldOnFirst(t *testing.T) (first, second companion.Command, release func()) {
+	t.Helper()
 	require.NoError(t, o.b.Start())
 	o.warmUp(t)
-
-	// Accepted while the server is down: its first pass reads both from
-	// the store, and publishes them one after the other.
 	require.NoError(t, o.b.Close())
 	o.newServer(t)
-	first := submit(t, o.env, "dev-1", "a", time.Hour)
-	canceled := submit(t, o.env, "dev-1", "b", time.Hour)
+	first = submit(t, o.env, "dev-1", "a", time.Hour)
+	second = submit(t, o.env, "dev-1", "b", time.Hour)
 	held, release := o.client.holdNext(t, "a")
 	require.NoError(t, o.b.Start())
 	select {
@@ -423,6 +420,16 @@ func TestCanceledWhileTheOutboxPublishesNeverRuns(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the first command was not published")
 	}
+	return first, second, release
+}
+
+// A command canceled while the outbox publishes what it read of the store
+// is not published, and never runs: the outbox read it queued before the
+// cancel, and held nothing of it yet (CONTRACT §2: a cancel takes a
+// command the bridge does not have, and canceled is final).
+func TestCanceledWhileTheOutboxPublishesNeverRuns(t *testing.T) {
+	o := newOrderEnv(t)
+	first, canceled, release := o.passHeldOnFirst(t)
 	got, err := o.b.Cancel(context.Background(), canceled.ID)
 	require.NoError(t, err)
 	require.Equal(t, companion.StateCanceled, got.State)
@@ -445,20 +452,7 @@ func TestCanceledWhileTheOutboxPublishesNeverRuns(t *testing.T) {
 func TestEndedWhileTheOutboxPublishesIsNotPublished(t *testing.T) {
 	ctx := context.Background()
 	o := newOrderEnv(t)
-	require.NoError(t, o.b.Start())
-	o.warmUp(t)
-
-	require.NoError(t, o.b.Close())
-	o.newServer(t)
-	first := submit(t, o.env, "dev-1", "a", time.Hour)
-	ended := submit(t, o.env, "dev-1", "b", time.Hour)
-	held, release := o.client.holdNext(t, "a")
-	require.NoError(t, o.b.Start())
-	select {
-	case <-held:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the first command was not published")
-	}
+	first, ended, release := o.passHeldOnFirst(t)
 	unbound, err := o.db.Unbind(ctx, "dev-1", "u1")
 	require.NoError(t, err)
 	o.b.Ended(unbound.Ended)
