@@ -81,10 +81,7 @@ func TestFailingWriteIsRolledBackAlone(t *testing.T) {
 	defer c.Close()
 	boom := errors.New("boom")
 	// Hold the committer so that the three writes share one group.
-	hold := make(chan struct{})
-	started := make(chan struct{})
-	c.Go(func(tx *bolt.Tx) error { close(started); <-hold; return nil }, nil)
-	<-started
+	release := holdCommitter(c)
 	results := make(chan error, 3)
 	c.Go(put("before"), func(err error) { results <- err })
 	c.Go(func(tx *bolt.Tx) error {
@@ -94,7 +91,7 @@ func TestFailingWriteIsRolledBackAlone(t *testing.T) {
 		return boom
 	}, func(err error) { results <- err })
 	c.Go(put("after"), func(err error) { results <- err })
-	close(hold)
+	release()
 	for i, want := range []error{nil, boom, nil} {
 		if err := <-results; !errors.Is(err, want) {
 			t.Errorf("write %d: %v; want %v", i, err, want)
@@ -103,6 +100,16 @@ func TestFailingWriteIsRolledBackAlone(t *testing.T) {
 	if !get(t, db, "before") || !get(t, db, "after") || get(t, db, "bad") {
 		t.Errorf("before %v, after %v, bad %v; want true, true, false", get(t, db, "before"), get(t, db, "after"), get(t, db, "bad"))
 	}
+}
+
+// holdCommitter has c's committer run a write that waits until release is
+// called: the writes queued meanwhile wait, and then share one group.
+func holdCommitter(c *Committer) (release func()) {
+	hold := make(chan struct{})
+	started := make(chan struct{})
+	c.Go(func(tx *bolt.Tx) error { close(started); <-hold; return nil }, nil)
+	<-started
+	return func() { close(hold) }
 }
 
 // Done callbacks run in the order the writes were queued.
@@ -475,10 +482,7 @@ func TestPanickingWriteFailsAlone(t *testing.T) {
 	db := openDB(t)
 	c := New(db, Options{})
 	defer c.Close()
-	hold := make(chan struct{})
-	started := make(chan struct{})
-	c.Go(func(tx *bolt.Tx) error { close(started); <-hold; return nil }, nil)
-	<-started
+	release := holdCommitter(c)
 	results := make(chan error, 3)
 	c.Go(put("before"), func(err error) { results <- err })
 	c.Go(func(tx *bolt.Tx) error {
@@ -488,7 +492,7 @@ func TestPanickingWriteFailsAlone(t *testing.T) {
 		panic("boom")
 	}, func(err error) { results <- err })
 	c.Go(put("after"), func(err error) { results <- err })
-	close(hold)
+	release()
 	var pe *PanicError
 	for i, check := range []func(error) bool{
 		func(err error) bool { return err == nil },
@@ -528,10 +532,7 @@ func TestPanickingWriteFailsAlone(t *testing.T) {
 func TestEveryCloseWaitsForTheQueue(t *testing.T) {
 	db := openDB(t)
 	c := New(db, Options{})
-	hold := make(chan struct{})
-	started := make(chan struct{})
-	c.Go(func(tx *bolt.Tx) error { close(started); <-hold; return nil }, nil)
-	<-started
+	release := holdCommitter(c)
 	var answered atomic.Bool
 	c.Go(put("queued"), func(err error) {
 		if err != nil {
@@ -551,9 +552,9 @@ func TestEveryCloseWaitsForTheQueue(t *testing.T) {
 	var ok bool
 	select {
 	case ok = <-second:
-		close(hold)
+		release()
 	case <-time.After(200 * time.Millisecond): // it waits, as it should: let the writes go
-		close(hold)
+		release()
 		ok = <-second
 	}
 	<-first
