@@ -9,12 +9,25 @@ import (
 
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/store/postgres"
 	"github.com/devicecompanion/companion/store/storetest"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
+
+// boundStore opens a store on a new database, with device d1 provisioned
+// and bound to u1.
+func (e *testEnv) boundStore(t *testing.T) (dsn string, s *postgres.Store) {
+	t.Helper()
+	dsn = e.newDB(t)
+	s = e.open(t, dsn)
+	require.NoError(t, s.ProvisionDevice(t.Context(), companion.RegistryDevice{ID: "d1", Model: "m"}))
+	_, _, err := s.Bind(t.Context(), companion.Binding{DeviceID: "d1", UserID: "u1"})
+	require.NoError(t, err)
+	return dsn, s
+}
 
 // TestPostgresEvents runs the event log's conformance tests (TestPostgres
 // runs them too) and the engine's own: a reader never skips an event of a
@@ -26,11 +39,7 @@ func TestPostgresEvents(t *testing.T) {
 	})
 	t.Run("LaterCommitOfEarlierID", func(t *testing.T) {
 		ctx := t.Context()
-		dsn := env.newDB(t)
-		s := env.open(t, dsn)
-		require.NoError(t, s.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "m"}))
-		_, _, err := s.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1"})
-		require.NoError(t, err)
+		dsn, s := env.boundStore(t)
 
 		// A transaction appends an event (its id from the sequence comes
 		// first) and stays open while the store commits a later one.
@@ -61,11 +70,7 @@ func TestPostgresEvents(t *testing.T) {
 	})
 	t.Run("PastEndAroundOpenTransaction", func(t *testing.T) {
 		ctx := t.Context()
-		dsn := env.newDB(t)
-		s := env.open(t, dsn)
-		require.NoError(t, s.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "m"}))
-		_, _, err := s.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1"})
-		require.NoError(t, err)
+		dsn, s := env.boundStore(t)
 		create := func() {
 			t.Helper()
 			_, _, err := s.CreateCommand(ctx, companion.Command{DeviceID: "d1", UserID: "u1", Op: "push.text", ExpiresAt: time.Now().Add(time.Hour)}, 0, nil)
