@@ -221,6 +221,7 @@ func (m *Main) ParseFlags(args []string) error {
 
 func (m *Main) validate() error {
 	c := m.Config
+	_, urlErr := tlsclient.BrokerURLs(c.MQTTURL)
 	switch {
 	case c.BridgeID == "":
 		return errors.New("--bridge-id is required (create one with: companion bridge create ID)")
@@ -230,8 +231,8 @@ func (m *Main) validate() error {
 		return errors.New("--bridge-secret (or COMPANION_BRIDGE_SECRET) is required: the secret printed by companion bridge create")
 	case tlsclient.HasCredentials(c.MQTTURL):
 		return errors.New("--mqtt-url: a broker URL holds credentials (user:password@), which would be logged and used in place of the bridge's: the bridge logs in with --bridge-id and --bridge-secret")
-	case brokerURLErr(c.MQTTURL) != nil:
-		return fmt.Errorf("--mqtt-url: %w", brokerURLErr(c.MQTTURL))
+	case urlErr != nil: // one paho could never dial
+		return fmt.Errorf("--mqtt-url: %w", urlErr)
 	case c.GATT != "" && c.GATT != "bluez":
 		return fmt.Errorf("--gatt %q: the only backend is bluez", c.GATT)
 	case c.GATT == "bluez" && len(c.Devices) == 0:
@@ -426,13 +427,6 @@ func (m *Main) Close() error {
 	if ml != nil {
 		ml.Close()
 	}
-	return err
-}
-
-// brokerURLErr says why paho could never dial the list of broker URLs
-// (tlsclient.BrokerURLs), or nil.
-func brokerURLErr(list string) error {
-	_, err := tlsclient.BrokerURLs(list)
 	return err
 }
 
