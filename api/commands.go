@@ -185,7 +185,7 @@ func (s *Server) pushText(c *gin.Context) error {
 		return err
 	}
 	var req pushTextRequest
-	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, false, &req)
+	idem, fields, replayed, err := s.commandBody(c, s.limits.textBody(), false, &req)
 	if err != nil || replayed {
 		return err
 	}

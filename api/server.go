@@ -223,6 +223,15 @@ func (l Limits) imageBody() int64 {
 	return int64(base64.StdEncoding.EncodedLen(int(l.MaxImageBytes))) + l.MaxJSONBody
 }
 
+// textBody is the body limit of a text push: an ordinary JSON body's, or
+// more when the longest text and title the limits allow need it, each byte
+// escaped at its longest ("<" is \u003c, six bytes), with 4 KiB for the
+// rest. (With only MaxJSONBody, a MaxTextBytes past it took texts that the
+// body limit refused with a 413.)
+func (l Limits) textBody() int64 {
+	return max(l.MaxJSONBody, 6*int64(l.MaxTextBytes+l.MaxTitleBytes)+4<<10)
+}
+
 // Options configure New. The zero value of each optional field means its
 // default.
 type Options struct {

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -556,7 +555,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		Tokens:         tokens,
 		BrokerAccounts: accounts,
 		AdminToken:     m.adminToken,
-		Limits:         withTextRoom(cfg.Limits),
+		Limits:         cfg.Limits,
 		Ready:          m.Broker.Ready,
 		Unavailable:    m.storeUnavailable,
 		Events:         m.Events,
@@ -594,23 +593,6 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		}
 	}()
 	return nil
-}
-
-// withTextRoom gives the JSON body of a text push room for the longest
-// text and title that l allows, each byte escaped at its longest ("<" is
-// \u003c, six bytes), when the default JSON body limit has too little:
-// a --max-text-bytes past it took texts that the body limit refused (413).
-// A MaxJSONBody set in l stands.
-func withTextRoom(l api.Limits) api.Limits {
-	d := api.DefaultLimits
-	if l.MaxJSONBody != 0 {
-		return l
-	}
-	need := 6*int64(cmp.Or(l.MaxTextBytes, d.MaxTextBytes)+cmp.Or(l.MaxTitleBytes, d.MaxTitleBytes)) + 4<<10
-	if need > d.MaxJSONBody {
-		l.MaxJSONBody = need
-	}
-	return l
 }
 
 // Close shuts down in reverse order: HTTP (letting requests in flight
