@@ -67,9 +67,10 @@ func main() {
 	context.AfterFunc(ctx, stop)
 	m := NewMain()
 	if err := m.ParseFlags(os.Args[1:]); err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "companion-bridge:", err)
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(0) // -h: the flags are printed; as flag.ExitOnError does
 		}
+		fmt.Fprintln(os.Stderr, "companion-bridge:", err)
 		os.Exit(2)
 	}
 	err := m.Run(ctx)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -120,6 +121,33 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		assert.Contains(t, out, "--bridge-secret")
 		assert.NotContains(t, out, "s3cret-pw", "the password of the broker URL")
 	})
+}
+
+// -h (or --help) after a command prints that command's flags and exits 0,
+// as the flag package's own ExitOnError does: asking for help is not a
+// mistake, and a script that runs "companion serve -h" to read the flags
+// should not see a failure.
+func TestHelpExitsZero(t *testing.T) {
+	companion, bridge := procBinaries(t)
+	for _, tc := range []struct {
+		bin  string
+		args []string
+		want string // a flag the help names
+	}{
+		{companion, []string{"serve", "-h"}, "-mqtt-listen"},
+		{companion, []string{"serve", "--help"}, "-mqtt-listen"},
+		{companion, []string{"user", "create", "-h"}, "-api-url"},
+		{companion, []string{"command", "wait", "-h"}, "-timeout"},
+		{companion, []string{"migrate", "-h"}, "-store"},
+		{companion, []string{"-h"}, "companion serve"},
+		{bridge, []string{"-h"}, "-bridge-id"},
+	} {
+		t.Run(filepath.Base(tc.bin)+" "+strings.Join(tc.args, " "), func(t *testing.T) {
+			code, out := procExit(t, "starting", nil, tc.bin, tc.args...)
+			assert.Equal(t, 0, code, "exit status\n%s", out)
+			assert.Contains(t, out, tc.want)
+		})
+	}
 }
 
 // --mqtt-listen on the command line wins over COMPANION_MQTT_URL in the

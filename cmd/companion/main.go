@@ -53,7 +53,7 @@ func main() {
 	context.AfterFunc(ctx, stop)
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			os.Exit(2)
+			os.Exit(0) // -h: the flags are printed; as flag.ExitOnError does
 		}
 		var ee exitError
 		if errors.As(err, &ee) {
