@@ -196,8 +196,13 @@ func (db *DB) EventsPastEnd(ctx context.Context, after string) (bool, error) {
 }
 
 // PurgeEvents deletes the events older than olderThan, oldest first, at
-// most purgeBatch of them in each write transaction.
+// most purgeBatch of them in each write transaction. Events made after now
+// (while the clock ran ahead) are stepped over, a bounded number a
+// transaction, as PurgeCommands steps over such commands: those that
+// follow them in the log are older.
 func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {
+	now := db.now()
+	var from []byte // the first event the next transaction reads; nil: the oldest
 	return db.purgeInBatches(ctx, func(tx *bolt.Tx, batch int) (int, bool, error) {
 		events, byUser := tx.Bucket(bucketEvents), tx.Bucket(bucketUserEvents)
 		type doomed struct {
@@ -207,16 +212,24 @@ func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 		var gone []doomed
 		more := false
 		c := events.Cursor()
-		for k, v := c.First(); k != nil; k, v = c.Next() {
+		k, v := c.First()
+		if from != nil {
+			k, v = c.Seek(from)
+		}
+		for read := 0; k != nil; k, v = c.Next() {
+			if len(gone) == batch || read == 16*batch {
+				from, more = bytes.Clone(k), true
+				break
+			}
+			read++
 			var ev companion.Event
 			if err := fastjson.Unmarshal(v, &ev); err != nil {
 				return 0, false, fmt.Errorf("store: decode event %x: %w", k, err)
 			}
 			if !ev.At.Before(olderThan) {
-				break
-			}
-			if len(gone) == batch {
-				more = true
+				if ev.At.After(now) {
+					continue
+				}
 				break
 			}
 			gone = append(gone, doomed{bytes.Clone(k), ev.UserID})

@@ -27,24 +27,40 @@ const defaultPurgeBatch = 1000
 // growing.
 //
 // Commands are keyed by UUIDv7, in creation order: the scan starts at the
-// oldest and stops at the first command created after olderThan.
+// oldest and stops at the first command created after olderThan. One
+// created after now is stepped over instead: it was made while the clock
+// ran ahead, and the ids above it (commandID keeps them rising) are of
+// commands made once the clock was set right, older than it. Stopping
+// there kept every later command until the clock caught up. A transaction
+// reads at most 16 batches' worth of commands, so a long run of those
+// stepped over never holds the writer for long.
 func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, error) {
+	now := db.now()
+	var from []byte // the first command the next transaction reads; nil: the oldest
 	return db.purgeInBatches(ctx, func(tx *bolt.Tx, batch int) (int, bool, error) {
 		cmds := tx.Bucket(bucketCommands)
 		hist, staged := tx.Bucket(bucketDeviceCmds), tx.Bucket(bucketDeviceCmdsNew)
 		var doomed []companion.Command
 		more := false
 		c := cmds.Cursor()
-		for k, v := c.First(); k != nil; k, v = c.Next() {
+		k, v := c.First()
+		if from != nil {
+			k, v = c.Seek(from)
+		}
+		for read := 0; k != nil; k, v = c.Next() {
+			if len(doomed) == batch || read == 16*batch {
+				from, more = bytes.Clone(k), true
+				break
+			}
+			read++
 			var cmd companion.Command
 			if err := fastjson.Unmarshal(v, &cmd); err != nil {
 				return 0, false, err
 			}
 			if !cmd.CreatedAt.Before(olderThan) {
-				break
-			}
-			if len(doomed) == batch {
-				more = true
+				if cmd.CreatedAt.After(now) {
+					continue
+				}
 				break
 			}
 			if companion.IsFinal(cmd.State) && cmd.UpdatedAt.Before(olderThan) {

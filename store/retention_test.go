@@ -37,6 +37,65 @@ func TestPurgeCommandsInBatches(t *testing.T) {
 	}
 }
 
+// A clock that ran ahead by more than the retention, and was set right,
+// leaves commands created "in the future" in the middle of the commands'
+// id order. The purge walks that order and stopped at the first of them,
+// so nothing created after the clock was set right went before the clock
+// caught up with them: a store that grew without bound for as long as the
+// clock had run ahead (a year, for a board that booted without its RTC).
+// Those commands are stepped over, a bounded number a transaction, and the
+// ones of the right time behind them go.
+func TestPurgeCommandsPastAClockThatRanAhead(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now})
+	db.purgeBatch = 2 // 32 commands read a transaction at most
+	finished := func(n int) []string {
+		var ids []string
+		for range n {
+			c := create(t, db, companion.Command{DeviceID: "d", UserID: "u", Op: "push.text"}) // a user's: it makes events
+			if _, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil }); err != nil {
+				t.Fatal(err)
+			}
+			ids = append(ids, c.ID)
+		}
+		return ids
+	}
+	before := finished(5)
+	clk.Advance(400 * 24 * time.Hour) // the clock runs a year ahead...
+	ahead := finished(70)
+	clk.Advance(-400*24*time.Hour + time.Hour) // ...and is set right
+	after := finished(5)
+	clk.Advance(48 * time.Hour)
+
+	n, err := db.PurgeCommands(ctx, clk.Now().Add(-24*time.Hour))
+	if err != nil || n != len(before)+len(after) {
+		t.Fatalf("PurgeCommands = %d, %v; want %d: the commands of the right time, before and after those of the clock that ran ahead", n, err, len(before)+len(after))
+	}
+	for _, id := range append(before, after...) {
+		if _, err := db.Command(ctx, id); !errors.Is(err, companion.ErrNotFound) {
+			t.Errorf("Command(%s) = %v; want purged", id, err)
+		}
+	}
+	for _, id := range ahead {
+		if _, err := db.Command(ctx, id); err != nil {
+			t.Errorf("Command(%s) created ahead = %v; want kept until the clock passes it", id, err)
+		}
+	}
+	// Each command made two events (queued, succeeded); the event log
+	// is walked the same way.
+	if n, err := db.PurgeEvents(ctx, clk.Now().Add(-24*time.Hour)); err != nil || n != 2*(len(before)+len(after)) {
+		t.Fatalf("PurgeEvents = %d, %v; want %d", n, err, 2*(len(before)+len(after)))
+	}
+	clk.Advance(401 * 24 * time.Hour)
+	if n, err := db.PurgeCommands(ctx, clk.Now().Add(-24*time.Hour)); err != nil || n != len(ahead) {
+		t.Fatalf("PurgeCommands once the clock passed them = %d, %v; want %d", n, err, len(ahead))
+	}
+	if n, err := db.PurgeEvents(ctx, clk.Now().Add(-24*time.Hour)); err != nil || n != 2*len(ahead) {
+		t.Fatalf("PurgeEvents once the clock passed them = %d, %v; want %d", n, err, 2*len(ahead))
+	}
+}
+
 // PurgeBlobs deletes unneeded blobs a batch at a time, records and files,
 // however many batches it takes, and keeps the needed ones among them.
 func TestPurgeBlobsInBatches(t *testing.T) {
