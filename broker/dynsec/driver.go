@@ -332,13 +332,21 @@ func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 
 // BridgeCreated gives a new bridge its Mosquitto account. On failure the
 // account is retried while the process runs; the error is returned too.
+//
+// What the bridge serves is read with d.change held, as Assigned reads it:
+// a device assigned to the bridge meanwhile is then either in the role as
+// made, or granted by its Assigned, which waits for the role. Read before,
+// such a device was granted by neither (Assigned found no role yet) until
+// the next reconcile, which comes with the next reconnect to Mosquitto.
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
+	d.change.Lock()
+	defer d.change.Unlock()
 	acls, err := d.BridgeACLs(ctx, bridgeID)
 	if err != nil {
 		d.log.Error("bridge account not created", "bridge_id", bridgeID, "err", err)
 		return err
 	}
-	return d.createAccount(ctx, account{kind: "bridge", username: bridgeID, password: secret,
+	return d.createAccountLocked(ctx, account{kind: "bridge", username: bridgeID, password: secret,
 		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), acls: acls})
 }
 
@@ -442,13 +450,18 @@ func (d *Driver) Unbound(ctx context.Context, userID, deviceID string) error {
 var errNotOurs = errors.New("dynsec: a client of that name exists in Mosquitto and was not made by the server; not touching it")
 
 func (d *Driver) createAccount(ctx context.Context, a account) error {
+	d.change.Lock()
+	defer d.change.Unlock()
+	return d.createAccountLocked(ctx, a)
+}
+
+// createAccountLocked is createAccount with d.change held.
+func (d *Driver) createAccountLocked(ctx context.Context, a account) error {
 	if a.username == d.opts.ServerUsername {
 		err := fmt.Errorf("dynsec: a %s named %q would take the server's own Mosquitto account; not created", a.kind, a.username)
 		d.log.Error("account not created", "kind", a.kind, "username", a.username, "err", err)
 		return err
 	}
-	d.change.Lock()
-	defer d.change.Unlock()
 	err := d.create(ctx, a)
 	switch {
 	case err == nil:

@@ -278,3 +278,62 @@ func TestDriver(t *testing.T) {
 		assert.ErrorIs(t, d.UserCreated(ctx, "user-b", "token-b"), dynsec.ErrUnavailable)
 	})
 }
+
+// pausingStore is a Store whose first read of what pauseFor serves waits for
+// resume, after saying so on reading.
+type pausingStore struct {
+	*bindings
+	pauseFor        string
+	reading, resume chan struct{}
+	once            sync.Once
+}
+
+func (p *pausingStore) ServedDevices(ctx context.Context, bridge string) ([]string, error) {
+	out, err := p.bindings.ServedDevices(ctx, bridge)
+	if bridge == p.pauseFor {
+		p.once.Do(func() {
+			close(p.reading)
+			<-p.resume
+		})
+	}
+	return out, err
+}
+
+// A device assigned to a bridge while the bridge's account is being made
+// is granted to it: BridgeCreated read what the bridge serves before it
+// took the driver's lock, so an Assigned in between found no role to
+// change, and the role was then made without the device, which the bridge
+// could not serve until the next reconcile (the next reconnect to
+// Mosquitto).
+func TestAssignedWhileTheBridgeIsCreated(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := &pausingStore{bindings: newBindings(), pauseFor: "bridge-9", reading: make(chan struct{}), resume: make(chan struct{})}
+	st.bridges["bridge-9"] = true
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+
+	created := make(chan error, 1)
+	go func() { created <- d.BridgeCreated(ctx, "bridge-9", "secret-9") }()
+	<-st.reading // BridgeCreated has read that bridge-9 serves nothing
+	st.assign("dev-9", "bridge-9")
+	assigned := make(chan error, 1)
+	go func() { assigned <- d.Assigned(ctx, "dev-9", "", "bridge-9") }()
+	// Assigned either finishes against a role not made yet (the defect)
+	// or waits for BridgeCreated; give it the time to do the first.
+	select {
+	case err := <-assigned:
+		require.NoError(t, err)
+		assigned = nil
+	case <-time.After(time.Second):
+	}
+	close(st.resume)
+	require.NoError(t, <-created)
+	if assigned != nil {
+		require.NoError(t, <-assigned)
+	}
+	want, err := d.BridgeACLs(ctx, "bridge-9")
+	require.NoError(t, err)
+	assert.Len(t, want, 6, "the bridge's state and dev-9's five rights")
+	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("bridge-9")), "bridge-9's role")
+}
