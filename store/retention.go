@@ -110,6 +110,9 @@ func (db *DB) purgeInBatches(ctx context.Context, purge func(tx *bolt.Tx, batch 
 		if !more {
 			return total, nil
 		}
+		if db.afterPurgeBatch != nil {
+			db.afterPurgeBatch()
+		}
 	}
 }
 

@@ -211,7 +211,10 @@ type DB struct {
 	now     func() time.Time
 	log     *slog.Logger
 
-	purgeBatch int // deletions per transaction of PurgeCommands and PurgeEvents
+	purgeBatch int // deletions per transaction of PurgeCommands, PurgeEvents and PurgeIdempotency
+	// afterPurgeBatch, when set (by tests), runs between two write
+	// transactions of a purge that has more to do.
+	afterPurgeBatch func()
 
 	onEvents atomic.Pointer[func()] // called after each commit that appended events (OnEvents)
 
