@@ -267,8 +267,8 @@ func New(opts Options) (*Agent, error) {
 		SetWriteTimeout(10*time.Second).
 		SetResumeSubs(false).
 		// The state is said anew on every connect: an old one sent again
-		// could land after a newer one (see pahostore.Store.NotResent).
-		SetStore(pahostore.New().NotResent(func(topic string) bool { return topic == a.stateTopic })).
+		// goes unretained (see pahostore.Store.ResentUnretained).
+		SetStore(pahostore.New().ResentUnretained(func(topic string) bool { return topic == a.stateTopic })).
 		SetBinaryWill(a.stateTopic, []byte(topics.BridgeOffline), 1, true).
 		SetDefaultPublishHandler(a.onMessage).
 		SetOnConnectHandler(a.onConnect).
@@ -502,6 +502,12 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			a.log.Debug("command spooled", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
 			a.oweDelivered(c.DeviceID, c.ID)
 			released = append(released, it.res.rec)
+		case acceptExpired:
+			// On disk as done, its reply in the outbox (published from
+			// there again until the broker has it): never "delivered".
+			a.log.Info("command expired before the bridge took it", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
+			a.opts.Observer.CommandDone(c.Op, companion.StateExpired, 0)
+			a.publishFinal(ctx, it.res.key, c.DeviceID, *it.res.final)
 		case acceptKnown:
 			// Held already, queued or running: it does not run again, but
 			// is answered "delivered" (unless it ends first). The server

@@ -306,6 +306,72 @@ func TestExpiredCommandNeverRuns(t *testing.T) {
 	}
 }
 
+// A command already past its TTL when the bridge takes it is answered
+// "expired" alone, whether or not its device is busy: "expired" means never
+// delivered (CONTRACT §2), so no "delivered" may come before it. Behind a
+// busy device, its "delivered" used to go out deliveredDelay after it came
+// in, and "expired" once the worker reached it.
+func TestPastItsTTLOnArrivalIsOnlyExpired(t *testing.T) {
+	for _, busy := range []bool{false, true} {
+		t.Run(fmt.Sprintf("busy=%v", busy), func(t *testing.T) {
+			b := startBroker(t)
+			w := newWatcher(t, b)
+			// Each command takes well past deliveredDelay: the other one's
+			// final reply comes after any "delivered" of the late one would
+			// have (one client, one topic: in order).
+			dev := sim.New(sim.Options{ID: "dev-1", ExecDelay: 4 * agent.DeliveredDelay})
+			startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+			var other topics.Command
+			if busy {
+				other = command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "in time"})
+				w.send(other)
+				w.waitReply("dev-1", other.ID, companion.StateDelivered) // it runs
+			}
+			late := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "too late"})
+			late.ExpiresAt = time.Now().Add(-time.Second)
+			w.send(late)
+			if !busy {
+				other = command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "in time"})
+				w.send(other)
+			}
+			if r := w.waitFinal("dev-1", other.ID); r.State != companion.StateSucceeded {
+				t.Fatalf("the command in time ended %s", r.State)
+			}
+			w.waitFinal("dev-1", late.ID)
+			if got := states(w.replies("dev-1", late.ID)); !slices.Equal(got, []string{companion.StateExpired}) {
+				t.Errorf("replies of the command past its TTL: %v; want [expired]", got)
+			}
+			if n := dev.Executions(late.ID); n != 0 {
+				t.Errorf("Executions = %d; want 0", n)
+			}
+		})
+	}
+}
+
+// A command past its TTL as the bridge takes it never runs, also when the
+// bridge stops before its worker reached it: queued first of its line, it
+// was on disk as running, and after a restart it ran whatever its TTL.
+func TestPastItsTTLOnArrivalNeverRunsAfterARestart(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	dir := t.TempDir()
+	late := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "too late"})
+	late.ExpiresAt = time.Now().Add(-time.Second)
+	if err := agent.SpoolCommands(dir, []topics.Command{late}); err != nil {
+		t.Fatal(err)
+	}
+
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
+	if r := w.waitFinal("dev-1", late.ID); r.State != companion.StateExpired {
+		t.Errorf("final state %s; want expired", r.State)
+	}
+	if n := dev.Executions(late.ID); n != 0 {
+		t.Errorf("Executions = %d; want 0", n)
+	}
+}
+
 func TestFailures(t *testing.T) {
 	b := startBroker(t)
 	bs := startBlobServer(t)
@@ -955,8 +1021,8 @@ func TestStatusSeqIncreases(t *testing.T) {
 		}
 		if seen[string(m.payload)] {
 			// A QoS 1 repeat: paho sends a status published as it
-			// connects a second time (see pahostore.Store.NotResent),
-			// which the server's seq check ignores.
+			// connects a second time (see helpers_test.go,
+			// publishCounter), which the server's seq check ignores.
 			continue
 		}
 		seen[string(m.payload)] = true

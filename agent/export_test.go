@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -66,3 +68,7 @@ func Failure(err error, timedOut bool, limit time.Duration) (code, message strin
 	ce := failure(err, timedOut, limit)
 	return ce.Code, ce.Message
 }
+
+// MQTTClient is the bridge's paho client, for tests that look at what it
+// does with its packet ids.
+func (a *Agent) MQTTClient() mqtt.Client { return a.client }

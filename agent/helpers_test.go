@@ -63,8 +63,9 @@ func startBroker(tb testing.TB) *testBroker {
 // payload, leaving out those a client sent again (DUP). A message a client
 // publishes as it connects can reach subscribers twice: paho, resuming a
 // session, also sends what was published while it read its store, with
-// DUP set, and QoS 1 allows it. (The bridge keeps resume from its state
-// messages, pahostore.Store.NotResent; a count here does not depend on it.)
+// DUP set, and QoS 1 allows it. (The bridge's state messages go again
+// unretained, see pahostore.Store.ResentUnretained; a count here does not depend
+// on it.)
 type publishCounter struct {
 	mochi.HookBase
 	mu     sync.Mutex

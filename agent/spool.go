@@ -284,6 +284,7 @@ type acceptOutcome int
 
 const (
 	acceptQueued     acceptOutcome = iota + 1 // new: now in the device's queue
+	acceptExpired                             // new and past its TTL: done, never queued
 	acceptKnown                               // queued or running already: drop
 	acceptDone                                // finished already: republish its final reply
 	acceptCanceled                            // a cancel that took a queued command off its queue
@@ -293,7 +294,8 @@ const (
 type acceptResult struct {
 	outcome acceptOutcome
 	rec     *record       // acceptQueued: to release once its delivered reply is out
-	final   *topics.Reply // acceptDone, acceptCanceled
+	final   *topics.Reply // acceptDone, acceptCanceled, acceptExpired
+	key     uint64        // acceptExpired: the outbox key of its final reply
 	// canceled is the id an acceptCanceled cancel took off its queue.
 	canceled string
 }
@@ -319,7 +321,7 @@ func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, er
 				// The first of a device's line is marked running as it is
 				// written: its worker takes it at once.
 				first := !behind[c.DeviceID] && s.lineEmpty(c.DeviceID)
-				results[i], err = acceptCommand(tx, c, first)
+				results[i], err = acceptCommand(tx, c, first, now)
 				if results[i].outcome == acceptQueued {
 					queued[c.ID] = i
 					behind[c.DeviceID] = true
@@ -367,8 +369,8 @@ func (s *spool) release(recs ...*record) {
 }
 
 // acceptCommand spools a new command, as running when it is the first of
-// its device's line.
-func acceptCommand(tx *bolt.Tx, c topics.Command, first bool) (acceptResult, error) {
+// its device's line, or as done and expired when its TTL has passed by now.
+func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now time.Time) (acceptResult, error) {
 	r, err := getRecord(tx, c.ID)
 	if err != nil {
 		return acceptResult{}, err
@@ -378,6 +380,24 @@ func acceptCommand(tx *bolt.Tx, c topics.Command, first bool) (acceptResult, err
 			return acceptResult{outcome: acceptDone, final: r.Final}, nil
 		}
 		return acceptResult{outcome: acceptKnown}, nil
+	}
+	if !c.ExpiresAt.IsZero() && now.After(c.ExpiresAt) {
+		// Past its TTL as it arrives: it is never delivered (CONTRACT §2).
+		// Queued, it would read "delivered" (deliveredDelay after it came
+		// in, its device busy) before the worker reached it and said
+		// "expired"; and marked running, the first of its line, a restart
+		// would run it. So it is done as it arrives, answered "expired"
+		// alone, and a repeat is answered from its record.
+		final := &topics.Reply{CommandID: c.ID, State: companion.StateExpired, At: now}
+		d := &record{Cmd: topics.Command{ID: c.ID, DeviceID: c.DeviceID}, State: spoolDone, Final: final, DoneAt: now}
+		if err := putRecord(tx, d); err != nil {
+			return acceptResult{}, err
+		}
+		key, err := putOutbox(tx, c.ID)
+		if err != nil {
+			return acceptResult{}, err
+		}
+		return acceptResult{outcome: acceptExpired, final: final, key: key}, nil
 	}
 	q := tx.Bucket(bucketQueue)
 	seq, err := q.NextSequence()

@@ -1,7 +1,7 @@
 // Package pahostore is paho's in-memory store with three differences: it
 // keeps, and Get returns, copies of PUBLISH packets; All hands out the
-// packets in the order they were put; and it can keep resume from sending
-// chosen PUBLISHes again (NotResent).
+// packets in the order they were put; and it can have resume send chosen
+// PUBLISHes again unretained (ResentUnretained).
 //
 // On reconnect paho's resume sends again, in the order All gives, every
 // PUBLISH the broker had not acknowledged. Paho's MemoryStore gives them in
@@ -32,53 +32,45 @@ import (
 // Store is an mqtt.Store; create it with New.
 type Store struct {
 	*mqtt.MemoryStore
-	notResent func(topic string) bool // nil: resend every PUBLISH
+	unretained func(topic string) bool // nil: resend every PUBLISH as it was
 
 	mu    sync.Mutex        // keeps order in step with the packets
 	order map[string]uint64 // key → the count of its Put: All's order
 	puts  uint64
 }
 
-// NotResent has paho's resume (on connect) leave out the outgoing
-// PUBLISHes whose topic match accepts: All drops them from the store, so
-// they are neither sent again nor kept. It returns s.
+// ResentUnretained has paho's resume (on connect) send the outgoing
+// PUBLISHes whose topic match accepts again with their retain flag
+// cleared. It returns s.
 //
-// For a message that the client says anew on every connect, and that must
-// not arrive after a newer one: the bridge's retained state. Paho calls
+// For a retained message that the client says anew on every connect, and
+// that must not arrive after a newer one: the bridge's state. Paho calls
 // the OnConnect handler before resume reads the store, so a PUBLISH made
 // from that handler is in the store when resume reads it and goes out
 // twice, the second time with DUP set and possibly after later messages
 // (seen: "online" sent at connect arriving again after the "offline" of a
-// clean stop, which left the bridge retained online). A PUBLISH dropped
-// here that the broker never acknowledged is covered by the next connect's
-// own, or by the Will.
-func (s *Store) NotResent(match func(topic string) bool) *Store {
-	s.notResent = match
+// clean stop, which left the bridge retained online; docs/reliability.md,
+// bug 6). Sent again unretained, the repeat changes no retained state.
+//
+// It is sent again rather than left out: paho frees a packet id only on
+// the message's acknowledgement (or a Disconnect), and resume takes back
+// only the ids of the packets All lists, so a PUBLISH left out whose
+// connection was lost before its PUBACK kept its id for good; after
+// 65,535 of them the client could publish nothing ("no message IDs
+// available"; bug 42). A subscriber sees the repeat as one live message
+// more.
+func (s *Store) ResentUnretained(match func(topic string) bool) *Store {
+	s.unretained = match
 	return s
 }
 
-// All returns the keys of the stored packets in the order they were put,
-// less those NotResent drops.
+// All returns the keys of the stored packets in the order they were put.
 func (s *Store) All() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	keys := s.MemoryStore.All()
 	slices.SortFunc(keys, func(a, b string) int { return cmp.Compare(s.order[a], s.order[b]) })
-	if s.notResent == nil {
-		return keys
-	}
-	kept := keys[:0]
-	for _, k := range keys {
-		// "o." is paho's prefix of the keys of outgoing packets: incoming
-		// ones are paho's to acknowledge.
-		if pub, ok := s.MemoryStore.Get(k).(*packets.PublishPacket); ok && strings.HasPrefix(k, "o.") && s.notResent(pub.TopicName) {
-			s.MemoryStore.Del(k)
-			delete(s.order, k)
-			continue
-		}
-		kept = append(kept, k)
-	}
-	return kept
+	return keys
 }
 
 // Put stores a copy of a PUBLISH packet: a packet published while paho
@@ -116,11 +108,18 @@ func (s *Store) Reset() {
 // New returns an empty store for mqtt.ClientOptions.SetStore.
 func New() *Store { return &Store{MemoryStore: mqtt.NewMemoryStore(), order: map[string]uint64{}} }
 
-// Get returns the stored packet, or for a PUBLISH a copy of it.
+// Get returns the stored packet, or for a PUBLISH a copy of it: for an
+// outgoing one whose topic ResentUnretained chose, with its retain flag
+// cleared (paho reads the store only to send again on resume).
 func (s *Store) Get(key string) packets.ControlPacket {
 	p := s.MemoryStore.Get(key)
 	if pub, ok := p.(*packets.PublishPacket); ok {
 		cp := *pub
+		// "o." is paho's prefix of the keys of outgoing packets: incoming
+		// ones are paho's to acknowledge.
+		if s.unretained != nil && strings.HasPrefix(key, "o.") && s.unretained(cp.TopicName) {
+			cp.Retain = false
+		}
 		return &cp
 	}
 	return p

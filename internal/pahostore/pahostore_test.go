@@ -37,28 +37,32 @@ func TestGetReturnsACopyOfAPublish(t *testing.T) {
 	}
 }
 
-func TestNotResentLeavesOutChosenPublishes(t *testing.T) {
-	s := New().NotResent(func(topic string) bool { return topic == "b/state" })
+// The chosen outgoing PUBLISHes come back from the store unretained, as
+// resume sends them again; every packet stays listed, so that resume takes
+// back each one's packet id.
+func TestResentUnretained(t *testing.T) {
+	s := New().ResentUnretained(func(topic string) bool { return topic == "b/state" })
 	s.Open()
 	defer s.Close()
 	pub := func(id uint16, topic string) *packets.PublishPacket {
 		p := packets.NewControlPacket(packets.Publish).(*packets.PublishPacket)
-		p.Qos, p.MessageID, p.TopicName = 1, id, topic
+		p.Qos, p.MessageID, p.TopicName, p.Retain = 1, id, topic, true
 		return p
 	}
 	s.Put("o.1", pub(1, "b/state"))
 	s.Put("o.2", pub(2, "d/replies"))
-	s.Put("i.3", pub(3, "b/state")) // incoming: paho's to acknowledge, not ours to drop
-	got := s.All()
-	slices.Sort(got)
-	if want := []string{"i.3", "o.2"}; !slices.Equal(got, want) {
+	s.Put("i.3", pub(3, "b/state")) // incoming: paho's to acknowledge, as it came
+	if got, want := s.All(), []string{"o.1", "o.2", "i.3"}; !slices.Equal(got, want) {
 		t.Fatalf("All = %v; want %v", got, want)
 	}
-	if s.Get("o.1") != nil {
-		t.Error("the state PUBLISH left out of All is still stored")
+	for key, retained := range map[string]bool{"o.1": false, "o.2": true, "i.3": true} {
+		p, ok := s.Get(key).(*packets.PublishPacket)
+		if !ok || p.Retain != retained {
+			t.Errorf("Get(%s) = %v; want a PUBLISH with retain %v", key, p, retained)
+		}
 	}
-	if p := s.Get("o.2"); p == nil || p.(*packets.PublishPacket).TopicName != "d/replies" {
-		t.Errorf("Get(o.2) = %v; want the reply kept", p)
+	if p := s.MemoryStore.Get("o.1").(*packets.PublishPacket); !p.Retain {
+		t.Error("the stored packet lost its retain flag: Get must clear it on a copy")
 	}
 }
 
@@ -66,10 +70,10 @@ func TestNotResentLeavesOutChosenPublishes(t *testing.T) {
 // keys (message ids wrap around), after deletes, and after a key is put
 // again: resume sends again in publish order what it gets from All.
 func TestAllIsInPutOrder(t *testing.T) {
-	for _, notResent := range []bool{false, true} {
+	for _, unretained := range []bool{false, true} {
 		s := New()
-		if notResent {
-			s.NotResent(func(topic string) bool { return topic == "b/state" })
+		if unretained {
+			s.ResentUnretained(func(topic string) bool { return topic == "b/state" })
 		}
 		s.Open()
 		var want []string
@@ -85,9 +89,7 @@ func TestAllIsInPutOrder(t *testing.T) {
 				st := packets.NewControlPacket(packets.Publish).(*packets.PublishPacket)
 				st.Qos, st.MessageID, st.TopicName = 1, 200, "b/state"
 				s.Put("o.200", st)
-				if !notResent {
-					want = append(want, "o.200")
-				}
+				want = append(want, "o.200")
 			}
 		}
 		for _, k := range []string{"o.65500", "o.3", "o.90"} {
@@ -99,7 +101,7 @@ func TestAllIsInPutOrder(t *testing.T) {
 		s.Put("o.3", again) // the id freed and used again: the newest
 		want = append(want, "o.3")
 		if got := s.All(); !slices.Equal(got, want) {
-			t.Errorf("All (NotResent set: %v) = %v; want %v", notResent, got, want)
+			t.Errorf("All (ResentUnretained set: %v) = %v; want %v", unretained, got, want)
 		}
 		s.Reset()
 		if got := s.All(); len(got) != 0 {
