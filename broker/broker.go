@@ -31,6 +31,8 @@ type Store interface {
 	UpdateCommandAsync(id string, fn func(*companion.Command) error, done func(companion.Command, error))
 	UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error))
 	OpenCommands(ctx context.Context, states ...string) ([]companion.Command, error)
+	ListCommands(ctx context.Context, q companion.CommandQuery) ([]companion.Command, bool, error)
+	CountOpen(ctx context.Context, deviceID string) (int, error)
 	ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error)
 	PutStatusAsync(s companion.Status, done func(bool, error))
 	MarkBridgeOfflineAsync(bridgeID string, done func([]string, error))
@@ -100,7 +102,22 @@ type Dispatcher interface {
 
 // dispatching reports whether this replica publishes and sweeps now.
 func (b *Broker) dispatching() bool {
-	return b.opts.Dispatcher == nil || b.opts.Dispatcher.Dispatching()
+	on := b.opts.Dispatcher == nil || b.opts.Dispatcher.Dispatching()
+	b.sawDispatching(on)
+	return on
+}
+
+// sawDispatching notes whether this replica dispatches, as it asks
+// (dispatching) or is told (DispatcherChanged): once it is seen to start,
+// the commands accepted before may have gone out with the dispatcher
+// before it (see expiredAt).
+func (b *Broker) sawDispatching(on bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if on && !b.dispatched {
+		b.dispatchSince = b.now()
+	}
+	b.dispatched = on
 }
 
 // Broker is the command broker. Create it with New, start it with Start,
@@ -112,9 +129,6 @@ type Broker struct {
 	log    *slog.Logger
 	now    func() time.Time
 	client mqtt.Client
-	// made is when New made the broker: a command accepted before it may
-	// have been published by the server before this one (see expiredAt).
-	made time.Time
 
 	kick      chan struct{} // wakes the outbox
 	connected chan struct{} // one signal per (re)connect, for the outbox
@@ -140,6 +154,13 @@ type Broker struct {
 	started bool
 	closed  bool
 	extra   []extraSub // subscriptions of other users of the connection
+
+	// dispatchSince is when this broker was last seen to become the
+	// dispatcher; for a server alone, when New made it. A command accepted
+	// before may have been published by the dispatcher before it: a server
+	// since restarted, or a replica since gone (see expiredAt).
+	dispatchSince time.Time
+	dispatched    bool // whether this broker dispatched when last seen (sawDispatching)
 
 	// release is closed by Release (and Close): every Wait, under way or
 	// to come, answers at once.
@@ -200,7 +221,6 @@ func New(opts Options) (*Broker, error) {
 		tree:      opts.Topics,
 		log:       opts.Logger.With("component", "broker"),
 		now:       opts.Now,
-		made:      opts.Now(),
 		kick:      make(chan struct{}, 1),
 		connected: make(chan struct{}, 1),
 		waiters:   make(map[string][]chan companion.Command),
@@ -212,6 +232,7 @@ func New(opts Options) (*Broker, error) {
 		release:   make(chan struct{}),
 		quit:      make(chan struct{}),
 	}
+	b.dispatchSince, b.dispatched = b.now(), opts.Dispatcher == nil
 
 	co := mqtt.NewClientOptions()
 	for _, u := range urls {

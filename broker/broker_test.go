@@ -6,10 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -385,6 +387,52 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 	assert.Zero(t, g.Seq)
 }
 
+// A report's seq orders it, and the store keeps the highest: one with a
+// seq far past any clock (2^64−1, or a bridge's clock set years ahead) held
+// back every later report of the device for good. Such a report is
+// refused, alone or with a final reply (whose state is taken); a bridge
+// whose clock is merely ahead is not.
+func TestReportWithASeqFarAheadIsRefused(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	status, _ := tree.Status("dev-1")
+	settings, _ := tree.Settings("dev-1")
+	seqAt := func(d time.Duration) uint64 { return uint64(e.clock.Now().Add(d).UnixNano()) }
+	seqOf := func() uint64 {
+		s, err := e.db.Status(ctx, "dev-1")
+		require.NoError(t, err)
+		return s.Seq
+	}
+	settingsSeq := func() uint64 {
+		s, err := e.db.Settings(ctx, "dev-1")
+		require.NoError(t, err)
+		return s.Seq
+	}
+
+	fb.publish(t, status, topics.Status{Online: true, FirmwareVersion: "1.0.0", BridgeID: "b1", Seq: seqAt(0), At: time.Now()})
+	fb.publish(t, status, topics.Status{Online: true, FirmwareVersion: "6.6.6", BridgeID: "b1", Seq: math.MaxUint64, At: time.Now()})
+	ahead := seqAt(time.Hour) // a bridge's clock an hour fast
+	fb.publish(t, status, topics.Status{Online: true, FirmwareVersion: "1.0.1", BridgeID: "b1", Seq: ahead, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the status after the one from far ahead", func() bool { return seqOf() == ahead })
+
+	fb.publish(t, settings, topics.Settings{Reported: map[string]any{"volume": 1}, Seq: math.MaxUint64, At: time.Now()})
+	fb.publish(t, settings, topics.Settings{Reported: map[string]any{"volume": 2}, Seq: ahead, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the settings after the ones from far ahead", func() bool { return settingsSeq() == ahead })
+
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now(),
+		Status:   &topics.Status{Online: true, FirmwareVersion: "6.6.6", BridgeID: "b1", Seq: seqAt(48 * time.Hour), At: time.Now()},
+		Settings: &topics.Settings{Reported: map[string]any{"volume": 3}, Seq: seqAt(48 * time.Hour), At: time.Now()}})
+	testenv.Eventually(t, 10*time.Second, "the reply taken", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
+	assert.Equal(t, ahead, seqOf(), "the reply's status from two days ahead was stored")
+	assert.Equal(t, ahead, settingsSeq(), "the reply's settings from two days ahead were stored")
+	s, err := e.db.Status(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.Equal(t, "1.0.1", s.FirmwareVersion)
+}
+
 func TestQueueLimit(t *testing.T) {
 	e := newEnv(t, false)
 	e.b.opts.MaxOpenCommands = 3
@@ -654,6 +702,66 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	assert.NotEqual(t, companion.StateSucceeded, state(t, e, waiting[0].ID).State, "a forged reply was taken")
 }
 
+// A device taken off its bridge while the bridge has some of its commands
+// (delivered, in progress): the bridge may have run them, but no word of
+// its about them is taken any more (CONTRACT §9), so they would read
+// delivered until the device had a bridge again, and then go to that
+// bridge. They fail, as an unbind's do, with error.code device_not_served;
+// those the bridge does not have yet wait for a bridge.
+func TestCommandsTheBridgeHadFailWhenTheDeviceLosesItsBridge(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	had := submit(t, e, "dev-1", "the bridge has it", time.Hour)
+	require.Equal(t, had.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: had.ID, State: companion.StateDelivered, At: time.Now()})
+	running := submit(t, e, "dev-1", "the bridge runs it", time.Hour)
+	require.Equal(t, running.ID, fb.next(t).ID)
+	p := 10
+	fb.reply(t, "dev-1", topics.Reply{CommandID: running.ID, State: companion.StateInProgress, Progress: &p, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "delivered, in progress", func() bool {
+		return state(t, e, had.ID).State == companion.StateDelivered && state(t, e, running.ID).State == companion.StateInProgress
+	})
+	waiting := submit(t, e, "dev-1", "on its way", time.Hour)
+	require.Equal(t, waiting.ID, fb.next(t).ID)
+	waited := make(chan companion.Command, 1)
+	go func() {
+		c, _ := e.b.Wait(ctx, had.ID)
+		waited <- c
+	}()
+
+	_, err := e.db.AssignDevice(ctx, "dev-1", "", "")
+	require.NoError(t, err)
+	e.b.DeviceMoved("dev-1")
+	for _, c := range []companion.Command{had, running} {
+		got := state(t, e, c.ID)
+		if assert.Equal(t, companion.StateFailed, got.State, "a command the bridge had") && assert.NotNil(t, got.Error) {
+			assert.Equal(t, "device_not_served", got.Error.Code)
+		}
+	}
+	assert.False(t, companion.IsFinal(state(t, e, waiting.ID).State), "a command the bridge did not have ended")
+	select {
+	case c := <-waited:
+		assert.Equal(t, companion.StateFailed, c.State, "the waiter's answer")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiter was not answered")
+	}
+
+	// Served again, the device gets the command that waited, and not those
+	// that failed.
+	_, err = e.db.AssignDevice(ctx, "dev-1", "b1", "")
+	require.NoError(t, err)
+	f, _ := tree.CommandsFilter("dev-1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Subscribe(f, 1, nil), 5*time.Second))
+	e.b.DeviceMoved("dev-1")
+	assert.Equal(t, waiting.ID, fb.next(t).ID)
+	select {
+	case c := <-fb.commands:
+		t.Errorf("%s went out again", c.ID)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
 // A command that another replica finishes in the shared store answers the
 // waiters here once the store says it changed (CONTRACT §11: a Prefer:
 // wait on any replica, whichever replica takes the reply in).
@@ -772,6 +880,54 @@ func TestCommandTakenBeforeARestartIsNotExpiredAtItsTTL(t *testing.T) {
 	// The restarted server's first pass deals with the open commands, in
 	// id order, before one accepted after the restart goes out.
 	marker := submit(t, e, "dev-2", "after the restart", time.Hour)
+	for got := fb.next(t); got.ID != marker.ID; got = fb.next(t) {
+		require.NotEqual(t, c.ID, got.ID, "a command past its TTL went out again")
+	}
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the bridge's final reply taken", func() bool { return state(t, e, c.ID).State != companion.StateQueued })
+	assert.Equal(t, companion.StateSucceeded, state(t, e, c.ID).State)
+}
+
+// dispatcher is a Dispatcher a test switches.
+type dispatcher struct{ on atomic.Bool }
+
+func (d *dispatcher) Dispatching() bool { return d.on.Load() }
+
+// A replica that takes over from a dispatcher that died cannot tell a
+// command the dead one published from one that never went out: both read
+// queued when the dead one had not written sent yet (sentDelay). Past its
+// TTL, such a command waits the grace, as after a restart, and takes the
+// final reply of the bridge that ran it, however long ago the replica
+// itself started.
+func TestCommandTakenBeforeATakeoverIsNotExpiredAtItsTTL(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	d := &dispatcher{}
+	opts := e.b.opts
+	opts.ClientID += "-other"
+	opts.Dispatcher = d
+	opts.ExpiryGrace = time.Hour
+	other, err := New(opts) // a replica started long before the command
+	require.NoError(t, err)
+	require.NoError(t, other.Start())
+	t.Cleanup(func() { other.Close() })
+	testenv.Eventually(t, 10*time.Second, "the other replica ready", other.Ready)
+
+	c := submit(t, e, "dev-1", "taken just in time", time.Minute)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	require.NoError(t, e.b.Close()) // the dispatcher dies
+	require.Equal(t, companion.StateQueued, state(t, e, c.ID).State, "closed within sentDelay of the PUBACK: sent not written")
+
+	e.clock.Add(2 * time.Minute) // past the TTL
+	d.on.Store(true)
+	other.DispatcherChanged(true)
+	// The new dispatcher's first pass deals with the open commands, in id
+	// order, before one accepted after the takeover goes out.
+	p, _ := json.Marshal(topics.PushText{Text: "after the takeover"})
+	marker, _, err := other.Submit(context.Background(), companion.Command{
+		DeviceID: "dev-2", UserID: "u1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(time.Hour),
+	}, nil)
+	require.NoError(t, err)
 	for got := fb.next(t); got.ID != marker.ID; got = fb.next(t) {
 		require.NotEqual(t, c.ID, got.ID, "a command past its TTL went out again")
 	}

@@ -198,6 +198,7 @@ func (b *Broker) forget(id string, ch chan companion.Command) {
 // dispatching: a new dispatcher reads the store at once.
 func (b *Broker) DispatcherChanged(dispatching bool) {
 	b.log.Info("dispatcher", "dispatching", dispatching)
+	b.sawDispatching(dispatching)
 	if dispatching {
 		b.wake()
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -42,12 +43,87 @@ func (b *Broker) servedBy(deviceID, bridgeID, bridge string) bool {
 
 // DeviceMoved says a device changed bridges, or lost its bridge: its
 // unfinished commands go again, to whichever bridge serves it now (those
-// of a device no bridge serves wait queued).
+// of a device no bridge serves wait queued, and those its bridge had fail:
+// see failUnserved).
 func (b *Broker) DeviceMoved(deviceID string) {
 	b.mu.Lock()
 	b.resend[deviceID] = true
 	b.mu.Unlock()
 	b.wake()
+	b.failUnserved(context.Background(), deviceID)
+}
+
+// codeDeviceNotServed is the error code of a command its bridge had when
+// the bridge stopped serving the device: the code the bridge itself gives
+// those it held for a device it was restarted without.
+const codeDeviceNotServed = "device_not_served"
+
+// failUnserved fails the commands of a device no bridge serves that its
+// last bridge had (delivered, in progress). That bridge may have run them,
+// or be running them, but what it says of them now is refused by the MQTT
+// broker or dropped here (served): left as they are, they would read
+// delivered until the device had a bridge again, and then go to that
+// bridge, which would run them again if it was another. As with an unbind
+// (companion.EndUnbound), they fail, whether they took effect being
+// unknown. Those the bridge did not have yet wait for the next one
+// (CONTRACT §9).
+func (b *Broker) failUnserved(ctx context.Context, deviceID string) {
+	bridge, err := b.st.DeviceBridge(ctx, deviceID)
+	if err != nil {
+		b.log.Error("reading a device's bridge; the commands its last bridge had stay as they are", "device_id", deviceID, "err", err)
+		return
+	}
+	if bridge != "" {
+		return
+	}
+	open, err := b.st.CountOpen(ctx, deviceID)
+	if err != nil {
+		b.log.Error("counting a device's open commands; those its last bridge had stay as they are", "device_id", deviceID, "err", err)
+		return
+	}
+	// Newest first, until every open command is seen: open commands are
+	// mostly recent, the history behind them long.
+	var had []string
+	q := companion.CommandQuery{DeviceID: deviceID, Limit: 100}
+	for open > 0 {
+		page, more, err := b.st.ListCommands(ctx, q)
+		if err != nil {
+			b.log.Error("listing a device's commands; those its last bridge had stay as they are", "device_id", deviceID, "err", err)
+			return
+		}
+		for _, c := range page {
+			if !companion.IsFinal(c.State) {
+				open--
+			}
+			if c.State == companion.StateDelivered || c.State == companion.StateInProgress {
+				had = append(had, c.ID)
+			}
+		}
+		if !more {
+			break
+		}
+		q.Before = page[len(page)-1].ID
+	}
+	for _, id := range slices.Backward(had) {
+		cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
+			if c.State != companion.StateDelivered && c.State != companion.StateInProgress {
+				return errStale
+			}
+			c.State = companion.StateFailed
+			c.Error = &companion.CommandError{Code: codeDeviceNotServed, Message: "the device was taken off its bridge while the bridge had the command; whether it took effect is not known"}
+			return nil
+		})
+		switch {
+		case errors.Is(err, errStale), errors.Is(err, companion.ErrFinal), errors.Is(err, companion.ErrNotFound):
+			continue
+		case err != nil:
+			b.log.Error("failing a command of a device no bridge serves", "command_id", id, "err", err)
+			continue
+		}
+		b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+		b.notify(cmd)
+		b.log.Info("command failed: its device was taken off the bridge that had it", "command_id", id, "device_id", deviceID)
+	}
 }
 
 // bridgeOffline takes a bridge's Will: every device it served reads
@@ -123,15 +199,22 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 		// status would make the device read as that bridge's.
 		b.log.Warn("reply with a status from a bridge that does not serve the device; storing the reply without it",
 			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "serving", bridge)
+	case r.Status != nil && b.seqTooFar(r.Status.Seq):
+		b.log.Warn("reply with a status whose seq is far past the server's clock (is the bridge's clock wrong?); storing the reply without it",
+			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "seq", r.Status.Seq)
 	case r.Status != nil:
 		s := storeStatus(deviceID, *r.Status)
 		report.Status = &s
 	}
 	if r.Settings != nil {
 		rs, err := reportedSettings(*r.Settings)
-		if err != nil {
+		switch {
+		case err != nil:
 			b.log.Warn("reply with settings that cannot be stored; storing the reply without them", "device_id", deviceID, "command_id", r.CommandID, "err", err)
-		} else {
+		case b.seqTooFar(rs.Seq):
+			b.log.Warn("reply with settings whose seq is far past the server's clock (is the bridge's clock wrong?); storing the reply without them",
+				"device_id", deviceID, "command_id", r.CommandID, "seq", rs.Seq)
+		default:
 			report.Settings = &rs
 		}
 	}
@@ -209,10 +292,31 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 	})
 }
 
+// maxSeqAhead is how far past the server's clock a report's seq may be,
+// read as a time: a bridge's seq is its clock in nanoseconds. The store
+// keeps a device's highest seq and takes no report below it, so a report
+// whose seq is far ahead held back every later one until the bridge's
+// clock reached it: years for a clock once set years ahead, never for
+// 2^64−1. Such a report is refused. A day lets through a clock off by a
+// time zone (up to 14 hours ahead), and bounds how long the reports of a
+// bridge whose fast clock is set right count for nothing.
+const maxSeqAhead = 24 * time.Hour
+
+// seqTooFar reports whether a report's seq is past maxSeqAhead.
+func (b *Broker) seqTooFar(seq uint64) bool {
+	return seq > uint64(b.now().Add(maxSeqAhead).UnixNano())
+}
+
 // takeStatus stores a device's status, then calls ack.
 func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Status, ack func()) {
 	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
 		b.log.Warn("status for a device that was never provisioned", "device_id", deviceID)
+		ack()
+		return
+	}
+	if b.seqTooFar(s.Seq) {
+		b.log.Warn("status whose seq is far past the server's clock (is the bridge's clock wrong?); dropped",
+			"device_id", deviceID, "bridge_id", s.BridgeID, "seq", s.Seq)
 		ack()
 		return
 	}
@@ -286,6 +390,11 @@ func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Set
 	r, err := reportedSettings(s)
 	if err != nil {
 		b.log.Warn("settings that cannot be stored", "device_id", deviceID, "err", err)
+		ack()
+		return
+	}
+	if b.seqTooFar(r.Seq) {
+		b.log.Warn("settings whose seq is far past the server's clock (is the bridge's clock wrong?); dropped", "device_id", deviceID, "seq", r.Seq)
 		ack()
 		return
 	}

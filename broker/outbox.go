@@ -497,11 +497,15 @@ func (b *Broker) sweep() {
 // already be in the bridge's hands, its reply on the way (the bridge runs
 // nothing past expires_at by its own clock): it expires only ExpiryGrace
 // later, so that such a reply lands first. So does one queued on disk that
-// was accepted before this broker was made: the server before it may have
+// was accepted before this broker became the dispatcher: the dispatcher
+// before it (a server since restarted, a replica since gone) may have
 // published it (sent is written only sentDelay after the PUBACK).
 func (b *Broker) expiredAt(c companion.Command, now time.Time) bool {
+	b.mu.Lock()
+	since := b.dispatchSince
+	b.mu.Unlock()
 	switch {
-	case c.State == companion.StateQueued && !b.isFlying(c.ID) && !c.CreatedAt.Before(b.made):
+	case c.State == companion.StateQueued && !b.isFlying(c.ID) && !c.CreatedAt.Before(since):
 		return now.After(c.ExpiresAt)
 	case c.State == companion.StateQueued, c.State == companion.StateSent:
 		// Queued on disk but with the MQTT broker already: as good as sent.
@@ -532,9 +536,11 @@ func (b *Broker) expire(ctx context.Context, id string) {
 }
 
 // retryLoop runs retrySent every SentRetry until the broker closes. Each
-// run reads every open command (a backlog of a hundred thousand is about
-// half a second of a core), so not more often: a command stays sent for
-// two SentRetry at most before it goes out again.
+// run reads every sent command, those of devices whose bridge is away
+// among them, which can be many (the stores find them through their
+// expiry index, of the queued and sent commands, not among every open
+// one), so not more often: a command stays sent for two SentRetry at most
+// before it goes out again.
 func (b *Broker) retryLoop() {
 	tick := time.NewTicker(b.opts.SentRetry)
 	defer tick.Stop()

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -536,8 +537,12 @@ func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.C
 
 // OpenCommands returns the non-final commands whose state is one of states
 // (every non-final command when none is given), oldest first. Asking for
-// queued commands alone reads only those.
+// queued commands alone reads only those, and so does asking for sent ones
+// alone (sentCommands).
 func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]companion.Command, error) {
+	if len(states) == 1 && states[0] == companion.StateSent {
+		return db.sentCommands()
+	}
 	index := bucketOpen
 	if len(states) == 1 && states[0] == companion.StateQueued {
 		index = bucketQueued
@@ -561,6 +566,41 @@ func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]companion.C
 	if err != nil {
 		return nil, err
 	}
+	return out, nil
+}
+
+// sentCommands returns the sent commands, oldest first. The broker asks
+// for them every minute (retrySent), and most open commands are queued or
+// delivered (held by a bridge whose device is out of reach): the open
+// index would have every one of them decoded. The expiry index holds the
+// queued and the sent ones, and the queued index the queued ones: only
+// the rest are read and decoded.
+func (db *DB) sentCommands() ([]companion.Command, error) {
+	out := []companion.Command{}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		cmds, queued := tx.Bucket(bucketCommands), tx.Bucket(bucketQueued)
+		c := tx.Bucket(bucketExpiry).Cursor()
+		for k, _ := c.First(); k != nil; k, _ = c.Next() {
+			id := k[8:]
+			if queued.Get(id) != nil {
+				continue
+			}
+			var cmd companion.Command
+			ok, err := getJSON(cmds, id, &cmd)
+			if err != nil {
+				return err
+			}
+			if ok && cmd.State == companion.StateSent {
+				out = append(out, cmd)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	// The expiry index is in expiry order; ids are in acceptance order.
+	slices.SortFunc(out, func(a, b companion.Command) int { return strings.Compare(a.ID, b.ID) })
 	return out, nil
 }
 

@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/devicecompanion/companion"
 	"github.com/google/uuid"
+	bolt "go.etcd.io/bbolt"
 )
 
 // newCmd is a command for the device as the broker would submit it.
@@ -102,6 +104,44 @@ func TestCommandIDsRiseAfterTheClockWentBack(t *testing.T) {
 	list, _, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "d1", Limit: 2})
 	if err != nil || !slices.Equal(ids(list), []string{want[4], want[3]}) {
 		t.Errorf("ListCommands(d1, 2) = %v, %v; want the last two accepted, newest first", ids(list), err)
+	}
+}
+
+// Asking for the sent commands alone reads and decodes those, not every
+// open command: the broker asks every minute (retrySent), and most open
+// commands are queued (their device has no bridge, or is offline) or
+// delivered (the bridge holds them while its device is out of reach).
+// Here every other command is unreadable, so a read of any fails.
+func TestOpenCommandsSentReadsOnlyThose(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Now: clk.Now, Logger: quietLogger()})
+	mk := func(ttl time.Duration) companion.Command {
+		t.Helper()
+		c := newCmd("d1")
+		c.ExpiresAt = clk.Now().Add(ttl)
+		return create(t, db, c)
+	}
+	late, queued, soon, delivered, running, done := mk(time.Hour), mk(time.Hour), mk(time.Minute), mk(time.Hour), mk(time.Hour), mk(time.Hour)
+	setState(t, db, late.ID, companion.StateSent)
+	setState(t, db, soon.ID, companion.StateSent) // expires before late, accepted after it
+	setState(t, db, delivered.ID, companion.StateDelivered)
+	setState(t, db, running.ID, companion.StateInProgress)
+	setState(t, db, done.ID, companion.StateSucceeded)
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		for _, id := range []string{queued.ID, delivered.ID, running.ID, done.ID} {
+			if err := tx.Bucket(bucketCommands).Put([]byte(id), []byte("not a command")); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := db.OpenCommands(ctx, companion.StateSent)
+	if want := []string{late.ID, soon.ID}; err != nil || !slices.Equal(ids(got), want) {
+		t.Errorf("OpenCommands(sent) = %v, %v; want %v (oldest first), reading no other command", ids(got), err, want)
 	}
 }
 
