@@ -14,7 +14,12 @@ import (
 // Defaults of ClientOptions.
 const (
 	DefaultRequestTimeout = 30 * time.Second
-	DefaultMaxResponse    = 16 << 10
+	// DefaultFragmentTimeout bounds the pause between two notifications of
+	// one response. A device sends a response's notifications back to
+	// back (Zephyr's smp_bt notifies them in one loop), so on a live link
+	// the next comes within a few connection intervals.
+	DefaultFragmentTimeout = 2 * time.Second
+	DefaultMaxResponse     = 16 << 10
 )
 
 // ErrTimeout is returned when a response does not come within the request
@@ -22,12 +27,25 @@ const (
 // command as timed out.
 var ErrTimeout = fmt.Errorf("gatt: no response within the request timeout: %w", context.DeadlineExceeded)
 
+// ErrFraming is returned for the requests in flight when the stream of
+// responses lost its framing, as a lost notification makes it: a response
+// stopped part way (its first notifications came, and no more within the
+// fragment timeout), or one did not decode or claimed more than the client
+// takes (a lost fragment joined it to the next response). Nothing on that
+// link can be read reliably any more, so the client drops it. It wraps
+// ErrDisconnected: a Device repeats the work over a new link, as after a
+// drop, rather than wait out the request timeout.
+var ErrFraming = fmt.Errorf("gatt: the responses lost their framing (a notification lost): %w", ErrDisconnected)
+
 // ClientOptions configure a Client. The zero value of a field means its
 // default.
 type ClientOptions struct {
 	RequestTimeout time.Duration // default DefaultRequestTimeout
-	MaxResponse    int           // largest response accepted, header included; default DefaultMaxResponse
-	Logger         *slog.Logger
+	// FragmentTimeout is the longest pause, once part of a response came,
+	// before the next notification; default DefaultFragmentTimeout.
+	FragmentTimeout time.Duration
+	MaxResponse     int // largest response accepted, header included; default DefaultMaxResponse
+	Logger          *slog.Logger
 }
 
 // Client is the bridge's SMP client over one Link: it frames requests
@@ -37,13 +55,16 @@ type ClientOptions struct {
 // unless SetMaxRequest allows longer ones (a device that reassembles):
 // those are split into consecutive writes. SetWindow bounds the requests
 // in flight across all callers. When the link goes down every pending
-// request fails with ErrDisconnected. It is safe for concurrent use.
+// request fails with ErrDisconnected; when a response stops part way or the
+// responses otherwise lose their framing (a notification lost), with
+// ErrFraming, and the client drops the link. It is safe for concurrent use.
 type Client struct {
-	link    Link
-	frag    int
-	timeout time.Duration
-	log     *slog.Logger
-	maxReq  atomic.Int64 // the longest request message sent
+	link     Link
+	frag     int
+	timeout  time.Duration
+	fragWait time.Duration // FragmentTimeout
+	log      *slog.Logger
+	maxReq   atomic.Int64 // the longest request message sent
 
 	wmu sync.Mutex // the writes of one message go out together
 
@@ -54,11 +75,17 @@ type Client struct {
 	slots chan struct{}
 	dead  chan struct{} // closed when the client fails
 
+	// cut fires fragWait after a notification that left a response
+	// unfinished; broken asks the client's goroutine to drop the link.
+	cut    *time.Timer
+	broken chan struct{}
+
 	mu      sync.Mutex
 	seq     uint8
 	pending map[uint8]*Call
 	reasm   *Reassembler
-	err     error // once set, the client is dead
+	fragAt  time.Time // when the last notification that left a response unfinished came
+	err     error     // once set, the client is dead
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -75,6 +102,9 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 	if opts.RequestTimeout <= 0 {
 		opts.RequestTimeout = DefaultRequestTimeout
 	}
+	if opts.FragmentTimeout <= 0 {
+		opts.FragmentTimeout = DefaultFragmentTimeout
+	}
 	if opts.MaxResponse <= 0 {
 		opts.MaxResponse = DefaultMaxResponse
 	}
@@ -85,15 +115,19 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 		return nil, fmt.Errorf("gatt: MTU %d is below the minimum %d", link.MTU(), DefaultMTU)
 	}
 	c := &Client{
-		link:    link,
-		frag:    link.MTU() - 3,
-		timeout: opts.RequestTimeout,
-		log:     opts.Logger,
-		pending: map[uint8]*Call{},
-		reasm:   NewReassembler(opts.MaxResponse),
-		stop:    make(chan struct{}),
-		dead:    make(chan struct{}),
+		link:     link,
+		frag:     link.MTU() - 3,
+		timeout:  opts.RequestTimeout,
+		fragWait: opts.FragmentTimeout,
+		log:      opts.Logger,
+		pending:  map[uint8]*Call{},
+		reasm:    NewReassembler(opts.MaxResponse),
+		stop:     make(chan struct{}),
+		dead:     make(chan struct{}),
+		cut:      time.NewTimer(opts.FragmentTimeout),
+		broken:   make(chan struct{}, 1),
 	}
+	c.cut.Stop()
 	c.maxReq.Store(int64(c.frag))
 	if err := link.Subscribe(ctx, SMPCharUUID, c.onNotify); err != nil {
 		return nil, fmt.Errorf("gatt: subscribe to SMP: %w", err)
@@ -101,10 +135,27 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
-		select {
-		case <-link.Done():
-			c.fail(ErrDisconnected)
-		case <-c.stop:
+		for {
+			select {
+			case <-link.Done():
+				c.fail(ErrDisconnected)
+				return
+			case <-c.stop:
+				return
+			case <-c.cut.C:
+				if !c.stalled() {
+					continue
+				}
+				c.log.Warn("a response stopped part way: a notification was lost; dropping the link")
+				c.fail(ErrFraming)
+				link.Close()
+				return
+			case <-c.broken:
+				// Here rather than where the framing broke: a link's Close
+				// may wait for the notification being delivered.
+				link.Close()
+				return
+			}
 		}
 	}()
 	return c, nil
@@ -139,13 +190,15 @@ func (c *Client) SetWindow(n int) {
 // Link returns the link the client speaks over.
 func (c *Client) Link() Link { return c.link }
 
-// Done is closed when the link is down.
-func (c *Client) Done() <-chan struct{} { return c.link.Done() }
+// Done is closed when the client carries no more requests: the link is
+// down, or the client gave it up (ErrFraming) and is dropping it.
+func (c *Client) Done() <-chan struct{} { return c.dead }
 
 // Close fails pending requests, disconnects and waits for the client's
 // goroutine.
 func (c *Client) Close() error {
 	c.fail(ErrDisconnected)
+	c.cut.Stop()
 	err := c.link.Close()
 	c.mu.Lock()
 	select {
@@ -162,6 +215,10 @@ func (c *Client) Close() error {
 func (c *Client) fail(err error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.failLocked(err)
+}
+
+func (c *Client) failLocked(err error) {
 	if c.err == nil {
 		c.err = err
 		close(c.dead)
@@ -176,6 +233,24 @@ func (c *Client) fail(err error) {
 	c.reasm.Reset()
 }
 
+// brokeLocked fails every request with ErrFraming and has the link
+// dropped.
+func (c *Client) brokeLocked() {
+	c.failLocked(ErrFraming)
+	select {
+	case c.broken <- struct{}{}:
+	default:
+	}
+}
+
+// stalled reports whether a response has stopped part way: the last
+// notification left it unfinished, and none came for the fragment timeout.
+func (c *Client) stalled() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.reasm.Pending() > 0 && time.Since(c.fragAt) >= c.fragWait
+}
+
 // onNotify runs on the link's notification goroutine; it never blocks.
 func (c *Client) onNotify(frag []byte) {
 	c.mu.Lock()
@@ -183,6 +258,15 @@ func (c *Client) onNotify(frag []byte) {
 	msgs, err := c.reasm.Feed(frag)
 	if err != nil {
 		c.log.Warn("dropping a malformed response stream", "err", err)
+		c.brokeLocked()
+		return
+	}
+	if c.reasm.Pending() > 0 {
+		// The rest of this response comes at once on a live link; if it
+		// does not, a notification was lost and the response can never be
+		// completed: the request's whole timeout need not be waited out.
+		c.fragAt = time.Now()
+		c.cut.Reset(c.fragWait)
 	}
 	for _, m := range msgs {
 		call := c.pending[m.Seq]
@@ -370,7 +454,14 @@ func (call *Call) Wait(ctx context.Context, resp any) error {
 	}
 	var st Status
 	if err := DecodeBody(r.msg.Body, &st); err != nil {
-		return fmt.Errorf("gatt: response to group %d command %d: %w", call.group, call.id, err)
+		// Most likely a lost fragment joined the head of this response to
+		// the next one: the stream cannot be trusted. (A device that
+		// encodes garbage fails the same way every time it is asked.)
+		c := call.c
+		c.mu.Lock()
+		c.brokeLocked()
+		c.mu.Unlock()
+		return fmt.Errorf("%w: response to group %d command %d: %v", ErrFraming, call.group, call.id, err)
 	}
 	if st.Err != nil && st.Err.RC != 0 {
 		return &Error{Group: st.Err.Group, ID: call.id, GroupRC: st.Err.RC, Reason: st.Reason}

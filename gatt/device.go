@@ -29,6 +29,10 @@ const (
 	DefaultRebootTimeout  = 10 * time.Second
 	// busyRetries is how often a request answered "busy" is repeated.
 	busyRetries = 5
+	// framingRetries is how often work whose responses lost their framing
+	// (ErrFraming: a notification lost) is repeated over a new link; a
+	// device that garbles an answer every time is not asked forever.
+	framingRetries = 3
 	// maxResets is how often the bridge resets a device that comes back
 	// with the new image still pending (it did not reboot).
 	maxResets = 3
@@ -57,6 +61,10 @@ type DeviceOptions struct {
 	// ProbeTimeout bounds the wait for the answer to the reassembly probe
 	// (Client.ProbeReassembly); default DefaultProbeTimeout.
 	ProbeTimeout time.Duration
+	// FragmentTimeout is the longest pause between two notifications of one
+	// response (ClientOptions.FragmentTimeout); default
+	// DefaultFragmentTimeout.
+	FragmentTimeout time.Duration
 	// RebootTimeout is how long the bridge waits, after an OS reset, for
 	// the device to drop the link as it reboots; default
 	// DefaultRebootTimeout.
@@ -240,7 +248,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	if err != nil {
 		return nil, err
 	}
-	c, err := NewClient(cctx, link, ClientOptions{RequestTimeout: d.opts.RequestTimeout, Logger: d.log})
+	c, err := NewClient(cctx, link, ClientOptions{RequestTimeout: d.opts.RequestTimeout, FragmentTimeout: d.opts.FragmentTimeout, Logger: d.log})
 	if err != nil {
 		link.Close()
 		return nil, err
@@ -300,9 +308,10 @@ func (d *Device) window(s *session) int {
 }
 
 // retry runs fn over the live session, again over a new one whenever the
-// link drops, and again after a pause when the device is busy.
+// link drops (up to framingRetries times when the client dropped it for a
+// lost notification), and again after a pause when the device is busy.
 func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
-	busy := 0
+	busy, framing := 0, 0
 	busyWait := retry.Backoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
 	for {
 		s, err := d.session(ctx)
@@ -314,6 +323,14 @@ func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 		switch {
 		case err == nil:
 			return nil
+		case errors.Is(err, ErrFraming) && (framing == framingRetries || ctx.Err() != nil):
+			return err
+		case errors.Is(err, ErrFraming):
+			// The client dropped the link; what was asked is asked again,
+			// as after a drop.
+			framing++
+			d.log.Info("a response was lost part way; repeating over a new link", "err", err)
+			continue
 		case IsDisconnect(err) && ctx.Err() == nil:
 			d.log.Debug("link lost; reconnecting", "err", err)
 			continue
@@ -767,6 +784,12 @@ func (d *Device) reset(ctx context.Context) error {
 		return err
 	}
 	if err := s.client.Do(ctx, OpWrite, GroupOS, CmdOSReset, ResetRequest{}, nil); err != nil && !IsDisconnect(err) {
+		if errors.Is(err, ErrTimeout) {
+			// Not through retry (a reset is not repeated), so drop the
+			// link here as retry does: the device is presumed wedged, and
+			// the next command starts on a fresh link.
+			s.client.Close()
+		}
 		return fmt.Errorf("reset: %w", err)
 	}
 	t := time.NewTimer(d.opts.RebootTimeout)

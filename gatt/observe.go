@@ -15,8 +15,9 @@ type Observer interface {
 	Transfer(kind string, bytesSent int64, took time.Duration, failed bool)
 	// LinkLost reports a link found down that the Device had not closed:
 	// lost, dropped by the device (a reboot into new firmware among them),
-	// or closed after a request timed out. It is seen when the link is
-	// next needed, or at once when a request was in flight.
+	// or closed after a request timed out or a response lost a
+	// notification. It is seen when the link is next needed, or at once
+	// when a request was in flight.
 	LinkLost()
 }
 

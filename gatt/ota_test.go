@@ -3,6 +3,7 @@ package gatt_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -300,5 +301,49 @@ func TestOTADropDoesNotTrustTheSlot(t *testing.T) {
 	}
 	if n.Drops() != 1 {
 		t.Errorf("%d drops; want 1", n.Drops())
+	}
+}
+
+// swallowReset loses every OS reset request before the device gets it (a
+// tap of tapConnector): the device neither answers nor reboots, as a
+// wedged one would not.
+func swallowReset(_ gatt.Link, data []byte) ([]byte, error) {
+	if h, err := gatt.ParseHeader(data); err == nil && h.Group == gatt.GroupOS && h.ID == gatt.CmdOSReset {
+		return nil, nil
+	}
+	return data, nil
+}
+
+// A reset the device never answers fails the update with a timeout and
+// drops the link, as any request that timed out does: the next command
+// starts on a new connection rather than on the one the device stopped
+// answering.
+func TestUnansweredResetDropsTheLink(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: swallowReset},
+		MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	err = d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
+	if !errors.Is(err, gatt.ErrTimeout) {
+		t.Fatalf("UpdateFirmware with the reset lost = %v; want gatt.ErrTimeout", err)
+	}
+	if d.Connected() {
+		t.Error("the link the reset timed out on is still open")
+	}
+	before := n.Connects()
+	if _, err := d.Info(ctx); err != nil {
+		t.Fatalf("Info after the timeout: %v", err)
+	}
+	if got := n.Connects() - before; got != 1 {
+		t.Errorf("Info after the timeout made %d connections; want 1", got)
 	}
 }

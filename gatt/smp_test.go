@@ -269,3 +269,53 @@ func TestZephyrIndefiniteLengthAnswers(t *testing.T) {
 		t.Errorf("apps list = %v; want rc 8", err)
 	}
 }
+
+// rawLink answers every SMP request with the notifications raw gives it.
+type rawLink struct {
+	cannedLink
+	raw func(h Header) [][]byte
+}
+
+func (l *rawLink) Write(_ context.Context, _ string, data []byte, _ bool) error {
+	h, err := ParseHeader(data)
+	if err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	notify := l.notify
+	go func() {
+		for _, n := range l.raw(h) {
+			notify(n)
+		}
+	}()
+	return nil
+}
+
+// A response whose header claims more than the client takes has no
+// framing the client can follow: the requests in flight fail at once with
+// ErrFraming, and the client gives the link up, rather than wait for their
+// timeout.
+func TestResponseTooLongLosesTheFraming(t *testing.T) {
+	link := &rawLink{cannedLink: cannedLink{done: make(chan struct{})}, raw: func(h Header) [][]byte {
+		h.Op++
+		h.Len = 0xffff
+		return [][]byte{AppendHeader(nil, h)}
+	}}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 2 * time.Second, MaxResponse: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	start := time.Now()
+	if _, err := c.Params(ctx); !errors.Is(err, ErrFraming) || !IsDisconnect(err) || time.Since(start) > time.Second {
+		t.Errorf("Params answered by a header of 65535 bytes = %v after %v; want ErrFraming at once", err, time.Since(start))
+	}
+	select {
+	case <-c.Done():
+	default:
+		t.Error("the client still takes requests")
+	}
+}

@@ -7,11 +7,15 @@
 // transport advertises, and tells them apart by the serial number of their
 // Device Information Service, which is the device id.
 //
-// tinygo.org/x/bluetooth connects, discovers services and characteristics,
-// reads, writes, reads the MTU, starts notifications and disconnects. The
-// package talks D-Bus itself, on a private connection, where that library
-// falls short on Linux:
+// tinygo.org/x/bluetooth discovers services and characteristics, reads,
+// writes, reads the MTU and disconnects. The package talks D-Bus itself, on
+// a private connection, where that library falls short on Linux:
 //
+//   - connecting (Device1.Connect) and starting notifications, because the
+//     handlers it runs meanwhile index and assert the bodies of every
+//     PropertiesChanged on the bus unchecked, so one malformed signal would
+//     panic the bridge; its Connect is called only once the device is
+//     connected, when it just reads properties;
 //   - discovery, because its Scan can be stopped only from its own callback
 //     (StopScan is not safe from another goroutine,
 //     https://github.com/tinygo-org/bluetooth/issues/128), so a scan could
@@ -436,66 +440,100 @@ func (c *Connector) addKnownLocked(path dbus.ObjectPath, props map[string]dbus.V
 	return k
 }
 
-// dispatch handles BlueZ's signals in the order they come.
+// dispatch handles BlueZ's signals in the order they come. A signal whose
+// body does not have the arguments and types BlueZ sends (a buggy
+// bluetoothd) is logged and ignored: a panic here would end the bridge.
 func (c *Connector) dispatch() {
 	defer close(c.dispDone)
 	for sig := range c.sigs {
-		switch sig.Name {
-		case sigIfaceAdded:
-			path, _ := sig.Body[0].(dbus.ObjectPath)
-			ifaces, _ := sig.Body[1].(map[string]map[string]dbus.Variant)
-			props, ok := ifaces[ifaceDevice]
-			if !ok {
-				continue
-			}
-			c.mu.Lock()
-			if k := c.addKnownLocked(path, props); k != nil && c.scanning {
-				k.seen++
-				c.broadcastLocked()
-			}
-			c.mu.Unlock()
-		case sigIfaceGone:
-			path, _ := sig.Body[0].(dbus.ObjectPath)
-			ifaces, _ := sig.Body[1].([]string)
-			if !hasUUID(ifaces, ifaceDevice) {
-				continue
-			}
-			c.mu.Lock()
-			delete(c.known, path)
-			l := c.links[path]
-			c.mu.Unlock()
-			if l != nil {
-				l.lost()
-			}
-		case "org.freedesktop.DBus.NameOwnerChanged":
-			if name, _ := sig.Body[0].(string); name != bluezName {
-				continue
-			}
-			if owner, _ := sig.Body[2].(string); owner != "" {
-				continue
-			}
-			c.log.Warn("bluez: bluetoothd left the bus")
-			c.mu.Lock()
-			links := make([]*link, 0, len(c.links))
-			for _, l := range c.links {
-				links = append(links, l)
-			}
-			c.known = map[dbus.ObjectPath]*known{}
-			c.mu.Unlock()
-			for _, l := range links {
-				l.lost()
-			}
-		case sigPropsChange:
-			iface, _ := sig.Body[0].(string)
-			changes, _ := sig.Body[1].(map[string]dbus.Variant)
-			switch iface {
-			case ifaceDevice:
-				c.deviceChanged(sig.Path, changes)
-			case ifaceChar:
-				c.charChanged(sig.Path, changes)
-			}
+		if !c.handle(sig) {
+			c.log.Warn("bluez: ignoring a malformed signal", "signal", sig.Name, "path", sig.Path, "body", fmt.Sprintf("%#v", sig.Body))
 		}
 	}
+}
+
+// handle acts on one signal; it reports false for one whose body is not
+// what BlueZ sends.
+func (c *Connector) handle(sig *dbus.Signal) bool {
+	switch sig.Name {
+	case sigIfaceAdded:
+		if len(sig.Body) < 2 {
+			return false
+		}
+		path, ok := sig.Body[0].(dbus.ObjectPath)
+		ifaces, ok2 := sig.Body[1].(map[string]map[string]dbus.Variant)
+		if !ok || !ok2 {
+			return false
+		}
+		props, ok := ifaces[ifaceDevice]
+		if !ok {
+			return true
+		}
+		c.mu.Lock()
+		if k := c.addKnownLocked(path, props); k != nil && c.scanning {
+			k.seen++
+			c.broadcastLocked()
+		}
+		c.mu.Unlock()
+	case sigIfaceGone:
+		if len(sig.Body) < 2 {
+			return false
+		}
+		path, ok := sig.Body[0].(dbus.ObjectPath)
+		ifaces, ok2 := sig.Body[1].([]string)
+		if !ok || !ok2 {
+			return false
+		}
+		if !hasUUID(ifaces, ifaceDevice) {
+			return true
+		}
+		c.mu.Lock()
+		delete(c.known, path)
+		l := c.links[path]
+		c.mu.Unlock()
+		if l != nil {
+			l.lost()
+		}
+	case "org.freedesktop.DBus.NameOwnerChanged":
+		if len(sig.Body) < 3 {
+			return false
+		}
+		name, ok := sig.Body[0].(string)
+		owner, ok2 := sig.Body[2].(string)
+		if !ok || !ok2 {
+			return false
+		}
+		if name != bluezName || owner != "" {
+			return true
+		}
+		c.log.Warn("bluez: bluetoothd left the bus")
+		c.mu.Lock()
+		links := make([]*link, 0, len(c.links))
+		for _, l := range c.links {
+			links = append(links, l)
+		}
+		c.known = map[dbus.ObjectPath]*known{}
+		c.mu.Unlock()
+		for _, l := range links {
+			l.lost()
+		}
+	case sigPropsChange:
+		if len(sig.Body) < 2 {
+			return false
+		}
+		iface, ok := sig.Body[0].(string)
+		changes, ok2 := sig.Body[1].(map[string]dbus.Variant)
+		if !ok || !ok2 {
+			return false
+		}
+		switch iface {
+		case ifaceDevice:
+			c.deviceChanged(sig.Path, changes)
+		case ifaceChar:
+			c.charChanged(sig.Path, changes)
+		}
+	}
+	return true
 }
 
 func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.Variant) {

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/godbus/dbus/v5"
+
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/gatt/bluez"
 	"github.com/devicecompanion/companion/gatt/bluez/fakebluez"
@@ -329,7 +331,7 @@ func TestConnectTimeout(t *testing.T) {
 	if el := time.Since(start); el > 3*time.Second {
 		t.Errorf("Connect returned after %v; the deadline was 500ms", el)
 	}
-	// Close waits for the abandoned tinygo Connect: it ends because the
+	// Close waits for the abandoned Device1.Connect: it ends because the
 	// Connector asked BlueZ to disconnect, which aborts it.
 	closeWithin(t, c, 5*time.Second)
 	calls := strings.Join(fake.Calls(), "\n")
@@ -470,5 +472,110 @@ func TestBluetoothdExit(t *testing.T) {
 	}
 	if err := l.Write(context.Background(), gatt.SMPCharUUID, []byte("x"), false); !errors.Is(err, gatt.ErrDisconnected) {
 		t.Errorf("Write = %v; want gatt.ErrDisconnected", err)
+	}
+}
+
+// gatedPeripheral is a testPeripheral whose connections take until the
+// test opens the gate: a connection attempt that is under way.
+type gatedPeripheral struct {
+	*testPeripheral
+	entered, gate chan struct{}
+}
+
+func (p *gatedPeripheral) Connected(mtu int, notify func(string, []byte), drop func()) error {
+	close(p.entered)
+	<-p.gate
+	return p.testPeripheral.Connected(mtu, notify, drop)
+}
+
+// A signal from org.bluez with a body too short or of other types than
+// BlueZ's (a buggy bluetoothd) is ignored: no handler of the bridge's, nor
+// of tinygo's under it, may panic on one. The link, its notifications and
+// a connection under way when they came go on.
+func TestMalformedSignalsAreIgnored(t *testing.T) {
+	fake := fakebluez.New(t)
+	p := newTestPeripheral("dev-m")
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0A:01", Peripheral: p})
+	c := newConnector(t)
+	l := connect(t, c, "dev-m")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	got := make(chan string, 10)
+	if err := l.Subscribe(ctx, gatt.SMPCharUUID, func(b []byte) { got <- string(b) }); err != nil {
+		t.Fatalf("Subscribe: %v", err)
+	}
+	slow := &gatedPeripheral{testPeripheral: newTestPeripheral("dev-slow"), entered: make(chan struct{}), gate: make(chan struct{})}
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0A:02", Peripheral: slow})
+	type result struct {
+		l   gatt.Link
+		err error
+	}
+	connected := make(chan result, 1)
+	go func() {
+		l, err := c.Connect(ctx, "dev-slow")
+		connected <- result{l, err}
+	}()
+	select {
+	case <-slow.entered:
+	case <-ctx.Done():
+		t.Fatal("no connection attempt to dev-slow")
+	}
+
+	const (
+		propsChanged = "org.freedesktop.DBus.Properties.PropertiesChanged"
+		added        = "org.freedesktop.DBus.ObjectManager.InterfacesAdded"
+		removed      = "org.freedesktop.DBus.ObjectManager.InterfacesRemoved"
+	)
+	char := d.Path() + "/service0001/char0002"
+	for _, s := range []struct {
+		path dbus.ObjectPath
+		name string
+		body []any
+	}{
+		{d.Path(), propsChanged, nil},
+		{d.Path(), propsChanged, []any{int32(7)}},
+		{d.Path(), propsChanged, []any{"org.bluez.Device1"}},
+		{d.Path(), propsChanged, []any{"org.bluez.Device1", "Connected"}},
+		{char, propsChanged, []any{"org.bluez.GattCharacteristic1"}},
+		{char, propsChanged, []any{"org.bluez.GattCharacteristic1", []string{"Value"}}},
+		{fakebluez.AdapterPath, propsChanged, []any{"org.bluez.Adapter1"}},
+		{"/", added, nil},
+		{"/", added, []any{d.Path()}},
+		{"/", added, []any{"not a path", int32(1)}},
+		{"/", removed, nil},
+		{"/", removed, []any{d.Path()}},
+		{"/", removed, []any{d.Path(), "org.bluez.Device1"}},
+	} {
+		if err := fake.Emit(s.path, s.name, s.body...); err != nil {
+			t.Fatalf("Emit %s %v: %v", s.name, s.body, err)
+		}
+	}
+
+	// The dispatcher takes signals in order: the echo's notification comes
+	// after it went past every one above.
+	if err := l.Write(ctx, gatt.SMPCharUUID, []byte("after"), false); err != nil {
+		t.Fatalf("Write after the malformed signals: %v", err)
+	}
+	select {
+	case v := <-got:
+		if v != "after" {
+			t.Errorf("notification %q; want after", v)
+		}
+	case <-ctx.Done():
+		t.Fatal("no notification after the malformed signals")
+	}
+	select {
+	case <-l.Done():
+		t.Error("the link is down after the malformed signals")
+	default:
+	}
+	close(slow.gate)
+	r := <-connected
+	if r.err != nil {
+		t.Fatalf("Connect(dev-slow), under way when the signals came: %v", r.err)
+	}
+	defer r.l.Close()
+	if got, err := r.l.Read(ctx, gatt.SerialNumberUUID); err != nil || string(got) != "dev-slow" {
+		t.Errorf("Read(serial) of dev-slow = %q, %v", got, err)
 	}
 }

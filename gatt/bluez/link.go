@@ -32,13 +32,19 @@ func (c *Connector) open(ctx context.Context, path dbus.ObjectPath, addr, wantID
 	watch, unwatch := c.watchDevice(path)
 	defer unwatch()
 
-	// tinygo's Connect has no timeout: run it aside, and on ctx's expiry
+	// BlueZ's Connect has no timeout: run it aside, and on ctx's expiry
 	// ask BlueZ to disconnect, which makes it fail the pending Connect
 	// ("le-connection-abort-by-local"); the goroutine then ends.
 	done := make(chan connResult, 1)
 	c.calls.Add(1)
 	go func() {
 		defer c.calls.Done()
+		if err := c.connectDevice(path); err != nil {
+			done <- connResult{err: err}
+			return
+		}
+		// Connected: tinygo's Connect only reads properties and hands
+		// back the Device its other calls need.
 		dev, err := c.adapter.Connect(bluetooth.Address{MACAddress: bluetooth.MACAddress{MAC: mac}}, bluetooth.ConnectionParams{})
 		done <- connResult{dev, err}
 	}()
@@ -70,6 +76,29 @@ func (c *Connector) open(ctx context.Context, path dbus.ObjectPath, addr, wantID
 		return nil, errOtherDevice
 	}
 	return l, nil
+}
+
+// connectDevice asks BlueZ to connect the device at path, unless it is
+// connected already, on the Connector's own D-Bus connection. tinygo's
+// Connect would make the call itself, and then watch every
+// PropertiesChanged on the bus (the ones that came while the call was
+// pending included) with a handler that indexes and asserts their bodies
+// unchecked: a malformed one, from a buggy bluetoothd or any other process,
+// would panic the bridge. Of a connected device it watches nothing.
+func (c *Connector) connectDevice(path dbus.ObjectPath) error {
+	obj := c.conn.Object(bluezName, path)
+	if v, err := obj.GetProperty(ifaceDevice + ".Connected"); err == nil && v.Value() == true {
+		return nil
+	}
+	err := obj.Call(ifaceDevice+".Connect", 0).Err
+	var de dbus.Error
+	if errors.As(err, &de) && de.Name == "org.bluez.Error.AlreadyConnected" {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("bluez: connect: %w", err)
+	}
+	return nil
 }
 
 // connResult is the outcome of tinygo's Connect.
@@ -229,8 +258,8 @@ type link struct {
 	subs   map[dbus.ObjectPath]func([]byte)
 	ops    sync.WaitGroup // D-Bus calls in flight
 
-	notifyMu sync.Mutex      // tinygo's EnableNotifications is not concurrency-safe
-	notifyOn map[string]bool // by UUID: tinygo notifications enabled
+	notifyMu sync.Mutex      // one StartNotify per characteristic
+	notifyOn map[string]bool // by UUID: notifications started
 }
 
 // MTU is the ATT MTU BlueZ reports for the connection.
@@ -269,9 +298,8 @@ func (l *link) notified(path dbus.ObjectPath, value []byte) {
 	}
 }
 
-// Close disconnects and waits for the link's calls in flight. It must be
-// called also after Done closed, to release what tinygo holds for
-// notifications.
+// Close disconnects and waits for the link's calls in flight. It may be
+// called after Done closed.
 func (l *link) Close() error {
 	l.mu.Lock()
 	if l.closed {
@@ -289,15 +317,9 @@ func (l *link) Close() error {
 			err = fmt.Errorf("bluez: disconnect %s: %w", l.addr, derr)
 		}
 	}
+	// The notification sessions end with the connection: BlueZ removes
+	// the characteristics' objects.
 	l.ops.Wait()
-	l.notifyMu.Lock()
-	for u := range l.notifyOn {
-		// Stops tinygo's goroutine and signal channel; StopNotify fails
-		// on a connection already gone, which is fine.
-		l.chars[u].EnableNotifications(nil)
-	}
-	l.notifyOn = map[string]bool{}
-	l.notifyMu.Unlock()
 	l.lost()
 	return err
 }
@@ -426,8 +448,7 @@ func (l *link) Write(ctx context.Context, charUUID string, data []byte, withResp
 // same characteristic replaces fn.
 func (l *link) Subscribe(ctx context.Context, charUUID string, fn func([]byte)) error {
 	u := strings.ToLower(charUUID)
-	ch, err := l.char(u)
-	if err != nil {
+	if _, err := l.char(u); err != nil {
 		return err
 	}
 	path, ok := l.charPaths[u]
@@ -437,16 +458,18 @@ func (l *link) Subscribe(ctx context.Context, charUUID string, fn func([]byte)) 
 	l.mu.Lock()
 	l.subs[path] = fn
 	l.mu.Unlock()
-	err = l.do(ctx, func() error {
+	err := l.do(ctx, func() error {
 		l.notifyMu.Lock()
 		defer l.notifyMu.Unlock()
 		if l.notifyOn[u] {
 			return nil
 		}
-		// StartNotify through tinygo. Its callback is not used: the
-		// values come in order through the Connector's own signals.
-		if err := ch.EnableNotifications(func([]byte) {}); err != nil {
-			ch.EnableNotifications(nil) // tinygo leaves its channel registered
+		// StartNotify on the Connector's own connection, not through
+		// tinygo's EnableNotifications: the values come in order through
+		// the Connector's signals, and tinygo's handler of them indexes
+		// and asserts the body of every PropertiesChanged on the bus
+		// unchecked, so a malformed one would panic the bridge.
+		if err := l.c.conn.Object(bluezName, path).Call(ifaceChar+".StartNotify", 0).Err; err != nil {
 			return err
 		}
 		l.notifyOn[u] = true

@@ -116,6 +116,13 @@ func (b *BlueZ) Exit() {
 	}
 }
 
+// Emit sends a signal from org.bluez with whatever body it is given, as a
+// buggy bluetoothd could: for tests of what a client does with a body of
+// the wrong length or types.
+func (b *BlueZ) Emit(path dbus.ObjectPath, name string, body ...any) error {
+	return b.conn.Emit(path, name, body...)
+}
+
 // SetPowered switches the adapter on or off, as rfkill or a user would.
 func (b *BlueZ) SetPowered(on bool) {
 	b.adapter.SetMust(ifaceAdapter, "Powered", on)

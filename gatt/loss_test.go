@@ -1,0 +1,204 @@
+package gatt_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// lossyConnector makes its Connector's links lose one notification once
+// armed: the first that continues a response to group and command id (a
+// fragment after the first of it) and of which skip have gone by, or, with
+// last, the one that would complete such a response. The device sent it;
+// the bridge never sees it, as when a notification is lost on its way up.
+type lossyConnector struct {
+	gatt.Connector
+	group uint16
+	id    uint8
+	skip  int  // continuations of such responses to let through first
+	last  bool // lose the fragment that completes a response, not the first continuation
+	every bool // stay armed: lose one of every such response
+
+	mu      sync.Mutex
+	armed   bool
+	dropped int
+}
+
+func (c *lossyConnector) arm() {
+	c.mu.Lock()
+	c.armed = true
+	c.mu.Unlock()
+}
+
+func (c *lossyConnector) lost() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.dropped
+}
+
+func (c *lossyConnector) Connect(ctx context.Context, id string) (gatt.Link, error) {
+	l, err := c.Connector.Connect(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &lossyLink{Link: l, c: c}, nil
+}
+
+type lossyLink struct {
+	gatt.Link
+	c *lossyConnector
+}
+
+func (l *lossyLink) Subscribe(ctx context.Context, uuid string, fn func([]byte)) error {
+	if uuid != gatt.SMPCharUUID {
+		return l.Link.Subscribe(ctx, uuid, fn)
+	}
+	// A reassembler of its own follows the messages of the stream as the
+	// device sent it, to tell which response each notification belongs to.
+	shadow := gatt.NewReassembler(gatt.MaxMessage)
+	var cur gatt.Header
+	var held int
+	var lostOne bool // of the response under way
+	return l.Link.Subscribe(ctx, uuid, func(frag []byte) {
+		c := l.c
+		first := shadow.Pending() == 0
+		if first {
+			cur, _ = gatt.ParseHeader(frag)
+			held, lostOne = 0, false
+		}
+		held += len(frag)
+		shadow.Feed(frag)
+		c.mu.Lock()
+		lose := false
+		if c.armed && !first && !lostOne && cur.Group == c.group && cur.ID == c.id && cur.Op&1 == 1 &&
+			(!c.last || held == gatt.HeaderSize+int(cur.Len)) {
+			if c.skip > 0 {
+				c.skip--
+			} else {
+				lose, lostOne, c.armed = true, true, c.every
+				c.dropped++
+			}
+		}
+		c.mu.Unlock()
+		if !lose {
+			fn(frag)
+		}
+	})
+}
+
+// A response that loses a notification part way cannot be completed; its
+// first fragments came, so the link is live, and the rest would have come
+// at once. The bridge gives up on it after the fragment timeout, not the
+// request timeout, and repeats the request over a new link (every request
+// it repeats is idempotent, or carries the command id): the command goes
+// on.
+func TestLostNotificationRepeatsTheRequest(t *testing.T) {
+	opts := sim.LinkOptions{MTU: 23, KBPS: 200_000, Latency: -1, ConnectDelay: -1}
+	newDevice := func(t *testing.T, lc *lossyConnector) (*gatt.Device, *sim.Device, *sim.Network) {
+		t.Helper()
+		s := sim.New(sim.Options{ID: "dev-1"})
+		n := sim.NewNetwork(opts)
+		n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+		lc.Connector = n
+		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: lc, MinBackoff: time.Millisecond,
+			RequestTimeout: 5 * time.Second, FragmentTimeout: 100 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			d.Close()
+			n.Close()
+		})
+		return d, s, n
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	t.Run("settings", func(t *testing.T) {
+		// The schema is one request alone on the link, its answer many
+		// notifications at MTU 23: one lost from its middle.
+		lc := &lossyConnector{group: gatt.GroupSettingsSchema, id: gatt.CmdSchemaRead}
+		d, _, n := newDevice(t, lc)
+		if _, _, err := d.Settings(ctx); err != nil {
+			t.Fatalf("Settings: %v", err)
+		}
+		lc.arm()
+		start := time.Now()
+		vals, _, err := d.Settings(ctx)
+		took := time.Since(start)
+		if err != nil || vals["language"] != "en" {
+			t.Fatalf("Settings with a notification lost = %v, %v after %v", vals, err, took.Round(time.Millisecond))
+		}
+		if took > 2*time.Second || lc.lost() != 1 || n.Connects() != 2 {
+			t.Errorf("took %v, %d lost, %d connections; want well under the 5 s request timeout, 1 lost, 2 connections",
+				took.Round(time.Millisecond), lc.lost(), n.Connects())
+		}
+	})
+
+	t.Run("every time", func(t *testing.T) {
+		// A device whose answer is cut short every time is not asked
+		// until the command's time runs out: a few repeats, then the
+		// command fails.
+		lc := &lossyConnector{group: gatt.GroupSettingsSchema, id: gatt.CmdSchemaRead, every: true}
+		d, _, n := newDevice(t, lc)
+		lc.arm()
+		start := time.Now()
+		_, _, err := d.Settings(ctx)
+		took := time.Since(start)
+		if !errors.Is(err, gatt.ErrFraming) || took > 5*time.Second {
+			t.Fatalf("Settings with every answer cut short = %v after %v; want gatt.ErrFraming within the request timeout", err, took.Round(time.Millisecond))
+		}
+		if int64(lc.lost()) != n.Connects() || n.Connects() > 5 {
+			t.Errorf("%d lost over %d connections; want one on each, a few", lc.lost(), n.Connects())
+		}
+	})
+
+	// The image state and the apps list go out together: the apps list's
+	// answer follows the image state's, which loses one fragment, from its
+	// middle or its end. The stream joins the apps list's head to what it
+	// holds of the image state.
+	for _, lc := range []*lossyConnector{
+		{group: gatt.GroupImage, id: gatt.CmdImageState},
+		{group: gatt.GroupImage, id: gatt.CmdImageState, skip: 2},
+		{group: gatt.GroupImage, id: gatt.CmdImageState, skip: 4},
+		{group: gatt.GroupImage, id: gatt.CmdImageState, last: true},
+	} {
+		t.Run(fmt.Sprintf("status skip %d last %v", lc.skip, lc.last), func(t *testing.T) {
+			d, _, n := newDevice(t, lc)
+			lc.arm()
+			start := time.Now()
+			info, err := d.Info(ctx)
+			took := time.Since(start)
+			if err != nil || info.FirmwareVersion != "1.0.0" {
+				t.Fatalf("Info with a notification lost = %+v, %v after %v", info, err, took.Round(time.Millisecond))
+			}
+			if took > 2*time.Second || lc.lost() != 1 || n.Connects() != 2 {
+				t.Errorf("took %v, %d lost, %d connections; want well under the 5 s request timeout, 1 lost, 2 connections",
+					took.Round(time.Millisecond), lc.lost(), n.Connects())
+			}
+		})
+	}
+
+	t.Run("ota", func(t *testing.T) {
+		// The upload's last answer, {"off": len, "match": true}, takes two
+		// notifications at MTU 23: the second is lost. The upload runs
+		// again (img_mgmt closed it), and the reset, which is never
+		// repeated, reboots the device once.
+		lc := &lossyConnector{group: gatt.GroupImage, id: gatt.CmdImageUpload, last: true}
+		d, s, _ := newDevice(t, lc)
+		img := firmwareImage(t, "2.0.0", 20_000)
+		lc.arm()
+		if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", img, nil); err != nil {
+			t.Fatalf("UpdateFirmware with a notification lost: %v", err)
+		}
+		if s.Firmware() != "2.0.0" || s.Boots() != 1 || lc.lost() != 1 {
+			t.Errorf("firmware %s after %d boots, %d lost; want 2.0.0 after 1, 1 lost", s.Firmware(), s.Boots(), lc.lost())
+		}
+	})
+}
