@@ -216,7 +216,14 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 	held := map[string]bool{}      // devices with a command that did not go out in this pass
 	for _, c := range cmds {
 		// The TTL bounds delivery: a command the bridge has is never
-		// expired, and its repeat fetches its final reply.
+		// expired, and its repeat fetches its final reply. One that may
+		// have gone out (expiredAt: within ExpiryGrace of its TTL) goes
+		// again: its final reply may have been lost (a broker that
+		// acknowledged it and died with it, bug 1), and the bridge answers
+		// the repeat from its record, or, never having had it, "expired"
+		// at once without running it (it checks the TTL as it takes a
+		// command in). Left alone, it read expired once the grace was
+		// over, however it had ended on the device.
 		undelivered := c.State == companion.StateQueued || c.State == companion.StateSent
 		if undelivered && now.After(c.ExpiresAt) {
 			b.mu.Lock()
@@ -224,8 +231,10 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 				delete(b.flying, c.ID) // taken from memory only: it never went out
 			}
 			b.mu.Unlock()
-			b.expire(context.Background(), c.ID)
-			continue
+			if b.expiredAt(c, now) {
+				b.expire(context.Background(), c.ID)
+				continue
+			}
 		}
 		bridge, ok := bridges[c.DeviceID]
 		if !ok {
