@@ -198,11 +198,11 @@ func (db *DB) EventsPastEnd(ctx context.Context, after string) (bool, error) {
 // PurgeEvents deletes the events older than olderThan, oldest first, at
 // most purgeBatch of them in each write transaction. Events made after now
 // (while the clock ran ahead) are stepped over, a bounded number a
-// transaction, as PurgeCommands steps over such commands: those that
-// follow them in the log are older.
+// transaction (resumable.walk), as PurgeCommands steps over such commands:
+// those that follow them in the log are older.
 func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {
 	now := db.now()
-	var from []byte // the first event the next transaction reads; nil: the oldest
+	var at resumable
 	return db.purgeInBatches(ctx, func(tx *bolt.Tx, batch int) (int, bool, error) {
 		events, byUser := tx.Bucket(bucketEvents), tx.Bucket(bucketUserEvents)
 		type doomed struct {
@@ -210,29 +210,19 @@ func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 			user string
 		}
 		var gone []doomed
-		more := false
-		c := events.Cursor()
-		k, v := c.First()
-		if from != nil {
-			k, v = c.Seek(from)
-		}
-		for read := 0; k != nil; k, v = c.Next() {
-			if len(gone) == batch || read == 16*batch {
-				from, more = bytes.Clone(k), true
-				break
-			}
-			read++
+		more, err := at.walk(events.Cursor(), batch, func() bool { return len(gone) == batch }, func(k, v []byte) (bool, error) {
 			var ev companion.Event
 			if err := fastjson.Unmarshal(v, &ev); err != nil {
-				return 0, false, fmt.Errorf("store: decode event %x: %w", k, err)
+				return false, fmt.Errorf("store: decode event %x: %w", k, err)
 			}
 			if !ev.At.Before(olderThan) {
-				if ev.At.After(now) {
-					continue
-				}
-				break
+				return !ev.At.After(now), nil // made ahead: step over
 			}
 			gone = append(gone, doomed{bytes.Clone(k), ev.UserID})
+			return false, nil
+		})
+		if err != nil {
+			return 0, false, err
 		}
 		for _, d := range gone {
 			if err := events.Delete(d.k); err != nil {

@@ -94,37 +94,29 @@ func settles(old, r companion.Idempotency, now time.Time) bool {
 
 // PurgeIdempotency deletes the records created before olderThan and
 // returns how many it deleted. The records are kept by user and key, not
-// by time, so every one is read: a batch of deletions (db.purgeBatch, or
-// defaultPurgeBatch) or 16 batches' worth of records a write transaction
-// at most, each going on from where the last stopped. In one transaction,
-// a day of keyed requests (millions of records at a few hundred a second)
-// held the writer, and so every 202, for as long as the walk took.
+// by time, so every one is read, a bounded number a write transaction
+// (resumable.walk), each going on from where the last stopped. In one
+// transaction, a day of keyed requests (millions of records at a few
+// hundred a second) held the writer, and so every 202, for as long as the
+// walk took.
 func (db *DB) PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error) {
-	var from []byte // the first record the next transaction reads; nil: the first
+	var at resumable
 	return db.purgeInBatches(ctx, func(tx *bolt.Tx, batch int) (int, bool, error) {
 		b := tx.Bucket(bucketIdempotency)
 		var doomed [][]byte
-		more := false
-		c := b.Cursor()
-		k, v := c.First()
-		if from != nil {
-			k, v = c.Seek(from)
-		}
-		for read := 0; k != nil; k, v = c.Next() {
-			if len(doomed) == batch || read == 16*batch {
-				from, more = bytes.Clone(k), true
-				break
-			}
-			read++
+		more, err := at.walk(b.Cursor(), batch, func() bool { return len(doomed) == batch }, func(k, v []byte) (bool, error) {
 			var rec companion.Idempotency
 			if err := fastjson.Unmarshal(v, &rec); err != nil {
-				return 0, false, fmt.Errorf("store: decode idempotency %q: %w", k, err)
+				return false, fmt.Errorf("store: decode idempotency %q: %w", k, err)
 			}
 			if rec.CreatedAt.Before(olderThan) {
 				doomed = append(doomed, bytes.Clone(k))
 			}
+			return false, nil
+		})
+		if err != nil {
+			return 0, false, err
 		}
-		// Deleting while a cursor walks the bucket skips keys; delete after.
 		for _, k := range doomed {
 			if err := b.Delete(k); err != nil {
 				return 0, false, err

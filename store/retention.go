@@ -32,40 +32,30 @@ const defaultPurgeBatch = 1000
 // ran ahead, and the ids above it (commandID keeps them rising) are of
 // commands made once the clock was set right, older than it. Stopping
 // there kept every later command until the clock caught up. A transaction
-// reads at most 16 batches' worth of commands, so a long run of those
-// stepped over never holds the writer for long.
+// reads a bounded number of commands (resumable.walk), so a long run of
+// those stepped over never holds the writer for long.
 func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, error) {
 	now := db.now()
-	var from []byte // the first command the next transaction reads; nil: the oldest
+	var at resumable
 	return db.purgeInBatches(ctx, func(tx *bolt.Tx, batch int) (int, bool, error) {
 		cmds := tx.Bucket(bucketCommands)
 		hist, staged := tx.Bucket(bucketDeviceCmds), tx.Bucket(bucketDeviceCmdsNew)
 		var doomed []companion.Command
-		more := false
-		c := cmds.Cursor()
-		k, v := c.First()
-		if from != nil {
-			k, v = c.Seek(from)
-		}
-		for read := 0; k != nil; k, v = c.Next() {
-			if len(doomed) == batch || read == 16*batch {
-				from, more = bytes.Clone(k), true
-				break
-			}
-			read++
+		more, err := at.walk(cmds.Cursor(), batch, func() bool { return len(doomed) == batch }, func(_, v []byte) (bool, error) {
 			var cmd companion.Command
 			if err := fastjson.Unmarshal(v, &cmd); err != nil {
-				return 0, false, err
+				return false, err
 			}
 			if !cmd.CreatedAt.Before(olderThan) {
-				if cmd.CreatedAt.After(now) {
-					continue
-				}
-				break
+				return !cmd.CreatedAt.After(now), nil // made ahead: step over
 			}
 			if companion.IsFinal(cmd.State) && cmd.UpdatedAt.Before(olderThan) {
 				doomed = append(doomed, cmd)
 			}
+			return false, nil
+		})
+		if err != nil {
+			return 0, false, err
 		}
 		for _, cmd := range doomed {
 			if err := cmds.Delete([]byte(cmd.ID)); err != nil {
@@ -80,6 +70,34 @@ func (db *DB) PurgeCommands(ctx context.Context, olderThan time.Time) (int, erro
 		}
 		return len(doomed), more, nil
 	})
+}
+
+// resumable is where a purge's next write transaction goes on reading a
+// bucket: the key the last one stopped at (nil: the first).
+type resumable struct{ from []byte }
+
+// walk calls fn with the records of c from where the last walk stopped,
+// in key order, until fn says stop, the bucket ends, full reports true, or
+// it has read 16 batches' worth of records, so that one transaction stays
+// short however few of the records it reads go. It reports true, more to
+// read, when it stopped for full or for that bound. Deleting while a
+// cursor walks a bucket skips keys: the callers delete after the walk.
+func (r *resumable) walk(c *bolt.Cursor, batch int, full func() bool, fn func(k, v []byte) (stop bool, err error)) (more bool, err error) {
+	k, v := c.First()
+	if r.from != nil {
+		k, v = c.Seek(r.from)
+	}
+	for read := 0; k != nil; k, v = c.Next() {
+		if full() || read == 16*batch {
+			r.from = bytes.Clone(k)
+			return true, nil
+		}
+		read++
+		if stop, err := fn(k, v); stop || err != nil {
+			return false, err
+		}
+	}
+	return false, nil
 }
 
 // purgeInBatches runs purge in one write transaction after another, until
