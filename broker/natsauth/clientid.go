@@ -10,7 +10,8 @@ import (
 
 // clientIDHolder returns the username of another account that has a
 // connection open, on any node, with the MQTT client id of the login req
-// asks about; "" when none has.
+// asks about (l), or whose login with it began before l on this responder
+// and is under way or lately let in; "" when none has.
 //
 // NATS lets a login take a client id over from any account in the
 // cluster: it closes the other connection. The embedded broker refuses a
@@ -20,9 +21,21 @@ import (
 // offline is not among them, and NATS keeps no username with it. Without
 // a system user nothing is asked; nor for a reserved client id, which
 // embedded.MayUseClientID has decided.
-func (r *Responder) clientIDHolder(ctx context.Context, req *jwt.AuthorizationRequestClaims) (string, error) {
+//
+// A connection is listed only once its node has the answer: two logins
+// of two accounts with one client id at the same moment both found none,
+// both were let in, and the later took the earlier's session over. So the
+// logins this responder answers count too, the first begun winning; those
+// that other responders (of other replicas) answer do not.
+func (r *Responder) clientIDHolder(ctx context.Context, req *jwt.AuthorizationRequestClaims, l *login) (string, error) {
 	ci := req.ClientInformation
-	if r.sys == nil || ci.MQTT == "" || embedded.ReservedClientID(ci.MQTT) {
+	if ci.MQTT == "" || embedded.ReservedClientID(ci.MQTT) {
+		return "", nil
+	}
+	if holder := r.earlierLoginWith(ci.MQTT, l); holder != "" {
+		return holder, nil
+	}
+	if r.sys == nil {
 		return "", nil
 	}
 	conns, err := r.connz(ctx, connzFilter{MQTTClient: ci.MQTT})

@@ -180,7 +180,9 @@ const loginSettle = 10 * time.Second
 // read until loginSettle after it was let in.
 type login struct {
 	username string
+	clientID string    // its MQTT client id
 	conn     connRef   // the node and the connection asking
+	seq      uint64    // the order logins began in, on this responder
 	until    time.Time // zero while it is being answered
 }
 
@@ -189,15 +191,22 @@ type login struct {
 func (r *Responder) beginLogin(req *jwt.AuthorizationRequestClaims) *login {
 	l := &login{
 		username: req.ConnectOptions.Username,
+		clientID: req.ClientInformation.MQTT,
 		conn:     connRef{serverID: req.Server.ID, serverName: req.Server.Name, cid: req.ClientInformation.ID},
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.settle()
+	r.begun++
+	l.seq = r.begun
 	if r.logins[l.username] == nil {
 		r.logins[l.username] = map[*login]bool{}
 	}
 	r.logins[l.username][l] = true
+	if r.byClient[l.clientID] == nil {
+		r.byClient[l.clientID] = map[*login]bool{}
+	}
+	r.byClient[l.clientID][l] = true
 	return l
 }
 
@@ -244,6 +253,25 @@ func (r *Responder) forget(l *login) {
 	if len(r.logins[l.username]) == 0 {
 		delete(r.logins, l.username)
 	}
+	delete(r.byClient[l.clientID], l)
+	if len(r.byClient[l.clientID]) == 0 {
+		delete(r.byClient, l.clientID)
+	}
+}
+
+// earlierLoginWith returns the username of another account whose login
+// with clientID began before l and is being answered, or was let in
+// within loginSettle; "" when there is none.
+func (r *Responder) earlierLoginWith(clientID string, l *login) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.settle()
+	for o := range r.byClient[clientID] {
+		if o.seq < l.seq && o.username != l.username {
+			return o.username
+		}
+	}
+	return ""
 }
 
 // apiResponse is the part of nats-server's ServerAPIResponse read here.

@@ -564,6 +564,50 @@ func TestClientIDOfAnotherAccount(t *testing.T) {
 	assert.True(t, bob2.IsConnected())
 }
 
+// Two accounts logging in with one client id at the same moment: NATS
+// lists a connection only once its node has the answer, so the later
+// login found no holder in the cluster while the earlier was still being
+// answered, was let in too, and took over (closed) the earlier one's
+// connection. The login begun first wins; the later is refused.
+func TestClientIDOfALoginUnderWay(t *testing.T) {
+	d := startDoor(t, nil)
+	d.st.set(func(f *fakeStore) { f.users["alice"], f.users["bob"] = "token-a", "token-b" })
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	d.st.set(func(f *fakeStore) {
+		f.read = func(account string) {
+			if account == "alice" {
+				once.Do(func() { close(held); <-release })
+			}
+		}
+	})
+	defer d.st.set(func(f *fakeStore) { f.read = nil })
+	type login struct {
+		p   *probe
+		err error
+	}
+	first := make(chan login, 1)
+	go func() {
+		p, err := dialOnce(t, d.cl.MQTTURLs[0], "shared-id", "alice", "token-a")
+		first <- login{p, err}
+	}()
+	select {
+	case <-held: // alice's login is past the client id check, reading her rights
+	case <-time.After(wait):
+		t.Fatal("alice's login did not read the store")
+	}
+	_, err := dialOnce(t, d.cl.MQTTURLs[0], "shared-id", "bob", "token-b")
+	assert.Error(t, err, "bob logged in with the client id of alice's login under way")
+	close(release)
+	a := <-first
+	require.NoError(t, a.err, "alice's login, begun first")
+	select {
+	case err := <-a.p.Lost:
+		t.Fatalf("alice's connection was closed: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+}
+
 // Rights too large for one NATS message are refused, saying so; the
 // documented size is let in: 1,000 devices of the longest ids, for a
 // bridge and for a user, fit in NATS's default max_payload (1 MB).

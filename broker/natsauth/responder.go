@@ -111,7 +111,9 @@ type Responder struct {
 	closed   bool
 	pending  map[string]bool            // usernames whose connections are still to be closed
 	logins   map[string]map[*login]bool // by username: logins being answered or lately let in
+	byClient map[string]map[*login]bool // the same, by MQTT client id
 	settling []*login                   // the logins let in, oldest first
+	begun    uint64                     // logins begun: the last one's login.seq
 	retry    chan struct{}
 	quit     chan struct{}
 	wg       sync.WaitGroup
@@ -172,6 +174,7 @@ func New(opts Options) (*Responder, error) {
 		sem:        make(chan struct{}, opts.Workers),
 		pending:    map[string]bool{},
 		logins:     map[string]map[*login]bool{},
+		byClient:   map[string]map[*login]bool{},
 		retry:      make(chan struct{}, 1),
 		quit:       make(chan struct{}),
 	}
@@ -288,7 +291,7 @@ func (r *Responder) answer(m *nats.Msg) {
 	l := r.beginLogin(req)
 	let := false
 	defer func() { r.endLogin(l, let) }()
-	userJWT, who, refusal := r.decide(ctx, req)
+	userJWT, who, refusal := r.decide(ctx, req, l)
 	ci := req.ClientInformation
 	log := r.log.With("username", req.ConnectOptions.Username, "client_id", ci.MQTT, "remote", ci.Host,
 		"nats_server", req.Server.Name)
@@ -331,7 +334,7 @@ func (r *Responder) answer(m *nats.Msg) {
 
 // decide authenticates the client and, when it may come in, returns its
 // user JWT and identity; otherwise why not.
-func (r *Responder) decide(ctx context.Context, req *jwt.AuthorizationRequestClaims) (string, embedded.Identity, string) {
+func (r *Responder) decide(ctx context.Context, req *jwt.AuthorizationRequestClaims, l *login) (string, embedded.Identity, string) {
 	co := req.ConnectOptions
 	if co.Username == "" || co.Password == "" {
 		return "", embedded.Identity{}, "anonymous"
@@ -343,7 +346,7 @@ func (r *Responder) decide(ctx context.Context, req *jwt.AuthorizationRequestCla
 	if !embedded.MayUseClientID(id, req.ClientInformation.MQTT) {
 		return "", id, "client id belongs to another account"
 	}
-	if holder, err := r.clientIDHolder(ctx, req); err != nil {
+	if holder, err := r.clientIDHolder(ctx, req, l); err != nil {
 		// The check keeps one account from closing another's connection;
 		// it guards no data, so a cluster that cannot be asked does not
 		// keep everyone out.
