@@ -29,6 +29,23 @@ import (
 // began before it has ended: a long write transaction elsewhere on the
 // server delays the events committed meanwhile, it does not lose them.
 //
+// The xid an event is stored with is its place in the log, and xids are
+// handed out when a transaction first writes, not when it commits nor
+// when it takes the lock of the command or device the event is about. A
+// transaction that took its xid early (an unbind, with the device's lock;
+// a lane's batch, with the write of another device) and then waited for a
+// command that another, with a later xid, changed and committed meanwhile
+// would put its own event of the command before that one: a reader would
+// see the command failed, then delivered. So an event is stored with
+// eventXidSQL: its transaction's xid, or the highest xid among the user's
+// events already committed when that is higher. Every write that appends
+// an event about a command or a device holds that row's lock from an
+// earlier statement, so under READ COMMITTED the statement that appends
+// it sees every earlier event of the row as committed, and goes after
+// them; the id of the sequence, taken later, orders it after an event of
+// the same xid. The stored xid is never below the transaction's own, so a
+// reader still sees it only once its transaction has ended.
+//
 // A cursor is the event's (xid, id) as two 16-digit hex numbers joined by
 // "-", so that cursors compare as strings in log order.
 
@@ -65,6 +82,14 @@ func parseEventCursor(s string) (eventCursor, error) {
 	return eventCursor{xid, id}, nil
 }
 
+// eventXidSQL is the xid an event of the user named by the SQL
+// expression user is stored with (see above): the transaction's own, or
+// the highest of the user's events committed, through the index
+// events_by_user.
+func eventXidSQL(user string) string {
+	return `greatest(pg_current_xact_id(), (SELECT l.xid FROM events l WHERE l.user_id = ` + user + ` ORDER BY l.xid DESC LIMIT 1))`
+}
+
 // queueCommandEvent queues on b the event of command c as now stored.
 func queueCommandEvent(b *pgx.Batch, c companion.Command) error {
 	if c.UserID == "" {
@@ -74,7 +99,7 @@ func queueCommandEvent(b *pgx.Batch, c companion.Command) error {
 	if err != nil {
 		return err
 	}
-	b.Queue(`INSERT INTO events (xid, user_id, device_id, at, data) VALUES (pg_current_xact_id(), $1, $2, $3, $4)`,
+	b.Queue(`INSERT INTO events (xid, user_id, device_id, at, data) SELECT `+eventXidSQL("$1::text")+`, $1, $2, $3, $4`,
 		c.UserID, c.DeviceID, c.UpdatedAt, data)
 	b.Queue(`SELECT pg_notify($1, '')`, eventsChannel)
 	return nil
@@ -89,7 +114,7 @@ func insertDeviceEvent(ctx context.Context, tx pgx.Tx, st companion.Status) erro
 	}
 	_, err = tx.Exec(ctx, `WITH ev AS (
 			INSERT INTO events (xid, user_id, device_id, at, data)
-			SELECT pg_current_xact_id(), user_id, device_id, $2, $3 FROM bindings WHERE device_id = $1
+			SELECT `+eventXidSQL("b.user_id")+`, b.user_id, b.device_id, $2, $3 FROM bindings b WHERE b.device_id = $1
 			RETURNING 1)
 		SELECT pg_notify('`+eventsChannel+`', '') FROM ev`, st.DeviceID, st.UpdatedAt, data)
 	return err

@@ -154,6 +154,20 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 	// what a user sees (companion.DeviceEventDue), the event for the
 	// user the device is bound to (events.go). No apps (NULL) and an empty
 	// list are the same to a user: an event shows both as [].
+	//
+	// It compares with the status its snapshot holds, and under READ
+	// COMMITTED that snapshot is taken when the statement starts: had the
+	// statement itself waited for the row (the report of another replica
+	// being stored), it would compare with the status from before that
+	// report, while the upsert applies over the report. A change that
+	// undid the other report's (online again offline) would then read as
+	// no change, and the user's last event would say what is no longer
+	// true. So a statement before it, in the same round trip, takes the
+	// row's lock and waits for any write under way: the statement that
+	// stores starts after it. A device's first status has no row to lock
+	// yet: of two first reports at once, on two replicas, the second may
+	// announce a change it did not make, or read before the first (left
+	// so: it takes the device's very first two reports at one moment).
 	now := s.clock()
 	ns := st
 	ns.UpdatedAt = now
@@ -161,8 +175,9 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 	if err != nil {
 		return false, err
 	}
-	var applied int
-	err = tx.QueryRow(ctx, `WITH old AS (
+	var b pgx.Batch
+	b.Queue(`SELECT 1 FROM statuses WHERE device_id = $1 FOR UPDATE`, st.DeviceID)
+	b.Queue(`WITH old AS (
 			SELECT online, battery, firmware_version, apps::text AS apps FROM statuses WHERE device_id = $1),
 		up AS (
 			INSERT INTO statuses AS t (device_id, online, battery, firmware_version, model, apps, bridge_id, last_seen, updated_at, seq)
@@ -174,14 +189,24 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 			RETURNING device_id),
 		ev AS (
 			INSERT INTO events (xid, user_id, device_id, at, data)
-			SELECT pg_current_xact_id(), b.user_id, b.device_id, $9, $11 FROM up JOIN bindings b ON b.device_id = up.device_id
+			SELECT `+eventXidSQL("b.user_id")+`, b.user_id, b.device_id, $9, $11 FROM up JOIN bindings b ON b.device_id = up.device_id
 			WHERE NOT EXISTS (SELECT 1 FROM old WHERE old.online = $2 AND old.battery IS NOT DISTINCT FROM $3
 				AND old.firmware_version = $4 AND coalesce(old.apps, '[]') = coalesce($6::json::text, '[]'))
 			RETURNING 1),
 		notified AS (SELECT pg_notify('`+eventsChannel+`', '') FROM ev LIMIT 1)
 		SELECT (SELECT count(*) FROM up) + 0 * (SELECT count(*) FROM notified)`,
-		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, now, seqText(st.Seq), event).Scan(&applied)
-	if err != nil {
+		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, now, seqText(st.Seq), event)
+	br := tx.SendBatch(ctx, &b)
+	var applied int
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return false, err
+	}
+	if err := br.QueryRow().Scan(&applied); err != nil {
+		_ = br.Close()
+		return false, err
+	}
+	if err := br.Close(); err != nil {
 		return false, err
 	}
 	return applied == 1, nil
@@ -220,10 +245,19 @@ func (s *Store) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, 
 		var ids []string
 		err := s.tx(ctx, func(tx pgx.Tx) error {
 			// The devices going offline now have events (events.go), in
-			// device order as the bbolt engine appends them.
+			// device order as the bbolt engine appends them. Every
+			// device the bridge's status names is locked first, and
+			// exactly those are changed: a second statement that chose
+			// them again would take with them a device whose report
+			// (another replica's, committed while this one waited for a
+			// lock) named the bridge only after the first statement's
+			// snapshot, and mark it offline with no event, its user's
+			// last word on it "online". A locked row is read as it is
+			// now, report included.
 			now := s.clock()
-			rows, _ := tx.Query(ctx, `SELECT `+statusColumnsOf("statuses")+` FROM statuses WHERE bridge_id = $1 AND online ORDER BY device_id FOR UPDATE`, bridgeID)
+			rows, _ := tx.Query(ctx, `SELECT `+statusColumnsOf("statuses")+` FROM statuses WHERE bridge_id = $1 ORDER BY device_id FOR UPDATE`, bridgeID)
 			var going []companion.Status
+			ids = nil
 			for rows.Next() {
 				var r statusRow
 				if err := rows.Scan(r.dest()...); err != nil {
@@ -235,14 +269,15 @@ func (s *Store) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, 
 					rows.Close()
 					return err
 				}
-				going = append(going, st)
+				ids = append(ids, st.DeviceID)
+				if st.Online {
+					going = append(going, st)
+				}
 			}
 			if err := rows.Err(); err != nil {
 				return err
 			}
-			rows, _ = tx.Query(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE bridge_id = $1 RETURNING device_id`, bridgeID, now)
-			var err error
-			if ids, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+			if _, err := tx.Exec(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE device_id = ANY($1)`, ids, now); err != nil {
 				return err
 			}
 			for _, st := range going {
