@@ -77,13 +77,16 @@ func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any
 	return idem, body.utf8Errors(), false, nil
 }
 
-// send hands a new command to the broker.
-func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) (companion.Command, error) {
+// send hands a new command to the broker. replayed says the store
+// answered with the command of an earlier request with the same
+// Idempotency-Key (one that overlapped this one, so that beginCommand did
+// not see it): this request created nothing.
+func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) (cmd companion.Command, replayed bool, err error) {
 	p, err := fastjson.Marshal(payload)
 	if err != nil {
-		return companion.Command{}, err
+		return companion.Command{}, false, err
 	}
-	cmd := companion.Command{
+	cmd = companion.Command{
 		DeviceID:  deviceID,
 		UserID:    currentUser(c).ID,
 		Op:        op,
@@ -91,20 +94,20 @@ func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time
 		ExpiresAt: s.now().Add(ttl),
 		Blob:      blobOf(payload),
 	}
-	got, _, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
+	got, replayed, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
 	switch {
 	case errors.Is(err, companion.ErrQueueFull):
-		return companion.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
+		return companion.Command{}, false, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
 	case errors.Is(err, companion.ErrIdemConflict):
-		return companion.Command{}, errIdemReused
+		return companion.Command{}, false, errIdemReused
 	case errors.Is(err, companion.ErrNotOwned):
 		// Unbound (or bound anew) since boundDevice looked: the store
 		// checks again as it stores the command.
-		return companion.Command{}, errDeviceNotFound
+		return companion.Command{}, false, errDeviceNotFound
 	case err != nil:
-		return companion.Command{}, err
+		return companion.Command{}, false, err
 	}
-	return got, nil
+	return got, replayed, nil
 }
 
 // blobOf is the SHA-256 of the blob a command's payload references: the
@@ -123,7 +126,7 @@ func blobOf(payload any) string {
 
 // submit hands a new command to the broker and answers it.
 func (s *Server) submit(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) error {
-	cmd, err := s.send(c, deviceID, op, payload, ttl, idem)
+	cmd, _, err := s.send(c, deviceID, op, payload, ttl, idem)
 	if err != nil {
 		return err
 	}
@@ -527,20 +530,28 @@ func (s *Server) putSettings(c *gin.Context) error {
 	if err := validationError(fields); err != nil {
 		return err
 	}
-	cmd, err := s.send(c, b.DeviceID, topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: req}, s.limits.DefaultTTL, idem)
+	cmd, replayed, err := s.send(c, b.DeviceID, topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: req}, s.limits.DefaultTTL, idem)
 	if err != nil {
 		return err
 	}
-	switch err := s.store.MergeDesiredSettings(ctx, b.DeviceID, b.UserID, body.members); {
-	case errors.Is(err, companion.ErrNotOwned):
-		// Unbound since the command was stored: the unbind ended the
-		// command and dropped the desired settings, and the next owner
-		// must not find these.
-		s.log.InfoContext(ctx, "desired settings not recorded: the device was unbound meanwhile", "device", b.DeviceID)
-	case err != nil:
-		// The command is accepted; only the desired view lags until the
-		// device reports.
-		s.log.ErrorContext(ctx, "recording desired settings", "device", b.DeviceID, "err", err)
+	// A repeat that the store answered with the first request's command
+	// (replayed: the two overlapped, so beginCommand did not see the
+	// first) records nothing, as it creates nothing: the first request
+	// merged the same values, and merging them again after a change
+	// accepted since would put them back over that change's, pending for
+	// ever against what the device reports.
+	if !replayed {
+		switch err := s.store.MergeDesiredSettings(ctx, b.DeviceID, b.UserID, body.members); {
+		case errors.Is(err, companion.ErrNotOwned):
+			// Unbound since the command was stored: the unbind ended the
+			// command and dropped the desired settings, and the next owner
+			// must not find these.
+			s.log.InfoContext(ctx, "desired settings not recorded: the device was unbound meanwhile", "device", b.DeviceID)
+		case err != nil:
+			// The command is accepted; only the desired view lags until
+			// the device reports.
+			s.log.ErrorContext(ctx, "recording desired settings", "device", b.DeviceID, "err", err)
+		}
 	}
 	return s.answerCommand(c, cmd, http.StatusAccepted, true)
 }
@@ -641,6 +652,10 @@ func (s *Server) deviceCommand(c *gin.Context, b companion.Binding) (companion.C
 	if !topics.ValidCommandID(id) {
 		return companion.Command{}, errCommandNotFnd
 	}
+	// A UUID's hex digits are case-insensitive on input (RFC 9562 §4), and
+	// clients write them in upper case (Swift's UUID.uuidString); the
+	// stores know each id only as written, in lower case.
+	id = strings.ToLower(id)
 	cmd, err := s.store.Command(c.Request.Context(), id)
 	switch {
 	case errors.Is(err, companion.ErrNotFound):

@@ -2,6 +2,9 @@ package api
 
 import (
 	"context"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -36,4 +39,91 @@ func TestCommandAcrossAnUnbindIsRefused(t *testing.T) {
 	n, err := base.db.CountOpen(context.Background(), "dev-1")
 	require.NoError(t, err)
 	assert.Zero(t, n, "a command was stored for the unbound device")
+}
+
+// A command id in the path is a UUID, whose hex digits are case-insensitive
+// on input (RFC 9562 §4), as api/openapi.json's pattern for it allows:
+// Swift's UUID.uuidString writes them in upper case. Such an id names the
+// command as the lower-case one does, for a read and for a cancel.
+func TestCommandIDInUpperCase(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "hi"})
+	require.Equal(t, 202, r.status, "%s", r.body)
+	id := r.json(t)["id"].(string)
+	upper := "/api/v1/devices/dev-1/commands/" + strings.ToUpper(id)
+
+	r = e.do("GET", upper, tok, nil)
+	require.Equal(t, 200, r.status, "GET %s: %s", upper, r.body)
+	assert.Equal(t, id, r.json(t)["id"], "the id as the API writes it")
+
+	r = e.do("DELETE", upper, tok, nil)
+	require.Equal(t, 200, r.status, "DELETE %s: %s", upper, r.body)
+	assert.Equal(t, companion.StateCanceled, r.json(t)["state"])
+
+	// Another user's command stays unknown in any case.
+	other := e.bound("dev-2")
+	r = e.do("GET", "/api/v1/devices/dev-2/commands/"+strings.ToUpper(id), other, nil)
+	require.Equal(t, 404, r.status, "%s", r.body)
+	assert.Equal(t, CodeCommandNotFound, r.problem(t).Code)
+}
+
+// staleIdemStore answers the first read of the key `key` with what the
+// store held then, but only once `release` is closed, having said on
+// `read` that it read: a request whose read of its key came before the
+// first request with the key stored its command.
+type staleIdemStore struct {
+	*store.DB
+	key     string
+	held    atomic.Bool
+	read    chan struct{}
+	release chan struct{}
+}
+
+func (s *staleIdemStore) Idempotency(ctx context.Context, userID, key string) (companion.Idempotency, error) {
+	rec, err := s.DB.Idempotency(ctx, userID, key)
+	if key == s.key && s.held.CompareAndSwap(false, true) {
+		close(s.read)
+		<-s.release
+	}
+	return rec, err
+}
+
+// A repeat of a settings change that overlaps its first request is
+// answered with the first request's command by the store (which checks
+// the key as it stores the command), and creates nothing: it must not
+// write its values into the desired settings again either, over those of a
+// change accepted after the first (CONTRACT §2, Idempotency-Key; §8).
+func TestOverlappingSettingsRepeatChangesNothing(t *testing.T) {
+	base := newEnv(t)
+	tok := base.bound("dev-1")
+	base.reportSettings("dev-1")
+	st := &staleIdemStore{DB: base.db, key: "s-A", read: make(chan struct{}), release: make(chan struct{})}
+	e := newEnvWith(t, base.db, st)
+	put := func(key string, volume int) resp {
+		return e.send(req{method: "PUT", path: "/api/v1/devices/dev-1/settings", token: tok,
+			body: map[string]any{"volume": volume}, header: map[string]string{"Idempotency-Key": key}})
+	}
+
+	// Released on any return, so that a failure does not leave the
+	// server's Close waiting for the held request.
+	release := sync.OnceFunc(func() { close(st.release) })
+	defer release()
+	late := make(chan resp, 1)
+	go func() { late <- put("s-A", 3) }() // its read of s-A finds nothing yet
+	<-st.read
+	first := put("s-A", 3)
+	require.Equal(t, 202, first.status, "%s", first.body)
+	next := put("s-B", 7)
+	require.Equal(t, 202, next.status, "%s", next.body)
+	release()
+	repeat := <-late
+	require.Equal(t, 202, repeat.status, "%s", repeat.body)
+	assert.Equal(t, first.json(t)["id"], repeat.json(t)["id"], "the repeat answers the first command")
+	assert.Equal(t, 2, e.cmds.count(), "the repeat created no command")
+
+	r := e.do("GET", "/api/v1/devices/dev-1/settings", tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	assert.Equal(t, float64(7), r.json(t)["desired"].(map[string]any)["volume"],
+		"desired holds the last change accepted, not the repeat's")
 }
