@@ -101,6 +101,13 @@ type Command struct {
 	CreatedAt time.Time `json:"created_at"`
 	UpdatedAt time.Time `json:"updated_at"`
 	ExpiresAt time.Time `json:"expires_at"`
+	// Desired is what a settings.update records as the device's desired
+	// settings: CreateCommand merges each key into them (each value must
+	// be JSON) in the transaction that stores the command, and only when
+	// it stores one, so that desired settings follow the order of the
+	// commands and a replay records nothing. It is never stored or
+	// returned with the command.
+	Desired map[string]json.RawMessage `json:"-"`
 }
 
 // CommandQuery selects the commands of one device that ListCommands

@@ -52,7 +52,6 @@ type Store interface {
 	Settings(ctx context.Context, deviceID string) (Settings, error)
 	PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
 	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
-	MergeDesiredSettings(ctx context.Context, deviceID, userID string, partial map[string]json.RawMessage) error
 
 	CreateCommand(ctx context.Context, c Command, maxOpen int, idem *Idempotency) (cmd Command, replay bool, err error)
 	CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done func(cmd Command, replay bool, err error))

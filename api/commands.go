@@ -77,37 +77,37 @@ func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any
 	return idem, body.utf8Errors(), false, nil
 }
 
-// send hands a new command to the broker. replayed says the store
-// answered with the command of an earlier request with the same
-// Idempotency-Key (one that overlapped this one, so that beginCommand did
-// not see it): this request created nothing.
-func (s *Server) send(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) (cmd companion.Command, replayed bool, err error) {
+// send hands a new command to the broker. desired, for a settings.update,
+// is what the store records as the device's desired settings in the write
+// that stores the command (companion.Command.Desired).
+func (s *Server) send(c *gin.Context, deviceID, op string, payload any, desired map[string]json.RawMessage, ttl time.Duration, idem *companion.Idempotency) (companion.Command, error) {
 	p, err := fastjson.Marshal(payload)
 	if err != nil {
-		return companion.Command{}, false, err
+		return companion.Command{}, err
 	}
-	cmd = companion.Command{
+	cmd := companion.Command{
 		DeviceID:  deviceID,
 		UserID:    currentUser(c).ID,
 		Op:        op,
 		Payload:   p,
 		ExpiresAt: s.now().Add(ttl),
 		Blob:      blobOf(payload),
+		Desired:   desired,
 	}
-	got, replayed, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
+	got, _, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
 	switch {
 	case errors.Is(err, companion.ErrQueueFull):
-		return companion.Command{}, false, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
+		return companion.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
 	case errors.Is(err, companion.ErrIdemConflict):
-		return companion.Command{}, false, errIdemReused
+		return companion.Command{}, errIdemReused
 	case errors.Is(err, companion.ErrNotOwned):
 		// Unbound (or bound anew) since boundDevice looked: the store
 		// checks again as it stores the command.
-		return companion.Command{}, false, errDeviceNotFound
+		return companion.Command{}, errDeviceNotFound
 	case err != nil:
-		return companion.Command{}, false, err
+		return companion.Command{}, err
 	}
-	return got, replayed, nil
+	return got, nil
 }
 
 // blobOf is the SHA-256 of the blob a command's payload references: the
@@ -126,7 +126,7 @@ func blobOf(payload any) string {
 
 // submit hands a new command to the broker and answers it.
 func (s *Server) submit(c *gin.Context, deviceID, op string, payload any, ttl time.Duration, idem *companion.Idempotency) error {
-	cmd, _, err := s.send(c, deviceID, op, payload, ttl, idem)
+	cmd, err := s.send(c, deviceID, op, payload, nil, ttl, idem)
 	if err != nil {
 		return err
 	}
@@ -530,28 +530,14 @@ func (s *Server) putSettings(c *gin.Context) error {
 	if err := validationError(fields); err != nil {
 		return err
 	}
-	cmd, replayed, err := s.send(c, b.DeviceID, topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: req}, s.limits.DefaultTTL, idem)
+	// The store records the values as desired in the write that stores
+	// the command, and only if it stores one: desired settings follow the
+	// order of the commands, and a repeat that the store answers with the
+	// first request's command (the two overlapped, so beginCommand did not
+	// see the first) records nothing over a change accepted since.
+	cmd, err := s.send(c, b.DeviceID, topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: req}, body.members, s.limits.DefaultTTL, idem)
 	if err != nil {
 		return err
-	}
-	// A repeat that the store answered with the first request's command
-	// (replayed: the two overlapped, so beginCommand did not see the
-	// first) records nothing, as it creates nothing: the first request
-	// merged the same values, and merging them again after a change
-	// accepted since would put them back over that change's, pending for
-	// ever against what the device reports.
-	if !replayed {
-		switch err := s.store.MergeDesiredSettings(ctx, b.DeviceID, b.UserID, body.members); {
-		case errors.Is(err, companion.ErrNotOwned):
-			// Unbound since the command was stored: the unbind ended the
-			// command and dropped the desired settings, and the next owner
-			// must not find these.
-			s.log.InfoContext(ctx, "desired settings not recorded: the device was unbound meanwhile", "device", b.DeviceID)
-		case err != nil:
-			// The command is accepted; only the desired view lags until
-			// the device reports.
-			s.log.ErrorContext(ctx, "recording desired settings", "device", b.DeviceID, "err", err)
-		}
 	}
 	return s.answerCommand(c, cmd, http.StatusAccepted, true)
 }

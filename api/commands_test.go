@@ -127,3 +127,53 @@ func TestOverlappingSettingsRepeatChangesNothing(t *testing.T) {
 	assert.Equal(t, float64(7), r.json(t)["desired"].(map[string]any)["volume"],
 		"desired holds the last change accepted, not the repeat's")
 }
+
+// Two settings changes that overlap keep, as desired, the values of the
+// one accepted last: the device runs the commands in the order of their
+// ids and reports the last one's values, so desired must follow that
+// order, whatever order the two requests finish in (CONTRACT §2, §8). The
+// first request is held right after the store took its command, until
+// the second has been answered: when the desired values were merged in a
+// write of their own after the command, the first's came last, and
+// GET …/settings showed them as desired, pending for ever.
+func TestOverlappingSettingsChangesKeepTheirOrder(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.reportSettings("dev-1")
+	put := func(volume int) resp {
+		return e.do("PUT", "/api/v1/devices/dev-1/settings", tok, map[string]any{"volume": volume})
+	}
+
+	var held atomic.Bool
+	stored := make(chan struct{})
+	release := make(chan struct{})
+	// Released on any return, so that a failure does not leave the
+	// server's Close waiting for the held request.
+	done := sync.OnceFunc(func() { close(release) })
+	defer done()
+	e.cmds.mu.Lock()
+	e.cmds.onSubmit = func(companion.Command) {
+		if held.CompareAndSwap(false, true) {
+			close(stored)
+			<-release
+		}
+	}
+	e.cmds.mu.Unlock()
+
+	slow := make(chan resp, 1)
+	go func() { slow <- put(3) }()
+	<-stored
+	fast := put(7)
+	require.Equal(t, 202, fast.status, "%s", fast.body)
+	done()
+	first := <-slow
+	require.Equal(t, 202, first.status, "%s", first.body)
+	require.Less(t, first.json(t)["id"].(string), fast.json(t)["id"].(string), "the held request's command is the first")
+
+	r := e.do("GET", "/api/v1/devices/dev-1/settings", tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	s := r.json(t)
+	assert.Equal(t, float64(7), s["desired"].(map[string]any)["volume"],
+		"desired holds the value of the command accepted last, which the device runs last")
+	assert.Contains(t, s["pending"], "volume")
+}

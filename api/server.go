@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -43,7 +42,6 @@ type Store interface {
 
 	Status(ctx context.Context, deviceID string) (companion.Status, error)
 	Settings(ctx context.Context, deviceID string) (companion.Settings, error)
-	MergeDesiredSettings(ctx context.Context, deviceID, userID string, partial map[string]json.RawMessage) error
 
 	Command(ctx context.Context, id string) (companion.Command, error)
 	// ListCommands reads a page of a device's commands, filtered as it

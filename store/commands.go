@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -30,6 +31,13 @@ const IdempotencyTTL = 24 * time.Hour
 // ErrQueueFull means the device already has maxOpen non-final commands
 // (maxOpen <= 0: no limit). ErrNotOwned means c.UserID is set and the
 // device, one of the registry, is not bound to that user.
+//
+// With c.Desired set, the new command's transaction merges it into the
+// device's desired settings (each key replaces that key's value; a value
+// that is not JSON is ErrInvalid, and nothing is stored). A replay and a
+// refusal record nothing: the desired settings change with the commands
+// that carry them, in the order of their ids. The command returned has no
+// Desired, as one read back.
 //
 // Writers are grouped (see batch): the command is on disk when
 // CreateCommand returns nil.
@@ -65,6 +73,15 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		rec.RequestHash = slices.Clone(idem.RequestHash)
 		rec.Body = slices.Clone(idem.Body)
 	}
+	var want map[string]json.RawMessage // nil: none to record
+	if len(c.Desired) > 0 {
+		var err error
+		if want, err = companion.NewDesiredSettings(c.Desired); err != nil {
+			done(companion.Command{}, false, err)
+			return
+		}
+	}
+	c.Desired = nil
 	c.Payload = cloneRaw(c.Payload)
 	c.Result = cloneRaw(c.Result)
 	var (
@@ -142,6 +159,12 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		}
 		if err := indexBlob(tx, companion.Command{}, nc); err != nil {
 			return err
+		}
+		// For the device's owner only: checked above, for the command.
+		if want != nil {
+			if err := db.mergeDesired(tx, nc.DeviceID, want); err != nil {
+				return err
+			}
 		}
 		if idem != nil {
 			r := rec

@@ -279,39 +279,19 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 	return true, nil
 }
 
-// MergeDesiredSettings records values the user asked for: each key of
-// partial replaces the desired value of that key. Values are stored as
-// compacted JSON; validating them against the schema is the caller's job.
-// With userID set, ErrNotOwned (and nothing stored) when the device, one
-// of the registry, is not bound to that user, checked in the write: an
-// unbind between the settings command and this merge drops the desired
-// settings, and the old owner's must not come back for the next one.
-func (db *DB) MergeDesiredSettings(ctx context.Context, deviceID, userID string, partial map[string]json.RawMessage) error {
-	if !validID(deviceID) {
-		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
-	}
-	want, err := companion.NewDesiredSettings(partial)
-	if err != nil {
+// mergeDesired records, in tx, values a user asked of the device: each
+// key of want (checked and compacted by companion.NewDesiredSettings)
+// replaces the desired value of that key. CreateCommand calls it for a
+// settings command it stores, so that the desired settings follow the
+// order of the commands.
+func (db *DB) mergeDesired(tx *bolt.Tx, deviceID string, want map[string]json.RawMessage) error {
+	b := tx.Bucket(bucketSettings)
+	s := companion.Settings{DeviceID: deviceID}
+	if _, err := getJSON(b, []byte(deviceID), &s); err != nil {
 		return err
 	}
-	return db.batch(func(tx *bolt.Tx) error {
-		if userID != "" && tx.Bucket(bucketDevices).Get([]byte(deviceID)) != nil {
-			ok, err := boundTo(tx, deviceID, userID)
-			if err != nil {
-				return err
-			}
-			if !ok {
-				return abort(companion.ErrNotOwned)
-			}
-		}
-		b := tx.Bucket(bucketSettings)
-		s := companion.Settings{DeviceID: deviceID}
-		if _, err := getJSON(b, []byte(deviceID), &s); err != nil {
-			return err
-		}
-		fillMaps(&s)
-		maps.Copy(s.Desired, want)
-		s.UpdatedAt = db.now()
-		return putJSON(b, []byte(deviceID), s)
-	})
+	fillMaps(&s)
+	maps.Copy(s.Desired, want)
+	s.UpdatedAt = db.now()
+	return putJSON(b, []byte(deviceID), s)
 }

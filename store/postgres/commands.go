@@ -138,6 +138,13 @@ func lockIdempotencyKey(ctx context.Context, tx pgx.Tx, userID, key string) erro
 // already has maxOpen non-final commands (maxOpen <= 0: no limit).
 // ErrNotOwned means c.UserID is set and the device, one of the registry,
 // is not bound to that user (lockOwnBinding).
+//
+// With c.Desired set, the new command's transaction merges it into the
+// device's desired settings (each key replaces that key's value; a value
+// that is not JSON is ErrInvalid, and nothing is stored), under the
+// device's queue lock: the desired settings change in the order of the
+// commands' ids. A replay and a refusal record nothing. The command
+// returned has no Desired, as one read back.
 func (s *Store) CreateCommand(ctx context.Context, c companion.Command, maxOpen int, idem *companion.Idempotency) (cmd companion.Command, replay bool, err error) {
 	type result struct {
 		cmd    companion.Command
@@ -178,6 +185,15 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 		rec.RequestHash = slices.Clone(idem.RequestHash)
 		rec.Body = slices.Clone(idem.Body)
 	}
+	var want map[string]json.RawMessage // nil: none to record
+	if len(c.Desired) > 0 {
+		var err error
+		if want, err = companion.NewDesiredSettings(c.Desired); err != nil {
+			done(companion.Command{}, false, err)
+			return
+		}
+	}
+	c.Desired = nil
 	if err := compactCommand(&c); err != nil {
 		done(companion.Command{}, false, err)
 		return
@@ -221,6 +237,13 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 		now, id, err := s.ids.next(s.now, c.DeviceID, last)
 		if err != nil {
 			return err
+		}
+		if want != nil {
+			// After the queue, as every write that takes both locks
+			// (Unbind, UpdateCommandWithReport) takes the settings last.
+			if err := mergeDesired(ctx, tx, c.DeviceID, want, now); err != nil {
+				return err
+			}
 		}
 		nc := c
 		nc.ID = id.String()

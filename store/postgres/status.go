@@ -490,49 +490,17 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 	return true, nil
 }
 
-// MergeDesiredSettings records values the user asked for: each key of
-// partial replaces the desired value of that key. Values are stored as
-// compacted JSON; validating them against the schema is the caller's job.
-// With userID set, ErrNotOwned (and nothing stored) when the device, one
-// of the registry, is not bound to that user, under the binding's share
-// lock (lockOwnBinding): an unbind between the settings command and this
-// merge drops the desired settings, and the old owner's must not come
-// back for the next one.
-func (s *Store) MergeDesiredSettings(ctx context.Context, deviceID, userID string, partial map[string]json.RawMessage) error {
-	if !validID(deviceID) {
-		return fmt.Errorf("%w: settings need a device id", companion.ErrInvalid)
-	}
-	want, err := companion.NewDesiredSettings(partial)
+// mergeDesired records, in tx, values a user asked of the device: each
+// key of want (checked and compacted by companion.NewDesiredSettings)
+// replaces the desired value of that key. CreateCommand calls it for a
+// settings command it stores, so that the desired settings follow the
+// order of the commands.
+func mergeDesired(ctx context.Context, tx pgx.Tx, deviceID string, want map[string]json.RawMessage, now time.Time) error {
+	row, _, err := lockSettings(ctx, tx, deviceID, now)
 	if err != nil {
 		return err
 	}
-	ch := make(chan error, 1)
-	ok := s.submit(job{
-		ctx: ctx,
-		key: deviceHash(deviceID),
-		body: func(ctx context.Context, tx pgx.Tx) error {
-			if userID != "" {
-				if err := lockOwnBinding(ctx, tx, deviceID, userID); err != nil {
-					return err
-				}
-			}
-			now := s.clock()
-			row, _, err := lockSettings(ctx, tx, deviceID, now)
-			if err != nil {
-				return err
-			}
-			maps.Copy(row.s.Desired, want)
-			row.s.UpdatedAt = now
-			return writeSettings(ctx, tx, row.s)
-		},
-		finish: func(err error) { ch <- err },
-	})
-	if !ok {
-		return ErrClosed
-	}
-	err, werr := wait(ctx, ch)
-	if werr != nil {
-		return werr
-	}
-	return err
+	maps.Copy(row.s.Desired, want)
+	row.s.UpdatedAt = now
+	return writeSettings(ctx, tx, row.s)
 }

@@ -160,7 +160,7 @@ func testUnbindEndsCommands(t *testing.T, s companion.Store) {
 	}
 	done := setState(t, s, create(t, s, newCmd("d1")).ID, companion.StateSucceeded)
 	other := create(t, s, newCmd("d2")) // the user keeps d2
-	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "", map[string]json.RawMessage{"language": raw(`"fr"`)}))
+	setState(t, s, desire(t, s, "d1", "u1", map[string]string{"language": `"fr"`}).ID, companion.StateSucceeded)
 	_, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"language": raw(`"en"`)}, nil, now(), 1)
 	require.NoError(t, err)
 	_, events, err := s.Events(ctx, "u1", "", 0)
@@ -431,30 +431,28 @@ func testCommandsOnlyForTheOwner(t *testing.T, s companion.Store) {
 	}
 }
 
-// Desired settings are recorded for the device's owner only, checked in
-// the write: an unbind that lands between a settings command and the
-// merge of its values drops the desired settings, and the merge that
-// follows must not bring the old owner's back for the next one.
+// Desired settings are recorded for the device's owner only, with the
+// command that carries them: a settings command refused because the
+// device is no longer the user's (an unbind committed after the API
+// checked the binding) records nothing, and the old owner's values must
+// not come back for the next one.
 func testDesiredSettingsOnlyForTheOwner(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	provision(t, s, "sim-1", "d1")
 	bind(t, s, "u1", "d1")
-	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "u1", map[string]json.RawMessage{"volume": raw("10")}), "the owner's merge")
+	desire(t, s, "d1", "u1", map[string]string{"volume": "10"})
 	if _, err := s.Unbind(ctx, "d1", "u1"); err != nil {
 		t.Fatalf("Unbind = %v", err)
 	}
-	err := s.MergeDesiredSettings(ctx, "d1", "u1", map[string]json.RawMessage{"language": raw(`"fr"`)})
-	assert.ErrorIs(t, err, companion.ErrNotOwned, "MergeDesiredSettings after the unbind")
+	_, _, err := s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"language": `"fr"`}), 0, nil)
+	assert.ErrorIs(t, err, companion.ErrNotOwned, "settings command after the unbind")
 	bind(t, s, "u2", "d1")
-	err = s.MergeDesiredSettings(ctx, "d1", "u1", map[string]json.RawMessage{"language": raw(`"de"`)})
-	assert.ErrorIs(t, err, companion.ErrNotOwned, "MergeDesiredSettings of the previous owner")
-	st, err := s.Settings(ctx, "d1")
-	require.NoError(t, err)
-	assert.Empty(t, st.Desired, "the next owner's desired settings")
-	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "u2", map[string]json.RawMessage{"volume": raw("20")}), "the new owner's merge")
-	st, err = s.Settings(ctx, "d1")
-	require.NoError(t, err)
-	assert.True(t, equalRaw(st.Desired, map[string]string{"volume": "20"}), "Desired = %s", st.Desired)
+	_, _, err = s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"language": `"de"`}), 0, nil)
+	assert.ErrorIs(t, err, companion.ErrNotOwned, "settings command of the previous owner")
+	assert.Empty(t, desired(t, s, "d1"), "the next owner's desired settings")
+	desire(t, s, "d1", "u2", map[string]string{"volume": "20"})
+	got := desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "20"}), "Desired = %s", got)
 }
 
 // An unbind and a command of the same user racing each other: either the

@@ -155,9 +155,11 @@ func testSettings(t *testing.T, open Opener) {
 			}
 		}},
 		{"ReportedDesiredMerge", testReportedSettings},
+		{"DesiredFollowsTheCommands", testDesiredFollowsTheCommands},
+		{"DesiredOnlyWithTheCommand", testDesiredOnlyWithTheCommand},
 		{"DesiredBeforeAnyReport", func(t *testing.T, s companion.Store) {
 			ctx := t.Context()
-			require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw("30")}))
+			desire(t, s, "d1", "", map[string]string{"volume": "30"})
 			st, err := s.Settings(ctx, "d1")
 			require.NoError(t, err)
 			assert.True(t, equalRaw(st.Desired, map[string]string{"volume": "30"}), "Desired = %s", st.Desired)
@@ -179,7 +181,6 @@ func testSettings(t *testing.T, open Opener) {
 			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(bad JSON value)")
 			_, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("1")}, raw("{"), now(), 1)
 			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(bad JSON schema)")
-			assert.ErrorIs(t, s.MergeDesiredSettings(ctx, "", "", map[string]json.RawMessage{"x": raw("1")}), companion.ErrInvalid, "MergeDesiredSettings(no device)")
 			st, err := s.Settings(ctx, "d1")
 			require.NoError(t, err)
 			assert.Empty(t, st.Reported, "Settings(d1) after refused reports")
@@ -198,11 +199,8 @@ func testReportedSettings(t *testing.T, s companion.Store) {
 	}, schema, t0, 1)
 	require.NoError(t, err)
 	require.True(t, ok, "PutReportedSettings applied")
-	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "", map[string]json.RawMessage{
-		"brightness": raw(" 80 "), "volume": raw("20"), "language": raw(`"de"`),
-	}))
-	require.NoError(t, s.MergeDesiredSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw("30")}))
-	assert.ErrorIs(t, s.MergeDesiredSettings(ctx, "d1", "", map[string]json.RawMessage{"x": raw("{")}), companion.ErrInvalid, "MergeDesiredSettings(bad JSON)")
+	desire(t, s, "d1", "", map[string]string{"brightness": " 80 ", "volume": "20", "language": `"de"`})
+	desire(t, s, "d1", "", map[string]string{"volume": "30"})
 
 	st, err := s.Settings(ctx, "d1")
 	require.NoError(t, err)

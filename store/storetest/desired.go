@@ -1,0 +1,138 @@
+package storetest
+
+import (
+	"encoding/json"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// settingsCmd is a settings.update command of the user ("" none) for the
+// device, as the API submits one: it records desired (name → JSON value)
+// as the device's desired settings when it is created.
+func settingsCmd(dev, user string, desired map[string]string) companion.Command {
+	d := make(map[string]json.RawMessage, len(desired))
+	for k, v := range desired {
+		d[k] = raw(v)
+	}
+	payload, err := json.Marshal(map[string]any{"settings": d})
+	if err != nil {
+		payload = raw(`{"settings":{}}`) // a test's value that is not JSON
+	}
+	return companion.Command{DeviceID: dev, UserID: user, Op: "settings.update", Payload: payload, Desired: d, ExpiresAt: now().Add(time.Hour)}
+}
+
+// desire stores a settings command recording desired, or fails the test.
+func desire(t testing.TB, s companion.Store, dev, user string, desired map[string]string) companion.Command {
+	t.Helper()
+	c := create(t, s, settingsCmd(dev, user, desired))
+	assert.Nil(t, c.Desired, "CreateCommand returned Desired")
+	return c
+}
+
+// desired returns the device's desired settings or fails the test.
+func desired(t testing.TB, s companion.Store, dev string) map[string]json.RawMessage {
+	t.Helper()
+	st, err := s.Settings(t.Context(), dev)
+	require.NoError(t, err, "Settings(%s)", dev)
+	return st.Desired
+}
+
+// Desired settings change with the settings commands that carry them,
+// in the order of the commands: of two commands for one key, the one
+// with the higher id (run later by the device, and reported last) wins,
+// however their writes overlap (PUT …/settings, CONTRACT §2 and §8).
+func testDesiredFollowsTheCommands(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "d1")
+	bind(t, s, "u1", "d1")
+
+	a := desire(t, s, "d1", "u1", map[string]string{"volume": "3", "brightness": "10"})
+	b := desire(t, s, "d1", "u1", map[string]string{"volume": "7"})
+	require.Less(t, a.ID, b.ID)
+	got := desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "7", "brightness": "10"}),
+		"Desired after A then B = %s; want B's volume over A's, A's brightness kept", got)
+	stored, err := s.Command(ctx, b.ID)
+	require.NoError(t, err)
+	assert.Nil(t, stored.Desired, "Command read back has Desired")
+
+	// Many at once, as a slider sends them, or several replicas.
+	const n = 20
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		vols = map[string]int{} // command id → its volume
+	)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			vol := 20 + i
+			c, replay, err := s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"volume": strconv.Itoa(vol)}), 0, nil)
+			if !assert.NoError(t, err, "CreateCommand(volume %d)", vol) || !assert.False(t, replay) {
+				return
+			}
+			mu.Lock()
+			vols[c.ID] = vol
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	require.Len(t, vols, n)
+	last := ""
+	for id := range vols {
+		last = max(last, id)
+	}
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": strconv.Itoa(vols[last]), "brightness": "10"}),
+		"Desired after %d concurrent commands = %s; want volume %d, of the highest id %s", n, got, vols[last], last)
+}
+
+// A create that does not store a command records no desired settings:
+// a replay of an Idempotency-Key (its request overlapped the first, so
+// that it reached the store), a conflict, a full queue, a value that is
+// not JSON.
+func testDesiredOnlyWithTheCommand(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "d1")
+	bind(t, s, "u1", "d1")
+	idem := func(hash string) *companion.Idempotency {
+		return &companion.Idempotency{UserID: "u1", Key: "k-A", RequestHash: hashOf(hash), Status: 202}
+	}
+
+	first, replay, err := s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"volume": "3"}), 0, idem("A"))
+	require.NoError(t, err)
+	require.False(t, replay, "first CreateCommand with k-A replayed")
+	desire(t, s, "d1", "u1", map[string]string{"volume": "7"})
+	before, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+
+	again, replay, err := s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"volume": "3"}), 0, idem("A"))
+	require.NoError(t, err, "repeat of k-A")
+	assert.True(t, replay, "repeat of k-A replayed")
+	assert.Equal(t, first.ID, again.ID, "repeat of k-A answers the first command")
+	assert.Nil(t, again.Desired, "a replay returned Desired")
+	got := desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "7"}), "Desired after a replay = %s; want the later command's volume 7", got)
+
+	_, _, err = s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"volume": "4"}), 0, idem("other"))
+	assert.ErrorIs(t, err, companion.ErrIdemConflict, "k-A with another request")
+	_, _, err = s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"volume": "5"}), 2, nil)
+	assert.ErrorIs(t, err, companion.ErrQueueFull, "a third open command with maxOpen 2")
+	_, _, err = s.CreateCommand(ctx, settingsCmd("d1", "u1", map[string]string{"volume": "6", "x": "{"}), 0, nil)
+	assert.ErrorIs(t, err, companion.ErrInvalid, "a desired value that is not JSON")
+	_, _, err = s.CreateCommand(ctx, settingsCmd("", "u1", map[string]string{"volume": "6"}), 0, nil)
+	assert.ErrorIs(t, err, companion.ErrInvalid, "no device")
+
+	after, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	assert.True(t, equalRaw(after.Desired, map[string]string{"volume": "7"}), "Desired after refused creates = %s", after.Desired)
+	assert.True(t, after.UpdatedAt.Equal(before.UpdatedAt), "Settings.UpdatedAt moved from %v to %v without a command", before.UpdatedAt, after.UpdatedAt)
+	assert.Equal(t, 2, countOpen(t, s, "d1"), "open commands: the two created")
+}
