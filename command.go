@@ -110,6 +110,18 @@ type Command struct {
 	Desired map[string]json.RawMessage `json:"-"`
 }
 
+// TakeDesired returns c.Desired checked and compacted by
+// NewDesiredSettings (nil when there is none) and clears it: what a
+// store's CreateCommand records with the command it stores.
+func (c *Command) TakeDesired() (map[string]json.RawMessage, error) {
+	d := c.Desired
+	c.Desired = nil
+	if len(d) == 0 {
+		return nil, nil
+	}
+	return NewDesiredSettings(d)
+}
+
 // CommandQuery selects the commands of one device that ListCommands
 // returns. The zero value of each field but DeviceID selects everything.
 type CommandQuery struct {

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -73,15 +72,11 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		rec.RequestHash = slices.Clone(idem.RequestHash)
 		rec.Body = slices.Clone(idem.Body)
 	}
-	var want map[string]json.RawMessage // nil: none to record
-	if len(c.Desired) > 0 {
-		var err error
-		if want, err = companion.NewDesiredSettings(c.Desired); err != nil {
-			done(companion.Command{}, false, err)
-			return
-		}
+	want, err := c.TakeDesired() // nil: none to record
+	if err != nil {
+		done(companion.Command{}, false, err)
+		return
 	}
-	c.Desired = nil
 	c.Payload = cloneRaw(c.Payload)
 	c.Result = cloneRaw(c.Result)
 	var (

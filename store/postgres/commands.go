@@ -185,15 +185,11 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 		rec.RequestHash = slices.Clone(idem.RequestHash)
 		rec.Body = slices.Clone(idem.Body)
 	}
-	var want map[string]json.RawMessage // nil: none to record
-	if len(c.Desired) > 0 {
-		var err error
-		if want, err = companion.NewDesiredSettings(c.Desired); err != nil {
-			done(companion.Command{}, false, err)
-			return
-		}
+	want, err := c.TakeDesired() // nil: none to record
+	if err != nil {
+		done(companion.Command{}, false, err)
+		return
 	}
-	c.Desired = nil
 	if err := compactCommand(&c); err != nil {
 		done(companion.Command{}, false, err)
 		return
