@@ -27,6 +27,7 @@ import (
 	mqtt "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/packets"
 
+	"github.com/devicecompanion/companion/internal/mochilisten"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -188,7 +189,7 @@ type Server struct {
 	mochi    *mqtt.Server
 	auth     *authHook
 	hooks    []mqtt.Hook // the three hooks, in the order mochi calls them
-	ln       *listener
+	ln       *mochilisten.Listener
 	mu       sync.Mutex
 	started  bool
 	closed   bool
@@ -265,9 +266,9 @@ func (s *Server) Start() error {
 	case s.started:
 		return errors.New("embedded: server already started")
 	}
-	ln := newListener("tcp", s.listen, s.log)
-	ln.tls = s.tls
-	ln.disconnect = func() {
+	ln := mochilisten.New("companion-tcp", "tcp", s.listen, s.log)
+	ln.TLS = s.tls
+	ln.Disconnect = func() {
 		for _, cl := range s.mochi.Clients.GetAll() {
 			if cl.Net.Listener == ln.ID() && !cl.Closed() {
 				_ = s.mochi.DisconnectClient(cl, packets.ErrServerShuttingDown)
@@ -278,7 +279,7 @@ func (s *Server) Start() error {
 		return fmt.Errorf("embedded: listen on %s: %w", s.listen, err)
 	}
 	if err := s.mochi.Serve(); err != nil {
-		ln.abandon()
+		ln.Abandon()
 		return fmt.Errorf("embedded: serve: %w", err)
 	}
 	s.ln = ln
@@ -319,7 +320,7 @@ func (s *Server) Close() error {
 		return nil
 	}
 	s.closeErr = s.mochi.Close()
-	s.ln.wait()
+	s.ln.Wait()
 	s.log.Info("mqtt broker stopped")
 	return s.closeErr
 }

@@ -814,7 +814,7 @@ func TestCloseWaits(t *testing.T) {
 
 	// Close has waited for these goroutines to finish their work; give
 	// the scheduler a moment to retire them.
-	for _, frame := range []string{"broker/embedded.(*listener)", "mochi-mqtt/server/v2.(*Server).attachClient"} {
+	for _, frame := range []string{"internal/mochilisten.(*Listener)", "mochi-mqtt/server/v2.(*Server).attachClient"} {
 		deadline := time.Now().Add(time.Second)
 		for len(stacksWith(frame)) > 0 && time.Now().Before(deadline) {
 			runtime.Gosched()

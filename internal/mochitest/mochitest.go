@@ -1,5 +1,5 @@
-// Package mochitest is what tests that run a bare mochi-mqtt broker (a
-// listeners.TCP, hooks of their own) share: starting one, letting everyone
+// Package mochitest is what tests that run a bare mochi-mqtt broker (its
+// listener a mochilisten.Listener, hooks of their own) share: starting one, letting everyone
 // in, and closing it.
 package mochitest
 
@@ -8,8 +8,8 @@ import (
 	"log/slog"
 	"testing"
 
+	"github.com/devicecompanion/companion/internal/mochilisten"
 	mochi "github.com/mochi-mqtt/server/v2"
-	"github.com/mochi-mqtt/server/v2/listeners"
 	"github.com/mochi-mqtt/server/v2/packets"
 )
 
@@ -41,15 +41,26 @@ func Serve(hooks ...mochi.Hook) (*mochi.Server, string, error) {
 			return nil, "", fmt.Errorf("mochitest: hook %s: %w", h.ID(), err)
 		}
 	}
-	l := listeners.NewTCP(listeners.Config{ID: "t", Address: "127.0.0.1:0"})
+	l := mochilisten.New(listenerID, "tcp", "127.0.0.1:0", slog.New(slog.DiscardHandler))
+	l.Disconnect = func() {
+		for _, cl := range srv.Clients.GetAll() {
+			if cl.Net.Listener == listenerID && !cl.Closed() {
+				_ = srv.DisconnectClient(cl, packets.ErrServerShuttingDown)
+			}
+		}
+	}
 	if err := srv.AddListener(l); err != nil {
 		return nil, "", fmt.Errorf("mochitest: %w", err)
 	}
 	if err := srv.Serve(); err != nil {
+		l.Abandon()
 		return nil, "", fmt.Errorf("mochitest: %w", err)
 	}
 	return srv, "tcp://" + l.Address(), nil
 }
+
+// listenerID names the broker's one listener.
+const listenerID = "t"
 
 // Start is Serve for a test: it fails tb on an error and closes the
 // broker (Close) when the test ends.
@@ -63,22 +74,21 @@ func Start(tb testing.TB, hooks ...mochi.Hook) (*mochi.Server, string) {
 	return srv, url
 }
 
-// Close stops srv as its Close does, without the deadlock in mochi
-// v2.7.9's Close (mochi-mqtt/server#488): Clients.GetByListener takes the
-// clients' read lock twice (it calls Len under it), so a client whose
-// connection ends at that moment (taking the write lock in between)
-// blocks both for good, and the test hangs until its timeout. Here each
-// listener's clients are read under one read lock and disconnected before
-// mochi's Close runs; a listener closes its clients only once, so mochi's
-// own closing then has nothing left to do. (broker/embedded, the
-// product's broker, has a listener of its own for the same reason.)
+// Close stops srv and returns once its listener's goroutines have ended
+// (mochilisten.Listener): the listener disconnects the clients, closes
+// every connection, and waits for their goroutines before mochi's Close
+// waits on its own WaitGroup. Mochi's TCP listener, used before, let a
+// connection accepted as the broker closed (a client that retries its
+// connect) call that WaitGroup's Add while Close waited on it, which the
+// race detector reports, and its Close could deadlock
+// (mochi-mqtt/server#488: Clients.GetByListener takes the clients' read
+// lock twice).
 func Close(srv *mochi.Server) error {
-	srv.Listeners.CloseAll(func(listener string) {
-		for _, cl := range srv.Clients.GetAll() {
-			if cl.Net.Listener == listener && !cl.Closed() {
-				_ = srv.DisconnectClient(cl, packets.ErrServerShuttingDown)
-			}
+	err := srv.Close()
+	if l, ok := srv.Listeners.Get(listenerID); ok {
+		if ml, ok := l.(*mochilisten.Listener); ok {
+			ml.Wait()
 		}
-	})
-	return srv.Close()
+	}
+	return err
 }

@@ -1,4 +1,7 @@
-package embedded
+// Package mochilisten is a TCP listener for mochi-mqtt that owns its
+// goroutines, for the embedded broker (broker/embedded) and the bare mochi
+// brokers of tests (internal/mochitest).
+package mochilisten
 
 import (
 	"crypto/tls"
@@ -11,17 +14,25 @@ import (
 	"github.com/mochi-mqtt/server/v2/listeners"
 )
 
-// listener is a TCP listener for mochi that owns its goroutines: the accept
-// loop and one goroutine per connection are counted in wg, and every
-// accepted connection is closed on Close, so wait returns only when all of
-// them have ended. Mochi's own TCP listener starts goroutines nobody waits
-// for and leaves a connection that never sends CONNECT open forever.
-type listener struct {
+// Listener is a TCP listener for mochi that owns its goroutines: the
+// accept loop and one goroutine per connection are counted in wg, and
+// every accepted connection is closed on Close, so Wait returns only when
+// all of them have ended. Mochi's own TCP listener starts goroutines
+// nobody waits for, leaves a connection that never sends CONNECT open
+// forever, and lets a connection accepted as the server closes call
+// Add on the WaitGroup mochi's Close waits on (a race the race detector
+// reports). Create it with New; set TLS and Disconnect before mochi's
+// AddListener.
+type Listener struct {
 	network, address string
-	tls              *tls.Config // TLS on every connection when set
 	log              *slog.Logger
-	disconnect       func() // sends DISCONNECT to the clients of this listener
+	// TLS, when set, makes every connection TLS.
+	TLS *tls.Config
+	// Disconnect, when set, sends DISCONNECT to the clients of this
+	// listener as it closes.
+	Disconnect func()
 
+	id   string
 	ln   net.Listener
 	wg   sync.WaitGroup
 	done chan struct{}
@@ -31,10 +42,13 @@ type listener struct {
 	conns  map[net.Conn]struct{}
 }
 
-var _ listeners.Listener = (*listener)(nil)
+var _ listeners.Listener = (*Listener)(nil)
 
-func newListener(network, address string, log *slog.Logger) *listener {
-	return &listener{
+// New returns a listener on address (host:port; port 0 picks a free one)
+// of network ("tcp"), named id for mochi.
+func New(id, network, address string, log *slog.Logger) *Listener {
+	return &Listener{
+		id:      id,
 		network: network,
 		address: address,
 		log:     log,
@@ -44,13 +58,13 @@ func newListener(network, address string, log *slog.Logger) *listener {
 }
 
 // ID names the listener for mochi.
-func (l *listener) ID() string { return "companion-tcp" }
+func (l *Listener) ID() string { return l.id }
 
 // Protocol is the listener's protocol for mochi's log.
-func (l *listener) Protocol() string { return l.network }
+func (l *Listener) Protocol() string { return l.network }
 
 // Address returns the bound address once Init has run.
-func (l *listener) Address() string {
+func (l *Listener) Address() string {
 	if l.ln != nil {
 		return l.ln.Addr().String()
 	}
@@ -60,28 +74,28 @@ func (l *listener) Address() string {
 // Init binds the address. Mochi calls it from AddListener, synchronously, so
 // Start returns with the port bound. The accept loop is counted here, before
 // mochi starts Serve on a goroutine of its own, so that wait can never miss it.
-func (l *listener) Init(_ *slog.Logger) error {
+func (l *Listener) Init(_ *slog.Logger) error {
 	ln, err := net.Listen(l.network, l.address)
 	if err != nil {
 		return err
 	}
-	if l.tls != nil {
-		ln = tls.NewListener(ln, l.tls)
+	if l.TLS != nil {
+		ln = tls.NewListener(ln, l.TLS)
 	}
 	l.ln = ln
 	l.wg.Add(1)
 	return nil
 }
 
-// abandon undoes Init when Serve will never be called.
-func (l *listener) abandon() {
+// Abandon undoes Init when Serve will never be called.
+func (l *Listener) Abandon() {
 	l.closeAll()
 	l.wg.Done()
 }
 
 // Serve accepts connections until Close and hands each to establish on a
 // goroutine of its own.
-func (l *listener) Serve(establish listeners.EstablishFn) {
+func (l *Listener) Serve(establish listeners.EstablishFn) {
 	defer l.wg.Done()
 	backoff := 5 * time.Millisecond
 	for {
@@ -119,7 +133,7 @@ func (l *listener) Serve(establish listeners.EstablishFn) {
 }
 
 // track records a new connection and counts its goroutine; false once closed.
-func (l *listener) track(c net.Conn) bool {
+func (l *Listener) track(c net.Conn) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed {
@@ -130,14 +144,14 @@ func (l *listener) track(c net.Conn) bool {
 	return true
 }
 
-func (l *listener) untrack(c net.Conn) {
+func (l *Listener) untrack(c net.Conn) {
 	_ = c.Close()
 	l.mu.Lock()
 	delete(l.conns, c)
 	l.mu.Unlock()
 }
 
-func (l *listener) isClosed() bool {
+func (l *Listener) isClosed() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.closed
@@ -153,19 +167,19 @@ func (l *listener) isClosed() bool {
 // Mochi's closeClients is not used: its Clients.GetByListener takes the
 // clients' read lock twice (it calls Len under it), so a connection that
 // takes the write lock in between (a client id taken over) deadlocks both
-// for good. disconnect reads the clients under one read lock.
-func (l *listener) Close(listeners.CloseFn) {
+// for good. Disconnect reads the clients under one read lock.
+func (l *Listener) Close(listeners.CloseFn) {
 	if l.isClosed() {
 		return
 	}
-	if l.disconnect != nil {
-		l.disconnect()
+	if l.Disconnect != nil {
+		l.Disconnect()
 	}
 	l.closeAll()
 	l.wg.Wait()
 }
 
-func (l *listener) closeAll() {
+func (l *Listener) closeAll() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed {
@@ -181,5 +195,6 @@ func (l *listener) closeAll() {
 	}
 }
 
-// wait returns when the accept loop and every connection goroutine are done.
-func (l *listener) wait() { l.wg.Wait() }
+// Wait returns when the accept loop and every connection goroutine are
+// done.
+func (l *Listener) Wait() { l.wg.Wait() }
