@@ -166,9 +166,16 @@ func (d *Device) TransferStats() []TransferStats {
 	return append([]TransferStats(nil), d.stats...)
 }
 
+// alive reports whether s still carries requests: its client has not
+// given up (Client.Done) and its link is up. The link is asked too because
+// the client learns of a drop on a goroutine of its own: in between, a
+// session read as alive failed each request at once with ErrDisconnected,
+// and retry went round again without a pause, dozens of times.
 func alive(s *session) bool {
 	select {
 	case <-s.client.Done():
+		return false
+	case <-s.client.Link().Done():
 		return false
 	default:
 		return true
