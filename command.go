@@ -62,6 +62,12 @@ func Rank(s string) int {
 // user unbound the device (EndUnbound).
 const CodeDeviceUnbound = "device_unbound"
 
+// CodeDeviceNotServed is the error code of a command its bridge held when
+// the bridge stopped serving the device: the bridge ends so those its spool
+// holds for a device it was restarted without, and the server those the
+// bridge had when the device was taken off it.
+const CodeDeviceNotServed = "device_not_served"
+
 // EndUnbound ends a command of a device its user unbound. One the bridge
 // does not have yet is canceled: it never runs (the broker withdraws it
 // from the bridge). One the bridge has may have run, or be running, and

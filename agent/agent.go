@@ -354,7 +354,7 @@ func (a *Agent) Run(ctx context.Context) error {
 func (a *Agent) failUnserved(ctx context.Context) {
 	for _, r := range a.spool.claimUnserved(func(id string) bool { return a.devices[id] != nil }) {
 		c := r.Cmd
-		ce := cmdErr(codeDeviceNotServed, fmt.Sprintf("bridge %s no longer serves device %s", a.opts.BridgeID, c.DeviceID))
+		ce := cmdErr(companion.CodeDeviceNotServed, fmt.Sprintf("bridge %s no longer serves device %s", a.opts.BridgeID, c.DeviceID))
 		a.log.Warn("command failed: the bridge no longer serves its device", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
 		a.opts.Observer.CommandDone(c.Op, companion.StateFailed, 0)
 		a.finish(ctx, r, topics.Reply{CommandID: c.ID, State: companion.StateFailed, Error: ce.reply(), At: a.now()})

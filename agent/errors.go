@@ -17,10 +17,6 @@ const (
 	codeInvalidPayload   = "invalid_payload"
 	codeDeviceError      = "device_error"
 	codeVersionMismatch  = "version_mismatch"
-	// codeDeviceNotServed ends a command the spool held for a device the
-	// bridge no longer serves (its Options.Devices lost it across a
-	// restart): no worker will run it.
-	codeDeviceNotServed = "device_not_served"
 )
 
 // commandError is a command's failure with the code its reply carries.

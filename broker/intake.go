@@ -53,11 +53,6 @@ func (b *Broker) DeviceMoved(deviceID string) {
 	b.failUnserved(context.Background(), deviceID)
 }
 
-// codeDeviceNotServed is the error code of a command its bridge had when
-// the bridge stopped serving the device: the code the bridge itself gives
-// those it held for a device it was restarted without.
-const codeDeviceNotServed = "device_not_served"
-
 // failUnserved fails the commands of a device no bridge serves that its
 // last bridge had (delivered, in progress). That bridge may have run them,
 // or be running them, but what it says of them now is refused by the MQTT
@@ -110,7 +105,7 @@ func (b *Broker) failUnserved(ctx context.Context, deviceID string) {
 				return errStale
 			}
 			c.State = companion.StateFailed
-			c.Error = &companion.CommandError{Code: codeDeviceNotServed, Message: "the device was taken off its bridge while the bridge had the command; whether it took effect is not known"}
+			c.Error = &companion.CommandError{Code: companion.CodeDeviceNotServed, Message: "the device was taken off its bridge while the bridge had the command; whether it took effect is not known"}
 			return nil
 		})
 		switch {
