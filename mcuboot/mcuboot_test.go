@@ -172,3 +172,35 @@ func TestVersions(t *testing.T) {
 		t.Errorf("Compare(%s, %s) = %d", a, b, a.Compare(b))
 	}
 }
+
+// Whatever a user uploads as firmware, the image checks answer without a
+// panic, and the same whether the bytes come at once or in pieces (as an
+// upload streams them), with or without the hash.
+func FuzzParse(f *testing.F) {
+	f.Add(readFile(f, "imgtool-1.2.3+4.bin"), uint16(7))
+	f.Add(readFile(f, "imgtool-2.0.0-seccnt7.bin"), uint16(512))
+	f.Add(mcuboot.MustBuild([]byte("hello"), mcuboot.Options{}), uint16(1))
+	f.Add(mcuboot.MustBuild(nil, mcuboot.Options{Protected: []mcuboot.TLV{{Type: 0x50, Value: []byte{7, 0, 0, 0}}}}), uint16(3))
+	f.Fuzz(func(t *testing.T, b []byte, chunk uint16) {
+		whole, err := mcuboot.Parse(b)
+		v := mcuboot.NewVerifier()
+		for rest := b; len(rest) > 0; {
+			n := min(len(rest), int(chunk)+1)
+			v.Write(rest[:n])
+			rest = rest[n:]
+		}
+		streamed, err2 := v.Close()
+		if (err == nil) != (err2 == nil) {
+			t.Fatalf("at once: %v; in pieces of %d: %v", err, int(chunk)+1, err2)
+		}
+		info, err3 := mcuboot.ReadInfo(b)
+		if err == nil {
+			if !bytes.Equal(whole.Hash, streamed.Hash) {
+				t.Fatalf("hash %x at once, %x in pieces", whole.Hash, streamed.Hash)
+			}
+			if err3 != nil || !bytes.Equal(info.Hash, whole.Hash) {
+				t.Fatalf("parsed, but ReadInfo: %v", err3)
+			}
+		}
+	})
+}
