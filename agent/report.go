@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -125,15 +126,31 @@ func (a *Agent) readStatus(ctx context.Context, dr *deviceRunner) (topics.Status
 		Battery:         &battery,
 		FirmwareVersion: info.FirmwareVersion,
 		Model:           info.Model,
-		Apps:            info.Apps,
+		Apps:            a.nameableApps(dr.id, info.Apps),
 		BridgeID:        a.opts.BridgeID,
 		At:              a.now(),
 		Seq:             seq,
 	}
-	if st.Apps == nil {
-		st.Apps = []companion.App{}
-	}
 	return st, nil
+}
+
+// nameableApps is the device's apps list as the server takes it: an app id
+// the device hands over as a C string loses its terminator, and an app
+// whose id is still not one of the contract's (an app put on the device by
+// other means) is left out and logged. The server refuses a status with
+// such an id whole, and with it the final reply that carries one: the
+// command would never end, and the device's status never change again.
+func (a *Agent) nameableApps(deviceID string, apps []companion.App) []companion.App {
+	out := make([]companion.App, 0, len(apps))
+	for _, app := range apps {
+		app.AppID = strings.TrimRight(app.AppID, "\x00")
+		if !topics.ValidAppID(app.AppID) {
+			a.log.Warn("the device lists an app whose id the server cannot take; leaving it out", "device", deviceID, "app_id", app.AppID)
+			continue
+		}
+		out = append(out, app)
+	}
+	return out
 }
 
 // readSettings reads the device's settings and schema, with a seq taken

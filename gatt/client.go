@@ -19,7 +19,11 @@ const (
 	// back (Zephyr's smp_bt notifies them in one loop), so on a live link
 	// the next comes within a few connection intervals.
 	DefaultFragmentTimeout = 2 * time.Second
-	DefaultMaxResponse     = 16 << 10
+	// DefaultQuietTimeout is how long the link may stay quiet (no
+	// notification) while a request waits before the client asks the
+	// device a cheap read to learn whether the request was lost.
+	DefaultQuietTimeout = 2 * time.Second
+	DefaultMaxResponse  = 16 << 10
 )
 
 // ErrTimeout is returned when a response does not come within the request
@@ -37,6 +41,15 @@ var ErrTimeout = fmt.Errorf("gatt: no response within the request timeout: %w", 
 // drop, rather than wait out the request timeout.
 var ErrFraming = fmt.Errorf("gatt: the responses lost their framing (a notification lost): %w", ErrDisconnected)
 
+// ErrLost is returned for a request the device will never answer: it
+// answered a request sent after it on the same link, and a device answers
+// its requests one at a time in the order they came (Zephyr's smp_bt and
+// smp.c do). The request, or its whole answer, was lost on the way; the
+// device may have acted on it. The link is fine. It wraps ErrTimeout: a
+// caller that does not ask again reports it as a request the device did
+// not answer, without waiting out the request timeout.
+var ErrLost = fmt.Errorf("gatt: the device answered a later request and not this one (the request or its answer was lost): %w", ErrTimeout)
+
 // ClientOptions configure a Client. The zero value of a field means its
 // default.
 type ClientOptions struct {
@@ -44,8 +57,13 @@ type ClientOptions struct {
 	// FragmentTimeout is the longest pause, once part of a response came,
 	// before the next notification; default DefaultFragmentTimeout.
 	FragmentTimeout time.Duration
-	MaxResponse     int // largest response accepted, header included; default DefaultMaxResponse
-	Logger          *slog.Logger
+	// QuietTimeout is how long a request waits with no notification on
+	// the link before the client sends a probe (MCUmgr parameters, a
+	// read): its answer, coming before the request's, shows the request
+	// lost (ErrLost). Default DefaultQuietTimeout.
+	QuietTimeout time.Duration
+	MaxResponse  int // largest response accepted, header included; default DefaultMaxResponse
+	Logger       *slog.Logger
 }
 
 // Client is the bridge's SMP client over one Link: it frames requests
@@ -57,12 +75,16 @@ type ClientOptions struct {
 // in flight across all callers. When the link goes down every pending
 // request fails with ErrDisconnected; when a response stops part way or the
 // responses otherwise lose their framing (a notification lost), with
-// ErrFraming, and the client drops the link. It is safe for concurrent use.
+// ErrFraming, and the client drops the link. A request the device answered
+// a later one before fails with ErrLost at once; when the link stays quiet
+// with a request waiting, the client sends a probe to find out (see
+// QuietTimeout). It is safe for concurrent use.
 type Client struct {
 	link     Link
 	frag     int
 	timeout  time.Duration
 	fragWait time.Duration // FragmentTimeout
+	quietFor time.Duration // QuietTimeout
 	log      *slog.Logger
 	maxReq   atomic.Int64 // the longest request message sent
 
@@ -79,6 +101,9 @@ type Client struct {
 	// unfinished; broken asks the client's goroutine to drop the link.
 	cut    *time.Timer
 	broken chan struct{}
+	// quiet fires when a request may have waited quietFor without a
+	// notification; the client's goroutine then probes (quietCheck).
+	quiet *time.Timer
 
 	mu      sync.Mutex
 	seq     uint8
@@ -86,6 +111,10 @@ type Client struct {
 	reasm   *Reassembler
 	fragAt  time.Time // when the last notification that left a response unfinished came
 	err     error     // once set, the client is dead
+	sent    uint64    // requests written so far: a Call's n is its place in that order
+	heard   time.Time // when the last notification came, or the last probe went out
+	probe   *Call     // the last probe sent
+	quietOn bool      // quiet is armed
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -105,6 +134,9 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 	if opts.FragmentTimeout <= 0 {
 		opts.FragmentTimeout = DefaultFragmentTimeout
 	}
+	if opts.QuietTimeout <= 0 {
+		opts.QuietTimeout = DefaultQuietTimeout
+	}
 	if opts.MaxResponse <= 0 {
 		opts.MaxResponse = DefaultMaxResponse
 	}
@@ -119,15 +151,18 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 		frag:     link.MTU() - 3,
 		timeout:  opts.RequestTimeout,
 		fragWait: opts.FragmentTimeout,
+		quietFor: opts.QuietTimeout,
 		log:      opts.Logger,
 		pending:  map[uint8]*Call{},
 		reasm:    NewReassembler(opts.MaxResponse),
 		stop:     make(chan struct{}),
 		dead:     make(chan struct{}),
 		cut:      time.NewTimer(opts.FragmentTimeout),
+		quiet:    time.NewTimer(opts.QuietTimeout),
 		broken:   make(chan struct{}, 1),
 	}
 	c.cut.Stop()
+	c.quiet.Stop()
 	c.maxReq.Store(int64(c.frag))
 	if err := link.Subscribe(ctx, SMPCharUUID, c.onNotify); err != nil {
 		return nil, fmt.Errorf("gatt: subscribe to SMP: %w", err)
@@ -155,6 +190,10 @@ func NewClient(ctx context.Context, link Link, opts ClientOptions) (*Client, err
 				// may wait for the notification being delivered.
 				link.Close()
 				return
+			case <-c.quiet.C:
+				if c.quietCheck() {
+					c.sendProbe()
+				}
 			}
 		}
 	}()
@@ -199,6 +238,7 @@ func (c *Client) Done() <-chan struct{} { return c.dead }
 func (c *Client) Close() error {
 	c.fail(ErrDisconnected)
 	c.cut.Stop()
+	c.quiet.Stop()
 	err := c.link.Close()
 	c.mu.Lock()
 	select {
@@ -255,6 +295,7 @@ func (c *Client) stalled() bool {
 func (c *Client) onNotify(frag []byte) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.heard = time.Now()
 	msgs, err := c.reasm.Feed(frag)
 	if err != nil {
 		c.log.Warn("dropping a malformed response stream", "err", err)
@@ -279,7 +320,102 @@ func (c *Client) onNotify(frag []byte) {
 		if !call.abandoned {
 			call.ch <- result{msg: m}
 		}
+		c.lostBeforeLocked(call)
 	}
+}
+
+// lostBeforeLocked fails every request sent before answered that is still
+// waiting: the device answers in order, so none of them will be answered.
+// Each gives back its place in the window at once (the device holds no
+// buffer for it any more).
+func (c *Client) lostBeforeLocked(answered *Call) {
+	for seq, call := range c.pending {
+		if call.n > answered.n {
+			continue
+		}
+		delete(c.pending, seq)
+		call.release()
+		if !call.abandoned {
+			call.ch <- result{err: ErrLost}
+		}
+	}
+}
+
+// quietCheck reports whether to send a probe: a request someone waits for
+// has had no notification on the link for quietFor (since it went out, the
+// last notification, or the last probe), and no probe is on its way. It
+// arms the timer again while requests wait.
+func (c *Client) quietCheck() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.quietOn = false
+	if c.err != nil {
+		return false
+	}
+	var oldest time.Time
+	for _, call := range c.pending {
+		if call.abandoned || call.probe || call.at.IsZero() {
+			continue
+		}
+		if oldest.IsZero() || call.at.Before(oldest) {
+			oldest = call.at
+		}
+	}
+	if oldest.IsZero() {
+		return false // nobody waits; write arms the timer again
+	}
+	since := oldest
+	if c.heard.After(since) {
+		since = c.heard
+	}
+	probing := c.probe != nil && c.pending[c.probe.seq] == c.probe
+	left := c.quietFor - time.Since(since)
+	if left > 0 || probing {
+		c.armQuietLocked(max(left, c.quietFor/4))
+		return false
+	}
+	c.heard = time.Now() // the probe's own quiet time starts now
+	c.armQuietLocked(c.quietFor)
+	return true
+}
+
+func (c *Client) armQuietLocked(d time.Duration) {
+	if !c.quietOn {
+		c.quietOn = true
+		c.quiet.Reset(d)
+	}
+}
+
+// sendProbe sends a read of the MCUmgr parameters if the window has room
+// for it (it must not take a buffer the device needs for an answer).
+// Nobody waits for its answer: coming before a request's, it shows that
+// request lost (onNotify). It runs on the client's goroutine.
+func (c *Client) sendProbe() {
+	call := &Call{c: c, op: OpRead, group: GroupOS, id: CmdOSParams, ch: make(chan result, 1), probe: true}
+	if c.slots != nil {
+		select {
+		case c.slots <- struct{}{}:
+			call.slot = true
+		default:
+			return // the window is full: the request timeout stays the bound
+		}
+	}
+	body, _ := EncodeBody(struct{}{})
+	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	defer cancel()
+	if err := c.write(ctx, call, body); err != nil {
+		c.log.Debug("probe not sent", "err", err)
+		return
+	}
+	c.log.Debug("the link is quiet with a request waiting; probing", "seq", call.seq)
+	// Abandoned, but kept pending (whatever the window) until answered or
+	// the request timeout: only an answer matched to it tells anything.
+	c.mu.Lock()
+	call.abandoned = true
+	call.timer.Stop()
+	c.probe = call
+	c.mu.Unlock()
+	time.AfterFunc(c.timeout, call.forget)
 }
 
 // Call is a request on its way; Wait for its response.
@@ -295,6 +431,9 @@ type Call struct {
 	slot      bool      // holds a token of c.slots
 	freed     sync.Once // gives the token back
 	abandoned bool      // guarded by c.mu: nobody waits for the answer
+	probe     bool      // sent by the client itself (sendProbe)
+	n         uint64    // guarded by c.mu: its place in the order requests went out
+	at        time.Time // guarded by c.mu: when it had gone out whole
 }
 
 // release gives back the call's place in the window, once.
@@ -342,6 +481,16 @@ func (c *Client) send(ctx context.Context, op uint8, group uint16, id uint8, bod
 		}
 	}
 
+	if err := c.write(ctx, call, body); err != nil {
+		return nil, err
+	}
+	return call, nil
+}
+
+// write frames body as call's request and writes it; call holds its place
+// in the window already, and gives it back when the write fails.
+func (c *Client) write(ctx context.Context, call *Call, body []byte) error {
+	op, group, id := call.op, call.group, call.id
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	c.mu.Lock()
@@ -349,18 +498,20 @@ func (c *Client) send(ctx context.Context, op uint8, group uint16, id uint8, bod
 		err := c.err
 		c.mu.Unlock()
 		call.release()
-		return nil, err
+		return err
 	}
 	if len(c.pending) >= 256 {
 		c.mu.Unlock()
 		call.release()
-		return nil, errors.New("gatt: 256 requests in flight")
+		return errors.New("gatt: 256 requests in flight")
 	}
 	for c.pending[c.seq] != nil {
 		c.seq++
 	}
 	call.seq = c.seq
 	c.seq++
+	c.sent++
+	call.n = c.sent
 	c.pending[call.seq] = call
 	c.mu.Unlock()
 
@@ -376,13 +527,19 @@ func (c *Client) send(ctx context.Context, op uint8, group uint16, id uint8, bod
 				c.link.Close()
 			}
 			if errors.Is(err, ErrDisconnected) || c.isDead() {
-				return nil, ErrDisconnected
+				return ErrDisconnected
 			}
-			return nil, err
+			return err
 		}
 	}
+	c.mu.Lock()
 	call.timer = time.NewTimer(c.timeout)
-	return call, nil
+	call.at = time.Now()
+	if !call.probe {
+		c.armQuietLocked(c.quietFor)
+	}
+	c.mu.Unlock()
+	return nil
 }
 
 func (c *Client) isDead() bool {

@@ -33,6 +33,9 @@ const (
 	// (ErrFraming: a notification lost) is repeated over a new link; a
 	// device that garbles an answer every time is not asked forever.
 	framingRetries = 3
+	// lostRetries is how often a request the device left unanswered
+	// (ErrLost: it answered a later one) is asked again.
+	lostRetries = 3
 	// maxResets is how often the bridge resets a device that comes back
 	// with the new image still pending (it did not reboot).
 	maxResets = 3
@@ -65,6 +68,10 @@ type DeviceOptions struct {
 	// response (ClientOptions.FragmentTimeout); default
 	// DefaultFragmentTimeout.
 	FragmentTimeout time.Duration
+	// QuietTimeout is how long a request waits with no notification on
+	// the link before the client probes whether it was lost
+	// (ClientOptions.QuietTimeout); default DefaultQuietTimeout.
+	QuietTimeout time.Duration
 	// RebootTimeout is how long the bridge waits, after an OS reset, for
 	// the device to drop the link as it reboots; default
 	// DefaultRebootTimeout.
@@ -255,7 +262,8 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	if err != nil {
 		return nil, err
 	}
-	c, err := NewClient(cctx, link, ClientOptions{RequestTimeout: d.opts.RequestTimeout, FragmentTimeout: d.opts.FragmentTimeout, Logger: d.log})
+	c, err := NewClient(cctx, link, ClientOptions{RequestTimeout: d.opts.RequestTimeout, FragmentTimeout: d.opts.FragmentTimeout,
+		QuietTimeout: d.opts.QuietTimeout, Logger: d.log})
 	if err != nil {
 		link.Close()
 		return nil, err
@@ -316,9 +324,13 @@ func (d *Device) window(s *session) int {
 
 // retry runs fn over the live session, again over a new one whenever the
 // link drops (up to framingRetries times when the client dropped it for a
-// lost notification), and again after a pause when the device is busy.
+// lost notification), again over the same one when the device left a
+// request unanswered (ErrLost, up to lostRetries times), and again after a
+// pause when the device is busy. Everything fn asks must bear repeating:
+// a standard group's read or idempotent write, a project group's request
+// with its cid, an upload (it resumes from the device's offset).
 func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
-	busy, framing := 0, 0
+	busy, framing, lost := 0, 0, 0
 	busyWait := retry.Backoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
 	for {
 		s, err := d.session(ctx)
@@ -340,6 +352,13 @@ func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 			continue
 		case IsDisconnect(err) && ctx.Err() == nil:
 			d.log.Debug("link lost; reconnecting", "err", err)
+			continue
+		case errors.Is(err, ErrLost) && lost < lostRetries && ctx.Err() == nil:
+			// The link is fine and the device idle: what was asked is
+			// asked again, as after a drop, without waiting out the
+			// request timeout.
+			lost++
+			d.log.Info("the device left a request unanswered; asking again", "err", err)
 			continue
 		case errors.Is(err, ErrTimeout):
 			// A device that does not answer is presumed wedged: drop the
@@ -790,13 +809,23 @@ func (d *Device) reset(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := s.client.Do(ctx, OpWrite, GroupOS, CmdOSReset, ResetRequest{}, nil); err != nil && !IsDisconnect(err) {
-		if errors.Is(err, ErrTimeout) {
-			// Not through retry (a reset is not repeated), so drop the
-			// link here as retry does: the device is presumed wedged, and
-			// the next command starts on a fresh link.
-			s.client.Close()
-		}
+	err = s.client.Do(ctx, OpWrite, GroupOS, CmdOSReset, ResetRequest{}, nil)
+	switch {
+	case err == nil, IsDisconnect(err):
+	case errors.Is(err, ErrLost):
+		// The device answered the client's probe and not the reset: the
+		// reset or its answer was lost, and the device may be about to
+		// reboot. It is not sent again here: wait for the reboot as after
+		// an answer, and the image state read next tells whether it
+		// happened (a pending image is reset again).
+		d.log.Info("the reset went unanswered; waiting for the reboot", "err", err)
+	case errors.Is(err, ErrTimeout):
+		// Not through retry (a reset is not repeated), so drop the link
+		// here as retry does: the device is presumed wedged, and the next
+		// command starts on a fresh link.
+		s.client.Close()
+		return fmt.Errorf("reset: %w", err)
+	default:
 		return fmt.Errorf("reset: %w", err)
 	}
 	t := time.NewTimer(d.opts.RebootTimeout)

@@ -24,6 +24,10 @@ type lossyConnector struct {
 	skip  int  // continuations of such responses to let through first
 	last  bool // lose the fragment that completes a response, not the first continuation
 	every bool // stay armed: lose one of every such response
+	// whole loses every notification of the response, its first too: the
+	// device answered, and nothing of the answer reaches the bridge.
+	whole bool
+	rsp   uint8 // when set, only responses of this op (gatt.OpReadRsp, gatt.OpWriteRsp)
 
 	mu      sync.Mutex
 	armed   bool
@@ -76,8 +80,16 @@ func (l *lossyLink) Subscribe(ctx context.Context, uuid string, fn func([]byte))
 		shadow.Feed(frag)
 		c.mu.Lock()
 		lose := false
-		if c.armed && !first && !lostOne && cur.Group == c.group && cur.ID == c.id && cur.Op&1 == 1 &&
-			(!c.last || held == gatt.HeaderSize+int(cur.Len)) {
+		match := cur.Group == c.group && cur.ID == c.id && cur.Op&1 == 1 && (c.rsp == 0 || cur.Op == c.rsp)
+		switch {
+		case c.whole && lostOne:
+			lose = true // the rest of the response lost whole
+		case c.whole:
+			if c.armed && first && match {
+				lose, lostOne, c.armed = true, true, c.every
+				c.dropped++
+			}
+		case c.armed && !first && !lostOne && match && (!c.last || held == gatt.HeaderSize+int(cur.Len)):
 			if c.skip > 0 {
 				c.skip--
 			} else {
@@ -196,6 +208,158 @@ func TestLostNotificationRepeatsTheRequest(t *testing.T) {
 		lc.arm()
 		if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", img, nil); err != nil {
 			t.Fatalf("UpdateFirmware with a notification lost: %v", err)
+		}
+		if s.Firmware() != "2.0.0" || s.Boots() != 1 || lc.lost() != 1 {
+			t.Errorf("firmware %s after %d boots, %d lost; want 2.0.0 after 1, 1 lost", s.Firmware(), s.Boots(), lc.lost())
+		}
+	})
+}
+
+// A response lost whole (no notification of it reaches the bridge) leaves
+// nothing part way to notice. The device answers its requests in the order
+// they came, so once it answers a later request the earlier one will never
+// be answered: either a request in flight behind it, or a cheap read the
+// client sends when the link stays quiet, shows it. The request is then
+// asked again over the same link, well before the request timeout: reads,
+// the idempotent settings writes and the project groups' requests with
+// their cid (the device runs a cid once). The reset is never repeated.
+func TestLostResponseIsAskedAgain(t *testing.T) {
+	opts := sim.LinkOptions{MTU: 23, KBPS: 200_000, Latency: -1, ConnectDelay: -1}
+	newDevice := func(t *testing.T, lc *lossyConnector, change ...func(*sim.PeripheralOptions)) (*gatt.Device, *sim.Device, *sim.Network) {
+		t.Helper()
+		s := sim.New(sim.Options{ID: "dev-1"})
+		n := sim.NewNetwork(opts)
+		popts := sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}
+		for _, f := range change {
+			f(&popts)
+		}
+		n.Add("dev-1", sim.NewPeripheral(s, popts))
+		lc.Connector = n
+		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: lc, MinBackoff: time.Millisecond,
+			RequestTimeout: 5 * time.Second, QuietTimeout: 100 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			d.Close()
+			n.Close()
+		})
+		return d, s, n
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// quick is well under the 5 s request timeout.
+	const quick = 2 * time.Second
+	check := func(t *testing.T, what string, err error, took time.Duration, lc *lossyConnector, n *sim.Network) {
+		t.Helper()
+		if err != nil {
+			t.Fatalf("%s with a response lost whole: %v after %v", what, err, took.Round(time.Millisecond))
+		}
+		if took > quick || lc.lost() != 1 || n.Connects() != 1 {
+			t.Errorf("%s took %v, %d lost, %d connections; want under %v, 1 lost, 1 connection",
+				what, took.Round(time.Millisecond), lc.lost(), n.Connects(), quick)
+		}
+	}
+
+	t.Run("alone", func(t *testing.T) {
+		// The schema read is the only request on the link: nothing else
+		// is answered until the client asks.
+		lc := &lossyConnector{group: gatt.GroupSettingsSchema, id: gatt.CmdSchemaRead, whole: true}
+		d, _, n := newDevice(t, lc)
+		lc.arm()
+		start := time.Now()
+		vals, _, err := d.Settings(ctx)
+		check(t, "Settings", err, time.Since(start), lc, n)
+		if vals["language"] != "en" {
+			t.Errorf("Settings = %v", vals)
+		}
+	})
+
+	t.Run("behind it", func(t *testing.T) {
+		// The image state and the apps list go out together; the apps
+		// list's answer comes, the image state's is lost.
+		lc := &lossyConnector{group: gatt.GroupImage, id: gatt.CmdImageState, whole: true}
+		d, _, n := newDevice(t, lc)
+		lc.arm()
+		start := time.Now()
+		info, err := d.Info(ctx)
+		check(t, "Info", err, time.Since(start), lc, n)
+		if info.FirmwareVersion != "1.0.0" {
+			t.Errorf("Info = %+v", info)
+		}
+	})
+
+	t.Run("text", func(t *testing.T) {
+		// The device showed the text; the bridge asks again with the same
+		// cid, and the device does not show it twice.
+		lc := &lossyConnector{group: gatt.GroupText, id: gatt.CmdTextPush, whole: true}
+		d, s, n := newDevice(t, lc)
+		lc.arm()
+		start := time.Now()
+		err := d.PushText(ctx, "cmd-1", "", "hello")
+		check(t, "PushText", err, time.Since(start), lc, n)
+		if got := s.Executions("cmd-1"); got != 1 || len(s.Texts()) != 1 {
+			t.Errorf("the text ran %d times, %d texts shown; want 1, 1", got, len(s.Texts()))
+		}
+	})
+
+	t.Run("settings write", func(t *testing.T) {
+		lc := &lossyConnector{group: gatt.GroupSettings, id: gatt.CmdSettingsValue, rsp: gatt.OpWriteRsp, whole: true}
+		d, _, n := newDevice(t, lc)
+		lc.arm()
+		start := time.Now()
+		err := d.UpdateSettings(ctx, "cmd-2", map[string]any{"brightness": 7.0})
+		check(t, "UpdateSettings", err, time.Since(start), lc, n)
+		if vals, _, err := d.Settings(ctx); err != nil || vals["brightness"] != int64(7) {
+			t.Errorf("Settings after the update = %v, %v; want brightness 7", vals, err)
+		}
+	})
+
+	t.Run("slow device", func(t *testing.T) {
+		// Nothing is lost: the device takes three quiet timeouts over each
+		// request. The probes wait behind the requests and are answered
+		// after them, so no request reads as lost, and none is repeated.
+		lc := &lossyConnector{group: gatt.GroupText, id: gatt.CmdTextPush, whole: true}
+		d, s, n := newDevice(t, lc, func(o *sim.PeripheralOptions) { o.HandleTime = 300 * time.Millisecond })
+		info, err := d.Info(ctx)
+		if err != nil || info.FirmwareVersion != "1.0.0" {
+			t.Fatalf("Info of a slow device = %+v, %v", info, err)
+		}
+		if err := d.PushText(ctx, "cmd-3", "", "slow"); err != nil {
+			t.Fatalf("PushText to a slow device: %v", err)
+		}
+		if n.Connects() != 1 || s.Executions("cmd-3") != 1 || lc.lost() != 0 {
+			t.Errorf("%d connections, the text ran %d times, %d lost; want 1, 1, 0", n.Connects(), s.Executions("cmd-3"), lc.lost())
+		}
+	})
+
+	t.Run("every time", func(t *testing.T) {
+		// A device that never gets an answer through is asked a few
+		// times, then the request fails as one the device did not answer.
+		lc := &lossyConnector{group: gatt.GroupSettingsSchema, id: gatt.CmdSchemaRead, whole: true, every: true}
+		d, _, _ := newDevice(t, lc)
+		lc.arm()
+		start := time.Now()
+		_, _, err := d.Settings(ctx)
+		took := time.Since(start)
+		if !errors.Is(err, gatt.ErrTimeout) || took > quick {
+			t.Fatalf("Settings with every answer lost = %v after %v; want gatt.ErrTimeout within %v", err, took.Round(time.Millisecond), quick)
+		}
+		if lc.lost() < 2 || lc.lost() > 5 {
+			t.Errorf("%d answers lost; want a few repeats", lc.lost())
+		}
+	})
+
+	t.Run("reset", func(t *testing.T) {
+		// The reset's answer is lost, and the device reboots only after
+		// the client's probe is answered: the reset reads as lost, and is
+		// not sent again; the device reboots all the same.
+		lc := &lossyConnector{group: gatt.GroupOS, id: gatt.CmdOSReset, whole: true}
+		d, s, _ := newDevice(t, lc, func(o *sim.PeripheralOptions) { o.ResetDelay = 400 * time.Millisecond })
+		img := firmwareImage(t, "2.0.0", 5_000)
+		lc.arm()
+		if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", img, nil); err != nil {
+			t.Fatalf("UpdateFirmware with the reset's answer lost: %v", err)
 		}
 		if s.Firmware() != "2.0.0" || s.Boots() != 1 || lc.lost() != 1 {
 			t.Errorf("firmware %s after %d boots, %d lost; want 2.0.0 after 1, 1 lost", s.Firmware(), s.Boots(), lc.lost())

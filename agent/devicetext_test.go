@@ -1,0 +1,68 @@
+package agent_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// A device's apps list is the device's text: a C string with its
+// terminator, or an app put there by other means than the bridge, with an
+// id the contract does not allow. The server refuses a status holding an
+// app id it cannot take, and with it a final reply that carries one: the
+// command that changed the apps would never end, and the device's status
+// never change again. The bridge reports the apps it can name and leaves
+// out the others.
+func TestAppsTheServerCannotTakeAreLeftOut(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	if err := dev.InstallApp(t.Context(), "before-the-bridge", "weather", "1.2.0", []byte("pkg")); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev},
+		wrap: func(d *sim.Device) agent.Device { return oddApps{d} }})
+
+	c := command(t, "dev-1", topics.OpAppUninstall, topics.AppUninstall{AppID: "weather"})
+	w.send(c)
+	final := w.waitFinal("dev-1", c.ID)
+	if final.State != companion.StateSucceeded || final.Status == nil {
+		t.Fatalf("final reply %+v; want succeeded with the status", final)
+	}
+	want := []companion.App{{AppID: "clock", Version: "1.0.0"}}
+	if !equalApps(final.Status.Apps, want) {
+		t.Errorf("apps in the final reply %v; want %v", final.Status.Apps, want)
+	}
+	st := w.waitStatus("dev-1", "without weather", func(s topics.Status) bool { return s.Online && equalApps(s.Apps, want) })
+	if st.Battery == nil {
+		t.Errorf("status %+v", st)
+	}
+}
+
+func equalApps(a, b []companion.App) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// oddApps is a device whose apps list also holds an app named as a C
+// string, terminator included, and one whose id has capitals and spaces.
+type oddApps struct{ *sim.Device }
+
+func (d oddApps) Info(ctx context.Context) (companion.DeviceInfo, error) {
+	info, err := d.Device.Info(ctx)
+	info.Apps = append(info.Apps, companion.App{AppID: "clock\x00", Version: "1.0.0\x00"},
+		companion.App{AppID: "Factory Demo", Version: "0.1.0"})
+	return info, err
+}
