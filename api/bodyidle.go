@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -19,8 +20,13 @@ import (
 // http.Server.ReadTimeout cannot do that: it bounds the whole request,
 // and a firmware upload over a slow link may rightly take many minutes.
 // Instead every read of the body may wait at most Limits.BodyIdle for a
-// byte (see idleBody), however long the body takes in all; a read that
-// waits longer fails with the 408 body_timeout the handler answers.
+// byte (see idleBody); a read that waits longer fails with the 408
+// body_timeout the handler answers. That alone bounds pauses, not a
+// client that sends a byte just before each BodyIdle runs out: so the
+// body must also average Limits.BodyMinRate once the server has waited
+// BodyIdle for it in all (a read that would wait past that fails with the
+// same 408). A body at that rate may take as long as it needs: a firmware
+// upload over a slow link goes through.
 //
 // It sets the connection's read deadline (http.ResponseController), which
 // a timer put off by every byte (internal/idleread) could not replace: the
@@ -40,8 +46,11 @@ func (s *Server) bodyIdle(c *gin.Context) {
 		body:    r.Body,
 		rc:      http.NewResponseController(c.Writer),
 		idle:    s.limits.BodyIdle,
+		minRate: s.limits.BodyMinRate,
 		http1:   r.ProtoMajor == 1,
 		stalled: &Error{Code: CodeBodyTimeout, Detail: "no byte of the body came for " + seconds(s.limits.BodyIdle)},
+		slow: &Error{Code: CodeBodyTimeout, Detail: fmt.Sprintf("the body came at less than %d bytes a second on average, after %s",
+			s.limits.BodyMinRate, seconds(s.limits.BodyIdle))},
 	}
 	if b.http1 {
 		// net/http reads a body the handler has not read (up to 256 KiB
@@ -64,8 +73,11 @@ func (s *Server) bodyIdle(c *gin.Context) {
 }
 
 // idleBody is a request body whose reads fail with stalled once the client
-// has sent nothing for idle. Like any request body it is not for
-// concurrent use.
+// has sent nothing for idle, and with slow once the client has kept its
+// reads waiting longer than idle plus 1/minRate s for each byte it sent:
+// its average rate, past the first idle of waiting, is below minRate. Only
+// the time spent in its reads counts, not the handler's between them. Like
+// any request body it is not for concurrent use.
 //
 // Over HTTP/1 the deadline is the connection's; it matters only while
 // something reads it, so it stays set between reads and bounds net/http's
@@ -85,18 +97,25 @@ type idleBody struct {
 	body    io.ReadCloser
 	rc      *http.ResponseController
 	idle    time.Duration
+	minRate int64 // bytes a second; <= 0: no minimum
 	http1   bool
-	stalled error // a read's error when nothing came in time
-	off     bool  // the connection takes no deadline
-	err     error // the first error a read returned, io.EOF included
+	stalled error         // a read's error when nothing came in time
+	slow    error         // a read's error when the body fell below minRate
+	waited  time.Duration // how long the reads have waited for the body
+	got     int64         // the bytes they returned
+	byRate  bool          // the deadline set last is minRate's, not idle's
+	off     bool          // the connection takes no deadline
+	err     error         // the first error a read returned, io.EOF included
 }
 
 func (b *idleBody) Read(p []byte) (int, error) {
 	if b.err != nil {
 		return 0, b.err
 	}
-	b.arm()
+	start := b.arm()
 	n, err := b.body.Read(p)
+	b.waited += time.Since(start)
+	b.got += int64(n)
 	switch {
 	case err == nil:
 		if !b.http1 {
@@ -108,6 +127,9 @@ func (b *idleBody) Read(p []byte) (int, error) {
 	default:
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			err = b.stalled
+			if b.byRate {
+				err = b.slow
+			}
 		}
 		b.err = err
 		if !b.http1 {
@@ -146,7 +168,30 @@ func (b *idleBody) handlerDone(ctx context.Context) {
 	}
 }
 
-func (b *idleBody) arm() { b.set(time.Now().Add(b.idle)) }
+// arm sets the deadline of the next wait for the body (see window), and
+// returns when it did.
+func (b *idleBody) arm() time.Time {
+	now := time.Now()
+	d, byRate := b.window()
+	b.byRate = byRate
+	b.set(now.Add(d))
+	return now
+}
+
+// window is how long the next wait for the body may last, and whether
+// minRate, not idle, sets it: the client may keep the reads waiting idle
+// plus 1/minRate s for each byte it has sent, in all.
+func (b *idleBody) window() (time.Duration, bool) {
+	if b.minRate <= 0 {
+		return b.idle, false
+	}
+	// In seconds, as a float: a long body's allowance is no Duration.
+	left := b.idle.Seconds() + float64(b.got)/float64(b.minRate) - b.waited.Seconds()
+	if left < b.idle.Seconds() {
+		return max(time.Duration(left*float64(time.Second)), 0), true
+	}
+	return b.idle, false
+}
 
 func (b *idleBody) set(deadline time.Time) {
 	if b.off {

@@ -66,6 +66,12 @@ func withBodyIdle(d time.Duration) envOption {
 	return func(o *Options) { o.Limits.BodyIdle = d }
 }
 
+// withBodyMinRate sets Limits.BodyMinRate: the tests' bodies are slow
+// for their short BodyIdle, not for the default rate.
+func withBodyMinRate(n int64) envOption {
+	return func(o *Options) { o.Limits.BodyMinRate = n }
+}
+
 // A client that sends the head of a request and part of its body, then
 // nothing, is answered once the body has been quiet for BodyIdle (408
 // when the handler was reading it; its own answer when it was not, as
@@ -137,10 +143,11 @@ func TestStalledBodyIsCut(t *testing.T) {
 }
 
 // A body that keeps coming in small pieces, each within BodyIdle of the
-// one before, is read however long it takes in all.
+// one before, at no less than BodyMinRate on average, is read however long
+// it takes in all.
 func TestSlowBodyIsRead(t *testing.T) {
 	const idle = 500 * time.Millisecond
-	e := newEnv(t, withBodyIdle(idle))
+	e := newEnv(t, withBodyIdle(idle), withBodyMinRate(20)) // it comes at 40 bytes a second
 	tok := e.bound("dev-1")
 
 	for _, tc := range []struct {
@@ -318,7 +325,7 @@ func (e *env) h2Server(t testing.TB) (*httptest.Server, *http.Client) {
 // 408, a slow one is read.
 func TestBodyIdleOverHTTP2(t *testing.T) {
 	const idle = 300 * time.Millisecond
-	e := newEnv(t, withBodyIdle(idle))
+	e := newEnv(t, withBodyIdle(idle), withBodyMinRate(20)) // the slow one comes at 66 bytes a second
 	tok := e.bound("dev-1")
 	srv, client := e.h2Server(t)
 	url := srv.URL + "/api/v1/devices/dev-1/push/text"
@@ -401,4 +408,110 @@ func TestHandlerPausesAreNotStalls(t *testing.T) {
 			require.Equal(t, http.StatusCreated, res.StatusCode, "%s", b)
 		})
 	}
+}
+
+// trickle writes the head of a request, then one byte of its body every
+// pause, each well within BodyIdle of the last, until stop is closed or a
+// write fails; the returned channel is closed when it has stopped.
+func trickle(conn net.Conn, head string, pause time.Duration, stop <-chan struct{}) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if _, err := io.WriteString(conn, head); err != nil {
+			return
+		}
+		tick := time.NewTicker(pause)
+		defer tick.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-tick.C: // the client's pace, not synchronisation
+			}
+			if _, err := io.WriteString(conn, "A"); err != nil {
+				return
+			}
+		}
+	}()
+	return done
+}
+
+// A client that trickles a large body, one byte just before each
+// BodyIdle runs out, is cut once its body has averaged less than the
+// minimum rate (Limits.BodyMinRate, 256 bytes a second by default) past
+// the first BodyIdle: a 408 body_timeout, the connection closed, the
+// handler returned. Before the minimum, such a client held a handler and
+// a connection for as long as the body limit let it go on: a 2.8 MB image
+// push a byte every 59 s, over five years.
+func TestTrickledBodyIsCut(t *testing.T) {
+	const idle = 300 * time.Millisecond
+	bound := 20 * idle // the answer is due a little after idle
+	seen := make(answers, 64)
+	e := newEnv(t, withBodyIdle(idle), func(o *Options) { o.Requests = seen })
+	tok := e.bound("dev-1")
+
+	for _, tc := range []struct {
+		name, head    string
+		method, route string
+	}{
+		{"image push", rawRequest("POST", "/api/v1/devices/dev-1/push/image", tok, "application/json", 100_000),
+			"POST", "/api/v1/devices/:id/push/image"},
+		{"upload", rawRequest("PUT", "/api/v1/admin/apps/clock/1.0.0", testAdminToken, "application/octet-stream", 100_000),
+			"PUT", "/api/v1/admin/apps/:app_id/:version"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+			require.NoError(t, err)
+			defer conn.Close()
+			require.NoError(t, conn.SetReadDeadline(time.Now().Add(bound)))
+			stop := make(chan struct{})
+			stopped := trickle(conn, tc.head, idle/2, stop)
+			defer func() { close(stop); <-stopped }()
+
+			br := bufio.NewReader(conn)
+			r, err := readRaw(br)
+			require.NoError(t, err, "no answer: the server is still reading the trickle")
+			require.Equal(t, http.StatusRequestTimeout, r.status, "%s", r.body)
+			p := r.problem(t)
+			assert.Equal(t, CodeBodyTimeout, p.Code)
+			assert.Contains(t, p.Detail, "bytes a second")
+			assert.True(t, r.close, "the answer says Connection: close")
+			_, err = br.ReadByte()
+			require.Error(t, err)
+			require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the server kept the connection open")
+			assert.Equal(t, http.StatusRequestTimeout, seen.wait(t, bound, tc.method, tc.route))
+		})
+	}
+	t.Run("HTTP/2", func(t *testing.T) {
+		srv, client := e.h2Server(t)
+		ctx, cancel := context.WithTimeout(t.Context(), bound)
+		defer cancel()
+		pr, pw := io.Pipe()
+		wrote := make(chan struct{})
+		defer func() { pw.Close(); <-wrote }()
+		go func() {
+			defer close(wrote)
+			tick := time.NewTicker(idle / 2)
+			defer tick.Stop()
+			for range tick.C { // the client's pace, not synchronisation
+				if _, err := io.WriteString(pw, "A"); err != nil {
+					return
+				}
+			}
+		}()
+		hr, err := http.NewRequestWithContext(ctx, "POST", srv.URL+"/api/v1/devices/dev-1/push/image", pr)
+		require.NoError(t, err)
+		hr.ContentLength = 100_000
+		hr.Header.Set("Authorization", "Bearer "+tok)
+		hr.Header.Set("Content-Type", "application/json")
+		res, err := client.Do(hr)
+		require.NoError(t, err, "no answer: the server is still reading the trickle")
+		defer res.Body.Close()
+		b, err := io.ReadAll(res.Body)
+		require.NoError(t, err)
+		require.Equal(t, 2, res.ProtoMajor)
+		r := resp{status: res.StatusCode, header: res.Header, body: b}
+		require.Equal(t, http.StatusRequestTimeout, r.status, "%s", b)
+		assert.Equal(t, CodeBodyTimeout, r.problem(t).Code)
+	})
 }

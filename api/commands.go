@@ -44,7 +44,7 @@ func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *companion.Idemp
 		return nil, false, err
 	}
 	user := currentUser(c)
-	hash := requestHash(c.Request, body)
+	hash := requestHash(c, body)
 	ctx := c.Request.Context()
 	old, err := s.store.Idempotency(ctx, user.ID, key)
 	switch {
@@ -56,7 +56,10 @@ func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *companion.Idemp
 		return nil, false, errIdemReused
 	}
 	cmd, err := s.store.Command(ctx, old.CommandID)
-	if err != nil {
+	switch {
+	case errors.Is(err, companion.ErrNotFound):
+		return nil, false, errIdemGone
+	case err != nil:
 		return nil, false, fmt.Errorf("command %s of an idempotency record: %w", old.CommandID, err)
 	}
 	return nil, true, s.answerCommand(c, cmd, http.StatusAccepted, true)
@@ -100,6 +103,11 @@ func (s *Server) send(c *gin.Context, deviceID, op string, payload any, desired 
 		return companion.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
 	case errors.Is(err, companion.ErrIdemConflict):
 		return companion.Command{}, errIdemReused
+	case idem != nil && errors.Is(err, companion.ErrNotFound):
+		// The store found the key's record as it checked it in the
+		// command's write (a repeat that overlapped the first request,
+		// beginCommand saw no record), and its command purged.
+		return companion.Command{}, errIdemGone
 	case errors.Is(err, companion.ErrNotOwned):
 		// Unbound (or bound anew) since boundDevice looked: the store
 		// checks again as it stores the command.

@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -66,6 +67,33 @@ func TestCommandIDInUpperCase(t *testing.T) {
 	r = e.do("GET", "/api/v1/devices/dev-2/commands/"+strings.ToUpper(id), other, nil)
 	require.Equal(t, 404, r.status, "%s", r.body)
 	assert.Equal(t, CodeCommandNotFound, r.problem(t).Code)
+}
+
+// A cancel repeated with its Idempotency-Key is the same request whatever
+// the case of the command id in its path (bug 55 made ids
+// case-insensitive): it is answered with the first answer, never 422
+// idempotency_key_reused, and in either order of the two spellings.
+func TestCancelRepeatWithTheIDInAnotherCase(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	for i, spell := range []func(string) string{strings.ToUpper, strings.ToLower} {
+		r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "hi"})
+		require.Equal(t, 202, r.status, "%s", r.body)
+		id := r.json(t)["id"].(string)
+		key := fmt.Sprintf("cancel-%d", i)
+		cancel := func(path string) resp {
+			return e.send(req{method: "DELETE", path: path, token: tok, header: map[string]string{"Idempotency-Key": key}})
+		}
+		first := cancel("/api/v1/devices/dev-1/commands/" + spell(id))
+		require.Equal(t, 200, first.status, "%s", first.body)
+		other := strings.ToUpper(id)
+		if spell(id) == other {
+			other = id
+		}
+		repeat := cancel("/api/v1/devices/dev-1/commands/" + other)
+		require.Equal(t, 200, repeat.status, "the repeat, id %s after %s: %s", other, spell(id), repeat.body)
+		assert.JSONEq(t, string(first.body), string(repeat.body), "the repeat is the first answer")
+	}
 }
 
 // staleIdemStore answers the first read of the key `key` with what the

@@ -125,6 +125,13 @@ var (
 	errInvalidClaim   = &Error{Code: CodeInvalidClaim}
 	errIdemReused     = &Error{Code: CodeIdempotencyKeyReused}
 	errIdemInUse      = &Error{Code: CodeIdempotencyKeyInUse}
+	// errIdemGone answers a repeat whose Idempotency-Key record names a
+	// command the retention pass has purged: a record answers for 24 h
+	// and a final command is kept at least that long after it ended
+	// (--retention), so the two part only at the end of the key's day,
+	// by a clock a little ahead of the one that reads the record.
+	errIdemGone = &Error{Code: CodeCommandNotFound, Detail: "the command this Idempotency-Key's first request created is no longer kept " +
+		"(it ended more than a day ago): nothing was done; send the request with a new key to do it again"}
 )
 
 // problem is an RFC 9457 problem details object with our extensions.

@@ -3,12 +3,15 @@ package api
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/store"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -246,4 +249,81 @@ func TestPanicGivesUpTheIdempotencyKey(t *testing.T) {
 	r = send()
 	require.Equal(t, 201, r.status, "the repeat does the work: %s", r.body)
 	assert.NotEmpty(t, r.json(t)["token"], "it is the first answer with a token")
+}
+
+// clock is a settable clock for a store.
+type clock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *clock) Set(t time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = t
+}
+
+// forgetKeys reads no idempotency record: the API's read of a key comes
+// before the record is there, and only the store's own check, in the
+// write that would store the command, finds it.
+type forgetKeys struct{ *store.DB }
+
+func (forgetKeys) Idempotency(context.Context, string, string) (companion.Idempotency, error) {
+	return companion.Idempotency{}, companion.ErrNotFound
+}
+
+// A repeat of a command request whose Idempotency-Key record still
+// answers (its 24 h have not quite run out by the answering server's
+// clock) but whose command has been purged (--retention 24h, the minimum,
+// by a dispatcher whose clock runs two seconds ahead) cannot be given its
+// first answer. It is a 404 command_not_found that says so, never a 500,
+// and it creates nothing; once the record has run out, the same request
+// is a new one (CONTRACT §2: a repeat within 24 h).
+func TestReplayOfAPurgedCommand(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		store func(*store.DB) Store
+	}{
+		{"record read by the API", func(db *store.DB) Store { return db }},
+		{"record found as the command is stored", func(db *store.DB) Store { return forgetKeys{db} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			start := time.Now().UTC().Truncate(time.Second)
+			clk := &clock{now: start}
+			db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler), Now: clk.Now})
+			require.NoError(t, err)
+			t.Cleanup(func() { db.Close() })
+			e := newEnvWith(t, db, tc.store(db), func(o *Options) { o.Now = clk.Now })
+			tok := e.bound("dev-1")
+			push := func() resp {
+				return e.send(req{method: "POST", path: "/api/v1/devices/dev-1/push/text", token: tok,
+					body: map[string]any{"text": "hi"}, header: map[string]string{"Idempotency-Key": "k-1"}})
+			}
+			r := push()
+			require.Equal(t, 202, r.status, "%s", r.body)
+			e.cmds.set(t, r.json(t)["id"].(string), companion.StateSucceeded)
+
+			clk.Set(start.Add(24*time.Hour - time.Second))
+			ahead := clk.Now().Add(2 * time.Second)
+			n, err := db.PurgeCommands(context.Background(), ahead.Add(-24*time.Hour))
+			require.NoError(t, err)
+			require.Equal(t, 1, n, "the command was purged")
+
+			r = push()
+			require.Equal(t, 404, r.status, "%s", r.body)
+			assert.Equal(t, CodeCommandNotFound, r.problem(t).Code)
+			assert.Equal(t, 1, e.cmds.count(), "the repeat created nothing")
+
+			clk.Set(start.Add(24*time.Hour + time.Second))
+			r = push()
+			require.Equal(t, 202, r.status, "after 24 h the key is free: %s", r.body)
+			assert.Equal(t, 2, e.cmds.count())
+		})
+	}
 }

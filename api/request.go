@@ -22,6 +22,7 @@ import (
 
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/fastjson"
+	"github.com/devicecompanion/companion/topics"
 
 	"github.com/gin-gonic/gin"
 )
@@ -512,16 +513,29 @@ func idempotencyKey(c *gin.Context) (string, error) {
 	return k, nil
 }
 
-// requestHash identifies a request for its Idempotency-Key: method, path
-// and body.
-func requestHash(r *http.Request, body []byte) []byte {
+// requestHash identifies a request for its Idempotency-Key: method,
+// path (see canonicalPath) and body.
+func requestHash(c *gin.Context, body []byte) []byte {
 	h := sha256.New()
-	io.WriteString(h, r.Method)
+	io.WriteString(h, c.Request.Method)
 	h.Write([]byte{0})
-	io.WriteString(h, r.URL.Path)
+	io.WriteString(h, canonicalPath(c))
 	h.Write([]byte{0})
 	h.Write(body)
 	return h.Sum(nil)
+}
+
+// canonicalPath is the request's path with the parts that name the same
+// thing in several spellings written one way: a command id, whose hex
+// digits are case-insensitive (deviceCommand), in lower case. Two requests
+// that differ only there are the same request for their Idempotency-Key.
+func canonicalPath(c *gin.Context) string {
+	path := c.Request.URL.Path
+	id := c.Param("command_id")
+	if id == "" || !topics.ValidCommandID(id) || !strings.HasSuffix(path, "/"+id) {
+		return path
+	}
+	return strings.TrimSuffix(path, id) + strings.ToLower(id)
 }
 
 // idempotencyWait bounds how long a request waits for the answer of an
@@ -558,7 +572,7 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 	if err != nil || key == "" {
 		return nil, false, err
 	}
-	claim := &companion.Idempotency{UserID: userID, Key: key, RequestHash: requestHash(c.Request, body)}
+	claim := &companion.Idempotency{UserID: userID, Key: key, RequestHash: requestHash(c, body)}
 	ctx := c.Request.Context()
 	deadline := time.NewTimer(idempotencyWait)
 	defer deadline.Stop()

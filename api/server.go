@@ -128,6 +128,16 @@ type Limits struct {
 	// 60 s, nginx's default client_body_timeout, leaves room for TCP's
 	// retransmission backoff after a link has dropped out for a while.
 	BodyIdle time.Duration
+	// BodyMinRate is the least a request body must average, in bytes a
+	// second, once its client has kept the server waiting BodyIdle in all;
+	// 256 (2 kbit/s, below any real link: ASP.NET Core's Kestrel asks 240,
+	// Apache's mod_reqtimeout 500). Without it a client that sends a
+	// byte just before each BodyIdle runs out holds a handler for as long
+	// as the body limit lets it go on. Only the time the server spends
+	// waiting for the body counts, as for BodyIdle, so a body takes at most
+	// BodyIdle plus its size at this rate of the client's time. Negative:
+	// no minimum.
+	BodyMinRate int64
 
 	RequestsPerSecond float64 // per token; 50
 	RequestBurst      int     // per token; 100
@@ -154,6 +164,7 @@ var DefaultLimits = Limits{
 	MaxTTL:              604800 * time.Second,
 	MaxJSONBody:         64 << 10,
 	BodyIdle:            60 * time.Second,
+	BodyMinRate:         256,
 	RequestsPerSecond:   50,
 	RequestBurst:        100,
 	RegisterPerMinute:   10,
@@ -191,6 +202,7 @@ func (l Limits) withDefaults() Limits {
 	setDur(&l.MaxTTL, d.MaxTTL)
 	set64(&l.MaxJSONBody, d.MaxJSONBody)
 	setDur(&l.BodyIdle, d.BodyIdle)
+	set64(&l.BodyMinRate, d.BodyMinRate)
 	if l.RequestsPerSecond == 0 {
 		l.RequestsPerSecond = d.RequestsPerSecond
 	}
