@@ -21,8 +21,17 @@ func (s *Store) CreateUser(ctx context.Context, u companion.User) error {
 	if u.CreatedAt.IsZero() {
 		u.CreatedAt = s.clock()
 	}
-	_, err := s.pool.Exec(ctx, `INSERT INTO users (id, name, token_hash, created_at) VALUES ($1, $2, $3, $4)`,
-		u.ID, u.Name, u.TokenHash, u.CreatedAt)
+	// Under the id's lock, which CreateBridge holds from its check of the
+	// users to its commit: a user made while a bridge of its id is being
+	// made commits after it, as in the bbolt engine's order (a bridge does
+	// not stop a user; a user stops a bridge made after it).
+	err := s.tx(ctx, func(tx pgx.Tx) error {
+		var b pgx.Batch
+		b.Queue(`SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(u.ID))
+		b.Queue(`INSERT INTO users (id, name, token_hash, created_at) VALUES ($1, $2, $3, $4)`,
+			u.ID, u.Name, u.TokenHash, u.CreatedAt)
+		return sendBatch(ctx, tx, &b)
+	})
 	if isUniqueViolation(err) {
 		return companion.ErrExists
 	}
@@ -140,16 +149,29 @@ func (s *Store) CreateBridge(ctx context.Context, b companion.Bridge) error {
 		b.CreatedAt = s.clock()
 	}
 	err := s.tx(ctx, func(tx pgx.Tx) error {
-		var taken bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM users WHERE id = $1)`, b.ID).Scan(&taken); err != nil {
+		// The id's lock first, which CreateUser takes too: the check of
+		// the users and the insert are one step for it. Without it a user
+		// committed between the two (another replica's, or this one's)
+		// did not stop the bridge, although it was there to be seen
+		// before the bridge was.
+		var batch pgx.Batch
+		batch.Queue(`SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(b.ID))
+		batch.Queue(`INSERT INTO bridges (id, secret_hash, owner_id, created_at) SELECT $1, $2, $3, $4
+			WHERE NOT EXISTS (SELECT 1 FROM users WHERE id = $1)`,
+			b.ID, b.SecretHash, b.OwnerID, b.CreatedAt)
+		br := tx.SendBatch(ctx, &batch)
+		defer br.Close()
+		if _, err := br.Exec(); err != nil {
 			return err
 		}
-		if taken {
-			return companion.ErrExists
+		tag, err := br.Exec()
+		if err != nil {
+			return err
 		}
-		_, err := tx.Exec(ctx, `INSERT INTO bridges (id, secret_hash, owner_id, created_at) VALUES ($1, $2, $3, $4)`,
-			b.ID, b.SecretHash, b.OwnerID, b.CreatedAt)
-		return err
+		if tag.RowsAffected() == 0 {
+			return companion.ErrExists // a user's id
+		}
+		return br.Close()
 	})
 	if isUniqueViolation(err) {
 		return companion.ErrExists

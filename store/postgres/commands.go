@@ -646,22 +646,31 @@ func (s *Store) CountAllOpen(ctx context.Context) (int, error) {
 	return n, err
 }
 
-// purgeBatch bounds the deletions of one transaction of the Purge methods.
+// purgeBatch bounds the deletions of one transaction of the Purge methods
+// (Store.purgeBatch, set by tests, overrides it).
 const purgeBatch = 1000
 
-// purge runs del, a DELETE of at most $2 rows older than $1, until it
-// deletes fewer than purgeBatch, and returns how many rows went.
+// purge runs del, a DELETE of at most $2 rows older than $1, each run a
+// transaction of its own, until it deletes fewer than a batch, and
+// returns how many rows went.
 func (s *Store) purge(ctx context.Context, del string, olderThan time.Time) (int, error) {
+	batch := s.purgeBatch
+	if batch <= 0 {
+		batch = purgeBatch
+	}
 	total := 0
 	for {
-		tag, err := s.pool.Exec(ctx, del, olderThan, purgeBatch)
+		tag, err := s.pool.Exec(ctx, del, olderThan, batch)
 		if err != nil {
 			return total, err
 		}
 		n := int(tag.RowsAffected())
 		total += n
-		if n < purgeBatch {
+		if n < batch {
 			return total, nil
+		}
+		if s.afterPurgeBatch != nil {
+			s.afterPurgeBatch()
 		}
 	}
 }

@@ -65,4 +65,8 @@
 // second sees it sent. Every transaction that changes a command's state
 // calls pg_notify('companion_commands', id); ListenCommands lets a replica
 // wake its `Prefer: wait` waiters when another replica stored the reply.
+//
+// Where there is no row yet to lock, a transaction-scoped advisory lock
+// of the id stands for it: a device's first status report (putStatus), and
+// the id that users and bridges share (CreateUser, CreateBridge).
 package postgres

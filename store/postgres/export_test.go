@@ -14,3 +14,17 @@ func SetHookHeld(t testing.TB, f func(ctx context.Context, conn *pgx.Conn)) {
 	testHookHeld.Store(&f)
 	t.Cleanup(func() { testHookHeld.Store(nil) })
 }
+
+// SetPurgeBatch makes the Purge methods of s delete at most n rows a
+// transaction and call after (if not nil) between two of their
+// transactions. Call it before s is used.
+func SetPurgeBatch(s *Store, n int, after func()) {
+	s.purgeBatch, s.afterPurgeBatch = n, after
+}
+
+// DeviceHash is the device's hash: a lane's batch takes its writes' locks
+// in the order of their devices' hashes.
+func DeviceHash(deviceID string) uint16 { return deviceHash(deviceID) }
+
+// LaneOf returns the index of the lane that runs the device's writes on s.
+func LaneOf(s *Store, deviceID string) int { return int(deviceHash(deviceID)) % len(s.lanes) }

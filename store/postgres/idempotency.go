@@ -132,11 +132,18 @@ func (s *Store) PutIdempotency(ctx context.Context, rec companion.Idempotency) e
 }
 
 // PurgeIdempotency deletes the records created before olderThan and
-// returns how many it deleted.
+// returns how many it deleted, at most purgeBatch in each transaction (as
+// the bbolt engine does, bug 40): a day of keyed requests is millions of
+// rows, and one DELETE of them all held their row locks and one
+// transaction's worth of WAL and dead tuples until it ended.
+//
+// The outer WHERE checks created_at again: a record that a new request
+// put over an expired one (PutIdempotency, CreateCommand: an upsert of the
+// same key) after the batch's snapshot was taken is then a young record,
+// and READ COMMITTED evaluates the target row's own conditions again on
+// its newest version, while the subquery's are not; without it the purge
+// would delete the new request's record.
 func (s *Store) PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error) {
-	tag, err := s.pool.Exec(ctx, `DELETE FROM idempotency WHERE created_at < $1`, olderThan)
-	if err != nil {
-		return 0, err
-	}
-	return int(tag.RowsAffected()), nil
+	return s.purge(ctx, `DELETE FROM idempotency WHERE created_at < $1 AND (user_id, key) IN (
+		SELECT user_id, key FROM idempotency WHERE created_at < $1 LIMIT $2)`, olderThan)
 }

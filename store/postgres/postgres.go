@@ -5,6 +5,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io/fs"
 	"log/slog"
 	"path"
@@ -61,6 +62,11 @@ type Store struct {
 	done   chan struct{} // closed by Close: stops ListenCommands and Campaign
 
 	dispatching atomic.Bool // this store holds the dispatcher's lock (Campaign)
+
+	purgeBatch int // deletions per transaction of the Purge methods; purgeBatch when 0 (tests set it)
+	// afterPurgeBatch, when set (by tests, before the store is used), runs
+	// between two transactions of a purge.
+	afterPurgeBatch func()
 }
 
 var _ companion.Store = (*Store)(nil)
@@ -204,6 +210,26 @@ func Migrate(ctx context.Context, dsn string) error {
 // migrationLock is the advisory lock (two-key form, which does not overlap
 // the one-key locks of idempotency keys) that migrations take.
 const migrationLock = `SELECT pg_advisory_xact_lock(1668246896, 1)`
+
+// The classes of the transaction-scoped advisory locks of the two-key
+// form whose second key is a hash of an id (idLockKey, statusLockKey). They are apart from the
+// migrations' and the dispatcher's locks (class 1668246896, keys 1 and 2)
+// and from the one-key locks of idempotency keys. Two ids of one key share
+// a lock: they wait for each other, no more.
+const (
+	// lockClassStatus is held by the first report of a device (putStatus).
+	lockClassStatus int32 = 1668246897
+	// lockClassAccount is held by CreateUser and CreateBridge: users and
+	// bridges share the broker's usernames.
+	lockClassAccount int32 = 1668246898
+)
+
+// idLockKey is the second key of an id's advisory lock.
+func idLockKey(id string) int32 {
+	h := fnv.New32a()
+	h.Write([]byte(id))
+	return int32(h.Sum32())
+}
 
 // ErrSchemaOld is returned by Open for a database whose schema is older
 // than this build's: run companion migrate.

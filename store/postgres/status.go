@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"maps"
 	"slices"
 	"time"
@@ -58,6 +59,24 @@ func (r *statusRow) status(deviceID string) (companion.Status, error) {
 	}
 	s.Seq = seq
 	return s, nil
+}
+
+// lockStatusSQL takes the transaction's advisory lock of the device $1
+// (lockClassStatus, $3 its statusLockKey) when the device has no status
+// yet, and nothing when it has one: see putStatus.
+const lockStatusSQL = `SELECT pg_advisory_xact_lock($2, $3) WHERE NOT EXISTS (SELECT 1 FROM statuses WHERE device_id = $1)`
+
+// statusLockKey is the second key of a device's advisory lock: its
+// deviceHash above the low half of the FNV-1a hash that deviceHash folds
+// (so as unique as that hash). A lane's batch takes its writes' locks in
+// the order of their devices' hashes, and two devices whose keys are one
+// share a deviceHash: the lock adds no order between devices that their
+// rows' locks do not have already (a deadlock among those is PostgreSQL's
+// to break, and the writes run again: runBatch).
+func statusLockKey(deviceID string) int32 {
+	h := fnv.New32a()
+	h.Write([]byte(deviceID))
+	return int32(uint32(deviceHash(deviceID))<<16 | h.Sum32()&0xffff)
 }
 
 // newer is the rule of reports, in SQL over the excluded (new) row and
@@ -164,10 +183,20 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 	// no change, and the user's last event would say what is no longer
 	// true. So a statement before it, in the same round trip, takes the
 	// row's lock and waits for any write under way: the statement that
-	// stores starts after it. A device's first status has no row to lock
-	// yet: of two first reports at once, on two replicas, the second may
-	// announce a change it did not make, or read before the first (left
-	// so: it takes the device's very first two reports at one moment).
+	// stores starts after it.
+	//
+	// A device's first status has no row to lock yet: of two first
+	// reports at once, on two replicas, the second's upsert would wait for
+	// the first's insert inside the statement, compare with no status at
+	// all (announcing a change it did not make), and store its event with
+	// an xid from before the first's commit (its transaction's own, taken
+	// by an earlier write of its lane's batch): the event read before the
+	// first's, the user's last word on the device the first report. So
+	// while the device has no status, the statement before takes the
+	// device's advisory lock (lockStatusSQL), which the first report holds
+	// until it commits: the second then finds its row, locks it, and
+	// stores as after any other wait. Once the row exists (statuses are
+	// never deleted) the row lock alone orders the reports.
 	now := s.clock()
 	ns := st
 	ns.UpdatedAt = now
@@ -176,6 +205,7 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 		return false, err
 	}
 	var b pgx.Batch
+	b.Queue(lockStatusSQL, st.DeviceID, lockClassStatus, statusLockKey(st.DeviceID))
 	b.Queue(`SELECT 1 FROM statuses WHERE device_id = $1 FOR UPDATE`, st.DeviceID)
 	b.Queue(`WITH old AS (
 			SELECT online, battery, firmware_version, apps::text AS apps FROM statuses WHERE device_id = $1),
@@ -198,9 +228,11 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, now, seqText(st.Seq), event)
 	br := tx.SendBatch(ctx, &b)
 	var applied int
-	if _, err := br.Exec(); err != nil {
-		_ = br.Close()
-		return false, err
+	for range 2 {
+		if _, err := br.Exec(); err != nil {
+			_ = br.Close()
+			return false, err
+		}
 	}
 	if err := br.QueryRow().Scan(&applied); err != nil {
 		_ = br.Close()
