@@ -133,6 +133,11 @@ type Broker struct {
 	kick      chan struct{} // wakes the outbox
 	connected chan struct{} // one signal per (re)connect, for the outbox
 	acks      chan inflight // published commands awaiting their PUBACK, in order
+	// moved is the topic where replicas sharing a store tell each other
+	// of a device that changed bridges (tellMoved): under the prefix,
+	// which only the servers may read and write outside the devices' and
+	// bridges' topics (CONTRACT §3). The payload is the device's id.
+	moved string
 
 	mu      sync.Mutex
 	waiters map[string][]chan companion.Command
@@ -161,6 +166,10 @@ type Broker struct {
 	// since restarted, or a replica since gone (see expiredAt).
 	dispatchSince time.Time
 	dispatched    bool // whether this broker dispatched when last seen (sawDispatching)
+
+	// bridgeGen counts the state messages taken in per bridge (see
+	// noteBridgeState); under mu.
+	bridgeGen map[string]uint64
 
 	// release is closed by Release (and Close): every Wait, under way or
 	// to come, answers at once.
@@ -229,6 +238,8 @@ func New(opts Options) (*Broker, error) {
 		flying:    make(map[string]*outgoing),
 		live:      make(map[string]bool),
 		acks:      make(chan inflight, maxInflight),
+		moved:     opts.Topics.DevicesMoved(),
+		bridgeGen: make(map[string]uint64),
 		release:   make(chan struct{}),
 		quit:      make(chan struct{}),
 	}
@@ -348,6 +359,7 @@ var ErrNotConnected = errors.New("broker: MQTT not connected")
 // errStale marks a reply that must change nothing.
 var errStale = errors.New("stale reply")
 
-// maxReplyAttempts bounds how often a reply the store fails to take is
-// taken again: about ten minutes of an unreachable store.
+// maxReplyAttempts bounds how often a reply, or a bridge's state, that
+// the store fails to take is taken again: about ten minutes of an
+// unreachable store.
 const maxReplyAttempts = 64

@@ -29,12 +29,12 @@ import (
 
 var tree = topics.MustNew(topics.DefaultPrefix)
 
-// bridgeAccounts lets one bridge in.
-// bridgeAccounts admits the bridge b1, which serves what the store says.
+// bridgeAccounts admits the bridges b1 and b2, which serve what the store
+// says.
 type bridgeAccounts struct{ db *store.DB }
 
 func (bridgeAccounts) Authenticate(_ context.Context, u, p string) (embedded.Identity, bool) {
-	return embedded.Identity{Role: embedded.RoleBridge, ID: u}, u == "b1" && p == "secret"
+	return embedded.Identity{Role: embedded.RoleBridge, ID: u}, (u == "b1" || u == "b2") && p == "secret"
 }
 func (bridgeAccounts) UserOwnsDevice(context.Context, string, string) bool { return false }
 func (a bridgeAccounts) BridgeServesDevice(ctx context.Context, bridgeID, deviceID string) bool {
@@ -150,9 +150,16 @@ type fakeBridge struct {
 
 func connectBridge(t *testing.T, e *env) *fakeBridge {
 	t.Helper()
+	return connectBridgeAs(t, e, "b1", "dev-1", "dev-2")
+}
+
+// connectBridgeAs connects a fake bridge as bridgeID, subscribed to the
+// commands of devices (which it must serve: the broker refuses others).
+func connectBridgeAs(t *testing.T, e *env, bridgeID string, devices ...string) *fakeBridge {
+	t.Helper()
 	fb := &fakeBridge{commands: make(chan topics.Command, 1000)}
-	o := mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("b1").
-		SetUsername("b1").SetPassword("secret").SetCleanSession(false).
+	o := mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID(bridgeID).
+		SetUsername(bridgeID).SetPassword("secret").SetCleanSession(false).
 		SetDefaultPublishHandler(func(_ mqtt.Client, m mqtt.Message) {
 			c, err := topics.ParseCommand(m.Payload())
 			if err == nil {
@@ -162,9 +169,17 @@ func connectBridge(t *testing.T, e *env) *fakeBridge {
 	fb.c = mqtt.NewClient(o)
 	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Connect(), 5*time.Second))
 	t.Cleanup(func() { fb.c.Disconnect(0) })
-	f, _ := tree.CommandsFilter("dev-1")
-	f2, _ := tree.CommandsFilter("dev-2")
-	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.SubscribeMultiple(map[string]byte{f: 1, f2: 1}, nil), 5*time.Second))
+	filters := map[string]byte{}
+	for _, d := range devices {
+		f, err := tree.CommandsFilter(d)
+		require.NoError(t, err)
+		filters[f] = 1
+	}
+	tok := fb.c.SubscribeMultiple(filters, nil)
+	require.NoError(t, mqtt.WaitTokenTimeout(tok, 5*time.Second))
+	for f, code := range tok.(*mqtt.SubscribeToken).Result() {
+		require.NotEqual(t, byte(0x80), code, "%s refused %s", bridgeID, f)
+	}
 	return fb
 }
 

@@ -12,9 +12,10 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// onConnect subscribes to what the bridges publish, and to the filters of
-// the connection's other users, on every connect; the broker is ready once
-// the MQTT broker has granted them all.
+// onConnect subscribes to what the bridges publish (and, with replicas, to
+// their word of devices moved: tellMoved), and to the filters of the
+// connection's other users, on every connect; the broker is ready once the
+// MQTT broker has granted them all.
 func (b *Broker) onConnect(c mqtt.Client) {
 	b.log.Info("MQTT connected", "url", b.opts.MQTTURL)
 	filters := map[string]byte{
@@ -22,6 +23,11 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		b.tree.AllStatus():       1,
 		b.tree.AllSettings():     1,
 		b.tree.AllBridgeStates(): 1,
+	}
+	if b.opts.Dispatcher != nil {
+		// Replicas share a store: the word of devices moved through
+		// another (tellMoved).
+		filters[b.moved] = 1
 	}
 	// Subscribing from the connect handler must not wait on the token in
 	// this goroutine for long; paho allows it, but bound it.
@@ -156,6 +162,11 @@ func (b *Broker) Publish(ctx context.Context, topic string, payload []byte) erro
 // it fail loudly: bad messages are logged and dropped.
 func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 	ctx := context.Background()
+	if m.Topic() == b.moved {
+		b.takeMoved(m.Payload())
+		m.Ack()
+		return
+	}
 	t, err := b.tree.Parse(m.Topic())
 	if err != nil {
 		b.log.Warn("message on an unknown topic", "topic", m.Topic())
@@ -206,10 +217,9 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 	case topics.KindBridgeState:
 		switch string(m.Payload()) {
 		case topics.BridgeOnline:
-			b.bridgeOnline(ctx, t.BridgeID)
-			m.Ack()
+			b.bridgeOnline(t.BridgeID, b.noteBridgeState(t.BridgeID), m.Ack, 1)
 		case topics.BridgeOffline:
-			b.bridgeOffline(t.BridgeID, m.Ack)
+			b.bridgeOffline(t.BridgeID, b.noteBridgeState(t.BridgeID), m.Ack, 1)
 		default:
 			m.Ack()
 		}

@@ -44,13 +44,53 @@ func (b *Broker) servedBy(deviceID, bridgeID, bridge string) bool {
 // DeviceMoved says a device changed bridges, or lost its bridge: its
 // unfinished commands go again, to whichever bridge serves it now (those
 // of a device no bridge serves wait queued, and those its bridge had fail:
-// see failUnserved).
+// see failUnserved). Only the dispatcher publishes: a replica that does
+// not dispatch tells it (tellMoved), whichever replica the move came to.
 func (b *Broker) DeviceMoved(deviceID string) {
+	b.resendDevice(deviceID)
+	if b.opts.Dispatcher != nil && !b.dispatching() {
+		b.tellMoved(deviceID)
+	}
+	b.failUnserved(context.Background(), deviceID)
+}
+
+// resendDevice has the outbox send the device's unfinished commands again,
+// if this replica dispatches.
+func (b *Broker) resendDevice(deviceID string) {
 	b.mu.Lock()
 	b.resend[deviceID] = true
 	b.mu.Unlock()
 	b.wake()
-	b.failUnserved(context.Background(), deviceID)
+}
+
+// tellMoved tells the replicas, and so the dispatcher, that a device
+// changed bridges: the dispatcher sends its unfinished commands again
+// (takeMoved), as DeviceMoved does on the dispatcher itself. The store
+// says nothing of a move to the other replicas (its notifications are of
+// commands), and without this the device's commands sent to its old
+// bridge waited for the new bridge's next "online", or for retrySent a
+// minute later (and only while the device read online). Should the
+// dispatcher change meanwhile, the new one sends every open command again
+// anyway.
+func (b *Broker) tellMoved(deviceID string) {
+	tok := b.client.Publish(b.moved, 1, false, []byte(deviceID))
+	b.goOwned(func() {
+		if err := b.waitToken(tok); err != nil && !errors.Is(err, ErrClosed) {
+			b.log.Warn("telling the dispatcher of a device moved failed; its commands go with the new bridge's next online, or the retry of sent ones",
+				"device_id", deviceID, "err", err)
+		}
+	})
+}
+
+// takeMoved takes another replica's word that a device changed bridges
+// (tellMoved).
+func (b *Broker) takeMoved(payload []byte) {
+	id := string(payload)
+	if !topics.ValidDeviceID(id) {
+		b.log.Warn("bad word of a device moved", "payload", id)
+		return
+	}
+	b.resendDevice(id)
 }
 
 // failUnserved fails the commands of a device no bridge serves that its
@@ -121,17 +161,27 @@ func (b *Broker) failUnserved(ctx context.Context, deviceID string) {
 	}
 }
 
-// bridgeOffline takes a bridge's Will: every device it served reads
-// offline.
-func (b *Broker) bridgeOffline(bridgeID string, ack func()) {
+// bridgeOffline takes a bridge's Will, the bridge's state message n
+// (noteBridgeState): every device it served reads offline. What the store
+// fails to take is taken again (bridgeStateAgain).
+func (b *Broker) bridgeOffline(bridgeID string, n uint64, ack func(), attempt int) {
+	if attempt > 1 && !b.latestBridgeState(bridgeID, n) {
+		ack() // the bridge said something since: that holds now
+		return
+	}
 	start := time.Now()
 	b.st.MarkBridgeOfflineAsync(bridgeID, func(ids []string, err error) {
-		defer ack()
 		b.opts.Observer.StoreWrite(StoreWriteOffline, time.Since(start))
 		if err != nil {
+			if b.bridgeStateAgain(bridgeID, n, attempt, func(attempt int) { b.bridgeOffline(bridgeID, n, ack, attempt) }) {
+				b.log.Warn("marking a bridge's devices offline failed; taking its Will again", "bridge_id", bridgeID, "attempt", attempt, "err", err)
+				return
+			}
 			b.log.Error("marking a bridge's devices offline", "bridge_id", bridgeID, "err", err)
+			ack()
 			return
 		}
+		defer ack()
 		b.mu.Lock()
 		for _, id := range ids {
 			delete(b.online, id)
@@ -139,6 +189,41 @@ func (b *Broker) bridgeOffline(bridgeID string, ack func()) {
 		b.mu.Unlock()
 		b.log.Info("bridge offline", "bridge_id", bridgeID, "devices", len(ids))
 	})
+}
+
+// noteBridgeState counts a state message of a bridge taken in, and returns
+// its number: one the store failed to take is taken again only while it is
+// the bridge's latest (bridgeStateAgain).
+func (b *Broker) noteBridgeState(bridgeID string) uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.bridgeGen[bridgeID]++
+	return b.bridgeGen[bridgeID]
+}
+
+// latestBridgeState reports whether the bridge's state message n is the
+// latest taken in.
+func (b *Broker) latestBridgeState(bridgeID string, n uint64) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.bridgeGen[bridgeID] == n
+}
+
+// bridgeStateAgain has again take the bridge's state message n in once
+// more after the store failed it on attempt: a little later, and
+// unacknowledged meanwhile, as takeReply does with a reply. Acknowledged
+// and dropped instead, a Will left the bridge's devices reading online for
+// as long as it stayed away, and an "online" sent none of their commands
+// again (those whose final reply a crashed broker lost stayed delivered).
+// It reports false, and the caller acknowledges and drops the message,
+// once a later state of the bridge came (it says what holds now: a late
+// Will would undo the "online" after it) or after maxReplyAttempts.
+func (b *Broker) bridgeStateAgain(bridgeID string, n uint64, attempt int, again func(attempt int)) bool {
+	if attempt >= maxReplyAttempts || !b.latestBridgeState(bridgeID, n) {
+		return false
+	}
+	b.later(replyRetryDelay(attempt), func() { again(attempt + 1) })
+	return true
 }
 
 // takeReply stores a bridge's reply to a command, with the device's state
@@ -194,25 +279,20 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 		// status would make the device read as that bridge's.
 		b.log.Warn("reply with a status from a bridge that does not serve the device; storing the reply without it",
 			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "serving", bridge)
-	case r.Status != nil && b.seqTooFar(r.Status.Seq):
-		b.log.Warn("reply with a status whose seq is far past the server's clock (is the bridge's clock wrong?); storing the reply without it",
-			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "seq", r.Status.Seq)
 	case r.Status != nil:
 		s := storeStatus(deviceID, *r.Status)
 		report.Status = &s
 	}
 	if r.Settings != nil {
 		rs, err := reportedSettings(*r.Settings)
-		switch {
-		case err != nil:
+		if err != nil {
 			b.log.Warn("reply with settings that cannot be stored; storing the reply without them", "device_id", deviceID, "command_id", r.CommandID, "err", err)
-		case b.seqTooFar(rs.Seq):
-			b.log.Warn("reply with settings whose seq is far past the server's clock (is the bridge's clock wrong?); storing the reply without them",
-				"device_id", deviceID, "command_id", r.CommandID, "seq", rs.Seq)
-		default:
+		} else {
 			report.Settings = &rs
 		}
 	}
+	// The reply's state is stored whatever admit leaves out.
+	report = b.admit(deviceID, report, "command_id", r.CommandID)
 	start := time.Now()
 	var from string // the state before the reply, for the Observer
 	b.st.UpdateCommandWithReportAsync(r.CommandID, func(c *companion.Command) error {
@@ -297,9 +377,24 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 // bridge whose fast clock is set right count for nothing.
 const maxSeqAhead = 24 * time.Hour
 
-// seqTooFar reports whether a report's seq is past maxSeqAhead.
-func (b *Broker) seqTooFar(seq uint64) bool {
-	return seq > uint64(b.now().Add(maxSeqAhead).UnixNano())
+// admit returns what of a device's report the store may take: a status or
+// settings whose seq, read as a time, is more than maxSeqAhead past the
+// server's clock is left out, and logged with attrs (where it came from).
+// Every report the broker stores goes through it: the status and settings
+// topics (takeStatus, takeSettings) and a final reply's (takeReply).
+func (b *Broker) admit(deviceID string, r companion.DeviceReport, attrs ...any) companion.DeviceReport {
+	limit := uint64(b.now().Add(maxSeqAhead).UnixNano())
+	if r.Status != nil && r.Status.Seq > limit {
+		b.log.Warn("status whose seq is far past the server's clock (is the bridge's clock wrong?); not stored",
+			append([]any{"device_id", deviceID, "bridge_id", r.Status.BridgeID, "seq", r.Status.Seq}, attrs...)...)
+		r.Status = nil
+	}
+	if r.Settings != nil && r.Settings.Seq > limit {
+		b.log.Warn("settings whose seq is far past the server's clock (is the bridge's clock wrong?); not stored",
+			append([]any{"device_id", deviceID, "seq", r.Settings.Seq}, attrs...)...)
+		r.Settings = nil
+	}
+	return r
 }
 
 // takeStatus stores a device's status, then calls ack.
@@ -309,14 +404,13 @@ func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Statu
 		ack()
 		return
 	}
-	if b.seqTooFar(s.Seq) {
-		b.log.Warn("status whose seq is far past the server's clock (is the bridge's clock wrong?); dropped",
-			"device_id", deviceID, "bridge_id", s.BridgeID, "seq", s.Seq)
+	st := storeStatus(deviceID, s)
+	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
 		ack()
 		return
 	}
 	start := time.Now()
-	b.st.PutStatusAsync(storeStatus(deviceID, s), func(_ bool, err error) {
+	b.st.PutStatusAsync(st, func(_ bool, err error) {
 		defer ack()
 		b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
 		if err != nil {
@@ -357,12 +451,25 @@ func (b *Broker) sawDevice(deviceID string, online bool) {
 // in a crash, so sawDevice would see no device come back online, and those
 // commands would stay sent or delivered forever. The bridge drops the ids it
 // has queued or running and answers those it finished with their final reply.
-func (b *Broker) bridgeOnline(ctx context.Context, bridgeID string) {
-	ids, err := b.st.ServedDevices(ctx, bridgeID)
-	if err != nil {
-		b.log.Error("listing a bridge's devices", "bridge_id", bridgeID, "err", err)
+//
+// It is the bridge's state message n (noteBridgeState); the store failing,
+// it is taken again (bridgeStateAgain).
+func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int) {
+	if attempt > 1 && !b.latestBridgeState(bridgeID, n) {
+		ack() // the bridge said something since: that holds now
 		return
 	}
+	ids, err := b.st.ServedDevices(context.Background(), bridgeID)
+	if err != nil {
+		if b.bridgeStateAgain(bridgeID, n, attempt, func(attempt int) { b.bridgeOnline(bridgeID, n, ack, attempt) }) {
+			b.log.Warn("listing a bridge's devices failed; taking its online again", "bridge_id", bridgeID, "attempt", attempt, "err", err)
+			return
+		}
+		b.log.Error("listing a bridge's devices; their commands are not sent again", "bridge_id", bridgeID, "err", err)
+		ack()
+		return
+	}
+	ack()
 	if len(ids) == 0 {
 		return
 	}
@@ -388,8 +495,7 @@ func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Set
 		ack()
 		return
 	}
-	if b.seqTooFar(r.Seq) {
-		b.log.Warn("settings whose seq is far past the server's clock (is the bridge's clock wrong?); dropped", "device_id", deviceID, "seq", r.Seq)
+	if b.admit(deviceID, companion.DeviceReport{Settings: &r}).Settings == nil {
 		ack()
 		return
 	}

@@ -549,3 +549,38 @@ func firstReply(t *testing.T, replies <-chan topics.Reply, id string) topics.Rep
 		}
 	}
 }
+
+// A command that expires while an outbox pass publishes what it read of
+// the store is not published after its end: the sweep expired it (it had
+// not gone out), and the stale queued copy went out all the same, to a
+// bridge whose clock may let it run (CONTRACT §7: none is delivered after
+// it expired). Here the pass is held on the command before it, past the
+// TTL on the server's clock; the bridge's clock is behind it.
+func TestExpiredWhileTheOutboxPublishesIsNotPublished(t *testing.T) {
+	o := newOrderEnv(t)
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+	require.NoError(t, o.b.Close())
+	o.newServer(t)
+	o.b.opts.SweepInterval = 20 * time.Millisecond
+	first := submit(t, o.env, "dev-1", "a", time.Hour)
+	expiring := submit(t, o.env, "dev-1", "b", time.Minute)
+	held, release := o.client.holdNext(t, "a")
+	require.NoError(t, o.b.Start())
+	select {
+	case <-held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first command was not published")
+	}
+	o.clock.Add(2 * time.Minute) // past the second's TTL: the sweep expires it
+	testenv.Eventually(t, 10*time.Second, "expired", func() bool {
+		return state(t, o.env, expiring.ID).State == companion.StateExpired
+	})
+	release()
+
+	after := submit(t, o.env, "dev-1", "c", time.Hour)
+	o.waitSucceeded(t, first.ID, after.ID)
+	assert.False(t, o.client.published([]string{expiring.ID}), "the expired command was published")
+	assert.Zero(t, o.dev.Executions(expiring.ID), "executions of the expired command")
+	assert.Equal(t, companion.StateExpired, state(t, o.env, expiring.ID).State)
+}

@@ -99,6 +99,10 @@ func (b *Broker) outbox() {
 			if cmds, err = b.pendingFromStore(firstPass, devices, pending); err != nil {
 				b.log.Warn("outbox: reading queued commands failed; will retry", "err", err)
 				b.mu.Lock()
+				// No pass follows that would clear it: left, it kept
+				// every command answered from now on (land), for as
+				// long as this replica did not dispatch.
+				b.landed = nil
 				for d := range devices {
 					b.resend[d] = true
 				}
@@ -211,10 +215,12 @@ func (b *Broker) sentLoop() {
 // while its device is idle, ran them before it (docs/reliability.md,
 // bug 8).
 func (b *Broker) publish(cmds []companion.Command, again func(companion.Command) bool) bool {
-	now := b.now()
 	bridges := map[string]string{} // device → the bridge serving it, for this pass
 	held := map[string]bool{}      // devices with a command that did not go out in this pass
 	for _, c := range cmds {
+		// Now, not when the pass began: a pass can wait long for room
+		// among the commands in flight (acks) or for paho.
+		now := b.now()
 		// The TTL bounds delivery: a command the bridge has is never
 		// expired, and its repeat fetches its final reply. One that may
 		// have gone out (expiredAt: within ExpiryGrace of its TTL) goes
@@ -542,6 +548,10 @@ func (b *Broker) expire(ctx context.Context, id string) {
 	b.opts.Observer.CommandState(cmd.Op, cmd.State, now.Sub(cmd.CreatedAt))
 	b.log.Info("command expired", "command_id", id, "device_id", cmd.DeviceID)
 	b.notify(cmd)
+	// Nor does the copy an outbox pass read queued from the store before
+	// it expired, and has not published yet (as for Cancel): it would
+	// reach a bridge past its TTL, whose clock may let it run.
+	b.land(id)
 }
 
 // retryLoop runs retrySent every SentRetry until the broker closes. Each

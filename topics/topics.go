@@ -221,6 +221,12 @@ func (t Tree) AllSettings() string { return t.prefix + "/devices/+/settings" }
 // AllBridgeStates matches the state topics of every bridge.
 func (t Tree) AllBridgeStates() string { return t.prefix + "/bridges/+/state" }
 
+// DevicesMoved is where server replicas sharing a store tell the one that
+// dispatches of a device moved to another bridge through them (its
+// payload: the device's id, plain text). Only servers read or write it:
+// outside the devices' and bridges' topics, under the prefix.
+func (t Tree) DevicesMoved() string { return t.prefix + "/servers/moved" }
+
 // Parse reads a topic name back. It accepts only the exact shapes the
 // builders produce, with valid ids and ops; anything else is ErrNotOurs.
 func (t Tree) Parse(topic string) (Topic, error) {

@@ -117,6 +117,9 @@ func TestAsyncAPIDocumentsEveryMessage(t *testing.T) {
 		used[channel]++
 	}
 	for _, c := range doc.Channels() {
+		if c == "devicesMoved" {
+			continue // only between replicas: TestTwoReplicasShareOnePostgresStore
+		}
 		if used[c] == 0 {
 			t.Errorf("no message on channel %s of %s: every operation ran, so the document lists a topic nothing uses, or the test missed one", c, asyncapitest.Path)
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/asyncapitest"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/pgtest"
 	"github.com/devicecompanion/companion/internal/testenv"
@@ -41,7 +42,7 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	require.NoError(t, run(context.Background(), []string{"migrate", "--store", dsn}, &out, &errOut), "%s", errOut.String())
 	assert.Contains(t, out.String(), "up to date")
 
-	mq := mqtttest.StartMosquitto(t, serverAccount)
+	mq := mqtttest.StartMosquitto(t, serverAccount, watcherAccount)
 	m1 := startOnMosquitto(t, Config{Store: dsn, ReplicaID: "r1"}, mq)
 	m2 := startOnMosquitto(t, Config{Store: dsn, ReplicaID: "r2"}, mq)
 
@@ -65,6 +66,35 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	}
 	texts := b.sims["dev-2"].Texts()
 	require.Len(t, texts, 2, "each command ran once")
+
+	// A device moved through the replica that does not dispatch: it tells
+	// the one that does, on the servers' topic of docs/asyncapi.yaml (the
+	// broker's tests check what the dispatcher then does).
+	var log wireLog
+	watch := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID("moved-watcher").
+		SetUsername(watcherAccount.Username).SetPassword(watcherAccount.Password).
+		SetDefaultPublishHandler(log.add))
+	require.NoError(t, mqtt.WaitTokenTimeout(watch.Connect(), 10*time.Second))
+	defer watch.Disconnect(0)
+	tree := topics.MustNew(topics.DefaultPrefix)
+	require.NoError(t, mqtt.WaitTokenTimeout(watch.Subscribe(tree.DevicesMoved(), 1, nil), 10*time.Second))
+	testenv.Eventually(t, 20*time.Second, "a dispatcher", func() bool { return m1.pg.Dispatching() || m2.pg.Dispatching() })
+	quiet := m1
+	if m1.pg.Dispatching() {
+		quiet = m2
+	}
+	admin := newClient(t, quiet, quiet.AdminToken())
+	r = admin.do("POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-2"})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	r = admin.do("PUT", "/api/v1/admin/devices/dev-2/bridge", map[string]any{"bridge_id": "bridge-2"})
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	testenv.Eventually(t, 20*time.Second, "the word of the move", func() bool { return log.seen(tree.DevicesMoved(), "dev-2") })
+	doc := asyncapitest.Load(t)
+	for _, msg := range log.all() {
+		channel, err := doc.Validate(msg.topic, msg.payload, msg.retained)
+		require.NoError(t, err)
+		assert.Equal(t, "devicesMoved", channel)
+	}
 }
 
 // With two replicas one dispatches (CONTRACT §11): commands accepted on
