@@ -151,11 +151,34 @@ func NewReportedSettings(reported map[string]json.RawMessage, schema json.RawMes
 	return r, nil
 }
 
+// MaxSeqAhead is how far past the server's clock a report's seq may be,
+// read as a time: a bridge's seq is its clock in nanoseconds. The stores
+// keep a device's highest seq and take no report below it, so a report
+// whose seq is far ahead held back every later one until the bridge's
+// clock reached it: years for a clock once set years ahead, never for
+// 2^64−1. The broker refuses such a report, and the stores take a stored
+// seq past it for one from another era (see Newer). A day lets through a
+// clock off by a time zone (up to 14 hours ahead), and bounds how long the
+// reports of a bridge whose fast clock is set right count for nothing.
+const MaxSeqAhead = 24 * time.Hour
+
+// SeqLimit is the highest seq a report may carry at now (MaxSeqAhead past
+// it, as Unix nanoseconds).
+func SeqLimit(now time.Time) uint64 { return uint64(now.Add(MaxSeqAhead).UnixNano()) }
+
 // Newer reports whether a report with seq and at replaces one with
-// storedSeq and storedAt: a higher seq wins, and an equal seq with a later
-// time. Bridges use a nanosecond clock as seq, so it rises across their
-// restarts; a report that arrives late never overwrites a fresher one.
-func Newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time) bool {
+// storedSeq and storedAt, at the server's time now: a higher seq wins, and
+// an equal seq with a later time. Bridges use a nanosecond clock as seq, so
+// it rises across their restarts; a report that arrives late never
+// overwrites a fresher one. A stored seq past SeqLimit(now) was taken
+// before the broker refused such reports, or before the server's clock
+// stepped back by more than a day: any report within the limit replaces
+// it, or the device's state would stay frozen at it (the limit grows with
+// the clock, so a seq taken within it never passes it later).
+func Newer(seq uint64, at time.Time, storedSeq uint64, storedAt time.Time, now time.Time) bool {
+	if limit := SeqLimit(now); storedSeq > limit && seq <= limit {
+		return true
+	}
 	return seq > storedSeq || (seq == storedSeq && at.After(storedAt))
 }
 

@@ -367,23 +367,13 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 	})
 }
 
-// maxSeqAhead is how far past the server's clock a report's seq may be,
-// read as a time: a bridge's seq is its clock in nanoseconds. The store
-// keeps a device's highest seq and takes no report below it, so a report
-// whose seq is far ahead held back every later one until the bridge's
-// clock reached it: years for a clock once set years ahead, never for
-// 2^64−1. Such a report is refused. A day lets through a clock off by a
-// time zone (up to 14 hours ahead), and bounds how long the reports of a
-// bridge whose fast clock is set right count for nothing.
-const maxSeqAhead = 24 * time.Hour
-
 // admit returns what of a device's report the store may take: a status or
-// settings whose seq, read as a time, is more than maxSeqAhead past the
-// server's clock is left out, and logged with attrs (where it came from).
+// settings whose seq, read as a time, is more than companion.MaxSeqAhead
+// past the server's clock is left out, and logged with attrs (where it came from).
 // Every report the broker stores goes through it: the status and settings
 // topics (takeStatus, takeSettings) and a final reply's (takeReply).
 func (b *Broker) admit(deviceID string, r companion.DeviceReport, attrs ...any) companion.DeviceReport {
-	limit := uint64(b.now().Add(maxSeqAhead).UnixNano())
+	limit := companion.SeqLimit(b.now())
 	if r.Status != nil && r.Status.Seq > limit {
 		b.log.Warn("status whose seq is far past the server's clock (is the bridge's clock wrong?); not stored",
 			append([]any{"device_id", deviceID, "bridge_id", r.Status.BridgeID, "seq", r.Status.Seq}, attrs...)...)

@@ -77,7 +77,7 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen) {
+	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen, db.now()) {
 		return false, nil
 	}
 	ns := s
@@ -267,7 +267,7 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 	if err != nil {
 		return false, err
 	}
-	if found && !companion.Newer(r.Seq, r.At, s.Seq, s.At) {
+	if found && !companion.Newer(r.Seq, r.At, s.Seq, s.At, db.now()) {
 		return false, nil
 	}
 	fillMaps(&s)

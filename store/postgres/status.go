@@ -79,11 +79,13 @@ func statusLockKey(deviceID string) int32 {
 	return int32(uint32(deviceHash(deviceID))<<16 | h.Sum32()&0xffff)
 }
 
-// newer is the rule of reports, in SQL over the excluded (new) row and
-// the stored one of the table t: a higher seq wins, and an equal seq with
-// a later time.
-func newerSQL(t, at string) string {
-	return `(EXCLUDED.seq > ` + t + `.seq OR (EXCLUDED.seq = ` + t + `.seq AND EXCLUDED.` + at + ` > ` + t + `.` + at + `))`
+// newer is companion.Newer, the rule of reports, in SQL over the excluded
+// (new) row and the stored one of the table t, with limit the parameter of
+// companion.SeqLimit (as text): a higher seq wins, and an equal seq with a
+// later time; a stored seq past the limit loses to any within it.
+func newerSQL(t, at, limit string) string {
+	return `((` + t + `.seq > ` + limit + `::text::numeric AND EXCLUDED.seq <= ` + limit + `::text::numeric)
+		OR EXCLUDED.seq > ` + t + `.seq OR (EXCLUDED.seq = ` + t + `.seq AND EXCLUDED.` + at + ` > ` + t + `.` + at + `))`
 }
 
 // Status returns the device's last reported status. A device that never
@@ -215,7 +217,7 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 			ON CONFLICT (device_id) DO UPDATE SET online = EXCLUDED.online, battery = EXCLUDED.battery,
 				firmware_version = EXCLUDED.firmware_version, model = EXCLUDED.model, apps = EXCLUDED.apps,
 				bridge_id = EXCLUDED.bridge_id, last_seen = EXCLUDED.last_seen, updated_at = EXCLUDED.updated_at, seq = EXCLUDED.seq
-			WHERE `+newerSQL("t", "last_seen")+`
+			WHERE `+newerSQL("t", "last_seen", "$12")+`
 			RETURNING device_id),
 		ev AS (
 			INSERT INTO events (xid, user_id, device_id, at, data)
@@ -225,7 +227,8 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 			RETURNING 1),
 		notified AS (SELECT pg_notify('`+eventsChannel+`', '') FROM ev LIMIT 1)
 		SELECT (SELECT count(*) FROM up) + 0 * (SELECT count(*) FROM notified)`,
-		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, now, seqText(st.Seq), event)
+		st.DeviceID, st.Online, battery, st.FirmwareVersion, st.Model, apps, st.BridgeID, st.LastSeen, now, seqText(st.Seq), event,
+		seqText(companion.SeqLimit(now)))
 	br := tx.SendBatch(ctx, &b)
 	var applied int
 	for range 2 {
@@ -511,7 +514,7 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 	st := row.s
 	// Stored times have microseconds: r.At is compared and kept as stored.
 	r.At = pgTime(r.At)
-	if found && !companion.Newer(r.Seq, r.At, st.Seq, st.At) {
+	if found && !companion.Newer(r.Seq, r.At, st.Seq, st.At, now) {
 		return false, nil
 	}
 	r.ApplyTo(&st)

@@ -2,6 +2,7 @@ package storetest
 
 import (
 	"encoding/json"
+	"math"
 	"testing"
 	"time"
 
@@ -20,6 +21,7 @@ func testStatus(t *testing.T, open Opener) {
 			}
 		}},
 		{"Ordering", testPutStatusOrdering},
+		{"SeqFromAnotherEra", testStatusSeqFromAnotherEra},
 		{"Invalid", func(t *testing.T, s companion.Store) {
 			_, err := s.PutStatus(t.Context(), companion.Status{Seq: 1})
 			assert.ErrorIs(t, err, companion.ErrInvalid, "PutStatus(no device)")
@@ -155,6 +157,7 @@ func testSettings(t *testing.T, open Opener) {
 			}
 		}},
 		{"ReportedDesiredMerge", testReportedSettings},
+		{"SeqFromAnotherEra", testSettingsSeqFromAnotherEra},
 		{"DesiredFollowsTheCommands", testDesiredFollowsTheCommands},
 		{"DesiredOnlyWithTheCommand", testDesiredOnlyWithTheCommand},
 		{"DesiredBeforeAnyReport", func(t *testing.T, s companion.Store) {
@@ -265,4 +268,53 @@ func testReportedSettings(t *testing.T, s companion.Store) {
 	assert.True(t, equalRaw(got.Reported, map[string]string{"volume": "30"}), "Reported = %s", got.Reported)
 	assert.Empty(t, got.Desired, "Desired once volume is reported")
 	assert.JSONEq(t, `{"volume":{"type":"int"}}`, string(got.Schema), "Schema of a newer report")
+}
+
+// A seq stored past companion.SeqLimit (before the broker refused such
+// reports: a bridge's clock once years ahead, or 2^64−1) gives way to the
+// next report within the limit, or the device's status would stay frozen
+// at it; a seq within the limit is kept as ever.
+func testStatusSeqFromAnotherEra(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	put := func(seq uint64, battery int) bool {
+		t.Helper()
+		ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, Battery: intp(battery), BridgeID: "br1",
+			LastSeen: now(), Seq: seq})
+		require.NoError(t, err)
+		return ok
+	}
+	battery := func() int {
+		t.Helper()
+		st, err := s.Status(ctx, "d1")
+		require.NoError(t, err)
+		require.NotNil(t, st.Battery)
+		return *st.Battery
+	}
+	require.True(t, put(math.MaxUint64, 10), "a report of 2^64-1 stored")
+	fresh := uint64(time.Now().UnixNano())
+	assert.True(t, put(fresh, 20), "a report at the server's time after 2^64-1")
+	assert.Equal(t, 20, battery())
+	assert.False(t, put(fresh-1, 30), "an older report after it")
+	ahead := companion.SeqLimit(time.Now()) - uint64(time.Hour)
+	assert.True(t, put(ahead, 40), "a report within the limit")
+	assert.False(t, put(fresh+1, 50), "a lower report after one within the limit")
+	assert.Equal(t, 40, battery())
+}
+
+func testSettingsSeqFromAnotherEra(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	put := func(seq uint64, volume string) bool {
+		t.Helper()
+		ok, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw(volume)}, nil, now(), seq)
+		require.NoError(t, err)
+		return ok
+	}
+	require.True(t, put(math.MaxUint64, "1"), "a report of 2^64-1 stored")
+	fresh := uint64(time.Now().UnixNano())
+	assert.True(t, put(fresh, "2"), "a report at the server's time after 2^64-1")
+	assert.False(t, put(fresh-1, "3"), "an older report after it")
+	st, err := s.Settings(ctx, "d1")
+	require.NoError(t, err)
+	assert.JSONEq(t, "2", string(st.Reported["volume"]))
+	assert.Equal(t, fresh, st.Seq)
 }
