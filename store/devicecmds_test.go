@@ -211,3 +211,58 @@ func TestUnbindFindsFoldedCommands(t *testing.T) {
 	require.NoError(t, err)
 	require.NotZero(t, n, "d2 keeps its open commands")
 }
+
+// TestUnbindReadsOnlyTheOpenCommands checks that an unbind decodes only the
+// device's unfinished commands, not the finished history it walks past to
+// reach an old unfinished one: that walk runs in a write transaction,
+// which every 202 waits behind. The finished commands' records are made
+// unreadable, so a read of one fails the unbind.
+func TestUnbindReadsOnlyTheOpenCommands(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{Logger: quietLogger()})
+	db.foldAt = 4
+	require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "sim-1"}))
+	_, _, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1"})
+	require.NoError(t, err)
+	mk := func(state string) companion.Command {
+		t.Helper()
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", UserID: "u1", Op: "push.text"}, 0, nil)
+		require.NoError(t, err)
+		if state != companion.StateQueued {
+			c, err = db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = state; return nil })
+			require.NoError(t, err)
+		}
+		return c
+	}
+	// One old command the bridge holds, then a history of finished ones
+	// (folded into device_cmds and still staged), then a new queued one.
+	old := mk(companion.StateDelivered)
+	var finished []string
+	for range 9 {
+		finished = append(finished, mk(companion.StateSucceeded).ID)
+	}
+	last := mk(companion.StateQueued)
+	staged, folded := countDeviceIndex(t, db)
+	require.NotZero(t, staged, "the test should leave some entries unfolded")
+	require.NotZero(t, folded, "the test should fold some entries")
+	err = db.bolt.Update(func(tx *bolt.Tx) error {
+		for _, id := range finished {
+			if err := tx.Bucket(bucketCommands).Put([]byte(id), []byte("not a command")); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	require.NoError(t, err)
+
+	got, err := db.Unbind(ctx, "d1", "u1")
+	require.NoError(t, err, "Unbind read a finished command")
+	var ended []string
+	for _, c := range got.Ended {
+		ended = append(ended, c.ID)
+	}
+	require.Equal(t, []string{old.ID, last.ID}, ended)
+	n, err := db.CountOpen(ctx, "d1")
+	require.NoError(t, err)
+	require.Zero(t, n, "d1's open commands after the unbind")
+}
