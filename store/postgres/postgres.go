@@ -212,10 +212,11 @@ func Migrate(ctx context.Context, dsn string) error {
 const migrationLock = `SELECT pg_advisory_xact_lock(1668246896, 1)`
 
 // The classes of the transaction-scoped advisory locks of the two-key
-// form whose second key is a hash of an id (idLockKey, statusLockKey). They are apart from the
-// migrations' and the dispatcher's locks (class 1668246896, keys 1 and 2)
-// and from the one-key locks of idempotency keys. Two ids of one key share
-// a lock: they wait for each other, no more.
+// form whose second key is a hash of an id (idLockKey, statusLockKey).
+// They are apart from the migrations' and the dispatcher's locks (class
+// 1668246896, keys 1 and 2) and from the one-key locks of idempotency
+// keys. Two ids of one key share a lock: they wait for each other, no
+// more.
 const (
 	// lockClassStatus is held by the first report of a device (putStatus).
 	lockClassStatus int32 = 1668246897
