@@ -116,9 +116,43 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			}
 		}
 		previous = string(tx.Bucket(bucketAssignments).Get([]byte(deviceID)))
+		if previous != "" && previous != bridgeID {
+			if err := db.forgetSeq(tx, deviceID); err != nil {
+				return err
+			}
+		}
 		return assign(tx, deviceID, bridgeID)
 	})
 	return previous, err
+}
+
+// forgetSeq sets the seq of a device's status and of its reported settings
+// to 0 as it moves to another bridge: a seq is its bridge's own clock, and
+// the new bridge's reports must not wait until its clock passes the old
+// one's (up to a day ahead, companion.MaxSeqAhead). What they hold stays
+// until the new bridge reports; the broker takes no report of the old one
+// once it has moved.
+func (db *DB) forgetSeq(tx *bolt.Tx, deviceID string) error {
+	statuses := tx.Bucket(bucketStatus)
+	var s companion.Status
+	ok, err := getJSON(statuses, []byte(deviceID), &s)
+	if err != nil {
+		return err
+	}
+	if ok && s.Seq != 0 {
+		s.Seq = 0
+		if err := putJSON(statuses, []byte(deviceID), s); err != nil {
+			return err
+		}
+	}
+	settings := tx.Bucket(bucketSettings)
+	var set companion.Settings
+	ok, err = getJSON(settings, []byte(deviceID), &set)
+	if err != nil || !ok || set.Seq == 0 {
+		return err
+	}
+	set.Seq = 0
+	return putJSON(settings, []byte(deviceID), set)
 }
 
 // DeviceBridge returns the bridge serving the device, "" when none does.

@@ -107,6 +107,17 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return err
 		}
+		if previous != "" && previous != bridgeID {
+			// A seq is its bridge's own clock: the new bridge's reports
+			// must not wait until its clock passes the old one's (the
+			// bbolt engine's forgetSeq).
+			if _, err := tx.Exec(ctx, `UPDATE statuses SET seq = 0 WHERE device_id = $1 AND seq <> 0`, deviceID); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `UPDATE settings SET seq = 0 WHERE device_id = $1 AND seq <> 0`, deviceID); err != nil {
+				return err
+			}
+		}
 		return assign(ctx, tx, deviceID, bridgeID)
 	})
 	if err != nil {

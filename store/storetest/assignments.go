@@ -1,9 +1,11 @@
 package storetest
 
 import (
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/devicecompanion/companion"
 	"github.com/stretchr/testify/assert"
@@ -85,7 +87,9 @@ func testAssignDevice(t *testing.T, s companion.Store) {
 // A device no bridge serves any more reads offline (CONTRACT §9), whichever
 // way it lost its bridge: unassigned, its bridge deleted, or unbound from
 // its user's own bridge. Its Seq stays, so the next report applies. A
-// device moved to another bridge keeps its status until that one reports.
+// device moved to another bridge keeps its status until that one reports,
+// and its Seq goes to 0: a seq is a bridge's own clock, and the new
+// bridge's reports apply however far behind the old one's its clock is.
 func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)
@@ -94,6 +98,8 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 		_, err := s.PutStatus(ctx, companion.Status{DeviceID: a[0], Online: true, BridgeID: a[1], Seq: 7})
 		require.NoError(t, err)
 	}
+	_, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": json.RawMessage("7")}, nil, time.Now(), 7)
+	require.NoError(t, err)
 	online := func(dev string, want bool) {
 		t.Helper()
 		st, err := s.Status(ctx, dev)
@@ -103,20 +109,40 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 	}
 
 	assign(t, s, "d1", "op2", "")
+	st, err := s.Status(ctx, "d1")
+	require.NoError(t, err)
+	assert.True(t, st.Online, "d1 online after the move, until its new bridge reports")
+	assert.Zero(t, st.Seq, "Status(d1).Seq after the move")
+	ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op2", Seq: 3, Battery: intp(55)})
+	require.NoError(t, err)
+	assert.True(t, ok, "the new bridge's report, its clock behind the old one's, applied")
+	ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": json.RawMessage("3")}, nil, time.Now(), 3)
+	require.NoError(t, err)
+	assert.True(t, ok, "the new bridge's settings, its clock behind the old one's, applied")
+	assign(t, s, "d1", "op2", "")
+	ok, err = s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op2", Seq: 2})
+	require.NoError(t, err)
+	assert.False(t, ok, "an older report after an assignment to the same bridge applied")
+	assign(t, s, "d1", "op1", "")
+	_, err = s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op1", Seq: 7})
+	require.NoError(t, err)
 	online("d1", true)
 	assign(t, s, "d1", "", "")
-	online("d1", false)
-	_, err := s.DeleteBridge(ctx, "op2", "")
+	st, err = s.Status(ctx, "d1")
+	require.NoError(t, err)
+	assert.False(t, st.Online, "d1 online after the unassignment")
+	assert.Equal(t, uint64(7), st.Seq, "Status(d1).Seq after the unassignment")
+	_, err = s.DeleteBridge(ctx, "op2", "")
 	require.NoError(t, err)
 	online("d2", false)
 	online("d3", false)
 	_, err = s.Unbind(ctx, "d4", "u1")
 	require.NoError(t, err)
 	online("d4", false)
-	ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op1", Seq: 8})
+	ok, err = s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op1", Seq: 8})
 	require.NoError(t, err)
 	assert.True(t, ok, "PutStatus(d1, seq 8) after the unassignment applied")
-	st, err := s.Status(ctx, "d1")
+	st, err = s.Status(ctx, "d1")
 	require.NoError(t, err)
 	assert.True(t, st.Online, "d1 online after a newer report")
 	assert.Equal(t, uint64(8), st.Seq, "Status(d1).Seq after a newer report")
