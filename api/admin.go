@@ -196,18 +196,24 @@ func (s *Server) adminPutFirmware(c *gin.Context) error {
 	}
 	ctx := c.Request.Context()
 	fw := companion.Firmware{Model: model, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
+	exists := &Error{Code: CodeFirmwareExists, Detail: "firmware " + model + " " + version + " is already published with other content"}
+	// Both stores take the same content again as a no-op without saying
+	// so: the release is read first, so that a repeat is told apart.
 	status := http.StatusCreated
-	if err := s.store.PutFirmware(ctx, fw); errors.Is(err, companion.ErrExists) {
-		old, err := s.store.Firmware(ctx, model, version)
-		if err != nil {
+	old, err := s.store.Firmware(ctx, model, version)
+	switch {
+	case err == nil && old.SHA256 != fw.SHA256:
+		return exists
+	case err == nil:
+		status = http.StatusOK // the same content again: nothing to do
+	case !errors.Is(err, companion.ErrNotFound):
+		return err
+	default:
+		if err := s.store.PutFirmware(ctx, fw); errors.Is(err, companion.ErrExists) {
+			return exists // published meanwhile, with other content
+		} else if err != nil {
 			return err
 		}
-		if old.SHA256 != fw.SHA256 {
-			return &Error{Code: CodeFirmwareExists, Detail: "firmware " + model + " " + version + " is already published with other content"}
-		}
-		status = http.StatusOK // the same content again: nothing to do
-	} else if err != nil {
-		return err
 	}
 	return s.reply(c, status, releaseJSON{Model: model, Version: version, SHA256: fw.SHA256, Size: fw.Size}, "", rec, nil)
 }
@@ -252,18 +258,23 @@ func (s *Server) adminPutApp(c *gin.Context) error {
 	}
 	ctx := c.Request.Context()
 	rel := companion.AppRelease{AppID: appID, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
+	exists := &Error{Code: CodeAppReleaseExists, Detail: "app " + appID + " " + version + " is already published with other content"}
+	// Read first, as adminPutFirmware does, to tell a repeat apart.
 	status := http.StatusCreated
-	if err := s.store.PutAppRelease(ctx, rel); errors.Is(err, companion.ErrExists) {
-		old, err := s.store.AppRelease(ctx, appID, version)
-		if err != nil {
+	old, err := s.store.AppRelease(ctx, appID, version)
+	switch {
+	case err == nil && old.SHA256 != rel.SHA256:
+		return exists
+	case err == nil:
+		status = http.StatusOK // the same content again: nothing to do
+	case !errors.Is(err, companion.ErrNotFound):
+		return err
+	default:
+		if err := s.store.PutAppRelease(ctx, rel); errors.Is(err, companion.ErrExists) {
+			return exists // published meanwhile, with other content
+		} else if err != nil {
 			return err
 		}
-		if old.SHA256 != rel.SHA256 {
-			return &Error{Code: CodeAppReleaseExists, Detail: "app " + appID + " " + version + " is already published with other content"}
-		}
-		status = http.StatusOK
-	} else if err != nil {
-		return err
 	}
 	return s.reply(c, status, releaseJSON{AppID: appID, Version: version, SHA256: rel.SHA256, Size: rel.Size}, "", rec, nil)
 }

@@ -612,6 +612,32 @@ func TestAdmin(t *testing.T) {
 	assert.Equal(t, []any{"1.0.0", "1.2.0"}, clock["versions"])
 }
 
+// Publishing a firmware image or an app package again with the same
+// content changes nothing, and says so with a 200 (docs/api.md, and the
+// 200 of api/openapi.json); only the first upload created the release.
+func TestRepublishingTheSameContentIs200(t *testing.T) {
+	e := newEnv(t)
+	for _, tt := range []struct {
+		name, path string
+		body       []byte
+	}{
+		{"firmware", "/api/v1/admin/firmware/sim-1/1.0.0", firmwareImage(t, "1.0.0", 1000)},
+		{"app", "/api/v1/admin/apps/clock/1.0.0", []byte("clock")},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			put := func() resp {
+				return e.send(req{method: "PUT", path: tt.path, token: testAdminToken, body: tt.body,
+					header: map[string]string{"Content-Type": "application/octet-stream"}})
+			}
+			first := put()
+			require.Equal(t, 201, first.status, "%s", first.body)
+			again := put()
+			assert.Equal(t, 200, again.status, "PUT %s again with the same content: %s", tt.path, again.body)
+			assert.Equal(t, first.json(t), again.json(t))
+		})
+	}
+}
+
 // putFirmware publishes firmware 1.0.0 of sim-1, an image of size bytes,
 // and returns it with its SHA-256.
 func putFirmware(t *testing.T, e *env, size int) (content []byte, sha string) {

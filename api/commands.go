@@ -543,7 +543,18 @@ func (s *Server) putSettings(c *gin.Context) error {
 	// order of the commands, and a repeat that the store answers with the
 	// first request's command (the two overlapped, so beginCommand did not
 	// see the first) records nothing over a change accepted since.
-	cmd, err := s.send(c, b.DeviceID, topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: req}, body.members, s.limits.DefaultTTL, idem)
+	// Desired holds each value as the device is sent it, req encoded
+	// again, not as the body spells it: the store drops a desired value
+	// once the device reports the same text, and 7.0 or 7e0 for 7 would
+	// otherwise stay desired for good, and pending once the device
+	// changes the setting itself.
+	desired := make(map[string]json.RawMessage, len(req))
+	for k, v := range req {
+		if desired[k], err = fastjson.Marshal(v); err != nil {
+			return err
+		}
+	}
+	cmd, err := s.send(c, b.DeviceID, topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: req}, desired, s.limits.DefaultTTL, idem)
 	if err != nil {
 		return err
 	}

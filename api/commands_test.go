@@ -2,11 +2,13 @@ package api
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -204,4 +206,42 @@ func TestOverlappingSettingsChangesKeepTheirOrder(t *testing.T) {
 	assert.Equal(t, float64(7), s["desired"].(map[string]any)["volume"],
 		"desired holds the value of the command accepted last, which the device runs last")
 	assert.Contains(t, s["pending"], "volume")
+}
+
+// A setting's value asked for in another spelling of the same number
+// (7.0, 7e0 for the int 7) is the value the device is sent, 7, and the one
+// it reports back. Once reported it is no longer desired, as with 7: when
+// desired kept the spelling as sent, the store (which drops a desired
+// value the device reports by its text) kept it for good, and once the
+// device changed the setting itself, GET …/settings listed it as pending
+// for ever (CONTRACT §2, §8).
+func TestSettingSpelledOtherwiseIsNotDesiredOnceReported(t *testing.T) {
+	for _, spelling := range []string{"7", "7.0", "7e0", "70e-1", "7.000000000000000001"} {
+		t.Run(spelling, func(t *testing.T) {
+			e := newEnv(t)
+			tok := e.bound("dev-1")
+			e.reportSettings("dev-1")
+			report := func(volume string) {
+				t.Helper()
+				reported := map[string]json.RawMessage{
+					"brightness": json.RawMessage("50"), "volume": json.RawMessage(volume), "do_not_disturb": json.RawMessage("false"),
+					"timezone": json.RawMessage(`"UTC"`), "language": json.RawMessage(`"en"`), "display_timeout_s": json.RawMessage("30"),
+				}
+				_, err := e.db.PutReportedSettings(t.Context(), "dev-1", reported, nil, time.Now(), uint64(time.Now().UnixNano()))
+				require.NoError(t, err)
+			}
+			r := e.do("PUT", "/api/v1/devices/dev-1/settings", tok, `{"volume": `+spelling+`}`)
+			require.Equal(t, 202, r.status, "%s", r.body)
+
+			report("7")
+			r = e.do("GET", "/api/v1/devices/dev-1/settings", tok, nil)
+			require.Equal(t, 200, r.status, "%s", r.body)
+			assert.Empty(t, r.json(t)["desired"], "desired after the device reported volume 7, asked for as %s", spelling)
+
+			report("9") // changed on the device
+			r = e.do("GET", "/api/v1/devices/dev-1/settings", tok, nil)
+			require.Equal(t, 200, r.status, "%s", r.body)
+			assert.Empty(t, r.json(t)["pending"], "pending after the device applied volume %s, then changed it itself", spelling)
+		})
+	}
 }
