@@ -18,7 +18,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -277,6 +279,24 @@ func (m *Main) validate() error {
 	if _, err := topics.New(c.TopicPrefix); err != nil {
 		return fmt.Errorf("--topic-prefix: %v", err)
 	}
+	// The blob downloads' base: agent.New refuses one without a scheme
+	// only once the bridge runs (exit status 1, naming no flag), and one
+	// of another scheme not at all, failing each download instead.
+	if u, err := url.Parse(c.APIURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("--api-url %q: give the server's base URL, http://HOST:PORT or https://HOST:PORT", c.APIURL)
+	}
+	for _, l := range []struct{ name, addr string }{{"metrics", c.Metrics}, {"pprof", c.PProf}} {
+		if l.addr == "" {
+			continue
+		}
+		_, port, err := net.SplitHostPort(l.addr)
+		if err == nil {
+			_, err = net.LookupPort("tcp", port)
+		}
+		if err != nil {
+			return fmt.Errorf("--%s %q: give HOST:PORT to listen on, e.g. 127.0.0.1:9464 (port 0: any free one): %v", l.name, l.addr, err)
+		}
+	}
 	return nil
 }
 
@@ -437,7 +457,7 @@ func (m *Main) Close() error {
 func tlsClients(mqttURL, caFile string) (*tls.Config, *http.Client, error) {
 	conf, err := tlsclient.Config(caFile)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, fmt.Errorf("--ca: %w", err)
 	}
 	if !tlsclient.IsTLSURL(mqttURL) {
 		return nil, tlsclient.HTTPClient(conf), nil

@@ -67,6 +67,26 @@ func TestParseFlags(t *testing.T) {
 		{name: "sim mtu too small", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--sim-mtu", "10"}, wantErr: "mtu"},
 		{name: "gatt unknown", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "winrt"}, wantErr: "only backend is bluez"},
 		{name: "bad log level", args: []string{"--log-level", "loud"}, wantErr: "loud"},
+		// An --api-url blob downloads could never use is refused at start,
+		// naming the flag: without a scheme agent.New refused it only
+		// once the bridge ran (exit status 1, "agent: invalid API URL"),
+		// and one of another scheme was taken, to fail each download.
+		{name: "API URL without a scheme", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "127.0.0.1:8080"}, wantErr: "--api-url"},
+		{name: "API URL of another scheme", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "ftp://127.0.0.1:8080"}, wantErr: "--api-url"},
+		{name: "API URL without a host", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1"}, env: map[string]string{"COMPANION_API_URL": "http:///api"}, wantErr: "--api-url"},
+		{
+			name: "API URL of https",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "https://companion.example.com"},
+			check: func(t *testing.T, c Config) {
+				if c.APIURL != "https://companion.example.com" {
+					t.Errorf("APIURL = %q", c.APIURL)
+				}
+			},
+		},
+		// A listen address net.Listen could never take is a usage error
+		// naming the flag, not a listen error once the bridge runs.
+		{name: "metrics address without a port", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--metrics", "127.0.0.1"}, wantErr: "--metrics"},
+		{name: "pprof port out of range", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1"}, env: map[string]string{"COMPANION_PPROF": "127.0.0.1:99999"}, wantErr: "--pprof"},
 		{
 			name: "command timeout",
 			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--command-timeout", "45m"},

@@ -10,6 +10,7 @@ import (
 	"math/big"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -62,6 +63,8 @@ func TestTLSClients(t *testing.T) {
 	}
 	if _, _, err := tlsClients("mqtts://x", filepath.Join(t.TempDir(), "missing.pem")); err == nil {
 		t.Error("a missing --ca file was accepted")
+	} else if !strings.HasPrefix(err.Error(), "--ca: ") {
+		t.Errorf("a missing --ca file: %v; want the error to name the flag", err)
 	}
 	junk := filepath.Join(t.TempDir(), "junk.pem")
 	os.WriteFile(junk, []byte("not a certificate"), 0o600)

@@ -13,6 +13,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/devicecompanion/companion/topics"
 )
 
 // apiClient is a thin client of the API of a running server, with the
@@ -103,10 +105,16 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if model == "" || version == "" {
 			return usageError{"firmware publish needs --model and --version"}
 		}
+		if err := checkRelease("--model", model, topics.ValidDeviceID(model), "1–64 of A–Z a–z 0–9 . _ : -", version); err != nil {
+			return err
+		}
 		body, err = c.putFile(ctx, "/api/v1/admin/firmware/"+url.PathEscape(model)+"/"+url.PathEscape(version), arg, stderr)
 	case "app publish":
 		if appID == "" || version == "" {
 			return usageError{"app publish needs --app-id and --version"}
+		}
+		if err := checkRelease("--app-id", appID, topics.ValidAppID(appID), "1–128 of a–z 0–9 . _ -", version); err != nil {
+			return err
 		}
 		body, err = c.putFile(ctx, "/api/v1/admin/apps/"+url.PathEscape(appID)+"/"+url.PathEscape(version), arg, stderr)
 	}
@@ -118,6 +126,20 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		body = pretty.Bytes()
 	}
 	fmt.Fprintln(stdout, string(body))
+	return nil
+}
+
+// checkRelease refuses, before the upload, the id and version of a
+// release the API would refuse after it: an id it cannot hold in its path
+// is answered 404 not_found ("no such resource"), which says nothing of
+// the flag, and only once the whole file (up to 64 MiB) is sent.
+func checkRelease(flagName, id string, idOK bool, idRule, version string) error {
+	if !idOK {
+		return usageError{fmt.Sprintf("%s %q: use %s", flagName, id, idRule)}
+	}
+	if !topics.ValidVersion(version) {
+		return usageError{fmt.Sprintf("--version %q: give a semantic version such as 1.2.0 (no leading v)", version)}
+	}
 	return nil
 }
 
@@ -160,6 +182,11 @@ func (c apiClient) putFile(ctx context.Context, path, file string, progressTo io
 	fi, err := f.Stat()
 	if err != nil {
 		return nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		// A directory would fail in the middle of the request, with
+		// "readfrom tcp …: read FILE: is a directory".
+		return nil, usageError{fmt.Sprintf("%s is not a regular file (a directory?): give the file to upload", file)}
 	}
 	p := newProgress(progressTo, fi.Size())
 	defer p.finish()

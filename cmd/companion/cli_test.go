@@ -65,6 +65,40 @@ func TestAdminCLI(t *testing.T) {
 	assert.ErrorContains(t, err, "image.version: the image header's version is 1.2.0, not the 1.3.0 it is published as")
 }
 
+// An id or version of a release that the API cannot take, and a FILE that
+// is a directory, are usage errors naming what to fix, before anything is
+// uploaded. Before, an --app-id or --model the API's path cannot hold
+// (an upper-case app id, a space) was answered "404 not_found: no such
+// resource" once the whole file was sent, and a directory failed in the
+// middle of the request with "readfrom tcp …: read DIR: is a directory".
+func TestAdminCLIPublishMistakes(t *testing.T) {
+	m := startServer(t, Config{})
+	api := "http://" + m.HTTPAddr()
+	pkg := filepath.Join(t.TempDir(), "weather.pkg")
+	require.NoError(t, os.WriteFile(pkg, bytes.Repeat([]byte("pkg"), 1000), 0o600))
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"app", "publish", "--app-id", "Weather", "--version", "1.3.0", pkg}, "--app-id \"Weather\""},
+		{[]string{"app", "publish", "--app-id", "my app", "--version", "1.3.0", pkg}, "--app-id \"my app\""},
+		{[]string{"app", "publish", "--app-id", "weather", "--version", "v1.3.0", pkg}, "--version \"v1.3.0\""},
+		{[]string{"firmware", "publish", "--model", "sim 1", "--version", "1.2.0", pkg}, "--model \"sim 1\""},
+		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.2", pkg}, "--version \"1.2\""},
+		{[]string{"app", "publish", "--app-id", "weather", "--version", "1.3.0", t.TempDir()}, "not a regular file"},
+		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.2.0", t.TempDir()}, "not a regular file"},
+	} {
+		var out, errOut bytes.Buffer
+		err := run(context.Background(), append(tc.args, "--api-url", api, "--admin-token", m.AdminToken()), &out, &errOut)
+		var ue usageError
+		if assert.ErrorAs(t, err, &ue, "companion %q: %v", tc.args, err) {
+			assert.Contains(t, ue.Error(), tc.want, "companion %q", tc.args)
+		}
+		assert.Empty(t, errOut.String(), "companion %q: nothing is uploaded", tc.args)
+		assert.Empty(t, out.String())
+	}
+}
+
 func TestFlagsFromEnvironment(t *testing.T) {
 	t.Setenv("COMPANION_MQTT_URL", "tcp://broker:1883")
 	t.Setenv("COMPANION_DEMO", "true")

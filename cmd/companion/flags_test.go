@@ -87,6 +87,14 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"credentials in a broker URL of a list", []string{"--mqtt-url", "tcp://127.0.0.1:1,srv:s3cret-pw@127.0.0.1:2", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"broker URL without a port", []string{"--mqtt-url", "tcp://127.0.0.1", "--mqtt-dynsec=false"}, "needs a host and a port"},
 		{"broker URL of another scheme", []string{"--mqtt-url", "http://127.0.0.1:1", "--mqtt-dynsec=false"}, "scheme \"http\""},
+		// A listen address net.Listen could never take: before, a listen
+		// error of exit status 1 ("HTTP listen: … missing port in
+		// address", naming no flag).
+		{"HTTP address without a port", []string{"--http", "127.0.0.1"}, "--http"},
+		{"embedded broker port out of range", []string{"--mqtt-listen", "127.0.0.1:99999"}, "--mqtt-listen"},
+		{"metrics address without a port", []string{"--metrics", "localhost"}, "--metrics"},
+		{"issuer not a URL", []string{"--oidc-issuer", "id.example.com", "--oidc-audience", "companion"}, "--oidc-issuer"},
+		{"JWKS URL not a URL", []string{"--oidc-issuer", "https://id.example.com", "--oidc-audience", "companion", "--oidc-jwks-url", "keys.json"}, "--oidc-jwks-url"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			args := []string{"serve", "--http", "127.0.0.1:0", "--data", t.TempDir(), "--log-level", "info"}
@@ -121,6 +129,33 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		assert.Contains(t, out, "--bridge-secret")
 		assert.NotContains(t, out, "s3cret-pw", "the password of the broker URL")
 	})
+	// Before, an --api-url without a scheme ended the bridge once it ran,
+	// exit status 1, with "agent: invalid API URL"; one of another scheme
+	// was taken, to fail each blob download.
+	for _, apiURL := range []string{"127.0.0.1:8080", "ftp://127.0.0.1:8080"} {
+		t.Run("bridge: API URL "+apiURL, func(t *testing.T) {
+			code, out := procExit(t, bridgeUp, []string{"COMPANION_API_URL=" + apiURL}, bridge, "--mqtt-url", "tcp://127.0.0.1:1",
+				"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "dev-1", "--data", t.TempDir())
+			assert.Equal(t, 2, code, "exit status (-1: it started)\n%s", out)
+			assert.Contains(t, out, "--api-url")
+		})
+	}
+}
+
+// A CA bundle that cannot be read is named by its flag: before, the
+// server ended with "companion: open FILE: no such file or directory"
+// and the bridge with the same, neither saying which flag gave the file.
+func TestMissingCAFileNamesItsFlag(t *testing.T) {
+	companion, bridge := procBinaries(t)
+	missing := filepath.Join(t.TempDir(), "missing-ca.pem")
+	code, out := procExit(t, "companion: HTTP API on", nil, companion, "serve", "--http", "127.0.0.1:0", "--data", t.TempDir(),
+		"--mqtt-url", "mqtts://127.0.0.1:1", "--mqtt-dynsec=false", "--mqtt-ca", missing)
+	assert.Equal(t, 1, code, "exit status (-1: it started)\n%s", out)
+	assert.Contains(t, out, "--mqtt-ca: open "+missing)
+	code, out = procExit(t, "connecting", nil, bridge, "--mqtt-url", "mqtts://127.0.0.1:1", "--ca", missing,
+		"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "dev-1", "--data", t.TempDir())
+	assert.Equal(t, 1, code, "exit status (-1: it started)\n%s", out)
+	assert.Contains(t, out, "--ca: open "+missing)
 }
 
 // -h (or --help) after a command prints that command's flags and exits 0,

@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -155,6 +156,22 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 			return usageError{"--mqtt-url: " + err.Error()}
 		}
 	}
+	listens := []struct{ name, addr string }{{"http", c.HTTP}, {"metrics", c.Metrics}, {"pprof", c.PProf}}
+	if c.MQTTURL == "" { // --mqtt-listen is not used with --mqtt-url
+		listens = append(listens, struct{ name, addr string }{"mqtt-listen", c.MQTTListen})
+	}
+	for _, l := range listens {
+		if err := checkListenAddr(l.name, l.addr); err != nil {
+			return err
+		}
+	}
+	// One without a scheme or host would end the start in OIDC discovery
+	// ("unsupported protocol scheme", exit status 1), naming no flag.
+	for _, f := range []struct{ name, v string }{{"oidc-issuer", c.OIDC.Issuer}, {"oidc-jwks-url", c.OIDC.JWKSURL}} {
+		if u, err := url.Parse(f.v); f.v != "" && (err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "") {
+			return usageError{fmt.Sprintf("--%s %q: give an https:// URL", f.name, f.v)}
+		}
+	}
 	l := c.Limits
 	for _, f := range []struct {
 		name string
@@ -196,6 +213,25 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		return usageError{"--oidc-issuer needs --oidc-audience: the aud its tokens must carry"}
 	case c.OIDC.Issuer == "" && (c.OIDC.Audience != "" || c.OIDC.JWKSURL != ""):
 		return usageError{"--oidc-audience and --oidc-jwks-url need --oidc-issuer"}
+	}
+	return nil
+}
+
+// checkListenAddr refuses, naming the flag, a listen address net.Listen
+// could never take (no port, a port out of range or of no service name),
+// which would otherwise end the start with a listen error of exit status 1
+// that names no flag. An empty addr is left to the flag's meaning of it
+// (off, or the default).
+func checkListenAddr(name, addr string) error {
+	if addr == "" {
+		return nil
+	}
+	_, port, err := net.SplitHostPort(addr)
+	if err == nil {
+		_, err = net.LookupPort("tcp", port)
+	}
+	if err != nil {
+		return usageError{fmt.Sprintf("--%s %q: give HOST:PORT to listen on, e.g. 127.0.0.1:8080 (port 0: any free one): %v", name, addr, err)}
 	}
 	return nil
 }
@@ -688,7 +724,11 @@ func clientTLS(url, caFile string) (*tls.Config, error) {
 		}
 		return nil, nil
 	}
-	return tlsclient.Config(caFile)
+	c, err := tlsclient.Config(caFile)
+	if err != nil {
+		return nil, fmt.Errorf("--mqtt-ca: %w", err)
+	}
+	return c, nil
 }
 
 // loadAdminToken returns --admin-token, or the token in DATA/admin.token,
