@@ -196,24 +196,15 @@ func (s *Server) adminPutFirmware(c *gin.Context) error {
 	}
 	ctx := c.Request.Context()
 	fw := companion.Firmware{Model: model, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
-	exists := &Error{Code: CodeFirmwareExists, Detail: "firmware " + model + " " + version + " is already published with other content"}
-	// Both stores take the same content again as a no-op without saying
-	// so: the release is read first, so that a repeat is told apart.
-	status := http.StatusCreated
-	old, err := s.store.Firmware(ctx, model, version)
-	switch {
-	case err == nil && old.SHA256 != fw.SHA256:
-		return exists
-	case err == nil:
-		status = http.StatusOK // the same content again: nothing to do
-	case !errors.Is(err, companion.ErrNotFound):
+	status, err := publishRelease(fw.SHA256,
+		func() (string, error) {
+			old, err := s.store.Firmware(ctx, model, version)
+			return old.SHA256, err
+		},
+		func() error { return s.store.PutFirmware(ctx, fw) },
+		&Error{Code: CodeFirmwareExists, Detail: "firmware " + model + " " + version + " is already published with other content"})
+	if err != nil {
 		return err
-	default:
-		if err := s.store.PutFirmware(ctx, fw); errors.Is(err, companion.ErrExists) {
-			return exists // published meanwhile, with other content
-		} else if err != nil {
-			return err
-		}
 	}
 	return s.reply(c, status, releaseJSON{Model: model, Version: version, SHA256: fw.SHA256, Size: fw.Size}, "", rec, nil)
 }
@@ -258,25 +249,40 @@ func (s *Server) adminPutApp(c *gin.Context) error {
 	}
 	ctx := c.Request.Context()
 	rel := companion.AppRelease{AppID: appID, Version: version, SHA256: blob.SHA256, Size: blob.Size, CreatedAt: s.now()}
-	exists := &Error{Code: CodeAppReleaseExists, Detail: "app " + appID + " " + version + " is already published with other content"}
-	// Read first, as adminPutFirmware does, to tell a repeat apart.
-	status := http.StatusCreated
-	old, err := s.store.AppRelease(ctx, appID, version)
-	switch {
-	case err == nil && old.SHA256 != rel.SHA256:
-		return exists
-	case err == nil:
-		status = http.StatusOK // the same content again: nothing to do
-	case !errors.Is(err, companion.ErrNotFound):
+	status, err := publishRelease(rel.SHA256,
+		func() (string, error) {
+			old, err := s.store.AppRelease(ctx, appID, version)
+			return old.SHA256, err
+		},
+		func() error { return s.store.PutAppRelease(ctx, rel) },
+		&Error{Code: CodeAppReleaseExists, Detail: "app " + appID + " " + version + " is already published with other content"})
+	if err != nil {
 		return err
-	default:
-		if err := s.store.PutAppRelease(ctx, rel); errors.Is(err, companion.ErrExists) {
-			return exists // published meanwhile, with other content
-		} else if err != nil {
-			return err
-		}
 	}
 	return s.reply(c, status, releaseJSON{AppID: appID, Version: version, SHA256: rel.SHA256, Size: rel.Size}, "", rec, nil)
+}
+
+// publishRelease stores a release of content sha (put) unless one is
+// there (read returns its content's SHA-256): the same content again is
+// 200 and writes nothing, other content is exists (409), a new release
+// 201. Both stores take the same content again as a no-op without saying
+// so, so the release is read first to tell a repeat apart.
+func publishRelease(sha string, read func() (string, error), put func() error, exists *Error) (int, error) {
+	old, err := read()
+	switch {
+	case err == nil && old != sha:
+		return 0, exists
+	case err == nil:
+		return http.StatusOK, nil
+	case !errors.Is(err, companion.ErrNotFound):
+		return 0, err
+	}
+	if err := put(); errors.Is(err, companion.ErrExists) {
+		return 0, exists // published meanwhile, with other content
+	} else if err != nil {
+		return 0, err
+	}
+	return http.StatusCreated, nil
 }
 
 // catalogJSON is one app of the catalog: its latest release and every
