@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/mcuboot"
+	"github.com/fxamacker/cbor/v2"
 )
 
 // Defaults of PeripheralOptions. 2475 bytes is the SMP buffer Nordic
@@ -449,39 +451,74 @@ func groupErr(group uint16, grc int, rsn string) reply {
 	return reply{group: group, grc: grc, rsn: rsn}
 }
 
+// rcBody is an error in the rc form: smp_build_err_rsp writes rc, and
+// rsn only with CONFIG_MCUMGR_SMP_VERBOSE_ERR_RESPONSE (off by default).
+type rcBody struct {
+	RC     int    `cbor:"rc"`
+	Reason string `cbor:"rsn,omitempty"`
+}
+
+// errBody is a group's error in SMP version 2: smp_add_cmd_err writes
+// {"err": {"group", "rc"}} and nothing else.
+type errBody struct {
+	Err gatt.GroupError `cbor:"err"`
+}
+
+// zephyrEnc encodes answers with map keys in the order of the Go struct's
+// fields, which the simulator declares in the order Zephyr's handlers
+// write them (gatt.EncodeBody sorts keys, as zcbor does not).
+var zephyrEnc = func() cbor.EncMode {
+	em, err := cbor.EncOptions{Sort: cbor.SortNone}.EncMode()
+	if err != nil {
+		panic(err)
+	}
+	return em
+}()
+
+// projectGroup reports whether g is one of the project's groups, whose
+// handlers (the firmware's own) may explain an rc with rsn.
+func projectGroup(g uint16) bool {
+	switch g {
+	case gatt.GroupText, gatt.GroupPush, gatt.GroupApps, gatt.GroupSettingsSchema:
+		return true
+	}
+	return false
+}
+
 // answer encodes r in the request's SMP version, as zcbor does, and
 // notifies it; it reports false when the connection is gone. While it is
 // built it holds a response buffer.
 func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
-	version := h.Version
-	if version > gatt.SMPv2 {
-		version = gatt.SMPv2
-		r = failRC(gatt.RCTooNew, "SMP version not supported")
+	// smp_make_rsp_hdr: the request's version, capped at 2; a read's
+	// answer is a read response, any other op's a write response.
+	version := min(h.Version, gatt.SMPv2)
+	op := gatt.OpWriteRsp
+	if h.Op == gatt.OpRead {
+		op = gatt.OpReadRsp
 	}
 	var body any = r.body
+	if r.rsn != "" && (r.rc != 0 || r.grc != 0) && !projectGroup(h.Group) {
+		// A stock device says no more than the code.
+		p.log.Debug("SMP error", "group", h.Group, "id", h.ID, "rc", r.rc, "err", r.grc, "why", r.rsn)
+		r.rsn = ""
+	}
 	switch {
 	case r.rc != 0:
-		m := map[string]any{"rc": r.rc}
-		if r.rsn != "" {
-			m["rsn"] = r.rsn
-		}
-		body = m
+		body = rcBody{RC: r.rc, Reason: r.rsn}
 	case r.grc != 0 && version == gatt.SMPv2:
-		m := map[string]any{"err": gatt.GroupError{Group: r.group, RC: r.grc}}
-		if r.rsn != "" {
-			m["rsn"] = r.rsn
-		}
-		body = m
+		body = errBody{Err: gatt.GroupError{Group: r.group, RC: r.grc}}
 	case r.grc != 0:
-		m := map[string]any{"rc": legacyRC(r.group, r.grc)}
-		if r.rsn != "" {
-			m["rsn"] = r.rsn
-		}
-		body = m
+		body = rcBody{RC: legacyRC(r.group, r.grc), Reason: r.rsn}
 	case body == nil:
 		body = struct{}{}
 	}
-	b, err := gatt.EncodeBody(body)
+	var b []byte
+	var err error
+	if projectGroup(h.Group) {
+		b, err = gatt.EncodeBody(body) // the project's answers hold maps: keep them in one order
+	} else {
+		b, err = zephyrEnc.Marshal(body)
+	}
 	if err != nil {
 		p.log.Error("encoding a response", "err", err)
 		return true
@@ -493,7 +530,7 @@ func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
 	if ctx.Err() != nil || notify == nil {
 		return false
 	}
-	out := gatt.AppendHeader(nil, gatt.Header{Op: h.Op + 1, Version: version, Len: uint16(len(b)), Group: h.Group, Seq: h.Seq, ID: h.ID})
+	out := gatt.AppendHeader(nil, gatt.Header{Op: op, Version: version, Len: uint16(len(b)), Group: h.Group, Seq: h.Seq, ID: h.ID})
 	out = append(out, b...)
 	for off := 0; off < len(out); off += mtu - 3 {
 		notify(gatt.SMPCharUUID, out[off:min(off+mtu-3, len(out))])
@@ -590,14 +627,15 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 	bad := func(err error) reply { return failRC(gatt.RCInvalid, err.Error()) }
 	read, write := m.Op == gatt.OpRead, m.Op == gatt.OpWrite
 	if !read && !write {
-		return failRC(gatt.RCInvalid, "not a request")
+		// smp_process_request_packet: not a request (and no SMP client).
+		return failRC(gatt.RCNotSupported, "not a request")
 	}
 	if m.Version > gatt.SMPv2 {
 		return failRC(gatt.RCTooNew, "SMP version not supported")
 	}
 	g, id := m.Group, m.ID
 	switch {
-	case g == gatt.GroupOS && id == gatt.CmdOSEcho && write:
+	case g == gatt.GroupOS && id == gatt.CmdOSEcho: // os_mgmt takes echo as a read too
 		var req gatt.EchoRequest
 		if err := gatt.DecodeBody(m.Body, &req); err != nil {
 			return bad(err)
@@ -611,7 +649,7 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 		return ok(gatt.ParamsResponse{BufSize: p.opts.BufSize, BufCount: p.opts.BufCount})
 
 	case g == gatt.GroupImage && id == gatt.CmdImageState && read:
-		return ok(gatt.ImageStateResponse{Images: p.dev.imageState()})
+		return ok(zephyrImageState(p.dev.imageState()))
 
 	case g == gatt.GroupImage && id == gatt.CmdImageState && write:
 		return p.imageStateWrite(m)
@@ -724,8 +762,14 @@ func (p *Peripheral) imageUpload(m gatt.Message) reply {
 	if req.Image != nil && *req.Image != 0 {
 		return groupErr(g, 14, "one image only") // invalid slot
 	}
+	// img_mgmt_upload ends the upload in progress (img_mgmt_reset_upload)
+	// when img_mgmt_upload_inspect refuses a request.
+	refuse := func(grc int, rsn string) reply {
+		p.setImageUpload(imageUpload{})
+		return groupErr(g, grc, rsn)
+	}
 	if req.Off == nil {
-		return groupErr(g, gatt.ImgErrInvalidOffset, "off required")
+		return refuse(gatt.ImgErrInvalidOffset, "off required")
 	}
 	p.mu.Lock()
 	st := p.image
@@ -733,32 +777,40 @@ func (p *Peripheral) imageUpload(m gatt.Message) reply {
 	off := *req.Off
 	if off == 0 {
 		if len(req.Data) < mcuboot.HeaderSize {
-			return groupErr(g, gatt.ImgErrInvalidImageHeader, "the first chunk must hold the image header")
+			return refuse(gatt.ImgErrInvalidImageHeader, "the first chunk must hold the image header")
 		}
 		if req.Len == nil {
-			return groupErr(g, gatt.ImgErrInvalidLength, "len required at off 0")
+			return refuse(gatt.ImgErrInvalidLength, "len required at off 0")
 		}
-		hdr, err := mcuboot.ParseHeader(req.Data)
-		var fe *mcuboot.FormatError
-		if errors.As(err, &fe) && fe.Field == "magic" {
-			return groupErr(g, gatt.ImgErrInvalidImageHeaderMagic, "magic mismatch")
+		// img_mgmt looks at the magic and the version, nothing else of
+		// the header.
+		if _, err := mcuboot.ParseHeader(req.Data); err != nil {
+			var fe *mcuboot.FormatError
+			if errors.As(err, &fe) && fe.Field == "magic" {
+				return refuse(gatt.ImgErrInvalidImageHeaderMagic, "magic mismatch")
+			}
 		}
 		if len(req.SHA) > sha256.Size {
-			return groupErr(g, gatt.ImgErrInvalidHash, "sha longer than 32 bytes")
+			return refuse(gatt.ImgErrInvalidHash, "sha longer than 32 bytes")
 		}
 		if len(req.SHA) > 0 && st.active && bytes.Equal(st.sha, req.SHA) {
 			return ok(gatt.UploadResponse{Off: st.off}) // resume
 		}
 		if p.dev.secondaryInUse() {
-			return groupErr(g, gatt.ImgErrNoFreeSlot, "the secondary slot is pending or holds the image to revert to")
+			return refuse(gatt.ImgErrNoFreeSlot, "the secondary slot is pending or holds the image to revert to")
 		}
 		if *req.Len > uint64(p.opts.MaxUpload) {
-			return groupErr(g, gatt.ImgErrImageTooLarge, fmt.Sprintf("%d bytes; the slot has %d", *req.Len, p.opts.MaxUpload))
+			return refuse(gatt.ImgErrImageTooLarge, fmt.Sprintf("%d bytes; the slot has %d", *req.Len, p.opts.MaxUpload))
 		}
-		if req.Upgrade && err == nil {
+		if req.Upgrade {
+			// img_mgmt_vercmp: major, minor, revision; the build number
+			// only with CONFIG_MCUMGR_GRP_IMG_VERSION_CMP_USE_BUILD_NUMBER
+			// (off by default).
 			cur, _ := mcuboot.ParseVersion(p.dev.Firmware())
-			if cur.Compare(hdr.Version) >= 0 {
-				return groupErr(g, gatt.ImgErrCurrentVersionIsNewer, "downgrade")
+			cur.Build = 0
+			next := mcuboot.Version{Major: req.Data[20], Minor: req.Data[21], Revision: binary.LittleEndian.Uint16(req.Data[22:])}
+			if cur.Compare(next) >= 0 {
+				return refuse(gatt.ImgErrCurrentVersionIsNewer, "downgrade")
 			}
 		}
 		p.dev.eraseSecondary()
@@ -819,7 +871,37 @@ func (p *Peripheral) imageStateWrite(m gatt.Message) reply {
 	if grc := p.dev.setNextBoot(slot, req.Confirm); grc != 0 {
 		return groupErr(g, grc, "")
 	}
-	return ok(gatt.ImageStateResponse{Images: p.dev.imageState()})
+	return ok(zephyrImageState(p.dev.imageState()))
+}
+
+// imageSlotBody is one slot of the image state as img_mgmt_state_encode_slot
+// writes it (single image: no "image"; CONFIG_MCUMGR_GRP_IMG_FRUGAL_LIST
+// off, the default: every flag, false ones too), in its order.
+type imageSlotBody struct {
+	Slot      int    `cbor:"slot"`
+	Version   string `cbor:"version"`
+	Hash      []byte `cbor:"hash"`
+	Bootable  bool   `cbor:"bootable"`
+	Pending   bool   `cbor:"pending"`
+	Confirmed bool   `cbor:"confirmed"`
+	Active    bool   `cbor:"active"`
+	Permanent bool   `cbor:"permanent"`
+}
+
+// imageStateBody is img_mgmt_state_read's answer: the slots, then
+// splitStatus, always 0 (and present, the list not being frugal).
+type imageStateBody struct {
+	Images      []imageSlotBody `cbor:"images"`
+	SplitStatus int             `cbor:"splitStatus"`
+}
+
+func zephyrImageState(slots []gatt.ImageSlot) imageStateBody {
+	out := imageStateBody{Images: []imageSlotBody{}}
+	for _, s := range slots {
+		out.Images = append(out.Images, imageSlotBody{Slot: s.Slot, Version: s.Version, Hash: s.Hash, Bootable: s.Bootable,
+			Pending: s.Pending, Confirmed: s.Confirmed, Active: s.Active, Permanent: s.Permanent})
+	}
+	return out
 }
 
 // scheduleReboot reboots the device ResetDelay after a reset's answer.

@@ -379,3 +379,170 @@ func TestAnswersInZcborForm(t *testing.T) {
 		}
 	}
 }
+
+// sendRaw writes one request of SMP version v and returns the answer as it
+// came, its body undecoded.
+func (r *rawSMP) sendRaw(v, op uint8, group uint16, id uint8, body any) gatt.Message {
+	r.tb.Helper()
+	b, err := gatt.EncodeBody(body)
+	if err != nil {
+		r.tb.Fatal(err)
+	}
+	r.seq++
+	r.write(append(gatt.AppendHeader(nil, gatt.Header{Op: op, Version: v, Len: uint16(len(b)), Group: group, Seq: r.seq, ID: id}), b...))
+	select {
+	case m := <-r.msgs:
+		return m
+	case <-time.After(3 * time.Second):
+		r.tb.Fatal("no answer")
+	}
+	return gatt.Message{}
+}
+
+// A stock device's errors carry no "rsn": smp.c writes one only in the rc
+// form and only with CONFIG_MCUMGR_SMP_VERBOSE_ERR_RESPONSE (off by
+// default), and never beside a version 2 "err" (smp_add_cmd_err writes
+// group and rc alone). The bodies are byte for byte what zcbor writes (the
+// version 2 one is docs/gatt.md's example).
+func TestErrorsAsZephyr(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	img := mcuboot.MustBuild(bytes.Repeat([]byte("app "), 100), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 2}})
+	noLen := map[string]any{"off": 0, "data": img[:64]}
+	for _, tt := range []struct {
+		name  string
+		v, op uint8
+		group uint16
+		id    uint8
+		body  any
+		want  string
+	}{
+		{"no len at off 0, version 2", gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, noLen, "bf63657272bf6567726f75700162726315ffff"},
+		{"no len at off 0, version 1", gatt.SMPv1, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, noLen, "bf62726303ff"},
+		{"test without a hash", gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageState, map[string]any{"confirm": false}, "bf63657272bf6567726f7570016272631818ffff"},
+		{"unknown key", gatt.SMPv2, gatt.OpRead, gatt.GroupSettings, gatt.CmdSettingsValue, map[string]any{"name": "companion/colour"}, "bf63657272bf6567726f75700362726303ffff"},
+		{"unknown group", gatt.SMPv2, gatt.OpRead, 99, 0, map[string]any{}, "bf62726308ff"},
+		{"unknown command", gatt.SMPv1, gatt.OpWrite, gatt.GroupOS, 99, map[string]any{}, "bf62726308ff"},
+		{"SMP version 4", 3, gatt.OpRead, gatt.GroupOS, gatt.CmdOSParams, map[string]any{}, "bf6272630dff"},
+	} {
+		m := r.sendRaw(tt.v, tt.op, tt.group, tt.id, tt.body)
+		if got := hex.EncodeToString(m.Body); got != tt.want {
+			t.Errorf("%s: body %s; want %s", tt.name, got, tt.want)
+		}
+	}
+}
+
+// A request whose op is neither read nor write is no request: smp.c
+// answers rc 8 (ENOTSUP), with op 3, as smp_rsp_op makes every op but a
+// read a write response.
+func TestNotARequestAsZephyr(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	for _, op := range []uint8{gatt.OpReadRsp, gatt.OpWriteRsp, 5} {
+		m := r.sendRaw(gatt.SMPv2, op, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": "x"})
+		if m.Op != gatt.OpWriteRsp || hex.EncodeToString(m.Body) != "bf62726308ff" {
+			t.Errorf("op %d: answer op %d body %x; want op 3, {rc: 8}", op, m.Op, m.Body)
+		}
+	}
+}
+
+// os_mgmt registers echo for read and write alike.
+func TestEchoReadAsZephyr(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	h, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": "hi"})
+	if h.Op != gatt.OpReadRsp || m["r"] != "hi" {
+		t.Errorf("echo read: op %d, %v; want op 1, r hi", h.Op, m)
+	}
+}
+
+// img_mgmt's image state (CONFIG_MCUMGR_GRP_IMG_FRUGAL_LIST off, the
+// default) lists every flag of a slot, false ones too, and ends with
+// splitStatus 0.
+func TestImageStateAsZephyr(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	_, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupImage, gatt.CmdImageState, map[string]any{})
+	if v, ok := m["splitStatus"]; !ok || v != uint64(0) {
+		t.Errorf("image state %v; want splitStatus 0", m)
+	}
+	slots, _ := m["images"].([]any)
+	if len(slots) != 1 {
+		t.Fatalf("image state %v; want the running image", m)
+	}
+	s := slots[0].(map[string]any)
+	want := map[string]any{"slot": uint64(0), "version": "1.0.0", "bootable": true, "pending": false,
+		"confirmed": true, "active": true, "permanent": false}
+	for k, v := range want {
+		if got, ok := s[k]; !ok || got != v {
+			t.Errorf("slot 0: %s = %v (present %v); want %v", k, got, ok, v)
+		}
+	}
+	if _, ok := s["image"]; ok {
+		t.Errorf("slot 0 names its image in a single-image build: %v", s)
+	}
+	if len(s) != len(want)+1 { // and the hash
+		t.Errorf("slot 0 has %d fields: %v", len(s), s)
+	}
+}
+
+// upgrade refuses an image that is not newer than the running one by
+// major.minor.revision only: img_mgmt_vercmp leaves the build number out
+// unless CONFIG_MCUMGR_GRP_IMG_VERSION_CMP_USE_BUILD_NUMBER (off by
+// default). And it reads the version from the header whatever else the
+// header says.
+func TestUpgradeAsZephyr(t *testing.T) {
+	r, d, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	if d.Firmware() != "1.0.0" {
+		t.Fatalf("firmware %s", d.Firmware())
+	}
+	first := func(v mcuboot.Version) map[string]any {
+		img := mcuboot.MustBuild([]byte("new application"), mcuboot.Options{Version: v})
+		sum := sha256.Sum256(img)
+		return map[string]any{"off": 0, "len": len(img), "sha": sum[:], "data": img[:mcuboot.HeaderSize], "upgrade": true}
+	}
+	_, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, first(mcuboot.Version{Major: 1, Build: 5}))
+	if e, _ := m["err"].(map[string]any); e == nil || e["rc"] != uint64(gatt.ImgErrCurrentVersionIsNewer) {
+		t.Errorf("upgrade to 1.0.0+5 from 1.0.0: %v; want err 27 (the build number is not compared)", m)
+	}
+	bad := first(mcuboot.Version{Major: 0, Minor: 9})
+	hdr := bytes.Clone(bad["data"].([]byte))
+	hdr[8], hdr[9] = 16, 0 // a header size shorter than the header: img_mgmt does not look
+	bad["data"] = hdr
+	_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, bad)
+	if e, _ := m["err"].(map[string]any); e == nil || e["rc"] != uint64(gatt.ImgErrCurrentVersionIsNewer) {
+		t.Errorf("upgrade to 0.9.0 with an odd header size: %v; want err 27", m)
+	}
+	_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, first(mcuboot.Version{Major: 1, Revision: 1}))
+	if m["off"] != uint64(mcuboot.HeaderSize) {
+		t.Errorf("upgrade to 1.0.1: %v; want off %d", m, mcuboot.HeaderSize)
+	}
+}
+
+// img_mgmt_upload resets the upload in progress (img_mgmt_reset_upload)
+// whenever img_mgmt_upload_inspect refuses a request: a request at off 0
+// that is refused ends it, and the same sha then starts anew rather than
+// resuming.
+func TestRefusedUploadEndsTheUploadAsZephyr(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	img := mcuboot.MustBuild(bytes.Repeat([]byte("app "), 500), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 2}})
+	sum := sha256.Sum256(img)
+	up := func(body map[string]any) map[string]any {
+		_, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, body)
+		return m
+	}
+	if m := up(map[string]any{"off": 0, "len": len(img), "sha": sum[:], "data": img[:500]}); m["off"] != uint64(500) {
+		t.Fatalf("first chunk: %v", m)
+	}
+	for _, refused := range []map[string]any{
+		{"off": 0, "sha": sum[:], "data": img[:64]},                  // no len
+		{"len": len(img), "sha": sum[:], "data": img[:64]},           // no off
+		{"off": 0, "len": len(img), "sha": sum[:], "data": img[:16]}, // no header
+	} {
+		if m := up(refused); m["err"] == nil {
+			t.Fatalf("%v: %v; want an error", refused, m)
+		}
+		if m := up(map[string]any{"off": 0, "len": len(img), "sha": sum[:], "data": img[:mcuboot.HeaderSize]}); m["off"] != uint64(mcuboot.HeaderSize) {
+			t.Errorf("after a refused request (%v), the same sha again: %v; want off %d, a new upload", refused, m, mcuboot.HeaderSize)
+		}
+		if m := up(map[string]any{"off": mcuboot.HeaderSize, "data": img[mcuboot.HeaderSize:500]}); m["off"] != uint64(500) {
+			t.Fatalf("second chunk: %v", m)
+		}
+	}
+}
