@@ -174,11 +174,24 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 		lastErr = err
 		var ce *commandError
 		if errors.As(err, &ce) && ce.Code != codeDownloadFailed || !transient(err) {
-			return nil, err
+			return nil, downloadFailed(err)
 		}
 		b.log.Warn("blob download failed; retrying", "sha256", ref.SHA256, "attempt", attempt+1, "err", err)
 	}
-	return nil, lastErr
+	return nil, downloadFailed(lastErr)
+}
+
+// downloadFailed is the command's failure once a download is given up:
+// err as download_failed, unless it names its own code. A network error,
+// a stall or an HTTP 5xx left as it is would fail the command
+// device_error (failure), sending the operator to a device that was
+// never asked for anything.
+func downloadFailed(err error) error {
+	var ce *commandError
+	if errors.As(err, &ce) {
+		return err
+	}
+	return &commandError{Code: codeDownloadFailed, Message: err.Error()}
 }
 
 func (b *blobs) resolve(ref string) (*url.URL, error) {

@@ -210,3 +210,44 @@ func TestBlobLocksDoNotPileUp(t *testing.T) {
 		t.Errorf("%d blob locks left after the fetches and the purge; want none", n)
 	}
 }
+
+// A download that fails every attempt with an error worth retrying (the
+// server answering 500, the server gone, the body stalling) fails its
+// command download_failed: the device was never asked for anything. The
+// error of the last attempt, reported as it was, read device_error.
+func TestBlobDownloadGivenUpIsDownloadFailed(t *testing.T) {
+	gone := httptest.NewServer(http.NotFoundHandler())
+	gone.Close()
+	tests := []struct {
+		name  string
+		serve http.HandlerFunc // nil: nothing listens
+	}{
+		{"server error", func(w http.ResponseWriter, r *http.Request) {
+			http.Error(w, "database down", http.StatusInternalServerError)
+		}},
+		{"server gone", nil},
+		{"stalled", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Length", "100")
+			w.Write([]byte("a few"))
+			w.(http.Flusher).Flush()
+			<-r.Context().Done()
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			url := gone.URL
+			if tt.serve != nil {
+				srv := httptest.NewServer(tt.serve)
+				defer srv.Close()
+				url = srv.URL
+			}
+			b := newTestBlobs(t, url)
+			b.idle = 50 * time.Millisecond
+			_, err := b.fetch(context.Background(), blobRef(bytes.Repeat([]byte("x"), 100)), func(int) {})
+			if code := failure(err, false, time.Minute).Code; code != codeDownloadFailed {
+				t.Errorf("fetch from a %s = %v, failing the command %s; want %s", tt.name, err, code, codeDownloadFailed)
+			}
+		})
+	}
+}
