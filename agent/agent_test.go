@@ -431,8 +431,12 @@ func TestFailures(t *testing.T) {
 // An OTA whose UpdateFirmware returned nil has happened: the device runs
 // the image and has confirmed it. A status read that fails right after it
 // leaves the command succeeded, with the version UpdateFirmware confirmed,
-// and the status follows in a report; one that reports another version
-// fails it with version_mismatch. (The read failing failed the update.)
+// and its final reply carries the last known status with that version (the
+// server stores it with the command's end, CONTRACT §8); the status follows
+// in a report, and a device out of reach from then on is reported offline
+// with the new version, not the old one. A read that reports another
+// version fails the command with version_mismatch. (The read failing
+// failed the update.)
 func TestOTAStatusReadAfterTheUpdate(t *testing.T) {
 	tests := []struct {
 		name      string
@@ -442,6 +446,9 @@ func TestOTAStatusReadAfterTheUpdate(t *testing.T) {
 	}{
 		{"the read fails", func(d *sim.Device) *afterUpdate {
 			return &afterUpdate{Device: d, readErr: errors.New("link dropped after the reboot")}
+		}, companion.StateSucceeded, ""},
+		{"the device is out of reach from then on", func(d *sim.Device) *afterUpdate {
+			return &afterUpdate{Device: d, readErr: errors.New("out of reach after the reboot"), sticky: true}
 		}, companion.StateSucceeded, ""},
 		{"the read reports another version", func(d *sim.Device) *afterUpdate {
 			return &afterUpdate{Device: d, version: "1.0.0"}
@@ -454,7 +461,7 @@ func TestOTAStatusReadAfterTheUpdate(t *testing.T) {
 			w := newWatcher(t, b)
 			sd := newSim("dev-1")
 			dev := tt.dev(sd)
-			startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{sd}, wrap: func(*sim.Device) agent.Device { return dev }})
+			startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{sd}, interval: 200 * time.Millisecond, wrap: func(*sim.Device) agent.Device { return dev }})
 			// The reporter's first read is done before the update: the
 			// next read after it is the worker's.
 			w.waitStatus("dev-1", "first", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "1.0.0" })
@@ -487,10 +494,22 @@ func TestOTAStatusReadAfterTheUpdate(t *testing.T) {
 			if err := json.Unmarshal(r.Result, &res); err != nil || res.FirmwareVersion != "2.0.0" {
 				t.Errorf("result %s; want firmware_version 2.0.0", r.Result)
 			}
-			if r.Status != nil {
-				t.Errorf("final reply's status %+v; want none (the read failed)", r.Status)
+			if r.Status == nil || !r.Status.Online || r.Status.FirmwareVersion != "2.0.0" || r.Status.Battery == nil || r.Status.Model != "sim-1" {
+				t.Errorf("final reply's status %+v; want the last known one, online, with firmware 2.0.0", r.Status)
 			}
-			w.waitStatus("dev-1", "firmware 2.0.0 in a report", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "2.0.0" })
+			if !dev.sticky {
+				w.waitStatus("dev-1", "firmware 2.0.0 in a report", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "2.0.0" })
+				return
+			}
+			statusTopic, _ := tree.Status("dev-1")
+			offline := func(m message) bool {
+				if m.topic != statusTopic {
+					return false
+				}
+				s, err := topics.ParseStatus(m.payload)
+				return err == nil && !s.Online && s.FirmwareVersion == "2.0.0"
+			}
+			w.waitFor("two reports offline with firmware 2.0.0", func(message) bool { return w.count(offline) >= 2 })
 		})
 	}
 }
@@ -502,6 +521,7 @@ type afterUpdate struct {
 	*sim.Device
 	readErr error
 	version string
+	sticky  bool // every read after the update fails with readErr
 
 	mu      sync.Mutex
 	updated bool // an update returned nil, and no read followed yet
@@ -523,7 +543,11 @@ func (d *afterUpdate) Info(ctx context.Context) (companion.DeviceInfo, error) {
 	first := d.updated
 	d.updated = false
 	d.read = d.read || first
+	failing := d.sticky && d.read
 	d.mu.Unlock()
+	if failing {
+		return companion.DeviceInfo{}, d.readErr
+	}
 	info, err := d.Device.Info(ctx)
 	if !first || err != nil {
 		return info, err

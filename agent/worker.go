@@ -357,18 +357,37 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 	// UpdateFirmware returning nil means the device runs the image and has
 	// confirmed it: a status read that fails now does not undo the update,
 	// and failing the command would report an update that happened as
-	// failed. The status then follows in a report, as after other commands
-	// (statusAfter). A read that succeeds with another version is a
-	// mismatch all the same.
+	// failed. The reply then carries the last known status with the new
+	// version (knownStatusWith), and a report follows. A read that succeeds
+	// with another version is a mismatch all the same.
 	st, err := a.readStatus(ctx, dr)
 	if err != nil {
 		a.log.Warn("reading the status after a firmware update failed; it follows in a report", "device", dr.id, "cmd", c.ID, "err", err)
-		return resultJSON(map[string]string{"firmware_version": p.Version}), deviceState{}, nil
+		return resultJSON(map[string]string{"firmware_version": p.Version}), a.knownStatusWith(dr, p.Version), nil
 	}
 	if st.FirmwareVersion != p.Version {
 		return nil, deviceState{status: &st}, cmdErr(codeVersionMismatch, fmt.Sprintf("the device reports firmware %q after the update to %q", st.FirmwareVersion, p.Version))
 	}
 	return resultJSON(map[string]string{"firmware_version": st.FirmwareVersion}), deviceState{status: &st}, nil
+}
+
+// knownStatusWith is the device's last known status with the firmware
+// version an update confirmed, for the final reply of an update whose
+// status read failed: the server stores it with the command's end, so that
+// GET …/status shows the new version once the command is final (CONTRACT
+// §8), and the reporter keeps it, so that a report of the device out of
+// reach does not put the old version back. Without a last known status
+// there is nothing to carry: the status follows in a report.
+func (a *Agent) knownStatusWith(dr *deviceRunner, firmware string) deviceState {
+	seq := a.nextSeq()
+	last, err := a.spool.lastStatus(dr.id)
+	if err != nil || last == nil {
+		return deviceState{}
+	}
+	st := *last
+	st.Online, st.FirmwareVersion, st.BridgeID = true, firmware, a.opts.BridgeID
+	st.At, st.Seq = a.now(), seq
+	return deviceState{status: &st}
 }
 
 // statusAfter reads the device's status after a command that changed it;
