@@ -62,7 +62,10 @@ const (
 )
 
 // DoneRetention is how long the spool remembers a finished command id, so
-// that a late repeat of it is dropped rather than run again.
+// that a late repeat of it is dropped rather than run again. One whose
+// final reply the broker has not acknowledged yet is remembered until it
+// has (purge): the server sends such a command again when the bridge is
+// back, however long it was away.
 const DoneRetention = 8 * 24 * time.Hour
 
 type record struct {
@@ -685,10 +688,17 @@ var purgeChunk = 1000
 // so that they wait for one chunk at most. afterChunk, when set, runs
 // between chunks (tests).
 func (s *spool) purge(cutoff time.Time) (int, error) {
+	// A record whose final reply is still owed stays, however old: the
+	// server never had the reply, and sends the command again once the
+	// bridge is back; forgotten, it would run a second time.
+	owed, err := s.owedReplies()
+	if err != nil {
+		return 0, err
+	}
 	n := 0
 	var after []byte // the last key read; nil: none yet
 	for {
-		old, last, err := s.oldDone(after, cutoff)
+		old, last, err := s.oldDone(after, cutoff, owed)
 		if err != nil {
 			return n, err
 		}
@@ -724,7 +734,7 @@ func (d doneAt) old(cutoff time.Time) bool {
 // oldDone reads up to purgeChunk records after the key after (from the
 // first when nil) and returns the keys of those done before cutoff, and
 // the last key it read, nil when it read to the end.
-func (s *spool) oldDone(after []byte, cutoff time.Time) (old [][]byte, last []byte, err error) {
+func (s *spool) oldDone(after []byte, cutoff time.Time, owed map[string]bool) (old [][]byte, last []byte, err error) {
 	err = s.db.View(func(tx *bolt.Tx) error {
 		old = nil
 		last, err = readChunk(tx.Bucket(bucketCommands), after, func(k, v []byte) error {
@@ -732,7 +742,7 @@ func (s *spool) oldDone(after []byte, cutoff time.Time) (old [][]byte, last []by
 			if err := fastjson.Unmarshal(v, &d); err != nil {
 				return fmt.Errorf("spool record %s: %w", k, err)
 			}
-			if d.old(cutoff) {
+			if d.old(cutoff) && !owed[string(k)] {
 				old = append(old, bytes.Clone(k))
 			}
 			return nil
@@ -799,8 +809,35 @@ func (s *spool) deleteOld(ids [][]byte, cutoff time.Time) (int, error) {
 	return n, nil
 }
 
-// purgeOrphans forgets the final replies whose record purge forgot: one the
-// broker never acknowledged in DoneRetention goes with its record. It
+// owedReplies returns the ids of the commands whose final reply is in the
+// outbox, not yet acknowledged by the broker. Its entries hold the id, or,
+// written by earlier versions, the reply itself. The outbox holds what the
+// bridge finished and could not hand over: it grows only while the broker
+// is away, and by no more than the commands the spool held then.
+func (s *spool) owedReplies() (map[string]bool, error) {
+	owed := map[string]bool{}
+	err := s.db.View(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketOutbox).ForEach(func(_, v []byte) error {
+			if !bytes.HasPrefix(v, []byte("{")) {
+				owed[string(v)] = true
+				return nil
+			}
+			var old struct {
+				Reply struct {
+					CommandID string `json:"command_id"`
+				} `json:"reply"`
+			}
+			if err := fastjson.Unmarshal(v, &old); err == nil && old.Reply.CommandID != "" {
+				owed[old.Reply.CommandID] = true
+			}
+			return nil
+		})
+	})
+	return owed, err
+}
+
+// purgeOrphans forgets the final replies whose record is gone (purge keeps
+// the record of a reply still owed; earlier versions did not). It
 // reads the outbox a chunk at a time, as purge reads the records, and
 // deletes each chunk's orphans in a write of its own.
 func (s *spool) purgeOrphans() error {

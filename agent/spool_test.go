@@ -383,9 +383,11 @@ func putDone(tb testing.TB, s *spool, doneAt time.Time, owed bool) (id string, k
 }
 
 // purge reads and deletes in chunks, across more records than one chunk
-// holds: it forgets exactly the commands done before the cutoff, counts
-// them, keeps the others (done later, queued, running), and forgets the
-// final replies of the records it forgot, but no other.
+// holds: it forgets exactly the commands done before the cutoff whose
+// final reply is not owed, counts them, keeps the others (done later,
+// queued, running, and done before the cutoff with the reply still in the
+// outbox: the server sends those again), and forgets the outbox entries of
+// records gone (left by earlier versions), but no other.
 func TestSpoolPurgeInChunks(t *testing.T) {
 	lowerPurgeChunk(t, 7)
 	s := openTestSpool(t)
@@ -396,7 +398,12 @@ func TestSpoolPurgeInChunks(t *testing.T) {
 	for i := range 45 {
 		switch i % 3 {
 		case 0:
-			id, _ := putDone(t, s, cutoff.Add(-time.Hour), i%2 == 0)
+			id, key := putDone(t, s, cutoff.Add(-time.Hour), i%2 == 0)
+			if key != 0 {
+				want[id] = spoolDone // its reply is owed
+				keptKeys[key] = true
+				continue
+			}
 			want[id] = ""
 			oldIDs++
 		case 1:
@@ -415,13 +422,18 @@ func TestSpoolPurgeInChunks(t *testing.T) {
 		}
 	}
 	// An outbox entry of an earlier version holds its reply: no orphan.
+	// One whose record an earlier version purged is.
 	var jsonKey uint64
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		var err error
 		if jsonKey, err = tx.Bucket(bucketOutbox).NextSequence(); err != nil {
 			return err
 		}
-		return tx.Bucket(bucketOutbox).Put(u64(jsonKey), []byte(`{"device_id":"d","reply":{"command_id":"x","state":"succeeded"}}`))
+		if err := tx.Bucket(bucketOutbox).Put(u64(jsonKey), []byte(`{"device_id":"d","reply":{"command_id":"x","state":"succeeded"}}`)); err != nil {
+			return err
+		}
+		_, err = putOutbox(tx, "0190a5c2-0000-7000-8000-000000000000")
+		return err
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -478,8 +490,8 @@ func TestSpoolWritesGoOnDuringPurge(t *testing.T) {
 	s := openTestSpool(t)
 	cutoff := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 	const old = 100
-	for i := range old {
-		putDone(t, s, cutoff.Add(-time.Hour), i%2 == 0)
+	for range old {
+		putDone(t, s, cutoff.Add(-time.Hour), false)
 	}
 
 	// A write the purge holds up never commits while the hook waits: the
