@@ -70,6 +70,9 @@ type Device interface {
 // Defaults of Options.
 const (
 	DefaultCommandTimeout = 10 * time.Minute
+	// DefaultBlobCacheMax is what the blob cache may hold: a few firmware
+	// images, or a few hundred pushed images, on a gateway's flash.
+	DefaultBlobCacheMax   = 512 << 20
 	DefaultStatusInterval = time.Minute
 )
 
@@ -94,6 +97,9 @@ type Options struct {
 	StatusInterval time.Duration // default DefaultStatusInterval
 	TLSConfig      *tls.Config   // optional, for ssl:// or tls:// broker URLs
 	HTTPClient     *http.Client  // optional, for blob downloads
+	// BlobCacheMax bounds the bytes of downloaded blobs the cache keeps
+	// (DefaultBlobCacheMax when 0; negative: no bound but BlobCacheAge).
+	BlobCacheMax int64
 	// Observer, when set, is told of finished commands and of the MQTT
 	// connection, for the bridge's metrics.
 	Observer Observer
@@ -186,6 +192,9 @@ func New(opts Options) (*Agent, error) {
 	if opts.StatusInterval <= 0 {
 		opts.StatusInterval = DefaultStatusInterval
 	}
+	if opts.BlobCacheMax == 0 {
+		opts.BlobCacheMax = DefaultBlobCacheMax
+	}
 	if opts.HTTPClient == nil {
 		opts.HTTPClient = &http.Client{Transport: http.DefaultTransport}
 	}
@@ -238,6 +247,7 @@ func New(opts Options) (*Agent, error) {
 	if a.blobs, err = newBlobs(filepath.Join(opts.DataDir, "blobs"), opts.APIURL, opts.Password, opts.HTTPClient, a.now, a.log); err != nil {
 		return nil, err
 	}
+	a.blobs.max = opts.BlobCacheMax
 	// Commands spooled before a restart are released to their workers at
 	// once: their "delivered" went out (or is moot) in the earlier life.
 	if a.spool, err = openSpool(opts.DataDir); err != nil {

@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -56,6 +57,7 @@ type blobs struct {
 	now    func() time.Time
 	log    *slog.Logger
 	idle   time.Duration // blobIdleTimeout; shorter in tests
+	max    int64         // bytes the cache keeps at most (trim); <= 0: no bound
 
 	mu    sync.Mutex
 	locks map[string]*blobLock // one download per sha at a time
@@ -165,6 +167,9 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 			}
 			if err := os.Rename(part, final); err != nil {
 				return nil, cmdErr(codeDownloadFailed, err.Error())
+			}
+			if n := b.trim(ref.SHA256); n > 0 {
+				b.log.Info("deleted cached blobs over the cache's size", "count", n)
 			}
 			return data, nil
 		}
@@ -361,6 +366,78 @@ func (p *progressWriter) Write(b []byte) (int, error) {
 func sumHex(b []byte) string {
 	s := sha256.Sum256(b)
 	return hex.EncodeToString(s[:])
+}
+
+// trim deletes the least recently used cached blobs until the cache
+// holds no more than b.max bytes, partial downloads counted. It passes
+// over keep (the blob just fetched, whose lock the caller holds), partial
+// downloads, and blobs another fetch holds: it never waits. Without it
+// the cache grew by every image pushed for a day (BlobCacheAge), gigabytes
+// an hour on a busy gateway's flash.
+func (b *blobs) trim(keep string) int {
+	if b.max <= 0 {
+		return 0
+	}
+	entries, err := os.ReadDir(b.dir)
+	if err != nil {
+		return 0
+	}
+	type cached struct {
+		name string
+		size int64
+		mod  time.Time
+	}
+	var files []cached
+	var total int64
+	for _, e := range entries {
+		info, err := e.Info()
+		if err != nil || !info.Mode().IsRegular() {
+			continue
+		}
+		total += info.Size()
+		if e.Name() != keep && !strings.HasSuffix(e.Name(), ".part") {
+			files = append(files, cached{e.Name(), info.Size(), info.ModTime()})
+		}
+	}
+	slices.SortFunc(files, func(x, y cached) int { return x.mod.Compare(y.mod) })
+	n := 0
+	for _, f := range files {
+		if total <= b.max {
+			break
+		}
+		unlock, ok := b.tryLock(f.name)
+		if !ok {
+			continue // in use
+		}
+		if os.Remove(filepath.Join(b.dir, f.name)) == nil {
+			total -= f.size
+			n++
+		}
+		unlock()
+	}
+	return n
+}
+
+// tryLock is lock without waiting: ok false when someone holds or waits
+// for the blob's lock.
+func (b *blobs) tryLock(sha string) (unlock func(), ok bool) {
+	b.mu.Lock()
+	if b.locks[sha] != nil {
+		b.mu.Unlock()
+		return nil, false
+	}
+	l := &blobLock{users: 1}
+	l.Lock()
+	b.locks[sha] = l
+	b.mu.Unlock()
+	return func() {
+		l.Unlock()
+		b.mu.Lock()
+		if l.users--; l.users == 0 {
+			delete(b.locks, sha)
+		}
+		b.mu.Unlock()
+	}, true
 }
 
 // purge deletes cached and partial blobs not touched since cutoff.

@@ -251,3 +251,76 @@ func TestBlobDownloadGivenUpIsDownloadFailed(t *testing.T) {
 		})
 	}
 }
+
+// The cache keeps at most its bound of bytes: fetching past it deletes the
+// least recently used blobs (a cache hit counts as a use), never the one
+// just fetched, a partial download, or a blob another fetch holds.
+func TestBlobCacheKeepsToItsSize(t *testing.T) {
+	blobsByPath := map[string][]byte{}
+	var refs []topics.Blob
+	for i := range 5 {
+		data := bytes.Repeat([]byte{byte('a' + i)}, 1000)
+		ref := blobRef(data)
+		blobsByPath[ref.URL] = data
+		refs = append(refs, ref)
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write(blobsByPath[r.URL.Path])
+	}))
+	defer srv.Close()
+	b := newTestBlobs(t, srv.URL)
+	b.max = 3500 // three blobs and a half
+	clock := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	b.now = func() time.Time { clock = clock.Add(time.Minute); return clock }
+	fetch := func(ref topics.Blob) {
+		t.Helper()
+		if _, err := b.fetch(t.Context(), ref, func(int) {}); err != nil {
+			t.Fatal(err)
+		}
+		// The file's time is the use's: a download's is the file system's.
+		now := b.now()
+		os.Chtimes(filepath.Join(b.dir, ref.SHA256), now, now)
+	}
+	cached := func() map[string]bool {
+		t.Helper()
+		entries, err := os.ReadDir(b.dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]bool{}
+		for _, e := range entries {
+			got[e.Name()] = true
+		}
+		return got
+	}
+
+	fetch(refs[0])
+	fetch(refs[1])
+	fetch(refs[2])
+	fetch(refs[0]) // a hit: 0 is now the most recently used
+	// A partial download of another, and a blob another fetch holds.
+	os.WriteFile(filepath.Join(b.dir, refs[4].SHA256+".part"), make([]byte, 200), 0o600)
+	unlock := b.lock(refs[1].SHA256)
+	fetch(refs[3]) // 4,200 bytes: 2 goes (1 is held), then the cache is under its bound
+	unlock()
+	got := cached()
+	for i, want := range map[int]bool{0: true, 1: true, 2: false, 3: true} {
+		if got[refs[i].SHA256] != want {
+			t.Errorf("blob %d cached %v; want %v (cache: %v)", i, got[refs[i].SHA256], want, got)
+		}
+	}
+	if !got[refs[4].SHA256+".part"] {
+		t.Error("a partial download was deleted")
+	}
+
+	// With no blob held, the least recently used goes first: 1, then 0.
+	os.Remove(filepath.Join(b.dir, refs[4].SHA256+".part"))
+	b.max = 2000
+	fetch(refs[2])
+	got = cached()
+	for i, want := range map[int]bool{0: false, 1: false, 2: true, 3: true} {
+		if got[refs[i].SHA256] != want {
+			t.Errorf("after a smaller bound, blob %d cached %v; want %v (cache: %v)", i, got[refs[i].SHA256], want, got)
+		}
+	}
+}

@@ -113,6 +113,8 @@ type Config struct {
 	// included: a 64 MiB image over a real BLE link at tens of KB/s
 	// takes longer than the default.
 	CommandTimeout time.Duration
+	// BlobCacheMB bounds the blob cache in MiB; 0: no bound but its age.
+	BlobCacheMB int
 }
 
 // Main is the bridge program: Run builds and runs it, Close stops it.
@@ -153,6 +155,7 @@ func NewMain() *Main {
 			TopicPrefix: topics.DefaultPrefix,
 
 			CommandTimeout: agent.DefaultCommandTimeout,
+			BlobCacheMB:    agent.DefaultBlobCacheMax >> 20,
 		},
 		Stderr: os.Stderr,
 	}
@@ -185,6 +188,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log `level`: debug, info, warn, error")
 	fs.StringVar(&c.PProf, "pprof", c.PProf, "serve net/http/pprof on this `address` (off when empty; keep it on loopback)")
 	fs.StringVar(&c.Metrics, "metrics", c.Metrics, "serve GET /metrics (Prometheus) on this `address` (off when empty)")
+	fs.IntVar(&c.BlobCacheMB, "blob-cache-mb", c.BlobCacheMB, "`MiB` of downloaded images, apps and firmware the blob cache keeps at most, the least recently used deleted first (0: no bound; each is deleted a day after its last use)")
 	fs.DurationVar(&c.CommandTimeout, "command-timeout", c.CommandTimeout, "how `long` one command may take on its device, an OTA's upload included (a large image over a slow link needs more)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -270,6 +274,9 @@ func (m *Main) validate() error {
 	if c.CommandTimeout <= 0 {
 		return fmt.Errorf("--command-timeout %s: must be positive", c.CommandTimeout)
 	}
+	if c.BlobCacheMB < 0 || c.BlobCacheMB > 1<<30 {
+		return fmt.Errorf("--blob-cache-mb %d: give a size in MiB, 0 for no bound", c.BlobCacheMB)
+	}
 	if c.SimDropEvery < 0 {
 		return fmt.Errorf("--sim-drop-every %s: must not be negative", c.SimDropEvery)
 	}
@@ -354,6 +361,7 @@ func (m *Main) Run(ctx context.Context) error {
 		Observer:   m.agentObserver(),
 
 		CommandTimeout: c.CommandTimeout,
+		BlobCacheMax:   blobCacheMax(c.BlobCacheMB),
 	})
 	if err != nil {
 		return err
@@ -463,4 +471,13 @@ func tlsClients(mqttURL, caFile string) (*tls.Config, *http.Client, error) {
 		return nil, tlsclient.HTTPClient(conf), nil
 	}
 	return conf, tlsclient.HTTPClient(conf), nil
+}
+
+// blobCacheMax is --blob-cache-mb as agent.Options.BlobCacheMax: bytes,
+// negative for no bound.
+func blobCacheMax(mb int) int64 {
+	if mb == 0 {
+		return -1
+	}
+	return int64(mb) << 20
 }

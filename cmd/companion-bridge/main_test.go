@@ -105,6 +105,17 @@ func TestParseFlags(t *testing.T) {
 				}
 			},
 		},
+		{
+			name: "blob cache by default and set",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1"},
+			env:  map[string]string{"COMPANION_BLOB_CACHE_MB": "64"},
+			check: func(t *testing.T, c Config) {
+				if c.BlobCacheMB != 64 || blobCacheMax(c.BlobCacheMB) != 64<<20 || blobCacheMax(0) >= 0 || NewMain().Config.BlobCacheMB<<20 != agent.DefaultBlobCacheMax {
+					t.Errorf("BlobCacheMB = %d (%d bytes); default %d MiB", c.BlobCacheMB, blobCacheMax(c.BlobCacheMB), NewMain().Config.BlobCacheMB)
+				}
+			},
+		},
+		{name: "blob cache negative", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--blob-cache-mb", "-1"}, wantErr: "--blob-cache-mb"},
 		{name: "command timeout zero", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--command-timeout", "0s"}, wantErr: "--command-timeout"},
 		// The simulator's flags would do nothing to real devices.
 		{name: "gatt and a sim flag", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--sim-mtu", "100"}, wantErr: "--sim-mtu"},
