@@ -44,17 +44,25 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 
 // markUnserved marks offline a device no bridge serves any more (CONTRACT
 // §9): nothing reports it now, and its old bridge's Will need not fire
-// (Mosquitto's plugin cuts a bridge off without it). Seq and LastSeen stay,
-// as MarkBridgeOffline keeps them, so the next report applies as usual.
+// (Mosquitto's plugin cuts a bridge off without it). Its status names no
+// bridge from then on, online or not: the bridge does not serve it, and
+// after an unbind it may be the last owner's own, whose name is not the
+// next owner's to read. Seq and LastSeen stay, as MarkBridgeOffline keeps
+// them, so the next report applies as usual.
 func (db *DB) markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
 	statuses := tx.Bucket(bucketStatus)
 	var s companion.Status
 	ok, err := getJSON(statuses, []byte(deviceID), &s)
-	if err != nil || !ok || !s.Online {
+	if err != nil || !ok || (!s.Online && s.BridgeID == "") {
 		return err
 	}
 	old := s
-	s.Online = false
+	if old.BridgeID != "" {
+		if err := tx.Bucket(bucketBridgeDevices).Delete(key(old.BridgeID, deviceID)); err != nil {
+			return err
+		}
+	}
+	s.Online, s.BridgeID = false, ""
 	s.UpdatedAt = now
 	if err := putJSON(statuses, []byte(deviceID), s); err != nil {
 		return err

@@ -34,13 +34,17 @@ func unassign(ctx context.Context, tx pgx.Tx, deviceID string) (string, error) {
 }
 
 // markUnserved marks offline a device no bridge serves any more (CONTRACT
-// §9). Seq and LastSeen stay, so the next report applies as usual.
+// §9), and its status names no bridge from then on, online or not (the
+// bbolt engine's markUnserved). Seq and LastSeen stay, so the next report
+// applies as usual.
 func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) error {
 	var r statusRow
-	err := tx.QueryRow(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE device_id = $1 AND online
+	err := tx.QueryRow(ctx, `UPDATE statuses SET online = false, bridge_id = '', updated_at = $2 WHERE device_id = $1 AND online
 		RETURNING `+statusColumnsOf("statuses"), deviceID, now).Scan(r.dest()...)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return nil // no status, or offline already
+		// No status, or offline already: no event, but no bridge either.
+		_, err := tx.Exec(ctx, `UPDATE statuses SET bridge_id = '', updated_at = $2 WHERE device_id = $1 AND bridge_id <> ''`, deviceID, now)
+		return err
 	}
 	if err != nil {
 		return err

@@ -106,6 +106,9 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 		if err != nil || st.Online != want || st.Seq != 7 {
 			t.Errorf("Status(%q) = online %v, seq %d, %v; want online %v, seq 7", dev, st.Online, st.Seq, err, want)
 		}
+		if !want && st.BridgeID != "" {
+			t.Errorf("Status(%q).BridgeID = %q once no bridge serves it; want none", dev, st.BridgeID)
+		}
 	}
 
 	assign(t, s, "d1", "op2", "")
@@ -132,10 +135,19 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 	require.NoError(t, err)
 	assert.False(t, st.Online, "d1 online after the unassignment")
 	assert.Equal(t, uint64(7), st.Seq, "Status(d1).Seq after the unassignment")
+	assert.Empty(t, st.BridgeID, "Status(d1).BridgeID after the unassignment")
+	// d3 offline already (its bridge's Will), still naming op2.
+	_, err = s.MarkBridgeOffline(ctx, "op2")
+	require.NoError(t, err)
+	_, err = s.PutStatus(ctx, companion.Status{DeviceID: "d2", Online: true, BridgeID: "op2", Seq: 7, LastSeen: time.Now()})
+	require.NoError(t, err)
 	_, err = s.DeleteBridge(ctx, "op2", "")
 	require.NoError(t, err)
 	online("d2", false)
 	online("d3", false)
+	devs, err := s.BridgeDevices(ctx, "op2")
+	require.NoError(t, err)
+	assert.Empty(t, devs, "BridgeDevices(op2) after it was deleted")
 	_, err = s.Unbind(ctx, "d4", "u1")
 	require.NoError(t, err)
 	online("d4", false)
