@@ -39,7 +39,7 @@ func testLogger(tb testing.TB) *slog.Logger {
 	if testing.Verbose() {
 		level = slog.LevelDebug
 	}
-	return slog.New(slog.NewTextHandler(&tbWriter{tb: tb}, &slog.HandlerOptions{Level: level}))
+	return slog.New(slog.NewTextHandler(newTBWriter(tb), &slog.HandlerOptions{Level: level}))
 }
 
 // logSignal is an io.Writer of log lines that closes seen at the first
@@ -60,10 +60,33 @@ func (l *logSignal) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-type tbWriter struct{ tb testing.TB }
+// tbWriter writes log lines to the test's log until the test ends, and
+// drops them after: paho can go on with a reconnect attempt that started
+// before its client was closed, and its goroutine's line would panic a
+// test that has completed ("Log in goroutine after … has completed").
+type tbWriter struct {
+	tb   testing.TB
+	mu   sync.Mutex
+	done bool
+}
+
+func newTBWriter(tb testing.TB) *tbWriter {
+	w := &tbWriter{tb: tb}
+	// Registered first, so it runs last of the test's cleanups.
+	tb.Cleanup(func() {
+		w.mu.Lock()
+		w.done = true
+		w.mu.Unlock()
+	})
+	return w
+}
 
 func (w *tbWriter) Write(p []byte) (int, error) {
-	w.tb.Log(strings.TrimRight(string(p), "\n"))
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.done {
+		w.tb.Log(strings.TrimRight(string(p), "\n"))
+	}
 	return len(p), nil
 }
 

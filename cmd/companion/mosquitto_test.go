@@ -124,7 +124,7 @@ func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 		require.Empty(t, r.Error, "%s", r.Command)
 	}
 	refused := newLogSignal("MQTT subscriptions refused")
-	logger := slog.New(slog.NewTextHandler(io.MultiWriter(&tbWriter{tb: t}, refused), &slog.HandlerOptions{Level: slog.LevelWarn}))
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), refused), &slog.HandlerOptions{Level: slog.LevelWarn}))
 	m := startServerLogging(t, mosquittoConfig(Config{}, mq), logger)
 	select {
 	case <-refused.seen:
