@@ -93,6 +93,12 @@ func (b *blobs) lock(sha string) func() {
 	l.users++
 	b.mu.Unlock()
 	l.Lock()
+	return b.release(sha, l)
+}
+
+// release is the unlock of l, the lock of sha: it drops l from b.locks
+// once nobody holds or waits for it.
+func (b *blobs) release(sha string, l *blobLock) func() {
 	return func() {
 		l.Unlock()
 		b.mu.Lock()
@@ -430,14 +436,7 @@ func (b *blobs) tryLock(sha string) (unlock func(), ok bool) {
 	l.Lock()
 	b.locks[sha] = l
 	b.mu.Unlock()
-	return func() {
-		l.Unlock()
-		b.mu.Lock()
-		if l.users--; l.users == 0 {
-			delete(b.locks, sha)
-		}
-		b.mu.Unlock()
-	}, true
+	return b.release(sha, l), true
 }
 
 // purge deletes cached and partial blobs not touched since cutoff.

@@ -141,26 +141,22 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 // until the new bridge reports; the broker takes no report of the old one
 // once it has moved.
 func (db *DB) forgetSeq(tx *bolt.Tx, deviceID string) error {
-	statuses := tx.Bucket(bucketStatus)
-	var s companion.Status
-	ok, err := getJSON(statuses, []byte(deviceID), &s)
-	if err != nil {
+	if err := zeroSeq(tx.Bucket(bucketStatus), deviceID, func(s *companion.Status) *uint64 { return &s.Seq }); err != nil {
 		return err
 	}
-	if ok && s.Seq != 0 {
-		s.Seq = 0
-		if err := putJSON(statuses, []byte(deviceID), s); err != nil {
-			return err
-		}
-	}
-	settings := tx.Bucket(bucketSettings)
-	var set companion.Settings
-	ok, err = getJSON(settings, []byte(deviceID), &set)
-	if err != nil || !ok || set.Seq == 0 {
+	return zeroSeq(tx.Bucket(bucketSettings), deviceID, func(s *companion.Settings) *uint64 { return &s.Seq })
+}
+
+// zeroSeq sets to 0 the seq (as seqOf finds it) of the record of id in b,
+// when there is one and its seq is not 0 already.
+func zeroSeq[T any](b *bolt.Bucket, id string, seqOf func(*T) *uint64) error {
+	var v T
+	ok, err := getJSON(b, []byte(id), &v)
+	if err != nil || !ok || *seqOf(&v) == 0 {
 		return err
 	}
-	set.Seq = 0
-	return putJSON(settings, []byte(deviceID), set)
+	*seqOf(&v) = 0
+	return putJSON(b, []byte(id), v)
 }
 
 // DeviceBridge returns the bridge serving the device, "" when none does.
