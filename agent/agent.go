@@ -103,6 +103,10 @@ type Options struct {
 	// Observer, when set, is told of finished commands and of the MQTT
 	// connection, for the bridge's metrics.
 	Observer Observer
+	// AfterWait is how long a command waits for the one it runs after
+	// (topics.Command.After) when the bridge has not had that one yet;
+	// default DefaultAfterWait.
+	AfterWait time.Duration
 }
 
 // Agent is a running bridge. Create it with New, start it with Run, stop it
@@ -252,6 +256,9 @@ func New(opts Options) (*Agent, error) {
 	// once: their "delivered" went out (or is moot) in the earlier life.
 	if a.spool, err = openSpool(opts.DataDir); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
+	}
+	if opts.AfterWait > 0 {
+		a.spool.afterWait = opts.AfterWait
 	}
 	a.resync.Store(true)
 

@@ -595,6 +595,63 @@ func TestOrderPerDevice(t *testing.T) {
 	}
 }
 
+// A command that comes late, after the ones accepted behind it (a NATS
+// node's redelivery after its ack wait), still runs first: each of those
+// names the one it runs after, and waits for it.
+func TestLateCommandRunsBeforeTheOnesAfterIt(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-a")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+	first := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "first"})
+	second := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "second"})
+	second.After = first.ID
+	third := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "third"})
+	third.After = second.ID
+	w.send(second)
+	w.send(third)
+	// Both are in the spool ("delivered"), and wait.
+	w.waitReply("dev-a", second.ID, companion.StateDelivered)
+	w.waitReply("dev-a", third.ID, companion.StateDelivered)
+	if texts := dev.Texts(); len(texts) != 0 {
+		t.Fatalf("the device ran %v before the command they run after came", texts)
+	}
+	w.send(first)
+	w.waitReply("dev-a", third.ID, companion.StateSucceeded)
+	var got []string
+	for _, tx := range dev.Texts() {
+		got = append(got, tx.Text)
+	}
+	if want := []string{"first", "second", "third"}; !slices.Equal(got, want) {
+		t.Fatalf("the device ran %v; want %v", got, want)
+	}
+	// One whose predecessor has finished runs at once (the wait is
+	// DefaultAfterWait, longer than waitReply waits).
+	fourth := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "fourth"})
+	fourth.After = third.ID
+	w.send(fourth)
+	w.waitReply("dev-a", fourth.ID, companion.StateSucceeded)
+}
+
+// A command whose predecessor never comes runs after AfterWait.
+func TestCommandRunsWithoutAPredecessorThatNeverComes(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-a")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, afterWait: 300 * time.Millisecond})
+
+	missing := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "missing"})
+	orphan := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "orphan"})
+	orphan.After = missing.ID
+	w.send(orphan)
+	w.waitReply("dev-a", orphan.ID, companion.StateDelivered)
+	w.waitReply("dev-a", orphan.ID, companion.StateSucceeded)
+	if texts := dev.Texts(); len(texts) != 1 || texts[0].Text != "orphan" {
+		t.Fatalf("the device ran %v; want the orphan", texts)
+	}
+}
+
 func TestCancelQueuedCommand(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

@@ -455,6 +455,8 @@ type bridgeConfig struct {
 	timeout  time.Duration
 	interval time.Duration
 	now      func() time.Time
+	// afterWait is agent.Options.AfterWait.
+	afterWait time.Duration
 	// wrap, when set, stands between the bridge and each device.
 	wrap func(*sim.Device) agent.Device
 }
@@ -486,6 +488,7 @@ func startBridge(tb testing.TB, b *testBroker, bs *blobServer, w *watcher, cfg b
 		Now:            cfg.now,
 		CommandTimeout: cfg.timeout,
 		StatusInterval: cfg.interval,
+		AfterWait:      cfg.afterWait,
 	}
 	if bs != nil {
 		opts.APIURL = bs.srv.URL

@@ -81,7 +81,22 @@ type record struct {
 	// only read).
 	marked  bool
 	resumed bool
+	// waitFor is the command this one runs after (Cmd.After) while the
+	// spool has not seen it, and waitUntil how long its worker waits for
+	// it, from when it first found this one next (claim); gaveUp says it
+	// waited in vain. Guarded by spool.mu.
+	waitFor   string
+	waitUntil time.Time
+	gaveUp    bool
 }
+
+// DefaultAfterWait is how long a command whose predecessor (Cmd.After) has
+// not arrived waits for it before it runs anyway. A broker delivers a
+// late command within its redelivery time (a NATS node's ack wait, 30 s by
+// default) and the server sends an unanswered one again within a minute
+// (its SentRetry); waiting longer would hold the device up for a command
+// that is not coming.
+const DefaultAfterWait = 2 * time.Minute
 
 // spoolLookahead is how many of a device's commands, at the head of its
 // queue, the transaction that finishes a command marks as running: the
@@ -114,6 +129,9 @@ type spool struct {
 
 	// afterChunk, when set, runs between purge's chunks (tests).
 	afterChunk func()
+	// afterWait is how long a command waits for the one it runs after
+	// (DefaultAfterWait unless the agent's options say otherwise).
+	afterWait time.Duration
 }
 
 // spoolCommitLinger is how long the spool's committer waits for company
@@ -140,7 +158,7 @@ func openSpool(dir string) (*spool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open spool: %w", err)
 	}
-	s := &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}}
+	s := &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}, afterWait: DefaultAfterWait}
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketCommands, bucketQueue, bucketOutbox, bucketStatus} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
@@ -205,6 +223,9 @@ func (s *spool) load(tx *bolt.Tx) error {
 		if r == nil || r.State == spoolDone {
 			stale = append(stale, bytes.Clone(k))
 			return nil
+		}
+		if r.waitFor, err = unseenAfter(tx, r.Cmd); err != nil {
+			return err
 		}
 		dev := r.Cmd.DeviceID
 		r.marked = r.State == spoolRunning
@@ -322,7 +343,8 @@ func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, er
 				}
 			} else {
 				// The first of a device's line is marked running as it is
-				// written: its worker takes it at once.
+				// written: its worker takes it at once (unless it waits for
+				// the command it runs after: acceptCommand).
 				first := !behind[c.DeviceID] && s.lineEmpty(c.DeviceID)
 				results[i], err = acceptCommand(tx, c, first, now)
 				if results[i].outcome == acceptQueued {
@@ -402,6 +424,10 @@ func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now time.Time) (ac
 		}
 		return acceptResult{outcome: acceptExpired, final: final, key: key}, nil
 	}
+	waitFor, err := unseenAfter(tx, c)
+	if err != nil {
+		return acceptResult{}, err
+	}
 	q := tx.Bucket(bucketQueue)
 	seq, err := q.NextSequence()
 	if err != nil {
@@ -410,14 +436,28 @@ func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now time.Time) (ac
 	if err := q.Put(queueKey(c.ID, seq), []byte(c.ID)); err != nil {
 		return acceptResult{}, err
 	}
-	nr := &record{Cmd: c, Seq: seq, State: spoolQueued}
-	if first {
+	nr := &record{Cmd: c, Seq: seq, State: spoolQueued, waitFor: waitFor}
+	if first && waitFor == "" {
 		nr.State = spoolRunning
 	}
 	if err := putRecord(tx, nr); err != nil {
 		return acceptResult{}, err
 	}
 	return acceptResult{outcome: acceptQueued, rec: nr}, nil
+}
+
+// unseenAfter returns the command c runs after (c.After) when the spool
+// has no record of it: c must wait for it. Commands of the same device
+// come with ever larger ids, so an After that is not smaller is no
+// predecessor, and is ignored.
+func unseenAfter(tx *bolt.Tx, c topics.Command) (string, error) {
+	if c.After == "" || c.After >= c.ID {
+		return "", nil
+	}
+	if tx.Bucket(bucketCommands).Get([]byte(c.After)) != nil {
+		return "", nil
+	}
+	return c.After, nil
 }
 
 // acceptCancel takes a command not yet started off its queue. A cancel for an
@@ -474,13 +514,43 @@ func (s *spool) unrelease(r *record) bool {
 // claim returns the first released command of the device's queue and
 // takes it off (a cancel then leaves it alone), or nil when there is none.
 // Before it runs, start makes sure the file has it as running.
-func (s *spool) claim(deviceID string) *record {
+//
+// The first command also waits for the command it runs after, while the
+// spool has not seen that one (record.waitFor): claim then returns nil and
+// how much longer it waits. The one it waits for, once it arrives, comes
+// before it in the queue (ids rise); after afterWait it runs without it
+// (record.gaveUp).
+func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	q := s.queues[deviceID]
 	if len(q) == 0 {
-		return nil
+		s.mu.Unlock()
+		return nil, 0
 	}
+	if r := q[0]; r.waitFor != "" {
+		after := r.waitFor
+		s.mu.Unlock()
+		state, err := s.seen(after)
+		if err != nil || state == "" {
+			s.mu.Lock()
+			if r.waitUntil.IsZero() {
+				r.waitUntil = now.Add(s.afterWait)
+			}
+			wait := r.waitUntil.Sub(now)
+			s.mu.Unlock()
+			if wait > 0 {
+				return nil, wait
+			}
+		}
+		s.mu.Lock()
+		if r.waitFor == after {
+			r.waitFor, r.gaveUp = "", state == ""
+		}
+		s.mu.Unlock()
+		// Again: the queue may have changed meanwhile.
+		return s.claim(deviceID, now)
+	}
+	defer s.mu.Unlock()
 	r := q[0]
 	q[0] = nil
 	if len(q) == 1 {
@@ -489,7 +559,7 @@ func (s *spool) claim(deviceID string) *record {
 		s.queues[deviceID] = q[1:]
 	}
 	s.running[r.Cmd.ID] = true
-	return r
+	return r, 0
 }
 
 // claimUnserved claims every command queued for a device the bridge does
@@ -548,6 +618,9 @@ func (s *spool) markAhead(tx *bolt.Tx, deviceID string) ([]*record, error) {
 	q := s.queues[deviceID]
 	var next []*record
 	for _, r := range q[:min(spoolLookahead, len(q))] {
+		if r.waitFor != "" {
+			break // it may wait long; those behind it wait with it
+		}
 		if !r.marked {
 			next = append(next, r)
 		}
@@ -890,7 +963,7 @@ func orphan(cmds *bolt.Bucket, v []byte) bool {
 	return !bytes.HasPrefix(v, []byte("{")) && cmds.Get(v) == nil
 }
 
-// seen reports the spool state of a command id ("" when unknown). Tests use it.
+// seen reports the spool state of a command id ("" when unknown).
 func (s *spool) seen(id string) (string, error) {
 	var state string
 	err := s.db.View(func(tx *bolt.Tx) error {

@@ -48,13 +48,13 @@ func TestSpoolLifecycle(t *testing.T) {
 		t.Fatalf("accept outcomes %+v; want queued, queued, known", res)
 	}
 	// Nothing is claimed before it is released.
-	if r := s.claim("d"); r != nil {
+	if r := s.claimNow("d"); r != nil {
 		t.Fatalf("claim before release = %+v; want nothing", r)
 	}
 	// Released out of order, they run in the order of their ids.
 	s.release(res[1].rec)
 	s.release(res[0].rec)
-	r := s.claim("d")
+	r := s.claimNow("d")
 	if r == nil || r.Cmd.ID != a.ID {
 		t.Fatalf("claim = %+v; want a", r)
 	}
@@ -68,7 +68,7 @@ func TestSpoolLifecycle(t *testing.T) {
 	if res[0].outcome != acceptCancelNoop || res[1].outcome != acceptCanceled {
 		t.Fatalf("cancel outcomes %+v; want noop, canceled", res)
 	}
-	if r := s.claim("d"); r != nil {
+	if r := s.claimNow("d"); r != nil {
 		t.Fatalf("claim after the cancel = %+v; want nothing", r)
 	}
 
@@ -140,17 +140,17 @@ func TestSpoolReopen(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.release(res[0].rec)
-	finishSync(t, s, s.claim("d"), topics.Reply{CommandID: a.ID, State: companion.StateSucceeded, At: time.Now()})
+	finishSync(t, s, s.claimNow("d"), topics.Reply{CommandID: a.ID, State: companion.StateSucceeded, At: time.Now()})
 	if err := s.close(); err != nil {
 		t.Fatal(err)
 	}
 
 	s = reopenAndCancel(t, dir, b, c)
 	defer s.close()
-	if r := s.claim("d"); r == nil || r.Cmd.ID != b.ID {
+	if r := s.claimNow("d"); r == nil || r.Cmd.ID != b.ID {
 		t.Fatalf("first claim after reopen = %+v; want b", r)
 	}
-	if r := s.claim("d"); r != nil {
+	if r := s.claimNow("d"); r != nil {
 		t.Fatalf("second claim after reopen = %+v; want nothing", r)
 	}
 }
@@ -188,7 +188,7 @@ func TestSpoolMarksRunningAhead(t *testing.T) {
 	for _, r := range res {
 		s.release(r.rec)
 	}
-	r := s.claim("d")
+	r := s.claimNow("d")
 	if err := s.start(r); err != nil {
 		t.Fatal(err)
 	}
@@ -197,7 +197,7 @@ func TestSpoolMarksRunningAhead(t *testing.T) {
 
 	// b starts without a write of its own; e arrives behind d.
 	commits := s.w.Stats().Commits
-	if r = s.claim("d"); r == nil || r.Cmd.ID != b.ID {
+	if r = s.claimNow("d"); r == nil || r.Cmd.ID != b.ID {
 		t.Fatalf("claim = %+v; want b", r)
 	}
 	if err := s.start(r); err != nil {
@@ -222,7 +222,7 @@ func TestSpoolMarksRunningAhead(t *testing.T) {
 		cmd     topics.Command
 		resumed bool
 	}{{b, true}, {c, true}, {e, false}} {
-		r := s.claim("d")
+		r := s.claimNow("d")
 		if r == nil || r.Cmd.ID != want.cmd.ID || r.resumed != want.resumed {
 			t.Fatalf("claim after reopen = %+v; want %s resumed %v", r, want.cmd.Payload, want.resumed)
 		}
@@ -307,11 +307,11 @@ func TestSpoolMigratesPerDeviceQueues(t *testing.T) {
 	}
 	defer s.close()
 	for _, want := range []topics.Command{a, b} {
-		if r := s.claim("d1"); r == nil || r.Cmd.ID != want.ID {
+		if r := s.claimNow("d1"); r == nil || r.Cmd.ID != want.ID {
 			t.Fatalf("claim(d1) = %+v; want %s", r, want.Payload)
 		}
 	}
-	if r := s.claim("d2"); r == nil || r.Cmd.ID != c.ID {
+	if r := s.claimNow("d2"); r == nil || r.Cmd.ID != c.ID {
 		t.Fatalf("claim(d2) = %+v; want c", r)
 	}
 	s.db.View(func(tx *bolt.Tx) error {
@@ -555,5 +555,96 @@ func TestSpoolHeldByAnotherProcess(t *testing.T) {
 	_, err = openSpool(dir)
 	if err == nil || !strings.Contains(err.Error(), "another process holds it") {
 		t.Fatalf("second openSpool = %v; want it to say another process holds the file", err)
+	}
+}
+
+// A command that names one it runs after which the spool has not seen
+// waits for it, and is not marked running meanwhile (a cancel still takes
+// it off, and a restart does not take it for one that may have run); it
+// waits again after a restart, and stops waiting once the other arrives
+// or when the wait is over. One that names a command the spool had, or
+// one of the same batch, does not wait.
+func TestSpoolWaitsForTheCommandBefore(t *testing.T) {
+	dir := t.TempDir()
+	s, err := openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "first"})
+	second := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "second"})
+	second.After = first.ID
+	third := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "third"})
+	third.After = second.ID
+	now := time.Now()
+	res, err := s.accept([]topics.Command{second, third}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.release(res[0].rec, res[1].rec)
+	if r, wait := s.claim("d", now); r != nil || wait != s.afterWait {
+		t.Fatalf("claim = %+v, %v; want nothing, and a wait of %v", r, wait, s.afterWait)
+	}
+	if state, _ := s.seen(second.ID); state != spoolQueued {
+		t.Fatalf("a waiting command is %q on disk; want %q", state, spoolQueued)
+	}
+	if err := s.close(); err != nil {
+		t.Fatal(err)
+	}
+
+	s, err = openSpool(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	if r, wait := s.claim("d", now); r != nil || wait <= 0 {
+		t.Fatalf("claim after a restart = %+v, %v; want nothing, and a wait", r, wait)
+	}
+	res, err = s.accept([]topics.Command{first}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.release(res[0].rec)
+	for _, want := range []topics.Command{first, second, third} {
+		r, _ := s.claim("d", now)
+		if r == nil || r.Cmd.ID != want.ID || r.gaveUp {
+			t.Fatalf("claim = %+v; want %s, not given up", r, want.ID)
+		}
+		finishSync(t, s, r, topics.Reply{CommandID: r.Cmd.ID, State: companion.StateSucceeded, At: now})
+	}
+
+	// Its predecessor finished long ago, or comes in the same batch: no wait.
+	fourth := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "fourth"})
+	fourth.After = third.ID
+	sixth := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "sixth"})
+	fifth := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "fifth"})
+	sixth.ID, fifth.ID = fifth.ID, sixth.ID // fifth's id is the smaller
+	sixth.After = fifth.ID
+	res, err = s.accept([]topics.Command{fourth, sixth, fifth}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.release(res[0].rec, res[1].rec, res[2].rec)
+	for _, want := range []topics.Command{fourth, fifth, sixth} {
+		r, wait := s.claim("d", now)
+		if r == nil || r.Cmd.ID != want.ID || r.gaveUp || wait != 0 {
+			t.Fatalf("claim = %+v, %v; want %s at once", r, wait, want.ID)
+		}
+		finishSync(t, s, r, topics.Reply{CommandID: r.Cmd.ID, State: companion.StateSucceeded, At: now})
+	}
+
+	// Never coming: it runs once the wait is over, given up.
+	missing := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "missing"})
+	orphan := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "orphan"})
+	orphan.After = missing.ID
+	res, err = s.accept([]topics.Command{orphan}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.release(res[0].rec)
+	if r, _ := s.claim("d", now); r != nil {
+		t.Fatalf("claim = %+v; want it to wait", r)
+	}
+	if r, _ := s.claim("d", now.Add(s.afterWait)); r == nil || r.Cmd.ID != orphan.ID || !r.gaveUp {
+		t.Fatalf("claim once the wait is over = %+v; want the orphan, given up", r)
 	}
 }

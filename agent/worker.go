@@ -36,15 +36,36 @@ func newDeviceRunner(d Device) *deviceRunner {
 
 // work runs the device's queue, in order, one command at a time.
 func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
 	for {
-		r := a.spool.claim(dr.id)
+		r, wait := a.spool.claim(dr.id, a.now())
 		if r == nil {
+			// Nothing to run, or the next command waits for the one it
+			// runs after: until a command is released, or the wait ends.
+			var waited <-chan time.Time
+			if wait > 0 {
+				if timer == nil {
+					timer = time.NewTimer(wait)
+				} else {
+					timer.Reset(wait)
+				}
+				waited = timer.C
+			}
 			select {
 			case <-ctx.Done():
 				return
 			case <-dr.wake:
+			case <-waited:
 			}
 			continue
+		}
+		if r.gaveUp {
+			a.log.Warn("the command this one runs after never came; running it without", "device", dr.id, "cmd", r.Cmd.ID, "after", r.Cmd.After, "waited", a.spool.afterWait)
 		}
 		if !a.execute(ctx, dr, r) {
 			return

@@ -152,7 +152,11 @@ type Broker struct {
 	// landed holds the ids that landed (see land) since the outbox last
 	// read the store, while it publishes what it read: the store said
 	// queued before they landed, so they must not go out again.
-	landed  map[string]bool
+	landed map[string]bool
+	// lastOut holds, per device, the newest of its commands this broker
+	// published that it has not seen end: the next command of the device
+	// names it as the one to run after (topics.Command.After).
+	lastOut map[string]string
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
 	ready   bool
@@ -236,6 +240,7 @@ func New(opts Options) (*Broker, error) {
 		online:    make(map[string]bool),
 		resend:    make(map[string]bool),
 		flying:    make(map[string]*outgoing),
+		lastOut:   make(map[string]string),
 		live:      make(map[string]bool),
 		acks:      make(chan inflight, maxInflight),
 		moved:     opts.Topics.DevicesMoved(),

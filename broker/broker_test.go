@@ -591,6 +591,57 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	}
 }
 
+// Each command names the device's command published before it that has not
+// ended (topics.Command.After), so that a bridge that gets it first waits
+// for that one: none once those before it have ended, and, sent again, the
+// one before it again.
+func TestCommandsNameTheOneTheyRunAfter(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	end := func(ids ...string) {
+		t.Helper()
+		for _, id := range ids {
+			fb.reply(t, "dev-1", topics.Reply{CommandID: id, State: companion.StateSucceeded, At: time.Now()})
+		}
+		testenv.Eventually(t, 10*time.Second, "replies taken", func() bool {
+			for _, id := range ids {
+				if state(t, e, id).State != companion.StateSucceeded {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	after := func(c companion.Command) string {
+		t.Helper()
+		got := fb.next(t)
+		require.Equal(t, c.ID, got.ID)
+		return got.After
+	}
+
+	a := submit(t, e, "dev-1", "a", time.Hour)
+	assert.Empty(t, after(a), "the device's first command")
+	b := submit(t, e, "dev-1", "b", time.Hour)
+	assert.Equal(t, a.ID, after(b))
+	other := submit(t, e, "dev-2", "other", time.Hour)
+	assert.Empty(t, after(other), "another device's")
+	fb.reply(t, "dev-2", topics.Reply{CommandID: other.ID, State: companion.StateSucceeded, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "other's reply taken", func() bool { return state(t, e, other.ID).State == companion.StateSucceeded })
+	end(a.ID)
+	c := submit(t, e, "dev-1", "c", time.Hour)
+	assert.Equal(t, b.ID, after(c), "the one before has not ended")
+	end(b.ID, c.ID)
+	d := submit(t, e, "dev-1", "d", time.Hour)
+	assert.Empty(t, after(d), "every one before it has ended")
+	f := submit(t, e, "dev-1", "f", time.Hour)
+	assert.Equal(t, d.ID, after(f))
+
+	bs, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOnline), 5*time.Second))
+	assert.Empty(t, after(d), "sent again")
+	assert.Equal(t, d.ID, after(f), "sent again")
+}
+
 // A command that stays sent, with no word from the bridge, while its device
 // reads online was lost on its way (a broker that dropped it and told
 // nobody): SentRetry after it was sent it goes out again, and again only

@@ -254,6 +254,12 @@ func (b *Broker) notify(cmd companion.Command) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	delete(b.live, cmd.ID)
+	if b.lastOut[cmd.DeviceID] == cmd.ID {
+		// The bridge has it, or will hear of its end (a cancel), or never
+		// will (a command of a device gone to another bridge): the next
+		// command names none rather than one the bridge may wait for.
+		delete(b.lastOut, cmd.DeviceID)
+	}
 	for _, ch := range b.waiters[cmd.ID] {
 		select {
 		case ch <- cmd:

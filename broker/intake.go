@@ -55,10 +55,12 @@ func (b *Broker) DeviceMoved(deviceID string) {
 }
 
 // resendDevice has the outbox send the device's unfinished commands again,
-// if this replica dispatches.
+// if this replica dispatches, to the device's bridge of now: its first names
+// none to run after (its new bridge never had the last one out).
 func (b *Broker) resendDevice(deviceID string) {
 	b.mu.Lock()
 	b.resend[deviceID] = true
+	delete(b.lastOut, deviceID)
 	b.mu.Unlock()
 	b.wake()
 }

@@ -76,6 +76,7 @@ func (b *Broker) outbox() {
 			// dispatcher's may not have gone out.
 			b.mu.Lock()
 			b.resend, b.pending = make(map[string]bool), nil
+			clear(b.lastOut) // the next dispatcher names its own
 			b.mu.Unlock()
 			firstPass = true
 			continue
@@ -217,6 +218,7 @@ func (b *Broker) sentLoop() {
 func (b *Broker) publish(cmds []companion.Command, again func(companion.Command) bool) bool {
 	bridges := map[string]string{} // device → the bridge serving it, for this pass
 	held := map[string]bool{}      // devices with a command that did not go out in this pass
+	before := map[string]string{}  // device → its command before, in this pass
 	for _, c := range cmds {
 		// Now, not when the pass began: a pass can wait long for room
 		// among the commands in flight (acks) or for paho.
@@ -262,6 +264,18 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			continue
 		}
 		b.mu.Lock()
+		// The command this one runs after: the one before it in this pass
+		// or, first in the pass, the newest one published before that
+		// has not ended. Every command considered here from now on went
+		// out, or has gone, or will go again before the device's next ones.
+		after := before[c.DeviceID]
+		if last := b.lastOut[c.DeviceID]; after == "" && last < c.ID {
+			after = last
+		}
+		before[c.DeviceID] = c.ID
+		if b.lastOut[c.DeviceID] < c.ID {
+			b.lastOut[c.DeviceID] = c.ID
+		}
 		if b.landed[c.ID] {
 			// Answered, or written sent, since the store was read: the
 			// bridge has it.
@@ -292,6 +306,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			CreatedAt: c.CreatedAt.UTC(),
 			ExpiresAt: c.ExpiresAt.UTC(),
 			Payload:   c.Payload,
+			After:     after,
 		})
 		if err != nil {
 			b.log.Error("command that cannot be encoded", "command_id", c.ID, "err", err)
@@ -303,6 +318,12 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			b.log.Warn("publishing a command failed; it and its device's later commands go again", "command_id", c.ID, "err", err)
 			held[c.DeviceID] = true
 			b.mu.Lock()
+			if b.lastOut[c.DeviceID] == c.ID {
+				// It goes again, after the same one.
+				if b.lastOut[c.DeviceID] = after; after == "" {
+					delete(b.lastOut, c.DeviceID)
+				}
+			}
 			delete(b.flying, c.ID)
 			b.resend[c.DeviceID] = true
 			b.mu.Unlock()

@@ -30,6 +30,14 @@ type Command struct {
 	CreatedAt time.Time       `json:"created_at"`
 	ExpiresAt time.Time       `json:"expires_at"`
 	Payload   json.RawMessage `json:"payload,omitempty"`
+	// After is the id of the device's command published before this one
+	// and not known to have ended when this one went out, if any. A bridge
+	// that has never heard of it waits for it (up to a bound) before it
+	// runs this one: a broker may deliver a command late, after the ones
+	// behind it (a NATS node's redelivery after its ack wait), and the
+	// device must still run them in the order they were accepted
+	// (CONTRACT §2).
+	After string `json:"after,omitempty"`
 }
 
 // Error is a command's failure, as a bridge reports it.
@@ -181,6 +189,8 @@ func ParseCommand(b []byte) (Command, error) {
 		return Command{}, fmt.Errorf("%w: op %q", ErrBadMessage, c.Op)
 	case !ValidDeviceID(c.DeviceID):
 		return Command{}, fmt.Errorf("%w: device id %q", ErrBadMessage, c.DeviceID)
+	case c.After != "" && !ValidCommandID(c.After):
+		return Command{}, fmt.Errorf("%w: after %q", ErrBadMessage, c.After)
 	}
 	return c, nil
 }
