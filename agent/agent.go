@@ -553,6 +553,13 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 	for _, r := range released {
 		signal(a.devices[r.Cmd.DeviceID].wake)
 	}
+	// A cancel may be of the command another waits for (a tombstone, when
+	// the bridge never had it): that one runs now.
+	for _, it := range items {
+		if it.cmd != nil && it.cmd.Op == topics.OpCancel {
+			signal(a.devices[it.cmd.DeviceID].wake)
+		}
+	}
 }
 
 func (a *Agent) parse(m mqtt.Message) (topics.Command, error) {

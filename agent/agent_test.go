@@ -634,6 +634,29 @@ func TestLateCommandRunsBeforeTheOnesAfterIt(t *testing.T) {
 	w.waitReply("dev-a", fourth.ID, companion.StateSucceeded)
 }
 
+// A command whose predecessor the server withdrew (a cancel, sent when it
+// expired or was canceled on its way) waits for it no longer.
+func TestWithdrawnPredecessorIsNotWaitedFor(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-a")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
+
+	gone := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "gone"})
+	next := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "next"})
+	next.After = gone.ID
+	w.send(next)
+	w.waitReply("dev-a", next.ID, companion.StateDelivered)
+	w.send(command(t, "dev-a", topics.OpCancel, topics.Cancel{CommandID: gone.ID}))
+	w.waitReply("dev-a", next.ID, companion.StateSucceeded)
+	// And the withdrawn one, should it still come, never runs.
+	w.send(gone)
+	w.waitReply("dev-a", gone.ID, companion.StateCanceled)
+	if texts := dev.Texts(); len(texts) != 1 || texts[0].Text != "next" {
+		t.Fatalf("the device ran %v; want next alone", texts)
+	}
+}
+
 // A command whose predecessor never comes runs after AfterWait.
 func TestCommandRunsWithoutAPredecessorThatNeverComes(t *testing.T) {
 	b := startBroker(t)

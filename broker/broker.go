@@ -157,6 +157,9 @@ type Broker struct {
 	// published that it has not seen end: the next command of the device
 	// names it as the one to run after (topics.Command.After).
 	lastOut map[string]string
+	// named holds the ids that went out as a command's After and have not
+	// ended here: should one expire, the bridge is told (see expire).
+	named   map[string]bool
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
 	ready   bool
@@ -241,6 +244,7 @@ func New(opts Options) (*Broker, error) {
 		resend:    make(map[string]bool),
 		flying:    make(map[string]*outgoing),
 		lastOut:   make(map[string]string),
+		named:     make(map[string]bool),
 		live:      make(map[string]bool),
 		acks:      make(chan inflight, maxInflight),
 		moved:     opts.Topics.DevicesMoved(),

@@ -714,6 +714,13 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 	e.clock.Add(time.Hour)
 	testenv.Eventually(t, 10*time.Second, "expired", func() bool { return state(t, e, gone.ID).State == companion.StateExpired })
 	assert.Equal(t, companion.StateDelivered, state(t, e, late.ID).State, "a delivered command never expires")
+	// It may be on its way: it is withdrawn, so that it never runs late and
+	// a command that names it as the one before waits for it no longer.
+	withdrawal := fb.next(t)
+	assert.Equal(t, topics.OpCancel, withdrawal.Op)
+	var p topics.Cancel
+	require.NoError(t, json.Unmarshal(withdrawal.Payload, &p))
+	assert.Equal(t, gone.ID, p.CommandID)
 }
 
 // The commands of a device no bridge serves wait queued (CONTRACT §9);

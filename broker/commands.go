@@ -260,6 +260,7 @@ func (b *Broker) notify(cmd companion.Command) {
 		// command names none rather than one the bridge may wait for.
 		delete(b.lastOut, cmd.DeviceID)
 	}
+	delete(b.named, cmd.ID)
 	for _, ch := range b.waiters[cmd.ID] {
 		select {
 		case ch <- cmd:

@@ -273,6 +273,9 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			after = last
 		}
 		before[c.DeviceID] = c.ID
+		if after != "" {
+			b.named[after] = true
+		}
 		if b.lastOut[c.DeviceID] < c.ID {
 			b.lastOut[c.DeviceID] = c.ID
 		}
@@ -554,10 +557,12 @@ func (b *Broker) expiredAt(c companion.Command, now time.Time) bool {
 func (b *Broker) expire(ctx context.Context, id string) {
 	now := b.now()
 	start := time.Now()
+	var was string
 	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
 		if !b.expiredAt(*c, now) {
 			return errStale
 		}
+		was = c.State
 		c.State = companion.StateExpired
 		c.Error = &companion.CommandError{Code: "expired", Message: "the command was not delivered before it expired"}
 		return nil
@@ -568,7 +573,16 @@ func (b *Broker) expire(ctx context.Context, id string) {
 	}
 	b.opts.Observer.CommandState(cmd.Op, cmd.State, now.Sub(cmd.CreatedAt))
 	b.log.Info("command expired", "command_id", id, "device_id", cmd.DeviceID)
+	b.mu.Lock()
+	named := b.named[id]
+	b.mu.Unlock()
 	b.notify(cmd)
+	if was == companion.StateSent || named {
+		// It may have reached the bridge, or be on its way: withdrawn, it
+		// never runs there late, and a later command that names it as the
+		// one to run after (topics.Command.After) waits for it no longer.
+		b.publishCancel(cmd)
+	}
 	// Nor does the copy an outbox pass read queued from the store before
 	// it expired, and has not published yet (as for Cancel): it would
 	// reach a bridge past its TTL, whose clock may let it run.

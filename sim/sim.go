@@ -99,6 +99,25 @@ func ReadExecLog(path string) (map[string]int, error) {
 	return counts, nil
 }
 
+// ReadExecOrder returns the command ids of an execution log in the order
+// the device ran them, each once (where it first ran), as ReadExecLog
+// reads the file.
+func ReadExecOrder(path string) ([]string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	seen := map[string]bool{}
+	var ids []string
+	for _, id := range completeLines(b) {
+		if !seen[id] {
+			seen[id] = true
+			ids = append(ids, id)
+		}
+	}
+	return ids, nil
+}
+
 // completeLines returns the non-empty lines of b that end in a newline.
 func completeLines(b []byte) []string {
 	if i := bytes.LastIndexByte(b, '\n'); i >= 0 {

@@ -223,16 +223,36 @@ func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, kil
 			byState[s]++
 		}
 	}
-	executed, twice, expiredRun := 0, 0, 0
+	executed, twice, expiredRun, inversions := 0, 0, 0, 0
 	for _, dev := range c.devices {
 		counts, err := sim.ReadExecLog(sim.ExecLogPath(c.simState, dev))
 		if err != nil && !os.IsNotExist(err) {
 			t.Fatal(err)
 		}
+		// A device runs its commands in the order they were accepted
+		// (CONTRACT §2), which is the order of their ids (UUIDv7, rising
+		// per device in commit order): one that ran after a newer one ran
+		// out of order.
+		order, err := sim.ReadExecOrder(sim.ExecLogPath(c.simState, dev))
+		if err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		newest := ""
+		for _, id := range order {
+			if id < newest {
+				inversions++
+				t.Errorf("device %s ran %s after %s, accepted after it", dev, id, newest)
+			}
+			newest = max(newest, id)
+		}
 		for id, n := range counts {
 			executed++
 			if states[id] == companion.StateExpired {
 				expiredRun++ // the device ran a command the server reports expired
+				if expiredRun <= 5 {
+					t.Errorf("device %s ran %s, which reads expired: %s\nthe bridge's lines of it:\n%s",
+						dev, id, c.user.do("GET", "/api/v1/devices/"+dev+"/commands/"+id, nil).Body, linesWith(c.bridgeProc.logPath, id))
+				}
 			}
 			if n > 1 {
 				twice++
@@ -259,6 +279,7 @@ func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, kil
 	fmt.Fprintf(&report, "executed   %d distinct command ids on the devices\n", executed)
 	fmt.Fprintf(&report, "executed-twice %d\n", twice)
 	fmt.Fprintf(&report, "expired-but-executed %d\n", expiredRun)
+	fmt.Fprintf(&report, "executed-out-of-order %d\n", inversions)
 	fmt.Print(report.String())
 	if len(lost) > 0 {
 		sort.Strings(lost)
@@ -267,9 +288,24 @@ func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, kil
 	if twice > 0 {
 		t.Errorf("%d commands executed twice", twice)
 	}
+	if inversions > 0 {
+		t.Errorf("%d commands executed after a newer command of their device", inversions)
+	}
 	if byState[companion.StateFailed] > 0 {
 		t.Logf("failed commands (a final state, not a loss): see the server's command list for their errors")
 	}
+}
+
+// linesWith returns the lines of the file at path that contain s.
+func linesWith(path, s string) string {
+	b, _ := os.ReadFile(path)
+	var out strings.Builder
+	for line := range strings.Lines(string(b)) {
+		if strings.Contains(line, s) {
+			out.WriteString(line)
+		}
+	}
+	return out.String()
 }
 
 // soakOp picks a request: mostly texts (some with the shortest TTL), then
