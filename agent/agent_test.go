@@ -595,41 +595,55 @@ func TestOrderPerDevice(t *testing.T) {
 	}
 }
 
+// afterTest runs a bridge with one device, dev-a, waiting afterWait for a
+// command's predecessor (0: the default), and returns its watcher, the
+// device, and a maker of text commands that run after another (after "":
+// none).
+func afterTest(t *testing.T, afterWait time.Duration) (*watcher, *sim.Device, func(text, after string) topics.Command) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-a")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, afterWait: afterWait})
+	return w, dev, func(text, after string) topics.Command {
+		c := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: text})
+		c.After = after
+		return c
+	}
+}
+
+// textsOf returns the texts a device ran, in order.
+func textsOf(dev *sim.Device) []string {
+	var got []string
+	for _, tx := range dev.Texts() {
+		got = append(got, tx.Text)
+	}
+	return got
+}
+
 // A command that comes late, after the ones accepted behind it (a NATS
 // node's redelivery after its ack wait), still runs first: each of those
 // names the one it runs after, and waits for it.
 func TestLateCommandRunsBeforeTheOnesAfterIt(t *testing.T) {
-	b := startBroker(t)
-	w := newWatcher(t, b)
-	dev := newSim("dev-a")
-	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
-
-	first := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "first"})
-	second := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "second"})
-	second.After = first.ID
-	third := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "third"})
-	third.After = second.ID
+	w, dev, text := afterTest(t, 0)
+	first := text("first", "")
+	second := text("second", first.ID)
+	third := text("third", second.ID)
 	w.send(second)
 	w.send(third)
 	// Both are in the spool ("delivered"), and wait.
 	w.waitReply("dev-a", second.ID, companion.StateDelivered)
 	w.waitReply("dev-a", third.ID, companion.StateDelivered)
-	if texts := dev.Texts(); len(texts) != 0 {
-		t.Fatalf("the device ran %v before the command they run after came", texts)
+	if got := textsOf(dev); len(got) != 0 {
+		t.Fatalf("the device ran %v before the command they run after came", got)
 	}
 	w.send(first)
 	w.waitReply("dev-a", third.ID, companion.StateSucceeded)
-	var got []string
-	for _, tx := range dev.Texts() {
-		got = append(got, tx.Text)
-	}
-	if want := []string{"first", "second", "third"}; !slices.Equal(got, want) {
+	if got, want := textsOf(dev), []string{"first", "second", "third"}; !slices.Equal(got, want) {
 		t.Fatalf("the device ran %v; want %v", got, want)
 	}
 	// One whose predecessor has finished runs at once (the wait is
 	// DefaultAfterWait, longer than waitReply waits).
-	fourth := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "fourth"})
-	fourth.After = third.ID
+	fourth := text("fourth", third.ID)
 	w.send(fourth)
 	w.waitReply("dev-a", fourth.ID, companion.StateSucceeded)
 }
@@ -637,14 +651,9 @@ func TestLateCommandRunsBeforeTheOnesAfterIt(t *testing.T) {
 // A command whose predecessor the server withdrew (a cancel, sent when it
 // expired or was canceled on its way) waits for it no longer.
 func TestWithdrawnPredecessorIsNotWaitedFor(t *testing.T) {
-	b := startBroker(t)
-	w := newWatcher(t, b)
-	dev := newSim("dev-a")
-	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
-
-	gone := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "gone"})
-	next := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "next"})
-	next.After = gone.ID
+	w, dev, text := afterTest(t, 0)
+	gone := text("gone", "")
+	next := text("next", gone.ID)
 	w.send(next)
 	w.waitReply("dev-a", next.ID, companion.StateDelivered)
 	w.send(command(t, "dev-a", topics.OpCancel, topics.Cancel{CommandID: gone.ID}))
@@ -652,26 +661,20 @@ func TestWithdrawnPredecessorIsNotWaitedFor(t *testing.T) {
 	// And the withdrawn one, should it still come, never runs.
 	w.send(gone)
 	w.waitReply("dev-a", gone.ID, companion.StateCanceled)
-	if texts := dev.Texts(); len(texts) != 1 || texts[0].Text != "next" {
-		t.Fatalf("the device ran %v; want next alone", texts)
+	if got := textsOf(dev); !slices.Equal(got, []string{"next"}) {
+		t.Fatalf("the device ran %v; want next alone", got)
 	}
 }
 
 // A command whose predecessor never comes runs after AfterWait.
 func TestCommandRunsWithoutAPredecessorThatNeverComes(t *testing.T) {
-	b := startBroker(t)
-	w := newWatcher(t, b)
-	dev := newSim("dev-a")
-	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, afterWait: 300 * time.Millisecond})
-
-	missing := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "missing"})
-	orphan := command(t, "dev-a", topics.OpPushText, topics.PushText{Text: "orphan"})
-	orphan.After = missing.ID
+	w, dev, text := afterTest(t, 300*time.Millisecond)
+	orphan := text("orphan", text("missing", "").ID)
 	w.send(orphan)
 	w.waitReply("dev-a", orphan.ID, companion.StateDelivered)
 	w.waitReply("dev-a", orphan.ID, companion.StateSucceeded)
-	if texts := dev.Texts(); len(texts) != 1 || texts[0].Text != "orphan" {
-		t.Fatalf("the device ran %v; want the orphan", texts)
+	if got := textsOf(dev); !slices.Equal(got, []string{"orphan"}) {
+		t.Fatalf("the device ran %v; want the orphan", got)
 	}
 }
 

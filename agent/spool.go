@@ -229,7 +229,10 @@ func (s *spool) load(tx *bolt.Tx) error {
 		}
 		dev := r.Cmd.DeviceID
 		r.marked = r.State == spoolRunning
-		if r.marked || len(s.queues[dev]) == 0 {
+		// A command that names the one it runs after was spooled by a
+		// version that marks every command before it can start: unmarked,
+		// it never started (it may have waited for that one).
+		if r.marked || (len(s.queues[dev]) == 0 && r.Cmd.After == "") {
 			r.resumed = true
 			s.running[r.Cmd.ID] = true
 		}

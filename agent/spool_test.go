@@ -599,6 +599,11 @@ func TestSpoolWaitsForTheCommandBefore(t *testing.T) {
 	if r, wait := s.claim("d", now); r != nil || wait <= 0 {
 		t.Fatalf("claim after a restart = %+v, %v; want nothing, and a wait", r, wait)
 	}
+	// It never started: not taken for one that may have run (which would
+	// run past its TTL), and a cancel still takes it off.
+	if r := s.queues["d"][0]; r.Cmd.ID != second.ID || r.resumed || s.running[second.ID] {
+		t.Fatalf("after a restart the waiting command is %+v, running %v; want it not resumed", r, s.running[second.ID])
+	}
 	res, err = s.accept([]topics.Command{first}, now)
 	if err != nil {
 		t.Fatal(err)
