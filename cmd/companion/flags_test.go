@@ -83,6 +83,12 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"clock skew zero", []string{"--oidc-clock-skew", "0s"}, "--oidc-clock-skew"},
 		{"issuer without audience", []string{"--oidc-issuer", "https://id.example.com"}, "--oidc-audience"},
 		{"embedded and external broker", []string{"--mqtt-listen", "127.0.0.1:0", "--mqtt-url", "tcp://127.0.0.1:1"}, "--mqtt-listen"},
+		// Flags of the other kind of broker did nothing, silently.
+		{"broker account with the embedded broker", []string{"--mqtt-username", "srv", "--mqtt-password", "pw"}, "--mqtt-username"},
+		{"broker CA with the embedded broker", []string{"--mqtt-ca", "ca.pem"}, "--mqtt-ca"},
+		{"dynsec with the embedded broker", []string{"--mqtt-dynsec=false"}, "--mqtt-dynsec"},
+		{"pinned client ids with the embedded broker", []string{"--mqtt-pin-client-ids"}, "--mqtt-pin-client-ids"},
+		{"embedded broker's certificate with another broker", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--mqtt-dynsec=false", "--mqtt-tls-cert", "c.pem", "--mqtt-tls-key", "k.pem"}, "--mqtt-tls-cert"},
 		{"credentials in the broker URL", []string{"--mqtt-url", "tcp://srv:s3cret-pw@127.0.0.1:1", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"credentials in a broker URL of a list", []string{"--mqtt-url", "tcp://127.0.0.1:1,srv:s3cret-pw@127.0.0.1:2", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"broker URL without a port", []string{"--mqtt-url", "tcp://127.0.0.1", "--mqtt-dynsec=false"}, "needs a host and a port"},

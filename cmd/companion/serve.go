@@ -148,6 +148,22 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 	case onCommandLine["mqtt-listen"]:
 		c.MQTTURL = ""
 	}
+	// A flag of the other kind of broker would be ignored: most likely a
+	// mistake (credentials meant for a broker the server does not use, a
+	// certificate for one it does not run), and said so rather than run
+	// without what the operator meant.
+	external := []string{"mqtt-username", "mqtt-password", "mqtt-ca", "mqtt-dynsec", "mqtt-pin-client-ids"}
+	embedded := []string{"mqtt-tls-cert", "mqtt-tls-key"}
+	for _, name := range external {
+		if c.MQTTURL == "" && onCommandLine[name] {
+			return usageError{fmt.Sprintf("--%s is for an external broker (--mqtt-url); the embedded one takes the accounts of the store", name)}
+		}
+	}
+	for _, name := range embedded {
+		if c.MQTTURL != "" && onCommandLine[name] {
+			return usageError{fmt.Sprintf("--%s is for the embedded broker; with --mqtt-url the broker has its own certificate", name)}
+		}
+	}
 	if tlsclient.HasCredentials(c.MQTTURL) {
 		return usageError{"--mqtt-url: a broker URL holds credentials (user:password@), which would be printed and logged; give them as --mqtt-username and --mqtt-password"}
 	}
