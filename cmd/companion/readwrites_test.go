@@ -1,7 +1,10 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -11,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
@@ -64,6 +68,62 @@ func TestReadsAfterAFinalReply(t *testing.T) {
 			assert.JSONEq(t, `{"apps":[{"app_id":"weather","version":"1.0.0"}]}`, string(u.do("GET", dp+"/apps", nil).Body))
 		})
 	}
+}
+
+// A device that cannot be read once its update is in (out of reach after
+// its reboot): the OTA still ends succeeded, and the status read right
+// after it, and later, says the new version (CONTRACT §8), through the
+// real bridge and server. The final reply carries the last status the
+// bridge knew with the version it installed (docs/reliability.md, bug 87).
+func TestOTAStatusWhenTheDeviceCannotBeReadAfterIt(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	registerDevices(t, f, "dev-1")
+	dev := &unreadableAfterOTA{Device: sim.New(sim.Options{ID: "dev-1"})}
+	runBridge(t, m, m.MQTTURL(), f, []agent.Device{dev}, map[string]*sim.Device{"dev-1": dev.Device}, nil)
+	u, dp := f.user, "/api/v1/devices/dev-1"
+	testenv.Eventually(t, 20*time.Second, "the first status", func() bool {
+		st := u.do("GET", dp+"/status", nil).JSON(t)
+		return st["online"] == true && st["firmware_version"] != "1.1.0"
+	})
+
+	cmd := u.accept("POST", dp+"/ota/update", map[string]any{})
+	require.Equal(t, "succeeded", u.waitFinal("dev-1", cmd["id"].(string))["state"])
+	require.True(t, dev.wasUpdated(), "the OTA reached the device")
+	assert.Equal(t, "1.1.0", u.do("GET", dp+"/status", nil).JSON(t)["firmware_version"], "read right after the command")
+	check := u.do("GET", dp+"/ota/check", nil).JSON(t)
+	assert.Equal(t, "1.1.0", check["current_version"], "%v", check)
+}
+
+// unreadableAfterOTA is a simulated device that answers no status read once
+// an update has gone in.
+type unreadableAfterOTA struct {
+	*sim.Device
+	mu      sync.Mutex
+	updated bool
+}
+
+func (d *unreadableAfterOTA) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
+	err := d.Device.UpdateFirmware(ctx, cmdID, version, image, progress)
+	if err == nil {
+		d.mu.Lock()
+		d.updated = true
+		d.mu.Unlock()
+	}
+	return err
+}
+
+func (d *unreadableAfterOTA) Info(ctx context.Context) (companion.DeviceInfo, error) {
+	if d.wasUpdated() {
+		return companion.DeviceInfo{}, errors.New("the device does not answer")
+	}
+	return d.Device.Info(ctx)
+}
+
+func (d *unreadableAfterOTA) wasUpdated() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.updated
 }
 
 // answerWithState has the fake bridge report deviceID's first status and
