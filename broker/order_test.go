@@ -78,6 +78,13 @@ type testClient struct {
 	holdText string
 	holding  chan struct{}
 	unhold   chan struct{}
+	// lateText, when set, has the next publish of that text push reach
+	// the broker only once lateGo is closed, while Publish returns at once
+	// and later publishes go straight through: a message the broker
+	// delivers after newer ones (a NATS node's redelivery after its ack
+	// wait).
+	lateText string
+	lateGo   chan struct{}
 }
 
 func newTestClient() *testClient { return &testClient{ids: map[string]bool{}} }
@@ -103,6 +110,22 @@ func (c *testClient) Publish(topic string, qos byte, retained bool, payload any)
 		close(c.holding)
 		<-c.unhold
 		c.mu.Lock()
+	}
+	if c.lateText != "" && text.Text == c.lateText {
+		c.lateText = ""
+		c.ids[cmd.ID] = true
+		c.order = append(c.order, cmd.ID)
+		late := c.lateGo
+		c.mu.Unlock()
+		tok := &lateToken{done: make(chan struct{})}
+		go func() {
+			<-late
+			real := c.Client.Publish(topic, qos, retained, payload)
+			real.Wait()
+			tok.err = real.Error()
+			close(tok.done)
+		}()
+		return tok
 	}
 	fail := c.failText != "" && text.Text == c.failText
 	switch {
@@ -144,6 +167,21 @@ func (c *testClient) holdNext(t *testing.T, text string) (held <-chan struct{}, 
 	return held, release
 }
 
+// lateNext has the next publish of the text push text reach the broker
+// only when the function it returns is called (at the end of the test at
+// the latest).
+func (c *testClient) lateNext(t *testing.T, text string) (release func()) {
+	c.mu.Lock()
+	c.lateText = text
+	c.lateGo = make(chan struct{})
+	late := c.lateGo
+	c.mu.Unlock()
+	var once sync.Once
+	release = func() { once.Do(func() { close(late) }) }
+	t.Cleanup(release)
+	return release
+}
+
 // failed reports whether the publish failNext asked for has failed.
 func (c *testClient) failed() bool {
 	c.mu.Lock()
@@ -178,6 +216,31 @@ func (c *testClient) firstPublished(ids []string) []string {
 		}
 	}
 	return got
+}
+
+// lateToken is the token of a publish that lateNext delays.
+type lateToken struct {
+	done chan struct{}
+	err  error // set before done is closed
+}
+
+func (t *lateToken) Wait() bool { <-t.done; return true }
+func (t *lateToken) WaitTimeout(d time.Duration) bool {
+	select {
+	case <-t.done:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
+func (t *lateToken) Done() <-chan struct{} { return t.done }
+func (t *lateToken) Error() error {
+	select {
+	case <-t.done:
+		return t.err
+	default:
+		return nil
+	}
 }
 
 // failedToken is a publish token that failed as it was made.
@@ -398,6 +461,33 @@ func TestAFailedPublishHoldsBackItsDevicesLaterCommands(t *testing.T) {
 
 	o.waitSucceeded(t, ids...)
 	assert.Equal(t, ids, o.client.firstPublished(ids), "the order they first went out in")
+	o.ranInOrder(t, 1, ids)
+}
+
+// A command that reaches the bridge after the ones accepted behind it (a
+// NATS node's redelivery after its ack wait, here a publish the test
+// delays) still runs first, and the device runs all in the order they were
+// accepted (CONTRACT §2): each names the command before it, and the bridge
+// waits for that one (docs/reliability.md, bug 92). Without the wait the
+// bridge ran the later ones as they came.
+func TestACommandDeliveredLateRunsBeforeTheOnesAfterIt(t *testing.T) {
+	o := newOrderEnv(t)
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+
+	release := o.client.lateNext(t, "a")
+	var ids []string
+	for _, text := range []string{"a", "b", "c"} {
+		ids = append(ids, submit(t, o.env, "dev-1", text, time.Hour).ID)
+	}
+	// b and c are with the bridge (it says delivered), and wait for a.
+	testenv.Eventually(t, 10*time.Second, "b and c delivered", func() bool {
+		delivered := companion.Rank(companion.StateDelivered)
+		return companion.Rank(state(t, o.env, ids[1]).State) >= delivered && companion.Rank(state(t, o.env, ids[2]).State) >= delivered
+	})
+	assert.Len(t, o.dev.Texts(), 1, "the device ran only the warm-up before a came")
+	release()
+	o.waitSucceeded(t, ids...)
 	o.ranInOrder(t, 1, ids)
 }
 
