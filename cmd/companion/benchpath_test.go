@@ -34,7 +34,9 @@ package main
 // BENCH_ACCEPT_CLIENTS (32), BENCH_SECONDS per phase (10), BENCH_ROUNDS (2),
 // BENCH_PROFILE_DIR (when set, CPU profiles of the project's server and
 // bridge under each load of the first round, with their counters and
-// allocations, are written to its e2e/ and accept/).
+// allocations, are written to its e2e/ and accept/), BENCH_BARE_SYNC (when
+// set, the bare server fdatasyncs each command to a log before it
+// publishes: a baseline that keeps CONTRACT §7's 202, not issue 8's).
 
 import (
 	"bytes"
@@ -435,7 +437,7 @@ func startBarePath(b *testing.B, cfg benchConfig) pathTarget {
 		b.Fatal(err)
 	}
 	devices := benchDevices(cfg.devices)
-	env := append(procEnv(), "BENCH_HTTP="+httpAddr, "BENCH_MQTT="+mqttAddr, "BENCH_DEVICE_IDS="+strings.Join(devices, ","))
+	env := append(procEnv(), "BENCH_HTTP="+httpAddr, "BENCH_MQTT="+mqttAddr, "BENCH_DEVICE_IDS="+strings.Join(devices, ","), "BENCH_BARE_DIR="+b.TempDir())
 	startRole := func(role string) *osProc {
 		return startProcEnv(b, role, self, append(env, benchRoleEnv+"="+role))
 	}
