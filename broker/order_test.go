@@ -60,6 +60,41 @@ func (h *cutOnCommand) OnPacketRead(_ *mochi.Client, pk packets.Packet) (packets
 // cut lets the held command go, and its connection with it.
 func (h *cutOnCommand) cut() { h.once.Do(func() { close(h.release) }) }
 
+// holdReply is a mochi hook that, once armed, stops reading the connection
+// of the next client that publishes a reply, at that reply, until
+// released: a bridge whose replies do not reach the server for a while (a
+// NATS node gone with its connection). held is closed once it holds one.
+type holdReply struct {
+	mochi.HookBase
+	armed   atomic.Bool
+	held    chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func newHoldReply() *holdReply {
+	return &holdReply{held: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (h *holdReply) ID() string { return "hold-reply" }
+
+func (h *holdReply) Provides(b byte) bool { return b == mochi.OnPacketRead }
+
+func (h *holdReply) OnPacketRead(_ *mochi.Client, pk packets.Packet) (packets.Packet, error) {
+	if pk.FixedHeader.Type != packets.Publish {
+		return pk, nil
+	}
+	if t, err := tree.Parse(pk.TopicName); err != nil || t.Kind != topics.KindReplies || !h.armed.CompareAndSwap(true, false) {
+		return pk, nil
+	}
+	close(h.held)
+	<-h.release
+	return pk, nil
+}
+
+// let reads the held reply, and goes on.
+func (h *holdReply) let() { h.once.Do(func() { close(h.release) }) }
+
 // testClient is the server's paho client, noting the id of every command
 // (not cancel) it has been handed to publish, and failing the next publish
 // of the text push failText, at once and without sending it: as paho's
@@ -85,6 +120,11 @@ type testClient struct {
 	// wait).
 	lateText string
 	lateGo   chan struct{}
+	// lostAckText, when set, has the next publish of that text push go out
+	// while its token waits, and fails once lostAck is closed: a PUBACK
+	// lost with a connection, the broker having the message all the same.
+	lostAckText string
+	lostAck     chan struct{}
 }
 
 func newTestClient() *testClient { return &testClient{ids: map[string]bool{}} }
@@ -110,6 +150,21 @@ func (c *testClient) Publish(topic string, qos byte, retained bool, payload any)
 		close(c.holding)
 		<-c.unhold
 		c.mu.Lock()
+	}
+	if c.lostAckText != "" && text.Text == c.lostAckText {
+		c.lostAckText = ""
+		c.ids[cmd.ID] = true
+		c.order = append(c.order, cmd.ID)
+		lost := c.lostAck
+		c.mu.Unlock()
+		c.Client.Publish(topic, qos, retained, payload)
+		tok := &lateToken{done: make(chan struct{})}
+		go func() {
+			<-lost
+			tok.err = errors.New("test: the PUBACK was lost")
+			close(tok.done)
+		}()
+		return tok
 	}
 	if c.lateText != "" && text.Text == c.lateText {
 		c.lateText = ""
@@ -180,6 +235,21 @@ func (c *testClient) lateNext(t *testing.T, text string) (release func()) {
 	release = func() { once.Do(func() { close(late) }) }
 	t.Cleanup(release)
 	return release
+}
+
+// loseAckNext has the next publish of the text push text reach the broker,
+// and its token fail when the function it returns is called (at the end of
+// the test at the latest).
+func (c *testClient) loseAckNext(t *testing.T, text string) (fail func()) {
+	c.mu.Lock()
+	c.lostAckText = text
+	c.lostAck = make(chan struct{})
+	lost := c.lostAck
+	c.mu.Unlock()
+	var once sync.Once
+	fail = func() { once.Do(func() { close(lost) }) }
+	t.Cleanup(fail)
+	return fail
 }
 
 // failed reports whether the publish failNext asked for has failed.
@@ -491,6 +561,44 @@ func TestACommandDeliveredLateRunsBeforeTheOnesAfterIt(t *testing.T) {
 	o.ranInOrder(t, 1, ids)
 }
 
+// A command whose PUBACK is lost may be with the bridge all the same: it
+// does not expire the instant its TTL passes, while the bridge's replies
+// may be on their way, but with the grace, as a sent one does (CONTRACT §2:
+// expired means never delivered). Before, the failed publish took it off
+// the commands in flight, and the sweep expired it at its TTL though the
+// device ran it.
+func TestACommandWhosePUBACKWasLostExpiresOnlyWithTheGrace(t *testing.T) {
+	hold := newHoldReply()
+	o := newOrderEnv(t, hold)
+	t.Cleanup(hold.let)
+	ctx := context.Background()
+	require.NoError(t, o.db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "dev-2", Model: "sim-1"}))
+	bind(t, o.env, "dev-2")
+	require.NoError(t, o.b.Start())
+	o.warmUp(t)
+
+	lose := o.client.loseAckNext(t, "x")
+	hold.armed.Store(true)
+	x := submit(t, o.env, "dev-1", "x", time.Minute)
+	select {
+	case <-hold.held: // the bridge has x, and its reply waits
+	case <-time.After(10 * time.Second):
+		t.Fatal("the bridge did not answer x")
+	}
+	lose()
+	testenv.Eventually(t, 10*time.Second, "x's publish failed", func() bool { return !o.b.isFlying(x.ID) || o.b.mayBeOut(x.ID) })
+	// A command of a device no bridge serves never goes out: it expires at
+	// its TTL, in the sweep that also looks at x (soonest first).
+	never := submit(t, o.env, "dev-2", "never", time.Minute)
+	o.clock.Add(90 * time.Second) // past both TTLs, within the grace
+	testenv.Eventually(t, 10*time.Second, "the sweep", func() bool { return state(t, o.env, never.ID).State == companion.StateExpired })
+	assert.NotEqual(t, companion.StateExpired, state(t, o.env, x.ID).State, "x expired at its TTL while the bridge had it")
+
+	hold.let()
+	o.waitSucceeded(t, x.ID)
+	assert.Equal(t, 1, o.dev.Executions(x.ID))
+}
+
 // passHeldOnFirst accepts two commands of dev-1 ("a", then "b") while the
 // server is down, and starts it again: its first pass reads both from the
 // store and publishes them one after the other. The pass is held on the
@@ -605,7 +713,7 @@ func TestCanceledAfterItsPublishTimedOutNeverRuns(t *testing.T) {
 	cut.armed.Store(true)
 	c := submit(t, o.env, "dev-1", "c", time.Hour)
 	testenv.Eventually(t, 10*time.Second, "the publish timed out", func() bool {
-		return !cut.armed.Load() && !o.b.isFlying(c.ID)
+		return !cut.armed.Load() && o.b.mayBeOut(c.ID)
 	})
 	got, err := o.b.Cancel(ctx, c.ID)
 	require.NoError(t, err)
@@ -673,4 +781,13 @@ func TestExpiredWhileTheOutboxPublishesIsNotPublished(t *testing.T) {
 	assert.False(t, o.client.published([]string{expiring.ID}), "the expired command was published")
 	assert.Zero(t, o.dev.Executions(expiring.ID), "executions of the expired command")
 	assert.Equal(t, companion.StateExpired, state(t, o.env, expiring.ID).State)
+}
+
+// mayBeOut reports whether the broker holds a command as one whose publish
+// failed for want of its PUBACK.
+func (b *Broker) mayBeOut(id string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	o := b.flying[id]
+	return o != nil && o.mayBeOut
 }

@@ -174,6 +174,11 @@ type inflight struct {
 type outgoing struct {
 	published bool
 	acked     time.Time // when the MQTT broker acknowledged it; zero before
+	// mayBeOut: a publish of it failed for want of its PUBACK, and the
+	// broker may have it all the same (a PUBACK lost with a connection, or
+	// a node): it expires as a sent one does, with the grace, and is
+	// withdrawn when it does (see expire).
+	mayBeOut bool
 }
 
 // sentDelay is how long after its PUBACK a command waits for the bridge's
@@ -235,7 +240,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 		undelivered := c.State == companion.StateQueued || c.State == companion.StateSent
 		if undelivered && now.After(c.ExpiresAt) {
 			b.mu.Lock()
-			if o := b.flying[c.ID]; o != nil && !o.published {
+			if o := b.flying[c.ID]; o != nil && !o.published && !o.mayBeOut {
 				delete(b.flying, c.ID) // taken from memory only: it never went out
 			}
 			b.mu.Unlock()
@@ -257,7 +262,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			// one does (DeviceMoved). Or one of its commands did not go
 			// out: those after it wait for the next pass (resend).
 			b.mu.Lock()
-			if o := b.flying[c.ID]; o != nil && !o.published {
+			if o := b.flying[c.ID]; o != nil && !o.published && !o.mayBeOut {
 				delete(b.flying, c.ID)
 			}
 			b.mu.Unlock()
@@ -327,7 +332,11 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 					delete(b.lastOut, c.DeviceID)
 				}
 			}
-			delete(b.flying, c.ID)
+			if o.mayBeOut {
+				o.published = false // an earlier publish may be out: it stays so
+			} else {
+				delete(b.flying, c.ID)
+			}
 			b.resend[c.DeviceID] = true
 			b.mu.Unlock()
 			continue
@@ -387,8 +396,15 @@ func (b *Broker) confirm() {
 			if !errors.Is(err, ErrClosed) {
 				b.log.Warn("publishing a command failed; it stays queued", "command_id", p.cmd.ID, "err", err)
 			}
-			b.land(p.cmd.ID)
+			// It goes out again with the next pass. The broker may have
+			// it already (its PUBACK lost with a connection): it stays
+			// flying, so that it expires with the grace, as a sent one,
+			// and not the instant its TTL passes while the bridge may be
+			// running it ("expired" means never delivered, CONTRACT §2).
 			b.mu.Lock()
+			if o := b.flying[p.cmd.ID]; o != nil {
+				o.published, o.mayBeOut = false, true
+			}
 			b.scan = true
 			b.mu.Unlock()
 			continue
@@ -575,9 +591,11 @@ func (b *Broker) expire(ctx context.Context, id string) {
 	b.log.Info("command expired", "command_id", id, "device_id", cmd.DeviceID)
 	b.mu.Lock()
 	named := b.named[id]
+	o := b.flying[id]
+	mayBeOut := o != nil && (o.published || o.mayBeOut)
 	b.mu.Unlock()
 	b.notify(cmd)
-	if was == companion.StateSent || named {
+	if was == companion.StateSent || named || mayBeOut {
 		// It may have reached the bridge, or be on its way: withdrawn, it
 		// never runs there late, and a later command that names it as the
 		// one to run after (topics.Command.After) waits for it no longer.
