@@ -514,6 +514,11 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			continue
 		}
 		c := it.cmd
+		if c.Op == topics.OpCancel {
+			// Perhaps of the command another waits for (a tombstone,
+			// when the bridge never had it): that one runs now.
+			signal(a.devices[c.DeviceID].wake)
+		}
 		switch it.res.outcome {
 		case acceptQueued:
 			a.log.Debug("command spooled", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
@@ -552,13 +557,6 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 	a.spool.release(released...)
 	for _, r := range released {
 		signal(a.devices[r.Cmd.DeviceID].wake)
-	}
-	// A cancel may be of the command another waits for (a tombstone, when
-	// the bridge never had it): that one runs now.
-	for _, it := range items {
-		if it.cmd != nil && it.cmd.Op == topics.OpCancel {
-			signal(a.devices[it.cmd.DeviceID].wake)
-		}
 	}
 }
 

@@ -531,24 +531,25 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 		return nil, 0
 	}
 	if r := q[0]; r.waitFor != "" {
-		after := r.waitFor
 		s.mu.Unlock()
-		state, err := s.seen(after)
-		if err != nil || state == "" {
-			s.mu.Lock()
+		// The same test as at its arrival: a record of the one it runs
+		// after, read with the file's lock, not the spool's.
+		var unseen string
+		err := s.db.View(func(tx *bolt.Tx) (err error) {
+			unseen, err = unseenAfter(tx, r.Cmd)
+			return err
+		})
+		s.mu.Lock()
+		if err != nil || unseen != "" {
 			if r.waitUntil.IsZero() {
 				r.waitUntil = now.Add(s.afterWait)
 			}
-			wait := r.waitUntil.Sub(now)
-			s.mu.Unlock()
-			if wait > 0 {
+			if wait := r.waitUntil.Sub(now); wait > 0 {
+				s.mu.Unlock()
 				return nil, wait
 			}
 		}
-		s.mu.Lock()
-		if r.waitFor == after {
-			r.waitFor, r.gaveUp = "", state == ""
-		}
+		r.waitFor, r.gaveUp = "", err != nil || unseen != ""
 		s.mu.Unlock()
 		// Again: the queue may have changed meanwhile.
 		return s.claim(deviceID, now)
@@ -966,7 +967,7 @@ func orphan(cmds *bolt.Bucket, v []byte) bool {
 	return !bytes.HasPrefix(v, []byte("{")) && cmds.Get(v) == nil
 }
 
-// seen reports the spool state of a command id ("" when unknown).
+// seen reports the spool state of a command id ("" when unknown). Tests use it.
 func (s *spool) seen(id string) (string, error) {
 	var state string
 	err := s.db.View(func(tx *bolt.Tx) error {
