@@ -22,11 +22,9 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"os/signal"
 	"runtime/debug"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/devicecompanion/companion/agent"
@@ -36,6 +34,7 @@ import (
 	"github.com/devicecompanion/companion/internal/envflag"
 	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
+	"github.com/devicecompanion/companion/internal/signals"
 	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
@@ -62,11 +61,10 @@ func main() {
 	if os.Getenv("GOGC") == "" {
 		debug.SetGCPercent(gcPercent)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// The first signal starts a graceful shutdown; a second one, during a
+	// slow shutdown, kills the process.
+	ctx, stop := signals.Context()
 	defer stop()
-	// A second signal, during a slow shutdown, kills the process (Go's
-	// default, given back once the first one started the shutdown).
-	context.AfterFunc(ctx, stop)
 	m := NewMain()
 	if err := m.ParseFlags(os.Args[1:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {

@@ -21,12 +21,11 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
 	"runtime/debug"
-	"syscall"
 
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
+	"github.com/devicecompanion/companion/internal/signals"
 )
 
 // version is stamped at build time (make dist: -ldflags
@@ -45,12 +44,10 @@ func main() {
 	if os.Getenv("GOGC") == "" {
 		debug.SetGCPercent(gcPercent)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// The first signal starts a graceful shutdown; a second one, during a
+	// slow shutdown, kills the process.
+	ctx, stop := signals.Context()
 	defer stop()
-	// The first signal starts a graceful shutdown; stop then gives the
-	// signals back to Go's default, so that a second one, during a slow
-	// shutdown, kills the process.
-	context.AfterFunc(ctx, stop)
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			os.Exit(0) // -h: the flags are printed; as flag.ExitOnError does
