@@ -51,11 +51,13 @@ dist:
 # first, then the command path against the bare forwarder it is built on
 # (cmd/companion/benchpath_test.go), whose line of CONTRACT §12 ends the
 # output. BENCH_SECONDS, BENCH_ROUNDS, BENCH_DEVICES, BENCH_E2E_CLIENTS,
-# BENCH_ACCEPT_CLIENTS and BENCH_PROFILE_DIR tune it (docs/performance.md).
+# BENCH_ACCEPT_CLIENTS, BENCH_PROFILE_DIR and BENCH_BARE_SYNC tune it
+# (docs/performance.md). Before it, a line compares both with the bare
+# forwarder made durable: one fdatasync per group before its 202.
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchmem -skip '^(BenchmarkCommandPath|BenchmarkStoreScale|BenchmarkReplicas)$$' ./...
 	$(GO) test -run '^$$' -bench '^BenchmarkCommandPath$$' -benchtime 1x -timeout 30m ./cmd/companion | tee bench.out
-	@grep '^bench:' bench.out | tail -1
+	@grep -E '^(durable|bench):' bench.out | tail -2
 
 # Not part of bench, whose packages run side by side and would disturb its
 # latencies: the store with 1,000,000 devices of 10,000 users read through
