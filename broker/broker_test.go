@@ -402,6 +402,69 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 	assert.Zero(t, g.Seq)
 }
 
+// When a bridge's Will fires, its devices' retained status says what the
+// store says, online: false, with the last report's battery, firmware, seq
+// and at: a watcher of devices/{id}/status, and whoever subscribes later,
+// no longer reads online: true from a bridge that is gone (CONTRACT §3).
+// Taken in again by the server, the message changes nothing in the store.
+func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	bat := 90
+	at := time.Now().UTC().Truncate(time.Millisecond)
+	report := topics.Status{Online: true, Battery: &bat, FirmwareVersion: "1.2.3", Model: "sim-1",
+		Apps: []companion.App{{AppID: "clock", Version: "1.0.0"}}, BridgeID: "b1", Seq: 10, At: at}
+	b, _ := json.Marshal(report)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	testenv.Eventually(t, 10*time.Second, "the status stored", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Seq == 10 && s.Online
+	})
+
+	watch := func(id string) <-chan topics.Status {
+		ch := make(chan topics.Status, 10)
+		c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID(id).
+			SetUsername("server").SetPassword("pw"))
+		require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+		t.Cleanup(func() { c.Disconnect(0) })
+		require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
+			s, err := topics.ParseStatus(m.Payload())
+			if err == nil {
+				ch <- s
+			}
+		}), 5*time.Second))
+		return ch
+	}
+	next := func(ch <-chan topics.Status) topics.Status {
+		t.Helper()
+		select {
+		case s := <-ch:
+			return s
+		case <-time.After(10 * time.Second):
+			t.Fatal("no status on " + topic)
+			return topics.Status{}
+		}
+	}
+	live := watch("watcher-1")
+	assert.True(t, next(live).Online, "the bridge's retained report")
+
+	state, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(state, 1, true, topics.BridgeOffline), 5*time.Second))
+	got := next(live)
+	want := report
+	want.Online = false
+	assert.Equal(t, want, got, "the watcher hears the device go offline")
+
+	assert.Equal(t, want, next(watch("watcher-2")), "a later subscriber reads it retained")
+	s, err := e.db.Status(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.False(t, s.Online)
+	assert.Equal(t, uint64(10), s.Seq)
+	assert.True(t, s.LastSeen.Equal(at))
+}
+
 // A report's seq orders it, and the store keeps the highest: one with a
 // seq far past any clock (2^64−1, or a bridge's clock set years ahead) held
 // back every later report of the device for good. Such a report is

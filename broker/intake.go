@@ -12,6 +12,8 @@ import (
 	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/internal/retry"
 	"github.com/devicecompanion/companion/topics"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
 )
 
 // served reports whether a message about deviceID may be taken in: the
@@ -190,7 +192,50 @@ func (b *Broker) bridgeOffline(bridgeID string, n uint64, ack func(), attempt in
 		}
 		b.mu.Unlock()
 		b.log.Info("bridge offline", "bridge_id", bridgeID, "devices", len(ids))
+		if len(ids) > 0 {
+			b.goOwned(func() { b.publishOffline(bridgeID, n, ids) })
+		}
 	})
+}
+
+// publishOffline sets the retained status of each device a bridge's Will
+// took offline to what the store now says, online: false, so that a watcher
+// of devices/{id}/status, and whoever subscribes later, hears what GET
+// …/status answers (CONTRACT §3): the bridge, gone, cannot say it, and its
+// last retained status said online: true. The report's seq and at are
+// kept: taken in again by this server, the message is a report the store
+// has already. A device the bridge has reported again since, or whose
+// bridge said anything since its Will (n), is left to the bridge.
+func (b *Broker) publishOffline(bridgeID string, n uint64, ids []string) {
+	ctx := context.Background()
+	var toks []mqtt.Token
+	for _, id := range ids {
+		if !b.latestBridgeState(bridgeID, n) {
+			break
+		}
+		s, err := b.st.Status(ctx, id)
+		if err != nil || s.Online || s.BridgeID != bridgeID {
+			continue
+		}
+		topic, err := b.tree.Status(id)
+		if err != nil {
+			continue
+		}
+		payload, err := fastjson.Marshal(topics.Status{Online: false, Battery: s.Battery, FirmwareVersion: s.FirmwareVersion,
+			Model: s.Model, Apps: s.Apps, BridgeID: s.BridgeID, At: s.LastSeen, Seq: s.Seq})
+		if err != nil {
+			continue
+		}
+		toks = append(toks, b.client.Publish(topic, 1, true, payload))
+	}
+	for _, tok := range toks {
+		if err := b.waitToken(tok); err != nil {
+			if !errors.Is(err, ErrClosed) {
+				b.log.Warn("publishing the offline status of a bridge's devices", "bridge_id", bridgeID, "err", err)
+			}
+			return
+		}
+	}
 }
 
 // noteBridgeState counts a state message of a bridge taken in, and returns
