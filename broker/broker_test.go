@@ -838,6 +838,68 @@ func TestCommandsOfAnUnservedDeviceWait(t *testing.T) {
 	assert.NotEqual(t, companion.StateSucceeded, state(t, e, waiting[0].ID).State, "a forged reply was taken")
 }
 
+// bridgeHasTwo has fb take two commands of dev-1 and say it has them:
+// one delivered, one in progress.
+func bridgeHasTwo(t *testing.T, e *env, fb *fakeBridge) (had, running companion.Command) {
+	t.Helper()
+	had = submit(t, e, "dev-1", "the bridge has it", time.Hour)
+	require.Equal(t, had.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: had.ID, State: companion.StateDelivered, At: time.Now()})
+	running = submit(t, e, "dev-1", "the bridge runs it", time.Hour)
+	require.Equal(t, running.ID, fb.next(t).ID)
+	p := 10
+	fb.reply(t, "dev-1", topics.Reply{CommandID: running.ID, State: companion.StateInProgress, Progress: &p, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "delivered, in progress", func() bool {
+		return state(t, e, had.ID).State == companion.StateDelivered && state(t, e, running.ID).State == companion.StateInProgress
+	})
+	return had, running
+}
+
+// assertFailedNotServed checks that each command a bridge had reads failed,
+// with error.code device_not_served.
+func assertFailedNotServed(t *testing.T, e *env, cmds ...companion.Command) {
+	t.Helper()
+	for _, c := range cmds {
+		got := state(t, e, c.ID)
+		if assert.Equal(t, companion.StateFailed, got.State, "a command the bridge had") && assert.NotNil(t, got.Error) {
+			assert.Equal(t, "device_not_served", got.Error.Code)
+		}
+	}
+}
+
+// A device moved straight to another bridge while the bridge it leaves has
+// some of its commands (delivered, in progress): the bridge it left may
+// have run them, so they fail as on an unassignment, and the new bridge
+// gets only the command the old one had not taken, never those (it would
+// run them again).
+func TestCommandsTheBridgeHadFailWhenTheDeviceMovesToAnother(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	had, running := bridgeHasTwo(t, e, fb)
+
+	require.NoError(t, e.db.CreateBridge(ctx, companion.Bridge{ID: "b2", SecretHash: []byte("b2: not used")}))
+	_, err := e.db.AssignDevice(ctx, "dev-1", "b2", "")
+	require.NoError(t, err)
+	waiting := submit(t, e, "dev-1", "for the new bridge", time.Hour)
+	b2 := connectBridgeAs(t, e, "b2", "dev-1")
+	e.b.DeviceMoved("dev-1")
+	assertFailedNotServed(t, e, had, running)
+	// The new one may come twice (its first publish, then the move's
+	// resend); the bridge drops a repeat.
+	assert.Equal(t, waiting.ID, b2.next(t).ID, "the new bridge's first command")
+	quiet := time.After(300 * time.Millisecond)
+	for {
+		select {
+		case c := <-b2.commands:
+			assert.Equal(t, waiting.ID, c.ID, "a command the bridge it left had went to the new bridge")
+			continue
+		case <-quiet:
+		}
+		break
+	}
+}
+
 // A device taken off its bridge while the bridge has some of its commands
 // (delivered, in progress): the bridge may have run them, but no word of
 // its about them is taken any more (CONTRACT §9), so they would read
@@ -848,16 +910,7 @@ func TestCommandsTheBridgeHadFailWhenTheDeviceLosesItsBridge(t *testing.T) {
 	e := newEnv(t, true)
 	ctx := context.Background()
 	fb := connectBridge(t, e)
-	had := submit(t, e, "dev-1", "the bridge has it", time.Hour)
-	require.Equal(t, had.ID, fb.next(t).ID)
-	fb.reply(t, "dev-1", topics.Reply{CommandID: had.ID, State: companion.StateDelivered, At: time.Now()})
-	running := submit(t, e, "dev-1", "the bridge runs it", time.Hour)
-	require.Equal(t, running.ID, fb.next(t).ID)
-	p := 10
-	fb.reply(t, "dev-1", topics.Reply{CommandID: running.ID, State: companion.StateInProgress, Progress: &p, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "delivered, in progress", func() bool {
-		return state(t, e, had.ID).State == companion.StateDelivered && state(t, e, running.ID).State == companion.StateInProgress
-	})
+	had, running := bridgeHasTwo(t, e, fb)
 	waiting := submit(t, e, "dev-1", "on its way", time.Hour)
 	require.Equal(t, waiting.ID, fb.next(t).ID)
 	waited := make(chan companion.Command, 1)
@@ -869,12 +922,7 @@ func TestCommandsTheBridgeHadFailWhenTheDeviceLosesItsBridge(t *testing.T) {
 	_, err := e.db.AssignDevice(ctx, "dev-1", "", "")
 	require.NoError(t, err)
 	e.b.DeviceMoved("dev-1")
-	for _, c := range []companion.Command{had, running} {
-		got := state(t, e, c.ID)
-		if assert.Equal(t, companion.StateFailed, got.State, "a command the bridge had") && assert.NotNil(t, got.Error) {
-			assert.Equal(t, "device_not_served", got.Error.Code)
-		}
-	}
+	assertFailedNotServed(t, e, had, running)
 	assert.False(t, companion.IsFinal(state(t, e, waiting.ID).State), "a command the bridge did not have ended")
 	select {
 	case c := <-waited:

@@ -43,17 +43,19 @@ func (b *Broker) servedBy(deviceID, bridgeID, bridge string) bool {
 	return true
 }
 
-// DeviceMoved says a device changed bridges, or lost its bridge: its
-// unfinished commands go again, to whichever bridge serves it now (those
-// of a device no bridge serves wait queued, and those its bridge had fail:
-// see failUnserved). Only the dispatcher publishes: a replica that does
+// DeviceMoved says a device changed bridges, or lost its bridge: those of
+// its commands the bridge it left had fail (failLeft), and the others go
+// again, to whichever bridge serves it now (those of a device no bridge
+// serves wait queued). Only the dispatcher publishes: a replica that does
 // not dispatch tells it (tellMoved), whichever replica the move came to.
+// The commands fail first, so that no pass of the outbox sends them to the
+// new bridge.
 func (b *Broker) DeviceMoved(deviceID string) {
+	b.failLeft(context.Background(), deviceID)
 	b.resendDevice(deviceID)
 	if b.opts.Dispatcher != nil && !b.dispatching() {
 		b.tellMoved(deviceID)
 	}
-	b.failUnserved(context.Background(), deviceID)
 }
 
 // resendDevice has the outbox send the device's unfinished commands again,
@@ -97,24 +99,17 @@ func (b *Broker) takeMoved(payload []byte) {
 	b.resendDevice(id)
 }
 
-// failUnserved fails the commands of a device no bridge serves that its
-// last bridge had (delivered, in progress). That bridge may have run them,
-// or be running them, but what it says of them now is refused by the MQTT
-// broker or dropped here (served): left as they are, they would read
-// delivered until the device had a bridge again, and then go to that
-// bridge, which would run them again if it was another. As with an unbind
-// (companion.EndUnbound), they fail, whether they took effect being
-// unknown. Those the bridge did not have yet wait for the next one
-// (CONTRACT §9).
-func (b *Broker) failUnserved(ctx context.Context, deviceID string) {
-	bridge, err := b.st.DeviceBridge(ctx, deviceID)
-	if err != nil {
-		b.log.Error("reading a device's bridge; the commands its last bridge had stay as they are", "device_id", deviceID, "err", err)
-		return
-	}
-	if bridge != "" {
-		return
-	}
+// failLeft fails the commands of a device that changed bridges that the
+// bridge it left had (delivered, in progress). That bridge may have run
+// them, or be running them, but what it says of them now is refused by the
+// MQTT broker or dropped here (served). Sent to the device's new bridge, as
+// every unfinished command is on a move, they would run again there (a text
+// shown twice, a firmware flashed twice); left as they are on a device no
+// bridge serves, they would read delivered until it had one, and then go to
+// it. As with an unbind (companion.EndUnbound), they fail, whether they
+// took effect being unknown. Those the bridge did not have yet go to the
+// next one (CONTRACT §9).
+func (b *Broker) failLeft(ctx context.Context, deviceID string) {
 	open, err := b.st.CountOpen(ctx, deviceID)
 	if err != nil {
 		b.log.Error("counting a device's open commands; those its last bridge had stay as they are", "device_id", deviceID, "err", err)
@@ -156,12 +151,12 @@ func (b *Broker) failUnserved(ctx context.Context, deviceID string) {
 		case errors.Is(err, errStale), errors.Is(err, companion.ErrFinal), errors.Is(err, companion.ErrNotFound):
 			continue
 		case err != nil:
-			b.log.Error("failing a command of a device no bridge serves", "command_id", id, "err", err)
+			b.log.Error("failing a command the bridge a device left had", "command_id", id, "err", err)
 			continue
 		}
 		b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
 		b.notify(cmd)
-		b.log.Info("command failed: its device was taken off the bridge that had it", "command_id", id, "device_id", deviceID)
+		b.log.Info("command failed: its device left the bridge that had it", "command_id", id, "device_id", deviceID)
 	}
 }
 
