@@ -12,6 +12,7 @@ import (
 	"io"
 	"net/url"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -496,6 +497,58 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 			testenv.Eventually(t, 20*time.Second, "dev-1's status from bridge-2", func() bool {
 				return u.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["bridge_id"] == f2.bridgeID
 			})
+		})
+	}
+}
+
+// A watcher of a device's topics (its user, CONTRACT §3) reads it go
+// offline with its bridge: the bridge's last retained status said online,
+// and the server sets it to what the store says once the bridge's state
+// reads offline; whoever subscribes later reads that too. On each broker:
+// the server's right to publish it, and the broker's retained message, are
+// theirs.
+func TestWatcherReadsTheDeviceOfflineWithItsBridge(t *testing.T) {
+	brokers := append(slices.Clip(tenancyBrokers), struct {
+		name  string
+		start func(t *testing.T) (*Main, string)
+	}{"nats", func(t *testing.T) (*Main, string) {
+		cl, m := startNATSCallout(t)
+		return m, cl.MQTTURL()
+	}})
+	for _, tb := range brokers {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			f := setupFleet(t, m, "dev-1")
+			registerDevices(t, f, "dev-1")
+			b := startBridge(t, m, mqttURL, f, "", "dev-1")
+			waitOnline(t, f, true, "dev-1")
+			topic := topicsOf(t)(topics.MustNew(topics.DefaultPrefix).Status("dev-1"))
+			status := func(m mqtt.Message) topics.Status {
+				t.Helper()
+				s, err := topics.ParseStatus(m.Payload())
+				require.NoError(t, err, "%s", m.Payload())
+				return s
+			}
+			watchURL, _, _ := strings.Cut(mqttURL, ",") // one node of a NATS cluster
+			watcher := mustDialMQTT(t, watchURL, "watcher-1", f.userID, f.user.token)
+			require.Equal(t, byte(1), watcher.subscribe(t, topic))
+			last := status(watcher.nextOn(t, topic))
+			require.True(t, last.Online, "the bridge's retained status")
+
+			b.stop()
+			waitOnline(t, f, false, "dev-1")
+			var got topics.Status
+			for got = status(watcher.nextOn(t, topic)); got.Online; got = status(watcher.nextOn(t, topic)) {
+				last = got // a report the bridge made as it stopped
+			}
+			want := last
+			want.Online = false
+			assert.Equal(t, want.Seq, got.Seq, "the offline status keeps the last report's seq")
+			assert.Equal(t, want.BridgeID, got.BridgeID)
+			assert.Equal(t, want.FirmwareVersion, got.FirmwareVersion)
+			later := mustDialMQTT(t, watchURL, "watcher-2", f.userID, f.user.token)
+			require.Equal(t, byte(1), later.subscribe(t, topic))
+			assert.False(t, status(later.nextOn(t, topic)).Online, "the retained status after the bridge left")
 		})
 	}
 }
