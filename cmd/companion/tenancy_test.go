@@ -501,6 +501,47 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 	}
 }
 
+// A device moved to another bridge while the bridge it leaves runs a
+// command on it (one device in range of both, as when bridges are
+// rebalanced): the command fails, device_not_served, whether it took effect
+// being unknown to the server, and the bridge it moved to never runs it;
+// the device's next command runs there.
+func TestMovingADeviceWhileItsBridgeRunsACommand(t *testing.T) {
+	for _, tb := range tenancyBrokers {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			f := setupFleet(t, m, "dev-1")
+			registerDevices(t, f, "dev-1")
+			f2 := addBridge(t, f, "bridge-2")
+			shared := map[string]*sim.Device{}
+			startBridgeWith(t, m, mqttURL, f, bridgeConfig{sims: shared, commandTimeout: 3 * time.Second}, "dev-1")
+			startBridgeWith(t, m, mqttURL, f2, bridgeConfig{sims: shared}, "dev-1")
+			waitOnline(t, f, true, "dev-1")
+			dev := shared["dev-1"]
+			push := func(text string) string {
+				t.Helper()
+				return f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": text})["id"].(string)
+			}
+
+			dev.HangNext()
+			hung := push("hangs on bridge-1")
+			waitState(t, f.user, "dev-1", hung, "delivered")
+			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			cmd := f.user.waitFinal("dev-1", hung)
+			assert.Equal(t, "failed", cmd["state"], "%v", cmd)
+			if e, ok := cmd["error"].(map[string]any); assert.True(t, ok, "%v", cmd) {
+				assert.Equal(t, "device_not_served", e["code"])
+			}
+
+			next := push("on bridge-2")
+			assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", next)["state"])
+			assert.Zero(t, dev.Executions(hung), "the command the bridge it left had ran")
+			assert.Equal(t, []string{next}, textIDs(dev))
+		})
+	}
+}
+
 // A watcher of a device's topics (its user, CONTRACT §3) reads it go
 // offline with its bridge: the bridge's last retained status said online,
 // and the server sets it to what the store says once the bridge's state
