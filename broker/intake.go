@@ -205,7 +205,9 @@ func (b *Broker) publishOffline(bridgeID string, n uint64, ids []string) {
 	ctx := context.Background()
 	var toks []mqtt.Token
 	for _, id := range ids {
-		if !b.latestBridgeState(bridgeID, n) {
+		// Not queued in paho while the connection is down: sent after a
+		// reconnect, it could undo what the bridge, back, said meanwhile.
+		if !b.latestBridgeState(bridgeID, n) || !b.client.IsConnectionOpen() {
 			break
 		}
 		s, err := b.st.Status(ctx, id)
@@ -216,8 +218,12 @@ func (b *Broker) publishOffline(bridgeID string, n uint64, ids []string) {
 		if err != nil {
 			continue
 		}
+		apps := s.Apps
+		if apps == nil {
+			apps = []companion.App{}
+		}
 		payload, err := fastjson.Marshal(topics.Status{Online: false, Battery: s.Battery, FirmwareVersion: s.FirmwareVersion,
-			Model: s.Model, Apps: s.Apps, BridgeID: s.BridgeID, At: s.LastSeen, Seq: s.Seq})
+			Model: s.Model, Apps: apps, BridgeID: s.BridgeID, At: s.LastSeen, Seq: s.Seq})
 		if err != nil {
 			continue
 		}
