@@ -521,7 +521,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 		}
 		switch it.res.outcome {
 		case acceptQueued:
-			a.log.Debug("command spooled", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
+			a.log.Debug("command spooled", "device", c.DeviceID, "cmd", c.ID, "op", c.Op, "after", c.After)
 			a.oweDelivered(c.DeviceID, c.ID)
 			released = append(released, it.res.rec)
 		case acceptExpired:

@@ -27,7 +27,7 @@ import (
 
 func TestSoakCluster(t *testing.T) {
 	duration := soakDuration(t)
-	rig := startClusterRig(t, clusterRigOptions{replicas: 3, devices: soakDevices})
+	rig := startClusterRig(t, clusterRigOptions{replicas: 3, devices: soakDevices, bridgeArgs: soakBridgeArgs})
 	c := rig.c
 	admin := &client{tb: t, base: c.base(), token: c.adminToken}
 	r := admin.do("PUT", "/api/v1/admin/apps/weather/1.0.0", bytes.Repeat([]byte("app"), 2000))

@@ -63,6 +63,7 @@ func TestSoak(t *testing.T) {
 	admin := &client{tb: t, base: c.base(), token: c.adminToken}
 	r := admin.do("PUT", "/api/v1/admin/apps/weather/1.0.0", bytes.Repeat([]byte("app"), 2000))
 	require.Equal(t, 201, r.Status, "%s", r.Body)
+	c.bridgeArgs = soakBridgeArgs
 	c.startBridge()
 
 	start := time.Now()
@@ -241,7 +242,10 @@ func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, kil
 		for _, id := range order {
 			if id < newest {
 				inversions++
-				t.Errorf("device %s ran %s after %s, accepted after it", dev, id, newest)
+				if inversions <= 5 {
+					t.Errorf("device %s ran %s after %s, accepted after it\nthe bridge's lines of the first:\n%s\nof the second:\n%s",
+						dev, id, newest, linesWith(c.bridgeProc.logPath, id), linesWith(c.bridgeProc.logPath, newest))
+				}
 			}
 			newest = max(newest, id)
 		}
@@ -295,6 +299,11 @@ func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, kil
 		t.Logf("failed commands (a final state, not a loss): see the server's command list for their errors")
 	}
 }
+
+// soakBridgeArgs has the soaks' bridge log each command it takes in, and
+// the one it names to run after (topics.Command.After), for the lines a
+// failed check prints (linesWith).
+var soakBridgeArgs = []string{"--log-level", "debug"}
 
 // linesWith returns the lines of the file at path that contain s.
 func linesWith(path, s string) string {
