@@ -6,6 +6,7 @@ import (
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicecompanion/companion/topics"
 )
@@ -51,6 +52,19 @@ func SpoolStarted(dir string, cmds []topics.Command, n int) (err error) {
 		}
 	}
 	return nil
+}
+
+// seen reports the spool state of a command id ("" when unknown).
+func (s *spool) seen(id string) (string, error) {
+	var state string
+	err := s.db.View(func(tx *bolt.Tx) error {
+		r, err := getRecord(tx, id)
+		if r != nil {
+			state = r.State
+		}
+		return err
+	})
+	return state, err
 }
 
 // SpoolState is the state of a command in the agent's spool ("" when

@@ -966,16 +966,3 @@ func (s *spool) purgeOrphans() error {
 func orphan(cmds *bolt.Bucket, v []byte) bool {
 	return !bytes.HasPrefix(v, []byte("{")) && cmds.Get(v) == nil
 }
-
-// seen reports the spool state of a command id ("" when unknown). Tests use it.
-func (s *spool) seen(id string) (string, error) {
-	var state string
-	err := s.db.View(func(tx *bolt.Tx) error {
-		r, err := getRecord(tx, id)
-		if r != nil {
-			state = r.State
-		}
-		return err
-	})
-	return state, err
-}
