@@ -463,6 +463,22 @@ func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
 	assert.False(t, s.Online)
 	assert.Equal(t, uint64(10), s.Seq)
 	assert.True(t, s.LastSeen.Equal(at))
+
+	// A device its bridge reported again since is left as the bridge said:
+	// the server never overwrites a newer retained report.
+	back := report
+	back.Seq, back.At = 11, at.Add(time.Second)
+	b, _ = json.Marshal(back)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	testenv.Eventually(t, 10*time.Second, "the new report stored", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Seq == 11 && s.Online
+	})
+	e.b.mu.Lock()
+	n := e.b.bridgeGen["b1"]
+	e.b.mu.Unlock()
+	e.b.publishOffline("b1", n, []string{"dev-1"})
+	assert.Equal(t, back, next(watch("watcher-3")), "the retained status after a late publishOffline")
 }
 
 // A report's seq orders it, and the store keeps the highest: one with a
