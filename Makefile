@@ -80,16 +80,21 @@ bench-cluster: deps
 # Not part of test: SOAK_MINUTES of mixed load against the real binaries and
 # Mosquitto with random SIGKILLs of the server, the bridge and the broker; it
 # fails if an accepted command is lost or a device executes one twice.
+# SOAK_LOG_DIR, when set, keeps every process's log there.
 SOAK_MINUTES ?= 10
+SOAK_LOG_DIR ?=
 soak: deps
-	SOAK_MINUTES=$(SOAK_MINUTES) $(GO) test -tags soak -run '^TestSoak$$' -count=1 -timeout 0 -v ./cmd/companion
+	PROC_LOG_DIR=$(SOAK_LOG_DIR) SOAK_MINUTES=$(SOAK_MINUTES) $(GO) test -tags soak -run '^TestSoak$$' -count=1 -timeout 0 -v ./cmd/companion
 
 # The same soak on CONTRACT §11's cluster (cmd/companion/soak_cluster_test.go):
 # PostgreSQL, three NATS nodes and three replicas, the load spread over the
 # replicas, with random SIGKILLs of a replica, a NATS node or PostgreSQL.
+# The replicas log at debug; so does the bridge. With SOAK_LOG_DIR the
+# NATS consumers' unacknowledged counts are sampled there too
+# (consumers.log).
 .PHONY: soak-cluster
 soak-cluster: deps
-	SOAK_MINUTES=$(SOAK_MINUTES) $(GO) test -tags soak -run '^TestSoakCluster$$' -count=1 -timeout 0 -v ./cmd/companion
+	PROC_LOG_DIR=$(SOAK_LOG_DIR) SOAK_MINUTES=$(SOAK_MINUTES) $(GO) test -tags soak -run '^TestSoakCluster$$' -count=1 -timeout 0 -v ./cmd/companion
 
 # The cluster of CONTRACT §11 on one machine, to try (docs/scale-out.md,
 # "Try the cluster"): three NATS nodes, PostgreSQL, three replicas and a

@@ -83,6 +83,7 @@ type clusterRigOptions struct {
 	devices    int      // served by the bridge
 	parked     []string // registered, served by no bridge
 	bridgeArgs []string // extra flags of the bridge
+	serverArgs []string // extra flags of every replica
 }
 
 // startClusterRig starts PostgreSQL (migrated), the NATS cluster, the
@@ -121,6 +122,7 @@ func startClusterRig(tb testing.TB, o clusterRigOptions) *clusterRig {
 			rc = &cp
 		}
 		rc.serverArgs = []string{"--store", r.dsn, "--replica-id", fmt.Sprintf("r%d", i+1), "--register-per-minute", "0"}
+		rc.serverArgs = append(rc.serverArgs, o.serverArgs...)
 		rc.startServer()
 		r.replicas = append(r.replicas, rc)
 	}

@@ -121,7 +121,13 @@ func startProc(tb testing.TB, name, bin string, args ...string) *osProc {
 // startProcEnv is startProc with the environment env.
 func startProcEnv(tb testing.TB, name, bin string, env []string, args ...string) *osProc {
 	tb.Helper()
-	logf, err := os.CreateTemp(tb.TempDir(), name+"-*.log")
+	dir := os.Getenv(procLogDirEnv)
+	if dir == "" {
+		dir = tb.TempDir()
+	} else {
+		require.NoError(tb, os.MkdirAll(dir, 0o755))
+	}
+	logf, err := os.CreateTemp(dir, name+"-*.log")
 	require.NoError(tb, err)
 	p := &osProc{name: name, logPath: logf.Name(), exited: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
@@ -145,6 +151,11 @@ func startProcEnv(tb testing.TB, name, bin string, env []string, args ...string)
 	})
 	return p
 }
+
+// procLogDirEnv names a directory where the processes' logs are written
+// and kept after the test (make soak-cluster SOAK_LOG_DIR=…); without it
+// they go to a temp dir that the test removes.
+const procLogDirEnv = "PROC_LOG_DIR"
 
 // procEnv is the environment of the processes: no COMPANION_* of the
 // caller's leaks into them.
