@@ -33,6 +33,9 @@ type Store interface {
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
 	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (previous string, err error)
 	DeviceBridge(ctx context.Context, deviceID string) (string, error)
+	// DeviceBridges is DeviceBridge for many devices in one read: those
+	// no bridge serves are absent.
+	DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error)
 	BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error)
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	BridgeDevices(ctx context.Context, bridgeID string) ([]string, error)

@@ -38,6 +38,7 @@ type Store interface {
 	MarkBridgeOfflineAsync(bridgeID string, done func([]string, error))
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	DeviceBridge(ctx context.Context, deviceID string) (string, error)
+	DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error)
 	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
@@ -130,9 +131,10 @@ type Broker struct {
 	now    func() time.Time
 	client mqtt.Client
 
-	kick      chan struct{} // wakes the outbox
-	connected chan struct{} // one signal per (re)connect, for the outbox
-	acks      chan inflight // published commands awaiting their PUBACK, in order
+	kick      chan struct{}     // wakes the outbox
+	connected chan struct{}     // one signal per (re)connect, for the outbox
+	acks      chan inflight     // published commands awaiting their PUBACK, in order
+	inbox     chan mqtt.Message // messages route took, for intake, in order
 	// moved is the topic where replicas sharing a store tell each other
 	// of a device that changed bridges (tellMoved): under the prefix,
 	// which only the servers may read and write outside the devices' and
@@ -247,6 +249,7 @@ func New(opts Options) (*Broker, error) {
 		named:     make(map[string]bool),
 		live:      make(map[string]bool),
 		acks:      make(chan inflight, maxInflight),
+		inbox:     make(chan mqtt.Message, maxIntakeBatch),
 		moved:     opts.Topics.DevicesMoved(),
 		bridgeGen: make(map[string]uint64),
 		release:   make(chan struct{}),
@@ -305,6 +308,7 @@ func (b *Broker) Start() error {
 	b.started = true
 	b.mu.Unlock()
 
+	b.goOwned(b.intake)
 	b.goOwned(b.outbox)
 	b.goOwned(b.confirm)
 	b.goOwned(b.sweep)

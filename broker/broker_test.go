@@ -73,6 +73,13 @@ func bind(t *testing.T, e *env, devices ...string) {
 
 func newEnv(t *testing.T, startMQTT bool) *env {
 	t.Helper()
+	return newEnvStore(t, startMQTT, nil)
+}
+
+// newEnvStore is newEnv with the broker on wrap(the store) when wrap is
+// set.
+func newEnvStore(t *testing.T, startMQTT bool, wrap func(*store.DB) Store) *env {
+	t.Helper()
 	e := &env{clock: &clock{now: time.Now()}}
 	var err error
 	e.db, err = store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Now: e.clock.Now})
@@ -91,8 +98,12 @@ func newEnv(t *testing.T, startMQTT bool) *env {
 	require.NoError(t, e.mqtt.Start())
 	t.Cleanup(func() { e.mqtt.Close() })
 
+	var st Store = e.db
+	if wrap != nil {
+		st = wrap(e.db)
+	}
 	opts := Options{
-		Store: e.db, MQTTURL: "tcp://" + e.mqtt.Addr(), Username: "server", Password: "pw",
+		Store: st, MQTTURL: "tcp://" + e.mqtt.Addr(), Username: "server", Password: "pw",
 		ClientID: "server-" + t.Name(), Topics: tree, SweepInterval: 20 * time.Millisecond,
 		Logger: quiet(), Now: e.clock.Now,
 	}
@@ -270,6 +281,72 @@ func TestCommandLifecycle(t *testing.T) {
 	assert.Equal(t, companion.StateSucceeded, final.State)
 	assert.Nil(t, final.Error)
 	assert.Equal(t, "device_error", state(t, e, marker.ID).Error.Code)
+}
+
+// bridgeReads is a store that, once armed, counts the reads of devices'
+// bridges, and holds the first one until release is closed.
+type bridgeReads struct {
+	*store.DB
+	armed   atomic.Bool
+	reads   atomic.Int64
+	first   sync.Once
+	release chan struct{}
+}
+
+func (s *bridgeReads) hold() {
+	if !s.armed.Load() {
+		return
+	}
+	s.reads.Add(1)
+	s.first.Do(func() { <-s.release })
+}
+
+func (s *bridgeReads) DeviceBridge(ctx context.Context, deviceID string) (string, error) {
+	s.hold()
+	return s.DB.DeviceBridge(ctx, deviceID)
+}
+
+func (s *bridgeReads) DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error) {
+	s.hold()
+	return s.DB.DeviceBridges(ctx, deviceIDs)
+}
+
+// Replies that arrive while the store reads a device's bridge are taken in
+// together, with one read of their devices' bridges (bug 98): read one by
+// one, each waited for the one before, and on a
+// busy PostgreSQL replies came in slower than a bridge sends them.
+func TestRepliesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
+	var reads *bridgeReads
+	e := newEnvStore(t, true, func(db *store.DB) Store {
+		reads = &bridgeReads{DB: db, release: make(chan struct{})}
+		return reads
+	})
+	released := sync.OnceFunc(func() { close(reads.release) })
+	t.Cleanup(released) // before the broker's Close, which waits for the held read
+	fb := connectBridge(t, e)
+	const n = 40
+	var cmds []companion.Command
+	for i := range n {
+		c := submit(t, e, []string{"dev-1", "dev-2"}[i%2], fmt.Sprint("text ", i), time.Hour)
+		fb.next(t)
+		cmds = append(cmds, c)
+	}
+	for _, c := range cmds {
+		testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, c.ID).State == companion.StateSent })
+	}
+	// The first reply's read is held; the others arrive meanwhile.
+	reads.armed.Store(true)
+	p := 50
+	for _, c := range cmds {
+		fb.reply(t, c.DeviceID, topics.Reply{CommandID: c.ID, State: companion.StateInProgress, Progress: &p})
+		fb.reply(t, c.DeviceID, topics.Reply{CommandID: c.ID, State: companion.StateSucceeded})
+	}
+	testenv.Eventually(t, 10*time.Second, "the first read", func() bool { return reads.reads.Load() == 1 })
+	released()
+	for _, c := range cmds {
+		testenv.Eventually(t, 10*time.Second, "succeeded", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
+	}
+	assert.LessOrEqual(t, reads.reads.Load(), int64(4), "reads of the bridges of %d replies", 2*n)
 }
 
 func TestReplyOnAnotherDevicesTopicIsIgnored(t *testing.T) {

@@ -153,14 +153,75 @@ func (b *Broker) Publish(ctx context.Context, topic string, payload []byte) erro
 	}
 }
 
-// route takes one message in: it parses it and hands what it says to the
+// maxIntakeBatch bounds the messages intake takes in with one read of
+// their devices' bridges, and how many route holds for it.
+const maxIntakeBatch = 256
+
+// route hands a message to intake, in the order paho delivers them (one
+// at a time). It waits while intake holds maxIntakeBatch, and so holds
+// paho's next message back.
+func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
+	select {
+	case b.inbox <- m:
+	case <-b.quit:
+		// Not acknowledged: the MQTT broker delivers it again.
+	}
+}
+
+// intake takes in the messages route hands it, in order, in batches of
+// what arrived meanwhile: the bridges of a batch's devices are read from
+// the store at once (DeviceBridges), then each message is taken as take
+// says. One read per message, in paho's one goroutine, held every message
+// of the connection behind the store's round trip: on PostgreSQL, with
+// the machine busy, replies came in slower than the bridges sent them
+// (docs/reliability.md, bug 98).
+func (b *Broker) intake() {
+	batch := make([]mqtt.Message, 0, maxIntakeBatch)
+	devices := make([]string, 0, maxIntakeBatch)
+	for {
+		batch, devices = batch[:0], devices[:0]
+		select {
+		case <-b.quit:
+			return
+		case m := <-b.inbox:
+			batch = append(batch, m)
+		}
+	more:
+		for len(batch) < maxIntakeBatch {
+			select {
+			case m := <-b.inbox:
+				batch = append(batch, m)
+			default:
+				break more
+			}
+		}
+		for _, m := range batch {
+			if t, err := b.tree.Parse(m.Topic()); err == nil && t.DeviceID != "" {
+				devices = append(devices, t.DeviceID)
+			}
+		}
+		var (
+			bridges map[string]string
+			err     error
+		)
+		if len(devices) > 0 {
+			bridges, err = b.st.DeviceBridges(context.Background(), devices)
+		}
+		for _, m := range batch {
+			b.take(m, bridges, err)
+		}
+	}
+}
+
+// take takes one message in: it parses it and hands what it says to the
 // store, and acknowledges it once the store has it on disk. It never waits
 // for the disk: paho calls it for one message at a time, and the store's
 // writes keep their order, so the messages of a device are taken, and
-// acknowledged, in the order they came. A message that is dropped (bad,
+// acknowledged, in the order they came. bridges are the devices' bridges
+// as intake read them, or readErr. A message that is dropped (bad,
 // stale, unknown) is acknowledged at once. Nothing a bridge sends can make
 // it fail loudly: bad messages are logged and dropped.
-func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
+func (b *Broker) take(m mqtt.Message, bridges map[string]string, readErr error) {
 	ctx := context.Background()
 	if m.Topic() == b.moved {
 		b.takeMoved(m.Payload())
@@ -181,7 +242,8 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 			m.Ack()
 			return
 		}
-		b.takeReply(t.DeviceID, r, m.Ack) // it checks that a bridge serves the device
+		// takeReplyAttempt checks that a bridge serves the device.
+		b.takeReplyAttempt(t.DeviceID, bridges[t.DeviceID], readErr, r, m.Ack, 1)
 	case topics.KindStatus:
 		if len(m.Payload()) == 0 {
 			m.Ack() // a cleared retained message
@@ -193,7 +255,7 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 			m.Ack()
 			return
 		}
-		if !b.served(ctx, t.DeviceID, s.BridgeID) {
+		if !b.served(t.DeviceID, s.BridgeID, bridges[t.DeviceID], readErr) {
 			m.Ack()
 			return
 		}
@@ -209,7 +271,7 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 			m.Ack()
 			return
 		}
-		if !b.served(ctx, t.DeviceID, "") {
+		if !b.served(t.DeviceID, "", bridges[t.DeviceID], readErr) {
 			m.Ack()
 			return
 		}

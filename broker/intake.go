@@ -18,11 +18,11 @@ import (
 
 // served reports whether a message about deviceID may be taken in: the
 // device is served by a bridge, by bridgeID when the message names one
-// (a status does). The broker's rights keep a bridge to the devices it
-// serves; what slips past them (a broker without them, a race with a
-// move) is dropped here, and logged (CONTRACT §9).
-func (b *Broker) served(ctx context.Context, deviceID, bridgeID string) bool {
-	bridge, err := b.st.DeviceBridge(ctx, deviceID)
+// (a status does). bridge is the device's, as read (err when the read
+// failed: the message is dropped). The broker's rights keep a bridge to
+// the devices it serves; what slips past them (a broker without them, a
+// race with a move) is dropped here, and logged (CONTRACT §9).
+func (b *Broker) served(deviceID, bridgeID, bridge string, err error) bool {
 	if err != nil {
 		b.log.Error("reading a device's bridge; message dropped", "device_id", deviceID, "err", err)
 		return false
@@ -274,13 +274,6 @@ func (b *Broker) bridgeStateAgain(bridgeID string, n uint64, attempt int, again 
 	return true
 }
 
-// takeReply stores a bridge's reply to a command, with the device's state
-// that came with it, and once both are on disk calls ack and wakes those
-// waiting for the command if it is final: what they read next reflects it.
-func (b *Broker) takeReply(deviceID string, r topics.Reply, ack func()) {
-	b.takeReplyAttempt(deviceID, r, ack, 1)
-}
-
 // replyRetryDelay is the pause before attempt+1: 100 ms doubling up to
 // 10 s, each ±50% (the library's ExponentialBackOff, as in gatt), so that
 // replicas whose store came back together do not retry in lockstep. The
@@ -302,12 +295,20 @@ func (b *Broker) later(d time.Duration, f func()) {
 	time.AfterFunc(d, func() { b.goOwned(f) })
 }
 
-func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), attempt int) {
-	bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
+// takeReplyAttempt stores a bridge's reply to a command, with the device's
+// state that came with it, and once both are on disk calls ack and wakes
+// those waiting for the command if it is final: what they read next
+// reflects it. bridge is the device's bridge as read (err when the read
+// failed); attempt counts the tries, the first one's read made by intake.
+func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.Reply, ack func(), attempt int) {
+	again := func() {
+		bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
+		b.takeReplyAttempt(deviceID, bridge, err, r, ack, attempt+1)
+	}
 	if err != nil && !errors.Is(err, companion.ErrNotFound) && attempt < maxReplyAttempts {
 		// As below: the store failed, the reply waits unacknowledged.
 		b.log.Warn("reading a device's bridge failed; taking its reply again", "device_id", deviceID, "attempt", attempt, "err", err)
-		b.later(replyRetryDelay(attempt), func() { b.takeReplyAttempt(deviceID, r, ack, attempt+1) })
+		b.later(replyRetryDelay(attempt), again)
 		return
 	}
 	if err != nil {
@@ -383,7 +384,7 @@ func (b *Broker) takeReplyAttempt(deviceID string, r topics.Reply, ack func(), a
 			// not acknowledged, and is taken again a little later; the
 			// bridge's later replies meanwhile are ranked against it.
 			b.log.Warn("storing a reply failed; taking it again", "command_id", r.CommandID, "attempt", attempt, "err", err)
-			b.later(replyRetryDelay(attempt), func() { b.takeReplyAttempt(deviceID, r, ack, attempt+1) })
+			b.later(replyRetryDelay(attempt), again)
 			return
 		}
 		defer ack()

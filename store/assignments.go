@@ -172,6 +172,25 @@ func (db *DB) DeviceBridge(ctx context.Context, deviceID string) (string, error)
 	return bridge, err
 }
 
+// DeviceBridges returns the bridge serving each of the devices that one
+// serves, in one read; a device no bridge serves (or unknown) is absent.
+func (db *DB) DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error) {
+	bridges := make(map[string]string, len(deviceIDs))
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketAssignments)
+		for _, id := range deviceIDs {
+			if !validID(id) {
+				continue
+			}
+			if v := b.Get([]byte(id)); len(v) > 0 {
+				bridges[id] = string(v)
+			}
+		}
+		return nil
+	})
+	return bridges, err
+}
+
 // BridgeServes reports whether bridgeID serves deviceID.
 func (db *DB) BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error) {
 	if !validID(bridgeID) || !validID(deviceID) {

@@ -143,6 +143,34 @@ func (s *Store) DeviceBridge(ctx context.Context, deviceID string) (string, erro
 	return bridge, err
 }
 
+// DeviceBridges returns the bridge serving each of the devices that one
+// serves, in one query; a device no bridge serves (or unknown) is absent.
+func (s *Store) DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error) {
+	ids := make([]string, 0, len(deviceIDs))
+	for _, id := range deviceIDs {
+		if validID(id) {
+			ids = append(ids, id)
+		}
+	}
+	bridges := make(map[string]string, len(ids))
+	if len(ids) == 0 {
+		return bridges, nil
+	}
+	rows, err := s.pool.Query(ctx, `SELECT device_id, bridge_id FROM assignments WHERE device_id = ANY($1)`, ids)
+	if err != nil {
+		return nil, err
+	}
+	var dev, bridge string
+	_, err = pgx.ForEachRow(rows, []any{&dev, &bridge}, func() error {
+		bridges[dev] = bridge
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return bridges, nil
+}
+
 // BridgeServes reports whether bridgeID serves deviceID.
 func (s *Store) BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error) {
 	if !validID(bridgeID) || !validID(deviceID) {

@@ -326,6 +326,14 @@ func wantBridge(t *testing.T, s companion.Store, dev, bridge string) {
 	if err != nil || got != bridge {
 		t.Errorf("DeviceBridge(%q) = %q, %v; want %q", dev, got, err, bridge)
 	}
+	// Read with others, it reads the same.
+	all, err := s.DeviceBridges(ctx, []string{"ghost", dev, "d2", dev})
+	if b, ok := all[dev]; err != nil || b != bridge || ok != (bridge != "") {
+		t.Errorf("DeviceBridges(…, %q, …)[%q] = %q, %v, %v; want %q", dev, dev, b, ok, err, bridge)
+	}
+	if _, ok := all["ghost"]; ok {
+		t.Errorf("DeviceBridges(ghost, …) has ghost: %v", all)
+	}
 	if d, err := s.RegistryDevice(ctx, dev); err != nil || d.BridgeID != bridge {
 		t.Errorf("RegistryDevice(%q).BridgeID = %q, %v; want %q", dev, d.BridgeID, err, bridge)
 	}

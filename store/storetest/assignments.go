@@ -76,6 +76,12 @@ func testAssignDevice(t *testing.T, s companion.Store) {
 	if got, err := s.DeviceBridge(ctx, "ghost"); err != nil || got != "" {
 		t.Errorf("DeviceBridge(ghost) = %q, %v; want \"\", nil", got, err)
 	}
+	if got, err := s.DeviceBridges(ctx, []string{"ghost", "d1\x00", ""}); err != nil || len(got) != 0 {
+		t.Errorf("DeviceBridges(ghost, invalid, empty) = %v, %v; want none", got, err)
+	}
+	if got, err := s.DeviceBridges(ctx, nil); err != nil || len(got) != 0 {
+		t.Errorf("DeviceBridges(none) = %v, %v; want none", got, err)
+	}
 	if ok, err := s.BridgeServes(ctx, "nope", "d2"); err != nil || ok {
 		t.Errorf("BridgeServes(nope, d2) = %v, %v; want false, nil", ok, err)
 	}
