@@ -879,6 +879,46 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 	assert.Equal(t, gone.ID, p.CommandID)
 }
 
+// Past the grace, a sent command of a device that reads online waits for
+// its bridge's word (bug 99): the bridge may have run it, its replies
+// queued in the MQTT broker behind others for longer than the grace. What
+// the bridge says, however late, ends it; one it never answers expires
+// expiryWaitGraces graces past its TTL. A device that reads offline has
+// its commands expire with the grace, as before.
+func TestSentCommandsOfAnOnlineDeviceWaitForTheBridgesWord(t *testing.T) {
+	e := newEnv(t, true)
+	e.b.opts.ExpiryGrace = time.Minute
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "dev-1 online", func() bool {
+		s, err := e.db.Status(context.Background(), "dev-1")
+		return err == nil && s.Online
+	})
+	// Of one TTL, swept in this order (the expiry index's, by id).
+	ran := submit(t, e, "dev-1", "run, its replies late", time.Minute)
+	silent := submit(t, e, "dev-1", "never answered", time.Minute)
+	offline := submit(t, e, "dev-2", "on a device that reads offline", time.Minute)
+	for _, c := range []companion.Command{ran, silent, offline} {
+		fb.next(t)
+		testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, c.ID).State == companion.StateSent })
+	}
+
+	e.clock.Add(3 * time.Minute) // past the TTL and the grace
+	testenv.Eventually(t, 10*time.Second, "the offline device's command expired", func() bool {
+		return state(t, e, offline.ID).State == companion.StateExpired
+	})
+	assert.Equal(t, companion.StateSent, state(t, e, ran.ID).State, "swept before it, and waiting for the bridge")
+	assert.Equal(t, companion.StateSent, state(t, e, silent.ID).State, "swept before it, and waiting for the bridge")
+
+	fb.reply(t, "dev-1", topics.Reply{CommandID: ran.ID, State: companion.StateSucceeded})
+	testenv.Eventually(t, 10*time.Second, "the late reply taken", func() bool { return state(t, e, ran.ID).State == companion.StateSucceeded })
+
+	e.clock.Add(expiryWaitGraces * time.Minute)
+	testenv.Eventually(t, 10*time.Second, "the silent one expired", func() bool { return state(t, e, silent.ID).State == companion.StateExpired })
+	assert.Equal(t, companion.StateSucceeded, state(t, e, ran.ID).State)
+}
+
 // The commands of a device no bridge serves wait queued (CONTRACT §9);
 // once a bridge serves it they go to that bridge, in order. Replies for it
 // that slip past the broker meanwhile change nothing.

@@ -224,6 +224,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 	bridges := map[string]string{} // device → the bridge serving it, for this pass
 	held := map[string]bool{}      // devices with a command that did not go out in this pass
 	before := map[string]string{}  // device → its command before, in this pass
+	online := b.onlineReader(context.Background())
 	for _, c := range cmds {
 		// Now, not when the pass began: a pass can wait long for room
 		// among the commands in flight (acks) or for paho.
@@ -244,8 +245,8 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 				delete(b.flying, c.ID) // taken from memory only: it never went out
 			}
 			b.mu.Unlock()
-			if b.expiredAt(c, now) {
-				b.expire(context.Background(), c.ID)
+			if b.expiredAt(c, now, online) {
+				b.expire(context.Background(), c.ID, online(c.DeviceID))
 				continue
 			}
 		}
@@ -514,9 +515,10 @@ func (b *Broker) sweep() {
 			b.log.Error("expiry sweep", "err", err)
 			continue
 		}
+		online := b.onlineReader(ctx)
 		for _, c := range cmds {
-			if b.expiredAt(c, now) {
-				b.expire(ctx, c.ID)
+			if b.expiredAt(c, now, online) {
+				b.expire(ctx, c.ID, online(c.DeviceID))
 			}
 		}
 		if now.Sub(lastPurge) > time.Hour {
@@ -555,7 +557,16 @@ func (b *Broker) sweep() {
 // was accepted before this broker became the dispatcher: the dispatcher
 // before it (a server since restarted, a replica since gone) may have
 // published it (sent is written only sentDelay after the PUBACK).
-func (b *Broker) expiredAt(c companion.Command, now time.Time) bool {
+//
+// Past the grace, one whose device reads online (online, asked only then)
+// waits on, up to expiryWaitGraces graces: its bridge is there to say what
+// became of it. It goes out again (publish, retrySent), and the bridge
+// answers from its record: its final reply if it ran it, "delivered" if it
+// holds it, "expired" if it never had it before its TTL. Expired here
+// instead, a command whose replies queued behind others in the MQTT broker
+// for longer than the grace read expired although the device had run it
+// (bug 99).
+func (b *Broker) expiredAt(c companion.Command, now time.Time, online func(deviceID string) bool) bool {
 	b.mu.Lock()
 	since := b.dispatchSince
 	b.mu.Unlock()
@@ -564,18 +575,48 @@ func (b *Broker) expiredAt(c companion.Command, now time.Time) bool {
 		return now.After(c.ExpiresAt)
 	case c.State == companion.StateQueued, c.State == companion.StateSent:
 		// Queued on disk but with the MQTT broker already: as good as sent.
-		return now.After(c.ExpiresAt.Add(b.opts.ExpiryGrace))
+		switch {
+		case !now.After(c.ExpiresAt.Add(b.opts.ExpiryGrace)):
+			return false
+		case now.After(c.ExpiresAt.Add(expiryWaitGraces * b.opts.ExpiryGrace)):
+			return true
+		}
+		return !online(c.DeviceID)
 	}
 	return false
 }
 
-// expire ends a command that was not delivered in time.
-func (b *Broker) expire(ctx context.Context, id string) {
+// expiryWaitGraces bounds, in ExpiryGrace, how long past its TTL a command
+// that may have gone out waits for the word of a bridge whose device reads
+// online (expiredAt): a bridge that stays silent that long is broken, and
+// every command ends.
+const expiryWaitGraces = 10
+
+// onlineReader returns a reader of whether a device reads online, as its
+// stored status says, that reads each device once: for one pass over
+// commands. A status the store fails to read counts as offline.
+func (b *Broker) onlineReader(ctx context.Context) func(deviceID string) bool {
+	seen := map[string]bool{}
+	return func(deviceID string) bool {
+		on, ok := seen[deviceID]
+		if !ok {
+			s, err := b.st.Status(ctx, deviceID)
+			on = err == nil && s.Online
+			seen[deviceID] = on
+		}
+		return on
+	}
+}
+
+// expire ends a command that was not delivered in time; online is whether
+// its device reads online, as read for expiredAt before (not in the
+// store's transaction).
+func (b *Broker) expire(ctx context.Context, id string, online bool) {
 	now := b.now()
 	start := time.Now()
 	var was string
 	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
-		if !b.expiredAt(*c, now) {
+		if !b.expiredAt(*c, now, func(string) bool { return online }) {
 			return errStale
 		}
 		was = c.State

@@ -108,7 +108,7 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.StringVar(&c.OIDC.Audience, "oidc-audience", "", "the aud the issuer's tokens must carry (required with --oidc-issuer)")
 	fs.StringVar(&c.OIDC.JWKSURL, "oidc-jwks-url", "", "the issuer's JWKS (default: found by OpenID Connect discovery)")
 	fs.DurationVar(&c.OIDC.ClockSkew, "oidc-clock-skew", time.Minute, "how long past exp a token is still taken")
-	fs.DurationVar(&c.ExpiryGrace, "expiry-grace", time.Minute, "how long past its TTL a command the broker has waits for the bridge's word before it is called expired")
+	fs.DurationVar(&c.ExpiryGrace, "expiry-grace", time.Minute, "how long past its TTL a command the broker has waits for the bridge's word before it is called expired (up to ten times as long while its device reads online)")
 	fs.DurationVar(&c.Retention, "retention", 30*24*time.Hour, "how long finished commands are kept (at least 24h)")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.Store, "store", "", "postgres://USER@HOST:PORT/DB keeps everything in PostgreSQL, shared by replicas (run companion migrate first); empty: the bbolt file in --data")
