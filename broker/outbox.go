@@ -245,8 +245,8 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 				delete(b.flying, c.ID) // taken from memory only: it never went out
 			}
 			b.mu.Unlock()
-			if b.expiredAt(c, now, online) {
-				b.expire(context.Background(), c.ID, online(c.DeviceID))
+			if b.expiredAt(c, now, online.read) {
+				b.expire(context.Background(), c.ID, online)
 				continue
 			}
 		}
@@ -517,8 +517,8 @@ func (b *Broker) sweep() {
 		}
 		online := b.onlineReader(ctx)
 		for _, c := range cmds {
-			if b.expiredAt(c, now, online) {
-				b.expire(ctx, c.ID, online(c.DeviceID))
+			if b.expiredAt(c, now, online.read) {
+				b.expire(ctx, c.ID, online)
 			}
 		}
 		if now.Sub(lastPurge) > time.Hour {
@@ -592,31 +592,47 @@ func (b *Broker) expiredAt(c companion.Command, now time.Time, online func(devic
 // every command ends.
 const expiryWaitGraces = 10
 
-// onlineReader returns a reader of whether a device reads online, as its
-// stored status says, that reads each device once: for one pass over
-// commands. A status the store fails to read counts as offline.
-func (b *Broker) onlineReader(ctx context.Context) func(deviceID string) bool {
-	seen := map[string]bool{}
-	return func(deviceID string) bool {
-		on, ok := seen[deviceID]
-		if !ok {
-			s, err := b.st.Status(ctx, deviceID)
-			on = err == nil && s.Online
-			seen[deviceID] = on
-		}
-		return on
-	}
+// onlineReader reads whether devices read online, as their stored status
+// says, each device once: for one pass over commands. A status the store
+// fails to read (a device never reported reads offline) counts as online,
+// so that nothing expires on a failed read: the next pass reads it again.
+type onlineReader struct {
+	ctx  context.Context
+	st   Store
+	seen map[string]bool
 }
 
-// expire ends a command that was not delivered in time; online is whether
-// its device reads online, as read for expiredAt before (not in the
-// store's transaction).
-func (b *Broker) expire(ctx context.Context, id string, online bool) {
+func (b *Broker) onlineReader(ctx context.Context) *onlineReader {
+	return &onlineReader{ctx: ctx, st: b.st, seen: map[string]bool{}}
+}
+
+// read reads the device's status, once.
+func (o *onlineReader) read(deviceID string) bool {
+	on, ok := o.seen[deviceID]
+	if !ok {
+		s, err := o.st.Status(o.ctx, deviceID)
+		on = s.Online || (err != nil && !errors.Is(err, companion.ErrNotFound))
+		o.seen[deviceID] = on
+	}
+	return on
+}
+
+// known is read without a read of the store: a device not read yet reads
+// online, and its command waits for the next pass.
+func (o *onlineReader) known(deviceID string) bool {
+	on, ok := o.seen[deviceID]
+	return !ok || on
+}
+
+// expire ends a command that was not delivered in time. online says
+// whether its device reads online as expiredAt read it before: expire
+// reads nothing more within the store's transaction.
+func (b *Broker) expire(ctx context.Context, id string, online *onlineReader) {
 	now := b.now()
 	start := time.Now()
 	var was string
 	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
-		if !b.expiredAt(*c, now, func(string) bool { return online }) {
+		if !b.expiredAt(*c, now, online.known) {
 			return errStale
 		}
 		was = c.State
