@@ -18,6 +18,7 @@ import (
 	"github.com/devicecompanion/companion"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -556,6 +557,60 @@ func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
 	e.b.mu.Unlock()
 	e.b.publishOffline("b1", n, []string{"dev-1"})
 	assert.Equal(t, back, next(watch("watcher-3")), "the retained status after a late publishOffline")
+}
+
+// retainedStatus reads the device's status topic as a new subscriber
+// does: its retained message.
+func retainedStatus(t *testing.T, e *env, dev string) topics.Status {
+	t.Helper()
+	topic, err := tree.Status(dev)
+	require.NoError(t, err)
+	ch := make(chan topics.Status, 1)
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("reader-" + uuid.NewString()).
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+	defer c.Disconnect(0)
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
+		if s, err := topics.ParseStatus(m.Payload()); err == nil {
+			select {
+			case ch <- s:
+			default:
+			}
+		}
+	}), 5*time.Second))
+	select {
+	case s := <-ch:
+		return s
+	case <-time.After(10 * time.Second):
+		t.Fatal("no retained status on " + topic)
+		return topics.Status{}
+	}
+}
+
+// A Will's offline status is not published once its bridge has said
+// anything since: its "online" is on its way in, and the bridge's reports
+// say what holds.
+func TestWillsOfflineStatusGivesWayToTheBridge(t *testing.T) {
+	ctx := context.Background()
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	report := topics.Status{Online: true, Apps: []companion.App{}, BridgeID: "b1", Seq: 10, At: time.Now().UTC().Truncate(time.Millisecond)}
+	b, _ := json.Marshal(report)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	testenv.Eventually(t, 10*time.Second, "the report stored", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Seq == 10 && s.Online
+	})
+	// The store has taken the Will: dev-1 reads offline.
+	applied, err := e.db.PutStatus(ctx, companion.Status{DeviceID: "dev-1", Online: false, BridgeID: "b1", Seq: 11, LastSeen: report.At})
+	require.NoError(t, err)
+	require.True(t, applied)
+
+	will := e.b.noteBridgeState("b1")
+	e.b.noteBridgeState("b1") // the bridge's "online" since
+	e.b.publishOffline("b1", will, []string{"dev-1"})
+	assert.Equal(t, report, retainedStatus(t, e, "dev-1"), "the bridge's own retained report")
 }
 
 // A report's seq orders it, and the store keeps the highest: one with a
