@@ -218,9 +218,10 @@ func (b *Broker) intake() {
 // for the disk: intake calls it for one message at a time, in the order
 // paho delivered them, and the store's writes keep their order, so the
 // messages of a device are taken, and acknowledged, in the order they
-// came. bridges are the devices' bridges as intake read them, or readErr. A message that is dropped (bad,
-// stale, unknown) is acknowledged at once. Nothing a bridge sends can make
-// it fail loudly: bad messages are logged and dropped.
+// came. bridges are the devices' bridges as intake read them, or readErr.
+// A message that is dropped (bad, stale, unknown) is acknowledged at once.
+// Nothing a bridge sends can make it fail loudly: bad messages are logged
+// and dropped.
 func (b *Broker) take(m mqtt.Message, bridges map[string]string, readErr error) {
 	ctx := context.Background()
 	if m.Topic() == b.moved {
