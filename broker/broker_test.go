@@ -312,11 +312,16 @@ func (s *bridgeReads) DeviceBridges(ctx context.Context, deviceIDs []string) (ma
 	return s.DB.DeviceBridges(ctx, deviceIDs)
 }
 
-// Replies that arrive while the store reads a device's bridge are taken in
-// together, with one read of their devices' bridges (bug 98): read one by
-// one, each waited for the one before, and on a
+func (s *bridgeReads) RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error) {
+	s.hold()
+	return s.DB.RegistryDevice(ctx, id)
+}
+
+// Replies and statuses that arrive while the store reads a device's bridge
+// are taken in together, with one read of their devices' bridges (bug 98):
+// read one by one, each waited for the one before, and on a
 // busy PostgreSQL replies came in slower than a bridge sends them.
-func TestRepliesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
+func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 	var reads *bridgeReads
 	e := newEnvStore(t, true, func(db *store.DB) Store {
 		reads = &bridgeReads{DB: db, release: make(chan struct{})}
@@ -325,6 +330,17 @@ func TestRepliesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 	released := sync.OnceFunc(func() { close(reads.release) })
 	t.Cleanup(released) // before the broker's Close, which waits for the held read
 	fb := connectBridge(t, e)
+	// Both devices read online first: a device coming online has its
+	// commands go again, with reads of its bridge.
+	seq := map[string]uint64{"dev-1": 1, "dev-2": 1}
+	for dev := range seq {
+		topic, _ := tree.Status(dev)
+		fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
+		testenv.Eventually(t, 10*time.Second, "online", func() bool {
+			s, err := e.db.Status(context.Background(), dev)
+			return err == nil && s.Online
+		})
+	}
 	const n = 40
 	var cmds []companion.Command
 	for i := range n {
@@ -340,6 +356,9 @@ func TestRepliesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 	p := 50
 	for _, c := range cmds {
 		fb.reply(t, c.DeviceID, topics.Reply{CommandID: c.ID, State: companion.StateInProgress, Progress: &p})
+		seq[c.DeviceID]++
+		topic, _ := tree.Status(c.DeviceID)
+		fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: seq[c.DeviceID], At: time.Now()})
 		fb.reply(t, c.DeviceID, topics.Reply{CommandID: c.ID, State: companion.StateSucceeded})
 	}
 	testenv.Eventually(t, 10*time.Second, "the first read", func() bool { return reads.reads.Load() == 1 })
@@ -347,7 +366,13 @@ func TestRepliesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 	for _, c := range cmds {
 		testenv.Eventually(t, 10*time.Second, "succeeded", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
 	}
-	assert.LessOrEqual(t, reads.reads.Load(), int64(4), "reads of the bridges of %d replies", 2*n)
+	for dev, last := range seq {
+		testenv.Eventually(t, 10*time.Second, "the last status", func() bool {
+			s, err := e.db.Status(context.Background(), dev)
+			return err == nil && s.Seq == last && s.Online
+		})
+	}
+	assert.LessOrEqual(t, reads.reads.Load(), int64(4), "reads for %d replies and %d statuses", 2*n, n)
 }
 
 func TestReplyOnAnotherDevicesTopicIsIgnored(t *testing.T) {

@@ -223,7 +223,6 @@ func (b *Broker) intake() {
 // Nothing a bridge sends can make it fail loudly: bad messages are logged
 // and dropped.
 func (b *Broker) take(m mqtt.Message, bridges map[string]string, readErr error) {
-	ctx := context.Background()
 	if m.Topic() == b.moved {
 		b.takeMoved(m.Payload())
 		m.Ack()
@@ -260,7 +259,7 @@ func (b *Broker) take(m mqtt.Message, bridges map[string]string, readErr error) 
 			m.Ack()
 			return
 		}
-		b.takeStatus(ctx, t.DeviceID, s, m.Ack)
+		b.takeStatus(t.DeviceID, s, m.Ack)
 	case topics.KindSettings:
 		if len(m.Payload()) == 0 {
 			m.Ack()
@@ -276,7 +275,7 @@ func (b *Broker) take(m mqtt.Message, bridges map[string]string, readErr error) 
 			m.Ack()
 			return
 		}
-		b.takeSettings(ctx, t.DeviceID, s, m.Ack)
+		b.takeSettings(t.DeviceID, s, m.Ack)
 	case topics.KindBridgeState:
 		switch string(m.Payload()) {
 		case topics.BridgeOnline:

@@ -436,13 +436,11 @@ func (b *Broker) admit(deviceID string, r companion.DeviceReport, attrs ...any) 
 	return r
 }
 
-// takeStatus stores a device's status, then calls ack.
-func (b *Broker) takeStatus(ctx context.Context, deviceID string, s topics.Status, ack func()) {
-	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
-		b.log.Warn("status for a device that was never provisioned", "device_id", deviceID)
-		ack()
-		return
-	}
+// takeStatus stores the status of a device a bridge serves (served: so it
+// is provisioned, as the stores assign only devices of the registry), then
+// calls ack. It reads nothing from the store: intake has read the bridges of
+// its batch at once (bug 98).
+func (b *Broker) takeStatus(deviceID string, s topics.Status, ack func()) {
 	st := storeStatus(deviceID, s)
 	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
 		ack()
@@ -521,13 +519,9 @@ func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int
 	b.log.Info("bridge online; resending its devices' unfinished commands", "bridge_id", bridgeID, "devices", len(ids))
 }
 
-// takeSettings stores the settings a device reported, then calls ack.
-func (b *Broker) takeSettings(ctx context.Context, deviceID string, s topics.Settings, ack func()) {
-	if _, err := b.st.RegistryDevice(ctx, deviceID); err != nil {
-		b.log.Warn("settings for a device that was never provisioned", "device_id", deviceID)
-		ack()
-		return
-	}
+// takeSettings stores the settings a device a bridge serves reported (as
+// takeStatus), then calls ack.
+func (b *Broker) takeSettings(deviceID string, s topics.Settings, ack func()) {
 	r, err := reportedSettings(s)
 	if err != nil {
 		b.log.Warn("settings that cannot be stored", "device_id", deviceID, "err", err)
