@@ -176,7 +176,7 @@ func (b *Broker) route(_ mqtt.Client, m mqtt.Message) {
 // the machine busy, replies came in slower than the bridges sent them
 // (docs/reliability.md, bug 98).
 func (b *Broker) intake() {
-	batch := make([]mqtt.Message, 0, maxIntakeBatch)
+	batch := make([]inbound, 0, maxIntakeBatch)
 	devices := make([]string, 0, maxIntakeBatch)
 	for {
 		batch, devices = batch[:0], devices[:0]
@@ -184,20 +184,20 @@ func (b *Broker) intake() {
 		case <-b.quit:
 			return
 		case m := <-b.inbox:
-			batch = append(batch, m)
+			batch = append(batch, b.parseInbound(m))
 		}
 	more:
 		for len(batch) < maxIntakeBatch {
 			select {
 			case m := <-b.inbox:
-				batch = append(batch, m)
+				batch = append(batch, b.parseInbound(m))
 			default:
 				break more
 			}
 		}
-		for _, m := range batch {
-			if t, err := b.tree.Parse(m.Topic()); err == nil && t.DeviceID != "" {
-				devices = append(devices, t.DeviceID)
+		for _, in := range batch {
+			if in.err == nil && in.t.DeviceID != "" {
+				devices = append(devices, in.t.DeviceID)
 			}
 		}
 		var (
@@ -207,29 +207,41 @@ func (b *Broker) intake() {
 		if len(devices) > 0 {
 			bridges, err = b.st.DeviceBridges(context.Background(), devices)
 		}
-		for _, m := range batch {
-			b.take(m, bridges, err)
+		for _, in := range batch {
+			b.take(in, bridges, err)
 		}
 	}
 }
 
-// take takes one message in: it parses it and hands what it says to the
-// store, and acknowledges it once the store has it on disk. It never waits
-// for the disk: intake calls it for one message at a time, in the order
-// paho delivered them, and the store's writes keep their order, so the
+// inbound is a message intake took, with its topic parsed (or err).
+type inbound struct {
+	m   mqtt.Message
+	t   topics.Topic
+	err error
+}
+
+func (b *Broker) parseInbound(m mqtt.Message) inbound {
+	t, err := b.tree.Parse(m.Topic())
+	return inbound{m: m, t: t, err: err}
+}
+
+// take takes one message in: it hands what it says to the store, and
+// acknowledges it once the store has it on disk. It never waits for the
+// disk: intake calls it for one message at a time, in the order paho
+// delivered them, and the store's writes keep their order, so the
 // messages of a device are taken, and acknowledged, in the order they
 // came. bridges are the devices' bridges as intake read them, or readErr.
 // A message that is dropped (bad, stale, unknown) is acknowledged at once.
 // Nothing a bridge sends can make it fail loudly: bad messages are logged
 // and dropped.
-func (b *Broker) take(m mqtt.Message, bridges map[string]string, readErr error) {
+func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
+	m, t := in.m, in.t
 	if m.Topic() == b.moved {
 		b.takeMoved(m.Payload())
 		m.Ack()
 		return
 	}
-	t, err := b.tree.Parse(m.Topic())
-	if err != nil {
+	if in.err != nil {
 		b.log.Warn("message on an unknown topic", "topic", m.Topic())
 		m.Ack()
 		return
