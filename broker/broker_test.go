@@ -526,41 +526,17 @@ func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
 		return s.Seq == 10 && s.Online
 	})
 
-	watch := func(id string) <-chan topics.Status {
-		ch := make(chan topics.Status, 10)
-		c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID(id).
-			SetUsername("server").SetPassword("pw"))
-		require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
-		t.Cleanup(func() { c.Disconnect(0) })
-		require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
-			s, err := topics.ParseStatus(m.Payload())
-			if err == nil {
-				ch <- s
-			}
-		}), 5*time.Second))
-		return ch
-	}
-	next := func(ch <-chan topics.Status) topics.Status {
-		t.Helper()
-		select {
-		case s := <-ch:
-			return s
-		case <-time.After(10 * time.Second):
-			t.Fatal("no status on " + topic)
-			return topics.Status{}
-		}
-	}
-	live := watch("watcher-1")
-	assert.True(t, next(live).Online, "the bridge's retained report")
+	live := watchStatus(t, e, "dev-1")
+	assert.True(t, nextStatus(t, live).Online, "the bridge's retained report")
 
 	state, _ := tree.BridgeState("b1")
 	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(state, 1, true, topics.BridgeOffline), 5*time.Second))
-	got := next(live)
+	got := nextStatus(t, live)
 	want := report
 	want.Online = false
 	assert.Equal(t, want, got, "the watcher hears the device go offline")
 
-	assert.Equal(t, want, next(watch("watcher-2")), "a later subscriber reads it retained")
+	assert.Equal(t, want, retainedStatus(t, e, "dev-1"), "a later subscriber reads it retained")
 	s, err := e.db.Status(ctx, "dev-1")
 	require.NoError(t, err)
 	assert.False(t, s.Online)
@@ -581,35 +557,45 @@ func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
 	n := e.b.bridgeGen["b1"]
 	e.b.mu.Unlock()
 	e.b.publishOffline("b1", n, []string{"dev-1"})
-	assert.Equal(t, back, next(watch("watcher-3")), "the retained status after a late publishOffline")
+	assert.Equal(t, back, retainedStatus(t, e, "dev-1"), "the retained status after a late publishOffline")
+}
+
+// watchStatus subscribes a new client to the device's status topic: its
+// retained message first, then what is published there.
+func watchStatus(t *testing.T, e *env, dev string) <-chan topics.Status {
+	t.Helper()
+	topic, err := tree.Status(dev)
+	require.NoError(t, err)
+	ch := make(chan topics.Status, 10)
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("watcher-" + uuid.NewString()).
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+	t.Cleanup(func() { c.Disconnect(0) })
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
+		if s, err := topics.ParseStatus(m.Payload()); err == nil {
+			ch <- s
+		}
+	}), 5*time.Second))
+	return ch
+}
+
+// nextStatus is the next status a watcher hears.
+func nextStatus(t *testing.T, ch <-chan topics.Status) topics.Status {
+	t.Helper()
+	select {
+	case s := <-ch:
+		return s
+	case <-time.After(10 * time.Second):
+		t.Fatal("no status heard")
+		return topics.Status{}
+	}
 }
 
 // retainedStatus reads the device's status topic as a new subscriber
 // does: its retained message.
 func retainedStatus(t *testing.T, e *env, dev string) topics.Status {
 	t.Helper()
-	topic, err := tree.Status(dev)
-	require.NoError(t, err)
-	ch := make(chan topics.Status, 1)
-	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("reader-" + uuid.NewString()).
-		SetUsername("server").SetPassword("pw"))
-	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
-	defer c.Disconnect(0)
-	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
-		if s, err := topics.ParseStatus(m.Payload()); err == nil {
-			select {
-			case ch <- s:
-			default:
-			}
-		}
-	}), 5*time.Second))
-	select {
-	case s := <-ch:
-		return s
-	case <-time.After(10 * time.Second):
-		t.Fatal("no retained status on " + topic)
-		return topics.Status{}
-	}
+	return nextStatus(t, watchStatus(t, e, dev))
 }
 
 // A Will's offline status is not published once its bridge has said
