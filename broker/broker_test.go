@@ -351,8 +351,13 @@ func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 	for _, c := range cmds {
 		testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, c.ID).State == companion.StateSent })
 	}
-	// The first reply's read is held; the others arrive meanwhile.
+	// A first status's read is held; the replies and statuses arrive
+	// meanwhile, and wait for intake all together.
 	reads.armed.Store(true)
+	first, _ := tree.Status("dev-1")
+	seq["dev-1"]++
+	fb.publish(t, first, topics.Status{Online: true, BridgeID: "b1", Seq: seq["dev-1"], At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the first read", func() bool { return reads.reads.Load() == 1 })
 	p := 50
 	for _, c := range cmds {
 		fb.reply(t, c.DeviceID, topics.Reply{CommandID: c.ID, State: companion.StateInProgress, Progress: &p})
@@ -361,7 +366,7 @@ func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 		fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: seq[c.DeviceID], At: time.Now()})
 		fb.reply(t, c.DeviceID, topics.Reply{CommandID: c.ID, State: companion.StateSucceeded})
 	}
-	testenv.Eventually(t, 10*time.Second, "the first read", func() bool { return reads.reads.Load() == 1 })
+	testenv.Eventually(t, 10*time.Second, "all waiting for intake", func() bool { return len(e.b.inbox) == 3*n })
 	released()
 	for _, c := range cmds {
 		testenv.Eventually(t, 10*time.Second, "succeeded", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
