@@ -78,6 +78,11 @@ type Options struct {
 	// bridge, while its device reads online, before it is sent again (see
 	// retrySent); default 1 min.
 	SentRetry time.Duration
+	// RepeatSpacing is the least time between two repeats of one command
+	// (a send of one the bridge may have had already): it doubles with
+	// each repeat, up to SentRetry. A repeat that comes sooner waits until
+	// then (see holdRepeat); default 5s.
+	RepeatSpacing time.Duration
 
 	// Dispatcher, for replicas sharing one store, says whether this
 	// replica is the one that publishes queued commands, resends them and
@@ -161,7 +166,12 @@ type Broker struct {
 	lastOut map[string]string
 	// named holds the ids that went out as a command's After and have not
 	// ended here: should one expire, the bridge is told (see expire).
-	named   map[string]bool
+	named map[string]bool
+	// repeats holds, per device, the commands repeated here and when each
+	// may go out again; held, per device with a repeat held back, the
+	// earliest time one may go (see holdRepeat).
+	repeats map[string]map[string]*repeat
+	held    map[string]time.Time
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
 	ready   bool
@@ -217,6 +227,9 @@ func New(opts Options) (*Broker, error) {
 	if opts.SentRetry <= 0 {
 		opts.SentRetry = time.Minute
 	}
+	if opts.RepeatSpacing <= 0 {
+		opts.RepeatSpacing = 5 * time.Second
+	}
 	if opts.Retention <= 0 {
 		opts.Retention = 30 * 24 * time.Hour
 	}
@@ -247,6 +260,8 @@ func New(opts Options) (*Broker, error) {
 		flying:    make(map[string]*outgoing),
 		lastOut:   make(map[string]string),
 		named:     make(map[string]bool),
+		repeats:   make(map[string]map[string]*repeat),
+		held:      make(map[string]time.Time),
 		live:      make(map[string]bool),
 		acks:      make(chan inflight, maxInflight),
 		inbox:     make(chan mqtt.Message, maxIntakeBatch),

@@ -818,6 +818,56 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	}
 }
 
+// A command whose final reply is slow to come (queued behind others in the
+// MQTT broker, or lost by it) is sent again on the first event that calls
+// for it; the events that follow within the spacing (a bridge that
+// reconnects again and again, its devices coming back online) hold the next
+// repeat back rather than each sending one, and the repeat held back still
+// goes, so that a reply the broker lost is fetched (bug 100).
+func TestRepeatsOfACommandAreSpacedNotDropped(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-1", "its final reply is lost twice", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool {
+		return state(t, e, c.ID).State == companion.StateDelivered
+	})
+
+	online := func() {
+		t.Helper()
+		bs, _ := tree.BridgeState("b1")
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOnline), 5*time.Second))
+	}
+	online()
+	first := time.Now()
+	assert.Equal(t, c.ID, fb.next(t).ID, "the first online sends the unfinished command again")
+	for range 5 {
+		online()
+	}
+	// The five onlines were taken in (each lists the bridge's devices
+	// after the one before), and none sent the command again at once.
+	quiet := e.b.opts.RepeatSpacing - time.Since(first) - time.Second
+	require.Positive(t, quiet, "the onlines took longer than the spacing")
+	select {
+	case got := <-fb.commands:
+		t.Fatalf("%s went out again %v after its repeat", got.ID, time.Since(first))
+	case <-time.After(quiet):
+	}
+	got := fb.next(t)
+	assert.Equal(t, c.ID, got.ID, "the repeat held back goes")
+	assert.GreaterOrEqual(t, time.Since(first), e.b.opts.RepeatSpacing, "no sooner than the spacing")
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the final reply fetched", func() bool {
+		return state(t, e, c.ID).State == companion.StateSucceeded
+	})
+	select {
+	case got := <-fb.commands:
+		t.Errorf("%s went out once more: the five onlines are one repeat", got.ID)
+	case <-time.After(500 * time.Millisecond):
+	}
+}
+
 // Each command names the device's command published before it that has not
 // ended (topics.Command.After), so that a bridge that gets it first waits
 // for that one: none once those before it have ended, and, sent again, the

@@ -65,6 +65,9 @@ func (b *Broker) resendDevice(deviceID string) {
 	b.mu.Lock()
 	b.resend[deviceID] = true
 	delete(b.lastOut, deviceID)
+	// Its new bridge never had them: none is held back as a repeat.
+	delete(b.repeats, deviceID)
+	delete(b.held, deviceID)
 	b.mu.Unlock()
 	b.wake()
 }

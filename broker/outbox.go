@@ -52,6 +52,10 @@ func (b *Broker) enqueue(c companion.Command) {
 func (b *Broker) outbox() {
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
+	// held fires when the first repeat held back (holdRepeat) may go.
+	held := time.NewTimer(time.Hour)
+	held.Stop()
+	defer held.Stop()
 	firstPass := true
 	for {
 		select {
@@ -65,6 +69,11 @@ func (b *Broker) outbox() {
 		case <-tick.C:
 			b.mu.Lock()
 			b.scan = true
+			b.forgetRepeats(time.Now())
+			b.mu.Unlock()
+		case <-held.C:
+			b.mu.Lock()
+			b.releaseHeld(time.Now())
 			b.mu.Unlock()
 		}
 		if !b.client.IsConnectionOpen() || !b.Ready() {
@@ -77,6 +86,8 @@ func (b *Broker) outbox() {
 			b.mu.Lock()
 			b.resend, b.pending = make(map[string]bool), nil
 			clear(b.lastOut) // the next dispatcher names its own
+			clear(b.repeats)
+			clear(b.held)
 			b.mu.Unlock()
 			firstPass = true
 			continue
@@ -121,6 +132,9 @@ func (b *Broker) outbox() {
 		ok := b.publish(cmds, again)
 		b.mu.Lock()
 		b.landed = nil
+		if at, ok := b.firstHeld(); ok {
+			held.Reset(time.Until(at))
+		}
 		b.mu.Unlock()
 		if !ok {
 			return
@@ -292,6 +306,13 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			continue
 		}
 		o := b.flying[c.ID]
+		repeat := again(c) && (c.State != companion.StateQueued || o != nil && o.published)
+		if repeat && b.holdRepeat(c.DeviceID, c.ID, time.Now()) {
+			// Sent again a moment ago: it goes later, if it has not
+			// ended by then.
+			b.mu.Unlock()
+			continue
+		}
 		if o == nil {
 			o = &outgoing{}
 			b.flying[c.ID] = o
@@ -349,6 +370,95 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 		}
 	}
 	return true
+}
+
+// repeat is when a command repeated by this dispatcher may go out again,
+// and how often it went.
+type repeat struct {
+	next time.Time
+	n    int
+}
+
+// holdRepeat reports whether a repeat of a command must wait: it went out
+// again less than its spacing ago. The spacing starts at RepeatSpacing and
+// doubles with each repeat, up to SentRetry. A repeat that waits is not
+// dropped: its device is held, and the outbox sends its unfinished commands
+// again when the time comes (releaseHeld). Called with mu held, with real
+// time: the spacing is about the path, not the clock of commands.
+//
+// Without it, every bridge "online", new dispatcher and device back online
+// sent every unfinished command of the devices again, and the bridge
+// answered each repeat of a finished one with its final reply. When the
+// replies waited in the MQTT broker (a store down, a node failing over),
+// the commands read unfinished for as long, so each such event sent them
+// all again, and their answers lengthened the very queue that kept them
+// unfinished (docs/reliability.md, bug 100).
+func (b *Broker) holdRepeat(deviceID, id string, now time.Time) bool {
+	rs := b.repeats[deviceID]
+	r := rs[id]
+	if r != nil && now.Before(r.next) {
+		if at, ok := b.held[deviceID]; !ok || r.next.Before(at) {
+			b.held[deviceID] = r.next
+		}
+		return true
+	}
+	if rs == nil {
+		rs = make(map[string]*repeat)
+		b.repeats[deviceID] = rs
+	}
+	if r == nil {
+		r = &repeat{}
+		rs[id] = r
+	}
+	spacing := b.opts.SentRetry
+	if r.n < 16 && b.opts.RepeatSpacing<<r.n < spacing {
+		spacing = b.opts.RepeatSpacing << r.n
+	}
+	r.next = now.Add(spacing)
+	r.n++
+	return false
+}
+
+// releaseHeld has the outbox send again the unfinished commands of the
+// devices whose held repeats may go now. Called with mu held.
+func (b *Broker) releaseHeld(now time.Time) {
+	for d, at := range b.held {
+		if !at.After(now) {
+			b.resend[d] = true
+			delete(b.held, d)
+		}
+	}
+	if len(b.resend) > 0 {
+		b.wake()
+	}
+}
+
+// firstHeld returns the earliest time a held repeat may go, and false when
+// none is held. Called with mu held.
+func (b *Broker) firstHeld() (time.Time, bool) {
+	var first time.Time
+	for _, at := range b.held {
+		if first.IsZero() || at.Before(first) {
+			first = at
+		}
+	}
+	return first, !first.IsZero()
+}
+
+// forgetRepeats forgets the repeats whose spacing ended a SentRetry ago or
+// more: the command ended, or has been quiet long enough to start over.
+// Called with mu held.
+func (b *Broker) forgetRepeats(now time.Time) {
+	for d, rs := range b.repeats {
+		for id, r := range rs {
+			if now.Sub(r.next) >= b.opts.SentRetry {
+				delete(rs, id)
+			}
+		}
+		if len(rs) == 0 {
+			delete(b.repeats, d)
+		}
+	}
 }
 
 // failedAtOnce returns the error of a publish token that failed by the
