@@ -396,7 +396,7 @@ type repeat struct {
 func (b *Broker) holdRepeat(deviceID, id string, now time.Time) bool {
 	rs := b.repeats[deviceID]
 	r := rs[id]
-	if r != nil && now.Before(r.next) {
+	if r != nil && now.Add(repeatSlack).Before(r.next) {
 		if at, ok := b.held[deviceID]; !ok || r.next.Before(at) {
 			b.held[deviceID] = r.next
 		}
@@ -419,11 +419,16 @@ func (b *Broker) holdRepeat(deviceID, id string, now time.Time) bool {
 	return false
 }
 
+// repeatSlack is how much sooner than its spacing says a repeat may go:
+// the devices whose held repeats come due within it go out in one pass,
+// and each pass reads the store's open commands.
+const repeatSlack = time.Second
+
 // releaseHeld has the outbox send again the unfinished commands of the
 // devices whose held repeats may go now. Called with mu held.
 func (b *Broker) releaseHeld(now time.Time) {
 	for d, at := range b.held {
-		if !at.After(now) {
+		if !at.After(now.Add(repeatSlack)) {
 			b.resend[d] = true
 			delete(b.held, d)
 		}
