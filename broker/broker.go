@@ -172,6 +172,7 @@ type Broker struct {
 	// earliest time one may go (see holdRepeat).
 	repeats map[string]map[string]*repeat
 	held    map[string]time.Time
+	finals  finalSet        // commands seen final here (notify)
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
 	ready   bool

@@ -427,6 +427,50 @@ func TestAReplyWhoseBridgeReadFailsIsTakenAgain(t *testing.T) {
 	})
 }
 
+// replyWrites is a store that counts the replies handed to it.
+type replyWrites struct {
+	*store.DB
+	n atomic.Int64
+}
+
+func (s *replyWrites) UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error)) {
+	s.n.Add(1)
+	s.DB.UpdateCommandWithReportAsync(id, fn, report, done)
+}
+
+// The bridge answers every repeat of a command it finished with its final
+// reply. Those replies, for a command final here already, are dropped as
+// they come, not each handed to the store to be refused there: after
+// faults they come by the thousand, and each one taken to the store
+// lengthened the queue of replies that kept the commands unfinished
+// (bug 100).
+func TestRepeatedFinalRepliesAreDroppedWithoutTheStore(t *testing.T) {
+	var st *replyWrites
+	e := newEnvStore(t, true, func(db *store.DB) Store {
+		st = &replyWrites{DB: db}
+		return st
+	})
+	fb := connectBridge(t, e)
+	done := submit(t, e, "dev-1", "finished, its reply repeated", time.Hour)
+	require.Equal(t, done.ID, fb.next(t).ID)
+	final := topics.Reply{CommandID: done.ID, State: companion.StateSucceeded, At: time.Now()}
+	fb.reply(t, "dev-1", final)
+	testenv.Eventually(t, 10*time.Second, "succeeded", func() bool { return state(t, e, done.ID).State == companion.StateSucceeded })
+
+	const repeats = 50
+	for range repeats {
+		fb.reply(t, "dev-1", final)
+	}
+	// Taken in order: once the next command's reply is stored, the
+	// repeats before it have been taken.
+	next := submit(t, e, "dev-1", "after the repeats", time.Hour)
+	require.Equal(t, next.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: next.ID, State: companion.StateSucceeded, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the next command succeeded", func() bool { return state(t, e, next.ID).State == companion.StateSucceeded })
+	assert.Equal(t, int64(2), st.n.Load(), "replies handed to the store: the two final ones, none of the %d repeats", repeats)
+	assert.Equal(t, companion.StateSucceeded, state(t, e, done.ID).State)
+}
+
 func TestReplyOnAnotherDevicesTopicIsIgnored(t *testing.T) {
 	e := newEnv(t, true)
 	fb := connectBridge(t, e)

@@ -253,6 +253,9 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 func (b *Broker) notify(cmd companion.Command) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if companion.IsFinal(cmd.State) {
+		b.finals.add(cmd.ID)
+	}
 	delete(b.live, cmd.ID)
 	if b.lastOut[cmd.DeviceID] == cmd.ID {
 		// The bridge has it, or will hear of its end (a cancel), or never
@@ -267,4 +270,30 @@ func (b *Broker) notify(cmd companion.Command) {
 		default:
 		}
 	}
+}
+
+// finalSet holds the ids of the commands most recently seen final here,
+// between finalGeneration and twice as many: a reply for one of them is
+// dropped at once (intake), where the store would refuse it. Under mu.
+type finalSet struct {
+	recent, older map[string]struct{}
+}
+
+// finalGeneration bounds each generation of a finalSet: a few megabytes
+// for both, and minutes of commands at the rates the soaks run.
+const finalGeneration = 1 << 15
+
+func (s *finalSet) add(id string) {
+	if s.recent == nil || len(s.recent) >= finalGeneration {
+		s.older, s.recent = s.recent, make(map[string]struct{}, 1024)
+	}
+	s.recent[id] = struct{}{}
+}
+
+func (s *finalSet) has(id string) bool {
+	if _, ok := s.recent[id]; ok {
+		return true
+	}
+	_, ok := s.older[id]
+	return ok
 }

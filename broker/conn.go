@@ -195,11 +195,17 @@ func (b *Broker) intake() {
 				break more
 			}
 		}
-		for _, in := range batch {
-			if in.err == nil && in.t.DeviceID != "" {
+		b.mu.Lock()
+		for i := range batch {
+			in := &batch[i]
+			if in.err == nil && in.t.Kind == topics.KindReplies && in.rerr == nil {
+				in.final = b.finals.has(in.r.CommandID)
+			}
+			if in.err == nil && in.t.DeviceID != "" && !in.final {
 				devices = append(devices, in.t.DeviceID)
 			}
 		}
+		b.mu.Unlock()
 		var (
 			bridges map[string]string
 			err     error
@@ -213,16 +219,25 @@ func (b *Broker) intake() {
 	}
 }
 
-// inbound is a message intake took, with its topic parsed (or err).
+// inbound is a message intake took, with its topic parsed (or err) and,
+// on a replies topic, its reply (or rerr). final says the reply's command
+// is known final here (finals): the reply can change nothing.
 type inbound struct {
-	m   mqtt.Message
-	t   topics.Topic
-	err error
+	m     mqtt.Message
+	t     topics.Topic
+	err   error
+	r     topics.Reply
+	rerr  error
+	final bool
 }
 
 func (b *Broker) parseInbound(m mqtt.Message) inbound {
 	t, err := b.tree.Parse(m.Topic())
-	return inbound{m: m, t: t, err: err}
+	in := inbound{m: m, t: t, err: err}
+	if err == nil && t.Kind == topics.KindReplies {
+		in.r, in.rerr = topics.ParseReply(m.Payload())
+	}
+	return in
 }
 
 // take takes one message in: it hands what it says to the store, and
@@ -248,14 +263,21 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 	}
 	switch t.Kind {
 	case topics.KindReplies:
-		r, err := topics.ParseReply(m.Payload())
-		if err != nil {
-			b.log.Warn("bad reply", "device_id", t.DeviceID, "err", err)
+		if in.rerr != nil {
+			b.log.Warn("bad reply", "device_id", t.DeviceID, "err", in.rerr)
+			m.Ack()
+			return
+		}
+		if in.final {
+			// A repeat of a final reply, most likely (the bridge answers
+			// every repeat of a command it finished): the store would
+			// refuse it, report and all (bug 100).
+			b.log.Debug("reply for a command final here; dropped", "device_id", t.DeviceID, "command_id", in.r.CommandID, "state", in.r.State)
 			m.Ack()
 			return
 		}
 		// takeReplyAttempt checks that a bridge serves the device.
-		b.takeReplyAttempt(t.DeviceID, bridges[t.DeviceID], readErr, r, m.Ack, 1)
+		b.takeReplyAttempt(t.DeviceID, bridges[t.DeviceID], readErr, in.r, m.Ack, 1)
 	case topics.KindStatus:
 		if len(m.Payload()) == 0 {
 			m.Ack() // a cleared retained message
