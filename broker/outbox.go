@@ -132,7 +132,7 @@ func (b *Broker) outbox() {
 		ok := b.publish(cmds, again)
 		b.mu.Lock()
 		b.landed = nil
-		if at, ok := b.firstHeld(); ok {
+		if at, waiting := b.firstHeld(); waiting {
 			held.Reset(time.Until(at))
 		}
 		b.mu.Unlock()
