@@ -273,6 +273,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			// every repeat of a command it finished): the store would
 			// refuse it, report and all (bug 100).
 			b.log.Debug("reply for a command final here; dropped", "device_id", t.DeviceID, "command_id", in.r.CommandID, "state", in.r.State)
+			b.land(in.r.CommandID) // as the store's refusal would
 			m.Ack()
 			return
 		}
