@@ -121,6 +121,18 @@ func newEnvStore(t *testing.T, startMQTT bool, wrap func(*store.DB) Store) *env 
 	return e
 }
 
+// newEnvOn is newEnv with the broker on wrap(the store), which it returns
+// too.
+func newEnvOn[S Store](t *testing.T, wrap func(*store.DB) S) (*env, S) {
+	t.Helper()
+	var st S
+	e := newEnvStore(t, true, func(db *store.DB) Store {
+		st = wrap(db)
+		return st
+	})
+	return e, st
+}
+
 // inlineConn, when set, has newEnv connect the broker to the embedded one
 // in-process (embedded.Server.NewClient), as `companion serve` does,
 // instead of over TCP.
@@ -322,10 +334,8 @@ func (s *bridgeReads) RegistryDevice(ctx context.Context, id string) (companion.
 // read one by one, each waited for the one before, and on a
 // busy PostgreSQL replies came in slower than a bridge sends them.
 func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
-	var reads *bridgeReads
-	e := newEnvStore(t, true, func(db *store.DB) Store {
-		reads = &bridgeReads{DB: db, release: make(chan struct{})}
-		return reads
+	e, reads := newEnvOn(t, func(db *store.DB) *bridgeReads {
+		return &bridgeReads{DB: db, release: make(chan struct{})}
 	})
 	released := sync.OnceFunc(func() { close(reads.release) })
 	t.Cleanup(released) // before the broker's Close, which waits for the held read
@@ -409,11 +419,7 @@ func (s *failingBridges) DeviceBridges(ctx context.Context, deviceIDs []string) 
 // A reply whose batch's read of the bridges fails is not lost: it waits,
 // unacknowledged, and is taken again once the store answers.
 func TestAReplyWhoseBridgeReadFailsIsTakenAgain(t *testing.T) {
-	var st *failingBridges
-	e := newEnvStore(t, true, func(db *store.DB) Store {
-		st = &failingBridges{DB: db}
-		return st
-	})
+	e, st := newEnvOn(t, func(db *store.DB) *failingBridges { return &failingBridges{DB: db} })
 	fb := connectBridge(t, e)
 	c := submit(t, e, "dev-1", "its reply comes while the store is down", time.Hour)
 	require.Equal(t, c.ID, fb.next(t).ID)
@@ -445,11 +451,7 @@ func (s *replyWrites) UpdateCommandWithReportAsync(id string, fn func(*companion
 // lengthened the queue of replies that kept the commands unfinished
 // (bug 100).
 func TestRepeatedFinalRepliesAreDroppedWithoutTheStore(t *testing.T) {
-	var st *replyWrites
-	e := newEnvStore(t, true, func(db *store.DB) Store {
-		st = &replyWrites{DB: db}
-		return st
-	})
+	e, st := newEnvOn(t, func(db *store.DB) *replyWrites { return &replyWrites{DB: db} })
 	fb := connectBridge(t, e)
 	done := submit(t, e, "dev-1", "finished, its reply repeated", time.Hour)
 	require.Equal(t, done.ID, fb.next(t).ID)
