@@ -390,47 +390,100 @@ func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 	assert.LessOrEqual(t, reads.reads.Load(), int64(4), "reads for %d replies and %d statuses", 2*n, n)
 }
 
-// failingBridges is a store whose reads of devices' bridges fail while
-// fail is set.
-type failingBridges struct {
+// failingStore is a store whose reads of devices' bridges fail while
+// failReads is set, and whose writes of statuses and settings fail while
+// failWrites is; fails counts the failures.
+type failingStore struct {
 	*store.DB
-	fail  atomic.Bool
-	fails atomic.Int64
+	failReads, failWrites atomic.Bool
+	fails                 atomic.Int64
 }
 
 var errStoreDown = errors.New("store down (test)")
 
-func (s *failingBridges) DeviceBridge(ctx context.Context, deviceID string) (string, error) {
-	if s.fail.Load() {
+func (s *failingStore) failing(flag *atomic.Bool) bool {
+	if flag.Load() {
 		s.fails.Add(1)
+		return true
+	}
+	return false
+}
+
+func (s *failingStore) DeviceBridge(ctx context.Context, deviceID string) (string, error) {
+	if s.failing(&s.failReads) {
 		return "", errStoreDown
 	}
 	return s.DB.DeviceBridge(ctx, deviceID)
 }
 
-func (s *failingBridges) DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error) {
-	if s.fail.Load() {
-		s.fails.Add(1)
+func (s *failingStore) DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error) {
+	if s.failing(&s.failReads) {
 		return nil, errStoreDown
 	}
 	return s.DB.DeviceBridges(ctx, deviceIDs)
 }
 
+func (s *failingStore) PutStatusAsync(st companion.Status, done func(bool, error)) {
+	if s.failing(&s.failWrites) {
+		done(false, errStoreDown)
+		return
+	}
+	s.DB.PutStatusAsync(st, done)
+}
+
+func (s *failingStore) PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error)) {
+	if s.failing(&s.failWrites) {
+		done(false, errStoreDown)
+		return
+	}
+	s.DB.PutReportedSettingsAsync(deviceID, reported, schema, at, seq, done)
+}
+
 // A reply whose batch's read of the bridges fails is not lost: it waits,
 // unacknowledged, and is taken again once the store answers.
 func TestAReplyWhoseBridgeReadFailsIsTakenAgain(t *testing.T) {
-	e, st := newEnvOn(t, func(db *store.DB) *failingBridges { return &failingBridges{DB: db} })
+	e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
 	fb := connectBridge(t, e)
 	c := submit(t, e, "dev-1", "its reply comes while the store is down", time.Hour)
 	require.Equal(t, c.ID, fb.next(t).ID)
-	st.fail.Store(true)
+	st.failReads.Store(true)
 	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()})
 	testenv.Eventually(t, 10*time.Second, "the batch read and a retry fail", func() bool { return st.fails.Load() >= 2 })
 	assert.NotEqual(t, companion.StateSucceeded, state(t, e, c.ID).State)
-	st.fail.Store(false)
+	st.failReads.Store(false)
 	testenv.Eventually(t, 20*time.Second, "the reply taken once the store answers", func() bool {
 		return state(t, e, c.ID).State == companion.StateSucceeded
 	})
+}
+
+// A status or settings whose read of the device's bridge, or whose write,
+// the store fails is not dropped: it waits, unacknowledged, and is taken
+// again once the store answers (bug 101). Dropped, the device read as
+// its report before said until the bridge's next one, a minute later.
+func TestAReportTheStoreFailsIsTakenAgain(t *testing.T) {
+	for _, failing := range []string{"reads", "writes"} {
+		t.Run(failing, func(t *testing.T) {
+			e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
+			fb := connectBridge(t, e)
+			flag := map[string]*atomic.Bool{"reads": &st.failReads, "writes": &st.failWrites}[failing]
+			flag.Store(true)
+			seq := uint64(time.Now().UnixNano())
+			statusTopic, _ := tree.Status("dev-1")
+			fb.publish(t, statusTopic, topics.Status{Online: true, FirmwareVersion: "2.0.0", BridgeID: "b1", Seq: seq, At: time.Now()})
+			settingsTopic, _ := tree.Settings("dev-1")
+			fb.publish(t, settingsTopic, topics.Settings{Reported: map[string]any{"volume": 7}, Seq: seq, At: time.Now()})
+			testenv.Eventually(t, 10*time.Second, "the store failing them, and failing them again when they are retried", func() bool { return st.fails.Load() >= 4 })
+			flag.Store(false)
+			testenv.Eventually(t, 20*time.Second, "the status and settings taken once the store answers", func() bool {
+				s, err := e.db.Status(context.Background(), "dev-1")
+				if err != nil || s.Seq != seq || !s.Online {
+					return false
+				}
+				set, err := e.db.Settings(context.Background(), "dev-1")
+				return err == nil && set.Seq == seq
+			})
+		})
+	}
 }
 
 // replyWrites is a store that counts the replies handed to it.

@@ -290,11 +290,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
-		if !b.served(t.DeviceID, s.BridgeID, bridges[t.DeviceID], readErr) {
-			m.Ack()
-			return
-		}
-		b.takeStatus(t.DeviceID, s, m.Ack)
+		b.takeStatus(t.DeviceID, s, bridges[t.DeviceID], readErr, m.Ack)
 	case topics.KindSettings:
 		if len(m.Payload()) == 0 {
 			m.Ack()
@@ -306,11 +302,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
-		if !b.served(t.DeviceID, "", bridges[t.DeviceID], readErr) {
-			m.Ack()
-			return
-		}
-		b.takeSettings(t.DeviceID, s, m.Ack)
+		b.takeSettings(t.DeviceID, s, bridges[t.DeviceID], readErr, m.Ack)
 	case topics.KindBridgeState:
 		switch string(m.Payload()) {
 		case topics.BridgeOnline:

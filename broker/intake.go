@@ -441,23 +441,63 @@ func (b *Broker) admit(deviceID string, r companion.DeviceReport, attrs ...any) 
 
 // takeStatus stores the status of a device a bridge serves (served: so it
 // is provisioned, as the stores assign only devices of the registry), then
-// calls ack. It reads nothing from the store: intake has read the bridges of
-// its batch at once (bug 98).
-func (b *Broker) takeStatus(deviceID string, s topics.Status, ack func()) {
+// calls ack. bridge is the device's bridge as intake read it for its batch
+// (bug 98), or readErr.
+func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, readErr error, ack func()) {
 	st := storeStatus(deviceID, s)
 	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
 		ack()
 		return
 	}
-	start := time.Now()
-	b.st.PutStatusAsync(st, func(_ bool, err error) {
-		defer ack()
-		b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
-		if err != nil {
-			b.log.Error("storing a status", "device_id", deviceID, "err", err)
+	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, func(done func(error)) {
+		start := time.Now()
+		b.st.PutStatusAsync(st, func(_ bool, err error) {
+			b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
+			if err == nil {
+				b.sawDevice(deviceID, s.Online)
+			}
+			done(err)
+		})
+	})
+}
+
+// takeReport takes a device's status or settings in (what names which),
+// once its bridge is read: bridge, or readErr. If a bridge serves the
+// device (bridgeID, when set, must be that one), put stores the report
+// and calls done with the store's error; then ack. A read of the bridge or
+// a write that the store fails is tried again a little later, the message
+// unacknowledged meanwhile, as a reply's is (takeReplyAttempt), up to
+// maxReplyAttempts: dropped, as it was, the device read as its report
+// before said until its bridge's next one, up to a minute later (the
+// bridge reports every StatusInterval), and while PostgreSQL restarted,
+// an "online" lost so left a device reading offline (docs/reliability.md,
+// bug 101). A later report of the device taken meanwhile is not undone:
+// the stores keep the highest seq.
+func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr error, ack func(), attempt int, put func(done func(error))) {
+	if readErr != nil && !errors.Is(readErr, companion.ErrNotFound) && attempt < maxReplyAttempts {
+		b.log.Warn("reading a device's bridge failed; taking its "+what+" again", "device_id", deviceID, "attempt", attempt, "err", readErr)
+		b.later(replyRetryDelay(attempt), func() {
+			bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
+			b.takeReport(what, deviceID, bridgeID, bridge, err, ack, attempt+1, put)
+		})
+		return
+	}
+	if !b.served(deviceID, bridgeID, bridge, readErr) {
+		ack()
+		return
+	}
+	put(func(err error) {
+		if err != nil && !errors.Is(err, companion.ErrInvalid) && !errors.Is(err, companion.ErrNotFound) && attempt < maxReplyAttempts {
+			b.log.Warn("storing a device's "+what+" failed; taking it again", "device_id", deviceID, "attempt", attempt, "err", err)
+			b.later(replyRetryDelay(attempt), func() {
+				b.takeReport(what, deviceID, bridgeID, bridge, nil, ack, attempt+1, put)
+			})
 			return
 		}
-		b.sawDevice(deviceID, s.Online)
+		if err != nil {
+			b.log.Error("storing a device's "+what, "device_id", deviceID, "err", err)
+		}
+		ack()
 	})
 }
 
@@ -524,7 +564,7 @@ func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int
 
 // takeSettings stores the settings a device a bridge serves reported (as
 // takeStatus), then calls ack.
-func (b *Broker) takeSettings(deviceID string, s topics.Settings, ack func()) {
+func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string, readErr error, ack func()) {
 	r, err := reportedSettings(s)
 	if err != nil {
 		b.log.Warn("settings that cannot be stored", "device_id", deviceID, "err", err)
@@ -535,13 +575,12 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, ack func()) {
 		ack()
 		return
 	}
-	start := time.Now()
-	b.st.PutReportedSettingsAsync(deviceID, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
-		defer ack()
-		b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))
-		if err != nil {
-			b.log.Error("storing settings", "device_id", deviceID, "err", err)
-		}
+	b.takeReport("settings", deviceID, "", bridge, readErr, ack, 1, func(done func(error)) {
+		start := time.Now()
+		b.st.PutReportedSettingsAsync(deviceID, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
+			b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))
+			done(err)
+		})
 	})
 }
 
