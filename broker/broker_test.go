@@ -1013,6 +1013,61 @@ func TestRepeatsOfACommandAreSpacedNotDropped(t *testing.T) {
 	}
 }
 
+// A replica that stops dispatching and starts again (its lock lost and won
+// back, as a PostgreSQL restart does) sends every open command again, as a
+// new dispatcher must; but one it repeated itself a moment ago waits for
+// its spacing, as it would for any other event (bug 100).
+func TestRepeatsStaySpacedWhenADispatcherComesBack(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	require.NoError(t, e.b.Close()) // r alone dispatches
+	d := &dispatcher{}
+	d.on.Store(true)
+	opts := e.b.opts
+	opts.ClientID += "-r"
+	opts.Dispatcher = d
+	r, err := New(opts)
+	require.NoError(t, err)
+	require.NoError(t, r.Start())
+	t.Cleanup(func() { r.Close() })
+	testenv.Eventually(t, 10*time.Second, "the replica ready", r.Ready)
+
+	p, _ := json.Marshal(topics.PushText{Text: "its final reply is missing"})
+	c, _, err := r.Submit(context.Background(), companion.Command{
+		DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(time.Hour),
+	}, nil)
+	require.NoError(t, err)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
+
+	flap := func() {
+		t.Helper()
+		d.on.Store(false)
+		r.DispatcherChanged(false)
+		r.wake()
+		testenv.Eventually(t, 10*time.Second, "the outbox saw it no longer dispatches", func() bool {
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			return len(r.lastOut) == 0
+		})
+		d.on.Store(true)
+		r.DispatcherChanged(true)
+	}
+	flap()
+	first := time.Now()
+	assert.Equal(t, c.ID, fb.next(t).ID, "back as the dispatcher, it sends the open command again")
+	flap()
+	quiet := r.opts.RepeatSpacing - repeatSlack - time.Since(first) - 500*time.Millisecond
+	require.Positive(t, quiet, "the second spell took longer than the spacing")
+	select {
+	case got := <-fb.commands:
+		t.Fatalf("%s went out again %v after its repeat", got.ID, time.Since(first))
+	case <-time.After(quiet):
+	}
+	assert.Equal(t, c.ID, fb.next(t).ID, "the repeat held back goes")
+}
+
 // Each command names the device's command published before it that has not
 // ended (topics.Command.After), so that a bridge that gets it first waits
 // for that one: none once those before it have ended, and, sent again, the

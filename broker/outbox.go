@@ -86,7 +86,9 @@ func (b *Broker) outbox() {
 			b.mu.Lock()
 			b.resend, b.pending = make(map[string]bool), nil
 			clear(b.lastOut) // the next dispatcher names its own
-			clear(b.repeats)
+			// The repeats stay spaced should this replica dispatch
+			// again: what it sent went out whoever dispatched since
+			// (bug 100). None is held until then.
 			clear(b.held)
 			b.mu.Unlock()
 			firstPass = true
@@ -385,6 +387,11 @@ type repeat struct {
 // dropped: its device is held, and the outbox sends its unfinished commands
 // again when the time comes (releaseHeld). Called with mu held, with real
 // time: the spacing is about the path, not the clock of commands.
+//
+// The spacing outlives a spell of not dispatching: a replica that loses
+// the dispatcher's lock and wins it back (a PostgreSQL restart does that)
+// sends every open command again, as a new dispatcher must, except those
+// it sent itself within their spacing, which wait for it.
 //
 // Without it, every bridge "online", new dispatcher and device back online
 // sent every unfinished command of the devices again, and the bridge
