@@ -534,12 +534,25 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 		s.mu.Unlock()
 		// The same test as at its arrival: a record of the one it runs
 		// after, read with the file's lock, not the spool's.
-		var unseen string
+		var (
+			unseen string
+			before *record
+		)
 		err := s.db.View(func(tx *bolt.Tx) (err error) {
-			unseen, err = unseenAfter(tx, r.Cmd)
+			if unseen, err = unseenAfter(tx, r.Cmd); err != nil || unseen != "" {
+				return err
+			}
+			before, err = getRecord(tx, r.Cmd.After)
 			return err
 		})
 		s.mu.Lock()
+		if err == nil && unseen == "" && before != nil && before.State != spoolDone && !s.holds(before.Cmd) {
+			// On disk but not yet in its queue: accept commits a batch,
+			// then releases it. It comes first, in a moment (release
+			// wakes the device's worker); run now, this one went ahead
+			// of it (docs/reliability.md, bug 102).
+			unseen = before.Cmd.ID
+		}
 		if err != nil || unseen != "" {
 			if r.waitUntil.IsZero() {
 				r.waitUntil = now.Add(s.afterWait)
@@ -564,6 +577,15 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 	}
 	s.running[r.Cmd.ID] = true
 	return r, 0
+}
+
+// holds reports whether a command not done is in the spool's memory:
+// queued or running. Called with mu held.
+func (s *spool) holds(c topics.Command) bool {
+	if s.running[c.ID] {
+		return true
+	}
+	return slices.ContainsFunc(s.queues[c.DeviceID], func(r *record) bool { return r.Cmd.ID == c.ID })
 }
 
 // claimUnserved claims every command queued for a device the bridge does

@@ -653,3 +653,37 @@ func TestSpoolWaitsForTheCommandBefore(t *testing.T) {
 		t.Fatalf("claim once the wait is over = %+v; want the orphan, given up", r)
 	}
 }
+
+// A command whose predecessor is on disk but not yet in its queue (accept
+// commits a batch, then releases it into the queues) waits for it: taken
+// for seen, it ran first, and its predecessor after it (bug 102).
+func TestSpoolWaitsForACommandOnDiskNotYetQueued(t *testing.T) {
+	s := openTestSpool(t)
+	first := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "first"})
+	second := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "second"})
+	second.After = first.ID
+	now := time.Now()
+	res, err := s.accept([]topics.Command{second}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.release(res[0].rec)
+	if r, _ := s.claim("d", now); r != nil {
+		t.Fatalf("claim = %+v; want it to wait for the first", r)
+	}
+	res, err = s.accept([]topics.Command{first}, now) // committed, not yet released
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, wait := s.claim("d", now); r != nil || wait <= 0 {
+		t.Fatalf("claim with the first on disk, not yet queued = %+v, %v; want nothing, and a wait", r, wait)
+	}
+	s.release(res[0].rec)
+	for _, want := range []topics.Command{first, second} {
+		r, _ := s.claim("d", now)
+		if r == nil || r.Cmd.ID != want.ID || r.gaveUp {
+			t.Fatalf("claim = %+v; want %s, not given up", r, want.ID)
+		}
+		finishSync(t, s, r, topics.Reply{CommandID: r.Cmd.ID, State: companion.StateSucceeded, At: now})
+	}
+}

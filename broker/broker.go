@@ -80,8 +80,9 @@ type Options struct {
 	SentRetry time.Duration
 	// RepeatSpacing is the least time between two repeats of one command
 	// (a send of one the bridge may have had already): it doubles with
-	// each repeat, up to SentRetry. A repeat that comes sooner waits until
-	// then (see holdRepeat); default 5s.
+	// each repeat, up to SentRetry or a minute, whichever is less. A
+	// repeat that comes sooner waits until then (see holdRepeat); default
+	// 5s.
 	RepeatSpacing time.Duration
 
 	// Dispatcher, for replicas sharing one store, says whether this

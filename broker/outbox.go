@@ -383,7 +383,7 @@ type repeat struct {
 
 // holdRepeat reports whether a repeat of a command must wait: it went out
 // again less than its spacing ago. The spacing starts at RepeatSpacing and
-// doubles with each repeat, up to SentRetry. A repeat that waits is not
+// doubles with each repeat, up to SentRetry (maxRepeatSpacing at most). A repeat that waits is not
 // dropped: its device is held, and the outbox sends its unfinished commands
 // again when the time comes (releaseHeld). Called with mu held, with real
 // time: the spacing is about the path, not the clock of commands.
@@ -417,7 +417,7 @@ func (b *Broker) holdRepeat(deviceID, id string, now time.Time) bool {
 		r = &repeat{}
 		rs[id] = r
 	}
-	spacing := b.opts.SentRetry
+	spacing := min(b.opts.SentRetry, maxRepeatSpacing)
 	if r.n < 16 && b.opts.RepeatSpacing<<r.n < spacing {
 		spacing = b.opts.RepeatSpacing << r.n
 	}
@@ -425,6 +425,13 @@ func (b *Broker) holdRepeat(deviceID, id string, now time.Time) bool {
 	r.n++
 	return false
 }
+
+// maxRepeatSpacing bounds the spacing of a command's repeats, whatever
+// SentRetry: a later command of its device that went out meanwhile names
+// it as the one to run after, and a bridge that never had it waits
+// agent.DefaultAfterWait (2 min) for it before running the later one
+// without it, out of order.
+const maxRepeatSpacing = time.Minute
 
 // repeatSlack is how much sooner than its spacing says a repeat may go:
 // the devices whose held repeats come due within it go out in one pass,
