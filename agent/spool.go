@@ -548,9 +548,9 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 		s.mu.Lock()
 		if err == nil && unseen == "" && before != nil && before.State != spoolDone && !s.holds(before.Cmd) {
 			// On disk but not yet in its queue: accept commits a batch,
-			// then releases it. It comes first, in a moment (release
-			// wakes the device's worker); run now, this one went ahead
-			// of it (docs/reliability.md, bug 102).
+			// then releases it. It is queued ahead of this one in a
+			// moment (release wakes the device's worker); claimed now,
+			// this one ran first (docs/reliability.md, bug 102).
 			unseen = before.Cmd.ID
 		}
 		if err != nil || unseen != "" {
