@@ -218,6 +218,28 @@ func (fb *fakeBridge) next(t *testing.T) topics.Command {
 	}
 }
 
+// none fails the test if a command reaches the bridge within d; why says
+// what should have kept it.
+func (fb *fakeBridge) none(t *testing.T, d time.Duration, why string) {
+	t.Helper()
+	select {
+	case c := <-fb.commands:
+		t.Errorf("%s went out: %s", c.ID, why)
+	case <-time.After(d):
+	}
+}
+
+// heldBack checks that the command id, repeated at first, is held back
+// for the spacing (less its slack) and then goes.
+func (fb *fakeBridge) heldBack(t *testing.T, b *Broker, first time.Time, id string) {
+	t.Helper()
+	quiet := b.opts.RepeatSpacing - repeatSlack - time.Since(first) - 500*time.Millisecond
+	require.Positive(t, quiet, "the events took longer than the spacing")
+	fb.none(t, quiet, "a repeat within the spacing of the last")
+	assert.Equal(t, id, fb.next(t).ID, "the repeat held back goes")
+	assert.GreaterOrEqual(t, time.Since(first), b.opts.RepeatSpacing-repeatSlack, "no sooner than the spacing")
+}
+
 func (fb *fakeBridge) publish(t *testing.T, topic string, v any) {
 	t.Helper()
 	b, err := json.Marshal(v)
@@ -992,25 +1014,12 @@ func TestRepeatsOfACommandAreSpacedNotDropped(t *testing.T) {
 		online()
 	}
 	// None of the five sends the command again before the spacing.
-	quiet := e.b.opts.RepeatSpacing - repeatSlack - time.Since(first) - 500*time.Millisecond
-	require.Positive(t, quiet, "the onlines took longer than the spacing")
-	select {
-	case got := <-fb.commands:
-		t.Fatalf("%s went out again %v after its repeat", got.ID, time.Since(first))
-	case <-time.After(quiet):
-	}
-	got := fb.next(t)
-	assert.Equal(t, c.ID, got.ID, "the repeat held back goes")
-	assert.GreaterOrEqual(t, time.Since(first), e.b.opts.RepeatSpacing-repeatSlack, "no sooner than the spacing")
+	fb.heldBack(t, e.b, first, c.ID)
 	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()})
 	testenv.Eventually(t, 10*time.Second, "the final reply fetched", func() bool {
 		return state(t, e, c.ID).State == companion.StateSucceeded
 	})
-	select {
-	case got := <-fb.commands:
-		t.Errorf("%s went out once more: the five onlines are one repeat", got.ID)
-	case <-time.After(500 * time.Millisecond):
-	}
+	fb.none(t, 500*time.Millisecond, "the five onlines are one repeat")
 }
 
 // A replica that stops dispatching and starts again (its lock lost and won
@@ -1058,14 +1067,7 @@ func TestRepeatsStaySpacedWhenADispatcherComesBack(t *testing.T) {
 	first := time.Now()
 	assert.Equal(t, c.ID, fb.next(t).ID, "back as the dispatcher, it sends the open command again")
 	flap()
-	quiet := r.opts.RepeatSpacing - repeatSlack - time.Since(first) - 500*time.Millisecond
-	require.Positive(t, quiet, "the second spell took longer than the spacing")
-	select {
-	case got := <-fb.commands:
-		t.Fatalf("%s went out again %v after its repeat", got.ID, time.Since(first))
-	case <-time.After(quiet):
-	}
-	assert.Equal(t, c.ID, fb.next(t).ID, "the repeat held back goes")
+	fb.heldBack(t, r, first, c.ID)
 }
 
 // Each command names the device's command published before it that has not
