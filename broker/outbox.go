@@ -383,10 +383,11 @@ type repeat struct {
 
 // holdRepeat reports whether a repeat of a command must wait: it went out
 // again less than its spacing ago. The spacing starts at RepeatSpacing and
-// doubles with each repeat, up to SentRetry (maxRepeatSpacing at most). A repeat that waits is not
-// dropped: its device is held, and the outbox sends its unfinished commands
-// again when the time comes (releaseHeld). Called with mu held, with real
-// time: the spacing is about the path, not the clock of commands.
+// doubles with each repeat, up to SentRetry (maxRepeatSpacing at most). A
+// repeat that waits is not dropped: its device is held, and the outbox
+// sends its unfinished commands again when the time comes (releaseHeld).
+// Called with mu held, with real time: the spacing is about the path, not
+// the clock of commands.
 //
 // The spacing outlives a spell of not dispatching: a replica that loses
 // the dispatcher's lock and wins it back (a PostgreSQL restart does that)
