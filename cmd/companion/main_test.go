@@ -555,5 +555,7 @@ func TestMain(m *testing.M) {
 	if runBenchRole() {
 		return
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	removeProcBinaries()
+	os.Exit(code)
 }

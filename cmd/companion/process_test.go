@@ -84,8 +84,17 @@ func procBinaries(tb testing.TB) (companion, bridge string) {
 	return procBins.companion, procBins.bridge
 }
 
+// removeProcBinaries removes the binaries procBinaries built, once the
+// tests that run them are over (TestMain): left in the temp directory,
+// they waited there for the next test process to remove them.
+func removeProcBinaries() {
+	if procBins.companion != "" {
+		os.RemoveAll(filepath.Dir(procBins.companion))
+	}
+}
+
 // removeStaleBinDirs removes the binary directories of test processes that
-// no longer run.
+// no longer run (one killed before its TestMain removed them).
 func removeStaleBinDirs() {
 	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "companion-proctest-*"))
 	for _, d := range dirs {
