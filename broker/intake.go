@@ -298,6 +298,16 @@ func (b *Broker) later(d time.Duration, f func()) {
 	time.AfterFunc(d, func() { b.goOwned(f) })
 }
 
+// takeAgain calls take a little later (replyRetryDelay) with the device's
+// bridge read anew: the next attempt at a reply or report whose read or
+// write the store failed, its message unacknowledged meanwhile.
+func (b *Broker) takeAgain(deviceID string, attempt int, take func(bridge string, err error)) {
+	b.later(replyRetryDelay(attempt), func() {
+		bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
+		take(bridge, err)
+	})
+}
+
 // takeReplyAttempt stores a bridge's reply to a command, with the device's
 // state that came with it, and once both are on disk calls ack and wakes
 // those waiting for the command if it is final: what they read next
@@ -305,13 +315,14 @@ func (b *Broker) later(d time.Duration, f func()) {
 // failed); attempt counts the tries, the first one's read made by intake.
 func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.Reply, ack func(), attempt int) {
 	again := func() {
-		bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
-		b.takeReplyAttempt(deviceID, bridge, err, r, ack, attempt+1)
+		b.takeAgain(deviceID, attempt, func(bridge string, err error) {
+			b.takeReplyAttempt(deviceID, bridge, err, r, ack, attempt+1)
+		})
 	}
 	if err != nil && !errors.Is(err, companion.ErrNotFound) && attempt < maxReplyAttempts {
 		// As below: the store failed, the reply waits unacknowledged.
 		b.log.Warn("reading a device's bridge failed; taking its reply again", "device_id", deviceID, "attempt", attempt, "err", err)
-		b.later(replyRetryDelay(attempt), again)
+		again()
 		return
 	}
 	if err != nil {
@@ -387,7 +398,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			// not acknowledged, and is taken again a little later; the
 			// bridge's later replies meanwhile are ranked against it.
 			b.log.Warn("storing a reply failed; taking it again", "command_id", r.CommandID, "attempt", attempt, "err", err)
-			b.later(replyRetryDelay(attempt), again)
+			again()
 			return
 		}
 		defer ack()
@@ -474,12 +485,14 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 // bug 101). A later report of the device taken meanwhile is not undone:
 // the stores keep the highest seq.
 func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr error, ack func(), attempt int, put func(done func(error))) {
-	if readErr != nil && !errors.Is(readErr, companion.ErrNotFound) && attempt < maxReplyAttempts {
-		b.log.Warn("reading a device's bridge failed; taking its "+what+" again", "device_id", deviceID, "attempt", attempt, "err", readErr)
-		b.later(replyRetryDelay(attempt), func() {
-			bridge, err := b.st.DeviceBridge(context.Background(), deviceID)
+	again := func() {
+		b.takeAgain(deviceID, attempt, func(bridge string, err error) {
 			b.takeReport(what, deviceID, bridgeID, bridge, err, ack, attempt+1, put)
 		})
+	}
+	if readErr != nil && !errors.Is(readErr, companion.ErrNotFound) && attempt < maxReplyAttempts {
+		b.log.Warn("reading a device's bridge failed; taking its "+what+" again", "device_id", deviceID, "attempt", attempt, "err", readErr)
+		again()
 		return
 	}
 	if !b.served(deviceID, bridgeID, bridge, readErr) {
@@ -489,9 +502,7 @@ func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr err
 	put(func(err error) {
 		if err != nil && !errors.Is(err, companion.ErrInvalid) && !errors.Is(err, companion.ErrNotFound) && attempt < maxReplyAttempts {
 			b.log.Warn("storing a device's "+what+" failed; taking it again", "device_id", deviceID, "attempt", attempt, "err", err)
-			b.later(replyRetryDelay(attempt), func() {
-				b.takeReport(what, deviceID, bridgeID, bridge, nil, ack, attempt+1, put)
-			})
+			again() // with its bridge read anew, as a reply's
 			return
 		}
 		if err != nil {
