@@ -791,3 +791,28 @@ func (b *Broker) mayBeOut(id string) bool {
 	o := b.flying[id]
 	return o != nil && o.mayBeOut
 }
+
+// The repeats of a command are spaced 5 s, then twice as long at each
+// repeat, up to a minute however long SentRetry is: a later command of the
+// device names a held one as the command it runs after, and a bridge that
+// never had the held one waits agent.DefaultAfterWait for it before running
+// the later one without it, out of order (docs/reliability.md, bug 102).
+func TestRepeatSpacingDoublesUpToLessThanTheBridgesWait(t *testing.T) {
+	b := &Broker{
+		opts:    Options{RepeatSpacing: 5 * time.Second, SentRetry: 10 * time.Minute},
+		repeats: make(map[string]map[string]*repeat),
+		held:    make(map[string]time.Time),
+	}
+	now := time.Now()
+	var spacings []time.Duration
+	for range 8 {
+		require.False(t, b.holdRepeat("d", "c", now), "a repeat once its spacing is over goes")
+		next := b.repeats["d"]["c"].next
+		spacings = append(spacings, next.Sub(now))
+		assert.True(t, b.holdRepeat("d", "c", now.Add(next.Sub(now)/2)), "a repeat within the spacing waits")
+		now = next
+	}
+	s := 5 * time.Second
+	assert.Equal(t, []time.Duration{s, 2 * s, 4 * s, 8 * s, time.Minute, time.Minute, time.Minute, time.Minute}, spacings)
+	assert.Less(t, maxRepeatSpacing, agent.DefaultAfterWait)
+}
