@@ -413,12 +413,13 @@ func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 }
 
 // failingStore is a store whose reads of devices' bridges fail while
-// failReads is set, and whose writes of statuses and settings fail while
-// failWrites is; fails counts the failures.
+// failReads is set, whose reads of statuses fail while failStatus is, and
+// whose writes of statuses and settings fail while failWrites is; fails
+// counts the failures.
 type failingStore struct {
 	*store.DB
-	failReads, failWrites atomic.Bool
-	fails                 atomic.Int64
+	failReads, failStatus, failWrites atomic.Bool
+	fails                             atomic.Int64
 }
 
 var errStoreDown = errors.New("store down (test)")
@@ -443,6 +444,13 @@ func (s *failingStore) DeviceBridges(ctx context.Context, deviceIDs []string) (m
 		return nil, errStoreDown
 	}
 	return s.DB.DeviceBridges(ctx, deviceIDs)
+}
+
+func (s *failingStore) Status(ctx context.Context, deviceID string) (companion.Status, error) {
+	if s.failing(&s.failStatus) {
+		return companion.Status{}, errStoreDown
+	}
+	return s.DB.Status(ctx, deviceID)
 }
 
 func (s *failingStore) PutStatusAsync(st companion.Status, done func(bool, error)) {
@@ -1172,6 +1180,45 @@ func TestLongSentCommandsGoOutAgain(t *testing.T) {
 	assert.Equal(t, companion.StateSent, state(t, e, away.ID).State)
 }
 
+// The retry of long sent commands sends one again only to a device it
+// read online: a status the store fails to read counts as offline, and
+// the command goes out at the first retry that reads it. (The expiry
+// passes count such a device online instead: see
+// TestSentCommandsWaitOutAFailedStatusRead.)
+func TestLongSentCommandsWaitForAStatusTheStoreCanRead(t *testing.T) {
+	ctx := context.Background()
+	var st *failingStore
+	e := newEnvStore(t, false, func(db *store.DB) Store {
+		st = &failingStore{DB: db}
+		return st
+	})
+	e.b.opts.SentRetry = 100 * time.Millisecond // ticks every 100 ms of real time; the age is on e.clock
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	testenv.Eventually(t, 10*time.Second, "broker ready", e.b.Ready)
+	fb := connectBridge(t, e)
+	status, _ := tree.Status("dev-1")
+	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "dev-1 online", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Online
+	})
+	lost := submit(t, e, "dev-1", "lost on its way", time.Hour)
+	require.Equal(t, lost.ID, fb.next(t).ID)
+	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, lost.ID).State == companion.StateSent })
+
+	st.failStatus.Store(true)
+	e.clock.Add(time.Minute)
+	testenv.Eventually(t, 10*time.Second, "a retry that fails to read the status", func() bool { return st.fails.Load() >= 1 })
+	select {
+	case c := <-fb.commands:
+		t.Fatalf("sent again to a device whose status was not read: %s", c.ID)
+	case <-time.After(500 * time.Millisecond): // five more retries
+	}
+	st.failStatus.Store(false)
+	assert.Equal(t, lost.ID, fb.next(t).ID, "sent again once its device reads online")
+}
+
 // A sent command may be in the bridge's hands when its TTL passes: the
 // server waits ExpiryGrace for the bridge's word before it calls it expired,
 // so a delivered reply on the way is not overtaken.
@@ -1240,6 +1287,29 @@ func TestSentCommandsOfAnOnlineDeviceWaitForTheBridgesWord(t *testing.T) {
 	e.clock.Add(expiryWaitGraces * time.Minute)
 	testenv.Eventually(t, 10*time.Second, "the silent one expired", func() bool { return state(t, e, silent.ID).State == companion.StateExpired })
 	assert.Equal(t, companion.StateSucceeded, state(t, e, ran.ID).State)
+}
+
+// A sent command past its TTL and the grace expires only on a status read
+// that says its device is offline: one the store fails to read counts as
+// online, and the command waits for a sweep that reads it.
+func TestSentCommandsWaitOutAFailedStatusRead(t *testing.T) {
+	e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
+	e.b.opts.ExpiryGrace = time.Minute
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-2", "on a device that never reported", time.Minute)
+	fb.next(t)
+	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, c.ID).State == companion.StateSent })
+
+	st.failStatus.Store(true)
+	before := st.fails.Load()
+	e.clock.Add(3 * time.Minute) // past the TTL and the grace
+	testenv.Eventually(t, 10*time.Second, "a sweep that fails to read the status", func() bool { return st.fails.Load() > before })
+	time.Sleep(300 * time.Millisecond) // that sweep's write, had it expired the command, and more sweeps
+	assert.Equal(t, companion.StateSent, state(t, e, c.ID).State, "expired on a failed read")
+	st.failStatus.Store(false)
+	testenv.Eventually(t, 10*time.Second, "expired once the store says offline", func() bool {
+		return state(t, e, c.ID).State == companion.StateExpired
+	})
 }
 
 // The commands of a device no bridge serves wait queued (CONTRACT §9);

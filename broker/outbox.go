@@ -240,7 +240,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 	bridges := map[string]string{} // device → the bridge serving it, for this pass
 	held := map[string]bool{}      // devices with a command that did not go out in this pass
 	before := map[string]string{}  // device → its command before, in this pass
-	online := b.onlineReader(context.Background())
+	online := b.onlineReader(context.Background(), true)
 	for _, c := range cmds {
 		// Now, not when the pass began: a pass can wait long for room
 		// among the commands in flight (acks) or for paho.
@@ -645,7 +645,7 @@ func (b *Broker) sweep() {
 			b.log.Error("expiry sweep", "err", err)
 			continue
 		}
-		online := b.onlineReader(ctx)
+		online := b.onlineReader(ctx, true)
 		for _, c := range cmds {
 			if b.expiredAt(c, now, online.read) {
 				b.expire(ctx, c.ID, online)
@@ -723,17 +723,21 @@ func (b *Broker) expiredAt(c companion.Command, now time.Time, online func(devic
 const expiryWaitGraces = 10
 
 // onlineReader reads whether devices read online, as their stored status
-// says, each device once: for one pass over commands. A status the store
-// fails to read (a device never reported reads offline) counts as online,
-// so that nothing expires on a failed read: the next pass reads it again.
+// says, each device once: for one pass over commands. A device never
+// reported reads offline. A status the store fails to read counts as
+// failed says: the expiry passes count it online, so that nothing expires
+// on a failed read (the next pass reads it again); retrySent counts it
+// offline, so that nothing is sent again on one (the next retry reads it
+// again).
 type onlineReader struct {
-	ctx  context.Context
-	st   Store
-	seen map[string]bool
+	ctx    context.Context
+	st     Store
+	failed bool
+	seen   map[string]bool
 }
 
-func (b *Broker) onlineReader(ctx context.Context) *onlineReader {
-	return &onlineReader{ctx: ctx, st: b.st, seen: map[string]bool{}}
+func (b *Broker) onlineReader(ctx context.Context, failed bool) *onlineReader {
+	return &onlineReader{ctx: ctx, st: b.st, failed: failed, seen: map[string]bool{}}
 }
 
 // read reads the device's status, once.
@@ -741,7 +745,10 @@ func (o *onlineReader) read(deviceID string) bool {
 	on, ok := o.seen[deviceID]
 	if !ok {
 		s, err := o.st.Status(o.ctx, deviceID)
-		on = s.Online || (err != nil && !errors.Is(err, companion.ErrNotFound))
+		on = s.Online
+		if err != nil && !errors.Is(err, companion.ErrNotFound) {
+			on = o.failed
+		}
 		o.seen[deviceID] = on
 	}
 	return on
@@ -839,20 +846,14 @@ func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) {
 	}
 	now := b.now()
 	stillSent := make(map[string]bool, len(sent))
-	online := map[string]bool{}
+	online := b.onlineReader(ctx, false)
 	devices := map[string]bool{}
 	for _, c := range sent {
 		stillSent[c.ID] = true
 		if now.Sub(c.UpdatedAt) < b.opts.SentRetry || now.Sub(retried[c.ID]) < b.opts.SentRetry {
 			continue
 		}
-		on, known := online[c.DeviceID]
-		if !known {
-			s, err := b.st.Status(ctx, c.DeviceID)
-			on = err == nil && s.Online
-			online[c.DeviceID] = on
-		}
-		if on {
+		if online.read(c.DeviceID) {
 			devices[c.DeviceID] = true
 			retried[c.ID] = now
 		}
