@@ -413,13 +413,14 @@ func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 }
 
 // failingStore is a store whose reads of devices' bridges fail while
-// failReads is set, whose reads of statuses fail while failStatus is, and
-// whose writes of statuses and settings fail while failWrites is; fails
-// counts the failures.
+// failReads is set, whose reads of statuses fail while failStatus is,
+// whose writes of statuses and settings fail while failWrites is, and
+// whose writes of "sent" fail while failSent is; fails counts the
+// failures.
 type failingStore struct {
 	*store.DB
-	failReads, failStatus, failWrites atomic.Bool
-	fails                             atomic.Int64
+	failReads, failStatus, failWrites, failSent atomic.Bool
+	fails                                       atomic.Int64
 }
 
 var errStoreDown = errors.New("store down (test)")
@@ -451,6 +452,14 @@ func (s *failingStore) Status(ctx context.Context, deviceID string) (companion.S
 		return companion.Status{}, errStoreDown
 	}
 	return s.DB.Status(ctx, deviceID)
+}
+
+func (s *failingStore) UpdateCommandAsync(id string, fn func(*companion.Command) error, done func(companion.Command, error)) {
+	if s.failing(&s.failSent) {
+		done(companion.Command{}, errStoreDown)
+		return
+	}
+	s.DB.UpdateCommandAsync(id, fn, done)
 }
 
 func (s *failingStore) PutStatusAsync(st companion.Status, done func(bool, error)) {
@@ -1247,6 +1256,43 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 	var p topics.Cancel
 	require.NoError(t, json.Unmarshal(withdrawal.Payload, &p))
 	assert.Equal(t, gone.ID, p.CommandID)
+}
+
+// A command that went out, whose "sent" the store failed to write, reads
+// queued and is no longer on its way: it expires at its TTL. A later
+// command went out naming it as the one to run after, so the bridge is
+// told it ended: without the withdrawal the bridge would run it if it
+// has it, and hold the later one back for it if it does not.
+func TestAnExpiredCommandALaterOneNamesIsWithdrawn(t *testing.T) {
+	e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
+	st.failSent.Store(true)
+	fb := connectBridge(t, e)
+	first := submit(t, e, "dev-1", "its sent write fails", time.Minute)
+	require.Equal(t, first.ID, fb.next(t).ID)
+	second := submit(t, e, "dev-1", "runs after it", time.Hour)
+	c := fb.next(t)
+	require.Equal(t, second.ID, c.ID)
+	require.Equal(t, first.ID, c.After, "named as the one to run after")
+	testenv.Eventually(t, 10*time.Second, "the sent write failed", func() bool { return !e.b.isFlying(first.ID) })
+	require.Equal(t, companion.StateQueued, state(t, e, first.ID).State)
+
+	e.clock.Add(2 * time.Minute) // past the TTL: queued, not on its way
+	testenv.Eventually(t, 10*time.Second, "expired", func() bool { return state(t, e, first.ID).State == companion.StateExpired })
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case c := <-fb.commands:
+			if c.Op != topics.OpCancel {
+				continue // the outbox's scan of the store may send either again first
+			}
+			var p topics.Cancel
+			require.NoError(t, json.Unmarshal(c.Payload, &p))
+			assert.Equal(t, first.ID, p.CommandID)
+			return
+		case <-deadline:
+			t.Fatal("the expired command was not withdrawn")
+		}
+	}
 }
 
 // Past the grace, a sent command of a device that reads online waits for
