@@ -129,6 +129,9 @@ type spool struct {
 
 	// afterChunk, when set, runs between purge's chunks (tests).
 	afterChunk func()
+	// afterClaimRead, when set, runs after claim reads the file for a
+	// command that waits for its predecessor (tests).
+	afterClaimRead func()
 	// afterWait is how long a command waits for the one it runs after
 	// (DefaultAfterWait unless the agent's options say otherwise).
 	afterWait time.Duration
@@ -531,6 +534,14 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 		return nil, 0
 	}
 	if r := q[0]; r.waitFor != "" {
+		// Whether memory has the one it runs after, queued or running,
+		// asked before the file is read: finish forgets a command it ran
+		// only once the file has it done, so one that memory no longer
+		// holds by then, the file has as done. Asked after the read, a
+		// command finished in between read as running on disk and as
+		// gone from memory, and this one waited afterWait for it
+		// (docs/reliability.md, bug 103).
+		held := s.holds(topics.Command{ID: r.Cmd.After, DeviceID: r.Cmd.DeviceID})
 		s.mu.Unlock()
 		// The same test as at its arrival: a record of the one it runs
 		// after, read with the file's lock, not the spool's.
@@ -545,8 +556,11 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 			before, err = getRecord(tx, r.Cmd.After)
 			return err
 		})
+		if s.afterClaimRead != nil {
+			s.afterClaimRead()
+		}
 		s.mu.Lock()
-		if err == nil && unseen == "" && before != nil && before.State != spoolDone && !s.holds(before.Cmd) {
+		if err == nil && unseen == "" && before != nil && before.State != spoolDone && !held {
 			// On disk but not yet in its queue: accept commits a batch,
 			// then releases it. It is queued ahead of this one in a
 			// moment (release wakes the device's worker); claimed now,

@@ -657,6 +657,38 @@ func TestSpoolWaitsForTheCommandBefore(t *testing.T) {
 // A command whose predecessor is on disk but not yet in its queue (accept
 // commits a batch, then releases it into the queues) waits for it: taken
 // for seen, it ran first, and its predecessor after it (bug 102).
+// A command whose predecessor came after it runs as soon as that one
+// finishes, even when the predecessor's finish lands on disk between
+// claim's read of the file and its look at memory (bug 103): the file
+// then read running, memory no longer held it, and the command waited
+// afterWait as if the predecessor had never come.
+func TestSpoolRunsACommandWhosePredecessorFinishesDuringTheClaim(t *testing.T) {
+	s := openTestSpool(t)
+	first := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "first"})
+	second := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "second"})
+	second.After = first.ID
+	now := time.Now()
+	for _, c := range []topics.Command{second, first} { // the predecessor late
+		res, err := s.accept([]topics.Command{c}, now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.release(res[0].rec)
+	}
+	r, _ := s.claim("d", now)
+	if r == nil || r.Cmd.ID != first.ID {
+		t.Fatalf("claim = %+v; want the first", r)
+	}
+	s.afterClaimRead = func() {
+		s.afterClaimRead = nil
+		finishSync(t, s, r, topics.Reply{CommandID: first.ID, State: companion.StateSucceeded, At: now})
+	}
+	got, wait := s.claim("d", now)
+	if got == nil || got.Cmd.ID != second.ID || got.gaveUp {
+		t.Fatalf("claim as the first finishes = %+v, wait %v; want the second, at once", got, wait)
+	}
+}
+
 func TestSpoolWaitsForACommandOnDiskNotYetQueued(t *testing.T) {
 	s := openTestSpool(t)
 	first := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "first"})
