@@ -657,6 +657,16 @@ func TestSpoolWaitsForTheCommandBefore(t *testing.T) {
 // A command whose predecessor is on disk but not yet in its queue (accept
 // commits a batch, then releases it into the queues) waits for it: taken
 // for seen, it ran first, and its predecessor after it (bug 102).
+// chainedPair returns two commands of device "d", the second naming the
+// first as the one it runs after.
+func chainedPair(t *testing.T) (first, second topics.Command) {
+	t.Helper()
+	first = testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "first"})
+	second = testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "second"})
+	second.After = first.ID
+	return first, second
+}
+
 // A command whose predecessor came after it runs as soon as that one
 // finishes, even when the predecessor's finish lands on disk between
 // claim's read of the file and its look at memory (bug 103): the file
@@ -664,9 +674,7 @@ func TestSpoolWaitsForTheCommandBefore(t *testing.T) {
 // afterWait as if the predecessor had never come.
 func TestSpoolRunsACommandWhosePredecessorFinishesDuringTheClaim(t *testing.T) {
 	s := openTestSpool(t)
-	first := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "first"})
-	second := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "second"})
-	second.After = first.ID
+	first, second := chainedPair(t)
 	now := time.Now()
 	for _, c := range []topics.Command{second, first} { // the predecessor late
 		res, err := s.accept([]topics.Command{c}, now)
@@ -691,9 +699,7 @@ func TestSpoolRunsACommandWhosePredecessorFinishesDuringTheClaim(t *testing.T) {
 
 func TestSpoolWaitsForACommandOnDiskNotYetQueued(t *testing.T) {
 	s := openTestSpool(t)
-	first := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "first"})
-	second := testCommand(t, "d", topics.OpPushText, topics.PushText{Text: "second"})
-	second.After = first.ID
+	first, second := chainedPair(t)
 	now := time.Now()
 	res, err := s.accept([]topics.Command{second}, now)
 	if err != nil {

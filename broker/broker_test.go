@@ -240,6 +240,18 @@ func (fb *fakeBridge) heldBack(t *testing.T, b *Broker, first time.Time, id stri
 	assert.GreaterOrEqual(t, time.Since(first), b.opts.RepeatSpacing-repeatSlack, "no sooner than the spacing")
 }
 
+// online has the bridge report dev online, and waits for the store to
+// have it.
+func (fb *fakeBridge) online(t *testing.T, e *env, dev string) {
+	t.Helper()
+	topic, _ := tree.Status(dev)
+	fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, dev+" online", func() bool {
+		s, err := e.db.Status(context.Background(), dev)
+		return err == nil && s.Online
+	})
+}
+
 func (fb *fakeBridge) publish(t *testing.T, topic string, v any) {
 	t.Helper()
 	b, err := json.Marshal(v)
@@ -366,12 +378,7 @@ func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 	// commands go again, with reads of its bridge.
 	seq := map[string]uint64{"dev-1": 1, "dev-2": 1}
 	for dev := range seq {
-		topic, _ := tree.Status(dev)
-		fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-		testenv.Eventually(t, 10*time.Second, "online", func() bool {
-			s, err := e.db.Status(context.Background(), dev)
-			return err == nil && s.Online
-		})
+		fb.online(t, e, dev)
 	}
 	const n = 40
 	var cmds []companion.Command
@@ -976,12 +983,7 @@ func TestRetentionPurgesUnneededBlobs(t *testing.T) {
 func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	e := newEnv(t, true)
 	fb := connectBridge(t, e)
-	status, _ := tree.Status("dev-1")
-	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "status", func() bool {
-		s, _ := e.db.Status(context.Background(), "dev-1")
-		return s.Online
-	})
+	fb.online(t, e, "dev-1")
 
 	delivered := submit(t, e, "dev-1", "delivered, final reply lost", time.Hour)
 	assert.Equal(t, delivered.ID, fb.next(t).ID)
@@ -1138,25 +1140,26 @@ func TestCommandsNameTheOneTheyRunAfter(t *testing.T) {
 	assert.Equal(t, d.ID, after(f), "sent again")
 }
 
+// startRetryingSent starts e's broker with the retry of long sent commands
+// ticking every 100 ms of real time; the commands' age is on e.clock.
+func startRetryingSent(t *testing.T, e *env) {
+	t.Helper()
+	e.b.opts.SentRetry = 100 * time.Millisecond
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	testenv.Eventually(t, 10*time.Second, "broker ready", e.b.Ready)
+}
+
 // A command that stays sent, with no word from the bridge, while its device
 // reads online was lost on its way (a broker that dropped it and told
 // nobody): SentRetry after it was sent it goes out again, and again only
 // after another SentRetry. One whose device reads offline waits for its
 // bridge's return, which sends everything again anyway.
 func TestLongSentCommandsGoOutAgain(t *testing.T) {
-	ctx := context.Background()
 	e := newEnv(t, false)
-	e.b.opts.SentRetry = 100 * time.Millisecond // ticks every 100 ms of real time; the age is on e.clock
-	require.NoError(t, e.b.Start())
-	t.Cleanup(func() { e.b.Close() })
-	testenv.Eventually(t, 10*time.Second, "broker ready", e.b.Ready)
+	startRetryingSent(t, e)
 	fb := connectBridge(t, e)
-	status, _ := tree.Status("dev-1")
-	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "dev-1 online", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Online
-	})
+	fb.online(t, e, "dev-1")
 
 	lost := submit(t, e, "dev-1", "lost on its way", time.Hour)
 	away := submit(t, e, "dev-2", "for a device that reads offline", time.Hour)
@@ -1195,23 +1198,14 @@ func TestLongSentCommandsGoOutAgain(t *testing.T) {
 // passes count such a device online instead: see
 // TestSentCommandsWaitOutAFailedStatusRead.)
 func TestLongSentCommandsWaitForAStatusTheStoreCanRead(t *testing.T) {
-	ctx := context.Background()
 	var st *failingStore
 	e := newEnvStore(t, false, func(db *store.DB) Store {
 		st = &failingStore{DB: db}
 		return st
 	})
-	e.b.opts.SentRetry = 100 * time.Millisecond // ticks every 100 ms of real time; the age is on e.clock
-	require.NoError(t, e.b.Start())
-	t.Cleanup(func() { e.b.Close() })
-	testenv.Eventually(t, 10*time.Second, "broker ready", e.b.Ready)
+	startRetryingSent(t, e)
 	fb := connectBridge(t, e)
-	status, _ := tree.Status("dev-1")
-	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "dev-1 online", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Online
-	})
+	fb.online(t, e, "dev-1")
 	lost := submit(t, e, "dev-1", "lost on its way", time.Hour)
 	require.Equal(t, lost.ID, fb.next(t).ID)
 	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, lost.ID).State == companion.StateSent })
@@ -1305,12 +1299,7 @@ func TestSentCommandsOfAnOnlineDeviceWaitForTheBridgesWord(t *testing.T) {
 	e := newEnv(t, true)
 	e.b.opts.ExpiryGrace = time.Minute
 	fb := connectBridge(t, e)
-	topic, _ := tree.Status("dev-1")
-	fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "dev-1 online", func() bool {
-		s, err := e.db.Status(context.Background(), "dev-1")
-		return err == nil && s.Online
-	})
+	fb.online(t, e, "dev-1")
 	// Of one TTL, swept in this order (the expiry index's, by id).
 	ran := submit(t, e, "dev-1", "run, its replies late", time.Minute)
 	silent := submit(t, e, "dev-1", "never answered", time.Minute)

@@ -168,12 +168,7 @@ func TestBridgeStateTakenAgainWhenTheStoreFails(t *testing.T) {
 	ctx := context.Background()
 	e, st := newFailingBridgeEnv(t)
 	fb := connectBridge(t, e)
-	status, _ := tree.Status("dev-1")
-	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "online", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Online
-	})
+	fb.online(t, e, "dev-1")
 	delivered := submit(t, e, "dev-1", "delivered, its final reply lost", time.Hour)
 	require.Equal(t, delivered.ID, fb.next(t).ID)
 	fb.reply(t, "dev-1", topics.Reply{CommandID: delivered.ID, State: companion.StateDelivered, At: time.Now()})
@@ -218,18 +213,14 @@ func TestBridgeWillTakenAgainNotAfterItsOnline(t *testing.T) {
 	ctx := context.Background()
 	e, st := newFailingBridgeEnv(t)
 	fb := connectBridge(t, e)
-	status, _ := tree.Status("dev-1")
-	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 1, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "online", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Online
-	})
+	fb.online(t, e, "dev-1")
 
 	st.offlineFails.Store(3) // the fourth attempt, within about a second, would be taken
 	bs, _ := tree.BridgeState("b1")
 	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOffline), 5*time.Second))
 	testenv.Eventually(t, 10*time.Second, "the Will failed", func() bool { return st.offlineCalls.Load() > 0 })
 	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOnline), 5*time.Second))
+	status, _ := tree.Status("dev-1")
 	fb.publish(t, status, topics.Status{Online: true, BridgeID: "b1", Seq: 2, At: time.Now()})
 	testenv.Eventually(t, 10*time.Second, "the status after the online", func() bool {
 		s, _ := e.db.Status(ctx, "dev-1")
