@@ -127,7 +127,12 @@ var (
 
 func init() {
 	var err error
-	encMode, err = cbor.CoreDetEncOptions().EncMode()
+	enc := cbor.CoreDetEncOptions()
+	// A nil byte string, array or map goes out empty, not as null: zcbor's
+	// decoders of a bstr, list or map refuse null, and the first request of
+	// a project upload, with no data, has empty data (docs/gatt.md).
+	enc.NilContainers = cbor.NilContainerAsEmpty
+	encMode, err = enc.EncMode()
 	if err != nil {
 		panic(err)
 	}

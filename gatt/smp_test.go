@@ -319,3 +319,22 @@ func TestResponseTooLongLosesTheFraming(t *testing.T) {
 		t.Error("the client still takes requests")
 	}
 }
+
+// A nil byte string, array or map goes out empty, never as CBOR null,
+// which zcbor's decoders refuse: a request built with no data still says
+// data is an empty byte string (docs/gatt.md).
+func TestNilContainersGoOutEmpty(t *testing.T) {
+	b, err := EncodeBody(struct {
+		Data []byte         `cbor:"data"`
+		List []string       `cbor:"list"`
+		Map  map[string]int `cbor:"map"`
+	}{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// {"data": h'', "list": [], "map": {}}, keys in core deterministic order.
+	want := []byte{0xa3, 0x63, 'm', 'a', 'p', 0xa0, 0x64, 'd', 'a', 't', 'a', 0x40, 0x64, 'l', 'i', 's', 't', 0x80}
+	if !bytes.Equal(b, want) {
+		t.Errorf("encoded % x; want % x", b, want)
+	}
+}

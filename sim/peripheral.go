@@ -727,14 +727,30 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 		return status(p.dev.UninstallApp(ctx, req.CmdID, req.AppID))
 
 	case write && (g == gatt.GroupPush && id == gatt.CmdPushUpload || g == gatt.GroupApps && id == gatt.CmdAppsInstall):
-		var req gatt.UploadRequest
+		var (
+			req   gatt.UploadRequest
+			shape uploadShape
+		)
 		if err := gatt.DecodeBody(m.Body, &req); err != nil || req.CmdID == "" {
 			return bad(fmt.Errorf("upload needs cid, off and data: %v", err))
+		}
+		if err := gatt.DecodeBody(m.Body, &shape); err != nil || !shape.bytes() {
+			return bad(errors.New("upload needs data, a byte string (empty in the first request)"))
 		}
 		return p.upload(ctx, g, req)
 	}
 	return failRC(gatt.RCNotSupported, fmt.Sprintf("op %d of group %d command %d", m.Op, g, id))
 }
+
+// uploadShape is the data of a project upload request as sent, checked as
+// a firmware decoding it with zcbor does: a byte string, empty or not.
+// Null or absent, zcbor's bstr decoder fails, and so does the request.
+type uploadShape struct {
+	Data cbor.RawMessage `cbor:"data"`
+}
+
+// bytes reports whether data is a byte string (CBOR major type 2).
+func (u uploadShape) bytes() bool { return len(u.Data) > 0 && u.Data[0]>>5 == 2 }
 
 // imageUploadRequest is img_mgmt's upload request, with the fields whose
 // absence matters as pointers.

@@ -546,3 +546,28 @@ func TestRefusedUploadEndsTheUploadAsZephyr(t *testing.T) {
 		}
 	}
 }
+
+// A project upload's data is a byte string, empty in the request that
+// opens the upload: null or absent, the simulator refuses the request, as
+// a firmware decoding it with zcbor does (docs/gatt.md).
+func TestProjectUploadDataIsAByteString(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	sum := sha256.Sum256([]byte("pic"))
+	open := func(data any, with bool) map[string]any {
+		t.Helper()
+		body := map[string]any{"cid": "c1", "off": 0, "len": 3, "sha": sum[:], "content_type": "image/png"}
+		if with {
+			body["data"] = data
+		}
+		_, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupPush, gatt.CmdPushUpload, body)
+		return m
+	}
+	for name, m := range map[string]map[string]any{"null": open(nil, true), "absent": open(nil, false)} {
+		if m["rc"] != uint64(gatt.RCInvalid) {
+			t.Errorf("data %s: answer %v; want rc %d", name, m, gatt.RCInvalid)
+		}
+	}
+	if m := open([]byte{}, true); m["off"] != uint64(0) || m["rc"] != nil {
+		t.Errorf("empty data: answer %v; want off 0", m)
+	}
+}
