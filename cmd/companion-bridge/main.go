@@ -18,7 +18,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -32,6 +31,7 @@ import (
 	"github.com/devicecompanion/companion/gatt/bluez"
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
+	"github.com/devicecompanion/companion/internal/flagcheck"
 	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/signals"
@@ -291,15 +291,8 @@ func (m *Main) validate() error {
 		return fmt.Errorf("--api-url %q: give the server's base URL, http://HOST:PORT or https://HOST:PORT", c.APIURL)
 	}
 	for _, l := range []struct{ name, addr string }{{"metrics", c.Metrics}, {"pprof", c.PProf}} {
-		if l.addr == "" {
-			continue
-		}
-		_, port, err := net.SplitHostPort(l.addr)
-		if err == nil {
-			_, err = net.LookupPort("tcp", port)
-		}
-		if err != nil {
-			return fmt.Errorf("--%s %q: give HOST:PORT to listen on, e.g. 127.0.0.1:9464 (port 0: any free one): %v", l.name, l.addr, err)
+		if err := flagcheck.ListenAddr(l.name, l.addr); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -28,6 +28,7 @@ import (
 	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/broker/embedded"
 	"github.com/devicecompanion/companion/broker/natsauth"
+	"github.com/devicecompanion/companion/internal/flagcheck"
 	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
@@ -177,8 +178,8 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		listens = append(listens, struct{ name, addr string }{"mqtt-listen", c.MQTTListen})
 	}
 	for _, l := range listens {
-		if err := checkListenAddr(l.name, l.addr); err != nil {
-			return err
+		if err := flagcheck.ListenAddr(l.name, l.addr); err != nil {
+			return usageError{err.Error()}
 		}
 	}
 	// One without a scheme or host would end the start in OIDC discovery
@@ -229,25 +230,6 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		return usageError{"--oidc-issuer needs --oidc-audience: the aud its tokens must carry"}
 	case c.OIDC.Issuer == "" && (c.OIDC.Audience != "" || c.OIDC.JWKSURL != ""):
 		return usageError{"--oidc-audience and --oidc-jwks-url need --oidc-issuer"}
-	}
-	return nil
-}
-
-// checkListenAddr refuses, naming the flag, a listen address net.Listen
-// could never take (no port, a port out of range or of no service name),
-// which would otherwise end the start with a listen error of exit status 1
-// that names no flag. An empty addr is left to the flag's meaning of it
-// (off, or the default).
-func checkListenAddr(name, addr string) error {
-	if addr == "" {
-		return nil
-	}
-	_, port, err := net.SplitHostPort(addr)
-	if err == nil {
-		_, err = net.LookupPort("tcp", port)
-	}
-	if err != nil {
-		return usageError{fmt.Sprintf("--%s %q: give HOST:PORT to listen on, e.g. 127.0.0.1:8080 (port 0: any free one): %v", name, addr, err)}
 	}
 	return nil
 }
