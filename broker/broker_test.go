@@ -1259,6 +1259,9 @@ func TestSentCommandsExpireAfterTheGrace(t *testing.T) {
 // has it, and hold the later one back for it if it does not.
 func TestAnExpiredCommandALaterOneNamesIsWithdrawn(t *testing.T) {
 	e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
+	// Should the outbox's scan of the store send it again before it
+	// expires, it would be on its way, and expire only past the grace.
+	e.b.opts.ExpiryGrace = time.Millisecond
 	st.failSent.Store(true)
 	fb := connectBridge(t, e)
 	first := submit(t, e, "dev-1", "its sent write fails", time.Minute)
