@@ -724,11 +724,10 @@ const expiryWaitGraces = 10
 
 // onlineReader reads whether devices read online, as their stored status
 // says, each device once: for one pass over commands. A device never
-// reported reads offline. A status the store fails to read counts as
-// failed says: the expiry passes count it online, so that nothing expires
-// on a failed read (the next pass reads it again); retrySent counts it
-// offline, so that nothing is sent again on one (the next retry reads it
-// again).
+// reported reads offline. A status the store fails to read reads as
+// failed: true for the expiry passes, so that nothing expires on a failed
+// read (the next pass reads it again); false for retrySent, so that
+// nothing is sent again on one (the next retry reads it again).
 type onlineReader struct {
 	ctx    context.Context
 	st     Store
