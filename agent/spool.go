@@ -534,39 +534,43 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 		return nil, 0
 	}
 	if r := q[0]; r.waitFor != "" {
-		// Whether memory has the one it runs after, queued or running,
-		// asked before the file is read: finish forgets a command it ran
-		// only once the file has it done, so one that memory no longer
-		// holds by then, the file has as done. Asked after the read, a
-		// command finished in between read as running on disk and as
-		// gone from memory, and this one waited afterWait for it
-		// (docs/reliability.md, bug 103).
-		held := s.holds(topics.Command{ID: r.Cmd.After, DeviceID: r.Cmd.DeviceID})
+		// Memory first: queued or running, the one it runs after is seen
+		// (both are on disk). Memory is asked before the file is read:
+		// finish forgets a command it ran only once the file has it done,
+		// so one that memory no longer holds by then, the file has as
+		// done. Asked after the read, a command finished in between read
+		// as running on disk and as gone from memory, and this one waited
+		// afterWait for it (docs/reliability.md, bug 103).
+		held := s.holds(r.Cmd.DeviceID, r.Cmd.After)
 		s.mu.Unlock()
-		// The same test as at its arrival: a record of the one it runs
-		// after, read with the file's lock, not the spool's.
 		var (
 			unseen string
-			before *record
+			err    error
 		)
-		err := s.db.View(func(tx *bolt.Tx) (err error) {
-			if unseen, err = unseenAfter(tx, r.Cmd); err != nil || unseen != "" {
+		if !held {
+			// The same test as at its arrival, a record of the one it
+			// runs after, read with the file's lock, not the spool's; and
+			// a record not done is one on disk but not yet in its queue:
+			// accept commits a batch, then releases it. It is queued
+			// ahead of this one in a moment (release wakes the device's
+			// worker); claimed now, this one ran first
+			// (docs/reliability.md, bug 102).
+			err = s.db.View(func(tx *bolt.Tx) error {
+				var err error
+				if unseen, err = unseenAfter(tx, r.Cmd); err != nil || unseen != "" {
+					return err
+				}
+				before, err := getRecord(tx, r.Cmd.After)
+				if err == nil && before != nil && before.State != spoolDone {
+					unseen = before.Cmd.ID
+				}
 				return err
-			}
-			before, err = getRecord(tx, r.Cmd.After)
-			return err
-		})
+			})
+		}
 		if s.afterClaimRead != nil {
 			s.afterClaimRead()
 		}
 		s.mu.Lock()
-		if err == nil && unseen == "" && before != nil && before.State != spoolDone && !held {
-			// On disk but not yet in its queue: accept commits a batch,
-			// then releases it. It is queued ahead of this one in a
-			// moment (release wakes the device's worker); claimed now,
-			// this one ran first (docs/reliability.md, bug 102).
-			unseen = before.Cmd.ID
-		}
 		if err != nil || unseen != "" {
 			if r.waitUntil.IsZero() {
 				r.waitUntil = now.Add(s.afterWait)
@@ -593,13 +597,13 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 	return r, 0
 }
 
-// holds reports whether a command not done is in the spool's memory:
-// queued or running. Called with mu held.
-func (s *spool) holds(c topics.Command) bool {
-	if s.running[c.ID] {
+// holds reports whether command id of the device is in the spool's
+// memory, queued or running: not done. Called with mu held.
+func (s *spool) holds(deviceID, id string) bool {
+	if s.running[id] {
 		return true
 	}
-	return slices.ContainsFunc(s.queues[c.DeviceID], func(r *record) bool { return r.Cmd.ID == c.ID })
+	return slices.ContainsFunc(s.queues[deviceID], func(r *record) bool { return r.Cmd.ID == id })
 }
 
 // claimUnserved claims every command queued for a device the bridge does
