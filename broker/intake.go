@@ -27,11 +27,6 @@ func (b *Broker) served(deviceID, bridgeID, bridge string, err error) bool {
 		b.log.Error("reading a device's bridge; message dropped", "device_id", deviceID, "err", err)
 		return false
 	}
-	return b.servedBy(deviceID, bridgeID, bridge)
-}
-
-// servedBy is served once the device's bridge is read: bridge serves it.
-func (b *Broker) servedBy(deviceID, bridgeID, bridge string) bool {
 	switch {
 	case bridge == "":
 		b.log.Warn("message for a device no bridge serves; dropped", "device_id", deviceID, "bridge_id", bridgeID)
@@ -325,12 +320,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		again()
 		return
 	}
-	if err != nil {
-		b.log.Error("reading a device's bridge; reply dropped", "device_id", deviceID, "err", err)
-		ack()
-		return
-	}
-	if !b.servedBy(deviceID, "", bridge) {
+	if !b.served(deviceID, "", bridge, err) {
 		ack()
 		return
 	}
