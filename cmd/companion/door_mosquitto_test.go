@@ -37,6 +37,15 @@ func mustDialMQTT(t *testing.T, url, clientID, user, pass string) *mqttProbe {
 	return p
 }
 
+// mustDialSession connects a probe with a persistent session
+// (mqtttest.DialSession).
+func mustDialSession(t *testing.T, url, clientID, user, pass string) *mqttProbe {
+	t.Helper()
+	p, err := mqtttest.DialSession(t, url, clientID, user, pass)
+	require.NoError(t, err, "connect as %q", user)
+	return &mqttProbe{p}
+}
+
 // subscribe returns the SUBACK code: the granted QoS, or 0x80 for refused.
 func (p *mqttProbe) subscribe(t *testing.T, filter string) byte {
 	t.Helper()

@@ -501,6 +501,67 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 	}
 }
 
+// A command queued in the persistent session of the bridge a device left
+// never reaches that bridge: the bridge was away when the server sent it
+// (written sent; a bridge's connection dropped, its session kept), the
+// device moved meanwhile, and the server sends it again to the bridge the
+// device moved to. Were the old bridge given it on its return, it would
+// run it too (a text shown twice, a firmware flashed twice), and its word
+// on it would be refused. The embedded broker drops such a message from
+// the session it resumes (broker/embedded, dropUnreadable); Mosquitto and
+// NATS are checked here to do the same. The control: a command of a
+// device the bridge still serves, queued in the same session at the same
+// time, does reach it.
+func TestAMovedDevicesCommandStaysInItsOldBridgesSession(t *testing.T) {
+	brokers := append(slices.Clone(tenancyBrokers), struct {
+		name  string
+		start func(t *testing.T) (*Main, string)
+	}{"nats", func(t *testing.T) (*Main, string) {
+		cl, m := startNATSCallout(t)
+		return m, cl.MQTTURLs[0] // one node: the session lives in its JetStream all the same
+	}})
+	for _, tb := range brokers {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			f := setupFleet(t, m, "dev-1", "dev-3")
+			registerDevices(t, f, "dev-1", "dev-3")
+			f2 := addBridge(t, f, "bridge-2", "dev-2")
+			tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
+			u := f.user
+			push := func(dev, text string) string {
+				t.Helper()
+				return u.accept("POST", "/api/v1/devices/"+dev+"/push/text", map[string]any{"text": text})["id"].(string)
+			}
+			clientID := f.bridgeID + "-session"
+			b1 := mustDialSession(t, mqttURL, clientID, f.bridgeID, f.bridgeSecret)
+			for _, dev := range []string{"dev-1", "dev-3"} {
+				require.Equal(t, byte(1), b1.subscribe(t, must(tree.CommandsFilter(dev))))
+			}
+			b1.Disconnect(50)
+
+			moved := push("dev-1", "queued for bridge-1, then moved")
+			stays := push("dev-3", "queued for bridge-1, which keeps dev-3")
+			waitState(t, u, "dev-1", moved, "sent")
+			waitState(t, u, "dev-3", stays, "sent")
+			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+
+			b1 = mustDialSession(t, mqttURL, clientID, f.bridgeID, f.bridgeSecret)
+			marker := push("dev-3", "marker")
+			var got []string
+			for len(got) == 0 || got[len(got)-1] != marker {
+				select {
+				case msg := <-b1.Msgs:
+					got = append(got, commandOf(t, msg).ID)
+				case <-time.After(15 * time.Second):
+					t.Fatalf("bridge-1 got %q from its session and after; want %s, then the marker", got, stays)
+				}
+			}
+			assert.Equal(t, []string{stays, marker}, got, "bridge-1's session after dev-1 moved to bridge-2 (%s is dev-1's)", moved)
+		})
+	}
+}
+
 // A device moved to another bridge while the bridge it leaves runs a
 // command on it (one device in range of both, as when bridges are
 // rebalanced): the command fails, device_not_served, whether it took effect

@@ -13,8 +13,8 @@ const ProbeTimeout = 15 * time.Second
 
 // Probe is a real paho client for tests of what a broker lets a login do:
 // MQTT 3.1.1 (so that a refused login reports its own reason rather than
-// paho's retry as 3.1), a clean session, no reconnect, handlers run in
-// order.
+// paho's retry as 3.1), a clean session unless made by DialSession, no
+// reconnect, handlers run in order.
 type Probe struct {
 	mqtt.Client
 	// Msgs has every message the probe receives, in order (up to 1,000
@@ -29,13 +29,26 @@ type Probe struct {
 // disconnects it.
 func DialProbe(tb testing.TB, url, clientID, user, pass string) (*Probe, error) {
 	tb.Helper()
+	return dialProbe(tb, url, clientID, user, pass, true)
+}
+
+// DialSession is DialProbe with a persistent session (clean session off):
+// the broker keeps the probe's subscriptions, and queues the QoS 1 messages
+// they match while it is away, for the next DialSession as clientID.
+func DialSession(tb testing.TB, url, clientID, user, pass string) (*Probe, error) {
+	tb.Helper()
+	return dialProbe(tb, url, clientID, user, pass, false)
+}
+
+func dialProbe(tb testing.TB, url, clientID, user, pass string, clean bool) (*Probe, error) {
+	tb.Helper()
 	p := &Probe{Msgs: make(chan mqtt.Message, 1000), Lost: make(chan error, 1)}
 	p.Client = mqtt.NewClient(mqtt.NewClientOptions().
 		AddBroker(url).
 		SetClientID(clientID).
 		SetUsername(user).
 		SetPassword(pass).
-		SetCleanSession(true).
+		SetCleanSession(clean).
 		SetProtocolVersion(4).
 		SetAutoReconnect(false).
 		SetConnectTimeout(ProbeTimeout).
