@@ -150,6 +150,7 @@ type Broker struct {
 	mu      sync.Mutex
 	waiters map[string][]chan companion.Command
 	online  map[string]bool     // devices seen online since start
+	offline map[string]bool     // devices whose retained status publishOffline set offline, with no online status taken in since
 	resend  map[string]bool     // devices whose sent commands the outbox must publish again
 	pending []companion.Command // accepted, on disk, not yet published: in commit order
 	scan    bool                // pending is incomplete: the outbox reads the queued commands from the store
@@ -258,6 +259,7 @@ func New(opts Options) (*Broker, error) {
 		connected: make(chan struct{}, 1),
 		waiters:   make(map[string][]chan companion.Command),
 		online:    make(map[string]bool),
+		offline:   make(map[string]bool),
 		resend:    make(map[string]bool),
 		flying:    make(map[string]*outgoing),
 		lastOut:   make(map[string]string),

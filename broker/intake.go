@@ -199,33 +199,40 @@ func (b *Broker) bridgeOffline(bridgeID string, n uint64, ack func(), attempt in
 // kept: taken in again by this server, the message is a report the store
 // has already. A device the bridge has reported again since, or whose
 // bridge said anything since its Will (n), is left to the bridge.
+//
+// The bridge may be back by the time the offline status reaches the MQTT
+// broker, its "online" statuses retained there already (a Will this
+// server takes in late: after a restart, or delivered again after a
+// reconnect; or the connection broken under the publish). Each device is
+// marked (offline) before its status is read, and the intake, taking
+// an online status of a marked device in, publishes the store's status
+// again (repairStatus), over the offline one. One it took in before the
+// offline status was out is published again here, once every offline one
+// is acknowledged.
 func (b *Broker) publishOffline(bridgeID string, n uint64, ids []string) {
 	ctx := context.Background()
-	var toks []mqtt.Token
+	var (
+		toks []mqtt.Token
+		sent []string
+	)
 	for _, id := range ids {
 		// Not queued in paho while the connection is down: sent after a
 		// reconnect, it could undo what the bridge, back, said meanwhile.
 		if !b.latestBridgeState(bridgeID, n) || !b.client.IsConnectionOpen() {
 			break
 		}
+		marked := b.markOffline(id)
 		s, err := b.st.Status(ctx, id)
 		if err != nil || s.Online || s.BridgeID != bridgeID {
+			if !marked {
+				b.takeOfflineMark(id)
+			}
 			continue
 		}
-		topic, err := b.tree.Status(id)
-		if err != nil {
-			continue
+		if tok := b.publishStatus(id, s); tok != nil {
+			toks = append(toks, tok)
+			sent = append(sent, id)
 		}
-		apps := s.Apps
-		if apps == nil {
-			apps = []companion.App{}
-		}
-		payload, err := fastjson.Marshal(topics.Status{Online: false, Battery: s.Battery, FirmwareVersion: s.FirmwareVersion,
-			Model: s.Model, Apps: apps, BridgeID: s.BridgeID, At: s.LastSeen, Seq: s.Seq})
-		if err != nil {
-			continue
-		}
-		toks = append(toks, b.client.Publish(topic, 1, true, payload))
 	}
 	for _, tok := range toks {
 		if err := b.waitToken(tok); err != nil {
@@ -234,6 +241,79 @@ func (b *Broker) publishOffline(bridgeID string, n uint64, ids []string) {
 			}
 			return
 		}
+	}
+	for _, id := range sent {
+		if !b.offlineMarked(id) {
+			b.repairStatus(id)
+		}
+	}
+}
+
+// publishStatus publishes s as the device's retained status, through
+// paho; nil if it cannot be encoded.
+func (b *Broker) publishStatus(deviceID string, s companion.Status) mqtt.Token {
+	topic, err := b.tree.Status(deviceID)
+	if err != nil {
+		return nil
+	}
+	apps := s.Apps
+	if apps == nil {
+		apps = []companion.App{}
+	}
+	payload, err := fastjson.Marshal(topics.Status{Online: s.Online, Battery: s.Battery, FirmwareVersion: s.FirmwareVersion,
+		Model: s.Model, Apps: apps, BridgeID: s.BridgeID, At: s.LastSeen, Seq: s.Seq})
+	if err != nil {
+		return nil
+	}
+	return b.client.Publish(topic, 1, true, payload)
+}
+
+// markOffline marks the device as one whose retained status
+// publishOffline may set offline; it reports whether it was marked
+// already.
+func (b *Broker) markOffline(deviceID string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	was := b.offline[deviceID]
+	b.offline[deviceID] = true
+	return was
+}
+
+func (b *Broker) offlineMarked(deviceID string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.offline[deviceID]
+}
+
+// takeOfflineMark unmarks the device, and reports whether it was marked.
+func (b *Broker) takeOfflineMark(deviceID string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	was := b.offline[deviceID]
+	delete(b.offline, deviceID)
+	return was
+}
+
+// repairStatus publishes the device's status as the store has it, if
+// online, as its retained status: over the offline one publishOffline
+// published after the bridge had said the device was online. The bridge's
+// next report (StatusInterval) would mend it too, a minute later at most.
+// Not while the connection is down, as publishOffline: the bridge's own
+// report then holds.
+func (b *Broker) repairStatus(deviceID string) {
+	if !b.client.IsConnectionOpen() {
+		return
+	}
+	s, err := b.st.Status(context.Background(), deviceID)
+	if err != nil || !s.Online {
+		return
+	}
+	tok := b.publishStatus(deviceID, s)
+	if tok == nil {
+		return
+	}
+	if err := b.waitToken(tok); err != nil && !errors.Is(err, ErrClosed) {
+		b.log.Warn("publishing a device's status again over the offline one", "device_id", deviceID, "err", err)
 	}
 }
 
@@ -456,6 +536,9 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 			b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
 			if err == nil {
 				b.sawDevice(deviceID, s.Online)
+				if s.Online && b.takeOfflineMark(deviceID) {
+					b.goOwned(func() { b.repairStatus(deviceID) })
+				}
 			}
 			done(err)
 		})

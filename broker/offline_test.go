@@ -93,15 +93,22 @@ func (r *relay) let() {
 	r.blocked = false
 }
 
-// statusHookStore is e's store whose reads of a status call hook first.
+// statusHookStore is e's store whose reads of a status call hook first,
+// and after, if set, once the status is read.
 type statusHookStore struct {
 	*store.DB
-	hook func(deviceID string)
+	hook, after func(deviceID string)
 }
 
 func (s *statusHookStore) Status(ctx context.Context, deviceID string) (companion.Status, error) {
-	s.hook(deviceID)
-	return s.DB.Status(ctx, deviceID)
+	if s.hook != nil {
+		s.hook(deviceID)
+	}
+	st, err := s.DB.Status(ctx, deviceID)
+	if s.after != nil {
+		s.after(deviceID)
+	}
+	return st, err
 }
 
 // After a bridge's Will the server publishes each of its devices' retained
@@ -110,9 +117,11 @@ func (s *statusHookStore) Status(ctx context.Context, deviceID string) (companio
 // reconnect, over what the bridge, back meanwhile, said of the device.
 // Here the connection breaks as the first device's status goes out, and
 // the bridge comes back before the server reconnects: the second device's
-// retained status stays what the bridge said. (The first one's, past the
-// check before the link broke, is overwritten: the race the check narrows
-// and cannot close.)
+// retained status stays what the bridge said. The first one's, past the
+// check before the link broke, goes out after the reconnect, over the
+// bridge's: the race the check narrows and cannot close. The intake,
+// taking the bridge's online status in, publishes it again over the
+// offline one (repairStatus).
 func TestOfflineStatusesAreNotHeldWhileTheConnectionIsDown(t *testing.T) {
 	e := newEnv(t, false)
 	link := newRelay(t, e.mqtt.Addr())
@@ -141,6 +150,7 @@ func TestOfflineStatusesAreNotHeldWhileTheConnectionIsDown(t *testing.T) {
 	fb := connectBridge(t, e)
 	fb.online(t, e, "dev-1")
 	fb.online(t, e, "dev-2")
+	w := watchStatuses(t, e, "dev-1", "dev-2")
 
 	// The Will at QoS 0: the link breaks before the server's PUBACK of a
 	// QoS 1 one may have gone out, and the broker would deliver it again
@@ -167,36 +177,120 @@ func TestOfflineStatusesAreNotHeldWhileTheConnectionIsDown(t *testing.T) {
 		}
 		return b.client.IsConnectionOpen()
 	})
-	time.Sleep(time.Second) // what paho held goes out after the reconnect
+	firstDev := first.Load().(string)
+	second := "dev-2"
+	if firstDev == "dev-2" {
+		second = "dev-1"
+	}
+	testenv.Eventually(t, 10*time.Second, "the first device's offline status, past the check, out after the reconnect (else this test shows nothing)", func() bool {
+		return w.offlineAfter(firstDev, 2)
+	})
+	time.Sleep(time.Second) // what paho held, and any repair, goes out
+	assert.False(t, w.offlineAfter(second, 2), "%s: the offline status was held while the connection was down, and sent over the bridge's", second)
+	for _, dev := range []string{"dev-1", "dev-2"} {
+		testenv.Eventually(t, 10*time.Second, dev+"'s retained status the bridge's, online", func() bool {
+			s, ok := w.last(dev)
+			return ok && s.Online && s.Seq == 2
+		})
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	assert.Empty(t, b.offline, "a device whose bridge's status was taken in stays marked")
+}
 
-	retained := map[string]topics.Status{}
-	var mu sync.Mutex
+// The bridge, back, says its device is online after publishOffline read
+// the device's status (offline) and before its offline status went out:
+// the intake takes the online status in and publishes it again at once,
+// ahead of the offline one; so publishOffline, once its offline status is
+// acknowledged, publishes the store's status once more, and the retained
+// status ends the bridge's.
+func TestAnOnlineStatusTakenInAsTheOfflineOneGoesOutIsPublishedAgain(t *testing.T) {
+	e, st := newEnvOn(t, func(db *store.DB) *statusHookStore { return &statusHookStore{DB: db} })
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	w := watchStatuses(t, e, "dev-1")
+	topic, _ := tree.Status("dev-1")
+
+	var reads atomic.Int32
+	st.after = func(deviceID string) {
+		if reads.Add(1) != 1 {
+			return
+		}
+		p, _ := json.Marshal(topics.Status{Online: true, BridgeID: "b1", Seq: 2, At: time.Now()})
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, p), 5*time.Second))
+		testenv.Eventually(t, 10*time.Second, "the bridge's status and the intake's repair heard", func() bool {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			n := 0
+			for _, s := range w.seen["dev-1"] {
+				if s.Online && s.Seq == 2 {
+					n++
+				}
+			}
+			return n == 2
+		})
+	}
+	bs, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOffline), 5*time.Second))
+	testenv.Eventually(t, 10*time.Second, "the offline status, read before the bridge's, out after it (else this test shows nothing)", func() bool {
+		return w.offlineAfter("dev-1", 2)
+	})
+	testenv.Eventually(t, 10*time.Second, "the retained status the bridge's, online", func() bool {
+		s, ok := w.last("dev-1")
+		return ok && s.Online && s.Seq == 2
+	})
+}
+
+// statusWatch records every status a watcher of the devices hears, in order.
+type statusWatch struct {
+	mu   sync.Mutex
+	seen map[string][]topics.Status
+}
+
+func watchStatuses(t *testing.T, e *env, devices ...string) *statusWatch {
+	t.Helper()
+	w := &statusWatch{seen: map[string][]topics.Status{}}
 	watcher := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("watcher").
-		SetUsername("server").SetPassword("pw"))
+		SetUsername("server").SetPassword("pw").SetOrderMatters(true))
 	require.NoError(t, mqtt.WaitTokenTimeout(watcher.Connect(), 5*time.Second))
 	t.Cleanup(func() { watcher.Disconnect(0) })
-	for _, dev := range []string{"dev-1", "dev-2"} {
+	for _, dev := range devices {
 		topic, _ := tree.Status(dev)
 		require.NoError(t, mqtt.WaitTokenTimeout(watcher.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
 			var s topics.Status
 			if json.Unmarshal(m.Payload(), &s) == nil {
-				mu.Lock()
-				retained[dev] = s
-				mu.Unlock()
+				w.mu.Lock()
+				w.seen[dev] = append(w.seen[dev], s)
+				w.mu.Unlock()
 			}
 		}), 5*time.Second))
 	}
-	testenv.Eventually(t, 5*time.Second, "both retained statuses", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(retained) == 2
-	})
-	mu.Lock()
-	defer mu.Unlock()
-	second := "dev-2"
-	if first.Load() == "dev-2" {
-		second = "dev-1"
+	return w
+}
+
+// offlineAfter reports whether an offline status of the device was heard
+// after its status of seq.
+func (w *statusWatch) offlineAfter(dev string, seq uint64) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	after := false
+	for _, s := range w.seen[dev] {
+		if s.Online && s.Seq == seq {
+			after = true
+		}
+		if after && !s.Online {
+			return true
+		}
 	}
-	assert.True(t, retained[second].Online, "%s: the offline status was held while the connection was down, and sent over the bridge's", second)
-	assert.False(t, retained[first.Load().(string)].Online, "the first device's offline status, past the check, went out after the reconnect (else this test shows nothing)")
+	return false
+}
+
+// last is the device's status heard last: what the broker retains.
+func (w *statusWatch) last(dev string) (topics.Status, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if n := len(w.seen[dev]); n > 0 {
+		return w.seen[dev][n-1], true
+	}
+	return topics.Status{}, false
 }
