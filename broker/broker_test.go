@@ -426,8 +426,8 @@ func TestMessagesThatArriveTogetherAreTakenWithOneRead(t *testing.T) {
 // failures.
 type failingStore struct {
 	*store.DB
-	failReads, failStatus, failWrites, failSent atomic.Bool
-	fails                                       atomic.Int64
+	failReads, failStatus, failWrites, failSent, failReplies atomic.Bool
+	fails                                                    atomic.Int64
 }
 
 var errStoreDown = errors.New("store down (test)")
@@ -469,6 +469,14 @@ func (s *failingStore) UpdateCommandAsync(id string, fn func(*companion.Command)
 	s.DB.UpdateCommandAsync(id, fn, done)
 }
 
+func (s *failingStore) UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error)) {
+	if s.failing(&s.failReplies) {
+		done(companion.Command{}, errStoreDown)
+		return
+	}
+	s.DB.UpdateCommandWithReportAsync(id, fn, report, done)
+}
+
 func (s *failingStore) PutStatusAsync(st companion.Status, done func(bool, error)) {
 	if s.failing(&s.failWrites) {
 		done(false, errStoreDown)
@@ -500,6 +508,47 @@ func TestAReplyWhoseBridgeReadFailsIsTakenAgain(t *testing.T) {
 	testenv.Eventually(t, 20*time.Second, "the reply taken once the store answers", func() bool {
 		return state(t, e, c.ID).State == companion.StateSucceeded
 	})
+}
+
+// A final reply the store failed for every one of its attempts (about ten
+// minutes: PostgreSQL down that long) is dropped, its bridge connected all
+// along. The device's unfinished commands then go again once the store is
+// back, and the bridge's answer, its final reply anew, ends the command;
+// before, it stayed delivered until the bridge next came back. Both ways
+// of failing are here: the store's write of the reply, and its read of
+// the device's bridge.
+func TestAFinalReplyDroppedAfterItsAttemptsIsAskedForAgain(t *testing.T) {
+	for _, failing := range []string{"write", "read"} {
+		t.Run(failing, func(t *testing.T) {
+			e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
+			fb := connectBridge(t, e)
+			c := submit(t, e, "dev-1", "its final reply is lost", time.Hour)
+			require.Equal(t, c.ID, fb.next(t).ID)
+			fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
+			testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
+
+			final := topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()}
+			acked := make(chan struct{})
+			ack := func() { close(acked) }
+			if failing == "write" {
+				st.failReplies.Store(true)
+				e.b.takeReplyAttempt("dev-1", "b1", nil, final, ack, maxReplyAttempts)
+			} else {
+				e.b.takeReplyAttempt("dev-1", "", errStoreDown, final, ack, maxReplyAttempts)
+			}
+			select {
+			case <-acked: // dropped
+			case <-time.After(10 * time.Second):
+				t.Fatal("the reply's last attempt was not acknowledged")
+			}
+			st.failReplies.Store(false)
+			assert.Equal(t, companion.StateDelivered, state(t, e, c.ID).State)
+
+			require.Equal(t, c.ID, fb.next(t).ID, "the command sent again for the bridge to answer")
+			fb.reply(t, "dev-1", final)
+			testenv.Eventually(t, 10*time.Second, "succeeded", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
+		})
+	}
 }
 
 // A status or settings whose read of the device's bridge, or whose write,

@@ -401,6 +401,9 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		return
 	}
 	if !b.served(deviceID, "", bridge, err) {
+		if err != nil && !errors.Is(err, companion.ErrNotFound) {
+			b.replyDropped(deviceID)
+		}
 		ack()
 		return
 	}
@@ -494,10 +497,29 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			b.mu.Unlock()
 		case err != nil:
 			b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
+			if !errors.Is(err, companion.ErrInvalid) {
+				b.replyDropped(deviceID)
+			}
 		case companion.IsFinal(cmd.State):
 			b.notify(cmd)
 		}
 	})
+}
+
+// replyDropped has the device's unfinished commands sent again, once the
+// store is back, after a reply of the device was dropped because the store
+// failed it maxReplyAttempts times (ten minutes): the bridge answers one it
+// finished with its final reply again, and one it holds with "delivered".
+// Without this a command whose final reply was dropped stayed delivered
+// until its bridge next came back, which a bridge that stays connected
+// never does: retrySent sends again only the commands written sent. While
+// the store is down the outbox's read fails and is tried again.
+func (b *Broker) replyDropped(deviceID string) {
+	b.mu.Lock()
+	b.resend[deviceID] = true
+	b.mu.Unlock()
+	b.wake()
+	b.log.Warn("a reply of the device was dropped; its unfinished commands go again for the bridge to answer anew", "device_id", deviceID)
 }
 
 // admit returns what of a device's report the store may take: a status or
