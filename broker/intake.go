@@ -279,6 +279,7 @@ func (b *Broker) markOffline(deviceID string) bool {
 	return was
 }
 
+// offlineMarked reports whether the device is marked.
 func (b *Broker) offlineMarked(deviceID string) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
