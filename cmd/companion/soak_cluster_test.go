@@ -51,7 +51,7 @@ func TestSoakCluster(t *testing.T) {
 	}
 
 	rng := rand.New(rand.NewPCG(2, uint64(start.UnixNano())))
-	kills := soakChaos(start, duration, []soakFault{
+	kills := soakChaos(t, start, duration, []soakFault{
 		{"replica", func(down time.Duration) {
 			rc := rig.replicas[rng.IntN(len(rig.replicas))]
 			rc.server.kill()

@@ -30,6 +30,7 @@ import (
 
 	"github.com/devicecompanion/companion"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
@@ -71,7 +72,7 @@ func TestSoak(t *testing.T) {
 	load := startSoakLoad(t, c, start, []string{c.base()})
 
 	// Chaos: kill one piece at random, leave it down a moment, restart it.
-	kills := soakChaos(start, duration, []soakFault{
+	kills := soakChaos(t, start, duration, []soakFault{
 		{"server", func(down time.Duration) {
 			c.server.kill()
 			time.Sleep(down)
@@ -164,8 +165,9 @@ type soakFault struct {
 
 // soakChaos injects one of faults at random every 2–12 s, each down for
 // 0.2–4.2 s, until duration has passed since start, and counts them by
-// name.
-func soakChaos(start time.Time, duration time.Duration, faults []soakFault) map[string]int {
+// name. It logs each, with when in the load it came: the timeline a run's
+// expired commands are read against (soakExpired).
+func soakChaos(t *testing.T, start time.Time, duration time.Duration, faults []soakFault) map[string]int {
 	kills := map[string]int{}
 	rng := rand.New(rand.NewPCG(1, uint64(start.UnixNano())))
 	for time.Since(start) < duration {
@@ -175,6 +177,7 @@ func soakChaos(start time.Time, duration time.Duration, faults []soakFault) map[
 		}
 		down := time.Duration(200+rng.IntN(4000)) * time.Millisecond
 		f := faults[rng.IntN(len(faults))]
+		t.Logf("chaos: %s into the load, %s down for %s", time.Since(start).Round(100*time.Millisecond), f.name, down)
 		f.fault(down)
 		kills[f.name]++
 	}
@@ -284,6 +287,9 @@ func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, kil
 	fmt.Fprintf(&report, "executed-twice %d\n", twice)
 	fmt.Fprintf(&report, "expired-but-executed %d\n", expiredRun)
 	fmt.Fprintf(&report, "executed-out-of-order %d\n", inversions)
+	if byState[companion.StateExpired] > 0 {
+		soakExpired(&report, load, states)
+	}
 	fmt.Print(report.String())
 	if len(lost) > 0 {
 		sort.Strings(lost)
@@ -381,4 +387,43 @@ func (c *procCluster) allStates() map[string]string {
 		}
 	}
 	return states
+}
+
+// soakExpired writes, per device, how many of its commands expired and
+// when in the load the first and last of them were accepted (an id's
+// UUIDv7 time): read against the chaos's timeline in the log, it says
+// which outage a device's queue stood still through.
+func soakExpired(w *strings.Builder, load *soakLoad, states map[string]string) {
+	type span struct {
+		n           int
+		first, last time.Duration
+	}
+	spans := map[string]*span{}
+	for id, dev := range load.accepted {
+		if states[id] != companion.StateExpired {
+			continue
+		}
+		u, err := uuid.Parse(id)
+		if err != nil {
+			continue
+		}
+		sec, nsec := u.Time().UnixTime()
+		at := time.Unix(sec, nsec).Sub(load.start)
+		sp := spans[dev]
+		if sp == nil {
+			sp = &span{first: at, last: at}
+			spans[dev] = sp
+		}
+		sp.n++
+		sp.first, sp.last = min(sp.first, at), max(sp.last, at)
+	}
+	devs := make([]string, 0, len(spans))
+	for dev := range spans {
+		devs = append(devs, dev)
+	}
+	sort.Strings(devs)
+	for _, dev := range devs {
+		sp := spans[dev]
+		fmt.Fprintf(w, "expired on %s: %d, accepted %s–%s into the load\n", dev, sp.n, sp.first.Round(100*time.Millisecond), sp.last.Round(100*time.Millisecond))
+	}
 }
