@@ -357,6 +357,13 @@ func (c *client) accept(method, path string, body any, headers ...string) map[st
 	return cmd
 }
 
+// pushText sends a text to the device and returns the accepted command's
+// id.
+func (c *client) pushText(dev, text string) string {
+	c.tb.Helper()
+	return c.accept("POST", "/api/v1/devices/"+dev+"/push/text", map[string]any{"text": text})["id"].(string)
+}
+
 func pngImage(tb testing.TB, w, h int) []byte {
 	tb.Helper()
 	img := image.NewRGBA(image.Rect(0, 0, w, h))

@@ -128,6 +128,16 @@ func (p *mqttProbe) waitCut(t *testing.T, why string) {
 	}
 }
 
+// twoBridgeFleet is the fleet of the tests that move dev-1: dev-1 and
+// dev-3 registered to the user and served by the fleet's bridge, and
+// bridge-2 serving dev-2. It returns the fleet as each bridge sees it.
+func twoBridgeFleet(t *testing.T, m *Main) (f, f2 *fleet) {
+	t.Helper()
+	f = setupFleet(t, m, "dev-1", "dev-3")
+	registerDevices(t, f, "dev-1", "dev-3")
+	return f, addBridge(t, f, "bridge-2", "dev-2")
+}
+
 // commandOf decodes a command message a probe received.
 func commandOf(t *testing.T, m mqtt.Message) topics.Command {
 	t.Helper()
@@ -350,9 +360,7 @@ func TestMovingADeviceMovesItsRights(t *testing.T) {
 	for _, tb := range tenancyBrokers {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
-			f := setupFleet(t, m, "dev-1", "dev-3")
-			registerDevices(t, f, "dev-1", "dev-3")
-			f2 := addBridge(t, f, "bridge-2", "dev-2")
+			f, f2 := twoBridgeFleet(t, m)
 			tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
 			cmds := func(dev string) string { return must(tree.CommandsFilter(dev)) }
 			text := func(dev string) string { return must(tree.Command(dev, topics.OpPushText)) }
@@ -375,10 +383,7 @@ func TestMovingADeviceMovesItsRights(t *testing.T) {
 				p.waitCut(t, g.bridgeID+"'s devices changed")
 				return dial(g, filters...)
 			}
-			push := func(dev, text string) string {
-				t.Helper()
-				return u.accept("POST", "/api/v1/devices/"+dev+"/push/text", map[string]any{"text": text})["id"].(string)
-			}
+			push := u.pushText
 			move := func(dev string, to any) {
 				t.Helper()
 				r := f.admin.do("PUT", "/api/v1/admin/devices/"+dev+"/bridge", map[string]any{"bridge_id": to})
@@ -471,17 +476,12 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 	for _, tb := range tenancyBrokers {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
-			f := setupFleet(t, m, "dev-1", "dev-3")
-			registerDevices(t, f, "dev-1", "dev-3")
-			f2 := addBridge(t, f, "bridge-2", "dev-2")
+			f, f2 := twoBridgeFleet(t, m)
 			u := f.user
 			b1 := startBridge(t, m, mqttURL, f, "", "dev-1", "dev-3")
 			b2 := startBridge(t, m, mqttURL, f2, "", "dev-2", "dev-1")
 			waitOnline(t, f, true, "dev-1", "dev-2", "dev-3")
-			push := func(dev, text string) string {
-				t.Helper()
-				return u.accept("POST", "/api/v1/devices/"+dev+"/push/text", map[string]any{"text": text})["id"].(string)
-			}
+			push := u.pushText
 
 			before := push("dev-1", "on bridge-1")
 			assert.Equal(t, "succeeded", u.waitFinal("dev-1", before)["state"])
@@ -523,15 +523,10 @@ func TestAMovedDevicesCommandStaysInItsOldBridgesSession(t *testing.T) {
 	for _, tb := range brokers {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
-			f := setupFleet(t, m, "dev-1", "dev-3")
-			registerDevices(t, f, "dev-1", "dev-3")
-			f2 := addBridge(t, f, "bridge-2", "dev-2")
+			f, f2 := twoBridgeFleet(t, m)
 			tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
 			u := f.user
-			push := func(dev, text string) string {
-				t.Helper()
-				return u.accept("POST", "/api/v1/devices/"+dev+"/push/text", map[string]any{"text": text})["id"].(string)
-			}
+			push := u.pushText
 			clientID := f.bridgeID + "-session"
 			b1 := mustDialSession(t, mqttURL, clientID, f.bridgeID, f.bridgeSecret)
 			for _, dev := range []string{"dev-1", "dev-3"} {
@@ -579,10 +574,7 @@ func TestMovingADeviceWhileItsBridgeRunsACommand(t *testing.T) {
 			startBridgeWith(t, m, mqttURL, f2, bridgeConfig{sims: shared}, "dev-1")
 			waitOnline(t, f, true, "dev-1")
 			dev := shared["dev-1"]
-			push := func(text string) string {
-				t.Helper()
-				return f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": text})["id"].(string)
-			}
+			push := func(text string) string { return f.user.pushText("dev-1", text) }
 
 			dev.HangNext()
 			hung := push("hangs on bridge-1")
