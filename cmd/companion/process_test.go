@@ -220,6 +220,7 @@ type procCluster struct {
 	serverMQTT []string
 
 	server, bridgeProc *osProc
+	bridgeLogs         []string // the log of every bridge process launched, in order
 	user               *client
 	bridgeID           string // the bridge's id; bridge-1 when empty
 	bridgeSecret       string
@@ -355,6 +356,7 @@ func (c *procCluster) launchBridge() {
 		"--sim-devices", strings.Join(c.devices, ","), "--log-level", "warn",
 	}, c.bridgeArgs...)
 	c.bridgeProc = startProc(c.tb, "companion-bridge", c.bridge, args...)
+	c.bridgeLogs = append(c.bridgeLogs, c.bridgeProc.logPath)
 }
 
 // executions reads the simulator's execution logs: command id → count.

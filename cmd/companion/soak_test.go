@@ -287,6 +287,7 @@ func soakSettleAndReport(t *testing.T, c *procCluster, load *soakLoad, name, kil
 	fmt.Fprintf(&report, "executed-twice %d\n", twice)
 	fmt.Fprintf(&report, "expired-but-executed %d\n", expiredRun)
 	fmt.Fprintf(&report, "executed-out-of-order %d\n", inversions)
+	fmt.Fprintf(&report, "waited-out-predecessor %d\n", c.linesInBridgeLogs(neverCame))
 	if byState[companion.StateExpired] > 0 {
 		soakExpired(&report, load, states)
 	}
@@ -387,6 +388,22 @@ func (c *procCluster) allStates() map[string]string {
 		}
 	}
 	return states
+}
+
+// neverCame is in the bridge's log line of a command whose predecessor
+// (topics.Command.After) did not come within agent.DefaultAfterWait: the
+// device's queue stood still that long behind it.
+const neverCame = "the command this one runs after never came"
+
+// linesInBridgeLogs counts the lines with s in the logs of every bridge
+// process the cluster launched.
+func (c *procCluster) linesInBridgeLogs(s string) int {
+	n := 0
+	for _, path := range c.bridgeLogs {
+		b, _ := os.ReadFile(path)
+		n += strings.Count(string(b), s)
+	}
+	return n
 }
 
 // soakExpired writes, per device, how many of its commands expired and
