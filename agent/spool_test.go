@@ -654,9 +654,6 @@ func TestSpoolWaitsForTheCommandBefore(t *testing.T) {
 	}
 }
 
-// A command whose predecessor is on disk but not yet in its queue (accept
-// commits a batch, then releases it into the queues) waits for it: taken
-// for seen, it ran first, and its predecessor after it (bug 102).
 // chainedPair returns two commands of device "d", the second naming the
 // first as the one it runs after.
 func chainedPair(t *testing.T) (first, second topics.Command) {
@@ -697,6 +694,9 @@ func TestSpoolRunsACommandWhosePredecessorFinishesDuringTheClaim(t *testing.T) {
 	}
 }
 
+// A command whose predecessor is on disk but not yet in its queue (accept
+// commits a batch, then releases it into the queues) waits for it: taken
+// for seen, it ran first, and its predecessor after it (bug 102).
 func TestSpoolWaitsForACommandOnDiskNotYetQueued(t *testing.T) {
 	s := openTestSpool(t)
 	first, second := chainedPair(t)
