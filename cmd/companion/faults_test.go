@@ -384,9 +384,7 @@ func TestFailingOrHangingCommandHoldsUpNothing(t *testing.T) {
 	registerDevices(t, f, devs...)
 	b := startBridgeWith(t, m, m.MQTTURL(), f, bridgeConfig{commandTimeout: timeout}, devs...)
 	waitOnline(t, f, true, devs...)
-	push := func(d, text string) string {
-		return f.user.accept("POST", "/api/v1/devices/"+d+"/push/text", map[string]any{"text": text})["id"].(string)
-	}
+	push := f.user.pushText
 
 	// A hang on dev-hang: its successors wait behind it, nothing else does.
 	b.sims["dev-hang"].HangNext()
