@@ -33,12 +33,16 @@ import (
 // bridge's credentials, fake bridges that publish exactly what a test says,
 // and real agents with simulated devices.
 
-// tenancyBrokers are the two brokers the tests of this file run on: each
-// start returns the server and the broker's URL.
-var tenancyBrokers = []struct {
+// tenancyBroker is a broker the tests of this file run on: start returns
+// the server and the broker's URL (a NATS cluster's, every node's, comma
+// separated).
+type tenancyBroker struct {
 	name  string
 	start func(t *testing.T) (*Main, string)
-}{
+}
+
+// tenancyBrokers are the two brokers most tests of this file run on.
+var tenancyBrokers = []tenancyBroker{
 	{"embedded", func(t *testing.T) (*Main, string) {
 		m := startServer(t, Config{})
 		return m, m.MQTTURL()
@@ -47,6 +51,16 @@ var tenancyBrokers = []struct {
 		m, mq := startWithMosquitto(t, t.TempDir())
 		return m, mq.URL
 	}},
+}
+
+// withNATS is tenancyBrokers and a three-node NATS cluster behind the
+// server's auth callout, slower to start: for the tests that must hold on
+// every broker the server runs on.
+func withNATS() []tenancyBroker {
+	return append(slices.Clone(tenancyBrokers), tenancyBroker{"nats", func(t *testing.T) (*Main, string) {
+		cl, m := startNATSCallout(t)
+		return m, cl.MQTTURL()
+	}})
 }
 
 // addBridge creates a bridge through the admin API and provisions the
@@ -513,16 +527,10 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 // device the bridge still serves, queued in the same session at the same
 // time, does reach it.
 func TestAMovedDevicesCommandStaysInItsOldBridgesSession(t *testing.T) {
-	brokers := append(slices.Clone(tenancyBrokers), struct {
-		name  string
-		start func(t *testing.T) (*Main, string)
-	}{"nats", func(t *testing.T) (*Main, string) {
-		cl, m := startNATSCallout(t)
-		return m, cl.MQTTURLs[0] // one node: the session lives in its JetStream all the same
-	}})
-	for _, tb := range brokers {
+	for _, tb := range withNATS() {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
+			mqttURL, _, _ = strings.Cut(mqttURL, ",") // one node of a NATS cluster: the session lives in its JetStream all the same
 			f, f2 := twoBridgeFleet(t, m)
 			tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
 			u := f.user
@@ -602,14 +610,7 @@ func TestMovingADeviceWhileItsBridgeRunsACommand(t *testing.T) {
 // the server's right to publish it, and the broker's retained message, are
 // theirs.
 func TestWatcherReadsTheDeviceOfflineWithItsBridge(t *testing.T) {
-	brokers := append(slices.Clip(tenancyBrokers), struct {
-		name  string
-		start func(t *testing.T) (*Main, string)
-	}{"nats", func(t *testing.T) (*Main, string) {
-		cl, m := startNATSCallout(t)
-		return m, cl.MQTTURL()
-	}})
-	for _, tb := range brokers {
+	for _, tb := range withNATS() {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
 			f := setupFleet(t, m, "dev-1")
