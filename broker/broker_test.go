@@ -812,7 +812,7 @@ func watchStatus(t *testing.T, e *env, dev string) <-chan topics.Status {
 	t.Helper()
 	topic, err := tree.Status(dev)
 	require.NoError(t, err)
-	ch := make(chan topics.Status, 10)
+	ch := make(chan topics.Status, 100)
 	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("watcher-" + uuid.NewString()).
 		SetUsername("server").SetPassword("pw"))
 	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))

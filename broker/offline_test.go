@@ -219,15 +219,7 @@ func TestAnOnlineStatusTakenInAsTheOfflineOneGoesOutIsPublishedAgain(t *testing.
 		p, _ := json.Marshal(topics.Status{Online: true, BridgeID: "b1", Seq: 2, At: time.Now()})
 		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, p), 5*time.Second))
 		testenv.Eventually(t, 10*time.Second, "the bridge's status and the intake's repair heard", func() bool {
-			w.mu.Lock()
-			defer w.mu.Unlock()
-			n := 0
-			for _, s := range w.seen["dev-1"] {
-				if s.Online && s.Seq == 2 {
-					n++
-				}
-			}
-			return n == 2
+			return w.count("dev-1", true, 2) == 2
 		})
 	}
 	bs, _ := tree.BridgeState("b1")
@@ -241,31 +233,47 @@ func TestAnOnlineStatusTakenInAsTheOfflineOneGoesOutIsPublishedAgain(t *testing.
 	})
 }
 
-// statusWatch records every status a watcher of the devices hears, in order.
+// statusWatch records every status a watcher of the devices hears, in
+// order (watchStatus's channels, drained as it is asked).
 type statusWatch struct {
 	mu   sync.Mutex
+	chs  map[string]<-chan topics.Status
 	seen map[string][]topics.Status
 }
 
 func watchStatuses(t *testing.T, e *env, devices ...string) *statusWatch {
 	t.Helper()
-	w := &statusWatch{seen: map[string][]topics.Status{}}
-	watcher := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("watcher").
-		SetUsername("server").SetPassword("pw").SetOrderMatters(true))
-	require.NoError(t, mqtt.WaitTokenTimeout(watcher.Connect(), 5*time.Second))
-	t.Cleanup(func() { watcher.Disconnect(0) })
+	w := &statusWatch{chs: map[string]<-chan topics.Status{}, seen: map[string][]topics.Status{}}
 	for _, dev := range devices {
-		topic, _ := tree.Status(dev)
-		require.NoError(t, mqtt.WaitTokenTimeout(watcher.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
-			var s topics.Status
-			if json.Unmarshal(m.Payload(), &s) == nil {
-				w.mu.Lock()
-				w.seen[dev] = append(w.seen[dev], s)
-				w.mu.Unlock()
-			}
-		}), 5*time.Second))
+		w.chs[dev] = watchStatus(t, e, dev)
 	}
 	return w
+}
+
+// heard returns what the watcher of dev has heard so far. Called with mu
+// held.
+func (w *statusWatch) heard(dev string) []topics.Status {
+	for {
+		select {
+		case s := <-w.chs[dev]:
+			w.seen[dev] = append(w.seen[dev], s)
+		default:
+			return w.seen[dev]
+		}
+	}
+}
+
+// count is how many statuses of dev with online and seq were heard.
+func (w *statusWatch) count(dev string, online bool, seq uint64) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := 0
+	for _, s := range w.heard(dev) {
+		if s.Online == online && s.Seq == seq {
+			n++
+		}
+	}
+	return n
 }
 
 // offlineAfter reports whether an offline status of the device was heard
@@ -274,7 +282,7 @@ func (w *statusWatch) offlineAfter(dev string, seq uint64) bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	after := false
-	for _, s := range w.seen[dev] {
+	for _, s := range w.heard(dev) {
 		if s.Online && s.Seq == seq {
 			after = true
 		}
@@ -289,8 +297,8 @@ func (w *statusWatch) offlineAfter(dev string, seq uint64) bool {
 func (w *statusWatch) last(dev string) (topics.Status, bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if n := len(w.seen[dev]); n > 0 {
-		return w.seen[dev][n-1], true
+	if heard := w.heard(dev); len(heard) > 0 {
+		return heard[len(heard)-1], true
 	}
 	return topics.Status{}, false
 }
