@@ -180,6 +180,12 @@ func (s *Server) adminPutFirmware(c *gin.Context) error {
 	if err != nil {
 		return invalid("version", "an MCUboot image header cannot hold it: it takes major.minor.revision (at most 255.255.65535) and an optional +build number")
 	}
+	if canon := want.String(); canon != version {
+		// "1.2.3+0" or "1.2.3+07" names the header 1.2.3 or 1.2.3+7 holds;
+		// published so, no device would ever report it (an OTA would fail
+		// comparing the two).
+		return invalid("version", "write it "+canon+": the form a device reports an image header's version in")
+	}
 	blob, rec, replayed, err := s.upload(c, s.limits.MaxFirmwareBytes, func(r io.Reader) io.Reader {
 		return &imageReader{r: r, v: mcuboot.NewVerifier(), want: want}
 	})

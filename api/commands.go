@@ -628,7 +628,10 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 		case err != nil:
 			return err
 		}
-		if topics.ValidVersion(st.FirmwareVersion) && topics.CompareVersions(fw.Version, st.FirmwareVersion) == 0 {
+		// The very version, build number too: semantic versions that
+		// differ only there order as equal, but another build of the
+		// version the device runs is an image to install all the same.
+		if fw.Version == st.FirmwareVersion {
 			return &Error{Code: CodeNoUpdate, Detail: "the device already runs " + fw.Version}
 		}
 	} else {

@@ -43,6 +43,8 @@ func TestFirmwareMustBeMCUbootImage(t *testing.T) {
 		{"build number differs", "1.2.0+1", good, "image.version"},
 		{"pre-release", "1.3.0-rc1", good, "version"},
 		{"past the header's fields", "256.0.0", good, "version"},
+		{"build 0 written out", "1.2.0+0", good, "version"},
+		{"build with a leading zero", "1.2.0+07", firmwareImage(t, "1.2.0+7", 2048), "version"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r := put(tt.version, tt.body)

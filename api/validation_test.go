@@ -458,6 +458,29 @@ func TestAppAndOTAValidation(t *testing.T) {
 	assert.Equal(t, int64(len(fw)), ou.Blob.Size)
 }
 
+// An OTA to another build of the version the device runs is taken: only
+// the very version it runs is a 409 no_update. Without a version, the
+// latest must be newer as a semantic version, build numbers aside.
+func TestOTAToAnotherBuildOfTheRunningVersion(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.report("dev-1", "1.1.0+1")
+	for _, v := range []string{"1.1.0+1", "1.1.0+2"} {
+		r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/" + v, token: testAdminToken, body: firmwareImage(t, v, 600),
+			header: map[string]string{"Content-Type": "application/octet-stream"}})
+		require.Equal(t, 201, r.status, "%s", r.body)
+	}
+	ota := "/api/v1/devices/dev-1/ota/update"
+	runBodyCases(t, e, "POST", ota, tok, []bodyCase{
+		{"already runs it", map[string]any{"version": "1.1.0+1"}, 409, nil},
+		{"another build", map[string]any{"version": "1.1.0+2"}, 202, nil},
+		{"latest", `{}`, 409, nil},
+	})
+	var ou topics.OTAUpdate
+	require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &ou))
+	assert.Equal(t, "1.1.0+2", ou.Version)
+}
+
 // An optional member that is null is taken as absent, as many JSON
 // encoders write an unset field; api/openapi.json says so, so that a
 // client checked against it may send one.
