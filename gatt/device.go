@@ -625,8 +625,24 @@ func DecodeSetting(spec topics.SettingSpec, b []byte) (any, error) {
 }
 
 // PushText shows a text (group 64).
+//
+// A text whose request is longer than the device takes in one (its SMP
+// buffer, or one write when it does not reassemble) goes as a chunked
+// upload instead (group 64, command 1; its data a TextBody): the API takes
+// texts of 4096 bytes and titles of 128, and Zephyr's buffers
+// are 384 bytes unless the firmware makes them larger.
 func (d *Device) PushText(ctx context.Context, cmdID, title, text string) error {
-	return d.do(ctx, OpWrite, GroupText, CmdTextPush, TextRequest{CmdID: cmdID, Title: title, Text: text}, nil)
+	err := d.do(ctx, OpWrite, GroupText, CmdTextPush, TextRequest{CmdID: cmdID, Title: title, Text: text}, nil)
+	if e := (*Error)(nil); !errors.As(err, &e) || e.RC != RCMsgSize {
+		return err
+	}
+	// Too long for one request (the client's check, or the device's
+	// EMSGSIZE): it did not run.
+	body, err := EncodeBody(TextBody{Title: title, Text: text})
+	if err != nil {
+		return err
+	}
+	return d.upload(ctx, Upload{Group: GroupText, ID: CmdTextUpload, First: UploadRequest{CmdID: cmdID}, Data: body})
 }
 
 // PushImage uploads a picture to show (group 65).
@@ -875,6 +891,8 @@ func groupName(g uint16) string {
 	switch g {
 	case GroupImage:
 		return "firmware"
+	case GroupText:
+		return "text"
 	case GroupPush:
 		return "image"
 	case GroupApps:

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -231,4 +232,42 @@ func TestWaitForAnotherConnectionEndsWithTheContext(t *testing.T) {
 	}
 	cancel()
 	<-done
+}
+
+// A text at the API's limits (4096 bytes, a title of 128) is longer than a
+// request the device takes, in its SMP buffer or in one write: it goes as
+// a chunked upload (group 64, command 1), and is shown once, repeats
+// included.
+func TestALongTextGoesAsAnUpload(t *testing.T) {
+	title := strings.Repeat("ü", 64) // 128 bytes
+	for _, tc := range []struct {
+		name  string
+		mtu   int
+		popts sim.PeripheralOptions
+	}{
+		{"buffers of 2475", 247, sim.PeripheralOptions{}},
+		{"zephyr's default buffers", 247, sim.PeripheralOptions{BufSize: 384}},
+		{"no reassembly", 247, sim.PeripheralOptions{NoReassembly: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			opts := fastLink
+			opts.MTU = tc.mtu
+			d, s, _, _ := newSimPeripheral(t, opts, tc.popts, gatt.DeviceOptions{})
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			text := strings.Repeat("ä", 2048) // 4096 bytes
+			for range 2 {
+				if err := d.PushText(ctx, "long", title, text); err != nil {
+					t.Fatalf("PushText: %v", err)
+				}
+			}
+			if err := d.PushText(ctx, "short", "", "hello"); err != nil {
+				t.Fatalf("PushText of a short one: %v", err)
+			}
+			got := s.Texts()
+			if len(got) != 2 || got[0].Text != text || got[0].Title != title || got[1].Text != "hello" || s.Executions("long") != 1 {
+				t.Errorf("%d texts shown; the long one executed %d times", len(got), s.Executions("long"))
+			}
+		})
+	}
 }

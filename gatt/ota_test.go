@@ -167,8 +167,13 @@ func TestNoReassemblySingleWrites(t *testing.T) {
 	if s.Firmware() != "1.1.0" || len(s.Images()) != 1 {
 		t.Errorf("firmware %s, %d images", s.Firmware(), len(s.Images()))
 	}
-	if err := d.PushText(ctx, "t2", "", string(bytes.Repeat([]byte("x"), 400))); errorCode(err) != gatt.CodeInvalidPayload {
-		t.Errorf("a text longer than a write = %v; want %s", err, gatt.CodeInvalidPayload)
+	// A text longer than a write goes as an upload, a write per request.
+	long := string(bytes.Repeat([]byte("x"), 400))
+	if err := d.PushText(ctx, "t2", "", long); err != nil {
+		t.Errorf("a text longer than a write: %v", err)
+	}
+	if got := s.Texts(); len(got) != 2 || got[1].Text != long {
+		t.Errorf("%d texts shown", len(got))
 	}
 
 	rec.mu.Lock()

@@ -309,6 +309,14 @@ type UploadRequest struct {
 	AppID       string `cbor:"app_id,omitempty"`       // apps
 }
 
+// TextBody is what a text's chunked upload (group 64, command 1) carries
+// as its data: a CBOR map of the text and its title, as command 0's
+// request has them.
+type TextBody struct {
+	Title string `cbor:"title,omitempty"`
+	Text  string `cbor:"text"`
+}
+
 // TextRequest pushes a text (group 64, command 0, write).
 type TextRequest struct {
 	CmdID string `cbor:"cid"`

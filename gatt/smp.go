@@ -57,7 +57,8 @@ const (
 
 	CmdSchemaRead uint8 = 0
 
-	CmdTextPush uint8 = 0
+	CmdTextPush   uint8 = 0
+	CmdTextUpload uint8 = 1 // a text too long for one request, as a chunked upload
 
 	CmdPushUpload uint8 = 1
 

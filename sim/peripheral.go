@@ -726,7 +726,8 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 		}
 		return status(p.dev.UninstallApp(ctx, req.CmdID, req.AppID))
 
-	case write && (g == gatt.GroupPush && id == gatt.CmdPushUpload || g == gatt.GroupApps && id == gatt.CmdAppsInstall):
+	case write && (g == gatt.GroupText && id == gatt.CmdTextUpload || g == gatt.GroupPush && id == gatt.CmdPushUpload ||
+		g == gatt.GroupApps && id == gatt.CmdAppsInstall):
 		var (
 			req   gatt.UploadRequest
 			shape uploadShape
@@ -1006,6 +1007,12 @@ func (p *Peripheral) upload(ctx context.Context, group uint16, req gatt.UploadRe
 	var err error
 	f := u.first
 	switch group {
+	case gatt.GroupText:
+		var b gatt.TextBody
+		if err := gatt.DecodeBody(u.data, &b); err != nil || b.Text == "" {
+			return failRC(gatt.RCInvalid, fmt.Sprintf("the upload is not a text's body {title?, text}: %v", err))
+		}
+		err = p.dev.PushText(ctx, f.CmdID, b.Title, b.Text)
 	case gatt.GroupPush:
 		err = p.dev.PushImage(ctx, f.CmdID, f.ContentType, u.data)
 	case gatt.GroupApps:

@@ -118,6 +118,12 @@ func demoWorks(tb testing.TB, m *Main, f DemoFile) {
 	r = user.do("POST", "/api/v1/devices/sim-001/push/text", map[string]any{"text": "hello"}, "Prefer", "wait=20")
 	require.Equal(tb, 200, r.Status, "%s", r.Body)
 	assert.Equal(tb, "succeeded", r.JSON(tb)["state"], "through the demo bridge: %s", r.Body)
+	// A text at the limits of CONTRACT §6 (4096 bytes, a title of 128)
+	// is longer than a request the device takes at once.
+	long := map[string]any{"text": strings.Repeat("é", 2048), "title": strings.Repeat("ü", 64)}
+	r = user.do("POST", "/api/v1/devices/sim-001/push/text", long, "Prefer", "wait=20")
+	require.Equal(tb, 200, r.Status, "%s", r.Body)
+	assert.Equal(tb, "succeeded", r.JSON(tb)["state"], "a text at the limits: %s", r.Body)
 }
 
 // demoQuickStartWorks runs the curl lines m's demo prints, want of them,
