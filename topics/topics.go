@@ -209,6 +209,13 @@ func (t Tree) CommandsFilter(deviceID string) (string, error) {
 	return t.device(deviceID, "commands/+")
 }
 
+// CommandsGrant is what the bridge serving a device may subscribe to
+// (CONTRACT §3: its commands/#): every command topic of the device, and
+// every filter within them (commands/+, commands/#, one op's).
+func (t Tree) CommandsGrant(deviceID string) (string, error) {
+	return t.device(deviceID, "commands/#")
+}
+
 // AllReplies matches the replies topics of every device.
 func (t Tree) AllReplies() string { return t.prefix + "/devices/+/replies" }
 

@@ -302,7 +302,7 @@ func (d *Driver) BridgeACLs(ctx context.Context, bridgeID string) ([]ACL, error)
 
 // servedDeviceACLs is what the bridge serving a device may do with it.
 func (d *Driver) servedDeviceACLs(deviceID string) ([]ACL, error) {
-	cmds, err := d.tree.CommandsFilter(deviceID)
+	cmds, err := d.tree.CommandsGrant(deviceID)
 	if err != nil {
 		return nil, err
 	}

@@ -198,8 +198,8 @@ func TestDriver(t *testing.T) {
 		served := func(dev string) []dynsec.ACL {
 			p := "companion/v1/devices/" + dev
 			return []dynsec.ACL{
-				{Type: dynsec.SubscribePattern, Topic: p + "/commands/+", Allow: true},
-				{Type: dynsec.PublishClientReceive, Topic: p + "/commands/+", Allow: true},
+				{Type: dynsec.SubscribePattern, Topic: p + "/commands/#", Allow: true},
+				{Type: dynsec.PublishClientReceive, Topic: p + "/commands/#", Allow: true},
 				{Type: dynsec.PublishClientSend, Topic: p + "/replies", Allow: true},
 				{Type: dynsec.PublishClientSend, Topic: p + "/status", Allow: true},
 				{Type: dynsec.PublishClientSend, Topic: p + "/settings", Allow: true},

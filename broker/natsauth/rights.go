@@ -67,7 +67,7 @@ func (r *Responder) rightsOf(ctx context.Context, id embedded.Identity) (rights,
 		}
 		sort.Strings(served)
 		for _, dev := range served {
-			cmds, err1 := r.opts.Topics.CommandsFilter(dev)
+			cmds, err1 := r.opts.Topics.CommandsGrant(dev)
 			replies, err2 := r.opts.Topics.Replies(dev)
 			status, err3 := r.opts.Topics.Status(dev)
 			settings, err4 := r.opts.Topics.Settings(dev)

@@ -124,6 +124,8 @@ func TestBrokerDoorMosquitto(t *testing.T) {
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.AllReplies()))
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/#"))
 		assert.Equal(t, byte(1), b.subscribe(t, must(tree.CommandsFilter("dev-1"))))
+		assert.Equal(t, byte(1), b.subscribe(t, must(tree.CommandsGrant("dev-1"))), "commands/# of its device (CONTRACT §3)")
+		assert.Equal(t, byte(1), b.subscribe(t, must(tree.Command("dev-1", topics.OpPushText))), "one op of its device")
 		assert.Equal(t, byte(0x80), b.subscribe(t, must(tree.CommandsFilter("dev-9"))), "a device it does not serve")
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/devices/+/commands/#"), "every device")
 		assertRefused(b, "bridge")

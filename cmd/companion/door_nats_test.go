@@ -126,6 +126,8 @@ func TestBrokerDoorNATS(t *testing.T) {
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.AllReplies()))
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/#"))
 		assert.Equal(t, byte(1), b.subscribe(t, cmds("dev-1")))
+		assert.Equal(t, byte(1), b.subscribe(t, must(tree.CommandsGrant("dev-1"))), "commands/# of its device (CONTRACT §3)")
+		assert.Equal(t, byte(1), b.subscribe(t, text("dev-1")), "one op of its device")
 		assert.Equal(t, byte(0x80), b.subscribe(t, cmds("dev-3")), "another bridge's device")
 		assert.Equal(t, byte(0x80), b.subscribe(t, cmds("dev-9")), "a device no bridge serves")
 		assert.Equal(t, byte(0x80), b.subscribe(t, tree.Prefix()+"/devices/+/commands/#"), "every device")
