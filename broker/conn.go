@@ -290,7 +290,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
-		b.takeStatus(t.DeviceID, s, bridges[t.DeviceID], readErr, m.Ack)
+		b.takeStatus(t.DeviceID, s, bridges[t.DeviceID], readErr, !m.Retained(), m.Ack)
 	case topics.KindSettings:
 		if len(m.Payload()) == 0 {
 			m.Ack()

@@ -48,6 +48,7 @@ func (b *Broker) served(deviceID, bridgeID, bridge string, err error) bool {
 func (b *Broker) DeviceMoved(deviceID string) {
 	b.failLeft(context.Background(), deviceID)
 	b.resendDevice(deviceID)
+	b.goOwned(func() { b.publishUnserved(deviceID) })
 	if b.opts.Dispatcher != nil && !b.dispatching() {
 		b.tellMoved(deviceID)
 	}
@@ -546,8 +547,16 @@ func (b *Broker) admit(deviceID string, r companion.DeviceReport, attrs ...any) 
 // takeStatus stores the status of a device a bridge serves (served: so it
 // is provisioned, as the stores assign only devices of the registry), then
 // calls ack. bridge is the device's bridge as intake read it for its batch
-// (bug 98), or readErr.
-func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, readErr error, ack func()) {
+// (bug 98), or readErr. live says the broker sent it as it was published,
+// not as the retained status of a subscription made.
+func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, readErr error, live bool, ack func()) {
+	if s.BridgeID == "" && !s.Online && bridge == "" && readErr == nil {
+		// The status of a device no bridge serves, as the store has it:
+		// published by a server as the device left its bridge
+		// (publishUnserved), come back.
+		ack()
+		return
+	}
 	st := storeStatus(deviceID, s)
 	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
 		ack()
@@ -555,17 +564,69 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 	}
 	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, func(done func(error)) {
 		start := time.Now()
-		b.st.PutStatusAsync(st, func(_ bool, err error) {
+		b.st.PutStatusAsync(st, func(applied bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
 			if err == nil {
 				b.sawDevice(deviceID, s.Online)
-				if s.Online && b.takeOfflineMark(deviceID) {
+				switch {
+				case s.Online && b.takeOfflineMark(deviceID):
 					b.goOwned(func() { b.repairStatus(deviceID) })
+				case !applied && live:
+					b.goOwned(func() { b.mendRetained(deviceID, st) })
 				}
 			}
 			done(err)
 		})
 	})
+}
+
+// mendRetained publishes the device's status as the store has it when
+// the store holds a newer one than taken, a status published and refused
+// as older: the broker retains the last status published to the topic,
+// whatever its seq, and a watcher, or anyone subscribing later, read the
+// older one until the bridge's next report (CONTRACT §3: an older status
+// never overwrites the stored one). Such a status comes late (a repeat
+// the broker delivered again, bug 104's repair overtaken by a report), or
+// from a bridge whose clock went back. The server's own publish comes back
+// with the store's seq, not older: nothing more is published. Only for
+// live messages: the retained statuses a subscription brings are as many
+// as the devices, at every reconnect, and each would cost a read.
+func (b *Broker) mendRetained(deviceID string, taken companion.Status) {
+	if !b.client.IsConnectionOpen() {
+		return
+	}
+	s, err := b.st.Status(context.Background(), deviceID)
+	if err != nil || !companion.Newer(s.Seq, s.LastSeen, taken.Seq, taken.LastSeen, b.now()) {
+		return
+	}
+	tok := b.publishStatus(deviceID, s)
+	if tok == nil {
+		return
+	}
+	if err := b.waitToken(tok); err != nil && !errors.Is(err, ErrClosed) {
+		b.log.Warn("publishing a device's status over an older one", "device_id", deviceID, "err", err)
+	}
+}
+
+// publishUnserved publishes the status of a device that no bridge serves
+// any more as the store has it (offline, no bridge): the broker retained
+// the last its bridge reported, online, and no bridge will report it now
+// (CONTRACT §9: the device reads offline).
+func (b *Broker) publishUnserved(deviceID string) {
+	if !b.client.IsConnectionOpen() {
+		return
+	}
+	s, err := b.st.Status(context.Background(), deviceID)
+	if err != nil || s.Online || s.BridgeID != "" || s.LastSeen.IsZero() {
+		return // a bridge serves it again, or it never reported: nothing retained to mend
+	}
+	tok := b.publishStatus(deviceID, s)
+	if tok == nil {
+		return
+	}
+	if err := b.waitToken(tok); err != nil && !errors.Is(err, ErrClosed) {
+		b.log.Warn("publishing the status of a device that lost its bridge", "device_id", deviceID, "err", err)
+	}
 }
 
 // takeReport takes a device's status or settings in (what names which),

@@ -302,3 +302,41 @@ func (w *statusWatch) last(dev string) (topics.Status, bool) {
 	}
 	return topics.Status{}, false
 }
+
+// A status older than the one stored (a late repeat, a bridge whose clock
+// went back), published live, is not stored, and the broker retains it all
+// the same: the intake publishes the store's status over it, so that a
+// watcher, and whoever subscribes later, never read an older status than
+// the store's (CONTRACT §3). The store's status coming back is not older:
+// it is published once.
+func TestAnOlderStatusPublishedIsMendedOnTheBroker(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	at := time.Now().UTC().Truncate(time.Millisecond)
+	newer := topics.Status{Online: true, BridgeID: "b1", FirmwareVersion: "2.0.0", Apps: []companion.App{}, Seq: 20, At: at}
+	retain := func(s topics.Status) {
+		t.Helper()
+		b, err := json.Marshal(s)
+		require.NoError(t, err)
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	}
+	retain(newer)
+	testenv.Eventually(t, 10*time.Second, "the newer status stored", func() bool {
+		s, err := e.db.Status(context.Background(), "dev-1")
+		return err == nil && s.Seq == 20
+	})
+	w := watchStatuses(t, e, "dev-1")
+	older := newer
+	older.Seq, older.At, older.FirmwareVersion, older.Online = 10, at.Add(-time.Minute), "1.0.0", false
+	retain(older) // acknowledged: the broker retains it
+	testenv.Eventually(t, 10*time.Second, "the store's status published over the older one", func() bool {
+		return w.count("dev-1", true, 20) == 2 // the bridge's, retained when the watcher came; the intake's
+	})
+	assert.Equal(t, newer.Seq, retainedStatus(t, e, "dev-1").Seq, "the retained status")
+	s, err := e.db.Status(context.Background(), "dev-1")
+	require.NoError(t, err)
+	assert.Equal(t, "2.0.0", s.FirmwareVersion, "the older status stored")
+	time.Sleep(200 * time.Millisecond)
+	assert.Equal(t, 2, w.count("dev-1", true, 20), "the store's status published again when it came back")
+}

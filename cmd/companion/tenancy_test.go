@@ -648,6 +648,49 @@ func TestWatcherReadsTheDeviceOfflineWithItsBridge(t *testing.T) {
 	}
 }
 
+// A watcher reads a device go offline as it is taken off its bridge
+// (CONTRACT §9: an unassigned device reads offline), the bridge running on:
+// the broker retained its last report, online, and the bridge's reports
+// of it are refused from then on, so the server publishes the store's
+// status, offline and with no bridge; whoever subscribes later reads that
+// too. On each broker.
+func TestWatcherReadsTheDeviceOfflineOffItsBridge(t *testing.T) {
+	for _, tb := range withNATS() {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			f := setupFleet(t, m, "dev-1")
+			registerDevices(t, f, "dev-1")
+			startBridge(t, m, mqttURL, f, "", "dev-1")
+			waitOnline(t, f, true, "dev-1")
+			topic := topicsOf(t)(topics.MustNew(topics.DefaultPrefix).Status("dev-1"))
+			status := func(m mqtt.Message) topics.Status {
+				t.Helper()
+				s, err := topics.ParseStatus(m.Payload())
+				require.NoError(t, err, "%s", m.Payload())
+				return s
+			}
+			watchURL, _, _ := strings.Cut(mqttURL, ",")
+			watcher := mustDialMQTT(t, watchURL, "watcher-1", f.userID, f.user.token)
+			require.Equal(t, byte(1), watcher.subscribe(t, topic))
+			require.True(t, status(watcher.nextOn(t, topic)).Online, "the bridge's retained status")
+
+			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": nil})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			waitOnline(t, f, false, "dev-1")
+			var got topics.Status
+			for got = status(watcher.nextOn(t, topic)); got.Online; got = status(watcher.nextOn(t, topic)) {
+				// a report the bridge made as the device moved
+			}
+			assert.Empty(t, got.BridgeID, "the status of a device no bridge serves")
+			later := mustDialMQTT(t, watchURL, "watcher-2", f.userID, f.user.token)
+			require.Equal(t, byte(1), later.subscribe(t, topic))
+			s := status(later.nextOn(t, topic))
+			assert.False(t, s.Online, "the retained status once the device left its bridge")
+			assert.Empty(t, s.BridgeID)
+		})
+	}
+}
+
 // A user's own bridge (a phone, a home hub) runs that user's commands
 // (CONTRACT §9): the user creates it, assigns their devices to it (the
 // agent already running, as a phone app would be, subscribes anew when
