@@ -59,11 +59,17 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 	if err := validationError(fields); err != nil {
 		return err
 	}
+	if s.serverMQTT != "" && req.BridgeID == s.serverMQTT {
+		// A bridge logs in to the broker under its id: named so, it got no
+		// account on Mosquitto (the server's own), a secret that opened
+		// nothing. (The store refuses a user's id likewise.)
+		return &Error{Code: CodeBridgeExists, Detail: "the name of the server's own account on the MQTT broker: a bridge logs in under its id"}
+	}
+	ctx := c.Request.Context()
 	secret, hash, err := newSecret(bridgeSecretPrefix)
 	if err != nil {
 		return err
 	}
-	ctx := c.Request.Context()
 	err = s.store.CreateBridge(ctx, companion.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
 	switch {
 	case errors.Is(err, companion.ErrExists):

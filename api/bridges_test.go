@@ -60,7 +60,7 @@ type bridgesEnv struct {
 func newBridgesEnv(t *testing.T) *bridgesEnv {
 	t.Helper()
 	acc := &recordingAccounts{}
-	e := &bridgesEnv{env: newEnv(t, func(o *Options) { o.BrokerAccounts = acc }), acc: acc}
+	e := &bridgesEnv{env: newEnv(t, func(o *Options) { o.BrokerAccounts, o.ServerMQTTUsername = acc, "companion-server" }), acc: acc}
 	r := e.do("POST", "/api/v1/admin/bridges", testAdminToken, map[string]any{"bridge_id": "op-1"})
 	require.Equal(t, 201, r.status, "%s", r.body)
 	e.alice, e.bob = e.bound("dev-a"), e.bound("dev-b")
@@ -103,6 +103,20 @@ func TestUserBridges(t *testing.T) {
 	}
 	r = e.do("POST", "/api/v1/admin/bridges", testAdminToken, map[string]any{"bridge_id": "alice-hub"})
 	assert.Equal(t, 409, r.status, "the operator takes a user's bridge id: %s", r.body)
+	// A bridge logs in to the broker under its id, as a user under theirs
+	// and the server under its account's name: none may take another's.
+	r = e.do("POST", "/api/v1/admin/users", testAdminToken, map[string]any{"name": "carol"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	carol := r.json(t)["user_id"].(string)
+	for _, taken := range []struct{ token, id string }{{e.bob, carol}, {testAdminToken, carol}, {e.bob, "companion-server"}, {testAdminToken, "companion-server"}} {
+		p := path
+		if taken.token == testAdminToken {
+			p = "/api/v1/admin/bridges"
+		}
+		r := e.do("POST", p, taken.token, map[string]any{"bridge_id": taken.id})
+		require.Equal(t, 409, r.status, "a bridge named %s: %s", taken.id, r.body)
+		assert.Equal(t, CodeBridgeExists, r.problem(t).Code)
+	}
 	assert.Empty(t, e.acc.took(), "a refused bridge was told to the broker")
 
 	t.Run("idempotent creation", func(t *testing.T) {

@@ -255,7 +255,10 @@ type Options struct {
 	Tokens TokenVerifier
 	// BrokerAccounts, when set, keeps an external MQTT broker's accounts.
 	BrokerAccounts BrokerAccounts
-	Limits         Limits
+	// ServerMQTTUsername is the server's own account on an external MQTT
+	// broker: no bridge may be named so (a bridge logs in under its id).
+	ServerMQTTUsername string
+	Limits             Limits
 	// Ready reports whether the service can take requests (store open,
 	// MQTT connected), for /readyz; nil means always ready.
 	Ready func() bool
@@ -279,13 +282,14 @@ type Options struct {
 
 // Server is the HTTP API. Create it with New; serve Handler.
 type Server struct {
-	store     Store
-	cmds      Commander
-	adminHash []byte // SHA-256 of the admin token; nil when there is none
-	tokens    TokenVerifier
-	accounts  BrokerAccounts // nil: nothing to tell
-	limits    Limits
-	ready     func() bool
+	store      Store
+	cmds       Commander
+	adminHash  []byte // SHA-256 of the admin token; nil when there is none
+	tokens     TokenVerifier
+	accounts   BrokerAccounts // nil: nothing to tell
+	serverMQTT string         // the server's account on the MQTT broker; "" none
+	limits     Limits
+	ready      func() bool
 	// unavailable tells the store's errors of being unreachable.
 	unavailable func(error) bool
 	events      *Events // the hub of GET /events; nil: none
@@ -330,6 +334,7 @@ func New(opts Options) (*Server, error) {
 	s := &Server{
 		store:       opts.Store,
 		cmds:        opts.Commands,
+		serverMQTT:  opts.ServerMQTTUsername,
 		tokens:      opts.Tokens,
 		accounts:    opts.BrokerAccounts,
 		limits:      limits,

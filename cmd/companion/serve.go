@@ -588,15 +588,17 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		Commands:       m.Broker,
 		Tokens:         tokens,
 		BrokerAccounts: accounts,
-		AdminToken:     m.adminToken,
-		Limits:         cfg.Limits,
-		Ready:          m.Broker.Ready,
-		Unavailable:    m.storeUnavailable,
-		Events:         m.Events,
-		RateLimiter:    m.rateLimiter(),
-		Requests:       m.requestObserver(),
-		Logger:         m.Logger,
-		Now:            cfg.Now,
+		// The embedded broker's server connects in-process, under no name.
+		ServerMQTTUsername: cfg.MQTTUsername,
+		AdminToken:         m.adminToken,
+		Limits:             cfg.Limits,
+		Ready:              m.Broker.Ready,
+		Unavailable:        m.storeUnavailable,
+		Events:             m.Events,
+		RateLimiter:        m.rateLimiter(),
+		Requests:           m.requestObserver(),
+		Logger:             m.Logger,
+		Now:                cfg.Now,
 	})
 	if err != nil {
 		return err
