@@ -836,13 +836,21 @@ func TestUnauthenticatedRequestsAreLimitedPerSource(t *testing.T) {
 		assert.Equal(t, CodeRateLimited, r.problem(t).Code)
 		assert.NotEmpty(t, r.header.Get("Retry-After"))
 	}
-	// The same address with a valid token is turned away too while the
-	// allowance is spent: the check comes before the token is looked at.
-	r := e.send(req{method: "GET", path: "/api/v1/devices", token: tok})
+	// A valid token from the same address still passes, and spends
+	// nothing: the allowance is of failures.
+	for range 3 {
+		r := e.send(req{method: "GET", path: "/api/v1/devices", token: tok})
+		assert.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	}
+	// Admin and blob routes count too; the admin token passes.
+	r := e.send(req{method: "POST", path: "/api/v1/admin/users", token: "wrong", body: map[string]any{"name": "x"}})
 	assert.Equal(t, http.StatusTooManyRequests, r.status)
-	// Admin and blob routes count too.
-	r = e.send(req{method: "POST", path: "/api/v1/admin/users", token: "wrong", body: map[string]any{"name": "x"}})
+	r = e.send(req{method: "GET", path: "/api/v1/blobs/" + strings.Repeat("0", 64), token: "wrong"})
 	assert.Equal(t, http.StatusTooManyRequests, r.status)
+	r = e.send(req{method: "POST", path: "/api/v1/admin/users", token: testAdminToken, body: map[string]any{"name": "x"}})
+	assert.Equal(t, http.StatusCreated, r.status, "%s", r.body)
+	r = e.send(req{method: "GET", path: "/api/v1/devices"})
+	assert.Equal(t, http.StatusUnauthorized, r.status, "no token at all guesses nothing")
 }
 
 // A command without ttl_seconds lives 86400 s (CONTRACT §2).

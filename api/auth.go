@@ -31,6 +31,7 @@ const (
 	ctxUser      = "companion.user"
 	ctxPrincipal = "companion.principal" // the rate limiter's key
 	ctxBridge    = "companion.bridge"    // the bridge blobAuth admitted
+	ctxSpent     = "companion.spent"     // the source's allowance of failures is spent: its Retry-After
 )
 
 var errUnauthorized = &Error{Code: CodeUnauthorized}
@@ -78,6 +79,10 @@ func (s *Server) isAdmin(hash []byte) bool {
 // token when a TokenVerifier is configured.
 func (s *Server) userAuth(c *gin.Context) {
 	if tok := bearerToken(c); s.tokens != nil && looksLikeJWT(tok) {
+		if _, spent := c.Get(ctxSpent); spent {
+			s.unauthorized(c) // a signature not checked for a source that spent its allowance
+			return
+		}
 		sub, err := s.tokens.Verify(c.Request.Context(), tok)
 		if err != nil {
 			// Why a token was refused is for the log, never the caller.
@@ -164,9 +169,13 @@ func currentUser(c *gin.Context) companion.User {
 	return user
 }
 
-// sourceLimit turns away a source address that has spent its allowance of
-// requests without a valid token (see unauthorized), so that guessing tokens
-// from one address is hopeless.
+// sourceLimit notes whether the source address has spent its allowance of
+// requests without a valid token (see unauthorized): its requests with a
+// wrong token are then a 429, and an identity provider's token is not even
+// verified. A valid token still passes: the tokens the server makes are
+// 256 bits, hopeless to guess at any rate, and a client that sent many
+// wrong ones (a test suite checking its 401s, a misconfigured sidecar on
+// the same host) must not lock out every other client at its address.
 func (s *Server) sourceLimit(c *gin.Context) {
 	ok, wait, err := s.peek(c, s.unauth, c.ClientIP())
 	switch {
@@ -174,16 +183,21 @@ func (s *Server) sourceLimit(c *gin.Context) {
 		s.fail(c, err)
 		return
 	case !ok:
-		s.fail(c, &Error{Code: CodeRateLimited, RetryAfter: ceilSeconds(wait)})
-		return
+		c.Set(ctxSpent, ceilSeconds(wait))
 	}
 	c.Next()
 }
 
-// unauthorized answers 401 and counts the failure against the source. A
-// failure the RateLimiter could not count is logged: the answer is a 401
-// all the same.
+// unauthorized answers 401 and counts the failure against the source, or,
+// for a wrong token, 429 once the source has spent its allowance
+// (sourceLimit); a request with no token at all guesses nothing, and is a
+// 401 always. A failure the RateLimiter could not count is logged: the
+// answer is a 401 all the same.
 func (s *Server) unauthorized(c *gin.Context) {
+	if wait, spent := c.Get(ctxSpent); spent && bearerToken(c) != "" {
+		s.fail(c, &Error{Code: CodeRateLimited, RetryAfter: wait.(int)})
+		return
+	}
 	if _, _, err := s.allow(c, s.unauth, c.ClientIP()); err != nil {
 		s.log.WarnContext(c.Request.Context(), "a request without a valid token was not counted against its source", "err", err)
 	}

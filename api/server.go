@@ -143,7 +143,7 @@ type Limits struct {
 	RequestBurst      int     // per token; 100
 	RegisterPerMinute int     // register attempts per user; 10
 	// UnauthPerMinute is how many requests without a valid token one
-	// source address may make a minute (the bucket holds as many); 60.
+	// source address may make a minute (the bucket holds as many); 600.
 	UnauthPerMinute int
 	// QueueFullRetryAfter is the Retry-After of a 429 queue_full; 5s.
 	QueueFullRetryAfter time.Duration
@@ -168,7 +168,7 @@ var DefaultLimits = Limits{
 	RequestsPerSecond:   50,
 	RequestBurst:        100,
 	RegisterPerMinute:   10,
-	UnauthPerMinute:     60,
+	UnauthPerMinute:     600,
 	QueueFullRetryAfter: 5 * time.Second,
 }
 
