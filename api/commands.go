@@ -10,9 +10,11 @@ import (
 	"image"
 	_ "image/jpeg" // DecodeConfig reads JPEG headers
 	_ "image/png"  // and PNG headers
+	"maps"
 	"math"
 	"net/http"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -519,8 +521,8 @@ func (s *Server) putSettings(c *gin.Context) error {
 			return fmt.Errorf("stored settings schema of %s: %w", b.DeviceID, err)
 		}
 	}
-	if len(schema) == 0 {
-		return &Error{Code: CodeSettingsUnknown}
+	if len(schema) == 0 && b.Model == topics.SimModel {
+		schema = topics.SimSchema()
 	}
 	if len(req) == 0 {
 		return invalid("settings", "must name at least one setting")
@@ -530,7 +532,14 @@ func (s *Server) putSettings(c *gin.Context) error {
 	for _, f := range fields {
 		bad[f.Field] = true
 	}
-	for _, f := range schema.Validate(req) {
+	check := schema.Validate
+	if len(schema) == 0 {
+		// Not reported yet, and of a model the server does not know: the
+		// command waits for the device as any does, and its bridge checks
+		// the values against the device's schema before it writes one.
+		check = settingValues
+	}
+	for _, f := range check(req) {
 		if !bad[f.Field] {
 			fields = append(fields, f)
 		}
@@ -559,6 +568,20 @@ func (s *Server) putSettings(c *gin.Context) error {
 		return err
 	}
 	return s.answerCommand(c, cmd, http.StatusAccepted, true)
+}
+
+// settingValues checks a change of settings whose schema is not known:
+// each value must be one a setting can hold.
+func settingValues(req map[string]any) []FieldError {
+	var errs []FieldError
+	for _, k := range slices.Sorted(maps.Keys(req)) {
+		switch req[k].(type) {
+		case float64, bool, string:
+		default:
+			errs = append(errs, FieldError{Field: k, Message: "must be a number, true or false, or a string"})
+		}
+	}
+	return errs
 }
 
 // OTA.

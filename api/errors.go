@@ -48,7 +48,6 @@ const (
 	CodeMethodNotAllowed     = "method_not_allowed"
 	CodeDeviceAlreadyBound   = "device_already_bound"
 	CodeNoUpdate             = "no_update"
-	CodeSettingsUnknown      = "settings_unknown"
 	CodeNotCancelable        = "not_cancelable"
 	CodeDeviceExists         = "device_exists"
 	CodeBridgeExists         = "bridge_exists"
@@ -91,7 +90,6 @@ var codes = map[string]codeInfo{
 	CodeMethodNotAllowed:     {http.StatusMethodNotAllowed, "Method not allowed", "this resource does not take that method"},
 	CodeDeviceAlreadyBound:   {http.StatusConflict, "Device already bound", "the device is bound to another account"},
 	CodeNoUpdate:             {http.StatusConflict, "No update", "the device already runs that version"},
-	CodeSettingsUnknown:      {http.StatusConflict, "Settings unknown", "the device has not reported its settings yet"},
 	CodeNotCancelable:        {http.StatusConflict, "Not cancelable", "the command was already delivered or is final"},
 	CodeDeviceExists:         {http.StatusConflict, "Device exists", "a device with that id is already provisioned"},
 	CodeBridgeNotFound:       {http.StatusNotFound, "Bridge not found", "no such bridge among yours"},

@@ -266,10 +266,23 @@ func TestSettingsValidation(t *testing.T) {
 	tok := e.bound("dev-1")
 	path := "/api/v1/devices/dev-1/settings"
 
-	t.Run("no schema yet", func(t *testing.T) {
-		r := e.do("PUT", path, tok, map[string]any{"brightness": 10})
-		require.Equal(t, 409, r.status, "%s", r.body)
-		assert.Equal(t, CodeSettingsUnknown, r.problem(t).Code)
+	// Before the device reports its schema (a device provisioned, not yet
+	// on a bridge), a change is checked against its model's, sim-1's
+	// (CONTRACT §4), and waits for the device as any command does.
+	runBodyCases(t, e, "PUT", path, tok, []bodyCase{
+		{"no schema yet", map[string]any{"brightness": 10}, 202, nil},
+		{"no schema yet, unknown key", map[string]any{"bogus": 1}, 422, []string{"bogus"}},
+		{"no schema yet, above range", map[string]any{"brightness": 101}, 422, []string{"brightness"}},
+	})
+	// Of a model the server does not know, any value a setting can hold:
+	// the bridge checks it against the device's schema.
+	other := e.user("owner of other-1")
+	e.provision("other-1", "code-other-1", "other-model")
+	r := e.do("POST", "/api/v1/devices/register", other, map[string]any{"device_id": "other-1", "claim_code": "code-other-1"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	runBodyCases(t, e, "PUT", "/api/v1/devices/other-1/settings", other, []bodyCase{
+		{"unknown model", map[string]any{"mode": "eco", "level": 3, "on": true}, 202, nil},
+		{"unknown model, not a setting's value", map[string]any{"mode": map[string]any{"a": 1}, "level": nil, "on": []any{}}, 422, []string{"level", "mode", "on"}},
 	})
 
 	e.reportSettings("dev-1")
@@ -297,7 +310,7 @@ func TestSettingsValidation(t *testing.T) {
 	}
 	runBodyCases(t, e, "PUT", path, tok, cases)
 
-	r := e.do("PUT", path, tok, map[string]any{"brightness": 33})
+	r = e.do("PUT", path, tok, map[string]any{"brightness": 33})
 	require.Equal(t, 202, r.status)
 	var p topics.SettingsUpdate
 	require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &p))

@@ -34,7 +34,7 @@ import (
 
 // Defaults of Options.
 const (
-	DefaultModel    = "sim-1"
+	DefaultModel    = topics.SimModel
 	DefaultFirmware = "1.0.0"
 )
 
@@ -274,19 +274,8 @@ func (d *Device) Close() error {
 	return err
 }
 
-func intp(i int) *int { return &i }
-
 // DefaultSchema is the settings schema of CONTRACT §4.
-func DefaultSchema() topics.Schema {
-	return topics.Schema{
-		"brightness":        {Type: topics.SettingInt, Min: intp(0), Max: intp(100), Default: 50},
-		"volume":            {Type: topics.SettingInt, Min: intp(0), Max: intp(100), Default: 50},
-		"do_not_disturb":    {Type: topics.SettingBool, Default: false},
-		"timezone":          {Type: topics.SettingTimezone, Default: "UTC"},
-		"language":          {Type: topics.SettingEnum, Values: []string{"en", "de", "fr", "es", "zh", "ja"}, Default: "en"},
-		"display_timeout_s": {Type: topics.SettingInt, Min: intp(5), Max: intp(600), Default: 30},
-	}
-}
+func DefaultSchema() topics.Schema { return topics.SimSchema() }
 
 // ID returns the device id.
 func (d *Device) ID() string { return d.id }

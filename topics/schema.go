@@ -137,3 +137,22 @@ func stripBuild(v string) string {
 func CompareVersions(a, b string) int {
 	return semver.Compare("v"+a, "v"+b)
 }
+
+// SimModel is the model of the simulated device (CONTRACT §4).
+const SimModel = "sim-1"
+
+// SimSchema is the settings schema of the simulated device, model
+// SimModel (CONTRACT §4): what its bridge reports, and what the server
+// checks a change against before the device has reported.
+func SimSchema() Schema {
+	return Schema{
+		"brightness":        {Type: SettingInt, Min: intp(0), Max: intp(100), Default: 50},
+		"volume":            {Type: SettingInt, Min: intp(0), Max: intp(100), Default: 50},
+		"do_not_disturb":    {Type: SettingBool, Default: false},
+		"timezone":          {Type: SettingTimezone, Default: "UTC"},
+		"language":          {Type: SettingEnum, Values: []string{"en", "de", "fr", "es", "zh", "ja"}, Default: "en"},
+		"display_timeout_s": {Type: SettingInt, Min: intp(5), Max: intp(600), Default: 30},
+	}
+}
+
+func intp(i int) *int { return &i }

@@ -6,8 +6,6 @@ import (
 	"testing"
 )
 
-func intp(i int) *int { return &i }
-
 var testSchema = Schema{
 	"brightness":     {Type: SettingInt, Min: intp(0), Max: intp(100), Default: 50},
 	"do_not_disturb": {Type: SettingBool, Default: false},
