@@ -23,6 +23,7 @@ import (
 	"math"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	mqtt "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -115,7 +116,15 @@ type Options struct {
 	// Logger receives the broker's log. Mochi's own messages are passed on
 	// only at Warn level and above. Default: discard.
 	Logger *slog.Logger
+	// KickGrace is how long a bridge that DisconnectBridge closed has to
+	// connect again before its Will is published after all; default
+	// DefaultKickGrace.
+	KickGrace time.Duration
 }
+
+// DefaultKickGrace is the default of Options.KickGrace: a bridge
+// reconnects within a second or two.
+const DefaultKickGrace = 10 * time.Second
 
 // DefaultListen is the address the broker listens on unless told otherwise.
 const DefaultListen = "127.0.0.1:1883"
@@ -190,10 +199,13 @@ type Server struct {
 	auth     *authHook
 	hooks    []mqtt.Hook // the three hooks, in the order mochi calls them
 	ln       *mochilisten.Listener
+	tree     topics.Tree
+	grace    time.Duration // Options.KickGrace
 	mu       sync.Mutex
 	started  bool
 	closed   bool
 	closeErr error
+	kicks    map[string]*time.Timer // bridges DisconnectBridge closed, until their grace ends
 }
 
 // New checks opts and builds a Server. Nothing listens until Start.
@@ -223,7 +235,11 @@ func New(opts Options) (*Server, error) {
 		// and subscribes past every ACL check, as the server account may.
 		InlineClient: true,
 	})
-	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m}
+	if opts.KickGrace <= 0 {
+		opts.KickGrace = DefaultKickGrace
+	}
+	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m, tree: opts.Topics, grace: opts.KickGrace,
+		kicks: map[string]*time.Timer{}}
 	s.auth = &authHook{
 		tree:     opts.Topics,
 		accounts: opts.Accounts,
@@ -316,6 +332,9 @@ func (s *Server) Close() error {
 		return s.closeErr
 	}
 	s.closed = true
+	for _, t := range s.kicks {
+		t.Stop()
+	}
 	if !s.started {
 		return nil
 	}
@@ -334,18 +353,71 @@ func (s *Server) Close() error {
 // stay (DeleteBridge discards them), and what a session queued for a
 // device the bridge no longer serves is dropped when the bridge resumes
 // it. It returns how many connections it closed.
+//
+// The bridge's Will is not published as its connection closes, as the
+// plugin kicks a client without it: published, every device of the bridge
+// read offline, for watchers and in the store, each time one of them moved,
+// until the bridge was back a moment later. Should the bridge not connect
+// again within the grace (Options.KickGrace), its Will is published then.
 func (s *Server) DisconnectBridge(bridgeID string) int {
-	n := 0
+	n, wills := 0, 0
 	for _, cl := range s.mochi.Clients.GetAll() {
 		if id, ok := s.auth.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
+			if atomic.CompareAndSwapUint32(&cl.Properties.Will.Flag, 1, 0) {
+				wills++
+			}
 			_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
 			n++
 		}
+	}
+	if wills > 0 {
+		s.holdWill(bridgeID)
 	}
 	if n > 0 {
 		s.log.Info("bridge disconnected: its devices changed", "bridge_id", bridgeID, "connections", n)
 	}
 	return n
+}
+
+// holdWill publishes the Will of a bridge DisconnectBridge closed, its
+// state "offline" (CONTRACT §3), once the grace has passed, unless the
+// bridge is connected again by then.
+func (s *Server) holdWill(bridgeID string) {
+	topic, err := s.tree.BridgeState(bridgeID)
+	if err != nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return
+	}
+	if t := s.kicks[bridgeID]; t != nil {
+		t.Stop()
+	}
+	s.kicks[bridgeID] = time.AfterFunc(s.grace, func() {
+		s.mu.Lock()
+		delete(s.kicks, bridgeID)
+		closed := s.closed
+		s.mu.Unlock()
+		if closed || s.bridgeConnected(bridgeID) {
+			return
+		}
+		s.log.Info("bridge not back after it was disconnected; publishing its Will", "bridge_id", bridgeID)
+		if err := s.mochi.Publish(topic, []byte(topics.BridgeOffline), true, 1); err != nil {
+			s.log.Warn("publishing the Will of a bridge not back", "bridge_id", bridgeID, "err", err)
+		}
+	})
+}
+
+// bridgeConnected reports whether a client of the bridge is connected.
+func (s *Server) bridgeConnected(bridgeID string) bool {
+	for _, cl := range s.mochi.Clients.GetAll() {
+		if id, ok := s.auth.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
+			return true
+		}
+	}
+	return false
 }
 
 // DeleteBridge closes the connections of a bridge that no longer exists

@@ -845,3 +845,41 @@ func TestNewValidates(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, s.Close(), "Close before Start")
 }
+
+// DisconnectBridge closes the bridge's connections without its Will, as
+// Mosquitto's plugin kicks a client: a bridge that connects again within
+// the grace never reads offline, and so neither do its devices, each time
+// one of them moves. One that does not come back has its Will published
+// once the grace is over.
+func TestDisconnectBridgeHoldsItsWill(t *testing.T) {
+	acc := newFakeAccounts()
+	s, err := embedded.New(embedded.Options{Listen: "127.0.0.1:0", Accounts: acc,
+		ServerUsername: serverUser, ServerPassword: serverPass, KickGrace: 300 * time.Millisecond})
+	require.NoError(t, err)
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+	state := tp(tree.BridgeState("bridge-1"))
+	will := func(o *mqtt.ClientOptions) {
+		o.SetClientID("bridge-1-session").SetCleanSession(false).SetWill(state, topics.BridgeOffline, 1, true)
+	}
+	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", will)
+	b1.publish(t, state, true, topics.BridgeOnline)
+	w := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.Equal(t, byte(1), w.subscribe(t, state))
+	require.Equal(t, topics.BridgeOnline, string(w.next(t).Payload()))
+
+	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))
+	b1.waitLost(t)
+	back := mustDial(t, s.Addr(), "bridge-1", "b1-secret", will) // within the grace
+	select {
+	case m := <-w.msgs:
+		t.Fatalf("the bridge's state read %q: its Will was published as it was disconnected", m.Payload())
+	case <-time.After(time.Second):
+	}
+	back.Disconnect(250) // a clean disconnect: no Will
+
+	b1 = mustDial(t, s.Addr(), "bridge-1", "b1-secret", will)
+	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))
+	b1.waitLost(t) // and not back
+	require.Equal(t, topics.BridgeOffline, string(w.next(t).Payload()), "the Will of a bridge not back after the grace")
+}

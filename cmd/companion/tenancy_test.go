@@ -497,6 +497,11 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 			waitOnline(t, f, true, "dev-1", "dev-2", "dev-3")
 			push := u.pushText
 
+			// dev-3 stays on bridge-1: bridge-1 is disconnected as dev-1
+			// leaves it (its rights change), and comes back without its
+			// devices ever reading offline (its Will held).
+			events := sseOpen(t, u, "?device_id=dev-3")
+
 			before := push("dev-1", "on bridge-1")
 			assert.Equal(t, "succeeded", u.waitFinal("dev-1", before)["state"])
 			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
@@ -511,6 +516,11 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 			testenv.Eventually(t, 20*time.Second, "dev-1's status from bridge-2", func() bool {
 				return u.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["bridge_id"] == f2.bridgeID
 			})
+			for _, ev := range events.drain() {
+				if ev.event == "device" {
+					assert.Equal(t, true, ev.data["online"], "dev-3, which stayed on bridge-1, read offline as dev-1 left it: %v", ev.data)
+				}
+			}
 		})
 	}
 }
