@@ -354,12 +354,19 @@ func TestIdempotency(t *testing.T) {
 	assert.Equal(t, first.json(t)["id"], again.json(t)["id"])
 	assert.Equal(t, 1, e.cmds.count(), "a repeat creates nothing")
 
-	// The replay shows the command as it is now.
+	// The replay returns the first answer (CONTRACT §2), however the
+	// command went since; with Prefer: wait, it waits as the first would
+	// have, and answers the command final.
 	e.cmds.set(t, first.json(t)["id"].(string), companion.StateSucceeded)
 	again = withKey("POST", path, "k-1", map[string]any{"text": "once"})
-	assert.Equal(t, "succeeded", again.json(t)["state"])
+	require.Equal(t, 202, again.status, "%s", again.body)
+	assert.JSONEq(t, string(first.body), string(again.body), "the first answer")
+	r := e.send(req{method: "POST", path: path, token: tok, body: map[string]any{"text": "once"},
+		header: map[string]string{"Idempotency-Key": "k-1", "Prefer": "wait=5"}})
+	require.Equal(t, 200, r.status, "%s", r.body)
+	assert.Equal(t, "succeeded", r.json(t)["state"])
 
-	r := withKey("POST", path, "k-1", map[string]any{"text": "other"})
+	r = withKey("POST", path, "k-1", map[string]any{"text": "other"})
 	require.Equal(t, 422, r.status)
 	assert.Equal(t, CodeIdempotencyKeyReused, r.problem(t).Code)
 	r = withKey("POST", "/api/v1/devices/dev-1/push/image", "k-1", map[string]any{"image": b64(pngOf(t, 1, 1))})

@@ -64,7 +64,16 @@ func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *companion.Idemp
 	case err != nil:
 		return nil, false, fmt.Errorf("command %s of an idempotency record: %w", old.CommandID, err)
 	}
-	return nil, true, s.answerCommand(c, cmd, http.StatusAccepted, true)
+	return nil, true, s.answerCommand(c, asAccepted(cmd), http.StatusAccepted, true)
+}
+
+// asAccepted is the command as the answer that accepted it showed it:
+// queued, as stored. A repeat of the request (Idempotency-Key) returns
+// that first answer (CONTRACT §2), not the command as it is now: its
+// Location, or a Prefer: wait on the repeat, tells how it went since.
+func asAccepted(c companion.Command) companion.Command {
+	c.State, c.Progress, c.Error, c.Result, c.UpdatedAt = companion.StateQueued, nil, nil, nil, c.CreatedAt
+	return c
 }
 
 // commandBody reads the JSON body of a request that creates a command into
@@ -99,7 +108,10 @@ func (s *Server) send(c *gin.Context, deviceID, op string, payload any, desired 
 		Blob:      blobOf(payload),
 		Desired:   desired,
 	}
-	got, _, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
+	got, replayed, err := s.cmds.Submit(c.Request.Context(), cmd, idem)
+	if err == nil && replayed {
+		got = asAccepted(got) // the first request's, which overlapped this one
+	}
 	switch {
 	case errors.Is(err, companion.ErrQueueFull):
 		return companion.Command{}, &Error{Code: CodeQueueFull, RetryAfter: ceilSeconds(s.limits.QueueFullRetryAfter)}
