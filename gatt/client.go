@@ -95,7 +95,11 @@ type Client struct {
 	// out, or the link is down: the device holds a buffer for it until
 	// then, even when the caller has stopped waiting.
 	slots chan struct{}
-	dead  chan struct{} // closed when the client fails
+	// keep is how many tokens given back are kept instead (Narrow), and
+	// narrowed how many places the window lost; guarded by mu.
+	keep     atomic.Int64
+	narrowed int
+	dead     chan struct{} // closed when the client fails
 
 	// cut fires fragWait after a notification that left a response
 	// unfinished; broken asks the client's goroutine to drop the link.
@@ -224,6 +228,40 @@ func (c *Client) SetWindow(n int) {
 		return
 	}
 	c.slots = make(chan struct{}, n)
+}
+
+// Narrow makes the window one place smaller, down to one, for the rest of
+// the link: the device answered a request rc 2 (MGMT_ERR_ENOMEM, no buffer
+// for its answer), so fewer of its buffers are free than its parameters
+// said (another transport of its MCUmgr, UART or a second central, draws
+// on the same pool).
+func (c *Client) Narrow() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.slots == nil || cap(c.slots)-c.narrowed <= 1 {
+		return
+	}
+	c.narrowed++
+	select {
+	case c.slots <- struct{}{}: // a free place, taken for good
+	default:
+		c.keep.Add(1) // the next place given back is kept instead
+	}
+	c.log.Info("the device ran out of SMP buffers; fewer requests in flight", "window", cap(c.slots)-c.narrowed)
+}
+
+// giveBack gives a token back to the window, or keeps it (Narrow).
+func (c *Client) giveBack() {
+	for {
+		k := c.keep.Load()
+		if k == 0 {
+			<-c.slots
+			return
+		}
+		if c.keep.CompareAndSwap(k, k-1) {
+			return
+		}
+	}
 }
 
 // Link returns the link the client speaks over.
@@ -439,7 +477,7 @@ type Call struct {
 // release gives back the call's place in the window, once.
 func (call *Call) release() {
 	if call.slot {
-		call.freed.Do(func() { <-call.c.slots })
+		call.freed.Do(call.c.giveBack)
 	}
 }
 

@@ -367,6 +367,9 @@ func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 			return err
 		case errors.As(err, &e) && e.Temporary() && busy < busyRetries:
 			busy++
+			if e.RC == RCNoMemory {
+				s.client.Narrow()
+			}
 			t := time.NewTimer(busyWait.NextBackOff())
 			select {
 			case <-ctx.Done():

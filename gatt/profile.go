@@ -133,8 +133,13 @@ func (e *Error) ErrorCode() string {
 	return CodeDeviceError
 }
 
-// Temporary reports whether the request is worth repeating after a pause.
-func (e *Error) Temporary() bool { return e.RC == RCBusy || e.RC == RCTimeout }
+// Temporary reports whether the request is worth repeating after a pause:
+// the device is busy, timed out inside, or had no buffer for the answer
+// (rc 2, MGMT_ERR_ENOMEM, which smp.c answers in the request's own buffer,
+// the request not run).
+func (e *Error) Temporary() bool {
+	return e.RC == RCBusy || e.RC == RCTimeout || e.RC == RCNoMemory
+}
 
 func rcName(rc int) string {
 	names := []string{"ok", "unknown", "no memory", "invalid", "timeout", "not found", "bad state",

@@ -102,3 +102,85 @@ func TestAbandonedRequestKeepsItsPlace(t *testing.T) {
 		t.Errorf("the device lost %d writes for want of a buffer", got)
 	}
 }
+
+// Another transport of the device's MCUmgr (UART, a second central) holds
+// one of its buffers, which its parameters do not tell: a request whose
+// answer then finds no buffer is answered rc 2 (MGMT_ERR_ENOMEM), not run,
+// as Zephyr's smp.c does. The bridge takes that as the busy answer it is,
+// and asks again after a pause: the text is shown once the buffer is free.
+// (Two buffers, a window of one: the request and its answer.)
+func TestNoBufferForTheAnswerIsAskedAgain(t *testing.T) {
+	d, s, _, p := newSimPeripheral(t, fastLink, sim.PeripheralOptions{BufCount: 2},
+		gatt.DeviceOptions{RequestTimeout: 5 * time.Second, MinBackoff: 20 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := d.Info(ctx); err != nil { // connected, its window learnt
+		t.Fatal(err)
+	}
+	release := p.HoldBuffers(1)
+	time.AfterFunc(300*time.Millisecond, release)
+	start := time.Now()
+	if err := d.PushText(ctx, "t1", "", "hello"); err != nil {
+		t.Fatalf("PushText while a buffer was held elsewhere: %v", err)
+	}
+	if p.NoMemory() == 0 {
+		t.Error("no request was answered MGMT_ERR_ENOMEM: the test shows nothing")
+	}
+	if got := s.Texts(); len(got) != 1 || s.Executions("t1") != 1 {
+		t.Errorf("%d texts shown, executed %d times", len(got), s.Executions("t1"))
+	}
+	if d := time.Since(start); d > 4*time.Second {
+		t.Errorf("took %v: waited out a request timeout rather than asking again", d)
+	}
+}
+
+// Narrow takes a place off the window for the rest of the link, down to
+// one, whether the place is free or taken.
+func TestNarrowShrinksTheWindow(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	p := sim.NewPeripheral(s, sim.PeripheralOptions{HandleTime: 50 * time.Millisecond})
+	n.Add("dev-1", p)
+	t.Cleanup(func() { n.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	link, err := n.Connect(ctx, "dev-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := gatt.NewClient(ctx, link, gatt.ClientOptions{RequestTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetWindow(3)
+	first, err := c.Start(ctx, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, gatt.EchoRequest{D: "1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Narrow() // a free place
+	c.Narrow() // the one first holds: kept when it is given back
+	c.Narrow() // no further than one
+	short, stop := context.WithTimeout(ctx, 20*time.Millisecond)
+	_, err = c.Start(short, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, gatt.EchoRequest{D: "2"})
+	stop()
+	if err == nil {
+		t.Fatal("a second request went out beside the first in a window of one")
+	}
+	if err := first.Wait(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	second, err := c.Start(ctx, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, gatt.EchoRequest{D: "2"})
+	if err != nil {
+		t.Fatalf("the window's last place after the first answer: %v", err)
+	}
+	short, stop = context.WithTimeout(ctx, 20*time.Millisecond)
+	_, err = c.Start(short, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, gatt.EchoRequest{D: "3"})
+	stop()
+	if err == nil {
+		t.Fatal("the place the first gave back was not kept: two requests in flight")
+	}
+	if err := second.Wait(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+}

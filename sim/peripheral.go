@@ -56,9 +56,10 @@ type PeripheralOptions struct {
 // SMP version of each request, and the project's groups (64 and up). Like
 // Zephyr's smp_bt it reassembles requests split across writes (or, with
 // NoReassembly, takes each write as a packet), has BufCount buffers shared
-// by requests and responses (a write that finds none free is lost, and so
-// is a request whose answer finds none free, as smp.c drops a request when
-// smp_alloc_rsp fails), and runs requests one at a time in arrival order. An OS reset reboots it:
+// by requests and responses (a write that finds none free is lost; a
+// request whose answer finds none is answered rc 2, MGMT_ERR_ENOMEM, in its
+// own buffer, as smp.c does when smp_alloc_rsp fails), and runs requests
+// one at a time in arrival order. An OS reset reboots it:
 // the link drops, MCUboot swaps images, and it takes connections again
 // after BootTime. It implements gatt.Peripheral.
 type Peripheral struct {
@@ -92,7 +93,8 @@ type Peripheral struct {
 	rebootWG    sync.WaitGroup
 	closing     chan struct{}
 
-	dropped atomic.Int64
+	dropped  atomic.Int64
+	noMemory atomic.Int64 // requests answered MGMT_ERR_ENOMEM
 }
 
 // packet is what one buffer holds: the messages of one write, or of one
@@ -144,9 +146,29 @@ func NewPeripheral(dev *Device, opts PeripheralOptions) *Peripheral {
 func (p *Peripheral) Device() *Device { return p.dev }
 
 // Dropped counts the writes the device lost for want of a buffer, or
-// because they broke the framing of a message, and the requests it left
-// unanswered for want of a buffer for the answer.
+// because they broke the framing of a message.
 func (p *Peripheral) Dropped() int64 { return p.dropped.Load() }
+
+// NoMemory counts the requests the device answered rc 2 (MGMT_ERR_ENOMEM)
+// for want of a buffer for the answer.
+func (p *Peripheral) NoMemory() int64 { return p.noMemory.Load() }
+
+// HoldBuffers takes n of the device's SMP buffers, as another transport
+// of its MCUmgr does (UART, a second central: Zephyr's buffers are one
+// pool), until release is called.
+func (p *Peripheral) HoldBuffers(n int) (release func()) {
+	p.mu.Lock()
+	p.inUse += n
+	p.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			p.mu.Lock()
+			p.inUse -= n
+			p.mu.Unlock()
+		})
+	}
+}
 
 // Close stops a reboot under way and waits for it. The network closes the
 // peripherals it has; close others yourself.
@@ -383,13 +405,24 @@ func (p *Peripheral) serve(ctx context.Context, wake chan struct{}) {
 		}
 		for i := range n {
 			last := i == n-1
+			var alive, failed bool
 			if i < len(pk.msgs) {
 				m := pk.msgs[i]
-				if !p.respond(ctx, m.Header, last, func() reply { return p.handle(ctx, m) }) {
-					return
-				}
-			} else if !p.respond(ctx, *pk.corrupt, last, func() reply { return failRC(gatt.RCCorrupt, "message cut short") }) {
+				alive, failed = p.respond(ctx, m.Header, last, func() reply { return p.handle(ctx, m) })
+			} else {
+				alive, failed = p.respond(ctx, *pk.corrupt, last, func() reply { return failRC(gatt.RCCorrupt, "message cut short") })
+			}
+			if !alive {
 				return
+			}
+			if failed && !last {
+				// smp_process_request_packet stops at a request that
+				// failed in the SMP layer: the rest of the packet goes
+				// with its buffer, unanswered.
+				p.mu.Lock()
+				p.inUse--
+				p.mu.Unlock()
+				break
 			}
 		}
 	}
@@ -399,18 +432,24 @@ func (p *Peripheral) serve(ctx context.Context, wake chan struct{}) {
 // it does. The buffers are free again as the answer goes out (with the
 // request's, after the packet's last request): Zephyr frees them when the
 // notifications are sent, before the central can have read them and
-// written again. It reports false when the connection is gone.
-func (p *Peripheral) respond(ctx context.Context, h gatt.Header, last bool, run func() reply) bool {
+// written again. It reports whether the connection is still there, and
+// whether the request failed in the SMP layer (an rc answer), which ends
+// its packet.
+func (p *Peripheral) respond(ctx context.Context, h gatt.Header, last bool, run func() reply) (alive, failed bool) {
 	p.mu.Lock()
 	if p.inUse >= p.opts.BufCount {
-		// No buffer for the answer: smp.c drops the request unanswered
-		// (smp_alloc_rsp fails, and so does the error response).
-		if last {
-			p.inUse--
-		}
-		p.lostLocked("no free buffer for the answer", int(h.Len))
+		// No buffer for the answer: smp_alloc_rsp fails, and smp_on_err
+		// answers MGMT_ERR_ENOMEM in the request's buffer, the request
+		// not run.
+		p.noMemory.Add(1)
 		p.mu.Unlock()
-		return true
+		alive = p.answer(ctx, h, failRC(gatt.RCNoMemory, "")) // no rsn: smp_on_err gives none
+		if last {
+			p.mu.Lock()
+			p.inUse--
+			p.mu.Unlock()
+		}
+		return alive, true
 	}
 	p.inUse++
 	p.mu.Unlock()
@@ -429,7 +468,7 @@ func (p *Peripheral) respond(ctx context.Context, h gatt.Header, last bool, run 
 		p.inUse--
 	}
 	p.mu.Unlock()
-	return p.answer(ctx, h, r)
+	return p.answer(ctx, h, r), r.rc != 0
 }
 
 // reply is a handler's answer: a body, an MCUmgr rc (with no body), or a

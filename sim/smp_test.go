@@ -571,3 +571,42 @@ func TestProjectUploadDataIsAByteString(t *testing.T) {
 		t.Errorf("empty data: answer %v; want off 0", m)
 	}
 }
+
+// As smp.c does: a request whose answer finds no buffer free is answered
+// rc 2 (MGMT_ERR_ENOMEM) in its own buffer, not run; and a request that
+// fails in the SMP layer ends its packet, the requests after it in the
+// same write unanswered.
+func TestNoBufferAndFailedRequestsAsZephyr(t *testing.T) {
+	r, d, p := newRawSMP(t, 247, sim.PeripheralOptions{NoReassembly: true, BufCount: 2})
+	release := p.HoldBuffers(1)
+	h, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupText, gatt.CmdTextPush, gatt.TextRequest{CmdID: "t1", Text: "hi"})
+	if h.Op != gatt.OpWriteRsp || m["rc"] != uint64(gatt.RCNoMemory) || len(m) != 1 {
+		t.Errorf("no buffer for the answer: %+v %v; want rc 2 and nothing else", h, m)
+	}
+	if d.Executions("t1") != 0 {
+		t.Error("the request was run")
+	}
+	release()
+	if _, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, gatt.EchoRequest{D: "after"}); m["r"] != "after" {
+		t.Errorf("echo once the buffer is free: %v", m)
+	}
+
+	// Two requests in one write: an unknown group (rc 8), then an echo.
+	unknown, err := gatt.EncodeMessage(gatt.OpRead, 99, 7, 0, struct{}{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	echo, err := gatt.EncodeMessage(gatt.OpWrite, gatt.GroupOS, 8, gatt.CmdOSEcho, gatt.EchoRequest{D: "never"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.write(append(unknown, echo...))
+	if h, m := r.answer(); h.Group != 99 || m["rc"] != uint64(gatt.RCNotSupported) {
+		t.Errorf("the first request's answer: %+v %v", h, m)
+	}
+	select {
+	case m := <-r.msgs:
+		t.Errorf("the request after a failed one in the same packet was answered: %+v", m.Header)
+	case <-time.After(200 * time.Millisecond):
+	}
+}
