@@ -65,11 +65,11 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 		// nothing. (The store refuses a user's id likewise.)
 		return &Error{Code: CodeBridgeExists, Detail: "the name of the server's own account on the MQTT broker: a bridge logs in under its id"}
 	}
-	ctx := c.Request.Context()
 	secret, hash, err := newSecret(bridgeSecretPrefix)
 	if err != nil {
 		return err
 	}
+	ctx := c.Request.Context()
 	err = s.store.CreateBridge(ctx, companion.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
 	switch {
 	case errors.Is(err, companion.ErrExists):
