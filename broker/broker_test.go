@@ -153,6 +153,7 @@ func TestWithTheInlineConnection(t *testing.T) {
 		"QueueLimit":                        TestQueueLimit,
 		"SentCommandsExpireAfterTheGrace":   TestSentCommandsExpireAfterTheGrace,
 		"ReplyOnAnotherDevicesTopicIgnored": TestReplyOnAnotherDevicesTopicIsIgnored,
+		"OlderStatusMended":                 TestAnOlderStatusPublishedIsMendedOnTheBroker,
 	} {
 		t.Run(name, test)
 	}

@@ -3,6 +3,7 @@ package embedded
 import (
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	paho "github.com/eclipse/paho.mqtt.golang"
@@ -160,10 +161,17 @@ func (c *inlineClient) SubscribeMultiple(filters map[string]byte, callback paho.
 			h = c.opts.DefaultPublishHandler
 		}
 		c.mu.Unlock()
+		// A message reads retained only as the retained message of the
+		// subscription made, as MQTT has it (MQTT-3.3.1-9): mochi hands
+		// those over within Subscribe, and a live one with its publisher's
+		// flag. (One published meanwhile reads retained if it was.)
+		var replaying atomic.Bool
+		replaying.Store(true)
 		err := c.srv.mochi.Subscribe(filter, id, func(_ *mqtt.Client, _ packets.Subscription, pk packets.Packet) {
 			c.enqueue(&inlineMessage{topic: pk.TopicName, payload: pk.Payload, qos: pk.FixedHeader.Qos,
-				retained: pk.FixedHeader.Retain, handler: h})
+				retained: pk.FixedHeader.Retain && replaying.Load(), handler: h})
 		})
+		replaying.Store(false)
 		if err != nil {
 			return doneToken(err)
 		}

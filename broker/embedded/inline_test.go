@@ -208,3 +208,35 @@ func TestInlineClientIDIsNotTaken(t *testing.T) {
 		require.Error(t, err, "%s connected as the inline client", acc[0])
 	}
 }
+
+// TestInlineClientTellsRetainedAsMQTTDoes: a message reads retained only
+// as the retained message of the subscription made (MQTT-3.3.1-9); one
+// published retained to an established subscription reads live, as from
+// a broker over TCP. The intake tells a late status from the broker's
+// replay so (broker.Broker.mendRetained).
+func TestInlineClientTellsRetainedAsMQTTDoes(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", nil)
+	topic := tp(tree.Status("dev-1"))
+	b1.publish(t, topic, true, "before")
+	msgs := make(chan mqtt.Message, 10)
+	c := connectInline(t, s, func(_ mqtt.Client, m mqtt.Message) { msgs <- m }, nil)
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, nil), wait))
+	next := func() mqtt.Message {
+		t.Helper()
+		select {
+		case m := <-msgs:
+			return m
+		case <-time.After(wait):
+			t.Fatal("no message")
+			return nil
+		}
+	}
+	m := next()
+	require.Equal(t, "before", string(m.Payload()))
+	require.True(t, m.Retained(), "the retained message of the subscription")
+	b1.publish(t, topic, true, "after")
+	m = next()
+	require.Equal(t, "after", string(m.Payload()))
+	require.False(t, m.Retained(), "a retained publish to an established subscription")
+}
