@@ -218,10 +218,11 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 
 // moved tells the broker and the broker's accounts that a device changed
 // bridges: its unfinished commands go to the new one, and the rights on the
-// broker follow.
+// broker follow (the bridges are disconnected, and connect again).
 func (s *Server) moved(ctx context.Context, deviceID, from, to string) {
 	s.cmds.DeviceMoved(deviceID)
 	if s.accounts != nil {
+		s.cmds.BridgesDisconnecting(from, to)
 		_ = s.accounts.Assigned(ctx, deviceID, from, to) // logged and retried there
 	}
 }

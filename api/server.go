@@ -80,6 +80,10 @@ type Commander interface {
 	// DeviceMoved says a device changed bridges (or lost its bridge): its
 	// unfinished commands go to the bridge that serves it now.
 	DeviceMoved(deviceID string)
+	// BridgesDisconnecting says the broker's accounts are about to
+	// disconnect the bridges for a change of their rights: they come back
+	// at once, and the Will a broker publishes for them is held.
+	BridgesDisconnecting(bridgeIDs ...string)
 	// Ended says the store ended these commands itself (an unbind): their
 	// waiters are answered and the bridge is told to drop them.
 	Ended(cmds []companion.Command)

@@ -69,8 +69,11 @@ type Options struct {
 	Topics          topics.Tree   // default topics.DefaultPrefix
 	MaxOpenCommands int           // unfinished commands per device; default 1000
 	SweepInterval   time.Duration // how often expired commands are swept; default 1s
-	PublishTimeout  time.Duration // how long a publish waits for its PUBACK; default 30s
-	Retention       time.Duration // how long final commands are kept; default 30 days
+	// KickGrace is how long the Will of a bridge disconnected for a change
+	// of its rights is held (BridgesDisconnecting); default 10s.
+	KickGrace      time.Duration
+	PublishTimeout time.Duration // how long a publish waits for its PUBACK; default 30s
+	Retention      time.Duration // how long final commands are kept; default 30 days
 	// ExpiryGrace is how long past its TTL a sent command waits for the
 	// bridge's word before the server calls it expired; default 1 min.
 	ExpiryGrace time.Duration
@@ -146,6 +149,9 @@ type Broker struct {
 	// which only the servers may read and write outside the devices' and
 	// bridges' topics (CONTRACT §3). The payload is the device's id.
 	moved string
+	// kickedAt is the topic where they tell each other of a bridge about
+	// to be disconnected (BridgesDisconnecting); the payload is its id.
+	kickedAt string
 
 	mu      sync.Mutex
 	waiters map[string][]chan companion.Command
@@ -192,6 +198,9 @@ type Broker struct {
 	// bridgeGen counts the state messages taken in per bridge (see
 	// noteBridgeState); under mu.
 	bridgeGen map[string]uint64
+	// kicked holds when each bridge was last said to be disconnected for
+	// a change of its rights (BridgesDisconnecting); under mu.
+	kicked map[string]time.Time
 
 	// release is closed by Release (and Close): every Wait, under way or
 	// to come, answers at once.
@@ -220,6 +229,9 @@ func New(opts Options) (*Broker, error) {
 	}
 	if opts.SweepInterval <= 0 {
 		opts.SweepInterval = time.Second
+	}
+	if opts.KickGrace <= 0 {
+		opts.KickGrace = 10 * time.Second
 	}
 	if opts.PublishTimeout <= 0 {
 		opts.PublishTimeout = 30 * time.Second
@@ -270,7 +282,9 @@ func New(opts Options) (*Broker, error) {
 		acks:      make(chan inflight, maxInflight),
 		inbox:     make(chan mqtt.Message, maxIntakeBatch),
 		moved:     opts.Topics.DevicesMoved(),
+		kickedAt:  opts.Topics.BridgesKicked(),
 		bridgeGen: make(map[string]uint64),
+		kicked:    make(map[string]time.Time),
 		release:   make(chan struct{}),
 		quit:      make(chan struct{}),
 	}

@@ -28,6 +28,7 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		// Replicas share a store: the word of devices moved through
 		// another (tellMoved).
 		filters[b.moved] = 1
+		filters[b.kickedAt] = 1
 	}
 	// Subscribing from the connect handler must not wait on the token in
 	// this goroutine for long; paho allows it, but bound it.
@@ -251,8 +252,15 @@ func (b *Broker) parseInbound(m mqtt.Message) inbound {
 // and dropped.
 func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 	m, t := in.m, in.t
-	if m.Topic() == b.moved {
+	switch m.Topic() {
+	case b.moved:
 		b.takeMoved(m.Payload())
+		m.Ack()
+		return
+	case b.kickedAt:
+		if id := string(m.Payload()); topics.ValidBridgeID(id) {
+			b.noteKicked(id)
+		}
 		m.Ack()
 		return
 	}
@@ -308,7 +316,12 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 		case topics.BridgeOnline:
 			b.bridgeOnline(t.BridgeID, b.noteBridgeState(t.BridgeID), m.Ack, 1)
 		case topics.BridgeOffline:
-			b.bridgeOffline(t.BridgeID, b.noteBridgeState(t.BridgeID), m.Ack, 1)
+			n := b.noteBridgeState(t.BridgeID)
+			if b.holdKickedWill(t.BridgeID, n) {
+				m.Ack() // the retained Will stands for it, should this server stop meanwhile
+				return
+			}
+			b.bridgeOffline(t.BridgeID, n, m.Ack, 1)
 		default:
 			m.Ack()
 		}

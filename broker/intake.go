@@ -159,6 +159,68 @@ func (b *Broker) failLeft(ctx context.Context, deviceID string) {
 	}
 }
 
+// BridgesDisconnecting says the bridges are about to be disconnected by the
+// broker's accounts, for a change of their rights (a device moved between
+// them), and will connect again at once. NATS publishes the Will of a
+// connection it closes so: taken in, every device of such a bridge read
+// offline, for watchers and in the store, each time one of them moved,
+// until the bridge was back a moment later. So the Will of each is held
+// for Options.KickGrace, and taken in only if the bridge has not said "online"
+// since. (Mosquitto's plugin kicks a client without its Will; the
+// embedded broker holds it itself.) The replicas are told too: each takes
+// the Will in.
+func (b *Broker) BridgesDisconnecting(bridgeIDs ...string) {
+	for _, id := range bridgeIDs {
+		if !topics.ValidBridgeID(id) {
+			continue
+		}
+		b.noteKicked(id)
+		if b.opts.Dispatcher == nil {
+			continue
+		}
+		// Sent before the kick, so that the replicas have it, most
+		// likely, before the Will; one that has not takes the Will in
+		// as before.
+		if err := b.waitToken(b.client.Publish(b.kickedAt, 1, false, []byte(id))); err != nil && !errors.Is(err, ErrClosed) {
+			b.log.Warn("telling the replicas of a bridge about to be disconnected failed; they take its Will in", "bridge_id", id, "err", err)
+		}
+	}
+}
+
+// noteKicked notes that the bridge is about to be disconnected.
+func (b *Broker) noteKicked(bridgeID string) {
+	now := time.Now()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for id, at := range b.kicked {
+		if now.Sub(at) > b.opts.KickGrace {
+			delete(b.kicked, id)
+		}
+	}
+	b.kicked[bridgeID] = now
+}
+
+// holdKickedWill holds the bridge's Will, its state message n, when the
+// bridge was said to be disconnected for its rights within the grace: it
+// is taken in once the grace is over, if the bridge has said nothing since.
+// It reports whether it held it.
+func (b *Broker) holdKickedWill(bridgeID string, n uint64) bool {
+	b.mu.Lock()
+	at, ok := b.kicked[bridgeID]
+	b.mu.Unlock()
+	wait := b.opts.KickGrace - time.Since(at)
+	if !ok || wait <= 0 {
+		return false
+	}
+	b.log.Info("the Will of a bridge disconnected for its rights held", "bridge_id", bridgeID, "for", wait)
+	b.later(wait, func() {
+		if b.latestBridgeState(bridgeID, n) {
+			b.bridgeOffline(bridgeID, n, func() {}, 1)
+		}
+	})
+	return true
+}
+
 // bridgeOffline takes a bridge's Will, the bridge's state message n
 // (noteBridgeState): every device it served reads offline. What the store
 // fails to take is taken again (bridgeStateAgain).

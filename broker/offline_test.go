@@ -327,6 +327,9 @@ func TestAnOlderStatusPublishedIsMendedOnTheBroker(t *testing.T) {
 		return err == nil && s.Seq == 20
 	})
 	w := watchStatuses(t, e, "dev-1")
+	testenv.Eventually(t, 10*time.Second, "the retained status heard by the watcher", func() bool {
+		return w.count("dev-1", true, 20) == 1
+	})
 	older := newer
 	older.Seq, older.At, older.FirmwareVersion, older.Online = 10, at.Add(-time.Minute), "1.0.0", false
 	retain(older) // acknowledged: the broker retains it

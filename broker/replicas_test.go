@@ -231,3 +231,61 @@ func TestBridgeWillTakenAgainNotAfterItsOnline(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, s.Online, "the Will before the online was taken after it")
 }
+
+// The Will of a bridge about to be disconnected for a change of its rights
+// (BridgesDisconnecting, told to one replica) is held on every replica: a
+// bridge that says "online" again within the grace never has its devices
+// read offline. One that does not come back has its Will taken in once the
+// grace is over.
+func TestTheWillOfABridgeDisconnectedForItsRightsIsHeld(t *testing.T) {
+	ctx := context.Background()
+	grace := time.Second
+	e := newEnv(t, false)
+	e.b.opts.KickGrace = grace
+	on := &dispatcher{}
+	on.on.Store(true)
+	e.b.opts.Dispatcher = on
+	require.NoError(t, e.b.Start())
+	t.Cleanup(func() { e.b.Close() })
+	opts := e.b.opts
+	opts.ClientID += "-other"
+	opts.Dispatcher = &dispatcher{}
+	other, err := New(opts)
+	require.NoError(t, err)
+	require.NoError(t, other.Start())
+	t.Cleanup(func() { other.Close() })
+	testenv.Eventually(t, 10*time.Second, "both replicas ready", func() bool { return e.b.Ready() && other.Ready() })
+
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	bs, _ := tree.BridgeState("b1")
+	state := func(s string) {
+		t.Helper()
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, s), 5*time.Second))
+	}
+	online := func() bool {
+		s, err := e.db.Status(ctx, "dev-1")
+		require.NoError(t, err)
+		return s.Online
+	}
+
+	toldAt := func() time.Time {
+		e.b.mu.Lock()
+		defer e.b.mu.Unlock()
+		return e.b.kicked["b1"]
+	}
+	other.BridgesDisconnecting("b1") // told to the replica that does not dispatch
+	testenv.Eventually(t, 10*time.Second, "the dispatcher told", func() bool { return !toldAt().IsZero() })
+	state(topics.BridgeOffline) // its Will, as NATS publishes it
+	state(topics.BridgeOnline)  // back within the grace
+	time.Sleep(2 * grace)
+	assert.True(t, online(), "the device read offline: a held Will was taken in after the bridge's online")
+
+	was := toldAt()
+	other.BridgesDisconnecting("b1")
+	testenv.Eventually(t, 10*time.Second, "the dispatcher told again", func() bool { return toldAt().After(was) })
+	state(topics.BridgeOffline) // and not back
+	time.Sleep(grace / 4)
+	assert.True(t, online(), "the Will was taken in within the grace")
+	testenv.Eventually(t, 10*time.Second, "the Will taken in after the grace", func() bool { return !online() })
+}

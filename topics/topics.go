@@ -234,6 +234,13 @@ func (t Tree) AllBridgeStates() string { return t.prefix + "/bridges/+/state" }
 // outside the devices' and bridges' topics, under the prefix.
 func (t Tree) DevicesMoved() string { return t.prefix + "/servers/moved" }
 
+// BridgesKicked is where server replicas sharing a store tell each other
+// of a bridge about to be disconnected for a change of its rights (its
+// payload: the bridge's id, plain text), so that each holds the Will the
+// broker may publish for it (broker.Broker.BridgesDisconnecting). Only
+// servers read or write it.
+func (t Tree) BridgesKicked() string { return t.prefix + "/servers/kicked" }
+
 // Parse reads a topic name back. It accepts only the exact shapes the
 // builders produce, with valid ids and ops; anything else is ErrNotOurs.
 func (t Tree) Parse(topic string) (Topic, error) {

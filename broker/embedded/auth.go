@@ -41,6 +41,8 @@ type authHook struct {
 	// drop removes a queued message from a client's session as mochi
 	// drops one (Server.dropQueued).
 	drop func(cl *mqtt.Client, pk packets.Packet)
+	// connected is told of every client let in (Server.bridgeBack).
+	connected func(Identity)
 
 	mu       sync.Mutex
 	ids      map[*mqtt.Client]Identity     // who each known client is, while mochi keeps it
@@ -103,6 +105,9 @@ func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) boo
 	h.mu.Lock()
 	h.ids[cl] = id
 	h.mu.Unlock()
+	if h.connected != nil {
+		h.connected(id)
+	}
 	return true
 }
 

@@ -254,6 +254,11 @@ func New(opts Options) (*Server, error) {
 		s.auth.hasServer = true
 	}
 	s.auth.drop = s.dropQueued
+	s.auth.connected = func(id Identity) {
+		if id.Role == RoleBridge {
+			s.bridgeBack(id.ID)
+		}
+	}
 	// Three hooks, one job each: who may do what, queued messages resent in
 	// publish order, incoming packets kept off the ids of queued ones. The
 	// order matters: what the first drops from a queue the second does not
@@ -381,7 +386,7 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 
 // holdWill publishes the Will of a bridge DisconnectBridge closed, its
 // state "offline" (CONTRACT §3), once the grace has passed, unless the
-// bridge is connected again by then.
+// bridge has connected again by then (bridgeBack), or is connected.
 func (s *Server) holdWill(bridgeID string) {
 	topic, err := s.tree.BridgeState(bridgeID)
 	if err != nil {
@@ -408,6 +413,17 @@ func (s *Server) holdWill(bridgeID string) {
 			s.log.Warn("publishing the Will of a bridge not back", "bridge_id", bridgeID, "err", err)
 		}
 	})
+}
+
+// bridgeBack drops the Will held for a bridge (holdWill): it connected
+// again.
+func (s *Server) bridgeBack(bridgeID string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if t := s.kicks[bridgeID]; t != nil {
+		t.Stop()
+		delete(s.kicks, bridgeID)
+	}
 }
 
 // bridgeConnected reports whether a client of the bridge is connected.

@@ -854,7 +854,7 @@ func TestNewValidates(t *testing.T) {
 func TestDisconnectBridgeHoldsItsWill(t *testing.T) {
 	acc := newFakeAccounts()
 	s, err := embedded.New(embedded.Options{Listen: "127.0.0.1:0", Accounts: acc,
-		ServerUsername: serverUser, ServerPassword: serverPass, KickGrace: 300 * time.Millisecond})
+		ServerUsername: serverUser, ServerPassword: serverPass, KickGrace: 2 * time.Second})
 	require.NoError(t, err)
 	require.NoError(t, s.Start())
 	t.Cleanup(func() { require.NoError(t, s.Close()) })
@@ -876,7 +876,12 @@ func TestDisconnectBridgeHoldsItsWill(t *testing.T) {
 		t.Fatalf("the bridge's state read %q: its Will was published as it was disconnected", m.Payload())
 	case <-time.After(time.Second):
 	}
-	back.Disconnect(250) // a clean disconnect: no Will
+	back.Disconnect(250) // a clean disconnect: no Will, and none held for it
+	select {
+	case m := <-w.msgs:
+		t.Fatalf("the bridge's state read %q after it came back within the grace", m.Payload())
+	case <-time.After(2500 * time.Millisecond):
+	}
 
 	b1 = mustDial(t, s.Addr(), "bridge-1", "b1-secret", will)
 	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))

@@ -68,8 +68,9 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	require.Len(t, texts, 2, "each command ran once")
 
 	// A device moved through the replica that does not dispatch: it tells
-	// the one that does, on the servers' topic of docs/asyncapi.yaml (the
-	// broker's tests check what the dispatcher then does).
+	// the one that does, and the others of the bridges about to be
+	// disconnected, on the servers' topics of docs/asyncapi.yaml (the
+	// broker's tests check what the replicas then do).
 	var log wireLog
 	watch := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID("moved-watcher").
 		SetUsername(watcherAccount.Username).SetPassword(watcherAccount.Password).
@@ -77,7 +78,7 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	require.NoError(t, mqtt.WaitTokenTimeout(watch.Connect(), 10*time.Second))
 	defer watch.Disconnect(0)
 	tree := topics.MustNew(topics.DefaultPrefix)
-	require.NoError(t, mqtt.WaitTokenTimeout(watch.Subscribe(tree.DevicesMoved(), 1, nil), 10*time.Second))
+	require.NoError(t, mqtt.WaitTokenTimeout(watch.SubscribeMultiple(map[string]byte{tree.DevicesMoved(): 1, tree.BridgesKicked(): 1}, nil), 10*time.Second))
 	testenv.Eventually(t, 20*time.Second, "a dispatcher", func() bool { return m1.pg.Dispatching() || m2.pg.Dispatching() })
 	quiet := m1
 	if m1.pg.Dispatching() {
@@ -89,11 +90,14 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	r = admin.do("PUT", "/api/v1/admin/devices/dev-2/bridge", map[string]any{"bridge_id": "bridge-2"})
 	require.Equal(t, 200, r.Status, "%s", r.Body)
 	testenv.Eventually(t, 20*time.Second, "the word of the move", func() bool { return log.seen(tree.DevicesMoved(), "dev-2") })
+	for _, bridge := range []string{"bridge-1", "bridge-2"} {
+		testenv.Eventually(t, 20*time.Second, "the word of "+bridge+" about to be disconnected", func() bool { return log.seen(tree.BridgesKicked(), bridge) })
+	}
 	doc := asyncapitest.Load(t)
 	for _, msg := range log.all() {
 		channel, err := doc.Validate(msg.topic, msg.payload, msg.retained)
 		require.NoError(t, err)
-		assert.Equal(t, "devicesMoved", channel)
+		assert.Contains(t, []string{"devicesMoved", "bridgesKicked"}, channel)
 	}
 }
 
