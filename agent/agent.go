@@ -85,7 +85,9 @@ type Options struct {
 	Username, Password string
 	BridgeID           string // required
 	// APIURL is the base of blob URLs, which arrive relative
-	// ("/api/v1/blobs/SHA") or absolute.
+	// ("/api/v1/blobs/SHA") or absolute; or a comma-separated list of the
+	// bases of server replicas, a download failing over from one to the
+	// next.
 	APIURL  string
 	DataDir string // required: the spool (spool.db) and the blob cache (blobs/)
 	Devices []Device

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/devicecompanion/companion/internal/idleread"
@@ -50,8 +51,12 @@ var errStalled = errors.New("blob download stalled")
 // blobs fetches binary content by SHA-256 into a cache directory, resuming
 // broken downloads with HTTP Range requests.
 type blobs struct {
-	dir    string
-	base   *url.URL
+	dir string
+	// bases are the servers' base URLs (replicas of one service), which
+	// relative blob URLs resolve against: first the one that last
+	// answered (cur), the next after a failure that another may not have.
+	bases  []*url.URL
+	cur    atomic.Int64
 	secret string
 	client *http.Client
 	now    func() time.Time
@@ -71,15 +76,23 @@ type blobLock struct {
 	users int // holders and waiters, guarded by blobs.mu
 }
 
-func newBlobs(dir, apiURL, secret string, client *http.Client, now func() time.Time, log *slog.Logger) (*blobs, error) {
-	base, err := url.Parse(apiURL)
-	if err != nil || (apiURL != "" && (base.Scheme == "" || base.Host == "")) {
-		return nil, fmt.Errorf("agent: invalid API URL %q", apiURL)
+// newBlobs makes the cache in dir; apiURLs is a comma-separated list of
+// the servers' base URLs (replicas of one service), or "".
+func newBlobs(dir, apiURLs, secret string, client *http.Client, now func() time.Time, log *slog.Logger) (*blobs, error) {
+	var bases []*url.URL
+	if apiURLs != "" {
+		for s := range strings.SplitSeq(apiURLs, ",") {
+			base, err := url.Parse(strings.TrimSpace(s))
+			if err != nil || base.Scheme == "" || base.Host == "" {
+				return nil, fmt.Errorf("agent: invalid API URL %q", s)
+			}
+			bases = append(bases, base)
+		}
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("agent: blob cache: %w", err)
 	}
-	return &blobs{dir: dir, base: base, secret: secret, client: client, now: now, log: log, idle: blobIdleTimeout, locks: map[string]*blobLock{}}, nil
+	return &blobs{dir: dir, bases: bases, secret: secret, client: client, now: now, log: log, idle: blobIdleTimeout, locks: map[string]*blobLock{}}, nil
 }
 
 // lock takes the lock of a blob's downloads and returns its unlock.
@@ -137,8 +150,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 		os.Remove(final) // damaged: fetch it again
 	}
 
-	u, err := b.resolve(ref.URL)
-	if err != nil {
+	if _, err := b.resolve(ref.URL, 0); err != nil {
 		return nil, cmdErr(codeInvalidPayload, err.Error())
 	}
 	part := final + ".part"
@@ -155,6 +167,8 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 			case <-t.C:
 			}
 		}
+		i := int(b.cur.Load())
+		u, _ := b.resolve(ref.URL, i)
 		err := b.download(ctx, u, part, ref.Size, progress)
 		if err == nil {
 			data, rerr := os.ReadFile(part)
@@ -187,6 +201,10 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 		if errors.As(err, &ce) && ce.Code != codeDownloadFailed || !transient(err) {
 			return nil, downloadFailed(err)
 		}
+		if b.failOver(ref.URL, i) {
+			b.log.Warn("blob download failed; retrying from the next server", "sha256", ref.SHA256, "attempt", attempt+1, "err", err)
+			continue
+		}
 		b.log.Warn("blob download failed; retrying", "sha256", ref.SHA256, "attempt", attempt+1, "err", err)
 	}
 	return nil, downloadFailed(lastErr)
@@ -205,7 +223,8 @@ func downloadFailed(err error) error {
 	return &commandError{Code: codeDownloadFailed, Message: err.Error()}
 }
 
-func (b *blobs) resolve(ref string) (*url.URL, error) {
+// resolve resolves a blob URL, a relative one against the i-th server.
+func (b *blobs) resolve(ref string, i int) (*url.URL, error) {
 	u, err := url.Parse(ref)
 	if err != nil {
 		return nil, fmt.Errorf("blob url %q: %v", ref, err)
@@ -213,18 +232,39 @@ func (b *blobs) resolve(ref string) (*url.URL, error) {
 	if u.IsAbs() {
 		return u, nil
 	}
-	if b.base == nil || b.base.Host == "" {
+	if len(b.bases) == 0 {
 		return nil, fmt.Errorf("blob url %q is relative and no API URL is set", ref)
 	}
-	return b.base.ResolveReference(u), nil
+	return b.bases[i%len(b.bases)].ResolveReference(u), nil
 }
 
-// ownOrigin reports whether u is on the API's scheme and host: only there
-// does the bridge's secret go. The server names its blobs by a path of its
-// own; an absolute URL elsewhere (a store in front of it, say) must carry
-// its own authority, not the bridge's credentials.
+// failOver makes the server after the i-th the first asked, when the
+// download of ref failed from the i-th and another may have it: the
+// servers are replicas of one service (CONTRACT §11), and one of them
+// down must not fail every command that needs a blob. It reports whether
+// there is another.
+func (b *blobs) failOver(ref string, i int) bool {
+	if len(b.bases) < 2 {
+		return false
+	}
+	if u, err := url.Parse(ref); err != nil || u.IsAbs() {
+		return false
+	}
+	b.cur.CompareAndSwap(int64(i), int64((i+1)%len(b.bases)))
+	return true
+}
+
+// ownOrigin reports whether u is on one of the API's schemes and hosts:
+// only there does the bridge's secret go. The server names its blobs by a
+// path of its own; an absolute URL elsewhere (a store in front of it, say)
+// must carry its own authority, not the bridge's credentials.
 func (b *blobs) ownOrigin(u *url.URL) bool {
-	return b.base != nil && strings.EqualFold(u.Scheme, b.base.Scheme) && strings.EqualFold(u.Host, b.base.Host)
+	for _, base := range b.bases {
+		if strings.EqualFold(u.Scheme, base.Scheme) && strings.EqualFold(u.Host, base.Host) {
+			return true
+		}
+	}
+	return false
 }
 
 // httpStatusError is a download answered with an unexpected status.

@@ -324,3 +324,42 @@ func TestBlobCacheKeepsToItsSize(t *testing.T) {
 		}
 	}
 }
+
+// With the bases of several server replicas (--api-url a,b,c), a download
+// that fails from one (down, or answering 5xx) goes on from the next, with the bridge's
+// secret, and the next download asks that one first (CONTRACT §11: one
+// replica killed loses nothing).
+func TestBlobFetchFailsOverToAnotherReplica(t *testing.T) {
+	first, second := bytes.Repeat([]byte("replica"), 1000), bytes.Repeat([]byte("other"), 1000)
+	blobs := map[string][]byte{blobRef(first).URL: first, blobRef(second).URL: second}
+	dead := httptest.NewServer(http.NotFoundHandler())
+	dead.Close() // a replica killed: connection refused
+	var failing atomic.Int32
+	down := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		failing.Add(1)
+		http.Error(w, "a replica losing its database", http.StatusServiceUnavailable)
+	}))
+	defer down.Close()
+	var requests atomic.Int32
+	var auth atomic.Value
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		requests.Add(1)
+		auth.Store(r.Header.Get("Authorization"))
+		w.Write(blobs[r.URL.Path])
+	}))
+	defer up.Close()
+	b := newTestBlobs(t, dead.URL+","+down.URL+","+up.URL)
+	got, err := b.fetch(context.Background(), blobRef(first), func(int) {})
+	if err != nil || !bytes.Equal(got, first) {
+		t.Fatalf("fetch with the first replica down = %d bytes, %v; want the blob from the second", len(got), err)
+	}
+	if a, _ := auth.Load().(string); a != "Bearer secret" {
+		t.Errorf("Authorization to the second replica %q; want the bridge's secret", a)
+	}
+	if got, err := b.fetch(context.Background(), blobRef(second), func(int) {}); err != nil || !bytes.Equal(got, second) {
+		t.Fatalf("second fetch: %d bytes, %v", len(got), err)
+	}
+	if n, f := requests.Load(), failing.Load(); n != 2 || f != 1 {
+		t.Errorf("%d requests to the replica that is up, %d to the failing one; want 2 and 1: the second fetch asks the one that answered first", n, f)
+	}
+}

@@ -167,7 +167,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.SetOutput(m.Stderr)
 	var simDevices, devices string
 	fs.StringVar(&c.MQTTURL, "mqtt-url", c.MQTTURL, "MQTT broker `URL` (tcp://, ssl://, ws://), or a comma-separated list of a cluster's nodes to fail over between")
-	fs.StringVar(&c.APIURL, "api-url", c.APIURL, "server base `URL` for blob downloads")
+	fs.StringVar(&c.APIURL, "api-url", c.APIURL, "server base `URL` for blob downloads; a comma-separated list of the replicas' fails over")
 	fs.StringVar(&c.BridgeID, "bridge-id", c.BridgeID, "this bridge's `id` (companion bridge create ID)")
 	fs.StringVar(&c.BridgeSecret, "bridge-secret", c.BridgeSecret, "this bridge's `secret`")
 	fs.StringVar(&c.Data, "data", c.Data, "`directory` of the spool and the blob cache")
@@ -287,8 +287,10 @@ func (m *Main) validate() error {
 	// The blob downloads' base: agent.New refuses one without a scheme
 	// only once the bridge runs (exit status 1, naming no flag), and one
 	// of another scheme not at all, failing each download instead.
-	if u, err := url.Parse(c.APIURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return fmt.Errorf("--api-url %q: give the server's base URL, http://HOST:PORT or https://HOST:PORT", c.APIURL)
+	for s := range strings.SplitSeq(c.APIURL, ",") {
+		if u, err := url.Parse(strings.TrimSpace(s)); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return fmt.Errorf("--api-url %q: give the server's base URL, http://HOST:PORT or https://HOST:PORT, or a comma-separated list of the replicas'", s)
+		}
 	}
 	for _, l := range []struct{ name, addr string }{{"metrics", c.Metrics}, {"pprof", c.PProf}} {
 		if err := flagcheck.ListenAddr(l.name, l.addr); err != nil {

@@ -83,6 +83,16 @@ func TestParseFlags(t *testing.T) {
 				}
 			},
 		},
+		{
+			name: "API URLs of replicas",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "http://10.0.0.1:8080,http://10.0.0.2:8080"},
+			check: func(t *testing.T, c Config) {
+				if c.APIURL != "http://10.0.0.1:8080,http://10.0.0.2:8080" {
+					t.Errorf("APIURL = %q", c.APIURL)
+				}
+			},
+		},
+		{name: "API URLs, one of another scheme", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "http://10.0.0.1:8080,ftp://10.0.0.2"}, wantErr: "--api-url"},
 		// A listen address net.Listen could never take is a usage error
 		// naming the flag, not a listen error once the bridge runs.
 		{name: "metrics address without a port", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--metrics", "127.0.0.1"}, wantErr: "--metrics"},

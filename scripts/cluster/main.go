@@ -317,7 +317,7 @@ func (c *cluster) startBridge(ctx context.Context) error {
 	}
 	p, err := c.spawn("bridge", nil, filepath.Join(c.bin, "companion-bridge"),
 		"--mqtt-url", strings.Join(c.mqttURLs(), ","),
-		"--api-url", c.apis[0],
+		"--api-url", strings.Join(c.apis, ","), // blob downloads fail over, as MQTT does
 		"--bridge-id", bridgeID,
 		"--bridge-secret", created.Secret,
 		"--data", data,
