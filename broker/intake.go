@@ -365,11 +365,20 @@ func (b *Broker) takeOfflineMark(deviceID string) bool {
 // Not while the connection is down, as publishOffline: the bridge's own
 // report then holds.
 func (b *Broker) repairStatus(deviceID string) {
+	b.republishStatus(deviceID, "again over the offline one", func(s companion.Status) bool { return s.Online })
+}
+
+// republishStatus publishes the device's status as the store has it, as
+// its retained status, when want says so of it, and waits for the MQTT
+// broker to take it; a failure is logged, saying what the publish was
+// for. Not while the connection is down: queued in paho and sent after a
+// reconnect, it could undo what the bridge said meanwhile.
+func (b *Broker) republishStatus(deviceID, what string, want func(companion.Status) bool) {
 	if !b.client.IsConnectionOpen() {
 		return
 	}
 	s, err := b.st.Status(context.Background(), deviceID)
-	if err != nil || !s.Online {
+	if err != nil || !want(s) {
 		return
 	}
 	tok := b.publishStatus(deviceID, s)
@@ -377,7 +386,7 @@ func (b *Broker) repairStatus(deviceID string) {
 		return
 	}
 	if err := b.waitToken(tok); err != nil && !errors.Is(err, ErrClosed) {
-		b.log.Warn("publishing a device's status again over the offline one", "device_id", deviceID, "err", err)
+		b.log.Warn("publishing a device's status "+what, "device_id", deviceID, "err", err)
 	}
 }
 
@@ -654,20 +663,9 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 // live messages: the retained statuses a subscription brings are as many
 // as the devices, at every reconnect, and each would cost a read.
 func (b *Broker) mendRetained(deviceID string, taken companion.Status) {
-	if !b.client.IsConnectionOpen() {
-		return
-	}
-	s, err := b.st.Status(context.Background(), deviceID)
-	if err != nil || !companion.Newer(s.Seq, s.LastSeen, taken.Seq, taken.LastSeen, b.now()) {
-		return
-	}
-	tok := b.publishStatus(deviceID, s)
-	if tok == nil {
-		return
-	}
-	if err := b.waitToken(tok); err != nil && !errors.Is(err, ErrClosed) {
-		b.log.Warn("publishing a device's status over an older one", "device_id", deviceID, "err", err)
-	}
+	b.republishStatus(deviceID, "over an older one", func(s companion.Status) bool {
+		return companion.Newer(s.Seq, s.LastSeen, taken.Seq, taken.LastSeen, b.now())
+	})
 }
 
 // publishUnserved publishes the status of a device that no bridge serves
@@ -675,20 +673,10 @@ func (b *Broker) mendRetained(deviceID string, taken companion.Status) {
 // the last its bridge reported, online, and no bridge will report it now
 // (CONTRACT §9: the device reads offline).
 func (b *Broker) publishUnserved(deviceID string) {
-	if !b.client.IsConnectionOpen() {
-		return
-	}
-	s, err := b.st.Status(context.Background(), deviceID)
-	if err != nil || s.Online || s.BridgeID != "" || s.LastSeen.IsZero() {
-		return // a bridge serves it again, or it never reported: nothing retained to mend
-	}
-	tok := b.publishStatus(deviceID, s)
-	if tok == nil {
-		return
-	}
-	if err := b.waitToken(tok); err != nil && !errors.Is(err, ErrClosed) {
-		b.log.Warn("publishing the status of a device that lost its bridge", "device_id", deviceID, "err", err)
-	}
+	b.republishStatus(deviceID, "of a device that lost its bridge", func(s companion.Status) bool {
+		// Served again, or never reported: nothing retained to mend.
+		return !s.Online && s.BridgeID == "" && !s.LastSeen.IsZero()
+	})
 }
 
 // takeReport takes a device's status or settings in (what names which),

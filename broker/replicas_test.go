@@ -20,10 +20,14 @@ import (
 
 // newReplicas makes e's broker one of two replicas on one store and one
 // MQTT broker (CONTRACT §11), the one that dispatches, and starts it; the
-// other, which does not dispatch, is returned started.
-func newReplicas(t *testing.T) (e *env, other *Broker) {
+// other, which does not dispatch, is returned started. set, if given,
+// changes both replicas' options.
+func newReplicas(t *testing.T, set ...func(*Options)) (e *env, other *Broker) {
 	t.Helper()
 	e = newEnv(t, false)
+	for _, f := range set {
+		f(&e.b.opts)
+	}
 	on := &dispatcher{}
 	on.on.Store(true)
 	e.b.opts.Dispatcher = on
@@ -240,21 +244,7 @@ func TestBridgeWillTakenAgainNotAfterItsOnline(t *testing.T) {
 func TestTheWillOfABridgeDisconnectedForItsRightsIsHeld(t *testing.T) {
 	ctx := context.Background()
 	grace := time.Second
-	e := newEnv(t, false)
-	e.b.opts.KickGrace = grace
-	on := &dispatcher{}
-	on.on.Store(true)
-	e.b.opts.Dispatcher = on
-	require.NoError(t, e.b.Start())
-	t.Cleanup(func() { e.b.Close() })
-	opts := e.b.opts
-	opts.ClientID += "-other"
-	opts.Dispatcher = &dispatcher{}
-	other, err := New(opts)
-	require.NoError(t, err)
-	require.NoError(t, other.Start())
-	t.Cleanup(func() { other.Close() })
-	testenv.Eventually(t, 10*time.Second, "both replicas ready", func() bool { return e.b.Ready() && other.Ready() })
+	e, other := newReplicas(t, func(o *Options) { o.KickGrace = grace })
 
 	fb := connectBridge(t, e)
 	fb.online(t, e, "dev-1")

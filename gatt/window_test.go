@@ -65,22 +65,9 @@ func TestConcurrentCallersShareTheWindow(t *testing.T) {
 // device until the device answers it, so it keeps its place in the window:
 // the next request waits rather than reach a device with no buffer free.
 func TestAbandonedRequestKeepsItsPlace(t *testing.T) {
-	s := sim.New(sim.Options{ID: "dev-1"})
-	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
-	p := sim.NewPeripheral(s, sim.PeripheralOptions{BufCount: 2, HandleTime: 20 * time.Millisecond})
-	n.Add("dev-1", p)
-	t.Cleanup(func() { n.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	link, err := n.Connect(ctx, "dev-1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := gatt.NewClient(ctx, link, gatt.ClientOptions{RequestTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
+	c, p := newSimClient(t, ctx, sim.PeripheralOptions{BufCount: 2, HandleTime: 20 * time.Millisecond})
 	c.SetWindow(1) // two buffers: one request and its answer
 
 	for i := range 3 {
@@ -137,22 +124,9 @@ func TestNoBufferForTheAnswerIsAskedAgain(t *testing.T) {
 // Narrow takes a place off the window for the rest of the link, down to
 // one, whether the place is free or taken.
 func TestNarrowShrinksTheWindow(t *testing.T) {
-	s := sim.New(sim.Options{ID: "dev-1"})
-	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
-	p := sim.NewPeripheral(s, sim.PeripheralOptions{HandleTime: 50 * time.Millisecond})
-	n.Add("dev-1", p)
-	t.Cleanup(func() { n.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	link, err := n.Connect(ctx, "dev-1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := gatt.NewClient(ctx, link, gatt.ClientOptions{RequestTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
+	c, _ := newSimClient(t, ctx, sim.PeripheralOptions{HandleTime: 50 * time.Millisecond})
 	c.SetWindow(3)
 	first, err := c.Start(ctx, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, gatt.EchoRequest{D: "1"})
 	if err != nil {
@@ -183,4 +157,24 @@ func TestNarrowShrinksTheWindow(t *testing.T) {
 	if err := second.Wait(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// newSimClient is a gatt.Client on a link to a simulated peripheral of
+// popts, closed with the test.
+func newSimClient(t *testing.T, ctx context.Context, popts sim.PeripheralOptions) (*gatt.Client, *sim.Peripheral) {
+	t.Helper()
+	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	p := sim.NewPeripheral(sim.New(sim.Options{ID: "dev-1"}), popts)
+	n.Add("dev-1", p)
+	t.Cleanup(func() { n.Close() })
+	link, err := n.Connect(ctx, "dev-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := gatt.NewClient(ctx, link, gatt.ClientOptions{RequestTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c, p
 }

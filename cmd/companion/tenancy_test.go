@@ -628,23 +628,14 @@ func TestWatcherReadsTheDeviceOfflineWithItsBridge(t *testing.T) {
 			registerDevices(t, f, "dev-1")
 			b := startBridge(t, m, mqttURL, f, "", "dev-1")
 			waitOnline(t, f, true, "dev-1")
-			topic := topicsOf(t)(topics.MustNew(topics.DefaultPrefix).Status("dev-1"))
-			status := func(m mqtt.Message) topics.Status {
-				t.Helper()
-				s, err := topics.ParseStatus(m.Payload())
-				require.NoError(t, err, "%s", m.Payload())
-				return s
-			}
-			watchURL, _, _ := strings.Cut(mqttURL, ",") // one node of a NATS cluster
-			watcher := mustDialMQTT(t, watchURL, "watcher-1", f.userID, f.user.token)
-			require.Equal(t, byte(1), watcher.subscribe(t, topic))
-			last := status(watcher.nextOn(t, topic))
+			next := watchStatusAs(t, mqttURL, f, "watcher-1", "dev-1")
+			last := next()
 			require.True(t, last.Online, "the bridge's retained status")
 
 			b.stop()
 			waitOnline(t, f, false, "dev-1")
 			var got topics.Status
-			for got = status(watcher.nextOn(t, topic)); got.Online; got = status(watcher.nextOn(t, topic)) {
+			for got = next(); got.Online; got = next() {
 				last = got // a report the bridge made as it stopped
 			}
 			want := last
@@ -652,10 +643,27 @@ func TestWatcherReadsTheDeviceOfflineWithItsBridge(t *testing.T) {
 			assert.Equal(t, want.Seq, got.Seq, "the offline status keeps the last report's seq")
 			assert.Equal(t, want.BridgeID, got.BridgeID)
 			assert.Equal(t, want.FirmwareVersion, got.FirmwareVersion)
-			later := mustDialMQTT(t, watchURL, "watcher-2", f.userID, f.user.token)
-			require.Equal(t, byte(1), later.subscribe(t, topic))
-			assert.False(t, status(later.nextOn(t, topic)).Online, "the retained status after the bridge left")
+			later := watchStatusAs(t, mqttURL, f, "watcher-2", "dev-1")
+			assert.False(t, later().Online, "the retained status after the bridge left")
 		})
+	}
+}
+
+// watchStatusAs subscribes a watcher with f's user's credentials (CONTRACT
+// §3), on one node of mqttURL, to dev's status topic, and returns what
+// reads the next status it hears: the retained one first.
+func watchStatusAs(t *testing.T, mqttURL string, f *fleet, clientID, dev string) func() topics.Status {
+	t.Helper()
+	topic := topicsOf(t)(topics.MustNew(topics.DefaultPrefix).Status(dev))
+	node, _, _ := strings.Cut(mqttURL, ",") // one node of a NATS cluster
+	w := mustDialMQTT(t, node, clientID, f.userID, f.user.token)
+	require.Equal(t, byte(1), w.subscribe(t, topic))
+	return func() topics.Status {
+		t.Helper()
+		m := w.nextOn(t, topic)
+		s, err := topics.ParseStatus(m.Payload())
+		require.NoError(t, err, "%s", m.Payload())
+		return s
 	}
 }
 
@@ -673,29 +681,18 @@ func TestWatcherReadsTheDeviceOfflineOffItsBridge(t *testing.T) {
 			registerDevices(t, f, "dev-1")
 			startBridge(t, m, mqttURL, f, "", "dev-1")
 			waitOnline(t, f, true, "dev-1")
-			topic := topicsOf(t)(topics.MustNew(topics.DefaultPrefix).Status("dev-1"))
-			status := func(m mqtt.Message) topics.Status {
-				t.Helper()
-				s, err := topics.ParseStatus(m.Payload())
-				require.NoError(t, err, "%s", m.Payload())
-				return s
-			}
-			watchURL, _, _ := strings.Cut(mqttURL, ",")
-			watcher := mustDialMQTT(t, watchURL, "watcher-1", f.userID, f.user.token)
-			require.Equal(t, byte(1), watcher.subscribe(t, topic))
-			require.True(t, status(watcher.nextOn(t, topic)).Online, "the bridge's retained status")
+			next := watchStatusAs(t, mqttURL, f, "watcher-1", "dev-1")
+			require.True(t, next().Online, "the bridge's retained status")
 
 			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": nil})
 			require.Equal(t, 200, r.Status, "%s", r.Body)
 			waitOnline(t, f, false, "dev-1")
 			var got topics.Status
-			for got = status(watcher.nextOn(t, topic)); got.Online; got = status(watcher.nextOn(t, topic)) {
+			for got = next(); got.Online; got = next() {
 				// a report the bridge made as the device moved
 			}
 			assert.Empty(t, got.BridgeID, "the status of a device no bridge serves")
-			later := mustDialMQTT(t, watchURL, "watcher-2", f.userID, f.user.token)
-			require.Equal(t, byte(1), later.subscribe(t, topic))
-			s := status(later.nextOn(t, topic))
+			s := watchStatusAs(t, mqttURL, f, "watcher-2", "dev-1")()
 			assert.False(t, s.Online, "the retained status once the device left its bridge")
 			assert.Empty(t, s.BridgeID)
 		})
