@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -199,6 +200,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 		lastErr = err
 		var ce *commandError
 		if errors.As(err, &ce) && ce.Code != codeDownloadFailed || !transient(err) {
+			b.log.Warn("blob download failed", "sha256", ref.SHA256, "err", err)
 			return nil, downloadFailed(err)
 		}
 		if b.failOver(ref.URL, i) {
@@ -207,6 +209,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 		}
 		b.log.Warn("blob download failed; retrying", "sha256", ref.SHA256, "attempt", attempt+1, "err", err)
 	}
+	b.log.Warn("blob download given up", "sha256", ref.SHA256, "attempts", blobAttempts, "err", lastErr)
 	return nil, downloadFailed(lastErr)
 }
 
@@ -220,7 +223,31 @@ func downloadFailed(err error) error {
 	if errors.As(err, &ce) {
 		return err
 	}
-	return &commandError{Code: codeDownloadFailed, Message: err.Error()}
+	return &commandError{Code: codeDownloadFailed, Message: downloadReason(err)}
+}
+
+// downloadReason says why a download failed, for the command's error,
+// which its user reads: not Go's error text, which names the server's
+// internal URL and addresses (the bridge's log has it).
+func downloadReason(err error) string {
+	var (
+		se *httpStatusError
+		oe *net.OpError
+		ne net.Error
+	)
+	switch {
+	case errors.As(err, &se):
+		return se.Error()
+	case errors.Is(err, errStalled):
+		return "blob download: no data came for a while"
+	case errors.As(err, &oe) && oe.Op == "dial":
+		return "blob download: the server could not be reached"
+	case errors.As(err, &ne) && ne.Timeout():
+		return "blob download: timed out"
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return "blob download: the connection closed before the whole blob came"
+	}
+	return "blob download: the connection failed"
 }
 
 // resolve resolves a blob URL, a relative one against the i-th server.

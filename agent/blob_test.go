@@ -75,6 +75,22 @@ func TestBlobFetch(t *testing.T) {
 	}
 }
 
+// A download given up says why in words for the command's user, without
+// the server's internal URL or addresses (the bridge's log has them).
+func TestBlobDownloadFailedSaysWhyWithoutTheURL(t *testing.T) {
+	dead := httptest.NewServer(http.NotFoundHandler())
+	dead.Close()
+	b := newTestBlobs(t, dead.URL)
+	_, err := b.fetch(context.Background(), blobRef([]byte("unreachable")), func(int) {})
+	var ce *commandError
+	if !errors.As(err, &ce) || ce.Code != codeDownloadFailed {
+		t.Fatalf("fetch from a server that is down = %v; want download_failed", err)
+	}
+	if ce.Message != "blob download: the server could not be reached" {
+		t.Errorf("message %q", ce.Message)
+	}
+}
+
 func TestBlobFetchErrors(t *testing.T) {
 	srv := httptest.NewServer(http.NotFoundHandler())
 	defer srv.Close()
