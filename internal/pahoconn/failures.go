@@ -2,7 +2,9 @@ package pahoconn
 
 import (
 	"log/slog"
+	"net/url"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
@@ -18,13 +20,25 @@ const failureRepeat = time.Minute
 // only a client that never connected. The first failure is a warning with
 // paho's reason (the broker's refusal, or the dial's error); the same reason
 // again is logged once a minute at most, with the attempts since, and a
-// connection ends the run. It returns o.
+// connection ends the run. With several brokers (a cluster's nodes, which
+// the client fails over between), each connection made is logged with
+// the node it is to: the client's own log names only the list. It returns
+// o.
 func ReportFailures(o *mqtt.ClientOptions, log *slog.Logger) *mqtt.ClientOptions {
-	var r failureLog
+	var (
+		r       failureLog
+		tried   atomic.Pointer[url.URL] // the broker of the attempt under way
+		several = len(o.Servers) > 1
+	)
 	return o.SetConnectionNotificationHandler(func(_ mqtt.Client, n mqtt.ConnectionNotification) {
 		switch n := n.(type) {
+		case mqtt.ConnectionNotificationBroker:
+			tried.Store(n.Broker)
 		case mqtt.ConnectionNotificationConnected:
 			r.connected()
+			if u := tried.Load(); several && u != nil {
+				log.Info("MQTT connected to a broker of the list", "broker", u.Redacted())
+			}
 		case mqtt.ConnectionNotificationFailed:
 			r.failed(log, n.Reason, time.Now())
 		}

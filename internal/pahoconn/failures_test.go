@@ -1,6 +1,7 @@
 package pahoconn
 
 import (
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync/atomic"
@@ -95,3 +96,26 @@ func TestFailureLogRepeats(t *testing.T) {
 type errString string
 
 func (e errString) Error() string { return string(e) }
+
+// With several brokers, the client says which one it connected to: the
+// node it failed over to, not the list.
+func TestReportFailuresNamesTheBrokerOfAList(t *testing.T) {
+	_, up := mochitest.Start(t, &mochitest.AllowAll{})
+	dead := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)) // nothing listens
+	var out testenv.Buffer
+	o := mqtt.NewClientOptions().AddBroker(dead).AddBroker(up).SetClientID("c").
+		SetConnectRetry(true).SetConnectRetryInterval(10 * time.Millisecond)
+	c := mqtt.NewClient(ReportFailures(o, slog.New(slog.NewTextHandler(&out, nil))))
+	if tok := c.Connect(); !tok.WaitTimeout(20*time.Second) || tok.Error() != nil {
+		t.Fatalf("connect: %v", tok.Error())
+	}
+	defer c.Disconnect(0)
+	testenv.Eventually(t, 10*time.Second, "the connection logged", func() bool {
+		return strings.Contains(out.String(), "MQTT connected to a broker of the list")
+	})
+	for _, l := range lines(&out) {
+		if strings.Contains(l, "MQTT connected to a broker of the list") && !strings.Contains(l, "broker="+up) {
+			t.Errorf("log line %q does not name %s, the broker that is up", l, up)
+		}
+	}
+}
