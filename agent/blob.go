@@ -151,7 +151,8 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 		os.Remove(final) // damaged: fetch it again
 	}
 
-	if _, err := b.resolve(ref.URL, 0); err != nil {
+	ru, err := b.parse(ref.URL)
+	if err != nil {
 		return nil, cmdErr(codeInvalidPayload, err.Error())
 	}
 	part := final + ".part"
@@ -169,8 +170,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 			}
 		}
 		i := int(b.cur.Load())
-		u, _ := b.resolve(ref.URL, i)
-		err := b.download(ctx, u, part, ref.Size, progress)
+		err := b.download(ctx, b.at(ru, i), part, ref.Size, progress)
 		if err == nil {
 			data, rerr := os.ReadFile(part)
 			if rerr != nil {
@@ -203,7 +203,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 			b.log.Warn("blob download failed", "sha256", ref.SHA256, "err", err)
 			return nil, downloadFailed(err)
 		}
-		if b.failOver(ref.URL, i) {
+		if b.failOver(ru, i) {
 			b.log.Warn("blob download failed; retrying from the next server", "sha256", ref.SHA256, "attempt", attempt+1, "err", err)
 			continue
 		}
@@ -250,31 +250,33 @@ func downloadReason(err error) string {
 	return "blob download: the connection failed"
 }
 
-// resolve resolves a blob URL, a relative one against the i-th server.
-func (b *blobs) resolve(ref string, i int) (*url.URL, error) {
+// parse reads a blob URL: absolute, or relative to the servers' bases.
+func (b *blobs) parse(ref string) (*url.URL, error) {
 	u, err := url.Parse(ref)
 	if err != nil {
 		return nil, fmt.Errorf("blob url %q: %v", ref, err)
 	}
-	if u.IsAbs() {
-		return u, nil
-	}
-	if len(b.bases) == 0 {
+	if !u.IsAbs() && len(b.bases) == 0 {
 		return nil, fmt.Errorf("blob url %q is relative and no API URL is set", ref)
 	}
-	return b.bases[i%len(b.bases)].ResolveReference(u), nil
+	return u, nil
+}
+
+// at is the blob URL u (parse's), a relative one against the i-th server.
+func (b *blobs) at(u *url.URL, i int) *url.URL {
+	if u.IsAbs() {
+		return u
+	}
+	return b.bases[i%len(b.bases)].ResolveReference(u)
 }
 
 // failOver makes the server after the i-th the first asked, when the
-// download of ref failed from the i-th and another may have it: the
-// servers are replicas of one service (CONTRACT §11), and one of them
-// down must not fail every command that needs a blob. It reports whether
-// there is another.
-func (b *blobs) failOver(ref string, i int) bool {
-	if len(b.bases) < 2 {
-		return false
-	}
-	if u, err := url.Parse(ref); err != nil || u.IsAbs() {
+// download of u failed from the i-th and another may have it: the servers
+// are replicas of one service (CONTRACT §11), and one of them down must
+// not fail every command that needs a blob. It reports whether there is
+// another.
+func (b *blobs) failOver(u *url.URL, i int) bool {
+	if len(b.bases) < 2 || u.IsAbs() {
 		return false
 	}
 	b.cur.CompareAndSwap(int64(i), int64((i+1)%len(b.bases)))

@@ -175,8 +175,8 @@ func (b *Broker) BridgesDisconnecting(bridgeIDs ...string) {
 			continue
 		}
 		b.noteKicked(id)
-		if b.opts.Dispatcher == nil {
-			continue
+		if b.opts.Dispatcher == nil || !b.client.IsConnectionOpen() {
+			continue // no replicas; or none to tell now, and no wait in the request that moved the device
 		}
 		// Sent before the kick, so that the replicas have it, most
 		// likely, before the Will; one that has not takes the Will in
