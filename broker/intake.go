@@ -669,9 +669,10 @@ func (b *Broker) mendRetained(deviceID string, taken companion.Status) {
 }
 
 // publishUnserved publishes the status of a device that no bridge serves
-// any more as the store has it (offline, no bridge): the broker retained
-// the last its bridge reported, online, and no bridge will report it now
-// (CONTRACT §9: the device reads offline).
+// any more, or that moved to another bridge, as the store has it (offline,
+// no bridge): the broker retained the last its old bridge reported, online,
+// and that bridge will not report it now (CONTRACT §9: the device reads
+// offline). The new bridge's first report, if it has the device, follows.
 func (b *Broker) publishUnserved(deviceID string) {
 	b.republishStatus(deviceID, "of a device that lost its bridge", func(s companion.Status) bool {
 		// Served again, or never reported: nothing retained to mend.

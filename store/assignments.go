@@ -43,7 +43,8 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 }
 
 // markUnserved marks offline a device no bridge serves any more (CONTRACT
-// §9): nothing reports it now, and its old bridge's Will need not fire
+// §9), or that moved to another bridge, which has not reported it yet:
+// nothing reports it now, and its old bridge's Will need not fire
 // (Mosquitto's plugin cuts a bridge off without it). Its status names no
 // bridge from then on, online or not: the bridge does not serve it, and
 // after an unbind it may be the last owner's own, whose name is not the
@@ -128,6 +129,11 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			if err := db.forgetSeq(tx, deviceID); err != nil {
 				return err
 			}
+			// Its old bridge's word is no longer the device's: it reads
+			// offline until the new bridge reports it.
+			if err := db.markUnserved(tx, deviceID, db.now()); err != nil {
+				return err
+			}
 		}
 		return assign(tx, deviceID, bridgeID)
 	})
@@ -137,9 +143,10 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 // forgetSeq sets the seq of a device's status and of its reported settings
 // to 0 as it moves to another bridge: a seq is its bridge's own clock, and
 // the new bridge's reports must not wait until its clock passes the old
-// one's (up to a day ahead, companion.MaxSeqAhead). What they hold stays
-// until the new bridge reports; the broker takes no report of the old one
-// once it has moved.
+// one's (up to a day ahead, companion.MaxSeqAhead). What else they hold
+// stays until the new bridge reports (the status reads offline meanwhile,
+// markUnserved); the broker takes no report of the old one once it has
+// moved.
 func (db *DB) forgetSeq(tx *bolt.Tx, deviceID string) error {
 	if err := zeroSeq(tx.Bucket(bucketStatus), deviceID, func(s *companion.Status) *uint64 { return &s.Seq }); err != nil {
 		return err

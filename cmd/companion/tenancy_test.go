@@ -672,29 +672,44 @@ func watchStatusAs(t *testing.T, mqttURL string, f *fleet, clientID, dev string)
 // the broker retained its last report, online, and the bridge's reports
 // of it are refused from then on, so the server publishes the store's
 // status, offline and with no bridge; whoever subscribes later reads that
-// too. On each broker.
+// too. So it does as the device moves to another bridge, one that does not
+// have it: its old bridge's word no longer holds, and the new one never
+// reports it. On each broker.
 func TestWatcherReadsTheDeviceOfflineOffItsBridge(t *testing.T) {
 	for _, tb := range withNATS() {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
 			f := setupFleet(t, m, "dev-1")
 			registerDevices(t, f, "dev-1")
+			f2 := addBridge(t, f, "bridge-2") // never runs: it does not have dev-1
 			startBridge(t, m, mqttURL, f, "", "dev-1")
 			waitOnline(t, f, true, "dev-1")
 			next := watchStatusAs(t, mqttURL, f, "watcher-1", "dev-1")
 			require.True(t, next().Online, "the bridge's retained status")
 
-			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": nil})
-			require.Equal(t, 200, r.Status, "%s", r.Body)
-			waitOnline(t, f, false, "dev-1")
-			var got topics.Status
-			for got = next(); got.Online; got = next() {
-				// a report the bridge made as the device moved
+			for i, to := range []any{nil, f2.bridgeID} {
+				if i > 0 {
+					// Back to bridge-1, which reports it online again.
+					r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f.bridgeID})
+					require.Equal(t, 200, r.Status, "%s", r.Body)
+					waitOnline(t, f, true, "dev-1")
+					for got := next(); !got.Online; got = next() {
+						// the offline status published as it left bridge-1
+					}
+				}
+				r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": to})
+				require.Equal(t, 200, r.Status, "%s", r.Body)
+				waitOnline(t, f, false, "dev-1")
+				assert.Nil(t, f.user.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)["bridge_id"], "the status of dev-1 moved to %v", to)
+				var got topics.Status
+				for got = next(); got.Online; got = next() {
+					// a report the bridge made as the device moved
+				}
+				assert.Empty(t, got.BridgeID, "the status of a device moved to %v", to)
+				s := watchStatusAs(t, mqttURL, f, fmt.Sprintf("watcher-%d", i+2), "dev-1")()
+				assert.False(t, s.Online, "the retained status once the device moved to %v", to)
+				assert.Empty(t, s.BridgeID)
 			}
-			assert.Empty(t, got.BridgeID, "the status of a device no bridge serves")
-			s := watchStatusAs(t, mqttURL, f, "watcher-2", "dev-1")()
-			assert.False(t, s.Online, "the retained status once the device left its bridge")
-			assert.Empty(t, s.BridgeID)
 		})
 	}
 }

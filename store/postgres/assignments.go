@@ -34,7 +34,8 @@ func unassign(ctx context.Context, tx pgx.Tx, deviceID string) (string, error) {
 }
 
 // markUnserved marks offline a device no bridge serves any more (CONTRACT
-// §9), and its status names no bridge from then on, online or not (the
+// §9), or that moved to another bridge, which has not reported it yet, and
+// its status names no bridge from then on, online or not (the
 // bbolt engine's markUnserved). Seq and LastSeen stay, so the next report
 // applies as usual.
 func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) error {
@@ -119,6 +120,11 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 				return err
 			}
 			if _, err := tx.Exec(ctx, `UPDATE settings SET seq = 0 WHERE device_id = $1 AND seq <> 0`, deviceID); err != nil {
+				return err
+			}
+			// Its old bridge's word is no longer the device's: it reads
+			// offline until the new bridge reports it.
+			if err := markUnserved(ctx, tx, deviceID, s.clock()); err != nil {
 				return err
 			}
 		}

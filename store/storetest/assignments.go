@@ -93,9 +93,10 @@ func testAssignDevice(t *testing.T, s companion.Store) {
 // A device no bridge serves any more reads offline (CONTRACT §9), whichever
 // way it lost its bridge: unassigned, its bridge deleted, or unbound from
 // its user's own bridge. Its Seq stays, so the next report applies. A
-// device moved to another bridge keeps its status until that one reports,
-// and its Seq goes to 0: a seq is a bridge's own clock, and the new
-// bridge's reports apply however far behind the old one's its clock is.
+// device moved to another bridge reads offline, with no bridge, until that
+// one reports (it may not have the device at all), and its Seq goes to 0:
+// a seq is a bridge's own clock, and the new bridge's reports apply however
+// far behind the old one's its clock is.
 func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)
@@ -120,7 +121,8 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 	assign(t, s, "d1", "op2", "")
 	st, err := s.Status(ctx, "d1")
 	require.NoError(t, err)
-	assert.True(t, st.Online, "d1 online after the move, until its new bridge reports")
+	assert.False(t, st.Online, "d1 online after the move, before its new bridge reported it")
+	assert.Empty(t, st.BridgeID, "Status(d1).BridgeID after the move, before its new bridge reported it")
 	assert.Zero(t, st.Seq, "Status(d1).Seq after the move")
 	ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op2", Seq: 3, Battery: intp(55)})
 	require.NoError(t, err)
