@@ -274,10 +274,22 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			}
 			bridges[c.DeviceID] = bridge
 		}
-		if bridge == "" || held[c.DeviceID] {
+		if bridge == "" {
 			// No bridge serves the device: its commands wait queued until
-			// one does (DeviceMoved). Or one of its commands did not go
-			// out: those after it wait for the next pass (resend).
+			// one does (DeviceMoved), those sent to the bridge it left too
+			// (CONTRACT §9). That bridge's session drops them (see
+			// DeviceMoved): none is on its way, and no "sent" is written.
+			b.mu.Lock()
+			delete(b.flying, c.ID)
+			b.mu.Unlock()
+			if c.State == companion.StateSent {
+				b.requeue(c.ID)
+			}
+			continue
+		}
+		if held[c.DeviceID] {
+			// One of its commands did not go out: those after it wait for
+			// the next pass (resend).
 			b.mu.Lock()
 			if o := b.flying[c.ID]; o != nil && !o.published && !o.mayBeOut {
 				delete(b.flying, c.ID)
@@ -595,6 +607,31 @@ func (b *Broker) flushSent() {
 			}
 		})
 	}
+}
+
+// requeue writes a sent command of a device no bridge serves back to
+// queued: the bridge it was sent to no longer serves the device, and it
+// waits for one that does (CONTRACT §9). Its next bridge gets it as any
+// queued command. The bridge it left never runs it: the broker drops it
+// from that bridge's session, and the bridge fails what it holds of a
+// device it no longer serves (device_not_served).
+func (b *Broker) requeue(id string) {
+	b.st.UpdateCommandAsync(id, func(c *companion.Command) error {
+		if c.State != companion.StateSent {
+			return errStale // delivered meanwhile: failLeft's, or the next bridge's
+		}
+		c.State = companion.StateQueued
+		return nil
+	}, func(c companion.Command, err error) {
+		switch {
+		case err == nil:
+			b.opts.Observer.CommandState(c.Op, c.State, b.now().Sub(c.CreatedAt))
+			b.notify(c)
+			b.log.Info("command queued again: its device lost its bridge", "command_id", id, "device_id", c.DeviceID)
+		case !errors.Is(err, errStale) && !errors.Is(err, companion.ErrFinal) && !errors.Is(err, companion.ErrNotFound):
+			b.log.Error("queuing again a command of a device that lost its bridge", "command_id", id, "err", err)
+		}
+	})
 }
 
 // waitToken waits for a publish token, PublishTimeout at most, or until the

@@ -576,6 +576,38 @@ func TestAMovedDevicesCommandStaysInItsOldBridgesSession(t *testing.T) {
 	}
 }
 
+// A command sent to a bridge that was away when its device was taken off
+// that bridge waits queued (CONTRACT §9: commands for an unassigned device
+// wait queued), listed so, and runs on the bridge the device is assigned
+// to next.
+func TestASentCommandOfAnUnassignedDeviceWaitsQueued(t *testing.T) {
+	for _, tb := range tenancyBrokers {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			f, f2 := twoBridgeFleet(t, m)
+			u := f.user
+			b1 := mustDialSession(t, mqttURL, f.bridgeID+"-session", f.bridgeID, f.bridgeSecret)
+			require.Equal(t, byte(1), b1.subscribe(t, topicsOf(t)(topics.MustNew(topics.DefaultPrefix).CommandsFilter("dev-1"))))
+			b1.Disconnect(50)
+
+			id := u.pushText("dev-1", "sent to bridge-1, then unassigned")
+			waitState(t, u, "dev-1", id, "sent")
+			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": nil})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			waitState(t, u, "dev-1", id, "queued")
+			r = u.do("GET", "/api/v1/devices/dev-1/commands?state=queued", nil)
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			assert.Len(t, r.JSON(t)["commands"], 1, "the queued commands of dev-1: %s", r.Body)
+
+			r = f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			b2 := startBridge(t, m, mqttURL, f2, "", "dev-1", "dev-2")
+			assert.Equal(t, "succeeded", u.waitFinal("dev-1", id)["state"])
+			assert.Equal(t, []string{id}, textIDs(b2.sims["dev-1"]), "the command ran on bridge-2")
+		})
+	}
+}
+
 // A device moved to another bridge while the bridge it leaves runs a
 // command on it (one device in range of both, as when bridges are
 // rebalanced): the command fails, device_not_served, whether it took effect
