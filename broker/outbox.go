@@ -237,6 +237,7 @@ func (b *Broker) sentLoop() {
 // while its device is idle, ran them before it (docs/reliability.md,
 // bug 8).
 func (b *Broker) publish(cmds []companion.Command, again func(companion.Command) bool) bool {
+	const unread = "\x00"          // no bridge id: the store did not answer
 	bridges := map[string]string{} // device → the bridge serving it, for this pass
 	held := map[string]bool{}      // devices with a command that did not go out in this pass
 	before := map[string]string{}  // device → its command before, in this pass
@@ -271,6 +272,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			var err error
 			if bridge, err = b.st.DeviceBridge(context.Background(), c.DeviceID); err != nil {
 				b.log.Error("reading a device's bridge; its commands wait", "device_id", c.DeviceID, "err", err)
+				bridge = unread
 			}
 			bridges[c.DeviceID] = bridge
 		}
@@ -287,9 +289,11 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			}
 			continue
 		}
-		if held[c.DeviceID] {
-			// One of its commands did not go out: those after it wait for
-			// the next pass (resend).
+		if bridge == unread || held[c.DeviceID] {
+			// The store did not say which bridge serves the device: its
+			// commands wait, as they are, for the next pass. Or one of its
+			// commands did not go out: those after it wait for the next
+			// pass (resend).
 			b.mu.Lock()
 			if o := b.flying[c.ID]; o != nil && !o.published && !o.mayBeOut {
 				delete(b.flying, c.ID)
