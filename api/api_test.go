@@ -369,6 +369,19 @@ func TestIdempotency(t *testing.T) {
 	r = withKey("POST", path, "k-1", map[string]any{"text": "other"})
 	require.Equal(t, 422, r.status)
 	assert.Equal(t, CodeIdempotencyKeyReused, r.problem(t).Code)
+
+	// The same JSON serialized anew is the same request: whitespace,
+	// members' order, a string's escapes.
+	spelled := withKey("POST", path, "k-2", `{"title":"t","text":"<once>"}`)
+	require.Equal(t, 202, spelled.status, "%s", spelled.body)
+	for _, body := range []string{"{\n  \"text\": \"<once>\",\n  \"title\": \"t\"\n}\n", `{"text":"\u003conce>","title":"t"}`} {
+		r = withKey("POST", path, "k-2", body)
+		require.Equal(t, 202, r.status, "%s: %s", body, r.body)
+		assert.Equal(t, spelled.json(t)["id"], r.json(t)["id"], "the repeat of %s", body)
+	}
+	r = withKey("POST", path, "k-2", `{"title":"t","text":"<once> "}`)
+	require.Equal(t, 422, r.status, "%s", r.body)
+	assert.Equal(t, CodeIdempotencyKeyReused, r.problem(t).Code)
 	r = withKey("POST", "/api/v1/devices/dev-1/push/image", "k-1", map[string]any{"image": b64(pngOf(t, 1, 1))})
 	require.Equal(t, 422, r.status)
 	assert.Equal(t, CodeIdempotencyKeyReused, r.problem(t).Code)

@@ -514,15 +514,36 @@ func idempotencyKey(c *gin.Context) (string, error) {
 }
 
 // requestHash identifies a request for its Idempotency-Key: method,
-// path (see canonicalPath) and body.
+// path (see canonicalPath) and body (see canonicalBody).
 func requestHash(c *gin.Context, body []byte) []byte {
 	h := sha256.New()
 	io.WriteString(h, c.Request.Method)
 	h.Write([]byte{0})
 	io.WriteString(h, canonicalPath(c))
 	h.Write([]byte{0})
-	h.Write(body)
+	h.Write(canonicalBody(body))
 	return h.Sum(nil)
+}
+
+// canonicalBody is a JSON body written one way: without the whitespace
+// between its tokens, its objects' members in the order of their names (the
+// last of a repeated name, as the handlers read it), numbers as they were
+// written. Two bodies that differ only in those ways ask the same, and a
+// client that retries with its JSON serialized anew (a library's key
+// order, a pretty-printer) repeats its request rather than reusing its key
+// for another (CONTRACT §2). A body that is not JSON stays as it is.
+func canonicalBody(body []byte) []byte {
+	d := json.NewDecoder(bytes.NewReader(body))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil || d.More() {
+		return body
+	}
+	out, err := json.Marshal(v) // sorts the members of objects by name
+	if err != nil {
+		return body
+	}
+	return out
 }
 
 // canonicalPath is the request's path with the parts that name the same
