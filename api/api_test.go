@@ -382,6 +382,17 @@ func TestIdempotency(t *testing.T) {
 	r = withKey("POST", path, "k-2", `{"title":"t","text":"<once> "}`)
 	require.Equal(t, 422, r.status, "%s", r.body)
 	assert.Equal(t, CodeIdempotencyKeyReused, r.problem(t).Code)
+	// A record the last version made, of the body's bytes, still answers
+	// their repeat.
+	b, err := e.db.Binding(t.Context(), "dev-1")
+	require.NoError(t, err)
+	old := "{ \"text\": \"once\" }"
+	h := sha256.Sum256([]byte("POST\x00" + path + "\x00" + old))
+	require.NoError(t, e.db.PutIdempotency(t.Context(), companion.Idempotency{UserID: b.UserID, Key: "k-old", RequestHash: h[:],
+		Status: 202, CommandID: first.json(t)["id"].(string)}))
+	r = withKey("POST", path, "k-old", old)
+	require.Equal(t, 202, r.status, "%s", r.body)
+	assert.Equal(t, first.json(t)["id"], r.json(t)["id"], "the repeat of a request the last version took")
 	r = withKey("POST", "/api/v1/devices/dev-1/push/image", "k-1", map[string]any{"image": b64(pngOf(t, 1, 1))})
 	require.Equal(t, 422, r.status)
 	assert.Equal(t, CodeIdempotencyKeyReused, r.problem(t).Code)

@@ -54,7 +54,7 @@ func (s *Server) beginCommand(c *gin.Context, body []byte) (rec *companion.Idemp
 		return &companion.Idempotency{UserID: user.ID, Key: key, RequestHash: hash, Status: http.StatusAccepted}, false, nil
 	case err != nil:
 		return nil, false, err
-	case !bytes.Equal(old.RequestHash, hash) || old.CommandID == "":
+	case !sameRequest(old.RequestHash, hash, c, body) || old.CommandID == "":
 		return nil, false, errIdemReused
 	}
 	cmd, err := s.store.Command(ctx, old.CommandID)

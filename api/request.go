@@ -516,13 +516,27 @@ func idempotencyKey(c *gin.Context) (string, error) {
 // requestHash identifies a request for its Idempotency-Key: method,
 // path (see canonicalPath) and body (see canonicalBody).
 func requestHash(c *gin.Context, body []byte) []byte {
+	return hashRequest(c, canonicalBody(body))
+}
+
+func hashRequest(c *gin.Context, body []byte) []byte {
 	h := sha256.New()
 	io.WriteString(h, c.Request.Method)
 	h.Write([]byte{0})
 	io.WriteString(h, canonicalPath(c))
 	h.Write([]byte{0})
-	h.Write(canonicalBody(body))
+	h.Write(body)
 	return h.Sum(nil)
+}
+
+// sameRequest reports whether stored, the RequestHash of a key's record,
+// is this request's: hash (its requestHash), or the hash of its body's
+// bytes as it was made before bodies were made canonical, so that a repeat
+// of a request accepted by the last version is still one. (Records live
+// IdempotencyTTL: the second comparison can go a day after every replica
+// runs this version.)
+func sameRequest(stored, hash []byte, c *gin.Context, body []byte) bool {
+	return bytes.Equal(stored, hash) || bytes.Equal(stored, hashRequest(c, body))
 }
 
 // canonicalBody is a JSON body written one way: without the whitespace
@@ -614,7 +628,7 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 			continue // claimed first by another request: read its record
 		case err != nil:
 			return nil, false, err
-		case !bytes.Equal(old.RequestHash, claim.RequestHash):
+		case !sameRequest(old.RequestHash, claim.RequestHash, c, body):
 			return nil, false, errIdemReused
 		case old.CommandID != "": // cannot happen: the path is in the hash
 			return nil, false, errIdemReused
