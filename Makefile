@@ -1,7 +1,7 @@
 # The two commands of the quick start are `make run` and `make test`.
 GO ?= go
 
-.PHONY: run deps test build bench bench-scale fuzz vet clean soak cluster cluster-down dist
+.PHONY: run deps test build bench bench-scale fuzz vet clean soak cluster cluster-down cluster-start dist
 
 # The server on its embedded defaults with a demo fleet of simulated devices.
 run:
@@ -106,6 +106,12 @@ cluster: deps build
 
 cluster-down:
 	$(GO) run ./scripts/cluster -dir cluster down
+
+# Starts again pieces of the running cluster that were killed or stopped:
+# make cluster-start PIECE="replica-2 nats-1" (names as in cluster.json's pids).
+cluster-start:
+	@test -n "$(PIECE)" || { echo 'say which: make cluster-start PIECE="replica-2 nats-1" (the names of cluster/cluster.json pids)'; exit 2; }
+	$(GO) run ./scripts/cluster -dir cluster start $(PIECE)
 
 vet:
 	gofmt -l . | (! grep .)

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -120,6 +121,49 @@ func TestUpAndDown(t *testing.T) {
 	}
 
 	checkDoor(t, info, admin)
+
+	// Pieces killed with SIGKILL start again as they were: PostgreSQL's
+	// postmaster alone (its backends linger), a replica and a node. The
+	// cluster then runs a command through the replica started again.
+	for _, name := range []string{"postgres", "replica-2", "nats-2"} {
+		if err := syscall.Kill(info.PIDs[name], syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range []string{"replica-2", "nats-2"} {
+		if !waitGone(info.PIDs[name], 10*time.Second) {
+			t.Fatalf("%s did not die of SIGKILL", name)
+		}
+	}
+	if out, err := cluster("start", "bogus"); err == nil || !strings.Contains(out, "replica-1") {
+		t.Errorf("start bogus: %v; want an error naming the pieces:\n%s", err, out)
+	}
+	out, err = cluster("start", "postgres", "replica-2", "nats-2", "replica-1")
+	if err != nil {
+		t.Fatalf("cluster start: %v\n%s", err, out)
+	}
+	t.Logf("start:\n%s", out)
+	if !strings.Contains(out, "runs already") {
+		t.Errorf("start of replica-1, which runs: want it said to run already:\n%s", out)
+	}
+	restarted, err := readInfo(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"postgres", "replica-2", "nats-2"} {
+		if pid := restarted.PIDs[name]; pid == info.PIDs[name] || !running(pid, dir) {
+			t.Errorf("pids[%q] = %d after start (was %d): want a new, running one", name, pid, info.PIDs[name])
+		}
+	}
+	if restarted.PIDs["replica-1"] != info.PIDs["replica-1"] {
+		t.Errorf("start changed the pid of replica-1, which ran")
+	}
+	cmd.State = ""
+	r2.do(t, "POST", "/api/v1/devices/"+dev.DeviceID+"/push/text", `{"text":"through replica-2 started again"}`, "wait=30", 200, &cmd)
+	if cmd.State != "succeeded" {
+		t.Errorf("push/text through replica-2 started again: state %q, want succeeded", cmd.State)
+	}
+	info = restarted
 
 	out, err = cluster("down")
 	if err != nil {

@@ -8,12 +8,17 @@
 //
 //	cluster [-dir ./cluster] [-bin ./bin] up     # make cluster
 //	cluster [-dir ./cluster] down                # make cluster-down
+//	cluster [-dir ./cluster] start NAME…         # make cluster-start PIECE=NAME
 //
 // up writes DIR/cluster.json and prints how to use the cluster; when one is
 // already up under DIR it says so and starts nothing. A directory left by a
 // cluster that is no longer running is wiped and started afresh. down stops
 // every process of the cluster (SIGTERM, then SIGKILL after a timeout) and
-// keeps the logs and data to read until the next up.
+// keeps the logs and data to read until the next up. start starts again a
+// piece of a cluster that is up (replica-2, nats-1, postgres, bridge: the
+// names of cluster.json's pids) that was killed or stopped, as up started
+// it, and waits until it serves: to try what the cluster does as a piece
+// comes back.
 //
 // It is for trying the cluster out, not for running one in production: the
 // three nodes, the database and the replicas share one machine. The
@@ -80,15 +85,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	bin := fs.String("bin", "./bin", "`directory` holding companion, companion-bridge and nats-server (make build, make deps)")
 	devices := fs.Int("devices", 3, "how many simulated devices the bridge runs")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: cluster [flags] up|down")
+		fmt.Fprintln(stderr, "usage: cluster [flags] up|down|start NAME…")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if fs.NArg() != 1 {
+	if fs.NArg() < 1 || (fs.Arg(0) != "start" && fs.NArg() != 1) || (fs.Arg(0) == "start" && fs.NArg() < 2) {
 		fs.Usage()
-		return errors.New("say up or down")
+		return errors.New("say up, down, or start and the pieces to start")
 	}
 	var c config
 	var err error
@@ -110,9 +115,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return up(ctx, c, stdout)
 	case "down":
 		return down(c.dir, stdout)
+	case "start":
+		return start(ctx, c, fs.Args()[1:], stdout)
 	default:
 		fs.Usage()
-		return fmt.Errorf("unknown command %q: say up or down", fs.Arg(0))
+		return fmt.Errorf("unknown command %q: say up, down or start", fs.Arg(0))
 	}
 }
 
@@ -256,7 +263,7 @@ func (c *cluster) migrate(ctx context.Context) error {
 	if p.err != nil {
 		return fmt.Errorf("companion migrate: %v:\n%s", p.err, c.logTail("migrate"))
 	}
-	return os.Remove(c.pidPath("migrate"))
+	return errors.Join(os.Remove(c.pidPath("migrate")), os.Remove(c.cmdPath("migrate")))
 }
 
 func (c *cluster) startReplicas(ctx context.Context) error {
@@ -391,16 +398,21 @@ func (c *cluster) writeInfo() error {
 			c.info.PIDs[p.name] = p.pid
 		}
 	}
-	b, err := json.MarshalIndent(c.info, "", "  ")
+	return saveInfo(c.dir, c.info)
+}
+
+// saveInfo writes cluster.json by rename.
+func saveInfo(dir string, info Info) error {
+	b, err := json.MarshalIndent(info, "", "  ")
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(c.dir, jsonName+".tmp")
+	tmp := filepath.Join(dir, jsonName+".tmp")
 	// 0600: it holds the admin token.
 	if err := os.WriteFile(tmp, append(b, '\n'), 0o600); err != nil {
 		return err
 	}
-	return os.Rename(tmp, filepath.Join(c.dir, jsonName))
+	return os.Rename(tmp, filepath.Join(dir, jsonName))
 }
 
 func readInfo(dir string) (Info, error) {

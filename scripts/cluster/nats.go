@@ -90,7 +90,13 @@ func (c *cluster) startNATS(ctx context.Context) error {
 
 // natsClientConnected says whether MQTT client id is connected to any node.
 func (c *cluster) natsClientConnected(id string) error {
-	for _, mon := range c.monitorURLs() {
+	return mqttClientConnected(c.monitorURLs(), id)
+}
+
+// mqttClientConnected says whether MQTT client id is connected to any of
+// the nodes whose monitoring URLs are monitors.
+func mqttClientConnected(monitors []string, id string) error {
+	for _, mon := range monitors {
 		resp, err := httpClient.Get(mon + "/connz?mqtt_client=" + url.QueryEscape(id))
 		if err != nil {
 			return err

@@ -3,6 +3,7 @@ package main
 import (
 	"crypto/rand"
 	"encoding/base64"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -57,6 +58,9 @@ func (c *cluster) spawn(name string, cred *syscall.Credential, path string, args
 	// The child has its own descriptor.
 	defer logf.Close()
 	fmt.Fprintf(logf, "=== cluster: starting %s at %s: %s %s\n", name, time.Now().Format(time.RFC3339), path, strings.Join(args, " "))
+	if err := c.saveCommand(name, cred, path, args); err != nil {
+		return nil, err
+	}
 	cmd := exec.Command(path, args...)
 	cmd.Dir = c.dir
 	cmd.Env = childEnv()
@@ -77,6 +81,48 @@ func (c *cluster) spawn(name string, cred *syscall.Credential, path string, args
 		return nil, err
 	}
 	return p, nil
+}
+
+// command is how a process was started, written to DIR/NAME.cmd as spawn
+// starts it, for start to start it again.
+type command struct {
+	Path string   `json:"path"`
+	Args []string `json:"args"`
+	UID  *uint32  `json:"uid,omitempty"` // the user it runs as, when not this one's
+	GID  *uint32  `json:"gid,omitempty"`
+}
+
+func (c *cluster) cmdPath(name string) string { return filepath.Join(c.dir, name+".cmd") }
+
+// saveCommand writes how a process was started; 0600: command lines hold
+// secrets.
+func (c *cluster) saveCommand(name string, cred *syscall.Credential, path string, args []string) error {
+	cmd := command{Path: path, Args: args}
+	if cred != nil {
+		cmd.UID, cmd.GID = &cred.Uid, &cred.Gid
+	}
+	b, err := json.Marshal(cmd)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(c.cmdPath(name), b, 0o600)
+}
+
+// loadCommand reads what saveCommand wrote.
+func (c *cluster) loadCommand(name string) (command, *syscall.Credential, error) {
+	var cmd command
+	b, err := os.ReadFile(c.cmdPath(name))
+	if err != nil {
+		return cmd, nil, err
+	}
+	if err := json.Unmarshal(b, &cmd); err != nil {
+		return cmd, nil, fmt.Errorf("%s: %w", c.cmdPath(name), err)
+	}
+	var cred *syscall.Credential
+	if cmd.UID != nil && cmd.GID != nil {
+		cred = &syscall.Credential{Uid: *cmd.UID, Gid: *cmd.GID}
+	}
+	return cmd, cred, nil
 }
 
 // childEnv is the environment of every process up starts: this one's,
@@ -255,7 +301,8 @@ func stopAll(dir string, out io.Writer) error {
 		return fmt.Errorf("still running: %s", strings.Join(failed, "; "))
 	}
 	files, _ := filepath.Glob(filepath.Join(dir, "*.pid"))
-	for _, f := range append(files, filepath.Join(dir, jsonName)) {
+	cmds, _ := filepath.Glob(filepath.Join(dir, "*.cmd"))
+	for _, f := range append(append(files, cmds...), filepath.Join(dir, jsonName)) {
 		if err := os.Remove(f); err != nil && !os.IsNotExist(err) {
 			return err
 		}
