@@ -3,6 +3,7 @@ package mcuboot_test
 import (
 	"bytes"
 	"crypto/sha256"
+	"crypto/sha512"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
@@ -84,11 +85,30 @@ func TestParseRefuses(t *testing.T) {
 		{"no TLVs", good[:tlvStart], "image_size"},
 		{"image size too large", edit(func(b []byte) []byte { binary.LittleEndian.PutUint32(b[12:], 1<<20); return b }), "image_size"},
 		{"bad TLV magic", edit(func(b []byte) []byte { b[tlvStart] = 0; return b }), "tlv_info"},
-		{"trailing bytes", append(bytes.Clone(good), 0xff, 0xff), "size"},
+		{"bytes after the TLVs", append(bytes.Clone(good), 0xff, 0x00, 0xff), "padding"},
+		{"a zero after the TLVs", append(bytes.Clone(good), 0x00), "padding"},
+		{"junk before the boot magic", append(append(bytes.Clone(good), bytes.Repeat([]byte{0xff, 0x5a}, 100)...), mcuboot.BootMagic[:]...), "padding"},
+		{"the boot magic cut short", append(append(bytes.Clone(good), bytes.Repeat([]byte{0xff}, 100)...), mcuboot.BootMagic[:15]...), "padding"},
+		{"bytes after the boot magic", append(append(bytes.Clone(good), mcuboot.BootMagic[:]...), 0xff), "padding"},
+		{"image_ok neither set nor erased", edit(func(b []byte) []byte {
+			b = append(b, bytes.Repeat([]byte{0xff}, 100)...)
+			b = append(b, mcuboot.BootMagic[:]...)
+			b[len(b)-24] = 0x02
+			return b
+		}), "padding"},
 		{"area size past the end", edit(func(b []byte) []byte { b[tlvStart+2]++; return b }), "tlv_info"},
 		{"corrupt image byte", edit(func(b []byte) []byte { b[100] ^= 1; return b }), "sha256"},
 		{"corrupt hash", edit(func(b []byte) []byte { b[len(b)-1] ^= 1; return b }), "sha256"},
-		{"no hash TLV", edit(func(b []byte) []byte { b[tlvStart+4] = 0x11; return b }), "sha256"},
+		{"no hash TLV", edit(func(b []byte) []byte { b[tlvStart+4] = 0x20; return b }), "hash"},
+		{"SHA-384 TLV of 32 bytes", edit(func(b []byte) []byte { b[tlvStart+4] = 0x11; return b }), "sha384"},
+		{"SHA-512 TLV of 32 bytes", edit(func(b []byte) []byte { b[tlvStart+4] = 0x12; return b }), "sha512"},
+		{"two hash TLVs", mcuboot.MustBuild(bytes.Repeat([]byte{0xa5}, 300), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 1},
+			TLVs: []mcuboot.TLV{{Type: mcuboot.TLVSHA512, Value: make([]byte, 64)}}}), "hash"},
+		{"corrupt SHA-512 image", func() []byte {
+			b := mcuboot.MustBuild(bytes.Repeat([]byte{0xa5}, 300), mcuboot.Options{Hash: mcuboot.TLVSHA512})
+			b[100] ^= 1
+			return b
+		}(), "sha512"},
 		{"protected area not in header", edit(func(b []byte) []byte {
 			binary.LittleEndian.PutUint16(b[tlvStart:], mcuboot.ProtectedTLVInfoMagic)
 			return b
@@ -133,6 +153,115 @@ func TestVerifierStreams(t *testing.T) {
 	}
 	if img, err := mcuboot.ReadInfo(b); err != nil || img.Header.Version.String() != "3.1.4+1" {
 		t.Errorf("ReadInfo of a corrupt image = %v, %v; want its info", img, err)
+	}
+}
+
+// An image carries the hash its MCUboot checks, SHA-256, SHA-384 or
+// SHA-512 (imgtool sign --sha): Parse finds and checks whichever it is,
+// at once or streamed, and ReadInfo reports it as img_mgmt does.
+func TestHashTypes(t *testing.T) {
+	payload := bytes.Repeat([]byte("the application "), 400)
+	for _, tt := range []struct {
+		typ  uint16
+		sum  func([]byte) []byte
+		name string
+	}{
+		{0, func(b []byte) []byte { s := sha256.Sum256(b); return s[:] }, "SHA-256"},
+		{mcuboot.TLVSHA256, func(b []byte) []byte { s := sha256.Sum256(b); return s[:] }, "SHA-256"},
+		{mcuboot.TLVSHA384, func(b []byte) []byte { s := sha512.Sum384(b); return s[:] }, "SHA-384"},
+		{mcuboot.TLVSHA512, func(b []byte) []byte { s := sha512.Sum512(b); return s[:] }, "SHA-512"},
+	} {
+		b := mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 2}, HeaderSize: 0x200, Hash: tt.typ,
+			Protected: []mcuboot.TLV{{Type: mcuboot.TLVSecurityCounter, Value: []byte{3, 0, 0, 0}}}})
+		v := mcuboot.NewVerifier()
+		for rest := b; len(rest) > 0; rest = rest[min(len(rest), 7):] {
+			v.Write(rest[:min(len(rest), 7)])
+		}
+		streamed, err := v.Close()
+		if err != nil {
+			t.Fatalf("%s image, streamed: %v", tt.name, err)
+		}
+		img, err := mcuboot.Parse(b)
+		if err != nil {
+			t.Fatalf("Parse(%s image) = %v", tt.name, err)
+		}
+		want := tt.sum(b[:img.Header.HashedSize()])
+		if !bytes.Equal(img.Hash, want) || !bytes.Equal(streamed.Hash, want) || mcuboot.HashName(img.HashType) != tt.name ||
+			len(img.Hash) != mcuboot.HashSize(img.HashType) || img.End != int64(len(b)) || img.Trailer != mcuboot.TrailerNone {
+			t.Errorf("Parse(%s image) = hash %x of %s, end %d, trailer %v; want %x, end %d", tt.name, img.Hash, mcuboot.HashName(img.HashType), img.End, img.Trailer, want, len(b))
+		}
+		if info, err := mcuboot.ReadInfo(b); err != nil || !bytes.Equal(info.Hash, want) || info.HashType != img.HashType {
+			t.Errorf("ReadInfo(%s image) = %+v, %v", tt.name, info, err)
+		}
+	}
+	if mcuboot.HashSize(mcuboot.TLVSecurityCounter) != 0 {
+		t.Errorf("HashSize(0x50) = %d; want 0: not a hash", mcuboot.HashSize(mcuboot.TLVSecurityCounter))
+	}
+}
+
+// An image padded to its slot (imgtool sign --pad; --confirm, as Zephyr's
+// zephyr.signed.confirmed.bin) is an image followed by erased flash and
+// MCUboot's trailer: Parse takes it, says where the image ends and what
+// the trailer asks, whichever the magic's alignment; the bytes up to End
+// are the image itself. Erased flash alone after the TLVs is taken too.
+func TestPaddedImages(t *testing.T) {
+	payload := bytes.Repeat([]byte("the application "), 400)
+	base := mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 4}, HeaderSize: 0x200}
+	plain := mcuboot.MustBuild(payload, base)
+	for _, tt := range []struct {
+		name    string
+		opts    func(o mcuboot.Options) mcuboot.Options
+		trailer mcuboot.Trailer
+	}{
+		{"--pad", func(o mcuboot.Options) mcuboot.Options { o.SlotSize = 0x8000; return o }, mcuboot.TrailerTest},
+		{"--confirm", func(o mcuboot.Options) mcuboot.Options { o.SlotSize, o.Confirm = 0x8000, true; return o }, mcuboot.TrailerPermanent},
+		{"--confirm --max-align 16", func(o mcuboot.Options) mcuboot.Options {
+			o.SlotSize, o.Confirm, o.MaxAlign = 0x8000, true, 16
+			return o
+		}, mcuboot.TrailerPermanent},
+		{"--pad --max-align 32", func(o mcuboot.Options) mcuboot.Options { o.SlotSize, o.MaxAlign = 0x8000, 32; return o }, mcuboot.TrailerTest},
+		{"--confirm --sha 512", func(o mcuboot.Options) mcuboot.Options {
+			o.SlotSize, o.Confirm, o.Hash = 0x8000, true, mcuboot.TLVSHA512
+			return o
+		}, mcuboot.TrailerPermanent},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			o := tt.opts(base)
+			b := mcuboot.MustBuild(payload, o)
+			o.SlotSize, o.Confirm, o.MaxAlign = 0, false, 0
+			unpadded := mcuboot.MustBuild(payload, o)
+			if len(b) != 0x8000 || !bytes.Equal(b[:len(unpadded)], unpadded) {
+				t.Fatalf("Build padded: %d bytes, starting with the image: %v", len(b), bytes.Equal(b[:len(unpadded)], unpadded))
+			}
+			v := mcuboot.NewVerifier()
+			for rest := b; len(rest) > 0; rest = rest[min(len(rest), 1000):] {
+				v.Write(rest[:min(len(rest), 1000)])
+			}
+			img, err := v.Close()
+			if err != nil {
+				t.Fatalf("Parse(%s image) = %v", tt.name, err)
+			}
+			if img.End != int64(len(unpadded)) || img.Size != 0x8000 || img.Trailer != tt.trailer || mcuboot.ReadTrailer(b) != tt.trailer {
+				t.Errorf("Parse(%s image): end %d, size %d, trailer %v (ReadTrailer %v); want end %d, size %d, trailer %v",
+					tt.name, img.End, img.Size, img.Trailer, mcuboot.ReadTrailer(b), len(unpadded), 0x8000, tt.trailer)
+			}
+			if first, err := mcuboot.Parse(b[:img.End]); err != nil || !bytes.Equal(first.Hash, img.Hash) || first.Trailer != mcuboot.TrailerNone {
+				t.Errorf("Parse(the first End bytes) = %+v, %v; want the same image, no trailer", first, err)
+			}
+		})
+	}
+	erased := append(bytes.Clone(plain), bytes.Repeat([]byte{0xff}, 5000)...)
+	if img, err := mcuboot.Parse(erased); err != nil || img.End != int64(len(plain)) || img.Trailer != mcuboot.TrailerNone {
+		t.Errorf("Parse(image and erased flash) = %+v, %v; want end %d, no trailer", img, err, len(plain))
+	}
+	if _, err := mcuboot.Build(payload, mcuboot.Options{HeaderSize: 0x200, SlotSize: len(plain) + 100}); err == nil {
+		t.Error("Build padded to a slot too small for the image and its trailer succeeded")
+	}
+	if _, err := mcuboot.Build(payload, mcuboot.Options{Confirm: true}); err == nil {
+		t.Error("Build with Confirm and no slot succeeded")
+	}
+	if _, err := mcuboot.Build(payload, mcuboot.Options{Hash: mcuboot.TLVSecurityCounter}); err == nil {
+		t.Error("Build with a hash TLV of type 0x50 succeeded")
 	}
 }
 
@@ -181,6 +310,8 @@ func FuzzParse(f *testing.F) {
 	f.Add(readFile(f, "imgtool-2.0.0-seccnt7.bin"), uint16(512))
 	f.Add(mcuboot.MustBuild([]byte("hello"), mcuboot.Options{}), uint16(1))
 	f.Add(mcuboot.MustBuild(nil, mcuboot.Options{Protected: []mcuboot.TLV{{Type: 0x50, Value: []byte{7, 0, 0, 0}}}}), uint16(3))
+	f.Add(mcuboot.MustBuild([]byte("hello"), mcuboot.Options{Hash: mcuboot.TLVSHA512}), uint16(5))
+	f.Add(mcuboot.MustBuild([]byte("hello"), mcuboot.Options{Hash: mcuboot.TLVSHA384, SlotSize: 1024, Confirm: true}), uint16(63))
 	f.Fuzz(func(t *testing.T, b []byte, chunk uint16) {
 		whole, err := mcuboot.Parse(b)
 		v := mcuboot.NewVerifier()
