@@ -35,10 +35,11 @@ type flash struct {
 	corruptNextUpload bool // the next upload's first write lands with a bit flipped
 }
 
-// firstImage is the image a device of this model and version starts with.
-func firstImage(model string, v mcuboot.Version) []byte {
+// firstImage is the image a device of this model and version starts with,
+// carrying the hash TLV its MCUboot checks.
+func firstImage(model string, v mcuboot.Version, hash uint16) []byte {
 	payload := bytes.Repeat([]byte(model+" application "+v.String()+"\n"), 64)
-	return mcuboot.MustBuild(payload, mcuboot.Options{Version: v, HeaderSize: 0x200})
+	return mcuboot.MustBuild(payload, mcuboot.Options{Version: v, HeaderSize: 0x200, Hash: hash})
 }
 
 // versionLocked is the version of the running image.
@@ -51,7 +52,10 @@ func (d *Device) versionLocked() string {
 }
 
 // imageState is the image state as img_mgmt reports it (group 1, command
-// 0): the slots that hold an image, with their flags.
+// 0): the slots that hold an image, with their flags and its hash, the
+// value of the hash TLV of the device's build (IMAGE_TLV_SHA). A slot
+// whose image has no such TLV is left out, as img_mgmt_read_info fails on
+// it (IMG_MGMT_ERR_HASH_NOT_FOUND).
 func (d *Device) imageState() []gatt.ImageSlot {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -61,11 +65,11 @@ func (d *Device) imageState() []gatt.ImageSlot {
 func (d *Device) imageStateLocked() []gatt.ImageSlot {
 	f := &d.flash
 	var out []gatt.ImageSlot
-	if img, err := mcuboot.ReadInfo(f.primary); err == nil {
+	if img, err := mcuboot.ReadInfo(f.primary); err == nil && img.HashType == d.imageHash {
 		out = append(out, gatt.ImageSlot{Slot: 0, Version: img.Header.Version.MCUmgrString(), Hash: img.Hash,
 			Bootable: img.Header.Flags&mcuboot.FlagNonBootable == 0, Active: true, Confirmed: !f.testing})
 	}
-	if img, err := mcuboot.ReadInfo(f.secondary); err == nil {
+	if img, err := mcuboot.ReadInfo(f.secondary); err == nil && img.HashType == d.imageHash {
 		out = append(out, gatt.ImageSlot{Slot: 1, Version: img.Header.Version.MCUmgrString(), Hash: img.Hash,
 			Bootable: img.Header.Flags&mcuboot.FlagNonBootable == 0,
 			Pending:  f.pending, Permanent: f.pending && f.permanent, Confirmed: f.testing})
@@ -88,6 +92,10 @@ func (d *Device) eraseSecondary() {
 	d.flash.secondary = nil
 }
 
+// hashSize is the size of an image hash as img_mgmt takes and reports it
+// (IMAGE_SHA_LEN).
+func (d *Device) hashSize() int { return mcuboot.HashSize(d.imageHash) }
+
 // writeSecondary appends an upload's bytes to the secondary slot.
 func (d *Device) writeSecondary(data []byte) {
 	d.mu.Lock()
@@ -97,6 +105,28 @@ func (d *Device) writeSecondary(data []byte) {
 	if d.flash.corruptNextUpload && len(data) > 0 {
 		d.flash.corruptNextUpload = false
 		d.flash.secondary[start+len(data)/2] ^= 0x10
+	}
+}
+
+// uploadDone is the end of an upload into a secondary slot of slotSize
+// bytes. One that wrote the slot to its end wrote MCUboot's image trailer
+// too (an image padded by imgtool sign --pad, sent whole): its boot magic
+// asks MCUboot to swap the image in at the next boot, for test, or for
+// good when image_ok is set, as boot_swap_type reads the secondary slot's
+// trailer. Without the magic the trailer is erased, as img_mgmt leaves it
+// when it opens an upload.
+func (d *Device) uploadDone(slotSize int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	f := &d.flash
+	if len(f.secondary) != slotSize {
+		return
+	}
+	switch mcuboot.ReadTrailer(f.secondary) {
+	case mcuboot.TrailerTest:
+		f.pending, f.permanent = true, false
+	case mcuboot.TrailerPermanent:
+		f.pending, f.permanent = true, true
 	}
 }
 
@@ -175,9 +205,9 @@ func (d *Device) setNextBoot(slot int, confirm bool) int {
 }
 
 // reboot restarts the device as MCUboot does: a test image not confirmed
-// is reverted; a pending image is checked (header, TLVs, SHA-256) and
-// swapped in, for test or for good, or erased when it is not valid. The
-// application then loads its saved settings.
+// is reverted; a pending image is checked (header, TLVs, the hash of the
+// build's hash TLV) and swapped in, for test or for good, or erased when
+// it is not valid. The application then loads its saved settings.
 func (d *Device) reboot() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -193,7 +223,11 @@ func (d *Device) rebootLocked() {
 		d.log.Info("rebooted: MCUboot reverted the unconfirmed image", "firmware", d.versionLocked())
 	case f.pending:
 		f.pending = false
-		_, err := mcuboot.Parse(f.secondary)
+		img, err := mcuboot.Parse(f.secondary)
+		if err == nil && img.HashType != d.imageHash {
+			// bootutil_img_validate finds no EXPECTED_HASH_TLV.
+			err = fmt.Errorf("no %s TLV", mcuboot.HashName(d.imageHash))
+		}
 		if err == nil && f.failNextBoot {
 			err = errors.New("refused by the test hook")
 		}
@@ -271,9 +305,10 @@ func (d *Device) Boots() int {
 }
 
 // UpdateFirmware is the whole update at once, for a device driven without
-// a Bluetooth link: the image (an MCUboot image of version) goes to the
-// secondary slot, the device reboots into it for test and confirms it. It
-// fails with ErrReverted when MCUboot kept the old image.
+// a Bluetooth link: the image (an MCUboot image of version; of a padded
+// one, the image without its padding, as the bridge uploads it) goes to
+// the secondary slot, the device reboots into it for test and confirms
+// it. It fails with ErrReverted when MCUboot kept the old image.
 func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
 	img, err := mcuboot.Parse(image)
 	if err != nil {
@@ -295,7 +330,7 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 		if f.testing || f.pending {
 			return fmt.Errorf("%w: an update is pending already", ErrBadArgument)
 		}
-		f.secondary, f.pending, f.permanent = bytes.Clone(image), true, false
+		f.secondary, f.pending, f.permanent = bytes.Clone(image[:img.End]), true, false
 		d.rebootLocked()
 		if cur, _ := mcuboot.ReadInfo(f.primary); cur == nil || !bytes.Equal(cur.Hash, img.Hash) {
 			return fmt.Errorf("%w: it runs %s", ErrReverted, d.versionLocked())

@@ -39,7 +39,7 @@ type PeripheralOptions struct {
 	// NoReassembly makes the device take each ATT write as a whole SMP
 	// packet, as Zephyr does without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY.
 	NoReassembly bool
-	MaxUpload    int           // the secondary slot's size; default DefaultMaxUpload
+	MaxUpload    int           // the secondary slot's size, MCUboot's image trailer at its end; default DefaultMaxUpload
 	ResetDelay   time.Duration // from the answer to an OS reset to the reboot; default DefaultResetDelay
 	BootTime     time.Duration // from the reboot to advertising again; default DefaultBootTime
 	Logger       *slog.Logger
@@ -889,6 +889,7 @@ func (p *Peripheral) imageUpload(m gatt.Message) reply {
 		st.off += uint64(len(req.Data))
 		if st.off == st.size {
 			p.setImageUpload(imageUpload{}) // done
+			p.dev.uploadDone(p.opts.MaxUpload)
 			match := len(st.sha) == sha256.Size && p.dev.secondaryMatches(st.sha)
 			return ok(gatt.UploadResponse{Off: st.off, Match: &match})
 		}
@@ -917,7 +918,8 @@ func (p *Peripheral) imageStateWrite(m gatt.Message) reply {
 	case len(req.Hash) == 0 && !req.Confirm:
 		return groupErr(g, gatt.ImgErrInvalidHash, "a test needs a hash")
 	case len(req.Hash) == 0:
-	case len(req.Hash) != sha256.Size:
+	case len(req.Hash) != p.dev.hashSize():
+		// IMAGE_SHA_LEN: 32 bytes, 64 in a SHA-512 build.
 		return groupErr(g, gatt.ImgErrInvalidHash, "")
 	default:
 		if slot = p.dev.slotOfHash(req.Hash); slot < 0 {

@@ -68,6 +68,12 @@ type Options struct {
 	// ExecDelay, when set, makes every command take at least this long
 	// (it ends early when the command's context is done).
 	ExecDelay time.Duration
+	// ImageHash is the hash TLV the device's MCUboot checks and its
+	// img_mgmt reads as an image's hash: mcuboot.TLVSHA256 (the default)
+	// or mcuboot.TLVSHA512, for a build with
+	// CONFIG_MCUBOOT_BOOTLOADER_USES_SHA512 (Zephyr's img_mgmt knows no
+	// other). An image without that TLV is neither listed nor booted.
+	ImageHash uint16
 	// StateDir, when set, makes the device remember the commands it ran
 	// across processes, as a real device remembers them across restarts of
 	// its bridge: each execution appends the command id to the file
@@ -152,6 +158,7 @@ type Image struct {
 // Device is a simulated device. It is safe for concurrent use.
 type Device struct {
 	id, model string
+	imageHash uint16 // the hash TLV of MCUboot and img_mgmt
 	now       func() time.Time
 	log       *slog.Logger
 	delay     time.Duration
@@ -195,12 +202,20 @@ func Open(opts Options) (*Device, error) {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
+	switch opts.ImageHash {
+	case 0:
+		opts.ImageHash = mcuboot.TLVSHA256
+	case mcuboot.TLVSHA256, mcuboot.TLVSHA512:
+	default:
+		return nil, fmt.Errorf("sim: device %s: image hash %s: Zephyr's img_mgmt reads SHA-256 or SHA-512", opts.ID, mcuboot.HashName(opts.ImageHash))
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	d := &Device{
 		id:         opts.ID,
 		model:      opts.Model,
+		imageHash:  opts.ImageHash,
 		now:        opts.Now,
 		log:        opts.Logger.With("device", opts.ID),
 		delay:      opts.ExecDelay,
@@ -213,7 +228,7 @@ func Open(opts Options) (*Device, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sim: device %s: firmware %w", opts.ID, err)
 	}
-	d.flash.primary = firstImage(opts.Model, v)
+	d.flash.primary = firstImage(opts.Model, v, opts.ImageHash)
 	d.settings, d.saved = defaultSettings(), map[string]any{}
 	if opts.StateDir != "" {
 		if err := d.openExecLog(ExecLogPath(opts.StateDir, opts.ID)); err != nil {

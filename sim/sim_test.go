@@ -105,11 +105,25 @@ func TestFirmwareAndApps(t *testing.T) {
 	if err := d.UpdateFirmware(ctx, "ota-2", "2.1.0", img2, nil); !errors.Is(err, sim.ErrReverted) || d.Firmware() != "2.0.0" {
 		t.Errorf("UpdateFirmware with a crashing image = %v, firmware %s; want ErrReverted, 2.0.0", err, d.Firmware())
 	}
+	// A padded image goes in without its padding; an image without the
+	// hash TLV of the device's MCUboot is not booted.
+	img3 := mcuboot.MustBuild([]byte("application 2.2.0"), mcuboot.Options{Version: mcuboot.Version{Major: 2, Minor: 2}, SlotSize: 4096, Confirm: true})
+	if err := d.UpdateFirmware(ctx, "ota-3", "2.2.0", img3, nil); err != nil || d.Firmware() != "2.2.0" {
+		t.Errorf("UpdateFirmware with a padded image = %v, firmware %s; want 2.2.0", err, d.Firmware())
+	}
+	img4 := mcuboot.MustBuild([]byte("application 2.3.0"), mcuboot.Options{Version: mcuboot.Version{Major: 2, Minor: 3}, Hash: mcuboot.TLVSHA512})
+	if err := d.UpdateFirmware(ctx, "ota-4", "2.3.0", img4, nil); !errors.Is(err, sim.ErrReverted) || d.Firmware() != "2.2.0" {
+		t.Errorf("UpdateFirmware with a SHA-512 image on a SHA-256 build = %v, firmware %s; want ErrReverted, 2.2.0", err, d.Firmware())
+	}
+	d512 := sim.New(sim.Options{ID: "d512", ImageHash: mcuboot.TLVSHA512})
+	if err := d512.UpdateFirmware(ctx, "ota", "2.3.0", img4, nil); err != nil || d512.Firmware() != "2.3.0" {
+		t.Errorf("UpdateFirmware with a SHA-512 image on a SHA-512 build = %v, firmware %s; want 2.3.0", err, d512.Firmware())
+	}
 	if err := d.InstallApp(ctx, "i1", "clock", "1.0.0", []byte("pkg")); err != nil {
 		t.Fatal(err)
 	}
 	info, _ := d.Info(ctx)
-	if info.FirmwareVersion != "2.0.0" || len(info.Apps) != 1 || info.Apps[0].AppID != "clock" {
+	if info.FirmwareVersion != "2.2.0" || len(info.Apps) != 1 || info.Apps[0].AppID != "clock" {
 		t.Errorf("Info() = %+v", info)
 	}
 	if err := d.UninstallApp(ctx, "u1", "clock"); err != nil {

@@ -27,7 +27,14 @@ type rawSMP struct {
 
 func newRawSMP(tb testing.TB, mtu int, popts sim.PeripheralOptions) (*rawSMP, *sim.Device, *sim.Peripheral) {
 	tb.Helper()
-	d := sim.New(sim.Options{ID: "dev-1"})
+	return newRawSMPTo(tb, sim.Options{ID: "dev-1"}, mtu, popts)
+}
+
+// newRawSMPTo is newRawSMP to a device made with opts (its ID "dev-1").
+func newRawSMPTo(tb testing.TB, opts sim.Options, mtu int, popts sim.PeripheralOptions) (*rawSMP, *sim.Device, *sim.Peripheral) {
+	tb.Helper()
+	opts.ID = "dev-1"
+	d := sim.New(opts)
 	p := sim.NewPeripheral(d, popts)
 	n := sim.NewNetwork(sim.LinkOptions{MTU: mtu, KBPS: 100_000, Latency: -1, ConnectDelay: -1})
 	n.Add("dev-1", p)
@@ -479,6 +486,128 @@ func TestImageStateAsZephyr(t *testing.T) {
 	}
 	if len(s) != len(want)+1 { // and the hash
 		t.Errorf("slot 0 has %d fields: %v", len(s), s)
+	}
+}
+
+// uploadWhole sends img to the image group in chunks, as a stock client
+// does, and returns the last answer.
+func (r *rawSMP) uploadWhole(img []byte) map[string]any {
+	r.tb.Helper()
+	sum := sha256.Sum256(img)
+	var m map[string]any
+	for off := 0; off < len(img); off += 1500 {
+		body := map[string]any{"off": off, "data": img[off:min(off+1500, len(img))]}
+		if off == 0 {
+			body["len"], body["sha"] = len(img), sum[:]
+		}
+		_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, body)
+		if m["err"] != nil {
+			r.tb.Fatalf("upload at %d: %v", off, m)
+		}
+	}
+	return m
+}
+
+// slotHashes is the hash of each slot the image state lists, by slot.
+func slotHashes(m map[string]any) map[uint64][]byte {
+	out := map[uint64][]byte{}
+	for _, s := range m["images"].([]any) {
+		sl := s.(map[string]any)
+		out[sl["slot"].(uint64)] = sl["hash"].([]byte)
+	}
+	return out
+}
+
+// A build with CONFIG_MCUBOOT_BOOTLOADER_USES_SHA512 reports an image's
+// SHA-512 TLV as its hash (64 bytes, IMAGE_SHA_LEN), takes only such a
+// hash to mark an image for test, leaves out of its image state a slot
+// whose image has no SHA-512 TLV, and MCUboot boots only such images.
+func TestSHA512BuildAsZephyr(t *testing.T) {
+	r, d, _ := newRawSMPTo(t, sim.Options{ImageHash: mcuboot.TLVSHA512}, 247, sim.PeripheralOptions{})
+	state := func() map[string]any {
+		_, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupImage, gatt.CmdImageState, map[string]any{})
+		return m
+	}
+	if h := slotHashes(state()); len(h) != 1 || len(h[0]) != 64 {
+		t.Fatalf("image state of a SHA-512 build: hashes %x; want slot 0's of 64 bytes", h)
+	}
+
+	// A SHA-256 image lands in the slot, but img_mgmt finds no hash in it.
+	img256 := mcuboot.MustBuild(bytes.Repeat([]byte("app "), 500), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 1}})
+	if m := r.uploadWhole(img256); m["match"] != true {
+		t.Fatalf("upload of a SHA-256 image: %v", m)
+	}
+	if h := slotHashes(state()); len(h) != 1 {
+		t.Errorf("image state after a SHA-256 image: hashes %x; want slot 1 left out", h)
+	}
+	parsed, _ := mcuboot.Parse(img256)
+	_, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageState, map[string]any{"hash": parsed.Hash, "confirm": false})
+	if e, _ := m["err"].(map[string]any); e == nil || e["rc"] != uint64(gatt.ImgErrInvalidHash) {
+		t.Errorf("test with a 32-byte hash: %v; want err %d", m, gatt.ImgErrInvalidHash)
+	}
+
+	img512 := mcuboot.MustBuild(bytes.Repeat([]byte("app "), 500), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 2}, Hash: mcuboot.TLVSHA512})
+	if m := r.uploadWhole(img512); m["match"] != true {
+		t.Fatalf("upload of a SHA-512 image: %v", m)
+	}
+	parsed, _ = mcuboot.Parse(img512)
+	if h := slotHashes(state()); !bytes.Equal(h[1], parsed.Hash) {
+		t.Fatalf("image state: slot 1's hash %x; want the SHA-512 TLV %x", h[1], parsed.Hash)
+	}
+	_, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageState, map[string]any{"hash": parsed.Hash, "confirm": false})
+	if s := m["images"].([]any)[1].(map[string]any); s["pending"] != true {
+		t.Fatalf("after test: %v", m)
+	}
+	r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSReset, map[string]any{})
+	<-r.link.Done()
+	waitBoots(t, d, 1)
+	if d.Firmware() != "1.2.0" || d.FirmwareConfirmed() {
+		t.Errorf("after the reboot: firmware %s, confirmed %v; want 1.2.0 under test", d.Firmware(), d.FirmwareConfirmed())
+	}
+
+	if _, err := sim.Open(sim.Options{ID: "x", ImageHash: mcuboot.TLVSHA384}); err == nil {
+		t.Error("a device whose img_mgmt reads SHA-384 was made; Zephyr's reads SHA-256 or SHA-512")
+	}
+}
+
+// An image padded to the slot (imgtool sign --pad or --confirm) sent
+// whole writes its trailer at the end of the secondary slot, where
+// MCUboot reads it: the boot magic asks for a test swap, and with image_ok
+// set for a permanent one, before anyone marks the image. Where the
+// padding ends short of the slot's end, the trailer is not MCUboot's.
+func TestWholePaddedUploadWritesTheTrailer(t *testing.T) {
+	const slot = 0x8000
+	payload := bytes.Repeat([]byte("app "), 500)
+	for _, tt := range []struct {
+		name                string
+		opts                mcuboot.Options
+		pending, permanent  bool
+		confirmedAfterReset bool
+	}{
+		{"--pad", mcuboot.Options{SlotSize: slot}, true, false, false},
+		{"--confirm", mcuboot.Options{SlotSize: slot, Confirm: true}, true, true, true},
+		{"--confirm, to a smaller slot than the device's", mcuboot.Options{SlotSize: slot / 2, Confirm: true}, false, false, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r, d, _ := newRawSMP(t, 247, sim.PeripheralOptions{MaxUpload: slot})
+			tt.opts.Version = mcuboot.Version{Major: 1, Minor: 3}
+			r.uploadWhole(mcuboot.MustBuild(payload, tt.opts))
+			_, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupImage, gatt.CmdImageState, map[string]any{})
+			s := m["images"].([]any)[1].(map[string]any)
+			if s["pending"] != tt.pending || s["permanent"] != tt.permanent {
+				t.Fatalf("slot 1 after the upload: %v; want pending %v, permanent %v", s, tt.pending, tt.permanent)
+			}
+			r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSReset, map[string]any{})
+			<-r.link.Done()
+			waitBoots(t, d, 1)
+			want := "1.0.0"
+			if tt.pending {
+				want = "1.3.0"
+			}
+			if d.Firmware() != want || d.FirmwareConfirmed() != tt.confirmedAfterReset {
+				t.Errorf("after the reboot: firmware %s, confirmed %v; want %s, confirmed %v", d.Firmware(), d.FirmwareConfirmed(), want, tt.confirmedAfterReset)
+			}
+		})
 	}
 }
 
