@@ -729,14 +729,18 @@ func (d *Device) putBackSettings(ctx context.Context, names []string, before []S
 // UpdateFirmware installs an MCUboot image the way Zephyr's img_mgmt and
 // MCUboot take one: upload it to the free slot (resumed from the device's
 // offset after a drop; the device's match checked), mark it for test with
-// its hash as the image state reports it, reset the device (OS group), and
+// its hash as the image state reports it (the value of its hash TLV,
+// SHA-256 or SHA-512 as the device's MCUboot checks), reset the device
+// (OS group), and
 // once it runs the new image, confirm it. A device that comes back on its
 // old image (MCUboot refused or reverted the new one) fails with
 // CodeFirmwareReverted. Every step is decided by the image state read
 // before it, so a command run again after a bridge restart takes up where
 // the device is (cmdID is not needed on the device: the stock groups have
 // none), but for an image the free slot holds and nothing marked yet: that
-// one is uploaded again.
+// one is uploaded again. An image padded to its slot (imgtool sign --pad)
+// is uploaded without its padding: its trailer would ask MCUboot for a
+// swap before the image is marked, for good with image_ok set.
 func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
 	img, err := mcuboot.Parse(image)
 	if err != nil {
@@ -787,8 +791,8 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 		case held != nil && uploads > 0:
 			// Only an image this command uploaded, the device's match
 			// checked, is marked for test. The image state's hash is the
-			// SHA-256 TLV img_mgmt reads from the slot without checking
-			// the image: a slot that lists it may hold an upload that
+			// hash TLV img_mgmt reads from the slot without checking the
+			// image: a slot that lists it may hold an upload that
 			// ended with match false, or one cut short with the TLVs
 			// written. Such an image falls to the default below, and the
 			// upload at off 0 makes img_mgmt erase the slot.
@@ -797,10 +801,14 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 			}
 			report(92)
 		case uploads > 0:
-			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Reason: "the device does not list the image it took"}
+			// img_mgmt lists a slot by the one hash TLV its build reads
+			// (IMAGE_TLV_SHA): SHA-256, or SHA-512 with
+			// CONFIG_MCUBOOT_BOOTLOADER_USES_SHA512.
+			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown,
+				Reason: fmt.Sprintf("the device does not list the image it took; the image's hash is %s: does the device's MCUboot check that hash?", mcuboot.HashName(img.HashType))}
 		default:
 			uploads++
-			u := Upload{Group: GroupImage, ID: CmdImageUpload, Stock: true, Data: image,
+			u := Upload{Group: GroupImage, ID: CmdImageUpload, Stock: true, Data: image[:img.End],
 				Progress: func(acked, total int) { report(acked * 90 / max(total, 1)) }}
 			if err := d.upload(ctx, u); err != nil {
 				return err

@@ -29,7 +29,15 @@ func newSimDevice(tb testing.TB, opts sim.LinkOptions, dopts gatt.DeviceOptions)
 // peripheral returned too.
 func newSimPeripheral(tb testing.TB, opts sim.LinkOptions, popts sim.PeripheralOptions, dopts gatt.DeviceOptions) (*gatt.Device, *sim.Device, *sim.Network, *sim.Peripheral) {
 	tb.Helper()
-	s := sim.New(sim.Options{ID: "dev-1"})
+	return newSimPeripheralOf(tb, sim.Options{}, opts, popts, dopts)
+}
+
+// newSimPeripheralOf is newSimPeripheral with the simulated device made
+// with sopts (its ID "dev-1").
+func newSimPeripheralOf(tb testing.TB, sopts sim.Options, opts sim.LinkOptions, popts sim.PeripheralOptions, dopts gatt.DeviceOptions) (*gatt.Device, *sim.Device, *sim.Network, *sim.Peripheral) {
+	tb.Helper()
+	sopts.ID = "dev-1"
+	s := sim.New(sopts)
 	n := sim.NewNetwork(opts)
 	p := sim.NewPeripheral(s, popts)
 	n.Add("dev-1", p)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -118,6 +119,73 @@ func TestOTAFailures(t *testing.T) {
 			t.Errorf("UpdateFirmware(version 2.0.0 as 2.0.1) = %v (code %q)", err, code)
 		}
 	})
+}
+
+// Images of MCUboot builds other than the default go through the stock
+// flow: a SHA-512 image to a device whose MCUboot checks SHA-512 (its
+// image state's hashes are 64 bytes), and images padded to the slot
+// (imgtool sign --pad; --confirm, as zephyr.signed.confirmed.bin) sent
+// without their padding, so that the device tests the image as any other:
+// one that crashes is reverted, though its trailer asked for a permanent
+// swap. A SHA-512 image to a device that checks SHA-256 fails saying so.
+func TestOTAImageFormats(t *testing.T) {
+	const slot = 128 << 10 // the secondary slot, as the padded images are made for
+	payload := randomBytes(t, 40_000)
+	for _, tt := range []struct {
+		name   string
+		device uint16 // the hash TLV of the device's MCUboot
+		opts   mcuboot.Options
+		crash  bool
+		code   string
+	}{
+		{"SHA-512 image", mcuboot.TLVSHA512, mcuboot.Options{Hash: mcuboot.TLVSHA512}, false, ""},
+		{"padded image", mcuboot.TLVSHA256, mcuboot.Options{SlotSize: slot}, false, ""},
+		{"padded and confirmed image", mcuboot.TLVSHA256, mcuboot.Options{SlotSize: slot, Confirm: true}, false, ""},
+		{"padded and confirmed image that crashes", mcuboot.TLVSHA256, mcuboot.Options{SlotSize: slot, Confirm: true}, true, gatt.CodeFirmwareReverted},
+		{"padded SHA-512 image", mcuboot.TLVSHA512, mcuboot.Options{Hash: mcuboot.TLVSHA512, SlotSize: slot, Confirm: true, MaxAlign: 16}, false, ""},
+		{"SHA-512 image to a device that checks SHA-256", mcuboot.TLVSHA256, mcuboot.Options{Hash: mcuboot.TLVSHA512}, false, gatt.CodeDeviceError},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d, s, _, _ := newSimPeripheralOf(t, sim.Options{ImageHash: tt.device}, fastLink,
+				sim.PeripheralOptions{MaxUpload: slot, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}, gatt.DeviceOptions{})
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			tt.opts.Version, tt.opts.HeaderSize = mcuboot.Version{Major: 2}, 0x200
+			b := mcuboot.MustBuild(payload, tt.opts)
+			img, err := mcuboot.Parse(b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tt.crash {
+				s.CrashNextBoot()
+			}
+			err = d.UpdateFirmware(ctx, "fw-1", "2.0.0", b, nil)
+			if code := errorCode(err); code != tt.code {
+				t.Fatalf("UpdateFirmware = %v (code %q); want %q", err, code, tt.code)
+			}
+			if st := d.TransferStats(); len(st) != 1 || st[0].DataBytesSent != img.End {
+				t.Errorf("uploads %+v; want one of the %d bytes of the image without its padding (of %d)", st, img.End, len(b))
+			}
+			switch {
+			case tt.code == "":
+				if s.Firmware() != "2.0.0" || !s.FirmwareConfirmed() || s.Boots() != 1 {
+					t.Errorf("device runs %s (confirmed %v) after %d boots; want 2.0.0 confirmed after 1", s.Firmware(), s.FirmwareConfirmed(), s.Boots())
+				}
+				info, err := d.Info(ctx)
+				if err != nil || info.FirmwareVersion != "2.0.0" {
+					t.Errorf("Info = %+v, %v; want firmware 2.0.0", info, err)
+				}
+			case tt.crash:
+				if s.Firmware() != "1.0.0" || !s.FirmwareConfirmed() || s.Boots() != 2 {
+					t.Errorf("device runs %s (confirmed %v) after %d boots; want 1.0.0 confirmed after 2: the image tested and reverted", s.Firmware(), s.FirmwareConfirmed(), s.Boots())
+				}
+			default:
+				if s.Firmware() != "1.0.0" || s.Boots() != 0 || !strings.Contains(err.Error(), "SHA-512") {
+					t.Errorf("device runs %s after %d boots, error %q; want 1.0.0, no reboot, the image's hash named", s.Firmware(), s.Boots(), err)
+				}
+			}
+		})
+	}
 }
 
 // wholeWrites records every write to the SMP characteristic (its record

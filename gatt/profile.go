@@ -216,8 +216,9 @@ type ResetRequest struct {
 
 // ImageUploadRequest is one chunk of img_mgmt's upload (group 1, command
 // 1). The request at off 0 opens the upload: it carries len, sha (the
-// SHA-256 of the whole file) and the first bytes, at least the image
-// header, which the device checks. Later ones carry off and data only.
+// SHA-256 of all the bytes uploaded, whatever hash the image carries:
+// img_mgmt takes at most 32 bytes, to resume and to answer match) and the
+// first bytes, at least the image header, which the device checks. Later ones carry off and data only.
 // Upgrade asks the device to refuse an image not newer than the one it
 // runs; the bridge leaves it out (an explicit older version is a rollback
 // the API allows).
@@ -244,7 +245,7 @@ type ImageSlot struct {
 	Image     int    `cbor:"image,omitempty"`
 	Slot      int    `cbor:"slot"`
 	Version   string `cbor:"version"` // "1.2.3", or "1.2.3.4" with a build number
-	Hash      []byte `cbor:"hash"`    // the image's SHA-256 TLV
+	Hash      []byte `cbor:"hash"`    // the image's hash TLV: SHA-256, or SHA-512 in a build that checks it
 	Bootable  bool   `cbor:"bootable,omitempty"`
 	Pending   bool   `cbor:"pending,omitempty"`
 	Confirmed bool   `cbor:"confirmed,omitempty"`
