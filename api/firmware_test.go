@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mcuboottest"
+	"github.com/devicecompanion/companion/mcuboot"
 )
 
 // firmwareImage builds an MCUboot image of version of exactly size bytes.
@@ -28,6 +29,13 @@ func TestFirmwareMustBeMCUbootImage(t *testing.T) {
 	corrupt[1000] ^= 1
 	noTLV := bytes.Clone(good)
 	binary.LittleEndian.PutUint16(noTLV[len(noTLV)-40:], 0x1234)
+	v120 := mcuboot.Version{Major: 1, Minor: 2}
+	payload := bytes.Repeat([]byte("firmware 1.2.0 "), 300)
+	sha512Image := mcuboot.MustBuild(payload, mcuboot.Options{Version: v120, HeaderSize: 0x200, Hash: mcuboot.TLVSHA512})
+	corrupt512 := bytes.Clone(sha512Image)
+	corrupt512[1000] ^= 1
+	// zephyr.signed.confirmed.bin: imgtool sign --pad --confirm.
+	padded := mcuboot.MustBuild(payload, mcuboot.Options{Version: v120, HeaderSize: 0x200, SlotSize: 64 << 10, Confirm: true})
 	for _, tt := range []struct {
 		name, version string
 		body          []byte
@@ -38,7 +46,10 @@ func TestFirmwareMustBeMCUbootImage(t *testing.T) {
 		{"truncated", "1.2.0", good[:2000], "image.image_size"},
 		{"corrupt", "1.2.0", corrupt, "image.sha256"},
 		{"no TLV area", "1.2.0", noTLV, "image.tlv_info"},
-		{"trailing bytes", "1.2.0", append(bytes.Clone(good), 0xff), "image.size"},
+		{"bytes after the TLVs", "1.2.0", append(bytes.Clone(good), []byte("junk")...), "image.padding"},
+		{"bytes after erased flash", "1.2.0", append(append(bytes.Clone(good), bytes.Repeat([]byte{0xff}, 1000)...), 0), "image.padding"},
+		{"bytes after the trailer", "1.2.0", append(bytes.Clone(padded), 0xff), "image.padding"},
+		{"corrupt SHA-512 image", "1.2.0", corrupt512, "image.sha512"},
 		{"other version", "1.3.0", good, "image.version"},
 		{"build number differs", "1.2.0+1", good, "image.version"},
 		{"pre-release", "1.3.0-rc1", good, "version"},
@@ -53,6 +64,9 @@ func TestFirmwareMustBeMCUbootImage(t *testing.T) {
 			assert.Equal(t, CodeValidationFailed, p.Code)
 			assert.Equal(t, []string{tt.field}, p.fields())
 			assert.NotEmpty(t, p.Detail)
+			if tt.field == "image.padding" {
+				assert.Contains(t, p.Detail, "only erased flash (0xff) may follow them", "the detail says what may follow the TLVs")
+			}
 		})
 	}
 	assert.Empty(t, blobFiles(t, e.db), "a refused image left a blob behind")
@@ -63,4 +77,18 @@ func TestFirmwareMustBeMCUbootImage(t *testing.T) {
 	require.Equal(t, 201, r.status, "%s", r.body)
 	r = put("1.2.0+7", firmwareImage(t, "1.2.0+7", 2048))
 	require.Equal(t, 201, r.status, "the build number is part of the version: %s", r.body)
+
+	// An image carries the hash its MCUboot checks, and may be padded to
+	// its slot: each is published as it came.
+	for version, body := range map[string][]byte{
+		"1.3.0": mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 3}, HeaderSize: 0x200, Hash: mcuboot.TLVSHA512}),
+		"1.3.1": mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 3, Revision: 1}, Hash: mcuboot.TLVSHA384}),
+		"1.3.2": mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 3, Revision: 2}, HeaderSize: 0x200, SlotSize: 64 << 10, Confirm: true}),
+		"1.3.3": mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 3, Revision: 3}, SlotSize: 8 << 10, Hash: mcuboot.TLVSHA512, MaxAlign: 32}),
+		"1.3.4": append(mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 3, Revision: 4}}), bytes.Repeat([]byte{0xff}, 3000)...),
+	} {
+		r = put(version, body)
+		require.Equal(t, 201, r.status, "%s: %s", version, r.body)
+		assert.EqualValues(t, len(body), r.json(t)["size"], "%s: the size published is the file's", version)
+	}
 }
