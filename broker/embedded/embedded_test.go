@@ -862,10 +862,12 @@ func TestDisconnectBridgeHoldsItsWill(t *testing.T) {
 	will := func(o *mqtt.ClientOptions) {
 		o.SetClientID("bridge-1-session").SetCleanSession(false).SetWill(state, topics.BridgeOffline, 1, true)
 	}
-	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", will)
-	b1.publish(t, state, true, topics.BridgeOnline)
+	// The watcher subscribes first: subscribed as the bridge's "online"
+	// was being published, it could get it twice, live and retained.
 	w := mustDial(t, s.Addr(), serverUser, serverPass, nil)
 	require.Equal(t, byte(1), w.subscribe(t, state))
+	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", will)
+	b1.publish(t, state, true, topics.BridgeOnline)
 	require.Equal(t, topics.BridgeOnline, string(w.next(t).Payload()))
 
 	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))
