@@ -90,6 +90,7 @@ func (d *Device) eraseSecondary() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.flash.secondary = nil
+	d.saveOrLog()
 }
 
 // hashSize is the size of an image hash as img_mgmt takes and reports it
@@ -118,6 +119,7 @@ func (d *Device) writeSecondary(data []byte) {
 func (d *Device) uploadDone(slotSize int) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	defer d.saveOrLog()
 	f := &d.flash
 	if len(f.secondary) != slotSize {
 		return
@@ -156,6 +158,7 @@ func (d *Device) slotOfHash(hash []byte) int {
 func (d *Device) setNextBoot(slot int, confirm bool) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	defer d.saveOrLog()
 	f := &d.flash
 	const (
 		normal = iota
@@ -253,6 +256,7 @@ func (d *Device) rebootLocked() {
 	}
 	d.settings = defaultSettings()
 	maps.Copy(d.settings, d.saved)
+	d.saveOrLog()
 }
 
 // defaultSettings are the values the application starts with, before
@@ -397,6 +401,7 @@ func (d *Device) setSetting(key string, val []byte) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.settings[name] = v
+	d.saveOrLog()
 	return 0
 }
 
@@ -413,6 +418,7 @@ func (d *Device) deleteSetting(key string) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	delete(d.saved, name)
+	d.saveOrLog()
 	return 0
 }
 
@@ -421,6 +427,7 @@ func (d *Device) saveSettings() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.saved = maps.Clone(d.settings)
+	d.saveOrLog()
 }
 
 // loadSettings reads the saved values back (settings_load): it calls the
@@ -430,6 +437,7 @@ func (d *Device) loadSettings() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	maps.Copy(d.settings, d.saved)
+	d.saveOrLog()
 }
 
 func cutPrefix(key string) (string, bool) {

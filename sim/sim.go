@@ -80,7 +80,9 @@ type Options struct {
 	// ExecLogPath(StateDir, ID), fsync'd before the command returns, and
 	// Open reads that file back so that a device made again drops the ids
 	// it has already run. The file is also the count tests and the soak read
-	// (ReadExecLog).
+	// (ReadExecLog). The device keeps its state there too (state.go): a
+	// device made again runs the firmware, apps and settings it had, and
+	// Firmware is only the image of a device made for the first time.
 	StateDir string
 }
 
@@ -175,6 +177,8 @@ type Device struct {
 	doneOrder  []string
 	executions map[string]int // ids really executed, bounded with done
 	execLog    *os.File       // with Options.StateDir: every execution, appended
+	stateDir   string         // Options.StateDir: where the state is kept (state.go)
+	written    [2][]byte      // the image slots as last written there
 	failNext   error
 	hangNext   bool
 }
@@ -233,6 +237,15 @@ func Open(opts Options) (*Device, error) {
 	if opts.StateDir != "" {
 		if err := d.openExecLog(ExecLogPath(opts.StateDir, opts.ID)); err != nil {
 			return nil, fmt.Errorf("sim: device %s: %w", opts.ID, err)
+		}
+		d.stateDir = opts.StateDir
+		if err := d.loadState(opts.StateDir); err != nil {
+			d.execLog.Close()
+			return nil, fmt.Errorf("sim: device %s: state: %w", opts.ID, err)
+		}
+		if err := d.saveLocked(); err != nil { // a new device's age
+			d.execLog.Close()
+			return nil, fmt.Errorf("sim: device %s: state: %w", opts.ID, err)
 		}
 	}
 	return d, nil
@@ -365,6 +378,10 @@ func (d *Device) run(ctx context.Context, cmdID, op string, work func() error) e
 	}
 	if err := work(); err != nil {
 		return err
+	}
+	// Its change kept before it is recorded as run (state.go).
+	if err := d.saveLocked(); err != nil {
+		return fmt.Errorf("sim: keeping the state of command %s: %w", cmdID, err)
 	}
 	if d.execLog != nil {
 		// On disk before the command reports success: a crash after this

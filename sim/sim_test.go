@@ -3,6 +3,7 @@ package sim_test
 import (
 	"context"
 	"errors"
+	"maps"
 	"os"
 	"sync"
 	"testing"
@@ -206,5 +207,73 @@ func TestStateDirSurvivesRestart(t *testing.T) {
 		if counts[id] != n {
 			t.Errorf("ReadExecLog(%q)[%q] = %d; want %d", path, id, counts[id], n)
 		}
+	}
+}
+
+// A device made again with the same StateDir is the device it was: its
+// firmware (the old image kept in the secondary slot, the boot count), its
+// apps, its settings, its battery's age. Firmware is only that of a new
+// device.
+func TestStateDirKeepsTheDevice(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	start := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+	now := start
+	var mu sync.Mutex
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	open := func() *sim.Device {
+		t.Helper()
+		d, err := sim.Open(sim.Options{ID: "d", StateDir: dir, Now: clock, Firmware: "1.0.0"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	d := open()
+	img := mcuboot.MustBuild([]byte("application 2.0.0"), mcuboot.Options{Version: mcuboot.Version{Major: 2}})
+	if err := d.UpdateFirmware(ctx, "ota", "2.0.0", img, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.InstallApp(ctx, "i1", "clock", "1.2.0", []byte("pkg")); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.UpdateSettings(ctx, "s1", map[string]any{"volume": float64(7), "language": "fr", "do_not_disturb": true}); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	now = start.Add(3 * sim.DrainEvery)
+	mu.Unlock()
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	d2 := open()
+	defer d2.Close()
+	info, err := d2.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.FirmwareVersion != "2.0.0" || !d2.FirmwareConfirmed() || d2.Boots() != 1 || info.Battery != 97 {
+		t.Errorf("firmware %s (confirmed %v, %d boots), battery %d; want 2.0.0 confirmed after 1 boot, battery 97",
+			info.FirmwareVersion, d2.FirmwareConfirmed(), d2.Boots(), info.Battery)
+	}
+	if want := map[string]string{"clock": "1.2.0"}; !maps.Equal(d2.Apps(), want) {
+		t.Errorf("apps %v; want %v", d2.Apps(), want)
+	}
+	got, _, err := d2.Settings(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got["volume"] != 7 || got["language"] != "fr" || got["do_not_disturb"] != true || got["brightness"] != 50 {
+		t.Errorf("settings %v; want volume 7, language fr, do_not_disturb, the others default", got)
+	}
+	// The image it ran before is in the secondary slot: an OTA back to it
+	// swaps it in.
+	back := mcuboot.MustBuild([]byte("application 2.1.0"), mcuboot.Options{Version: mcuboot.Version{Major: 2, Minor: 1}})
+	if err := d2.UpdateFirmware(ctx, "ota-2", "2.1.0", back, nil); err != nil || d2.Firmware() != "2.1.0" || d2.Boots() != 2 {
+		t.Errorf("OTA after reopening = %v, firmware %s after %d boots; want 2.1.0 after 2", err, d2.Firmware(), d2.Boots())
+	}
+	if err := d2.InstallApp(ctx, "i1", "clock", "9.9.9", nil); err != nil || d2.Apps()["clock"] != "1.2.0" {
+		t.Errorf("a command run before reopening, again: %v, apps %v; want it dropped", err, d2.Apps())
 	}
 }

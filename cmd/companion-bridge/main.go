@@ -96,7 +96,7 @@ type Config struct {
 	SimMTU       int           // ATT MTU of the simulated link
 	SimKBPS      int           // rate of the simulated link, kbit/s each way
 	SimDropEvery time.Duration // the simulated link drops this often; 0 never
-	SimState     string        // directory where simulated devices remember the commands they ran; "" none
+	SimState     string        // directory where simulated devices keep their state and the commands they ran; "" none
 	// SimNoReassembly makes the simulated devices take each ATT write as a
 	// whole SMP packet (Zephyr without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY).
 	SimNoReassembly bool
@@ -178,7 +178,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.IntVar(&c.SimKBPS, "sim-kbps", c.SimKBPS, "`rate` of the simulated Bluetooth link in kbit/s each way (default: BLE 2M PHY with data length extension)")
 	fs.DurationVar(&c.SimDropEvery, "sim-drop-every", c.SimDropEvery, "drop the simulated Bluetooth link this `often` (0: never)")
 	fs.BoolVar(&c.SimNoReassembly, "sim-no-reassembly", c.SimNoReassembly, "the simulated devices do not join SMP requests split across writes (Zephyr without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY)")
-	fs.StringVar(&c.SimState, "sim-state", c.SimState, "`directory` where the simulated devices record the command ids they ran (one file each), so that they drop repeats across bridge restarts as real devices do")
+	fs.StringVar(&c.SimState, "sim-state", c.SimState, "`directory` where the simulated devices keep their state (firmware, apps, settings) and the command ids they ran, so that across bridge restarts they are as they were and drop repeats, as real devices do")
 	fs.StringVar(&c.GATT, "gatt", c.GATT, "Bluetooth `backend` for real devices (bluez)")
 	fs.StringVar(&devices, "devices", "", "comma-separated `ids` of the real devices to reach with --gatt (their DIS serial numbers)")
 	fs.StringVar(&c.CA, "ca", c.CA, "PEM CA `file` to verify an mqtts:// broker and an https:// --api-url with (default: the system's)")

@@ -98,7 +98,15 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 	var devices []agent.Device
 	d.network = sim.NewNetwork(sim.LinkOptions{})
 	for _, dev := range f.Devices {
-		s := sim.New(sim.Options{ID: dev.DeviceID, Model: demoModel, Firmware: "1.0.0", Logger: m.Logger})
+		// Their state in the data directory: the next start finds them as
+		// this one leaves them (firmware, apps, settings), as a real
+		// device is when its bridge restarts.
+		s, err := sim.Open(sim.Options{ID: dev.DeviceID, Model: demoModel, Firmware: "1.0.0", Logger: m.Logger,
+			StateDir: filepath.Join(m.Config.Data, "demo-sim")})
+		if err != nil {
+			d.closeDevices()
+			return nil, err
+		}
 		d.Sims = append(d.Sims, s)
 		d.network.Add(dev.DeviceID, sim.NewPeripheral(s, sim.PeripheralOptions{Logger: m.Logger}))
 		g, err := gatt.NewDevice(gatt.DeviceOptions{ID: dev.DeviceID, Connector: d.network, Logger: m.Logger})
@@ -184,6 +192,9 @@ func (d *Demo) closeDevices() {
 		g.Close()
 	}
 	d.network.Close()
+	for _, s := range d.Sims {
+		s.Close()
+	}
 }
 
 // loadOrCreateDemo returns the demo's credentials from DATA/demo.json, or

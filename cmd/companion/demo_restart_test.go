@@ -51,10 +51,15 @@ func TestDemoStartsAfterAnInterruptedFirstStart(t *testing.T) {
 	demoWorks(t, m, f)
 	demoQuickStartWorks(t, m, 9) // all but the register line
 
-	// Once more on the same data: the same demo.
+	// Once more on the same data: the same demo, its devices as they were.
+	r = user.do("PUT", "/api/v1/devices/sim-001/settings", map[string]any{"volume": 9}, "Prefer", "wait=20")
+	require.Equal(t, 200, r.Status, "%s", r.Body)
 	require.NoError(t, m.Close())
 	m = startServer(t, Config{Data: dir, Demo: true})
 	assert.Equal(t, f.Token, demoFileOf(t, m).Token)
+	settings, _, err := m.Demo.Sims[0].Settings(t.Context())
+	require.NoError(t, err)
+	assert.Equal(t, 9, settings["volume"], "sim-001's volume after the restart")
 	demoWorks(t, m, f)
 }
 

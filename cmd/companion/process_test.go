@@ -189,6 +189,17 @@ func (p *osProc) kill() {
 	<-p.exited
 }
 
+// stop sends SIGTERM and waits for the process to be gone, SIGKILL after
+// 15 s.
+func (p *osProc) stop() {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.exited:
+	case <-time.After(15 * time.Second):
+		p.kill()
+	}
+}
+
 // running reports whether the process has not exited.
 func (p *osProc) running() bool {
 	select {
@@ -699,4 +710,76 @@ func TestProcessGracefulShutdownUnderLoad(t *testing.T) {
 	}
 	assert.Equal(t, len(acc), stored, "stored commands = accepted commands")
 	c.checkExactlyOnce(acc)
+}
+
+// A bridge started again (SIGTERM, then SIGKILL) finds its simulated
+// devices as it left them, as a real device is across restarts of its
+// bridge: the firmware an OTA installed, the apps, the settings. Before,
+// they came back on their first firmware with no apps and default
+// settings, and reported so, while the commands that changed them read
+// succeeded.
+func TestProcessBridgeRestartKeepsTheDevicesState(t *testing.T) {
+	c := newProcCluster(t, 1)
+	c.startServer()
+	c.setupFleet()
+	admin := &client{tb: t, base: c.base(), token: c.adminToken}
+	r := admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.1.0", firmwareImage(t, "1.1.0", 16<<10))
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	r = admin.do("PUT", "/api/v1/admin/apps/weather/1.0.0", bytes.Repeat([]byte("app"), 1000))
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	c.startBridge()
+	dev, u := c.devices[0], c.user
+	for _, req := range []struct {
+		method, path string
+		body         any
+	}{
+		{"POST", "/ota/update", map[string]any{}},
+		{"POST", "/apps/install", map[string]any{"app_id": "weather"}},
+		{"PUT", "/settings", map[string]any{"volume": 7, "language": "fr"}},
+	} {
+		r := u.do(req.method, "/api/v1/devices/"+dev+req.path, req.body)
+		require.Equal(t, 202, r.Status, "%s", r.Body)
+		cmd := u.waitFinal(dev, r.JSON(t)["id"].(string))
+		require.Equal(t, "succeeded", cmd["state"], "%s %s: %v", req.method, req.path, cmd)
+	}
+	check := func(when string) {
+		t.Helper()
+		st := u.do("GET", "/api/v1/devices/"+dev+"/status", nil).JSON(t)
+		assert.Equal(t, "1.1.0", st["firmware_version"], "%s: status %v", when, st)
+		apps := u.do("GET", "/api/v1/devices/"+dev+"/apps", nil)
+		assert.JSONEq(t, `{"apps":[{"app_id":"weather","version":"1.0.0"}]}`, string(apps.Body), "%s: apps", when)
+		s := u.do("GET", "/api/v1/devices/"+dev+"/settings", nil).JSON(t)["reported"].(map[string]any)
+		assert.Equal(t, []any{float64(7), "fr"}, []any{s["volume"], s["language"]}, "%s: reported settings %v", when, s)
+	}
+	check("before the restarts")
+
+	for _, kill := range []bool{false, true} {
+		t.Logf("stopping the bridge, killed: %v", kill)
+		if kill {
+			c.bridgeProc.kill()
+		} else {
+			c.bridgeProc.stop()
+		}
+		waitOnlineProc(t, c, dev, false)
+		// A report from before the stop would do: the device's state is
+		// read from the bridge started again, through a status and a
+		// settings report newer than the stop.
+		stopped := time.Now()
+		c.startBridge()
+		testenv.Eventually(t, 20*time.Second, "a status and settings reported after the restart", func() bool {
+			st := u.do("GET", "/api/v1/devices/"+dev+"/status", nil).JSON(t)
+			seen, _ := time.Parse(time.RFC3339Nano, fmt.Sprint(st["last_seen"]))
+			return seen.After(stopped)
+		})
+		check("after a restart")
+	}
+}
+
+// waitOnlineProc waits until the device reads online or offline.
+func waitOnlineProc(t *testing.T, c *procCluster, dev string, online bool) {
+	t.Helper()
+	testenv.Eventually(t, 30*time.Second, fmt.Sprintf("%s online=%v", dev, online), func() bool {
+		r := c.user.do("GET", "/api/v1/devices/"+dev+"/status", nil)
+		return r.Status == 200 && r.JSON(t)["online"] == online
+	})
 }
