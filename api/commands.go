@@ -571,6 +571,12 @@ func (s *Server) putSettings(c *gin.Context) error {
 	// changes the setting itself.
 	desired := make(map[string]json.RawMessage, len(req))
 	for k, v := range req {
+		if f, ok := v.(float64); ok && f == 0 {
+			// -0 is 0, as the device is sent it and reports it: "-0"
+			// would stay desired for good.
+			v = float64(0)
+			req[k] = v
+		}
 		if desired[k], err = fastjson.Marshal(v); err != nil {
 			return err
 		}

@@ -216,7 +216,11 @@ func TestOverlappingSettingsChangesKeepTheirOrder(t *testing.T) {
 // device changed the setting itself, GET …/settings listed it as pending
 // for ever (CONTRACT §2, §8).
 func TestSettingSpelledOtherwiseIsNotDesiredOnceReported(t *testing.T) {
-	for _, spelling := range []string{"7", "7.0", "7e0", "70e-1", "7.000000000000000001"} {
+	for _, tt := range []struct{ spelling, value string }{
+		{"7", "7"}, {"7.0", "7"}, {"7e0", "7"}, {"70e-1", "7"}, {"7.000000000000000001", "7"},
+		{"-0", "0"}, {"-0.0", "0"}, {"0e5", "0"}, // -0 is 0, as the device reports it
+	} {
+		spelling := tt.spelling
 		t.Run(spelling, func(t *testing.T) {
 			e := newEnv(t)
 			tok := e.bound("dev-1")
@@ -233,10 +237,10 @@ func TestSettingSpelledOtherwiseIsNotDesiredOnceReported(t *testing.T) {
 			r := e.do("PUT", "/api/v1/devices/dev-1/settings", tok, `{"volume": `+spelling+`}`)
 			require.Equal(t, 202, r.status, "%s", r.body)
 
-			report("7")
+			report(tt.value)
 			r = e.do("GET", "/api/v1/devices/dev-1/settings", tok, nil)
 			require.Equal(t, 200, r.status, "%s", r.body)
-			assert.Empty(t, r.json(t)["desired"], "desired after the device reported volume 7, asked for as %s", spelling)
+			assert.Empty(t, r.json(t)["desired"], "desired after the device reported volume %s, asked for as %s", tt.value, spelling)
 
 			report("9") // changed on the device
 			r = e.do("GET", "/api/v1/devices/dev-1/settings", tok, nil)
