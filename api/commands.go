@@ -478,8 +478,15 @@ func (s *Server) getSettings(c *gin.Context) error {
 		Schema:    json.RawMessage("{}"),
 		UpdatedAt: timeOrNull(st.UpdatedAt),
 	}
-	if len(st.Schema) > 0 && json.Valid(st.Schema) && string(st.Schema) != "null" {
+	switch {
+	case len(st.Schema) > 0 && json.Valid(st.Schema) && string(st.Schema) != "null":
 		out.Schema = st.Schema
+	case b.Model == topics.SimModel:
+		// Not reported yet: the model's, which a change is checked
+		// against (putSettings), for a client to build its form from.
+		if out.Schema, err = json.Marshal(topics.SimSchema()); err != nil {
+			return err
+		}
 	}
 	for _, k := range sortedKeys(out.Desired) {
 		if !jsonEqual(out.Desired[k], out.Reported[k]) {

@@ -274,12 +274,23 @@ func TestSettingsValidation(t *testing.T) {
 		{"no schema yet, unknown key", map[string]any{"bogus": 1}, 422, []string{"bogus"}},
 		{"no schema yet, above range", map[string]any{"brightness": 101}, 422, []string{"brightness"}},
 	})
+	// And GET shows that schema, for a client to build its form from.
+	r := e.do("GET", path, tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	want, err := json.Marshal(topics.SimSchema())
+	require.NoError(t, err)
+	shown, err := json.Marshal(r.json(t)["schema"])
+	require.NoError(t, err)
+	assert.JSONEq(t, string(want), string(shown), "the schema of a sim-1 device before it reported")
 	// Of a model the server does not know, any value a setting can hold:
 	// the bridge checks it against the device's schema.
 	other := e.user("owner of other-1")
 	e.provision("other-1", "code-other-1", "other-model")
-	r := e.do("POST", "/api/v1/devices/register", other, map[string]any{"device_id": "other-1", "claim_code": "code-other-1"})
+	r = e.do("POST", "/api/v1/devices/register", other, map[string]any{"device_id": "other-1", "claim_code": "code-other-1"})
 	require.Equal(t, 201, r.status, "%s", r.body)
+	r = e.do("GET", "/api/v1/devices/other-1/settings", other, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	assert.Equal(t, map[string]any{}, r.json(t)["schema"], "the schema of a device of a model the server does not know, before it reported")
 	runBodyCases(t, e, "PUT", "/api/v1/devices/other-1/settings", other, []bodyCase{
 		{"unknown model", map[string]any{"mode": "eco", "level": 3, "on": true}, 202, nil},
 		{"unknown model, not a setting's value", map[string]any{"mode": map[string]any{"a": 1}, "level": nil, "on": []any{}}, 422, []string{"level", "mode", "on"}},
