@@ -142,8 +142,8 @@ func TestReadmeCLILinesWork(t *testing.T) {
 	var lines []string
 	for _, l := range readmeCommands(t) {
 		switch {
-		case strings.HasPrefix(l, "TOKEN="), strings.HasPrefix(l, "DEV="):
-			setup = append(setup, l)
+		case strings.HasPrefix(l, "TOKEN="), strings.HasPrefix(l, "DEV="), strings.HasPrefix(l, "CODE="):
+			setup = append(setup, trailingComment.ReplaceAllString(l, ""))
 		case strings.HasPrefix(l, "go run ./cmd/companion ") && !strings.HasPrefix(l, "go run ./cmd/companion serve"):
 			l = strings.Replace(trailingComment.ReplaceAllString(l, ""), "go run ./cmd/companion", companion, 1)
 			l = strings.ReplaceAll(l, "http://127.0.0.1:8080", m.APIURL())
@@ -151,6 +151,7 @@ func TestReadmeCLILinesWork(t *testing.T) {
 		}
 	}
 	require.GreaterOrEqual(t, len(lines), 7, "command wait and the six admin commands")
+	require.Contains(t, setup, "CODE=$(openssl rand -hex 12)", "the claim code is made into a variable, printed, and provisioned")
 	prelude := strings.Join(setup, "\n") + "\n"
 	for _, l := range lines {
 		cmd := exec.Command("sh", "-c", prelude+l)
