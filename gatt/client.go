@@ -492,14 +492,19 @@ func (c *Client) Start(ctx context.Context, op uint8, group uint16, id uint8, re
 		return nil, err
 	}
 	if n := HeaderSize + len(body); n > c.MaxRequest() {
-		why := "one write: the device does not reassemble"
-		if c.MaxRequest() > c.frag {
-			why = "its SMP buffer"
-		}
-		return nil, &Error{Group: group, ID: id, RC: RCMsgSize,
-			Reason: fmt.Sprintf("the request of %d bytes is longer than the %d the device takes (%s)", n, c.MaxRequest(), why)}
+		return nil, &Error{Group: group, ID: id, RC: RCMsgSize, Bridge: true,
+			Reason: fmt.Sprintf("not sent: the request of %d bytes is longer than the %d the device takes (%s)", n, c.MaxRequest(), requestLimit(c.frag, c.MaxRequest()))}
 	}
 	return c.send(ctx, op, group, id, body)
+}
+
+// requestLimit says what bounds requests to maxReq bytes on a link whose
+// writes carry frag bytes, for the bridge's size checks.
+func requestLimit(frag, maxReq int) string {
+	if maxReq > frag {
+		return fmt.Sprintf("its SMP buffer, buf_size %d", maxReq)
+	}
+	return fmt.Sprintf("one ATT write at MTU %d; the bridge found no reassembly", frag+3)
 }
 
 // send writes a framed request of any length, split into writes.

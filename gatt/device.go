@@ -681,7 +681,7 @@ func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[st
 	for i, name := range names {
 		val, err := EncodeSetting(values[name])
 		if err != nil {
-			return &Error{Group: GroupSettings, ID: CmdSettingsValue, RC: RCInvalid, Reason: name + ": " + err.Error()}
+			return &Error{Group: GroupSettings, ID: CmdSettingsValue, RC: RCInvalid, Bridge: true, Reason: name + ": " + err.Error()}
 		}
 		reads[i] = exchange{op: OpRead, group: GroupSettings, id: CmdSettingsValue,
 			req: SettingReadRequest{Name: SettingsPrefix + name}, resp: &before[i]}
@@ -744,10 +744,10 @@ func (d *Device) putBackSettings(ctx context.Context, names []string, before []S
 func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
 	img, err := mcuboot.Parse(image)
 	if err != nil {
-		return &Error{Group: GroupImage, ID: CmdImageUpload, RC: RCInvalid, Reason: "the firmware is not an MCUboot image: " + err.Error()}
+		return &Error{Group: GroupImage, ID: CmdImageUpload, RC: RCInvalid, Bridge: true, Reason: "the firmware is not an MCUboot image: " + err.Error()}
 	}
 	if got := img.Header.Version.String(); got != version {
-		return &Error{Group: GroupImage, ID: CmdImageUpload, RC: RCInvalid, Reason: fmt.Sprintf("the image's header says version %s, not %s", got, version)}
+		return &Error{Group: GroupImage, ID: CmdImageUpload, RC: RCInvalid, Bridge: true, Reason: fmt.Sprintf("the image's header says version %s, not %s", got, version)}
 	}
 	report := func(pct int) {
 		if progress != nil {
@@ -757,7 +757,7 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 	resets, uploads := 0, 0
 	for step := 0; ; step++ {
 		if step == maxOTASteps {
-			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Reason: fmt.Sprintf("the image state did not move after %d steps", step)}
+			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Bridge: true, Reason: fmt.Sprintf("the image state did not move after %d steps", step)}
 		}
 		var st ImageStateResponse
 		if err := d.do(ctx, OpRead, GroupImage, CmdImageState, nil, &st); err != nil {
@@ -781,7 +781,7 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 				Reason: fmt.Sprintf("after the reboot the device runs %s, not %s: MCUboot refused the new image or reverted it", running, version)}
 		case held != nil && held.Pending:
 			if resets == maxResets {
-				return &Error{Group: GroupOS, ID: CmdOSReset, RC: RCUnknown, Reason: fmt.Sprintf("the image is still pending after %d resets: the device does not reboot", resets)}
+				return &Error{Group: GroupOS, ID: CmdOSReset, RC: RCUnknown, Bridge: true, Reason: fmt.Sprintf("the image is still pending after %d resets: the device does not reboot", resets)}
 			}
 			resets++
 			report(95)
@@ -804,7 +804,7 @@ func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, imag
 			// img_mgmt lists a slot by the one hash TLV its build reads
 			// (IMAGE_TLV_SHA): SHA-256, or SHA-512 with
 			// CONFIG_MCUBOOT_BOOTLOADER_USES_SHA512.
-			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown,
+			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Bridge: true,
 				Reason: fmt.Sprintf("the device does not list the image it took; the image's hash is %s: does the device's MCUboot check that hash?", mcuboot.HashName(img.HashType))}
 		default:
 			uploads++
@@ -878,7 +878,7 @@ func (d *Device) reset(ctx context.Context) error {
 // whose TLVs are written), and only the last answer's match does.
 func (d *Device) upload(ctx context.Context, u Upload) error {
 	if len(u.Data) == 0 {
-		return &Error{Group: u.Group, ID: u.ID, RC: RCInvalid, Reason: "nothing to upload"}
+		return &Error{Group: u.Group, ID: u.ID, RC: RCInvalid, Bridge: true, Reason: "nothing to upload"}
 	}
 	t := NewTransfer(u)
 	start := time.Now()

@@ -85,10 +85,19 @@ type Error struct {
 	// Code, when set, is the failure code the agent reports, whatever the
 	// rc (the bridge's own verdicts: a reverted image).
 	Code string
+	// Bridge marks the bridge's own verdict, not an answer of the device:
+	// a request it did not send because it is longer than the device
+	// takes (RC is then RCMsgSize), a value or an image it refused before
+	// sending anything, an OTA whose image state never came right. RC is
+	// the rc the bridge treats it as, for the failure code.
+	Bridge bool
 }
 
 func (e *Error) Error() string {
 	var s string
+	if e.Bridge {
+		return fmt.Sprintf("gatt: the bridge's own check (no answer of the device) on group %d command %d: %s", e.Group, e.ID, e.Reason)
+	}
 	if e.RC == 0 && e.GroupRC == 0 {
 		return "gatt: " + e.Reason
 	}

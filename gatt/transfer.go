@@ -87,23 +87,38 @@ func (t *Transfer) request(off uint64, data []byte, open bool) any {
 // several writes of frag bytes it is rounded down to whole writes, so that
 // no write goes out part-empty.
 func (t *Transfer) ChunkSize(frag, maxReq int, open bool) (int, error) {
-	probe := t.request(t.total, nil, open)
-	body, err := EncodeBody(probe)
+	overhead, err := t.overhead(open)
+	if err != nil {
+		return 0, err
+	}
+	n := chunkLimit(frag, maxReq) - overhead
+	if n < 1 {
+		return 0, &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize, Bridge: true,
+			Reason: fmt.Sprintf("not sent: an upload request takes %d bytes besides its data, and the device takes %d at most (%s)",
+				overhead, chunkLimit(frag, maxReq), requestLimit(frag, maxReq))}
+	}
+	return n, nil
+}
+
+// overhead is the bytes of an upload request (of the one that opens the
+// upload when open) besides its data: SMP header, the other fields, and
+// the data's head.
+func (t *Transfer) overhead(open bool) (int, error) {
+	body, err := EncodeBody(t.request(t.total, nil, open))
 	if err != nil {
 		return 0, err
 	}
 	// An empty byte string's head is one byte; up to 65535 bytes it is three.
-	overhead := HeaderSize + len(body) + 2
-	limit := maxReq
-	if limit > frag {
-		limit = limit / frag * frag
+	return HeaderSize + len(body) + 2, nil
+}
+
+// chunkLimit is the longest upload request: maxReq, rounded down to whole
+// writes of frag bytes when a request may take several.
+func chunkLimit(frag, maxReq int) int {
+	if maxReq > frag {
+		return maxReq / frag * frag
 	}
-	n := limit - overhead
-	if n < 1 {
-		return 0, &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize,
-			Reason: fmt.Sprintf("requests of %d bytes cannot carry an upload chunk", maxReq)}
-	}
-	return n, nil
+	return maxReq
 }
 
 type inflight struct {
@@ -148,8 +163,9 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted boo
 			return err
 		}
 		if n < mcuboot.HeaderSize && t.total >= mcuboot.HeaderSize {
-			return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize,
-				Reason: fmt.Sprintf("requests of %d bytes cannot carry the image header with len and sha", c.MaxRequest())}
+			return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize, Bridge: true,
+				Reason: fmt.Sprintf("not sent: the request at off 0 takes %d bytes besides its data, and its data must hold the %d-byte image header; the device takes %d at most (%s)",
+					chunkLimit(c.Frag(), c.MaxRequest())-n, mcuboot.HeaderSize, chunkLimit(c.Frag(), c.MaxRequest()), requestLimit(c.Frag(), c.MaxRequest()))}
 		}
 		if t.attempts.Load() > 1 || restarted {
 			// Resuming, most likely: the device keeps what it holds and

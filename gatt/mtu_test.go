@@ -1,0 +1,118 @@
+package gatt_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/sim"
+)
+
+// Without reassembly every request must fit one write of MTU − 3 bytes,
+// and the bridge sends none that does not: the MTU each operation needs
+// then, with command ids as long as the agent's (UUIDs), is the table of
+// docs/gatt.md ("Requests and writes"). One below it the operation fails
+// invalid_payload, by the bridge's own size check, which says so, and
+// names the request's size and the limit.
+func TestWithoutReassemblyTheMTUBoundsEveryRequest(t *testing.T) {
+	const big = 70_000 // len and off past 65535 take their longest CBOR form
+	cid := func(n int) string { return "0190a000-0000-7000-8000-" + strings.Repeat("0", 11) + itoa(n%10) }
+	for _, tc := range []struct {
+		name string
+		mtu  int // the least that works
+		run  func(ctx context.Context, d *gatt.Device) error
+	}{
+		{"status (reads with no body)", 23, func(ctx context.Context, d *gatt.Device) error { _, err := d.Info(ctx); return err }},
+		{"settings read", 46, func(ctx context.Context, d *gatt.Device) error { _, _, err := d.Settings(ctx); return err }},
+		{"settings write of an int", 43, func(ctx context.Context, d *gatt.Device) error {
+			return d.UpdateSettings(ctx, cid(1), map[string]any{"volume": 3.0})
+		}},
+		{"settings write of a long time zone", 74, func(ctx context.Context, d *gatt.Device) error {
+			return d.UpdateSettings(ctx, cid(2), map[string]any{"timezone": "America/Argentina/ComodRivadavia"})
+		}},
+		{"short text", 62, func(ctx context.Context, d *gatt.Device) error { return d.PushText(ctx, cid(3), "", "hi") }},
+		{"longest text", 110, func(ctx context.Context, d *gatt.Device) error {
+			return d.PushText(ctx, cid(4), strings.Repeat("t", 128), strings.Repeat("x", 4096))
+		}},
+		{"uninstall", 69, func(ctx context.Context, d *gatt.Device) error {
+			err := d.UninstallApp(ctx, cid(5), "weather")
+			if errorCode(err) == gatt.CodeNotInstalled {
+				return nil // the device had the request
+			}
+			return err
+		}},
+		{"OTA", 108, func(ctx context.Context, d *gatt.Device) error {
+			return d.UpdateFirmware(ctx, cid(6), "1.1.0", firmwareImage(t, "1.1.0", big), nil)
+		}},
+		{"picture", 136, func(ctx context.Context, d *gatt.Device) error {
+			return d.PushImage(ctx, cid(7), "image/jpeg", randomBytes(t, big))
+		}},
+		{"app install", 141, func(ctx context.Context, d *gatt.Device) error {
+			return d.InstallApp(ctx, cid(8), "weather", "1.0.0", randomBytes(t, big))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, mtu := range []int{tc.mtu - 1, tc.mtu} {
+				if mtu < 23 {
+					continue // ATT's least
+				}
+				opts := fastLink
+				opts.MTU = mtu
+				d, _, _, _ := newSimPeripheral(t, opts, sim.PeripheralOptions{NoReassembly: true, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}, gatt.DeviceOptions{})
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				err := tc.run(ctx, d)
+				cancel()
+				if mtu == tc.mtu {
+					if err != nil {
+						t.Errorf("at MTU %d: %v; want it done", mtu, err)
+					}
+					continue
+				}
+				if code := errorCode(err); code != gatt.CodeInvalidPayload || !strings.Contains(err.Error(), "the bridge's own check") ||
+					!strings.Contains(err.Error(), "not sent") || !strings.Contains(err.Error(), "at MTU "+itoa(mtu)) {
+					t.Errorf("at MTU %d: %v (code %q); want invalid_payload by the bridge's own size check", mtu, err, code)
+				}
+			}
+		})
+	}
+}
+
+// At MTU 23 without reassembly nothing that changes the device fits one
+// write (every request carries a command id of 36 characters): the
+// message tells it is the bridge's check, not an rc 7 of the device's,
+// with the request's size and the limit.
+func TestRequestTooLongForOneWriteSaysItIsTheBridgesCheck(t *testing.T) {
+	opts := fastLink
+	opts.MTU = 23
+	d, _, _, p := newSimPeripheral(t, opts, sim.PeripheralOptions{NoReassembly: true}, gatt.DeviceOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := d.UninstallApp(ctx, "0190a000-0000-7000-8000-000000000001", "weather")
+	const want = "gatt: the bridge's own check (no answer of the device) on group 66 command 2: " +
+		"not sent: the request of 66 bytes is longer than the 20 the device takes (one ATT write at MTU 23; the bridge found no reassembly)"
+	if err == nil || err.Error() != want {
+		t.Errorf("UninstallApp = %v;\nwant %s", err, want)
+	}
+	err = d.PushText(ctx, "0190a000-0000-7000-8000-000000000002", "", "hi")
+	const wantText = "gatt: the bridge's own check (no answer of the device) on group 64 command 1: " +
+		"not sent: an upload request takes 64 bytes besides its data, and the device takes 20 at most (one ATT write at MTU 23; the bridge found no reassembly)"
+	if err == nil || !strings.HasSuffix(err.Error(), wantText) {
+		t.Errorf("PushText = %v;\nwant it to end %s", err, wantText)
+	}
+	if code := errorCode(err); code != gatt.CodeInvalidPayload {
+		t.Errorf("PushText: code %q; want %s", code, gatt.CodeInvalidPayload)
+	}
+	if n := p.Dropped(); n != 0 {
+		t.Errorf("the device dropped %d writes: a request too long was sent", n)
+	}
+
+	// With buffers smaller than the request, and reassembly, the limit is
+	// the device's buffer.
+	d, _, _, _ = newSimPeripheral(t, opts, sim.PeripheralOptions{BufSize: 64}, gatt.DeviceOptions{})
+	err = d.UninstallApp(ctx, "0190a000-0000-7000-8000-000000000003", "weather")
+	if err == nil || !strings.Contains(err.Error(), "not sent: the request of 66 bytes is longer than the 64 the device takes (its SMP buffer, buf_size 64)") {
+		t.Errorf("UninstallApp with buffers of 64 = %v", err)
+	}
+}
