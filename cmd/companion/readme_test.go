@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -160,4 +161,29 @@ func TestReadmeCLILinesWork(t *testing.T) {
 		out, err := cmd.CombinedOutput()
 		assert.NoError(t, err, "%s:\n%s", l, out)
 	}
+}
+
+// readmeParagraph returns the README's paragraph that starts with start.
+func readmeParagraph(tb testing.TB, start string) string {
+	tb.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
+	require.NoError(tb, err)
+	s := string(b)
+	i := strings.Index(s, "\n"+start)
+	require.GreaterOrEqual(tb, i, 0, "the README has no paragraph starting %q", start)
+	s = s[i+1:]
+	if j := strings.Index(s, "\n\n"); j >= 0 {
+		s = s[:j]
+	}
+	return s
+}
+
+// The README's Configuration section names every flag of companion serve.
+func TestReadmeListsEveryServeFlag(t *testing.T) {
+	para := readmeParagraph(t, "`companion serve`: ")
+	newServeFlags(&Config{}).VisitAll(func(f *flag.Flag) {
+		if !regexp.MustCompile("(^|[^a-z0-9-])--" + regexp.QuoteMeta(f.Name) + "([^a-z0-9-]|$)").MatchString(para) {
+			t.Errorf("the README's companion serve flags lack --%s", f.Name)
+		}
+	})
 }
