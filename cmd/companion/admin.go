@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -67,9 +68,10 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return usageError{fmt.Sprintf("%s takes exactly one argument, got %d", cmd, len(pos))}
 	}
 	arg := pos[0]
-	tok := *token
+	tok, tokenFile := *token, ""
 	if tok == "" {
-		b, err := os.ReadFile(filepath.Join(*data, "admin.token"))
+		tokenFile = filepath.Join(*data, "admin.token")
+		b, err := os.ReadFile(tokenFile)
 		if err != nil {
 			return usageError{fmt.Sprintf("no --admin-token and none readable in %s: %v", *data, err)}
 		}
@@ -119,7 +121,7 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		body, err = c.putFile(ctx, "/api/v1/admin/apps/"+url.PathEscape(appID)+"/"+url.PathEscape(version), arg, stderr)
 	}
 	if err != nil {
-		return err
+		return staleTokenHint(err, tokenFile)
 	}
 	var pretty bytes.Buffer
 	if json.Indent(&pretty, body, "", "  ") == nil {
@@ -127,6 +129,19 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	fmt.Fprintln(stdout, string(body))
 	return nil
+}
+
+// staleTokenHint adds to a 401 answer, when the admin token was read from
+// tokenFile, that the file may be stale: a server started with
+// --admin-token accepts only that one, and leaves the token an earlier
+// start generated into DATA/admin.token in place.
+func staleTokenHint(err error, tokenFile string) error {
+	var ae *apiError
+	if tokenFile == "" || !errors.As(err, &ae) || ae.status != http.StatusUnauthorized {
+		return err
+	}
+	return fmt.Errorf("%w\nthe admin token was read from %s, which may be stale: a server started with --admin-token "+
+		"accepts only that token (it warns of the file at start); give it with --admin-token or COMPANION_ADMIN_TOKEN", err, tokenFile)
 }
 
 // checkRelease refuses, before the upload, the id and version of a

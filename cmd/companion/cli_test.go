@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // The admin CLI is a client of the admin API of a running server.
@@ -151,4 +154,42 @@ func TestDemoQuickStartWorksAsPrinted(t *testing.T) {
 	fi, err := os.Stat(filepath.Join(m.Config.Data, "demo.json"))
 	require.NoError(t, err)
 	assert.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+}
+
+// A server started with --admin-token on a data directory that holds a
+// DATA/admin.token of an earlier start warns that the file's token is not
+// in force, and the admin CLI, which reads the file when given no token,
+// says so when it is refused.
+func TestStaleAdminTokenFile(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "admin.token"), []byte("cat_generated-before\n"), 0o600))
+	var logs testenv.Buffer
+	m := startServerLogging(t, Config{Data: dir, AdminToken: "from-the-flag"}, slog.New(slog.NewTextHandler(&logs, nil)))
+	file := filepath.Join(dir, "admin.token")
+	assert.Contains(t, logs.String(), "level=WARN msg=\"the admin token in "+file+" is not in force: --admin-token is;")
+	assert.NotContains(t, logs.String(), "cat_generated-before")
+	assert.NotContains(t, logs.String(), "from-the-flag")
+
+	api := "http://" + m.HTTPAddr()
+	err := run(context.Background(), []string{"user", "create", "zz", "--api-url", api, "--data", dir}, &bytes.Buffer{}, &bytes.Buffer{})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "401")
+	assert.Contains(t, err.Error(), "the admin token was read from "+file+", which may be stale")
+	assert.Contains(t, err.Error(), "--admin-token or COMPANION_ADMIN_TOKEN")
+
+	// Given the token, the CLI gets in; a wrong token given on the command
+	// line is a plain 401, the file not named.
+	var out bytes.Buffer
+	require.NoError(t, run(context.Background(), []string{"user", "create", "zz", "--api-url", api, "--admin-token", "from-the-flag"}, &out, &bytes.Buffer{}))
+	err = run(context.Background(), []string{"user", "create", "yy", "--api-url", api, "--admin-token", "wrong", "--data", dir}, &bytes.Buffer{}, &bytes.Buffer{})
+	require.ErrorContains(t, err, "401")
+	assert.NotContains(t, err.Error(), "admin.token")
+
+	// No warning when the file holds the token in force, or without the flag.
+	for _, cfg := range []Config{{AdminToken: "same"}, {}} {
+		d := t.TempDir()
+		require.NoError(t, os.WriteFile(filepath.Join(d, "admin.token"), []byte("same\n"), 0o600))
+		path, stale := staleAdminTokenFile(Config{Data: d, AdminToken: cfg.AdminToken})
+		assert.False(t, stale, "%+v: %s", cfg, path)
+	}
 }
