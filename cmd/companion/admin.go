@@ -28,12 +28,20 @@ type apiClient struct {
 }
 
 func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if len(args) < 2 {
-		return usageError{fmt.Sprintf("%s: missing sub-command", args[0])}
+	group := args[0]
+	list, subs := groupUsage(group)
+	switch {
+	case len(args) >= 2 && isHelp(args[1]):
+		fmt.Fprintln(stdout, list)
+		return nil
+	case len(args) < 2:
+		fmt.Fprintln(stderr, list)
+		return usageError{fmt.Sprintf("%s: missing sub-command (%s)", group, strings.Join(subs, " or "))}
 	}
-	cmd := args[0] + " " + args[1]
+	cmd := group + " " + args[1]
 	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs)
 	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
 	token := fs.String("admin-token", "", "admin token (default: read from DATA/admin.token)")
 	data := fs.String("data", "./data", "the server's data directory, to find admin.token")
@@ -55,7 +63,8 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fs.StringVar(&version, "version", "", "semantic version (required)")
 	case "user create", "bridge create":
 	default:
-		return usageError{fmt.Sprintf("unknown command %q", cmd)}
+		fmt.Fprintln(stderr, list)
+		return usageError{fmt.Sprintf("unknown command %q: %s takes %s", cmd, group, strings.Join(subs, " or "))}
 	}
 	pos, err := parseInterspersed(fs, args[2:])
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"flag"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -115,7 +116,49 @@ func TestFlagsFromEnvironment(t *testing.T) {
 
 	t.Setenv("COMPANION_DEMO", "maybe")
 	fs = newServeFlags(&cfg)
-	assert.Error(t, parseFlags(fs, nil))
+	assert.ErrorContains(t, parseFlags(fs, nil), `COMPANION_DEMO: invalid value "maybe" for --demo: want true or false`)
+}
+
+// Each command's -h names its arguments; a command group asked for help
+// lists its sub-commands and exits 0, and one given none or an unknown one
+// lists them before the usage error.
+func TestCLIUsage(t *testing.T) {
+	for _, tc := range []struct {
+		args     []string
+		help     bool   // -h of a command: flag.ErrHelp, flags on stderr
+		usageErr string // a usage error containing this; "" none
+		stdout   string // contained in stdout
+		stderr   string // contained in stderr
+	}{
+		{args: []string{"user", "create", "-h"}, help: true, stderr: "usage: companion user create NAME\n\nflags:\n  -admin-token"},
+		{args: []string{"device", "provision", "--help"}, help: true, stderr: "usage: companion device provision ID --claim-code CODE --model MODEL [--bridge BRIDGE]\n"},
+		{args: []string{"command", "wait", "-h"}, help: true, stderr: "usage: companion command wait DEVICE ID --token TOKEN"},
+		{args: []string{"serve", "-h"}, help: true, stderr: "usage: companion serve [--http ADDR]"},
+		{args: []string{"user", "--help"}, stdout: "usage:\n  companion user create NAME\n"},
+		{args: []string{"device", "-h"}, stdout: "usage:\n  companion device provision ID --claim-code CODE --model MODEL [--bridge BRIDGE]\n  companion device assign ID --bridge BRIDGE | --none\n"},
+		{args: []string{"command", "--help"}, stdout: "  companion command wait DEVICE ID"},
+		{args: []string{"user"}, usageErr: "user: missing sub-command (create)", stderr: "  companion user create NAME"},
+		{args: []string{"device"}, usageErr: "device: missing sub-command (provision or assign)", stderr: "  companion device assign ID"},
+		{args: []string{"command"}, usageErr: "command: missing sub-command (wait)", stderr: "  companion command wait DEVICE ID"},
+		{args: []string{"firmware", "upload"}, usageErr: `unknown command "firmware upload": firmware takes publish`, stderr: "  companion firmware publish --model MODEL"},
+	} {
+		var stdout, stderr bytes.Buffer
+		err := run(context.Background(), tc.args, &stdout, &stderr)
+		switch {
+		case tc.help:
+			assert.ErrorIs(t, err, flag.ErrHelp, "companion %q", tc.args)
+		case tc.usageErr != "":
+			var ue usageError
+			if assert.ErrorAs(t, err, &ue, "companion %q", tc.args) {
+				assert.Contains(t, ue.Error(), tc.usageErr, "companion %q", tc.args)
+			}
+		default:
+			assert.NoError(t, err, "companion %q", tc.args)
+		}
+		assert.Contains(t, stdout.String(), tc.stdout, "companion %q: stdout", tc.args)
+		assert.Contains(t, stderr.String(), tc.stderr, "companion %q: stderr", tc.args)
+		assert.NotContains(t, stderr.String(), "Usage of", "companion %q: the flag package's own usage line", tc.args)
+	}
 }
 
 // The demo prints curl lines that work as printed.

@@ -178,6 +178,8 @@ func TestHelpExitsZero(t *testing.T) {
 		{companion, []string{"serve", "-h"}, "-mqtt-listen"},
 		{companion, []string{"serve", "--help"}, "-mqtt-listen"},
 		{companion, []string{"user", "create", "-h"}, "-api-url"},
+		{companion, []string{"user", "--help"}, "companion user create NAME"},
+		{companion, []string{"device", "-h"}, "companion device assign ID"},
 		{companion, []string{"command", "wait", "-h"}, "-timeout"},
 		{companion, []string{"migrate", "-h"}, "-store"},
 		{companion, []string{"-h"}, "companion serve"},

@@ -22,6 +22,7 @@ import (
 	"io"
 	"os"
 	"runtime/debug"
+	"strings"
 
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
@@ -72,18 +73,69 @@ type usageError struct{ msg string }
 
 func (e usageError) Error() string { return e.msg }
 
-const usage = `usage:
-  companion serve [--http ADDR] [--data DIR] [--mqtt-listen ADDR | --mqtt-url URL] [--demo] ...
-  companion migrate --store postgres://USER@HOST:PORT/DB
-  companion user create NAME
-  companion device provision ID --claim-code CODE --model MODEL [--bridge BRIDGE]
-  companion device assign ID --bridge BRIDGE | --none
-  companion bridge create ID
-  companion firmware publish --model MODEL --version VERSION FILE
-  companion app publish --app-id APP --version VERSION FILE
-  companion command wait DEVICE ID --token TOKEN [--api-url URL] [--timeout DURATION]
-  companion --version
-Run "companion COMMAND -h" for the flags of a command.`
+// commands are the CLI's commands with their arguments, as usage shows
+// them.
+var commands = []struct{ name, args string }{
+	{"serve", "[--http ADDR] [--data DIR] [--mqtt-listen ADDR | --mqtt-url URL] [--demo] ..."},
+	{"migrate", "--store postgres://USER@HOST:PORT/DB"},
+	{"user create", "NAME"},
+	{"device provision", "ID --claim-code CODE --model MODEL [--bridge BRIDGE]"},
+	{"device assign", "ID --bridge BRIDGE | --none"},
+	{"bridge create", "ID"},
+	{"firmware publish", "--model MODEL --version VERSION FILE"},
+	{"app publish", "--app-id APP --version VERSION FILE"},
+	{"command wait", "DEVICE ID --token TOKEN [--api-url URL] [--timeout DURATION]"},
+}
+
+// usage is the CLI's usage: every command.
+var usage = func() string {
+	var b strings.Builder
+	b.WriteString("usage:\n")
+	for _, c := range commands {
+		fmt.Fprintf(&b, "  companion %s %s\n", c.name, c.args)
+	}
+	b.WriteString("  companion --version\n")
+	b.WriteString(`Run "companion COMMAND -h" for the flags of a command.`)
+	return b.String()
+}()
+
+// groupUsage is the usage of the commands of group (user, device, …):
+// "usage:" and a line for each.
+func groupUsage(group string) (text string, subs []string) {
+	var b strings.Builder
+	b.WriteString("usage:")
+	for _, c := range commands {
+		if sub, ok := strings.CutPrefix(c.name, group+" "); ok {
+			fmt.Fprintf(&b, "\n  companion %s %s", c.name, c.args)
+			subs = append(subs, sub)
+		}
+	}
+	return b.String(), subs
+}
+
+// setUsage makes -h of fs print the command's synopsis, from commands,
+// then its flags.
+func setUsage(fs *flag.FlagSet) {
+	synopsis := fs.Name()
+	for _, c := range commands {
+		if c.name == fs.Name() {
+			synopsis += " " + c.args
+		}
+	}
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "usage: companion %s\n\nflags:\n", synopsis)
+		fs.PrintDefaults()
+	}
+}
+
+// isHelp reports whether arg asks for help.
+func isHelp(arg string) bool {
+	switch arg {
+	case "-h", "-help", "--help", "help":
+		return true
+	}
+	return false
+}
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
@@ -99,7 +151,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runAdmin(ctx, args, stdout, stderr)
 	case "command":
 		return runCommand(ctx, args, stdout, stderr)
-	case "-h", "--help", "help":
+	case "-h", "-help", "--help", "help":
 		fmt.Fprintln(stdout, usage)
 		return nil
 	case "--version", "-version", "version":

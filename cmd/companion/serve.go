@@ -90,6 +90,7 @@ type Config struct {
 
 func newServeFlags(c *Config) *flag.FlagSet {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	setUsage(fs)
 	fs.StringVar(&c.HTTP, "http", "127.0.0.1:8080", "HTTP API listen address")
 	fs.StringVar(&c.Data, "data", "./data", "data directory (bbolt file, blobs, admin token)")
 	fs.StringVar(&c.MQTTListen, "mqtt-listen", "127.0.0.1:1883", "listen address of the embedded MQTT broker")

@@ -122,6 +122,7 @@ func replicaClientID(cfg Config) (string, error) {
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs)
 	dsn := fs.String("store", "", "postgres://USER@HOST:PORT/DB to bring to this version's schema")
 	if err := parseFlags(fs, args); err != nil {
 		return err

@@ -38,11 +38,21 @@ func (e exitError) Unwrap() error { return e.err }
 // the API, which follows one command from the event stream of its device
 // until it is final.
 func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if len(args) < 2 || args[1] != "wait" {
-		return usageError{"usage: companion command wait DEVICE ID --token TOKEN [--api-url URL] [--timeout DURATION]"}
+	list, _ := groupUsage("command")
+	switch {
+	case len(args) >= 2 && isHelp(args[1]):
+		fmt.Fprintln(stdout, list)
+		return nil
+	case len(args) < 2:
+		fmt.Fprintln(stderr, list)
+		return usageError{"command: missing sub-command (wait)"}
+	case args[1] != "wait":
+		fmt.Fprintln(stderr, list)
+		return usageError{fmt.Sprintf("unknown command %q: command takes wait", "command "+args[1])}
 	}
 	fs := flag.NewFlagSet("command wait", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs)
 	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
 	token := fs.String("token", "", "the user's API token (required)")
 	timeout := fs.Duration("timeout", 0, "give up after this long (0: wait until the command is final)")

@@ -19,7 +19,8 @@ func Name(prefix, flagName string) string {
 // Apply fills the flags of fs that were not set on the command line (call
 // it after fs.Parse) from the environment, through fs.Set: fs.Visit then
 // counts them as given, as those of the command line. The error names the
-// variable whose value the flag refused.
+// variable, its value and the flag, and for a boolean flag the values it
+// takes (the flag package says only "parse error").
 func Apply(fs *flag.FlagSet, prefix string) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -31,7 +32,11 @@ func Apply(fs *flag.FlagSet, prefix string) error {
 		name := Name(prefix, f.Name)
 		if v, ok := os.LookupEnv(name); ok {
 			if e := fs.Set(f.Name, v); e != nil {
-				err = fmt.Errorf("%s: %v", name, e)
+				if b, ok := f.Value.(interface{ IsBoolFlag() bool }); ok && b.IsBoolFlag() {
+					err = fmt.Errorf("%s: invalid value %q for --%s: want true or false (1, t, T, TRUE, True, or 0, f, F, FALSE, False)", name, v, f.Name)
+					return
+				}
+				err = fmt.Errorf("%s: invalid value %q for --%s: %v", name, v, f.Name, e)
 			}
 		}
 	})

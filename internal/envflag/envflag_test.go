@@ -34,8 +34,19 @@ func TestApply(t *testing.T) {
 	fs = flag.NewFlagSet("t", flag.ContinueOnError)
 	fs.Int("port", 1, "")
 	fs.Parse(nil)
-	if err := Apply(fs, "X_"); err == nil {
-		t.Error("a bad value from the environment was accepted")
+	const wantPort = `X_PORT: invalid value "nine" for --port: parse error`
+	if err := Apply(fs, "X_"); err == nil || err.Error() != wantPort {
+		t.Errorf("Apply with X_PORT=nine = %v; want %s", err, wantPort)
+	}
+
+	// A boolean flag's error says which values it takes.
+	t.Setenv("X_DEMO", "maybe")
+	fs = flag.NewFlagSet("t", flag.ContinueOnError)
+	fs.Bool("demo", false, "")
+	fs.Parse(nil)
+	const wantDemo = `X_DEMO: invalid value "maybe" for --demo: want true or false (1, t, T, TRUE, True, or 0, f, F, FALSE, False)`
+	if err := Apply(fs, "X_"); err == nil || err.Error() != wantDemo {
+		t.Errorf("Apply with X_DEMO=maybe = %v; want %s", err, wantDemo)
 	}
 	if got := Name("COMPANION_", "bridge-secret"); got != "COMPANION_BRIDGE_SECRET" {
 		t.Errorf("Name = %q", got)
