@@ -175,7 +175,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.StringVar(&c.SimModel, "sim-model", c.SimModel, "`model` of the simulated devices")
 	fs.StringVar(&c.SimFirmware, "sim-firmware", c.SimFirmware, "initial firmware `version` of the simulated devices")
 	fs.IntVar(&c.SimMTU, "sim-mtu", c.SimMTU, "ATT `MTU` of the simulated Bluetooth link (23–517)")
-	fs.IntVar(&c.SimKBPS, "sim-kbps", c.SimKBPS, "`rate` of the simulated Bluetooth link in kbit/s each way (default: BLE 2M PHY with data length extension)")
+	fs.IntVar(&c.SimKBPS, "sim-kbps", c.SimKBPS, "`rate` of the simulated Bluetooth link in kbit/s each way; 1400 models BLE 2M PHY with data length extension")
 	fs.DurationVar(&c.SimDropEvery, "sim-drop-every", c.SimDropEvery, "drop the simulated Bluetooth link this `often` (0: never)")
 	fs.BoolVar(&c.SimNoReassembly, "sim-no-reassembly", c.SimNoReassembly, "the simulated devices do not join SMP requests split across writes (Zephyr without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY)")
 	fs.StringVar(&c.SimState, "sim-state", c.SimState, "`directory` where the simulated devices keep their state (firmware, apps, settings) and the command ids they ran, so that across bridge restarts they are as they were and drop repeats, as real devices do")
@@ -183,7 +183,10 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.StringVar(&devices, "devices", "", "comma-separated `ids` of the real devices to reach with --gatt (their DIS serial numbers)")
 	fs.StringVar(&c.CA, "ca", c.CA, "PEM CA `file` to verify an mqtts:// broker and an https:// --api-url with (default: the system's)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", c.TopicPrefix, "MQTT topic `prefix`")
-	fs.TextVar(&c.LogLevel, "log-level", c.LogLevel, "log `level`: debug, info, warn, error")
+	// A string, not a TextVar, so that -h shows the default as serve does
+	// ("info", not slog's "INFO").
+	logLevel := strings.ToLower(c.LogLevel.String())
+	fs.StringVar(&logLevel, "log-level", logLevel, "debug, info, warn or error")
 	fs.StringVar(&c.PProf, "pprof", c.PProf, "serve net/http/pprof on this `address` (off when empty; keep it on loopback)")
 	fs.StringVar(&c.Metrics, "metrics", c.Metrics, "serve GET /metrics (Prometheus) on this `address` (off when empty)")
 	fs.IntVar(&c.BlobCacheMB, "blob-cache-mb", c.BlobCacheMB, "`MiB` of downloaded images, apps and firmware the blob cache keeps at most, the least recently used deleted first (0: no bound; each is deleted a day after its last use)")
@@ -196,6 +199,9 @@ func (m *Main) ParseFlags(args []string) error {
 	}
 	if err := envflag.Apply(fs, "COMPANION_"); err != nil {
 		return err
+	}
+	if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
+		return fmt.Errorf("--log-level %q: give debug, info, warn or error", logLevel)
 	}
 	if c.GATT == "bluez" {
 		// The simulator's flags do nothing to real devices: say so

@@ -1,8 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"flag"
 	"io"
 	"log/slog"
 	"strings"
@@ -291,5 +294,28 @@ func TestCommandTimeoutFlag(t *testing.T) {
 	r, _ := topics.ParseReply(m.Payload())
 	if r.State != companion.StateFailed || r.Error == nil || r.Error.Code != "timeout" {
 		t.Errorf("final reply %+v (error %+v); want failed with code timeout", r, r.Error)
+	}
+}
+
+// -h shows each flag's default once, and the log level's as companion
+// serve does ("info"; slog's own text is "INFO").
+func TestHelpShowsEachDefaultOnce(t *testing.T) {
+	var help bytes.Buffer
+	m := NewMain()
+	m.Stderr = &help
+	if err := m.ParseFlags([]string{"-h"}); !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("ParseFlags(-h) = %v", err)
+	}
+	out := help.String()
+	if !strings.Contains(out, "-log-level string\n    \tdebug, info, warn or error (default \"info\")\n") {
+		t.Errorf("the log level's help is not serve's:\n%s", out)
+	}
+	for _, entry := range strings.Split(out, "\n  -")[1:] {
+		if n := strings.Count(entry, "(default"); n > 1 {
+			t.Errorf("-%s says default %d times", strings.TrimSpace(entry), n)
+		}
+	}
+	if !strings.Contains(out, "-sim-kbps rate\n    \trate of the simulated Bluetooth link in kbit/s each way") || !strings.Contains(out, "(default 1400)") {
+		t.Errorf("-sim-kbps:\n%s", out)
 	}
 }
