@@ -14,7 +14,8 @@ import (
 
 // progress tells how an upload goes: on a terminal as a bar redrawn in
 // place with \r (bytes sent of the total, percentage, rate), elsewhere
-// (a log, a pipe) as a plain line at each quarter ("uploaded 25% …").
+// (a log, a pipe) as a plain line each time the upload passes a quarter,
+// with the percentage sent ("uploaded 30% …").
 // The HTTP transport reads the body on a goroutine of its own, so add may
 // run beside finish.
 type progress struct {
@@ -68,9 +69,13 @@ func (p *progress) add(n int) {
 		return
 	}
 	if p.total > 0 {
-		if q := min(p.sent, p.total) * 4 / p.total; q > p.quarters {
+		// A line each time the upload passes a quarter, with the share
+		// actually sent: one read may pass a quarter by far (the
+		// transport reads 32 KiB at a time, 80% of a 40 KiB upload).
+		sent := min(p.sent, p.total)
+		if q := sent * 4 / p.total; q > p.quarters {
 			p.quarters = q
-			fmt.Fprintf(p.w, "uploaded %d%% (%s of %s)\n", q*25, humanBytes(min(p.sent, p.total)), humanBytes(p.total))
+			fmt.Fprintf(p.w, "uploaded %d%% (%s of %s)\n", sent*100/p.total, humanBytes(sent), humanBytes(p.total))
 		}
 	}
 }

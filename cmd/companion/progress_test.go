@@ -51,8 +51,8 @@ type fakeClock struct{ t time.Time }
 
 func (c *fakeClock) now() time.Time { return c.t }
 
-// Not on a terminal: a plain line at each quarter passed, in order, the
-// last at 100%.
+// Not on a terminal: a plain line each time a quarter is passed, in
+// order, with the percentage actually sent, the last at 100%.
 func TestProgressPlainLines(t *testing.T) {
 	var out bytes.Buffer
 	p := newProgress(&out, 1000)
@@ -62,8 +62,17 @@ func TestProgressPlainLines(t *testing.T) {
 	}
 	p.finish()
 	p.add(100) // the transport reading after the end is not told
-	assert.Equal(t, "uploaded 25% (300 B of 1000 B)\nuploaded 50% (500 B of 1000 B)\n"+
-		"uploaded 75% (800 B of 1000 B)\nuploaded 100% (1000 B of 1000 B)\n", out.String())
+	assert.Equal(t, "uploaded 30% (300 B of 1000 B)\nuploaded 50% (500 B of 1000 B)\n"+
+		"uploaded 80% (800 B of 1000 B)\nuploaded 100% (1000 B of 1000 B)\n", out.String())
+
+	// 40 KiB read as the HTTP transport reads a body, 32 KiB at a time:
+	// the first read is 80%, not "75%".
+	out.Reset()
+	p = newProgress(&out, 40<<10)
+	p.add(32 << 10)
+	p.add(8 << 10)
+	p.finish()
+	assert.Equal(t, "uploaded 80% (32.0 KiB of 40.0 KiB)\nuploaded 100% (40.0 KiB of 40.0 KiB)\n", out.String())
 
 	out.Reset()
 	p = newProgress(&out, 0)
