@@ -11,8 +11,7 @@ import (
 	"testing"
 )
 
-// The README's Configuration section names every flag of companion-bridge
-// (--sim-state is documented with the simulator's change).
+// The README's Configuration section names every flag of companion-bridge.
 func TestReadmeListsEveryFlag(t *testing.T) {
 	b, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
 	if err != nil {
@@ -38,9 +37,6 @@ func TestReadmeListsEveryFlag(t *testing.T) {
 		t.Fatalf("%d flags in the help:\n%s", len(names), help.String())
 	}
 	for _, n := range names {
-		if n[1] == "sim-state" {
-			continue
-		}
 		if !regexp.MustCompile("(^|[^a-z0-9-])--" + regexp.QuoteMeta(n[1]) + "([^a-z0-9-]|$)").MatchString(para) {
 			t.Errorf("the README's companion-bridge flags lack --%s", n[1])
 		}
