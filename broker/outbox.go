@@ -619,7 +619,7 @@ func (b *Broker) flushSent() {
 // queued command. The bridge it left does not get it from its session
 // (the broker drops it there: TestAMovedDevicesCommandStaysInItsOldBridgesSession);
 // one that bridge took before the move, its word on it refused since, is
-// the race of a move that the note on bug 123 leaves open.
+// a race of a move left open (docs/reliability.md, bug 123).
 func (b *Broker) requeue(id string) {
 	b.st.UpdateCommandAsync(id, func(c *companion.Command) error {
 		if c.State != companion.StateSent {
