@@ -28,17 +28,10 @@ type apiClient struct {
 }
 
 func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	group := args[0]
-	list, subs := groupUsage(group)
-	switch {
-	case len(args) >= 2 && isHelp(args[1]):
-		fmt.Fprintln(stdout, list)
-		return nil
-	case len(args) < 2:
-		fmt.Fprintln(stderr, list)
-		return usageError{fmt.Sprintf("%s: missing sub-command (%s)", group, strings.Join(subs, " or "))}
+	cmd, done, err := subCommand(args, stdout, stderr)
+	if done {
+		return err
 	}
-	cmd := group + " " + args[1]
 	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	setUsage(fs)
@@ -61,10 +54,6 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	case "app publish":
 		fs.StringVar(&appID, "app-id", "", "the app's id (required)")
 		fs.StringVar(&version, "version", "", "semantic version (required)")
-	case "user create", "bridge create":
-	default:
-		fmt.Fprintln(stderr, list)
-		return usageError{fmt.Sprintf("unknown command %q: %s takes %s", cmd, group, strings.Join(subs, " or "))}
 	}
 	pos, err := parseInterspersed(fs, args[2:])
 	if err != nil {

@@ -22,6 +22,7 @@ import (
 	"io"
 	"os"
 	"runtime/debug"
+	"slices"
 	"strings"
 
 	"github.com/devicecompanion/companion/internal/buildinfo"
@@ -126,6 +127,28 @@ func setUsage(fs *flag.FlagSet) {
 		fmt.Fprintf(fs.Output(), "usage: companion %s\n\nflags:\n", synopsis)
 		fs.PrintDefaults()
 	}
+}
+
+// subCommand reads the sub-command of a command group (user, device,
+// command, …) from args, args[0] being the group: it answers a request for
+// help with the group's commands (done), and a missing or unknown
+// sub-command with them and a usage error (done). Otherwise it returns the
+// command, "group sub".
+func subCommand(args []string, stdout, stderr io.Writer) (cmd string, done bool, err error) {
+	group := args[0]
+	list, subs := groupUsage(group)
+	switch {
+	case len(args) >= 2 && isHelp(args[1]):
+		fmt.Fprintln(stdout, list)
+		return "", true, nil
+	case len(args) < 2:
+		fmt.Fprintln(stderr, list)
+		return "", true, usageError{fmt.Sprintf("%s: missing sub-command (%s)", group, strings.Join(subs, " or "))}
+	case !slices.Contains(subs, args[1]):
+		fmt.Fprintln(stderr, list)
+		return "", true, usageError{fmt.Sprintf("unknown command %q: %s takes %s", group+" "+args[1], group, strings.Join(subs, " or "))}
+	}
+	return group + " " + args[1], false, nil
 }
 
 // isHelp reports whether arg asks for help.

@@ -38,19 +38,11 @@ func (e exitError) Unwrap() error { return e.err }
 // the API, which follows one command from the event stream of its device
 // until it is final.
 func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	list, _ := groupUsage("command")
-	switch {
-	case len(args) >= 2 && isHelp(args[1]):
-		fmt.Fprintln(stdout, list)
-		return nil
-	case len(args) < 2:
-		fmt.Fprintln(stderr, list)
-		return usageError{"command: missing sub-command (wait)"}
-	case args[1] != "wait":
-		fmt.Fprintln(stderr, list)
-		return usageError{fmt.Sprintf("unknown command %q: command takes wait", "command "+args[1])}
+	cmd, done, err := subCommand(args, stdout, stderr)
+	if done {
+		return err
 	}
-	fs := flag.NewFlagSet("command wait", flag.ContinueOnError)
+	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	setUsage(fs)
 	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
