@@ -57,11 +57,12 @@ var hashes = []struct {
 	typ   uint16
 	name  string // as people write it
 	field string // the FormatError field of its errors
+	size  int
 	new   func() hash.Hash
 }{
-	{TLVSHA256, "SHA-256", "sha256", sha256.New},
-	{TLVSHA384, "SHA-384", "sha384", sha512.New384},
-	{TLVSHA512, "SHA-512", "sha512", sha512.New},
+	{TLVSHA256, "SHA-256", "sha256", sha256.Size, sha256.New},
+	{TLVSHA384, "SHA-384", "sha384", sha512.Size384, sha512.New384},
+	{TLVSHA512, "SHA-512", "sha512", sha512.Size, sha512.New},
 }
 
 // hashIndex is the index in hashes of the hash TLV type typ, or -1.
@@ -78,7 +79,7 @@ func hashIndex(typ uint16) int {
 // for TLVSHA256, 48 for TLVSHA384, 64 for TLVSHA512; 0 for any other type.
 func HashSize(typ uint16) int {
 	if i := hashIndex(typ); i >= 0 {
-		return hashes[i].new().Size()
+		return hashes[i].size
 	}
 	return 0
 }
@@ -451,7 +452,7 @@ func (v *Verifier) Close() (*Image, error) {
 		if img.Hash != nil {
 			return nil, &FormatError{Field: "hash", Msg: fmt.Sprintf("two hash TLVs, %s and %s; an image carries the one its MCUboot checks", HashName(img.HashType), hashes[i].name)}
 		}
-		if size := v.hashSize(i); len(t.Value) != size {
+		if size := hashes[i].size; len(t.Value) != size {
 			return nil, &FormatError{Field: hashes[i].field, Msg: fmt.Sprintf("the %s TLV has %d bytes, not %d", hashes[i].name, len(t.Value), size)}
 		}
 		img.Hash, img.HashType, hashAt = t.Value, t.Type, i
@@ -465,14 +466,6 @@ func (v *Verifier) Close() (*Image, error) {
 		}
 	}
 	return img, nil
-}
-
-// hashSize is the size of the hash of hashes[i].
-func (v *Verifier) hashSize(i int) int {
-	if v.hs != nil {
-		return v.hs[i].Size()
-	}
-	return HashSize(hashes[i].typ)
 }
 
 // padding checks, as they stream past, the bytes that follow an image's
