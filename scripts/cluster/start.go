@@ -57,8 +57,8 @@ func start(ctx context.Context, cfg config, names []string, out io.Writer) error
 			// would take it for a live server's while its dead postmaster is
 			// a zombie not yet reaped (its parent, up, is gone), as where
 			// nothing reaps orphans.
-			if i := slices.Index(cmd.Args, "-D"); i >= 0 && i+1 < len(cmd.Args) {
-				if err := os.Remove(filepath.Join(cmd.Args[i+1], "postmaster.pid")); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			if data := argAfter(cmd.Args, "-D"); data != "" {
+				if err := os.Remove(filepath.Join(data, "postmaster.pid")); err != nil && !errors.Is(err, fs.ErrNotExist) {
 					return err
 				}
 			}
@@ -83,15 +83,9 @@ func start(ctx context.Context, cfg config, names []string, out io.Writer) error
 // serves returns the check that a piece started with args serves, and what
 // it checks.
 func (c *cluster) serves(ctx context.Context, info Info, name string, args []string) (func() error, string) {
-	flag := func(f string) string {
-		if i := slices.Index(args, f); i >= 0 && i+1 < len(args) {
-			return args[i+1]
-		}
-		return ""
-	}
 	switch {
 	case strings.HasPrefix(name, "replica-"):
-		return func() error { return getOK("http://" + flag("--http") + "/readyz") }, "ready"
+		return func() error { return getOK("http://" + argAfter(args, "--http") + "/readyz") }, "ready"
 	case strings.HasPrefix(name, "nats-"):
 		i, err := strconv.Atoi(strings.TrimPrefix(name, "nats-"))
 		if err != nil || i < 1 || i > len(info.NATSMonitorURLs) {
@@ -100,19 +94,27 @@ func (c *cluster) serves(ctx context.Context, info Info, name string, args []str
 		return func() error { return getOK(info.NATSMonitorURLs[i-1] + "/healthz") }, "healthy"
 	case name == "postgres":
 		// The replicas' store, as they connect to it: past its recovery.
+		replica, _, err := c.loadCommand("replica-1")
+		dsn := argAfter(replica.Args, "--store")
+		if err == nil && dsn == "" {
+			err = errors.New("replica-1 was started without --store")
+		}
 		return func() error {
-			replica, _, err := c.loadCommand("replica-1")
 			if err != nil {
 				return err
 			}
-			i := slices.Index(replica.Args, "--store")
-			if i < 0 || i+1 >= len(replica.Args) {
-				return errors.New("replica-1 was started without --store")
-			}
-			return pgExec(ctx, replica.Args[i+1], "SELECT 1")
+			return pgExec(ctx, dsn, "SELECT 1")
 		}, "answering queries"
 	case name == "bridge":
 		return func() error { return mqttClientConnected(info.NATSMonitorURLs, "companion-bridge-"+bridgeID) }, "connected to NATS"
 	}
 	return func() error { return nil }, "started"
+}
+
+// argAfter is the argument that follows flag f in args, "" when none does.
+func argAfter(args []string, f string) string {
+	if i := slices.Index(args, f); i >= 0 && i+1 < len(args) {
+		return args[i+1]
+	}
+	return ""
 }
