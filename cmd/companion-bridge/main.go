@@ -165,6 +165,11 @@ func (m *Main) ParseFlags(args []string) error {
 	c := &m.Config
 	fs := flag.NewFlagSet("companion-bridge", flag.ContinueOnError)
 	fs.SetOutput(m.Stderr)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), "usage: companion-bridge --mqtt-url URL --bridge-id ID --bridge-secret SECRET [--data DIR]\n"+
+			"         (--sim-devices ID,… | --gatt bluez --devices ID,…) ...\n\nflags:\n")
+		fs.PrintDefaults()
+	}
 	var simDevices, devices string
 	fs.StringVar(&c.MQTTURL, "mqtt-url", c.MQTTURL, "MQTT broker `URL` (tcp://, ssl://, ws://), or a comma-separated list of a cluster's nodes to fail over between")
 	fs.StringVar(&c.APIURL, "api-url", c.APIURL, "server base `URL` for blob downloads; a comma-separated list of the replicas' fails over")

@@ -297,8 +297,8 @@ func TestCommandTimeoutFlag(t *testing.T) {
 	}
 }
 
-// -h shows each flag's default once, and the log level's as companion
-// serve does ("info"; slog's own text is "INFO").
+// -h starts with a synopsis, and shows each flag's default once and the
+// log level's as companion serve does ("info"; slog's own text is "INFO").
 func TestHelpShowsEachDefaultOnce(t *testing.T) {
 	var help bytes.Buffer
 	m := NewMain()
@@ -307,6 +307,9 @@ func TestHelpShowsEachDefaultOnce(t *testing.T) {
 		t.Fatalf("ParseFlags(-h) = %v", err)
 	}
 	out := help.String()
+	if !strings.HasPrefix(out, "usage: companion-bridge --mqtt-url URL") || !strings.Contains(out, "\n\nflags:\n  -api-url URL\n") {
+		t.Errorf("the help does not start with a synopsis and its flags, as companion serve's:\n%s", out)
+	}
 	if !strings.Contains(out, "-log-level string\n    \tdebug, info, warn or error (default \"info\")\n") {
 		t.Errorf("the log level's help is not serve's:\n%s", out)
 	}
