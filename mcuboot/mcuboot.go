@@ -23,6 +23,7 @@ import (
 	"errors"
 	"fmt"
 	"hash"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -302,8 +303,19 @@ func (e *FormatError) Error() string { return "mcuboot: " + e.Field + ": " + e.M
 // areas may only be the padding of an image padded to its slot (imgtool
 // sign --pad): erased flash (0xff), ending in MCUboot's image trailer
 // (the boot magic last, image_ok set or not) or not.
+//
+// With the whole image at hand, Parse reads its TLVs first and hashes it
+// once, with the hash it carries; a Verifier, which sees the TLVs only
+// after the bytes they hash, hashes with each.
 func Parse(b []byte) (*Image, error) {
 	v := NewVerifier()
+	if info, err := ReadInfo(b); err == nil {
+		for _, t := range info.TLVs {
+			if i := hashIndex(t.Type); i >= 0 {
+				v.only = append(v.only, i)
+			}
+		}
+	}
 	v.Write(b)
 	return v.Close()
 }
@@ -327,9 +339,12 @@ type Verifier struct {
 	head     []byte
 	hdr      Header
 	err      error
-	// hs hash the image with each algorithm of hashes: which one the image
-	// carries is known only from its TLVs, after the bytes hashed.
+	// hs hash the image with each algorithm of hashes, hs[i] with
+	// hashes[i]: which one the image carries is known only from its TLVs,
+	// after the bytes hashed. With only set (Parse, which read the TLVs
+	// first), just those are made; the others stay nil.
 	hs   []hash.Hash
+	only []int
 	n    int64  // bytes written
 	tail []byte // bytes after header and image: the TLV areas
 	pad  padding
@@ -359,18 +374,21 @@ func (v *Verifier) Write(p []byte) (int, error) {
 			return n, nil
 		}
 		if !v.infoOnly {
-			for _, h := range hashes {
-				v.hs = append(v.hs, h.new())
-			}
-			for _, h := range v.hs {
-				h.Write(v.head)
+			v.hs = make([]hash.Hash, len(hashes))
+			for i, h := range hashes {
+				if v.only == nil || slices.Contains(v.only, i) {
+					v.hs[i] = h.new()
+					v.hs[i].Write(v.head)
+				}
 			}
 		}
 	}
 	if hashed := v.hdr.HashedSize(); v.n < hashed {
 		k := min(int64(len(p)), hashed-v.n)
 		for _, h := range v.hs {
-			h.Write(p[:k])
+			if h != nil {
+				h.Write(p[:k])
+			}
 		}
 	}
 	tlvStart := int64(v.hdr.HeaderSize) + int64(v.hdr.ImageSize)
@@ -461,6 +479,8 @@ func (v *Verifier) Close() (*Image, error) {
 		return nil, &FormatError{Field: "hash", Msg: "no hash TLV: an image carries its SHA-256 (type 0x10), SHA-384 (0x11) or SHA-512 (0x12)"}
 	}
 	if v.hs != nil && !h.Encrypted() {
+		// v.hs[hashAt] is nil only if the TLVs Parse read first were not
+		// these, which the same bytes cannot be.
 		if sum := v.hs[hashAt].Sum(nil); !bytes.Equal(sum, img.Hash) {
 			return nil, &FormatError{Field: hashes[hashAt].field, Msg: fmt.Sprintf("the %s of header, image and protected TLVs is %x; the TLV says %x", hashes[hashAt].name, sum, img.Hash)}
 		}

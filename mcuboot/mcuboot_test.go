@@ -335,3 +335,20 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkParse checks a 4 MiB image as the bridge does before an OTA:
+// whole, once per hash type.
+func BenchmarkParse(b *testing.B) {
+	payload := bytes.Repeat([]byte("the application "), 4<<20/16)
+	for _, typ := range []uint16{mcuboot.TLVSHA256, mcuboot.TLVSHA512} {
+		img := mcuboot.MustBuild(payload, mcuboot.Options{Version: mcuboot.Version{Major: 1}, HeaderSize: 0x200, Hash: typ})
+		b.Run(mcuboot.HashName(typ), func(b *testing.B) {
+			b.SetBytes(int64(len(img)))
+			for b.Loop() {
+				if _, err := mcuboot.Parse(img); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
