@@ -202,7 +202,7 @@ func TestDemoQuickStartWorksAsPrinted(t *testing.T) {
 // A server started with --admin-token on a data directory that holds a
 // DATA/admin.token of an earlier start warns that the file's token is not
 // in force, and the admin CLI, which reads the file when given no token,
-// says so when it is refused.
+// says so when it is refused. A short --admin-token is warned of too.
 func TestStaleAdminTokenFile(t *testing.T) {
 	dir := t.TempDir()
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "admin.token"), []byte("cat_generated-before\n"), 0o600))
@@ -212,6 +212,7 @@ func TestStaleAdminTokenFile(t *testing.T) {
 	assert.Contains(t, logs.String(), "level=WARN msg=\"the admin token in "+file+" is not in force: --admin-token is;")
 	assert.NotContains(t, logs.String(), "cat_generated-before")
 	assert.NotContains(t, logs.String(), "from-the-flag")
+	assert.Contains(t, logs.String(), "level=WARN msg=\"--admin-token has 13 characters: whoever guesses it administers every user and device;")
 
 	api := "http://" + m.HTTPAddr()
 	err := run(context.Background(), []string{"user", "create", "zz", "--api-url", api, "--data", dir}, &bytes.Buffer{}, &bytes.Buffer{})
@@ -227,6 +228,11 @@ func TestStaleAdminTokenFile(t *testing.T) {
 	err = run(context.Background(), []string{"user", "create", "yy", "--api-url", api, "--admin-token", "wrong", "--data", dir}, &bytes.Buffer{}, &bytes.Buffer{})
 	require.ErrorContains(t, err, "401")
 	assert.NotContains(t, err.Error(), "admin.token")
+
+	// A token of 16 characters or more is not warned of.
+	var quiet testenv.Buffer
+	startServerLogging(t, Config{Data: t.TempDir(), AdminToken: "0123456789abcdef"}, slog.New(slog.NewTextHandler(&quiet, nil)))
+	assert.NotContains(t, quiet.String(), "--admin-token has")
 
 	// No warning when the file holds the token in force, or without the flag.
 	for _, cfg := range []Config{{AdminToken: "same"}, {}} {

@@ -398,6 +398,10 @@ func (m *Main) Run(ctx context.Context) error {
 	if m.adminToken, err = loadAdminToken(cfg); err != nil {
 		return err
 	}
+	if n := len(cfg.AdminToken); n > 0 && n < minAdminToken {
+		m.Logger.Warn(fmt.Sprintf("--admin-token has %d characters: whoever guesses it administers every user and device; "+
+			"give at least %d random ones (openssl rand -hex 32), or none to have one generated into DATA/admin.token", n, minAdminToken))
+	}
 	if path, stale := staleAdminTokenFile(cfg); stale {
 		m.Logger.Warn("the admin token in "+path+" is not in force: --admin-token is; the admin CLI reads that file when "+
 			"it is given no --admin-token, and is refused with 401: give it --admin-token (or COMPANION_ADMIN_TOKEN), or delete the file",
@@ -737,6 +741,11 @@ func clientTLS(url, caFile string) (*tls.Config, error) {
 	}
 	return c, nil
 }
+
+// minAdminToken is the length under which serve warns of a guessable
+// --admin-token: 16 characters of hex are 64 bits. It only warns, so that a
+// test's or a demo's short token still starts.
+const minAdminToken = 16
 
 // loadAdminToken returns --admin-token, or the token in DATA/admin.token,
 // creating it (mode 0600) on first start.
