@@ -150,6 +150,9 @@ func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Re
 	switch {
 	case errors.Is(err, companion.ErrTooLarge):
 		return blob, nil, false, bodyTooLarge(c, body.n, limit)
+	case err != nil && body.err != nil:
+		// The body failed the store, not the store the body.
+		return blob, nil, false, bodyReadError(body.err)
 	case err != nil:
 		return blob, nil, false, err
 	case blob.Size == 0:

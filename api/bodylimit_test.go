@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/openapitest"
 	"github.com/devicecompanion/companion/store"
 )
 
@@ -277,4 +278,50 @@ func blobFiles(t *testing.T, db *store.DB) []string {
 	})
 	require.NoError(t, err)
 	return out
+}
+
+// An upload whose body cannot be read to its end, because the client cut
+// it short or sent chunks that are not chunked encoding, is the client's
+// failure: a 400 bad_request, as a JSON body that cannot be read is, that
+// api/openapi.json documents; not a 500, which the server's log tells as
+// its own error and the metrics count among the 5xx answers.
+func TestUploadCutShortIsTheClients(t *testing.T) {
+	seen := make(answers, 64)
+	e := newEnv(t, func(o *Options) { o.Requests = seen })
+	doc := mustContract(t)
+	for _, up := range []struct{ path, route string }{
+		{"/api/v1/admin/firmware/sim-1/1.0.0", "/api/v1/admin/firmware/:model/:version"},
+		{"/api/v1/admin/apps/clock/1.0.0", "/api/v1/admin/apps/:app_id/:version"},
+	} {
+		for _, tc := range []struct {
+			name, head, body string
+			cut              bool // the client stops sending (closes its side) mid-body
+		}{
+			{name: "not chunked encoding", head: chunkedHead("PUT", up.path, testAdminToken, "application/octet-stream"), body: "5\r\nhello\r\nZZ\r\nxx\r\n0\r\n\r\n"},
+			{name: "cut short", head: rawRequest("PUT", up.path, testAdminToken, "application/octet-stream", 100000), body: strings.Repeat("x", 5000), cut: true},
+		} {
+			t.Run(up.route+"/"+tc.name, func(t *testing.T) {
+				conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+				require.NoError(t, err)
+				defer conn.Close()
+				require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
+				_, err = io.WriteString(conn, tc.head+tc.body)
+				require.NoError(t, err)
+				if tc.cut {
+					require.NoError(t, conn.(*net.TCPConn).CloseWrite())
+				}
+				r, err := readRaw(bufio.NewReader(conn))
+				require.NoError(t, err)
+				require.Equal(t, http.StatusBadRequest, r.status, "%s", r.body)
+				assert.Equal(t, CodeBadRequest, r.problem(t).Code)
+				hr, err := http.NewRequest("PUT", e.srv.URL+up.path, nil)
+				require.NoError(t, err)
+				hr.Header.Set("Authorization", "Bearer "+testAdminToken)
+				hr.Header.Set("Content-Type", "application/octet-stream")
+				doc.Check(t, hr, []byte(tc.body), openapitest.Answer{Status: r.status, Header: r.header, Body: r.body})
+				assert.Equal(t, http.StatusBadRequest, seen.wait(t, rawDeadline, "PUT", up.route))
+				assert.Empty(t, blobFiles(t, e.db), "the unread upload left nothing behind")
+			})
+		}
+	}
 }

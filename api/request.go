@@ -54,16 +54,25 @@ func readBody(c *gin.Context, limit int64) ([]byte, error) {
 		return nil, nil
 	}
 	b, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
-	var e *Error
 	switch {
-	case errors.As(err, &e): // the body stalled (bodyIdle)
-		return nil, e
 	case err != nil:
-		return nil, &Error{Code: CodeBadRequest, Detail: "the body could not be read"}
+		return nil, bodyReadError(err)
 	case int64(len(b)) > limit:
 		return nil, bodyTooLarge(c, int64(len(b)), limit)
 	}
 	return b, nil
+}
+
+// bodyReadError is the answer to a request whose body could not be read
+// to its end: the body_timeout of one that stalled (bodyIdle), else a 400
+// bad_request (the client cut it short, or its chunks are not chunked
+// encoding). Either is the client's failure, never an internal error.
+func bodyReadError(err error) error {
+	var e *Error
+	if errors.As(err, &e) {
+		return e
+	}
+	return &Error{Code: CodeBadRequest, Detail: "the body could not be read"}
 }
 
 // drainFactor bounds how much of a body over its limit the server reads:
@@ -817,14 +826,19 @@ func cursorOf(id string) *string {
 	return &s
 }
 
-// countingReader counts the bytes read through it.
+// countingReader counts the bytes read through it, and keeps the error
+// that ended them other than io.EOF: what went wrong was then the body's.
 type countingReader struct {
-	r io.Reader
-	n int64
+	r   io.Reader
+	n   int64
+	err error
 }
 
 func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	c.n += int64(n)
+	if err != nil && err != io.EOF {
+		c.err = err
+	}
 	return n, err
 }
