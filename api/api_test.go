@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -23,11 +24,19 @@ import (
 
 func TestHealth(t *testing.T) {
 	var ready atomic.Bool
-	e := newEnv(t, func(o *Options) { o.Ready = ready.Load })
+	e := newEnv(t, func(o *Options) {
+		o.Ready = func(context.Context) error {
+			if !ready.Load() {
+				return errors.New("MQTT is not connected")
+			}
+			return nil
+		}
+	})
 	assert.Equal(t, 200, e.do("GET", "/healthz", "", nil).status)
 	r := e.do("GET", "/readyz", "", nil)
 	require.Equal(t, 503, r.status)
 	assert.Equal(t, CodeNotReady, r.problem(t).Code)
+	assert.Equal(t, "MQTT is not connected", r.problem(t).Detail, "the answer says what is not ready")
 	// HEAD, as some load balancers probe: the same status, no body.
 	for path, want := range map[string]int{"/healthz": 200, "/readyz": 503} {
 		r := e.do("HEAD", path, "", nil)

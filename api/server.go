@@ -263,9 +263,11 @@ type Options struct {
 	// broker: no bridge may be named so (a bridge logs in under its id).
 	ServerMQTTUsername string
 	Limits             Limits
-	// Ready reports whether the service can take requests (store open,
-	// MQTT connected), for /readyz; nil means always ready.
-	Ready func() bool
+	// Ready says whether the service can take requests (store reachable,
+	// MQTT connected), for /readyz: nil when it can, else what it lacks,
+	// in words for an operator (the 503's detail: never a Go error's
+	// text). nil means always ready.
+	Ready func(context.Context) error
 	// Unavailable tells the errors of a store that cannot be reached now
 	// (PostgreSQL restarting): they are answered 503 unavailable with
 	// Retry-After, not 500. nil: none is.
@@ -293,7 +295,7 @@ type Server struct {
 	accounts   BrokerAccounts // nil: nothing to tell
 	serverMQTT string         // the server's account on the MQTT broker; "" none
 	limits     Limits
-	ready      func() bool
+	ready      func(context.Context) error
 	// unavailable tells the store's errors of being unreachable.
 	unavailable func(error) bool
 	events      *Events // the hub of GET /events; nil: none
@@ -330,7 +332,7 @@ func New(opts Options) (*Server, error) {
 		opts.Now = time.Now
 	}
 	if opts.Ready == nil {
-		opts.Ready = func() bool { return true }
+		opts.Ready = func(context.Context) error { return nil }
 	}
 	if opts.Unavailable == nil {
 		opts.Unavailable = func(error) bool { return false }
@@ -450,8 +452,8 @@ func (s *Server) healthz(c *gin.Context) {
 }
 
 func (s *Server) readyz(c *gin.Context) error {
-	if !s.ready() {
-		return &Error{Code: CodeNotReady}
+	if err := s.ready(c.Request.Context()); err != nil {
+		return &Error{Code: CodeNotReady, Detail: err.Error()}
 	}
 	c.JSON(http.StatusOK, gin.H{"status": "ready"})
 	return nil

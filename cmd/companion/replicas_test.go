@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"slices"
 	"sync"
 	"testing"
@@ -186,4 +187,41 @@ func TestReplicasPublishEachCommandOnceInOrder(t *testing.T) {
 	cmd := stay.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "after the takeover"})
 	assert.Equal(t, "succeeded", stay.waitFinal("dev-1", cmd["id"].(string))["state"])
 	assert.Equal(t, append(ids, cmd["id"].(string)), textIDs(b.sims["dev-1"]))
+}
+
+// /readyz asks a PostgreSQL store (CONTRACT §1: store open, MQTT
+// connected): while the database is down every API request is a 503
+// unavailable, and /readyz says so, naming what is missing; once the
+// database is back, so is the replica.
+func TestReadyzAsksPostgreSQL(t *testing.T) {
+	pg := pgtest.Start(t)
+	dsn := pg.NewDatabase(t)
+	require.NoError(t, postgres.Migrate(t.Context(), dsn))
+	m := startServer(t, Config{Store: dsn})
+	testenv.Eventually(t, 10*time.Second, "the server connected to its broker", m.Broker.Ready)
+	type problem struct{ Code, Detail string }
+	readyz := func() (int, problem) {
+		resp, err := http.Get("http://" + m.HTTPAddr() + "/readyz")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		var p problem
+		if resp.StatusCode != 200 {
+			require.NoError(t, json.NewDecoder(resp.Body).Decode(&p))
+		}
+		return resp.StatusCode, p
+	}
+	status, _ := readyz()
+	require.Equal(t, 200, status)
+
+	require.NoError(t, pg.Stop())
+	status, p := readyz()
+	assert.Equal(t, 503, status)
+	assert.Equal(t, "not_ready", p.Code)
+	assert.Contains(t, p.Detail, "PostgreSQL store cannot be reached")
+
+	pg.Restart(t)
+	testenv.Eventually(t, 10*time.Second, "/readyz 200 with the database back", func() bool {
+		status, _ := readyz()
+		return status == 200
+	})
 }

@@ -603,7 +603,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		ServerMQTTUsername: cfg.MQTTUsername,
 		AdminToken:         m.adminToken,
 		Limits:             cfg.Limits,
-		Ready:              m.Broker.Ready,
+		Ready:              m.ready,
 		Unavailable:        m.storeUnavailable,
 		Events:             m.Events,
 		RateLimiter:        m.rateLimiter(),

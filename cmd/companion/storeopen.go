@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -9,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
@@ -44,6 +46,27 @@ func (m *Main) openStore(ctx context.Context) error {
 		}
 	default:
 		return usageError{fmt.Sprintf("--store %q: give a postgres:// URL, or nothing for the bbolt file in --data", cfg.Store)}
+	}
+	return nil
+}
+
+// readyTimeout bounds the store's check in /readyz.
+const readyTimeout = 2 * time.Second
+
+// ready is /readyz's check (CONTRACT §1: store open, MQTT connected). A
+// PostgreSQL store is asked: while the database cannot be reached every
+// request but the health checks is a 503 unavailable, and a load balancer
+// should know it.
+func (m *Main) ready(ctx context.Context) error {
+	if !m.Broker.Ready() {
+		return errors.New("the MQTT connection is down")
+	}
+	if m.pg != nil {
+		ctx, cancel := context.WithTimeout(ctx, readyTimeout)
+		defer cancel()
+		if err := m.pg.Ping(ctx); err != nil {
+			return fmt.Errorf("the PostgreSQL store cannot be reached within %v", readyTimeout)
+		}
 	}
 	return nil
 }

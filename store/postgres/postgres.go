@@ -127,6 +127,10 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	return s, nil
 }
 
+// Ping says whether the database answers now (a round trip on one of the
+// pool's connections).
+func (s *Store) Ping(ctx context.Context) error { return s.pool.Ping(ctx) }
+
 // Close finishes the writes under way (their done funcs are called), stops
 // ListenCommands and closes the pool. Calls made after Close fail with
 // ErrClosed.
