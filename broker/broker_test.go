@@ -917,6 +917,53 @@ func TestReportWithASeqFarAheadIsRefused(t *testing.T) {
 	assert.Equal(t, "1.0.1", s.FirmwareVersion)
 }
 
+// A device's firmware declares its own settings schema: the settings the
+// server can neither describe (CONTRACT §3's types) nor check a value
+// against are left out with their values, from the settings topic and from
+// a final reply alike; the rest is stored.
+func TestUnusableSettingsAreLeftOut(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	settings, _ := tree.Settings("dev-1")
+	one, five := 1, 5
+	schema := topics.Schema{
+		"volume": {Type: topics.SettingInt, Default: 50},
+		"speed":  {Type: "float", Default: 1.5},
+		"mode":   {Type: topics.SettingEnum, Default: "a"},
+		"level":  {Type: topics.SettingInt, Min: &five, Max: &one, Default: 3},
+		"name":   {Type: topics.SettingString, MaxLen: -1, Default: ""},
+	}
+	reported := func(volume int) map[string]any {
+		return map[string]any{"volume": volume, "speed": 1.5, "mode": "a", "level": 3, "name": "x"}
+	}
+	stored := func(t *testing.T) (map[string]json.RawMessage, topics.Schema) {
+		s, err := e.db.Settings(ctx, "dev-1")
+		require.NoError(t, err)
+		var sch topics.Schema
+		if len(s.Schema) > 0 {
+			require.NoError(t, json.Unmarshal(s.Schema, &sch))
+		}
+		return s.Reported, sch
+	}
+	want := topics.Schema{"volume": {Type: topics.SettingInt, Default: float64(50)}} // as JSON decodes it
+
+	fb.publish(t, settings, topics.Settings{Reported: reported(7), Schema: schema, Seq: 1, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the settings taken", func() bool { r, _ := stored(t); return len(r) > 0 })
+	r, sch := stored(t)
+	assert.Equal(t, map[string]json.RawMessage{"volume": json.RawMessage("7")}, r)
+	assert.Equal(t, want, sch)
+
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now(),
+		Settings: &topics.Settings{Reported: reported(8), Schema: schema, Seq: 2, At: time.Now()}})
+	testenv.Eventually(t, 10*time.Second, "the reply taken", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
+	r, sch = stored(t)
+	assert.Equal(t, map[string]json.RawMessage{"volume": json.RawMessage("8")}, r)
+	assert.Equal(t, want, sch)
+}
+
 func TestQueueLimit(t *testing.T) {
 	e := newEnv(t, false)
 	e.b.opts.MaxOpenCommands = 3

@@ -493,7 +493,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		report.Status = &s
 	}
 	if r.Settings != nil {
-		rs, err := reportedSettings(*r.Settings)
+		rs, err := b.reportedSettings(deviceID, *r.Settings)
 		if err != nil {
 			b.log.Warn("reply with settings that cannot be stored; storing the reply without them", "device_id", deviceID, "command_id", r.CommandID, "err", err)
 		} else {
@@ -784,7 +784,7 @@ func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int
 // takeSettings stores the settings a device a bridge serves reported (as
 // takeStatus), then calls ack.
 func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string, readErr error, ack func()) {
-	r, err := reportedSettings(s)
+	r, err := b.reportedSettings(deviceID, s)
 	if err != nil {
 		b.log.Warn("settings that cannot be stored", "device_id", deviceID, "err", err)
 		ack()
@@ -823,18 +823,30 @@ func storeStatus(deviceID string, s topics.Status) companion.Status {
 }
 
 // reportedSettings is a device's settings message as the store keeps it.
-func reportedSettings(s topics.Settings) (companion.ReportedSettings, error) {
+// The settings of its schema the server can neither describe nor check
+// (topics.Schema.Usable) are left out, with their values, and logged: a
+// device's firmware declares its own schema.
+func (b *Broker) reportedSettings(deviceID string, s topics.Settings) (companion.ReportedSettings, error) {
+	schema, unusable := s.Schema.Usable()
+	if unusable != nil {
+		b.log.Warn("a device declared settings this server cannot describe (a type other than int, bool, string, enum and "+
+			"timezone, an enum of no values, a min above its max, a negative max_len); leaving them out",
+			"device_id", deviceID, "settings", unusable)
+	}
 	reported := make(map[string]json.RawMessage, len(s.Reported))
 	for k, v := range s.Reported {
+		if slices.Contains(unusable, k) {
+			continue
+		}
 		raw, err := fastjson.Marshal(v)
 		if err != nil {
 			return companion.ReportedSettings{}, fmt.Errorf("setting %q: %w", k, err)
 		}
 		reported[k] = raw
 	}
-	schema, err := fastjson.Marshal(s.Schema)
+	schemaJSON, err := fastjson.Marshal(schema)
 	if err != nil {
 		return companion.ReportedSettings{}, fmt.Errorf("schema: %w", err)
 	}
-	return companion.NewReportedSettings(reported, schema, s.At, s.Seq)
+	return companion.NewReportedSettings(reported, schemaJSON, s.At, s.Seq)
 }

@@ -40,6 +40,40 @@ func (s Schema) Validate(partial map[string]any) []FieldError {
 	return errs
 }
 
+// Usable returns the schema without the settings this server could neither
+// show as CONTRACT §3 describes them nor check a value against: a type it
+// does not know, an enum of no values, a min above its max, a negative
+// max_len. It also returns their names, sorted; none: s itself.
+func (s Schema) Usable() (Schema, []string) {
+	var bad []string
+	for name, spec := range s {
+		if !spec.usable() {
+			bad = append(bad, name)
+		}
+	}
+	if bad == nil {
+		return s, nil
+	}
+	sort.Strings(bad)
+	out := make(Schema, len(s)-len(bad))
+	for name, spec := range s {
+		if spec.usable() {
+			out[name] = spec
+		}
+	}
+	return out, bad
+}
+
+func (spec SettingSpec) usable() bool {
+	switch spec.Type {
+	case SettingInt, SettingBool, SettingString, SettingEnum, SettingTimezone:
+	default:
+		return false
+	}
+	return (spec.Type != SettingEnum || len(spec.Values) > 0) &&
+		(spec.Min == nil || spec.Max == nil || *spec.Min <= *spec.Max) && spec.MaxLen >= 0
+}
+
 func (spec SettingSpec) check(v any) string {
 	switch spec.Type {
 	case SettingInt:
