@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"image"
 	_ "image/jpeg" // DecodeConfig reads JPEG headers
 	_ "image/png"  // and PNG headers
@@ -241,8 +243,10 @@ type pushImageRequest struct {
 // by the name image.DecodeConfig gives them.
 var imageFormats = map[string]string{"png": "image/png", "jpeg": "image/jpeg"}
 
-// checkImage decodes and checks a pushed image from its header only: it
-// is never decoded whole here.
+// checkImage decodes and checks a pushed image: its size and format, its
+// pixel size from its header, and then that the rest of it is all there
+// (wholeImage). Its pixels are never decoded here: at 4096×4096 that
+// would take up to 128 MiB and a second of CPU for each request.
 func (s *Server) checkImage(b64 string, contentType *string) (data []byte, cfg image.Config, ctype string, fields []FieldError) {
 	// Spelled as api/openapi.json lists them: the member is one of two
 	// values, not a media type with parameters or in another case.
@@ -277,13 +281,106 @@ func (s *Server) checkImage(b64 string, contentType *string) (data []byte, cfg i
 		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "must be a PNG or JPEG image"})
 	}
 	side := s.limits.MaxImageSide
-	if cfg.Width < 1 || cfg.Height < 1 || cfg.Width > side || cfg.Height > side {
+	switch {
+	case cfg.Width < 1 || cfg.Height < 1 || cfg.Width > side || cfg.Height > side:
 		fields = append(fields, FieldError{Field: "image", Message: fmt.Sprintf("must be at most %d×%d pixels (it is %d×%d)", side, side, cfg.Width, cfg.Height)})
+	case !wholeImage(format, data):
+		fields = append(fields, FieldError{Field: "image", Message: "must be a whole " + strings.ToUpper(format) + " image: it is cut short or damaged"})
 	}
 	if contentType != nil && *contentType != ctype {
 		fields = append(fields, FieldError{Field: "content_type", Message: "does not match the image, which is " + ctype})
 	}
 	return data, cfg, ctype, fields
+}
+
+// wholeImage reports whether an image whose header image.DecodeConfig
+// took is all there, as a device that decodes it needs it: a PNG's chunks
+// each whole with its CRC, an IDAT among them and an IEND after them; a
+// JPEG's segments and scans running on to its EOI. What follows the end
+// is let be, as decoders do. It reads the image's structure, not its
+// compressed pixels.
+func wholeImage(format string, data []byte) bool {
+	switch format {
+	case "png":
+		return wholePNG(data)
+	case "jpeg":
+		return wholeJPEG(data)
+	}
+	return false
+}
+
+func wholePNG(b []byte) bool {
+	const signature = 8
+	idat := false
+	for i := signature; ; {
+		if len(b)-i < 12 {
+			return false
+		}
+		n := int64(binary.BigEndian.Uint32(b[i:]))
+		if n > int64(len(b)-i-12) {
+			return false
+		}
+		end := i + 8 + int(n)
+		if crc32.ChecksumIEEE(b[i+4:end]) != binary.BigEndian.Uint32(b[end:]) {
+			return false
+		}
+		switch string(b[i+4 : i+8]) {
+		case "IDAT":
+			idat = true
+		case "IEND":
+			return idat
+		}
+		i = end + 4
+	}
+}
+
+func wholeJPEG(b []byte) bool {
+	const (
+		eoi = 0xd9
+		sos = 0xda
+	)
+	// standalone markers carry no length: TEM, RST0–RST7 (and SOI).
+	standalone := func(m byte) bool { return m == 0x01 || m >= 0xd0 && m <= 0xd8 }
+	for i := 2; ; { // after SOI
+		if i >= len(b) || b[i] != 0xff {
+			return false
+		}
+		for i < len(b) && b[i] == 0xff { // fill bytes
+			i++
+		}
+		if i >= len(b) {
+			return false
+		}
+		m := b[i]
+		i++
+		switch {
+		case m == eoi:
+			return true
+		case standalone(m):
+			continue
+		}
+		if len(b)-i < 2 {
+			return false
+		}
+		n := int(b[i])<<8 | int(b[i+1])
+		if n < 2 || n > len(b)-i {
+			return false
+		}
+		i += n
+		if m != sos {
+			continue
+		}
+		// Entropy-coded data: a 0xff in it is followed by a stuffed 0
+		// or a restart marker; anything else is the next marker.
+		for ; ; i++ {
+			if len(b)-i < 2 {
+				return false
+			}
+			if b[i] == 0xff && b[i+1] != 0 && b[i+1] != 0xff && !standalone(b[i+1]) {
+				break
+			}
+		}
+	}
 }
 
 func (s *Server) pushImage(c *gin.Context) error {

@@ -118,10 +118,11 @@ func FuzzRequests(f *testing.F) {
 }
 
 // FuzzImageHeader feeds arbitrary bytes to the image check: it never
-// panics, never accepts what is not a PNG or JPEG within the limits, and
-// never decodes more than the header.
+// panics, never accepts what is not a PNG or JPEG within the limits, nor
+// one that is not whole, and never decodes pixels.
 func FuzzImageHeader(f *testing.F) {
 	f.Add(tinyPNG())
+	f.Add(jpegOf(f, 16, 16))
 	f.Add([]byte("\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x01\x86\xa0\x00\x01\x86\xa0\x08\x06\x00\x00\x00"))
 	f.Add([]byte("\xff\xd8\xff\xe0\x00\x10JFIF\x00"))
 	f.Add([]byte("GIF89a"))
@@ -142,6 +143,9 @@ func FuzzImageHeader(f *testing.F) {
 		}
 		if cfg.Width < 1 || cfg.Height < 1 || cfg.Width > s.limits.MaxImageSide || cfg.Height > s.limits.MaxImageSide {
 			t.Fatalf("accepted %d×%d", cfg.Width, cfg.Height)
+		}
+		if !wholeImage(strings.TrimPrefix(ctype, "image/"), data) {
+			t.Fatalf("accepted an image that is not whole")
 		}
 	})
 }

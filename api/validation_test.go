@@ -63,10 +63,35 @@ func pngHeaderOnly(w, h uint32) []byte {
 	return out.Bytes()
 }
 
+// flipByte returns a copy of b with its byte at i inverted.
+func flipByte(b []byte, i int) []byte {
+	c := bytes.Clone(b)
+	c[i] ^= 0xff
+	return c
+}
+
+// jpegWithRestarts is a JPEG whose scan ends in a restart marker (RSTn,
+// which image/jpeg does not write, cameras do) and a stuffed 0xff byte:
+// the check must walk past both to the EOI.
+func jpegWithRestarts(t testing.TB) []byte {
+	t.Helper()
+	b := jpegOf(t, 16, 16)
+	sos := bytes.Index(b, []byte{0xff, 0xda})
+	require.Positive(t, sos)
+	n := int(b[sos+2])<<8 | int(b[sos+3])
+	scan := sos + 2 + n
+	out := append(bytes.Clone(b[:scan]), b[scan:len(b)-2]...)
+	out = append(out, 0xff, 0xd0, 0xff, 0x00, 0xff, 0xd9)
+	_, format, err := image.DecodeConfig(bytes.NewReader(out))
+	require.NoError(t, err)
+	require.Equal(t, "jpeg", format)
+	return out
+}
+
 func b64(b []byte) string { return base64.StdEncoding.EncodeToString(b) }
 
-// padTo appends zero bytes to a valid image until it is n bytes long; the
-// header, all a check reads, is unchanged.
+// padTo appends zero bytes to a valid image until it is n bytes long,
+// after its end, where decoders stop.
 func padTo(b []byte, n int) []byte {
 	return append(b, make([]byte, n-len(b))...)
 }
@@ -234,6 +259,17 @@ func TestPushImageValidation(t *testing.T) {
 		{"4097 wide", map[string]any{"image": b64(pngOf(t, 4097, 1))}, 422, []string{"image"}},
 		{"4097 high", map[string]any{"image": b64(pngOf(t, 1, 4097))}, 422, []string{"image"}},
 		{"header claims 100000x100000", map[string]any{"image": b64(pngHeaderOnly(100000, 100000))}, 422, []string{"image"}},
+		// The header is not all: a device cannot show an image cut short
+		// or damaged after it.
+		{"png header only", map[string]any{"image": b64(pngHeaderOnly(8, 4))}, 422, []string{"image"}},
+		{"png cut short", map[string]any{"image": b64(small[:len(small)-20])}, 422, []string{"image"}},
+		{"png without its IEND", map[string]any{"image": b64(small[:len(small)-12])}, 422, []string{"image"}},
+		{"png with a damaged chunk", map[string]any{"image": b64(flipByte(small, len(small)-16))}, 422, []string{"image"}},
+		{"png with garbage for chunks", map[string]any{"image": b64(append(pngHeaderOnly(8, 4), "garbage, not chunks"...))}, 422, []string{"image"}},
+		{"jpeg cut short", map[string]any{"image": b64(jpegOf(t, 16, 16)[:300])}, 422, []string{"image"}},
+		{"jpeg without its EOI", map[string]any{"image": b64(jpegOf(t, 16, 16)[:len(jpegOf(t, 16, 16))-2])}, 422, []string{"image"}},
+		{"jpeg with bytes after its EOI", map[string]any{"image": b64(append(jpegOf(t, 16, 16), "trailer"...))}, 202, nil},
+		{"jpeg with restart markers", map[string]any{"image": b64(jpegWithRestarts(t))}, 202, nil},
 		{"2 MiB decoded", map[string]any{"image": b64(padTo(pngOf(t, 2, 2), mib2))}, 202, nil},
 		{"2 MiB + 1 decoded", map[string]any{"image": b64(padTo(pngOf(t, 2, 2), mib2+1))}, 422, []string{"image"}},
 		{"ttl 59", map[string]any{"image": b64(small), "ttl_seconds": 59}, 422, []string{"ttl_seconds"}},
