@@ -394,7 +394,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	}
 	ctx := c.Request.Context()
 	user := currentUser(c)
-	deviceID, filtered := c.GetQuery("device_id")
+	deviceID, filtered, _ := queryOnce(c, "device_id")
 	if filtered {
 		if !topics.ValidDeviceID(deviceID) {
 			return errDeviceNotFound
@@ -414,7 +414,8 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	last := c.GetHeader("Last-Event-ID")
 	field := "Last-Event-ID"
 	if last == "" {
-		last, field = c.Query("last_event_id"), "last_event_id"
+		last, _, _ = queryOnce(c, "last_event_id")
+		field = "last_event_id"
 	}
 	sub, err := hub.subscribe(ctx, user.ID, deviceID)
 	if err != nil {

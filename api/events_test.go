@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -116,6 +117,23 @@ func (e *eventsEnv) stream(t testing.TB, token, query string, header map[string]
 	return sseOpen(t, e.srv.Client(), e.srv.URL+"/api/v1/events"+query, token, header)
 }
 
+// refused asks for a stream that must be refused, and answers the
+// refusal; a stream that opens instead fails the test at once, rather
+// than being read until it ends.
+func (e *eventsEnv) refused(t testing.TB, token, query string) resp {
+	t.Helper()
+	hr, err := http.NewRequestWithContext(t.Context(), "GET", e.srv.URL+"/api/v1/events"+query, nil)
+	require.NoError(t, err)
+	hr.Header.Set("Authorization", "Bearer "+token)
+	res, err := e.srv.Client().Do(hr)
+	require.NoError(t, err)
+	defer res.Body.Close()
+	require.NotEqual(t, http.StatusOK, res.StatusCode, "GET /api/v1/events%s opened a stream", query)
+	b, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	return resp{status: res.StatusCode, header: res.Header, body: b}
+}
+
 // push sends a text push through the API and returns the command's id.
 func (e *eventsEnv) push(t testing.TB, token, dev string) string {
 	t.Helper()
@@ -207,6 +225,10 @@ func TestEventsResumeWithLastEventID(t *testing.T) {
 	r := e.send(req{method: "GET", path: "/api/v1/events", token: tok, header: map[string]string{"Last-Event-ID": "nonsense"}})
 	require.Equal(t, 422, r.status, "%s", r.body)
 	assert.Equal(t, CodeInvalidCursor, r.problem(t).Code)
+	// An id net/url cannot read is no id, not a stream from now on.
+	r = e.refused(t, tok, "?last_event_id=%zz")
+	require.Equal(t, 422, r.status, "%s", r.body)
+	assert.Equal(t, CodeInvalidCursor, r.problem(t).Code)
 }
 
 func TestEventsDeviceStatusFilterAndIsolation(t *testing.T) {
@@ -255,6 +277,13 @@ func TestEventsDeviceStatusFilterAndIsolation(t *testing.T) {
 	for _, dev := range []string{"dev-b", "dev-404", "bad id"} {
 		r := e.send(req{method: "GET", path: "/api/v1/events?device_id=" + strings.ReplaceAll(dev, " ", "%20"), token: alice})
 		require.Equal(t, 404, r.status, "%s: %s", dev, r.body)
+		assert.Equal(t, CodeDeviceNotFound, r.problem(t).Code)
+	}
+	// A device id net/url cannot read is no device: never a stream of
+	// every device.
+	for _, query := range []string{"?device_id=dev-a%zz", "?device_id=dev-a;x"} {
+		r := e.refused(t, alice, query)
+		require.Equal(t, 404, r.status, "%s: %s", query, r.body)
 		assert.Equal(t, CodeDeviceNotFound, r.problem(t).Code)
 	}
 	r = e.send(req{method: "GET", path: "/api/v1/events"})

@@ -12,6 +12,7 @@ import (
 	"math"
 	"mime"
 	"net/http"
+	"net/url"
 	"reflect"
 	"slices"
 	"strconv"
@@ -768,10 +769,14 @@ const (
 
 // queryOnce reads the query parameter name: its value, whether it is
 // there (empty or not), and whether it is there twice with different
-// values, which no parameter of ours takes.
+// values, which no parameter of ours takes. A value net/url cannot read
+// (`limit=%zz`, `state=queued;x`) is there, as written, and no valid
+// value of any parameter: net/url drops it, as if it were not there,
+// which would read a malformed filter as none.
 func queryOnce(c *gin.Context, name string) (value string, given, twice bool) {
-	vs, given := c.GetQueryArray(name)
-	if !given {
+	vs, _ := c.GetQueryArray(name)
+	vs = append(vs, unreadableQuery(c.Request.URL.RawQuery, name)...)
+	if len(vs) == 0 {
 		return "", false, false
 	}
 	for _, v := range vs[1:] {
@@ -780,6 +785,25 @@ func queryOnce(c *gin.Context, name string) (value string, given, twice bool) {
 		}
 	}
 	return vs[0], true, twice
+}
+
+// unreadableQuery returns the raw values of the query parameter name in
+// the pairs of query that url.ParseQuery drops: those with a malformed
+// escape or a semicolon.
+func unreadableQuery(query, name string) []string {
+	var vs []string
+	for query != "" {
+		var pair string
+		pair, query, _ = strings.Cut(query, "&")
+		if _, err := url.ParseQuery(pair); err == nil {
+			continue
+		}
+		k, v, _ := strings.Cut(pair, "=")
+		if key, err := url.QueryUnescape(k); k == name || err == nil && key == name {
+			vs = append(vs, v)
+		}
+	}
+	return vs
 }
 
 // page reads limit and cursor. The cursor is the base64url of the last id

@@ -598,6 +598,13 @@ func TestListQueryValidation(t *testing.T) {
 			{"?limit=1&limit=2", 422, CodeValidationFailed, []string{"limit"}},
 			{"?limit=2&limit=2", 200, "", nil},
 			{"?cursor=a&cursor=b", 422, CodeValidationFailed, []string{"cursor"}},
+			// A value net/url cannot read is there, and no number or
+			// cursor: never read as absent.
+			{"?limit=%zz", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=1;cursor=x", 422, CodeValidationFailed, []string{"limit"}},
+			{"?limit=1&limit=%zz", 422, CodeValidationFailed, []string{"limit"}},
+			{"?cursor=%zz", 422, CodeInvalidCursor, []string{"cursor"}},
+			{"?limit=1&x=%zz", 200, "", nil},
 			// An empty cursor is the first page's (docs/api.md).
 			{"?cursor=", 200, "", nil},
 			{"?limit=1&cursor=", 200, "", nil},
@@ -622,6 +629,9 @@ func TestListQueryValidation(t *testing.T) {
 		{"?state=", 422}, {"?state", 422}, {"?state=&limit=5", 422},
 		{"?state=queued&state=failed", 422}, {"?state=queued&state=", 422},
 		{"?state=queued&state=queued", 200},
+		// Nor a state net/url cannot read (it would drop it).
+		{"?state=%zz", 422}, {"?state=queued;x", 422}, {"?state=queued&state=%zz", 422},
+		{"?st%61te=done", 422},
 	} {
 		r := e.do("GET", "/api/v1/devices/dev-1/commands"+tc.query, tok, nil)
 		require.Equal(t, tc.status, r.status, "state %s: %s", tc.query, r.body)
