@@ -1,0 +1,186 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/santhosh-tekuri/jsonschema/v6"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The tests of this file check api/openapi.json for what the tools its
+// readers point at it (client generators, linters, documentation
+// renderers) need of it, beyond what kin-openapi's validation asks.
+
+// oasDocURL is the name under which the document is handed to the JSON
+// Schema compiler, so that its "#/components/…" references resolve.
+const oasDocURL = "https://companion.invalid/api/v1/openapi.json"
+
+// pointerEscape escapes one JSON Pointer token (RFC 6901).
+func pointerEscape(s string) string {
+	return strings.ReplaceAll(strings.ReplaceAll(s, "~", "~0"), "/", "~1")
+}
+
+// oasExample is one example of the document with the schema it must meet.
+type oasExample struct {
+	at     string // where the example is, a JSON Pointer
+	schema string // where its schema is, a JSON Pointer
+	value  any
+}
+
+// oasExamples walks the document and returns every example it gives, each
+// with the location of the schema it illustrates: a media type's, a
+// parameter's or a header's example and examples (those of
+// components/examples through their $ref), and a schema's own example,
+// examples and default.
+func oasExamples(t *testing.T, doc map[string]any) []oasExample {
+	t.Helper()
+	named, _ := doc["components"].(map[string]any)["examples"].(map[string]any)
+	var out []oasExample
+	// exampleObject returns an Example Object's value, following its $ref.
+	exampleObject := func(at string, v any) (any, bool) {
+		m, ok := v.(map[string]any)
+		if !ok {
+			t.Errorf("%s: an example that is not an Example Object", at)
+			return nil, false
+		}
+		if ref, ok := m["$ref"].(string); ok {
+			name, found := strings.CutPrefix(ref, "#/components/examples/")
+			target, ok := named[name].(map[string]any)
+			if !found || !ok {
+				t.Errorf("%s: $ref %q names no example of components/examples", at, ref)
+				return nil, false
+			}
+			m = target
+		}
+		if _, ok := m["externalValue"]; ok {
+			return nil, false
+		}
+		value, ok := m["value"]
+		if !ok {
+			t.Errorf("%s: an Example Object without a value", at)
+		}
+		return value, ok
+	}
+
+	var schema func(at string, v any)
+	schemas := func(at string, v any) {
+		switch v := v.(type) {
+		case []any:
+			for i, s := range v {
+				schema(fmt.Sprintf("%s/%d", at, i), s)
+			}
+		case map[string]any:
+			for k, s := range v {
+				schema(at+"/"+pointerEscape(k), s)
+			}
+		}
+	}
+	schema = func(at string, v any) {
+		m, ok := v.(map[string]any)
+		if !ok {
+			return
+		}
+		if e, ok := m["example"]; ok {
+			out = append(out, oasExample{at + "/example", at, e})
+		}
+		if d, ok := m["default"]; ok {
+			out = append(out, oasExample{at + "/default", at, d})
+		}
+		if es, ok := m["examples"].([]any); ok {
+			for i, e := range es {
+				out = append(out, oasExample{fmt.Sprintf("%s/examples/%d", at, i), at, e})
+			}
+		}
+		for k, s := range m {
+			switch k {
+			case "properties", "patternProperties", "$defs", "dependentSchemas", "allOf", "anyOf", "oneOf", "prefixItems":
+				schemas(at+"/"+k, s)
+			case "items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+				"unevaluatedItems", "unevaluatedProperties", "contentSchema":
+				schema(at+"/"+k, s)
+			}
+		}
+	}
+
+	// node walks what is not a schema: an object with a schema beside its
+	// example or examples is a media type, a parameter or a header.
+	var node func(at string, v any)
+	node = func(at string, v any) {
+		switch v := v.(type) {
+		case []any:
+			for i, e := range v {
+				node(fmt.Sprintf("%s/%d", at, i), e)
+			}
+		case map[string]any:
+			if s, ok := v["schema"]; ok {
+				schema(at+"/schema", s)
+				if e, ok := v["example"]; ok {
+					out = append(out, oasExample{at + "/example", at + "/schema", e})
+				}
+				if es, ok := v["examples"].(map[string]any); ok {
+					for name, e := range es {
+						eat := at + "/examples/" + pointerEscape(name)
+						if value, ok := exampleObject(eat, e); ok {
+							out = append(out, oasExample{eat, at + "/schema", value})
+						}
+					}
+				}
+			}
+			for k, e := range v {
+				switch k {
+				case "schema", "example", "examples":
+					continue
+				}
+				if at == "/components" && k == "schemas" {
+					schemas(at+"/schemas", e)
+					continue
+				}
+				if at == "/components" && k == "examples" {
+					continue // checked where they are used
+				}
+				node(at+"/"+pointerEscape(k), e)
+			}
+		}
+	}
+	node("", doc)
+	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })
+	return out
+}
+
+// TestOpenAPIExamplesMeetTheirSchemas validates every example of the
+// document against its schema with a JSON Schema 2020-12 validator that
+// asserts formats, as the document's dialect is: client generators,
+// documentation renderers and mock servers show or serve these examples
+// as answers, and a linter (Redocly's, Spectral's) refuses one that its
+// schema does not allow.
+func TestOpenAPIExamplesMeetTheirSchemas(t *testing.T) {
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(openapiJSON, &doc))
+	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(openapiJSON))
+	require.NoError(t, err)
+	c := jsonschema.NewCompiler()
+	c.DefaultDraft(jsonschema.Draft2020)
+	c.AssertFormat()
+	require.NoError(t, c.AddResource(oasDocURL, inst))
+
+	examples := oasExamples(t, doc)
+	require.NotEmpty(t, examples)
+	for _, ex := range examples {
+		s, err := c.Compile(oasDocURL + "#" + ex.schema)
+		if !assert.NoError(t, err, "%s: its schema %s", ex.at, ex.schema) {
+			continue
+		}
+		// Through JSON again, so that numbers are what the validator reads.
+		b, err := json.Marshal(ex.value)
+		require.NoError(t, err)
+		v, err := jsonschema.UnmarshalJSON(bytes.NewReader(b))
+		require.NoError(t, err)
+		assert.NoError(t, s.Validate(v), "%s does not meet its schema %s", ex.at, ex.schema)
+	}
+}
