@@ -184,3 +184,38 @@ func TestOpenAPIExamplesMeetTheirSchemas(t *testing.T) {
 		assert.NoError(t, s.Validate(v), "%s does not meet its schema %s", ex.at, ex.schema)
 	}
 }
+
+// TestOpenAPIComponentNamesDistinct checks that no two components of
+// different kinds share a name unless one is the other's schema: client
+// generators make one type of each schema, parameter, header, request body
+// and response, all in one namespace, and oapi-codegen stops at the first
+// name it would declare twice ("duplicate typename 'Cursor' detected").
+// A parameter named as a schema is let be when its schema is that schema:
+// the generators then use the schema's type.
+func TestOpenAPIComponentNamesDistinct(t *testing.T) {
+	var doc struct {
+		Components map[string]map[string]json.RawMessage `json:"components"`
+	}
+	require.NoError(t, json.Unmarshal(openapiJSON, &doc))
+	kinds := []string{"parameters", "headers", "requestBodies", "responses"}
+	seen := map[string]string{} // name → its kind, among kinds
+	for _, kind := range kinds {
+		for name, raw := range doc.Components[kind] {
+			if was, ok := seen[name]; ok {
+				t.Errorf("components.%s.%s and components.%s.%s share a name", was, name, kind, name)
+			}
+			seen[name] = kind
+			if _, ok := doc.Components["schemas"][name]; !ok {
+				continue
+			}
+			var c struct {
+				Schema struct {
+					Ref string `json:"$ref"`
+				} `json:"schema"`
+			}
+			require.NoError(t, json.Unmarshal(raw, &c))
+			assert.Equal(t, "#/components/schemas/"+name, c.Schema.Ref,
+				"components.%s.%s is named as components.schemas.%s but is not that schema: generated clients get two types of one name", kind, name, name)
+		}
+	}
+}
