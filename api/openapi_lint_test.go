@@ -26,6 +26,70 @@ func pointerEscape(s string) string {
 	return strings.ReplaceAll(strings.ReplaceAll(s, "~", "~0"), "/", "~1")
 }
 
+// walkOAS calls schema for every schema of the document (those of
+// components/schemas, of each "schema" member, and each within them) and
+// holder for every object beside whose "schema" an example may stand: a
+// media type, a parameter or a header. Neither looks into examples,
+// defaults, enums or consts, which are values, not the document's own
+// objects, however they look.
+func walkOAS(doc map[string]any, schema func(at string, s map[string]any), holder func(at string, h map[string]any)) {
+	var sch func(at string, v any)
+	schemas := func(at string, v any) {
+		switch v := v.(type) {
+		case []any:
+			for i, s := range v {
+				sch(fmt.Sprintf("%s/%d", at, i), s)
+			}
+		case map[string]any:
+			for k, s := range v {
+				sch(at+"/"+pointerEscape(k), s)
+			}
+		}
+	}
+	sch = func(at string, v any) {
+		m, ok := v.(map[string]any)
+		if !ok {
+			return
+		}
+		schema(at, m)
+		for k, s := range m {
+			switch k {
+			case "properties", "patternProperties", "$defs", "dependentSchemas", "allOf", "anyOf", "oneOf", "prefixItems":
+				schemas(at+"/"+k, s)
+			case "items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+				"unevaluatedItems", "unevaluatedProperties", "contentSchema":
+				sch(at+"/"+k, s)
+			}
+		}
+	}
+	var node func(at string, v any)
+	node = func(at string, v any) {
+		switch v := v.(type) {
+		case []any:
+			for i, e := range v {
+				node(fmt.Sprintf("%s/%d", at, i), e)
+			}
+		case map[string]any:
+			if s, ok := v["schema"]; ok {
+				sch(at+"/schema", s)
+				holder(at, v)
+			}
+			for k, e := range v {
+				switch {
+				case k == "schema", k == "example", k == "examples":
+				case at == "/components" && k == "schemas":
+					schemas(at+"/schemas", e)
+				case at == "/components" && k == "examples":
+					// Values; each is checked where it is used.
+				default:
+					node(at+"/"+pointerEscape(k), e)
+				}
+			}
+		}
+	}
+	node("", doc)
+}
+
 // oasExample is one example of the document with the schema it must meet.
 type oasExample struct {
 	at     string // where the example is, a JSON Pointer
@@ -33,11 +97,10 @@ type oasExample struct {
 	value  any
 }
 
-// oasExamples walks the document and returns every example it gives, each
-// with the location of the schema it illustrates: a media type's, a
-// parameter's or a header's example and examples (those of
-// components/examples through their $ref), and a schema's own example,
-// examples and default.
+// oasExamples returns every example the document gives, each with the
+// location of the schema it illustrates: a media type's, a parameter's or a
+// header's example and examples (those of components/examples through
+// their $ref), and a schema's own example, examples and default.
 func oasExamples(t *testing.T, doc map[string]any) []oasExample {
 	t.Helper()
 	named, _ := doc["components"].(map[string]any)["examples"].(map[string]any)
@@ -67,25 +130,7 @@ func oasExamples(t *testing.T, doc map[string]any) []oasExample {
 		}
 		return value, ok
 	}
-
-	var schema func(at string, v any)
-	schemas := func(at string, v any) {
-		switch v := v.(type) {
-		case []any:
-			for i, s := range v {
-				schema(fmt.Sprintf("%s/%d", at, i), s)
-			}
-		case map[string]any:
-			for k, s := range v {
-				schema(at+"/"+pointerEscape(k), s)
-			}
-		}
-	}
-	schema = func(at string, v any) {
-		m, ok := v.(map[string]any)
-		if !ok {
-			return
-		}
+	walkOAS(doc, func(at string, m map[string]any) {
 		if e, ok := m["example"]; ok {
 			out = append(out, oasExample{at + "/example", at, e})
 		}
@@ -97,58 +142,19 @@ func oasExamples(t *testing.T, doc map[string]any) []oasExample {
 				out = append(out, oasExample{fmt.Sprintf("%s/examples/%d", at, i), at, e})
 			}
 		}
-		for k, s := range m {
-			switch k {
-			case "properties", "patternProperties", "$defs", "dependentSchemas", "allOf", "anyOf", "oneOf", "prefixItems":
-				schemas(at+"/"+k, s)
-			case "items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-				"unevaluatedItems", "unevaluatedProperties", "contentSchema":
-				schema(at+"/"+k, s)
+	}, func(at string, h map[string]any) {
+		if e, ok := h["example"]; ok {
+			out = append(out, oasExample{at + "/example", at + "/schema", e})
+		}
+		if es, ok := h["examples"].(map[string]any); ok {
+			for name, e := range es {
+				eat := at + "/examples/" + pointerEscape(name)
+				if value, ok := exampleObject(eat, e); ok {
+					out = append(out, oasExample{eat, at + "/schema", value})
+				}
 			}
 		}
-	}
-
-	// node walks what is not a schema: an object with a schema beside its
-	// example or examples is a media type, a parameter or a header.
-	var node func(at string, v any)
-	node = func(at string, v any) {
-		switch v := v.(type) {
-		case []any:
-			for i, e := range v {
-				node(fmt.Sprintf("%s/%d", at, i), e)
-			}
-		case map[string]any:
-			if s, ok := v["schema"]; ok {
-				schema(at+"/schema", s)
-				if e, ok := v["example"]; ok {
-					out = append(out, oasExample{at + "/example", at + "/schema", e})
-				}
-				if es, ok := v["examples"].(map[string]any); ok {
-					for name, e := range es {
-						eat := at + "/examples/" + pointerEscape(name)
-						if value, ok := exampleObject(eat, e); ok {
-							out = append(out, oasExample{eat, at + "/schema", value})
-						}
-					}
-				}
-			}
-			for k, e := range v {
-				switch k {
-				case "schema", "example", "examples":
-					continue
-				}
-				if at == "/components" && k == "schemas" {
-					schemas(at+"/schemas", e)
-					continue
-				}
-				if at == "/components" && k == "examples" {
-					continue // checked where they are used
-				}
-				node(at+"/"+pointerEscape(k), e)
-			}
-		}
-	}
-	node("", doc)
+	})
 	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })
 	return out
 }
@@ -218,4 +224,26 @@ func TestOpenAPIComponentNamesDistinct(t *testing.T) {
 				"components.%s.%s is named as components.schemas.%s but is not that schema: generated clients get two types of one name", kind, name, name)
 		}
 	}
+}
+
+// TestOpenAPIEnumsAndConstsTyped checks that every schema with an enum or
+// a const says its type too. JSON Schema does not need it, but oapi-codegen
+// makes a member without a type an interface{}: the problems' narrowing
+// of status and code (an allOf of Problem and {"status": {"const": 404},
+// "code": {"enum": […]}}) left a Go client's Status and Code untyped, a
+// float64 and a string behind an any, where every other generator, and
+// the Problem schema itself, say an integer and a code.
+func TestOpenAPIEnumsAndConstsTyped(t *testing.T) {
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(openapiJSON, &doc))
+	var untyped []string
+	walkOAS(doc, func(at string, s map[string]any) {
+		_, isEnum := s["enum"]
+		_, isConst := s["const"]
+		if _, typed := s["type"]; (isEnum || isConst) && !typed {
+			untyped = append(untyped, at)
+		}
+	}, func(string, map[string]any) {})
+	sort.Strings(untyped)
+	assert.Empty(t, untyped, "schemas with an enum or a const and no type")
 }
