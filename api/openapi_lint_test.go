@@ -247,3 +247,15 @@ func TestOpenAPIEnumsAndConstsTyped(t *testing.T) {
 	sort.Strings(untyped)
 	assert.Empty(t, untyped, "schemas with an enum or a const and no type")
 }
+
+// TestOpenAPIServers checks that the document names its server. Without
+// servers, OpenAPI takes "/", but Redocly's recommended rules refuse the
+// document (no-empty-servers is an error), so that a reader's lint of it
+// fails, and renderers and generators have no URL to show or start from.
+func TestOpenAPIServers(t *testing.T) {
+	c := mustContract(t)
+	require.NotEmpty(t, c.Doc.Servers, "servers")
+	// The paths begin with /api/v1: the server is the host's root, which
+	// "/" names relative to wherever the document was fetched from.
+	assert.Equal(t, "/", c.Doc.Servers[0].URL)
+}
