@@ -259,3 +259,24 @@ func TestOpenAPIServers(t *testing.T) {
 	// "/" names relative to wherever the document was fetched from.
 	assert.Equal(t, "/", c.Doc.Servers[0].URL)
 }
+
+// TestOpenAPIRequiredPropertiesDefined checks that each name a schema
+// requires is one of its properties (Redocly's
+// no-required-schema-properties-undefined): a generator makes a field of
+// each property only, so a required member it was not told the shape of is
+// missing from the type it makes.
+func TestOpenAPIRequiredPropertiesDefined(t *testing.T) {
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(openapiJSON, &doc))
+	walkOAS(doc, func(at string, s map[string]any) {
+		required, _ := s["required"].([]any)
+		if len(required) == 0 {
+			return
+		}
+		props, _ := s["properties"].(map[string]any)
+		for _, r := range required {
+			name, _ := r.(string)
+			assert.Contains(t, props, name, "%s requires %q, which is not among its properties", at, name)
+		}
+	}, func(string, map[string]any) {})
+}
