@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"regexp"
 	"sort"
 	"strings"
 	"testing"
 
+	"github.com/getkin/kin-openapi/openapi3"
 	"github.com/santhosh-tekuri/jsonschema/v6"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -279,4 +281,45 @@ func TestOpenAPIRequiredPropertiesDefined(t *testing.T) {
 			assert.Contains(t, props, name, "%s requires %q, which is not among its properties", at, name)
 		}
 	}, func(string, map[string]any) {})
+}
+
+// TestOpenAPIOperations checks what every client generator needs of each
+// operation: an operationId, unique and a plain identifier (it names the
+// generated method), and each parameter of the path template declared as a
+// required path parameter, and no other path parameter.
+func TestOpenAPIOperations(t *testing.T) {
+	c := mustContract(t)
+	ids := map[string]string{}
+	ident := regexp.MustCompile(`^[a-z][A-Za-z0-9]*$`)
+	for path, item := range c.Doc.Paths.Map() {
+		var inTemplate []string
+		for _, m := range regexp.MustCompile(`\{([^}]*)\}`).FindAllStringSubmatch(path, -1) {
+			inTemplate = append(inTemplate, m[1])
+		}
+		sort.Strings(inTemplate)
+		for method, op := range item.Operations() {
+			where := method + " " + path
+			if assert.Regexp(t, ident, op.OperationID, "%s: operationId", where) {
+				if was, ok := ids[op.OperationID]; ok {
+					t.Errorf("%s and %s share operationId %q", was, where, op.OperationID)
+				}
+				ids[op.OperationID] = where
+			}
+			declared := map[string]bool{}
+			for _, ps := range []openapi3.Parameters{item.Parameters, op.Parameters} {
+				for _, p := range ps {
+					if p.Value.In == openapi3.ParameterInPath {
+						assert.True(t, p.Value.Required, "%s: path parameter %s is not required", where, p.Value.Name)
+						declared[p.Value.Name] = true
+					}
+				}
+			}
+			var names []string
+			for name := range declared {
+				names = append(names, name)
+			}
+			sort.Strings(names)
+			assert.Equal(t, inTemplate, names, "%s: the path's parameters against those declared", where)
+		}
+	}
 }
