@@ -13,6 +13,9 @@ import (
 	"github.com/santhosh-tekuri/jsonschema/v6"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // The tests of this file check api/openapi.json for what the tools its
@@ -321,5 +324,45 @@ func TestOpenAPIOperations(t *testing.T) {
 			sort.Strings(names)
 			assert.Equal(t, inTemplate, names, "%s: the path's parameters against those declared", where)
 		}
+	}
+}
+
+// TestOpenAPICommandErrorCodes checks that the description of a command's
+// error names every failure code docs/api.md lists: it is what a client's
+// generated type shows a reader of error.code, which is a string (a bridge
+// may name codes of its own), so a code left out is one a client's switch
+// does not handle.
+func TestOpenAPICommandErrorCodes(t *testing.T) {
+	c := mustContract(t)
+	desc := c.Doc.Components.Schemas["Command"].Value.Properties["error"].Value.Description
+	md := string(testenv.ReadRepoFile(t, "docs/api.md"))
+	_, list, ok := strings.Cut(md, "A failed command's `error.code` is one of ")
+	require.True(t, ok, "docs/api.md lists the failure codes")
+	list, _, _ = strings.Cut(list, "[gatt.md]")
+	// The codes, without what the parentheses say of them.
+	var bare strings.Builder
+	depth := 0
+	for _, r := range list {
+		switch {
+		case r == '(':
+			depth++
+		case r == ')':
+			depth--
+		case depth == 0:
+			bare.WriteRune(r)
+		}
+	}
+	var codes []string
+	for _, m := range regexp.MustCompile("`([a-z_]+)`").FindAllStringSubmatch(bare.String(), -1) {
+		codes = append(codes, m[1])
+	}
+	require.Contains(t, codes, companion.CodeDeviceUnbound)
+	require.Contains(t, codes, companion.CodeDeviceNotServed)
+	named := map[string]bool{}
+	for _, w := range regexp.MustCompile(`[a-z_]+`).FindAllString(desc, -1) {
+		named[w] = true
+	}
+	for _, code := range codes {
+		assert.True(t, named[code], "components.schemas.Command.properties.error does not name %q", code)
 	}
 }
