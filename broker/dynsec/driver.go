@@ -34,6 +34,7 @@ type Store interface {
 	ListBindings(ctx context.Context, userID, after string, limit int) ([]companion.Binding, error)
 	Bridge(ctx context.Context, id string) (companion.Bridge, error)
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
+	BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error)
 }
 
 // Options configure New. The zero value of each optional field means its
@@ -390,16 +391,20 @@ func (d *Driver) deleteBridge(ctx context.Context, bridgeID string) error {
 // Assigned makes the rights of the bridges a device moved between follow
 // the store at once: the one it left loses the device's topics, the one it
 // joined gets them. (Mosquitto also disconnects the clients of a role that
-// changes; the bridge reconnects.)
+// changes; the bridge reconnects.) Only that device's rights change, as
+// the store says with d.change held: a role made again from all the
+// bridge's devices at each move made provisioning a bridge's devices take
+// time in the square of their number (docs/performance.md, "Fleet-scale operations").
+// Reconcile repairs whatever else drifted.
 func (d *Driver) Assigned(ctx context.Context, deviceID, from, to string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
 	var errs []error
 	for _, bridge := range []string{from, to} {
-		if bridge == "" {
+		if bridge == "" || (bridge == from && from == to) {
 			continue
 		}
-		if err := d.syncBridge(ctx, bridge); err != nil {
+		if err := d.syncServed(ctx, bridge, deviceID); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -411,14 +416,27 @@ func (d *Driver) Assigned(ctx context.Context, deviceID, from, to string) error 
 	return err
 }
 
-// syncBridge makes a bridge's role grant exactly what the store says it
-// serves. Run with d.change held.
-func (d *Driver) syncBridge(ctx context.Context, bridgeID string) error {
-	want, err := d.BridgeACLs(ctx, bridgeID)
+// syncServed makes a bridge's role grant the device's topics exactly when
+// the store says the bridge serves it. Run with d.change held.
+func (d *Driver) syncServed(ctx context.Context, bridgeID, deviceID string) error {
+	serves, err := d.st.BridgeServes(ctx, bridgeID, deviceID)
 	if err != nil {
 		return err
 	}
-	err = d.syncRole(ctx, BridgeRole(bridgeID), want)
+	acls, err := d.servedDeviceACLs(deviceID)
+	if err != nil {
+		return err
+	}
+	roleName := BridgeRole(bridgeID)
+	var cmds []Command
+	if serves {
+		for _, a := range acls {
+			cmds = append(cmds, addACL(roleName, a))
+		}
+	} else {
+		cmds = diff(roleName, acls, nil) // receive first
+	}
+	err = d.apply(ctx, cmds)
 	if notFound(err) && strings.Contains(err.Error(), "Role not found") {
 		d.log.Warn("bridge has no Mosquitto account; its devices' topics are not granted", "bridge_id", bridgeID)
 		return nil
@@ -479,10 +497,21 @@ func (d *Driver) createAccountLocked(ctx context.Context, a account) error {
 }
 
 // create makes the role and the client. Run with d.change held.
+//
+// The role is made with at most applyBatch of its ACLs, the rest added in
+// batches: a bridge's role has five for each device it serves, and one
+// createRole of them all, past a few hundred devices, is over Mosquitto's
+// max_packet_size, which disconnects the server (docs/reliability.md, bug
+// 138).
 func (d *Driver) create(ctx context.Context, a account) error {
-	acls := make([]map[string]any, 0, len(a.acls))
-	for _, x := range a.acls {
+	first := a.acls[:min(len(a.acls), applyBatch)]
+	acls := make([]map[string]any, 0, len(first))
+	for _, x := range first {
 		acls = append(acls, map[string]any{"acltype": x.Type, "topic": x.Topic, "allow": true, "priority": 0})
+	}
+	var rest []Command
+	for _, x := range a.acls[len(first):] {
+		rest = append(rest, addACL(a.role, x))
 	}
 	rs, err := d.Do(ctx,
 		Command{"command": "createRole", "rolename": a.role, "acls": acls},
@@ -500,6 +529,8 @@ func (d *Driver) create(ctx context.Context, a account) error {
 		if err := d.syncRole(ctx, a.role, a.acls); err != nil {
 			return err
 		}
+	} else if err := d.apply(ctx, rest); err != nil {
+		return err
 	}
 	err = rs[1].Err()
 	if err == nil {
@@ -666,13 +697,17 @@ func diff(roleName string, have, want []ACL) []Command {
 	return cmds
 }
 
+// applyBatch is how many changes go in one request to the plugin: 100
+// ACLs of a bridge's role are about 12 KiB, well within Mosquitto's
+// max_packet_size (mosquitto.conf: 320 KiB).
+const applyBatch = 100
+
 // apply sends changes in batches; "already exists" on an add and "not
 // found" on a removal mean the change is already made (and on a
 // setClientId, that the client went meanwhile).
 func (d *Driver) apply(ctx context.Context, cmds []Command) error {
-	const batch = 100
 	for len(cmds) > 0 {
-		n := min(batch, len(cmds))
+		n := min(applyBatch, len(cmds))
 		rs, err := d.Do(ctx, cmds[:n]...)
 		if err != nil {
 			return err

@@ -3,6 +3,7 @@ package dynsec_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -23,7 +24,7 @@ type conn struct {
 	granted chan bool
 }
 
-func dialConn(t *testing.T, url, user, pass string) *conn {
+func dialConn(t testing.TB, url, user, pass string) *conn {
 	t.Helper()
 	cn := &conn{granted: make(chan bool, 1)}
 	cn.c = mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("drv-" + user).
@@ -56,6 +57,8 @@ type bindings struct {
 	m       map[string]string // device → user
 	serves  map[string]string // device → bridge
 	bridges map[string]bool
+
+	servedListed, servesAsked int // calls of ServedDevices and BridgeServes
 }
 
 func newBindings() *bindings {
@@ -84,6 +87,7 @@ func (b *bindings) Bridge(_ context.Context, id string) (companion.Bridge, error
 func (b *bindings) ServedDevices(_ context.Context, bridge string) ([]string, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	b.servedListed++
 	out := []string{}
 	for d, br := range b.serves {
 		if br == bridge {
@@ -91,6 +95,20 @@ func (b *bindings) ServedDevices(_ context.Context, bridge string) ([]string, er
 		}
 	}
 	return out, nil
+}
+
+func (b *bindings) BridgeServes(_ context.Context, bridge, dev string) (bool, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.servesAsked++
+	return b.serves[dev] == bridge, nil
+}
+
+// calls returns how many times ServedDevices and BridgeServes were called.
+func (b *bindings) calls() (listed, asked int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.servedListed, b.servesAsked
 }
 
 func (b *bindings) set(dev, user string) {
@@ -128,14 +146,14 @@ func (b *bindings) ListBindings(_ context.Context, user, _ string, _ int) ([]com
 var server = mqtttest.MosquittoAccount{Username: "companion-server", Password: "server-secret",
 	ACL: []string{"topic readwrite companion/v1/#"}, Admin: true}
 
-func newDriver(t *testing.T, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, st dynsec.Store) (*dynsec.Driver, bool) {
+func newDriver(t testing.TB, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, st dynsec.Store) (*dynsec.Driver, bool) {
 	t.Helper()
 	return newDriverWith(t, mq, a, dynsec.Options{Store: st})
 }
 
 // newDriverWith is newDriver with opts (their Conn, ServerUsername and
 // Timeout set here).
-func newDriverWith(t *testing.T, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, opts dynsec.Options) (*dynsec.Driver, bool) {
+func newDriverWith(t testing.TB, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, opts dynsec.Options) (*dynsec.Driver, bool) {
 	t.Helper()
 	cn := dialConn(t, mq.URL, a.Username, a.Password)
 	t.Cleanup(func() { cn.c.Disconnect(50) })
@@ -208,6 +226,7 @@ func TestDriver(t *testing.T) {
 		state := func(bridge string) dynsec.ACL {
 			return dynsec.ACL{Type: dynsec.PublishClientSend, Topic: "companion/v1/bridges/" + bridge + "/state", Allow: true}
 		}
+		listed, asked := st.calls()
 		st.assign("dev-7", "bridge-1")
 		require.NoError(t, d.Assigned(ctx, "dev-7", "", "bridge-1"))
 		assert.ElementsMatch(t, append(served("dev-7"), state("bridge-1")), roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
@@ -216,6 +235,12 @@ func TestDriver(t *testing.T) {
 		require.NoError(t, d.Assigned(ctx, "dev-7", "bridge-1", "bridge-2"))
 		assert.ElementsMatch(t, []dynsec.ACL{state("bridge-1")}, roleACLs(t, mq, dynsec.BridgeRole("bridge-1")))
 		assert.ElementsMatch(t, append(served("dev-7"), state("bridge-2")), roleACLs(t, mq, dynsec.BridgeRole("bridge-2")))
+		// A move reads whether each bridge serves the device, never all
+		// a bridge serves: provisioning n devices onto one bridge took
+		// time in n² (docs/performance.md, "Fleet-scale operations").
+		nowListed, nowAsked := st.calls()
+		assert.Equal(t, listed, nowListed, "Assigned listed every device of a bridge")
+		assert.Equal(t, asked+3, nowAsked, "Assigned asked the store about each bridge of each move")
 
 		// Drift: an assignment the server missed, repaired by Reconcile.
 		st.assign("dev-8", "bridge-2")
@@ -336,4 +361,28 @@ func TestAssignedWhileTheBridgeIsCreated(t *testing.T) {
 	require.NoError(t, err)
 	assert.Len(t, want, 6, "the bridge's state and dev-9's five rights")
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("bridge-9")), "bridge-9's role")
+}
+
+// BenchmarkAssigned measures one device's move onto a bridge that already
+// serves 1,000, on a real Mosquitto: what each device of a fleet costs
+// when it is provisioned onto its bridge.
+func BenchmarkAssigned(b *testing.B) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(b, server)
+	st := newBindings()
+	st.bridges["bridge-1"] = true
+	for i := range 1000 {
+		st.assign(fmt.Sprintf("dev-%d", i), "bridge-1")
+	}
+	d, granted := newDriver(b, mq, server, st)
+	require.True(b, granted)
+	require.NoError(b, d.BridgeCreated(ctx, "bridge-1", "secret-1"))
+	b.ResetTimer()
+	for i := range b.N {
+		dev := fmt.Sprintf("new-%d", i)
+		st.assign(dev, "bridge-1")
+		if err := d.Assigned(ctx, dev, "", "bridge-1"); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
