@@ -126,6 +126,16 @@ type inflight struct {
 	end  uint64
 }
 
+// maxStalls is how many times in a row a device may answer an upload's
+// chunks with an offset other than the one they end at without the
+// offset it holds getting past the highest it acknowledged before: a
+// device that dropped a chunk (no buffer for it) holds a lower offset
+// once, and the chunks sent again from there take it further. One whose
+// offset never gets there (stuck, or going back each time) would be sent
+// the same chunks again and again, as fast as it answers, until the
+// command's timeout.
+const maxStalls = 8
+
 // errRestart: the device no longer holds the upload (it answered off 0
 // to a later chunk: it rebooted, or another upload took its place).
 var errRestart = errors.New("gatt: the device lost the upload")
@@ -188,6 +198,7 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted boo
 	t.progress(acked)
 
 	next := acked
+	best, stalls := acked, 0 // the highest offset acknowledged; answers since that did not pass it
 	var queue []inflight
 	abandon := func() {
 		for _, f := range queue {
@@ -241,9 +252,17 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted boo
 			if t.u.Stock && rsp.Off == 0 {
 				return errRestart
 			}
+			if stalls++; rsp.Off <= best && stalls >= maxStalls {
+				return &Error{Group: t.u.Group, ID: t.u.ID, Code: CodeDeviceError,
+					Reason: fmt.Sprintf("the device does not advance the upload: it answered %d times in a row with an offset other than its chunk's end, now %d, never past the %d of %d it had acknowledged",
+						stalls, rsp.Off, best, t.total)}
+			}
 			next = rsp.Off
 		}
 		acked = rsp.Off
+		if acked > best {
+			best, stalls = acked, 0
+		}
 		t.progress(acked)
 	}
 	abandon()
