@@ -1883,3 +1883,23 @@ func TestReplyStatusFromABridgeThatDoesNotServeTheDeviceIsDropped(t *testing.T) 
 	require.NoError(t, err)
 	assert.True(t, s.Online, "dev-1, served by b2, read offline on b1's Will")
 }
+
+// A reply naming a command of another device (a bridge that once served
+// that device knows its ids) changes nothing of that command: neither its
+// state, nor what this replica keeps of it on its way. Taken as an
+// answer, it made the replica drop the command from those it had handed
+// to the MQTT broker, so that "sent" was never written: the command read
+// queued for good, though the broker had it (bug 151).
+func TestReplyForAnotherDevicesCommandChangesNothing(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-2", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
+	// "sent" is written sentDelay after the PUBACK; 2 s is well past it,
+	// and well before the command would go out again and be written so.
+	testenv.Eventually(t, 2*time.Second, "the command written sent", func() bool { return state(t, e, c.ID).State == companion.StateSent })
+	e.b.mu.Lock()
+	defer e.b.mu.Unlock()
+	assert.True(t, e.b.live[c.ID], "the command no longer live here")
+}

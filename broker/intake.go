@@ -504,10 +504,13 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 	report = b.admit(deviceID, report, "command_id", r.CommandID)
 	start := time.Now()
 	var from string // the state before the reply, for the Observer
+	foreign := ""   // the device of the command, when it is not deviceID
 	b.st.UpdateCommandWithReportAsync(r.CommandID, func(c *companion.Command) error {
 		if c.DeviceID != deviceID {
+			foreign = c.DeviceID
 			return fmt.Errorf("%w: reply on device %s for a command of %s", errStale, deviceID, c.DeviceID)
 		}
+		foreign = ""
 		switch {
 		case companion.Rank(r.State) < companion.Rank(c.State):
 			return errStale
@@ -548,6 +551,15 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			return
 		}
 		defer ack()
+		if foreign != "" {
+			// Not an answer: the command is another device's, whose bridge
+			// this is not (a bridge that once served it knows its ids).
+			// Taken as one, it had this replica forget the command was on
+			// its way (land), so that "sent" was never written for it
+			// (docs/reliability.md, bug 151).
+			b.log.Warn("reply for a command of another device ignored", "device_id", deviceID, "command_id", r.CommandID, "command_device_id", foreign)
+			return
+		}
 		b.land(r.CommandID) // the bridge has it: no "sent" to write
 		switch {
 		case errors.Is(err, companion.ErrNotFound):
