@@ -563,6 +563,14 @@ func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
 		return true
 	}
 	b, _ = zcborForm(nil, b)
+	if gatt.HeaderSize+len(b) > p.opts.BufSize && (r.rc != gatt.RCMsgSize || r.rsn != "") {
+		// Zephyr encodes the answer in one of its SMP buffers: zcbor runs
+		// out of it, the handler returns MGMT_ERR_EMSGSIZE, and smp_on_err
+		// answers that instead (in a buffer of its own). Sent whole, an
+		// answer past 65535 bytes had a header whose 16-bit length wrapped.
+		p.log.Debug("SMP answer longer than a buffer", "group", h.Group, "id", h.ID, "bytes", gatt.HeaderSize+len(b))
+		return p.answer(ctx, h, failRC(gatt.RCMsgSize, ""))
+	}
 	p.mu.Lock()
 	notify, mtu := p.notify, p.mtu
 	p.mu.Unlock()

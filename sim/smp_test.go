@@ -460,6 +460,27 @@ func TestEchoReadAsZephyr(t *testing.T) {
 	}
 }
 
+// An answer that does not fit the device's SMP buffer is MGMT_ERR_EMSGSIZE
+// (rc 7), as on Zephyr, whose handlers encode it in one: an echo that fills
+// the buffer has an answer one byte longer (zcbor's indefinite map). With
+// buffers of 65535 bytes, that answer's length did not fit the header's
+// 16 bits, and went out with a header saying 0.
+func TestAnswerLongerThanTheBufferAsZephyr(t *testing.T) {
+	for _, bufSize := range []int{512, gatt.MaxMessage} {
+		r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{BufSize: bufSize})
+		// The map's head, the key "d" and a string head of three bytes.
+		d := strings.Repeat("e", bufSize-gatt.HeaderSize-6)
+		h, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": d})
+		if h.Op != gatt.OpWriteRsp || m["rc"] != uint64(gatt.RCMsgSize) || len(m) != 1 {
+			t.Errorf("buffers of %d: an echo that fills one answered op %d, %d bytes, %.40v; want {rc: 7}", bufSize, h.Op, h.Len, m)
+		}
+		h, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": d[1:]})
+		if m["r"] != d[1:] {
+			t.Errorf("buffers of %d: an echo one byte shorter answered %d bytes, %.40v; want it echoed", bufSize, h.Len, m)
+		}
+	}
+}
+
 // img_mgmt's image state (CONFIG_MCUMGR_GRP_IMG_FRUGAL_LIST off, the
 // default) lists every flag of a slot, false ones too, and ends with
 // splitStatus 0.
