@@ -2,6 +2,8 @@ package agent_test
 
 import (
 	"context"
+	"maps"
+	"math"
 	"testing"
 
 	"github.com/devicecompanion/companion"
@@ -65,4 +67,46 @@ func (d oddApps) Info(ctx context.Context) (companion.DeviceInfo, error) {
 	info.Apps = append(info.Apps, companion.App{AppID: "clock\x00", Version: "1.0.0\x00"},
 		companion.App{AppID: "Factory Demo", Version: "0.1.0"})
 	return info, err
+}
+
+// A device's settings schema is the firmware's: a default it declares as a
+// CBOR float NaN or infinity decodes, and JSON cannot carry it. The
+// settings the bridge cannot encode are left out, with their values, as
+// the server leaves out those it cannot describe: before, the final reply
+// of every command that read the settings back could not be encoded, nor
+// spooled, and the command never ended (bug 153).
+func TestSettingsTheBridgeCannotEncodeAreLeftOut(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{newSim("dev-1")},
+		wrap: func(d *sim.Device) agent.Device { return oddSchema{d} }})
+
+	c := command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80}})
+	w.send(c)
+	final := w.waitFinal("dev-1", c.ID)
+	if final.State != companion.StateSucceeded || final.Settings == nil {
+		t.Fatalf("final reply %+v; want succeeded with the settings", final)
+	}
+	if _, ok := final.Settings.Schema["glow"]; ok || final.Settings.Reported["glow"] != nil {
+		t.Errorf("the setting with a NaN default is in the final reply: %+v", *final.Settings)
+	}
+	if final.Settings.Reported["brightness"] != 80.0 || final.Settings.Schema["volume"].Type != topics.SettingInt {
+		t.Errorf("settings in the final reply %+v; want the others", *final.Settings)
+	}
+}
+
+// oddSchema is a device whose schema also declares settings with a default
+// JSON cannot hold.
+type oddSchema struct{ *sim.Device }
+
+func (d oddSchema) Settings(ctx context.Context) (map[string]any, topics.Schema, error) {
+	values, schema, err := d.Device.Settings(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	schema = maps.Clone(schema)
+	schema["glow"] = topics.SettingSpec{Type: topics.SettingInt, Default: math.NaN()}
+	schema["heat"] = topics.SettingSpec{Type: topics.SettingString, Default: map[string]any{"x": math.Inf(1)}}
+	values["glow"], values["heat"] = int64(3), "warm"
+	return values, schema, nil
 }

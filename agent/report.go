@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -166,7 +167,41 @@ func (a *Agent) readSettings(ctx context.Context, dr *deviceRunner) (topics.Sett
 	if reported == nil {
 		reported = map[string]any{}
 	}
+	reported, schema = a.encodableSettings(dr.id, reported, schema)
 	return topics.Settings{Reported: reported, Schema: schema, At: a.now(), Seq: seq}, nil
+}
+
+// encodableSettings is the device's settings without those JSON cannot
+// carry, spec or value: the firmware declares its own schema, and a
+// default it gives as a CBOR float NaN or infinity decodes. Left in, the
+// settings message could not be encoded, nor the final reply that carries
+// it, nor its spool record: the command that read them back never ended
+// (docs/reliability.md, bug 153). They are left out, with their values,
+// and logged, as the server leaves out the settings it cannot describe.
+func (a *Agent) encodableSettings(deviceID string, reported map[string]any, schema topics.Schema) (map[string]any, topics.Schema) {
+	var bad []string
+	for name, spec := range schema {
+		if _, err := fastjson.Marshal(spec); err != nil {
+			bad = append(bad, name)
+		}
+	}
+	for name, v := range reported {
+		if _, err := fastjson.Marshal(v); err != nil && !slices.Contains(bad, name) {
+			bad = append(bad, name)
+		}
+	}
+	if bad == nil {
+		return reported, schema
+	}
+	slices.Sort(bad)
+	a.log.Warn("the device declares settings whose spec or value JSON cannot carry (a NaN or infinite number); leaving them out",
+		"device", deviceID, "settings", bad)
+	reported, schema = maps.Clone(reported), maps.Clone(schema)
+	for _, name := range bad {
+		delete(reported, name)
+		delete(schema, name)
+	}
+	return reported, schema
 }
 
 // publish publishes a device's retained status or settings on the topic
