@@ -2,8 +2,10 @@ package agent_test
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"math"
+	"strings"
 	"testing"
 
 	"github.com/devicecompanion/companion"
@@ -108,5 +110,62 @@ func (d oddSchema) Settings(ctx context.Context) (map[string]any, topics.Schema,
 	schema["glow"] = topics.SettingSpec{Type: topics.SettingInt, Default: math.NaN()}
 	schema["heat"] = topics.SettingSpec{Type: topics.SettingString, Default: map[string]any{"x": math.Inf(1)}}
 	values["glow"], values["heat"] = int64(3), "warm"
+	return values, schema, nil
+}
+
+// A device may answer each setting's read with up to 16 KiB (the bridge's
+// largest SMP response): forty such settings are more than a message
+// carries (topics.MaxPayload), and the server, as the MQTT broker, refuses
+// a longer one. The settings are then not sent, and said so; the final
+// reply goes without them, and the next command is not held up. Ten fit a
+// message, but not twice over: the final reply of a settings change,
+// which carries them and its result (the reported values again), goes
+// without its result (bug 154).
+func TestSettingsLongerThanAMessageAreNotSent(t *testing.T) {
+	for _, tt := range []struct {
+		n            int
+		withSettings bool
+	}{{40, false}, {10, true}} {
+		t.Run(fmt.Sprint(tt.n), func(t *testing.T) {
+			b := startBroker(t)
+			w := newWatcher(t, b)
+			startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{newSim("dev-1")},
+				wrap: func(d *sim.Device) agent.Device { return bigSettings{d, tt.n} }})
+
+			c := command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80}})
+			w.send(c)
+			final := w.waitFinal("dev-1", c.ID)
+			if final.State != companion.StateSucceeded || (final.Settings != nil) != tt.withSettings || final.Result != nil {
+				t.Fatalf("final reply %.300v; want succeeded, without its result, with the settings %v", final, tt.withSettings)
+			}
+			if tt.withSettings && final.Settings.Reported["brightness"] != 80.0 {
+				t.Errorf("settings in the final reply: brightness %v", final.Settings.Reported["brightness"])
+			}
+			next := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "after"})
+			w.send(next)
+			if r := w.waitFinal("dev-1", next.ID); r.State != companion.StateSucceeded {
+				t.Errorf("the next command: %+v", r)
+			}
+		})
+	}
+}
+
+// bigSettings is a device with n more settings of 16 KiB each.
+type bigSettings struct {
+	*sim.Device
+	n int
+}
+
+func (d bigSettings) Settings(ctx context.Context) (map[string]any, topics.Schema, error) {
+	values, schema, err := d.Device.Settings(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	schema = maps.Clone(schema)
+	for i := range d.n {
+		name := fmt.Sprintf("big%02d", i)
+		schema[name] = topics.SettingSpec{Type: topics.SettingString, Default: ""}
+		values[name] = strings.Repeat("x", 16<<10-100)
+	}
 	return values, schema, nil
 }

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -168,7 +169,15 @@ func (a *Agent) readSettings(ctx context.Context, dr *deviceRunner) (topics.Sett
 		reported = map[string]any{}
 	}
 	reported, schema = a.encodableSettings(dr.id, reported, schema)
-	return topics.Settings{Reported: reported, Schema: schema, At: a.now(), Seq: seq}, nil
+	set := topics.Settings{Reported: reported, Schema: schema, At: a.now(), Seq: seq}
+	if b, err := fastjson.Marshal(set); err == nil && len(b) > topics.MaxPayload {
+		// A device may answer each setting's read with up to 16 KiB, and
+		// declare 256 of them: published, the message is refused by the
+		// server and by a broker at the contract's packet size, which
+		// closes the bridge's connection (docs/reliability.md, bug 154).
+		return topics.Settings{}, fmt.Errorf("agent: the device's settings take %d bytes as a message, more than the %d one carries", len(b), topics.MaxPayload)
+	}
+	return set, nil
 }
 
 // encodableSettings is the device's settings without those JSON cannot
@@ -215,6 +224,10 @@ func (a *Agent) publish(dr *deviceRunner, topicOf func(deviceID string) (string,
 	b, err := fastjson.Marshal(v)
 	if err != nil {
 		a.log.Error("encoding a report", "device", dr.id, "err", err)
+		return
+	}
+	if len(b) > topics.MaxPayload {
+		a.log.Error("a report longer than a message carries; not sent", "device", dr.id, "topic", topic, "bytes", len(b), "max", topics.MaxPayload)
 		return
 	}
 	a.client.Publish(topic, 1, true, b)

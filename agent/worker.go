@@ -138,6 +138,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	// What the command changed goes with its final reply, so that the
 	// server stores both at once, and on the retained topics.
 	final.Status, final.Settings = state.status, state.settings
+	a.fitReply(c.DeviceID, &final)
 	a.settleDelivered(c.ID)
 	a.finish(ctx, r, final)
 	dr.offer(state)
@@ -150,6 +151,31 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		dr.requestReport(status, false, settings)
 	}
 	return true
+}
+
+// fitReply keeps a final reply within what a message carries
+// (topics.MaxPayload): longer, the server refuses it, and a broker at the
+// contract's packet size closes the bridge's connection, which then sends
+// it again from the spool, and again. What it carries beside the command's
+// state goes first: the result, then the settings and the status, which
+// the reports carry too (docs/reliability.md, bug 154).
+func (a *Agent) fitReply(deviceID string, r *topics.Reply) {
+	for _, part := range []struct {
+		name string
+		drop func()
+	}{
+		{"result", func() { r.Result = nil }},
+		{"settings", func() { r.Settings = nil }},
+		{"status", func() { r.Status = nil }},
+	} {
+		b, err := fastjson.Marshal(r)
+		if err != nil || len(b) <= topics.MaxPayload {
+			return
+		}
+		a.log.Warn("a final reply longer than a message carries; sending it without its "+part.name,
+			"device", deviceID, "cmd", r.CommandID, "bytes", len(b), "max", topics.MaxPayload)
+		part.drop()
+	}
 }
 
 // markStarted returns once the spool has the command as possibly started,
