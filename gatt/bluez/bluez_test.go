@@ -246,6 +246,49 @@ func TestMTU(t *testing.T) {
 	}
 }
 
+// The ATT MTU of a connection is exchanged once and never shrinks: an MTU
+// property BlueZ announces below it (0, or 23 after 247) is not the
+// link's. Taken, it failed every write the client sized to the MTU it was
+// made with, for as long as the link lasted (bug 155).
+func TestMTUNeverShrinks(t *testing.T) {
+	fake := fakebluez.New(t)
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:02:02", MTU: 247, Peripheral: newTestPeripheral("dev-mtu")})
+	l := connect(t, newConnector(t), "dev-mtu")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	got := make(chan int, 10)
+	if err := l.Subscribe(ctx, gatt.SMPCharUUID, func(b []byte) { got <- len(b) }); err != nil {
+		t.Fatalf("Subscribe: %v", err)
+	}
+	char := d.Path() + "/service0001/char0002"
+	for _, mtu := range []uint16{0, 22, 23, 100} {
+		if err := fake.Emit(char, "org.freedesktop.DBus.Properties.PropertiesChanged", "org.bluez.GattCharacteristic1",
+			map[string]dbus.Variant{"MTU": dbus.MakeVariant(mtu)}, []string{}); err != nil {
+			t.Fatal(err)
+		}
+		// The echo's notification comes after the signal went past.
+		if err := l.Write(ctx, gatt.SMPCharUUID, []byte("x"), false); err != nil {
+			t.Fatalf("Write after MTU %d: %v", mtu, err)
+		}
+		select {
+		case <-got:
+		case <-ctx.Done():
+			t.Fatal("no notification")
+		}
+		if m := l.MTU(); m != 247 {
+			t.Errorf("after a signal of MTU %d, MTU() = %d; want 247", mtu, m)
+		}
+		if err := l.Write(ctx, gatt.SMPCharUUID, make([]byte, 244), false); err != nil {
+			t.Fatalf("after a signal of MTU %d, a write of 244 bytes: %v", mtu, err)
+		}
+		select {
+		case <-got:
+		case <-ctx.Done():
+			t.Fatal("no notification")
+		}
+	}
+}
+
 func TestWrites(t *testing.T) {
 	fake := fakebluez.New(t)
 	p := newTestPeripheral("dev-w")
