@@ -9,6 +9,7 @@ import (
 	"image/png"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -112,6 +113,86 @@ func FuzzRequests(f *testing.F) {
 			}
 			if !utf8.Valid(w.Body.Bytes()) {
 				t.Fatalf("problem is not UTF-8: %q", w.Body)
+			}
+		}
+	})
+}
+
+// fuzzReads are the routes that take a query, or ids in their path: %s is
+// a path segment the fuzzer writes.
+var fuzzReads = []string{
+	"/api/v1/devices",
+	"/api/v1/devices/dev-1/commands",
+	"/api/v1/devices/%s/commands",
+	"/api/v1/devices/dev-1/commands/%s",
+	"/api/v1/devices/%s/status",
+	"/api/v1/devices/%s/settings",
+	"/api/v1/devices/%s/apps",
+	"/api/v1/devices/%s/ota/check",
+	"/api/v1/apps",
+	"/api/v1/bridges",
+}
+
+// FuzzReads sends arbitrary queries and path segments to the routes that
+// read them: as FuzzRequests, never a 5xx, always JSON, a problem in the
+// contract's shape; a list's next_cursor, when there is one, is taken back.
+func FuzzReads(f *testing.F) {
+	for i := range fuzzReads {
+		for _, q := range []string{"", "limit=1", "limit=0&cursor=x", "cursor=%zz", "state=queued;x", "limit=1e400", "cursor=ZGV2LTE", "state=sent&state=queued"} {
+			f.Add(uint8(i), "dev-1", q)
+		}
+	}
+	f.Add(uint8(3), "0190a000-0000-7000-8000-00000000000A", "")
+	f.Add(uint8(2), "dev-1%2F..", "")
+	e := newEnv(f)
+	tok := e.bound("dev-1")
+	e.report("dev-1", "1.0.0")
+	for range 3 {
+		if r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "hi"}); r.status != http.StatusAccepted {
+			f.Fatalf("push text: %d %s", r.status, r.body)
+		}
+	}
+	h := e.api.Handler()
+
+	f.Fuzz(func(t *testing.T, route uint8, segment, query string) {
+		path := fuzzReads[int(route)%len(fuzzReads)]
+		if strings.Contains(path, "%s") {
+			path = strings.Replace(path, "%s", segment, 1)
+		}
+		req, err := http.NewRequest("GET", "http://api"+path+"?"+query, nil)
+		if err != nil {
+			return // no request a client could send
+		}
+		req.Header.Set("Authorization", "Bearer "+tok)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, req)
+		if w.Code >= 500 {
+			t.Fatalf("GET %s?%s → %d %s", path, query, w.Code, w.Body)
+		}
+		if !json.Valid(w.Body.Bytes()) {
+			t.Fatalf("GET %s?%s → not JSON: %s", path, query, w.Body)
+		}
+		if w.Code >= 400 {
+			var p struct {
+				Code   string
+				Status int
+				Errors []FieldError
+			}
+			if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || p.Code == "" || p.Status != w.Code || p.Errors == nil {
+				t.Fatalf("GET %s?%s → problem without the contract's shape: %s", path, query, w.Body)
+			}
+			return
+		}
+		var list struct {
+			NextCursor *string `json:"next_cursor"`
+		}
+		if json.Unmarshal(w.Body.Bytes(), &list) == nil && list.NextCursor != nil {
+			req, _ := http.NewRequest("GET", "http://api"+req.URL.Path+"?cursor="+url.QueryEscape(*list.NextCursor), nil)
+			req.Header.Set("Authorization", "Bearer "+tok)
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, req)
+			if w.Code != http.StatusOK {
+				t.Fatalf("GET %s with the next_cursor it gave, %q → %d %s", req.URL.Path, *list.NextCursor, w.Code, w.Body)
 			}
 		}
 	})

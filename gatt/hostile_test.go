@@ -1,6 +1,7 @@
 package gatt
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"strings"
@@ -105,4 +106,107 @@ func TestUploadThatNeverAdvancesFails(t *testing.T) {
 			}
 		})
 	}
+}
+
+// FuzzTransferAnswers has a device answer an upload's requests with the
+// offsets the fuzzer picks, over and over: whatever it answers, the upload
+// ends on its own (an error, or done) well before its context, and it is
+// done only when the device's last answer acknowledged every byte.
+func FuzzTransferAnswers(f *testing.F) {
+	const total = 3000
+	f.Add([]byte{0, 0})
+	f.Add([]byte{0x0b, 0xb8})             // 3000: done at once
+	f.Add([]byte{0x01, 0x00, 0x00, 0x10}) // 256, then 16
+	f.Add([]byte{0xff, 0xff})             // past the end
+	f.Fuzz(func(t *testing.T, script []byte) {
+		if len(script) < 2 {
+			return
+		}
+		var (
+			n    atomic.Int64
+			last atomic.Uint64
+		)
+		link := &uploadLink{cannedLink: cannedLink{done: make(chan struct{})}, off: func(req UploadRequest) uint64 {
+			i := int(n.Add(1)-1) % (len(script) / 2)
+			off := uint64(script[2*i])<<8 | uint64(script[2*i+1])
+			last.Store(off)
+			return off
+		}}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		tr := NewTransfer(Upload{Group: GroupPush, ID: CmdPushUpload, First: UploadRequest{CmdID: "c1"}, Data: make([]byte, total)})
+		err = tr.Run(ctx, c, 3)
+		switch {
+		case ctx.Err() != nil:
+			t.Fatalf("the upload ran until its context ended: %v, %d requests", err, n.Load())
+		case err == nil && last.Load() != total:
+			t.Fatalf("the upload is done, and the device's last answer was %d of %d", last.Load(), total)
+		}
+	})
+}
+
+// A device's answers built to hurt: a body nested 10,000 deep, a byte
+// string claiming 1 GiB, a header whose length is shorter or longer than
+// its body, 1,000 image slots and 2,000. Each is an error at once, not a
+// wait for the request's timeout, and never a partial decode taken for an
+// answer; the 1,000 slots, within the limits, decode.
+func TestHostileAnswers(t *testing.T) {
+	nested := append(bytes.Repeat([]byte{0x81}, 10_000), 0x00)
+	huge := []byte{0xa1, 0x64, 'h', 'a', 's', 'h', 0x5a, 0x40, 0x00, 0x00, 0x00} // {"hash": h'…' of 1 GiB}
+	slots := func(n int) []byte {
+		b := []byte{0xa1, 0x66, 'i', 'm', 'a', 'g', 'e', 's', 0x99, byte(n >> 8), byte(n)}
+		return append(b, bytes.Repeat([]byte{0xa0}, n)...)
+	}
+	for _, tt := range []struct {
+		name   string
+		answer func(h Header) [][]byte
+		ok     bool
+	}{
+		{"nested 10,000 deep", func(h Header) [][]byte { return answer(h, nested, len(nested)) }, false},
+		{"1 GiB byte string", func(h Header) [][]byte { return answer(h, huge, len(huge)) }, false},
+		{"length shorter than the body", func(h Header) [][]byte { return answer(h, []byte{0xa1, 0x62, 'r', 'c', 0x00}, 2) }, false},
+		{"length longer than the body", func(h Header) [][]byte { return answer(h, []byte{0xa0}, 100) }, false},
+		{"1,000 slots", func(h Header) [][]byte { return answer(h, slots(1000), len(slots(1000))) }, true},
+		{"2,000 slots", func(h Header) [][]byte { return answer(h, slots(2000), len(slots(2000))) }, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			link := &rawLink{cannedLink: cannedLink{done: make(chan struct{})}, raw: tt.answer}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 5 * time.Second, FragmentTimeout: 200 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			start := time.Now()
+			var st ImageStateResponse
+			err = c.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st)
+			switch {
+			case tt.ok && (err != nil || len(st.Images) != 1000):
+				t.Errorf("image state = %d slots, %v; want 1000", len(st.Images), err)
+			case !tt.ok && err == nil:
+				t.Errorf("image state = %d slots, nil; want an error", len(st.Images))
+			case !tt.ok && (errors.Is(err, ErrTimeout) || time.Since(start) > 2*time.Second):
+				t.Errorf("image state = %v after %v; want an error at once", err, time.Since(start))
+			}
+		})
+	}
+}
+
+// answer is the notifications of an answer to h with body, its header
+// saying length n, in writes of 244 bytes.
+func answer(h Header, body []byte, n int) [][]byte {
+	h.Op++
+	h.Len = uint16(n)
+	msg := append(AppendHeader(nil, h), body...)
+	var out [][]byte
+	for off := 0; off < len(msg); off += 244 {
+		out = append(out, msg[off:min(off+244, len(msg))])
+	}
+	return out
 }

@@ -352,3 +352,32 @@ func BenchmarkParse(b *testing.B) {
 		})
 	}
 }
+
+// A version a user names (ParseVersion) or a device reports in its image
+// state (ParseMCUmgrVersion) reads back as itself from either of its
+// forms: what is accepted fits the header's fields, and the bridge's
+// comparison of versions is the header's.
+func FuzzParseVersion(f *testing.F) {
+	for _, s := range []string{"1.2.3", "1.2.3+4", "1.2.3.4", "255.255.65535+4294967295", "0.0.0", "1.2.3-rc1", "01.2.3", "1.2.3.4.5", "1.2.3+0"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		for name, parse := range map[string]func(string) (mcuboot.Version, error){
+			"ParseVersion": mcuboot.ParseVersion, "ParseMCUmgrVersion": mcuboot.ParseMCUmgrVersion,
+		} {
+			v, err := parse(s)
+			if err != nil {
+				continue
+			}
+			if w, err := mcuboot.ParseVersion(v.String()); err != nil || w != v {
+				t.Fatalf("%s(%q) = %+v; its String %q reads %+v, %v", name, s, v, v.String(), w, err)
+			}
+			if w, err := mcuboot.ParseMCUmgrVersion(v.MCUmgrString()); err != nil || w != v {
+				t.Fatalf("%s(%q) = %+v; its MCUmgrString %q reads %+v, %v", name, s, v, v.MCUmgrString(), w, err)
+			}
+			if v.Compare(v) != 0 {
+				t.Fatalf("%+v does not equal itself", v)
+			}
+		}
+	})
+}

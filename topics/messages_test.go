@@ -1,6 +1,7 @@
 package topics
 
 import (
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
@@ -94,11 +95,38 @@ func FuzzParseMessages(f *testing.F) {
 	f.Add([]byte(`{"command_id":"01890a5d-ac96-774b-bcce-b302099a8057","state":"delivered"}`))
 	f.Add([]byte(`{"online":true,"battery":5,"seq":1}`))
 	f.Add([]byte(`{"reported":{"a":1},"schema":{}}`))
+	f.Add([]byte(`{"id":"01890a5d-ac96-774b-bcce-b302099a8057","op":"push.text","device_id":"d1","payload":{"text":"hi"}}`))
+	f.Add([]byte(`{"command_id":"01890a5d-ac96-774b-bcce-b302099a8057","state":"succeeded","at":"2026-01-02T03:04:05+01:00",` +
+		`"status":{"online":true,"firmware_version":"1.0.0\u0000","apps":[{"app_id":"a","version":"1"}],"seq":2},"settings":{"reported":{"x":1}}}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		ParseReply(b)
-		ParseStatus(b)
-		ParseSettings(b)
-		ParseCommand(b)
+		// What a parser accepts, written again as a bridge or the server
+		// writes it, is accepted again and reads the same: nothing is
+		// taken that the other side of the topic could not send.
+		again := func(name string, v any, parse func([]byte) (any, error)) {
+			out, err := json.Marshal(v)
+			if err != nil {
+				t.Fatalf("%s accepted %q as %+v, which does not encode: %v", name, b, v, err)
+			}
+			w, err := parse(out)
+			if err != nil {
+				t.Fatalf("%s accepted %q; written again as %s it is refused: %v", name, b, out, err)
+			}
+			if out2, _ := json.Marshal(w); string(out2) != string(out) {
+				t.Fatalf("%s accepted %q; written again %s, then %s", name, b, out, out2)
+			}
+		}
+		if r, err := ParseReply(b); err == nil {
+			again("ParseReply", r, func(b []byte) (any, error) { return ParseReply(b) })
+		}
+		if s, err := ParseStatus(b); err == nil {
+			again("ParseStatus", s, func(b []byte) (any, error) { return ParseStatus(b) })
+		}
+		if s, err := ParseSettings(b); err == nil {
+			again("ParseSettings", s, func(b []byte) (any, error) { return ParseSettings(b) })
+		}
+		if c, err := ParseCommand(b); err == nil {
+			again("ParseCommand", c, func(b []byte) (any, error) { return ParseCommand(b) })
+		}
 	})
 }
 
