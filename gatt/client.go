@@ -227,8 +227,15 @@ func (c *Client) SetWindow(n int) {
 		c.slots = nil
 		return
 	}
-	c.slots = make(chan struct{}, n)
+	c.slots = make(chan struct{}, min(n, MaxWindow))
 }
+
+// MaxWindow is the most requests a client keeps in flight: the header's
+// sequence numbers tell 256 apart. A device may report more buffers
+// (buf_count); a window of them all had every request past the 256th
+// refused ("256 requests in flight"), and with it any upload of more
+// chunks (docs/reliability.md, bug 157).
+const MaxWindow = 255
 
 // Narrow makes the window one place smaller, down to one, for the rest of
 // the link: the device answered a request rc 2 (MGMT_ERR_ENOMEM, no buffer

@@ -59,7 +59,7 @@ type DeviceOptions struct {
 	// caller together (an upload's chunks, a status read's requests); 0
 	// means one less than the device's buf_count (MCUmgr parameters: its
 	// buffers serve requests and responses alike, so one must stay free
-	// for the answer), or 1 if it does not say.
+	// for the answer), or 1 if it does not say; MaxWindow at most.
 	Window int
 	// ProbeTimeout bounds the wait for the answer to the reassembly probe
 	// (Client.ProbeReassembly); default DefaultProbeTimeout.
@@ -315,9 +315,9 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 func (d *Device) window(s *session) int {
 	switch {
 	case d.opts.Window > 0:
-		return d.opts.Window
+		return min(d.opts.Window, MaxWindow)
 	case s.bufCount > 1:
-		return s.bufCount - 1
+		return min(s.bufCount-1, MaxWindow)
 	}
 	return 1
 }

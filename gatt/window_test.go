@@ -178,3 +178,34 @@ func newSimClient(t *testing.T, ctx context.Context, popts sim.PeripheralOptions
 	t.Cleanup(func() { c.Close() })
 	return c, p
 }
+
+// A device may report more SMP buffers than the header's sequence numbers
+// tell apart (256). The window stays within them: an upload of more than
+// 256 chunks to a device reporting 1,000 buffers, or with a Window of
+// 1,000 set, goes through. Before, the 257th request was refused ("256
+// requests in flight") and the upload failed (bug 157).
+func TestManyBuffersKeepToTheSequenceNumbers(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		popts  sim.PeripheralOptions
+		window int
+	}{
+		{"buf_count 1000", sim.PeripheralOptions{BufCount: 1000, BufSize: 300}, 0},
+		{"window 1000", sim.PeripheralOptions{BufCount: 1000, BufSize: 300}, 1000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			opts := fastLink
+			opts.MTU = 247
+			d, s, _, _ := newSimPeripheral(t, opts, tt.popts, gatt.DeviceOptions{Window: tt.window})
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			img := randomBytes(t, 200_000) // about 700 chunks
+			if err := d.PushImage(ctx, "img-1", "image/png", img); err != nil {
+				t.Fatalf("PushImage: %v", err)
+			}
+			if len(s.Images()) != 1 {
+				t.Errorf("%d images shown", len(s.Images()))
+			}
+		})
+	}
+}
