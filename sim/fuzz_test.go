@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/mcuboot"
@@ -98,6 +99,85 @@ func FuzzPeripheral(f *testing.F) {
 			}
 			if n := gatt.HeaderSize + len(a.Body); n > fuzzBufSize {
 				t.Fatalf("request %+v answered %d bytes, more than the device's %d-byte buffer", h, n, fuzzBufSize)
+			}
+		}
+	})
+}
+
+// FuzzPeripheralWrites hands the device's SMP transport arbitrary writes,
+// with and without reassembly, as a central may send them: whatever they
+// hold, once the device has answered what it took, it holds no buffer but
+// the one of a message still being collected, so that the next request
+// finds its buffers free (a buffer leaked is a device that loses every
+// request once they are gone), and it still answers an echo.
+func FuzzPeripheralWrites(f *testing.F) {
+	echo, _ := gatt.EncodeMessage(gatt.OpWrite, gatt.GroupOS, 7, gatt.CmdOSEcho, gatt.EchoRequest{D: "hi"})
+	f.Add(echo, false, uint8(5))
+	f.Add(append(append([]byte{}, echo...), echo...), true, uint8(3))
+	f.Add([]byte{0x0a, 0, 0x01, 0x00, 0, 0, 1, 0}, false, uint8(8)) // a header claiming 256 bytes
+	f.Add([]byte{0x0a, 0, 0xff, 0xff, 0, 0, 1, 0, 1, 2, 3}, true, uint8(0))
+	f.Fuzz(func(t *testing.T, data []byte, noReassembly bool, split uint8) {
+		log := slog.New(slog.DiscardHandler)
+		p := NewPeripheral(New(Options{ID: "dev-1", Logger: log}), PeripheralOptions{BufSize: fuzzBufSize, BufCount: 3, NoReassembly: noReassembly,
+			MaxUpload: 1 << 16, ResetDelay: time.Hour, Logger: log})
+		defer p.Close()
+		answers := make(chan []byte, 1024)
+		if err := p.Connected(247, func(_ string, v []byte) {
+			select {
+			case answers <- bytes.Clone(v):
+			default:
+			}
+		}, func() {}); err != nil {
+			t.Fatal(err)
+		}
+		defer p.Disconnected()
+		// Writes of split+1 bytes at most (an ATT write is at most MTU-3).
+		for rest, n := data, int(split)%244+1; len(rest) > 0; {
+			k := min(n, len(rest))
+			p.WriteChar(gatt.SMPCharUUID, rest[:k])
+			rest = rest[k:]
+		}
+		idle := func() bool {
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			held := 0
+			if p.cur != nil {
+				held = 1
+			}
+			return len(p.queue) == 0 && p.inUse == held
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for !idle() {
+			if time.Now().After(deadline) {
+				p.mu.Lock()
+				defer p.mu.Unlock()
+				t.Fatalf("the device holds %d buffers, %d packets queued, collecting %v", p.inUse, len(p.queue), p.cur != nil)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		p.mu.Lock()
+		between := p.cur == nil && p.skip == 0 // the next write starts a message
+		p.mu.Unlock()
+		if !between {
+			return
+		}
+		for len(answers) > 0 {
+			<-answers
+		}
+		probe, _ := gatt.EncodeMessage(gatt.OpWrite, gatt.GroupOS, 0x77, gatt.CmdOSEcho, gatt.EchoRequest{D: "probe"})
+		p.WriteChar(gatt.SMPCharUUID, probe)
+		r := gatt.NewReassembler(gatt.MaxMessage)
+		for {
+			select {
+			case n := <-answers:
+				ms, _ := r.Feed(n)
+				for _, m := range ms {
+					if m.Seq == 0x77 && m.Group == gatt.GroupOS {
+						return
+					}
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("no answer to an echo after the writes")
 			}
 		}
 	})
