@@ -211,7 +211,14 @@ func ParseReply(b []byte) (Reply, error) {
 	case (r.Status != nil || r.Settings != nil) && !companion.IsFinal(r.State):
 		return Reply{}, fmt.Errorf("%w: device state in a %s reply", ErrBadMessage, r.State)
 	}
-	if r.Error != nil {
+	switch {
+	case r.Error != nil && (r.State == companion.StateDelivered || r.State == companion.StateInProgress || r.State == companion.StateSucceeded):
+		// An error says why a command failed, expired or was canceled: on
+		// another state it is dropped. Kept, it stayed on the command
+		// through every later state, a succeeded one included
+		// (docs/reliability.md, bug 158).
+		r.Error = nil
+	case r.Error != nil:
 		r.Error.Code, r.Error.Message = deviceText(r.Error.Code), deviceText(r.Error.Message)
 	}
 	if r.Status != nil {

@@ -130,6 +130,27 @@ func FuzzParseMessages(f *testing.F) {
 	})
 }
 
+// An error is why a command failed, expired or was canceled: a bridge's
+// reply of another state with one is taken without it. The server keeps a
+// command's error through its later states, so an in_progress reply with
+// an error made the command read succeeded with that error (bug 158).
+func TestAnErrorOnlyWithAFailure(t *testing.T) {
+	const id = "0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"
+	for _, state := range companion.States {
+		if state == companion.StateQueued || state == companion.StateSent {
+			continue
+		}
+		r, err := ParseReply([]byte(`{"command_id":"` + id + `","state":"` + state + `","error":{"code":"device_error","message":"x"}}`))
+		if err != nil {
+			t.Fatalf("%s: %v", state, err)
+		}
+		failure := state == companion.StateFailed || state == companion.StateExpired || state == companion.StateCanceled
+		if (r.Error != nil) != failure {
+			t.Errorf("a %s reply with an error is taken with error %+v; want one only for failed, expired and canceled", state, r.Error)
+		}
+	}
+}
+
 // Text a device reported reaches every store: a C string's terminator is
 // dropped, a NUL inside one is replaced (PostgreSQL's text cannot hold it).
 func TestDeviceTextLosesItsNULs(t *testing.T) {
