@@ -77,9 +77,14 @@ type App struct {
 type DeviceInfo struct {
 	Model           string
 	FirmwareVersion string
-	Battery         int
+	Battery         int // percent; -1 when the device's level is not one (BatteryUnknown)
 	Apps            []App
 }
+
+// BatteryUnknown is DeviceInfo.Battery of a device whose battery level
+// could not be read as one byte 0–100: its status reports the battery as
+// unknown (null), and the rest of what was read.
+const BatteryUnknown = -1
 
 // Status is a device's last reported status. The zero value is the status
 // of a device that never reported: offline, battery unknown.

@@ -169,3 +169,26 @@ func (d bigSettings) Settings(ctx context.Context) (map[string]any, topics.Schem
 	}
 	return values, schema, nil
 }
+
+// A device whose battery level could not be read (companion.BatteryUnknown)
+// is reported online with its battery unknown (null), never as -1, which
+// the server refuses with the whole status (bug 159).
+func TestAnUnknownBatteryIsReportedNull(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{newSim("dev-1")},
+		wrap: func(d *sim.Device) agent.Device { return unknownBattery{d} }})
+	st := w.waitStatus("dev-1", "online, battery unknown", func(s topics.Status) bool { return s.Online })
+	if st.Battery != nil || st.FirmwareVersion == "" {
+		t.Errorf("status %+v; want the battery null and the firmware version", st)
+	}
+}
+
+// unknownBattery is a device whose battery level could not be read.
+type unknownBattery struct{ *sim.Device }
+
+func (d unknownBattery) Info(ctx context.Context) (companion.DeviceInfo, error) {
+	info, err := d.Device.Info(ctx)
+	info.Battery = companion.BatteryUnknown
+	return info, err
+}

@@ -122,10 +122,13 @@ func (a *Agent) readStatus(ctx context.Context, dr *deviceRunner) (topics.Status
 	if err != nil {
 		return topics.Status{}, err
 	}
-	battery := info.Battery
+	var battery *int // unknown: companion.BatteryUnknown
+	if info.Battery >= 0 {
+		battery = &info.Battery
+	}
 	st := topics.Status{
 		Online:          true,
-		Battery:         &battery,
+		Battery:         battery,
 		FirmwareVersion: info.FirmwareVersion,
 		Model:           info.Model,
 		Apps:            a.nameableApps(dr.id, info.Apps),

@@ -423,14 +423,21 @@ func (d *Device) Info(ctx context.Context) (companion.DeviceInfo, error) {
 		if err := d.pipeline(ctx, s, xs[first:]); err != nil {
 			return err
 		}
-		if len(batt) != 1 || batt[0] > 100 {
-			return fmt.Errorf("gatt: battery level %x is not one byte 0–100", batt)
+		battery := companion.BatteryUnknown
+		if len(batt) == 1 && batt[0] <= 100 {
+			battery = int(batt[0])
+		} else {
+			// A firmware's bug: the level is unknown, and only the level.
+			// Refused whole, the device's status could never be read, and
+			// it read offline with its firmware and apps of long ago
+			// (docs/reliability.md, bug 159).
+			d.log.Warn("the device's battery level is not one byte 0–100; reporting it unknown", "level", fmt.Sprintf("%x", batt))
 		}
 		fw, err := runningVersion(st)
 		if err != nil {
 			return err
 		}
-		info = companion.DeviceInfo{Model: string(model), FirmwareVersion: fw, Battery: int(batt[0]), Apps: []companion.App{}}
+		info = companion.DeviceInfo{Model: string(model), FirmwareVersion: fw, Battery: battery, Apps: []companion.App{}}
 		for _, a := range apps.Apps {
 			info.Apps = append(info.Apps, companion.App{AppID: a.AppID, Version: a.Version})
 		}

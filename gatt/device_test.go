@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/sim"
 )
@@ -277,5 +278,56 @@ func TestALongTextGoesAsAnUpload(t *testing.T) {
 				t.Errorf("%d texts shown; the long one executed %d times", len(got), s.Executions("long"))
 			}
 		})
+	}
+}
+
+// batteryConnector makes its Connector's links answer a battery level read
+// with level.
+type batteryConnector struct {
+	gatt.Connector
+	level []byte
+}
+
+type batteryLink struct {
+	gatt.Link
+	level []byte
+}
+
+func (c *batteryConnector) Connect(ctx context.Context, id string) (gatt.Link, error) {
+	l, err := c.Connector.Connect(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &batteryLink{Link: l, level: c.level}, nil
+}
+
+func (l *batteryLink) Read(ctx context.Context, uuid string) ([]byte, error) {
+	if uuid == gatt.BatteryLevelUUID {
+		return l.level, nil
+	}
+	return l.Link.Read(ctx, uuid)
+}
+
+// A battery level that is not one byte 0–100 (a firmware's bug: 255 for
+// "unknown", two bytes, none) is unknown, and only it: the rest of the
+// device's information is read. Refused whole, the device's status could
+// never be read again (bug 159).
+func TestABatteryLevelOutOfRangeIsUnknown(t *testing.T) {
+	for _, level := range [][]byte{{0xff}, {101}, {50, 0}, {}} {
+		s := sim.New(sim.Options{ID: "dev-1"})
+		n := sim.NewNetwork(fastLink)
+		n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
+		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &batteryConnector{Connector: n, level: level}, MinBackoff: time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		info, err := d.Info(ctx)
+		cancel()
+		d.Close()
+		n.Close()
+		if err != nil || info.Battery != companion.BatteryUnknown || info.FirmwareVersion != s.Firmware() || info.Model == "" {
+			t.Errorf("battery level %x: Info = %+v, %v; want the battery unknown and the rest", level, info, err)
+		}
 	}
 }
