@@ -76,7 +76,7 @@ func (d oddApps) Info(ctx context.Context) (companion.DeviceInfo, error) {
 // settings the bridge cannot encode are left out, with their values, as
 // the server leaves out those it cannot describe: before, the final reply
 // of every command that read the settings back could not be encoded, nor
-// spooled, and the command never ended (bug 153).
+// spooled, and the command never ended (bug 141).
 func TestSettingsTheBridgeCannotEncodeAreLeftOut(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -120,7 +120,7 @@ func (d oddSchema) Settings(ctx context.Context) (map[string]any, topics.Schema,
 // reply goes without them, and the next command is not held up. Ten fit a
 // message, but not twice over: the final reply of a settings change,
 // which carries them and its result (the reported values again), goes
-// without its result (bug 154).
+// without its result (bug 142).
 func TestSettingsLongerThanAMessageAreNotSent(t *testing.T) {
 	for _, tt := range []struct {
 		n            int
@@ -172,7 +172,7 @@ func (d bigSettings) Settings(ctx context.Context) (map[string]any, topics.Schem
 
 // A device whose battery level could not be read (companion.BatteryUnknown)
 // is reported online with its battery unknown (null), never as -1, which
-// the server refuses with the whole status (bug 159).
+// the server refuses with the whole status (bug 147).
 func TestAnUnknownBatteryIsReportedNull(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

@@ -177,7 +177,7 @@ func (a *Agent) readSettings(ctx context.Context, dr *deviceRunner) (topics.Sett
 		// A device may answer each setting's read with up to 16 KiB, and
 		// declare 256 of them: published, the message is refused by the
 		// server and by a broker at the contract's packet size, which
-		// closes the bridge's connection (docs/reliability.md, bug 154).
+		// closes the bridge's connection (docs/reliability.md, bug 142).
 		return topics.Settings{}, fmt.Errorf("agent: the device's settings take %d bytes as a message, more than the %d one carries", len(b), topics.MaxPayload)
 	}
 	return set, nil
@@ -188,7 +188,7 @@ func (a *Agent) readSettings(ctx context.Context, dr *deviceRunner) (topics.Sett
 // default it gives as a CBOR float NaN or infinity decodes. Left in, the
 // settings message could not be encoded, nor the final reply that carries
 // it, nor its spool record: the command that read them back never ended
-// (docs/reliability.md, bug 153). They are left out, with their values,
+// (docs/reliability.md, bug 141). They are left out, with their values,
 // and logged, as the server leaves out the settings it cannot describe.
 func (a *Agent) encodableSettings(deviceID string, reported map[string]any, schema topics.Schema) (map[string]any, topics.Schema) {
 	var bad []string

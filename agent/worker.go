@@ -158,7 +158,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 // contract's packet size closes the bridge's connection, which then sends
 // it again from the spool, and again. What it carries beside the command's
 // state goes first: the result, then the settings and the status, which
-// the reports carry too (docs/reliability.md, bug 154).
+// the reports carry too (docs/reliability.md, bug 142).
 func (a *Agent) fitReply(deviceID string, r *topics.Reply) {
 	for _, part := range []struct {
 		name string

@@ -1889,7 +1889,7 @@ func TestReplyStatusFromABridgeThatDoesNotServeTheDeviceIsDropped(t *testing.T) 
 // state, nor what this replica keeps of it on its way. Taken as an
 // answer, it made the replica drop the command from those it had handed
 // to the MQTT broker, so that "sent" was never written: the command read
-// queued for good, though the broker had it (bug 151).
+// queued for good, though the broker had it (bug 139).
 func TestReplyForAnotherDevicesCommandChangesNothing(t *testing.T) {
 	e := newEnv(t, true)
 	fb := connectBridge(t, e)
@@ -1920,7 +1920,7 @@ func unusableSettings(n int) topics.Settings {
 // their number: a bridge's settings message of 256 KiB holds about 8,000,
 // and each one was looked for among all the others, 64 million
 // comparisons (a tenth of a second of the intake, which takes every
-// bridge's messages in turn) for each message (bug 156).
+// bridge's messages in turn) for each message (bug 144).
 func TestUnusableSettingsAreLeftOutInLinearTime(t *testing.T) {
 	e := newEnv(t, false)
 	best := func(n int) time.Duration {

@@ -556,7 +556,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			// this is not (a bridge that once served it knows its ids).
 			// Taken as one, it had this replica forget the command was on
 			// its way (land), so that "sent" was never written for it
-			// (docs/reliability.md, bug 151).
+			// (docs/reliability.md, bug 139).
 			b.log.Warn("reply for a command of another device ignored", "device_id", deviceID, "command_id", r.CommandID, "command_device_id", foreign)
 			return
 		}
@@ -851,7 +851,7 @@ func (b *Broker) reportedSettings(deviceID string, s topics.Settings) (companion
 			if _, usable := schema[k]; !usable {
 				// Left out with its spec (a lookup: slices.Contains on
 				// unusable made a message of 8,000 such settings cost
-				// 64 million comparisons, bug 156).
+				// 64 million comparisons, bug 144).
 				continue
 			}
 		}

@@ -234,7 +234,7 @@ func (c *Client) SetWindow(n int) {
 // sequence numbers tell 256 apart. A device may report more buffers
 // (buf_count); a window of them all had every request past the 256th
 // refused ("256 requests in flight"), and with it any upload of more
-// chunks (docs/reliability.md, bug 157).
+// chunks (docs/reliability.md, bug 145).
 const MaxWindow = 255
 
 // Narrow makes the window one place smaller, down to one, for the rest of

@@ -430,7 +430,7 @@ func (d *Device) Info(ctx context.Context) (companion.DeviceInfo, error) {
 			// A firmware's bug: the level is unknown, and only the level.
 			// Refused whole, the device's status could never be read, and
 			// it read offline with its firmware and apps of long ago
-			// (docs/reliability.md, bug 159).
+			// (docs/reliability.md, bug 147).
 			d.log.Warn("the device's battery level is not one byte 0–100; reporting it unknown", "level", fmt.Sprintf("%x", batt))
 		}
 		fw, err := runningVersion(st)

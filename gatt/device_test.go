@@ -311,7 +311,7 @@ func (l *batteryLink) Read(ctx context.Context, uuid string) ([]byte, error) {
 // A battery level that is not one byte 0–100 (a firmware's bug: 255 for
 // "unknown", two bytes, none) is unknown, and only it: the rest of the
 // device's information is read. Refused whole, the device's status could
-// never be read again (bug 159).
+// never be read again (bug 147).
 func TestABatteryLevelOutOfRangeIsUnknown(t *testing.T) {
 	for _, level := range [][]byte{{0xff}, {101}, {50, 0}, {}} {
 		s := sim.New(sim.Options{ID: "dev-1"})

@@ -183,7 +183,7 @@ func newSimClient(t *testing.T, ctx context.Context, popts sim.PeripheralOptions
 // tell apart (256). The window stays within them: an upload of more than
 // 256 chunks to a device reporting 1,000 buffers, or with a Window of
 // 1,000 set, goes through. Before, the 257th request was refused ("256
-// requests in flight") and the upload failed (bug 157).
+// requests in flight") and the upload failed (bug 145).
 func TestManyBuffersKeepToTheSequenceNumbers(t *testing.T) {
 	for _, tt := range []struct {
 		name   string

@@ -216,7 +216,7 @@ func ParseReply(b []byte) (Reply, error) {
 		// An error says why a command failed, expired or was canceled: on
 		// another state it is dropped. Kept, it stayed on the command
 		// through every later state, a succeeded one included
-		// (docs/reliability.md, bug 158).
+		// (docs/reliability.md, bug 146).
 		r.Error = nil
 	case r.Error != nil:
 		r.Error.Code, r.Error.Message = deviceText(r.Error.Code), deviceText(r.Error.Message)

@@ -133,7 +133,7 @@ func FuzzParseMessages(f *testing.F) {
 // An error is why a command failed, expired or was canceled: a bridge's
 // reply of another state with one is taken without it. The server keeps a
 // command's error through its later states, so an in_progress reply with
-// an error made the command read succeeded with that error (bug 158).
+// an error made the command read succeeded with that error (bug 146).
 func TestAnErrorOnlyWithAFailure(t *testing.T) {
 	const id = "0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"
 	for _, state := range companion.States {

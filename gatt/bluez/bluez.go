@@ -582,7 +582,7 @@ func (c *Connector) charChanged(path dbus.ObjectPath, changes map[string]dbus.Va
 		// The ATT MTU is exchanged once per connection and never shrinks;
 		// one announced below the link's (0, say) is not taken: the
 		// client sized its writes to the link's when it was made, and
-		// every one would fail (docs/reliability.md, bug 155).
+		// every one would fail (docs/reliability.md, bug 143).
 		for {
 			cur := l.mtu.Load()
 			if int64(v) <= cur || l.mtu.CompareAndSwap(cur, int64(v)) {

@@ -249,7 +249,7 @@ func TestMTU(t *testing.T) {
 // The ATT MTU of a connection is exchanged once and never shrinks: an MTU
 // property BlueZ announces below it (0, or 23 after 247) is not the
 // link's. Taken, it failed every write the client sized to the MTU it was
-// made with, for as long as the link lasted (bug 155).
+// made with, for as long as the link lasted (bug 143).
 func TestMTUNeverShrinks(t *testing.T) {
 	fake := fakebluez.New(t)
 	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:02:02", MTU: 247, Peripheral: newTestPeripheral("dev-mtu")})
