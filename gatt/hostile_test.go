@@ -191,8 +191,8 @@ func TestHostileAnswers(t *testing.T) {
 				t.Errorf("image state = %d slots, %v; want 1000", len(st.Images), err)
 			case !tt.ok && err == nil:
 				t.Errorf("image state = %d slots, nil; want an error", len(st.Images))
-			case !tt.ok && (errors.Is(err, ErrTimeout) || time.Since(start) > 2*time.Second):
-				t.Errorf("image state = %v after %v; want an error at once", err, time.Since(start))
+			case !tt.ok && errors.Is(err, ErrTimeout):
+				t.Errorf("image state = %v after %v; want the answer refused, not waited out", err, time.Since(start))
 			}
 		})
 	}
