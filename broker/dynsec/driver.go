@@ -416,6 +416,19 @@ func (d *Driver) Assigned(ctx context.Context, deviceID, from, to string) error 
 	return err
 }
 
+// grant adds acls to the role, or removes them from it (receive rules
+// first, so that access is cut before anything else goes).
+func (d *Driver) grant(ctx context.Context, roleName string, acls []ACL, add bool) error {
+	if !add {
+		return d.apply(ctx, diff(roleName, acls, nil))
+	}
+	cmds := make([]Command, 0, len(acls))
+	for _, a := range acls {
+		cmds = append(cmds, addACL(roleName, a))
+	}
+	return d.apply(ctx, cmds)
+}
+
 // syncServed makes a bridge's role grant the device's topics exactly when
 // the store says the bridge serves it. Run with d.change held.
 func (d *Driver) syncServed(ctx context.Context, bridgeID, deviceID string) error {
@@ -427,16 +440,7 @@ func (d *Driver) syncServed(ctx context.Context, bridgeID, deviceID string) erro
 	if err != nil {
 		return err
 	}
-	roleName := BridgeRole(bridgeID)
-	var cmds []Command
-	if serves {
-		for _, a := range acls {
-			cmds = append(cmds, addACL(roleName, a))
-		}
-	} else {
-		cmds = diff(roleName, acls, nil) // receive first
-	}
-	err = d.apply(ctx, cmds)
+	err = d.grant(ctx, BridgeRole(bridgeID), acls, serves)
 	if notFound(err) && strings.Contains(err.Error(), "Role not found") {
 		d.log.Warn("bridge has no Mosquitto account; its devices' topics are not granted", "bridge_id", bridgeID)
 		return nil
@@ -748,18 +752,7 @@ func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string)
 	if err != nil {
 		return err
 	}
-	roleName := UserRole(userID)
-	var cmds []Command
-	if bound {
-		for _, a := range acls {
-			cmds = append(cmds, addACL(roleName, a))
-		}
-	} else {
-		for i := len(acls) - 1; i >= 0; i-- { // receive first
-			cmds = append(cmds, removeACL(roleName, acls[i]))
-		}
-	}
-	err = d.apply(ctx, cmds)
+	err = d.grant(ctx, UserRole(userID), acls, bound)
 	if notFound(err) && strings.Contains(err.Error(), "Role not found") {
 		d.log.Warn("user has no Mosquitto account; their devices' topics are not granted", "user_id", userID)
 		return nil
