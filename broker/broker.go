@@ -87,6 +87,14 @@ type Options struct {
 	// repeat that comes sooner waits until then (see holdRepeat); default
 	// 5s.
 	RepeatSpacing time.Duration
+	// ReportRate is how many statuses, and how many settings, of one
+	// device are taken in a second from the status and settings topics,
+	// with bursts of ReportBurst; a report over it waits its turn, and a
+	// newer one of the device takes a waiting one's place (see
+	// reportGate). Defaults 1 and 10; a negative ReportRate takes every
+	// report at once.
+	ReportRate  float64
+	ReportBurst int
 
 	// Dispatcher, for replicas sharing one store, says whether this
 	// replica is the one that publishes queued commands, resends them and
@@ -181,6 +189,7 @@ type Broker struct {
 	repeats map[string]map[string]*repeat
 	held    map[string]time.Time
 	finals  finalSet        // commands seen final here (notify)
+	gate    *reportGate     // bounds how often a device's reports are taken in
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
 	ready   bool
@@ -248,6 +257,12 @@ func New(opts Options) (*Broker, error) {
 	if opts.Retention <= 0 {
 		opts.Retention = 30 * 24 * time.Hour
 	}
+	if opts.ReportRate == 0 {
+		opts.ReportRate = defaultReportRate
+	}
+	if opts.ReportBurst <= 0 {
+		opts.ReportBurst = defaultReportBurst
+	}
 	if opts.Retention < 24*time.Hour {
 		// An Idempotency-Key answers repeats for a day with its command.
 		return nil, errors.New("broker: retention must be at least 24h")
@@ -289,6 +304,7 @@ func New(opts Options) (*Broker, error) {
 		quit:      make(chan struct{}),
 	}
 	b.dispatchSince, b.dispatched = b.now(), opts.Dispatcher == nil
+	b.gate = newReportGate(opts.ReportRate, opts.ReportBurst, b.later, b.log, opts.Observer.ReportCoalesced)
 
 	co := mqtt.NewClientOptions()
 	for _, u := range urls {

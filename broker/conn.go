@@ -298,7 +298,14 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
-		b.takeStatus(t.DeviceID, s, bridges[t.DeviceID], readErr, !m.Retained(), m.Ack)
+		live := !m.Retained()
+		b.gate.admit(topics.KindStatus, t.DeviceID, func(late bool) {
+			bridge, err := bridges[t.DeviceID], readErr
+			if late {
+				bridge, err = b.st.DeviceBridge(context.Background(), t.DeviceID)
+			}
+			b.takeStatus(t.DeviceID, s, bridge, err, live, m.Ack)
+		}, m.Ack)
 	case topics.KindSettings:
 		if len(m.Payload()) == 0 {
 			m.Ack()
@@ -310,7 +317,13 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
-		b.takeSettings(t.DeviceID, s, bridges[t.DeviceID], readErr, m.Ack)
+		b.gate.admit(topics.KindSettings, t.DeviceID, func(late bool) {
+			bridge, err := bridges[t.DeviceID], readErr
+			if late {
+				bridge, err = b.st.DeviceBridge(context.Background(), t.DeviceID)
+			}
+			b.takeSettings(t.DeviceID, s, bridge, err, m.Ack)
+		}, m.Ack)
 	case topics.KindBridgeState:
 		switch string(m.Payload()) {
 		case topics.BridgeOnline:

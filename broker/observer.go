@@ -24,6 +24,11 @@ type Observer interface {
 	// durable (or failed), with its kind (one of the StoreWrite…
 	// constants) and how long it took from the call.
 	StoreWrite(kind string, took time.Duration)
+	// ReportCoalesced is called when a device's status or settings
+	// (kind: "status" or "settings") was acknowledged and not stored,
+	// because it came over Options.ReportRate and a newer one took its
+	// place.
+	ReportCoalesced(kind string)
 }
 
 // The kinds of write StoreWrite reports.
@@ -44,3 +49,4 @@ type nopObserver struct{}
 func (nopObserver) CommandState(string, string, time.Duration) {}
 func (nopObserver) MQTTConnected(bool)                         {}
 func (nopObserver) StoreWrite(string, time.Duration)           {}
+func (nopObserver) ReportCoalesced(string)                     {}

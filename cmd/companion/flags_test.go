@@ -80,6 +80,8 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"rate negative", []string{"--rate-per-token", "-3"}, "--rate-per-token"},
 		{"register rate negative", []string{"--register-per-minute", "-5"}, "--register-per-minute"},
 		{"unauthenticated rate negative", []string{"--unauth-per-minute", "-1"}, "--unauth-per-minute"},
+		{"report rate negative", []string{"--report-rate", "-1"}, "--report-rate"},
+		{"report burst zero", []string{"--report-burst", "0"}, "--report-burst"},
 		{"clock skew zero", []string{"--oidc-clock-skew", "0s"}, "--oidc-clock-skew"},
 		{"issuer without audience", []string{"--oidc-issuer", "https://id.example.com"}, "--oidc-audience"},
 		{"embedded and external broker", []string{"--mqtt-listen", "127.0.0.1:0", "--mqtt-url", "tcp://127.0.0.1:1"}, "--mqtt-listen"},

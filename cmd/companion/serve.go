@@ -56,16 +56,21 @@ type Config struct {
 	TopicPrefix      string
 	Demo             bool
 	LogLevel         string
-	Limits           api.Limits      // zero fields take CONTRACT §6's defaults
-	Retention        time.Duration   // how long final commands are kept
-	ExpiryGrace      time.Duration   // how long past its TTL a sent command waits for the bridge
-	OIDC             api.OIDCOptions // access tokens of an identity provider, when Issuer is set
-	TLSCert          string          // PEM certificate (chain) of the HTTP API; HTTPS when set
-	TLSKey           string          // its private key
-	MQTTCA           string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
-	MQTTTLSCert      string          // the embedded broker's certificate: it then serves mqtts:// only
-	MQTTTLSKey       string
-	PProf            string // listen address of net/http/pprof; "" off
+	Limits           api.Limits    // zero fields take CONTRACT §6's defaults
+	Retention        time.Duration // how long final commands are kept
+	// ReportRate and ReportBurst bound how often one device's statuses,
+	// and its settings, are taken in from MQTT (broker.Options.ReportRate):
+	// zero takes the defaults, a negative ReportRate takes every report.
+	ReportRate  float64
+	ReportBurst int
+	ExpiryGrace time.Duration   // how long past its TTL a sent command waits for the bridge
+	OIDC        api.OIDCOptions // access tokens of an identity provider, when Issuer is set
+	TLSCert     string          // PEM certificate (chain) of the HTTP API; HTTPS when set
+	TLSKey      string          // its private key
+	MQTTCA      string          // PEM CA bundle to verify an mqtts:// broker with (default: system roots)
+	MQTTTLSCert string          // the embedded broker's certificate: it then serves mqtts:// only
+	MQTTTLSKey  string
+	PProf       string // listen address of net/http/pprof; "" off
 	// Metrics is the listen address of GET /metrics (Prometheus); "" off.
 	Metrics         string
 	metricsOptional bool // the demo's default address: taken is no error
@@ -131,6 +136,8 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.IntVar(&l.RequestBurst, "rate-burst", d.RequestBurst, "burst of requests per token")
 	fs.IntVar(&l.RegisterPerMinute, "register-per-minute", d.RegisterPerMinute, "register attempts a minute per user (0: no limit)")
 	fs.IntVar(&l.UnauthPerMinute, "unauth-per-minute", d.UnauthPerMinute, "requests without a valid token a minute per source address (0: no limit)")
+	fs.Float64Var(&c.ReportRate, "report-rate", 1, "statuses, and settings, of one device taken in a second from MQTT; a report over it waits its turn, and a newer one takes its place (0: no limit)")
+	fs.IntVar(&c.ReportBurst, "report-burst", 10, "burst of --report-rate")
 	return fs
 }
 
@@ -204,6 +211,7 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		{"max-firmware-bytes", l.MaxFirmwareBytes},
 		{"max-open-commands", int64(l.MaxOpenCommands)},
 		{"rate-burst", int64(l.RequestBurst)},
+		{"report-burst", int64(c.ReportBurst)},
 	} {
 		if f.v <= 0 {
 			return usageError{fmt.Sprintf("--%s %d: must be positive", f.name, f.v)}
@@ -216,6 +224,7 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		{"rate-per-token", l.RequestsPerSecond},
 		{"register-per-minute", float64(l.RegisterPerMinute)},
 		{"unauth-per-minute", float64(l.UnauthPerMinute)},
+		{"report-rate", c.ReportRate},
 	} {
 		if !(f.v >= 0) { // NaN too
 			return usageError{fmt.Sprintf("--%s %v: must be 0 (no limit) or more", f.name, f.v)}
@@ -246,6 +255,9 @@ func (c *Config) fromFlags() {
 	}
 	if c.Limits.UnauthPerMinute == 0 {
 		c.Limits.UnauthPerMinute = -1
+	}
+	if c.ReportRate == 0 {
+		c.ReportRate = -1
 	}
 }
 
@@ -543,6 +555,8 @@ func (m *Main) newBroker(tree topics.Tree, ownTLS bool) error {
 		MaxOpenCommands: cfg.Limits.MaxOpenCommands,
 		Retention:       cfg.Retention,
 		ExpiryGrace:     cfg.ExpiryGrace,
+		ReportRate:      cfg.ReportRate,
+		ReportBurst:     cfg.ReportBurst,
 		Observer:        m.brokerObserver(),
 		Logger:          m.Logger,
 		Now:             cfg.Now,

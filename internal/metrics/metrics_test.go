@@ -53,6 +53,8 @@ func TestMetricsServer(t *testing.T) {
 	s.CommandState(topics.OpOTAUpdate, "failed", 90*time.Second)
 	s.StoreWrite(broker.StoreWriteCreate, 2*time.Millisecond)
 	s.StoreWrite(broker.StoreWriteCreate, 3*time.Millisecond)
+	s.ReportCoalesced("status")
+	s.ReportCoalesced("status")
 	s.Request("POST", "/api/v1/devices/:id/push/text", 202, time.Millisecond)
 	s.Request("POST", "/api/v1/devices/:id/push/text", 202, time.Millisecond)
 	s.Request("GET", "", 404, time.Millisecond)
@@ -71,6 +73,8 @@ func TestMetricsServer(t *testing.T) {
 		{"companion_commands_total", []string{"op", "app.install", "state", "queued"}, 0},
 		{"companion_commands_open", nil, 5}, // what the store counts, not what this server saw
 		{"companion_mqtt_connected", nil, 1},
+		{"companion_device_reports_coalesced_total", []string{"kind", "status"}, 2},
+		{"companion_device_reports_coalesced_total", []string{"kind", "settings"}, 0}, // there from the start
 		{"companion_http_requests_total", []string{"method", "POST", "route", "/api/v1/devices/:id/push/text", "code", "202"}, 2},
 		{"companion_http_requests_total", []string{"method", "GET", "route", "unmatched", "code", "404"}, 1},
 		{"companion_http_requests_total", []string{"method", "other", "route", "unmatched", "code", "405"}, 1},

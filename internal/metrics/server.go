@@ -54,6 +54,10 @@ type Server struct {
 	mqtt    prometheus.Gauge
 	store   map[string]prometheus.Observer // read-only after NewServer
 	storeV  *prometheus.HistogramVec
+	// coalesced counts, by kind, the device reports acknowledged unstored
+	// (broker.Options.ReportRate).
+	coalesced map[string]prometheus.Counter // read-only after NewServer
+	coalescV  *prometheus.CounterVec
 
 	httpTotal *prometheus.CounterVec
 	httpTime  *prometheus.HistogramVec
@@ -102,6 +106,10 @@ func NewServer(opts ServerOptions) *Server {
 			Help:    "Time for a write of the command broker to be durable in the store, by kind of write.",
 			Buckets: storeBuckets,
 		}, []string{"write"}),
+		coalescV: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "companion_device_reports_coalesced_total",
+			Help: "Device statuses and settings taken from MQTT and not stored: they came faster than the server takes a device's reports, and a newer one of the device took their place, by kind (status, settings).",
+		}, []string{"kind"}),
 		httpTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "companion_http_requests_total",
 			Help: "HTTP requests answered, by method, route (as registered, not the URL) and status code.",
@@ -115,7 +123,7 @@ func NewServer(opts ServerOptions) *Server {
 		store: make(map[string]prometheus.Observer, len(storeWrites)),
 		http:  make(map[httpKey]httpSeries),
 	}
-	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.storeV, s.httpTotal, s.httpTime)
+	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
 	if s.open.count != nil {
 		s.reg.MustRegister(s.open)
 	}
@@ -134,6 +142,10 @@ func NewServer(opts ServerOptions) *Server {
 	}
 	for _, w := range storeWrites {
 		s.store[w] = s.storeV.WithLabelValues(w)
+	}
+	s.coalesced = make(map[string]prometheus.Counter, 2)
+	for _, k := range []topics.Kind{topics.KindStatus, topics.KindSettings} {
+		s.coalesced[k.String()] = s.coalescV.WithLabelValues(k.String())
 	}
 	return s
 }
@@ -171,6 +183,13 @@ func (s *Server) StoreWrite(kind string, took time.Duration) {
 		h = s.storeV.WithLabelValues(kind)
 	}
 	h.Observe(took.Seconds())
+}
+
+// ReportCoalesced counts a device's report acknowledged unstored.
+func (s *Server) ReportCoalesced(kind string) {
+	if c := s.coalesced[kind]; c != nil {
+		c.Inc()
+	}
 }
 
 // Request counts an answered HTTP request. Routes are the API's own, a
