@@ -2,6 +2,7 @@ package api
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -98,10 +99,17 @@ type eventsEnv struct {
 
 func newEventsEnv(t testing.TB, opts EventsOptions, more ...envOption) *eventsEnv {
 	t.Helper()
+	return newEventsEnvOn(t, opts, func(db *store.DB) EventStore { return db }, more...)
+}
+
+// newEventsEnvOn is newEventsEnv with the hub reading the store through
+// wrap.
+func newEventsEnvOn(t testing.TB, opts EventsOptions, wrap func(*store.DB) EventStore, more ...envOption) *eventsEnv {
+	t.Helper()
 	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
 	t.Cleanup(func() { db.Close() })
-	opts.Store = db
+	opts.Store = wrap(db)
 	opts.Logger = slog.New(slog.DiscardHandler)
 	hub, err := NewEvents(opts)
 	require.NoError(t, err)
@@ -517,4 +525,98 @@ func TestEventsResumePastTheEnd(t *testing.T) {
 			s.quiet(t, 100*time.Millisecond)
 		})
 	}
+}
+
+// The hub encodes each event once and hands the same bytes to every
+// stream that wants it: each stream still gets only its own events, each
+// with its own id, the same as a stream that reads them from the log
+// (resuming with Last-Event-ID), and resumes after the last it got.
+func TestEventsSharedAcrossStreams(t *testing.T) {
+	var hub gatedEvents
+	e := newEventsEnvOn(t, EventsOptions{}, func(db *store.DB) EventStore { hub.EventStore = db; return &hub })
+	alice := e.bound("dev-a")
+	e.provision("dev-a2", "code-a2", "sim-1")
+	r := e.do("POST", "/api/v1/devices/register", alice, map[string]any{"device_id": "dev-a2", "claim_code": "code-a2"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	bob := e.bound("dev-b")
+
+	all := e.stream(t, alice, "", nil)
+	all2 := e.stream(t, alice, "", nil)
+	onlyA := e.stream(t, alice, "?device_id=dev-a", nil)
+	onlyA2 := e.stream(t, alice, "?device_id=dev-a2", nil)
+	bobs := e.stream(t, bob, "", nil)
+
+	// The hub reads the five events in one read, and encodes them in
+	// turn before any stream writes one.
+	hub.Lock()
+	a1 := e.push(t, alice, "dev-a")
+	b1 := e.push(t, bob, "dev-b")
+	a21 := e.push(t, alice, "dev-a2")
+	e.report("dev-a2", "1.0.0")
+	e.cmds.set(t, a1, companion.StateSent)
+	hub.Unlock()
+
+	evs := all.nextN(t, 4)
+	assert.Equal(t, evs, all2.nextN(t, 4), "two streams of every device")
+	var ofA, ofA2 []sseEvent
+	for i, ev := range evs {
+		if i > 0 {
+			assert.Less(t, evs[i-1].id, ev.id, "ids rise")
+		}
+		switch ev.json(t)["device_id"] {
+		case "dev-a":
+			ofA = append(ofA, ev)
+		case "dev-a2":
+			ofA2 = append(ofA2, ev)
+		default:
+			t.Errorf("alice's stream has %+v", ev)
+		}
+	}
+	require.Len(t, ofA, 2)
+	require.Len(t, ofA2, 2)
+	assert.Equal(t, []any{a1, a1}, []any{ofA[0].json(t)["id"], ofA[1].json(t)["id"]})
+	assert.Equal(t, []any{a21, "dev-a2"}, []any{ofA2[0].json(t)["id"], ofA2[1].json(t)["device_id"]})
+	assert.Equal(t, ofA, onlyA.nextN(t, 2), "dev-a's stream")
+	assert.Equal(t, ofA2, onlyA2.nextN(t, 2), "dev-a2's stream")
+	bev := bobs.next(t)
+	assert.Equal(t, b1, bev.json(t)["id"], "bob's stream")
+	for _, s := range []*sseStream{all, all2, onlyA, onlyA2, bobs} {
+		s.quiet(t, 50*time.Millisecond)
+	}
+
+	// The log's copy of each event, read by a resuming stream, is the
+	// bytes the hub handed out live.
+	back := e.stream(t, alice, "", map[string]string{"Last-Event-ID": evs[0].id})
+	assert.Equal(t, evs[1:], back.nextN(t, 3), "resumed after the first")
+	back.quiet(t, 50*time.Millisecond)
+
+	// dev-a's stream, lost after its first event, resumes with dev-a's
+	// events only, then live.
+	onlyA.Close()
+	resumed := e.stream(t, alice, "?device_id=dev-a", map[string]string{"Last-Event-ID": ofA[0].id})
+	assert.Equal(t, ofA[1:], resumed.nextN(t, 1))
+	e.cmds.set(t, a21, companion.StateSent)
+	e.cmds.set(t, a1, companion.StateDelivered)
+	ev := resumed.next(t)
+	assert.Equal(t, []any{a1, "delivered"}, []any{ev.json(t)["id"], ev.json(t)["state"]})
+	assert.Greater(t, ev.id, ofA[1].id)
+	resumed.quiet(t, 50*time.Millisecond)
+	live := all.nextN(t, 2)
+	assert.Equal(t, live, all2.nextN(t, 2))
+	assert.Equal(t, live[1], ev, "the same event on both streams")
+}
+
+// gatedEvents holds the hub's reads of the log (those of every user's
+// events) while it is locked; the streams' own reads go through.
+type gatedEvents struct {
+	EventStore
+	sync.Mutex
+}
+
+func (g *gatedEvents) Events(ctx context.Context, userID, after string, limit int) ([]companion.Event, string, error) {
+	if userID == "" {
+		g.Lock()
+		defer g.Unlock()
+	}
+	return g.EventStore.Events(ctx, userID, after, limit)
 }
