@@ -64,6 +64,11 @@ type Store interface {
 	UpdateCommandWithReportAsync(id string, fn func(*Command) error, report DeviceReport, done func(Command, error))
 	ListCommands(ctx context.Context, q CommandQuery) (page []Command, more bool, err error)
 	OpenCommands(ctx context.Context, states ...string) ([]Command, error)
+	// QueuedCommandsWith returns every queued command and the other
+	// non-final commands of the given devices, oldest first, as of one
+	// moment: what the outbox sends when those devices' bridge is back.
+	// The other open commands are not read.
+	QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]Command, error)
 	ExpiredCommands(ctx context.Context, now time.Time) ([]Command, error)
 	CountOpen(ctx context.Context, deviceID string) (int, error)
 	// CountAllOpen is how many commands of all devices are not final,

@@ -1125,6 +1125,43 @@ func TestBridgeOnlineResendsUnfinishedCommands(t *testing.T) {
 	}
 }
 
+// A device back online gets its own unfinished commands again, in order,
+// the later naming the earlier, and no other device's: the outbox reads
+// them, with the queued ones, and not the store's other open commands.
+func TestADeviceBackOnlineGetsItsUnfinishedCommandsAgain(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	fb.online(t, e, "dev-2")
+	first := submit(t, e, "dev-1", "first", time.Hour)
+	second := submit(t, e, "dev-1", "second", time.Hour)
+	other := submit(t, e, "dev-2", "other device", time.Hour)
+	got := map[string]bool{}
+	for range 3 {
+		got[fb.next(t).ID] = true
+	}
+	require.Equal(t, map[string]bool{first.ID: true, second.ID: true, other.ID: true}, got)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: first.ID, State: companion.StateDelivered, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "delivered and sent written", func() bool {
+		return state(t, e, first.ID).State == companion.StateDelivered && state(t, e, second.ID).State == companion.StateSent &&
+			state(t, e, other.ID).State == companion.StateSent
+	})
+
+	topic, _ := tree.Status("dev-1")
+	fb.publish(t, topic, topics.Status{Online: false, BridgeID: "b1", Seq: 2, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "dev-1 offline", func() bool {
+		s, err := e.db.Status(context.Background(), "dev-1")
+		return err == nil && !s.Online
+	})
+	fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 3, At: time.Now()})
+	again := fb.next(t)
+	assert.Equal(t, first.ID, again.ID, "dev-1's delivered command goes out again first")
+	again2 := fb.next(t)
+	assert.Equal(t, second.ID, again2.ID, "then its sent one")
+	assert.Equal(t, first.ID, again2.After, "which runs after the first")
+	fb.none(t, 300*time.Millisecond, "another device's command, or one twice, on dev-1's return")
+}
+
 // A command whose final reply is slow to come (queued behind others in the
 // MQTT broker, or lost by it) is sent again on the first event that calls
 // for it; the events that follow within the spacing (a bridge that

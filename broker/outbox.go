@@ -155,12 +155,28 @@ func (b *Broker) outbox() {
 // that then died, or by the embedded broker of a server killed before it
 // stored the reply). A bridge that finished the command answers the repeat
 // with its final reply; one that has it queued or running drops it.
+//
+// For some devices it reads only theirs and the queued ones
+// (QueuedCommandsWith): each device back online has a pass of its own
+// when they come one at a time, and the store may hold many more open
+// commands, for bridges that are away.
 func (b *Broker) pendingFromStore(all bool, devices map[string]bool, pending []companion.Command) ([]companion.Command, error) {
-	states := []string{companion.StateQueued}
-	if all || len(devices) > 0 {
-		states = append(states, companion.StateSent, companion.StateDelivered, companion.StateInProgress)
+	var (
+		open []companion.Command
+		err  error
+	)
+	switch {
+	case all:
+		open, err = b.st.OpenCommands(context.Background())
+	case len(devices) > 0:
+		ids := make([]string, 0, len(devices))
+		for d := range devices {
+			ids = append(ids, d)
+		}
+		open, err = b.st.QueuedCommandsWith(context.Background(), ids)
+	default:
+		open, err = b.st.OpenCommands(context.Background(), companion.StateQueued)
 	}
-	open, err := b.st.OpenCommands(context.Background(), states...)
 	if err != nil {
 		return nil, err
 	}

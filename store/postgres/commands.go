@@ -614,6 +614,23 @@ func (s *Store) OpenCommands(ctx context.Context, states ...string) ([]companion
 	return appendCommands(out, rows)
 }
 
+// QueuedCommandsWith returns every queued command and the other non-final
+// commands of the given devices, oldest first, from one query: the
+// queued ones through their index, the devices' through theirs, and no
+// other open command.
+func (s *Store) QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]companion.Command, error) {
+	if deviceIDs == nil {
+		deviceIDs = []string{}
+	}
+	rows, err := s.pool.Query(ctx, `SELECT `+commandColumns+` FROM commands WHERE state = 'queued'
+		UNION ALL SELECT `+commandColumns+` FROM commands WHERE device_id = ANY($1) AND state IN ('sent', 'delivered', 'in_progress')
+		ORDER BY id`, deviceIDs)
+	if err != nil {
+		return nil, err
+	}
+	return appendCommands([]companion.Command{}, rows)
+}
+
 // ExpiredCommands returns the commands still queued or sent whose
 // ExpiresAt is before now, soonest first.
 func (s *Store) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error) {

@@ -70,6 +70,7 @@ func testCommands(t *testing.T, open Opener) {
 		{"List", testListCommands},
 		{"ListOfOneOwner", testListCommandsOfOneOwner},
 		{"OpenCommands", testOpenCommands},
+		{"QueuedCommandsWith", testQueuedCommandsWith},
 		{"ExpiredCommands", testExpiredCommands},
 		{"CountOpen", testCountOpen},
 		{"Purge", testPurgeCommands},
@@ -652,6 +653,61 @@ func testOpenCommands(t *testing.T, s companion.Store) {
 		}
 	}
 	assert.Equal(t, []string{a.ID, b.ID, c.ID, e.ID, f.ID}, ids(got), "OpenCommands()")
+}
+
+// QueuedCommandsWith returns every queued command and the other open
+// commands of the devices asked for, oldest first, never a final one nor
+// another device's that is not queued.
+func testQueuedCommandsWith(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	a := create(t, s, newCmd("d1"))
+	b := create(t, s, newCmd("d2"))
+	c := create(t, s, newCmd("d1"))
+	d := create(t, s, newCmd("d3"))
+	e := create(t, s, newCmd("d2"))
+	f := create(t, s, newCmd("d3"))
+	g := create(t, s, newCmd("d1"))
+	h := create(t, s, newCmd("d2"))
+	setState(t, s, b.ID, companion.StateSent)
+	setState(t, s, c.ID, companion.StateDelivered)
+	setState(t, s, d.ID, companion.StateSent)
+	setState(t, s, e.ID, companion.StateInProgress)
+	setState(t, s, g.ID, companion.StateSucceeded)
+	setState(t, s, h.ID, companion.StateCanceled)
+
+	tests := []struct {
+		devices []string
+		want    []string
+	}{
+		{nil, []string{a.ID, f.ID}},
+		{[]string{"d1"}, []string{a.ID, c.ID, f.ID}},
+		{[]string{"d2"}, []string{a.ID, b.ID, e.ID, f.ID}},
+		{[]string{"d3", "d1"}, []string{a.ID, c.ID, d.ID, f.ID}},
+		{[]string{"d1", "d2", "d3"}, []string{a.ID, b.ID, c.ID, d.ID, e.ID, f.ID}},
+		{[]string{"d9"}, []string{a.ID, f.ID}},
+	}
+	for _, tt := range tests {
+		got, err := s.QueuedCommandsWith(ctx, tt.devices)
+		require.NoError(t, err)
+		if !slices.Equal(ids(got), tt.want) {
+			t.Errorf("QueuedCommandsWith(%v) = %v; want %v (oldest first)", tt.devices, ids(got), tt.want)
+		}
+		for _, c := range got {
+			if c.DeviceID == "" || c.Op == "" || c.ExpiresAt.IsZero() {
+				t.Errorf("QueuedCommandsWith(%v) gave %s without its fields: %+v", tt.devices, c.ID, c)
+			}
+		}
+	}
+	// Each in the state it is in now.
+	setState(t, s, a.ID, companion.StateSent)
+	setState(t, s, b.ID, companion.StateQueued)
+	got, err := s.QueuedCommandsWith(ctx, []string{"d3"})
+	require.NoError(t, err)
+	assert.Equal(t, []string{b.ID, d.ID, f.ID}, ids(got), "QueuedCommandsWith(d3) after a sent, b queued again")
+	for _, c := range got {
+		want := map[string]string{b.ID: companion.StateQueued, d.ID: companion.StateSent, f.ID: companion.StateQueued}[c.ID]
+		assert.Equal(t, want, c.State, "state of %s", c.ID)
+	}
 }
 
 // ExpiredCommands returns the commands the bridge does not have yet
