@@ -69,6 +69,10 @@ type Store interface {
 	// moment: what the outbox sends when those devices' bridge is back.
 	// The other open commands are not read.
 	QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]Command, error)
+	// SentCommandsOnline returns the sent commands of the devices whose
+	// stored status reads online (a device never reported reads
+	// offline), oldest first. The others are not read.
+	SentCommandsOnline(ctx context.Context) ([]Command, error)
 	ExpiredCommands(ctx context.Context, now time.Time) ([]Command, error)
 	CountOpen(ctx context.Context, deviceID string) (int, error)
 	// CountAllOpen is how many commands of all devices are not final,

@@ -32,6 +32,7 @@ type Store interface {
 	UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error))
 	OpenCommands(ctx context.Context, states ...string) ([]companion.Command, error)
 	QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]companion.Command, error)
+	SentCommandsOnline(ctx context.Context) ([]companion.Command, error)
 	ListCommands(ctx context.Context, q companion.CommandQuery) ([]companion.Command, bool, error)
 	CountOpen(ctx context.Context, deviceID string) (int, error)
 	ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error)

@@ -859,10 +859,10 @@ func (b *Broker) expire(ctx context.Context, id string, online *onlineReader) {
 }
 
 // retryLoop runs retrySent every SentRetry until the broker closes. Each
-// run reads every sent command, those of devices whose bridge is away
-// among them, which can be many (the stores find them through their
-// expiry index, of the queued and sent commands, not among every open
-// one), so not more often: a command stays sent for two SentRetry at most
+// run reads the sent commands of the devices that read online (the stores
+// find the sent ones through their expiry index, of the queued and sent
+// commands, and decode only those of online devices: a bridge away leaves
+// many), so not more often: a command stays sent for two SentRetry at most
 // before it goes out again.
 func (b *Broker) retryLoop() {
 	tick := time.NewTicker(b.opts.SentRetry)
@@ -894,30 +894,32 @@ func (b *Broker) retryLoop() {
 // costs a message. A device that reads offline waits for its bridge
 // to come back, which sends everything again; so does a command the
 // retry sent: again only after another SentRetry (retried holds when, and
-// forgets the commands no longer sent).
+// forgets it once that has passed: it then holds nothing back).
+//
+// The store reads only the sent commands of devices whose status reads
+// online (SentCommandsOnline); each device's status is read again here,
+// so that one the store fails to read sends nothing again.
 func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) {
-	sent, err := b.st.OpenCommands(ctx, companion.StateSent)
+	sent, err := b.st.SentCommandsOnline(ctx)
 	if err != nil {
 		b.log.Warn("reading sent commands to send again failed", "err", err)
 		return
 	}
 	now := b.now()
-	stillSent := make(map[string]bool, len(sent))
+	for id, at := range retried {
+		if now.Sub(at) >= b.opts.SentRetry {
+			delete(retried, id)
+		}
+	}
 	online := b.onlineReader(ctx, false)
 	devices := map[string]bool{}
 	for _, c := range sent {
-		stillSent[c.ID] = true
 		if now.Sub(c.UpdatedAt) < b.opts.SentRetry || now.Sub(retried[c.ID]) < b.opts.SentRetry {
 			continue
 		}
 		if online.read(c.DeviceID) {
 			devices[c.DeviceID] = true
 			retried[c.ID] = now
-		}
-	}
-	for id := range retried {
-		if !stillSent[id] {
-			delete(retried, id)
 		}
 	}
 	if len(devices) == 0 {

@@ -664,6 +664,59 @@ func (db *DB) sentCommands() ([]companion.Command, error) {
 	return out, nil
 }
 
+// SentCommandsOnline returns the sent commands of the devices whose stored
+// status reads online, oldest first. It finds the sent ones as
+// sentCommands does, each one's device in the open index, and decodes a
+// command only when its device reads online (each device's status once):
+// the broker asks for them every minute (retrySent), and a bridge away
+// leaves all its devices' commands sent, offline, and nothing to send.
+func (db *DB) SentCommandsOnline(ctx context.Context) ([]companion.Command, error) {
+	out := []companion.Command{}
+	online := map[string]bool{}
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		cmds, queued, open, statuses := tx.Bucket(bucketCommands), tx.Bucket(bucketQueued), tx.Bucket(bucketOpen), tx.Bucket(bucketStatus)
+		c := tx.Bucket(bucketExpiry).Cursor()
+		for k, _ := c.First(); k != nil; k, _ = c.Next() {
+			id := k[8:]
+			if queued.Get(id) != nil {
+				continue
+			}
+			dev := open.Get(id)
+			if dev == nil {
+				continue // final: no longer sent
+			}
+			on, seen := online[string(dev)]
+			if !seen {
+				var s companion.Status
+				ok, err := getJSON(statuses, dev, &s)
+				if err != nil {
+					return err
+				}
+				on = ok && s.Online
+				online[string(dev)] = on
+			}
+			if !on {
+				continue
+			}
+			var cmd companion.Command
+			ok, err := getJSON(cmds, id, &cmd)
+			if err != nil {
+				return err
+			}
+			if ok && cmd.State == companion.StateSent {
+				out = append(out, cmd)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	// The expiry index is in expiry order; ids are in acceptance order.
+	slices.SortFunc(out, func(a, b companion.Command) int { return strings.Compare(a.ID, b.ID) })
+	return out, nil
+}
+
 // CountOpen returns how many non-final commands the device has.
 func (db *DB) CountOpen(ctx context.Context, deviceID string) (int, error) {
 	if !validID(deviceID) {

@@ -631,6 +631,17 @@ func (s *Store) QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]c
 	return appendCommands([]companion.Command{}, rows)
 }
 
+// SentCommandsOnline returns the sent commands of the devices whose
+// stored status reads online, oldest first.
+func (s *Store) SentCommandsOnline(ctx context.Context) ([]companion.Command, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+commandColumns+` FROM commands
+		WHERE state = 'sent' AND device_id IN (SELECT device_id FROM statuses WHERE online) ORDER BY id`)
+	if err != nil {
+		return nil, err
+	}
+	return appendCommands([]companion.Command{}, rows)
+}
+
 // ExpiredCommands returns the commands still queued or sent whose
 // ExpiresAt is before now, soonest first.
 func (s *Store) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error) {

@@ -71,6 +71,7 @@ func testCommands(t *testing.T, open Opener) {
 		{"ListOfOneOwner", testListCommandsOfOneOwner},
 		{"OpenCommands", testOpenCommands},
 		{"QueuedCommandsWith", testQueuedCommandsWith},
+		{"SentCommandsOnline", testSentCommandsOnline},
 		{"ExpiredCommands", testExpiredCommands},
 		{"CountOpen", testCountOpen},
 		{"Purge", testPurgeCommands},
@@ -708,6 +709,51 @@ func testQueuedCommandsWith(t *testing.T, s companion.Store) {
 		want := map[string]string{b.ID: companion.StateQueued, d.ID: companion.StateSent, f.ID: companion.StateQueued}[c.ID]
 		assert.Equal(t, want, c.State, "state of %s", c.ID)
 	}
+}
+
+// SentCommandsOnline returns the sent commands of the devices whose status
+// reads online, oldest first: not those of a device offline or never
+// reported, nor a queued, delivered or final one.
+func testSentCommandsOnline(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	status := func(dev string, online bool, seq uint64) {
+		t.Helper()
+		ok, err := s.PutStatus(ctx, companion.Status{DeviceID: dev, Online: online, BridgeID: "b1", Seq: seq, LastSeen: time.Now()})
+		require.NoError(t, err)
+		require.True(t, ok, "status %d of %s", seq, dev)
+	}
+	status("d1", true, 1)
+	status("d2", false, 1)
+	long := newCmd("d1")
+	long.ExpiresAt = time.Now().Add(48 * time.Hour) // expires after the later ones: ids, not expiry, order the answer
+	a := create(t, s, long)
+	b := create(t, s, newCmd("d2"))
+	c := create(t, s, newCmd("d1"))
+	d := create(t, s, newCmd("d3")) // never reported
+	e := create(t, s, newCmd("d1"))
+	f := create(t, s, newCmd("d1"))
+	g := create(t, s, newCmd("d1"))
+	for _, id := range []string{a.ID, b.ID, c.ID, d.ID, e.ID, f.ID} {
+		setState(t, s, id, companion.StateSent)
+	}
+	setState(t, s, e.ID, companion.StateDelivered)
+	setState(t, s, f.ID, companion.StateSucceeded)
+	_ = g // queued
+
+	got, err := s.SentCommandsOnline(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, []string{a.ID, c.ID}, ids(got), "SentCommandsOnline (oldest first)")
+	for _, cmd := range got {
+		assert.Equal(t, companion.StateSent, cmd.State, "state of %s", cmd.ID)
+		assert.Equal(t, "d1", cmd.DeviceID, "device of %s", cmd.ID)
+	}
+
+	status("d1", false, 2)
+	status("d2", true, 2)
+	status("d3", true, 1)
+	got, err = s.SentCommandsOnline(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, []string{b.ID, d.ID}, ids(got), "SentCommandsOnline after d1 went offline, d2 and d3 online")
 }
 
 // ExpiredCommands returns the commands the bridge does not have yet
