@@ -14,7 +14,7 @@ import (
 	"github.com/devicecompanion/companion/store"
 )
 
-var benchOpen = flag.Int("bench-open", 20000, "open commands in the store of BenchmarkResendPass and BenchmarkRetrySent")
+var benchOpen = flag.Int("bench-open", 10000, "open commands in the store of BenchmarkResendPass and BenchmarkRetrySent (make bench: 10,000, a few seconds each with the setup)")
 
 // openBacklog is a store holding n commands written sent, over 1,000
 // devices that read offline: what a bridge away leaves behind.
