@@ -456,6 +456,23 @@ type exchange struct {
 	req   any
 	resp  any
 	call  *Call
+	// own, when set, makes a refusal of this request its own: the device's
+	// answer of an error, or the bridge's check that the request is longer
+	// than the device takes, is kept in refused and the others go on. An
+	// error the device may not give again (busy, no memory) still ends the
+	// pipeline, to be repeated.
+	own     bool
+	refused error
+}
+
+// ownRefusal reports whether err refuses x alone (exchange.own).
+func (x *exchange) ownRefusal(err error) bool {
+	var e *Error
+	if !x.own || !errors.As(err, &e) || e.Temporary() {
+		return false
+	}
+	x.refused = err
+	return true
 }
 
 // inFlight is a batch of exchanges whose requests have all gone out.
@@ -492,27 +509,36 @@ func (f inFlight) wait(ctx context.Context) error {
 
 func (f inFlight) abandon() {
 	for _, x := range f {
-		x.call.Abandon()
+		if x.call != nil {
+			x.call.Abandon()
+		}
 	}
 }
 
 // pipeline sends the requests with up to the device's window in flight
-// and waits for every response, in order; the first error ends it. The
-// device handles its requests in the order they come, so a pipeline costs
-// about one round trip per window rather than one per request.
+// and waits for every response, in order; the first error ends it, but a
+// refusal of an exchange marked own (kept in its refused). The device
+// handles its requests in the order they come, so a pipeline costs about
+// one round trip per window rather than one per request.
 func (d *Device) pipeline(ctx context.Context, s *session, xs []exchange) error {
 	w := d.window(s)
 	started := 0
 	for i := range xs {
+		xs[i].call, xs[i].refused = nil, nil
+	}
+	for i := range xs {
 		for ; started < len(xs) && started < i+w; started++ {
 			c, err := s.client.Start(ctx, xs[started].op, xs[started].group, xs[started].id, xs[started].req)
-			if err != nil {
+			if err != nil && !xs[started].ownRefusal(err) {
 				inFlight(xs[i:started]).abandon()
 				return err
 			}
 			xs[started].call = c
 		}
-		if err := xs[i].call.Wait(ctx, xs[i].resp); err != nil {
+		if xs[i].call == nil {
+			continue // not sent: refused by the bridge's own check
+		}
+		if err := xs[i].call.Wait(ctx, xs[i].resp); err != nil && !xs[i].ownRefusal(err) {
 			inFlight(xs[i+1 : started]).abandon()
 			return err
 		}
@@ -536,6 +562,14 @@ func runningVersion(st ImageStateResponse) (string, error) {
 
 // Settings reads the schema (group 67) and then every setting by name
 // through settings_mgmt (group 3), the reads pipelined.
+//
+// A setting the device refuses to read (its key too long for
+// settings_mgmt, not found, not readable), whose read is longer than the
+// device takes, or whose value is not of its type, is left out, spec and
+// value, and logged: the firmware declares its own schema, and one such
+// setting failed the whole read, every setting of the device unreported
+// (docs/reliability.md, bug 148). A write of it fails as of any setting
+// the device does not declare.
 func (d *Device) Settings(ctx context.Context) (map[string]any, topics.Schema, error) {
 	var values map[string]any
 	var schema topics.Schema
@@ -549,20 +583,25 @@ func (d *Device) Settings(ctx context.Context) (map[string]any, topics.Schema, e
 		answers := make([]SettingReadResponse, len(names))
 		for i, name := range names {
 			reads[i] = exchange{op: OpRead, group: GroupSettings, id: CmdSettingsValue,
-				req: SettingReadRequest{Name: SettingsPrefix + name}, resp: &answers[i]}
+				req: SettingReadRequest{Name: SettingsPrefix + name}, resp: &answers[i], own: true}
 		}
 		if err := d.pipeline(ctx, s, reads); err != nil {
 			return fmt.Errorf("read settings: %w", err)
 		}
 		vals := make(map[string]any, len(names))
+		sch := make(topics.Schema, len(names))
 		for i, name := range names {
-			v, err := DecodeSetting(sr.Schema[name], answers[i].Val)
-			if err != nil {
-				return fmt.Errorf("setting %s: %w", name, err)
+			err := reads[i].refused
+			if err == nil {
+				var v any
+				if v, err = DecodeSetting(sr.Schema[name], answers[i].Val); err == nil {
+					vals[name], sch[name] = v, sr.Schema[name]
+					continue
+				}
 			}
-			vals[name] = v
+			d.log.Warn("a setting the device declares cannot be read; leaving it out", "setting", name, "err", err)
 		}
-		values, schema = vals, sr.Schema
+		values, schema = vals, sch
 		return nil
 	})
 	if err != nil {
