@@ -987,6 +987,38 @@ func TestUnusableSettingsAreLeftOut(t *testing.T) {
 	assert.Equal(t, want, sch)
 }
 
+// An app a device lists more than once, on the status topic or in a final
+// reply's status, is stored once, as first listed: GET …/apps listed it
+// twice (bug 149).
+func TestAnAppListedTwiceIsStoredOnce(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	apps := func(clock string) []companion.App {
+		return []companion.App{{AppID: "weather", Version: "1.0.0"}, {AppID: "clock", Version: clock},
+			{AppID: "weather", Version: "1.1.0"}, {AppID: "weather", Version: "1.0.0"}, {AppID: "clock", Version: "9.9.9"}}
+	}
+	stored := func(seq uint64) func() bool {
+		return func() bool { s, _ := e.db.Status(ctx, "dev-1"); return s.Seq == seq }
+	}
+
+	fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Apps: apps("2.0.0"), Seq: 1, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the status stored", stored(1))
+	s, err := e.db.Status(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.Equal(t, []companion.App{{AppID: "weather", Version: "1.0.0"}, {AppID: "clock", Version: "2.0.0"}}, s.Apps)
+
+	c := submit(t, e, "dev-1", "x", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now(),
+		Status: &topics.Status{Online: true, BridgeID: "b1", Apps: apps("2.1.0"), Seq: 2, At: time.Now()}})
+	testenv.Eventually(t, 10*time.Second, "the reply's status stored", stored(2))
+	s, err = e.db.Status(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.Equal(t, []companion.App{{AppID: "weather", Version: "1.0.0"}, {AppID: "clock", Version: "2.1.0"}}, s.Apps)
+}
+
 func TestQueueLimit(t *testing.T) {
 	e := newEnv(t, false)
 	e.b.opts.MaxOpenCommands = 3

@@ -489,7 +489,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		b.log.Warn("reply with a status from a bridge that does not serve the device; storing the reply without it",
 			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "serving", bridge)
 	case r.Status != nil:
-		s := storeStatus(deviceID, *r.Status)
+		s := b.storeStatus(deviceID, *r.Status)
 		report.Status = &s
 	}
 	if r.Settings != nil {
@@ -640,7 +640,7 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 		ack()
 		return
 	}
-	st := storeStatus(deviceID, s)
+	st := b.storeStatus(deviceID, s)
 	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
 		ack()
 		return
@@ -815,11 +815,27 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 	})
 }
 
-// storeStatus is a device's status message as the store keeps it.
-func storeStatus(deviceID string, s topics.Status) companion.Status {
+// storeStatus is a device's status message as the store keeps it. An app
+// the device lists more than once is kept once, as it is first listed,
+// and logged: a device has one version of an app installed, and GET
+// …/apps listed it twice (docs/reliability.md, bug 149).
+func (b *Broker) storeStatus(deviceID string, s topics.Status) companion.Status {
 	apps := make([]companion.App, 0, len(s.Apps))
+	listed := make(map[string]int, len(s.Apps)) // times listed, up to 2 (a map: bug 144)
+	var dups []string
 	for _, a := range s.Apps {
-		apps = append(apps, companion.App{AppID: a.AppID, Version: a.Version})
+		switch listed[a.AppID] {
+		case 0:
+			apps = append(apps, companion.App{AppID: a.AppID, Version: a.Version})
+		case 1:
+			dups = append(dups, a.AppID)
+		default:
+			continue
+		}
+		listed[a.AppID]++
+	}
+	if dups != nil {
+		b.log.Warn("the device lists an app more than once; keeping the first", "device_id", deviceID, "app_ids", dups)
 	}
 	return companion.Status{
 		DeviceID:        deviceID,
