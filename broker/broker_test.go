@@ -987,6 +987,42 @@ func TestUnusableSettingsAreLeftOut(t *testing.T) {
 	assert.Equal(t, want, sch)
 }
 
+// A default the device declares that is not a value of its setting (of
+// another type, out of its bounds, not among its enum's values, longer
+// than its max_len, not a time zone) is taken out, and the setting kept:
+// the schema stored has no default for it (bug 150).
+func TestADefaultThatIsNotAValueIsTakenOut(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	topic, _ := tree.Settings("dev-1")
+	zero, hundred := 0, 100
+	schema := topics.Schema{
+		"volume":     {Type: topics.SettingInt, Min: &zero, Max: &hundred, Default: 50},
+		"brightness": {Type: topics.SettingInt, Min: &zero, Max: &hundred, Default: 150},
+		"contrast":   {Type: topics.SettingInt, Default: "50"},
+		"gamma":      {Type: topics.SettingInt, Default: 1.5},
+		"silent":     {Type: topics.SettingBool, Default: 0},
+		"language":   {Type: topics.SettingEnum, Values: []string{"en", "de"}, Default: "fr"},
+		"greeting":   {Type: topics.SettingString, MaxLen: 3, Default: "hello"},
+		"timezone":   {Type: topics.SettingTimezone, Default: "Mars/Olympus_Mons"},
+		"home":       {Type: topics.SettingTimezone, Default: "Europe/Berlin"},
+		"nickname":   {Type: topics.SettingString},
+	}
+	fb.publish(t, topic, topics.Settings{Reported: map[string]any{"volume": 7}, Schema: schema, Seq: 1, At: time.Now()})
+	var stored topics.Schema
+	testenv.Eventually(t, 10*time.Second, "the settings taken", func() bool {
+		s, err := e.db.Settings(ctx, "dev-1")
+		return err == nil && len(s.Schema) > 0 && json.Unmarshal(s.Schema, &stored) == nil
+	})
+	want := map[string]any{"volume": float64(50), "home": "Europe/Berlin"} // as JSON decodes them
+	require.Len(t, stored, len(schema), "every setting is kept")
+	for name, spec := range stored {
+		assert.Equal(t, want[name], spec.Default, "the default of %s", name)
+		assert.Equal(t, schema[name].Type, spec.Type, "the type of %s", name)
+	}
+}
+
 // An app a device lists more than once, on the status topic or in a final
 // reply's status, is stored once, as first listed: GET …/apps listed it
 // twice (bug 149).

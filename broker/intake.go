@@ -853,13 +853,19 @@ func (b *Broker) storeStatus(deviceID string, s topics.Status) companion.Status 
 // reportedSettings is a device's settings message as the store keeps it.
 // The settings of its schema the server can neither describe nor check
 // (topics.Schema.Usable) are left out, with their values, and logged: a
-// device's firmware declares its own schema.
+// device's firmware declares its own schema. A default that is not a value
+// of its setting is taken out (topics.Schema.ValidDefaults), and logged.
 func (b *Broker) reportedSettings(deviceID string, s topics.Settings) (companion.ReportedSettings, error) {
 	schema, unusable := s.Schema.Usable()
 	if unusable != nil {
 		b.log.Warn("a device declared settings this server cannot describe (a type other than int, bool, string, enum and "+
 			"timezone, an enum of no values, a min above its max, a negative max_len); leaving them out",
 			"device_id", deviceID, "settings", unusable)
+	}
+	schema, noDefault := schema.ValidDefaults()
+	if noDefault != nil {
+		b.log.Warn("a device declared settings whose default is not one of their values; serving them without a default",
+			"device_id", deviceID, "settings", noDefault)
 	}
 	reported := make(map[string]json.RawMessage, len(s.Reported))
 	for k, v := range s.Reported {

@@ -2,6 +2,7 @@ package topics
 
 import (
 	"fmt"
+	"maps"
 	"math"
 	"sort"
 	"strings"
@@ -60,6 +61,58 @@ func (s Schema) Usable() (Schema, []string) {
 		if spec.usable() {
 			out[name] = spec
 		}
+	}
+	return out, bad
+}
+
+// maxZoneLookups bounds the time zone names ValidDefaults looks up in one
+// schema: a device declares a few time zone settings, if any.
+const maxZoneLookups = 16
+
+// ValidDefaults returns the schema with each default that is not a value
+// of its setting (check, as a PUT's value is checked: of its type, within
+// its min and max, its enum's values or its max_len) taken out, as if the
+// device had declared none, and the names of those settings, sorted;
+// none: s itself. The setting stays: its type and bounds are what a change
+// is checked against and what the device takes, and a client building its
+// form from a default the device would refuse offers a value that a PUT
+// answers with a 422.
+//
+// A time zone's check reads the zone database (tens of microseconds): each
+// name is looked up once, and past maxZoneLookups names a time zone
+// default not yet looked up is taken out unchecked, so that a schema of
+// thousands of them costs the server's intake no more than a few.
+func (s Schema) ValidDefaults() (Schema, []string) {
+	var bad []string
+	zones := map[string]bool{}
+	for name, spec := range s {
+		if spec.Default == nil {
+			continue
+		}
+		if zone, ok := spec.Default.(string); ok && spec.Type == SettingTimezone {
+			valid, known := zones[zone]
+			if !known && len(zones) < maxZoneLookups {
+				valid = ValidTimezone(zone)
+				zones[zone] = valid
+			}
+			if !valid {
+				bad = append(bad, name)
+			}
+			continue
+		}
+		if spec.check(spec.Default) != "" {
+			bad = append(bad, name)
+		}
+	}
+	if bad == nil {
+		return s, nil
+	}
+	sort.Strings(bad)
+	out := maps.Clone(s)
+	for _, name := range bad {
+		spec := out[name]
+		spec.Default = nil
+		out[name] = spec
 	}
 	return out, bad
 }

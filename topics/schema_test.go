@@ -3,6 +3,7 @@ package topics
 import (
 	"encoding/json"
 	"reflect"
+	"strconv"
 	"testing"
 )
 
@@ -80,5 +81,31 @@ func TestVersions(t *testing.T) {
 		if got := CompareVersions(tt.a, tt.b); got != tt.want {
 			t.Errorf("CompareVersions(%q, %q) = %d; want %d", tt.a, tt.b, got, tt.want)
 		}
+	}
+}
+
+// A schema's time zone defaults are looked up in the zone database at
+// most maxZoneLookups names a schema (bug 150): past them, one not yet
+// looked up is taken out unchecked, and a name declared again is not
+// looked up again.
+func TestValidDefaultsBoundsTheZoneLookups(t *testing.T) {
+	s := Schema{}
+	for i := 1; i <= 12; i++ {
+		for _, sign := range []string{"+", "-"} {
+			zone := "Etc/GMT" + sign + strconv.Itoa(i)
+			s[zone] = SettingSpec{Type: SettingTimezone, Default: zone}
+			s["again "+zone] = SettingSpec{Type: SettingTimezone, Default: zone}
+		}
+	}
+	out, bad := s.ValidDefaults()
+	kept := map[string]bool{}
+	for _, spec := range out {
+		if spec.Default != nil {
+			kept[spec.Default.(string)] = true
+		}
+	}
+	if len(out) != len(s) || len(kept) != maxZoneLookups || len(bad) != 2*(24-maxZoneLookups) {
+		t.Errorf("ValidDefaults kept the defaults of %d zones and took out %d of %d; want %d zones kept, twice each, and every setting",
+			len(kept), len(bad), len(s), maxZoneLookups)
 	}
 }
