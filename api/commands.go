@@ -605,8 +605,9 @@ func jsonEqual(a, b json.RawMessage) bool {
 	if a == nil || b == nil {
 		return a == nil && b == nil
 	}
-	var va, vb any
-	if json.Unmarshal(a, &va) != nil || json.Unmarshal(b, &vb) != nil {
+	va, erra := topics.DecodeValue(a)
+	vb, errb := topics.DecodeValue(b)
+	if erra != nil || errb != nil {
 		return bytes.Equal(a, b)
 	}
 	return reflect.DeepEqual(va, vb)
@@ -642,6 +643,13 @@ func (s *Server) putSettings(c *gin.Context) error {
 	}
 	if len(req) == 0 {
 		return invalid("settings", "must name at least one setting")
+	}
+	for k, raw := range body.members {
+		// An int past 2^53 as written, not the float64 nearest it
+		// (docs/reliability.md, bug 151).
+		if v, err := topics.DecodeValue(raw); err == nil {
+			req[k] = v
+		}
 	}
 	fields := body.utf8Errors()
 	bad := map[string]bool{}
@@ -698,7 +706,7 @@ func settingValues(req map[string]any) []FieldError {
 	var errs []FieldError
 	for _, k := range slices.Sorted(maps.Keys(req)) {
 		switch req[k].(type) {
-		case float64, bool, string:
+		case float64, int64, bool, string:
 		default:
 			errs = append(errs, FieldError{Field: k, Message: "must be a number, true or false, or a string"})
 		}

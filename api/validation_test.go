@@ -297,6 +297,26 @@ func TestPushImageValidation(t *testing.T) {
 	})
 }
 
+// An int past 2^53 is checked, stored as desired and sent to the device as
+// written, not as the float64 nearest it (bug 151): a device's 8-byte int
+// setting takes any int64.
+func TestSettingsIntsPast2To53AreExact(t *testing.T) {
+	e := newEnv(t)
+	owner := e.user("owner of other-1")
+	e.provision("other-1", "code-other-1", "other-model")
+	r := e.do("POST", "/api/v1/devices/register", owner, map[string]any{"device_id": "other-1", "claim_code": "code-other-1"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	path := "/api/v1/devices/other-1/settings"
+	r = e.do("PUT", path, owner, `{"counter": 9007199254740993, "limit": -9223372036854775808}`)
+	require.Equal(t, 202, r.status, "%s", r.body)
+	r = e.do("GET", path, owner, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	assert.Contains(t, string(r.body), `"desired":{"counter":9007199254740993,"limit":-9223372036854775808}`)
+	assert.Contains(t, string(r.body), `"pending":["counter","limit"]`)
+	r = e.do("PUT", path, owner, `{"counter": 9223372036854775808}`)
+	require.Equal(t, 202, r.status, "a number past int64 of a model the server does not know: the bridge refuses it; %s", r.body)
+}
+
 func TestSettingsValidation(t *testing.T) {
 	e := newEnv(t)
 	tok := e.bound("dev-1")

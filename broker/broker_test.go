@@ -1023,6 +1023,22 @@ func TestADefaultThatIsNotAValueIsTakenOut(t *testing.T) {
 	}
 }
 
+// An int setting's value past 2^53 is stored as the device reported it,
+// not as the float64 nearest it (bug 151).
+func TestAnIntPast2To53IsStoredExactly(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	topic, _ := tree.Settings("dev-1")
+	schema := topics.Schema{"counter": {Type: topics.SettingInt, Default: int64(1<<53 + 3)}}
+	fb.publish(t, topic, topics.Settings{Reported: map[string]any{"counter": int64(1<<53 + 1)}, Schema: schema, Seq: 1, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the settings taken", func() bool { s, _ := e.db.Settings(ctx, "dev-1"); return len(s.Reported) > 0 })
+	s, err := e.db.Settings(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.Equal(t, "9007199254740993", string(s.Reported["counter"]))
+	assert.Contains(t, string(s.Schema), `"default":9007199254740995`)
+}
+
 // An app a device lists more than once, on the status topic or in a final
 // reply's status, is stored once, as first listed: GET …/apps listed it
 // twice (bug 149).

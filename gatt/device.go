@@ -622,8 +622,13 @@ func sortedKeys[V any](m map[string]V) []string {
 // EncodeSetting turns a setting's value into the bytes settings_mgmt
 // carries as val, which the device's settings handler takes: an int as
 // 4 bytes little endian (int32_t), a bool as one byte 0 or 1, text as its
-// UTF-8 bytes. Whole numbers may come as float64 (from JSON).
-func EncodeSetting(v any) ([]byte, error) {
+// UTF-8 bytes. Whole numbers may come as float64 (from JSON) or int64.
+func EncodeSetting(v any) ([]byte, error) { return EncodeSettingAs(v, 4) }
+
+// EncodeSettingAs is EncodeSetting with an int of size bytes (1, 2, 4 or
+// 8), little endian: the size the device gives the setting in, as its
+// handler reads it back. An int64 is encoded exactly, past 2^53 too.
+func EncodeSettingAs(v any, size int) ([]byte, error) {
 	switch x := v.(type) {
 	case bool:
 		if x {
@@ -633,14 +638,24 @@ func EncodeSetting(v any) ([]byte, error) {
 	case string:
 		return []byte(x), nil
 	case float64:
-		if x != math.Trunc(x) || x < math.MinInt32 || x > math.MaxInt32 {
-			return nil, fmt.Errorf("gatt: %v is not a 32-bit integer", x)
+		// -2^63 is a float64; 2^63 is the first one past int64.
+		if x != math.Trunc(x) || x < math.MinInt64 || x >= math.MaxInt64 {
+			return nil, fmt.Errorf("gatt: %v is not an integer of 64 bits", x)
 		}
-		return binary.LittleEndian.AppendUint32(nil, uint32(int32(x))), nil
+		return EncodeSettingAs(int64(x), size)
 	case int:
-		return EncodeSetting(float64(x))
+		return EncodeSettingAs(int64(x), size)
 	case int64:
-		return EncodeSetting(float64(x))
+		bits := 8 * size
+		switch size {
+		case 1, 2, 4, 8:
+		default:
+			return nil, fmt.Errorf("gatt: an int of %d bytes", size)
+		}
+		if bits < 64 && (x < -1<<(bits-1) || x >= 1<<(bits-1)) {
+			return nil, fmt.Errorf("gatt: %d is not a %d-bit integer", x, bits)
+		}
+		return binary.LittleEndian.AppendUint64(nil, uint64(x))[:size], nil
 	}
 	return nil, fmt.Errorf("gatt: a setting cannot be %T", v)
 }
@@ -719,20 +734,21 @@ func (d *Device) UninstallApp(ctx context.Context, cmdID, appID string) error {
 // dropped link is harmless, and the agent checks every value against the
 // device's schema before the first write. The values in use are read
 // first, and put back when a write fails.
+//
+// An int goes in the size the device gives it in (1, 2, 4 or 8 bytes, as
+// read), 4 bytes when that is not an int's: a handler of an int64_t
+// refuses 4 bytes, and an 8-byte value past 2^53 goes exactly.
 func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error {
 	names := sortedKeys(values)
 	reads := make([]exchange, len(names))
 	before := make([]SettingReadResponse, len(names))
 	writes := make([]exchange, len(names))
 	for i, name := range names {
-		val, err := EncodeSetting(values[name])
-		if err != nil {
+		if _, err := EncodeSettingAs(values[name], 8); err != nil {
 			return &Error{Group: GroupSettings, ID: CmdSettingsValue, RC: RCInvalid, Bridge: true, Reason: name + ": " + err.Error()}
 		}
 		reads[i] = exchange{op: OpRead, group: GroupSettings, id: CmdSettingsValue,
 			req: SettingReadRequest{Name: SettingsPrefix + name}, resp: &before[i]}
-		writes[i] = exchange{op: OpWrite, group: GroupSettings, id: CmdSettingsValue,
-			req: SettingWriteRequest{Name: SettingsPrefix + name, Val: val}}
 	}
 	// settings_mgmt hands each write to the handler's h_set at once, and
 	// the writes are pipelined: when one is refused, the others of the
@@ -743,6 +759,18 @@ func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[st
 	// and one never saved stays as written.)
 	if err := d.retry(ctx, func(s *session) error { return d.pipeline(ctx, s, reads) }); err != nil {
 		return fmt.Errorf("read settings: %w", err)
+	}
+	for i, name := range names {
+		size := len(before[i].Val)
+		if size != 1 && size != 2 && size != 8 {
+			size = 4
+		}
+		val, err := EncodeSettingAs(values[name], size)
+		if err != nil {
+			return &Error{Group: GroupSettings, ID: CmdSettingsValue, RC: RCInvalid, Bridge: true, Reason: name + ": " + err.Error()}
+		}
+		writes[i] = exchange{op: OpWrite, group: GroupSettings, id: CmdSettingsValue,
+			req: SettingWriteRequest{Name: SettingsPrefix + name, Val: val}}
 	}
 	if err := d.retry(ctx, func(s *session) error { return d.pipeline(ctx, s, writes) }); err != nil {
 		return d.putBackSettings(ctx, names, before, fmt.Errorf("write settings: %w", err))

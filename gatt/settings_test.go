@@ -1,7 +1,9 @@
 package gatt_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"maps"
 	"strings"
 	"sync"
@@ -16,14 +18,23 @@ import (
 // schemaConnector makes its Connector's links answer the settings schema
 // read (group 67) with the simulator's schema and extra: a firmware that
 // declares settings its settings handler cannot give.
+// The values of the settings named in held are the link's own: it answers
+// their reads and takes their writes, in the bytes written.
 type schemaConnector struct {
 	gatt.Connector
 	extra topics.Schema
+	held  *heldValues
+}
+
+type heldValues struct {
+	mu   sync.Mutex
+	vals map[string][]byte // by settings key
 }
 
 type schemaLink struct {
 	gatt.Link
 	extra  topics.Schema
+	held   *heldValues
 	mu     sync.Mutex
 	notify func([]byte)
 }
@@ -33,7 +44,29 @@ func (c *schemaConnector) Connect(ctx context.Context, id string) (gatt.Link, er
 	if err != nil {
 		return nil, err
 	}
-	return &schemaLink{Link: l, extra: c.extra}, nil
+	return &schemaLink{Link: l, extra: c.extra, held: c.held}, nil
+}
+
+// heldAnswer is the answer's body to a settings_mgmt value request of a
+// setting the link holds, or nil.
+func (l *schemaLink) heldAnswer(h gatt.Header, body []byte) any {
+	if l.held == nil || h.Group != gatt.GroupSettings || h.ID != gatt.CmdSettingsValue {
+		return nil
+	}
+	var req gatt.SettingWriteRequest
+	if gatt.DecodeBody(body, &req) != nil {
+		return nil
+	}
+	l.held.mu.Lock()
+	defer l.held.mu.Unlock()
+	if _, ok := l.held.vals[req.Name]; !ok {
+		return nil
+	}
+	if h.Op == gatt.OpRead {
+		return gatt.SettingReadResponse{Val: l.held.vals[req.Name]}
+	}
+	l.held.vals[req.Name] = req.Val
+	return struct{}{}
 }
 
 func (l *schemaLink) Subscribe(ctx context.Context, uuid string, fn func([]byte)) error {
@@ -45,12 +78,19 @@ func (l *schemaLink) Subscribe(ctx context.Context, uuid string, fn func([]byte)
 
 func (l *schemaLink) Write(ctx context.Context, uuid string, data []byte, withResponse bool) error {
 	h, err := gatt.ParseHeader(data)
-	if err != nil || h.Group != gatt.GroupSettingsSchema || h.ID != gatt.CmdSchemaRead || h.Op != gatt.OpRead {
+	if err != nil {
 		return l.Link.Write(ctx, uuid, data, withResponse)
 	}
-	schema := sim.DefaultSchema()
-	maps.Copy(schema, l.extra)
-	body, err := gatt.EncodeBody(gatt.SchemaResponse{Schema: schema})
+	answer := l.heldAnswer(h, data[gatt.HeaderSize:])
+	if answer == nil && h.Group == gatt.GroupSettingsSchema && h.ID == gatt.CmdSchemaRead && h.Op == gatt.OpRead {
+		schema := sim.DefaultSchema()
+		maps.Copy(schema, l.extra)
+		answer = gatt.SchemaResponse{Schema: schema}
+	}
+	if answer == nil {
+		return l.Link.Write(ctx, uuid, data, withResponse)
+	}
+	body, err := gatt.EncodeBody(answer)
 	if err != nil {
 		return err
 	}
@@ -106,5 +146,40 @@ func TestASettingTheDeviceCannotGiveIsLeftOut(t *testing.T) {
 		if schema[name].Type != spec.Type || values[name] == nil {
 			t.Errorf("setting %q: spec %+v, value %v; want spec %+v and its value", name, schema[name], values[name], spec)
 		}
+	}
+}
+
+// An int setting the device holds in 8 bytes is read and written exactly,
+// past 2^53 too, and written in 8 bytes, as its handler reads it (an
+// int64_t): the bridge wrote every int as 4 bytes, and refused any past
+// int32 (bug 151).
+func TestAnEightByteSettingGoesExactly(t *testing.T) {
+	const big = 1<<53 + 1 // 9007199254740993: a float64 holds 9007199254740992
+	held := &heldValues{vals: map[string][]byte{gatt.SettingsPrefix + "counter": binary.LittleEndian.AppendUint64(nil, 7)}}
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
+	defer n.Close()
+	extra := topics.Schema{"counter": {Type: topics.SettingInt, Default: 0}}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &schemaConnector{Connector: n, extra: extra, held: held}, MinBackoff: time.Millisecond,
+		Window: 1}) // the link's answers and the device's come in the order asked
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := d.UpdateSettings(ctx, "c1", map[string]any{"counter": int64(big), "volume": float64(9)}); err != nil {
+		t.Fatalf("UpdateSettings: %v", err)
+	}
+	held.mu.Lock()
+	val := held.vals[gatt.SettingsPrefix+"counter"]
+	held.mu.Unlock()
+	if want := binary.LittleEndian.AppendUint64(nil, big); !bytes.Equal(val, want) {
+		t.Errorf("the device was written %x; want %x", val, want)
+	}
+	values, _, err := d.Settings(ctx)
+	if err != nil || values["counter"] != int64(big) || values["volume"] != int64(9) {
+		t.Errorf("Settings = %v, %v; want counter %d and volume 9", values, err, big)
 	}
 }

@@ -473,8 +473,11 @@ func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[st
 	}
 	return d.run(ctx, cmdID, topics.OpSettingsUpdate, func() error {
 		for k, v := range values {
-			if f, ok := v.(float64); ok { // ints arrive as float64 from JSON
-				v = int(f)
+			switch x := v.(type) { // ints arrive as float64 from JSON, past 2^53 as int64
+			case float64:
+				v = int(x)
+			case int64:
+				v = int(x)
 			}
 			d.settings[k] = v
 			d.saved[k] = v

@@ -19,7 +19,8 @@ type FieldError struct {
 
 // Validate checks a partial settings object against the schema: every key
 // must be known and every value of the right type and in range. Values are as
-// encoding/json decodes them (float64, bool, string). It returns one
+// encoding/json decodes them (float64, bool, string), or as DecodeValue
+// does (an int64 for an integer a float64 cannot hold). It returns one
 // FieldError per bad key, sorted by key, and nil when all is well.
 func (s Schema) Validate(partial map[string]any) []FieldError {
 	var errs []FieldError
@@ -130,11 +131,11 @@ func (spec SettingSpec) usable() bool {
 func (spec SettingSpec) check(v any) string {
 	switch spec.Type {
 	case SettingInt:
-		f, ok := v.(float64)
-		if !ok || f != math.Trunc(f) || math.IsInf(f, 0) {
+		n, ok := integer(v)
+		if !ok {
 			return "must be an integer"
 		}
-		if (spec.Min != nil && f < float64(*spec.Min)) || (spec.Max != nil && f > float64(*spec.Max)) {
+		if (spec.Min != nil && n < int64(*spec.Min)) || (spec.Max != nil && n > int64(*spec.Max)) {
 			return fmt.Sprintf("must be between %s and %s", bound(spec.Min), bound(spec.Max))
 		}
 	case SettingBool:
@@ -172,6 +173,25 @@ func (spec SettingSpec) check(v any) string {
 		return "has a type this server does not know"
 	}
 	return ""
+}
+
+// integer is v as an int setting holds it, of at most 64 bits (a device's
+// int is 1, 2, 4 or 8 bytes): an int64, or a float64 with no fraction
+// within int64's range. Compared as int64, bounds past 2^53 are exact.
+func integer(v any) (int64, bool) {
+	switch x := v.(type) {
+	case int64:
+		return x, true
+	case int:
+		return int64(x), true
+	case float64:
+		// -2^63 is a float64; 2^63 is the first one past int64.
+		if x != math.Trunc(x) || x < math.MinInt64 || x >= math.MaxInt64 {
+			return 0, false
+		}
+		return int64(x), true
+	}
+	return 0, false
 }
 
 func bound(p *int) string {

@@ -1,0 +1,115 @@
+package topics
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+)
+
+// Settings values travel as JSON numbers, which encoding/json decodes into
+// an any as a float64: an 8-byte int setting past 2^53 (a counter, an id)
+// lost its last digits on the way from the device to GET …/settings and
+// from PUT …/settings to the device (docs/reliability.md, bug 151). The
+// values of settings, reported, defaulted and asked for, are decoded here
+// instead: a number is a float64 as before, unless it is written as an
+// integer past ±2^53 that an int64 holds, which is then that int64. So
+// every value of an int setting a device holds comes through exactly, in
+// its digits, and every other value as encoding/json gives it.
+
+// maxExact is 2^53: a float64 holds every integer up to it.
+const maxExact = 1 << 53
+
+// DecodeValue decodes one JSON value as settings values are (see above):
+// in maps and arrays too.
+func DecodeValue(b []byte) (any, error) {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, fmt.Errorf("topics: data after a JSON value")
+	}
+	return exactNumbers(v), nil
+}
+
+// exactNumbers replaces each json.Number in v (decoded with UseNumber) by
+// the float64 encoding/json would give, or the int64 it is when a float64
+// cannot hold it.
+func exactNumbers(v any) any {
+	switch x := v.(type) {
+	case json.Number:
+		return number(x)
+	case map[string]any:
+		for k, e := range x {
+			x[k] = exactNumbers(e)
+		}
+	case []any:
+		for i, e := range x {
+			x[i] = exactNumbers(e)
+		}
+	}
+	return v
+}
+
+func number(n json.Number) any {
+	if !strings.ContainsAny(string(n), ".eE") {
+		// Past ±2^53 a float64 holds some integers only, and encodes
+		// even those it holds in other digits (-2^63 as
+		// -9223372036854776000): the store compares a desired value
+		// with the reported one as text.
+		if i, err := strconv.ParseInt(string(n), 10, 64); err == nil && (i > maxExact || i < -maxExact) {
+			return i
+		}
+	}
+	// As encoding/json, but a number out of float64's range, which
+	// encoding/json refuses, is the infinity ParseFloat gives: encoding it
+	// back fails, and the settings with it, as before. (The API refuses
+	// such a number before it decodes settings values.)
+	f, _ := strconv.ParseFloat(string(n), 64)
+	return f
+}
+
+// UnmarshalJSON decodes a settings message with its values and defaults
+// exact (DecodeValue).
+func (s *Settings) UnmarshalJSON(b []byte) error {
+	type plain Settings
+	var p plain
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	if err := dec.Decode(&p); err != nil {
+		return err
+	}
+	for k, v := range p.Reported {
+		p.Reported[k] = exactNumbers(v)
+	}
+	for k, spec := range p.Schema {
+		if spec.Default != nil {
+			spec.Default = exactNumbers(spec.Default)
+			p.Schema[k] = spec
+		}
+	}
+	*s = Settings(p)
+	return nil
+}
+
+// UnmarshalJSON decodes a settings command's payload with its values exact
+// (DecodeValue).
+func (u *SettingsUpdate) UnmarshalJSON(b []byte) error {
+	type plain SettingsUpdate
+	var p plain
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	if err := dec.Decode(&p); err != nil {
+		return err
+	}
+	for k, v := range p.Settings {
+		p.Settings[k] = exactNumbers(v)
+	}
+	*u = SettingsUpdate(p)
+	return nil
+}
