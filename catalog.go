@@ -54,3 +54,21 @@ type Blob struct {
 	Size      int64     `json:"size"`
 	CreatedAt time.Time `json:"created_at"`
 }
+
+// CatalogApp is one app of the catalog: its latest release (the highest
+// version) and every version published.
+type CatalogApp struct {
+	Latest AppRelease
+	// Versions are every version published, in ascending version order
+	// once the store has read them all.
+	Versions []string
+}
+
+// Add takes another release of the app in: its version, and the release
+// as the latest when its version is higher.
+func (c *CatalogApp) Add(r AppRelease) {
+	c.Versions = append(c.Versions, r.Version)
+	if ByVersion(r.Version, c.Latest.Version) > 0 {
+		c.Latest = r
+	}
+}

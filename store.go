@@ -90,7 +90,12 @@ type Store interface {
 	PutAppRelease(ctx context.Context, a AppRelease) error
 	AppRelease(ctx context.Context, appID, version string) (AppRelease, error)
 	AppReleases(ctx context.Context, appID string) ([]AppRelease, error)
-	LatestApps(ctx context.Context) ([]AppRelease, error)
+	// AppCatalog returns a page of the app catalog in app id order: at
+	// most limit apps (limit <= 0: all) whose ids sort after `after`,
+	// each with its latest release and every version published, read at
+	// one instant (one transaction, one query), and whether more apps
+	// follow.
+	AppCatalog(ctx context.Context, after string, limit int) (apps []CatalogApp, more bool, err error)
 
 	// PutBlob stores what r holds (at most max bytes: ErrTooLarge) under
 	// its SHA-256; storing the same content again is not an error.

@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/textproto"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -305,27 +304,27 @@ type catalogJSON struct {
 	Versions  []string   `json:"versions"`
 }
 
+// appCatalog answers a page of the app catalog, in app id order, each app
+// read with its versions in the same read.
 func (s *Server) appCatalog(c *gin.Context) error {
-	ctx := c.Request.Context()
-	latest, err := s.store.LatestApps(ctx)
+	limit, after, err := page(c, topics.ValidAppID, nil)
 	if err != nil {
 		return err
 	}
-	apps := make([]catalogJSON, 0, len(latest))
-	for _, l := range latest {
-		rels, err := s.store.AppReleases(ctx, l.AppID)
-		if err != nil {
-			return err
-		}
-		versions := make([]string, 0, len(rels))
-		for _, r := range rels {
-			versions = append(versions, r.Version)
-		}
-		sort.SliceStable(versions, func(i, j int) bool { return topics.CompareVersions(versions[i], versions[j]) < 0 })
-		apps = append(apps, catalogJSON{AppID: l.AppID, Version: l.Version, SHA256: l.SHA256, Size: l.Size, CreatedAt: timeOrNull(l.CreatedAt), Versions: versions})
+	catalog, more, err := s.store.AppCatalog(c.Request.Context(), after, limit)
+	if err != nil {
+		return err
 	}
-	sort.Slice(apps, func(i, j int) bool { return apps[i].AppID < apps[j].AppID })
-	return s.reply(c, http.StatusOK, gin.H{"apps": apps}, "", nil, nil)
+	apps := make([]catalogJSON, 0, len(catalog))
+	for _, a := range catalog {
+		l := a.Latest
+		apps = append(apps, catalogJSON{AppID: l.AppID, Version: l.Version, SHA256: l.SHA256, Size: l.Size, CreatedAt: timeOrNull(l.CreatedAt), Versions: a.Versions})
+	}
+	var next *string
+	if more && len(apps) > 0 {
+		next = cursorOf(apps[len(apps)-1].AppID)
+	}
+	return s.reply(c, http.StatusOK, gin.H{"apps": apps, "next_cursor": next}, "", nil, nil)
 }
 
 func validSHA256(s string) bool {

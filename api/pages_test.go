@@ -157,3 +157,38 @@ func TestDevicePagesAreFull(t *testing.T) {
 	}
 	wantPages(t, "a user without devices", e.pages(t, e.user("gina"), "/api/v1/devices", "devices", "device_id", 2), nil, 2)
 }
+
+// GET /apps pages over the catalog in app id order, in full pages, with
+// next_cursor null exactly when nothing follows, each app with its latest
+// release and every version.
+func TestAppCatalogPagesAreFull(t *testing.T) {
+	e := newEnv(t)
+	var want []string
+	for i := range 7 {
+		id := fmt.Sprintf("app-%d", i)
+		want = append(want, id)
+		for _, v := range []string{"1.10.0", "1.9.0"} {
+			r := e.send(req{method: "PUT", path: "/api/v1/admin/apps/" + id + "/" + v, token: testAdminToken,
+				body: []byte(id + v), header: map[string]string{"Content-Type": "application/octet-stream"}})
+			require.Equal(t, 201, r.status, "%s", r.body)
+		}
+	}
+	tok := e.user("ivy")
+	for _, limit := range []int{1, 2, 3, 7, 8} {
+		wantPages(t, fmt.Sprintf("the catalog, limit %d", limit), e.pages(t, tok, "/api/v1/apps", "apps", "app_id", limit), want, limit)
+	}
+	r := e.do("GET", "/api/v1/apps?limit=1&cursor="+*cursorOf("app-5"), tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	apps := r.json(t)["apps"].([]any)
+	require.Len(t, apps, 1)
+	app := apps[0].(map[string]any)
+	assert.Equal(t, "app-6", app["app_id"])
+	assert.Equal(t, "1.10.0", app["version"])
+	assert.Equal(t, []any{"1.9.0", "1.10.0"}, app["versions"])
+	assert.Nil(t, r.json(t)["next_cursor"], "the last app's page")
+	wantPages(t, "an empty catalog", e.pages(t, tok, "/api/v1/apps?cursor="+*cursorOf("zzz"), "apps", "app_id", 2), nil, 2)
+	for _, q := range []string{"?limit=0", "?limit=201", "?limit=", "?cursor=" + *cursorOf("Not An App")} {
+		r := e.do("GET", "/api/v1/apps"+q, tok, nil)
+		assert.Equal(t, 422, r.status, "GET /api/v1/apps%s: %s", q, r.body)
+	}
+}

@@ -58,7 +58,9 @@ type Store interface {
 	PutAppRelease(ctx context.Context, r companion.AppRelease) error
 	AppRelease(ctx context.Context, appID, version string) (companion.AppRelease, error)
 	AppReleases(ctx context.Context, appID string) ([]companion.AppRelease, error)
-	LatestApps(ctx context.Context) ([]companion.AppRelease, error)
+	// AppCatalog reads a page of the app catalog, each app with its
+	// versions, in one read, and whether more apps follow.
+	AppCatalog(ctx context.Context, after string, limit int) ([]companion.CatalogApp, bool, error)
 
 	PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error)
 	OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, companion.Blob, error)

@@ -136,27 +136,47 @@ func (db *DB) AppReleases(ctx context.Context, appID string) ([]companion.AppRel
 	return out, nil
 }
 
-// LatestApps returns the highest version of every app in the catalog,
-// ordered by app id.
-func (db *DB) LatestApps(ctx context.Context) ([]companion.AppRelease, error) {
-	out := []companion.AppRelease{}
+// AppCatalog returns a page of the app catalog in app id order: at most
+// limit apps (limit <= 0: all) whose ids sort after `after`, each with its
+// latest release and every version published, read in one transaction,
+// and whether more apps follow.
+func (db *DB) AppCatalog(ctx context.Context, after string, limit int) ([]companion.CatalogApp, bool, error) {
+	out := []companion.CatalogApp{}
+	more := false
 	err := db.bolt.View(func(tx *bolt.Tx) error {
+		c := tx.Bucket(bucketApps).Cursor()
 		// Keys are app id, NUL, version: all releases of an app are
-		// adjacent, and apps come in id order.
-		return scanJSON(tx.Bucket(bucketApps), nil, func(a companion.AppRelease) {
-			if n := len(out); n > 0 && out[n-1].AppID == a.AppID {
-				if companion.ByVersion(a.Version, out[n-1].Version) > 0 {
-					out[n-1] = a
-				}
-				return
+		// adjacent, and apps come in id order. The first key past every
+		// release of `after` is its prefix's end.
+		k, v := c.First()
+		if after != "" {
+			k, v = c.Seek(prefixEnd(prefix(after)))
+		}
+		for ; k != nil; k, v = c.Next() {
+			var a companion.AppRelease
+			if err := fastjson.Unmarshal(v, &a); err != nil {
+				return fmt.Errorf("store: decode %q: %w", k, err)
 			}
-			out = append(out, a)
-		})
+			n := len(out)
+			if n > 0 && out[n-1].Latest.AppID == a.AppID {
+				out[n-1].Add(a)
+				continue
+			}
+			if limit > 0 && n == limit {
+				more = true
+				return nil
+			}
+			out = append(out, companion.CatalogApp{Latest: a, Versions: []string{a.Version}})
+		}
+		return nil
 	})
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	return out, nil
+	for i := range out {
+		slices.SortFunc(out[i].Versions, companion.ByVersion)
+	}
+	return out, more, nil
 }
 
 // scanJSON decodes every value of b under the key prefix p (all when p is

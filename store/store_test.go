@@ -285,8 +285,8 @@ func TestReopenKeepsEverything(t *testing.T) {
 	if f, err := db.Firmware(ctx, "sim-1", "1.0.0"); err != nil || f.SHA256 != "aa" {
 		t.Errorf("Firmware after reopen = %+v, %v", f, err)
 	}
-	if a, err := db.LatestApps(ctx); err != nil || len(a) != 1 || a[0].SHA256 != "bb" {
-		t.Errorf("LatestApps after reopen = %+v, %v", a, err)
+	if a, _, err := db.AppCatalog(ctx, "", 0); err != nil || len(a) != 1 || a[0].Latest.SHA256 != "bb" {
+		t.Errorf("AppCatalog after reopen = %+v, %v", a, err)
 	}
 	f, b, err := db.OpenBlob(ctx, blob.SHA256)
 	if err != nil {

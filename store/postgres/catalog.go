@@ -125,24 +125,34 @@ func (s *Store) AppReleases(ctx context.Context, appID string) ([]companion.AppR
 		scanApp, func(a companion.AppRelease) string { return a.Version })
 }
 
-// LatestApps returns the highest version of every app in the catalog,
-// ordered by app id. Versions are compared as semantic versions, which
-// SQL cannot do, so it reads every release.
-func (s *Store) LatestApps(ctx context.Context) ([]companion.AppRelease, error) {
-	rows, _ := s.pool.Query(ctx, `SELECT app_id, version, sha256, size, created_at FROM app_releases ORDER BY app_id`)
+// AppCatalog returns a page of the app catalog in app id order: at most
+// limit apps (limit <= 0: all) whose ids sort after `after`, each with its
+// latest release and every version published, read in one query, and
+// whether more apps follow. Versions are compared as semantic versions,
+// which SQL cannot do, so it reads every release of the page's apps.
+func (s *Store) AppCatalog(ctx context.Context, after string, limit int) ([]companion.CatalogApp, bool, error) {
+	out := []companion.CatalogApp{}
+	if strings.ContainsRune(after, 0) {
+		return out, false, nil
+	}
+	rows, _ := s.pool.Query(ctx, `WITH page AS (
+			SELECT DISTINCT app_id FROM app_releases WHERE app_id > $1 ORDER BY app_id LIMIT $2)
+		SELECT app_id, version, sha256, size, created_at FROM app_releases JOIN page USING (app_id)
+		ORDER BY app_id`, after, pageLimit(limit))
 	all, err := pgx.CollectRows(rows, scanApp)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	out := []companion.AppRelease{}
 	for _, a := range all {
-		if n := len(out); n > 0 && out[n-1].AppID == a.AppID {
-			if companion.ByVersion(a.Version, out[n-1].Version) > 0 {
-				out[n-1] = a
-			}
+		if n := len(out); n > 0 && out[n-1].Latest.AppID == a.AppID {
+			out[n-1].Add(a)
 			continue
 		}
-		out = append(out, a)
+		out = append(out, companion.CatalogApp{Latest: a, Versions: []string{a.Version}})
 	}
-	return out, nil
+	for i := range out {
+		slices.SortFunc(out[i].Versions, companion.ByVersion)
+	}
+	out, more := trimPage(out, limit)
+	return out, more, nil
 }

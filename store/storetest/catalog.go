@@ -115,7 +115,7 @@ func testCatalog(t *testing.T, open Opener) {
 	subtests(t, open, []namedTest{
 		{"Firmware", testFirmware},
 		{"AppReleases", testAppReleases},
-		{"LatestApps", testLatestApps},
+		{"AppCatalog", testAppCatalog},
 	})
 }
 
@@ -221,19 +221,54 @@ func testAppReleases(t *testing.T, s companion.Store) {
 	assert.ErrorIs(t, err, companion.ErrNotFound, "AppRelease(no such app)")
 }
 
-func testLatestApps(t *testing.T, s companion.Store) {
-	latest, err := s.LatestApps(t.Context())
+func testAppCatalog(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	apps, more, err := s.AppCatalog(ctx, "", 0)
 	require.NoError(t, err)
-	assert.Empty(t, latest, "LatestApps() of an empty catalog")
+	assert.Empty(t, apps, "AppCatalog() of an empty catalog")
+	assert.False(t, more, "AppCatalog() of an empty catalog: more")
 	publishApps(t, s)
-	latest, err = s.LatestApps(t.Context())
-	require.NoError(t, err)
-	var got []string
-	for _, a := range latest {
-		got = append(got, a.AppID+"@"+a.Version+"="+a.SHA256)
+	// One app whose id runs on from another's, and one that sorts first.
+	require.NoError(t, s.PutAppRelease(ctx, companion.AppRelease{AppID: "clock-x", Version: "0.0.1", SHA256: "clock-x0.0.1", Size: 1}))
+	require.NoError(t, s.PutAppRelease(ctx, companion.AppRelease{AppID: "alarm", Version: "1.0.0", SHA256: "alarm1.0.0", Size: 1}))
+
+	// Each app: its latest release, and its versions ascending.
+	all := []string{
+		"alarm@1.0.0=alarm1.0.0 [1.0.0]",
+		"clock@1.10.0=clock1.10.0 [1.0.0 1.9.0 1.10.0]",
+		"clock-x@0.0.1=clock-x0.0.1 [0.0.1]",
+		"clock.pro@2.0.0-rc.1=clock.pro2.0.0-rc.1 [2.0.0-rc.1]",
+		"weather@1.0.0=weather1.0.0 [0.1.0 1.0.0-beta 1.0.0]",
 	}
-	want := []string{"clock@1.10.0=clock1.10.0", "clock.pro@2.0.0-rc.1=clock.pro2.0.0-rc.1", "weather@1.0.0=weather1.0.0"}
-	assert.Equal(t, want, got, "LatestApps(): the highest version of each app, by app id")
+	tests := []struct {
+		after string
+		limit int
+		want  []string
+		more  bool
+	}{
+		{"", 0, all, false},
+		{"", 5, all, false},
+		{"", 2, all[:2], true},
+		{"alarm", 2, all[1:3], true},
+		{"clock", 2, all[2:4], true},
+		{"clock.pro", 1, all[4:], false},
+		{"weather", 3, nil, false},
+		{"b", 1, all[1:2], true},      // not an app: the page after where it would sort
+		{"clock-", 0, all[2:], false}, // a prefix of clock-x's id
+		{"zzz", 2, nil, false},
+	}
+	for _, tt := range tests {
+		apps, more, err := s.AppCatalog(ctx, tt.after, tt.limit)
+		require.NoError(t, err, "AppCatalog(%q, %d)", tt.after, tt.limit)
+		var got []string
+		for _, a := range apps {
+			l := a.Latest
+			got = append(got, fmt.Sprintf("%s@%s=%s %v", l.AppID, l.Version, l.SHA256, a.Versions))
+			near(t, "AppCatalog().Latest.CreatedAt", l.CreatedAt)
+		}
+		assert.Equal(t, tt.want, got, "AppCatalog(%q, %d)", tt.after, tt.limit)
+		assert.Equal(t, tt.more, more, "AppCatalog(%q, %d): more", tt.after, tt.limit)
+	}
 }
 
 // publishApps fills the app catalog of the catalog tests.
