@@ -42,6 +42,13 @@ type Bridge struct {
 	OwnerID string `json:"owner_id,omitempty"`
 }
 
+// ServingBridge is a bridge with the devices it serves (in id order), as a
+// list of bridges reads them together.
+type ServingBridge struct {
+	Bridge
+	Devices []string
+}
+
 // Binding ties a device to the user who registered it.
 type Binding struct {
 	DeviceID string    `json:"device_id"`

@@ -29,7 +29,11 @@ type Store interface {
 	CreateBridge(ctx context.Context, b Bridge) error
 	Bridge(ctx context.Context, id string) (Bridge, error)
 	BridgeBySecretHash(ctx context.Context, hash []byte) (Bridge, error)
-	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]Bridge, bool, error)
+	// ListBridges returns a page of the bridges of ownerID ("" the
+	// operator's) in id order after the bridge id `after`, at most limit
+	// (<= 0: all), each with the devices it serves, read at one instant,
+	// and whether more follow.
+	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]ServingBridge, bool, error)
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
 	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (previous string, err error)
 	DeviceBridge(ctx context.Context, deviceID string) (string, error)

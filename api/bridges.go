@@ -91,25 +91,21 @@ type userBridgeJSON struct {
 }
 
 // listUserBridges answers the caller's own bridges, with the devices each
-// serves, in full pages.
+// serves, in full pages: each page read at one instant, so that a device
+// moved meanwhile shows on one bridge of it, never on none or two.
 func (s *Server) listUserBridges(c *gin.Context) error {
 	user := currentUser(c)
 	limit, after, err := page(c, topics.ValidBridgeID, nil)
 	if err != nil {
 		return err
 	}
-	ctx := c.Request.Context()
-	bs, more, err := s.store.ListBridges(ctx, user.ID, after, limit)
+	bs, more, err := s.store.ListBridges(c.Request.Context(), user.ID, after, limit)
 	if err != nil {
 		return err
 	}
 	out := make([]userBridgeJSON, 0, len(bs))
 	for _, b := range bs {
-		devices, err := s.store.ServedDevices(ctx, b.ID)
-		if err != nil {
-			return err
-		}
-		out = append(out, userBridgeJSON{BridgeID: b.ID, Devices: devices, CreatedAt: timeOrNull(b.CreatedAt)})
+		out = append(out, userBridgeJSON{BridgeID: b.ID, Devices: b.Devices, CreatedAt: timeOrNull(b.CreatedAt)})
 	}
 	var next *string
 	if more && len(bs) > 0 {

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/devicecompanion/companion/store"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -415,4 +417,52 @@ func TestAdminAssignDevice(t *testing.T) {
 		assert.Equal(t, "op-1", bridgeOf("dev-b"))
 		assert.Empty(t, e.acc.took())
 	})
+}
+
+// movingStore moves a device to another bridge once, just after the first
+// read of a bridge's devices: as another request's move would fall
+// between two reads.
+type movingStore struct {
+	*store.DB
+	once sync.Once
+	move func()
+}
+
+func (s *movingStore) ServedDevices(ctx context.Context, bridgeID string) ([]string, error) {
+	ids, err := s.DB.ServedDevices(ctx, bridgeID)
+	s.once.Do(s.move)
+	return ids, err
+}
+
+// A device moved while a page of bridges is read shows on one of them,
+// before the move or after it, never on none (nor on two): the page and
+// the devices of its bridges are read at one instant.
+func TestBridgePageIsReadAtOneInstant(t *testing.T) {
+	base := newEnv(t)
+	tok := base.bound("dev-1")
+	for _, id := range []string{"hub-a", "hub-b"} {
+		r := base.do("POST", "/api/v1/bridges", tok, map[string]any{"bridge_id": id})
+		require.Equal(t, 201, r.status, "%s", r.body)
+	}
+	r := base.do("PUT", "/api/v1/devices/dev-1/bridge", tok, map[string]any{"bridge_id": "hub-b"})
+	require.Equal(t, 200, r.status, "%s", r.body)
+	b, err := base.db.Binding(context.Background(), "dev-1")
+	require.NoError(t, err)
+	ms := &movingStore{DB: base.db, move: func() {
+		_, err := base.db.AssignDevice(context.Background(), "dev-1", "hub-a", b.UserID)
+		assert.NoError(t, err, "moving dev-1 to hub-a")
+	}}
+	e := newEnvWith(t, base.db, ms)
+	r = e.do("GET", "/api/v1/bridges", tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	var on []string
+	for _, it := range r.json(t)["bridges"].([]any) {
+		br := it.(map[string]any)
+		for _, d := range br["devices"].([]any) {
+			if d == "dev-1" {
+				on = append(on, br["bridge_id"].(string))
+			}
+		}
+	}
+	assert.Len(t, on, 1, "dev-1 is on bridges %v of the page: %s", on, r.body)
 }

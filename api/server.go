@@ -27,9 +27,10 @@ type Store interface {
 
 	CreateBridge(ctx context.Context, b companion.Bridge) error
 	BridgeBySecretHash(ctx context.Context, hash []byte) (companion.Bridge, error)
-	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.Bridge, bool, error)
+	// ListBridges reads a page of the owner's bridges, each with the
+	// devices it serves, in one read, and whether more follow.
+	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.ServingBridge, bool, error)
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
-	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (string, error)
 	BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error)
 

@@ -229,9 +229,10 @@ func (db *DB) ServedDevices(ctx context.Context, bridgeID string) ([]string, err
 
 // ListBridges returns the bridges of ownerID ("" the operator's) in id
 // order, after the bridge id `after`, at most limit of them (limit <= 0:
-// all), and whether more follow.
-func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.Bridge, bool, error) {
-	out := []companion.Bridge{}
+// all), each with the devices it serves, read in one transaction, and
+// whether more follow.
+func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.ServingBridge, bool, error) {
+	out := []companion.ServingBridge{}
 	var more bool
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		bridges := tx.Bucket(bucketBridges)
@@ -246,7 +247,12 @@ func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int)
 				more = true
 				return false, nil
 			}
-			out = append(out, b)
+			served := []string{}
+			scanPrefix(tx.Bucket(bucketBridgeServes), prefix(b.ID), func(dev []byte) bool {
+				served = append(served, string(dev))
+				return true
+			})
+			out = append(out, companion.ServingBridge{Bridge: b, Devices: served})
 			return true, nil
 		}
 		if ownerID != "" {

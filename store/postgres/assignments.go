@@ -211,22 +211,28 @@ func (s *Store) strings(ctx context.Context, query string, args ...any) ([]strin
 
 // ListBridges returns the bridges of ownerID ("" the operator's) in id
 // order, after the bridge id `after`, at most limit of them (limit <= 0:
-// all), and whether more follow.
-func (s *Store) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.Bridge, bool, error) {
-	out := []companion.Bridge{}
+// all), each with the devices it serves, read in one query, and whether
+// more follow.
+func (s *Store) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.ServingBridge, bool, error) {
+	out := []companion.ServingBridge{}
 	if (ownerID != "" && !validID(ownerID)) || (after != "" && !validID(after)) {
 		return out, false, nil
 	}
-	rows, err := s.pool.Query(ctx, `SELECT `+bridgeColumns+` FROM bridges
-		WHERE owner_id = $1 AND id > $2 ORDER BY id LIMIT $3`, ownerID, after, pageLimit(limit))
+	rows, err := s.pool.Query(ctx, `SELECT `+bridgeColumns+`, ARRAY(SELECT device_id FROM assignments
+			WHERE bridge_id = bridges.id ORDER BY device_id)
+		FROM bridges WHERE owner_id = $1 AND id > $2 ORDER BY id LIMIT $3`, ownerID, after, pageLimit(limit))
 	if err != nil {
 		return nil, false, err
 	}
 	defer rows.Close()
 	for rows.Next() {
-		b, err := scanBridge(rows)
-		if err != nil {
+		var b companion.ServingBridge
+		if err := rows.Scan(&b.ID, &b.SecretHash, &b.OwnerID, &b.CreatedAt, &b.Devices); err != nil {
 			return nil, false, err
+		}
+		b.CreatedAt = b.CreatedAt.UTC()
+		if b.Devices == nil {
+			b.Devices = []string{}
 		}
 		out = append(out, b)
 	}

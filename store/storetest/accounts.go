@@ -349,5 +349,17 @@ func wantBridge(t *testing.T, s companion.Store, dev, bridge string) {
 		if !slices.IsSorted(served) {
 			t.Errorf("ServedDevices(%q) = %v; want them in order", b, served)
 		}
+		// A list of bridges carries the same devices.
+		br, err := s.Bridge(ctx, b)
+		if errors.Is(err, companion.ErrNotFound) {
+			continue
+		}
+		require.NoError(t, err, "Bridge(%q)", b)
+		listed, _, err := s.ListBridges(ctx, br.OwnerID, "", 0)
+		require.NoError(t, err, "ListBridges(%q)", br.OwnerID)
+		i := slices.IndexFunc(listed, func(l companion.ServingBridge) bool { return l.ID == b })
+		if i < 0 || !slices.Equal(listed[i].Devices, served) || listed[i].Devices == nil {
+			t.Errorf("ListBridges(%q) lists %q at %d: %+v; want it with the devices %q", br.OwnerID, b, i, listed, served)
+		}
 	}
 }
