@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/textproto"
 	"strconv"
 	"strings"
 	"time"
@@ -373,9 +372,12 @@ func (s *Server) getBlob(c *gin.Context) error {
 	w := &blobWriter{ResponseWriter: c.Writer}
 	r := c.Request
 	if rng := r.Header.Get("Range"); rng != "" {
-		if kept := withoutEmptySuffixes(rng, blob.Size); kept != rng {
+		if kept := blobRange(rng, blob.Size); kept != rng {
 			r = r.Clone(ctx)
-			r.Header.Set("Range", kept)
+			r.Header.Del("Range")
+			if kept != "" {
+				r.Header.Set("Range", kept)
+			}
 		}
 	}
 	http.ServeContent(w, r, "", blob.CreatedAt, f)
@@ -401,41 +403,98 @@ func (s *Server) getBlob(c *gin.Context) error {
 	return fmt.Errorf("serving blob %s: http.ServeContent answered %d", sha, w.failed)
 }
 
-// withoutEmptySuffixes returns the Range header h without its suffix
-// ranges of length 0 ("bytes=-0"). RFC 9110 §14.1.1 has such a range
-// unsatisfiable, and a set of only unsatisfiable ranges a 416, but
-// http.ServeContent serves it as an empty part (a 206). When no other range
-// is left, it asks for the range just past the content's end, which
-// ServeContent answers 416 as the RFC does, after the preconditions and
-// If-Range as always. A header without such a range is returned as it is.
-func withoutEmptySuffixes(h string, size int64) string {
-	const unit = "bytes="
-	set, ok := strings.CutPrefix(h, unit)
-	if !ok {
-		return h
+// blobRange reads a Range header as RFC 9110 §14.1 and §14.2 have it, for
+// content of size bytes, and returns the header to give http.ServeContent:
+//   - "" when the header is to be ignored, and the whole content served
+//     (a 200): a unit other than bytes (which §14.2 says to ignore), or a
+//     ranges-specifier that is invalid (§14.1.1: no range, a range that
+//     is not digits, or an int-range whose last-pos is before its
+//     first-pos), which §14.2 lets a server ignore, as 416 is for valid
+//     ranges none of which is satisfiable (§15.5.17);
+//   - the satisfiable ranges, written as ServeContent reads them: the
+//     unit in lower case (units are case-insensitive), a last-pos or a
+//     suffix-length past the content (however many digits) cut to it;
+//   - when none is satisfiable (each starts past the end, or is a suffix
+//     of length 0, `bytes=-0`, which ServeContent would serve as an empty
+//     part), the range just past the end, which ServeContent answers 416
+//     after the preconditions and If-Range, as the RFC orders them.
+//
+// ServeContent alone answers 416 to every header it cannot parse, to a
+// last-pos it cannot hold in an int64, and to `Bytes=`.
+func blobRange(h string, size int64) string {
+	unit, set, ok := strings.Cut(h, "=")
+	if !ok || !strings.EqualFold(unit, "bytes") {
+		return ""
 	}
+	end := strconv.FormatInt(size, 10) // as digits, to compare with others
 	var kept []string
-	dropped, left := false, false
+	specs := 0
 	for spec := range strings.SplitSeq(set, ",") {
-		// Read as ServeContent reads it.
-		first, last, ok := strings.Cut(textproto.TrimString(spec), "-")
-		first, last = textproto.TrimString(first), textproto.TrimString(last)
-		if ok && first == "" && last != "" && last[0] != '-' {
-			if n, err := strconv.ParseInt(last, 10, 64); err == nil && n == 0 {
-				dropped = true
-				continue
-			}
+		spec = strings.Trim(spec, " \t")
+		if spec == "" {
+			continue // an empty list element (RFC 9110 §5.6.1)
 		}
-		kept = append(kept, spec)
-		left = left || textproto.TrimString(spec) != ""
+		specs++
+		first, last, ok := strings.Cut(spec, "-")
+		switch {
+		case !ok || first != "" && !isDigits(first) || last != "" && !isDigits(last):
+			return ""
+		case first == "" && last == "":
+			return ""
+		case first == "": // a suffix-range: the last `last` bytes
+			if cmpDigits(last, "0") == 0 {
+				continue // unsatisfiable
+			}
+			if cmpDigits(last, end) > 0 {
+				last = end
+			}
+			kept = append(kept, "-"+trimZeros(last))
+		case last != "" && cmpDigits(last, first) < 0:
+			return ""
+		case cmpDigits(first, end) >= 0:
+			continue // starts past the end: unsatisfiable
+		default:
+			if last != "" && cmpDigits(last, end) >= 0 {
+				last = "" // to the end
+			}
+			kept = append(kept, trimZeros(first)+"-"+trimZeros(last))
+		}
 	}
 	switch {
-	case !dropped:
-		return h
-	case !left:
-		return unit + strconv.FormatInt(size, 10) + "-"
+	case specs == 0:
+		return ""
+	case len(kept) == 0:
+		return "bytes=" + end + "-"
 	}
-	return unit + strings.Join(kept, ",")
+	return "bytes=" + strings.Join(kept, ",")
+}
+
+// isDigits reports whether s is one or more ASCII digits.
+func isDigits(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return s != ""
+}
+
+// trimZeros drops the leading zeros of a number's digits, leaving one
+// digit at least; "" stays "".
+func trimZeros(s string) string {
+	for len(s) > 1 && s[0] == '0' {
+		s = s[1:]
+	}
+	return s
+}
+
+// cmpDigits compares two numbers written in digits, of any length.
+func cmpDigits(a, b string) int {
+	a, b = trimZeros(a), trimZeros(b)
+	if c := len(a) - len(b); c != 0 {
+		return c
+	}
+	return strings.Compare(a, b)
 }
 
 // blobWriter stands between http.ServeContent and the client. ServeContent

@@ -729,8 +729,9 @@ func TestBlobs(t *testing.T) {
 	assert.Equal(t, content[9990:], r.body)
 
 	// A range it cannot serve is a problem (CONTRACT §2), with the
-	// content's length (RFC 9110 §15.5.17), also when it is no byte range.
-	for _, rng := range []string{"bytes=20000-", "bytes=x-y"} {
+	// content's length (RFC 9110 §15.5.17); one that is not a range at
+	// all is ignored (TestBlobRanges).
+	for _, rng := range []string{"bytes=20000-"} {
 		r = e.send(req{method: "GET", path: path, token: secret, header: map[string]string{"Range": rng}})
 		require.Equal(t, http.StatusRequestedRangeNotSatisfiable, r.status, rng)
 		assert.Equal(t, CodeRangeNotSatisfiable, r.problem(t).Code, rng)
@@ -838,6 +839,76 @@ func TestBlobEmptySuffixRange(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A blob's Range is read as RFC 9110 §14.1-14.2 have it: a header that
+// is not a valid byte-ranges specifier (another unit, not digits, a
+// last-pos before its first-pos) is ignored and the whole content served
+// (200); 416 is only for valid ranges none of which is satisfiable; the
+// unit is case-insensitive, and numbers of any length are numbers.
+// http.ServeContent alone answers 416 to the first four kinds.
+func TestBlobRanges(t *testing.T) {
+	e := newEnv(t)
+	content, sha := putFirmware(t, e, 1000)
+	path := "/api/v1/blobs/" + sha
+	const huge = "99999999999999999999" // past an int64
+	for _, tc := range []struct {
+		rng    string
+		status int
+		cr     string // the answer's Content-Range
+		body   []byte // of a 200 or a 206 of one range
+	}{
+		{"bytes=5-1", http.StatusOK, "", content},
+		{"bytes=0-9,5-1", http.StatusOK, "", content},
+		{"bytes=-0,5-1", http.StatusOK, "", content},
+		{"items=0-9", http.StatusOK, "", content},
+		{"bytes=x-y", http.StatusOK, "", content},
+		{"bytes=", http.StatusOK, "", content},
+		{"bytes=,", http.StatusOK, "", content},
+		{"bytes=-", http.StatusOK, "", content},
+		{"bytes=5", http.StatusOK, "", content},
+		{"bytes=1-2-3", http.StatusOK, "", content},
+		{"bytes=+5-", http.StatusOK, "", content},
+		{"bytes=-+5", http.StatusOK, "", content},
+		{"bytes=5 - 9", http.StatusOK, "", content},
+		{"bytes 0-9", http.StatusOK, "", content},
+		{huge + "-" + huge[1:], http.StatusOK, "", content},
+		{"bytes=" + huge + "-" + huge[1:], http.StatusOK, "", content},
+		{"Bytes=0-9", http.StatusPartialContent, "bytes 0-9/1000", content[:10]},
+		{"BYTES=990-", http.StatusPartialContent, "bytes 990-999/1000", content[990:]},
+		{"bytes=0-" + huge, http.StatusPartialContent, "bytes 0-999/1000", content},
+		{"bytes=-" + huge, http.StatusPartialContent, "bytes 0-999/1000", content},
+		{"bytes=-1000", http.StatusPartialContent, "bytes 0-999/1000", content},
+		{"bytes=007-009", http.StatusPartialContent, "bytes 7-9/1000", content[7:10]},
+		{"bytes=999-", http.StatusPartialContent, "bytes 999-999/1000", content[999:]},
+		{"bytes=5-5", http.StatusPartialContent, "bytes 5-5/1000", content[5:6]},
+		{"bytes= , 0-9 ,", http.StatusPartialContent, "bytes 0-9/1000", content[:10]},
+		{"bytes=0-0,2000-", http.StatusPartialContent, "bytes 0-0/1000", content[:1]},
+		{"bytes=0-9,20-29", http.StatusPartialContent, "", nil}, // multipart/byteranges
+		{"bytes=1000-", http.StatusRequestedRangeNotSatisfiable, "bytes */1000", nil},
+		{"bytes=1000-1000", http.StatusRequestedRangeNotSatisfiable, "bytes */1000", nil},
+		{"bytes=" + huge + "-", http.StatusRequestedRangeNotSatisfiable, "bytes */1000", nil},
+		{"bytes=-0,1000-", http.StatusRequestedRangeNotSatisfiable, "bytes */1000", nil},
+	} {
+		r := e.send(req{method: "GET", path: path, token: testAdminToken, header: map[string]string{"Range": tc.rng}})
+		if !assert.Equal(t, tc.status, r.status, "Range: %s: %.200s", tc.rng, r.body) {
+			continue
+		}
+		assert.Equal(t, tc.cr, r.header.Get("Content-Range"), "Range: %s", tc.rng)
+		switch {
+		case tc.status == http.StatusRequestedRangeNotSatisfiable:
+			assert.Equal(t, CodeRangeNotSatisfiable, r.problem(t).Code, "Range: %s", tc.rng)
+		case tc.body != nil:
+			assert.Equal(t, tc.body, r.body, "Range: %s", tc.rng)
+		default:
+			assert.True(t, strings.HasPrefix(r.header.Get("Content-Type"), "multipart/byteranges;"), "Range: %s: %s", tc.rng, r.header.Get("Content-Type"))
+		}
+	}
+	// An ignored Range leaves the preconditions as they are.
+	r := e.send(req{method: "GET", path: path, token: testAdminToken, header: map[string]string{"Range": "bytes=5-1", "If-Match": `"other"`}})
+	assert.Equal(t, http.StatusPreconditionFailed, r.status, "%s", r.body)
+	r = e.send(req{method: "GET", path: path, token: testAdminToken, header: map[string]string{"Range": "bytes=5-1", "If-None-Match": `"` + sha + `"`}})
+	assert.Equal(t, http.StatusNotModified, r.status, "%s", r.body)
 }
 
 func TestProblemShape(t *testing.T) {
