@@ -256,12 +256,58 @@ func decodeStrict(raw []byte, dst any) error {
 		// the numbers out of range cleared, to find any other.
 		if fields, cleared := outOfRange(raw); len(fields) > 0 {
 			if err := decodeOne(cleared, dst); err != nil {
-				return jsonError(err)
+				return wrongTypes(cleared, dst, err)
 			}
 			return validationError(fields)
 		}
 	}
+	return wrongTypes(raw, dst, err)
+}
+
+// wrongTypes is jsonError for err, the error of decoding raw into dst,
+// but a wrong JSON type names every member of dst's that has one:
+// encoding/json reports only the first it meets.
+func wrongTypes(raw []byte, dst any, err error) error {
+	var typ *json.UnmarshalTypeError
+	if !errors.As(err, &typ) || typ.Field == "" {
+		return jsonError(err)
+	}
+	if fields := typeErrors(raw, dst); len(fields) > 1 {
+		return &Error{Code: CodeMalformedJSON, Detail: fmt.Sprintf("%d fields have the wrong JSON type", len(fields)), Fields: fields}
+	}
 	return jsonError(err)
+}
+
+// typeErrors names each member of raw, a JSON object, whose value has the
+// wrong JSON type for its field of dst (a pointer to a struct), in the
+// order of their names: each member named as a field is decoded alone,
+// into a new value of dst's type. A number out of range is not named
+// here (it is a 422 of its own).
+func typeErrors(raw []byte, dst any) []FieldError {
+	t := reflect.TypeOf(dst)
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	var members map[string]json.RawMessage
+	if t == nil || t.Kind() != reflect.Struct || json.Unmarshal(raw, &members) != nil {
+		return nil
+	}
+	names := fieldNames(reflect.TypeOf(dst))
+	var fields []FieldError
+	for _, name := range sortedKeys(members) {
+		if !slices.Contains(names, name) {
+			continue
+		}
+		one, err := json.Marshal(map[string]json.RawMessage{name: members[name]})
+		if err != nil {
+			continue
+		}
+		var typ *json.UnmarshalTypeError
+		if err := json.Unmarshal(one, reflect.New(t).Interface()); errors.As(err, &typ) && typ.Field != "" && !rangeError(err) {
+			fields = append(fields, FieldError{Field: typ.Field, Message: typeMessage(typ)})
+		}
+	}
+	return fields
 }
 
 // decodeOne decodes exactly one JSON value into dst, with encoding/json's
@@ -388,20 +434,24 @@ func jsonError(err error) error {
 		if field == "" {
 			return &Error{Code: CodeMalformedJSON, Detail: "the body must be a JSON object"}
 		}
-		msg := "must be " + jsonTypeName(typ.Type)
-		if typ.Value == "number" || strings.HasPrefix(typ.Value, "number ") {
-			if k := typ.Type.Kind(); k != reflect.String && k != reflect.Bool && k != reflect.Slice && k != reflect.Map && k != reflect.Struct {
-				msg = "is not a number this field can hold"
-			}
-		}
 		return &Error{Code: CodeMalformedJSON, Detail: fmt.Sprintf("field %q has the wrong JSON type", field),
-			Fields: []FieldError{{Field: field, Message: msg}}}
+			Fields: []FieldError{{Field: field, Message: typeMessage(typ)}}}
 	case errors.As(err, &syn):
 		return &Error{Code: CodeMalformedJSON, Detail: fmt.Sprintf("the body is not valid JSON (at byte %d)", syn.Offset)}
 	case errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, io.EOF):
 		return &Error{Code: CodeMalformedJSON, Detail: "the body ends in the middle of its JSON value"}
 	}
 	return &Error{Code: CodeMalformedJSON}
+}
+
+// typeMessage says what the field of a wrong JSON type takes.
+func typeMessage(typ *json.UnmarshalTypeError) string {
+	if typ.Value == "number" || strings.HasPrefix(typ.Value, "number ") {
+		if k := typ.Type.Kind(); k != reflect.String && k != reflect.Bool && k != reflect.Slice && k != reflect.Map && k != reflect.Struct {
+			return "is not a number this field can hold"
+		}
+	}
+	return "must be " + jsonTypeName(typ.Type)
 }
 
 func jsonTypeName(t reflect.Type) string {

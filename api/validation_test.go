@@ -761,3 +761,44 @@ func TestPushImageAsDocumented(t *testing.T) {
 	})
 	assert.Zero(t, e.cmds.count(), "nothing was sent")
 }
+
+// A body with several members of the wrong JSON type names each of them
+// (in the order of their names), not only the first encoding/json meets;
+// members of the right type, a number out of range and unknown members
+// are not named.
+func TestEveryWrongTypeIsNamed(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	for _, tc := range []struct {
+		method, path, body string
+		errors             []FieldError
+	}{
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"title":[],"text":5,"ttl_seconds":"60"}`, []FieldError{
+			{Field: "text", Message: "must be a string"},
+			{Field: "title", Message: "must be a string"},
+			{Field: "ttl_seconds", Message: "must be a number"},
+		}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":5,"title":"ok","ttl_seconds":1e400,"TITLE":3,"other":{}}`, []FieldError{
+			{Field: "text", Message: "must be a string"},
+		}},
+		{"POST", "/api/v1/devices/dev-1/apps/install", `{"app_id":true,"version":7}`, []FieldError{
+			{Field: "app_id", Message: "must be a string"},
+			{Field: "version", Message: "must be a string"},
+		}},
+		{"POST", "/api/v1/admin/devices", `{"device_id":1,"claim_code":{},"model":"sim-1","bridge_id":[]}`, []FieldError{
+			{Field: "bridge_id", Message: "must be a string"},
+			{Field: "claim_code", Message: "must be a string"},
+			{Field: "device_id", Message: "must be a string"},
+		}},
+	} {
+		token := tok
+		if strings.Contains(tc.path, "/admin/") {
+			token = testAdminToken
+		}
+		r := e.do(tc.method, tc.path, token, tc.body)
+		require.Equal(t, 400, r.status, "%s %s %s: %s", tc.method, tc.path, tc.body, r.body)
+		p := r.problem(t)
+		assert.Equal(t, CodeMalformedJSON, p.Code, tc.body)
+		assert.Equal(t, tc.errors, p.Errors, "%s", tc.body)
+	}
+}
