@@ -13,6 +13,7 @@ import (
 	"image/jpeg"
 	"image/png"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -801,4 +802,61 @@ func TestEveryWrongTypeIsNamed(t *testing.T) {
 		assert.Equal(t, CodeMalformedJSON, p.Code, tc.body)
 		assert.Equal(t, tc.errors, p.Errors, "%s", tc.body)
 	}
+}
+
+// Every route's path answers a method it does not take with a 405
+// method_not_allowed problem and an Allow header that lists exactly the
+// methods it takes (RFC 9110 §15.5.6), OPTIONS included, before any
+// token is asked for.
+func TestWrongMethodIs405WithAllow(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	sample := strings.NewReplacer(":id", "dev-1", ":device_id", "dev-1", ":app_id", "clock", ":command_id",
+		"0193e4f2-7c4b-7d1a-9f2c-3b4e5f607182", ":bridge_id", "hub", ":model", "sim-1", ":version", "1.0.0",
+		":sha256", strings.Repeat("a", 64))
+	for _, route := range e.api.engine.Routes() {
+		path := sample.Replace(route.Path)
+		// The methods of every route that takes the path: DELETE
+		// /devices/:id/apps/:app_id takes /devices/dev-1/apps/install.
+		var methods []string
+		for _, r := range e.api.engine.Routes() {
+			if routeTakes(r.Path, path) && !slices.Contains(methods, r.Method) {
+				methods = append(methods, r.Method)
+			}
+		}
+		slices.Sort(methods)
+		for _, m := range []string{"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"} {
+			if slices.Contains(methods, m) {
+				continue
+			}
+			for _, token := range []string{tok, ""} {
+				r := e.do(m, path, token, nil)
+				require.Equal(t, 405, r.status, "%s %s: %s", m, path, r.body)
+				var allow []string
+				for a := range strings.SplitSeq(r.header.Get("Allow"), ",") {
+					allow = append(allow, strings.TrimSpace(a))
+				}
+				slices.Sort(allow)
+				assert.Equal(t, methods, allow, "%s %s: Allow", m, path)
+				if m != "HEAD" {
+					assert.Equal(t, CodeMethodNotAllowed, r.problem(t).Code, "%s %s", m, path)
+				}
+			}
+		}
+	}
+}
+
+// routeTakes reports whether gin's route pattern takes path: a ":name"
+// segment takes any one segment.
+func routeTakes(pattern, path string) bool {
+	ps, segs := strings.Split(pattern, "/"), strings.Split(path, "/")
+	if len(ps) != len(segs) {
+		return false
+	}
+	for i := range ps {
+		if ps[i] != segs[i] && !strings.HasPrefix(ps[i], ":") {
+			return false
+		}
+	}
+	return true
 }
