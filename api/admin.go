@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"strconv"
 	"strings"
@@ -133,6 +134,9 @@ func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Re
 		return blob, nil, false, err
 	}
 	r := c.Request
+	if err := checkUploadType(r); err != nil {
+		return blob, nil, false, err
+	}
 	if r.ContentLength > limit {
 		return blob, nil, false, bodyTooLarge(c, 0, limit)
 	}
@@ -158,6 +162,30 @@ func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Re
 	}
 	rec, replayed, err = s.beginIdempotent(c, adminUserID, []byte("sha256:"+blob.SHA256))
 	return blob, rec, replayed, err
+}
+
+// checkUploadType refuses (415) an upload whose Content-Type says its body
+// is not the file's bytes as they are: a form (curl -F sends the file in a
+// multipart/form-data envelope, curl -d @FILE as
+// application/x-www-form-urlencoded, with its line breaks removed), which
+// would otherwise be published as the package. Any other type, or none
+// (curl -T sends none), is taken: the bytes are the bytes, whatever their
+// label, and an app package may well be JSON.
+func checkUploadType(r *http.Request) error {
+	ct := r.Header.Get("Content-Type")
+	if ct == "" {
+		return nil
+	}
+	mt, _, err := mime.ParseMediaType(ct)
+	if err != nil {
+		return nil // a label we cannot read says nothing of the bytes
+	}
+	switch mt {
+	case "multipart/form-data", "application/x-www-form-urlencoded":
+		return &Error{Code: CodeUnsupportedMedia, Detail: "an upload is the file's bytes as they are, not a form (" + mt +
+			"): send them with curl -T FILE or --data-binary @FILE, as application/octet-stream or with no Content-Type"}
+	}
+	return nil
 }
 
 // releaseJSON is the answer to a firmware or app upload.

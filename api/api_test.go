@@ -982,3 +982,39 @@ func TestDefaultTTL(t *testing.T) {
 	ttl := cmd.ExpiresAt.Sub(cmd.CreatedAt)
 	assert.InDelta(t, (86400 * time.Second).Seconds(), ttl.Seconds(), 1, "ttl %v", ttl)
 }
+
+// An upload is taken with no Content-Type (curl -T sends none) or any
+// label of bytes, JSON included; one sent as a form (curl -F, curl -d
+// @FILE), whose body is not the file's bytes, is a 415 and publishes
+// nothing.
+func TestUploadContentTypes(t *testing.T) {
+	e := newEnv(t)
+	for i, tc := range []struct {
+		ctype  string
+		status int
+	}{
+		{"", 201},
+		{"application/octet-stream", 201},
+		{"application/zip", 201},
+		{"application/json", 201},
+		{"text/plain; charset=utf-8", 201},
+		{"multipart/form-data; boundary=------------------------abc", 415},
+		{"Multipart/Form-Data; boundary=x", 415},
+		{"application/x-www-form-urlencoded", 415},
+	} {
+		version := fmt.Sprintf("1.0.%d", i)
+		path := "/api/v1/admin/apps/clock/" + version
+		r := e.send(req{method: "PUT", path: path, token: testAdminToken, body: []byte("clock " + version), header: map[string]string{"Content-Type": tc.ctype}})
+		require.Equal(t, tc.status, r.status, "Content-Type %q: %s", tc.ctype, r.body)
+		if tc.status == 415 {
+			assert.Equal(t, CodeUnsupportedMedia, r.problem(t).Code)
+			_, err := e.db.AppRelease(context.Background(), "clock", version)
+			assert.ErrorIs(t, err, companion.ErrNotFound, "Content-Type %q: published", tc.ctype)
+		}
+	}
+	fw := firmwareImage(t, "1.0.0", 1000)
+	r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.0.0", token: testAdminToken, body: fw, header: map[string]string{"Content-Type": "multipart/form-data; boundary=x"}})
+	require.Equal(t, 415, r.status, "%s", r.body)
+	r = e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.0.0", token: testAdminToken, body: fw, header: map[string]string{"Content-Type": ""}})
+	require.Equal(t, 201, r.status, "%s", r.body)
+}
