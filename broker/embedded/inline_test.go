@@ -218,7 +218,14 @@ func TestInlineClientTellsRetainedAsMQTTDoes(t *testing.T) {
 	s := startBroker(t, newFakeAccounts())
 	b1 := mustDial(t, s.Addr(), "bridge-1", "b1-secret", nil)
 	topic := tp(tree.Status("dev-1"))
+	// mochi acknowledges a QoS 1 publish before it hands the message to
+	// the subscribers it finds: a subscription made in between gets it
+	// twice, retained and live, as QoS 1 allows. A watcher that has it
+	// says the subscribers were found.
+	watcher := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.NotEqual(t, byte(0x80), watcher.subscribe(t, topic))
 	b1.publish(t, topic, true, "before")
+	require.Equal(t, "before", string(watcher.next(t).Payload()))
 	msgs := make(chan mqtt.Message, 10)
 	c := connectInline(t, s, func(_ mqtt.Client, m mqtt.Message) { msgs <- m }, nil)
 	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, nil), wait))
