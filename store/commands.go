@@ -629,74 +629,64 @@ func (db *DB) QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]com
 	return out, nil
 }
 
-// sentCommands returns the sent commands, oldest first. The broker asks
-// for them every minute (retrySent), and most open commands are queued or
-// delivered (held by a bridge whose device is out of reach): the open
-// index would have every one of them decoded. The expiry index holds the
-// queued and the sent ones, and the queued index the queued ones: only
-// the rest are read and decoded.
+// sentCommands returns the sent commands, oldest first: OpenCommands'
+// answer for StateSent alone, which the broker's retrySent asked for every
+// minute. Most open commands are queued or delivered (held by a bridge
+// whose device is out of reach): the open index would have every one of
+// them decoded. The expiry index holds the queued and the sent ones, and
+// the queued index the queued ones: only the rest are read and decoded.
 func (db *DB) sentCommands() ([]companion.Command, error) {
-	out := []companion.Command{}
-	err := db.bolt.View(func(tx *bolt.Tx) error {
-		cmds, queued := tx.Bucket(bucketCommands), tx.Bucket(bucketQueued)
-		c := tx.Bucket(bucketExpiry).Cursor()
-		for k, _ := c.First(); k != nil; k, _ = c.Next() {
-			id := k[8:]
-			if queued.Get(id) != nil {
-				continue
-			}
-			var cmd companion.Command
-			ok, err := getJSON(cmds, id, &cmd)
-			if err != nil {
-				return err
-			}
-			if ok && cmd.State == companion.StateSent {
-				out = append(out, cmd)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, err
-	}
-	// The expiry index is in expiry order; ids are in acceptance order.
-	slices.SortFunc(out, func(a, b companion.Command) int { return strings.Compare(a.ID, b.ID) })
-	return out, nil
+	return db.sentCommandsOf(nil)
 }
 
 // SentCommandsOnline returns the sent commands of the devices whose stored
 // status reads online, oldest first. It finds the sent ones as
-// sentCommands does, each one's device in the open index, and decodes a
-// command only when its device reads online (each device's status once):
-// the broker asks for them every minute (retrySent), and a bridge away
-// leaves all its devices' commands sent, offline, and nothing to send.
+// sentCommands does, and decodes a command only when its device (from the
+// open index) reads online, each device's status read once: the broker
+// asks for them every minute (retrySent), and a bridge away leaves all its
+// devices' commands sent, offline, and nothing to send.
 func (db *DB) SentCommandsOnline(ctx context.Context) ([]companion.Command, error) {
-	out := []companion.Command{}
 	online := map[string]bool{}
+	return db.sentCommandsOf(func(tx *bolt.Tx, dev []byte) (bool, error) {
+		on, seen := online[string(dev)]
+		if !seen {
+			var s companion.Status
+			ok, err := getJSON(tx.Bucket(bucketStatus), dev, &s)
+			if err != nil {
+				return false, err
+			}
+			on = ok && s.Online
+			online[string(dev)] = on
+		}
+		return on, nil
+	})
+}
+
+// sentCommandsOf returns the sent commands, oldest first, of the devices
+// keep says yes to (all when keep is nil); a command whose device keep
+// refuses is not decoded.
+func (db *DB) sentCommandsOf(keep func(tx *bolt.Tx, deviceID []byte) (bool, error)) ([]companion.Command, error) {
+	out := []companion.Command{}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		cmds, queued, open, statuses := tx.Bucket(bucketCommands), tx.Bucket(bucketQueued), tx.Bucket(bucketOpen), tx.Bucket(bucketStatus)
+		cmds, queued, open := tx.Bucket(bucketCommands), tx.Bucket(bucketQueued), tx.Bucket(bucketOpen)
 		c := tx.Bucket(bucketExpiry).Cursor()
 		for k, _ := c.First(); k != nil; k, _ = c.Next() {
 			id := k[8:]
 			if queued.Get(id) != nil {
 				continue
 			}
-			dev := open.Get(id)
-			if dev == nil {
-				continue // final: no longer sent
-			}
-			on, seen := online[string(dev)]
-			if !seen {
-				var s companion.Status
-				ok, err := getJSON(statuses, dev, &s)
+			if keep != nil {
+				dev := open.Get(id)
+				if dev == nil {
+					continue // final: no longer sent
+				}
+				ok, err := keep(tx, dev)
 				if err != nil {
 					return err
 				}
-				on = ok && s.Online
-				online[string(dev)] = on
-			}
-			if !on {
-				continue
+				if !ok {
+					continue
+				}
 			}
 			var cmd companion.Command
 			ok, err := getJSON(cmds, id, &cmd)
