@@ -309,9 +309,10 @@ func TestResponseTooLongLosesTheFraming(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	start := time.Now()
-	if _, err := c.Params(ctx); !errors.Is(err, ErrFraming) || !IsDisconnect(err) || time.Since(start) > time.Second {
-		t.Errorf("Params answered by a header of 65535 bytes = %v after %v; want ErrFraming at once", err, time.Since(start))
+	// ErrFraming, not the request's timeout: the error tells the two
+	// apart, with no bound on the time that a loaded machine could break.
+	if _, err := c.Params(ctx); !errors.Is(err, ErrFraming) || !IsDisconnect(err) {
+		t.Errorf("Params answered by a header of 65535 bytes = %v; want ErrFraming, a disconnect", err)
 	}
 	select {
 	case <-c.Done():
