@@ -240,7 +240,8 @@ const preallocate = 4 << 20
 // Open opens or creates the bbolt file at path, creating its directory
 // (mode 0700) and the blob directory, and migrates the file to
 // SchemaVersion. It returns ErrSchemaTooNew for a file written by a newer
-// version of the store.
+// version of the store, and ErrDamaged for one it cannot read (cut short,
+// or empty where a store was), which it leaves as it is.
 func Open(path string, opts Options) (*DB, error) {
 	if path == "" {
 		return nil, fmt.Errorf("%w: empty path", companion.ErrInvalid)
@@ -262,6 +263,9 @@ func Open(path string, opts Options) (*DB, error) {
 	}
 	if err := os.MkdirAll(opts.BlobDir, 0o700); err != nil {
 		return nil, fmt.Errorf("store: %w", err)
+	}
+	if err := checkFile(path); err != nil {
+		return nil, fmt.Errorf("store: %s: %w; the server does not open it and leaves it as it is: restore it from a backup, or move it aside to start with an empty store", path, err)
 	}
 	bdb, err := bolt.Open(path, 0o600, &bolt.Options{
 		Timeout: opts.Timeout,
