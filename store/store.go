@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -377,6 +378,24 @@ func (db *DB) BlobDir() string {
 	return db.blobDir
 }
 
+// ErrUnwritable means the store could not write to its disk now: the disk
+// is full, a file size limit or quota is reached, or it fails. Nothing of
+// the write was kept (bbolt rolled its transaction back; a blob's temp
+// file is removed), and the same write may succeed once the disk takes
+// writes again, without a restart.
+var ErrUnwritable = errors.New("store: the data directory cannot be written now")
+
+// unwritable marks err, the disk's refusal of a write, as ErrUnwritable.
+func unwritable(err error) error {
+	return fmt.Errorf("%w: %w", ErrUnwritable, err)
+}
+
+// noSpace reports whether err is the disk's refusal of more data: no
+// space, the file size limit (RLIMIT_FSIZE), the quota.
+func noSpace(err error) bool {
+	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EFBIG) || errors.Is(err, syscall.EDQUOT)
+}
+
 // softError carries an error found by a Batch callback before it wrote
 // anything. See batch.
 type softError struct{ err error }
@@ -416,8 +435,14 @@ func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 		}
 		return err
 	}, func(err error) {
-		if err == nil {
+		var ce *groupcommit.CommitError
+		switch {
+		case err == nil:
 			err = soft
+		case errors.As(err, &ce):
+			// bbolt wraps some of the disk's errors in text only
+			// (growing the file): every failed commit is the disk's.
+			err = unwritable(err)
 		}
 		if done != nil {
 			done(err)
@@ -450,10 +475,17 @@ func fillAppendOnly(tx *bolt.Tx) {
 // update runs fn in a write transaction of its own, for the rare writes
 // that gain nothing from grouping. Errors wrapped by abort are unwrapped.
 func (db *DB) update(fn func(tx *bolt.Tx) error) error {
-	err := db.bolt.Update(fn)
+	var fnErr error
+	err := db.bolt.Update(func(tx *bolt.Tx) error {
+		fnErr = fn(tx)
+		return fnErr
+	})
 	var se softError
-	if errors.As(err, &se) {
+	switch {
+	case errors.As(err, &se):
 		return se.err
+	case err != nil && fnErr == nil && !errors.Is(err, bolterrors.ErrDatabaseNotOpen):
+		return unwritable(err) // the commit failed, as in batch
 	}
 	return err
 }

@@ -163,8 +163,12 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	return nil
 }
 
-// storeUnavailable tells the store's errors of being unreachable (the API
-// answers them 503): PostgreSQL's; the bbolt file has none.
+// storeUnavailable tells the store's errors of being unreachable or
+// unable to write now (the API answers them 503 with Retry-After, nothing
+// accepted): PostgreSQL's, and the bbolt file's disk full or failing.
 func (m *Main) storeUnavailable(err error) bool {
-	return m.pg != nil && postgres.IsUnavailable(err)
+	if m.pg != nil {
+		return postgres.IsUnavailable(err)
+	}
+	return errors.Is(err, store.ErrUnwritable)
 }

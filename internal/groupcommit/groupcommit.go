@@ -69,6 +69,19 @@ func (e *PanicError) Error() string {
 	return fmt.Sprintf("groupcommit: write panicked: %v\n%s", e.Value, e.Stack)
 }
 
+// CommitError is the outcome of every write of a group whose commit
+// failed: bbolt could not write or sync the file (a full disk, a file
+// size limit or quota, an I/O error). bbolt rolled the transaction back,
+// so none of the group's writes is on disk, and the next group commits
+// as usual once the file can be written again.
+type CommitError struct {
+	Err error // bbolt's
+}
+
+func (e *CommitError) Error() string { return "groupcommit: commit: " + e.Err.Error() }
+
+func (e *CommitError) Unwrap() error { return e.Err }
+
 type op struct {
 	fn   func(tx *bolt.Tx) error
 	done func(error)
@@ -334,7 +347,7 @@ func run(fn func(tx *bolt.Tx) error, tx *bolt.Tx) (err error) {
 }
 
 // commit commits g's transaction and reports whether it did; a failed
-// commit fails every write in it.
+// commit fails every write in it with a *CommitError.
 func (g *group) commit() bool {
 	if g.tx == nil {
 		return false // nothing ran, or every write failed
@@ -342,6 +355,7 @@ func (g *group) commit() bool {
 	err := g.tx.Commit()
 	g.tx = nil
 	if err != nil {
+		err = &CommitError{Err: err}
 		for _, o := range g.live {
 			o.err = err
 		}

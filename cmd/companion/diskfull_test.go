@@ -1,0 +1,52 @@
+package main
+
+import (
+	"bytes"
+	"encoding/base64"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
+)
+
+// TestDiskFullIs503 runs the real server on its bbolt store while no file
+// of the process can be written (a file size limit of 0, as a full disk):
+// a command and an upload are each a 503 unavailable with Retry-After,
+// never a 500 and never a 202 not on disk; once the disk takes writes
+// again the same requests are accepted, without a restart, and the
+// commands accepted before are there.
+func TestDiskFullIs503(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	before := f.user.pushText("dev-1", "before")
+
+	lift := testenv.LimitFileSize(t, 0)
+	img := base64.StdEncoding.EncodeToString(pngImage(t, 64, 64))
+	requests := []struct {
+		name         string
+		c            *client
+		method, path string
+		body         any
+	}{
+		{"a text", f.user, "POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "while full"}},
+		{"an image", f.user, "POST", "/api/v1/devices/dev-1/push/image", map[string]any{"image": img, "content_type": "image/png"}},
+		{"an app upload", f.admin, "PUT", "/api/v1/admin/apps/clock/1.0.0", bytes.Repeat([]byte("app"), 1000)},
+	}
+	for _, q := range requests {
+		r := q.c.do(q.method, q.path, q.body)
+		require.Equal(t, 503, r.Status, "%s while the disk is full: %s", q.name, r.Body)
+		require.Equal(t, "unavailable", r.JSON(t)["code"], "%s", q.name)
+		require.NotEmpty(t, r.Header.Get("Retry-After"), "%s", q.name)
+	}
+
+	lift()
+	for _, q := range requests {
+		r := q.c.do(q.method, q.path, q.body)
+		require.Contains(t, []int{201, 202}, r.Status, "%s once the disk takes writes: %s", q.name, r.Body)
+	}
+	r = f.user.do("GET", "/api/v1/devices/dev-1/commands/"+before, nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+}

@@ -1,0 +1,131 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/testenv"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// TestWritesWhileTheDiskIsFull fills the store's file up to a file size
+// limit with concurrent commands: each is stored, or fails ErrUnwritable
+// and is not; a blob that does not fit fails ErrUnwritable and leaves no
+// file. Once the limit is lifted, commands and blobs are stored again,
+// without a reopen, and after one every command stored is there once and
+// none that failed.
+func TestWritesWhileTheDiskIsFull(t *testing.T) {
+	db := openTestDB(t)
+	ctx := context.Background()
+	payload := []byte(`"` + strings.Repeat("x", 4000) + `"`)
+	create := func() (string, error) {
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text", State: "queued", Payload: payload}, 0, nil)
+		return c.ID, err
+	}
+	var stored []string
+	for range 20 {
+		id, err := create()
+		if err != nil {
+			t.Fatal(err)
+		}
+		stored = append(stored, id)
+	}
+	var used int64
+	_ = db.bolt.View(func(tx *bolt.Tx) error { used = tx.Size(); return nil })
+
+	// Past the pages in use, not the file's end: bbolt and the store's
+	// zeros have grown the file ahead, and pages written there fail.
+	lift := testenv.LimitFileSize(t, used+256<<10)
+	failed := 0
+	for round := 0; failed < 50 && round < 200; round++ {
+		var (
+			wg sync.WaitGroup
+			mu sync.Mutex
+		)
+		for range 8 {
+			wg.Go(func() {
+				id, err := create()
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case err == nil:
+					stored = append(stored, id)
+				case errors.Is(err, ErrUnwritable):
+					failed++
+				default:
+					t.Errorf("CreateCommand(disk full) = %v; want ErrUnwritable", err)
+				}
+			})
+		}
+		wg.Wait()
+	}
+	if failed == 0 {
+		t.Fatalf("no command failed past the limit (%d stored)", len(stored))
+	}
+	blob := bytes.Repeat([]byte("b"), 1<<20)
+	if _, err := db.PutBlob(ctx, bytes.NewReader(blob), 0); !errors.Is(err, ErrUnwritable) {
+		// The blob's own file is past the limit from its first megabyte:
+		// 256 KiB plus the pages in use.
+		t.Errorf("PutBlob(disk full) = %v; want ErrUnwritable", err)
+	}
+	if files := blobFiles(t, db.BlobDir()); len(files) > 0 {
+		t.Errorf("a blob that did not fit left %q", files)
+	}
+
+	lift()
+	for range 20 {
+		id, err := create()
+		if err != nil {
+			t.Fatalf("CreateCommand(space back) = %v", err)
+		}
+		stored = append(stored, id)
+	}
+	if _, err := db.PutBlob(ctx, bytes.NewReader(blob), 0); err != nil {
+		t.Fatalf("PutBlob(space back) = %v", err)
+	}
+
+	db = reopen(t, db, Options{})
+	for _, id := range stored {
+		if _, err := db.Command(ctx, id); err != nil {
+			t.Errorf("Command(%s) = %v after the reopen; it was stored", id, err)
+		}
+	}
+	if n, err := db.CountAllOpen(ctx); err != nil || n != len(stored) {
+		t.Errorf("CountAllOpen() = %d, %v; want the %d stored (%d failed)", n, err, len(stored), failed)
+	}
+	if err := db.bolt.View(func(tx *bolt.Tx) error { return errors.Join(collect(tx.Check())...) }); err != nil {
+		t.Errorf("the file after the full disk: %v", err)
+	}
+}
+
+func collect(ch <-chan error) []error {
+	var errs []error
+	for err := range ch {
+		errs = append(errs, err)
+	}
+	return errs
+}
+
+// blobFiles lists the files under dir.
+func blobFiles(tb testing.TB, dir string) []string {
+	tb.Helper()
+	var files []string
+	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			files = append(files, path)
+		}
+		return err
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return files
+}
