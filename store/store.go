@@ -2,6 +2,7 @@ package store
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -394,6 +395,36 @@ func unwritable(err error) error {
 // space, the file size limit (RLIMIT_FSIZE), the quota.
 func noSpace(err error) bool {
 	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EFBIG) || errors.Is(err, syscall.EDQUOT)
+}
+
+// keyWriteProbe is the meta key CheckWrites writes and deletes.
+var keyWriteProbe = []byte("write_probe")
+
+// CheckWrites reports whether the store takes writes now: nil while its
+// last commit succeeded; when it failed, CheckWrites commits a small write
+// of its own (a page of the meta bucket written again) and returns its
+// error, ErrUnwritable while the disk refuses it. So the answer follows
+// the disk back even when nothing else writes, as when a server reported
+// not ready is sent no requests. It is as cheap as an atomic load while
+// writes succeed.
+func (db *DB) CheckWrites(ctx context.Context) error {
+	if db.writer.Err() == nil {
+		return nil
+	}
+	ch := make(chan error, 1)
+	db.batchAsync(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketMeta)
+		if err := b.Put(keyWriteProbe, []byte{1}); err != nil {
+			return err
+		}
+		return b.Delete(keyWriteProbe)
+	}, func(err error) { ch <- err })
+	select {
+	case err := <-ch:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // softError carries an error found by a Batch callback before it wrote

@@ -50,3 +50,31 @@ func TestDiskFullIs503(t *testing.T) {
 	r = f.user.do("GET", "/api/v1/devices/dev-1/commands/"+before, nil)
 	require.Equal(t, 200, r.Status, "%s", r.Body)
 }
+
+// TestReadyzWhileTheDiskIsFull: /readyz says not ready once a write of
+// the bbolt store failed for its disk, and ready again once the disk takes
+// writes, with no other request to show it.
+func TestReadyzWhileTheDiskIsFull(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	probe := newClient(t, m, "")
+	require.Equal(t, 200, probe.do("GET", "/readyz", nil).Status)
+
+	lift := testenv.LimitFileSize(t, 0)
+	r = f.user.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "while full"})
+	require.Equal(t, 503, r.Status, "%s", r.Body)
+	for range 2 { // the second asks the disk again, and is refused again
+		r = probe.do("GET", "/readyz", nil)
+		require.Equal(t, 503, r.Status, "/readyz while the disk is full: %s", r.Body)
+		p := r.JSON(t)
+		require.Equal(t, "not_ready", p["code"])
+		require.Contains(t, p["detail"], "cannot write to its disk")
+	}
+
+	lift()
+	r = probe.do("GET", "/readyz", nil)
+	require.Equal(t, 200, r.Status, "/readyz once the disk takes writes: %s", r.Body)
+	f.user.pushText("dev-1", "space back")
+}

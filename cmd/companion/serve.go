@@ -33,6 +33,7 @@ import (
 	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/tlsclient"
+	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/store/postgres"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -333,6 +334,7 @@ type Main struct {
 	NATSAuth *natsauth.Responder
 
 	pg         *postgres.Store // the store, when it is PostgreSQL
+	bolt       *store.DB       // the store, when it is the bbolt file
 	stopListen context.CancelFunc
 	listenDone chan struct{}
 

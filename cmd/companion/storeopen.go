@@ -40,7 +40,7 @@ func (m *Main) openStore(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		m.DB = db
+		m.DB, m.bolt = db, db
 		if m.PProf != nil {
 			pprofserver.Publish("store", func() any { return db.WriteStats() })
 		}
@@ -56,16 +56,22 @@ const readyTimeout = 2 * time.Second
 // ready is /readyz's check (CONTRACT §1: store open, MQTT connected). A
 // PostgreSQL store is asked: while the database cannot be reached every
 // request but the health checks is a 503 unavailable, and a load balancer
-// should know it.
+// should know it. So is a bbolt store whose last commit failed (its disk
+// full): every write is a 503 unavailable until one succeeds.
 func (m *Main) ready(ctx context.Context) error {
 	if !m.Broker.Ready() {
 		return errors.New("the MQTT connection is down")
 	}
+	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
+	defer cancel()
 	if m.pg != nil {
-		ctx, cancel := context.WithTimeout(ctx, readyTimeout)
-		defer cancel()
 		if err := m.pg.Ping(ctx); err != nil {
 			return fmt.Errorf("the PostgreSQL store cannot be reached within %v", readyTimeout)
+		}
+	}
+	if m.bolt != nil {
+		if err := m.bolt.CheckWrites(ctx); err != nil {
+			return errors.New("the store cannot write to its disk now (full, or failing): see the log")
 		}
 	}
 	return nil

@@ -103,6 +103,7 @@ type Committer struct {
 	wg      sync.WaitGroup
 
 	commits, ops atomic.Int64
+	failed       atomic.Pointer[CommitError] // the last commit's error; nil once one succeeds
 
 	ahead *zeroFill // nil unless Options.Preallocate; used by the commit loop only
 }
@@ -191,6 +192,16 @@ func (c *Committer) Stats() Stats {
 	return Stats{Commits: c.commits.Load(), Ops: c.ops.Load()}
 }
 
+// Err returns the *CommitError of the last commit when it failed, and nil
+// when it succeeded (or none was made): whether the file takes writes now,
+// as far as the committer has seen.
+func (c *Committer) Err() error {
+	if e := c.failed.Load(); e != nil {
+		return e
+	}
+	return nil
+}
+
 // Close runs what is queued, stops the committer and returns once every
 // done callback has run. Writes queued later fail with ErrClosed.
 func (c *Committer) Close() {
@@ -264,6 +275,9 @@ func (c *Committer) commitLoop() {
 		if g.commit() {
 			c.commits.Add(1)
 			c.ops.Add(int64(len(g.live)))
+			c.failed.Store(nil)
+		} else if g.err != nil {
+			c.failed.Store(g.err)
 		}
 		c.results <- g.taken
 		last = len(g.taken)
@@ -296,9 +310,10 @@ func (c *Committer) fill(g *group, end <-chan time.Time) {
 type group struct {
 	db    *bolt.DB
 	begin func(tx *bolt.Tx)
-	tx    *bolt.Tx // open once a write ran
-	taken []*op    // every write of the group, in queue order
-	live  []*op    // the writes in tx, in order
+	tx    *bolt.Tx     // open once a write ran
+	taken []*op        // every write of the group, in queue order
+	live  []*op        // the writes in tx, in order
+	err   *CommitError // the commit's failure, once commit ran
 }
 
 // apply runs ops in g's transaction, beginning one when none is open. A
@@ -355,9 +370,9 @@ func (g *group) commit() bool {
 	err := g.tx.Commit()
 	g.tx = nil
 	if err != nil {
-		err = &CommitError{Err: err}
+		g.err = &CommitError{Err: err}
 		for _, o := range g.live {
-			o.err = err
+			o.err = g.err
 		}
 		return false
 	}

@@ -562,3 +562,46 @@ func TestEveryCloseWaitsForTheQueue(t *testing.T) {
 		t.Error("a second Close returned before the write queued before it was answered")
 	}
 }
+
+// A commit the disk refuses (a file size limit of 0, as a full disk) fails
+// every write of its group with a *CommitError, keeps none of them, and
+// Err says so; once the disk takes writes the next group commits, and Err
+// is nil again.
+func TestFailedCommitFailsItsGroup(t *testing.T) {
+	db := openDB(t)
+	c := New(db, Options{})
+	defer c.Close()
+	if err := c.Do(put("before")); err != nil {
+		t.Fatal(err)
+	}
+
+	lift := testenv.LimitFileSize(t, 0)
+	release := holdCommitter(c) // so that the three queue up and commit together
+	errs := make(chan error, 3)
+	for _, k := range []string{"a", "b", "c"} {
+		c.Go(put(k), func(err error) { errs <- err })
+	}
+	release()
+	for range 3 {
+		var ce *CommitError
+		if err := <-errs; !errors.As(err, &ce) {
+			t.Errorf("a write of a refused commit = %v; want a *CommitError", err)
+		}
+	}
+	if err := c.Err(); err == nil {
+		t.Error("Err() = nil after a failed commit")
+	}
+
+	lift()
+	if err := c.Do(put("after")); err != nil {
+		t.Fatalf("Do once the disk takes writes = %v", err)
+	}
+	if err := c.Err(); err != nil {
+		t.Errorf("Err() = %v after a commit succeeded", err)
+	}
+	for k, want := range map[string]bool{"before": true, "a": false, "b": false, "c": false, "after": true} {
+		if got := get(t, db, k); got != want {
+			t.Errorf("%s stored: %v; want %v", k, got, want)
+		}
+	}
+}
