@@ -605,3 +605,38 @@ func TestFailedCommitFailsItsGroup(t *testing.T) {
 		}
 	}
 }
+
+// The zeros ahead resume once the disk takes writes again after a write
+// of them failed (a file size limit of 0, as a full disk).
+func TestZeroFillResumesAfterAFullDisk(t *testing.T) {
+	db := openDB(t)
+	c := New(db, Options{Preallocate: 2 << 20})
+	defer c.Close()
+	lift := testenv.LimitFileSize(t, 0)
+	var ce *CommitError
+	if err := c.Do(put("full")); !errors.As(err, &ce) {
+		t.Fatalf("Do(disk full) = %v; want a *CommitError", err)
+	}
+	lift()
+	for i := range 4 {
+		if err := c.Do(put(fmt.Sprint("after", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var used int64
+	if err := db.View(func(tx *bolt.Tx) error { used = tx.Size(); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(db.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	hole, err := f.Seek(used, unix.SEEK_HOLE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if past := hole - used; past < zeroFillChunk {
+		t.Errorf("%d bytes written past the %d in use once the disk took writes again; want at least %d", past, used, zeroFillChunk)
+	}
+}

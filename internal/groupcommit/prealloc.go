@@ -26,7 +26,7 @@ const zeroFillChunk = 1 << 20
 // commits, and holds every other writer off until then, so the zeros
 // never land on a page in use.
 type zeroFill struct {
-	f      *os.File // nil once writing failed: the file is then left to bbolt
+	f      *os.File // nil once closed
 	ahead  int64    // how far past the last page in use to keep zeros
 	zeroed int64    // the file is written (with pages or zeros) up to here
 	zeros  []byte
@@ -65,12 +65,13 @@ func (z *zeroFill) fill(used int64) {
 	if z.zeros == nil {
 		z.zeros = make([]byte, zeroFillChunk)
 	}
-	if _, err := z.f.WriteAt(z.zeros, z.zeroed); err != nil {
-		// A full disk, say: stop, and let bbolt report what it meets.
-		z.close()
-		return
-	}
-	z.zeroed += zeroFillChunk
+	// A write that fails (a full disk, say) keeps what it wrote, and the
+	// next transaction that finds a chunk missing tries again: one failed
+	// write a commit while the disk is full, and the zeros ahead again as
+	// soon as it is not. (Closed at the first failure, the file was left
+	// to bbolt's holes until a restart, long after space was back.)
+	n, _ := z.f.WriteAt(z.zeros, z.zeroed)
+	z.zeroed += int64(n)
 }
 
 func (z *zeroFill) close() {
