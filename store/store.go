@@ -266,6 +266,8 @@ func Open(path string, opts Options) (*DB, error) {
 	if err := os.MkdirAll(opts.BlobDir, 0o700); err != nil {
 		return nil, fmt.Errorf("store: %w", err)
 	}
+	_, statErr := os.Stat(path)
+	created := errors.Is(statErr, os.ErrNotExist) // by this Open, if it makes one
 	if err := checkFile(path); err != nil {
 		return nil, fmt.Errorf("store: %s: %w; the server does not open it and leaves it as it is: restore it from a backup, or move it aside to start with an empty store", path, err)
 	}
@@ -290,11 +292,13 @@ func Open(path string, opts Options) (*DB, error) {
 		return nil, fmt.Errorf("store: open %s: another process holds it (a companion server already running on this --data?): %w", path, err)
 	}
 	if err != nil {
+		removeCreated(path, created)
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
 	}
 	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger, foldAt: foldDeviceCmdsAt, uuidV7: uuid.NewV7}
 	if err := db.migrate(); err != nil {
 		_ = bdb.Close()
+		removeCreated(path, created)
 		return nil, err
 	}
 	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly, Preallocate: preallocate})
@@ -302,6 +306,16 @@ func Open(path string, opts Options) (*DB, error) {
 	// temp files left there are from a crash.
 	db.removeStaleTemps()
 	return db, nil
+}
+
+// removeCreated removes the bbolt file at path that a failed Open created,
+// so that it leaves nothing behind: bbolt creates the file before it
+// writes its first pages, and on a full disk left it empty, which the
+// next Open, with space back, took for a store lost (ErrDamaged).
+func removeCreated(path string, created bool) {
+	if created {
+		_ = os.Remove(path)
+	}
 }
 
 // migrate takes the file from its stored schema version to SchemaVersion

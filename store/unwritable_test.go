@@ -129,3 +129,19 @@ func blobFiles(tb testing.TB, dir string) []string {
 	}
 	return files
 }
+
+// A store opened for the first time on a full disk fails and leaves no
+// file behind, so that it opens, new, once space is back.
+func TestOpenOnAFullDiskLeavesNoFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "companion.db")
+	lift := testenv.LimitFileSize(t, 0)
+	if db, err := Open(path, Options{Logger: quietLogger()}); err == nil {
+		db.Close()
+		t.Fatal("Open(disk full) = nil error")
+	}
+	lift()
+	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("Open(disk full) left %s: %v", path, err)
+	}
+	openTestDBWith(t, path, Options{})
+}
