@@ -527,6 +527,31 @@ func expiryKey(c companion.Command) []byte {
 	return append(k, c.ID...)
 }
 
+// decodeListed decodes the command at id for a read of many, the outbox's
+// and the sweeps': one that does not decode (the file damaged there) is
+// left out and logged (logUndecodable), so that one damaged record does
+// not stop the dispatch and the expiry of every other command, as the
+// error of the whole read did. false: absent or left out.
+func (db *DB) decodeListed(cmds *bolt.Bucket, id []byte, cmd *companion.Command) bool {
+	ok, err := getJSON(cmds, id, cmd)
+	if err != nil {
+		db.logUndecodable("command", id, err)
+		return false
+	}
+	return ok
+}
+
+// logUndecodable logs a record left out of a read of many because it does
+// not decode, once a process per record: the sweeps read it again every
+// pass.
+func (db *DB) logUndecodable(what string, key []byte, err error) {
+	if _, seen := db.undecodable.LoadOrStore(what+"\x00"+string(key), true); seen {
+		return
+	}
+	db.log.Error("store: a "+what+" that does not decode is left out of the dispatch and the sweeps: the file is damaged there; restore it from a backup when you can",
+		"key", string(key), "err", err)
+}
+
 // ExpiredCommands returns the commands still queued or sent whose
 // ExpiresAt is before now, soonest first. It reads only those.
 func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error) {
@@ -537,11 +562,7 @@ func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.C
 		c := tx.Bucket(bucketExpiry).Cursor()
 		for k, _ := c.First(); k != nil && bytes.Compare(k[:8], end) < 0; k, _ = c.Next() {
 			var cmd companion.Command
-			ok, err := getJSON(cmds, k[8:], &cmd)
-			if err != nil {
-				return err
-			}
-			if ok && expiring(cmd.State) {
+			if db.decodeListed(cmds, k[8:], &cmd) && expiring(cmd.State) {
 				out = append(out, cmd)
 			}
 		}
@@ -571,11 +592,7 @@ func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]companion.C
 		c := tx.Bucket(index).Cursor()
 		for k, _ := c.First(); k != nil; k, _ = c.Next() {
 			var cmd companion.Command
-			ok, err := getJSON(cmds, k, &cmd)
-			if err != nil {
-				return err
-			}
-			if ok && (len(states) == 0 || slices.Contains(states, cmd.State)) {
+			if db.decodeListed(cmds, k, &cmd) && (len(states) == 0 || slices.Contains(states, cmd.State)) {
 				out = append(out, cmd)
 			}
 		}
@@ -613,11 +630,7 @@ func (db *DB) QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]com
 				continue
 			}
 			var cmd companion.Command
-			ok, err := getJSON(cmds, k, &cmd)
-			if err != nil {
-				return err
-			}
-			if ok && !companion.IsFinal(cmd.State) {
+			if db.decodeListed(cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
 				out = append(out, cmd)
 			}
 		}
@@ -644,28 +657,30 @@ func (db *DB) sentCommands() ([]companion.Command, error) {
 // sentCommands does, and decodes a command only when its device (from the
 // open index) reads online, each device's status read once: the broker
 // asks for them every minute (retrySent), and a bridge away leaves all its
-// devices' commands sent, offline, and nothing to send.
+// devices' commands sent, offline, and nothing to send. A status that does
+// not decode reads offline, and is logged (bug 162).
 func (db *DB) SentCommandsOnline(ctx context.Context) ([]companion.Command, error) {
 	online := map[string]bool{}
-	return db.sentCommandsOf(func(tx *bolt.Tx, dev []byte) (bool, error) {
+	return db.sentCommandsOf(func(tx *bolt.Tx, dev []byte) bool {
 		on, seen := online[string(dev)]
 		if !seen {
 			var s companion.Status
 			ok, err := getJSON(tx.Bucket(bucketStatus), dev, &s)
 			if err != nil {
-				return false, err
+				db.logUndecodable("status", dev, err)
 			}
-			on = ok && s.Online
+			on = ok && err == nil && s.Online
 			online[string(dev)] = on
 		}
-		return on, nil
+		return on
 	})
 }
 
 // sentCommandsOf returns the sent commands, oldest first, of the devices
 // keep says yes to (all when keep is nil); a command whose device keep
-// refuses is not decoded.
-func (db *DB) sentCommandsOf(keep func(tx *bolt.Tx, deviceID []byte) (bool, error)) ([]companion.Command, error) {
+// refuses is not decoded, nor one whose record does not decode
+// (decodeListed).
+func (db *DB) sentCommandsOf(keep func(tx *bolt.Tx, deviceID []byte) bool) ([]companion.Command, error) {
 	out := []companion.Command{}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		cmds, queued, open := tx.Bucket(bucketCommands), tx.Bucket(bucketQueued), tx.Bucket(bucketOpen)
@@ -677,23 +692,12 @@ func (db *DB) sentCommandsOf(keep func(tx *bolt.Tx, deviceID []byte) (bool, erro
 			}
 			if keep != nil {
 				dev := open.Get(id)
-				if dev == nil {
-					continue // final: no longer sent
-				}
-				ok, err := keep(tx, dev)
-				if err != nil {
-					return err
-				}
-				if !ok {
-					continue
+				if dev == nil || !keep(tx, dev) {
+					continue // final (no longer sent), or its device refused
 				}
 			}
 			var cmd companion.Command
-			ok, err := getJSON(cmds, id, &cmd)
-			if err != nil {
-				return err
-			}
-			if ok && cmd.State == companion.StateSent {
+			if db.decodeListed(cmds, id, &cmd) && cmd.State == companion.StateSent {
 				out = append(out, cmd)
 			}
 		}

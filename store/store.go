@@ -222,6 +222,8 @@ type DB struct {
 
 	blobMu sync.RWMutex // the blob directory's files against their records (blobLock)
 
+	undecodable sync.Map // records logged as left out for not decoding (logUndecodable)
+
 	foldAt int // device_cmds_new entries that make a fold due (foldDeviceCmdsAt)
 
 	uuidV7 func() (uuid.UUID, error) // the UUIDv7 a command id starts from (commandID); uuid.NewV7
