@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -148,37 +149,69 @@ const spoolCommitLinger = 2 * time.Millisecond
 // to let go of the file. A variable: tests lower it.
 var spoolLockWait = 5 * time.Second
 
-func openSpool(dir string) (*spool, error) {
-	db, err := bolt.Open(filepath.Join(dir, "spool.db"), 0o600, &bolt.Options{
-		Timeout:         spoolLockWait,
-		NoFreelistSync:  true, // see store.Open
-		FreelistType:    bolt.FreelistMapType,
-		InitialMmapSize: groupcommit.MmapReserve, // see store.Open
-	})
-	if errors.Is(err, bolterrors.ErrTimeout) {
-		return nil, fmt.Errorf("open spool: %s: another process holds it (a bridge already running on this --data?): %w", filepath.Join(dir, "spool.db"), err)
-	}
-	if err != nil {
+func openSpool(dir string) (s *spool, err error) {
+	path := filepath.Join(dir, "spool.db")
+	if err := checkSpoolFile(path); err != nil {
 		return nil, fmt.Errorf("open spool: %w", err)
 	}
-	s := &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}, afterWait: DefaultAfterWait}
+	if _, serr := os.Stat(path); errors.Is(serr, os.ErrNotExist) {
+		// A first start: a spool this open fails to make holds nothing,
+		// and left behind, empty or half written (a full disk), the next
+		// start would refuse it (checkSpoolFile).
+		defer func() {
+			if err != nil {
+				_ = os.Remove(path)
+			}
+		}()
+	}
+	db, err := openBolt(path)
+	if errors.Is(err, bolterrors.ErrTimeout) {
+		return nil, fmt.Errorf("open spool: %s: another process holds it (a bridge already running on this --data?): %w", path, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open spool: %s: %w", path, err)
+	}
+	s = &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}, afterWait: DefaultAfterWait}
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketCommands, bucketQueue, bucketOutbox, bucketStatus} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
 		}
-		if err := migrateQueues(tx); err != nil {
-			return err
+		err := migrateQueues(tx)
+		if err == nil {
+			err = s.load(tx)
 		}
-		return s.load(tx)
+		if err != nil {
+			// Neither writes to the file: what fails is reading it.
+			return &errSpoolFile{path: path, what: err.Error()}
+		}
+		return nil
 	})
 	if err != nil {
 		db.Close()
-		return nil, fmt.Errorf("open spool: %w", err)
+		return nil, fmt.Errorf("open spool: %s: %w", path, err)
 	}
 	s.w = groupcommit.New(db, groupcommit.Options{Linger: spoolCommitLinger})
 	return s, nil
+}
+
+// openBolt opens the spool's bbolt file, which checkSpoolFile has found
+// whole. bbolt walks its tree as it opens it, and panics on what it finds
+// wrong there that the check does not look at (keys out of order, a page
+// reached twice): that is a damaged file too, not a crash of the bridge.
+func openBolt(path string) (db *bolt.DB, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			db, err = nil, &errSpoolFile{path: path, what: fmt.Sprintf("bbolt finds it damaged: %v", p)}
+		}
+	}()
+	return bolt.Open(path, 0o600, &bolt.Options{
+		Timeout:         spoolLockWait,
+		NoFreelistSync:  true, // see store.Open
+		FreelistType:    bolt.FreelistMapType,
+		InitialMmapSize: groupcommit.MmapReserve, // see store.Open
+	})
 }
 
 // migrateQueues moves the per-device queue buckets of earlier versions into
