@@ -18,6 +18,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/devicecompanion/companion/internal/idleread"
@@ -197,6 +198,18 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
+		var se *storeError
+		if errors.As(err, &se) {
+			// The bridge's disk, not the download: another attempt
+			// meets the same disk, and what was written of the blob
+			// takes space that the spool needs (and a resumed
+			// download would build on it).
+			if rerr := os.Remove(part); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+				b.log.Warn("removing a partial download failed", "sha256", ref.SHA256, "err", rerr)
+			}
+			b.log.Error("blob download failed: the bridge cannot write it to its disk", "sha256", ref.SHA256, "dir", b.dir, "err", se.err)
+			return nil, cmdErr(codeDownloadFailed, se.reason())
+		}
 		lastErr = err
 		var ce *commandError
 		if errors.As(err, &ce) && ce.Code != codeDownloadFailed || !transient(err) {
@@ -317,16 +330,16 @@ func transient(err error) bool {
 func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int64, progress func(pct int)) error {
 	f, err := os.OpenFile(part, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
-		return cmdErr(codeDownloadFailed, err.Error())
+		return &storeError{err}
 	}
 	defer f.Close()
 	have, err := f.Seek(0, io.SeekEnd)
 	if err != nil {
-		return cmdErr(codeDownloadFailed, err.Error())
+		return &storeError{err}
 	}
 	if have > size {
 		if err := f.Truncate(0); err != nil {
-			return cmdErr(codeDownloadFailed, err.Error())
+			return &storeError{err}
 		}
 		have, _ = f.Seek(0, io.SeekStart)
 	}
@@ -361,7 +374,7 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 		start, ok := rangeStart(resp.Header.Get("Content-Range"))
 		if !ok || start != have {
 			if err := f.Truncate(0); err != nil {
-				return cmdErr(codeDownloadFailed, err.Error())
+				return &storeError{err}
 			}
 			return &commandError{Code: codeDownloadFailed, Message: "blob download: unexpected Content-Range", transient: true}
 		}
@@ -369,16 +382,16 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 	case resp.StatusCode == http.StatusOK:
 		if have > 0 { // the server ignored the Range: start again
 			if err := f.Truncate(0); err != nil {
-				return cmdErr(codeDownloadFailed, err.Error())
+				return &storeError{err}
 			}
 			if _, err := f.Seek(0, io.SeekStart); err != nil {
-				return cmdErr(codeDownloadFailed, err.Error())
+				return &storeError{err}
 			}
 			have = 0
 		}
 	case resp.StatusCode == http.StatusRequestedRangeNotSatisfiable:
 		if err := f.Truncate(0); err != nil {
-			return cmdErr(codeDownloadFailed, err.Error())
+			return &storeError{err}
 		}
 		return &commandError{Code: codeDownloadFailed, Message: "blob download: range not satisfiable", transient: true}
 	default:
@@ -394,10 +407,38 @@ func (b *blobs) download(ctx context.Context, u *url.URL, part string, size int6
 	// Read at most one byte beyond the expected size: enough to tell that
 	// the server sent something else.
 	if _, err := io.Copy(w, io.LimitReader(body, size-have+1)); err != nil {
+		if w.err != nil {
+			return &storeError{w.err}
+		}
 		f.Sync()
 		return stalled(ctx, err)
 	}
-	return f.Sync()
+	if err := f.Sync(); err != nil {
+		return &storeError{err}
+	}
+	return nil
+}
+
+// storeError is a download that failed for the bridge's disk: the partial
+// file could not be opened, written or synced. Taken for a network error,
+// it was tried again five times, each attempt resuming onto the same full
+// disk, and the command failed "the connection failed", with the partial
+// file left taking the space (docs/reliability.md, bug 164).
+type storeError struct{ err error }
+
+func (e *storeError) Error() string { return "blob download: storing it: " + e.err.Error() }
+func (e *storeError) Unwrap() error { return e.err }
+
+// reason says why, for the command's error, which its user reads: not the
+// file's path on the bridge (the bridge's log has it).
+func (e *storeError) reason() string {
+	switch {
+	case errors.Is(e.err, syscall.ENOSPC), errors.Is(e.err, syscall.EDQUOT):
+		return "blob download: no space left on the bridge's disk"
+	case errors.Is(e.err, syscall.EFBIG):
+		return "blob download: the blob is larger than the bridge may write to its disk (file size limit)"
+	}
+	return "blob download: the bridge could not write the blob to its disk"
 }
 
 // stalled says so when err comes of the download's cut for a stall (a
@@ -427,10 +468,14 @@ type progressWriter struct {
 	done     int64
 	size     int64
 	progress func(pct int)
+	err      error // the write that failed: the disk's, not the download's
 }
 
 func (p *progressWriter) Write(b []byte) (int, error) {
 	n, err := p.w.Write(b)
+	if err != nil {
+		p.err = err
+	}
 	p.done += int64(n)
 	if p.size > 0 {
 		p.progress(int(min(p.done*100/p.size, 100)))
