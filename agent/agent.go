@@ -161,6 +161,9 @@ type Agent struct {
 	stop    chan struct{} // closed by Close
 	stopped chan struct{} // closed when Run has stopped everything
 
+	spoolPath   string // the spool's file, for the log
+	spoolHealth spoolHealth
+
 	closeDB sync.Once
 	dbErr   error
 
@@ -256,6 +259,7 @@ func New(opts Options) (*Agent, error) {
 	a.blobs.max = opts.BlobCacheMax
 	// Commands spooled before a restart are released to their workers at
 	// once: their "delivered" went out (or is moot) in the earlier life.
+	a.spoolPath = filepath.Join(opts.DataDir, "spool.db")
 	if a.spool, err = openSpool(opts.DataDir); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
@@ -492,9 +496,11 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 	for len(cmds) > 0 {
 		var err error
 		if results, err = a.spool.accept(cmds, a.now()); err == nil {
+			a.spoolWritten()
 			break
 		}
-		a.log.Error("spooling commands failed; retrying", "err", err)
+		a.spoolFailed("taking commands in", err)
+		a.log.Debug("spooling commands failed; retrying", "commands", len(cmds), "err", err)
 		select {
 		case <-ctx.Done():
 			return // unacknowledged: the broker redelivers them
@@ -787,7 +793,7 @@ func (a *Agent) confirm(ctx context.Context) {
 		a.spool.deleteOutbox(p.key, func(err error) {
 			a.land(p.key)
 			if err != nil {
-				a.log.Error("deleting from the outbox failed", "err", err)
+				a.spoolFailed("forgetting an acknowledged final reply", err)
 			}
 		})
 	}

@@ -66,7 +66,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 			kept = last
 			a.spool.keepStatus(dr.id, *last, func(err error) {
 				if err != nil {
-					a.log.Warn("keeping the device's status failed", "device", dr.id, "err", err)
+					a.spoolFailed("keeping a device's status", err)
 				}
 			})
 		}

@@ -185,9 +185,11 @@ func (a *Agent) markStarted(ctx context.Context, r *record) bool {
 	for {
 		err := a.spool.start(r)
 		if err == nil {
+			a.spoolWritten()
 			return true
 		}
-		a.log.Error("marking a command as started failed; retrying", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
+		a.spoolFailed("marking a command started", err)
+		a.log.Debug("marking a command as started failed; retrying", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
 		if !sleepCtx(ctx, time.Second) {
 			return false
 		}
@@ -203,10 +205,12 @@ func (a *Agent) markStarted(ctx context.Context, r *record) bool {
 func (a *Agent) finish(ctx context.Context, r *record, final topics.Reply) {
 	a.spool.finish(r, final, func(key uint64, err error) {
 		if err == nil {
+			a.spoolWritten()
 			a.publishFinal(ctx, key, r.Cmd.DeviceID, final)
 			return
 		}
-		a.log.Error("recording the final reply failed; will retry", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
+		a.spoolFailed("recording a final reply", err)
+		a.log.Debug("recording the final reply failed; will retry", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
 		a.outboxMu.Lock()
 		a.unfinished = append(a.unfinished, finishJob{r, final})
 		a.outboxMu.Unlock()
