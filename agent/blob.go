@@ -498,9 +498,17 @@ func (b *blobs) trim(keep string) int {
 	if b.max <= 0 {
 		return 0
 	}
+	n, _ := b.trimTo(keep, b.max)
+	return n
+}
+
+// trimTo deletes the least recently used cached blobs, as trim does,
+// until the cache holds no more than max bytes, and returns how many it
+// deleted and their bytes.
+func (b *blobs) trimTo(keep string, max int64) (n int, freed int64) {
 	entries, err := os.ReadDir(b.dir)
 	if err != nil {
-		return 0
+		return 0, 0
 	}
 	type cached struct {
 		name string
@@ -520,9 +528,8 @@ func (b *blobs) trim(keep string) int {
 		}
 	}
 	slices.SortFunc(files, func(x, y cached) int { return x.mod.Compare(y.mod) })
-	n := 0
 	for _, f := range files {
-		if total <= b.max {
+		if total <= max {
 			break
 		}
 		unlock, ok := b.tryLock(f.name)
@@ -531,11 +538,12 @@ func (b *blobs) trim(keep string) int {
 		}
 		if os.Remove(filepath.Join(b.dir, f.name)) == nil {
 			total -= f.size
+			freed += f.size
 			n++
 		}
 		unlock()
 	}
-	return n
+	return n, freed
 }
 
 // tryLock is lock without waiting: ok false when someone holds or waits

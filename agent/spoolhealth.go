@@ -1,8 +1,10 @@
 package agent
 
 import (
+	"errors"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -34,13 +36,17 @@ func (a *Agent) spoolFailed(what string, err error) {
 	defer h.mu.Unlock()
 	now := time.Now()
 	h.failed++
+	first, again := !h.failing.Load(), now.Sub(h.logged) >= spoolLogEvery
+	if (first || again) && noSpace(err) {
+		a.makeRoom()
+	}
 	switch {
-	case !h.failing.Load():
+	case first:
 		h.failing.Store(true)
 		h.since, h.logged, h.failed = now, now, 0
 		a.log.Error("the spool cannot be written: commands stay unacknowledged with the broker (it sends them again), and final replies wait to be recorded, until it can; free space under --data",
 			"spool", a.spoolPath, "write", what, "err", err)
-	case now.Sub(h.logged) >= spoolLogEvery:
+	case again:
 		a.log.Error("the spool still cannot be written; free space under --data",
 			"spool", a.spoolPath, "for", now.Sub(h.since).Round(time.Second), "failed_writes", h.failed, "write", what, "err", err)
 		h.logged, h.failed = now, 0
@@ -64,4 +70,22 @@ func (a *Agent) spoolWritten() {
 	// The final replies whose write failed are tried again now, not at
 	// the outbox loop's next tick.
 	signal(a.outboxWake)
+}
+
+// noSpace reports whether err is a file system's "no space" (its blocks or
+// the user's quota), which deleting files relieves; a file size limit
+// (EFBIG) is not.
+func noSpace(err error) bool {
+	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT)
+}
+
+// makeRoom deletes the blob cache's blobs that no command is using, to
+// give the spool the space: a cached blob is downloaded again when a
+// command needs it, and a command the spool cannot take in is not run at
+// all. The cache, up to --blob-cache-mb (512 MiB by default), is often
+// the most a gateway's card holds of the bridge's.
+func (a *Agent) makeRoom() {
+	if n, freed := a.blobs.trimTo("", 0); n > 0 {
+		a.log.Warn("deleted cached blobs to give the spool room", "count", n, "bytes", freed, "dir", a.blobs.dir)
+	}
 }
