@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/boltcheck"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -38,18 +39,13 @@ func spoolOnDisk(tb testing.TB) string {
 }
 
 // spoolMeta reads the spool file's newest meta page.
-func spoolMeta(tb testing.TB, path string) boltMeta {
+func spoolMeta(tb testing.TB, path string) boltcheck.Meta {
 	tb.Helper()
-	b, err := os.ReadFile(path)
-	if err != nil {
-		tb.Fatal(err)
+	m, ok, err := boltcheck.NewestMeta(path)
+	if err != nil || !ok {
+		tb.Fatalf("the spool's meta: %v (valid %v)", err, ok)
 	}
-	m0, ok0 := readMeta(b[:4096])
-	m1, ok1 := readMeta(b[4096:8192])
-	if !ok0 || ok1 && m1.txid > m0.txid {
-		m0 = m1
-	}
-	return m0
+	return m
 }
 
 // patch writes b at off in the file at path.
@@ -89,7 +85,7 @@ func TestSpoolDamagedRefused(t *testing.T) {
 		}, "truncated"},
 		{"shorter than its pages", func(t *testing.T, path string) {
 			m := spoolMeta(t, path)
-			if err := os.Truncate(path, int64((m.hwm-2)*m.pageSize)); err != nil {
+			if err := os.Truncate(path, int64((m.PageCount-2)*m.PageSize)); err != nil {
 				t.Fatal(err)
 			}
 		}, "truncated"},
@@ -98,17 +94,17 @@ func TestSpoolDamagedRefused(t *testing.T) {
 		}, "meta pages"},
 		{"the root page zeroed", func(t *testing.T, path string) {
 			m := spoolMeta(t, path)
-			patch(t, path, int64(m.root*m.pageSize), make([]byte, m.pageSize))
+			patch(t, path, int64(m.Root*m.PageSize), make([]byte, m.PageSize))
 		}, "damaged"},
 		{"a page's type garbled", func(t *testing.T, path string) {
 			m := spoolMeta(t, path)
-			patch(t, path, int64((m.hwm-1)*m.pageSize+8), []byte{0x02, 0x5e})
+			patch(t, path, int64((m.PageCount-1)*m.PageSize+8), []byte{0x02, 0x5e})
 		}, "damaged"},
 		{"keys out of order", func(t *testing.T, path string) {
 			// The root bucket's leaf holds the spool's four buckets,
 			// "commands" first: renamed "zommands", it sorts last.
 			m := spoolMeta(t, path)
-			off := int64(m.root * m.pageSize)
+			off := int64(m.Root * m.PageSize)
 			f, err := os.ReadFile(path)
 			if err != nil {
 				t.Fatal(err)

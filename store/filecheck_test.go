@@ -21,6 +21,13 @@ import (
 // names the file and what to do, and left as it was. bbolt alone faulted
 // (SIGBUS) or panicked on a goroutine of its own on every one but the
 // empty file, which it made a new store of.
+// pageHeaderSize is the size of a bbolt page's header (id, flags, count,
+// overflow).
+const pageHeaderSize = 16
+
+// branchPageFlag marks a bbolt branch page.
+const branchPageFlag = 0x01
+
 func TestOpenRefusesADamagedFile(t *testing.T) {
 	good, used, pageSize, commandsRoot := damageableStore(t)
 	page := func(b []byte, id uint64) []byte { return b[id*pageSize : (id+1)*pageSize] }
