@@ -64,7 +64,7 @@ func Check(path string) error {
 		return err
 	}
 	defer f.Close()
-	c := &boltCheck{f: f, size: fi.Size(), seen: map[uint64]bool{}}
+	c := &boltCheck{f: f, size: fi.Size()}
 	if what := c.check(); what != "" {
 		return damaged("%s", what)
 	}
@@ -94,11 +94,11 @@ const (
 // boltCheck walks a bbolt file's tree from its meta page, reading the
 // file (not mapping it), and says what is wrong with it.
 type boltCheck struct {
-	f    *os.File
+	f    io.ReaderAt
 	size int64
-	ps   uint64          // page size
-	hwm  uint64          // pages in use: the meta's high-water mark
-	seen map[uint64]bool // pages reached
+	ps   uint64   // page size
+	hwm  uint64   // pages in use: the meta's high-water mark
+	seen []uint64 // pages reached, a bit each (made once hwm is known)
 }
 
 type boltMeta struct {
@@ -170,6 +170,7 @@ func (c *boltCheck) check() string {
 	if c.hwm > uint64(c.size)/ps {
 		return fmt.Sprintf("it is %d bytes and its %d pages of %d bytes need more: it was truncated", c.size, c.hwm, ps)
 	}
+	c.seen = make([]uint64, (c.hwm+63)/64)
 	if m.freelist != boltNoFreelist {
 		if _, what := c.pageOf(m.freelist, boltFreelist); what != "" {
 			return what
@@ -188,30 +189,35 @@ func (c *boltCheck) pageOf(id uint64, flags ...uint16) ([]byte, string) {
 	if id < 2 || id >= c.hwm {
 		return nil, fmt.Sprintf("a page refers to page %d, outside its %d pages", id, c.hwm)
 	}
-	if c.seen[id] {
+	if c.seen[id/64]&(1<<(id%64)) != 0 {
 		return nil, fmt.Sprintf("page %d is reached twice", id)
 	}
-	c.seen[id] = true
-	head := make([]byte, boltPageHeader)
-	if _, err := c.f.ReadAt(head, int64(id*c.ps)); err != nil {
+	c.seen[id/64] |= 1 << (id % 64)
+	// One read of the page, the common case; its overflow pages, if it
+	// has any, in a second.
+	buf := make([]byte, c.ps)
+	if _, err := c.f.ReadAt(buf, int64(id*c.ps)); err != nil {
 		return nil, fmt.Sprintf("page %d cannot be read: %v", id, err)
 	}
 	le := binary.LittleEndian
-	if got := le.Uint64(head); got != id {
+	if got := le.Uint64(buf); got != id {
 		return nil, fmt.Sprintf("page %d is damaged: it says it is page %d", id, got)
 	}
-	if !slices.Contains(flags, le.Uint16(head[8:])) {
-		return nil, fmt.Sprintf("page %d is damaged: it is not of the type its parent expects (flags %#x)", id, le.Uint16(head[8:]))
+	if !slices.Contains(flags, le.Uint16(buf[8:])) {
+		return nil, fmt.Sprintf("page %d is damaged: it is not of the type its parent expects (flags %#x)", id, le.Uint16(buf[8:]))
 	}
-	overflow := uint64(le.Uint32(head[12:]))
+	overflow := uint64(le.Uint32(buf[12:]))
 	if id+overflow >= c.hwm {
 		return nil, fmt.Sprintf("page %d is damaged: its %d overflow pages run past the file's %d", id, overflow, c.hwm)
 	}
-	for i := id + 1; i <= id+overflow; i++ {
-		c.seen[i] = true
+	if overflow == 0 {
+		return buf, ""
 	}
-	buf := make([]byte, (overflow+1)*c.ps)
-	if _, err := c.f.ReadAt(buf, int64(id*c.ps)); err != nil {
+	for i := id + 1; i <= id+overflow; i++ {
+		c.seen[i/64] |= 1 << (i % 64)
+	}
+	buf = slices.Grow(buf, int(overflow*c.ps))[:(overflow+1)*c.ps]
+	if _, err := c.f.ReadAt(buf[c.ps:], int64((id+1)*c.ps)); err != nil {
 		return nil, fmt.Sprintf("page %d cannot be read: %v", id, err)
 	}
 	return buf, ""
