@@ -1,7 +1,6 @@
 package agent_test
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"log/slog"
@@ -10,32 +9,14 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
-
-// lockedBuffer is a bytes.Buffer that a child's output and the test share.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // runChildBridge is the bridge of TestBridgeSpoolOnAFullDisk, in the child
 // process: it serves three simulated devices until its stdin closes.
@@ -99,7 +80,7 @@ func TestBridgeSpoolOnAFullDisk(t *testing.T) {
 
 	b := startBroker(t)
 	w := newWatcher(t, b)
-	var logs lockedBuffer
+	var logs testenv.Buffer
 	cmd := exec.Command(prlimit, "--fsize="+strconv.FormatInt(fi.Size(), 10)+":unlimited", "--",
 		os.Args[0], "-test.run=^TestBridgeSpoolOnAFullDisk$")
 	cmd.Env = append(os.Environ(), "AGENT_CHILD_MQTT="+b.url, "AGENT_CHILD_DATA="+t.TempDir())
@@ -183,7 +164,7 @@ func TestBridgeSpoolOnAFullDisk(t *testing.T) {
 }
 
 // waitLog waits until the child's log says what.
-func waitLog(t *testing.T, logs *lockedBuffer, what string) {
+func waitLog(t *testing.T, logs *testenv.Buffer, what string) {
 	t.Helper()
 	deadline := time.Now().Add(waitLong)
 	for !strings.Contains(logs.String(), what) {
