@@ -433,7 +433,7 @@ func (e *storeError) Unwrap() error { return e.err }
 // file's path on the bridge (the bridge's log has it).
 func (e *storeError) reason() string {
 	switch {
-	case errors.Is(e.err, syscall.ENOSPC), errors.Is(e.err, syscall.EDQUOT):
+	case noSpace(e.err):
 		return "blob download: no space left on the bridge's disk"
 	case errors.Is(e.err, syscall.EFBIG):
 		return "blob download: the blob is larger than the bridge may write to its disk (file size limit)"
