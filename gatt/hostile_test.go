@@ -88,14 +88,10 @@ func TestUploadThatNeverAdvancesFails(t *testing.T) {
 			link := &uploadLink{cannedLink: cannedLink{done: make(chan struct{})}, off: tt.off}
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			c := cannedClient(t, ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
 			tr := NewTransfer(Upload{Group: GroupPush, ID: CmdPushUpload, First: UploadRequest{CmdID: "c1"}, Data: make([]byte, 50_000)})
 			start := time.Now()
-			err = tr.Run(ctx, c, 3)
+			err := tr.Run(ctx, c, 3)
 			var e *Error
 			if !errors.As(err, &e) || !strings.Contains(e.Reason, "does not advance") {
 				t.Fatalf("Run against a device whose offset never advances = %v after %v, %d requests; want an *Error saying so",
@@ -134,13 +130,9 @@ func FuzzTransferAnswers(f *testing.F) {
 		}}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
+		c := cannedClient(t, ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
 		tr := NewTransfer(Upload{Group: GroupPush, ID: CmdPushUpload, First: UploadRequest{CmdID: "c1"}, Data: make([]byte, total)})
-		err = tr.Run(ctx, c, 3)
+		err := tr.Run(ctx, c, 3)
 		switch {
 		case ctx.Err() != nil:
 			t.Fatalf("the upload ran until its context ended: %v, %d requests", err, n.Load())
@@ -178,14 +170,10 @@ func TestHostileAnswers(t *testing.T) {
 			link := &rawLink{cannedLink: cannedLink{done: make(chan struct{})}, raw: tt.answer}
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 5 * time.Second, FragmentTimeout: 200 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			c := cannedClient(t, ctx, link, ClientOptions{RequestTimeout: 5 * time.Second, FragmentTimeout: 200 * time.Millisecond})
 			start := time.Now()
 			var st ImageStateResponse
-			err = c.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st)
+			err := c.Do(ctx, OpRead, GroupImage, CmdImageState, nil, &st)
 			switch {
 			case tt.ok && (err != nil || len(st.Images) != 1000):
 				t.Errorf("image state = %d slots, %v; want 1000", len(st.Images), err)

@@ -180,6 +180,17 @@ func TestZephyrUUIDs(t *testing.T) {
 	}
 }
 
+// cannedClient is a Client on a canned link, closed when the test ends.
+func cannedClient(t *testing.T, ctx context.Context, link Link, opts ClientOptions) *Client {
+	t.Helper()
+	c, err := NewClient(ctx, link, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
 // cannedLink is a device that answers each SMP request with a body given
 // as hex, as a test wants it on the wire.
 type cannedLink struct {
@@ -242,11 +253,7 @@ func TestZephyrIndefiniteLengthAnswers(t *testing.T) {
 	link := &cannedLink{answer: func(h Header) string { return answers[h.Group] }, done: make(chan struct{})}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := cannedClient(t, ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
 
 	p, err := c.Params(ctx)
 	if err != nil || p.BufSize != 2475 || p.BufCount != 4 {
@@ -304,11 +311,7 @@ func TestResponseTooLongLosesTheFraming(t *testing.T) {
 	}}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := NewClient(ctx, link, ClientOptions{RequestTimeout: 2 * time.Second, MaxResponse: 1024})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := cannedClient(t, ctx, link, ClientOptions{RequestTimeout: 2 * time.Second, MaxResponse: 1024})
 	// ErrFraming, not the request's timeout: the error tells the two
 	// apart, with no bound on the time that a loaded machine could break.
 	if _, err := c.Params(ctx); !errors.Is(err, ErrFraming) || !IsDisconnect(err) {
