@@ -212,6 +212,10 @@ type Broker struct {
 	// kicked holds when each bridge was last said to be disconnected for
 	// a change of its rights (BridgesDisconnecting); under mu.
 	kicked map[string]time.Time
+	// away holds the bridges whose Will was the last word taken in from
+	// them: their devices' commands wait queued in the store until the
+	// bridge is back (see publish); under mu.
+	away map[string]bool
 
 	// release is closed by Release (and Close): every Wait, under way or
 	// to come, answers at once.
@@ -302,6 +306,7 @@ func New(opts Options) (*Broker, error) {
 		kickedAt:  opts.Topics.BridgesKicked(),
 		bridgeGen: make(map[string]uint64),
 		kicked:    make(map[string]time.Time),
+		away:      make(map[string]bool),
 		release:   make(chan struct{}),
 		quit:      make(chan struct{}),
 	}

@@ -246,8 +246,11 @@ func (b *Broker) bridgeOffline(bridgeID string, n uint64, ack func(), attempt in
 		for _, id := range ids {
 			delete(b.online, id)
 		}
+		if b.bridgeGen[bridgeID] == n {
+			b.away[bridgeID] = true // its devices' commands wait queued (publish)
+		}
 		b.mu.Unlock()
-		b.log.Info("bridge offline", "bridge_id", bridgeID, "devices", len(ids))
+		b.log.Info("bridge offline; its devices' commands wait queued until it is back", "bridge_id", bridgeID, "devices", len(ids))
 		if len(ids) > 0 {
 			b.goOwned(func() { b.publishOffline(bridgeID, n, ids) })
 		}
@@ -766,7 +769,15 @@ func (b *Broker) sawDevice(deviceID string, online bool) {
 // It is the bridge's state message n (noteBridgeState); the store failing,
 // it is taken again (bridgeStateAgain).
 func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int) {
-	if attempt > 1 && !b.latestBridgeState(bridgeID, n) {
+	b.mu.Lock()
+	latest := b.bridgeGen[bridgeID] == n
+	if latest {
+		// Back: its devices' commands held queued go out with the
+		// resend below, or with the outbox's next read of the store.
+		delete(b.away, bridgeID)
+	}
+	b.mu.Unlock()
+	if attempt > 1 && !latest {
 		ack() // the bridge said something since: that holds now
 		return
 	}

@@ -343,3 +343,46 @@ func TestAnOlderStatusPublishedIsMendedOnTheBroker(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	assert.Equal(t, 2, w.count("dev-1", true, 20), "the store's status published again when it came back")
 }
+
+// While a bridge is away (its Will taken), its devices' commands stay
+// queued in the store rather than pile up in the MQTT broker's session for
+// it: mochi copies and sorts a client's whole queue every second, and holds
+// a core once a bridge away has tens of thousands (docs/performance.md),
+// and Mosquitto drops past its max_queued_messages. Back ("online"), the
+// bridge gets them in order, each naming the one before.
+func TestCommandsOfABridgeAwayStayQueued(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	bs, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOffline), 5*time.Second)) // its Will
+	fb.c.Disconnect(250)                                                                                      // its session stays
+	testenv.Eventually(t, 10*time.Second, "the bridge taken as away", func() bool {
+		e.b.mu.Lock()
+		defer e.b.mu.Unlock()
+		return e.b.away["b1"]
+	})
+
+	var cmds []companion.Command
+	for _, text := range []string{"first", "second", "third"} {
+		cmds = append(cmds, submit(t, e, "dev-1", text, time.Hour))
+	}
+	// Handed to the MQTT broker, they would read sent sentDelay after its
+	// PUBACK.
+	time.Sleep(3 * sentDelay)
+	for _, c := range cmds {
+		assert.Equal(t, companion.StateQueued, state(t, e, c.ID).State, "a command of a bridge away left the store")
+	}
+
+	back := connectBridge(t, e)
+	back.none(t, 300*time.Millisecond, "a command was in the session of a bridge away")
+	require.NoError(t, mqtt.WaitTokenTimeout(back.c.Publish(bs, 1, true, topics.BridgeOnline), 5*time.Second))
+	after := ""
+	for _, c := range cmds {
+		got := back.next(t)
+		require.Equal(t, c.ID, got.ID, "the held commands go out in order")
+		assert.Equal(t, after, got.After)
+		after = got.ID
+	}
+	back.none(t, 300*time.Millisecond, "a command twice")
+}

@@ -305,11 +305,22 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			}
 			continue
 		}
+		if bridge != unread && !held[c.DeviceID] && b.isAway(bridge) {
+			// Its bridge is away (its Will was the last word from it):
+			// its commands wait queued here, not in the MQTT broker's
+			// session for the bridge, where they would pile up for as
+			// long as it stays away (mochi copies and sorts a client's
+			// whole queue every second; Mosquitto drops past its
+			// max_queued_messages). Those sent stay sent. The bridge's
+			// "online" sends them all (bridgeOnline); held for the rest
+			// of the pass, none goes out before one held.
+			held[c.DeviceID] = true
+		}
 		if bridge == unread || held[c.DeviceID] {
 			// The store did not say which bridge serves the device: its
 			// commands wait, as they are, for the next pass. Or one of its
-			// commands did not go out: those after it wait for the next
-			// pass (resend).
+			// commands did not go out, or its bridge is away: those after
+			// it wait for the next pass (resend, or the bridge's return).
 			b.mu.Lock()
 			if o := b.flying[c.ID]; o != nil && !o.published && !o.mayBeOut {
 				delete(b.flying, c.ID)
@@ -404,6 +415,13 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 		}
 	}
 	return true
+}
+
+// isAway reports whether the bridge's last word taken in was its Will.
+func (b *Broker) isAway(bridgeID string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.away[bridgeID]
 }
 
 // repeat is when a command repeated by this dispatcher may go out again,
