@@ -68,11 +68,14 @@ type Store interface {
 	UpdateCommandWithReportAsync(id string, fn func(*Command) error, report DeviceReport, done func(Command, error))
 	ListCommands(ctx context.Context, q CommandQuery) (page []Command, more bool, err error)
 	OpenCommands(ctx context.Context, states ...string) ([]Command, error)
-	// QueuedCommandsWith returns every queued command and the other
-	// non-final commands of the given devices, oldest first, as of one
-	// moment: what the outbox sends when those devices' bridge is back.
-	// The other open commands are not read.
-	QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]Command, error)
+	// QueuedCommandsWith returns every queued command but those of the
+	// devices in skip, and the other non-final commands of deviceIDs (a
+	// device in both: all of its non-final ones), oldest first, as of one
+	// moment: what the outbox sends when deviceIDs' bridge is back, and,
+	// with none, what it sends when it reads the store; skip are the
+	// devices whose bridge is away, whose commands wait queued. The other
+	// open commands are not read, nor decoded.
+	QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) ([]Command, error)
 	// SentCommandsOnline returns the sent commands of the devices whose
 	// stored status reads online (a device never reported reads
 	// offline), oldest first. The others are not read.

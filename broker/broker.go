@@ -31,7 +31,7 @@ type Store interface {
 	UpdateCommandAsync(id string, fn func(*companion.Command) error, done func(companion.Command, error))
 	UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error))
 	OpenCommands(ctx context.Context, states ...string) ([]companion.Command, error)
-	QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]companion.Command, error)
+	QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) ([]companion.Command, error)
 	SentCommandsOnline(ctx context.Context) ([]companion.Command, error)
 	ListCommands(ctx context.Context, q companion.CommandQuery) ([]companion.Command, bool, error)
 	CountOpen(ctx context.Context, deviceID string) (int, error)
@@ -214,8 +214,14 @@ type Broker struct {
 	kicked map[string]time.Time
 	// away holds the bridges whose Will was the last word taken in from
 	// them: their devices' commands wait queued in the store until the
-	// bridge is back (see publish); under mu.
-	away map[string]bool
+	// bridge is back (see publish); awayDevices, the devices whose
+	// commands publish held for such a bridge (device → bridge), whose
+	// queued commands the outbox's reads of the store leave out until
+	// then (heldAway), and lastFullRead when a read last left none out.
+	// Under mu.
+	away         map[string]bool
+	awayDevices  map[string]string
+	lastFullRead time.Time
 
 	// release is closed by Release (and Close): every Wait, under way or
 	// to come, answers at once.
@@ -283,32 +289,33 @@ func New(opts Options) (*Broker, error) {
 		opts.Observer = nopObserver{}
 	}
 	b := &Broker{
-		opts:      opts,
-		st:        opts.Store,
-		tree:      opts.Topics,
-		log:       opts.Logger.With("component", "broker"),
-		now:       opts.Now,
-		kick:      make(chan struct{}, 1),
-		connected: make(chan struct{}, 1),
-		waiters:   make(map[string][]chan companion.Command),
-		online:    make(map[string]bool),
-		offline:   make(map[string]bool),
-		resend:    make(map[string]bool),
-		flying:    make(map[string]*outgoing),
-		lastOut:   make(map[string]string),
-		named:     make(map[string]bool),
-		repeats:   make(map[string]map[string]*repeat),
-		held:      make(map[string]time.Time),
-		live:      make(map[string]bool),
-		acks:      make(chan inflight, maxInflight),
-		inbox:     make(chan mqtt.Message, maxIntakeBatch),
-		moved:     opts.Topics.DevicesMoved(),
-		kickedAt:  opts.Topics.BridgesKicked(),
-		bridgeGen: make(map[string]uint64),
-		kicked:    make(map[string]time.Time),
-		away:      make(map[string]bool),
-		release:   make(chan struct{}),
-		quit:      make(chan struct{}),
+		opts:        opts,
+		st:          opts.Store,
+		tree:        opts.Topics,
+		log:         opts.Logger.With("component", "broker"),
+		now:         opts.Now,
+		kick:        make(chan struct{}, 1),
+		connected:   make(chan struct{}, 1),
+		waiters:     make(map[string][]chan companion.Command),
+		online:      make(map[string]bool),
+		offline:     make(map[string]bool),
+		resend:      make(map[string]bool),
+		flying:      make(map[string]*outgoing),
+		lastOut:     make(map[string]string),
+		named:       make(map[string]bool),
+		repeats:     make(map[string]map[string]*repeat),
+		held:        make(map[string]time.Time),
+		live:        make(map[string]bool),
+		acks:        make(chan inflight, maxInflight),
+		inbox:       make(chan mqtt.Message, maxIntakeBatch),
+		moved:       opts.Topics.DevicesMoved(),
+		kickedAt:    opts.Topics.BridgesKicked(),
+		bridgeGen:   make(map[string]uint64),
+		kicked:      make(map[string]time.Time),
+		away:        make(map[string]bool),
+		awayDevices: make(map[string]string),
+		release:     make(chan struct{}),
+		quit:        make(chan struct{}),
 	}
 	b.dispatchSince, b.dispatched = b.now(), opts.Dispatcher == nil
 	b.gate = newReportGate(opts.ReportRate, opts.ReportBurst, b.later, b.log, opts.Observer.ReportCoalesced)

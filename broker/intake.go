@@ -61,6 +61,7 @@ func (b *Broker) resendDevice(deviceID string) {
 	b.mu.Lock()
 	b.resend[deviceID] = true
 	delete(b.lastOut, deviceID)
+	delete(b.awayDevices, deviceID) // read again: its bridge may be another
 	// Its new bridge never had them: none is held back as a repeat.
 	delete(b.repeats, deviceID)
 	delete(b.held, deviceID)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -385,4 +386,86 @@ func TestCommandsOfABridgeAwayStayQueued(t *testing.T) {
 		after = got.ID
 	}
 	back.none(t, 300*time.Millisecond, "a command twice")
+}
+
+// queuedReads is e's store, which records what each QueuedCommandsWith
+// returned.
+type queuedReads struct {
+	*store.DB
+	mu    sync.Mutex
+	reads [][]companion.Command
+}
+
+func (s *queuedReads) QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) ([]companion.Command, error) {
+	cmds, err := s.DB.QueuedCommandsWith(ctx, deviceIDs, skip)
+	s.mu.Lock()
+	s.reads = append(s.reads, slices.Clone(cmds)) // the outbox filters cmds in place
+	s.mu.Unlock()
+	return cmds, err
+}
+
+// lastRead has the outbox read the store and returns what it read.
+func (s *queuedReads) lastRead(t *testing.T, b *Broker) []companion.Command {
+	t.Helper()
+	s.mu.Lock()
+	n := len(s.reads)
+	s.mu.Unlock()
+	b.mu.Lock()
+	b.scan = true
+	b.mu.Unlock()
+	b.wake()
+	var got []companion.Command
+	testenv.Eventually(t, 10*time.Second, "the outbox's read", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if len(s.reads) > n {
+			got = s.reads[len(s.reads)-1]
+		}
+		return len(s.reads) > n
+	})
+	return got
+}
+
+// The commands held for a bridge away are not read again with every pass
+// of the outbox (each accepted command, with replicas): a bridge away for
+// a day may have tens of thousands. Another device's are, and the held
+// ones are again once the bridge is back.
+func TestCommandsHeldForABridgeAwayAreNotReadEachPass(t *testing.T) {
+	e, st := newEnvOn(t, func(db *store.DB) *queuedReads { return &queuedReads{DB: db} })
+	ctx := context.Background()
+	require.NoError(t, e.db.CreateBridge(ctx, companion.Bridge{ID: "b2", SecretHash: []byte("x")}))
+	require.NoError(t, e.db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "dev-3", Model: "sim-1"}))
+	bind(t, e, "dev-3") // no bridge: its commands wait queued, and are read each pass
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	bs, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOffline), 5*time.Second))
+	fb.c.Disconnect(250)
+	testenv.Eventually(t, 10*time.Second, "the bridge taken as away", func() bool {
+		e.b.mu.Lock()
+		defer e.b.mu.Unlock()
+		return e.b.away["b1"]
+	})
+	held := submit(t, e, "dev-1", "held", time.Hour)
+	unserved := submit(t, e, "dev-3", "no bridge", time.Hour)
+	testenv.Eventually(t, 10*time.Second, "the held command taken as held", func() bool {
+		e.b.mu.Lock()
+		defer e.b.mu.Unlock()
+		return e.b.awayDevices["dev-1"] == "b1"
+	})
+
+	assert.Equal(t, []string{unserved.ID}, commandIDs(st.lastRead(t, e.b)), "the outbox's read of the store")
+	assert.Equal(t, companion.StateQueued, state(t, e, held.ID).State)
+
+	back := connectBridge(t, e)
+	require.NoError(t, mqtt.WaitTokenTimeout(back.c.Publish(bs, 1, true, topics.BridgeOnline), 5*time.Second))
+	assert.Equal(t, held.ID, back.next(t).ID)
+}
+
+func commandIDs(cmds []companion.Command) []string {
+	ids := []string{}
+	for _, c := range cmds {
+		ids = append(ids, c.ID)
+	}
+	return ids
 }

@@ -159,23 +159,21 @@ func (b *Broker) outbox() {
 // For some devices it reads only theirs and the queued ones
 // (QueuedCommandsWith): each device back online has a pass of its own
 // when they come one at a time, and the store may hold many more open
-// commands, for bridges that are away.
+// commands, for bridges that are away. The queued commands held for a
+// bridge away are left out (heldAway).
 func (b *Broker) pendingFromStore(all bool, devices map[string]bool, pending []companion.Command) ([]companion.Command, error) {
 	var (
 		open []companion.Command
 		err  error
 	)
-	switch {
-	case all:
+	if all {
 		open, err = b.st.OpenCommands(context.Background())
-	case len(devices) > 0:
+	} else {
 		ids := make([]string, 0, len(devices))
 		for d := range devices {
 			ids = append(ids, d)
 		}
-		open, err = b.st.QueuedCommandsWith(context.Background(), ids)
-	default:
-		open, err = b.st.OpenCommands(context.Background(), companion.StateQueued)
+		open, err = b.st.QueuedCommandsWith(context.Background(), ids, b.heldAway())
 	}
 	if err != nil {
 		return nil, err
@@ -305,7 +303,7 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			}
 			continue
 		}
-		if bridge != unread && !held[c.DeviceID] && b.isAway(bridge) {
+		if bridge != unread && !held[c.DeviceID] && b.holdForAway(c.DeviceID, bridge) {
 			// Its bridge is away (its Will was the last word from it):
 			// its commands wait queued here, not in the MQTT broker's
 			// session for the bridge, where they would pile up for as
@@ -417,11 +415,47 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 	return true
 }
 
-// isAway reports whether the bridge's last word taken in was its Will.
-func (b *Broker) isAway(bridgeID string) bool {
+// holdForAway reports whether the bridge's last word taken in was its
+// Will; if so, the device's queued commands wait for it, and the outbox's
+// reads of the store leave them out until it is back (heldAway).
+func (b *Broker) holdForAway(deviceID, bridgeID string) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.away[bridgeID] {
+		b.awayDevices[deviceID] = bridgeID
+	}
 	return b.away[bridgeID]
+}
+
+// fullReadEvery is how often the outbox's read of the queued commands
+// leaves none out (heldAway): should a device's move pass this server by,
+// its commands held for the bridge it left wait no longer than that.
+const fullReadEvery = time.Minute
+
+// heldAway returns the devices whose queued commands the outbox's read of
+// the store leaves out: those held for a bridge still away (holdForAway),
+// which go with the bridge's "online" (bridgeOnline) or the device's move
+// (resendDevice). A bridge away for a day may have tens of thousands:
+// read and decoded each pass, every 5 s, and, with replicas, on every
+// command accepted. Once every fullReadEvery it returns none.
+func (b *Broker) heldAway() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	now := time.Now()
+	if now.Sub(b.lastFullRead) >= fullReadEvery {
+		b.lastFullRead = now
+		clear(b.awayDevices) // those still held come back in this pass
+		return nil
+	}
+	skip := make([]string, 0, len(b.awayDevices))
+	for d, bridge := range b.awayDevices {
+		if !b.away[bridge] {
+			delete(b.awayDevices, d)
+			continue
+		}
+		skip = append(skip, d)
+	}
+	return skip
 }
 
 // repeat is when a command repeated by this dispatcher may go out again,

@@ -70,8 +70,8 @@ func TestDeviceMovedThroughAnotherReplicaResendsAtOnce(t *testing.T) {
 	}
 }
 
-// unreachableStore is e's store, whose OpenCommands fails while fail is
-// set, as a PostgreSQL store's does while the database is away.
+// unreachableStore is e's store, whose OpenCommands and
+// QueuedCommandsWith fail while fail is set, as a PostgreSQL store's does while the database is away.
 type unreachableStore struct {
 	*store.DB
 	fail   atomic.Bool
@@ -84,6 +84,14 @@ func (s *unreachableStore) OpenCommands(ctx context.Context, states ...string) (
 		return nil, errors.New("test: the store is unreachable")
 	}
 	return s.DB.OpenCommands(ctx, states...)
+}
+
+func (s *unreachableStore) QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) ([]companion.Command, error) {
+	if s.fail.Load() {
+		s.failed.Add(1)
+		return nil, errors.New("test: the store is unreachable")
+	}
+	return s.DB.QueuedCommandsWith(ctx, deviceIDs, skip)
 }
 
 // A dispatcher whose read of the store failed, and which then stopped

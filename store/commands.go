@@ -604,29 +604,45 @@ func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]companion.C
 	return out, nil
 }
 
-// QueuedCommandsWith returns every queued command and the other non-final
-// commands of the given devices, oldest first, from one read transaction.
-// It walks the open index (command id → device id) and the queued index
-// side by side, both in id order, and decodes only the commands it
-// returns: the outbox asks for this each time a device's bridge comes
-// back, and with 20,000 commands open for bridges that are away, reading
-// every open command took 64-206 ms a pass (docs/performance.md).
-func (db *DB) QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]companion.Command, error) {
+// QueuedCommandsWith returns every queued command but those of the devices
+// in skip, and the other non-final commands of deviceIDs, oldest first,
+// from one read transaction. With deviceIDs it walks the open index
+// (command id → device id) and the queued index side by side, both in id
+// order; without, the queued index (command id → device id) alone. It
+// decodes only the commands it returns: the outbox asks for this each time
+// a device's bridge comes back, and with 20,000 commands open for bridges
+// that are away, reading every open command took 64-206 ms a pass
+// (docs/performance.md); and every few seconds, when those bridges' commands
+// wait queued (skip).
+func (db *DB) QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) ([]companion.Command, error) {
 	want := make(map[string]bool, len(deviceIDs))
 	for _, d := range deviceIDs {
 		want[d] = true
+	}
+	skipped := make(map[string]bool, len(skip))
+	for _, d := range skip {
+		skipped[d] = !want[d]
 	}
 	out := []companion.Command{}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		cmds := tx.Bucket(bucketCommands)
 		q := tx.Bucket(bucketQueued).Cursor()
+		if len(want) == 0 {
+			for k, dev := q.First(); k != nil; k, dev = q.Next() {
+				var cmd companion.Command
+				if !skipped[string(dev)] && db.decodeListed(cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
+					out = append(out, cmd)
+				}
+			}
+			return nil
+		}
 		qk, _ := q.First()
 		c := tx.Bucket(bucketOpen).Cursor()
 		for k, dev := c.First(); k != nil; k, dev = c.Next() {
 			for qk != nil && bytes.Compare(qk, k) < 0 {
 				qk, _ = q.Next()
 			}
-			if !want[string(dev)] && !bytes.Equal(qk, k) {
+			if !want[string(dev)] && (!bytes.Equal(qk, k) || skipped[string(dev)]) {
 				continue
 			}
 			var cmd companion.Command

@@ -71,7 +71,8 @@ func TestADamagedCommandIsLeftOut(t *testing.T) {
 		{"OpenCommands()", func() ([]companion.Command, error) { return db.OpenCommands(ctx) }, []string{"queued", "sent"}},
 		{"OpenCommands(queued)", func() ([]companion.Command, error) { return db.OpenCommands(ctx, companion.StateQueued) }, []string{"queued"}},
 		{"OpenCommands(sent)", func() ([]companion.Command, error) { return db.OpenCommands(ctx, companion.StateSent) }, []string{"sent"}},
-		{"QueuedCommandsWith(d1)", func() ([]companion.Command, error) { return db.QueuedCommandsWith(ctx, []string{"d1"}) }, []string{"queued", "sent"}},
+		{"QueuedCommandsWith(d1)", func() ([]companion.Command, error) { return db.QueuedCommandsWith(ctx, []string{"d1"}, nil) }, []string{"queued", "sent"}},
+		{"QueuedCommandsWith(skip d9)", func() ([]companion.Command, error) { return db.QueuedCommandsWith(ctx, nil, []string{"d9"}) }, []string{"queued"}},
 		{"ExpiredCommands(now)", func() ([]companion.Command, error) { return db.ExpiredCommands(ctx, now) }, []string{"queued", "sent"}},
 		{"SentCommandsOnline()", func() ([]companion.Command, error) { return db.SentCommandsOnline(ctx) }, []string{"sent"}},
 	}

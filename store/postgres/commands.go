@@ -614,17 +614,20 @@ func (s *Store) OpenCommands(ctx context.Context, states ...string) ([]companion
 	return appendCommands(out, rows)
 }
 
-// QueuedCommandsWith returns every queued command and the other non-final
-// commands of the given devices, oldest first, from one query: the
-// queued ones through their index, the devices' through theirs, and no
-// other open command.
-func (s *Store) QueuedCommandsWith(ctx context.Context, deviceIDs []string) ([]companion.Command, error) {
+// QueuedCommandsWith returns every queued command but those of the
+// devices in skip, and the other non-final commands of deviceIDs, oldest
+// first, from one query: the queued ones through their index, the
+// devices' through theirs, and no other open command.
+func (s *Store) QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) ([]companion.Command, error) {
 	if deviceIDs == nil {
 		deviceIDs = []string{}
 	}
-	rows, err := s.pool.Query(ctx, `SELECT `+commandColumns+` FROM commands WHERE state = 'queued'
-		UNION ALL SELECT `+commandColumns+` FROM commands WHERE device_id = ANY($1) AND state IN ('sent', 'delivered', 'in_progress')
-		ORDER BY id`, deviceIDs)
+	if skip == nil {
+		skip = []string{}
+	}
+	rows, err := s.pool.Query(ctx, `SELECT `+commandColumns+` FROM commands WHERE state = 'queued' AND device_id <> ALL($2) AND device_id <> ALL($1)
+		UNION ALL SELECT `+commandColumns+` FROM commands WHERE device_id = ANY($1) AND state IN ('queued', 'sent', 'delivered', 'in_progress')
+		ORDER BY id`, deviceIDs, skip)
 	if err != nil {
 		return nil, err
 	}

@@ -656,8 +656,9 @@ func testOpenCommands(t *testing.T, s companion.Store) {
 	assert.Equal(t, []string{a.ID, b.ID, c.ID, e.ID, f.ID}, ids(got), "OpenCommands()")
 }
 
-// QueuedCommandsWith returns every queued command and the other open
-// commands of the devices asked for, oldest first, never a final one nor
+// QueuedCommandsWith returns every queued command but those of the devices
+// skipped, and the other open commands of the devices asked for (asked for
+// and skipped: all their open ones), oldest first, never a final one nor
 // another device's that is not queued.
 func testQueuedCommandsWith(t *testing.T, s companion.Store) {
 	ctx := t.Context()
@@ -677,32 +678,38 @@ func testQueuedCommandsWith(t *testing.T, s companion.Store) {
 	setState(t, s, h.ID, companion.StateCanceled)
 
 	tests := []struct {
-		devices []string
-		want    []string
+		devices, skip []string
+		want          []string
 	}{
-		{nil, []string{a.ID, f.ID}},
-		{[]string{"d1"}, []string{a.ID, c.ID, f.ID}},
-		{[]string{"d2"}, []string{a.ID, b.ID, e.ID, f.ID}},
-		{[]string{"d3", "d1"}, []string{a.ID, c.ID, d.ID, f.ID}},
-		{[]string{"d1", "d2", "d3"}, []string{a.ID, b.ID, c.ID, d.ID, e.ID, f.ID}},
-		{[]string{"d9"}, []string{a.ID, f.ID}},
+		{nil, nil, []string{a.ID, f.ID}},
+		{[]string{"d1"}, nil, []string{a.ID, c.ID, f.ID}},
+		{[]string{"d2"}, nil, []string{a.ID, b.ID, e.ID, f.ID}},
+		{[]string{"d3", "d1"}, nil, []string{a.ID, c.ID, d.ID, f.ID}},
+		{[]string{"d1", "d2", "d3"}, nil, []string{a.ID, b.ID, c.ID, d.ID, e.ID, f.ID}},
+		{[]string{"d9"}, nil, []string{a.ID, f.ID}},
+		{nil, []string{"d1"}, []string{f.ID}},
+		{nil, []string{"d3", "d1"}, []string{}},
+		{nil, []string{"d9"}, []string{a.ID, f.ID}},
+		{[]string{"d2"}, []string{"d3"}, []string{a.ID, b.ID, e.ID}},
+		{[]string{"d3"}, []string{"d1"}, []string{d.ID, f.ID}},
+		{[]string{"d1"}, []string{"d1"}, []string{a.ID, c.ID, f.ID}},
 	}
 	for _, tt := range tests {
-		got, err := s.QueuedCommandsWith(ctx, tt.devices)
+		got, err := s.QueuedCommandsWith(ctx, tt.devices, tt.skip)
 		require.NoError(t, err)
 		if !slices.Equal(ids(got), tt.want) {
-			t.Errorf("QueuedCommandsWith(%v) = %v; want %v (oldest first)", tt.devices, ids(got), tt.want)
+			t.Errorf("QueuedCommandsWith(%v, skip %v) = %v; want %v (oldest first)", tt.devices, tt.skip, ids(got), tt.want)
 		}
 		for _, c := range got {
 			if c.DeviceID == "" || c.Op == "" || c.ExpiresAt.IsZero() {
-				t.Errorf("QueuedCommandsWith(%v) gave %s without its fields: %+v", tt.devices, c.ID, c)
+				t.Errorf("QueuedCommandsWith(%v, skip %v) gave %s without its fields: %+v", tt.devices, tt.skip, c.ID, c)
 			}
 		}
 	}
 	// Each in the state it is in now.
 	setState(t, s, a.ID, companion.StateSent)
 	setState(t, s, b.ID, companion.StateQueued)
-	got, err := s.QueuedCommandsWith(ctx, []string{"d3"})
+	got, err := s.QueuedCommandsWith(ctx, []string{"d3"}, nil)
 	require.NoError(t, err)
 	assert.Equal(t, []string{b.ID, d.ID, f.ID}, ids(got), "QueuedCommandsWith(d3) after a sent, b queued again")
 	for _, c := range got {
