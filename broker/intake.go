@@ -655,6 +655,9 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 			b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
 			if err == nil {
 				b.sawDevice(deviceID, s.Online)
+				if s.Online && live {
+					b.heardFrom(s.BridgeID)
+				}
 				switch {
 				case s.Online && b.takeOfflineMark(deviceID):
 					b.goOwned(func() { b.repairStatus(deviceID) })
@@ -755,6 +758,29 @@ func (b *Broker) sawDevice(deviceID string, online bool) {
 	b.online[deviceID] = true
 	b.resend[deviceID] = true
 	b.wake()
+}
+
+// heardFrom takes a device's status as its bridge published it (not
+// retained) as word that the bridge is there: one taken as away (its Will
+// the last of its state messages) is back. Its Will came after it was back,
+// or its "online" was lost: left away, its devices' commands waited for its
+// next "online", which a bridge that stays connected never sends, until
+// they expired. Those held go now.
+func (b *Broker) heardFrom(bridgeID string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.away[bridgeID] {
+		return
+	}
+	delete(b.away, bridgeID)
+	for d, bridge := range b.awayDevices {
+		if bridge == bridgeID {
+			b.resend[d] = true
+			delete(b.awayDevices, d)
+		}
+	}
+	b.wake()
+	b.log.Warn("a bridge taken as away reported a device: it is back; its devices' held commands go", "bridge_id", bridgeID)
 }
 
 // bridgeOnline takes a bridge's "online": the bridge has just connected and

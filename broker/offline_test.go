@@ -469,3 +469,27 @@ func commandIDs(cmds []companion.Command) []string {
 	}
 	return ids
 }
+
+// A bridge taken as away that is heard from (a device's status, as it
+// publishes it) is back: its Will came after it was, or its "online" was
+// lost. Its devices' held commands go, rather than wait for its next
+// "online", which a bridge that stays connected never sends, past their
+// TTL.
+func TestABridgeAwayThatReportsGetsItsHeldCommands(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	bs, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, topics.BridgeOffline), 5*time.Second)) // a stale Will
+	testenv.Eventually(t, 10*time.Second, "the bridge taken as away", func() bool {
+		e.b.mu.Lock()
+		defer e.b.mu.Unlock()
+		return e.b.away["b1"]
+	})
+	held := submit(t, e, "dev-1", "held", time.Hour)
+	fb.none(t, 3*sentDelay, "a command of a bridge away")
+
+	topic, _ := tree.Status("dev-1")
+	fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 2, At: time.Now()})
+	assert.Equal(t, held.ID, fb.next(t).ID, "the held command goes once the bridge is heard from")
+}
