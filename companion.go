@@ -24,6 +24,11 @@ var (
 	ErrBadDigest     = errors.New("store: content does not match its digest")
 	ErrSchemaTooNew  = errors.New("store: data file written by a newer version")
 	ErrInvalidCursor = errors.New("store: invalid cursor")
+	// ErrUnreadable is a record the store holds and cannot read: its
+	// bytes do not decode (the bbolt file damaged there). A command so is
+	// no longer sent, expired or counted among its device's unfinished
+	// commands; its bytes are kept as they are.
+	ErrUnreadable = errors.New("store: record does not decode")
 )
 
 // ErrNotOwned is returned when a user names a bridge or device that is not

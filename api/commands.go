@@ -821,6 +821,8 @@ func (s *Server) deviceCommand(c *gin.Context, b companion.Binding) (companion.C
 	switch {
 	case errors.Is(err, companion.ErrNotFound):
 		return companion.Command{}, errCommandNotFnd
+	case errors.Is(err, companion.ErrUnreadable) && cmd.DeviceID != "" && cmd.DeviceID != b.DeviceID:
+		return companion.Command{}, errCommandNotFnd
 	case err != nil:
 		return companion.Command{}, err
 	case cmd.DeviceID != b.DeviceID || cmd.UserID != b.UserID:

@@ -10,6 +10,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -66,6 +67,7 @@ const (
 	CodeQueueFull            = "queue_full"
 	CodeRateLimited          = "rate_limited"
 	CodeInternal             = "internal"
+	CodeCommandUnreadable    = "command_unreadable"
 	CodeNotReady             = "not_ready"
 	CodeUnavailable          = "unavailable"
 )
@@ -109,8 +111,11 @@ var codes = map[string]codeInfo{
 	CodeQueueFull:            {http.StatusTooManyRequests, "Queue full", "the device has too many unfinished commands"},
 	CodeRateLimited:          {http.StatusTooManyRequests, "Rate limited", "too many requests"},
 	CodeInternal:             {http.StatusInternalServerError, "Internal error", "internal error"},
-	CodeNotReady:             {http.StatusServiceUnavailable, "Not ready", "the service is not ready"},
-	CodeUnavailable:          {http.StatusServiceUnavailable, "Unavailable", "the store cannot be reached now; try again"},
+	CodeCommandUnreadable: {http.StatusInternalServerError, "Command unreadable", "the server's record of this command is damaged and cannot be read: " +
+		"its state is not known, and it is no longer sent, expired or counted among the device's unfinished commands; " +
+		"the server's operator can restore it from a backup"},
+	CodeNotReady:    {http.StatusServiceUnavailable, "Not ready", "the service is not ready"},
+	CodeUnavailable: {http.StatusServiceUnavailable, "Unavailable", "the store cannot be reached now; try again"},
 }
 
 // Errors used as they are.
@@ -118,6 +123,7 @@ var (
 	errNotFound       = &Error{Code: CodeNotFound}
 	errDeviceNotFound = &Error{Code: CodeDeviceNotFound}
 	errCommandNotFnd  = &Error{Code: CodeCommandNotFound}
+	errCmdUnreadable  = &Error{Code: CodeCommandUnreadable}
 	errAppNotFound    = &Error{Code: CodeAppNotFound}
 	errFirmwareNotFnd = &Error{Code: CodeFirmwareNotFound}
 	errInvalidClaim   = &Error{Code: CodeInvalidClaim}
@@ -149,7 +155,11 @@ type problem struct {
 func (s *Server) fail(c *gin.Context, err error) {
 	s.releaseIdempotent(c)
 	var e *Error
-	if !errors.As(err, &e) {
+	if errors.Is(err, companion.ErrUnreadable) {
+		// Logged by the store, once.
+		e = errCmdUnreadable
+	}
+	if e == nil && !errors.As(err, &e) {
 		ctx := c.Request.Context()
 		level := s.log.ErrorContext
 		if errors.Is(err, context.Canceled) && ctx.Err() != nil {

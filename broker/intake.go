@@ -546,7 +546,8 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
 		}
 		if err != nil && !errors.Is(err, companion.ErrNotFound) && !errors.Is(err, companion.ErrFinal) &&
-			!errors.Is(err, errStale) && !errors.Is(err, companion.ErrInvalid) && attempt < maxReplyAttempts {
+			!errors.Is(err, errStale) && !errors.Is(err, companion.ErrInvalid) && !errors.Is(err, companion.ErrUnreadable) &&
+			attempt < maxReplyAttempts {
 			// The store failed (PostgreSQL restarting, say): the reply is
 			// not acknowledged, and is taken again a little later; the
 			// bridge's later replies meanwhile are ranked against it.
@@ -584,6 +585,10 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			b.mu.Lock()
 			delete(b.live, r.CommandID)
 			b.mu.Unlock()
+		case errors.Is(err, companion.ErrUnreadable):
+			// The store has taken it out of the unfinished commands, and
+			// logged it: nothing to store, and no use sending it again.
+			b.log.Warn("reply for a command whose record does not decode ignored", "device_id", deviceID, "command_id", r.CommandID, "state", r.State)
 		case err != nil:
 			b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
 			if !errors.Is(err, companion.ErrInvalid) {

@@ -152,7 +152,15 @@ func (db *DB) endUnbound(tx *bolt.Tx, deviceID, userID string) ([]companion.Comm
 		var c companion.Command
 		ok, err := seekJSON(cmds, id, &c)
 		if err != nil {
-			return false, err
+			// Damaged: it cannot be ended, and is taken out of the
+			// unfinished commands instead, not left to the device's
+			// next owner.
+			db.logUndecodable("command", id, err)
+			if err := db.closeUndecodable(tx, id); err != nil {
+				return false, err
+			}
+			seen++
+			return seen < open, nil
 		}
 		if !ok || companion.IsFinal(c.State) {
 			return true, nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -13,6 +14,8 @@ import (
 
 	"github.com/google/uuid"
 	bolt "go.etcd.io/bbolt"
+
+	"github.com/devicecompanion/companion/internal/groupcommit"
 )
 
 // IdempotencyTTL is how long an idempotency record answers repeats.
@@ -99,7 +102,8 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 				}
 				found, err := getJSON(tx.Bucket(bucketCommands), []byte(old.CommandID), &cmd)
 				if err != nil {
-					return err
+					db.logUndecodable("command", []byte(old.CommandID), err)
+					return abort(fmt.Errorf("store: command %s: %w", old.CommandID, companion.ErrUnreadable))
 				}
 				if !found {
 					return abort(fmt.Errorf("store: idempotency record names missing command %s: %w", old.CommandID, companion.ErrNotFound))
@@ -281,13 +285,43 @@ func foldDeviceCmds(tx *bolt.Tx) error {
 	return nil
 }
 
-// Command returns the command with the id, or ErrNotFound.
+// Command returns the command with the id, or ErrNotFound. A record that
+// does not decode is ErrUnreadable, with a Command of its id and, when the
+// store knows it without a walk, its device (else ""): the caller can tell
+// whose it is. Such a record is taken out of its device's unfinished
+// commands (metUndecodable).
 func (db *DB) Command(ctx context.Context, id string) (companion.Command, error) {
+	if id == "" {
+		return companion.Command{}, companion.ErrNotFound
+	}
 	var c companion.Command
-	if err := db.get(bucketCommands, []byte(id), &c); err != nil {
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		ok, err := getJSON(tx.Bucket(bucketCommands), []byte(id), &c)
+		switch {
+		case err != nil:
+			db.metUndecodable(tx, []byte(id), err)
+			c = companion.Command{ID: id, DeviceID: deviceOf(tx, []byte(id))}
+			return fmt.Errorf("store: command %s: %w", id, companion.ErrUnreadable)
+		case !ok:
+			return companion.ErrNotFound
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, companion.ErrUnreadable) {
 		return companion.Command{}, err
 	}
-	return c, nil
+	return c, err
+}
+
+// deviceOf returns the device of the command id from the indexes that
+// are keyed by command (the open commands, the newest commands' device
+// index), or "" when neither holds it: a final command whose entry was
+// folded into device_cmds, keyed by device.
+func deviceOf(tx *bolt.Tx, id []byte) string {
+	if dev := tx.Bucket(bucketOpen).Get(id); dev != nil {
+		return string(dev)
+	}
+	return string(tx.Bucket(bucketDeviceCmdsNew).Get(id))
 }
 
 // UpdateCommand changes a command through fn and stores it with UpdatedAt
@@ -351,7 +385,13 @@ func (db *DB) updateCommand(tx *bolt.Tx, id string, fn func(*companion.Command) 
 	var nc companion.Command
 	ok, err := getJSON(cmds, []byte(id), &nc)
 	if err != nil {
-		return companion.Command{}, false, err
+		// Nothing can be written in its place: it is taken out of the
+		// unfinished commands here, and the caller told.
+		db.logUndecodable("command", []byte(id), err)
+		if err := db.closeUndecodable(tx, []byte(id)); err != nil {
+			return companion.Command{}, false, err
+		}
+		return companion.Command{}, false, abort(fmt.Errorf("store: command %s: %w", id, companion.ErrUnreadable))
 	}
 	if !ok {
 		return companion.Command{}, false, abort(companion.ErrNotFound)
@@ -448,7 +488,10 @@ func (db *DB) ListCommands(ctx context.Context, q companion.CommandQuery) (page 
 			var cmd companion.Command
 			ok, err := seekJSON(cmds, id, &cmd)
 			if err != nil {
-				return err
+				// One damaged record does not fail the list: it is left
+				// out, logged and counted.
+				db.metUndecodable(tx, id, err)
+				continue
 			}
 			if !ok || (q.UserID != "" && cmd.UserID != q.UserID) || (q.State != "" && cmd.State != q.State) {
 				continue
@@ -529,27 +572,108 @@ func expiryKey(c companion.Command) []byte {
 
 // decodeListed decodes the command at id for a read of many, the outbox's
 // and the sweeps': one that does not decode (the file damaged there) is
-// left out and logged (logUndecodable), so that one damaged record does
-// not stop the dispatch and the expiry of every other command, as the
-// error of the whole read did. false: absent or left out.
-func (db *DB) decodeListed(cmds *bolt.Bucket, id []byte, cmd *companion.Command) bool {
+// left out (metUndecodable), so that one damaged record does not stop the
+// dispatch and the expiry of every other command, as the error of the
+// whole read did. false: absent or left out.
+func (db *DB) decodeListed(tx *bolt.Tx, cmds *bolt.Bucket, id []byte, cmd *companion.Command) bool {
 	ok, err := getJSON(cmds, id, cmd)
 	if err != nil {
-		db.logUndecodable("command", id, err)
+		db.metUndecodable(tx, id, err)
 		return false
 	}
 	return ok
 }
 
-// logUndecodable logs a record left out of a read of many because it does
-// not decode, once a process per record: the sweeps read it again every
-// pass.
+// metUndecodable is told of a command record that a read in tx met and
+// could not decode. It is logged and counted once a process
+// (logUndecodable); while it is among the unfinished commands, a write of
+// its own takes it out of them (closeUndecodable). Nothing can send it,
+// expire it, end it or even tell its state, and it counted toward its
+// device's limit of unfinished commands for good: enough of them, and the
+// device took no command again.
+func (db *DB) metUndecodable(tx *bolt.Tx, id []byte, err error) {
+	db.logUndecodable("command", id, err)
+	if tx.Bucket(bucketOpen).Get(id) == nil {
+		return // final, or taken out already
+	}
+	id = bytes.Clone(id)
+	db.batchAsync(func(tx *bolt.Tx) error {
+		return db.closeUndecodable(tx, id)
+	}, func(err error) {
+		if err != nil && !errors.Is(err, groupcommit.ErrClosed) {
+			db.log.Error("store: taking a command that does not decode out of its device's unfinished commands failed; tried again when it is next read", "key", string(id), "err", err)
+		}
+	})
+}
+
+// closeUndecodable takes the command id, whose record does not decode, out
+// of the indexes of unfinished commands in tx: the open index and its
+// device's count, the queued and expiry indexes, and the blob references.
+// Its record stays as it is (a backup may restore it), and so does its
+// entry in its device's history. The expiry and blob reference keys begin
+// with what only the record says, so those indexes are walked: once for
+// each damaged record, under a second at a million unfinished commands.
+func (db *DB) closeUndecodable(tx *bolt.Tx, id []byte) error {
+	open := tx.Bucket(bucketOpen)
+	dev := bytes.Clone(open.Get(id))
+	if dev == nil {
+		return nil
+	}
+	var c companion.Command
+	if _, err := getJSON(tx.Bucket(bucketCommands), id, &c); err == nil {
+		return nil // it reads after all: nothing to take out
+	}
+	if err := open.Delete(id); err != nil {
+		return err
+	}
+	if _, err := addOpen(tx.Bucket(bucketOpenCount), dev, -1, 0); err != nil {
+		return err
+	}
+	if err := tx.Bucket(bucketQueued).Delete(id); err != nil {
+		return err
+	}
+	exp := tx.Bucket(bucketExpiry).Cursor()
+	for k, _ := exp.First(); k != nil; k, _ = exp.Next() {
+		if bytes.Equal(k[8:], id) {
+			if err := exp.Delete(); err != nil {
+				return err
+			}
+			break
+		}
+	}
+	suffix := append([]byte{0}, id...)
+	refs := tx.Bucket(bucketBlobRefs).Cursor()
+	for k, _ := refs.First(); k != nil; k, _ = refs.Next() {
+		if bytes.HasSuffix(k, suffix) {
+			if err := refs.Delete(); err != nil {
+				return err
+			}
+			break
+		}
+	}
+	db.log.Warn("store: a command whose record is damaged is no longer counted among its device's unfinished commands; it is never sent, expired or ended",
+		"key", string(id), "device_id", string(dev))
+	return nil
+}
+
+// logUndecodable logs a record left out of a read because it does not
+// decode, and counts it, once a process per record: the sweeps read it
+// again every pass.
 func (db *DB) logUndecodable(what string, key []byte, err error) {
 	if _, seen := db.undecodable.LoadOrStore(what+"\x00"+string(key), true); seen {
 		return
 	}
-	db.log.Error("store: a "+what+" that does not decode is left out of the dispatch and the sweeps: the file is damaged there; restore it from a backup when you can",
+	db.undecodableN.Add(1)
+	db.log.Error("store: a "+what+" that does not decode is left out of the dispatch, the sweeps and the lists: the file is damaged there; restore it from a backup when you can",
 		"key", string(key), "err", err)
+}
+
+// Undecodable returns how many records the store has met since it opened
+// that do not decode (the file damaged there), each left out of the reads
+// that met it and logged once (docs/operations.md): the figure of
+// companion_store_undecodable_records.
+func (db *DB) Undecodable() int {
+	return int(db.undecodableN.Load())
 }
 
 // ExpiredCommands returns the commands still queued or sent whose
@@ -562,7 +686,7 @@ func (db *DB) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.C
 		c := tx.Bucket(bucketExpiry).Cursor()
 		for k, _ := c.First(); k != nil && bytes.Compare(k[:8], end) < 0; k, _ = c.Next() {
 			var cmd companion.Command
-			if db.decodeListed(cmds, k[8:], &cmd) && expiring(cmd.State) {
+			if db.decodeListed(tx, cmds, k[8:], &cmd) && expiring(cmd.State) {
 				out = append(out, cmd)
 			}
 		}
@@ -592,7 +716,7 @@ func (db *DB) OpenCommands(ctx context.Context, states ...string) ([]companion.C
 		c := tx.Bucket(index).Cursor()
 		for k, _ := c.First(); k != nil; k, _ = c.Next() {
 			var cmd companion.Command
-			if db.decodeListed(cmds, k, &cmd) && (len(states) == 0 || slices.Contains(states, cmd.State)) {
+			if db.decodeListed(tx, cmds, k, &cmd) && (len(states) == 0 || slices.Contains(states, cmd.State)) {
 				out = append(out, cmd)
 			}
 		}
@@ -630,7 +754,7 @@ func (db *DB) QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) 
 		if len(want) == 0 {
 			for k, dev := q.First(); k != nil; k, dev = q.Next() {
 				var cmd companion.Command
-				if !skipped[string(dev)] && db.decodeListed(cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
+				if !skipped[string(dev)] && db.decodeListed(tx, cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
 					out = append(out, cmd)
 				}
 			}
@@ -646,7 +770,7 @@ func (db *DB) QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) 
 				continue
 			}
 			var cmd companion.Command
-			if db.decodeListed(cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
+			if db.decodeListed(tx, cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
 				out = append(out, cmd)
 			}
 		}
@@ -713,7 +837,7 @@ func (db *DB) sentCommandsOf(keep func(tx *bolt.Tx, deviceID []byte) bool) ([]co
 				}
 			}
 			var cmd companion.Command
-			if db.decodeListed(cmds, id, &cmd) && cmd.State == companion.StateSent {
+			if db.decodeListed(tx, cmds, id, &cmd) && cmd.State == companion.StateSent {
 				out = append(out, cmd)
 			}
 		}

@@ -222,7 +222,8 @@ type DB struct {
 
 	blobMu sync.RWMutex // the blob directory's files against their records (blobLock)
 
-	undecodable sync.Map // records logged as left out for not decoding (logUndecodable)
+	undecodable  sync.Map     // records logged as left out for not decoding (logUndecodable)
+	undecodableN atomic.Int64 // how many undecodable holds (Undecodable)
 
 	foldAt int // device_cmds_new entries that make a fold due (foldDeviceCmdsAt)
 

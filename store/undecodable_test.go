@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"slices"
 	"strings"
@@ -86,5 +87,133 @@ func TestADamagedCommandIsLeftOut(t *testing.T) {
 	}
 	if n := strings.Count(logs.String(), "does not decode"); n != 2 {
 		t.Errorf("%d logs of a record that does not decode; want 2, one a record:\n%s", n, logs.String())
+	}
+}
+
+// TestADamagedCommandIsTakenOut damages two of a device's three
+// unfinished commands, at its limit of three, and a final one: the list of
+// its commands leaves them out, a read of one says it is unreadable and
+// whose it is, they no longer count toward the limit, and the device can
+// be unbound (past a fourth, damaged since) and purged past them. Each is
+// logged once and counted. Without the fix the list and the unbind
+// failed, the read was the decode error, the device took no command
+// again, and the purge stopped at the first damaged record.
+func TestADamagedCommandIsTakenOut(t *testing.T) {
+	var logs testenv.Buffer
+	now := time.Now()
+	clock := now
+	db := openTestDBWith(t, t.TempDir()+"/companion.db", Options{Logger: slog.New(slog.NewTextHandler(&logs, nil)), Now: func() time.Time { return clock }})
+	ctx := context.Background()
+	if err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "sim-1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1"}); err != nil {
+		t.Fatal(err)
+	}
+	create := func() (companion.Command, error) {
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", UserID: "u1", Op: "push.text", ExpiresAt: now.Add(time.Hour), Blob: strings.Repeat("ab", 32)}, 3, nil)
+		return c, err
+	}
+	ids := map[string]string{}
+	for _, name := range []string{"final-damaged", "queued-damaged", "delivered-damaged", "sent"} {
+		c, err := create()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[name] = c.ID
+		state := map[string]string{"final-damaged": companion.StateSucceeded, "delivered-damaged": companion.StateDelivered, "sent": companion.StateSent}[name]
+		if state != "" {
+			if _, err := db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = state; return nil }); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if _, err := create(); !errors.Is(err, companion.ErrQueueFull) {
+		t.Fatalf("a fourth unfinished command = %v; want ErrQueueFull", err)
+	}
+	if err := db.bolt.Update(func(tx *bolt.Tx) error {
+		for _, name := range []string{"final-damaged", "queued-damaged", "delivered-damaged"} {
+			if err := tx.Bucket(bucketCommands).Put([]byte(ids[name]), []byte(`{"id": "`)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	page, more, err := db.ListCommands(ctx, companion.CommandQuery{DeviceID: "d1", Limit: 10})
+	if err != nil || more || len(page) != 1 || page[0].ID != ids["sent"] {
+		t.Errorf("ListCommands(d1) = %d commands, %v, %v; want the sent one alone", len(page), more, err)
+	}
+	c, err := db.Command(ctx, ids["queued-damaged"])
+	if !errors.Is(err, companion.ErrUnreadable) || c.ID != ids["queued-damaged"] || c.DeviceID != "d1" {
+		t.Errorf("Command(queued-damaged) = %+v, %v; want its id and device, and ErrUnreadable", c, err)
+	}
+	// The list's read takes the damaged ones out of the unfinished
+	// commands, by a write of its own.
+	testenv.Eventually(t, 10*time.Second, "the damaged commands no longer counted", func() bool {
+		n, err := db.CountOpen(ctx, "d1")
+		return err == nil && n == 1
+	})
+	if n, err := db.CountAllOpen(ctx); n != 1 || err != nil {
+		t.Errorf("CountAllOpen = %d, %v; want 1", n, err)
+	}
+	for _, read := range []func() ([]companion.Command, error){
+		func() ([]companion.Command, error) { return db.OpenCommands(ctx) },
+		func() ([]companion.Command, error) { return db.ExpiredCommands(ctx, now.Add(2*time.Hour)) },
+	} {
+		if cmds, err := read(); err != nil || len(cmds) != 1 || cmds[0].ID != ids["sent"] {
+			t.Errorf("an open read = %d commands, %v; want the sent one alone", len(cmds), err)
+		}
+	}
+	if err := db.bolt.View(func(tx *bolt.Tx) error {
+		if n := tx.Bucket(bucketBlobRefs).Stats().KeyN; n != 1 {
+			t.Errorf("%d blob references; want 1, the sent command's", n)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	since, err := create()
+	if err != nil {
+		t.Fatalf("a command after the damaged ones were taken out = %v", err)
+	}
+	// Damaged in its turn, it is met first by the unbind's write, which
+	// takes it out itself.
+	ids["since-damaged"] = since.ID
+	if err := db.bolt.Update(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketCommands).Put([]byte(since.ID), []byte(`{"id": "`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.UpdateCommand(ctx, ids["delivered-damaged"], func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil }); !errors.Is(err, companion.ErrUnreadable) {
+		t.Errorf("a reply to a damaged command = %v; want ErrUnreadable", err)
+	}
+	if u, err := db.Unbind(ctx, "d1", "u1"); err != nil || len(u.Ended) != 1 || u.Ended[0].ID != ids["sent"] {
+		t.Errorf("Unbind(d1) = %d commands ended, %v; want 1, the sent one", len(u.Ended), err)
+	}
+	if n, err := db.CountAllOpen(ctx); n != 0 || err != nil {
+		t.Errorf("after the unbind, CountAllOpen = %d, %v; want 0", n, err)
+	}
+
+	clock = now.Add(48 * time.Hour)
+	if _, err := db.PurgeCommands(ctx, clock.Add(-time.Hour)); err != nil {
+		t.Errorf("PurgeCommands = %v", err)
+	}
+	for name, id := range ids {
+		_, err := db.Command(ctx, id)
+		switch want := strings.HasSuffix(name, "-damaged"); {
+		case want && !errors.Is(err, companion.ErrUnreadable):
+			t.Errorf("after the purge, Command(%s) = %v; want ErrUnreadable (its bytes kept)", name, err)
+		case !want && !errors.Is(err, companion.ErrNotFound):
+			t.Errorf("after the purge, Command(%s) = %v; want ErrNotFound (purged)", name, err)
+		}
+	}
+	if n := db.Undecodable(); n != 4 {
+		t.Errorf("Undecodable() = %d; want 4", n)
+	}
+	if n := strings.Count(logs.String(), "does not decode is left out"); n != 4 {
+		t.Errorf("%d logs of a record that does not decode; want 4, one a record:\n%s", n, logs.String())
 	}
 }

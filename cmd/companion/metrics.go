@@ -39,7 +39,11 @@ func (m *Main) startMetrics(_ context.Context) error {
 	if addr == "" {
 		return nil
 	}
-	s := metrics.NewServer(metrics.ServerOptions{OpenCommands: m.countOpenCommands, Logger: m.Logger})
+	opts := metrics.ServerOptions{OpenCommands: m.countOpenCommands, Logger: m.Logger}
+	if m.bolt != nil {
+		opts.Undecodable = m.bolt.Undecodable
+	}
+	s := metrics.NewServer(opts)
 	ln, err := metrics.Listen(addr, s.Registry(), m.Logger)
 	if err != nil {
 		if m.Config.metricsOptional {

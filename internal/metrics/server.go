@@ -37,6 +37,10 @@ type ServerOptions struct {
 	// store, every replica's. Without it the open commands gauge is not
 	// served.
 	OpenCommands func(context.Context) (int, error)
+	// Undecodable counts the records of the store met since it opened
+	// that do not decode (store.DB.Undecodable). Without it the gauge is
+	// not served (PostgreSQL has no such records).
+	Undecodable func() int
 	// Logger receives a failed count of the open commands;
 	// slog.Default() when nil.
 	Logger *slog.Logger
@@ -126,6 +130,12 @@ func NewServer(opts ServerOptions) *Server {
 	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
 	if s.open.count != nil {
 		s.reg.MustRegister(s.open)
+	}
+	if n := opts.Undecodable; n != nil {
+		s.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "companion_store_undecodable_records",
+			Help: "Records of the bbolt store met since it opened that do not decode (the file damaged there), each left out of the reads that met it and logged once; restore the file from a backup.",
+		}, func() float64 { return float64(n()) }))
 	}
 	for _, op := range topics.Ops {
 		o := &opSeries{
