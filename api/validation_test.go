@@ -860,3 +860,28 @@ func routeTakes(pattern, path string) bool {
 	}
 	return true
 }
+
+// TestRouteNamesAreIDsToo reads and unbinds the device register, and
+// uninstalls the app install, over the real server: ids that are also a
+// route's last segment (POST /devices/register, POST …/apps/install) are
+// ids like any other (CONTRACT §2), and each answer is checked against
+// api/openapi.json. Without the document's operations on those paths the
+// check failed them: OpenAPI matches /devices/register to the register
+// operation's path, which had POST alone, and the document said 405.
+func TestRouteNamesAreIDsToo(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("register")
+	r := e.do("GET", "/api/v1/devices/register", tok, nil)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	assert.Equal(t, "register", r.json(t)["device_id"])
+	r = e.do("DELETE", "/api/v1/devices/register/apps/install", tok, nil)
+	assert.Equal(t, http.StatusAccepted, r.status, "%s", r.body)
+	assert.Equal(t, "app.uninstall", r.json(t)["op"], "%s", r.body)
+	e.cmds.mu.Lock()
+	assert.Contains(t, string(e.cmds.submitted[len(e.cmds.submitted)-1].Payload), `"app_id":"install"`)
+	e.cmds.mu.Unlock()
+	r = e.do("DELETE", "/api/v1/devices/register", tok, nil)
+	assert.Equal(t, http.StatusNoContent, r.status, "%s", r.body)
+	r = e.do("GET", "/api/v1/devices/register", tok, nil)
+	assert.Equal(t, http.StatusNotFound, r.status, "%s", r.body)
+}
