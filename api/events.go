@@ -471,6 +471,14 @@ func (s *Server) streamEvents(c *gin.Context) error {
 			// to the client.
 			last, after = "", ""
 		}
+	}
+	if c.Request.Method == http.MethodHead {
+		// The status and headers of a stream that would open, and no
+		// stream: a HEAD has no body to wait in.
+		streamHeaders(c)
+		return nil
+	}
+	if !caughtUp {
 		if backlog, after, err = hub.opts.Store.Events(ctx, user.ID, after, eventsBacklogPage); err != nil {
 			return err
 		}
@@ -481,11 +489,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	// The deadline stays on the connection, which may serve another
 	// request once the stream ends.
 	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
-	h := c.Writer.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-store")
-	h.Set("X-Accel-Buffering", "no") // no proxy buffering
-	c.Status(http.StatusOK)
+	streamHeaders(c)
 	// A stream that starts from now gets its starting point as its first
 	// id, in an event without data (EventSource keeps the id and fires
 	// nothing): a client that loses the stream before any event came
@@ -541,6 +545,15 @@ func (s *Server) streamEvents(c *gin.Context) error {
 			}
 		}
 	}
+}
+
+// streamHeaders sets the status and headers of an event stream.
+func streamHeaders(c *gin.Context) {
+	h := c.Writer.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-store")
+	h.Set("X-Accel-Buffering", "no") // no proxy buffering
+	c.Status(http.StatusOK)
 }
 
 // sseWriter writes a stream's events, each flushed within its deadline.

@@ -402,40 +402,45 @@ func (s *Server) routes() *gin.Engine {
 	e.NoRoute(s.h(func(*gin.Context) error { return errNotFound }))
 	e.NoMethod(s.h(func(*gin.Context) error { return &Error{Code: CodeMethodNotAllowed} }))
 
-	// HEAD too: some load balancers and uptime checkers probe with it.
-	e.GET("/healthz", s.healthz)
-	e.HEAD("/healthz", s.healthz)
-	e.GET("/readyz", s.h(s.readyz))
-	e.HEAD("/readyz", s.h(s.readyz))
+	// Every GET route serves HEAD too (RFC 9110 §9.3.2: the status and
+	// headers of GET, without the body, which net/http leaves out); load
+	// balancers and uptime checkers probe with it, and clients ask a
+	// download's size so.
+	get := func(g gin.IRoutes, path string, handlers ...gin.HandlerFunc) {
+		g.GET(path, handlers...)
+		g.HEAD(path, handlers...)
+	}
+	get(e, "/healthz", s.healthz)
+	get(e, "/readyz", s.h(s.readyz))
 
 	v1 := e.Group("/api/v1")
-	v1.GET("/openapi.json", s.openapi)
+	get(v1, "/openapi.json", s.openapi)
 
 	user := v1.Group("", s.sourceLimit, s.userAuth, s.rateLimit)
 	user.POST("/devices/register", s.h(s.registerDevice))
-	user.GET("/devices", s.h(s.listDevices))
-	user.GET("/devices/:id", s.h(s.getDevice))
+	get(user, "/devices", s.h(s.listDevices))
+	get(user, "/devices/:id", s.h(s.getDevice))
 	user.DELETE("/devices/:id", s.h(s.unbindDevice))
-	user.GET("/devices/:id/status", s.h(s.deviceStatus))
+	get(user, "/devices/:id/status", s.h(s.deviceStatus))
 	user.POST("/devices/:id/push/text", s.h(s.pushText))
 	user.POST("/devices/:id/push/image", s.h(s.pushImage))
-	user.GET("/devices/:id/apps", s.h(s.deviceApps))
+	get(user, "/devices/:id/apps", s.h(s.deviceApps))
 	user.POST("/devices/:id/apps/install", s.h(s.installApp))
 	user.DELETE("/devices/:id/apps/:app_id", s.h(s.uninstallApp))
 	user.PUT("/devices/:id/apps/:app_id/update", s.h(s.updateApp))
-	user.GET("/devices/:id/settings", s.h(s.getSettings))
+	get(user, "/devices/:id/settings", s.h(s.getSettings))
 	user.PUT("/devices/:id/settings", s.h(s.putSettings))
-	user.GET("/devices/:id/ota/check", s.h(s.otaCheck))
+	get(user, "/devices/:id/ota/check", s.h(s.otaCheck))
 	user.POST("/devices/:id/ota/update", s.h(s.otaUpdate))
-	user.GET("/devices/:id/commands", s.h(s.listCommands))
-	user.GET("/devices/:id/commands/:command_id", s.h(s.getCommand))
+	get(user, "/devices/:id/commands", s.h(s.listCommands))
+	get(user, "/devices/:id/commands/:command_id", s.h(s.getCommand))
 	user.DELETE("/devices/:id/commands/:command_id", s.h(s.cancelCommand))
 	user.PUT("/devices/:id/bridge", s.h(s.assignUserDevice))
 	user.POST("/bridges", s.h(s.createUserBridge))
-	user.GET("/bridges", s.h(s.listUserBridges))
+	get(user, "/bridges", s.h(s.listUserBridges))
 	user.DELETE("/bridges/:bridge_id", s.h(s.deleteUserBridge))
-	user.GET("/apps", s.h(s.appCatalog))
-	user.GET("/events", s.h(s.streamEvents))
+	get(user, "/apps", s.h(s.appCatalog))
+	get(user, "/events", s.h(s.streamEvents))
 
 	admin := v1.Group("/admin", s.sourceLimit, s.adminAuth, s.rateLimit)
 	admin.POST("/users", s.h(s.adminCreateUser))
@@ -445,8 +450,7 @@ func (s *Server) routes() *gin.Engine {
 	admin.PUT("/firmware/:model/:version", s.h(s.adminPutFirmware))
 	admin.PUT("/apps/:app_id/:version", s.h(s.adminPutApp))
 
-	v1.GET("/blobs/:sha256", s.sourceLimit, s.blobAuth, s.rateLimit, s.h(s.getBlob))
-	v1.HEAD("/blobs/:sha256", s.sourceLimit, s.blobAuth, s.rateLimit, s.h(s.getBlob))
+	get(v1, "/blobs/:sha256", s.sourceLimit, s.blobAuth, s.rateLimit, s.h(s.getBlob))
 	return e
 }
 
