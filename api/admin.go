@@ -447,6 +447,14 @@ func (s *Server) getBlob(c *gin.Context) error {
 //     part), the range just past the end, which ServeContent answers 416
 //     after the preconditions and If-Range, as the RFC orders them.
 //
+// A header of more than maxBlobRanges ranges is ignored too, as Apache
+// httpd's MaxRanges has it: ServeContent serves any number of them, each
+// a part of its own, as long as they add up to no more than the content,
+// so that a header of 250,000 ranges of one byte (`0-0,0-0,…`, a megabyte
+// of header, which net/http takes) was answered 250,000 parts, each a seek
+// and a read of the blob (on PostgreSQL, of its chunk of 256 KiB when the
+// ranges go back and forth).
+//
 // ServeContent alone answers 416 to every header it cannot parse, to a
 // last-pos it cannot hold in an int64, and to `Bytes=`.
 func blobRange(h string, size int64) string {
@@ -462,7 +470,9 @@ func blobRange(h string, size int64) string {
 		if spec == "" {
 			continue // an empty list element (RFC 9110 §5.6.1)
 		}
-		specs++
+		if specs++; specs > maxBlobRanges {
+			return ""
+		}
 		first, last, ok := strings.Cut(spec, "-")
 		switch {
 		case !ok || first != "" && !isDigits(first) || last != "" && !isDigits(last):
@@ -496,6 +506,13 @@ func blobRange(h string, size int64) string {
 	}
 	return "bytes=" + strings.Join(kept, ",")
 }
+
+// maxBlobRanges is the most ranges a blob's Range may ask for and be
+// served; one of more is served whole (a 200). Apache httpd's MaxRanges
+// defaults to 200 (lighttpd keeps 128, nginx's max_ranges none but the
+// content's size, as ServeContent); a bridge resuming a download asks for
+// one.
+const maxBlobRanges = 200
 
 // isDigits reports whether s is one or more ASCII digits.
 func isDigits(s string) bool {

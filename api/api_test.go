@@ -8,6 +8,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"mime"
+	"mime/multipart"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -903,6 +906,38 @@ func TestBlobRanges(t *testing.T) {
 		default:
 			assert.True(t, strings.HasPrefix(r.header.Get("Content-Type"), "multipart/byteranges;"), "Range: %s: %s", tc.rng, r.header.Get("Content-Type"))
 		}
+	}
+	// Up to 200 ranges are served as parts; more, however short, are
+	// served as the whole content, as Apache's MaxRanges has it. Each
+	// case's ranges add up to no more than the content, which
+	// ServeContent alone serves as parts, however many.
+	ranges := func(n int) string {
+		specs := make([]string, n)
+		for i := range specs {
+			specs[i] = fmt.Sprintf("%d-%d", i%500*2, i%500*2)
+		}
+		return "bytes=" + strings.Join(specs, ",")
+	}
+	for _, tc := range []struct {
+		n      int
+		status int
+	}{{2, http.StatusPartialContent}, {200, http.StatusPartialContent}, {201, http.StatusOK}, {1000, http.StatusOK}} {
+		r := e.send(req{method: "GET", path: path, token: testAdminToken, header: map[string]string{"Range": ranges(tc.n)}})
+		assert.Equal(t, tc.status, r.status, "%d ranges", tc.n)
+		if tc.status == http.StatusOK {
+			assert.True(t, bytes.Equal(content, r.body), "%d ranges: the whole content", tc.n)
+			continue
+		}
+		_, params, err := mime.ParseMediaType(r.header.Get("Content-Type"))
+		require.NoError(t, err)
+		parts := 0
+		for mr := multipart.NewReader(bytes.NewReader(r.body), params["boundary"]); ; parts++ {
+			if _, err := mr.NextPart(); err != nil {
+				require.ErrorIs(t, err, io.EOF)
+				break
+			}
+		}
+		assert.Equal(t, tc.n, parts, "%d ranges", tc.n)
 	}
 	// An ignored Range leaves the preconditions as they are.
 	r := e.send(req{method: "GET", path: path, token: testAdminToken, header: map[string]string{"Range": "bytes=5-1", "If-Match": `"other"`}})
