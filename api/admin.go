@@ -200,7 +200,7 @@ type releaseJSON struct {
 func (s *Server) adminPutFirmware(c *gin.Context) error {
 	model, version := c.Param("model"), c.Param("version")
 	if !topics.ValidDeviceID(model) {
-		return errNotFound
+		return errNoModelID
 	}
 	if !topics.ValidVersion(version) {
 		return invalid("version", "must be a semantic version such as 1.2.3")
@@ -273,7 +273,7 @@ func (ir *imageReader) Read(p []byte) (int, error) {
 func (s *Server) adminPutApp(c *gin.Context) error {
 	appID, version := c.Param("app_id"), c.Param("version")
 	if !topics.ValidAppID(appID) {
-		return errNotFound
+		return errNoReleaseApp
 	}
 	if !topics.ValidVersion(version) {
 		return invalid("version", "must be a semantic version such as 1.2.3")

@@ -489,7 +489,7 @@ func (s *Server) uninstallApp(c *gin.Context) error {
 	}
 	appID := c.Param("app_id")
 	if !topics.ValidAppID(appID) {
-		return errAppNotFound
+		return errNoAppID
 	}
 	idem, replayed, err := s.beginCommand(c, nil)
 	if err != nil || replayed {
@@ -509,7 +509,7 @@ func (s *Server) updateApp(c *gin.Context) error {
 	}
 	appID := c.Param("app_id")
 	if !topics.ValidAppID(appID) {
-		return errAppNotFound
+		return errNoAppID
 	}
 	var req versionRequest
 	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, true, &req)

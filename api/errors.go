@@ -128,7 +128,13 @@ var (
 	errFirmwareNotFnd = &Error{Code: CodeFirmwareNotFound}
 	errInvalidClaim   = &Error{Code: CodeInvalidClaim}
 	errIdemReused     = &Error{Code: CodeIdempotencyKeyReused}
-	errIdemInUse      = &Error{Code: CodeIdempotencyKeyInUse}
+	// A path segment that is no id of its kind names nothing (CONTRACT
+	// §2: a 404), and says why: to the one who named it, "no such
+	// resource" read as a missing app or model, not a misspelt one.
+	errNoAppID      = &Error{Code: CodeAppNotFound, Detail: noAppID}
+	errNoReleaseApp = &Error{Code: CodeNotFound, Detail: noAppID}
+	errNoModelID    = &Error{Code: CodeNotFound, Detail: "the path names no model: a model is 1 to 64 of A-Z a-z 0-9 . _ : -"}
+	errIdemInUse    = &Error{Code: CodeIdempotencyKeyInUse}
 	// errIdemGone answers a repeat whose Idempotency-Key record names a
 	// command the retention pass has purged: a record answers for 24 h
 	// and a final command is kept at least that long after it ended
@@ -137,6 +143,8 @@ var (
 	errIdemGone = &Error{Code: CodeCommandNotFound, Detail: "the command this Idempotency-Key's first request created is no longer kept " +
 		"(it ended more than a day ago): nothing was done; send the request with a new key to do it again"}
 )
+
+const noAppID = "the path names no app: an app id is 1 to 128 of a-z 0-9 . _ - (lower case)"
 
 // problem is an RFC 9457 problem details object with our extensions.
 type problem struct {

@@ -885,3 +885,29 @@ func TestRouteNamesAreIDsToo(t *testing.T) {
 	r = e.do("GET", "/api/v1/devices/register", tok, nil)
 	assert.Equal(t, http.StatusNotFound, r.status, "%s", r.body)
 }
+
+// TestAPathSegmentThatIsNoIDSaysSo sends paths whose app id or model is
+// none (upper case, a space) over the real server: each is the 404 of
+// CONTRACT §2, and its detail says what an id is. It was "no such
+// resource" on an upload, which an operator publishing Clock read as a
+// missing app, and "not in the catalog" on an uninstall, which takes apps
+// that are not.
+func TestAPathSegmentThatIsNoIDSaysSo(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	for _, tc := range []struct {
+		method, path, token, code, rule string
+		body                            any
+	}{
+		{"PUT", "/api/v1/admin/apps/Clock/1.0.0", testAdminToken, CodeNotFound, "an app id is 1 to 128 of a-z 0-9 . _ -", []byte("package")},
+		{"PUT", "/api/v1/admin/firmware/sim%201/1.0.0", testAdminToken, CodeNotFound, "a model is 1 to 64 of A-Z a-z 0-9 . _ : -", []byte("image")},
+		{"DELETE", "/api/v1/devices/dev-1/apps/Clock", tok, CodeAppNotFound, "an app id is 1 to 128 of a-z 0-9 . _ -", nil},
+		{"PUT", "/api/v1/devices/dev-1/apps/Clock/update", tok, CodeAppNotFound, "an app id is 1 to 128 of a-z 0-9 . _ -", map[string]any{}},
+	} {
+		r := e.send(req{method: tc.method, path: tc.path, token: tc.token, body: tc.body})
+		require.Equal(t, http.StatusNotFound, r.status, "%s %s: %s", tc.method, tc.path, r.body)
+		p := r.problem(t)
+		assert.Equal(t, tc.code, p.Code, "%s %s", tc.method, tc.path)
+		assert.Contains(t, p.Detail, tc.rule, "%s %s", tc.method, tc.path)
+	}
+}
