@@ -421,7 +421,28 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	}
 	ctx := c.Request.Context()
 	user := currentUser(c)
-	deviceID, filtered, _ := queryOnce(c, "device_id")
+	// A parameter given twice with different values names no one
+	// device, or no one event: refused, as the lists refuse it, never
+	// read as its first value (a stream of one of two devices).
+	deviceID, filtered, twice := queryOnce(c, "device_id")
+	var fields []FieldError
+	if twice {
+		fields = append(fields, FieldError{Field: "device_id", Message: "must be given once"})
+	}
+	// EventSource sends Last-Event-ID when it reconnects; the query is
+	// for clients that cannot set a header on their first request.
+	last := c.GetHeader("Last-Event-ID")
+	field := "Last-Event-ID"
+	if last == "" {
+		last, _, twice = queryOnce(c, "last_event_id")
+		field = "last_event_id"
+		if twice {
+			fields = append(fields, FieldError{Field: "last_event_id", Message: "must be given once"})
+		}
+	}
+	if err := validationError(fields); err != nil {
+		return err
+	}
 	if filtered {
 		if !topics.ValidDeviceID(deviceID) {
 			return errDeviceNotFound
@@ -435,14 +456,6 @@ func (s *Server) streamEvents(c *gin.Context) error {
 		case b.UserID != user.ID:
 			return errDeviceNotFound
 		}
-	}
-	// EventSource sends Last-Event-ID when it reconnects; the query is
-	// for clients that cannot set a header on their first request.
-	last := c.GetHeader("Last-Event-ID")
-	field := "Last-Event-ID"
-	if last == "" {
-		last, _, _ = queryOnce(c, "last_event_id")
-		field = "last_event_id"
 	}
 	sub, err := hub.subscribe(ctx, user.ID, deviceID)
 	if err != nil {

@@ -620,3 +620,26 @@ func (g *gatedEvents) Events(ctx context.Context, userID, after string, limit in
 	}
 	return g.EventStore.Events(ctx, userID, after, limit)
 }
+
+// TestEventsParameterGivenTwice asks for the stream of two devices at
+// once, and after two ids: each is a 422 naming the parameter, as the
+// lists answer a filter given twice. The stream opened, of the first
+// device alone, without the fix.
+func TestEventsParameterGivenTwice(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	for _, tc := range []struct{ query, field string }{
+		{"?device_id=dev-1&device_id=dev-2", "device_id"},
+		{"?last_event_id=00000000000000000001&last_event_id=00000000000000000002", "last_event_id"},
+	} {
+		r := e.refused(t, tok, tc.query)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%s: %s", tc.query, r.body)
+		p := r.problem(t)
+		assert.Equal(t, CodeValidationFailed, p.Code, tc.query)
+		assert.Equal(t, []FieldError{{Field: tc.field, Message: "must be given once"}}, p.Errors, tc.query)
+	}
+	// The same value twice is one value, as on the lists.
+	s := e.stream(t, tok, "?device_id=dev-1&device_id=dev-1", nil)
+	e.push(t, tok, "dev-1")
+	assert.Equal(t, "command", s.next(t).event)
+}
