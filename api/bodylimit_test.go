@@ -325,3 +325,25 @@ func TestUploadCutShortIsTheClients(t *testing.T) {
 		}
 	}
 }
+
+// TestBodyOverLimitSaysTheLimit sends bodies over their limits, as this
+// server has them, over the real server: each 413 says the limit in bytes.
+// It said "the body is over its limit" alone, and a client had to guess
+// the operator's --max-* flags from the documented defaults.
+func TestBodyOverLimitSaysTheLimit(t *testing.T) {
+	e := newEnv(t, func(o *Options) { o.Limits.MaxJSONBody = 1000; o.Limits.MaxAppBytes = 3000 })
+	tok := e.bound("dev-1")
+	for _, tc := range []struct {
+		method, path, token string
+		body                any
+		limit               int64
+	}{
+		{"POST", "/api/v1/devices/register", tok, map[string]any{"device_id": "dev-1", "claim_code": strings.Repeat("c", 2000)}, 1000},
+		{"POST", "/api/v1/devices/dev-1/push/image", tok, map[string]any{"image": strings.Repeat("A", int(e.api.limits.imageBody()))}, e.api.limits.imageBody()},
+		{"PUT", "/api/v1/admin/apps/clock/1.0.0", testAdminToken, bytes.Repeat([]byte("p"), 4000), 3000},
+	} {
+		r := e.send(req{method: tc.method, path: tc.path, token: tc.token, body: tc.body})
+		require.Equal(t, http.StatusRequestEntityTooLarge, r.status, "%s %s: %.300s", tc.method, tc.path, r.body)
+		assert.Equal(t, fmt.Sprintf("the body is over this operation's limit of %d bytes", tc.limit), r.problem(t).Detail, "%s %s", tc.method, tc.path)
+	}
+}

@@ -28,8 +28,6 @@ import (
 	"github.com/gin-gonic/gin"
 )
 
-var errTooLarge = &Error{Code: CodeBodyTooLarge}
-
 // checkJSONType refuses a request whose Content-Type is not JSON in UTF-8.
 func checkJSONType(r *http.Request) error {
 	mt, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
@@ -99,14 +97,18 @@ func bodyTooLarge(c *gin.Context, read, limit int64) error {
 	if limit < math.MaxInt64/drainFactor {
 		most = drainFactor * limit
 	}
+	// The limit is the operation's as this server is configured (api.Limits,
+	// the --max-* flags): the answer says it, so that the client knows what
+	// would pass rather than guess from the documented defaults.
+	tooLarge := &Error{Code: CodeBodyTooLarge, Detail: fmt.Sprintf("the body is over this operation's limit of %d bytes", limit)}
 	waits := read == 0 && strings.EqualFold(r.Header.Get("Expect"), "100-continue")
 	if r.Body == nil || r.Body == http.NoBody || waits || r.ContentLength > most || read >= most {
-		return errTooLarge
+		return tooLarge
 	}
 	// Whatever happens here, the answer is the same 413: a failed read
 	// only means the connection is closed sooner.
 	_, _ = io.CopyN(io.Discard, r.Body, most-read)
-	return errTooLarge
+	return tooLarge
 }
 
 // jsonBody is a request's JSON object: its bytes, and the raw value of each
