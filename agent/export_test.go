@@ -93,3 +93,10 @@ func (s *spool) claimNow(deviceID string) *record {
 	r, _ := s.claim(deviceID, time.Now())
 	return r
 }
+
+// KeptStatus is the status of a device the spool keeps (nil when none):
+// what the bridge reports of it while it cannot read it, also after a
+// restart.
+func (a *Agent) KeptStatus(deviceID string) (*topics.Status, error) {
+	return a.spool.lastStatus(deviceID)
+}

@@ -459,6 +459,8 @@ type bridgeConfig struct {
 	afterWait time.Duration
 	// wrap, when set, stands between the bridge and each device.
 	wrap func(*sim.Device) agent.Device
+	// logger, when set, is the bridge's logger instead of testLogger's.
+	logger *slog.Logger
 }
 
 // startBridge runs an agent against the broker and the blob server and
@@ -489,6 +491,9 @@ func startBridge(tb testing.TB, b *testBroker, bs *blobServer, w *watcher, cfg b
 		CommandTimeout: cfg.timeout,
 		StatusInterval: cfg.interval,
 		AfterWait:      cfg.afterWait,
+	}
+	if cfg.logger != nil {
+		opts.Logger = cfg.logger
 	}
 	if bs != nil {
 		opts.APIURL = bs.srv.URL

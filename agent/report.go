@@ -60,19 +60,32 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 	if err != nil {
 		a.log.Warn("reading the device's last known status failed", "device", dr.id, "err", err)
 	}
-	kept := last // what the spool has
+	// kept is what the spool has, once its write has succeeded: a write
+	// that failed (a full disk) is tried again at the next pass, not only
+	// when the status changes again (docs/reliability.md, bug 175).
+	kept := last
+	var keeping *topics.Status // being written; one write at a time
+	keptErr := make(chan error, 1)
+	hold := false // a write just failed: wait for the next pass
 	for {
-		if last != nil && last.Online && !sameStatus(last, kept) {
-			kept = last
-			a.spool.keepStatus(dr.id, *last, func(err error) {
-				if err != nil {
-					a.spoolFailed("keeping a device's status", err)
-				}
-			})
+		if keeping == nil && !hold && last != nil && last.Online && !sameStatus(last, kept) {
+			keeping = last
+			a.spool.keepStatus(dr.id, *last, func(err error) { keptErr <- err })
 		}
+		hold = false
 		select {
 		case <-ctx.Done():
 			return
+		case err := <-keptErr:
+			if err != nil {
+				a.spoolFailed("keeping a device's status", err)
+				hold = true
+			} else {
+				a.spoolWritten()
+				kept = keeping
+			}
+			keeping = nil
+			continue
 		case <-tick.C:
 			// Settings too: they may have changed on the device itself.
 			dr.requestReport(true, true, true)

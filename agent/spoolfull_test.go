@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -173,4 +174,43 @@ func waitLog(t *testing.T, logs *testenv.Buffer, what string) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// TestStatusKeptOnceTheDiskIsBack lets the spool keep a device's status,
+// fails every write of the process (a file size limit of 0: a full disk)
+// while the device's battery drops, and lifts the limit: the spool then
+// keeps the new status, at the report's next pass. Before, the report took
+// the status for kept as it asked for the write, so the one whose write
+// failed was never written until the status changed again: after a
+// restart the bridge reported the device with what it was before the disk
+// filled (docs/reliability.md, bug 175).
+func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	born := time.Now()
+	var clock atomic.Int64 // the device's time since born
+	dev := sim.New(sim.Options{ID: "dev-1", Now: func() time.Time { return born.Add(time.Duration(clock.Load())) }})
+	var logs testenv.Buffer
+	br := startBridge(t, b, nil, w, bridgeConfig{
+		devices:  []*sim.Device{dev},
+		interval: 50 * time.Millisecond,
+		logger:   slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	battery := func(want int) func() bool {
+		return func() bool {
+			st, err := br.KeptStatus("dev-1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return st != nil && st.Battery != nil && *st.Battery == want
+		}
+	}
+	testenv.Eventually(t, waitLong, "the spool to keep the status of battery 100", battery(100))
+
+	lift := testenv.LimitFileSize(t, 0)
+	clock.Store(int64(sim.DrainEvery))
+	w.waitStatus("dev-1", "battery 99", func(st topics.Status) bool { return st.Battery != nil && *st.Battery == 99 })
+	waitLog(t, &logs, `write="keeping a device's status"`)
+	lift()
+	testenv.Eventually(t, waitLong, "the spool to keep the status of battery 99", battery(99))
 }
