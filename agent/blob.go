@@ -159,6 +159,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 	part := final + ".part"
 	var lastErr error
 	restarted := false
+	madeRoom := false // the cache's idle blobs were deleted for this download
 	bo := retry.Backoff(blobRetryMin, blobRetryMax)
 	for attempt := 0; attempt < blobAttempts; attempt++ {
 		if attempt > 0 {
@@ -206,6 +207,19 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 			// download would build on it).
 			if rerr := os.Remove(part); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
 				b.log.Warn("removing a partial download failed", "sha256", ref.SHA256, "err", rerr)
+			}
+			if noSpace(se.err) && !madeRoom {
+				// The cache may be what fills the disk: its idle blobs
+				// go, as they do for the spool (makeRoom), and the
+				// download starts once more from zero; not again, and
+				// not counted as one of the network's attempts
+				// (docs/reliability.md, bug 176).
+				madeRoom = true
+				if n, freed := b.trimTo(ref.SHA256, 0); n > 0 {
+					b.log.Warn("deleted cached blobs to give a download room; downloading it again", "sha256", ref.SHA256, "count", n, "bytes", freed, "dir", b.dir)
+					attempt--
+					continue
+				}
 			}
 			b.log.Error("blob download failed: the bridge cannot write it to its disk", "sha256", ref.SHA256, "dir", b.dir, "err", se.err)
 			return nil, cmdErr(codeDownloadFailed, se.reason())
