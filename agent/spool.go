@@ -154,7 +154,9 @@ func openSpool(dir string) (s *spool, err error) {
 	if err := checkSpoolFile(path); err != nil {
 		return nil, fmt.Errorf("open spool: %w", err)
 	}
-	if _, serr := os.Stat(path); errors.Is(serr, os.ErrNotExist) {
+	_, serr := os.Stat(path)
+	fresh := errors.Is(serr, os.ErrNotExist)
+	if fresh {
 		// A first start: a spool this open fails to make holds nothing,
 		// and left behind, empty or half written (a full disk), the next
 		// start would refuse it (checkSpoolFile).
@@ -169,7 +171,7 @@ func openSpool(dir string) (s *spool, err error) {
 		return nil, fmt.Errorf("open spool: %s: another process holds it (a bridge already running on this --data?): %w", path, err)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("open spool: %s: %w", path, err)
+		return nil, spoolOpenError(path, err, fresh)
 	}
 	s = &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}, afterWait: DefaultAfterWait}
 	err = db.Update(func(tx *bolt.Tx) error {
@@ -190,7 +192,7 @@ func openSpool(dir string) (s *spool, err error) {
 	})
 	if err != nil {
 		db.Close()
-		return nil, fmt.Errorf("open spool: %s: %w", path, err)
+		return nil, spoolOpenError(path, err, fresh)
 	}
 	s.w = groupcommit.New(db, groupcommit.Options{Linger: spoolCommitLinger})
 	return s, nil

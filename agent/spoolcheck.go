@@ -3,6 +3,8 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"strings"
+	"syscall"
 
 	"github.com/devicecompanion/companion/internal/boltcheck"
 )
@@ -39,4 +41,48 @@ func checkSpoolFile(path string) error {
 		return fmt.Errorf("spool %s: %w", path, err)
 	}
 	return nil
+}
+
+// spoolNoRoom is the advice that goes with a spool a first start could not
+// make for want of space. bbolt's first growth of the file is 16 MiB
+// (sparse where the file system allows: a few pages are written).
+const spoolNoRoom = "the bridge cannot make its spool (a first start) for want of space under --data: " +
+	"a full disk, a quota or a file size limit. It has left no file behind; " +
+	"free space under --data (a new spool is a file of 16 MiB) and start the bridge again"
+
+// errSpoolNoRoom is the error of a spool a first start could not make for
+// want of space. Before, the bridge exited with no more than bbolt's
+// "file resize error: truncate …: file too large" (docs/reliability.md,
+// bug 177).
+type errSpoolNoRoom struct {
+	path string
+	err  error
+}
+
+func (e *errSpoolNoRoom) Error() string {
+	return fmt.Sprintf("spool %s: %v: %s", e.path, e.err, spoolNoRoom)
+}
+
+func (e *errSpoolNoRoom) Unwrap() error { return e.err }
+
+// spoolOpenError is the error of an open of the spool at path that failed
+// with err; fresh when the open was making the spool.
+func spoolOpenError(path string, err error, fresh bool) error {
+	if fresh && refusedWrite(err) {
+		return fmt.Errorf("open spool: %w", &errSpoolNoRoom{path: path, err: err})
+	}
+	return fmt.Errorf("open spool: %s: %w", path, err)
+}
+
+// refusedWrite reports whether err is the disk's refusal of more data: no
+// space, a quota, a file size limit. bbolt passes some of these on as text
+// only ("file resize error: %s", "file sync error: %s"), so their errors'
+// texts are looked for too.
+func refusedWrite(err error) bool {
+	for _, errno := range []syscall.Errno{syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG} {
+		if errors.Is(err, errno) || strings.Contains(err.Error(), errno.Error()) {
+			return true
+		}
+	}
+	return false
 }
