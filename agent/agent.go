@@ -471,6 +471,10 @@ func (a *Agent) intakeLoop(ctx context.Context) {
 	}
 }
 
+// cmdKey tells commands apart: a cancel carries the id of the command it
+// cancels.
+type cmdKey struct{ op, id string }
+
 // accept spools a batch of messages in one transaction, then acknowledges
 // them in order of arrival and answers each.
 func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
@@ -493,6 +497,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 	}
 
 	var results []acceptResult
+	var held map[cmdKey]bool // the batch's commands, once a write failed
 	for len(cmds) > 0 {
 		var err error
 		if results, err = a.spool.accept(cmds, a.now()); err == nil {
@@ -505,6 +510,53 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 		case <-ctx.Done():
 			return // unacknowledged: the broker redelivers them
 		case <-time.After(time.Second):
+		}
+		// What came in meanwhile joins the batch, but for the repeats
+		// of a command it holds: the server sends a command again while
+		// the bridge has not said it has it, and each repeat, held
+		// unacknowledged, grew the bridge's memory for as long as the
+		// spool failed, up to the broker's in-flight window (65,535
+		// messages on the embedded broker). A repeat is acknowledged
+		// and dropped: the message it repeats is still unacknowledged,
+		// so the broker sends that one again if the bridge stops before
+		// the spool takes it (docs/reliability.md, bug 178).
+		if held == nil {
+			held = make(map[cmdKey]bool, len(cmds))
+			kept := items[:0]
+			cmds = cmds[:0]
+			for _, it := range items {
+				if it.cmd != nil {
+					k := cmdKey{it.cmd.Op, it.cmd.ID}
+					if held[k] {
+						it.msg.Ack()
+						continue
+					}
+					held[k] = true
+					cmds = append(cmds, *it.cmd)
+				}
+				kept = append(kept, it)
+			}
+			items = kept
+		}
+		a.intakeMu.Lock()
+		more := a.intake
+		a.intake = nil
+		a.intakeMu.Unlock()
+		for _, m := range more {
+			cmd, err := a.parse(m)
+			if err != nil {
+				a.log.Warn("dropping bad command message", "topic", m.Topic(), "err", err)
+				m.Ack()
+				continue
+			}
+			k := cmdKey{cmd.Op, cmd.ID}
+			if held[k] {
+				m.Ack()
+				continue
+			}
+			held[k] = true
+			items = append(items, item{msg: m, cmd: &cmd})
+			cmds = append(cmds, cmd)
 		}
 	}
 	j := 0

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
@@ -213,4 +214,45 @@ func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
 	waitLog(t, &logs, `write="keeping a device's status"`)
 	lift()
 	testenv.Eventually(t, waitLong, "the spool to keep the status of battery 99", battery(99))
+}
+
+// TestRepeatsHeldOnceWhileTheSpoolFails sends a command, twenty repeats of
+// it (as the server sends a command again while the bridge has not said
+// it has it) and another command to a bridge whose spool cannot be written
+// (a file size limit of 0: a full disk). The bridge acknowledges the
+// repeats and keeps one message of each command, so that the broker holds
+// two unacknowledged; once the limit is lifted both commands run, once
+// each. Before, the bridge held every message it was sent until the spool
+// took them, its memory growing by every repeat for as long as the disk
+// stayed full (up to 65,535 messages on the embedded broker), and the
+// broker's in-flight window with it (docs/reliability.md, bug 178).
+func TestRepeatsHeldOnceWhileTheSpoolFails(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}})
+	cl, ok := b.srv.Clients.Get("companion-bridge-b1")
+	if !ok {
+		t.Fatal("the broker has no bridge client")
+	}
+
+	lift := testenv.LimitFileSize(t, 0)
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "sent again and again"})
+	d := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "sent once"})
+	for range 21 {
+		w.send(c)
+	}
+	w.send(d)
+	testenv.Eventually(t, waitLong, "the broker to hold two messages the bridge has not acknowledged", func() bool {
+		return cl.State.Inflight.Len() == 2
+	})
+	lift()
+	for _, c := range []topics.Command{c, d} {
+		if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+			t.Errorf("%s ended %s; want succeeded", c.ID, r.State)
+		}
+		if n := dev.Executions(c.ID); n != 1 {
+			t.Errorf("Executions(%s) = %d; want 1", c.ID, n)
+		}
+	}
 }
