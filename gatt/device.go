@@ -367,19 +367,29 @@ func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 			return err
 		case errors.As(err, &e) && e.Temporary() && busy < busyRetries:
 			busy++
-			if e.RC == RCNoMemory {
-				s.client.Narrow()
-			}
-			t := time.NewTimer(busyWait.NextBackOff())
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return ctx.Err()
-			case <-t.C:
+			if err := pauseBusy(ctx, s, e, busyWait); err != nil {
+				return err
 			}
 			continue
 		}
 		return err
+	}
+}
+
+// pauseBusy waits before a request the device answered e, busy or without
+// a buffer for the answer (it did not run it), is asked again; for the
+// latter, the link's window loses a place (Client.Narrow).
+func pauseBusy(ctx context.Context, s *session, e *Error, bo interface{ NextBackOff() time.Duration }) error {
+	if e.RC == RCNoMemory {
+		s.client.Narrow()
+	}
+	t := time.NewTimer(bo.NextBackOff())
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
 	}
 }
 
@@ -904,13 +914,35 @@ func slotWithHash(st ImageStateResponse, hash []byte) *ImageSlot {
 
 // reset asks the device to reboot (OS group) and waits until it drops the
 // link: Zephyr answers first and reboots CONFIG_MCUMGR_GRP_OS_RESET_MS
-// later, and what the bridge reads before that is the old image's.
+// later, and what the bridge reads before that is the old image's. It is
+// not repeated once the device may have run it; a reset answered busy or
+// without a buffer for its answer was not run, and is asked again.
 func (d *Device) reset(ctx context.Context) error {
-	s, err := d.session(ctx)
-	if err != nil {
-		return err
+	busyWait := retry.Backoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
+	for busy := 0; ; busy++ {
+		s, err := d.session(ctx)
+		if err != nil {
+			return err
+		}
+		err = s.client.Do(ctx, OpWrite, GroupOS, CmdOSReset, ResetRequest{}, nil)
+		var e *Error
+		if errors.As(err, &e) && e.Temporary() && busy < busyRetries {
+			// Busy, or no buffer for the answer: the device did not run
+			// it, so it is asked again, as retry asks any request. Before,
+			// the update failed with its image uploaded and pending
+			// (docs/reliability.md, bug 179).
+			if err := pauseBusy(ctx, s, e, busyWait); err != nil {
+				return err
+			}
+			continue
+		}
+		return d.awaitReboot(ctx, s, err)
 	}
-	err = s.client.Do(ctx, OpWrite, GroupOS, CmdOSReset, ResetRequest{}, nil)
+}
+
+// awaitReboot takes err, the answer to a reset over s, and waits for the
+// device to drop the link as it reboots.
+func (d *Device) awaitReboot(ctx context.Context, s *session, err error) error {
 	switch {
 	case err == nil, IsDisconnect(err):
 	case errors.Is(err, ErrLost):
@@ -921,9 +953,9 @@ func (d *Device) reset(ctx context.Context) error {
 		// happened (a pending image is reset again).
 		d.log.Info("the reset went unanswered; waiting for the reboot", "err", err)
 	case errors.Is(err, ErrTimeout):
-		// Not through retry (a reset is not repeated), so drop the link
-		// here as retry does: the device is presumed wedged, and the next
-		// command starts on a fresh link.
+		// Not repeated (it may have run), so drop the link here as retry
+		// does: the device is presumed wedged, and the next command
+		// starts on a fresh link.
 		s.client.Close()
 		return fmt.Errorf("reset: %w", err)
 	default:

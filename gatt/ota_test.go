@@ -420,3 +420,32 @@ func TestUnansweredResetDropsTheLink(t *testing.T) {
 		t.Errorf("Info after the timeout made %d connections; want 1", got)
 	}
 }
+
+// A reset the device answers rc 2 (MGMT_ERR_ENOMEM: another transport of
+// its MCUmgr holds the buffer its answer needs, so smp.c did not run it)
+// is asked again after a pause, as every other request is (bug 117): the
+// update goes on once the buffer is free. Before, the reset, which does
+// not go through retry, failed the update device_error with the image
+// uploaded and pending (docs/reliability.md, bug 179).
+func TestResetWithNoBufferIsAskedAgain(t *testing.T) {
+	d, s, _, p := newSimPeripheral(t, fastLink, sim.PeripheralOptions{BufCount: 2, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond},
+		gatt.DeviceOptions{RequestTimeout: 5 * time.Second, MinBackoff: 20 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var held atomic.Bool
+	progress := func(pct int) {
+		// 95: the image is uploaded and marked; the reset goes next.
+		if pct == 95 && held.CompareAndSwap(false, true) {
+			time.AfterFunc(300*time.Millisecond, p.HoldBuffers(1))
+		}
+	}
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), progress); err != nil {
+		t.Fatalf("UpdateFirmware while another transport held a buffer at the reset: %v", err)
+	}
+	if !held.Load() || p.NoMemory() == 0 {
+		t.Fatal("the reset was not answered MGMT_ERR_ENOMEM: the test shows nothing")
+	}
+	if s.Firmware() != "2.0.0" || !s.FirmwareConfirmed() || s.Boots() != 1 {
+		t.Errorf("device runs %s (confirmed %v) after %d boots; want 2.0.0 confirmed after 1", s.Firmware(), s.FirmwareConfirmed(), s.Boots())
+	}
+}
