@@ -508,7 +508,7 @@ func (c *Client) Start(ctx context.Context, op uint8, group uint16, id uint8, re
 // requestLimit says what bounds requests to maxReq bytes on a link whose
 // writes carry frag bytes, for the bridge's size checks.
 func requestLimit(frag, maxReq int) string {
-	if maxReq > frag {
+	if maxReq != frag {
 		return fmt.Sprintf("its SMP buffer, buf_size %d", maxReq)
 	}
 	return fmt.Sprintf("one ATT write at MTU %d; the bridge found no reassembly", frag+3)

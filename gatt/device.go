@@ -289,10 +289,19 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		return nil, fmt.Errorf("MCUmgr parameters: %w", err)
 	}
 	s := &session{client: c, bufSize: p.BufSize, bufCount: p.BufCount}
-	// Buffers longer than a write are a hint of reassembly, not a proof:
-	// Zephyr's smp_bt joins writes only with
-	// CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY, which nothing reports.
-	if p.BufSize > c.Frag() {
+	switch {
+	case p.BufSize > 0 && p.BufSize < c.Frag():
+		// A write longer than the device's buffer, which the MTU allows,
+		// is dropped by Zephyr's smp_bt without a word ("SMP packet len
+		// > net_buf len"): every request is bounded by the buffer. Before,
+		// a device back with an MTU above its buffers (498 and the
+		// default 384) lost every long request, and each upload failed
+		// timeout (docs/reliability.md, bug 180).
+		c.SetMaxRequest(p.BufSize)
+	case p.BufSize > c.Frag():
+		// Buffers longer than a write are a hint of reassembly, not a
+		// proof: Zephyr's smp_bt joins writes only with
+		// CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY, which nothing reports.
 		ok, err := c.ProbeReassembly(cctx, d.opts.ProbeTimeout)
 		if err != nil {
 			c.Close()

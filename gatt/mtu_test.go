@@ -144,3 +144,40 @@ func TestRequestTooLongForOneWriteSaysItIsTheBridgesCheck(t *testing.T) {
 		t.Errorf("UninstallApp with buffers of 64 = %v", err)
 	}
 }
+
+// A device whose SMP buffers are shorter than a write at its MTU (MTU 498,
+// and Zephyr's default CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE of 384) drops a
+// longer write without a word, as smp_bt does: the bridge sends no request
+// longer than the buffer, and every command runs, with reassembly or
+// without. Before, the bridge bounded requests by the MTU alone: every
+// upload's long requests were lost and the command failed timeout
+// (docs/reliability.md, bug 180). A request too long for the buffer is
+// the bridge's own check, naming the buffer.
+func TestBuffersShorterThanAWriteBoundRequests(t *testing.T) {
+	opts := fastLink
+	opts.MTU = 498
+	for _, noReasm := range []bool{false, true} {
+		d, s, _, p := newSimPeripheral(t, opts, sim.PeripheralOptions{BufSize: 384, NoReassembly: noReasm}, gatt.DeviceOptions{RequestTimeout: 5 * time.Second})
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		if err := d.PushImage(ctx, "img-1", "image/png", randomBytes(t, 20_000)); err != nil {
+			t.Errorf("reassembly %v: PushImage: %v", !noReasm, err)
+		}
+		if err := d.PushText(ctx, "t-1", "", strings.Repeat("a text longer than a buffer. ", 40)); err != nil {
+			t.Errorf("reassembly %v: PushText: %v", !noReasm, err)
+		}
+		if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil); err != nil {
+			t.Errorf("reassembly %v: UpdateFirmware: %v", !noReasm, err)
+		}
+		if len(s.Images()) != 1 || len(s.Texts()) != 1 || s.Firmware() != "2.0.0" {
+			t.Errorf("reassembly %v: the device has %d images, %d texts, firmware %s; want 1, 1, 2.0.0", !noReasm, len(s.Images()), len(s.Texts()), s.Firmware())
+		}
+		if n := p.Dropped(); n != 0 {
+			t.Errorf("reassembly %v: the device dropped %d writes longer than its buffer", !noReasm, n)
+		}
+		err := d.UninstallApp(ctx, "0190a000-0000-7000-8000-000000000001", strings.Repeat("a", 380))
+		if err == nil || !strings.Contains(err.Error(), "longer than the 384 the device takes (its SMP buffer, buf_size 384)") {
+			t.Errorf("reassembly %v: UninstallApp of an id longer than the buffer = %v; want the bridge's check naming buf_size 384", !noReasm, err)
+		}
+		cancel()
+	}
+}
