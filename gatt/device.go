@@ -339,14 +339,34 @@ func (d *Device) window(s *session) int {
 // a standard group's read or idempotent write, a project group's request
 // with its cid, an upload (it resumes from the device's offset).
 func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
+	return d.retryAdvancing(ctx, fn, nil)
+}
+
+// retryAdvancing is retry for work that advances as it goes, an upload:
+// done, when set, says how far it got, and whenever it got further since
+// the last failure, the counts of busy answers, lost answers and lost
+// framings start again. They bound the failures of one step in a row:
+// counted over a whole transfer, a few losses spread over an upload of
+// thousands of requests, each recovered from, failed it part way
+// (docs/reliability.md, bug 181).
+func (d *Device) retryAdvancing(ctx context.Context, fn func(*session) error, done func() uint64) error {
 	busy, framing, lost := 0, 0, 0
 	busyWait := retry.Backoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
+	var mark uint64
+	if done != nil {
+		mark = done()
+	}
 	for {
 		s, err := d.session(ctx)
 		if err != nil {
 			return err
 		}
 		err = fn(s)
+		if done != nil && done() > mark {
+			mark = done()
+			busy, framing, lost = 0, 0, 0
+			busyWait.Reset()
+		}
 		var e *Error
 		switch {
 		case err == nil:
@@ -997,7 +1017,7 @@ func (d *Device) upload(ctx context.Context, u Upload) error {
 	}
 	t := NewTransfer(u)
 	start := time.Now()
-	err := d.retry(ctx, func(s *session) error { return t.Run(ctx, s.client, d.window(s)) })
+	err := d.retryAdvancing(ctx, func(s *session) error { return t.Run(ctx, s.client, d.window(s)) }, t.acked)
 	st := t.Stats()
 	d.opts.Observer.Transfer(groupName(u.Group), st.DataBytesSent, time.Since(start), err != nil)
 	d.mu.Lock()

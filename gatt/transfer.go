@@ -47,6 +47,7 @@ type Transfer struct {
 
 	attempts, requests atomic.Int64
 	dataSent           atomic.Int64
+	high               atomic.Uint64 // the highest offset the device acknowledged, over every run
 }
 
 // NewTransfer prepares an upload; it hashes the data once.
@@ -62,6 +63,10 @@ func (t *Transfer) SHA256() []byte { return t.sha }
 func (t *Transfer) Stats() TransferStats {
 	return TransferStats{Attempts: int(t.attempts.Load()), Requests: int(t.requests.Load()), DataBytesSent: t.dataSent.Load()}
 }
+
+// acked is the highest offset the device has acknowledged, over every
+// run: how far the transfer got.
+func (t *Transfer) acked() uint64 { return t.high.Load() }
 
 // request is the request for data at off; open is the request at off 0
 // that opens (or resumes) the upload, with len and sha.
@@ -283,6 +288,12 @@ func (t *Transfer) check(rsp UploadResponse) error {
 }
 
 func (t *Transfer) progress(acked uint64) {
+	for {
+		cur := t.high.Load()
+		if acked <= cur || t.high.CompareAndSwap(cur, acked) {
+			break
+		}
+	}
 	if t.u.Progress != nil {
 		t.u.Progress(int(acked), int(t.total))
 	}
