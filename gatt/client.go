@@ -471,7 +471,7 @@ type Call struct {
 	id    uint8
 	seq   uint8
 	ch    chan result // buffered: one result
-	timer *time.Timer
+	timer *time.Timer // runs expire at the request timeout
 
 	slot      bool      // holds a token of c.slots
 	freed     sync.Once // gives the token back
@@ -583,7 +583,7 @@ func (c *Client) write(ctx context.Context, call *Call, body []byte) error {
 		}
 	}
 	c.mu.Lock()
-	call.timer = time.NewTimer(c.timeout)
+	call.timer = time.AfterFunc(c.timeout, call.expire)
 	call.at = time.Now()
 	if !call.probe {
 		c.armQuietLocked(c.quietFor)
@@ -630,6 +630,28 @@ func (call *Call) forget() {
 	call.forgetLocked()
 }
 
+// expire ends the request when the device has not answered it within the
+// request timeout, whether or not its caller waits for it: it gives back
+// its place in the window, and a caller that waits gets ErrTimeout. Before,
+// only a caller's Wait saw the timeout; on a link that stalled (up, and
+// nothing answered), a caller waiting in Start for a place held by
+// requests no one was waiting on yet (an upload filling its window, a
+// status read beside it) waited until its own context ended: minutes for
+// a command (docs/reliability.md, bug 182).
+func (call *Call) expire() {
+	c := call.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.pending[call.seq] != call {
+		return // answered, failed or forgotten already
+	}
+	delete(c.pending, call.seq)
+	call.release()
+	if !call.abandoned {
+		call.ch <- result{err: ErrTimeout}
+	}
+}
+
 func (call *Call) forgetLocked() {
 	c := call.c
 	if c.pending[call.seq] == call {
@@ -649,9 +671,6 @@ func (call *Call) Wait(ctx context.Context, resp any) error {
 	select {
 	case r = <-call.ch:
 		call.timer.Stop()
-	case <-call.timer.C:
-		call.forget()
-		return ErrTimeout
 	case <-ctx.Done():
 		call.Abandon()
 		return ctx.Err()

@@ -2,6 +2,7 @@ package gatt_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -207,5 +208,53 @@ func TestManyBuffersKeepToTheSequenceNumbers(t *testing.T) {
 				t.Errorf("%d images shown", len(s.Images()))
 			}
 		})
+	}
+}
+
+// stalledLink stays up and takes every write, and nothing comes back over
+// it: a device whose SMP stopped answering while its link stays, a stall
+// without a disconnect.
+type stalledLink struct {
+	once sync.Once
+	done chan struct{}
+}
+
+func (l *stalledLink) MTU() int                                              { return 247 }
+func (l *stalledLink) Read(context.Context, string) ([]byte, error)          { return nil, nil }
+func (l *stalledLink) Write(context.Context, string, []byte, bool) error     { return nil }
+func (l *stalledLink) Subscribe(context.Context, string, func([]byte)) error { return nil }
+func (l *stalledLink) Done() <-chan struct{}                                 { return l.done }
+func (l *stalledLink) Close() error                                          { l.once.Do(func() { close(l.done) }); return nil }
+
+// On a link that stalls, a request nobody waits for yet (an upload's next
+// chunks, a status read's second request) still ends at its request
+// timeout and gives back its place in the window: a caller waiting in
+// Start for that place gets it, and its own request times out in turn.
+// Before, only a caller's Wait saw the timeout, and the caller waiting in
+// Start waited until its own context ended, a command's ten minutes
+// (docs/reliability.md, bug 182). The context here is far longer than the
+// request timeout, to tell the two apart.
+func TestUnansweredRequestsGiveTheirPlaceBackAtTheirTimeout(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c, err := gatt.NewClient(ctx, &stalledLink{done: make(chan struct{})}, gatt.ClientOptions{RequestTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetWindow(1)
+	first, err := c.Start(ctx, gatt.OpRead, gatt.GroupImage, gatt.CmdImageState, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Nobody waits for the first yet: its caller is starting the next.
+	next, err := c.Start(ctx, gatt.OpRead, gatt.GroupApps, gatt.CmdAppsList, nil)
+	if err != nil {
+		t.Fatalf("Start while the request holding the window went unanswered = %v; want a place once its timeout passed", err)
+	}
+	for i, call := range []*gatt.Call{first, next} {
+		if err := call.Wait(ctx, nil); !errors.Is(err, gatt.ErrTimeout) {
+			t.Errorf("Wait of request %d = %v; want gatt.ErrTimeout", i+1, err)
+		}
 	}
 }
