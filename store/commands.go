@@ -753,8 +753,11 @@ func (db *DB) QueuedCommandsWith(ctx context.Context, deviceIDs, skip []string) 
 		q := tx.Bucket(bucketQueued).Cursor()
 		if len(want) == 0 {
 			for k, dev := q.First(); k != nil; k, dev = q.Next() {
+				if skipped[string(dev)] {
+					continue // before cmd, which escapes: no allocation
+				}
 				var cmd companion.Command
-				if !skipped[string(dev)] && db.decodeListed(tx, cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
+				if db.decodeListed(tx, cmds, k, &cmd) && !companion.IsFinal(cmd.State) {
 					out = append(out, cmd)
 				}
 			}
