@@ -138,7 +138,19 @@ func TestBrokerRestartKeepsQueueOfOfflineBridge(t *testing.T) {
 // unacknowledged, for the bridge's next connection.
 func bridgeWillLost(t *testing.T, url string, f *fleet) {
 	t.Helper()
-	c := mqtt.NewClient(mqtt.NewClientOptions().
+	c := bridgeSessionClient(url, f, func(mqtt.Client, mqtt.Message) {})
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second))
+	state, err := topics.MustNew(topics.DefaultPrefix).BridgeState(f.bridgeID)
+	require.NoError(t, err)
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Publish(state, 1, true, topics.BridgeOnline), 10*time.Second))
+	c.Disconnect(0)
+}
+
+// bridgeSessionClient is a client of the bridge's account, client id and
+// persistent session that acknowledges nothing it is sent (what it gets,
+// handle sees): the broker keeps it for the bridge's next connection.
+func bridgeSessionClient(url string, f *fleet, handle mqtt.MessageHandler) mqtt.Client {
+	return mqtt.NewClient(mqtt.NewClientOptions().
 		AddBroker(url).
 		SetClientID("companion-bridge-" + f.bridgeID).
 		SetUsername(f.bridgeID).
@@ -146,12 +158,7 @@ func bridgeWillLost(t *testing.T, url string, f *fleet) {
 		SetCleanSession(false).
 		SetAutoAckDisabled(true).
 		SetAutoReconnect(false).
-		SetDefaultPublishHandler(func(mqtt.Client, mqtt.Message) {}))
-	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second))
-	state, err := topics.MustNew(topics.DefaultPrefix).BridgeState(f.bridgeID)
-	require.NoError(t, err)
-	require.NoError(t, mqtt.WaitTokenTimeout(c.Publish(state, 1, true, topics.BridgeOnline), 10*time.Second))
-	c.Disconnect(0)
+		SetDefaultPublishHandler(handle))
 }
 
 // peekBridgeSession connects with the bridge's client id and persistent
@@ -161,23 +168,15 @@ func bridgeWillLost(t *testing.T, url string, f *fleet) {
 func peekBridgeSession(t *testing.T, url string, f *fleet, want int) []string {
 	t.Helper()
 	ch := make(chan string, want)
-	c := mqtt.NewClient(mqtt.NewClientOptions().
-		AddBroker(url).
-		SetClientID("companion-bridge-" + f.bridgeID).
-		SetUsername(f.bridgeID).
-		SetPassword(f.bridgeSecret).
-		SetCleanSession(false).
-		SetAutoAckDisabled(true).
-		SetAutoReconnect(false).
-		SetDefaultPublishHandler(func(_ mqtt.Client, msg mqtt.Message) {
-			var cmd topics.Command
-			if json.Unmarshal(msg.Payload(), &cmd) == nil {
-				select {
-				case ch <- cmd.ID:
-				default:
-				}
+	c := bridgeSessionClient(url, f, func(_ mqtt.Client, msg mqtt.Message) {
+		var cmd topics.Command
+		if json.Unmarshal(msg.Payload(), &cmd) == nil {
+			select {
+			case ch <- cmd.ID:
+			default:
 			}
-		}))
+		}
+	})
 	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second))
 	defer c.Disconnect(0)
 	var got []string
