@@ -153,6 +153,13 @@ func newPostgresProcCluster(t *testing.T) (*procCluster, *pgtest.Server, string)
 	t.Helper()
 	pg := pgtest.Start(t)
 	dsn := pg.NewDatabase(t)
+	return newPostgresProcClusterOn(t, dsn), pg, dsn
+}
+
+// newPostgresProcClusterOn is newPostgresProcCluster on the database of
+// dsn, which it migrates.
+func newPostgresProcClusterOn(t *testing.T, dsn string) *procCluster {
+	t.Helper()
 	require.NoError(t, postgres.Migrate(context.Background(), dsn))
 	mq := mqtttest.StartMosquitto(t, serverAccount)
 
@@ -162,5 +169,5 @@ func newPostgresProcCluster(t *testing.T) (*procCluster, *pgtest.Server, string)
 	c.serverArgs = []string{"--store", dsn, "--replica-id", "r1"}
 	c.startServer()
 	c.setupFleet()
-	return c, pg, dsn
+	return c
 }

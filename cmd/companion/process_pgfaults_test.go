@@ -1,0 +1,294 @@
+package main
+
+// Faults of the server's PostgreSQL, injected under a steady load of the
+// real server process with the bridge running the commands: the database
+// stopped, its disk full, and the like. Every answer must be a 202 (a
+// read's 200) or a 503 unavailable with Retry-After; every command
+// accepted succeeds, run once; the server recovers without a restart.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/pgctl"
+	"github.com/devicecompanion/companion/internal/pgtest"
+)
+
+// pgLoad is a steady load on a procCluster's server: writers push texts
+// to the devices in turn, readers read the devices' statuses, and each
+// answer is classified (classify).
+type pgLoad struct {
+	c    *procCluster
+	stop chan struct{}
+	wg   sync.WaitGroup
+	next atomic.Int64
+
+	okWrites atomic.Int64 // 202s
+	refused  atomic.Int64 // 503 unavailable of the writes
+	okReads  atomic.Int64 // 200s
+
+	mu       sync.Mutex
+	accepted map[string]string // command id → device, of every 202
+	writes   map[string]int    // class → count, of the pushes
+	reads    map[string]int    // class → count, of the reads
+	bad      []string          // the first answers of another class
+}
+
+// startPGLoad starts the load; finish stops it.
+func startPGLoad(c *procCluster, writers, readers int) *pgLoad {
+	l := &pgLoad{c: c, stop: make(chan struct{}), accepted: map[string]string{}, writes: map[string]int{}, reads: map[string]int{}}
+	for range writers {
+		l.wg.Go(func() {
+			hc := loadClient(1)
+			defer hc.CloseIdleConnections()
+			for !l.stopped() {
+				i := int(l.next.Add(1))
+				dev := c.devices[i%len(c.devices)]
+				body, _ := json.Marshal(map[string]any{"text": fmt.Sprintf("message %d", i)})
+				class, b := l.do(hc, "POST", "/api/v1/devices/"+dev+"/push/text", body)
+				l.mu.Lock()
+				l.writes[class]++
+				switch class {
+				case "202":
+					var cmd struct{ ID string }
+					_ = json.Unmarshal(b, &cmd)
+					l.accepted[cmd.ID] = dev
+					l.okWrites.Add(1)
+				case "503 unavailable":
+					l.refused.Add(1)
+				default:
+					l.badLocked("push to "+dev, class, b)
+				}
+				l.mu.Unlock()
+			}
+		})
+	}
+	for r := range readers {
+		l.wg.Go(func() {
+			hc := loadClient(1)
+			defer hc.CloseIdleConnections()
+			for i := r; !l.stopped(); i++ {
+				dev := c.devices[i%len(c.devices)]
+				class, b := l.do(hc, "GET", "/api/v1/devices/"+dev+"/status", nil)
+				l.mu.Lock()
+				l.reads[class]++
+				switch class {
+				case "200":
+					l.okReads.Add(1)
+				case "503 unavailable":
+				default:
+					l.badLocked("status of "+dev, class, b)
+				}
+				l.mu.Unlock()
+			}
+		})
+	}
+	return l
+}
+
+func (l *pgLoad) badLocked(what, class string, body []byte) {
+	if len(l.bad) < 5 {
+		l.bad = append(l.bad, fmt.Sprintf("%s: %s %s", what, class, body))
+	}
+}
+
+func (l *pgLoad) stopped() bool {
+	select {
+	case <-l.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// do makes one request as the user and classifies its answer.
+func (l *pgLoad) do(hc *http.Client, method, path string, body []byte) (class string, respBody []byte) {
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequest(method, l.c.base()+path, rd)
+	if err != nil {
+		return "no request: " + err.Error(), nil
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	req.Header.Set("Authorization", "Bearer "+l.c.user.token)
+	resp, err := hc.Do(req)
+	if err != nil {
+		return "no answer: " + err.Error(), nil
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "a cut answer: " + err.Error(), nil
+	}
+	return classify(resp.StatusCode, resp.Header, b), b
+}
+
+// classify names an answer: "202", "200", "503 unavailable" (a problem
+// with that code and a Retry-After), or its status and code.
+func classify(status int, hdr http.Header, body []byte) string {
+	var p struct{ Code string }
+	_ = json.Unmarshal(body, &p)
+	switch {
+	case status == 202 || status == 200:
+		return fmt.Sprint(status)
+	case status == 503 && p.Code == "unavailable" && hdr.Get("Retry-After") != "":
+		return "503 unavailable"
+	}
+	return fmt.Sprintf("%d %s", status, p.Code)
+}
+
+// finish stops the load and waits for its requests.
+func (l *pgLoad) finish() {
+	select {
+	case <-l.stop:
+	default:
+		close(l.stop)
+	}
+	l.wg.Wait()
+}
+
+// waitFor waits until cond holds, and fails the test once an answer of
+// another class came, or after a bound that tells a hang from a wait.
+func (l *pgLoad) waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for !cond() {
+		l.mu.Lock()
+		bad := len(l.bad) > 0
+		l.mu.Unlock()
+		if bad || time.Now().After(deadline) {
+			l.finish()
+			t.Fatalf("while waiting for %s: pushes %v, reads %v; first answers of another class: %q", what, l.writes, l.reads, l.bad)
+		}
+		time.Sleep(20 * time.Millisecond) // polling the load's counters
+	}
+}
+
+// check stops the load and checks that every answer was a 202, a 200 or a
+// 503 unavailable, and that the server runs.
+func (l *pgLoad) check(t *testing.T) {
+	t.Helper()
+	l.finish()
+	t.Logf("pushes %v, reads %v", l.writes, l.reads)
+	require.Empty(t, l.bad, "answers neither a 202, a 200 nor a 503 unavailable with Retry-After")
+	require.True(t, l.c.server.running(), "the server exited")
+}
+
+// more returns a condition that holds once counter has risen by n from
+// what it is now.
+func more(counter *atomic.Int64, n int64) func() bool {
+	from := counter.Load()
+	return func() bool { return counter.Load() >= from+n }
+}
+
+// pgConn connects to the database of dsn, closed when the test ends.
+func pgConn(t *testing.T, dsn string) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), dsn)
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
+}
+
+// smallTablespace mounts a file system of size bytes (tmpfs), makes it a
+// tablespace of pg and creates a database in it, whose DSN it returns
+// with the directory: the database's tables and indexes are written
+// there, its WAL in pg's data directory. The file system is unmounted when
+// the test ends. Mounting needs root; without it the test is skipped.
+func smallTablespace(t *testing.T, pg *pgtest.Server, size int) (dsn, dir string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a small file system for a tablespace needs root")
+	}
+	dir, err := os.MkdirTemp("", "companion-tablespace")
+	require.NoError(t, err)
+	require.NoError(t, syscall.Mount("tmpfs", dir, "tmpfs", 0, fmt.Sprintf("size=%d,mode=0700", size)))
+	t.Cleanup(func() {
+		// Before pg's own cleanup (cleanups run last first): stopped,
+		// it holds nothing of the file system.
+		if err := pg.Stop(); err != nil {
+			t.Errorf("stop postgres: %v", err)
+		}
+		if err := syscall.Unmount(dir, 0); err != nil {
+			t.Errorf("unmount %s: %v", dir, err)
+		}
+		os.Remove(dir)
+	})
+	cred, err := pgctl.Credential()
+	require.NoError(t, err)
+	if cred != nil {
+		require.NoError(t, os.Chown(dir, int(cred.Uid), int(cred.Gid)))
+	}
+	su := pgConn(t, pg.DSN)
+	_, err = su.Exec(t.Context(), "CREATE TABLESPACE small LOCATION '"+dir+"'")
+	require.NoError(t, err)
+	_, err = su.Exec(t.Context(), "CREATE DATABASE onsmall TABLESPACE small")
+	require.NoError(t, err)
+	u, err := url.Parse(pg.DSN)
+	require.NoError(t, err)
+	u.Path = "/onsmall"
+	return u.String(), dir
+}
+
+// fillDisk writes a file in dir until its file system is full, and
+// returns a func that removes it.
+func fillDisk(t *testing.T, dir string) (free func()) {
+	t.Helper()
+	name := filepath.Join(dir, "fill")
+	f, err := os.Create(name)
+	require.NoError(t, err)
+	// A page at a time, so that not even a page is left.
+	buf := make([]byte, os.Getpagesize())
+	for {
+		if _, err = f.Write(buf); err != nil {
+			break
+		}
+	}
+	require.True(t, errors.Is(err, syscall.ENOSPC), "filling %s: %v", dir, err)
+	require.NoError(t, f.Close())
+	return func() { require.NoError(t, os.Remove(name)) }
+}
+
+// PostgreSQL's disk fills under a steady load, the bridge running the
+// commands, and space comes back. The database's tablespace is a small
+// file system, filled by a file; its WAL is elsewhere, so PostgreSQL runs
+// on and refuses what needs a new page ("could not extend file …: No
+// space left on device"). Every answer is a 202, a 200 or a 503
+// unavailable with Retry-After; the server stays up and takes commands
+// again once space is back, without a restart; every command it accepted
+// succeeds, run once, and none it refused runs.
+func TestProcessPostgresDiskFillsUnderLoad(t *testing.T) {
+	pg := pgtest.Start(t)
+	dsn, dir := smallTablespace(t, pg, 64<<20)
+	c := newPostgresProcClusterOn(t, dsn)
+	c.startBridge()
+
+	l := startPGLoad(c, 8, 2)
+	l.waitFor(t, "the first 202s", more(&l.okWrites, 100))
+	free := fillDisk(t, dir)
+	l.waitFor(t, "the 503s of a full disk", more(&l.refused, 300))
+	free()
+	l.waitFor(t, "the 202s once space is back", more(&l.okWrites, 100))
+	l.check(t)
+	c.checkExactlyOnce(l.accepted)
+}

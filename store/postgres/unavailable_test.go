@@ -1,0 +1,72 @@
+package postgres_test
+
+import (
+	"net/url"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/store/postgres"
+)
+
+func init() {
+	ownTests = append(ownTests, struct {
+		name string
+		run  func(t *testing.T, e *testEnv)
+	}{"ReadOnlyIsUnavailable", testReadOnlyIsUnavailable})
+}
+
+// A database that takes no writes (read-only by its settings, as a
+// standby is) refuses a command with an error the API answers 503
+// unavailable, not 500; once it takes writes again the same store writes,
+// without a reopen.
+func testReadOnlyIsUnavailable(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	s := e.open(t, dsn)
+	ctx := t.Context()
+	_, _, err := s.CreateCommand(ctx, cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	admin, err := pgx.Connect(ctx, e.srv.DSN)
+	require.NoError(t, err)
+	defer admin.Close(ctx)
+	u, err := url.Parse(dsn)
+	require.NoError(t, err)
+	db := strings.TrimPrefix(u.Path, "/")
+	// New sessions of the database start read-only; the store's are
+	// ended, so that it makes new ones.
+	setReadOnly := func(on bool) {
+		t.Helper()
+		v := "off"
+		if on {
+			v = "on"
+		}
+		_, err := admin.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{db}.Sanitize()+" SET default_transaction_read_only = "+v)
+		require.NoError(t, err)
+		_, err = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()`, db)
+		require.NoError(t, err)
+	}
+
+	setReadOnly(true)
+	for attempt := 1; ; attempt++ {
+		_, _, err = s.CreateCommand(ctx, cmd("d1"), 0, nil)
+		require.Error(t, err, "a command on a read-only database")
+		assert.True(t, postgres.IsUnavailable(err), "IsUnavailable(%v) = false; want true", err)
+		if postgres.IsUnwritable(err) {
+			break
+		}
+		// The first calls may meet the connections that were ended.
+		require.Less(t, attempt, 20, "a command on a read-only database: %v; want the refusal to write", err)
+	}
+
+	setReadOnly(false)
+	for attempt := 1; ; attempt++ {
+		_, _, err = s.CreateCommand(ctx, cmd("d1"), 0, nil)
+		if err == nil {
+			break
+		}
+		require.Less(t, attempt, 20, "a command once the database takes writes: %v", err)
+	}
+}
