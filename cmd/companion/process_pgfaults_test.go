@@ -28,6 +28,8 @@ import (
 
 	"github.com/devicecompanion/companion/internal/pgctl"
 	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/store/postgres"
 )
 
 // pgLoad is a steady load on a procCluster's server: writers push texts
@@ -201,6 +203,18 @@ func more(counter *atomic.Int64, n int64) func() bool {
 	return func() bool { return counter.Load() >= from+n }
 }
 
+// readyz returns the status of the server's /readyz and its problem's
+// detail.
+func (c *procCluster) readyz(t *testing.T) (int, string) {
+	t.Helper()
+	resp, err := http.Get(c.base() + "/readyz")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	var p struct{ Detail string }
+	_ = json.NewDecoder(resp.Body).Decode(&p)
+	return resp.StatusCode, p.Detail
+}
+
 // pgConn connects to the database of dsn, closed when the test ends.
 func pgConn(t *testing.T, dsn string) *pgx.Conn {
 	t.Helper()
@@ -275,7 +289,8 @@ func fillDisk(t *testing.T, dir string) (free func()) {
 // on and refuses what needs a new page ("could not extend file …: No
 // space left on device"). Every answer is a 202, a 200 or a 503
 // unavailable with Retry-After; the server stays up and takes commands
-// again once space is back, without a restart; every command it accepted
+// again once space is back, without a restart; /readyz says not ready
+// while the disk is full, and ready after; every command it accepted
 // succeeds, run once, and none it refused runs.
 func TestProcessPostgresDiskFillsUnderLoad(t *testing.T) {
 	pg := pgtest.Start(t)
@@ -287,8 +302,52 @@ func TestProcessPostgresDiskFillsUnderLoad(t *testing.T) {
 	l.waitFor(t, "the first 202s", more(&l.okWrites, 100))
 	free := fillDisk(t, dir)
 	l.waitFor(t, "the 503s of a full disk", more(&l.refused, 300))
+	status, detail := c.readyz(t)
+	require.Equal(t, 503, status, "/readyz while the disk is full")
+	require.Contains(t, detail, "cannot write")
 	free()
 	l.waitFor(t, "the 202s once space is back", more(&l.okWrites, 100))
+	status, detail = c.readyz(t)
+	require.Equal(t, 200, status, "/readyz once space is back: %s", detail)
 	l.check(t)
 	c.checkExactlyOnce(l.accepted)
+}
+
+// /readyz says not ready once PostgreSQL refused a write for its full
+// disk, and ready again once the disk takes writes, with no other request
+// to show it (the PostgreSQL store answers a ping throughout).
+func TestReadyzWhilePostgreSQLCannotWrite(t *testing.T) {
+	pg := pgtest.Start(t)
+	dsn, dir := smallTablespace(t, pg, 32<<20)
+	require.NoError(t, postgres.Migrate(t.Context(), dsn))
+	m := startServer(t, Config{Store: dsn})
+	testenv.Eventually(t, 10*time.Second, "the server connected to its broker", m.Broker.Ready)
+	f := setupFleet(t, m, "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	probe := newClient(t, m, "")
+	require.Equal(t, 200, probe.do("GET", "/readyz", nil).Status)
+
+	free := fillDisk(t, dir)
+	// Until a new page is needed, rows fit in the pages there are.
+	for i := 0; ; i++ {
+		r = f.user.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": fmt.Sprintf("while full %d", i)})
+		if r.Status == 503 {
+			break
+		}
+		require.Equal(t, 202, r.Status, "%s", r.Body)
+		require.Less(t, i, 10000, "commands accepted on a full disk")
+	}
+	for range 2 { // the second asks the database again, and is refused again
+		r = probe.do("GET", "/readyz", nil)
+		require.Equal(t, 503, r.Status, "/readyz while PostgreSQL's disk is full: %s", r.Body)
+		p := r.JSON(t)
+		require.Equal(t, "not_ready", p["code"])
+		require.Contains(t, p["detail"], "cannot write")
+	}
+
+	free()
+	r = probe.do("GET", "/readyz", nil)
+	require.Equal(t, 200, r.Status, "/readyz once the disk takes writes: %s", r.Body)
+	f.user.pushText("dev-1", "space back")
 }

@@ -56,8 +56,9 @@ const readyTimeout = 2 * time.Second
 // ready is /readyz's check (CONTRACT §1: store open, MQTT connected). A
 // PostgreSQL store is asked: while the database cannot be reached every
 // request but the health checks is a 503 unavailable, and a load balancer
-// should know it. So is a bbolt store whose last commit failed (its disk
-// full): every write is a 503 unavailable until one succeeds.
+// should know it. So is a store whose last write its disk refused (full;
+// PostgreSQL's, or read-only): every write is a 503 unavailable until one
+// succeeds.
 func (m *Main) ready(ctx context.Context) error {
 	if !m.Broker.Ready() {
 		return errors.New("the MQTT connection is down")
@@ -67,6 +68,9 @@ func (m *Main) ready(ctx context.Context) error {
 	if m.pg != nil {
 		if err := m.pg.Ping(ctx); err != nil {
 			return fmt.Errorf("the PostgreSQL store cannot be reached within %v", readyTimeout)
+		}
+		if err := m.pg.CheckWrites(ctx); err != nil {
+			return errors.New("the PostgreSQL store cannot write now (its disk full, or the server read-only): see the log")
 		}
 	}
 	if m.bolt != nil {

@@ -55,6 +55,7 @@ type Store struct {
 	now    func() time.Time
 	log    *slog.Logger
 	ids    idGen
+	health *health
 	lanes  []*lane
 	wg     sync.WaitGroup // the lanes' goroutines
 	mu     sync.RWMutex   // closed, and submissions against Close
@@ -105,6 +106,10 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	if err := migrate(ctx, cfg.ConnConfig, opts.Logger, opts.Migrate); err != nil {
 		return nil, err
 	}
+	h := &health{}
+	// The pool's connections, and those of ListenCommands and Campaign
+	// (copies of its config), tell h what the database answers.
+	cfg.ConnConfig.Tracer = tracer{h}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("postgres: %w", err)
@@ -113,7 +118,7 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 		pool.Close()
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
-	s := &Store{pool: pool, cfg: cfg, now: opts.Now, log: opts.Logger, done: make(chan struct{})}
+	s := &Store{pool: pool, cfg: cfg, now: opts.Now, log: opts.Logger, health: h, done: make(chan struct{})}
 	n := max(2, int(opts.MaxConns)/2)
 	s.lanes = make([]*lane, n)
 	for i := range s.lanes {
