@@ -351,3 +351,42 @@ func TestReadyzWhilePostgreSQLCannotWrite(t *testing.T) {
 	require.Equal(t, 200, r.Status, "/readyz once the disk takes writes: %s", r.Body)
 	f.user.pushText("dev-1", "space back")
 }
+
+// Another session holds a lock the server's writes wait for, for longer
+// than a client waits, under a steady load with the bridge running the
+// commands: first the row of one device's queue (SELECT … FOR UPDATE, as
+// a transaction left open in psql), then the whole table (LOCK TABLE, as
+// a migration or a VACUUM FULL waiting its turn). The writes that wait
+// for it are answered 503 unavailable with Retry-After within the
+// client's patience, not held until it gives up; the other devices'
+// commands are accepted meanwhile, and reads are answered throughout
+// (the waits do not take the pool). Once the lock is released every
+// request is taken again, and every command accepted succeeds, run once.
+func TestProcessPostgresLockHeldUnderLoad(t *testing.T) {
+	c, _, dsn := newPostgresProcCluster(t)
+	c.startBridge()
+	other := pgConn(t, dsn)
+	ctx := t.Context()
+
+	l := startPGLoad(c, 8, 2)
+	l.waitFor(t, "the first 202s", more(&l.okWrites, 100))
+	tx, err := other.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT * FROM device_queues WHERE device_id = $1 FOR UPDATE`, c.devices[0])
+	require.NoError(t, err)
+	accepted, refused := more(&l.okWrites, 30), more(&l.refused, 8)
+	l.waitFor(t, "other devices' 202s and the locked device's 503s", func() bool { return accepted() && refused() })
+	require.NoError(t, tx.Rollback(ctx))
+	l.waitFor(t, "the 202s once the row is free", more(&l.okWrites, 50))
+
+	tx, err = other.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `LOCK TABLE device_queues IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	refused, read := more(&l.refused, 8), more(&l.okReads, 100)
+	l.waitFor(t, "503s and reads while the table is locked", func() bool { return refused() && read() })
+	require.NoError(t, tx.Rollback(ctx))
+	l.waitFor(t, "the 202s once the table is free", more(&l.okWrites, 50))
+	l.check(t)
+	c.checkExactlyOnce(l.accepted)
+}

@@ -46,7 +46,9 @@
 // refused undoes only its own changes; within it they take their locks in
 // the order of their device hashes, so batches on two replicas do not wait
 // for each other in a circle, and if it fails before COMMIT all the same
-// its writes run again one by one. The synchronous methods wait on the
+// its writes run again one by one. A write that waits LockTimeout for a
+// lock another session holds fails, and so do the writes after it in its
+// batch, rather than hold the lane for as long as the lock is held. The synchronous methods wait on the
 // same lanes, so they keep the order with the asynchronous ones.
 // MarkBridgeOffline, which touches many devices, is a barrier: it runs
 // once every lane has finished what was made before it, and the lanes

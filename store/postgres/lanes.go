@@ -104,7 +104,9 @@ func (s *Store) runLane(l *lane) {
 
 // runBatch runs the writes of batch in one transaction, each under a
 // savepoint of its own so that one's refusal undoes only its own
-// changes, and finishes them in their order once it committed. The
+// changes, and finishes them in their order once it committed. One that
+// waited LockTimeout for a lock fails the writes after it in the batch
+// with the same error, unwritten. The
 // writes take their locks in the order of their devices' hashes (those
 // of one device keep their order), so two batches, on two replicas, do
 // not wait for each other's locks in a circle. Should the batch fail
@@ -136,7 +138,7 @@ func (s *Store) runBatch(batch []job) {
 	tx, err := s.pool.Begin(ctx)
 	if err == nil {
 		err = func() error {
-			for _, i := range order {
+			for n, i := range order {
 				sp, err := tx.Begin(ctx) // SAVEPOINT
 				if err != nil {
 					return err
@@ -155,6 +157,17 @@ func (s *Store) runBatch(batch []job) {
 					return err
 				}
 				errs[i] = jerr
+				if lockTimedOut(jerr) {
+					// It waited LockTimeout for another session's
+					// lock; so have the writes behind it. They fail
+					// too rather than wait in turn, each as long: a
+					// batch's callers wait LockTimeout at most, not
+					// that times their number.
+					for _, k := range order[n+1:] {
+						errs[k] = jerr
+					}
+					break
+				}
 			}
 			return nil
 		}()
@@ -183,6 +196,13 @@ func (s *Store) runBatch(batch []job) {
 // runAlone runs one write in a transaction of its own.
 func (s *Store) runAlone(j job) {
 	j.finish(s.tx(j.ctx, func(tx pgx.Tx) error { return j.body(j.ctx, tx) }))
+}
+
+// lockTimedOut reports whether err is a statement's wait for a lock that
+// lasted LockTimeout (lock_not_available).
+func lockTimedOut(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "55P03"
 }
 
 // retryable reports whether err is one PostgreSQL resolves by aborting a

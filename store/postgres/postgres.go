@@ -72,12 +72,23 @@ type Store struct {
 
 var _ companion.Store = (*Store)(nil)
 
+// LockTimeout is how long a statement of the store waits for a lock that
+// another session holds (PostgreSQL's lock_timeout, on every session of
+// the store but the migrations'; a DSN that sets lock_timeout has its
+// own) before it fails with lock_not_available, which IsUnavailable
+// tells. The store's own transactions hold their locks for milliseconds;
+// one that waits this long waits for something else (a transaction left
+// open, a migration or a VACUUM FULL waiting its turn): the request is
+// answered 503 with Retry-After, nothing written, rather than held until
+// its client gives up, and the lane of writes it was on goes on.
+const LockTimeout = 5 * time.Second
+
 // Open connects to the database of dsn (a PostgreSQL URL or key=value
 // string; a search_path parameter puts the tables in that schema),
 // checks its schema (applies the migrations it lacks with opts.Migrate;
 // see Migrate) and starts the lanes of
 // the per-device writes. Its sessions run with synchronous_commit on
-// unless the DSN sets it.
+// and lock_timeout LockTimeout, unless the DSN sets them.
 func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -105,6 +116,11 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	}
 	if err := migrate(ctx, cfg.ConnConfig, opts.Logger, opts.Migrate); err != nil {
 		return nil, err
+	}
+	// Set after the migrations, which may wait as long as another
+	// replica's take.
+	if _, ok := params["lock_timeout"]; !ok {
+		params["lock_timeout"] = strconv.Itoa(int(LockTimeout / time.Millisecond))
 	}
 	h := &health{}
 	// The pool's connections, and those of ListenCommands and Campaign

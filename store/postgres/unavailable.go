@@ -13,9 +13,11 @@ import (
 // request now rather than that the request was wrong: it could not
 // connect, the connection broke, or the server is shutting down or
 // starting up (SQLSTATE classes 08 and 57P); it lacks the resources
-// (class 53: its disk full, out of memory, too many connections); or it
-// cannot write (IsUnwritable). The API answers those 503 with
-// Retry-After: the client tries again, and nothing was accepted.
+// (class 53: its disk full, out of memory, too many connections); it
+// cannot write (IsUnwritable); or a statement waited LockTimeout for a
+// lock another session holds (55P03 lock_not_available). The API answers
+// those 503 with Retry-After: the client tries again, and nothing was
+// accepted.
 func IsUnavailable(err error) bool {
 	var ce *pgconn.ConnectError
 	var pe *pgconn.PgError
@@ -29,7 +31,8 @@ func IsUnavailable(err error) bool {
 	case IsUnwritable(err):
 		return true
 	case errors.As(err, &pe):
-		return strings.HasPrefix(pe.Code, "08") || strings.HasPrefix(pe.Code, "57P") || strings.HasPrefix(pe.Code, "53")
+		return strings.HasPrefix(pe.Code, "08") || strings.HasPrefix(pe.Code, "57P") || strings.HasPrefix(pe.Code, "53") ||
+			pe.Code == "55P03"
 	}
 	return pgconn.SafeToRetry(err)
 }
