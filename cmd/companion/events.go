@@ -16,7 +16,7 @@ import (
 func (m *Main) startEvents() error {
 	opts := m.Config.Events
 	opts.Store = m.DB
-	opts.Logger = m.Logger
+	opts.Logger = m.storeLogger()
 	hub, err := api.NewEvents(opts)
 	if err != nil {
 		return err

@@ -17,6 +17,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -311,6 +312,7 @@ func TestProcessPostgresDiskFillsUnderLoad(t *testing.T) {
 	require.Equal(t, 200, status, "/readyz once space is back: %s", detail)
 	l.check(t)
 	c.checkExactlyOnce(l.accepted)
+	checkStoreSaysIt(t, c, 5)
 }
 
 // /readyz says not ready once PostgreSQL refused a write for its full
@@ -389,4 +391,144 @@ func TestProcessPostgresLockHeldUnderLoad(t *testing.T) {
 	l.waitFor(t, "the 202s once the table is free", more(&l.okWrites, 50))
 	l.check(t)
 	c.checkExactlyOnce(l.accepted)
+	checkStoreSaysIt(t, c, 5)
+}
+
+// logLines returns the lines of the log at path at level WARN or ERROR.
+func logLines(t *testing.T, path string) []string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// PostgreSQL goes away under a steady load, the bridge running the
+// commands, in each way it does, and comes back: stopped with a fast
+// shutdown and started again; stopped with an immediate one (its
+// processes quit at once, crash recovery at the start); the server's
+// connections ended by pg_terminate_backend, five times; and
+// max_connections taken by other sessions, the server's ended one by one
+// until it has none. The server, a role of its own (not a superuser,
+// which may take the connections PostgreSQL keeps for superusers), runs
+// on throughout. Every answer is a 202, a 200 or a 503 unavailable with
+// Retry-After; /readyz is 503 while the database cannot be used and 200
+// once it can; commands are taken again each time, without a restart of
+// the server; every command accepted succeeds, run once (a command whose
+// commit the fault cut off unanswered may run too, once). And the log says
+// once that the database cannot be reached, and once that it answers
+// again, not a line for every request and every retry.
+func TestProcessPostgresGoesAwayUnderLoad(t *testing.T) {
+	pg := pgtest.Start(t)
+	su := pgConn(t, pg.DSN)
+	ctx := t.Context()
+	for _, q := range []string{
+		`ALTER SYSTEM SET max_connections = 30`,
+		`CREATE ROLE app LOGIN PASSWORD 'app-password'`,
+		`CREATE DATABASE app OWNER app`,
+	} {
+		_, err := su.Exec(ctx, q)
+		require.NoError(t, err, "%s", q)
+	}
+	su.Close(ctx)
+	pg.Restart(t) // for max_connections
+	c := newPostgresProcClusterOn(t, pgctl.URL(pg.Port, "app", "app-password", "app"), "--log-level", "info")
+	c.startBridge()
+
+	l := startPGLoad(c, 8, 2)
+	l.waitFor(t, "the first 202s", more(&l.okWrites, 100))
+	away := func(what string) {
+		t.Helper()
+		l.waitFor(t, "the 503s of "+what, more(&l.refused, 300))
+		status, detail := c.readyz(t)
+		require.Equal(t, 503, status, "/readyz with %s", what)
+		require.Contains(t, detail, "PostgreSQL store cannot be reached")
+	}
+	back := func(what string) {
+		t.Helper()
+		l.waitFor(t, "the 202s after "+what, more(&l.okWrites, 100))
+		status, detail := c.readyz(t)
+		require.Equal(t, 200, status, "/readyz after %s: %s", what, detail)
+	}
+
+	require.NoError(t, pg.Stop())
+	away("a fast shutdown")
+	pg.Restart(t)
+	back("a fast shutdown")
+
+	pg.StopImmediate(t)
+	away("an immediate shutdown")
+	pg.Restart(t)
+	back("an immediate shutdown")
+
+	su = pgConn(t, pg.DSN)
+	for range 5 {
+		_, err := su.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'app'`)
+		require.NoError(t, err)
+		l.waitFor(t, "the 202s after the connections ended", more(&l.okWrites, 20))
+	}
+
+	// Superusers may take the last connections (superuser_reserved_connections,
+	// 3): each the test ends of the server's is taken before the server can.
+	var fillers []*pgx.Conn
+	defer func() {
+		for _, f := range fillers {
+			f.Close(context.Background())
+		}
+	}()
+	fill := func() {
+		for {
+			f, err := pgx.Connect(ctx, pg.DSN)
+			if err != nil {
+				require.ErrorContains(t, err, "SQLSTATE 53300")
+				return
+			}
+			fillers = append(fillers, f)
+		}
+	}
+	fill()
+	for {
+		var pid int
+		err := su.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE usename = 'app' LIMIT 1`).Scan(&pid)
+		if errors.Is(err, pgx.ErrNoRows) {
+			break
+		}
+		require.NoError(t, err)
+		_, err = su.Exec(ctx, `SELECT pg_terminate_backend($1, 10000)`, pid)
+		require.NoError(t, err)
+		fill()
+	}
+	away("max_connections taken")
+	for _, f := range fillers {
+		f.Close(ctx)
+	}
+	fillers = nil
+	back("max_connections taken")
+
+	l.check(t)
+	c.checkRunOnce(l.accepted, true)
+	checkStoreSaysIt(t, c, 20)
+	log, err := os.ReadFile(c.server.logPath)
+	require.NoError(t, err)
+	require.Contains(t, string(log), `msg="postgres: the database answers again"`)
+}
+
+// checkStoreSaysIt checks that the warnings and errors of the server's
+// log are the store's own lines of the database's faults, at most max of
+// them: not one for every request and every retry that met them.
+func checkStoreSaysIt(t *testing.T, c *procCluster, max int) {
+	t.Helper()
+	lines := logLines(t, c.server.logPath)
+	t.Logf("the server's log, warnings and errors:\n%s", strings.Join(lines, "\n"))
+	if len(lines) > max {
+		t.Fatalf("%d warnings and errors in the server's log, more than %d; the first: %q", len(lines), max, lines[:max])
+	}
+	for _, line := range lines {
+		require.Contains(t, line, `msg="postgres: `, "a warning or error not of the store's")
+	}
 }

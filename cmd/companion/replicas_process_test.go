@@ -157,8 +157,8 @@ func newPostgresProcCluster(t *testing.T) (*procCluster, *pgtest.Server, string)
 }
 
 // newPostgresProcClusterOn is newPostgresProcCluster on the database of
-// dsn, which it migrates.
-func newPostgresProcClusterOn(t *testing.T, dsn string) *procCluster {
+// dsn, which it migrates, with the server's extra flags.
+func newPostgresProcClusterOn(t *testing.T, dsn string, flags ...string) *procCluster {
 	t.Helper()
 	require.NoError(t, postgres.Migrate(context.Background(), dsn))
 	mq := mqtttest.StartMosquitto(t, serverAccount)
@@ -166,7 +166,7 @@ func newPostgresProcClusterOn(t *testing.T, dsn string) *procCluster {
 	c := newProcCluster(t, 4)
 	c.mqttURL = mq.URL
 	c.serverMQTT = []string{"--mqtt-url", mq.URL, "--mqtt-username", serverAccount.Username, "--mqtt-password", serverAccount.Password}
-	c.serverArgs = []string{"--store", dsn, "--replica-id", "r1"}
+	c.serverArgs = append([]string{"--store", dsn, "--replica-id", "r1"}, flags...)
 	c.startServer()
 	c.setupFleet()
 	return c

@@ -560,7 +560,7 @@ func (m *Main) newBroker(tree topics.Tree, ownTLS bool) error {
 		ReportRate:      cfg.ReportRate,
 		ReportBurst:     cfg.ReportBurst,
 		Observer:        m.brokerObserver(),
-		Logger:          m.Logger,
+		Logger:          m.storeLogger(),
 		Now:             cfg.Now,
 		NewClient:       newClient,
 	})
@@ -624,7 +624,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		Events:             m.Events,
 		RateLimiter:        m.rateLimiter(),
 		Requests:           m.requestObserver(),
-		Logger:             m.Logger,
+		Logger:             m.storeLogger(),
 		Now:                cfg.Now,
 	})
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -181,4 +182,55 @@ func (m *Main) storeUnavailable(err error) bool {
 		return postgres.IsUnavailable(err)
 	}
 	return errors.Is(err, store.ErrUnwritable)
+}
+
+// storeLogger is the logger of the pieces that use the store (the API,
+// the broker, the events hub). With a PostgreSQL store, a line of theirs
+// whose err is the database's fault (postgres.IsUnavailable: it cannot be
+// reached, refuses connections, cannot write, a lock waited out) is at
+// debug level: the store says each fault itself, once as it starts, once
+// a minute while it stands and once as it is gone, with what to do. Every
+// request and every retry of a reply said it again (bug 186).
+func (m *Main) storeLogger() *slog.Logger {
+	if m.pg == nil {
+		return m.Logger
+	}
+	return slog.New(storeFaultsAtDebug{m.Logger.Handler()})
+}
+
+// storeFaultsAtDebug is a handler that logs the records whose err is a
+// fault of the PostgreSQL store's at debug level.
+type storeFaultsAtDebug struct{ slog.Handler }
+
+func (h storeFaultsAtDebug) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level > slog.LevelDebug && storeFault(r) {
+		if !h.Handler.Enabled(ctx, slog.LevelDebug) {
+			return nil
+		}
+		r = r.Clone()
+		r.Level = slog.LevelDebug
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h storeFaultsAtDebug) WithAttrs(attrs []slog.Attr) slog.Handler {
+	return storeFaultsAtDebug{h.Handler.WithAttrs(attrs)}
+}
+
+func (h storeFaultsAtDebug) WithGroup(name string) slog.Handler {
+	return storeFaultsAtDebug{h.Handler.WithGroup(name)}
+}
+
+// storeFault reports whether r's err is a fault of the PostgreSQL
+// store's.
+func storeFault(r slog.Record) bool {
+	found := false
+	r.Attrs(func(a slog.Attr) bool {
+		if err, ok := a.Value.Any().(error); ok && a.Key == "err" && postgres.IsUnavailable(err) {
+			found = true
+			return false
+		}
+		return true
+	})
+	return found
 }

@@ -290,6 +290,34 @@ func (s *Server) Stop() error {
 	}
 }
 
+// StopImmediate stops the server with an immediate shutdown (SIGQUIT, as
+// pg_ctl stop -m immediate: every process quits at once, without a
+// checkpoint) and waits for it to exit; Restart brings it back through
+// crash recovery. Stopping a stopped server does nothing.
+func (s *Server) StopImmediate(tb testing.TB) {
+	tb.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		return
+	}
+	pid := s.cmd.Process.Pid
+	_ = s.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-s.exited:
+	case <-time.After(stopTimeout):
+		s.killLocked()
+		tb.Fatalf("pgtest: postgres did not stop within %v of an immediate shutdown; killed", stopTimeout)
+	}
+	// The backends quit on their own; wait until they have, so that
+	// Restart finds their shared memory gone.
+	deadline := time.Now().Add(stopTimeout)
+	for groupAlive(pid) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond) // waiting on processes that are not ours
+	}
+	s.cmd, s.exited = nil, nil
+}
+
 // Kill kills the server and all its processes with SIGKILL, as a crash
 // would; Restart brings it back through crash recovery, with every
 // committed transaction. Killing a stopped server does nothing.

@@ -54,7 +54,7 @@ func (s *Store) Campaign(ctx context.Context, onChange func(dispatching bool)) e
 				return ctx.Err()
 			}
 		}
-		s.log.Warn("postgres: dispatcher campaign", "err", err)
+		s.logRetry("postgres: dispatcher campaign", err)
 		t := time.NewTimer(time.Second)
 		select {
 		case <-t.C:

@@ -71,4 +71,16 @@
 // Where there is no row yet to lock, a transaction-scoped advisory lock
 // of the id stands for it: a device's first status report (putStatus), and
 // the id that users and bridges share (CreateUser, CreateBridge).
+//
+// # Faults of the database
+//
+// Every connection the store makes carries a pgx tracer (health.go) that
+// sorts each failed statement into a fault of the database's: it cannot
+// be reached, it refuses new connections, it cannot write, it lacks other
+// resources (IsUnavailable tells them all; the API answers them 503). The
+// store logs each once as it starts, once a minute while it stands and
+// once as a probe, every second while one stands, finds it gone; a lock
+// waited out (LockTimeout) once a minute at most. Its callers need not
+// log them again. CheckWrites, for /readyz, asks with a write of its own
+// while a refusal to write stands.
 package postgres

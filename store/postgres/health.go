@@ -4,26 +4,257 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync/atomic"
+	"log/slog"
+	"net"
+	"strconv"
+	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// health is what the store has learnt of the database from the answers
-// to its statements (tracer): whether its last refusal to write still
-// stands.
-type health struct {
-	// unwritable is set when PostgreSQL refuses a write for want of
-	// room or as read-only (IsUnwritable), and cleared by a check write
-	// that succeeds (CheckWrites).
-	unwritable atomic.Bool
+// fault is a way the database fails the store, each told once: it cannot
+// be reached, it refuses new connections, it cannot write, it lacks other
+// resources. A lock waited out (55P03) is no fault of the database's and
+// has no run; it is said once a minute at most (lockWaited).
+type fault int
+
+const (
+	faultNone        fault = iota
+	faultUnreachable       // connections fail or break; the server shuts down or starts up
+	faultRefused           // new connections refused: max_connections taken (53300)
+	faultUnwritable        // writes refused: a full disk, an I/O error, read-only (IsUnwritable)
+	faultResources         // the rest of class 53: out of memory, a configured limit
+	faultLock              // a statement waited LockTimeout for a lock (55P03)
+)
+
+// faultOf says which fault err is, faultNone for an error of the
+// request's own or none.
+func faultOf(err error) fault {
+	var pe *pgconn.PgError
+	switch {
+	case err == nil:
+		return faultNone
+	case errors.As(err, &pe) && pe.Code == "53300":
+		return faultRefused
+	case errors.As(err, &pe) && pe.Code == "55P03":
+		return faultLock
+	case IsUnwritable(err):
+		return faultUnwritable
+	case errors.As(err, &pe) && len(pe.Code) == 5 && pe.Code[:2] == "53":
+		return faultResources
+	case IsUnavailable(err):
+		return faultUnreachable
+	}
+	return faultNone
 }
 
-// noted takes in the outcome of one statement, connection or batch.
-func (h *health) noted(err error) {
-	if IsUnwritable(err) {
-		h.unwritable.Store(true)
+// faultWords is what the log says of each fault as it starts: what is
+// wrong, what the server does meanwhile, and what to do.
+var faultWords = map[fault]string{
+	faultUnreachable: "postgres: the database cannot be reached: requests that need it are answered 503 unavailable, " +
+		"and commands, replies and statuses wait, until it answers; check that PostgreSQL runs and takes connections at the --store address",
+	faultRefused: "postgres: the database refuses new connections, its max_connections taken: requests that need a new connection " +
+		"are answered 503 unavailable until one is free; raise max_connections, or end the sessions that hold them (pg_stat_activity)",
+	faultUnwritable: "postgres: the database cannot write (its disk full, an I/O error, or the server read-only): requests that " +
+		"would store something are answered 503 unavailable, and replies and statuses wait, until it can; free space on the " +
+		"database server's disk, or point --store at a primary",
+	faultResources: "postgres: the database lacks the resources for the store's statements: they are answered 503 unavailable " +
+		"until it has them; see PostgreSQL's own log",
+}
+
+// faultLogEvery is how often, at most, the log says again that a fault
+// still stands, or that statements waited out a lock.
+const faultLogEvery = time.Minute
+
+// probeEvery is how often a fault under way is asked whether it still
+// stands.
+const probeEvery = time.Second
+
+// run is a fault under way: from the first statement it failed until a
+// probe finds it gone.
+type run struct {
+	since, logged time.Time
+	failures      int   // statements failed since it was last logged
+	last          error // the last of them
+}
+
+// health is what the store has learnt of the database from the answers
+// to its statements (tracer): the faults under way, each logged once as
+// it starts, once a minute while it stands, and once as a probe finds it
+// gone (watch), so that an outage is a few lines, not one for every
+// statement that met it. The store's callers (the API, the broker) then
+// need not log it again (cmd/companion logs their lines of these errors
+// at debug level).
+type health struct {
+	log      *slog.Logger
+	database string // host:port/name, for the log
+
+	wake chan struct{} // a run started: watch has something to probe
+
+	mu      sync.Mutex
+	runs    map[fault]*run
+	locks   int       // statements that waited out a lock since lockLog
+	lockLog time.Time // when that was last said
+}
+
+func newHealth(log *slog.Logger, cfg *pgx.ConnConfig) *health {
+	return &health{
+		log:      log,
+		database: net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))) + "/" + cfg.Database,
+		runs:     map[fault]*run{},
+		wake:     make(chan struct{}, 1),
 	}
+}
+
+// probing marks the context of the store's own checks, whose outcome the
+// tracer leaves to them.
+type probing struct{}
+
+// noted takes in the outcome of one statement, connection or batch.
+func (h *health) noted(ctx context.Context, err error) {
+	if err == nil || ctx.Value(probing{}) != nil || ctx.Err() != nil {
+		return // the caller gave up: nothing of the database's
+	}
+	f := faultOf(err)
+	if f == faultNone {
+		return
+	}
+	now := time.Now()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if f == faultLock {
+		h.locks++
+		if now.Sub(h.lockLog) >= faultLogEvery {
+			h.log.Warn("postgres: statements waited "+LockTimeout.String()+" for a lock another session holds, and failed: their "+
+				"requests are answered 503 unavailable; find the session (pg_blocking_pids in pg_stat_activity) and end it",
+				"database", h.database, "statements", h.locks, "err", err)
+			h.lockLog, h.locks = now, 0
+		}
+		return
+	}
+	r := h.runs[f]
+	if r == nil {
+		h.runs[f] = &run{since: now, logged: now, last: err}
+		h.log.Error(faultWords[f], "database", h.database, "err", err)
+		select {
+		case h.wake <- struct{}{}:
+		default:
+		}
+		return
+	}
+	r.failures++
+	r.last = err
+}
+
+// unwritable says whether a refusal to write is under way.
+func (h *health) unwritable() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.runs[faultUnwritable] != nil
+}
+
+// gone ends the run of f, found gone by a probe.
+func (h *health) gone(f fault) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	r := h.runs[f]
+	if r == nil {
+		return
+	}
+	delete(h.runs, f)
+	h.log.Info("postgres: the database answers again", "database", h.database,
+		"fault", faultName(f), "after", time.Since(r.since).Round(time.Second))
+}
+
+// standing returns the faults under way, and logs again those last
+// logged faultLogEvery ago.
+func (h *health) standing() []fault {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := time.Now()
+	var out []fault
+	for f, r := range h.runs {
+		out = append(out, f)
+		if now.Sub(r.logged) >= faultLogEvery {
+			h.log.Error("postgres: the database still fails the store", "database", h.database, "fault", faultName(f),
+				"for", now.Sub(r.since).Round(time.Second), "failures", r.failures, "err", r.last)
+			r.logged, r.failures = now, 0
+		}
+	}
+	return out
+}
+
+func faultName(f fault) string {
+	switch f {
+	case faultUnreachable:
+		return "unreachable"
+	case faultRefused:
+		return "connections refused"
+	case faultUnwritable:
+		return "cannot write"
+	case faultResources:
+		return "resources"
+	}
+	return "none"
+}
+
+// watch asks, every probeEvery while a fault stands, whether it still
+// does (probe), until the store is closed. It runs on a goroutine of the
+// store's (Open), and sleeps while there is none.
+func (s *Store) watch() {
+	t := time.NewTicker(probeEvery)
+	defer t.Stop()
+	for {
+		faults := s.health.standing()
+		var wait <-chan time.Time
+		if len(faults) > 0 {
+			wait = t.C
+		}
+		select {
+		case <-s.done:
+			return
+		case <-s.health.wake:
+		case <-wait:
+			for _, f := range faults {
+				if s.probe(f) == nil {
+					s.health.gone(f)
+				}
+			}
+		}
+	}
+}
+
+// probe checks whether fault f still stands: nil when it does not. A
+// refusal of new connections is asked with a new connection of its own,
+// a refusal to write with a write (checkWrite), the rest with a ping of
+// the pool.
+func (s *Store) probe(f fault) error {
+	ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), probing{}, true), checkTimeout)
+	defer cancel()
+	switch f {
+	case faultRefused:
+		conn, err := pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
+		if err != nil {
+			return err
+		}
+		return conn.Close(ctx)
+	case faultUnwritable:
+		return s.checkWrite(ctx)
+	}
+	return s.pool.Ping(ctx)
+}
+
+// logRetry logs an error that the store's own loop (the campaign,
+// LISTEN) meets and tries again after: a warning, unless it is a fault
+// of the database's, which health says once (debug then).
+func (s *Store) logRetry(msg string, err error, args ...any) {
+	level := slog.LevelWarn
+	if faultOf(err) != faultNone {
+		level = slog.LevelDebug
+	}
+	s.log.Log(context.Background(), level, msg, append(args, "err", err)...)
 }
 
 // tracer is the pgx tracer of every connection the store makes: it hands
@@ -42,57 +273,46 @@ func (t tracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQue
 	return ctx
 }
 
-func (t tracer) TraceQueryEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
-	t.h.noted(data.Err)
+func (t tracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	t.h.noted(ctx, data.Err)
 }
 
 func (t tracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
 	return ctx
 }
 
-func (t tracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
-	t.h.noted(data.Err)
+func (t tracer) TraceBatchQuery(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	t.h.noted(ctx, data.Err)
 }
 
-func (t tracer) TraceBatchEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
-	t.h.noted(data.Err)
+func (t tracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
+	t.h.noted(ctx, data.Err)
 }
 
 func (t tracer) TraceCopyFromStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceCopyFromStartData) context.Context {
 	return ctx
 }
 
-func (t tracer) TraceCopyFromEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceCopyFromEndData) {
-	t.h.noted(data.Err)
+func (t tracer) TraceCopyFromEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceCopyFromEndData) {
+	t.h.noted(ctx, data.Err)
 }
 
 func (t tracer) TraceConnectStart(ctx context.Context, _ pgx.TraceConnectStartData) context.Context {
 	return ctx
 }
 
-func (t tracer) TraceConnectEnd(_ context.Context, data pgx.TraceConnectEndData) {
-	t.h.noted(data.Err)
+func (t tracer) TraceConnectEnd(ctx context.Context, data pgx.TraceConnectEndData) {
+	t.h.noted(ctx, data.Err)
 }
 
-// errCheckDone rolls back the check write of CheckWrites.
+// errCheckDone rolls back the check write of checkWrite.
 var errCheckDone = errors.New("postgres: the check write is done")
 
-// CheckWrites says whether the database takes writes now. Until it
-// refuses one for want of room or as read-only (IsUnwritable: its disk
-// full, a standby), it returns nil without asking. After that it writes
-// a page of its own in a transaction that it rolls back (it creates a
-// temporary table and inserts a row: the catalog's rows and the table's
-// first page, in the database's tablespace, which a full disk refuses),
-// and returns the error while that fails; once one succeeds, nil again
-// without asking until the next refusal. /readyz calls it: while a full
-// disk fails every write a load balancer should know, and the answer
-// follows the disk back even when the balancer sends nothing meanwhile.
-// A page the database freed meanwhile may take the check while a larger
-// write still does not fit: the next refusal makes it ask again.
-func (s *Store) CheckWrites(ctx context.Context) error {
-	if !s.health.unwritable.Load() {
-		return nil
-	}
+// checkWrite writes a page of its own in a transaction that it rolls
+// back: it creates a temporary table and inserts a row, which writes the
+// catalog's rows and the table's first page in the database's tablespace,
+// as a full disk refuses.
+func (s *Store) checkWrite(ctx context.Context) error {
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `CREATE TEMPORARY TABLE companion_write_check (b bytea) ON COMMIT DROP`); err != nil {
 			return err
@@ -105,6 +325,26 @@ func (s *Store) CheckWrites(ctx context.Context) error {
 	if !errors.Is(err, errCheckDone) {
 		return fmt.Errorf("postgres: a check write: %w", err)
 	}
-	s.health.unwritable.Store(false)
+	return nil
+}
+
+// CheckWrites says whether the database takes writes now. Until it
+// refuses one for want of room or as read-only (IsUnwritable: its disk
+// full, a standby), it returns nil without asking. After that it tries a
+// write of its own (checkWrite) and returns the error while that fails;
+// once one succeeds, nil again without asking until the next refusal.
+// /readyz calls it: while a full disk fails every write a load balancer
+// should know, and the answer follows the disk back even when the
+// balancer sends nothing meanwhile. A page the database freed meanwhile
+// may take the check while a larger write still does not fit: the next
+// refusal makes it ask again.
+func (s *Store) CheckWrites(ctx context.Context) error {
+	if !s.health.unwritable() {
+		return nil
+	}
+	if err := s.checkWrite(context.WithValue(ctx, probing{}, true)); err != nil {
+		return err
+	}
+	s.health.gone(faultUnwritable)
 	return nil
 }

@@ -55,7 +55,7 @@ func (s *Store) listenLoop(ctx context.Context, channel string, fn func(payload 
 			bo.Reset() // it worked for a while
 		}
 		wait := bo.NextBackOff()
-		s.log.Warn("postgres: listening for notifications", "channel", channel, "err", err, "retry_in", wait)
+		s.logRetry("postgres: listening for notifications", err, "channel", channel, "retry_in", wait)
 		t := time.NewTimer(wait)
 		select {
 		case <-t.C:

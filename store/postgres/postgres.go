@@ -122,7 +122,7 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	if _, ok := params["lock_timeout"]; !ok {
 		params["lock_timeout"] = strconv.Itoa(int(LockTimeout / time.Millisecond))
 	}
-	h := &health{}
+	h := newHealth(opts.Logger, cfg.ConnConfig)
 	// The pool's connections, and those of ListenCommands and Campaign
 	// (copies of its config), tell h what the database answers.
 	cfg.ConnConfig.Tracer = tracer{h}
@@ -135,6 +135,11 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
 	s := &Store{pool: pool, cfg: cfg, now: opts.Now, log: opts.Logger, health: h, done: make(chan struct{})}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.watch()
+	}()
 	n := max(2, int(opts.MaxConns)/2)
 	s.lanes = make([]*lane, n)
 	for i := range s.lanes {

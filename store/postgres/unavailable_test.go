@@ -1,6 +1,7 @@
 package postgres_test
 
 import (
+	"log/slog"
 	"net/url"
 	"strings"
 	"testing"
@@ -9,6 +10,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/store/postgres"
 )
 
@@ -69,4 +72,43 @@ func testReadOnlyIsUnavailable(t *testing.T, e *testEnv) {
 		}
 		require.Less(t, attempt, 20, "a command once the database takes writes: %v", err)
 	}
+}
+
+// A database that cannot be reached is said once in the store's log as
+// the statements start failing, with what to do, and once as it answers
+// again, however many statements met it; its own server, as it stops it.
+func TestFaultIsLoggedOnce(t *testing.T) {
+	srv := pgtest.Start(t)
+	var log testenv.Buffer
+	s, err := postgres.Open(t.Context(), srv.NewDatabase(t), postgres.Options{
+		MaxConns: 4, Migrate: true,
+		Logger: slog.New(slog.NewTextHandler(&log, &slog.HandlerOptions{Level: slog.LevelInfo})),
+	})
+	require.NoError(t, err)
+	defer s.Close()
+	ctx := t.Context()
+	made, _, err := s.CreateCommand(ctx, cmd("d1"), 0, nil)
+	require.NoError(t, err)
+
+	require.NoError(t, srv.Stop())
+	for range 50 {
+		_, _, err = s.CreateCommand(ctx, cmd("d1"), 0, nil)
+		require.True(t, postgres.IsUnavailable(err), "a command while the database is stopped: %v", err)
+		_, err = s.Command(ctx, made.ID)
+		require.True(t, postgres.IsUnavailable(err), "a read while the database is stopped: %v", err)
+	}
+	srv.Restart(t)
+	testenv.Eventually(t, waitFor, "the database said to answer again", func() bool {
+		return strings.Contains(log.String(), "the database answers again")
+	})
+	_, _, err = s.CreateCommand(ctx, cmd("d1"), 0, nil)
+	require.NoError(t, err)
+
+	out := log.String()
+	t.Logf("the store's log:\n%s", out)
+	assert.Equal(t, 1, strings.Count(out, "level=ERROR"), "errors in the log")
+	assert.Equal(t, 1, strings.Count(out, `level=ERROR msg="postgres: the database cannot be reached`), "the outage said")
+	assert.Contains(t, out, "check that PostgreSQL runs", "what to do")
+	assert.Equal(t, 1, strings.Count(out, `msg="postgres: the database answers again"`), "its end said")
+	assert.Zero(t, strings.Count(out, "level=WARN"), "warnings in the log")
 }
