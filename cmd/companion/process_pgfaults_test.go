@@ -340,6 +340,10 @@ func TestReadyzWhilePostgreSQLCannotWrite(t *testing.T) {
 		require.Equal(t, 202, r.Status, "%s", r.Body)
 		require.Less(t, i, 10000, "commands accepted on a full disk")
 	}
+	r = f.admin.do("PUT", "/api/v1/admin/apps/clock/1.0.0", bytes.Repeat([]byte("app"), 100000))
+	require.Equal(t, 503, r.Status, "an app upload while PostgreSQL's disk is full: %s", r.Body)
+	require.Equal(t, "unavailable", r.JSON(t)["code"])
+	require.NotEmpty(t, r.Header.Get("Retry-After"))
 	for range 2 { // the second asks the database again, and is refused again
 		r = probe.do("GET", "/readyz", nil)
 		require.Equal(t, 503, r.Status, "/readyz while PostgreSQL's disk is full: %s", r.Body)
@@ -352,6 +356,8 @@ func TestReadyzWhilePostgreSQLCannotWrite(t *testing.T) {
 	r = probe.do("GET", "/readyz", nil)
 	require.Equal(t, 200, r.Status, "/readyz once the disk takes writes: %s", r.Body)
 	f.user.pushText("dev-1", "space back")
+	r = f.admin.do("PUT", "/api/v1/admin/apps/clock/1.0.0", bytes.Repeat([]byte("app"), 100000))
+	require.Equal(t, 201, r.Status, "an app upload once the disk takes writes: %s", r.Body)
 }
 
 // Another session holds a lock the server's writes wait for, for longer
