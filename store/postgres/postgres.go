@@ -83,12 +83,22 @@ var _ companion.Store = (*Store)(nil)
 // its client gives up, and the lane of writes it was on goes on.
 const LockTimeout = 5 * time.Second
 
+// ConnectTimeout bounds making a connection to the database, its TLS and
+// startup included, unless the DSN sets connect_timeout. Without it, a
+// host that stops answering (powered off, or its packets dropped) held
+// every write that needed a new connection for as long as the kernel
+// tried to connect (about two minutes), or for ever where the connection
+// completed and nothing answered: the store's writes run on no request's
+// context. Past it the write fails as unavailable (a 503).
+const ConnectTimeout = 5 * time.Second
+
 // Open connects to the database of dsn (a PostgreSQL URL or key=value
 // string; a search_path parameter puts the tables in that schema),
 // checks its schema (applies the migrations it lacks with opts.Migrate;
 // see Migrate) and starts the lanes of
 // the per-device writes. Its sessions run with synchronous_commit on
-// and lock_timeout LockTimeout, unless the DSN sets them.
+// and lock_timeout LockTimeout, and connect within ConnectTimeout, unless
+// the DSN sets them.
 func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -104,6 +114,9 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
 	cfg.MaxConns = opts.MaxConns
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = ConnectTimeout
+	}
 	// A 202 means committed: a commit returns once its WAL is flushed,
 	// whatever the database's or role's default says, unless the DSN
 	// itself says otherwise.
@@ -233,6 +246,9 @@ func Migrate(ctx context.Context, dsn string) error {
 	cfg, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return fmt.Errorf("postgres: %w", err)
+	}
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = ConnectTimeout
 	}
 	return migrate(ctx, cfg, slog.Default(), true)
 }
