@@ -28,3 +28,6 @@ func DeviceHash(deviceID string) uint16 { return deviceHash(deviceID) }
 
 // LaneOf returns the index of the lane that runs the device's writes on s.
 func LaneOf(s *Store, deviceID string) int { return int(deviceHash(deviceID)) % len(s.lanes) }
+
+// PoolMaxConns is the bound of s's connection pool.
+func PoolMaxConns(s *Store) int32 { return s.pool.Config().MaxConns }

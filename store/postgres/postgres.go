@@ -35,9 +35,11 @@ type Options struct {
 	Logger *slog.Logger
 	// Now is the clock; time.Now when nil. Tests inject their own.
 	Now func() time.Time
-	// MaxConns bounds the connection pool; 16 when <= 0. Half of them
-	// (at least 2) are the lanes of the per-device writes. ListenCommands
-	// uses a connection of its own besides.
+	// MaxConns bounds the connection pool; when <= 0, the DSN's
+	// pool_max_conns, or else 16. Half of them (at least 2) are the lanes
+	// of the per-device writes. Besides the pool, each ListenCommands and
+	// the dispatcher's campaign hold a connection of their own, and the
+	// health probe makes one for a moment while the database fails.
 	MaxConns int32
 	// Migrate has Open apply the migrations the database lacks. Without
 	// it Open only checks the schema and refuses one older than this
@@ -106,12 +108,15 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	if opts.MaxConns <= 0 {
-		opts.MaxConns = 16
-	}
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	if opts.MaxConns <= 0 {
+		opts.MaxConns = 16
+		if setsPoolMaxConns(dsn) {
+			opts.MaxConns = cfg.MaxConns
+		}
 	}
 	cfg.MaxConns = opts.MaxConns
 	if cfg.ConnConfig.ConnectTimeout == 0 {
@@ -236,6 +241,19 @@ func SchemaVersion() int {
 		panic(err) // the embedded files are part of the build
 	}
 	return len(ms)
+}
+
+// setsPoolMaxConns reports whether the DSN sets pgxpool's pool_max_conns:
+// pgxpool's own default otherwise (the CPUs, at least 4) is not the
+// store's. pgconn keeps parameters it does not know among the runtime
+// ones.
+func setsPoolMaxConns(dsn string) bool {
+	c, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return false
+	}
+	_, ok := c.RuntimeParams["pool_max_conns"]
+	return ok
 }
 
 // Migrate applies to the database of dsn the migrations it lacks, each in

@@ -141,3 +141,29 @@ func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
 		t.Fatalf("Open waited %v on a database host that does not answer", hung)
 	}
 }
+
+// The pool takes pool_max_conns from the DSN, as pgxpool documents it,
+// when the store's options do not set MaxConns; 16 when neither does.
+func TestPoolMaxConnsOfTheDSN(t *testing.T) {
+	srv := pgtest.Start(t)
+	dsn := srv.NewDatabase(t)
+	u, err := url.Parse(dsn)
+	require.NoError(t, err)
+	q := u.Query()
+	q.Set("pool_max_conns", "3")
+	u.RawQuery = q.Encode()
+	for _, tc := range []struct {
+		dsn  string
+		opt  int32
+		want int32
+	}{
+		{dsn, 0, 16},
+		{u.String(), 0, 3},
+		{u.String(), 5, 5},
+	} {
+		s, err := postgres.Open(t.Context(), tc.dsn, postgres.Options{MaxConns: tc.opt, Migrate: true})
+		require.NoError(t, err)
+		require.Equal(t, tc.want, postgres.PoolMaxConns(s), "%s with MaxConns %d", tc.dsn, tc.opt)
+		s.Close()
+	}
+}
