@@ -248,7 +248,7 @@ func (b *Broker) bridgeOffline(bridgeID string, n uint64, ack func(), attempt in
 			delete(b.online, id)
 		}
 		if b.bridgeGen[bridgeID] == n {
-			b.away[bridgeID] = true // its devices' commands wait queued (publish)
+			b.setAway(bridgeID, true) // its devices' commands wait queued (publish)
 		}
 		b.mu.Unlock()
 		b.log.Info("bridge offline; its devices' commands wait queued until it is back", "bridge_id", bridgeID, "devices", len(ids))
@@ -765,6 +765,20 @@ func (b *Broker) sawDevice(deviceID string, online bool) {
 	b.wake()
 }
 
+// setAway takes the bridge as away or back, and tells the observer how
+// many are away when that changed. b.mu is held.
+func (b *Broker) setAway(bridgeID string, away bool) {
+	if b.away[bridgeID] == away {
+		return
+	}
+	if away {
+		b.away[bridgeID] = true
+	} else {
+		delete(b.away, bridgeID)
+	}
+	b.opts.Observer.BridgesAway(len(b.away))
+}
+
 // heardFrom takes a device's status as its bridge published it (not
 // retained) as word that the bridge is there: one taken as away (its Will
 // the last of its state messages) is back. Its Will came after it was back,
@@ -777,7 +791,7 @@ func (b *Broker) heardFrom(bridgeID string) {
 	if !b.away[bridgeID] {
 		return
 	}
-	delete(b.away, bridgeID)
+	b.setAway(bridgeID, false)
 	for d, bridge := range b.awayDevices {
 		if bridge == bridgeID {
 			b.resend[d] = true
@@ -806,7 +820,7 @@ func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int
 	if latest {
 		// Back: its devices' commands held queued go out with the
 		// resend below, or with the outbox's next read of the store.
-		delete(b.away, bridgeID)
+		b.setAway(bridgeID, false)
 	}
 	b.mu.Unlock()
 	if attempt > 1 && !latest {

@@ -29,6 +29,10 @@ type Observer interface {
 	// because it came over Options.ReportRate and a newer one took its
 	// place.
 	ReportCoalesced(kind string)
+	// BridgesAway is called with how many bridges this server takes as
+	// away (their Will the last word from them; their devices' commands
+	// wait queued) each time that changes.
+	BridgesAway(n int)
 }
 
 // The kinds of write StoreWrite reports.
@@ -50,3 +54,4 @@ func (nopObserver) CommandState(string, string, time.Duration) {}
 func (nopObserver) MQTTConnected(bool)                         {}
 func (nopObserver) StoreWrite(string, time.Duration)           {}
 func (nopObserver) ReportCoalesced(string)                     {}
+func (nopObserver) BridgesAway(int)                            {}

@@ -66,6 +66,7 @@ func TestMetricsServer(t *testing.T) {
 	metricsExpect(t, s, 1, "companion_commands_total", "op", "app.install", "state", "queued")
 	metricsExpect(t, s, 1, "companion_commands_open")
 	metricsExpect(t, s, 1, "companion_mqtt_connected")
+	metricsExpect(t, s, 0, "companion_bridges_away")
 	if got := s.Count("companion_command_duration_seconds", "op", "push.text", "state", "succeeded"); got != texts {
 		t.Errorf("push.text accept-to-succeeded count = %d; want %d", got, texts)
 	}
@@ -89,8 +90,12 @@ func TestMetricsServer(t *testing.T) {
 		t.Errorf("push/text request durations = %d; want %d", got, texts)
 	}
 
-	// A new server on the same data counts the command still open.
+	// The bridge stopped is away. A new server on the same data counts
+	// the command still open.
 	b.stop()
+	testenv.Eventually(t, 10*time.Second, "companion_bridges_away 1", func() bool {
+		return metricsScrape(t, m).Value("companion_bridges_away") == 1
+	})
 	require.NoError(t, m.Close())
 	m = startServer(t, Config{Data: data, Metrics: "127.0.0.1:0"})
 	s = metricsScrape(t, m)

@@ -56,6 +56,7 @@ type Server struct {
 	ops     map[string]*opSeries // read-only after NewServer
 	open    *openCommands
 	mqtt    prometheus.Gauge
+	away    prometheus.Gauge               // bridges the broker takes as away
 	store   map[string]prometheus.Observer // read-only after NewServer
 	storeV  *prometheus.HistogramVec
 	// coalesced counts, by kind, the device reports acknowledged unstored
@@ -105,6 +106,10 @@ func NewServer(opts ServerOptions) *Server {
 			Name: "companion_mqtt_connected",
 			Help: "1 while the server's MQTT connection is up and subscribed, else 0.",
 		}),
+		away: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "companion_bridges_away",
+			Help: "Bridges whose last word this server took in was their Will (or their offline at shutdown): their devices' commands wait queued in the store until they say online.",
+		}),
 		storeV: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "companion_store_write_duration_seconds",
 			Help:    "Time for a write of the command broker to be durable in the store, by kind of write.",
@@ -127,7 +132,7 @@ func NewServer(opts ServerOptions) *Server {
 		store: make(map[string]prometheus.Observer, len(storeWrites)),
 		http:  make(map[httpKey]httpSeries),
 	}
-	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
+	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.away, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
 	if s.open.count != nil {
 		s.reg.MustRegister(s.open)
 	}
@@ -185,6 +190,9 @@ func (s *Server) CommandState(op, state string, age time.Duration) {
 
 // MQTTConnected sets the connection gauge.
 func (s *Server) MQTTConnected(up bool) { s.mqtt.Set(gauge01(up)) }
+
+// BridgesAway sets how many bridges the broker takes as away.
+func (s *Server) BridgesAway(n int) { s.away.Set(float64(n)) }
 
 // StoreWrite observes how long a write of the broker took.
 func (s *Server) StoreWrite(kind string, took time.Duration) {
