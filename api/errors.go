@@ -66,6 +66,8 @@ const (
 	CodePreconditionFailed   = "precondition_failed"
 	CodeQueueFull            = "queue_full"
 	CodeRateLimited          = "rate_limited"
+	CodeTooManyStreams       = "too_many_streams"
+	CodeTooManyWaits         = "too_many_waits"
 	CodeInternal             = "internal"
 	CodeCommandUnreadable    = "command_unreadable"
 	CodeNotReady             = "not_ready"
@@ -110,6 +112,8 @@ var codes = map[string]codeInfo{
 	CodePreconditionFailed:   {http.StatusPreconditionFailed, "Precondition failed", "the content does not meet the request's If-Match or If-Unmodified-Since"},
 	CodeQueueFull:            {http.StatusTooManyRequests, "Queue full", "the device has too many unfinished commands"},
 	CodeRateLimited:          {http.StatusTooManyRequests, "Rate limited", "too many requests"},
+	CodeTooManyStreams:       {http.StatusTooManyRequests, "Too many streams", "this account has as many event streams open as it may"},
+	CodeTooManyWaits:         {http.StatusTooManyRequests, "Too many waits", "this account has as many requests held by Prefer: wait as it may"},
 	CodeInternal:             {http.StatusInternalServerError, "Internal error", "internal error"},
 	CodeCommandUnreadable: {http.StatusInternalServerError, "Command unreadable", "the server's record of this command is damaged and cannot be read: " +
 		"its state is not known, and it is no longer sent, expired or counted among the device's unfinished commands; " +

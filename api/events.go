@@ -457,6 +457,11 @@ func (s *Server) streamEvents(c *gin.Context) error {
 			return errDeviceNotFound
 		}
 	}
+	release, err := s.streamSlot(user.ID)
+	if err != nil {
+		return err
+	}
+	defer release()
 	sub, err := hub.subscribe(ctx, user.ID, deviceID)
 	if err != nil {
 		if errors.Is(err, errEventsClosed) {

@@ -20,7 +20,8 @@ import (
 // command, each delivered to every stream.
 func BenchmarkEventsFanOut(b *testing.B) {
 	const streams, writers = 100, 16
-	e := newEventsEnv(b, EventsOptions{})
+	// One user's 100 streams, past the bound a user has by default.
+	e := newEventsEnv(b, EventsOptions{}, func(o *Options) { o.Limits.MaxStreamsPerUser = -1 })
 	tok := e.bound("dev-1")
 	bd, err := e.db.Binding(context.Background(), "dev-1")
 	require.NoError(b, err)

@@ -37,6 +37,7 @@ type fakeCommander struct {
 	queueFull bool
 	onSubmit  func(companion.Command) // called after each new command, when set
 	changed   chan struct{}           // closed and replaced on every change
+	waiting   int                     // calls of Wait not yet returned
 }
 
 func newFakeCommander(db *store.DB) *fakeCommander {
@@ -84,6 +85,14 @@ func (f *fakeCommander) Cancel(ctx context.Context, id string) (companion.Comman
 }
 
 func (f *fakeCommander) Wait(ctx context.Context, id string) (companion.Command, error) {
+	f.mu.Lock()
+	f.waiting++
+	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		f.waiting--
+		f.mu.Unlock()
+	}()
 	for {
 		f.mu.Lock()
 		ch := f.changed
@@ -117,6 +126,13 @@ func (f *fakeCommander) notify() {
 	close(f.changed)
 	f.changed = make(chan struct{})
 	f.mu.Unlock()
+}
+
+// waiters is how many calls of Wait have not returned.
+func (f *fakeCommander) waiters() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.waiting
 }
 
 func (f *fakeCommander) count() int {

@@ -111,7 +111,8 @@ type BrokerAccounts interface {
 }
 
 // Limits are the bounds of CONTRACT §6 the API enforces. A zero field means
-// its default; the rate fields take a negative value to mean "no limit".
+// its default; the rate fields and the per-user bounds of streams and waits
+// take a negative value to mean "no limit".
 type Limits struct {
 	MaxTextBytes     int   // text of a push, bytes of UTF-8; 4096
 	MaxTitleBytes    int   // title of a text push; 128
@@ -154,6 +155,17 @@ type Limits struct {
 	UnauthPerMinute int
 	// QueueFullRetryAfter is the Retry-After of a 429 queue_full; 5s.
 	QueueFullRetryAfter time.Duration
+	// MaxStreamsPerUser is how many event streams (GET /api/v1/events)
+	// one user may have open at once on this server; 32: a person's
+	// browsers, phones and tools, and room for streams the client has lost
+	// but the server has not yet seen go (a phone that changed networks).
+	// Past it a stream is a 429 too_many_streams. Negative: no limit.
+	MaxStreamsPerUser int
+	// MaxWaitsPerUser is how many requests of one user Prefer: wait may
+	// hold at once on this server; 100, the per-token burst (and GitHub's
+	// bound on a user's concurrent requests). Past it such a request is a
+	// 429 too_many_waits before it does anything. Negative: no limit.
+	MaxWaitsPerUser int
 }
 
 // DefaultLimits are the limits of CONTRACT §6.
@@ -177,6 +189,8 @@ var DefaultLimits = Limits{
 	RegisterPerMinute:   10,
 	UnauthPerMinute:     600,
 	QueueFullRetryAfter: 5 * time.Second,
+	MaxStreamsPerUser:   32,
+	MaxWaitsPerUser:     100,
 }
 
 func (l Limits) withDefaults() Limits {
@@ -217,6 +231,8 @@ func (l Limits) withDefaults() Limits {
 	set(&l.RegisterPerMinute, d.RegisterPerMinute)
 	set(&l.UnauthPerMinute, d.UnauthPerMinute)
 	setDur(&l.QueueFullRetryAfter, d.QueueFullRetryAfter)
+	set(&l.MaxStreamsPerUser, d.MaxStreamsPerUser)
+	set(&l.MaxWaitsPerUser, d.MaxWaitsPerUser)
 	return l
 }
 
@@ -305,6 +321,7 @@ type Server struct {
 	log         *slog.Logger
 	now         func() time.Time
 	requests    RequestObserver // nil: nobody counts requests
+	held        holds           // event streams and Prefer: wait requests, per user
 
 	limiter  RateLimiter // the buckets of the three limits below
 	rate     limitSpec   // requests per token
@@ -422,18 +439,20 @@ func (s *Server) routes() *gin.Engine {
 	get(user, "/devices/:id", s.h(s.getDevice))
 	user.DELETE("/devices/:id", s.h(s.unbindDevice))
 	get(user, "/devices/:id/status", s.h(s.deviceStatus))
-	user.POST("/devices/:id/push/text", s.h(s.pushText))
-	user.POST("/devices/:id/push/image", s.h(s.pushImage))
+	// The routes a Prefer: wait may hold (waitSlot bounds them per user);
+	// a cancel answers at once.
+	user.POST("/devices/:id/push/text", s.waitSlot, s.h(s.pushText))
+	user.POST("/devices/:id/push/image", s.waitSlot, s.h(s.pushImage))
 	get(user, "/devices/:id/apps", s.h(s.deviceApps))
-	user.POST("/devices/:id/apps/install", s.h(s.installApp))
-	user.DELETE("/devices/:id/apps/:app_id", s.h(s.uninstallApp))
-	user.PUT("/devices/:id/apps/:app_id/update", s.h(s.updateApp))
+	user.POST("/devices/:id/apps/install", s.waitSlot, s.h(s.installApp))
+	user.DELETE("/devices/:id/apps/:app_id", s.waitSlot, s.h(s.uninstallApp))
+	user.PUT("/devices/:id/apps/:app_id/update", s.waitSlot, s.h(s.updateApp))
 	get(user, "/devices/:id/settings", s.h(s.getSettings))
-	user.PUT("/devices/:id/settings", s.h(s.putSettings))
+	user.PUT("/devices/:id/settings", s.waitSlot, s.h(s.putSettings))
 	get(user, "/devices/:id/ota/check", s.h(s.otaCheck))
-	user.POST("/devices/:id/ota/update", s.h(s.otaUpdate))
+	user.POST("/devices/:id/ota/update", s.waitSlot, s.h(s.otaUpdate))
 	get(user, "/devices/:id/commands", s.h(s.listCommands))
-	get(user, "/devices/:id/commands/:command_id", s.h(s.getCommand))
+	get(user, "/devices/:id/commands/:command_id", s.waitSlot, s.h(s.getCommand))
 	user.DELETE("/devices/:id/commands/:command_id", s.h(s.cancelCommand))
 	user.PUT("/devices/:id/bridge", s.h(s.assignUserDevice))
 	user.POST("/bridges", s.h(s.createUserBridge))

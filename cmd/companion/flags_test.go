@@ -81,6 +81,8 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"register rate negative", []string{"--register-per-minute", "-5"}, "--register-per-minute"},
 		{"unauthenticated rate negative", []string{"--unauth-per-minute", "-1"}, "--unauth-per-minute"},
 		{"report rate negative", []string{"--report-rate", "-1"}, "--report-rate"},
+		{"streams per user negative", []string{"--max-streams-per-user", "-1"}, "--max-streams-per-user"},
+		{"waits per user negative", []string{"--max-waits-per-user", "-2"}, "--max-waits-per-user"},
 		{"report burst zero", []string{"--report-burst", "0"}, "--report-burst"},
 		{"clock skew zero", []string{"--oidc-clock-skew", "0s"}, "--oidc-clock-skew"},
 		{"issuer without audience", []string{"--oidc-issuer", "https://id.example.com"}, "--oidc-audience"},

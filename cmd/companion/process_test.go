@@ -283,7 +283,9 @@ func (c *procCluster) launchServer() {
 	args := append([]string{"serve",
 		"--http", c.httpAddr, "--data", c.data,
 		"--admin-token", c.adminToken, "--log-level", "warn",
-		"--rate-per-token", "0", "--max-open-commands", "10000"}, mqttArgs...)
+		// The load tests drive every device from one user at once, each
+		// request held by Prefer: wait (make bench: 200 of them).
+		"--rate-per-token", "0", "--max-open-commands", "10000", "--max-waits-per-user", "0"}, mqttArgs...)
 	args = append(args, c.serverArgs...)
 	c.server = startProc(c.tb, "companion", c.companion, args...)
 }

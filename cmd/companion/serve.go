@@ -137,6 +137,8 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.IntVar(&l.RequestBurst, "rate-burst", d.RequestBurst, "burst of requests per token")
 	fs.IntVar(&l.RegisterPerMinute, "register-per-minute", d.RegisterPerMinute, "register attempts a minute per user (0: no limit)")
 	fs.IntVar(&l.UnauthPerMinute, "unauth-per-minute", d.UnauthPerMinute, "requests without a valid token a minute per source address (0: no limit)")
+	fs.IntVar(&l.MaxStreamsPerUser, "max-streams-per-user", d.MaxStreamsPerUser, "event streams (GET /api/v1/events) one user may have open at once on this server; past them a stream is a 429 (0: no limit)")
+	fs.IntVar(&l.MaxWaitsPerUser, "max-waits-per-user", d.MaxWaitsPerUser, "requests of one user Prefer: wait may hold at once on this server; past them such a request is a 429 (0: no limit)")
 	fs.Float64Var(&c.ReportRate, "report-rate", 1, "statuses, and settings, of one device taken in a second from MQTT; a report over it waits its turn, and a newer one takes its place (0: no limit)")
 	fs.IntVar(&c.ReportBurst, "report-burst", 10, "burst of --report-rate")
 	return fs
@@ -225,6 +227,8 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		{"rate-per-token", l.RequestsPerSecond},
 		{"register-per-minute", float64(l.RegisterPerMinute)},
 		{"unauth-per-minute", float64(l.UnauthPerMinute)},
+		{"max-streams-per-user", float64(l.MaxStreamsPerUser)},
+		{"max-waits-per-user", float64(l.MaxWaitsPerUser)},
 		{"report-rate", c.ReportRate},
 	} {
 		if !(f.v >= 0) { // NaN too
@@ -256,6 +260,12 @@ func (c *Config) fromFlags() {
 	}
 	if c.Limits.UnauthPerMinute == 0 {
 		c.Limits.UnauthPerMinute = -1
+	}
+	if c.Limits.MaxStreamsPerUser == 0 {
+		c.Limits.MaxStreamsPerUser = -1
+	}
+	if c.Limits.MaxWaitsPerUser == 0 {
+		c.Limits.MaxWaitsPerUser = -1
 	}
 	if c.ReportRate == 0 {
 		c.ReportRate = -1
