@@ -884,6 +884,14 @@ func (s *Server) listCommands(c *gin.Context) error {
 
 func (s *Server) cancelCommand(c *gin.Context) error {
 	user := currentUser(c)
+	if n, wants := s.preferWait(c.Request); wants {
+		// A cancel answers with the command final (canceled), as any
+		// command request with Prefer: wait does once its command is, and
+		// says the preference was met (CONTRACT §2); it never waits. Set
+		// first so that a repeat of an Idempotency-Key, answered from its
+		// record, says it too; a problem drops it (writeProblem).
+		c.Header("Preference-Applied", "wait="+strconv.Itoa(n))
+	}
 	rec, replayed, err := s.beginIdempotent(c, user.ID, nil)
 	if err != nil || replayed {
 		return err

@@ -98,6 +98,35 @@ func TestCancelRepeatWithTheIDInAnotherCase(t *testing.T) {
 	}
 }
 
+// TestCancelWithPreferWait cancels a command with Prefer: wait: the
+// answer is the command canceled, final, so it says Preference-Applied as
+// any command request's final answer does (CONTRACT §2), also the repeat
+// of its Idempotency-Key; a cancel refused (409) does not. Without the fix
+// the 200 had no Preference-Applied.
+func TestCancelWithPreferWait(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "hi"})
+	require.Equal(t, 202, r.status, "%s", r.body)
+	path := "/api/v1/devices/dev-1/commands/" + r.json(t)["id"].(string)
+	cancel := func(header map[string]string) resp {
+		return e.send(req{method: "DELETE", path: path, token: tok, header: header})
+	}
+	header := map[string]string{"Prefer": "wait=5", "Idempotency-Key": "cancel-1"}
+	for _, what := range []string{"the cancel", "its repeat"} {
+		r := cancel(header)
+		require.Equal(t, 200, r.status, "%s: %s", what, r.body)
+		assert.Equal(t, "canceled", r.json(t)["state"], what)
+		assert.Equal(t, "wait=5", r.header.Get("Preference-Applied"), what)
+	}
+	r = cancel(map[string]string{"Prefer": "wait=5"})
+	require.Equal(t, 409, r.status, "%s", r.body)
+	assert.Empty(t, r.header.Get("Preference-Applied"), "a refused cancel")
+	r = cancel(nil)
+	require.Equal(t, 409, r.status, "%s", r.body)
+	assert.Empty(t, r.header.Get("Preference-Applied"), "without Prefer")
+}
+
 // staleIdemStore answers the first read of the key `key` with what the
 // store held then, but only once `release` is closed, having said on
 // `read` that it read: a request whose read of its key came before the

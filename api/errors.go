@@ -206,6 +206,8 @@ func (s *Server) writeProblem(c *gin.Context, e *Error) {
 	if p.Errors == nil {
 		p.Errors = []FieldError{}
 	}
+	// A problem is no command, final or not: no Prefer: wait was met.
+	c.Writer.Header().Del("Preference-Applied")
 	switch {
 	case info.status == http.StatusUnauthorized:
 		if c.GetHeader("Authorization") == "" {

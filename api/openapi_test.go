@@ -14,6 +14,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/getkin/kin-openapi/openapi3"
 	"github.com/gin-gonic/gin"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -224,4 +225,36 @@ func TestOpenAPIBlobAnswers(t *testing.T) {
 	missing := "/api/v1/blobs/" + strings.Repeat("0", 64)
 	assert.Equal(t, http.StatusNotFound, e.send(req{method: "HEAD", path: missing, token: testAdminToken}).status)
 	assert.Equal(t, http.StatusUnauthorized, e.send(req{method: "HEAD", path: missing}).status)
+}
+
+// TestOpenAPIPreferOnEveryCommandAnswer checks that every operation that
+// answers a command, 200 or 202, lists the Prefer parameter and says
+// Preference-Applied on its 200, as the server answers each (the cancel
+// said neither).
+func TestOpenAPIPreferOnEveryCommandAnswer(t *testing.T) {
+	c := mustContract(t)
+	isCommand := func(r *openapi3.ResponseRef) bool {
+		if r == nil || r.Value == nil {
+			return false
+		}
+		mt := r.Value.Content.Get("application/json")
+		return mt != nil && mt.Schema != nil && mt.Schema.Ref == "#/components/schemas/Command"
+	}
+	n := 0
+	for path, item := range c.Doc.Paths.Map() {
+		for method, op := range item.Operations() {
+			ok200 := isCommand(op.Responses.Status(200))
+			if !ok200 && !isCommand(op.Responses.Status(202)) {
+				continue
+			}
+			n++
+			assert.True(t, slices.ContainsFunc(op.Parameters, func(p *openapi3.ParameterRef) bool {
+				return p.Value != nil && p.Value.Name == "Prefer"
+			}), "%s %s answers a command without listing Prefer", method, path)
+			if ok200 {
+				assert.Contains(t, op.Responses.Status(200).Value.Headers, "Preference-Applied", "%s %s: its 200", method, path)
+			}
+		}
+	}
+	assert.GreaterOrEqual(t, n, 10, "operations that answer a command")
 }
