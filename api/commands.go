@@ -858,7 +858,7 @@ func (s *Server) listCommands(c *gin.Context) error {
 	case given && !companion.ValidState(state):
 		fields = append(fields, FieldError{Field: "state", Message: fmt.Sprintf("must be one of %v", companion.States)})
 	}
-	limit, before, err := page(c, topics.ValidCommandID, fields)
+	limit, before, err := page(c, topics.ValidCommandID, fields, "state")
 	if err != nil {
 		return err
 	}

@@ -425,7 +425,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	// device, or no one event: refused, as the lists refuse it, never
 	// read as its first value (a stream of one of two devices).
 	deviceID, filtered, twice := queryOnce(c, "device_id")
-	var fields []FieldError
+	fields := queryCaseErrors(c, "device_id", "last_event_id")
 	if twice {
 		fields = append(fields, FieldError{Field: "device_id", Message: "must be given once"})
 	}

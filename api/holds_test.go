@@ -100,7 +100,7 @@ func TestStreamsPerUserAreBounded(t *testing.T) {
 	e.stream(t, tok, "?device_id=dev-1", nil)
 
 	for _, method := range []string{"GET", "HEAD"} {
-		r := e.refusedStream(t, method, tok)
+		r := e.refusedStream(t, method, tok, "")
 		require.Equal(t, http.StatusTooManyRequests, r.status, "%s a third stream: %s", method, r.body)
 		if method == "GET" {
 			p := r.problem(t)
@@ -113,28 +113,28 @@ func TestStreamsPerUserAreBounded(t *testing.T) {
 
 	first.Close()
 	testenv.Eventually(t, 10*time.Second, "the closed stream's place given back", func() bool {
-		return e.refusedStream(t, "HEAD", tok).status == http.StatusOK
+		return e.refusedStream(t, "HEAD", tok, "").status == http.StatusOK
 	})
 	s := e.stream(t, tok, "", nil)
 	e.push(t, tok, "dev-1")
 	assert.Equal(t, "command", s.next(t).event)
 }
 
-// refusedStream asks for a stream with method: a HEAD's answer, or a
-// GET's refusal, checked against api/openapi.json. A GET stream that
+// refusedStream asks for a stream with method and query: a HEAD's answer,
+// or a GET's refusal, checked against api/openapi.json. A GET stream that
 // opens fails the test at once, rather than being read until it ends.
-func (e *eventsEnv) refusedStream(t testing.TB, method, token string) resp {
+func (e *eventsEnv) refusedStream(t testing.TB, method, token, query string) resp {
 	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	hr, err := http.NewRequestWithContext(ctx, method, e.srv.URL+"/api/v1/events", nil)
+	hr, err := http.NewRequestWithContext(ctx, method, e.srv.URL+"/api/v1/events"+query, nil)
 	require.NoError(t, err)
 	hr.Header.Set("Authorization", "Bearer "+token)
 	res, err := e.srv.Client().Do(hr)
 	require.NoError(t, err)
 	defer res.Body.Close()
 	if method == "GET" {
-		require.NotEqual(t, http.StatusOK, res.StatusCode, "GET /api/v1/events opened a stream")
+		require.NotEqual(t, http.StatusOK, res.StatusCode, "GET /api/v1/events%s opened a stream", query)
 	}
 	b, err := io.ReadAll(res.Body)
 	require.NoError(t, err)

@@ -192,3 +192,47 @@ func TestAppCatalogPagesAreFull(t *testing.T) {
 		assert.Equal(t, 422, r.status, "GET /api/v1/apps%s: %s", q, r.body)
 	}
 }
+
+// TestQueryParameterNamesAreCaseSensitive asks every list, and the event
+// stream, for a parameter in another case than its own: each is a 422
+// naming the parameter as sent, as a body member in another case is,
+// where net/url's exact match had made `?State=failed` no filter (every
+// command listed) and `?Device_ID=dev-1` a stream of every device. A
+// parameter that resembles none is ignored on all of them alike.
+func TestQueryParameterNamesAreCaseSensitive(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	e.push(t, tok, "dev-1")
+	for _, tc := range []struct{ path, field, want string }{
+		{"/api/v1/devices/dev-1/commands?State=failed", "State", "state"},
+		{"/api/v1/devices/dev-1/commands?state=queued&STATE=failed", "STATE", "state"},
+		{"/api/v1/devices/dev-1/commands?Limit=1", "Limit", "limit"},
+		{"/api/v1/devices?LIMIT=1", "LIMIT", "limit"},
+		{"/api/v1/devices?Cursor=ZGV2LTE", "Cursor", "cursor"},
+		{"/api/v1/bridges?Limit=1", "Limit", "limit"},
+		{"/api/v1/apps?Cursor=", "Cursor", "cursor"},
+		{"/api/v1/apps?%4Cimit=1", "Limit", "limit"}, // %4C is L
+	} {
+		r := e.do("GET", tc.path, tok, nil)
+		require.Equal(t, 422, r.status, "GET %s: %s", tc.path, r.body)
+		p := r.problem(t)
+		assert.Equal(t, CodeValidationFailed, p.Code, "GET %s", tc.path)
+		assert.Equal(t, []FieldError{{Field: tc.field, Message: fmt.Sprintf("must be written %q: parameter names are case-sensitive", tc.want)}}, p.Errors, "GET %s", tc.path)
+	}
+	for _, query := range []string{"?Device_ID=dev-1", "?LAST_EVENT_ID=00000000000000000001"} {
+		r := e.refusedStream(t, "GET", tok, query)
+		require.Equal(t, 422, r.status, "GET /api/v1/events%s: %s", query, r.body)
+		assert.Equal(t, CodeValidationFailed, r.problem(t).Code)
+	}
+	for _, path := range []string{
+		"/api/v1/devices/dev-1/commands?state=queued&colour=red",
+		"/api/v1/devices?colour=red&_=1700000000",
+		"/api/v1/bridges?colour=red",
+		"/api/v1/apps?colour=red",
+	} {
+		r := e.do("GET", path, tok, nil)
+		assert.Equal(t, 200, r.status, "GET %s: an unknown parameter is ignored: %s", path, r.body)
+	}
+	r := e.refusedStream(t, "HEAD", tok, "?colour=red")
+	assert.Equal(t, 200, r.status, "HEAD /api/v1/events?colour=red: %s", r.body)
+}

@@ -858,13 +858,46 @@ func unreadableQuery(query, name string) []string {
 	return vs
 }
 
-// page reads limit and cursor. The cursor is the base64url of the last id
-// of the previous page; valid says what such an id looks like. An empty
-// limit is no number, and refused; an empty cursor is the first page's,
-// as there is no page before it.
-func page(c *gin.Context, valid func(string) bool, more []FieldError) (limit int, after string, err error) {
+// queryCaseErrors names each query parameter whose name is one of names
+// only when case is ignored (`State` for `state`, `LIMIT` for `limit`), as
+// caseErrors names such body members: net/url matches names exactly, so
+// `?State=failed` was no filter at all, and a list of every state answered
+// it without a word. Parameters that resemble none are ignored, as unknown
+// body members are (a cache-buster, a tracking parameter a proxy adds).
+func queryCaseErrors(c *gin.Context, names ...string) []FieldError {
+	var keys []string
+	for query := c.Request.URL.RawQuery; query != ""; {
+		var pair string
+		pair, query, _ = strings.Cut(query, "&")
+		k, _, _ := strings.Cut(pair, "=")
+		if key, err := url.QueryUnescape(k); err == nil {
+			k = key
+		}
+		if !slices.Contains(names, k) && !slices.Contains(keys, k) {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	var errs []FieldError
+	for _, k := range keys {
+		for _, name := range names {
+			if strings.EqualFold(k, name) {
+				errs = append(errs, FieldError{Field: k, Message: fmt.Sprintf("must be written %q: parameter names are case-sensitive", name)})
+				break
+			}
+		}
+	}
+	return errs
+}
+
+// page reads limit and cursor, and refuses those parameters, and the
+// list's filters, named in another case (queryCaseErrors). The cursor is
+// the base64url of the last id of the previous page; valid says what such
+// an id looks like. An empty limit is no number, and refused; an empty
+// cursor is the first page's, as there is no page before it.
+func page(c *gin.Context, valid func(string) bool, more []FieldError, filters ...string) (limit int, after string, err error) {
 	limit = defaultPageSize
-	fields := more
+	fields := append(queryCaseErrors(c, append([]string{"limit", "cursor"}, filters...)...), more...)
 	if v, ok, twice := queryOnce(c, "limit"); ok {
 		n, err := strconv.Atoi(v)
 		switch {
