@@ -7,6 +7,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -84,8 +85,14 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	if !topics.ValidDeviceID(req.DeviceID) {
 		fields = append(fields, FieldError{Field: "device_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
 	}
-	if req.ClaimCode == "" || len(req.ClaimCode) > maxClaimCodeBytes {
+	switch {
+	case req.ClaimCode == "" || len(req.ClaimCode) > maxClaimCodeBytes:
 		fields = append(fields, FieldError{Field: "claim_code", Message: "must be 1 to 256 bytes"})
+	case !slices.ContainsFunc(fields, func(f FieldError) bool { return f.Field == "claim_code" }):
+		// A person types it from a label, a screen or a QR code's text:
+		// one with a control character (a line break read in with it)
+		// could never be registered.
+		fields = append(fields, checkText("claim_code", req.ClaimCode, "", " (it is typed from the device's label)")...)
 	}
 	if !topics.ValidDeviceID(req.Model) {
 		fields = append(fields, FieldError{Field: "model", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})

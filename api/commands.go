@@ -216,14 +216,24 @@ func (s *Server) pushText(c *gin.Context) error {
 	if err != nil || replayed {
 		return err
 	}
+	notUTF8 := map[string]bool{} // named so already
+	for _, f := range fields {
+		notUTF8[f.Field] = true
+	}
 	switch {
 	case req.Text == "":
 		fields = append(fields, FieldError{Field: "text", Message: "is required"})
 	case len(req.Text) > s.limits.MaxTextBytes:
 		fields = append(fields, FieldError{Field: "text", Message: fmt.Sprintf("must be at most %d bytes", s.limits.MaxTextBytes)})
+	case !notUTF8["text"]:
+		// Lines and tabs are a text's own; a title is one line.
+		fields = append(fields, checkText("text", req.Text, "\t\n\r", " other than tab and line breaks")...)
 	}
-	if len(req.Title) > s.limits.MaxTitleBytes {
+	switch {
+	case len(req.Title) > s.limits.MaxTitleBytes:
 		fields = append(fields, FieldError{Field: "title", Message: fmt.Sprintf("must be at most %d bytes", s.limits.MaxTitleBytes)})
+	case !notUTF8["title"]:
+		fields = append(fields, checkText("title", req.Title, "", " (a title is one line)")...)
 	}
 	ttl, bad := s.ttl(req.TTL)
 	fields = append(fields, bad...)

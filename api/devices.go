@@ -4,7 +4,9 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
+	"fmt"
 	"net/http"
+	"strings"
 	"unicode"
 
 	"github.com/devicecompanion/companion"
@@ -49,12 +51,35 @@ func checkName(field, name string) []FieldError {
 	case len(name) > maxNameBytes:
 		return []FieldError{{Field: field, Message: "must be at most 128 bytes"}}
 	}
-	for _, r := range name {
-		if unicode.IsControl(r) {
-			return []FieldError{{Field: field, Message: "must not contain control characters"}}
-		}
+	if _, at := controlChar(name, ""); at >= 0 {
+		return []FieldError{{Field: field, Message: "must not contain control characters"}}
 	}
 	return nil
+}
+
+// controlChar finds the first control character of s (C0, DEL or C1:
+// NUL, ESC, a line break…) that allowed does not hold: it and its byte
+// offset, or -1 when s has none.
+func controlChar(s, allowed string) (rune, int) {
+	for i, r := range s {
+		if unicode.IsControl(r) && !strings.ContainsRune(allowed, r) {
+			return r, i
+		}
+	}
+	return 0, -1
+}
+
+// checkText checks free text that a device shows or a person types: no
+// control character but those of allowed. A device's firmware holds text
+// as a C string (a NUL ends it there, and the rest is lost with the device
+// reporting success) and draws it on a display, which has no glyph for the
+// others (an ESC, a backspace, a C1 code from text decoded as Latin-1).
+func checkText(field, s, allowed, why string) []FieldError {
+	r, at := controlChar(s, allowed)
+	if at < 0 {
+		return nil
+	}
+	return []FieldError{{Field: field, Message: fmt.Sprintf("must not contain control characters%s: it has U+%04X at byte %d", why, r, at)}}
 }
 
 type registerRequest struct {

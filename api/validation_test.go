@@ -911,3 +911,41 @@ func TestAPathSegmentThatIsNoIDSaysSo(t *testing.T) {
 		assert.Contains(t, p.Detail, tc.rule, "%s %s", tc.method, tc.path)
 	}
 }
+
+// TestFreeTextRefusesControlCharacters sends the free text the API takes
+// (a push's text and title, a provisioned device's claim code; names are
+// checked by checkName) with control characters: each is a 422 naming its
+// field and the character, and creates nothing; a text's tabs and line
+// breaks, and the emoji and marks of any script, pass. Without the fix a
+// title with a NUL was pushed, and shown cut short at it by a device that
+// holds it as a C string.
+func TestFreeTextRefusesControlCharacters(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	path := "/api/v1/devices/dev-1/push/text"
+	n := e.cmds.count()
+	runBodyCases(t, e, "POST", path, tok, []bodyCase{
+		{"title with a NUL", map[string]any{"text": "x", "title": "Din\x00ner"}, 422, []string{"title"}},
+		{"title with a line break", map[string]any{"text": "x", "title": "Din\nner"}, 422, []string{"title"}},
+		{"title with a tab", map[string]any{"text": "x", "title": "a\tb"}, 422, []string{"title"}},
+		{"title with DEL", map[string]any{"text": "x", "title": "a\x7f"}, 422, []string{"title"}},
+		{"text with a NUL", map[string]any{"text": "ready\x00secret"}, 422, []string{"text"}},
+		{"text with ESC", map[string]any{"text": "\x1b[2Jcleared"}, 422, []string{"text"}},
+		{"text with a C1 control", map[string]any{"text": "a\u0085b"}, 422, []string{"text"}},
+		{"text escaped NUL", `{"text":"a\u0000b"}`, 422, []string{"text"}},
+		{"both", map[string]any{"text": "\x07", "title": "\x08"}, 422, []string{"text", "title"}},
+		{"text with lines and tabs", map[string]any{"text": "one\ntwo\r\n\tthree", "title": "Home"}, 202, nil},
+		{"text of emoji and marks", map[string]any{"text": "👩‍👩‍👧 שלום \u200f!", "title": "Ça va ✓"}, 202, nil},
+	})
+	assert.Equal(t, n+2, e.cmds.count(), "commands made: the two pushes that pass")
+	r := e.do("POST", path, tok, map[string]any{"text": "ok\x00not"})
+	require.Equal(t, 422, r.status, "%s", r.body)
+	assert.Equal(t, []FieldError{{Field: "text", Message: "must not contain control characters other than tab and line breaks: it has U+0000 at byte 2"}}, r.problem(t).Errors)
+
+	for _, code := range []string{"ABCD-EFGH\n", "AB\x00CD"} {
+		r := e.do("POST", "/api/v1/admin/devices", testAdminToken, map[string]any{"device_id": "dev-2", "claim_code": code, "model": "sim-1"})
+		require.Equal(t, 422, r.status, "claim code %q: %s", code, r.body)
+		assert.Equal(t, []string{"claim_code"}, r.problem(t).fields(), "claim code %q", code)
+	}
+	e.provision("dev-2", "ABCD-EFGH", "sim-1")
+}
