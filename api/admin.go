@@ -115,7 +115,7 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	case errors.Is(err, companion.ErrExists):
 		return &Error{Code: CodeDeviceExists}
 	case errors.Is(err, companion.ErrNotFound):
-		return &Error{Code: CodeBridgeNotFound}
+		return errAdminNoOperatorBridge
 	case err != nil:
 		return err
 	}

@@ -158,7 +158,7 @@ func (s *Server) assignUserDevice(c *gin.Context) error {
 func (s *Server) adminAssignDevice(c *gin.Context) error {
 	id := c.Param("device_id")
 	if !topics.ValidDeviceID(id) {
-		return errDeviceNotFound
+		return errAdminDeviceNotFnd
 	}
 	return s.assign(c, id, "")
 }
@@ -194,15 +194,23 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	}
 	ctx := c.Request.Context()
 	previous, err := s.store.AssignDevice(ctx, deviceID, bridge, ownerID)
+	deviceNotFound, bridgeNotFound := errDeviceNotFound, &Error{Code: CodeBridgeNotFound}
+	if ownerID == "" {
+		deviceNotFound, bridgeNotFound = errAdminDeviceNotFnd, errAdminBridgeNotFnd
+	}
 	switch {
+	case errors.Is(err, companion.ErrNotOwned) && ownerID == "" && bridge != "":
+		// The operator names any device, and any bridge: only a user's
+		// bridge refuses a device not bound to that user.
+		return errAdminUsersBridge
 	case errors.Is(err, companion.ErrNotFound) && bridge != "":
 		// A bridge that is not the caller's reads as none at all.
 		if _, derr := s.store.RegistryDevice(ctx, deviceID); errors.Is(derr, companion.ErrNotFound) {
-			return errDeviceNotFound
+			return deviceNotFound
 		}
-		return &Error{Code: CodeBridgeNotFound}
+		return bridgeNotFound
 	case errors.Is(err, companion.ErrNotFound):
-		return errDeviceNotFound
+		return deviceNotFound
 	case err != nil:
 		return err
 	}

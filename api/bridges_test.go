@@ -466,3 +466,49 @@ func TestBridgePageIsReadAtOneInstant(t *testing.T) {
 	}
 	assert.Len(t, on, 1, "dev-1 is on bridges %v of the page: %s", on, r.body)
 }
+
+// TestAdminNotFoundSaysWhatIsMissing asks the admin routes for devices and
+// bridges that are not there, or that may not serve each other: each 404
+// keeps its code and says what is missing from the service, never "among
+// yours" (an operator has no devices or bridges of their own), and a
+// user's bridge that exists is not called missing. The user's routes keep
+// their wording. Without the fix every one said "no such device among
+// yours" or "no such bridge among yours".
+func TestAdminNotFoundSaysWhatIsMissing(t *testing.T) {
+	e := newBridgesEnv(t)
+	require.Equal(t, 201, e.do("POST", "/api/v1/bridges", e.alice, map[string]any{"bridge_id": "alice-hub"}).status)
+	for _, tc := range []struct {
+		name, method, path string
+		body               map[string]any
+		code, detail       string
+	}{
+		{"assign an unknown device", "PUT", "/api/v1/admin/devices/no-such-dev/bridge", map[string]any{"bridge_id": "op-1"},
+			CodeDeviceNotFound, "no device with that id is provisioned"},
+		{"unassign an unknown device", "PUT", "/api/v1/admin/devices/no-such-dev/bridge", map[string]any{"bridge_id": nil},
+			CodeDeviceNotFound, "no device with that id is provisioned"},
+		{"a path that is no device id", "PUT", "/api/v1/admin/devices/" + strings.Repeat("d", 65) + "/bridge", map[string]any{"bridge_id": "op-1"},
+			CodeDeviceNotFound, "no device with that id is provisioned"},
+		{"assign to an unknown bridge", "PUT", "/api/v1/admin/devices/dev-b/bridge", map[string]any{"bridge_id": "no-such-hub"},
+			CodeBridgeNotFound, "no bridge with that id exists"},
+		{"assign to another user's bridge", "PUT", "/api/v1/admin/devices/dev-b/bridge", map[string]any{"bridge_id": "alice-hub"},
+			CodeBridgeNotFound, errAdminUsersBridge.Detail},
+		{"provision onto an unknown bridge", "POST", "/api/v1/admin/devices", map[string]any{"device_id": "dev-p", "claim_code": "c", "model": "sim-1", "bridge_id": "no-such-hub"},
+			CodeBridgeNotFound, errAdminNoOperatorBridge.Detail},
+		{"provision onto a user's bridge", "POST", "/api/v1/admin/devices", map[string]any{"device_id": "dev-p", "claim_code": "c", "model": "sim-1", "bridge_id": "alice-hub"},
+			CodeBridgeNotFound, errAdminNoOperatorBridge.Detail},
+	} {
+		r := e.do(tc.method, tc.path, testAdminToken, tc.body)
+		require.Equal(t, 404, r.status, "%s: %s", tc.name, r.body)
+		p := r.problem(t)
+		assert.Equal(t, tc.code, p.Code, tc.name)
+		assert.Equal(t, tc.detail, p.Detail, tc.name)
+		assert.NotContains(t, p.Detail, "yours", tc.name)
+	}
+	// A user's own routes: the device and the bridge among theirs.
+	r := e.do("PUT", "/api/v1/devices/dev-b/bridge", e.bob, map[string]any{"bridge_id": "alice-hub"})
+	require.Equal(t, 404, r.status, "%s", r.body)
+	assert.Equal(t, "no such bridge among yours", r.problem(t).Detail)
+	r = e.do("PUT", "/api/v1/devices/dev-a/bridge", e.bob, map[string]any{"bridge_id": nil})
+	require.Equal(t, 404, r.status, "%s", r.body)
+	assert.Equal(t, "no such device among yours", r.problem(t).Detail)
+}

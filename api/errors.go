@@ -139,6 +139,19 @@ var (
 	errNoReleaseApp = &Error{Code: CodeNotFound, Detail: noAppID}
 	errNoModelID    = &Error{Code: CodeNotFound, Detail: "the path names no model: a model is 1 to 64 of A-Z a-z 0-9 . _ : -"}
 	errIdemInUse    = &Error{Code: CodeIdempotencyKeyInUse}
+	// The admin's 404s say what is missing from the service: the codes'
+	// default details ("no such device among yours") are a user's, and
+	// sent an operator looking among devices and bridges they do not have.
+	errAdminDeviceNotFnd = &Error{Code: CodeDeviceNotFound, Detail: "no device with that id is provisioned"}
+	errAdminBridgeNotFnd = &Error{Code: CodeBridgeNotFound, Detail: "no bridge with that id exists"}
+	// A device is provisioned onto one of the operator's bridges: a user's
+	// serves only devices bound to that user, and a new one is bound to
+	// nobody. The store answers a user's bridge as it answers none.
+	errAdminNoOperatorBridge = &Error{Code: CodeBridgeNotFound, Detail: "no bridge of the operator's has that id " +
+		"(a user's bridge serves only the devices bound to that user: assign the device to it once it is bound)"}
+	// The operator keeps a user's bridge to that user's devices.
+	errAdminUsersBridge = &Error{Code: CodeBridgeNotFound, Detail: "that bridge is a user's, and serves only the devices " +
+		"bound to that user: this device is not"}
 	// errIdemGone answers a repeat whose Idempotency-Key record names a
 	// command the retention pass has purged: a record answers for 24 h
 	// and a final command is kept at least that long after it ended
