@@ -32,7 +32,7 @@ const tempPattern = ".tmp-*"
 func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error) {
 	tmp, err := os.CreateTemp(db.blobDir, tempPattern)
 	if err != nil {
-		return companion.Blob{}, diskError(fmt.Errorf("store: blob temp file: %w", err))
+		return companion.Blob{}, db.diskError(fmt.Errorf("store: blob temp file: %w", err))
 	}
 	tmpName := tmp.Name()
 	placed := false
@@ -50,16 +50,16 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 	}
 	n, err := io.Copy(io.MultiWriter(tmp, h), src)
 	if err != nil {
-		return companion.Blob{}, diskError(fmt.Errorf("store: write blob: %w", err))
+		return companion.Blob{}, db.diskError(fmt.Errorf("store: write blob: %w", err))
 	}
 	if max > 0 && n > max {
 		return companion.Blob{}, companion.ErrTooLarge
 	}
 	if err := tmp.Sync(); err != nil {
-		return companion.Blob{}, unwritable(fmt.Errorf("store: sync blob: %w", err))
+		return companion.Blob{}, db.unwritable(fmt.Errorf("store: sync blob: %w", err))
 	}
 	if err := tmp.Close(); err != nil {
-		return companion.Blob{}, diskError(fmt.Errorf("store: close blob: %w", err))
+		return companion.Blob{}, db.diskError(fmt.Errorf("store: close blob: %w", err))
 	}
 
 	sha := hex.EncodeToString(h.Sum(nil))
@@ -72,7 +72,7 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 	dir := filepath.Dir(db.blobPath(sha))
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
-			return companion.Blob{}, diskError(fmt.Errorf("store: blob dir: %w", err))
+			return companion.Blob{}, db.diskError(fmt.Errorf("store: blob dir: %w", err))
 		}
 		if err := syncDir(db.blobDir); err != nil {
 			return companion.Blob{}, err
@@ -222,9 +222,9 @@ func validSHA256(s string) bool {
 // diskError marks err as ErrUnwritable when it is the disk's refusal of
 // more data (noSpace): a blob's content or its directory that did not fit,
 // rather than a client's body that broke off.
-func diskError(err error) error {
+func (db *DB) diskError(err error) error {
 	if noSpace(err) {
-		return unwritable(err)
+		return db.unwritable(err)
 	}
 	return err
 }

@@ -23,6 +23,7 @@ import (
 	bolterrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicecompanion/companion/internal/fastjson"
+	"github.com/devicecompanion/companion/internal/faultlog"
 	"github.com/devicecompanion/companion/internal/groupcommit"
 )
 
@@ -213,6 +214,14 @@ type DB struct {
 	now     func() time.Time
 	log     *slog.Logger
 
+	// faults says in the log that the disk refuses the store's writes,
+	// once as it starts, once a minute while it does and once as it takes
+	// them again (watchDisk), rather than every caller for every write.
+	faults    *faultlog.Log[diskFault]
+	stop      chan struct{} // closed by Close: watchDisk returns
+	stopOnce  sync.Once
+	watchDone chan struct{} // closed as watchDisk returns
+
 	purgeBatch int // deletions per transaction of PurgeCommands, PurgeEvents and PurgeIdempotency
 	// afterPurgeBatch, when set (by tests), runs between two write
 	// transactions of a purge that has more to do.
@@ -298,13 +307,15 @@ func Open(path string, opts Options) (*DB, error) {
 		removeCreated(path, created)
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
 	}
-	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger, foldAt: foldDeviceCmdsAt, uuidV7: uuid.NewV7}
+	db := &DB{bolt: bdb, path: path, blobDir: opts.BlobDir, now: opts.Now, log: opts.Logger, foldAt: foldDeviceCmdsAt, uuidV7: uuid.NewV7,
+		faults: newDiskFaults(opts.Logger, path), stop: make(chan struct{}), watchDone: make(chan struct{})}
 	if err := db.migrate(); err != nil {
 		_ = bdb.Close()
 		removeCreated(path, created)
 		return nil, err
 	}
 	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly, Preallocate: preallocate})
+	go db.watchDisk()
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
 	db.removeStaleTemps()
@@ -368,6 +379,8 @@ func schemaVersion(tx *bolt.Tx) (int, error) {
 // Close finishes the writes under way and closes the bbolt file. Calls
 // made after Close fail.
 func (db *DB) Close() error {
+	db.stopOnce.Do(func() { close(db.stop) })
+	<-db.watchDone
 	db.writer.Close()
 	return db.bolt.Close()
 }
@@ -403,9 +416,34 @@ func (db *DB) BlobDir() string {
 // writes again, without a restart.
 var ErrUnwritable = errors.New("store: the data directory cannot be written now")
 
-// unwritable marks err, the disk's refusal of a write, as ErrUnwritable.
-func unwritable(err error) error {
-	return fmt.Errorf("%w: %w", ErrUnwritable, err)
+// unwritable marks err, the disk's refusal of a write, as ErrUnwritable,
+// and tells the log's fault of it (db.faults): the store's callers need
+// not log it again.
+func (db *DB) unwritable(err error) error {
+	err = fmt.Errorf("%w: %w", ErrUnwritable, err)
+	db.faults.Failed(diskUnwritable, err)
+	return err
+}
+
+// diskFault is the store's one fault: its disk refuses writes.
+type diskFault int
+
+const diskUnwritable diskFault = 0
+
+// newDiskFaults returns the log of the disk's faults of the store at path.
+func newDiskFaults(log *slog.Logger, path string) *faultlog.Log[diskFault] {
+	return faultlog.New(faultlog.Options[diskFault]{
+		Logger: log,
+		Faults: map[diskFault]faultlog.Fault{diskUnwritable: {
+			Name: "cannot write",
+			Words: "store: the data directory cannot be written (its disk full, a quota or the file size limit reached, or the disk " +
+				"failing): requests that would store something are answered 503 unavailable, and the bridges' replies and statuses " +
+				"wait, until it can; free space on its disk (du -sh DATA/companion.db DATA/blobs), or see the system's log for the disk's errors",
+		}},
+		Attrs: []any{"path", path},
+		Still: "store: the data directory still cannot be written",
+		Gone:  "store: the data directory takes writes again",
+	})
 }
 
 // noSpace reports whether err is the disk's refusal of more data: no
@@ -428,8 +466,16 @@ func (db *DB) CheckWrites(ctx context.Context) error {
 	if db.writer.Err() == nil {
 		return nil
 	}
+	return db.checkWrite(ctx)
+}
+
+// checkWrite commits a small write of its own (a page of the meta bucket
+// written again): nil once it committed, ErrUnwritable while the disk
+// refuses it. It ends the log's fault when it commits; its failures are
+// not counted among the writes that met the fault.
+func (db *DB) checkWrite(ctx context.Context) error {
 	ch := make(chan error, 1)
-	db.batchAsync(func(tx *bolt.Tx) error {
+	db.writer.Go(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketMeta)
 		if err := b.Put(keyWriteProbe, []byte{1}); err != nil {
 			return err
@@ -438,10 +484,36 @@ func (db *DB) CheckWrites(ctx context.Context) error {
 	}, func(err error) { ch <- err })
 	select {
 	case err := <-ch:
+		var ce *groupcommit.CommitError
+		if errors.As(err, &ce) {
+			return fmt.Errorf("%w: %w", ErrUnwritable, err)
+		}
+		if err == nil {
+			db.faults.Gone(diskUnwritable)
+		}
 		return err
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// watchDisk asks, every second while the disk refuses the store's writes,
+// whether it takes them again (a write of its own), so that the log says
+// so even when nothing else writes; until Close, which waits for it.
+func (db *DB) watchDisk() {
+	defer close(db.watchDone)
+	db.faults.Watch(db.stop, func(diskFault) error { return db.probeWrites() })
+}
+
+// probeTimeout bounds a probe of watchDisk's.
+const probeTimeout = 2 * time.Second
+
+// probeWrites is the log's probe of the disk's fault (faultlog.Watch):
+// a write of its own.
+func (db *DB) probeWrites() error {
+	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
+	defer cancel()
+	return db.checkWrite(ctx)
 }
 
 // softError carries an error found by a Batch callback before it wrote
@@ -490,7 +562,7 @@ func (db *DB) batchAsync(fn func(tx *bolt.Tx) error, done func(error)) {
 		case errors.As(err, &ce):
 			// bbolt wraps some of the disk's errors in text only
 			// (growing the file): every failed commit is the disk's.
-			err = unwritable(err)
+			err = db.unwritable(err)
 		}
 		if done != nil {
 			done(err)
@@ -533,7 +605,7 @@ func (db *DB) update(fn func(tx *bolt.Tx) error) error {
 	case errors.As(err, &se):
 		return se.err
 	case err != nil && fnErr == nil && !errors.Is(err, bolterrors.ErrDatabaseNotOpen):
-		return unwritable(err) // the commit failed, as in batch
+		return db.unwritable(err) // the commit failed, as in batch
 	}
 	return err
 }

@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/testenv"
@@ -144,4 +146,44 @@ func TestOpenOnAFullDiskLeavesNoFile(t *testing.T) {
 		t.Errorf("Open(disk full) left %s: %v", path, err)
 	}
 	openTestDBWith(t, path, Options{})
+}
+
+// While the disk refuses the store's writes, the store says so once, with
+// what to do, however many writes fail, and once that it takes writes
+// again, which it finds out itself (a write of its own every second),
+// with no other write to show it.
+func TestADiskFaultIsLoggedOnce(t *testing.T) {
+	var log testenv.Buffer
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "companion.db"), Options{
+		Logger: slog.New(slog.NewTextHandler(&log, &slog.HandlerOptions{Level: slog.LevelInfo})),
+	})
+	ctx := context.Background()
+	lift := testenv.LimitFileSize(t, 0)
+	for range 50 {
+		_, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text", State: "queued"}, 0, nil)
+		if !errors.Is(err, ErrUnwritable) {
+			t.Fatalf("CreateCommand(disk full) = %v; want ErrUnwritable", err)
+		}
+	}
+	if _, err := db.PutBlob(ctx, bytes.NewReader(make([]byte, 1<<20)), 0); !errors.Is(err, ErrUnwritable) {
+		t.Fatalf("PutBlob(disk full) = %v; want ErrUnwritable", err)
+	}
+	lift()
+	testenv.Eventually(t, time.Minute, "the store to say it takes writes again", func() bool {
+		return strings.Contains(log.String(), `level=INFO msg="store: the data directory takes writes again"`)
+	})
+	if _, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text", State: "queued"}, 0, nil); err != nil {
+		t.Fatalf("CreateCommand once the limit is lifted = %v", err)
+	}
+	out := log.String()
+	t.Logf("the store's log:\n%s", out)
+	if n := strings.Count(out, `level=ERROR msg="store: the data directory cannot be written`); n != 1 {
+		t.Errorf("the fault said %d times; want 1", n)
+	}
+	if !strings.Contains(out, "free space on its disk") {
+		t.Error("the log does not say what to do")
+	}
+	if n := strings.Count(out, "level=ERROR") + strings.Count(out, "level=WARN"); n != 1 {
+		t.Errorf("%d errors and warnings; want 1", n)
+	}
 }

@@ -140,12 +140,21 @@ func startProcEnv(tb testing.TB, name, bin string, env []string, args ...string)
 	require.NoError(tb, err)
 	p := &osProc{name: name, logPath: logf.Name(), exited: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
-	p.cmd.Stdout, p.cmd.Stderr = logf, logf
+	// The child writes its log to a pipe, which this process copies to
+	// the file: a limit on the child's file sizes (setFileSizeLimit, a
+	// full disk's stand-in) then leaves its log whole, as a log shipped
+	// to another disk (journald's) is.
+	out := struct{ io.Writer }{logf}
+	p.cmd.Stdout, p.cmd.Stderr = out, out
+	p.cmd.WaitDelay = 5 * time.Second // a child of its own holding the pipe
 	p.cmd.Env = env
-	require.NoError(tb, p.cmd.Start(), "start %s", name)
-	logf.Close() // the child has its own descriptor
+	if err := p.cmd.Start(); err != nil {
+		logf.Close()
+		require.NoError(tb, err, "start %s", name)
+	}
 	go func() {
-		p.waitErr = p.cmd.Wait()
+		p.waitErr = p.cmd.Wait() // once the pipe is drained
+		logf.Close()
 		close(p.exited)
 	}()
 	tb.Cleanup(func() {

@@ -185,25 +185,28 @@ func (m *Main) storeUnavailable(err error) bool {
 }
 
 // storeLogger is the logger of the pieces that use the store (the API,
-// the broker, the events hub). With a PostgreSQL store, a line of theirs
-// whose err is the database's fault (postgres.IsUnavailable: it cannot be
-// reached, refuses connections, cannot write, a lock waited out) is at
-// debug level: the store says each fault itself, once as it starts, once
-// a minute while it stands and once as it is gone, with what to do. Every
-// request and every retry of a reply said it again (bug 186).
+// the broker, the events hub). A line of theirs whose err is a fault of
+// the store's (storeUnavailable: PostgreSQL cannot be reached, refuses
+// connections, cannot write, a lock waited out; the bbolt file's disk
+// full or failing) is at debug level: the store says each fault itself,
+// once as it starts, once a minute while it stands and once as it is
+// gone, with what to do (internal/faultlog). Every request and every
+// retry of a reply said it again (bugs 186 and 206).
 func (m *Main) storeLogger() *slog.Logger {
-	if m.pg == nil {
-		return m.Logger
-	}
-	return slog.New(storeFaultsAtDebug{m.Logger.Handler()})
+	return slog.New(storeFaultsAtDebug{m.Logger.Handler(), m.storeUnavailable})
 }
 
 // storeFaultsAtDebug is a handler that logs the records whose err is a
-// fault of the PostgreSQL store's at debug level.
-type storeFaultsAtDebug struct{ slog.Handler }
+// fault of the store's at debug level. It reads the record's own
+// attributes: no line of the store's users attaches its err with
+// Logger.With, which this would miss.
+type storeFaultsAtDebug struct {
+	slog.Handler
+	fault func(error) bool // the store's: whether err is a fault it says itself
+}
 
 func (h storeFaultsAtDebug) Handle(ctx context.Context, r slog.Record) error {
-	if r.Level > slog.LevelDebug && storeFault(r) {
+	if r.Level > slog.LevelDebug && h.storeFault(r) {
 		if !h.Handler.Enabled(ctx, slog.LevelDebug) {
 			return nil
 		}
@@ -214,19 +217,18 @@ func (h storeFaultsAtDebug) Handle(ctx context.Context, r slog.Record) error {
 }
 
 func (h storeFaultsAtDebug) WithAttrs(attrs []slog.Attr) slog.Handler {
-	return storeFaultsAtDebug{h.Handler.WithAttrs(attrs)}
+	return storeFaultsAtDebug{h.Handler.WithAttrs(attrs), h.fault}
 }
 
 func (h storeFaultsAtDebug) WithGroup(name string) slog.Handler {
-	return storeFaultsAtDebug{h.Handler.WithGroup(name)}
+	return storeFaultsAtDebug{h.Handler.WithGroup(name), h.fault}
 }
 
-// storeFault reports whether r's err is a fault of the PostgreSQL
-// store's.
-func storeFault(r slog.Record) bool {
+// storeFault reports whether r's err is a fault of the store's.
+func (h storeFaultsAtDebug) storeFault(r slog.Record) bool {
 	found := false
 	r.Attrs(func(a slog.Attr) bool {
-		if err, ok := a.Value.Any().(error); ok && a.Key == "err" && postgres.IsUnavailable(err) {
+		if err, ok := a.Value.Any().(error); ok && a.Key == "err" && h.fault(err) {
 			found = true
 			return false
 		}

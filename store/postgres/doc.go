@@ -79,8 +79,9 @@
 // be reached, it refuses new connections, it cannot write, it lacks other
 // resources (IsUnavailable tells them all; the API answers them 503). The
 // store logs each once as it starts, once a minute while it stands and
-// once as a probe, every second while one stands, finds it gone; a lock
-// waited out (LockTimeout) once a minute at most. Its callers need not
+// once as a probe, every second while one stands, finds it gone
+// (internal/faultlog, which the bbolt store shares); a lock waited out
+// (LockTimeout) once a minute at most. Its callers need not
 // log them again. CheckWrites, for /readyz, asks with a write of its own
 // while a refusal to write stands.
 package postgres

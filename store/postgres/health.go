@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/devicecompanion/companion/internal/faultlog"
 )
 
 // fault is a way the database fails the store, each told once: it cannot
@@ -50,61 +52,52 @@ func faultOf(err error) fault {
 	return faultNone
 }
 
-// faultWords is what the log says of each fault as it starts: what is
-// wrong, what the server does meanwhile, and what to do.
-var faultWords = map[fault]string{
-	faultUnreachable: "postgres: the database cannot be reached: requests that need it are answered 503 unavailable, " +
-		"and commands, replies and statuses wait, until it answers; check that PostgreSQL runs and takes connections at the --store address",
-	faultRefused: "postgres: the database refuses new connections, its max_connections taken: requests that need a new connection " +
-		"are answered 503 unavailable until one is free; raise max_connections, or end the sessions that hold them (pg_stat_activity)",
-	faultUnwritable: "postgres: the database cannot write (its disk full, an I/O error, or the server read-only): requests that " +
+// faults is what the log says of each fault: its first line, what is
+// wrong, what the server does meanwhile, and what to do; and its name in
+// the lines after.
+var faults = map[fault]faultlog.Fault{
+	faultUnreachable: {Name: "unreachable", Words: "postgres: the database cannot be reached: requests that need it are answered 503 unavailable, " +
+		"and commands, replies and statuses wait, until it answers; check that PostgreSQL runs and takes connections at the --store address"},
+	faultRefused: {Name: "connections refused", Words: "postgres: the database refuses new connections, its max_connections taken: requests that need a new connection " +
+		"are answered 503 unavailable until one is free; raise max_connections, or end the sessions that hold them (pg_stat_activity)"},
+	faultUnwritable: {Name: "cannot write", Words: "postgres: the database cannot write (its disk full, an I/O error, or the server read-only): requests that " +
 		"would store something are answered 503 unavailable, and replies and statuses wait, until it can; free space on the " +
-		"database server's disk, or point --store at a primary",
-	faultResources: "postgres: the database lacks the resources for the store's statements: they are answered 503 unavailable " +
-		"until it has them; see PostgreSQL's own log",
+		"database server's disk, or point --store at a primary"},
+	faultResources: {Name: "resources", Words: "postgres: the database lacks the resources for the store's statements: they are answered 503 unavailable " +
+		"until it has them; see PostgreSQL's own log"},
 }
 
-// faultLogEvery is how often, at most, the log says again that a fault
-// still stands, or that statements waited out a lock.
-const faultLogEvery = time.Minute
-
-// probeEvery is how often a fault under way is asked whether it still
-// stands.
-const probeEvery = time.Second
-
-// run is a fault under way: from the first statement it failed until a
-// probe finds it gone.
-type run struct {
-	since, logged time.Time
-	failures      int   // statements failed since it was last logged
-	last          error // the last of them
-}
+// lockLogEvery is how often, at most, the log says that statements waited
+// out a lock.
+const lockLogEvery = time.Minute
 
 // health is what the store has learnt of the database from the answers
 // to its statements (tracer): the faults under way, each logged once as
 // it starts, once a minute while it stands, and once as a probe finds it
-// gone (watch), so that an outage is a few lines, not one for every
-// statement that met it. The store's callers (the API, the broker) then
-// need not log it again (cmd/companion logs their lines of these errors
-// at debug level).
+// gone (internal/faultlog; Store.watch), so that an outage is a few
+// lines, not one for every statement that met it. The store's callers
+// (the API, the broker) then need not log it again (cmd/companion logs
+// their lines of these errors at debug level).
 type health struct {
-	log      *slog.Logger
-	database string // host:port/name, for the log
-
-	wake chan struct{} // a run started: watch has something to probe
+	log    *slog.Logger
+	faults *faultlog.Log[fault]
 
 	mu      sync.Mutex
-	runs    map[fault]*run
 	locks   int       // statements that waited out a lock since lockLog
 	lockLog time.Time // when that was last said
 }
 
 func newHealth(log *slog.Logger, cfg *pgx.ConnConfig) *health {
+	database := net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))) + "/" + cfg.Database
 	return &health{
-		log:      log,
-		database: net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))) + "/" + cfg.Database,
-		runs:     map[fault]*run{},
-		wake:     make(chan struct{}, 1),
+		log: log.With("database", database),
+		faults: faultlog.New(faultlog.Options[fault]{
+			Logger: log,
+			Faults: faults,
+			Attrs:  []any{"database", database},
+			Still:  "postgres: the database still fails the store",
+			Gone:   "postgres: the database answers again",
+		}),
 	}
 }
 
@@ -117,113 +110,35 @@ func (h *health) noted(ctx context.Context, err error) {
 	if err == nil || ctx.Value(probing{}) != nil || ctx.Err() != nil {
 		return // the caller gave up: nothing of the database's
 	}
-	f := faultOf(err)
-	if f == faultNone {
-		return
+	switch f := faultOf(err); f {
+	case faultNone:
+	case faultLock:
+		h.lockWaited(err)
+	default:
+		h.faults.Failed(f, err)
 	}
+}
+
+// lockWaited counts a statement that waited out a lock, and says so once
+// a minute at most.
+func (h *health) lockWaited(err error) {
 	now := time.Now()
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if f == faultLock {
-		h.locks++
-		if now.Sub(h.lockLog) >= faultLogEvery {
-			h.log.Warn("postgres: statements waited "+LockTimeout.String()+" for a lock another session holds, and failed: their "+
-				"requests are answered 503 unavailable; find the session (pg_blocking_pids in pg_stat_activity) and end it",
-				"database", h.database, "statements", h.locks, "err", err)
-			h.lockLog, h.locks = now, 0
-		}
-		return
+	h.locks++
+	if now.Sub(h.lockLog) >= lockLogEvery {
+		h.log.Warn("postgres: statements waited "+LockTimeout.String()+" for a lock another session holds, and failed: their "+
+			"requests are answered 503 unavailable; find the session (pg_blocking_pids in pg_stat_activity) and end it",
+			"statements", h.locks, "err", err)
+		h.lockLog, h.locks = now, 0
 	}
-	r := h.runs[f]
-	if r == nil {
-		h.runs[f] = &run{since: now, logged: now, last: err}
-		h.log.Error(faultWords[f], "database", h.database, "err", err)
-		select {
-		case h.wake <- struct{}{}:
-		default:
-		}
-		return
-	}
-	r.failures++
-	r.last = err
 }
 
-// unwritable says whether a refusal to write is under way.
-func (h *health) unwritable() bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.runs[faultUnwritable] != nil
-}
-
-// gone ends the run of f, found gone by a probe.
-func (h *health) gone(f fault) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	r := h.runs[f]
-	if r == nil {
-		return
-	}
-	delete(h.runs, f)
-	h.log.Info("postgres: the database answers again", "database", h.database,
-		"fault", faultName(f), "after", time.Since(r.since).Round(time.Second))
-}
-
-// standing returns the faults under way, and logs again those last
-// logged faultLogEvery ago.
-func (h *health) standing() []fault {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	now := time.Now()
-	var out []fault
-	for f, r := range h.runs {
-		out = append(out, f)
-		if now.Sub(r.logged) >= faultLogEvery {
-			h.log.Error("postgres: the database still fails the store", "database", h.database, "fault", faultName(f),
-				"for", now.Sub(r.since).Round(time.Second), "failures", r.failures, "err", r.last)
-			r.logged, r.failures = now, 0
-		}
-	}
-	return out
-}
-
-func faultName(f fault) string {
-	switch f {
-	case faultUnreachable:
-		return "unreachable"
-	case faultRefused:
-		return "connections refused"
-	case faultUnwritable:
-		return "cannot write"
-	case faultResources:
-		return "resources"
-	}
-	return "none"
-}
-
-// watch asks, every probeEvery while a fault stands, whether it still
-// does (probe), until the store is closed. It runs on a goroutine of the
+// watch asks, every second while a fault stands, whether it still does
+// (probe), until the store is closed. It runs on a goroutine of the
 // store's (Open), and sleeps while there is none.
 func (s *Store) watch() {
-	t := time.NewTicker(probeEvery)
-	defer t.Stop()
-	for {
-		faults := s.health.standing()
-		var wait <-chan time.Time
-		if len(faults) > 0 {
-			wait = t.C
-		}
-		select {
-		case <-s.done:
-			return
-		case <-s.health.wake:
-		case <-wait:
-			for _, f := range faults {
-				if s.probe(f) == nil {
-					s.health.gone(f)
-				}
-			}
-		}
-	}
+	s.health.faults.Watch(s.done, s.probe)
 }
 
 // probe checks whether fault f still stands: nil when it does not. A
@@ -339,12 +254,12 @@ func (s *Store) checkWrite(ctx context.Context) error {
 // may take the check while a larger write still does not fit: the next
 // refusal makes it ask again.
 func (s *Store) CheckWrites(ctx context.Context) error {
-	if !s.health.unwritable() {
+	if !s.health.faults.Stands(faultUnwritable) {
 		return nil
 	}
 	if err := s.checkWrite(context.WithValue(ctx, probing{}, true)); err != nil {
 		return err
 	}
-	s.health.gone(faultUnwritable)
+	s.health.faults.Gone(faultUnwritable)
 	return nil
 }
