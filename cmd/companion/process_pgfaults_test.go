@@ -541,3 +541,36 @@ func checkStoreSaysIt(t *testing.T, c *procCluster, max int) {
 		}
 	}
 }
+
+// /readyz while every connection of the store's pool waits for a lock
+// another session holds: the database answers, and /readyz says that the
+// store's connections are taken by statements waiting for a lock, not
+// that the database cannot be reached; and 200 once the lock is released.
+func TestReadyzWhileLocksTakeThePool(t *testing.T) {
+	c, _, dsn := newPostgresProcCluster(t)
+	other := pgConn(t, dsn)
+	ctx := t.Context()
+
+	l := startPGLoad(c, 8, 24)
+	l.waitFor(t, "the first 202s", more(&l.okWrites, 50))
+	tx, err := other.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `LOCK TABLE bindings IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	var status int
+	var detail string
+	l.waitFor(t, "/readyz not ready while the pool waits for the lock", func() bool {
+		status, detail = c.readyz(t)
+		return status != 200
+	})
+	t.Logf("/readyz: %d %s", status, detail)
+	require.Equal(t, 503, status)
+	require.NotContains(t, detail, "cannot be reached")
+	require.Contains(t, detail, "of the server's sessions wait for a lock another session holds")
+	require.Contains(t, detail, "the database answers")
+	require.NoError(t, tx.Rollback(ctx))
+	l.waitFor(t, "the 202s once the table is free", more(&l.okWrites, 50))
+	status, detail = c.readyz(t)
+	require.Equal(t, 200, status, "/readyz once the lock is released: %s", detail)
+	l.check(t)
+}

@@ -57,7 +57,8 @@ const readyTimeout = 2 * time.Second
 // ready is /readyz's check (CONTRACT §1: store open, MQTT connected). A
 // PostgreSQL store is asked: while the database cannot be reached every
 // request but the health checks is a 503 unavailable, and a load balancer
-// should know it. So is a store whose last write its disk refused (full;
+// should know it; so is a pool whose every connection stays in use (by
+// statements waiting for a lock), which Ping tells apart. So is a store whose last write its disk refused (full;
 // PostgreSQL's, or read-only): every write is a 503 unavailable until one
 // succeeds.
 func (m *Main) ready(ctx context.Context) error {
@@ -68,6 +69,10 @@ func (m *Main) ready(ctx context.Context) error {
 	defer cancel()
 	if m.pg != nil {
 		if err := m.pg.Ping(ctx); err != nil {
+			var taken *postgres.PoolTakenError
+			if errors.As(err, &taken) {
+				return taken // the database answers; what holds the pool does not
+			}
 			return fmt.Errorf("the PostgreSQL store cannot be reached within %v", readyTimeout)
 		}
 		if err := m.pg.CheckWrites(ctx); err != nil {

@@ -263,3 +263,59 @@ func (s *Store) CheckWrites(ctx context.Context) error {
 	s.health.faults.Gone(faultUnwritable)
 	return nil
 }
+
+// PoolTakenError is Ping's answer when no connection of the store's pool
+// came free in time, every one it may open being in use, while the
+// database answers on a connection of Ping's own: the database is up, and
+// the store cannot run a statement now. Statements that wait for a lock
+// another session holds (a LOCK TABLE, an ALTER TABLE, or the lock one
+// waits for) take the pool so, each until LockTimeout.
+type PoolTakenError struct {
+	Conns     int32 // the pool's connections, each in use
+	LockWaits int   // the server's sessions (its application_name) waiting for a lock
+}
+
+func (e *PoolTakenError) Error() string {
+	if e.LockWaits == 0 {
+		return fmt.Sprintf("the PostgreSQL store's %d connections are all in use, none waiting for a lock: the database answers, "+
+			"and the server has more work than its pool (pool_max_conns in --store)", e.Conns)
+	}
+	return fmt.Sprintf("the PostgreSQL store's %d connections are all in use, and %d of the server's sessions wait for a lock "+
+		"another session holds (pg_blocking_pids in pg_stat_activity): the database answers", e.Conns, e.LockWaits)
+}
+
+// Ping says whether the store can reach the database now: a round trip on
+// one of the pool's connections. When none comes free within half of
+// ctx's time, the pool having every connection it may open in use, it asks
+// on a connection of its own: an error there is the database's, and a
+// *PoolTakenError says that the database answers, with how many of the
+// server's sessions wait for a lock. /readyz calls it: a pool taken by
+// statements waiting for a lock is not a database that cannot be reached.
+func (s *Store) Ping(ctx context.Context) error {
+	pctx := ctx
+	if deadline, ok := ctx.Deadline(); ok {
+		var cancel context.CancelFunc
+		pctx, cancel = context.WithDeadline(ctx, time.Now().Add(time.Until(deadline)/2))
+		defer cancel()
+	}
+	err := s.pool.Ping(pctx)
+	if err == nil || ctx.Err() != nil || pctx.Err() == nil {
+		return err
+	}
+	if st := s.pool.Stat(); st.AcquiredConns() < st.MaxConns() {
+		return err // there was room for a connection, and none was made
+	}
+	ctx = context.WithValue(ctx, probing{}, true)
+	conn, err := pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	taken := &PoolTakenError{Conns: s.pool.Stat().MaxConns()}
+	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+		AND application_name = current_setting('application_name') AND wait_event_type = 'Lock'`).Scan(&taken.LockWaits)
+	if err != nil {
+		return err
+	}
+	return taken
+}

@@ -39,7 +39,8 @@ type Options struct {
 	// pool_max_conns, or else 16. Half of them (at least 2) are the lanes
 	// of the per-device writes. Besides the pool, each ListenCommands and
 	// the dispatcher's campaign hold a connection of their own, and the
-	// health probe makes one for a moment while the database fails.
+	// health probe makes one for a moment while the database fails, as
+	// Ping does while every connection of the pool is in use.
 	MaxConns int32
 	// Migrate has Open apply the migrations the database lacks. Without
 	// it Open only checks the schema and refuses one older than this
@@ -170,10 +171,6 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	}
 	return s, nil
 }
-
-// Ping says whether the database answers now (a round trip on one of the
-// pool's connections).
-func (s *Store) Ping(ctx context.Context) error { return s.pool.Ping(ctx) }
 
 // Close finishes the writes under way (their done funcs are called), stops
 // ListenCommands and closes the pool. Calls made after Close fail with
