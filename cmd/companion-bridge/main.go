@@ -430,7 +430,9 @@ func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device, error)
 }
 
 // Close stops the agent, if Run built one, waits for it and closes its
-// spool, then disconnects the devices.
+// spool, then disconnects the devices. The devices and the BlueZ connector
+// close together: a bluetoothd that answers nothing costs its CallTimeout
+// once, not once a device (docs/reliability.md, bug 200).
 func (m *Main) Close() error {
 	m.mu.Lock()
 	a, gatts, network, bz, sims, ps := m.agent, m.gatts, m.network, m.bluez, m.sims, m.pprof
@@ -443,14 +445,16 @@ func (m *Main) Close() error {
 	if ps != nil {
 		ps.Close()
 	}
+	var wg sync.WaitGroup
 	for _, d := range gatts {
-		d.Close()
-	}
-	if network != nil {
-		network.Close()
+		wg.Go(func() { d.Close() })
 	}
 	if bz != nil {
-		bz.Close()
+		wg.Go(func() { bz.Close() })
+	}
+	wg.Wait()
+	if network != nil {
+		network.Close()
 	}
 	for _, d := range sims {
 		if cerr := d.Close(); err == nil {

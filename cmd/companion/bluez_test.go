@@ -2,7 +2,9 @@ package main
 
 import (
 	"encoding/base64"
+	"os"
 	"runtime"
+	"syscall"
 	"testing"
 	"time"
 
@@ -16,7 +18,7 @@ import (
 )
 
 // The whole path with the real BlueZ code of companion-bridge --gatt bluez:
-// HTTP → MQTT → bridge → gatt.Device → bluez.Connector (tinygo bluetooth)
+// HTTP → MQTT → bridge → gatt.Device → bluez.Connector
 // → D-Bus → a fake org.bluez on a private bus → the simulator's peripheral.
 func TestEveryOperationOverBlueZ(t *testing.T) {
 	if runtime.GOOS != "linux" {
@@ -70,4 +72,45 @@ func TestEveryOperationOverBlueZ(t *testing.T) {
 		}
 	}
 	assert.GreaterOrEqual(t, connects, 2, "the bridge reconnected to dev-1 after the drop")
+}
+
+// The real companion-bridge --gatt bluez, its device connected through
+// the fake BlueZ, stopped (SIGTERM) once bluetoothd stopped answering:
+// the bridge stops within its shutdown bound all the same, exit status 0,
+// and says what it gave up on. Before, the disconnect at its Close waited
+// for bluetoothd for good, until a SIGKILL (docs/reliability.md, bug 200).
+func TestProcessBridgeStopsWhileBluetoothdHangs(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("BlueZ is Linux only")
+	}
+	fake := fakebluez.New(t) // the bridge's DBUS_SYSTEM_BUS_ADDRESS
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:00:01", Name: "dev-1",
+		Peripheral: sim.NewPeripheral(sim.New(sim.Options{ID: "dev-1"}), sim.PeripheralOptions{})})
+	c := newProcCluster(t, 1)
+	c.startServer()
+	c.setupFleet()
+	bridge := startProc(t, "companion-bridge", c.bridge,
+		"--mqtt-url", c.brokerURL(), "--api-url", c.base(),
+		"--bridge-id", "bridge-1", "--bridge-secret", c.bridgeSecret,
+		"--data", c.bridgeData, "--gatt", "bluez", "--devices", "dev-1")
+	testenv.Eventually(t, 30*time.Second, "dev-1 online through BlueZ", func() bool {
+		require.True(t, bridge.running(), "companion-bridge exited: %v", bridge.waitErr)
+		r := c.user.do("GET", "/api/v1/devices/dev-1/status", nil)
+		return r.Status == 200 && r.JSON(t)["online"] == true
+	})
+
+	fake.Stall()
+	require.NoError(t, bridge.cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-bridge.exited:
+	case <-time.After(60 * time.Second):
+		t.Fatal("companion-bridge did not stop within 60 s of SIGTERM with bluetoothd hung")
+	}
+	assert.NoError(t, bridge.waitErr, "exit status")
+	log, err := os.ReadFile(bridge.logPath)
+	require.NoError(t, err)
+	for _, want := range []string{"bluetoothd did not answer; gave up on the call", "call=Device1.Disconnect",
+		"address=C0:FF:EE:00:00:01", "systemctl status bluetooth", "msg=stopped"} {
+		assert.Contains(t, string(log), want)
+	}
 }

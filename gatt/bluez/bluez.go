@@ -1,32 +1,31 @@
 //go:build linux
 
 // Package bluez is the gatt.Connector for real Bluetooth adapters on Linux
-// gateways: BlueZ over D-Bus, through tinygo.org/x/bluetooth (pinned: its
-// API is marked unstable). It finds devices by scanning for Zephyr's SMP
+// gateways: BlueZ over D-Bus. It finds devices by scanning for Zephyr's SMP
 // service (gatt.ServiceUUID), which a device with MCUmgr's Bluetooth
 // transport advertises, and tells them apart by the serial number of their
 // Device Information Service, which is the device id.
 //
-// tinygo.org/x/bluetooth discovers services and characteristics, reads,
-// writes, reads the MTU and disconnects. The package talks D-Bus itself, on
-// a private connection, where that library falls short on Linux:
+// It talks D-Bus itself (godbus), on a private connection, and makes every
+// call with a context: the caller's, or CallTimeout for the calls nobody
+// waits on (a disconnect, discovery), so that a bluetoothd that stops
+// answering costs a timeout, never a hang, and the Connector's Close ends
+// whatever is left. tinygo.org/x/bluetooth, which it used before, makes
+// its calls without one, and falls short on Linux besides:
 //
-//   - connecting (Device1.Connect) and starting notifications, because the
-//     handlers it runs meanwhile index and assert the bodies of every
+//   - its handlers of signals index and assert the bodies of every
 //     PropertiesChanged on the bus unchecked, so one malformed signal would
-//     panic the bridge; its Connect is called only once the device is
-//     connected, when it just reads properties;
-//   - discovery, because its Scan can be stopped only from its own callback
-//     (StopScan is not safe from another goroutine,
+//     panic the bridge;
+//   - its Scan can be stopped only from its own callback (StopScan is not
+//     safe from another goroutine,
 //     https://github.com/tinygo-org/bluetooth/issues/128), so a scan could
 //     not honour a deadline;
-//   - the wait for ServicesResolved, which it polls for up to 10 s with no
-//     way to cancel;
-//   - disconnects, which it reports to a central on Linux only when the
-//     central itself disconnects;
-//   - notification values, which it hands to the callback through an
-//     unbuffered channel on godbus's default signal handler, which spawns a
-//     goroutine per signal when the receiver is busy and so reorders them
+//   - it polls for ServicesResolved for up to 10 s with no way to cancel;
+//   - it reports disconnects to a central on Linux only when the central
+//     itself disconnects;
+//   - it hands notification values to the callback through an unbuffered
+//     channel on godbus's default signal handler, which spawns a goroutine
+//     per signal when the receiver is busy and so reorders them
 //     (https://github.com/godbus/dbus/pull/117); SMP messages span several
 //     notifications and need them in order.
 //
@@ -43,9 +42,9 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/godbus/dbus/v5"
-	"tinygo.org/x/bluetooth"
 
 	"github.com/devicecompanion/companion/gatt"
 )
@@ -66,12 +65,27 @@ const (
 // ErrClosed is returned by Connect once the Connector is closed.
 var ErrClosed = errors.New("bluez: connector closed")
 
+// ErrNoAnswer is wrapped by the error of a call that bluetoothd left
+// unanswered for CallTimeout.
+var ErrNoAnswer = errors.New("bluez: bluetoothd did not answer")
+
+// DefaultCallTimeout bounds a D-Bus call that no caller's context bounds.
+// BlueZ answers such calls in milliseconds, and a disconnect once the
+// controller reports it, within a connection's supervision timeout (at
+// most 32 s by the Core specification, 4–6 s as centrals set it, 2 s more
+// while BlueZ lets the profiles go); the bridge's shutdown waits for the
+// disconnects, under systemd's TimeoutStopSec of 30 s.
+const DefaultCallTimeout = 10 * time.Second
+
 // Options configure a Connector. The zero value means defaults.
 type Options struct {
 	// Adapter is the BlueZ adapter to use; "hci0" when empty.
 	Adapter string
 	// Logger; slog.Default() when nil.
 	Logger *slog.Logger
+	// CallTimeout bounds each D-Bus call no caller's context bounds;
+	// DefaultCallTimeout when 0.
+	CallTimeout time.Duration
 }
 
 // Connector opens GATT links to devices through BlueZ. It is safe for
@@ -79,14 +93,18 @@ type Options struct {
 // discovery session.
 type Connector struct {
 	log         *slog.Logger
-	adapter     *bluetooth.Adapter
+	opts        Options
 	adapterPath dbus.ObjectPath
-	conn        *dbus.Conn // private: discovery and signals, in order
-	sigs        chan *dbus.Signal
-	wake        chan struct{} // pokes scanLoop
-	closing     chan struct{}
-	scanDone    chan struct{}
-	dispDone    chan struct{}
+	conn        *dbus.Conn // private: every call, and the signals in order
+	// ctx bounds every call: Close cancels it once the links had their
+	// CallTimeout to disconnect, and so ends every call left.
+	ctx      context.Context
+	cancel   context.CancelFunc
+	sigs     chan *dbus.Signal
+	wake     chan struct{} // pokes scanLoop
+	closing  chan struct{}
+	scanDone chan struct{}
+	dispDone chan struct{}
 
 	mu       sync.Mutex
 	closed   bool
@@ -118,19 +136,21 @@ func New(opts Options) (*Connector, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	adapter := bluetooth.NewAdapter(opts.Adapter)
-	if err := adapter.Enable(); err != nil {
-		return nil, fmt.Errorf("bluez: enable %s: %w", opts.Adapter, err)
+	if opts.CallTimeout <= 0 {
+		opts.CallTimeout = DefaultCallTimeout
 	}
 	conn, err := dbus.ConnectSystemBus(dbus.WithSignalHandler(dbus.NewSequentialSignalHandler()))
 	if err != nil {
 		return nil, fmt.Errorf("bluez: connect to the system bus: %w", err)
 	}
+	ctx, cancel := context.WithCancel(context.Background())
 	c := &Connector{
 		log:         opts.Logger,
-		adapter:     adapter,
+		opts:        opts,
 		adapterPath: dbus.ObjectPath("/org/bluez/" + opts.Adapter),
 		conn:        conn,
+		ctx:         ctx,
+		cancel:      cancel,
 		sigs:        make(chan *dbus.Signal, 64),
 		wake:        make(chan struct{}, 1),
 		closing:     make(chan struct{}),
@@ -144,6 +164,7 @@ func New(opts Options) (*Connector, error) {
 		changed:     make(chan struct{}),
 	}
 	if err := c.start(); err != nil {
+		cancel()
 		conn.Close()
 		return nil, err
 	}
@@ -151,14 +172,23 @@ func New(opts Options) (*Connector, error) {
 }
 
 func (c *Connector) start() error {
-	ad := c.conn.Object(bluezName, c.adapterPath)
-	powered, err := ad.GetProperty(ifaceAdapter + ".Powered")
-	if err != nil {
+	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
+	defer cancel()
+	powered, err := c.getProperty(ctx, c.adapterPath, ifaceAdapter+".Powered")
+	var de dbus.Error
+	switch {
+	case errors.As(err, &de) && de.Name == "org.freedesktop.DBus.Error.UnknownObject":
+		return fmt.Errorf("bluez: adapter %s does not exist", c.adapterPath)
+	case ctx.Err() != nil:
+		return fmt.Errorf("bluez: adapter %s: bluetoothd did not answer within %s: is it running? (systemctl status bluetooth)", c.adapterPath, c.opts.CallTimeout)
+	case err != nil:
 		return fmt.Errorf("bluez: adapter %s: %w", c.adapterPath, err)
 	}
 	if on, _ := powered.Value().(bool); !on {
 		c.log.Info("bluez: powering the adapter on", "adapter", c.adapterPath)
-		if err := ad.SetProperty(ifaceAdapter+".Powered", dbus.MakeVariant(true)); err != nil {
+		err := c.conn.Object(bluezName, c.adapterPath).CallWithContext(ctx, ifaceProps+".Set", 0,
+			ifaceAdapter, "Powered", dbus.MakeVariant(true)).Err
+		if err != nil {
 			return fmt.Errorf("bluez: power %s on: %w", c.adapterPath, err)
 		}
 	}
@@ -172,7 +202,7 @@ func (c *Connector) start() error {
 		{dbus.WithMatchSender("org.freedesktop.DBus"), dbus.WithMatchMember("NameOwnerChanged"), dbus.WithMatchArg(0, bluezName)},
 	}
 	for _, r := range rules {
-		if err := c.conn.AddMatchSignal(r...); err != nil {
+		if err := c.conn.AddMatchSignalContext(ctx, r...); err != nil {
 			return fmt.Errorf("bluez: add match: %w", err)
 		}
 	}
@@ -181,9 +211,11 @@ func (c *Connector) start() error {
 	return nil
 }
 
-// Close closes the open links, stops discovery and waits for the
-// Connector's goroutines, including Connect attempts it abandoned, which
-// end when BlueZ answers them. Connect calls in progress return ErrClosed.
+// Close closes the open links and waits for the Connector's goroutines,
+// including Connect attempts it abandoned, which end when BlueZ answers
+// them. It gives BlueZ CallTimeout for all of it: then it ends the calls
+// still waiting (a hung bluetoothd answers none), logs that it gave up on
+// them, and returns. Connect calls in progress return ErrClosed.
 func (c *Connector) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -197,10 +229,26 @@ func (c *Connector) Close() error {
 		links = append(links, l)
 	}
 	c.mu.Unlock()
+	grace := time.NewTimer(c.opts.CallTimeout)
+	defer grace.Stop()
+	var wg sync.WaitGroup
 	for _, l := range links {
-		l.Close()
+		wg.Go(func() { l.Close() })
 	}
-	c.calls.Wait()
+	wg.Wait()
+	idle := make(chan struct{})
+	go func() {
+		c.calls.Wait()
+		close(idle)
+	}()
+	select {
+	case <-idle:
+	case <-grace.C:
+		c.log.Warn("bluez: bluetoothd left a connection attempt unanswered; gave up on it to stop",
+			"after", c.opts.CallTimeout, "hint", "bluetoothd may be hung: see systemctl status bluetooth, and restart it")
+	}
+	c.cancel()
+	<-idle
 	<-c.scanDone
 	err := c.conn.Close() // ends the signal channel, so dispatch
 	<-c.dispDone
@@ -375,15 +423,18 @@ func (c *Connector) demand() bool {
 	return c.wanted > 0 && !c.closed
 }
 
+// startDiscovery starts discovery, each call within CallTimeout.
 func (c *Connector) startDiscovery() error {
+	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
+	defer cancel()
 	ad := c.conn.Object(bluezName, c.adapterPath)
 	filter := map[string]any{"Transport": "le", "UUIDs": []string{gatt.ServiceUUID}}
-	if err := ad.Call(ifaceAdapter+".SetDiscoveryFilter", 0, filter).Err; err != nil {
-		return fmt.Errorf("SetDiscoveryFilter: %w", err)
+	if err := ad.CallWithContext(ctx, ifaceAdapter+".SetDiscoveryFilter", 0, filter).Err; err != nil {
+		return fmt.Errorf("SetDiscoveryFilter: %w", c.unanswered(ctx, "Adapter1.SetDiscoveryFilter", err))
 	}
 	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
-	if err := c.conn.Object(bluezName, "/").Call(ifaceObjMgr+".GetManagedObjects", 0).Store(&objects); err != nil {
-		return fmt.Errorf("GetManagedObjects: %w", err)
+	if err := c.conn.Object(bluezName, "/").CallWithContext(ctx, ifaceObjMgr+".GetManagedObjects", 0).Store(&objects); err != nil {
+		return fmt.Errorf("GetManagedObjects: %w", c.unanswered(ctx, "ObjectManager.GetManagedObjects", err))
 	}
 	c.mu.Lock()
 	for path, ifaces := range objects {
@@ -394,13 +445,21 @@ func (c *Connector) startDiscovery() error {
 	// Before the call: devices may be reported before its reply.
 	c.scanning = true
 	c.mu.Unlock()
-	if err := ad.Call(ifaceAdapter+".StartDiscovery", 0).Err; err != nil {
+	if err := ad.CallWithContext(ctx, ifaceAdapter+".StartDiscovery", 0).Err; err != nil {
 		c.mu.Lock()
 		c.scanning = false
 		c.mu.Unlock()
-		return fmt.Errorf("StartDiscovery: %w", err)
+		return fmt.Errorf("StartDiscovery: %w", c.unanswered(ctx, "Adapter1.StartDiscovery", err))
 	}
 	return nil
+}
+
+// unanswered is err, or noAnswer when ctx ended first.
+func (c *Connector) unanswered(ctx context.Context, call string, err error) error {
+	if ctx.Err() != nil {
+		return c.noAnswer(call)
+	}
+	return err
 }
 
 func (c *Connector) stopDiscovery() {
@@ -410,11 +469,16 @@ func (c *Connector) stopDiscovery() {
 		k.seen = 0
 	}
 	c.mu.Unlock()
+	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
+	defer cancel()
 	ad := c.conn.Object(bluezName, c.adapterPath)
-	if err := ad.Call(ifaceAdapter+".StopDiscovery", 0).Err; err != nil {
-		c.log.Debug("bluez: StopDiscovery", "err", err)
+	if err := ad.CallWithContext(ctx, ifaceAdapter+".StopDiscovery", 0).Err; err != nil {
+		c.log.Debug("bluez: StopDiscovery", "err", c.unanswered(ctx, "Adapter1.StopDiscovery", err))
+		if ctx.Err() != nil {
+			return
+		}
 	}
-	ad.Call(ifaceAdapter+".SetDiscoveryFilter", 0, map[string]any{})
+	ad.CallWithContext(ctx, ifaceAdapter+".SetDiscoveryFilter", 0, map[string]any{})
 }
 
 // addKnownLocked records a Device1 object of our adapter. A device already

@@ -18,6 +18,7 @@ import (
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/gatt/bluez"
 	"github.com/devicecompanion/companion/gatt/bluez/fakebluez"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 )
 
@@ -533,7 +534,7 @@ func (p *gatedPeripheral) Connected(mtu int, notify func(string, []byte), drop f
 
 // A signal from org.bluez with a body too short or of other types than
 // BlueZ's (a buggy bluetoothd) is ignored: no handler of the bridge's, nor
-// of tinygo's under it, may panic on one. The link, its notifications and
+// of a library's under it, may panic on one. The link, its notifications and
 // a connection under way when they came go on.
 func TestMalformedSignalsAreIgnored(t *testing.T) {
 	fake := fakebluez.New(t)
@@ -620,5 +621,77 @@ func TestMalformedSignalsAreIgnored(t *testing.T) {
 	defer r.l.Close()
 	if got, err := r.l.Read(ctx, gatt.SerialNumberUUID); err != nil || string(got) != "dev-slow" {
 		t.Errorf("Read(serial) of dev-slow = %q, %v", got, err)
+	}
+}
+
+// A bluetoothd that stops answering (hung, SIGSTOPped) answers no call
+// and emits nothing. Every call the Connector makes is bounded: a read in
+// flight ends with its context, the link's Close gives the disconnect its
+// CallTimeout and says it gave up, a new Connect ends at its deadline, and
+// the Connector's Close returns, ending what is left. Before, the
+// disconnect and the calls on the reconnect path waited for an answer for
+// good, and with them the bridge's shutdown (docs/reliability.md, bug 200).
+func TestStalledBluetoothdCannotHoldClose(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0B:01", Peripheral: newTestPeripheral("dev-s")})
+	logs := &testenv.Buffer{}
+	c, err := bluez.New(bluez.Options{Logger: slog.New(slog.NewTextHandler(logs, nil)), CallTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatalf("bluez.New: %v", err)
+	}
+	l := connect(t, c, "dev-s")
+	fake.Stall()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	if _, err := l.Read(ctx, gatt.BatteryLevelUUID); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Read on a stalled bluetoothd = %v; want context.DeadlineExceeded", err)
+	}
+	inFlight := make(chan error, 1)
+	go func() {
+		_, err := l.Read(context.Background(), gatt.BatteryLevelUUID)
+		inFlight <- err
+	}()
+	closed := make(chan error, 1)
+	go func() { closed <- l.Close() }()
+	select {
+	case err := <-closed:
+		if !errors.Is(err, bluez.ErrNoAnswer) {
+			t.Errorf("link Close = %v; want an error wrapping ErrNoAnswer", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("link Close did not return on a stalled bluetoothd")
+	}
+	select {
+	case err := <-inFlight:
+		if !errors.Is(err, gatt.ErrDisconnected) {
+			t.Errorf("a Read in flight at Close = %v; want gatt.ErrDisconnected", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("a Read in flight at Close did not end")
+	}
+
+	// The reconnect: discovery and the connection are as stalled.
+	ctx, cancel = context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	reconnected := make(chan error, 1)
+	go func() {
+		_, err := c.Connect(ctx, "dev-s")
+		reconnected <- err
+	}()
+	select {
+	case err := <-reconnected:
+		if err == nil {
+			t.Error("Connect on a stalled bluetoothd succeeded")
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Connect on a stalled bluetoothd did not return")
+	}
+	closeWithin(t, c, 20*time.Second)
+	out := logs.String()
+	for _, want := range []string{"bluetoothd did not answer; gave up on the call", "call=Device1.Disconnect", "address=C0:FF:EE:00:0B:01", "systemctl status bluetooth"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the log lacks %q:\n%s", want, out)
+		}
 	}
 }

@@ -12,7 +12,6 @@ import (
 	"sync/atomic"
 
 	"github.com/godbus/dbus/v5"
-	"tinygo.org/x/bluetooth"
 
 	"github.com/devicecompanion/companion/gatt"
 )
@@ -24,38 +23,25 @@ var errOtherDevice = errors.New("bluez: another device")
 // checks its DIS serial number against wantID. It owns addr, marked busy by
 // pickLocked: the link keeps it, a failure releases it.
 func (c *Connector) open(ctx context.Context, path dbus.ObjectPath, addr, wantID string) (*link, error) {
-	mac, err := bluetooth.ParseMAC(addr)
-	if err != nil {
-		c.release(addr)
-		return nil, err
-	}
 	watch, unwatch := c.watchDevice(path)
 	defer unwatch()
 
 	// BlueZ's Connect has no timeout: run it aside, and on ctx's expiry
 	// ask BlueZ to disconnect, which makes it fail the pending Connect
-	// ("le-connection-abort-by-local"); the goroutine then ends.
-	done := make(chan connResult, 1)
+	// ("le-connection-abort-by-local"); the goroutine then ends, or at the
+	// Connector's Close if bluetoothd answers nothing.
+	done := make(chan error, 1)
 	c.calls.Add(1)
 	go func() {
 		defer c.calls.Done()
-		if err := c.connectDevice(path); err != nil {
-			done <- connResult{err: err}
-			return
-		}
-		// Connected: tinygo's Connect only reads properties and hands
-		// back the Device its other calls need.
-		dev, err := c.adapter.Connect(bluetooth.Address{MACAddress: bluetooth.MACAddress{MAC: mac}}, bluetooth.ConnectionParams{})
-		done <- connResult{dev, err}
+		done <- c.connectDevice(path)
 	}()
-	var dev bluetooth.Device
 	select {
-	case r := <-done:
-		if r.err != nil {
+	case err := <-done:
+		if err != nil {
 			c.release(addr)
-			return nil, r.err
+			return nil, err
 		}
-		dev = r.dev
 	case <-ctx.Done():
 		c.abandon(path, addr, done)
 		return nil, ctx.Err()
@@ -64,10 +50,15 @@ func (c *Connector) open(ctx context.Context, path dbus.ObjectPath, addr, wantID
 		return nil, ErrClosed
 	}
 
-	l, err := c.setup(ctx, path, addr, dev, watch)
+	l, err := c.setup(ctx, path, addr, watch)
 	if err != nil {
-		dev.Disconnect()
-		c.release(addr)
+		// Aside: the caller's deadline may have passed already.
+		c.calls.Add(1)
+		go func() {
+			defer c.calls.Done()
+			defer c.release(addr)
+			c.disconnect(path, addr)
+		}()
 		return nil, err
 	}
 	if l.serial != wantID {
@@ -79,18 +70,13 @@ func (c *Connector) open(ctx context.Context, path dbus.ObjectPath, addr, wantID
 }
 
 // connectDevice asks BlueZ to connect the device at path, unless it is
-// connected already, on the Connector's own D-Bus connection. tinygo's
-// Connect would make the call itself, and then watch every
-// PropertiesChanged on the bus (the ones that came while the call was
-// pending included) with a handler that indexes and asserts their bodies
-// unchecked: a malformed one, from a buggy bluetoothd or any other process,
-// would panic the bridge. Of a connected device it watches nothing.
+// connected already. The call lasts as long as BlueZ takes, or until the
+// Connector closes.
 func (c *Connector) connectDevice(path dbus.ObjectPath) error {
-	obj := c.conn.Object(bluezName, path)
-	if v, err := obj.GetProperty(ifaceDevice + ".Connected"); err == nil && v.Value() == true {
+	if v, err := c.getProperty(c.ctx, path, ifaceDevice+".Connected"); err == nil && v.Value() == true {
 		return nil
 	}
-	err := obj.Call(ifaceDevice+".Connect", 0).Err
+	err := c.conn.Object(bluezName, path).CallWithContext(c.ctx, ifaceDevice+".Connect", 0).Err
 	var de dbus.Error
 	if errors.As(err, &de) && de.Name == "org.bluez.Error.AlreadyConnected" {
 		return nil
@@ -101,39 +87,72 @@ func (c *Connector) connectDevice(path dbus.ObjectPath) error {
 	return nil
 }
 
-// connResult is the outcome of tinygo's Connect.
-type connResult struct {
-	dev bluetooth.Device
-	err error
-}
-
 // abandon cancels a pending connection attempt and cleans up after it once
 // BlueZ answers.
-func (c *Connector) abandon(path dbus.ObjectPath, addr string, done <-chan connResult) {
+func (c *Connector) abandon(path dbus.ObjectPath, addr string, done <-chan error) {
 	c.calls.Add(1)
 	go func() {
 		defer c.calls.Done()
 		defer c.release(addr)
-		c.conn.Object(bluezName, path).Call(ifaceDevice+".Disconnect", 0)
-		if r := <-done; r.err == nil {
-			r.dev.Disconnect()
+		c.disconnect(path, addr)
+		if err := <-done; err == nil {
+			c.disconnect(path, addr)
 		}
 	}()
 }
 
+// disconnect asks BlueZ to end the connection to the device at path,
+// within CallTimeout. BlueZ fails the calls in flight on it. A bluetoothd
+// that does not answer is logged and given up on: the connection ends with
+// its process, or at the device's supervision timeout.
+func (c *Connector) disconnect(path dbus.ObjectPath, addr string) error {
+	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
+	defer cancel()
+	err := c.conn.Object(bluezName, path).CallWithContext(ctx, ifaceDevice+".Disconnect", 0).Err
+	switch {
+	case err == nil, isGone(err):
+		return nil
+	case ctx.Err() != nil:
+		err = c.noAnswer("Device1.Disconnect")
+		if errors.Is(err, ErrNoAnswer) {
+			c.log.Warn("bluez: bluetoothd did not answer; gave up on the call", "call", "Device1.Disconnect", "address", addr,
+				"after", c.opts.CallTimeout, "hint", "bluetoothd may be hung: see systemctl status bluetooth, and restart it")
+		}
+	}
+	return fmt.Errorf("bluez: disconnect %s: %w", addr, err)
+}
+
+// noAnswer is the error of a call BlueZ left unanswered for CallTimeout
+// (bluetoothd is hung), or ErrClosed when the Connector's Close ended it.
+func (c *Connector) noAnswer(call string) error {
+	if c.ctx.Err() != nil {
+		return ErrClosed
+	}
+	return fmt.Errorf("%w: %s not answered within %s", ErrNoAnswer, call, c.opts.CallTimeout)
+}
+
+// getProperty reads one property ("Interface.Name") of BlueZ's object at
+// path within ctx.
+func (c *Connector) getProperty(ctx context.Context, path dbus.ObjectPath, name string) (dbus.Variant, error) {
+	i := strings.LastIndex(name, ".")
+	var v dbus.Variant
+	err := c.conn.Object(bluezName, path).CallWithContext(ctx, ifaceProps+".Get", 0, name[:i], name[i+1:]).Store(&v)
+	return v, err
+}
+
 // setup waits for BlueZ to resolve the services, finds the
-// characteristics, reads the serial number and registers the link.
-func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string, dev bluetooth.Device, watch <-chan struct{}) (*link, error) {
-	obj := c.conn.Object(bluezName, path)
+// characteristics, reads the serial number and registers the link. Every
+// call is bounded by ctx.
+func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string, watch <-chan struct{}) (*link, error) {
 	for {
-		connected, err := obj.GetProperty(ifaceDevice + ".Connected")
+		connected, err := c.getProperty(ctx, path, ifaceDevice+".Connected")
 		if err != nil {
 			return nil, err
 		}
 		if ok, _ := connected.Value().(bool); !ok {
 			return nil, gatt.ErrDisconnected
 		}
-		resolved, err := obj.GetProperty(ifaceDevice + ".ServicesResolved")
+		resolved, err := c.getProperty(ctx, path, ifaceDevice+".ServicesResolved")
 		if err != nil {
 			return nil, err
 		}
@@ -149,39 +168,23 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 		}
 	}
 
-	// Resolved: tinygo's DiscoverServices returns at once.
-	services, err := dev.DiscoverServices(nil)
-	if err != nil {
-		return nil, fmt.Errorf("discover services: %w", err)
-	}
+	lctx, cancel := context.WithCancel(c.ctx)
 	l := &link{
 		c:         c,
 		path:      path,
 		addr:      addr,
-		dev:       dev,
-		chars:     map[string]*bluetooth.DeviceCharacteristic{},
 		charPaths: map[string]dbus.ObjectPath{},
+		ctx:       lctx,
+		cancel:    cancel,
 		done:      make(chan struct{}),
 		subs:      map[dbus.ObjectPath]func([]byte){},
 		notifyOn:  map[string]bool{},
 	}
-	for _, s := range services {
-		chars, err := s.DiscoverCharacteristics(nil)
-		if err != nil {
-			return nil, fmt.Errorf("discover characteristics of %s: %w", s.UUID(), err)
-		}
-		for i := range chars {
-			u := chars[i].UUID().String()
-			if _, dup := l.chars[u]; !dup {
-				l.chars[u] = &chars[i]
-			}
-		}
-	}
-	// The object paths of the characteristics, to route notifications;
-	// tinygo keeps them private. Same choice as tinygo: the first in path
-	// order for each UUID.
+	// The characteristics, from BlueZ's objects under the device: the
+	// first in path order for each UUID.
 	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
-	if err := c.conn.Object(bluezName, "/").Call(ifaceObjMgr+".GetManagedObjects", 0).Store(&objects); err != nil {
+	if err := c.conn.Object(bluezName, "/").CallWithContext(ctx, ifaceObjMgr+".GetManagedObjects", 0).Store(&objects); err != nil {
+		cancel()
 		return nil, err
 	}
 	paths := make([]string, 0, len(objects))
@@ -191,6 +194,7 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 		}
 	}
 	sort.Strings(paths)
+	mtus := map[string]uint16{}
 	for _, p := range paths {
 		props, ok := objects[dbus.ObjectPath(p)][ifaceChar]
 		if !ok {
@@ -198,34 +202,37 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 		}
 		u, _ := props["UUID"].Value().(string)
 		u = strings.ToLower(u)
-		if _, dup := l.charPaths[u]; !dup {
+		if _, dup := l.charPaths[u]; !dup && u != "" {
 			l.charPaths[u] = dbus.ObjectPath(p)
+			mtus[u], _ = props["MTU"].Value().(uint16)
 		}
 	}
 
-	serial, ok := l.chars[gatt.SerialNumberUUID]
-	if !ok {
+	if _, ok := l.charPaths[gatt.SerialNumberUUID]; !ok {
+		cancel()
 		return nil, fmt.Errorf("no DIS serial number characteristic: not a companion device")
 	}
-	buf := make([]byte, 512) // the longest attribute value
-	n, err := serial.Read(buf)
+	serial, err := l.readValue(ctx, gatt.SerialNumberUUID)
 	if err != nil {
+		cancel()
 		return nil, fmt.Errorf("read serial number: %w", err)
 	}
-	l.serial = string(buf[:n])
+	l.serial = string(serial)
 
+	// The MTU BlueZ reports on the characteristics (BlueZ ≥ 5.62).
 	l.mtu.Store(gatt.DefaultMTU)
-	mtuChar := l.chars[gatt.SMPCharUUID]
-	if mtuChar == nil {
-		mtuChar = serial
+	mtu, ok := mtus[gatt.SMPCharUUID]
+	if !ok {
+		mtu = mtus[gatt.SerialNumberUUID]
 	}
-	if mtu, err := mtuChar.GetMTU(); err == nil && mtu >= gatt.DefaultMTU {
+	if mtu >= gatt.DefaultMTU {
 		l.mtu.Store(int64(mtu))
 	}
 
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
+		cancel()
 		return nil, ErrClosed
 	}
 	c.ids[addr] = l.serial
@@ -233,7 +240,7 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 	c.broadcastLocked()
 	c.mu.Unlock()
 	// A drop before the link was registered would be missed.
-	if v, err := obj.GetProperty(ifaceDevice + ".Connected"); err != nil || v.Value() != true {
+	if v, err := c.getProperty(ctx, path, ifaceDevice+".Connected"); err != nil || v.Value() != true {
 		l.lost()
 	}
 	return l, nil
@@ -245,10 +252,10 @@ type link struct {
 	path      dbus.ObjectPath
 	addr      string
 	serial    string
-	dev       bluetooth.Device
-	chars     map[string]*bluetooth.DeviceCharacteristic // by UUID
-	charPaths map[string]dbus.ObjectPath                 // by UUID
+	charPaths map[string]dbus.ObjectPath // by UUID
 	mtu       atomic.Int64
+	ctx       context.Context // of the link's calls: Close cancels it
+	cancel    context.CancelFunc
 	done      chan struct{}
 	lostOnce  sync.Once
 
@@ -276,6 +283,7 @@ func (l *link) lost() {
 		l.down = true
 		l.mu.Unlock()
 		close(l.done)
+		l.cancel() // the calls in flight fail: the connection is gone
 		c := l.c
 		c.mu.Lock()
 		if c.links[l.path] == l {
@@ -298,8 +306,12 @@ func (l *link) notified(path dbus.ObjectPath, value []byte) {
 	}
 }
 
-// Close disconnects and waits for the link's calls in flight. It may be
-// called after Done closed.
+// Close disconnects, ends the link's calls in flight and waits for them.
+// It may be called after Done closed. A bluetoothd that does not answer
+// the disconnect within the Connector's CallTimeout is given up on (and
+// logged): Close returns then all the same, with an error wrapping
+// ErrNoAnswer, so that a hung bluetoothd cannot hold the bridge's
+// shutdown (docs/reliability.md, bug 200).
 func (l *link) Close() error {
 	l.mu.Lock()
 	if l.closed {
@@ -311,22 +323,20 @@ func (l *link) Close() error {
 	l.mu.Unlock()
 	var err error
 	if !wasDown {
-		// tinygo's Disconnect: Device1.Disconnect; BlueZ fails the calls
-		// in flight.
-		if derr := l.dev.Disconnect(); derr != nil && !isGone(derr) {
-			err = fmt.Errorf("bluez: disconnect %s: %w", l.addr, derr)
-		}
+		// BlueZ fails the calls in flight; the notification sessions end
+		// with the connection (BlueZ removes the characteristics'
+		// objects).
+		err = l.c.disconnect(l.path, l.addr)
 	}
-	// The notification sessions end with the connection: BlueZ removes
-	// the characteristics' objects.
+	l.cancel()
 	l.ops.Wait()
 	l.lost()
 	return err
 }
 
-// do runs a blocking tinygo call within ctx. On ctx's expiry it returns;
-// the call ends when BlueZ answers, and Close waits for it.
-func (l *link) do(ctx context.Context, f func() error) error {
+// do runs one D-Bus call of the link within ctx, ending it when the link
+// closes; Close waits for it.
+func (l *link) do(ctx context.Context, f func(context.Context) error) error {
 	l.mu.Lock()
 	if l.closed || l.down {
 		l.mu.Unlock()
@@ -334,32 +344,27 @@ func (l *link) do(ctx context.Context, f func() error) error {
 	}
 	l.ops.Add(1)
 	l.mu.Unlock()
+	defer l.ops.Done()
 	if err := ctx.Err(); err != nil {
-		l.ops.Done()
 		return err
 	}
-	if ctx.Done() == nil {
-		defer l.ops.Done()
-		return l.mapErr(f())
-	}
-	ch := make(chan error, 1)
-	go func() {
-		defer l.ops.Done()
-		ch <- f()
-	}()
-	select {
-	case err := <-ch:
-		return l.mapErr(err)
-	case <-ctx.Done():
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(l.ctx, cancel)()
+	err := f(cctx)
+	switch {
+	case err == nil:
+		return nil
+	case ctx.Err() != nil:
 		return ctx.Err()
+	case l.ctx.Err() != nil:
+		return fmt.Errorf("%w: %v", gatt.ErrDisconnected, err)
 	}
+	return l.mapErr(err)
 }
 
 // mapErr turns the errors of a connection gone into gatt.ErrDisconnected.
 func (l *link) mapErr(err error) error {
-	if err == nil {
-		return nil
-	}
 	select {
 	case <-l.done:
 		return fmt.Errorf("%w: %v", gatt.ErrDisconnected, err)
@@ -367,7 +372,9 @@ func (l *link) mapErr(err error) error {
 	}
 	if isGone(err) {
 		// The signal may not have arrived yet: ask.
-		v, perr := l.c.conn.Object(bluezName, l.path).GetProperty(ifaceDevice + ".Connected")
+		ctx, cancel := context.WithTimeout(l.ctx, l.c.opts.CallTimeout)
+		v, perr := l.c.getProperty(ctx, l.path, ifaceDevice+".Connected")
+		cancel()
 		if perr != nil || v.Value() != true {
 			l.lost()
 			return fmt.Errorf("%w: %v", gatt.ErrDisconnected, err)
@@ -395,25 +402,35 @@ func isGone(err error) bool {
 	return false
 }
 
-func (l *link) char(uuid string) (*bluetooth.DeviceCharacteristic, error) {
-	ch, ok := l.chars[strings.ToLower(uuid)]
+// char is the object path of a characteristic of the device.
+func (l *link) char(uuid string) (dbus.ObjectPath, error) {
+	p, ok := l.charPaths[strings.ToLower(uuid)]
 	if !ok {
-		return nil, fmt.Errorf("bluez: device %s has no characteristic %s", l.serial, uuid)
+		return "", fmt.Errorf("bluez: device %s has no characteristic %s", l.serial, uuid)
 	}
-	return ch, nil
+	return p, nil
 }
 
-// Read reads a characteristic's value.
-func (l *link) Read(ctx context.Context, charUUID string) ([]byte, error) {
-	ch, err := l.char(charUUID)
+// readValue reads a characteristic's value within ctx.
+func (l *link) readValue(ctx context.Context, charUUID string) ([]byte, error) {
+	p, err := l.char(charUUID)
 	if err != nil {
 		return nil, err
 	}
 	var out []byte
-	err = l.do(ctx, func() error {
-		buf := make([]byte, 512)
-		n, err := ch.Read(buf)
-		out = buf[:n]
+	err = l.c.conn.Object(bluezName, p).CallWithContext(ctx, ifaceChar+".ReadValue", 0, map[string]any{}).Store(&out)
+	return out, err
+}
+
+// Read reads a characteristic's value.
+func (l *link) Read(ctx context.Context, charUUID string) ([]byte, error) {
+	if _, err := l.char(charUUID); err != nil {
+		return nil, err
+	}
+	var out []byte
+	err := l.do(ctx, func(ctx context.Context) error {
+		var err error
+		out, err = l.readValue(ctx, charUUID)
 		return err
 	})
 	if err != nil {
@@ -425,21 +442,19 @@ func (l *link) Read(ctx context.Context, charUUID string) ([]byte, error) {
 // Write writes one value of at most MTU-3 bytes: a write request when
 // withResponse, else a write command.
 func (l *link) Write(ctx context.Context, charUUID string, data []byte, withResponse bool) error {
-	ch, err := l.char(charUUID)
+	p, err := l.char(charUUID)
 	if err != nil {
 		return err
 	}
 	if max := l.MTU() - 3; len(data) > max {
 		return fmt.Errorf("bluez: write of %d bytes over MTU %d (at most %d)", len(data), l.MTU(), max)
 	}
-	return l.do(ctx, func() error {
-		var err error
-		if withResponse {
-			_, err = ch.Write(data)
-		} else {
-			_, err = ch.WriteWithoutResponse(data)
-		}
-		return err
+	typ := "command"
+	if withResponse {
+		typ = "request"
+	}
+	return l.do(ctx, func(ctx context.Context) error {
+		return l.c.conn.Object(bluezName, p).CallWithContext(ctx, ifaceChar+".WriteValue", 0, data, map[string]any{"type": typ}).Err
 	})
 }
 
@@ -448,28 +463,21 @@ func (l *link) Write(ctx context.Context, charUUID string, data []byte, withResp
 // same characteristic replaces fn.
 func (l *link) Subscribe(ctx context.Context, charUUID string, fn func([]byte)) error {
 	u := strings.ToLower(charUUID)
-	if _, err := l.char(u); err != nil {
+	path, err := l.char(u)
+	if err != nil {
 		return err
-	}
-	path, ok := l.charPaths[u]
-	if !ok {
-		return fmt.Errorf("bluez: no object path for characteristic %s", u)
 	}
 	l.mu.Lock()
 	l.subs[path] = fn
 	l.mu.Unlock()
-	err := l.do(ctx, func() error {
+	err = l.do(ctx, func(ctx context.Context) error {
 		l.notifyMu.Lock()
 		defer l.notifyMu.Unlock()
 		if l.notifyOn[u] {
 			return nil
 		}
-		// StartNotify on the Connector's own connection, not through
-		// tinygo's EnableNotifications: the values come in order through
-		// the Connector's signals, and tinygo's handler of them indexes
-		// and asserts the body of every PropertiesChanged on the bus
-		// unchecked, so a malformed one would panic the bridge.
-		if err := l.c.conn.Object(bluezName, path).Call(ifaceChar+".StartNotify", 0).Err; err != nil {
+		// The values come in order through the Connector's signals.
+		if err := l.c.conn.Object(bluezName, path).CallWithContext(ctx, ifaceChar+".StartNotify", 0).Err; err != nil {
 			return err
 		}
 		l.notifyOn[u] = true

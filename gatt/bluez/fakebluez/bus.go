@@ -2,8 +2,8 @@
 // dbus-daemon, points DBUS_SYSTEM_BUS_ADDRESS at it and exports org.bluez on
 // it (ObjectManager, Adapter1, Device1, GattService1, GattCharacteristic1),
 // with each device's GATT server played by a gatt.Peripheral. Code that talks
-// to BlueZ over D-Bus, such as package bluez and the tinygo.org/x/bluetooth
-// Linux backend under it, then runs unchanged against it.
+// to BlueZ over D-Bus, such as package bluez, then runs unchanged against
+// it.
 //
 // It answers the calls those clients make, the way BlueZ 5.6x answers them;
 // it is not a Bluetooth stack: there is no pairing, no advertising data but
@@ -12,7 +12,6 @@ package fakebluez
 
 import (
 	"bufio"
-	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -98,15 +97,11 @@ func StartBus(tb testing.TB) string {
 		cmd.Wait()
 		close(exited)
 	}()
-	// Set before the cleanup below is registered, so that it is restored
-	// only after that cleanup ran: waitSharedBusGone must not dial the
-	// host's real system bus.
 	addr := "unix:path=" + sock
 	tb.Setenv("DBUS_SYSTEM_BUS_ADDRESS", addr)
 	tb.Cleanup(func() {
 		cmd.Process.Kill()
 		<-exited
-		waitSharedBusGone()
 	})
 	select {
 	case <-ready:
@@ -116,24 +111,6 @@ func StartBus(tb testing.TB) string {
 		tb.Fatal("fakebluez: dbus-daemon did not start listening")
 	}
 	return addr
-}
-
-// waitSharedBusGone waits until godbus's process-wide shared system bus
-// connection, if one is open to the daemon just killed, has noticed: the
-// next test's dbus.SystemBus() must dial its own daemon, not return the dead
-// connection (tinygo.org/x/bluetooth uses the shared connection).
-func waitSharedBusGone() {
-	c, err := dbus.SystemBus()
-	if err != nil {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	select {
-	case <-c.Context().Done():
-	case <-ctx.Done():
-		c.Close()
-	}
 }
 
 // macPath is the object path BlueZ gives a device of adapter.

@@ -88,7 +88,9 @@ func New(tb testing.TB) *BlueZ {
 		"UUIDs":        {Value: []string{}, Emit: prop.EmitTrue},
 	}}, map[string]any{ifaceAdapter: adapter1{b}})
 	b.mu.Unlock()
-	reply, err := conn.RequestName(busName, dbus.NameFlagDoNotQueue)
+	// AllowReplacement: Stall hands the name to a connection that never
+	// answers, with no moment of the name unowned between.
+	reply, err := conn.RequestName(busName, dbus.NameFlagDoNotQueue|dbus.NameFlagAllowReplacement)
 	if err != nil || reply != dbus.RequestNameReplyPrimaryOwner {
 		tb.Fatalf("fakebluez: own %s: %v %v", busName, reply, err)
 	}
@@ -114,6 +116,38 @@ func (b *BlueZ) Exit() {
 	if _, err := b.conn.ReleaseName(busName); err != nil {
 		b.tb.Errorf("fakebluez: release %s: %v", busName, err)
 	}
+}
+
+// Stall makes org.bluez stop answering, as a bluetoothd that hangs (a
+// deadlock, SIGSTOP, a controller wedged under it) does: the name passes,
+// without a moment unowned, to a connection that takes every method call
+// and answers none, and emits nothing. Clients see no NameOwnerChanged to
+// an empty owner and no error: their calls wait. It lasts until the test
+// ends.
+func (b *BlueZ) Stall() {
+	b.tb.Helper()
+	hold := make(chan struct{})
+	conn, err := dbus.ConnectSystemBus(dbus.WithHandler(stalled{hold}))
+	if err != nil {
+		b.tb.Fatalf("fakebluez: stall: connect: %v", err)
+	}
+	b.tb.Cleanup(func() {
+		close(hold)
+		conn.Close()
+	})
+	reply, err := conn.RequestName(busName, dbus.NameFlagDoNotQueue|dbus.NameFlagReplaceExisting)
+	if err != nil || reply != dbus.RequestNameReplyPrimaryOwner {
+		b.tb.Fatalf("fakebluez: stall: own %s: %v %v", busName, reply, err)
+	}
+}
+
+// stalled is the handler of a stalled org.bluez: every method call waits
+// until hold closes (the test's end), then finds no object.
+type stalled struct{ hold chan struct{} }
+
+func (s stalled) LookupObject(dbus.ObjectPath) (dbus.ServerObject, bool) {
+	<-s.hold
+	return nil, false
 }
 
 // Emit sends a signal from org.bluez with whatever body it is given, as a
