@@ -446,10 +446,10 @@ func (e *storeError) Unwrap() error { return e.err }
 // reason says why, for the command's error, which its user reads: not the
 // file's path on the bridge (the bridge's log has it).
 func (e *storeError) reason() string {
-	switch {
-	case noSpace(e.err):
+	switch diskRefusal(e.err) {
+	case syscall.ENOSPC, syscall.EDQUOT:
 		return "blob download: no space left on the bridge's disk"
-	case errors.Is(e.err, syscall.EFBIG):
+	case syscall.EFBIG:
 		return "blob download: the blob is larger than the bridge may write to its disk (file size limit)"
 	}
 	return "blob download: the bridge could not write the blob to its disk"

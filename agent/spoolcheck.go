@@ -3,8 +3,6 @@ package agent
 import (
 	"errors"
 	"fmt"
-	"strings"
-	"syscall"
 
 	"github.com/devicecompanion/companion/internal/boltcheck"
 )
@@ -68,21 +66,8 @@ func (e *errSpoolNoRoom) Unwrap() error { return e.err }
 // spoolOpenError is the error of an open of the spool at path that failed
 // with err; fresh when the open was making the spool.
 func spoolOpenError(path string, err error, fresh bool) error {
-	if fresh && refusedWrite(err) {
+	if fresh && diskRefusal(err) != 0 {
 		return fmt.Errorf("open spool: %w", &errSpoolNoRoom{path: path, err: err})
 	}
 	return fmt.Errorf("open spool: %s: %w", path, err)
-}
-
-// refusedWrite reports whether err is the disk's refusal of more data: no
-// space, a quota, a file size limit. bbolt passes some of these on as text
-// only ("file resize error: %s", "file sync error: %s"), so their errors'
-// texts are looked for too.
-func refusedWrite(err error) bool {
-	for _, errno := range []syscall.Errno{syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG} {
-		if errors.Is(err, errno) || strings.Contains(err.Error(), errno.Error()) {
-			return true
-		}
-	}
-	return false
 }

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -40,18 +41,27 @@ func (a *Agent) spoolFailed(what string, err error) {
 	if (first || again) && noSpace(err) {
 		a.makeRoom()
 	}
+	// What to do: a file size limit is not relieved by freeing space.
+	todo := "free space under --data"
+	if diskRefusal(err) == syscall.EFBIG {
+		todo = spoolSizeLimit
+	}
 	switch {
 	case first:
 		h.failing.Store(true)
 		h.since, h.logged, h.failed = now, now, 0
-		a.log.Error("the spool cannot be written: commands stay unacknowledged with the broker (it sends them again), and final replies wait to be recorded, until it can; free space under --data",
+		a.log.Error("the spool cannot be written: commands stay unacknowledged with the broker (it sends them again), and final replies wait to be recorded, until it can; "+todo,
 			"spool", a.spoolPath, "write", what, "err", err)
 	case again:
-		a.log.Error("the spool still cannot be written; free space under --data",
+		a.log.Error("the spool still cannot be written; "+todo,
 			"spool", a.spoolPath, "for", now.Sub(h.since).Round(time.Second), "failed_writes", h.failed, "write", what, "err", err)
 		h.logged, h.failed = now, 0
 	}
 }
+
+// spoolSizeLimit is what to do when a file size limit refuses the spool
+// (EFBIG): the disk may have room to spare.
+const spoolSizeLimit = "a file size limit refuses it, not the disk: lift the bridge's (ulimit -f; LimitFSIZE= of its systemd unit, or its container's)"
 
 // spoolWritten notes a write of the spool that succeeded.
 func (a *Agent) spoolWritten() {
@@ -72,11 +82,44 @@ func (a *Agent) spoolWritten() {
 	signal(a.outboxWake)
 }
 
+// diskRefusal is the disk's refusal of more data that err is or tells:
+// ENOSPC (no space), EDQUOT (the user's quota) or EFBIG (a file size
+// limit); 0 for any other error. It is the one test of a full disk for
+// every path that writes the bridge's files: the spool's writes and its
+// first open, and the blob downloads. bbolt passes the errors of its
+// file's growth on as text only (fmt.Errorf with %s: "file resize error",
+// "file sync error"), so for those the errno's text is looked for in
+// theirs; missed, a spool that could not grow on a disk out of space
+// (a file system without sparse files, FAT's) kept the blob cache
+// (docs/reliability.md, bug 201).
+func diskRefusal(err error) syscall.Errno {
+	if err == nil {
+		return 0
+	}
+	refusals := []syscall.Errno{syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG}
+	for _, errno := range refusals {
+		if errors.Is(err, errno) {
+			return errno
+		}
+	}
+	msg := err.Error()
+	if !strings.Contains(msg, "file resize error: ") && !strings.Contains(msg, "file sync error: ") {
+		return 0
+	}
+	for _, errno := range refusals {
+		if strings.Contains(msg, errno.Error()) {
+			return errno
+		}
+	}
+	return 0
+}
+
 // noSpace reports whether err is a file system's "no space" (its blocks or
 // the user's quota), which deleting files relieves; a file size limit
 // (EFBIG) is not.
 func noSpace(err error) bool {
-	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT)
+	r := diskRefusal(err)
+	return r == syscall.ENOSPC || r == syscall.EDQUOT
 }
 
 // makeRoom deletes the blob cache's blobs that no command is using, to
