@@ -499,8 +499,8 @@ func (c *Client) Start(ctx context.Context, op uint8, group uint16, id uint8, re
 		return nil, err
 	}
 	if n := HeaderSize + len(body); n > c.MaxRequest() {
-		return nil, &Error{Group: group, ID: id, RC: RCMsgSize, Bridge: true,
-			Reason: fmt.Sprintf("not sent: the request of %d bytes is longer than the %d the device takes (%s)", n, c.MaxRequest(), requestLimit(c.frag, c.MaxRequest()))}
+		return nil, tooLong(group, id, c.frag, c.MaxRequest(),
+			fmt.Sprintf("not sent: the request of %d bytes is longer than the %d the device takes (%s)", n, c.MaxRequest(), requestLimit(c.frag, c.MaxRequest())))
 	}
 	return c.send(ctx, op, group, id, body)
 }
@@ -512,6 +512,22 @@ func requestLimit(frag, maxReq int) string {
 		return fmt.Sprintf("its SMP buffer, buf_size %d", maxReq)
 	}
 	return fmt.Sprintf("one ATT write at MTU %d; the bridge found no reassembly", frag+3)
+}
+
+// tooLong is the bridge's own refusal of a request of group and id longer
+// than the device takes, maxReq bytes on a link whose writes carry frag.
+// When one write bounds it (the device does not reassemble), it is the
+// link's MTU that refuses it, and another connection may negotiate a
+// larger one: its code is CodeMTUTooSmall, and Device.fitted tries the
+// command once more over a new connection. A device's SMP buffer that
+// bounds it is the same on every connection: invalid_payload, as the
+// device's own rc 7.
+func tooLong(group uint16, id uint8, frag, maxReq int, reason string) *Error {
+	e := &Error{Group: group, ID: id, RC: RCMsgSize, Bridge: true, Reason: reason}
+	if maxReq == frag {
+		e.Code = CodeMTUTooSmall
+	}
+	return e
 }
 
 // send writes a framed request of any length, split into writes.

@@ -405,6 +405,37 @@ func (d *Device) retryAdvancing(ctx context.Context, fn func(*session) error, do
 	}
 }
 
+// fitted runs a command's work, run, and once more over a new connection
+// when a request of it did not fit one ATT write at the link's MTU on a
+// device that does not reassemble (CodeMTUTooSmall). That request was not
+// sent, and what ran before it bears repeating, as after a dropped link;
+// the MTU is negotiated anew on each connection, and the client sizes its
+// writes to the one its link had when it was made. Before, the command
+// failed invalid_payload at once, as if its payload were wrong, and so did
+// every one after it for as long as that link lasted (docs/reliability.md,
+// bug 202).
+func (d *Device) fitted(ctx context.Context, run func() error) error {
+	err := run()
+	if !tooSmallMTU(err) || ctx.Err() != nil {
+		return err
+	}
+	d.log.Info("a request does not fit one write at the link's MTU, and the device does not reassemble; trying once more over a new connection", "err", err)
+	if s, _ := d.current(); s != nil {
+		s.client.Close() // the next session() connects anew
+	}
+	if err := run(); !tooSmallMTU(err) {
+		return err
+	}
+	return fmt.Errorf("%w, and over a new connection too", err)
+}
+
+// tooSmallMTU reports whether err is the bridge's refusal of a request one
+// write at the link's MTU does not hold (CodeMTUTooSmall).
+func tooSmallMTU(err error) bool {
+	var e *Error
+	return errors.As(err, &e) && e.Code == CodeMTUTooSmall
+}
+
 // pauseBusy waits before a request the device answered e, busy or without
 // a buffer for the answer (it did not run it), is asked again; for the
 // latter, the link's window loses a place (Client.Narrow).
@@ -735,6 +766,11 @@ func DecodeSetting(spec topics.SettingSpec, b []byte) (any, error) {
 // texts of 4096 bytes and titles of 128, and Zephyr's buffers
 // are 384 bytes unless the firmware makes them larger.
 func (d *Device) PushText(ctx context.Context, cmdID, title, text string) error {
+	return d.fitted(ctx, func() error { return d.pushText(ctx, cmdID, title, text) })
+}
+
+// pushText is PushText, once.
+func (d *Device) pushText(ctx context.Context, cmdID, title, text string) error {
 	err := d.do(ctx, OpWrite, GroupText, CmdTextPush, TextRequest{CmdID: cmdID, Title: title, Text: text}, nil)
 	if e := (*Error)(nil); !errors.As(err, &e) || e.RC != RCMsgSize {
 		return err
@@ -750,12 +786,22 @@ func (d *Device) PushText(ctx context.Context, cmdID, title, text string) error 
 
 // PushImage uploads a picture to show (group 65).
 func (d *Device) PushImage(ctx context.Context, cmdID, contentType string, data []byte) error {
+	return d.fitted(ctx, func() error { return d.pushImage(ctx, cmdID, contentType, data) })
+}
+
+// pushImage is PushImage, once.
+func (d *Device) pushImage(ctx context.Context, cmdID, contentType string, data []byte) error {
 	return d.upload(ctx, Upload{Group: GroupPush, ID: CmdPushUpload,
 		First: UploadRequest{CmdID: cmdID, ContentType: contentType}, Data: data})
 }
 
 // InstallApp uploads an app package, installing or updating it (group 66).
 func (d *Device) InstallApp(ctx context.Context, cmdID, appID, version string, pkg []byte) error {
+	return d.fitted(ctx, func() error { return d.installApp(ctx, cmdID, appID, version, pkg) })
+}
+
+// installApp is InstallApp, once.
+func (d *Device) installApp(ctx context.Context, cmdID, appID, version string, pkg []byte) error {
 	return d.upload(ctx, Upload{Group: GroupApps, ID: CmdAppsInstall,
 		First: UploadRequest{CmdID: cmdID, AppID: appID, Version: version}, Data: pkg})
 }
@@ -763,6 +809,11 @@ func (d *Device) InstallApp(ctx context.Context, cmdID, appID, version string, p
 // UninstallApp removes an app (group 66); the device answers RCNotFound
 // for one that is not installed.
 func (d *Device) UninstallApp(ctx context.Context, cmdID, appID string) error {
+	return d.fitted(ctx, func() error { return d.uninstallApp(ctx, cmdID, appID) })
+}
+
+// uninstallApp is UninstallApp, once.
+func (d *Device) uninstallApp(ctx context.Context, cmdID, appID string) error {
 	return d.do(ctx, OpWrite, GroupApps, CmdAppsUninstall, UninstallRequest{CmdID: cmdID, AppID: appID}, nil)
 }
 
@@ -778,6 +829,11 @@ func (d *Device) UninstallApp(ctx context.Context, cmdID, appID string) error {
 // read), 4 bytes when that is not an int's: a handler of an int64_t
 // refuses 4 bytes, and an 8-byte value past 2^53 goes exactly.
 func (d *Device) UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error {
+	return d.fitted(ctx, func() error { return d.updateSettings(ctx, cmdID, values) })
+}
+
+// updateSettings is UpdateSettings, once.
+func (d *Device) updateSettings(ctx context.Context, cmdID string, values map[string]any) error {
 	names := sortedKeys(values)
 	reads := make([]exchange, len(names))
 	before := make([]SettingReadResponse, len(names))
@@ -855,6 +911,11 @@ func (d *Device) putBackSettings(ctx context.Context, names []string, before []S
 // is uploaded without its padding: its trailer would ask MCUboot for a
 // swap before the image is marked, for good with image_ok set.
 func (d *Device) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
+	return d.fitted(ctx, func() error { return d.updateFirmware(ctx, cmdID, version, image, progress) })
+}
+
+// updateFirmware is UpdateFirmware, once.
+func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
 	img, err := mcuboot.Parse(image)
 	if err != nil {
 		return &Error{Group: GroupImage, ID: CmdImageUpload, RC: RCInvalid, Bridge: true, Reason: "the firmware is not an MCUboot image: " + err.Error()}

@@ -16,8 +16,8 @@ import (
 // and the bridge sends none that does not: the MTU each operation needs
 // then, with command ids as long as the agent's (UUIDs), is the table of
 // docs/gatt.md ("Requests and writes"). One below it the operation fails
-// invalid_payload, by the bridge's own size check, which says so, and
-// names the request's size and the limit.
+// mtu_too_small (bug 202), by the bridge's own size check, which says so,
+// and names the request's size and the limit.
 func TestWithoutReassemblyTheMTUBoundsEveryRequest(t *testing.T) {
 	const big = 70_000 // len and off past 65535 take their longest CBOR form
 	cid := func(n int) string { return "0190a000-0000-7000-8000-" + strings.Repeat("0", 11) + itoa(n%10) }
@@ -71,9 +71,9 @@ func TestWithoutReassemblyTheMTUBoundsEveryRequest(t *testing.T) {
 					}
 					continue
 				}
-				if code := errorCode(err); code != gatt.CodeInvalidPayload || !strings.Contains(err.Error(), "the bridge's own check") ||
+				if code := errorCode(err); code != gatt.CodeMTUTooSmall || !strings.Contains(err.Error(), "the bridge's own check") ||
 					!strings.Contains(err.Error(), "not sent") || !strings.Contains(err.Error(), "at MTU "+itoa(mtu)) {
-					t.Errorf("at MTU %d: %v (code %q); want invalid_payload by the bridge's own size check", mtu, err, code)
+					t.Errorf("at MTU %d: %v (code %q); want mtu_too_small by the bridge's own size check", mtu, err, code)
 				}
 			}
 		})
@@ -119,18 +119,20 @@ func TestRequestTooLongForOneWriteSaysItIsTheBridgesCheck(t *testing.T) {
 	defer cancel()
 	err := d.UninstallApp(ctx, "0190a000-0000-7000-8000-000000000001", "weather")
 	const want = "gatt: the bridge's own check (no answer of the device) on group 66 command 2: " +
-		"not sent: the request of 66 bytes is longer than the 20 the device takes (one ATT write at MTU 23; the bridge found no reassembly)"
+		"not sent: the request of 66 bytes is longer than the 20 the device takes (one ATT write at MTU 23; the bridge found no reassembly), " +
+		"and over a new connection too"
 	if err == nil || err.Error() != want {
 		t.Errorf("UninstallApp = %v;\nwant %s", err, want)
 	}
 	err = d.PushText(ctx, "0190a000-0000-7000-8000-000000000002", "", "hi")
 	const wantText = "gatt: the bridge's own check (no answer of the device) on group 64 command 1: " +
-		"not sent: an upload request takes 64 bytes besides its data, and the device takes 20 at most (one ATT write at MTU 23; the bridge found no reassembly)"
+		"not sent: an upload request takes 64 bytes besides its data, and the device takes 20 at most (one ATT write at MTU 23; the bridge found no reassembly), " +
+		"and over a new connection too"
 	if err == nil || !strings.HasSuffix(err.Error(), wantText) {
 		t.Errorf("PushText = %v;\nwant it to end %s", err, wantText)
 	}
-	if code := errorCode(err); code != gatt.CodeInvalidPayload {
-		t.Errorf("PushText: code %q; want %s", code, gatt.CodeInvalidPayload)
+	if code := errorCode(err); code != gatt.CodeMTUTooSmall {
+		t.Errorf("PushText: code %q; want %s", code, gatt.CodeMTUTooSmall)
 	}
 	if n := p.Dropped(); n != 0 {
 		t.Errorf("the device dropped %d writes: a request too long was sent", n)
@@ -143,6 +145,75 @@ func TestRequestTooLongForOneWriteSaysItIsTheBridgesCheck(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "not sent: the request of 66 bytes is longer than the 64 the device takes (its SMP buffer, buf_size 64)") {
 		t.Errorf("UninstallApp with buffers of 64 = %v", err)
 	}
+	if code := errorCode(err); code != gatt.CodeInvalidPayload {
+		t.Errorf("UninstallApp with buffers of 64: code %q; want %s (the device's buffer, not the link)", code, gatt.CodeInvalidPayload)
+	}
+}
+
+// Without reassembly, a request one write at the link's MTU does not hold
+// is tried once more over a new connection, which may negotiate a larger
+// MTU: the command then runs, once. When the new connection's MTU is as
+// small, the command fails mtu_too_small, after that one more connection
+// and no other: the link, not the payload, is too small. A request longer
+// than the device's SMP buffer is invalid_payload at once, whatever the
+// link. Before, every such command failed invalid_payload at once, and the
+// link was kept, so every later one did too (docs/reliability.md, bug 202).
+func TestAnMTUTooSmallIsTriedOnceOverANewConnection(t *testing.T) {
+	const cid = "0190a000-0000-7000-8000-000000000001"
+	t.Run("a larger MTU next", func(t *testing.T) {
+		opts := fastLink
+		opts.MTU, opts.MTUs = 247, []int{23}
+		d, s, n, p := newSimPeripheral(t, opts, sim.PeripheralOptions{NoReassembly: true}, gatt.DeviceOptions{})
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := d.PushText(ctx, cid, "", "hi"); err != nil {
+			t.Fatalf("PushText over MTU 23, then 247: %v", err)
+		}
+		if got := s.Texts(); len(got) != 1 || got[0].Text != "hi" || s.Executions(cid) != 1 {
+			t.Errorf("the device shows %v, ran the command %d times; want hi, once", got, s.Executions(cid))
+		}
+		if c := n.Connects(); c != 2 {
+			t.Errorf("%d connections; want 2", c)
+		}
+		if d := p.Dropped(); d != 0 {
+			t.Errorf("the device dropped %d writes", d)
+		}
+	})
+	t.Run("as small again", func(t *testing.T) {
+		opts := fastLink
+		opts.MTU = 23
+		d, s, n, _ := newSimPeripheral(t, opts, sim.PeripheralOptions{NoReassembly: true}, gatt.DeviceOptions{})
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		err := d.UninstallApp(ctx, cid, "weather")
+		if code := errorCode(err); code != gatt.CodeMTUTooSmall || !strings.HasSuffix(err.Error(), "and over a new connection too") {
+			t.Errorf("UninstallApp at MTU 23 = %v (code %q); want mtu_too_small, over a new connection too", err, code)
+		}
+		if c := n.Connects(); c != 2 {
+			t.Errorf("%d connections; want 2: one more, no other", c)
+		}
+		if s.Executions(cid) != 0 {
+			t.Errorf("the device ran the command")
+		}
+		// Reads that fit go on over the link.
+		if _, err := d.Info(ctx); err != nil {
+			t.Errorf("Info after: %v", err)
+		}
+	})
+	t.Run("the device's buffer", func(t *testing.T) {
+		opts := fastLink
+		opts.MTU = 247
+		d, _, n, _ := newSimPeripheral(t, opts, sim.PeripheralOptions{BufSize: 64, NoReassembly: true}, gatt.DeviceOptions{})
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		err := d.UninstallApp(ctx, cid, "weather")
+		if code := errorCode(err); code != gatt.CodeInvalidPayload {
+			t.Errorf("UninstallApp with buffers of 64 = %v (code %q); want invalid_payload", err, code)
+		}
+		if c := n.Connects(); c != 1 {
+			t.Errorf("%d connections; want 1", c)
+		}
+	})
 }
 
 // A device whose SMP buffers are shorter than a write at its MTU (MTU 498,

@@ -72,6 +72,11 @@ const (
 	// image (MCUboot refused the new one, or reverted it when it was not
 	// confirmed).
 	CodeFirmwareReverted = "firmware_reverted"
+	// CodeMTUTooSmall: a request did not fit one ATT write at the link's
+	// MTU, on a device that does not reassemble SMP requests, over this
+	// connection and a new one. The link is too small for it, not the
+	// payload wrong: a larger MTU, or reassembly, takes it.
+	CodeMTUTooSmall = "mtu_too_small"
 )
 
 // Error is a response with a non-zero rc, or (SMP version 2) a group's

@@ -98,9 +98,9 @@ func (t *Transfer) ChunkSize(frag, maxReq int, open bool) (int, error) {
 	}
 	n := chunkLimit(frag, maxReq) - overhead
 	if n < 1 {
-		return 0, &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize, Bridge: true,
-			Reason: fmt.Sprintf("not sent: an upload request takes %d bytes besides its data, and the device takes %d at most (%s)",
-				overhead, chunkLimit(frag, maxReq), requestLimit(frag, maxReq))}
+		return 0, tooLong(t.u.Group, t.u.ID, frag, maxReq,
+			fmt.Sprintf("not sent: an upload request takes %d bytes besides its data, and the device takes %d at most (%s)",
+				overhead, chunkLimit(frag, maxReq), requestLimit(frag, maxReq)))
 	}
 	return n, nil
 }
@@ -178,9 +178,9 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted boo
 			return err
 		}
 		if n < mcuboot.HeaderSize && t.total >= mcuboot.HeaderSize {
-			return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCMsgSize, Bridge: true,
-				Reason: fmt.Sprintf("not sent: the request at off 0 takes %d bytes besides its data, and its data must hold the %d-byte image header; the device takes %d at most (%s)",
-					chunkLimit(c.Frag(), c.MaxRequest())-n, mcuboot.HeaderSize, chunkLimit(c.Frag(), c.MaxRequest()), requestLimit(c.Frag(), c.MaxRequest()))}
+			return tooLong(t.u.Group, t.u.ID, c.Frag(), c.MaxRequest(),
+				fmt.Sprintf("not sent: the request at off 0 takes %d bytes besides its data, and its data must hold the %d-byte image header; the device takes %d at most (%s)",
+					chunkLimit(c.Frag(), c.MaxRequest())-n, mcuboot.HeaderSize, chunkLimit(c.Frag(), c.MaxRequest()), requestLimit(c.Frag(), c.MaxRequest())))
 		}
 		if t.attempts.Load() > 1 || restarted {
 			// Resuming, most likely: the device keeps what it holds and

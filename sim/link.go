@@ -46,6 +46,10 @@ type LinkOptions struct {
 	Latency      time.Duration // one-way delay after a PDU's air time; default DefaultLatency; negative for none
 	DropEvery    time.Duration // each link drops this long after it connected; 0 never
 	ConnectDelay time.Duration // time to connect; default DefaultConnectDelay; negative for none
+	// MTUs, when set, are the ATT MTUs of the first links, in the order
+	// they are made; later ones have MTU. A central and a device may
+	// negotiate another MTU on another connection.
+	MTUs []int
 }
 
 // Network is the simulated radio: a gatt.Connector that joins the bridge to
@@ -62,6 +66,7 @@ type Network struct {
 	closed      bool
 
 	connects, drops atomic.Int64
+	made            atomic.Int64 // links made, for MTUs
 }
 
 // NewNetwork returns an empty network.
@@ -220,7 +225,11 @@ type Link struct {
 }
 
 func newLink(n *Network, id string, p gatt.Peripheral) *Link {
-	l := &Link{n: n, id: id, p: p, mtu: n.opts.MTU, subs: map[string]func([]byte){},
+	mtu := n.opts.MTU
+	if i := n.made.Add(1) - 1; i < int64(len(n.opts.MTUs)) {
+		mtu = max(n.opts.MTUs[i], gatt.DefaultMTU)
+	}
+	l := &Link{n: n, id: id, p: p, mtu: mtu, subs: map[string]func([]byte){},
 		done: make(chan struct{}), torn: make(chan struct{})}
 	l.idle = sync.NewCond(&l.runMu)
 	rate := n.Capacity()
