@@ -202,7 +202,12 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 	}
 	defer func() { <-d.connecting }()
 	bo := retry.Backoff(d.opts.MinBackoff, d.opts.MaxBackoff)
-	for {
+	// silent is how long the device, connected, left its first request of
+	// each connection unanswered, in all; a device that stays wedged ends
+	// the caller's wait at a request timeout, as on a live link, not at
+	// ctx's end (docs/reliability.md, bug 203).
+	var silent time.Duration
+	for attempts := 1; ; attempts++ {
 		if s, err := d.current(); s != nil || err != nil {
 			return s, err
 		}
@@ -220,6 +225,14 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 		}
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("gatt: connect to %s: %w", d.opts.ID, err)
+		}
+		var se *silentError
+		if errors.As(err, &se) {
+			silent += se.waited
+			if silent >= d.opts.RequestTimeout {
+				return nil, fmt.Errorf("gatt: connect to %s: the device takes the link but has left its requests unanswered for %s over %d connections, and is presumed wedged (%v): %w",
+					d.opts.ID, silent.Round(time.Millisecond), attempts, err, ErrTimeout)
+			}
 		}
 		wait := bo.NextBackOff()
 		d.log.Debug("connection attempt failed", "err", err, "retry_in", wait)
@@ -277,6 +290,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		c.Close()
 		return nil, fmt.Errorf("the device reports serial number %q, not %q", serial, d.opts.ID)
 	}
+	asked := time.Now()
 	p, err := c.Params(cctx)
 	var e *Error
 	switch {
@@ -285,7 +299,16 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		// one request in flight.
 		p = ParamsResponse{}
 	case err != nil:
+		up := ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded)
+		select {
+		case <-link.Done():
+			up = false
+		default:
+		}
 		c.Close()
+		if up {
+			return nil, &silentError{waited: time.Since(asked), err: err}
+		}
 		return nil, fmt.Errorf("MCUmgr parameters: %w", err)
 	}
 	s := &session{client: c, bufSize: p.BufSize, bufCount: p.BufCount}
@@ -319,6 +342,21 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount, "reassembles", s.reassembles, "window", d.window(s))
 	return s, nil
 }
+
+// silentError is a connection attempt on which the device took the link
+// but left the first request, its MCUmgr parameters, unanswered for
+// waited, until the request or the attempt timed out: a wedged MCUmgr,
+// whatever the link.
+type silentError struct {
+	waited time.Duration
+	err    error
+}
+
+func (e *silentError) Error() string {
+	return fmt.Sprintf("MCUmgr parameters: no answer in %s: %v", e.waited.Round(time.Millisecond), e.err)
+}
+
+func (e *silentError) Unwrap() error { return e.err }
 
 // window is the most requests in flight on s, of all callers together.
 func (d *Device) window(s *session) int {
