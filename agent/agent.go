@@ -299,7 +299,7 @@ func New(opts Options) (*Agent, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
-	a.client = mqtt.NewClient(pahoconn.ReportFailures(pahoconn.Buffered(co), a.log))
+	a.client = mqtt.NewClient(pahoconn.ReportFailures(pahoconn.Buffered(co), a.log, refusedLogin))
 	return a, nil
 }
 
@@ -432,6 +432,13 @@ func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 	signal(a.subWake) // stop asking for refused filters on the lost connection
 	a.log.Warn("MQTT connection lost", "err", err)
 }
+
+// refusedLogin is what to do when the broker refuses the bridge's login,
+// which the bridge retries in vain: its id and secret are not a bridge the
+// server knows (docs/reliability.md, bug 204).
+const refusedLogin = "the broker refuses the bridge's id and secret: --bridge-secret is not the secret of --bridge-id, " +
+	"or the bridge was deleted on the server; give the secret companion bridge create printed, " +
+	"or create the bridge again (companion bridge create ID, or POST /api/v1/bridges) and give its new secret"
 
 // settleTime is how long the intake gathers the messages that arrive first
 // on a connection before it takes them in. Those are the backlog of the

@@ -351,7 +351,8 @@ func New(opts Options) (*Broker, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
-	pahoconn.ReportFailures(pahoconn.Buffered(co), b.log)
+	pahoconn.ReportFailures(pahoconn.Buffered(co), b.log,
+		"the broker refuses the server's login: give --mqtt-username and --mqtt-password of an account the broker holds (docs/mosquitto.md)")
 	newClient := opts.NewClient
 	if newClient == nil {
 		newClient = mqtt.NewClient

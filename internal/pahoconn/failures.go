@@ -1,6 +1,7 @@
 package pahoconn
 
 import (
+	"errors"
 	"log/slog"
 	"net/url"
 	"sync"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/eclipse/paho.mqtt.golang/packets"
 )
 
 // failureRepeat is how often the same connect failure is logged again
@@ -22,9 +24,11 @@ const failureRepeat = time.Minute
 // again is logged once a minute at most, with the attempts since, and a
 // connection ends the run. With several brokers (a cluster's nodes, which
 // the client fails over between), each connection made is logged with
-// the node it is to: the client's own log names only the list. It returns
-// o.
-func ReportFailures(o *mqtt.ClientOptions, log *slog.Logger) *mqtt.ClientOptions {
+// the node it is to: the client's own log names only the list. When the
+// broker refuses the login (CONNACK 4, bad user name or password, or 5,
+// not authorized), which retrying does not mend, the warning carries
+// refused as its hint: what the operator is to do. It returns o.
+func ReportFailures(o *mqtt.ClientOptions, log *slog.Logger, refused string) *mqtt.ClientOptions {
 	var (
 		r       failureLog
 		tried   atomic.Pointer[url.URL] // the broker of the attempt under way
@@ -40,7 +44,11 @@ func ReportFailures(o *mqtt.ClientOptions, log *slog.Logger) *mqtt.ClientOptions
 				log.Info("MQTT connected to a broker of the list", "broker", u.Redacted())
 			}
 		case mqtt.ConnectionNotificationFailed:
-			r.failed(log, n.Reason, time.Now())
+			hint := ""
+			if errors.Is(n.Reason, packets.ErrorRefusedBadUsernameOrPassword) || errors.Is(n.Reason, packets.ErrorRefusedNotAuthorised) {
+				hint = refused
+			}
+			r.failed(log, n.Reason, hint, time.Now())
 		}
 	})
 }
@@ -59,7 +67,7 @@ func (r *failureLog) connected() {
 	r.reason, r.attempts = "", 0
 }
 
-func (r *failureLog) failed(log *slog.Logger, err error, now time.Time) {
+func (r *failureLog) failed(log *slog.Logger, err error, hint string, now time.Time) {
 	reason := "unknown"
 	if err != nil {
 		reason = err.Error()
@@ -70,6 +78,10 @@ func (r *failureLog) failed(log *slog.Logger, err error, now time.Time) {
 	if reason == r.reason && now.Sub(r.loggedAt) < failureRepeat {
 		return
 	}
-	log.Warn("MQTT connect failed; retrying", "err", reason, "attempts", r.attempts)
+	if hint != "" {
+		log.Warn("MQTT connect failed; retrying", "err", reason, "attempts", r.attempts, "hint", hint)
+	} else {
+		log.Warn("MQTT connect failed; retrying", "err", reason, "attempts", r.attempts)
+	}
 	r.reason, r.loggedAt, r.attempts = reason, now, 0
 }

@@ -42,7 +42,7 @@ func TestReportFailuresLogsARefusal(t *testing.T) {
 	var out testenv.Buffer
 	o := mqtt.NewClientOptions().AddBroker(url).SetClientID("c").SetUsername("u").SetPassword("wrong").
 		SetConnectRetry(true).SetConnectRetryInterval(10 * time.Millisecond)
-	c := mqtt.NewClient(ReportFailures(o, slog.New(slog.NewTextHandler(&out, nil))))
+	c := mqtt.NewClient(ReportFailures(o, slog.New(slog.NewTextHandler(&out, nil)), "check the password"))
 	c.Connect()
 	testenv.Eventually(t, 20*time.Second, "five refused logins", func() bool { return logins.Load() >= 5 })
 	c.Disconnect(0)
@@ -51,7 +51,7 @@ func TestReportFailuresLogsARefusal(t *testing.T) {
 	if len(lines) != 1 {
 		t.Fatalf("logged %d lines for %d refused logins, want 1:\n%s", len(lines), logins.Load(), strings.Join(lines, "\n"))
 	}
-	for _, want := range []string{"level=WARN", "MQTT connect failed", "attempts=1", "err="} {
+	for _, want := range []string{"level=WARN", "MQTT connect failed", "attempts=1", "err=", `hint="check the password"`} {
 		if !strings.Contains(lines[0], want) {
 			t.Errorf("log line %q lacks %q", lines[0], want)
 		}
@@ -74,13 +74,13 @@ func TestFailureLogRepeats(t *testing.T) {
 	var r failureLog
 	t0 := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
 	refused, down := errString("not Authorized"), errString("connection refused")
-	r.failed(log, refused, t0)
-	r.failed(log, refused, t0.Add(time.Second))
-	r.failed(log, refused, t0.Add(30*time.Second))
-	r.failed(log, refused, t0.Add(61*time.Second)) // a minute on: again, with the two since
-	r.failed(log, down, t0.Add(62*time.Second))    // another reason
+	r.failed(log, refused, "", t0)
+	r.failed(log, refused, "", t0.Add(time.Second))
+	r.failed(log, refused, "", t0.Add(30*time.Second))
+	r.failed(log, refused, "", t0.Add(61*time.Second)) // a minute on: again, with the two since
+	r.failed(log, down, "", t0.Add(62*time.Second))    // another reason
 	r.connected()
-	r.failed(log, down, t0.Add(63*time.Second)) // a new run
+	r.failed(log, down, "", t0.Add(63*time.Second)) // a new run
 	want := []string{
 		`level=WARN msg="MQTT connect failed; retrying" err="not Authorized" attempts=1`,
 		`level=WARN msg="MQTT connect failed; retrying" err="not Authorized" attempts=3`,
@@ -105,7 +105,7 @@ func TestReportFailuresNamesTheBrokerOfAList(t *testing.T) {
 	var out testenv.Buffer
 	o := mqtt.NewClientOptions().AddBroker(dead).AddBroker(up).SetClientID("c").
 		SetConnectRetry(true).SetConnectRetryInterval(10 * time.Millisecond)
-	c := mqtt.NewClient(ReportFailures(o, slog.New(slog.NewTextHandler(&out, nil))))
+	c := mqtt.NewClient(ReportFailures(o, slog.New(slog.NewTextHandler(&out, nil)), "check the password"))
 	if tok := c.Connect(); !tok.WaitTimeout(20*time.Second) || tok.Error() != nil {
 		t.Fatalf("connect: %v", tok.Error())
 	}
