@@ -435,7 +435,7 @@ func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 
 // refusedLogin is what to do when the broker refuses the bridge's login,
 // which the bridge retries in vain: its id and secret are not a bridge the
-// server knows (docs/reliability.md, bug 204).
+// server knows (docs/reliability.md, bug 198).
 const refusedLogin = "the broker refuses the bridge's id and secret: --bridge-secret is not the secret of --bridge-id, " +
 	"or the bridge was deleted on the server; give the secret companion bridge create printed, " +
 	"or create the bridge again (companion bridge create ID, or POST /api/v1/bridges) and give its new secret"
@@ -526,7 +526,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 		// messages on the embedded broker). A repeat is acknowledged
 		// and dropped: the message it repeats is still unacknowledged,
 		// so the broker sends that one again if the bridge stops before
-		// the spool takes it (docs/reliability.md, bug 178).
+		// the spool takes it (docs/reliability.md, bug 177).
 		if held == nil {
 			held = make(map[cmdKey]bool, len(cmds))
 			kept := items[:0]

@@ -213,7 +213,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 				// go, as they do for the spool (makeRoom), and the
 				// download starts once more from zero; not again, and
 				// not counted as one of the network's attempts
-				// (docs/reliability.md, bug 176).
+				// (docs/reliability.md, bug 175).
 				madeRoom = true
 				if n, freed := b.trimTo(ref.SHA256, 0); n > 0 {
 					b.log.Warn("deleted cached blobs to give a download room; downloading it again", "sha256", ref.SHA256, "count", n, "bytes", freed, "dir", b.dir)

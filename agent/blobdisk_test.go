@@ -105,7 +105,7 @@ var blobDiskData = bytes.Repeat([]byte("a blob a full disk cannot take. "), 300<
 // more than the disk, fails download_failed after the same second
 // request, not a third. Neither leaves its partial file, and the blob in
 // use stays. Before, the download failed at the first ENOSPC and the
-// cache kept its idle blobs (docs/reliability.md, bug 176).
+// cache kept its idle blobs (docs/reliability.md, bug 175).
 func TestBlobDownloadMakesRoom(t *testing.T) {
 	if dir := os.Getenv("AGENT_BLOB_ROOM_DIR"); dir != "" {
 		blobRoomChild(t, dir, os.Getenv("AGENT_BLOB_ROOM_URL"))

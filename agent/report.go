@@ -62,7 +62,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 	}
 	// kept is what the spool has, once its write has succeeded: a write
 	// that failed (a full disk) is tried again at the next pass, not only
-	// when the status changes again (docs/reliability.md, bug 175).
+	// when the status changes again (docs/reliability.md, bug 174).
 	kept := last
 	var keeping *topics.Status // being written; one write at a time
 	keptErr := make(chan error, 1)

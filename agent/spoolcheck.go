@@ -51,7 +51,7 @@ const spoolNoRoom = "the bridge cannot make its spool (a first start) for want o
 // errSpoolNoRoom is the error of a spool a first start could not make for
 // want of space. Before, the bridge exited with no more than bbolt's
 // "file resize error: truncate …: file too large" (docs/reliability.md,
-// bug 177).
+// bug 176).
 type errSpoolNoRoom struct {
 	path string
 	err  error

@@ -228,7 +228,7 @@ func TestSpoolWholeOpens(t *testing.T) {
 
 // TestSpoolFirstOpenOnAFullDisk starts a spool in a process that cannot
 // write a file past 8 KiB (RLIMIT_FSIZE: a full disk, as bbolt meets it).
-// It fails, saying to free space under --data (bug 177), and leaves no
+// It fails, saying to free space under --data (bug 176), and leaves no
 // file behind: left half written, the next start, with the space back,
 // took it for a damaged spool (bug 163).
 func TestSpoolFirstOpenOnAFullDisk(t *testing.T) {
@@ -256,7 +256,7 @@ func TestSpoolFirstOpenOnAFullDisk(t *testing.T) {
 		t.Fatalf("the child did not fail to open its spool:\n%s", out)
 	}
 	if !bytes.Contains(out, []byte("free space under --data")) {
-		t.Errorf("the error of a spool a full disk could not make does not say to free space under --data (bug 177):\n%s", out)
+		t.Errorf("the error of a spool a full disk could not make does not say to free space under --data (bug 176):\n%s", out)
 	}
 	if _, err := os.Lstat(filepath.Join(dir, "spool.db")); !os.IsNotExist(err) {
 		t.Errorf("a spool that could not be made was left behind (%v)", err)

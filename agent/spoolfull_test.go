@@ -184,7 +184,7 @@ func waitLog(t *testing.T, logs *testenv.Buffer, what string) {
 // the status for kept as it asked for the write, so the one whose write
 // failed was never written until the status changed again: after a
 // restart the bridge reported the device with what it was before the disk
-// filled (docs/reliability.md, bug 175).
+// filled (docs/reliability.md, bug 174).
 func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -225,7 +225,7 @@ func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
 // each. Before, the bridge held every message it was sent until the spool
 // took them, its memory growing by every repeat for as long as the disk
 // stayed full (up to 65,535 messages on the embedded broker), and the
-// broker's in-flight window with it (docs/reliability.md, bug 178).
+// broker's in-flight window with it (docs/reliability.md, bug 177).
 func TestRepeatsHeldOnceWhileTheSpoolFails(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

@@ -91,7 +91,7 @@ func (a *Agent) spoolWritten() {
 // "file sync error"), so for those the errno's text is looked for in
 // theirs; missed, a spool that could not grow on a disk out of space
 // (a file system without sparse files, FAT's) kept the blob cache
-// (docs/reliability.md, bug 201).
+// (docs/reliability.md, bug 195).
 func diskRefusal(err error) syscall.Errno {
 	if err == nil {
 		return 0

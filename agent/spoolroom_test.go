@@ -24,7 +24,7 @@ import (
 // its up to 512 MiB while the spool refused every command
 // (docs/reliability.md, bug 166). bbolt's error of a growth of the spool
 // the disk refused tells the errno in its text only: it counts the same
-// (bug 201); another error that merely reads so does not.
+// (bug 195); another error that merely reads so does not.
 func TestSpoolOutOfSpaceEmptiesTheBlobCache(t *testing.T) {
 	// bbolt's errors of its file's growth, which carry the errno as text
 	// only (fmt.Errorf with %s).
@@ -38,7 +38,7 @@ func TestSpoolOutOfSpaceEmptiesTheBlobCache(t *testing.T) {
 		{&os.PathError{Op: "write", Path: "spool.db", Err: syscall.ENOSPC}, []string{"inuse", "new.part"}},
 		{&os.PathError{Op: "write", Path: "spool.db", Err: syscall.EDQUOT}, []string{"inuse", "new.part"}},
 		{&os.PathError{Op: "write", Path: "spool.db", Err: syscall.EFBIG}, []string{"inuse", "new.part", "old1", "old2"}},
-		// bug 201
+		// bug 195
 		{grown("file resize", "truncate", syscall.ENOSPC), []string{"inuse", "new.part"}},
 		{grown("file sync", "sync", syscall.EDQUOT), []string{"inuse", "new.part"}},
 		{grown("file resize", "truncate", syscall.EFBIG), []string{"inuse", "new.part", "old1", "old2"}},
@@ -72,11 +72,11 @@ func TestSpoolOutOfSpaceEmptiesTheBlobCache(t *testing.T) {
 // A spool that must grow under a file size limit: bbolt's growth of the
 // real file fails, with the limit's EFBIG in the text of its error only
 // ("file resize error: truncate …: file too large"). The bridge tells it
-// for what it is, as the first start does (bug 177): it deletes no cached
+// for what it is, as the first start does (bug 176): it deletes no cached
 // blob, and says to lift the limit, not to free space, which would not
 // help. Before, the limit was told only at a first start, by a text match
 // of its own; the running spool's log said to free space
-// (docs/reliability.md, bug 201).
+// (docs/reliability.md, bug 195).
 func TestSpoolGrowthUnderAFileSizeLimit(t *testing.T) {
 	s, err := openSpool(t.TempDir())
 	if err != nil {

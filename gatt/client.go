@@ -653,7 +653,7 @@ func (call *Call) forget() {
 // nothing answered), a caller waiting in Start for a place held by
 // requests no one was waiting on yet (an upload filling its window, a
 // status read beside it) waited until its own context ended: minutes for
-// a command (docs/reliability.md, bug 182).
+// a command (docs/reliability.md, bug 181).
 func (call *Call) expire() {
 	c := call.c
 	c.mu.Lock()

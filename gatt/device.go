@@ -205,7 +205,7 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 	// silent is how long the device, connected, left its first request of
 	// each connection unanswered, in all; a device that stays wedged ends
 	// the caller's wait at a request timeout, as on a live link, not at
-	// ctx's end (docs/reliability.md, bug 203).
+	// ctx's end (docs/reliability.md, bug 197).
 	var silent time.Duration
 	for attempts := 1; ; attempts++ {
 		if s, err := d.current(); s != nil || err != nil {
@@ -319,7 +319,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		// > net_buf len"): every request is bounded by the buffer. Before,
 		// a device back with an MTU above its buffers (498 and the
 		// default 384) lost every long request, and each upload failed
-		// timeout (docs/reliability.md, bug 180).
+		// timeout (docs/reliability.md, bug 179).
 		c.SetMaxRequest(p.BufSize)
 	case p.BufSize > c.Frag():
 		// Buffers longer than a write are a hint of reassembly, not a
@@ -386,7 +386,7 @@ func (d *Device) retry(ctx context.Context, fn func(*session) error) error {
 // framings start again. They bound the failures of one step in a row:
 // counted over a whole transfer, a few losses spread over an upload of
 // thousands of requests, each recovered from, failed it part way
-// (docs/reliability.md, bug 181).
+// (docs/reliability.md, bug 180).
 func (d *Device) retryAdvancing(ctx context.Context, fn func(*session) error, done func() uint64) error {
 	busy, framing, lost := 0, 0, 0
 	busyWait := retry.Backoff(2*d.opts.MinBackoff, d.opts.MinBackoff<<busyRetries)
@@ -451,7 +451,7 @@ func (d *Device) retryAdvancing(ctx context.Context, fn func(*session) error, do
 // writes to the one its link had when it was made. Before, the command
 // failed invalid_payload at once, as if its payload were wrong, and so did
 // every one after it for as long as that link lasted (docs/reliability.md,
-// bug 202).
+// bug 196).
 func (d *Device) fitted(ctx context.Context, run func() error) error {
 	err := run()
 	if !tooSmallMTU(err) || ctx.Err() != nil {
@@ -1058,7 +1058,7 @@ func (d *Device) reset(ctx context.Context) error {
 			// Busy, or no buffer for the answer: the device did not run
 			// it, so it is asked again, as retry asks any request. Before,
 			// the update failed with its image uploaded and pending
-			// (docs/reliability.md, bug 179).
+			// (docs/reliability.md, bug 178).
 			if err := pauseBusy(ctx, s, e, busyWait); err != nil {
 				return err
 			}

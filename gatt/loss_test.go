@@ -376,7 +376,7 @@ func TestLostResponseIsAskedAgain(t *testing.T) {
 // losses it meets, since the transfer advances between them. Before, the
 // counts of lost answers (3), lost framings (3) and busy answers (5) ran
 // over the whole upload: the fourth loss failed it at 40%
-// (docs/reliability.md, bug 181).
+// (docs/reliability.md, bug 180).
 func TestLossesSpreadOverALongUploadAreEachRecovered(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(fastLink)

@@ -16,7 +16,7 @@ import (
 // and the bridge sends none that does not: the MTU each operation needs
 // then, with command ids as long as the agent's (UUIDs), is the table of
 // docs/gatt.md ("Requests and writes"). One below it the operation fails
-// mtu_too_small (bug 202), by the bridge's own size check, which says so,
+// mtu_too_small (bug 196), by the bridge's own size check, which says so,
 // and names the request's size and the limit.
 func TestWithoutReassemblyTheMTUBoundsEveryRequest(t *testing.T) {
 	const big = 70_000 // len and off past 65535 take their longest CBOR form
@@ -157,7 +157,7 @@ func TestRequestTooLongForOneWriteSaysItIsTheBridgesCheck(t *testing.T) {
 // and no other: the link, not the payload, is too small. A request longer
 // than the device's SMP buffer is invalid_payload at once, whatever the
 // link. Before, every such command failed invalid_payload at once, and the
-// link was kept, so every later one did too (docs/reliability.md, bug 202).
+// link was kept, so every later one did too (docs/reliability.md, bug 196).
 func TestAnMTUTooSmallIsTriedOnceOverANewConnection(t *testing.T) {
 	const cid = "0190a000-0000-7000-8000-000000000001"
 	t.Run("a larger MTU next", func(t *testing.T) {
@@ -222,7 +222,7 @@ func TestAnMTUTooSmallIsTriedOnceOverANewConnection(t *testing.T) {
 // longer than the buffer, and every command runs, with reassembly or
 // without. Before, the bridge bounded requests by the MTU alone: every
 // upload's long requests were lost and the command failed timeout
-// (docs/reliability.md, bug 180). A request too long for the buffer is
+// (docs/reliability.md, bug 179). A request too long for the buffer is
 // the bridge's own check, naming the buffer.
 func TestBuffersShorterThanAWriteBoundRequests(t *testing.T) {
 	opts := fastLink

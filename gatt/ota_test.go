@@ -426,7 +426,7 @@ func TestUnansweredResetDropsTheLink(t *testing.T) {
 // is asked again after a pause, as every other request is (bug 117): the
 // update goes on once the buffer is free. Before, the reset, which does
 // not go through retry, failed the update device_error with the image
-// uploaded and pending (docs/reliability.md, bug 179).
+// uploaded and pending (docs/reliability.md, bug 178).
 func TestResetWithNoBufferIsAskedAgain(t *testing.T) {
 	d, s, _, p := newSimPeripheral(t, fastLink, sim.PeripheralOptions{BufCount: 2, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond},
 		gatt.DeviceOptions{RequestTimeout: 5 * time.Second, MinBackoff: 20 * time.Millisecond})

@@ -51,7 +51,7 @@ func (l *wedgingLink) Write(ctx context.Context, uuid string, data []byte, withR
 // command's own time is far longer, and the device is told wedged well
 // before it. Before, each reconnected until that time ran out, 10 minutes
 // by default, holding the device's commands behind it, where docs/gatt.md
-// promises a timeout at the request timeout (docs/reliability.md, bug 203).
+// promises a timeout at the request timeout (docs/reliability.md, bug 197).
 func TestAWedgedDeviceFailsAtTheRequestTimeoutAcrossReconnects(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(fastLink)

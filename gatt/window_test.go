@@ -232,7 +232,7 @@ func (l *stalledLink) Close() error                                          { l
 // Start for that place gets it, and its own request times out in turn.
 // Before, only a caller's Wait saw the timeout, and the caller waiting in
 // Start waited until its own context ended, a command's ten minutes
-// (docs/reliability.md, bug 182). The context here is far longer than the
+// (docs/reliability.md, bug 181). The context here is far longer than the
 // request timeout, to tell the two apart.
 func TestUnansweredRequestsGiveTheirPlaceBackAtTheirTimeout(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

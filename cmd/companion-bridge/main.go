@@ -432,7 +432,7 @@ func SimNetwork(c Config, log *slog.Logger) (*sim.Network, []*sim.Device, error)
 // Close stops the agent, if Run built one, waits for it and closes its
 // spool, then disconnects the devices. The devices and the BlueZ connector
 // close together: a bluetoothd that answers nothing costs its CallTimeout
-// once, not once a device (docs/reliability.md, bug 200).
+// once, not once a device (docs/reliability.md, bug 194).
 func (m *Main) Close() error {
 	m.mu.Lock()
 	a, gatts, network, bz, sims, ps := m.agent, m.gatts, m.network, m.bluez, m.sims, m.pprof

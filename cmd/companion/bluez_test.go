@@ -78,7 +78,7 @@ func TestEveryOperationOverBlueZ(t *testing.T) {
 // the fake BlueZ, stopped (SIGTERM) once bluetoothd stopped answering:
 // the bridge stops within its shutdown bound all the same, exit status 0,
 // and says what it gave up on. Before, the disconnect at its Close waited
-// for bluetoothd for good, until a SIGKILL (docs/reliability.md, bug 200).
+// for bluetoothd for good, until a SIGKILL (docs/reliability.md, bug 194).
 func TestProcessBridgeStopsWhileBluetoothdHangs(t *testing.T) {
 	if runtime.GOOS != "linux" {
 		t.Skip("BlueZ is Linux only")

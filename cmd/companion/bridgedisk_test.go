@@ -17,7 +17,7 @@ import (
 // line that names the spool and says what to do, leaves no spool behind,
 // and starts once the space is back. Before, it said no more than bbolt's
 // "file resize error: truncate …: file too large" or "write …: no space
-// left on device" (docs/reliability.md, bug 177).
+// left on device" (docs/reliability.md, bug 176).
 func TestProcessBridgeFirstStartOnAFullDisk(t *testing.T) {
 	_, bridge := procBinaries(t)
 	const bridgeUp = "companion-bridge starting"

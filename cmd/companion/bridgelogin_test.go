@@ -18,7 +18,7 @@ import (
 // once an attempt) with the broker's reason and what to do, the secret to
 // give or the bridge to create again. Before, it said "MQTT connect
 // failed; retrying err=\"not Authorized\"" and no more, a minute after
-// minute (docs/reliability.md, bug 204).
+// minute (docs/reliability.md, bug 198).
 func TestABridgeTheBrokerRefusesSaysWhatToDo(t *testing.T) {
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1")

@@ -75,7 +75,7 @@ func TestBrokerOutageQueuesCommandsUntilItReturns(t *testing.T) {
 }
 
 // Fault 4: commands accepted for a bridge that is away wait queued in the
-// server (docs/reliability.md, bug 193), through a restart of Mosquitto.
+// server (docs/reliability.md, bug 188), through a restart of Mosquitto.
 // Then the bridge's Will is lost (a retained "online" and nobody there, as
 // a Mosquitto that crashed and came back from its last save has it): the
 // server hands them to Mosquitto, where they wait in the bridge's
@@ -194,7 +194,7 @@ func peekBridgeSession(t *testing.T, url string, f *fleet, want int) []string {
 
 // Fault 5: 10,000 commands for 20 devices whose bridge is away, pushed by
 // 16 concurrent clients, wait queued in the server (docs/reliability.md,
-// bug 193); when the bridge returns every one goes to it through
+// bug 188); when the bridge returns every one goes to it through
 // Mosquitto, and succeeds and runs exactly once on its device. Mosquitto's
 // default queue of 1000 messages per client would drop most of them, had
 // they waited there: mosquitto.conf lifts it.

@@ -196,7 +196,7 @@ func (m *Main) storeUnavailable(err error) bool {
 // full or failing) is at debug level: the store says each fault itself,
 // once as it starts, once a minute while it stands and once as it is
 // gone, with what to do (internal/faultlog). Every request and every
-// retry of a reply said it again (bugs 186 and 206).
+// retry of a reply said it again (bugs 185 and 199).
 func (m *Main) storeLogger() *slog.Logger {
 	return slog.New(storeFaultsAtDebug{m.Logger.Handler(), m.storeUnavailable})
 }

@@ -630,7 +630,7 @@ func TestMalformedSignalsAreIgnored(t *testing.T) {
 // CallTimeout and says it gave up, a new Connect ends at its deadline, and
 // the Connector's Close returns, ending what is left. Before, the
 // disconnect and the calls on the reconnect path waited for an answer for
-// good, and with them the bridge's shutdown (docs/reliability.md, bug 200).
+// good, and with them the bridge's shutdown (docs/reliability.md, bug 194).
 func TestStalledBluetoothdCannotHoldClose(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0B:01", Peripheral: newTestPeripheral("dev-s")})

@@ -311,7 +311,7 @@ func (l *link) notified(path dbus.ObjectPath, value []byte) {
 // the disconnect within the Connector's CallTimeout is given up on (and
 // logged): Close returns then all the same, with an error wrapping
 // ErrNoAnswer, so that a hung bluetoothd cannot hold the bridge's
-// shutdown (docs/reliability.md, bug 200).
+// shutdown (docs/reliability.md, bug 194).
 func (l *link) Close() error {
 	l.mu.Lock()
 	if l.closed {

@@ -2,7 +2,7 @@
 // stands on (the bbolt file's disk, PostgreSQL's database): once as it
 // starts, with what to do, once a minute while it stands, and once as it
 // is gone, rather than once for every write that meets it. Both store
-// engines use it (docs/reliability.md, bugs 186 and 206), and the server
+// engines use it (docs/reliability.md, bugs 185 and 199), and the server
 // logs its own lines of the same errors at debug level.
 //
 // A fault that comes back within a minute of being said gone (a disk so
