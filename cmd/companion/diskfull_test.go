@@ -65,16 +65,24 @@ func TestReadyzWhileTheDiskIsFull(t *testing.T) {
 	lift := testenv.LimitFileSize(t, 0)
 	r = f.user.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "while full"})
 	require.Equal(t, 503, r.Status, "%s", r.Body)
-	for range 2 { // the second asks the disk again, and is refused again
-		r = probe.do("GET", "/readyz", nil)
-		require.Equal(t, 503, r.Status, "/readyz while the disk is full: %s", r.Body)
-		p := r.JSON(t)
-		require.Equal(t, "not_ready", p["code"])
-		require.Contains(t, p["detail"], "cannot write to its disk")
-	}
+	readyzCannotWrite(t, probe, "cannot write to its disk")
 
 	lift()
 	r = probe.do("GET", "/readyz", nil)
 	require.Equal(t, 200, r.Status, "/readyz once the disk takes writes: %s", r.Body)
 	f.user.pushText("dev-1", "space back")
+}
+
+// readyzCannotWrite checks that /readyz answers 503 not_ready, its detail
+// containing detail, twice: the second asks the store again, and is
+// refused again.
+func readyzCannotWrite(t *testing.T, probe *client, detail string) {
+	t.Helper()
+	for range 2 {
+		r := probe.do("GET", "/readyz", nil)
+		require.Equal(t, 503, r.Status, "/readyz while the store cannot write: %s", r.Body)
+		p := r.JSON(t)
+		require.Equal(t, "not_ready", p["code"])
+		require.Contains(t, p["detail"], detail)
+	}
 }
