@@ -92,7 +92,7 @@ func TestProcessBridgeStopsWhileBluetoothdHangs(t *testing.T) {
 	bridge := startProc(t, "companion-bridge", c.bridge,
 		"--mqtt-url", c.brokerURL(), "--api-url", c.base(),
 		"--bridge-id", "bridge-1", "--bridge-secret", c.bridgeSecret,
-		"--data", c.bridgeData, "--gatt", "bluez", "--devices", "dev-1")
+		"--data", c.bridgeData, "--gatt", "bluez", "--devices", "dev-1", "--log-level", "debug")
 	testenv.Eventually(t, 30*time.Second, "dev-1 online through BlueZ", func() bool {
 		require.True(t, bridge.running(), "companion-bridge exited: %v", bridge.waitErr)
 		r := c.user.do("GET", "/api/v1/devices/dev-1/status", nil)

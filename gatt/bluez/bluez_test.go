@@ -634,12 +634,14 @@ func TestMalformedSignalsAreIgnored(t *testing.T) {
 func TestStalledBluetoothdCannotHoldClose(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0B:01", Peripheral: newTestPeripheral("dev-s")})
+	other := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0B:02", Peripheral: newTestPeripheral("dev-o")})
 	logs := &testenv.Buffer{}
 	c, err := bluez.New(bluez.Options{Logger: slog.New(slog.NewTextHandler(logs, nil)), CallTimeout: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatalf("bluez.New: %v", err)
 	}
 	l := connect(t, c, "dev-s")
+	lo := connect(t, c, "dev-o")
 	fake.Stall()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
@@ -687,9 +689,26 @@ func TestStalledBluetoothdCannotHoldClose(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("Connect on a stalled bluetoothd did not return")
 	}
+	// A link whose Close is under way, its disconnect unanswered, as the
+	// Connector closes: the Connector's Close waits for it, and does not
+	// end its disconnect before its CallTimeout.
+	otherClosed := make(chan error, 1)
+	go func() { otherClosed <- lo.Close() }()
+	testenv.Eventually(t, 20*time.Second, "the other link's disconnect under way", func() bool {
+		return slices.Contains(fake.Calls(), "stalled "+string(other.Path()))
+	})
 	closeWithin(t, c, 20*time.Second)
+	select {
+	case err := <-otherClosed:
+		if !errors.Is(err, bluez.ErrNoAnswer) {
+			t.Errorf("the other link's Close = %v; want an error wrapping ErrNoAnswer, its disconnect given its time", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the other link's Close did not return")
+	}
 	out := logs.String()
-	for _, want := range []string{"bluetoothd did not answer; gave up on the call", "call=Device1.Disconnect", "address=C0:FF:EE:00:0B:01", "systemctl status bluetooth"} {
+	for _, want := range []string{"bluetoothd did not answer; gave up on the call", "call=Device1.Disconnect",
+		"address=C0:FF:EE:00:0B:01", "address=C0:FF:EE:00:0B:02", "systemctl status bluetooth"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("the log lacks %q:\n%s", want, out)
 		}

@@ -258,6 +258,8 @@ type link struct {
 	cancel    context.CancelFunc
 	done      chan struct{}
 	lostOnce  sync.Once
+	closeOnce sync.Once
+	closeErr  error // of Close
 
 	mu     sync.Mutex
 	closed bool // Close called
@@ -307,17 +309,20 @@ func (l *link) notified(path dbus.ObjectPath, value []byte) {
 }
 
 // Close disconnects, ends the link's calls in flight and waits for them.
-// It may be called after Done closed. A bluetoothd that does not answer
-// the disconnect within the Connector's CallTimeout is given up on (and
-// logged): Close returns then all the same, with an error wrapping
-// ErrNoAnswer, so that a hung bluetoothd cannot hold the bridge's
-// shutdown (docs/reliability.md, bug 194).
+// It may be called after Done closed, and by several callers (the client
+// on it, the Connector's Close): each returns once the first one's work is
+// done, with its error. A bluetoothd that does not answer the disconnect
+// within the Connector's CallTimeout is given up on (and logged): Close
+// returns then all the same, with an error wrapping ErrNoAnswer, so that a
+// hung bluetoothd cannot hold the bridge's shutdown (docs/reliability.md,
+// bug 194).
 func (l *link) Close() error {
+	l.closeOnce.Do(func() { l.closeErr = l.close() })
+	return l.closeErr
+}
+
+func (l *link) close() error {
 	l.mu.Lock()
-	if l.closed {
-		l.mu.Unlock()
-		return nil
-	}
 	l.closed = true
 	wasDown := l.down
 	l.mu.Unlock()

@@ -122,12 +122,12 @@ func (b *BlueZ) Exit() {
 // deadlock, SIGSTOP, a controller wedged under it) does: the name passes,
 // without a moment unowned, to a connection that takes every method call
 // and answers none, and emits nothing. Clients see no NameOwnerChanged to
-// an empty owner and no error: their calls wait. It lasts until the test
-// ends.
+// an empty owner and no error: their calls wait, each listed by Calls as
+// "stalled PATH". It lasts until the test ends.
 func (b *BlueZ) Stall() {
 	b.tb.Helper()
 	hold := make(chan struct{})
-	conn, err := dbus.ConnectSystemBus(dbus.WithHandler(stalled{hold}))
+	conn, err := dbus.ConnectSystemBus(dbus.WithHandler(stalled{b, hold}))
 	if err != nil {
 		b.tb.Fatalf("fakebluez: stall: connect: %v", err)
 	}
@@ -143,9 +143,15 @@ func (b *BlueZ) Stall() {
 
 // stalled is the handler of a stalled org.bluez: every method call waits
 // until hold closes (the test's end), then finds no object.
-type stalled struct{ hold chan struct{} }
+type stalled struct {
+	b    *BlueZ
+	hold chan struct{}
+}
 
-func (s stalled) LookupObject(dbus.ObjectPath) (dbus.ServerObject, bool) {
+func (s stalled) LookupObject(path dbus.ObjectPath) (dbus.ServerObject, bool) {
+	s.b.mu.Lock()
+	s.b.logCall("stalled %s", path)
+	s.b.mu.Unlock()
 	<-s.hold
 	return nil, false
 }
