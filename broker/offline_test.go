@@ -3,8 +3,6 @@ package broker
 import (
 	"context"
 	"encoding/json"
-	"io"
-	"net"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -21,78 +19,6 @@ import (
 
 	"github.com/devicecompanion/companion/internal/testenv"
 )
-
-// relay forwards TCP connections to target. cut closes those open and
-// has the relay close every new one at once until let is called: a link
-// that breaks and stays down a while. Its connections end with the test.
-type relay struct {
-	ln     net.Listener
-	target string
-
-	mu      sync.Mutex
-	conns   []net.Conn
-	blocked bool
-	wg      sync.WaitGroup
-}
-
-func newRelay(t *testing.T, target string) *relay {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	r := &relay{ln: ln, target: target}
-	r.wg.Go(r.accept)
-	t.Cleanup(func() {
-		ln.Close()
-		r.cut()
-		r.wg.Wait()
-	})
-	return r
-}
-
-func (r *relay) addr() string { return r.ln.Addr().String() }
-
-func (r *relay) accept() {
-	for {
-		c, err := r.ln.Accept()
-		if err != nil {
-			return
-		}
-		r.mu.Lock()
-		blocked := r.blocked
-		r.mu.Unlock()
-		if blocked {
-			c.Close()
-			continue
-		}
-		s, err := net.Dial("tcp", r.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		r.mu.Lock()
-		r.conns = append(r.conns, c, s)
-		r.mu.Unlock()
-		r.wg.Go(func() { io.Copy(s, c); s.Close(); c.Close() })
-		r.wg.Go(func() { io.Copy(c, s); s.Close(); c.Close() })
-	}
-}
-
-// cut closes every connection and refuses new ones until let.
-func (r *relay) cut() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.blocked = true
-	for _, c := range r.conns {
-		c.Close()
-	}
-	r.conns = nil
-}
-
-func (r *relay) let() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.blocked = false
-}
 
 // statusHookStore is e's store whose reads of a status call hook first,
 // and after, if set, once the status is read.
@@ -125,7 +51,7 @@ func (s *statusHookStore) Status(ctx context.Context, deviceID string) (companio
 // offline one (repairStatus).
 func TestOfflineStatusesAreNotHeldWhileTheConnectionIsDown(t *testing.T) {
 	e := newEnv(t, false)
-	link := newRelay(t, e.mqtt.Addr())
+	link := testenv.NewRelay(t, e.mqtt.Addr())
 	var (
 		reads atomic.Int32
 		first atomic.Value // the device whose status publishOffline read first
@@ -133,7 +59,7 @@ func TestOfflineStatusesAreNotHeldWhileTheConnectionIsDown(t *testing.T) {
 	st := &statusHookStore{DB: e.db}
 	opts := e.b.opts
 	opts.Store = st
-	opts.MQTTURL = "tcp://" + link.addr()
+	opts.MQTTURL = "tcp://" + link.Addr()
 	b, err := New(opts)
 	require.NoError(t, err)
 	e.b = b
@@ -142,7 +68,7 @@ func TestOfflineStatusesAreNotHeldWhileTheConnectionIsDown(t *testing.T) {
 			return
 		}
 		first.Store(deviceID)
-		link.cut()
+		link.Refuse()
 		testenv.Eventually(t, 10*time.Second, "the server's connection down", func() bool { return !b.client.IsConnectionOpen() })
 	}
 	require.NoError(t, b.Start())
@@ -169,7 +95,7 @@ func TestOfflineStatusesAreNotHeldWhileTheConnectionIsDown(t *testing.T) {
 		p, _ := json.Marshal(topics.Status{Online: true, BridgeID: "b1", Seq: 2, At: time.Now()})
 		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, p), 5*time.Second))
 	}
-	link.let()
+	link.Restore()
 	testenv.Eventually(t, 20*time.Second, "the server back, with the bridge's statuses", func() bool {
 		for _, dev := range []string{"dev-1", "dev-2"} {
 			if s, err := e.db.Status(context.Background(), dev); err != nil || s.Seq != 2 {

@@ -2,88 +2,16 @@ package postgres_test
 
 import (
 	"errors"
-	"io"
-	"net"
 	"net/url"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/pgtest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/store/postgres"
 )
-
-// silentHost forwards TCP connections to target until silence: then it
-// cuts those open, and takes new ones without ever answering, as a
-// database host that is powered off, or behind a firewall that drops its
-// packets, looks to a client whose connection completes (a load balancer,
-// a proxy). Its connections end with the test.
-type silentHost struct {
-	ln     net.Listener
-	target string
-
-	mu     sync.Mutex
-	conns  []net.Conn
-	silent bool
-	wg     sync.WaitGroup
-}
-
-func newSilentHost(t *testing.T, target string) *silentHost {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	h := &silentHost{ln: ln, target: target}
-	h.wg.Go(h.accept)
-	t.Cleanup(func() {
-		ln.Close()
-		h.mu.Lock()
-		for _, c := range h.conns {
-			c.Close()
-		}
-		h.mu.Unlock()
-		h.wg.Wait()
-	})
-	return h
-}
-
-func (h *silentHost) accept() {
-	for {
-		c, err := h.ln.Accept()
-		if err != nil {
-			return
-		}
-		h.mu.Lock()
-		h.conns = append(h.conns, c)
-		silent := h.silent
-		h.mu.Unlock()
-		if silent {
-			continue // held open, never answered
-		}
-		s, err := net.Dial("tcp", h.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		h.mu.Lock()
-		h.conns = append(h.conns, s)
-		h.mu.Unlock()
-		h.wg.Go(func() { io.Copy(s, c); s.Close(); c.Close() })
-		h.wg.Go(func() { io.Copy(c, s); s.Close(); c.Close() })
-	}
-}
-
-// silence cuts the connections open and answers no new one.
-func (h *silentHost) silence() {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.silent = true
-	for _, c := range h.conns {
-		c.Close()
-	}
-	h.conns = nil
-}
 
 // A database host that stops answering (not refusing: its connections
 // complete and then nothing comes) costs a write, and the store's open,
@@ -94,15 +22,15 @@ func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
 	srv := pgtest.Start(t)
 	u, err := url.Parse(srv.NewDatabase(t))
 	require.NoError(t, err)
-	h := newSilentHost(t, u.Host)
-	u.Host = h.ln.Addr().String()
+	h := testenv.NewRelay(t, u.Host)
+	u.Host = h.Addr()
 	s, err := postgres.Open(t.Context(), u.String(), postgres.Options{MaxConns: 4, Migrate: true})
 	require.NoError(t, err)
 	defer s.Close()
 	_, _, err = s.CreateCommand(t.Context(), cmd("d1"), 0, nil)
 	require.NoError(t, err)
 
-	h.silence()
+	h.Silence()
 	// Bounds to tell a timeout from a hang, far past ConnectTimeout. The
 	// first writes meet the connections cut (at once); the next needs a
 	// new one.

@@ -2,7 +2,6 @@ package postgres_test
 
 import (
 	"context"
-	"net"
 	"net/url"
 	"sync"
 	"testing"
@@ -56,7 +55,11 @@ const campaignTries = 500 * time.Millisecond
 // not minutes later at the kernel's TCP timeout: PostgreSQL may by then
 // have ended that session and let another replica take the lock.
 func testCutOffDispatcherStops(t *testing.T, e *testEnv) {
-	dsn, link := throughProxy(t, e.newDB(t))
+	u, err := url.Parse(e.newDB(t))
+	require.NoError(t, err)
+	link := testenv.NewRelay(t, u.Host)
+	u.Host = link.Addr()
+	dsn := u.String()
 	s := e.open(t, dsn)
 	ctx, cancel := context.WithCancel(t.Context())
 	var wg sync.WaitGroup
@@ -71,7 +74,7 @@ func testCutOffDispatcherStops(t *testing.T, e *testEnv) {
 		t.Fatal("the store never became the dispatcher")
 	}
 
-	link.blackhole()
+	link.Blackhole()
 	testenv.Eventually(t, waitFor, "the cut-off dispatcher to stop", func() bool { return !s.Dispatching() })
 	select {
 	case v := <-changes:
@@ -87,7 +90,7 @@ func testCutOffDispatcherStops(t *testing.T, e *testEnv) {
 // another replica can take over. This checks the settings on that very
 // session, as the server applies them to its socket (SHOW reads them back
 // from the socket). It cannot check the takeover after a really silent
-// link: CutOffDispatcherStops's proxy is a userspace relay whose kernel
+// link: CutOffDispatcherStops's relay is a userspace one whose kernel
 // keeps acknowledging the server's packets and probes after blackhole, so
 // the server's TCP never finds the peer gone.
 func testDispatcherSessionKeepalive(t *testing.T, e *testEnv) {
@@ -128,90 +131,5 @@ func testDispatcherSessionKeepalive(t *testing.T, e *testEnv) {
 		assert.Equal(t, "10000", v.userTimeout, "tcp_user_timeout (ms)")
 	case <-time.After(waitFor):
 		t.Fatal("the store never took the dispatcher's lock")
-	}
-}
-
-// proxy relays TCP connections to a server until blackhole is called; from
-// then on it forwards nothing either way and keeps every socket open, as a
-// link that silently drops packets does.
-type proxy struct {
-	ln     net.Listener
-	target string         // the server's host:port
-	cut    chan struct{}  // closed by blackhole
-	done   chan struct{}  // closed when the test ends
-	wg     sync.WaitGroup // every goroutine of the proxy
-}
-
-// throughProxy starts a proxy to the server of dsn (a URL) and returns dsn
-// with the proxy's address for the server's. The proxy's goroutines and
-// sockets end with the test.
-func throughProxy(t *testing.T, dsn string) (string, *proxy) {
-	t.Helper()
-	u, err := url.Parse(dsn)
-	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	p := &proxy{ln: ln, target: u.Host, cut: make(chan struct{}), done: make(chan struct{})}
-	p.wg.Go(p.accept)
-	t.Cleanup(func() {
-		close(p.done)
-		ln.Close()
-		p.wg.Wait()
-	})
-	u.Host = ln.Addr().String()
-	return u.String(), p
-}
-
-// blackhole stops the forwarding of every connection, present and to
-// come, in both directions. Call it once.
-func (p *proxy) blackhole() { close(p.cut) }
-
-func (p *proxy) accept() {
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return // the listener is closed when the test ends
-		}
-		p.wg.Go(func() { p.relay(c) })
-	}
-}
-
-// relay forwards between client and a new connection to the server. Both
-// are closed when either side ends, unless the link is cut by then: then
-// when the test ends.
-func (p *proxy) relay(client net.Conn) {
-	defer client.Close()
-	server, err := net.Dial("tcp", p.target)
-	if err != nil {
-		return
-	}
-	defer server.Close()
-	ended := make(chan struct{}, 2)
-	p.wg.Go(func() { p.forward(server, client); ended <- struct{}{} })
-	p.wg.Go(func() { p.forward(client, server); ended <- struct{}{} })
-	select {
-	case <-ended:
-	case <-p.cut:
-		<-p.done
-	case <-p.done:
-	}
-}
-
-// forward copies src to dst until either fails, dropping what it reads
-// once the link is cut.
-func (p *proxy) forward(dst, src net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if err != nil {
-			return
-		}
-		select {
-		case <-p.cut:
-		default:
-			if _, err := dst.Write(buf[:n]); err != nil {
-				return
-			}
-		}
 	}
 }
