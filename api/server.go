@@ -110,6 +110,17 @@ type BrokerAccounts interface {
 	Assigned(ctx context.Context, deviceID, from, to string) error
 }
 
+// WillOnDisconnect is implemented by the BrokerAccounts of a broker that
+// publishes the Will of a bridge it disconnects for a change of its
+// rights, as NATS does. Only then is the Will held
+// (Commander.BridgesDisconnecting): Mosquitto's plugin and the embedded
+// broker disconnect a bridge without its Will, so a Will or an "offline"
+// that follows is the bridge's own, and holding it would read the bridge
+// online for the grace after it was lost (docs/reliability.md, bug 201).
+type WillOnDisconnect interface {
+	DisconnectPublishesWill() bool
+}
+
 // Limits are the bounds of CONTRACT §6 the API enforces. A zero field means
 // its default; the rate fields and the per-user bounds of streams and waits
 // take a negative value to mean "no limit".

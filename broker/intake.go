@@ -167,9 +167,10 @@ func (b *Broker) failLeft(ctx context.Context, deviceID string) {
 // offline, for watchers and in the store, each time one of them moved,
 // until the bridge was back a moment later. So the Will of each is held
 // for Options.KickGrace, and taken in only if the bridge has not said "online"
-// since. (Mosquitto's plugin kicks a client without its Will; the
-// embedded broker holds it itself.) The replicas are told too: each takes
-// the Will in.
+// since. Mosquitto's plugin kicks a client without its Will, and the
+// embedded broker holds it itself: the API says this only of a broker
+// that publishes it (api.WillOnDisconnect). The replicas are told too:
+// each holds the Will.
 func (b *Broker) BridgesDisconnecting(bridgeIDs ...string) {
 	for _, id := range bridgeIDs {
 		if !topics.ValidBridgeID(id) {

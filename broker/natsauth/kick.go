@@ -60,6 +60,11 @@ func (r *Responder) Unbound(ctx context.Context, userID, _ string) error {
 	return r.Disconnect(ctx, userID)
 }
 
+// DisconnectPublishesWill says that NATS publishes the Will of an MQTT
+// connection it closes (Disconnect), as of one lost: the server holds a
+// bridge's for a while after its rights changed (api.WillOnDisconnect).
+func (r *Responder) DisconnectPublishesWill() bool { return true }
+
 // Assigned closes the connections of the bridge the device left and of
 // the bridge it joined: they log in again with the rights the store gives
 // them now (CONTRACT §9: moving a device moves the rights at once).

@@ -89,6 +89,10 @@ type Config struct {
 	// For tests: a clock, and how often undelivered commands are checked for expiry.
 	Now           func() time.Time
 	SweepInterval time.Duration
+	// For tests: how long the Will of a bridge disconnected for a change
+	// of its rights is held (broker.Options.KickGrace, and the embedded
+	// broker's); zero takes the default, 10 s.
+	KickGrace time.Duration
 	// For tests: the options of GET /api/v1/events (heartbeat, buffer),
 	// zero fields taking their defaults.
 	Events api.EventsOptions
@@ -511,6 +515,7 @@ func (m *Main) startMQTT(tree topics.Tree, mqttServerTLS *tls.Config) error {
 		TLSConfig: mqttServerTLS,
 		Topics:    tree,
 		Accounts:  broker.Accounts{Store: m.DB},
+		KickGrace: cfg.KickGrace,
 		Logger:    m.Logger,
 	})
 	if err != nil {
@@ -564,6 +569,7 @@ func (m *Main) newBroker(tree topics.Tree, ownTLS bool) error {
 		Password:        cfg.MQTTPassword,
 		Topics:          tree,
 		SweepInterval:   cfg.SweepInterval,
+		KickGrace:       cfg.KickGrace,
 		MaxOpenCommands: cfg.Limits.MaxOpenCommands,
 		Retention:       cfg.Retention,
 		ExpiryGrace:     cfg.ExpiryGrace,

@@ -23,6 +23,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
@@ -522,6 +523,43 @@ func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
 					assert.Equal(t, true, ev.data["online"], "dev-3, which stayed on bridge-1, read offline as dev-1 left it: %v", ev.data)
 				}
 			}
+		})
+	}
+}
+
+// A bridge that stops just after a device moved to it reads offline, with
+// its devices, on the embedded broker and on Mosquitto. Both disconnect a
+// bridge for a change of its rights without its Will (the embedded broker
+// holds that Will itself), so an "offline" that follows is the bridge's
+// own. The server held it for the grace all the same, and read the bridge
+// online meanwhile (docs/reliability.md, bug 201). The grace is an hour
+// here, so that a held Will shows. On NATS, which publishes the Will of a
+// connection it closes, the server holds it: TestMovingADeviceBetweenRunningBridges.
+func TestABridgeStoppedAfterAMoveReadsOffline(t *testing.T) {
+	cfg := Config{KickGrace: time.Hour}
+	for _, tb := range []tenancyBroker{
+		{"embedded", func(t *testing.T) (*Main, string) {
+			m := startServer(t, cfg)
+			return m, m.MQTTURL()
+		}},
+		{"mosquitto", func(t *testing.T) (*Main, string) {
+			mq := mqtttest.StartMosquitto(t, serverAccount)
+			return startOnMosquitto(t, cfg, mq), mq.URL
+		}},
+	} {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			f, f2 := twoBridgeFleet(t, m)
+			b2 := startBridge(t, m, mqttURL, f2, "", "dev-2", "dev-1")
+			waitOnline(t, f, true, "dev-2")
+			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			testenv.Eventually(t, 20*time.Second, "dev-1 online on bridge-2", func() bool {
+				st := f.user.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)
+				return st["bridge_id"] == f2.bridgeID && st["online"] == true
+			})
+			b2.stop()
+			waitOnline(t, f, false, "dev-1", "dev-2")
 		})
 	}
 }
