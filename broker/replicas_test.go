@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/asyncapitest"
 	"github.com/devicecompanion/companion/internal/testenv"
 )
 
@@ -272,8 +273,25 @@ func TestTheWillOfABridgeDisconnectedForItsRightsIsHeld(t *testing.T) {
 		defer e.b.mu.Unlock()
 		return e.b.kicked["b1"]
 	}
+	// The word between the replicas, as docs/asyncapi.yaml has it.
+	kicked := make(chan mqtt.Message, 10)
+	w := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("kicked-watcher").
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(w.Connect(), 5*time.Second))
+	defer w.Disconnect(0)
+	require.NoError(t, mqtt.WaitTokenTimeout(w.Subscribe(tree.BridgesKicked(), 1, func(_ mqtt.Client, m mqtt.Message) { kicked <- m }), 5*time.Second))
+
 	other.BridgesDisconnecting("b1") // told to the replica that does not dispatch
 	testenv.Eventually(t, 10*time.Second, "the dispatcher told", func() bool { return !toldAt().IsZero() })
+	select {
+	case m := <-kicked:
+		channel, err := asyncapitest.Load(t).Validate(m.Topic(), m.Payload(), m.Retained())
+		require.NoError(t, err)
+		assert.Equal(t, "bridgesKicked", channel)
+		assert.Equal(t, "b1", string(m.Payload()))
+	case <-time.After(10 * time.Second):
+		t.Fatal("no word on the replicas' topic of a bridge about to be disconnected")
+	}
 	state(topics.BridgeOffline) // its Will, as NATS publishes it
 	state(topics.BridgeOnline)  // back within the grace
 	time.Sleep(2 * grace)

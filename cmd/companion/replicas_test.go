@@ -29,6 +29,7 @@ import (
 // server-side peer is the first; a command accepted by one is waited for
 // (Prefer: wait) on the other.
 func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
+	t.Parallel()
 	pg := pgtest.Start(t)
 	dsn := pg.NewDatabase(t)
 	// The server checks the schema and does not change it: companion
@@ -69,9 +70,11 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	require.Len(t, texts, 2, "each command ran once")
 
 	// A device moved through the replica that does not dispatch: it tells
-	// the one that does, and the others of the bridges about to be
-	// disconnected, on the servers' topics of docs/asyncapi.yaml (the
-	// broker's tests check what the replicas then do).
+	// the one that does on the servers' topic of docs/asyncapi.yaml (the
+	// broker's tests check what the replicas then do). It says nothing of
+	// the bridges about to be disconnected: Mosquitto publishes no Will
+	// for them (docs/reliability.md, bug 201; the broker's
+	// TestTheWillOfABridgeDisconnectedForItsRightsIsHeld has that word).
 	var log wireLog
 	watch := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID("moved-watcher").
 		SetUsername(watcherAccount.Username).SetPassword(watcherAccount.Password).
@@ -79,7 +82,7 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	require.NoError(t, mqtt.WaitTokenTimeout(watch.Connect(), 10*time.Second))
 	defer watch.Disconnect(0)
 	tree := topics.MustNew(topics.DefaultPrefix)
-	require.NoError(t, mqtt.WaitTokenTimeout(watch.SubscribeMultiple(map[string]byte{tree.DevicesMoved(): 1, tree.BridgesKicked(): 1}, nil), 10*time.Second))
+	require.NoError(t, mqtt.WaitTokenTimeout(watch.Subscribe(tree.DevicesMoved(), 1, nil), 10*time.Second))
 	testenv.Eventually(t, 20*time.Second, "a dispatcher", func() bool { return m1.pg.Dispatching() || m2.pg.Dispatching() })
 	quiet := m1
 	if m1.pg.Dispatching() {
@@ -91,14 +94,11 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 	r = admin.do("PUT", "/api/v1/admin/devices/dev-2/bridge", map[string]any{"bridge_id": "bridge-2"})
 	require.Equal(t, 200, r.Status, "%s", r.Body)
 	testenv.Eventually(t, 20*time.Second, "the word of the move", func() bool { return log.seen(tree.DevicesMoved(), "dev-2") })
-	for _, bridge := range []string{"bridge-1", "bridge-2"} {
-		testenv.Eventually(t, 20*time.Second, "the word of "+bridge+" about to be disconnected", func() bool { return log.seen(tree.BridgesKicked(), bridge) })
-	}
 	doc := asyncapitest.Load(t)
 	for _, msg := range log.all() {
 		channel, err := doc.Validate(msg.topic, msg.payload, msg.retained)
 		require.NoError(t, err)
-		assert.Contains(t, []string{"devicesMoved", "bridgesKicked"}, channel)
+		assert.Equal(t, "devicesMoved", channel)
 	}
 }
 
@@ -107,6 +107,7 @@ func TestTwoReplicasShareOnePostgresStore(t *testing.T) {
 // dispatcher goes, the other replica takes over and what is sent to it
 // still runs.
 func TestReplicasPublishEachCommandOnceInOrder(t *testing.T) {
+	t.Parallel()
 	pg := pgtest.Start(t)
 	dsn := pg.NewDatabase(t)
 	require.NoError(t, postgres.Migrate(context.Background(), dsn))
