@@ -163,6 +163,7 @@ func TestCLIUsage(t *testing.T) {
 
 // The demo prints curl lines that work as printed.
 func TestDemoQuickStartWorksAsPrinted(t *testing.T) {
+	t.Parallel()
 	if _, err := exec.LookPath("curl"); err != nil {
 		t.Fatal("curl not installed: run make deps (it installs Debian's curl)")
 	}

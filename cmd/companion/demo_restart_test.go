@@ -24,6 +24,7 @@ import (
 // or demo.json deleted by hand): the next start still starts, and what the
 // new demo.json holds works end to end.
 func TestDemoStartsAfterAnInterruptedFirstStart(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	first := startServer(t, Config{Data: dir, Demo: true})
 	before := first.Demo.File
@@ -67,6 +68,7 @@ func TestDemoStartsAfterAnInterruptedFirstStart(t *testing.T) {
 // the store: the next start completes the store with demo.json's
 // credentials, which then all work, claim codes included.
 func TestDemoCompletesAStartKilledAfterDemoJSON(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	f := newDemoFile()
 	require.NoError(t, writeDemo(filepath.Join(dir, "demo.json"), f))

@@ -51,6 +51,7 @@ func mosquittoSubOnce(t *testing.T, mqttURL, user, pass, filter string, count in
 // unbind; a deleted bridge is cut off; nobody anonymous or with a wrong
 // password gets in.
 func TestBrokerDoorNATS(t *testing.T) {
+	t.Parallel()
 	cl, m := startNATSCallout(t)
 	urls := cl.MQTTURLs
 	f := setupFleet(t, m, "dev-1", "dev-2") // bridge-1 serves both

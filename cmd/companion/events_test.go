@@ -258,6 +258,7 @@ func TestEventsSSEEndToEnd(t *testing.T) {
 // command accepted on replica 1 and answered (whichever replica took the
 // reply in), and a stream resumes on replica 1 from replica 2's ids.
 func TestEventsSSETwoReplicas(t *testing.T) {
+	t.Parallel()
 	pg := pgtest.Start(t)
 	dsn := pg.NewDatabase(t)
 	var out, errOut bytes.Buffer

@@ -83,6 +83,7 @@ func TestBrokerOutageQueuesCommandsUntilItReturns(t *testing.T) {
 // disk: a probe holding the bridge's session sees every command after the
 // restart, and the bridge, once back, runs each exactly once, in order.
 func TestBrokerRestartKeepsQueueOfOfflineBridge(t *testing.T) {
+	t.Parallel()
 	devs := []string{"dev-1", "dev-2"}
 	m, mq, f := startMosquittoFleet(t, Config{}, devs...)
 	spool, sims := t.TempDir(), map[string]*sim.Device{}
@@ -428,6 +429,7 @@ func TestConcurrentClientsKeepOrderPerDevice(t *testing.T) {
 // successors on the same device nor a third device, whose commands finish
 // while the hang is still in progress.
 func TestFailingOrHangingCommandHoldsUpNothing(t *testing.T) {
+	t.Parallel()
 	const timeout = 4 * time.Second
 	devs := []string{"dev-fail", "dev-hang", "dev-free"}
 	m := startServer(t, Config{})

@@ -68,6 +68,7 @@ func noisePNG(tb testing.TB, w, h int) []byte {
 // and a SHA-512 image to a device whose MCUboot checks SHA-512, installed
 // the same way; then an image the device reverts.
 func TestEveryOperationOverGATT(t *testing.T) {
+	t.Parallel()
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1", "dev-2")
 	b, network := startGATTBridge(t, m, m.MQTTURL(), f, sim.LinkOptions{MTU: 23, DropEvery: 3 * time.Second},

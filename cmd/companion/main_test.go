@@ -558,6 +558,12 @@ func TestRestartKeepsEverything(t *testing.T) {
 	}
 }
 
+// The tests that mostly wait (for NATS clusters, PostgreSQL, timeouts,
+// processes of their own) call t.Parallel: go test runs them together,
+// after every other test of the package has ended, which takes minutes
+// off make test on two cores. A test that changes the process's own state
+// (t.Setenv, testenv.LimitFileSize, a package variable) must not, and none
+// of them may depend on the CPU time it gets.
 func TestMain(m *testing.M) {
 	if runBenchRole() {
 		return

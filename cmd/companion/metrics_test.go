@@ -161,6 +161,7 @@ func TestMetricsDemoDefault(t *testing.T) {
 // both, whichever replica accepted or ended the commands, and whenever the
 // replica started.
 func TestMetricsOpenCommandsOnReplicas(t *testing.T) {
+	t.Parallel()
 	pg := pgtest.Start(t)
 	dsn := pg.NewDatabase(t)
 	require.NoError(t, postgres.Migrate(t.Context(), dsn))

@@ -89,6 +89,7 @@ func startOnNATS(t *testing.T, devices ...string) (*natstest.Cluster, *Main, *fl
 }
 
 func TestEveryOperationOnNATSCluster(t *testing.T) {
+	t.Parallel()
 	_, _, f, b := startOnNATS(t, "dev-1")
 	exerciseEveryOperation(t, f, b, "dev-1")
 }
@@ -121,6 +122,7 @@ func postText(hc *http.Client, base, token, dev, text string) (int, string, erro
 // too, when it is the same) gets SIGKILL. Every accepted command ends
 // succeeded, and each text reaches the device exactly once.
 func TestNATSNodeKilledUnderLoad(t *testing.T) {
+	t.Parallel()
 	const (
 		total   = 100
 		clients = 8

@@ -57,6 +57,7 @@ var trailingComment = regexp.MustCompile(`\s+# .*$`)
 // TestReadmeCurlLinesWork runs every curl line of the README, as printed,
 // against a demo server, with the variables the README's setup block sets.
 func TestReadmeCurlLinesWork(t *testing.T) {
+	t.Parallel()
 	if _, err := exec.LookPath("curl"); err != nil {
 		t.Fatal("curl not installed: run make deps (it installs Debian's curl)")
 	}

@@ -94,6 +94,7 @@ func subscribeWaitFinal(c *client, deviceID, id string, within time.Duration) ma
 // once every chunk is answered; a command to its last device, sent before
 // the bridge even connected, succeeds, and so does one sent after.
 func TestSubscribeManyDevicesOnNATS(t *testing.T) {
+	t.Parallel()
 	const n = 200
 	devices := make([]string, n)
 	for i := range devices {

@@ -488,6 +488,7 @@ func TestMovingADeviceMovesItsRights(t *testing.T) {
 // to and never on the one it left, and the bridge it left keeps serving
 // its other devices.
 func TestMovingADeviceBetweenRunningBridges(t *testing.T) {
+	t.Parallel()
 	for _, tb := range withNATS() {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
@@ -576,6 +577,7 @@ func TestABridgeStoppedAfterAMoveReadsOffline(t *testing.T) {
 // device the bridge still serves, queued in the same session at the same
 // time, does reach it.
 func TestAMovedDevicesCommandStaysInItsOldBridgesSession(t *testing.T) {
+	t.Parallel()
 	for _, tb := range withNATS() {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
@@ -691,6 +693,7 @@ func TestMovingADeviceWhileItsBridgeRunsACommand(t *testing.T) {
 // the server's right to publish it, and the broker's retained message, are
 // theirs.
 func TestWatcherReadsTheDeviceOfflineWithItsBridge(t *testing.T) {
+	t.Parallel()
 	for _, tb := range withNATS() {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
@@ -746,6 +749,7 @@ func watchStatusAs(t *testing.T, mqttURL string, f *fleet, clientID, dev string)
 // have it: its old bridge's word no longer holds, and the new one never
 // reports it. On each broker.
 func TestWatcherReadsTheDeviceOfflineOffItsBridge(t *testing.T) {
+	t.Parallel()
 	for _, tb := range withNATS() {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)
@@ -791,6 +795,7 @@ func TestWatcherReadsTheDeviceOfflineOffItsBridge(t *testing.T) {
 // by no bridge and its secret opens nothing. Nobody assigns another's
 // device, nor to another's bridge, the operator included.
 func TestUsersOwnBridge(t *testing.T) {
+	t.Parallel()
 	for _, tb := range tenancyBrokers {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)

@@ -171,6 +171,7 @@ func TestEveryOperationOverTLS(t *testing.T) {
 // self-signed ones); and its mosquitto_sub line watches the topics of
 // --topic-prefix.
 func TestDemoQuickStartWorksOverTLS(t *testing.T) {
+	t.Parallel()
 	if _, err := exec.LookPath("mosquitto_sub"); err != nil {
 		t.Fatal("mosquitto_sub not installed: run make deps (it installs Debian's mosquitto-clients)")
 	}
