@@ -226,8 +226,12 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 func (s *Server) moved(ctx context.Context, deviceID, from, to string) {
 	s.cmds.DeviceMoved(deviceID)
 	if s.accounts != nil {
-		if w, ok := s.accounts.(WillOnDisconnect); ok && w.DisconnectPublishesWill() {
-			s.cmds.BridgesDisconnecting(from, to)
+		if w, ok := s.accounts.(WillOnDisconnect); ok {
+			if w.DisconnectPublishesWill() {
+				s.cmds.BridgesDisconnecting(from, to)
+			} else {
+				s.cmds.BridgesDisconnectingWithoutWill(from, to)
+			}
 		}
 		_ = s.accounts.Assigned(ctx, deviceID, from, to) // logged and retried there
 	}

@@ -67,8 +67,9 @@ func (f *fakeCommander) Submit(ctx context.Context, c companion.Command, idem *c
 	return cmd, replayed, nil
 }
 
-func (f *fakeCommander) DeviceMoved(string)             {}
-func (f *fakeCommander) BridgesDisconnecting(...string) {}
+func (f *fakeCommander) DeviceMoved(string)                        {}
+func (f *fakeCommander) BridgesDisconnecting(...string)            {}
+func (f *fakeCommander) BridgesDisconnectingWithoutWill(...string) {}
 
 func (f *fakeCommander) Ended([]companion.Command) {}
 

@@ -87,6 +87,11 @@ type Commander interface {
 	// disconnect the bridges for a change of their rights: they come back
 	// at once, and the Will a broker publishes for them is held.
 	BridgesDisconnecting(bridgeIDs ...string)
+	// BridgesDisconnectingWithoutWill says the broker's accounts are about
+	// to disconnect the bridges for a change of their rights, and the
+	// broker publishes no Will for them: one not back within a grace has
+	// its Will published for it.
+	BridgesDisconnectingWithoutWill(bridgeIDs ...string)
 	// Ended says the store ended these commands itself (an unbind): their
 	// waiters are answered and the bridge is told to drop them.
 	Ended(cmds []companion.Command)
@@ -110,13 +115,20 @@ type BrokerAccounts interface {
 	Assigned(ctx context.Context, deviceID, from, to string) error
 }
 
-// WillOnDisconnect is implemented by the BrokerAccounts of a broker that
-// publishes the Will of a bridge it disconnects for a change of its
-// rights, as NATS does. Only then is the Will held
-// (Commander.BridgesDisconnecting): Mosquitto's plugin and the embedded
-// broker disconnect a bridge without its Will, so a Will or an "offline"
-// that follows is the bridge's own, and holding it would read the bridge
-// online for the grace after it was lost (docs/reliability.md, bug 201).
+// WillOnDisconnect is implemented by the BrokerAccounts that disconnect a
+// bridge for a change of its rights (a device moved) on a broker that
+// does not hold its Will itself, as the embedded broker does until the
+// bridge is back or the grace is over. It says what the broker does with
+// the Will:
+//   - true: it publishes it as it closes the connection, as NATS does; the
+//     server holds it for the grace (Commander.BridgesDisconnecting).
+//     Held on another broker, an "offline" that follows is the bridge's
+//     own, and the bridge read online for the grace after it was lost
+//     (docs/reliability.md, bug 201).
+//   - false: it never publishes it, as Mosquitto's plugin does; the server
+//     publishes it for a bridge not back within the grace
+//     (Commander.BridgesDisconnectingWithoutWill). Without it, a bridge
+//     lost just then read online for ever (bug 202).
 type WillOnDisconnect interface {
 	DisconnectPublishesWill() bool
 }

@@ -189,6 +189,41 @@ func (b *Broker) BridgesDisconnecting(bridgeIDs ...string) {
 	}
 }
 
+// BridgesDisconnectingWithoutWill says the bridges are about to be
+// disconnected by the broker's accounts, for a change of their rights,
+// without their Will, as Mosquitto's plugin does. A bridge lost just then
+// (dead, or its link down and its keepalive not yet out) would have no
+// Will ever, and its devices read online for ever. So a bridge online
+// that has said nothing once Options.KickGrace is over is taken as lost:
+// its Will, a retained "offline" on its state topic, is published for it,
+// as the embedded broker does (embedded.Server.DisconnectBridge), and
+// every replica takes it in. A bridge back has said "online" by then. The
+// replica the device moved through does it; should it stop within the
+// grace, nobody does.
+func (b *Broker) BridgesDisconnectingWithoutWill(bridgeIDs ...string) {
+	for _, id := range bridgeIDs {
+		topic, err := b.tree.BridgeState(id)
+		if err != nil {
+			continue
+		}
+		b.mu.Lock()
+		n, away := b.bridgeGen[id], b.away[id]
+		b.mu.Unlock()
+		if n == 0 || away {
+			continue // never heard from, or gone already: there is no Will to stand in for
+		}
+		b.later(b.opts.KickGrace, func() {
+			if !b.latestBridgeState(id, n) {
+				return // it said something since
+			}
+			b.log.Info("bridge not back after it was disconnected for its rights; publishing its Will", "bridge_id", id)
+			if err := b.waitToken(b.client.Publish(topic, 1, true, []byte(topics.BridgeOffline))); err != nil && !errors.Is(err, ErrClosed) {
+				b.log.Warn("publishing the Will of a bridge not back", "bridge_id", id, "err", err)
+			}
+		})
+	}
+}
+
 // noteKicked notes that the bridge is about to be disconnected.
 func (b *Broker) noteKicked(bridgeID string) {
 	now := time.Now()

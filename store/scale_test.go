@@ -332,8 +332,9 @@ func (noCommands) Wait(context.Context, string) (companion.Command, error) {
 	return companion.Command{}, errNoCommands
 }
 
-func (noCommands) DeviceMoved(string)             {}
-func (noCommands) BridgesDisconnecting(...string) {}
+func (noCommands) DeviceMoved(string)                        {}
+func (noCommands) BridgesDisconnecting(...string)            {}
+func (noCommands) BridgesDisconnectingWithoutWill(...string) {}
 
 func (noCommands) Ended([]companion.Command) {}
 

@@ -455,6 +455,11 @@ func (d *Driver) UserCreated(ctx context.Context, userID, token string) error {
 		clientID: d.clientID(UserClientID(userID)), role: UserRole(userID)})
 }
 
+// DisconnectPublishesWill says that Mosquitto's plugin disconnects the
+// clients of a role that changed without their Will: the server publishes
+// the Will of a bridge not back within a grace (api.WillOnDisconnect).
+func (d *Driver) DisconnectPublishesWill() bool { return false }
+
 // Bound grants the user the topics of the device, if the store still says
 // it is theirs.
 func (d *Driver) Bound(ctx context.Context, userID, deviceID string) error {

@@ -565,6 +565,33 @@ func TestABridgeStoppedAfterAMoveReadsOffline(t *testing.T) {
 	}
 }
 
+// A bridge lost just as one of its devices moves, on Mosquitto: its link
+// went silent (its keepalive not yet out), and the plugin, disconnecting
+// it for its new rights, drops its Will. The server publishes that Will
+// for it once the grace is over with no word from it, so its devices read
+// offline; without that they read online for ever (docs/reliability.md,
+// bug 202). The bridge the device moved to, disconnected too, comes back:
+// its Will is not published. The grace is a second here.
+func TestABridgeLostAsADeviceMovesReadsOfflineOnMosquitto(t *testing.T) {
+	t.Parallel()
+	const grace = time.Second
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	m := startOnMosquitto(t, Config{KickGrace: grace}, mq)
+	f, f2 := twoBridgeFleet(t, m)
+	link := testenv.NewRelay(t, strings.TrimPrefix(mq.URL, "tcp://"))
+	startBridge(t, m, "tcp://"+link.Addr(), f, "", "dev-1", "dev-3")
+	startBridge(t, m, mq.URL, f2, "", "dev-2", "dev-1")
+	waitOnline(t, f, true, "dev-1", "dev-2", "dev-3")
+	link.Blackhole()
+	r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	waitOnline(t, f, false, "dev-3")
+	time.Sleep(grace) // past the grace of bridge-2's check too
+	for _, dev := range []string{"dev-1", "dev-2"} {
+		assert.Equal(t, true, f.user.do("GET", "/api/v1/devices/"+dev+"/status", nil).JSON(t)["online"], "%s, on the bridge that came back", dev)
+	}
+}
+
 // A command queued in the persistent session of the bridge a device left
 // never reaches that bridge: the bridge was away when the server sent it
 // (written sent; a bridge's connection dropped, its session kept), the
