@@ -19,6 +19,7 @@ import (
 // the kernel keeps trying, or for ever: the store's writes run on no
 // request's context. A DSN without connect_timeout gets ConnectTimeout.
 func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
+	t.Parallel() // it mostly waits, on a PostgreSQL of its own
 	srv := pgtest.Start(t)
 	u, err := url.Parse(srv.NewDatabase(t))
 	require.NoError(t, err)
@@ -73,6 +74,7 @@ func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
 // The pool takes pool_max_conns from the DSN, as pgxpool documents it,
 // when the store's options do not set MaxConns; 16 when neither does.
 func TestPoolMaxConnsOfTheDSN(t *testing.T) {
+	t.Parallel() // it mostly waits, on a PostgreSQL of its own
 	srv := pgtest.Start(t)
 	dsn := srv.NewDatabase(t)
 	u, err := url.Parse(dsn)

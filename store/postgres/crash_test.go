@@ -15,6 +15,7 @@ import (
 // and crash recovery): it was committed and flushed. Its own server, as
 // it kills it.
 func TestCommittedSurvivesCrash(t *testing.T) {
+	t.Parallel() // it mostly waits, on a PostgreSQL of its own
 	srv := pgtest.Start(t)
 	e := &testEnv{srv: srv}
 	dsn := e.newDB(t)
