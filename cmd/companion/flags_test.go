@@ -101,6 +101,9 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		// error of exit status 1 ("HTTP listen: … missing port in
 		// address", naming no flag).
 		{"HTTP address without a port", []string{"--http", "127.0.0.1"}, "--http"},
+		// Before, an empty one served the API on every interface, on a
+		// port net.Listen picked.
+		{"HTTP address empty", []string{"--http", ""}, "--http is empty"},
 		{"embedded broker port out of range", []string{"--mqtt-listen", "127.0.0.1:99999"}, "--mqtt-listen"},
 		{"metrics address without a port", []string{"--metrics", "localhost"}, "--metrics"},
 		{"issuer not a URL", []string{"--oidc-issuer", "id.example.com", "--oidc-audience", "companion"}, "--oidc-issuer"},

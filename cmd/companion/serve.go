@@ -189,6 +189,11 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 			return usageError{"--mqtt-url: " + err.Error()}
 		}
 	}
+	// An empty --http (COMPANION_HTTP= in an env file) is no "off": to
+	// net.Listen it is every interface, on a port it picks.
+	if c.HTTP == "" {
+		return usageError{"--http is empty: give HOST:PORT for the HTTP API (default 127.0.0.1:8080; port 0: any free one)"}
+	}
 	listens := []struct{ name, addr string }{{"http", c.HTTP}, {"metrics", c.Metrics}, {"pprof", c.PProf}}
 	if c.MQTTURL == "" { // --mqtt-listen is not used with --mqtt-url
 		listens = append(listens, struct{ name, addr string }{"mqtt-listen", c.MQTTListen})
