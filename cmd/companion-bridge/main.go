@@ -245,6 +245,8 @@ func (m *Main) validate() error {
 		return fmt.Errorf("--bridge-id %q: use 1–64 of A–Z a–z 0–9 . _ : -", c.BridgeID)
 	case c.BridgeSecret == "":
 		return errors.New("--bridge-secret (or COMPANION_BRIDGE_SECRET) is required: the secret printed by companion bridge create")
+	case c.Data == "":
+		return errors.New("--data is empty: give the directory of the spool and the blob cache (default ./bridge-data)")
 	case tlsclient.HasCredentials(c.MQTTURL):
 		return errors.New("--mqtt-url: a broker URL holds credentials (user:password@), which would be logged and used in place of the bridge's: the bridge logs in with --bridge-id and --bridge-secret")
 	case urlErr != nil: // one paho could never dial

@@ -70,6 +70,10 @@ func TestParseFlags(t *testing.T) {
 		{name: "sim mtu too small", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--sim-mtu", "10"}, wantErr: "mtu"},
 		{name: "gatt unknown", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "winrt"}, wantErr: "only backend is bluez"},
 		{name: "bad log level", args: []string{"--log-level", "loud"}, wantErr: "loud"},
+		// An empty --data (COMPANION_DATA= in an env file) ended the
+		// bridge once it ran, exit status 1, with "agent: no data
+		// directory", naming no flag.
+		{name: "data directory empty", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--data", ""}, wantErr: "--data is empty"},
 		// An --api-url blob downloads could never use is refused at start,
 		// naming the flag: without a scheme agent.New refused it only
 		// once the bridge ran (exit status 1, "agent: invalid API URL"),

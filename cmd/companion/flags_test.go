@@ -104,6 +104,8 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		// Before, an empty one served the API on every interface, on a
 		// port net.Listen picked.
 		{"HTTP address empty", []string{"--http", ""}, "--http is empty"},
+		// Before, "mkdir : no such file or directory", exit status 1.
+		{"data directory empty", []string{"--data", ""}, "--data is empty"},
 		{"embedded broker port out of range", []string{"--mqtt-listen", "127.0.0.1:99999"}, "--mqtt-listen"},
 		{"metrics address without a port", []string{"--metrics", "localhost"}, "--metrics"},
 		{"issuer not a URL", []string{"--oidc-issuer", "id.example.com", "--oidc-audience", "companion"}, "--oidc-issuer"},

@@ -189,6 +189,11 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 			return usageError{"--mqtt-url: " + err.Error()}
 		}
 	}
+	// Every store keeps admin.token in --data; an empty one ended the
+	// start in "mkdir : no such file or directory", exit status 1.
+	if c.Data == "" {
+		return usageError{"--data is empty: give the data directory (default ./data)"}
+	}
 	// An empty --http (COMPANION_HTTP= in an env file) is no "off": to
 	// net.Listen it is every interface, on a port it picks.
 	if c.HTTP == "" {
