@@ -65,6 +65,9 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(pos) != 1 {
 		return usageError{fmt.Sprintf("%s takes exactly one argument, got %d", cmd, len(pos))}
 	}
+	if err := checkAPIURL(*apiURL); err != nil {
+		return err
+	}
 	arg := pos[0]
 	tok, tokenFile := *token, ""
 	if tok == "" {
@@ -152,6 +155,17 @@ func checkRelease(flagName, id string, idOK bool, idRule, version string) error 
 	}
 	if !topics.ValidVersion(version) {
 		return usageError{fmt.Sprintf("--version %q: give a semantic version such as 1.2.0 (no leading v)", version)}
+	}
+	return nil
+}
+
+// checkAPIURL refuses an --api-url the CLI could never reach the server
+// at: without a scheme (127.0.0.1:8080, as --http is given) net/url failed
+// with "first path segment in URL cannot contain colon", and with another
+// scheme net/http with "unsupported protocol scheme", naming no flag.
+func checkAPIURL(s string) error {
+	if u, err := url.Parse(s); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return usageError{fmt.Sprintf("--api-url %q: give the server's base URL, http://HOST:PORT or https://HOST:PORT", s)}
 	}
 	return nil
 }

@@ -103,6 +103,28 @@ func TestAdminCLIPublishMistakes(t *testing.T) {
 	}
 }
 
+// An --api-url the CLI could never reach a server at is a usage error
+// naming the flag. Before, one without a scheme (127.0.0.1:8080, as
+// --http takes it) ended with "parse …: first path segment in URL cannot
+// contain colon", and one of another scheme with "unsupported protocol
+// scheme", exit status 1, neither naming the flag.
+func TestCLIBadAPIURL(t *testing.T) {
+	t.Parallel()
+	const cmdID = "0190a000-0000-7000-8000-000000000000"
+	for _, apiURL := range []string{"127.0.0.1:8080", "ftp://127.0.0.1:8080", "http:///api"} {
+		for _, args := range [][]string{
+			{"user", "create", "alice", "--admin-token", "t"},
+			{"command", "wait", "dev-1", cmdID, "--token", "t"},
+		} {
+			err := run(context.Background(), append(args, "--api-url", apiURL), &bytes.Buffer{}, &bytes.Buffer{})
+			var ue usageError
+			if assert.ErrorAs(t, err, &ue, "companion %q --api-url %q: %v", args, apiURL, err) {
+				assert.Contains(t, ue.Error(), "--api-url", "companion %q --api-url %q", args, apiURL)
+			}
+		}
+	}
+}
+
 func TestFlagsFromEnvironment(t *testing.T) {
 	t.Setenv("COMPANION_MQTT_URL", "tcp://broker:1883")
 	t.Setenv("COMPANION_DEMO", "true")

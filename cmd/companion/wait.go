@@ -61,6 +61,9 @@ func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if *token == "" {
 		return usageError{"command wait needs --token (or COMPANION_TOKEN)"}
 	}
+	if err := checkAPIURL(*apiURL); err != nil {
+		return err
+	}
 	if *timeout < 0 {
 		return usageError{fmt.Sprintf("--timeout %s: must not be negative (0: wait until the command is final)", *timeout)}
 	}
