@@ -93,6 +93,10 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"dynsec with the embedded broker", []string{"--mqtt-dynsec=false"}, "--mqtt-dynsec"},
 		{"pinned client ids with the embedded broker", []string{"--mqtt-pin-client-ids"}, "--mqtt-pin-client-ids"},
 		{"embedded broker's certificate with another broker", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--mqtt-dynsec=false", "--mqtt-tls-cert", "c.pem", "--mqtt-tls-key", "k.pem"}, "--mqtt-tls-cert"},
+		// Pinned client ids without the driver that pins them: before, the
+		// server started, and any client id was taken.
+		{"pinned client ids without dynsec", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--mqtt-dynsec=false", "--mqtt-pin-client-ids"}, "--mqtt-pin-client-ids"},
+		{"pinned client ids with the NATS callout", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--nats-callout", "nats://127.0.0.1:1", "--mqtt-pin-client-ids"}, "--mqtt-pin-client-ids"},
 		{"credentials in the broker URL", []string{"--mqtt-url", "tcp://srv:s3cret-pw@127.0.0.1:1", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"credentials in a broker URL of a list", []string{"--mqtt-url", "tcp://127.0.0.1:1,srv:s3cret-pw@127.0.0.1:2", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"broker URL without a port", []string{"--mqtt-url", "tcp://127.0.0.1", "--mqtt-dynsec=false"}, "needs a host and a port"},

@@ -181,6 +181,11 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 			return usageError{fmt.Sprintf("--%s is for the embedded broker; with --mqtt-url the broker has its own certificate", name)}
 		}
 	}
+	// Only the dynamic-security driver pins client ids: without it the
+	// flag did nothing, and bridges and users kept taking any client id.
+	if c.MQTTURL != "" && c.MQTTPinClientIDs && (!c.MQTTDynsec || c.NATS.URL != "") {
+		return usageError{"--mqtt-pin-client-ids is done by --mqtt-dynsec on Mosquitto's accounts; with --mqtt-dynsec=false or --nats-callout it would do nothing"}
+	}
 	if tlsclient.HasCredentials(c.MQTTURL) {
 		return usageError{"--mqtt-url: a broker URL holds credentials (user:password@), which would be printed and logged; give them as --mqtt-username and --mqtt-password"}
 	}
