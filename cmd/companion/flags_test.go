@@ -97,6 +97,10 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		// server started, and any client id was taken.
 		{"pinned client ids without dynsec", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--mqtt-dynsec=false", "--mqtt-pin-client-ids"}, "--mqtt-pin-client-ids"},
 		{"pinned client ids with the NATS callout", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--nats-callout", "nats://127.0.0.1:1", "--mqtt-pin-client-ids"}, "--mqtt-pin-client-ids"},
+		// The callout's flags without --nats-callout: before, the server
+		// started, and answered no authorization.
+		{"NATS callout account without the callout", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--mqtt-dynsec=false", "--nats-callout-user", "auth", "--nats-callout-password", "pw"}, "--nats-callout-user"},
+		{"NATS issuer seed without the callout", []string{"--mqtt-url", "tcp://127.0.0.1:1", "--mqtt-dynsec=false", "--nats-issuer-seed", "seed.nk"}, "--nats-issuer-seed"},
 		{"credentials in the broker URL", []string{"--mqtt-url", "tcp://srv:s3cret-pw@127.0.0.1:1", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"credentials in a broker URL of a list", []string{"--mqtt-url", "tcp://127.0.0.1:1,srv:s3cret-pw@127.0.0.1:2", "--mqtt-dynsec=false"}, "--mqtt-username"},
 		{"broker URL without a port", []string{"--mqtt-url", "tcp://127.0.0.1", "--mqtt-dynsec=false"}, "needs a host and a port"},

@@ -181,6 +181,15 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 			return usageError{fmt.Sprintf("--%s is for the embedded broker; with --mqtt-url the broker has its own certificate", name)}
 		}
 	}
+	// The callout's account and keys without --nats-callout were ignored:
+	// the cluster then waited for a callout nobody answered.
+	if c.NATS.URL == "" {
+		for _, name := range []string{"nats-callout-user", "nats-callout-password", "nats-system-user", "nats-system-password", "nats-issuer-seed", "nats-account"} {
+			if onCommandLine[name] {
+				return usageError{fmt.Sprintf("--%s is for --nats-callout URL (answering a NATS cluster's authorization), which is not given", name)}
+			}
+		}
+	}
 	// Only the dynamic-security driver pins client ids: without it the
 	// flag did nothing, and bridges and users kept taking any client id.
 	if c.MQTTURL != "" && c.MQTTPinClientIDs && (!c.MQTTDynsec || c.NATS.URL != "") {
