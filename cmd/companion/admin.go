@@ -162,10 +162,16 @@ func checkRelease(flagName, id string, idOK bool, idRule, version string) error 
 // checkAPIURL refuses an --api-url the CLI could never reach the server
 // at: without a scheme (127.0.0.1:8080, as --http is given) net/url failed
 // with "first path segment in URL cannot contain colon", and with another
-// scheme net/http with "unsupported protocol scheme", naming no flag.
+// scheme net/http with "unsupported protocol scheme", naming no flag. One
+// that ends in /api/v1 (the README's $API) had every path doubled, and was
+// answered "404 not_found: no such resource" under the path undoubled.
 func checkAPIURL(s string) error {
-	if u, err := url.Parse(s); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+	u, err := url.Parse(s)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return usageError{fmt.Sprintf("--api-url %q: give the server's base URL, http://HOST:PORT or https://HOST:PORT", s)}
+	}
+	if strings.HasSuffix(strings.TrimRight(u.Path, "/"), "/api/v1") {
+		return usageError{fmt.Sprintf("--api-url %q: give the server's base URL, without /api/v1 (the CLI adds it)", s)}
 	}
 	return nil
 }

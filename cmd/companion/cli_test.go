@@ -111,7 +111,9 @@ func TestAdminCLIPublishMistakes(t *testing.T) {
 func TestCLIBadAPIURL(t *testing.T) {
 	t.Parallel()
 	const cmdID = "0190a000-0000-7000-8000-000000000000"
-	for _, apiURL := range []string{"127.0.0.1:8080", "ftp://127.0.0.1:8080", "http:///api"} {
+	// One that ends in /api/v1, as the README's $API does, had each path
+	// doubled: "404 not_found: no such resource", under the path undoubled.
+	for _, apiURL := range []string{"127.0.0.1:8080", "ftp://127.0.0.1:8080", "http:///api", "http://127.0.0.1:8080/api/v1", "http://127.0.0.1:8080/api/v1/"} {
 		for _, args := range [][]string{
 			{"user", "create", "alice", "--admin-token", "t"},
 			{"command", "wait", "dev-1", cmdID, "--token", "t"},
