@@ -98,9 +98,12 @@ type Commander interface {
 }
 
 // BrokerAccounts is told of every change to who may use the MQTT broker,
-// after the store has it, so that an external broker's accounts and ACLs
-// follow (dynsec.Driver drives Mosquitto's dynamic-security plugin). It is
-// nil with the embedded broker, which asks the store itself. Secrets are
+// after the store has it, so that the broker's accounts and ACLs follow:
+// dynsec.Driver drives Mosquitto's dynamic-security plugin, NATS's
+// callout disconnects the clients whose rights changed, and the embedded
+// broker, which asks the store itself, only disconnects a bridge whose
+// devices changed. It is nil with a broker the server does not manage
+// (--mqtt-dynsec=false). Secrets are
 // passed only here, at creation, since the store keeps only their hashes.
 // Failures are the implementation's to log and retry: the API's answer
 // does not depend on them.
