@@ -327,6 +327,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 	case topics.KindBridgeState:
 		switch string(m.Payload()) {
 		case topics.BridgeOnline:
+			b.backFromKick(t.BridgeID)
 			b.bridgeOnline(t.BridgeID, b.noteBridgeState(t.BridgeID), m.Ack, 1)
 		case topics.BridgeOffline:
 			n := b.noteBridgeState(t.BridgeID)

@@ -237,6 +237,18 @@ func (b *Broker) noteKicked(bridgeID string) {
 	b.kicked[bridgeID] = now
 }
 
+// backFromKick forgets that the bridge was said to be disconnected for its
+// rights (noteKicked): it says "online" again, so the Will of that
+// disconnection came before this (and is held), and an "offline" after it
+// is of the bridge stopped or lost since, to be taken in at once. Kept,
+// it held such an "offline" for the rest of the grace, the bridge and
+// its devices reading online meanwhile (docs/reliability.md, bug 227).
+func (b *Broker) backFromKick(bridgeID string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.kicked, bridgeID)
+}
+
 // holdKickedWill holds the bridge's Will, its state message n, when the
 // bridge was said to be disconnected for its rights within the grace: it
 // is taken in once the grace is over, if the bridge has said nothing since.

@@ -305,3 +305,30 @@ func TestTheWillOfABridgeDisconnectedForItsRightsIsHeld(t *testing.T) {
 	assert.True(t, online(), "the Will was taken in within the grace")
 	testenv.Eventually(t, 10*time.Second, "the Will taken in after the grace", func() bool { return !online() })
 }
+
+// A bridge back from a disconnection for its rights (its held Will, then
+// its "online") that stops or is lost after has its "offline" taken in at
+// once, not held for the rest of the grace: the Will held was that
+// disconnection's (docs/reliability.md, bug 227). The grace is an hour.
+func TestABridgeBackFromAKickThatStopsReadsOffline(t *testing.T) {
+	ctx := context.Background()
+	e, _ := newReplicas(t, func(o *Options) { o.KickGrace = time.Hour })
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	bs, _ := tree.BridgeState("b1")
+	state := func(s string) {
+		t.Helper()
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, s), 5*time.Second))
+	}
+	online := func() bool {
+		s, err := e.db.Status(ctx, "dev-1")
+		require.NoError(t, err)
+		return s.Online
+	}
+
+	e.b.BridgesDisconnecting("b1")
+	state(topics.BridgeOffline) // the Will of the disconnection, as NATS publishes it: held
+	state(topics.BridgeOnline)  // back
+	state(topics.BridgeOffline) // then stopped
+	testenv.Eventually(t, 10*time.Second, "the device offline with its bridge stopped", func() bool { return !online() })
+}
