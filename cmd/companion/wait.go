@@ -208,8 +208,10 @@ func (w *waiter) follow(ctx context.Context) error {
 		if ev.Type != "command" {
 			continue
 		}
+		// A UUID's hex digits are case-insensitive: the API takes an id
+		// given in upper case, and its events name it in lower case.
 		var c commandView
-		if json.Unmarshal([]byte(ev.Data), &c) != nil || c.ID != w.id {
+		if json.Unmarshal([]byte(ev.Data), &c) != nil || !strings.EqualFold(c.ID, w.id) {
 			continue
 		}
 		if w.show(c) {

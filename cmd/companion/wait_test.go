@@ -271,3 +271,27 @@ func TestWaitResumesAfterStreamDrops(t *testing.T) {
 	assert.Contains(t, w.stderr.String(), "reconnecting")
 	t.Logf("wait said on stderr: %s", w.stderr.String())
 }
+
+// A command id given in upper case (as Swift's UUID.uuidString writes
+// it), which the API takes as the same command: wait follows the command
+// on the stream, whose events name it in lower case, to its end.
+func TestWaitTakesAnUpperCaseCommandID(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	eventsRegister(t, f, "dev-1") // no bridge: the command waits
+	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "never"})
+	id := cmd["id"].(string)
+	w := startWait(t, m.APIURL(), f.user.token, "dev-1", strings.ToUpper(id))
+	assert.Contains(t, []string{"queued", "sent"}, w.line(t))
+	r := f.user.do("DELETE", "/api/v1/devices/dev-1/commands/"+id, nil)
+	require.Contains(t, []int{200, 202}, r.Status, "%s", r.Body)
+	select {
+	case l := <-w.lines:
+		assert.Equal(t, "canceled: canceled by the user", l)
+	case <-time.After(15 * time.Second):
+		t.Fatalf("wait did not see the command canceled on the stream; stderr: %s", w.stderr.String())
+	}
+	lines, err := w.end(t)
+	assert.Equal(t, exitCanceled, exitCode(err), "%v", err)
+	assert.Empty(t, lines)
+}
