@@ -109,7 +109,7 @@ type waiter struct {
 	idle         time.Duration // a stream that sends nothing for this long is dead
 
 	lastID    string // the stream's last event id
-	connected bool   // a stream opened once: errors from now on are retried
+	connected bool   // a stream opened once: errors from now on are retried (before, only notNow ones)
 	shown     commandView
 }
 
@@ -135,7 +135,11 @@ func (w *waiter) run(ctx context.Context) error {
 			// The id is older than the event log keeps: start afresh;
 			// the command's GET covers what the stream cannot.
 			w.lastID = ""
-		case !w.connected || !retryable(err):
+		case !retryable(err), !w.connected && !notNow(err):
+			// Before a stream ever opened, an error is a wrong URL or a
+			// server that is not there: told at once. The server's own
+			// "not now" (too many streams of this user open, not ready
+			// yet) is waited out then too, as on a reconnection.
 			return err
 		}
 		fmt.Fprintf(w.log, "companion: %v; reconnecting in %s\n", err, w.retry)
@@ -275,6 +279,13 @@ func (w *waiter) result() error {
 	default:
 		return exitError{exitCanceled, fmt.Errorf("command %s was canceled", w.id)}
 	}
+}
+
+// notNow reports whether err is an answer that asks the client to come
+// back later: a 429 or a 503.
+func notNow(err error) bool {
+	var ae *apiError
+	return errors.As(err, &ae) && (ae.status == http.StatusTooManyRequests || ae.status == http.StatusServiceUnavailable)
 }
 
 // retryable reports whether err may pass by reconnecting: the network's,

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/internal/testenv"
 )
 
@@ -294,4 +295,34 @@ func TestWaitTakesAnUpperCaseCommandID(t *testing.T) {
 	lines, err := w.end(t)
 	assert.Equal(t, exitCanceled, exitCode(err), "%v", err)
 	assert.Empty(t, lines)
+}
+
+// A wait started while the user has every event stream the server allows
+// open (429 too_many_streams, "try again in 2 s") waits for a place, as
+// it does when the same answer comes on a reconnection, rather than give
+// up on a command still under way.
+func TestWaitWaitsForAStreamOfItsOwn(t *testing.T) {
+	m := startServer(t, Config{Limits: api.Limits{MaxStreamsPerUser: 1}})
+	f := setupFleet(t, m, "dev-1")
+	eventsRegister(t, f, "dev-1") // no bridge: the command waits
+	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "never"})
+	id := cmd["id"].(string)
+	other := sseOpen(t, f.user, "") // the user's one stream
+
+	w := startWait(t, m.APIURL(), f.user.token, "dev-1", id)
+	testenv.Eventually(t, 10*time.Second, "wait refused a stream, and waiting", func() bool {
+		select {
+		case err := <-w.done:
+			t.Fatalf("wait gave up: %v", err)
+		default:
+		}
+		return strings.Contains(w.stderr.String(), "429")
+	})
+	other.Close()
+	assert.Contains(t, []string{"queued", "sent"}, w.line(t))
+	r := f.user.do("DELETE", "/api/v1/devices/dev-1/commands/"+id, nil)
+	require.Contains(t, []int{200, 202}, r.Status, "%s", r.Body)
+	lines, err := w.end(t)
+	assert.Equal(t, exitCanceled, exitCode(err), "%v", err)
+	assert.Equal(t, []string{"canceled: canceled by the user"}, lines)
 }
