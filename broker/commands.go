@@ -32,9 +32,19 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 		if err == nil && !replayed {
 			b.opts.Observer.CommandState(cmd.Op, cmd.State, 0)
 			b.mu.Lock()
-			b.live[cmd.ID] = true
+			// Ended already (its device unbound in a write that committed
+			// and was told here before this callback, as PostgreSQL's
+			// lanes allow): live, a Wait would trust it and wait out its
+			// time for a notify that came before it; handed to the outbox,
+			// it could go out after its cancel.
+			ended := b.finals.has(cmd.ID)
+			if !ended {
+				b.live[cmd.ID] = true
+			}
 			b.mu.Unlock()
-			b.enqueue(cmd)
+			if !ended {
+				b.enqueue(cmd)
+			}
 		}
 		ch <- result{cmd, replayed, err}
 	})

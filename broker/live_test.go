@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -137,4 +138,49 @@ func TestReleaseAnswersWaiters(t *testing.T) {
 		t.Fatal("Release did not answer the waiter")
 	}
 	assert.Equal(t, companion.StateQueued, waitAnswer(t, e, c.ID).State, "a Wait after Release")
+}
+
+// heldCreates is the store with the callback of the command it creates
+// held until release is closed: as on PostgreSQL, whose lanes call back
+// after their own commit, when other writes (an unbinding) may have
+// committed and returned already.
+type heldCreates struct {
+	*store.DB
+	created chan companion.Command
+	release chan struct{}
+}
+
+func (h *heldCreates) CreateCommandAsync(c companion.Command, maxOpen int, idem *companion.Idempotency, done func(companion.Command, bool, error)) {
+	h.DB.CreateCommandAsync(c, maxOpen, idem, func(cmd companion.Command, replayed bool, err error) {
+		h.created <- cmd
+		go func() {
+			<-h.release
+			done(cmd, replayed, err)
+		}()
+	})
+}
+
+// A command ended (its device unbound) before the store called back its
+// acceptance is final: a Prefer: wait on it is answered at once, as on any
+// ended command, and it is neither live here nor handed to the outbox.
+func TestACommandEndedBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
+	e, hold := newEnvOn(t, func(db *store.DB) *heldCreates {
+		return &heldCreates{DB: db, created: make(chan companion.Command, 1), release: make(chan struct{})}
+	})
+	accepted := make(chan error, 1)
+	go func() {
+		_, _, err := e.b.Submit(context.Background(), companion.Command{DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText,
+			Payload: []byte(`{"text":"the previous owner's"}`), ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
+		accepted <- err
+	}()
+	cmd := <-hold.created
+	unbound, err := e.db.Unbind(context.Background(), "dev-1", "u1")
+	require.NoError(t, err)
+	require.Len(t, unbound.Ended, 1)
+	e.b.Ended(unbound.Ended)
+	close(hold.release)
+	require.NoError(t, <-accepted)
+
+	assert.Zero(t, liveCount(e), "the ended command is live")
+	assert.Equal(t, companion.StateCanceled, waitAnswer(t, e, cmd.ID).State)
 }
