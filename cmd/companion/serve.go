@@ -670,7 +670,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	if err != nil {
 		return err
 	}
-	m.ln, err = net.Listen("tcp", cfg.HTTP)
+	m.ln, err = listenHTTP(cfg.HTTP)
 	if err != nil {
 		return fmt.Errorf("HTTP listen: %w", err)
 	}
