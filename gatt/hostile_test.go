@@ -18,6 +18,7 @@ type uploadLink struct {
 	cannedLink
 	requests atomic.Int64
 	off      func(req UploadRequest) uint64
+	match    func(req UploadRequest) *bool // when set, the answer's match
 	order    sync.Mutex
 	last     chan struct{} // closed once the last answer is out
 }
@@ -34,7 +35,11 @@ func (l *uploadLink) Write(_ context.Context, _ string, data []byte, _ bool) err
 		if err := DecodeBody(data[HeaderSize:], &req); err != nil {
 			return err
 		}
-		body, _ = EncodeBody(UploadResponse{Off: l.off(req)})
+		rsp := UploadResponse{Off: l.off(req)}
+		if l.match != nil {
+			rsp.Match = l.match(req)
+		}
+		body, _ = EncodeBody(rsp)
 	} else {
 		body, _ = EncodeBody(struct{}{})
 	}
@@ -102,6 +107,46 @@ func TestUploadThatNeverAdvancesFails(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A device that answers an upload with an offset past its end, or that
+// completes it with match false, answered rc 0: the upload fails with the
+// code of what went wrong (the device's fault, or the bytes), and its
+// message does not say the device answered an rc it did not. Before, the
+// offset past the end failed the command invalid_payload, as if its
+// payload were wrong, "device answered rc 3 (invalid)".
+func TestUploadAnswersOfRCZeroThatFail(t *testing.T) {
+	no := false
+	for _, tt := range []struct {
+		name  string
+		off   func(req UploadRequest) uint64
+		match func(req UploadRequest) *bool
+		code  string
+	}{
+		{"offset past the end", func(UploadRequest) uint64 { return 60_000 }, nil, CodeDeviceError},
+		{"match false", func(req UploadRequest) uint64 { return req.Off + uint64(len(req.Data)) },
+			func(UploadRequest) *bool { return &no }, CodeChecksumMismatch},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			link := &uploadLink{cannedLink: cannedLink{done: make(chan struct{})}, off: tt.off, match: tt.match}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			c := cannedClient(t, ctx, link, ClientOptions{RequestTimeout: 2 * time.Second})
+			tr := NewTransfer(Upload{Group: GroupPush, ID: CmdPushUpload, First: UploadRequest{CmdID: "c1"}, Data: make([]byte, 50_000)})
+			err := tr.Run(ctx, c, 3)
+			var e *Error
+			if !errors.As(err, &e) || e.ErrorCode() != tt.code || strings.Contains(err.Error(), "answered rc") {
+				t.Fatalf("Run = %v (code %q); want %s, without an rc the device did not answer", err, codeOf(e), tt.code)
+			}
+		})
+	}
+}
+
+func codeOf(e *Error) string {
+	if e == nil {
+		return ""
+	}
+	return e.ErrorCode()
 }
 
 // FuzzTransferAnswers has a device answer an upload's requests with the

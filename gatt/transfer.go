@@ -274,14 +274,17 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted boo
 	return nil
 }
 
-// check refuses an answer whose offset is past the end, and the answer
-// that completes an upload with match false.
+// check refuses an answer whose offset is past the end (the device's
+// fault, not the payload's), and the answer that completes an upload with
+// match false. Both answered rc 0: the error names its code, not an rc the
+// device did not answer (docs/reliability.md, bug 209).
 func (t *Transfer) check(rsp UploadResponse) error {
 	if rsp.Off > t.total {
-		return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCInvalid, Reason: fmt.Sprintf("device holds offset %d of %d", rsp.Off, t.total)}
+		return &Error{Group: t.u.Group, ID: t.u.ID, Code: CodeDeviceError,
+			Reason: fmt.Sprintf("the device answered that it holds offset %d of an upload of %d bytes", rsp.Off, t.total)}
 	}
 	if rsp.Match != nil && !*rsp.Match {
-		return &Error{Group: t.u.Group, ID: t.u.ID, RC: RCCorrupt,
+		return &Error{Group: t.u.Group, ID: t.u.ID, Code: CodeChecksumMismatch,
 			Reason: "the SHA-256 of what the device wrote does not match the upload's (match: false)"}
 	}
 	return nil
