@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -111,6 +112,9 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err := checkRelease("--model", model, topics.ValidDeviceID(model), "1–64 of A–Z a–z 0–9 . _ : -", version); err != nil {
 			return err
 		}
+		if err := checkFirmware(arg, version); err != nil {
+			return err
+		}
 		body, err = c.putFile(ctx, "/api/v1/admin/firmware/"+url.PathEscape(model)+"/"+url.PathEscape(version), arg, stderr)
 	case "app publish":
 		if appID == "" || version == "" {
@@ -172,6 +176,41 @@ func checkAPIURL(s string) error {
 	}
 	if strings.HasSuffix(strings.TrimRight(u.Path, "/"), "/api/v1") {
 		return usageError{fmt.Sprintf("--api-url %q: give the server's base URL, without /api/v1 (the CLI adds it)", s)}
+	}
+	return nil
+}
+
+// checkFirmware refuses, before the upload, a firmware version the API
+// refuses before it reads the body (one an MCUboot header cannot hold,
+// or not written as a device reports it), and a file whose MCUboot
+// header is missing or holds another version, which the API refuses only
+// once the whole image (up to 64 MiB) is sent (docs/reliability.md, bug
+// 210). A file that is not a regular one, or cannot be read, is left to
+// the upload to report.
+func checkFirmware(file, version string) error {
+	want, err := mcuboot.ParseVersion(version)
+	if err != nil {
+		return usageError{fmt.Sprintf("--version %q: an MCUboot image header holds major.minor.revision (at most 255.255.65535) and an optional +build number", version)}
+	}
+	if canon := want.String(); canon != version {
+		return usageError{fmt.Sprintf("--version %q: write it %s, the form a device reports the version in", version, canon)}
+	}
+	f, err := os.Open(file)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		return nil
+	}
+	head := make([]byte, mcuboot.HeaderSize)
+	n, _ := io.ReadFull(f, head)
+	h, err := mcuboot.ParseHeader(head[:n])
+	switch {
+	case err != nil:
+		return usageError{fmt.Sprintf("%s is not an MCUboot image (imgtool sign's format): %v", file, err)}
+	case h.Version != want:
+		return usageError{fmt.Sprintf("--version %s: the MCUboot header of %s says %s", version, file, h.Version)}
 	}
 	return nil
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/mcuboot"
 )
 
 // The admin CLI is a client of the admin API of a running server.
@@ -59,14 +60,21 @@ func TestAdminCLI(t *testing.T) {
 	assert.ErrorContains(t, err, "401")
 
 	// Firmware that is not an MCUboot image of the version it is published
-	// as is refused, and the CLI says which part is wrong.
+	// as is refused, and the CLI says which part is wrong: from its header
+	// before the upload, and from the API's answer for the rest.
 	raw := filepath.Join(t.TempDir(), "raw.bin")
 	require.NoError(t, os.WriteFile(raw, bytes.Repeat([]byte{1}, 1000), 0o600))
 	err = run(context.Background(), []string{"firmware", "publish", "--model", "sim-1", "--version", "1.3.0", raw, "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
-	assert.ErrorContains(t, err, "422 validation_failed")
-	assert.ErrorContains(t, err, "image.magic: 0x01010101 is not MCUboot's 0x96f3b83d")
+	assert.ErrorAs(t, err, &ue)
+	assert.ErrorContains(t, err, "magic: 0x01010101 is not MCUboot's 0x96f3b83d")
 	err = run(context.Background(), []string{"firmware", "publish", "--model", "sim-1", "--version", "1.3.0", fw, "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
-	assert.ErrorContains(t, err, "image.version: the image header's version is 1.2.0, not the 1.3.0 it is published as")
+	assert.ErrorAs(t, err, &ue)
+	assert.ErrorContains(t, err, "says 1.2.0")
+	bad := filepath.Join(t.TempDir(), "bad.bin")
+	require.NoError(t, os.WriteFile(bad, append(bytes.Clone(img[:len(img)-1]), img[len(img)-1]^1), 0o600))
+	err = run(context.Background(), []string{"firmware", "publish", "--model", "sim-1", "--version", "1.2.0", bad, "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
+	assert.ErrorContains(t, err, "422 validation_failed")
+	assert.ErrorContains(t, err, "image.sha256: the SHA-256 of header, image and protected TLVs is")
 }
 
 // An id or version of a release that the API cannot take, and a FILE that
@@ -80,6 +88,8 @@ func TestAdminCLIPublishMistakes(t *testing.T) {
 	api := "http://" + m.HTTPAddr()
 	pkg := filepath.Join(t.TempDir(), "weather.pkg")
 	require.NoError(t, os.WriteFile(pkg, bytes.Repeat([]byte("pkg"), 1000), 0o600))
+	fw := filepath.Join(t.TempDir(), "zephyr.signed.bin")
+	require.NoError(t, os.WriteFile(fw, mcuboot.MustBuild(bytes.Repeat([]byte("fw"), 100_000), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 2}}), 0o600))
 	for _, tc := range []struct {
 		args []string
 		want string
@@ -89,6 +99,13 @@ func TestAdminCLIPublishMistakes(t *testing.T) {
 		{[]string{"app", "publish", "--app-id", "weather", "--version", "v1.3.0", pkg}, "--version \"v1.3.0\""},
 		{[]string{"firmware", "publish", "--model", "sim 1", "--version", "1.2.0", pkg}, "--model \"sim 1\""},
 		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.2", pkg}, "--version \"1.2\""},
+		// Semantic versions an MCUboot header cannot hold, or that a device
+		// never reports, and a file that is not an image of --version.
+		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.2.0-rc.1", fw}, "--version \"1.2.0-rc.1\""},
+		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "256.0.0", fw}, "--version \"256.0.0\""},
+		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.2.0+0", fw}, "write it 1.2.0"},
+		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.3.0", fw}, "header of " + fw + " says 1.2.0"},
+		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.2.0", pkg}, "not an MCUboot image"},
 		{[]string{"app", "publish", "--app-id", "weather", "--version", "1.3.0", t.TempDir()}, "not a regular file"},
 		{[]string{"firmware", "publish", "--model", "sim-1", "--version", "1.2.0", t.TempDir()}, "not a regular file"},
 	} {
