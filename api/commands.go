@@ -807,7 +807,13 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 		}
 		fw = latestOf(fws, func(f companion.Firmware) string { return f.Version })
 		if !newer(fw.Version, st.FirmwareVersion) {
-			return &Error{Code: CodeNoUpdate, Detail: "the device already runs " + st.FirmwareVersion + ", the latest for its model"}
+			detail := "the device already runs " + st.FirmwareVersion + ", the latest for its model"
+			if topics.CompareVersions(st.FirmwareVersion, fw.Version) > 0 {
+				// Not the latest published: a newer one than any
+				// (docs/reliability.md, bug 211).
+				detail = "the device runs " + st.FirmwareVersion + ", newer than " + fw.Version + ", the latest published for its model"
+			}
+			return &Error{Code: CodeNoUpdate, Detail: detail}
 		}
 	}
 	payload := topics.OTAUpdate{Version: fw.Version, Blob: blobRef(fw.SHA256, fw.Size)}

@@ -562,6 +562,23 @@ func TestOTAToAnotherBuildOfTheRunningVersion(t *testing.T) {
 	assert.Equal(t, "1.1.0+2", ou.Version)
 }
 
+// A device that runs a version newer than any published for its model has
+// no update: the 409 says which is the latest, not that the device's own
+// version is.
+func TestOTAOnADeviceAheadOfTheCatalog(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.report("dev-1", "2.0.0")
+	r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/1.1.0", token: testAdminToken, body: firmwareImage(t, "1.1.0", 600),
+		header: map[string]string{"Content-Type": "application/octet-stream"}})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	r = e.do("POST", "/api/v1/devices/dev-1/ota/update", tok, `{}`)
+	require.Equal(t, 409, r.status, "%s", r.body)
+	p := r.problem(t)
+	assert.Equal(t, CodeNoUpdate, p.Code)
+	assert.Equal(t, "the device runs 2.0.0, newer than 1.1.0, the latest published for its model", p.Detail)
+}
+
 // An optional member that is null is taken as absent, as many JSON
 // encoders write an unset field; api/openapi.json says so, so that a
 // client checked against it may send one.
