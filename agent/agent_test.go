@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -1241,4 +1242,82 @@ func (outOfReach) Info(context.Context) (companion.DeviceInfo, error) {
 
 func (outOfReach) Settings(context.Context) (map[string]any, topics.Schema, error) {
 	return nil, nil, errors.New("out of reach")
+}
+
+// An app installed, updated or removed on a device whose status read right
+// after fails: the command succeeds, and its final reply carries the last
+// known status with the change (the server stores it with the command's
+// end, CONTRACT §8: GET …/apps lists the new state once the command is
+// final), also for a device out of reach from then on. (The reply carried
+// no status: the apps read stale until the device could be read again.)
+func TestAppStatusReadAfterTheChangeFails(t *testing.T) {
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	sd := newSim("dev-1")
+	dev := &unreadableAfterApps{Device: sd}
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{sd}, interval: 200 * time.Millisecond, wrap: func(*sim.Device) agent.Device { return dev }})
+	w.waitStatus("dev-1", "first", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "1.0.0" })
+
+	apps := func(r topics.Reply) []companion.App {
+		if r.Status == nil {
+			return nil
+		}
+		return r.Status.Apps
+	}
+	pkg := bs.add([]byte("weather package"))
+	for _, tc := range []struct {
+		c    topics.Command
+		want []companion.App
+	}{
+		{command(t, "dev-1", topics.OpAppInstall, topics.AppInstall{AppID: "weather", Version: "1.0.0", Blob: pkg}),
+			[]companion.App{{AppID: "weather", Version: "1.0.0"}}},
+		{command(t, "dev-1", topics.OpAppInstall, topics.AppInstall{AppID: "clock", Version: "2.0.0", Blob: pkg}),
+			[]companion.App{{AppID: "clock", Version: "2.0.0"}, {AppID: "weather", Version: "1.0.0"}}},
+		{command(t, "dev-1", topics.OpAppUpdate, topics.AppInstall{AppID: "weather", Version: "1.1.0", Blob: pkg}),
+			[]companion.App{{AppID: "clock", Version: "2.0.0"}, {AppID: "weather", Version: "1.1.0"}}},
+		{command(t, "dev-1", topics.OpAppUninstall, topics.AppUninstall{AppID: "clock"}),
+			[]companion.App{{AppID: "weather", Version: "1.1.0"}}},
+	} {
+		w.send(tc.c)
+		r := w.waitFinal("dev-1", tc.c.ID)
+		if r.State != companion.StateSucceeded {
+			t.Fatalf("%s: final %s %+v; want succeeded", tc.c.Op, r.State, r.Error)
+		}
+		if !dev.unreadable() {
+			t.Fatalf("%s: the device was not made unreadable", tc.c.Op)
+		}
+		if got := apps(r); !reflect.DeepEqual(got, tc.want) || !r.Status.Online {
+			t.Errorf("%s: final reply's status %+v; want the last known one, online, with apps %v", tc.c.Op, r.Status, tc.want)
+		}
+	}
+}
+
+// unreadableAfterApps is a simulated device that answers no status read
+// once an app has been installed on it.
+type unreadableAfterApps struct {
+	*sim.Device
+	mu      sync.Mutex
+	changed bool
+}
+
+func (d *unreadableAfterApps) InstallApp(ctx context.Context, cmdID, appID, version string, pkg []byte) error {
+	err := d.Device.InstallApp(ctx, cmdID, appID, version, pkg)
+	d.mu.Lock()
+	d.changed = d.changed || err == nil
+	d.mu.Unlock()
+	return err
+}
+
+func (d *unreadableAfterApps) unreadable() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.changed
+}
+
+func (d *unreadableAfterApps) Info(ctx context.Context) (companion.DeviceInfo, error) {
+	if d.unreadable() {
+		return companion.DeviceInfo{}, errors.New("out of reach after the change")
+	}
+	return d.Device.Info(ctx)
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -342,7 +343,24 @@ func (a *Agent) installApp(ctx context.Context, dr *deviceRunner, c topics.Comma
 	if err := dr.dev.InstallApp(ctx, c.ID, p.AppID, p.Version, pkg); err != nil {
 		return nil, deviceState{}, err
 	}
-	return resultJSON(companion.App{AppID: p.AppID, Version: p.Version}), a.statusAfter(ctx, dr), nil
+	installed := func(st *topics.Status) { st.Apps = withApp(st.Apps, p.AppID, p.Version) }
+	return resultJSON(companion.App{AppID: p.AppID, Version: p.Version}), a.statusAfter(ctx, dr, installed), nil
+}
+
+// withApp is apps with appID at version (version "" removes it), in app id
+// order as the device's apps are reported; apps itself is not changed.
+func withApp(apps []companion.App, appID, version string) []companion.App {
+	out := make([]companion.App, 0, len(apps)+1)
+	for _, x := range apps {
+		if x.AppID != appID {
+			out = append(out, x)
+		}
+	}
+	if version != "" {
+		out = append(out, companion.App{AppID: appID, Version: version})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].AppID < out[j].AppID })
+	return out
 }
 
 func (a *Agent) uninstallApp(ctx context.Context, dr *deviceRunner, c topics.Command, _ *progressReporter) (json.RawMessage, deviceState, error) {
@@ -356,7 +374,8 @@ func (a *Agent) uninstallApp(ctx context.Context, dr *deviceRunner, c topics.Com
 	if err := dr.dev.UninstallApp(ctx, c.ID, p.AppID); err != nil {
 		return nil, deviceState{}, err
 	}
-	return nil, a.statusAfter(ctx, dr), nil
+	removed := func(st *topics.Status) { st.Apps = withApp(st.Apps, p.AppID, "") }
+	return nil, a.statusAfter(ctx, dr, removed), nil
 }
 
 func (a *Agent) updateSettings(ctx context.Context, dr *deviceRunner, c topics.Command, _ *progressReporter) (json.RawMessage, deviceState, error) {
@@ -414,7 +433,7 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 	st, err := a.readStatus(ctx, dr)
 	if err != nil {
 		a.log.Warn("reading the status after a firmware update failed; it follows in a report", "device", dr.id, "cmd", c.ID, "err", err)
-		return resultJSON(map[string]string{"firmware_version": p.Version}), a.knownStatusWith(dr, p.Version), nil
+		return resultJSON(map[string]string{"firmware_version": p.Version}), a.knownStatusWith(dr, func(st *topics.Status) { st.FirmwareVersion = p.Version }), nil
 	}
 	if st.FirmwareVersion != p.Version {
 		return nil, deviceState{status: &st}, cmdErr(codeVersionMismatch, fmt.Sprintf("the device reports firmware %q after the update to %q", st.FirmwareVersion, p.Version))
@@ -422,33 +441,37 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 	return resultJSON(map[string]string{"firmware_version": st.FirmwareVersion}), deviceState{status: &st}, nil
 }
 
-// knownStatusWith is the device's last known status with the firmware
-// version an update confirmed, for the final reply of an update whose
-// status read failed: the server stores it with the command's end, so that
-// GET …/status shows the new version once the command is final (CONTRACT
-// §8), and the reporter keeps it, so that a report of the device out of
-// reach does not put the old version back. Without a last known status
-// there is nothing to carry: the status follows in a report.
-func (a *Agent) knownStatusWith(dr *deviceRunner, firmware string) deviceState {
+// knownStatusWith is the device's last known status with what a command
+// that succeeded changed (change: the firmware version an update
+// confirmed, an app installed or removed), for the final reply of a
+// command whose status read failed: the server stores it with the
+// command's end, so that GET …/status and GET …/apps show the change once
+// the command is final (CONTRACT §8), and the reporter keeps it, so that a
+// report of the device out of reach does not put the old state back.
+// Without a last known status there is nothing to carry: the status
+// follows in a report.
+func (a *Agent) knownStatusWith(dr *deviceRunner, change func(*topics.Status)) deviceState {
 	seq := a.nextSeq()
 	last, err := a.spool.lastStatus(dr.id)
 	if err != nil || last == nil {
 		return deviceState{}
 	}
 	st := *last
-	st.Online, st.FirmwareVersion, st.BridgeID = true, firmware, a.opts.BridgeID
+	change(&st)
+	st.Online, st.BridgeID = true, a.opts.BridgeID
 	st.At, st.Seq = a.now(), seq
 	return deviceState{status: &st}
 }
 
 // statusAfter reads the device's status after a command that changed it;
-// when the read fails the command is still done, and the status follows in
-// a report.
-func (a *Agent) statusAfter(ctx context.Context, dr *deviceRunner) deviceState {
+// when the read fails the command is still done, its final reply carries
+// the last known status with change applied (docs/reliability.md, bug
+// 212), and the status follows in a report.
+func (a *Agent) statusAfter(ctx context.Context, dr *deviceRunner, change func(*topics.Status)) deviceState {
 	st, err := a.readStatus(ctx, dr)
 	if err != nil {
 		a.log.Warn("reading the status after a change failed; it follows in a report", "device", dr.id, "err", err)
-		return deviceState{}
+		return a.knownStatusWith(dr, change)
 	}
 	return deviceState{status: &st}
 }
