@@ -438,7 +438,11 @@ func (s *Server) release(ctx context.Context, appID, version string) (companion.
 	if len(rs) == 0 {
 		return companion.AppRelease{}, errAppNotFound
 	}
-	return latestOf(rs, func(r companion.AppRelease) string { return r.Version }), nil
+	// The catalog's latest (companion.CatalogApp): releases that differ
+	// only in build metadata are equal semantic versions, and a pick among
+	// them by latestOf installed another than GET /apps lists as the
+	// latest (docs/reliability.md, bug 213).
+	return slices.MaxFunc(rs, func(a, b companion.AppRelease) int { return companion.ByVersion(a.Version, b.Version) }), nil
 }
 
 // latestOf returns the element of xs with the highest version.

@@ -562,6 +562,35 @@ func TestOTAToAnotherBuildOfTheRunningVersion(t *testing.T) {
 	assert.Equal(t, "1.1.0+2", ou.Version)
 }
 
+// Releases of an app that differ only in build metadata order as equal
+// semantic versions; the catalog breaks the tie by their text, and an
+// install or update without a version takes the release the catalog lists
+// as the latest, not another.
+func TestAppLatestIsTheCatalogs(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.report("dev-1", "1.0.0", topicsApp("weather", "0.9.0"))
+	for _, v := range []string{"1.0.0+1", "1.0.0+2"} {
+		r := e.send(req{method: "PUT", path: "/api/v1/admin/apps/weather/" + v, token: testAdminToken, body: []byte("weather " + v),
+			header: map[string]string{"Content-Type": "application/octet-stream"}})
+		require.Equal(t, 201, r.status, "%s", r.body)
+	}
+	r := e.do("GET", "/api/v1/apps", tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	latest := r.json(t)["apps"].([]any)[0].(map[string]any)["version"]
+	require.Equal(t, "1.0.0+2", latest, "the catalog's latest")
+	for _, tc := range []struct{ method, path, body string }{
+		{"POST", "/api/v1/devices/dev-1/apps/install", `{"app_id":"weather"}`},
+		{"PUT", "/api/v1/devices/dev-1/apps/weather/update", `{}`},
+	} {
+		r := e.do(tc.method, tc.path, tok, tc.body)
+		require.Equal(t, 202, r.status, "%s", r.body)
+		var ai topics.AppInstall
+		require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &ai))
+		assert.Equal(t, latest, ai.Version, "%s %s", tc.method, tc.path)
+	}
+}
+
 // A device that runs a version newer than any published for its model has
 // no update: the 409 says which is the latest, not that the device's own
 // version is.
