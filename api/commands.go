@@ -27,6 +27,7 @@ import (
 
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/internal/fastjson"
+	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -439,21 +440,10 @@ func (s *Server) release(ctx context.Context, appID, version string) (companion.
 		return companion.AppRelease{}, errAppNotFound
 	}
 	// The catalog's latest (companion.CatalogApp): releases that differ
-	// only in build metadata are equal semantic versions, and a pick among
-	// them by latestOf installed another than GET /apps lists as the
-	// latest (docs/reliability.md, bug 213).
+	// only in build metadata are equal semantic versions, and the first of
+	// them, picked before, was another than GET /apps lists as the latest
+	// (docs/reliability.md, bug 213).
 	return slices.MaxFunc(rs, func(a, b companion.AppRelease) int { return companion.ByVersion(a.Version, b.Version) }), nil
-}
-
-// latestOf returns the element of xs with the highest version.
-func latestOf[T any](xs []T, version func(T) string) T {
-	best := xs[0]
-	for _, x := range xs[1:] {
-		if topics.CompareVersions(version(x), version(best)) > 0 {
-			best = x
-		}
-	}
-	return best
 }
 
 func checkVersion(field string, v *string) []FieldError {
@@ -754,11 +744,26 @@ func (s *Server) otaCheck(c *gin.Context) error {
 	}
 	out := otaCheckJSON{CurrentVersion: stringOrNull(st.FirmwareVersion)}
 	if len(fws) > 0 {
-		latest := latestOf(fws, func(f companion.Firmware) string { return f.Version })
+		latest := latestFirmware(fws)
 		out.LatestVersion, out.Size, out.SHA256 = &latest.Version, &latest.Size, &latest.SHA256
 		out.UpdateAvailable = newer(latest.Version, st.FirmwareVersion)
 	}
 	return s.reply(c, http.StatusOK, out, "", nil, nil)
+}
+
+// latestFirmware is the firmware of the highest version, its build number
+// compared as the number an MCUboot header holds: of 1.1.0+1, +2 and +10,
+// one semantic version, the +10 (docs/reliability.md, bug 214). A version
+// no header holds (none is published so) orders as a semantic version.
+func latestFirmware(fws []companion.Firmware) companion.Firmware {
+	return slices.MaxFunc(fws, func(a, b companion.Firmware) int {
+		va, erra := mcuboot.ParseVersion(a.Version)
+		vb, errb := mcuboot.ParseVersion(b.Version)
+		if erra == nil && errb == nil {
+			return va.Compare(vb)
+		}
+		return companion.ByVersion(a.Version, b.Version)
+	})
 }
 
 // newer reports whether version v is an update for a device running cur;
@@ -809,13 +814,17 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 		if len(fws) == 0 {
 			return errFirmwareNotFnd
 		}
-		fw = latestOf(fws, func(f companion.Firmware) string { return f.Version })
+		fw = latestFirmware(fws)
 		if !newer(fw.Version, st.FirmwareVersion) {
 			detail := "the device already runs " + st.FirmwareVersion + ", the latest for its model"
-			if topics.CompareVersions(st.FirmwareVersion, fw.Version) > 0 {
+			switch {
+			case topics.CompareVersions(st.FirmwareVersion, fw.Version) > 0:
 				// Not the latest published: a newer one than any
 				// (docs/reliability.md, bug 211).
 				detail = "the device runs " + st.FirmwareVersion + ", newer than " + fw.Version + ", the latest published for its model"
+			case st.FirmwareVersion != fw.Version:
+				detail = "the device runs " + st.FirmwareVersion + ", another build of " + fw.Version + ", the latest for its model: " +
+					"an update without a version takes only a newer semantic version; ask for " + fw.Version + " to install it"
 			}
 			return &Error{Code: CodeNoUpdate, Detail: detail}
 		}

@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
@@ -589,6 +590,39 @@ func TestAppLatestIsTheCatalogs(t *testing.T) {
 		require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &ai))
 		assert.Equal(t, latest, ai.Version, "%s %s", tc.method, tc.path)
 	}
+}
+
+// Builds of one firmware version (1.1.0+1, +2, +10) are one semantic
+// version, but MCUboot's header numbers them: the latest is the highest
+// build, as a number, for ota/check and for an update without a version.
+// A device on another build of it has no update without a version, and
+// the 409 says why.
+func TestOTALatestIsTheHighestBuild(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.report("dev-1", "1.0.0")
+	var want []byte
+	for _, v := range []string{"1.1.0+1", "1.1.0+2", "1.1.0+10"} {
+		want = firmwareImage(t, v, 600)
+		r := e.send(req{method: "PUT", path: "/api/v1/admin/firmware/sim-1/" + v, token: testAdminToken, body: want,
+			header: map[string]string{"Content-Type": "application/octet-stream"}})
+		require.Equal(t, 201, r.status, "%s", r.body)
+	}
+	r := e.do("GET", "/api/v1/devices/dev-1/ota/check", tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	check := r.json(t)
+	assert.Equal(t, "1.1.0+10", check["latest_version"])
+	assert.Equal(t, fmt.Sprintf("%x", sha256.Sum256(want)), check["sha256"])
+	r = e.do("POST", "/api/v1/devices/dev-1/ota/update", tok, `{}`)
+	require.Equal(t, 202, r.status, "%s", r.body)
+	var ou topics.OTAUpdate
+	require.NoError(t, json.Unmarshal(e.cmds.last(t).Payload, &ou))
+	assert.Equal(t, "1.1.0+10", ou.Version)
+
+	e.report("dev-1", "1.1.0+2")
+	r = e.do("POST", "/api/v1/devices/dev-1/ota/update", tok, `{}`)
+	require.Equal(t, 409, r.status, "%s", r.body)
+	assert.Equal(t, "the device runs 1.1.0+2, another build of 1.1.0+10, the latest for its model: an update without a version takes only a newer semantic version; ask for 1.1.0+10 to install it", r.problem(t).Detail)
 }
 
 // A device that runs a version newer than any published for its model has
