@@ -245,28 +245,36 @@ func TestBridgeWillTakenAgainNotAfterItsOnline(t *testing.T) {
 	assert.True(t, s.Online, "the Will before the online was taken after it")
 }
 
+// kickedBridge connects bridge b1 serving dev-1, online, and returns a
+// function that publishes its state (retained, as a Will is) and one that
+// reads whether dev-1 is online in the store.
+func kickedBridge(t *testing.T, e *env) (state func(string), online func() bool) {
+	t.Helper()
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+	bs, _ := tree.BridgeState("b1")
+	state = func(s string) {
+		t.Helper()
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, s), 5*time.Second))
+	}
+	online = func() bool {
+		s, err := e.db.Status(context.Background(), "dev-1")
+		require.NoError(t, err)
+		return s.Online
+	}
+	return state, online
+}
+
 // The Will of a bridge about to be disconnected for a change of its rights
 // (BridgesDisconnecting, told to one replica) is held on every replica: a
 // bridge that says "online" again within the grace never has its devices
 // read offline. One that does not come back has its Will taken in once the
 // grace is over.
 func TestTheWillOfABridgeDisconnectedForItsRightsIsHeld(t *testing.T) {
-	ctx := context.Background()
 	grace := time.Second
 	e, other := newReplicas(t, func(o *Options) { o.KickGrace = grace })
 
-	fb := connectBridge(t, e)
-	fb.online(t, e, "dev-1")
-	bs, _ := tree.BridgeState("b1")
-	state := func(s string) {
-		t.Helper()
-		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, s), 5*time.Second))
-	}
-	online := func() bool {
-		s, err := e.db.Status(ctx, "dev-1")
-		require.NoError(t, err)
-		return s.Online
-	}
+	state, online := kickedBridge(t, e)
 
 	toldAt := func() time.Time {
 		e.b.mu.Lock()
@@ -311,20 +319,8 @@ func TestTheWillOfABridgeDisconnectedForItsRightsIsHeld(t *testing.T) {
 // once, not held for the rest of the grace: the Will held was that
 // disconnection's (docs/reliability.md, bug 227). The grace is an hour.
 func TestABridgeBackFromAKickThatStopsReadsOffline(t *testing.T) {
-	ctx := context.Background()
 	e, _ := newReplicas(t, func(o *Options) { o.KickGrace = time.Hour })
-	fb := connectBridge(t, e)
-	fb.online(t, e, "dev-1")
-	bs, _ := tree.BridgeState("b1")
-	state := func(s string) {
-		t.Helper()
-		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(bs, 1, true, s), 5*time.Second))
-	}
-	online := func() bool {
-		s, err := e.db.Status(ctx, "dev-1")
-		require.NoError(t, err)
-		return s.Online
-	}
+	state, online := kickedBridge(t, e)
 
 	e.b.BridgesDisconnecting("b1")
 	state(topics.BridgeOffline) // the Will of the disconnection, as NATS publishes it: held
