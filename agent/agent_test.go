@@ -1321,3 +1321,71 @@ func (d *unreadableAfterApps) Info(ctx context.Context) (companion.DeviceInfo, e
 	}
 	return d.Device.Info(ctx)
 }
+
+// TestSettingsReadAfterTheChangeFails: a settings change on a device that
+// cannot be read right after is done, and its final reply carries the
+// settings read before it with the change applied (CONTRACT §8; bug 229).
+func TestSettingsReadAfterTheChangeFails(t *testing.T) {
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	sd := newSim("dev-1")
+	dev := &unreadableAfterSettings{Device: sd}
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{sd}, wrap: func(*sim.Device) agent.Device { return dev }})
+	w.waitStatus("dev-1", "first", func(s topics.Status) bool { return s.Online })
+
+	c := command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80, "language": "de"}})
+	w.send(c)
+	r := w.waitFinal("dev-1", c.ID)
+	if r.State != companion.StateSucceeded {
+		t.Fatalf("final %s %+v; want succeeded", r.State, r.Error)
+	}
+	if !dev.unreadable() {
+		t.Fatal("the device was not made unreadable")
+	}
+	if r.Settings == nil {
+		t.Fatal("final reply carries no settings; want the settings with the change")
+	}
+	got := r.Settings.Reported
+	if got["brightness"] != float64(80) || got["language"] != "de" || got["volume"] != float64(50) || got["timezone"] != "UTC" {
+		t.Errorf("final reply's settings %v; want brightness 80 and language de, the rest as before", got)
+	}
+	if r.Settings.Schema["brightness"].Type != topics.SettingInt {
+		t.Errorf("final reply's schema %+v; want the device's", r.Settings.Schema)
+	}
+	var res struct {
+		Reported map[string]any `json:"reported"`
+	}
+	if err := json.Unmarshal(r.Result, &res); err != nil || res.Reported["brightness"] != float64(80) {
+		t.Errorf("result %s (%v); want the reported settings", r.Result, err)
+	}
+}
+
+// unreadableAfterSettings is a simulated device that answers no settings
+// read once its settings have been changed.
+type unreadableAfterSettings struct {
+	*sim.Device
+	mu      sync.Mutex
+	changed bool
+}
+
+func (d *unreadableAfterSettings) UpdateSettings(ctx context.Context, cmdID string, values map[string]any) error {
+	err := d.Device.UpdateSettings(ctx, cmdID, values)
+	d.mu.Lock()
+	d.changed = d.changed || err == nil
+	d.mu.Unlock()
+	return err
+}
+
+func (d *unreadableAfterSettings) unreadable() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.changed
+}
+
+func (d *unreadableAfterSettings) Settings(ctx context.Context) (map[string]any, topics.Schema, error) {
+	if d.unreadable() {
+		return nil, nil, errors.New("out of reach after the change")
+	}
+	return d.Device.Settings(ctx)
+}

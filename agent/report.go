@@ -181,10 +181,17 @@ func (a *Agent) readSettings(ctx context.Context, dr *deviceRunner) (topics.Sett
 	if err != nil {
 		return topics.Settings{}, err
 	}
+	return a.settingsMessage(dr.id, reported, schema, seq)
+}
+
+// settingsMessage is a device's settings as the bridge sends them, with
+// seq: what JSON cannot carry left out, and an error when they take more
+// than a message carries.
+func (a *Agent) settingsMessage(deviceID string, reported map[string]any, schema topics.Schema, seq uint64) (topics.Settings, error) {
 	if reported == nil {
 		reported = map[string]any{}
 	}
-	reported, schema = a.encodableSettings(dr.id, reported, schema)
+	reported, schema = a.encodableSettings(deviceID, reported, schema)
 	set := topics.Settings{Reported: reported, Schema: schema, At: a.now(), Seq: seq}
 	if b, err := fastjson.Marshal(set); err == nil && len(b) > topics.MaxPayload {
 		// A device may answer each setting's read with up to 16 KiB, and

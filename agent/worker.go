@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"sort"
 	"strings"
 	"sync"
@@ -386,7 +387,7 @@ func (a *Agent) updateSettings(ctx context.Context, dr *deviceRunner, c topics.C
 	if len(p.Settings) == 0 {
 		return nil, deviceState{}, cmdErr(codeInvalidPayload, "no settings to change")
 	}
-	_, schema, err := dr.dev.Settings(ctx)
+	before, schema, err := dr.dev.Settings(ctx)
 	if err != nil {
 		return nil, deviceState{}, err
 	}
@@ -402,8 +403,22 @@ func (a *Agent) updateSettings(ctx context.Context, dr *deviceRunner, c topics.C
 	}
 	set, err := a.readSettings(ctx, dr)
 	if err != nil {
+		// The device took the change: the command is done, and its final
+		// reply carries the settings read before it with the change
+		// applied, so that GET …/settings shows it once the command is
+		// final (CONTRACT §8), as an app's or an OTA's reply carries the
+		// last known status with its change (docs/reliability.md, bug
+		// 229). A report follows.
 		a.log.Warn("reading the settings after a change failed; they follow in a report", "device", dr.id, "cmd", c.ID, "err", err)
-		return nil, deviceState{}, nil // done
+		changed := maps.Clone(before)
+		if changed == nil {
+			changed = map[string]any{}
+		}
+		maps.Copy(changed, p.Settings)
+		set, err = a.settingsMessage(dr.id, changed, schema, a.nextSeq())
+		if err != nil {
+			return nil, deviceState{}, nil // done; the settings follow in a report
+		}
 	}
 	return resultJSON(map[string]any{"reported": set.Reported}), deviceState{settings: &set}, nil
 }
