@@ -966,7 +966,7 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 			progress(pct)
 		}
 	}
-	resets, uploads := 0, 0
+	resets, reverts, uploads := 0, 0, 0
 	for step := 0; ; step++ {
 		if step == maxOTASteps {
 			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Bridge: true, Reason: fmt.Sprintf("the image state did not move after %d steps", step)}
@@ -1018,6 +1018,21 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 			// CONFIG_MCUBOOT_BOOTLOADER_USES_SHA512.
 			return &Error{Group: GroupImage, ID: CmdImageState, RC: RCUnknown, Bridge: true,
 				Reason: fmt.Sprintf("the device does not list the image it took; the image's hash is %s: does the device's MCUboot check that hash?", mcuboot.HashName(img.HashType))}
+		case runsUnderTest(st):
+			// It runs another image under test (an earlier update ended
+			// between the reboot and the confirmation): the other slot
+			// holds the confirmed image MCUboot reverts to, and img_mgmt
+			// takes no upload into it ("no free slot") until then. A reset
+			// reverts to it, as any reboot of the device would; the image
+			// given up is one nobody confirmed (docs/reliability.md, bug
+			// 230).
+			if reverts == maxResets {
+				return &Error{Group: GroupOS, ID: CmdOSReset, RC: RCUnknown, Bridge: true, Reason: fmt.Sprintf("the device still runs an image under test after %d resets: it does not reboot", reverts)}
+			}
+			reverts++
+			if err := d.reset(ctx); err != nil {
+				return err
+			}
 		default:
 			uploads++
 			u := Upload{Group: GroupImage, ID: CmdImageUpload, Stock: true, Data: image[:img.End],
@@ -1027,6 +1042,17 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 			}
 		}
 	}
+}
+
+// runsUnderTest reports whether the image state shows the running image
+// not confirmed: MCUboot reverts it at the next reset.
+func runsUnderTest(st ImageStateResponse) bool {
+	for _, s := range st.Images {
+		if s.Active && !s.Confirmed {
+			return true
+		}
+	}
+	return false
 }
 
 // slotWithHash is the slot of the image state holding the image with this

@@ -449,3 +449,62 @@ func TestResetWithNoBufferIsAskedAgain(t *testing.T) {
 		t.Errorf("device runs %s (confirmed %v) after %d boots; want 2.0.0 confirmed after 1", s.Firmware(), s.FirmwareConfirmed(), s.Boots())
 	}
 }
+
+// loseConfirm loses, once armed, every image state write after a reset
+// before the device gets it (a tap of tapConnector): an update whose
+// device rebooted into the new image and never heard the confirmation.
+type loseConfirm struct {
+	armed atomic.Bool
+	reset atomic.Bool
+}
+
+func (c *loseConfirm) tap(_ gatt.Link, data []byte) ([]byte, error) {
+	h, err := gatt.ParseHeader(data)
+	if err != nil || !c.armed.Load() {
+		return data, nil
+	}
+	switch {
+	case h.Group == gatt.GroupOS && h.ID == gatt.CmdOSReset:
+		c.reset.Store(true)
+	case h.Group == gatt.GroupImage && h.ID == gatt.CmdImageState && h.Op == gatt.OpWrite && c.reset.Load():
+		return nil, nil
+	}
+	return data, nil
+}
+
+// An update after one that ended between the reboot and the confirmation,
+// the device running that image under test: the other slot holds the
+// confirmed image MCUboot reverts to, which img_mgmt does not let an
+// upload erase ("no free slot"). The bridge resets the device, MCUboot
+// reverts, and the update goes on (bug 230).
+func TestOTAAfterAnUnconfirmedUpdate(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+	c := &loseConfirm{}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: c.tap},
+		MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	c.armed.Store(true)
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil); err == nil {
+		t.Fatal("UpdateFirmware with the confirmation lost = nil; want an error")
+	}
+	if s.Firmware() != "2.0.0" || s.FirmwareConfirmed() || s.Boots() != 1 {
+		t.Fatalf("device runs %s (confirmed %v) after %d boots; want 2.0.0 under test after 1", s.Firmware(), s.FirmwareConfirmed(), s.Boots())
+	}
+	c.armed.Store(false)
+	if err := d.UpdateFirmware(ctx, "fw-2", "3.0.0", firmwareImage(t, "3.0.0", 20_000), nil); err != nil {
+		t.Fatalf("UpdateFirmware to 3.0.0 = %v (code %q); want nil", err, errorCode(err))
+	}
+	// The reset that reverted to 1.0.0, and the one into 3.0.0.
+	if s.Firmware() != "3.0.0" || !s.FirmwareConfirmed() || s.Boots() != 3 {
+		t.Errorf("device runs %s (confirmed %v) after %d boots; want 3.0.0 confirmed after 3", s.Firmware(), s.FirmwareConfirmed(), s.Boots())
+	}
+}
