@@ -1038,10 +1038,35 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 			u := Upload{Group: GroupImage, ID: CmdImageUpload, Stock: true, Data: image[:img.End],
 				Progress: func(acked, total int) { report(acked * 90 / max(total, 1)) }}
 			if err := d.upload(ctx, u); err != nil {
-				return err
+				return explainNoFreeSlot(err, st)
 			}
 		}
 	}
+}
+
+// explainNoFreeSlot is err, an upload's, saying why when the device
+// answered "no free slot" with another image pending in its other slot (an
+// update that ended before its reboot): stock img_mgmt lets nothing erase
+// that slot, upload into it or unmark it, and the bridge does not boot an
+// image no one asked for now to clear it (docs/reliability.md, bug 231).
+func explainNoFreeSlot(err error, st ImageStateResponse) error {
+	var e *Error
+	if !errors.As(err, &e) || e.Group != GroupImage || e.GroupRC != ImgErrNoFreeSlot {
+		return err
+	}
+	for _, sl := range st.Images {
+		if !sl.Pending || sl.Active {
+			continue
+		}
+		version := sl.Version
+		if v, verr := mcuboot.ParseMCUmgrVersion(sl.Version); verr == nil {
+			version = v.String()
+		}
+		return fmt.Errorf("%w: the other slot holds firmware %s, to boot at the next reset (an update that ended before "+
+			"its reboot), and the device takes no other image before it has booted that one: update it to %s, or reboot it, first",
+			err, version, version)
+	}
+	return err
 }
 
 // runsUnderTest reports whether the image state shows the running image

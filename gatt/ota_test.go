@@ -508,3 +508,44 @@ func TestOTAAfterAnUnconfirmedUpdate(t *testing.T) {
 		t.Errorf("device runs %s (confirmed %v) after %d boots; want 3.0.0 confirmed after 3", s.Firmware(), s.FirmwareConfirmed(), s.Boots())
 	}
 }
+
+// An update to another version while the device holds an image pending
+// from an update that ended before its reboot fails as img_mgmt answers
+// it, "no free slot", and says why and what clears it: the update to the
+// pending version goes through (bug 231).
+func TestOTAWithAnotherImagePendingSaysWhy(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+	var lose atomic.Bool
+	tap := func(l gatt.Link, data []byte) ([]byte, error) {
+		if lose.Load() {
+			return swallowReset(l, data)
+		}
+		return data, nil
+	}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap},
+		MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	lose.Store(true)
+	pending := firmwareImage(t, "2.0.0+3", 20_000)
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0+3", pending, nil); !errors.Is(err, gatt.ErrTimeout) {
+		t.Fatalf("UpdateFirmware with the reset lost = %v; want gatt.ErrTimeout", err)
+	}
+	lose.Store(false)
+	err = d.UpdateFirmware(ctx, "fw-2", "3.0.0", firmwareImage(t, "3.0.0", 20_000), nil)
+	if code := errorCode(err); code != gatt.CodeDeviceError || !strings.Contains(err.Error(), "no free slot") ||
+		!strings.Contains(err.Error(), "holds firmware 2.0.0+3, to boot at the next reset") || !strings.Contains(err.Error(), "update it to 2.0.0+3, or reboot it") {
+		t.Fatalf("UpdateFirmware to 3.0.0 = %v (code %q); want device_error, no free slot, saying what the other slot holds and what clears it", err, code)
+	}
+	if err := d.UpdateFirmware(ctx, "fw-3", "2.0.0+3", pending, nil); err != nil || s.Firmware() != "2.0.0+3" || !s.FirmwareConfirmed() {
+		t.Errorf("UpdateFirmware to the pending 2.0.0+3 = %v; device runs %s (confirmed %v)", err, s.Firmware(), s.FirmwareConfirmed())
+	}
+}
