@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -1388,4 +1389,94 @@ func (d *unreadableAfterSettings) Settings(ctx context.Context) (map[string]any,
 		return nil, nil, errors.New("out of reach after the change")
 	}
 	return d.Device.Settings(ctx)
+}
+
+// TestAppStatusAfterAnotherChangeNotYetReported: two app installs on a
+// device that cannot be read after them, the second run while the reporter
+// has not yet taken the status the first one's reply carried (it is busy
+// reading the device's settings): the second reply lists both apps, not
+// the spool's status with the second one only (bug 232).
+func TestAppStatusAfterAnotherChangeNotYetReported(t *testing.T) {
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	sd := newSim("dev-1")
+	dev := &settingsReadHeld{unreadableAfterApps: &unreadableAfterApps{Device: sd}, held: make(chan struct{}), release: make(chan struct{})}
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{sd}, interval: 50 * time.Millisecond, wrap: func(*sim.Device) agent.Device { return dev }})
+	w.waitStatus("dev-1", "first", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "1.0.0" })
+
+	dev.hold.Store(true)
+	select {
+	case <-dev.held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the reporter read no settings within 10 s")
+	}
+	pkg := bs.add([]byte("weather package"))
+	c1 := command(t, "dev-1", topics.OpAppInstall, topics.AppInstall{AppID: "weather", Version: "1.0.0", Blob: pkg})
+	c2 := command(t, "dev-1", topics.OpAppInstall, topics.AppInstall{AppID: "clock", Version: "2.0.0", Blob: pkg})
+	w.send(c1)
+	w.send(c2)
+	w.waitFinal("dev-1", c1.ID)
+	r := w.waitFinal("dev-1", c2.ID)
+	close(dev.release)
+	want := []companion.App{{AppID: "clock", Version: "2.0.0"}, {AppID: "weather", Version: "1.0.0"}}
+	if r.State != companion.StateSucceeded || r.Status == nil || !reflect.DeepEqual(r.Status.Apps, want) {
+		t.Errorf("second final reply %s with status %+v; want succeeded with apps %v", r.State, r.Status, want)
+	}
+}
+
+// settingsReadHeld is unreadableAfterApps whose settings reads, once hold
+// is set, wait until release is closed, after saying so on held.
+type settingsReadHeld struct {
+	*unreadableAfterApps
+	hold    atomic.Bool
+	held    chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (d *settingsReadHeld) Settings(ctx context.Context) (map[string]any, topics.Schema, error) {
+	if d.hold.Load() {
+		d.once.Do(func() { close(d.held) })
+		select {
+		case <-d.release:
+		case <-ctx.Done():
+			return nil, nil, ctx.Err()
+		}
+	}
+	return d.unreadableAfterApps.Settings(ctx)
+}
+
+// TestOfflineStatusAfterAChangeNotYetReported: an app installed on a
+// device that cannot be read after it, while the reporter is busy; the
+// bridge reconnects, which asks the reporter for a status read before it
+// has taken the one the install's reply carried. The read fails, and the
+// offline status it reports, newer than the reply's, lists the app (bug
+// 232).
+func TestOfflineStatusAfterAChangeNotYetReported(t *testing.T) {
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	sd := newSim("dev-1")
+	dev := &settingsReadHeld{unreadableAfterApps: &unreadableAfterApps{Device: sd}, held: make(chan struct{}), release: make(chan struct{})}
+	dev.hold.Store(true) // the reporter's first settings read
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{sd}, interval: time.Hour, wrap: func(*sim.Device) agent.Device { return dev }})
+	w.waitStatus("dev-1", "first", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "1.0.0" })
+	select {
+	case <-dev.held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the reporter read no settings within 10 s")
+	}
+	c := command(t, "dev-1", topics.OpAppInstall, topics.AppInstall{AppID: "weather", Version: "1.0.0", Blob: bs.add([]byte("weather package"))})
+	w.send(c)
+	w.waitFinal("dev-1", c.ID)
+	stateTopic, _ := tree.BridgeState("b1")
+	online := b.pubs.count(stateTopic, topics.BridgeOnline)
+	b.dropClient(t, "companion-bridge-b1")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, online+1)
+	close(dev.release)
+	st := w.waitStatus("dev-1", "offline", func(s topics.Status) bool { return !s.Online })
+	if want := []companion.App{{AppID: "weather", Version: "1.0.0"}}; !reflect.DeepEqual(st.Apps, want) {
+		t.Errorf("offline status lists apps %v; want %v", st.Apps, want)
+	}
 }

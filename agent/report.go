@@ -37,12 +37,36 @@ func (dr *deviceRunner) offer(st deviceState) {
 	dr.rmu.Lock()
 	if st.status != nil {
 		dr.offered.status = st.status
+		dr.noteStatusLocked(st.status)
 	}
 	if st.settings != nil {
 		dr.offered.settings = st.settings
 	}
 	dr.rmu.Unlock()
 	signal(dr.rwake)
+}
+
+// noteStatus records st as the device's newest known status, unless the
+// runner has one of a later seq.
+func (dr *deviceRunner) noteStatus(st *topics.Status) {
+	dr.rmu.Lock()
+	defer dr.rmu.Unlock()
+	dr.noteStatusLocked(st)
+}
+
+func (dr *deviceRunner) noteStatusLocked(st *topics.Status) {
+	if st != nil && (dr.known == nil || st.Seq >= dr.known.Seq) {
+		dr.known = st
+	}
+}
+
+// knownStatus is the newest status the bridge has of the device, read from
+// it or carried by a command's final reply; nil before the reporter or a
+// command has had one.
+func (dr *deviceRunner) knownStatus() *topics.Status {
+	dr.rmu.Lock()
+	defer dr.rmu.Unlock()
+	return dr.known
 }
 
 // report publishes a device's retained status and settings: on connect,
@@ -60,6 +84,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 	if err != nil {
 		a.log.Warn("reading the device's last known status failed", "device", dr.id, "err", err)
 	}
+	dr.noteStatus(last)
 	// kept is what the spool has, once its write has succeeded: a write
 	// that failed (a full disk) is tried again at the next pass, not only
 	// when the status changes again (docs/reliability.md, bug 174).
@@ -110,6 +135,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 		}
 		if status {
 			last = a.publishStatus(ctx, dr, last, force)
+			dr.noteStatus(last)
 		}
 		if settings {
 			a.publishSettings(ctx, dr)
@@ -266,7 +292,11 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 			return last
 		}
 		a.log.Warn("reading device info failed", "device", dr.id, "err", err)
-		if last != nil {
+		// What a command changed, when this read was asked for before
+		// the reporter took its status (bug 232).
+		if k := dr.knownStatus(); k != nil && (last == nil || k.Seq > last.Seq) {
+			st = *k
+		} else if last != nil {
 			st = *last
 		}
 		st.Online = false

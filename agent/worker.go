@@ -29,6 +29,7 @@ type deviceRunner struct {
 	rmu                                sync.Mutex
 	wantStatus, forceStatus, wantSetgs bool
 	offered                            deviceState // read after a command: publish as is
+	known                              *topics.Status
 	rwake                              chan struct{}
 }
 
@@ -467,9 +468,15 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 // follows in a report.
 func (a *Agent) knownStatusWith(dr *deviceRunner, change func(*topics.Status)) deviceState {
 	seq := a.nextSeq()
-	last, err := a.spool.lastStatus(dr.id)
-	if err != nil || last == nil {
-		return deviceState{}
+	// The runner's, not the spool's: the reporter keeps a status in the
+	// spool after it has taken it, and a command that changed the device
+	// just before this one is not there yet (bug 232).
+	last := dr.knownStatus()
+	if last == nil {
+		var err error
+		if last, err = a.spool.lastStatus(dr.id); err != nil || last == nil {
+			return deviceState{}
+		}
 	}
 	st := *last
 	change(&st)
