@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -779,6 +780,50 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 // store says, online: false, with the last report's battery, firmware, seq
 // and at: a watcher of devices/{id}/status, and whoever subscribes later,
 // no longer reads online: true from a bridge that is gone (CONTRACT §3).
+// An offline status from a bridge that knows nothing of the device (no
+// firmware version: one the device just moved to, which never read it and
+// cannot now) keeps what the store has of the device: its firmware
+// version, model, battery and apps, in the store and retained for
+// watchers. Taken whole, it wiped them (docs/reliability.md, bug 233).
+func TestAnOfflineStatusThatKnowsNothingKeepsWhatIsKnown(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	bat := 70
+	at := time.Now().UTC().Truncate(time.Millisecond)
+	report := topics.Status{Online: true, Battery: &bat, FirmwareVersion: "1.2.3", Model: "sim-1",
+		Apps: []companion.App{{AppID: "clock", Version: "1.0.0"}}, BridgeID: "b1", Seq: 10, At: at}
+	b, _ := json.Marshal(report)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	testenv.Eventually(t, 10*time.Second, "the status stored", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Seq == 10
+	})
+
+	blank := topics.Status{Online: false, Apps: []companion.App{}, BridgeID: "b1", Seq: 11, At: at.Add(time.Second)}
+	b, _ = json.Marshal(blank)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	testenv.Eventually(t, 10*time.Second, "the offline status stored", func() bool {
+		s, _ := e.db.Status(ctx, "dev-1")
+		return s.Seq == 11
+	})
+	s, err := e.db.Status(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.False(t, s.Online)
+	assert.Equal(t, "1.2.3", s.FirmwareVersion)
+	assert.Equal(t, "sim-1", s.Model)
+	assert.Equal(t, report.Apps, s.Apps)
+	require.NotNil(t, s.Battery)
+	assert.Equal(t, bat, *s.Battery)
+
+	want := report
+	want.Online, want.Seq, want.At = false, 11, blank.At
+	testenv.Eventually(t, 10*time.Second, "the retained status, what is known with the offline", func() bool {
+		return reflect.DeepEqual(want, retainedStatus(t, e, "dev-1"))
+	})
+}
+
 // Taken in again by the server, the message changes nothing in the store.
 func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
 	e := newEnv(t, true)

@@ -697,6 +697,10 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 		ack()
 		return
 	}
+	kept := false
+	if !s.Online && s.FirmwareVersion == "" {
+		s, kept = b.keepKnown(deviceID, s)
+	}
 	st := b.storeStatus(deviceID, s)
 	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
 		ack()
@@ -716,11 +720,39 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 					b.goOwned(func() { b.repairStatus(deviceID) })
 				case !applied && live:
 					b.goOwned(func() { b.mendRetained(deviceID, st) })
+				case kept && live:
+					// The broker retains the bridge's status, which knew
+					// nothing: watchers get what the store has over it.
+					b.goOwned(func() {
+						b.republishStatus(deviceID, "with what its bridge did not know", func(cur companion.Status) bool {
+							return cur.Seq == st.Seq && cur.FirmwareVersion != ""
+						})
+					})
 				}
 			}
 			done(err)
 		})
 	})
+}
+
+// keepKnown fills s, an offline status that knows nothing of the device
+// (no firmware version: a bridge that never read it and cannot now, as
+// one a device just moved to, or one whose spool was lost), with what the
+// store has of it: firmware version, model, battery and, unless s lists
+// some, apps. It reports whether it did. Taken whole, such a status wiped
+// them: GET …/status read no firmware version and GET …/apps no apps until
+// a bridge read the device again (docs/reliability.md, bug 233). An online
+// status is the device's own, read: it is taken as it is.
+func (b *Broker) keepKnown(deviceID string, s topics.Status) (topics.Status, bool) {
+	cur, err := b.st.Status(context.Background(), deviceID)
+	if err != nil || cur.FirmwareVersion == "" {
+		return s, false // nothing known, or unreadable now: s as it is
+	}
+	s.FirmwareVersion, s.Model, s.Battery = cur.FirmwareVersion, cur.Model, cur.Battery
+	if len(s.Apps) == 0 {
+		s.Apps = cur.Apps
+	}
+	return s, true
 }
 
 // mendRetained publishes the device's status as the store has it when
