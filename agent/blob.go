@@ -290,11 +290,21 @@ func (b *blobs) parse(ref string) (*url.URL, error) {
 }
 
 // at is the blob URL u (parse's), a relative one against the i-th server.
+// The server names a blob by its path from the API's root
+// (/api/v1/blobs/SHA), and that root is the base's path: behind a reverse
+// proxy's prefix (https://gw.example/companion) it is under /companion, as
+// the CLI asks it. (ResolveReference put an absolute path at the host's
+// root, and every download behind such a proxy failed.)
 func (b *blobs) at(u *url.URL, i int) *url.URL {
 	if u.IsAbs() {
 		return u
 	}
-	return b.bases[i%len(b.bases)].ResolveReference(u)
+	base, ref := *b.bases[i%len(b.bases)], *u
+	base.Path = strings.TrimRight(base.Path, "/") + "/"
+	if ref.Host == "" {
+		ref.Path = strings.TrimPrefix(ref.Path, "/")
+	}
+	return base.ResolveReference(&ref)
 }
 
 // failOver makes the server after the i-th the first asked, when the

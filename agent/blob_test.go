@@ -379,3 +379,30 @@ func TestBlobFetchFailsOverToAnotherReplica(t *testing.T) {
 		t.Errorf("%d requests to the replica that is up, %d to the failing one; want 2 and 1: the second fetch asks the one that answered first", n, f)
 	}
 }
+
+// A server behind a reverse proxy's prefix is reached under it: the
+// bridge's --api-url https://gw.example/companion fetches
+// /companion/api/v1/blobs/SHA, as the CLI asks /companion/api/v1/….
+func TestBlobFetchKeepsTheAPIURLsPath(t *testing.T) {
+	data := bytes.Repeat([]byte("proxied"), 1000)
+	ref := blobRef(data)
+	var paths sync.Map
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		paths.Store(r.URL.Path, true)
+		if r.URL.Path != "/companion"+ref.URL {
+			http.NotFound(w, r)
+			return
+		}
+		w.Write(data)
+	}))
+	defer srv.Close()
+	for _, base := range []string{srv.URL + "/companion", srv.URL + "/companion/"} {
+		b := newTestBlobs(t, base)
+		got, err := b.fetch(context.Background(), ref, func(int) {})
+		if err != nil || !bytes.Equal(got, data) {
+			var asked []any
+			paths.Range(func(k, _ any) bool { asked = append(asked, k); return true })
+			t.Errorf("fetch with API URL %q = %d bytes, %v (paths asked: %v); want the blob from /companion%s", base, len(got), err, asked, ref.URL)
+		}
+	}
+}

@@ -300,9 +300,15 @@ func (m *Main) validate() error {
 	// The blob downloads' base: agent.New refuses one without a scheme
 	// only once the bridge runs (exit status 1, naming no flag), and one
 	// of another scheme not at all, failing each download instead.
+	// Its path is kept (a reverse proxy's prefix), so one ending in
+	// /api/v1 (the README's $API) would double it in every blob's path.
 	for s := range strings.SplitSeq(c.APIURL, ",") {
-		if u, err := url.Parse(strings.TrimSpace(s)); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		u, err := url.Parse(strings.TrimSpace(s))
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			return fmt.Errorf("--api-url %q: give the server's base URL, http://HOST:PORT or https://HOST:PORT, or a comma-separated list of the replicas'", s)
+		}
+		if strings.HasSuffix(strings.TrimRight(u.Path, "/"), "/api/v1") {
+			return fmt.Errorf("--api-url %q: give the server's base URL, without /api/v1 (the bridge adds it)", s)
 		}
 	}
 	for _, l := range []struct{ name, addr string }{{"metrics", c.Metrics}, {"pprof", c.PProf}} {

@@ -99,6 +99,16 @@ func TestParseFlags(t *testing.T) {
 				}
 			},
 		},
+		{name: "API URL of the API's root", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "http://127.0.0.1:8080/api/v1/"}, wantErr: "without /api/v1"},
+		{
+			name: "API URL behind a proxy's prefix",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "https://gw.example/companion"},
+			check: func(t *testing.T, c Config) {
+				if c.APIURL != "https://gw.example/companion" {
+					t.Errorf("APIURL = %q", c.APIURL)
+				}
+			},
+		},
 		{name: "API URLs, one of another scheme", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "http://10.0.0.1:8080,ftp://10.0.0.2"}, wantErr: "--api-url"},
 		// A listen address net.Listen could never take is a usage error
 		// naming the flag, not a listen error once the bridge runs.
