@@ -311,12 +311,13 @@ func (m *Main) validate() error {
 			return fmt.Errorf("--api-url %q: give the server's base URL, without /api/v1 (the bridge adds it)", s)
 		}
 	}
-	for _, l := range []struct{ name, addr string }{{"metrics", c.Metrics}, {"pprof", c.PProf}} {
-		if err := flagcheck.ListenAddr(l.name, l.addr); err != nil {
+	listens := []flagcheck.Listen{{Flag: "metrics", Addr: c.Metrics}, {Flag: "pprof", Addr: c.PProf}}
+	for _, l := range listens {
+		if err := flagcheck.ListenAddr(l.Flag, l.Addr); err != nil {
 			return err
 		}
 	}
-	return nil
+	return flagcheck.Distinct(listens...)
 }
 
 // Run builds the devices and the agent and runs them until ctx is done.

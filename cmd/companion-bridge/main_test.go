@@ -109,6 +109,9 @@ func TestParseFlags(t *testing.T) {
 				}
 			},
 		},
+		// Before, the later listener failed "address already in use",
+		// exit status 1, as if another process held the port.
+		{name: "metrics and pprof on one port", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--metrics", "127.0.0.1:9465", "--pprof", "localhost:9465"}, wantErr: "--pprof"},
 		{name: "API URLs, one of another scheme", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--api-url", "http://10.0.0.1:8080,ftp://10.0.0.2"}, wantErr: "--api-url"},
 		// A listen address net.Listen could never take is a usage error
 		// naming the flag, not a listen error once the bridge runs.

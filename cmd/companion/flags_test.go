@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"os/exec"
 	"path/filepath"
@@ -61,6 +62,7 @@ func procExit(tb testing.TB, started string, env []string, bin string, args ...s
 func TestBadFlagsAreUsageErrors(t *testing.T) {
 	companion, bridge := procBinaries(t)
 	const serverUp, bridgeUp = "companion: HTTP API on", "companion-bridge starting"
+	port := fmt.Sprint(testenv.FreePort(t))
 	for _, tc := range []struct {
 		name string
 		args []string // after serve --http 127.0.0.1:0 --data DIR (--mqtt-listen 127.0.0.1:0 without --mqtt-url)
@@ -116,6 +118,10 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"data directory empty", []string{"--data", ""}, "--data is empty"},
 		{"embedded broker port out of range", []string{"--mqtt-listen", "127.0.0.1:99999"}, "--mqtt-listen"},
 		{"metrics address without a port", []string{"--metrics", "localhost"}, "--metrics"},
+		// Two listeners on one port: before, the later one failed "address
+		// already in use", exit status 1, as if another process held it.
+		{"metrics and pprof on one port", []string{"--metrics", "127.0.0.1:" + port, "--pprof", "127.0.0.1:" + port}, `--metrics "127.0.0.1:` + port + `" and --pprof`},
+		{"HTTP and metrics on one port", []string{"--http", "127.0.0.1:" + port, "--metrics", ":" + port}, "--http"},
 		{"issuer not a URL", []string{"--oidc-issuer", "id.example.com", "--oidc-audience", "companion"}, "--oidc-issuer"},
 		{"JWKS URL not a URL", []string{"--oidc-issuer", "https://id.example.com", "--oidc-audience", "companion", "--oidc-jwks-url", "keys.json"}, "--oidc-jwks-url"},
 	} {

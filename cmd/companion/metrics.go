@@ -4,10 +4,12 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"log/slog"
 	"os"
 
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
+	"github.com/devicecompanion/companion/internal/flagcheck"
 	"github.com/devicecompanion/companion/internal/metrics"
 )
 
@@ -18,13 +20,20 @@ const demoMetricsAddr = "127.0.0.1:9464"
 // demoMetrics gives --demo its metrics address when neither --metrics nor
 // COMPANION_METRICS was given (--metrics= turns them off). Another process
 // may hold that port: the demo then runs without metrics rather than fail.
-func (c *Config) demoMetrics(fs *flag.FlagSet) {
+// So too when another of the server's own listeners is given that port
+// (--http 127.0.0.1:9464): the metrics, listening first, made that one
+// fail the start.
+func (c *Config) demoMetrics(fs *flag.FlagSet, log *slog.Logger) {
 	if !c.Demo || c.Metrics != "" {
 		return
 	}
 	given := false
 	fs.Visit(func(f *flag.Flag) { given = given || f.Name == "metrics" })
 	if _, ok := os.LookupEnv("COMPANION_METRICS"); ok || given {
+		return
+	}
+	if err := flagcheck.Distinct(append(c.listens(), flagcheck.Listen{Flag: "metrics", Addr: demoMetricsAddr})...); err != nil {
+		log.Warn("the demo's metrics are off: their address is the server's own; give --metrics ADDR", "addr", demoMetricsAddr, "err", err)
 		return
 	}
 	c.Metrics, c.metricsOptional = demoMetricsAddr, true

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -139,6 +140,11 @@ func TestMetricsDemoDefault(t *testing.T) {
 		{[]string{"--demo", "--metrics="}, "", ""},
 		{[]string{"--demo"}, "127.0.0.1:9998", "127.0.0.1:9998"},
 		{[]string{}, "", ""},
+		// Another of its listeners on the demo's port: the metrics, which
+		// listened first, made that one fail the start.
+		{[]string{"--demo", "--http", demoMetricsAddr}, "", ""},
+		{[]string{"--demo", "--mqtt-listen", ":9464"}, "", ""},
+		{[]string{"--demo", "--pprof", "localhost:9464"}, "", ""},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " ")+" "+tt.env, func(t *testing.T) {
@@ -148,7 +154,7 @@ func TestMetricsDemoDefault(t *testing.T) {
 			var cfg Config
 			fs := newServeFlags(&cfg)
 			require.NoError(t, parseFlags(fs, tt.args))
-			cfg.demoMetrics(fs)
+			cfg.demoMetrics(fs, slog.New(slog.DiscardHandler))
 			if cfg.Metrics != tt.want {
 				t.Errorf("serve %q (COMPANION_METRICS=%q): Metrics = %q; want %q", tt.args, tt.env, cfg.Metrics, tt.want)
 			}

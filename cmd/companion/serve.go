@@ -213,14 +213,16 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 	if c.HTTP == "" {
 		return usageError{"--http is empty: give HOST:PORT for the HTTP API (default 127.0.0.1:8080; port 0: any free one)"}
 	}
-	listens := []struct{ name, addr string }{{"http", c.HTTP}, {"metrics", c.Metrics}, {"pprof", c.PProf}}
-	if c.MQTTURL == "" { // --mqtt-listen is not used with --mqtt-url
-		listens = append(listens, struct{ name, addr string }{"mqtt-listen", c.MQTTListen})
-	}
+	listens := c.listens()
 	for _, l := range listens {
-		if err := flagcheck.ListenAddr(l.name, l.addr); err != nil {
+		if err := flagcheck.ListenAddr(l.Flag, l.Addr); err != nil {
 			return usageError{err.Error()}
 		}
+	}
+	// Two on one port: the later listener failed "address already in
+	// use", exit status 1, as if another process held it.
+	if err := flagcheck.Distinct(listens...); err != nil {
+		return usageError{err.Error()}
 	}
 	// One without a scheme or host would end the start in OIDC discovery
 	// ("unsupported protocol scheme", exit status 1), naming no flag.
@@ -278,6 +280,15 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 	return nil
 }
 
+// listens is the server's listen addresses and their flags ("" is off).
+func (c *Config) listens() []flagcheck.Listen {
+	l := []flagcheck.Listen{{Flag: "http", Addr: c.HTTP}, {Flag: "metrics", Addr: c.Metrics}, {Flag: "pprof", Addr: c.PProf}}
+	if c.MQTTURL == "" { // --mqtt-listen is not used with --mqtt-url
+		l = append(l, flagcheck.Listen{Flag: "mqtt-listen", Addr: c.MQTTListen})
+	}
+	return l
+}
+
 // fromFlags turns the flags' "0 means no limit" into api.Limits' negative.
 func (c *Config) fromFlags() {
 	if c.Limits.RequestsPerSecond == 0 {
@@ -319,11 +330,11 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	cfg.fromFlags()
-	cfg.demoMetrics(fs)
 	logger, err := newLogger(cfg.LogLevel, stderr)
 	if err != nil {
 		return err
 	}
+	cfg.demoMetrics(fs, logger)
 	m := NewMain(cfg, logger)
 	if err := m.Run(ctx); err != nil {
 		m.Close()

@@ -18,3 +18,30 @@ func TestListenAddr(t *testing.T) {
 		}
 	}
 }
+
+func TestDistinct(t *testing.T) {
+	for _, tc := range []struct {
+		a, b  string
+		clash bool
+	}{
+		{"127.0.0.1:9464", "127.0.0.1:9464", true},
+		{"127.0.0.1:9464", ":9464", true},
+		{"0.0.0.0:9464", "[::1]:9464", true},
+		{"[::]:9464", "10.0.0.1:9464", true},
+		{"localhost:9464", "127.0.0.1:9464", true},
+		{"LOCALHOST:http", "localhost:80", true},
+		{"127.0.0.1:0", "127.0.0.1:0", false},
+		{"127.0.0.1:9464", "127.0.0.1:9465", false},
+		{"127.0.0.1:9464", "127.0.0.2:9464", false},
+		{"127.0.0.1:9464", "[::1]:9464", false},
+		{"", ":9464", false},
+	} {
+		err := Distinct(Listen{"http", tc.a}, Listen{"metrics", tc.b})
+		if got := err != nil; got != tc.clash {
+			t.Errorf("Distinct(%q, %q) = %v; want a clash: %v", tc.a, tc.b, err, tc.clash)
+		}
+		if err != nil && !strings.Contains(err.Error(), "--http ") || err != nil && !strings.Contains(err.Error(), "--metrics ") {
+			t.Errorf("Distinct(%q, %q) = %v; want an error naming both flags", tc.a, tc.b, err)
+		}
+	}
+}
