@@ -262,12 +262,21 @@ func (l Limits) withDefaults() Limits {
 	return l
 }
 
+// MaxByteLimit is the largest byte limit of a Limits (1 TiB). The body
+// limits worked out from them (six bytes to a text's byte escaped, an
+// image's base64, a byte past the limit) stay well within an int64; near
+// its end they wrapped, and a text past 64 KiB, or every image, was refused.
+const MaxByteLimit = 1 << 40
+
 func (l Limits) check() error {
 	switch {
 	case l.MaxTextBytes < 0, l.MaxTitleBytes < 0, l.MaxImageBytes < 0, l.MaxImageSide < 0,
 		l.MaxAppBytes < 0, l.MaxFirmwareBytes < 0, l.MaxOpenCommands < 0, l.MaxWait < 0,
 		l.MaxJSONBody < 0, l.BodyIdle < 0, l.QueueFullRetryAfter < 0:
 		return errors.New("api: negative limit")
+	case l.MaxTextBytes > MaxByteLimit, l.MaxTitleBytes > MaxByteLimit, l.MaxImageBytes > MaxByteLimit,
+		l.MaxAppBytes > MaxByteLimit, l.MaxFirmwareBytes > MaxByteLimit, l.MaxJSONBody > MaxByteLimit:
+		return fmt.Errorf("api: a byte limit over %d (1 TiB)", MaxByteLimit)
 	case l.MinTTL < time.Second || l.MinTTL > l.DefaultTTL || l.DefaultTTL > l.MaxTTL:
 		return fmt.Errorf("api: TTLs must satisfy 1s <= MinTTL (%v) <= DefaultTTL (%v) <= MaxTTL (%v)", l.MinTTL, l.DefaultTTL, l.MaxTTL)
 	case l.MaxTTL%time.Second != 0 || l.MinTTL%time.Second != 0 || l.DefaultTTL%time.Second != 0:

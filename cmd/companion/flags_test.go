@@ -77,6 +77,10 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		{"expiry grace negative", []string{"--expiry-grace", "-1m"}, "--expiry-grace"},
 		{"text limit zero", []string{"--max-text-bytes", "0"}, "--max-text-bytes"},
 		{"image limit negative", []string{"--max-image-bytes", "-1"}, "--max-image-bytes"},
+		// Before, a limit near int64's end wrapped the body limit worked
+		// out from it: texts past 64 KiB, or every image, were refused.
+		{"text limit past 1 TiB", []string{"--max-text-bytes", "9223372036854775807"}, "--max-text-bytes 9223372036854775807: must be at most"},
+		{"image limit past 1 TiB", []string{"--max-image-bytes", "1099511627777"}, "--max-image-bytes"},
 		{"open commands zero", []string{"--max-open-commands", "0"}, "--max-open-commands"},
 		{"burst zero", []string{"--rate-burst", "0"}, "--rate-burst"},
 		{"rate negative", []string{"--rate-per-token", "-3"}, "--rate-per-token"},

@@ -250,6 +250,22 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 			return usageError{fmt.Sprintf("--%s %d: must be positive", f.name, f.v)}
 		}
 	}
+	// Near int64's end the body limits worked out from these wrapped: a
+	// text past 64 KiB, or every image, was refused.
+	for _, f := range []struct {
+		name string
+		v    int64
+	}{
+		{"max-text-bytes", int64(l.MaxTextBytes)},
+		{"max-title-bytes", int64(l.MaxTitleBytes)},
+		{"max-image-bytes", l.MaxImageBytes},
+		{"max-app-bytes", l.MaxAppBytes},
+		{"max-firmware-bytes", l.MaxFirmwareBytes},
+	} {
+		if f.v > api.MaxByteLimit {
+			return usageError{fmt.Sprintf("--%s %d: must be at most %d (1 TiB)", f.name, f.v, api.MaxByteLimit)}
+		}
+	}
 	for _, f := range []struct {
 		name string
 		v    float64
