@@ -81,6 +81,8 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		// out from it: texts past 64 KiB, or every image, were refused.
 		{"text limit past 1 TiB", []string{"--max-text-bytes", "9223372036854775807"}, "--max-text-bytes 9223372036854775807: must be at most"},
 		{"image limit past 1 TiB", []string{"--max-image-bytes", "1099511627777"}, "--max-image-bytes"},
+		// Before, "bad --log-level", naming none of the levels it takes.
+		{"log level unknown", []string{"--log-level", "loud"}, `--log-level "loud": give debug, info, warn or error`},
 		{"open commands zero", []string{"--max-open-commands", "0"}, "--max-open-commands"},
 		{"burst zero", []string{"--rate-burst", "0"}, "--rate-burst"},
 		{"rate negative", []string{"--rate-per-token", "-3"}, "--rate-per-token"},

@@ -373,7 +373,7 @@ func (m *Main) startupLine() string {
 func newLogger(level string, w io.Writer) (*slog.Logger, error) {
 	var l slog.Level
 	if err := l.UnmarshalText([]byte(level)); err != nil {
-		return nil, usageError{fmt.Sprintf("bad --log-level %q", level)}
+		return nil, usageError{fmt.Sprintf("--log-level %q: give debug, info, warn or error", level)}
 	}
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
 }
