@@ -128,7 +128,8 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 		// already in use", exit status 1, as if another process held it.
 		{"metrics and pprof on one port", []string{"--metrics", "127.0.0.1:" + port, "--pprof", "127.0.0.1:" + port}, `--metrics "127.0.0.1:` + port + `" and --pprof`},
 		{"HTTP and metrics on one port", []string{"--http", "127.0.0.1:" + port, "--metrics", ":" + port}, "--http"},
-		{"issuer not a URL", []string{"--oidc-issuer", "id.example.com", "--oidc-audience", "companion"}, "--oidc-issuer"},
+		// Before, "give an https:// URL", though an http:// one is taken.
+		{"issuer not a URL", []string{"--oidc-issuer", "id.example.com", "--oidc-audience", "companion"}, `--oidc-issuer "id.example.com": give an https:// (or http://) URL`},
 		{"JWKS URL not a URL", []string{"--oidc-issuer", "https://id.example.com", "--oidc-audience", "companion", "--oidc-jwks-url", "keys.json"}, "--oidc-jwks-url"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

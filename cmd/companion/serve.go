@@ -228,7 +228,7 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 	// ("unsupported protocol scheme", exit status 1), naming no flag.
 	for _, f := range []struct{ name, v string }{{"oidc-issuer", c.OIDC.Issuer}, {"oidc-jwks-url", c.OIDC.JWKSURL}} {
 		if u, err := url.Parse(f.v); f.v != "" && (err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "") {
-			return usageError{fmt.Sprintf("--%s %q: give an https:// URL", f.name, f.v)}
+			return usageError{fmt.Sprintf("--%s %q: give an https:// (or http://) URL with a host", f.name, f.v)}
 		}
 	}
 	l := c.Limits
