@@ -26,7 +26,21 @@ type apiClient struct {
 	apiURL string
 	token  string
 	http   *http.Client
+	// stall, when not zero, bounds how long do waits on the server
+	// without progress (adminStall).
+	stall time.Duration
 }
+
+// adminStall is how long the admin CLI waits on the server without
+// progress: for it to take more of a body, or to answer once it has sent
+// all of it. It bounds pauses, not the exchange: 5 minutes in all
+// (http.Client.Timeout) cut off a firmware upload over a slow link that
+// went steadily, which the server takes however long it runs.
+var adminStall = 5 * time.Minute
+
+// errStalled ends a request whose server made no progress for the
+// client's stall.
+var errStalled = errors.New("the server made no progress")
 
 func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cmd, done, err := subCommand(args, stdout, stderr)
@@ -79,7 +93,7 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		tok = strings.TrimSpace(string(b))
 	}
-	c := apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: &http.Client{Timeout: 5 * time.Minute}}
+	c := apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: &http.Client{}, stall: adminStall}
 
 	var body []byte
 	switch cmd {
@@ -266,6 +280,25 @@ func (c apiClient) putFile(ctx context.Context, path, file string, progressTo io
 }
 
 func (c apiClient) do(ctx context.Context, method, path, ctype string, body io.Reader, size int64) ([]byte, error) {
+	if c.stall > 0 {
+		// Each read of the body (the transport reads it as the server
+		// takes it) puts off the end; once all is sent, the answer must
+		// come within the stall.
+		var cancel context.CancelCauseFunc
+		ctx, cancel = context.WithCancelCause(ctx)
+		defer cancel(nil)
+		t := time.AfterFunc(c.stall, func() { cancel(errStalled) })
+		defer t.Stop()
+		body = &stallReader{r: body, t: t, d: c.stall}
+	}
+	b, err := c.exchange(ctx, method, path, ctype, body, size)
+	if err != nil && errors.Is(context.Cause(ctx), errStalled) {
+		return nil, fmt.Errorf("%s %s: %w for %v (it took no more of the body, or did not answer)", method, path, errStalled, c.stall)
+	}
+	return b, err
+}
+
+func (c apiClient) exchange(ctx context.Context, method, path, ctype string, body io.Reader, size int64) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, method, c.apiURL+path, body)
 	if err != nil {
 		return nil, err
@@ -284,6 +317,18 @@ func (c apiClient) do(ctx context.Context, method, path, ctype string, body io.R
 		return nil, responseError(method, path, resp)
 	}
 	return io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+}
+
+// stallReader puts off t by d at each read of r.
+type stallReader struct {
+	r io.Reader
+	t *time.Timer
+	d time.Duration
+}
+
+func (s *stallReader) Read(b []byte) (int, error) {
+	s.t.Reset(s.d)
+	return s.r.Read(b)
 }
 
 // apiError is an answer of the API other than a 2xx, told as the

@@ -5,12 +5,17 @@ import (
 	"context"
 	"encoding/json"
 	"flag"
+	"fmt"
+	"io"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -283,4 +288,51 @@ func TestStaleAdminTokenFile(t *testing.T) {
 		path, stale := staleAdminTokenFile(Config{Data: d, AdminToken: cfg.AdminToken})
 		assert.False(t, stale, "%+v: %s", cfg, path)
 	}
+}
+
+// An upload over a slow link takes as long as it goes on steadily: the
+// admin CLI gave up after 5 minutes in all (http.Client.Timeout). A
+// server that takes no more of it, or does not answer, is still given up
+// on, after adminStall without progress. (The test shortens adminStall to
+// 1 s; the upload goes on for about 2.)
+func TestAdminCLIUploadTakesItsTime(t *testing.T) {
+	defer func(d time.Duration) { adminStall = d }(adminStall)
+	adminStall = time.Second
+	hung := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.Contains(r.URL.Path, "/stalled/") {
+			<-hung // takes nothing, answers nothing
+			return
+		}
+		// 512 KiB every 30 ms (about 16 MiB/s): far more than the
+		// sockets' buffers hold goes on arriving for about 2 s.
+		var n int64
+		for {
+			k, err := io.CopyN(io.Discard, r.Body, 512<<10)
+			n += k
+			if err != nil {
+				break
+			}
+			time.Sleep(30 * time.Millisecond)
+		}
+		fmt.Fprintf(w, `{"app_id": "slow", "version": "1.0.0", "size": %d}`, n)
+	}))
+	defer srv.Close()
+	defer close(hung)
+	file := filepath.Join(t.TempDir(), "app.bin")
+	const size = 32 << 20
+	require.NoError(t, os.WriteFile(file, bytes.Repeat([]byte{7}, size), 0o600))
+	publish := func(appID string) (string, error) {
+		var out bytes.Buffer
+		err := run(context.Background(), []string{"app", "publish", "--app-id", appID, "--version", "1.0.0", file,
+			"--api-url", srv.URL, "--admin-token", "t"}, &out, io.Discard)
+		return out.String(), err
+	}
+	start := time.Now()
+	out, err := publish("slow")
+	require.NoError(t, err, "a steady upload of %v", time.Since(start))
+	assert.Contains(t, out, fmt.Sprintf(`"size": %d`, size))
+
+	_, err = publish("stalled")
+	assert.ErrorContains(t, err, "the server made no progress for 1s")
 }
