@@ -1325,7 +1325,7 @@ func (d *unreadableAfterApps) Info(ctx context.Context) (companion.DeviceInfo, e
 
 // TestSettingsReadAfterTheChangeFails: a settings change on a device that
 // cannot be read right after is done, and its final reply carries the
-// settings read before it with the change applied (CONTRACT §8; bug 229).
+// settings read before it with the change applied (CONTRACT §8; bug 226).
 func TestSettingsReadAfterTheChangeFails(t *testing.T) {
 	b := startBroker(t)
 	bs := startBlobServer(t)
@@ -1395,7 +1395,7 @@ func (d *unreadableAfterSettings) Settings(ctx context.Context) (map[string]any,
 // device that cannot be read after them, the second run while the reporter
 // has not yet taken the status the first one's reply carried (it is busy
 // reading the device's settings): the second reply lists both apps, not
-// the spool's status with the second one only (bug 232).
+// the spool's status with the second one only (bug 229).
 func TestAppStatusAfterAnotherChangeNotYetReported(t *testing.T) {
 	b := startBroker(t)
 	bs := startBlobServer(t)

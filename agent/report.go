@@ -293,7 +293,7 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 		}
 		a.log.Warn("reading device info failed", "device", dr.id, "err", err)
 		// What a command changed, when this read was asked for before
-		// the reporter took its status (bug 232).
+		// the reporter took its status (bug 229).
 		if k := dr.knownStatus(); k != nil && (last == nil || k.Seq > last.Seq) {
 			st = *k
 		} else if last != nil {

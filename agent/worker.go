@@ -470,7 +470,7 @@ func (a *Agent) knownStatusWith(dr *deviceRunner, change func(*topics.Status)) d
 	seq := a.nextSeq()
 	// The runner's, not the spool's: the reporter keeps a status in the
 	// spool after it has taken it, and a command that changed the device
-	// just before this one is not there yet (bug 232).
+	// just before this one is not there yet (bug 229).
 	last := dr.knownStatus()
 	if last == nil {
 		var err error

@@ -784,7 +784,7 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 // firmware version: one the device just moved to, which never read it and
 // cannot now) keeps what the store has of the device: its firmware
 // version, model, battery and apps, in the store and retained for
-// watchers. Taken whole, it wiped them (docs/reliability.md, bug 233).
+// watchers. Taken whole, it wiped them (docs/reliability.md, bug 230).
 func TestAnOfflineStatusThatKnowsNothingKeepsWhatIsKnown(t *testing.T) {
 	e := newEnv(t, true)
 	ctx := context.Background()

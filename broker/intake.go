@@ -242,7 +242,7 @@ func (b *Broker) noteKicked(bridgeID string) {
 // disconnection came before this (and is held), and an "offline" after it
 // is of the bridge stopped or lost since, to be taken in at once. Kept,
 // it held such an "offline" for the rest of the grace, the bridge and
-// its devices reading online meanwhile (docs/reliability.md, bug 227).
+// its devices reading online meanwhile (docs/reliability.md, bug 224).
 func (b *Broker) backFromKick(bridgeID string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -741,7 +741,7 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 // store has of it: firmware version, model, battery and, unless s lists
 // some, apps. It reports whether it did. Taken whole, such a status wiped
 // them: GET …/status read no firmware version and GET …/apps no apps until
-// a bridge read the device again (docs/reliability.md, bug 233). An online
+// a bridge read the device again (docs/reliability.md, bug 230). An online
 // status is the device's own, read: it is taken as it is.
 func (b *Broker) keepKnown(deviceID string, s topics.Status) (topics.Status, bool) {
 	cur, err := b.st.Status(context.Background(), deviceID)

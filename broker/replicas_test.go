@@ -317,7 +317,7 @@ func TestTheWillOfABridgeDisconnectedForItsRightsIsHeld(t *testing.T) {
 // A bridge back from a disconnection for its rights (its held Will, then
 // its "online") that stops or is lost after has its "offline" taken in at
 // once, not held for the rest of the grace: the Will held was that
-// disconnection's (docs/reliability.md, bug 227). The grace is an hour.
+// disconnection's (docs/reliability.md, bug 224). The grace is an hour.
 func TestABridgeBackFromAKickThatStopsReadsOffline(t *testing.T) {
 	e, _ := newReplicas(t, func(o *Options) { o.KickGrace = time.Hour })
 	state, online := kickedBridge(t, e)

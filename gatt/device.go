@@ -1048,7 +1048,7 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 // answered "no free slot" with another image pending in its other slot (an
 // update that ended before its reboot): stock img_mgmt lets nothing erase
 // that slot, upload into it or unmark it, and the bridge does not boot an
-// image no one asked for now to clear it (docs/reliability.md, bug 231).
+// image no one asked for now to clear it (docs/reliability.md, bug 228).
 func explainNoFreeSlot(err error, st ImageStateResponse) error {
 	var e *Error
 	if !errors.As(err, &e) || e.Group != GroupImage || e.GroupRC != ImgErrNoFreeSlot {

@@ -476,7 +476,7 @@ func (c *loseConfirm) tap(_ gatt.Link, data []byte) ([]byte, error) {
 // the device running that image under test: the other slot holds the
 // confirmed image MCUboot reverts to, which img_mgmt does not let an
 // upload erase ("no free slot"). The bridge resets the device, MCUboot
-// reverts, and the update goes on (bug 230).
+// reverts, and the update goes on (bug 227).
 func TestOTAAfterAnUnconfirmedUpdate(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(fastLink)
@@ -512,7 +512,7 @@ func TestOTAAfterAnUnconfirmedUpdate(t *testing.T) {
 // An update to another version while the device holds an image pending
 // from an update that ended before its reboot fails as img_mgmt answers
 // it, "no free slot", and says why and what clears it: the update to the
-// pending version goes through (bug 231).
+// pending version goes through (bug 228).
 func TestOTAWithAnotherImagePendingSaysWhy(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(fastLink)

@@ -21,7 +21,7 @@ const httpUserTimeout = time.Minute
 // after that, and gives its place back (--max-streams-per-user): without
 // it, the kernel tried for about 15 minutes (tcp_retries2), and a client
 // that reconnected from each network it met ran out of places
-// (docs/reliability.md, bug 228). An idle connection (a held Prefer:
+// (docs/reliability.md, bug 225). An idle connection (a held Prefer:
 // wait) is probed by the TCP keepalive Go sets after 15 s idle, and the
 // same timeout bounds the probes (tcp(7)).
 func listenHTTP(addr string) (net.Listener, error) {

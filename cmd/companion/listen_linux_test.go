@@ -26,7 +26,7 @@ func userTimeout(t *testing.T, c syscall.Conn) int {
 
 // The server's HTTP connections abort once what it sent stays
 // unacknowledged for a minute, so that an event stream whose client
-// vanished gives its place back (docs/reliability.md, bug 228): the
+// vanished gives its place back (docs/reliability.md, bug 225): the
 // listener of a running server has TCP_USER_TIMEOUT, and a connection it
 // accepts inherits it. What a dead client then does to a stream is not
 // reproduced here: that needs a peer whose packets are dropped.
