@@ -972,14 +972,14 @@ func TestNewChecksOptions(t *testing.T) {
 	// Near int64's end the body limits wrapped: a text past 64 KiB, or
 	// every image, was refused; with MaxJSONBody every body read empty.
 	for _, l := range []Limits{
-		{MaxTextBytes: math.MaxInt64}, {MaxTextBytes: 1 << 61}, {MaxTitleBytes: MaxByteLimit + 1},
+		{MaxTextBytes: math.MaxInt64}, {MaxTextBytes: 1 << 61}, {MaxTitleBytes: int(MaxByteLimit + 1)},
 		{MaxImageBytes: math.MaxInt64}, {MaxAppBytes: math.MaxInt64}, {MaxFirmwareBytes: MaxByteLimit + 1}, {MaxJSONBody: math.MaxInt64},
 	} {
 		if _, err := New(Options{Store: e.db, Commands: e.cmds, Limits: l}); err == nil || !strings.Contains(err.Error(), "1 TiB") {
 			t.Errorf("New with limits %+v = %v; want an error: over 1 TiB", l, err)
 		}
 	}
-	l := Limits{MaxTextBytes: MaxByteLimit, MaxTitleBytes: MaxByteLimit, MaxImageBytes: MaxByteLimit, MaxAppBytes: MaxByteLimit, MaxFirmwareBytes: MaxByteLimit, MaxJSONBody: MaxByteLimit}
+	l := Limits{MaxTextBytes: int(MaxByteLimit), MaxTitleBytes: int(MaxByteLimit), MaxImageBytes: MaxByteLimit, MaxAppBytes: MaxByteLimit, MaxFirmwareBytes: MaxByteLimit, MaxJSONBody: MaxByteLimit}
 	s, err = New(Options{Store: e.db, Commands: e.cmds, Limits: l})
 	require.NoError(t, err)
 	if tb, ib := s.limits.textBody(), s.limits.imageBody(); tb < 12*MaxByteLimit || ib < MaxByteLimit*4/3 {

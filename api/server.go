@@ -3,7 +3,6 @@ package api
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
@@ -266,7 +265,7 @@ func (l Limits) withDefaults() Limits {
 // limits worked out from them (six bytes to a text's byte escaped, an
 // image's base64, a byte past the limit) stay well within an int64; near
 // its end they wrapped, and a text past 64 KiB, or every image, was refused.
-const MaxByteLimit = 1 << 40
+const MaxByteLimit int64 = 1 << 40
 
 func (l Limits) check() error {
 	switch {
@@ -274,7 +273,7 @@ func (l Limits) check() error {
 		l.MaxAppBytes < 0, l.MaxFirmwareBytes < 0, l.MaxOpenCommands < 0, l.MaxWait < 0,
 		l.MaxJSONBody < 0, l.BodyIdle < 0, l.QueueFullRetryAfter < 0:
 		return errors.New("api: negative limit")
-	case l.MaxTextBytes > MaxByteLimit, l.MaxTitleBytes > MaxByteLimit, l.MaxImageBytes > MaxByteLimit,
+	case int64(l.MaxTextBytes) > MaxByteLimit, int64(l.MaxTitleBytes) > MaxByteLimit, l.MaxImageBytes > MaxByteLimit,
 		l.MaxAppBytes > MaxByteLimit, l.MaxFirmwareBytes > MaxByteLimit, l.MaxJSONBody > MaxByteLimit:
 		return fmt.Errorf("api: a byte limit over %d (1 TiB)", MaxByteLimit)
 	case l.MinTTL < time.Second || l.MinTTL > l.DefaultTTL || l.DefaultTTL > l.MaxTTL:
@@ -286,9 +285,11 @@ func (l Limits) check() error {
 }
 
 // imageBody is the body limit of an image push: the base64 of the largest
-// image plus the room of an ordinary JSON body.
+// image (padded: four bytes to every three begun) plus the room of an
+// ordinary JSON body, in int64 on every platform (an int of 32 bits would
+// wrap at 2 GiB).
 func (l Limits) imageBody() int64 {
-	return int64(base64.StdEncoding.EncodedLen(int(l.MaxImageBytes))) + l.MaxJSONBody
+	return (l.MaxImageBytes+2)/3*4 + l.MaxJSONBody
 }
 
 // textBody is the body limit of a text push: an ordinary JSON body's, or
@@ -297,7 +298,7 @@ func (l Limits) imageBody() int64 {
 // rest. (With only MaxJSONBody, a MaxTextBytes past it took texts that the
 // body limit refused with a 413.)
 func (l Limits) textBody() int64 {
-	return max(l.MaxJSONBody, 6*int64(l.MaxTextBytes+l.MaxTitleBytes)+4<<10)
+	return max(l.MaxJSONBody, 6*(int64(l.MaxTextBytes)+int64(l.MaxTitleBytes))+4<<10)
 }
 
 // Options configure New. The zero value of each optional field means its
