@@ -270,6 +270,20 @@ func (fb *fakeBridge) online(t *testing.T, e *env, dev string) {
 	})
 }
 
+// retainStatus publishes st as dev's status, retained as a bridge's are,
+// and waits for the store to have its seq.
+func (fb *fakeBridge) retainStatus(t *testing.T, e *env, dev string, st topics.Status) {
+	t.Helper()
+	topic, _ := tree.Status(dev)
+	b, err := json.Marshal(st)
+	require.NoError(t, err)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	testenv.Eventually(t, 10*time.Second, fmt.Sprintf("%s's status of seq %d stored", dev, st.Seq), func() bool {
+		s, _ := e.db.Status(context.Background(), dev)
+		return s.Seq == st.Seq
+	})
+}
+
 func (fb *fakeBridge) publish(t *testing.T, topic string, v any) {
 	t.Helper()
 	b, err := json.Marshal(v)
@@ -789,25 +803,13 @@ func TestAnOfflineStatusThatKnowsNothingKeepsWhatIsKnown(t *testing.T) {
 	e := newEnv(t, true)
 	ctx := context.Background()
 	fb := connectBridge(t, e)
-	topic, _ := tree.Status("dev-1")
 	bat := 70
 	at := time.Now().UTC().Truncate(time.Millisecond)
 	report := topics.Status{Online: true, Battery: &bat, FirmwareVersion: "1.2.3", Model: "sim-1",
 		Apps: []companion.App{{AppID: "clock", Version: "1.0.0"}}, BridgeID: "b1", Seq: 10, At: at}
-	b, _ := json.Marshal(report)
-	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
-	testenv.Eventually(t, 10*time.Second, "the status stored", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Seq == 10
-	})
-
+	fb.retainStatus(t, e, "dev-1", report)
 	blank := topics.Status{Online: false, Apps: []companion.App{}, BridgeID: "b1", Seq: 11, At: at.Add(time.Second)}
-	b, _ = json.Marshal(blank)
-	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
-	testenv.Eventually(t, 10*time.Second, "the offline status stored", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Seq == 11
-	})
+	fb.retainStatus(t, e, "dev-1", blank)
 	s, err := e.db.Status(ctx, "dev-1")
 	require.NoError(t, err)
 	assert.False(t, s.Online)
@@ -829,17 +831,11 @@ func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
 	e := newEnv(t, true)
 	ctx := context.Background()
 	fb := connectBridge(t, e)
-	topic, _ := tree.Status("dev-1")
 	bat := 90
 	at := time.Now().UTC().Truncate(time.Millisecond)
 	report := topics.Status{Online: true, Battery: &bat, FirmwareVersion: "1.2.3", Model: "sim-1",
 		Apps: []companion.App{{AppID: "clock", Version: "1.0.0"}}, BridgeID: "b1", Seq: 10, At: at}
-	b, _ := json.Marshal(report)
-	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
-	testenv.Eventually(t, 10*time.Second, "the status stored", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Seq == 10 && s.Online
-	})
+	fb.retainStatus(t, e, "dev-1", report)
 
 	live := watchStatus(t, e, "dev-1")
 	assert.True(t, nextStatus(t, live).Online, "the bridge's retained report")
@@ -862,12 +858,7 @@ func TestBridgeWillSetsTheRetainedStatusOffline(t *testing.T) {
 	// the server never overwrites a newer retained report.
 	back := report
 	back.Seq, back.At = 11, at.Add(time.Second)
-	b, _ = json.Marshal(back)
-	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
-	testenv.Eventually(t, 10*time.Second, "the new report stored", func() bool {
-		s, _ := e.db.Status(ctx, "dev-1")
-		return s.Seq == 11 && s.Online
-	})
+	fb.retainStatus(t, e, "dev-1", back)
 	e.b.mu.Lock()
 	n := e.b.bridgeGen["b1"]
 	e.b.mu.Unlock()

@@ -387,25 +387,36 @@ func swallowReset(_ gatt.Link, data []byte) ([]byte, error) {
 	return data, nil
 }
 
+// newTappedSim is a simulated device that resets and boots in 5 ms,
+// reached through tap (tapConnector) on fastLink, with requests timing out
+// after 300 ms, and a context for the test's requests.
+func newTappedSim(t *testing.T, tap func(gatt.Link, []byte) ([]byte, error)) (*gatt.Device, *sim.Device, *sim.Network, context.Context) {
+	t.Helper()
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap},
+		MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.Close()
+		n.Close()
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return d, s, n, ctx
+}
+
 // A reset the device never answers fails the update with a timeout and
 // drops the link, as any request that timed out does: the next command
 // starts on a new connection rather than on the one the device stopped
 // answering.
 func TestUnansweredResetDropsTheLink(t *testing.T) {
-	s := sim.New(sim.Options{ID: "dev-1"})
-	n := sim.NewNetwork(fastLink)
-	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: swallowReset},
-		MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer n.Close()
-	defer d.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	d, _, n, ctx := newTappedSim(t, swallowReset)
 
-	err = d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
+	err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
 	if !errors.Is(err, gatt.ErrTimeout) {
 		t.Fatalf("UpdateFirmware with the reset lost = %v; want gatt.ErrTimeout", err)
 	}
@@ -478,19 +489,8 @@ func (c *loseConfirm) tap(_ gatt.Link, data []byte) ([]byte, error) {
 // upload erase ("no free slot"). The bridge resets the device, MCUboot
 // reverts, and the update goes on (bug 227).
 func TestOTAAfterAnUnconfirmedUpdate(t *testing.T) {
-	s := sim.New(sim.Options{ID: "dev-1"})
-	n := sim.NewNetwork(fastLink)
-	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
 	c := &loseConfirm{}
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: c.tap},
-		MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer n.Close()
-	defer d.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	d, s, _, ctx := newTappedSim(t, c.tap)
 
 	c.armed.Store(true)
 	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil); err == nil {
@@ -514,9 +514,6 @@ func TestOTAAfterAnUnconfirmedUpdate(t *testing.T) {
 // it, "no free slot", and says why and what clears it: the update to the
 // pending version goes through (bug 228).
 func TestOTAWithAnotherImagePendingSaysWhy(t *testing.T) {
-	s := sim.New(sim.Options{ID: "dev-1"})
-	n := sim.NewNetwork(fastLink)
-	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
 	var lose atomic.Bool
 	tap := func(l gatt.Link, data []byte) ([]byte, error) {
 		if lose.Load() {
@@ -524,15 +521,7 @@ func TestOTAWithAnotherImagePendingSaysWhy(t *testing.T) {
 		}
 		return data, nil
 	}
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap},
-		MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer n.Close()
-	defer d.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	d, s, _, ctx := newTappedSim(t, tap)
 
 	lose.Store(true)
 	pending := firmwareImage(t, "2.0.0+3", 20_000)
@@ -540,7 +529,7 @@ func TestOTAWithAnotherImagePendingSaysWhy(t *testing.T) {
 		t.Fatalf("UpdateFirmware with the reset lost = %v; want gatt.ErrTimeout", err)
 	}
 	lose.Store(false)
-	err = d.UpdateFirmware(ctx, "fw-2", "3.0.0", firmwareImage(t, "3.0.0", 20_000), nil)
+	err := d.UpdateFirmware(ctx, "fw-2", "3.0.0", firmwareImage(t, "3.0.0", 20_000), nil)
 	if code := errorCode(err); code != gatt.CodeDeviceError || !strings.Contains(err.Error(), "no free slot") ||
 		!strings.Contains(err.Error(), "holds firmware 2.0.0+3, to boot at the next reset") || !strings.Contains(err.Error(), "update it to 2.0.0+3, or reboot it") {
 		t.Fatalf("UpdateFirmware to 3.0.0 = %v (code %q); want device_error, no free slot, saying what the other slot holds and what clears it", err, code)
