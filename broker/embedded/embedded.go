@@ -192,20 +192,21 @@ func capabilities() *mqtt.Capabilities {
 // Server is a running (or ready to run) embedded broker. Create it with New,
 // then Start it; Close stops it.
 type Server struct {
-	log      *slog.Logger
-	listen   string
-	tls      *tls.Config
-	mochi    *mqtt.Server
-	auth     *authHook
-	hooks    []mqtt.Hook // the three hooks, in the order mochi calls them
-	ln       *mochilisten.Listener
-	tree     topics.Tree
-	grace    time.Duration // Options.KickGrace
-	mu       sync.Mutex
-	started  bool
-	closed   bool
-	closeErr error
-	kicks    map[string]*time.Timer // bridges DisconnectBridge closed, until their grace ends
+	log       *slog.Logger
+	listen    string
+	tls       *tls.Config
+	mochi     *mqtt.Server
+	auth      *authHook
+	hooks     []mqtt.Hook // the three hooks, in the order mochi calls them
+	ln        *mochilisten.Listener
+	tree      topics.Tree
+	grace     time.Duration // Options.KickGrace
+	mu        sync.Mutex
+	started   bool
+	closed    bool
+	closeErr  error                  // written before closeDone is closed
+	closeDone chan struct{}          // closed once the first Close is done
+	kicks     map[string]*time.Timer // bridges DisconnectBridge closed, until their grace ends
 }
 
 // New checks opts and builds a Server. Nothing listens until Start.
@@ -239,7 +240,7 @@ func New(opts Options) (*Server, error) {
 		opts.KickGrace = DefaultKickGrace
 	}
 	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m, tree: opts.Topics, grace: opts.KickGrace,
-		kicks: map[string]*time.Timer{}}
+		kicks: map[string]*time.Timer{}, closeDone: make(chan struct{})}
 	s.auth = &authHook{
 		tree:     opts.Topics,
 		accounts: opts.Accounts,
@@ -332,17 +333,25 @@ func (s *Server) Addr() string {
 // Close again returns the first result.
 func (s *Server) Close() error {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.closed {
+		s.mu.Unlock()
+		<-s.closeDone // a Close under way
 		return s.closeErr
 	}
 	s.closed = true
 	for _, t := range s.kicks {
 		t.Stop()
 	}
-	if !s.started {
+	started := s.started
+	s.mu.Unlock()
+	defer close(s.closeDone)
+	if !started {
 		return nil
 	}
+	// Not under mu: mochi's Close waits for every connection's goroutine,
+	// and a bridge logging in meanwhile takes mu (bridgeBack). Held, a
+	// server stopped as its bridge reconnected hung for good
+	// (docs/reliability.md, bug 231).
 	s.closeErr = s.mochi.Close()
 	s.ln.Wait()
 	s.log.Info("mqtt broker stopped")

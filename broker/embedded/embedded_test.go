@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -889,4 +890,46 @@ func TestDisconnectBridgeHoldsItsWill(t *testing.T) {
 	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))
 	b1.waitLost(t) // and not back
 	require.Equal(t, topics.BridgeOffline, string(w.next(t).Payload()), "the Will of a bridge not back after the grace")
+}
+
+// A bridge that logs in while the broker closes (a server stopped as its
+// bridge reconnects) does not hang Close. Close held the broker's lock
+// while mochi waited for every connection's goroutine, and the login's
+// took that lock to note the bridge back: SIGTERM hung the server for good
+// (docs/reliability.md, bug 231). The login is held until Close has begun.
+func TestCloseWhileABridgeLogsIn(t *testing.T) {
+	s, err := embedded.New(embedded.Options{Listen: "127.0.0.1:0", Accounts: newFakeAccounts(),
+		ServerUsername: serverUser, ServerPassword: serverPass})
+	require.NoError(t, err)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	embedded.HoldLogins(s, func() {
+		once.Do(func() { close(entered) })
+		<-release
+	})
+	require.NoError(t, s.Start())
+	defer s.Close()
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + s.Addr()).SetClientID("bridge-1").
+		SetUsername("bridge-1").SetPassword("b1-secret").SetAutoReconnect(false))
+	c.Connect() // its login held
+	select {
+	case <-entered:
+	case <-time.After(wait):
+		t.Fatal("the bridge's login never came")
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- s.Close() }()
+	testenv.Eventually(t, wait, "the broker's listener closed", func() bool {
+		conn, err := net.Dial("tcp", s.Addr())
+		if err == nil {
+			conn.Close()
+		}
+		return err != nil
+	})
+	close(release)
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close hung with a bridge logging in")
+	}
 }
