@@ -1452,7 +1452,7 @@ func (d *settingsReadHeld) Settings(ctx context.Context) (map[string]any, topics
 // bridge reconnects, which asks the reporter for a status read before it
 // has taken the one the install's reply carried. The read fails, and the
 // offline status it reports, newer than the reply's, lists the app (bug
-// 232).
+// 229).
 func TestOfflineStatusAfterAChangeNotYetReported(t *testing.T) {
 	b := startBroker(t)
 	bs := startBlobServer(t)

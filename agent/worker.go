@@ -409,7 +409,7 @@ func (a *Agent) updateSettings(ctx context.Context, dr *deviceRunner, c topics.C
 		// applied, so that GET …/settings shows it once the command is
 		// final (CONTRACT §8), as an app's or an OTA's reply carries the
 		// last known status with its change (docs/reliability.md, bug
-		// 229). A report follows.
+		// 226). A report follows.
 		a.log.Warn("reading the settings after a change failed; they follow in a report", "device", dr.id, "cmd", c.ID, "err", err)
 		changed := maps.Clone(before)
 		if changed == nil {

@@ -1025,7 +1025,7 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 			// takes no upload into it ("no free slot") until then. A reset
 			// reverts to it, as any reboot of the device would; the image
 			// given up is one nobody confirmed (docs/reliability.md, bug
-			// 230).
+			// 227).
 			if reverts == maxResets {
 				return &Error{Group: GroupOS, ID: CmdOSReset, RC: RCUnknown, Bridge: true, Reason: fmt.Sprintf("the device still runs an image under test after %d resets: it does not reboot", reverts)}
 			}
