@@ -225,14 +225,15 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 // broker follow (the bridges are disconnected, and connect again).
 func (s *Server) moved(ctx context.Context, deviceID, from, to string) {
 	s.cmds.DeviceMoved(deviceID)
-	if s.accounts != nil {
-		if w, ok := s.accounts.(WillOnDisconnect); ok {
-			if w.DisconnectPublishesWill() {
-				s.cmds.BridgesDisconnecting(from, to)
-			} else {
-				s.cmds.BridgesDisconnectingWithoutWill(from, to)
-			}
-		}
-		_ = s.accounts.Assigned(ctx, deviceID, from, to) // logged and retried there
+	if s.accounts == nil {
+		return
 	}
+	switch w, ok := s.accounts.(WillOnDisconnect); {
+	case !ok: // the embedded broker holds the bridges' Wills itself
+	case w.DisconnectPublishesWill():
+		s.cmds.BridgesDisconnecting(from, to)
+	default:
+		s.cmds.BridgesDisconnectingWithoutWill(from, to)
+	}
+	_ = s.accounts.Assigned(ctx, deviceID, from, to) // logged and retried there
 }

@@ -232,38 +232,28 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		}
 	}
 	l := c.Limits
+	// max: the byte limits are at most api.MaxByteLimit, since near int64's
+	// end the body limits worked out from them wrapped (a text past 64 KiB,
+	// or every image, was refused); 0 bounds nothing.
 	for _, f := range []struct {
-		name string
-		v    int64
+		name   string
+		v, max int64
 	}{
-		{"max-text-bytes", int64(l.MaxTextBytes)},
-		{"max-title-bytes", int64(l.MaxTitleBytes)},
-		{"max-image-bytes", l.MaxImageBytes},
-		{"max-image-side", int64(l.MaxImageSide)},
-		{"max-app-bytes", l.MaxAppBytes},
-		{"max-firmware-bytes", l.MaxFirmwareBytes},
-		{"max-open-commands", int64(l.MaxOpenCommands)},
-		{"rate-burst", int64(l.RequestBurst)},
-		{"report-burst", int64(c.ReportBurst)},
+		{"max-text-bytes", int64(l.MaxTextBytes), api.MaxByteLimit},
+		{"max-title-bytes", int64(l.MaxTitleBytes), api.MaxByteLimit},
+		{"max-image-bytes", l.MaxImageBytes, api.MaxByteLimit},
+		{"max-image-side", int64(l.MaxImageSide), 0},
+		{"max-app-bytes", l.MaxAppBytes, api.MaxByteLimit},
+		{"max-firmware-bytes", l.MaxFirmwareBytes, api.MaxByteLimit},
+		{"max-open-commands", int64(l.MaxOpenCommands), 0},
+		{"rate-burst", int64(l.RequestBurst), 0},
+		{"report-burst", int64(c.ReportBurst), 0},
 	} {
-		if f.v <= 0 {
+		switch {
+		case f.v <= 0:
 			return usageError{fmt.Sprintf("--%s %d: must be positive", f.name, f.v)}
-		}
-	}
-	// Near int64's end the body limits worked out from these wrapped: a
-	// text past 64 KiB, or every image, was refused.
-	for _, f := range []struct {
-		name string
-		v    int64
-	}{
-		{"max-text-bytes", int64(l.MaxTextBytes)},
-		{"max-title-bytes", int64(l.MaxTitleBytes)},
-		{"max-image-bytes", l.MaxImageBytes},
-		{"max-app-bytes", l.MaxAppBytes},
-		{"max-firmware-bytes", l.MaxFirmwareBytes},
-	} {
-		if f.v > api.MaxByteLimit {
-			return usageError{fmt.Sprintf("--%s %d: must be at most %d (1 TiB)", f.name, f.v, api.MaxByteLimit)}
+		case f.max > 0 && f.v > f.max:
+			return usageError{fmt.Sprintf("--%s %d: must be at most %d (1 TiB)", f.name, f.v, f.max)}
 		}
 	}
 	for _, f := range []struct {
