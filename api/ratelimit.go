@@ -132,8 +132,12 @@ func (l *localLimiter) take(key string, perSecond float64, burst int, take bool)
 	if r == 0 {
 		return false, time.Hour
 	}
-	return false, time.Duration((1 - tokens) / perSecond * float64(time.Second))
+	return false, time.Duration(min((1-tokens)/perSecond, maxRefillWait.Seconds()) * float64(time.Second))
 }
+
+// maxRefillWait bounds a bucket's wait for a token: a year, well within a
+// Duration, which a slower bucket's wait overflowed (bug 256).
+const maxRefillWait = 365 * 24 * time.Hour
 
 // prune drops the buckets that are full. l.mu is held.
 func (l *localLimiter) prune(now time.Time) {

@@ -266,6 +266,14 @@ func TestLocalLimiter(t *testing.T) {
 	assert.Equal(t, time.Hour, wait, "a zero rate never refills")
 	ok, _, _ = l.Allow(ctx, "never", -1, 1)
 	assert.True(t, ok, "a negative rate admits everything")
+
+	// Before, the wait of a bucket this slow overflowed a Duration: a
+	// negative one, and a Retry-After of 1 s (bug 256).
+	ok, _, _ = l.Allow(ctx, "slow", 1e-13, 1)
+	assert.True(t, ok, "a slow rate has its burst")
+	ok, wait, _ = l.Allow(ctx, "slow", 1e-13, 1)
+	assert.False(t, ok)
+	assert.Equal(t, 365*24*time.Hour, wait, "a slow rate's wait: a year at most")
 }
 
 // The limiter's memory stays bounded: past maxBuckets keys, the buckets

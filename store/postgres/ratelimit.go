@@ -70,18 +70,22 @@ func (s *Store) RateLimiter(opts RateLimiterOptions) *RateLimiter {
 // one. A key without a row starts full: it takes the first token at once.
 // The clock never runs back: a row last written by a replica whose clock
 // is ahead refills from its time, not ours. full_at is when the bucket
-// will be full again, after which the row may be swept.
+// will be full again, after which the row may be swept; 'infinity' for a
+// bucket that takes more than 1e11 s (3,000 years) to fill, past what an
+// interval holds (bug 256: every request was an error), or that never
+// refills.
 const allowSQL = `
 WITH p AS (
 	SELECT coalesce($2::timestamptz, statement_timestamp()) AS now, $3::float8 AS rate, $4::float8 AS burst
 )
 INSERT INTO rate_buckets AS b (key, tokens, updated_at, full_at, granted)
 SELECT $1, p.burst - 1, p.now,
-	CASE WHEN p.rate > 0 THEN p.now + interval '1 second' / p.rate ELSE 'infinity' END, true
+	CASE WHEN p.rate <= 0 THEN 'infinity' WHEN 1 / p.rate >= 1e11 THEN 'infinity' ELSE p.now + interval '1 second' / p.rate END, true
 FROM p
 ON CONFLICT (key) DO UPDATE SET (tokens, granted, updated_at, full_at) = (
 	SELECT t.tokens, t.granted, t.at,
-		CASE WHEN p.rate > 0 THEN t.at + interval '1 second' * ((p.burst - t.tokens) / p.rate) ELSE 'infinity' END
+		CASE WHEN p.rate <= 0 THEN 'infinity' WHEN (p.burst - t.tokens) / p.rate >= 1e11 THEN 'infinity'
+			ELSE t.at + interval '1 second' * ((p.burst - t.tokens) / p.rate) END
 	FROM p, (
 		SELECT r.level - CASE WHEN r.level >= 1 THEN 1 ELSE 0 END AS tokens, r.level >= 1 AS granted, r.at
 		FROM p, (
@@ -147,12 +151,16 @@ func (l *RateLimiter) Peek(ctx context.Context, key string, perSecond float64, b
 	return false, refillWait(tokens, perSecond), nil
 }
 
+// maxRefillWait bounds refillWait: a year, well within a Duration, which
+// a slower bucket's wait overflowed (bug 256).
+const maxRefillWait = 365 * 24 * time.Hour
+
 // refillWait is how long a bucket of tokens takes to hold one.
 func refillWait(tokens, perSecond float64) time.Duration {
 	if perSecond == 0 {
 		return time.Hour
 	}
-	return time.Duration((1 - tokens) / perSecond * float64(time.Second))
+	return time.Duration(min((1-tokens)/perSecond, maxRefillWait.Seconds()) * float64(time.Second))
 }
 
 // clock is the buckets' time: nil for the database's clock.

@@ -187,6 +187,26 @@ func TestRateLimiter(t *testing.T) {
 		}
 	})
 
+	// A bucket refilling slower than an interval can count: before, every
+	// Allow of it failed "interval out of range", and the API answered
+	// every request 503 (bug 256).
+	t.Run("RateTooSlowForAnInterval", func(t *testing.T) {
+		clk := newFakeClock()
+		a, b, _ := replicas(t, postgres.RateLimiterOptions{Now: clk.Now})
+		for i, want := range []bool{true, true, false} {
+			ok, wait, err := []*postgres.RateLimiter{a, b}[i%2].Allow(ctx, "request:user:u1", 1e-13, 2)
+			require.NoError(t, err, "request %d", i+1)
+			require.Equal(t, want, ok, "request %d", i+1)
+			if !ok {
+				assert.Equal(t, 365*24*time.Hour, wait, "retry after: a year at most")
+			}
+		}
+		ok, wait, err := a.Peek(ctx, "request:user:u1", 1e-13, 2)
+		require.NoError(t, err)
+		assert.False(t, ok, "Peek")
+		assert.Equal(t, 365*24*time.Hour, wait, "Peek's retry after")
+	})
+
 	// Keys text cannot hold, or long ones, are stored as their hash.
 	t.Run("OddKeys", func(t *testing.T) {
 		clk := newFakeClock()
