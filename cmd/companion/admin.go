@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/devicecompanion/companion/internal/tlsclient"
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -53,6 +54,7 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
 	token := fs.String("admin-token", "", "admin token (default: read from DATA/admin.token)")
 	data := fs.String("data", "./data", "the server's data directory, to find admin.token")
+	ca := caFlag(fs)
 	var claimCode, model, version, appID, bridge string
 	var noBridge bool
 	switch cmd {
@@ -80,7 +82,8 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(pos) != 1 {
 		return usageError{fmt.Sprintf("%s takes exactly one argument, got %d", cmd, len(pos))}
 	}
-	if err := checkAPIURL(*apiURL); err != nil {
+	hc, err := apiHTTPClient(*apiURL, *ca)
+	if err != nil {
 		return err
 	}
 	arg := pos[0]
@@ -93,7 +96,7 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		tok = strings.TrimSpace(string(b))
 	}
-	c := apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: &http.Client{}, stall: adminStall}
+	c := apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: hc, stall: adminStall}
 
 	var body []byte
 	switch cmd {
@@ -192,6 +195,33 @@ func checkAPIURL(s string) error {
 		return usageError{fmt.Sprintf("--api-url %q: give the server's base URL, without /api/v1 (the CLI adds it)", s)}
 	}
 	return nil
+}
+
+// caFlag defines the --ca of the CLI's commands that call the API.
+func caFlag(fs *flag.FlagSet) *string {
+	return fs.String("ca", "", "PEM CA `file` to verify an https:// --api-url with (default: the system's)")
+}
+
+// apiHTTPClient checks apiURL (checkAPIURL) and returns the client of a
+// CLI command calling it: one verifying an https:// server with the
+// certificates of caFile when it is set. Before --ca, the CLI verified
+// a server with a private CA only given SSL_CERT_FILE (bug 257). A --ca
+// with an http:// --api-url would do nothing, and is refused.
+func apiHTTPClient(apiURL, caFile string) (*http.Client, error) {
+	if err := checkAPIURL(apiURL); err != nil {
+		return nil, err
+	}
+	if caFile == "" {
+		return &http.Client{}, nil
+	}
+	if u, _ := url.Parse(apiURL); u.Scheme != "https" {
+		return nil, usageError{fmt.Sprintf("--ca %q: only an https:// --api-url is verified with it; --api-url is %q", caFile, apiURL)}
+	}
+	conf, err := tlsclient.Config(caFile)
+	if err != nil {
+		return nil, usageError{fmt.Sprintf("--ca: %v", err)}
+	}
+	return tlsclient.HTTPClient(conf), nil
 }
 
 // checkFirmware refuses, before the upload, a firmware version the API

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -11,6 +12,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"encoding/pem"
+	"io"
 	"math/big"
 	"net"
 	"net/http"
@@ -22,6 +24,7 @@ import (
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -193,4 +196,43 @@ func TestDemoQuickStartWorksOverTLS(t *testing.T) {
 	b, err := exec.Command("sh", "-c", sub+" -C 1 -W 20").CombinedOutput()
 	require.NoError(t, err, "%s: %s", sub, b)
 	assert.True(t, strings.HasPrefix(string(b), "acme/v1/devices/sim-001/"), "%s: %s", sub, b)
+}
+
+// The CLI's commands that call the API verify a server whose certificate
+// a private CA issued with --ca. Before, only SSL_CERT_FILE did, for the
+// whole process (bug 257). A --ca that would do nothing, or that holds no
+// certificate, is a usage error.
+func TestCLIVerifiesTheServerWithCA(t *testing.T) {
+	ca := newTestCA(t)
+	dir := t.TempDir()
+	certFile, keyFile := ca.issue(t, dir)
+	caFile := filepath.Join(dir, "ca.pem")
+	require.NoError(t, os.WriteFile(caFile, ca.pem, 0o600))
+	m := startServer(t, Config{TLSCert: certFile, TLSKey: keyFile})
+	api := m.APIURL()
+	require.True(t, strings.HasPrefix(api, "https://"), api)
+	cli := func(args ...string) (string, error) {
+		var out bytes.Buffer
+		err := run(context.Background(), args, &out, io.Discard)
+		return out.String(), err
+	}
+
+	out, err := cli("user", "create", "bob", "--api-url", api, "--admin-token", m.AdminToken(), "--ca", caFile)
+	require.NoError(t, err)
+	var u map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &u), out)
+	_, err = cli("user", "create", "eve", "--api-url", api, "--admin-token", m.AdminToken())
+	assert.ErrorContains(t, err, "certificate", "without --ca, the system's roots")
+
+	// command wait reaches the server, which knows no such command.
+	_, err = cli("command", "wait", "dev-1", uuid.NewString(), "--api-url", api, "--token", u["token"].(string), "--ca", caFile)
+	assert.ErrorContains(t, err, "404")
+
+	var ue usageError
+	_, err = cli("user", "create", "carol", "--api-url", "http://"+m.HTTPAddr(), "--admin-token", m.AdminToken(), "--ca", caFile)
+	require.ErrorAs(t, err, &ue, "--ca with http://")
+	assert.ErrorContains(t, err, "--ca")
+	_, err = cli("command", "wait", "dev-1", uuid.NewString(), "--api-url", api, "--token", "x", "--ca", keyFile)
+	require.ErrorAs(t, err, &ue, "--ca of no certificate")
+	assert.ErrorContains(t, err, "no PEM certificates")
 }

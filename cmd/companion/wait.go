@@ -48,6 +48,7 @@ func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
 	token := fs.String("token", "", "the user's API token (required)")
 	timeout := fs.Duration("timeout", 0, "give up after this long (0: wait until the command is final)")
+	ca := caFlag(fs)
 	pos, err := parseInterspersed(fs, args[2:])
 	if err != nil {
 		return err
@@ -61,7 +62,8 @@ func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if *token == "" {
 		return usageError{"command wait needs --token (or COMPANION_TOKEN)"}
 	}
-	if err := checkAPIURL(*apiURL); err != nil {
+	hc, err := apiHTTPClient(*apiURL, *ca)
+	if err != nil {
 		return err
 	}
 	if *timeout < 0 {
@@ -75,7 +77,7 @@ func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	w := &waiter{
 		// No timeout on the client: a stream is long. The command's
 		// GET has its own, and a silent stream is dropped (idle).
-		api:      apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: *token, http: &http.Client{}},
+		api:      apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: *token, http: hc},
 		deviceID: pos[0],
 		id:       pos[1],
 		out:      stdout,
