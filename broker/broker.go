@@ -190,7 +190,7 @@ type Broker struct {
 	// earliest time one may go (see holdRepeat).
 	repeats map[string]map[string]*repeat
 	held    map[string]time.Time
-	finals  finalSet        // commands seen final here (notify)
+	finals  idSet           // commands seen final here (notify)
 	gate    *reportGate     // bounds how often a device's reports are taken in
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
@@ -198,6 +198,11 @@ type Broker struct {
 	started bool
 	closed  bool
 	extra   []extraSub // subscriptions of other users of the connection
+
+	// elsewhere holds the commands another replica changed lately
+	// (CommandChanged): one whose acceptance the store calls back only
+	// after is not made live (see Submit; bug 232). Under mu.
+	elsewhere idSet
 
 	// dispatchSince is when this broker was last seen to become the
 	// dispatcher; for a server alone, when New made it. A command accepted

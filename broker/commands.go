@@ -38,7 +38,11 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 			// time for a notify that came before it; handed to the outbox,
 			// it could go out after its cancel.
 			ended := b.finals.has(cmd.ID)
-			if !ended {
+			// Changed by another replica already (bug 232): perhaps ended
+			// there, by an unbinding; this replica heard it only as an id
+			// (CommandChanged), with no one waiting here yet to read it.
+			// Not live: a Wait reads the store.
+			if !ended && !b.elsewhere.has(cmd.ID) {
 				b.live[cmd.ID] = true
 			}
 			b.mu.Unlock()
@@ -242,6 +246,9 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 		// skips the store read and waits out its time for a command
 		// already final.
 		delete(b.live, id)
+		// And should the store call back its acceptance here only now,
+		// it is not made live again (see Submit; bug 232).
+		b.elsewhere.add(id)
 		if len(b.waiters[id]) > 0 {
 			ids = append(ids, id)
 		}
@@ -282,25 +289,26 @@ func (b *Broker) notify(cmd companion.Command) {
 	}
 }
 
-// finalSet holds the ids of the commands most recently seen final here,
-// between finalGeneration and twice as many: a reply for one of them is
-// dropped at once (intake), where the store would refuse it. Under mu.
-type finalSet struct {
+// idSet holds the ids of the commands most recently added, between
+// finalGeneration and twice as many: those seen final here (a reply for
+// one of them is dropped at once, intake, where the store would refuse
+// it), or changed by another replica (see Submit). Under mu.
+type idSet struct {
 	recent, older map[string]struct{}
 }
 
-// finalGeneration bounds each generation of a finalSet: a few megabytes
+// finalGeneration bounds each generation of an idSet: a few megabytes
 // for both, and minutes of commands at the rates the soaks run.
 const finalGeneration = 1 << 15
 
-func (s *finalSet) add(id string) {
+func (s *idSet) add(id string) {
 	if s.recent == nil || len(s.recent) >= finalGeneration {
 		s.older, s.recent = s.recent, make(map[string]struct{}, 1024)
 	}
 	s.recent[id] = struct{}{}
 }
 
-func (s *finalSet) has(id string) bool {
+func (s *idSet) has(id string) bool {
 	if _, ok := s.recent[id]; ok {
 		return true
 	}

@@ -184,3 +184,31 @@ func TestACommandEndedBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
 	assert.Zero(t, liveCount(e), "the ended command is live")
 	assert.Equal(t, companion.StateCanceled, waitAnswer(t, e, cmd.ID).State)
 }
+
+// The same, when another replica took the unbinding (bug 232): this one
+// hears of it only through the store's notifications (CommandChanged), of
+// its own creation and then of the unbinding, both before the store calls
+// back the acceptance. A Prefer: wait on the command is answered at once.
+func TestACommandEndedByAnotherReplicaBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
+	e, hold := newEnvOn(t, func(db *store.DB) *heldCreates {
+		return &heldCreates{DB: db, created: make(chan companion.Command, 1), release: make(chan struct{})}
+	})
+	ctx := context.Background()
+	accepted := make(chan error, 1)
+	go func() {
+		_, _, err := e.b.Submit(ctx, companion.Command{DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText,
+			Payload: []byte(`{"text":"the previous owner's"}`), ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
+		accepted <- err
+	}()
+	cmd := <-hold.created
+	e.b.CommandChanged(ctx, cmd.ID) // its creation's notification
+	unbound, err := e.db.Unbind(ctx, "dev-1", "u1")
+	require.NoError(t, err)
+	require.Len(t, unbound.Ended, 1)
+	e.b.CommandChanged(ctx, cmd.ID) // the other replica's unbinding
+	close(hold.release)
+	require.NoError(t, <-accepted)
+
+	assert.Zero(t, liveCount(e), "the command ended by another replica is live")
+	assert.Equal(t, companion.StateCanceled, waitAnswer(t, e, cmd.ID).State)
+}
