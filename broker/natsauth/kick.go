@@ -91,6 +91,11 @@ func (r *Responder) Disconnect(ctx context.Context, usernames ...string) error {
 	}
 	var errs []error
 	for _, u := range usernames {
+		// The other replicas' responders close the logins they are
+		// answering, or lately let in, for the username (onChanged):
+		// their rights may have been read before the change, and no node
+		// lists such a connection yet (bug 233).
+		r.tellChanged(u)
 		n, err := r.kick(ctx, u)
 		if err != nil {
 			r.log.Error("connections whose rights changed not closed; retrying", "username", u, "err", err, "in", r.opts.RetryInterval)
@@ -154,6 +159,76 @@ func (r *Responder) disconnect(ctx context.Context, username string) (int, error
 			conns = append(conns, c)
 		}
 	}
+	return r.close(ctx, conns)
+}
+
+// changedSubject carries, in the callout's account, the usernames whose
+// rights a replica changed, to every replica's responder (not a queue
+// group): each closes the logins of that username it is answering or
+// lately let in (onChanged). Only the callout's auth_users see it.
+const changedSubject = "companion.auth.changed"
+
+// changedNotice is a message on changedSubject.
+type changedNotice struct {
+	From     string `json:"from"` // the responder that sent it: it closed its own logins
+	Username string `json:"username"`
+}
+
+// tellChanged tells the other responders that username's rights changed.
+// It is best effort: a notice lost (the connection down) leaves a login
+// under way on another replica with its old rights, as before there were
+// notices.
+func (r *Responder) tellChanged(username string) {
+	if r.sys == nil {
+		return // none of the responders closes connections
+	}
+	b, _ := json.Marshal(changedNotice{From: r.id, Username: username})
+	if err := r.auth.Publish(changedSubject, b); err != nil {
+		r.log.Warn("the other replicas not told of a change of rights; their logins under way keep the old rights", "username", username, "err", err)
+	}
+}
+
+// onChanged takes another responder's notice (tellChanged): the logins
+// of the username this responder is answering, or let in within
+// loginSettle, are closed. A close that fails is retried as Disconnect's
+// are.
+func (r *Responder) onChanged(m *nats.Msg) {
+	var n changedNotice
+	if err := json.Unmarshal(m.Data, &n); err != nil || n.From == r.id || n.Username == "" || r.sys == nil {
+		return
+	}
+	under := r.loginsOf(n.Username)
+	if len(under) == 0 {
+		return
+	}
+	r.goroutine(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), r.opts.Timeout)
+		defer cancel()
+		go func() { // Close does not wait for the kicks out
+			select {
+			case <-r.quit:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		closed, err := r.close(ctx, under)
+		if err != nil {
+			r.log.Error("logins under way whose rights changed on another replica not closed; retrying", "username", n.Username, "err", err, "in", r.opts.RetryInterval)
+			r.mu.Lock()
+			r.pending[n.Username] = true
+			r.mu.Unlock()
+			signal(r.retry)
+			return
+		}
+		if closed > 0 {
+			r.log.Info("logins under way closed: rights changed on another replica", "username", n.Username, "connections", closed)
+		}
+	})
+}
+
+// close closes the connections and returns how many it closed; one the
+// node no longer has counts as closed already.
+func (r *Responder) close(ctx context.Context, conns []connRef) (int, error) {
 	n := 0
 	for _, c := range conns {
 		body, _ := json.Marshal(map[string]uint64{"cid": c.cid})

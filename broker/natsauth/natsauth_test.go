@@ -171,6 +171,51 @@ type door struct {
 	st   *fakeStore
 	r    *natsauth.Responder
 	tree topics.Tree
+	opts natsauth.Options // r's
+}
+
+// another starts a second responder on d's cluster and store, as another
+// replica's, and returns it with read, which says whether it read the
+// rights of an account (ServedDevices, ListBindings).
+func (d *door) another(t *testing.T) (r *natsauth.Responder, read func(account string) bool) {
+	t.Helper()
+	st := &readsOf{fakeStore: d.st, accounts: map[string]bool{}}
+	opts := d.opts
+	opts.Store = st
+	r, err := natsauth.New(opts)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close() })
+	return r, st.read
+}
+
+// readsOf is a responder's view of a fakeStore that notes whose rights it
+// read.
+type readsOf struct {
+	*fakeStore
+	mu       sync.Mutex
+	accounts map[string]bool
+}
+
+func (s *readsOf) note(account string) {
+	s.mu.Lock()
+	s.accounts[account] = true
+	s.mu.Unlock()
+}
+
+func (s *readsOf) read(account string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.accounts[account]
+}
+
+func (s *readsOf) ServedDevices(ctx context.Context, bridge string) ([]string, error) {
+	s.note(bridge)
+	return s.fakeStore.ServedDevices(ctx, bridge)
+}
+
+func (s *readsOf) ListBindings(ctx context.Context, user, after string, limit int) ([]companion.Binding, error) {
+	s.note(user)
+	return s.fakeStore.ListBindings(ctx, user, after, limit)
 }
 
 const serverUser, serverPass = "companion-server", "server-secret"
@@ -194,6 +239,7 @@ func startDoor(t *testing.T, edit func(*natsauth.Options)) *door {
 	if edit != nil {
 		edit(&opts)
 	}
+	d.opts = opts
 	d.r, err = natsauth.New(opts)
 	require.NoError(t, err)
 	t.Cleanup(func() { d.r.Close() })
@@ -434,6 +480,29 @@ func TestDoor(t *testing.T) {
 // the account no longer has until it logs in again.
 func TestChangeDuringLogin(t *testing.T) {
 	d := startDoor(t, nil)
+	changeDuringLogin(t, d, func(string) *natsauth.Responder { return d.r })
+}
+
+// A login answered by one replica's responder while another replica
+// changes its rights is closed too (bug 233): the replica that changes
+// them does not know of the login, which no node lists yet; the one
+// answering it is told (CONTRACT §11: the door's rules hold on the
+// cluster, whichever replica serves the change).
+func TestChangeDuringLoginAnsweredByAnotherReplica(t *testing.T) {
+	d := startDoor(t, nil)
+	r2, read := d.another(t)
+	changeDuringLogin(t, d, func(account string) *natsauth.Responder {
+		if read(account) {
+			return d.r // r2 answers the login
+		}
+		return r2
+	})
+}
+
+// changeDuringLogin changes the rights of a login held as its rights are
+// read, through the responder changeOn names for the account, and checks
+// that the login does not keep its old rights.
+func changeDuringLogin(t *testing.T, d *door, changeOn func(account string) *natsauth.Responder) {
 	d.st.set(func(f *fakeStore) {
 		f.bridges["bridge-1"], f.bridges["bridge-2"], f.bridges["bridge-3"] = "secret-1", "secret-2", "secret-3"
 		f.users["alice"] = "token-a"
@@ -443,19 +512,19 @@ func TestChangeDuringLogin(t *testing.T) {
 	m, ctx := must(t), context.Background()
 	for _, c := range []struct {
 		name, user, pass, filter string
-		change                   func() error
+		change                   func(*natsauth.Responder) error
 	}{
-		{"a device moved away", "bridge-1", "secret-1", m(d.tree.CommandsFilter("dev-1")), func() error {
+		{"a device moved away", "bridge-1", "secret-1", m(d.tree.CommandsFilter("dev-1")), func(r *natsauth.Responder) error {
 			d.st.set(func(f *fakeStore) { f.serves["dev-1"] = "bridge-2" })
-			return d.r.Assigned(ctx, "dev-1", "bridge-1", "bridge-2")
+			return r.Assigned(ctx, "dev-1", "bridge-1", "bridge-2")
 		}},
-		{"a device unbound", "alice", "token-a", m(d.tree.DeviceFilter("dev-2")), func() error {
+		{"a device unbound", "alice", "token-a", m(d.tree.DeviceFilter("dev-2")), func(r *natsauth.Responder) error {
 			d.st.set(func(f *fakeStore) { delete(f.owner, "dev-2") })
-			return d.r.Unbound(ctx, "alice", "dev-2")
+			return r.Unbound(ctx, "alice", "dev-2")
 		}},
-		{"a bridge deleted", "bridge-3", "secret-3", m(d.tree.CommandsFilter("dev-3")), func() error {
+		{"a bridge deleted", "bridge-3", "secret-3", m(d.tree.CommandsFilter("dev-3")), func(r *natsauth.Responder) error {
 			d.st.set(func(f *fakeStore) { delete(f.bridges, "bridge-3"); delete(f.serves, "dev-3") })
-			return d.r.BridgeDeleted(ctx, "bridge-3")
+			return r.BridgeDeleted(ctx, "bridge-3")
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -483,7 +552,7 @@ func TestChangeDuringLogin(t *testing.T) {
 			case <-time.After(wait):
 				t.Fatal("the login did not read the store")
 			}
-			require.NoError(t, c.change())
+			require.NoError(t, c.change(changeOn(c.user)))
 			close(release)
 			l := <-done
 			if l.err != nil {

@@ -107,6 +107,12 @@ type Responder struct {
 	sub  *nats.Subscription
 	sem  chan struct{} // one token per request being answered
 
+	// changed is the subscription to the other replicas' changes of
+	// rights (onChanged); id names this responder in its own notices
+	// (tellChanged).
+	changed *nats.Subscription
+	id      string
+
 	mu       sync.Mutex
 	closed   bool
 	pending  map[string]bool            // usernames whose connections are still to be closed
@@ -186,6 +192,11 @@ func New(opts Options) (*Responder, error) {
 		r.auth.Close()
 		return nil, fmt.Errorf("natsauth: subscribe to %s: %w", Subject, err)
 	}
+	r.id = nats.NewInbox()
+	if r.changed, err = r.auth.Subscribe(changedSubject, r.onChanged); err != nil {
+		r.auth.Close()
+		return nil, fmt.Errorf("natsauth: subscribe to %s: %w", changedSubject, err)
+	}
 	if opts.SystemUser != "" {
 		if r.sys, err = r.connect("companion auth callout (system)", opts.SystemUser, opts.SystemPassword); err != nil {
 			r.auth.Close()
@@ -250,6 +261,7 @@ func (r *Responder) Close() error {
 		r.mu.Unlock()
 		close(r.quit)
 		_ = r.sub.Unsubscribe()
+		_ = r.changed.Unsubscribe()
 		r.wg.Wait()
 		r.auth.Close()
 		if r.sys != nil {
