@@ -116,6 +116,38 @@ type Command struct {
 	Desired map[string]json.RawMessage `json:"-"`
 }
 
+// OpSettingsUpdate is the op of a command that changes settings
+// (topics.OpSettingsUpdate): its payload is {"settings": {name: value}}.
+const OpSettingsUpdate = "settings.update"
+
+// SettingsAsked returns the names of the settings c asks the device for:
+// those of its payload when it is a settings.update, else none (nor for a
+// payload that does not decode).
+func (c Command) SettingsAsked() []string {
+	if c.Op != OpSettingsUpdate {
+		return nil
+	}
+	var p struct {
+		Settings map[string]json.RawMessage `json:"settings"`
+	}
+	if json.Unmarshal(c.Payload, &p) != nil {
+		return nil
+	}
+	names := make([]string, 0, len(p.Settings))
+	for k := range p.Settings {
+		names = append(names, k)
+	}
+	return names
+}
+
+// WithdrawsDesired reports whether c, as stored now, ended a change of
+// settings without succeeding (failed, expired or canceled): what it
+// asked for is then no longer desired, since nothing will apply it
+// (Settings.Withdraw; docs/reliability.md, bug 240).
+func (c Command) WithdrawsDesired() bool {
+	return c.Op == OpSettingsUpdate && IsFinal(c.State) && c.State != StateSucceeded
+}
+
 // TakeDesired returns c.Desired checked and compacted by
 // NewDesiredSettings (nil when there is none) and clears it: what a
 // store's CreateCommand records with the command it stores.

@@ -211,6 +211,36 @@ func (r ReportedSettings) ApplyTo(s *Settings) {
 	s.At, s.Seq = r.At, r.Seq
 }
 
+// Withdraw drops from s.Desired the settings that ended asked for, a
+// settings command that ended without succeeding (Command.WithdrawsDesired):
+// nothing will apply them. Those that a later command of the device (of
+// later, each with an id above ended's) asked for stay: desired values
+// follow the commands in id order (Command.Desired), so they are that
+// command's. It reports whether it dropped any (bug 240: a canceled,
+// failed or expired change was listed as desired and pending for good).
+func (s *Settings) Withdraw(ended Command, later []Command) bool {
+	asked := ended.SettingsAsked()
+	if len(s.Desired) == 0 || len(asked) == 0 {
+		return false
+	}
+	kept := map[string]bool{}
+	for _, c := range later {
+		if c.ID > ended.ID {
+			for _, k := range c.SettingsAsked() {
+				kept[k] = true
+			}
+		}
+	}
+	dropped := false
+	for _, k := range asked {
+		if _, ok := s.Desired[k]; ok && !kept[k] {
+			delete(s.Desired, k)
+			dropped = true
+		}
+	}
+	return dropped
+}
+
 // NewDesiredSettings checks and compacts settings a user asked for: each
 // value must be JSON (ErrInvalid otherwise, naming the first bad key in
 // key order).

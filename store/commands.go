@@ -363,8 +363,10 @@ func (db *DB) UpdateCommandAsync(id string, fn func(*companion.Command) error, d
 	)
 	db.batchAsync(func(tx *bolt.Tx) error {
 		var err error
-		out, final, err = db.updateCommand(tx, id, fn)
-		return err
+		if out, final, err = db.updateCommand(tx, id, fn); err != nil || final {
+			return err
+		}
+		return db.withdrawDesired(tx, out)
 	}, func(err error) {
 		switch {
 		case err != nil:

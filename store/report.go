@@ -47,7 +47,7 @@ func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*companion.Command
 				return err
 			}
 		}
-		return nil
+		return db.withdrawDesired(tx, out)
 	}, func(err error) {
 		switch {
 		case err != nil:

@@ -279,6 +279,57 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 	return true, nil
 }
 
+// withdrawDesired drops, in tx, the desired settings that c asked for
+// when it is a settings command that has just ended without succeeding
+// (companion.Command.WithdrawsDesired), but those a later command of its
+// device asked for (companion.Settings.Withdraw): nothing will apply them,
+// and they were left desired and pending for good (bug 240). The later
+// commands are those above c's id in the device's index, the ones not
+// folded yet included (ListCommands). An unbinding needs none of it: it
+// drops every desired setting (dropDesired).
+func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
+	if !c.WithdrawsDesired() {
+		return nil
+	}
+	b := tx.Bucket(bucketSettings)
+	var s companion.Settings
+	ok, err := getJSON(b, []byte(c.DeviceID), &s)
+	if err != nil || !ok || len(s.Desired) == 0 {
+		return err
+	}
+	var later []companion.Command
+	cmds := tx.Bucket(bucketCommands)
+	add := func(id []byte) {
+		var lc companion.Command
+		// A record that does not decode asks for nothing here; the reads
+		// that list it count and log it (metUndecodable).
+		if found, err := getJSON(cmds, id, &lc); err == nil && found {
+			later = append(later, lc)
+		}
+	}
+	err = tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
+		if string(dev) == c.DeviceID && string(id) > c.ID {
+			add(id)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	p := prefix(c.DeviceID)
+	cur := tx.Bucket(bucketDeviceCmds).Cursor()
+	for k, _ := cur.Seek(key(c.DeviceID, c.ID)); k != nil && bytes.HasPrefix(k, p); k, _ = cur.Next() {
+		if id := k[len(p):]; string(id) > c.ID {
+			add(id)
+		}
+	}
+	if !s.Withdraw(c, later) {
+		return nil
+	}
+	s.UpdatedAt = db.now()
+	return putJSON(b, []byte(c.DeviceID), s)
+}
+
 // mergeDesired records, in tx, values a user asked of the device: each
 // key of want (checked and compacted by companion.NewDesiredSettings)
 // replaces the desired value of that key. CreateCommand calls it for a

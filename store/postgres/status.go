@@ -525,6 +525,45 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 	return true, nil
 }
 
+// withdrawDesired drops, in tx, the desired settings that c asked for
+// when it is a settings command that has just ended without succeeding
+// (companion.Command.WithdrawsDesired), but those a later settings
+// command of its device asked for (companion.Settings.Withdraw): nothing
+// will apply them, and they were left desired and pending for good (bug
+// 240). The settings row is taken last, as every write that changes it
+// does (after the command's row, the device's queue and its status). An
+// unbinding needs none of it: it drops every desired setting.
+func withdrawDesired(ctx context.Context, tx pgx.Tx, c companion.Command, now time.Time) error {
+	if !c.WithdrawsDesired() {
+		return nil
+	}
+	r := settingsRow{s: companion.Settings{DeviceID: c.DeviceID}}
+	err := tx.QueryRow(ctx, `SELECT `+settingsColumns+` FROM settings WHERE device_id = $1 FOR UPDATE`, c.DeviceID).Scan(r.dest()...)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return nil
+	case err != nil:
+		return err
+	}
+	if err := r.settings(); err != nil || len(r.s.Desired) == 0 {
+		return err
+	}
+	rows, err := tx.Query(ctx, `SELECT `+commandColumns+` FROM commands WHERE device_id = $1 AND id > $2 AND op = $3`,
+		c.DeviceID, c.ID, companion.OpSettingsUpdate)
+	if err != nil {
+		return err
+	}
+	later, err := appendCommands(nil, rows)
+	if err != nil {
+		return err
+	}
+	if !r.s.Withdraw(c, later) {
+		return nil
+	}
+	r.s.UpdatedAt = now
+	return writeSettings(ctx, tx, r.s)
+}
+
 // mergeDesired records, in tx, values a user asked of the device: each
 // key of want (checked and compacted by companion.NewDesiredSettings)
 // replaces the desired value of that key. CreateCommand calls it for a

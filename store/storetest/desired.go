@@ -136,3 +136,44 @@ func testDesiredOnlyWithTheCommand(t *testing.T, s companion.Store) {
 	assert.True(t, after.UpdatedAt.Equal(before.UpdatedAt), "Settings.UpdatedAt moved from %v to %v without a command", before.UpdatedAt, after.UpdatedAt)
 	assert.Equal(t, 2, countOpen(t, s, "d1"), "open commands: the two created")
 }
+
+// A settings change that ends without succeeding (canceled, failed,
+// expired) is no longer desired: nothing will apply it. Its settings
+// leave the desired ones in the write that ends it, but those a later
+// command asked for, which are that command's (bug 240: GET …/settings
+// listed a canceled change as desired and pending for good).
+func testDesiredWithdrawnWhenTheChangeEnds(t *testing.T, s companion.Store) {
+	provision(t, s, "sim-1", "d1", "d2")
+	bind(t, s, "u1", "d1", "d2")
+
+	a := desire(t, s, "d1", "u1", map[string]string{"volume": "3", "brightness": "10"})
+	b := desire(t, s, "d1", "u1", map[string]string{"volume": "7"})
+	other := desire(t, s, "d2", "u1", map[string]string{"brightness": "10"})
+	setState(t, s, a.ID, companion.StateCanceled)
+	got := desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "7"}),
+		"Desired after A canceled = %s; want A's brightness gone, B's volume kept", got)
+	assert.True(t, equalRaw(desired(t, s, "d2"), map[string]string{"brightness": "10"}), "another device's desired settings changed")
+
+	setState(t, s, b.ID, companion.StateInProgress)
+	setState(t, s, b.ID, companion.StateFailed)
+	got = desired(t, s, "d1")
+	assert.Empty(t, got, "Desired after B failed = %s; want none", got)
+
+	c := desire(t, s, "d1", "u1", map[string]string{"language": `"de"`})
+	create(t, s, newCmd("d1")) // a later command that is no settings change
+	setState(t, s, c.ID, companion.StateExpired)
+	got = desired(t, s, "d1")
+	assert.Empty(t, got, "Desired after C expired = %s; want none", got)
+
+	d := desire(t, s, "d1", "u1", map[string]string{"volume": "9"})
+	setState(t, s, d.ID, companion.StateSucceeded)
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "9"}),
+		"Desired after D succeeded = %s; want it until the device reports it", got)
+
+	failed := setState(t, s, create(t, s, newCmd("d2")).ID, companion.StateFailed)
+	require.Equal(t, companion.StateFailed, failed.State)
+	assert.True(t, equalRaw(desired(t, s, "d2"), map[string]string{"brightness": "10"}), "a failed text push changed the desired settings")
+	setState(t, s, other.ID, companion.StateSucceeded)
+}

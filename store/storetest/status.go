@@ -160,6 +160,7 @@ func testSettings(t *testing.T, open Opener) {
 		{"SeqFromAnotherEra", testSettingsSeqFromAnotherEra},
 		{"DesiredFollowsTheCommands", testDesiredFollowsTheCommands},
 		{"DesiredOnlyWithTheCommand", testDesiredOnlyWithTheCommand},
+		{"DesiredWithdrawnWhenTheChangeEnds", testDesiredWithdrawnWhenTheChangeEnds},
 		{"DesiredBeforeAnyReport", func(t *testing.T, s companion.Store) {
 			ctx := t.Context()
 			desire(t, s, "d1", "", map[string]string{"volume": "30"})
