@@ -11,6 +11,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/devicecompanion/companion"
 )
 
 // DefaultPrefix is the topic prefix used unless one is configured.
@@ -24,7 +26,7 @@ const (
 	OpAppInstall     = "app.install"
 	OpAppUninstall   = "app.uninstall"
 	OpAppUpdate      = "app.update"
-	OpSettingsUpdate = "settings.update"
+	OpSettingsUpdate = companion.OpSettingsUpdate // the stores read its payload (Command.SettingsAsked)
 	OpOTAUpdate      = "ota.update"
 
 	// OpCancel asks a bridge to drop a command it has not started yet. It is
