@@ -114,7 +114,10 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		body, err = c.postJSON(ctx, "/api/v1/admin/devices", req)
 	case "device assign":
-		if (bridge == "") == !noBridge {
+		switch {
+		case bridge != "" && noBridge:
+			return usageError{"device assign takes --bridge ID or --none, not both"}
+		case bridge == "" && !noBridge:
 			return usageError{"device assign needs --bridge ID, or --none"}
 		}
 		req := map[string]any{"bridge_id": nil}

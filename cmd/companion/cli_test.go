@@ -61,6 +61,9 @@ func TestAdminCLI(t *testing.T) {
 	err := run(context.Background(), []string{"device", "provision", "x", "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
 	var ue usageError
 	assert.ErrorAs(t, err, &ue)
+	err = run(context.Background(), []string{"device", "assign", "watch-42", "--bridge", "kitchen", "--none", "--api-url", api, "--admin-token", m.AdminToken()}, &bytes.Buffer{}, &bytes.Buffer{})
+	assert.ErrorAs(t, err, &ue)
+	assert.ErrorContains(t, err, "--bridge ID or --none, not both")
 	err = run(context.Background(), []string{"user", "create", "eve", "--api-url", api, "--admin-token", "wrong"}, &bytes.Buffer{}, &bytes.Buffer{})
 	assert.ErrorContains(t, err, "401")
 
