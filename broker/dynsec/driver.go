@@ -251,6 +251,12 @@ func (d *Driver) Do(ctx context.Context, cmds ...Command) ([]Response, error) {
 	}
 }
 
+// noRole says whether err is the plugin's answer that the role does not
+// exist.
+func noRole(err error) bool {
+	return notFound(err) && strings.Contains(err.Error(), "Role not found")
+}
+
 // BridgeRole and UserRole name the roles the server keeps.
 func BridgeRole(bridgeID string) string { return "bridge-" + bridgeID }
 
@@ -395,6 +401,7 @@ func (d *Driver) deleteBridge(ctx context.Context, bridgeID string) error {
 // the store says with d.change held: a role made again from all the
 // bridge's devices at each move made provisioning a bridge's devices take
 // time in the square of their number (docs/performance.md, "Fleet-scale operations").
+// Each bridge's grant is settled against a read made after it (bug 241).
 // Reconcile repairs whatever else drifted.
 func (d *Driver) Assigned(ctx context.Context, deviceID, from, to string) error {
 	d.change.Lock()
@@ -416,6 +423,75 @@ func (d *Driver) Assigned(ctx context.Context, deviceID, from, to string) error 
 	return err
 }
 
+// serves reads whether the store says the bridge serves the device.
+func (d *Driver) serves(bridgeID, deviceID string) func(context.Context) (bool, error) {
+	return func(ctx context.Context) (bool, error) { return d.st.BridgeServes(ctx, bridgeID, deviceID) }
+}
+
+// boundTo reads whether the store says the device is bound to the user.
+func (d *Driver) boundTo(userID, deviceID string) func(context.Context) (bool, error) {
+	return func(ctx context.Context) (bool, error) {
+		b, err := d.st.Binding(ctx, deviceID)
+		if errors.Is(err, companion.ErrNotFound) {
+			return false, nil
+		}
+		return err == nil && b.UserID == userID, err
+	}
+}
+
+// sync makes the role grant acls exactly when read says so: it reads, writes
+// what it read, and settles.
+func (d *Driver) sync(ctx context.Context, roleName string, acls []ACL, read func(context.Context) (bool, error)) error {
+	granted, err := read(ctx)
+	if err != nil {
+		return err
+	}
+	if err := d.grant(ctx, roleName, acls, granted); err != nil {
+		return err
+	}
+	return d.settle(ctx, roleName, acls, granted, read)
+}
+
+// settleRounds bounds settle: past it the store is still changing under
+// the write, and the driver leaves the role to the change's own sync and
+// to a reconcile (the caller's error schedules one).
+const settleRounds = 5
+
+// settle is run after a write that made the role grant acls (granted) or
+// not, from a read of the store made before the write: it reads the store
+// again and, while that read says otherwise, writes what it says.
+//
+// d.change serialises one process only. Several replicas share the store
+// and Mosquitto (docs/scale-out.md), and a replica's read and its write
+// could straddle another's: R2 read that D is U1's; through R1, U1 unbound
+// D (R1 took D from U1) and U2 bound it (R1 gave it to U2); then R2 gave
+// D's topics to U1, who read U2's device until the next reconcile, which
+// comes with the next reconnect to Mosquitto (docs/reliability.md, bug
+// 241). A read after the write closes that: the plugin applies commands
+// one at a time, so for one role and device some write is the last; its
+// writer reads the store after the plugin applied it. A store change
+// committed before that read is in the read, which then agrees with what
+// was written or the writer writes again (and that write is the last);
+// one committed after it is followed by its own replica's sync, whose
+// write comes later, so it was not the last. So the last write, once
+// settled, agrees with a read of the store made after every change before
+// it. A user's rights are exact (each device's topics are its own), so
+// each settles alone; the cost is one more read of the store per role a
+// change touches.
+func (d *Driver) settle(ctx context.Context, roleName string, acls []ACL, granted bool, read func(context.Context) (bool, error)) error {
+	for range settleRounds {
+		now, err := read(ctx)
+		if err != nil || now == granted {
+			return err
+		}
+		if err := d.grant(ctx, roleName, acls, now); err != nil {
+			return err
+		}
+		granted = now
+	}
+	return fmt.Errorf("dynsec: %s: the store kept changing under %d writes; reconciling later", roleName, settleRounds)
+}
+
 // grant adds acls to the role, or removes them from it (receive rules
 // first, so that access is cut before anything else goes).
 func (d *Driver) grant(ctx context.Context, roleName string, acls []ACL, add bool) error {
@@ -432,16 +508,12 @@ func (d *Driver) grant(ctx context.Context, roleName string, acls []ACL, add boo
 // syncServed makes a bridge's role grant the device's topics exactly when
 // the store says the bridge serves it. Run with d.change held.
 func (d *Driver) syncServed(ctx context.Context, bridgeID, deviceID string) error {
-	serves, err := d.st.BridgeServes(ctx, bridgeID, deviceID)
-	if err != nil {
-		return err
-	}
 	acls, err := d.servedDeviceACLs(deviceID)
 	if err != nil {
 		return err
 	}
-	err = d.grant(ctx, BridgeRole(bridgeID), acls, serves)
-	if notFound(err) && strings.Contains(err.Error(), "Role not found") {
+	err = d.sync(ctx, BridgeRole(bridgeID), acls, d.serves(bridgeID, deviceID))
+	if noRole(err) {
 		d.log.Warn("bridge has no Mosquitto account; its devices' topics are not granted", "bridge_id", bridgeID)
 		return nil
 	}
@@ -746,19 +818,12 @@ func (d *Driver) syncBinding(ctx context.Context, userID, deviceID string) error
 }
 
 func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string) error {
-	b, err := d.st.Binding(ctx, deviceID)
-	switch {
-	case errors.Is(err, companion.ErrNotFound):
-	case err != nil:
-		return err
-	}
-	bound := err == nil && b.UserID == userID
 	acls, err := d.deviceACLs(deviceID)
 	if err != nil {
 		return err
 	}
-	err = d.grant(ctx, UserRole(userID), acls, bound)
-	if notFound(err) && strings.Contains(err.Error(), "Role not found") {
+	err = d.sync(ctx, UserRole(userID), acls, d.boundTo(userID, deviceID))
+	if noRole(err) {
 		d.log.Warn("user has no Mosquitto account; their devices' topics are not granted", "user_id", userID)
 		return nil
 	}
@@ -830,8 +895,11 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		d.log.Info("Mosquitto clients pinned to their client ids", "clients", len(pins))
 	}
 	var cmds []Command
+	var written []settling
 	for _, r := range list.Roles {
 		var want []ACL
+		var aclsOf func(deviceID string) ([]ACL, error)
+		var read func(deviceID string) func(context.Context) (bool, error)
 		switch {
 		case strings.HasPrefix(r.Name, "bridge-"):
 			id := strings.TrimPrefix(r.Name, "bridge-")
@@ -848,8 +916,13 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			if want, err = d.BridgeACLs(ctx, id); err != nil {
 				return err
 			}
+			aclsOf = d.servedDeviceACLs
+			read = func(dev string) func(context.Context) (bool, error) { return d.serves(id, dev) }
 		case strings.HasPrefix(r.Name, "user-"):
-			bs, err := d.st.ListBindings(ctx, strings.TrimPrefix(r.Name, "user-"), "", 0)
+			user := strings.TrimPrefix(r.Name, "user-")
+			aclsOf = d.deviceACLs
+			read = func(dev string) func(context.Context) (bool, error) { return d.boundTo(user, dev) }
+			bs, err := d.st.ListBindings(ctx, user, "", 0)
 			if err != nil {
 				return err
 			}
@@ -863,7 +936,28 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		default:
 			continue
 		}
-		cmds = append(cmds, diff(r.Name, r.ACLs, want)...)
+		changes := diff(r.Name, r.ACLs, want)
+		cmds = append(cmds, changes...)
+		// What was read of each device whose rights change is settled
+		// after the write, as a single change's (bug 241): only those
+		// devices are read again, not the fleet.
+		wanted := map[string]bool{}
+		for _, a := range want {
+			wanted[d.deviceOf(a.Topic)] = true
+		}
+		seen := map[string]bool{}
+		for _, c := range changes {
+			dev := d.deviceOf(fmt.Sprint(c["topic"]))
+			if dev == "" || seen[dev] {
+				continue
+			}
+			seen[dev] = true
+			acls, err := aclsOf(dev)
+			if err != nil {
+				return err
+			}
+			written = append(written, settling{role: r.Name, acls: acls, granted: wanted[dev], read: read(dev)})
+		}
 	}
 	if err := d.apply(ctx, cmds); err != nil {
 		return err
@@ -871,10 +965,41 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	if len(cmds) > 0 {
 		d.log.Info("Mosquitto ACLs reconciled with the store", "changes", len(cmds))
 	}
+	var errs []error
+	for _, w := range written {
+		if err := d.settle(ctx, w.role, w.acls, w.granted, w.read); err != nil && !noRole(err) { // a role gone meanwhile grants nothing
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
 	if len(failed) > 0 {
 		return fmt.Errorf("dynsec: %d account(s) still not created", len(failed))
 	}
 	return nil
+}
+
+// settling is a device's rights in a role as Reconcile wrote them, to
+// settle against the store once written.
+type settling struct {
+	role    string
+	acls    []ACL
+	granted bool
+	read    func(context.Context) (bool, error)
+}
+
+// deviceOf returns the device whose topics topic is of, or "" for none.
+func (d *Driver) deviceOf(topic string) string {
+	rest, ok := strings.CutPrefix(topic, d.tree.Prefix()+"/devices/")
+	if !ok {
+		return ""
+	}
+	dev, _, _ := strings.Cut(rest, "/")
+	if !topics.ValidDeviceID(dev) {
+		return ""
+	}
+	return dev
 }
 
 // run reconciles on every connect, and again RetryInterval after a failure.

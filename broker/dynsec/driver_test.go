@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,10 +25,14 @@ type conn struct {
 	granted chan bool
 }
 
+// conns numbers the connections, for a client id of each: two drivers of
+// one account are two replicas, each with its own connection.
+var conns atomic.Int64
+
 func dialConn(t testing.TB, url, user, pass string) *conn {
 	t.Helper()
 	cn := &conn{granted: make(chan bool, 1)}
-	cn.c = mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("drv-" + user).
+	cn.c = mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID(fmt.Sprintf("drv-%s-%d", user, conns.Add(1))).
 		SetUsername(user).SetPassword(pass).SetAutoReconnect(false))
 	return cn
 }
@@ -240,7 +245,9 @@ func TestDriver(t *testing.T) {
 		// time in n² (docs/performance.md, "Fleet-scale operations").
 		nowListed, nowAsked := st.calls()
 		assert.Equal(t, listed, nowListed, "Assigned listed every device of a bridge")
-		assert.Equal(t, asked+3, nowAsked, "Assigned asked the store about each bridge of each move")
+		// Twice for each bridge of each move: before its write, and after
+		// it to settle it (bug 241).
+		assert.Equal(t, asked+2*3, nowAsked, "Assigned asked the store about each bridge of each move")
 
 		// Drift: an assignment the server missed, repaired by Reconcile.
 		st.assign("dev-8", "bridge-2")
@@ -304,24 +311,52 @@ func TestDriver(t *testing.T) {
 	})
 }
 
-// pausingStore is a Store whose first read of what pauseFor serves waits for
-// resume, after saying so on reading.
+// pausingStore is a Store whose first read named pauseAt (its method and
+// arguments, as "ServedDevices bridge-9") waits for resume after reading,
+// after saying so on reading: a driver held between its read of the store
+// and its write to Mosquitto.
 type pausingStore struct {
 	*bindings
-	pauseFor        string
+	pauseAt         string
 	reading, resume chan struct{}
 	once            sync.Once
 }
 
-func (p *pausingStore) ServedDevices(ctx context.Context, bridge string) ([]string, error) {
-	out, err := p.bindings.ServedDevices(ctx, bridge)
-	if bridge == p.pauseFor {
+func newPausingStore(st *bindings, pauseAt string) *pausingStore {
+	return &pausingStore{bindings: st, pauseAt: pauseAt, reading: make(chan struct{}), resume: make(chan struct{})}
+}
+
+func (p *pausingStore) pause(read string) {
+	if read == p.pauseAt {
 		p.once.Do(func() {
 			close(p.reading)
 			<-p.resume
 		})
 	}
+}
+
+func (p *pausingStore) ServedDevices(ctx context.Context, bridge string) ([]string, error) {
+	out, err := p.bindings.ServedDevices(ctx, bridge)
+	p.pause("ServedDevices " + bridge)
 	return out, err
+}
+
+func (p *pausingStore) BridgeServes(ctx context.Context, bridge, dev string) (bool, error) {
+	ok, err := p.bindings.BridgeServes(ctx, bridge, dev)
+	p.pause("BridgeServes " + bridge + " " + dev)
+	return ok, err
+}
+
+func (p *pausingStore) Binding(ctx context.Context, dev string) (companion.Binding, error) {
+	b, err := p.bindings.Binding(ctx, dev)
+	p.pause("Binding " + dev)
+	return b, err
+}
+
+func (p *pausingStore) ListBindings(ctx context.Context, user, after string, limit int) ([]companion.Binding, error) {
+	bs, err := p.bindings.ListBindings(ctx, user, after, limit)
+	p.pause("ListBindings " + user)
+	return bs, err
 }
 
 // A device assigned to a bridge while the bridge's account is being made
@@ -333,7 +368,7 @@ func (p *pausingStore) ServedDevices(ctx context.Context, bridge string) ([]stri
 func TestAssignedWhileTheBridgeIsCreated(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
-	st := &pausingStore{bindings: newBindings(), pauseFor: "bridge-9", reading: make(chan struct{}), resume: make(chan struct{})}
+	st := newPausingStore(newBindings(), "ServedDevices bridge-9")
 	st.bridges["bridge-9"] = true
 	d, granted := newDriver(t, mq, server, st)
 	require.True(t, granted)
@@ -361,6 +396,85 @@ func TestAssignedWhileTheBridgeIsCreated(t *testing.T) {
 	require.NoError(t, err)
 	assert.Len(t, want, 6, "the bridge's state and dev-9's five rights")
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("bridge-9")), "bridge-9's role")
+}
+
+// Two replicas share the store and Mosquitto (docs/scale-out.md). Each
+// driver read the store and then wrote Mosquitto under a lock of its own
+// process only, so one replica's read and write could straddle another's
+// changes: it then wrote what the store no longer said, and a user kept
+// reading a device bound to someone else, or a bridge the commands of a
+// device it no longer served, until the next reconcile.
+func TestReplicasEndAsTheStoreSays(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	st.bridges["b1"], st.bridges["b2"], st.bridges["b3"] = true, true, true
+	r1, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	for _, u := range []string{"user-a", "user-b"} {
+		require.NoError(t, r1.UserCreated(ctx, u, "token-"+u))
+	}
+	for _, b := range []string{"b1", "b2", "b3"} {
+		require.NoError(t, r1.BridgeCreated(ctx, b, "secret-"+b))
+	}
+	device := func(dev string) []dynsec.ACL {
+		f := "companion/v1/devices/" + dev + "/#"
+		return []dynsec.ACL{{Type: dynsec.SubscribePattern, Topic: f, Allow: true}, {Type: dynsec.PublishClientReceive, Topic: f, Allow: true}}
+	}
+	// rebind unbinds dev from user-a and binds it to user-b through r1.
+	rebind := func(dev string) {
+		st.set(dev, "")
+		require.NoError(t, r1.Unbound(ctx, "user-a", dev))
+		st.set(dev, "user-b")
+		require.NoError(t, r1.Bound(ctx, "user-b", dev))
+	}
+	// straddle runs do on a replica r2 held after the read pauseAt while
+	// meanwhile runs on r1, then lets r2 write.
+	straddle := func(pauseAt string, do func(r2 *dynsec.Driver) error, meanwhile func()) {
+		held := newPausingStore(st, pauseAt)
+		r2, granted := newDriver(t, mq, server, held)
+		require.True(t, granted)
+		done := make(chan error, 1)
+		go func() { done <- do(r2) }()
+		<-held.reading
+		meanwhile()
+		close(held.resume)
+		require.NoError(t, <-done)
+	}
+
+	t.Run("a bind", func(t *testing.T) {
+		st.set("dev-1", "user-a")
+		straddle("Binding dev-1", func(r2 *dynsec.Driver) error { return r2.Bound(ctx, "user-a", "dev-1") },
+			func() { rebind("dev-1") })
+		assert.Empty(t, roleACLs(t, mq, dynsec.UserRole("user-a")), "the former owner reads dev-1")
+		assert.ElementsMatch(t, device("dev-1"), roleACLs(t, mq, dynsec.UserRole("user-b")))
+	})
+
+	t.Run("a reconcile", func(t *testing.T) {
+		st.set("dev-1", "")
+		require.NoError(t, r1.Unbound(ctx, "user-b", "dev-1"))
+		st.set("dev-2", "user-a") // bound through r1, whose Bound has not run yet
+		straddle("ListBindings user-a", func(r2 *dynsec.Driver) error { return r2.Reconcile(ctx) },
+			func() { rebind("dev-2") })
+		assert.Empty(t, roleACLs(t, mq, dynsec.UserRole("user-a")), "the former owner reads dev-2")
+		assert.ElementsMatch(t, device("dev-2"), roleACLs(t, mq, dynsec.UserRole("user-b")))
+	})
+
+	t.Run("a move", func(t *testing.T) {
+		st.assign("dev-3", "b1")
+		require.NoError(t, r1.Assigned(ctx, "dev-3", "", "b1"))
+		st.assign("dev-3", "b2")
+		straddle("BridgeServes b2 dev-3", func(r2 *dynsec.Driver) error { return r2.Assigned(ctx, "dev-3", "b1", "b2") },
+			func() {
+				st.assign("dev-3", "b3")
+				require.NoError(t, r1.Assigned(ctx, "dev-3", "b2", "b3"))
+			})
+		for _, b := range []string{"b1", "b2", "b3"} {
+			want, err := r1.BridgeACLs(ctx, b)
+			require.NoError(t, err)
+			assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole(b)), "%s's role", b)
+		}
+	})
 }
 
 // BenchmarkAssigned measures one device's move onto a bridge that already
