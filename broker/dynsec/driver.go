@@ -288,11 +288,16 @@ func UserClientID(userID string) string { return "companion-user-" + userID }
 // status and settings, and its own state (also its Will). The store says
 // which devices it serves.
 func (d *Driver) BridgeACLs(ctx context.Context, bridgeID string) ([]ACL, error) {
-	state, err := d.tree.BridgeState(bridgeID)
+	served, err := d.st.ServedDevices(ctx, bridgeID)
 	if err != nil {
 		return nil, err
 	}
-	served, err := d.st.ServedDevices(ctx, bridgeID)
+	return d.bridgeACLs(bridgeID, served)
+}
+
+// bridgeACLs is BridgeACLs of a bridge that serves the devices served.
+func (d *Driver) bridgeACLs(bridgeID string, served []string) ([]ACL, error) {
+	state, err := d.tree.BridgeState(bridgeID)
 	if err != nil {
 		return nil, err
 	}
@@ -345,16 +350,59 @@ func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 // made, or granted by its Assigned, which waits for the role. Read before,
 // such a device was granted by neither (Assigned found no role yet) until
 // the next reconcile, which comes with the next reconnect to Mosquitto.
+//
+// The lock is this process's only: another replica's Assigned still finds
+// no role while the role is being made from the first read. So once the
+// account is made, what the bridge serves is read again, and each device
+// that joined or left it in between is synced and settled as a move's
+// (bug 242). A device that is the same in both reads was written as the
+// second read says, by the creation or by a move made once the role was
+// there, which settled itself (settle).
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
-	acls, err := d.BridgeACLs(ctx, bridgeID)
+	served, err := d.st.ServedDevices(ctx, bridgeID)
+	var acls []ACL
+	if err == nil {
+		acls, err = d.bridgeACLs(bridgeID, served)
+	}
 	if err != nil {
 		d.log.Error("bridge account not created", "bridge_id", bridgeID, "err", err)
 		return err
 	}
-	return d.createAccountLocked(ctx, account{kind: "bridge", username: bridgeID, password: secret,
-		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), acls: acls})
+	if err := d.createAccountLocked(ctx, account{kind: "bridge", username: bridgeID, password: secret,
+		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), acls: acls}); err != nil {
+		return err
+	}
+	if err := d.syncMoved(ctx, bridgeID, served); err != nil {
+		d.log.Error("Mosquitto ACL of a new bridge not updated; reconciling later", "bridge_id", bridgeID, "err", err)
+		signal(d.kick)
+		return err
+	}
+	return nil
+}
+
+// syncMoved syncs each device that joined or left the bridge since it
+// served the devices before. Run with d.change held.
+func (d *Driver) syncMoved(ctx context.Context, bridgeID string, before []string) error {
+	now, err := d.st.ServedDevices(ctx, bridgeID)
+	if err != nil {
+		return err
+	}
+	moved := make(map[string]bool, len(before))
+	for _, dev := range before {
+		moved[dev] = true
+	}
+	for _, dev := range now {
+		moved[dev] = !moved[dev]
+	}
+	var errs []error
+	for dev, ok := range moved {
+		if ok {
+			errs = append(errs, d.syncServed(ctx, bridgeID, dev))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // BridgeDeleted removes a bridge's account and role: its connections are

@@ -475,6 +475,25 @@ func TestReplicasEndAsTheStoreSays(t *testing.T) {
 			assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole(b)), "%s's role", b)
 		}
 	})
+
+	// A bridge's account made on one replica while its devices move on
+	// another, whose moves find no role yet to change (bug 242).
+	t.Run("a bridge's creation", func(t *testing.T) {
+		st.bridges["b4"] = true
+		st.assign("dev-5", "b4")
+		straddle("ServedDevices b4", func(r2 *dynsec.Driver) error { return r2.BridgeCreated(ctx, "b4", "secret-b4") },
+			func() {
+				st.assign("dev-4", "b4")
+				require.NoError(t, r1.Assigned(ctx, "dev-4", "", "b4"))
+				st.assign("dev-5", "b1")
+				require.NoError(t, r1.Assigned(ctx, "dev-5", "b4", "b1"))
+			})
+		for _, b := range []string{"b1", "b4"} {
+			want, err := r1.BridgeACLs(ctx, b)
+			require.NoError(t, err)
+			assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole(b)), "%s's role", b)
+		}
+	})
 }
 
 // BenchmarkAssigned measures one device's move onto a bridge that already
