@@ -1,8 +1,10 @@
 package dynsec
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -884,8 +886,9 @@ func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string)
 // server made has the client id it should have (BridgeClientID and
 // UserClientID with Options.PinClientIDs, none without: a client whose id
 // changes is disconnected once by the plugin). Account creations that
-// failed earlier in this process are retried. Passwords are not reconciled: the server does not know them
-// after the creation.
+// failed earlier in this process are retried, a bridge's while the store
+// still has it with that secret (secretHeld). Passwords are not
+// reconciled: the server does not know them after the creation.
 func (d *Driver) Reconcile(ctx context.Context) error {
 	d.change.Lock()
 	defer d.change.Unlock()
@@ -895,6 +898,14 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	d.mu.Unlock()
 	var failed []account
 	for _, a := range retry {
+		switch held, err := d.secretHeld(ctx, a); {
+		case err != nil:
+			failed = append(failed, a)
+			continue
+		case !held:
+			d.log.Info("Mosquitto account not retried: the bridge was deleted or made anew since", "username", a.username)
+			continue
+		}
 		if err := d.create(ctx, a); err != nil && !errors.Is(err, errNotOurs) {
 			failed = append(failed, a)
 			continue
@@ -1026,6 +1037,28 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		return fmt.Errorf("dynsec: %d account(s) still not created", len(failed))
 	}
 	return nil
+}
+
+// secretHeld says whether a creation to retry is still the store's: a
+// user's always (a user is never made again), a bridge's while the store
+// has the bridge with the secret it was made with. Retried after the
+// bridge was deleted and made anew with a new secret, on this replica or
+// another, it set the old secret, which the store no longer held: the
+// bridge's new one stopped working, for good (bug 243). The store holds
+// the SHA-256 of the secret, as the API made it (api.newSecret).
+func (d *Driver) secretHeld(ctx context.Context, a account) (bool, error) {
+	if a.kind != "bridge" {
+		return true, nil
+	}
+	b, err := d.st.Bridge(ctx, a.username)
+	if errors.Is(err, companion.ErrNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	h := sha256.Sum256([]byte(a.password))
+	return bytes.Equal(b.SecretHash, h[:]), nil
 }
 
 // settling is a device's rights in a role as Reconcile wrote them, to

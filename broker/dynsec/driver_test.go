@@ -2,7 +2,9 @@ package dynsec_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -23,6 +25,7 @@ import (
 type conn struct {
 	c       mqtt.Client
 	granted chan bool
+	cut     atomic.Bool // Publish fails, as on a connection lost
 }
 
 // conns numbers the connections, for a client id of each: two drivers of
@@ -53,6 +56,9 @@ func (cn *conn) Subscribe(filter string, msg func([]byte), subscribed func(bool)
 }
 
 func (cn *conn) Publish(ctx context.Context, topic string, payload []byte) error {
+	if cn.cut.Load() {
+		return errors.New("test: the connection to Mosquitto is cut")
+	}
 	return mqtt.WaitTokenTimeout(cn.c.Publish(topic, 1, false, payload), 10*time.Second)
 }
 
@@ -62,12 +68,13 @@ type bindings struct {
 	m       map[string]string // device → user
 	serves  map[string]string // device → bridge
 	bridges map[string]bool
+	secrets map[string][]byte // bridge → the SHA-256 of its secret, where set
 
 	servedListed, servesAsked int // calls of ServedDevices and BridgeServes
 }
 
 func newBindings() *bindings {
-	return &bindings{m: map[string]string{}, serves: map[string]string{}, bridges: map[string]bool{}}
+	return &bindings{m: map[string]string{}, serves: map[string]string{}, bridges: map[string]bool{}, secrets: map[string][]byte{}}
 }
 
 func (b *bindings) assign(dev, bridge string) {
@@ -86,7 +93,23 @@ func (b *bindings) Bridge(_ context.Context, id string) (companion.Bridge, error
 	if !b.bridges[id] {
 		return companion.Bridge{}, companion.ErrNotFound
 	}
-	return companion.Bridge{ID: id}, nil
+	return companion.Bridge{ID: id, SecretHash: b.secrets[id]}, nil
+}
+
+// createBridge stores a bridge with the SHA-256 of its secret, as the API
+// does.
+func (b *bindings) createBridge(id, secret string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	h := sha256.Sum256([]byte(secret))
+	b.bridges[id], b.secrets[id] = true, h[:]
+}
+
+func (b *bindings) deleteBridge(id string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.bridges, id)
+	delete(b.secrets, id)
 }
 
 func (b *bindings) ServedDevices(_ context.Context, bridge string) ([]string, error) {
@@ -160,12 +183,19 @@ func newDriver(t testing.TB, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount
 // Timeout set here).
 func newDriverWith(t testing.TB, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, opts dynsec.Options) (*dynsec.Driver, bool) {
 	t.Helper()
+	d, _, granted := newDriverConn(t, mq, a, opts)
+	return d, granted
+}
+
+// newDriverConn is newDriverWith that returns the driver's connection too.
+func newDriverConn(t testing.TB, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAccount, opts dynsec.Options) (*dynsec.Driver, *conn, bool) {
+	t.Helper()
 	cn := dialConn(t, mq.URL, a.Username, a.Password)
 	t.Cleanup(func() { cn.c.Disconnect(50) })
 	opts.Conn, opts.ServerUsername, opts.Timeout = cn, server.Username, 5*time.Second
 	d, err := dynsec.New(opts)
 	require.NoError(t, err)
-	return d, <-cn.granted
+	return d, cn, <-cn.granted
 }
 
 // canConnect logs in with the client id the account may use: a bridge's
@@ -493,6 +523,26 @@ func TestReplicasEndAsTheStoreSays(t *testing.T) {
 			require.NoError(t, err)
 			assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole(b)), "%s's role", b)
 		}
+	})
+
+	// A bridge's account not made on one replica, which retries it later;
+	// meanwhile the bridge deleted and made anew with a new secret through
+	// another: the retry gave the account the old secret, and the bridge's
+	// new one stopped working (bug 243).
+	t.Run("a retried creation", func(t *testing.T) {
+		r3, cn, granted := newDriverConn(t, mq, server, dynsec.Options{Store: st})
+		require.True(t, granted)
+		st.createBridge("b5", "old-secret")
+		cn.cut.Store(true)
+		require.Error(t, r3.BridgeCreated(ctx, "b5", "old-secret"))
+		cn.cut.Store(false)
+		st.deleteBridge("b5")
+		require.NoError(t, r1.BridgeDeleted(ctx, "b5"))
+		st.createBridge("b5", "new-secret")
+		require.NoError(t, r1.BridgeCreated(ctx, "b5", "new-secret"))
+		require.NoError(t, r3.Reconcile(ctx))
+		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b5"), "b5", "new-secret"), "the bridge's secret stopped working")
+		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b5"), "b5", "old-secret"), "the bridge's old secret works")
 	})
 }
 
