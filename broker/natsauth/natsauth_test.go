@@ -633,6 +633,35 @@ func TestClientIDOfAnotherAccount(t *testing.T) {
 	assert.True(t, bob2.IsConnected())
 }
 
+// A refused login is forgotten before its answer goes: another account
+// logs in with its client id at once. Before, the refused login was let go only after its answer,
+// and a login a moment later with that client id, answered meanwhile, was
+// refused as taken by the refused one (bug 258; TestClientIDOfAnotherAccount
+// failed so once under load).
+func TestARefusedLoginDoesNotHoldItsClientID(t *testing.T) {
+	d := startDoor(t, nil)
+	d.st.set(func(f *fakeStore) {
+		f.users["alice"], f.users["bob"] = "token-a", "token-b"
+	})
+	// Each refusal's answering goroutine waits here, its answer sent,
+	// until bob has logged in.
+	release := make(chan struct{})
+	natsauth.OnAnswered(d.r, func(refused bool) {
+		if refused {
+			select {
+			case <-release:
+			case <-time.After(30 * time.Second):
+			}
+		}
+	})
+	defer close(release)
+
+	_, err := dialOnce(t, d.cl.MQTTURLs[0], "bob-phone", "alice", "wrong")
+	require.Error(t, err, "a wrong password")
+	bob := d.dial(t, 0, "bob-phone", "bob", "token-b")
+	assert.True(t, bob.IsConnected())
+}
+
 // Two accounts logging in with one client id at the same moment: NATS
 // lists a connection only once its node has the answer, so the later
 // login found no holder in the cluster while the earlier was still being

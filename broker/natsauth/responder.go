@@ -25,6 +25,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/jwt/v2"
@@ -106,6 +107,10 @@ type Responder struct {
 	sys  *nats.Conn // in the system account; nil without SystemUser
 	sub  *nats.Subscription
 	sem  chan struct{} // one token per request being answered
+
+	// answered, when set (by tests), is called once an answer is sent,
+	// before the login is let go.
+	answered atomic.Pointer[func(refused bool)]
 
 	// changed is the subscription to the other replicas' changes of
 	// rights (onChanged); id names this responder in its own notices
@@ -334,9 +339,18 @@ func (r *Responder) answer(m *nats.Msg) {
 		log.Warn("authorization answer too late; not sent", "role", who.Role, "id", who.ID, "took", time.Since(start))
 		return
 	}
+	if refusal != "" {
+		// Forgotten before the answer goes: the account whose client id
+		// it asked for may log in at once, and a refused login still
+		// listed refused that one too (earlierLoginWith; bug 258).
+		r.endLogin(l, false)
+	}
 	if err := m.Respond([]byte(tok)); err != nil {
 		log.Warn("authorization answer not sent", "err", err)
 		return
+	}
+	if f := r.answered.Load(); f != nil {
+		(*f)(refusal != "")
 	}
 	let = refusal == ""
 	if refusal == "" {
