@@ -161,16 +161,19 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 	restarted := false
 	madeRoom := false // the cache's idle blobs were deleted for this download
 	bo := retry.Backoff(blobRetryMin, blobRetryMax)
+	pause := false   // a try failed: wait before the next
+	waiting := false // for servers found away (unreachable): said once in the log
 	for attempt := 0; attempt < blobAttempts; attempt++ {
-		if attempt > 0 {
+		if pause {
 			t := time.NewTimer(bo.NextBackOff())
 			select {
 			case <-ctx.Done():
 				t.Stop()
-				return nil, ctx.Err()
+				return nil, ended(ctx, lastErr)
 			case <-t.C:
 			}
 		}
+		pause = true
 		i := int(b.cur.Load())
 		err := b.download(ctx, b.at(ru, i), part, ref.Size, progress)
 		if err == nil {
@@ -197,7 +200,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 			return data, nil
 		}
 		if ctx.Err() != nil {
-			return nil, ctx.Err()
+			return nil, ended(ctx, lastErr)
 		}
 		var se *storeError
 		if errors.As(err, &se) {
@@ -218,6 +221,7 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 				if n, freed := b.trimTo(ref.SHA256, 0); n > 0 {
 					b.log.Warn("deleted cached blobs to give a download room; downloading it again", "sha256", ref.SHA256, "count", n, "bytes", freed, "dir", b.dir)
 					attempt--
+					pause = false
 					continue
 				}
 			}
@@ -230,6 +234,24 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 			b.log.Warn("blob download failed", "sha256", ref.SHA256, "err", err)
 			return nil, downloadFailed(err)
 		}
+		if unreachable(err) {
+			// No server can be reached, or it says it cannot serve now:
+			// restarted, upgraded, its database away. Nothing goes on
+			// without it, and had the command not been here yet it
+			// would wait in the broker for it: the download waits too,
+			// without counting it as an attempt, until the servers are
+			// back or the command's time is up (ctx; then ended fails
+			// it download_failed). Five attempts took some 3 s, and a
+			// restart of the server failed the commands downloading
+			// then (bug 234).
+			attempt--
+			if !waiting {
+				waiting = true
+				b.log.Warn("blob download: the server cannot be reached; waiting for it", "sha256", ref.SHA256, "err", err)
+			}
+			b.failOver(ru, i)
+			continue
+		}
 		if b.failOver(ru, i) {
 			b.log.Warn("blob download failed; retrying from the next server", "sha256", ref.SHA256, "attempt", attempt+1, "err", err)
 			continue
@@ -238,6 +260,36 @@ func (b *blobs) fetch(ctx context.Context, ref topics.Blob, progress func(pct in
 	}
 	b.log.Warn("blob download given up", "sha256", ref.SHA256, "attempts", blobAttempts, "err", lastErr)
 	return nil, downloadFailed(lastErr)
+}
+
+// ended is what fetch returns when ctx ends before the blob came: the
+// command's time ran out (its deadline) while the server was away
+// (lastErr unreachable), download_failed with why, as a download given up;
+// otherwise ctx's error (the bridge stopping: the command runs again
+// after the restart).
+func ended(ctx context.Context, lastErr error) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) && lastErr != nil && unreachable(lastErr) {
+		return downloadFailed(lastErr)
+	}
+	return ctx.Err()
+}
+
+// unreachable reports whether err says the server is away rather than
+// wrong: no connection could be made to it (refused, no route, its name
+// not found), or it (or a proxy in front of it) answered 502, 503 or 504.
+// A download waits for such a server (bug 234).
+func unreachable(err error) bool {
+	var (
+		se *httpStatusError
+		oe *net.OpError
+	)
+	switch {
+	case errors.As(err, &se):
+		return se.status == http.StatusBadGateway || se.status == http.StatusServiceUnavailable || se.status == http.StatusGatewayTimeout
+	case errors.As(err, &oe):
+		return oe.Op == "dial"
+	}
+	return false
 }
 
 // downloadFailed is the command's failure once a download is given up:

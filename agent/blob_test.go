@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -76,12 +78,16 @@ func TestBlobFetch(t *testing.T) {
 }
 
 // A download given up says why in words for the command's user, without
-// the server's internal URL or addresses (the bridge's log has them).
+// the server's internal URL or addresses (the bridge's log has them). A
+// server that cannot be reached is waited for until the command's time is
+// up (bug 234): a short one here.
 func TestBlobDownloadFailedSaysWhyWithoutTheURL(t *testing.T) {
 	dead := httptest.NewServer(http.NotFoundHandler())
 	dead.Close()
 	b := newTestBlobs(t, dead.URL)
-	_, err := b.fetch(context.Background(), blobRef([]byte("unreachable")), func(int) {})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_, err := b.fetch(ctx, blobRef([]byte("unreachable")), func(int) {})
 	var ce *commandError
 	if !errors.As(err, &ce) || ce.Code != codeDownloadFailed {
 		t.Fatalf("fetch from a server that is down = %v; want download_failed", err)
@@ -260,7 +266,15 @@ func TestBlobDownloadGivenUpIsDownloadFailed(t *testing.T) {
 			}
 			b := newTestBlobs(t, url)
 			b.idle = 50 * time.Millisecond
-			_, err := b.fetch(context.Background(), blobRef(bytes.Repeat([]byte("x"), 100)), func(int) {})
+			// The command's time, which ends the wait for a server
+			// gone (bug 234); the others give up before it.
+			limit := time.Minute
+			if tt.serve == nil {
+				limit = time.Second
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), limit)
+			defer cancel()
+			_, err := b.fetch(ctx, blobRef(bytes.Repeat([]byte("x"), 100)), func(int) {})
 			if code := failure(err, false, time.Minute).Code; code != codeDownloadFailed {
 				t.Errorf("fetch from a %s = %v, failing the command %s; want %s", tt.name, err, code, codeDownloadFailed)
 			}
@@ -404,5 +418,65 @@ func TestBlobFetchKeepsTheAPIURLsPath(t *testing.T) {
 			paths.Range(func(k, _ any) bool { asked = append(asked, k); return true })
 			t.Errorf("fetch with API URL %q = %d bytes, %v (paths asked: %v); want the blob from /companion%s", base, len(got), err, asked, ref.URL)
 		}
+	}
+}
+
+// A server that cannot be reached for longer than the retries of a
+// download that failed take (restarted, upgraded: its listener closed, or
+// a proxy in front of it answering 503) holds the download until it is
+// back, within the command's time, rather than failing it
+// download_failed: nothing can go on without the server, and the
+// command would have waited for it in the broker (CONTRACT §7: an outage
+// loses nothing). Bug 234.
+func TestBlobDownloadWaitsForTheServerToComeBack(t *testing.T) {
+	data := bytes.Repeat([]byte("restart"), 1000)
+	away := blobAttempts // failures in a row: as many as the retries allow
+	for _, tc := range []struct {
+		name string
+		// client fails the first away requests as the server's restart does
+		client func(srv *httptest.Server, failed *atomic.Int32) *http.Client
+		// handler answers the others, and the first away when client lets them through
+		handler func(failed *atomic.Int32) http.HandlerFunc
+	}{
+		{"connection refused", func(srv *httptest.Server, failed *atomic.Int32) *http.Client {
+			dialer := &net.Dialer{}
+			return &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				if failed.Add(1) <= int32(away) {
+					return nil, &net.OpError{Op: "dial", Net: network, Err: syscall.ECONNREFUSED}
+				}
+				return dialer.DialContext(ctx, network, addr)
+			}}}
+		}, func(*atomic.Int32) http.HandlerFunc {
+			return func(w http.ResponseWriter, r *http.Request) { w.Write(data) }
+		}},
+		{"503 from a proxy", func(srv *httptest.Server, _ *atomic.Int32) *http.Client {
+			return srv.Client()
+		}, func(failed *atomic.Int32) http.HandlerFunc {
+			return func(w http.ResponseWriter, r *http.Request) {
+				if failed.Add(1) <= int32(away) {
+					http.Error(w, "no upstream", http.StatusServiceUnavailable)
+					return
+				}
+				w.Write(data)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var failed atomic.Int32
+			srv := httptest.NewServer(tc.handler(&failed))
+			defer srv.Close()
+			b, err := newBlobs(filepath.Join(t.TempDir(), "blobs"), srv.URL, "secret", tc.client(srv, &failed), time.Now, slog.New(slog.DiscardHandler))
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The command's timeout, as the worker gives it.
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			got, err := b.fetch(ctx, blobRef(data), func(int) {})
+			if err != nil || !bytes.Equal(got, data) {
+				t.Fatalf("fetch from a server away for %d tries = %d bytes, %v; want the blob once it is back", away, len(got), err)
+			}
+		})
 	}
 }
