@@ -12,9 +12,14 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/devicecompanion/companion/internal/testenv"
 )
@@ -381,4 +386,108 @@ func lastLines(b []byte, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// panicEnv, set, makes the test binary panic as it starts (TestMain): what
+// a Go program's crash looks like to systemd under a unit's environment.
+const panicEnv = "COMPANION_PACKAGING_TEST_PANIC"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(panicEnv) != "" {
+		panic("a crash, as systemd sees it")
+	}
+	os.Exit(m.Run())
+}
+
+// serviceSettings returns the values of each setting of the unit's
+// [Service] section, in their order.
+func serviceSettings(t *testing.T, unit string) map[string][]string {
+	t.Helper()
+	settings := map[string][]string{}
+	section := ""
+	for _, line := range strings.Split(readFile(t, filepath.Join(repoRoot(t), "packaging", "systemd", unit)), "\n") {
+		line = strings.TrimSpace(line)
+		switch {
+		case line == "" || strings.HasPrefix(line, "#"):
+		case strings.HasPrefix(line, "["):
+			section = line
+		case section == "[Service]":
+			k, v, _ := strings.Cut(line, "=")
+			settings[k] = append(settings[k], v)
+		}
+	}
+	return settings
+}
+
+// restarts says whether systemd restarts a unit of settings whose process
+// ended as state did: Restart=on-failure, less RestartPreventExitStatus
+// (systemd.service(5)).
+func restarts(t *testing.T, settings map[string][]string, state *os.ProcessState) bool {
+	t.Helper()
+	if got := settings["Restart"]; !slices.Equal(got, []string{"on-failure"}) {
+		t.Fatalf("Restart=%v; the test knows on-failure", got)
+	}
+	prevented := map[string]bool{}
+	for _, v := range settings["RestartPreventExitStatus"] {
+		if v == "" {
+			clear(prevented)
+		}
+		for _, s := range strings.Fields(v) {
+			prevented[s] = true
+		}
+	}
+	ws := state.Sys().(syscall.WaitStatus)
+	switch {
+	case ws.Exited():
+		return ws.ExitStatus() != 0 && !prevented[strconv.Itoa(ws.ExitStatus())]
+	case ws.Signaled():
+		switch sig := ws.Signal(); sig {
+		case syscall.SIGHUP, syscall.SIGINT, syscall.SIGTERM, syscall.SIGPIPE:
+			return false // a clean stop
+		default:
+			return !prevented[unix.SignalName(sig)]
+		}
+	}
+	t.Fatalf("process state %v", state)
+	return false
+}
+
+// A usage error (exit status 2: a flag in the env file wrong, a secret
+// missing) is not restarted: it would fail again every RestartSec for
+// good, as the start limit (5 in 10 s) never catches a unit restarted
+// every 2 s. A crash is: a Go panic, whose exit status is 2 as well, dies
+// of SIGABRT under the unit's environment (GOTRACEBACK=crash). An error
+// at run time (exit status 1: a database not there yet) is restarted.
+// Bug 235.
+func TestSystemdRestartsCrashesNotUsageErrors(t *testing.T) {
+	for _, unit := range []string{"companion.service", "companion-bridge.service"} {
+		t.Run(unit, func(t *testing.T) {
+			settings := serviceSettings(t, unit)
+			exit := func(code int) *os.ProcessState {
+				cmd := exec.Command("sh", "-c", "exit "+strconv.Itoa(code))
+				cmd.Run()
+				return cmd.ProcessState
+			}
+			if restarts(t, settings, exit(2)) {
+				t.Errorf("%s restarts after exit status 2, a usage error, every RestartSec for good", unit)
+			}
+			if !restarts(t, settings, exit(1)) {
+				t.Errorf("%s does not restart after exit status 1", unit)
+			}
+
+			// The test binary panicking, in the unit's environment.
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), panicEnv+"=1")
+			for _, e := range settings["Environment"] {
+				cmd.Env = append(cmd.Env, strings.Fields(e)...)
+			}
+			out, err := cmd.CombinedOutput()
+			if err == nil || !strings.Contains(string(out), "a crash, as systemd sees it") {
+				t.Fatalf("the panicking test binary: %v\n%s", err, out)
+			}
+			if !restarts(t, settings, cmd.ProcessState) {
+				t.Errorf("%s does not restart after a panic (%v): with its environment a Go panic exits 2", unit, cmd.ProcessState)
+			}
+		})
+	}
 }
