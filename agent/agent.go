@@ -123,6 +123,7 @@ type Agent struct {
 	client     mqtt.Client
 	stateTopic string
 	filters    []string // the command topics of the devices, in their order, to subscribe to
+	byFilter   map[string]*deviceRunner
 	devices    map[string]*deviceRunner
 	order      []*deviceRunner
 
@@ -216,6 +217,7 @@ func New(opts Options) (*Agent, error) {
 		now:        opts.Now,
 		tree:       opts.Topics,
 		devices:    map[string]*deviceRunner{},
+		byFilter:   map[string]*deviceRunner{},
 		intakeWake: make(chan struct{}, 1),
 		subWake:    make(chan struct{}, 1),
 		subTiming:  subscribeTiming{timeout: subscribeTimeout, retryMin: subscribeRetryMin, retryMax: subscribeRetryMax},
@@ -235,19 +237,18 @@ func New(opts Options) (*Agent, error) {
 		if a.devices[id] != nil {
 			return nil, fmt.Errorf("agent: device %q given twice", id)
 		}
-		dr := newDeviceRunner(d)
-		a.devices[id] = dr
-		a.order = append(a.order, dr)
-	}
-	if a.stateTopic, err = a.tree.BridgeState(opts.BridgeID); err != nil {
-		return nil, fmt.Errorf("agent: %w", err)
-	}
-	for _, dr := range a.order {
-		f, err := a.tree.CommandsFilter(dr.id)
+		f, err := a.tree.CommandsFilter(id)
 		if err != nil {
 			return nil, fmt.Errorf("agent: %w", err)
 		}
+		dr := newDeviceRunner(d)
+		a.devices[id] = dr
+		a.order = append(a.order, dr)
 		a.filters = append(a.filters, f)
+		a.byFilter[f] = dr
+	}
+	if a.stateTopic, err = a.tree.BridgeState(opts.BridgeID); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
 	}
 
 	if err := os.MkdirAll(opts.DataDir, 0o700); err != nil {

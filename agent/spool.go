@@ -552,6 +552,14 @@ func (s *spool) unrelease(r *record) bool {
 	return true
 }
 
+// pending reports whether the device has commands released and not yet
+// claimed.
+func (s *spool) pending(deviceID string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.queues[deviceID]) > 0
+}
+
 // claim returns the first released command of the device's queue and
 // takes it off (a cancel then leaves it alone), or nil when there is none.
 // Before it runs, start makes sure the file has it as running.

@@ -22,11 +22,13 @@ import (
 // SUBACK awaited for its own generous timeout. A broker may also refuse a
 // filter (SUBACK 0x80): for a while (NATS, while a killed node's JetStream
 // leaders are elected) or for good (a device the bridge does not serve,
-// CONTRACT §9; a change of assignment disconnects the bridge). What is
-// refused or unanswered is asked again, with backoff, while the connection
-// lasts; each connection starts over with every filter, because paho
-// restores no subscription (SetResumeSubs concerns only SUBSCRIBEs not yet
-// sent) and the session may be new.
+// CONTRACT §9; a change of assignment disconnects the bridge). While the
+// broker refuses a device's filter, the bridge starts none of the commands
+// its spool holds for that device (holdRefused). What is refused or
+// unanswered is asked again, with backoff, while the connection lasts; each
+// connection starts over with every filter, because paho restores no
+// subscription (SetResumeSubs concerns only SUBSCRIBEs not yet sent) and
+// the session may be new.
 const (
 	// subscribeChunk is how many filters one SUBSCRIBE carries: about 3 s
 	// of NATS's work here, well inside the keep-alive.
@@ -153,8 +155,14 @@ func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []strin
 		}
 		var refused []string
 		for _, f := range chunk {
-			if code, ok := granted[f]; ok && code != 0x80 {
+			code, answered := granted[f]
+			if answered && code != 0x80 {
+				a.byFilter[f].setRefused(false)
 				continue
+			}
+			if answered {
+				// The device's commands are held meanwhile (bug 248).
+				a.byFilter[f].setRefused(true)
 			}
 			left = append(left, f)
 			if !logged[f] {

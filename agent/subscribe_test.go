@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -73,6 +74,12 @@ func (h *subscribeHook) OnSubscribe(cl *mochi.Client, pk packets.Packet) packets
 		<-hold
 	}
 	return pk
+}
+
+func (h *subscribeHook) refuse(filter string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.refused[filter] = true
 }
 
 func (h *subscribeHook) grant(filter string) {
@@ -326,5 +333,93 @@ func TestSubscribeUnansweredIsAskedAgain(t *testing.T) {
 	}
 	if got := log.lines("subscribing to commands failed"); len(got) != 0 {
 		t.Errorf("logged %q", got)
+	}
+}
+
+// blockedText is a simulated device on which the text "blocks", once it
+// reached the device (started closed), waits until release is closed.
+type blockedText struct {
+	*sim.Device
+	started, release chan struct{}
+}
+
+func (d *blockedText) PushText(ctx context.Context, cmdID, title, text string) error {
+	if text == "blocks" {
+		close(d.started)
+		select {
+		case <-d.release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return d.Device.PushText(ctx, cmdID, title, text)
+}
+
+// A device is moved off the bridge while the bridge runs one of its
+// commands, with another queued behind it in the spool: the move
+// disconnects the bridge, and the broker refuses it the device's commands
+// from then on (CONTRACT §9). The server failed the queued one at the move
+// (device_not_served), or sends it to the device's new bridge: the bridge
+// holds it rather than run it on the device, serving its other devices on,
+// and runs it only once the broker grants the device's commands again (as
+// NATS does after refusing a filter while its leaders are elected). The
+// command already running runs on (docs/reliability.md, bug 248).
+func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	dev := &blockedText{Device: newSim("dev-1"), started: make(chan struct{}), release: make(chan struct{})}
+	log := newSubscribeLog()
+	startBridge(t, b, nil, w, bridgeConfig{
+		devices: []*sim.Device{dev.Device, newSim("dev-2")},
+		wrap: func(s *sim.Device) agent.Device {
+			if s == dev.Device {
+				return dev
+			}
+			return s
+		},
+		logger: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	text := func(dev, text string) topics.Command {
+		c := command(t, dev, topics.OpPushText, map[string]string{"text": text})
+		w.send(c)
+		return c
+	}
+	running := text("dev-1", "blocks")
+	select {
+	case <-dev.started:
+	case <-time.After(waitLong):
+		t.Fatal("the first command did not reach the device")
+	}
+	behind := text("dev-1", "queued behind it")
+	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
+
+	filter := mustCommandsFilter(t, "dev-1")
+	hook.refuse(filter)
+	b.dropClient(t, "companion-bridge-b1")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2) // back, dev-1's commands refused
+	close(dev.release)
+	if r := w.waitFinal("dev-1", running.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the running command: %s reply; want succeeded", r.State)
+	}
+	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	marker := text("dev-2", "dev-2 is served on")
+	if r := w.waitFinal("dev-2", marker.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("dev-2: %s reply; want succeeded", r.State)
+	}
+	if n := dev.Executions(behind.ID); n != 0 {
+		t.Fatalf("the command queued behind ran %d times while the broker refused its device", n)
+	}
+
+	hook.grant(filter)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
+	if r := w.waitFinal("dev-1", behind.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the held command once granted: %s reply; want succeeded", r.State)
+	}
+	var got []string
+	for _, tx := range dev.Texts() {
+		got = append(got, tx.CmdID)
+	}
+	if want := []string{running.ID, behind.ID}; !slices.Equal(got, want) {
+		t.Errorf("texts %q; want %q", got, want)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -25,6 +26,10 @@ type deviceRunner struct {
 	dev Device
 
 	wake chan struct{} // a command was released to the worker
+	// refused is set while the broker refuses the device's command filter
+	// (SUBACK 0x80): the worker then starts none of its commands
+	// (holdRefused).
+	refused atomic.Bool
 
 	rmu                                sync.Mutex
 	wantStatus, forceStatus, wantSetgs bool
@@ -37,6 +42,14 @@ func newDeviceRunner(d Device) *deviceRunner {
 	return &deviceRunner{id: d.ID(), dev: d, wake: make(chan struct{}, 1), rwake: make(chan struct{}, 1)}
 }
 
+// setRefused notes whether the broker refused the device's command filter
+// on the current connection; the worker resumes once it is granted again.
+func (dr *deviceRunner) setRefused(refused bool) {
+	if was := dr.refused.Swap(refused); was && !refused {
+		signal(dr.wake)
+	}
+}
+
 // work runs the device's queue, in order, one command at a time.
 func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 	var timer *time.Timer
@@ -46,6 +59,9 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 		}
 	}()
 	for {
+		if !a.holdRefused(ctx, dr) {
+			return
+		}
 		r, wait := a.spool.claim(dr.id, a.now())
 		if r == nil {
 			// Nothing to run, or the next command waits for the one it
@@ -74,6 +90,37 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 			return
 		}
 	}
+}
+
+// holdRefused waits while the broker refuses the device's command filter to
+// this bridge, and returns false when ctx is done first. A broker refuses
+// it for good once the device is moved to another bridge, or taken off
+// this one (CONTRACT §9; the move disconnects the bridge, which then
+// subscribes anew), and for a while on NATS as its leaders are elected.
+// The commands the spool still holds for the device were failed by the
+// server at the move, device_not_served, or go to its new bridge; run here,
+// a text failed at the move showed on the device after the commands of
+// its new bridge (docs/reliability.md, bug 248). Held, they run if the broker grants the filter again. What
+// runs already runs on; and while the bridge is away from the broker it
+// cannot know, and runs what it has.
+func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
+	held := false
+	for dr.refused.Load() {
+		if !held && a.spool.pending(dr.id) {
+			held = true
+			a.log.Warn("holding the device's commands: the broker refuses them to this bridge, which may no longer serve the device",
+				"device", dr.id)
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-dr.wake:
+		}
+	}
+	if held {
+		a.log.Info("the broker grants the device's commands again; running those held", "device", dr.id)
+	}
+	return true
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {

@@ -598,6 +598,7 @@ type bridgeConfig struct {
 	dataDir        string                 // a temp dir when empty
 	sims           map[string]*sim.Device // reused by id; new ones are added
 	commandTimeout time.Duration
+	logger         *slog.Logger // the bridge's, testLogger's when nil
 }
 
 // startBridgeWith is startBridge with a bridgeConfig.
@@ -621,6 +622,9 @@ func startBridgeWith(tb testing.TB, m *Main, mqttURL string, f *fleet, bc bridge
 	}
 	return runBridge(tb, m, mqttURL, f, devs, sims, func(o *agent.Options) {
 		o.DataDir, o.CommandTimeout = bc.dataDir, bc.commandTimeout
+		if bc.logger != nil {
+			o.Logger = bc.logger
+		}
 	})
 }
 
