@@ -125,10 +125,16 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			}
 		}
 		previous = string(tx.Bucket(bucketAssignments).Get([]byte(deviceID)))
-		if previous != "" && previous != bridgeID {
+		if previous != bridgeID {
+			// From another bridge, or from none: the seq is the clock of
+			// the bridge that reported last, which may have been set a
+			// day ahead by a user's bridge before the device was unbound
+			// and bound to the next user (bug 249).
 			if err := db.forgetSeq(tx, deviceID); err != nil {
 				return err
 			}
+		}
+		if previous != "" && previous != bridgeID {
 			// Its old bridge's word is no longer the device's: it reads
 			// offline until the new bridge reports it.
 			if err := db.markUnserved(tx, deviceID, db.now()); err != nil {
@@ -141,12 +147,12 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 }
 
 // forgetSeq sets the seq of a device's status and of its reported settings
-// to 0 as it moves to another bridge: a seq is its bridge's own clock, and
-// the new bridge's reports must not wait until its clock passes the old
-// one's (up to a day ahead, companion.MaxSeqAhead). What else they hold
-// stays until the new bridge reports (the status reads offline meanwhile,
-// markUnserved); the broker takes no report of the old one once it has
-// moved.
+// to 0 as it moves to another bridge, or reaches one after none: a seq is
+// the clock of the bridge that reported it, and the new bridge's reports
+// must not wait until its clock passes the old one's (up to a day ahead,
+// companion.MaxSeqAhead). What else they hold stays until the new bridge
+// reports (the status reads offline meanwhile, markUnserved); the broker
+// takes no report of the old one once it has moved.
 func (db *DB) forgetSeq(tx *bolt.Tx, deviceID string) error {
 	if err := zeroSeq(tx.Bucket(bucketStatus), deviceID, func(s *companion.Status) *uint64 { return &s.Seq }); err != nil {
 		return err

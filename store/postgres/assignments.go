@@ -112,16 +112,19 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return err
 		}
-		if previous != "" && previous != bridgeID {
+		if previous != bridgeID {
 			// A seq is its bridge's own clock: the new bridge's reports
 			// must not wait until its clock passes the old one's (the
-			// bbolt engine's forgetSeq).
+			// bbolt engine's forgetSeq); from no bridge too, the seq is
+			// the last bridge's (bug 249).
 			if _, err := tx.Exec(ctx, `UPDATE statuses SET seq = 0 WHERE device_id = $1 AND seq <> 0`, deviceID); err != nil {
 				return err
 			}
 			if _, err := tx.Exec(ctx, `UPDATE settings SET seq = 0 WHERE device_id = $1 AND seq <> 0`, deviceID); err != nil {
 				return err
 			}
+		}
+		if previous != "" && previous != bridgeID {
 			// Its old bridge's word is no longer the device's: it reads
 			// offline until the new bridge reports it.
 			if err := markUnserved(ctx, tx, deviceID, s.clock()); err != nil {

@@ -17,6 +17,7 @@ func testAssignments(t *testing.T, open Opener) {
 		{"AssignDevice", testAssignDevice},
 		{"UnassignedReadsOffline", testUnassignedReadsOffline},
 		{"UnbindUnassignsFromUsersBridge", testUnbindUnassigns},
+		{"SeqForgottenThroughNoBridge", testSeqForgottenThroughNoBridge},
 	})
 }
 
@@ -191,4 +192,57 @@ func testUnbindUnassigns(t *testing.T, s companion.Store) {
 	_, err = s.AssignDevice(ctx, "d1", "u1-hub", "")
 	assert.ErrorIs(t, err, companion.ErrNotOwned, "AssignDevice(d1 of u2, u1-hub, operator)")
 	wantBridge(t, s, "d1", "")
+}
+
+// A device that reaches a bridge after a time with none takes that bridge's
+// reports however far behind its clock is, as one moved straight between
+// bridges does (bug 73): a seq is the clock of the bridge that reported
+// last, which is gone. Each way a device loses its bridge is tried: an
+// unassignment, an unbind off its owner's bridge (a device sold on, the
+// next owner's bridge then serving it), and its bridge deleted. The last
+// owner's bridge could otherwise report a seq up to a day ahead before it
+// let the device go, and the next owner's bridge was ignored for that day:
+// the device read offline, with the firmware and settings that bridge had
+// said (docs/reliability.md, bug 249).
+func testSeqForgottenThroughNoBridge(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	tenancy(t, s)
+	ahead := uint64(time.Now().Add(23 * time.Hour).UnixNano()) // within companion.MaxSeqAhead
+	now := uint64(time.Now().UnixNano())
+	report := func(dev, bridge string, seq uint64) (status, settings bool) {
+		t.Helper()
+		var err error
+		status, err = s.PutStatus(ctx, companion.Status{DeviceID: dev, Online: true, BridgeID: bridge, Seq: seq, FirmwareVersion: bridge})
+		require.NoError(t, err)
+		settings, err = s.PutReportedSettings(ctx, dev, map[string]json.RawMessage{"volume": json.RawMessage(`"` + bridge + `"`)}, nil, time.Now(), seq)
+		require.NoError(t, err)
+		return status, settings
+	}
+	for _, c := range []struct {
+		name, dev, from, fromOwner, to, toOwner string
+		let                                     func()
+	}{
+		{"unassigned", "d1", "op1", "", "op2", "", func() { assign(t, s, "d1", "", "") }},
+		{"unbound off its owner's bridge", "d4", "u1-hub", "u1", "u2-hub", "u2", func() {
+			_, err := s.Unbind(ctx, "d4", "u1")
+			require.NoError(t, err)
+			bind(t, s, "u2", "d4")
+		}},
+		{"its bridge deleted", "d3", "op2", "", "op1", "", func() {
+			_, err := s.DeleteBridge(ctx, "op2", "")
+			require.NoError(t, err)
+		}},
+	} {
+		assign(t, s, c.dev, c.from, c.fromOwner)
+		status, settings := report(c.dev, c.from, ahead)
+		require.True(t, status && settings, "%s: the first bridge's reports", c.name)
+		c.let()
+		assign(t, s, c.dev, c.to, c.toOwner)
+		status, settings = report(c.dev, c.to, now)
+		assert.True(t, status, "%s: the status of the bridge it reached after none, its clock behind the last one's, applied", c.name)
+		assert.True(t, settings, "%s: the settings of the bridge it reached after none, its clock behind the last one's, applied", c.name)
+		st, err := s.Status(ctx, c.dev)
+		require.NoError(t, err)
+		assert.Equal(t, c.to, st.FirmwareVersion, "%s: the status", c.name)
+	}
 }
