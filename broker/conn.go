@@ -317,12 +317,13 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
+		live := !m.Retained()
 		b.gate.admit(topics.KindSettings, t.DeviceID, func(late bool) {
 			bridge, err := bridges[t.DeviceID], readErr
 			if late {
 				bridge, err = b.st.DeviceBridge(context.Background(), t.DeviceID)
 			}
-			b.takeSettings(t.DeviceID, s, bridge, err, m.Ack)
+			b.takeSettings(t.DeviceID, s, bridge, err, live, m.Ack)
 		}, m.Ack)
 	case topics.KindBridgeState:
 		switch string(m.Payload()) {

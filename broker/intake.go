@@ -706,7 +706,12 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 		ack()
 		return
 	}
-	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, func(done func(error)) {
+	dropped := func() {
+		if live {
+			b.goOwned(func() { b.overwriteDroppedStatus(deviceID) })
+		}
+	}
+	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, dropped, func(done func(error)) {
 		start := time.Now()
 		b.st.PutStatusAsync(st, func(applied bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
@@ -784,6 +789,41 @@ func (b *Broker) publishUnserved(deviceID string) {
 	})
 }
 
+// overwriteDroppedStatus publishes the device's status as the store has it
+// over one the server dropped (served): a bridge that does not serve the
+// device published it, and the broker let it through and retains it. NATS
+// does so with the Will of a bridge it disconnects for a move (with the
+// rights of its login, the device's still), and a bridge may leave its
+// Will on its device's status topic: the device's next owner, or anyone
+// watching it, read that bridge's word over the server's, online with the
+// firmware it made up (docs/reliability.md, bug 250). A device never
+// reported has its retained status cleared.
+func (b *Broker) overwriteDroppedStatus(deviceID string) {
+	s, err := b.st.Status(context.Background(), deviceID)
+	if err != nil {
+		return
+	}
+	if s.LastSeen.IsZero() && s.Seq == 0 && s.FirmwareVersion == "" {
+		b.clearDropped(deviceID, "status", b.tree.Status)
+		return
+	}
+	b.republishStatus(deviceID, "over one from a bridge that does not serve the device", func(companion.Status) bool { return true })
+}
+
+// clearDropped clears the retained message on the device's topic of what
+// (its settings; its status never reported), which a bridge that does not
+// serve the device published and the server dropped (bug 250). The empty
+// message comes back to the server, which takes it as a cleared one.
+func (b *Broker) clearDropped(deviceID, what string, topicOf func(string) (string, error)) {
+	topic, err := topicOf(deviceID)
+	if err != nil || !b.client.IsConnectionOpen() {
+		return
+	}
+	if err := b.waitToken(b.client.Publish(topic, 1, true, []byte{})); err != nil && !errors.Is(err, ErrClosed) {
+		b.log.Warn("clearing the retained "+what+" a bridge that does not serve the device published", "device_id", deviceID, "err", err)
+	}
+}
+
 // takeReport takes a device's status or settings in (what names which),
 // once its bridge is read: bridge, or readErr. If a bridge serves the
 // device (bridgeID, when set, must be that one), put stores the report
@@ -795,11 +835,12 @@ func (b *Broker) publishUnserved(deviceID string) {
 // bridge reports every StatusInterval), and while PostgreSQL restarted,
 // an "online" lost so left a device reading offline (docs/reliability.md,
 // bug 101). A later report of the device taken meanwhile is not undone:
-// the stores keep the highest seq.
-func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr error, ack func(), attempt int, put func(done func(error))) {
+// the stores keep the highest seq. dropped, when set, is called for a
+// report dropped because no bridge, or another, serves the device.
+func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr error, ack func(), attempt int, dropped func(), put func(done func(error))) {
 	again := func() {
 		b.takeAgain(deviceID, attempt, func(bridge string, err error) {
-			b.takeReport(what, deviceID, bridgeID, bridge, err, ack, attempt+1, put)
+			b.takeReport(what, deviceID, bridgeID, bridge, err, ack, attempt+1, dropped, put)
 		})
 	}
 	if readErr != nil && !errors.Is(readErr, companion.ErrNotFound) && attempt < maxReplyAttempts {
@@ -808,6 +849,9 @@ func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr err
 		return
 	}
 	if !b.served(deviceID, bridgeID, bridge, readErr) {
+		if readErr == nil && dropped != nil {
+			dropped()
+		}
 		ack()
 		return
 	}
@@ -932,7 +976,7 @@ func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int
 
 // takeSettings stores the settings a device a bridge serves reported (as
 // takeStatus), then calls ack.
-func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string, readErr error, ack func()) {
+func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string, readErr error, live bool, ack func()) {
 	r, err := b.reportedSettings(deviceID, s)
 	if err != nil {
 		b.log.Warn("settings that cannot be stored", "device_id", deviceID, "err", err)
@@ -943,7 +987,12 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 		ack()
 		return
 	}
-	b.takeReport("settings", deviceID, "", bridge, readErr, ack, 1, func(done func(error)) {
+	dropped := func() {
+		if live {
+			b.goOwned(func() { b.clearDropped(deviceID, "settings", b.tree.Settings) })
+		}
+	}
+	b.takeReport("settings", deviceID, "", bridge, readErr, ack, 1, dropped, func(done func(error)) {
 		start := time.Now()
 		b.st.PutReportedSettingsAsync(deviceID, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))

@@ -833,6 +833,87 @@ func TestWatcherReadsTheDeviceOfflineOffItsBridge(t *testing.T) {
 	}
 }
 
+// A bridge may leave its Will on its device's status or settings topic
+// (the project's bridge does not, but the device's topics are the
+// bridge's to publish while it serves it). Taken off the bridge, the
+// device is no longer its, and what that bridge publishes for it is the
+// server's to drop (CONTRACT §9): NATS publishes the Will of a connection
+// it closes, with the rights of its login, so it reached the broker and
+// stayed retained, and the device's watcher, its next owner once it was
+// unbound, read the bridge's made-up firmware and settings over the
+// server's status (docs/reliability.md, bug 250). The server overwrites
+// such a status with its own and clears such settings. The embedded
+// broker refuses the Will at connect, and Mosquitto's plugin drops it.
+func TestABridgesWillOnADeviceItLeftIsNotRetained(t *testing.T) {
+	t.Parallel()
+	for _, tb := range withNATS() {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			node, _, _ := strings.Cut(mqttURL, ",")
+			f := setupFleet(t, m, "dev-1")
+			registerDevices(t, f, "dev-1")
+			tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
+			statusTopic, settingsTopic := must(tree.Status("dev-1")), must(tree.Settings("dev-1"))
+			battery := 90
+			connectFakeBridge(t, node, f).publish(statusTopic, topics.Status{Online: true, Battery: &battery, FirmwareVersion: "1.0.0",
+				Model: "sim-1", Apps: []companion.App{}, BridgeID: f.bridgeID, At: time.Now(), Seq: 1}, true)
+			waitOnline(t, f, true, "dev-1")
+
+			seq := uint64(time.Now().Add(time.Hour).UnixNano())
+			forged := map[string]any{
+				statusTopic: topics.Status{Online: true, Battery: &battery, FirmwareVersion: "6.6.6", Model: "sim-1",
+					Apps: []companion.App{}, BridgeID: f.bridgeID, At: time.Now(), Seq: seq},
+				settingsTopic: topics.Settings{Reported: map[string]any{"brightness": 1}, Schema: sim.DefaultSchema(), At: time.Now(), Seq: seq},
+			}
+			for i, topic := range []string{statusTopic, settingsTopic} {
+				b, err := json.Marshal(forged[topic])
+				require.NoError(t, err)
+				c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(node).SetClientID(fmt.Sprintf("will-%d", i)).
+					SetUsername(f.bridgeID).SetPassword(f.bridgeSecret).SetAutoReconnect(false).SetBinaryWill(topic, b, 1, true))
+				if err := mqtt.WaitTokenTimeout(c.Connect(), 10*time.Second); err != nil {
+					t.Logf("a Will on %s refused at connect: %v", topic, err)
+					continue
+				}
+				t.Cleanup(func() { c.Disconnect(50) })
+			}
+			r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": nil})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			waitOnline(t, f, false, "dev-1")
+
+			// Read by a watcher that subscribes after: the settings, then
+			// the status, retained, which the server has published since
+			// the device left its bridge (offline).
+			watchers := 0
+			testenv.Eventually(t, 20*time.Second, "the retained status and settings the server's", func() bool {
+				watchers++
+				w := mustDialMQTT(t, node, fmt.Sprintf("watcher-%d", watchers), f.userID, f.user.token)
+				defer w.Disconnect(50)
+				require.Equal(t, byte(1), w.subscribe(t, settingsTopic))
+				require.Equal(t, byte(1), w.subscribe(t, statusTopic))
+				for {
+					var msg mqtt.Message
+					select {
+					case msg = <-w.Msgs:
+					case <-time.After(10 * time.Second):
+						t.Fatal("no retained status")
+					}
+					if msg.Topic() == settingsTopic {
+						if strings.Contains(string(msg.Payload()), `"brightness":1`) {
+							return false // the forged settings
+						}
+						continue
+					}
+					st, err := topics.ParseStatus(msg.Payload())
+					require.NoError(t, err, "%s", msg.Payload())
+					return !st.Online && st.FirmwareVersion == "1.0.0"
+				}
+			})
+			st := f.user.do("GET", "/api/v1/devices/dev-1/status", nil).JSON(t)
+			assert.Equal(t, "1.0.0", st["firmware_version"], "the stored status")
+		})
+	}
+}
+
 // A user's own bridge (a phone, a home hub) runs that user's commands
 // (CONTRACT §9): the user creates it, assigns their devices to it (the
 // agent already running, as a phone app would be, subscribes anew when
