@@ -36,6 +36,7 @@ import (
 	"github.com/devicecompanion/companion"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/eclipse/paho.mqtt.golang/packets"
 
 	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/internal/pahoconn"
@@ -128,6 +129,9 @@ type Agent struct {
 	order      []*deviceRunner
 
 	connected atomic.Bool
+	// loginRefused is set while the broker refuses the bridge's login
+	// (noteLogin): no command starts meanwhile.
+	loginRefused atomic.Bool
 	// conn counts the connections; onConnect adds one and wakes the
 	// subscriber (subWake), which makes that connection's subscriptions.
 	conn      atomic.Uint64
@@ -300,8 +304,40 @@ func New(opts Options) (*Agent, error) {
 	if opts.TLSConfig != nil {
 		co.SetTLSConfig(opts.TLSConfig)
 	}
-	a.client = mqtt.NewClient(pahoconn.ReportFailures(pahoconn.Buffered(co), a.log, refusedLogin))
+	co = pahoconn.ReportFailures(pahoconn.Buffered(co), a.log, refusedLogin)
+	report := co.OnConnectionNotification
+	co.SetConnectionNotificationHandler(func(c mqtt.Client, n mqtt.ConnectionNotification) {
+		report(c, n)
+		a.noteLogin(n)
+	})
+	a.client = mqtt.NewClient(co)
 	return a, nil
+}
+
+// noteLogin notes whether the broker refuses the bridge's login (CONNACK
+// 4 or 5): the bridge was deleted, or its secret is not the one the server
+// has. The server failed the commands of its devices, device_not_served,
+// as it deleted it; run on, they showed on the devices afterwards (docs/
+// reliability.md, bug 251). While the login is refused, no device's
+// commands start (holdRefused); once the broker lets the bridge in, they
+// run, those of devices whose command filter it refuses excepted.
+func (a *Agent) noteLogin(n mqtt.ConnectionNotification) {
+	switch n := n.(type) {
+	case mqtt.ConnectionNotificationFailed:
+		if !errors.Is(n.Reason, packets.ErrorRefusedBadUsernameOrPassword) && !errors.Is(n.Reason, packets.ErrorRefusedNotAuthorised) {
+			return
+		}
+		if !a.loginRefused.Swap(true) {
+			a.log.Warn("holding every device's commands: the broker refuses the bridge's login, which the server deleted or gave another secret")
+		}
+	case mqtt.ConnectionNotificationConnected:
+		if a.loginRefused.Swap(false) {
+			a.log.Info("the broker lets the bridge in again; its devices' commands run")
+			for _, dr := range a.order {
+				signal(dr.wake)
+			}
+		}
+	}
 }
 
 // Run starts the workers, connects to the broker (retrying until it can or

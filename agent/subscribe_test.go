@@ -337,14 +337,20 @@ func TestSubscribeUnansweredIsAskedAgain(t *testing.T) {
 }
 
 // blockedText is a simulated device on which the text "blocks", once it
-// reached the device (started closed), waits until release is closed.
+// reached the device (started closed), waits until release is closed;
+// ended is closed once it has run.
 type blockedText struct {
 	*sim.Device
-	started, release chan struct{}
+	started, release, ended chan struct{}
+}
+
+func newBlockedText(id string) *blockedText {
+	return &blockedText{Device: newSim(id), started: make(chan struct{}), release: make(chan struct{}), ended: make(chan struct{})}
 }
 
 func (d *blockedText) PushText(ctx context.Context, cmdID, title, text string) error {
 	if text == "blocks" {
+		defer close(d.ended)
 		close(d.started)
 		select {
 		case <-d.release:
@@ -353,6 +359,27 @@ func (d *blockedText) PushText(ctx context.Context, cmdID, title, text string) e
 		}
 	}
 	return d.Device.PushText(ctx, cmdID, title, text)
+}
+
+// wrapBlocked is a bridgeConfig.wrap that puts d between the bridge and
+// its simulated device.
+func wrapBlocked(d *blockedText) func(*sim.Device) agent.Device {
+	return func(s *sim.Device) agent.Device {
+		if s == d.Device {
+			return d
+		}
+		return s
+	}
+}
+
+// waitClosed waits for c to be closed, or fails the test with what.
+func waitClosed(tb testing.TB, c chan struct{}, what string) {
+	tb.Helper()
+	select {
+	case <-c:
+	case <-time.After(waitLong):
+		tb.Fatal(what)
+	}
 }
 
 // A device is moved off the bridge while the bridge runs one of its
@@ -367,17 +394,12 @@ func (d *blockedText) PushText(ctx context.Context, cmdID, title, text string) e
 func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
 	w := newWatcher(t, b)
-	dev := &blockedText{Device: newSim("dev-1"), started: make(chan struct{}), release: make(chan struct{})}
+	dev := newBlockedText("dev-1")
 	log := newSubscribeLog()
 	startBridge(t, b, nil, w, bridgeConfig{
 		devices: []*sim.Device{dev.Device, newSim("dev-2")},
-		wrap: func(s *sim.Device) agent.Device {
-			if s == dev.Device {
-				return dev
-			}
-			return s
-		},
-		logger: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		wrap:    wrapBlocked(dev),
+		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
 	text := func(dev, text string) topics.Command {
 		c := command(t, dev, topics.OpPushText, map[string]string{"text": text})
@@ -385,11 +407,7 @@ func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 		return c
 	}
 	running := text("dev-1", "blocks")
-	select {
-	case <-dev.started:
-	case <-time.After(waitLong):
-		t.Fatal("the first command did not reach the device")
-	}
+	waitClosed(t, dev.started, "the first command did not reach the device")
 	behind := text("dev-1", "queued behind it")
 	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
 
@@ -421,5 +439,50 @@ func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	}
 	if want := []string{running.ID, behind.ID}; !slices.Equal(got, want) {
 		t.Errorf("texts %q; want %q", got, want)
+	}
+}
+
+// A bridge deleted on the server (or whose secret changed) while it runs a
+// command, another queued behind it: the broker refuses its login from then
+// on, and the server failed both commands (device_not_served) as it
+// deleted it. The bridge holds the queued one rather than run it on the
+// device, and runs it once the broker lets it in again (docs/reliability.md,
+// bug 251).
+func TestCommandsHeldWhileTheLoginIsRefused(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newBlockedText("dev-1")
+	log := newSubscribeLog()
+	startBridge(t, b, nil, w, bridgeConfig{
+		devices: []*sim.Device{dev.Device},
+		wrap:    wrapBlocked(dev),
+		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	running := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
+	w.send(running)
+	waitClosed(t, dev.started, "the first command did not reach the device")
+	behind := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "queued behind it"})
+	w.send(behind)
+	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
+
+	b.hook.refuse.Store(true)
+	b.dropClient(t, "companion-bridge-b1")
+	log.waitLine(t, "refuses the bridge's id and secret")
+	close(dev.release)
+	waitClosed(t, dev.ended, "the first command did not end")
+	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	if n := dev.Executions(behind.ID); n != 0 {
+		t.Fatalf("the command queued behind ran %d times while the broker refused the bridge", n)
+	}
+
+	b.hook.refuse.Store(false)
+	if r := w.waitFinal("dev-1", behind.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the held command once let in: %s reply; want succeeded", r.State)
+	}
+	if n := dev.Executions(behind.ID); n != 1 {
+		t.Errorf("the held command ran %d times; want once", n)
+	}
+	if r := w.waitFinal("dev-1", running.ID); r.State != companion.StateSucceeded {
+		t.Errorf("the running command: %s reply; want succeeded", r.State)
 	}
 }

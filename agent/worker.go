@@ -102,14 +102,19 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // a text failed at the move showed on the device after the commands of
 // its new bridge (docs/reliability.md, bug 248). Held, they run if the broker grants the filter again. What
 // runs already runs on; and while the bridge is away from the broker it
-// cannot know, and runs what it has.
+// cannot know, and runs what it has. So it holds every device's commands
+// while the broker refuses its login (noteLogin, bug 251).
 func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 	held := false
-	for dr.refused.Load() {
+	for dr.refused.Load() || a.loginRefused.Load() {
 		if !held && a.spool.pending(dr.id) {
 			held = true
-			a.log.Warn("holding the device's commands: the broker refuses them to this bridge, which may no longer serve the device",
-				"device", dr.id)
+			if dr.refused.Load() {
+				a.log.Warn("holding the device's commands: the broker refuses them to this bridge, which may no longer serve the device",
+					"device", dr.id)
+			} else {
+				a.log.Debug("holding the device's commands: the broker refuses the bridge's login", "device", dr.id)
+			}
 		}
 		select {
 		case <-ctx.Done():
