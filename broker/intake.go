@@ -49,6 +49,13 @@ func (b *Broker) DeviceMoved(deviceID string) {
 	b.failLeft(context.Background(), deviceID)
 	b.resendDevice(deviceID)
 	b.goOwned(func() { b.publishUnserved(deviceID) })
+	// The settings its old bridge left retained name no bridge: taken in
+	// again as the server subscribes anew (a restart, a broker back), they
+	// read as the device's, with the old bridge's seq, and the new
+	// bridge's reports, its clock behind, were refused for up to a day
+	// (docs/reliability.md, bug 252). Cleared, the new bridge's are the
+	// next.
+	b.goOwned(func() { b.clearDropped(deviceID, "settings", b.tree.Settings) })
 	if b.opts.Dispatcher != nil && !b.dispatching() {
 		b.tellMoved(deviceID)
 	}
@@ -812,8 +819,9 @@ func (b *Broker) overwriteDroppedStatus(deviceID string) {
 
 // clearDropped clears the retained message on the device's topic of what
 // (its settings; its status never reported), which a bridge that does not
-// serve the device published and the server dropped (bug 250). The empty
-// message comes back to the server, which takes it as a cleared one.
+// serve the device published and the server dropped (bug 250), or which
+// the bridge it left published (DeviceMoved). The empty message comes back
+// to the server, which takes it as a cleared one.
 func (b *Broker) clearDropped(deviceID, what string, topicOf func(string) (string, error)) {
 	topic, err := topicOf(deviceID)
 	if err != nil || !b.client.IsConnectionOpen() {

@@ -914,6 +914,65 @@ func TestABridgesWillOnADeviceItLeftIsNotRetained(t *testing.T) {
 	}
 }
 
+// The settings a device's old bridge left retained on the broker, with
+// that bridge's seq (its clock, here an hour ahead of the new bridge's),
+// do not come back as the device's once it has moved: the server takes
+// the retained messages in again whenever it subscribes anew (Mosquitto
+// restarted here), and settings name no bridge. Taken, they held off every
+// report of the new bridge until its clock passed the old one's
+// (docs/reliability.md, bug 252). The server clears them at the move.
+func TestAMovedDevicesOldSettingsDoNotComeBack(t *testing.T) {
+	t.Parallel()
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	m := startOnMosquitto(t, Config{}, mq)
+	f, f2 := twoBridgeFleet(t, m)
+	tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
+	settingsTopic, statusTopic := must(tree.Settings("dev-1")), must(tree.Status("dev-1"))
+	brightness := func() any {
+		rep, _ := f.user.do("GET", "/api/v1/devices/dev-1/settings", nil).JSON(t)["reported"].(map[string]any)
+		return rep["brightness"]
+	}
+	report := func(g *fleet, value int, ahead time.Duration) {
+		t.Helper()
+		fb := connectFakeBridge(t, mq.URL, g)
+		fb.publish(settingsTopic, topics.Settings{Reported: map[string]any{"brightness": value}, Schema: sim.DefaultSchema(),
+			At: time.Now(), Seq: uint64(time.Now().Add(ahead).UnixNano())}, true)
+		fb.c.Disconnect(50)
+		testenv.Eventually(t, 20*time.Second, fmt.Sprintf("brightness %d reported", value), func() bool { return brightness() == float64(value) })
+	}
+	battery := 80
+	connectFakeBridge(t, mq.URL, f).publish(statusTopic, topics.Status{Online: true, Battery: &battery, FirmwareVersion: "1.0.0",
+		Model: "sim-1", Apps: []companion.App{}, BridgeID: f.bridgeID, At: time.Now(), Seq: 1}, true)
+	report(f, 10, time.Hour)
+	r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	// Once the server has published dev-1's status for the move, a watcher
+	// reads it first: the old settings cleared before it.
+	testenv.Eventually(t, 20*time.Second, "the old bridge's settings cleared", func() bool {
+		w := mustDialMQTT(t, mq.URL, "watcher", f.userID, f.user.token)
+		defer w.Disconnect(50)
+		require.Equal(t, byte(1), w.subscribe(t, settingsTopic))
+		require.Equal(t, byte(1), w.subscribe(t, statusTopic))
+		var msg mqtt.Message
+		select {
+		case msg = <-w.Msgs:
+		case <-time.After(10 * time.Second):
+			t.Fatal("no retained status")
+		}
+		if msg.Topic() == settingsTopic {
+			return false
+		}
+		st, err := topics.ParseStatus(msg.Payload())
+		require.NoError(t, err)
+		return !st.Online
+	})
+
+	mq.Stop(t)
+	mq.Start(t)
+	testenv.Eventually(t, 20*time.Second, "the server back on Mosquitto", m.Broker.Ready)
+	report(f2, 20, 0)
+}
+
 // A user's own bridge (a phone, a home hub) runs that user's commands
 // (CONTRACT §9): the user creates it, assigns their devices to it (the
 // agent already running, as a phone app would be, subscribes anew when
