@@ -552,7 +552,13 @@ func TestAReplyWhoseBridgeReadFailsIsTakenAgain(t *testing.T) {
 func TestAFinalReplyDroppedAfterItsAttemptsIsAskedForAgain(t *testing.T) {
 	for _, failing := range []string{"write", "read"} {
 		t.Run(failing, func(t *testing.T) {
-			e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
+			// Repeats spaced by 100 ms: the one asked for here goes at
+			// once, whatever repeats went before it. Spaced by the
+			// default 5 s, doubling, one that the broker's first pass or
+			// the bridge's online made under load held it past
+			// fb.next's 10 s (seen once in make test).
+			e, st := newEnvOnTuned(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} },
+				func(o *Options) { o.RepeatSpacing = 100 * time.Millisecond })
 			fb := connectBridge(t, e)
 			c := submit(t, e, "dev-1", "its final reply is lost", time.Hour)
 			require.Equal(t, c.ID, fb.next(t).ID)
