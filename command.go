@@ -143,7 +143,7 @@ func (c Command) SettingsAsked() []string {
 // WithdrawsDesired reports whether c, as stored now, ended a change of
 // settings without succeeding (failed, expired or canceled): what it
 // asked for is then no longer desired, since nothing will apply it
-// (Settings.Withdraw; docs/reliability.md, bug 240).
+// (Settings.Withdraw; docs/reliability.md, bug 236).
 func (c Command) WithdrawsDesired() bool {
 	return c.Op == OpSettingsUpdate && IsFinal(c.State) && c.State != StateSucceeded
 }

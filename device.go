@@ -216,7 +216,7 @@ func (r ReportedSettings) ApplyTo(s *Settings) {
 // nothing will apply them. Those that a later command of the device (of
 // later, each with an id above ended's) asked for stay: desired values
 // follow the commands in id order (Command.Desired), so they are that
-// command's. It reports whether it dropped any (bug 240: a canceled,
+// command's. It reports whether it dropped any (bug 236: a canceled,
 // failed or expired change was listed as desired and pending for good).
 func (s *Settings) Withdraw(ended Command, later []Command) bool {
 	asked := ended.SettingsAsked()

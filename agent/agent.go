@@ -318,7 +318,7 @@ func New(opts Options) (*Agent, error) {
 // 4 or 5): the bridge was deleted, or its secret is not the one the server
 // has. The server failed the commands of its devices, device_not_served,
 // as it deleted it; run on, they showed on the devices afterwards (docs/
-// reliability.md, bug 251). While the login is refused, no device's
+// reliability.md, bug 243). While the login is refused, no device's
 // commands start (holdRefused); once the broker lets the bridge in, they
 // run, those of devices whose command filter it refuses excepted.
 func (a *Agent) noteLogin(n mqtt.ConnectionNotification) {

@@ -161,7 +161,7 @@ func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []strin
 				continue
 			}
 			if answered {
-				// The device's commands are held meanwhile (bug 248).
+				// The device's commands are held meanwhile (bug 240).
 				a.byFilter[f].setRefused(true)
 			}
 			left = append(left, f)

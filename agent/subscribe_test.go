@@ -390,7 +390,7 @@ func waitClosed(tb testing.TB, c chan struct{}, what string) {
 // holds it rather than run it on the device, serving its other devices on,
 // and runs it only once the broker grants the device's commands again (as
 // NATS does after refusing a filter while its leaders are elected). The
-// command already running runs on (docs/reliability.md, bug 248).
+// command already running runs on (docs/reliability.md, bug 240).
 func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
 	w := newWatcher(t, b)
@@ -447,7 +447,7 @@ func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 // on, and the server failed both commands (device_not_served) as it
 // deleted it. The bridge holds the queued one rather than run it on the
 // device, and runs it once the broker lets it in again (docs/reliability.md,
-// bug 251).
+// bug 243).
 func TestCommandsHeldWhileTheLoginIsRefused(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

@@ -100,10 +100,10 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // The commands the spool still holds for the device were failed by the
 // server at the move, device_not_served, or go to its new bridge; run here,
 // a text failed at the move showed on the device after the commands of
-// its new bridge (docs/reliability.md, bug 248). Held, they run if the broker grants the filter again. What
+// its new bridge (docs/reliability.md, bug 240). Held, they run if the broker grants the filter again. What
 // runs already runs on; and while the bridge is away from the broker it
 // cannot know, and runs what it has. So it holds every device's commands
-// while the broker refuses its login (noteLogin, bug 251).
+// while the broker refuses its login (noteLogin, bug 243).
 func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 	held := false
 	for dr.refused.Load() || a.loginRefused.Load() {

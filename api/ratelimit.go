@@ -136,7 +136,7 @@ func (l *localLimiter) take(key string, perSecond float64, burst int, take bool)
 }
 
 // maxRefillWait bounds a bucket's wait for a token: a year, well within a
-// Duration, which a slower bucket's wait overflowed (bug 256).
+// Duration, which a slower bucket's wait overflowed (bug 245).
 const maxRefillWait = 365 * 24 * time.Hour
 
 // prune drops the buckets that are full. l.mu is held.

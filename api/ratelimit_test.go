@@ -268,7 +268,7 @@ func TestLocalLimiter(t *testing.T) {
 	assert.True(t, ok, "a negative rate admits everything")
 
 	// Before, the wait of a bucket this slow overflowed a Duration: a
-	// negative one, and a Retry-After of 1 s (bug 256).
+	// negative one, and a Retry-After of 1 s (bug 245).
 	ok, _, _ = l.Allow(ctx, "slow", 1e-13, 1)
 	assert.True(t, ok, "a slow rate has its burst")
 	ok, wait, _ = l.Allow(ctx, "slow", 1e-13, 1)

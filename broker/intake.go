@@ -53,7 +53,7 @@ func (b *Broker) DeviceMoved(deviceID string) {
 	// again as the server subscribes anew (a restart, a broker back), they
 	// read as the device's, with the old bridge's seq, and the new
 	// bridge's reports, its clock behind, were refused for up to a day
-	// (docs/reliability.md, bug 252). Cleared, the new bridge's are the
+	// (docs/reliability.md, bug 244). Cleared, the new bridge's are the
 	// next.
 	b.goOwned(func() { b.clearDropped(deviceID, "settings", b.tree.Settings) })
 	if b.opts.Dispatcher != nil && !b.dispatching() {
@@ -803,7 +803,7 @@ func (b *Broker) publishUnserved(deviceID string) {
 // rights of its login, the device's still), and a bridge may leave its
 // Will on its device's status topic: the device's next owner, or anyone
 // watching it, read that bridge's word over the server's, online with the
-// firmware it made up (docs/reliability.md, bug 250). A device never
+// firmware it made up (docs/reliability.md, bug 242). A device never
 // reported has its retained status cleared.
 func (b *Broker) overwriteDroppedStatus(deviceID string) {
 	s, err := b.st.Status(context.Background(), deviceID)
@@ -819,7 +819,7 @@ func (b *Broker) overwriteDroppedStatus(deviceID string) {
 
 // clearDropped clears the retained message on the device's topic of what
 // (its settings; its status never reported), which a bridge that does not
-// serve the device published and the server dropped (bug 250), or which
+// serve the device published and the server dropped (bug 242), or which
 // the bridge it left published (DeviceMoved). The empty message comes back
 // to the server, which takes it as a cleared one.
 func (b *Broker) clearDropped(deviceID, what string, topicOf func(string) (string, error)) {

@@ -129,7 +129,7 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			// From another bridge, or from none: the seq is the clock of
 			// the bridge that reported last, which may have been set a
 			// day ahead by a user's bridge before the device was unbound
-			// and bound to the next user (bug 249).
+			// and bound to the next user (bug 241).
 			if err := db.forgetSeq(tx, deviceID); err != nil {
 				return err
 			}

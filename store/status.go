@@ -283,7 +283,7 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 // when it is a settings command that has just ended without succeeding
 // (companion.Command.WithdrawsDesired), but those a later command of its
 // device asked for (companion.Settings.Withdraw): nothing will apply them,
-// and they were left desired and pending for good (bug 240). The later
+// and they were left desired and pending for good (bug 236). The later
 // commands are those above c's id in the device's index, the ones not
 // folded yet included (ListCommands). An unbinding needs none of it: it
 // drops every desired setting (dropDesired).

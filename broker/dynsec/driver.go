@@ -357,7 +357,7 @@ func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 // no role while the role is being made from the first read. So once the
 // account is made, what the bridge serves is read again, and each device
 // that joined or left it in between is synced and settled as a move's
-// (bug 242). A device that is the same in both reads was written as the
+// (bug 238). A device that is the same in both reads was written as the
 // second read says, by the creation or by a move made once the role was
 // there, which settled itself (settle).
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
@@ -451,7 +451,7 @@ func (d *Driver) deleteBridge(ctx context.Context, bridgeID string) error {
 // the store says with d.change held: a role made again from all the
 // bridge's devices at each move made provisioning a bridge's devices take
 // time in the square of their number (docs/performance.md, "Fleet-scale operations").
-// Each bridge's grant is settled against a read made after it (bug 241).
+// Each bridge's grant is settled against a read made after it (bug 237).
 // Reconcile repairs whatever else drifted.
 func (d *Driver) Assigned(ctx context.Context, deviceID, from, to string) error {
 	d.change.Lock()
@@ -517,7 +517,7 @@ const settleRounds = 5
 // D (R1 took D from U1) and U2 bound it (R1 gave it to U2); then R2 gave
 // D's topics to U1, who read U2's device until the next reconcile, which
 // comes with the next reconnect to Mosquitto (docs/reliability.md, bug
-// 241). A read after the write closes that: the plugin applies commands
+// 237). A read after the write closes that: the plugin applies commands
 // one at a time, so for one role and device some write is the last; its
 // writer reads the store after the plugin applied it. A store change
 // committed before that read is in the read, which then agrees with what
@@ -998,7 +998,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		changes := diff(r.Name, r.ACLs, want)
 		cmds = append(cmds, changes...)
 		// What was read of each device whose rights change is settled
-		// after the write, as a single change's (bug 241): only those
+		// after the write, as a single change's (bug 237): only those
 		// devices are read again, not the fleet.
 		wanted := map[string]bool{}
 		for _, a := range want {
@@ -1044,7 +1044,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 // has the bridge with the secret it was made with. Retried after the
 // bridge was deleted and made anew with a new secret, on this replica or
 // another, it set the old secret, which the store no longer held: the
-// bridge's new one stopped working, for good (bug 243). The store holds
+// bridge's new one stopped working, for good (bug 239). The store holds
 // the SHA-256 of the secret, as the API made it (api.newSecret).
 func (d *Driver) secretHeld(ctx context.Context, a account) (bool, error) {
 	if a.kind != "bridge" {

@@ -276,7 +276,7 @@ func TestDriver(t *testing.T) {
 		nowListed, nowAsked := st.calls()
 		assert.Equal(t, listed, nowListed, "Assigned listed every device of a bridge")
 		// Twice for each bridge of each move: before its write, and after
-		// it to settle it (bug 241).
+		// it to settle it (bug 237).
 		assert.Equal(t, asked+2*3, nowAsked, "Assigned asked the store about each bridge of each move")
 
 		// Drift: an assignment the server missed, repaired by Reconcile.
@@ -507,7 +507,7 @@ func TestReplicasEndAsTheStoreSays(t *testing.T) {
 	})
 
 	// A bridge's account made on one replica while its devices move on
-	// another, whose moves find no role yet to change (bug 242).
+	// another, whose moves find no role yet to change (bug 238).
 	t.Run("a bridge's creation", func(t *testing.T) {
 		st.bridges["b4"] = true
 		st.assign("dev-5", "b4")
@@ -528,7 +528,7 @@ func TestReplicasEndAsTheStoreSays(t *testing.T) {
 	// A bridge's account not made on one replica, which retries it later;
 	// meanwhile the bridge deleted and made anew with a new secret through
 	// another: the retry gave the account the old secret, and the bridge's
-	// new one stopped working (bug 243).
+	// new one stopped working (bug 239).
 	t.Run("a retried creation", func(t *testing.T) {
 		r3, cn, granted := newDriverConn(t, mq, server, dynsec.Options{Store: st})
 		require.True(t, granted)

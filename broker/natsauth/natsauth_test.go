@@ -636,7 +636,7 @@ func TestClientIDOfAnotherAccount(t *testing.T) {
 // A refused login is forgotten before its answer goes: another account
 // logs in with its client id at once. Before, the refused login was let go only after its answer,
 // and a login a moment later with that client id, answered meanwhile, was
-// refused as taken by the refused one (bug 258; TestClientIDOfAnotherAccount
+// refused as taken by the refused one (bug 247; TestClientIDOfAnotherAccount
 // failed so once under load).
 func TestARefusedLoginDoesNotHoldItsClientID(t *testing.T) {
 	d := startDoor(t, nil)

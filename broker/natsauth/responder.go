@@ -342,7 +342,7 @@ func (r *Responder) answer(m *nats.Msg) {
 	if refusal != "" {
 		// Forgotten before the answer goes: the account whose client id
 		// it asked for may log in at once, and a refused login still
-		// listed refused that one too (earlierLoginWith; bug 258).
+		// listed refused that one too (earlierLoginWith; bug 247).
 		r.endLogin(l, false)
 	}
 	if err := m.Respond([]byte(tok)); err != nil {

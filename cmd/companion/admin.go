@@ -208,7 +208,7 @@ func caFlag(fs *flag.FlagSet) *string {
 // apiHTTPClient checks apiURL (checkAPIURL) and returns the client of a
 // CLI command calling it: one verifying an https:// server with the
 // certificates of caFile when it is set. Before --ca, the CLI verified
-// a server with a private CA only given SSL_CERT_FILE (bug 257). A --ca
+// a server with a private CA only given SSL_CERT_FILE (bug 246). A --ca
 // with an http:// --api-url would do nothing, and is refused.
 func apiHTTPClient(apiURL, caFile string) (*http.Client, error) {
 	if err := checkAPIURL(apiURL); err != nil {

@@ -683,7 +683,7 @@ func TestASentCommandOfAnUnassignedDeviceWaitsQueued(t *testing.T) {
 // moved to never runs them; the device's next command runs there. The
 // bridge it left, refused the device's commands once the move has it
 // subscribe anew, holds the queued one rather than run it on the device
-// once the running one ends (docs/reliability.md, bug 248). On every
+// once the running one ends (docs/reliability.md, bug 240). On every
 // broker.
 func TestMovingADeviceWhileItsBridgeRunsACommand(t *testing.T) {
 	t.Parallel()
@@ -841,7 +841,7 @@ func TestWatcherReadsTheDeviceOfflineOffItsBridge(t *testing.T) {
 // it closes, with the rights of its login, so it reached the broker and
 // stayed retained, and the device's watcher, its next owner once it was
 // unbound, read the bridge's made-up firmware and settings over the
-// server's status (docs/reliability.md, bug 250). The server overwrites
+// server's status (docs/reliability.md, bug 242). The server overwrites
 // such a status with its own and clears such settings. The embedded
 // broker refuses the Will at connect, and Mosquitto's plugin drops it.
 func TestABridgesWillOnADeviceItLeftIsNotRetained(t *testing.T) {
@@ -920,7 +920,7 @@ func TestABridgesWillOnADeviceItLeftIsNotRetained(t *testing.T) {
 // the retained messages in again whenever it subscribes anew (Mosquitto
 // restarted here), and settings name no bridge. Taken, they held off every
 // report of the new bridge until its clock passed the old one's
-// (docs/reliability.md, bug 252). The server clears them at the move.
+// (docs/reliability.md, bug 244). The server clears them at the move.
 func TestAMovedDevicesOldSettingsDoNotComeBack(t *testing.T) {
 	t.Parallel()
 	mq := mqtttest.StartMosquitto(t, serverAccount)

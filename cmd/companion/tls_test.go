@@ -200,7 +200,7 @@ func TestDemoQuickStartWorksOverTLS(t *testing.T) {
 
 // The CLI's commands that call the API verify a server whose certificate
 // a private CA issued with --ca. Before, only SSL_CERT_FILE did, for the
-// whole process (bug 257). A --ca that would do nothing, or that holds no
+// whole process (bug 246). A --ca that would do nothing, or that holds no
 // certificate, is a usage error.
 func TestCLIVerifiesTheServerWithCA(t *testing.T) {
 	ca := newTestCA(t)

@@ -116,7 +116,7 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 			// A seq is its bridge's own clock: the new bridge's reports
 			// must not wait until its clock passes the old one's (the
 			// bbolt engine's forgetSeq); from no bridge too, the seq is
-			// the last bridge's (bug 249).
+			// the last bridge's (bug 241).
 			if _, err := tx.Exec(ctx, `UPDATE statuses SET seq = 0 WHERE device_id = $1 AND seq <> 0`, deviceID); err != nil {
 				return err
 			}

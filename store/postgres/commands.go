@@ -456,7 +456,7 @@ func (s *Store) updateCommandAsync(ctx context.Context, id string, fn func(*comp
 				return err
 			}
 		}
-		// Bug 240: a settings change that ended without succeeding is no
+		// Bug 236: a settings change that ended without succeeding is no
 		// longer desired, in the write that ends it; the settings row
 		// last, after the status, as every write takes them.
 		return withdrawDesired(ctx, tx, out, out.UpdatedAt)

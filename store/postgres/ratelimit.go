@@ -72,7 +72,7 @@ func (s *Store) RateLimiter(opts RateLimiterOptions) *RateLimiter {
 // is ahead refills from its time, not ours. full_at is when the bucket
 // will be full again, after which the row may be swept; 'infinity' for a
 // bucket that takes more than 1e11 s (3,000 years) to fill, past what an
-// interval holds (bug 256: every request was an error), or that never
+// interval holds (bug 245: every request was an error), or that never
 // refills.
 const allowSQL = `
 WITH p AS (
@@ -152,7 +152,7 @@ func (l *RateLimiter) Peek(ctx context.Context, key string, perSecond float64, b
 }
 
 // maxRefillWait bounds refillWait: a year, well within a Duration, which
-// a slower bucket's wait overflowed (bug 256).
+// a slower bucket's wait overflowed (bug 245).
 const maxRefillWait = 365 * 24 * time.Hour
 
 // refillWait is how long a bucket of tokens takes to hold one.

@@ -189,7 +189,7 @@ func TestRateLimiter(t *testing.T) {
 
 	// A bucket refilling slower than an interval can count: before, every
 	// Allow of it failed "interval out of range", and the API answered
-	// every request 503 (bug 256).
+	// every request 503 (bug 245).
 	t.Run("RateTooSlowForAnInterval", func(t *testing.T) {
 		clk := newFakeClock()
 		a, b, _ := replicas(t, postgres.RateLimiterOptions{Now: clk.Now})

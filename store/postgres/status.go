@@ -530,7 +530,7 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 // (companion.Command.WithdrawsDesired), but those a later settings
 // command of its device asked for (companion.Settings.Withdraw): nothing
 // will apply them, and they were left desired and pending for good (bug
-// 240). The settings row is taken last, as every write that changes it
+// 236). The settings row is taken last, as every write that changes it
 // does (after the command's row, the device's queue and its status). An
 // unbinding needs none of it: it drops every desired setting.
 func withdrawDesired(ctx context.Context, tx pgx.Tx, c companion.Command, now time.Time) error {

@@ -203,7 +203,7 @@ func testUnbindUnassigns(t *testing.T, s companion.Store) {
 // owner's bridge could otherwise report a seq up to a day ahead before it
 // let the device go, and the next owner's bridge was ignored for that day:
 // the device read offline, with the firmware and settings that bridge had
-// said (docs/reliability.md, bug 249).
+// said (docs/reliability.md, bug 241).
 func testSeqForgottenThroughNoBridge(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)

@@ -140,7 +140,7 @@ func testDesiredOnlyWithTheCommand(t *testing.T, s companion.Store) {
 // A settings change that ends without succeeding (canceled, failed,
 // expired) is no longer desired: nothing will apply it. Its settings
 // leave the desired ones in the write that ends it, but those a later
-// command asked for, which are that command's (bug 240: GET …/settings
+// command asked for, which are that command's (bug 236: GET …/settings
 // listed a canceled change as desired and pending for good).
 func testDesiredWithdrawnWhenTheChangeEnds(t *testing.T, s companion.Store) {
 	provision(t, s, "sim-1", "d1", "d2")
