@@ -182,6 +182,14 @@ func quiet() *slog.Logger {
 
 type discard struct{}
 
+// testLog writes to the test's log, shown when it fails.
+type testLog struct{ t *testing.T }
+
+func (w testLog) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
+}
+
 func (discard) Write(p []byte) (int, error) { return len(p), nil }
 
 // fakeBridge is a real paho client acting as a bridge.
@@ -558,7 +566,13 @@ func TestAFinalReplyDroppedAfterItsAttemptsIsAskedForAgain(t *testing.T) {
 			// the bridge's online made under load held it past
 			// fb.next's 10 s (seen once in make test).
 			e, st := newEnvOnTuned(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} },
-				func(o *Options) { o.RepeatSpacing = 100 * time.Millisecond })
+				func(o *Options) {
+					o.RepeatSpacing = 100 * time.Millisecond
+					// Its log, shown should it fail: it failed in make
+					// test twice, with no other test beside it, and
+					// never alone.
+					o.Logger = slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+				})
 			fb := connectBridge(t, e)
 			c := submit(t, e, "dev-1", "its final reply is lost", time.Hour)
 			require.Equal(t, c.ID, fb.next(t).ID)
