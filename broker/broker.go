@@ -174,9 +174,11 @@ type Broker struct {
 	// disk is still queued: until the bridge answers, or sentDelay after
 	// the PUBACK, when "sent" is written (see flushSent).
 	flying map[string]*outgoing
-	// landed holds the ids that landed (see land) since the outbox last
-	// read the store, while it publishes what it read: the store said
-	// queued before they landed, so they must not go out again.
+	// landed holds the ids that landed since the outbox last read the
+	// store, while it publishes what it read: the store said queued (or
+	// not final) before they landed. Those that ended (true, land) must
+	// not go out; those the bridge has (false, arrived) go only as
+	// repeats asked for.
 	landed map[string]bool
 	// lastOut holds, per device, the newest of its commands this broker
 	// published that it has not seen end: the next command of the device

@@ -620,7 +620,11 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			b.log.Warn("reply for a command of another device ignored", "device_id", deviceID, "command_id", r.CommandID, "command_device_id", foreign)
 			return
 		}
-		b.land(r.CommandID) // the bridge has it: no "sent" to write
+		if (err == nil || errors.Is(err, errStale)) && !companion.IsFinal(cmd.State) {
+			b.arrived(r.CommandID) // the bridge has it: no "sent" to write
+		} else {
+			b.land(r.CommandID) // ended, or never to go
+		}
 		switch {
 		case errors.Is(err, companion.ErrNotFound):
 			b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)

@@ -342,9 +342,9 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 		if b.lastOut[c.DeviceID] < c.ID {
 			b.lastOut[c.DeviceID] = c.ID
 		}
-		if b.landed[c.ID] {
-			// Answered, or written sent, since the store was read: the
-			// bridge has it.
+		if ended, ok := b.landed[c.ID]; ok && (ended || !again(c)) {
+			// Ended since the store was read; or answered, or written
+			// sent: the bridge has it, and it goes only as a repeat.
 			b.mu.Unlock()
 			continue
 		}
@@ -576,13 +576,24 @@ func failedAtOnce(tok mqtt.Token) error {
 	}
 }
 
-// land forgets that a command is on its way: the bridge answered, "sent"
-// is written, its publish failed, or it was canceled.
-func (b *Broker) land(id string) {
+// land forgets that a command is on its way, and keeps a pass of the
+// outbox that read it from the store before from sending it: it ended
+// (final, canceled, expired), or cannot be published.
+func (b *Broker) land(id string) { b.landAs(id, true) }
+
+// arrived forgets that a command is on its way because the bridge has it
+// ("sent" is written, or a reply that is not final came): a pass that
+// read it before sends it only as a repeat asked for, which fetches a
+// final reply lost on the way. Taken as landed, such a repeat was
+// skipped, and nothing asked for it again: the command stayed delivered
+// (bug 248).
+func (b *Broker) arrived(id string) { b.landAs(id, false) }
+
+func (b *Broker) landAs(id string, ended bool) {
 	b.mu.Lock()
 	delete(b.flying, id)
 	if b.landed != nil {
-		b.landed[id] = true
+		b.landed[id] = b.landed[id] || ended
 	}
 	b.mu.Unlock()
 }
@@ -666,7 +677,7 @@ func (b *Broker) flushSent() {
 			c.State = companion.StateSent
 			return nil
 		}, func(c companion.Command, err error) {
-			b.land(id)
+			b.arrived(id)
 			b.opts.Observer.StoreWrite(StoreWriteSent, time.Since(start))
 			if err == nil {
 				b.opts.Observer.CommandState(c.Op, c.State, b.now().Sub(c.CreatedAt))
