@@ -163,7 +163,7 @@ func (x device1) Connect() *dbus.Error {
 	gen := d.gen
 	// BlueZ: Connected, then the GATT objects, then ServicesResolved, then
 	// the reply to Connect.
-	d.props.SetMust(ifaceDevice, "Connected", true)
+	setProp(d.props, ifaceDevice, "Connected", true)
 	d.exportGATTLocked()
 	p := d.opts.Peripheral
 	mtu := d.opts.MTU
@@ -194,7 +194,7 @@ func (x device1) Connect() *dbus.Error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if d.connected && d.gen == gen {
-		d.props.SetMust(ifaceDevice, "ServicesResolved", true)
+		setProp(d.props, ifaceDevice, "ServicesResolved", true)
 	}
 	return nil
 }
@@ -247,8 +247,8 @@ func (d *Device) Drop() {
 	}
 	d.connected = false
 	d.gen++
-	d.props.SetMust(ifaceDevice, "ServicesResolved", false)
-	d.props.SetMust(ifaceDevice, "Connected", false)
+	setProp(d.props, ifaceDevice, "ServicesResolved", false)
+	setProp(d.props, ifaceDevice, "Connected", false)
 	for i := len(d.gattPaths) - 1; i >= 0; i-- {
 		b.removeObjectLocked(d.gattPaths[i])
 	}
@@ -312,7 +312,7 @@ func (d *Device) notify(gen int, charUUID string, value []byte) {
 	if !ok || !c.notifying {
 		return
 	}
-	c.props.SetMust(ifaceChar, "Value", slices.Clone(value))
+	setProp(c.props, ifaceChar, "Value", slices.Clone(value))
 }
 
 // char1 is org.bluez.GattCharacteristic1.
@@ -396,7 +396,7 @@ func (x char1) StartNotify() *dbus.Error {
 	}
 	if !x.c.notifying {
 		x.c.notifying = true
-		x.c.props.SetMust(ifaceChar, "Notifying", true)
+		setProp(x.c.props, ifaceChar, "Notifying", true)
 	}
 	return nil
 }
@@ -413,6 +413,6 @@ func (x char1) StopNotify() *dbus.Error {
 		return dbus.NewError(errFailed, []any{"No notify session started"})
 	}
 	x.c.notifying = false
-	x.c.props.SetMust(ifaceChar, "Notifying", false)
+	setProp(x.c.props, ifaceChar, "Notifying", false)
 	return nil
 }
