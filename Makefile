@@ -17,13 +17,13 @@ deps:
 
 # Every test, with the race detector, after deps. cmd/companion's tests
 # that mostly wait (for NATS clusters, replicas, processes, timeouts) run
-# side by side (t.Parallel), four at a time: on a 2-core machine the whole
-# takes about 9.5 minutes from a fresh clone, cmd/companion about 5.5 of
-# them (2026-11-30). Four packages at once (-p 4) took 7.5 minutes, and
-# found a hang of the server's shutdown (docs/reliability.md, bug 231, now
-# fixed); not adopted before a run of its own.
+# side by side (t.Parallel), four at a time, and four packages at once
+# (-p 4; many wait on engines more than they compute): on a 2-core machine
+# the whole took 7m49s from a fresh clone, cmd/companion 6.5 minutes of it
+# (2026-11-30). Two packages at once took 10m07s. Four first found a hang
+# of the server's shutdown (docs/reliability.md, bug 231, fixed).
 test: deps
-	$(GO) test -race -count=1 -parallel 4 -timeout 10m ./...
+	$(GO) test -race -count=1 -p 4 -parallel 4 -timeout 10m ./...
 
 build:
 	mkdir -p bin
