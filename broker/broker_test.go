@@ -554,10 +554,7 @@ func TestAFinalReplyDroppedAfterItsAttemptsIsAskedForAgain(t *testing.T) {
 		t.Run(failing, func(t *testing.T) {
 			e, st := newEnvOn(t, func(db *store.DB) *failingStore { return &failingStore{DB: db} })
 			fb := connectBridge(t, e)
-			c := submit(t, e, "dev-1", "its final reply is lost", time.Hour)
-			require.Equal(t, c.ID, fb.next(t).ID)
-			fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
-			testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
+			c := deliveredCommand(t, e, fb)
 
 			final := topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()}
 			acked := make(chan struct{})
@@ -583,6 +580,17 @@ func TestAFinalReplyDroppedAfterItsAttemptsIsAskedForAgain(t *testing.T) {
 	}
 }
 
+// deliveredCommand submits a command for dev-1 whose final reply will be
+// lost: the bridge takes it and says delivered, and the store has it so.
+func deliveredCommand(t *testing.T, e *env, fb *fakeBridge) companion.Command {
+	t.Helper()
+	c := submit(t, e, "dev-1", "its final reply is lost", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
+	return c
+}
+
 // A command asked for again lands (its "sent" written late, a reply)
 // while the outbox's pass that sends it again reads the store: it still
 // goes again. Before, the pass took it as answered since its read and
@@ -593,10 +601,7 @@ func TestAFinalReplyDroppedAfterItsAttemptsIsAskedForAgain(t *testing.T) {
 func TestACommandAskedForAgainThatLandsMeanwhileStillGoes(t *testing.T) {
 	e, st := newEnvOn(t, func(db *store.DB) *landingStore { return &landingStore{DB: db} })
 	fb := connectBridge(t, e)
-	c := submit(t, e, "dev-1", "its final reply is lost", time.Hour)
-	require.Equal(t, c.ID, fb.next(t).ID)
-	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateDelivered, At: time.Now()})
-	testenv.Eventually(t, 10*time.Second, "delivered", func() bool { return state(t, e, c.ID).State == companion.StateDelivered })
+	c := deliveredCommand(t, e, fb)
 
 	landed := func() { e.b.arrived(c.ID) } // the "sent" flush, late
 	st.during.Store(&landed)

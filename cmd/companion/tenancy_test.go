@@ -134,6 +134,29 @@ func (p *mqttProbe) assertNext(t *testing.T, topic, why string) mqtt.Message {
 	}
 }
 
+// next returns the next message the probe receives, whatever its topic.
+func (p *mqttProbe) next(t *testing.T, why string) mqtt.Message {
+	t.Helper()
+	select {
+	case m := <-p.Msgs:
+		return m
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no message (%s)", why)
+		return nil
+	}
+}
+
+// watchRetained connects a probe of the fleet's user as clientID to url,
+// subscribed to filters: their retained messages come first.
+func watchRetained(t *testing.T, url, clientID string, f *fleet, filters ...string) *mqttProbe {
+	t.Helper()
+	w := mustDialMQTT(t, url, clientID, f.userID, f.user.token)
+	for _, filter := range filters {
+		require.Equal(t, byte(1), w.subscribe(t, filter), filter)
+	}
+	return w
+}
+
 // waitCut waits until the broker closes the probe's connection.
 func (p *mqttProbe) waitCut(t *testing.T, why string) {
 	t.Helper()
@@ -886,17 +909,10 @@ func TestABridgesWillOnADeviceItLeftIsNotRetained(t *testing.T) {
 			watchers := 0
 			testenv.Eventually(t, 20*time.Second, "the retained status and settings the server's", func() bool {
 				watchers++
-				w := mustDialMQTT(t, node, fmt.Sprintf("watcher-%d", watchers), f.userID, f.user.token)
+				w := watchRetained(t, node, fmt.Sprintf("watcher-%d", watchers), f, settingsTopic, statusTopic)
 				defer w.Disconnect(50)
-				require.Equal(t, byte(1), w.subscribe(t, settingsTopic))
-				require.Equal(t, byte(1), w.subscribe(t, statusTopic))
 				for {
-					var msg mqtt.Message
-					select {
-					case msg = <-w.Msgs:
-					case <-time.After(10 * time.Second):
-						t.Fatal("no retained status")
-					}
+					msg := w.next(t, "the retained status")
 					if msg.Topic() == settingsTopic {
 						if strings.Contains(string(msg.Payload()), `"brightness":1`) {
 							return false // the forged settings
@@ -949,16 +965,9 @@ func TestAMovedDevicesOldSettingsDoNotComeBack(t *testing.T) {
 	// Once the server has published dev-1's status for the move, a watcher
 	// reads it first: the old settings cleared before it.
 	testenv.Eventually(t, 20*time.Second, "the old bridge's settings cleared", func() bool {
-		w := mustDialMQTT(t, mq.URL, "watcher", f.userID, f.user.token)
+		w := watchRetained(t, mq.URL, "watcher", f, settingsTopic, statusTopic)
 		defer w.Disconnect(50)
-		require.Equal(t, byte(1), w.subscribe(t, settingsTopic))
-		require.Equal(t, byte(1), w.subscribe(t, statusTopic))
-		var msg mqtt.Message
-		select {
-		case msg = <-w.Msgs:
-		case <-time.After(10 * time.Second):
-			t.Fatal("no retained status")
-		}
+		msg := w.next(t, "the retained status")
 		if msg.Topic() == settingsTopic {
 			return false
 		}
