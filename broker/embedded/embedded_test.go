@@ -874,17 +874,27 @@ func TestDisconnectBridgeHoldsItsWill(t *testing.T) {
 	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))
 	b1.waitLost(t)
 	back := mustDial(t, s.Addr(), "bridge-1", "b1-secret", will) // within the grace
-	select {
-	case m := <-w.msgs:
-		t.Fatalf("the bridge's state read %q: its Will was published as it was disconnected", m.Payload())
-	case <-time.After(time.Second):
+	noWill := func(d time.Duration, why string) {
+		t.Helper()
+		deadline := time.After(d)
+		for {
+			select {
+			case m := <-w.msgs:
+				// The "online" again is not the Will: a QoS 1 message
+				// may come twice, and it did once under load in make
+				// test (four packages at once).
+				if string(m.Payload()) == topics.BridgeOnline {
+					continue
+				}
+				t.Fatalf("the bridge's state read %q %s", m.Payload(), why)
+			case <-deadline:
+				return
+			}
+		}
 	}
+	noWill(time.Second, "as it was disconnected: its Will was published")
 	back.Disconnect(250) // a clean disconnect: no Will, and none held for it
-	select {
-	case m := <-w.msgs:
-		t.Fatalf("the bridge's state read %q after it came back within the grace", m.Payload())
-	case <-time.After(2500 * time.Millisecond):
-	}
+	noWill(2500*time.Millisecond, "after it came back within the grace")
 
 	b1 = mustDial(t, s.Addr(), "bridge-1", "b1-secret", will)
 	require.Equal(t, 1, s.DisconnectBridge("bridge-1"))
