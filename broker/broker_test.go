@@ -1981,10 +1981,17 @@ func TestFinalReplyLostPastItsTTLIsFetchedAgain(t *testing.T) {
 			e.b.opts.ExpiryGrace = time.Hour
 			restart(t, e)
 
-			for want := range 2 {
-				got := fb.next(t)
-				require.Equal(t, []string{ran.ID, never.ID}[want], got.ID, "the commands past their TTL, within the grace, go out again in order")
+			// In order; a command may come twice in a row: the broker
+			// before the restart may have sent it again as the clock
+			// passed its TTL (seen under load in make test).
+			var got []string
+			for len(got) < 2 {
+				id := fb.next(t).ID
+				if len(got) == 0 || got[len(got)-1] != id {
+					got = append(got, id)
+				}
 			}
+			require.Equal(t, []string{ran.ID, never.ID}, got, "the commands past their TTL, within the grace, go out again in order")
 			fb.reply(t, "dev-1", topics.Reply{CommandID: ran.ID, State: companion.StateSucceeded, At: time.Now()})
 			fb.reply(t, "dev-1", topics.Reply{CommandID: never.ID, State: companion.StateExpired, At: time.Now()})
 			testenv.Eventually(t, 10*time.Second, "the bridge's answers taken", func() bool {
