@@ -48,14 +48,17 @@ func (b *Broker) served(deviceID, bridgeID, bridge string, err error) bool {
 func (b *Broker) DeviceMoved(deviceID string) {
 	b.failLeft(context.Background(), deviceID)
 	b.resendDevice(deviceID)
-	b.goOwned(func() { b.publishUnserved(deviceID) })
-	// The settings its old bridge left retained name no bridge: taken in
-	// again as the server subscribes anew (a restart, a broker back), they
-	// read as the device's, with the old bridge's seq, and the new
-	// bridge's reports, its clock behind, were refused for up to a day
-	// (docs/reliability.md, bug 244). Cleared, the new bridge's are the
-	// next.
-	b.goOwned(func() { b.clearDropped(deviceID, "settings", b.tree.Settings) })
+	b.goOwned(func() {
+		b.publishUnserved(deviceID)
+		// The settings its old bridge left retained name no bridge: taken
+		// in again as the server subscribes anew (a restart, a broker
+		// back), they read as the device's, with the old bridge's seq, and
+		// the new bridge's reports, its clock behind, were refused for up
+		// to a day (docs/reliability.md, bug 244). Cleared, the new
+		// bridge's are the next. One goroutine for both: a bulk move
+		// starts one per device.
+		b.clearDropped(deviceID, "settings", b.tree.Settings)
+	})
 	if b.opts.Dispatcher != nil && !b.dispatching() {
 		b.tellMoved(deviceID)
 	}
