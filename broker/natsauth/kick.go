@@ -202,15 +202,8 @@ func (r *Responder) onChanged(m *nats.Msg) {
 		return
 	}
 	r.goroutine(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), r.opts.Timeout)
+		ctx, cancel := context.WithTimeout(r.ctx, r.opts.Timeout) // Close cancels it
 		defer cancel()
-		go func() { // Close does not wait for the kicks out
-			select {
-			case <-r.quit:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
 		closed, err := r.close(ctx, under)
 		if err != nil {
 			r.log.Error("logins under way whose rights changed on another replica not closed; retrying", "username", n.Username, "err", err, "in", r.opts.RetryInterval)
@@ -464,23 +457,13 @@ func (r *Responder) knownNodes() int {
 // retryLoop closes, every RetryInterval, the connections Disconnect
 // failed to close.
 func (r *Responder) retryLoop() {
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if !r.goroutine(func() { // cancels the kick under way when Close is called
-		select {
-		case <-r.quit:
-			cancel()
-		case <-ctx.Done():
-		}
-	}) {
-		return
-	}
+	ctx := r.ctx // done when Close is called: the kick under way ends
 	t := time.NewTimer(time.Hour)
 	t.Stop()
 	defer t.Stop()
 	for {
 		select {
-		case <-r.quit:
+		case <-ctx.Done():
 			return
 		case <-r.retry:
 			t.Reset(r.opts.RetryInterval)

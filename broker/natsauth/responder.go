@@ -126,9 +126,12 @@ type Responder struct {
 	settling []*login                   // the logins let in, oldest first
 	begun    uint64                     // logins begun: the last one's login.seq
 	retry    chan struct{}
-	quit     chan struct{}
-	wg       sync.WaitGroup
-	once     sync.Once
+	// ctx is done once Close is called: it stops the loops and cancels
+	// the kicks under way (quit).
+	ctx  context.Context
+	quit context.CancelFunc
+	wg   sync.WaitGroup
+	once sync.Once
 }
 
 // New checks the options, connects to the cluster (retrying in the
@@ -187,8 +190,8 @@ func New(opts Options) (*Responder, error) {
 		logins:     map[string]map[*login]bool{},
 		byClient:   map[string]map[*login]bool{},
 		retry:      make(chan struct{}, 1),
-		quit:       make(chan struct{}),
 	}
+	r.ctx, r.quit = context.WithCancel(context.Background())
 	r.auth, err = r.connect("companion auth callout", opts.User, opts.Password)
 	if err != nil {
 		return nil, err
@@ -264,7 +267,7 @@ func (r *Responder) Close() error {
 		r.mu.Lock()
 		r.closed = true
 		r.mu.Unlock()
-		close(r.quit)
+		r.quit()
 		_ = r.sub.Unsubscribe()
 		_ = r.changed.Unsubscribe()
 		r.wg.Wait()
@@ -282,7 +285,7 @@ func (r *Responder) Close() error {
 func (r *Responder) onRequest(m *nats.Msg) {
 	select {
 	case r.sem <- struct{}{}:
-	case <-r.quit:
+	case <-r.ctx.Done():
 		return
 	}
 	if !r.goroutine(func() {
