@@ -1,7 +1,6 @@
 package api
 
 import (
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -107,8 +106,7 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	if err := validationError(fields); err != nil {
 		return err
 	}
-	claim := sha256.Sum256([]byte(req.ClaimCode))
-	d := companion.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: claim[:], CreatedAt: s.now(), BridgeID: bridge}
+	d := companion.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: companion.HashSecret(req.ClaimCode), CreatedAt: s.now(), BridgeID: bridge}
 	ctx := c.Request.Context()
 	err = s.store.ProvisionDevice(ctx, d)
 	switch {

@@ -2,7 +2,6 @@ package api
 
 import (
 	"crypto/rand"
-	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/base64"
 	"errors"
@@ -43,8 +42,7 @@ func newSecret(prefix string) (string, []byte, error) {
 		return "", nil, err
 	}
 	s := prefix + base64.RawURLEncoding.EncodeToString(b[:])
-	h := sha256.Sum256([]byte(s))
-	return s, h[:], nil
+	return s, companion.HashSecret(s), nil
 }
 
 // bearer returns the SHA-256 of the request's bearer token, or nil when
@@ -54,8 +52,7 @@ func bearer(c *gin.Context) []byte {
 	if tok == "" {
 		return nil
 	}
-	h := sha256.Sum256([]byte(tok))
-	return h[:]
+	return companion.HashSecret(tok)
 }
 
 // maxBearer bounds a bearer token; identity providers' JWTs run to a few KiB.

@@ -1,8 +1,6 @@
 package api
 
 import (
-	"crypto/sha256"
-	"crypto/subtle"
 	"errors"
 	"fmt"
 	"net/http"
@@ -90,7 +88,7 @@ type registerRequest struct {
 
 // dummyClaimHash is compared against when the device is unknown, so that
 // an unknown device and a wrong code take the same time.
-var dummyClaimHash = sha256.Sum256([]byte("no such device"))
+var dummyClaimHash = companion.HashSecret("no such device")
 
 func (s *Server) registerDevice(c *gin.Context) error {
 	user := currentUser(c)
@@ -132,15 +130,14 @@ func (s *Server) registerDevice(c *gin.Context) error {
 
 	ctx := c.Request.Context()
 	reg, err := s.store.RegistryDevice(ctx, req.DeviceID)
-	want := dummyClaimHash[:]
+	want := dummyClaimHash
 	switch {
 	case err == nil:
 		want = reg.ClaimHash
 	case !errors.Is(err, companion.ErrNotFound):
 		return err
 	}
-	got := sha256.Sum256([]byte(req.ClaimCode))
-	if subtle.ConstantTimeCompare(got[:], want) != 1 || err != nil {
+	if !companion.SecretMatches(req.ClaimCode, want) || err != nil {
 		return errInvalidClaim
 	}
 

@@ -2,7 +2,6 @@ package api
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -408,8 +407,7 @@ func New(opts Options) (*Server, error) {
 		now:         opts.Now,
 	}
 	if opts.AdminToken != "" {
-		h := sha256.Sum256([]byte(opts.AdminToken))
-		s.adminHash = h[:]
+		s.adminHash = companion.HashSecret(opts.AdminToken)
 	}
 	s.limiter = opts.RateLimiter
 	if s.limiter == nil {

@@ -2,8 +2,6 @@ package broker
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/subtle"
 
 	"github.com/devicecompanion/companion"
 
@@ -33,15 +31,14 @@ func (a Accounts) Authenticate(ctx context.Context, username, password string) (
 	if username == "" || password == "" {
 		return embedded.Identity{}, false
 	}
-	sum := sha256.Sum256([]byte(password))
 	if b, err := a.Store.Bridge(ctx, username); err == nil {
-		if subtle.ConstantTimeCompare(sum[:], b.SecretHash) == 1 {
+		if companion.SecretMatches(password, b.SecretHash) {
 			return embedded.Identity{Role: embedded.RoleBridge, ID: b.ID}, true
 		}
 		return embedded.Identity{}, false
 	}
 	if u, err := a.Store.User(ctx, username); err == nil {
-		if subtle.ConstantTimeCompare(sum[:], u.TokenHash) == 1 {
+		if companion.SecretMatches(password, u.TokenHash) {
 			return embedded.Identity{Role: embedded.RoleUser, ID: u.ID}, true
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	mqtt "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/packets"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -36,8 +37,8 @@ type authHook struct {
 	log        *slog.Logger
 	clients    *mqtt.Clients
 	hasServer  bool
-	serverUser [32]byte // SHA-256 of ServerUsername
-	serverPass [32]byte // SHA-256 of ServerPassword
+	serverUser []byte // companion.HashSecret of ServerUsername
+	serverPass []byte // and of ServerPassword
 	// drop removes a queued message from a client's session as mochi
 	// drops one (Server.dropQueued).
 	drop func(cl *mqtt.Client, pk packets.Packet)
@@ -140,9 +141,9 @@ func MayUseClientID(id Identity, cid string) bool {
 }
 
 func (h *authHook) authenticate(username, password string) (Identity, bool) {
-	if h.hasServer && equalHash(username, h.serverUser) {
+	if h.hasServer && companion.SecretMatches(username, h.serverUser) {
 		// The server's username never falls through to Accounts.
-		return Identity{Role: RoleServer}, equalHash(password, h.serverPass)
+		return Identity{Role: RoleServer}, companion.SecretMatches(password, h.serverPass)
 	}
 	if h.accounts == nil {
 		return Identity{}, false

@@ -14,8 +14,6 @@ package embedded
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/subtle"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -28,6 +26,7 @@ import (
 	mqtt "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/packets"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/mochilisten"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -250,8 +249,8 @@ func New(opts Options) (*Server, error) {
 		replaced: map[*mqtt.Client]*mqtt.Client{},
 	}
 	if opts.ServerUsername != "" {
-		s.auth.serverUser = sha256.Sum256([]byte(opts.ServerUsername))
-		s.auth.serverPass = sha256.Sum256([]byte(opts.ServerPassword))
+		s.auth.serverUser = companion.HashSecret(opts.ServerUsername)
+		s.auth.serverPass = companion.HashSecret(opts.ServerPassword)
 		s.auth.hasServer = true
 	}
 	s.auth.drop = s.dropQueued
@@ -556,11 +555,4 @@ func (m minLevel) WithAttrs(as []slog.Attr) slog.Handler {
 
 func (m minLevel) WithGroup(name string) slog.Handler {
 	return minLevel{h: m.h.WithGroup(name), min: m.min}
-}
-
-// equalHash compares a secret with a stored hash in constant time. Hashing
-// first makes the comparison independent of the secret's length.
-func equalHash(secret string, want [32]byte) bool {
-	got := sha256.Sum256([]byte(secret))
-	return subtle.ConstantTimeCompare(got[:], want[:]) == 1
 }

@@ -18,8 +18,6 @@ package natsauth
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/subtle"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -101,7 +99,7 @@ type Responder struct {
 	accounts broker.Accounts
 	log      *slog.Logger
 
-	serverUser, serverPass [32]byte
+	serverUser, serverPass []byte // companion.HashSecret of the server's login
 
 	auth *nats.Conn // in the callout's account
 	sys  *nats.Conn // in the system account; nil without SystemUser
@@ -183,8 +181,8 @@ func New(opts Options) (*Responder, error) {
 		opts:       opts,
 		accounts:   broker.Accounts{Store: opts.Store},
 		log:        opts.Logger.With("component", "natsauth"),
-		serverUser: sha256.Sum256([]byte(opts.ServerUsername)),
-		serverPass: sha256.Sum256([]byte(opts.ServerPassword)),
+		serverUser: companion.HashSecret(opts.ServerUsername),
+		serverPass: companion.HashSecret(opts.ServerPassword),
 		sem:        make(chan struct{}, opts.Workers),
 		pending:    map[string]bool{},
 		logins:     map[string]map[*login]bool{},
@@ -419,8 +417,8 @@ func (r *Responder) decide(ctx context.Context, req *jwt.AuthorizationRequestCla
 // a bridge's or a user's, exactly as broker.Accounts does for the embedded
 // broker.
 func (r *Responder) authenticate(ctx context.Context, username, password string) (embedded.Identity, bool) {
-	if equalHash(username, r.serverUser) {
-		return embedded.Identity{Role: embedded.RoleServer}, equalHash(password, r.serverPass)
+	if companion.SecretMatches(username, r.serverUser) {
+		return embedded.Identity{Role: embedded.RoleServer}, companion.SecretMatches(password, r.serverPass)
 	}
 	id, ok := r.accounts.Authenticate(ctx, username, password)
 	if !ok || (id.Role != embedded.RoleBridge && id.Role != embedded.RoleUser) {
@@ -430,11 +428,4 @@ func (r *Responder) authenticate(ctx context.Context, username, password string)
 		return embedded.Identity{}, false
 	}
 	return id, true
-}
-
-// equalHash compares a secret with a hash in constant time; hashing first
-// makes the comparison independent of the secret's length.
-func equalHash(secret string, want [32]byte) bool {
-	got := sha256.Sum256([]byte(secret))
-	return subtle.ConstantTimeCompare(got[:], want[:]) == 1
 }

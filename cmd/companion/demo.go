@@ -273,7 +273,7 @@ func provisionDemo(ctx context.Context, m *Main, f *DemoFile) error {
 	}
 	for i := range f.Devices {
 		dev := &f.Devices[i]
-		err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: sha256Sum(dev.ClaimCode), CreatedAt: now, BridgeID: f.BridgeID})
+		err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev.DeviceID, Model: demoModel, ClaimHash: companion.HashSecret(dev.ClaimCode), CreatedAt: now, BridgeID: f.BridgeID})
 		switch {
 		case err == nil:
 			continue
@@ -289,7 +289,7 @@ func provisionDemo(ctx context.Context, m *Main, f *DemoFile) error {
 				return err
 			}
 		}
-		if bytes.Equal(reg.ClaimHash, sha256Sum(dev.ClaimCode)) {
+		if bytes.Equal(reg.ClaimHash, companion.HashSecret(dev.ClaimCode)) {
 			continue
 		}
 		dev.ClaimCode = ""
@@ -311,12 +311,12 @@ func provisionDemo(ctx context.Context, m *Main, f *DemoFile) error {
 // token in f) when f's id is taken under another token.
 func provisionDemoUser(ctx context.Context, db companion.Store, now time.Time, f *DemoFile) error {
 	for {
-		err := db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token), CreatedAt: now})
+		err := db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: companion.HashSecret(f.Token), CreatedAt: now})
 		if !errors.Is(err, companion.ErrExists) {
 			return err
 		}
 		u, err := db.User(ctx, f.UserID)
-		if err == nil && bytes.Equal(u.TokenHash, sha256Sum(f.Token)) {
+		if err == nil && bytes.Equal(u.TokenHash, companion.HashSecret(f.Token)) {
 			return nil
 		}
 		if err != nil && !errors.Is(err, companion.ErrNotFound) {
@@ -331,7 +331,7 @@ func provisionDemoUser(ctx context.Context, db companion.Store, now time.Time, f
 // change a secret), which unassigns its devices: provisionDemo assigns
 // them back.
 func provisionDemoBridge(ctx context.Context, db companion.Store, now time.Time, f *DemoFile) error {
-	bridge := companion.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret), CreatedAt: now}
+	bridge := companion.Bridge{ID: f.BridgeID, SecretHash: companion.HashSecret(f.BridgeSecret), CreatedAt: now}
 	err := db.CreateBridge(ctx, bridge)
 	if !errors.Is(err, companion.ErrExists) {
 		return err

@@ -77,9 +77,9 @@ func TestDemoCompletesAStartKilledAfterDemoJSON(t *testing.T) {
 	db, err := store.Open(filepath.Join(dir, "companion.db"), store.Options{})
 	require.NoError(t, err)
 	ctx := t.Context()
-	require.NoError(t, db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: sha256Sum(f.Token)}))
-	require.NoError(t, db.CreateBridge(ctx, companion.Bridge{ID: f.BridgeID, SecretHash: sha256Sum(f.BridgeSecret)}))
-	require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "sim-001", Model: demoModel, ClaimHash: sha256Sum(f.Devices[0].ClaimCode), BridgeID: f.BridgeID}))
+	require.NoError(t, db.CreateUser(ctx, companion.User{ID: f.UserID, Name: "demo", TokenHash: companion.HashSecret(f.Token)}))
+	require.NoError(t, db.CreateBridge(ctx, companion.Bridge{ID: f.BridgeID, SecretHash: companion.HashSecret(f.BridgeSecret)}))
+	require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "sim-001", Model: demoModel, ClaimHash: companion.HashSecret(f.Devices[0].ClaimCode), BridgeID: f.BridgeID}))
 	require.NoError(t, db.Close())
 
 	m := startServer(t, Config{Data: dir, Demo: true})

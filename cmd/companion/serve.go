@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"crypto/rand"
-	"crypto/sha256"
 	"crypto/subtle"
 	"crypto/tls"
 	"encoding/base64"
@@ -865,11 +864,6 @@ func randomToken(prefix string) string {
 		panic(err) // crypto/rand never fails on Linux
 	}
 	return prefix + base64.RawURLEncoding.EncodeToString(b)
-}
-
-func sha256Sum(s string) []byte {
-	h := sha256.Sum256([]byte(s))
-	return h[:]
 }
 
 // writeFileAtomic writes data to path through a temp file and a rename, so
