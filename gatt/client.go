@@ -638,6 +638,17 @@ func (call *Call) Abandon() {
 	}
 }
 
+// extend gives the device d more than the request timeout to answer the
+// call, which is still waiting.
+func (call *Call) extend(d time.Duration) {
+	c := call.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.pending[call.seq] == call && call.timer.Stop() {
+		call.timer.Reset(c.timeout + d)
+	}
+}
+
 // forget drops the request and gives its place back: it failed to go
 // out, or the device did not answer it within the request timeout.
 func (call *Call) forget() {

@@ -538,3 +538,27 @@ func TestOTAWithAnotherImagePendingSaysWhy(t *testing.T) {
 		t.Errorf("UpdateFirmware to the pending 2.0.0+3 = %v; device runs %s (confirmed %v)", err, s.Firmware(), s.FirmwareConfirmed())
 	}
 }
+
+// A stock device erases its slot for the whole image before it answers the
+// request that opens the upload (img_mgmt without
+// CONFIG_IMG_ERASE_PROGRESSIVELY): seconds for a large image on slow flash,
+// longer than the request timeout. The bridge waits for it, in proportion
+// to the image, and the update goes through (bug 264).
+func TestOTAWaitsForTheSlotErase(t *testing.T) {
+	popts := sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond, EraseTime: 150 * time.Millisecond}
+	d, s, _, _ := newSimPeripheral(t, fastLink, popts, gatt.DeviceOptions{RequestTimeout: time.Second})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// The first update finds the secondary slot empty, with nothing to
+	// erase; after it the slot holds the old image.
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 64<<10), nil); err != nil {
+		t.Fatalf("UpdateFirmware to 2.0.0 = %v", err)
+	}
+	// 16 sectors of 150 ms: 2.4 s of erase, over a request timeout of 1 s.
+	if err := d.UpdateFirmware(ctx, "fw-2", "2.0.1", firmwareImage(t, "2.0.1", 64<<10), nil); err != nil {
+		t.Fatalf("UpdateFirmware to 2.0.1, its slot erased for 2.4 s = %v (code %q); want nil", err, errorCode(err))
+	}
+	if s.Firmware() != "2.0.1" || !s.FirmwareConfirmed() {
+		t.Errorf("device runs %s (confirmed %v); want 2.0.1 confirmed", s.Firmware(), s.FirmwareConfirmed())
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/devicecompanion/companion/mcuboot"
 )
@@ -126,6 +127,19 @@ func chunkLimit(frag, maxReq int) int {
 	return maxReq
 }
 
+// eraseTime is how long, beyond the request timeout, the bridge gives a
+// device to erase each sector of eraseSector bytes of its slot before it
+// answers the request that opens an image upload. Zephyr's img_mgmt
+// erases the whole len there, unless the firmware sets
+// CONFIG_IMG_ERASE_PROGRESSIVELY (off by default): img_mgmt_upload calls
+// img_mgmt_erase_image_data before it writes the first chunk. A 4 KiB
+// sector of the NOR flash that holds image slots takes up to about 240 ms
+// to erase, a page of nRF52 flash 85 ms, and more beside a busy radio.
+const (
+	eraseTime   = 250 * time.Millisecond
+	eraseSector = 4096
+)
+
 type inflight struct {
 	call *Call
 	end  uint64
@@ -193,7 +207,17 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted boo
 	}
 	var rsp UploadResponse
 	t.requests.Add(1)
-	if err := c.Do(ctx, OpWrite, t.u.Group, t.u.ID, t.request(0, data, true), &rsp); err != nil {
+	call, err := c.Start(ctx, OpWrite, t.u.Group, t.u.ID, t.request(0, data, true))
+	if err != nil {
+		return err
+	}
+	if t.u.Stock {
+		// img_mgmt erases the slot for len before it answers: the
+		// request timeout alone failed every update whose erase took
+		// longer (docs/reliability.md, bug 264).
+		call.extend(time.Duration((t.total+eraseSector-1)/eraseSector) * eraseTime)
+	}
+	if err := call.Wait(ctx, &rsp); err != nil {
 		return err
 	}
 	if err := t.check(rsp); err != nil {

@@ -85,6 +85,14 @@ func (d *Device) secondaryInUse() bool {
 	return d.flash.pending || d.flash.testing
 }
 
+// secondaryUsed reports whether the secondary slot holds anything, which
+// an upload erases first (img_mgmt_flash_check_empty).
+func (d *Device) secondaryUsed() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.flash.secondary) > 0
+}
+
 // eraseSecondary starts an upload into the secondary slot.
 func (d *Device) eraseSecondary() {
 	d.mu.Lock()

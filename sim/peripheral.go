@@ -47,6 +47,12 @@ type PeripheralOptions struct {
 	// it answers (a flash write, a busy MCU); default none. Requests
 	// queue behind it in the device's buffers.
 	HandleTime time.Duration
+	// EraseTime is how long the device takes to erase each 4 KiB of its
+	// secondary slot when an image upload starts and the slot is not
+	// empty: img_mgmt erases len up front, before it answers the request
+	// at off 0 (img_mgmt_upload, img_mgmt_erase_image_data, without
+	// CONFIG_IMG_ERASE_PROGRESSIVELY, Zephyr's default); default none.
+	EraseTime time.Duration
 }
 
 // Peripheral is a Zephyr device with the stock MCUmgr subsystem in front of
@@ -702,7 +708,7 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 		return p.imageStateWrite(m)
 
 	case g == gatt.GroupImage && id == gatt.CmdImageUpload && write:
-		return p.imageUpload(m)
+		return p.imageUpload(ctx, m)
 
 	case g == gatt.GroupSettings && id == gatt.CmdSettingsValue:
 		var req gatt.SettingWriteRequest
@@ -817,7 +823,7 @@ type imageUploadRequest struct {
 // written when its off is the one held, and answered with the offset held
 // either way. The answer that completes the upload says whether the SHA-256
 // of what was written is sha (match).
-func (p *Peripheral) imageUpload(m gatt.Message) reply {
+func (p *Peripheral) imageUpload(ctx context.Context, m gatt.Message) reply {
 	const g = gatt.GroupImage
 	var req imageUploadRequest
 	if err := gatt.DecodeBody(m.Body, &req); err != nil {
@@ -875,6 +881,17 @@ func (p *Peripheral) imageUpload(m gatt.Message) reply {
 			next := mcuboot.Version{Major: req.Data[20], Minor: req.Data[21], Revision: binary.LittleEndian.Uint16(req.Data[22:])}
 			if cur.Compare(next) >= 0 {
 				return refuse(gatt.ImgErrCurrentVersionIsNewer, "downgrade")
+			}
+		}
+		if p.dev.secondaryUsed() && p.opts.EraseTime > 0 {
+			// img_mgmt_erase_image_data: len, in 4 KiB sectors, before
+			// the answer (docs/reliability.md, bug 264).
+			t := time.NewTimer(time.Duration((*req.Len+4095)/4096) * p.opts.EraseTime)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return failRC(gatt.RCTimeout, "disconnected while erasing")
 			}
 		}
 		p.dev.eraseSecondary()
