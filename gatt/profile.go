@@ -16,7 +16,7 @@ const (
 	RCNoMemory     = 2  // out of memory or storage
 	RCInvalid      = 3  // a field is missing or wrong
 	RCTimeout      = 4  // the device timed out doing it
-	RCNotFound     = 5  // no such thing (an app that is not installed)
+	RCNotFound     = 5  // no such thing (an app that is not installed; in version 1, a settings key)
 	RCBadState     = 6  // not now (another upload holds the slot)
 	RCMsgSize      = 7  // the message is larger than the buffer
 	RCNotSupported = 8  // unknown group or command
@@ -140,7 +140,18 @@ func (e *Error) ErrorCode() string {
 	case RCCorrupt:
 		return CodeChecksumMismatch
 	case RCNotFound:
-		return CodeNotInstalled
+		// ENOENT: an app the device does not have, in the project's apps
+		// group. A device answering in SMP version 1 gives it for a
+		// settings key its handler does not know too, and for a slot
+		// without an image, as settings_mgmt and img_mgmt translate their
+		// errors (docs/reliability.md, bug 265).
+		switch e.Group {
+		case GroupApps:
+			return CodeNotInstalled
+		case GroupSettings:
+			return CodeInvalidPayload
+		}
+		return CodeDeviceError
 	case RCBusy:
 		return CodeDeviceBusy
 	}

@@ -183,3 +183,46 @@ func TestAnEightByteSettingGoesExactly(t *testing.T) {
 		t.Errorf("Settings = %v, %v; want counter %d and volume 9", values, err, big)
 	}
 }
+
+// A device that answers in SMP version 1 (an MCUmgr older than version 2
+// ignores the header's version bits) gives a group's error as MCUmgr's rc,
+// translated as Zephyr's settings_mgmt_translate_error_code does: a key
+// its handler does not know is rc 5, ENOENT. A settings change of such a
+// key fails as over version 2 ("key not found": invalid_payload), not
+// not_installed, the code of an app the device does not have (bug 265).
+func TestVersion1SettingsKeyNotFoundIsInvalidPayload(t *testing.T) {
+	asVersion1 := func(_ gatt.Link, data []byte) ([]byte, error) {
+		h, err := gatt.ParseHeader(data)
+		if err != nil || gatt.HeaderSize+int(h.Len) != len(data) {
+			return data, nil // not a whole message: the reassembly probe's
+		}
+		data = bytes.Clone(data)
+		data[0] &^= 3 << 3
+		return data, nil
+	}
+	for _, tt := range []struct {
+		name string
+		tap  func(gatt.Link, []byte) ([]byte, error)
+	}{
+		{"version 2", func(_ gatt.Link, data []byte) ([]byte, error) { return data, nil }},
+		{"version 1", asVersion1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := sim.New(sim.Options{ID: "dev-1"})
+			n := sim.NewNetwork(fastLink)
+			n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tt.tap}, MinBackoff: time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer n.Close()
+			defer d.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			err = d.UpdateSettings(ctx, "s1", map[string]any{"colour": 3.0})
+			if code := errorCode(err); code != gatt.CodeInvalidPayload {
+				t.Errorf("UpdateSettings of a key the device does not know = %v (code %q); want invalid_payload", err, code)
+			}
+		})
+	}
+}
