@@ -48,7 +48,8 @@ func TestClientIDsBelongToTheirAccounts(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
 	st := newBindings()
-	st.bridges["b1"], st.bridges["b2"] = true, true
+	st.createBridge("b1", "secret-1")
+	st.createBridge("b2", "secret-2")
 	d, granted := newDriverWith(t, mq, server, dynsec.Options{Store: st, PinClientIDs: true})
 	require.True(t, granted)
 	require.NoError(t, d.UserCreated(ctx, "user-a", "token-a"))
@@ -115,7 +116,7 @@ func TestClientIDsBelongToTheirAccounts(t *testing.T) {
 				require.Empty(t, r.Error, "%s", r.Command)
 			}
 		}
-		st.bridges["b-old"] = true
+		st.createBridge("b-old", "old-secret")
 		// An account the operator made stays as it is.
 		for _, r := range mq.Dynsec(t, map[string]any{"command": "createClient", "username": "operator", "password": "op-secret", "textname": "by hand"}) {
 			require.Empty(t, r.Error, "%s", r.Command)
@@ -153,6 +154,7 @@ func TestClientIDsBelongToTheirAccounts(t *testing.T) {
 		// Made again over an untied client (a creation retried, or a
 		// bridge created anew): the client id is tied too.
 		require.Empty(t, mq.Dynsec(t, map[string]any{"command": "setClientId", "username": "b-old"})[0].Error)
+		st.createBridge("b-old", "new-secret")
 		require.NoError(t, d.BridgeCreated(ctx, "b-old", "new-secret"))
 		_, err = dialSession(t, mq, "companion-server", "b-old", "new-secret")
 		assert.Error(t, err, "a bridge made again over an untied client took the server's client id")
@@ -168,7 +170,7 @@ func TestAnyClientIDUnlessPinned(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
 	st := newBindings()
-	st.bridges["b1"] = true
+	st.createBridge("b1", "secret-1")
 	d, granted := newDriver(t, mq, server, st)
 	require.True(t, granted)
 	require.NoError(t, d.UserCreated(ctx, "user-a", "token-a"))

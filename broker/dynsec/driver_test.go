@@ -228,13 +228,14 @@ func TestDriver(t *testing.T) {
 	operator := mqtttest.MosquittoAccount{Username: "operator", Password: "op-secret", ACL: []string{"topic read $SYS/#"}}
 	mq := mqtttest.StartMosquitto(t, server, operator)
 	st := newBindings()
-	st.bridges["bridge-1"] = true
 	d, granted := newDriver(t, mq, server, st)
 	require.True(t, granted)
 
 	t.Run("bridge accounts, made again with a new secret", func(t *testing.T) {
+		st.createBridge("bridge-1", "first")
 		require.NoError(t, d.BridgeCreated(ctx, "bridge-1", "first"))
 		require.NoError(t, canConnect(mq, dynsec.BridgeClientID("bridge-1"), "bridge-1", "first"))
+		st.createBridge("bridge-1", "second")
 		require.NoError(t, d.BridgeCreated(ctx, "bridge-1", "second"))
 		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("bridge-1"), "bridge-1", "first"))
 		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("bridge-1"), "bridge-1", "second"))
@@ -246,7 +247,7 @@ func TestDriver(t *testing.T) {
 	})
 
 	t.Run("a bridge's rights follow its devices, and go with it", func(t *testing.T) {
-		st.bridges["bridge-2"] = true
+		st.createBridge("bridge-2", "secret-2")
 		require.NoError(t, d.BridgeCreated(ctx, "bridge-2", "secret-2"))
 		served := func(dev string) []dynsec.ACL {
 			p := "companion/v1/devices/" + dev
@@ -293,6 +294,8 @@ func TestDriver(t *testing.T) {
 	})
 
 	t.Run("accounts the server did not make are not touched", func(t *testing.T) {
+		st.createBridge("operator", "hijack")
+		st.createBridge(server.Username, "hijack")
 		assert.Error(t, d.BridgeCreated(ctx, "operator", "hijack"))
 		assert.NoError(t, canConnect(mq, "probe-operator", "operator", "op-secret"))
 		assert.Error(t, d.BridgeCreated(ctx, server.Username, "hijack"))
@@ -399,7 +402,7 @@ func TestAssignedWhileTheBridgeIsCreated(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
 	st := newPausingStore(newBindings(), "ServedDevices bridge-9")
-	st.bridges["bridge-9"] = true
+	st.createBridge("bridge-9", "secret-9")
 	d, granted := newDriver(t, mq, server, st)
 	require.True(t, granted)
 
@@ -438,7 +441,9 @@ func TestReplicasEndAsTheStoreSays(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
 	st := newBindings()
-	st.bridges["b1"], st.bridges["b2"], st.bridges["b3"] = true, true, true
+	for _, b := range []string{"b1", "b2", "b3"} {
+		st.createBridge(b, "secret-"+b)
+	}
 	r1, granted := newDriver(t, mq, server, st)
 	require.True(t, granted)
 	for _, u := range []string{"user-a", "user-b"} {
@@ -509,7 +514,7 @@ func TestReplicasEndAsTheStoreSays(t *testing.T) {
 	// A bridge's account made on one replica while its devices move on
 	// another, whose moves find no role yet to change (bug 238).
 	t.Run("a bridge's creation", func(t *testing.T) {
-		st.bridges["b4"] = true
+		st.createBridge("b4", "secret-b4")
 		st.assign("dev-5", "b4")
 		straddle("ServedDevices b4", func(r2 *dynsec.Driver) error { return r2.BridgeCreated(ctx, "b4", "secret-b4") },
 			func() {
@@ -553,7 +558,7 @@ func BenchmarkAssigned(b *testing.B) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(b, server)
 	st := newBindings()
-	st.bridges["bridge-1"] = true
+	st.createBridge("bridge-1", "secret-1")
 	for i := range 1000 {
 		st.assign(fmt.Sprintf("dev-%d", i), "bridge-1")
 	}
@@ -568,4 +573,30 @@ func BenchmarkAssigned(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// A bridge's account made late by one replica (its BridgeCreated waiting
+// for the driver's lock behind a long Reconcile), after the bridge was
+// deleted and made again through another: the late creation set the first
+// secret on the new account, and the secret the new bridge's 201 carried
+// was refused (docs/reliability.md, bug 259).
+func TestACreationMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	r1, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	r2, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+
+	st.createBridge("b1", "first-secret") // through r1, whose BridgeCreated waits
+	st.deleteBridge("b1")
+	require.NoError(t, r2.BridgeDeleted(ctx, "b1"))
+	st.createBridge("b1", "second-secret")
+	require.NoError(t, r2.BridgeCreated(ctx, "b1", "second-secret"))
+	require.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"))
+
+	require.NoError(t, r1.BridgeCreated(ctx, "b1", "first-secret"))
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the bridge's secret stopped working")
+	assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
 }
