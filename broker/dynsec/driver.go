@@ -94,6 +94,9 @@ type account struct {
 	clientID string // the only MQTT client id it may connect with
 	role     string
 	acls     []ACL
+	// mark is the client's text description: a bridge's is the secret's
+	// (secretMark), a user's none.
+	mark string
 }
 
 // ErrUnavailable is the answer while the server cannot use the plugin: not
@@ -373,8 +376,9 @@ func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
+	h := sha256.Sum256([]byte(secret))
 	a := account{kind: "bridge", username: bridgeID, password: secret,
-		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID)}
+		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), mark: secretMark(h[:])}
 	served, err := d.st.ServedDevices(ctx, bridgeID)
 	if err == nil {
 		a.acls, err = d.bridgeACLs(bridgeID, served)
@@ -427,10 +431,28 @@ func (d *Driver) syncMoved(ctx context.Context, bridgeID string, before []string
 
 // BridgeDeleted removes a bridge's account and role: its connections are
 // cut and its secret stops working.
+//
+// The deletion can come late: the lock waits for a Reconcile, which on a
+// fleet takes a while, or for requests Mosquitto is slow to answer.
+// Meanwhile the bridge could be made again through another replica, and
+// the late deletion took the new bridge's account and role: the secret
+// its 201 carried was refused (docs/reliability.md, bug 260). So the store
+// is read first: a bridge made again keeps its role, and its client too
+// if the client is the new bridge's, which its mark says (secretMark).
+// A client of another secret is the deleted bridge's (the new one's
+// creation has not come yet, or failed and waits for its retry), and
+// goes. A new creation between that read and the write is not caught:
+// the plugin cannot make a change on a condition.
 func (d *Driver) BridgeDeleted(ctx context.Context, bridgeID string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
-	err := d.deleteBridge(ctx, bridgeID)
+	b, err := d.st.Bridge(ctx, bridgeID)
+	switch {
+	case errors.Is(err, companion.ErrNotFound):
+		err = d.deleteBridge(ctx, bridgeID)
+	case err == nil:
+		err = d.deleteOlderClient(ctx, bridgeID, secretMark(b.SecretHash))
+	}
 	if err != nil {
 		d.log.Error("bridge account not deleted; reconciling later", "bridge_id", bridgeID, "err", err)
 		signal(d.kick)
@@ -460,6 +482,38 @@ func (d *Driver) deleteBridge(ctx context.Context, bridgeID string) error {
 		}
 	}
 	return nil
+}
+
+// deleteOlderClient deletes the bridge's client unless its mark is mark:
+// the client of a bridge deleted and made again, whose new account is
+// not made yet. Run with d.change held.
+func (d *Driver) deleteOlderClient(ctx context.Context, bridgeID, mark string) error {
+	c, err := d.getOurClient(ctx, bridgeID, "bridge", BridgeRole(bridgeID))
+	switch {
+	case errors.Is(err, errNotOurs) || notFound(err):
+		return nil
+	case err != nil:
+		return err
+	case c.TextDescription == mark:
+		return nil
+	}
+	rs, err := d.Do(ctx, Command{"command": "deleteClient", "username": bridgeID})
+	if err != nil {
+		return err
+	}
+	if err := rs[0].Err(); err != nil && !notFound(err) {
+		return err
+	}
+	return nil
+}
+
+// secretMark is the mark of a bridge's client (its text description): the
+// start of its secret's SHA-256 as the store holds it, which tells the
+// client of a bridge from that of a bridge deleted and made again under
+// the same id (bug 260). Eight bytes tell two secrets apart, and say
+// nothing of the secret itself.
+func secretMark(secretHash []byte) string {
+	return "secret " + hex.EncodeToString(secretHash[:min(8, len(secretHash))])
 }
 
 // Assigned makes the rights of the bridges a device moved between follow
@@ -664,8 +718,8 @@ func (d *Driver) create(ctx context.Context, a account) error {
 	}
 	rs, err := d.Do(ctx,
 		Command{"command": "createRole", "rolename": a.role, "acls": acls},
-		withClientID(Command{"command": "createClient", "username": a.username, "password": a.password,
-			"textname": "companion " + a.kind}, a.clientID),
+		withClientID(withMark(Command{"command": "createClient", "username": a.username, "password": a.password,
+			"textname": "companion " + a.kind}, a.mark), a.clientID),
 	)
 	if err != nil {
 		return err
@@ -692,14 +746,20 @@ func (d *Driver) create(ctx context.Context, a account) error {
 		return err
 	}
 	// The client exists. If it is ours (only our role), set the password
-	// and pin the client id (a client made before ids were pinned).
+	// and its mark, and pin the client id (a client made before ids were
+	// pinned).
 	roles, err := d.ourClient(ctx, a.username, a.kind, a.role)
 	if err != nil {
 		return err
 	}
-	rs, err = d.Do(ctx,
-		Command{"command": "setClientPassword", "username": a.username, "password": a.password},
-		withClientID(Command{"command": "setClientId", "username": a.username}, a.clientID))
+	cmds := []Command{
+		{"command": "setClientPassword", "username": a.username, "password": a.password},
+		withClientID(Command{"command": "setClientId", "username": a.username}, a.clientID),
+	}
+	if a.mark != "" {
+		cmds = append(cmds, Command{"command": "modifyClient", "username": a.username, "textdescription": a.mark})
+	}
+	rs, err = d.Do(ctx, cmds...)
 	if err != nil {
 		return err
 	}
@@ -718,23 +778,29 @@ func (d *Driver) create(ctx context.Context, a account) error {
 // of its kind, with no role but role. It returns how many roles it has, or
 // errNotOurs, or the plugin's "not found".
 func (d *Driver) ourClient(ctx context.Context, username, kind, role string) (int, error) {
+	c, err := d.getOurClient(ctx, username, kind, role)
+	return len(c.Roles), err
+}
+
+// getOurClient is ourClient that returns the client.
+func (d *Driver) getOurClient(ctx context.Context, username, kind, role string) (client, error) {
 	rs, err := d.Do(ctx, Command{"command": "getClient", "username": username})
 	if err != nil {
-		return 0, err
+		return client{}, err
 	}
 	if err := rs[0].Err(); err != nil {
-		return 0, err
+		return client{}, err
 	}
 	var got struct {
 		Client client `json:"client"`
 	}
 	if err := json.Unmarshal(rs[0].Data, &got); err != nil {
-		return 0, err
+		return client{}, err
 	}
 	if !got.Client.ours(kind, role) {
-		return 0, errNotOurs
+		return client{}, errNotOurs
 	}
-	return len(got.Client.Roles), nil
+	return got.Client, nil
 }
 
 // client is a client as getClient and listClients report it.
@@ -742,7 +808,9 @@ type client struct {
 	Username string `json:"username"`
 	ClientID string `json:"clientid"`
 	TextName string `json:"textname"`
-	Roles    []struct {
+	// TextDescription is a bridge's mark (secretMark).
+	TextDescription string `json:"textdescription"`
+	Roles           []struct {
 		Name string `json:"rolename"`
 	} `json:"roles"`
 }
@@ -767,6 +835,14 @@ func (d *Driver) clientID(id string) string {
 func withClientID(cmd Command, id string) Command {
 	if id != "" {
 		cmd["clientid"] = id
+	}
+	return cmd
+}
+
+// withMark sets cmd's textdescription to mark, where there is one.
+func withMark(cmd Command, mark string) Command {
+	if mark != "" {
+		cmd["textdescription"] = mark
 	}
 	return cmd
 }

@@ -600,3 +600,43 @@ func TestACreationMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
 	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the bridge's secret stopped working")
 	assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
 }
+
+// A bridge's account deleted late by the replica its deletion went
+// through (its BridgeDeleted waiting for the driver's lock behind a long
+// Reconcile), after the bridge was made again through another: the late
+// deletion took the new bridge's account and role, and the secret its 201
+// carried was refused (docs/reliability.md, bug 260).
+func TestADeletionMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	r1, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	r2, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	st.createBridge("b1", "first-secret")
+	require.NoError(t, r1.BridgeCreated(ctx, "b1", "first-secret"))
+
+	st.deleteBridge("b1") // through r2, whose BridgeDeleted waits
+	st.createBridge("b1", "second-secret")
+	require.NoError(t, r1.BridgeCreated(ctx, "b1", "second-secret"))
+	require.NoError(t, r2.BridgeDeleted(ctx, "b1"))
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the bridge's secret stopped working")
+	assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
+	want, err := r1.BridgeACLs(ctx, "b1")
+	require.NoError(t, err)
+	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
+	r := mq.Dynsec(t, map[string]any{"command": "getClient", "username": "b1"})
+	require.Empty(t, r[0].Error)
+	assert.Contains(t, string(r[0].Data), `"rolename":"`+dynsec.BridgeRole("b1")+`"`, "the bridge's client lost its role")
+
+	// Deleted late again, but before its new account is made: the account
+	// there is the deleted bridge's, and goes.
+	st.deleteBridge("b1")
+	st.createBridge("b1", "third-secret")
+	require.NoError(t, r2.BridgeDeleted(ctx, "b1"))
+	assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the deleted bridge's secret works")
+	require.NoError(t, r1.BridgeCreated(ctx, "b1", "third-secret"))
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "third-secret"))
+	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
+}
