@@ -380,20 +380,29 @@ func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) err
 	a := account{kind: "bridge", username: bridgeID, password: secret,
 		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), mark: secretMark(h[:])}
 	served, err := d.st.ServedDevices(ctx, bridgeID)
-	if err == nil {
-		a.acls, err = d.bridgeACLs(bridgeID, served)
-	}
 	var held bool
 	if err == nil {
 		held, err = d.secretHeld(ctx, a)
 	}
 	if err != nil {
-		d.log.Error("bridge account not created", "bridge_id", bridgeID, "err", err)
+		// Retried as a failed creation is: the API has answered 201 with
+		// the secret, and nothing else makes the account (bug 261). The
+		// retry reads the store again (secretHeld), and Reconcile then
+		// gives the role what the bridge serves.
+		d.log.Error("bridge account not created; retrying while the server runs", "bridge_id", bridgeID, "err", err)
+		d.mu.Lock()
+		d.retry = append(d.retry, a)
+		d.mu.Unlock()
+		signal(d.kick)
 		return err
 	}
 	if !held {
 		d.log.Info("Mosquitto account not created: the bridge was deleted or made anew since", "bridge_id", bridgeID)
 		return nil
+	}
+	if a.acls, err = d.bridgeACLs(bridgeID, served); err != nil {
+		d.log.Error("bridge account not created", "bridge_id", bridgeID, "err", err)
+		return err
 	}
 	if err := d.createAccountLocked(ctx, a); err != nil {
 		return err

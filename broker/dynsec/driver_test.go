@@ -640,3 +640,49 @@ func TestADeletionMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
 	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "third-secret"))
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
 }
+
+// failingStore is a Store whose reads fail while failing is set: the
+// database away for a moment.
+type failingStore struct {
+	*bindings
+	failing atomic.Bool
+}
+
+var errStoreAway = errors.New("test: the store is away")
+
+func (f *failingStore) ServedDevices(ctx context.Context, bridge string) ([]string, error) {
+	if f.failing.Load() {
+		return nil, errStoreAway
+	}
+	return f.bindings.ServedDevices(ctx, bridge)
+}
+
+func (f *failingStore) Bridge(ctx context.Context, id string) (companion.Bridge, error) {
+	if f.failing.Load() {
+		return companion.Bridge{}, errStoreAway
+	}
+	return f.bindings.Bridge(ctx, id)
+}
+
+// A bridge's account whose creation could not read the store (the
+// database away for a moment, after the bridge was stored) was never
+// made: the API had answered 201 with the secret, which Mosquitto refused
+// for good (docs/reliability.md, bug 261).
+func TestACreationThatCouldNotReadTheStoreIsRetried(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := &failingStore{bindings: newBindings()}
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	st.createBridge("b1", "secret-1")
+	st.assign("dev-1", "b1")
+
+	st.failing.Store(true)
+	require.Error(t, d.BridgeCreated(ctx, "b1", "secret-1"))
+	st.failing.Store(false)
+	require.NoError(t, d.Reconcile(ctx)) // as the retry does
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "secret-1"), "the bridge's secret does not work")
+	want, err := d.BridgeACLs(ctx, "b1")
+	require.NoError(t, err)
+	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
+}
