@@ -39,11 +39,22 @@ type Store interface {
 	BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error)
 }
 
+// AccountLocker is what a Store shared by replicas has as well (the
+// PostgreSQL store): LockAccount holds the lock of the account id, which
+// the store's creation of a bridge or user of that id waits for, until
+// unlock. With it the driver's read of a bridge and its write of the
+// bridge's account are one step for every replica; without it, for this
+// process only (its own lock), which is enough where the store is not
+// shared (bbolt). See Driver.lockAccount.
+type AccountLocker interface {
+	LockAccount(ctx context.Context, id string) (unlock func(), err error)
+}
+
 // Options configure New. The zero value of each optional field means its
 // default.
 type Options struct {
 	Conn  Conn  // required
-	Store Store // required
+	Store Store // required; an AccountLocker too where replicas share it
 	// ServerUsername is the server's own Mosquitto account: a bridge of
 	// that name is refused rather than given the server's account.
 	ServerUsername string
@@ -365,46 +376,25 @@ func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 // there, which settled itself (settle).
 //
 // The account is made only while the store has the bridge with secret,
-// read last before the write, as a retry is (secretHeld). The creation
-// can come late: the lock waits for a Reconcile, which on a fleet takes
-// a while, or for requests Mosquitto is slow to answer. Meanwhile the
-// bridge could be deleted and made again through another replica, and
-// the late creation set the first secret on the new account: the secret
-// the new bridge's 201 carried was refused, for good (docs/reliability.md,
-// bug 259). A deletion and creation between that read and the write is
-// not caught: the plugin cannot make a change on a condition.
+// as a retry is (secretHeld). The creation can come late: the lock waits
+// for a Reconcile, which on a fleet takes a while, or for requests
+// Mosquitto is slow to answer. Meanwhile the bridge could be deleted and
+// made again through another replica, and the late creation set the first
+// secret on the new account: the secret the new bridge's 201 carried was
+// refused, for good (docs/reliability.md, bug 259). The store is read and
+// the account written with the account's lock held (lockAccount, bug
+// 262), so that no creation comes between them.
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
 	h := sha256.Sum256([]byte(secret))
-	a := account{kind: "bridge", username: bridgeID, password: secret,
-		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), mark: secretMark(h[:])}
-	served, err := d.st.ServedDevices(ctx, bridgeID)
-	var held bool
-	if err == nil {
-		held, err = d.secretHeld(ctx, a)
-	}
-	if err != nil {
-		// Retried as a failed creation is: the API has answered 201 with
-		// the secret, and nothing else makes the account (bug 261). The
-		// retry reads the store again (secretHeld), and Reconcile then
-		// gives the role what the bridge serves.
-		d.log.Error("bridge account not created; retrying while the server runs", "bridge_id", bridgeID, "err", err)
-		d.mu.Lock()
-		d.retry = append(d.retry, a)
-		d.mu.Unlock()
-		signal(d.kick)
-		return err
-	}
-	if !held {
+	served, err := d.createBridge(ctx, account{kind: "bridge", username: bridgeID, password: secret,
+		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), mark: secretMark(h[:])})
+	switch {
+	case errors.Is(err, errGone):
 		d.log.Info("Mosquitto account not created: the bridge was deleted or made anew since", "bridge_id", bridgeID)
 		return nil
-	}
-	if a.acls, err = d.bridgeACLs(bridgeID, served); err != nil {
-		d.log.Error("bridge account not created", "bridge_id", bridgeID, "err", err)
-		return err
-	}
-	if err := d.createAccountLocked(ctx, a); err != nil {
+	case err != nil:
 		return err
 	}
 	if err := d.syncMoved(ctx, bridgeID, served); err != nil {
@@ -413,6 +403,41 @@ func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) err
 		return err
 	}
 	return nil
+}
+
+// errGone is createBridge's answer when the store no longer has the
+// bridge with the secret it was to be made with.
+var errGone = errors.New("dynsec: the bridge was deleted or made anew since")
+
+// createBridge makes a bridge's account, with the account's lock held,
+// and returns what the bridge served as its role was made. Run with
+// d.change held.
+//
+// A read of the store that fails is retried as a failed write is: the API
+// has answered 201 with the secret, and nothing else makes the account
+// (docs/reliability.md, bug 261). The retry reads the store again
+// (secretHeld), and Reconcile then gives the role what the bridge serves.
+func (d *Driver) createBridge(ctx context.Context, a account) ([]string, error) {
+	unlock, err := d.lockAccount(ctx, a.username)
+	if err != nil {
+		return nil, d.retryLater(a, err)
+	}
+	defer unlock()
+	served, err := d.st.ServedDevices(ctx, a.username)
+	if err != nil {
+		return nil, d.retryLater(a, err)
+	}
+	switch held, err := d.secretHeld(ctx, a); {
+	case err != nil:
+		return nil, d.retryLater(a, err)
+	case !held:
+		return nil, errGone
+	}
+	if a.acls, err = d.bridgeACLs(a.username, served); err != nil {
+		d.log.Error("bridge account not created", "bridge_id", a.username, "err", err)
+		return nil, err
+	}
+	return served, d.createAccountLocked(ctx, a)
 }
 
 // syncMoved syncs each device that joined or left the bridge since it
@@ -450,17 +475,22 @@ func (d *Driver) syncMoved(ctx context.Context, bridgeID string, before []string
 // if the client is the new bridge's, which its mark says (secretMark).
 // A client of another secret is the deleted bridge's (the new one's
 // creation has not come yet, or failed and waits for its retry), and
-// goes. A new creation between that read and the write is not caught:
-// the plugin cannot make a change on a condition.
+// goes. The store is read and the client written with the account's lock
+// held (lockAccount, bug 262), so that no creation comes between them.
 func (d *Driver) BridgeDeleted(ctx context.Context, bridgeID string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
-	b, err := d.st.Bridge(ctx, bridgeID)
-	switch {
-	case errors.Is(err, companion.ErrNotFound):
-		err = d.deleteBridge(ctx, bridgeID)
-	case err == nil:
-		err = d.deleteOlderClient(ctx, bridgeID, secretMark(b.SecretHash))
+	unlock, err := d.lockAccount(ctx, bridgeID)
+	if err == nil {
+		var b companion.Bridge
+		b, err = d.st.Bridge(ctx, bridgeID)
+		switch {
+		case errors.Is(err, companion.ErrNotFound):
+			err = d.deleteBridge(ctx, bridgeID)
+		case err == nil:
+			err = d.deleteOlderClient(ctx, bridgeID, secretMark(b.SecretHash))
+		}
+		unlock()
 	}
 	if err != nil {
 		d.log.Error("bridge account not deleted; reconciling later", "bridge_id", bridgeID, "err", err)
@@ -491,6 +521,33 @@ func (d *Driver) deleteBridge(ctx context.Context, bridgeID string) error {
 		}
 	}
 	return nil
+}
+
+// lockAccount takes the store's lock of the account id, where the store
+// has one (AccountLocker), and returns its release. The driver holds it
+// from its last read of a bridge to its write of the bridge's account.
+//
+// The plugin cannot make a change on a condition ("delete this client if
+// it is the one of that secret"), and a write of an account is not undone
+// by a later one: a secret set or a client deleted is gone, and the
+// server keeps only the secret's hash. So a replica that read the store
+// and then wrote an account could write over a bridge deleted and made
+// again through another replica between its read and its write: a
+// reconcile deleted the new bridge's account, a creation retried set the
+// former secret on it, and the secret of the new bridge's 201 was refused
+// (docs/reliability.md, bug 262). Holding the lock that the store's
+// creation of the bridge waits for from the read to the write, no bridge
+// of that id is created in between; the new bridge's own creation, which
+// comes after its store write, then writes last. (A deletion in between
+// is harmless: its BridgeDeleted takes the lock too and writes after.)
+// Taken under d.change, one account at a time: a replica holds one
+// connection for it at most.
+func (d *Driver) lockAccount(ctx context.Context, id string) (unlock func(), err error) {
+	l, ok := d.st.(AccountLocker)
+	if !ok {
+		return func() {}, nil
+	}
+	return l.LockAccount(ctx, id)
 }
 
 // deleteOlderClient deletes the bridge's client unless its mark is mark:
@@ -699,12 +756,19 @@ func (d *Driver) createAccountLocked(ctx context.Context, a account) error {
 	case errors.Is(err, errNotOurs):
 		d.log.Error("account not created", "kind", a.kind, "username", a.username, "err", err)
 	default:
-		d.log.Error("account not created; retrying while the server runs", "kind", a.kind, "username", a.username, "err", err)
-		d.mu.Lock()
-		d.retry = append(d.retry, a)
-		d.mu.Unlock()
-		signal(d.kick)
+		d.retryLater(a, err)
 	}
+	return err
+}
+
+// retryLater queues a creation that failed with err for a retry while the
+// process runs, and returns err.
+func (d *Driver) retryLater(a account, err error) error {
+	d.log.Error("account not created; retrying while the server runs", "kind", a.kind, "username", a.username, "err", err)
+	d.mu.Lock()
+	d.retry = append(d.retry, a)
+	d.mu.Unlock()
+	signal(d.kick)
 	return err
 }
 
@@ -1001,19 +1065,14 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	d.mu.Unlock()
 	var failed []account
 	for _, a := range retry {
-		switch held, err := d.secretHeld(ctx, a); {
-		case err != nil:
+		switch created, err := d.retryCreate(ctx, a); {
+		case err != nil && !errors.Is(err, errNotOurs):
 			failed = append(failed, a)
-			continue
-		case !held:
+		case !created:
 			d.log.Info("Mosquitto account not retried: the bridge was deleted or made anew since", "username", a.username)
-			continue
+		case err == nil:
+			d.log.Info("Mosquitto account created on retry", "kind", a.kind, "username", a.username)
 		}
-		if err := d.create(ctx, a); err != nil && !errors.Is(err, errNotOurs) {
-			failed = append(failed, a)
-			continue
-		}
-		d.log.Info("Mosquitto account created on retry", "kind", a.kind, "username", a.username)
 	}
 	if len(failed) > 0 {
 		d.mu.Lock()
@@ -1070,7 +1129,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			}
 			if _, err := d.st.Bridge(ctx, id); errors.Is(err, companion.ErrNotFound) {
 				// Deleted while Mosquitto was away.
-				if err := d.deleteBridge(ctx, id); err != nil {
+				if err := d.deleteGoneBridge(ctx, id); err != nil {
 					return err
 				}
 				continue
@@ -1140,6 +1199,39 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		return fmt.Errorf("dynsec: %d account(s) still not created", len(failed))
 	}
 	return nil
+}
+
+// retryCreate makes an account whose creation failed, while the store
+// still has it (secretHeld), read with the account's lock held
+// (lockAccount). It says whether it made it.
+func (d *Driver) retryCreate(ctx context.Context, a account) (bool, error) {
+	unlock, err := d.lockAccount(ctx, a.username)
+	if err != nil {
+		return false, err
+	}
+	defer unlock()
+	held, err := d.secretHeld(ctx, a)
+	if err != nil || !held {
+		return false, err
+	}
+	return true, d.create(ctx, a)
+}
+
+// deleteGoneBridge deletes the account of a bridge the store no longer
+// has, read again with the account's lock held (lockAccount).
+func (d *Driver) deleteGoneBridge(ctx context.Context, bridgeID string) error {
+	unlock, err := d.lockAccount(ctx, bridgeID)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	switch b, err := d.st.Bridge(ctx, bridgeID); {
+	case err == nil: // made again meanwhile: as BridgeDeleted does
+		return d.deleteOlderClient(ctx, bridgeID, secretMark(b.SecretHash))
+	case !errors.Is(err, companion.ErrNotFound):
+		return err
+	}
+	return d.deleteBridge(ctx, bridgeID)
 }
 
 // secretHeld says whether a creation to retry is still the store's: a

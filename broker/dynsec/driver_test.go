@@ -1,6 +1,7 @@
 package dynsec_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
@@ -26,6 +27,9 @@ type conn struct {
 	c       mqtt.Client
 	granted chan bool
 	cut     atomic.Bool // Publish fails, as on a connection lost
+	// hold, when set (before the driver is used), is called with each
+	// payload before it goes.
+	hold func(payload []byte)
 }
 
 // conns numbers the connections, for a client id of each: two drivers of
@@ -59,6 +63,9 @@ func (cn *conn) Publish(ctx context.Context, topic string, payload []byte) error
 	if cn.cut.Load() {
 		return errors.New("test: the connection to Mosquitto is cut")
 	}
+	if cn.hold != nil {
+		cn.hold(payload)
+	}
 	return mqtt.WaitTokenTimeout(cn.c.Publish(topic, 1, false, payload), 10*time.Second)
 }
 
@@ -68,13 +75,29 @@ type bindings struct {
 	m       map[string]string // device → user
 	serves  map[string]string // device → bridge
 	bridges map[string]bool
-	secrets map[string][]byte // bridge → the SHA-256 of its secret, where set
+	secrets map[string][]byte      // bridge → the SHA-256 of its secret, where set
+	locks   map[string]*sync.Mutex // account id → its lock (LockAccount)
 
 	servedListed, servesAsked int // calls of ServedDevices and BridgeServes
 }
 
 func newBindings() *bindings {
-	return &bindings{m: map[string]string{}, serves: map[string]string{}, bridges: map[string]bool{}, secrets: map[string][]byte{}}
+	return &bindings{m: map[string]string{}, serves: map[string]string{}, bridges: map[string]bool{}, secrets: map[string][]byte{},
+		locks: map[string]*sync.Mutex{}}
+}
+
+// LockAccount holds the id's lock until unlock, as PostgreSQL's store
+// does: createBridge waits for it.
+func (b *bindings) LockAccount(_ context.Context, id string) (unlock func(), err error) {
+	b.mu.Lock()
+	l := b.locks[id]
+	if l == nil {
+		l = &sync.Mutex{}
+		b.locks[id] = l
+	}
+	b.mu.Unlock()
+	l.Lock()
+	return l.Unlock, nil
 }
 
 func (b *bindings) assign(dev, bridge string) {
@@ -99,6 +122,8 @@ func (b *bindings) Bridge(_ context.Context, id string) (companion.Bridge, error
 // createBridge stores a bridge with the SHA-256 of its secret, as the API
 // does.
 func (b *bindings) createBridge(id, secret string) {
+	unlock, _ := b.LockAccount(context.Background(), id)
+	defer unlock()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	h := sha256.Sum256([]byte(secret))
@@ -685,4 +710,96 @@ func TestACreationThatCouldNotReadTheStoreIsRetried(t *testing.T) {
 	want, err := d.BridgeACLs(ctx, "b1")
 	require.NoError(t, err)
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
+}
+
+// holdAt makes cn wait before it sends the first request with a command
+// named command: reached is closed then, and it goes on once resume is.
+func holdAt(cn *conn, command string) (reached, resume chan struct{}) {
+	reached, resume = make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	cn.hold = func(payload []byte) {
+		if bytes.Contains(payload, []byte(`"command":"`+command+`"`)) {
+			once.Do(func() {
+				close(reached)
+				<-resume
+			})
+		}
+	}
+	return reached, resume
+}
+
+// A replica's write of a bridge's account, held between its last read of
+// the store and the write, while through another the bridge is deleted
+// and made again: the write took the new bridge's account. Each replica
+// read the store and wrote Mosquitto under a lock of its own process
+// only, and the plugin has no conditional change (docs/reliability.md,
+// bug 262).
+func TestABridgeMadeAgainAsAReplicaWritesItsAccountLogsIn(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	r1, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+
+	// straddle runs do on a replica r2 held just before it sends command,
+	// and meanwhile on r1, then lets r2 send. meanwhile waits for r2
+	// where the bridge's account is locked: it is given a second to finish
+	// first, as it did.
+	straddle := func(r2 *dynsec.Driver, cn *conn, command string, do func() error, meanwhile func()) {
+		reached, resume := holdAt(cn, command)
+		done := make(chan error, 1)
+		go func() { done <- do() }()
+		select {
+		case <-reached:
+		case err := <-done:
+			t.Fatalf("r2 sent no %s: %v", command, err)
+		}
+		over := make(chan struct{})
+		go func() { defer close(over); meanwhile() }()
+		select {
+		case <-over:
+		case <-time.After(time.Second):
+		}
+		close(resume)
+		require.NoError(t, <-done)
+		<-over
+		cn.hold = nil
+	}
+
+	// The account of a bridge deleted while Mosquitto was away, deleted by
+	// a reconcile: the bridge made again meanwhile lost its account.
+	t.Run("a reconcile's deletion", func(t *testing.T) {
+		st.createBridge("b1", "first-secret")
+		require.NoError(t, r1.BridgeCreated(ctx, "b1", "first-secret"))
+		st.deleteBridge("b1") // its BridgeDeleted failed: Mosquitto away
+		r2, cn, granted := newDriverConn(t, mq, server, dynsec.Options{Store: st})
+		require.True(t, granted)
+		straddle(r2, cn, "deleteClient", func() error { return r2.Reconcile(ctx) }, func() {
+			st.createBridge("b1", "second-secret")
+			assert.NoError(t, r1.BridgeCreated(ctx, "b1", "second-secret"))
+		})
+		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the bridge's secret stopped working")
+		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
+	})
+
+	// A creation retried as the bridge is deleted and made again: the
+	// retry set the first secret on the new account (bug 239 read the store
+	// before the retry, not with it).
+	t.Run("a retried creation", func(t *testing.T) {
+		r2, cn, granted := newDriverConn(t, mq, server, dynsec.Options{Store: st})
+		require.True(t, granted)
+		st.createBridge("b2", "first-secret")
+		require.NoError(t, r1.BridgeCreated(ctx, "b2", "first-secret"))
+		cn.cut.Store(true)
+		require.Error(t, r2.BridgeCreated(ctx, "b2", "first-secret")) // as a creation Mosquitto did not answer
+		cn.cut.Store(false)
+		straddle(r2, cn, "setClientPassword", func() error { return r2.Reconcile(ctx) }, func() {
+			st.deleteBridge("b2")
+			assert.NoError(t, r1.BridgeDeleted(ctx, "b2"))
+			st.createBridge("b2", "second-secret")
+			assert.NoError(t, r1.BridgeCreated(ctx, "b2", "second-secret"))
+		})
+		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b2"), "b2", "second-secret"), "the bridge's secret stopped working")
+		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b2"), "b2", "first-secret"), "the deleted bridge's secret works")
+	})
 }

@@ -623,6 +623,11 @@ func (m *Main) newBroker(tree topics.Tree, ownTLS bool) error {
 	return err
 }
 
+// The PostgreSQL store, shared by replicas, holds a bridge's creation
+// while the Mosquitto driver writes its account (docs/reliability.md, bug
+// 262).
+var _ dynsec.AccountLocker = (*postgres.Store)(nil)
+
 // brokerAccounts is what the API tells of changes to who may use the MQTT
 // broker: the NATS callout, the embedded broker, or Mosquitto's
 // dynamic-security plugin (whose driver it makes; Run starts it). Nil for

@@ -137,6 +137,34 @@ func (s *Store) RegistryDevice(ctx context.Context, id string) (companion.Regist
 	return d, nil
 }
 
+// LockAccount holds the lock of the id that CreateUser and CreateBridge
+// take (users and bridges share the broker's usernames) until unlock is
+// called: meanwhile no user or bridge of that id is created, on this
+// store or any other on the database. The Mosquitto driver holds it from
+// its read of a bridge to its write of the bridge's account
+// (broker/dynsec, AccountLocker; docs/reliability.md, bug 262). It is a
+// transaction's lock, on a connection of the pool kept until unlock:
+// PostgreSQL frees it when the session ends, also when this process dies.
+// Taking it waits at most LockTimeout, as the store's other locks do.
+func (s *Store) LockAccount(ctx context.Context, id string) (unlock func(), err error) {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	end := func() {
+		// A rollback that fails leaves the connection out of the pool,
+		// closed, and the lock with it.
+		ctx, cancel := context.WithTimeout(context.Background(), LockTimeout)
+		defer cancel()
+		_ = tx.Rollback(ctx)
+	}
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(id)); err != nil {
+		end()
+		return nil, err
+	}
+	return end, nil
+}
+
 // CreateBridge stores a new bridge, found again by the hash of its secret
 // (and by its owner, for a user's own). CreatedAt is set to now when zero.
 // It returns ErrExists when the id or the secret hash is already taken,

@@ -43,6 +43,7 @@ func init() {
 		{"OneDispatcher", testOneDispatcher},
 		{"CutOffDispatcherStops", testCutOffDispatcherStops},
 		{"DispatcherSessionKeepalive", testDispatcherSessionKeepalive},
+		{"AccountLockHoldsCreations", testAccountLockHoldsCreations},
 	}...)
 }
 
@@ -522,4 +523,41 @@ func testBatchIsolatesFailures(t *testing.T, e *testEnv) {
 	require.NotNil(t, got.Progress)
 	assert.Equal(t, n-1, *got.Progress, "progress after the updates, in order")
 	assert.Equal(t, "push.text", got.Op)
+}
+
+// A bridge is not created, through any store, while another holds the
+// lock of its id (LockAccount: the Mosquitto driver's, from its read of
+// the bridge to its write of its account; docs/reliability.md, bug 262).
+func testAccountLockHoldsCreations(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	s1, s2 := e.open(t, dsn), e.open(t, dsn)
+	ctx := t.Context()
+	admin, err := pgx.Connect(ctx, dsn)
+	require.NoError(t, err)
+	defer admin.Close(context.Background())
+
+	unlock, err := s1.LockAccount(ctx, "b1")
+	require.NoError(t, err)
+	created := make(chan error, 1)
+	go func() {
+		created <- s2.CreateBridge(ctx, companion.Bridge{ID: "b1", SecretHash: []byte("hash-1")})
+	}()
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
+			AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`).Scan(&waiting)
+		return err == nil && waiting == 1
+	}, 10*time.Second, 10*time.Millisecond, "the creation does not wait for the lock")
+	_, err = s1.Bridge(ctx, "b1")
+	require.ErrorIs(t, err, companion.ErrNotFound, "the bridge was created under the lock")
+	unlock()
+	require.NoError(t, <-created)
+	_, err = s1.Bridge(ctx, "b1")
+	require.NoError(t, err)
+
+	// Another id is not held.
+	unlock, err = s1.LockAccount(ctx, "b2")
+	require.NoError(t, err)
+	defer unlock()
+	require.NoError(t, s2.CreateBridge(ctx, companion.Bridge{ID: "b3", SecretHash: []byte("hash-3")}))
 }
