@@ -1104,9 +1104,13 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		return fmt.Errorf("dynsec: listClients: %w", err)
 	}
 	var pins []Command
+	marks := map[string]string{} // bridge → its client's mark
 	for _, c := range clients.Clients {
 		if p := d.pin(c); p != nil {
 			pins = append(pins, p)
+		}
+		if c.ours("bridge", BridgeRole(c.Username)) {
+			marks[c.Username] = c.TextDescription
 		}
 	}
 	if err := d.apply(ctx, pins); err != nil {
@@ -1127,12 +1131,25 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			if !topics.ValidBridgeID(id) {
 				continue
 			}
-			if _, err := d.st.Bridge(ctx, id); errors.Is(err, companion.ErrNotFound) {
+			b, err := d.st.Bridge(ctx, id)
+			switch {
+			case errors.Is(err, companion.ErrNotFound):
 				// Deleted while Mosquitto was away.
 				if err := d.deleteGoneBridge(ctx, id); err != nil {
 					return err
 				}
 				continue
+			case err != nil:
+				return err
+			}
+			if m := marks[id]; m != "" && m != secretMark(b.SecretHash) {
+				// Deleted while Mosquitto was away, and made again; the
+				// new account is not made yet (bug 263). A client made
+				// before clients were marked is left alone: nothing
+				// tells whose secret it has.
+				if err := d.deleteGoneBridge(ctx, id); err != nil {
+					return err
+				}
 			}
 			if want, err = d.BridgeACLs(ctx, id); err != nil {
 				return err
@@ -1218,7 +1235,13 @@ func (d *Driver) retryCreate(ctx context.Context, a account) (bool, error) {
 }
 
 // deleteGoneBridge deletes the account of a bridge the store no longer
-// has, read again with the account's lock held (lockAccount).
+// has, read again with the account's lock held (lockAccount); of a bridge
+// the store has again, the client only, if it is the deleted bridge's
+// (deleteOlderClient). Reconcile keeps no client of a deleted bridge: one
+// left when the bridge was made again through a replica that stopped
+// before it made the new account (whose retry, in memory, went with it)
+// took the deleted bridge's secret for good (docs/reliability.md, bug
+// 263).
 func (d *Driver) deleteGoneBridge(ctx context.Context, bridgeID string) error {
 	unlock, err := d.lockAccount(ctx, bridgeID)
 	if err != nil {

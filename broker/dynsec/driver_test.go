@@ -803,3 +803,42 @@ func TestABridgeMadeAgainAsAReplicaWritesItsAccountLogsIn(t *testing.T) {
 		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b2"), "b2", "first-secret"), "the deleted bridge's secret works")
 	})
 }
+
+// A bridge deleted while Mosquitto was away (its BridgeDeleted failed) and
+// made again through a replica that stopped before it made the new
+// account (its retry, in memory, went with it): the client left was the
+// deleted bridge's, and Reconcile, seeing the store have the bridge, kept
+// it: the former secret worked for good (docs/reliability.md, bug 263).
+func TestAReconcileEndsTheSecretOfABridgeMadeAgain(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	st.createBridge("b1", "first-secret")
+	require.NoError(t, d.BridgeCreated(ctx, "b1", "first-secret"))
+	st.assign("dev-1", "b1")
+	require.NoError(t, d.Assigned(ctx, "dev-1", "", "b1"))
+	// An account made by a server before accounts were marked is left as
+	// it is: nothing tells whose secret it has.
+	require.NoError(t, d.UserCreated(ctx, "user-a", "token-a"))
+	st.createBridge("b-old", "old-secret")
+	require.NoError(t, d.BridgeCreated(ctx, "b-old", "old-secret"))
+	require.Empty(t, mq.Dynsec(t, map[string]any{"command": "modifyClient", "username": "b-old", "textdescription": ""})[0].Error)
+	r := mq.Dynsec(t, map[string]any{"command": "getClient", "username": "b-old"})
+	require.Empty(t, r[0].Error)
+	require.NotContains(t, string(r[0].Data), "secret ", "b-old's mark")
+
+	st.deleteBridge("b1")
+	st.createBridge("b1", "second-secret")
+	require.NoError(t, d.Reconcile(ctx))
+	assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b-old"), "b-old", "old-secret"), "an unmarked account went")
+	assert.NoError(t, canConnect(mq, "user-a-app", "user-a", "token-a"))
+
+	require.NoError(t, d.BridgeCreated(ctx, "b1", "second-secret"))
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"))
+	want, err := d.BridgeACLs(ctx, "b1")
+	require.NoError(t, err)
+	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
+}
