@@ -159,8 +159,8 @@ func TestBodyOverLimitIsReadable(t *testing.T) {
 	tok := e.bound("dev-1")
 	const path = "/api/v1/devices/dev-1/push/image"
 	limit := e.api.limits.imageBody()
-	require.Greater(t, int64(5<<20), limit)
-	require.Less(t, int64(5<<20), 4*limit)
+	require.Greater(t, int64(6<<20), limit)
+	require.Less(t, int64(6<<20), 4*limit)
 
 	ok := func(t *testing.T) {
 		t.Helper()
@@ -176,12 +176,13 @@ func TestBodyOverLimitIsReadable(t *testing.T) {
 		assert.Empty(t, blobFiles(t, e.db), "a refused body left a blob")
 	}
 
-	t.Run("5 MiB image, declared length", func(t *testing.T) {
-		wantReadable413(t, e.sendWholeThenRead(t, rawRequest("POST", path, tok, "application/json", 5<<20), imageJSON(5<<20)))
+	t.Run("6 MiB image, declared length", func(t *testing.T) {
+		wantReadable413(t, e.sendWholeThenRead(t, rawRequest("POST", path, tok, "application/json", 6<<20), imageJSON(6<<20)))
 		ok(t)
 	})
 	t.Run("10 MiB image, chunked", func(t *testing.T) {
 		// The server learns of the excess only as it reads.
+		require.Greater(t, int64(10<<20), limit)
 		require.Less(t, int64(10<<20), 4*limit)
 		wantReadable413(t, e.sendWholeThenRead(t, chunkedHead("POST", path, tok, "application/json"), chunked(10<<20)))
 		ok(t)

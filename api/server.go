@@ -284,11 +284,15 @@ func (l Limits) check() error {
 }
 
 // imageBody is the body limit of an image push: the base64 of the largest
-// image (padded: four bytes to every three begun) plus the room of an
-// ordinary JSON body, in int64 on every platform (an int of 32 bits would
-// wrap at 2 GiB).
+// image (padded: four bytes to every three begun), each of its bytes room
+// for two, plus the room of an ordinary JSON body, in int64 on every
+// platform (an int of 32 bits would wrap at 2 GiB). Two, since a "/" of
+// base64 may come escaped as "\/": Android's org.json and PHP's
+// json_encode write it so, and an image's base64 may be nearly all "/"
+// (0xff bytes, as in an uncompressed white PNG). With one, such an image
+// under its limit was a 413 (docs/reliability.md, bug 271).
 func (l Limits) imageBody() int64 {
-	return (l.MaxImageBytes+2)/3*4 + l.MaxJSONBody
+	return 2*((l.MaxImageBytes+2)/3*4) + l.MaxJSONBody
 }
 
 // textBody is the body limit of a text push: an ordinary JSON body's, or
