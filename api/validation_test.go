@@ -875,6 +875,68 @@ func TestPushImageWithEscapedSlashesAtItsLimit(t *testing.T) {
 	}
 }
 
+// The text and title limits are bytes of UTF-8, not characters, and a
+// configured limit is the one enforced: at it a text passes, a byte past
+// it is a 422 naming the field.
+func TestPushTextLimitsConfigured(t *testing.T) {
+	e := newEnv(t, func(o *Options) { o.Limits.MaxTextBytes, o.Limits.MaxTitleBytes = 10, 5 })
+	tok := e.bound("dev-1")
+	runBodyCases(t, e, "POST", "/api/v1/devices/dev-1/push/text", tok, []bodyCase{
+		{"text of 10 bytes in 5 runes", map[string]any{"text": "ééééé"}, 202, nil},
+		{"text of 11 bytes in 6 runes", map[string]any{"text": "éééééa"}, 422, []string{"text"}},
+		{"text of 10 one-byte runes", map[string]any{"text": "aaaaaaaaaa"}, 202, nil},
+		{"text of 11 one-byte runes", map[string]any{"text": "aaaaaaaaaaa"}, 422, []string{"text"}},
+		{"title of 5 bytes in 3 runes", map[string]any{"text": "x", "title": "ab€"}, 202, nil},
+		{"title of 6 bytes in 4 runes", map[string]any{"text": "x", "title": "abc€"}, 422, []string{"title"}},
+	})
+}
+
+// An image's pixel size is read from its header, before the rest of it is
+// looked at: a PNG or JPEG that is only a header saying 4097×1 is refused
+// for its size (with it in the message), not for being cut short. A
+// configured side is the one enforced.
+func TestImageSideCheckedFromTheHeader(t *testing.T) {
+	// A JPEG's header, up to its scan's data: image/jpeg reads a JPEG
+	// without a JFIF segment (as its encoder writes them) up to its SOS
+	// for its colour model.
+	jpegHeader := func(t *testing.T, w, h int) []byte {
+		b := jpegOf(t, w, h)
+		i := bytes.Index(b, []byte{0xff, 0xda})
+		require.Positive(t, i, "no SOS in the JPEG")
+		return b[:i+2+(int(b[i+2])<<8|int(b[i+3]))]
+	}
+	for _, tc := range []struct {
+		side, max int // max: the configured side; 0 the default
+	}{{4096, 0}, {100, 100}} {
+		t.Run(strconv.Itoa(tc.side), func(t *testing.T) {
+			e := newEnv(t, func(o *Options) { o.Limits.MaxImageSide = tc.max })
+			tok := e.bound("dev-1")
+			over := uint32(tc.side + 1)
+			runBodyCases(t, e, "POST", "/api/v1/devices/dev-1/push/image", tok, []bodyCase{
+				{"png at the side", map[string]any{"image": b64(pngOf(t, tc.side, 1))}, 202, nil},
+				{"png a pixel over, wide", map[string]any{"image": b64(pngOf(t, tc.side+1, 1))}, 422, []string{"image"}},
+				{"jpeg at the side", map[string]any{"image": b64(jpegOf(t, 1, tc.side))}, 202, nil},
+			})
+			for _, img := range []struct {
+				name string
+				data []byte
+				size string
+			}{
+				{"png header wide", pngHeaderOnly(over, 1), fmt.Sprintf("%d×1", over)},
+				{"png header high", pngHeaderOnly(1, over), fmt.Sprintf("1×%d", over)},
+				{"jpeg header wide", jpegHeader(t, int(over), 1), fmt.Sprintf("%d×1", over)},
+			} {
+				r := e.do("POST", "/api/v1/devices/dev-1/push/image", tok, map[string]any{"image": b64(img.data)})
+				require.Equal(t, 422, r.status, "%s: %s", img.name, r.body)
+				p := r.problem(t)
+				require.Len(t, p.Errors, 1, "%s: %s", img.name, r.body)
+				want := fmt.Sprintf("must be at most %d×%d pixels (it is %s)", tc.side, tc.side, img.size)
+				assert.Equal(t, want, p.Errors[0].Message, img.name)
+			}
+		})
+	}
+}
+
 // A body with several members of the wrong JSON type names each of them
 // (in the order of their names), not only the first encoding/json meets;
 // members of the right type, a number out of range and unknown members
