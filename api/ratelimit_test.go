@@ -294,3 +294,70 @@ func TestLocalLimiterPrunesRefilledKeys(t *testing.T) {
 	assert.True(t, allowNow(l, "busy"), "busy kept its 1.5 tokens")
 	assert.False(t, allowNow(l, "busy"), "busy kept its 1.5 tokens, no more")
 }
+
+// lockedClock is a clock a test moves while the server reads it.
+type lockedClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *lockedClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *lockedClock) add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// The rate limits at CONTRACT §6's defaults, on a clock that stands
+// still: a token's burst of 100 requests passes and the 101st is a 429
+// rate_limited with Retry-After, on every route of the token (the event
+// stream too), and a fiftieth of a second gives one more; a user's 10
+// register attempts pass and the 11th is a 429, and six seconds give one
+// more.
+func TestRateLimitsAtTheirDefaults(t *testing.T) {
+	clk := &lockedClock{t: time.Date(2026, 5, 1, 0, 0, 0, 0, time.UTC)}
+	e := newEnv(t, func(o *Options) {
+		o.Limits = Limits{UnauthPerMinute: -1}
+		o.Now = clk.now
+	})
+	refused := func(t *testing.T, r resp, retryAfter string) {
+		t.Helper()
+		require.Equal(t, 429, r.status, "%s", r.body)
+		assert.Equal(t, CodeRateLimited, r.problem(t).Code)
+		assert.Equal(t, retryAfter, r.header.Get("Retry-After"))
+	}
+
+	t.Run("requests", func(t *testing.T) {
+		tok := e.user("rate")
+		for i := range DefaultLimits.RequestBurst {
+			r := e.do("GET", "/api/v1/devices", tok, nil)
+			require.Equal(t, 200, r.status, "request #%d: %s", i+1, r.body)
+		}
+		refused(t, e.do("GET", "/api/v1/devices", tok, nil), "1")
+		refused(t, e.do("GET", "/api/v1/events", tok, nil), "1")
+		refused(t, e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "x"}), "1")
+		clk.add(time.Second / 50)
+		assert.Equal(t, 200, e.do("GET", "/api/v1/devices", tok, nil).status, "a fiftieth of a second later")
+		refused(t, e.do("GET", "/api/v1/devices", tok, nil), "1")
+	})
+
+	t.Run("register", func(t *testing.T) {
+		tok := e.user("register")
+		attempt := func() resp {
+			return e.do("POST", "/api/v1/devices/register", tok, map[string]any{"device_id": "dev-9", "claim_code": "guess"})
+		}
+		for i := range DefaultLimits.RegisterPerMinute {
+			r := attempt()
+			require.Equal(t, 422, r.status, "attempt #%d: %s", i+1, r.body)
+		}
+		refused(t, attempt(), "6")
+		clk.add(6 * time.Second)
+		assert.Equal(t, 422, attempt().status, "six seconds later")
+		refused(t, attempt(), "6")
+	})
+}
