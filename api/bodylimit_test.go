@@ -348,3 +348,59 @@ func TestBodyOverLimitSaysTheLimit(t *testing.T) {
 		assert.Equal(t, fmt.Sprintf("the body is over this operation's limit of %d bytes", tc.limit), r.problem(t).Detail, "%s %s", tc.method, tc.path)
 	}
 }
+
+// An app package and a firmware image at their limit are published, and
+// one a byte over is a 413 body_too_large, whether the body's length is
+// declared or it comes chunked (the server then learns it only as it
+// reads): at the app package's default of 16 MiB, and at configured
+// limits of both.
+func TestUploadsAtTheirLimits(t *testing.T) {
+	put := func(t *testing.T, e *env, path string, body []byte, chunked bool) resp {
+		t.Helper()
+		hr, err := http.NewRequest("PUT", e.srv.URL+path, bytes.NewReader(body))
+		require.NoError(t, err)
+		if chunked {
+			hr.ContentLength = -1 // not known: net/http sends the body chunked
+		}
+		hr.Header.Set("Authorization", "Bearer "+testAdminToken)
+		hr.Header.Set("Content-Type", "application/octet-stream")
+		res, err := e.srv.Client().Do(hr)
+		require.NoError(t, err)
+		defer res.Body.Close()
+		b, err := io.ReadAll(res.Body)
+		require.NoError(t, err)
+		return resp{status: res.StatusCode, header: res.Header, body: b}
+	}
+	for _, tc := range []struct {
+		name        string
+		app, fw     int64 // the configured limits; 0 the default
+		appAt, fwAt int64 // what is published at the limit; 0: nothing
+	}{
+		{name: "app default", appAt: DefaultLimits.MaxAppBytes},
+		{name: "configured", app: 500, fw: 1000, appAt: 500, fwAt: 1000},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, func(o *Options) { o.Limits.MaxAppBytes, o.Limits.MaxFirmwareBytes = tc.app, tc.fw })
+			for i, chunked := range []bool{false, true} {
+				how := map[bool]string{false: "declared", true: "chunked"}[chunked]
+				if tc.appAt > 0 {
+					at := bytes.Repeat([]byte{byte('a' + i)}, int(tc.appAt))
+					r := put(t, e, fmt.Sprintf("/api/v1/admin/apps/clock/1.0.%d", i), at, chunked)
+					assert.Equal(t, 201, r.status, "app at the limit, %s: %s", how, r.body)
+					r = put(t, e, fmt.Sprintf("/api/v1/admin/apps/clock/2.0.%d", i), append(at, 'x'), chunked)
+					if assert.Equal(t, 413, r.status, "app a byte over, %s: %.300s", how, r.body) {
+						assert.Equal(t, CodeBodyTooLarge, r.problem(t).Code)
+					}
+				}
+				if tc.fwAt > 0 {
+					r := put(t, e, fmt.Sprintf("/api/v1/admin/firmware/sim-1/1.0.%d", i), firmwareImage(t, fmt.Sprintf("1.0.%d", i), int(tc.fwAt)), chunked)
+					assert.Equal(t, 201, r.status, "firmware at the limit, %s: %s", how, r.body)
+					r = put(t, e, fmt.Sprintf("/api/v1/admin/firmware/sim-1/2.0.%d", i), firmwareImage(t, fmt.Sprintf("2.0.%d", i), int(tc.fwAt)+1), chunked)
+					if assert.Equal(t, 413, r.status, "firmware a byte over, %s: %.300s", how, r.body) {
+						assert.Equal(t, CodeBodyTooLarge, r.problem(t).Code)
+					}
+				}
+			}
+		})
+	}
+}
