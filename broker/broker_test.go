@@ -1165,6 +1165,22 @@ func TestQueueLimit(t *testing.T) {
 	submit(t, e, "dev-2", "fine", time.Hour)
 }
 
+// The queue limit at CONTRACT §6's default: a device takes 1000
+// unfinished commands and refuses the 1001st, whatever the others do.
+func TestQueueLimitAtItsDefault(t *testing.T) {
+	e := newEnv(t, false)
+	const limit = 1000
+	var wg sync.WaitGroup
+	for range limit {
+		wg.Go(func() { submit(t, e, "dev-1", "x", time.Hour) })
+	}
+	wg.Wait()
+	p, _ := json.Marshal(topics.PushText{Text: "one too many"})
+	_, _, err := e.b.Submit(context.Background(), companion.Command{DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
+	assert.ErrorIs(t, err, companion.ErrQueueFull, "command #%d", limit+1)
+	submit(t, e, "dev-2", "fine", time.Hour)
+}
+
 // Under steady load with retention, the bbolt file stops growing: final
 // commands past the retention are purged and their pages reused.
 func TestRetentionKeepsTheFileFromGrowing(t *testing.T) {
