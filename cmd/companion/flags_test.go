@@ -262,3 +262,37 @@ func TestTextLimitAboveTheJSONBodyLimit(t *testing.T) {
 	r = user.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": strings.Repeat("a", 100_001)})
 	assert.Equal(t, 422, r.Status, "over --max-text-bytes: %.300s", r.Body)
 }
+
+// Each limit of CONTRACT §6 has its flag, also read from the environment,
+// and a value given reaches the api.Limits the server runs with: none is
+// left at its default. Without any, the limits are api.DefaultLimits; the
+// rate limits' 0 is "no limit" (api.Limits' negative).
+func TestLimitFlagsReachTheLimits(t *testing.T) {
+	var cfg Config
+	require.NoError(t, parseFlags(newServeFlags(&cfg), nil))
+	cfg.fromFlags()
+	d := api.DefaultLimits
+	assert.Equal(t, api.Limits{
+		MaxTextBytes: d.MaxTextBytes, MaxTitleBytes: d.MaxTitleBytes, MaxImageBytes: d.MaxImageBytes, MaxImageSide: d.MaxImageSide,
+		MaxAppBytes: d.MaxAppBytes, MaxFirmwareBytes: d.MaxFirmwareBytes, MaxOpenCommands: d.MaxOpenCommands,
+		RequestsPerSecond: d.RequestsPerSecond, RequestBurst: d.RequestBurst, RegisterPerMinute: d.RegisterPerMinute,
+		UnauthPerMinute: d.UnauthPerMinute, MaxStreamsPerUser: d.MaxStreamsPerUser, MaxWaitsPerUser: d.MaxWaitsPerUser,
+	}, cfg.Limits, "the defaults")
+
+	t.Setenv("COMPANION_MAX_FIRMWARE_BYTES", "7000")
+	t.Setenv("COMPANION_RATE_BURST", "9")
+	cfg = Config{}
+	require.NoError(t, parseFlags(newServeFlags(&cfg), []string{
+		"--max-text-bytes", "1001", "--max-title-bytes", "1002", "--max-image-bytes", "1003", "--max-image-side", "1004",
+		"--max-app-bytes", "1005", "--max-open-commands", "1006", "--rate-per-token", "2.5",
+		"--register-per-minute", "0",
+	}))
+	require.NoError(t, cfg.checkFlags(nil))
+	cfg.fromFlags()
+	assert.Equal(t, api.Limits{
+		MaxTextBytes: 1001, MaxTitleBytes: 1002, MaxImageBytes: 1003, MaxImageSide: 1004,
+		MaxAppBytes: 1005, MaxFirmwareBytes: 7000, MaxOpenCommands: 1006,
+		RequestsPerSecond: 2.5, RequestBurst: 9, RegisterPerMinute: -1,
+		UnauthPerMinute: d.UnauthPerMinute, MaxStreamsPerUser: d.MaxStreamsPerUser, MaxWaitsPerUser: d.MaxWaitsPerUser,
+	}, cfg.Limits, "as given")
+}
