@@ -258,3 +258,61 @@ func TestOpenAPIPreferOnEveryCommandAnswer(t *testing.T) {
 	}
 	assert.GreaterOrEqual(t, n, 10, "operations that answer a command")
 }
+
+// A server whose limits are configured serves api/openapi.json with them:
+// a client generated from the document (and a test that checks traffic
+// against it) takes what this server takes. It served the defaults: with
+// --max-text-bytes 8192 the document refused a text of 5000 bytes that the
+// server took (docs/reliability.md, bug 272). At the defaults the document
+// served is the file as it is.
+func TestOpenAPIServedWithTheLimits(t *testing.T) {
+	served := func(t *testing.T, e *env) []byte {
+		t.Helper()
+		res, err := http.Get(e.srv.URL + "/api/v1/openapi.json")
+		require.NoError(t, err)
+		defer res.Body.Close()
+		b, err := io.ReadAll(res.Body)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, res.StatusCode, "%s", b)
+		return b
+	}
+	assert.Equal(t, string(openapiJSON), string(served(t, newEnv(t, func(o *Options) { o.Limits = Limits{} }))), "at the default limits")
+
+	e := newEnv(t, func(o *Options) {
+		o.Limits = Limits{MaxTextBytes: 8192, MaxTitleBytes: 200, MaxImageBytes: 3 << 20, MaxImageSide: 5000,
+			MaxAppBytes: 1000, MaxFirmwareBytes: 5 << 20, RegisterPerMinute: 20, RequestsPerSecond: -1, UnauthPerMinute: -1}
+	})
+	b := served(t, e)
+	doc, err := openapitest.Parse(b)
+	require.NoError(t, err, "the document served")
+	schema := func(name, prop string) *openapi3.Schema {
+		s := doc.Doc.Components.Schemas[name].Value.Properties[prop].Value
+		require.NotNil(t, s, "%s.%s", name, prop)
+		return s
+	}
+	assert.EqualValues(t, 8192, *schema("PushTextRequest", "text").MaxLength)
+	assert.EqualValues(t, 200, *schema("PushTextRequest", "title").MaxLength)
+	assert.EqualValues(t, (3<<20+2)/3*4, *schema("PushImageRequest", "image").MaxLength)
+	for _, says := range []string{"At most 8192 bytes of UTF-8", "At most 200 bytes of UTF-8", "at most 5000×5000 pixels, at most 3 MiB decoded",
+		"at most 3 MiB decoded and 5000×5000 pixels", "At most 1000 bytes.", "At most 5 MiB.", "20 attempts a minute per user."} {
+		assert.Contains(t, string(b), says)
+	}
+	for _, stale := range []string{"4096×", "4096 bytes", `"maxLength": 4096`, "At most 128 bytes", "2 MiB", "16 MiB", "64 MiB", "10 attempts", "2796204"} {
+		assert.NotContains(t, string(b), stale, "a default left in the document served")
+	}
+
+	// A request the server takes is one the document it serves takes.
+	tok := e.bound("dev-1")
+	body := []byte(`{"text":"` + strings.Repeat("a", 5000) + `"}`)
+	hr, err := http.NewRequest("POST", e.srv.URL+"/api/v1/devices/dev-1/push/text", bytes.NewReader(body))
+	require.NoError(t, err)
+	hr.Header.Set("Content-Type", "application/json")
+	hr.Header.Set("Authorization", "Bearer "+tok)
+	res, err := e.srv.Client().Do(hr)
+	require.NoError(t, err)
+	answer, err := io.ReadAll(res.Body)
+	res.Body.Close()
+	require.NoError(t, err)
+	require.Equal(t, 202, res.StatusCode, "%s", answer)
+	doc.Check(t, hr, body, openapitest.Answer{Status: res.StatusCode, Header: res.Header, Body: answer})
+}

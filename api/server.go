@@ -361,6 +361,7 @@ type Server struct {
 	now         func() time.Time
 	requests    RequestObserver // nil: nobody counts requests
 	held        holds           // event streams and Prefer: wait requests, per user
+	openapiDoc  []byte          // GET /api/v1/openapi.json: the document with these limits
 
 	limiter  RateLimiter // the buckets of the three limits below
 	rate     limitSpec   // requests per token
@@ -410,6 +411,11 @@ func New(opts Options) (*Server, error) {
 		log:         opts.Logger.With("component", "api"),
 		now:         opts.Now,
 	}
+	doc, err := openapiFor(limits)
+	if err != nil {
+		return nil, err
+	}
+	s.openapiDoc = doc
 	if opts.AdminToken != "" {
 		s.adminHash = companion.HashSecret(opts.AdminToken)
 	}

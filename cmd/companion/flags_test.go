@@ -247,8 +247,9 @@ func TestMQTTListenOnTheCommandLineWinsOverTheEnvironment(t *testing.T) {
 // --max-text-bytes above what the JSON body limit (64 KiB) holds takes
 // texts up to it, escaped as JSON at its longest too (six bytes for each
 // of "<"): the body of a text push has room for the text and title the
-// limits allow. (The OpenAPI document gives the default limits: this
-// client does not check against it.)
+// limits allow. (api/openapi.json has the default limits, and this client
+// does not check against it; the server serves the document with its own,
+// docs/reliability.md, bug 272.)
 func TestTextLimitAboveTheJSONBodyLimit(t *testing.T) {
 	m := startServer(t, Config{Limits: api.Limits{MaxTextBytes: 100_000, MaxTitleBytes: 1000}})
 	f := setupFleet(t, m, "dev-1")
