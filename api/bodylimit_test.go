@@ -352,8 +352,8 @@ func TestBodyOverLimitSaysTheLimit(t *testing.T) {
 // An app package and a firmware image at their limit are published, and
 // one a byte over is a 413 body_too_large, whether the body's length is
 // declared or it comes chunked (the server then learns it only as it
-// reads): at the app package's default of 16 MiB, and at configured
-// limits of both.
+// reads): at their defaults of 16 MiB and 64 MiB, and at configured
+// limits.
 func TestUploadsAtTheirLimits(t *testing.T) {
 	put := func(t *testing.T, e *env, path string, body []byte, chunked bool) resp {
 		t.Helper()
@@ -376,7 +376,7 @@ func TestUploadsAtTheirLimits(t *testing.T) {
 		app, fw     int64 // the configured limits; 0 the default
 		appAt, fwAt int64 // what is published at the limit; 0: nothing
 	}{
-		{name: "app default", appAt: DefaultLimits.MaxAppBytes},
+		{name: "defaults", appAt: DefaultLimits.MaxAppBytes, fwAt: DefaultLimits.MaxFirmwareBytes},
 		{name: "configured", app: 500, fw: 1000, appAt: 500, fwAt: 1000},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
