@@ -132,6 +132,14 @@ type Agent struct {
 	// loginRefused is set while the broker refuses the bridge's login
 	// (noteLogin): no command starts meanwhile.
 	loginRefused atomic.Bool
+	// unanswered is set from New until the broker has answered the first
+	// round of a connection's subscriptions, or the bridge finds it
+	// cannot reach the broker (startCommands): no command starts
+	// meanwhile.
+	unanswered atomic.Bool
+	// startHold bounds how long the workers wait at start for a
+	// connection to the broker (holdAtStart): connectTimeout.
+	startHold time.Duration
 	// conn counts the connections; onConnect adds one and wakes the
 	// subscriber (subWake), which makes that connection's subscriptions.
 	conn      atomic.Uint64
@@ -225,6 +233,7 @@ func New(opts Options) (*Agent, error) {
 		intakeWake: make(chan struct{}, 1),
 		subWake:    make(chan struct{}, 1),
 		subTiming:  subscribeTiming{timeout: subscribeTimeout, retryMin: subscribeRetryMin, retryMax: subscribeRetryMax},
+		startHold:  connectTimeout,
 		outboxWake: make(chan struct{}, 1),
 		delivOwed:  map[string]bool{},
 		delivWake:  make(chan struct{}, 1),
@@ -272,6 +281,7 @@ func New(opts Options) (*Agent, error) {
 		a.spool.afterWait = opts.AfterWait
 	}
 	a.resync.Store(true)
+	a.unanswered.Store(true)
 
 	co := mqtt.NewClientOptions()
 	for _, u := range urls {
@@ -290,7 +300,7 @@ func New(opts Options) (*Agent, error) {
 		SetConnectRetry(true).
 		SetConnectRetryInterval(time.Second).
 		SetMaxReconnectInterval(15*time.Second).
-		SetConnectTimeout(10*time.Second).
+		SetConnectTimeout(connectTimeout).
 		SetKeepAlive(30*time.Second).
 		SetWriteTimeout(10*time.Second).
 		SetResumeSubs(false).
@@ -309,10 +319,18 @@ func New(opts Options) (*Agent, error) {
 	co.SetConnectionNotificationHandler(func(c mqtt.Client, n mqtt.ConnectionNotification) {
 		report(c, n)
 		a.noteLogin(n)
+		if _, failed := n.(mqtt.ConnectionNotificationFailed); failed {
+			a.startCommands("the bridge cannot reach the broker")
+		}
 	})
 	a.client = mqtt.NewClient(co)
 	return a, nil
 }
+
+// connectTimeout bounds an attempt to connect to the broker (the dial
+// and the CONNACK), and how long the workers wait at start for a
+// connection (holdAtStart).
+const connectTimeout = 10 * time.Second
 
 // noteLogin notes whether the broker refuses the bridge's login (CONNACK
 // 4 or 5): the bridge was deleted, or its secret is not the one the server
@@ -371,6 +389,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.goLoop(func() { a.deliveredLoop(ctx) })
 	a.goLoop(func() { a.housekeeping(ctx) })
 	a.goLoop(func() { a.subscriber(ctx) })
+	a.goLoop(func() { a.holdAtStart(ctx) })
 	for _, dr := range a.order {
 		a.goLoop(func() { a.work(ctx, dr) })
 		a.goLoop(func() { a.report(ctx, dr) })
@@ -463,6 +482,9 @@ func (a *Agent) onConnect(mqtt.Client) {
 }
 
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
+	if !a.client.IsConnectionOpen() {
+		a.startCommands("the connection to the broker was lost")
+	}
 	a.connected.Store(false)
 	a.opts.Observer.MQTTConnected(false)
 	a.resync.Store(true)

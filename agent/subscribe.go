@@ -24,7 +24,9 @@ import (
 // leaders are elected) or for good (a device the bridge does not serve,
 // CONTRACT §9; a change of assignment disconnects the bridge). While the
 // broker refuses a device's filter, the bridge starts none of the commands
-// its spool holds for that device (holdRefused). What is refused or
+// its spool holds for that device (holdRefused); at start, it starts no
+// command until the first round of a connection is answered, or it finds
+// it cannot reach the broker (startCommands). What is refused or
 // unanswered is asked again, with backoff, while the connection lasts; each
 // connection starts over with every filter, because paho restores no
 // subscription (SetResumeSubs concerns only SUBSCRIBEs not yet sent) and
@@ -81,6 +83,9 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 		}
 		switch {
 		case first:
+			// Each device's filter is granted or refused (or
+			// unanswered) by now: its commands run or are held.
+			a.startCommands("the broker answered the subscriptions")
 			a.announce(len(missing) - len(left))
 		case len(left) < len(missing):
 			still := make(map[string]bool, len(left))

@@ -8,3 +8,10 @@ import "time"
 func (a *Agent) SetSubscribeTiming(timeout, retryMin, retryMax time.Duration) {
 	a.subTiming = subscribeTiming{timeout: timeout, retryMin: retryMin, retryMax: retryMax}
 }
+
+// SetStartHold shortens how long the workers wait at start for a
+// connection to the broker before they run what the spool holds. Call it
+// before Run.
+func (a *Agent) SetStartHold(d time.Duration) {
+	a.startHold = d
+}

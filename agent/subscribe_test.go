@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -153,19 +154,28 @@ func (l *subscribeLog) Write(p []byte) (int, error) {
 // waitLine waits until a line that contains every one of parts is logged.
 func (l *subscribeLog) waitLine(tb testing.TB, parts ...string) {
 	tb.Helper()
+	l.waitAny(tb, parts)
+}
+
+// waitAny waits until a line that contains every one of the parts of one
+// of alts is logged.
+func (l *subscribeLog) waitAny(tb testing.TB, alts ...[]string) {
+	tb.Helper()
 	deadline := time.NewTimer(waitLong)
 	defer deadline.Stop()
 	for {
 		l.mu.Lock()
 		ch := l.notify
 		l.mu.Unlock()
-		if len(l.lines(parts...)) > 0 {
-			return
+		for _, parts := range alts {
+			if len(l.lines(parts...)) > 0 {
+				return
+			}
 		}
 		select {
 		case <-ch:
 		case <-deadline.C:
-			tb.Fatalf("nothing logged with %q", parts)
+			tb.Fatalf("nothing logged with any of %q", alts)
 		}
 	}
 }
@@ -484,5 +494,165 @@ func TestCommandsHeldWhileTheLoginIsRefused(t *testing.T) {
 	}
 	if r := w.waitFinal("dev-1", running.ID); r.State != companion.StateSucceeded {
 		t.Errorf("the running command: %s reply; want succeeded", r.State)
+	}
+}
+
+// A bridge restarted after one of its devices was moved to another bridge:
+// its spool still holds that device's commands, which the server failed at
+// the move (device_not_served), and the broker refuses it the device's
+// commands from then on. The bridge holds them from the start, rather than
+// run them before the broker answers its SUBSCRIBE, serving its other
+// devices on; they run if the broker grants the device's commands again
+// (docs/reliability.md, bug 249).
+func TestCommandsOfADeviceRefusedAtRestartAreHeld(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	dev, other := newSim("dev-1"), newSim("dev-2")
+	dir := t.TempDir()
+	br := startBridge(t, b, nil, w, bridgeConfig{dataDir: dir, devices: []*sim.Device{dev, other}})
+	// The first hangs on the device until the bridge stops; the second
+	// waits behind it.
+	dev.HangNext()
+	running := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "hangs"})
+	queued := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "failed at the move"})
+	w.send(running)
+	w.send(queued)
+	w.waitReply("dev-1", queued.ID, companion.StateDelivered)
+	br.stop(t)
+
+	// dev-1 moves to another bridge while this one is stopped.
+	filter := mustCommandsFilter(t, "dev-1")
+	hook.refuse(filter)
+	log := newSubscribeLog()
+	startBridge(t, b, nil, w, bridgeConfig{
+		dataDir: dir,
+		devices: []*sim.Device{dev, other},
+		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	marker := command(t, "dev-2", topics.OpPushText, map[string]string{"text": "dev-2 is served on"})
+	w.send(marker)
+	if r := w.waitFinal("dev-2", marker.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("dev-2: %s reply; want succeeded", r.State)
+	}
+	for _, c := range []topics.Command{running, queued} {
+		if n := dev.Executions(c.ID); n != 0 {
+			t.Fatalf("%s ran %d times after the restart while the broker refused its device", c.Payload, n)
+		}
+	}
+	log.waitLine(t, "holding the device's commands", "device=dev-1")
+
+	hook.grant(filter)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
+	for _, c := range []topics.Command{running, queued} {
+		if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+			t.Fatalf("%s once granted: %s reply; want succeeded", c.Payload, r.State)
+		}
+		if n := dev.Executions(c.ID); n != 1 {
+			t.Errorf("%s ran %d times; want once", c.Payload, n)
+		}
+	}
+}
+
+// A bridge restarted after it was deleted on the server (or given another
+// secret): the broker refuses its login, and the server failed the
+// commands its spool holds. The bridge holds them from the start, rather
+// than run them before the broker answers its CONNECT, and runs them once
+// the broker lets it in (docs/reliability.md, bugs 243 and 249).
+func TestCommandsHeldWhenTheLoginIsRefusedAtRestart(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	dir := t.TempDir()
+	held := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "failed at the deletion"})
+	if err := agent.SpoolCommands(dir, []topics.Command{held}); err != nil {
+		t.Fatal(err)
+	}
+	b.hook.refuse.Store(true)
+	log := newSubscribeLog()
+	a, err := agent.New(agent.Options{MQTTURL: b.url, Password: testSecret, BridgeID: "b1", DataDir: dir,
+		Devices: []agent.Device{dev}, Logger: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	br := &bridge{Agent: a, id: "b1", dataDir: dir, done: make(chan error, 1)}
+	go func() { br.done <- a.Run(context.Background()) }()
+	t.Cleanup(func() { br.stop(t) })
+	log.waitLine(t, "refuses the bridge's id and secret")
+	log.waitAny(t, []string{"holding the device's commands", "device=dev-1"}, []string{"command succeeded", held.ID})
+	if n := dev.Executions(held.ID); n != 0 {
+		t.Fatalf("the spooled command ran %d times while the broker refused the bridge", n)
+	}
+
+	b.hook.refuse.Store(false)
+	if r := w.waitFinal("dev-1", held.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the held command once let in: %s reply; want succeeded", r.State)
+	}
+}
+
+// silentBroker accepts connections and never answers: a broker, or a
+// firewall, that swallows the bridge's CONNECT.
+func silentBroker(tb testing.TB) string {
+	tb.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+	}()
+	tb.Cleanup(func() {
+		l.Close()
+		<-done
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	return "tcp://" + l.Addr().String()
+}
+
+// A bridge that cannot reach the broker at start runs what its spool
+// holds, as one away from the broker does: here a broker that takes the
+// connection and never answers, for which no attempt to connect fails
+// before its timeout. The bridge waits for a connection a bounded time
+// only (agent.SetStartHold; connectTimeout outside tests). TestBrokerDown
+// has nothing listening.
+func TestSpooledCommandsRunWhenTheBrokerDoesNotAnswerAtStart(t *testing.T) {
+	dir := t.TempDir()
+	dev := newSim("dev-1")
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "offline work"})
+	if err := agent.SpoolCommands(dir, []topics.Command{c}); err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(agent.Options{MQTTURL: silentBroker(t), BridgeID: "b1", DataDir: dir, Devices: []agent.Device{dev}, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.SetStartHold(100 * time.Millisecond)
+	br := &bridge{Agent: a, id: "b1", dataDir: dir, done: make(chan error, 1)}
+	go func() { br.done <- a.Run(context.Background()) }()
+	t.Cleanup(func() { br.stop(t) })
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(5 * time.Second) // within paho's 10 s attempt, which would end the wait too
+	for dev.Executions(c.ID) == 0 {
+		select {
+		case <-tick.C:
+		case <-deadline:
+			t.Fatal("the spooled command did not run while the broker did not answer")
+		}
 	}
 }

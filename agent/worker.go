@@ -103,11 +103,17 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // its new bridge (docs/reliability.md, bug 240). Held, they run if the broker grants the filter again. What
 // runs already runs on; and while the bridge is away from the broker it
 // cannot know, and runs what it has. So it holds every device's commands
-// while the broker refuses its login (noteLogin, bug 243).
+// while the broker refuses its login (noteLogin, bug 243), and, at start,
+// until the broker has answered the first round of subscriptions
+// (unanswered): a bridge restarted after a move ran the commands its spool
+// held for the moved device before its SUBSCRIBE was refused (bug 249).
+// A bridge that cannot reach the broker at start (an attempt to connect
+// fails, or no connection is open connectTimeout after Run starts) runs
+// them then, as one away from the broker does (startCommands).
 func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 	held := false
-	for dr.refused.Load() || a.loginRefused.Load() {
-		if !held && a.spool.pending(dr.id) {
+	for dr.refused.Load() || a.loginRefused.Load() || a.unanswered.Load() {
+		if !held && (dr.refused.Load() || a.loginRefused.Load()) && a.spool.pending(dr.id) {
 			held = true
 			if dr.refused.Load() {
 				a.log.Warn("holding the device's commands: the broker refuses them to this bridge, which may no longer serve the device",
@@ -126,6 +132,32 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 		a.log.Info("the broker grants the device's commands again; running those held", "device", dr.id)
 	}
 	return true
+}
+
+// holdAtStart ends the workers' wait at start (unanswered) when no
+// connection to the broker is open startHold after Run started: the
+// bridge is away from the broker, and runs what its spool holds. A
+// connection open by then has its subscriptions answered within
+// subscribeTimeout a chunk, or ends (onConnectionLost).
+func (a *Agent) holdAtStart(ctx context.Context) {
+	if !sleepCtx(ctx, a.startHold) {
+		return
+	}
+	if !a.client.IsConnectionOpen() {
+		a.startCommands("no connection to the broker in time")
+	}
+}
+
+// startCommands lets the workers start the commands of the devices whose
+// command filter the broker does not refuse, once the bridge knows which
+// those are, or that it cannot know (why): it cannot reach the broker.
+func (a *Agent) startCommands(why string) {
+	if a.unanswered.Swap(false) {
+		a.log.Debug("the devices' commands may start", "why", why)
+		for _, dr := range a.order {
+			signal(dr.wake)
+		}
+	}
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {
