@@ -132,11 +132,11 @@ type Agent struct {
 	// loginRefused is set while the broker refuses the bridge's login
 	// (noteLogin): no command starts meanwhile.
 	loginRefused atomic.Bool
-	// unanswered is set from New until the broker has answered the first
-	// round of a connection's subscriptions, or the bridge finds it
-	// cannot reach the broker (startCommands): no command starts
-	// meanwhile.
-	unanswered atomic.Bool
+	// unanswered is the connection (conn) whose first round of
+	// subscriptions the broker has not answered yet, 1 from New, or 0:
+	// no command starts until the broker answers it (answered), or the
+	// bridge finds itself away from the broker (away).
+	unanswered atomic.Uint64
 	// startHold bounds how long the workers wait at start for a
 	// connection to the broker (holdAtStart): connectTimeout.
 	startHold time.Duration
@@ -281,7 +281,7 @@ func New(opts Options) (*Agent, error) {
 		a.spool.afterWait = opts.AfterWait
 	}
 	a.resync.Store(true)
-	a.unanswered.Store(true)
+	a.unanswered.Store(1) // the first connection's
 
 	co := mqtt.NewClientOptions()
 	for _, u := range urls {
@@ -318,9 +318,9 @@ func New(opts Options) (*Agent, error) {
 	report := co.OnConnectionNotification
 	co.SetConnectionNotificationHandler(func(c mqtt.Client, n mqtt.ConnectionNotification) {
 		report(c, n)
-		a.noteLogin(n)
-		if _, failed := n.(mqtt.ConnectionNotificationFailed); failed {
-			a.startCommands("the bridge cannot reach the broker")
+		if n, failed := n.(mqtt.ConnectionNotificationFailed); failed {
+			a.noteLogin(n.Reason)
+			a.away("an attempt to connect to the broker failed")
 		}
 	})
 	a.client = mqtt.NewClient(co)
@@ -337,24 +337,15 @@ const connectTimeout = 10 * time.Second
 // has. The server failed the commands of its devices, device_not_served,
 // as it deleted it; run on, they showed on the devices afterwards (docs/
 // reliability.md, bug 243). While the login is refused, no device's
-// commands start (holdRefused); once the broker lets the bridge in, they
-// run, those of devices whose command filter it refuses excepted.
-func (a *Agent) noteLogin(n mqtt.ConnectionNotification) {
-	switch n := n.(type) {
-	case mqtt.ConnectionNotificationFailed:
-		if !errors.Is(n.Reason, packets.ErrorRefusedBadUsernameOrPassword) && !errors.Is(n.Reason, packets.ErrorRefusedNotAuthorised) {
-			return
-		}
-		if !a.loginRefused.Swap(true) {
-			a.log.Warn("holding every device's commands: the broker refuses the bridge's login, which the server deleted or gave another secret")
-		}
-	case mqtt.ConnectionNotificationConnected:
-		if a.loginRefused.Swap(false) {
-			a.log.Info("the broker lets the bridge in again; its devices' commands run")
-			for _, dr := range a.order {
-				signal(dr.wake)
-			}
-		}
+// commands start (holdRefused); once the broker lets the bridge in
+// (onConnect), they run as it answers the connection's subscriptions,
+// those of devices whose command filter it refuses excepted.
+func (a *Agent) noteLogin(reason error) {
+	if !errors.Is(reason, packets.ErrorRefusedBadUsernameOrPassword) && !errors.Is(reason, packets.ErrorRefusedNotAuthorised) {
+		return
+	}
+	if !a.loginRefused.Swap(true) {
+		a.log.Warn("holding every device's commands: the broker refuses the bridge's login, which the server deleted or gave another secret")
 	}
 }
 
@@ -472,19 +463,27 @@ func signal(c chan struct{}) {
 }
 
 // onConnect runs on every (re)connection, in a goroutine of paho's. It
-// only wakes the subscriber, which subscribes (that may take minutes on
-// NATS: see subscribe.go) and then says the bridge is online. Until then
-// every message goes to the default handler, which also catches what a
-// persistent session delivers before the subscriptions are made again.
+// only counts the connection and wakes the subscriber, which subscribes
+// (that may take minutes on NATS: see subscribe.go) and then says the
+// bridge is online. Until then every message goes to the default handler,
+// which also catches what a persistent session delivers before the
+// subscriptions are made again; and no command starts (unanswered): what
+// the last connection said of each device's filter may have changed
+// meanwhile, as a move disconnects the bridge (docs/reliability.md, bug
+// 250). A login the broker refused before is let in here, not in the
+// connection notification, which paho runs in a goroutine of its own: a
+// command released there could start before this one marked the
+// connection unanswered.
 func (a *Agent) onConnect(mqtt.Client) {
-	a.conn.Add(1)
+	a.unanswered.Store(a.conn.Add(1))
+	if a.loginRefused.Swap(false) {
+		a.log.Info("the broker lets the bridge in again; its devices' commands run once it answers their subscriptions")
+	}
 	signal(a.subWake)
 }
 
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
-	if !a.client.IsConnectionOpen() {
-		a.startCommands("the connection to the broker was lost")
-	}
+	a.away("the connection to the broker was lost")
 	a.connected.Store(false)
 	a.opts.Observer.MQTTConnected(false)
 	a.resync.Store(true)

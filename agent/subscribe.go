@@ -24,9 +24,10 @@ import (
 // leaders are elected) or for good (a device the bridge does not serve,
 // CONTRACT §9; a change of assignment disconnects the bridge). While the
 // broker refuses a device's filter, the bridge starts none of the commands
-// its spool holds for that device (holdRefused); at start, it starts no
-// command until the first round of a connection is answered, or it finds
-// it cannot reach the broker (startCommands). What is refused or
+// its spool holds for that device (holdRefused); at start and on every
+// connection, it starts no command until the first round of the
+// connection's subscriptions is answered, or it finds itself away from the
+// broker (answered, away). What is refused or
 // unanswered is asked again, with backoff, while the connection lasts; each
 // connection starts over with every filter, because paho restores no
 // subscription (SetResumeSubs concerns only SUBSCRIBEs not yet sent) and
@@ -85,7 +86,7 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 		case first:
 			// Each device's filter is granted or refused (or
 			// unanswered) by now: its commands run or are held.
-			a.startCommands("the broker answered the subscriptions")
+			a.answered(conn)
 			a.announce(len(missing) - len(left))
 		case len(left) < len(missing):
 			still := make(map[string]bool, len(left))

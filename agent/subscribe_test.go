@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -27,15 +28,17 @@ import (
 // grant later without a reconnect; while hold is open, the bridge's
 // SUBSCRIBEs wait in it (the broker reads nothing else of the connection
 // meanwhile, as NATS does while it makes subscriptions). It counts each
-// filter's SUBSCRIBEs and each client's connections.
+// filter's SUBSCRIBEs and each client's connections. Setting refuseLogin
+// turns every new connection away.
 type subscribeHook struct {
 	mochi.HookBase
-	mu       sync.Mutex
-	refused  map[string]bool
-	asked    map[string]int
-	connects map[string]int
-	hold     chan struct{}
-	notify   chan struct{} // closed and replaced on every SUBSCRIBE of the bridge
+	refuseLogin atomic.Bool
+	mu          sync.Mutex
+	refused     map[string]bool
+	asked       map[string]int
+	connects    map[string]int
+	hold        chan struct{}
+	notify      chan struct{} // closed and replaced on every SUBSCRIBE of the bridge
 }
 
 func (h *subscribeHook) ID() string { return "subscribe-test" }
@@ -44,7 +47,9 @@ func (h *subscribeHook) Provides(b byte) bool {
 	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck || b == mochi.OnSubscribe || b == mochi.OnConnect
 }
 
-func (h *subscribeHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool { return true }
+func (h *subscribeHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool {
+	return !h.refuseLogin.Load()
+}
 
 func (h *subscribeHook) OnConnect(cl *mochi.Client, _ packets.Packet) error {
 	h.mu.Lock()
@@ -654,5 +659,112 @@ func TestSpooledCommandsRunWhenTheBrokerDoesNotAnswerAtStart(t *testing.T) {
 		case <-deadline:
 			t.Fatal("the spooled command did not run while the broker did not answer")
 		}
+	}
+}
+
+// A device is moved off the bridge while the bridge runs one of its
+// commands, another queued behind it: the move disconnects the bridge,
+// which connects again at once and subscribes, and the running command
+// ends before the broker answers (NATS takes seconds for a few hundred
+// filters). The queued one, which the server failed at the move, waits for
+// the answer rather than run on what the last connection said, and is then
+// held, the device's filter refused (docs/reliability.md, bugs 240 and
+// 250).
+func TestCommandsWaitForAReconnectsSubscriptionsToBeAnswered(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	dev := newBlockedText("dev-1")
+	log := newSubscribeLog()
+	startBridge(t, b, nil, w, bridgeConfig{
+		devices: []*sim.Device{dev.Device},
+		wrap:    wrapBlocked(dev),
+		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	running := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
+	w.send(running)
+	waitClosed(t, dev.started, "the first command did not reach the device")
+	behind := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "queued behind it"})
+	w.send(behind)
+	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
+
+	filter := mustCommandsFilter(t, "dev-1")
+	hold := make(chan struct{})
+	var answer sync.Once
+	letAnswer := func() {
+		answer.Do(func() {
+			hook.mu.Lock()
+			hook.hold = nil
+			hook.mu.Unlock()
+			close(hold)
+		})
+	}
+	t.Cleanup(letAnswer) // before the bridge stops and the broker closes
+	hook.mu.Lock()
+	hook.hold = hold
+	hook.mu.Unlock()
+	hook.refuse(filter)
+	b.dropClient(t, "companion-bridge-b1")
+	hook.waitAsked(t, filter, 2) // the SUBSCRIBE of the new connection, not answered yet
+	close(dev.release)
+	waitClosed(t, dev.ended, "the first command did not end")
+	log.waitAny(t, []string{"waiting for the broker's answer to the subscriptions", "device=dev-1"}, []string{"command succeeded", behind.ID})
+	if n := dev.Executions(behind.ID); n != 0 {
+		t.Fatalf("the command queued behind ran %d times before the broker answered the subscriptions of the new connection", n)
+	}
+
+	letAnswer()
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
+	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	if n := dev.Executions(behind.ID); n != 0 {
+		t.Fatalf("the command queued behind ran %d times while the broker refused its device", n)
+	}
+	hook.grant(filter)
+	if r := w.waitFinal("dev-1", behind.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the held command once granted: %s reply; want succeeded", r.State)
+	}
+}
+
+// A bridge deleted on the server while it runs a command of dev-1, another
+// queued behind it, and made again: the broker refused its login
+// meanwhile, and lets it in again, but dev-1, taken off the bridge as it
+// was deleted, is not its device any more. The queued command, which the
+// server failed at the deletion, stays held as the login is let in, until
+// the broker answers the subscriptions (it refuses dev-1's), rather than
+// run in between (docs/reliability.md, bugs 243 and 250).
+func TestCommandsHeldAsTheLoginIsLetInUntilTheSubscriptionsAreAnswered(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	dev := newBlockedText("dev-1")
+	log := newSubscribeLog()
+	startBridge(t, b, nil, w, bridgeConfig{
+		devices: []*sim.Device{dev.Device},
+		wrap:    wrapBlocked(dev),
+		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	running := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
+	w.send(running)
+	waitClosed(t, dev.started, "the first command did not reach the device")
+	behind := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "queued behind it"})
+	w.send(behind)
+	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
+
+	filter := mustCommandsFilter(t, "dev-1")
+	hook.refuse(filter)
+	hook.refuseLogin.Store(true)
+	b.dropClient(t, "companion-bridge-b1")
+	log.waitLine(t, "refuses the bridge's id and secret")
+	close(dev.release)
+	waitClosed(t, dev.ended, "the first command did not end")
+	log.waitLine(t, "holding the device's commands", "device=dev-1")
+
+	hook.refuseLogin.Store(false)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
+	log.waitAny(t, []string{"holding the device's commands: the broker refuses them", "device=dev-1"}, []string{"command succeeded", behind.ID})
+	if n := dev.Executions(behind.ID); n != 0 {
+		t.Fatalf("the command queued behind ran %d times as the broker let the bridge in, refusing its device", n)
+	}
+	hook.grant(filter)
+	if r := w.waitFinal("dev-1", behind.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the held command once granted: %s reply; want succeeded", r.State)
 	}
 }

@@ -103,24 +103,34 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // its new bridge (docs/reliability.md, bug 240). Held, they run if the broker grants the filter again. What
 // runs already runs on; and while the bridge is away from the broker it
 // cannot know, and runs what it has. So it holds every device's commands
-// while the broker refuses its login (noteLogin, bug 243), and, at start,
-// until the broker has answered the first round of subscriptions
-// (unanswered): a bridge restarted after a move ran the commands its spool
-// held for the moved device before its SUBSCRIBE was refused (bug 249).
-// A bridge that cannot reach the broker at start (an attempt to connect
-// fails, or no connection is open connectTimeout after Run starts) runs
-// them then, as one away from the broker does (startCommands).
+// while the broker refuses its login (noteLogin, bug 243), and, at start
+// and on every connection, until the broker has answered the first round
+// of the connection's subscriptions (unanswered): a bridge restarted after
+// a move ran the commands its spool held for the moved device before its
+// SUBSCRIBE was refused (bug 249), and one that connected again after the
+// move did as its running command ended (bug 250). A bridge that cannot
+// reach the broker (an attempt to connect fails, a connection is lost, or
+// none is open connectTimeout after Run starts) runs them then, as one
+// away from the broker does (away).
 func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
-	held := false
-	for dr.refused.Load() || a.loginRefused.Load() || a.unanswered.Load() {
-		if !held && (dr.refused.Load() || a.loginRefused.Load()) && a.spool.pending(dr.id) {
-			held = true
-			if dr.refused.Load() {
+	var refused, login, waited bool // the reasons of the hold, logged once each
+	for dr.refused.Load() || a.loginRefused.Load() || a.unanswered.Load() != 0 {
+		switch {
+		case !a.spool.pending(dr.id):
+		case dr.refused.Load():
+			if !refused {
+				refused = true
 				a.log.Warn("holding the device's commands: the broker refuses them to this bridge, which may no longer serve the device",
 					"device", dr.id)
-			} else {
+			}
+		case a.loginRefused.Load():
+			if !login {
+				login = true
 				a.log.Debug("holding the device's commands: the broker refuses the bridge's login", "device", dr.id)
 			}
+		case !waited:
+			waited = true
+			a.log.Debug("waiting for the broker's answer to the subscriptions before running the device's commands", "device", dr.id)
 		}
 		select {
 		case <-ctx.Done():
@@ -128,7 +138,7 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 		case <-dr.wake:
 		}
 	}
-	if held {
+	if refused || login {
 		a.log.Info("the broker grants the device's commands again; running those held", "device", dr.id)
 	}
 	return true
@@ -140,23 +150,33 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 // connection open by then has its subscriptions answered within
 // subscribeTimeout a chunk, or ends (onConnectionLost).
 func (a *Agent) holdAtStart(ctx context.Context) {
-	if !sleepCtx(ctx, a.startHold) {
-		return
-	}
-	if !a.client.IsConnectionOpen() {
-		a.startCommands("no connection to the broker in time")
+	if sleepCtx(ctx, a.startHold) {
+		a.away("no connection to the broker in time")
 	}
 }
 
-// startCommands lets the workers start the commands of the devices whose
-// command filter the broker does not refuse, once the bridge knows which
-// those are, or that it cannot know (why): it cannot reach the broker.
+// answered lets the workers start the commands of the devices whose
+// command filter the broker does not refuse, once it has answered the
+// first round of connection conn's subscriptions.
+func (a *Agent) answered(conn uint64) {
+	if a.unanswered.CompareAndSwap(conn, 0) {
+		a.startCommands("the broker answered the subscriptions")
+	}
+}
+
+// away lets the workers start commands when no connection is open (why):
+// a bridge away from the broker cannot know, and runs what it has. A
+// connection opened meanwhile is awaited (onConnect) and stays so.
+func (a *Agent) away(why string) {
+	if conn := a.unanswered.Load(); conn != 0 && !a.client.IsConnectionOpen() && a.unanswered.CompareAndSwap(conn, 0) {
+		a.startCommands(why)
+	}
+}
+
 func (a *Agent) startCommands(why string) {
-	if a.unanswered.Swap(false) {
-		a.log.Debug("the devices' commands may start", "why", why)
-		for _, dr := range a.order {
-			signal(dr.wake)
-		}
+	a.log.Debug("the devices' commands may start", "why", why)
+	for _, dr := range a.order {
+		signal(dr.wake)
 	}
 }
 
