@@ -1,10 +1,8 @@
 package dynsec
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -387,9 +385,8 @@ func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
-	h := sha256.Sum256([]byte(secret))
 	served, err := d.createBridge(ctx, account{kind: "bridge", username: bridgeID, password: secret,
-		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), mark: secretMark(h[:])})
+		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), mark: secretMark(companion.HashSecret(secret))})
 	switch {
 	case errors.Is(err, errGone):
 		d.log.Info("Mosquitto account not created: the bridge was deleted or made anew since", "bridge_id", bridgeID)
@@ -1275,8 +1272,7 @@ func (d *Driver) secretHeld(ctx context.Context, a account) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	h := sha256.Sum256([]byte(a.password))
-	return bytes.Equal(b.SecretHash, h[:]), nil
+	return companion.SecretMatches(a.password, b.SecretHash), nil
 }
 
 // settling is a device's rights in a role as Reconcile wrote them, to
