@@ -162,13 +162,16 @@ func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []strin
 		var refused []string
 		for _, f := range chunk {
 			code, answered := granted[f]
+			dr := a.byFilter[f]
 			if answered && code != 0x80 {
-				a.byFilter[f].setRefused(false)
+				dr.setRefused(false)
+				dr.answer(conn)
 				continue
 			}
 			if answered {
 				// The device's commands are held meanwhile (bug 240).
-				a.byFilter[f].setRefused(true)
+				dr.setRefused(true)
+				dr.answer(conn)
 			}
 			left = append(left, f)
 			if !logged[f] {

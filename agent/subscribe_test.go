@@ -19,6 +19,7 @@ import (
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/mochitest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -27,7 +28,8 @@ import (
 // SUBSCRIBE of the filters in refused (SUBACK 0x80), which a test may
 // grant later without a reconnect; while hold is open, the bridge's
 // SUBSCRIBEs wait in it (the broker reads nothing else of the connection
-// meanwhile, as NATS does while it makes subscriptions). It counts each
+// meanwhile, as NATS does while it makes subscriptions), those naming
+// holdFilter only when it is set. It counts each
 // filter's SUBSCRIBEs and each client's connections. Setting refuseLogin
 // turns every new connection away.
 type subscribeHook struct {
@@ -38,6 +40,7 @@ type subscribeHook struct {
 	asked       map[string]int
 	connects    map[string]int
 	hold        chan struct{}
+	holdFilter  string
 	notify      chan struct{} // closed and replaced on every SUBSCRIBE of the bridge
 }
 
@@ -75,6 +78,9 @@ func (h *subscribeHook) OnSubscribe(cl *mochi.Client, pk packets.Packet) packets
 	close(h.notify)
 	h.notify = make(chan struct{})
 	hold := h.hold
+	if h.holdFilter != "" && !slices.ContainsFunc(pk.Filters, func(s packets.Subscription) bool { return s.Filter == h.holdFilter }) {
+		hold = nil
+	}
 	h.mu.Unlock()
 	if hold != nil {
 		<-hold
@@ -767,4 +773,44 @@ func TestCommandsHeldAsTheLoginIsLetInUntilTheSubscriptionsAreAnswered(t *testin
 	if r := w.waitFinal("dev-1", behind.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("the held command once granted: %s reply; want succeeded", r.State)
 	}
+}
+
+// A bridge of 40 devices reconnects, and the broker answers the first
+// chunk of its SUBSCRIBEs (32 devices) but holds the second, as NATS does
+// for a while with a fleet's subscriptions (each makes a consumer). A
+// command of a device of the first chunk runs meanwhile: the broker
+// granted its filter on this connection. Only the devices whose filter is
+// not answered yet wait (bug 250's hold is per device).
+func TestAGrantedDeviceDoesNotWaitForTheRestOfTheRound(t *testing.T) {
+	sims := subscribeSims(40)
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	subscribeBridge(t, b, sims, time.Minute)
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 1)
+
+	last := mustCommandsFilter(t, "dev-39")
+	hold := make(chan struct{})
+	var answer sync.Once
+	letAnswer := func() {
+		answer.Do(func() {
+			hook.mu.Lock()
+			hook.hold, hook.holdFilter = nil, ""
+			hook.mu.Unlock()
+			close(hold)
+		})
+	}
+	t.Cleanup(letAnswer) // before the bridge stops and the broker closes
+	hook.mu.Lock()
+	hook.hold, hook.holdFilter = hold, last
+	hook.mu.Unlock()
+	b.dropClient(t, "companion-bridge-b1")
+	hook.waitAsked(t, last, 2) // the first chunk answered; the second held
+
+	cmd := command(t, "dev-00", topics.OpPushText, map[string]string{"text": "granted, so it runs"})
+	w.send(cmd)
+	testenv.Eventually(t, waitLong, "dev-00's command to run while the second chunk is unanswered", func() bool {
+		return sims[0].Executions(cmd.ID) == 1
+	})
+	letAnswer()
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
 }

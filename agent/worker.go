@@ -30,6 +30,11 @@ type deviceRunner struct {
 	// (SUBACK 0x80): the worker then starts none of its commands
 	// (holdRefused).
 	refused atomic.Bool
+	// answeredOn is the connection (Agent.conn) whose SUBACK last answered
+	// the device's command filter: while it is not the connection the
+	// workers wait on (Agent.unanswered), the device's commands wait
+	// (awaitsAnswer).
+	answeredOn atomic.Uint64
 
 	rmu                                sync.Mutex
 	wantStatus, forceStatus, wantSetgs bool
@@ -46,6 +51,14 @@ func newDeviceRunner(d Device) *deviceRunner {
 // on the current connection; the worker resumes once it is granted again.
 func (dr *deviceRunner) setRefused(refused bool) {
 	if was := dr.refused.Swap(refused); was && !refused {
+		signal(dr.wake)
+	}
+}
+
+// answer notes that the broker answered the device's command filter on
+// connection conn (granted or refused: setRefused first).
+func (dr *deviceRunner) answer(conn uint64) {
+	if dr.answeredOn.Swap(conn) != conn {
 		signal(dr.wake)
 	}
 }
@@ -105,7 +118,8 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // cannot know, and runs what it has. So it holds every device's commands
 // while the broker refuses its login (noteLogin, bug 243), and, at start
 // and on every connection, until the broker has answered the first round
-// of the connection's subscriptions (unanswered): a bridge restarted after
+// of the connection's subscriptions or its SUBACK to the device's filter
+// (unanswered, awaitsAnswer): a bridge restarted after
 // a move ran the commands its spool held for the moved device before its
 // SUBSCRIBE was refused (bug 249), and one that connected again after the
 // move did as its running command ended (bug 250). A bridge that cannot
@@ -114,7 +128,7 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // away from the broker does (away).
 func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 	var refused, login, waited bool // the reasons of the hold, logged once each
-	for dr.refused.Load() || a.loginRefused.Load() || a.unanswered.Load() != 0 {
+	for dr.refused.Load() || a.loginRefused.Load() || a.awaitsAnswer(dr) {
 		switch {
 		case !a.spool.pending(dr.id):
 		case dr.refused.Load():
@@ -142,6 +156,17 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 		a.log.Info("the broker grants the device's commands again; running those held", "device", dr.id)
 	}
 	return true
+}
+
+// awaitsAnswer reports whether the device's commands wait for the broker's
+// answer to the subscriptions of the current connection (unanswered). A
+// device's wait ends with the SUBACK of its own filter (answer), not with
+// the whole round: on NATS, where each SUBSCRIBE makes a consumer, a round
+// for a fleet of devices takes minutes, and a device whose filter was
+// granted in the first chunk would wait for the last.
+func (a *Agent) awaitsAnswer(dr *deviceRunner) bool {
+	conn := a.unanswered.Load()
+	return conn != 0 && dr.answeredOn.Load() != conn
 }
 
 // holdAtStart ends the workers' wait at start (unanswered) when no
