@@ -124,6 +124,21 @@ const OpSettingsUpdate = "settings.update"
 // those of its payload when it is a settings.update, else none (nor for a
 // payload that does not decode).
 func (c Command) SettingsAsked() []string {
+	asked := c.settingsAsked()
+	if len(asked) == 0 {
+		return nil
+	}
+	names := make([]string, 0, len(asked))
+	for k := range asked {
+		names = append(names, k)
+	}
+	return names
+}
+
+// settingsAsked returns the settings c asks the device for, each name with
+// its value as the payload holds it: those of a settings.update, else none
+// (nor for a payload that does not decode).
+func (c Command) settingsAsked() map[string]json.RawMessage {
 	if c.Op != OpSettingsUpdate {
 		return nil
 	}
@@ -133,11 +148,7 @@ func (c Command) SettingsAsked() []string {
 	if json.Unmarshal(c.Payload, &p) != nil {
 		return nil
 	}
-	names := make([]string, 0, len(p.Settings))
-	for k := range p.Settings {
-		names = append(names, k)
-	}
-	return names
+	return p.Settings
 }
 
 // WithdrawsDesired reports whether c, as stored now, ended a change of

@@ -211,34 +211,75 @@ func (r ReportedSettings) ApplyTo(s *Settings) {
 	s.At, s.Seq = r.At, r.Seq
 }
 
-// Withdraw drops from s.Desired the settings that ended asked for, a
+// Withdraw takes out of s.Desired the settings that ended asked for, a
 // settings command that ended without succeeding (Command.WithdrawsDesired):
-// nothing will apply them. Those that a later command of the device (of
-// later, each with an id above ended's) asked for stay: desired values
-// follow the commands in id order (Command.Desired), so they are that
-// command's. It reports whether it dropped any (bug 236: a canceled,
-// failed or expired change was listed as desired and pending for good).
-func (s *Settings) Withdraw(ended Command, later []Command) bool {
+// nothing will apply them. others are the device's other commands: those
+// with an id above ended's, and those below it that are not final or
+// succeeded (a store may leave out those below the oldest that is not
+// final: they decide nothing). Desired values follow the commands in id
+// order (Command.Desired), and a change that ended without succeeding
+// counts for nothing. So a setting that a later change asked for stays:
+// it is that change's. One that an earlier change asked for is that
+// change's again, of the latest such change: its value when the change is
+// not final, which the device is still to be sent or to apply; none when
+// it succeeded, since the device ran it, and the earlier ones before it,
+// and its final reply brought the value it set (bug 254: the earlier
+// change still open was left out of desired and pending until it ended).
+// A value the device reports already goes too, as a report takes out
+// those it brings (ReportedSettings.ApplyTo). Only settings still desired
+// are touched: one the device reported meanwhile, or that an unbinding
+// dropped, stays out. It reports whether it changed s.Desired (bug 236: a
+// canceled, failed or expired change was listed as desired and pending
+// for good).
+func (s *Settings) Withdraw(ended Command, others []Command) bool {
 	asked := ended.SettingsAsked()
 	if len(s.Desired) == 0 || len(asked) == 0 {
 		return false
 	}
 	kept := map[string]bool{}
-	for _, c := range later {
-		if c.ID > ended.ID {
+	back := map[string]json.RawMessage{} // a setting → its value of the latest earlier change (nil: none, it succeeded)
+	backID := map[string]string{}        // a setting → that change's id
+	for _, c := range others {
+		if c.WithdrawsDesired() {
+			continue
+		}
+		switch {
+		case c.ID > ended.ID:
 			for _, k := range c.SettingsAsked() {
 				kept[k] = true
 			}
+		case c.ID < ended.ID && (!IsFinal(c.State) || c.State == StateSucceeded):
+			for k, v := range c.settingsAsked() {
+				if c.ID < backID[k] {
+					continue
+				}
+				backID[k], back[k] = c.ID, nil
+				if c.State == StateSucceeded {
+					continue
+				}
+				// As CreateCommand recorded it (NewDesiredSettings).
+				if v, err := CompactJSON(v); err == nil {
+					back[k] = v
+				}
+			}
 		}
 	}
-	dropped := false
+	changed := false
 	for _, k := range asked {
-		if _, ok := s.Desired[k]; ok && !kept[k] {
+		had, ok := s.Desired[k]
+		switch {
+		case !ok || kept[k]:
+		case back[k] != nil && !SameJSON(back[k], s.Reported[k]):
+			if !bytes.Equal(had, back[k]) {
+				s.Desired[k] = back[k]
+				changed = true
+			}
+		default:
 			delete(s.Desired, k)
-			dropped = true
+			changed = true
 		}
 	}
-	return dropped
+	return changed
 }
 
 // NewDesiredSettings checks and compacts settings a user asked for: each

@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"encoding/json"
 	"path/filepath"
 	"testing"
 	"time"
@@ -265,4 +266,75 @@ func TestUnbindReadsOnlyTheOpenCommands(t *testing.T) {
 	n, err := db.CountOpen(ctx, "d1")
 	require.NoError(t, err)
 	require.Zero(t, n, "d1's open commands after the unbind")
+}
+
+// TestDesiredBackFromFoldedCommands: a settings change that ends without
+// succeeding gives its setting back to the latest earlier change still
+// open, unless one between them succeeded, whether those changes' index
+// entries are folded into device_cmds or still staged in device_cmds_new
+// (docs/reliability.md, bug 254).
+func TestDesiredBackFromFoldedCommands(t *testing.T) {
+	ctx := context.Background()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{})
+	db.foldAt = 4
+	require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "sim-1"}))
+	_, _, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1"})
+	require.NoError(t, err)
+	volume := func(v string) companion.Command {
+		t.Helper()
+		c, _, err := db.CreateCommand(ctx, companion.Command{
+			DeviceID: "d1", UserID: "u1", Op: companion.OpSettingsUpdate,
+			Payload: json.RawMessage(`{"settings":{"volume":` + v + `}}`),
+			Desired: map[string]json.RawMessage{"volume": json.RawMessage(v)},
+		}, 0, nil)
+		require.NoError(t, err)
+		return c
+	}
+	end := func(id, state string) {
+		t.Helper()
+		_, err := db.UpdateCommand(ctx, id, func(c *companion.Command) error { c.State = state; return nil })
+		require.NoError(t, err)
+	}
+	history := func() {
+		t.Helper()
+		for range 5 {
+			c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", UserID: "u1", Op: "push.text"}, 0, nil)
+			require.NoError(t, err)
+			end(c.ID, companion.StateSucceeded)
+		}
+	}
+	wantVolume := func(want, what string) {
+		t.Helper()
+		s, err := db.Settings(ctx, "d1")
+		require.NoError(t, err)
+		require.Equal(t, want, string(s.Desired["volume"]), "desired volume after %s", what)
+	}
+
+	a := volume("3")
+	end(a.ID, companion.StateDelivered)
+	history()
+	b := volume("5")
+	history()
+	c := volume("7")
+	staged, folded := countDeviceIndex(t, db)
+	require.NotZero(t, staged, "the test should leave some entries unfolded")
+	require.NotZero(t, folded, "the test should fold some entries")
+
+	end(c.ID, companion.StateCanceled)
+	wantVolume("5", "C canceled: B's")
+	end(b.ID, companion.StateFailed)
+	wantVolume("3", "B failed: A's")
+	end(a.ID, companion.StateFailed)
+	wantVolume("", "A failed: none")
+
+	// One that succeeded after the earlier one still open, folded too.
+	d := volume("9")
+	end(d.ID, companion.StateDelivered)
+	history()
+	e := volume("11")
+	end(e.ID, companion.StateSucceeded)
+	history()
+	f := volume("13")
+	end(f.ID, companion.StateFailed)
+	wantVolume("", "F failed, E before it succeeded: none, not D's")
 }

@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -279,14 +280,21 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.Repo
 	return true, nil
 }
 
-// withdrawDesired drops, in tx, the desired settings that c asked for
-// when it is a settings command that has just ended without succeeding
-// (companion.Command.WithdrawsDesired), but those a later command of its
-// device asked for (companion.Settings.Withdraw): nothing will apply them,
-// and they were left desired and pending for good (bug 236). The later
-// commands are those above c's id in the device's index, the ones not
-// folded yet included (ListCommands). An unbinding needs none of it: it
-// drops every desired setting (dropDesired).
+// withdrawDesired takes out, in tx, the desired settings that c asked
+// for when it is a settings command that has just ended without
+// succeeding (companion.Command.WithdrawsDesired), but those a later
+// command of its device asked for, and gives back those an earlier
+// command still open asked for, unless one after it succeeded
+// (companion.Settings.Withdraw): nothing will apply c's, and they were
+// left desired and pending for good (bug 236), while an earlier change
+// still open was left out of them (bug 254). The later commands are
+// those above c's id in the device's index, the ones not folded yet
+// included (ListCommands); the earlier ones are read newest first, only
+// those the open index holds, until the device's count of open commands
+// is reached (as endUnbound reads them), and then, when one of them is a
+// settings change, the finished ones between the oldest such and c. An
+// unbinding needs none of it: it drops every desired setting
+// (dropDesired).
 func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 	if !c.WithdrawsDesired() {
 		return nil
@@ -297,19 +305,35 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 	if err != nil || !ok || len(s.Desired) == 0 {
 		return err
 	}
-	var later []companion.Command
+	var (
+		others  []companion.Command
+		left    uint64 // the device's open commands not met yet
+		openIdx = tx.Bucket(bucketOpen)
+	)
+	if v := tx.Bucket(bucketOpenCount).Get([]byte(c.DeviceID)); len(v) == 8 {
+		left = binary.BigEndian.Uint64(v)
+	}
 	cmds := tx.Bucket(bucketCommands)
-	add := func(id []byte) {
-		var lc companion.Command
+	// visit reads the command id when it is later than c, or earlier and
+	// open.
+	visit := func(id []byte) {
+		open := openIdx.Get(id) != nil
+		if open && left > 0 {
+			left--
+		}
+		if string(id) < c.ID && !open {
+			return
+		}
+		var oc companion.Command
 		// A record that does not decode asks for nothing here; the reads
 		// that list it count and log it (metUndecodable).
-		if found, err := getJSON(cmds, id, &lc); err == nil && found {
-			later = append(later, lc)
+		if found, err := getJSON(cmds, id, &oc); err == nil && found {
+			others = append(others, oc)
 		}
 	}
 	err = tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
-		if string(dev) == c.DeviceID && string(id) > c.ID {
-			add(id)
+		if string(dev) == c.DeviceID && string(id) != c.ID {
+			visit(id)
 		}
 		return nil
 	})
@@ -320,10 +344,51 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 	cur := tx.Bucket(bucketDeviceCmds).Cursor()
 	for k, _ := cur.Seek(key(c.DeviceID, c.ID)); k != nil && bytes.HasPrefix(k, p); k, _ = cur.Next() {
 		if id := k[len(p):]; string(id) > c.ID {
-			add(id)
+			visit(id)
 		}
 	}
-	if !s.Withdraw(c, later) {
+	k, _ := cur.Seek(key(c.DeviceID, c.ID))
+	if k == nil {
+		k, _ = cur.Last()
+	} else {
+		k, _ = cur.Prev()
+	}
+	for ; left > 0 && k != nil && bytes.HasPrefix(k, p); k, _ = cur.Prev() {
+		visit(k[len(p):])
+	}
+	// The settings changes that succeeded between the oldest earlier one
+	// still open and c: the device ran that one before them. Only when
+	// there is one, as the walk decodes the finished history.
+	since := ""
+	for _, oc := range others {
+		if oc.ID < c.ID && oc.Op == companion.OpSettingsUpdate && (since == "" || oc.ID < since) {
+			since = oc.ID
+		}
+	}
+	if since != "" {
+		between := func(id []byte) {
+			if string(id) <= since || string(id) >= c.ID || openIdx.Get(id) != nil {
+				return
+			}
+			var oc companion.Command
+			if found, err := getJSON(cmds, id, &oc); err == nil && found && oc.Op == companion.OpSettingsUpdate && oc.State == companion.StateSucceeded {
+				others = append(others, oc)
+			}
+		}
+		err = tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
+			if string(dev) == c.DeviceID {
+				between(id)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		for k, _ := cur.Seek(key(c.DeviceID, since)); k != nil && bytes.HasPrefix(k, p) && string(k[len(p):]) < c.ID; k, _ = cur.Next() {
+			between(k[len(p):])
+		}
+	}
+	if !s.Withdraw(c, others) {
 		return nil
 	}
 	s.UpdatedAt = db.now()

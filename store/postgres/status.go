@@ -525,14 +525,17 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID str
 	return true, nil
 }
 
-// withdrawDesired drops, in tx, the desired settings that c asked for
-// when it is a settings command that has just ended without succeeding
-// (companion.Command.WithdrawsDesired), but those a later settings
-// command of its device asked for (companion.Settings.Withdraw): nothing
-// will apply them, and they were left desired and pending for good (bug
-// 236). The settings row is taken last, as every write that changes it
-// does (after the command's row, the device's queue and its status). An
-// unbinding needs none of it: it drops every desired setting.
+// withdrawDesired takes out, in tx, the desired settings that c asked
+// for when it is a settings command that has just ended without
+// succeeding (companion.Command.WithdrawsDesired), but those a later
+// settings command of its device asked for, and gives back those an
+// earlier settings command still open asked for, unless one after it
+// succeeded (companion.Settings.Withdraw): nothing will apply c's, and
+// they were left desired and pending for good (bug 236), while an earlier
+// change still open was left out of them (bug 254). The settings row is taken
+// last, as every write that changes it does (after the command's row,
+// the device's queue and its status). An unbinding needs none of it: it
+// drops every desired setting.
 func withdrawDesired(ctx context.Context, tx pgx.Tx, c companion.Command, now time.Time) error {
 	if !c.WithdrawsDesired() {
 		return nil
@@ -548,16 +551,21 @@ func withdrawDesired(ctx context.Context, tx pgx.Tx, c companion.Command, now ti
 	if err := r.settings(); err != nil || len(r.s.Desired) == 0 {
 		return err
 	}
-	rows, err := tx.Query(ctx, `SELECT `+commandColumns+` FROM commands WHERE device_id = $1 AND id > $2 AND op = $3`,
-		c.DeviceID, c.ID, companion.OpSettingsUpdate)
+	// Those after c, and those before it not final, or succeeded after
+	// the oldest of those (companion.Settings.Withdraw).
+	rows, err := tx.Query(ctx, `SELECT `+commandColumns+` FROM commands WHERE device_id = $1 AND op = $3
+		AND (id > $2 OR (id < $2 AND (state IN `+openStates+` OR (state = $4 AND id > (
+			SELECT id FROM commands WHERE device_id = $1 AND op = $3 AND id < $2 AND state IN `+openStates+`
+			ORDER BY id LIMIT 1)))))`,
+		c.DeviceID, c.ID, companion.OpSettingsUpdate, companion.StateSucceeded)
 	if err != nil {
 		return err
 	}
-	later, err := appendCommands(nil, rows)
+	others, err := appendCommands(nil, rows)
 	if err != nil {
 		return err
 	}
-	if !r.s.Withdraw(c, later) {
+	if !r.s.Withdraw(c, others) {
 		return nil
 	}
 	r.s.UpdatedAt = now

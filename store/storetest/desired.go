@@ -177,3 +177,81 @@ func testDesiredWithdrawnWhenTheChangeEnds(t *testing.T, s companion.Store) {
 	assert.True(t, equalRaw(desired(t, s, "d2"), map[string]string{"brightness": "10"}), "a failed text push changed the desired settings")
 	setState(t, s, other.ID, companion.StateSucceeded)
 }
+
+// A settings change that ends without succeeding gives each setting it
+// asked for back to the latest earlier change still open that asked for
+// it: that one is still to be sent or applied, and desired values follow
+// the commands in id order; unless a change between them succeeded. A
+// setting a later change still open asked for is that change's, whatever
+// an earlier one asked; one a later change asked for that ended without
+// succeeding too is not (bug 254: the setting left desired, and pending,
+// until the earlier change ended).
+func testDesiredBackToAnEarlierChange(t *testing.T, s companion.Store) {
+	provision(t, s, "sim-1", "d1")
+	bind(t, s, "u1", "d1")
+
+	a := desire(t, s, "d1", "u1", map[string]string{"volume": "3", "brightness": "10"})
+	b := desire(t, s, "d1", "u1", map[string]string{"volume": "5"})
+	c := desire(t, s, "d1", "u1", map[string]string{"volume": "7", "brightness": "20"})
+	create(t, s, newCmd("d1")) // open, and no settings change
+	setState(t, s, a.ID, companion.StateSent)
+	setState(t, s, c.ID, companion.StateCanceled)
+	got := desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "5", "brightness": "10"}),
+		"Desired after C canceled = %s; want B's volume and A's brightness, the latest still open", got)
+
+	setState(t, s, b.ID, companion.StateFailed)
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "3", "brightness": "10"}),
+		"Desired after B failed = %s; want A's volume, C's ended too", got)
+
+	d := desire(t, s, "d1", "u1", map[string]string{"volume": "9"})
+	e := desire(t, s, "d1", "u1", map[string]string{"volume": "11"})
+	setState(t, s, d.ID, companion.StateExpired)
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"volume": "11", "brightness": "10"}),
+		"Desired after D expired under E = %s; want E's volume untouched", got)
+
+	setState(t, s, a.ID, companion.StateSucceeded)
+	setState(t, s, e.ID, companion.StateFailed)
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"brightness": "10"}),
+		"Desired after E failed = %s; want no volume: A, before it, is final", got)
+
+	// A setting the device reported meanwhile stays out.
+	f := desire(t, s, "d1", "u1", map[string]string{"volume": "13"})
+	g := desire(t, s, "d1", "u1", map[string]string{"volume": "15"})
+	ok, err := s.PutReportedSettings(t.Context(), "d1", map[string]json.RawMessage{"volume": raw("15")}, nil, now(), 1)
+	require.NoError(t, err)
+	require.True(t, ok, "PutReportedSettings applied")
+	setState(t, s, g.ID, companion.StateFailed)
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"brightness": "10"}),
+		"Desired after G failed, its volume reported = %s; want no volume", got)
+	setState(t, s, f.ID, companion.StateCanceled)
+
+	// An earlier change still open under a later one that succeeded is
+	// not given back: the device ran it before that one, whose final
+	// reply brought the value it set.
+	h := desire(t, s, "d1", "u1", map[string]string{"volume": "21"})
+	i := desire(t, s, "d1", "u1", map[string]string{"volume": "23"})
+	j := desire(t, s, "d1", "u1", map[string]string{"volume": "25"})
+	setState(t, s, i.ID, companion.StateSucceeded)
+	setState(t, s, j.ID, companion.StateFailed)
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"brightness": "10"}),
+		"Desired after J failed, I before it succeeded = %s; want no volume, not H's before I", got)
+	setState(t, s, h.ID, companion.StateCanceled)
+
+	// Nor the value of one the device reports already: it is applied.
+	k := desire(t, s, "d1", "u1", map[string]string{"volume": "41"})
+	ok, err = s.PutReportedSettings(t.Context(), "d1", map[string]json.RawMessage{"volume": raw("41")}, nil, now(), 2)
+	require.NoError(t, err)
+	require.True(t, ok, "PutReportedSettings applied")
+	l := desire(t, s, "d1", "u1", map[string]string{"volume": "43"})
+	setState(t, s, l.ID, companion.StateFailed)
+	got = desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"brightness": "10"}),
+		"Desired after L failed, K's volume reported = %s; want no volume", got)
+	setState(t, s, k.ID, companion.StateSucceeded)
+}

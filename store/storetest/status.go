@@ -161,6 +161,7 @@ func testSettings(t *testing.T, open Opener) {
 		{"DesiredFollowsTheCommands", testDesiredFollowsTheCommands},
 		{"DesiredOnlyWithTheCommand", testDesiredOnlyWithTheCommand},
 		{"DesiredWithdrawnWhenTheChangeEnds", testDesiredWithdrawnWhenTheChangeEnds},
+		{"DesiredBackToAnEarlierChange", testDesiredBackToAnEarlierChange},
 		{"DesiredBeforeAnyReport", func(t *testing.T, s companion.Store) {
 			ctx := t.Context()
 			desire(t, s, "d1", "", map[string]string{"volume": "30"})
