@@ -222,7 +222,8 @@ func (b *Broker) DispatcherChanged(dispatching bool) {
 // store (the store's notification): those waiting here for it are
 // answered if it is final now. It reads the store only when someone here
 // waits. An empty id means notifications may have been lost (the store's
-// listener reconnected): every command waited for here is read again.
+// listener LISTENs anew: once it starts, and after it reconnected): every
+// command waited for here is read again.
 func (b *Broker) CommandChanged(ctx context.Context, id string) {
 	if b.opts.Dispatcher != nil {
 		// Perhaps a command another replica accepted: the dispatcher reads

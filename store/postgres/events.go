@@ -260,8 +260,8 @@ func (s *Store) PurgeEvents(ctx context.Context, olderThan time.Time) (int, erro
 
 // ListenEvents calls fn each time a transaction that appended events
 // committed, on any replica of the database, and when notifications may
-// have been missed (the connection was lost and is back): fn then reads
-// the log. fn runs on ListenEvents' goroutine, one call at a time: it must
+// have been missed (LISTEN is in place, the first time or after the
+// connection was lost): fn then reads the log. fn runs on ListenEvents' goroutine, one call at a time: it must
 // be quick. It LISTENs on a connection of its own, as ListenCommands does,
 // and returns when ctx is done (ctx.Err()) or the store is closed (nil).
 func (s *Store) ListenEvents(ctx context.Context, fn func()) error {

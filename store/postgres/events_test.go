@@ -162,7 +162,13 @@ func TestPostgresEvents(t *testing.T) {
 			cancel()
 			<-done
 		}()
-		// LISTEN takes a moment: write until a notification comes.
+		// The first wake comes once LISTEN is in place (bug 255); then
+		// write until a notification comes.
+		select {
+		case <-woke:
+		case <-time.After(waitFor):
+			t.Fatal("no wake once LISTEN was in place")
+		}
 		deadline := time.After(waitFor)
 		tick := time.NewTicker(50 * time.Millisecond)
 		defer tick.Stop()

@@ -31,3 +31,11 @@ func LaneOf(s *Store, deviceID string) int { return int(deviceHash(deviceID)) % 
 
 // PoolMaxConns is the bound of s's connection pool.
 func PoolMaxConns(s *Store) int32 { return s.pool.Config().MaxConns }
+
+// SetHookListen has f called by the listeners of every store (ListenCommands,
+// ListenEvents) on their new connection before it LISTENs, until the test
+// ends. Only one test at a time may set it, before it starts listening.
+func SetHookListen(t testing.TB, f func(ctx context.Context)) {
+	testHookListen.Store(&f)
+	t.Cleanup(func() { testHookListen.Store(nil) })
+}

@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
@@ -13,10 +14,12 @@ import (
 
 // ListenCommands calls fn with the id of every command whose state a
 // transaction changed, on any replica of the database, once that
-// transaction committed; fn("") means notifications may have been missed
-// (the connection was lost and is back), so that the caller re-reads what
-// it waits for. fn runs on ListenCommands' goroutine, one call at a time:
-// it must be quick.
+// transaction committed; fn("") means notifications may have been missed,
+// so that the caller re-reads what it waits for. It comes once each LISTEN
+// is in place: after a reconnection, and after the first one too, since
+// what the caller registered before it was announced to nobody
+// (docs/reliability.md, bug 255). fn runs on ListenCommands' goroutine,
+// one call at a time: it must be quick.
 //
 // It LISTENs on a connection of its own, outside the pool, and
 // reconnects (backing off up to 5 seconds, ±50%) when it is lost. It returns
@@ -26,8 +29,8 @@ func (s *Store) ListenCommands(ctx context.Context, fn func(id string)) error {
 }
 
 // listenLoop LISTENs on channel and calls fn with the payload of each
-// notification, and fn("") after each reconnection, until ctx is done or
-// the store is closed (see ListenCommands).
+// notification, and fn("") once each LISTEN is in place, until ctx is done
+// or the store is closed (see ListenCommands).
 func (s *Store) listenLoop(ctx context.Context, channel string, fn func(payload string)) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -41,8 +44,8 @@ func (s *Store) listenLoop(ctx context.Context, channel string, fn func(payload 
 	// Jittered, so that replicas that lost PostgreSQL together (a restart)
 	// do not reconnect in lockstep.
 	bo := listenBackoff()
-	for first := true; ; first = false {
-		err := s.listen(ctx, channel, fn, !first)
+	for {
+		err := s.listen(ctx, channel, fn)
 		select {
 		case <-s.done:
 			return nil
@@ -75,20 +78,24 @@ func listenBackoff() *backoff.ExponentialBackOff {
 // next attempt starts again with a short wait.
 var errListening = errors.New("lost while listening")
 
-// listen connects, LISTENs, calls fn("") when it reconnected, then fn of
-// each notification until the connection fails or ctx is done.
-func (s *Store) listen(ctx context.Context, channel string, fn func(payload string), reconnected bool) error {
+// listen connects, LISTENs, calls fn(""), then fn of each notification
+// until the connection fails or ctx is done. fn("") comes after the first
+// LISTEN too: until it is in place, notifications reach nobody, and the
+// caller may have registered what it waits for before, a Wait whose
+// command another replica ends meanwhile (bug 255).
+func (s *Store) listen(ctx context.Context, channel string, fn func(payload string)) error {
 	conn, err := pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
 	if err != nil {
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
+	if hook := testHookListen.Load(); hook != nil {
+		(*hook)(ctx)
+	}
 	if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
 		return err
 	}
-	if reconnected {
-		fn("")
-	}
+	fn("")
 	for {
 		n, err := conn.WaitForNotification(ctx)
 		if err != nil {
@@ -99,3 +106,8 @@ func (s *Store) listen(ctx context.Context, channel string, fn func(payload stri
 		}
 	}
 }
+
+// testHookListen, when set (by tests only), is called by listen on its new
+// connection before it LISTENs. Atomic: a listener of an earlier test may
+// still be winding down when a test sets it.
+var testHookListen atomic.Pointer[func(ctx context.Context)]

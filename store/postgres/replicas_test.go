@@ -36,6 +36,7 @@ func init() {
 		{"ClaimAcrossStores", testClaimAcrossStores},
 		{"ListenCommands", testListenCommands},
 		{"ListenReconnects", testListenReconnects},
+		{"ListenFirstTimeRereads", testListenFirstTimeRereads},
 		{"BarrierOrder", testBarrierOrder},
 		{"CloseWaitsForWrites", testCloseWaits},
 		{"BlobChunks", testBlobChunks},
@@ -242,8 +243,9 @@ func testListenCommands(t *testing.T, e *testEnv) {
 	go func() { listened <- a.ListenCommands(ctx, func(id string) { heard <- id }) }()
 
 	// LISTEN takes a moment: change commands until one is heard. Those
-	// changed meanwhile may be heard later; they are skipped below.
-	warm := map[string]bool{}
+	// changed meanwhile may be heard later; they are skipped below, as is
+	// the fn("") that follows the LISTEN (testListenFirstTimeRereads).
+	warm := map[string]bool{"": true}
 	deadline := time.After(waitFor)
 	for heardOne := false; !heardOne; {
 		c, _, err := b.CreateCommand(t.Context(), cmd("d1"), 0, nil)
@@ -314,6 +316,12 @@ func testListenReconnects(t *testing.T, e *testEnv) {
 	heard := make(chan string, 100)
 	listened := make(chan error, 1)
 	go func() { listened <- s.ListenCommands(ctx, func(id string) { heard <- id }) }()
+	select {
+	case id := <-heard:
+		require.Equal(t, "", id, "first call once LISTEN was in place")
+	case <-time.After(waitFor):
+		t.Fatal(`fn("") not called once LISTEN was in place`)
+	}
 
 	conn, err := pgx.Connect(t.Context(), dsn)
 	require.NoError(t, err)
@@ -342,6 +350,68 @@ func testListenReconnects(t *testing.T, e *testEnv) {
 	case <-time.After(waitFor):
 		t.Fatal("nothing heard after reconnecting")
 	}
+	cancel()
+	select {
+	case err := <-listened:
+		assert.ErrorIs(t, err, context.Canceled)
+	case <-time.After(waitFor):
+		t.Fatal("ListenCommands did not return when its context ended")
+	}
+}
+
+// A replica may register what it waits for (a Prefer: wait, a command
+// accepted there) before its listener's first LISTEN is in place: what
+// another replica changed meanwhile is announced to nobody. So the first
+// LISTEN, as every reconnection, is followed by fn(""), before any
+// notification, and the caller reads again what it waits for
+// (docs/reliability.md, bug 255).
+func testListenFirstTimeRereads(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	a, b := e.open(t, dsn), e.open(t, dsn)
+	connected, release := make(chan struct{}), make(chan struct{})
+	var first atomic.Bool
+	postgres.SetHookListen(t, func(ctx context.Context) {
+		if first.CompareAndSwap(false, true) {
+			close(connected)
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+	})
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	heard := make(chan string, 100)
+	listened := make(chan error, 1)
+	go func() { listened <- a.ListenCommands(ctx, func(id string) { heard <- id }) }()
+	select {
+	case <-connected:
+	case <-time.After(waitFor):
+		t.Fatal("the listener did not connect")
+	}
+	// Announced before the LISTEN: nobody hears it.
+	missed, _, err := b.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	_, err = b.UpdateCommand(t.Context(), missed.ID, func(c *companion.Command) error { c.State = companion.StateCanceled; return nil })
+	require.NoError(t, err)
+	close(release)
+
+	// The LISTEN is in place once a change is heard; fn("") came before.
+	var got []string
+	deadline := time.After(waitFor)
+	for len(got) == 0 || got[len(got)-1] == "" {
+		_, _, err := b.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+		require.NoError(t, err)
+		select {
+		case id := <-heard:
+			got = append(got, id)
+		case <-time.After(100 * time.Millisecond):
+		case <-deadline:
+			t.Fatalf("no notification heard; heard %q", got)
+		}
+	}
+	assert.Equal(t, "", got[0], "first call once LISTEN was in place (heard %q): what was waited for before it is not read again", got)
+	assert.NotContains(t, got, missed.ID, "heard a change announced before the LISTEN")
 	cancel()
 	select {
 	case err := <-listened:
