@@ -205,6 +205,11 @@ type Broker struct {
 	// (CommandChanged): one whose acceptance the store calls back only
 	// after is not made live (see Submit; bug 232). Under mu.
 	elsewhere idSet
+	// lost counts the times notifications may have been lost
+	// (CommandChanged("")): a command whose acceptance the store calls
+	// back after one began is not made live (see Submit; bug 256). Under
+	// mu.
+	lost uint64
 
 	// dispatchSince is when this broker was last seen to become the
 	// dispatcher; for a server alone, when New made it. A command accepted

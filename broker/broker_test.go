@@ -1881,7 +1881,7 @@ func TestWaitersHearOfAnotherReplicasFinalState(t *testing.T) {
 		return nil
 	})
 	require.NoError(t, err)
-	e.b.CommandChanged(ctx, "") // the listener reconnected: every waited command is read again
+	e.b.CommandChanged(ctx, "") // the listener LISTENs anew: every waited command is read again
 	select {
 	case c := <-got:
 		assert.Equal(t, companion.StateSucceeded, c.State)

@@ -24,6 +24,9 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 		err      error
 	}
 	ch := make(chan result, 1)
+	b.mu.Lock()
+	lost := b.lost
+	b.mu.Unlock()
 	start := time.Now()
 	b.st.CreateCommandAsync(c, b.opts.MaxOpenCommands, idem, func(cmd companion.Command, replayed bool, err error) {
 		b.opts.Observer.StoreWrite(StoreWriteCreate, time.Since(start))
@@ -41,8 +44,10 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 			// Changed by another replica already (bug 232): perhaps ended
 			// there, by an unbinding; this replica heard it only as an id
 			// (CommandChanged), with no one waiting here yet to read it.
-			// Not live: a Wait reads the store.
-			if !ended && !b.elsewhere.has(cmd.ID) {
+			// Not live: a Wait reads the store. Nor when notifications
+			// may have been lost since it was submitted (bug 256): those
+			// of another replica's change of it too.
+			if !ended && !b.elsewhere.has(cmd.ID) && b.lost == lost {
 				b.live[cmd.ID] = true
 			}
 			b.mu.Unlock()
@@ -239,6 +244,11 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 		for w := range b.waiters {
 			ids = append(ids, w)
 		}
+		// Another replica may have ended any of them meanwhile, unheard:
+		// none is live any more, and a later Wait reads the store rather
+		// than wait out its time for a notify that came before (bug 256).
+		clear(b.live)
+		b.lost++
 	} else {
 		// Another replica changed it, perhaps to final (it took the reply,
 		// or canceled it): this replica will not see it become final, so

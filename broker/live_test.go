@@ -212,3 +212,46 @@ func TestACommandEndedByAnotherReplicaBeforeItsAcceptanceCalledBackIsFinal(t *te
 	assert.Zero(t, liveCount(e), "the command ended by another replica is live")
 	assert.Equal(t, companion.StateCanceled, waitAnswer(t, e, cmd.ID).State)
 }
+
+// Commands accepted here that another replica ended while this replica's
+// notifications were lost (its listener reconnecting, or not LISTENing
+// yet as it started) are not live here once the listener says so
+// (CommandChanged("")): a later Wait for one reads the store rather than
+// wait out its time (bug 256). So too one whose acceptance the store calls
+// back only after that (bug 232's case, its notifications lost).
+func TestCommandsEndedWhileNotificationsWereLostAreNotLive(t *testing.T) {
+	t.Run("accepted", func(t *testing.T) {
+		e := newEnv(t, false)
+		ctx := context.Background()
+		c := submit(t, e, "dev-1", "x", time.Hour)
+		_, err := e.db.UpdateCommand(ctx, c.ID, func(c *companion.Command) error {
+			c.State = companion.StateSucceeded
+			return nil
+		})
+		require.NoError(t, err)
+		e.b.CommandChanged(ctx, "") // its notification lost
+		assert.Zero(t, liveCount(e), "a command ended elsewhere while notifications were lost is live")
+		assert.Equal(t, companion.StateSucceeded, waitAnswer(t, e, c.ID).State)
+	})
+	t.Run("called back after", func(t *testing.T) {
+		e, hold := newEnvOn(t, func(db *store.DB) *heldCreates {
+			return &heldCreates{DB: db, created: make(chan companion.Command, 1), release: make(chan struct{})}
+		})
+		ctx := context.Background()
+		accepted := make(chan error, 1)
+		go func() {
+			_, _, err := e.b.Submit(ctx, companion.Command{DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText,
+				Payload: []byte(`{"text":"the previous owner's"}`), ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
+			accepted <- err
+		}()
+		cmd := <-hold.created
+		unbound, err := e.db.Unbind(ctx, "dev-1", "u1") // another replica's
+		require.NoError(t, err)
+		require.Len(t, unbound.Ended, 1)
+		e.b.CommandChanged(ctx, "") // both notifications lost
+		close(hold.release)
+		require.NoError(t, <-accepted)
+		assert.Zero(t, liveCount(e), "a command ended elsewhere while notifications were lost is live")
+		assert.Equal(t, companion.StateCanceled, waitAnswer(t, e, cmd.ID).State)
+	})
+}
