@@ -1,7 +1,9 @@
 // Package mqtttest holds test helpers for every package that talks MQTT: a
 // free TCP port, and a real Mosquitto started from the repository's own
 // mosquitto.conf with accounts and ACLs of the test's choosing, kept in
-// Mosquitto's dynamic-security plugin as that file has it.
+// Mosquitto's dynamic-security plugin as that file has it (StartMosquitto),
+// or in the password and ACL files of its static alternative
+// (StartMosquittoStatic).
 //
 // It is for tests only; nothing outside _test.go files should import it.
 package mqtttest
@@ -88,10 +90,30 @@ const (
 // the test ends; if the test failed, its log is printed.
 func StartMosquitto(tb testing.TB, accounts ...MosquittoAccount) *Mosquitto {
 	tb.Helper()
+	return startMosquitto(tb, nil, accounts)
+}
+
+// StartMosquittoStatic starts Mosquitto as StartMosquitto does, but as
+// docs/mosquitto.md, section 3, has the operator run it for a server with
+// --mqtt-dynsec=false: the repository's mosquitto.conf without its plugin
+// lines and with its password_file and acl_file lines uncommented. Each
+// account's password goes in the password file (mosquitto_passwd); its ACL
+// lines are not used: acl is the ACL file, as written (such as
+// docs/companion.acl.example). AddAccount and Dynsec are not for it.
+func StartMosquittoStatic(tb testing.TB, acl []byte, accounts ...MosquittoAccount) *Mosquitto {
+	tb.Helper()
+	return startMosquitto(tb, acl, accounts)
+}
+
+// startMosquitto starts Mosquitto with the dynamic-security plugin, or
+// with a password and an ACL file when acl is not nil.
+func startMosquitto(tb testing.TB, acl []byte, accounts []MosquittoAccount) *Mosquitto {
+	tb.Helper()
 	bin := findBinary("mosquitto")
 	plugin := findPlugin()
-	if bin == "" || plugin == "" {
-		tb.Fatal("mqtttest: mosquitto or its dynamic-security plugin not installed: run make deps (it installs Debian's mosquitto)")
+	passwd := findBinary("mosquitto_passwd")
+	if bin == "" || plugin == "" || acl != nil && passwd == "" {
+		tb.Fatal("mqtttest: mosquitto, mosquitto_passwd or the dynamic-security plugin not installed: run make deps (it installs Debian's mosquitto)")
 	}
 	src, err := repoConf()
 	if err != nil {
@@ -108,7 +130,11 @@ func StartMosquitto(tb testing.TB, accounts ...MosquittoAccount) *Mosquitto {
 	m.logPath = filepath.Join(m.Dir, "mosquitto.log")
 	m.dynsecPath = filepath.Join(m.Dir, "dynamic-security.json")
 
-	conf, err := rewriteConf(src, m.Port, m.Dir, m.logPath, plugin, m.dynsecPath)
+	var files *staticFiles
+	if acl != nil {
+		files = &staticFiles{passwd: filepath.Join(m.Dir, "companion.passwd"), acl: filepath.Join(m.Dir, "companion.acl")}
+	}
+	conf, err := rewriteConf(src, m.Port, m.Dir, m.logPath, plugin, m.dynsecPath, files)
 	if err != nil {
 		tb.Fatalf("mqtttest: %v", err)
 	}
@@ -116,7 +142,12 @@ func StartMosquitto(tb testing.TB, accounts ...MosquittoAccount) *Mosquitto {
 		tb.Fatalf("mqtttest: %v", err)
 	}
 	m.accounts = accounts
-	if err := m.writeDynsec(); err != nil {
+	if files != nil {
+		err = writeStatic(passwd, files, acl, accounts)
+	} else {
+		err = m.writeDynsec()
+	}
+	if err != nil {
 		tb.Fatalf("mqtttest: %v", err)
 	}
 	tb.Cleanup(func() {
@@ -127,6 +158,25 @@ func StartMosquitto(tb testing.TB, accounts ...MosquittoAccount) *Mosquitto {
 	})
 	m.Start(tb)
 	return m
+}
+
+// staticFiles are where a static Mosquitto's password and ACL files go.
+type staticFiles struct {
+	passwd, acl string
+}
+
+// writeStatic writes the password file, with mosquitto_passwd as the
+// operator does, and the ACL file.
+func writeStatic(passwd string, files *staticFiles, acl []byte, accounts []MosquittoAccount) error {
+	if err := os.WriteFile(files.passwd, nil, 0o600); err != nil {
+		return err
+	}
+	for _, a := range accounts {
+		if out, err := exec.Command(passwd, "-b", files.passwd, a.Username, a.Password).CombinedOutput(); err != nil {
+			return fmt.Errorf("mosquitto_passwd %s: %v: %s", a.Username, err, out)
+		}
+	}
+	return os.WriteFile(files.acl, acl, 0o600)
 }
 
 // findBinary looks in PATH and in /usr/sbin, where Debian installs the broker
@@ -179,14 +229,30 @@ func repoConf() ([]byte, error) {
 // project's optional TLS listener) is dropped with the options that follow
 // it up to the next listener, as they belong to it. Accounts live in the
 // dynamic-security plugin: a password_file or acl_file line is an error.
-func rewriteConf(src []byte, port int, dir, logPath, plugin, dynsecPath string) ([]byte, error) {
+// With files, accounts live in files instead, as docs/mosquitto.md,
+// section 3, says: the plugin lines go, and the commented password_file and
+// acl_file lines are uncommented, naming files.
+func rewriteConf(src []byte, port int, dir, logPath, plugin, dynsecPath string, files *staticFiles) ([]byte, error) {
 	var out bytes.Buffer
 	sawListener, sawPersistLoc, sawPlugin, sawDynsec := false, false, false, false
+	sawPasswd, sawACL := false, false
 	inDropped := false
 	sc := bufio.NewScanner(bytes.NewReader(src))
 	for sc.Scan() {
 		line := sc.Text()
 		fields := strings.Fields(line)
+		if files != nil && len(fields) == 2 && !inDropped {
+			switch fields[0] {
+			case "#password_file":
+				sawPasswd = true
+				fmt.Fprintf(&out, "password_file %s\n", files.passwd)
+				continue
+			case "#acl_file":
+				sawACL = true
+				fmt.Fprintf(&out, "acl_file %s\n", files.acl)
+				continue
+			}
+		}
 		if len(fields) == 0 || strings.HasPrefix(fields[0], "#") {
 			out.WriteString(line + "\n")
 			continue
@@ -215,9 +281,17 @@ func rewriteConf(src []byte, port int, dir, logPath, plugin, dynsecPath string) 
 				return nil, fmt.Errorf("mosquitto.conf loads an unknown plugin: %q", line)
 			}
 			sawPlugin = true
+			if files != nil {
+				out.WriteString("# mqtttest dropped: " + line + "\n")
+				continue
+			}
 			fmt.Fprintf(&out, "plugin %s\n", plugin)
 		case "plugin_opt_config_file":
 			sawDynsec = true
+			if files != nil {
+				out.WriteString("# mqtttest dropped: " + line + "\n")
+				continue
+			}
 			fmt.Fprintf(&out, "plugin_opt_config_file %s\n", dynsecPath)
 		case "password_file", "acl_file":
 			return nil, fmt.Errorf("mosquitto.conf has %q: mqtttest keeps accounts in the dynamic-security plugin only", line)
@@ -242,6 +316,8 @@ func rewriteConf(src []byte, port int, dir, logPath, plugin, dynsecPath string) 
 		return nil, errors.New("mosquitto.conf does not load the dynamic-security plugin")
 	case !sawDynsec:
 		return nil, errors.New("mosquitto.conf has no plugin_opt_config_file line")
+	case files != nil && (!sawPasswd || !sawACL):
+		return nil, errors.New("mosquitto.conf has no commented password_file and acl_file lines to uncomment")
 	}
 	fmt.Fprintf(&out, "log_dest file %s\n", logPath)
 	// Run as whoever runs the test: as root, Mosquitto would otherwise switch
@@ -586,6 +662,41 @@ func (m *Mosquitto) stop() error {
 		_ = cmd.Process.Kill()
 		<-exited
 		return errors.New("mosquitto did not stop on SIGTERM; killed")
+	}
+}
+
+// SetACL replaces the ACL file of a Mosquitto started by
+// StartMosquittoStatic and has Mosquitto reread it, as
+// `systemctl reload mosquitto` does (SIGHUP); it returns once Mosquitto
+// has reread it: any packet sent after that meets the new file.
+func (m *Mosquitto) SetACL(tb testing.TB, acl []byte) {
+	tb.Helper()
+	path := filepath.Join(m.Dir, "companion.acl")
+	if _, err := os.Stat(path); err != nil {
+		tb.Fatalf("mqtttest: SetACL on a Mosquitto not started by StartMosquittoStatic: %v", err)
+	}
+	if err := os.WriteFile(path, acl, 0o600); err != nil {
+		tb.Fatalf("mqtttest: %v", err)
+	}
+	const reloaded = "Reloading config."
+	before := strings.Count(m.readLog(), reloaded)
+	m.mu.Lock()
+	cmd := m.cmd
+	m.mu.Unlock()
+	if cmd == nil {
+		tb.Fatal("mqtttest: mosquitto is not running")
+	}
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		tb.Fatalf("mqtttest: %v", err)
+	}
+	// Mosquitto logs the line as it starts the reload, in its one loop:
+	// a packet read after the line is handled after the reload.
+	deadline := time.Now().Add(startTimeout)
+	for strings.Count(m.readLog(), reloaded) == before {
+		if time.Now().After(deadline) {
+			tb.Fatalf("mqtttest: mosquitto did not reload its configuration on SIGHUP\n%s", m.readLog())
+		}
+		time.Sleep(10 * time.Millisecond) // polling a log file; there is nothing to wait on
 	}
 }
 

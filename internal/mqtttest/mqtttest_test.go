@@ -1,8 +1,12 @@
 package mqtttest_test
 
 import (
+	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -195,4 +200,97 @@ func TestOfflineQueueIsNotCapped(t *testing.T) {
 	// Nothing more is queued: the next message is one published now.
 	require.NoError(t, mqtt.WaitTokenTimeout(srv.Publish(cmd, 1, false, "marker"), wait))
 	require.Equal(t, "marker", string(br.next(t).Payload()))
+}
+
+// TestStaticACLFileRefusesNoSubscription pins what docs/mosquitto.md,
+// section 3, says the static alternative does not give: with a password
+// file and an ACL file, Mosquitto grants every SUBSCRIBE whatever the file
+// says (SUBACK with the QoS asked, never 0x80) and only withholds the
+// messages; a reload (SIGHUP) of a changed file disconnects nobody. So a
+// bridge never learns there that a device moved away (the agent holds a
+// device's commands only on 0x80), and with docs/companion.acl.example
+// every bridge reads every device's commands.
+func TestStaticACLFileRefusesNoSubscription(t *testing.T) {
+	root, err := testenv.RepoRoot()
+	require.NoError(t, err)
+	example, err := os.ReadFile(filepath.Join(root, "docs", "companion.acl.example"))
+	require.NoError(t, err)
+	// The example's second bridge, uncommented as an operator would.
+	two := strings.NewReplacer("# user bridge-2", "user bridge-2", "# topic", "topic").Replace(string(example))
+	require.Contains(t, two, "\nuser bridge-2\n")
+	bridge2 := mqtttest.MosquittoAccount{Username: "bridge-2", Password: "bridge-2-secret"}
+	m := mqtttest.StartMosquittoStatic(t, []byte(two), server, bridge, bridge2)
+
+	srv, err := mqtttest.DialProbe(t, m.URL, "srv", server.Username, server.Password)
+	require.NoError(t, err)
+	publish := func(topic string) {
+		t.Helper()
+		require.NoError(t, mqtt.WaitTokenTimeout(srv.Publish(topic, 1, false, topic), wait))
+	}
+	subscribe := func(p *mqtttest.Probe, filter string) byte {
+		t.Helper()
+		tok := p.Subscribe(filter, 1, nil)
+		require.NoError(t, mqtt.WaitTokenTimeout(tok, wait))
+		return tok.(*mqtt.SubscribeToken).Result()[filter]
+	}
+	next := func(p *mqtttest.Probe) string {
+		t.Helper()
+		select {
+		case msg := <-p.Msgs:
+			return msg.Topic()
+		case <-time.After(wait):
+			t.Fatal("no message arrived")
+			return ""
+		}
+	}
+	cmd := func(dev string) string { return tp(tree.Command(dev, topics.OpPushText)) }
+
+	// The example's ACL: bridge-2 reads the commands of dev-1, whichever
+	// bridge serves it.
+	b2, err := mqtttest.DialProbe(t, m.URL, "b2", bridge2.Username, bridge2.Password)
+	require.NoError(t, err)
+	require.Equal(t, byte(1), subscribe(b2, tp(tree.CommandsFilter("dev-1"))))
+	publish(cmd("dev-1"))
+	require.Equal(t, cmd("dev-1"), next(b2), "the example's ACL keeps no bridge to its own devices")
+
+	// One line per device: the file withholds the messages, never the
+	// subscription.
+	perDevice := func(b1dev, b2dev string) []byte {
+		return fmt.Appendf(nil, "user %s\ntopic readwrite %s/#\n\nuser %s\ntopic read %s\n\nuser %s\ntopic read %s\n",
+			server.Username, tree.Prefix(), bridge.Username, tp(tree.CommandsFilter(b1dev)),
+			bridge2.Username, tp(tree.CommandsFilter(b2dev)))
+	}
+	m.SetACL(t, perDevice("dev-1", "dev-2"))
+	b1, err := mqtttest.DialProbe(t, m.URL, "b1", bridge.Username, bridge.Password)
+	require.NoError(t, err)
+	require.Equal(t, byte(1), subscribe(b1, tp(tree.CommandsFilter("dev-1"))))
+	require.Equal(t, byte(1), subscribe(b1, tp(tree.CommandsFilter("dev-2"))), "a SUBSCRIBE the ACL file denies is granted, not refused (0x80)")
+	require.Equal(t, byte(1), subscribe(b1, tp(tree.CommandsFilter("dev-3"))))
+	publish(cmd("dev-2"))
+	publish(cmd("dev-1"))
+	require.Equal(t, cmd("dev-1"), next(b1), "dev-2's command went to a bridge the ACL file denies it")
+
+	// dev-1 moves to bridge-2: the reload cuts bridge-1's delivery but
+	// neither disconnects it nor refuses it the filter.
+	m.SetACL(t, perDevice("dev-3", "dev-1"))
+	require.Equal(t, byte(1), subscribe(b1, tp(tree.CommandsFilter("dev-1"))), "the filter of a device moved away is granted again")
+	publish(cmd("dev-1"))
+	publish(cmd("dev-3"))
+	require.Equal(t, cmd("dev-3"), next(b1), "the command of a device moved away went to its old bridge")
+	require.True(t, b1.IsConnectionOpen())
+	select {
+	case err := <-b1.Lost:
+		t.Fatalf("the reload disconnected the bridge: %v", err)
+	default:
+	}
+
+	// A QoS 1 publish the file denies is acknowledged and dropped, and the
+	// connection stays open (docs/mosquitto.md, section 4).
+	watcher, err := mqtttest.DialProbe(t, m.URL, "watcher", server.Username, server.Password)
+	require.NoError(t, err)
+	require.Equal(t, byte(1), subscribe(watcher, tree.Prefix()+"/#"))
+	require.NoError(t, mqtt.WaitTokenTimeout(b1.Publish(cmd("dev-3"), 1, false, "forged"), wait), "no PUBACK for a denied publish")
+	publish(cmd("dev-4"))
+	require.Equal(t, cmd("dev-4"), next(watcher), "a publish the ACL file denies went through")
+	require.True(t, b1.IsConnectionOpen(), "a denied publish closed the connection")
 }
