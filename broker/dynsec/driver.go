@@ -81,13 +81,14 @@ type Driver struct {
 	idPrefix string // of correlation data: unique to this process
 	seq      atomic.Uint64
 
-	mu        sync.Mutex
-	waiting   map[string]chan []Response // correlation id → waiter
-	granted   bool                       // the response topic is subscribed
-	refused   bool                       // … and was refused: not the plugin's admin
-	retry     []account                  // creations that failed, with their passwords (memory only)
-	connected chan struct{}              // one signal per (re)subscription
-	kick      chan struct{}              // a change failed: schedule a retry
+	mu         sync.Mutex
+	waiting    map[string]chan []Response // correlation id → waiter
+	granted    bool                       // the response topic is subscribed
+	refused    bool                       // … and was refused: not the plugin's admin
+	unanswered bool                       // the last request was not answered: only Reconcile asks (do)
+	retry      []account                  // creations that failed, with their passwords (memory only)
+	connected  chan struct{}              // one signal per (re)subscription
+	kick       chan struct{}              // a change failed: schedule a retry
 
 	change sync.Mutex // serialises changes to the plugin
 
@@ -109,7 +110,9 @@ type account struct {
 }
 
 // ErrUnavailable is the answer while the server cannot use the plugin: not
-// connected yet, or its account may not subscribe to the response topic.
+// connected yet, its account may not subscribe to the response topic, or
+// the plugin left the last request unanswered (until Reconcile has an
+// answer; see do).
 var ErrUnavailable = errors.New("dynsec: the dynamic-security plugin cannot be reached")
 
 // New checks the options and subscribes to the plugin's responses on conn;
@@ -214,13 +217,31 @@ func (d *Driver) response(payload []byte) {
 
 // Do sends the commands in one message and returns the plugin's response
 // to each, in order. A command the plugin refused is not an error of Do:
-// see each Response's Err.
+// see each Response's Err. After a request the plugin left unanswered,
+// Do fails at once with ErrUnavailable until Reconcile has an answer.
 func (d *Driver) Do(ctx context.Context, cmds ...Command) ([]Response, error) {
+	return d.do(ctx, false, cmds)
+}
+
+// do is Do; a probe asks the plugin even after a request went unanswered.
+//
+// Mosquitto refuses the server's subscription to the response topic
+// (SUBACK 0x80) when the plugin does not let its account read it, and
+// subscribed then keeps every request back. Without the plugin (the static
+// password and ACL files of docs/mosquitto.md, section 3, and the server
+// left with --mqtt-dynsec on) Mosquitto grants it all the same, for an
+// acl_file refuses no SUBSCRIBE, and nobody answers: each change then
+// waited the whole timeout, one after another behind d.change, and each
+// admin request with it (docs/reliability.md, bug 284). So after one
+// unanswered request, changes fail at once, logged and left to the
+// reconciling that follows (which retries creations too), until the
+// plugin answers Reconcile's probe.
+func (d *Driver) do(ctx context.Context, probe bool, cmds []Command) ([]Response, error) {
 	if len(cmds) == 0 {
 		return nil, nil
 	}
 	d.mu.Lock()
-	ok := d.granted
+	ok := d.granted && (probe || !d.unanswered)
 	d.mu.Unlock()
 	if !ok {
 		return nil, ErrUnavailable
@@ -249,6 +270,7 @@ func (d *Driver) Do(ctx context.Context, cmds ...Command) ([]Response, error) {
 		d.mu.Unlock()
 	}()
 
+	parent := ctx
 	ctx, cancel := context.WithTimeout(ctx, d.opts.Timeout)
 	defer cancel()
 	if err := d.conn.Publish(ctx, ControlTopic, payload); err != nil {
@@ -256,13 +278,41 @@ func (d *Driver) Do(ctx context.Context, cmds ...Command) ([]Response, error) {
 	}
 	select {
 	case rs := <-ch:
+		d.setUnanswered(false)
 		if len(rs) != len(cmds) {
 			return nil, fmt.Errorf("dynsec: %d responses to %d commands", len(rs), len(cmds))
 		}
 		return rs, nil
 	case <-ctx.Done():
+		if parent.Err() == nil { // our timeout, not the caller's end
+			d.setUnanswered(true)
+		}
 		return nil, fmt.Errorf("dynsec: no answer from the plugin: %w", ctx.Err())
 	}
+}
+
+// setUnanswered notes whether the plugin left the last request unanswered,
+// and logs the change.
+func (d *Driver) setUnanswered(unanswered bool) {
+	d.mu.Lock()
+	was := d.unanswered
+	d.unanswered = unanswered
+	d.mu.Unlock()
+	switch {
+	case unanswered && !was:
+		d.log.Error("the dynamic-security plugin did not answer; account changes fail until it does, and are reconciled then; "+
+			"Mosquitto may run without it (a password and an ACL file: run the server with --mqtt-dynsec=false, docs/mosquitto.md)",
+			"timeout", d.opts.Timeout)
+	case !unanswered && was:
+		d.log.Info("the dynamic-security plugin answers again")
+	}
+}
+
+// isUnanswered says whether the plugin left the last request unanswered.
+func (d *Driver) isUnanswered() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.unanswered
 }
 
 // noRole says whether err is the plugin's answer that the role does not
@@ -1056,6 +1106,17 @@ func (d *Driver) syncBindingLocked(ctx context.Context, userID, deviceID string)
 func (d *Driver) Reconcile(ctx context.Context) error {
 	d.change.Lock()
 	defer d.change.Unlock()
+	if d.isUnanswered() {
+		// Ask the plugin again (bug 284); an answer lets every change
+		// through.
+		rs, err := d.do(ctx, true, []Command{DenyByDefault()})
+		if err != nil {
+			return err
+		}
+		if err := rs[0].Err(); err != nil {
+			return err
+		}
+	}
 	d.mu.Lock()
 	retry := d.retry
 	d.retry = nil
