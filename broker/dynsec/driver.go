@@ -1359,6 +1359,11 @@ func (d *Driver) deviceOf(topic string) string {
 }
 
 // run reconciles on every connect, and again RetryInterval after a failure.
+// A failure while a retry is already due does not put it off: with a
+// change failing more often than RetryInterval (every one, while the
+// plugin's answer is awaited since a request went unanswered, bug 284),
+// each pushed the retry back, and nothing was reconciled nor asked of the
+// plugin again while the changes went on (docs/reliability.md, bug 286).
 func (d *Driver) run() {
 	defer d.wg.Done()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -1374,6 +1379,7 @@ func (d *Driver) run() {
 	}()
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
+	due := false // retry is armed
 	for {
 		select {
 		case <-d.quit:
@@ -1381,15 +1387,21 @@ func (d *Driver) run() {
 			return
 		case <-d.connected:
 		case <-d.kick:
-			retry.Reset(d.opts.RetryInterval)
+			if !due {
+				due = true
+				retry.Reset(d.opts.RetryInterval)
+			}
 			continue
 		case <-retry.C:
 		}
+		retry.Stop() // a reconnect's reconciling serves for the retry due
+		due = false
 		if err := d.Reconcile(ctx); err != nil {
 			if ctx.Err() != nil {
 				return
 			}
 			d.log.Error("reconciling Mosquitto's accounts failed; retrying", "err", err, "in", d.opts.RetryInterval)
+			due = true
 			retry.Reset(d.opts.RetryInterval)
 		}
 	}

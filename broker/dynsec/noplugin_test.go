@@ -3,6 +3,7 @@ package dynsec_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"sync"
 	"testing"
@@ -88,4 +89,58 @@ func TestChangesGoThroughOnceThePluginAnswersAgain(t *testing.T) {
 		dynsec.ACL{Type: dynsec.SubscribePattern, Topic: "companion/v1/devices/dev-1/commands/#", Allow: true})
 	st.assign("dev-2", "bridge-1")
 	require.NoError(t, d.Assigned(ctx, "dev-2", "", "bridge-1"))
+}
+
+// While the plugin's answer is awaited (a request went unanswered, bug
+// 284), every change fails at once and asks for a retry. Changes coming
+// more often than RetryInterval put the retry off each time, so the
+// plugin was never asked again and every change failed for as long as
+// they came (docs/reliability.md, bug 286). The retry comes RetryInterval
+// after the first failure, whatever follows.
+func TestFailingChangesDoNotPutTheRetryOff(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	cn := dialConn(t, mq.URL, server.Username, server.Password)
+	t.Cleanup(func() { cn.c.Disconnect(50) })
+	d, err := dynsec.New(dynsec.Options{Conn: cn, Store: st, ServerUsername: server.Username,
+		Timeout: 500 * time.Millisecond, RetryInterval: 400 * time.Millisecond})
+	require.NoError(t, err)
+	require.True(t, <-cn.granted)
+	// The reconciling of the first connection comes before the test's
+	// changes: a change waits for it to end (d.change).
+	reconciling := make(chan struct{})
+	var once sync.Once
+	cn.hold = func(payload []byte) {
+		if bytes.Contains(payload, []byte("listClients")) {
+			once.Do(func() { close(reconciling) })
+		}
+	}
+	d.Start()
+	t.Cleanup(func() { _ = d.Close() })
+	select {
+	case <-reconciling:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no reconciling at the start")
+	}
+	require.NoError(t, d.Assigned(ctx, "dev-none", "", ""), "a change that asks nothing of the plugin")
+
+	st.createBridge("bridge-1", "secret-1")
+	cn.drop.Store(1)
+	require.ErrorContains(t, d.BridgeCreated(ctx, "bridge-1", "secret-1"), "no answer from the plugin")
+	// A change every 100 ms, each failing until the retry has asked the
+	// plugin again.
+	deadline := time.Now().Add(10 * time.Second)
+	for i := 0; ; i++ {
+		dev := fmt.Sprintf("dev-%d", i)
+		st.assign(dev, "bridge-1")
+		err := d.Assigned(ctx, dev, "", "bridge-1")
+		if err == nil {
+			break
+		}
+		require.ErrorIs(t, err, dynsec.ErrUnavailable)
+		require.True(t, time.Now().Before(deadline), "every change failed for 10 s: the retry never came")
+		time.Sleep(100 * time.Millisecond)
+	}
+	require.NoError(t, canConnect(mq, dynsec.BridgeClientID("bridge-1"), "bridge-1", "secret-1"), "the creation was not made again")
 }
