@@ -3,14 +3,17 @@ package api
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -402,5 +405,143 @@ func TestUploadsAtTheirLimits(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// sendWholeThenReadAgain is sendWholeThenRead, but a connection the answer
+// keeps (no Connection: close) is checked by a second request on it, which
+// must be answered; one it closes must be closed.
+func (e *env) sendWholeThenReadAgain(t testing.TB, head string, body io.Reader) rawResp {
+	t.Helper()
+	conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+	require.NoError(t, err)
+	defer conn.Close()
+	require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
+	_, err = io.Copy(conn, io.MultiReader(strings.NewReader(head), body))
+	require.NoError(t, err, "writing the whole request: the server must read it before it answers")
+	br := bufio.NewReader(conn)
+	r, err := readRaw(br)
+	require.NoError(t, err, "reading the answer")
+	if r.close {
+		_, err = br.ReadByte()
+		r.closed = err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+		assert.True(t, r.closed, "the server must close the connection after Connection: close")
+		return r
+	}
+	_, err = io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: companion\r\n\r\n")
+	require.NoError(t, err)
+	again, err := readRaw(br)
+	require.NoError(t, err, "a second request on the connection the answer kept")
+	assert.Equal(t, http.StatusOK, again.status, "%s", again.body)
+	return r
+}
+
+// awayStore is a store that cannot be reached once down is set: Binding
+// fails with errAway.
+type awayStore struct {
+	*store.DB
+	down atomic.Bool
+}
+
+var errAway = errors.New("the database is restarting")
+
+func (s *awayStore) Binding(ctx context.Context, id string) (companion.Binding, error) {
+	if s.down.Load() {
+		return companion.Binding{}, errAway
+	}
+	return s.DB.Binding(ctx, id)
+}
+
+// An answer given before the body is read (the rate limit, a token
+// refused, a device not found or not the caller's, a media type refused,
+// the store away, an unknown route) reaches a client that sends its whole
+// body before it reads, as a 413 does (CONTRACT §8): a phone pushing an
+// image while rate limited read "connection reset", not the 429 and its
+// Retry-After (docs/reliability.md, bug 273). The bodies are within their
+// limits and larger than what the sockets buffer.
+func TestEarlyAnswersAreReadable(t *testing.T) {
+	const (
+		imageLimit = 8 << 20  // MaxImageBytes: an image push's body may be 21 MiB
+		n          = 16 << 20 // the body sent
+	)
+	configure := func(o *Options) {
+		o.Limits.MaxImageBytes = imageLimit
+		o.Unavailable = func(err error) bool { return errors.Is(err, errAway) }
+	}
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	away := &awayStore{DB: db}
+	e := newEnvWith(t, db, away, configure)
+	require.Greater(t, e.api.limits.imageBody(), int64(n))
+	tok := e.bound("dev-1")
+	otherTok := e.bound("dev-2")
+	const image = "/api/v1/devices/dev-1/push/image"
+
+	// The rate limit: the token's one request is spent.
+	limited := newEnvWith(t, db, db, configure, func(o *Options) {
+		o.Limits.RequestsPerSecond, o.Limits.RequestBurst = 1e-6, 1
+	})
+	require.Equal(t, http.StatusOK, limited.do("GET", "/api/v1/devices", tok, nil).status)
+	// A source that has spent its allowance of wrong tokens.
+	spent := newEnvWith(t, db, db, configure, func(o *Options) { o.Limits.UnauthPerMinute = 1 })
+	require.Equal(t, http.StatusUnauthorized, spent.do("GET", "/api/v1/devices", "ctk_wrong", nil).status)
+
+	for _, tc := range []struct {
+		name   string
+		e      *env
+		head   string
+		status int
+		code   string
+	}{
+		{"rate limited", limited, rawRequest("POST", image, tok, "application/json", n), http.StatusTooManyRequests, CodeRateLimited},
+		{"no token", e, rawRequest("POST", image, "", "application/json", n), http.StatusUnauthorized, CodeUnauthorized},
+		{"wrong token", e, rawRequest("POST", image, "ctk_wrong", "application/json", n), http.StatusUnauthorized, CodeUnauthorized},
+		{"wrong token, allowance spent", spent, rawRequest("POST", image, "ctk_wrong", "application/json", n), http.StatusTooManyRequests, CodeRateLimited},
+		{"unknown device", e, rawRequest("POST", "/api/v1/devices/dev-9/push/image", tok, "application/json", n), http.StatusNotFound, CodeDeviceNotFound},
+		{"another's device", e, rawRequest("POST", image, otherTok, "application/json", n), http.StatusNotFound, CodeDeviceNotFound},
+		{"not JSON", e, rawRequest("POST", image, tok, "text/plain", n), http.StatusUnsupportedMediaType, CodeUnsupportedMedia},
+		{"firmware, wrong token", e, rawRequest("PUT", "/api/v1/admin/firmware/sim-1/1.0.0", "ctk_wrong", "application/octet-stream", n), http.StatusUnauthorized, CodeUnauthorized},
+		{"store away", e, rawRequest("POST", image, tok, "application/json", n), http.StatusServiceUnavailable, CodeUnavailable},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.code == CodeUnavailable {
+				away.down.Store(true)
+				defer away.down.Store(false)
+			}
+			r := tc.e.sendWholeThenReadAgain(t, tc.head, imageJSON(n))
+			require.Equal(t, tc.status, r.status, "%s", r.body)
+			assert.Equal(t, tc.code, r.problem(t).Code)
+			if tc.status == http.StatusTooManyRequests || tc.status == http.StatusServiceUnavailable {
+				assert.NotEmpty(t, r.header.Get("Retry-After"))
+			}
+		})
+	}
+	t.Run("beyond 4× the limit", func(t *testing.T) {
+		// A body that never ends: the server reads 4× the limit of it,
+		// then answers, closes the connection and is done with it.
+		for _, head := range []string{
+			rawRequest("POST", "/api/v1/devices/register", "ctk_wrong", "application/json", 1<<40),
+			chunkedHead("POST", "/api/v1/devices/register", "ctk_wrong", "application/json") + "fffffffffff\r\n",
+		} {
+			if r := e.sendEndless(t, head); r != nil {
+				assert.Equal(t, http.StatusUnauthorized, r.status, "%s", r.body)
+				assert.True(t, r.close, "the answer says Connection: close")
+			}
+		}
+	})
+	assert.Zero(t, e.cmds.count()+limited.cmds.count()+spent.cmds.count(), "a refused request made a command")
+}
+
+// Each route largeBodies names is one the server has: a route it misnamed
+// would have its early answers read only 4× the JSON body limit.
+func TestLargeBodiesAreRoutes(t *testing.T) {
+	e := newEnv(t)
+	routes := map[string]bool{}
+	for _, r := range e.api.engine.Routes() {
+		routes[r.Path] = true
+	}
+	for path := range largeBodies {
+		assert.True(t, routes[path], "largeBodies names %q, which is no route", path)
 	}
 }

@@ -232,6 +232,9 @@ func (s *Server) writeProblem(c *gin.Context, e *Error) {
 		ra := max(e.RetryAfter, 1)
 		c.Header("Retry-After", strconv.Itoa(ra))
 	}
+	if e.Code != CodeBodyTooLarge { // bodyTooLarge read what it could
+		s.discardUnread(c)
+	}
 	b, err := json.Marshal(p)
 	if err != nil { // cannot happen: every field is a plain value
 		b = []byte(`{"type":"urn:companion:problem:internal","title":"Internal error","status":500,"detail":"internal error","code":"internal","errors":[]}`)

@@ -82,33 +82,86 @@ const drainFactor = 4
 // has read the first `read` bytes. Many clients (Python's urllib, mobile
 // HTTP stacks) send the whole body before they read the answer; if the
 // server answered and closed with the body still coming, the client would
-// see a reset instead of the 413. So it reads and discards what follows,
-// up to drainFactor×limit bytes in all, and answers with Connection: close.
-// Beyond that it stops: the server then closes the connection with the
-// body unread, and such a client may see a reset. It reads nothing when
-// the declared length is beyond that already, or when the client waits for
-// 100 Continue before it sends the body.
+// see a reset instead of the 413. So it reads and discards what follows
+// (discardBody) and answers with Connection: close.
 func bodyTooLarge(c *gin.Context, read, limit int64) error {
-	r := c.Request
-	if r.ProtoMajor < 2 { // HTTP/2 ends one stream, not the connection
+	if c.Request.ProtoMajor < 2 { // HTTP/2 ends one stream, not the connection
 		c.Header("Connection", "close")
-	}
-	most := limit
-	if limit < math.MaxInt64/drainFactor {
-		most = drainFactor * limit
 	}
 	// The limit is the operation's as this server is configured (api.Limits,
 	// the --max-* flags): the answer says it, so that the client knows what
 	// would pass rather than guess from the documented defaults.
 	tooLarge := &Error{Code: CodeBodyTooLarge, Detail: fmt.Sprintf("the body is over this operation's limit of %d bytes", limit)}
-	waits := read == 0 && strings.EqualFold(r.Header.Get("Expect"), "100-continue")
-	if r.Body == nil || r.Body == http.NoBody || waits || r.ContentLength > most || read >= most {
-		return tooLarge
-	}
 	// Whatever happens here, the answer is the same 413: a failed read
 	// only means the connection is closed sooner.
-	_, _ = io.CopyN(io.Discard, r.Body, most-read)
+	discardBody(c.Request, read, limit)
 	return tooLarge
+}
+
+// discardBody reads and discards the rest of r's body, of which `read`
+// bytes have been read, up to drainFactor×limit bytes in all, so that a
+// client that sends its whole body before it reads the answer can read
+// it; and reports whether it read the body to its end. Beyond that bound
+// it stops: the server then closes the connection with the body unread,
+// and such a client may see a reset. It reads nothing, and reports false,
+// when the declared length is beyond the bound already, or when the client
+// waits for 100 Continue before it sends the body (and none of it has been
+// read): net/http then closes the connection after the answer, and the
+// client never sends the body.
+func discardBody(r *http.Request, read, limit int64) bool {
+	if r.Body == nil || r.Body == http.NoBody {
+		return true
+	}
+	most := limit
+	if limit < math.MaxInt64/drainFactor {
+		most = drainFactor * limit
+	}
+	waits := read == 0 && strings.EqualFold(r.Header.Get("Expect"), "100-continue")
+	if waits || r.ContentLength > most || read >= most {
+		return false
+	}
+	_, err := io.CopyN(io.Discard, r.Body, most-read)
+	return err == io.EOF
+}
+
+// discardUnread reads and discards, before a problem answers an HTTP/1
+// request, what the handler left unread of its body: all of it when the
+// answer comes before the body is read (a 401, a 429 of the rate limit, a
+// 404 of a device not the caller's, a 415, a 503 of the store away), up to
+// drainFactor times the operation's body limit (bodyLimit) in all, as for
+// a 413 (discardBody). net/http reads 256 KiB of such a body at most, then
+// closes the connection with the rest unread: a client that sends its
+// whole body before it reads (a phone pushing an image while rate limited)
+// saw a reset instead of the answer (docs/reliability.md, bug 273). A body
+// read to its end keeps the connection; one the bound stops short of is
+// answered with Connection: close. A body that failed (408, 400) is left
+// alone: net/http closes the connection after the answer.
+func (s *Server) discardUnread(c *gin.Context) {
+	b, ok := c.Request.Body.(*idleBody)
+	if !ok || !b.http1 || b.err != nil {
+		return // no body, HTTP/2, or a body read to its end or failed
+	}
+	if !discardBody(c.Request, b.got, s.bodyLimit(c.FullPath())) {
+		c.Header("Connection", "close")
+	}
+}
+
+// largeBodies are the routes whose body limit is not Limits.MaxJSONBody,
+// by their full paths as gin names them (c.FullPath).
+var largeBodies = map[string]func(Limits) int64{
+	"/api/v1/devices/:id/push/text":          Limits.textBody,
+	"/api/v1/devices/:id/push/image":         Limits.imageBody,
+	"/api/v1/admin/firmware/:model/:version": func(l Limits) int64 { return l.MaxFirmwareBytes },
+	"/api/v1/admin/apps/:app_id/:version":    func(l Limits) int64 { return l.MaxAppBytes },
+}
+
+// bodyLimit is the body limit of the operation at route (a full path as
+// gin names it; "" for none).
+func (s *Server) bodyLimit(route string) int64 {
+	if f, ok := largeBodies[route]; ok {
+		return f(s.limits)
+	}
+	return s.limits.MaxJSONBody
 }
 
 // jsonBody is a request's JSON object: its bytes, and the raw value of each
