@@ -28,7 +28,9 @@ func (s *Server) openapi(c *gin.Context) {
 
 // openapiFor is openapiJSON with the limits of l in place of the defaults
 // it is written with: the maxLength of a text, a title and an image's
-// base64, and the limits its descriptions state. A client generated from
+// base64, and the limits its descriptions state (among them the requests
+// held by Prefer: wait, the event streams and the unfinished commands of a
+// device: bug 274). A client generated from
 // the document served then takes what this server takes; with the
 // defaults, a server configured past them took requests its own document
 // refused (docs/reliability.md, bug 272). Each replacement must meet its
@@ -40,6 +42,18 @@ func openapiFor(l Limits) ([]byte, error) {
 			return "Attempts are not limited."
 		}
 		return fmt.Sprintf("%d attempts a minute per user.", n)
+	}
+	waits := func(n int) string {
+		if n < 0 {
+			return "The requests a caller may have held so at once are not limited on this server (`--max-waits-per-user` 0)."
+		}
+		return fmt.Sprintf("A caller may have %d requests held so at once (`--max-waits-per-user`); past them one with `wait=N` (N > 0) is a `429 too_many_waits` with `Retry-After`, before it does anything.", n)
+	}
+	streams := func(n int) string {
+		if n < 0 {
+			return "The streams a caller may have open at once are not limited on this server (`--max-streams-per-user` 0)."
+		}
+		return fmt.Sprintf("A caller may have %d streams open at once on a server (`--max-streams-per-user`); past them a stream is a `429 too_many_streams` with `Retry-After`.", n)
 	}
 	doc := string(openapiJSON)
 	for _, r := range []struct{ old, new string }{
@@ -55,6 +69,9 @@ func openapiFor(l Limits) ([]byte, error) {
 		{fmt.Sprintf("(raw bytes)\",\n        \"description\": \"The same content again is a `200` no-op; other content for a published version a `409`. At most %s.", sizeWords(d.MaxAppBytes)),
 			fmt.Sprintf("(raw bytes)\",\n        \"description\": \"The same content again is a `200` no-op; other content for a published version a `409`. At most %s.", sizeWords(l.MaxAppBytes))},
 		{"`422 invalid_claim`. " + register(d.RegisterPerMinute), "`422 invalid_claim`. " + register(l.RegisterPerMinute)},
+		{waits(d.MaxWaitsPerUser), waits(l.MaxWaitsPerUser)},
+		{streams(d.MaxStreamsPerUser), streams(l.MaxStreamsPerUser)},
+		{fmt.Sprintf("too many unfinished commands (%d)", d.MaxOpenCommands), fmt.Sprintf("too many unfinished commands (%d)", l.MaxOpenCommands)},
 	} {
 		if n := strings.Count(doc, r.old); n != 1 {
 			return nil, fmt.Errorf("api: openapi.json has %q %d times, not once", r.old, n)

@@ -316,3 +316,43 @@ func TestOpenAPIServedWithTheLimits(t *testing.T) {
 	require.Equal(t, 202, res.StatusCode, "%s", answer)
 	doc.Check(t, hr, body, openapitest.Answer{Status: res.StatusCode, Header: res.Header, Body: answer})
 }
+
+// The bounds of a user's held requests, event streams and a device's
+// unfinished commands the served document states are the server's
+// (--max-waits-per-user, --max-streams-per-user, --max-open-commands), or
+// say there is none: it said 100, 32 and 1000 whatever they were
+// (docs/reliability.md, bug 274).
+func TestOpenAPIServedWithTheHoldLimits(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		limits        Limits
+		says, defunct []string
+	}{
+		{"configured", Limits{MaxWaitsPerUser: 7, MaxStreamsPerUser: 9, MaxOpenCommands: 500},
+			[]string{"A caller may have 7 requests held so at once (`--max-waits-per-user`)", "A caller may have 9 streams open at once on a server (`--max-streams-per-user`)",
+				"too many unfinished commands (500)"},
+			[]string{"100 requests held", "32 streams open", "(1000)"}},
+		{"no limit", Limits{MaxWaitsPerUser: -1, MaxStreamsPerUser: -1},
+			[]string{"The requests a caller may have held so at once are not limited on this server (`--max-waits-per-user` 0).",
+				"The streams a caller may have open at once are not limited on this server (`--max-streams-per-user` 0)."},
+			[]string{"100 requests held", "32 streams open", "too_many_waits` with", "too_many_streams` with"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, func(o *Options) { o.Limits = tc.limits })
+			res, err := http.Get(e.srv.URL + "/api/v1/openapi.json")
+			require.NoError(t, err)
+			defer res.Body.Close()
+			b, err := io.ReadAll(res.Body)
+			require.NoError(t, err)
+			require.Equal(t, http.StatusOK, res.StatusCode, "%s", b)
+			_, err = openapitest.Parse(b)
+			require.NoError(t, err, "the document served")
+			for _, says := range tc.says {
+				assert.True(t, strings.Contains(string(b), says), "the document served does not say %q", says)
+			}
+			for _, stale := range tc.defunct {
+				assert.False(t, strings.Contains(string(b), stale), "the document served says %q: a default left in it", stale)
+			}
+		})
+	}
+}
