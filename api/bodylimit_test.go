@@ -545,3 +545,15 @@ func TestLargeBodiesAreRoutes(t *testing.T) {
 		assert.True(t, routes[path], "largeBodies names %q, which is no route", path)
 	}
 }
+
+// A request with no valid token is read, before its 401, no further than
+// four times the largest body of a user's operation (an image push's),
+// whatever its route: a firmware upload's 4× would have the server read
+// hundreds of MiB for anyone who asks (bug 273's drain, bounded).
+func TestARequestWithoutATokenIsReadBoundedly(t *testing.T) {
+	e := newEnv(t, func(o *Options) { o.Limits.MaxFirmwareBytes = 4 << 30 })
+	r := e.sendEndless(t, chunkedHead("PUT", "/api/v1/admin/firmware/sim-1/1.0.0", "ctk_wrong", "application/octet-stream")+"fffffffffff\r\n")
+	require.NotNil(t, r, "no answer")
+	assert.Equal(t, http.StatusUnauthorized, r.status, "%s", r.body)
+	assert.True(t, r.close, "the answer says Connection: close")
+}

@@ -136,12 +136,24 @@ func discardBody(r *http.Request, read, limit int64) bool {
 // read to its end keeps the connection; one the bound stops short of is
 // answered with Connection: close. A body that failed (408, 400) is left
 // alone: net/http closes the connection after the answer.
+//
+// A request nobody is known to have sent (no valid token: a 401, or a 429
+// of an address's allowance for bad tokens) is read at most as far as the
+// largest body of a user's operation allows (an image push's), not the
+// admin uploads': else anyone could have the server read 256 MiB (four
+// firmware images) per request for nothing. An admin's tool that sends a
+// firmware image with a wrong token and reads only then may see a reset;
+// curl, which asks for 100 Continue before a large body, sees the 401.
 func (s *Server) discardUnread(c *gin.Context) {
 	b, ok := c.Request.Body.(*idleBody)
 	if !ok || !b.http1 || b.err != nil {
 		return // no body, HTTP/2, or a body read to its end or failed
 	}
-	if !discardBody(c.Request, b.got, s.bodyLimit(c.FullPath())) {
+	limit := s.bodyLimit(c.FullPath())
+	if c.GetString(ctxPrincipal) == "" {
+		limit = min(limit, s.limits.imageBody())
+	}
+	if !discardBody(c.Request, b.got, limit) {
 		c.Header("Connection", "close")
 	}
 }
