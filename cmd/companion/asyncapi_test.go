@@ -62,7 +62,9 @@ func (l *wireLog) seen(topic, substr string) bool {
 // message against the document's schema for its topic. A topic missing
 // from the document, a field a payload gains without the document
 // declaring it, or a required one it loses fails the test; so does a
-// channel of the document that nothing used.
+// channel of the document that nothing used. A device moved to another
+// bridge has its retained settings cleared: that empty message is
+// validated too.
 func TestAsyncAPIDocumentsEveryMessage(t *testing.T) {
 	doc := asyncapitest.Load(t)
 	mq := mqtttest.StartMosquitto(t, serverAccount, watcherAccount)
@@ -102,6 +104,24 @@ func TestAsyncAPIDocumentsEveryMessage(t *testing.T) {
 
 	b := startBridge(t, m, mq.URL, f, "", "dev-1", "dev-2")
 	exerciseEveryOperation(t, f, b, "dev-1")
+	// dev-2 moves to another bridge: the server clears its retained
+	// settings, the old bridge's, with an empty retained message, and
+	// publishes its status as the store has it, with no bridge.
+	settingsTopic, err := tree.Settings("dev-2")
+	require.NoError(t, err)
+	testenv.Eventually(t, 20*time.Second, "dev-2's settings", func() bool { return log.seen(settingsTopic, "reported") })
+	r = f.admin.do("POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-2"})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	r = f.admin.do("PUT", "/api/v1/admin/devices/dev-2/bridge", map[string]any{"bridge_id": "bridge-2"})
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	testenv.Eventually(t, 20*time.Second, "dev-2's settings cleared", func() bool {
+		for _, msg := range log.all() {
+			if msg.topic == settingsTopic && len(msg.payload) == 0 {
+				return true
+			}
+		}
+		return false
+	})
 	b.stop()
 	stateTopic, err := tree.BridgeState(f.bridgeID)
 	require.NoError(t, err)

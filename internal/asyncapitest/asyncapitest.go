@@ -43,9 +43,17 @@ type channel struct {
 	name     string
 	address  string
 	re       *regexp.Regexp
-	text     bool // the payload is text/plain: validated as one JSON string
 	retained bool // some operation on the channel publishes it retained
-	schemas  []*jsonschema.Schema
+	messages []messageSchema
+}
+
+// messageSchema is one message of a channel: its compiled payload schema,
+// and whether the payload is text/plain (validated as one JSON string:
+// an empty retained message, which clears the topic, is the empty string)
+// rather than JSON.
+type messageSchema struct {
+	text   bool
+	schema *jsonschema.Schema
 }
 
 // Load reads and compiles the repository's docs/asyncapi.yaml, failing tb
@@ -151,10 +159,11 @@ func Parse(yamlDoc []byte) (*Doc, error) {
 			if contentType == "" {
 				contentType = doc.DefaultContentType
 			}
+			text := false
 			switch contentType {
 			case "application/json":
 			case "text/plain":
-				cc.text = true
+				text = true
 			default:
 				return nil, fmt.Errorf("channel %s message %s: content type %q", name, mname, contentType)
 			}
@@ -162,7 +171,7 @@ func Parse(yamlDoc []byte) (*Doc, error) {
 			if err != nil {
 				return nil, fmt.Errorf("channel %s message %s: %w", name, mname, err)
 			}
-			cc.schemas = append(cc.schemas, s)
+			cc.messages = append(cc.messages, messageSchema{text: text, schema: s})
 		}
 		byName[name] = cc
 		d.channels = append(d.channels, cc)
@@ -253,18 +262,20 @@ func (d *Doc) Validate(topic string, payload []byte, retained bool) (string, err
 	if retained && !ch.retained {
 		return ch.name, fmt.Errorf("%s: a retained message on channel %s, which the document says is not retained", topic, ch.name)
 	}
-	var inst any
-	if ch.text {
-		inst = string(payload)
-	} else {
-		var err error
-		if inst, err = jsonschema.UnmarshalJSON(bytes.NewReader(payload)); err != nil {
-			return ch.name, fmt.Errorf("%s: payload is not JSON: %v", topic, err)
-		}
-	}
+	// Each message by its own content type: a channel of JSON messages may
+	// also have a text/plain one (the empty payload that clears a retained
+	// message).
 	var errs []error
-	for _, s := range ch.schemas {
-		err := s.Validate(inst)
+	for _, m := range ch.messages {
+		var inst any = string(payload)
+		if !m.text {
+			var err error
+			if inst, err = jsonschema.UnmarshalJSON(bytes.NewReader(payload)); err != nil {
+				errs = append(errs, fmt.Errorf("payload is not JSON: %v", err))
+				continue
+			}
+		}
+		err := m.schema.Validate(inst)
 		if err == nil {
 			return ch.name, nil
 		}

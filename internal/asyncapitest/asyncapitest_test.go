@@ -84,6 +84,8 @@ func TestValidate(t *testing.T) {
 		{"reply with state", must(tree.Replies("dev-1")), mustJSON(t, topics.Reply{CommandID: cmdID, State: companion.StateSucceeded, Result: json.RawMessage(`{"firmware_version":"1.1.0"}`), Status: &status, Settings: &settings, At: at}), false, "replies"},
 		{"status", must(tree.Status("dev-1")), mustJSON(t, status), true, "status"},
 		{"settings", must(tree.Settings("dev-1")), mustJSON(t, settings), true, "settings"},
+		{"settings cleared", must(tree.Settings("dev-1")), []byte{}, true, "settings"},
+		{"status cleared", must(tree.Status("dev-1")), []byte{}, true, "status"},
 		{"bridge online", must(tree.BridgeState("bridge-1")), []byte("online"), true, "bridgeState"},
 		{"bridge offline", must(tree.BridgeState("bridge-1")), []byte("offline"), false, "bridgeState"},
 
@@ -98,6 +100,9 @@ func TestValidate(t *testing.T) {
 		{"status without seq", must(tree.Status("dev-1")), []byte(`{"online":true,"battery":1,"firmware_version":"1","apps":[],"bridge_id":"b","at":"2026-01-02T03:04:05Z"}`), false, ""},
 		{"bridge state JSON", must(tree.BridgeState("bridge-1")), []byte(`"online"`), false, ""},
 		{"not JSON", must(tree.Status("dev-1")), []byte("online"), false, ""},
+		{"status as a string", must(tree.Status("dev-1")), []byte(`""`), false, ""},
+		{"empty reply", must(tree.Replies("dev-1")), []byte{}, false, ""},
+		{"empty command", must(tree.Command("dev-1", topics.OpPushText)), []byte{}, false, ""},
 	} {
 		got, err := d.Validate(tc.topic, tc.payload, tc.retained)
 		switch {
