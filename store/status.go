@@ -81,6 +81,14 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen, db.now()) {
 		return false, nil
 	}
+	// A status from a bridge other than the one that serves the device
+	// now: the broker checked the device's bridge before the write, and a
+	// move committed in between. Stored over the move's (offline, seq 0),
+	// it read online on the bridge it left for good (docs/reliability.md,
+	// bug 278).
+	if a := tx.Bucket(bucketAssignments).Get([]byte(s.DeviceID)); s.BridgeID != "" && a != nil && string(a) != s.BridgeID {
+		return false, nil
+	}
 	ns := s
 	ns.UpdatedAt = db.now()
 	if err := putJSON(statuses, []byte(ns.DeviceID), ns); err != nil {

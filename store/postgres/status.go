@@ -157,6 +157,16 @@ func (s *Store) putStatusAsync(ctx context.Context, st companion.Status, done fu
 	}
 }
 
+// fromItsBridgeSQL holds for a status ($1 the device, $7 the bridge that
+// reported it) of no bridge, or of a device that no other bridge serves.
+// The broker checks the device's bridge before the write; a move that
+// commits in between sets the device offline with seq 0, which the bridge
+// it left, its clock for a seq, would overwrite: the device read online on
+// that bridge for good (docs/reliability.md, bug 278). The move updates
+// the status row, whose lock the statement before the upsert waits for:
+// the upsert's snapshot has the move's assignment.
+const fromItsBridgeSQL = `($7 = '' OR NOT EXISTS (SELECT 1 FROM assignments a WHERE a.device_id = $1 AND a.bridge_id <> $7))`
+
 // putStatus is PutStatus inside a transaction; st is checked already.
 func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (bool, error) {
 	var apps []byte
@@ -217,7 +227,7 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 			ON CONFLICT (device_id) DO UPDATE SET online = EXCLUDED.online, battery = EXCLUDED.battery,
 				firmware_version = EXCLUDED.firmware_version, model = EXCLUDED.model, apps = EXCLUDED.apps,
 				bridge_id = EXCLUDED.bridge_id, last_seen = EXCLUDED.last_seen, updated_at = EXCLUDED.updated_at, seq = EXCLUDED.seq
-			WHERE `+newerSQL("t", "last_seen", "$12")+`
+			WHERE `+newerSQL("t", "last_seen", "$12")+` AND `+fromItsBridgeSQL+`
 			RETURNING device_id),
 		ev AS (
 			INSERT INTO events (xid, user_id, device_id, at, data)

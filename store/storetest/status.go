@@ -29,7 +29,48 @@ func testStatus(t *testing.T, open Opener) {
 			assert.ErrorIs(t, err, companion.ErrInvalid, "PutStatus(NUL in device id)")
 		}},
 		{"MarkBridgeOffline", testMarkBridgeOffline},
+		{"FromTheBridgeItLeft", testStatusFromTheBridgeItLeft},
 	})
+}
+
+// A status from a bridge other than the one that serves the device is
+// not stored: the broker checks the device's bridge before the write, and
+// a move that commits in between set the device offline with seq 0, which
+// the old bridge's late report, with its clock for a seq, would overwrite:
+// the device read online, on the bridge it left, for good
+// (docs/reliability.md, bug 278). A device no bridge serves keeps the rule
+// of seq alone.
+func testStatusFromTheBridgeItLeft(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	tenancy(t, s)
+	put := func(bridge string, seq uint64) bool {
+		t.Helper()
+		ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d3", Online: true, Battery: intp(50), FirmwareVersion: "1.0.0",
+			BridgeID: bridge, LastSeen: now(), Seq: seq})
+		require.NoError(t, err)
+		return ok
+	}
+	want := func(online bool, bridge string) {
+		t.Helper()
+		st, err := s.Status(ctx, "d3")
+		require.NoError(t, err)
+		if st.Online != online || st.BridgeID != bridge {
+			t.Errorf("Status(d3) online %v on %q; want %v on %q", st.Online, st.BridgeID, online, bridge)
+		}
+	}
+	_, err := s.AssignDevice(ctx, "d3", "op1", "")
+	require.NoError(t, err)
+	require.True(t, put("op1", 10), "a report of the device's bridge")
+	_, err = s.AssignDevice(ctx, "d3", "op2", "")
+	require.NoError(t, err)
+	want(false, "")
+	assert.False(t, put("op1", 20), "a report of the bridge it left, after the move")
+	want(false, "")
+	assert.True(t, put("op2", 5), "a report of its new bridge")
+	want(true, "op2")
+	_, err = s.AssignDevice(ctx, "d3", "", "")
+	require.NoError(t, err)
+	assert.True(t, put("op2", 30), "a device no bridge serves: seq alone decides")
 }
 
 // A report replaces the stored status when its seq is higher, or equal
