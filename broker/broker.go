@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -207,9 +208,9 @@ type Broker struct {
 	elsewhere idSet
 	// lost counts the times notifications may have been lost
 	// (CommandChanged("")): a command whose acceptance the store calls
-	// back after one began is not made live (see Submit; bug 256). Under
-	// mu.
-	lost uint64
+	// back after one began is not made live (see Submit; bug 256). Added
+	// to under mu; Submit reads it first without mu, on the command path.
+	lost atomic.Uint64
 
 	// dispatchSince is when this broker was last seen to become the
 	// dispatcher; for a server alone, when New made it. A command accepted

@@ -24,9 +24,7 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 		err      error
 	}
 	ch := make(chan result, 1)
-	b.mu.Lock()
-	lost := b.lost
-	b.mu.Unlock()
+	lost := b.lost.Load()
 	start := time.Now()
 	b.st.CreateCommandAsync(c, b.opts.MaxOpenCommands, idem, func(cmd companion.Command, replayed bool, err error) {
 		b.opts.Observer.StoreWrite(StoreWriteCreate, time.Since(start))
@@ -47,7 +45,7 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 			// Not live: a Wait reads the store. Nor when notifications
 			// may have been lost since it was submitted (bug 256): those
 			// of another replica's change of it too.
-			if !ended && !b.elsewhere.has(cmd.ID) && b.lost == lost {
+			if !ended && !b.elsewhere.has(cmd.ID) && b.lost.Load() == lost {
 				b.live[cmd.ID] = true
 			}
 			b.mu.Unlock()
@@ -248,7 +246,7 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 		// none is live any more, and a later Wait reads the store rather
 		// than wait out its time for a notify that came before (bug 256).
 		clear(b.live)
-		b.lost++
+		b.lost.Add(1)
 	} else {
 		// Another replica changed it, perhaps to final (it took the reply,
 		// or canceled it): this replica will not see it become final, so
