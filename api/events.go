@@ -508,6 +508,10 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	// request once the stream ends.
 	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
 	streamHeaders(c)
+	// The request's time, for the metrics, ends here: the rest is the
+	// stream's life, as long as the client stays (docs/reliability.md,
+	// bug 293).
+	c.Set(ctxStreamBegan, time.Now())
 	// A stream that starts from now gets its starting point as its first
 	// id, in an event without data (EventSource keeps the id and fires
 	// nothing): a client that loses the stream before any event came

@@ -643,3 +643,67 @@ func TestEventsParameterGivenTwice(t *testing.T) {
 	e.push(t, tok, "dev-1")
 	assert.Equal(t, "command", s.next(t).event)
 }
+
+// timedAnswers passes on every answered request with the time the
+// RequestObserver is told it took.
+type timedAnswers chan timedAnswer
+
+type timedAnswer struct {
+	answered
+	took time.Duration
+}
+
+func (a timedAnswers) Request(method, route string, status int, took time.Duration) {
+	select {
+	case a <- timedAnswer{answered{method, route, status}, took}:
+	default:
+	}
+}
+
+// An event stream is counted, for the metrics, with the time it took to
+// begin, not with how long the client kept it: open streams landed in the
+// top bucket of the request duration histogram, and made its quantiles
+// meaningless (docs/reliability.md, bug 293). The time told is at most
+// what the client saw from sending the request to having the stream's
+// headers, whatever the stream's length.
+func TestEventsRequestTimeIsTheStreamStart(t *testing.T) {
+	seen := make(timedAnswers, 64)
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond}, func(o *Options) { o.Requests = seen })
+	tok := e.bound("dev-1")
+	for len(seen) > 0 {
+		<-seen
+	}
+
+	sent := time.Now()
+	s := e.stream(t, tok, "", nil)
+	begun := time.Since(sent)
+	// The stream stays open for heartbeats, then the client leaves.
+	pings := 0
+	timeout := time.After(10 * time.Second)
+	for pings < 3 {
+		select {
+		case ev := <-s.Events():
+			if ev.IsComment() && ev.Comment == "ping" {
+				pings++
+			}
+		case <-timeout:
+			t.Fatal("no heartbeat")
+		}
+	}
+	s.Close()
+
+	timeout = time.After(10 * time.Second)
+	for {
+		select {
+		case got := <-seen:
+			if got.route != "/api/v1/events" {
+				continue
+			}
+			assert.Equal(t, answered{"GET", "/api/v1/events", 200}, got.answered)
+			assert.LessOrEqual(t, got.took, begun, "the stream's time: its start, not its length")
+			return
+		case <-timeout:
+			t.Fatal("the stream's end was not observed")
+		}
+	}
+}
