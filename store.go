@@ -129,7 +129,14 @@ type Store interface {
 	// the head) is ever past the end; a malformed one is
 	// ErrInvalidCursor.
 	EventsPastEnd(ctx context.Context, after string) (bool, error)
-	// PurgeEvents deletes the events older than olderThan.
+	// EventsPurgedAfter reports whether the log has lost to PurgeEvents
+	// an event after the cursor after, any user's: Events after it would
+	// return what the log holds with a gap, unseen (a cursor older than
+	// the log keeps, EventRetention). A malformed cursor is
+	// ErrInvalidCursor. docs/reliability.md, bug 294.
+	EventsPurgedAfter(ctx context.Context, after string) (bool, error)
+	// PurgeEvents deletes the events older than olderThan, and keeps the
+	// last id it deleted for EventsPurgedAfter.
 	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 	// OpenBlob opens a blob for reading; the caller closes it.
 	OpenBlob(ctx context.Context, sha string) (io.ReadSeekCloser, Blob, error)

@@ -47,12 +47,19 @@ import (
 // holds is new to that client, so its stream reads the log from its start,
 // as after an id older than the log, rather than waiting for the log to
 // pass the id.
+//
+// Either way, and after an id older than the log (events after it were
+// purged: companion.Store.EventsPurgedAfter), the client has missed
+// events: its stream starts with an event "reset" (resetFrame), before
+// the replay, which tells it to read the state again
+// (docs/reliability.md, bug 294).
 
 // EventStore is what the event hub and the streams need of the store.
 type EventStore interface {
 	Events(ctx context.Context, userID, after string, limit int) ([]companion.Event, string, error)
 	EventsHead(ctx context.Context) (string, error)
 	EventsPastEnd(ctx context.Context, after string) (bool, error)
+	EventsPurgedAfter(ctx context.Context, after string) (bool, error)
 }
 
 // EventsOptions configure NewEvents. The zero value of each optional
@@ -475,6 +482,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	// the answer's status, so that an id that is no cursor is a 422
 	// problem.
 	var backlog []companion.Event
+	var reset string // why the client missed events: resetExpired, resetUnknown
 	after, caughtUp := last, last == ""
 	if !caughtUp {
 		pastEnd, err := hub.opts.Store.EventsPastEnd(ctx, last)
@@ -488,6 +496,11 @@ func (s *Server) streamEvents(c *gin.Context) error {
 			// Kept across a reset of the store: all the log holds is new
 			// to the client.
 			last, after = "", ""
+			reset = resetUnknown
+		} else if purged, err := hub.opts.Store.EventsPurgedAfter(ctx, last); err != nil {
+			return err
+		} else if purged {
+			reset = resetExpired
 		}
 	}
 	if c.Request.Method == http.MethodHead {
@@ -526,6 +539,9 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	})
 	if fromNow && sub.from != "" {
 		hello = "retry: 2000\nid: " + sub.from + "\n\n"
+	}
+	if reset != "" {
+		hello += resetFrame(reset)
 	}
 	if err := w.write([]byte(hello)); err != nil {
 		return nil
@@ -567,6 +583,23 @@ func (s *Server) streamEvents(c *gin.Context) error {
 			}
 		}
 	}
+}
+
+// Reasons of an event "reset": why a stream's client has missed events.
+const (
+	// resetExpired: its Last-Event-ID is older than the log keeps
+	// (companion.EventRetention): events after it were purged.
+	resetExpired = "expired"
+	// resetUnknown: its Last-Event-ID is past every id the store has
+	// assigned: one of another store's log, or of this one before a reset.
+	resetUnknown = "unknown_id"
+)
+
+// resetFrame is the event "reset" of reason: it has no id, so that a
+// client that loses the stream before a later event resumes with its old
+// id, and is told again.
+func resetFrame(reason string) string {
+	return "event: reset\ndata: {\"reason\":\"" + reason + "\"}\n\n"
 }
 
 // streamHeaders sets the status and headers of an event stream.

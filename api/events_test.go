@@ -468,8 +468,12 @@ func TestEventsResumePastTheEnd(t *testing.T) {
 	// Nothing in the log for the user yet: the stream says where it
 	// starts, as a stream without an id does, then carries what comes.
 	s := e.stream(t, tok, "", map[string]string{"Last-Event-ID": kept})
-	var start string
-	for ev := range s.Events() { // the first heartbeat follows the id
+	var start, reset string
+	for ev := range s.Events() { // the reset, then the first heartbeat, follow the id
+		if !ev.IsComment() {
+			assert.Equal(t, "reset", ev.Type)
+			reset = ev.ID
+		}
 		if ev.IsComment() {
 			start = ev.ID
 			break
@@ -477,6 +481,7 @@ func TestEventsResumePastTheEnd(t *testing.T) {
 	}
 	assert.NotEmpty(t, start, "the stream's starting point")
 	assert.NotEqual(t, kept, start, "the stream's starting point")
+	assert.Equal(t, start, reset, "the reset's id: the stream's starting point")
 	id := e.push(t, tok, "dev-1")
 	ev := s.next(t)
 	assert.Equal(t, id, ev.json(t)["id"])
@@ -510,6 +515,11 @@ func TestEventsResumePastTheEnd(t *testing.T) {
 			require.NoError(t, err)
 			require.GreaterOrEqual(t, len(log), 2)
 			s := e.stream(t, tok, how.query, how.header)
+			// The client is told it missed events, before the replay
+			// (docs/reliability.md, bug 294).
+			reset := s.next(t)
+			assert.Equal(t, "reset", reset.event)
+			assert.Equal(t, map[string]any{"reason": "unknown_id"}, reset.json(t))
 			evs := s.nextN(t, len(log))
 			assert.Equal(t, []string{"queued", "sent"}, eventsOfCommand(t, evs[:2]))
 			var want []string
@@ -706,4 +716,60 @@ func TestEventsRequestTimeIsTheStreamStart(t *testing.T) {
 			t.Fatal("the stream's end was not observed")
 		}
 	}
+}
+
+// A Last-Event-ID older than the log keeps (events after it purged) starts
+// the stream with an event "reset", then the replay of what the log holds:
+// the client knows it missed events and reads the state again. Without it
+// the replay came alone, and the gap went unseen (docs/reliability.md,
+// bug 294). An id the log still covers resumes with no reset.
+func TestEventsResumeAfterPurgeSaysReset(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	s := e.stream(t, tok, "", nil)
+	e.push(t, tok, "dev-1")
+	first := s.next(t)
+	s.Close()
+	missed := e.push(t, tok, "dev-1")
+	_ = missed
+
+	// Nothing purged yet: a resume, no reset.
+	s = e.stream(t, tok, "", map[string]string{"Last-Event-ID": first.id})
+	ev := s.next(t)
+	assert.Equal(t, []any{"command", missed}, []any{ev.event, ev.json(t)["id"]})
+	s.Close()
+
+	// Every event purged (as two hours later), then a new one.
+	n, err := e.db.PurgeEvents(t.Context(), time.Now().Add(time.Minute))
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, n, 2)
+	after := e.push(t, tok, "dev-1")
+	for _, how := range []struct {
+		name   string
+		query  string
+		header map[string]string
+	}{
+		{"header", "", map[string]string{"Last-Event-ID": first.id}},
+		{"query", "?last_event_id=" + first.id, nil},
+	} {
+		t.Run(how.name, func(t *testing.T) {
+			s := e.stream(t, tok, how.query, how.header)
+			ev := s.next(t)
+			require.Equal(t, "reset", ev.event, "the first event: %+v", ev)
+			assert.Equal(t, map[string]any{"reason": "expired"}, ev.json(t))
+			ev = s.next(t)
+			assert.Equal(t, []any{"command", after}, []any{ev.event, ev.json(t)["id"]})
+			s.quiet(t, 100*time.Millisecond)
+		})
+	}
+	// A client resumed after the purge, from an id the log covers: no
+	// reset.
+	log, _, err := e.db.Events(t.Context(), "", "", 100)
+	require.NoError(t, err)
+	require.NotEmpty(t, log)
+	last := log[len(log)-1].ID
+	s = e.stream(t, tok, "", map[string]string{"Last-Event-ID": last})
+	id := e.push(t, tok, "dev-1")
+	ev = s.next(t)
+	assert.Equal(t, []any{"command", id}, []any{ev.event, ev.json(t)["id"]})
 }

@@ -25,6 +25,11 @@ var (
 	bucketUserEvents = []byte("user_events") // user id, sequence (8-byte big-endian)
 )
 
+// keyEventsPurged, in the meta bucket, is the sequence of the last event
+// PurgeEvents deleted (8-byte big-endian), for EventsPurgedAfter: none
+// before the first purge that deleted one.
+var keyEventsPurged = []byte("events_purged")
+
 // migrateTo5 makes the buckets of the event log.
 func migrateTo5(tx *bolt.Tx) error {
 	for _, name := range [][]byte{bucketEvents, bucketUserEvents} {
@@ -195,6 +200,23 @@ func (db *DB) EventsPastEnd(ctx context.Context, after string) (bool, error) {
 	return past, err
 }
 
+// EventsPurgedAfter reports whether PurgeEvents deleted an event after
+// the cursor after (docs/reliability.md, bug 294).
+func (db *DB) EventsPurgedAfter(ctx context.Context, after string) (bool, error) {
+	seq, err := parseEventID(after)
+	if err != nil {
+		return false, err
+	}
+	var purged bool
+	err = db.bolt.View(func(tx *bolt.Tx) error {
+		if v := tx.Bucket(bucketMeta).Get(keyEventsPurged); len(v) == 8 {
+			purged = binary.BigEndian.Uint64(v) > seq
+		}
+		return nil
+	})
+	return purged, err
+}
+
 // PurgeEvents deletes the events older than olderThan, oldest first, at
 // most purgeBatch of them in each write transaction. Events made after now
 // (while the clock ran ahead) are stepped over, a bounded number a
@@ -224,12 +246,25 @@ func (db *DB) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)
 		if err != nil {
 			return 0, false, err
 		}
+		var last []byte
 		for _, d := range gone {
 			if err := events.Delete(d.k); err != nil {
 				return 0, false, err
 			}
 			if err := byUser.Delete(append(prefix(d.user), d.k...)); err != nil {
 				return 0, false, err
+			}
+			if bytes.Compare(d.k, last) > 0 {
+				last = d.k
+			}
+		}
+		if last != nil {
+			// The last deleted, for EventsPurgedAfter: never lowered.
+			meta := tx.Bucket(bucketMeta)
+			if old := meta.Get(keyEventsPurged); bytes.Compare(last, old) > 0 {
+				if err := meta.Put(keyEventsPurged, last); err != nil {
+					return 0, false, err
+				}
 			}
 		}
 		return len(gone), more, nil

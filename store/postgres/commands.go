@@ -709,6 +709,29 @@ func (s *Store) purge(ctx context.Context, del string, olderThan time.Time) (int
 	}
 }
 
+// purgeCounted is purge with a statement that answers how many rows it
+// deleted, rather than deleting them itself.
+func (s *Store) purgeCounted(ctx context.Context, del string, olderThan time.Time) (int, error) {
+	batch := s.purgeBatch
+	if batch <= 0 {
+		batch = purgeBatch
+	}
+	total := 0
+	for {
+		var n int
+		if err := s.pool.QueryRow(ctx, del, olderThan, batch).Scan(&n); err != nil {
+			return total, err
+		}
+		total += n
+		if n < batch {
+			return total, nil
+		}
+		if s.afterPurgeBatch != nil {
+			s.afterPurgeBatch()
+		}
+	}
+}
+
 // PurgeCommands deletes final commands that last changed before olderThan
 // and returns how many went, deleting at most purgeBatch in each
 // transaction. Unfinished commands are never deleted.

@@ -251,11 +251,38 @@ func (s *Store) EventsPastEnd(ctx context.Context, after string) (bool, error) {
 	return next.less(c) || c.id > uint64(lastID), nil
 }
 
+// EventsPurgedAfter reports whether PurgeEvents deleted an event after
+// the cursor after (docs/reliability.md, bug 294).
+func (s *Store) EventsPurgedAfter(ctx context.Context, after string) (bool, error) {
+	c, err := parseEventCursor(after)
+	if err != nil {
+		return false, err
+	}
+	var xid string
+	var id int64
+	if err := s.pool.QueryRow(ctx, `SELECT xid::text, id FROM events_purged`).Scan(&xid, &id); err != nil {
+		return false, err
+	}
+	x, err := strconv.ParseUint(xid, 10, 64)
+	if err != nil {
+		return false, fmt.Errorf("postgres: purged xid %q: %w", xid, err)
+	}
+	return c.less(eventCursor{xid: x, id: uint64(id)}), nil
+}
+
 // PurgeEvents deletes the events older than olderThan, at most
-// purgeBatch in each transaction.
+// purgeBatch in each transaction, and keeps the last it deleted in
+// events_purged (never lowered: a replica's purge at the same time waits
+// for the row, then compares with what the other wrote).
 func (s *Store) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {
-	return s.purge(ctx, `DELETE FROM events WHERE (xid, id) IN (
-		SELECT xid, id FROM events WHERE at < $1 LIMIT $2)`, olderThan)
+	return s.purgeCounted(ctx, `WITH gone AS (
+			DELETE FROM events WHERE (xid, id) IN (
+				SELECT xid, id FROM events WHERE at < $1 LIMIT $2)
+			RETURNING xid, id),
+		last AS (SELECT xid, id FROM gone ORDER BY xid DESC, id DESC LIMIT 1),
+		mark AS (UPDATE events_purged p SET xid = last.xid, id = last.id FROM last
+			WHERE (last.xid, last.id) > (p.xid, p.id))
+		SELECT count(*) FROM gone`, olderThan)
 }
 
 // ListenEvents calls fn each time a transaction that appended events

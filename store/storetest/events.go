@@ -27,6 +27,7 @@ func testEvents(t *testing.T, open Opener) {
 		{"Head", testEventsHead},
 		{"InvalidCursor", testEventsInvalidCursor},
 		{"Retention", testEventsRetention},
+		{"PurgedAfter", testEventsPurgedAfter},
 		{"ConcurrentWriters", testEventsConcurrentWriters},
 	})
 	t.Run("PastEnd", func(t *testing.T) { testEventsPastEnd(t, open) })
@@ -376,6 +377,69 @@ func testEventsPastEnd(t *testing.T, open Opener) {
 	for _, c := range []string{"x", "12", "not-a-cursor-at-all", "-1"} {
 		_, err := s.EventsPastEnd(ctx, c)
 		assert.ErrorIs(t, err, companion.ErrInvalidCursor, "EventsPastEnd(%q)", c)
+	}
+}
+
+// EventsPurgedAfter tells the cursors before an event that PurgeEvents
+// deleted, whoever's, from those the log still covers
+// (docs/reliability.md, bug 294).
+func testEventsPurgedAfter(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	purgedAfter := func(id string) bool {
+		t.Helper()
+		purged, err := s.EventsPurgedAfter(ctx, id)
+		require.NoError(t, err, "EventsPurgedAfter(%q)", id)
+		return purged
+	}
+	assert.False(t, purgedAfter(""), "EventsPurgedAfter(\"\") of an empty store")
+	provision(t, s, "m", "d1")
+	bind(t, s, "u1", "d1")
+	provision(t, s, "m", "d2")
+	bind(t, s, "u2", "d2")
+	ofU2 := func() companion.Command {
+		c := newCmd("d2")
+		c.UserID = "u2"
+		return c
+	}
+	create(t, s, newCmd("d1"))
+	create(t, s, ofU2())
+	create(t, s, newCmd("d1"))
+	evs, _ := eventsAll(t, s, "", "", 10)
+	require.Len(t, evs, 3)
+	head, err := s.EventsHead(ctx)
+	require.NoError(t, err)
+	for _, id := range append(eventIDs(evs), "", head) {
+		assert.False(t, purgedAfter(id), "EventsPurgedAfter(%q) before any purge", id)
+	}
+	n, err := s.PurgeEvents(ctx, time.Now().Add(-time.Hour))
+	require.NoError(t, err)
+	require.Zero(t, n)
+	assert.False(t, purgedAfter(""), "EventsPurgedAfter(\"\") after a purge that deleted nothing")
+
+	n, err = s.PurgeEvents(ctx, time.Now().Add(maxClockSkew))
+	require.NoError(t, err)
+	require.Equal(t, 3, n)
+	for _, id := range []string{"", evs[0].ID, evs[1].ID} {
+		assert.True(t, purgedAfter(id), "EventsPurgedAfter(%q), before the purged %q", id, evs[2].ID)
+	}
+	assert.False(t, purgedAfter(evs[2].ID), "EventsPurgedAfter(%q), the last purged", evs[2].ID)
+	head, err = s.EventsHead(ctx)
+	require.NoError(t, err)
+	assert.False(t, purgedAfter(head), "EventsPurgedAfter(head %q)", head)
+
+	// A new event, and a purge that deletes nothing: the mark stays.
+	create(t, s, ofU2())
+	now, _ := eventsAll(t, s, "", evs[2].ID, 10)
+	require.Len(t, now, 1)
+	n, err = s.PurgeEvents(ctx, time.Now().Add(-time.Hour))
+	require.NoError(t, err)
+	require.Zero(t, n)
+	assert.False(t, purgedAfter(now[0].ID), "EventsPurgedAfter(%q), kept", now[0].ID)
+	assert.True(t, purgedAfter(evs[1].ID), "EventsPurgedAfter(%q) after a purge that deleted nothing", evs[1].ID)
+
+	for _, c := range []string{"x", "12", "not-a-cursor-at-all", "-1"} {
+		_, err := s.EventsPurgedAfter(ctx, c)
+		assert.ErrorIs(t, err, companion.ErrInvalidCursor, "EventsPurgedAfter(%q)", c)
 	}
 }
 
