@@ -578,11 +578,45 @@ func (s *Server) streamEvents(c *gin.Context) error {
 				return nil
 			}
 		case <-ping.C:
+			if !s.streamAllowed(c, user.ID, deviceID) {
+				// The client's reconnection is answered why: 401, or 404
+				// device_not_found (docs/reliability.md, bug 295).
+				return nil
+			}
 			if err := w.write([]byte(": ping\n\n")); err != nil {
 				return nil
 			}
 		}
 	}
+}
+
+// streamAllowed reports whether the caller of a stream open since its
+// request was admitted may still have it, as a new request would be
+// answered: its identity provider's access token not expired (nor
+// otherwise refused), and the device of a stream of one device
+// (deviceID) still bound to it. It is asked at every heartbeat: a token
+// checked anew (a signature, in memory), a binding read. A store that
+// cannot answer keeps the stream: its client is not refused for it.
+// docs/reliability.md, bug 295.
+func (s *Server) streamAllowed(c *gin.Context, userID, deviceID string) bool {
+	ctx := c.Request.Context()
+	if tok := bearerToken(c); s.tokens != nil && looksLikeJWT(tok) {
+		if _, err := s.tokens.Verify(ctx, tok); err != nil {
+			s.log.InfoContext(ctx, "event stream ended: its access token is refused now", "reason", err)
+			return false
+		}
+	}
+	if deviceID == "" {
+		return true
+	}
+	b, err := s.store.Binding(ctx, deviceID)
+	switch {
+	case errors.Is(err, companion.ErrNotFound):
+		return false
+	case err != nil:
+		return true
+	}
+	return b.UserID == userID
 }
 
 // Reasons of an event "reset": why a stream's client has missed events.

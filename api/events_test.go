@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -772,4 +773,72 @@ func TestEventsResumeAfterPurgeSaysReset(t *testing.T) {
 	id := e.push(t, tok, "dev-1")
 	ev = s.next(t)
 	assert.Equal(t, []any{"command", id}, []any{ev.event, ev.json(t)["id"]})
+}
+
+// A stream of one device ends once the device is no longer the caller's,
+// and the client's reconnection is a 404 device_not_found; a stream of
+// another of the caller's devices, and one of all of them, stay. Without
+// the fix the stream stayed open, pings only, for as long as the client
+// kept it (docs/reliability.md, bug 295).
+func TestEventsStreamOfUnboundDeviceEnds(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
+	tok := e.bound("dev-1")
+	e.provision("dev-2", "code-dev-2", "sim-1")
+	r := e.do("POST", "/api/v1/devices/register", tok, map[string]any{"device_id": "dev-2", "claim_code": "code-dev-2"})
+	require.Equal(t, http.StatusCreated, r.status, "%s", r.body)
+
+	one := e.stream(t, tok, "?device_id=dev-1", nil)
+	other := e.stream(t, tok, "?device_id=dev-2", nil)
+	all := e.stream(t, tok, "", nil)
+	r = e.do("DELETE", "/api/v1/devices/dev-1", tok, nil)
+	require.Equal(t, http.StatusNoContent, r.status, "%s", r.body)
+
+	select {
+	case <-one.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stream of the unbound device is still open")
+	}
+	r = e.refused(t, tok, "?device_id=dev-1")
+	assert.Equal(t, http.StatusNotFound, r.status, "%s", r.body)
+	assert.Equal(t, CodeDeviceNotFound, r.problem(t).Code)
+
+	id := e.push(t, tok, "dev-2")
+	for _, s := range []*sseStream{other, all} {
+		ev := s.next(t)
+		assert.Equal(t, id, ev.json(t)["id"])
+	}
+}
+
+// A stream opened with an identity provider's access token ends once the
+// token has expired, as a new request with it is a 401. Without the fix
+// the stream stayed open past the token's exp (docs/reliability.md, bug
+// 295).
+func TestEventsStreamEndsWhenAccessTokenExpires(t *testing.T) {
+	p := newIDP(t)
+	const issuer, audience = "https://idp.example", "companion-api"
+	var skew atomic.Int64 // how far the verifier's clock is ahead
+	v, err := NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: issuer, Audience: audience, JWKSURL: p.server.URL,
+		Now: func() time.Time { return time.Now().Add(time.Duration(skew.Load())) }})
+	require.NoError(t, err)
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond}, func(o *Options) { o.Tokens = v })
+	now := time.Now()
+	tok := sign(t, p.key, "k1", map[string]any{"iss": issuer, "aud": audience, "sub": "alice@idp", "exp": now.Add(time.Hour).Unix(), "iat": now.Unix()})
+
+	s := e.stream(t, tok, "", nil)
+	pings := 0
+	for ev := range s.Events() { // alive, token valid
+		if ev.IsComment() && ev.Comment == "ping" {
+			if pings++; pings == 2 {
+				break
+			}
+		}
+	}
+	skew.Store(int64(2 * time.Hour))
+	select {
+	case <-s.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stream is still open after its access token expired")
+	}
+	r := e.refused(t, tok, "")
+	assert.Equal(t, http.StatusUnauthorized, r.status, "%s", r.body)
 }
