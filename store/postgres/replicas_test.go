@@ -35,6 +35,7 @@ func init() {
 		{"IdempotencyAcrossStores", testIdempotencyAcrossStores},
 		{"ClaimAcrossStores", testClaimAcrossStores},
 		{"ListenCommands", testListenCommands},
+		{"ListenHearsOwnChanges", testListenHearsOwnChanges},
 		{"ListenReconnects", testListenReconnects},
 		{"ListenFirstTimeRereads", testListenFirstTimeRereads},
 		{"BarrierOrder", testBarrierOrder},
@@ -304,6 +305,137 @@ func testListenCommands(t *testing.T, e *testEnv) {
 	case <-time.After(waitFor):
 		t.Fatal("ListenCommands did not return after Close")
 	}
+}
+
+// A store hears its own changes too: PostgreSQL delivers a notification
+// to every session that LISTENs, the sender's database included. A
+// replica's broker takes them as another replica's (CommandChanged), which
+// costs it a queue read per change on the dispatcher and leaves almost
+// nothing in live; but they are kept (docs/scale-out.md). For n commands,
+// each created and moved through sent to succeeded here, the listener
+// hears 3n. And a write whose caller stopped waiting for it (its context
+// ended: UpdateCommand returned the context's error) may still commit,
+// in the lane's batch: its own notification is then the only word this
+// replica gets of it, as the caller (a cancel, say) told its broker
+// nothing. Dropped, a Prefer: wait here on the command would trust live
+// and wait out its time (as in docs/reliability.md, bugs 232 and 256).
+func testListenHearsOwnChanges(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	a := e.open(t, dsn)
+	heard := make(chan string, 1000)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	listened := make(chan error, 1)
+	go func() { listened <- a.ListenCommands(ctx, func(id string) { heard <- id }) }()
+	defer func() {
+		cancel()
+		<-listened
+	}()
+	// The fn("") that says the LISTEN is in place: changes from now on
+	// are heard.
+	select {
+	case id := <-heard:
+		require.Empty(t, id, "first call")
+	case <-time.After(waitFor):
+		t.Fatal("ListenCommands did not say it listens")
+	}
+	// hear takes want notifications and counts them by id.
+	hear := func(want int, ids map[string]bool) map[string]int {
+		t.Helper()
+		count := map[string]int{}
+		timeout := time.After(waitFor)
+		for total := 0; total < want; total++ {
+			select {
+			case id := <-heard:
+				require.True(t, ids[id], "heard %q; want one of the commands changed", id)
+				count[id]++
+			case <-timeout:
+				t.Fatalf("heard %d of this store's own %d changes", total, want)
+			}
+		}
+		return count
+	}
+
+	const n = 20
+	ids := map[string]bool{}
+	for range n {
+		c, _, err := a.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+		require.NoError(t, err)
+		ids[c.ID] = true
+		for _, st := range []string{companion.StateSent, companion.StateSucceeded} {
+			_, err := a.UpdateCommand(t.Context(), c.ID, func(c *companion.Command) error { c.State = st; return nil })
+			require.NoError(t, err)
+		}
+	}
+	for id, k := range hear(3*n, ids) {
+		assert.Equal(t, 3, k, "notifications of %s (created, sent, succeeded)", id)
+	}
+
+	// The abandoned write: x, y and z are one device's, so one lane's.
+	// x's write waits for a lock held here while y's and z's queue up
+	// behind it; they then share a batch, which waits for z's lock. The
+	// caller of y's stops waiting; then the batch commits.
+	var x, y, z companion.Command
+	for _, c := range []*companion.Command{&x, &y, &z} {
+		var err error
+		*c, _, err = a.CreateCommand(t.Context(), cmd("d2"), 0, nil)
+		require.NoError(t, err)
+	}
+	ids = map[string]bool{x.ID: true, y.ID: true, z.ID: true}
+	hear(3, ids)
+	lock := func(id string) pgx.Tx {
+		conn, err := pgx.Connect(t.Context(), dsn)
+		require.NoError(t, err)
+		t.Cleanup(func() { conn.Close(context.Background()) })
+		tx, err := conn.Begin(t.Context())
+		require.NoError(t, err)
+		_, err = tx.Exec(t.Context(), `SELECT 1 FROM commands WHERE id = $1 FOR UPDATE`, id)
+		require.NoError(t, err)
+		return tx
+	}
+	sent := func(c *companion.Command) error { c.State = companion.StateSent; return nil }
+	holdX, holdZ := lock(x.ID), lock(z.ID)
+	xDone, zDone := make(chan error, 1), make(chan error, 1)
+	a.UpdateCommandAsync(x.ID, sent, func(_ companion.Command, err error) { xDone <- err })
+	waitLockWaiters(t, dsn, 1)
+	yCtx, stopWaiting := context.WithCancel(t.Context())
+	defer stopWaiting()
+	spy := &waitSpy{Context: yCtx, waiting: make(chan struct{})}
+	yDone := make(chan error, 1)
+	go func() {
+		_, err := a.UpdateCommand(spy, y.ID, func(c *companion.Command) error {
+			c.State = companion.StateCanceled
+			return nil
+		})
+		yDone <- err
+	}()
+	<-spy.waiting // queued: UpdateCommand waits for it
+	a.UpdateCommandAsync(z.ID, sent, func(_ companion.Command, err error) { zDone <- err })
+	require.NoError(t, holdX.Commit(t.Context()))
+	require.NoError(t, <-xDone)
+	waitLockWaiters(t, dsn, 1) // the batch of y and z, at z
+	stopWaiting()
+	require.ErrorIs(t, <-yDone, context.Canceled, "UpdateCommand of y, its caller gone")
+	require.NoError(t, holdZ.Commit(t.Context()))
+	require.NoError(t, <-zDone)
+	got, err := a.Command(t.Context(), y.ID)
+	require.NoError(t, err)
+	require.Equal(t, companion.StateCanceled, got.State, "y, whose caller stopped waiting for its write")
+	assert.Equal(t, 1, hear(3, ids)[y.ID],
+		"y's change, which its caller was not told of, is not heard: a replica would not hear of it")
+}
+
+// waitSpy is a context that says when its Done was first asked for: when
+// the store's UpdateCommand, its write queued, waits for it.
+type waitSpy struct {
+	context.Context
+	once    sync.Once
+	waiting chan struct{}
+}
+
+func (c *waitSpy) Done() <-chan struct{} {
+	c.once.Do(func() { close(c.waiting) })
+	return c.Context.Done()
 }
 
 // When its connection is cut, ListenCommands reconnects and says so with
