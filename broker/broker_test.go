@@ -2178,3 +2178,54 @@ func BenchmarkUnusableSettings(b *testing.B) {
 		}
 	}
 }
+
+// hangUpStore is e's store whose UpdateCommand answers as PostgreSQL's
+// does when its caller's context ends while the write is in a lane's
+// batch: the write commits, and the caller gets the context's error.
+// hangUp, when set, is the caller going away during the write.
+type hangUpStore struct {
+	*store.DB
+	hangUp atomic.Pointer[context.CancelFunc]
+}
+
+func (s *hangUpStore) UpdateCommand(ctx context.Context, id string, fn func(*companion.Command) error) (companion.Command, error) {
+	cmd, err := s.DB.UpdateCommand(context.WithoutCancel(ctx), id, fn)
+	if f := s.hangUp.Swap(nil); f != nil {
+		(*f)()
+	}
+	if ctx.Err() != nil {
+		return companion.Command{}, ctx.Err()
+	}
+	return cmd, err
+}
+
+// A cancel whose client hung up while the store wrote it is canceled
+// all the same (PostgreSQL's lane commits it): the bridge is told, and a
+// later Wait on it answers at once (docs/reliability.md, bug 297).
+func TestACancelWhoseClientHungUpIsWithdrawnFromTheBridge(t *testing.T) {
+	e, st := newEnvOn(t, func(db *store.DB) *hangUpStore { return &hangUpStore{DB: db} })
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-1", "canceled by a client that hung up", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, c.ID).State == companion.StateSent })
+
+	ctx, hangUp := context.WithCancel(context.Background())
+	st.hangUp.Store(&hangUp)
+	_, _ = e.b.Cancel(ctx, c.ID)
+	require.Equal(t, companion.StateCanceled, state(t, e, c.ID).State, "stored")
+	select {
+	case got := <-fb.commands:
+		require.Equal(t, topics.OpCancel, got.Op, "withdrawn: %+v", got)
+		var p topics.Cancel
+		require.NoError(t, json.Unmarshal(got.Payload, &p))
+		assert.Equal(t, c.ID, p.CommandID)
+	case <-time.After(5 * time.Second):
+		t.Fatal("no cancel reached the bridge: it runs the command, which reads canceled")
+	}
+	wctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	got, err := e.b.Wait(wctx, c.ID)
+	require.NoError(t, err)
+	assert.Equal(t, companion.StateCanceled, got.State)
+	assert.NoError(t, wctx.Err(), "Wait answered only when its time ran out")
+}

@@ -72,7 +72,12 @@ func (b *Broker) wake() {
 // be canceled.
 func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, error) {
 	start := time.Now()
-	cmd, err := b.st.UpdateCommand(ctx, id, func(c *companion.Command) error {
+	// Written whether or not the caller waits for it: PostgreSQL's lane
+	// may commit it after the request's client hung up, and the caller,
+	// told only the context's error, would then send no cancel to the
+	// bridge, which ran the command though it read canceled; nor tell
+	// the waiters (docs/reliability.md, bug 297).
+	cmd, err := b.st.UpdateCommand(context.WithoutCancel(ctx), id, func(c *companion.Command) error {
 		if c.State != companion.StateQueued && c.State != companion.StateSent {
 			return ErrNotCancelable
 		}

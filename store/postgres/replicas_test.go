@@ -313,12 +313,14 @@ func testListenCommands(t *testing.T, e *testEnv) {
 // costs it a queue read per change on the dispatcher and leaves almost
 // nothing in live; but they are kept (docs/scale-out.md). For n commands,
 // each created and moved through sent to succeeded here, the listener
-// hears 3n. And a write whose caller stopped waiting for it (its context
-// ended: UpdateCommand returned the context's error) may still commit,
-// in the lane's batch: its own notification is then the only word this
-// replica gets of it, as the caller (a cancel, say) told its broker
-// nothing. Dropped, a Prefer: wait here on the command would trust live
-// and wait out its time (as in docs/reliability.md, bugs 232 and 256).
+// hears 3n. And a write its caller was told failed may have committed:
+// here its caller stopped waiting for it (its context ended:
+// UpdateCommand returned the context's error) while the lane's batch went
+// on and committed it; a lost answer to COMMIT does the same. Its own
+// notification is then the only word this replica gets of it, as the
+// caller told its broker nothing. Dropped, a Prefer: wait here on the
+// command would trust live and wait out its time (as in
+// docs/reliability.md, bugs 232 and 256).
 func testListenHearsOwnChanges(t *testing.T, e *testEnv) {
 	dsn := e.newDB(t)
 	a := e.open(t, dsn)
