@@ -366,6 +366,7 @@ func TestEventsSlowReaderIsDropped(t *testing.T) {
 
 	// Events in bursts of 20 (a burst over a stream's buffer drops any
 	// stream): the fast stream keeps up, the slow one is stuck.
+	e.serve("dev-1")
 	const n, burst = 600, 20
 	var want []sseEvent
 	start := time.Now()

@@ -82,11 +82,12 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 		return false, nil
 	}
 	// A status from a bridge other than the one that serves the device
-	// now: the broker checked the device's bridge before the write, and a
-	// move committed in between. Stored over the move's (offline, seq 0),
+	// now, or of a device no bridge serves: the broker checked the
+	// device's bridge before the write, and a move (to another bridge or
+	// to none) committed in between. Stored over the move's (offline),
 	// it read online on the bridge it left for good (docs/reliability.md,
-	// bug 278).
-	if a := tx.Bucket(bucketAssignments).Get([]byte(s.DeviceID)); s.BridgeID != "" && a != nil && string(a) != s.BridgeID {
+	// bugs 278 and 289).
+	if s.BridgeID != "" && string(tx.Bucket(bucketAssignments).Get([]byte(s.DeviceID))) != s.BridgeID {
 		return false, nil
 	}
 	ns := s

@@ -120,6 +120,7 @@ func TestPostgresEventOrder(t *testing.T) {
 		require.NoError(t, a.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d2", Model: "m"}))
 		_, _, err := a.Bind(ctx, companion.Binding{DeviceID: "d2", UserID: "u1"})
 		require.NoError(t, err)
+		serve(t, a, "d2")
 		for _, st := range []companion.Status{
 			{DeviceID: "d1", Online: true, BridgeID: "br1", Model: "m", LastSeen: time.Now(), Seq: 1},
 			{DeviceID: "d2", Online: false, BridgeID: "br1", Model: "m", LastSeen: time.Now(), Seq: 1},

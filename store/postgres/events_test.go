@@ -2,6 +2,7 @@ package postgres_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"testing"
@@ -26,7 +27,27 @@ func (e *testEnv) boundStore(t *testing.T) (dsn string, s *postgres.Store) {
 	require.NoError(t, s.ProvisionDevice(t.Context(), companion.RegistryDevice{ID: "d1", Model: "m"}))
 	_, _, err := s.Bind(t.Context(), companion.Binding{DeviceID: "d1", UserID: "u1"})
 	require.NoError(t, err)
+	serve(t, s, "d1")
 	return dsn, s
+}
+
+// serve makes the operator's bridge br1 (created if need be) serve each
+// device (provisioned if need be): the store takes a status naming a
+// bridge only from the bridge that serves its device (docs/reliability.md,
+// bug 289).
+func serve(t *testing.T, s *postgres.Store, devs ...string) {
+	t.Helper()
+	ctx := t.Context()
+	if err := s.CreateBridge(ctx, companion.Bridge{ID: "br1", SecretHash: []byte("br1")}); !errors.Is(err, companion.ErrExists) {
+		require.NoError(t, err, "CreateBridge(br1)")
+	}
+	for _, dev := range devs {
+		if _, err := s.RegistryDevice(ctx, dev); errors.Is(err, companion.ErrNotFound) {
+			require.NoError(t, s.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev, Model: "m"}))
+		}
+		_, err := s.AssignDevice(ctx, dev, "br1", "")
+		require.NoError(t, err, "AssignDevice(%s, br1)", dev)
+	}
 }
 
 // TestPostgresEvents runs the event log's conformance tests (TestPostgres

@@ -199,6 +199,7 @@ func firstReports(t *testing.T, env *testEnv, same bool) []bool {
 		_, _, err := a.Bind(ctx, companion.Binding{DeviceID: dev, UserID: "u1"})
 		require.NoError(t, err)
 	}
+	serve(t, a, devs...)
 	report := func(dev string, online bool, seq uint64) companion.Status {
 		return companion.Status{DeviceID: dev, Online: online, BridgeID: "br1", Model: "m", LastSeen: time.Now(), Seq: seq}
 	}

@@ -569,6 +569,9 @@ func testBarrierOrder(t *testing.T, e *testEnv) {
 	}
 	done := make(chan struct{}, 3*devices+1)
 	for i := range devices {
+		serve(t, s, fmt.Sprintf("d%d", i))
+	}
+	for i := range devices {
 		dev := fmt.Sprintf("d%d", i)
 		s.PutStatusAsync(companion.Status{DeviceID: dev, Online: true, BridgeID: "br1", Seq: 1}, func(ok bool, err error) {
 			assert.True(t, ok && err == nil, "first status of %s: %v %v", dev, ok, err)

@@ -158,14 +158,16 @@ func (s *Store) putStatusAsync(ctx context.Context, st companion.Status, done fu
 }
 
 // fromItsBridgeSQL holds for a status ($1 the device, $7 the bridge that
-// reported it) of no bridge, or of a device that no other bridge serves.
+// reported it) of no bridge, or of the bridge that serves the device.
 // The broker checks the device's bridge before the write; a move that
 // commits in between sets the device offline with seq 0, which the bridge
 // it left, its clock for a seq, would overwrite: the device read online on
-// that bridge for good (docs/reliability.md, bug 278). The move updates
-// the status row, whose lock the statement before the upsert waits for:
-// the upsert's snapshot has the move's assignment.
-const fromItsBridgeSQL = `($7 = '' OR NOT EXISTS (SELECT 1 FROM assignments a WHERE a.device_id = $1 AND a.bridge_id <> $7))`
+// that bridge for good (docs/reliability.md, bug 278). A move to no bridge
+// (an unassignment, the bridge deleted) sets it offline too, and the
+// bridge it left, with a higher seq, did the same (bug 289). The move
+// updates the status row, whose lock the statement before the upsert waits
+// for: the upsert's snapshot has the move's assignment.
+const fromItsBridgeSQL = `($7 = '' OR EXISTS (SELECT 1 FROM assignments a WHERE a.device_id = $1 AND a.bridge_id = $7))`
 
 // putStatus is PutStatus inside a transaction; st is checked already.
 func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (bool, error) {

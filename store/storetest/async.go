@@ -61,6 +61,8 @@ func testUpdateCommandWithReport(t *testing.T, open Opener) {
 // write: whoever reads the one reads the other (CONTRACT §8).
 func testReportStored(t *testing.T, s companion.Store) {
 	ctx := t.Context()
+	serve(t, s, "br1", "d1")
+	bind(t, s, "u1", "d1")
 	c := create(t, s, companion.Command{DeviceID: "d1", UserID: "u1", Op: "app.install", ExpiresAt: now().Add(time.Hour)})
 	_, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, FirmwareVersion: "1.0.0", BridgeID: "br1", LastSeen: now(), Seq: 10})
 	require.NoError(t, err)
@@ -229,6 +231,8 @@ func testAsync(t *testing.T, open Opener) {
 // applied, not applied, or refused; and done gets the outcome.
 func testDoneOnce(t *testing.T, s companion.Store) {
 	ctx := t.Context()
+	serve(t, s, "br1", "d1")
+	bind(t, s, "u1", "d1")
 	open := create(t, s, newCmd("d1"))
 	final := create(t, s, newCmd("d1"))
 	setState(t, s, final.ID, companion.StateSucceeded)

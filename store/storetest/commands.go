@@ -723,6 +723,8 @@ func testQueuedCommandsWith(t *testing.T, s companion.Store) {
 // reported, nor a queued, delivered or final one.
 func testSentCommandsOnline(t *testing.T, s companion.Store) {
 	ctx := t.Context()
+	serve(t, s, "b1", "d1", "d2", "d3")
+	bind(t, s, "u1", "d1", "d2", "d3")
 	status := func(dev string, online bool, seq uint64) {
 		t.Helper()
 		ok, err := s.PutStatus(ctx, companion.Status{DeviceID: dev, Online: online, BridgeID: "b1", Seq: seq, LastSeen: time.Now()})

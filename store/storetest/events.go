@@ -137,6 +137,7 @@ func testEventsDeviceStatus(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	provision(t, s, "m", "d1", "d2")
 	bind(t, s, "u1", "d1")
+	serve(t, s, "br1", "d1", "d2")
 	t0 := now()
 	put := func(dev string, seq uint64, online bool, battery int, fw string, apps ...companion.App) {
 		t.Helper()
@@ -211,6 +212,7 @@ func testEventsBridgeOfflineOrder(t *testing.T, s companion.Store) {
 	devs := []string{"d1", "d2", "d3", "d4"}
 	provision(t, s, "m", devs...)
 	bind(t, s, "u1", devs...)
+	serve(t, s, "br1", devs...)
 	t0 := now()
 	seq := uint64(0)
 	for _, dev := range []string{"d3", "d1", "d4", "d2", "d1", "d3"} {

@@ -18,6 +18,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"maps"
 	"testing"
 	"time"
@@ -173,4 +174,22 @@ func assign(t testing.TB, s companion.Store, dev, bridge, owner string) {
 	t.Helper()
 	_, err := s.AssignDevice(t.Context(), dev, bridge, owner)
 	require.NoError(t, err, "AssignDevice(%q, %q, %q)", dev, bridge, owner)
+}
+
+// serve makes the operator's bridge (created if need be) serve each
+// device (provisioned if need be): the stores take a status naming a
+// bridge only from the bridge that serves its device (docs/reliability.md,
+// bug 289).
+func serve(t testing.TB, s companion.Store, bridge string, devs ...string) {
+	t.Helper()
+	ctx := t.Context()
+	if err := s.CreateBridge(ctx, companion.Bridge{ID: bridge, SecretHash: hashOf(bridge)}); !errors.Is(err, companion.ErrExists) {
+		require.NoError(t, err, "CreateBridge(%q)", bridge)
+	}
+	for _, dev := range devs {
+		if _, err := s.RegistryDevice(ctx, dev); errors.Is(err, companion.ErrNotFound) {
+			provision(t, s, "sim-1", dev)
+		}
+		assign(t, s, dev, bridge, "")
+	}
 }
