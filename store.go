@@ -57,8 +57,8 @@ type Store interface {
 	MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error)
 	MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, err error))
 	Settings(ctx context.Context, deviceID string) (Settings, error)
-	PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
-	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
+	PutReportedSettings(ctx context.Context, deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error)
+	PutReportedSettingsAsync(deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
 
 	CreateCommand(ctx context.Context, c Command, maxOpen int, idem *Idempotency) (cmd Command, replay bool, err error)
 	CreateCommandAsync(c Command, maxOpen int, idem *Idempotency, done func(cmd Command, replay bool, err error))

@@ -260,7 +260,7 @@ func TestSettingSpelledOtherwiseIsNotDesiredOnceReported(t *testing.T) {
 					"brightness": json.RawMessage("50"), "volume": json.RawMessage(volume), "do_not_disturb": json.RawMessage("false"),
 					"timezone": json.RawMessage(`"UTC"`), "language": json.RawMessage(`"en"`), "display_timeout_s": json.RawMessage("30"),
 				}
-				_, err := e.db.PutReportedSettings(t.Context(), "dev-1", reported, nil, time.Now(), uint64(time.Now().UnixNano()))
+				_, err := e.db.PutReportedSettings(t.Context(), "dev-1", "", reported, nil, time.Now(), uint64(time.Now().UnixNano()))
 				require.NoError(t, err)
 			}
 			r := e.do("PUT", "/api/v1/devices/dev-1/settings", tok, `{"volume": `+spelling+`}`)

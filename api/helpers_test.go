@@ -359,7 +359,7 @@ func (e *env) reportSettings(id string) {
 		"brightness": json.RawMessage("50"), "volume": json.RawMessage("50"), "do_not_disturb": json.RawMessage("false"),
 		"timezone": json.RawMessage(`"UTC"`), "language": json.RawMessage(`"en"`), "display_timeout_s": json.RawMessage("30"),
 	}
-	_, err := e.db.PutReportedSettings(context.Background(), id, reported, json.RawMessage(simSchema), time.Now(), uint64(time.Now().UnixNano()))
+	_, err := e.db.PutReportedSettings(context.Background(), id, "", reported, json.RawMessage(simSchema), time.Now(), uint64(time.Now().UnixNano()))
 	require.NoError(e.t, err)
 }
 

@@ -42,7 +42,7 @@ type Store interface {
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	DeviceBridge(ctx context.Context, deviceID string) (string, error)
 	DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error)
-	PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
+	PutReportedSettingsAsync(deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error))
 	PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeCommands(ctx context.Context, olderThan time.Time) (int, error)
 	PurgeEvents(ctx context.Context, olderThan time.Time) (int, error)

@@ -522,12 +522,12 @@ func (s *failingStore) PutStatusAsync(st companion.Status, done func(bool, error
 	s.DB.PutStatusAsync(st, done)
 }
 
-func (s *failingStore) PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error)) {
+func (s *failingStore) PutReportedSettingsAsync(deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error)) {
 	if s.failing(&s.failWrites) {
 		done(false, errStoreDown)
 		return
 	}
-	s.DB.PutReportedSettingsAsync(deviceID, reported, schema, at, seq, done)
+	s.DB.PutReportedSettingsAsync(deviceID, bridgeID, reported, schema, at, seq, done)
 }
 
 // A reply whose batch's read of the bridges fails is not lost: it waits,
@@ -2228,4 +2228,46 @@ func TestACancelWhoseClientHungUpIsWithdrawnFromTheBridge(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, companion.StateCanceled, got.State)
 	assert.NoError(t, wctx.Err(), "Wait answered only when its time ran out")
+}
+
+// movingStore moves dev-1 to b2 as the broker stores its settings, after
+// the broker read its bridge: the race of a move with a late report.
+type movingStore struct {
+	*store.DB
+	stored chan bool
+}
+
+func (s *movingStore) PutReportedSettingsAsync(deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(bool, error)) {
+	if _, err := s.DB.AssignDevice(context.Background(), deviceID, "b2", ""); err != nil {
+		done(false, err)
+		return
+	}
+	s.DB.PutReportedSettingsAsync(deviceID, bridgeID, reported, schema, at, seq, func(applied bool, err error) {
+		done(applied, err)
+		s.stored <- applied && err == nil
+	})
+}
+
+// Settings the bridge a device left reported, taken in as the device
+// moved, are not stored: with its clock ahead, they held the new bridge's
+// reports off, and GET …/settings read the old bridge's values
+// (docs/reliability.md, bug 290).
+func TestSettingsOfTheBridgeADeviceLeftAreNotStored(t *testing.T) {
+	e, st := newEnvOn(t, func(db *store.DB) *movingStore { return &movingStore{DB: db, stored: make(chan bool, 1)} })
+	ctx := context.Background()
+	require.NoError(t, e.db.CreateBridge(ctx, companion.Bridge{ID: "b2", SecretHash: []byte("not used")}))
+	fb := connectBridge(t, e)
+	topic, _ := tree.Settings("dev-1")
+	ahead := time.Now().Add(time.Hour)
+	fb.publish(t, topic, topics.Settings{Reported: map[string]any{"volume": 7}, Seq: uint64(ahead.UnixNano()), At: ahead})
+	select {
+	case stored := <-st.stored:
+		assert.False(t, stored, "b1's settings stored after dev-1 moved to b2")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the settings never reached the store")
+	}
+	s, err := e.db.Settings(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.Empty(t, s.Reported, "dev-1's settings after its move")
+	assert.Zero(t, s.Seq, "dev-1's settings seq after its move")
 }

@@ -725,7 +725,7 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 			b.goOwned(func() { b.overwriteDroppedStatus(deviceID) })
 		}
 	}
-	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, dropped, func(done func(error)) {
+	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, dropped, func(_ string, done func(error)) {
 		start := time.Now()
 		b.st.PutStatusAsync(st, func(applied bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
@@ -842,7 +842,8 @@ func (b *Broker) clearDropped(deviceID, what string, topicOf func(string) (strin
 // takeReport takes a device's status or settings in (what names which),
 // once its bridge is read: bridge, or readErr. If a bridge serves the
 // device (bridgeID, when set, must be that one), put stores the report
-// and calls done with the store's error; then ack. A read of the bridge or
+// (given that bridge, which the store checks serves the device still) and
+// calls done with the store's error; then ack. A read of the bridge or
 // a write that the store fails is tried again a little later, the message
 // unacknowledged meanwhile, as a reply's is (takeReplyAttempt), up to
 // maxReplyAttempts: dropped, as it was, the device read as its report
@@ -852,7 +853,7 @@ func (b *Broker) clearDropped(deviceID, what string, topicOf func(string) (strin
 // bug 101). A later report of the device taken meanwhile is not undone:
 // the stores keep the highest seq. dropped, when set, is called for a
 // report dropped because no bridge, or another, serves the device.
-func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr error, ack func(), attempt int, dropped func(), put func(done func(error))) {
+func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr error, ack func(), attempt int, dropped func(), put func(bridge string, done func(error))) {
 	again := func() {
 		b.takeAgain(deviceID, attempt, func(bridge string, err error) {
 			b.takeReport(what, deviceID, bridgeID, bridge, err, ack, attempt+1, dropped, put)
@@ -870,7 +871,7 @@ func (b *Broker) takeReport(what, deviceID, bridgeID, bridge string, readErr err
 		ack()
 		return
 	}
-	put(func(err error) {
+	put(bridge, func(err error) {
 		if err != nil && !errors.Is(err, companion.ErrInvalid) && !errors.Is(err, companion.ErrNotFound) && attempt < maxReplyAttempts {
 			b.log.Warn("storing a device's "+what+" failed; taking it again", "device_id", deviceID, "attempt", attempt, "err", err)
 			again() // with its bridge read anew, as a reply's
@@ -1007,9 +1008,12 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 			b.goOwned(func() { b.clearDropped(deviceID, "settings", b.tree.Settings) })
 		}
 	}
-	b.takeReport("settings", deviceID, "", bridge, readErr, ack, 1, dropped, func(done func(error)) {
+	b.takeReport("settings", deviceID, "", bridge, readErr, ack, 1, dropped, func(bridge string, done func(error)) {
 		start := time.Now()
-		b.st.PutReportedSettingsAsync(deviceID, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
+		// The store takes them only if the bridge read serves the device
+		// still: a move may commit before the write (docs/reliability.md,
+		// bug 290).
+		b.st.PutReportedSettingsAsync(deviceID, bridge, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))
 			done(err)
 		})

@@ -43,7 +43,7 @@ func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*companion.Command
 			}
 		}
 		if report.Settings != nil {
-			if _, err := db.putReportedSettings(tx, out.DeviceID, *report.Settings); err != nil {
+			if _, err := db.putReportedSettings(tx, out.DeviceID, "", *report.Settings); err != nil {
 				return err
 			}
 		}

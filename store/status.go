@@ -238,20 +238,23 @@ func fillMaps(s *companion.Settings) {
 // reports whether it did. reported replaces the stored set; schema
 // replaces the stored schema unless it is empty. Each desired key whose
 // value the device now reports is dropped: it is no longer pending.
-func (db *DB) PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error) {
+// bridgeID, when set, is the bridge the caller found serving the device:
+// the settings are not stored unless it serves the device still (see
+// putReportedSettings).
+func (db *DB) PutReportedSettings(ctx context.Context, deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error) {
 	return awaitBool(func(done func(bool, error)) {
-		db.PutReportedSettingsAsync(deviceID, reported, schema, at, seq, done)
+		db.PutReportedSettingsAsync(deviceID, bridgeID, reported, schema, at, seq, done)
 	})
 }
 
 // PutReportedSettingsAsync is PutReportedSettings without the wait: done
 // (if not nil) gets its results once the settings are on disk, in the
 // order of the store's writes (see UpdateCommandAsync).
-func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
+func (db *DB) PutReportedSettingsAsync(deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
 	if done == nil {
 		done = func(bool, error) {}
 	}
-	if !validID(deviceID) {
+	if !validID(deviceID) || (bridgeID != "" && !validID(bridgeID)) {
 		done(false, fmt.Errorf("%w: settings need a device id", companion.ErrInvalid))
 		return
 	}
@@ -263,14 +266,24 @@ func (db *DB) PutReportedSettingsAsync(deviceID string, reported map[string]json
 	var applied bool
 	db.batchAsync(func(tx *bolt.Tx) error {
 		var err error
-		applied, err = db.putReportedSettings(tx, deviceID, r)
+		applied, err = db.putReportedSettings(tx, deviceID, bridgeID, r)
 		return err
 	}, func(err error) { done(applied && err == nil, err) })
 }
 
 // putReportedSettings is PutReportedSettings inside a write transaction;
-// r is checked and compacted already.
-func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID string, r companion.ReportedSettings) (bool, error) {
+// r is checked and compacted already. Settings reported through bridgeID
+// ("" when the caller names none) are not stored unless that bridge serves
+// the device now: the broker checked the device's bridge before the
+// write, and a move that committed in between set the settings' seq to 0
+// (forgetSeq). Stored over that, the bridge it left, its clock for a seq
+// (up to a day ahead), held the new bridge's reports off: GET …/settings
+// read the old bridge's values, and a change that succeeded did not show
+// (docs/reliability.md, bug 290).
+func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID, bridgeID string, r companion.ReportedSettings) (bool, error) {
+	if bridgeID != "" && string(tx.Bucket(bucketAssignments).Get([]byte(deviceID))) != bridgeID {
+		return false, nil
+	}
 	b := tx.Bucket(bucketSettings)
 	s := companion.Settings{DeviceID: deviceID}
 	found, err := getJSON(b, []byte(deviceID), &s)

@@ -452,7 +452,7 @@ func (s *Store) updateCommandAsync(ctx context.Context, id string, fn func(*comp
 			}
 		}
 		if settings != nil {
-			if _, err := s.putReportedSettings(ctx, tx, out.DeviceID, *settings); err != nil {
+			if _, err := s.putReportedSettings(ctx, tx, out.DeviceID, "", *settings); err != nil {
 				return err
 			}
 		}

@@ -473,24 +473,27 @@ func writeSettings(ctx context.Context, tx pgx.Tx, st companion.Settings) error 
 // reports whether it did. reported replaces the stored set; schema
 // replaces the stored schema unless it is empty. Each desired key whose
 // value the device now reports is dropped: it is no longer pending.
-func (s *Store) PutReportedSettings(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error) {
+// bridgeID, when set, is the bridge the caller found serving the device:
+// the settings are not stored unless it serves the device still (see
+// putReportedSettings).
+func (s *Store) PutReportedSettings(ctx context.Context, deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64) (bool, error) {
 	return awaitBool(ctx, func(done func(bool, error)) {
-		s.putReportedSettingsAsync(ctx, deviceID, reported, schema, at, seq, done)
+		s.putReportedSettingsAsync(ctx, deviceID, bridgeID, reported, schema, at, seq, done)
 	})
 }
 
 // PutReportedSettingsAsync is PutReportedSettings without the wait: done
 // (if not nil) gets its results once the settings are committed, after
 // the device's writes made before.
-func (s *Store) PutReportedSettingsAsync(deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
-	s.putReportedSettingsAsync(context.Background(), deviceID, reported, schema, at, seq, done)
+func (s *Store) PutReportedSettingsAsync(deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
+	s.putReportedSettingsAsync(context.Background(), deviceID, bridgeID, reported, schema, at, seq, done)
 }
 
-func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
+func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID, bridgeID string, reported map[string]json.RawMessage, schema json.RawMessage, at time.Time, seq uint64, done func(applied bool, err error)) {
 	if done == nil {
 		done = func(bool, error) {}
 	}
-	if !validID(deviceID) {
+	if !validID(deviceID) || (bridgeID != "" && !validID(bridgeID)) {
 		done(false, fmt.Errorf("%w: settings need a device id", companion.ErrInvalid))
 		return
 	}
@@ -505,7 +508,7 @@ func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID string, r
 		key: deviceHash(deviceID),
 		body: func(ctx context.Context, tx pgx.Tx) error {
 			var err error
-			applied, err = s.putReportedSettings(ctx, tx, deviceID, r)
+			applied, err = s.putReportedSettings(ctx, tx, deviceID, bridgeID, r)
 			return err
 		},
 		finish: func(err error) { done(applied && err == nil, err) },
@@ -516,12 +519,28 @@ func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID string, r
 }
 
 // putReportedSettings is PutReportedSettings inside a transaction; r is
-// checked and compacted already.
-func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID string, r companion.ReportedSettings) (bool, error) {
+// checked and compacted already. Settings reported through bridgeID (""
+// when the caller names none) are not stored unless that bridge serves
+// the device now: the broker checked the device's bridge before the
+// write, and a move that committed in between set the settings' seq to 0.
+// Stored over that, the bridge it left, its clock for a seq (up to a day
+// ahead), held the new bridge's reports off: GET …/settings read the old
+// bridge's values, and a change that succeeded did not show
+// (docs/reliability.md, bug 290). The move updates the settings row,
+// whose lock lockSettings waits for: the statement after it reads the
+// move's assignment.
+func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID, bridgeID string, r companion.ReportedSettings) (bool, error) {
 	now := s.clock()
 	row, found, err := lockSettings(ctx, tx, deviceID, now)
 	if err != nil {
 		return false, err
+	}
+	if bridgeID != "" {
+		var serves bool
+		err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM assignments WHERE device_id = $1 AND bridge_id = $2)`, deviceID, bridgeID).Scan(&serves)
+		if err != nil || !serves {
+			return false, err
+		}
 	}
 	st := row.s
 	// Stored times have microseconds: r.At is compared and kept as stored.

@@ -106,7 +106,7 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 		_, err := s.PutStatus(ctx, companion.Status{DeviceID: a[0], Online: true, BridgeID: a[1], Seq: 7})
 		require.NoError(t, err)
 	}
-	_, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": json.RawMessage("7")}, nil, time.Now(), 7)
+	_, err := s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": json.RawMessage("7")}, nil, time.Now(), 7)
 	require.NoError(t, err)
 	online := func(dev string, want bool) {
 		t.Helper()
@@ -128,7 +128,7 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 	ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op2", Seq: 3, Battery: intp(55)})
 	require.NoError(t, err)
 	assert.True(t, ok, "the new bridge's report, its clock behind the old one's, applied")
-	ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": json.RawMessage("3")}, nil, time.Now(), 3)
+	ok, err = s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": json.RawMessage("3")}, nil, time.Now(), 3)
 	require.NoError(t, err)
 	assert.True(t, ok, "the new bridge's settings, its clock behind the old one's, applied")
 	assign(t, s, "d1", "op2", "")
@@ -219,7 +219,7 @@ func testSeqForgottenThroughNoBridge(t *testing.T, s companion.Store) {
 		var err error
 		status, err = s.PutStatus(ctx, companion.Status{DeviceID: dev, Online: true, BridgeID: bridge, Seq: seq, FirmwareVersion: bridge})
 		require.NoError(t, err)
-		settings, err = s.PutReportedSettings(ctx, dev, map[string]json.RawMessage{"volume": json.RawMessage(`"` + bridge + `"`)}, nil, time.Now(), seq)
+		settings, err = s.PutReportedSettings(ctx, dev, "", map[string]json.RawMessage{"volume": json.RawMessage(`"` + bridge + `"`)}, nil, time.Now(), seq)
 		require.NoError(t, err)
 		return status, settings
 	}

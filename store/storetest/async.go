@@ -134,7 +134,7 @@ func testReportNewerWins(t *testing.T, s companion.Store) {
 	at := now()
 	_, err := s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, Apps: []companion.App{{AppID: "clock", Version: "2.0.0"}}, LastSeen: at, Seq: 20})
 	require.NoError(t, err)
-	_, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("20")}, nil, at, 20)
+	_, err = s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw("20")}, nil, at, 20)
 	require.NoError(t, err)
 
 	c := create(t, s, newCmd("d1"))
@@ -289,7 +289,7 @@ func testDoneOnce(t *testing.T, s companion.Store) {
 	} {
 		ch := make(chan boolResult, 2)
 		check(c.name, func(hit func()) {
-			s.PutReportedSettingsAsync(c.dev, c.reported, nil, now(), c.seq, func(ok bool, err error) { hit(); ch <- boolResult{ok, err} })
+			s.PutReportedSettingsAsync(c.dev, "", c.reported, nil, now(), c.seq, func(ok bool, err error) { hit(); ch <- boolResult{ok, err} })
 		})
 		boolDone(c.name, ch, c.want)
 	}

@@ -161,7 +161,7 @@ func testUnbindEndsCommands(t *testing.T, s companion.Store) {
 	done := setState(t, s, create(t, s, newCmd("d1")).ID, companion.StateSucceeded)
 	other := create(t, s, newCmd("d2")) // the user keeps d2
 	setState(t, s, desire(t, s, "d1", "u1", map[string]string{"language": `"fr"`}).ID, companion.StateSucceeded)
-	_, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"language": raw(`"en"`)}, nil, now(), 1)
+	_, err := s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"language": raw(`"en"`)}, nil, now(), 1)
 	require.NoError(t, err)
 	_, events, err := s.Events(ctx, "u1", "", 0)
 	require.NoError(t, err)

@@ -221,7 +221,7 @@ func testDesiredBackToAnEarlierChange(t *testing.T, s companion.Store) {
 	// A setting the device reported meanwhile stays out.
 	f := desire(t, s, "d1", "u1", map[string]string{"volume": "13"})
 	g := desire(t, s, "d1", "u1", map[string]string{"volume": "15"})
-	ok, err := s.PutReportedSettings(t.Context(), "d1", map[string]json.RawMessage{"volume": raw("15")}, nil, now(), 1)
+	ok, err := s.PutReportedSettings(t.Context(), "d1", "", map[string]json.RawMessage{"volume": raw("15")}, nil, now(), 1)
 	require.NoError(t, err)
 	require.True(t, ok, "PutReportedSettings applied")
 	setState(t, s, g.ID, companion.StateFailed)
@@ -245,7 +245,7 @@ func testDesiredBackToAnEarlierChange(t *testing.T, s companion.Store) {
 
 	// Nor the value of one the device reports already: it is applied.
 	k := desire(t, s, "d1", "u1", map[string]string{"volume": "41"})
-	ok, err = s.PutReportedSettings(t.Context(), "d1", map[string]json.RawMessage{"volume": raw("41")}, nil, now(), 2)
+	ok, err = s.PutReportedSettings(t.Context(), "d1", "", map[string]json.RawMessage{"volume": raw("41")}, nil, now(), 2)
 	require.NoError(t, err)
 	require.True(t, ok, "PutReportedSettings applied")
 	l := desire(t, s, "d1", "u1", map[string]string{"volume": "43"})

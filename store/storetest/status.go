@@ -31,6 +31,7 @@ func testStatus(t *testing.T, open Opener) {
 		{"MarkBridgeOffline", testMarkBridgeOffline},
 		{"FromTheBridgeItLeft", testStatusFromTheBridgeItLeft},
 		{"FromTheBridgeItLeftForNone", testStatusFromTheBridgeItLeftForNone},
+		{"SettingsFromTheBridgeItLeft", testSettingsFromTheBridgeItLeft},
 	})
 }
 
@@ -115,6 +116,45 @@ func testStatusFromTheBridgeItLeftForNone(t *testing.T, s companion.Store) {
 	want(false, "")
 	assert.False(t, put("op2", true, 40), "a report of its deleted bridge")
 	want(false, "")
+}
+
+// Settings reported through a bridge that no longer serves the device are
+// not stored: the broker checks the device's bridge before the write, and
+// a move that commits in between set their seq to 0; the old bridge's
+// late report, its clock for a seq (up to a day ahead), then held the new
+// bridge's reports off: GET …/settings read the old bridge's values, and a
+// change that succeeded did not show (docs/reliability.md, bug 290).
+// Settings that name no bridge keep the rule of seq alone.
+func testSettingsFromTheBridgeItLeft(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	tenancy(t, s)
+	ahead := uint64(time.Now().Add(12 * time.Hour).UnixNano())
+	put := func(bridge, volume string, seq uint64) bool {
+		t.Helper()
+		ok, err := s.PutReportedSettings(ctx, "d3", bridge, map[string]json.RawMessage{"volume": raw(volume)}, nil, now(), seq)
+		require.NoError(t, err)
+		return ok
+	}
+	want := func(volume string) {
+		t.Helper()
+		set, err := s.Settings(ctx, "d3")
+		require.NoError(t, err)
+		if !equalRaw(set.Reported, map[string]string{"volume": volume}) {
+			t.Errorf("Settings(d3).Reported = %s; want volume %s", set.Reported, volume)
+		}
+	}
+	assign(t, s, "d3", "op1", "")
+	require.True(t, put("op1", "10", ahead), "settings of the device's bridge, its clock ahead")
+	assign(t, s, "d3", "op2", "")
+	assert.False(t, put("op1", "20", ahead+1), "settings of the bridge it left, after the move")
+	want("10")
+	assert.True(t, put("op2", "30", uint64(time.Now().UnixNano())), "settings of its new bridge, its clock behind the old one's")
+	want("30")
+	assign(t, s, "d3", "", "")
+	assert.False(t, put("op2", "40", ahead+2), "settings of the bridge it left for none")
+	want("30")
+	assert.True(t, put("", "50", ahead+3), "settings naming no bridge: seq alone decides")
+	want("50")
 }
 
 // A report replaces the stored status when its seq is higher, or equal
@@ -260,7 +300,7 @@ func testSettings(t *testing.T, open Opener) {
 			assert.NotNil(t, st.Reported)
 			assert.Empty(t, st.Reported)
 			// A first report is applied whatever its seq.
-			ok, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}, nil, now(), 1)
+			ok, err := s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw("30")}, nil, now(), 1)
 			require.NoError(t, err)
 			assert.True(t, ok, "first PutReportedSettings applied")
 			st, err = s.Settings(ctx, "d1")
@@ -269,11 +309,11 @@ func testSettings(t *testing.T, open Opener) {
 		}},
 		{"Invalid", func(t *testing.T, s companion.Store) {
 			ctx := t.Context()
-			_, err := s.PutReportedSettings(ctx, "", map[string]json.RawMessage{"x": raw("1")}, nil, now(), 1)
+			_, err := s.PutReportedSettings(ctx, "", "", map[string]json.RawMessage{"x": raw("1")}, nil, now(), 1)
 			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(no device)")
-			_, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("{")}, nil, now(), 1)
+			_, err = s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"x": raw("{")}, nil, now(), 1)
 			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(bad JSON value)")
-			_, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"x": raw("1")}, raw("{"), now(), 1)
+			_, err = s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"x": raw("1")}, raw("{"), now(), 1)
 			assert.ErrorIs(t, err, companion.ErrInvalid, "PutReportedSettings(bad JSON schema)")
 			st, err := s.Settings(ctx, "d1")
 			require.NoError(t, err)
@@ -288,7 +328,7 @@ func testReportedSettings(t *testing.T, s companion.Store) {
 	t0 := now().Add(-time.Hour)
 	schema := raw(`{"brightness": {"type": "int", "min": 0, "max": 100}}`)
 
-	ok, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{
+	ok, err := s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{
 		"brightness": raw("50"), "volume": raw("50"), "language": raw(`"en"`),
 	}, schema, t0, 1)
 	require.NoError(t, err)
@@ -305,7 +345,7 @@ func testReportedSettings(t *testing.T, s companion.Store) {
 
 	// The device applied brightness and language (with other spacing);
 	// volume is still pending.
-	ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{
+	ok, err = s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{
 		"brightness": raw("80"), "volume": raw("50"), "language": raw(` "de"`),
 	}, nil, t0.Add(time.Minute), 2)
 	require.NoError(t, err)
@@ -329,7 +369,7 @@ func testReportedSettings(t *testing.T, s companion.Store) {
 		seq uint64
 		at  time.Time
 	}{{1, t0.Add(time.Hour)}, {2, t0.Add(time.Minute)}, {2, t0}} {
-		ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}, raw(`{}`), old.at, old.seq)
+		ok, err = s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw("30")}, raw(`{}`), old.at, old.seq)
 		require.NoError(t, err)
 		assert.False(t, ok, "PutReportedSettings(seq %d, at %v) applied", old.seq, old.at)
 	}
@@ -351,7 +391,7 @@ func testReportedSettings(t *testing.T, s companion.Store) {
 
 	// A newer report replaces the reported set (a key it lacks goes) and
 	// a new schema replaces the old one.
-	ok, err = s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw("30")}, raw(`{"volume": {"type": "int"}}`), t0, 3)
+	ok, err = s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw("30")}, raw(`{"volume": {"type": "int"}}`), t0, 3)
 	require.NoError(t, err)
 	require.True(t, ok, "PutReportedSettings(seq 3) applied")
 	got, err = s.Settings(ctx, "d1")
@@ -397,7 +437,7 @@ func testSettingsSeqFromAnotherEra(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	put := func(seq uint64, volume string) bool {
 		t.Helper()
-		ok, err := s.PutReportedSettings(ctx, "d1", map[string]json.RawMessage{"volume": raw(volume)}, nil, now(), seq)
+		ok, err := s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw(volume)}, nil, now(), seq)
 		require.NoError(t, err)
 		return ok
 	}
