@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -208,7 +209,13 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
-	ctx := c.Request.Context()
+	// Not the request's context: a client that hangs up as the store
+	// commits (PostgreSQL's answer is then the context's error, though
+	// the unbinding is on disk) left the commands it ended in the outbox
+	// and on the bridge, where they ran on the device that reads them
+	// canceled; and its bridge and broker rights unchanged
+	// (docs/reliability.md, bug 298).
+	ctx := context.WithoutCancel(c.Request.Context())
 	unbound, err := s.store.Unbind(ctx, b.DeviceID, user.ID)
 	switch {
 	case errors.Is(err, companion.ErrNotFound):

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -38,6 +39,8 @@ type fakeCommander struct {
 	onSubmit  func(companion.Command) // called after each new command, when set
 	changed   chan struct{}           // closed and replaced on every change
 	waiting   int                     // calls of Wait not yet returned
+	ended     []string                // the ids Ended was told of
+	moved     []string                // the devices DeviceMoved was told of
 }
 
 func newFakeCommander(db *store.DB) *fakeCommander {
@@ -67,11 +70,35 @@ func (f *fakeCommander) Submit(ctx context.Context, c companion.Command, idem *c
 	return cmd, replayed, nil
 }
 
-func (f *fakeCommander) DeviceMoved(string)                        {}
+func (f *fakeCommander) DeviceMoved(id string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.moved = append(f.moved, id)
+}
+
+// movedIDs returns the devices DeviceMoved was told of, in order.
+func (f *fakeCommander) movedIDs() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.moved)
+}
 func (f *fakeCommander) BridgesDisconnecting(...string)            {}
 func (f *fakeCommander) BridgesDisconnectingWithoutWill(...string) {}
 
-func (f *fakeCommander) Ended([]companion.Command) {}
+func (f *fakeCommander) Ended(cmds []companion.Command) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, c := range cmds {
+		f.ended = append(f.ended, c.ID)
+	}
+}
+
+// endedIDs returns the ids Ended was told of, in order.
+func (f *fakeCommander) endedIDs() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.ended)
+}
 
 func (f *fakeCommander) Cancel(ctx context.Context, id string) (companion.Command, error) {
 	cmd, err := f.db.UpdateCommand(ctx, id, func(c *companion.Command) error {
