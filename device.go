@@ -223,7 +223,7 @@ func (r ReportedSettings) ApplyTo(s *Settings) {
 // change's again, of the latest such change: its value when the change is
 // not final, which the device is still to be sent or to apply; none when
 // it succeeded, since the device ran it, and the earlier ones before it,
-// and its final reply brought the value it set (bug 254: the earlier
+// and its final reply brought the value it set (bug 251: the earlier
 // change still open was left out of desired and pending until it ended).
 // A value the device reports already goes too, as a report takes out
 // those it brings (ReportedSettings.ApplyTo). Only settings still desired

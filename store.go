@@ -133,7 +133,7 @@ type Store interface {
 	// an event after the cursor after, any user's: Events after it would
 	// return what the log holds with a gap, unseen (a cursor older than
 	// the log keeps, EventRetention). A malformed cursor is
-	// ErrInvalidCursor. docs/reliability.md, bug 294.
+	// ErrInvalidCursor. docs/reliability.md, bug 274.
 	EventsPurgedAfter(ctx context.Context, after string) (bool, error)
 	// PurgeEvents deletes the events older than olderThan, and keeps the
 	// last id it deleted for EventsPurgedAfter.

@@ -457,7 +457,7 @@ func (s *awayStore) Binding(ctx context.Context, id string) (companion.Binding, 
 // the store away, an unknown route) reaches a client that sends its whole
 // body before it reads, as a 413 does (CONTRACT §8): a phone pushing an
 // image while rate limited read "connection reset", not the 429 and its
-// Retry-After (docs/reliability.md, bug 273). The bodies are within their
+// Retry-After (docs/reliability.md, bug 263). The bodies are within their
 // limits and larger than what the sockets buffer.
 func TestEarlyAnswersAreReadable(t *testing.T) {
 	const (
@@ -549,7 +549,7 @@ func TestLargeBodiesAreRoutes(t *testing.T) {
 // A request with no valid token is read, before its 401, no further than
 // four times the largest body of a user's operation (an image push's),
 // whatever its route: a firmware upload's 4× would have the server read
-// hundreds of MiB for anyone who asks (bug 273's drain, bounded).
+// hundreds of MiB for anyone who asks (bug 263's drain, bounded).
 func TestARequestWithoutATokenIsReadBoundedly(t *testing.T) {
 	e := newEnv(t, func(o *Options) { o.Limits.MaxFirmwareBytes = 4 << 30 })
 	r := e.sendEndless(t, chunkedHead("PUT", "/api/v1/admin/firmware/sim-1/1.0.0", "ctk_wrong", "application/octet-stream")+"fffffffffff\r\n")

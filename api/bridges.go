@@ -126,7 +126,7 @@ func (s *Server) deleteUserBridge(c *gin.Context) error {
 	if !topics.ValidBridgeID(id) {
 		return &Error{Code: CodeBridgeNotFound}
 	}
-	ctx := context.WithoutCancel(c.Request.Context()) // what the deletion moves must follow it (bug 298)
+	ctx := context.WithoutCancel(c.Request.Context()) // what the deletion moves must follow it (bug 277)
 	served, err := s.store.DeleteBridge(ctx, id, user.ID)
 	switch {
 	case errors.Is(err, companion.ErrNotFound):
@@ -192,7 +192,7 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	if err := validationError(fields); err != nil {
 		return err
 	}
-	ctx := context.WithoutCancel(c.Request.Context()) // what the move changes must follow it (bug 298)
+	ctx := context.WithoutCancel(c.Request.Context()) // what the move changes must follow it (bug 277)
 	previous, err := s.store.AssignDevice(ctx, deviceID, bridge, ownerID)
 	deviceNotFound, bridgeNotFound := errDeviceNotFound, &Error{Code: CodeBridgeNotFound}
 	if ownerID == "" {

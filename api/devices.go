@@ -214,7 +214,7 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 	// the unbinding is on disk) left the commands it ended in the outbox
 	// and on the bridge, where they ran on the device that reads them
 	// canceled; and its bridge and broker rights unchanged
-	// (docs/reliability.md, bug 298).
+	// (docs/reliability.md, bug 277).
 	ctx := context.WithoutCancel(c.Request.Context())
 	unbound, err := s.store.Unbind(ctx, b.DeviceID, user.ID)
 	switch {

@@ -73,7 +73,7 @@ func hangUp(t *testing.T, e *env, st *hangUpStore, method, path, token string, b
 // its commands in the broker (Ended): else they stayed in the outbox and
 // on the bridge, and ran on the device, though they read canceled. And a
 // move of a device so hung up on still moves its commands and rights
-// (DeviceMoved) (docs/reliability.md, bug 298).
+// (DeviceMoved) (docs/reliability.md, bug 277).
 func TestAChangeWhoseClientHungUpIsFollowedThrough(t *testing.T) {
 	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)

@@ -52,7 +52,7 @@ import (
 // purged: companion.Store.EventsPurgedAfter), the client has missed
 // events: its stream starts with an event "reset" (resetFrame), before
 // the replay, which tells it to read the state again
-// (docs/reliability.md, bug 294).
+// (docs/reliability.md, bug 274).
 
 // EventStore is what the event hub and the streams need of the store.
 type EventStore interface {
@@ -523,7 +523,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	streamHeaders(c)
 	// The request's time, for the metrics, ends here: the rest is the
 	// stream's life, as long as the client stays (docs/reliability.md,
-	// bug 293).
+	// bug 273).
 	c.Set(ctxStreamBegan, time.Now())
 	// A stream that starts from now gets its starting point as its first
 	// id, in an event without data (EventSource keeps the id and fires
@@ -580,7 +580,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 		case <-ping.C:
 			if !s.streamAllowed(c, user.ID, deviceID) {
 				// The client's reconnection is answered why: 401, or 404
-				// device_not_found (docs/reliability.md, bug 295).
+				// device_not_found (docs/reliability.md, bug 275).
 				return nil
 			}
 			if err := w.write([]byte(": ping\n\n")); err != nil {
@@ -597,7 +597,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 // (deviceID) still bound to it. It is asked at every heartbeat: a token
 // checked anew (a signature, in memory), a binding read. A store that
 // cannot answer keeps the stream: its client is not refused for it.
-// docs/reliability.md, bug 295.
+// docs/reliability.md, bug 275.
 func (s *Server) streamAllowed(c *gin.Context, userID, deviceID string) bool {
 	ctx := c.Request.Context()
 	if tok := bearerToken(c); s.tokens != nil && looksLikeJWT(tok) {

@@ -518,7 +518,7 @@ func TestEventsResumePastTheEnd(t *testing.T) {
 			require.GreaterOrEqual(t, len(log), 2)
 			s := e.stream(t, tok, how.query, how.header)
 			// The client is told it missed events, before the replay
-			// (docs/reliability.md, bug 294).
+			// (docs/reliability.md, bug 274).
 			reset := s.next(t)
 			assert.Equal(t, "reset", reset.event)
 			assert.Equal(t, map[string]any{"reason": "unknown_id"}, reset.json(t))
@@ -675,7 +675,7 @@ func (a timedAnswers) Request(method, route string, status int, took time.Durati
 // An event stream is counted, for the metrics, with the time it took to
 // begin, not with how long the client kept it: open streams landed in the
 // top bucket of the request duration histogram, and made its quantiles
-// meaningless (docs/reliability.md, bug 293). The time told is at most
+// meaningless (docs/reliability.md, bug 273). The time told is at most
 // what the client saw from sending the request to having the stream's
 // headers, whatever the stream's length.
 func TestEventsRequestTimeIsTheStreamStart(t *testing.T) {
@@ -724,7 +724,7 @@ func TestEventsRequestTimeIsTheStreamStart(t *testing.T) {
 // the stream with an event "reset", then the replay of what the log holds:
 // the client knows it missed events and reads the state again. Without it
 // the replay came alone, and the gap went unseen (docs/reliability.md,
-// bug 294). An id the log still covers resumes with no reset.
+// bug 274). An id the log still covers resumes with no reset.
 func TestEventsResumeAfterPurgeSaysReset(t *testing.T) {
 	e := newEventsEnv(t, EventsOptions{})
 	tok := e.bound("dev-1")
@@ -780,7 +780,7 @@ func TestEventsResumeAfterPurgeSaysReset(t *testing.T) {
 // and the client's reconnection is a 404 device_not_found; a stream of
 // another of the caller's devices, and one of all of them, stay. Without
 // the fix the stream stayed open, pings only, for as long as the client
-// kept it (docs/reliability.md, bug 295).
+// kept it (docs/reliability.md, bug 275).
 func TestEventsStreamOfUnboundDeviceEnds(t *testing.T) {
 	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
 	tok := e.bound("dev-1")
@@ -813,7 +813,7 @@ func TestEventsStreamOfUnboundDeviceEnds(t *testing.T) {
 // A stream opened with an identity provider's access token ends once the
 // token has expired, as a new request with it is a 401. Without the fix
 // the stream stayed open past the token's exp (docs/reliability.md, bug
-// 295).
+// 275).
 func TestEventsStreamEndsWhenAccessTokenExpires(t *testing.T) {
 	p := newIDP(t)
 	const issuer, audience = "https://idp.example", "companion-api"

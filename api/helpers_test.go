@@ -343,7 +343,7 @@ func (e *env) bound(id string) string {
 
 // serve makes bridge-1 (created if need be) serve the device: the store
 // takes a status naming a bridge only from the bridge that serves its
-// device (docs/reliability.md, bug 289).
+// device (docs/reliability.md, bug 271).
 func (e *env) serve(id string) {
 	e.t.Helper()
 	ctx := context.Background()

@@ -19,7 +19,7 @@ type RequestObserver interface {
 	// the status of the answer and how long it took: for an event stream
 	// (GET /api/v1/events), how long it took to begin, not how long it
 	// stayed open, which is the client's choice and no latency
-	// (docs/reliability.md, bug 293).
+	// (docs/reliability.md, bug 273).
 	Request(method, route string, status int, took time.Duration)
 }
 

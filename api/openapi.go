@@ -30,10 +30,10 @@ func (s *Server) openapi(c *gin.Context) {
 // it is written with: the maxLength of a text, a title and an image's
 // base64, and the limits its descriptions state (among them the requests
 // held by Prefer: wait, the event streams and the unfinished commands of a
-// device: bug 274). A client generated from
+// device: bug 264). A client generated from
 // the document served then takes what this server takes; with the
 // defaults, a server configured past them took requests its own document
-// refused (docs/reliability.md, bug 272). Each replacement must meet its
+// refused (docs/reliability.md, bug 262). Each replacement must meet its
 // text exactly once: an error means the document changed under it.
 func openapiFor(l Limits) ([]byte, error) {
 	d := DefaultLimits

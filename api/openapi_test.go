@@ -263,7 +263,7 @@ func TestOpenAPIPreferOnEveryCommandAnswer(t *testing.T) {
 // a client generated from the document (and a test that checks traffic
 // against it) takes what this server takes. It served the defaults: with
 // --max-text-bytes 8192 the document refused a text of 5000 bytes that the
-// server took (docs/reliability.md, bug 272). At the defaults the document
+// server took (docs/reliability.md, bug 262). At the defaults the document
 // served is the file as it is.
 func TestOpenAPIServedWithTheLimits(t *testing.T) {
 	served := func(t *testing.T, e *env) []byte {
@@ -321,7 +321,7 @@ func TestOpenAPIServedWithTheLimits(t *testing.T) {
 // unfinished commands the served document states are the server's
 // (--max-waits-per-user, --max-streams-per-user, --max-open-commands), or
 // say there is none: it said 100, 32 and 1000 whatever they were
-// (docs/reliability.md, bug 274).
+// (docs/reliability.md, bug 264).
 func TestOpenAPIServedWithTheHoldLimits(t *testing.T) {
 	for _, tc := range []struct {
 		name          string

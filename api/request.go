@@ -132,7 +132,7 @@ func discardBody(r *http.Request, read, limit int64) bool {
 // a 413 (discardBody). net/http reads 256 KiB of such a body at most, then
 // closes the connection with the rest unread: a client that sends its
 // whole body before it reads (a phone pushing an image while rate limited)
-// saw a reset instead of the answer (docs/reliability.md, bug 273). A body
+// saw a reset instead of the answer (docs/reliability.md, bug 263). A body
 // read to its end keeps the connection; one the bound stops short of is
 // answered with Connection: close. A body that failed (408, 400) is left
 // alone: net/http closes the connection after the answer.

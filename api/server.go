@@ -290,7 +290,7 @@ func (l Limits) check() error {
 // base64 may come escaped as "\/": Android's org.json and PHP's
 // json_encode write it so, and an image's base64 may be nearly all "/"
 // (0xff bytes, as in an uncompressed white PNG). With one, such an image
-// under its limit was a 413 (docs/reliability.md, bug 271).
+// under its limit was a 413 (docs/reliability.md, bug 261).
 func (l Limits) imageBody() int64 {
 	return 2*((l.MaxImageBytes+2)/3*4) + l.MaxJSONBody
 }

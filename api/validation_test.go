@@ -848,7 +848,7 @@ func TestPushImageAsDocumented(t *testing.T) {
 // org.json (JSONObject.toString) and PHP's json_encode write each "/" of
 // the base64 as "\/", two bytes, and the base64 of an image padded with
 // 0xff (or an uncompressed white PNG) is nearly all "/". One byte over the
-// limit is a 422 naming image, not a 413. (docs/reliability.md, bug 271)
+// limit is a 422 naming image, not a 413. (docs/reliability.md, bug 261)
 func TestPushImageWithEscapedSlashesAtItsLimit(t *testing.T) {
 	escaped := func(img []byte) []byte {
 		return []byte(`{"image":"` + strings.ReplaceAll(b64(img), "/", `\/`) + `"}`)

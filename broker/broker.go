@@ -208,7 +208,7 @@ type Broker struct {
 	elsewhere idSet
 	// lost counts the times notifications may have been lost
 	// (CommandChanged("")): a command whose acceptance the store calls
-	// back after one began is not made live (see Submit; bug 256). Added
+	// back after one began is not made live (see Submit; bug 253). Added
 	// to under mu; Submit reads it first without mu, on the command path.
 	lost atomic.Uint64
 

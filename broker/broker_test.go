@@ -2201,7 +2201,7 @@ func (s *hangUpStore) UpdateCommand(ctx context.Context, id string, fn func(*com
 
 // A cancel whose client hung up while the store wrote it is canceled
 // all the same (PostgreSQL's lane commits it): the bridge is told, and a
-// later Wait on it answers at once (docs/reliability.md, bug 297).
+// later Wait on it answers at once (docs/reliability.md, bug 276).
 func TestACancelWhoseClientHungUpIsWithdrawnFromTheBridge(t *testing.T) {
 	e, st := newEnvOn(t, func(db *store.DB) *hangUpStore { return &hangUpStore{DB: db} })
 	fb := connectBridge(t, e)
@@ -2251,7 +2251,7 @@ func (s *movingStore) PutReportedSettingsAsync(deviceID, bridgeID string, report
 // Settings the bridge a device left reported, taken in as the device
 // moved, are not stored: with its clock ahead, they held the new bridge's
 // reports off, and GET …/settings read the old bridge's values
-// (docs/reliability.md, bug 290).
+// (docs/reliability.md, bug 272).
 func TestSettingsOfTheBridgeADeviceLeftAreNotStored(t *testing.T) {
 	e, st := newEnvOn(t, func(db *store.DB) *movingStore { return &movingStore{DB: db, stored: make(chan bool, 1)} })
 	ctx := context.Background()

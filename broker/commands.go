@@ -43,7 +43,7 @@ func (b *Broker) Submit(ctx context.Context, c companion.Command, idem *companio
 			// there, by an unbinding; this replica heard it only as an id
 			// (CommandChanged), with no one waiting here yet to read it.
 			// Not live: a Wait reads the store. Nor when notifications
-			// may have been lost since it was submitted (bug 256): those
+			// may have been lost since it was submitted (bug 253): those
 			// of another replica's change of it too.
 			if !ended && !b.elsewhere.has(cmd.ID) && b.lost.Load() == lost {
 				b.live[cmd.ID] = true
@@ -76,7 +76,7 @@ func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, erro
 	// may commit it after the request's client hung up, and the caller,
 	// told only the context's error, would then send no cancel to the
 	// bridge, which ran the command though it read canceled; nor tell
-	// the waiters (docs/reliability.md, bug 297).
+	// the waiters (docs/reliability.md, bug 276).
 	cmd, err := b.st.UpdateCommand(context.WithoutCancel(ctx), id, func(c *companion.Command) error {
 		if c.State != companion.StateQueued && c.State != companion.StateSent {
 			return ErrNotCancelable
@@ -249,7 +249,7 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 		}
 		// Another replica may have ended any of them meanwhile, unheard:
 		// none is live any more, and a later Wait reads the store rather
-		// than wait out its time for a notify that came before (bug 256).
+		// than wait out its time for a notify that came before (bug 253).
 		clear(b.live)
 		b.lost.Add(1)
 	} else {

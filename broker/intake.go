@@ -1012,7 +1012,7 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 		start := time.Now()
 		// The store takes them only if the bridge read serves the device
 		// still: a move may commit before the write (docs/reliability.md,
-		// bug 290).
+		// bug 272).
 		b.st.PutReportedSettingsAsync(deviceID, bridge, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))
 			done(err)

@@ -217,7 +217,7 @@ func TestACommandEndedByAnotherReplicaBeforeItsAcceptanceCalledBackIsFinal(t *te
 // notifications were lost (its listener reconnecting, or not LISTENing
 // yet as it started) are not live here once the listener says so
 // (CommandChanged("")): a later Wait for one reads the store rather than
-// wait out its time (bug 256). So too one whose acceptance the store calls
+// wait out its time (bug 253). So too one whose acceptance the store calls
 // back only after that (bug 232's case, its notifications lost).
 func TestCommandsEndedWhileNotificationsWereLostAreNotLive(t *testing.T) {
 	t.Run("accepted", func(t *testing.T) {

@@ -543,7 +543,7 @@ func TestOTAWithAnotherImagePendingSaysWhy(t *testing.T) {
 // request that opens the upload (img_mgmt without
 // CONFIG_IMG_ERASE_PROGRESSIVELY): seconds for a large image on slow flash,
 // longer than the request timeout. The bridge waits for it, in proportion
-// to the image, and the update goes through (bug 264).
+// to the image, and the update goes through (bug 259).
 func TestOTAWaitsForTheSlotErase(t *testing.T) {
 	popts := sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond, EraseTime: 150 * time.Millisecond}
 	d, s, _, _ := newSimPeripheral(t, fastLink, popts, gatt.DeviceOptions{RequestTimeout: time.Second})

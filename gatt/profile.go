@@ -144,7 +144,7 @@ func (e *Error) ErrorCode() string {
 		// group. A device answering in SMP version 1 gives it for a
 		// settings key its handler does not know too, and for a slot
 		// without an image, as settings_mgmt and img_mgmt translate their
-		// errors (docs/reliability.md, bug 265).
+		// errors (docs/reliability.md, bug 260).
 		switch e.Group {
 		case GroupApps:
 			return CodeNotInstalled

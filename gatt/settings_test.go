@@ -189,7 +189,7 @@ func TestAnEightByteSettingGoesExactly(t *testing.T) {
 // translated as Zephyr's settings_mgmt_translate_error_code does: a key
 // its handler does not know is rc 5, ENOENT. A settings change of such a
 // key fails as over version 2 ("key not found": invalid_payload), not
-// not_installed, the code of an app the device does not have (bug 265).
+// not_installed, the code of an app the device does not have (bug 260).
 func TestVersion1SettingsKeyNotFoundIsInvalidPayload(t *testing.T) {
 	asVersion1 := func(_ gatt.Link, data []byte) ([]byte, error) {
 		h, err := gatt.ParseHeader(data)

@@ -214,7 +214,7 @@ func (t *Transfer) run(ctx context.Context, c *Client, window int, restarted boo
 	if t.u.Stock {
 		// img_mgmt erases the slot for len before it answers: the
 		// request timeout alone failed every update whose erase took
-		// longer (docs/reliability.md, bug 264).
+		// longer (docs/reliability.md, bug 259).
 		call.extend(time.Duration((t.total+eraseSector-1)/eraseSector) * eraseTime)
 	}
 	if err := call.Wait(ctx, &rsp); err != nil {

@@ -885,7 +885,7 @@ func (p *Peripheral) imageUpload(ctx context.Context, m gatt.Message) reply {
 		}
 		if p.dev.secondaryUsed() && p.opts.EraseTime > 0 {
 			// img_mgmt_erase_image_data: len, in 4 KiB sectors, before
-			// the answer (docs/reliability.md, bug 264).
+			// the answer (docs/reliability.md, bug 259).
 			t := time.NewTimer(time.Duration((*req.Len+4095)/4096) * p.opts.EraseTime)
 			select {
 			case <-t.C:

@@ -51,7 +51,7 @@ func TestMigrateAssignsDevicesAndBlobs(t *testing.T) {
 		}
 		// The statuses schema 3 had, naming bridges that nothing assigned
 		// (written here: the store now takes a bridge's status only for a
-		// device it serves, docs/reliability.md, bug 289).
+		// device it serves, docs/reliability.md, bug 271).
 		for _, st := range []struct{ dev, bridge string }{{"d1", "b1"}, {"d2", "gone"}, {"d4", "b1"}, {"ghost", "b1"}} {
 			if err := putJSON(tx.Bucket(bucketStatus), []byte(st.dev), companion.Status{DeviceID: st.dev, Online: true, BridgeID: st.bridge, Seq: 1}); err != nil {
 				return err

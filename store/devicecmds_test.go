@@ -272,7 +272,7 @@ func TestUnbindReadsOnlyTheOpenCommands(t *testing.T) {
 // succeeding gives its setting back to the latest earlier change still
 // open, unless one between them succeeded, whether those changes' index
 // entries are folded into device_cmds or still staged in device_cmds_new
-// (docs/reliability.md, bug 254).
+// (docs/reliability.md, bug 251).
 func TestDesiredBackFromFoldedCommands(t *testing.T) {
 	ctx := context.Background()
 	db := openTestDBWith(t, filepath.Join(t.TempDir(), "db"), Options{})

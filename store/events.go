@@ -201,7 +201,7 @@ func (db *DB) EventsPastEnd(ctx context.Context, after string) (bool, error) {
 }
 
 // EventsPurgedAfter reports whether PurgeEvents deleted an event after
-// the cursor after (docs/reliability.md, bug 294).
+// the cursor after (docs/reliability.md, bug 274).
 func (db *DB) EventsPurgedAfter(ctx context.Context, after string) (bool, error) {
 	seq, err := parseEventID(after)
 	if err != nil {

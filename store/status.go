@@ -86,7 +86,7 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	// device's bridge before the write, and a move (to another bridge or
 	// to none) committed in between. Stored over the move's (offline),
 	// it read online on the bridge it left for good (docs/reliability.md,
-	// bugs 278 and 289).
+	// bugs 266 and 271).
 	if s.BridgeID != "" && string(tx.Bucket(bucketAssignments).Get([]byte(s.DeviceID))) != s.BridgeID {
 		return false, nil
 	}
@@ -279,7 +279,7 @@ func (db *DB) PutReportedSettingsAsync(deviceID, bridgeID string, reported map[s
 // (forgetSeq). Stored over that, the bridge it left, its clock for a seq
 // (up to a day ahead), held the new bridge's reports off: GET …/settings
 // read the old bridge's values, and a change that succeeded did not show
-// (docs/reliability.md, bug 290).
+// (docs/reliability.md, bug 272).
 func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID, bridgeID string, r companion.ReportedSettings) (bool, error) {
 	if bridgeID != "" && string(tx.Bucket(bucketAssignments).Get([]byte(deviceID))) != bridgeID {
 		return false, nil
@@ -309,7 +309,7 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID, bridgeID string, r comp
 // command still open asked for, unless one after it succeeded
 // (companion.Settings.Withdraw): nothing will apply c's, and they were
 // left desired and pending for good (bug 236), while an earlier change
-// still open was left out of them (bug 254). The later commands are
+// still open was left out of them (bug 251). The later commands are
 // those above c's id in the device's index, the ones not folded yet
 // included (ListCommands); the earlier ones are read newest first, only
 // those the open index holds, until the device's count of open commands

@@ -245,7 +245,7 @@ func TestReopenKeepsEverything(t *testing.T) {
 	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "d1", UserID: "u1", Name: "desk"}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.AssignDevice(ctx, "d1", "br1", ""); err != nil { // its status names br1 (bug 289)
+	if _, err := db.AssignDevice(ctx, "d1", "br1", ""); err != nil { // its status names br1 (bug 271)
 		t.Fatal(err)
 	}
 	cmd, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", UserID: "u1", Op: "push.text", Payload: []byte(`{"text":"hi"}`)}, 0, nil)

@@ -232,7 +232,7 @@ func (d *Driver) Do(ctx context.Context, cmds ...Command) ([]Response, error) {
 // left with --mqtt-dynsec on) Mosquitto grants it all the same, for an
 // acl_file refuses no SUBSCRIBE, and nobody answers: each change then
 // waited the whole timeout, one after another behind d.change, and each
-// admin request with it (docs/reliability.md, bug 284). So after one
+// admin request with it (docs/reliability.md, bug 268). So after one
 // unanswered request, changes fail at once, logged and left to the
 // reconciling that follows (which retries creations too), until the
 // plugin answers Reconcile's probe.
@@ -429,9 +429,9 @@ func (d *Driver) deviceACLs(deviceID string) ([]ACL, error) {
 // Mosquitto is slow to answer. Meanwhile the bridge could be deleted and
 // made again through another replica, and the late creation set the first
 // secret on the new account: the secret the new bridge's 201 carried was
-// refused, for good (docs/reliability.md, bug 259). The store is read and
+// refused, for good (docs/reliability.md, bug 254). The store is read and
 // the account written with the account's lock held (lockAccount, bug
-// 262), so that no creation comes between them.
+// 257), so that no creation comes between them.
 func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
@@ -462,7 +462,7 @@ var errGone = errors.New("dynsec: the bridge was deleted or made anew since")
 //
 // A read of the store that fails is retried as a failed write is: the API
 // has answered 201 with the secret, and nothing else makes the account
-// (docs/reliability.md, bug 261). The retry reads the store again
+// (docs/reliability.md, bug 256). The retry reads the store again
 // (secretHeld), and Reconcile then gives the role what the bridge serves.
 func (d *Driver) createBridge(ctx context.Context, a account) ([]string, error) {
 	unlock, err := d.lockAccount(ctx, a.username)
@@ -517,13 +517,13 @@ func (d *Driver) syncMoved(ctx context.Context, bridgeID string, before []string
 // fleet takes a while, or for requests Mosquitto is slow to answer.
 // Meanwhile the bridge could be made again through another replica, and
 // the late deletion took the new bridge's account and role: the secret
-// its 201 carried was refused (docs/reliability.md, bug 260). So the store
+// its 201 carried was refused (docs/reliability.md, bug 255). So the store
 // is read first: a bridge made again keeps its role, and its client too
 // if the client is the new bridge's, which its mark says (secretMark).
 // A client of another secret is the deleted bridge's (the new one's
 // creation has not come yet, or failed and waits for its retry), and
 // goes. The store is read and the client written with the account's lock
-// held (lockAccount, bug 262), so that no creation comes between them.
+// held (lockAccount, bug 257), so that no creation comes between them.
 func (d *Driver) BridgeDeleted(ctx context.Context, bridgeID string) error {
 	d.change.Lock()
 	defer d.change.Unlock()
@@ -582,7 +582,7 @@ func (d *Driver) deleteBridge(ctx context.Context, bridgeID string) error {
 // again through another replica between its read and its write: a
 // reconcile deleted the new bridge's account, a creation retried set the
 // former secret on it, and the secret of the new bridge's 201 was refused
-// (docs/reliability.md, bug 262). Holding the lock that the store's
+// (docs/reliability.md, bug 257). Holding the lock that the store's
 // creation of the bridge waits for from the read to the write, no bridge
 // of that id is created in between; the new bridge's own creation, which
 // comes after its store write, then writes last. (A deletion in between
@@ -623,7 +623,7 @@ func (d *Driver) deleteOlderClient(ctx context.Context, bridgeID, mark string) e
 // secretMark is the mark of a bridge's client (its text description): the
 // start of its secret's SHA-256 as the store holds it, which tells the
 // client of a bridge from that of a bridge deleted and made again under
-// the same id (bug 260). Eight bytes tell two secrets apart, and say
+// the same id (bug 255). Eight bytes tell two secrets apart, and say
 // nothing of the secret itself.
 func secretMark(secretHash []byte) string {
 	return "secret " + hex.EncodeToString(secretHash[:min(8, len(secretHash))])
@@ -1107,7 +1107,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	d.change.Lock()
 	defer d.change.Unlock()
 	if d.isUnanswered() {
-		// Ask the plugin again (bug 284); an answer lets every change
+		// Ask the plugin again (bug 268); an answer lets every change
 		// through.
 		rs, err := d.do(ctx, true, []Command{DenyByDefault()})
 		if err != nil {
@@ -1202,7 +1202,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			}
 			if m := marks[id]; m != "" && m != secretMark(b.SecretHash) {
 				// Deleted while Mosquitto was away, and made again; the
-				// new account is not made yet (bug 263). A client made
+				// new account is not made yet (bug 258). A client made
 				// before clients were marked is left alone: nothing
 				// tells whose secret it has.
 				if err := d.deleteGoneBridge(ctx, id); err != nil {
@@ -1299,7 +1299,7 @@ func (d *Driver) retryCreate(ctx context.Context, a account) (bool, error) {
 // left when the bridge was made again through a replica that stopped
 // before it made the new account (whose retry, in memory, went with it)
 // took the deleted bridge's secret for good (docs/reliability.md, bug
-// 263).
+// 258).
 func (d *Driver) deleteGoneBridge(ctx context.Context, bridgeID string) error {
 	unlock, err := d.lockAccount(ctx, bridgeID)
 	if err != nil {
@@ -1361,9 +1361,9 @@ func (d *Driver) deviceOf(topic string) string {
 // run reconciles on every connect, and again RetryInterval after a failure.
 // A failure while a retry is already due does not put it off: with a
 // change failing more often than RetryInterval (every one, while the
-// plugin's answer is awaited since a request went unanswered, bug 284),
+// plugin's answer is awaited since a request went unanswered, bug 268),
 // each pushed the retry back, and nothing was reconciled nor asked of the
-// plugin again while the changes went on (docs/reliability.md, bug 286).
+// plugin again while the changes went on (docs/reliability.md, bug 270).
 func (d *Driver) run() {
 	defer d.wg.Done()
 	ctx, cancel := context.WithCancel(context.Background())

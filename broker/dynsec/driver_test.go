@@ -610,7 +610,7 @@ func BenchmarkAssigned(b *testing.B) {
 // for the driver's lock behind a long Reconcile), after the bridge was
 // deleted and made again through another: the late creation set the first
 // secret on the new account, and the secret the new bridge's 201 carried
-// was refused (docs/reliability.md, bug 259).
+// was refused (docs/reliability.md, bug 254).
 func TestACreationMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
@@ -636,7 +636,7 @@ func TestACreationMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
 // through (its BridgeDeleted waiting for the driver's lock behind a long
 // Reconcile), after the bridge was made again through another: the late
 // deletion took the new bridge's account and role, and the secret its 201
-// carried was refused (docs/reliability.md, bug 260).
+// carried was refused (docs/reliability.md, bug 255).
 func TestADeletionMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
@@ -698,7 +698,7 @@ func (f *failingStore) Bridge(ctx context.Context, id string) (companion.Bridge,
 // A bridge's account whose creation could not read the store (the
 // database away for a moment, after the bridge was stored) was never
 // made: the API had answered 201 with the secret, which Mosquitto refused
-// for good (docs/reliability.md, bug 261).
+// for good (docs/reliability.md, bug 256).
 func TestACreationThatCouldNotReadTheStoreIsRetried(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
@@ -739,7 +739,7 @@ func holdAt(cn *conn, command string) (reached, resume chan struct{}) {
 // and made again: the write took the new bridge's account. Each replica
 // read the store and wrote Mosquitto under a lock of its own process
 // only, and the plugin has no conditional change (docs/reliability.md,
-// bug 262).
+// bug 257).
 func TestABridgeMadeAgainAsAReplicaWritesItsAccountLogsIn(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
@@ -814,7 +814,7 @@ func TestABridgeMadeAgainAsAReplicaWritesItsAccountLogsIn(t *testing.T) {
 // made again through a replica that stopped before it made the new
 // account (its retry, in memory, went with it): the client left was the
 // deleted bridge's, and Reconcile, seeing the store have the bridge, kept
-// it: the former secret worked for good (docs/reliability.md, bug 263).
+// it: the former secret worked for good (docs/reliability.md, bug 258).
 func TestAReconcileEndsTheSecretOfABridgeMadeAgain(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)

@@ -39,7 +39,7 @@ func (l *logs) String() string {
 // response topic all the same (an acl_file refuses no SUBSCRIBE), so the
 // driver cannot learn it from the SUBACK. Every change then waited the
 // whole timeout (10 s) for an answer, one after another, each admin request
-// with it (docs/reliability.md, bug 284). After one request goes
+// with it (docs/reliability.md, bug 268). After one request goes
 // unanswered, changes fail at once until the plugin answers again, and the
 // log says why.
 func TestAMosquittoWithoutThePluginIsAskedOnce(t *testing.T) {
@@ -92,10 +92,10 @@ func TestChangesGoThroughOnceThePluginAnswersAgain(t *testing.T) {
 }
 
 // While the plugin's answer is awaited (a request went unanswered, bug
-// 284), every change fails at once and asks for a retry. Changes coming
+// 268), every change fails at once and asks for a retry. Changes coming
 // more often than RetryInterval put the retry off each time, so the
 // plugin was never asked again and every change failed for as long as
-// they came (docs/reliability.md, bug 286). The retry comes RetryInterval
+// they came (docs/reliability.md, bug 270). The retry comes RetryInterval
 // after the first failure, whatever follows.
 func TestFailingChangesDoNotPutTheRetryOff(t *testing.T) {
 	ctx := context.Background()

@@ -249,7 +249,7 @@ func TestMQTTListenOnTheCommandLineWinsOverTheEnvironment(t *testing.T) {
 // of "<"): the body of a text push has room for the text and title the
 // limits allow. (api/openapi.json has the default limits, and this client
 // does not check against it; the server serves the document with its own,
-// docs/reliability.md, bug 272.)
+// docs/reliability.md, bug 262.)
 func TestTextLimitAboveTheJSONBodyLimit(t *testing.T) {
 	m := startServer(t, Config{Limits: api.Limits{MaxTextBytes: 100_000, MaxTitleBytes: 1000}})
 	f := setupFleet(t, m, "dev-1")

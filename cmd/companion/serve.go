@@ -625,7 +625,7 @@ func (m *Main) newBroker(tree topics.Tree, ownTLS bool) error {
 
 // The PostgreSQL store, shared by replicas, holds a bridge's creation
 // while the Mosquitto driver writes its account (docs/reliability.md, bug
-// 262).
+// 257).
 var _ dynsec.AccountLocker = (*postgres.Store)(nil)
 
 // brokerAccounts is what the API tells of changes to who may use the MQTT

@@ -142,7 +142,7 @@ func (s *Store) RegistryDevice(ctx context.Context, id string) (companion.Regist
 // called: meanwhile no user or bridge of that id is created, on this
 // store or any other on the database. The Mosquitto driver holds it from
 // its read of a bridge to its write of the bridge's account
-// (broker/dynsec, AccountLocker; docs/reliability.md, bug 262). It is a
+// (broker/dynsec, AccountLocker; docs/reliability.md, bug 257). It is a
 // transaction's lock, on a connection of the pool kept until unlock:
 // PostgreSQL frees it when the session ends, also when this process dies.
 // Taking it waits at most LockTimeout, as the store's other locks do.

@@ -252,7 +252,7 @@ func (s *Store) EventsPastEnd(ctx context.Context, after string) (bool, error) {
 }
 
 // EventsPurgedAfter reports whether PurgeEvents deleted an event after
-// the cursor after (docs/reliability.md, bug 294).
+// the cursor after (docs/reliability.md, bug 274).
 func (s *Store) EventsPurgedAfter(ctx context.Context, after string) (bool, error) {
 	c, err := parseEventCursor(after)
 	if err != nil {

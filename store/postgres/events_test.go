@@ -34,7 +34,7 @@ func (e *testEnv) boundStore(t *testing.T) (dsn string, s *postgres.Store) {
 // serve makes the operator's bridge br1 (created if need be) serve each
 // device (provisioned if need be): the store takes a status naming a
 // bridge only from the bridge that serves its device (docs/reliability.md,
-// bug 289).
+// bug 271).
 func serve(t *testing.T, s *postgres.Store, devs ...string) {
 	t.Helper()
 	ctx := t.Context()
@@ -183,7 +183,7 @@ func TestPostgresEvents(t *testing.T) {
 			cancel()
 			<-done
 		}()
-		// The first wake comes once LISTEN is in place (bug 255); then
+		// The first wake comes once LISTEN is in place (bug 252); then
 		// write until a notification comes.
 		select {
 		case <-woke:

@@ -18,7 +18,7 @@ import (
 // so that the caller re-reads what it waits for. It comes once each LISTEN
 // is in place: after a reconnection, and after the first one too, since
 // what the caller registered before it was announced to nobody
-// (docs/reliability.md, bug 255). fn runs on ListenCommands' goroutine,
+// (docs/reliability.md, bug 252). fn runs on ListenCommands' goroutine,
 // one call at a time: it must be quick.
 //
 // It LISTENs on a connection of its own, outside the pool, and
@@ -82,7 +82,7 @@ var errListening = errors.New("lost while listening")
 // until the connection fails or ctx is done. fn("") comes after the first
 // LISTEN too: until it is in place, notifications reach nobody, and the
 // caller may have registered what it waits for before, a Wait whose
-// command another replica ends meanwhile (bug 255).
+// command another replica ends meanwhile (bug 252).
 func (s *Store) listen(ctx context.Context, channel string, fn func(payload string)) error {
 	conn, err := pgx.ConnectConfig(ctx, s.cfg.ConnConfig.Copy())
 	if err != nil {

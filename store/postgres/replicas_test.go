@@ -320,7 +320,7 @@ func testListenCommands(t *testing.T, e *testEnv) {
 // notification is then the only word this replica gets of it, as the
 // caller told its broker nothing. Dropped, a Prefer: wait here on the
 // command would trust live and wait out its time (as in
-// docs/reliability.md, bugs 232 and 256).
+// docs/reliability.md, bugs 232 and 253).
 func testListenHearsOwnChanges(t *testing.T, e *testEnv) {
 	dsn := e.newDB(t)
 	a := e.open(t, dsn)
@@ -498,7 +498,7 @@ func testListenReconnects(t *testing.T, e *testEnv) {
 // another replica changed meanwhile is announced to nobody. So the first
 // LISTEN, as every reconnection, is followed by fn(""), before any
 // notification, and the caller reads again what it waits for
-// (docs/reliability.md, bug 255).
+// (docs/reliability.md, bug 252).
 func testListenFirstTimeRereads(t *testing.T, e *testEnv) {
 	dsn := e.newDB(t)
 	a, b := e.open(t, dsn), e.open(t, dsn)
@@ -734,7 +734,7 @@ func testBatchIsolatesFailures(t *testing.T, e *testEnv) {
 
 // A bridge is not created, through any store, while another holds the
 // lock of its id (LockAccount: the Mosquitto driver's, from its read of
-// the bridge to its write of its account; docs/reliability.md, bug 262).
+// the bridge to its write of its account; docs/reliability.md, bug 257).
 func testAccountLockHoldsCreations(t *testing.T, e *testEnv) {
 	dsn := e.newDB(t)
 	s1, s2 := e.open(t, dsn), e.open(t, dsn)

@@ -162,9 +162,9 @@ func (s *Store) putStatusAsync(ctx context.Context, st companion.Status, done fu
 // The broker checks the device's bridge before the write; a move that
 // commits in between sets the device offline with seq 0, which the bridge
 // it left, its clock for a seq, would overwrite: the device read online on
-// that bridge for good (docs/reliability.md, bug 278). A move to no bridge
+// that bridge for good (docs/reliability.md, bug 266). A move to no bridge
 // (an unassignment, the bridge deleted) sets it offline too, and the
-// bridge it left, with a higher seq, did the same (bug 289). The move
+// bridge it left, with a higher seq, did the same (bug 271). The move
 // updates the status row, whose lock the statement before the upsert waits
 // for: the upsert's snapshot has the move's assignment.
 const fromItsBridgeSQL = `($7 = '' OR EXISTS (SELECT 1 FROM assignments a WHERE a.device_id = $1 AND a.bridge_id = $7))`
@@ -526,7 +526,7 @@ func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID, bridgeID
 // Stored over that, the bridge it left, its clock for a seq (up to a day
 // ahead), held the new bridge's reports off: GET …/settings read the old
 // bridge's values, and a change that succeeded did not show
-// (docs/reliability.md, bug 290). The move updates the settings row,
+// (docs/reliability.md, bug 272). The move updates the settings row,
 // whose lock lockSettings waits for: the statement after it reads the
 // move's assignment.
 func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID, bridgeID string, r companion.ReportedSettings) (bool, error) {
@@ -563,7 +563,7 @@ func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID, br
 // earlier settings command still open asked for, unless one after it
 // succeeded (companion.Settings.Withdraw): nothing will apply c's, and
 // they were left desired and pending for good (bug 236), while an earlier
-// change still open was left out of them (bug 254). The settings row is taken
+// change still open was left out of them (bug 251). The settings row is taken
 // last, as every write that changes it does (after the command's row,
 // the device's queue and its status). An unbinding needs none of it: it
 // drops every desired setting.

@@ -162,7 +162,7 @@ func testUnassignedReadsOffline(t *testing.T, s companion.Store) {
 	online("d4", false)
 	ok, err = s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op1", Seq: 8})
 	require.NoError(t, err)
-	assert.False(t, ok, "PutStatus(d1, seq 8) of the bridge it left, after the unassignment, applied") // bug 289
+	assert.False(t, ok, "PutStatus(d1, seq 8) of the bridge it left, after the unassignment, applied") // bug 271
 	online("d1", false)
 	assign(t, s, "d1", "op1", "")
 	ok, err = s.PutStatus(ctx, companion.Status{DeviceID: "d1", Online: true, BridgeID: "op1", Seq: 8})

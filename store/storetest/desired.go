@@ -184,7 +184,7 @@ func testDesiredWithdrawnWhenTheChangeEnds(t *testing.T, s companion.Store) {
 // the commands in id order; unless a change between them succeeded. A
 // setting a later change still open asked for is that change's, whatever
 // an earlier one asked; one a later change asked for that ended without
-// succeeding too is not (bug 254: the setting left desired, and pending,
+// succeeding too is not (bug 251: the setting left desired, and pending,
 // until the earlier change ended).
 func testDesiredBackToAnEarlierChange(t *testing.T, s companion.Store) {
 	provision(t, s, "sim-1", "d1")

@@ -384,7 +384,7 @@ func testEventsPastEnd(t *testing.T, open Opener) {
 
 // EventsPurgedAfter tells the cursors before an event that PurgeEvents
 // deleted, whoever's, from those the log still covers
-// (docs/reliability.md, bug 294).
+// (docs/reliability.md, bug 274).
 func testEventsPurgedAfter(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	purgedAfter := func(id string) bool {

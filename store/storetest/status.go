@@ -40,7 +40,7 @@ func testStatus(t *testing.T, open Opener) {
 // a move that commits in between set the device offline with seq 0, which
 // the old bridge's late report, with its clock for a seq, would overwrite:
 // the device read online, on the bridge it left, for good
-// (docs/reliability.md, bug 278). A device no bridge serves keeps the rule
+// (docs/reliability.md, bug 266). A device no bridge serves keeps the rule
 // of seq alone.
 func testStatusFromTheBridgeItLeft(t *testing.T, s companion.Store) {
 	ctx := t.Context()
@@ -77,7 +77,7 @@ func testStatusFromTheBridgeItLeft(t *testing.T, s companion.Store) {
 // the user's unassignment, the bridge deleted) that commits between its
 // check and the write set the device offline, and the bridge it left,
 // stored over that, read online on it for good (docs/reliability.md, bug
-// 289). A status that names no bridge is taken as before.
+// 271). A status that names no bridge is taken as before.
 func testStatusFromTheBridgeItLeftForNone(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)
@@ -123,7 +123,7 @@ func testStatusFromTheBridgeItLeftForNone(t *testing.T, s companion.Store) {
 // a move that commits in between set their seq to 0; the old bridge's
 // late report, its clock for a seq (up to a day ahead), then held the new
 // bridge's reports off: GET …/settings read the old bridge's values, and a
-// change that succeeded did not show (docs/reliability.md, bug 290).
+// change that succeeded did not show (docs/reliability.md, bug 272).
 // Settings that name no bridge keep the rule of seq alone.
 func testSettingsFromTheBridgeItLeft(t *testing.T, s companion.Store) {
 	ctx := t.Context()

@@ -179,7 +179,7 @@ func assign(t testing.TB, s companion.Store, dev, bridge, owner string) {
 // serve makes the operator's bridge (created if need be) serve each
 // device (provisioned if need be): the stores take a status naming a
 // bridge only from the bridge that serves its device (docs/reliability.md,
-// bug 289).
+// bug 271).
 func serve(t testing.TB, s companion.Store, bridge string, devs ...string) {
 	t.Helper()
 	ctx := t.Context()
