@@ -328,17 +328,11 @@ func TestSubscribeUnansweredIsAskedAgain(t *testing.T) {
 	filter := mustCommandsFilter(t, "dev-01")
 	b, hook := startSubscribeBroker(t)
 	w := newWatcher(t, b)
-	hold := make(chan struct{})
-	hook.mu.Lock()
-	hook.hold = hold
-	hook.mu.Unlock()
+	answer := hook.holdSubscribes(t, "")
 	_, log := subscribeBridge(t, b, sims, 300*time.Millisecond)
 	hook.waitAsked(t, filter, 1)
 	log.waitLine(t, "no SUBACK in time")
-	hook.mu.Lock()
-	hook.hold = nil
-	hook.mu.Unlock()
-	close(hold)
+	answer()
 
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
 	cmd := command(t, "dev-01", topics.OpPushText, map[string]string{"text": "late but there"})
@@ -403,6 +397,55 @@ func waitClosed(tb testing.TB, c chan struct{}, what string) {
 	}
 }
 
+// blockedQueue is a bridge serving dev-1 (and more), on which the command
+// "blocks" runs, held by the device, and another is queued behind it,
+// delivered: the set-up of the tests of a move or a deletion that catches
+// the bridge running a command.
+type blockedQueue struct {
+	w               *watcher
+	dev             *blockedText
+	log             *subscribeLog
+	running, behind topics.Command
+}
+
+func startBlockedQueue(t *testing.T, b *testBroker, more ...*sim.Device) blockedQueue {
+	t.Helper()
+	q := blockedQueue{w: newWatcher(t, b), dev: newBlockedText("dev-1"), log: newSubscribeLog()}
+	startBridge(t, b, nil, q.w, bridgeConfig{
+		devices: append([]*sim.Device{q.dev.Device}, more...),
+		wrap:    wrapBlocked(q.dev),
+		logger:  slog.New(slog.NewTextHandler(q.log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	q.running = command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
+	q.w.send(q.running)
+	waitClosed(t, q.dev.started, "the first command did not reach the device")
+	q.behind = command(t, "dev-1", topics.OpPushText, map[string]string{"text": "queued behind it"})
+	q.w.send(q.behind)
+	q.w.waitReply("dev-1", q.behind.ID, companion.StateDelivered)
+	return q
+}
+
+// holdSubscribes has the broker hold the bridge's SUBSCRIBEs, those naming
+// filter only when it is not "", until the returned func is called (also
+// at the test's end, before the bridge stops and the broker closes).
+func (h *subscribeHook) holdSubscribes(t *testing.T, filter string) (answer func()) {
+	hold := make(chan struct{})
+	var once sync.Once
+	answer = func() {
+		once.Do(func() {
+			h.mu.Lock()
+			h.hold, h.holdFilter = nil, ""
+			h.mu.Unlock()
+			close(hold)
+		})
+	}
+	t.Cleanup(answer)
+	h.mu.Lock()
+	h.hold, h.holdFilter = hold, filter
+	h.mu.Unlock()
+	return answer
+}
+
 // A device is moved off the bridge while the bridge runs one of its
 // commands, with another queued behind it in the spool: the move
 // disconnects the bridge, and the broker refuses it the device's commands
@@ -414,23 +457,13 @@ func waitClosed(tb testing.TB, c chan struct{}, what string) {
 // command already running runs on (docs/reliability.md, bug 240).
 func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
-	w := newWatcher(t, b)
-	dev := newBlockedText("dev-1")
-	log := newSubscribeLog()
-	startBridge(t, b, nil, w, bridgeConfig{
-		devices: []*sim.Device{dev.Device, newSim("dev-2")},
-		wrap:    wrapBlocked(dev),
-		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
-	})
+	q := startBlockedQueue(t, b, newSim("dev-2"))
+	w, dev, log, running, behind := q.w, q.dev, q.log, q.running, q.behind
 	text := func(dev, text string) topics.Command {
 		c := command(t, dev, topics.OpPushText, map[string]string{"text": text})
 		w.send(c)
 		return c
 	}
-	running := text("dev-1", "blocks")
-	waitClosed(t, dev.started, "the first command did not reach the device")
-	behind := text("dev-1", "queued behind it")
-	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
 
 	filter := mustCommandsFilter(t, "dev-1")
 	hook.refuse(filter)
@@ -471,20 +504,8 @@ func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 // bug 243).
 func TestCommandsHeldWhileTheLoginIsRefused(t *testing.T) {
 	b := startBroker(t)
-	w := newWatcher(t, b)
-	dev := newBlockedText("dev-1")
-	log := newSubscribeLog()
-	startBridge(t, b, nil, w, bridgeConfig{
-		devices: []*sim.Device{dev.Device},
-		wrap:    wrapBlocked(dev),
-		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
-	})
-	running := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
-	w.send(running)
-	waitClosed(t, dev.started, "the first command did not reach the device")
-	behind := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "queued behind it"})
-	w.send(behind)
-	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
+	q := startBlockedQueue(t, b)
+	w, dev, log, running, behind := q.w, q.dev, q.log, q.running, q.behind
 
 	b.hook.refuse.Store(true)
 	b.dropClient(t, "companion-bridge-b1")
@@ -678,36 +699,11 @@ func TestSpooledCommandsRunWhenTheBrokerDoesNotAnswerAtStart(t *testing.T) {
 // 250).
 func TestCommandsWaitForAReconnectsSubscriptionsToBeAnswered(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
-	w := newWatcher(t, b)
-	dev := newBlockedText("dev-1")
-	log := newSubscribeLog()
-	startBridge(t, b, nil, w, bridgeConfig{
-		devices: []*sim.Device{dev.Device},
-		wrap:    wrapBlocked(dev),
-		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
-	})
-	running := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
-	w.send(running)
-	waitClosed(t, dev.started, "the first command did not reach the device")
-	behind := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "queued behind it"})
-	w.send(behind)
-	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
+	q := startBlockedQueue(t, b)
+	w, dev, log, behind := q.w, q.dev, q.log, q.behind
 
 	filter := mustCommandsFilter(t, "dev-1")
-	hold := make(chan struct{})
-	var answer sync.Once
-	letAnswer := func() {
-		answer.Do(func() {
-			hook.mu.Lock()
-			hook.hold = nil
-			hook.mu.Unlock()
-			close(hold)
-		})
-	}
-	t.Cleanup(letAnswer) // before the bridge stops and the broker closes
-	hook.mu.Lock()
-	hook.hold = hold
-	hook.mu.Unlock()
+	letAnswer := hook.holdSubscribes(t, "")
 	hook.refuse(filter)
 	b.dropClient(t, "companion-bridge-b1")
 	hook.waitAsked(t, filter, 2) // the SUBSCRIBE of the new connection, not answered yet
@@ -739,20 +735,8 @@ func TestCommandsWaitForAReconnectsSubscriptionsToBeAnswered(t *testing.T) {
 // run in between (docs/reliability.md, bugs 243 and 250).
 func TestCommandsHeldAsTheLoginIsLetInUntilTheSubscriptionsAreAnswered(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
-	w := newWatcher(t, b)
-	dev := newBlockedText("dev-1")
-	log := newSubscribeLog()
-	startBridge(t, b, nil, w, bridgeConfig{
-		devices: []*sim.Device{dev.Device},
-		wrap:    wrapBlocked(dev),
-		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
-	})
-	running := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
-	w.send(running)
-	waitClosed(t, dev.started, "the first command did not reach the device")
-	behind := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "queued behind it"})
-	w.send(behind)
-	w.waitReply("dev-1", behind.ID, companion.StateDelivered)
+	q := startBlockedQueue(t, b)
+	w, dev, log, behind := q.w, q.dev, q.log, q.behind
 
 	filter := mustCommandsFilter(t, "dev-1")
 	hook.refuse(filter)
@@ -789,20 +773,7 @@ func TestAGrantedDeviceDoesNotWaitForTheRestOfTheRound(t *testing.T) {
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 1)
 
 	last := mustCommandsFilter(t, "dev-39")
-	hold := make(chan struct{})
-	var answer sync.Once
-	letAnswer := func() {
-		answer.Do(func() {
-			hook.mu.Lock()
-			hook.hold, hook.holdFilter = nil, ""
-			hook.mu.Unlock()
-			close(hold)
-		})
-	}
-	t.Cleanup(letAnswer) // before the bridge stops and the broker closes
-	hook.mu.Lock()
-	hook.hold, hook.holdFilter = hold, last
-	hook.mu.Unlock()
+	letAnswer := hook.holdSubscribes(t, last)
 	b.dropClient(t, "companion-bridge-b1")
 	hook.waitAsked(t, last, 2) // the first chunk answered; the second held
 
