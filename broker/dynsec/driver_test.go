@@ -577,8 +577,7 @@ func TestReplicasEndAsTheStoreSays(t *testing.T) {
 		st.createBridge("b5", "new-secret")
 		require.NoError(t, r1.BridgeCreated(ctx, "b5", "new-secret"))
 		require.NoError(t, r3.Reconcile(ctx))
-		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b5"), "b5", "new-secret"), "the bridge's secret stopped working")
-		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b5"), "b5", "old-secret"), "the bridge's old secret works")
+		secretIs(t, mq, "b5", "new-secret", "old-secret")
 	})
 }
 
@@ -628,8 +627,7 @@ func TestACreationMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
 	require.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"))
 
 	require.NoError(t, r1.BridgeCreated(ctx, "b1", "first-secret"))
-	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the bridge's secret stopped working")
-	assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
+	secretIs(t, mq, "b1", "second-secret", "first-secret")
 }
 
 // A bridge's account deleted late by the replica its deletion went
@@ -652,8 +650,7 @@ func TestADeletionMadeLateLeavesTheBridgeMadeAgain(t *testing.T) {
 	st.createBridge("b1", "second-secret")
 	require.NoError(t, r1.BridgeCreated(ctx, "b1", "second-secret"))
 	require.NoError(t, r2.BridgeDeleted(ctx, "b1"))
-	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the bridge's secret stopped working")
-	assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
+	secretIs(t, mq, "b1", "second-secret", "first-secret")
 	want, err := r1.BridgeACLs(ctx, "b1")
 	require.NoError(t, err)
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
@@ -784,8 +781,7 @@ func TestABridgeMadeAgainAsAReplicaWritesItsAccountLogsIn(t *testing.T) {
 			st.createBridge("b1", "second-secret")
 			assert.NoError(t, r1.BridgeCreated(ctx, "b1", "second-secret"))
 		})
-		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "second-secret"), "the bridge's secret stopped working")
-		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b1"), "b1", "first-secret"), "the deleted bridge's secret works")
+		secretIs(t, mq, "b1", "second-secret", "first-secret")
 	})
 
 	// A creation retried as the bridge is deleted and made again: the
@@ -805,8 +801,7 @@ func TestABridgeMadeAgainAsAReplicaWritesItsAccountLogsIn(t *testing.T) {
 			st.createBridge("b2", "second-secret")
 			assert.NoError(t, r1.BridgeCreated(ctx, "b2", "second-secret"))
 		})
-		assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b2"), "b2", "second-secret"), "the bridge's secret stopped working")
-		assert.Error(t, canConnect(mq, dynsec.BridgeClientID("b2"), "b2", "first-secret"), "the deleted bridge's secret works")
+		secretIs(t, mq, "b2", "second-secret", "first-secret")
 	})
 }
 
@@ -847,4 +842,12 @@ func TestAReconcileEndsTheSecretOfABridgeMadeAgain(t *testing.T) {
 	want, err := d.BridgeACLs(ctx, "b1")
 	require.NoError(t, err)
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
+}
+
+// secretIs checks that bridge logs in with secret, and no longer with
+// former, the secret of the bridge of that id before.
+func secretIs(t *testing.T, mq *mqtttest.Mosquitto, bridge, secret, former string) {
+	t.Helper()
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID(bridge), bridge, secret), "the bridge's secret stopped working")
+	assert.Error(t, canConnect(mq, dynsec.BridgeClientID(bridge), bridge, former), "the bridge's former secret works")
 }
