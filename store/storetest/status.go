@@ -40,26 +40,12 @@ func testStatus(t *testing.T, open Opener) {
 // a move that commits in between set the device offline with seq 0, which
 // the old bridge's late report, with its clock for a seq, would overwrite:
 // the device read online, on the bridge it left, for good
-// (docs/reliability.md, bug 266). A device no bridge serves keeps the rule
-// of seq alone.
+// (docs/reliability.md, bug 266). A move to no bridge: bug 271, below.
 func testStatusFromTheBridgeItLeft(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)
-	put := func(bridge string, seq uint64) bool {
-		t.Helper()
-		ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d3", Online: true, Battery: intp(50), FirmwareVersion: "1.0.0",
-			BridgeID: bridge, LastSeen: now(), Seq: seq})
-		require.NoError(t, err)
-		return ok
-	}
-	want := func(online bool, bridge string) {
-		t.Helper()
-		st, err := s.Status(ctx, "d3")
-		require.NoError(t, err)
-		if st.Online != online || st.BridgeID != bridge {
-			t.Errorf("Status(d3) online %v on %q; want %v on %q", st.Online, st.BridgeID, online, bridge)
-		}
-	}
+	put := func(bridge string, seq uint64) bool { t.Helper(); return putD3(t, s, bridge, true, seq) }
+	want := func(online bool, bridge string) { t.Helper(); wantD3(t, s, online, bridge) }
 	_, err := s.AssignDevice(ctx, "d3", "op1", "")
 	require.NoError(t, err)
 	require.True(t, put("op1", 10), "a report of the device's bridge")
@@ -81,21 +67,8 @@ func testStatusFromTheBridgeItLeft(t *testing.T, s companion.Store) {
 func testStatusFromTheBridgeItLeftForNone(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)
-	put := func(bridge string, online bool, seq uint64) bool {
-		t.Helper()
-		ok, err := s.PutStatus(ctx, companion.Status{DeviceID: "d3", Online: online, Battery: intp(50), FirmwareVersion: "1.0.0",
-			BridgeID: bridge, LastSeen: now(), Seq: seq})
-		require.NoError(t, err)
-		return ok
-	}
-	want := func(online bool, bridge string) {
-		t.Helper()
-		st, err := s.Status(ctx, "d3")
-		require.NoError(t, err)
-		if st.Online != online || st.BridgeID != bridge {
-			t.Errorf("Status(d3) online %v on %q; want %v on %q", st.Online, st.BridgeID, online, bridge)
-		}
-	}
+	put := func(bridge string, online bool, seq uint64) bool { t.Helper(); return putD3(t, s, bridge, online, seq) }
+	want := func(online bool, bridge string) { t.Helper(); wantD3(t, s, online, bridge) }
 	_, err := s.AssignDevice(ctx, "d3", "op1", "")
 	require.NoError(t, err)
 	require.True(t, put("op1", true, 10), "a report of the device's bridge")
@@ -449,4 +422,24 @@ func testSettingsSeqFromAnotherEra(t *testing.T, s companion.Store) {
 	require.NoError(t, err)
 	assert.JSONEq(t, "2", string(st.Reported["volume"]))
 	assert.Equal(t, fresh, st.Seq)
+}
+
+// putD3 stores a status of d3 as bridge reported it, and says whether the
+// store took it.
+func putD3(t *testing.T, s companion.Store, bridge string, online bool, seq uint64) bool {
+	t.Helper()
+	ok, err := s.PutStatus(t.Context(), companion.Status{DeviceID: "d3", Online: online, Battery: intp(50), FirmwareVersion: "1.0.0",
+		BridgeID: bridge, LastSeen: now(), Seq: seq})
+	require.NoError(t, err)
+	return ok
+}
+
+// wantD3 checks that d3 reads online (or not) on bridge.
+func wantD3(t *testing.T, s companion.Store, online bool, bridge string) {
+	t.Helper()
+	st, err := s.Status(t.Context(), "d3")
+	require.NoError(t, err)
+	if st.Online != online || st.BridgeID != bridge {
+		t.Errorf("Status(d3) online %v on %q; want %v on %q", st.Online, st.BridgeID, online, bridge)
+	}
 }
