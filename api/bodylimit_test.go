@@ -57,22 +57,37 @@ func readRaw(br *bufio.Reader) (rawResp, error) {
 	return rawResp{resp: resp{status: res.StatusCode, header: res.Header, body: b}, close: res.Close}, nil
 }
 
+// sendWhole writes the request head and the whole body on a new
+// connection, and only then reads the answer: it returns the connection,
+// its reader after the answer, and the answer.
+func (e *env) sendWhole(t testing.TB, head string, body io.Reader) (net.Conn, *bufio.Reader, rawResp) {
+	t.Helper()
+	conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+	require.NoError(t, err)
+	require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
+	_, err = io.Copy(conn, io.MultiReader(strings.NewReader(head), body))
+	if err != nil {
+		conn.Close()
+	}
+	require.NoError(t, err, "writing the whole request: the server must read it before it answers")
+	br := bufio.NewReader(conn)
+	r, err := readRaw(br)
+	if err != nil {
+		conn.Close()
+	}
+	require.NoError(t, err, "reading the answer")
+	return conn, br, r
+}
+
 // sendWholeThenRead does what many clients do (Python's urllib, mobile
 // HTTP stacks): it writes the request head and the whole body on a new
 // connection, and only then reads the answer, which it returns.
 func (e *env) sendWholeThenRead(t testing.TB, head string, body io.Reader) rawResp {
 	t.Helper()
-	conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
-	require.NoError(t, err)
+	conn, br, r := e.sendWhole(t, head, body)
 	defer conn.Close()
-	require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
-	_, err = io.Copy(conn, io.MultiReader(strings.NewReader(head), body))
-	require.NoError(t, err, "writing the whole request: the server must read it before it answers")
-	br := bufio.NewReader(conn)
-	r, err := readRaw(br)
-	require.NoError(t, err, "reading the answer")
 	// After the answer, the server closes: the next read ends at once.
-	_, err = br.ReadByte()
+	_, err := br.ReadByte()
 	r.closed = err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
 	return r
 }
@@ -413,22 +428,15 @@ func TestUploadsAtTheirLimits(t *testing.T) {
 // must be answered; one it closes must be closed.
 func (e *env) sendWholeThenReadAgain(t testing.TB, head string, body io.Reader) rawResp {
 	t.Helper()
-	conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
-	require.NoError(t, err)
+	conn, br, r := e.sendWhole(t, head, body)
 	defer conn.Close()
-	require.NoError(t, conn.SetDeadline(time.Now().Add(rawDeadline)))
-	_, err = io.Copy(conn, io.MultiReader(strings.NewReader(head), body))
-	require.NoError(t, err, "writing the whole request: the server must read it before it answers")
-	br := bufio.NewReader(conn)
-	r, err := readRaw(br)
-	require.NoError(t, err, "reading the answer")
 	if r.close {
-		_, err = br.ReadByte()
+		_, err := br.ReadByte()
 		r.closed = err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
 		assert.True(t, r.closed, "the server must close the connection after Connection: close")
 		return r
 	}
-	_, err = io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: companion\r\n\r\n")
+	_, err := io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: companion\r\n\r\n")
 	require.NoError(t, err)
 	again, err := readRaw(br)
 	require.NoError(t, err, "a second request on the connection the answer kept")
