@@ -160,10 +160,12 @@ func (h *heldCreates) CreateCommandAsync(c companion.Command, maxOpen int, idem 
 	})
 }
 
-// A command ended (its device unbound) before the store called back its
-// acceptance is final: a Prefer: wait on it is answered at once, as on any
-// ended command, and it is neither live here nor handed to the outbox.
-func TestACommandEndedBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
+// submitHeld submits a text for dev-1 of u1 on a broker whose store holds
+// the callback of its creation (heldCreates): it returns once the command
+// is created, with the broker, the command, and what Submit returns once
+// release is closed.
+func submitHeld(t *testing.T) (*env, *heldCreates, companion.Command, <-chan error) {
+	t.Helper()
 	e, hold := newEnvOn(t, func(db *store.DB) *heldCreates {
 		return &heldCreates{DB: db, created: make(chan companion.Command, 1), release: make(chan struct{})}
 	})
@@ -173,7 +175,14 @@ func TestACommandEndedBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
 			Payload: []byte(`{"text":"the previous owner's"}`), ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
 		accepted <- err
 	}()
-	cmd := <-hold.created
+	return e, hold, <-hold.created, accepted
+}
+
+// A command ended (its device unbound) before the store called back its
+// acceptance is final: a Prefer: wait on it is answered at once, as on any
+// ended command, and it is neither live here nor handed to the outbox.
+func TestACommandEndedBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
+	e, hold, cmd, accepted := submitHeld(t)
 	unbound, err := e.db.Unbind(context.Background(), "dev-1", "u1")
 	require.NoError(t, err)
 	require.Len(t, unbound.Ended, 1)
@@ -190,17 +199,8 @@ func TestACommandEndedBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
 // its own creation and then of the unbinding, both before the store calls
 // back the acceptance. A Prefer: wait on the command is answered at once.
 func TestACommandEndedByAnotherReplicaBeforeItsAcceptanceCalledBackIsFinal(t *testing.T) {
-	e, hold := newEnvOn(t, func(db *store.DB) *heldCreates {
-		return &heldCreates{DB: db, created: make(chan companion.Command, 1), release: make(chan struct{})}
-	})
+	e, hold, cmd, accepted := submitHeld(t)
 	ctx := context.Background()
-	accepted := make(chan error, 1)
-	go func() {
-		_, _, err := e.b.Submit(ctx, companion.Command{DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText,
-			Payload: []byte(`{"text":"the previous owner's"}`), ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
-		accepted <- err
-	}()
-	cmd := <-hold.created
 	e.b.CommandChanged(ctx, cmd.ID) // its creation's notification
 	unbound, err := e.db.Unbind(ctx, "dev-1", "u1")
 	require.NoError(t, err)
@@ -234,17 +234,8 @@ func TestCommandsEndedWhileNotificationsWereLostAreNotLive(t *testing.T) {
 		assert.Equal(t, companion.StateSucceeded, waitAnswer(t, e, c.ID).State)
 	})
 	t.Run("called back after", func(t *testing.T) {
-		e, hold := newEnvOn(t, func(db *store.DB) *heldCreates {
-			return &heldCreates{DB: db, created: make(chan companion.Command, 1), release: make(chan struct{})}
-		})
+		e, hold, cmd, accepted := submitHeld(t)
 		ctx := context.Background()
-		accepted := make(chan error, 1)
-		go func() {
-			_, _, err := e.b.Submit(ctx, companion.Command{DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText,
-				Payload: []byte(`{"text":"the previous owner's"}`), ExpiresAt: e.clock.Now().Add(time.Hour)}, nil)
-			accepted <- err
-		}()
-		cmd := <-hold.created
 		unbound, err := e.db.Unbind(ctx, "dev-1", "u1") // another replica's
 		require.NoError(t, err)
 		require.Len(t, unbound.Ended, 1)
