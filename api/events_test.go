@@ -206,14 +206,7 @@ func TestEventsResumeWithLastEventID(t *testing.T) {
 	id2 := e.push(t, tok, "dev-1")
 	e.cmds.set(t, id, companion.StateSucceeded)
 
-	for _, how := range []struct {
-		name   string
-		query  string
-		header map[string]string
-	}{
-		{"header", "", map[string]string{"Last-Event-ID": first.id}},
-		{"query", "?last_event_id=" + first.id, nil},
-	} {
+	for _, how := range resumeWays(first.id) {
 		t.Run(how.name, func(t *testing.T) {
 			s := e.stream(t, tok, how.query, how.header)
 			evs := s.nextN(t, 3)
@@ -504,14 +497,7 @@ func TestEventsResumePastTheEnd(t *testing.T) {
 	res.Body.Close()
 	require.NoError(t, err)
 	assert.Equal(t, []string{"retry: 2000\n", "\n"}, []string{first, second}, "the stream's first lines")
-	for _, how := range []struct {
-		name   string
-		query  string
-		header map[string]string
-	}{
-		{"header", "", map[string]string{"Last-Event-ID": kept}},
-		{"query", "?last_event_id=" + kept, nil},
-	} {
+	for _, how := range resumeWays(kept) {
 		t.Run(how.name, func(t *testing.T) {
 			log, _, err := e.db.Events(t.Context(), "", "", 100)
 			require.NoError(t, err)
@@ -746,14 +732,7 @@ func TestEventsResumeAfterPurgeSaysReset(t *testing.T) {
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, n, 2)
 	after := e.push(t, tok, "dev-1")
-	for _, how := range []struct {
-		name   string
-		query  string
-		header map[string]string
-	}{
-		{"header", "", map[string]string{"Last-Event-ID": first.id}},
-		{"query", "?last_event_id=" + first.id, nil},
-	} {
+	for _, how := range resumeWays(first.id) {
 		t.Run(how.name, func(t *testing.T) {
 			s := e.stream(t, tok, how.query, how.header)
 			ev := s.next(t)
@@ -842,4 +821,20 @@ func TestEventsStreamEndsWhenAccessTokenExpires(t *testing.T) {
 	}
 	r := e.refused(t, tok, "")
 	assert.Equal(t, http.StatusUnauthorized, r.status, "%s", r.body)
+}
+
+// resumeWay is a way a client names the last event it had: the
+// Last-Event-ID header, or the last_event_id query parameter.
+type resumeWay struct {
+	name   string
+	query  string
+	header map[string]string
+}
+
+// resumeWays are the ways to resume after the event id.
+func resumeWays(id string) []resumeWay {
+	return []resumeWay{
+		{"header", "", map[string]string{"Last-Event-ID": id}},
+		{"query", "?last_event_id=" + id, nil},
+	}
 }
