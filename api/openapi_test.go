@@ -266,23 +266,13 @@ func TestOpenAPIPreferOnEveryCommandAnswer(t *testing.T) {
 // server took (docs/reliability.md, bug 262). At the defaults the document
 // served is the file as it is.
 func TestOpenAPIServedWithTheLimits(t *testing.T) {
-	served := func(t *testing.T, e *env) []byte {
-		t.Helper()
-		res, err := http.Get(e.srv.URL + "/api/v1/openapi.json")
-		require.NoError(t, err)
-		defer res.Body.Close()
-		b, err := io.ReadAll(res.Body)
-		require.NoError(t, err)
-		require.Equal(t, http.StatusOK, res.StatusCode, "%s", b)
-		return b
-	}
-	assert.Equal(t, string(openapiJSON), string(served(t, newEnv(t, func(o *Options) { o.Limits = Limits{} }))), "at the default limits")
+	assert.Equal(t, string(openapiJSON), string(servedOpenAPI(t, newEnv(t, func(o *Options) { o.Limits = Limits{} }))), "at the default limits")
 
 	e := newEnv(t, func(o *Options) {
 		o.Limits = Limits{MaxTextBytes: 8192, MaxTitleBytes: 200, MaxImageBytes: 3 << 20, MaxImageSide: 5000,
 			MaxAppBytes: 1000, MaxFirmwareBytes: 5 << 20, RegisterPerMinute: 20, RequestsPerSecond: -1, UnauthPerMinute: -1}
 	})
-	b := served(t, e)
+	b := servedOpenAPI(t, e)
 	doc, err := openapitest.Parse(b)
 	require.NoError(t, err, "the document served")
 	schema := func(name, prop string) *openapi3.Schema {
@@ -339,13 +329,8 @@ func TestOpenAPIServedWithTheHoldLimits(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t, func(o *Options) { o.Limits = tc.limits })
-			res, err := http.Get(e.srv.URL + "/api/v1/openapi.json")
-			require.NoError(t, err)
-			defer res.Body.Close()
-			b, err := io.ReadAll(res.Body)
-			require.NoError(t, err)
-			require.Equal(t, http.StatusOK, res.StatusCode, "%s", b)
-			_, err = openapitest.Parse(b)
+			b := servedOpenAPI(t, e)
+			_, err := openapitest.Parse(b)
 			require.NoError(t, err, "the document served")
 			for _, says := range tc.says {
 				assert.True(t, strings.Contains(string(b), says), "the document served does not say %q", says)
@@ -355,4 +340,16 @@ func TestOpenAPIServedWithTheHoldLimits(t *testing.T) {
 			}
 		})
 	}
+}
+
+// servedOpenAPI fetches the document e's server serves, without a token.
+func servedOpenAPI(t *testing.T, e *env) []byte {
+	t.Helper()
+	res, err := http.Get(e.srv.URL + "/api/v1/openapi.json")
+	require.NoError(t, err)
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, res.StatusCode, "%s", b)
+	return b
 }
