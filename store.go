@@ -35,6 +35,12 @@ type Store interface {
 	// and whether more follow.
 	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]ServingBridge, bool, error)
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
+	// SetBridgeSecret replaces the hash of a bridge's secret: the old
+	// secret opens nothing from then on. ownerID "" is the operator, who
+	// may change any bridge's; a user only their own (ErrNotOwned). It
+	// returns ErrNotFound for no such bridge and ErrExists when another
+	// bridge has the hash.
+	SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, secretHash []byte) error
 	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (previous string, err error)
 	DeviceBridge(ctx context.Context, deviceID string) (string, error)
 	// DeviceBridges is DeviceBridge for many devices in one read: those

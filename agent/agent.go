@@ -495,8 +495,9 @@ func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 // which the bridge retries in vain: its id and secret are not a bridge the
 // server knows (docs/reliability.md, bug 198).
 const refusedLogin = "the broker refuses the bridge's id and secret: --bridge-secret is not the secret of --bridge-id, " +
-	"or the bridge was deleted on the server; give the secret companion bridge create printed, " +
-	"or create the bridge again (companion bridge create ID, or POST /api/v1/bridges) and give its new secret"
+	"or the bridge was deleted on the server, or given a new secret there; give the secret companion bridge create printed, " +
+	"or give the bridge a new secret (companion bridge secret ID, or POST /api/v1/bridges/ID/secret), " +
+	"or create the bridge again (companion bridge create ID, or POST /api/v1/bridges), and give the secret printed"
 
 // settleTime is how long the intake gathers the messages that arrive first
 // on a connection before it takes them in. Those are the backlog of the

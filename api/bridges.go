@@ -143,6 +143,53 @@ func (s *Server) deleteUserBridge(c *gin.Context) error {
 	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
 }
 
+func (s *Server) adminNewBridgeSecret(c *gin.Context) error { return s.newBridgeSecret(c, "") }
+
+func (s *Server) newUserBridgeSecret(c *gin.Context) error {
+	return s.newBridgeSecret(c, currentUser(c).ID)
+}
+
+// newBridgeSecret gives a bridge of ownerID ("" the operator, who may
+// change any bridge's) a new secret and answers it, as creation does: it
+// exists only in this answer. From the store's commit on, the old secret
+// opens nothing, on the broker or for blob downloads, and the bridge's
+// connections are closed; the bridge keeps its id, its devices, its
+// session and its spool, and logs in again once given the new secret. It
+// is also what repairs a bridge whose account on Mosquitto was lost
+// (docs/mosquitto.md).
+func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
+	principal := adminUserID
+	if ownerID != "" {
+		principal = ownerID
+	}
+	rec, replayed, err := s.beginIdempotent(c, principal, nil)
+	if err != nil || replayed {
+		return err
+	}
+	id := c.Param("bridge_id")
+	if !topics.ValidBridgeID(id) {
+		return &Error{Code: CodeBridgeNotFound}
+	}
+	secret, hash, err := newSecret(bridgeSecretPrefix)
+	if err != nil {
+		return err
+	}
+	// Not the request's context: a secret on disk whose broker account
+	// was not told kept the old one working there (bug 277's reason).
+	ctx := context.WithoutCancel(c.Request.Context())
+	switch err := s.store.SetBridgeSecret(ctx, id, ownerID, hash); {
+	case errors.Is(err, companion.ErrNotFound): // also another user's
+		return &Error{Code: CodeBridgeNotFound}
+	case err != nil:
+		return err
+	}
+	if s.accounts != nil {
+		_ = s.accounts.BridgeSecretChanged(ctx, id, secret) // logged and retried there
+	}
+	// A repeat gets the answer without the secret: it is stored nowhere.
+	return s.reply(c, http.StatusOK, bridgeJSON{BridgeID: id, Secret: secret}, "", rec, bridgeJSON{BridgeID: id})
+}
+
 // assignUserDevice assigns one of the caller's devices to one of the
 // caller's bridges (or, with null, to none).
 func (s *Server) assignUserDevice(c *gin.Context) error {

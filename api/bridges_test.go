@@ -36,6 +36,9 @@ func (a *recordingAccounts) BridgeCreated(_ context.Context, bridgeID, _ string)
 func (a *recordingAccounts) BridgeDeleted(_ context.Context, bridgeID string) error {
 	return a.add("deleted %s", bridgeID)
 }
+func (a *recordingAccounts) BridgeSecretChanged(_ context.Context, bridgeID, _ string) error {
+	return a.add("new secret %s", bridgeID)
+}
 func (a *recordingAccounts) Bound(context.Context, string, string) error   { return nil }
 func (a *recordingAccounts) Unbound(context.Context, string, string) error { return nil }
 func (a *recordingAccounts) Assigned(_ context.Context, deviceID, from, to string) error {
@@ -511,4 +514,82 @@ func TestAdminNotFoundSaysWhatIsMissing(t *testing.T) {
 	r = e.do("PUT", "/api/v1/devices/dev-a/bridge", e.bob, map[string]any{"bridge_id": nil})
 	require.Equal(t, 404, r.status, "%s", r.body)
 	assert.Equal(t, "no such device among yours", r.problem(t).Detail)
+}
+
+// A bridge's new secret: the operator may give any bridge one, a user
+// only their own (404 for another's, alike an unknown one); the answer
+// carries it once, a repeat with the same Idempotency-Key answers without
+// it; from then on the old secret opens nothing and the new one does, and
+// the broker's accounts are told.
+func TestNewBridgeSecret(t *testing.T) {
+	e := newBridgesEnv(t)
+	r := e.do("POST", "/api/v1/bridges", e.alice, map[string]any{"bridge_id": "alice-hub"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	aliceSecret := r.json(t)["secret"].(string)
+	e.acc.took()
+
+	// opens says whether secret opens the blob route as a bridge: an
+	// unknown blob is 404 to a bridge, 401 to anyone else.
+	opens := func(secret string) bool {
+		t.Helper()
+		r := e.do("GET", "/api/v1/blobs/"+strings.Repeat("0", 64), secret, nil)
+		require.Contains(t, []int{401, 404}, r.status, "%s", r.body)
+		return r.status == 404
+	}
+	require.True(t, opens(aliceSecret))
+
+	for _, c := range []struct{ name, token, id string }{
+		{"another user's", e.bob, "alice-hub"},
+		{"the operator's, by a user", e.alice, "op-1"},
+		{"unknown", e.alice, "nope"},
+		{"not an id", e.alice, "a%20hub"},
+	} {
+		r := e.do("POST", "/api/v1/bridges/"+c.id+"/secret", c.token, nil)
+		require.Equal(t, 404, r.status, "%s: %s", c.name, r.body)
+		assert.Equal(t, CodeBridgeNotFound, r.problem(t).Code, c.name)
+	}
+	assert.Equal(t, 401, e.do("POST", "/api/v1/bridges/alice-hub/secret", "", nil).status)
+	assert.Equal(t, 401, e.do("POST", "/api/v1/admin/bridges/alice-hub/secret", e.alice, nil).status, "a user's token on the admin route")
+	assert.Equal(t, 404, e.do("POST", "/api/v1/admin/bridges/nope/secret", testAdminToken, nil).status)
+	assert.Empty(t, e.acc.took(), "a refused change was told to the broker")
+	assert.True(t, opens(aliceSecret), "a refused change changed the secret")
+
+	send := func(path, token string) resp {
+		return e.send(req{method: "POST", path: path, token: token, header: map[string]string{"Idempotency-Key": "rotate-1"}})
+	}
+	r = send("/api/v1/bridges/alice-hub/secret", e.alice)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	got := r.json(t)
+	assert.Equal(t, "alice-hub", got["bridge_id"])
+	newSecret, _ := got["secret"].(string)
+	assert.True(t, strings.HasPrefix(newSecret, bridgeSecretPrefix), "%v", got)
+	assert.NotEqual(t, aliceSecret, newSecret)
+	assert.Equal(t, []string{"new secret alice-hub"}, e.acc.took())
+	assert.False(t, opens(aliceSecret), "the old secret still opens")
+	assert.True(t, opens(newSecret), "the new secret does not open")
+
+	r = send("/api/v1/bridges/alice-hub/secret", e.alice)
+	require.Equal(t, 200, r.status, "the first answer again: %s", r.body)
+	assert.Equal(t, map[string]any{"bridge_id": "alice-hub"}, r.json(t), "the secret exists only in the first answer")
+	assert.Empty(t, e.acc.took(), "a repeat changed the secret again")
+	assert.True(t, opens(newSecret), "a repeat changed the secret again")
+
+	// The operator, any bridge: the user's, and their own.
+	for _, id := range []string{"alice-hub", "op-1"} {
+		r := e.do("POST", "/api/v1/admin/bridges/"+id+"/secret", testAdminToken, nil)
+		require.Equal(t, 200, r.status, "%s: %s", id, r.body)
+		s := r.json(t)["secret"].(string)
+		assert.True(t, opens(s), "%s's new secret", id)
+		assert.Equal(t, []string{"new secret " + id}, e.acc.took())
+	}
+	assert.False(t, opens(newSecret), "the user's secret once the operator gave the bridge another")
+
+	// The bridge keeps its devices.
+	r = e.do("PUT", "/api/v1/devices/dev-a/bridge", e.alice, map[string]any{"bridge_id": "alice-hub"})
+	require.Equal(t, 200, r.status, "%s", r.body)
+	r = e.do("POST", "/api/v1/bridges/alice-hub/secret", e.alice, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	r = e.do("GET", "/api/v1/bridges", e.alice, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	assert.Equal(t, []any{"dev-a"}, r.json(t)["bridges"].([]any)[0].(map[string]any)["devices"])
 }

@@ -29,6 +29,7 @@ type Store interface {
 	// devices it serves, in one read, and whether more follow.
 	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.ServingBridge, bool, error)
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
+	SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, secretHash []byte) error
 	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (string, error)
 	BlobNeeded(ctx context.Context, sha, bridgeID string) (bool, error)
 
@@ -102,13 +103,17 @@ type Commander interface {
 // broker, which asks the store itself, only disconnects a bridge whose
 // devices changed. It is nil with a broker the server does not manage
 // (--mqtt-dynsec=false). Secrets are
-// passed only here, at creation, since the store keeps only their hashes.
+// passed only here, at creation and at a bridge's new secret, since the
+// store keeps only their hashes.
 // Failures are the implementation's to log and retry: the API's answer
 // does not depend on them.
 type BrokerAccounts interface {
 	UserCreated(ctx context.Context, userID, token string) error
 	BridgeCreated(ctx context.Context, bridgeID, secret string) error
 	BridgeDeleted(ctx context.Context, bridgeID string) error
+	// BridgeSecretChanged says the bridge has a new secret: the old one
+	// opens nothing from now on, and its connections are closed.
+	BridgeSecretChanged(ctx context.Context, bridgeID, secret string) error
 	Bound(ctx context.Context, userID, deviceID string) error
 	Unbound(ctx context.Context, userID, deviceID string) error
 	// Assigned says deviceID moved from bridge `from` to bridge `to` (either
@@ -502,6 +507,7 @@ func (s *Server) routes() *gin.Engine {
 	user.POST("/bridges", s.h(s.createUserBridge))
 	get(user, "/bridges", s.h(s.listUserBridges))
 	user.DELETE("/bridges/:bridge_id", s.h(s.deleteUserBridge))
+	user.POST("/bridges/:bridge_id/secret", s.h(s.newUserBridgeSecret))
 	get(user, "/apps", s.h(s.appCatalog))
 	get(user, "/events", s.h(s.streamEvents))
 
@@ -510,6 +516,7 @@ func (s *Server) routes() *gin.Engine {
 	admin.POST("/devices", s.h(s.adminProvisionDevice))
 	admin.PUT("/devices/:device_id/bridge", s.h(s.adminAssignDevice))
 	admin.POST("/bridges", s.h(s.adminCreateBridge))
+	admin.POST("/bridges/:bridge_id/secret", s.h(s.adminNewBridgeSecret))
 	admin.PUT("/firmware/:model/:version", s.h(s.adminPutFirmware))
 	admin.PUT("/apps/:app_id/:version", s.h(s.adminPutApp))
 

@@ -165,6 +165,39 @@ func (db *DB) Bridge(ctx context.Context, id string) (companion.Bridge, error) {
 	return b, nil
 }
 
+// SetBridgeSecret replaces the bridge's secret hash, and its index entry,
+// in one transaction: the old secret finds nothing from its commit on.
+func (db *DB) SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, secretHash []byte) error {
+	if len(secretHash) == 0 {
+		return fmt.Errorf("%w: a bridge needs a secret hash", companion.ErrInvalid)
+	}
+	if !validID(bridgeID) {
+		return companion.ErrNotFound
+	}
+	return db.update(func(tx *bolt.Tx) error {
+		bridges, secrets := tx.Bucket(bucketBridges), tx.Bucket(bucketBridgeSecrets)
+		var b companion.Bridge
+		switch ok, err := getJSON(bridges, []byte(bridgeID), &b); {
+		case err != nil:
+			return err
+		case !ok:
+			return abort(companion.ErrNotFound)
+		case ownerID != "" && b.OwnerID != ownerID:
+			return abort(companion.ErrNotOwned)
+		case secrets.Get(secretHash) != nil:
+			return abort(companion.ErrExists)
+		}
+		if err := secrets.Delete(b.SecretHash); err != nil {
+			return err
+		}
+		b.SecretHash = secretHash
+		if err := putJSON(bridges, []byte(b.ID), b); err != nil {
+			return err
+		}
+		return secrets.Put(secretHash, []byte(b.ID))
+	})
+}
+
 // BridgeBySecretHash returns the bridge whose secret has the SHA-256 hash,
 // or ErrNotFound. The hash is compared again in constant time.
 func (db *DB) BridgeBySecretHash(ctx context.Context, hash []byte) (companion.Bridge, error) {

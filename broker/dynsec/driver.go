@@ -452,6 +452,19 @@ func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) err
 	return nil
 }
 
+// BridgeSecretChanged gives the bridge's account its new secret, as
+// BridgeCreated makes an account: the client there gets the password and
+// the mark of the secret (create), and Mosquitto closes the connections
+// made with the old one (setClientId, sent with them, kicks the client's
+// connections). An account that is not there is made: one whose creation
+// failed while Mosquitto was away and whose retry, in memory, was lost
+// with a restart of the server (docs/mosquitto.md). A failure is retried
+// as a creation's is; a retry of the old secret finds the store holding
+// the new one, and does nothing (secretHeld).
+func (d *Driver) BridgeSecretChanged(ctx context.Context, bridgeID, secret string) error {
+	return d.BridgeCreated(ctx, bridgeID, secret)
+}
+
 // errGone is createBridge's answer when the store no longer has the
 // bridge with the secret it was to be made with.
 var errGone = errors.New("dynsec: the bridge was deleted or made anew since")

@@ -851,3 +851,39 @@ func secretIs(t *testing.T, mq *mqtttest.Mosquitto, bridge, secret, former strin
 	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID(bridge), bridge, secret), "the bridge's secret stopped working")
 	assert.Error(t, canConnect(mq, dynsec.BridgeClientID(bridge), bridge, former), "the bridge's former secret works")
 }
+
+// A bridge's new secret (BridgeSecretChanged): its account takes it, the
+// old one is refused, its role stays; a late creation with the old secret
+// sets nothing. And an account that was never made (its creation failed
+// while Mosquitto was away, and the retry, in memory, went with a restart
+// of the server) is made by it: a new secret repairs the bridge, where
+// before only a new bridge id did.
+func TestANewSecretReplacesTheOldAndMakesALostAccount(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	st.createBridge("b1", "first-secret")
+	st.assign("dev-1", "b1")
+	require.NoError(t, d.BridgeCreated(ctx, "b1", "first-secret"))
+
+	st.createBridge("b1", "second-secret") // the store's new hash
+	require.NoError(t, d.BridgeSecretChanged(ctx, "b1", "second-secret"))
+	secretIs(t, mq, "b1", "second-secret", "first-secret")
+	want, err := d.BridgeACLs(ctx, "b1")
+	require.NoError(t, err)
+	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b1")), "the bridge's role")
+	require.NoError(t, d.BridgeCreated(ctx, "b1", "first-secret"), "a late creation")
+	secretIs(t, mq, "b1", "second-secret", "first-secret")
+
+	st.createBridge("b2", "lost-secret") // stored; its account never made
+	st.assign("dev-2", "b2")
+	require.Error(t, canConnect(mq, dynsec.BridgeClientID("b2"), "b2", "lost-secret"))
+	st.createBridge("b2", "new-secret")
+	require.NoError(t, d.BridgeSecretChanged(ctx, "b2", "new-secret"))
+	assert.NoError(t, canConnect(mq, dynsec.BridgeClientID("b2"), "b2", "new-secret"), "the lost account was not made")
+	want, err = d.BridgeACLs(ctx, "b2")
+	require.NoError(t, err)
+	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b2")), "the bridge's role")
+}

@@ -48,6 +48,12 @@ func (r *Responder) BridgeDeleted(ctx context.Context, bridgeID string) error {
 	return r.Disconnect(ctx, bridgeID)
 }
 
+// BridgeSecretChanged closes the bridge's connections: the store, asked at
+// each login, refuses the old secret from now on.
+func (r *Responder) BridgeSecretChanged(ctx context.Context, bridgeID, _ string) error {
+	return r.Disconnect(ctx, bridgeID)
+}
+
 // Bound closes the user's connections, so that they log in again with
 // the device's topics.
 func (r *Responder) Bound(ctx context.Context, userID, _ string) error {

@@ -41,7 +41,7 @@ func TestABridgeTheBrokerRefusesSaysWhatToDo(t *testing.T) {
 		}
 		require.Len(t, failed, 1, "%s", logs.String())
 		for _, want := range []string{`err="not Authorized"`, "hint=", "--bridge-secret is not the secret of --bridge-id",
-			"deleted on the server", "companion bridge create ID"} {
+			"deleted on the server", "given a new secret", "companion bridge create ID", "companion bridge secret ID"} {
 			assert.Contains(t, failed[0], want)
 		}
 	}
@@ -57,6 +57,17 @@ func TestABridgeTheBrokerRefusesSaysWhatToDo(t *testing.T) {
 			return strings.Contains(logs.String(), "msg=connected")
 		})
 		require.Equal(t, 204, f.user.do("DELETE", "/api/v1/bridges/hub", nil).Status)
+		refusal(t, logs)
+	})
+	t.Run("given a new secret on the server", func(t *testing.T) {
+		r := f.user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": "hub-2"})
+		require.Equal(t, 201, r.Status, "%s", r.Body)
+		logs := run(t, &fleet{bridgeID: "hub-2", bridgeSecret: r.JSON(t)["secret"].(string)})
+		testenv.Eventually(t, 30*time.Second, "the hub connected", func() bool {
+			return strings.Contains(logs.String(), "msg=connected")
+		})
+		r = f.user.do("POST", "/api/v1/bridges/hub-2/secret", nil)
+		require.Equal(t, 200, r.Status, "%s", r.Body)
 		refusal(t, logs)
 	})
 }

@@ -43,6 +43,10 @@ func TestAdminCLI(t *testing.T) {
 	cli("device", "provision", "watch-42", "--claim-code", "ABCD-EFGH-IJKL-MNOP", "--model", "sim-1")
 	br := cli("bridge", "create", "kitchen")
 	assert.NotEmpty(t, br["secret"])
+	again := cli("bridge", "secret", "kitchen")
+	assert.Equal(t, "kitchen", again["bridge_id"])
+	assert.NotEmpty(t, again["secret"])
+	assert.NotEqual(t, br["secret"], again["secret"])
 
 	fw := filepath.Join(t.TempDir(), "fw.bin")
 	img := firmwareImage(t, "1.2.0", 1000)

@@ -259,7 +259,7 @@ func newDemoFile() DemoFile {
 //
 // A record may be there under credentials f does not hold when an earlier
 // demo.json is gone (deleted, or an older server killed before it wrote
-// it). The bridge is then made again with f's secret, and the user anew
+// it). The bridge is then given f's secret, and the user made anew
 // (a new f.UserID and f.Token) if f's id is taken. A device's claim code
 // cannot be changed (the store has no way to): the device is bound to the
 // demo user instead, and its claim code in f left empty.
@@ -327,9 +327,7 @@ func provisionDemoUser(ctx context.Context, db companion.Store, now time.Time, f
 }
 
 // provisionDemoBridge makes the demo bridge with f's secret. A demo bridge
-// already there under another secret is made again (the store cannot
-// change a secret), which unassigns its devices: provisionDemo assigns
-// them back.
+// already there under another secret is given f's: it keeps its devices.
 func provisionDemoBridge(ctx context.Context, db companion.Store, now time.Time, f *DemoFile) error {
 	bridge := companion.Bridge{ID: f.BridgeID, SecretHash: companion.HashSecret(f.BridgeSecret), CreatedAt: now}
 	err := db.CreateBridge(ctx, bridge)
@@ -343,10 +341,7 @@ func provisionDemoBridge(ctx context.Context, db companion.Store, now time.Time,
 	if bytes.Equal(old.SecretHash, bridge.SecretHash) {
 		return nil
 	}
-	if _, err := db.DeleteBridge(ctx, f.BridgeID, ""); err != nil {
-		return err
-	}
-	return db.CreateBridge(ctx, bridge)
+	return db.SetBridgeSecret(ctx, f.BridgeID, "", bridge.SecretHash)
 }
 
 // publishDemoContent publishes a firmware to update to and an app in two

@@ -5,6 +5,7 @@
 //	companion device provision ID --claim-code C --model M [--bridge B]
 //	companion device assign ID --bridge B | --none
 //	companion bridge create ID                 create a bridge, print its secret
+//	companion bridge secret ID                 give a bridge a new secret, print it
 //	companion firmware publish --model M --version V FILE
 //	companion app publish --app-id A --version V FILE
 //	companion command wait DEVICE ID --token T  follow a command until it is final
@@ -83,6 +84,7 @@ var commands = []struct{ name, args string }{
 	{"device provision", "ID --claim-code CODE --model MODEL [--bridge BRIDGE]"},
 	{"device assign", "ID --bridge BRIDGE | --none"},
 	{"bridge create", "ID"},
+	{"bridge secret", "ID"},
 	{"firmware publish", "--model MODEL --version VERSION FILE"},
 	{"app publish", "--app-id APP --version VERSION FILE"},
 	{"command wait", "DEVICE ID --token TOKEN [--api-url URL] [--timeout DURATION]"},

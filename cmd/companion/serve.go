@@ -793,6 +793,14 @@ func (a embeddedAccounts) BridgeDeleted(_ context.Context, bridgeID string) erro
 	return nil
 }
 
+// BridgeSecretChanged closes the bridge's connections, made with the old
+// secret; the broker asks the store at the next login. Its sessions stay:
+// it is the same bridge.
+func (a embeddedAccounts) BridgeSecretChanged(_ context.Context, bridgeID, _ string) error {
+	a.mqtt.DisconnectBridge(bridgeID)
+	return nil
+}
+
 func (a embeddedAccounts) Assigned(_ context.Context, _, from, to string) error {
 	for _, b := range []string{from, to} {
 		if b != "" {

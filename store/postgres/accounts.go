@@ -207,6 +207,37 @@ func (s *Store) CreateBridge(ctx context.Context, b companion.Bridge) error {
 	return err
 }
 
+// SetBridgeSecret replaces the bridge's secret hash: the old secret finds
+// nothing from the commit on. It takes the id's lock, as CreateBridge
+// does, so that it comes before or after, not inside, the Mosquitto
+// driver's read of the bridge and write of its account (LockAccount).
+func (s *Store) SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, secretHash []byte) error {
+	if len(secretHash) == 0 {
+		return fmt.Errorf("%w: a bridge needs a secret hash", companion.ErrInvalid)
+	}
+	if !validID(bridgeID) {
+		return companion.ErrNotFound
+	}
+	err := s.tx(ctx, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(bridgeID)); err != nil {
+			return err
+		}
+		var owner string
+		if err := tx.QueryRow(ctx, `SELECT owner_id FROM bridges WHERE id = $1 FOR UPDATE`, bridgeID).Scan(&owner); err != nil {
+			return notFound(err)
+		}
+		if ownerID != "" && owner != ownerID {
+			return companion.ErrNotOwned
+		}
+		_, err := tx.Exec(ctx, `UPDATE bridges SET secret_hash = $2 WHERE id = $1`, bridgeID, secretHash)
+		return err
+	})
+	if isUniqueViolation(err) {
+		return companion.ErrExists
+	}
+	return err
+}
+
 const bridgeColumns = `id, secret_hash, owner_id, created_at`
 
 func scanBridge(row pgx.Row) (companion.Bridge, error) {

@@ -183,7 +183,60 @@ func testBridges(t *testing.T, open Opener) {
 		}},
 		{"ListBridges", testListBridges},
 		{"DeleteBridge", testDeleteBridge},
+		{"SetBridgeSecret", testSetBridgeSecret},
 	})
+}
+
+// SetBridgeSecret replaces a bridge's secret: the new one finds the
+// bridge, the old one nothing; a user changes only their own bridge's,
+// the operator any; the bridge keeps its devices and its owner.
+func testSetBridgeSecret(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	require.NoError(t, s.CreateBridge(ctx, companion.Bridge{ID: "hub", SecretHash: hashOf("s1"), OwnerID: "u1"}))
+	require.NoError(t, s.CreateBridge(ctx, companion.Bridge{ID: "op1", SecretHash: hashOf("o1")}))
+	require.NoError(t, s.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "sim-1", BridgeID: "op1"}))
+
+	tests := []struct {
+		name            string
+		bridge, ownerID string
+		hash            []byte
+		want            error
+	}{
+		{"another user's", "hub", "u2", hashOf("s2"), companion.ErrNotOwned},
+		{"no such bridge", "nope", "", hashOf("s2"), companion.ErrNotFound},
+		{"NUL in id", "h\x00ub", "", hashOf("s2"), companion.ErrNotFound},
+		{"no secret", "hub", "u1", nil, companion.ErrInvalid},
+		{"another bridge's secret", "hub", "u1", hashOf("o1"), companion.ErrExists},
+		{"the owner", "hub", "u1", hashOf("s2"), nil},
+		{"the operator", "hub", "", hashOf("s3"), nil},
+		{"the operator's, by a user", "op1", "u1", hashOf("o2"), companion.ErrNotOwned},
+		{"the operator's", "op1", "", hashOf("o2"), nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			wantErr(t, s.SetBridgeSecret(ctx, tt.bridge, tt.ownerID, tt.hash), tt.want,
+				fmt.Sprintf("SetBridgeSecret(%q, owner %q)", tt.bridge, tt.ownerID))
+		})
+	}
+
+	for _, old := range []string{"s1", "s2"} {
+		_, err := s.BridgeBySecretHash(ctx, hashOf(old))
+		assert.ErrorIs(t, err, companion.ErrNotFound, "BridgeBySecretHash(%s) once replaced", old)
+	}
+	b, err := s.BridgeBySecretHash(ctx, hashOf("s3"))
+	require.NoError(t, err, "BridgeBySecretHash(s3)")
+	assert.Equal(t, "hub", b.ID)
+	assert.Equal(t, "u1", b.OwnerID)
+	b, err = s.Bridge(ctx, "hub")
+	require.NoError(t, err, "Bridge(hub)")
+	assert.Equal(t, hashOf("s3"), b.SecretHash)
+	b, err = s.BridgeBySecretHash(ctx, hashOf("o2"))
+	require.NoError(t, err, "BridgeBySecretHash(o2)")
+	assert.Equal(t, "op1", b.ID)
+	wantBridge(t, s, "d1", "op1")
+
+	// The old secret's index entry is gone: a new bridge may take it.
+	require.NoError(t, s.CreateBridge(ctx, companion.Bridge{ID: "br9", SecretHash: hashOf("s1")}))
 }
 
 // ListBridges pages over one owner's bridges (or the operator's) in id
