@@ -451,6 +451,38 @@ func TestNotARequestAsZephyr(t *testing.T) {
 	}
 }
 
+// A stock handler decodes its keys with zcbor_map_decode_bulk: a key it
+// reads whose value is of another type, null among them, fails its zcbor
+// decoder, and the handler answers MGMT_ERR_EINVAL (rc 3 in either
+// version) without doing anything; keys it does not read are skipped. The
+// first request is what Apache newtmgr (nmxact) sends to confirm the
+// running image, its unset hash encoded as null: a stock device refuses
+// it. The others are the bridge's requests with a null where the bridge
+// puts a value. The bytes are written out by hand, header and CBOR.
+func TestNullFieldsRefusedAsZephyr(t *testing.T) {
+	r, d, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	for _, tt := range []struct{ name, req string }{
+		{"newtmgr's confirm {hash: null, confirm: true}, version 1", "0200001000010c00a26468617368f667636f6e6669726df5"},
+		{"test {hash: null, confirm: false}", "0a00001000010d00a26468617368f667636f6e6669726df4"},
+		{"upload chunk {off: 5, data: null}", "0a00000c00010e01a2636f6666056464617461f6"},
+		{"settings write {name: companion/language, val: null}", "0a00001e00030f00a2646e616d6572636f6d70616e696f6e2f6c616e67756167656376616cf6"},
+		{"echo {d: null}", "0a00000400001000a16164f6"},
+	} {
+		req, err := hex.DecodeString(tt.req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.write(req)
+		h, m := r.answer()
+		if h.Seq != req[6] || m["rc"] != uint64(gatt.RCInvalid) || len(m) != 1 {
+			t.Errorf("%s: answer seq %d %v; want rc %d and nothing else", tt.name, h.Seq, m, gatt.RCInvalid)
+		}
+	}
+	if got, _, _ := d.Settings(context.Background()); got["language"] != "en" {
+		t.Errorf("language after a write of null: %v; want en, unchanged", got["language"])
+	}
+}
+
 // os_mgmt registers echo for read and write alike.
 func TestEchoReadAsZephyr(t *testing.T) {
 	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
