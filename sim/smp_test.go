@@ -451,6 +451,81 @@ func TestNotARequestAsZephyr(t *testing.T) {
 	}
 }
 
+// img_mgmt's image erase (group 1, command 5, write; "slot" the other
+// slot by default): it erases a slot that is neither running, nor to boot
+// next, nor the one a test reverts to, ends the upload in progress, and
+// answers an empty map; a slot in use is error 9 (no free slot; rc 6 in
+// version 1). The first request is Apache newtmgr's (nmxact) "image
+// erase", written out by hand.
+func TestImageEraseAsZephyr(t *testing.T) {
+	r, _, _ := newRawSMP(t, 247, sim.PeripheralOptions{})
+	img := mcuboot.MustBuild(bytes.Repeat([]byte("app "), 300), mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 4}})
+	parsed, _ := mcuboot.Parse(img)
+	sum := sha256.Sum256(img)
+	upload := func() {
+		t.Helper()
+		_, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, map[string]any{"off": 0, "len": len(img), "sha": sum[:], "data": img})
+		if m["off"] != uint64(len(img)) || m["match"] != true {
+			t.Fatalf("upload: %v", m)
+		}
+	}
+	slots := func() int {
+		t.Helper()
+		_, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupImage, gatt.CmdImageState, map[string]any{})
+		return len(m["images"].([]any))
+	}
+	raw := func(req string) gatt.Message {
+		t.Helper()
+		b, _ := hex.DecodeString(req)
+		r.write(b)
+		select {
+		case m := <-r.msgs:
+			return m
+		case <-time.After(3 * time.Second):
+			t.Fatalf("no answer to %s", req)
+		}
+		return gatt.Message{}
+	}
+
+	upload()
+	if m := raw("0200000100011405a0"); m.Op != gatt.OpWriteRsp || hex.EncodeToString(m.Body) != "bfff" {
+		t.Errorf("newtmgr's image erase: op %d body %x; want op 3, an empty map (bfff)", m.Op, m.Body)
+	}
+	if n := slots(); n != 1 {
+		t.Errorf("after the erase the image state lists %d slots; want the running one only", n)
+	}
+
+	// An upload in progress ends with the erase.
+	_, m := r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, map[string]any{"off": 0, "len": len(img), "sha": sum[:], "data": img[:100]})
+	if m["off"] != uint64(100) {
+		t.Fatalf("first chunk: %v", m)
+	}
+	if m := raw("0a00000100011505a0"); hex.EncodeToString(m.Body) != "bfff" {
+		t.Errorf("erase during an upload: body %x; want bfff", m.Body)
+	}
+	if _, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageUpload, map[string]any{"off": 100, "data": img[100:200]}); m["off"] != uint64(0) {
+		t.Errorf("a chunk after the erase: %v; want off 0, no upload", m)
+	}
+
+	// A pending image's slot, and the running one, are in use.
+	upload()
+	if _, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupImage, gatt.CmdImageState, map[string]any{"hash": parsed.Hash, "confirm": false}); m["err"] != nil {
+		t.Fatalf("test: %v", m)
+	}
+	for _, tt := range []struct{ name, req, want string }{
+		{"the pending slot, version 2", "0a00000100011605a0", "bf63657272bf6567726f75700162726309ffff"},
+		{"the pending slot, version 1", "0200000100011705a0", "bf62726306ff"},
+		{"slot 0, the running one", "0a00000700011805a164736c6f7400", "bf63657272bf6567726f75700162726309ffff"},
+	} {
+		if m := raw(tt.req); hex.EncodeToString(m.Body) != tt.want {
+			t.Errorf("%s: body %x; want %s", tt.name, m.Body, tt.want)
+		}
+	}
+	if n := slots(); n != 2 {
+		t.Errorf("after refused erases the image state lists %d slots; want 2", n)
+	}
+}
+
 // A stock handler decodes its keys with zcbor_map_decode_bulk: a key it
 // reads whose value is of another type, null among them, fails its zcbor
 // decoder, and the handler answers MGMT_ERR_EINVAL (rc 3 in either
