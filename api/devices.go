@@ -93,11 +93,6 @@ var dummyClaimHash = companion.HashSecret("no such device")
 
 func (s *Server) registerDevice(c *gin.Context) error {
 	user := currentUser(c)
-	if ok, wait, err := s.allow(c, s.register, user.ID); err != nil {
-		return err
-	} else if !ok {
-		return &Error{Code: CodeRateLimited, Detail: "too many register attempts", RetryAfter: ceilSeconds(wait)}
-	}
 	var req registerRequest
 	body, err := readJSON(c, s.limits.MaxJSONBody, false, &req)
 	if err != nil {
@@ -106,6 +101,16 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	rec, replayed, err := s.beginIdempotent(c, user.ID, body.raw)
 	if err != nil || replayed {
 		return err
+	}
+	// After the Idempotency-Key: a repeat answered from the key's record
+	// (or one that waited for the first request's answer) tries no claim
+	// code, and spent the user's attempts, a phone retrying an answer it
+	// lost read 429 for the device it had registered (docs/reliability.md,
+	// bug 310). A refusal gives the key's claim up, as any failure does.
+	if ok, wait, err := s.allow(c, s.register, user.ID); err != nil {
+		return err
+	} else if !ok {
+		return &Error{Code: CodeRateLimited, Detail: "too many register attempts", RetryAfter: ceilSeconds(wait)}
 	}
 	fields := body.utf8Errors()
 	switch {

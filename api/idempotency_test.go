@@ -327,3 +327,37 @@ func TestReplayOfAPurgedCommand(t *testing.T) {
 		})
 	}
 }
+
+// A repeat of a register answered from its Idempotency-Key's record is the
+// first answer (CONTRACT §2), and no register attempt: it tries no claim
+// code. A phone whose answer was lost, retrying, must not spend the
+// user's attempts and read 429 rate_limited instead of its device; nor
+// may a repeat that waits for the first request. A new request with
+// another key is still an attempt, and still limited.
+func TestRegisterRepeatIsNoAttempt(t *testing.T) {
+	e := newEnv(t, func(o *Options) { o.Limits.RegisterPerMinute = 2 })
+	tok := e.user("carol")
+	e.provision("dev-c", "cc", "sim-1")
+	register := func(key, device string) resp {
+		return e.send(req{method: "POST", path: "/api/v1/devices/register", token: tok,
+			body: map[string]any{"device_id": device, "claim_code": "cc"}, header: map[string]string{"Idempotency-Key": key}})
+	}
+	first := register("r-1", "dev-c")
+	require.Equal(t, 201, first.status, "%s", first.body)
+	for i := range 3 {
+		r := register("r-1", "dev-c")
+		require.Equal(t, 201, r.status, "repeat %d: %s", i, r.body)
+		assert.Equal(t, first.body, r.body, "repeat %d", i)
+		assert.Equal(t, first.header.Get("Location"), r.header.Get("Location"), "repeat %d", i)
+	}
+	r := register("r-2", "nope")
+	require.Equal(t, 422, r.status, "the second attempt: %s", r.body)
+	r = register("r-3", "nope")
+	require.Equal(t, 429, r.status, "the third attempt: %s", r.body)
+	assert.Equal(t, CodeRateLimited, r.problem(t).Code)
+	r = register("r-3", "nope")
+	require.Equal(t, 429, r.status, "refused, it recorded nothing: %s", r.body)
+	r = register("r-1", "dev-c")
+	require.Equal(t, 201, r.status, "a repeat, with the attempts spent: %s", r.body)
+	assert.Equal(t, first.body, r.body)
+}
