@@ -744,9 +744,16 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 		old, err := s.store.Idempotency(ctx, userID, key)
 		switch {
 		case errors.Is(err, companion.ErrNotFound):
-			err = s.store.PutIdempotency(ctx, *claim)
+			err = s.putClaim(c, *claim)
 			if err == nil {
 				c.Set(claimContextKey, claim)
+				// The work and its answer's record go on without the
+				// client: one that hangs up as the store commits a write
+				// (PostgreSQL then answers the context's error, though the
+				// write is on disk) would otherwise give the key up with
+				// the work done, and its repeat do it again
+				// (docs/reliability.md, bug 311).
+				c.Request = c.Request.WithContext(context.WithoutCancel(c.Request.Context()))
 				return claim, false, nil
 			}
 			if !errors.Is(err, companion.ErrExists) {
@@ -772,6 +779,17 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 		case <-tick.C:
 		}
 	}
+}
+
+// putClaim stores the request's claim on its key, whether or not the
+// client stays: a claim on disk whose write the request read as failed
+// (the client hung up during the COMMIT) was never given up, and held its
+// key, answering every repeat 409 idempotency_key_in_use, for the minute a
+// claim lasts (docs/reliability.md, bug 311).
+func (s *Server) putClaim(c *gin.Context, claim companion.Idempotency) error {
+	ctx, cancel := settleContext(c)
+	defer cancel()
+	return s.store.PutIdempotency(ctx, claim)
 }
 
 // replayAnswer answers as rec records.
