@@ -22,6 +22,10 @@ type Store interface {
 	CreateUser(ctx context.Context, u User) error
 	User(ctx context.Context, id string) (User, error)
 	UserByTokenHash(ctx context.Context, hash []byte) (User, error)
+	// SetUserToken replaces the hash of a user's API token: the old token
+	// opens nothing from then on. It returns ErrNotFound for no such user
+	// and ErrExists when another user has the hash.
+	SetUserToken(ctx context.Context, userID string, tokenHash []byte) error
 
 	ProvisionDevice(ctx context.Context, d RegistryDevice) error
 	RegistryDevice(ctx context.Context, id string) (RegistryDevice, error)

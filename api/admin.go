@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -61,6 +62,43 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 	// A repeat gets the answer without the token: it is stored nowhere.
 	out := userJSON{UserID: u.ID, Name: u.Name, Token: token}
 	return s.reply(c, http.StatusCreated, out, "", rec, userJSON{UserID: u.ID, Name: u.Name})
+}
+
+// adminNewUserToken gives a user a new API token and answers it, as
+// creation does: it exists only in this answer. From the store's commit on
+// the old token opens nothing: the API refuses it, the broker (which is
+// told) refuses it, the user's connections are closed, and their event
+// streams end at their next heartbeat (streamAllowed). The user keeps
+// their id, devices and commands. A user of an identity provider has no
+// API token here (404).
+func (s *Server) adminNewUserToken(c *gin.Context) error {
+	rec, replayed, err := s.beginIdempotent(c, adminUserID, nil)
+	if err != nil || replayed {
+		return err
+	}
+	id := c.Param("user_id")
+	token, hash, err := newSecret(userTokenPrefix)
+	if err != nil {
+		return err
+	}
+	// Not the request's context: a token on disk whose broker account was
+	// not told kept the old one working there (bug 277's reason).
+	ctx := context.WithoutCancel(c.Request.Context())
+	switch err := s.store.SetUserToken(ctx, id, hash); {
+	case errors.Is(err, companion.ErrNotFound):
+		return &Error{Code: CodeUserNotFound}
+	case err != nil:
+		return err
+	}
+	u, err := s.store.User(ctx, id)
+	if err != nil {
+		return err
+	}
+	if s.accounts != nil {
+		_ = s.accounts.UserTokenChanged(ctx, id, token) // logged and retried there
+	}
+	// A repeat gets the answer without the token: it is stored nowhere.
+	return s.reply(c, http.StatusOK, userJSON{UserID: id, Name: u.Name, Token: token}, "", rec, userJSON{UserID: id, Name: u.Name})
 }
 
 type provisionRequest struct {

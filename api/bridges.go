@@ -166,9 +166,13 @@ func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
 	if err != nil || replayed {
 		return err
 	}
+	notFound := &Error{Code: CodeBridgeNotFound}
+	if ownerID == "" {
+		notFound = errAdminBridgeNotFnd
+	}
 	id := c.Param("bridge_id")
 	if !topics.ValidBridgeID(id) {
-		return &Error{Code: CodeBridgeNotFound}
+		return notFound
 	}
 	secret, hash, err := newSecret(bridgeSecretPrefix)
 	if err != nil {
@@ -179,7 +183,7 @@ func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
 	ctx := context.WithoutCancel(c.Request.Context())
 	switch err := s.store.SetBridgeSecret(ctx, id, ownerID, hash); {
 	case errors.Is(err, companion.ErrNotFound): // also another user's
-		return &Error{Code: CodeBridgeNotFound}
+		return notFound
 	case err != nil:
 		return err
 	}

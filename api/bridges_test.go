@@ -30,6 +30,9 @@ func (a *recordingAccounts) add(format string, args ...any) error {
 func (a *recordingAccounts) UserCreated(_ context.Context, userID, _ string) error {
 	return nil // user ids are random: not worth recording
 }
+func (a *recordingAccounts) UserTokenChanged(_ context.Context, userID, _ string) error {
+	return a.add("new token %s", userID)
+}
 func (a *recordingAccounts) BridgeCreated(_ context.Context, bridgeID, _ string) error {
 	return a.add("created %s", bridgeID)
 }
@@ -592,4 +595,59 @@ func TestNewBridgeSecret(t *testing.T) {
 	r = e.do("GET", "/api/v1/bridges", e.alice, nil)
 	require.Equal(t, 200, r.status, "%s", r.body)
 	assert.Equal(t, []any{"dev-a"}, r.json(t)["bridges"].([]any)[0].(map[string]any)["devices"])
+}
+
+// A user's new API token (POST /api/v1/admin/users/{id}/token, the
+// operator's only): 404 user_not_found for no such user; the answer
+// carries it once, a repeat with the same Idempotency-Key answers without
+// it; from then on the old token is a 401 and the new one opens the API,
+// with the user's devices; the broker's accounts are told.
+func TestNewUserToken(t *testing.T) {
+	e := newBridgesEnv(t)
+	r := e.do("POST", "/api/v1/admin/users", testAdminToken, map[string]any{"name": "carol"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	id, old := r.json(t)["user_id"].(string), r.json(t)["token"].(string)
+	e.acc.took()
+
+	for _, c := range []struct{ name, token, id string }{
+		{"no such user", testAdminToken, "6f1c2d3e-4b5a-4c6d-8e7f-9a0b1c2d3e4f"},
+		{"not an id", testAdminToken, "a%00b"},
+	} {
+		r := e.do("POST", "/api/v1/admin/users/"+c.id+"/token", c.token, nil)
+		require.Equal(t, 404, r.status, "%s: %s", c.name, r.body)
+		assert.Equal(t, CodeUserNotFound, r.problem(t).Code, c.name)
+	}
+	assert.Equal(t, 401, e.do("POST", "/api/v1/admin/users/"+id+"/token", old, nil).status, "the user's own token on the admin route")
+	assert.Equal(t, 401, e.do("POST", "/api/v1/admin/users/"+id+"/token", "", nil).status)
+	assert.Empty(t, e.acc.took(), "a refused change was told to the broker")
+
+	send := func() resp {
+		return e.send(req{method: "POST", path: "/api/v1/admin/users/" + id + "/token", token: testAdminToken,
+			header: map[string]string{"Idempotency-Key": "token-1"}})
+	}
+	r = send()
+	require.Equal(t, 200, r.status, "%s", r.body)
+	got := r.json(t)
+	assert.Equal(t, id, got["user_id"])
+	assert.Equal(t, "carol", got["name"])
+	tok, _ := got["token"].(string)
+	assert.True(t, strings.HasPrefix(tok, userTokenPrefix), "%v", got)
+	assert.Equal(t, []string{"new token " + id}, e.acc.took())
+	assert.Equal(t, 401, e.do("GET", "/api/v1/devices", old, nil).status, "the old token")
+	r = e.do("GET", "/api/v1/devices", tok, nil)
+	assert.Equal(t, 200, r.status, "the new token: %s", r.body)
+
+	r = send()
+	require.Equal(t, 200, r.status, "the first answer again: %s", r.body)
+	assert.Equal(t, map[string]any{"user_id": id, "name": "carol"}, r.json(t), "the token exists only in the first answer")
+	assert.Empty(t, e.acc.took(), "a repeat changed the token again")
+	assert.Equal(t, 200, e.do("GET", "/api/v1/devices", tok, nil).status, "a repeat changed the token again")
+
+	// The user keeps their devices: alice, given a new token, has dev-a.
+	b, err := e.db.Binding(t.Context(), "dev-a")
+	require.NoError(t, err)
+	r = e.do("POST", "/api/v1/admin/users/"+b.UserID+"/token", testAdminToken, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	r = e.do("GET", "/api/v1/devices/dev-a", r.json(t)["token"].(string), nil)
+	assert.Equal(t, 200, r.status, "alice's device with her new token: %s", r.body)
 }

@@ -46,6 +46,7 @@ const (
 	CodeFirmwareNotFound     = "firmware_not_found"
 	CodeBlobNotFound         = "blob_not_found"
 	CodeBridgeNotFound       = "bridge_not_found"
+	CodeUserNotFound         = "user_not_found"
 	CodeMethodNotAllowed     = "method_not_allowed"
 	CodeDeviceAlreadyBound   = "device_already_bound"
 	CodeNoUpdate             = "no_update"
@@ -97,6 +98,7 @@ var codes = map[string]codeInfo{
 	CodeNotCancelable:        {http.StatusConflict, "Not cancelable", "the command was already delivered or is final"},
 	CodeDeviceExists:         {http.StatusConflict, "Device exists", "a device with that id is already provisioned"},
 	CodeBridgeNotFound:       {http.StatusNotFound, "Bridge not found", "no such bridge among yours"},
+	CodeUserNotFound:         {http.StatusNotFound, "User not found", "no user with that id has an API token"},
 	CodeBridgeExists:         {http.StatusConflict, "Bridge exists", "a bridge with that id already exists"},
 	CodeFirmwareExists:       {http.StatusConflict, "Firmware exists", "that model and version is already published"},
 	CodeAppReleaseExists:     {http.StatusConflict, "App release exists", "that app and version is already published"},

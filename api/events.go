@@ -593,10 +593,11 @@ func (s *Server) streamEvents(c *gin.Context) error {
 // streamAllowed reports whether the caller of a stream open since its
 // request was admitted may still have it, as a new request would be
 // answered: its identity provider's access token not expired (nor
-// otherwise refused), and the device of a stream of one device
-// (deviceID) still bound to it. It is asked at every heartbeat: a token
-// checked anew (a signature, in memory), a binding read. A store that
-// cannot answer keeps the stream: its client is not refused for it.
+// otherwise refused), its API token still the user's (not replaced), and
+// the device of a stream of one device (deviceID) still bound to it. It is
+// asked at every heartbeat: a token checked anew (a signature, in memory,
+// or a read of the token's user), a binding read. A store that cannot
+// answer keeps the stream: its client is not refused for it.
 // docs/reliability.md, bug 275.
 func (s *Server) streamAllowed(c *gin.Context, userID, deviceID string) bool {
 	ctx := c.Request.Context()
@@ -604,6 +605,15 @@ func (s *Server) streamAllowed(c *gin.Context, userID, deviceID string) bool {
 		if _, err := s.tokens.Verify(ctx, tok); err != nil {
 			s.log.InfoContext(ctx, "event stream ended: its access token is refused now", "reason", err)
 			return false
+		}
+	} else {
+		u, err := s.store.UserByTokenHash(ctx, companion.HashSecret(tok))
+		switch {
+		case errors.Is(err, companion.ErrNotFound) || err == nil && u.ID != userID:
+			s.log.InfoContext(ctx, "event stream ended: its API token was replaced")
+			return false
+		case err != nil:
+			return true
 		}
 	}
 	if deviceID == "" {

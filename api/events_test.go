@@ -838,3 +838,33 @@ func resumeWays(id string) []resumeWay {
 		{"query", "?last_event_id=" + id, nil},
 	}
 }
+
+// A stream opened with a user's API token ends once the operator gives
+// the user a new token (POST /api/v1/admin/users/{id}/token), as a new
+// request with the old one is a 401; a stream with the new token stays.
+func TestEventsStreamEndsWhenAPITokenIsReplaced(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
+	r := e.do("POST", "/api/v1/admin/users", testAdminToken, map[string]any{"name": "carol"})
+	require.Equal(t, http.StatusCreated, r.status, "%s", r.body)
+	id, old := r.json(t)["user_id"].(string), r.json(t)["token"].(string)
+	s := e.stream(t, old, "", nil)
+
+	r = e.do("POST", "/api/v1/admin/users/"+id+"/token", testAdminToken, nil)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	tok := r.json(t)["token"].(string)
+	select {
+	case <-s.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stream of the replaced token is still open")
+	}
+	r = e.refused(t, old, "")
+	assert.Equal(t, http.StatusUnauthorized, r.status, "%s", r.body)
+
+	s = e.stream(t, tok, "", nil)
+	s.quiet(t, 200*time.Millisecond) // ten heartbeats
+	select {
+	case <-s.Done():
+		t.Fatal("the stream of the new token ended")
+	default:
+	}
+}

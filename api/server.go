@@ -19,6 +19,8 @@ import (
 type Store interface {
 	CreateUser(ctx context.Context, u companion.User) error
 	UserByTokenHash(ctx context.Context, hash []byte) (companion.User, error)
+	SetUserToken(ctx context.Context, userID string, tokenHash []byte) error
+	User(ctx context.Context, id string) (companion.User, error)
 
 	ProvisionDevice(ctx context.Context, d companion.RegistryDevice) error
 	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
@@ -109,6 +111,9 @@ type Commander interface {
 // does not depend on them.
 type BrokerAccounts interface {
 	UserCreated(ctx context.Context, userID, token string) error
+	// UserTokenChanged says the user has a new API token: the old one
+	// opens nothing from now on, and its connections are closed.
+	UserTokenChanged(ctx context.Context, userID, token string) error
 	BridgeCreated(ctx context.Context, bridgeID, secret string) error
 	BridgeDeleted(ctx context.Context, bridgeID string) error
 	// BridgeSecretChanged says the bridge has a new secret: the old one
@@ -513,6 +518,7 @@ func (s *Server) routes() *gin.Engine {
 
 	admin := v1.Group("/admin", s.sourceLimit, s.adminAuth, s.rateLimit)
 	admin.POST("/users", s.h(s.adminCreateUser))
+	admin.POST("/users/:user_id/token", s.h(s.adminNewUserToken))
 	admin.POST("/devices", s.h(s.adminProvisionDevice))
 	admin.PUT("/devices/:device_id/bridge", s.h(s.adminAssignDevice))
 	admin.POST("/bridges", s.h(s.adminCreateBridge))

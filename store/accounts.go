@@ -32,6 +32,37 @@ func (db *DB) CreateUser(ctx context.Context, u companion.User) error {
 	})
 }
 
+// SetUserToken replaces the user's token hash, and its index entry, in
+// one transaction: the old token finds nothing from its commit on.
+func (db *DB) SetUserToken(ctx context.Context, userID string, tokenHash []byte) error {
+	if len(tokenHash) == 0 {
+		return fmt.Errorf("%w: a user needs a token hash", companion.ErrInvalid)
+	}
+	if !validID(userID) {
+		return companion.ErrNotFound
+	}
+	return db.update(func(tx *bolt.Tx) error {
+		users, tokens := tx.Bucket(bucketUsers), tx.Bucket(bucketUserTokens)
+		var u companion.User
+		switch ok, err := getJSON(users, []byte(userID), &u); {
+		case err != nil:
+			return err
+		case !ok:
+			return abort(companion.ErrNotFound)
+		case tokens.Get(tokenHash) != nil:
+			return abort(companion.ErrExists)
+		}
+		if err := tokens.Delete(u.TokenHash); err != nil {
+			return err
+		}
+		u.TokenHash = tokenHash
+		if err := putJSON(users, []byte(u.ID), u); err != nil {
+			return err
+		}
+		return tokens.Put(tokenHash, []byte(u.ID))
+	})
+}
+
 // UserByTokenHash returns the user whose token has the SHA-256 hash, or
 // ErrNotFound. The hash found through the index is compared again in
 // constant time.

@@ -33,6 +33,7 @@ type Store interface {
 	Binding(ctx context.Context, deviceID string) (companion.Binding, error)
 	ListBindings(ctx context.Context, userID, after string, limit int) ([]companion.Binding, error)
 	Bridge(ctx context.Context, id string) (companion.Bridge, error)
+	User(ctx context.Context, id string) (companion.User, error)
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	BridgeServes(ctx context.Context, bridgeID, deviceID string) (bool, error)
 }
@@ -105,7 +106,8 @@ type account struct {
 	role     string
 	acls     []ACL
 	// mark is the client's text description: a bridge's is the secret's
-	// (secretMark), a user's none.
+	// (secretMark); a user's is the token's once it was replaced
+	// (UserTokenChanged), none before.
 	mark string
 }
 
@@ -633,6 +635,49 @@ func (d *Driver) deleteOlderClient(ctx context.Context, bridgeID, mark string) e
 	return nil
 }
 
+// deleteOlderUserClient deletes the user's client if its mark, seen as
+// mark, is not that of the token the store has, read with the account's
+// lock held: the token was replaced and the change of the account lost (a
+// restart before its retry), and the old token, which the change was to
+// end, still opened Mosquitto. The user needs another new token. A
+// client made before tokens were marked (at the user's creation) is left
+// alone: nothing tells whose token it has. Run with d.change held.
+func (d *Driver) deleteOlderUserClient(ctx context.Context, userID, mark string) error {
+	unlock, err := d.lockAccount(ctx, userID)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	u, err := d.st.User(ctx, userID)
+	switch {
+	case errors.Is(err, companion.ErrNotFound):
+		return nil
+	case err != nil:
+		return err
+	case secretMark(u.TokenHash) == mark:
+		return nil
+	}
+	c, err := d.getOurClient(ctx, userID, "user", UserRole(userID))
+	switch {
+	case errors.Is(err, errNotOurs) || notFound(err):
+		return nil
+	case err != nil:
+		return err
+	case c.TextDescription != mark: // changed meanwhile
+		return nil
+	}
+	rs, err := d.Do(ctx, Command{"command": "deleteClient", "username": userID})
+	if err != nil {
+		return err
+	}
+	if err := rs[0].Err(); err != nil && !notFound(err) {
+		return err
+	}
+	d.log.Warn("Mosquitto account of a user deleted: it has a token the user no longer has, whose change was lost; give the user a new token",
+		"user_id", userID)
+	return nil
+}
+
 // secretMark is the mark of a bridge's client (its text description): the
 // start of its secret's SHA-256 as the store holds it, which tells the
 // client of a bridge from that of a bridge deleted and made again under
@@ -775,6 +820,66 @@ func (d *Driver) UserCreated(ctx context.Context, userID, token string) error {
 		clientID: d.clientID(UserClientID(userID)), role: UserRole(userID)})
 }
 
+// UserTokenChanged gives the user's account their new token: the client
+// gets the password and the token's mark, and Mosquitto closes the
+// connections made with the old one (create: setClientId kicks them). The
+// role is left as it is: it is the user's bindings', which Bound, Unbound
+// and Reconcile keep. An account that is not there (its creation lost with
+// a restart, as a bridge's can be) is made, and given the topics of each
+// device bound to the user. The store is read and the account written
+// with the account's lock held, as for a bridge (lockAccount): a late
+// change with an older token sets nothing (secretHeld). A failure is
+// retried as a creation's is; should the server stop first, Reconcile
+// deletes the client that still has the old token (its mark is not the
+// store's), and the user needs another new token.
+func (d *Driver) UserTokenChanged(ctx context.Context, userID, token string) error {
+	d.change.Lock()
+	defer d.change.Unlock()
+	a := account{kind: "user", username: userID, password: token, clientID: d.clientID(UserClientID(userID)),
+		role: UserRole(userID), mark: secretMark(companion.HashSecret(token))}
+	unlock, err := d.lockAccount(ctx, userID)
+	if err != nil {
+		return d.retryLater(a, err)
+	}
+	defer unlock()
+	switch held, err := d.secretHeld(ctx, a); {
+	case err != nil:
+		return d.retryLater(a, err)
+	case !held:
+		d.log.Info("Mosquitto account not changed: the user's token was replaced again since", "user_id", userID)
+		return nil
+	}
+	_, err = d.getOurClient(ctx, userID, a.kind, a.role)
+	lost := notFound(err)
+	if err != nil && !lost {
+		if errors.Is(err, errNotOurs) {
+			d.log.Error("account not changed", "kind", a.kind, "username", userID, "err", err)
+			return err
+		}
+		return d.retryLater(a, err)
+	}
+	if err := d.createAccountLocked(ctx, a); err != nil {
+		return err
+	}
+	if !lost {
+		return nil
+	}
+	bs, err := d.st.ListBindings(ctx, userID, "", 0)
+	if err != nil {
+		signal(d.kick) // Reconcile grants them
+		return err
+	}
+	var errs []error
+	for _, b := range bs {
+		errs = append(errs, d.syncBindingLocked(ctx, userID, b.DeviceID))
+	}
+	if err := errors.Join(errs...); err != nil {
+		signal(d.kick)
+		return err
+	}
+	return nil
+}
+
 // DisconnectPublishesWill says that Mosquitto's plugin disconnects the
 // clients of a role that changed without their Will: the server publishes
 // the Will of a bridge not back within a grace (api.WillOnDisconnect).
@@ -861,9 +966,13 @@ func (d *Driver) create(ctx context.Context, a account) error {
 		if !alreadyExists(err) {
 			return err
 		}
-		// A role left from before: make its ACLs right.
-		if err := d.syncRole(ctx, a.role, a.acls); err != nil {
-			return err
+		// A role left from before: make its ACLs right. A user's are
+		// their bindings', which the account does not carry (a.acls is
+		// empty): syncBinding and Reconcile keep them.
+		if a.kind == "bridge" {
+			if err := d.syncRole(ctx, a.role, a.acls); err != nil {
+				return err
+			}
 		}
 	} else if err := d.apply(ctx, rest); err != nil {
 		return err
@@ -1140,7 +1249,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		case err != nil && !errors.Is(err, errNotOurs):
 			failed = append(failed, a)
 		case !created:
-			d.log.Info("Mosquitto account not retried: the bridge was deleted or made anew since", "username", a.username)
+			d.log.Info("Mosquitto account not retried: the bridge was deleted or made anew, or the secret replaced, since", "kind", a.kind, "username", a.username)
 		case err == nil:
 			d.log.Info("Mosquitto account created on retry", "kind", a.kind, "username", a.username)
 		}
@@ -1175,13 +1284,17 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		return fmt.Errorf("dynsec: listClients: %w", err)
 	}
 	var pins []Command
-	marks := map[string]string{} // bridge → its client's mark
+	marks := map[string]string{}     // bridge → its client's mark
+	userMarks := map[string]string{} // user → their client's mark
 	for _, c := range clients.Clients {
 		if p := d.pin(c); p != nil {
 			pins = append(pins, p)
 		}
 		if c.ours("bridge", BridgeRole(c.Username)) {
 			marks[c.Username] = c.TextDescription
+		}
+		if c.ours("user", UserRole(c.Username)) {
+			userMarks[c.Username] = c.TextDescription
 		}
 	}
 	if err := d.apply(ctx, pins); err != nil {
@@ -1229,6 +1342,11 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			read = func(dev string) func(context.Context) (bool, error) { return d.serves(id, dev) }
 		case strings.HasPrefix(r.Name, "user-"):
 			user := strings.TrimPrefix(r.Name, "user-")
+			if m := userMarks[user]; m != "" {
+				if err := d.deleteOlderUserClient(ctx, user, m); err != nil {
+					return err
+				}
+			}
 			aclsOf = d.deviceACLs
 			read = func(dev string) func(context.Context) (bool, error) { return d.boundTo(user, dev) }
 			bs, err := d.st.ListBindings(ctx, user, "", 0)
@@ -1337,7 +1455,17 @@ func (d *Driver) deleteGoneBridge(ctx context.Context, bridgeID string) error {
 // the SHA-256 of the secret, as the API made it (api.newSecret).
 func (d *Driver) secretHeld(ctx context.Context, a account) (bool, error) {
 	if a.kind != "bridge" {
-		return true, nil
+		// A user's while the store has their token: a change of it
+		// (UserTokenChanged) made on this replica or another, before a
+		// retry of the token it replaced, was undone by the retry.
+		u, err := d.st.User(ctx, a.username)
+		if errors.Is(err, companion.ErrNotFound) {
+			return false, nil
+		}
+		if err != nil {
+			return false, err
+		}
+		return companion.SecretMatches(a.password, u.TokenHash), nil
 	}
 	b, err := d.st.Bridge(ctx, a.username)
 	if errors.Is(err, companion.ErrNotFound) {

@@ -82,6 +82,7 @@ type bindings struct {
 	serves  map[string]string // device → bridge
 	bridges map[string]bool
 	secrets map[string][]byte      // bridge → the SHA-256 of its secret, where set
+	users   map[string][]byte      // user → the SHA-256 of their token
 	locks   map[string]*sync.Mutex // account id → its lock (LockAccount)
 
 	servedListed, servesAsked int // calls of ServedDevices and BridgeServes
@@ -89,7 +90,7 @@ type bindings struct {
 
 func newBindings() *bindings {
 	return &bindings{m: map[string]string{}, serves: map[string]string{}, bridges: map[string]bool{}, secrets: map[string][]byte{},
-		locks: map[string]*sync.Mutex{}}
+		users: map[string][]byte{}, locks: map[string]*sync.Mutex{}}
 }
 
 // LockAccount holds the id's lock until unlock, as PostgreSQL's store
@@ -134,6 +135,26 @@ func (b *bindings) createBridge(id, secret string) {
 	defer b.mu.Unlock()
 	h := sha256.Sum256([]byte(secret))
 	b.bridges[id], b.secrets[id] = true, h[:]
+}
+
+// User is the user with the token setUser gave them.
+func (b *bindings) User(_ context.Context, id string) (companion.User, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	h, ok := b.users[id]
+	if !ok {
+		return companion.User{}, companion.ErrNotFound
+	}
+	return companion.User{ID: id, TokenHash: h}, nil
+}
+
+// setUser stores the user with token, or their new token.
+func (b *bindings) setUser(id, token string) {
+	unlock, _ := b.LockAccount(context.Background(), id)
+	defer unlock()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.users[id] = companion.HashSecret(token)
 }
 
 func (b *bindings) deleteBridge(id string) {
@@ -886,4 +907,55 @@ func TestANewSecretReplacesTheOldAndMakesALostAccount(t *testing.T) {
 	want, err = d.BridgeACLs(ctx, "b2")
 	require.NoError(t, err)
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b2")), "the bridge's role")
+}
+
+// A user's new token (UserTokenChanged): their account takes it, the old
+// one is refused, their role keeps their devices' topics; a late change
+// with an older token sets nothing. An account that is not there is made,
+// with the topics of the devices bound to the user. And an account whose
+// change was lost (the server stopped before the retry) keeps the old
+// token only until Reconcile, which deletes it: the old token is the one
+// that leaked.
+func TestANewTokenReplacesTheOldAndEndsAStaleOne(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	st.setUser("user-a", "token-1")
+	require.NoError(t, d.UserCreated(ctx, "user-a", "token-1"))
+	st.set("dev-1", "user-a")
+	require.NoError(t, d.Bound(ctx, "user-a", "dev-1"))
+	role := dynsec.UserRole("user-a")
+	granted1 := roleACLs(t, mq, role)
+	require.NotEmpty(t, granted1)
+
+	st.setUser("user-a", "token-2")
+	require.NoError(t, d.UserTokenChanged(ctx, "user-a", "token-2"))
+	assert.NoError(t, canConnect(mq, "probe-a", "user-a", "token-2"), "the new token")
+	assert.Error(t, canConnect(mq, "probe-a", "user-a", "token-1"), "the old token")
+	assert.ElementsMatch(t, granted1, roleACLs(t, mq, role), "the user's role")
+	require.NoError(t, d.UserTokenChanged(ctx, "user-a", "token-1"), "a late change")
+	assert.Error(t, canConnect(mq, "probe-a", "user-a", "token-1"), "a late change set the old token")
+
+	// Lost: the user's account is not there.
+	require.Empty(t, mq.Dynsec(t, map[string]any{"command": "deleteClient", "username": "user-a"})[0].Error)
+	st.setUser("user-a", "token-3")
+	require.NoError(t, d.UserTokenChanged(ctx, "user-a", "token-3"))
+	assert.NoError(t, canConnect(mq, "probe-a", "user-a", "token-3"), "the lost account was not made")
+	assert.ElementsMatch(t, granted1, roleACLs(t, mq, role), "the user's role")
+
+	// The change lost: the store has token 4, Mosquitto token 3.
+	st.setUser("user-a", "token-4")
+	require.NoError(t, d.Reconcile(ctx))
+	assert.Error(t, canConnect(mq, "probe-a", "user-a", "token-3"), "the replaced token opens Mosquitto after a Reconcile")
+	require.NoError(t, d.UserTokenChanged(ctx, "user-a", "token-4"))
+	assert.NoError(t, canConnect(mq, "probe-a", "user-a", "token-4"))
+	assert.ElementsMatch(t, granted1, roleACLs(t, mq, role), "the user's role")
+
+	// A user's account made at creation has no mark: Reconcile leaves it.
+	st.setUser("user-b", "token-b")
+	require.NoError(t, d.UserCreated(ctx, "user-b", "token-b"))
+	require.NoError(t, d.Reconcile(ctx))
+	assert.NoError(t, canConnect(mq, "probe-b", "user-b", "token-b"))
 }

@@ -444,6 +444,24 @@ func (s *Server) bridgeConnected(bridgeID string) bool {
 	return false
 }
 
+// DisconnectUser closes the connections of the user's clients: their
+// token changed, and the broker, which asks the store at each login,
+// refuses the old one from now on. Sessions stay. It returns how many
+// connections it closed.
+func (s *Server) DisconnectUser(userID string) int {
+	n := 0
+	for _, cl := range s.mochi.Clients.GetAll() {
+		if id, ok := s.auth.identity(cl); ok && id.Role == RoleUser && id.ID == userID && !cl.Closed() {
+			_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
+			n++
+		}
+	}
+	if n > 0 {
+		s.log.Info("user disconnected: their token changed", "user_id", userID, "connections", n)
+	}
+	return n
+}
+
 // DeleteBridge closes the connections of a bridge that no longer exists
 // and discards its sessions, subscriptions and queued messages, so that a
 // bridge created later under the same id (by anyone) starts with nothing of

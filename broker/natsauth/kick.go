@@ -48,6 +48,12 @@ func (r *Responder) BridgeDeleted(ctx context.Context, bridgeID string) error {
 	return r.Disconnect(ctx, bridgeID)
 }
 
+// UserTokenChanged closes the user's connections: the store, asked at
+// each login, refuses the old token from now on.
+func (r *Responder) UserTokenChanged(ctx context.Context, userID, _ string) error {
+	return r.Disconnect(ctx, userID)
+}
+
 // BridgeSecretChanged closes the bridge's connections: the store, asked at
 // each login, refuses the old secret from now on.
 func (r *Responder) BridgeSecretChanged(ctx context.Context, bridgeID, _ string) error {

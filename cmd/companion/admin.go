@@ -104,6 +104,8 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		body, err = c.postJSON(ctx, "/api/v1/admin/users", map[string]string{"name": arg})
 	case "bridge create":
 		body, err = c.postJSON(ctx, "/api/v1/admin/bridges", map[string]string{"bridge_id": arg})
+	case "user token":
+		body, err = c.do(ctx, http.MethodPost, "/api/v1/admin/users/"+url.PathEscape(arg)+"/token", "", http.NoBody, 0)
 	case "bridge secret":
 		body, err = c.do(ctx, http.MethodPost, "/api/v1/admin/bridges/"+url.PathEscape(arg)+"/secret", "", http.NoBody, 0)
 	case "device provision":

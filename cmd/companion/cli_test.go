@@ -40,6 +40,11 @@ func TestAdminCLI(t *testing.T) {
 	u := cli("user", "create", "bob")
 	assert.Equal(t, "bob", u["name"])
 	assert.NotEmpty(t, u["token"])
+	u2 := cli("user", "token", u["user_id"].(string))
+	assert.Equal(t, u["user_id"], u2["user_id"])
+	assert.NotEmpty(t, u2["token"])
+	assert.NotEqual(t, u["token"], u2["token"])
+	u = u2
 	cli("device", "provision", "watch-42", "--claim-code", "ABCD-EFGH-IJKL-MNOP", "--model", "sim-1")
 	br := cli("bridge", "create", "kitchen")
 	assert.NotEmpty(t, br["secret"])
@@ -187,10 +192,10 @@ func TestCLIUsage(t *testing.T) {
 		{args: []string{"device", "provision", "--help"}, help: true, stderr: "usage: companion device provision ID --claim-code CODE --model MODEL [--bridge BRIDGE]\n"},
 		{args: []string{"command", "wait", "-h"}, help: true, stderr: "usage: companion command wait DEVICE ID --token TOKEN"},
 		{args: []string{"serve", "-h"}, help: true, stderr: "usage: companion serve [--http ADDR]"},
-		{args: []string{"user", "--help"}, stdout: "usage:\n  companion user create NAME\n"},
+		{args: []string{"user", "--help"}, stdout: "usage:\n  companion user create NAME\n  companion user token ID\n"},
 		{args: []string{"device", "-h"}, stdout: "usage:\n  companion device provision ID --claim-code CODE --model MODEL [--bridge BRIDGE]\n  companion device assign ID --bridge BRIDGE | --none\n"},
 		{args: []string{"command", "--help"}, stdout: "  companion command wait DEVICE ID"},
-		{args: []string{"user"}, usageErr: "user: missing sub-command (create)", stderr: "  companion user create NAME"},
+		{args: []string{"user"}, usageErr: "user: missing sub-command (create or token)", stderr: "  companion user create NAME"},
 		{args: []string{"device"}, usageErr: "device: missing sub-command (provision or assign)", stderr: "  companion device assign ID"},
 		{args: []string{"command"}, usageErr: "command: missing sub-command (wait)", stderr: "  companion command wait DEVICE ID"},
 		{args: []string{"firmware", "upload"}, usageErr: `unknown command "firmware upload": firmware takes publish`, stderr: "  companion firmware publish --model MODEL"},

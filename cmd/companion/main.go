@@ -2,6 +2,7 @@
 //
 //	companion serve [flags]                    run the server
 //	companion user create NAME                 create a user, print its API token
+//	companion user token ID                    give a user a new API token, print it
 //	companion device provision ID --claim-code C --model M [--bridge B]
 //	companion device assign ID --bridge B | --none
 //	companion bridge create ID                 create a bridge, print its secret
@@ -81,6 +82,7 @@ var commands = []struct{ name, args string }{
 	{"serve", "[--http ADDR] [--data DIR] [--mqtt-listen ADDR | --mqtt-url URL] [--demo] ..."},
 	{"migrate", "--store postgres://USER@HOST:PORT/DB"},
 	{"user create", "NAME"},
+	{"user token", "ID"},
 	{"device provision", "ID --claim-code CODE --model MODEL [--bridge BRIDGE]"},
 	{"device assign", "ID --bridge BRIDGE | --none"},
 	{"bridge create", "ID"},

@@ -149,10 +149,11 @@ func TestReadmeCLILinesWork(t *testing.T) {
 		case strings.HasPrefix(l, "go run ./cmd/companion ") && !strings.HasPrefix(l, "go run ./cmd/companion serve"):
 			l = strings.Replace(trailingComment.ReplaceAllString(l, ""), "go run ./cmd/companion", companion, 1)
 			l = strings.ReplaceAll(l, "http://127.0.0.1:8080", m.APIURL())
+			l = strings.ReplaceAll(l, "USER_ID", m.Demo.File.UserID)
 			lines = append(lines, strings.ReplaceAll(l, "COMMAND_ID", commandID))
 		}
 	}
-	require.GreaterOrEqual(t, len(lines), 7, "command wait and the six admin commands")
+	require.GreaterOrEqual(t, len(lines), 9, "command wait and the eight admin commands")
 	require.Contains(t, setup, "CODE=$(openssl rand -hex 12)", "the claim code is made into a variable, printed, and provisioned")
 	prelude := strings.Join(setup, "\n") + "\n"
 	for _, l := range lines {

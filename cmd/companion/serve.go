@@ -793,6 +793,13 @@ func (a embeddedAccounts) BridgeDeleted(_ context.Context, bridgeID string) erro
 	return nil
 }
 
+// UserTokenChanged closes the user's connections, made with the old
+// token; the broker asks the store at the next login.
+func (a embeddedAccounts) UserTokenChanged(_ context.Context, userID, _ string) error {
+	a.mqtt.DisconnectUser(userID)
+	return nil
+}
+
 // BridgeSecretChanged closes the bridge's connections, made with the old
 // secret; the broker asks the store at the next login. Its sessions stay:
 // it is the same bridge.

@@ -38,6 +38,41 @@ func (s *Store) CreateUser(ctx context.Context, u companion.User) error {
 	return err
 }
 
+// SetUserToken replaces the user's token hash: the old token finds nothing
+// from the commit on. It takes the id's lock, as CreateUser does, so that
+// it comes before or after, not inside, the Mosquitto driver's read of the
+// user and write of its account (LockAccount).
+func (s *Store) SetUserToken(ctx context.Context, userID string, tokenHash []byte) error {
+	if len(tokenHash) == 0 {
+		return fmt.Errorf("%w: a user needs a token hash", companion.ErrInvalid)
+	}
+	if !validID(userID) {
+		return companion.ErrNotFound
+	}
+	err := s.tx(ctx, func(tx pgx.Tx) error {
+		var b pgx.Batch
+		b.Queue(`SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(userID))
+		b.Queue(`UPDATE users SET token_hash = $2 WHERE id = $1`, userID, tokenHash)
+		br := tx.SendBatch(ctx, &b)
+		defer br.Close()
+		if _, err := br.Exec(); err != nil {
+			return err
+		}
+		tag, err := br.Exec()
+		if err != nil {
+			return err
+		}
+		if tag.RowsAffected() == 0 {
+			return companion.ErrNotFound
+		}
+		return br.Close()
+	})
+	if isUniqueViolation(err) {
+		return companion.ErrExists
+	}
+	return err
+}
+
 // User returns the user with the id, or ErrNotFound.
 func (s *Store) User(ctx context.Context, id string) (companion.User, error) {
 	if !validID(id) {

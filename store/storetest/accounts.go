@@ -50,6 +50,39 @@ func testUsers(t *testing.T, open Opener) {
 			_, err = s.User(ctx, "u3")
 			assert.ErrorIs(t, err, companion.ErrNotFound, "User(u3) after a refused create")
 		}},
+		{"SetUserToken", func(t *testing.T, s companion.Store) {
+			// A user's new token finds them, the old one nothing; the
+			// user keeps their name; another user's token is refused.
+			ctx := t.Context()
+			require.NoError(t, s.CreateUser(ctx, companion.User{ID: "u1", Name: "Ann", TokenHash: hashOf("t1")}))
+			require.NoError(t, s.CreateUser(ctx, companion.User{ID: "u2", Name: "Bob", TokenHash: hashOf("t2")}))
+			for _, tt := range []struct {
+				name, user string
+				hash       []byte
+				want       error
+			}{
+				{"no such user", "u9", hashOf("t9"), companion.ErrNotFound},
+				{"NUL in id", "u\x001", hashOf("t9"), companion.ErrNotFound},
+				{"no token", "u1", nil, companion.ErrInvalid},
+				{"another user's token", "u1", hashOf("t2"), companion.ErrExists},
+				{"a new token", "u1", hashOf("t3"), nil},
+			} {
+				t.Run(tt.name, func(t *testing.T) {
+					wantErr(t, s.SetUserToken(ctx, tt.user, tt.hash), tt.want, fmt.Sprintf("SetUserToken(%q)", tt.user))
+				})
+			}
+			_, err := s.UserByTokenHash(ctx, hashOf("t1"))
+			assert.ErrorIs(t, err, companion.ErrNotFound, "UserByTokenHash(the old token)")
+			u, err := s.UserByTokenHash(ctx, hashOf("t3"))
+			require.NoError(t, err, "UserByTokenHash(the new token)")
+			assert.Equal(t, "u1", u.ID)
+			assert.Equal(t, "Ann", u.Name)
+			u, err = s.UserByTokenHash(ctx, hashOf("t2"))
+			require.NoError(t, err, "UserByTokenHash(the other user's token)")
+			assert.Equal(t, "u2", u.ID)
+			// The old token's index entry is gone: a new user may take it.
+			require.NoError(t, s.CreateUser(ctx, companion.User{ID: "u4", TokenHash: hashOf("t1")}))
+		}},
 		{"GivenCreatedAt", func(t *testing.T, s companion.Store) {
 			at := now().Add(-time.Hour)
 			require.NoError(t, s.CreateUser(t.Context(), companion.User{ID: "u1", TokenHash: hashOf("t1"), CreatedAt: at}))
