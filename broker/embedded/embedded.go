@@ -119,7 +119,17 @@ type Options struct {
 	// connect again before its Will is published after all; default
 	// DefaultKickGrace.
 	KickGrace time.Duration
+	// ConnectTimeout is how long a new connection has to send its
+	// CONNECT (and finish its TLS handshake); default
+	// DefaultConnectTimeout. A connection that takes longer is closed
+	// before it is authenticated: one that sent nothing was kept for
+	// ever, with its goroutines, descriptor and write queue.
+	ConnectTimeout time.Duration
 }
+
+// DefaultConnectTimeout is the default of Options.ConnectTimeout, as long
+// as the HTTP API gives a request's headers.
+const DefaultConnectTimeout = 10 * time.Second
 
 // DefaultKickGrace is the default of Options.KickGrace: a bridge
 // reconnects within a second or two.
@@ -200,6 +210,7 @@ type Server struct {
 	ln        *mochilisten.Listener
 	tree      topics.Tree
 	grace     time.Duration // Options.KickGrace
+	connWait  time.Duration // Options.ConnectTimeout
 	mu        sync.Mutex
 	started   bool
 	closed    bool
@@ -238,8 +249,11 @@ func New(opts Options) (*Server, error) {
 	if opts.KickGrace <= 0 {
 		opts.KickGrace = DefaultKickGrace
 	}
+	if opts.ConnectTimeout <= 0 {
+		opts.ConnectTimeout = DefaultConnectTimeout
+	}
 	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m, tree: opts.Topics, grace: opts.KickGrace,
-		kicks: map[string]*time.Timer{}, closeDone: make(chan struct{})}
+		connWait: opts.ConnectTimeout, kicks: map[string]*time.Timer{}, closeDone: make(chan struct{})}
 	s.auth = &authHook{
 		tree:     opts.Topics,
 		accounts: opts.Accounts,
@@ -289,6 +303,7 @@ func (s *Server) Start() error {
 	}
 	ln := mochilisten.New("companion-tcp", "tcp", s.listen, s.log)
 	ln.TLS = s.tls
+	ln.ConnectTimeout = s.connWait
 	ln.Disconnect = func() {
 		for _, cl := range s.mochi.Clients.GetAll() {
 			if cl.Net.Listener == ln.ID() && !cl.Closed() {

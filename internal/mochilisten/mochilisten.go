@@ -31,6 +31,12 @@ type Listener struct {
 	// Disconnect, when set, sends DISCONNECT to the clients of this
 	// listener as it closes.
 	Disconnect func()
+	// ConnectTimeout, when set, is how long a connection has to send its
+	// CONNECT (a TLS connection, to finish its handshake first): the
+	// connection's deadline until then. Mochi sets the deadline of the
+	// client's keepalive once it has read the CONNECT, and sets none
+	// before: a connection that sent nothing was kept for ever.
+	ConnectTimeout time.Duration
 
 	id   string
 	ln   net.Listener
@@ -125,6 +131,9 @@ func (l *Listener) Serve(establish listeners.EstablishFn) {
 		go func() {
 			defer l.wg.Done()
 			defer l.untrack(conn)
+			if l.ConnectTimeout > 0 {
+				_ = conn.SetDeadline(time.Now().Add(l.ConnectTimeout))
+			}
 			if err := establish(l.ID(), conn); err != nil && !l.isClosed() {
 				l.log.Debug("mqtt connection ended", "remote", conn.RemoteAddr().String(), "error", err)
 			}

@@ -1,0 +1,68 @@
+package embedded_test
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/broker/embedded"
+)
+
+// TestConnectionWithoutConnectIsCut: a connection that does not send its
+// CONNECT within ConnectTimeout is closed, whoever opened it: before, one
+// that sent nothing, or a CONNECT's first bytes and no more, was kept for
+// ever, each with two goroutines, a file descriptor and a 512 KiB write
+// queue, so that anyone who could reach the port could take the server's
+// memory or descriptors without an account. A client that did connect
+// stays, idle for longer than ConnectTimeout: its keepalive governs it.
+func TestConnectionWithoutConnectIsCut(t *testing.T) {
+	s, err := embedded.New(embedded.Options{
+		Listen:         "127.0.0.1:0",
+		Accounts:       newFakeAccounts(),
+		ServerUsername: serverUser,
+		ServerPassword: serverPass,
+		ConnectTimeout: 200 * time.Millisecond,
+	})
+	require.NoError(t, err)
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+
+	alice := mustDial(t, s.Addr(), "alice", "alice-token", func(o *mqtt.ClientOptions) {
+		o.SetKeepAlive(30 * time.Second)
+	})
+	for _, tt := range []struct {
+		name string
+		send []byte
+	}{
+		{"nothing", nil},
+		// A CONNECT's fixed header announcing 200 KiB, none of which comes.
+		{"a CONNECT's first bytes", []byte{0x10, 0x80, 0x80, 0x0c}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", s.Addr())
+			require.NoError(t, err)
+			defer conn.Close()
+			if tt.send != nil {
+				_, err = conn.Write(tt.send)
+				require.NoError(t, err)
+			}
+			require.NoError(t, conn.SetReadDeadline(time.Now().Add(wait)))
+			_, err = conn.Read(make([]byte, 1))
+			require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the broker kept a connection that sent no CONNECT")
+			require.True(t, errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || isReset(err), "read: %v", err)
+		})
+	}
+	require.True(t, alice.IsConnectionOpen(), "a connected client was cut")
+	require.Equal(t, byte(1), alice.subscribe(t, tp(tree.Status("dev-1"))))
+}
+
+func isReset(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && !op.Timeout()
+}
