@@ -45,9 +45,21 @@ type authHook struct {
 	// connected is told of every client let in (Server.bridgeBack).
 	connected func(Identity)
 
+	// maxSessions bounds the sessions of one account (Options.MaxSessions);
+	// 0 none.
+	maxSessions int
+	// discard ends a session left by a client that went, as
+	// Server.discardSession does.
+	discard func(cl *mqtt.Client) bool
+
 	mu       sync.Mutex
 	ids      map[*mqtt.Client]Identity     // who each known client is, while mochi keeps it
 	replaced map[*mqtt.Client]*mqtt.Client // new client → the one whose session it takes over
+	// sessions are the clients of ids by account, each with the number of
+	// its admission (seq): a bridge's or user's sessions, counted against
+	// maxSessions.
+	sessions map[Identity]map[*mqtt.Client]uint64
+	seq      uint64
 }
 
 // ID names the hook in mochi's log.
@@ -103,13 +115,71 @@ func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) boo
 			return refuse("client id belongs to another account")
 		}
 	}
-	h.mu.Lock()
-	h.ids[cl] = id
-	h.mu.Unlock()
+	if !h.admit(cl, id) {
+		return refuse("too many sessions for the account")
+	}
 	if h.connected != nil {
 		h.connected(id)
 	}
 	return true
+}
+
+// admit notes cl as id's when the account has room for one more session
+// (maxSessions): a session of cl's client id is the one cl takes over, not
+// one more; past the bound, the account's oldest session whose client has
+// gone is ended to make room, and with none the client is refused. Each
+// session holds a write queue of 512 KiB (maxWritesPending), and one left
+// by a client that went is kept two weeks: unbounded, anyone with a user's
+// token or a bridge's secret could open sessions under client ids of
+// their choosing until the server ran out of memory.
+func (h *authHook) admit(cl *mqtt.Client, id Identity) bool {
+	for range 3 { // an offline session ended, then asked again
+		h.mu.Lock()
+		var oldest *mqtt.Client
+		n, first := 0, uint64(0)
+		if id.Role != RoleServer && h.maxSessions > 0 {
+			for other, seq := range h.sessions[id] {
+				if other.ID == cl.ID {
+					continue
+				}
+				if cur, ok := h.clients.Get(other.ID); ok && cur != other {
+					continue // replaced as its session is taken over
+				}
+				n++
+				if other.Closed() && (oldest == nil || seq < first) {
+					oldest, first = other, seq
+				}
+			}
+		}
+		if n < h.maxSessions || id.Role == RoleServer || h.maxSessions <= 0 {
+			h.ids[cl] = id
+			if h.sessions[id] == nil {
+				h.sessions[id] = map[*mqtt.Client]uint64{}
+			}
+			h.seq++
+			h.sessions[id][cl] = h.seq
+			h.mu.Unlock()
+			return true
+		}
+		h.mu.Unlock()
+		if oldest == nil || !h.discard(oldest) {
+			return false
+		}
+		h.log.Info("mqtt session ended to make room for a new one of its account",
+			"client_id", oldest.ID, "new_client_id", cl.ID, "max_sessions", h.maxSessions)
+	}
+	return false
+}
+
+// forget drops what the hook knows of cl; h.mu held.
+func (h *authHook) forget(cl *mqtt.Client) {
+	if id, ok := h.ids[cl]; ok {
+		delete(h.sessions[id], cl)
+		if len(h.sessions[id]) == 0 {
+			delete(h.sessions, id)
+		}
+	}
+	delete(h.ids, cl)
 }
 
 // The server's client ids are "companion-server" and
@@ -337,7 +407,7 @@ func (h *authHook) OnSessionEstablished(cl *mqtt.Client, _ packets.Packet) {
 
 func (h *authHook) dropReplaced(cl *mqtt.Client) {
 	if old, ok := h.replaced[cl]; ok {
-		delete(h.ids, old)
+		h.forget(old)
 		delete(h.replaced, cl)
 	}
 }
@@ -350,7 +420,7 @@ func (h *authHook) OnDisconnect(cl *mqtt.Client, _ error, expire bool) {
 	defer h.mu.Unlock()
 	h.dropReplaced(cl)
 	if expire || cl.IsTakenOver() {
-		delete(h.ids, cl)
+		h.forget(cl)
 	}
 }
 
@@ -358,5 +428,5 @@ func (h *authHook) OnDisconnect(cl *mqtt.Client, _ error, expire bool) {
 func (h *authHook) OnClientExpired(cl *mqtt.Client) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	delete(h.ids, cl)
+	h.forget(cl)
 }

@@ -66,3 +66,47 @@ func isReset(err error) bool {
 	var op *net.OpError
 	return errors.As(err, &op) && !op.Timeout()
 }
+
+// TestSessionsPerAccountAreBounded: one account holds at most MaxSessions
+// sessions, connected or kept for a client that left (a persistent
+// session, kept two weeks): past it, the account's oldest offline session
+// makes room, and with none offline the connection is refused. Each
+// session holds a write queue of 512 KiB: without a bound, a user's token
+// (or a bridge's secret) opened sessions under client ids of its choosing
+// until the server ran out of memory, and kept them two weeks.
+func TestSessionsPerAccountAreBounded(t *testing.T) {
+	s, err := embedded.New(embedded.Options{
+		Listen:         "127.0.0.1:0",
+		Accounts:       newFakeAccounts(),
+		ServerUsername: serverUser,
+		ServerPassword: serverPass,
+		MaxSessions:    3,
+	})
+	require.NoError(t, err)
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+	as := func(id string, clean bool) func(*mqtt.ClientOptions) {
+		return func(o *mqtt.ClientOptions) { o.SetClientID(id).SetCleanSession(clean) }
+	}
+
+	// A persistent session left behind, with a subscription.
+	kept := mustDial(t, s.Addr(), "alice", "alice-token", as("alice-kept", false))
+	require.Equal(t, byte(1), kept.subscribe(t, tp(tree.Status("dev-1"))))
+	kept.Disconnect(100)
+	a1 := mustDial(t, s.Addr(), "alice", "alice-token", as("alice-1", true))
+	mustDial(t, s.Addr(), "alice", "alice-token", as("alice-2", true))
+	// A third connected one: the session left behind makes room.
+	a3 := mustDial(t, s.Addr(), "alice", "alice-token", as("alice-3", true))
+	// Three connected: a fourth is refused, whatever its client id.
+	_, err = dial(t, s.Addr(), "alice", "alice-token", as("alice-4", true))
+	require.Error(t, err, "a fourth session of one account was let in")
+	// Another account is not held back, nor the same client id again.
+	mustDial(t, s.Addr(), "bob", "bob-token", as("bob-1", true))
+	again := mustDial(t, s.Addr(), "alice", "alice-token", as("alice-1", true))
+	a1.waitLost(t)
+	// A session that ends makes room.
+	a3.Disconnect(100)
+	back := mustDial(t, s.Addr(), "alice", "alice-token", as("alice-kept", false))
+	require.False(t, back.sessionPresent, "the session left behind was kept past the bound")
+	_ = again
+}

@@ -125,11 +125,19 @@ type Options struct {
 	// before it is authenticated: one that sent nothing was kept for
 	// ever, with its goroutines, descriptor and write queue.
 	ConnectTimeout time.Duration
+	// MaxSessions is how many sessions one account (a bridge, a user)
+	// may hold at once, connected or kept for a client that left;
+	// default DefaultMaxSessions, negative for no bound.
+	MaxSessions int
 }
 
 // DefaultConnectTimeout is the default of Options.ConnectTimeout, as long
 // as the HTTP API gives a request's headers.
 const DefaultConnectTimeout = 10 * time.Second
+
+// DefaultMaxSessions is the default of Options.MaxSessions: as many as the
+// event streams the HTTP API lets one user have open.
+const DefaultMaxSessions = 32
 
 // DefaultKickGrace is the default of Options.KickGrace: a bridge
 // reconnects within a second or two.
@@ -252,6 +260,9 @@ func New(opts Options) (*Server, error) {
 	if opts.ConnectTimeout <= 0 {
 		opts.ConnectTimeout = DefaultConnectTimeout
 	}
+	if opts.MaxSessions == 0 {
+		opts.MaxSessions = DefaultMaxSessions
+	}
 	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m, tree: opts.Topics, grace: opts.KickGrace,
 		connWait: opts.ConnectTimeout, kicks: map[string]*time.Timer{}, closeDone: make(chan struct{})}
 	s.auth = &authHook{
@@ -261,6 +272,9 @@ func New(opts Options) (*Server, error) {
 		clients:  m.Clients,
 		ids:      map[*mqtt.Client]Identity{},
 		replaced: map[*mqtt.Client]*mqtt.Client{},
+		sessions: map[Identity]map[*mqtt.Client]uint64{},
+
+		maxSessions: max(opts.MaxSessions, 0),
 	}
 	if opts.ServerUsername != "" {
 		s.auth.serverUser = companion.HashSecret(opts.ServerUsername)
@@ -268,6 +282,7 @@ func New(opts Options) (*Server, error) {
 		s.auth.hasServer = true
 	}
 	s.auth.drop = s.dropQueued
+	s.auth.discard = s.discardSession
 	s.auth.connected = func(id Identity) {
 		if id.Role == RoleBridge {
 			s.bridgeBack(id.ID)
