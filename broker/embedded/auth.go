@@ -337,8 +337,11 @@ func (h *authHook) mayRead(id Identity, filter string) bool {
 		dev, op := levels[1], levels[3]
 		return topics.ValidDeviceID(dev) && (op == "+" || op == "#" || topics.ValidOp(op)) && h.serves(id.ID, dev)
 	case RoleUser:
-		// devices/{an id they own}/… ; a wildcard device is refused.
-		if len(levels) < 2 || levels[0] != "devices" || !topics.ValidDeviceID(levels[1]) {
+		// devices/{an id they own}/… ; a wildcard device is refused, and
+		// so is a filter that matches none of the device's topics: any
+		// other was let in, and a watcher's token subscribed to
+		// devices/DEV/x1, x2, … until the server ran out of memory.
+		if len(levels) < 3 || levels[0] != "devices" || !topics.ValidDeviceID(levels[1]) || !matchesDeviceTopic(levels[2:]) {
 			return false
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), accountsTimeout)
@@ -346,6 +349,43 @@ func (h *authHook) mayRead(id Identity, filter string) bool {
 		return h.accounts != nil && h.accounts.UserOwnsDevice(ctx, id.ID, levels[1])
 	}
 	return false
+}
+
+// deviceTopics are the shapes of a device's topics below devices/{id}; an
+// op level is any of topics.ValidOp.
+var deviceTopics = [][]string{{"replies"}, {"status"}, {"settings"}, {"commands", opLevel}}
+
+const opLevel = "\x00op"
+
+// matchesDeviceTopic says whether the filter whose levels below
+// devices/{id} are f matches at least one of the device's topics: the
+// filters a user may hold are then a few dozen a device.
+func matchesDeviceTopic(f []string) bool {
+	for _, shape := range deviceTopics {
+		if filterMatches(f, shape) {
+			return true
+		}
+	}
+	return false
+}
+
+func filterMatches(f, shape []string) bool {
+	for i, l := range f {
+		switch {
+		case l == "#":
+			return i == len(f)-1
+		case i >= len(shape):
+			return false
+		case l == "+":
+		case shape[i] == opLevel:
+			if !topics.ValidOp(l) {
+				return false
+			}
+		case l != shape[i]:
+			return false
+		}
+	}
+	return len(f) == len(shape)
 }
 
 // OnSessionEstablish notes the client whose session cl takes over, and

@@ -110,3 +110,35 @@ func TestSessionsPerAccountAreBounded(t *testing.T) {
 	require.False(t, back.sessionPresent, "the session left behind was kept past the bound")
 	_ = again
 }
+
+// TestUserFiltersMatchTheirDevicesTopics: a user subscribes, within their
+// own device's topics, only to filters that match one of the contract's
+// topics (its commands, replies, status, settings). Any filter below the
+// device was let in, and each costs the broker about a kilobyte: a
+// watcher's token subscribed to devices/DEV/x1, devices/DEV/x2, … until
+// the server ran out of memory (100 000 filters, 124 MiB).
+func TestUserFiltersMatchTheirDevicesTopics(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	u := mustDial(t, s.Addr(), "alice", "alice-token", nil)
+	dev := tree.Prefix() + "/devices/dev-1"
+	for _, tt := range []struct {
+		below string
+		want  byte
+	}{
+		{"#", 1}, {"+", 1}, {"+/#", 1}, {"+/+", 1}, {"+/+/#", 1},
+		{"status", 1}, {"replies", 1}, {"settings", 1}, {"status/#", 1},
+		{"commands/+", 1}, {"commands/#", 1}, {"commands/push.text", 1}, {"commands/command.cancel", 1},
+		{"commands/push.text/#", 1}, {"+/app.install", 1},
+		{"", 0x80}, {"x1", 0x80}, {"x1/y1", 0x80}, {"x1/#", 0x80}, {"status/x", 0x80},
+		{"commands", 0x80}, {"commands/nope", 0x80}, {"commands/push.text/x", 0x80},
+		{"+/+/+", 0x80}, {"+/nope", 0x80},
+	} {
+		filter := dev + "/" + tt.below
+		if tt.below == "" {
+			filter = dev
+		}
+		if got := u.subscribe(t, filter); got != tt.want {
+			t.Errorf("user subscribe(%q) = %#x; want %#x", filter, got, tt.want)
+		}
+	}
+}
