@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"time"
 
@@ -65,11 +66,26 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 		// nothing. (The store refuses a user's id likewise.)
 		return &Error{Code: CodeBridgeExists, Detail: "the name of the server's own account on the MQTT broker: a bridge logs in under its id"}
 	}
+	ctx := c.Request.Context()
+	if n := s.limits.MaxBridgesPerUser; ownerID != "" && n > 0 {
+		// Each bridge is a record and, on Mosquitto, a client and a role
+		// of the plugin, which writes its whole configuration again on
+		// every change: unbounded, one user's token made them at the
+		// request rate. Counted before the creation, so that requests at
+		// once may pass the bound by as many as they are.
+		have, _, err := s.store.ListBridges(ctx, ownerID, "", n)
+		if err != nil {
+			return err
+		}
+		if len(have) >= n {
+			return validationError([]FieldError{{Field: "bridge_id", Message: fmt.Sprintf(
+				"this account has %d bridges, as many as it may: delete one first", len(have))}})
+		}
+	}
 	secret, hash, err := newSecret(bridgeSecretPrefix)
 	if err != nil {
 		return err
 	}
-	ctx := c.Request.Context()
 	err = s.store.CreateBridge(ctx, companion.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
 	switch {
 	case errors.Is(err, companion.ErrExists):

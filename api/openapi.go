@@ -55,6 +55,12 @@ func openapiFor(l Limits) ([]byte, error) {
 		}
 		return fmt.Sprintf("A caller may have %d streams open at once on a server (`--max-streams-per-user`); past them a stream is a `429 too_many_streams` with `Retry-After`.", n)
 	}
+	bridges := func(n int) string {
+		if n < 0 {
+			return "The bridges a caller may have are not limited on this server."
+		}
+		return fmt.Sprintf("A caller may have %d bridges of their own; past them a creation is a `422 validation_failed` naming `bridge_id`.", n)
+	}
 	doc := string(openapiJSON)
 	for _, r := range []struct{ old, new string }{
 		{fmt.Sprintf(`"maxLength": %d, "pattern": "^[^\\x00-\\x08`, d.MaxTextBytes), fmt.Sprintf(`"maxLength": %d, "pattern": "^[^\\x00-\\x08`, l.MaxTextBytes)},
@@ -71,6 +77,7 @@ func openapiFor(l Limits) ([]byte, error) {
 		{"`422 invalid_claim`. " + register(d.RegisterPerMinute), "`422 invalid_claim`. " + register(l.RegisterPerMinute)},
 		{waits(d.MaxWaitsPerUser), waits(l.MaxWaitsPerUser)},
 		{streams(d.MaxStreamsPerUser), streams(l.MaxStreamsPerUser)},
+		{bridges(d.MaxBridgesPerUser), bridges(l.MaxBridgesPerUser)},
 		{fmt.Sprintf("too many unfinished commands (%d)", d.MaxOpenCommands), fmt.Sprintf("too many unfinished commands (%d)", l.MaxOpenCommands)},
 	} {
 		if n := strings.Count(doc, r.old); n != 1 {

@@ -200,6 +200,11 @@ type Limits struct {
 	// bound on a user's concurrent requests). Past it such a request is a
 	// 429 too_many_waits before it does anything. Negative: no limit.
 	MaxWaitsPerUser int
+	// MaxBridgesPerUser is how many bridges of their own one user may
+	// have (POST /api/v1/bridges); 100: a person's phones and hubs, many
+	// times over. Past it a creation is a 422 naming bridge_id. The
+	// operator's bridges are not bounded. Negative: no limit.
+	MaxBridgesPerUser int
 }
 
 // DefaultLimits are the limits of CONTRACT §6.
@@ -225,6 +230,7 @@ var DefaultLimits = Limits{
 	QueueFullRetryAfter: 5 * time.Second,
 	MaxStreamsPerUser:   32,
 	MaxWaitsPerUser:     100,
+	MaxBridgesPerUser:   100,
 }
 
 func (l Limits) withDefaults() Limits {
@@ -267,6 +273,7 @@ func (l Limits) withDefaults() Limits {
 	setDur(&l.QueueFullRetryAfter, d.QueueFullRetryAfter)
 	set(&l.MaxStreamsPerUser, d.MaxStreamsPerUser)
 	set(&l.MaxWaitsPerUser, d.MaxWaitsPerUser)
+	set(&l.MaxBridgesPerUser, d.MaxBridgesPerUser)
 	return l
 }
 
