@@ -52,6 +52,17 @@ func readBody(c *gin.Context, limit int64) ([]byte, error) {
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
+	n := limit + 1 // what may come of a body of unknown length
+	if r.ContentLength >= 0 {
+		n = r.ContentLength
+	}
+	budget, n, err := reserveBody(c, n)
+	if err != nil {
+		return nil, err
+	}
+	if budget != nil {
+		defer budget.n.Add(-n)
+	}
 	b, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
 	switch {
 	case err != nil:

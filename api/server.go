@@ -205,6 +205,13 @@ type Limits struct {
 	// times over. Past it a creation is a 422 naming bridge_id. The
 	// operator's bridges are not bounded. Negative: no limit.
 	MaxBridgesPerUser int
+	// MaxBodyBytesPerUser bounds the bytes of request bodies one user's
+	// requests may be sending to this server at once, counted by their
+	// Content-Length (a chunked body by its route's limit); 64 MiB: a
+	// dozen of the largest image pushes. Past it a request is a 429
+	// rate_limited before its body is read; a body alone always fits.
+	// Negative: no limit.
+	MaxBodyBytesPerUser int64
 }
 
 // DefaultLimits are the limits of CONTRACT §6.
@@ -231,6 +238,7 @@ var DefaultLimits = Limits{
 	MaxStreamsPerUser:   32,
 	MaxWaitsPerUser:     100,
 	MaxBridgesPerUser:   100,
+	MaxBodyBytesPerUser: 64 << 20,
 }
 
 func (l Limits) withDefaults() Limits {
@@ -274,6 +282,7 @@ func (l Limits) withDefaults() Limits {
 	set(&l.MaxStreamsPerUser, d.MaxStreamsPerUser)
 	set(&l.MaxWaitsPerUser, d.MaxWaitsPerUser)
 	set(&l.MaxBridgesPerUser, d.MaxBridgesPerUser)
+	set64(&l.MaxBodyBytesPerUser, d.MaxBodyBytesPerUser)
 	return l
 }
 
@@ -378,6 +387,7 @@ type Server struct {
 	now         func() time.Time
 	requests    RequestObserver // nil: nobody counts requests
 	held        holds           // event streams and Prefer: wait requests, per user
+	bodies      bodyBudgets     // the bytes of bodies being sent, per user
 	openapiDoc  []byte          // GET /api/v1/openapi.json: the document with these limits
 
 	limiter  RateLimiter // the buckets of the three limits below
@@ -433,6 +443,7 @@ func New(opts Options) (*Server, error) {
 		return nil, err
 	}
 	s.openapiDoc = doc
+	s.bodies.max = limits.MaxBodyBytesPerUser
 	if opts.AdminToken != "" {
 		s.adminHash = companion.HashSecret(opts.AdminToken)
 	}
@@ -494,7 +505,7 @@ func (s *Server) routes() *gin.Engine {
 	v1 := e.Group("/api/v1")
 	get(v1, "/openapi.json", s.openapi)
 
-	user := v1.Group("", s.sourceLimit, s.userAuth, s.rateLimit)
+	user := v1.Group("", s.sourceLimit, s.userAuth, s.rateLimit, s.bodyBudget)
 	user.POST("/devices/register", s.h(s.registerDevice))
 	get(user, "/devices", s.h(s.listDevices))
 	get(user, "/devices/:id", s.h(s.getDevice))
