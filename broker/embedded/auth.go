@@ -276,7 +276,8 @@ func (h *authHook) mayWrite(id Identity, topic string) bool {
 }
 
 // OnPublish drops what a bridge publishes for a device it does not serve
-// now (CONTRACT §9), and acknowledges it all the same, as Mosquitto does.
+// now (CONTRACT §9), and acknowledges it all the same, as Mosquitto does;
+// a reply it publishes retained goes on unretained.
 // Refused in OnACLCheck, a QoS 1 publish would cost the connection (all
 // MQTT 3.1.1 allows besides an acknowledgement), and the bridge would
 // send it again after each reconnect: a bridge whose list still names a
@@ -287,7 +288,18 @@ func (h *authHook) OnPublish(cl *mqtt.Client, pk packets.Packet) (packets.Packet
 		return pk, nil
 	}
 	t, err := h.tree.Parse(pk.TopicName)
-	if err != nil || t.DeviceID == "" || h.serves(id.ID, t.DeviceID) {
+	if err != nil || t.DeviceID == "" {
+		return pk, nil
+	}
+	if h.serves(id.ID, t.DeviceID) {
+		if t.Kind == topics.KindReplies && pk.FixedHeader.Retain && len(pk.Payload) > 0 {
+			// Replies are not retained (CONTRACT §3). Retained, one stayed
+			// on the device's topic after the device changed hands: a
+			// user's own bridge planted replies of its making that the
+			// next owner's watcher read on every subscription. (An empty
+			// one only clears what an older broker kept.)
+			pk.FixedHeader.Retain = false
+		}
 		return pk, nil
 	}
 	h.log.Warn("mqtt publish for a device the bridge does not serve dropped", "bridge_id", id.ID,

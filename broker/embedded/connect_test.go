@@ -142,3 +142,27 @@ func TestUserFiltersMatchTheirDevicesTopics(t *testing.T) {
 		}
 	}
 }
+
+// TestRepliesAreNeverRetained: a reply a bridge publishes retained reaches
+// those subscribed, and is not retained (CONTRACT §3: replies are not).
+// Retained, it stayed on the device's topic after the device changed
+// hands: a user's own bridge planted replies of its making (a command
+// "succeeded" with the result it chose) that the device's next owner's
+// watcher read on every subscription.
+func TestRepliesAreNeverRetained(t *testing.T) {
+	s := startBroker(t, newFakeAccounts())
+	br := mustDial(t, s.Addr(), "bridge-1", "b1-secret", nil)
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.Equal(t, byte(1), srv.subscribe(t, tree.Prefix()+"/devices/+/replies"))
+	replies := tp(tree.Replies("dev-1"))
+
+	br.publish(t, replies, true, `{"command_id":"planted","state":"succeeded"}`)
+	m := srv.next(t)
+	require.Equal(t, `{"command_id":"planted","state":"succeeded"}`, string(m.Payload()), "the reply reaches the server")
+
+	u := mustDial(t, s.Addr(), "alice", "alice-token", nil)
+	require.Equal(t, byte(1), u.subscribe(t, tp(tree.DeviceFilter("dev-1"))))
+	br.publish(t, replies, false, `{"command_id":"live","state":"succeeded"}`)
+	m = u.next(t)
+	require.Equal(t, `{"command_id":"live","state":"succeeded"}`, string(m.Payload()), "a reply was kept retained")
+}
