@@ -65,6 +65,9 @@ type Demo struct {
 	// likewise what its mosquitto_sub line trusts, with an mqtts:// broker.
 	caFile, mqttCAFile string
 	prefix             string // the MQTT topics'
+	// db is the server's store, which the quick start reads to print an
+	// OTA line that works on the device as it is now.
+	db companion.Store
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -73,6 +76,12 @@ type Demo struct {
 const (
 	demoModel    = "sim-1"
 	demoBridgeID = "demo-bridge"
+	// demoFirmware is the firmware the simulated devices start on, which
+	// the demo publishes beside demoLatestFirmware: a device that runs the
+	// latest already (the devices keep their firmware across starts, in
+	// DATA/demo-sim) can go back to it.
+	demoFirmware       = "1.0.0"
+	demoLatestFirmware = "1.1.0"
 )
 
 func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
@@ -87,7 +96,7 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 		_ = m.Dynsec.BridgeCreated(ctx, f.BridgeID, f.BridgeSecret)
 		_ = m.Dynsec.UserCreated(ctx, f.UserID, f.Token)
 	}
-	d := &Demo{File: f, mqttURL: m.MQTTURL(), prefix: tree.Prefix()}
+	d := &Demo{File: f, mqttURL: m.MQTTURL(), prefix: tree.Prefix(), db: m.DB}
 	if d.caFile, err = absPath(m.Config.TLSCert); err != nil {
 		return nil, err
 	}
@@ -101,7 +110,7 @@ func startDemo(ctx context.Context, m *Main, tree topics.Tree) (*Demo, error) {
 		// Their state in the data directory: the next start finds them as
 		// this one leaves them (firmware, apps, settings), as a real
 		// device is when its bridge restarts.
-		s, err := sim.Open(sim.Options{ID: dev.DeviceID, Model: demoModel, Firmware: "1.0.0", Logger: m.Logger,
+		s, err := sim.Open(sim.Options{ID: dev.DeviceID, Model: demoModel, Firmware: demoFirmware, Logger: m.Logger,
 			StateDir: filepath.Join(m.Config.Data, "demo-sim")})
 		if err != nil {
 			d.closeDevices()
@@ -373,25 +382,38 @@ func publishDemoContent(ctx context.Context, db companion.Store) error {
 	return nil
 }
 
-// publishDemoFirmware publishes firmware 1.1.0 of the demo's model, an
-// MCUboot image as a Zephyr build signs it, unless it is there already.
+// publishDemoFirmware publishes firmware demoFirmware and
+// demoLatestFirmware of the demo's model, MCUboot images as a Zephyr build
+// signs them, each unless it is there already.
 func publishDemoFirmware(ctx context.Context, db companion.Store) error {
-	if _, err := db.Firmware(ctx, demoModel, "1.1.0"); !errors.Is(err, companion.ErrNotFound) {
-		return err
+	for _, v := range []string{demoFirmware, demoLatestFirmware} {
+		if _, err := db.Firmware(ctx, demoModel, v); !errors.Is(err, companion.ErrNotFound) {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		version, err := mcuboot.ParseVersion(v)
+		if err != nil {
+			return err
+		}
+		app, err := randomBytes(256 << 10)
+		if err != nil {
+			return err
+		}
+		img, err := mcuboot.Build(app, mcuboot.Options{Version: version, HeaderSize: 0x200})
+		if err != nil {
+			return err
+		}
+		fw, err := db.PutBlob(ctx, bytes.NewReader(img), int64(len(img)))
+		if err != nil {
+			return err
+		}
+		if err := db.PutFirmware(ctx, companion.Firmware{Model: demoModel, Version: v, SHA256: fw.SHA256, Size: fw.Size}); err != nil {
+			return err
+		}
 	}
-	app, err := randomBytes(256 << 10)
-	if err != nil {
-		return err
-	}
-	img, err := mcuboot.Build(app, mcuboot.Options{Version: mcuboot.Version{Major: 1, Minor: 1}, HeaderSize: 0x200})
-	if err != nil {
-		return err
-	}
-	fw, err := db.PutBlob(ctx, bytes.NewReader(img), int64(len(img)))
-	if err != nil {
-		return err
-	}
-	return db.PutFirmware(ctx, companion.Firmware{Model: demoModel, Version: "1.1.0", SHA256: fw.SHA256, Size: fw.Size})
+	return nil
 }
 
 func randomBytes(size int) ([]byte, error) {
@@ -445,6 +467,7 @@ func (d *Demo) PrintQuickStart(w io.Writer) {
 	if dev.ClaimCode == "" {
 		register = fmt.Sprintf("# %s is bound to the demo user already (its claim code went with an earlier demo.json)", dev.DeviceID)
 	}
+	otaBody, otaNote := d.quickStartOTA(dev.DeviceID)
 	var out strings.Builder
 	fmt.Fprintf(&out, `
 Demo ready: user "demo", bridge %q serving %d simulated devices. Credentials are in %s.
@@ -462,8 +485,8 @@ Try (each line works as printed):
   curl -s %s/devices/%s/settings %s
   curl -s -X PUT %s/devices/%s/settings %s %s -H 'Prefer: wait=10' -d '{"brightness":80,"language":"de"}'
   curl -s -X POST %s/devices/%s/apps/install %s %s -H 'Prefer: wait=10' -d '{"app_id":"weather","version":"1.0.0"}'
-  curl -s %s/devices/%s/ota/check %s
-  curl -s -X POST %s/devices/%s/ota/update %s %s -H 'Prefer: wait=30' -d '{}'
+  curl -s %s/devices/%s/ota/check %s%s
+  curl -s -X POST %s/devices/%s/ota/update %s %s -H 'Prefer: wait=30' -d '%s'
   curl -s %s/devices/%s/commands %s
 
   # watch the device's MQTT conversation (user id and API token as credentials)
@@ -478,8 +501,8 @@ Try (each line works as printed):
 		api, dev.DeviceID, auth,
 		api, dev.DeviceID, auth, js,
 		api, dev.DeviceID, auth, js,
-		api, dev.DeviceID, auth,
-		api, dev.DeviceID, auth, js,
+		api, dev.DeviceID, auth, otaNote,
+		api, dev.DeviceID, auth, js, otaBody,
 		api, dev.DeviceID, auth,
 		d.mosquittoSub(), f.UserID, f.Token, d.prefix, dev.DeviceID,
 	)
@@ -499,6 +522,32 @@ Try (each line works as printed):
 		}
 		fmt.Fprintln(w)
 	}
+}
+
+// quickStartOTA returns the body of the quick start's OTA line that works
+// on the device as it is now, and a line that says why when it is not the
+// latest firmware: an update without a version is a 409 no_update on a
+// device that runs the latest already, as a device does on the next start
+// of a demo whose quick start it ran (the simulated devices keep their
+// firmware in DATA/demo-sim). Such a device is sent back to demoFirmware.
+func (d *Demo) quickStartOTA(deviceID string) (body, note string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	st, err := d.db.Status(ctx, deviceID)
+	if err != nil || !topics.ValidVersion(st.FirmwareVersion) || st.FirmwareVersion == demoFirmware {
+		return "{}", ""
+	}
+	fws, err := d.db.Firmwares(ctx, demoModel)
+	if err != nil {
+		return "{}", ""
+	}
+	for _, fw := range fws {
+		if topics.CompareVersions(fw.Version, st.FirmwareVersion) > 0 {
+			return "{}", ""
+		}
+	}
+	return fmt.Sprintf(`{"version":"%s"}`, demoFirmware),
+		fmt.Sprintf("\n  # %s runs %s, the latest: the OTA line takes it back to %s (the next start's updates it again)", deviceID, st.FirmwareVersion, demoFirmware)
 }
 
 // mosquittoSub is the quick start's mosquitto_sub up to its credentials:
