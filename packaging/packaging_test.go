@@ -491,3 +491,35 @@ func TestSystemdRestartsCrashesNotUsageErrors(t *testing.T) {
 		})
 	}
 }
+
+// The server's env file, uncommented for Mosquitto, logs in with the
+// account docs/mosquitto.md has the operator make (and mosquitto.conf
+// names): the server's own, the dynamic-security plugin's admin.
+func TestEnvFileMQTTAccountIsTheDocs(t *testing.T) {
+	root := repoRoot(t)
+	doc := readFile(t, filepath.Join(root, "docs", "mosquitto.md"))
+	const initLine = "mosquitto_ctrl dynsec init /var/lib/mosquitto/dynamic-security.json "
+	i := strings.Index(doc, initLine)
+	if i < 0 {
+		t.Fatalf("docs/mosquitto.md has no %q line", initLine)
+	}
+	account := strings.Fields(doc[i+len(initLine):])[0]
+	if !strings.Contains(readFile(t, filepath.Join(root, "mosquitto.conf")), "--mqtt-username "+account+" ") {
+		t.Errorf("mosquitto.conf does not start the server with --mqtt-username %s", account)
+	}
+	env := readFile(t, filepath.Join(root, "packaging", "systemd", "companion.env"))
+	var found bool
+	for _, line := range strings.Split(env, "\n") {
+		name, value, ok := strings.Cut(strings.TrimPrefix(line, "#"), "=")
+		if !ok || name != "COMPANION_MQTT_USERNAME" {
+			continue
+		}
+		found = true
+		if value != account {
+			t.Errorf("companion.env: COMPANION_MQTT_USERNAME=%s; docs/mosquitto.md makes the server's account %s", value, account)
+		}
+	}
+	if !found {
+		t.Error("companion.env has no COMPANION_MQTT_USERNAME line")
+	}
+}
