@@ -580,7 +580,7 @@ func (s *Server) getSettings(c *gin.Context) error {
 		UpdatedAt: timeOrNull(st.UpdatedAt),
 	}
 	switch {
-	case len(st.Schema) > 0 && json.Valid(st.Schema) && string(st.Schema) != "null":
+	case schemaReported(st):
 		out.Schema = st.Schema
 	case b.Model == topics.SimModel:
 		// Not reported yet: the model's, which a change is checked
@@ -595,6 +595,13 @@ func (s *Server) getSettings(c *gin.Context) error {
 		}
 	}
 	return s.reply(c, http.StatusOK, out, "", nil, nil)
+}
+
+// schemaReported reports whether the device has reported its settings'
+// schema, maybe an empty one: a device (or its bridge) that declares no
+// setting it can read. Until it has, a sim-1's is its model's.
+func schemaReported(st companion.Settings) bool {
+	return len(st.Schema) > 0 && json.Valid(st.Schema) && string(st.Schema) != "null"
 }
 
 func nonNil(m map[string]json.RawMessage) map[string]json.RawMessage {
@@ -636,13 +643,17 @@ func (s *Server) putSettings(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
+	// The schema GET …/settings shows: the one the device reported, even
+	// empty (it declares nothing the bridge could read, and the bridge
+	// would refuse every setting invalid_payload), or before it reported,
+	// a sim-1's model's.
 	var schema topics.Schema
-	if len(st.Schema) > 0 {
+	reported := schemaReported(st)
+	if reported {
 		if err := json.Unmarshal(st.Schema, &schema); err != nil {
 			return fmt.Errorf("stored settings schema of %s: %w", b.DeviceID, err)
 		}
-	}
-	if len(schema) == 0 && b.Model == topics.SimModel {
+	} else if b.Model == topics.SimModel {
 		schema = topics.SimSchema()
 	}
 	if len(req) == 0 {
@@ -661,7 +672,7 @@ func (s *Server) putSettings(c *gin.Context) error {
 		bad[f.Field] = true
 	}
 	check := schema.Validate
-	if len(schema) == 0 {
+	if len(schema) == 0 && !reported {
 		// Not reported yet, and of a model the server does not know: the
 		// command waits for the device as any does, and its bridge checks
 		// the values against the device's schema before it writes one.

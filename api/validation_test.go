@@ -396,6 +396,27 @@ func TestSettingsValidation(t *testing.T) {
 	assert.NotNil(t, m["updated_at"])
 }
 
+// A device that reported its settings with an empty schema (its bridge read
+// none of them, as at MTU 23 without reassembly, README "Running a
+// bridge") declares no setting: GET …/settings shows that empty schema, and
+// a change is a 422 naming each key (CONTRACT §2), as against any schema a
+// device reported. It was checked against the model's schema instead, as
+// for a device that never reported, accepted, and failed invalid_payload
+// by the bridge.
+func TestSettingsOfADeviceThatDeclaresNone(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	_, err := e.db.PutReportedSettings(t.Context(), "dev-1", "", map[string]json.RawMessage{}, json.RawMessage("{}"), time.Now(), uint64(time.Now().UnixNano()))
+	require.NoError(t, err)
+	path := "/api/v1/devices/dev-1/settings"
+	r := e.do("GET", path, tok, nil)
+	require.Equal(t, 200, r.status, "%s", r.body)
+	assert.Equal(t, map[string]any{}, r.json(t)["schema"], "the schema the device reported")
+	runBodyCases(t, e, "PUT", path, tok, []bodyCase{
+		{"a setting of its model it does not declare", map[string]any{"volume": 3}, 422, []string{"volume"}},
+	})
+}
+
 // A number beyond what a float64 holds is well-formed JSON (JSON has no
 // range limit), so it is a 422 naming its path, on a struct field and in
 // settings alike, while a real wrong type stays a 400.
