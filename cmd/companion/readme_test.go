@@ -241,8 +241,10 @@ var docFlag = regexp.MustCompile(`(?:^|\s)--([a-z][a-z0-9-]*)`)
 // is a flag of that command (docs/mosquitto.md's and docs/provisioning.md's
 // lines are not run by any test; a renamed flag left them failing).
 func TestDocsCommandLinesNameRealFlags(t *testing.T) {
-	subs := []string{"serve", "migrate", "user create", "device provision", "device assign",
-		"bridge create", "firmware publish", "app publish", "command wait"}
+	var subs []string
+	for _, c := range commands {
+		subs = append(subs, c.name)
+	}
 	flags := map[string]map[string]bool{}
 	for _, sub := range subs {
 		var out, errOut bytes.Buffer
