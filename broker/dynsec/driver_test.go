@@ -252,6 +252,17 @@ func newDriverConn(t testing.TB, mq *mqtttest.Mosquitto, a mqtttest.MosquittoAcc
 
 // canConnect logs in with the client id the account may use: a bridge's
 // own (dynsec.BridgeClientID) for a bridge, any other for other accounts.
+// driverOnMosquitto starts a Mosquitto, a store of bindings and a driver
+// on both that is the plugin's admin.
+func driverOnMosquitto(t *testing.T) (*mqtttest.Mosquitto, *bindings, *dynsec.Driver) {
+	t.Helper()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	return mq, st, d
+}
+
 func canConnect(mq *mqtttest.Mosquitto, clientID, user, pass string) error {
 	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(mq.URL).SetClientID(clientID).
 		SetUsername(user).SetPassword(pass).SetAutoReconnect(false))
@@ -833,10 +844,7 @@ func TestABridgeMadeAgainAsAReplicaWritesItsAccountLogsIn(t *testing.T) {
 // it: the former secret worked for good (docs/reliability.md, bug 258).
 func TestAReconcileEndsTheSecretOfABridgeMadeAgain(t *testing.T) {
 	ctx := context.Background()
-	mq := mqtttest.StartMosquitto(t, server)
-	st := newBindings()
-	d, granted := newDriver(t, mq, server, st)
-	require.True(t, granted)
+	mq, st, d := driverOnMosquitto(t)
 	st.createBridge("b1", "first-secret")
 	require.NoError(t, d.BridgeCreated(ctx, "b1", "first-secret"))
 	st.assign("dev-1", "b1")
@@ -881,10 +889,7 @@ func secretIs(t *testing.T, mq *mqtttest.Mosquitto, bridge, secret, former strin
 // before only a new bridge id did.
 func TestANewSecretReplacesTheOldAndMakesALostAccount(t *testing.T) {
 	ctx := context.Background()
-	mq := mqtttest.StartMosquitto(t, server)
-	st := newBindings()
-	d, granted := newDriver(t, mq, server, st)
-	require.True(t, granted)
+	mq, st, d := driverOnMosquitto(t)
 	st.createBridge("b1", "first-secret")
 	st.assign("dev-1", "b1")
 	require.NoError(t, d.BridgeCreated(ctx, "b1", "first-secret"))
@@ -918,10 +923,7 @@ func TestANewSecretReplacesTheOldAndMakesALostAccount(t *testing.T) {
 // that leaked.
 func TestANewTokenReplacesTheOldAndEndsAStaleOne(t *testing.T) {
 	ctx := context.Background()
-	mq := mqtttest.StartMosquitto(t, server)
-	st := newBindings()
-	d, granted := newDriver(t, mq, server, st)
-	require.True(t, granted)
+	mq, st, d := driverOnMosquitto(t)
 	st.setUser("user-a", "token-1")
 	require.NoError(t, d.UserCreated(ctx, "user-a", "token-1"))
 	st.set("dev-1", "user-a")

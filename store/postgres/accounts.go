@@ -9,6 +9,7 @@ import (
 	"github.com/devicecompanion/companion"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // CreateUser stores a new user, found again by the hash of its token.
@@ -50,22 +51,11 @@ func (s *Store) SetUserToken(ctx context.Context, userID string, tokenHash []byt
 		return companion.ErrNotFound
 	}
 	err := s.tx(ctx, func(tx pgx.Tx) error {
-		var b pgx.Batch
-		b.Queue(`SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(userID))
-		b.Queue(`UPDATE users SET token_hash = $2 WHERE id = $1`, userID, tokenHash)
-		br := tx.SendBatch(ctx, &b)
-		defer br.Close()
-		if _, err := br.Exec(); err != nil {
-			return err
-		}
-		tag, err := br.Exec()
-		if err != nil {
-			return err
-		}
-		if tag.RowsAffected() == 0 {
+		tag, err := execUnderAccountLock(ctx, tx, userID, `UPDATE users SET token_hash = $2 WHERE id = $1`, userID, tokenHash)
+		if err == nil && tag.RowsAffected() == 0 {
 			return companion.ErrNotFound
 		}
-		return br.Close()
+		return err
 	})
 	if isUniqueViolation(err) {
 		return companion.ErrExists
@@ -217,24 +207,13 @@ func (s *Store) CreateBridge(ctx context.Context, b companion.Bridge) error {
 		// committed between the two (another replica's, or this one's)
 		// did not stop the bridge, although it was there to be seen
 		// before the bridge was.
-		var batch pgx.Batch
-		batch.Queue(`SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(b.ID))
-		batch.Queue(`INSERT INTO bridges (id, secret_hash, owner_id, created_at) SELECT $1, $2, $3, $4
+		tag, err := execUnderAccountLock(ctx, tx, b.ID, `INSERT INTO bridges (id, secret_hash, owner_id, created_at) SELECT $1, $2, $3, $4
 			WHERE NOT EXISTS (SELECT 1 FROM users WHERE id = $1)`,
 			b.ID, b.SecretHash, b.OwnerID, b.CreatedAt)
-		br := tx.SendBatch(ctx, &batch)
-		defer br.Close()
-		if _, err := br.Exec(); err != nil {
-			return err
-		}
-		tag, err := br.Exec()
-		if err != nil {
-			return err
-		}
-		if tag.RowsAffected() == 0 {
+		if err == nil && tag.RowsAffected() == 0 {
 			return companion.ErrExists // a user's id
 		}
-		return br.Close()
+		return err
 	})
 	if isUniqueViolation(err) {
 		return companion.ErrExists
@@ -274,6 +253,26 @@ func (s *Store) SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, s
 }
 
 const bridgeColumns = `id, secret_hash, owner_id, created_at`
+
+// execUnderAccountLock takes the lock of the account id (CreateUser's,
+// CreateBridge's, LockAccount's) and runs sql in tx, in one round trip,
+// and returns sql's command tag.
+func execUnderAccountLock(ctx context.Context, tx pgx.Tx, id, sql string, args ...any) (pgconn.CommandTag, error) {
+	var b pgx.Batch
+	b.Queue(`SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(id))
+	b.Queue(sql, args...)
+	br := tx.SendBatch(ctx, &b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := br.Exec()
+	if err != nil {
+		_ = br.Close()
+		return pgconn.CommandTag{}, err
+	}
+	return tag, br.Close()
+}
 
 func scanBridge(row pgx.Row) (companion.Bridge, error) {
 	var b companion.Bridge
