@@ -53,11 +53,14 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 		return err
 	}
 	u := companion.User{ID: uuid.NewString(), Name: req.Name, TokenHash: hash, CreatedAt: s.now()}
-	if err := s.store.CreateUser(c.Request.Context(), u); err != nil {
+	// Not the request's context: a user on disk whose creation read as the
+	// client's hang-up never got their broker account (bug 280).
+	ctx := context.WithoutCancel(c.Request.Context())
+	if err := s.store.CreateUser(ctx, u); err != nil {
 		return err
 	}
 	if s.accounts != nil {
-		_ = s.accounts.UserCreated(c.Request.Context(), u.ID, token) // logged and retried there
+		_ = s.accounts.UserCreated(ctx, u.ID, token) // logged and retried there
 	}
 	// A repeat gets the answer without the token: it is stored nowhere.
 	out := userJSON{UserID: u.ID, Name: u.Name, Token: token}

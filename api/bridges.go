@@ -86,6 +86,10 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 	if err != nil {
 		return err
 	}
+	// Not the request's context: a bridge on disk whose creation read as
+	// the client's hang-up never got its broker account, and its repeat is
+	// a 409 (docs/reliability.md, bug 280).
+	ctx = context.WithoutCancel(ctx)
 	err = s.store.CreateBridge(ctx, companion.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
 	switch {
 	case errors.Is(err, companion.ErrExists):

@@ -147,6 +147,13 @@ func (s *Server) registerDevice(c *gin.Context) error {
 		return errInvalidClaim
 	}
 
+	// Not the request's context from here: a client that hangs up as the
+	// store commits the binding (PostgreSQL then answers the context's
+	// error, though the binding is on disk) left the broker untold, and
+	// its repeat, which finds the device bound already, tells it nothing
+	// either: the user's MQTT rights lacked the device until a reconcile
+	// (docs/reliability.md, bug 280; bug 277 for the unbinding).
+	ctx = context.WithoutCancel(ctx)
 	b, created, err := s.store.Bind(ctx, companion.Binding{DeviceID: req.DeviceID, UserID: user.ID, Name: name, Model: reg.Model, BoundAt: s.now()})
 	switch {
 	case errors.Is(err, companion.ErrBoundToOther):
