@@ -37,7 +37,7 @@ func unassign(ctx context.Context, tx pgx.Tx, deviceID string) (string, error) {
 // §9), or that moved to another bridge, which has not reported it yet, and
 // its status names no bridge from then on, online or not (the
 // bbolt engine's markUnserved). Seq and LastSeen stay, so the next report
-// applies as usual.
+// applies as usual. The caller holds the status's lock (lockReports).
 func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) error {
 	var r statusRow
 	err := tx.QueryRow(ctx, `UPDATE statuses SET online = false, bridge_id = '', updated_at = $2 WHERE device_id = $1 AND online
@@ -55,6 +55,33 @@ func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time
 		return err
 	}
 	return insertDeviceEvent(ctx, tx, st)
+}
+
+// lockReports locks, in tx, the device's status and, with settings, its
+// settings: each row, or while the device has none, the advisory lock
+// that its first write takes (lockStatusSQL, lockSettings). A move takes
+// them whether it changes the rows or not: a report of the bridge the
+// device leaves, whose write checked the device's bridge before the move
+// committed (fromItsBridgeSQL, putReportedSettings), then commits before
+// the move, which undoes it, or waits for the move and is refused. Taken
+// only when the move changed them, a move of a device offline already
+// (seq 0, no bridge: moved before and not reported since), or of one with
+// no status or settings yet, took no lock, and the late report landed
+// after it: the device read online on the bridge it left, or that
+// bridge's settings, its clock ahead, held the new bridge's off
+// (docs/reliability.md, bug 330). The status before the settings, as
+// every write takes them.
+func lockReports(ctx context.Context, tx pgx.Tx, deviceID string, settings bool) error {
+	key := statusLockKey(deviceID)
+	var b pgx.Batch
+	b.Queue(lockStatusSQL, deviceID, lockClassStatus, key)
+	b.Queue(`SELECT 1 FROM statuses WHERE device_id = $1 FOR UPDATE`, deviceID)
+	if settings {
+		b.Queue(`SELECT pg_advisory_xact_lock($2, $3) WHERE NOT EXISTS (SELECT 1 FROM settings WHERE device_id = $1)`,
+			deviceID, lockClassSettings, key)
+		b.Queue(`SELECT 1 FROM settings WHERE device_id = $1 FOR UPDATE`, deviceID)
+	}
+	return sendBatch(ctx, tx, &b)
 }
 
 // bindingOwner returns the user the device is bound to ("" none).
@@ -95,6 +122,9 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 			if previous, err = unassign(ctx, tx, deviceID); err != nil || previous == "" {
 				return err
 			}
+			if err := lockReports(ctx, tx, deviceID, false); err != nil {
+				return err
+			}
 			return markUnserved(ctx, tx, deviceID, s.clock())
 		}
 		var owner string
@@ -113,6 +143,9 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 			return err
 		}
 		if previous != bridgeID {
+			if err := lockReports(ctx, tx, deviceID, true); err != nil {
+				return err
+			}
 			// A seq is its bridge's own clock: the new bridge's reports
 			// must not wait until its clock passes the old one's (the
 			// bbolt engine's forgetSeq); from no bridge too, the seq is
@@ -289,6 +322,9 @@ func (s *Store) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]s
 		slices.Sort(devs)
 		now := s.clock()
 		for _, dev := range devs {
+			if err := lockReports(ctx, tx, dev, false); err != nil {
+				return err
+			}
 			if err := markUnserved(ctx, tx, dev, now); err != nil {
 				return err
 			}

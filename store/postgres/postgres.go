@@ -284,6 +284,9 @@ const (
 	// lockClassAccount is held by CreateUser and CreateBridge: users and
 	// bridges share the broker's usernames.
 	lockClassAccount int32 = 1668246898
+	// lockClassSettings is held by the first write of a device's settings
+	// (lockSettings).
+	lockClassSettings int32 = 1668246899
 )
 
 // idLockKey is the second key of an id's advisory lock.

@@ -166,7 +166,11 @@ func (s *Store) putStatusAsync(ctx context.Context, st companion.Status, done fu
 // (an unassignment, the bridge deleted) sets it offline too, and the
 // bridge it left, with a higher seq, did the same (bug 271). The move
 // updates the status row, whose lock the statement before the upsert waits
-// for: the upsert's snapshot has the move's assignment.
+// for: the upsert's snapshot has the move's assignment. The move locks the
+// row, or while there is none the advisory lock of lockStatusSQL, whether
+// it changes the status or not (lockReports): a move of a device offline
+// already waits for a report that checked the bridge before it, and then
+// sets the device offline over it (bug 330).
 const fromItsBridgeSQL = `($7 = '' OR EXISTS (SELECT 1 FROM assignments a WHERE a.device_id = $1 AND a.bridge_id = $7))`
 
 // putStatus is PutStatus inside a transaction; st is checked already.
@@ -423,7 +427,8 @@ func (s *Store) Settings(ctx context.Context, deviceID string) (companion.Settin
 }
 
 // lockSettings reads the device's settings FOR UPDATE, making the row
-// when there is none: found says whether there was one.
+// when there is none (under the device's advisory lock of lockClassSettings,
+// see lockReports): found says whether there was one.
 func lockSettings(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) (r settingsRow, found bool, err error) {
 	for {
 		r = settingsRow{s: companion.Settings{DeviceID: deviceID}}
@@ -432,6 +437,13 @@ func lockSettings(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time
 			return r, true, r.settings()
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
+			return r, false, err
+		}
+		// A device's first settings take its advisory lock, which a move
+		// takes too while the device has none (lockReports): the move
+		// then waits for a report of the bridge it leaves that checked
+		// the device's bridge before it (putReportedSettings).
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, $2)`, lockClassSettings, statusLockKey(deviceID)); err != nil {
 			return r, false, err
 		}
 		tag, err := tx.Exec(ctx, `INSERT INTO settings (device_id, reported, desired, at, seq, updated_at)
@@ -526,9 +538,11 @@ func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID, bridgeID
 // Stored over that, the bridge it left, its clock for a seq (up to a day
 // ahead), held the new bridge's reports off: GET …/settings read the old
 // bridge's values, and a change that succeeded did not show
-// (docs/reliability.md, bug 272). The move updates the settings row,
-// whose lock lockSettings waits for: the statement after it reads the
-// move's assignment.
+// (docs/reliability.md, bug 272). The move locks the settings row, or
+// while there is none the advisory lock that a first write takes
+// (lockReports), and lockSettings waits for either: the statement after
+// it reads the move's assignment, or the move waits for this write (bug
+// 330).
 func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID, bridgeID string, r companion.ReportedSettings) (bool, error) {
 	now := s.clock()
 	row, found, err := lockSettings(ctx, tx, deviceID, now)
