@@ -131,6 +131,10 @@ type BoundDevice struct {
 type DeviceReport struct {
 	Status   *Status           // stored as PutStatus stores it
 	Settings *ReportedSettings // stored as PutReportedSettings stores it
+	// BridgeID, when set, is the bridge the caller found serving the
+	// device: the settings are stored as PutReportedSettings stores those
+	// of that bridge, only if it serves the device still.
+	BridgeID string
 }
 
 // ReportedSettings are settings as a device reported them: each value and

@@ -2282,3 +2282,42 @@ func TestSettingsOfTheBridgeADeviceLeftAreNotStored(t *testing.T) {
 	assert.Empty(t, s.Reported, "dev-1's settings after its move")
 	assert.Zero(t, s.Seq, "dev-1's settings seq after its move")
 }
+
+// movingReplyStore moves dev-1 to b2 as the broker stores a final reply of
+// it, after the broker read its bridge: the race of a move with a late
+// reply.
+type movingReplyStore struct {
+	*store.DB
+}
+
+func (s *movingReplyStore) UpdateCommandWithReportAsync(id string, fn func(*companion.Command) error, report companion.DeviceReport, done func(companion.Command, error)) {
+	if report.Settings != nil {
+		if _, err := s.DB.AssignDevice(context.Background(), "dev-1", "b2", ""); err != nil {
+			done(companion.Command{}, err)
+			return
+		}
+	}
+	s.DB.UpdateCommandWithReportAsync(id, fn, report, done)
+}
+
+// The settings in a final reply of the bridge a device left, taken in as
+// the device moved, are not stored, as those of the settings topic are
+// not (bug 272): with its clock ahead, they held the new bridge's reports
+// off, and GET …/settings read the old bridge's values (docs/reliability.md,
+// bug 331). The reply's state is stored.
+func TestReplySettingsOfTheBridgeADeviceLeftAreNotStored(t *testing.T) {
+	e, _ := newEnvOn(t, func(db *store.DB) *movingReplyStore { return &movingReplyStore{DB: db} })
+	ctx := context.Background()
+	require.NoError(t, e.db.CreateBridge(ctx, companion.Bridge{ID: "b2", SecretHash: []byte("not used")}))
+	fb := connectBridge(t, e)
+	c := submit(t, e, "dev-1", "run on b1", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	ahead := time.Now().Add(time.Hour)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now(),
+		Settings: &topics.Settings{Reported: map[string]any{"volume": 7}, Seq: uint64(ahead.UnixNano()), At: ahead}})
+	testenv.Eventually(t, 10*time.Second, "the reply taken", func() bool { return state(t, e, c.ID).State == companion.StateSucceeded })
+	s, err := e.db.Settings(ctx, "dev-1")
+	require.NoError(t, err)
+	assert.Empty(t, s.Reported, "dev-1's settings after its move: b1's final reply's stored")
+	assert.Zero(t, s.Seq, "dev-1's settings seq after its move")
+}

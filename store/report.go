@@ -26,6 +26,10 @@ func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*companion.Command
 		done(companion.Command{}, fmt.Errorf("%w: status with bridge id %q", companion.ErrInvalid, s.BridgeID))
 		return
 	}
+	if report.BridgeID != "" && !validID(report.BridgeID) {
+		done(companion.Command{}, fmt.Errorf("%w: report of bridge id %q", companion.ErrInvalid, report.BridgeID))
+		return
+	}
 	var (
 		out   companion.Command
 		final bool
@@ -43,7 +47,9 @@ func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*companion.Command
 			}
 		}
 		if report.Settings != nil {
-			if _, err := db.putReportedSettings(tx, out.DeviceID, "", *report.Settings); err != nil {
+			// Through the bridge the caller found serving the device:
+			// stored only if it serves it still (bug 331).
+			if _, err := db.putReportedSettings(tx, out.DeviceID, report.BridgeID, *report.Settings); err != nil {
 				return err
 			}
 		}

@@ -425,6 +425,10 @@ func (s *Store) updateCommandAsync(ctx context.Context, id string, fn func(*comp
 		done(companion.Command{}, fmt.Errorf("%w: status with bridge id %q", companion.ErrInvalid, st.BridgeID))
 		return
 	}
+	if report.BridgeID != "" && !validID(report.BridgeID) {
+		done(companion.Command{}, fmt.Errorf("%w: report of bridge id %q", companion.ErrInvalid, report.BridgeID))
+		return
+	}
 	var settings *companion.ReportedSettings
 	if report.Settings != nil {
 		// As PutReportedSettings takes them: checked and compacted.
@@ -452,7 +456,7 @@ func (s *Store) updateCommandAsync(ctx context.Context, id string, fn func(*comp
 			}
 		}
 		if settings != nil {
-			if _, err := s.putReportedSettings(ctx, tx, out.DeviceID, "", *settings); err != nil {
+			if _, err := s.putReportedSettings(ctx, tx, out.DeviceID, report.BridgeID, *settings); err != nil {
 				return err
 			}
 		}

@@ -54,7 +54,54 @@ func testUpdateCommandWithReport(t *testing.T, open Opener) {
 		{"StoredInTheSameWrite", testReportStored},
 		{"NewerStoredReportWins", testReportNewerWins},
 		{"NotStoredWithoutTheChange", testReportNotStoredWithoutChange},
+		{"SettingsFromTheBridgeItLeft", testReportSettingsFromTheBridgeItLeft},
 	})
+}
+
+// The settings of a final reply of the bridge a device left, taken in as
+// it moved, are not stored, as those of the settings topic are not (bug
+// 272): the caller checked the device's bridge before the write, and a
+// move that committed in between set the settings' seq to 0. Stored over
+// that, the old bridge's, its clock ahead, held the new bridge's reports
+// off, and GET …/settings read the old bridge's values (docs/reliability.md,
+// bug 331). The reply's state is stored all the same.
+func testReportSettingsFromTheBridgeItLeft(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	tenancy(t, s)
+	assign(t, s, "d1", "op1", "")
+	ahead := now().Add(12 * time.Hour)
+	ok, err := s.PutReportedSettings(ctx, "d1", "op1", map[string]json.RawMessage{"volume": raw(`10`)}, nil, ahead, uint64(ahead.UnixNano()))
+	require.NoError(t, err)
+	require.True(t, ok, "settings of the device's bridge, its clock ahead")
+	c := create(t, s, newCmd("d1"))
+	assign(t, s, "d1", "op2", "")
+	late, err := companion.NewReportedSettings(map[string]json.RawMessage{"volume": raw(`20`)}, nil, ahead, uint64(ahead.UnixNano())+1)
+	require.NoError(t, err)
+	got, err := updateWithReport(t, s, c.ID, succeed, companion.DeviceReport{Settings: &late, BridgeID: "op1"})
+	require.NoError(t, err)
+	assert.Equal(t, companion.StateSucceeded, got.State, "the final reply of the bridge it left")
+	want := func(volume string) {
+		t.Helper()
+		set, err := s.Settings(ctx, "d1")
+		require.NoError(t, err)
+		if !equalRaw(set.Reported, map[string]string{"volume": volume}) {
+			t.Errorf("Settings(d1).Reported = %s; want volume %s", set.Reported, volume)
+		}
+	}
+	want("10")
+	behind := uint64(now().UnixNano())
+	ok, err = s.PutReportedSettings(ctx, "d1", "op2", map[string]json.RawMessage{"volume": raw(`30`)}, nil, now(), behind)
+	require.NoError(t, err)
+	assert.True(t, ok, "settings of its new bridge, its clock behind the old one's")
+	want("30")
+
+	// A final reply of the bridge that serves it is stored.
+	c2 := create(t, s, newCmd("d1"))
+	mine, err := companion.NewReportedSettings(map[string]json.RawMessage{"volume": raw(`40`)}, nil, now(), behind+1)
+	require.NoError(t, err)
+	_, err = updateWithReport(t, s, c2.ID, succeed, companion.DeviceReport{Settings: &mine, BridgeID: "op2"})
+	require.NoError(t, err)
+	want("40")
 }
 
 // A final state and the device state that came with it are stored in one
