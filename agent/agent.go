@@ -128,7 +128,11 @@ type Agent struct {
 	devices    map[string]*deviceRunner
 	order      []*deviceRunner
 
+	// connected is set while a connection is open that said the bridge
+	// online (announce): replies and reports go out meanwhile. connMu
+	// orders its changes: announce's and onConnectionLost's.
 	connected atomic.Bool
+	connMu    sync.Mutex
 	// loginRefused is set while the broker refuses the bridge's login
 	// (noteLogin): no command starts meanwhile.
 	loginRefused atomic.Bool
@@ -482,10 +486,26 @@ func (a *Agent) onConnect(mqtt.Client) {
 	signal(a.subWake)
 }
 
+// testHookLost, when set, runs as onConnectionLost starts: a test holds
+// the handler there, as paho's scheduling may.
+var testHookLost atomic.Pointer[func()]
+
 func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
+	if h := testHookLost.Load(); h != nil {
+		(*h)()
+	}
 	a.away("the connection to the broker was lost")
-	a.connected.Store(false)
-	a.opts.Observer.MQTTConnected(false)
+	// Paho runs this in a goroutine of its own, beside its reconnect: a
+	// connection open by now is the next one, which may have said the
+	// bridge online already (announce). Marked offline, the bridge
+	// published no final reply nor status on it until the one after
+	// (docs/reliability.md, bug 332).
+	a.connMu.Lock()
+	if !a.client.IsConnectionOpen() {
+		a.connected.Store(false)
+		a.opts.Observer.MQTTConnected(false)
+	}
+	a.connMu.Unlock()
 	a.resync.Store(true)
 	signal(a.subWake) // stop asking for refused filters on the lost connection
 	a.log.Warn("MQTT connection lost", "err", err)

@@ -87,7 +87,7 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 			// Each device's filter is granted or refused (or
 			// unanswered) by now: its commands run or are held.
 			a.answered(conn)
-			a.announce(len(missing) - len(left))
+			a.announce(conn, len(missing)-len(left))
 		case len(left) < len(missing):
 			still := make(map[string]bool, len(left))
 			for _, f := range left {
@@ -115,11 +115,16 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 }
 
 // announce tells the broker and the server that the bridge is online, once
-// the first round of a connection's subscriptions is done.
-func (a *Agent) announce(subscribed int) {
+// the first round of the subscriptions of connection conn is done; the
+// bridge is connected from then on, unless conn has ended meanwhile.
+func (a *Agent) announce(conn uint64, subscribed int) {
 	a.client.Publish(a.stateTopic, 1, true, topics.BridgeOnline)
-	a.connected.Store(true)
-	a.opts.Observer.MQTTConnected(true)
+	a.connMu.Lock()
+	if a.current(conn) {
+		a.connected.Store(true)
+		a.opts.Observer.MQTTConnected(true)
+	}
+	a.connMu.Unlock()
 	a.log.Info("connected", "mqtt", a.opts.MQTTURL, "subscribed", subscribed, "devices", len(a.filters))
 	for _, dr := range a.order {
 		dr.requestReport(true, true, true)

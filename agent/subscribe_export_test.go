@@ -1,6 +1,9 @@
 package agent
 
-import "time"
+import (
+	"testing"
+	"time"
+)
 
 // SetSubscribeTiming shortens how long a SUBACK is awaited and the pauses
 // between the rounds that ask again for what the broker refused. Call it
@@ -14,4 +17,11 @@ func (a *Agent) SetSubscribeTiming(timeout, retryMin, retryMax time.Duration) {
 // before Run.
 func (a *Agent) SetStartHold(d time.Duration) {
 	a.startHold = d
+}
+
+// SetHookLost has f called as the bridge's connection-lost handler starts,
+// until the test ends. Call it before the connection is lost.
+func SetHookLost(t testing.TB, f func()) {
+	testHookLost.Store(&f)
+	t.Cleanup(func() { testHookLost.Store(nil) })
 }

@@ -785,3 +785,41 @@ func TestAGrantedDeviceDoesNotWaitForTheRestOfTheRound(t *testing.T) {
 	letAnswer()
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
 }
+
+// Paho runs the bridge's connection-lost handler in a goroutine of its
+// own, beside its reconnect: the handler of a lost connection can run
+// after the next connection has said "online". The bridge then marked
+// itself offline on a connection that was open, and published no final
+// reply nor status until the next reconnect: a command ran on the device
+// and read delivered on the server for good (docs/reliability.md, bug 332).
+func TestALateConnectionLostHandlerLeavesTheNextConnectionOnline(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	log := newSubscribeLog()
+	startBridge(t, b, nil, w, bridgeConfig{
+		devices: []*sim.Device{dev},
+		logger:  slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	agent.SetHookLost(t, func() {
+		once.Do(func() { close(held) })
+		<-release
+	})
+	var releaseOnce sync.Once
+	letGo := func() { releaseOnce.Do(func() { close(release) }) }
+	t.Cleanup(letGo)
+
+	b.dropClient(t, "companion-bridge-b1")
+	waitClosed(t, held, "the connection-lost handler did not run")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2) // the next connection, its handler held
+	letGo()
+	log.waitLine(t, "MQTT connection lost")
+
+	cmd := command(t, "dev-1", topics.OpPushText, map[string]string{"text": "after the flap"})
+	w.send(cmd)
+	if r := w.waitFinal("dev-1", cmd.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("dev-1: %s reply; want succeeded", r.State)
+	}
+}
