@@ -136,10 +136,11 @@ type Agent struct {
 	// loginRefused is set while the broker refuses the bridge's login
 	// (noteLogin): no command starts meanwhile.
 	loginRefused atomic.Bool
-	// unanswered is the connection (conn) whose first round of
-	// subscriptions the broker has not answered yet, 1 from New, or 0:
-	// no command starts until the broker answers it (answered), or the
-	// bridge finds itself away from the broker (away).
+	// unanswered is the connection (conn) on which each device's commands
+	// wait for the broker's answer to the device's filter (awaitsAnswer),
+	// 1 from New, or 0: none starts until the broker answers it
+	// (deviceRunner.answer), or the bridge finds itself away from the
+	// broker (away), which sets 0.
 	unanswered atomic.Uint64
 	// startHold bounds how long the workers wait at start for a
 	// connection to the broker (holdAtStart): connectTimeout.

@@ -461,6 +461,9 @@ type bridgeConfig struct {
 	wrap func(*sim.Device) agent.Device
 	// logger, when set, is the bridge's logger instead of testLogger's.
 	logger *slog.Logger
+	// subscribeTimeout, when set, is how long the bridge awaits a SUBACK
+	// (agent.SetSubscribeTiming, its rounds 20 to 200 ms apart).
+	subscribeTimeout time.Duration
 }
 
 // startBridge runs an agent against the broker and the blob server and
@@ -501,6 +504,9 @@ func startBridge(tb testing.TB, b *testBroker, bs *blobServer, w *watcher, cfg b
 	a, err := agent.New(opts)
 	if err != nil {
 		tb.Fatal(err)
+	}
+	if cfg.subscribeTimeout > 0 {
+		a.SetSubscribeTiming(cfg.subscribeTimeout, 20*time.Millisecond, 200*time.Millisecond)
 	}
 	br := &bridge{Agent: a, id: cfg.id, dataDir: cfg.dataDir, done: make(chan error, 1)}
 	stateTopic, _ := tree.BridgeState(cfg.id)

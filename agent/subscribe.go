@@ -25,9 +25,11 @@ import (
 // CONTRACT §9; a change of assignment disconnects the bridge). While the
 // broker refuses a device's filter, the bridge starts none of the commands
 // its spool holds for that device (holdRefused); at start and on every
-// connection, it starts no command until the first round of the
-// connection's subscriptions is answered, or it finds itself away from the
-// broker (answered, away). What is refused or
+// connection, it starts none of a device's commands until the broker has
+// answered that device's filter on the connection, or the bridge finds
+// itself away from the broker (awaitsAnswer, away): a filter left
+// unanswered past the timeout holds the device's commands until a later
+// round's SUBACK (docs/reliability.md, bug 333). What is refused or
 // unanswered is asked again, with backoff, while the connection lasts; each
 // connection starts over with every filter, because paho restores no
 // subscription (SetResumeSubs concerns only SUBSCRIBEs not yet sent) and
@@ -84,9 +86,12 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 		}
 		switch {
 		case first:
-			// Each device's filter is granted or refused (or
-			// unanswered) by now: its commands run or are held.
-			a.answered(conn)
+			// Each device's filter is granted (its commands run) or
+			// refused (held, bug 240), or unanswered: held too until a
+			// later round has its SUBACK, or the bridge is away from the
+			// broker. Run as if granted, those of a device moved off the
+			// bridge, which the server failed at the move, showed on the
+			// device (docs/reliability.md, bug 333).
 			a.announce(conn, len(missing)-len(left))
 		case len(left) < len(missing):
 			still := make(map[string]bool, len(left))
@@ -148,7 +153,7 @@ func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []strin
 			return nil, false
 		}
 		if !isDone(tok) {
-			a.log.Warn("no SUBACK in time; asking for its devices' commands again later", "filters", len(chunk), "timeout", a.subTiming.timeout)
+			a.log.Warn("no SUBACK in time; holding its devices' commands and asking for them again later", "filters", len(chunk), "timeout", a.subTiming.timeout)
 			left = append(left, chunk...)
 			continue
 		}
@@ -156,7 +161,7 @@ func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []strin
 			if !a.current(conn) {
 				return nil, false
 			}
-			a.log.Warn("a SUBSCRIBE failed; asking for its devices' commands again later", "filters", len(chunk), "err", err)
+			a.log.Warn("a SUBSCRIBE failed; holding its devices' commands and asking for them again later", "filters", len(chunk), "err", err)
 			left = append(left, chunk...)
 			continue
 		}

@@ -410,12 +410,18 @@ type blockedQueue struct {
 
 func startBlockedQueue(t *testing.T, b *testBroker, more ...*sim.Device) blockedQueue {
 	t.Helper()
+	return startBlockedQueueWith(t, b, bridgeConfig{devices: more})
+}
+
+// startBlockedQueueWith is startBlockedQueue with the bridge's config
+// (cfg.devices the devices beside dev-1).
+func startBlockedQueueWith(t *testing.T, b *testBroker, cfg bridgeConfig) blockedQueue {
+	t.Helper()
 	q := blockedQueue{w: newWatcher(t, b), dev: newBlockedText("dev-1"), log: newSubscribeLog()}
-	startBridge(t, b, nil, q.w, bridgeConfig{
-		devices: append([]*sim.Device{q.dev.Device}, more...),
-		wrap:    wrapBlocked(q.dev),
-		logger:  slog.New(slog.NewTextHandler(q.log, &slog.HandlerOptions{Level: slog.LevelDebug})),
-	})
+	cfg.devices = append([]*sim.Device{q.dev.Device}, cfg.devices...)
+	cfg.wrap = wrapBlocked(q.dev)
+	cfg.logger = slog.New(slog.NewTextHandler(q.log, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	startBridge(t, b, nil, q.w, cfg)
 	q.running = command(t, "dev-1", topics.OpPushText, map[string]string{"text": "blocks"})
 	q.w.send(q.running)
 	waitClosed(t, q.dev.started, "the first command did not reach the device")
@@ -821,5 +827,45 @@ func TestALateConnectionLostHandlerLeavesTheNextConnectionOnline(t *testing.T) {
 	w.send(cmd)
 	if r := w.waitFinal("dev-1", cmd.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("dev-1: %s reply; want succeeded", r.State)
+	}
+}
+
+// A device is moved off the bridge while the bridge runs one of its
+// commands, another queued behind it, and the broker, reconnected to,
+// leaves the new connection's SUBSCRIBE unanswered past the bridge's
+// timeout (NATS making a fleet's subscriptions, a broker busy). The bridge
+// is connected: it cannot tell a move from a slow broker, and the server
+// failed the queued command at the move (device_not_served). So the
+// command stays held while the filter's SUBACK is missing, the filter
+// asked for again, rather than run as if the broker had granted it; it is
+// held on once the broker refuses the filter, and runs once it grants it
+// (docs/reliability.md, bugs 249, 250 and 333). A bridge away from the
+// broker still runs what it holds (TestBrokerDown).
+func TestCommandsHeldWhileTheirFiltersSUBACKIsMissing(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	q := startBlockedQueueWith(t, b, bridgeConfig{subscribeTimeout: 300 * time.Millisecond})
+	w, dev, log, behind := q.w, q.dev, q.log, q.behind
+
+	filter := mustCommandsFilter(t, "dev-1")
+	letAnswer := hook.holdSubscribes(t, "")
+	hook.refuse(filter)
+	b.dropClient(t, "companion-bridge-b1")
+	hook.waitAsked(t, filter, 2) // the SUBSCRIBE of the new connection, held
+	log.waitLine(t, "no SUBACK in time")
+	close(dev.release)
+	waitClosed(t, dev.ended, "the first command did not end")
+	log.waitAny(t, []string{"waiting for the broker's answer to the subscriptions", "device=dev-1"}, []string{"command succeeded", behind.ID})
+	if n := dev.Executions(behind.ID); n != 0 {
+		t.Fatalf("the command queued behind ran %d times while the broker had not answered its filter's SUBSCRIBE", n)
+	}
+
+	letAnswer()
+	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	if n := dev.Executions(behind.ID); n != 0 {
+		t.Fatalf("the command queued behind ran %d times while the broker refused its device", n)
+	}
+	hook.grant(filter)
+	if r := w.waitFinal("dev-1", behind.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the held command once granted: %s reply; want succeeded", r.State)
 	}
 }

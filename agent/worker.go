@@ -117,9 +117,9 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // runs already runs on; and while the bridge is away from the broker it
 // cannot know, and runs what it has. So it holds every device's commands
 // while the broker refuses its login (noteLogin, bug 243), and, at start
-// and on every connection, until the broker has answered the first round
-// of the connection's subscriptions or its SUBACK to the device's filter
-// (unanswered, awaitsAnswer): a bridge restarted after
+// and on every connection, until the broker has answered the device's
+// filter on the connection (unanswered, awaitsAnswer), a SUBACK that did
+// not come in time included (bug 333): a bridge restarted after
 // a move ran the commands its spool held for the moved device before its
 // SUBSCRIBE was refused (bug 249), and one that connected again after the
 // move did as its running command ended (bug 250). A bridge that cannot
@@ -159,11 +159,17 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 }
 
 // awaitsAnswer reports whether the device's commands wait for the broker's
-// answer to the subscriptions of the current connection (unanswered). A
-// device's wait ends with the SUBACK of its own filter (answer), not with
-// the whole round: on NATS, where each SUBSCRIBE makes a consumer, a round
-// for a fleet of devices takes minutes, and a device whose filter was
-// granted in the first chunk would wait for the last.
+// answer to its filter on the current connection (unanswered). A device's
+// wait ends with the SUBACK of its own filter (answer), not with the whole
+// round: on NATS, where each SUBSCRIBE makes a consumer, a round for a
+// fleet of devices takes minutes, and a device whose filter was granted in
+// the first chunk would wait for the last. Nor does the end of the first
+// round end it: a filter whose SUBACK did not come in time is asked again,
+// and the device's commands wait for that answer, or for the bridge to be
+// away from the broker (away). The bridge is connected and cannot tell a
+// busy broker from one about to refuse the filter, the device moved off
+// it; run then, the commands the server failed at the move showed on the
+// device (docs/reliability.md, bug 333).
 func (a *Agent) awaitsAnswer(dr *deviceRunner) bool {
 	conn := a.unanswered.Load()
 	return conn != 0 && dr.answeredOn.Load() != conn
@@ -177,15 +183,6 @@ func (a *Agent) awaitsAnswer(dr *deviceRunner) bool {
 func (a *Agent) holdAtStart(ctx context.Context) {
 	if sleepCtx(ctx, a.startHold) {
 		a.away("no connection to the broker in time")
-	}
-}
-
-// answered lets the workers start the commands of the devices whose
-// command filter the broker does not refuse, once it has answered the
-// first round of connection conn's subscriptions.
-func (a *Agent) answered(conn uint64) {
-	if a.unanswered.CompareAndSwap(conn, 0) {
-		a.startCommands("the broker answered the subscriptions")
 	}
 }
 
