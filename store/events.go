@@ -209,12 +209,32 @@ func (db *DB) EventsPurgedAfter(ctx context.Context, after string) (bool, error)
 	}
 	var purged bool
 	err = db.bolt.View(func(tx *bolt.Tx) error {
-		if v := tx.Bucket(bucketMeta).Get(keyEventsPurged); len(v) == 8 {
-			purged = binary.BigEndian.Uint64(v) > seq
-		}
+		purged = eventsPurged(tx) > seq
 		return nil
 	})
 	return purged, err
+}
+
+// eventsPurged returns the sequence of the last event PurgeEvents
+// deleted, 0 for none: the mark (keyEventsPurged), or the one before the
+// first event the log keeps (the sequence when it keeps none) when that
+// is higher. Sequences run from 1 without a gap (NextSequence) and only
+// PurgeEvents deletes events, so every event before the first kept was
+// purged, by this build or by one from before the mark (8b0d0c9), whose
+// purges kept none: a file it purged, upgraded, or taken back to it for a
+// while, had no mark or a stale one, and a client that resumed across the
+// upgrade from before the events it purged got no reset
+// (docs/reliability.md, bug 360).
+func eventsPurged(tx *bolt.Tx) uint64 {
+	var mark uint64
+	if v := tx.Bucket(bucketMeta).Get(keyEventsPurged); len(v) == 8 {
+		mark = binary.BigEndian.Uint64(v)
+	}
+	events := tx.Bucket(bucketEvents)
+	if k, _ := events.Cursor().First(); len(k) == 8 {
+		return max(mark, binary.BigEndian.Uint64(k)-1)
+	}
+	return max(mark, events.Sequence())
 }
 
 // PurgeEvents deletes the events older than olderThan, oldest first, at
