@@ -420,12 +420,29 @@ func NewMain(cfg Config, logger *slog.Logger) *Main {
 // HTTPAddr is the address the API listens on (useful with port 0).
 func (m *Main) HTTPAddr() string { return m.ln.Addr().String() }
 
-// APIURL is the base URL of the HTTP API (https with --tls-cert).
+// APIURL is the base URL of the HTTP API (https with --tls-cert), on the
+// loopback address when it listens on every address (dialAddr).
 func (m *Main) APIURL() string {
 	if m.Config.TLSCert != "" {
-		return "https://" + m.HTTPAddr()
+		return "https://" + dialAddr(m.HTTPAddr())
 	}
-	return "http://" + m.HTTPAddr()
+	return "http://" + dialAddr(m.HTTPAddr())
+}
+
+// dialAddr is addr, a listener's address, with the loopback address
+// 127.0.0.1 for a host that is every address (--http 0.0.0.0:PORT, which
+// Go reports as [::]:PORT): the address this server's own clients dial,
+// and one a user can paste, as the quick start's mosquitto_sub line has
+// it. http://[::]:PORT, printed in the start-up line, demo.json and the
+// quick start's curl lines, is no address to send a request to
+// (docs/reliability.md, bug 362). A listener on "tcp" for every address
+// takes both families, so 127.0.0.1 reaches it.
+func dialAddr(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if ip := net.ParseIP(host); err == nil && ip != nil && ip.IsUnspecified() {
+		return net.JoinHostPort("127.0.0.1", port)
+	}
+	return addr
 }
 
 // MQTTURL is the broker URL the server (and a bridge) connects to.
@@ -568,9 +585,9 @@ func (m *Main) startMQTT(tree topics.Tree, mqttServerTLS *tls.Config) error {
 		mq := m.MQTT
 		pprofserver.Publish("mqtt", func() any { return mq.Stats() })
 	}
-	m.mqttURL = "tcp://" + m.MQTT.Addr()
+	m.mqttURL = "tcp://" + dialAddr(m.MQTT.Addr())
 	if mqttServerTLS != nil {
-		m.mqttURL = "mqtts://" + m.MQTT.Addr()
+		m.mqttURL = "mqtts://" + dialAddr(m.MQTT.Addr())
 	}
 	return nil
 }

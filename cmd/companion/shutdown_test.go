@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -141,4 +142,36 @@ func TestShutdownSecondSignalKills(t *testing.T) {
 	ws, ok := ee.Sys().(syscall.WaitStatus)
 	require.True(t, ok)
 	assert.True(t, ws.Signaled() && ws.Signal() == syscall.SIGTERM, "exit after the second SIGTERM: %v, want killed by it", c.server.waitErr)
+}
+
+// Served on every address (--http 0.0.0.0:PORT, --mqtt-listen 0.0.0.0:PORT),
+// the start-up line, demo.json's api_url and the quick start's lines name
+// the loopback address, 127.0.0.1, as its mosquitto_sub line does: a
+// user pastes them, and http://[::]:PORT is no address to send a request
+// to (docs/reliability.md, bug 362).
+func TestServeOnEveryAddressPrintsLoopback(t *testing.T) {
+	m := startServer(t, Config{HTTP: "0.0.0.0:0", MQTTListen: "0.0.0.0:0", Demo: true})
+	_, httpPort, err := net.SplitHostPort(m.HTTPAddr())
+	require.NoError(t, err)
+	_, mqttPort, err := net.SplitHostPort(m.MQTT.Addr())
+	require.NoError(t, err)
+	api := "http://127.0.0.1:" + httpPort
+
+	line := m.startupLine()
+	assert.Contains(t, line, "HTTP API on "+api+",", "the start-up line")
+	assert.Contains(t, line, "MQTT on tcp://127.0.0.1:"+mqttPort+",", "the start-up line")
+
+	b, err := os.ReadFile(filepath.Join(m.Config.Data, "demo.json"))
+	require.NoError(t, err)
+	var f DemoFile
+	require.NoError(t, json.Unmarshal(b, &f))
+	assert.Equal(t, api, f.APIURL, "demo.json's api_url")
+
+	var out bytes.Buffer
+	m.Demo.PrintQuickStart(&out)
+	text := out.String()
+	assert.NotContains(t, text, "[::]", "the quick start")
+	assert.NotContains(t, text, "0.0.0.0", "the quick start")
+	assert.Contains(t, text, "curl -s "+api+"/api/v1/devices ", "the quick start")
+	assert.Contains(t, text, "mosquitto_sub -h 127.0.0.1 -p "+mqttPort+" ", "the quick start")
 }
