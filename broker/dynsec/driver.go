@@ -106,8 +106,8 @@ type account struct {
 	role     string
 	acls     []ACL
 	// mark is the client's text description: a bridge's is the secret's
-	// (secretMark); a user's is the token's once it was replaced
-	// (UserTokenChanged), none before.
+	// (secretMark), a user's the token's (none on a client made before
+	// bug 350).
 	mark string
 }
 
@@ -640,8 +640,9 @@ func (d *Driver) deleteOlderClient(ctx context.Context, bridgeID, mark string) e
 // lock held: the token was replaced and the change of the account lost (a
 // restart before its retry), and the old token, which the change was to
 // end, still opened Mosquitto. The user needs another new token. A
-// client made before tokens were marked (at the user's creation) is left
-// alone: nothing tells whose token it has. Run with d.change held.
+// client made before tokens were marked (at the user's creation, until
+// bug 350) is left alone: nothing tells whose token it has. Run with
+// d.change held.
 func (d *Driver) deleteOlderUserClient(ctx context.Context, userID, mark string) error {
 	unlock, err := d.lockAccount(ctx, userID)
 	if err != nil {
@@ -814,10 +815,14 @@ func (d *Driver) syncServed(ctx context.Context, bridgeID, deviceID string) erro
 }
 
 // UserCreated gives a new user a Mosquitto account that may read nothing
-// until they bind a device.
+// until they bind a device. The client has the token's mark, as one whose
+// token was changed has (UserTokenChanged): made without it, the client
+// of a user whose first change of token was lost with a restart kept the
+// old token, and Reconcile, which tells a stale client by its mark, left
+// it (docs/reliability.md, bug 350).
 func (d *Driver) UserCreated(ctx context.Context, userID, token string) error {
 	return d.createAccount(ctx, account{kind: "user", username: userID, password: token,
-		clientID: d.clientID(UserClientID(userID)), role: UserRole(userID)})
+		clientID: d.clientID(UserClientID(userID)), role: UserRole(userID), mark: secretMark(companion.HashSecret(token))})
 }
 
 // UserTokenChanged gives the user's account their new token: the client

@@ -914,6 +914,31 @@ func TestANewSecretReplacesTheOldAndMakesALostAccount(t *testing.T) {
 	assert.ElementsMatch(t, want, roleACLs(t, mq, dynsec.BridgeRole("b2")), "the bridge's role")
 }
 
+// The first change of a user's token lost with a restart of the server
+// (Mosquitto away, its retry in memory): the account made at the user's
+// creation still has the old token, and Reconcile must end it, as it does
+// an account whose token was changed before. The account made at creation
+// had no mark, and Reconcile left it: the leaked token opened Mosquitto
+// for good (docs/reliability.md, bug 350).
+func TestALostFirstTokenChangeEndsTheOldTokenAtReconcile(t *testing.T) {
+	ctx := context.Background()
+	mq := mqtttest.StartMosquitto(t, server)
+	st := newBindings()
+	d, granted := newDriver(t, mq, server, st)
+	require.True(t, granted)
+	st.setUser("user-a", "token-1")
+	require.NoError(t, d.UserCreated(ctx, "user-a", "token-1"))
+	require.NoError(t, canConnect(mq, "probe-a", "user-a", "token-1"))
+	require.NoError(t, d.Reconcile(ctx))
+	require.NoError(t, canConnect(mq, "probe-a", "user-a", "token-1"), "Reconcile ended the user's own token")
+
+	st.setUser("user-a", "token-2") // its UserTokenChanged lost
+	require.NoError(t, d.Reconcile(ctx))
+	assert.Error(t, canConnect(mq, "probe-a", "user-a", "token-1"), "the replaced token opens Mosquitto after a Reconcile")
+	require.NoError(t, d.UserTokenChanged(ctx, "user-a", "token-2"))
+	assert.NoError(t, canConnect(mq, "probe-a", "user-a", "token-2"))
+}
+
 // A user's new token (UserTokenChanged): their account takes it, the old
 // one is refused, their role keeps their devices' topics; a late change
 // with an older token sets nothing. An account that is not there is made,
@@ -955,7 +980,8 @@ func TestANewTokenReplacesTheOldAndEndsAStaleOne(t *testing.T) {
 	assert.NoError(t, canConnect(mq, "probe-a", "user-a", "token-4"))
 	assert.ElementsMatch(t, granted1, roleACLs(t, mq, role), "the user's role")
 
-	// A user's account made at creation has no mark: Reconcile leaves it.
+	// A user's account made at creation has their token's mark: Reconcile
+	// leaves it.
 	st.setUser("user-b", "token-b")
 	require.NoError(t, d.UserCreated(ctx, "user-b", "token-b"))
 	require.NoError(t, d.Reconcile(ctx))
