@@ -208,6 +208,11 @@ func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
 		return err
 	}
 	if s.accounts != nil {
+		// Its connections are closed: on Mosquitto without its Will,
+		// which the server then publishes for a bridge not back within
+		// the grace. Without it, a bridge whose edge box still had the old
+		// secret read online, with its devices, for good (bug 351).
+		s.bridgesDisconnecting(id)
 		_ = s.accounts.BridgeSecretChanged(ctx, id, secret) // logged and retried there
 	}
 	// A repeat gets the answer without the secret: it is stored nowhere.
@@ -299,12 +304,21 @@ func (s *Server) moved(ctx context.Context, deviceID, from, to string) {
 	if s.accounts == nil {
 		return
 	}
+	s.bridgesDisconnecting(from, to)
+	_ = s.accounts.Assigned(ctx, deviceID, from, to) // logged and retried there
+}
+
+// bridgesDisconnecting tells the broker that the broker's accounts are
+// about to close the bridges' connections, so that a bridge's Will stands
+// as the broker leaves it (WillOnDisconnect): held for the grace where the
+// broker publishes it, published for a bridge not back by then where it
+// does not. Call it with s.accounts set.
+func (s *Server) bridgesDisconnecting(bridgeIDs ...string) {
 	switch w, ok := s.accounts.(WillOnDisconnect); {
 	case !ok: // the embedded broker holds the bridges' Wills itself
 	case w.DisconnectPublishesWill():
-		s.cmds.BridgesDisconnecting(from, to)
+		s.cmds.BridgesDisconnecting(bridgeIDs...)
 	default:
-		s.cmds.BridgesDisconnectingWithoutWill(from, to)
+		s.cmds.BridgesDisconnectingWithoutWill(bridgeIDs...)
 	}
-	_ = s.accounts.Assigned(ctx, deviceID, from, to) // logged and retried there
 }

@@ -7,6 +7,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/natstest"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -95,4 +98,54 @@ func testANewBridgeSecret(t *testing.T, m *Main, url string, f *fleet) {
 	startBridgeWith(t, m, url, f, bc, "dev-1")
 	cmd := f.user.waitFinal("dev-1", id)
 	assert.Equal(t, "succeeded", cmd["state"], "%v", cmd)
+}
+
+// A bridge given a new secret and not started again with it (its edge box
+// still has the old one, refused) reads offline once the grace is over,
+// with its devices, on each broker the server drives; started with the new
+// one, it reads online again. (NATS publishes the Will as it closes the
+// connection; the server holds it for the grace.) Mosquitto's plugin closes the connections of
+// the old secret without their Will, and the server did not stand in for
+// it: the bridge and its devices read online for good (docs/reliability.md,
+// bug 351).
+func TestABridgeGivenANewSecretReadsOfflineUntilItIsBack(t *testing.T) {
+	const grace = time.Second
+	for _, tb := range []struct {
+		name  string
+		start func(t *testing.T) (*Main, string)
+	}{
+		{"embedded", func(t *testing.T) (*Main, string) {
+			m := startServer(t, Config{KickGrace: grace})
+			return m, m.MQTTURL()
+		}},
+		{"mosquitto", func(t *testing.T) (*Main, string) {
+			mq := mqtttest.StartMosquitto(t, serverAccount)
+			return startOnMosquitto(t, Config{KickGrace: grace}, mq), mq.URL
+		}},
+		{"nats", func(t *testing.T) (*Main, string) {
+			cl := natstest.StartCluster(t, natstest.Options{Callout: true})
+			m := startServer(t, natsCallout(t, cl, Config{KickGrace: grace}))
+			testenv.Eventually(t, 30*time.Second, "the server logged in to the NATS cluster", m.Broker.Ready)
+			return m, cl.MQTTURLs[0]
+		}},
+	} {
+		t.Run(tb.name, func(t *testing.T) {
+			t.Parallel()
+			m, url := tb.start(t)
+			f := setupFleet(t, m, "dev-1")
+			registerDevices(t, f, "dev-1")
+			bc := bridgeConfig{dataDir: t.TempDir(), sims: map[string]*sim.Device{}}
+			b := startBridgeWith(t, m, url, f, bc, "dev-1")
+			waitOnline(t, f, true, "dev-1")
+
+			r := f.admin.do("POST", "/api/v1/admin/bridges/"+f.bridgeID+"/secret", nil)
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			waitOnline(t, f, false, "dev-1")
+
+			b.stop()
+			f.bridgeSecret = r.JSON(t)["secret"].(string)
+			startBridgeWith(t, m, url, f, bc, "dev-1")
+			waitOnline(t, f, true, "dev-1")
+		})
+	}
 }
