@@ -60,6 +60,22 @@ type authHook struct {
 	// maxSessions.
 	sessions map[Identity]map[*mqtt.Client]uint64
 	seq      uint64
+
+	// A login checks its credentials, then is let in, then connected
+	// (mochi's client map): a change of an account's credentials told
+	// then (changed) finds no connection to close, and the login went on
+	// with the old ones. So changes counts the changes told, changed
+	// holds each account's latest, and checked each client let in, until
+	// its session is established, the count as its login began; logins
+	// counts the logins under way, which changed is kept for
+	// (docs/reliability.md, bug 352).
+	changes uint64
+	changed map[Identity]uint64
+	checked map[*mqtt.Client]uint64
+	logins  int
+	// kick closes a client let in with credentials changed since, as
+	// Server.DisconnectBridge and DisconnectUser close those connected.
+	kick func(cl *mqtt.Client, id Identity)
 }
 
 // ID names the hook in mochi's log.
@@ -96,6 +112,8 @@ func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) boo
 	if !pk.Connect.UsernameFlag || username == "" || !pk.Connect.PasswordFlag {
 		return refuse("anonymous")
 	}
+	began := h.beginLogin()
+	defer h.endLogin()
 	id, ok := h.authenticate(username, string(pk.Connect.Password))
 	if !ok {
 		return refuse("bad credentials")
@@ -117,6 +135,9 @@ func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) boo
 	}
 	if !h.admit(cl, id) {
 		return refuse("too many sessions for the account")
+	}
+	if !h.noteChecked(cl, id, began) {
+		return refuse("credentials changed as they were checked")
 	}
 	if h.connected != nil {
 		h.connected(id)
@@ -171,8 +192,52 @@ func (h *authHook) admit(cl *mqtt.Client, id Identity) bool {
 	return false
 }
 
+// beginLogin notes a login under way and returns the count of changes
+// of credentials as it begins.
+func (h *authHook) beginLogin() uint64 {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.logins++
+	return h.changes
+}
+
+// endLogin notes the end of a login's check (beginLogin).
+func (h *authHook) endLogin() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.logins--
+}
+
+// noteChecked keeps the count of changes (beginLogin) of cl, let in as
+// id, until its session is established; it forgets cl and says false if
+// id's credentials changed since.
+func (h *authHook) noteChecked(cl *mqtt.Client, id Identity, began uint64) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.changed[id] > began {
+		h.forget(cl)
+		return false
+	}
+	h.checked[cl] = began
+	return true
+}
+
+// credentialsChanged notes that id's credentials (or rights) changed:
+// a login under way that checked them before is closed once connected
+// (OnSessionEstablished). Call it before closing id's connections.
+func (h *authHook) credentialsChanged(id Identity) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.logins == 0 && len(h.checked) == 0 {
+		clear(h.changed) // no login began before these changes
+	}
+	h.changes++
+	h.changed[id] = h.changes
+}
+
 // forget drops what the hook knows of cl; h.mu held.
 func (h *authHook) forget(cl *mqtt.Client) {
+	delete(h.checked, cl)
 	if id, ok := h.ids[cl]; ok {
 		delete(h.sessions[id], cl)
 		if len(h.sessions[id]) == 0 {
@@ -450,11 +515,20 @@ func (h *authHook) dropUnreadable(cl, existing *mqtt.Client) {
 	}
 }
 
-// OnSessionEstablished forgets the client object cl replaced.
+// OnSessionEstablished forgets the client object cl replaced, and closes
+// cl if its account's credentials changed since its login began: it was
+// not yet among the clients the change closed (bug 352).
 func (h *authHook) OnSessionEstablished(cl *mqtt.Client, _ packets.Packet) {
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	h.dropReplaced(cl)
+	began, checked := h.checked[cl]
+	delete(h.checked, cl)
+	id, known := h.ids[cl]
+	stale := checked && known && h.changed[id] > began
+	h.mu.Unlock()
+	if stale && h.kick != nil {
+		h.kick(cl, id)
+	}
 }
 
 func (h *authHook) dropReplaced(cl *mqtt.Client) {

@@ -273,6 +273,8 @@ func New(opts Options) (*Server, error) {
 		ids:      map[*mqtt.Client]Identity{},
 		replaced: map[*mqtt.Client]*mqtt.Client{},
 		sessions: map[Identity]map[*mqtt.Client]uint64{},
+		changed:  map[Identity]uint64{},
+		checked:  map[*mqtt.Client]uint64{},
 
 		maxSessions: max(opts.MaxSessions, 0),
 	}
@@ -282,6 +284,7 @@ func New(opts Options) (*Server, error) {
 		s.auth.hasServer = true
 	}
 	s.auth.drop = s.dropQueued
+	s.auth.kick = s.kickLate
 	s.auth.discard = s.discardSession
 	s.auth.connected = func(id Identity) {
 		if id.Role == RoleBridge {
@@ -395,7 +398,10 @@ func (s *Server) Close() error {
 // its devices' unfinished commands once it says it is online. Sessions
 // stay (DeleteBridge discards them), and what a session queued for a
 // device the bridge no longer serves is dropped when the bridge resumes
-// it. It returns how many connections it closed.
+// it. A login of the bridge under way, which checked its secret before the
+// call and is not connected yet, is closed once it is (kickLate): a new
+// secret ends the old one's logins too (docs/reliability.md, bug 352). It
+// returns how many connections it closed.
 //
 // The bridge's Will is not published as its connection closes, as the
 // plugin kicks a client without it: published, every device of the bridge
@@ -403,6 +409,7 @@ func (s *Server) Close() error {
 // until the bridge was back a moment later. Should the bridge not connect
 // again within the grace (Options.KickGrace), its Will is published then.
 func (s *Server) DisconnectBridge(bridgeID string) int {
+	s.auth.credentialsChanged(Identity{Role: RoleBridge, ID: bridgeID})
 	n, wills := 0, 0
 	for _, cl := range s.mochi.Clients.GetAll() {
 		if id, ok := s.auth.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
@@ -420,6 +427,17 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 		s.log.Info("bridge disconnected: its devices changed", "bridge_id", bridgeID, "connections", n)
 	}
 	return n
+}
+
+// kickLate closes a client whose login checked its credentials before a
+// change DisconnectBridge or DisconnectUser was told of, and which they
+// did not find connected (bug 352), as they close those they find.
+func (s *Server) kickLate(cl *mqtt.Client, id Identity) {
+	if id.Role == RoleBridge && atomic.CompareAndSwapUint32(&cl.Properties.Will.Flag, 1, 0) {
+		s.holdWill(id.ID)
+	}
+	_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
+	s.log.Info("mqtt client disconnected: its account changed as it logged in", "role", id.Role, "id", id.ID, "client_id", cl.ID)
 }
 
 // holdWill publishes the Will of a bridge DisconnectBridge closed, its
@@ -476,9 +494,11 @@ func (s *Server) bridgeConnected(bridgeID string) bool {
 
 // DisconnectUser closes the connections of the user's clients: their
 // token changed, and the broker, which asks the store at each login,
-// refuses the old one from now on. Sessions stay. It returns how many
-// connections it closed.
+// refuses the old one from now on. A login under way with the old token
+// is closed once connected, as DisconnectBridge does. Sessions stay. It
+// returns how many connections it closed.
 func (s *Server) DisconnectUser(userID string) int {
+	s.auth.credentialsChanged(Identity{Role: RoleUser, ID: userID})
 	n := 0
 	for _, cl := range s.mochi.Clients.GetAll() {
 		if id, ok := s.auth.identity(cl); ok && id.Role == RoleUser && id.ID == userID && !cl.Closed() {

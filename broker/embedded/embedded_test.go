@@ -943,3 +943,93 @@ func TestCloseWhileABridgeLogsIn(t *testing.T) {
 		t.Fatal("Close hung with a bridge logging in")
 	}
 }
+
+// holdingAccounts is fakeAccounts whose next Authenticate, once armed,
+// calls hold after the credentials were checked, before it answers.
+type holdingAccounts struct {
+	*fakeAccounts
+	armed atomic.Bool
+	hold  func()
+}
+
+func (h *holdingAccounts) Authenticate(ctx context.Context, username, password string) (embedded.Identity, bool) {
+	id, ok := h.fakeAccounts.Authenticate(ctx, username, password)
+	if h.armed.CompareAndSwap(true, false) {
+		h.hold()
+	}
+	return id, ok
+}
+
+// A login whose credentials were checked just before they changed (a
+// bridge's new secret, a user's new token), and which the broker had not
+// yet let in as DisconnectBridge or DisconnectUser closed the connections
+// of the old ones, is closed too, wherever it was: its credentials being
+// checked, or let in and not yet connected. It stayed connected with the
+// old secret or token, which the change was to end, with all of its
+// rights (docs/reliability.md, bug 352).
+func TestALoginAsItsCredentialsChangeIsClosedToo(t *testing.T) {
+	type who struct {
+		name, user, old string
+		change          func(*fakeAccounts)
+		disconnect      func(*embedded.Server) int
+	}
+	for _, w := range []who{
+		{"bridge", "bridge-1", "b1-secret", func(a *fakeAccounts) { a.bridges["bridge-1"] = "b1-new" },
+			func(s *embedded.Server) int { return s.DisconnectBridge("bridge-1") }},
+		{"user", "alice", "alice-token", func(a *fakeAccounts) { a.users["alice"] = "alice-new" },
+			func(s *embedded.Server) int { return s.DisconnectUser("alice") }},
+	} {
+		for _, where := range []string{"checked", "let in"} {
+			t.Run(w.name+", "+where, func(t *testing.T) {
+				reached, release := make(chan struct{}), make(chan struct{})
+				hold := func() {
+					close(reached)
+					<-release
+				}
+				acc := &holdingAccounts{fakeAccounts: newFakeAccounts(), hold: hold}
+				s, err := embedded.New(embedded.Options{Listen: "127.0.0.1:0", Accounts: acc,
+					ServerUsername: serverUser, ServerPassword: serverPass})
+				require.NoError(t, err)
+				var armed atomic.Bool
+				if where == "let in" {
+					embedded.HoldLogins(s, func() {
+						if armed.CompareAndSwap(true, false) {
+							hold()
+						}
+					})
+					armed.Store(true)
+				} else {
+					acc.armed.Store(true)
+				}
+				require.NoError(t, s.Start())
+				t.Cleanup(func() { require.NoError(t, s.Close()) })
+
+				var c *client
+				done := make(chan struct{})
+				go func() {
+					defer close(done)
+					c, err = dial(t, s.Addr(), w.user, w.old, nil)
+				}()
+				select {
+				case <-reached:
+				case <-time.After(wait):
+					t.Fatal("the login did not reach the hold")
+				}
+				acc.mu.Lock()
+				w.change(acc.fakeAccounts)
+				acc.mu.Unlock()
+				w.disconnect(s)
+				close(release)
+				<-done
+				if err != nil {
+					return // refused: fine
+				}
+				select {
+				case <-c.lost:
+				case <-time.After(wait):
+					t.Fatal("a connection made with the old credentials is still open")
+				}
+			})
+		}
+	}
+}
