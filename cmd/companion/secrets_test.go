@@ -36,6 +36,25 @@ func TestLogsHoldNoSecrets(t *testing.T) {
 	bad := newClient(t, m, "ctk_wrong-token-never-logged")
 	bad.do("GET", "/api/v1/devices", nil)
 	f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": "wrong-claim-never-logged"})
+	// Nor a new secret and token (bugs 278 and 279), nor the old ones a
+	// client still uses after them: the bridge runs on with its old
+	// secret, refused, and the user asks with their old token.
+	r := f.admin.do("POST", "/api/v1/admin/bridges/"+f.bridgeID+"/secret", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	newSecret := r.JSON(t)["secret"].(string)
+	r = f.admin.do("POST", "/api/v1/admin/users/"+f.userID+"/token", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	newToken := r.JSON(t)["token"].(string)
+	require.Equal(t, 401, f.user.do("GET", "/api/v1/devices", nil).Status)
+	newUser := newClient(t, m, newToken)
+	require.Equal(t, 200, newUser.do("GET", "/api/v1/devices", nil).Status)
+	require.Equal(t, 404, newUser.do("POST", "/api/v1/bridges/"+f.bridgeID+"/secret", nil).Status, "the operator's bridge")
+	r = newUser.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": "own-1"})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	ownSecret := r.JSON(t)["secret"].(string)
+	r = newUser.do("POST", "/api/v1/bridges/own-1/secret", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	ownNewSecret := r.JSON(t)["secret"].(string)
 	b.stop()
 	require.NoError(t, m.Close())
 
@@ -45,6 +64,10 @@ func TestLogsHoldNoSecrets(t *testing.T) {
 		"admin token":   cfg.AdminToken,
 		"user token":    f.user.token,
 		"bridge secret": f.bridgeSecret,
+		"new secret":    newSecret,
+		"new token":     newToken,
+		"own secret":    ownSecret,
+		"its new one":   ownNewSecret,
 		"claim code":    f.claims["dev-1"],
 		"wrong token":   "wrong-token-never-logged",
 		"wrong claim":   "wrong-claim-never-logged",
