@@ -68,6 +68,14 @@ type Options struct {
 	Timeout       time.Duration // how long one request waits for its answer; default 10s
 	RetryInterval time.Duration // how soon a failed change is tried again; default 30s
 	Logger        *slog.Logger
+	// DisconnectedWithoutWill, when set, is told of each bridge whose
+	// account a retry wrote (Reconcile): setting the password of a client
+	// there closes its connections without their Will, and the bridge,
+	// given a new secret while Mosquitto was away, does not come back with
+	// the old one. The server publishes the Will of a bridge not back
+	// within the grace (broker.Broker.BridgesDisconnectingWithoutWill), as
+	// for the API's own changes (docs/reliability.md, bug 353).
+	DisconnectedWithoutWill func(bridgeIDs ...string)
 }
 
 // Driver keeps Mosquitto's accounts and ACLs true. Create it with New
@@ -1257,6 +1265,9 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			d.log.Info("Mosquitto account not retried: the bridge was deleted or made anew, or the secret replaced, since", "kind", a.kind, "username", a.username)
 		case err == nil:
 			d.log.Info("Mosquitto account created on retry", "kind", a.kind, "username", a.username)
+			if a.kind == "bridge" && d.opts.DisconnectedWithoutWill != nil {
+				d.opts.DisconnectedWithoutWill(a.username)
+			}
 		}
 	}
 	if len(failed) > 0 {

@@ -149,3 +149,32 @@ func TestABridgeGivenANewSecretReadsOfflineUntilItIsBack(t *testing.T) {
 		})
 	}
 }
+
+// A bridge given a new secret while Mosquitto was away reads offline once
+// Mosquitto is back and the driver's retry has set the new secret there,
+// which closes the bridge's connection (made again with the old secret,
+// which Mosquitto still had) without its Will (docs/reliability.md, bug
+// 353).
+func TestABridgeGivenANewSecretWhileMosquittoIsAwayReadsOffline(t *testing.T) {
+	t.Parallel()
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	m := startOnMosquitto(t, Config{KickGrace: time.Second}, mq)
+	f := setupFleet(t, m, "dev-1")
+	registerDevices(t, f, "dev-1")
+	startBridge(t, m, mq.URL, f, "", "dev-1")
+	waitOnline(t, f, true, "dev-1")
+
+	mq.Stop(t)
+	r := f.admin.do("POST", "/api/v1/admin/bridges/"+f.bridgeID+"/secret", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	mq.Start(t)
+	secret := r.JSON(t)["secret"].(string)
+	testenv.Eventually(t, 30*time.Second, "the new secret set in Mosquitto", func() bool {
+		p, err := dialMQTT(t, mq.URL, "new-secret-probe", f.bridgeID, secret)
+		if err == nil {
+			p.Disconnect(50)
+		}
+		return err == nil
+	})
+	waitOnline(t, f, false, "dev-1")
+}

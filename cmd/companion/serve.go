@@ -665,6 +665,9 @@ func (m *Main) brokerAccounts(tree topics.Tree) (api.BrokerAccounts, error) {
 			PinClientIDs:   cfg.MQTTPinClientIDs,
 			Topics:         tree,
 			Logger:         m.Logger,
+			// A bridge's retried account closes its connections without
+			// their Will (bug 353).
+			DisconnectedWithoutWill: m.Broker.BridgesDisconnectingWithoutWill,
 		})
 		if err != nil {
 			return nil, err
