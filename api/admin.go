@@ -87,14 +87,20 @@ func (s *Server) adminNewUserToken(c *gin.Context) error {
 	// Not the request's context: a token on disk whose broker account was
 	// not told kept the old one working there (bug 277's reason).
 	ctx := context.WithoutCancel(c.Request.Context())
-	switch err := s.store.SetUserToken(ctx, id, hash); {
+	// The user's name, for the answer, is read first: read after the
+	// write, a failure answered 500 with the token replaced, shown to no
+	// one, and the broker not told of it (bug 354).
+	u, err := s.store.User(ctx, id)
+	switch {
 	case errors.Is(err, companion.ErrNotFound):
 		return &Error{Code: CodeUserNotFound}
 	case err != nil:
 		return err
 	}
-	u, err := s.store.User(ctx, id)
-	if err != nil {
+	switch err := s.store.SetUserToken(ctx, id, hash); {
+	case errors.Is(err, companion.ErrNotFound):
+		return &Error{Code: CodeUserNotFound}
+	case err != nil:
 		return err
 	}
 	if s.accounts != nil {

@@ -4,10 +4,13 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"log/slog"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/store"
 
 	"github.com/stretchr/testify/assert"
@@ -650,4 +653,34 @@ func TestNewUserToken(t *testing.T) {
 	require.Equal(t, 200, r.status, "%s", r.body)
 	r = e.do("GET", "/api/v1/devices/dev-a", r.json(t)["token"].(string), nil)
 	assert.Equal(t, 200, r.status, "alice's device with her new token: %s", r.body)
+}
+
+// userReadFailingStore fails every read of a user by id (User).
+type userReadFailingStore struct{ *store.DB }
+
+func (userReadFailingStore) User(context.Context, string) (companion.User, error) {
+	return companion.User{}, errDisk
+}
+
+// A new token whose answer fails (a 500) changes nothing: the user's old
+// token still opens the API, and the broker is told of no new one. Read
+// after the store's write, the user's name failed the answer once the
+// token was replaced: the old token was refused, the new one shown to no
+// one, and the broker, not told, still took the old one on Mosquitto
+// (docs/reliability.md, bug 354).
+func TestANewTokenThatFailsChangesNothing(t *testing.T) {
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	acc := &recordingAccounts{}
+	e := newEnvWith(t, db, userReadFailingStore{db}, func(o *Options) { o.BrokerAccounts = acc })
+	r := e.do("POST", "/api/v1/admin/users", testAdminToken, map[string]any{"name": "carol"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	id, old := r.json(t)["user_id"].(string), r.json(t)["token"].(string)
+	acc.took()
+
+	r = e.do("POST", "/api/v1/admin/users/"+id+"/token", testAdminToken, nil)
+	require.Equal(t, 500, r.status, "%s", r.body)
+	assert.Equal(t, 200, e.do("GET", "/api/v1/devices", old, nil).status, "a failed new token replaced the old one")
+	assert.Empty(t, acc.took(), "a failed new token was told to the broker")
 }
