@@ -69,12 +69,14 @@ type Options struct {
 	RetryInterval time.Duration // how soon a failed change is tried again; default 30s
 	Logger        *slog.Logger
 	// DisconnectedWithoutWill, when set, is told of each bridge whose
-	// account a retry wrote (Reconcile): setting the password of a client
-	// there closes its connections without their Will, and the bridge,
-	// given a new secret while Mosquitto was away, does not come back with
-	// the old one. The server publishes the Will of a bridge not back
-	// within the grace (broker.Broker.BridgesDisconnectingWithoutWill), as
-	// for the API's own changes (docs/reliability.md, bug 353).
+	// account a retry wrote (Reconcile), and of each whose client
+	// Reconcile deleted as it had a secret the store no longer has:
+	// setting the password of a client, or deleting it, closes its
+	// connections without their Will, and the bridge, given a new secret
+	// while Mosquitto was away, does not come back with the old one. The
+	// server publishes the Will of a bridge not back within the grace
+	// (broker.Broker.BridgesDisconnectingWithoutWill), as for the API's
+	// own changes (docs/reliability.md, bugs 353 and 355).
 	DisconnectedWithoutWill func(bridgeIDs ...string)
 }
 
@@ -558,7 +560,7 @@ func (d *Driver) BridgeDeleted(ctx context.Context, bridgeID string) error {
 		case errors.Is(err, companion.ErrNotFound):
 			err = d.deleteBridge(ctx, bridgeID)
 		case err == nil:
-			err = d.deleteOlderClient(ctx, bridgeID, secretMark(b.SecretHash))
+			_, err = d.deleteOlderClient(ctx, bridgeID, secretMark(b.SecretHash))
 		}
 		unlock()
 	}
@@ -622,25 +624,34 @@ func (d *Driver) lockAccount(ctx context.Context, id string) (unlock func(), err
 
 // deleteOlderClient deletes the bridge's client unless its mark is mark:
 // the client of a bridge deleted and made again, whose new account is
-// not made yet. Run with d.change held.
-func (d *Driver) deleteOlderClient(ctx context.Context, bridgeID, mark string) error {
+// not made yet, or of a bridge whose new secret's change of the account
+// was lost. It says whether it deleted it. Run with d.change held.
+func (d *Driver) deleteOlderClient(ctx context.Context, bridgeID, mark string) (bool, error) {
 	c, err := d.getOurClient(ctx, bridgeID, "bridge", BridgeRole(bridgeID))
 	switch {
 	case errors.Is(err, errNotOurs) || notFound(err):
-		return nil
+		return false, nil
 	case err != nil:
-		return err
+		return false, err
 	case c.TextDescription == mark:
-		return nil
+		return false, nil
 	}
 	rs, err := d.Do(ctx, Command{"command": "deleteClient", "username": bridgeID})
 	if err != nil {
-		return err
+		return false, err
 	}
-	if err := rs[0].Err(); err != nil && !notFound(err) {
-		return err
+	if err := rs[0].Err(); err != nil {
+		return false, ignoreNotFound(err)
 	}
-	return nil
+	return true, nil
+}
+
+// ignoreNotFound is err, or nil for the plugin's "not found".
+func ignoreNotFound(err error) error {
+	if notFound(err) {
+		return nil
+	}
+	return err
 }
 
 // deleteOlderUserClient deletes the user's client if its mark, seen as
@@ -1335,7 +1346,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			switch {
 			case errors.Is(err, companion.ErrNotFound):
 				// Deleted while Mosquitto was away.
-				if err := d.deleteGoneBridge(ctx, id); err != nil {
+				if _, err := d.deleteGoneBridge(ctx, id); err != nil {
 					return err
 				}
 				continue
@@ -1343,12 +1354,17 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 				return err
 			}
 			if m := marks[id]; m != "" && m != secretMark(b.SecretHash) {
-				// Deleted while Mosquitto was away, and made again; the
-				// new account is not made yet (bug 258). A client made
+				// Deleted while Mosquitto was away, and made again, or
+				// given a new secret; the new account is not made yet
+				// (bug 258), or its change was lost. A client made
 				// before clients were marked is left alone: nothing
-				// tells whose secret it has.
-				if err := d.deleteGoneBridge(ctx, id); err != nil {
+				// tells whose secret it has. A client deleted had its
+				// connections closed without their Will (bug 355).
+				switch deleted, err := d.deleteGoneBridge(ctx, id); {
+				case err != nil:
 					return err
+				case deleted && d.opts.DisconnectedWithoutWill != nil:
+					d.opts.DisconnectedWithoutWill(id)
 				}
 			}
 			if want, err = d.BridgeACLs(ctx, id); err != nil {
@@ -1447,19 +1463,21 @@ func (d *Driver) retryCreate(ctx context.Context, a account) (bool, error) {
 // before it made the new account (whose retry, in memory, went with it)
 // took the deleted bridge's secret for good (docs/reliability.md, bug
 // 258).
-func (d *Driver) deleteGoneBridge(ctx context.Context, bridgeID string) error {
+//
+// It says whether it deleted the client of a bridge the store has.
+func (d *Driver) deleteGoneBridge(ctx context.Context, bridgeID string) (bool, error) {
 	unlock, err := d.lockAccount(ctx, bridgeID)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer unlock()
 	switch b, err := d.st.Bridge(ctx, bridgeID); {
 	case err == nil: // made again meanwhile: as BridgeDeleted does
 		return d.deleteOlderClient(ctx, bridgeID, secretMark(b.SecretHash))
 	case !errors.Is(err, companion.ErrNotFound):
-		return err
+		return false, err
 	}
-	return d.deleteBridge(ctx, bridgeID)
+	return false, d.deleteBridge(ctx, bridgeID)
 }
 
 // secretHeld says whether a creation to retry is still the store's: a
