@@ -500,7 +500,7 @@ func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 	// connection open by now is the next one, which may have said the
 	// bridge online already (announce). Marked offline, the bridge
 	// published no final reply nor status on it until the one after
-	// (docs/reliability.md, bug 332).
+	// (docs/reliability.md, bug 290).
 	a.connMu.Lock()
 	if !a.client.IsConnectionOpen() {
 		a.connected.Store(false)

@@ -29,7 +29,7 @@ import (
 // answered that device's filter on the connection, or the bridge finds
 // itself away from the broker (awaitsAnswer, away): a filter left
 // unanswered past the timeout holds the device's commands until a later
-// round's SUBACK (docs/reliability.md, bug 333). What is refused or
+// round's SUBACK (docs/reliability.md, bug 291). What is refused or
 // unanswered is asked again, with backoff, while the connection lasts; each
 // connection starts over with every filter, because paho restores no
 // subscription (SetResumeSubs concerns only SUBSCRIBEs not yet sent) and
@@ -91,7 +91,7 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 			// later round has its SUBACK, or the bridge is away from the
 			// broker. Run as if granted, those of a device moved off the
 			// bridge, which the server failed at the move, showed on the
-			// device (docs/reliability.md, bug 333).
+			// device (docs/reliability.md, bug 291).
 			a.announce(conn, len(missing)-len(left))
 		case len(left) < len(missing):
 			still := make(map[string]bool, len(left))

@@ -797,7 +797,7 @@ func TestAGrantedDeviceDoesNotWaitForTheRestOfTheRound(t *testing.T) {
 // after the next connection has said "online". The bridge then marked
 // itself offline on a connection that was open, and published no final
 // reply nor status until the next reconnect: a command ran on the device
-// and read delivered on the server for good (docs/reliability.md, bug 332).
+// and read delivered on the server for good (docs/reliability.md, bug 290).
 func TestALateConnectionLostHandlerLeavesTheNextConnectionOnline(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -839,7 +839,7 @@ func TestALateConnectionLostHandlerLeavesTheNextConnectionOnline(t *testing.T) {
 // command stays held while the filter's SUBACK is missing, the filter
 // asked for again, rather than run as if the broker had granted it; it is
 // held on once the broker refuses the filter, and runs once it grants it
-// (docs/reliability.md, bugs 249, 250 and 333). A bridge away from the
+// (docs/reliability.md, bugs 249, 250 and 291). A bridge away from the
 // broker still runs what it holds (TestBrokerDown).
 func TestCommandsHeldWhileTheirFiltersSUBACKIsMissing(t *testing.T) {
 	b, hook := startSubscribeBroker(t)

@@ -119,7 +119,7 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // while the broker refuses its login (noteLogin, bug 243), and, at start
 // and on every connection, until the broker has answered the device's
 // filter on the connection (unanswered, awaitsAnswer), a SUBACK that did
-// not come in time included (bug 333): a bridge restarted after
+// not come in time included (bug 291): a bridge restarted after
 // a move ran the commands its spool held for the moved device before its
 // SUBSCRIBE was refused (bug 249), and one that connected again after the
 // move did as its running command ended (bug 250). A bridge that cannot
@@ -169,7 +169,7 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 // away from the broker (away). The bridge is connected and cannot tell a
 // busy broker from one about to refuse the filter, the device moved off
 // it; run then, the commands the server failed at the move showed on the
-// device (docs/reliability.md, bug 333).
+// device (docs/reliability.md, bug 291).
 func (a *Agent) awaitsAnswer(dr *deviceRunner) bool {
 	conn := a.unanswered.Load()
 	return conn != 0 && dr.answeredOn.Load() != conn

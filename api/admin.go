@@ -89,7 +89,7 @@ func (s *Server) adminNewUserToken(c *gin.Context) error {
 	ctx := context.WithoutCancel(c.Request.Context())
 	// The user's name, for the answer, is read first: read after the
 	// write, a failure answered 500 with the token replaced, shown to no
-	// one, and the broker not told of it (bug 354).
+	// one, and the broker not told of it (bug 302).
 	u, err := s.store.User(ctx, id)
 	switch {
 	case errors.Is(err, companion.ErrNotFound):

@@ -211,7 +211,7 @@ func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
 		// Its connections are closed: on Mosquitto without its Will,
 		// which the server then publishes for a bridge not back within
 		// the grace. Without it, a bridge whose edge box still had the old
-		// secret read online, with its devices, for good (bug 351).
+		// secret read online, with its devices, for good (bug 299).
 		s.bridgesDisconnecting(id)
 		_ = s.accounts.BridgeSecretChanged(ctx, id, secret) // logged and retried there
 	}

@@ -667,7 +667,7 @@ func (userReadFailingStore) User(context.Context, string) (companion.User, error
 // after the store's write, the user's name failed the answer once the
 // token was replaced: the old token was refused, the new one shown to no
 // one, and the broker, not told, still took the old one on Mosquitto
-// (docs/reliability.md, bug 354).
+// (docs/reliability.md, bug 302).
 func TestANewTokenThatFailsChangesNothing(t *testing.T) {
 	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)

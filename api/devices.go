@@ -106,7 +106,7 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	// (or one that waited for the first request's answer) tries no claim
 	// code, and spent the user's attempts, a phone retrying an answer it
 	// lost read 429 for the device it had registered (docs/reliability.md,
-	// bug 310). A refusal gives the key's claim up, as any failure does.
+	// bug 284). A refusal gives the key's claim up, as any failure does.
 	if ok, wait, err := s.allow(c, s.register, user.ID); err != nil {
 		return err
 	} else if !ok {

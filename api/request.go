@@ -763,7 +763,7 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 				// (PostgreSQL then answers the context's error, though the
 				// write is on disk) would otherwise give the key up with
 				// the work done, and its repeat do it again
-				// (docs/reliability.md, bug 311).
+				// (docs/reliability.md, bug 285).
 				c.Request = c.Request.WithContext(context.WithoutCancel(c.Request.Context()))
 				return claim, false, nil
 			}
@@ -796,7 +796,7 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 // client stays: a claim on disk whose write the request read as failed
 // (the client hung up during the COMMIT) was never given up, and held its
 // key, answering every repeat 409 idempotency_key_in_use, for the minute a
-// claim lasts (docs/reliability.md, bug 311).
+// claim lasts (docs/reliability.md, bug 285).
 func (s *Server) putClaim(c *gin.Context, claim companion.Idempotency) error {
 	ctx, cancel := settleContext(c)
 	defer cancel()

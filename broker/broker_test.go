@@ -2304,7 +2304,7 @@ func (s *movingReplyStore) UpdateCommandWithReportAsync(id string, fn func(*comp
 // the device moved, are not stored, as those of the settings topic are
 // not (bug 272): with its clock ahead, they held the new bridge's reports
 // off, and GET …/settings read the old bridge's values (docs/reliability.md,
-// bug 331). The reply's state is stored.
+// bug 289). The reply's state is stored.
 func TestReplySettingsOfTheBridgeADeviceLeftAreNotStored(t *testing.T) {
 	e, _ := newEnvOn(t, func(db *store.DB) *movingReplyStore { return &movingReplyStore{DB: db} })
 	ctx := context.Background()

@@ -545,7 +545,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 	// The settings are stored only if the bridge read serves the device
 	// still: a move that commits before the write set their seq to 0, and
 	// the old bridge's, its clock ahead, held the new bridge's off
-	// (docs/reliability.md, bugs 272 and 331).
+	// (docs/reliability.md, bugs 272 and 289).
 	report := companion.DeviceReport{BridgeID: bridge}
 	switch {
 	case r.Status != nil && r.Status.BridgeID != "" && r.Status.BridgeID != bridge:

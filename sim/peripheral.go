@@ -854,7 +854,7 @@ func stockKeys(g uint16, id uint8, write bool) map[string]int {
 // the simulator's Go decoding took as the key's zero value: newtmgr's
 // confirm {"hash": null, "confirm": true} confirmed the running image, a
 // test with a null hash was answered "invalid hash", a chunk with null data
-// the offset held (docs/reliability.md, bug 320). Keys the handler does
+// the offset held (docs/reliability.md, bug 286). Keys the handler does
 // not read are skipped, whatever they hold. A body that is not a map of
 // text keys is left to the handler's own decoding, which refuses it.
 func zcborRefuses(body []byte, keys map[string]int) bool {
@@ -1025,7 +1025,7 @@ const cmdImageErase uint8 = 5
 // that does not exist is error 14. An erase, or a failed one, ends the
 // upload in progress (img_mgmt_reset_upload); a refusal for a slot in use
 // does not. It answers an empty map. The simulator answered rc 8 before,
-// as to a command it does not know (docs/reliability.md, bug 321).
+// as to a command it does not know (docs/reliability.md, bug 287).
 func (p *Peripheral) imageErase(m gatt.Message) reply {
 	const g = gatt.GroupImage
 	var req struct {

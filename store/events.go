@@ -224,7 +224,7 @@ func (db *DB) EventsPurgedAfter(ctx context.Context, after string) (bool, error)
 // purges kept none: a file it purged, upgraded, or taken back to it for a
 // while, had no mark or a stale one, and a client that resumed across the
 // upgrade from before the events it purged got no reset
-// (docs/reliability.md, bug 360).
+// (docs/reliability.md, bug 304).
 func eventsPurged(tx *bolt.Tx) uint64 {
 	var mark uint64
 	if v := tx.Bucket(bucketMeta).Get(keyEventsPurged); len(v) == 8 {

@@ -48,7 +48,7 @@ func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*companion.Command
 		}
 		if report.Settings != nil {
 			// Through the bridge the caller found serving the device:
-			// stored only if it serves it still (bug 331).
+			// stored only if it serves it still (bug 289).
 			if _, err := db.putReportedSettings(tx, out.DeviceID, report.BridgeID, *report.Settings); err != nil {
 				return err
 			}

@@ -16,7 +16,7 @@ import (
 // one): EventsPurgedAfter still tells a cursor before the
 // events those purges deleted, from the log itself, so that a client
 // that resumes across the upgrade gets its reset (docs/reliability.md,
-// bug 360).
+// bug 304).
 func TestEventsPurgedAfterOnAFileOlderThanTheMark(t *testing.T) {
 	now := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
 	db := openTestDBWith(t, t.TempDir()+"/companion.db", Options{Now: func() time.Time { return now }})

@@ -76,7 +76,7 @@ type Options struct {
 	// while Mosquitto was away, does not come back with the old one. The
 	// server publishes the Will of a bridge not back within the grace
 	// (broker.Broker.BridgesDisconnectingWithoutWill), as for the API's
-	// own changes (docs/reliability.md, bugs 353 and 355).
+	// own changes (docs/reliability.md, bugs 301 and 303).
 	DisconnectedWithoutWill func(bridgeIDs ...string)
 }
 
@@ -117,7 +117,7 @@ type account struct {
 	acls     []ACL
 	// mark is the client's text description: a bridge's is the secret's
 	// (secretMark), a user's the token's (none on a client made before
-	// bug 350).
+	// bug 298).
 	mark string
 }
 
@@ -660,7 +660,7 @@ func ignoreNotFound(err error) error {
 // restart before its retry), and the old token, which the change was to
 // end, still opened Mosquitto. The user needs another new token. A
 // client made before tokens were marked (at the user's creation, until
-// bug 350) is left alone: nothing tells whose token it has. Run with
+// bug 298) is left alone: nothing tells whose token it has. Run with
 // d.change held.
 func (d *Driver) deleteOlderUserClient(ctx context.Context, userID, mark string) error {
 	unlock, err := d.lockAccount(ctx, userID)
@@ -838,7 +838,7 @@ func (d *Driver) syncServed(ctx context.Context, bridgeID, deviceID string) erro
 // token was changed has (UserTokenChanged): made without it, the client
 // of a user whose first change of token was lost with a restart kept the
 // old token, and Reconcile, which tells a stale client by its mark, left
-// it (docs/reliability.md, bug 350).
+// it (docs/reliability.md, bug 298).
 func (d *Driver) UserCreated(ctx context.Context, userID, token string) error {
 	return d.createAccount(ctx, account{kind: "user", username: userID, password: token,
 		clientID: d.clientID(UserClientID(userID)), role: UserRole(userID), mark: secretMark(companion.HashSecret(token))})
@@ -1359,7 +1359,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 				// (bug 258), or its change was lost. A client made
 				// before clients were marked is left alone: nothing
 				// tells whose secret it has. A client deleted had its
-				// connections closed without their Will (bug 355).
+				// connections closed without their Will (bug 303).
 				switch deleted, err := d.deleteGoneBridge(ctx, id); {
 				case err != nil:
 					return err

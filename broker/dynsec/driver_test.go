@@ -920,7 +920,7 @@ func TestANewSecretReplacesTheOldAndMakesALostAccount(t *testing.T) {
 // creation still has the old token, and Reconcile must end it, as it does
 // an account whose token was changed before. The account made at creation
 // had no mark, and Reconcile left it: the leaked token opened Mosquitto
-// for good (docs/reliability.md, bug 350).
+// for good (docs/reliability.md, bug 298).
 func TestALostFirstTokenChangeEndsTheOldTokenAtReconcile(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
@@ -995,7 +995,7 @@ func TestANewTokenReplacesTheOldAndEndsAStaleOne(t *testing.T) {
 // Will: the driver says so (Options.DisconnectedWithoutWill), for the
 // server to publish the Will of the bridge, which cannot come back with
 // that secret. Not told, the bridge read online for good (docs/
-// reliability.md, bug 355). A bridge whose client is right is not told of.
+// reliability.md, bug 303). A bridge whose client is right is not told of.
 func TestABridgeClientReconcileDeletesIsToldOf(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)

@@ -68,7 +68,7 @@ type authHook struct {
 	// holds each account's latest, and checked each client let in, until
 	// its session is established, the count as its login began; logins
 	// counts the logins under way, which changed is kept for
-	// (docs/reliability.md, bug 352).
+	// (docs/reliability.md, bug 300).
 	changes uint64
 	changed map[Identity]uint64
 	checked map[*mqtt.Client]uint64
@@ -517,7 +517,7 @@ func (h *authHook) dropUnreadable(cl, existing *mqtt.Client) {
 
 // OnSessionEstablished forgets the client object cl replaced, and closes
 // cl if its account's credentials changed since its login began: it was
-// not yet among the clients the change closed (bug 352).
+// not yet among the clients the change closed (bug 300).
 func (h *authHook) OnSessionEstablished(cl *mqtt.Client, _ packets.Packet) {
 	h.mu.Lock()
 	h.dropReplaced(cl)

@@ -400,7 +400,7 @@ func (s *Server) Close() error {
 // device the bridge no longer serves is dropped when the bridge resumes
 // it. A login of the bridge under way, which checked its secret before the
 // call and is not connected yet, is closed once it is (kickLate): a new
-// secret ends the old one's logins too (docs/reliability.md, bug 352). It
+// secret ends the old one's logins too (docs/reliability.md, bug 300). It
 // returns how many connections it closed.
 //
 // The bridge's Will is not published as its connection closes, as the
@@ -431,7 +431,7 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 
 // kickLate closes a client whose login checked its credentials before a
 // change DisconnectBridge or DisconnectUser was told of, and which they
-// did not find connected (bug 352), as they close those they find.
+// did not find connected (bug 300), as they close those they find.
 func (s *Server) kickLate(cl *mqtt.Client, id Identity) {
 	if id.Role == RoleBridge && atomic.CompareAndSwapUint32(&cl.Properties.Will.Flag, 1, 0) {
 		s.holdWill(id.ID)

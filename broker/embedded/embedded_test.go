@@ -966,7 +966,7 @@ func (h *holdingAccounts) Authenticate(ctx context.Context, username, password s
 // of the old ones, is closed too, wherever it was: its credentials being
 // checked, or let in and not yet connected. It stayed connected with the
 // old secret or token, which the change was to end, with all of its
-// rights (docs/reliability.md, bug 352).
+// rights (docs/reliability.md, bug 300).
 func TestALoginAsItsCredentialsChangeIsClosedToo(t *testing.T) {
 	type who struct {
 		name, user, old string

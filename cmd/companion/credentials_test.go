@@ -107,7 +107,7 @@ func testANewBridgeSecret(t *testing.T, m *Main, url string, f *fleet) {
 // connection; the server holds it for the grace.) Mosquitto's plugin closes the connections of
 // the old secret without their Will, and the server did not stand in for
 // it: the bridge and its devices read online for good (docs/reliability.md,
-// bug 351).
+// bug 299).
 func TestABridgeGivenANewSecretReadsOfflineUntilItIsBack(t *testing.T) {
 	const grace = time.Second
 	for _, tb := range []struct {
@@ -154,7 +154,7 @@ func TestABridgeGivenANewSecretReadsOfflineUntilItIsBack(t *testing.T) {
 // Mosquitto is back and the driver's retry has set the new secret there,
 // which closes the bridge's connection (made again with the old secret,
 // which Mosquitto still had) without its Will (docs/reliability.md, bug
-// 353).
+// 301).
 func TestABridgeGivenANewSecretWhileMosquittoIsAwayReadsOffline(t *testing.T) {
 	t.Parallel()
 	mq := mqtttest.StartMosquitto(t, serverAccount)

@@ -435,7 +435,7 @@ func (m *Main) APIURL() string {
 // and one a user can paste, as the quick start's mosquitto_sub line has
 // it. http://[::]:PORT, printed in the start-up line, demo.json and the
 // quick start's curl lines, is no address to send a request to
-// (docs/reliability.md, bug 362). A listener on "tcp" for every address
+// (docs/reliability.md, bug 306). A listener on "tcp" for every address
 // takes both families, so 127.0.0.1 reaches it.
 func dialAddr(addr string) string {
 	host, port, err := net.SplitHostPort(addr)
@@ -666,7 +666,7 @@ func (m *Main) brokerAccounts(tree topics.Tree) (api.BrokerAccounts, error) {
 			Topics:         tree,
 			Logger:         m.Logger,
 			// A bridge's retried account closes its connections without
-			// their Will (bug 353).
+			// their Will (bug 301).
 			DisconnectedWithoutWill: m.Broker.BridgesDisconnectingWithoutWill,
 		})
 		if err != nil {

@@ -148,7 +148,7 @@ func TestShutdownSecondSignalKills(t *testing.T) {
 // the start-up line, demo.json's api_url and the quick start's lines name
 // the loopback address, 127.0.0.1, as its mosquitto_sub line does: a
 // user pastes them, and http://[::]:PORT is no address to send a request
-// to (docs/reliability.md, bug 362).
+// to (docs/reliability.md, bug 306).
 func TestServeOnEveryAddressPrintsLoopback(t *testing.T) {
 	m := startServer(t, Config{HTTP: "0.0.0.0:0", MQTTListen: "0.0.0.0:0", Demo: true})
 	_, httpPort, err := net.SplitHostPort(m.HTTPAddr())

@@ -69,7 +69,7 @@ func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time
 // no status or settings yet, took no lock, and the late report landed
 // after it: the device read online on the bridge it left, or that
 // bridge's settings, its clock ahead, held the new bridge's off
-// (docs/reliability.md, bug 330). The status before the settings, as
+// (docs/reliability.md, bug 288). The status before the settings, as
 // every write takes them.
 func lockReports(ctx context.Context, tx pgx.Tx, deviceID string, settings bool) error {
 	key := statusLockKey(deviceID)

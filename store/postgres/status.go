@@ -170,7 +170,7 @@ func (s *Store) putStatusAsync(ctx context.Context, st companion.Status, done fu
 // row, or while there is none the advisory lock of lockStatusSQL, whether
 // it changes the status or not (lockReports): a move of a device offline
 // already waits for a report that checked the bridge before it, and then
-// sets the device offline over it (bug 330).
+// sets the device offline over it (bug 288).
 const fromItsBridgeSQL = `($7 = '' OR EXISTS (SELECT 1 FROM assignments a WHERE a.device_id = $1 AND a.bridge_id = $7))`
 
 // putStatus is PutStatus inside a transaction; st is checked already.
@@ -542,7 +542,7 @@ func (s *Store) putReportedSettingsAsync(ctx context.Context, deviceID, bridgeID
 // while there is none the advisory lock that a first write takes
 // (lockReports), and lockSettings waits for either: the statement after
 // it reads the move's assignment, or the move waits for this write (bug
-// 330).
+// 288).
 func (s *Store) putReportedSettings(ctx context.Context, tx pgx.Tx, deviceID, bridgeID string, r companion.ReportedSettings) (bool, error) {
 	now := s.clock()
 	row, found, err := lockSettings(ctx, tx, deviceID, now)

@@ -83,7 +83,7 @@ func blocked(t *testing.T, dsn string) func() bool {
 // reported since by its new bridge), or with no status or settings yet,
 // took no lock, and the late report landed after the move: the device read
 // online on the bridge it left, or that bridge's settings, its clock ahead,
-// held the new bridge's off (docs/reliability.md, bugs 266, 271, 272, 330).
+// held the new bridge's off (docs/reliability.md, bugs 266, 271, 272, 288).
 func testMoveWaitsForALateWrite(t *testing.T, e *testEnv) {
 	for _, tc := range []struct {
 		name string

@@ -14,7 +14,7 @@ import (
 // them: migration 5 starts the mark just below the oldest event kept, or at
 // its own transaction when none is, so that a client that resumes across
 // the upgrade from before them gets its reset (docs/reliability.md, bug
-// 361). A database whose log lost nothing starts with no mark.
+// 305). A database whose log lost nothing starts with no mark.
 func TestMigrationMarksTheEventsAnOldBuildPurged(t *testing.T) {
 	srv := pgtest.Start(t)
 	ms, err := migrations()

@@ -64,7 +64,7 @@ func testUpdateCommandWithReport(t *testing.T, open Opener) {
 // move that committed in between set the settings' seq to 0. Stored over
 // that, the old bridge's, its clock ahead, held the new bridge's reports
 // off, and GET …/settings read the old bridge's values (docs/reliability.md,
-// bug 331). The reply's state is stored all the same.
+// bug 289). The reply's state is stored all the same.
 func testReportSettingsFromTheBridgeItLeft(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	tenancy(t, s)

@@ -12,7 +12,7 @@ INSERT INTO events_purged (xid, id) VALUES ('0', 0);
 -- once one was made, says events went, and the mark starts just below the
 -- oldest event kept, or at this transaction when none is. A client that
 -- resumes across the upgrade from before them then gets its reset
--- (docs/reliability.md, bug 361); an insert rolled back before the oldest
+-- (docs/reliability.md, bug 305); an insert rolled back before the oldest
 -- makes such a gap too, which costs a reset at most.
 UPDATE events_purged SET xid = o.xid, id = o.id - 1
 	FROM (SELECT xid, id FROM events ORDER BY xid, id LIMIT 1) o
