@@ -73,9 +73,13 @@ type authHook struct {
 	changed map[Identity]uint64
 	checked map[*mqtt.Client]uint64
 	logins  int
+	// gone holds, of the changes in changed, those that deleted the
+	// account (Server.DeleteBridge): its late login's session goes too.
+	gone map[Identity]bool
 	// kick closes a client let in with credentials changed since, as
-	// Server.DisconnectBridge and DisconnectUser close those connected.
-	kick func(cl *mqtt.Client, id Identity)
+	// Server.DisconnectBridge, DisconnectUser and DeleteBridge close those
+	// connected; deleted says the account was deleted.
+	kick func(cl *mqtt.Client, id Identity, deleted bool)
 }
 
 // ID names the hook in mochi's log.
@@ -225,14 +229,16 @@ func (h *authHook) noteChecked(cl *mqtt.Client, id Identity, began uint64) bool 
 // credentialsChanged notes that id's credentials (or rights) changed:
 // a login under way that checked them before is closed once connected
 // (OnSessionEstablished). Call it before closing id's connections.
-func (h *authHook) credentialsChanged(id Identity) {
+func (h *authHook) credentialsChanged(id Identity, deleted bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.logins == 0 && len(h.checked) == 0 {
 		clear(h.changed) // no login began before these changes
+		clear(h.gone)
 	}
 	h.changes++
 	h.changed[id] = h.changes
+	h.gone[id] = deleted
 }
 
 // forget drops what the hook knows of cl; h.mu held.
@@ -525,9 +531,10 @@ func (h *authHook) OnSessionEstablished(cl *mqtt.Client, _ packets.Packet) {
 	delete(h.checked, cl)
 	id, known := h.ids[cl]
 	stale := checked && known && h.changed[id] > began
+	deleted := stale && h.gone[id]
 	h.mu.Unlock()
 	if stale && h.kick != nil {
-		h.kick(cl, id)
+		h.kick(cl, id, deleted)
 	}
 }
 

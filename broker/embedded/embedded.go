@@ -274,6 +274,7 @@ func New(opts Options) (*Server, error) {
 		replaced: map[*mqtt.Client]*mqtt.Client{},
 		sessions: map[Identity]map[*mqtt.Client]uint64{},
 		changed:  map[Identity]uint64{},
+		gone:     map[Identity]bool{},
 		checked:  map[*mqtt.Client]uint64{},
 
 		maxSessions: max(opts.MaxSessions, 0),
@@ -409,7 +410,7 @@ func (s *Server) Close() error {
 // until the bridge was back a moment later. Should the bridge not connect
 // again within the grace (Options.KickGrace), its Will is published then.
 func (s *Server) DisconnectBridge(bridgeID string) int {
-	s.auth.credentialsChanged(Identity{Role: RoleBridge, ID: bridgeID})
+	s.auth.credentialsChanged(Identity{Role: RoleBridge, ID: bridgeID}, false)
 	n, wills := 0, 0
 	for _, cl := range s.mochi.Clients.GetAll() {
 		if id, ok := s.auth.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
@@ -430,9 +431,20 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 }
 
 // kickLate closes a client whose login checked its credentials before a
-// change DisconnectBridge or DisconnectUser was told of, and which they
-// did not find connected (bug 300), as they close those they find.
-func (s *Server) kickLate(cl *mqtt.Client, id Identity) {
+// change DisconnectBridge, DisconnectUser or DeleteBridge (deleted) was
+// told of, and which they did not find connected (bugs 300 and 307), as
+// they close those they find.
+func (s *Server) kickLate(cl *mqtt.Client, id Identity, deleted bool) {
+	if deleted {
+		// As DeleteBridge closes a connection it finds: its session goes
+		// too, so that a bridge made later under the id inherits nothing.
+		_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
+		if !endsWithConnection(cl) {
+			s.discardSession(cl)
+		}
+		s.log.Info("mqtt client disconnected: its bridge was deleted as it logged in", "id", id.ID, "client_id", cl.ID)
+		return
+	}
 	if id.Role == RoleBridge && atomic.CompareAndSwapUint32(&cl.Properties.Will.Flag, 1, 0) {
 		s.holdWill(id.ID)
 	}
@@ -498,7 +510,7 @@ func (s *Server) bridgeConnected(bridgeID string) bool {
 // is closed once connected, as DisconnectBridge does. Sessions stay. It
 // returns how many connections it closed.
 func (s *Server) DisconnectUser(userID string) int {
-	s.auth.credentialsChanged(Identity{Role: RoleUser, ID: userID})
+	s.auth.credentialsChanged(Identity{Role: RoleUser, ID: userID}, false)
 	n := 0
 	for _, cl := range s.mochi.Clients.GetAll() {
 		if id, ok := s.auth.identity(cl); ok && id.Role == RoleUser && id.ID == userID && !cl.Closed() {
@@ -518,6 +530,11 @@ func (s *Server) DisconnectUser(userID string) int {
 // the old one's. Call it instead of DisconnectBridge when the bridge is
 // deleted. It returns how many connections it closed.
 func (s *Server) DeleteBridge(bridgeID string) int {
+	// A login of the bridge under way, which checked its secret before the
+	// deletion and is not connected yet, is closed once it is, its session
+	// discarded (kickLate): it stayed connected as the deleted bridge
+	// (docs/reliability.md, bug 307).
+	s.auth.credentialsChanged(Identity{Role: RoleBridge, ID: bridgeID}, true)
 	n, sessions := 0, 0
 	for _, cl := range s.mochi.Clients.GetAll() {
 		if id, ok := s.auth.identity(cl); !ok || id.Role != RoleBridge || id.ID != bridgeID {

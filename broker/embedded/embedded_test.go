@@ -966,7 +966,8 @@ func (h *holdingAccounts) Authenticate(ctx context.Context, username, password s
 // of the old ones, is closed too, wherever it was: its credentials being
 // checked, or let in and not yet connected. It stayed connected with the
 // old secret or token, which the change was to end, with all of its
-// rights (docs/reliability.md, bug 300).
+// rights (docs/reliability.md, bug 300). Likewise a login of a bridge as
+// it is deleted (bug 307).
 func TestALoginAsItsCredentialsChangeIsClosedToo(t *testing.T) {
 	type who struct {
 		name, user, old string
@@ -978,6 +979,8 @@ func TestALoginAsItsCredentialsChangeIsClosedToo(t *testing.T) {
 			func(s *embedded.Server) int { return s.DisconnectBridge("bridge-1") }},
 		{"user", "alice", "alice-token", func(a *fakeAccounts) { a.users["alice"] = "alice-new" },
 			func(s *embedded.Server) int { return s.DisconnectUser("alice") }},
+		{"deleted bridge", "bridge-1", "b1-secret", func(a *fakeAccounts) { delete(a.bridges, "bridge-1") },
+			func(s *embedded.Server) int { return s.DeleteBridge("bridge-1") }},
 	} {
 		for _, where := range []string{"checked", "let in"} {
 			t.Run(w.name+", "+where, func(t *testing.T) {
