@@ -451,7 +451,7 @@ func (d *Driver) BridgeCreated(ctx context.Context, bridgeID, secret string) err
 		clientID: d.clientID(BridgeClientID(bridgeID)), role: BridgeRole(bridgeID), mark: secretMark(companion.HashSecret(secret))})
 	switch {
 	case errors.Is(err, errGone):
-		d.log.Info("Mosquitto account not created: the bridge was deleted or made anew since", "bridge_id", bridgeID)
+		d.log.Info("Mosquitto account not written: the bridge was deleted or made anew, or given another secret, since", "bridge_id", bridgeID)
 		return nil
 	case err != nil:
 		return err
@@ -479,7 +479,7 @@ func (d *Driver) BridgeSecretChanged(ctx context.Context, bridgeID, secret strin
 
 // errGone is createBridge's answer when the store no longer has the
 // bridge with the secret it was to be made with.
-var errGone = errors.New("dynsec: the bridge was deleted or made anew since")
+var errGone = errors.New("dynsec: the bridge was deleted or made anew, or given another secret, since")
 
 // createBridge makes a bridge's account, with the account's lock held,
 // and returns what the bridge served as its role was made. Run with

@@ -425,7 +425,7 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 		s.holdWill(bridgeID)
 	}
 	if n > 0 {
-		s.log.Info("bridge disconnected: its devices changed", "bridge_id", bridgeID, "connections", n)
+		s.log.Info("bridge disconnected: its devices or its secret changed", "bridge_id", bridgeID, "connections", n)
 	}
 	return n
 }
