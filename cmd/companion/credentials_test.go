@@ -178,3 +178,18 @@ func TestABridgeGivenANewSecretWhileMosquittoIsAwayReadsOffline(t *testing.T) {
 	})
 	waitOnline(t, f, false, "dev-1")
 }
+
+// --mqtt-sessions-per-account reaches the embedded broker: with 1, a
+// user's second MQTT connection under another client id is refused while
+// the first is connected (CONTRACT §6's limits are configurable; so are
+// the broker's own bounds, docs/security.md API4).
+func TestMQTTSessionsPerAccountReachesTheBroker(t *testing.T) {
+	var cfg Config
+	require.NoError(t, parseFlags(newServeFlags(&cfg), []string{"--mqtt-sessions-per-account", "1"}))
+	cfg.fromFlags()
+	m := startServer(t, Config{MQTTSessionsPerAccount: cfg.MQTTSessionsPerAccount})
+	f := setupFleet(t, m)
+	mustDialMQTT(t, m.MQTTURL(), "first", f.userID, f.user.token)
+	_, err := dialMQTT(t, m.MQTTURL(), "second", f.userID, f.user.token)
+	assert.Error(t, err, "a second session of the account was let in")
+}

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/api"
+	"github.com/devicecompanion/companion/broker/embedded"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/testenv"
 )
@@ -278,7 +279,9 @@ func TestLimitFlagsReachTheLimits(t *testing.T) {
 		MaxAppBytes: d.MaxAppBytes, MaxFirmwareBytes: d.MaxFirmwareBytes, MaxOpenCommands: d.MaxOpenCommands,
 		RequestsPerSecond: d.RequestsPerSecond, RequestBurst: d.RequestBurst, RegisterPerMinute: d.RegisterPerMinute,
 		UnauthPerMinute: d.UnauthPerMinute, MaxStreamsPerUser: d.MaxStreamsPerUser, MaxWaitsPerUser: d.MaxWaitsPerUser,
+		MaxBridgesPerUser: d.MaxBridgesPerUser, MaxBodyBytesPerUser: d.MaxBodyBytesPerUser,
 	}, cfg.Limits, "the defaults")
+	assert.Equal(t, embedded.DefaultMaxSessions, cfg.MQTTSessionsPerAccount, "the embedded broker's sessions per account")
 
 	t.Setenv("COMPANION_MAX_FIRMWARE_BYTES", "7000")
 	t.Setenv("COMPANION_RATE_BURST", "9")
@@ -286,7 +289,8 @@ func TestLimitFlagsReachTheLimits(t *testing.T) {
 	require.NoError(t, parseFlags(newServeFlags(&cfg), []string{
 		"--max-text-bytes", "1001", "--max-title-bytes", "1002", "--max-image-bytes", "1003", "--max-image-side", "1004",
 		"--max-app-bytes", "1005", "--max-open-commands", "1006", "--rate-per-token", "2.5",
-		"--register-per-minute", "0",
+		"--register-per-minute", "0", "--max-bridges-per-user", "7", "--max-body-bytes-per-user", "0",
+		"--mqtt-sessions-per-account", "5",
 	}))
 	require.NoError(t, cfg.checkFlags(nil))
 	cfg.fromFlags()
@@ -295,5 +299,7 @@ func TestLimitFlagsReachTheLimits(t *testing.T) {
 		MaxAppBytes: 1005, MaxFirmwareBytes: 7000, MaxOpenCommands: 1006,
 		RequestsPerSecond: 2.5, RequestBurst: 9, RegisterPerMinute: -1,
 		UnauthPerMinute: d.UnauthPerMinute, MaxStreamsPerUser: d.MaxStreamsPerUser, MaxWaitsPerUser: d.MaxWaitsPerUser,
+		MaxBridgesPerUser: 7, MaxBodyBytesPerUser: -1,
 	}, cfg.Limits, "as given")
+	assert.Equal(t, 5, cfg.MQTTSessionsPerAccount)
 }

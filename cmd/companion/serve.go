@@ -92,6 +92,9 @@ type Config struct {
 	// of its rights is held (broker.Options.KickGrace, and the embedded
 	// broker's); zero takes the default, 10 s.
 	KickGrace time.Duration
+	// MQTTSessionsPerAccount bounds the embedded broker's sessions of one
+	// account (embedded.Options.MaxSessions): 0 its default, negative none.
+	MQTTSessionsPerAccount int
 	// For tests: the options of GET /api/v1/events (heartbeat, buffer),
 	// zero fields taking their defaults.
 	Events api.EventsOptions
@@ -142,6 +145,9 @@ func newServeFlags(c *Config) *flag.FlagSet {
 	fs.IntVar(&l.UnauthPerMinute, "unauth-per-minute", d.UnauthPerMinute, "requests without a valid token a minute per source address (0: no limit)")
 	fs.IntVar(&l.MaxStreamsPerUser, "max-streams-per-user", d.MaxStreamsPerUser, "event streams (GET /api/v1/events) one user may have open at once on this server; past them a stream is a 429 (0: no limit)")
 	fs.IntVar(&l.MaxWaitsPerUser, "max-waits-per-user", d.MaxWaitsPerUser, "requests of one user Prefer: wait may hold at once on this server; past them such a request is a 429 (0: no limit)")
+	fs.IntVar(&l.MaxBridgesPerUser, "max-bridges-per-user", d.MaxBridgesPerUser, "bridges of their own one user may have (POST /api/v1/bridges); past them a creation is a 422 (0: no limit)")
+	fs.Int64Var(&l.MaxBodyBytesPerUser, "max-body-bytes-per-user", d.MaxBodyBytesPerUser, "bytes of request bodies one user's requests may be sending to this server at once; past them a request is a 429 before its body is read (0: no limit)")
+	fs.IntVar(&c.MQTTSessionsPerAccount, "mqtt-sessions-per-account", embedded.DefaultMaxSessions, "embedded broker: MQTT sessions one account (a bridge, a user) may hold, connected or kept for a client that left; past them the oldest offline one ends, or the login is refused (0: no limit)")
 	fs.Float64Var(&c.ReportRate, "report-rate", 1, "statuses, and settings, of one device taken in a second from MQTT; a report over it waits its turn, and a newer one takes its place (0: no limit)")
 	fs.IntVar(&c.ReportBurst, "report-burst", 10, "burst of --report-rate")
 	return fs
@@ -264,6 +270,9 @@ func (c *Config) checkFlags(onCommandLine map[string]bool) error {
 		{"unauth-per-minute", float64(l.UnauthPerMinute)},
 		{"max-streams-per-user", float64(l.MaxStreamsPerUser)},
 		{"max-waits-per-user", float64(l.MaxWaitsPerUser)},
+		{"max-bridges-per-user", float64(l.MaxBridgesPerUser)},
+		{"max-body-bytes-per-user", float64(l.MaxBodyBytesPerUser)},
+		{"mqtt-sessions-per-account", float64(c.MQTTSessionsPerAccount)},
 		{"report-rate", c.ReportRate},
 	} {
 		if !(f.v >= 0) { // NaN too
@@ -310,6 +319,15 @@ func (c *Config) fromFlags() {
 	}
 	if c.Limits.MaxWaitsPerUser == 0 {
 		c.Limits.MaxWaitsPerUser = -1
+	}
+	if c.Limits.MaxBridgesPerUser == 0 {
+		c.Limits.MaxBridgesPerUser = -1
+	}
+	if c.Limits.MaxBodyBytesPerUser == 0 {
+		c.Limits.MaxBodyBytesPerUser = -1
+	}
+	if c.MQTTSessionsPerAccount == 0 {
+		c.MQTTSessionsPerAccount = -1
 	}
 	if c.ReportRate == 0 {
 		c.ReportRate = -1
@@ -573,7 +591,10 @@ func (m *Main) startMQTT(tree topics.Tree, mqttServerTLS *tls.Config) error {
 		Topics:    tree,
 		Accounts:  broker.Accounts{Store: m.DB},
 		KickGrace: cfg.KickGrace,
-		Logger:    m.Logger,
+		// 0 (a Config made in code) is the default; the flag's 0, no
+		// limit, is -1 by then (fromFlags).
+		MaxSessions: cfg.MQTTSessionsPerAccount,
+		Logger:      m.Logger,
 	})
 	if err != nil {
 		return err
