@@ -477,8 +477,8 @@ func (d *Driver) BridgeSecretChanged(ctx context.Context, bridgeID, secret strin
 	return d.BridgeCreated(ctx, bridgeID, secret)
 }
 
-// errGone is createBridge's answer when the store no longer has the
-// bridge with the secret it was to be made with.
+// errGone is lockHeld's answer when the store no longer has the account
+// with the secret it was to be written with.
 var errGone = errors.New("dynsec: the bridge was deleted or made anew, or given another secret, since")
 
 // createBridge makes a bridge's account, with the account's lock held,
@@ -490,26 +490,39 @@ var errGone = errors.New("dynsec: the bridge was deleted or made anew, or given 
 // (docs/reliability.md, bug 256). The retry reads the store again
 // (secretHeld), and Reconcile then gives the role what the bridge serves.
 func (d *Driver) createBridge(ctx context.Context, a account) ([]string, error) {
-	unlock, err := d.lockAccount(ctx, a.username)
+	unlock, err := d.lockHeld(ctx, a)
 	if err != nil {
-		return nil, d.retryLater(a, err)
+		return nil, err
 	}
 	defer unlock()
 	served, err := d.st.ServedDevices(ctx, a.username)
 	if err != nil {
 		return nil, d.retryLater(a, err)
 	}
-	switch held, err := d.secretHeld(ctx, a); {
-	case err != nil:
-		return nil, d.retryLater(a, err)
-	case !held:
-		return nil, errGone
-	}
 	if a.acls, err = d.bridgeACLs(a.username, served); err != nil {
 		d.log.Error("bridge account not created", "bridge_id", a.username, "err", err)
 		return nil, err
 	}
 	return served, d.createAccountLocked(ctx, a)
+}
+
+// lockHeld takes the account's lock (lockAccount) and checks, under it,
+// that the store still has the account with a's secret (secretHeld): the
+// account may be written until unlock is called. It returns errGone when
+// the store has not; a failure is queued for a retry (retryLater).
+func (d *Driver) lockHeld(ctx context.Context, a account) (unlock func(), err error) {
+	if unlock, err = d.lockAccount(ctx, a.username); err != nil {
+		return nil, d.retryLater(a, err)
+	}
+	switch held, err := d.secretHeld(ctx, a); {
+	case err != nil:
+		unlock()
+		return nil, d.retryLater(a, err)
+	case !held:
+		unlock()
+		return nil, errGone
+	}
+	return unlock, nil
 }
 
 // syncMoved syncs each device that joined or left the bridge since it
@@ -627,42 +640,41 @@ func (d *Driver) lockAccount(ctx context.Context, id string) (unlock func(), err
 // not made yet, or of a bridge whose new secret's change of the account
 // was lost. It says whether it deleted it. Run with d.change held.
 func (d *Driver) deleteOlderClient(ctx context.Context, bridgeID, mark string) (bool, error) {
-	c, err := d.getOurClient(ctx, bridgeID, "bridge", BridgeRole(bridgeID))
+	return d.deleteClientNotMarked(ctx, "bridge", bridgeID, BridgeRole(bridgeID), mark, false)
+}
+
+// deleteClientNotMarked deletes the client username of kind, if the server
+// made it (with role), unless its mark is mark; one with no mark too
+// unless keepUnmarked. It says whether it deleted it. Run with d.change
+// held.
+func (d *Driver) deleteClientNotMarked(ctx context.Context, kind, username, role, mark string, keepUnmarked bool) (bool, error) {
+	c, err := d.getOurClient(ctx, username, kind, role)
 	switch {
 	case errors.Is(err, errNotOurs) || notFound(err):
 		return false, nil
 	case err != nil:
 		return false, err
-	case c.TextDescription == mark:
+	case c.TextDescription == mark, keepUnmarked && c.TextDescription == "":
 		return false, nil
 	}
-	rs, err := d.Do(ctx, Command{"command": "deleteClient", "username": bridgeID})
+	rs, err := d.Do(ctx, Command{"command": "deleteClient", "username": username})
 	if err != nil {
 		return false, err
 	}
-	if err := rs[0].Err(); err != nil {
-		return false, ignoreNotFound(err)
+	if err := rs[0].Err(); err != nil && !notFound(err) {
+		return false, err
 	}
 	return true, nil
 }
 
-// ignoreNotFound is err, or nil for the plugin's "not found".
-func ignoreNotFound(err error) error {
-	if notFound(err) {
-		return nil
-	}
-	return err
-}
-
-// deleteOlderUserClient deletes the user's client if its mark, seen as
-// mark, is not that of the token the store has, read with the account's
-// lock held: the token was replaced and the change of the account lost (a
-// restart before its retry), and the old token, which the change was to
-// end, still opened Mosquitto. The user needs another new token. A
-// client made before tokens were marked (at the user's creation, until
-// bug 298) is left alone: nothing tells whose token it has. Run with
-// d.change held.
-func (d *Driver) deleteOlderUserClient(ctx context.Context, userID, mark string) error {
+// deleteOlderUserClient deletes the user's client if its mark is not that
+// of the token the store has, read with the account's lock held: the
+// token was replaced and the change of the account lost (a restart before
+// its retry), and the old token, which the change was to end, still
+// opened Mosquitto. The user needs another new token. A client made
+// before tokens were marked (at the user's creation, until bug 298) is
+// left alone: nothing tells whose token it has. Run with d.change held.
+func (d *Driver) deleteOlderUserClient(ctx context.Context, userID string) error {
 	unlock, err := d.lockAccount(ctx, userID)
 	if err != nil {
 		return err
@@ -674,28 +686,13 @@ func (d *Driver) deleteOlderUserClient(ctx context.Context, userID, mark string)
 		return nil
 	case err != nil:
 		return err
-	case secretMark(u.TokenHash) == mark:
-		return nil
 	}
-	c, err := d.getOurClient(ctx, userID, "user", UserRole(userID))
-	switch {
-	case errors.Is(err, errNotOurs) || notFound(err):
-		return nil
-	case err != nil:
-		return err
-	case c.TextDescription != mark: // changed meanwhile
-		return nil
+	deleted, err := d.deleteClientNotMarked(ctx, "user", userID, UserRole(userID), secretMark(u.TokenHash), true)
+	if deleted {
+		d.log.Warn("Mosquitto account of a user deleted: it has a token the user no longer has, whose change was lost; give the user a new token",
+			"user_id", userID)
 	}
-	rs, err := d.Do(ctx, Command{"command": "deleteClient", "username": userID})
-	if err != nil {
-		return err
-	}
-	if err := rs[0].Err(); err != nil && !notFound(err) {
-		return err
-	}
-	d.log.Warn("Mosquitto account of a user deleted: it has a token the user no longer has, whose change was lost; give the user a new token",
-		"user_id", userID)
-	return nil
+	return err
 }
 
 // secretMark is the mark of a bridge's client (its text description): the
@@ -861,18 +858,15 @@ func (d *Driver) UserTokenChanged(ctx context.Context, userID, token string) err
 	defer d.change.Unlock()
 	a := account{kind: "user", username: userID, password: token, clientID: d.clientID(UserClientID(userID)),
 		role: UserRole(userID), mark: secretMark(companion.HashSecret(token))}
-	unlock, err := d.lockAccount(ctx, userID)
-	if err != nil {
-		return d.retryLater(a, err)
-	}
-	defer unlock()
-	switch held, err := d.secretHeld(ctx, a); {
-	case err != nil:
-		return d.retryLater(a, err)
-	case !held:
+	unlock, err := d.lockHeld(ctx, a)
+	switch {
+	case errors.Is(err, errGone):
 		d.log.Info("Mosquitto account not changed: the user's token was replaced again since", "user_id", userID)
 		return nil
+	case err != nil:
+		return err
 	}
+	defer unlock()
 	_, err = d.getOurClient(ctx, userID, a.kind, a.role)
 	lost := notFound(err)
 	if err != nil && !lost {
@@ -1311,8 +1305,8 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		return fmt.Errorf("dynsec: listClients: %w", err)
 	}
 	var pins []Command
-	marks := map[string]string{}     // bridge → its client's mark
-	userMarks := map[string]string{} // user → their client's mark
+	marks := map[string]string{}    // bridge → its client's mark
+	userMarked := map[string]bool{} // user → their client has a mark
 	for _, c := range clients.Clients {
 		if p := d.pin(c); p != nil {
 			pins = append(pins, p)
@@ -1321,7 +1315,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			marks[c.Username] = c.TextDescription
 		}
 		if c.ours("user", UserRole(c.Username)) {
-			userMarks[c.Username] = c.TextDescription
+			userMarked[c.Username] = c.TextDescription != ""
 		}
 	}
 	if err := d.apply(ctx, pins); err != nil {
@@ -1374,8 +1368,8 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			read = func(dev string) func(context.Context) (bool, error) { return d.serves(id, dev) }
 		case strings.HasPrefix(r.Name, "user-"):
 			user := strings.TrimPrefix(r.Name, "user-")
-			if m := userMarks[user]; m != "" {
-				if err := d.deleteOlderUserClient(ctx, user, m); err != nil {
+			if userMarked[user] {
+				if err := d.deleteOlderUserClient(ctx, user); err != nil {
 					return err
 				}
 			}

@@ -3,7 +3,6 @@ package dynsec_test
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -134,8 +133,7 @@ func (b *bindings) createBridge(id, secret string) {
 	defer unlock()
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	h := sha256.Sum256([]byte(secret))
-	b.bridges[id], b.secrets[id] = true, h[:]
+	b.bridges[id], b.secrets[id] = true, companion.HashSecret(secret)
 }
 
 // User is the user with the token setUser gave them.
