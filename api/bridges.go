@@ -31,6 +31,15 @@ type assignRequest struct {
 	BridgeID *string `json:"bridge_id"` // null: no bridge
 }
 
+// idempotencyScope is whose Idempotency-Key records a request of ownerID
+// ("" the operator) claims: the user's, or the admin's.
+func idempotencyScope(ownerID string) string {
+	if ownerID == "" {
+		return adminUserID
+	}
+	return ownerID
+}
+
 func (s *Server) adminCreateBridge(c *gin.Context) error { return s.createBridge(c, "") }
 
 func (s *Server) createUserBridge(c *gin.Context) error {
@@ -45,10 +54,7 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 	if err != nil {
 		return err
 	}
-	principal := adminUserID
-	if ownerID != "" {
-		principal = ownerID
-	}
+	principal := idempotencyScope(ownerID)
 	rec, replayed, err := s.beginIdempotent(c, principal, body.raw)
 	if err != nil || replayed {
 		return err
@@ -178,10 +184,7 @@ func (s *Server) newUserBridgeSecret(c *gin.Context) error {
 // is also what repairs a bridge whose account on Mosquitto was lost
 // (docs/mosquitto.md).
 func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
-	principal := adminUserID
-	if ownerID != "" {
-		principal = ownerID
-	}
+	principal := idempotencyScope(ownerID)
 	rec, replayed, err := s.beginIdempotent(c, principal, nil)
 	if err != nil || replayed {
 		return err
@@ -245,10 +248,7 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	if err != nil {
 		return err
 	}
-	principal := adminUserID
-	if ownerID != "" {
-		principal = ownerID
-	}
+	principal := idempotencyScope(ownerID)
 	rec, replayed, err := s.beginIdempotent(c, principal, body.raw)
 	if err != nil || replayed {
 		return err
