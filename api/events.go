@@ -607,7 +607,7 @@ func (s *Server) streamAllowed(c *gin.Context, userID, deviceID string) bool {
 			return false
 		}
 	} else {
-		u, err := s.store.UserByTokenHash(ctx, companion.HashSecret(tok))
+		u, err := s.store.UserByTokenHash(ctx, bearer(c))
 		switch {
 		case errors.Is(err, companion.ErrNotFound) || err == nil && u.ID != userID:
 			s.log.InfoContext(ctx, "event stream ended: its API token was replaced")
