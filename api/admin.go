@@ -56,15 +56,20 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 	// Not the request's context: a user on disk whose creation read as the
 	// client's hang-up never got their broker account (bug 280).
 	ctx := context.WithoutCancel(c.Request.Context())
-	if err := s.store.CreateUser(ctx, u); err != nil {
+	// A repeat gets the answer without the token: it is stored nowhere.
+	actx, err := withAnswer(ctx, rec, http.StatusCreated, userJSON{UserID: u.ID, Name: u.Name}, "")
+	if err != nil {
 		return err
 	}
+	if err := s.store.CreateUser(actx, u); err != nil {
+		return err
+	}
+	rec = settled(c)
 	if s.accounts != nil {
 		_ = s.accounts.UserCreated(ctx, u.ID, token) // logged and retried there
 	}
-	// A repeat gets the answer without the token: it is stored nowhere.
 	out := userJSON{UserID: u.ID, Name: u.Name, Token: token}
-	return s.reply(c, http.StatusCreated, out, "", rec, userJSON{UserID: u.ID, Name: u.Name})
+	return s.reply(c, http.StatusCreated, out, "", rec, nil)
 }
 
 // adminNewUserToken gives a user a new API token and answers it, as
@@ -97,17 +102,22 @@ func (s *Server) adminNewUserToken(c *gin.Context) error {
 	case err != nil:
 		return err
 	}
-	switch err := s.store.SetUserToken(ctx, id, hash); {
+	// A repeat gets the answer without the token: it is stored nowhere.
+	actx, err := withAnswer(ctx, rec, http.StatusOK, userJSON{UserID: id, Name: u.Name}, "")
+	if err != nil {
+		return err
+	}
+	switch err := s.store.SetUserToken(actx, id, hash); {
 	case errors.Is(err, companion.ErrNotFound):
 		return &Error{Code: CodeUserNotFound}
 	case err != nil:
 		return err
 	}
+	rec = settled(c)
 	if s.accounts != nil {
 		_ = s.accounts.UserTokenChanged(ctx, id, token) // logged and retried there
 	}
-	// A repeat gets the answer without the token: it is stored nowhere.
-	return s.reply(c, http.StatusOK, userJSON{UserID: id, Name: u.Name, Token: token}, "", rec, userJSON{UserID: id, Name: u.Name})
+	return s.reply(c, http.StatusOK, userJSON{UserID: id, Name: u.Name, Token: token}, "", rec, nil)
 }
 
 type provisionRequest struct {
@@ -155,7 +165,12 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	}
 	d := companion.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: companion.HashSecret(req.ClaimCode), CreatedAt: s.now(), BridgeID: bridge}
 	ctx := c.Request.Context()
-	err = s.store.ProvisionDevice(ctx, d)
+	out := provisionJSON{DeviceID: d.ID, Model: d.Model, BridgeID: stringOrNull(bridge)}
+	actx, err := withAnswer(ctx, rec, http.StatusCreated, out, "")
+	if err != nil {
+		return err
+	}
+	err = s.store.ProvisionDevice(actx, d)
 	switch {
 	case errors.Is(err, companion.ErrExists):
 		return &Error{Code: CodeDeviceExists}
@@ -164,10 +179,11 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	case err != nil:
 		return err
 	}
+	rec = settled(c)
 	if bridge != "" {
 		s.moved(ctx, d.ID, "", bridge)
 	}
-	return s.reply(c, http.StatusCreated, provisionJSON{DeviceID: d.ID, Model: d.Model, BridgeID: stringOrNull(bridge)}, "", rec, nil)
+	return s.reply(c, http.StatusCreated, out, "", rec, nil)
 }
 
 type provisionJSON struct {

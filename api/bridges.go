@@ -96,18 +96,23 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 	// the client's hang-up never got its broker account, and its repeat is
 	// a 409 (docs/reliability.md, bug 280).
 	ctx = context.WithoutCancel(ctx)
-	err = s.store.CreateBridge(ctx, companion.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
+	// A repeat gets the answer without the secret: it is stored nowhere.
+	actx, err := withAnswer(ctx, rec, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID}, "")
+	if err != nil {
+		return err
+	}
+	err = s.store.CreateBridge(actx, companion.Bridge{ID: req.BridgeID, SecretHash: hash, CreatedAt: s.now(), OwnerID: ownerID})
 	switch {
 	case errors.Is(err, companion.ErrExists):
 		return &Error{Code: CodeBridgeExists}
 	case err != nil:
 		return err
 	}
+	rec = settled(c)
 	if s.accounts != nil {
 		_ = s.accounts.BridgeCreated(ctx, req.BridgeID, secret) // logged and retried there
 	}
-	// A repeat gets the answer without the secret: it is stored nowhere.
-	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, bridgeJSON{BridgeID: req.BridgeID})
+	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, nil)
 }
 
 type userBridgeJSON struct {
@@ -153,13 +158,18 @@ func (s *Server) deleteUserBridge(c *gin.Context) error {
 		return &Error{Code: CodeBridgeNotFound}
 	}
 	ctx := context.WithoutCancel(c.Request.Context()) // what the deletion moves must follow it (bug 277)
-	served, err := s.store.DeleteBridge(ctx, id, user.ID)
+	actx, err := withAnswer(ctx, rec, http.StatusNoContent, nil, "")
+	if err != nil {
+		return err
+	}
+	served, err := s.store.DeleteBridge(actx, id, user.ID)
 	switch {
 	case errors.Is(err, companion.ErrNotFound):
 		return &Error{Code: CodeBridgeNotFound}
 	case err != nil:
 		return err
 	}
+	rec = settled(c)
 	for _, dev := range served {
 		s.moved(ctx, dev, id, "")
 	}
@@ -204,12 +214,18 @@ func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
 	// Not the request's context: a secret on disk whose broker account
 	// was not told kept the old one working there (bug 277's reason).
 	ctx := context.WithoutCancel(c.Request.Context())
-	switch err := s.store.SetBridgeSecret(ctx, id, ownerID, hash); {
+	// A repeat gets the answer without the secret: it is stored nowhere.
+	actx, err := withAnswer(ctx, rec, http.StatusOK, bridgeJSON{BridgeID: id}, "")
+	if err != nil {
+		return err
+	}
+	switch err := s.store.SetBridgeSecret(actx, id, ownerID, hash); {
 	case errors.Is(err, companion.ErrNotFound): // also another user's
 		return notFound
 	case err != nil:
 		return err
 	}
+	rec = settled(c)
 	if s.accounts != nil {
 		// Its connections are closed: on Mosquitto without its Will,
 		// which the server then publishes for a bridge not back within
@@ -218,8 +234,7 @@ func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
 		s.bridgesDisconnecting(id)
 		_ = s.accounts.BridgeSecretChanged(ctx, id, secret) // logged and retried there
 	}
-	// A repeat gets the answer without the secret: it is stored nowhere.
-	return s.reply(c, http.StatusOK, bridgeJSON{BridgeID: id, Secret: secret}, "", rec, bridgeJSON{BridgeID: id})
+	return s.reply(c, http.StatusOK, bridgeJSON{BridgeID: id, Secret: secret}, "", rec, nil)
 }
 
 // assignUserDevice assigns one of the caller's devices to one of the
@@ -269,7 +284,12 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 		return err
 	}
 	ctx := context.WithoutCancel(c.Request.Context()) // what the move changes must follow it (bug 277)
-	previous, err := s.store.AssignDevice(ctx, deviceID, bridge, ownerID)
+	out := gin.H{"device_id": deviceID, "bridge_id": stringOrNull(bridge)}
+	actx, err := withAnswer(ctx, rec, http.StatusOK, out, "")
+	if err != nil {
+		return err
+	}
+	previous, err := s.store.AssignDevice(actx, deviceID, bridge, ownerID)
 	deviceNotFound, bridgeNotFound := errDeviceNotFound, &Error{Code: CodeBridgeNotFound}
 	if ownerID == "" {
 		deviceNotFound, bridgeNotFound = errAdminDeviceNotFnd, errAdminBridgeNotFnd
@@ -290,10 +310,11 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	case err != nil:
 		return err
 	}
+	rec = settled(c)
 	if previous != bridge {
 		s.moved(ctx, deviceID, previous, bridge)
 	}
-	return s.reply(c, http.StatusOK, gin.H{"device_id": deviceID, "bridge_id": stringOrNull(bridge)}, "", rec, nil)
+	return s.reply(c, http.StatusOK, out, "", rec, nil)
 }
 
 // moved tells the broker and the broker's accounts that a device changed

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"time"
 	"unicode"
 
 	"github.com/devicecompanion/companion"
@@ -154,7 +155,19 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	// either: the user's MQTT rights lacked the device until a reconcile
 	// (docs/reliability.md, bug 280; bug 277 for the unbinding).
 	ctx = context.WithoutCancel(ctx)
-	b, created, err := s.store.Bind(ctx, companion.Binding{DeviceID: req.DeviceID, UserID: user.ID, Name: name, Model: reg.Model, BoundAt: s.now()})
+	// The device's status is read first, for the answer the binding's
+	// write records when it binds (withAnswer): a device bound already is
+	// answered 200 after, with the binding as it is.
+	st, err := s.store.Status(ctx, req.DeviceID)
+	if err != nil {
+		return err
+	}
+	binding := companion.Binding{DeviceID: req.DeviceID, UserID: user.ID, Name: name, Model: reg.Model, BoundAt: s.now().UTC().Truncate(time.Microsecond)}
+	actx, err := withAnswer(ctx, rec, http.StatusCreated, toDevice(binding, st), deviceLocation(binding.DeviceID))
+	if err != nil {
+		return err
+	}
+	b, created, err := s.store.Bind(actx, binding)
 	switch {
 	case errors.Is(err, companion.ErrBoundToOther):
 		return &Error{Code: CodeDeviceAlreadyBound}
@@ -163,16 +176,12 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	case err != nil:
 		return err
 	}
-	if created && s.accounts != nil {
-		_ = s.accounts.Bound(ctx, user.ID, b.DeviceID) // logged and retried there
-	}
-	st, err := s.store.Status(ctx, b.DeviceID)
-	if err != nil {
-		return err
-	}
 	status := http.StatusOK
 	if created {
-		status = http.StatusCreated
+		status, rec = http.StatusCreated, settled(c)
+		if s.accounts != nil {
+			_ = s.accounts.Bound(ctx, user.ID, b.DeviceID) // logged and retried there
+		}
 	}
 	return s.reply(c, status, toDevice(b, st), deviceLocation(b.DeviceID), rec, nil)
 }
@@ -228,13 +237,18 @@ func (s *Server) unbindDevice(c *gin.Context) error {
 	// canceled; and its bridge and broker rights unchanged
 	// (docs/reliability.md, bug 277).
 	ctx := context.WithoutCancel(c.Request.Context())
-	unbound, err := s.store.Unbind(ctx, b.DeviceID, user.ID)
+	actx, err := withAnswer(ctx, rec, http.StatusNoContent, nil, "")
+	if err != nil {
+		return err
+	}
+	unbound, err := s.store.Unbind(actx, b.DeviceID, user.ID)
 	switch {
 	case errors.Is(err, companion.ErrNotFound):
 		return errDeviceNotFound
 	case err != nil:
 		return err
 	}
+	rec = settled(c)
 	// The user's unfinished commands ended with the binding: none of
 	// them may reach the device, or its next owner's bridge.
 	s.cmds.Ended(unbound.Ended)

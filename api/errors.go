@@ -180,8 +180,15 @@ type problem struct {
 // claim on its Idempotency-Key (see beginIdempotent), as it records no
 // answer: a repeat does the work again.
 func (s *Server) fail(c *gin.Context, err error) {
-	s.releaseIdempotent(c)
 	var e *Error
+	if errors.Is(err, companion.ErrIdemConflict) {
+		// The write that was to store the request's answer with its work
+		// found the key held by another request (withAnswer): this one's
+		// claim ran out, and is not its to give up.
+		heldClaim(c)
+		e = errIdemInUse
+	}
+	s.releaseIdempotent(c)
 	if errors.Is(err, companion.ErrUnreadable) {
 		// Logged by the store, once.
 		e = errCmdUnreadable

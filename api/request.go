@@ -816,6 +816,39 @@ func replayAnswer(c *gin.Context, rec companion.Idempotency) {
 	c.Data(rec.Status, "application/json; charset=utf-8", rec.Body)
 }
 
+// withAnswer returns ctx carrying the answer the request's claim rec
+// records (status, stored as JSON, location) for the one store write that
+// does the request's work: the store keeps it in that write's
+// transaction (companion.WithAnswer), so that the work and its answer
+// commit or fail together. Stored after the work, an answer the store
+// failed to keep left the key claimed: every repeat waited and was
+// answered 409, and once the claim ran out a repeat did the work again (a
+// second user, a second new secret; docs/reliability.md, bug 308). Once
+// the write succeeds, the handler answers with a nil claim (settled).
+// Without a claim it is ctx.
+func withAnswer(ctx context.Context, rec *companion.Idempotency, status int, stored any, location string) (context.Context, error) {
+	if rec == nil {
+		return ctx, nil
+	}
+	r := *rec
+	r.Status, r.Location = status, location
+	if stored != nil {
+		b, err := fastjson.Marshal(stored)
+		if err != nil {
+			return nil, err
+		}
+		r.Body = b
+	}
+	return companion.WithAnswer(ctx, r), nil
+}
+
+// settled forgets the request's claim, whose answer the write that did
+// its work stored (withAnswer), and returns nil, the claim left for reply.
+func settled(c *gin.Context) *companion.Idempotency {
+	heldClaim(c)
+	return nil
+}
+
 // heldClaim returns the claim the request holds, or nil, and forgets it:
 // it is settled once.
 func heldClaim(c *gin.Context) *companion.Idempotency {

@@ -20,7 +20,7 @@ func (db *DB) CreateUser(ctx context.Context, u companion.User) error {
 	if u.CreatedAt.IsZero() {
 		u.CreatedAt = db.now()
 	}
-	return db.update(func(tx *bolt.Tx) error {
+	return db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		users, tokens := tx.Bucket(bucketUsers), tx.Bucket(bucketUserTokens)
 		if users.Get([]byte(u.ID)) != nil || tokens.Get(u.TokenHash) != nil {
 			return abort(companion.ErrExists)
@@ -29,7 +29,7 @@ func (db *DB) CreateUser(ctx context.Context, u companion.User) error {
 			return err
 		}
 		return tokens.Put(u.TokenHash, []byte(u.ID))
-	})
+	}))
 }
 
 // SetUserToken replaces the user's token hash, and its index entry, in
@@ -41,7 +41,7 @@ func (db *DB) SetUserToken(ctx context.Context, userID string, tokenHash []byte)
 	if !validID(userID) {
 		return companion.ErrNotFound
 	}
-	return db.update(func(tx *bolt.Tx) error {
+	return db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		users, tokens := tx.Bucket(bucketUsers), tx.Bucket(bucketUserTokens)
 		var u companion.User
 		switch ok, err := getJSON(users, []byte(userID), &u); {
@@ -60,7 +60,7 @@ func (db *DB) SetUserToken(ctx context.Context, userID string, tokenHash []byte)
 			return err
 		}
 		return tokens.Put(tokenHash, []byte(u.ID))
-	})
+	}))
 }
 
 // UserByTokenHash returns the user whose token has the SHA-256 hash, or
@@ -112,7 +112,7 @@ func (db *DB) ProvisionDevice(ctx context.Context, d companion.RegistryDevice) e
 	if d.CreatedAt.IsZero() {
 		d.CreatedAt = db.now()
 	}
-	return db.update(func(tx *bolt.Tx) error {
+	return db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		devices := tx.Bucket(bucketDevices)
 		if devices.Get([]byte(d.ID)) != nil {
 			return abort(companion.ErrExists)
@@ -131,7 +131,7 @@ func (db *DB) ProvisionDevice(ctx context.Context, d companion.RegistryDevice) e
 			}
 		}
 		return putJSON(devices, []byte(d.ID), d)
-	})
+	}))
 }
 
 // RegistryDevice returns the provisioned device with the id, with the
@@ -170,7 +170,7 @@ func (db *DB) CreateBridge(ctx context.Context, b companion.Bridge) error {
 	if b.CreatedAt.IsZero() {
 		b.CreatedAt = db.now()
 	}
-	return db.update(func(tx *bolt.Tx) error {
+	return db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		bridges, secrets := tx.Bucket(bucketBridges), tx.Bucket(bucketBridgeSecrets)
 		if bridges.Get([]byte(b.ID)) != nil || secrets.Get(b.SecretHash) != nil || tx.Bucket(bucketUsers).Get([]byte(b.ID)) != nil {
 			return abort(companion.ErrExists)
@@ -184,7 +184,7 @@ func (db *DB) CreateBridge(ctx context.Context, b companion.Bridge) error {
 			}
 		}
 		return secrets.Put(b.SecretHash, []byte(b.ID))
-	})
+	}))
 }
 
 // Bridge returns the bridge with the id, or ErrNotFound.
@@ -205,7 +205,7 @@ func (db *DB) SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, sec
 	if !validID(bridgeID) {
 		return companion.ErrNotFound
 	}
-	return db.update(func(tx *bolt.Tx) error {
+	return db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		bridges, secrets := tx.Bucket(bucketBridges), tx.Bucket(bucketBridgeSecrets)
 		var b companion.Bridge
 		switch ok, err := getJSON(bridges, []byte(bridgeID), &b); {
@@ -226,7 +226,7 @@ func (db *DB) SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, sec
 			return err
 		}
 		return secrets.Put(secretHash, []byte(b.ID))
-	})
+	}))
 }
 
 // BridgeBySecretHash returns the bridge whose secret has the SHA-256 hash,

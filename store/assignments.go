@@ -81,7 +81,7 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 	if !validID(deviceID) || (bridgeID != "" && !validID(bridgeID)) {
 		return "", companion.ErrNotFound
 	}
-	err = db.update(func(tx *bolt.Tx) error {
+	err = db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		previous = ""
 		if tx.Bucket(bucketDevices).Get([]byte(deviceID)) == nil {
 			return abort(companion.ErrNotFound)
@@ -142,7 +142,7 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			}
 		}
 		return assign(tx, deviceID, bridgeID)
-	})
+	}))
 	return previous, err
 }
 
@@ -299,7 +299,7 @@ func (db *DB) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]str
 		return nil, companion.ErrNotFound
 	}
 	var served []string
-	err := db.update(func(tx *bolt.Tx) error {
+	err := db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		served = nil
 		var b companion.Bridge
 		ok, err := getJSON(tx.Bucket(bucketBridges), []byte(bridgeID), &b)
@@ -333,7 +333,7 @@ func (db *DB) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]str
 			}
 		}
 		return tx.Bucket(bucketBridges).Delete([]byte(bridgeID))
-	})
+	}))
 	if err != nil {
 		return nil, err
 	}

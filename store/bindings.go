@@ -20,7 +20,9 @@ import (
 // when it created the binding, (existing, false, nil) when the device is
 // already bound to the same user, ErrBoundToOther when it is bound to
 // another user, and ErrNotFound when the device was never provisioned.
-// Checking the claim code is the caller's job.
+// Checking the claim code is the caller's job. An answer ctx carries
+// (companion.WithAnswer) is stored with the binding it creates, and only
+// then.
 func (db *DB) Bind(ctx context.Context, b companion.Binding) (companion.Binding, bool, error) {
 	if !validID(b.DeviceID) || !validID(b.UserID) {
 		return companion.Binding{}, false, fmt.Errorf("%w: binding needs a device id and a user id", companion.ErrInvalid)
@@ -32,7 +34,11 @@ func (db *DB) Bind(ctx context.Context, b companion.Binding) (companion.Binding,
 		out     companion.Binding
 		created bool
 	)
-	err := db.batch(func(tx *bolt.Tx) error {
+	answer, keyed, err := answerOf(ctx)
+	if err != nil {
+		return companion.Binding{}, false, err
+	}
+	bind := func(tx *bolt.Tx) error {
 		out, created = companion.Binding{}, false
 		var dev companion.RegistryDevice
 		ok, err := getJSON(tx.Bucket(bucketDevices), []byte(b.DeviceID), &dev)
@@ -69,8 +75,13 @@ func (db *DB) Bind(ctx context.Context, b companion.Binding) (companion.Binding,
 		}
 		out, created = nb, true
 		return nil
-	})
-	if err != nil {
+	}
+	if keyed {
+		// The request's answer (a 201) is its only when it binds: one
+		// for a device bound already is answered, and recorded, after.
+		bind = db.answerIn(answer, bind, &created)
+	}
+	if err := db.batch(bind); err != nil {
 		return companion.Binding{}, false, err
 	}
 	return out, created, nil
@@ -89,7 +100,7 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (companion.Un
 		return companion.Unbound{}, companion.ErrNotFound
 	}
 	var out companion.Unbound
-	err := db.batch(func(tx *bolt.Tx) error {
+	err := db.batch(db.answered(ctx, func(tx *bolt.Tx) error {
 		out = companion.Unbound{}
 		bindings := tx.Bucket(bucketBindings)
 		var existing companion.Binding
@@ -120,7 +131,7 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (companion.Un
 			return db.markUnserved(tx, deviceID, db.now())
 		}
 		return nil
-	})
+	}))
 	if err != nil {
 		return companion.Unbound{}, err
 	}

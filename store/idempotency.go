@@ -2,6 +2,7 @@ package store
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"time"
@@ -68,28 +69,79 @@ func (db *DB) PutIdempotency(ctx context.Context, rec companion.Idempotency) err
 	}
 	return db.batch(func(tx *bolt.Tx) error {
 		now := db.now()
-		b := tx.Bucket(bucketIdempotency)
-		k := idemKey(rec.UserID, rec.Key)
-		var old companion.Idempotency
-		ok, err := getJSON(b, k, &old)
-		if err != nil {
-			return err
-		}
 		r := rec
 		if r.CreatedAt.IsZero() {
 			r.CreatedAt = now
 		}
-		if ok && holds(old, now) && !settles(old, r, now) {
-			return abort(companion.ErrExists)
+		if held, err := keyHeld(tx, r, now); err != nil || held {
+			return cmp.Or(err, abort(companion.ErrExists))
 		}
-		return putJSON(b, k, r)
+		return putJSON(tx.Bucket(bucketIdempotency), idemKey(r.UserID, r.Key), r)
 	})
+}
+
+// keyHeld reports whether a record other than r's claim holds the key of
+// r at now: PutIdempotency refuses r then.
+func keyHeld(tx *bolt.Tx, r companion.Idempotency, now time.Time) (bool, error) {
+	var old companion.Idempotency
+	ok, err := getJSON(tx.Bucket(bucketIdempotency), idemKey(r.UserID, r.Key), &old)
+	if err != nil {
+		return false, err
+	}
+	return ok && holds(old, now) && !settles(old, r, now), nil
 }
 
 // settles reports whether r is what the claimant of old puts over it: the
 // answer of the same request, or the claim given up.
 func settles(old, r companion.Idempotency, now time.Time) bool {
 	return old.Status == 0 && bytes.Equal(old.RequestHash, r.RequestHash) && (r.Status != 0 || !holds(r, now))
+}
+
+// answerOf returns the answer ctx carries (companion.WithAnswer) for the
+// write that does its request's work, if any.
+func answerOf(ctx context.Context) (companion.Idempotency, bool, error) {
+	rec, ok := companion.AnswerOf(ctx)
+	if ok && (!validID(rec.UserID) || !validID(rec.Key)) {
+		return companion.Idempotency{}, false, fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid)
+	}
+	return rec, ok, nil
+}
+
+// answerIn returns work, the transaction of a write, in one with the
+// storing of rec, its request's answer, over the request's claim, so
+// that the work and its recorded answer commit or fail together (bug
+// 308). A key another request holds is ErrIdemConflict, found before
+// work runs (a batch commits what an aborted callback wrote). work's
+// created, when not nil, says whether it did the work: the answer is
+// stored only then.
+func (db *DB) answerIn(rec companion.Idempotency, work func(tx *bolt.Tx) error, created *bool) func(tx *bolt.Tx) error {
+	return func(tx *bolt.Tx) error {
+		now := db.now()
+		r := rec
+		if r.CreatedAt.IsZero() {
+			r.CreatedAt = now
+		}
+		if held, err := keyHeld(tx, r, now); err != nil || held {
+			return cmp.Or(err, abort(companion.ErrIdemConflict))
+		}
+		if err := work(tx); err != nil || (created != nil && !*created) {
+			return err
+		}
+		return putJSON(tx.Bucket(bucketIdempotency), idemKey(r.UserID, r.Key), r)
+	}
+}
+
+// answered is work in one transaction with the storing of the answer ctx
+// carries, if any (see answerIn); without one it is work.
+func (db *DB) answered(ctx context.Context, work func(tx *bolt.Tx) error) func(tx *bolt.Tx) error {
+	rec, ok, err := answerOf(ctx)
+	switch {
+	case err != nil:
+		return func(*bolt.Tx) error { return abort(err) }
+	case !ok:
+		return work
+	}
+	return db.answerIn(rec, work, nil)
 }
 
 // PurgeIdempotency deletes the records created before olderThan and

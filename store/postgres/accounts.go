@@ -26,13 +26,13 @@ func (s *Store) CreateUser(ctx context.Context, u companion.User) error {
 	// users to its commit: a user made while a bridge of its id is being
 	// made commits after it, as in the bbolt engine's order (a bridge does
 	// not stop a user; a user stops a bridge made after it).
-	err := s.tx(ctx, func(tx pgx.Tx) error {
+	err := s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		var b pgx.Batch
 		b.Queue(`SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(u.ID))
 		b.Queue(`INSERT INTO users (id, name, token_hash, created_at) VALUES ($1, $2, $3, $4)`,
 			u.ID, u.Name, u.TokenHash, u.CreatedAt)
 		return sendBatch(ctx, tx, &b)
-	})
+	}))
 	if isUniqueViolation(err) {
 		return companion.ErrExists
 	}
@@ -50,13 +50,13 @@ func (s *Store) SetUserToken(ctx context.Context, userID string, tokenHash []byt
 	if !validID(userID) {
 		return companion.ErrNotFound
 	}
-	err := s.tx(ctx, func(tx pgx.Tx) error {
+	err := s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		tag, err := execUnderAccountLock(ctx, tx, userID, `UPDATE users SET token_hash = $2 WHERE id = $1`, userID, tokenHash)
 		if err == nil && tag.RowsAffected() == 0 {
 			return companion.ErrNotFound
 		}
 		return err
-	})
+	}))
 	if isUniqueViolation(err) {
 		return companion.ErrExists
 	}
@@ -117,7 +117,7 @@ func (s *Store) ProvisionDevice(ctx context.Context, d companion.RegistryDevice)
 	if d.CreatedAt.IsZero() {
 		d.CreatedAt = s.clock()
 	}
-	return s.tx(ctx, func(tx pgx.Tx) error {
+	return s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		// A device that exists is ErrExists whatever bridge is named, as
 		// in the bbolt engine: the insert comes first, and a refused
 		// bridge rolls it back.
@@ -141,7 +141,7 @@ func (s *Store) ProvisionDevice(ctx context.Context, d companion.RegistryDevice)
 			return companion.ErrNotFound
 		}
 		return assign(ctx, tx, d.ID, d.BridgeID)
-	})
+	}))
 }
 
 // RegistryDevice returns the provisioned device with the id, with the
@@ -201,7 +201,7 @@ func (s *Store) CreateBridge(ctx context.Context, b companion.Bridge) error {
 	if b.CreatedAt.IsZero() {
 		b.CreatedAt = s.clock()
 	}
-	err := s.tx(ctx, func(tx pgx.Tx) error {
+	err := s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		// The id's lock first, which CreateUser takes too: the check of
 		// the users and the insert are one step for it. Without it a user
 		// committed between the two (another replica's, or this one's)
@@ -214,7 +214,7 @@ func (s *Store) CreateBridge(ctx context.Context, b companion.Bridge) error {
 			return companion.ErrExists // a user's id
 		}
 		return err
-	})
+	}))
 	if isUniqueViolation(err) {
 		return companion.ErrExists
 	}
@@ -232,7 +232,7 @@ func (s *Store) SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, s
 	if !validID(bridgeID) {
 		return companion.ErrNotFound
 	}
-	err := s.tx(ctx, func(tx pgx.Tx) error {
+	err := s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, $2)`, lockClassAccount, idLockKey(bridgeID)); err != nil {
 			return err
 		}
@@ -245,7 +245,7 @@ func (s *Store) SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, s
 		}
 		_, err := tx.Exec(ctx, `UPDATE bridges SET secret_hash = $2 WHERE id = $1`, bridgeID, secretHash)
 		return err
-	})
+	}))
 	if isUniqueViolation(err) {
 		return companion.ErrExists
 	}

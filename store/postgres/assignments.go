@@ -104,7 +104,7 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 	if !validID(deviceID) || (bridgeID != "" && !validID(bridgeID)) {
 		return "", companion.ErrNotFound
 	}
-	err = s.tx(ctx, func(tx pgx.Tx) error {
+	err = s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		previous = ""
 		// The device's row is the lock of its assignment.
 		var one int
@@ -165,7 +165,7 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 			}
 		}
 		return assign(ctx, tx, deviceID, bridgeID)
-	})
+	}))
 	if err != nil {
 		return "", err
 	}
@@ -305,7 +305,7 @@ func (s *Store) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]s
 		return nil, companion.ErrNotFound
 	}
 	var served []string
-	err := s.tx(ctx, func(tx pgx.Tx) error {
+	err := s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		served = nil
 		var owner string
 		if err := tx.QueryRow(ctx, `SELECT owner_id FROM bridges WHERE id = $1 FOR UPDATE`, bridgeID).Scan(&owner); err != nil {
@@ -334,7 +334,7 @@ func (s *Store) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]s
 		}
 		served = devs
 		return nil
-	})
+	}))
 	if err != nil {
 		return nil, err
 	}

@@ -16,6 +16,8 @@ import (
 // when it created the binding, (existing, false, nil) when the device is
 // already bound to the same user, ErrBoundToOther when it is bound to
 // another user, and ErrNotFound when the device was never provisioned.
+// An answer ctx carries (companion.WithAnswer) is stored with the binding
+// it creates, and only then.
 func (s *Store) Bind(ctx context.Context, b companion.Binding) (companion.Binding, bool, error) {
 	if !validID(b.DeviceID) || !validID(b.UserID) {
 		return companion.Binding{}, false, fmt.Errorf("%w: binding needs a device id and a user id", companion.ErrInvalid)
@@ -28,7 +30,11 @@ func (s *Store) Bind(ctx context.Context, b companion.Binding) (companion.Bindin
 		out     companion.Binding
 		created bool
 	)
-	err := s.tx(ctx, func(tx pgx.Tx) error {
+	answer, keyed, err := answerOf(ctx)
+	if err != nil {
+		return companion.Binding{}, false, err
+	}
+	bind := func(tx pgx.Tx) error {
 		out, created = companion.Binding{}, false
 		// A device's row is the lock of its binding and assignment.
 		var model string
@@ -54,8 +60,13 @@ func (s *Store) Bind(ctx context.Context, b companion.Binding) (companion.Bindin
 		}
 		out, created = nb, true
 		return nil
-	})
-	if err != nil {
+	}
+	if keyed {
+		// The request's answer (a 201) is its only when it binds: one
+		// for a device bound already is answered, and recorded, after.
+		bind = s.answerIn(ctx, answer, bind, &created)
+	}
+	if err := s.tx(ctx, bind); err != nil {
 		return companion.Binding{}, false, err
 	}
 	return out, created, nil
@@ -85,7 +96,7 @@ func (s *Store) Unbind(ctx context.Context, deviceID, userID string) (companion.
 		return companion.Unbound{}, companion.ErrNotFound
 	}
 	var out companion.Unbound
-	err := s.tx(ctx, func(tx pgx.Tx) error {
+	err := s.tx(ctx, s.answered(ctx, func(tx pgx.Tx) error {
 		out = companion.Unbound{}
 		var one int
 		if err := tx.QueryRow(ctx, `SELECT 1 FROM devices WHERE id = $1 FOR UPDATE`, deviceID).Scan(&one); err != nil {
@@ -115,7 +126,7 @@ func (s *Store) Unbind(ctx context.Context, deviceID, userID string) (companion.
 			return err
 		}
 		return markUnserved(ctx, tx, deviceID, s.clock())
-	})
+	}))
 	if err != nil {
 		return companion.Unbound{}, err
 	}

@@ -114,21 +114,76 @@ func (s *Store) PutIdempotency(ctx context.Context, rec companion.Idempotency) e
 		return fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid)
 	}
 	return s.tx(ctx, func(tx pgx.Tx) error {
-		now := s.clock()
-		old, found, err := s.lockIdempotency(ctx, tx, rec.UserID, rec.Key)
+		r, err := s.claimable(ctx, tx, rec, companion.ErrExists)
 		if err != nil {
 			return err
-		}
-		r := rec
-		if r.CreatedAt.IsZero() {
-			r.CreatedAt = now
-		}
-		if found && holds(old, now) && !settles(old, r, now) {
-			return companion.ErrExists
 		}
 		_, err = tx.Exec(ctx, idempotencyUpsert, idempotencyArgs(r)...)
 		return err
 	})
+}
+
+// claimable takes the advisory lock of rec's key and returns rec as it
+// is to be stored (CreatedAt set), or refused when a record other than
+// rec's claim holds the key (PutIdempotency's rule).
+func (s *Store) claimable(ctx context.Context, tx pgx.Tx, rec companion.Idempotency, refused error) (companion.Idempotency, error) {
+	now := s.clock()
+	old, found, err := s.lockIdempotency(ctx, tx, rec.UserID, rec.Key)
+	if err != nil {
+		return companion.Idempotency{}, err
+	}
+	if rec.CreatedAt.IsZero() {
+		rec.CreatedAt = now
+	}
+	if found && holds(old, now) && !settles(old, rec, now) {
+		return companion.Idempotency{}, refused
+	}
+	return rec, nil
+}
+
+// answerIn returns work, the transaction of a write, in one with the
+// storing of rec, its request's answer, over the request's claim, so
+// that the work and its recorded answer commit or fail together (bug
+// 308). The key's lock is taken first, as CreateCommand takes it before
+// the locks of its work; a key another request holds is ErrIdemConflict.
+// work's created, when not nil, says whether it did the work: the answer
+// is stored only then.
+func (s *Store) answerIn(ctx context.Context, rec companion.Idempotency, work func(tx pgx.Tx) error, created *bool) func(tx pgx.Tx) error {
+	return func(tx pgx.Tx) error {
+		r, err := s.claimable(ctx, tx, rec, companion.ErrIdemConflict)
+		if err != nil {
+			return err
+		}
+		if err := work(tx); err != nil || (created != nil && !*created) {
+			return err
+		}
+		_, err = tx.Exec(ctx, idempotencyUpsert, idempotencyArgs(r)...)
+		return err
+	}
+}
+
+// answered is work in one transaction with the storing of the answer ctx
+// carries (companion.WithAnswer), if any (see answerIn); without one it
+// is work.
+func (s *Store) answered(ctx context.Context, work func(tx pgx.Tx) error) func(tx pgx.Tx) error {
+	rec, ok, err := answerOf(ctx)
+	switch {
+	case err != nil:
+		return func(pgx.Tx) error { return err }
+	case !ok:
+		return work
+	}
+	return s.answerIn(ctx, rec, work, nil)
+}
+
+// answerOf returns the answer ctx carries (companion.WithAnswer) for the
+// write that does its request's work, if any.
+func answerOf(ctx context.Context) (companion.Idempotency, bool, error) {
+	rec, ok := companion.AnswerOf(ctx)
+	if ok && (!validID(rec.UserID) || !validID(rec.Key) || strings.ContainsRune(rec.CommandID+rec.Location, 0)) {
+		return companion.Idempotency{}, false, fmt.Errorf("%w: idempotency needs a user id and a key", companion.ErrInvalid)
+	}
+	return rec, ok, nil
 }
 
 // PurgeIdempotency deletes the records created before olderThan and

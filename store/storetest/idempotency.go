@@ -122,3 +122,58 @@ func testIdempotencyClaimRace(t *testing.T, s companion.Store) {
 	}
 	assert.Equal(t, 1, taken, "claims taken")
 }
+
+// A write given a request's answer (companion.WithAnswer) stores it over
+// the request's claim in its own transaction: with the work, or not at
+// all when the write fails, does nothing (Bind of a device bound
+// already), or finds the key held by another request (ErrIdemConflict,
+// and then the work is not done either). docs/reliability.md, bug 308.
+func testAnswerWithWork(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	claim := func(key, req string) companion.Idempotency {
+		t.Helper()
+		c := companion.Idempotency{UserID: "admin", Key: key, RequestHash: hashOf(req)}
+		require.NoError(t, s.PutIdempotency(ctx, c), "PutIdempotency(claim %s)", key)
+		c.Status, c.Body = 201, []byte(`{"made":"`+key+`"}`)
+		return c
+	}
+	status := func(key string) int {
+		t.Helper()
+		got, err := s.Idempotency(ctx, "admin", key)
+		require.NoError(t, err, "Idempotency(%s)", key)
+		return got.Status
+	}
+
+	answer := claim("k1", "user")
+	require.NoError(t, s.CreateUser(companion.WithAnswer(ctx, answer), companion.User{ID: "u1", Name: "gina", TokenHash: hashOf("t1")}))
+	got, err := s.Idempotency(ctx, "admin", "k1")
+	require.NoError(t, err)
+	assert.Equal(t, 201, got.Status, "the answer stored with the user")
+	assert.Equal(t, answer.Body, got.Body)
+	near(t, "CreatedAt of the answer", got.CreatedAt)
+
+	answer = claim("k2", "user again")
+	err = s.CreateUser(companion.WithAnswer(ctx, answer), companion.User{ID: "u1", Name: "gina", TokenHash: hashOf("t2")})
+	require.ErrorIs(t, err, companion.ErrExists)
+	assert.Equal(t, 0, status("k2"), "a write that failed stores no answer")
+
+	require.NoError(t, s.ProvisionDevice(ctx, companion.RegistryDevice{ID: "d1", Model: "m", ClaimHash: hashOf("c")}))
+	answer = claim("k3", "bind")
+	_, created, err := s.Bind(companion.WithAnswer(ctx, answer), companion.Binding{DeviceID: "d1", UserID: "u1"})
+	require.NoError(t, err)
+	require.True(t, created)
+	assert.Equal(t, 201, status("k3"), "the answer stored with the binding")
+	answer = claim("k4", "bind again")
+	_, created, err = s.Bind(companion.WithAnswer(ctx, answer), companion.Binding{DeviceID: "d1", UserID: "u1"})
+	require.NoError(t, err)
+	require.False(t, created)
+	assert.Equal(t, 0, status("k4"), "a Bind that binds nothing stores no answer")
+
+	claim("k5", "someone else's")
+	answer = companion.Idempotency{UserID: "admin", Key: "k5", RequestHash: hashOf("bridge"), Status: 201}
+	err = s.CreateBridge(companion.WithAnswer(ctx, answer), companion.Bridge{ID: "b1", SecretHash: hashOf("s1")})
+	require.ErrorIs(t, err, companion.ErrIdemConflict, "CreateBridge with a key another request holds")
+	_, err = s.Bridge(ctx, "b1")
+	assert.ErrorIs(t, err, companion.ErrNotFound, "the bridge of a refused answer")
+	assert.Equal(t, 0, status("k5"), "the other request's claim stays")
+}
