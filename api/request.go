@@ -906,7 +906,10 @@ func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *
 	}
 	if rec != nil && status/100 == 2 {
 		r := *rec
-		r.Status, r.Body, r.Location, r.CreatedAt = status, b, location, s.now()
+		// CreatedAt stays zero: the store stamps it with its clock, the
+		// one it judges records by (PostgreSQL's, shared by every
+		// replica: bug 309).
+		r.Status, r.Body, r.Location = status, b, location
 		if stored != nil {
 			sb, err := fastjson.Marshal(stored)
 			if err != nil {

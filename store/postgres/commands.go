@@ -202,11 +202,11 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 	ok := s.submit(job{ctx: ctx, key: deviceHash(c.DeviceID), body: func(ctx context.Context, tx pgx.Tx) error {
 		cmd, replay = companion.Command{}, false
 		if idem != nil {
-			old, found, err := s.lockIdempotency(ctx, tx, rec.UserID, rec.Key)
+			old, now, found, err := s.lockIdempotency(ctx, tx, rec.UserID, rec.Key)
 			if err != nil {
 				return err
 			}
-			if found && live(old.CreatedAt, s.clock()) {
+			if found && live(old.CreatedAt, now) {
 				if !bytes.Equal(old.RequestHash, rec.RequestHash) || old.CommandID == "" {
 					return companion.ErrIdemConflict
 				}
@@ -259,10 +259,7 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 		}
 		if idem != nil {
 			r := rec
-			r.CommandID = nc.ID
-			if r.CreatedAt.IsZero() {
-				r.CreatedAt = now
-			}
+			r.CommandID = nc.ID // a zero CreatedAt: the database's clock (bug 309)
 			queueIdempotency(&b, r)
 		}
 		if err := sendBatch(ctx, tx, &b); err != nil {

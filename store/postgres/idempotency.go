@@ -15,31 +15,43 @@ import (
 
 const idempotencyColumns = `user_id, key, request_hash, status, command_id, body, location, created_at`
 
-func scanIdempotency(row pgx.Row) (companion.Idempotency, error) {
-	var r companion.Idempotency
-	err := row.Scan(&r.UserID, &r.Key, &r.RequestHash, &r.Status, &r.CommandID, &r.Body, &r.Location, &r.CreatedAt)
+// idempotencySelect reads the record of a user's key, and the database's
+// clock: a record's age is judged by the clock that stamped it (bug 309).
+const idempotencySelect = `SELECT ` + idempotencyColumns + `, statement_timestamp() FROM idempotency WHERE user_id = $1 AND key = $2`
+
+// scanIdempotency reads a row of idempotencySelect: the record, and now
+// by the database's clock.
+func scanIdempotency(row pgx.Row) (r companion.Idempotency, now time.Time, err error) {
+	err = row.Scan(&r.UserID, &r.Key, &r.RequestHash, &r.Status, &r.CommandID, &r.Body, &r.Location, &r.CreatedAt, &now)
 	if err != nil {
-		return companion.Idempotency{}, notFound(err)
+		return companion.Idempotency{}, time.Time{}, notFound(err)
 	}
 	r.CreatedAt = r.CreatedAt.UTC()
-	return r, nil
+	return r, now.UTC(), nil
 }
 
 // lockIdempotency takes the advisory lock of the user's key and reads its
-// record; found is false when there is none.
-func (s *Store) lockIdempotency(ctx context.Context, tx pgx.Tx, userID, key string) (rec companion.Idempotency, found bool, err error) {
+// record, and now by the database's clock; found is false when there is
+// none (and now then zero).
+func (s *Store) lockIdempotency(ctx context.Context, tx pgx.Tx, userID, key string) (rec companion.Idempotency, now time.Time, found bool, err error) {
 	if err := lockIdempotencyKey(ctx, tx, userID, key); err != nil {
-		return companion.Idempotency{}, false, err
+		return companion.Idempotency{}, time.Time{}, false, err
 	}
-	rec, err = scanIdempotency(tx.QueryRow(ctx, `SELECT `+idempotencyColumns+` FROM idempotency WHERE user_id = $1 AND key = $2`, userID, key))
+	rec, now, err = scanIdempotency(tx.QueryRow(ctx, idempotencySelect, userID, key))
 	if errors.Is(err, companion.ErrNotFound) {
-		return companion.Idempotency{}, false, nil
+		return companion.Idempotency{}, time.Time{}, false, nil
 	}
-	return rec, err == nil, err
+	return rec, now, err == nil, err
 }
 
-// idempotencyUpsert stores a record over any record of its key.
-const idempotencyUpsert = `INSERT INTO idempotency (` + idempotencyColumns + `) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+// idempotencyUpsert stores a record over any record of its key. A record
+// without a CreatedAt is stamped with the database's clock: every replica
+// judges a claim's minute, and a record's day, by that one clock, whatever
+// its own says (bug 309). A replica 90 s ahead read another's claim of a
+// moment ago as one left by a request that died, and let a repeat do the
+// work a second time.
+const idempotencyUpsert = `INSERT INTO idempotency (` + idempotencyColumns + `)
+	VALUES ($1, $2, $3, $4, $5, $6, $7, COALESCE($8, statement_timestamp()))
 	ON CONFLICT (user_id, key) DO UPDATE SET request_hash = EXCLUDED.request_hash, status = EXCLUDED.status,
 		command_id = EXCLUDED.command_id, body = EXCLUDED.body, location = EXCLUDED.location, created_at = EXCLUDED.created_at`
 
@@ -48,7 +60,12 @@ func idempotencyArgs(r companion.Idempotency) []any {
 	if len(r.Body) == 0 {
 		r.Body = nil // no body, as the bbolt engine reads one back
 	}
-	return []any{r.UserID, r.Key, r.RequestHash, r.Status, r.CommandID, r.Body, r.Location, pgTime(r.CreatedAt)}
+	var created *time.Time // the database's clock
+	if !r.CreatedAt.IsZero() {
+		t := pgTime(r.CreatedAt)
+		created = &t
+	}
+	return []any{r.UserID, r.Key, r.RequestHash, r.Status, r.CommandID, r.Body, r.Location, created}
 }
 
 // queueIdempotency queues in b the storing of r over any record of its
@@ -89,11 +106,11 @@ func (s *Store) Idempotency(ctx context.Context, userID, key string) (companion.
 	if !validID(userID) || !validID(key) {
 		return companion.Idempotency{}, companion.ErrNotFound
 	}
-	rec, err := scanIdempotency(s.pool.QueryRow(ctx, `SELECT `+idempotencyColumns+` FROM idempotency WHERE user_id = $1 AND key = $2`, userID, key))
+	rec, now, err := scanIdempotency(s.pool.QueryRow(ctx, idempotencySelect, userID, key))
 	if err != nil {
 		return companion.Idempotency{}, err
 	}
-	if !holds(rec, s.clock()) {
+	if !holds(rec, now) {
 		return companion.Idempotency{}, companion.ErrNotFound
 	}
 	return rec, nil
@@ -123,19 +140,21 @@ func (s *Store) PutIdempotency(ctx context.Context, rec companion.Idempotency) e
 	})
 }
 
-// claimable takes the advisory lock of rec's key and returns rec as it
-// is to be stored (CreatedAt set), or refused when a record other than
-// rec's claim holds the key (PutIdempotency's rule).
+// claimable takes the advisory lock of rec's key and returns rec, or
+// refused when a record other than
+// rec's claim holds the key (PutIdempotency's rule), judged by the
+// database's clock. A zero CreatedAt stays zero: the upsert stamps it
+// with that clock.
 func (s *Store) claimable(ctx context.Context, tx pgx.Tx, rec companion.Idempotency, refused error) (companion.Idempotency, error) {
-	now := s.clock()
-	old, found, err := s.lockIdempotency(ctx, tx, rec.UserID, rec.Key)
-	if err != nil {
-		return companion.Idempotency{}, err
+	old, now, found, err := s.lockIdempotency(ctx, tx, rec.UserID, rec.Key)
+	if err != nil || !found {
+		return rec, err
 	}
-	if rec.CreatedAt.IsZero() {
-		rec.CreatedAt = now
+	r := rec
+	if r.CreatedAt.IsZero() {
+		r.CreatedAt = now
 	}
-	if found && holds(old, now) && !settles(old, rec, now) {
+	if holds(old, now) && !settles(old, r, now) {
 		return companion.Idempotency{}, refused
 	}
 	return rec, nil

@@ -34,6 +34,7 @@ func init() {
 		{"ClockSkewKeepsIDOrder", testClockSkew},
 		{"IdempotencyAcrossStores", testIdempotencyAcrossStores},
 		{"ClaimAcrossStores", testClaimAcrossStores},
+		{"IdempotencyClaimClockSkew", testIdempotencyClaimClockSkew},
 		{"ListenCommands", testListenCommands},
 		{"ListenHearsOwnChanges", testListenHearsOwnChanges},
 		{"ListenReconnects", testListenReconnects},
@@ -230,6 +231,45 @@ func testClaimAcrossStores(t *testing.T, e *testEnv) {
 		}
 		wg.Wait()
 		assert.Equal(t, int32(1), won.Load(), "replicas that marked %s sent", c.ID)
+	}
+}
+
+// A claim of an Idempotency-Key holds its key for a minute by the
+// database's clock, whatever the clocks of the replicas that claim and
+// read it say: a replica 90 s ahead took another replica's claim of a
+// moment ago for one left by a request that died, and let a repeat claim
+// the key and do the work a second time (docs/reliability.md, bug 309).
+// Nor does a claim made by the replica ahead hold the key longer.
+func testIdempotencyClaimClockSkew(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	ahead := e.openWith(t, dsn, postgres.Options{Now: func() time.Time { return time.Now().Add(90 * time.Second) }})
+	behind := e.open(t, dsn)
+	ctx := t.Context()
+	for _, tc := range []struct {
+		name        string
+		claim, read *postgres.Store
+	}{
+		{"claimed behind, read ahead", behind, ahead},
+		{"claimed ahead, read behind", ahead, behind},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			key := "k-" + tc.name
+			claim := companion.Idempotency{UserID: "u1", Key: key, RequestHash: []byte("the request")}
+			require.NoError(t, tc.claim.PutIdempotency(ctx, claim))
+			got, err := tc.read.Idempotency(ctx, "u1", key)
+			require.NoError(t, err, "Idempotency of a claim made a moment ago, read by the other replica")
+			assert.Equal(t, 0, got.Status)
+			assert.ErrorIs(t, tc.read.PutIdempotency(ctx, claim), companion.ErrExists, "a repeat's claim on the other replica")
+			assert.WithinDuration(t, time.Now(), got.CreatedAt, 30*time.Second, "the claim's time, by the database's clock")
+
+			answer := claim
+			answer.Status = 201
+			require.NoError(t, tc.claim.PutIdempotency(ctx, answer), "the answer over its claim")
+			got, err = tc.read.Idempotency(ctx, "u1", key)
+			require.NoError(t, err)
+			assert.Equal(t, 201, got.Status)
+			assert.WithinDuration(t, time.Now(), got.CreatedAt, 30*time.Second, "the answer's time, by the database's clock")
+		})
 	}
 }
 
