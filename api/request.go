@@ -90,19 +90,27 @@ func bodyReadError(err error) error {
 const drainFactor = 4
 
 // bodyTooLarge is the answer to a body over limit, of which the handler
-// has read the first `read` bytes. Many clients (Python's urllib, mobile
-// HTTP stacks) send the whole body before they read the answer; if the
-// server answered and closed with the body still coming, the client would
-// see a reset instead of the 413. So it reads and discards what follows
-// (discardBody) and answers with Connection: close.
+// has read the first `read` bytes. Over HTTP/1 many clients (Python's
+// urllib, mobile HTTP stacks) send the whole body before they read the
+// answer; if the server answered and closed with the body still coming,
+// the client would see a reset instead of the 413. So it reads and
+// discards what follows (discardBody) and answers with Connection: close.
+//
+// Over HTTP/2 it answers at once: the answer ends the stream, not the
+// connection, and net/http then resets the stream with NO_ERROR, which
+// tells the client to stop sending the body and read the answer (RFC 9113
+// §8.1). Read first, the rest of the body (up to 4× the limit) came over
+// the phone's link for nothing before the 413, or the 413 waited
+// BodyIdle for a body that paused (docs/reliability.md, bug 326).
 func bodyTooLarge(c *gin.Context, read, limit int64) error {
-	if c.Request.ProtoMajor < 2 { // HTTP/2 ends one stream, not the connection
-		c.Header("Connection", "close")
-	}
 	// The limit is the operation's as this server is configured (api.Limits,
 	// the --max-* flags): the answer says it, so that the client knows what
 	// would pass rather than guess from the documented defaults.
 	tooLarge := &Error{Code: CodeBodyTooLarge, Detail: fmt.Sprintf("the body is over this operation's limit of %d bytes", limit)}
+	if c.Request.ProtoMajor >= 2 {
+		return tooLarge
+	}
+	c.Header("Connection", "close")
 	// Whatever happens here, the answer is the same 413: a failed read
 	// only means the connection is closed sooner.
 	discardBody(c.Request, read, limit)
