@@ -516,7 +516,8 @@ func (s *Server) streamEvents(c *gin.Context) error {
 		caughtUp = len(backlog) < eventsBacklogPage
 	}
 
-	w := &sseWriter{c: c, rc: http.NewResponseController(c.Writer), timeout: hub.opts.WriteTimeout, last: last}
+	w := &sseWriter{c: c, rc: http.NewResponseController(c.Writer), timeout: hub.opts.WriteTimeout, last: last,
+		http2: c.Request.ProtoMajor >= 2}
 	// The deadline stays on the connection, which may serve another
 	// request once the stream ends.
 	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
@@ -656,11 +657,20 @@ func streamHeaders(c *gin.Context) {
 }
 
 // sseWriter writes a stream's events, each flushed within its deadline.
+//
+// Over HTTP/1 the deadline is the connection's: it matters only while a
+// write is under way, and stays set between writes. Over HTTP/2 it is the
+// stream's, a timer that resets the stream when it fires, whether or not
+// a write is under way: it is cleared after each write, or a stream with
+// nothing to write for the timeout (its heartbeat's check waiting on the
+// store) was reset as if its client had stopped reading
+// (docs/reliability.md, bug 327).
 type sseWriter struct {
 	c       *gin.Context
 	rc      *http.ResponseController
 	timeout time.Duration
 	last    string // the id of the last event written
+	http2   bool   // the deadline is the stream's timer
 }
 
 // event writes ev, an event of the stream's backlog, and flushes it.
@@ -704,7 +714,7 @@ func (w *sseWriter) events(ev *encodedEvent, more <-chan *encodedEvent) error {
 		}
 		break
 	}
-	return w.rc.Flush()
+	return w.flush()
 }
 
 func (w *sseWriter) write(b []byte) error {
@@ -716,5 +726,17 @@ func (w *sseWriter) write(b []byte) error {
 	if _, err := w.c.Writer.Write(b); err != nil {
 		return err
 	}
-	return w.rc.Flush()
+	return w.flush()
+}
+
+// flush sends what was written; over HTTP/2 it then clears the deadline
+// (see sseWriter).
+func (w *sseWriter) flush() error {
+	if err := w.rc.Flush(); err != nil || !w.http2 {
+		return err
+	}
+	if err := w.rc.SetWriteDeadline(time.Time{}); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		return err
+	}
+	return nil
 }

@@ -4,15 +4,24 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"net/http/httptrace"
+	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/store"
 )
 
 // heldBody is a request body that gives its first bytes and then nothing
@@ -104,4 +113,119 @@ func TestBodyTooLargeOverHTTP2IsAnsweredAtOnce(t *testing.T) {
 			assert.Equal(t, first, second, "the next request goes on the same connection")
 		})
 	}
+}
+
+// slowTokens is a store whose read of a token, once armed, answers only
+// after pause: PostgreSQL not answering for a while.
+type slowTokens struct {
+	*store.DB
+	armed   atomic.Bool
+	entered chan struct{}
+	pause   time.Duration
+}
+
+func (s *slowTokens) UserByTokenHash(ctx context.Context, hash []byte) (companion.User, error) {
+	if s.armed.CompareAndSwap(true, false) {
+		s.entered <- struct{}{}
+		select {
+		case <-time.After(s.pause):
+		case <-ctx.Done():
+			return companion.User{}, ctx.Err()
+		}
+	}
+	return s.DB.UserByTokenHash(ctx, hash)
+}
+
+// An event stream outlives a pause of the server's own longer than the
+// write timeout (EventsOptions.WriteTimeout), over HTTP/2 as over HTTP/1:
+// the timeout ends a stream whose client does not take a write in time,
+// not one with nothing to write. Over HTTP/2 the write deadline is the
+// stream's, a timer that fires whether or not a write is under way, and
+// it stayed set after each write: a stream whose heartbeat's check of its
+// token waited on the store (PostgreSQL not answering) for longer was
+// reset, INTERNAL_ERROR, and every phone on HTTP/2 lost its stream, while
+// a client on HTTP/1 kept it. docs/reliability.md, bug 327.
+func TestEventsStreamOutlivesAPauseOverHTTP2(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	hub, err := NewEvents(EventsOptions{Store: db, Heartbeat: timeout / 3, WriteTimeout: timeout, Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	db.OnEvents(hub.Wake)
+	st := &slowTokens{DB: db, entered: make(chan struct{}, 1), pause: 5 * timeout}
+	e := &eventsEnv{env: newEnvWith(t, db, st, func(o *Options) { o.Events = hub }), hub: hub}
+	t.Cleanup(hub.Close)
+	tok := e.bound("dev-1")
+	h2, h2Client := e.h2Server(t)
+
+	for _, tc := range []struct {
+		name   string
+		base   string
+		client *http.Client
+		proto  int
+	}{
+		{"HTTP/1", e.srv.URL, e.srv.Client(), 1},
+		{"HTTP/2", h2.URL, h2Client, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := sseOpen(t, tc.client, tc.base+"/api/v1/events", tok, nil)
+			st.armed.Store(true) // the next heartbeat's check waits
+			waitFor(t, st.entered, "a heartbeat's check of the token")
+			id := e.push(t, tok, "dev-1")
+			for {
+				ev, err := s.Next(10 * time.Second)
+				require.NoError(t, err, "the stream ended during the pause")
+				if ev.Type == "command" && strings.Contains(ev.Data, id) {
+					break
+				}
+			}
+		})
+	}
+}
+
+// The write timeout still ends an HTTP/2 stream whose client takes no
+// more (its window full: an app that stopped reading), and gives its
+// place back (bug 327's fix clears the deadline only once a write is
+// done).
+func TestEventsUnreadStreamEndsOverHTTP2(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	e := newEventsEnv(t, EventsOptions{WriteTimeout: timeout}, func(o *Options) { o.Limits.MaxStreamsPerUser = 1 })
+	tok := e.bound("dev-1")
+	srv := httptest.NewUnstartedServer(e.api.Handler())
+	srv.EnableHTTP2 = true
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	t.Cleanup(e.hub.Close) // first: it ends the streams
+	// A client that takes 64 KiB of a stream until the app reads it.
+	tr := srv.Client().Transport.(*http.Transport).Clone()
+	tr.HTTP2 = &http.HTTP2Config{MaxReceiveBufferPerStream: 64 << 10}
+	t.Cleanup(tr.CloseIdleConnections)
+	unread, err := (&http.Client{Transport: tr}).Do(sseRequest(t, srv.URL+"/api/v1/events", tok, nil))
+	require.NoError(t, err)
+	defer unread.Body.Close()
+	require.Equal(t, 2, unread.ProtoMajor)
+	require.Equal(t, http.StatusOK, unread.StatusCode)
+
+	e.serve("dev-1")
+	for j := range 400 { // 400 events of 300 bytes and more: past the window
+		battery := j % 101
+		done := make(chan struct{})
+		e.db.PutStatusAsync(companion.Status{DeviceID: "dev-1", Online: true, Battery: &battery, FirmwareVersion: strings.Repeat("1", 60),
+			Model: "sim-1", BridgeID: "bridge-1", LastSeen: time.Now(), Seq: uint64(j + 1)}, func(bool, error) { close(done) })
+		<-done
+	}
+	testenv.Eventually(t, 20*time.Second, "the unread stream's place given back", func() bool {
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		hr := sseRequest(t, srv.URL+"/api/v1/events", tok, nil).WithContext(ctx)
+		res, err := srv.Client().Do(hr)
+		if err != nil {
+			return false
+		}
+		res.Body.Close()
+		return res.StatusCode == http.StatusOK
+	})
+	_, err = io.ReadAll(unread.Body)
+	require.Error(t, err, "the unread stream was reset")
 }
