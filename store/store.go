@@ -596,7 +596,7 @@ func fillAppendOnly(tx *bolt.Tx) {
 // that gain nothing from grouping. Errors wrapped by abort are unwrapped.
 func (db *DB) update(fn func(tx *bolt.Tx) error) error {
 	var fnErr error
-	err := db.bolt.Update(func(tx *bolt.Tx) error {
+	err := groupcommit.Update(db.bolt, func(tx *bolt.Tx) error {
 		fnErr = fn(tx)
 		return fnErr
 	})

@@ -71,9 +71,10 @@ func (e *PanicError) Error() string {
 
 // CommitError is the outcome of every write of a group whose commit
 // failed: bbolt could not write or sync the file (a full disk, a file
-// size limit or quota, an I/O error). bbolt rolled the transaction back,
-// so none of the group's writes is on disk, and the next group commits
-// as usual once the file can be written again.
+// size limit or quota, an I/O error). bbolt rolled the transaction back
+// (and forget undid what it left of it), so none of the group's writes is
+// kept, and the next group commits as usual once the file can be written
+// again.
 type CommitError struct {
 	Err error // bbolt's
 }
@@ -367,10 +368,11 @@ func (g *group) commit() bool {
 	if g.tx == nil {
 		return false // nothing ran, or every write failed
 	}
+	id := g.tx.ID()
 	err := g.tx.Commit()
 	g.tx = nil
 	if err != nil {
-		g.err = &CommitError{Err: err}
+		g.err = failed(g.db, id, err)
 		for _, o := range g.live {
 			o.err = g.err
 		}

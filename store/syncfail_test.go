@@ -1,0 +1,114 @@
+//go:build linux
+
+package store
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/testenv"
+
+	bolt "go.etcd.io/bbolt"
+	"golang.org/x/sys/unix"
+)
+
+// A write whose commit failed as the disk failed the sync of its meta page
+// (EIO from the second fdatasync, the pages' own having succeeded) fails
+// ErrUnwritable and is not kept: not read back, not queued, not there
+// after a reopen; the writes after it are, grouped (a command) or not (a
+// user). bbolt wrote the meta page before its sync failed and rolled the
+// transaction back in memory only, while it reads its metas from the
+// mapped file: the write answered as failed read as stored, and the next
+// commit made it durable (bug 346). The faults are a seccomp filter's
+// (testenv.FailSyscalls), in a child process, which it outlives.
+func TestAWriteWhoseSyncFailedIsNotKept(t *testing.T) {
+	if os.Getenv("STORE_SYNC_FAULTS") == "" {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestAWriteWhoseSyncFailedIsNotKept$", "-test.v")
+		cmd.Env = append(os.Environ(), "STORE_SYNC_FAULTS=1")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("the child: %v\n%s", err, out)
+		}
+		t.Logf("the child:\n%s", out)
+		return
+	}
+	faults := testenv.FailSyscalls(t, unix.SYS_FDATASYNC)
+	ctx := context.Background()
+	var log testenv.Buffer
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "companion.db"), Options{
+		Logger: slog.New(slog.NewTextHandler(&log, &slog.HandlerOptions{Level: slog.LevelInfo})),
+	})
+	create := func() (string, error) {
+		c, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text", State: "queued"}, 0, nil)
+		return c.ID, err
+	}
+	queued := func() []string {
+		t.Helper()
+		cmds, err := db.QueuedCommandsWith(ctx, []string{"d1"}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, c := range cmds {
+			ids = append(ids, c.ID)
+		}
+		return ids
+	}
+	first, err := create()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	faults.Next(unix.SYS_FDATASYNC, 0, syscall.EIO) // the pages' sync, then the meta's
+	if _, err := create(); !errors.Is(err, ErrUnwritable) {
+		t.Fatalf("CreateCommand(the meta's sync failed) = %v; want ErrUnwritable", err)
+	}
+	if ids := queued(); len(ids) != 1 {
+		t.Errorf("queued after a command whose sync failed: %q; want only %s", ids, first)
+	}
+	second, err := create()
+	if err != nil {
+		t.Fatalf("CreateCommand after = %v", err)
+	}
+
+	// The store's own write that finds the fault gone (a second after it
+	// began) must not take the next fault.
+	testenv.Eventually(t, time.Minute, "the store to say it takes writes again", func() bool {
+		return strings.Contains(log.String(), "takes writes again")
+	})
+	faults.Next(unix.SYS_FDATASYNC, 0, syscall.EIO)
+	lost := companion.User{ID: "u-lost", TokenHash: []byte("lost"), CreatedAt: db.now()}
+	if err := db.CreateUser(ctx, lost); !errors.Is(err, ErrUnwritable) {
+		t.Fatalf("CreateUser(the meta's sync failed) = %v; want ErrUnwritable", err)
+	}
+	if _, err := db.User(ctx, lost.ID); !errors.Is(err, companion.ErrNotFound) {
+		t.Errorf("User(%s) = %v after its sync failed; want ErrNotFound", lost.ID, err)
+	}
+	kept := companion.User{ID: "u-kept", TokenHash: []byte("kept"), CreatedAt: db.now()}
+	if err := db.CreateUser(ctx, kept); err != nil {
+		t.Fatalf("CreateUser after = %v", err)
+	}
+
+	db = reopen(t, db, Options{})
+	if ids := queued(); len(ids) != 2 || ids[0] != first || ids[1] != second {
+		t.Errorf("queued after a reopen: %q; want %s and %s", ids, first, second)
+	}
+	if _, err := db.User(ctx, lost.ID); !errors.Is(err, companion.ErrNotFound) {
+		t.Errorf("User(%s) = %v after a reopen; want ErrNotFound", lost.ID, err)
+	}
+	if _, err := db.User(ctx, kept.ID); err != nil {
+		t.Errorf("User(%s) = %v after a reopen", kept.ID, err)
+	}
+	if err := db.bolt.View(func(tx *bolt.Tx) error { return errors.Join(collect(tx.Check())...) }); err != nil {
+		t.Errorf("the file: %v", err)
+	}
+}
