@@ -75,7 +75,7 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 			return companion.Blob{}, db.diskError(fmt.Errorf("store: blob dir: %w", err))
 		}
 		if err := syncDir(db.blobDir); err != nil {
-			return companion.Blob{}, err
+			return companion.Blob{}, db.diskError(err)
 		}
 	}
 	if _, err := os.Stat(db.blobPath(sha)); err == nil {
@@ -84,11 +84,11 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 			return companion.Blob{}, fmt.Errorf("store: remove blob temp: %w", err)
 		}
 	} else if err := os.Rename(tmpName, db.blobPath(sha)); err != nil {
-		return companion.Blob{}, fmt.Errorf("store: place blob: %w", err)
+		return companion.Blob{}, db.diskError(fmt.Errorf("store: place blob: %w", err))
 	}
 	placed = true
 	if err := syncDir(dir); err != nil {
-		return companion.Blob{}, err
+		return companion.Blob{}, db.diskError(err)
 	}
 
 	var rec blobRecord
@@ -219,11 +219,12 @@ func validSHA256(s string) bool {
 	return true
 }
 
-// diskError marks err as ErrUnwritable when it is the disk's refusal of
-// more data (noSpace): a blob's content or its directory that did not fit,
-// rather than a client's body that broke off.
+// diskError marks err as ErrUnwritable when it is the disk's refusal
+// (diskRefused): a blob's content or its directory that did not fit, or
+// that a failing or read-only disk did not take, rather than a client's
+// body that broke off.
 func (db *DB) diskError(err error) error {
-	if noSpace(err) {
+	if diskRefused(err) {
 		return db.unwritable(err)
 	}
 	return err

@@ -436,9 +436,10 @@ func newDiskFaults(log *slog.Logger, path string) *faultlog.Log[diskFault] {
 		Logger: log,
 		Faults: map[diskFault]faultlog.Fault{diskUnwritable: {
 			Name: "cannot write",
-			Words: "store: the data directory cannot be written (its disk full, a quota or the file size limit reached, or the disk " +
-				"failing): requests that would store something are answered 503 unavailable, and the bridges' replies and statuses " +
-				"wait, until it can; free space on its disk (du -sh DATA/companion.db DATA/blobs), or see the system's log for the disk's errors",
+			Words: "store: the data directory cannot be written (its disk full, a quota or the file size limit reached, the disk " +
+				"failing, or its file system read-only): requests that would store something are answered 503 unavailable, and the " +
+				"bridges' replies and statuses wait, until it can; free space on its disk (du -sh DATA/companion.db DATA/blobs), or see " +
+				"the system's log for the disk's errors",
 		}},
 		Attrs: []any{"path", path},
 		Still: "store: the data directory still cannot be written",
@@ -446,10 +447,18 @@ func newDiskFaults(log *slog.Logger, path string) *faultlog.Log[diskFault] {
 	})
 }
 
-// noSpace reports whether err is the disk's refusal of more data: no
-// space, the file size limit (RLIMIT_FSIZE), the quota.
-func noSpace(err error) bool {
-	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EFBIG) || errors.Is(err, syscall.EDQUOT)
+// diskRefused reports whether err is the disk's refusal of a write: no
+// space, the file size limit (RLIMIT_FSIZE), the quota; or the disk
+// failing (EIO), or its file system gone read-only (EROFS, as ext4
+// remounts itself on the disk's errors), which a bbolt commit meets as a
+// failed commit too (bug 347).
+func diskRefused(err error) bool {
+	for _, e := range []syscall.Errno{syscall.ENOSPC, syscall.EFBIG, syscall.EDQUOT, syscall.EIO, syscall.EROFS} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // keyWriteProbe is the meta key CheckWrites writes and deletes.

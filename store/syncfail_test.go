@@ -112,3 +112,39 @@ func TestAWriteWhoseSyncFailedIsNotKept(t *testing.T) {
 		t.Errorf("the file: %v", err)
 	}
 }
+
+// A blob the disk refuses as it fails (EIO from a directory's sync) or
+// as its file system goes read-only (EROFS, as ext4 remounts itself on
+// errors) is ErrUnwritable, as a command's commit is then, and as a blob
+// that does not fit is: the API's 503 with Retry-After, not a 500
+// logged for every upload (bug 347).
+func TestABlobTheDiskFailsIsUnwritable(t *testing.T) {
+	if os.Getenv("STORE_BLOB_FAULTS") == "" {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestABlobTheDiskFailsIsUnwritable$", "-test.v")
+		cmd.Env = append(os.Environ(), "STORE_BLOB_FAULTS=1")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("the child: %v\n%s", err, out)
+		}
+		t.Logf("the child:\n%s", out)
+		return
+	}
+	faults := testenv.FailSyscalls(t, unix.SYS_OPENAT, unix.SYS_FSYNC)
+	ctx := context.Background()
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "companion.db"), Options{})
+	put := func(content string) error {
+		_, err := db.PutBlob(ctx, strings.NewReader(content), 0)
+		return err
+	}
+	faults.Next(unix.SYS_OPENAT, syscall.EROFS) // its temp file
+	if err := put("read-only"); !errors.Is(err, ErrUnwritable) {
+		t.Errorf("PutBlob(a read-only file system) = %v; want ErrUnwritable", err)
+	}
+	faults.Next(unix.SYS_FSYNC, 0, syscall.EIO) // its content's sync, then its directory's
+	if err := put("failing"); !errors.Is(err, ErrUnwritable) {
+		t.Errorf("PutBlob(its directory's sync failing) = %v; want ErrUnwritable", err)
+	}
+	if err := put("healthy"); err != nil {
+		t.Errorf("PutBlob(after) = %v", err)
+	}
+}
