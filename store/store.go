@@ -314,7 +314,8 @@ func Open(path string, opts Options) (*DB, error) {
 		removeCreated(path, created)
 		return nil, err
 	}
-	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly, Preallocate: preallocate})
+	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly, Preallocate: preallocate,
+		StallAfter: stallAfter, OnStall: db.onStall})
 	go db.watchDisk()
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
@@ -428,7 +429,12 @@ func (db *DB) unwritable(err error) error {
 // diskFault is the store's one fault: its disk refuses writes.
 type diskFault int
 
-const diskUnwritable diskFault = 0
+const (
+	diskUnwritable diskFault = iota
+	// diskStalled: a write has waited stallAfter for its commit, the
+	// disk not answering (bug 348).
+	diskStalled
+)
 
 // newDiskFaults returns the log of the disk's faults of the store at path.
 func newDiskFaults(log *slog.Logger, path string) *faultlog.Log[diskFault] {
@@ -440,6 +446,11 @@ func newDiskFaults(log *slog.Logger, path string) *faultlog.Log[diskFault] {
 				"failing, or its file system read-only): requests that would store something are answered 503 unavailable, and the " +
 				"bridges' replies and statuses wait, until it can; free space on its disk (du -sh DATA/companion.db DATA/blobs), or see " +
 				"the system's log for the disk's errors",
+		}, diskStalled: {
+			Name: "not answering",
+			Words: "store: a write of the data directory has not finished in " + stallAfter.String() + " (its disk not answering: " +
+				"a network volume unreachable, or a failing disk retrying): requests that would store something, and the bridges' " +
+				"replies and statuses, wait for it, and /readyz answers 503 until it answers; see the system's log for the disk's errors",
 		}},
 		Attrs: []any{"path", path},
 		Still: "store: the data directory still cannot be written",
@@ -469,13 +480,27 @@ var keyWriteProbe = []byte("write_probe")
 // of its own (a page of the meta bucket written again) and returns its
 // error, ErrUnwritable while the disk refuses it. So the answer follows
 // the disk back even when nothing else writes, as when a server reported
-// not ready is sent no requests. It is as cheap as an atomic load while
-// writes succeed.
+// not ready is sent no requests. It is ErrUnwritable too while a write has
+// waited stallAfter for its commit, the disk not answering (bug 348).
 func (db *DB) CheckWrites(ctx context.Context) error {
+	if err := db.stalled(); err != nil {
+		return err
+	}
 	if db.writer.Err() == nil {
 		return nil
 	}
 	return db.checkWrite(ctx)
+}
+
+// stalled is ErrUnwritable while the group of writes under way has waited
+// stallAfter or more for its commit (a disk that does not answer), and
+// nil otherwise; it ends the log's fault of it once none waits so.
+func (db *DB) stalled() error {
+	if d := db.writer.Busy(); d >= stallAfter {
+		return fmt.Errorf("%w: a write has waited %v for the disk", ErrUnwritable, d.Round(time.Millisecond))
+	}
+	db.faults.Gone(diskStalled)
+	return nil
 }
 
 // checkWrite commits a small write of its own (a page of the meta bucket
@@ -511,8 +536,25 @@ func (db *DB) checkWrite(ctx context.Context) error {
 // so even when nothing else writes; until Close, which waits for it.
 func (db *DB) watchDisk() {
 	defer close(db.watchDone)
-	db.faults.Watch(db.stop, func(diskFault) error { return db.probeWrites() })
+	db.faults.Watch(db.stop, func(f diskFault) error {
+		if f == diskStalled {
+			return db.stalled()
+		}
+		return db.probeWrites()
+	})
 }
+
+// onStall tells the log's fault of a write that has waited stallAfter
+// (groupcommit.Options.OnStall), which watchDisk then follows.
+func (db *DB) onStall() {
+	if err := db.stalled(); err != nil {
+		db.faults.Failed(diskStalled, err)
+	}
+}
+
+// stallAfter is how long a write may wait for its commit before the store
+// takes its disk as not answering (diskStalled); tests shorten it.
+var stallAfter = 10 * time.Second
 
 // probeTimeout bounds a probe of watchDisk's.
 const probeTimeout = 2 * time.Second

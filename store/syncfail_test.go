@@ -148,3 +148,64 @@ func TestABlobTheDiskFailsIsUnwritable(t *testing.T) {
 		t.Errorf("PutBlob(after) = %v", err)
 	}
 }
+
+// A disk that stops answering (every fdatasync held, as on a network
+// volume gone) is the store's fault as soon as a write has waited
+// stallAfter: CheckWrites (/readyz) reports it, and the log says it once,
+// with what it is; once the disk answers, the write waiting is stored,
+// and the fault is said gone (bug 348).
+func TestADiskThatStopsAnsweringIsSaid(t *testing.T) {
+	if os.Getenv("STORE_STALL_FAULTS") == "" {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestADiskThatStopsAnsweringIsSaid$", "-test.v")
+		cmd.Env = append(os.Environ(), "STORE_STALL_FAULTS=1")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("the child: %v\n%s", err, out)
+		}
+		t.Logf("the child:\n%s", out)
+		return
+	}
+	faults := testenv.FailSyscalls(t, unix.SYS_FDATASYNC)
+	stallAfter = 200 * time.Millisecond // this child's alone
+	var log testenv.Buffer
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "companion.db"), Options{
+		Logger: slog.New(slog.NewTextHandler(&log, &slog.HandlerOptions{Level: slog.LevelInfo})),
+	})
+	ctx := context.Background()
+	create := func() error {
+		_, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text", State: "queued"}, 0, nil)
+		return err
+	}
+	if err := create(); err != nil {
+		t.Fatal(err)
+	}
+
+	release := faults.Hold(unix.SYS_FDATASYNC)
+	defer release()
+	done := make(chan error, 1)
+	go func() { done <- create() }()
+	testenv.Eventually(t, 10*time.Second, "CheckWrites to say the disk does not answer", func() bool {
+		return errors.Is(db.CheckWrites(ctx), ErrUnwritable)
+	})
+	testenv.Eventually(t, 10*time.Second, "the log to say the disk does not answer", func() bool {
+		return strings.Contains(log.String(), "has not finished")
+	})
+	release()
+	if err := <-done; err != nil {
+		t.Errorf("CreateCommand(held until the disk answered) = %v", err)
+	}
+	testenv.Eventually(t, 10*time.Second, "CheckWrites once the disk answers", func() bool {
+		return db.CheckWrites(ctx) == nil
+	})
+	testenv.Eventually(t, 10*time.Second, "the log to say the disk takes writes again", func() bool {
+		return strings.Contains(log.String(), "takes writes again")
+	})
+	if n, err := db.CountAllOpen(ctx); err != nil || n != 2 {
+		t.Errorf("CountAllOpen() = %d, %v; want 2", n, err)
+	}
+	out := log.String()
+	t.Logf("the store's log:\n%s", out)
+	if n := strings.Count(out, "level=ERROR") + strings.Count(out, "level=WARN"); n != 1 {
+		t.Errorf("%d errors and warnings; want 1", n)
+	}
+}

@@ -60,7 +60,7 @@ const readyTimeout = 2 * time.Second
 // should know it; so is a pool whose every connection stays in use (by
 // statements waiting for a lock), which Ping tells apart. So is a store whose last write its disk refused (full;
 // PostgreSQL's, or read-only): every write is a 503 unavailable until one
-// succeeds.
+// succeeds; and a bbolt store whose disk has kept a write waiting 10 s.
 func (m *Main) ready(ctx context.Context) error {
 	if !m.Broker.Ready() {
 		return errors.New("the MQTT connection is down")

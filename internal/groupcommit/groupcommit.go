@@ -107,6 +107,11 @@ type Committer struct {
 	failed       atomic.Pointer[CommitError] // the last commit's error; nil once one succeeds
 
 	ahead *zeroFill // nil unless Options.Preallocate; used by the commit loop only
+
+	// busy is when the group under way took its first write (UnixNano),
+	// 0 between groups: how long the disk has kept it (Busy).
+	busy  atomic.Int64
+	stall *time.Timer // calls Options.OnStall; nil without it
 }
 
 // Options tune a Committer; the zero value never lingers.
@@ -121,6 +126,12 @@ type Options struct {
 	// Preallocate, when set, is how much of the file past its last page in
 	// use the committer keeps written with zeros (see zeroFill).
 	Preallocate int64
+	// OnStall, when set, is called (on a goroutine of its own) when a
+	// group has waited StallAfter for its writes and commit to end: the
+	// disk does not answer (a network volume gone, a failing disk
+	// retrying), and every write waits with it. Busy says how long.
+	OnStall    func()
+	StallAfter time.Duration
 }
 
 // New starts a committer for db.
@@ -134,6 +145,10 @@ func New(db *bolt.DB, opts Options) *Committer {
 	}
 	if opts.Preallocate > 0 {
 		c.ahead = newZeroFill(db.Path(), opts.Preallocate)
+	}
+	if opts.OnStall != nil {
+		c.stall = time.AfterFunc(time.Hour, opts.OnStall)
+		c.stall.Stop()
 	}
 	c.wg.Add(2)
 	go c.commitLoop()
@@ -203,6 +218,34 @@ func (c *Committer) Err() error {
 	return nil
 }
 
+// Busy returns how long the group under way has waited for its writes
+// and its commit to end; 0 between groups. A disk that does not answer
+// keeps it waiting (Options.OnStall).
+func (c *Committer) Busy() time.Duration {
+	if t := c.busy.Load(); t != 0 {
+		return time.Since(time.Unix(0, t))
+	}
+	return 0
+}
+
+// working marks the group under way as begun (on) or ended (bug 348).
+func (c *Committer) working(on bool) {
+	if !on {
+		c.busy.Store(0)
+		if c.stall != nil {
+			c.stall.Stop()
+		}
+		return
+	}
+	if c.busy.Load() != 0 {
+		return
+	}
+	c.busy.Store(time.Now().UnixNano())
+	if c.stall != nil {
+		c.stall.Reset(c.opts.StallAfter)
+	}
+}
+
 // Close runs what is queued, stops the committer and returns once every
 // done callback has run. Writes queued later fail with ErrClosed.
 func (c *Committer) Close() {
@@ -218,15 +261,19 @@ func (c *Committer) Close() {
 	c.wg.Wait()
 }
 
-// take returns up to max of the queued writes, oldest first.
+// take returns up to max of the queued writes, oldest first; the group
+// that takes them is under way from the first (working).
 func (c *Committer) take(max int) []*op {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	n := min(len(c.queue), max)
 	ops := c.queue[:n:n]
 	c.queue = c.queue[n:]
 	if len(c.queue) == 0 {
 		c.queue = nil
+	}
+	c.mu.Unlock()
+	if n > 0 {
+		c.working(true)
 	}
 	return ops
 }
@@ -280,6 +327,7 @@ func (c *Committer) commitLoop() {
 		} else if g.err != nil {
 			c.failed.Store(g.err)
 		}
+		c.working(false)
 		c.results <- g.taken
 		last = len(g.taken)
 	}

@@ -18,6 +18,35 @@ import (
 type SyscallFaults struct {
 	mu   sync.Mutex
 	next map[int32][]syscall.Errno // by call, the outcomes of its next calls, in order; 0: done as usual
+	held map[int32]chan struct{}   // by call, closed as its calls are let go (Hold)
+}
+
+// Hold has every call of nr wait, as on a disk that stopped answering
+// (a network volume gone), until release is called; then they, and those
+// after, are made as usual (or as Next says). Held calls hold their
+// threads, not the process: the rest of it runs on.
+func (f *SyscallFaults) Hold(nr int) (release func()) {
+	ch := make(chan struct{})
+	f.mu.Lock()
+	f.held[int32(nr)] = ch
+	f.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			f.mu.Lock()
+			delete(f.held, int32(nr))
+			f.mu.Unlock()
+			close(ch)
+		})
+	}
+}
+
+// heldBy returns the channel that lets calls of nr go; nil when they are
+// not held.
+func (f *SyscallFaults) heldBy(nr int32) chan struct{} {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.held[nr]
 }
 
 // Next has the next len(errs) calls of nr (unix.SYS_FDATASYNC, say) of
@@ -121,7 +150,7 @@ func FailSyscalls(tb testing.TB, nrs ...int) *SyscallFaults {
 	if errno != 0 {
 		tb.Skipf("seccomp with a listener on every thread: %v", errno)
 	}
-	f := &SyscallFaults{next: make(map[int32][]syscall.Errno)}
+	f := &SyscallFaults{next: make(map[int32][]syscall.Errno), held: make(map[int32]chan struct{})}
 	go f.answer(int(fd))
 	return f
 }
@@ -134,13 +163,26 @@ func (f *SyscallFaults) answer(listener int) {
 		if err := ioctl(listener, unix.SECCOMP_IOCTL_NOTIF_RECV, unsafe.Pointer(&n)); err != nil {
 			continue // EINTR; ENOENT: the thread that called went away
 		}
-		r := seccompNotifResp{id: n.id, flags: unix.SECCOMP_USER_NOTIF_FLAG_CONTINUE}
-		if e := f.outcome(n.nr); e != 0 {
-			r = seccompNotifResp{id: n.id, error: -int32(e)}
+		if held := f.heldBy(n.nr); held != nil {
+			go func() {
+				<-held
+				f.respond(listener, n)
+			}()
+			continue
 		}
-		if err := ioctl(listener, unix.SECCOMP_IOCTL_NOTIF_SEND, unsafe.Pointer(&r)); err != nil && r.error != 0 {
-			f.again(n.nr, syscall.Errno(-r.error)) // ENOENT: interrupted, it is made again
-		}
+		f.respond(listener, n)
+	}
+}
+
+// respond lets the call of notification n be made, or fails it as Next
+// says.
+func (f *SyscallFaults) respond(listener int, n seccompNotif) {
+	r := seccompNotifResp{id: n.id, flags: unix.SECCOMP_USER_NOTIF_FLAG_CONTINUE}
+	if e := f.outcome(n.nr); e != 0 {
+		r = seccompNotifResp{id: n.id, error: -int32(e)}
+	}
+	if err := ioctl(listener, unix.SECCOMP_IOCTL_NOTIF_SEND, unsafe.Pointer(&r)); err != nil && r.error != 0 {
+		f.again(n.nr, syscall.Errno(-r.error)) // ENOENT: interrupted, it is made again
 	}
 }
 
