@@ -426,7 +426,15 @@ func (db *DB) unwritable(err error) error {
 	return err
 }
 
-// diskFault is the store's one fault: its disk refuses writes.
+// Faults calls fn with the name of each fault of the store's disk the log
+// says ("cannot write", "not answering") and whether it stands now, for
+// the server's metrics (bug 349).
+func (db *DB) Faults(fn func(name string, stands bool)) {
+	db.faults.Each(fn)
+}
+
+// diskFault is a fault of the store's disk: it refuses writes, or does not
+// answer.
 type diskFault int
 
 const (

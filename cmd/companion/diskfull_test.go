@@ -86,3 +86,28 @@ func readyzCannotWrite(t *testing.T, probe *client, detail string) {
 		require.Contains(t, p["detail"], detail)
 	}
 }
+
+// TestStoreFaultMetricWhileTheDiskIsFull: companion_store_fault says the
+// bbolt store's disk refuses writes from the first write it refused until
+// one commits again, so that an alert sees it even when /readyz's 503 has
+// the load balancer send the server nothing (bug 349).
+func TestStoreFaultMetricWhileTheDiskIsFull(t *testing.T) {
+	m := startServer(t, Config{Metrics: "127.0.0.1:0"})
+	f := setupFleet(t, m, "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	scrape := metricsScrape(t, m)
+	require.True(t, scrape.Has("companion_store_fault", "fault", "cannot write"), "no companion_store_fault{fault=\"cannot write\"}:\n%s", scrape.Dump("companion_store_fault"))
+	metricsExpect(t, scrape, 0, "companion_store_fault", "fault", "cannot write")
+	metricsExpect(t, scrape, 0, "companion_store_fault", "fault", "not answering")
+
+	lift := testenv.LimitFileSize(t, 0)
+	r = f.user.do("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "while full"})
+	require.Equal(t, 503, r.Status, "%s", r.Body)
+	metricsExpect(t, metricsScrape(t, m), 1, "companion_store_fault", "fault", "cannot write")
+
+	lift()
+	probe := newClient(t, m, "")
+	require.Equal(t, 200, probe.do("GET", "/readyz", nil).Status)
+	metricsExpect(t, metricsScrape(t, m), 0, "companion_store_fault", "fault", "cannot write")
+}

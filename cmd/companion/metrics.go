@@ -51,6 +51,10 @@ func (m *Main) startMetrics(_ context.Context) error {
 	opts := metrics.ServerOptions{OpenCommands: m.countOpenCommands, Logger: m.Logger}
 	if m.bolt != nil {
 		opts.Undecodable = m.bolt.Undecodable
+		opts.StoreFaults = m.bolt.Faults
+	}
+	if m.pg != nil {
+		opts.StoreFaults = m.pg.Faults
 	}
 	s := metrics.NewServer(opts)
 	ln, err := metrics.Listen(addr, s.Registry(), m.Logger)

@@ -119,6 +119,21 @@ func (l *Log[K]) Stands(f K) bool {
 	return s != nil && s.standing
 }
 
+// Each calls fn with the name of each kind of fault the log knows and
+// whether it stands now: a gauge of each for the server's metrics.
+func (l *Log[K]) Each(fn func(name string, stands bool)) {
+	l.mu.Lock()
+	stands := make(map[string]bool, len(l.opts.Faults))
+	for f, ft := range l.opts.Faults {
+		s := l.faults[f]
+		stands[ft.Name] = s != nil && s.standing
+	}
+	l.mu.Unlock()
+	for name, on := range stands {
+		fn(name, on)
+	}
+}
+
 // Gone ends fault f, which a probe, or a write of the store's own, found
 // gone. It is logged at info level, unless the log never said that this
 // run of it stood.

@@ -41,6 +41,10 @@ type ServerOptions struct {
 	// that do not decode (store.DB.Undecodable). Without it the gauge is
 	// not served (PostgreSQL has no such records).
 	Undecodable func() int
+	// StoreFaults calls its fn with each fault of the store the log says
+	// (store.DB.Faults, postgres.Store.Faults) and whether it stands now.
+	// Without it the gauge is not served.
+	StoreFaults func(fn func(name string, stands bool))
 	// Logger receives a failed count of the open commands;
 	// slog.Default() when nil.
 	Logger *slog.Logger
@@ -141,6 +145,12 @@ func NewServer(opts ServerOptions) *Server {
 			Name: "companion_store_undecodable_records",
 			Help: "Records of the bbolt store met since it opened that do not decode (the file damaged there), each left out of the reads that met it and logged once; restore the file from a backup.",
 		}, func() float64 { return float64(n()) }))
+	}
+	if f := opts.StoreFaults; f != nil {
+		s.reg.MustRegister(storeFaults{each: f, desc: prometheus.NewDesc("companion_store_fault",
+			"1 while the store's fault stands (the server's log said it, and has not said it gone), by fault: the bbolt store's disk "+
+				"refuses writes (cannot write) or keeps one waiting (not answering); PostgreSQL cannot be reached, refuses writes, …; else 0.",
+			[]string{"fault"}, nil)})
 	}
 	for _, op := range topics.Ops {
 		o := &opSeries{
@@ -303,6 +313,23 @@ func (o *openCommands) Collect(ch chan<- prometheus.Metric) {
 	if o.err == nil {
 		ch <- prometheus.MustNewConstMetric(o.desc, prometheus.GaugeValue, float64(o.n))
 	}
+}
+
+// storeFaults serves companion_store_fault from the store's log of its
+// faults, at each scrape (bug 349).
+type storeFaults struct {
+	each func(fn func(name string, stands bool))
+	desc *prometheus.Desc
+}
+
+// Describe implements prometheus.Collector.
+func (f storeFaults) Describe(ch chan<- *prometheus.Desc) { ch <- f.desc }
+
+// Collect implements prometheus.Collector.
+func (f storeFaults) Collect(ch chan<- prometheus.Metric) {
+	f.each(func(name string, stands bool) {
+		ch <- prometheus.MustNewConstMetric(f.desc, prometheus.GaugeValue, gauge01(stands), name)
+	})
 }
 
 // The server's metrics serve what these packages ask of an observer.

@@ -243,6 +243,13 @@ func (s *Store) checkWrite(ctx context.Context) error {
 	return nil
 }
 
+// Faults calls fn with the name of each fault of the database the log
+// says ("unreachable", "cannot write", …) and whether it stands now, for
+// the server's metrics (bug 349).
+func (s *Store) Faults(fn func(name string, stands bool)) {
+	s.health.faults.Each(fn)
+}
+
 // CheckWrites says whether the database takes writes now. Until it
 // refuses one for want of room or as read-only (IsUnwritable: its disk
 // full, a standby), it returns nil without asking. After that it tries a
