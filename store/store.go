@@ -494,7 +494,7 @@ func (db *DB) CheckWrites(ctx context.Context) error {
 	if err := db.stalled(); err != nil {
 		return err
 	}
-	if db.writer.Err() == nil {
+	if db.writer.Err() == nil && !db.faults.Stands(diskUnwritable) {
 		return nil
 	}
 	return db.checkWrite(ctx)
@@ -512,9 +512,14 @@ func (db *DB) stalled() error {
 }
 
 // checkWrite commits a small write of its own (a page of the meta bucket
-// written again): nil once it committed, ErrUnwritable while the disk
-// refuses it. It ends the log's fault when it commits; its failures are
-// not counted among the writes that met the fault.
+// written again): nil once it committed and the file could grow,
+// ErrUnwritable while the disk refuses either. The write fits in pages
+// the file has free, which a full disk leaves it as a rule, so the file's
+// room to grow is asked of the committer's zeros ahead, which the write's
+// transaction tries to write (groupcommit.Committer.Cramped): without
+// it, the write succeeded while every new command was refused (bug 350).
+// It ends the log's fault when both succeed; its failures are not counted
+// among the writes that met the fault.
 func (db *DB) checkWrite(ctx context.Context) error {
 	ch := make(chan error, 1)
 	db.writer.Go(func(tx *bolt.Tx) error {
@@ -529,6 +534,9 @@ func (db *DB) checkWrite(ctx context.Context) error {
 		var ce *groupcommit.CommitError
 		if errors.As(err, &ce) {
 			return fmt.Errorf("%w: %w", ErrUnwritable, err)
+		}
+		if err == nil && db.writer.Cramped() {
+			return fmt.Errorf("%w: the file cannot grow: writing zeros past its pages failed", ErrUnwritable)
 		}
 		if err == nil {
 			db.faults.Gone(diskUnwritable)

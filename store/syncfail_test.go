@@ -209,3 +209,62 @@ func TestADiskThatStopsAnsweringIsSaid(t *testing.T) {
 		t.Errorf("%d errors and warnings; want 1", n)
 	}
 }
+
+// Once the disk has refused a command for want of room to grow the file,
+// CheckWrites (/readyz) answers ErrUnwritable for as long as the file
+// cannot grow, though its small write of its own fits in pages the file
+// has free; it answers nil, and commands are stored, once it can (bug
+// 350). The file may grow up to the end of the zeros ahead (a file size
+// limit there): the blocks a full disk had allocated before it filled.
+func TestCheckWritesWhileTheFileCannotGrow(t *testing.T) {
+	db := openTestDB(t)
+	ctx := context.Background()
+	payload := []byte(`"` + strings.Repeat("x", 4000) + `"`)
+	create := func() error {
+		_, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text", State: "queued", Payload: payload}, 0, nil)
+		return err
+	}
+	for range 5 {
+		if err := create(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var used int64
+	_ = db.bolt.View(func(tx *bolt.Tx) error { used = tx.Size(); return nil })
+	f, err := os.Open(db.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	zeroed, err := f.Seek(used, unix.SEEK_HOLE)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	lift := testenv.LimitFileSize(t, zeroed)
+	for i := 0; ; i++ {
+		err := create()
+		if errors.Is(err, ErrUnwritable) {
+			break
+		}
+		if err != nil || i == 10000 {
+			t.Fatalf("CreateCommand(%d) = %v; want one ErrUnwritable past %d bytes", i, err, zeroed)
+		}
+	}
+	for range 3 {
+		if err := db.CheckWrites(ctx); !errors.Is(err, ErrUnwritable) {
+			t.Fatalf("CheckWrites() = %v while the file cannot grow; want ErrUnwritable", err)
+		}
+		if err := create(); !errors.Is(err, ErrUnwritable) {
+			t.Fatalf("CreateCommand(the file cannot grow) = %v; want ErrUnwritable", err)
+		}
+	}
+
+	lift()
+	if err := db.CheckWrites(ctx); err != nil {
+		t.Fatalf("CheckWrites() = %v once the file can grow", err)
+	}
+	if err := create(); err != nil {
+		t.Fatalf("CreateCommand(the file can grow) = %v", err)
+	}
+}

@@ -112,6 +112,8 @@ type Committer struct {
 	// 0 between groups: how long the disk has kept it (Busy).
 	busy  atomic.Int64
 	stall *time.Timer // calls Options.OnStall; nil without it
+
+	cramped atomic.Bool // the zeros ahead could not be written when last tried (Cramped)
 }
 
 // Options tune a Committer; the zero value never lingers.
@@ -218,6 +220,13 @@ func (c *Committer) Err() error {
 	return nil
 }
 
+// Cramped reports whether the file could not grow when the committer
+// last tried: a write of its zeros ahead (Options.Preallocate) failed, and
+// none has succeeded since. A commit may still succeed then, its pages
+// fitting in those the file has free or zeroed, while one that needs the
+// file to grow fails (bug 350). Always false without Preallocate.
+func (c *Committer) Cramped() bool { return c.cramped.Load() }
+
 // Busy returns how long the group under way has waited for its writes
 // and its commit to end; 0 between groups. A disk that does not answer
 // keeps it waiting (Options.OnStall).
@@ -281,7 +290,7 @@ func (c *Committer) take(max int) []*op {
 // begin prepares each transaction of the committer, before its writes.
 func (c *Committer) begin(tx *bolt.Tx) {
 	if c.ahead != nil {
-		c.ahead.fill(tx.Size())
+		c.cramped.Store(!c.ahead.fill(tx.Size()))
 	}
 	if c.opts.Begin != nil {
 		c.opts.Begin(tx)

@@ -29,6 +29,7 @@ type zeroFill struct {
 	f      *os.File // nil once closed
 	ahead  int64    // how far past the last page in use to keep zeros
 	zeroed int64    // the file is written (with pages or zeros) up to here
+	failed bool     // the last write of zeros failed: the file cannot grow now
 	zeros  []byte
 }
 
@@ -45,10 +46,12 @@ func newZeroFill(path string, ahead int64) *zeroFill {
 
 // fill writes a chunk of zeros after what the file holds when a whole
 // chunk of ahead is missing past used, the end of the last page in use
-// (tx.Size() of the write transaction).
-func (z *zeroFill) fill(used int64) {
+// (tx.Size() of the write transaction). It reports whether the file
+// could grow when it last tried: false from a write of the zeros that
+// failed until one succeeds.
+func (z *zeroFill) fill(used int64) (grows bool) {
 	if z.f == nil {
-		return
+		return true
 	}
 	if z.zeroed < used {
 		// The first transaction, or bbolt outgrew the zeros (or wrote its
@@ -60,7 +63,7 @@ func (z *zeroFill) fill(used int64) {
 		// Less than a chunk to go: wait for a whole one. Topping up
 		// by the few pages each commit adds would allocate blocks in
 		// every commit again, a little further on.
-		return
+		return !z.failed
 	}
 	if z.zeros == nil {
 		z.zeros = make([]byte, zeroFillChunk)
@@ -70,8 +73,10 @@ func (z *zeroFill) fill(used int64) {
 	// write a commit while the disk is full, and the zeros ahead again as
 	// soon as it is not. (Closed at the first failure, the file was left
 	// to bbolt's holes until a restart, long after space was back.)
-	n, _ := z.f.WriteAt(z.zeros, z.zeroed)
+	n, err := z.f.WriteAt(z.zeros, z.zeroed)
 	z.zeroed += int64(n)
+	z.failed = err != nil
+	return !z.failed
 }
 
 func (z *zeroFill) close() {
