@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -88,7 +89,7 @@ func (h *authHook) ID() string { return "companion-auth" }
 // Provides lists the events the hook handles.
 func (h *authHook) Provides(b byte) bool {
 	switch b {
-	case mqtt.OnConnectAuthenticate, mqtt.OnACLCheck, mqtt.OnPublish,
+	case mqtt.OnConnectAuthenticate, mqtt.OnACLCheck, mqtt.OnPublish, mqtt.OnSubscribe, mqtt.OnUnsubscribe,
 		mqtt.OnSessionEstablish, mqtt.OnSessionEstablished, mqtt.OnDisconnect, mqtt.OnClientExpired:
 		return true
 	}
@@ -424,7 +425,7 @@ func (h *authHook) mayRead(id Identity, filter string) bool {
 		// so is a filter that matches none of the device's topics: any
 		// other was let in, and a watcher's token subscribed to
 		// devices/DEV/x1, x2, … until the server ran out of memory.
-		if len(levels) < 3 || levels[0] != "devices" || !topics.ValidDeviceID(levels[1]) || !matchesDeviceTopic(levels[2:]) {
+		if !userFilter(levels) {
 			return false
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), accountsTimeout)
@@ -432,6 +433,58 @@ func (h *authHook) mayRead(id Identity, filter string) bool {
 		return h.accounts != nil && h.accounts.UserOwnsDevice(ctx, id.ID, levels[1])
 	}
 	return false
+}
+
+// OnSubscribe hands mochi a user's filter that ends in "+/#" with one "+"
+// less (plusHash), as OnUnsubscribe does when the user takes it back.
+func (h *authHook) OnSubscribe(cl *mqtt.Client, pk packets.Packet) packets.Packet {
+	return h.plusHash(cl, pk)
+}
+
+// OnUnsubscribe: see OnSubscribe.
+func (h *authHook) OnUnsubscribe(cl *mqtt.Client, pk packets.Packet) packets.Packet {
+	return h.plusHash(cl, pk)
+}
+
+// plusHash rewrites the filters of a user's SUBSCRIBE or UNSUBSCRIBE that
+// end in a run of "+" and then "#" to the same with one "+" less. "#"
+// stands for no level too (MQTT 3.1.1 §4.7.1.2), so devices/DEV/+/#
+// matches devices/DEV/status, as it does on Mosquitto and NATS; mochi
+// matches it only past the "+" level, and a watcher on it read a
+// device's commands and none of its status, settings or replies, live or
+// retained (docs/reliability.md, bug 356). Mochi matches P/+/# as P/+/+/#
+// should, and P/# as P/+/# should plus P itself, which is never a topic
+// of the device that a user may read (mayRead refuses it at delivery), as
+// only a filter a user may hold is rewritten: its first levels, which the
+// rewrite keeps, are those of a topic of the device. One such filter and
+// the rewritten one, both held, are one subscription.
+func (h *authHook) plusHash(cl *mqtt.Client, pk packets.Packet) packets.Packet {
+	id, ok := h.identity(cl)
+	if !ok || id.Role != RoleUser {
+		return pk
+	}
+	var filters packets.Subscriptions
+	for i, sub := range pk.Filters {
+		levels, ok := h.below(sub.Filter)
+		n := len(levels)
+		if !ok || n < 4 || levels[n-1] != "#" || levels[n-2] != "+" || !userFilter(levels) {
+			continue
+		}
+		if filters == nil {
+			filters = slices.Clone(pk.Filters)
+		}
+		filters[i].Filter = h.tree.Prefix() + "/" + strings.Join(append(levels[:n-2:n-2], "#"), "/")
+	}
+	if filters != nil {
+		pk.Filters = filters
+	}
+	return pk
+}
+
+// userFilter says whether a user who owns the device the levels below the
+// prefix name may hold them as a filter.
+func userFilter(levels []string) bool {
+	return len(levels) >= 3 && levels[0] == "devices" && topics.ValidDeviceID(levels[1]) && matchesDeviceTopic(levels[2:])
 }
 
 // deviceTopics are the shapes of a device's topics below devices/{id}; an

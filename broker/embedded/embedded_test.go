@@ -1036,3 +1036,54 @@ func TestALoginAsItsCredentialsChangeIsClosedToo(t *testing.T) {
 		}
 	}
 }
+
+// A user's filter that ends in "+/#" matches a topic at the level of its
+// "+" too, "#" standing for no level (MQTT 3.1.1 §4.7.1.2), as Mosquitto
+// and NATS have it: devices/DEV/+/# reads the device's status, settings
+// and replies, devices/DEV/commands/+/# its commands, live and retained.
+// Mochi matched neither (docs/reliability.md, bug 356). A filter with
+// more levels than any topic of the device is still refused, and one
+// unsubscribed is gone.
+func TestAUserFilterEndingInPlusHashMatchesItsParentLevel(t *testing.T) {
+	acc := newFakeAccounts()
+	s := startBroker(t, acc)
+	br := mustDial(t, s.Addr(), "bridge-1", "b1-secret", nil)
+	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
+	require.Equal(t, byte(1), srv.subscribe(t, tree.AllStatus()))
+	br.publish(t, tp(tree.Status("dev-1")), true, `{"retained":true}`)
+	srv.next(t) // the server has it: retained, not live, for the user
+
+	u := mustDial(t, s.Addr(), "alice", "alice-token", nil)
+	dev := tree.Prefix() + "/devices/dev-1"
+	for _, f := range []string{dev + "/+/#", dev + "/commands/+/#", dev + "/+/+/#"} {
+		require.Equal(t, byte(1), u.subscribe(t, f), f)
+	}
+	for _, f := range []string{dev + "/status/+/#", dev + "/commands/+/+/#", tree.Prefix() + "/devices/dev-2/+/#"} {
+		assert.Equal(t, byte(0x80), u.subscribe(t, f), f)
+	}
+	m := u.next(t)
+	assert.Equal(t, tp(tree.Status("dev-1")), m.Topic(), "the retained status on devices/dev-1/+/#")
+	assert.True(t, m.Retained())
+
+	srv.publish(t, tp(tree.Replies("dev-1")), false, `{"reply":1}`)
+	srv.publish(t, tp(tree.Command("dev-1", topics.OpPushText)), false, `{"command":1}`)
+	for _, want := range []string{tp(tree.Replies("dev-1")), tp(tree.Command("dev-1", topics.OpPushText))} {
+		m := u.next(t)
+		assert.Equal(t, want, m.Topic(), "%s", m.Payload())
+		assert.False(t, m.Retained())
+	}
+
+	// Unsubscribed, each filter is gone: nothing more arrives but what the
+	// last one left matches.
+	require.NoError(t, mqtt.WaitTokenTimeout(u.Unsubscribe(dev+"/+/#", dev+"/commands/+/#"), wait))
+	srv.publish(t, tp(tree.Status("dev-1")), false, `{"gone":true}`)
+	srv.publish(t, tp(tree.Command("dev-1", topics.OpPushText)), false, `{"command":2}`)
+	m = u.next(t)
+	assert.Equal(t, tp(tree.Command("dev-1", topics.OpPushText)), m.Topic(), "devices/dev-1/+/+/#: %s", m.Payload())
+	assert.Equal(t, `{"command":2}`, string(m.Payload()))
+	select {
+	case m := <-u.msgs:
+		t.Errorf("a message after the last: %s %s", m.Topic(), m.Payload())
+	default:
+	}
+}
