@@ -165,6 +165,9 @@ func TestAUserWatchesTheirDeviceAlikeOnEveryBroker(t *testing.T) {
 	runs := map[string]watchRun{}
 	brokers := withNATS()
 	for _, tb := range brokers {
+		assert.Contains(t, doc.Servers(), tb.name, "a broker the server runs on, among the servers of %s", asyncapitest.Path)
+	}
+	for _, tb := range brokers {
 		ok := t.Run(tb.name, func(t *testing.T) {
 			runs[tb.name] = watchEveryOperation(t, doc, tb)
 		})

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -37,6 +38,7 @@ const docURL = "urn:companion:asyncapi"
 // schemas.
 type Doc struct {
 	channels []*channel
+	servers  []string
 }
 
 type channel struct {
@@ -85,7 +87,10 @@ func Parse(yamlDoc []byte) (*Doc, error) {
 	var doc struct {
 		AsyncAPI           string `json:"asyncapi"`
 		DefaultContentType string `json:"defaultContentType"`
-		Channels           map[string]struct {
+		Servers            map[string]struct {
+			Protocol string `json:"protocol"`
+		} `json:"servers"`
+		Channels map[string]struct {
 			Address  string                     `json:"address"`
 			Messages map[string]json.RawMessage `json:"messages"`
 		} `json:"channels"`
@@ -191,6 +196,13 @@ func Parse(yamlDoc []byte) (*Doc, error) {
 		byName[name].retained = byName[name].retained || mq.Retain
 	}
 	sort.Slice(d.channels, func(i, j int) bool { return d.channels[i].name < d.channels[j].name })
+	for name, srv := range doc.Servers {
+		if srv.Protocol != "mqtt" {
+			return nil, fmt.Errorf("server %s: protocol %q, not mqtt", name, srv.Protocol)
+		}
+		d.servers = append(d.servers, name)
+	}
+	sort.Strings(d.servers)
 	return d, nil
 }
 
@@ -231,6 +243,10 @@ func addressPattern(address string) (*regexp.Regexp, error) {
 func pointerEscape(s string) string {
 	return strings.ReplaceAll(strings.ReplaceAll(s, "~", "~0"), "/", "~1")
 }
+
+// Servers returns the names of the document's servers (the brokers it
+// says carry the topics), sorted.
+func (d *Doc) Servers() []string { return slices.Clone(d.servers) }
 
 // ErrNoChannel is returned for a topic no channel's address matches.
 var ErrNoChannel = errors.New("asyncapitest: no channel of the document matches the topic")
