@@ -235,7 +235,7 @@ type inbound struct {
 func (b *Broker) parseInbound(m mqtt.Message) inbound {
 	t, err := b.tree.Parse(m.Topic())
 	in := inbound{m: m, t: t, err: err}
-	if err == nil && t.Kind == topics.KindReplies {
+	if err == nil && t.Kind == topics.KindReplies && len(m.Payload()) > 0 {
 		in.r, in.rerr = topics.ParseReply(m.Payload())
 	}
 	return in
@@ -271,6 +271,10 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 	}
 	switch t.Kind {
 	case topics.KindReplies:
+		if len(m.Payload()) == 0 {
+			m.Ack() // the server's clearing of a reply retained (DeviceMoved)
+			return
+		}
 		if in.rerr != nil {
 			b.log.Warn("bad reply", "device_id", t.DeviceID, "err", in.rerr)
 			m.Ack()

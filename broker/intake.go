@@ -55,9 +55,14 @@ func (b *Broker) DeviceMoved(deviceID string) {
 		// back), they read as the device's, with the old bridge's seq, and
 		// the new bridge's reports, its clock behind, were refused for up
 		// to a day (docs/reliability.md, bug 244). Cleared, the new
-		// bridge's are the next. One goroutine for both: a bulk move
+		// bridge's are the next. One goroutine for all: a bulk move
 		// starts one per device.
 		b.clearDropped(deviceID, "settings", b.tree.Settings)
+		// A reply the bridge it left published retained, which Mosquitto
+		// and NATS keep (the embedded broker does not): a user's own
+		// bridge could leave one of its making for the device's next
+		// owner's watcher to read on every subscription (bug 358).
+		b.clearDropped(deviceID, "replies", b.tree.Replies)
 	})
 	if b.opts.Dispatcher != nil && !b.dispatching() {
 		b.tellMoved(deviceID)
@@ -831,7 +836,8 @@ func (b *Broker) overwriteDroppedStatus(deviceID string) {
 // clearDropped clears the retained message on the device's topic of what
 // (its settings; its status never reported), which a bridge that does not
 // serve the device published and the server dropped (bug 242), or which
-// the bridge it left published (DeviceMoved). The empty message comes back
+// the bridge it left published (DeviceMoved: its settings, and a reply
+// it published retained). The empty message comes back
 // to the server, which takes it as a cleared one.
 func (b *Broker) clearDropped(deviceID, what string, topicOf func(string) (string, error)) {
 	topic, err := topicOf(deviceID)

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/asyncapitest"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
@@ -388,4 +389,63 @@ func watchEveryOperation(t *testing.T, doc *asyncapitest.Doc, tb tenancyBroker) 
 	t.Logf("late (unserved):\n%s", strings.Join(run.lateUnserved, "\n"))
 	t.Logf("subacks of the nosy filters: %v", run.subacks)
 	return run
+}
+
+// A reply is never retained (CONTRACT §3). A user's own bridge may publish
+// one retained all the same, on a device it serves: the embedded broker
+// hands it on unretained (bug 297), but Mosquitto and NATS keep it, and
+// their rights cannot refuse the flag. When the device leaves that bridge
+// (its user unbinds it, or moves it), the server clears the device's
+// replies topic, as it clears its settings: the device's next owner's
+// watcher never reads a reply that bridge made up (docs/reliability.md,
+// bug 358). On each broker.
+func TestAReplyABridgeRetainedDoesNotReachTheNextOwner(t *testing.T) {
+	t.Parallel()
+	for _, tb := range withNATS() {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
+			f := setupFleet(t, m)
+			r := f.admin.do("POST", "/api/v1/admin/devices", map[string]any{"device_id": "dev-9", "claim_code": "CLAIM-dev-9-XXXXXXXX", "model": "sim-1"})
+			require.Equal(t, 201, r.Status, "%s", r.Body)
+			f.claims["dev-9"] = "CLAIM-dev-9-XXXXXXXX"
+			registerDevices(t, f, "dev-9")
+			r = f.user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": "alice-hub"})
+			require.Equal(t, 201, r.Status, "%s", r.Body)
+			hub := *f
+			hub.bridgeID, hub.bridgeSecret = "alice-hub", r.JSON(t)["secret"].(string)
+			r = f.user.do("PUT", "/api/v1/devices/dev-9/bridge", map[string]any{"bridge_id": "alice-hub"})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+
+			node, _, _ := strings.Cut(mqttURL, ",")
+			fb := connectFakeBridge(t, node, &hub)
+			replies := must(tree.Replies("dev-9"))
+			planted := topics.Reply{CommandID: "01a22e85-0000-7000-8000-000000000001", State: "succeeded", At: time.Now().UTC()}
+			fb.publish(replies, planted, true)
+			battery := 90
+			fb.publish(must(tree.Status("dev-9")), topics.Status{Online: true, Battery: &battery, FirmwareVersion: "1.0.0", Model: "sim-1",
+				Apps: []companion.App{}, BridgeID: "alice-hub", At: time.Now().UTC(), Seq: uint64(time.Now().UnixNano())}, true)
+			waitOnline(t, f, true, "dev-9")
+
+			r = f.user.do("DELETE", "/api/v1/devices/dev-9", nil)
+			require.Equal(t, 204, r.Status, "%s", r.Body)
+			r = f.admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "bob"})
+			require.Equal(t, 201, r.Status, "%s", r.Body)
+			bob := *f
+			bob.user, bob.userID = newClient(t, m, r.JSON(t)["token"].(string)), r.JSON(t)["user_id"].(string)
+			r = bob.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-9", "claim_code": f.claims["dev-9"]})
+			require.Equal(t, 201, r.Status, "%s", r.Body)
+			// bob's subscription to the replies, then to the status, which
+			// the server published as dev-9 left alice-hub: the status
+			// arrives after whatever the replies' subscription brought.
+			w, codes := watchAsUser(t, mqttURL, "bob-watch", &bob, replies, must(tree.Status("dev-9")))
+			require.Equal(t, []byte{1, 1}, codes)
+			testenv.Eventually(t, 20*time.Second, "dev-9's retained status", func() bool { return w.count(must(tree.Status("dev-9"))) > 0 })
+			for _, msg := range w.all() {
+				if msg.topic == replies {
+					t.Errorf("bob read a reply alice's bridge made up: %s retained=%v", msg.payload, msg.retained)
+				}
+			}
+		})
+	}
 }

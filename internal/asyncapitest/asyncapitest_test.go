@@ -101,7 +101,8 @@ func TestValidate(t *testing.T) {
 		{"bridge state JSON", must(tree.BridgeState("bridge-1")), []byte(`"online"`), false, ""},
 		{"not JSON", must(tree.Status("dev-1")), []byte("online"), false, ""},
 		{"status as a string", must(tree.Status("dev-1")), []byte(`""`), false, ""},
-		{"empty reply", must(tree.Replies("dev-1")), []byte{}, false, ""},
+		{"replies cleared", must(tree.Replies("dev-1")), []byte{}, false, "replies"},
+		{"reply retained", must(tree.Replies("dev-1")), mustJSON(t, topics.Reply{CommandID: cmdID, State: companion.StateSucceeded, At: at}), true, ""},
 		{"empty command", must(tree.Command("dev-1", topics.OpPushText)), []byte{}, false, ""},
 	} {
 		got, err := d.Validate(tc.topic, tc.payload, tc.retained)
