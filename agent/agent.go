@@ -151,9 +151,13 @@ type Agent struct {
 	subWake   chan struct{}
 	subTiming subscribeTiming
 	// resync is set until the first message of a connection arrives, which
-	// sets settleUntil (unix ns): see settleTime.
+	// sets settleUntil: see settleTime. settleUntil is on the monotonic
+	// clock, as time since born: a wall time lay an hour ahead once the
+	// clock stepped back an hour, and the intake slept until then on every
+	// message (docs/reliability.md, bug 336).
 	resync      atomic.Bool
 	settleUntil atomic.Int64
+	born        time.Time
 
 	seqMu   sync.Mutex
 	lastSeq uint64
@@ -232,6 +236,7 @@ func New(opts Options) (*Agent, error) {
 		opts:       opts,
 		log:        opts.Logger.With("bridge", opts.BridgeID),
 		now:        opts.Now,
+		born:       time.Now(),
 		tree:       opts.Topics,
 		devices:    map[string]*deviceRunner{},
 		byFilter:   map[string]*deviceRunner{},
@@ -530,7 +535,7 @@ const settleTime = 100 * time.Millisecond
 // hands the message to the intake loop, which acknowledges it once spooled.
 func (a *Agent) onMessage(_ mqtt.Client, m mqtt.Message) {
 	if a.resync.CompareAndSwap(true, false) {
-		a.settleUntil.Store(time.Now().Add(settleTime).UnixNano())
+		a.settleUntil.Store(int64(time.Since(a.born) + settleTime))
 	}
 	a.intakeMu.Lock()
 	a.intake = append(a.intake, m)
@@ -545,7 +550,7 @@ func (a *Agent) intakeLoop(ctx context.Context) {
 			return
 		case <-a.intakeWake:
 		}
-		if d := time.Until(time.Unix(0, a.settleUntil.Load())); d > 0 && !sleepCtx(ctx, d) {
+		if d := time.Duration(a.settleUntil.Load()) - time.Since(a.born); d > 0 && !sleepCtx(ctx, d) {
 			return
 		}
 		a.intakeMu.Lock()

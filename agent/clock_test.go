@@ -1,0 +1,49 @@
+package agent_test
+
+import (
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion"
+
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// steppedClock is the bridge's wall clock, off the real one by an offset a
+// test steps, as NTP steps a clock while the bridge runs.
+type steppedClock struct{ off atomic.Int64 }
+
+func (c *steppedClock) Now() time.Time       { return time.Now().Add(time.Duration(c.off.Load())) }
+func (c *steppedClock) step(d time.Duration) { c.off.Add(int64(d)) }
+func newSteppedClock(off time.Duration) *steppedClock {
+	c := &steppedClock{}
+	c.step(off)
+	return c
+}
+
+// The bridge's clock stepped back an hour (NTP setting a fast clock right)
+// after the first message of its connection: the commands that come next
+// are taken in at once. The settle of the connection's first messages
+// (settleTime) was a wall time: after the step it lay an hour ahead, and
+// the intake slept until then on every message (bug 336).
+func TestIntakeGoesOnAfterTheClockSteppedBack(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	clk := newSteppedClock(0)
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
+
+	first := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "before the step"})
+	w.send(first)
+	if r := w.waitFinal("dev-1", first.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the first command ended %s; want succeeded", r.State)
+	}
+	clk.step(-time.Hour)
+	next := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "after the step"})
+	w.send(next)
+	if r := w.waitFinal("dev-1", next.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the command after the step ended %s; want succeeded", r.State)
+	}
+}
