@@ -159,6 +159,10 @@ type Agent struct {
 	settleUntil atomic.Int64
 	born        time.Time
 
+	// server is the least the server's clock reads, from the commands'
+	// created_at: TTLs are judged on it too (ttlNow).
+	server serverClock
+
 	seqMu   sync.Mutex
 	lastSeq uint64
 
@@ -592,7 +596,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 	var held map[cmdKey]bool // the batch's commands, once a write failed
 	for len(cmds) > 0 {
 		var err error
-		if results, err = a.spool.accept(cmds, a.now()); err == nil {
+		if results, err = a.spool.acceptAt(cmds, a.now(), a.ttlNow()); err == nil {
 			a.spoolWritten()
 			break
 		}
@@ -730,7 +734,61 @@ func (a *Agent) parse(m mqtt.Message) (topics.Command, error) {
 	if c.DeviceID != t.DeviceID || c.Op != t.Op {
 		return topics.Command{}, fmt.Errorf("message for %s %s on the topic of %s %s", c.DeviceID, c.Op, t.DeviceID, t.Op)
 	}
+	a.server.observe(c.CreatedAt)
 	return c, nil
+}
+
+// serverClock is the least the server's clock can read, as the commands
+// show it: the server wrote each command's created_at (a cancel's, as it
+// sent it) on its clock, so that clock reads at least the latest of them
+// plus the time since that command came in, counted on the monotonic
+// clock, which no step of the bridge's wall clock moves.
+type serverClock struct {
+	mu   sync.Mutex
+	seen time.Time // a created_at
+	at   time.Time // when it came in, with its monotonic reading
+}
+
+// observe takes in a command's created_at.
+func (c *serverClock) observe(created time.Time) {
+	if created.IsZero() {
+		return
+	}
+	now := time.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.at.IsZero() || created.After(c.seen.Add(now.Sub(c.at))) {
+		c.seen, c.at = created, now
+	}
+}
+
+// least returns the least the server's clock reads now, and false before
+// any command came in.
+func (c *serverClock) least() (time.Time, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.at.IsZero() {
+		return time.Time{}, false
+	}
+	return c.seen.Add(time.Since(c.at)), true
+}
+
+// ttlNow is the time a command's TTL is judged at: the bridge's clock, but
+// never past the least the server's clock reads. The server sets
+// expires_at on its clock; a bridge whose clock ran a day ahead (a board
+// without a battery-backed clock, a wrong time zone) took every command
+// with the default TTL for expired as it arrived, and one with the
+// shortest TTL when it was a minute ahead (docs/reliability.md, bug 337).
+// A bridge whose clock is behind still judges on its own: the least the
+// server's clock reads can be far behind it (the first command after a
+// start may have waited in the broker), and the server withdraws a
+// command it expired after sending it.
+func (a *Agent) ttlNow() time.Time {
+	now := a.now()
+	if s, ok := a.server.least(); ok && s.Before(now) {
+		return s
+	}
+	return now
 }
 
 // publishReply publishes a reply without waiting for its PUBACK. Final

@@ -47,3 +47,37 @@ func TestIntakeGoesOnAfterTheClockSteppedBack(t *testing.T) {
 		t.Fatalf("the command after the step ended %s; want succeeded", r.State)
 	}
 }
+
+// A bridge whose clock runs a day ahead (a board without a battery-backed
+// clock, a time zone taken for UTC) runs the commands that reach it in
+// time, and still expires one that reached it past its TTL on the
+// server's clock. It judged expires_at on its own clock alone: every
+// command with the default TTL of a day read expired as it arrived
+// (bug 337).
+func TestBridgeWithItsClockADayAheadRunsCommands(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	clk := newSteppedClock(25 * time.Hour)
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
+
+	fresh := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "in time"})
+	w.send(fresh)
+	if r := w.waitFinal("dev-1", fresh.ID); r.State != companion.StateSucceeded {
+		t.Errorf("a command in its TTL ended %s; want succeeded", r.State)
+	}
+	if n := dev.Executions(fresh.ID); n != 1 {
+		t.Errorf("Executions(in time) = %d; want 1", n)
+	}
+
+	late := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "too late"})
+	late.CreatedAt = late.CreatedAt.Add(-2 * time.Hour)
+	late.ExpiresAt = late.CreatedAt.Add(time.Hour)
+	w.send(late)
+	if r := w.waitFinal("dev-1", late.ID); r.State != companion.StateExpired {
+		t.Errorf("a command past its TTL ended %s; want expired", r.State)
+	}
+	if n := dev.Executions(late.ID); n != 0 {
+		t.Errorf("Executions(too late) = %d; want 0", n)
+	}
+}

@@ -369,6 +369,12 @@ type acceptResult struct {
 // (shared with the spool's other writes), in order, and says what became of
 // each. The queued ones reach their workers when released.
 func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, error) {
+	return s.acceptAt(cmds, now, now)
+}
+
+// acceptAt is accept with the TTLs judged at ttlNow (Agent.ttlNow); now
+// stamps the records and replies.
+func (s *spool) acceptAt(cmds []topics.Command, now, ttlNow time.Time) ([]acceptResult, error) {
 	var results []acceptResult
 	err := s.w.Do(func(tx *bolt.Tx) error {
 		results = make([]acceptResult, len(cmds))
@@ -387,7 +393,7 @@ func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, er
 				// written: its worker takes it at once (unless it waits for
 				// the command it runs after: acceptCommand).
 				first := !behind[c.DeviceID] && s.lineEmpty(c.DeviceID)
-				results[i], err = acceptCommand(tx, c, first, now)
+				results[i], err = acceptCommand(tx, c, first, now, ttlNow)
 				if results[i].outcome == acceptQueued {
 					queued[c.ID] = i
 					behind[c.DeviceID] = true
@@ -435,8 +441,9 @@ func (s *spool) release(recs ...*record) {
 }
 
 // acceptCommand spools a new command, as running when it is the first of
-// its device's line, or as done and expired when its TTL has passed by now.
-func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now time.Time) (acceptResult, error) {
+// its device's line, or as done and expired when its TTL has passed by
+// ttlNow.
+func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now, ttlNow time.Time) (acceptResult, error) {
 	r, err := getRecord(tx, c.ID)
 	if err != nil {
 		return acceptResult{}, err
@@ -447,7 +454,7 @@ func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now time.Time) (ac
 		}
 		return acceptResult{outcome: acceptKnown}, nil
 	}
-	if !c.ExpiresAt.IsZero() && now.After(c.ExpiresAt) {
+	if !c.ExpiresAt.IsZero() && ttlNow.After(c.ExpiresAt) {
 		// Past its TTL as it arrives: it is never delivered (CONTRACT §2).
 		// Queued, it would read "delivered" (deliveredDelay after it came
 		// in, its device busy) before the worker reached it and said

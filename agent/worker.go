@@ -232,7 +232,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	// Expired means never delivered (CONTRACT §2): a command that may have
 	// reached the device before a restart runs again whatever its TTL, and
 	// ends with the device's answer (the device drops an id it has run).
-	pastTTL := !c.ExpiresAt.IsZero() && a.now().After(c.ExpiresAt)
+	pastTTL := !c.ExpiresAt.IsZero() && a.ttlNow().After(c.ExpiresAt)
 	if pastTTL && !r.resumed {
 		log(slog.LevelInfo, "command expired before it ran")
 		final.State = companion.StateExpired
