@@ -69,7 +69,13 @@ func (s *Store) RateLimiter(opts RateLimiterOptions) *RateLimiter {
 // clock) at $3 tokens a second up to $4, and takes a token when it holds
 // one. A key without a row starts full: it takes the first token at once.
 // The clock never runs back: a row last written by a replica whose clock
-// is ahead refills from its time, not ours. full_at is when the bucket
+// is ahead, or by a statement that began after ours and took the row's
+// lock first, refills from its time, not ours. But a row written more than
+// a minute ahead (stepAhead) was written before the clock stepped back: its
+// bucket counts as full, as a swept one, and refills from now (with the
+// row's time, a step back of an hour refused every request of a busy
+// bucket for that hour, and Peek an address's: docs/reliability.md,
+// bug 338). full_at is when the bucket
 // will be full again, after which the row may be swept; 'infinity' for a
 // bucket that takes more than 1e11 s (3,000 years) to fill, past what an
 // interval holds (bug 245: every request was an error), or that never
@@ -89,8 +95,9 @@ ON CONFLICT (key) DO UPDATE SET (tokens, granted, updated_at, full_at) = (
 	FROM p, (
 		SELECT r.level - CASE WHEN r.level >= 1 THEN 1 ELSE 0 END AS tokens, r.level >= 1 AS granted, r.at
 		FROM p, (
-			SELECT least(p.burst, b.tokens + greatest(0, extract(epoch FROM p.now - b.updated_at)::float8) * p.rate) AS level,
-				greatest(b.updated_at, p.now) AS at
+			SELECT CASE WHEN b.updated_at > p.now + ` + stepAhead + ` THEN p.burst
+					ELSE least(p.burst, b.tokens + greatest(0, extract(epoch FROM p.now - b.updated_at)::float8) * p.rate) END AS level,
+				CASE WHEN b.updated_at > p.now + ` + stepAhead + ` THEN p.now ELSE greatest(b.updated_at, p.now) END AS at
 			FROM p
 		) AS r
 	) AS t
@@ -99,8 +106,14 @@ RETURNING granted, tokens`
 
 // peekSQL is the level of $1's bucket at $2, as allowSQL would refill it.
 const peekSQL = `
-SELECT least($4::float8, tokens + greatest(0, extract(epoch FROM coalesce($2::timestamptz, statement_timestamp()) - updated_at)::float8) * $3::float8)
-FROM rate_buckets WHERE key = $1`
+SELECT CASE WHEN updated_at > p.now + ` + stepAhead + ` THEN $4::float8
+	ELSE least($4::float8, tokens + greatest(0, extract(epoch FROM p.now - updated_at)::float8) * $3::float8) END
+FROM rate_buckets, (SELECT coalesce($2::timestamptz, statement_timestamp()) AS now) AS p WHERE key = $1`
+
+// stepAhead is how far ahead of the clock a bucket's row may have been
+// written and still be the clock's (a replica's clock ahead, a statement
+// that waited for the row's lock): past it, the clock stepped back since.
+const stepAhead = `interval '1 minute'`
 
 // sweepSQL deletes the rows of buckets that have refilled.
 const sweepSQL = `DELETE FROM rate_buckets WHERE full_at <= coalesce($1::timestamptz, statement_timestamp())`

@@ -173,6 +173,36 @@ func TestRateLimiter(t *testing.T) {
 		assert.True(t, ok, "a negative rate admits everything")
 	})
 
+	// The clock stepped back an hour (NTP setting right the database
+	// server's clock): a bucket used just before counts as full, as a
+	// swept one, and refills from the new time, not from the hour ahead
+	// its row was written at (bug 338).
+	t.Run("ClockSteppedBack", func(t *testing.T) {
+		clk := newFakeClock()
+		a, b, _ := replicas(t, postgres.RateLimiterOptions{Now: clk.Now})
+		const key, rate, burst = "request:user:u1", 1.0, 2
+		for i, want := range []bool{true, true, false} {
+			ok, _, err := []*postgres.RateLimiter{a, b}[i%2].Allow(ctx, key, rate, burst)
+			require.NoError(t, err)
+			require.Equal(t, want, ok, "request %d before the step", i+1)
+		}
+		clk.Add(-time.Hour)
+		ok, _, err := a.Peek(ctx, key, rate, burst)
+		require.NoError(t, err)
+		assert.True(t, ok, "Peek after the step: a full bucket, as a swept one")
+		for i, want := range []bool{true, true, false} {
+			ok, _, err := []*postgres.RateLimiter{b, a}[i%2].Allow(ctx, key, rate, burst)
+			require.NoError(t, err)
+			assert.Equal(t, want, ok, "request %d after the step", i+1)
+		}
+		clk.Add(time.Second)
+		for i, want := range []bool{true, false} {
+			ok, _, err := []*postgres.RateLimiter{a, b}[i%2].Allow(ctx, key, rate, burst)
+			require.NoError(t, err)
+			assert.Equal(t, want, ok, "request %d a second after the step", i+1)
+		}
+	})
+
 	// A bucket that never refills: its burst, then refusals.
 	t.Run("ZeroRate", func(t *testing.T) {
 		clk := newFakeClock()
