@@ -596,7 +596,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 	var held map[cmdKey]bool // the batch's commands, once a write failed
 	for len(cmds) > 0 {
 		var err error
-		if results, err = a.spool.acceptAt(cmds, a.now(), a.ttlNow()); err == nil {
+		if results, err = a.spool.acceptAt(cmds, a.now(), a.ttlNow(), a.doneNow()); err == nil {
 			a.spoolWritten()
 			break
 		}
@@ -786,6 +786,22 @@ func (c *serverClock) least() (time.Time, bool) {
 func (a *Agent) ttlNow() time.Time {
 	now := a.now()
 	if s, ok := a.server.least(); ok && s.Before(now) {
+		return s
+	}
+	return now
+}
+
+// doneNow is the time a command's record is done at (record.DoneAt): the
+// bridge's clock, but never before the least the server's clock reads. The
+// spool forgets a done id DoneRetention after it, judged at ttlNow, so
+// that neither a clock behind nor one ahead forgets it early. A bridge at
+// 1970 until NTP synced stamped its done ids 1970, and forgot them at the
+// next purge once the clock was set: a repeat of such a command, which the
+// server sends when it never stored the final reply, ran again
+// (docs/reliability.md, bug 339).
+func (a *Agent) doneNow() time.Time {
+	now := a.now()
+	if s, ok := a.server.least(); ok && s.After(now) {
 		return s
 	}
 	return now
@@ -1031,7 +1047,7 @@ func (a *Agent) housekeeping(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		now := a.now()
-		if n, err := a.spool.purge(now.Add(-DoneRetention)); err != nil {
+		if n, err := a.purgeSpool(); err != nil {
 			a.log.Error("purging the spool failed", "err", err)
 		} else if n > 0 {
 			a.log.Info("forgot old command ids", "count", n)
@@ -1045,6 +1061,12 @@ func (a *Agent) housekeeping(ctx context.Context) {
 		case <-tick.C:
 		}
 	}
+}
+
+// purgeSpool forgets the ids of commands done DoneRetention ago, on both
+// clocks (doneNow).
+func (a *Agent) purgeSpool() (int, error) {
+	return a.spool.purge(a.ttlNow().Add(-DoneRetention))
 }
 
 // nextSeq returns a status sequence number: the clock in nanoseconds, so it

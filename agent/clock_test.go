@@ -81,3 +81,43 @@ func TestBridgeWithItsClockADayAheadRunsCommands(t *testing.T) {
 		t.Errorf("Executions(too late) = %d; want 0", n)
 	}
 }
+
+// A bridge that ran a command while its clock read 1970 (a board without a
+// battery-backed clock, before NTP synced) remembers it as done for
+// DoneRetention once its clock is set: it was stamped 1970, and the purge
+// that followed the sync forgot it, so that a repeat (the server sends a
+// command whose final reply it never stored) ran again (bug 339).
+func TestDoneIDsOutliveTheClockSetFrom1970(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	clk := newSteppedClock(time.Unix(0, 0).Sub(time.Now()))
+	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
+
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "run at 1970"})
+	w.send(c)
+	if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the command ended %s; want succeeded", r.State)
+	}
+	// Its reply acknowledged: nothing keeps its id but its age.
+	for deadline := time.Now().Add(waitLong); ; {
+		n, err := br.OwedReplies()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d final replies still owed", n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	clk.step(time.Now().Sub(clk.Now())) // NTP synced
+	if n, err := br.PurgeSpool(); err != nil || n != 0 {
+		t.Errorf("PurgeSpool() = %d, %v; want 0 forgotten, the command done a moment ago", n, err)
+	}
+	if st, err := br.SpoolState(c.ID); err != nil || st != "done" {
+		t.Errorf("SpoolState = %q, %v; want done", st, err)
+	}
+}

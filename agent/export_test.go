@@ -54,6 +54,28 @@ func SpoolStarted(dir string, cmds []topics.Command, n int) (err error) {
 	return nil
 }
 
+// accept is acceptAt with every time now, as a bridge whose clock is the
+// server's takes commands in.
+func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, error) {
+	return s.acceptAt(cmds, now, now, now)
+}
+
+// finish is finishAt with the record done at the reply's time.
+func (s *spool) finish(r *record, final topics.Reply, done func(key uint64, err error)) {
+	s.finishAt(r, final, final.At, done)
+}
+
+// PurgeSpool forgets old finished command ids as the hourly housekeeping
+// does, and returns how many it forgot.
+func (a *Agent) PurgeSpool() (int, error) { return a.purgeSpool() }
+
+// OwedReplies is how many final replies wait in the spool's outbox for the
+// broker's acknowledgement.
+func (a *Agent) OwedReplies() (int, error) {
+	owed, err := a.spool.owedReplies()
+	return len(owed), err
+}
+
 // seen reports the spool state of a command id ("" when unknown).
 func (s *spool) seen(id string) (string, error) {
 	var state string

@@ -365,16 +365,12 @@ type acceptResult struct {
 	canceled string
 }
 
-// accept records a batch of parsed commands in one fsync'd transaction
+// acceptAt records a batch of parsed commands in one fsync'd transaction
 // (shared with the spool's other writes), in order, and says what became of
-// each. The queued ones reach their workers when released.
-func (s *spool) accept(cmds []topics.Command, now time.Time) ([]acceptResult, error) {
-	return s.acceptAt(cmds, now, now)
-}
-
-// acceptAt is accept with the TTLs judged at ttlNow (Agent.ttlNow); now
-// stamps the records and replies.
-func (s *spool) acceptAt(cmds []topics.Command, now, ttlNow time.Time) ([]acceptResult, error) {
+// each. The queued ones reach their workers when released. TTLs are judged
+// at ttlNow (Agent.ttlNow), records done at doneAt (Agent.doneNow); now
+// stamps the replies.
+func (s *spool) acceptAt(cmds []topics.Command, now, ttlNow, doneAt time.Time) ([]acceptResult, error) {
 	var results []acceptResult
 	err := s.w.Do(func(tx *bolt.Tx) error {
 		results = make([]acceptResult, len(cmds))
@@ -383,7 +379,7 @@ func (s *spool) acceptAt(cmds []topics.Command, now, ttlNow time.Time) ([]accept
 		for i, c := range cmds {
 			var err error
 			if c.Op == topics.OpCancel {
-				results[i], err = s.acceptCancel(tx, c, now)
+				results[i], err = s.acceptCancel(tx, c, now, doneAt)
 				if j, ok := queued[results[i].canceled]; ok && results[i].outcome == acceptCanceled {
 					// Canceled in the batch that brought it: it never runs.
 					results[j] = acceptResult{outcome: acceptKnown}
@@ -393,7 +389,7 @@ func (s *spool) acceptAt(cmds []topics.Command, now, ttlNow time.Time) ([]accept
 				// written: its worker takes it at once (unless it waits for
 				// the command it runs after: acceptCommand).
 				first := !behind[c.DeviceID] && s.lineEmpty(c.DeviceID)
-				results[i], err = acceptCommand(tx, c, first, now, ttlNow)
+				results[i], err = acceptCommand(tx, c, first, now, ttlNow, doneAt)
 				if results[i].outcome == acceptQueued {
 					queued[c.ID] = i
 					behind[c.DeviceID] = true
@@ -443,7 +439,7 @@ func (s *spool) release(recs ...*record) {
 // acceptCommand spools a new command, as running when it is the first of
 // its device's line, or as done and expired when its TTL has passed by
 // ttlNow.
-func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now, ttlNow time.Time) (acceptResult, error) {
+func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now, ttlNow, doneAt time.Time) (acceptResult, error) {
 	r, err := getRecord(tx, c.ID)
 	if err != nil {
 		return acceptResult{}, err
@@ -462,7 +458,7 @@ func acceptCommand(tx *bolt.Tx, c topics.Command, first bool, now, ttlNow time.T
 		// would run it. So it is done as it arrives, answered "expired"
 		// alone, and a repeat is answered from its record.
 		final := &topics.Reply{CommandID: c.ID, State: companion.StateExpired, At: now}
-		d := &record{Cmd: topics.Command{ID: c.ID, DeviceID: c.DeviceID}, State: spoolDone, Final: final, DoneAt: now}
+		d := &record{Cmd: topics.Command{ID: c.ID, DeviceID: c.DeviceID}, State: spoolDone, Final: final, DoneAt: doneAt}
 		if err := putRecord(tx, d); err != nil {
 			return acceptResult{}, err
 		}
@@ -515,7 +511,7 @@ func unseenAfter(tx *bolt.Tx, c topics.Command) (string, error) {
 // command marked running on disk but still in its queue (marked ahead of
 // its turn) has not started and can be canceled; after a restart it may
 // have, and unrelease refuses it.
-func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acceptResult, error) {
+func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now, doneAt time.Time) (acceptResult, error) {
 	var p topics.Cancel
 	if err := json.Unmarshal(c.Payload, &p); err != nil || !topics.ValidCommandID(p.CommandID) {
 		return acceptResult{outcome: acceptCancelNoop}, nil
@@ -531,7 +527,7 @@ func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acce
 			Cmd:    topics.Command{ID: p.CommandID, DeviceID: c.DeviceID},
 			State:  spoolDone,
 			Final:  final,
-			DoneAt: now,
+			DoneAt: doneAt,
 		}
 		return acceptResult{outcome: acceptCancelNoop}, putRecord(tx, tomb)
 	case r.State == spoolDone || !s.unrelease(r):
@@ -540,7 +536,7 @@ func (s *spool) acceptCancel(tx *bolt.Tx, c topics.Command, now time.Time) (acce
 	if err := tx.Bucket(bucketQueue).Delete(queueKey(r.Cmd.ID, r.Seq)); err != nil {
 		return acceptResult{}, err
 	}
-	r.State, r.Final, r.DoneAt = spoolDone, final, now
+	r.State, r.Final, r.DoneAt = spoolDone, final, doneAt
 	if err := putRecord(tx, r); err != nil {
 		return acceptResult{}, err
 	}
@@ -728,13 +724,13 @@ func (s *spool) markAhead(tx *bolt.Tx, deviceID string) ([]*record, error) {
 	return next, nil
 }
 
-// finish records a command as done with its final reply, takes it off its
-// queue and puts the reply in the outbox, in one transaction shared with
-// the spool's other writes; the transaction also marks the device's next
-// commands running (markAhead). It does not wait: done gets the reply's
-// outbox key once it is on disk. The done callbacks run one at a time, in
-// the order of the calls.
-func (s *spool) finish(r *record, final topics.Reply, done func(key uint64, err error)) {
+// finishAt records a command as done at doneAt (Agent.doneNow) with its
+// final reply, takes it off its queue and puts the reply in the outbox, in
+// one transaction shared with the spool's other writes; the transaction
+// also marks the device's next commands running (markAhead). It does not
+// wait: done gets the reply's outbox key once it is on disk. The done
+// callbacks run one at a time, in the order of the calls.
+func (s *spool) finishAt(r *record, final topics.Reply, doneAt time.Time, done func(key uint64, err error)) {
 	var key uint64
 	var ahead []*record
 	s.w.Go(func(tx *bolt.Tx) error {
@@ -745,7 +741,7 @@ func (s *spool) finish(r *record, final topics.Reply, done func(key uint64, err 
 		// What a done record is for: dropping a repeat, answering it with
 		// the final reply, forgetting it after DoneRetention. The payload
 		// is no longer needed.
-		d := &record{Cmd: topics.Command{ID: r.Cmd.ID, DeviceID: r.Cmd.DeviceID}, State: spoolDone, Final: &final, DoneAt: final.At}
+		d := &record{Cmd: topics.Command{ID: r.Cmd.ID, DeviceID: r.Cmd.DeviceID}, State: spoolDone, Final: &final, DoneAt: doneAt}
 		if err := putRecord(tx, d); err != nil {
 			return err
 		}
