@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -26,7 +27,7 @@ type OIDCOptions struct {
 	// found through the issuer's /.well-known/openid-configuration.
 	JWKSURL string
 	// ClockSkew is how far past exp a token is still taken (default 1 min).
-	// The library allows 5 minutes before nbf.
+	// A token is taken from nbfLeeway before its nbf, whatever the skew.
 	ClockSkew time.Duration
 	// Algorithms the signature may use; default RS256 and ES256. "none" is
 	// never accepted.
@@ -37,8 +38,14 @@ type OIDCOptions struct {
 // OIDCVerifier verifies JWT access tokens of one issuer against its JWKS,
 // with github.com/coreos/go-oidc/v3: signature, iss, aud, exp and nbf.
 type OIDCVerifier struct {
-	v *oidc.IDTokenVerifier
+	v    *oidc.IDTokenVerifier
+	now  func() time.Time
+	skew time.Duration
 }
+
+// nbfLeeway is how long before its nbf a token is taken: the library's
+// five minutes, which other OpenID Connect libraries allow too.
+const nbfLeeway = 5 * time.Minute
 
 // NewOIDCVerifier returns a verifier for the issuer. With no JWKSURL it
 // fetches the issuer's discovery document, so ctx bounds that request; the
@@ -63,20 +70,28 @@ func NewOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 	if now == nil {
 		now = time.Now
 	}
+	// exp and nbf are checked here (Verify): the library judges both at
+	// its Now, and a Now moved back by the skew, which took a token that
+	// long past exp, refused a token until nbfLeeway less the skew after
+	// its nbf: with a skew of 10 minutes, every token that has an nbf for
+	// the first 5 minutes (docs/reliability.md, bug 340).
 	cfg := &oidc.Config{
 		ClientID:             o.Audience,
 		SupportedSigningAlgs: o.Algorithms,
-		Now:                  func() time.Time { return now().Add(-o.ClockSkew) },
+		SkipExpiryCheck:      true,
 	}
+	ov := &OIDCVerifier{now: now, skew: o.ClockSkew}
 	if o.JWKSURL != "" {
 		keys := oidc.NewRemoteKeySet(context.WithoutCancel(ctx), o.JWKSURL)
-		return &OIDCVerifier{v: oidc.NewVerifier(o.Issuer, keys, cfg)}, nil
+		ov.v = oidc.NewVerifier(o.Issuer, keys, cfg)
+		return ov, nil
 	}
 	p, err := oidc.NewProvider(ctx, o.Issuer)
 	if err != nil {
 		return nil, fmt.Errorf("oidc discovery: %w", err)
 	}
-	return &OIDCVerifier{v: p.Verifier(cfg)}, nil
+	ov.v = p.Verifier(cfg)
+	return ov, nil
 }
 
 // Verify implements TokenVerifier.
@@ -84,6 +99,25 @@ func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
 	tok, err := o.v.Verify(ctx, raw)
 	if err != nil {
 		return "", err
+	}
+	var claims struct {
+		NotBefore *json.Number `json:"nbf"`
+	}
+	if err := tok.Claims(&claims); err != nil {
+		return "", fmt.Errorf("oidc: %w", err)
+	}
+	now := o.now()
+	if tok.Expiry.Before(now.Add(-o.skew)) {
+		return "", &oidc.TokenExpiredError{Expiry: tok.Expiry}
+	}
+	if claims.NotBefore != nil {
+		nbf, err := claims.NotBefore.Float64()
+		if err != nil {
+			return "", fmt.Errorf("oidc: unusable nbf claim %q", *claims.NotBefore)
+		}
+		if float64(now.Add(nbfLeeway).UnixNano())/1e9 < nbf {
+			return "", fmt.Errorf("oidc: current time %v before the nbf (not before) time %s", now, claims.NotBefore)
+		}
 	}
 	if !validSubject(tok.Subject) {
 		return "", fmt.Errorf("oidc: unusable sub claim %q", tok.Subject)

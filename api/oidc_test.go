@@ -124,3 +124,39 @@ func TestOIDCOptions(t *testing.T) {
 	_, err = NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: "x", Audience: "y", JWKSURL: "http://127.0.0.1:1", Algorithms: []string{"none"}})
 	assert.Error(t, err, `"none" is refused`)
 }
+
+// A clock skew of ten minutes takes a token up to ten minutes past its exp,
+// and still a token whose nbf is a moment or a few minutes ahead of the
+// server's clock, as the library's five minutes before nbf allow. The skew
+// moved the clock the library judges by back for exp, and so for nbf:
+// with a skew of five minutes or more, a token fresh from an identity
+// provider whose clock ran a moment ahead was refused, and with ten every
+// token that has an nbf, for five minutes after it was issued (bug 340).
+func TestOIDCClockSkewTakesFreshTokens(t *testing.T) {
+	p := newIDP(t)
+	const issuer, audience = "https://idp.example", "companion-api"
+	now := time.Now()
+	v, err := NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: issuer, Audience: audience, JWKSURL: p.server.URL,
+		ClockSkew: 10 * time.Minute, Now: func() time.Time { return now }})
+	require.NoError(t, err)
+	token := func(exp, nbf time.Duration) string {
+		c := map[string]any{"iss": issuer, "aud": audience, "sub": "alice@idp", "exp": now.Add(exp).Unix(), "iat": now.Add(nbf).Unix(), "nbf": now.Add(nbf).Unix()}
+		return sign(t, p.key, "k1", c)
+	}
+	for _, tc := range []struct {
+		name     string
+		exp, nbf time.Duration
+		ok       bool
+	}{
+		{"fresh", time.Hour, 0, true},
+		{"issued a second ahead", time.Hour, time.Second, true},
+		{"issued four minutes ahead", time.Hour, 4 * time.Minute, true},
+		{"issued an hour ahead", 2 * time.Hour, time.Hour, false},
+		{"issued centuries ahead", 2 * time.Hour, 1 << 62, false},
+		{"expired nine minutes ago", -9 * time.Minute, -time.Hour, true},
+		{"expired eleven minutes ago", -11 * time.Minute, -time.Hour, false},
+	} {
+		_, err := v.Verify(t.Context(), token(tc.exp, tc.nbf))
+		assert.Equal(t, tc.ok, err == nil, "%s: Verify = %v", tc.name, err)
+	}
+}
