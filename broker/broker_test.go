@@ -1530,6 +1530,25 @@ func TestLongSentCommandsGoOutAgain(t *testing.T) {
 	assert.Equal(t, companion.StateSent, state(t, e, away.ID).State)
 }
 
+// The server's clock stepped back an hour (NTP setting right a clock that
+// ran ahead) after a command was sent and lost: the retry still sends it
+// again a SentRetry on. Its age was its updated_at, written an hour ahead
+// of the clock since: it read as not sent yet, and went out again only once
+// the clock had caught up, an hour later (bug 341).
+func TestLongSentCommandsGoOutAgainAfterTheClockSteppedBack(t *testing.T) {
+	e := newEnv(t, false)
+	startRetryingSent(t, e)
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+
+	lost := submit(t, e, "dev-1", "lost on its way", time.Hour)
+	require.Equal(t, lost.ID, fb.next(t).ID)
+	testenv.Eventually(t, 10*time.Second, "sent", func() bool { return state(t, e, lost.ID).State == companion.StateSent })
+	e.clock.Add(-time.Hour)
+	e.clock.Add(time.Minute)
+	assert.Equal(t, lost.ID, fb.next(t).ID, "sent long ago to an online device: sent again")
+}
+
 // The retry of long sent commands sends one again only to a device it
 // read online: a status the store fails to read counts as offline, and
 // the command goes out at the first retry that reads it. (The expiry
