@@ -596,7 +596,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 	var held map[cmdKey]bool // the batch's commands, once a write failed
 	for len(cmds) > 0 {
 		var err error
-		if results, err = a.spool.acceptAt(cmds, a.now(), a.ttlNow(), a.doneNow()); err == nil {
+		if results, err = a.spool.acceptAt(cmds, a.now(), a.ttlNow(), a.stampNow()); err == nil {
 			a.spoolWritten()
 			break
 		}
@@ -791,15 +791,16 @@ func (a *Agent) ttlNow() time.Time {
 	return now
 }
 
-// doneNow is the time a command's record is done at (record.DoneAt): the
-// bridge's clock, but never before the least the server's clock reads. The
+// stampNow is the time the bridge stamps what it keeps and reports by: a
+// command's record done (record.DoneAt), a report's seq (nextSeq). It is
+// the bridge's clock, but never before the least the server's reads. The
 // spool forgets a done id DoneRetention after it, judged at ttlNow, so
 // that neither a clock behind nor one ahead forgets it early. A bridge at
 // 1970 until NTP synced stamped its done ids 1970, and forgot them at the
 // next purge once the clock was set: a repeat of such a command, which the
 // server sends when it never stored the final reply, ran again
 // (docs/reliability.md, bug 339).
-func (a *Agent) doneNow() time.Time {
+func (a *Agent) stampNow() time.Time {
 	now := a.now()
 	if s, ok := a.server.least(); ok && s.After(now) {
 		return s
@@ -1064,17 +1065,21 @@ func (a *Agent) housekeeping(ctx context.Context) {
 }
 
 // purgeSpool forgets the ids of commands done DoneRetention ago, on both
-// clocks (doneNow).
+// clocks (stampNow).
 func (a *Agent) purgeSpool() (int, error) {
 	return a.spool.purge(a.ttlNow().Add(-DoneRetention))
 }
 
 // nextSeq returns a status sequence number: the clock in nanoseconds, so it
-// rises across restarts without storage, and strictly increasing.
+// rises across restarts without storage, and strictly increasing. The
+// clock is the later of the bridge's and the least the server's reads
+// (stampNow): a bridge at 1970 until NTP synced made seqs below those it
+// made before its restart, and the server refused its reports until the
+// sync (docs/reliability.md, bug 342).
 func (a *Agent) nextSeq() uint64 {
 	a.seqMu.Lock()
 	defer a.seqMu.Unlock()
-	s := uint64(time.Now().UnixNano())
+	s := uint64(max(a.stampNow().UnixNano(), 0))
 	if s <= a.lastSeq {
 		s = a.lastSeq + 1
 	}

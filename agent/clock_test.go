@@ -121,3 +121,29 @@ func TestDoneIDsOutliveTheClockSetFrom1970(t *testing.T) {
 		t.Errorf("SpoolState = %q, %v; want done", st, err)
 	}
 }
+
+// A bridge whose clock reads 1970 (a board without a battery-backed clock,
+// before NTP synced) reports a device's state, after a command, with a
+// seq no lower than the command's created_at: the server takes no report
+// below the one it stored, and it stored the bridge's last report before
+// the restart, on a clock that was right. With its clock for seq alone,
+// the bridge's reports were refused until NTP synced: after a settings
+// change or an OTA, GET …/settings and …/status kept the old values
+// (CONTRACT §8), and its devices read offline after its Will (bug 342).
+func TestReportsOfABridgeAt1970FollowTheServersClock(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	clk := newSteppedClock(time.Unix(0, 0).Sub(time.Now()))
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
+
+	c := command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80}})
+	w.send(c)
+	r := w.waitFinal("dev-1", c.ID)
+	if r.State != companion.StateSucceeded || r.Settings == nil {
+		t.Fatalf("the command ended %s with settings %v; want succeeded with them", r.State, r.Settings)
+	}
+	if created := uint64(c.CreatedAt.UnixNano()); r.Settings.Seq < created {
+		t.Errorf("the settings' seq %d is below the command's created_at %d", r.Settings.Seq, created)
+	}
+}

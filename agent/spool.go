@@ -368,7 +368,7 @@ type acceptResult struct {
 // acceptAt records a batch of parsed commands in one fsync'd transaction
 // (shared with the spool's other writes), in order, and says what became of
 // each. The queued ones reach their workers when released. TTLs are judged
-// at ttlNow (Agent.ttlNow), records done at doneAt (Agent.doneNow); now
+// at ttlNow (Agent.ttlNow), records done at doneAt (Agent.stampNow); now
 // stamps the replies.
 func (s *spool) acceptAt(cmds []topics.Command, now, ttlNow, doneAt time.Time) ([]acceptResult, error) {
 	var results []acceptResult
@@ -724,7 +724,7 @@ func (s *spool) markAhead(tx *bolt.Tx, deviceID string) ([]*record, error) {
 	return next, nil
 }
 
-// finishAt records a command as done at doneAt (Agent.doneNow) with its
+// finishAt records a command as done at doneAt (Agent.stampNow) with its
 // final reply, takes it off its queue and puts the reply in the outbox, in
 // one transaction shared with the spool's other writes; the transaction
 // also marks the device's next commands running (markAhead). It does not

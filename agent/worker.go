@@ -332,7 +332,7 @@ func (a *Agent) markStarted(ctx context.Context, r *record) bool {
 // loop (a command never recorded runs again after a restart, and the
 // device drops the repeat).
 func (a *Agent) finish(ctx context.Context, r *record, final topics.Reply) {
-	a.spool.finishAt(r, final, a.doneNow(), func(key uint64, err error) {
+	a.spool.finishAt(r, final, a.stampNow(), func(key uint64, err error) {
 		if err == nil {
 			a.spoolWritten()
 			a.publishFinal(ctx, key, r.Cmd.DeviceID, final)
