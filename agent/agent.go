@@ -792,8 +792,10 @@ func (a *Agent) ttlNow() time.Time {
 }
 
 // stampNow is the time the bridge stamps what it keeps and reports by: a
-// command's record done (record.DoneAt), a report's seq (nextSeq). It is
-// the bridge's clock, but never before the least the server's reads. The
+// command's record done (record.DoneAt), a report's seq (nextSeq) and at,
+// which the server shows as the device's last_seen (it read 1970 beside a
+// seq of the server's time: docs/reliability.md, bug 343). It is the
+// bridge's clock, but never before the least the server's reads. The
 // spool forgets a done id DoneRetention after it, judged at ttlNow, so
 // that neither a clock behind nor one ahead forgets it early. A bridge at
 // 1970 until NTP synced stamped its done ids 1970, and forgot them at the

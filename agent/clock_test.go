@@ -147,3 +147,35 @@ func TestReportsOfABridgeAt1970FollowTheServersClock(t *testing.T) {
 		t.Errorf("the settings' seq %d is below the command's created_at %d", r.Settings.Seq, created)
 	}
 }
+
+// The reports of a bridge whose clock reads 1970 carry, once a command
+// came, a time no earlier than that command's created_at: the server
+// shows a report's at as the device's last_seen, which read 1970-01-01
+// until NTP synced, beside a seq of the server's time (bug 343).
+func TestReportTimesOfABridgeAt1970FollowTheServersClock(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	clk := newSteppedClock(time.Unix(0, 0).Sub(time.Now()))
+	bs := startBlobServer(t)
+	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
+
+	c := command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80}})
+	w.send(c)
+	r := w.waitFinal("dev-1", c.ID)
+	if r.State != companion.StateSucceeded || r.Settings == nil {
+		t.Fatalf("the command ended %s with settings %v; want succeeded with them", r.State, r.Settings)
+	}
+	if r.Settings.At.Before(c.CreatedAt) {
+		t.Errorf("the settings' at %v is before the command's created_at %v", r.Settings.At, c.CreatedAt)
+	}
+	u := command(t, "dev-1", topics.OpAppInstall, topics.AppInstall{AppID: "weather", Version: "1.0.0", Blob: bs.add([]byte("weather 1.0.0"))})
+	w.send(u)
+	r = w.waitFinal("dev-1", u.ID)
+	if r.State != companion.StateSucceeded || r.Status == nil {
+		t.Fatalf("the install ended %s with status %v; want succeeded with it", r.State, r.Status)
+	}
+	if r.Status.At.Before(c.CreatedAt) {
+		t.Errorf("the status' at %v is before the first command's created_at %v", r.Status.At, c.CreatedAt)
+	}
+}

@@ -172,7 +172,7 @@ func (a *Agent) readStatus(ctx context.Context, dr *deviceRunner) (topics.Status
 		Model:           info.Model,
 		Apps:            a.nameableApps(dr.id, info.Apps),
 		BridgeID:        a.opts.BridgeID,
-		At:              a.now(),
+		At:              a.stampNow(),
 		Seq:             seq,
 	}
 	return st, nil
@@ -218,7 +218,7 @@ func (a *Agent) settingsMessage(deviceID string, reported map[string]any, schema
 		reported = map[string]any{}
 	}
 	reported, schema = a.encodableSettings(deviceID, reported, schema)
-	set := topics.Settings{Reported: reported, Schema: schema, At: a.now(), Seq: seq}
+	set := topics.Settings{Reported: reported, Schema: schema, At: a.stampNow(), Seq: seq}
 	if b, err := fastjson.Marshal(set); err == nil && len(b) > topics.MaxPayload {
 		// A device may answer each setting's read with up to 16 KiB, and
 		// declare 256 of them: published, the message is refused by the
@@ -304,7 +304,7 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 			st.Apps = []companion.App{}
 		}
 		st.BridgeID = a.opts.BridgeID
-		st.At, st.Seq = a.now(), a.nextSeq()
+		st.At, st.Seq = a.stampNow(), a.nextSeq()
 	}
 	if !force && sameStatus(&st, last) {
 		return last

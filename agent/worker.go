@@ -607,7 +607,7 @@ func (a *Agent) knownStatusWith(dr *deviceRunner, change func(*topics.Status)) d
 	st := *last
 	change(&st)
 	st.Online, st.BridgeID = true, a.opts.BridgeID
-	st.At, st.Seq = a.now(), seq
+	st.At, st.Seq = a.stampNow(), seq
 	return deviceState{status: &st}
 }
 
