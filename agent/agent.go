@@ -26,6 +26,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -749,9 +750,15 @@ type serverClock struct {
 	at   time.Time // when it came in, with its monotonic reading
 }
 
-// observe takes in a command's created_at.
+// lastSeqTime is the last time a seq (nanoseconds since 1970, an int64 in
+// the stores) can hold.
+var lastSeqTime = time.Unix(0, math.MaxInt64)
+
+// observe takes in a command's created_at. One past what a seq can hold
+// (a server's clock set centuries ahead) is not taken: stamped on a
+// report, it made a seq the server refused for good.
 func (c *serverClock) observe(created time.Time) {
-	if created.IsZero() {
+	if created.IsZero() || created.After(lastSeqTime.Add(-time.Hour)) {
 		return
 	}
 	now := time.Now()

@@ -179,3 +179,27 @@ func TestReportTimesOfABridgeAt1970FollowTheServersClock(t *testing.T) {
 		t.Errorf("the status' at %v is before the first command's created_at %v", r.Status.At, c.CreatedAt)
 	}
 }
+
+// A command whose created_at is past what a seq can hold (a server's clock
+// set centuries ahead) does not carry the bridge's reports there.
+func TestACreatedAtPastEverySeqIsNotTaken(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{newSim("dev-1")}})
+
+	far := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "from the future"})
+	far.CreatedAt = time.Date(2300, 1, 1, 0, 0, 0, 0, time.UTC)
+	far.ExpiresAt = far.CreatedAt.Add(time.Hour)
+	w.send(far)
+	w.waitFinal("dev-1", far.ID)
+	c := command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"volume": 20}})
+	w.send(c)
+	r := w.waitFinal("dev-1", c.ID)
+	if r.Settings == nil {
+		t.Fatalf("the command ended %s without settings", r.State)
+	}
+	limit := time.Now().Add(time.Hour)
+	if r.Settings.Seq > uint64(limit.UnixNano()) || r.Settings.At.After(limit) {
+		t.Errorf("the settings' seq %d and at %v; want them before %v", r.Settings.Seq, r.Settings.At, limit)
+	}
+}
