@@ -115,8 +115,10 @@ FROM rate_buckets, (SELECT coalesce($2::timestamptz, statement_timestamp()) AS n
 // that waited for the row's lock): past it, the clock stepped back since.
 const stepAhead = `interval '1 minute'`
 
-// sweepSQL deletes the rows of buckets that have refilled.
-const sweepSQL = `DELETE FROM rate_buckets WHERE full_at <= coalesce($1::timestamptz, statement_timestamp())`
+// sweepSQL deletes the rows of buckets that have refilled, and those
+// written before the clock stepped back, which count as full (stepAhead).
+const sweepSQL = `DELETE FROM rate_buckets AS b USING (SELECT coalesce($1::timestamptz, statement_timestamp()) AS now) AS p
+WHERE b.full_at <= p.now OR b.updated_at > p.now + ` + stepAhead
 
 // Allow takes a token from key's bucket, which holds burst tokens at most
 // and gains perSecond a second, when it holds one. When it holds none it
@@ -195,8 +197,11 @@ func (l *RateLimiter) maybeSweep(ctx context.Context) {
 	if l.now != nil {
 		now = l.now()
 	}
-	next := l.nextSweep.Load()
-	if now.UnixNano() < next || !l.nextSweep.CompareAndSwap(next, now.Add(l.sweep).UnixNano()) {
+	// A clock that went back past the last sweep sweeps at once: the next
+	// was due an hour ahead after a step back of an hour, and the table
+	// kept every key used meanwhile (docs/reliability.md, bug 344).
+	next, at := l.nextSweep.Load(), now.UnixNano()
+	if (at < next && at >= next-int64(l.sweep)) || !l.nextSweep.CompareAndSwap(next, now.Add(l.sweep).UnixNano()) {
 		return
 	}
 	tag, err := l.s.pool.Exec(ctx, sweepSQL, l.clock())

@@ -293,6 +293,31 @@ func TestRateLimiter(t *testing.T) {
 		}
 	})
 
+	// The clock stepped back an hour: the next Allow sweeps, and the rows
+	// written before the step go (they count as full buckets, bug 338).
+	// The next sweep was due at a time an hour ahead, and the rows full
+	// then: the table kept every key used, for as long as the step (bug
+	// 344).
+	t.Run("SweepsAfterTheClockSteppedBack", func(t *testing.T) {
+		clk := newFakeClock()
+		a, _, dsn := replicas(t, postgres.RateLimiterOptions{Now: clk.Now, SweepInterval: time.Minute})
+		conn, err := pgx.Connect(ctx, dsn)
+		require.NoError(t, err)
+		defer conn.Close(context.Background())
+		for _, key := range []string{"a", "b"} {
+			_, _, err := a.Allow(ctx, key, 1, 2)
+			require.NoError(t, err)
+		}
+		clk.Add(-time.Hour)
+		_, _, err = a.Allow(ctx, "after", 1, 2)
+		require.NoError(t, err)
+		rows, err := conn.Query(ctx, `SELECT key FROM rate_buckets ORDER BY key`)
+		require.NoError(t, err)
+		ks, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		assert.Equal(t, []string{"after"}, ks, "rows after the step")
+	})
+
 	// Last, as it stops the server: the limiter's errors say the database
 	// cannot be reached, which the API answers 503.
 	t.Run("Unavailable", func(t *testing.T) {
