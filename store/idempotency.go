@@ -31,7 +31,12 @@ func live(rec companion.Idempotency, now time.Time) bool {
 // IdempotencyTTL, a claim for IdempotencyClaimTTL.
 func holds(rec companion.Idempotency, now time.Time) bool {
 	if rec.Status == 0 {
-		return now.Sub(rec.CreatedAt) < IdempotencyClaimTTL
+		// A claim made more than its TTL ahead of now was made before the
+		// clock stepped back, by a request gone with it; read as new, it
+		// held the key for as long as the step (docs/reliability.md,
+		// bug 345).
+		age := now.Sub(rec.CreatedAt)
+		return age < IdempotencyClaimTTL && age > -IdempotencyClaimTTL
 	}
 	return live(rec, now)
 }

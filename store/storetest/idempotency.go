@@ -93,6 +93,21 @@ func testIdempotencyClaims(t *testing.T, s companion.Store) {
 	require.NoError(t, s.PutIdempotency(ctx, companion.Idempotency{UserID: "u1", Key: "k4", RequestHash: hashOf("req"), Status: 200, CreatedAt: at}))
 	_, err = s.Idempotency(ctx, "u1", "k4")
 	assert.NoError(t, err, "Idempotency(an answer as old)")
+
+	// A claim made an hour ahead of the clock was made before the clock
+	// stepped back: its request died with it, and its key is free. It held
+	// the key for the hour the clock took to catch up, every repeat
+	// answered 409 idempotency_key_in_use (bug 345).
+	ahead := now().Add(time.Hour)
+	require.NoError(t, s.PutIdempotency(ctx, companion.Idempotency{UserID: "u1", Key: "k5", RequestHash: hashOf("req"), CreatedAt: ahead}))
+	_, err = s.Idempotency(ctx, "u1", "k5")
+	assert.ErrorIs(t, err, companion.ErrNotFound, "Idempotency(a claim made before the clock stepped back)")
+	require.NoError(t, s.PutIdempotency(ctx, companion.Idempotency{UserID: "u1", Key: "k5", RequestHash: hashOf("req")}),
+		"PutIdempotency(over a claim made before the clock stepped back)")
+	// An answer made then still answers: a repeat gets it, not new work.
+	require.NoError(t, s.PutIdempotency(ctx, companion.Idempotency{UserID: "u1", Key: "k6", RequestHash: hashOf("req"), Status: 200, CreatedAt: ahead}))
+	_, err = s.Idempotency(ctx, "u1", "k6")
+	assert.NoError(t, err, "Idempotency(an answer made before the clock stepped back)")
 }
 
 // Of many overlapping claims of one key, by one request or several, the
