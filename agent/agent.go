@@ -804,7 +804,8 @@ func (a *Agent) ttlNow() time.Time {
 // seq of the server's time: docs/reliability.md, bug 343). It is the
 // bridge's clock, but never before the least the server's reads. The
 // spool forgets a done id DoneRetention after it, judged at ttlNow, so
-// that neither a clock behind nor one ahead forgets it early. A bridge at
+// that, once a command came in since the start, neither a clock behind nor
+// one ahead forgets it early. A bridge at
 // 1970 until NTP synced stamped its done ids 1970, and forgot them at the
 // next purge once the clock was set: a repeat of such a command, which the
 // server sends when it never stored the final reply, ran again
