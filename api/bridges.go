@@ -176,6 +176,8 @@ func (s *Server) deleteUserBridge(c *gin.Context) error {
 	if s.accounts != nil {
 		_ = s.accounts.BridgeDeleted(ctx, id) // logged and retried there
 	}
+	// Else it read away for good, once its Will was taken in (bug 316).
+	s.cmds.BridgeDeleted(id)
 	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
 }
 

@@ -226,6 +226,7 @@ func TestUserBridges(t *testing.T) {
 		require.Equal(t, 204, r.status, "%s", r.body)
 		assert.Empty(t, r.body)
 		assert.Equal(t, []string{`dev-a: "alice-b" → ""`, "deleted alice-b"}, e.acc.took())
+		assert.Equal(t, []string{"alice-b"}, e.cmds.deletedBridges(), "the command broker told")
 		b, err := e.db.DeviceBridge(context.Background(), "dev-a")
 		require.NoError(t, err)
 		assert.Empty(t, b, "dev-a still served by the deleted bridge")

@@ -41,6 +41,7 @@ type fakeCommander struct {
 	waiting   int                     // calls of Wait not yet returned
 	ended     []string                // the ids Ended was told of
 	moved     []string                // the devices DeviceMoved was told of
+	deleted   []string                // the bridges BridgeDeleted was told of
 }
 
 func newFakeCommander(db *store.DB) *fakeCommander {
@@ -84,6 +85,19 @@ func (f *fakeCommander) movedIDs() []string {
 }
 func (f *fakeCommander) BridgesDisconnecting(...string)            {}
 func (f *fakeCommander) BridgesDisconnectingWithoutWill(...string) {}
+
+func (f *fakeCommander) BridgeDeleted(id string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.deleted = append(f.deleted, id)
+}
+
+// deletedBridges returns the bridges BridgeDeleted was told of, in order.
+func (f *fakeCommander) deletedBridges() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.deleted)
+}
 
 func (f *fakeCommander) Ended(cmds []companion.Command) {
 	f.mu.Lock()

@@ -93,6 +93,9 @@ type Commander interface {
 	// broker publishes no Will for them: one not back within a grace has
 	// its Will published for it.
 	BridgesDisconnectingWithoutWill(bridgeIDs ...string)
+	// BridgeDeleted says the bridge was deleted, once the broker's
+	// accounts closed its connections: the broker forgets it.
+	BridgeDeleted(bridgeID string)
 	// Ended says the store ended these commands itself (an unbind): their
 	// waiters are answered and the bridge is told to drop them.
 	Ended(cmds []companion.Command)

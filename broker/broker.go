@@ -39,6 +39,7 @@ type Store interface {
 	ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error)
 	PutStatusAsync(s companion.Status, done func(bool, error))
 	MarkBridgeOfflineAsync(bridgeID string, done func([]string, error))
+	Bridge(ctx context.Context, id string) (companion.Bridge, error)
 	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	DeviceBridge(ctx context.Context, deviceID string) (string, error)
 	DeviceBridges(ctx context.Context, deviceIDs []string) (map[string]string, error)
@@ -219,9 +220,11 @@ type Broker struct {
 	dispatchSince time.Time
 	dispatched    bool // whether this broker dispatched when last seen (sawDispatching)
 
-	// bridgeGen counts the state messages taken in per bridge (see
-	// noteBridgeState); under mu.
-	bridgeGen map[string]uint64
+	// bridgeGen holds the number of each bridge's latest state message
+	// taken in, counted in bridgeStates (see noteBridgeState), until the
+	// bridge is forgotten (forgetBridge); under mu.
+	bridgeGen    map[string]uint64
+	bridgeStates uint64
 	// kicked holds when each bridge was last said to be disconnected for
 	// a change of its rights (BridgesDisconnecting); under mu.
 	kicked map[string]time.Time

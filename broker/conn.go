@@ -341,6 +341,11 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 				return
 			}
 			b.bridgeOffline(t.BridgeID, n, m.Ack, 1)
+		case "":
+			// Its retained state cleared: the bridge was deleted
+			// (BridgeDeleted).
+			b.forgetBridge(t.BridgeID)
+			m.Ack()
 		default:
 			m.Ack()
 		}

@@ -318,7 +318,82 @@ func (b *Broker) bridgeOffline(bridgeID string, n uint64, ack func(), attempt in
 		if len(ids) > 0 {
 			b.goOwned(func() { b.publishOffline(bridgeID, n, ids) })
 		}
+		b.goOwned(func() { b.forgetIfDeleted(bridgeID) })
 	})
+}
+
+// BridgeDeleted says the bridge was deleted: every replica forgets it
+// (forgetBridge), and the MQTT broker no longer retains its state. Call it
+// once the store has the deletion, after the broker's accounts closed its
+// connections. It publishes without waiting.
+func (b *Broker) BridgeDeleted(bridgeID string) {
+	b.forgetBridge(bridgeID)
+	b.goOwned(func() { b.clearBridgeState(bridgeID) })
+}
+
+// forgetIfDeleted forgets the bridge whose Will was taken in, if the store
+// has no such bridge, and clears its state again: a bridge's connection
+// closed as it was deleted, its Will published as BridgeDeleted cleared
+// its state (the MQTT broker may retain either), or a Will retained from
+// before a deletion, taken in again at a start. Kept, such a bridge read
+// away for good (docs/reliability.md, bug 316).
+func (b *Broker) forgetIfDeleted(bridgeID string) {
+	if _, err := b.st.Bridge(context.Background(), bridgeID); !errors.Is(err, companion.ErrNotFound) {
+		return
+	}
+	b.log.Info("the Will of a deleted bridge taken in; the bridge is forgotten", "bridge_id", bridgeID)
+	b.forgetBridge(bridgeID)
+	b.clearBridgeState(bridgeID)
+}
+
+// checkAway forgets the bridges taken as away that the store no longer has:
+// deleted while this replica did not hear the clear of their state
+// (BridgeDeleted), its MQTT connection down then, or while the store could
+// not say (forgetIfDeleted).
+func (b *Broker) checkAway(ctx context.Context) {
+	b.mu.Lock()
+	ids := make([]string, 0, len(b.away))
+	for id := range b.away {
+		ids = append(ids, id)
+	}
+	b.mu.Unlock()
+	for _, id := range ids {
+		if _, err := b.st.Bridge(ctx, id); errors.Is(err, companion.ErrNotFound) {
+			b.log.Info("a bridge taken as away was deleted; the bridge is forgotten", "bridge_id", id)
+			b.forgetBridge(id)
+		}
+	}
+}
+
+// forgetBridge drops what the broker keeps of a bridge: a deleted one, or
+// one whose retained state was cleared (as BridgeDeleted clears it).
+// Bridges come and go with their users: each one's entries stayed, and one
+// away as it went counted among the bridges away (companion_bridges_away)
+// for as long as the server ran (docs/reliability.md, bug 316).
+func (b *Broker) forgetBridge(bridgeID string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.bridgeGen, bridgeID)
+	delete(b.kicked, bridgeID)
+	b.setAway(bridgeID, false)
+	for d, bridge := range b.awayDevices {
+		if bridge == bridgeID {
+			delete(b.awayDevices, d)
+		}
+	}
+}
+
+// clearBridgeState clears the bridge's retained state on the MQTT broker:
+// every replica takes the empty message in and forgets the bridge, and a
+// server that starts later is not handed its last Will.
+func (b *Broker) clearBridgeState(bridgeID string) {
+	topic, err := b.tree.BridgeState(bridgeID)
+	if err != nil {
+		return
+	}
+	if err := b.waitToken(b.client.Publish(topic, 1, true, []byte{})); err != nil && !errors.Is(err, ErrClosed) {
+		b.log.Warn("clearing the retained state of a deleted bridge", "bridge_id", bridgeID, "err", err)
+	}
 }
 
 // publishOffline sets the retained status of each device a bridge's Will
@@ -463,8 +538,11 @@ func (b *Broker) republishStatus(deviceID, what string, want func(companion.Stat
 func (b *Broker) noteBridgeState(bridgeID string) uint64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.bridgeGen[bridgeID]++
-	return b.bridgeGen[bridgeID]
+	// One count for every bridge: a bridge forgotten (forgetBridge) and
+	// made again under its id never has a number it had before.
+	b.bridgeStates++
+	b.bridgeGen[bridgeID] = b.bridgeStates
+	return b.bridgeStates
 }
 
 // latestBridgeState reports whether the bridge's state message n is the

@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -418,4 +419,126 @@ func TestABridgeAwayThatReportsGetsItsHeldCommands(t *testing.T) {
 	topic, _ := tree.Status("dev-1")
 	fb.publish(t, topic, topics.Status{Online: true, BridgeID: "b1", Seq: 2, At: time.Now()})
 	assert.Equal(t, held.ID, fb.next(t).ID, "the held command goes once the bridge is heard from")
+}
+
+// bridgesKnown is how many bridges the broker keeps state of, and how many
+// it takes as away.
+func (b *Broker) bridgesKnown() (known, away int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.bridgeGen), len(b.away)
+}
+
+// A bridge deleted is forgotten: one away as it is deleted, and one whose
+// Will comes after (the broker's accounts close its connection), is not
+// taken as away for good (companion_bridges_away, and its alert, stayed
+// up for ever, and the broker kept each deleted bridge's state), and the
+// MQTT broker retains no state of it, which the server took in again at
+// every restart.
+func TestDeletedBridgesAreForgotten(t *testing.T) {
+	e := newEnvTuned(t, true, nil, func(o *Options) { o.SentRetry = 200 * time.Millisecond })
+	ctx := context.Background()
+	client := func(id string) mqtt.Client {
+		c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID(id).
+			SetUsername("server").SetPassword("pw"))
+		require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+		t.Cleanup(func() { c.Disconnect(0) })
+		return c
+	}
+	srv := client("test-server")
+	// What each bridge's state topic carried, in order.
+	var mu sync.Mutex
+	seen := map[string][]string{}
+	require.NoError(t, mqtt.WaitTokenTimeout(client("test-watcher").Subscribe(tree.AllBridgeStates(), 1, func(_ mqtt.Client, m mqtt.Message) {
+		if topic, err := tree.Parse(m.Topic()); err == nil {
+			mu.Lock()
+			seen[topic.BridgeID] = append(seen[topic.BridgeID], string(m.Payload()))
+			mu.Unlock()
+		}
+	}), 5*time.Second))
+	will := func(id string) {
+		t.Helper()
+		topic, _ := tree.BridgeState(id)
+		require.NoError(t, mqtt.WaitTokenTimeout(srv.Publish(topic, 1, true, topics.BridgeOffline), 5*time.Second))
+	}
+
+	const n = 20
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("gone-%d", i)
+		require.NoError(t, e.db.CreateBridge(ctx, companion.Bridge{ID: ids[i], OwnerID: "u1", SecretHash: []byte(ids[i])}))
+	}
+	// Half are away as they are deleted.
+	for _, id := range ids[:n/2] {
+		will(id)
+	}
+	testenv.Eventually(t, 10*time.Second, "the bridges away", func() bool {
+		_, away := e.b.bridgesKnown()
+		return away == n/2
+	})
+	for i, id := range ids {
+		_, err := e.db.DeleteBridge(ctx, id, "u1")
+		require.NoError(t, err)
+		e.b.BridgeDeleted(id)
+		if i >= n/2 {
+			will(id) // its Will, as its connection is closed
+		}
+	}
+	testenv.Eventually(t, 10*time.Second, "the deleted bridges forgotten, none away", func() bool {
+		known, away := e.b.bridgesKnown()
+		return known == 0 && away == 0
+	})
+	// And still once each one's state is cleared after its Will: for those
+	// whose Will came after the deletion, once more when it was taken in.
+	testenv.Eventually(t, 10*time.Second, "every deleted bridge's state cleared after its Will", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for i, id := range ids {
+			s := seen[id]
+			clears := len(s) - len(slices.DeleteFunc(slices.Clone(s), func(p string) bool { return p == "" }))
+			if !slices.Contains(s, topics.BridgeOffline) || s[len(s)-1] != "" || i >= n/2 && clears < 2 {
+				return false
+			}
+		}
+		return true
+	})
+	testenv.Eventually(t, 10*time.Second, "the deleted bridges forgotten once their Wills are in", func() bool {
+		known, away := e.b.bridgesKnown()
+		return known == 0 && away == 0
+	})
+
+	// A replica that did not hear of a deletion (its MQTT connection down
+	// as the state was cleared) forgets the bridge all the same.
+	require.NoError(t, e.db.CreateBridge(ctx, companion.Bridge{ID: "unheard", OwnerID: "u1", SecretHash: []byte("unheard")}))
+	will("unheard")
+	testenv.Eventually(t, 10*time.Second, "the bridge away", func() bool {
+		_, away := e.b.bridgesKnown()
+		return away == 1
+	})
+	_, err := e.db.DeleteBridge(ctx, "unheard", "u1")
+	require.NoError(t, err)
+	testenv.Eventually(t, 10*time.Second, "the bridge deleted unheard forgotten", func() bool {
+		_, away := e.b.bridgesKnown()
+		return away == 0
+	})
+
+	// Nothing of them is retained: a server restarted would take them as
+	// away again. The first message on a topic of theirs after the
+	// subscription's SUBACK is the one published after it.
+	got := make(chan mqtt.Message, 2*n)
+	watcher := client("test-late-watcher")
+	for _, id := range ids {
+		topic, _ := tree.BridgeState(id)
+		require.NoError(t, mqtt.WaitTokenTimeout(watcher.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) { got <- m }), 5*time.Second))
+		require.NoError(t, mqtt.WaitTokenTimeout(srv.Publish(topic, 1, false, "marker"), 5*time.Second))
+		select {
+		case m := <-got:
+			assert.Equal(t, "marker", string(m.Payload()), "the MQTT broker retains %q for deleted bridge %s", m.Payload(), id)
+			if m.Retained() {
+				<-got // the marker
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("the marker did not come")
+		}
+	}
 }

@@ -931,7 +931,7 @@ func (b *Broker) retryLoop() {
 	tick := time.NewTicker(b.opts.SentRetry)
 	defer tick.Stop()
 	retried := map[string]time.Time{}
-	for {
+	for n := 1; ; n++ {
 		select {
 		case <-b.quit:
 			return
@@ -940,8 +940,17 @@ func (b *Broker) retryLoop() {
 		if b.dispatching() {
 			b.retrySent(context.Background(), retried)
 		}
+		if n%awayCheckTicks == 0 {
+			b.checkAway(context.Background())
+		}
 	}
 }
+
+// awayCheckTicks is how many SentRetry apart checkAway runs (ten minutes by
+// default, within the bridges-away alert's 15 of docs/operations.md): a
+// read of the store for each bridge away, of which a server with many
+// users' bridges (their phones) may have thousands.
+const awayCheckTicks = 10
 
 // retrySent sends again the commands that have been sent for SentRetry or
 // longer, with no word from the bridge, while their device reads online.

@@ -335,6 +335,7 @@ func (noCommands) Wait(context.Context, string) (companion.Command, error) {
 func (noCommands) DeviceMoved(string)                        {}
 func (noCommands) BridgesDisconnecting(...string)            {}
 func (noCommands) BridgesDisconnectingWithoutWill(...string) {}
+func (noCommands) BridgeDeleted(string)                      {}
 
 func (noCommands) Ended([]companion.Command) {}
 
