@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -240,6 +241,30 @@ func (h *authHook) credentialsChanged(id Identity, deleted bool) {
 	h.changes++
 	h.changed[id] = h.changes
 	h.gone[id] = deleted
+}
+
+// unestablished returns the client let in on conn whose session was not
+// established (OnSessionEstablished), if any, once mochi is done with conn:
+// it never will be. The session it took over (replaced) is forgotten, as
+// mochi handed it to this client.
+func (h *authHook) unestablished(conn net.Conn) *mqtt.Client {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for cl := range h.checked {
+		if cl.Net.Conn == conn {
+			delete(h.checked, cl)
+			h.dropReplaced(cl)
+			return cl
+		}
+	}
+	return nil
+}
+
+// forgetClient drops what the hook knows of cl.
+func (h *authHook) forgetClient(cl *mqtt.Client) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.forget(cl)
 }
 
 // forget drops what the hook knows of cl; h.mu held.

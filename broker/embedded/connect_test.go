@@ -2,13 +2,16 @@ package embedded_test
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/embedded"
@@ -171,4 +174,66 @@ func TestRepliesAreNeverRetained(t *testing.T) {
 	br.publish(t, replies, false, `{"command_id":"live","state":"succeeded"}`)
 	m = u.next(t)
 	require.Equal(t, `{"command_id":"live","state":"succeeded"}`, string(m.Payload()), "a reply was kept retained")
+}
+
+// connectPacket is an MQTT 3.1.1 CONNECT with a clean session.
+func connectPacket(clientID, user, pass string) []byte {
+	str := func(s string) []byte { return append([]byte{byte(len(s) >> 8), byte(len(s))}, s...) }
+	body := append(str("MQTT"), 4, 0xc2, 0, 60) // level 4; username, password, clean session; keepalive 60 s
+	body = append(body, str(clientID)...)
+	body = append(body, str(user)...)
+	body = append(body, str(pass)...)
+	return append([]byte{0x10, byte(len(body))}, body...)
+}
+
+// A client that hangs up (a reset) after its CONNECT, while its login is
+// checked, is forgotten: mochi, failing to write its CONNACK, tells the
+// hooks nothing and keeps it among its clients. A clean session stayed two
+// weeks, with its write queue of 512 KiB, and its login, never
+// established, kept the login check from ever forgetting the changes of
+// credentials it notes, one for each bridge deleted or given new rights
+// and each user given a new token.
+func TestAClientThatHangsUpBeforeItsConnackIsForgotten(t *testing.T) {
+	var armed atomic.Bool
+	reached, release := make(chan struct{}), make(chan struct{})
+	s, err := embedded.New(embedded.Options{Listen: "127.0.0.1:0", Accounts: newFakeAccounts(),
+		ServerUsername: serverUser, ServerPassword: serverPass})
+	require.NoError(t, err)
+	embedded.HoldLogins(s, func() {
+		if armed.CompareAndSwap(true, false) {
+			reached <- struct{}{}
+			<-release
+		}
+	})
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+
+	for i := range 10 {
+		cid := fmt.Sprintf("gone-%d", i)
+		armed.Store(true)
+		conn, err := net.Dial("tcp", s.Addr())
+		require.NoError(t, err)
+		_, err = conn.Write(connectPacket(cid, "alice", "alice-token"))
+		require.NoError(t, err)
+		select {
+		case <-reached:
+		case <-time.After(wait):
+			t.Fatal("the login did not reach the hold")
+		}
+		require.NoError(t, conn.(*net.TCPConn).SetLinger(0))
+		require.NoError(t, conn.Close()) // a reset: the CONNACK cannot be written
+		release <- struct{}{}
+		testenv.Eventually(t, wait, "the client that hung up before its CONNACK forgotten", func() bool {
+			ids, checked, _ := embedded.Admitted(s)
+			return !embedded.HasClient(s, cid) && ids == 0 && checked == 0
+		})
+	}
+	for i := range 100 {
+		s.DeleteBridge(fmt.Sprintf("deleted-%d", i))
+	}
+	_, _, changed := embedded.Admitted(s)
+	assert.LessOrEqual(t, changed, 1, "changes of credentials kept with no login under way")
+	c, err := dial(t, s.Addr(), "alice", "alice-token", nil)
+	require.NoError(t, err, "alice's next login")
+	c.Disconnect(0)
 }

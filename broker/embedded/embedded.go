@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -323,6 +324,7 @@ func (s *Server) Start() error {
 	ln := mochilisten.New("companion-tcp", "tcp", s.listen, s.log)
 	ln.TLS = s.tls
 	ln.ConnectTimeout = s.connWait
+	ln.Ended = s.connectionEnded
 	ln.Disconnect = func() {
 		for _, cl := range s.mochi.Clients.GetAll() {
 			if cl.Net.Listener == ln.ID() && !cl.Closed() {
@@ -553,6 +555,25 @@ func (s *Server) DeleteBridge(bridgeID string) int {
 			"connections", n, "sessions", sessions)
 	}
 	return n
+}
+
+// connectionEnded ends the session of a client let in on conn whose
+// session was never established: mochi, failing to write its CONNACK (the
+// client hung up as its login was checked), returns without telling the
+// hooks, and leaves the client among its clients. A clean session stayed
+// there until it expired, two weeks later, with its write queue of 512 KiB,
+// and its login, never established, kept the login check from forgetting
+// the changes of credentials it notes (docs/reliability.md, bug 317). A
+// persistent session stays, as any session left by a client that went.
+func (s *Server) connectionEnded(conn net.Conn) {
+	cl := s.auth.unestablished(conn)
+	if cl == nil {
+		return
+	}
+	if endsWithConnection(cl) && !s.discardSession(cl) {
+		s.auth.forgetClient(cl)
+	}
+	s.log.Info("mqtt client gone before its session was established", "client_id", cl.ID, "remote", cl.Net.Remote)
 }
 
 // discardSession ends cl's session as mochi ends one that expires with

@@ -9,3 +9,19 @@ func HoldLogins(s *Server, hold func()) {
 		next(id)
 	}
 }
+
+// Admitted is how many clients the login check knows of (ids), how many
+// it let in whose session is not established yet (checked), and how many
+// changes of credentials it keeps (changed).
+func Admitted(s *Server) (ids, checked, changed int) {
+	s.auth.mu.Lock()
+	defer s.auth.mu.Unlock()
+	return len(s.auth.ids), len(s.auth.checked), len(s.auth.changed)
+}
+
+// HasClient says whether mochi holds a client (a connection or a
+// session) under the client id.
+func HasClient(s *Server, clientID string) bool {
+	_, ok := s.mochi.Clients.Get(clientID)
+	return ok
+}

@@ -37,6 +37,10 @@ type Listener struct {
 	// client's keepalive once it has read the CONNECT, and sets none
 	// before: a connection that sent nothing was kept for ever.
 	ConnectTimeout time.Duration
+	// Ended, when set, is called with each connection once mochi is done
+	// with it (its establish returned). Mochi tells its hooks nothing of a
+	// client it let in whose CONNACK it could not write.
+	Ended func(net.Conn)
 
 	id   string
 	ln   net.Listener
@@ -136,6 +140,9 @@ func (l *Listener) Serve(establish listeners.EstablishFn) {
 			}
 			if err := establish(l.ID(), conn); err != nil && !l.isClosed() {
 				l.log.Debug("mqtt connection ended", "remote", conn.RemoteAddr().String(), "error", err)
+			}
+			if l.Ended != nil {
+				l.Ended(conn)
 			}
 		}()
 	}
