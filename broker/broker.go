@@ -189,6 +189,9 @@ type Broker struct {
 	// named holds the ids that went out as a command's After and have not
 	// ended here: should one expire, the bridge is told (see expire).
 	named map[string]bool
+	// recheck holds the ids of named that another replica changed
+	// since retryLoop last read them (see checkNamed).
+	recheck map[string]bool
 	// repeats holds, per device, the commands repeated here and when each
 	// may go out again; held, per device with a repeat held back, the
 	// earliest time one may go (see holdRepeat).
@@ -319,6 +322,7 @@ func New(opts Options) (*Broker, error) {
 		flying:      make(map[string]*outgoing),
 		lastOut:     make(map[string]string),
 		named:       make(map[string]bool),
+		recheck:     make(map[string]bool),
 		repeats:     make(map[string]map[string]*repeat),
 		held:        make(map[string]time.Time),
 		live:        make(map[string]bool),

@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -252,6 +253,9 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 		// than wait out its time for a notify that came before (bug 253).
 		clear(b.live)
 		b.lost.Add(1)
+		for id := range b.named {
+			b.recheck[id] = true
+		}
 	} else {
 		// Another replica changed it, perhaps to final (it took the reply,
 		// or canceled it): this replica will not see it become final, so
@@ -263,6 +267,9 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 		// And should the store call back its acceptance here only now,
 		// it is not made live again (see Submit; bug 232).
 		b.elsewhere.add(id)
+		if b.named[id] {
+			b.recheck[id] = true // perhaps ended there, unheard here: checkNamed
+		}
 		if len(b.waiters[id]) > 0 {
 			ids = append(ids, id)
 		}
@@ -275,6 +282,42 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 			continue
 		}
 		if companion.IsFinal(cmd.State) {
+			b.notify(cmd)
+		}
+	}
+}
+
+// checkNamed reads the commands named as the one a later command runs
+// after (named) that another replica changed (CommandChanged), and takes
+// those final now as ended here (notify). One that replica ended without
+// a word from the bridge (canceled there, or ended by an unbind there)
+// is never heard of here otherwise: named kept its id for as long as the
+// server ran (docs/reliability.md, bug 318). Those this replica took the
+// final reply of meanwhile are not read: most are, each reply being taken
+// by every replica.
+func (b *Broker) checkNamed(ctx context.Context) {
+	b.mu.Lock()
+	var ids []string
+	for id := range b.recheck {
+		if b.named[id] {
+			ids = append(ids, id)
+		}
+	}
+	clear(b.recheck)
+	b.mu.Unlock()
+	for _, id := range ids {
+		cmd, err := b.st.Command(ctx, id)
+		switch {
+		case errors.Is(err, companion.ErrNotFound): // purged
+			b.mu.Lock()
+			delete(b.named, id)
+			b.mu.Unlock()
+		case err != nil:
+			b.log.Warn("a named command changed on another replica could not be read", "command_id", id, "err", err)
+			b.mu.Lock()
+			b.recheck[id] = true // read again next time
+			b.mu.Unlock()
+		case companion.IsFinal(cmd.State):
 			b.notify(cmd)
 		}
 	}

@@ -943,6 +943,7 @@ func (b *Broker) retryLoop() {
 		if n%awayCheckTicks == 0 {
 			b.checkAway(context.Background())
 		}
+		b.checkNamed(context.Background())
 	}
 }
 

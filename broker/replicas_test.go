@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -327,4 +328,37 @@ func TestABridgeBackFromAKickThatStopsReadsOffline(t *testing.T) {
 	state(topics.BridgeOnline)  // back
 	state(topics.BridgeOffline) // then stopped
 	testenv.Eventually(t, 10*time.Second, "the device offline with its bridge stopped", func() bool { return !online() })
+}
+
+// namedKept is how many ids the broker keeps as named by a later command
+// (named).
+func (b *Broker) namedKept() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.named)
+}
+
+// Commands that went out as the one a later command runs after, and that
+// another replica ended without a word from the bridge (canceled there, or
+// ended by an unbind there), are forgotten by the dispatcher: it kept each
+// one's id for as long as it ran.
+func TestCommandsNamedAndEndedOnAnotherReplicaAreForgotten(t *testing.T) {
+	ctx := context.Background()
+	e, other := newReplicas(t, func(o *Options) { o.SentRetry = 200 * time.Millisecond })
+	fb := connectBridge(t, e)
+	var cmds []companion.Command
+	for i := range 20 {
+		c := submit(t, e, "dev-1", fmt.Sprintf("text %d", i), time.Hour)
+		require.Equal(t, c.ID, fb.next(t).ID)
+		cmds = append(cmds, c)
+	}
+	require.Equal(t, len(cmds)-1, e.b.namedKept(), "each but the last named by the next")
+	for _, c := range cmds {
+		_, err := other.Cancel(ctx, c.ID)
+		require.NoError(t, err)
+		e.b.CommandChanged(ctx, c.ID) // the store's notification
+	}
+	testenv.Eventually(t, 10*time.Second, "the commands ended on the other replica forgotten", func() bool {
+		return e.b.namedKept() == 0
+	})
 }
