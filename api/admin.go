@@ -465,7 +465,10 @@ func (s *Server) getBlob(c *gin.Context) error {
 	h.Set("Content-Type", "application/octet-stream")
 	h.Set("ETag", `"`+blob.SHA256+`"`)
 	h.Set("Cache-Control", "private, max-age=31536000, immutable")
-	w := &blobWriter{ResponseWriter: c.Writer}
+	w := &blobWriter{ResponseWriter: c.Writer, rc: http.NewResponseController(c.Writer), idle: s.limits.BodyIdle}
+	// The deadline stays on the connection, which may serve another
+	// request once this one ends.
+	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
 	r := c.Request
 	if rng := r.Header.Get("Range"); rng != "" {
 		if kept := blobRange(rng, blob.Size); kept != rng {
@@ -478,6 +481,8 @@ func (s *Server) getBlob(c *gin.Context) error {
 	}
 	http.ServeContent(w, r, "", blob.CreatedAt, f)
 	if w.failed == 0 {
+		// What net/http holds back goes within the deadline too.
+		_ = w.rc.Flush()
 		return nil
 	}
 	// ServeContent has set its plain-text error's headers, and left those
@@ -614,9 +619,19 @@ func cmpDigits(a, b string) int {
 // answers its own errors (an unsatisfiable range, a failed seek) as plain
 // text, which CONTRACT §2 does not allow: blobWriter keeps such an answer
 // back and records its status, for getBlob to answer as a problem.
+//
+// Each write may wait idle (Limits.BodyIdle) for the client to take it, as
+// each read of a request body may wait for the client to send: a client
+// that asked for a blob and then took nothing of it (its process stuck,
+// its receive window shut) held the handler, the blob's file and the
+// connection for as long as its kernel answered, for ever
+// (docs/reliability.md, bug 319). ServeContent writes 32 KiB at a time,
+// so a download goes on at any rate above 32 KiB a BodyIdle.
 type blobWriter struct {
 	http.ResponseWriter
 	failed int // the status of the error ServeContent answered, if any
+	rc     *http.ResponseController
+	idle   time.Duration // <= 0: no deadline
 }
 
 func (w *blobWriter) WriteHeader(code int) {
@@ -632,6 +647,11 @@ func (w *blobWriter) WriteHeader(code int) {
 func (w *blobWriter) Write(p []byte) (int, error) {
 	if w.failed != 0 {
 		return len(p), nil // the error's text, never sent
+	}
+	if w.idle > 0 {
+		if err := w.rc.SetWriteDeadline(time.Now().Add(w.idle)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+			return 0, err
+		}
 	}
 	return w.ResponseWriter.Write(p)
 }
