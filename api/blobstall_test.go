@@ -5,6 +5,8 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http/httptest"
+	"syscall"
 	"testing"
 	"time"
 
@@ -34,5 +36,59 @@ func TestStalledBlobDownloadIsCut(t *testing.T) {
 		// Nothing of the answer is read.
 		status := seen.wait(t, 50*idle, "GET", "/api/v1/blobs/:sha256")
 		require.Equal(t, 200, status, "download %d", i)
+	}
+}
+
+// dialSmallWindow connects with a receive buffer of 2 KiB, set before the
+// connection is made (so that the window it offers is small).
+func dialSmallWindow(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	d := &net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 2048)
+		})
+		if err != nil {
+			return err
+		}
+		return serr
+	}}
+	conn, err := d.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// Likewise any answer larger than the sockets' buffers take in, whose
+// client reads nothing: the OpenAPI document, which anyone may ask for,
+// and a page of commands.
+func TestStalledLargeAnswerIsCut(t *testing.T) {
+	const idle = 300 * time.Millisecond
+	seen := make(answers, 64)
+	e := newEnv(t, withBodyIdle(idle), func(o *Options) { o.Requests = seen })
+	srv := httptest.NewUnstartedServer(e.api.Handler())
+	srv.Listener = sseSmallBuffers{srv.Listener}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	tok := e.bound("dev-1")
+	for range 200 { // a page of 49 KB
+		r := e.do("POST", "/api/v1/devices/dev-1/push/text", tok, map[string]any{"text": "hello"})
+		require.Equal(t, 202, r.status, "%s", r.body)
+	}
+	for _, tc := range []struct{ path, token, route string }{
+		{"/api/v1/openapi.json", "", "/api/v1/openapi.json"},
+		{"/api/v1/devices/dev-1/commands?limit=200", tok, "/api/v1/devices/:id/commands"},
+	} {
+		for range 3 {
+			conn := dialSmallWindow(t, srv.Listener.Addr().String())
+			auth := ""
+			if tc.token != "" {
+				auth = "Authorization: Bearer " + tc.token + "\r\n"
+			}
+			_, err := fmt.Fprintf(conn, "GET %s HTTP/1.1\r\nHost: x\r\n%s\r\n", tc.path, auth)
+			require.NoError(t, err)
+			// Nothing of the answer is read.
+			require.Equal(t, 200, seen.wait(t, 50*idle, "GET", tc.route), tc.path)
+		}
 	}
 }

@@ -23,7 +23,7 @@ var openapiJSON []byte
 // openapi serves the document. It needs no token: it says nothing about
 // anyone's devices.
 func (s *Server) openapi(c *gin.Context) {
-	c.Data(http.StatusOK, "application/json; charset=utf-8", s.openapiDoc)
+	s.data(c, http.StatusOK, "application/json; charset=utf-8", s.openapiDoc)
 }
 
 // openapiFor is openapiJSON with the limits of l in place of the defaults

@@ -946,8 +946,58 @@ func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *
 		c.Writer.WriteHeaderNow()
 		return nil
 	}
-	c.Data(status, "application/json; charset=utf-8", b)
+	s.data(c, status, "application/json; charset=utf-8", b)
 	return nil
+}
+
+// largeAnswer is the size past which an answer may not fit in the
+// sockets' buffers, and its writes wait for the client to take it: a
+// smaller one is handed to the kernel whole, whatever the client does.
+const largeAnswer = 16 << 10
+
+// answerChunk is how much of a large answer one write hands over, each
+// within its own deadline (as http.ServeContent writes a blob).
+const answerChunk = 32 << 10
+
+// data answers status with the body b of type ctype. A large answer is
+// written a chunk at a time, each of which the client must take within
+// Limits.BodyIdle, as a blob download's (blobWriter): a client that asked
+// for the OpenAPI document, which anyone may, or a page of a list, and
+// then read nothing held the handler and the connection for ever
+// (docs/reliability.md, bug 320). The answers of the command path are
+// small and go as they did.
+func (s *Server) data(c *gin.Context, status int, ctype string, b []byte) {
+	idle := s.limits.BodyIdle
+	if len(b) <= largeAnswer || idle <= 0 {
+		c.Data(status, ctype, b)
+		return
+	}
+	c.Header("Content-Type", ctype)
+	c.Header("Content-Length", strconv.Itoa(len(b)))
+	c.Status(status)
+	c.Writer.WriteHeaderNow()
+	// The head goes first, with no deadline of its own: net/http reads
+	// what the client sent of a body the handler left unread as it
+	// writes the head, within the body's own deadline (bodyIdle).
+	rc := http.NewResponseController(c.Writer)
+	if err := rc.Flush(); err != nil {
+		return
+	}
+	for len(b) > 0 {
+		if err := rc.SetWriteDeadline(time.Now().Add(idle)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+			return
+		}
+		n := min(len(b), answerChunk)
+		if _, err := c.Writer.Write(b[:n]); err != nil {
+			return // the client took nothing for idle: the connection is closed
+		}
+		b = b[n:]
+	}
+	// The deadline stays on the connection, which may serve another
+	// request: taken off once all is handed over.
+	if rc.Flush() == nil {
+		_ = rc.SetWriteDeadline(time.Time{})
+	}
 }
 
 // Pagination.

@@ -172,8 +172,8 @@ type Limits struct {
 	// the body's time in all: a large upload over a slow link is fine.
 	// 60 s, nginx's default client_body_timeout, leaves room for TCP's
 	// retransmission backoff after a link has dropped out for a while.
-	// A blob download's client may likewise take nothing of the answer
-	// for at most BodyIdle (see blobWriter).
+	// A blob download's client, and any large answer's, may likewise take
+	// nothing of the answer for at most BodyIdle (blobWriter, Server.data).
 	BodyIdle time.Duration
 	// BodyMinRate is the least a request body must average, in bytes a
 	// second, once its client has kept the server waiting BodyIdle in all;
