@@ -804,9 +804,9 @@ func (a *Agent) ttlNow() time.Time {
 // seq of the server's time: docs/reliability.md, bug 343). It is the
 // bridge's clock, but never before the least the server's reads. The
 // spool forgets a done id DoneRetention after it, judged at ttlNow, so
-// that, once a command came in since the start, neither a clock behind nor
-// one ahead forgets it early. A bridge at
-// 1970 until NTP synced stamped its done ids 1970, and forgot them at the
+// that neither a clock behind nor one ahead forgets it early (before a
+// command came in since the start, none is forgotten: purgeSpool). A
+// bridge at 1970 until NTP synced stamped its done ids 1970, and forgot them at the
 // next purge once the clock was set: a repeat of such a command, which the
 // server sends when it never stored the final reply, ran again
 // (docs/reliability.md, bug 339).
@@ -1075,9 +1075,18 @@ func (a *Agent) housekeeping(ctx context.Context) {
 }
 
 // purgeSpool forgets the ids of commands done DoneRetention ago, on both
-// clocks (stampNow).
+// clocks (stampNow). Before a command came in since the start, the
+// server's clock is unknown and none is forgotten: judged on the bridge's
+// clock alone, one that ran 8 days ahead at its start forgot every id it
+// ran before, and a repeat the server sent after the restart ran again
+// (docs/reliability.md, bug 366). Nothing is done without a command, so
+// the spool grows no larger meanwhile.
 func (a *Agent) purgeSpool() (int, error) {
-	return a.spool.purge(a.ttlNow().Add(-DoneRetention))
+	var cutoff time.Time // before every record: none is old
+	if _, ok := a.server.least(); ok {
+		cutoff = a.ttlNow().Add(-DoneRetention)
+	}
+	return a.spool.purge(cutoff)
 }
 
 // nextSeq returns a status sequence number: the clock in nanoseconds, so it

@@ -203,3 +203,53 @@ func TestACreatedAtPastEverySeqIsNotTaken(t *testing.T) {
 		t.Errorf("the settings' seq %d and at %v; want them before %v", r.Settings.Seq, r.Settings.At, limit)
 	}
 }
+
+// A bridge restarted with its clock 9 days ahead (a board without a
+// battery-backed clock restored to a wrong date) still knows the commands
+// it ran before: the purge at its start judged their age on its clock
+// alone, as no command had yet shown the server's, and forgot them, so
+// that a repeat the server sent after the restart ran again (bug 366).
+func TestDoneIDsOutliveARestartWithTheClockAhead(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	dev := newSim("dev-1")
+	dir := t.TempDir()
+	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir})
+
+	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "before the restart"})
+	w.send(c)
+	if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the command ended %s; want succeeded", r.State)
+	}
+	waitNoOwedReplies(t, br)
+	br.stop(t)
+	w.waitBridgeState("b1", topics.BridgeOffline, 1)
+
+	clk := newSteppedClock(9 * 24 * time.Hour)
+	br = startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, dataDir: dir, now: clk.Now})
+	if n, err := br.PurgeSpool(); err != nil || n != 0 {
+		t.Errorf("PurgeSpool() = %d, %v; want 0 forgotten, the command done a moment ago", n, err)
+	}
+	if st, err := br.SpoolState(c.ID); err != nil || st != "done" {
+		t.Errorf("SpoolState = %q, %v; want done", st, err)
+	}
+}
+
+// waitNoOwedReplies waits for the broker to acknowledge every final reply
+// of br: nothing keeps a done id then but its age.
+func waitNoOwedReplies(t *testing.T, br *bridge) {
+	t.Helper()
+	for deadline := time.Now().Add(waitLong); ; {
+		n, err := br.OwedReplies()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d final replies still owed", n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
