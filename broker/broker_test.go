@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -2339,4 +2340,46 @@ func TestReplySettingsOfTheBridgeADeviceLeftAreNotStored(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, s.Reported, "dev-1's settings after its move: b1's final reply's stored")
 	assert.Zero(t, s.Seq, "dev-1's settings seq after its move")
+}
+
+// latencies keeps the accept-to-final latencies the broker observed.
+type latencies struct {
+	nopObserver
+	mu   sync.Mutex
+	ages []time.Duration
+}
+
+func (l *latencies) CommandState(_, state string, age time.Duration) {
+	if companion.IsFinal(state) {
+		l.mu.Lock()
+		l.ages = append(l.ages, age)
+		l.mu.Unlock()
+	}
+}
+
+func (l *latencies) observed() []time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.ages)
+}
+
+// A command that ends after the server's clock stepped back (NTP setting
+// a fast clock right) has an accept-to-final latency of no less than 0:
+// the time from its created_at, a wall time, to the clock was an hour
+// below zero, and companion_command_duration_seconds took it in, its sum
+// falling (bug 367).
+func TestLatencyAfterTheClockSteppedBackIsNotNegative(t *testing.T) {
+	obs := &latencies{}
+	e := newEnvTuned(t, true, nil, func(o *Options) { o.Observer = obs })
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+
+	c := submit(t, e, "dev-1", "before the step", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	e.clock.Add(-time.Hour)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the final state observed", func() bool { return len(obs.observed()) > 0 })
+	if ages := obs.observed(); ages[0] < 0 {
+		t.Errorf("accept-to-final latency %v; want none below 0", ages[0])
+	}
 }

@@ -90,7 +90,7 @@ func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, erro
 	if err != nil {
 		return cmd, err
 	}
-	b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+	b.opts.Observer.CommandState(cmd.Op, cmd.State, sinceAccepted(b.now(), cmd.CreatedAt))
 	b.notify(cmd)
 	b.mu.Lock()
 	// Not yet taken by the outbox: it never goes out.
@@ -116,7 +116,7 @@ func (b *Broker) Cancel(ctx context.Context, id string) (companion.Command, erro
 // dropped by the bridges and harmless.
 func (b *Broker) Ended(cmds []companion.Command) {
 	for _, cmd := range cmds {
-		b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+		b.opts.Observer.CommandState(cmd.Op, cmd.State, sinceAccepted(b.now(), cmd.CreatedAt))
 		b.notify(cmd)
 		b.mu.Lock()
 		b.pending = slices.DeleteFunc(b.pending, func(c companion.Command) bool { return c.ID == cmd.ID })

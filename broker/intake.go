@@ -169,7 +169,7 @@ func (b *Broker) failLeft(ctx context.Context, deviceID string) {
 			b.log.Error("failing a command the bridge a device left had", "command_id", id, "err", err)
 			continue
 		}
-		b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+		b.opts.Observer.CommandState(cmd.Op, cmd.State, sinceAccepted(b.now(), cmd.CreatedAt))
 		b.notify(cmd)
 		b.log.Info("command failed: its device left the bridge that had it", "command_id", id, "device_id", deviceID)
 	}
@@ -688,7 +688,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 	}, report, func(cmd companion.Command, err error) {
 		b.opts.Observer.StoreWrite(StoreWriteReply, time.Since(start))
 		if err == nil && cmd.State != from {
-			b.opts.Observer.CommandState(cmd.Op, cmd.State, b.now().Sub(cmd.CreatedAt))
+			b.opts.Observer.CommandState(cmd.Op, cmd.State, sinceAccepted(b.now(), cmd.CreatedAt))
 		}
 		if err != nil && !errors.Is(err, companion.ErrNotFound) && !errors.Is(err, companion.ErrFinal) &&
 			!errors.Is(err, errStale) && !errors.Is(err, companion.ErrInvalid) && !errors.Is(err, companion.ErrUnreadable) &&

@@ -14,8 +14,8 @@ type Observer interface {
 	// accepted or changed enters a state: StateQueued when it is
 	// accepted, then each later state it is written in (a command may
 	// skip sent and delivered: see sentDelay). age is the time since the
-	// command was accepted; for a final state it is the command's
-	// accept-to-final latency.
+	// command was accepted, no less than 0 (sinceAccepted); for a final
+	// state it is the command's accept-to-final latency.
 	CommandState(op, state string, age time.Duration)
 	// MQTTConnected is called when the broker's MQTT connection becomes
 	// ready (connected and subscribed) and when it is lost.
@@ -55,3 +55,13 @@ func (nopObserver) MQTTConnected(bool)                         {}
 func (nopObserver) StoreWrite(string, time.Duration)           {}
 func (nopObserver) ReportCoalesced(string)                     {}
 func (nopObserver) BridgesAway(int)                            {}
+
+// sinceAccepted is the age of a command accepted at created (its
+// created_at, a wall time the store keeps) at now, for CommandState: no
+// less than 0. After the server's clock stepped back (NTP setting a fast
+// clock right), or on a replica whose clock is behind the one that
+// accepted the command, created lies ahead of now: the latency histogram
+// took in a time below 0, and its sum fell (docs/reliability.md, bug 367).
+func sinceAccepted(now, created time.Time) time.Duration {
+	return max(now.Sub(created), 0)
+}

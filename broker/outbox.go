@@ -680,7 +680,7 @@ func (b *Broker) flushSent() {
 			b.arrived(id)
 			b.opts.Observer.StoreWrite(StoreWriteSent, time.Since(start))
 			if err == nil {
-				b.opts.Observer.CommandState(c.Op, c.State, b.now().Sub(c.CreatedAt))
+				b.opts.Observer.CommandState(c.Op, c.State, sinceAccepted(b.now(), c.CreatedAt))
 			}
 			switch {
 			case errors.Is(err, companion.ErrFinal) && c.State == companion.StateCanceled:
@@ -709,7 +709,7 @@ func (b *Broker) requeue(id string) {
 	}, func(c companion.Command, err error) {
 		switch {
 		case err == nil:
-			b.opts.Observer.CommandState(c.Op, c.State, b.now().Sub(c.CreatedAt))
+			b.opts.Observer.CommandState(c.Op, c.State, sinceAccepted(b.now(), c.CreatedAt))
 			b.notify(c)
 			b.log.Info("command queued again: its device lost its bridge", "command_id", id, "device_id", c.DeviceID)
 		case !errors.Is(err, errStale) && !errors.Is(err, companion.ErrFinal) && !errors.Is(err, companion.ErrNotFound):
@@ -901,7 +901,7 @@ func (b *Broker) expire(ctx context.Context, id string, online *onlineReader) {
 	if err != nil {
 		return
 	}
-	b.opts.Observer.CommandState(cmd.Op, cmd.State, now.Sub(cmd.CreatedAt))
+	b.opts.Observer.CommandState(cmd.Op, cmd.State, sinceAccepted(now, cmd.CreatedAt))
 	b.log.Info("command expired", "command_id", id, "device_id", cmd.DeviceID)
 	b.mu.Lock()
 	named := b.named[id]
