@@ -637,7 +637,12 @@ func (b *blobs) tryLock(sha string) (unlock func(), ok bool) {
 	return b.release(sha, l), true
 }
 
-// purge deletes cached and partial blobs not touched since cutoff.
+// purge deletes cached and partial blobs not touched since cutoff. One
+// touched more than a minute ahead of the clock was touched before the
+// clock stepped back (NTP setting right a board that ran a year ahead):
+// it is taken as touched now, and goes BlobCacheAge on. It was kept, with
+// the flash it held, until the clock caught up with it
+// (docs/reliability.md, bug 368).
 func (b *blobs) purge(cutoff time.Time) int {
 	entries, err := os.ReadDir(b.dir)
 	if err != nil {
@@ -646,7 +651,14 @@ func (b *blobs) purge(cutoff time.Time) int {
 	n := 0
 	for _, e := range entries {
 		info, err := e.Info()
-		if err != nil || !info.Mode().IsRegular() || !info.ModTime().Before(cutoff) {
+		if err != nil || !info.Mode().IsRegular() {
+			continue
+		}
+		if now := b.now(); info.ModTime().After(now.Add(time.Minute)) {
+			_ = os.Chtimes(filepath.Join(b.dir, e.Name()), now, now)
+			continue
+		}
+		if !info.ModTime().Before(cutoff) {
 			continue
 		}
 		name := strings.TrimSuffix(e.Name(), ".part")

@@ -480,3 +480,31 @@ func TestBlobDownloadWaitsForTheServerToComeBack(t *testing.T) {
 		})
 	}
 }
+
+// A blob touched while the bridge's clock read a year ahead (a board
+// restored to a wrong date, set right by NTP) leaves the cache a day
+// after the step, as one touched since: its time lay a year ahead, and
+// the purge kept it, taking the flash it held, until the clock caught up
+// (bug 368).
+func TestBlobTouchedBeforeTheClockSteppedBackLeavesTheCache(t *testing.T) {
+	b := newTestBlobs(t, "http://127.0.0.1:1")
+	now := time.Now()
+	b.now = func() time.Time { return now }
+	data := []byte("touched a year ahead")
+	ref := blobRef(data)
+	path := filepath.Join(b.dir, ref.SHA256)
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ahead := now.Add(365 * 24 * time.Hour)
+	if err := os.Chtimes(path, ahead, ahead); err != nil {
+		t.Fatal(err)
+	}
+	if n := b.purge(now.Add(-BlobCacheAge)); n != 0 {
+		t.Errorf("purge at the step removed %d files; want 0, the blob maybe used a moment ago", n)
+	}
+	now = now.Add(BlobCacheAge + time.Hour)
+	if n := b.purge(now.Add(-BlobCacheAge)); n != 1 {
+		t.Errorf("purge a day after the step removed %d files; want 1, the blob touched before it", n)
+	}
+}
