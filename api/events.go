@@ -224,6 +224,20 @@ func (sub *eventSub) close() {
 	h.remove(sub)
 }
 
+// reached returns the hub's cursor when sub has taken every event up to
+// it that it wants: sub is still on the hub (not dropped, which loses
+// events) and its buffer is empty. The hub hands a page's events out and
+// moves its cursor under one hold of h.mu, and the stream writes each
+// event it takes before it asks. "" otherwise.
+func (h *Events) reached(sub *eventSub) string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, on := h.users[sub.userID][sub]; !on || len(sub.ch) > 0 {
+		return ""
+	}
+	return h.cursor
+}
+
 // remove takes sub off the hub, if it is on; h.mu held.
 func (h *Events) remove(sub *eventSub) {
 	subs := h.users[sub.userID]
@@ -584,9 +598,22 @@ func (s *Server) streamEvents(c *gin.Context) error {
 				// device_not_found (docs/reliability.md, bug 275).
 				return nil
 			}
-			if err := w.write([]byte(": ping\n\n")); err != nil {
+			// The ping carries the place the stream has reached, as an
+			// id without data (EventSource keeps it as its last event id):
+			// a stream that gets no event for hours (its device quiet, or
+			// its user's) resumes from there, not from its last event,
+			// whose successors, anyone's, the log has purged since; and a
+			// stream of one device does not read its user's other devices'
+			// events again (docs/reliability.md, bug 386).
+			frame := []byte(": ping\n\n")
+			at := hub.reached(sub)
+			if at > w.last {
+				frame = []byte("id: " + at + "\n: ping\n\n")
+			}
+			if err := w.write(frame); err != nil {
 				return nil
 			}
+			w.last = max(w.last, at)
 		}
 	}
 }

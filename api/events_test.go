@@ -868,3 +868,76 @@ func TestEventsStreamEndsWhenAPITokenIsReplaced(t *testing.T) {
 	default:
 	}
 }
+
+// A stream that gets no event for a while (a device of the caller's that
+// is quiet while the caller's others are busy, or a caller whose devices
+// are all quiet while other users' are busy) keeps its client's last
+// event id current: its heartbeat carries the place it has reached. The
+// client that loses it later resumes from there, not from the last event
+// it got hours ago: no reset for events it never missed, once the log has
+// purged other devices' events, and no replay of every event of the
+// caller's other devices to find its device's. Without the fix the
+// heartbeat was a comment only (docs/reliability.md, bug 386).
+func TestEventsQuietStreamKeepsItsPlace(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
+	alice := e.bound("dev-1")
+	e.provision("dev-2", "code-dev-2", "sim-1")
+	r := e.do("POST", "/api/v1/devices/register", alice, map[string]any{"device_id": "dev-2", "claim_code": "code-dev-2"})
+	require.Equal(t, http.StatusCreated, r.status, "%s", r.body)
+	bob := e.bound("dev-b")
+
+	ways := []struct {
+		name, query, token string
+	}{
+		{"a quiet device of a busy user", "?device_id=dev-1", alice},
+		{"a quiet user", "", bob},
+	}
+	var streams []*sseStream
+	for _, w := range ways {
+		streams = append(streams, e.stream(t, w.token, w.query, nil))
+	}
+	for range 3 {
+		e.push(t, alice, "dev-2")
+	}
+	log, _, err := e.db.Events(t.Context(), "", "", 100)
+	require.NoError(t, err)
+	require.Len(t, log, 3)
+	busy := log[len(log)-1].ID
+
+	lasts := make([]string, len(ways))
+	for i, w := range ways {
+		t.Run(w.name, func(t *testing.T) {
+			s := streams[i]
+			// The client's last event id, as its heartbeats leave it.
+			defer s.Close()
+			timeout := time.After(10 * time.Second)
+			for lasts[i] < busy {
+				select {
+				case ev, ok := <-s.Events():
+					require.True(t, ok, "the stream ended")
+					require.True(t, ev.IsComment(), "an event of dev-2 on the stream: %+v", ev)
+					lasts[i] = ev.ID
+				case <-timeout:
+					t.Fatalf("the client's last event id is %q, before the events of dev-2 (%q) its stream has passed", lasts[i], busy)
+				}
+			}
+		})
+	}
+
+	// Two hours later every event has been purged; the clients resume.
+	n, err := e.db.PurgeEvents(t.Context(), time.Now().Add(time.Minute))
+	require.NoError(t, err)
+	require.Equal(t, 3, n, "events purged")
+	for i, w := range ways {
+		t.Run(w.name+" resumes", func(t *testing.T) {
+			s := e.stream(t, w.token, w.query, map[string]string{"Last-Event-ID": lasts[i]})
+			dev := "dev-1"
+			if w.token == bob {
+				dev = "dev-b"
+			}
+			id := e.push(t, w.token, dev)
+			ev := s.next(t)
+			assert.Equal(t, []any{"command", id}, []any{ev.event, ev.json(t)["id"]}, "the first event of the resumed stream: %+v", ev)
+		})
+	}
+}
