@@ -298,7 +298,41 @@ func testListDevices(t *testing.T, open Opener) {
 	subtests(t, open, []namedTest{
 		{"WithStatus", testListDevicesWithStatus},
 		{"Paging", testListDevicesPaging},
+		{"PagingWhileTheyChange", testListDevicesPagingWhileTheyChange},
 	})
+}
+
+// A cursor stays a place in the list when its device is unbound, and
+// the pages after it hold every device bound throughout, once, with what
+// was bound meanwhile after the cursor and without what was unbound.
+func testListDevicesPagingWhileTheyChange(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "dev-0", "dev-1", "dev-2", "dev-3", "dev-4", "dev-5", "dev-6", "dev-2a", "dev-0a")
+	bind(t, s, "u1", "dev-0", "dev-1", "dev-2", "dev-3", "dev-4", "dev-5", "dev-6")
+	page, err := s.ListDevices(ctx, "u1", "", 3)
+	require.NoError(t, err)
+	require.Len(t, page, 3)
+	cursor := page[2].Binding.DeviceID
+	require.Equal(t, "dev-2", cursor)
+
+	for _, dev := range []string{"dev-2", "dev-4"} {
+		_, err := s.Unbind(ctx, dev, "u1")
+		require.NoError(t, err, "Unbind(%s)", dev)
+	}
+	bind(t, s, "u1", "dev-2a", "dev-0a")
+	var got []string
+	for after := cursor; ; {
+		page, err := s.ListDevices(ctx, "u1", after, 2)
+		require.NoError(t, err, "ListDevices(after %q)", after)
+		for _, d := range page {
+			got = append(got, d.Binding.DeviceID)
+		}
+		if len(page) < 2 {
+			break
+		}
+		after = page[len(page)-1].Binding.DeviceID
+	}
+	assert.Equal(t, []string{"dev-2a", "dev-3", "dev-5", "dev-6"}, got, "the pages after %q, unbound", cursor)
 }
 
 func testListDevicesWithStatus(t *testing.T, s companion.Store) {
