@@ -72,7 +72,8 @@ func (s *Store) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.
 const blobPurgeBatch = 100
 
 // PurgeBlobs deletes the blobs that nothing needs any more and that were
-// last stored (PutBlob, the first time or again) before olderThan, with
+// last stored (PutBlob, the first time or again) before olderThan (by the
+// database's clock, purgeCut), with
 // their chunks, and returns how many went; at most blobPurgeBatch in each
 // statement. A blob is needed while an unfinished command references it
 // (as BlobNeeded reads them: a final command keeps the digest, not the
@@ -88,15 +89,15 @@ func (s *Store) PurgeBlobs(ctx context.Context, olderThan time.Time) (int, error
 	for {
 		var n int
 		err := s.pool.QueryRow(ctx, `WITH doomed AS (
-				DELETE FROM blobs WHERE stored_at < $1 AND sha256 IN (
-					SELECT b.sha256 FROM blobs b WHERE b.stored_at < $1
+				DELETE FROM blobs WHERE stored_at < `+purgeCut+` AND sha256 IN (
+					SELECT b.sha256 FROM blobs b WHERE b.stored_at < `+purgeCut+`
 					AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.blob = b.sha256 AND c.state IN `+openStates+`)
 					AND NOT EXISTS (SELECT 1 FROM firmware f WHERE f.sha256 = b.sha256)
 					AND NOT EXISTS (SELECT 1 FROM app_releases a WHERE a.sha256 = b.sha256)
 					LIMIT $2)
 				RETURNING content_id),
 			chunks AS (DELETE FROM blob_chunks WHERE content_id IN (SELECT content_id FROM doomed))
-			SELECT count(*) FROM doomed`, olderThan, blobPurgeBatch).Scan(&n)
+			SELECT count(*) FROM doomed`, olderThan, blobPurgeBatch, s.clock()).Scan(&n)
 		if err != nil {
 			return total, err
 		}

@@ -685,9 +685,21 @@ func (s *Store) CountAllOpen(ctx context.Context) (int, error) {
 // (Store.purgeBatch, set by tests, overrides it).
 const purgeBatch = 1000
 
-// purge runs del, a DELETE of at most $2 rows older than $1, each run a
-// transaction of its own, until it deletes fewer than a batch, and
-// returns how many rows went.
+// purgeCut is the cutoff of a purge statement given olderThan as $1 and
+// the store's clock as $3: the time as old, by the database's clock, as
+// olderThan is by the store's (its clock within a minute of the
+// database's: olderThan itself). Every replica judges an age by that one
+// clock, as it judges an Idempotency-Key's (bug 309): the dispatcher's
+// hourly purge on a replica 2 h ahead deleted the records of keys used
+// 22 h before, whose repeats then ran again, and the events a stream
+// resumes from within EventRetention; one behind kept them past it
+// (docs/reliability.md, bug 310).
+const purgeCut = `(CASE WHEN $3::timestamptz BETWEEN statement_timestamp() - interval '1 minute' AND statement_timestamp() + interval '1 minute'
+	THEN $1::timestamptz ELSE $1::timestamptz + (statement_timestamp() - $3::timestamptz) END)`
+
+// purge runs del, a DELETE of at most $2 rows older than $1 (purgeCut, $3
+// the store's clock), each run a transaction of its own, until it deletes
+// fewer than a batch, and returns how many rows went.
 func (s *Store) purge(ctx context.Context, del string, olderThan time.Time) (int, error) {
 	batch := s.purgeBatch
 	if batch <= 0 {
@@ -695,7 +707,7 @@ func (s *Store) purge(ctx context.Context, del string, olderThan time.Time) (int
 	}
 	total := 0
 	for {
-		tag, err := s.pool.Exec(ctx, del, olderThan, batch)
+		tag, err := s.pool.Exec(ctx, del, olderThan, batch, s.clock())
 		if err != nil {
 			return total, err
 		}
@@ -720,7 +732,7 @@ func (s *Store) purgeCounted(ctx context.Context, del string, olderThan time.Tim
 	total := 0
 	for {
 		var n int
-		if err := s.pool.QueryRow(ctx, del, olderThan, batch).Scan(&n); err != nil {
+		if err := s.pool.QueryRow(ctx, del, olderThan, batch, s.clock()).Scan(&n); err != nil {
 			return total, err
 		}
 		total += n
@@ -738,5 +750,5 @@ func (s *Store) purgeCounted(ctx context.Context, del string, olderThan time.Tim
 // transaction. Unfinished commands are never deleted.
 func (s *Store) PurgeCommands(ctx context.Context, olderThan time.Time) (int, error) {
 	return s.purge(ctx, `DELETE FROM commands WHERE id IN (
-		SELECT id FROM commands WHERE state IN `+finalStates+` AND updated_at < $1 AND created_at < $1 LIMIT $2)`, olderThan)
+		SELECT id FROM commands WHERE state IN `+finalStates+` AND updated_at < `+purgeCut+` AND created_at < `+purgeCut+` LIMIT $2)`, olderThan)
 }

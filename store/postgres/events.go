@@ -270,14 +270,15 @@ func (s *Store) EventsPurgedAfter(ctx context.Context, after string) (bool, erro
 	return c.less(eventCursor{xid: x, id: uint64(id)}), nil
 }
 
-// PurgeEvents deletes the events older than olderThan, at most
+// PurgeEvents deletes the events older than olderThan (by the database's
+// clock, purgeCut), at most
 // purgeBatch in each transaction, and keeps the last it deleted in
 // events_purged (never lowered: a replica's purge at the same time waits
 // for the row, then compares with what the other wrote).
 func (s *Store) PurgeEvents(ctx context.Context, olderThan time.Time) (int, error) {
 	return s.purgeCounted(ctx, `WITH gone AS (
 			DELETE FROM events WHERE (xid, id) IN (
-				SELECT xid, id FROM events WHERE at < $1 LIMIT $2)
+				SELECT xid, id FROM events WHERE at < `+purgeCut+` LIMIT $2)
 			RETURNING xid, id),
 		last AS (SELECT xid, id FROM gone ORDER BY xid DESC, id DESC LIMIT 1),
 		mark AS (UPDATE events_purged p SET xid = last.xid, id = last.id FROM last

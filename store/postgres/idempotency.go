@@ -210,8 +210,8 @@ func answerOf(ctx context.Context) (companion.Idempotency, bool, error) {
 	return rec, ok, nil
 }
 
-// PurgeIdempotency deletes the records created before olderThan and
-// returns how many it deleted, at most purgeBatch in each transaction (as
+// PurgeIdempotency deletes the records created before olderThan (by the
+// database's clock, purgeCut) and returns how many it deleted, at most purgeBatch in each transaction (as
 // the bbolt engine does, bug 40): a day of keyed requests is millions of
 // rows, and one DELETE of them all held their row locks and one
 // transaction's worth of WAL and dead tuples until it ended.
@@ -223,6 +223,6 @@ func answerOf(ctx context.Context) (companion.Idempotency, bool, error) {
 // its newest version, while the subquery's are not; without it the purge
 // would delete the new request's record.
 func (s *Store) PurgeIdempotency(ctx context.Context, olderThan time.Time) (int, error) {
-	return s.purge(ctx, `DELETE FROM idempotency WHERE created_at < $1 AND (user_id, key) IN (
-		SELECT user_id, key FROM idempotency WHERE created_at < $1 LIMIT $2)`, olderThan)
+	return s.purge(ctx, `DELETE FROM idempotency WHERE created_at < `+purgeCut+` AND (user_id, key) IN (
+		SELECT user_id, key FROM idempotency WHERE created_at < `+purgeCut+` LIMIT $2)`, olderThan)
 }

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -35,6 +36,7 @@ func init() {
 		{"IdempotencyAcrossStores", testIdempotencyAcrossStores},
 		{"ClaimAcrossStores", testClaimAcrossStores},
 		{"IdempotencyClaimClockSkew", testIdempotencyClaimClockSkew},
+		{"PurgeClockSkew", testPurgeClockSkew},
 		{"ListenCommands", testListenCommands},
 		{"ListenHearsOwnChanges", testListenHearsOwnChanges},
 		{"ListenReconnects", testListenReconnects},
@@ -807,4 +809,55 @@ func testAccountLockHoldsCreations(t *testing.T, e *testEnv) {
 	require.NoError(t, err)
 	defer unlock()
 	require.NoError(t, s2.CreateBridge(ctx, companion.Bridge{ID: "b3", SecretHash: []byte("hash-3")}))
+}
+
+// A purge deletes what is older than the age it is given by the database's
+// clock, whatever the clock of the replica that purges says: a replica 2 h
+// ahead deleted the Idempotency-Key records of 23 h ago, whose repeats then
+// ran again, and the events, final commands and blobs of 23 h ago with
+// them; one 2 h behind kept records 2 h past their age (docs/reliability.md,
+// bug 310).
+func testPurgeClockSkew(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	ctx := t.Context()
+	clockAt := func(d time.Duration) func() time.Time { return func() time.Time { return time.Now().Add(d) } }
+	// Records of 23 h ago, stamped by a replica whose clock said so then.
+	writer := e.openWith(t, dsn, postgres.Options{Now: clockAt(-23 * time.Hour)})
+	require.NoError(t, writer.PutIdempotency(ctx, companion.Idempotency{UserID: "u1", Key: "k1", Status: 201, CreatedAt: time.Now().Add(-23 * time.Hour)}))
+	c, _, err := writer.CreateCommand(ctx, cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	_, err = writer.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
+	require.NoError(t, err)
+	_, err = writer.PutBlob(ctx, strings.NewReader("a photo of 23 h ago"), 0)
+	require.NoError(t, err)
+
+	purge := func(s *postgres.Store, olderThan time.Time) map[string]int {
+		t.Helper()
+		got := map[string]int{}
+		for name, f := range map[string]func(context.Context, time.Time) (int, error){
+			"idempotency": s.PurgeIdempotency, "commands": s.PurgeCommands, "events": s.PurgeEvents, "blobs": s.PurgeBlobs,
+		} {
+			n, err := f(ctx, olderThan)
+			require.NoError(t, err, "purging %s", name)
+			got[name] = n
+		}
+		return got
+	}
+	// A day by the clock 2 h ahead: 22 h by the database's.
+	ahead := e.openWith(t, dsn, postgres.Options{Now: clockAt(2 * time.Hour)})
+	assert.Equal(t, map[string]int{"idempotency": 0, "commands": 0, "events": 0, "blobs": 0},
+		purge(ahead, time.Now().Add(2*time.Hour-24*time.Hour)), "purged a day ago by a replica 2 h ahead")
+	_, err = writer.Idempotency(ctx, "u1", "k1")
+	assert.NoError(t, err, "the record of 23 h ago")
+
+	// A day, and then 22 h, by the clock 2 h behind: the records of 23 h
+	// ago are younger than the one, older than the other.
+	behind := e.openWith(t, dsn, postgres.Options{Now: clockAt(-2 * time.Hour)})
+	assert.Equal(t, map[string]int{"idempotency": 0, "commands": 0, "events": 0, "blobs": 0},
+		purge(behind, time.Now().Add(-2*time.Hour-24*time.Hour)), "purged a day ago by a replica 2 h behind")
+	got := purge(behind, time.Now().Add(-2*time.Hour-22*time.Hour))
+	assert.Equal(t, 1, got["idempotency"], "idempotency records purged 22 h ago by a replica 2 h behind")
+	assert.Equal(t, 1, got["commands"], "commands purged 22 h ago by a replica 2 h behind")
+	assert.Positive(t, got["events"], "events purged 22 h ago by a replica 2 h behind")
+	assert.Equal(t, 1, got["blobs"], "blobs purged 22 h ago by a replica 2 h behind")
 }
