@@ -361,3 +361,70 @@ func TestRegisterRepeatIsNoAttempt(t *testing.T) {
 	require.Equal(t, 201, r.status, "a repeat, with the attempts spent: %s", r.body)
 	assert.Equal(t, first.body, r.body)
 }
+
+// stallUsers holds the CreateUser calls of a test: the first waits for
+// failFirst and fails, the second waits for releaseSecond, the others go
+// through. Each says it entered on entered.
+type stallUsers struct {
+	Store
+	calls                    atomic.Int32
+	entered                  chan int32
+	failFirst, releaseSecond chan struct{}
+}
+
+func (s *stallUsers) CreateUser(ctx context.Context, u companion.User) error {
+	n := s.calls.Add(1)
+	s.entered <- n
+	switch n {
+	case 1:
+		<-s.failFirst
+		return errors.New("disk on fire")
+	case 2:
+		<-s.releaseSecond
+	}
+	return s.Store.CreateUser(ctx, u)
+}
+
+// A request that stalled past its claim's minute, while a repeat claimed
+// the key anew, and then failed gives up its own claim only: it gave up
+// the repeat's, and a third repeat did the work while the second was at
+// it (docs/reliability.md, bug 311).
+func TestAStalledRequestGivesUpItsOwnClaimOnly(t *testing.T) {
+	shortWait(t, 200*time.Millisecond)
+	start := time.Now().UTC().Truncate(time.Second)
+	clk := &clock{now: start}
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler), Now: clk.Now})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	st := &stallUsers{Store: db, entered: make(chan int32, 8), failFirst: make(chan struct{}), releaseSecond: make(chan struct{})}
+	e := newEnvWith(t, db, st, func(o *Options) { o.Now = clk.Now })
+	send := func() resp {
+		return e.send(req{method: "POST", path: "/api/v1/admin/users", token: testAdminToken,
+			body: map[string]any{"name": "gina"}, header: map[string]string{"Idempotency-Key": "u-1"}})
+	}
+	entered := func(want int32) {
+		t.Helper()
+		select {
+		case n := <-st.entered:
+			require.Equal(t, want, n)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("CreateUser %d not entered", want)
+		}
+	}
+	first, second := make(chan resp, 1), make(chan resp, 1)
+	go func() { first <- send() }()
+	entered(1)
+	clk.Set(start.Add(2 * time.Minute)) // the first request's claim runs out
+	go func() { second <- send() }()
+	entered(2)
+	close(st.failFirst)
+	r := <-first
+	require.Equal(t, 500, r.status, "the stalled request fails: %s", r.body)
+
+	r = send()
+	assert.Equal(t, 409, r.status, "a third repeat while the second is at work: %s", r.body)
+	close(st.releaseSecond)
+	r = <-second
+	assert.Equal(t, 201, r.status, "the second: %s", r.body)
+	assert.Equal(t, int32(2), st.calls.Load(), "CreateUser calls: the stalled request's and the second's")
+}

@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
@@ -753,7 +754,10 @@ func (s *Server) beginIdempotent(c *gin.Context, userID string, body []byte) (re
 	if err != nil || key == "" {
 		return nil, false, err
 	}
-	claim := &companion.Idempotency{UserID: userID, Key: key, RequestHash: requestHash(c, body)}
+	// The claim's Body is its token: giving it up frees the key only
+	// while it is this claim that holds it, not a repeat's claim made
+	// after this one ran out (docs/reliability.md, bug 311).
+	claim := &companion.Idempotency{UserID: userID, Key: key, RequestHash: requestHash(c, body), Body: []byte(rand.Text())}
 	ctx := c.Request.Context()
 	deadline := time.NewTimer(idempotencyWait)
 	defer deadline.Stop()
@@ -839,7 +843,7 @@ func withAnswer(ctx context.Context, rec *companion.Idempotency, status int, sto
 		return ctx, nil
 	}
 	r := *rec
-	r.Status, r.Location = status, location
+	r.Status, r.Body, r.Location = status, nil, location // nil: not the claim's token
 	if stored != nil {
 		b, err := fastjson.Marshal(stored)
 		if err != nil {
@@ -890,7 +894,11 @@ func (s *Server) releaseIdempotent(c *gin.Context) {
 	defer cancel()
 	gone := *claim
 	gone.CreatedAt = longAgo
-	if err := s.store.PutIdempotency(ctx, gone); err != nil {
+	err := s.store.PutIdempotency(ctx, gone)
+	switch {
+	case errors.Is(err, companion.ErrExists):
+		// The claim ran out, and another request holds the key now.
+	case err != nil:
 		// The claim then frees the key when it runs out, a minute on.
 		s.log.ErrorContext(ctx, "giving up an idempotency claim", "err", err)
 	}

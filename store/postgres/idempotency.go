@@ -98,9 +98,15 @@ func holds(rec companion.Idempotency, now time.Time) bool {
 }
 
 // settles reports whether r is what the claimant of old puts over it: the
-// answer of the same request, or the claim given up.
+// answer of the same request, or the claim given up, with old's Body (a
+// claim's token). A request that gave its claim up after it ran out gave
+// up a repeat's claim of the key instead, and a third repeat did the work
+// alongside the second (docs/reliability.md, bug 311).
 func settles(old, r companion.Idempotency, now time.Time) bool {
-	return old.Status == 0 && bytes.Equal(old.RequestHash, r.RequestHash) && (r.Status != 0 || !holds(r, now))
+	if old.Status != 0 || !bytes.Equal(old.RequestHash, r.RequestHash) {
+		return false
+	}
+	return r.Status != 0 || (!holds(r, now) && bytes.Equal(old.Body, r.Body))
 }
 
 // Idempotency returns the record of the user's key, or ErrNotFound when
@@ -127,8 +133,8 @@ func (s *Store) Idempotency(ctx context.Context, userID, key string) (companion.
 // record of the same user and key holds the key (see Idempotency), with
 // one exception, which lets the claimant finish: a claim is replaced by a
 // record of the same request (the same RequestHash) that is its answer
-// (Status not 0), or that no longer holds the key itself (the claimant gave
-// up, and the key is free). A record that no longer holds its key is
+// (Status not 0), or that no longer holds the key itself and has the
+// claim's Body, its token (the claimant gave up, and the key is free). A record that no longer holds its key is
 // replaced. The key's advisory lock orders it with every other write of
 // the key, across replicas.
 func (s *Store) PutIdempotency(ctx context.Context, rec companion.Idempotency) error {

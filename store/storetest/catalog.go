@@ -17,6 +17,7 @@ func testIdempotency(t *testing.T, open Opener) {
 		{"Purge", testPurgeIdempotency},
 		{"Claims", testIdempotencyClaims},
 		{"ClaimRace", testIdempotencyClaimRace},
+		{"GiveUpOwnClaim", testIdempotencyGiveUpOwnClaim},
 		{"AnswerWithWork", testAnswerWithWork},
 	})
 }

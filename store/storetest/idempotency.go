@@ -192,3 +192,33 @@ func testAnswerWithWork(t *testing.T, s companion.Store) {
 	assert.ErrorIs(t, err, companion.ErrNotFound, "the bridge of a refused answer")
 	assert.Equal(t, 0, status("k5"), "the other request's claim stays")
 }
+
+// A claimant gives up its own claim only: a claim's Body is its token,
+// which giving it up carries. A request that stalled past its claim's
+// minute, while a repeat of it claimed the key anew, and then failed gave
+// up the repeat's claim, and a third repeat did the work alongside the
+// second (docs/reliability.md, bug 311).
+func testIdempotencyGiveUpOwnClaim(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	stalled := companion.Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("req"), Body: []byte("first"),
+		CreatedAt: now().Add(-idempotencyClaimTTL - maxClockSkew - time.Minute)}
+	require.NoError(t, s.PutIdempotency(ctx, stalled), "PutIdempotency(a claim run out)")
+	repeat := companion.Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("req"), Body: []byte("second")}
+	require.NoError(t, s.PutIdempotency(ctx, repeat), "PutIdempotency(a repeat's claim over it)")
+
+	gaveUp := stalled
+	gaveUp.CreatedAt = time.Unix(0, 0).UTC()
+	assert.ErrorIs(t, s.PutIdempotency(ctx, gaveUp), companion.ErrExists, "PutIdempotency(the stalled request giving up)")
+	got, err := s.Idempotency(ctx, "u1", "k1")
+	require.NoError(t, err, "Idempotency: the repeat's claim, after the stalled request gave up")
+	assert.Equal(t, []byte("second"), got.Body, "the claim holding the key")
+	third := companion.Idempotency{UserID: "u1", Key: "k1", RequestHash: hashOf("req"), Body: []byte("third")}
+	assert.ErrorIs(t, s.PutIdempotency(ctx, third), companion.ErrExists, "PutIdempotency(a third repeat's claim)")
+
+	// The repeat gives up its own.
+	gaveUp = repeat
+	gaveUp.CreatedAt = time.Unix(0, 0).UTC()
+	require.NoError(t, s.PutIdempotency(ctx, gaveUp), "PutIdempotency(the repeat giving up)")
+	_, err = s.Idempotency(ctx, "u1", "k1")
+	assert.ErrorIs(t, err, companion.ErrNotFound, "Idempotency(given up)")
+}
