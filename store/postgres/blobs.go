@@ -28,11 +28,12 @@ const chunkSize = 256 << 10
 // behind. Storing content that is already stored is fine, concurrently
 // too: the row keeps its content and first CreatedAt, the chunks just
 // written are deleted in the same transaction, and the row's stored_at
-// becomes now, so that PurgeBlobs spares content stored again for a
-// command about to reference it, however old the blob. The row is
-// written with one INSERT … ON CONFLICT DO UPDATE, which either adds it
-// or updates the one in place, also when PurgeBlobs deletes that one at
-// the same moment (the insert then goes ahead once the delete committed).
+// becomes now (by the database's clock, as created_at), so that
+// PurgeBlobs spares content stored again for a command about to reference
+// it, however old the blob. The row is written with one INSERT … ON
+// CONFLICT DO UPDATE, which either adds it or updates the one in place,
+// also when PurgeBlobs deletes that one at the same moment (the insert
+// then goes ahead once the delete committed).
 func (s *Store) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Blob, error) {
 	var out companion.Blob
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
@@ -44,11 +45,16 @@ func (s *Store) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.
 			return fmt.Errorf("postgres: write blob: %w", err)
 		}
 		sha := hex.EncodeToString(src.h.Sum(nil))
-		now := s.clock()
 		var content string
-		err := tx.QueryRow(ctx, `INSERT INTO blobs (sha256, content_id, size, chunk_size, created_at, stored_at) VALUES ($1, $2, $3, $4, $5, $5)
+		// Stamped by the database's clock, which PurgeBlobs judges an age
+		// by (purgeCut): stamped by a replica 2 h behind, a blob was 2 h
+		// old as it was stored, and a purge in the moment before the
+		// command it was uploaded for referenced it deleted it
+		// (docs/reliability.md, bug 312).
+		err := tx.QueryRow(ctx, `INSERT INTO blobs (sha256, content_id, size, chunk_size, created_at, stored_at)
+			VALUES ($1, $2, $3, $4, statement_timestamp(), statement_timestamp())
 			ON CONFLICT (sha256) DO UPDATE SET stored_at = greatest(blobs.stored_at, excluded.stored_at)
-			RETURNING content_id::text, size, created_at`, sha, src.content.String(), src.size, chunkSize, now).
+			RETURNING content_id::text, size, created_at`, sha, src.content.String(), src.size, chunkSize).
 			Scan(&content, &out.Size, &out.CreatedAt)
 		if err != nil {
 			return err

@@ -37,6 +37,7 @@ func init() {
 		{"ClaimAcrossStores", testClaimAcrossStores},
 		{"IdempotencyClaimClockSkew", testIdempotencyClaimClockSkew},
 		{"PurgeClockSkew", testPurgeClockSkew},
+		{"BlobStoredBehindKeepsItsGrace", testBlobStoredBehindKeepsItsGrace},
 		{"ListenCommands", testListenCommands},
 		{"ListenHearsOwnChanges", testListenHearsOwnChanges},
 		{"ListenReconnects", testListenReconnects},
@@ -828,7 +829,14 @@ func testPurgeClockSkew(t *testing.T, e *testEnv) {
 	require.NoError(t, err)
 	_, err = writer.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
 	require.NoError(t, err)
+	// A blob is stamped by the database's clock (bug 312): one of 23 h
+	// ago is written to the database directly.
 	_, err = writer.PutBlob(ctx, strings.NewReader("a photo of 23 h ago"), 0)
+	require.NoError(t, err)
+	conn, err := pgx.Connect(ctx, dsn)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(ctx, `UPDATE blobs SET created_at = now() - interval '23 hours', stored_at = now() - interval '23 hours'`)
 	require.NoError(t, err)
 
 	purge := func(s *postgres.Store, olderThan time.Time) map[string]int {
@@ -860,4 +868,24 @@ func testPurgeClockSkew(t *testing.T, e *testEnv) {
 	assert.Equal(t, 1, got["commands"], "commands purged 22 h ago by a replica 2 h behind")
 	assert.Positive(t, got["events"], "events purged 22 h ago by a replica 2 h behind")
 	assert.Equal(t, 1, got["blobs"], "blobs purged 22 h ago by a replica 2 h behind")
+}
+
+// A blob is last stored when the database's clock says, whatever the clock
+// of the replica that took the upload: one 2 h behind stamped it 2 h old,
+// and a purge in the moment before the command or release it was uploaded
+// for referenced it deleted it, the hour's grace (blobGrace) gone
+// (docs/reliability.md, bug 312).
+func testBlobStoredBehindKeepsItsGrace(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	ctx := t.Context()
+	behind := e.openWith(t, dsn, postgres.Options{Now: func() time.Time { return time.Now().Add(-2 * time.Hour) }})
+	dispatcher := e.open(t, dsn)
+	b, err := behind.PutBlob(ctx, strings.NewReader("a photo for a command about to be sent"), 0)
+	require.NoError(t, err)
+	assert.WithinDuration(t, time.Now(), b.CreatedAt, 30*time.Second, "the blob's time, by the database's clock")
+	n, err := dispatcher.PurgeBlobs(ctx, time.Now().Add(-time.Hour))
+	require.NoError(t, err)
+	assert.Equal(t, 0, n, "blobs purged an hour ago, a moment after the upload")
+	_, err = behind.Blob(ctx, b.SHA256)
+	assert.NoError(t, err, "the blob, a moment after its upload")
 }
