@@ -50,6 +50,7 @@ type Store interface {
 	PurgeBlobs(ctx context.Context, olderThan time.Time) (int, error)
 	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
 	Status(ctx context.Context, deviceID string) (companion.Status, error)
+	Settings(ctx context.Context, deviceID string) (companion.Settings, error)
 }
 
 // Options configure a Broker. The zero value of each optional field means

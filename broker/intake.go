@@ -1101,11 +1101,49 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 		// The store takes them only if the bridge read serves the device
 		// still: a move may commit before the write (docs/reliability.md,
 		// bug 272).
-		b.st.PutReportedSettingsAsync(deviceID, bridge, r.Reported, r.Schema, r.At, r.Seq, func(_ bool, err error) {
+		b.st.PutReportedSettingsAsync(deviceID, bridge, r.Reported, r.Schema, r.At, r.Seq, func(applied bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteSettings, time.Since(start))
+			if err == nil && !applied && live {
+				b.goOwned(func() { b.mendRetainedSettings(deviceID, r) })
+			}
 			done(err)
 		})
 	})
+}
+
+// mendRetainedSettings publishes the device's settings as the store has
+// them when the store holds newer ones than taken, settings published and
+// refused as older: the broker retains the last settings published to the
+// topic, whatever their seq, and whoever subscribed later read settings
+// GET …/settings did not, until the bridge's next report (docs/
+// reliability.md, bug 359). As mendRetained for a status: the server's
+// own publish comes back with the store's seq, not older, and nothing
+// more is published; only for live messages.
+func (b *Broker) mendRetainedSettings(deviceID string, taken companion.ReportedSettings) {
+	topic, err := b.tree.Settings(deviceID)
+	if err != nil || !b.client.IsConnectionOpen() {
+		return
+	}
+	s, err := b.st.Settings(context.Background(), deviceID)
+	if err != nil || !companion.Newer(s.Seq, s.At, taken.Seq, taken.At, b.now()) {
+		return
+	}
+	schema := s.Schema
+	if len(schema) == 0 {
+		schema = json.RawMessage("{}")
+	}
+	payload, err := fastjson.Marshal(struct {
+		Reported map[string]json.RawMessage `json:"reported"`
+		Schema   json.RawMessage            `json:"schema"`
+		At       time.Time                  `json:"at"`
+		Seq      uint64                     `json:"seq"`
+	}{s.Reported, schema, s.At, s.Seq})
+	if err != nil {
+		return
+	}
+	if err := b.waitToken(b.client.Publish(topic, 1, true, payload)); err != nil && !errors.Is(err, ErrClosed) {
+		b.log.Warn("publishing a device's settings over older ones", "device_id", deviceID, "err", err)
+	}
 }
 
 // storeStatus is a device's status message as the store keeps it. An app

@@ -542,3 +542,93 @@ func TestDeletedBridgesAreForgotten(t *testing.T) {
 		}
 	}
 }
+
+// Settings older than the stored ones (a late repeat, a bridge whose clock
+// went back), published live, are not stored, and the broker retains them
+// all the same: the intake publishes the store's settings over them, as it
+// does a status (TestAnOlderStatusPublishedIsMendedOnTheBroker), so that
+// whoever subscribes later reads the settings GET …/settings does
+// (docs/reliability.md, bug 359). The store's settings coming back are not
+// older: they are published once.
+func TestOlderSettingsPublishedAreMendedOnTheBroker(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	topic, _ := tree.Settings("dev-1")
+	at := time.Now().UTC().Truncate(time.Millisecond)
+	schema := topics.Schema{"volume": {Type: "int", Default: float64(5)}}
+	newer := topics.Settings{Reported: map[string]any{"volume": float64(7)}, Schema: schema, At: at, Seq: 20}
+	retain := func(s topics.Settings) {
+		t.Helper()
+		b, err := json.Marshal(s)
+		require.NoError(t, err)
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	}
+	retain(newer)
+	testenv.Eventually(t, 10*time.Second, "the newer settings stored", func() bool {
+		s, err := e.db.Settings(context.Background(), "dev-1")
+		return err == nil && s.Seq == 20
+	})
+	heard := make(chan topics.Settings, 100)
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("settings-watcher").
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+	t.Cleanup(func() { c.Disconnect(0) })
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
+		var s topics.Settings
+		if json.Unmarshal(m.Payload(), &s) == nil {
+			heard <- s
+		}
+	}), 5*time.Second))
+	next := func(what string) topics.Settings {
+		t.Helper()
+		select {
+		case s := <-heard:
+			return s
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no settings heard: %s", what)
+			return topics.Settings{}
+		}
+	}
+	require.Equal(t, uint64(20), next("the retained settings").Seq)
+
+	older := newer
+	older.Seq, older.At, older.Reported = 10, at.Add(-time.Minute), map[string]any{"volume": float64(1)}
+	retain(older) // acknowledged: the broker retains it
+	require.Equal(t, uint64(10), next("the older settings, live").Seq)
+	mended := next("the store's settings published over the older ones")
+	assert.Equal(t, uint64(20), mended.Seq)
+	assert.Equal(t, newer.Reported, mended.Reported)
+
+	late := watchSettingsOnce(t, e, topic)
+	assert.Equal(t, uint64(20), late.Seq, "the retained settings a later subscriber reads")
+	assert.Equal(t, newer.Reported, late.Reported, "the retained settings a later subscriber reads")
+	select {
+	case s := <-heard:
+		t.Errorf("settings published again as the store's came back: %+v", s)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
+// watchSettingsOnce reads topic, a device's settings, as a new subscriber
+// does: its retained message.
+func watchSettingsOnce(t *testing.T, e *env, topic string) topics.Settings {
+	t.Helper()
+	ch := make(chan topics.Settings, 10)
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("settings-late").
+		SetUsername("server").SetPassword("pw"))
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
+	t.Cleanup(func() { c.Disconnect(0) })
+	require.NoError(t, mqtt.WaitTokenTimeout(c.Subscribe(topic, 1, func(_ mqtt.Client, m mqtt.Message) {
+		var s topics.Settings
+		if json.Unmarshal(m.Payload(), &s) == nil {
+			ch <- s
+		}
+	}), 5*time.Second))
+	select {
+	case s := <-ch:
+		return s
+	case <-time.After(10 * time.Second):
+		t.Fatal("no retained settings")
+		return topics.Settings{}
+	}
+}
