@@ -60,11 +60,13 @@ func (r *Responder) BridgeSecretChanged(ctx context.Context, bridgeID, _ string)
 	return r.Disconnect(ctx, bridgeID)
 }
 
-// Bound closes the user's connections, so that they log in again with
-// the device's topics.
-func (r *Responder) Bound(ctx context.Context, userID, _ string) error {
-	return r.Disconnect(ctx, userID)
-}
+// Bound does nothing: a device bound adds rights, and the user's
+// connections keep those of their login, the device's coming with the
+// next (the store is asked at each). Closed for it, every watcher of the
+// user's other devices was cut, and lost what came meanwhile, at each
+// register of theirs (docs/reliability.md, bug 360). Unbound closes them:
+// a device unbound must take its topics at once.
+func (r *Responder) Bound(context.Context, string, string) error { return nil }
 
 // Unbound closes the user's connections, so that they log in again
 // without the device's topics.

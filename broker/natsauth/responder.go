@@ -5,9 +5,10 @@
 // broker.Accounts does for the embedded broker and answers a user JWT,
 // signed with the callout's issuer key, whose publish and subscribe allow
 // lists are the NATS subjects of that client's rights. When an assignment
-// or a binding changes, the responder closes the affected clients'
-// connections through the system account so that they log in again and
-// get the new rights (api.BrokerAccounts).
+// changes or a device is unbound, the responder closes the affected
+// clients' connections through the system account so that they log in
+// again and get the new rights (api.BrokerAccounts); a device bound only
+// adds rights, which come with the user's next login (bug 360).
 //
 // It is not a NATS authorization service for anything but the service's
 // MQTT clients (the JWT allows MQTT connections only), and it keeps no

@@ -449,3 +449,38 @@ func TestAReplyABridgeRetainedDoesNotReachTheNextOwner(t *testing.T) {
 		})
 	}
 }
+
+// A developer watching one of their devices who registers another is not
+// cut off for it (docs/reliability.md, bug 360). A register only adds
+// rights: on the embedded broker the store is asked at every subscription,
+// and on NATS the watcher keeps the rights of its login, the new device's
+// coming with its next. Mosquitto's plugin closes the clients of a role
+// whose ACLs change, whatever the change (docs/mosquitto.md): there the
+// watcher is cut, and logs in again with both devices. On each broker, a
+// login made after the register reads the new device.
+func TestAWatcherIsNotCutAsTheUserRegistersAnotherDevice(t *testing.T) {
+	t.Parallel()
+	for _, tb := range withNATS() {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			tree, must := topics.MustNew(topics.DefaultPrefix), topicsOf(t)
+			f := setupFleet(t, m, "dev-1", "dev-2")
+			registerDevices(t, f, "dev-1")
+			w, codes := watchAsUser(t, mqttURL, "alice-watch", f, tree.Prefix()+"/devices/dev-1/#")
+			require.Equal(t, []byte{1}, codes)
+			registerDevices(t, f, "dev-2")
+			// The server publishes a command of dev-1 (no bridge runs):
+			// the watcher reads it if it is still connected.
+			cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "after the register"})
+			topic := must(tree.Command("dev-1", topics.OpPushText))
+			if tb.name == "mosquitto" {
+				testenv.Eventually(t, 20*time.Second, "the watcher cut by Mosquitto's plugin", func() bool { return !w.c.IsConnectionOpen() })
+			} else {
+				testenv.Eventually(t, 20*time.Second, "the command, read by the watcher", func() bool { return w.seen(topic, cmd["id"].(string)) })
+				assert.True(t, w.c.IsConnectionOpen(), "the watcher of dev-1 is connected still")
+			}
+			_, codes = watchAsUser(t, mqttURL, "alice-later", f, tree.Prefix()+"/devices/dev-2/#")
+			assert.Equal(t, []byte{1}, codes, "a login after the register, on the new device")
+		})
+	}
+}
