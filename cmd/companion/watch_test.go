@@ -484,3 +484,41 @@ func TestAWatcherIsNotCutAsTheUserRegistersAnotherDevice(t *testing.T) {
 		})
 	}
 }
+
+// Every topic README's "Watching the MQTT traffic" lists in its table is
+// one a user may subscribe to, on each broker: their own device's, and
+// their own bridge's for a topic of bridges. A user reads only the topics
+// of their devices (CONTRACT §3); the table listed the bridges' state
+// topic, which no user may read, not even of their own bridge
+// (docs/reliability.md, bug 361).
+func TestAUserMaySubscribeToEveryTopicTheWatchingTableLists(t *testing.T) {
+	t.Parallel()
+	section := readmeParagraph(t, "| topic | from → to | retained |")
+	var filters []string
+	for _, line := range strings.Split(section, "\n")[2:] {
+		cells := strings.Split(line, "|")
+		require.Greater(t, len(cells), 2, "a row of the table: %s", line)
+		topic := strings.Trim(strings.TrimSpace(cells[1]), "`")
+		topic = strings.NewReplacer("{op}", "push.text").Replace(topic)
+		if strings.Contains(topic, "/bridges/") {
+			topic = strings.ReplaceAll(topic, "{id}", "alice-hub")
+		} else {
+			topic = strings.ReplaceAll(topic, "{id}", "dev-1")
+		}
+		filters = append(filters, topic)
+	}
+	require.NotEmpty(t, filters)
+	for _, tb := range withNATS() {
+		t.Run(tb.name, func(t *testing.T) {
+			m, mqttURL := tb.start(t)
+			f := setupFleet(t, m, "dev-1")
+			registerDevices(t, f, "dev-1")
+			r := f.user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": "alice-hub"})
+			require.Equal(t, 201, r.Status, "%s", r.Body)
+			for _, filter := range filters {
+				_, codes := watchAsUser(t, mqttURL, "alice-"+strings.NewReplacer("/", "-", ".", "-").Replace(filter), f, filter)
+				assert.Equal(t, []byte{1}, codes, "the user's SUBACK for %s, which README's watching table lists", filter)
+			}
+		})
+	}
+}
