@@ -804,12 +804,17 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 	}
 	st := b.storeStatus(deviceID, s)
 	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
+		if live {
+			// Retained by the broker all the same: the store's goes over
+			// it (bug 363).
+			b.goOwned(func() { b.overwriteRefusedStatus(deviceID, "over one whose seq is far past the server's clock") })
+		}
 		ack()
 		return
 	}
 	dropped := func() {
 		if live {
-			b.goOwned(func() { b.overwriteDroppedStatus(deviceID) })
+			b.goOwned(func() { b.overwriteRefusedStatus(deviceID, "over one from a bridge that does not serve the device") })
 		}
 	}
 	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, dropped, func(_ string, done func(error)) {
@@ -890,16 +895,18 @@ func (b *Broker) publishUnserved(deviceID string) {
 	})
 }
 
-// overwriteDroppedStatus publishes the device's status as the store has it
-// over one the server dropped (served): a bridge that does not serve the
-// device published it, and the broker let it through and retains it. NATS
+// overwriteRefusedStatus publishes the device's status as the store has it
+// over one the server refused, what says why, which the broker retains: a
+// status whose seq is far past the server's clock (admit; bug 363), or
+// one the server dropped (served): a bridge that does not serve the
+// device published it, and the broker let it through. NATS
 // does so with the Will of a bridge it disconnects for a move (with the
 // rights of its login, the device's still), and a bridge may leave its
 // Will on its device's status topic: the device's next owner, or anyone
 // watching it, read that bridge's word over the server's, online with the
 // firmware it made up (docs/reliability.md, bug 242). A device never
 // reported has its retained status cleared.
-func (b *Broker) overwriteDroppedStatus(deviceID string) {
+func (b *Broker) overwriteRefusedStatus(deviceID, what string) {
 	s, err := b.st.Status(context.Background(), deviceID)
 	if err != nil {
 		return
@@ -908,7 +915,7 @@ func (b *Broker) overwriteDroppedStatus(deviceID string) {
 		b.clearDropped(deviceID, "status", b.tree.Status)
 		return
 	}
-	b.republishStatus(deviceID, "over one from a bridge that does not serve the device", func(companion.Status) bool { return true })
+	b.republishStatus(deviceID, what, func(companion.Status) bool { return true })
 }
 
 // clearDropped clears the retained message on the device's topic of what
@@ -1088,6 +1095,11 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 		return
 	}
 	if b.admit(deviceID, companion.DeviceReport{Settings: &r}).Settings == nil {
+		if live {
+			// Retained by the broker all the same: the store's go over
+			// them (bug 363).
+			b.goOwned(func() { b.mendRetainedSettings(deviceID, r) })
+		}
 		ack()
 		return
 	}
@@ -1113,12 +1125,15 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 
 // mendRetainedSettings publishes the device's settings as the store has
 // them when the store holds newer ones than taken, settings published and
-// refused as older: the broker retains the last settings published to the
-// topic, whatever their seq, and whoever subscribed later read settings
-// GET …/settings did not, until the bridge's next report (docs/
-// reliability.md, bug 359). As mendRetained for a status: the server's
-// own publish comes back with the store's seq, not older, and nothing
-// more is published; only for live messages.
+// refused as older, or as from far past the server's clock (bug 363): the
+// broker retains the last settings published to the topic, whatever their
+// seq, and whoever subscribed later read settings GET …/settings did not,
+// until the bridge's next report (docs/reliability.md, bug 359). As
+// mendRetained for a status: the server's own publish comes back with the
+// store's seq, not older, and nothing more is published; only for live
+// messages. Settings of seq 0 (none reported, or none since the device
+// moved) are cleared instead, as a move clears them (bug 244): published,
+// they would read as the device's once taken in again.
 func (b *Broker) mendRetainedSettings(deviceID string, taken companion.ReportedSettings) {
 	topic, err := b.tree.Settings(deviceID)
 	if err != nil || !b.client.IsConnectionOpen() {
@@ -1126,6 +1141,10 @@ func (b *Broker) mendRetainedSettings(deviceID string, taken companion.ReportedS
 	}
 	s, err := b.st.Settings(context.Background(), deviceID)
 	if err != nil || !companion.Newer(s.Seq, s.At, taken.Seq, taken.At, b.now()) {
+		return
+	}
+	if s.Seq == 0 {
+		b.clearDropped(deviceID, "settings", b.tree.Settings)
 		return
 	}
 	schema := s.Schema

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
@@ -614,7 +616,7 @@ func TestOlderSettingsPublishedAreMendedOnTheBroker(t *testing.T) {
 func watchSettingsOnce(t *testing.T, e *env, topic string) topics.Settings {
 	t.Helper()
 	ch := make(chan topics.Settings, 10)
-	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("settings-late").
+	c := mqtt.NewClient(mqtt.NewClientOptions().AddBroker("tcp://" + e.mqtt.Addr()).SetClientID("settings-late-" + uuid.NewString()).
 		SetUsername("server").SetPassword("pw"))
 	require.NoError(t, mqtt.WaitTokenTimeout(c.Connect(), 5*time.Second))
 	t.Cleanup(func() { c.Disconnect(0) })
@@ -631,4 +633,43 @@ func watchSettingsOnce(t *testing.T, e *env, topic string) topics.Settings {
 		t.Fatal("no retained settings")
 		return topics.Settings{}
 	}
+}
+
+// A status or settings whose seq is far past the server's clock (a bridge's
+// clock set days ahead) is not stored (TestReportWithASeqFarAheadIsRefused),
+// and the broker retains it all the same: the intake publishes the store's
+// over it, as over an older one, so that whoever subscribes later reads
+// what GET …/status and GET …/settings do, not the firmware or values the
+// server refused (docs/reliability.md, bug 363).
+func TestAReportFromFarAheadIsMendedOnTheBroker(t *testing.T) {
+	e := newEnv(t, true)
+	fb := connectBridge(t, e)
+	status, _ := tree.Status("dev-1")
+	settings, _ := tree.Settings("dev-1")
+	at := time.Now().UTC().Truncate(time.Millisecond)
+	retain := func(topic string, v any) {
+		t.Helper()
+		b, err := json.Marshal(v)
+		require.NoError(t, err)
+		require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true, b), 5*time.Second))
+	}
+	retain(status, topics.Status{Online: true, BridgeID: "b1", FirmwareVersion: "1.0.0", Apps: []companion.App{}, Seq: 20, At: at})
+	retain(settings, topics.Settings{Reported: map[string]any{"volume": float64(7)}, Seq: 20, At: at})
+	testenv.Eventually(t, 10*time.Second, "the status and settings stored", func() bool {
+		s, err1 := e.db.Status(context.Background(), "dev-1")
+		set, err2 := e.db.Settings(context.Background(), "dev-1")
+		return err1 == nil && err2 == nil && s.Seq == 20 && set.Seq == 20
+	})
+	w := watchStatuses(t, e, "dev-1")
+	testenv.Eventually(t, 10*time.Second, "the retained status heard", func() bool { return w.count("dev-1", true, 20) == 1 })
+	far := uint64(time.Now().Add(72 * time.Hour).UnixNano())
+	retain(status, topics.Status{Online: true, BridgeID: "b1", FirmwareVersion: "6.6.6", Apps: []companion.App{}, Seq: far, At: at})
+	retain(settings, topics.Settings{Reported: map[string]any{"volume": float64(1)}, Seq: far, At: at})
+	testenv.Eventually(t, 10*time.Second, "the store's status published over the one from far ahead", func() bool {
+		return w.count("dev-1", true, 20) == 2
+	})
+	assert.Equal(t, "1.0.0", retainedStatus(t, e, "dev-1").FirmwareVersion, "the retained status's firmware")
+	testenv.Eventually(t, 10*time.Second, "the store's settings retained", func() bool {
+		return watchSettingsOnce(t, e, settings).Seq == 20
+	})
 }
