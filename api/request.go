@@ -36,11 +36,23 @@ func checkJSONType(r *http.Request) error {
 		return &Error{Code: CodeUnsupportedMedia}
 	}
 	for k, v := range params {
-		if k != "charset" || !strings.EqualFold(v, "utf-8") {
+		if k != "charset" || !isUTF8Label(v) {
 			return &Error{Code: CodeUnsupportedMedia, Detail: "this operation takes application/json in UTF-8"}
 		}
 	}
 	return nil
+}
+
+// isUTF8Label reports whether a charset names UTF-8: "utf-8" or one of
+// the other labels the WHATWG Encoding Standard gives it (browsers and
+// HTTP clients send "utf8"), in any case. JSON is UTF-8 (RFC 8259 §8.1)
+// whatever the label; a charset that is not UTF-8 is refused. bug 328.
+func isUTF8Label(v string) bool {
+	switch strings.ToLower(v) {
+	case "utf-8", "utf8", "unicode-1-1-utf-8", "unicode11utf8", "unicode20utf8", "x-unicode20utf8":
+		return true
+	}
+	return false
 }
 
 // readBody reads the whole body, refusing one over limit bytes (see

@@ -202,9 +202,16 @@ func TestContentTypeAndSize(t *testing.T) {
 		{"application/json", 202},
 		{"application/json; charset=utf-8", 202},
 		{"application/json;charset=UTF-8", 202},
+		{`application/json; charset="utf-8"`, 202},
+		{"application/json; charset=utf8", 202}, // bug 328: UTF-8's other names
+		{"application/json; charset=UTF8", 202},
+		{"application/json; charset=unicode-1-1-utf-8", 202},
 		{"text/plain", 415},
 		{"", 415},
 		{"application/json; charset=latin1", 415},
+		{"application/json; charset=iso-8859-1", 415},
+		{"application/json; charset=utf-16", 415},
+		{"application/json; charset=utf-8; q=1", 415},
 		{"application/x-www-form-urlencoded", 415},
 		{"application/jsonx", 415},
 		{"garbage;;;", 415},
@@ -212,7 +219,11 @@ func TestContentTypeAndSize(t *testing.T) {
 		r := e.send(req{method: "POST", path: path, token: tok, body: body, header: map[string]string{"Content-Type": tc.ctype}})
 		require.Equal(t, tc.status, r.status, "Content-Type %q = %d %s; want %d", tc.ctype, r.status, r.body, tc.status)
 		if tc.status == 415 {
-			assert.Equal(t, CodeUnsupportedMedia, r.problem(t).Code)
+			p := r.problem(t)
+			assert.Equal(t, CodeUnsupportedMedia, p.Code)
+			if strings.Contains(tc.ctype, "charset") {
+				assert.Contains(t, p.Detail, "UTF-8", "Content-Type %q", tc.ctype)
+			}
 		}
 	}
 
