@@ -10,6 +10,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log"
 	"log/slog"
 	"net"
 	"net/http"
@@ -743,7 +744,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		// (api.Limits.BodyIdle).
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(m.Logger.Handler(), slog.LevelWarn),
+		ErrorLog:          serverErrorLog(m.Logger),
 	}
 	serve := m.srv.Serve
 	if cert != nil {
@@ -758,6 +759,28 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		}
 	}()
 	return nil
+}
+
+// serverErrorLog is the HTTP server's ErrorLog: net/http's errors are
+// warnings, but for a TLS handshake that failed, which is debug. Most are
+// a client that went away during it (a phone whose link dropped, a load
+// balancer's TCP health check that connects and closes: "EOF"), or a
+// scanner; none is the server's to fix, and as warnings they filled an
+// operator's log (bug 329).
+func serverErrorLog(logger *slog.Logger) *log.Logger {
+	return log.New(errorLogWriter{logger}, "", 0)
+}
+
+type errorLogWriter struct{ log *slog.Logger }
+
+func (w errorLogWriter) Write(p []byte) (int, error) {
+	msg := strings.TrimSuffix(string(p), "\n")
+	level := slog.LevelWarn
+	if strings.HasPrefix(msg, "http: TLS handshake error from ") {
+		level = slog.LevelDebug
+	}
+	w.log.Log(context.Background(), level, msg)
+	return len(p), nil
 }
 
 // Close shuts down in reverse order: HTTP (letting requests in flight

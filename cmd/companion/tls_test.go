@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"io"
+	"log/slog"
 	"math/big"
 	"net"
 	"net/http"
@@ -235,4 +236,44 @@ func TestCLIVerifiesTheServerWithCA(t *testing.T) {
 	_, err = cli("command", "wait", "dev-1", uuid.NewString(), "--api-url", api, "--token", "x", "--ca", keyFile)
 	require.ErrorAs(t, err, &ue, "--ca of no certificate")
 	assert.ErrorContains(t, err, "no PEM certificates")
+}
+
+// A TLS handshake that a client gives up (a phone whose link dropped, a
+// load balancer's TCP health check: connect and close) is logged at
+// debug, not as a warning: each was a WARN "http: TLS handshake error
+// from …: EOF", and an operator's log filled with them. The server's
+// other errors are still warnings. docs/reliability.md, bug 329.
+func TestTLSHandshakeDroppedIsNotAWarning(t *testing.T) {
+	ca := newTestCA(t)
+	certFile, keyFile := ca.issue(t, t.TempDir())
+	logs := &logCapture{}
+	m := startServerWithLog(t, Config{TLSCert: certFile, TLSKey: keyFile}, logs)
+
+	conn, err := net.Dial("tcp", m.HTTPAddr())
+	require.NoError(t, err)
+	require.NoError(t, conn.Close())
+	handshake := func() (capturedRecord, bool) {
+		l := logs.logs()
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for _, r := range l.records {
+			if strings.Contains(r.msg, "TLS handshake error") {
+				return r, true
+			}
+		}
+		return capturedRecord{}, false
+	}
+	require.Eventually(t, func() bool { _, ok := handshake(); return ok }, 10*time.Second, 10*time.Millisecond, "no log of the handshake")
+	r, _ := handshake()
+	assert.Equal(t, slog.LevelDebug, r.level, "%q", r.msg)
+
+	// The server still answers over TLS.
+	resp, err := ca.client().Get(m.APIURL() + "/healthz")
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+
+	// Its other errors are warnings.
+	m.srv.ErrorLog.Printf("http: Accept error: %v; retrying in %v", "too many open files", time.Second)
+	assert.True(t, logs.has(slog.LevelWarn, "http: Accept error: too many open files; retrying in 1s", "", ""))
 }
