@@ -151,6 +151,10 @@ func NewEvents(opts EventsOptions) (*Events, error) {
 	return h, nil
 }
 
+// WriteTimeout is the time a stream's client has to take one write
+// (EventsOptions.WriteTimeout, its default filled in).
+func (h *Events) WriteTimeout() time.Duration { return h.opts.WriteTimeout }
+
 // Wake has the hub read the log now. It never blocks.
 func (h *Events) Wake() {
 	select {

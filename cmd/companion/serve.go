@@ -745,6 +745,13 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          serverErrorLog(m.Logger),
+		// Over HTTP/2 an event stream's write timeout resets the stream
+		// with a frame written on the connection: a client that stopped
+		// reading its socket entirely takes no frame, so the stream
+		// stayed, holding its place, until TCP_USER_TIMEOUT or longer.
+		// The connection is closed once it takes nothing for as long
+		// (bug 330).
+		HTTP2: &http.HTTP2Config{WriteByteTimeout: m.Events.WriteTimeout()},
 	}
 	serve := m.srv.Serve
 	if cert != nil {
