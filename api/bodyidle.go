@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gin-gonic/gin"
@@ -48,10 +50,13 @@ func (s *Server) bodyIdle(c *gin.Context) {
 		idle:    s.limits.BodyIdle,
 		minRate: s.limits.BodyMinRate,
 		http1:   r.ProtoMajor == 1,
+		cut:     &s.reads.cut,
 		stalled: &Error{Code: CodeBodyTimeout, Detail: "no byte of the body came for " + seconds(s.limits.BodyIdle)},
 		slow: &Error{Code: CodeBodyTimeout, Detail: fmt.Sprintf("the body came at less than %d bytes a second on average, after %s",
 			s.limits.BodyMinRate, seconds(s.limits.BodyIdle))},
 	}
+	s.reads.add(b)
+	defer s.reads.remove(b)
 	if b.http1 {
 		// net/http reads a body the handler has not read (up to 256 KiB
 		// of it, to keep the connection) when the answer is first
@@ -99,6 +104,7 @@ type idleBody struct {
 	idle    time.Duration
 	minRate int64 // bytes a second; <= 0: no minimum
 	http1   bool
+	cut     *atomic.Bool  // set by EndBodyReads: every read fails at once
 	stalled error         // a read's error when nothing came in time
 	slow    error         // a read's error when the body fell below minRate
 	waited  time.Duration // how long the reads have waited for the body
@@ -126,9 +132,13 @@ func (b *idleBody) Read(p []byte) (int, error) {
 		b.set(time.Time{})
 	default:
 		if errors.Is(err, os.ErrDeadlineExceeded) {
-			err = b.stalled
-			if b.byRate {
+			switch {
+			case b.cut.Load():
+				err = errShuttingDown
+			case b.byRate:
 				err = b.slow
+			default:
+				err = b.stalled
 			}
 		}
 		b.err = err
@@ -201,8 +211,62 @@ func (b *idleBody) set(deadline time.Time) {
 	// (the connection is closed) the next read returns anyway.
 	if err := b.rc.SetReadDeadline(deadline); err != nil {
 		b.off = true
+		return
+	}
+	// Set, then looked at: either this sees the cut, or the cut's own
+	// deadline comes after this one (bodyReads.end).
+	if b.cut.Load() {
+		b.rc.SetReadDeadline(time.Now())
 	}
 }
+
+// errShuttingDown is the answer to a request whose body was still being
+// read when the server began to shut down.
+var errShuttingDown = &Error{Code: CodeUnavailable, Detail: "the server is shutting down; send the request again"}
+
+// bodyReads are the request bodies being read, so that a shutdown can
+// end them (EndBodyReads).
+type bodyReads struct {
+	cut   atomic.Bool
+	mu    sync.Mutex
+	reads map[*idleBody]struct{}
+}
+
+func (r *bodyReads) add(b *idleBody) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.reads == nil {
+		r.reads = make(map[*idleBody]struct{})
+	}
+	r.reads[b] = struct{}{}
+}
+
+// remove runs once the handler and net/http's reads of b are done: b's
+// deadline is not to be set after that (over HTTP/2 its stream is gone).
+func (r *bodyReads) remove(b *idleBody) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.reads, b)
+}
+
+// end makes every read of a body, under way or to come, fail at once.
+func (r *bodyReads) end() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.cut.Store(true)
+	for b := range r.reads {
+		b.rc.SetReadDeadline(time.Now())
+	}
+}
+
+// EndBodyReads is for a shutdown: the reads of request bodies, those
+// under way and those to come, fail at once, and their requests are
+// answered 503 unavailable. A body the client sends slowly or not at all
+// holds nothing durable, and http.Server.Shutdown waited for it: a
+// stalled upload kept a SIGTERM waiting out its limit, and the shutdown
+// then failed (docs/reliability.md, bug 331). A request whose body has
+// been read, a command being stored or sent, goes on to its answer.
+func (s *Server) EndBodyReads() { s.reads.end() }
 
 // seconds is d as "60 s", or "0.5 s".
 func seconds(d time.Duration) string {

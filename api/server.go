@@ -393,6 +393,7 @@ type Server struct {
 	requests    RequestObserver // nil: nobody counts requests
 	held        holds           // event streams and Prefer: wait requests, per user
 	bodies      bodyBudgets     // the bytes of bodies being sent, per user
+	reads       bodyReads       // the bodies being read, for a shutdown to end
 	openapiDoc  []byte          // GET /api/v1/openapi.json: the document with these limits
 
 	limiter  RateLimiter // the buckets of the three limits below

@@ -1,18 +1,22 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/hex"
+	"fmt"
 	"net"
 	"net/http"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
@@ -69,14 +73,26 @@ func dialH2(tb testing.TB, m *Main, ca *testCA) *h2Conn {
 // get sends a GET of path with token on a new stream, and returns its id.
 func (c *h2Conn) get(path, token string, header ...string) uint32 {
 	c.tb.Helper()
+	return c.request("GET", path, token, true, header...)
+}
+
+// put starts a PUT of path with token on a new stream, its body to be
+// sent with c.fr.WriteData, and returns its id.
+func (c *h2Conn) put(path, token string, header ...string) uint32 {
+	c.tb.Helper()
+	return c.request("PUT", path, token, false, header...)
+}
+
+func (c *h2Conn) request(method, path, token string, end bool, header ...string) uint32 {
+	c.tb.Helper()
 	c.hbuf.Reset()
-	h := append([]string{":method", "GET", ":scheme", "https", ":authority", "127.0.0.1", ":path", path, "authorization", "Bearer " + token}, header...)
+	h := append([]string{":method", method, ":scheme", "https", ":authority", "127.0.0.1", ":path", path, "authorization", "Bearer " + token}, header...)
 	for i := 0; i+1 < len(h); i += 2 {
 		require.NoError(c.tb, c.enc.WriteField(hpack.HeaderField{Name: h[i], Value: h[i+1]}))
 	}
 	id := c.nextID
 	c.nextID += 2
-	require.NoError(c.tb, c.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: c.hbuf.Bytes(), EndStream: true, EndHeaders: true}))
+	require.NoError(c.tb, c.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: c.hbuf.Bytes(), EndStream: end, EndHeaders: true}))
 	return id
 }
 
@@ -101,7 +117,10 @@ func (c *h2Conn) status(id uint32) string {
 		case *http2.RSTStreamFrame:
 			require.NotEqual(c.tb, id, f.StreamID, "stream reset: %v", f.ErrCode)
 		case *http2.GoAwayFrame:
-			c.tb.Fatalf("GOAWAY: %v", f.ErrCode)
+			// A shutdown's GOAWAY: the streams up to its last go on.
+			if f.ErrCode != http2.ErrCodeNo || f.LastStreamID < id {
+				c.tb.Fatalf("GOAWAY: %v, last stream %d", f.ErrCode, f.LastStreamID)
+			}
 		}
 	}
 }
@@ -148,4 +167,52 @@ func TestEventsStreamOfAClientThatStoppedReadingEndsOverHTTP2(t *testing.T) {
 		res.Body.Close()
 		return res.StatusCode == http.StatusOK
 	})
+}
+
+// A shutdown does not wait for an upload whose body stalls, over HTTP/1
+// or HTTP/2: its request is answered 503 at once (nothing of it was kept),
+// and Close ends cleanly. It waited out the HTTP server's shutdown limit
+// (15 s) for the body and failed with its deadline, and `companion serve`
+// exited with status 1. docs/reliability.md, bug 331.
+func TestShutdownEndsAStalledUpload(t *testing.T) {
+	ca := newTestCA(t)
+	certFile, keyFile := ca.issue(t, t.TempDir())
+	const head = "PUT /api/v1/admin/apps/stalled/1.0.0 HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n" +
+		"Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\nExpect: 100-continue\r\n\r\n"
+	for _, proto := range []string{"HTTP/1", "HTTP/2"} {
+		t.Run(proto, func(t *testing.T) {
+			m := startServer(t, Config{TLSCert: certFile, TLSKey: keyFile})
+			var answer func() string
+			if proto == "HTTP/1" {
+				pool := ca.client().Transport.(*http.Transport).TLSClientConfig.RootCAs
+				conn, err := tls.Dial("tcp", m.HTTPAddr(), &tls.Config{RootCAs: pool, ServerName: "127.0.0.1"})
+				require.NoError(t, err)
+				defer conn.Close()
+				_, err = fmt.Fprintf(conn, head, m.AdminToken())
+				require.NoError(t, err)
+				require.NoError(t, conn.SetReadDeadline(time.Now().Add(20*time.Second)))
+				rd := bufio.NewReader(conn)
+				line, err := rd.ReadString('\n')
+				require.NoError(t, err)
+				require.True(t, strings.HasPrefix(line, "HTTP/1.1 100"), "answer %q", line) // the handler reads the body
+				_, err = conn.Write(make([]byte, 1000))
+				require.NoError(t, err)
+				answer = func() string {
+					for line, err = rd.ReadString('\n'); err == nil && (strings.HasPrefix(line, "HTTP/1.1 100") || line == "\r\n"); line, err = rd.ReadString('\n') {
+					}
+					require.NoError(t, err)
+					return strings.Fields(line)[1]
+				}
+			} else {
+				h2 := dialH2(t, m, ca)
+				id := h2.put("/api/v1/admin/apps/stalled/1.0.0", m.AdminToken(), "content-type", "application/octet-stream",
+					"content-length", "1000000", "expect", "100-continue")
+				require.Equal(t, "100", h2.status(id)) // the handler reads the body
+				require.NoError(t, h2.fr.WriteData(id, false, make([]byte, 1000)))
+				answer = func() string { return h2.status(id) }
+			}
+			require.NoError(t, m.Close(), "Close with an upload stalled")
+			assert.Equal(t, "503", answer())
+		})
+	}
 }

@@ -419,6 +419,7 @@ type Main struct {
 	mqttURL    string
 	mqttTLS    *tls.Config // how this server's clients verify an mqtts:// broker
 	ln         net.Listener
+	api        *api.Server
 	srv        *http.Server
 	serveDone  chan struct{}
 	closeOnce  sync.Once
@@ -733,6 +734,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	if err != nil {
 		return err
 	}
+	m.api = handler
 	m.ln, err = listenHTTP(cfg.HTTP)
 	if err != nil {
 		return fmt.Errorf("HTTP listen: %w", err)
@@ -791,7 +793,8 @@ func (w errorLogWriter) Write(p []byte) (int, error) {
 }
 
 // Close shuts down in reverse order: HTTP (letting requests in flight
-// finish, those held by Prefer: wait answered at once), the demo bridge,
+// finish, those held by Prefer: wait answered at once, those whose body
+// is still coming answered 503), the demo bridge,
 // the dynamic-security driver, the command broker, the MQTT broker, the
 // store, the pprof listener.
 func (m *Main) Close() error {
@@ -807,6 +810,10 @@ func (m *Main) Close() error {
 			if m.Broker != nil {
 				m.Broker.Release()
 			}
+			// A body still coming holds nothing durable: its request is
+			// answered 503 now, or Shutdown waits for a stalled upload
+			// (bug 331).
+			m.api.EndBodyReads()
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 			errs = append(errs, m.srv.Shutdown(ctx))
 			cancel()

@@ -3,6 +3,8 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"crypto/rand"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -20,6 +22,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/devicecompanion/companion/internal/testenv"
 )
@@ -107,24 +110,40 @@ func TestServeStartupLineNamesTheScheme(t *testing.T) {
 
 // A second SIGTERM while `companion serve` shuts down kills it at once,
 // as Go's default does, instead of being swallowed while the shutdown
-// waits for a request that does not end (here an upload whose body
-// stalls).
+// waits for a request that does not end (here the download of a blob
+// whose client reads no more: a stalled upload, which it was, is ended
+// at once since bug 331).
 func TestShutdownSecondSignalKills(t *testing.T) {
 	c := newProcCluster(t, 0)
 	c.serverArgs = []string{"--log-level", "info"} // for "shutting down"
 	c.startServer()
+	app := make([]byte, 12<<20) // more than the socket buffers hold
+	rand.Read(app)
+	admin := &client{tb: t, base: c.base(), token: c.adminToken}
+	r := admin.do("PUT", "/api/v1/admin/apps/big/1.0.0", app)
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	sum := sha256.Sum256(app)
 
-	conn, err := net.Dial("tcp", c.httpAddr)
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		var err error
+		if cerr := rc.Control(func(fd uintptr) {
+			err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096)
+		}); cerr != nil {
+			return cerr
+		}
+		return err
+	}}
+	conn, err := d.Dial("tcp", c.httpAddr)
 	require.NoError(t, err)
 	defer conn.Close()
-	_, err = fmt.Fprintf(conn, "PUT /api/v1/admin/apps/stalled/1.0.0 HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"+
-		"Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\nExpect: 100-continue\r\n\r\n", c.httpAddr, c.adminToken)
+	_, err = fmt.Fprintf(conn, "GET /api/v1/blobs/%x HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n\r\n", sum, c.httpAddr, c.adminToken)
 	require.NoError(t, err)
-	// 100 Continue: the handler reads the body, which never comes.
+	// The answer begins: the handler writes the blob, which the client
+	// does not read.
 	require.NoError(t, conn.SetReadDeadline(time.Now().Add(20*time.Second)))
 	line, err := bufio.NewReader(conn).ReadString('\n')
 	require.NoError(t, err)
-	require.True(t, strings.HasPrefix(line, "HTTP/1.1 100"), "answer %q", line)
+	require.True(t, strings.HasPrefix(line, "HTTP/1.1 200"), "answer %q", line)
 
 	require.NoError(t, c.server.cmd.Process.Signal(syscall.SIGTERM))
 	testenv.Eventually(t, 20*time.Second, "shutting down", func() bool {
