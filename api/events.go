@@ -111,6 +111,9 @@ type eventSub struct {
 	// gone is closed when the hub drops the stream (its buffer was full)
 	// or closes.
 	gone chan struct{}
+	// rc is the stream's response, once it is written (attach): Close
+	// ends a write under way through it. Under the hub's mu.
+	rc *http.ResponseController
 	// from is the hub's cursor when the stream registered: the stream gets
 	// every event after it.
 	from string
@@ -173,6 +176,12 @@ func (h *Events) Close() {
 		for _, subs := range h.users {
 			for sub := range subs {
 				close(sub.gone)
+				// A write under way ends now, not at its timeout: the
+				// shutdown waited for it (bug 332). The stream's handler
+				// takes it off the hub, under mu, before it returns.
+				if sub.rc != nil {
+					_ = sub.rc.SetWriteDeadline(time.Now())
+				}
 			}
 		}
 		h.users = map[string]map[*eventSub]struct{}{}
@@ -218,6 +227,13 @@ func (h *Events) subscribe(ctx context.Context, userID, deviceID string) (*event
 	subs[sub] = struct{}{}
 	sub.from = h.cursor
 	return sub, nil
+}
+
+// attach gives the hub the stream's response, for Close.
+func (sub *eventSub) attach(rc *http.ResponseController) {
+	sub.hub.mu.Lock()
+	defer sub.hub.mu.Unlock()
+	sub.rc = rc
 }
 
 // close takes the stream off the hub.
@@ -535,7 +551,8 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	}
 
 	w := &sseWriter{c: c, rc: http.NewResponseController(c.Writer), timeout: hub.opts.WriteTimeout, last: last,
-		http2: c.Request.ProtoMajor >= 2}
+		http2: c.Request.ProtoMajor >= 2, gone: sub.gone}
+	sub.attach(w.rc)
 	// The deadline stays on the connection, which may serve another
 	// request once the stream ends.
 	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
@@ -702,6 +719,7 @@ type sseWriter struct {
 	timeout time.Duration
 	last    string // the id of the last event written
 	http2   bool   // the deadline is the stream's timer
+	gone    <-chan struct{}
 }
 
 // event writes ev, an event of the stream's backlog, and flushes it.
@@ -723,7 +741,7 @@ func (w *sseWriter) event(ev companion.Event) error {
 // CPU with 200 streams open, and commands were accepted at a twentieth of
 // their rate. An event already written from the backlog is skipped.
 func (w *sseWriter) events(ev *encodedEvent, more <-chan *encodedEvent) error {
-	if err := w.rc.SetWriteDeadline(time.Now().Add(w.timeout)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+	if err := w.deadline(); err != nil {
 		return err
 	}
 	for n := cap(more); ; n-- {
@@ -751,13 +769,29 @@ func (w *sseWriter) events(ev *encodedEvent, more <-chan *encodedEvent) error {
 func (w *sseWriter) write(b []byte) error {
 	// A client that does not take a write in time is dropped as one
 	// that falls behind is.
-	if err := w.rc.SetWriteDeadline(time.Now().Add(w.timeout)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+	if err := w.deadline(); err != nil {
 		return err
 	}
 	if _, err := w.c.Writer.Write(b); err != nil {
 		return err
 	}
 	return w.flush()
+}
+
+// deadline sets the deadline of the next write, and refuses it once the
+// hub dropped the stream or closed. Set, then looked at: either this sees
+// the hub closed, or Close's own deadline, set after it closed the
+// stream, comes after this one and ends the write (bug 332).
+func (w *sseWriter) deadline() error {
+	if err := w.rc.SetWriteDeadline(time.Now().Add(w.timeout)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		return err
+	}
+	select {
+	case <-w.gone:
+		return errEventsClosed
+	default:
+		return nil
+	}
 }
 
 // flush sends what was written; over HTTP/2 it then clears the deadline

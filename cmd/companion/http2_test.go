@@ -39,10 +39,11 @@ type h2Conn struct {
 	nextID uint32
 }
 
-// dialH2 connects to m over TLS with a small receive buffer and offers
-// the server windows as large as HTTP/2 allows, so that what the server
+// dialH2 connects to m over TLS with a small receive buffer, and gives
+// each stream a window of window bytes, the connection one as large as
+// HTTP/2 allows: with the largest window (1<<31 - 1) what the server
 // sends fills the socket rather than stopping at a window.
-func dialH2(tb testing.TB, m *Main, ca *testCA) *h2Conn {
+func dialH2(tb testing.TB, m *Main, ca *testCA, window uint32) *h2Conn {
 	tb.Helper()
 	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
 		var err error
@@ -65,7 +66,7 @@ func dialH2(tb testing.TB, m *Main, ca *testCA) *h2Conn {
 	c := &h2Conn{tb: tb, conn: conn, fr: http2.NewFramer(conn, conn), nextID: 1}
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	require.NoError(tb, c.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1<<31 - 1}))
+	require.NoError(tb, c.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: window}))
 	require.NoError(tb, c.fr.WriteWindowUpdate(0, 1<<31-1-65535))
 	return c
 }
@@ -147,7 +148,7 @@ func TestEventsStreamOfAClientThatStoppedReadingEndsOverHTTP2(t *testing.T) {
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	sum := sha256.Sum256(app)
 
-	h2 := dialH2(t, m, ca)
+	h2 := dialH2(t, m, ca, 1<<31-1)
 	stream := h2.get("/api/v1/events", f.user.token, "accept", "text/event-stream")
 	require.Equal(t, "200", h2.status(stream))
 	blob := h2.get("/api/v1/blobs/"+hex.EncodeToString(sum[:]), m.AdminToken())
@@ -204,7 +205,7 @@ func TestShutdownEndsAStalledUpload(t *testing.T) {
 					return strings.Fields(line)[1]
 				}
 			} else {
-				h2 := dialH2(t, m, ca)
+				h2 := dialH2(t, m, ca, 1<<31-1)
 				id := h2.put("/api/v1/admin/apps/stalled/1.0.0", m.AdminToken(), "content-type", "application/octet-stream",
 					"content-length", "1000000", "expect", "100-continue")
 				require.Equal(t, "100", h2.status(id)) // the handler reads the body
@@ -215,4 +216,22 @@ func TestShutdownEndsAStalledUpload(t *testing.T) {
 			assert.Equal(t, "503", answer())
 		})
 	}
+}
+
+// A shutdown does not wait for an event stream whose write its client
+// does not take (its window full: an app that stopped reading), for as
+// long as the write timeout (30 s): the stream ends at once, and Close
+// ends cleanly. It waited out the HTTP server's shutdown limit (15 s),
+// and failed with its deadline. docs/reliability.md, bug 332.
+func TestShutdownEndsAnEventStreamBlockedOnItsWrite(t *testing.T) {
+	ca := newTestCA(t)
+	certFile, keyFile := ca.issue(t, t.TempDir())
+	m := startServer(t, Config{TLSCert: certFile, TLSKey: keyFile})
+	tlsClients.Store(m, &testTLS{http: ca.client()})
+	t.Cleanup(func() { tlsClients.Delete(m) })
+	f := setupFleet(t, m)
+	h2 := dialH2(t, m, ca, 4) // the app took 4 bytes of the stream, and reads no more
+	id := h2.get("/api/v1/events", f.user.token, "accept", "text/event-stream")
+	require.Equal(t, "200", h2.status(id)) // its first write, "retry: 2000", waits for the window
+	require.NoError(t, m.Close(), "Close with an event stream blocked on its write")
 }
