@@ -122,7 +122,14 @@ func Start(tb testing.TB) *Server {
 		cred:     cred,
 	}
 	tb.Cleanup(func() {
-		if err := s.Stop(); err != nil {
+		// An immediate shutdown: the data directory goes next, so there is
+		// nothing for a fast shutdown's checkpoint to keep, and on a machine
+		// whose disk other tests keep busy that checkpoint took over 30 s
+		// and failed a test whose every check had passed.
+		s.mu.Lock()
+		err := s.immediateLocked()
+		s.mu.Unlock()
+		if err != nil {
 			tb.Errorf("pgtest: %v", err)
 		}
 		if tb.Failed() {
@@ -298,8 +305,15 @@ func (s *Server) StopImmediate(tb testing.TB) {
 	tb.Helper()
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if err := s.immediateLocked(); err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+}
+
+// immediateLocked is StopImmediate's shutdown; s.mu is held.
+func (s *Server) immediateLocked() error {
 	if s.cmd == nil {
-		return
+		return nil
 	}
 	pid := s.cmd.Process.Pid
 	_ = s.cmd.Process.Signal(syscall.SIGQUIT)
@@ -307,7 +321,7 @@ func (s *Server) StopImmediate(tb testing.TB) {
 	case <-s.exited:
 	case <-time.After(stopTimeout):
 		s.killLocked()
-		tb.Fatalf("pgtest: postgres did not stop within %v of an immediate shutdown; killed", stopTimeout)
+		return fmt.Errorf("postgres did not stop within %v of an immediate shutdown; killed", stopTimeout)
 	}
 	// The backends quit on their own; wait until they have, so that
 	// Restart finds their shared memory gone.
@@ -316,6 +330,7 @@ func (s *Server) StopImmediate(tb testing.TB) {
 		time.Sleep(10 * time.Millisecond) // waiting on processes that are not ours
 	}
 	s.cmd, s.exited = nil, nil
+	return nil
 }
 
 // Kill kills the server and all its processes with SIGKILL, as a crash
