@@ -214,6 +214,16 @@ func TestMetricsListenNotFound(t *testing.T) {
 			t.Errorf("GET %s = %d; want %d", path, resp.StatusCode, want)
 		}
 	}
+	// Another method on /metrics is a 405 that says which it takes, as
+	// docs/operations.md says (docs/reliability.md, bug 377).
+	resp, err := http.Post("http://"+l.Addr()+"/metrics", "text/plain", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusMethodNotAllowed || resp.Header.Get("Allow") != "GET, HEAD" {
+		t.Errorf("POST /metrics = %d, Allow %q; want 405, Allow \"GET, HEAD\"", resp.StatusCode, resp.Header.Get("Allow"))
+	}
 }
 
 // TestMetricsOpenCommandsCount checks how the open commands gauge uses its
