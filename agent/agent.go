@@ -441,7 +441,7 @@ func (a *Agent) failUnserved(ctx context.Context) {
 		c := r.Cmd
 		ce := cmdErr(companion.CodeDeviceNotServed, fmt.Sprintf("bridge %s no longer serves device %s", a.opts.BridgeID, c.DeviceID))
 		a.log.Warn("command failed: the bridge no longer serves its device", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
-		a.opts.Observer.CommandDone(c.Op, companion.StateFailed, 0)
+		a.opts.Observer.CommandDone(c.Op, companion.StateFailed, false, 0)
 		a.finish(ctx, r, topics.Reply{CommandID: c.ID, State: companion.StateFailed, Error: ce.reply(), At: a.now()})
 	}
 }
@@ -685,7 +685,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			// On disk as done, its reply in the outbox (published from
 			// there again until the broker has it): never "delivered".
 			a.log.Info("command expired before the bridge took it", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
-			a.opts.Observer.CommandDone(c.Op, companion.StateExpired, 0)
+			a.opts.Observer.CommandDone(c.Op, companion.StateExpired, false, 0)
 			a.publishFinal(ctx, it.res.key, c.DeviceID, *it.res.final)
 		case acceptKnown:
 			// Held already, queued or running: it does not run again, but

@@ -18,11 +18,42 @@ import (
 	"github.com/devicecompanion/companion"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
 
 var _ agent.Device = (*sim.Device)(nil)
+
+// commandFigures returns what the bridge's metrics say of op: the commands
+// counted failed, and the runs observed in the duration histogram.
+func commandFigures(t testing.TB, b *metrics.Bridge, op string) (failed float64, ran uint64) {
+	t.Helper()
+	fams, err := b.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fams {
+		for _, m := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["op"] != op {
+				continue
+			}
+			switch f.GetName() {
+			case "companion_bridge_commands_total":
+				if labels["result"] == companion.StateFailed {
+					failed = m.GetCounter().GetValue()
+				}
+			case "companion_bridge_command_duration_seconds":
+				ran = m.GetHistogram().GetSampleCount()
+			}
+		}
+	}
+	return failed, ran
+}
 
 // states returns the states of replies, in order.
 func states(rs []topics.Reply) []string {
@@ -860,7 +891,8 @@ func TestCommandsOfADeviceNoLongerServedFail(t *testing.T) {
 	// end on disk, and their final replies wait in the outbox through
 	// another restart.
 	b.hook.refuse.Store(true)
-	a, err := agent.New(agent.Options{MQTTURL: b.url, BridgeID: "b1", DataDir: dir, Devices: []agent.Device{devA}, Logger: testLogger(t)})
+	figures := metrics.NewBridge(metrics.BridgeOptions{Devices: 1})
+	a, err := agent.New(agent.Options{MQTTURL: b.url, BridgeID: "b1", DataDir: dir, Devices: []agent.Device{devA}, Logger: testLogger(t), Observer: figures})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -892,6 +924,12 @@ func TestCommandsOfADeviceNoLongerServedFail(t *testing.T) {
 		t.Fatalf("Run = %v", err)
 	}
 	b.hook.refuse.Store(false)
+	// Counted as failed, as the server reads them, but not observed as
+	// runs of 0 s: they never ran (docs/reliability.md, bug 378).
+	failed, ran := commandFigures(t, figures, topics.OpPushText)
+	if failed != 2 || ran != 0 {
+		t.Errorf("push.text: %v failed, %d observed runs; want 2 failed, 0 runs", failed, ran)
+	}
 
 	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{devA}, dataDir: dir})
 	for _, c := range []topics.Command{running, queued} {

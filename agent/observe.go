@@ -12,8 +12,9 @@ type Observer interface {
 	// CommandDone is called once for each command the bridge ran to its
 	// end (or found expired before it ran, or failed with
 	// device_not_served at start), with its op, its final state
-	// (succeeded, failed or expired) and how long it ran.
-	CommandDone(op, result string, took time.Duration)
+	// (succeeded, failed or expired), whether it ran (false for those two,
+	// which never did: docs/reliability.md, bug 378) and how long it ran.
+	CommandDone(op, result string, ran bool, took time.Duration)
 	// MQTTConnected is called when the bridge's MQTT connection comes up
 	// (subscribed, "online" said) and when it is lost.
 	MQTTConnected(up bool)
@@ -22,5 +23,5 @@ type Observer interface {
 // nopObserver is the Observer of an agent nobody observes.
 type nopObserver struct{}
 
-func (nopObserver) CommandDone(string, string, time.Duration) {}
-func (nopObserver) MQTTConnected(bool)                        {}
+func (nopObserver) CommandDone(string, string, bool, time.Duration) {}
+func (nopObserver) MQTTConnected(bool)                              {}

@@ -263,7 +263,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		}
 	}
 	final.At = a.now()
-	a.opts.Observer.CommandDone(c.Op, final.State, time.Since(start))
+	a.opts.Observer.CommandDone(c.Op, final.State, final.State != companion.StateExpired, time.Since(start))
 	// What the command changed goes with its final reply, so that the
 	// server stores both at once, and on the retained topics.
 	final.Status, final.Settings = state.status, state.settings

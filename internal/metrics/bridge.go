@@ -133,9 +133,9 @@ func (b *Bridge) transferSeries(kind string) *transferSeries {
 // Registry is where the bridge's metrics are registered.
 func (b *Bridge) Registry() *prometheus.Registry { return b.reg }
 
-// CommandDone counts a command the bridge ended and observes how long it
-// ran.
-func (b *Bridge) CommandDone(op, result string, took time.Duration) {
+// CommandDone counts a command the bridge ended and, when it ran, observes
+// how long it ran.
+func (b *Bridge) CommandDone(op, result string, ran bool, took time.Duration) {
 	o, i := b.ops[op], slices.Index(bridgeResults, result)
 	if o == nil || i < 0 {
 		// An op no bridge runs (it fails at once) or an unknown result:
@@ -149,7 +149,7 @@ func (b *Bridge) CommandDone(op, result string, took time.Duration) {
 		return
 	}
 	o.done[i].Inc()
-	if result != companion.StateExpired { // it never ran
+	if ran { // not one expired, nor failed device_not_served at start (bug 378)
 		o.took.Observe(took.Seconds())
 	}
 }

@@ -127,10 +127,10 @@ func TestMetricsBridge(t *testing.T) {
 		return metrics.Listen(addr, b.Registry(), metricsQuiet())
 	})
 	b.MQTTConnected(true)
-	b.CommandDone(topics.OpPushImage, "succeeded", time.Second)
-	b.CommandDone(topics.OpPushImage, "failed", time.Second)
-	b.CommandDone(topics.OpPushText, "expired", 0)
-	b.CommandDone("no.such.op", "failed", 0)
+	b.CommandDone(topics.OpPushImage, "succeeded", true, time.Second)
+	b.CommandDone(topics.OpPushImage, "failed", true, time.Second)
+	b.CommandDone(topics.OpPushText, "expired", false, 0)
+	b.CommandDone("no.such.op", "failed", false, 0)
 	b.Transfer("image", 1000, 500*time.Millisecond, false)
 	b.Transfer("image", 500, 250*time.Millisecond, true)
 	b.Transfer("group 99", 10, time.Millisecond, false)
@@ -186,7 +186,7 @@ func TestMetricsHotPathAllocs(t *testing.T) {
 		"StoreWrite":    func() { s.StoreWrite(broker.StoreWriteReply, time.Millisecond) },
 		"Request":       func() { s.Request("POST", "/api/v1/devices/:id/push/text", 202, time.Millisecond) },
 		"MQTTConnected": func() { s.MQTTConnected(true) },
-		"CommandDone":   func() { b.CommandDone(topics.OpPushText, "succeeded", time.Millisecond) },
+		"CommandDone":   func() { b.CommandDone(topics.OpPushText, "succeeded", true, time.Millisecond) },
 		"Transfer":      func() { b.Transfer("firmware", 4096, time.Second, false) },
 		"LinkLost":      b.LinkLost,
 	}
