@@ -62,6 +62,10 @@ func handler(reg *prometheus.Registry) http.Handler {
 	}))
 }
 
+// writeTimeout is how long a scrape may take to be written: past the
+// handler's own Timeout, and the time to send its text.
+var writeTimeout = 30 * time.Second
+
 // Listener serves GET /metrics on an address of its own.
 type Listener struct {
 	ln   net.Listener
@@ -84,8 +88,12 @@ func Listen(addr string, reg *prometheus.Registry, log *slog.Logger) (*Listener,
 		srv: &http.Server{
 			Handler:           mux,
 			ReadHeaderTimeout: 10 * time.Second,
-			IdleTimeout:       2 * time.Minute,
-			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+			// A scraper that stops reading held its handler, and the
+			// scrape in its buffers, for ever (docs/reliability.md,
+			// bug 379).
+			WriteTimeout: writeTimeout,
+			IdleTimeout:  2 * time.Minute,
+			ErrorLog:     slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		},
 		done: make(chan struct{}),
 	}

@@ -3,13 +3,20 @@ package metrics_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/internal/metrics"
@@ -268,4 +275,50 @@ func TestMetricsOpenCommandsCount(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, "companion_commands_open left out once its count fails", func() bool {
 		return !metricstest.Scrape(t, url).Has("companion_commands_open")
 	})
+}
+
+// A scraper that stops reading its scrape does not hold the handler for
+// ever: its answer is cut off once its write deadline passes
+// (docs/reliability.md, bug 379).
+func TestStalledScraperIsCutOff(t *testing.T) {
+	metrics.ShortWrites(t, 200*time.Millisecond)
+	reg := prometheus.NewRegistry()
+	// Enough series that the scrape is more than the sockets' buffers take.
+	big := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "test_big", Help: "Series to make the scrape large."}, []string{"name"})
+	reg.MustRegister(big)
+	for i := range 50000 {
+		big.WithLabelValues(fmt.Sprintf("a-long-label-value-to-make-the-scrape-large-%06d", i)).Set(float64(i))
+	}
+	l, err := metrics.Listen("127.0.0.1:0", reg, metricsQuiet())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		return c.Control(func(fd uintptr) {
+			syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		})
+	}}
+	conn, err := d.Dial("tcp", l.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	const frame = "net/http.(*timeoutHandler).ServeHTTP" // promhttp's Timeout
+	seen := false
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		buf := make([]byte, 16<<20)
+		n := strings.Count(string(buf[:runtime.Stack(buf, true)]), frame)
+		if n > 0 {
+			seen = true
+		} else if seen {
+			return
+		}
+		time.Sleep(50 * time.Millisecond) // polling the goroutines: no event to wait on
+	}
+	t.Fatalf("the handler of a scraper that stopped reading is still writing after 15 s (seen %v)", seen)
 }

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,8 +39,12 @@ func Start(addr string, log *slog.Logger) (*Server, error) {
 	// The process's counters (memstats, and what it publishes with expvar).
 	mux.Handle("/debug/vars", expvar.Handler())
 	s := &Server{
-		ln:   ln,
-		srv:  &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second},
+		ln: ln,
+		srv: &http.Server{
+			Handler:           boundWrites(mux),
+			ReadHeaderTimeout: 10 * time.Second,
+			IdleTimeout:       2 * time.Minute,
+		},
 		done: make(chan struct{}),
 	}
 	go func() {
@@ -50,6 +55,32 @@ func Start(addr string, log *slog.Logger) (*Server, error) {
 	}()
 	log.Info("pprof listening", "addr", ln.Addr().String())
 	return s, nil
+}
+
+// writeTimeout is how long an answer may take to write, past the seconds
+// it asks to run for (boundWrites).
+var writeTimeout = time.Minute
+
+// maxSeconds caps the seconds boundWrites adds for a profile: a day.
+const maxSeconds = 24 * 60 * 60
+
+// boundWrites gives each answer writeTimeout, plus the seconds it asks to
+// run for (a CPU profile, a trace or a delta profile of seconds=N runs N s
+// before it writes), to be written: a client that stops reading (a
+// stalled profiler, a half-dead connection) held its handler, with the
+// profile in its buffers, for ever (docs/reliability.md, bug 379). The
+// server's WriteTimeout would bound it too, but pprof answers a profile of
+// that many seconds or more 400 under it; hence a deadline per request.
+func boundWrites(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		d := writeTimeout
+		if sec, err := strconv.ParseInt(r.URL.Query().Get("seconds"), 10, 64); err == nil && sec > 0 {
+			d += time.Duration(min(sec, maxSeconds)) * time.Second
+		}
+		// It fails only on a connection that cannot have one (none here).
+		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(d))
+		h.ServeHTTP(w, r)
+	})
 }
 
 var (

@@ -1,0 +1,97 @@
+package pprofserver
+
+import (
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"runtime"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+func start(t *testing.T) *Server {
+	t.Helper()
+	s, err := Start("127.0.0.1:0", slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+// shortWrites sets writeTimeout to d for the test.
+func shortWrites(t *testing.T, d time.Duration) {
+	old := writeTimeout
+	writeTimeout = d
+	t.Cleanup(func() { writeTimeout = old })
+}
+
+// handlersAt counts the goroutines whose stack holds frame.
+func handlersAt(frame string) int {
+	buf := make([]byte, 64<<20)
+	return strings.Count(string(buf[:runtime.Stack(buf, true)]), frame)
+}
+
+// A client that asks for a profile and stops reading it does not hold the
+// handler for ever: its answer is cut off once its write deadline passes
+// (docs/reliability.md, bug 379).
+func TestStalledClientIsCutOff(t *testing.T) {
+	shortWrites(t, 200*time.Millisecond)
+	s := start(t)
+	// Parked goroutines make the dump of every stack a few megabytes,
+	// more than the sockets' buffers take.
+	park := make(chan struct{})
+	defer close(park)
+	for range 10000 {
+		go func() { <-park }()
+	}
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		return c.Control(func(fd uintptr) {
+			syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		})
+	}}
+	conn, err := d.Dial("tcp", s.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, "GET /debug/pprof/goroutine?debug=2 HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	const frame = "net/http/pprof.handler.ServeHTTP"
+	seen := false
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		n := handlersAt(frame)
+		if n > 0 {
+			seen = true
+		} else if seen {
+			return
+		}
+		time.Sleep(50 * time.Millisecond) // polling the goroutines: no event to wait on
+	}
+	t.Fatalf("the handler of a client that stopped reading is still writing after 15 s (seen %v)", seen)
+}
+
+// A CPU profile may run for longer than writeTimeout: its seconds are
+// added to its deadline, and pprof does not refuse it as longer than the
+// server's WriteTimeout.
+func TestProfileLongerThanTheWriteTimeout(t *testing.T) {
+	shortWrites(t, 100*time.Millisecond)
+	s := start(t)
+	resp, err := http.Get("http://" + s.Addr() + "/debug/pprof/profile?seconds=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK || len(body) == 0 {
+		t.Fatalf("profile?seconds=1 = %d, %d bytes: %s; want 200 and a profile", resp.StatusCode, len(body), body)
+	}
+}
