@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -119,6 +120,10 @@ type account struct {
 	// (secretMark), a user's the token's (none on a client made before
 	// bug 298).
 	mark string
+	// held says that the store had the account with this password, read
+	// under the account's lock (lockHeld) as the change was made: its
+	// retry replaces those of the account queued before (retryLater).
+	held bool
 }
 
 // ErrUnavailable is the answer while the server cannot use the plugin: not
@@ -495,6 +500,7 @@ func (d *Driver) createBridge(ctx context.Context, a account) ([]string, error) 
 		return nil, err
 	}
 	defer unlock()
+	a.held = true
 	served, err := d.st.ServedDevices(ctx, a.username)
 	if err != nil {
 		return nil, d.retryLater(a, err)
@@ -867,6 +873,7 @@ func (d *Driver) UserTokenChanged(ctx context.Context, userID, token string) err
 		return err
 	}
 	defer unlock()
+	a.held = true
 	_, err = d.getOurClient(ctx, userID, a.kind, a.role)
 	lost := notFound(err)
 	if err != nil && !lost {
@@ -946,9 +953,22 @@ func (d *Driver) createAccountLocked(ctx context.Context, a account) error {
 
 // retryLater queues a creation that failed with err for a retry while the
 // process runs, and returns err.
+//
+// A creation the store held as it was made (a.held) replaces the retries
+// of its account queued before: each change of a secret or token while
+// Mosquitto was away queued one, the list growing until it was back,
+// though only the store's would be made (secretHeld; docs/reliability.md,
+// bug 380). Their passwords were stored before their changes were made,
+// so before this one's (changes are made one at a time, d.change) read
+// the store holding a's: the store had replaced them. A creation not read
+// so (the store or its lock away) replaces none: which of it and an
+// earlier one the store holds is not known.
 func (d *Driver) retryLater(a account, err error) error {
 	d.log.Error("account not created; retrying while the server runs", "kind", a.kind, "username", a.username, "err", err)
 	d.mu.Lock()
+	if a.held {
+		d.retry = slices.DeleteFunc(d.retry, func(r account) bool { return r.kind == a.kind && r.username == a.username })
+	}
 	d.retry = append(d.retry, a)
 	d.mu.Unlock()
 	signal(d.kick)
