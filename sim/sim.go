@@ -51,6 +51,12 @@ const (
 	maxDoneIDs = 10000 // command ids treated as already done
 )
 
+// MaxImageBytes bounds the bytes of the images a Device keeps, besides
+// their count: the newest is kept whatever its size. A watch's flash holds
+// a few pictures; 256 of CONTRACT §6's 2 MiB were 512 MiB of memory a
+// simulated device (docs/reliability.md, bug 381).
+const MaxImageBytes = 16 << 20
+
 // Errors a Device returns.
 var (
 	ErrBadSettings     = errors.New("sim: invalid settings")
@@ -424,7 +430,7 @@ func (d *Device) PushImage(ctx context.Context, cmdID, contentType string, data 
 		return fmt.Errorf("%w: empty image", ErrBadArgument)
 	}
 	return d.run(ctx, cmdID, topics.OpPushImage, func() error {
-		d.images = keep(d.images, Image{CmdID: cmdID, ContentType: contentType, Data: append([]byte(nil), data...)})
+		d.images = keepImages(d.images, Image{CmdID: cmdID, ContentType: contentType, Data: append([]byte(nil), data...)})
 		return nil
 	})
 }
@@ -433,6 +439,18 @@ func keep[T any](s []T, v T) []T {
 	s = append(s, v)
 	if len(s) > maxKept {
 		s = append(s[:0:0], s[len(s)-maxKept:]...)
+	}
+	return s
+}
+
+// keepImages is keep, the images also bounded by MaxImageBytes.
+func keepImages(s []Image, v Image) []Image {
+	s = keep(s, v)
+	n := 0
+	for i := len(s) - 1; i >= 0; i-- {
+		if n += len(s[i].Data); n > MaxImageBytes && i < len(s)-1 {
+			return append(s[:0:0], s[i+1:]...)
+		}
 	}
 	return s
 }

@@ -3,6 +3,7 @@ package sim_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"os"
 	"sync"
@@ -275,5 +276,39 @@ func TestStateDirKeepsTheDevice(t *testing.T) {
 	}
 	if err := d2.InstallApp(ctx, "i1", "clock", "9.9.9", nil); err != nil || d2.Apps()["clock"] != "1.2.0" {
 		t.Errorf("a command run before reopening, again: %v, apps %v; want it dropped", err, d2.Apps())
+	}
+}
+
+// A device keeps the images it was last sent up to MaxImageBytes, the
+// newest whatever its size, as a watch's flash holds a few pictures: it
+// kept 256 of them whatever their size, 512 MiB of 2 MiB images a device
+// (docs/reliability.md, bug 381).
+func TestImagesAreBoundedByTheirBytes(t *testing.T) {
+	d := sim.New(sim.Options{ID: "d"})
+	ctx := context.Background()
+	const size = 2 << 20 // CONTRACT §6's largest image
+	pushed := 3 * sim.MaxImageBytes / size
+	for i := range pushed {
+		img := make([]byte, size)
+		img[0] = byte(i)
+		if err := d.PushImage(ctx, fmt.Sprintf("cmd-%d", i), "image/png", img); err != nil {
+			t.Fatal(err)
+		}
+	}
+	imgs := d.Images()
+	total := 0
+	for _, img := range imgs {
+		total += len(img.Data)
+	}
+	if total > sim.MaxImageBytes || len(imgs) == 0 || imgs[len(imgs)-1].CmdID != fmt.Sprintf("cmd-%d", pushed-1) {
+		t.Errorf("the device keeps %d images of %d bytes in all, the newest %q; want at most %d bytes, the newest cmd-%d",
+			len(imgs), total, imgs[len(imgs)-1].CmdID, sim.MaxImageBytes, pushed-1)
+	}
+	big := make([]byte, sim.MaxImageBytes+1)
+	if err := d.PushImage(ctx, "cmd-big", "image/png", big); err != nil {
+		t.Fatal(err)
+	}
+	if imgs := d.Images(); len(imgs) != 1 || imgs[0].CmdID != "cmd-big" {
+		t.Errorf("after an image larger than the bound, the device keeps %d images; want that one", len(imgs))
 	}
 }
