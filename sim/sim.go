@@ -257,9 +257,18 @@ func Open(opts Options) (*Device, error) {
 	return d, nil
 }
 
-// openExecLog reads the ids executed by an earlier life of the device and
-// opens the log for appending. A last line cut short by a crash is cut off
-// the file, so that the next id starts on a line of its own.
+// execLogTail is how much of its execution log a device reads back at
+// Open: the lines of its last maxDoneIDs commands (ids of 36 characters)
+// more than twice over. It remembers no more ids than those; the log
+// before them is the tests' record (ReadExecLog), which a device read
+// whole at every start, the time and memory of it growing with every
+// command it ever ran (docs/reliability.md, bug 382).
+const execLogTail = 1 << 20
+
+// openExecLog reads the ids executed by an earlier life of the device (the
+// log's last execLogTail bytes) and opens the log for appending. A last
+// line cut short by a crash is cut off the file, so that the next id
+// starts on a line of its own.
 func (d *Device) openExecLog(path string) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return err
@@ -268,13 +277,22 @@ func (d *Device) openExecLog(path string) error {
 	if err != nil {
 		return err
 	}
-	b, err := io.ReadAll(f)
+	b, from, err := readTail(f, execLogTail)
 	if err != nil {
 		f.Close()
 		return err
 	}
-	keep := int64(bytes.LastIndexByte(b, '\n') + 1)
-	if keep != int64(len(b)) {
+	if from > 0 {
+		// Its first line may be the end of one: the lines after it.
+		i := bytes.IndexByte(b, '\n')
+		if i < 0 {
+			f.Close()
+			return fmt.Errorf("execution log %s: no line in its last %d bytes", path, len(b))
+		}
+		b, from = b[i+1:], from+int64(i+1)
+	}
+	keep := from + int64(bytes.LastIndexByte(b, '\n')+1)
+	if keep != from+int64(len(b)) {
 		if err := f.Truncate(keep); err != nil {
 			f.Close()
 			return err
@@ -293,6 +311,21 @@ func (d *Device) openExecLog(path string) error {
 	}
 	d.execLog = f
 	return nil
+}
+
+// readTail returns the last n bytes of f (all of it when shorter) and
+// where they start.
+func readTail(f *os.File, n int64) ([]byte, int64, error) {
+	size, err := f.Seek(0, io.SeekEnd)
+	if err != nil {
+		return nil, 0, err
+	}
+	from := max(size-n, 0)
+	b := make([]byte, size-from)
+	if _, err := f.ReadAt(b, from); err != nil && !errors.Is(err, io.EOF) {
+		return nil, 0, err
+	}
+	return b, from, nil
 }
 
 // Close closes the execution log of a device with a StateDir. The device

@@ -1,11 +1,13 @@
 package sim_test
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"maps"
 	"os"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -310,5 +312,54 @@ func TestImagesAreBoundedByTheirBytes(t *testing.T) {
 	}
 	if imgs := d.Images(); len(imgs) != 1 || imgs[0].CmdID != "cmd-big" {
 		t.Errorf("after an image larger than the bound, the device keeps %d images; want that one", len(imgs))
+	}
+}
+
+// A device with a StateDir reads back the end of its execution log, the
+// ids it remembers, not the whole log: the log gains a line a command for
+// as long as the device runs (it is the tests' record), and a device read
+// it all at every start, in time and memory (docs/reliability.md, bug
+// 382). The log here has 16 MiB of lines before the ids of its last
+// commands.
+func TestStateDirReadsTheEndOfALongLog(t *testing.T) {
+	dir := t.TempDir()
+	path := sim.ExecLogPath(dir, "d")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := bufio.NewWriter(f)
+	line := []byte("00000000-0000-7000-8000-000000000000\n")
+	for i := range (16 << 20) / len(line) { // 16 MiB of ids
+		copy(line[24:36], fmt.Appendf(nil, "%012x", i))
+		w.Write(line)
+	}
+	w.WriteString("cmd-1\ncmd-2\ncmd-3") // the last one cut short by a crash
+	if err := w.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	d, err := sim.Open(sim.Options{ID: "d", StateDir: dir})
+	runtime.ReadMemStats(&after)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if read := after.TotalAlloc - before.TotalAlloc; read > 8<<20 {
+		t.Errorf("Open allocated %d MiB for a log whose last lines it needs", read>>20)
+	}
+	ctx := context.Background()
+	for _, id := range []string{"cmd-1", "cmd-2", "cmd-3"} {
+		if err := d.PushText(ctx, id, "", "again"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if texts := d.Texts(); len(texts) != 1 || texts[0].CmdID != "cmd-3" {
+		t.Errorf("after reopening, the device showed %v; want only cmd-3 (cmd-1 and cmd-2 ran before)", texts)
 	}
 }
