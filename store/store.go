@@ -315,7 +315,7 @@ func Open(path string, opts Options) (*DB, error) {
 		return nil, err
 	}
 	db.writer = groupcommit.New(bdb, groupcommit.Options{Linger: commitLinger, Begin: fillAppendOnly, Preallocate: preallocate,
-		StallAfter: stallAfter, OnStall: db.onStall})
+		StallAfter: stallAfter, OnStall: db.onStall, Lasting: diskFull, RetryAfter: commitRetry})
 	go db.watchDisk()
 	// We hold the file lock, so no other store uses this blob directory:
 	// temp files left there are from a crash.
@@ -479,6 +479,28 @@ func diskRefused(err error) bool {
 	}
 	return false
 }
+
+// diskFull reports whether err, a commit's failure, is of a disk that
+// refuses every write that grows a file, for as long as it is full (no
+// space, the file size limit, the quota) or read-only: bbolt's error in
+// growing the file carries the disk's in its text only. The committer
+// tries a commit again only every commitRetry then (bug 351).
+func diskFull(err error) bool {
+	for _, e := range []syscall.Errno{syscall.ENOSPC, syscall.EFBIG, syscall.EDQUOT, syscall.EROFS} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return strings.Contains(err.Error(), "file resize error")
+}
+
+// commitRetry is how long after a commit the disk refused for being full
+// the store's writes fail at once, without a commit (bbolt's rollback of
+// a failed commit scans the whole file, a third of a second of CPU for
+// 500 MB), before one is tried again: the writes of that time, and the
+// probes of CheckWrites, are ErrUnwritable without costing the disk or
+// the CPU anything. Tests shorten it.
+var commitRetry = 2 * time.Second
 
 // keyWriteProbe is the meta key CheckWrites writes and deletes.
 var keyWriteProbe = []byte("write_probe")

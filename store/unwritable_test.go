@@ -83,6 +83,7 @@ func TestWritesWhileTheDiskIsFull(t *testing.T) {
 	}
 
 	lift()
+	awaitWrites(t, db)
 	for range 20 {
 		id, err := create()
 		if err != nil {
@@ -186,4 +187,57 @@ func TestADiskFaultIsLoggedOnce(t *testing.T) {
 	if n := strings.Count(out, "level=ERROR") + strings.Count(out, "level=WARN"); n != 1 {
 		t.Errorf("%d errors and warnings; want 1", n)
 	}
+}
+
+// TestAFullDiskIsTriedAgainOnlyNowAndThen: while the disk is full (a file
+// size limit of 0), commands and CheckWrites fail ErrUnwritable, and the
+// store tries a commit once every commitRetry, not once for each of them,
+// each failed commit costing a scan of the file; once the limit is
+// lifted, CheckWrites says so and a command is stored (bug 351).
+func TestAFullDiskIsTriedAgainOnlyNowAndThen(t *testing.T) {
+	defer func(old time.Duration) { commitRetry = old }(commitRetry)
+	commitRetry = 500 * time.Millisecond
+	db := openTestDB(t)
+	ctx := context.Background()
+	create := func() error {
+		_, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "d1", Op: "push.text", State: "queued", Payload: []byte(`"x"`)}, 0, nil)
+		return err
+	}
+	if err := create(); err != nil {
+		t.Fatal(err)
+	}
+
+	lift := testenv.LimitFileSize(t, 0)
+	start, before := time.Now(), db.writer.Stats().Failed
+	for i := range 300 {
+		if err := create(); !errors.Is(err, ErrUnwritable) {
+			t.Fatalf("CreateCommand(%d, the disk full) = %v; want ErrUnwritable", i, err)
+		}
+		if i%10 == 0 {
+			if err := db.CheckWrites(ctx); !errors.Is(err, ErrUnwritable) {
+				t.Fatalf("CheckWrites(the disk full) = %v; want ErrUnwritable", err)
+			}
+		}
+	}
+	tried := db.writer.Stats().Failed - before
+	// One at the start, one for each commitRetry since, and the one under
+	// way as the loop ended.
+	if most := 2 + int64(time.Since(start)/commitRetry); tried > most {
+		t.Errorf("%d commits tried for 300 commands and 30 CheckWrites on a full disk; want at most %d", tried, most)
+	}
+
+	lift()
+	awaitWrites(t, db)
+	if err := create(); err != nil {
+		t.Fatalf("CreateCommand(the disk no longer full) = %v", err)
+	}
+}
+
+// awaitWrites waits for CheckWrites to say that db takes writes again:
+// within commitRetry of the disk's space back (bug 351).
+func awaitWrites(t *testing.T, db *DB) {
+	t.Helper()
+	testenv.Eventually(t, time.Minute, "CheckWrites to say the disk takes writes again", func() bool {
+		return db.CheckWrites(context.Background()) == nil
+	})
 }

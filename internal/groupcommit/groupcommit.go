@@ -104,6 +104,7 @@ type Committer struct {
 	wg      sync.WaitGroup
 
 	commits, ops atomic.Int64
+	failures     atomic.Int64                // commits tried that failed (Stats.Failed)
 	failed       atomic.Pointer[CommitError] // the last commit's error; nil once one succeeds
 
 	ahead *zeroFill // nil unless Options.Preallocate; used by the commit loop only
@@ -134,6 +135,16 @@ type Options struct {
 	// retrying), and every write waits with it. Busy says how long.
 	OnStall    func()
 	StallAfter time.Duration
+	// Lasting, when set, says whether a commit's failure lasts (a full
+	// disk) rather than passes (one failed sync). After a commit that
+	// failed so, the committer fails the writes queued for RetryAfter
+	// with the same *CommitError, without running them or trying to
+	// commit (bug 351): a failed commit costs a scan of the whole file
+	// (bbolt rebuilds its list of free pages), and writes that kept
+	// trying on a full disk had the server spend its CPU on them. The
+	// first group queued after RetryAfter tries again.
+	Lasting    func(err error) bool
+	RetryAfter time.Duration
 }
 
 // New starts a committer for db.
@@ -203,11 +214,12 @@ func (c *Committer) Go(fn func(tx *bolt.Tx) error, done func(error)) {
 type Stats struct {
 	Commits int64 // write transactions committed
 	Ops     int64 // writes they carried
+	Failed  int64 // write transactions whose commit was tried and failed
 }
 
 // Stats returns the counters.
 func (c *Committer) Stats() Stats {
-	return Stats{Commits: c.commits.Load(), Ops: c.ops.Load()}
+	return Stats{Commits: c.commits.Load(), Ops: c.ops.Load(), Failed: c.failures.Load()}
 }
 
 // Err returns the *CommitError of the last commit when it failed, and nil
@@ -304,8 +316,25 @@ func (c *Committer) commitLoop() {
 		defer c.ahead.close()
 	}
 	var linger *time.Timer
-	last := 0 // writes in the last commit
+	last := 0       // writes in the last commit
+	var r time.Time // until when writes fail without a try, after a lasting failure
 	for {
+		if time.Now().Before(r) {
+			ops := c.take(MaxOps)
+			if len(ops) == 0 {
+				select {
+				case <-c.wake:
+					continue
+				case <-c.quit:
+					if ops = c.take(MaxOps); len(ops) == 0 {
+						return
+					}
+				}
+			}
+			c.refuse(ops)
+			last = 0
+			continue
+		}
 		g := group{db: c.db, begin: c.begin}
 		if last > 1 && c.opts.Linger > 0 {
 			if linger == nil {
@@ -333,13 +362,29 @@ func (c *Committer) commitLoop() {
 			c.commits.Add(1)
 			c.ops.Add(int64(len(g.live)))
 			c.failed.Store(nil)
+			r = time.Time{}
 		} else if g.err != nil {
 			c.failed.Store(g.err)
+			c.failures.Add(1)
+			if c.opts.Lasting != nil && c.opts.Lasting(g.err) {
+				r = time.Now().Add(c.opts.RetryAfter)
+			}
 		}
 		c.working(false)
 		c.results <- g.taken
 		last = len(g.taken)
 	}
+}
+
+// refuse fails ops with the last commit's error, without running them:
+// the disk refuses commits for a while (Options.Lasting).
+func (c *Committer) refuse(ops []*op) {
+	err := c.failed.Load()
+	for _, o := range ops {
+		o.err = err
+	}
+	c.working(false)
+	c.results <- ops
 }
 
 // fill applies writes to g as they are queued, until the linger ends, g

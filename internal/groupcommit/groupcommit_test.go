@@ -640,3 +640,50 @@ func TestZeroFillResumesAfterAFullDisk(t *testing.T) {
 		t.Errorf("%d bytes written past the %d in use once the disk took writes again; want at least %d", past, used, zeroFillChunk)
 	}
 }
+
+// After a commit failed for a lasting reason (Options.Lasting), the writes
+// queued within RetryAfter fail with its *CommitError without running or
+// a commit tried; the first after it is tried, and commits once the disk
+// takes writes (bug 351).
+func TestALastingFailureIsNotTriedAgainAtOnce(t *testing.T) {
+	db := openDB(t)
+	c := New(db, Options{Lasting: func(error) bool { return true }, RetryAfter: time.Hour})
+	defer c.Close()
+
+	lift := testenv.LimitFileSize(t, 0)
+	var ce *CommitError
+	if err := c.Do(put("tried")); !errors.As(err, &ce) {
+		t.Fatalf("Do(disk full) = %v; want a *CommitError", err)
+	}
+	ran := 0
+	for range 50 {
+		err := c.Do(func(tx *bolt.Tx) error { ran++; return tx.Bucket([]byte("b")).Put([]byte("k"), []byte("v")) })
+		if !errors.As(err, &ce) {
+			t.Fatalf("Do(within RetryAfter) = %v; want a *CommitError", err)
+		}
+	}
+	if s := c.Stats(); s.Failed != 1 || ran != 0 {
+		t.Errorf("%d commits tried and %d writes run for 51 writes on a full disk; want 1 and 0", s.Failed, ran)
+	}
+	lift()
+}
+
+// The first write after RetryAfter is tried, and commits once the disk
+// takes writes again.
+func TestALastingFailureIsTriedAgainAfterRetryAfter(t *testing.T) {
+	db := openDB(t)
+	c := New(db, Options{Lasting: func(error) bool { return true }, RetryAfter: 50 * time.Millisecond})
+	defer c.Close()
+	lift := testenv.LimitFileSize(t, 0)
+	var ce *CommitError
+	if err := c.Do(put("tried")); !errors.As(err, &ce) {
+		t.Fatalf("Do(disk full) = %v; want a *CommitError", err)
+	}
+	lift()
+	testenv.Eventually(t, time.Minute, "a write to commit once the disk takes writes", func() bool {
+		return c.Do(put("after")) == nil
+	})
+	if !get(t, db, "after") || get(t, db, "tried") {
+		t.Error("after the retry: want only the write that committed stored")
+	}
+}
