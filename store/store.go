@@ -400,6 +400,13 @@ func (db *DB) WriteStats() WriteStats {
 	return WriteStats{Commits: s.Commits, Writes: s.Ops, Pages: b.TxStats.GetSpill()}
 }
 
+// WriteWaiting returns how long the group of writes under way has waited
+// for its commit; 0 when none is under way. A disk that does not answer
+// keeps it waiting (bug 348), and the server's shutdown says so (bug 352).
+func (db *DB) WriteWaiting() time.Duration {
+	return db.writer.Busy()
+}
+
 // Path returns the path of the bbolt file.
 func (db *DB) Path() string {
 	return db.path

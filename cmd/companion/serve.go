@@ -370,7 +370,39 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	<-ctx.Done()
 	logger.Info("shutting down")
-	return m.Close()
+	return m.shutdown()
+}
+
+// shutdownWithin bounds the shutdown on a signal (bug 352); tests shorten
+// it.
+var shutdownWithin = time.Minute
+
+// shutdown closes m, and gives up once that has taken shutdownWithin: a
+// disk that does not answer holds the store's commit under way, and so
+// its Close, for as long as it does not (a network volume gone), and a
+// server that waited for it could be stopped only by SIGKILL, without a
+// word. It then says so and what waits, and the server exits 1 without
+// closing the rest: what was answered 201 or 202 is on disk (a commit is
+// synced before its answer), and the writes waiting were not answered.
+func (m *Main) shutdown() error {
+	done := make(chan error, 1)
+	go func() { done <- m.Close() }()
+	t := time.NewTimer(shutdownWithin)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+	}
+	waits := "a part of the server that does not stop (see the goroutines with --pprof)"
+	if m.bolt != nil {
+		if d := m.bolt.WriteWaiting(); d > 0 {
+			waits = fmt.Sprintf("a write of the data directory, for %v (its disk not answering: see the system's log for the "+
+				"disk's errors); what was answered 201 or 202 is on disk, the writes waiting were not answered", d.Round(time.Second))
+		}
+	}
+	m.Logger.Error("shutdown has not finished; exiting without it", "after", shutdownWithin, "waiting", waits)
+	return exitError{1, fmt.Errorf("shutdown has not finished in %v: waiting for %s", shutdownWithin, waits)}
 }
 
 // startupLine is what `companion serve` prints once it is listening.
