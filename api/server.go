@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -570,7 +571,16 @@ func (s *Server) readyz(c *gin.Context) error {
 // stack and answered with a 500 that says nothing more. Like any failure
 // (see fail) it gives up the request's claim on its Idempotency-Key, which
 // would otherwise hold the key, and answer its repeats 409, for a minute.
+//
+// A fault of the memory the handler reads is such a panic too, not the
+// end of the process: bbolt reads the store's file through its mapping,
+// where a page the disk cannot read (or the file cut short) is a SIGBUS,
+// which Go turns into a panic only on a goroutine that asked for it
+// (debug.SetPanicOnFault, restored as the request ends). So a failing
+// disk fails the requests that read what it lost, and the server goes
+// on (bug 353).
 func (s *Server) recoverer(c *gin.Context) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		v := recover()
 		if v == nil {
