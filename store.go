@@ -38,6 +38,9 @@ type Store interface {
 	// (<= 0: all), each with the devices it serves, read at one instant,
 	// and whether more follow.
 	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]ServingBridge, bool, error)
+	// CountBridges returns how many bridges ownerID ("" the operator)
+	// has, reading the bridges only, never the devices they serve.
+	CountBridges(ctx context.Context, ownerID string) (int, error)
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
 	// SetBridgeSecret replaces the hash of a bridge's secret: the old
 	// secret opens nothing from then on. ownerID "" is the operator, who

@@ -1,11 +1,18 @@
 package api
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
+	"path/filepath"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/store"
 )
 
 // TestUserBridgesAreBounded: a user has at most MaxBridgesPerUser bridges
@@ -47,4 +54,56 @@ func TestUserBridgesAreBounded(t *testing.T) {
 	require.Equal(t, 204, e.do("DELETE", path+"/alice-0", e.alice, nil).status)
 	r = e.do("POST", path, e.alice, map[string]any{"bridge_id": "alice-3"})
 	assert.Equal(t, 201, r.status, "one deleted makes room: %s", r.body)
+}
+
+// devicesReadStore counts the devices its ListBridges reads.
+type devicesReadStore struct {
+	*store.DB
+	devices atomic.Int64
+}
+
+func (s *devicesReadStore) ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.ServingBridge, bool, error) {
+	bs, more, err := s.DB.ListBridges(ctx, ownerID, after, limit)
+	for _, b := range bs {
+		s.devices.Add(int64(len(b.Devices)))
+	}
+	return bs, more, err
+}
+
+// TestCreatingABridgeReadsNoDevices: the bound on a user's bridges is
+// counted from the bridges alone. It was counted with a page of
+// ListBridges, which reads every device each bridge serves: a bridge's
+// creation cost as much as all the user's devices (bug 387).
+func TestCreatingABridgeReadsNoDevices(t *testing.T) {
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	st := &devicesReadStore{DB: db}
+	e := newEnvWith(t, db, st, func(o *Options) { o.Limits.MaxBridgesPerUser = 3 })
+	alice := e.bound("dev-0")
+	path := "/api/v1/bridges"
+	r := e.do("POST", path, alice, map[string]any{"bridge_id": "home"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	const devices = 20
+	for i := range devices {
+		id := fmt.Sprintf("dev-%d", i)
+		if i > 0 {
+			e.provision(id, "code-"+id, "sim-1")
+			r := e.do("POST", "/api/v1/devices/register", alice, map[string]any{"device_id": id, "claim_code": "code-" + id})
+			require.Equal(t, 201, r.status, "%s", r.body)
+		}
+		r := e.do("PUT", "/api/v1/devices/"+id+"/bridge", alice, map[string]any{"bridge_id": "home"})
+		require.Equal(t, 200, r.status, "%s", r.body)
+	}
+
+	st.devices.Store(0)
+	r = e.do("POST", path, alice, map[string]any{"bridge_id": "car"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	assert.Zero(t, st.devices.Load(), "devices read to create a bridge beside one serving %d", devices)
+	r = e.do("POST", path, alice, map[string]any{"bridge_id": "boat"})
+	require.Equal(t, 201, r.status, "%s", r.body)
+	r = e.do("POST", path, alice, map[string]any{"bridge_id": "plane"})
+	require.Equal(t, 422, r.status, "a fourth bridge: %s", r.body)
+	assert.Contains(t, string(r.body), "3 bridges")
+	assert.Zero(t, st.devices.Load(), "devices read to refuse a bridge")
 }

@@ -78,14 +78,16 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 		// of the plugin, which writes its whole configuration again on
 		// every change: unbounded, one user's token made them at the
 		// request rate. Counted before the creation, so that requests at
-		// once may pass the bound by as many as they are.
-		have, _, err := s.store.ListBridges(ctx, ownerID, "", n)
+		// once may pass the bound by as many as they are. Counted
+		// without the devices the bridges serve: a page of ListBridges
+		// read them all, each creation O(the user's devices) (bug 387).
+		have, err := s.store.CountBridges(ctx, ownerID)
 		if err != nil {
 			return err
 		}
-		if len(have) >= n {
+		if have >= n {
 			return validationError([]FieldError{{Field: "bridge_id", Message: fmt.Sprintf(
-				"this account has %d bridges, as many as it may: delete one first", len(have))}})
+				"this account has %d bridges, as many as it may: delete one first", have)}})
 		}
 	}
 	secret, hash, err := newSecret(bridgeSecretPrefix)

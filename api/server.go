@@ -31,6 +31,8 @@ type Store interface {
 	// ListBridges reads a page of the owner's bridges, each with the
 	// devices it serves, in one read, and whether more follow.
 	ListBridges(ctx context.Context, ownerID, after string, limit int) ([]companion.ServingBridge, bool, error)
+	// CountBridges counts the owner's bridges without their devices.
+	CountBridges(ctx context.Context, ownerID string) (int, error)
 	DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]string, error)
 	SetBridgeSecret(ctx context.Context, bridgeID, ownerID string, secretHash []byte) error
 	AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID string) (string, error)

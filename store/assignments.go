@@ -291,6 +291,37 @@ func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int)
 	return out, more, nil
 }
 
+// CountBridges returns how many bridges ownerID ("" the operator) has,
+// from the owner's index (a user's) or the bridges themselves (the
+// operator's), never reading the devices they serve (bug 387).
+func (db *DB) CountBridges(ctx context.Context, ownerID string) (int, error) {
+	n := 0
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		if ownerID != "" {
+			if !validID(ownerID) {
+				return nil
+			}
+			scanPrefix(tx.Bucket(bucketOwnerBridges), prefix(ownerID), func([]byte) bool {
+				n++
+				return true
+			})
+			return nil
+		}
+		bridges := tx.Bucket(bucketBridges)
+		return bridges.ForEach(func(id, _ []byte) error {
+			var b companion.Bridge
+			if _, err := getJSON(bridges, id, &b); err != nil {
+				return err
+			}
+			if b.OwnerID == "" {
+				n++
+			}
+			return nil
+		})
+	})
+	return n, err
+}
+
 // DeleteBridge removes a bridge, its secret and its assignments, and
 // returns the devices it served, which read offline. With ownerID set,
 // only one of that user's own bridges goes (ErrNotOwned for another's).

@@ -279,6 +279,18 @@ func (s *Store) ListBridges(ctx context.Context, ownerID, after string, limit in
 	return out, more, nil
 }
 
+// CountBridges returns how many bridges ownerID ("" the operator) has,
+// from the index bridges_by_owner, never reading the devices they serve
+// (bug 387).
+func (s *Store) CountBridges(ctx context.Context, ownerID string) (int, error) {
+	if ownerID != "" && !validID(ownerID) {
+		return 0, nil
+	}
+	var n int
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM bridges WHERE owner_id = $1`, ownerID).Scan(&n)
+	return n, err
+}
+
 // pageLimit is the LIMIT of a query for a page of at most limit items
 // (limit <= 0: all): one more, to learn whether more follow.
 func pageLimit(limit int) any {

@@ -3,13 +3,15 @@ package storetest
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"testing"
 	"time"
 
-	"github.com/devicecompanion/companion"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion"
 )
 
 func testUsers(t *testing.T, open Opener) {
@@ -215,6 +217,7 @@ func testBridges(t *testing.T, open Opener) {
 			assert.ErrorIs(t, err, companion.ErrNotFound, "Bridge(a user's id)")
 		}},
 		{"ListBridges", testListBridges},
+		{"CountBridges", testCountBridges},
 		{"DeleteBridge", testDeleteBridge},
 		{"SetBridgeSecret", testSetBridgeSecret},
 	})
@@ -270,6 +273,33 @@ func testSetBridgeSecret(t *testing.T, s companion.Store) {
 
 	// The old secret's index entry is gone: a new bridge may take it.
 	require.NoError(t, s.CreateBridge(ctx, companion.Bridge{ID: "br9", SecretHash: hashOf("s1")}))
+}
+
+// CountBridges counts one owner's bridges (or the operator's), whatever
+// devices they serve, and follows a deletion (bug 387).
+func testCountBridges(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	owners := map[string]string{"a-op": "", "b-u1": "u1", "c-u2": "u2", "d-u1": "u1", "e-op": "", "f-u1": "u1"}
+	for _, id := range slices.Sorted(maps.Keys(owners)) {
+		require.NoError(t, s.CreateBridge(ctx, companion.Bridge{ID: id, SecretHash: hashOf(id), OwnerID: owners[id]}), "CreateBridge(%s)", id)
+	}
+	for _, dev := range []string{"d1", "d2", "d3"} {
+		require.NoError(t, s.ProvisionDevice(ctx, companion.RegistryDevice{ID: dev, Model: "sim-1", BridgeID: "e-op"}))
+	}
+	count := func(owner string) int {
+		t.Helper()
+		n, err := s.CountBridges(ctx, owner)
+		require.NoError(t, err, "CountBridges(%q)", owner)
+		return n
+	}
+	assert.Equal(t, 2, count(""), "the operator's")
+	assert.Equal(t, 3, count("u1"), "u1's")
+	assert.Equal(t, 1, count("u2"), "u2's")
+	assert.Equal(t, 0, count("u9"), "a user with none")
+	assert.Equal(t, 0, count("u\x001"), "NUL in the owner's id")
+	_, err := s.DeleteBridge(ctx, "d-u1", "u1")
+	require.NoError(t, err, "DeleteBridge(d-u1)")
+	assert.Equal(t, 2, count("u1"), "u1's after a deletion")
 }
 
 // ListBridges pages over one owner's bridges (or the operator's) in id
