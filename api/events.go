@@ -471,15 +471,26 @@ func (s *Server) streamEvents(c *gin.Context) error {
 		fields = append(fields, FieldError{Field: "device_id", Message: "must be given once"})
 	}
 	// EventSource sends Last-Event-ID when it reconnects; the query is
-	// for clients that cannot set a header on their first request.
-	last := c.GetHeader("Last-Event-ID")
+	// for clients that cannot set a header on their first request. The
+	// header wins: EventSource reconnects to the URL it opened, whose
+	// ?last_event_id= is then older than its header. Either given twice
+	// with different values names no one event, and is refused as the
+	// query is; the header was read as its first (bug 388).
+	headers := c.Request.Header.Values("Last-Event-ID")
+	var last string
+	if len(headers) > 0 {
+		last = headers[0]
+	}
+	if slices.ContainsFunc(headers, func(v string) bool { return v != last }) {
+		fields = append(fields, FieldError{Field: "Last-Event-ID", Message: "must be given once"})
+	}
 	field := "Last-Event-ID"
+	query, _, twice := queryOnce(c, "last_event_id")
+	if twice {
+		fields = append(fields, FieldError{Field: "last_event_id", Message: "must be given once"})
+	}
 	if last == "" {
-		last, _, twice = queryOnce(c, "last_event_id")
-		field = "last_event_id"
-		if twice {
-			fields = append(fields, FieldError{Field: "last_event_id", Message: "must be given once"})
-		}
+		last, field = query, "last_event_id"
 	}
 	if err := validationError(fields); err != nil {
 		return err

@@ -642,6 +642,60 @@ func TestEventsParameterGivenTwice(t *testing.T) {
 	assert.Equal(t, "command", s.next(t).event)
 }
 
+// TestEventsLastEventIDGivenTwice: a Last-Event-ID header sent twice
+// with different values is a 422 naming it, as the query given twice is,
+// and the query is refused so even beside a header. Without the fix the
+// stream opened after the first header's id (bug 388). The header and the
+// query together are not twice: the header wins, as EventSource sends it
+// when it reconnects to the URL it opened with ?last_event_id=.
+func TestEventsLastEventIDGivenTwice(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	s := e.stream(t, tok, "", nil)
+	e.push(t, tok, "dev-1")
+	first := s.next(t)
+	second := e.push(t, tok, "dev-1")
+	require.Equal(t, second, s.next(t).json(t)["id"])
+	s.Close()
+
+	for _, tc := range []struct {
+		name    string
+		query   string
+		headers []string
+		field   string
+	}{
+		{"header twice", "", []string{first.id, "00000000000000000000"}, "Last-Event-ID"},
+		{"query twice beside a header", "?last_event_id=" + first.id + "&last_event_id=00000000000000000000", []string{first.id}, "last_event_id"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hr := sseRequest(t, e.srv.URL+"/api/v1/events"+tc.query, tok, nil)
+			for _, h := range tc.headers {
+				hr.Header.Add("Last-Event-ID", h)
+			}
+			res, err := e.srv.Client().Do(hr.WithContext(t.Context()))
+			require.NoError(t, err)
+			defer res.Body.Close()
+			require.NotEqual(t, http.StatusOK, res.StatusCode, "a stream opened")
+			b, err := io.ReadAll(res.Body)
+			require.NoError(t, err)
+			require.Equal(t, http.StatusUnprocessableEntity, res.StatusCode, "%s", b)
+			p := resp{status: res.StatusCode, header: res.Header, body: b}.problem(t)
+			assert.Equal(t, CodeValidationFailed, p.Code)
+			assert.Equal(t, []FieldError{{Field: tc.field, Message: "must be given once"}}, p.Errors)
+		})
+	}
+	// The same value twice is one value.
+	hr := sseRequest(t, e.srv.URL+"/api/v1/events", tok, nil)
+	hr.Header.Add("Last-Event-ID", first.id)
+	hr.Header.Add("Last-Event-ID", first.id)
+	again := &sseStream{ssetest.Open(t, e.srv.Client(), hr)}
+	assert.Equal(t, second, again.next(t).json(t)["id"], "resumed after the id sent twice")
+	again.Close()
+	// The header wins over the query: resumed after first, not from the start.
+	s = e.stream(t, tok, "?last_event_id=00000000000000000000", map[string]string{"Last-Event-ID": first.id})
+	assert.Equal(t, second, s.next(t).json(t)["id"], "resumed after the header's id")
+}
+
 // timedAnswers passes on every answered request with the time the
 // RequestObserver is told it took.
 type timedAnswers chan timedAnswer
