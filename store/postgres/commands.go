@@ -33,14 +33,26 @@ const commandColumns = `id::text, device_id, user_id, op, state, progress, error
 	result, payload, blob, created_at, updated_at, expires_at`
 
 func scanCommand(row pgx.Row) (companion.Command, error) {
+	return scanCommandAt(row, nil)
+}
+
+// scanCommandAt is scanCommand of a row that begins, when db is not nil,
+// with a time before commandColumns, read into db.
+func scanCommandAt(row pgx.Row, db *time.Time) (companion.Command, error) {
 	var (
 		c             companion.Command
 		progress      *int32
 		code, message *string
 		result, pay   []byte
+		err           error
 	)
-	err := row.Scan(&c.ID, &c.DeviceID, &c.UserID, &c.Op, &c.State, &progress, &code, &message,
-		&result, &pay, &c.Blob, &c.CreatedAt, &c.UpdatedAt, &c.ExpiresAt)
+	if db != nil {
+		err = row.Scan(db, &c.ID, &c.DeviceID, &c.UserID, &c.Op, &c.State, &progress, &code, &message,
+			&result, &pay, &c.Blob, &c.CreatedAt, &c.UpdatedAt, &c.ExpiresAt)
+	} else {
+		err = row.Scan(&c.ID, &c.DeviceID, &c.UserID, &c.Op, &c.State, &progress, &code, &message,
+			&result, &pay, &c.Blob, &c.CreatedAt, &c.UpdatedAt, &c.ExpiresAt)
+	}
 	if err != nil {
 		return companion.Command{}, notFound(err)
 	}
@@ -223,14 +235,16 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 				return err
 			}
 		}
-		last, open, err := lockDeviceQueue(ctx, tx, c.DeviceID)
+		last, open, db, err := lockDeviceQueue(ctx, tx, c.DeviceID)
 		if err != nil {
 			return err
 		}
 		if maxOpen > 0 && open >= maxOpen {
 			return companion.ErrQueueFull
 		}
-		now, id, err := s.ids.next(s.now, c.DeviceID, last)
+		// Stamped by the database's clock when the store's is far from it
+		// (bug 313), the id's time with it.
+		now, id, err := s.ids.next(func() time.Time { return s.stampAt(db) }, c.DeviceID, last)
 		if err != nil {
 			return err
 		}
@@ -283,7 +297,8 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 
 // lockDeviceQueue locks the device's row of device_queues, making it when
 // there is none, and returns the last id the device was given (the zero
-// UUID for none) and how many of its commands are not final.
+// UUID for none), how many of its commands are not final, and the
+// database's clock (for stampAt).
 // lockOwnBinding returns companion.ErrNotOwned unless the device is bound
 // to the user, or is no device of the registry at all (a test's). The API
 // checked it before it read the request's body; checked again here, under
@@ -313,29 +328,31 @@ func lockOwnBinding(ctx context.Context, tx pgx.Tx, deviceID, userID string) err
 	return nil
 }
 
-func lockDeviceQueue(ctx context.Context, tx pgx.Tx, deviceID string) (uuid.UUID, int, error) {
+func lockDeviceQueue(ctx context.Context, tx pgx.Tx, deviceID string) (uuid.UUID, int, time.Time, error) {
 	for {
 		var (
 			last *string
 			open int
+			db   time.Time
 		)
-		err := tx.QueryRow(ctx, `SELECT last_id::text, open_count FROM device_queues WHERE device_id = $1 FOR UPDATE`, deviceID).Scan(&last, &open)
+		err := tx.QueryRow(ctx, `SELECT last_id::text, open_count, statement_timestamp() FROM device_queues WHERE device_id = $1 FOR UPDATE`, deviceID).Scan(&last, &open, &db)
 		if err == nil {
 			if last == nil {
-				return uuid.UUID{}, open, nil
+				return uuid.UUID{}, open, db, nil
 			}
 			u, err := uuid.Parse(*last)
-			return u, open, err
+			return u, open, db, err
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
-			return uuid.UUID{}, 0, err
+			return uuid.UUID{}, 0, time.Time{}, err
 		}
-		tag, err := tx.Exec(ctx, `INSERT INTO device_queues (device_id, open_count) VALUES ($1, 0) ON CONFLICT (device_id) DO NOTHING`, deviceID)
-		if err != nil {
-			return uuid.UUID{}, 0, err
+		err = tx.QueryRow(ctx, `INSERT INTO device_queues (device_id, open_count) VALUES ($1, 0) ON CONFLICT (device_id) DO NOTHING
+			RETURNING statement_timestamp()`, deviceID).Scan(&db)
+		if err == nil {
+			return uuid.UUID{}, 0, db, nil // ours, locked by the insert
 		}
-		if tag.RowsAffected() == 1 {
-			return uuid.UUID{}, 0, nil // ours, locked by the insert
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return uuid.UUID{}, 0, time.Time{}, err
 		}
 		// Another transaction made it meanwhile: lock that one.
 	}
@@ -480,7 +497,8 @@ func (s *Store) updateCommandAsync(ctx context.Context, id string, fn func(*comp
 // command as stored, and final true (and no change) when it was final
 // already.
 func (s *Store) updateCommand(ctx context.Context, tx pgx.Tx, id string, fn func(*companion.Command) error) (companion.Command, bool, error) {
-	nc, err := s.command(ctx, tx, id, true)
+	var db time.Time // the database's clock, for stampAt
+	nc, err := scanCommandAt(tx.QueryRow(ctx, `SELECT statement_timestamp(), `+commandColumns+` FROM commands WHERE id = $1 FOR UPDATE`, id), &db)
 	if err != nil {
 		return companion.Command{}, false, err
 	}
@@ -494,7 +512,7 @@ func (s *Store) updateCommand(ctx context.Context, tx pgx.Tx, id string, fn func
 	}
 	nc.ID, nc.DeviceID, nc.CreatedAt = old.ID, old.DeviceID, old.CreatedAt
 	nc.ExpiresAt = pgTime(nc.ExpiresAt)
-	nc.UpdatedAt = s.clock()
+	nc.UpdatedAt = s.stampAt(db) // bug 313
 	if err := compactCommand(&nc); err != nil {
 		return companion.Command{}, false, err
 	}

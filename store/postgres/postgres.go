@@ -376,6 +376,25 @@ func (s *Store) clock() time.Time {
 	return pgTime(s.now())
 }
 
+// clockTrust is how far the store's clock may be from the database's and
+// still stamp what it writes (stampAt), and judge ages (purgeCut).
+const clockTrust = time.Minute
+
+// stampAt is the time to stamp a write with, given db, the database's
+// clock as the write's transaction read it: the store's own, to the
+// microsecond, when within clockTrust of the database's; the database's
+// when further. Every replica stamps by that one clock, the clock the
+// purges judge ages by (purgeCut): a replica 2 h behind stamped a command
+// it had just ended 2 h old, and the hourly purge deleted it and its
+// events 2 h before their retention (docs/reliability.md, bug 313).
+func (s *Store) stampAt(db time.Time) time.Time {
+	now := s.clock()
+	if d := now.Sub(db); d < -clockTrust || d > clockTrust {
+		return pgTime(db)
+	}
+	return now
+}
+
 // pgTime is t in UTC to the microsecond, as a timestamptz keeps it.
 func pgTime(t time.Time) time.Time {
 	return t.Truncate(time.Microsecond).UTC()

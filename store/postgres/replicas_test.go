@@ -38,6 +38,7 @@ func init() {
 		{"IdempotencyClaimClockSkew", testIdempotencyClaimClockSkew},
 		{"PurgeClockSkew", testPurgeClockSkew},
 		{"BlobStoredBehindKeepsItsGrace", testBlobStoredBehindKeepsItsGrace},
+		{"CommandWrittenBehindKeepsItsRetention", testCommandWrittenBehindKeepsItsRetention},
 		{"ListenCommands", testListenCommands},
 		{"ListenHearsOwnChanges", testListenHearsOwnChanges},
 		{"ListenReconnects", testListenReconnects},
@@ -137,10 +138,12 @@ func testTwoStoresOneDevice(t *testing.T, e *testEnv) {
 }
 
 // A replica whose clock is behind still gives a device's next command an
-// id above the last one another replica gave.
+// id above the last one another replica gave. (A clock off the database's
+// by more than a minute gives way to the database's, bug 313: 30 s ahead
+// is kept.)
 func testClockSkew(t *testing.T, e *testEnv) {
 	dsn := e.newDB(t)
-	ahead := e.openWith(t, dsn, postgres.Options{Now: func() time.Time { return time.Now().Add(time.Hour) }})
+	ahead := e.openWith(t, dsn, postgres.Options{Now: func() time.Time { return time.Now().Add(30 * time.Second) }})
 	behind := e.open(t, dsn)
 	ctx := t.Context()
 	var ids []string
@@ -829,15 +832,22 @@ func testPurgeClockSkew(t *testing.T, e *testEnv) {
 	require.NoError(t, err)
 	_, err = writer.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
 	require.NoError(t, err)
-	// A blob is stamped by the database's clock (bug 312): one of 23 h
-	// ago is written to the database directly.
+	// A blob (bug 312), a command and its events (bug 313) are stamped by
+	// the database's clock: those of 23 h ago are written to the database
+	// directly.
 	_, err = writer.PutBlob(ctx, strings.NewReader("a photo of 23 h ago"), 0)
 	require.NoError(t, err)
 	conn, err := pgx.Connect(ctx, dsn)
 	require.NoError(t, err)
 	defer conn.Close(context.Background())
-	_, err = conn.Exec(ctx, `UPDATE blobs SET created_at = now() - interval '23 hours', stored_at = now() - interval '23 hours'`)
-	require.NoError(t, err)
+	for _, q := range []string{
+		`UPDATE blobs SET created_at = now() - interval '23 hours', stored_at = now() - interval '23 hours'`,
+		`UPDATE commands SET created_at = now() - interval '23 hours', updated_at = now() - interval '23 hours'`,
+		`UPDATE events SET at = now() - interval '23 hours'`,
+	} {
+		_, err = conn.Exec(ctx, q)
+		require.NoError(t, err, q)
+	}
 
 	purge := func(s *postgres.Store, olderThan time.Time) map[string]int {
 		t.Helper()
@@ -888,4 +898,34 @@ func testBlobStoredBehindKeepsItsGrace(t *testing.T, e *testEnv) {
 	assert.Equal(t, 0, n, "blobs purged an hour ago, a moment after the upload")
 	_, err = behind.Blob(ctx, b.SHA256)
 	assert.NoError(t, err, "the blob, a moment after its upload")
+}
+
+// A command is stamped, and its events with it, by the database's clock,
+// the clock its purges judge it by (bug 310), whatever the clock of the
+// replica that writes it: one 2 h behind stamped a command it had just
+// ended 2 h old, and the hourly purge deleted it and its events 2 h
+// before their retention (docs/reliability.md, bug 313).
+func testCommandWrittenBehindKeepsItsRetention(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	ctx := t.Context()
+	behind := e.openWith(t, dsn, postgres.Options{Now: func() time.Time { return time.Now().Add(-2 * time.Hour) }})
+	dispatcher := e.open(t, dsn)
+	c, _, err := behind.CreateCommand(ctx, cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	assert.WithinDuration(t, time.Now(), c.CreatedAt, 30*time.Second, "the command's creation, by the database's clock")
+	done, err := behind.UpdateCommand(ctx, c.ID, func(c *companion.Command) error { c.State = companion.StateSucceeded; return nil })
+	require.NoError(t, err)
+	assert.WithinDuration(t, time.Now(), done.UpdatedAt, 30*time.Second, "the command's change, by the database's clock")
+	got, err := dispatcher.Command(ctx, c.ID)
+	require.NoError(t, err)
+	assert.Equal(t, done, got, "the command as read through another replica, as its writer answered it")
+
+	n, err := dispatcher.PurgeCommands(ctx, time.Now().Add(-time.Hour))
+	require.NoError(t, err)
+	assert.Equal(t, 0, n, "commands purged an hour ago, a moment after one ended")
+	n, err = dispatcher.PurgeEvents(ctx, time.Now().Add(-time.Hour))
+	require.NoError(t, err)
+	assert.Equal(t, 0, n, "events purged an hour ago, a moment after a command's")
+	_, err = dispatcher.Command(ctx, c.ID)
+	assert.NoError(t, err, "the command, a moment after it ended")
 }
