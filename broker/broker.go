@@ -53,6 +53,13 @@ type Store interface {
 	Settings(ctx context.Context, deviceID string) (companion.Settings, error)
 }
 
+// clockOffsetter is a Store whose times are on a clock other than the
+// replica's: its ClockOffset is how far that clock is ahead of Options.Now
+// (store/postgres, the database's).
+type clockOffsetter interface {
+	ClockOffset() time.Duration
+}
+
 // Options configure a Broker. The zero value of each optional field means
 // its default.
 type Options struct {
@@ -308,12 +315,19 @@ func New(opts Options) (*Broker, error) {
 	if opts.Observer == nil {
 		opts.Observer = nopObserver{}
 	}
+	now := opts.Now
+	if st, ok := opts.Store.(clockOffsetter); ok {
+		// The store stamps commands by the database's clock when this
+		// replica's is far from it: their expires_at, created_at and
+		// updated_at are judged by that clock too (bug 314).
+		now = func() time.Time { return opts.Now().Add(st.ClockOffset()) }
+	}
 	b := &Broker{
 		opts:        opts,
 		st:          opts.Store,
 		tree:        opts.Topics,
 		log:         opts.Logger.With("component", "broker"),
-		now:         opts.Now,
+		now:         now,
 		kick:        make(chan struct{}, 1),
 		connected:   make(chan struct{}, 1),
 		waiters:     make(map[string][]chan companion.Command),

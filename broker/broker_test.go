@@ -2383,3 +2383,30 @@ func TestLatencyAfterTheClockSteppedBackIsNotNegative(t *testing.T) {
 		t.Errorf("accept-to-final latency %v; want none below 0", ages[0])
 	}
 }
+
+// offsetStore is a store whose times are on a clock off the broker's by
+// offset, as store/postgres's are on the database's (ClockOffset).
+type offsetStore struct {
+	*store.DB
+	offset time.Duration
+}
+
+func (s offsetStore) ClockOffset() time.Duration { return s.offset }
+
+// A command's TTL runs on the clock of the store's times: a dispatcher 2 h
+// ahead of the database expired at once the commands of an hour's TTL it
+// and every other replica accepted (docs/reliability.md, bug 314).
+func TestExpiryByTheStoresClock(t *testing.T) {
+	e, _ := newEnvOn(t, func(db *store.DB) offsetStore { return offsetStore{db, -2 * time.Hour} })
+	fb := connectBridge(t, e)
+	p, _ := json.Marshal(topics.PushText{Text: "an hour's TTL"})
+	// Stored as store/postgres stores it: expires_at an hour ahead by
+	// the database's clock, 2 h behind the broker's.
+	c, _, err := e.db.CreateCommand(context.Background(), companion.Command{
+		DeviceID: "dev-1", UserID: "u1", Op: topics.OpPushText, Payload: p, ExpiresAt: e.clock.Now().Add(-2*time.Hour + time.Hour),
+	}, 0, nil)
+	require.NoError(t, err)
+	e.b.wake() // stored behind the broker's back: the outbox reads it anew
+	assert.Equal(t, c.ID, fb.next(t).ID, "the command, published")
+	assert.NotEqual(t, companion.StateExpired, state(t, e, c.ID).State)
+}

@@ -243,8 +243,10 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 			return companion.ErrQueueFull
 		}
 		// Stamped by the database's clock when the store's is far from it
-		// (bug 313), the id's time with it.
-		now, id, err := s.ids.next(func() time.Time { return s.stampAt(db) }, c.DeviceID, last)
+		// (bug 313), the id's time with it, and the TTL the caller gave by
+		// the store's clock runs on it too (bug 314).
+		off := s.offsetAt(db)
+		now, id, err := s.ids.next(func() time.Time { return s.now().Add(off) }, c.DeviceID, last)
 		if err != nil {
 			return err
 		}
@@ -259,6 +261,7 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 		nc.ID = id.String()
 		nc.State = companion.StateQueued
 		nc.CreatedAt, nc.UpdatedAt = now, now
+		nc.ExpiresAt = pgTime(c.ExpiresAt.Add(off))
 		// The writes go in one round trip.
 		var b pgx.Batch
 		b.Queue(`INSERT INTO commands (id, device_id, user_id, op, state, progress, error_code, error_message,
@@ -668,14 +671,31 @@ func (s *Store) SentCommandsOnline(ctx context.Context) ([]companion.Command, er
 }
 
 // ExpiredCommands returns the commands still queued or sent whose
-// ExpiresAt is before now, soonest first.
+// ExpiresAt is before now, soonest first. now is by the store's clock
+// plus its ClockOffset (the broker's), which the same round trip sees
+// anew; a clock that stepped since it was last seen is judged by the
+// database's (expiryCut), as a purge's (bug 314).
 func (s *Store) ExpiredCommands(ctx context.Context, now time.Time) ([]companion.Command, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+commandColumns+` FROM commands
-		WHERE state IN ('queued', 'sent') AND expires_at < $1 ORDER BY expires_at, id`, now)
+	var b pgx.Batch
+	b.Queue(`SELECT statement_timestamp()`)
+	b.Queue(`SELECT `+commandColumns+` FROM commands
+		WHERE state IN ('queued', 'sent') AND expires_at < `+expiryCut+` ORDER BY expires_at, id`, now, s.clock())
+	br := s.pool.SendBatch(ctx, &b)
+	defer br.Close()
+	var db time.Time
+	if err := br.QueryRow().Scan(&db); err != nil {
+		return nil, err
+	}
+	s.offsetAt(db)
+	rows, err := br.Query()
 	if err != nil {
 		return nil, err
 	}
-	return appendCommands([]companion.Command{}, rows)
+	out, err := appendCommands([]companion.Command{}, rows)
+	if err != nil {
+		return nil, err
+	}
+	return out, br.Close()
 }
 
 // CountOpen returns how many non-final commands the device has.
@@ -704,7 +724,8 @@ func (s *Store) CountAllOpen(ctx context.Context) (int, error) {
 const purgeBatch = 1000
 
 // purgeCut is the cutoff of a purge statement given olderThan as $1 and
-// the store's clock as $3: the time as old, by the database's clock, as
+// the store's clock (clock: with its ClockOffset, as the dispatcher's
+// since bug 314) as $3: the time as old, by the database's clock, as
 // olderThan is by the store's (its clock within a minute of the
 // database's: olderThan itself). Every replica judges an age by that one
 // clock, as it judges an Idempotency-Key's (bug 309): the dispatcher's
@@ -714,6 +735,9 @@ const purgeBatch = 1000
 // (docs/reliability.md, bug 310).
 const purgeCut = `(CASE WHEN $3::timestamptz BETWEEN statement_timestamp() - interval '1 minute' AND statement_timestamp() + interval '1 minute'
 	THEN $1::timestamptz ELSE $1::timestamptz + (statement_timestamp() - $3::timestamptz) END)`
+
+// expiryCut is purgeCut of now as $1 and the store's clock as $2.
+var expiryCut = strings.ReplaceAll(purgeCut, "$3", "$2")
 
 // purge runs del, a DELETE of at most $2 rows older than $1 (purgeCut, $3
 // the store's clock), each run a transaction of its own, until it deletes

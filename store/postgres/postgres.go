@@ -65,7 +65,8 @@ type Store struct {
 	closed bool
 	done   chan struct{} // closed by Close: stops ListenCommands and Campaign
 
-	dispatching atomic.Bool // this store holds the dispatcher's lock (Campaign)
+	dispatching atomic.Bool  // this store holds the dispatcher's lock (Campaign)
+	offset      atomic.Int64 // ClockOffset, in nanoseconds, as last seen (offsetAt)
 
 	purgeBatch int // deletions per transaction of the Purge methods; purgeBatch when 0 (tests set it)
 	// afterPurgeBatch, when set (by tests, before the store is used), runs
@@ -154,6 +155,12 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
 	s := &Store{pool: pool, cfg: cfg, now: opts.Now, log: opts.Logger, health: h, done: make(chan struct{})}
+	var db time.Time
+	if err := pool.QueryRow(ctx, `SELECT statement_timestamp()`).Scan(&db); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	s.offsetAt(db) // ClockOffset, before the first write
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -371,9 +378,11 @@ func (s *Store) tx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 }
 
 // clock returns the store's time to the microsecond, as PostgreSQL keeps
-// it, so that what a write returns equals what a read returns later.
+// it, so that what a write returns equals what a read returns later: its
+// clock plus ClockOffset, the database's when the store's is far from it
+// (bug 314).
 func (s *Store) clock() time.Time {
-	return pgTime(s.now())
+	return pgTime(s.now().Add(s.ClockOffset()))
 }
 
 // clockTrust is how far the store's clock may be from the database's and
@@ -388,11 +397,32 @@ const clockTrust = time.Minute
 // it had just ended 2 h old, and the hourly purge deleted it and its
 // events 2 h before their retention (docs/reliability.md, bug 313).
 func (s *Store) stampAt(db time.Time) time.Time {
-	now := s.clock()
-	if d := now.Sub(db); d < -clockTrust || d > clockTrust {
-		return pgTime(db)
+	return pgTime(s.now().Add(s.offsetAt(db)))
+}
+
+// offsetAt notes and returns the store's ClockOffset given db, the
+// database's clock as read a moment ago.
+func (s *Store) offsetAt(db time.Time) time.Duration {
+	d := db.Sub(s.now())
+	switch old := s.ClockOffset(); {
+	case d >= -clockTrust && d <= clockTrust:
+		d = 0
+	case d-old > -time.Second && d-old < time.Second:
+		return old // the same, but for the round trip's jitter: kept steady
 	}
-	return now
+	s.offset.Store(int64(d))
+	return d
+}
+
+// ClockOffset is how far the database's clock is ahead of the store's
+// (Options.Now), as last seen: 0 while they are within a minute, as the
+// store stamps then by its own. The store's clock plus ClockOffset is the
+// clock of the times it stamps (stampAt) and of a command's ExpiresAt:
+// what a dispatcher judges them by, whatever its own clock says (bug
+// 314). It is seen as the store opens, in each write of a command and in
+// each ExpiredCommands.
+func (s *Store) ClockOffset() time.Duration {
+	return time.Duration(s.offset.Load())
 }
 
 // pgTime is t in UTC to the microsecond, as a timestamptz keeps it.

@@ -39,6 +39,7 @@ func init() {
 		{"PurgeClockSkew", testPurgeClockSkew},
 		{"BlobStoredBehindKeepsItsGrace", testBlobStoredBehindKeepsItsGrace},
 		{"CommandWrittenBehindKeepsItsRetention", testCommandWrittenBehindKeepsItsRetention},
+		{"CommandExpiresByTheDatabasesClock", testCommandExpiresByTheDatabasesClock},
 		{"ListenCommands", testListenCommands},
 		{"ListenHearsOwnChanges", testListenHearsOwnChanges},
 		{"ListenReconnects", testListenReconnects},
@@ -861,8 +862,16 @@ func testPurgeClockSkew(t *testing.T, e *testEnv) {
 		}
 		return got
 	}
+	// A purging replica whose clock stepped since its store last saw the
+	// database's (ClockOffset, bug 314): its cutoff is by that clock.
+	stepped := func(d time.Duration) *postgres.Store {
+		var step atomic.Int64
+		s := e.openWith(t, dsn, postgres.Options{Now: func() time.Time { return time.Now().Add(time.Duration(step.Load())) }})
+		step.Store(int64(d))
+		return s
+	}
 	// A day by the clock 2 h ahead: 22 h by the database's.
-	ahead := e.openWith(t, dsn, postgres.Options{Now: clockAt(2 * time.Hour)})
+	ahead := stepped(2 * time.Hour)
 	assert.Equal(t, map[string]int{"idempotency": 0, "commands": 0, "events": 0, "blobs": 0},
 		purge(ahead, time.Now().Add(2*time.Hour-24*time.Hour)), "purged a day ago by a replica 2 h ahead")
 	_, err = writer.Idempotency(ctx, "u1", "k1")
@@ -870,7 +879,7 @@ func testPurgeClockSkew(t *testing.T, e *testEnv) {
 
 	// A day, and then 22 h, by the clock 2 h behind: the records of 23 h
 	// ago are younger than the one, older than the other.
-	behind := e.openWith(t, dsn, postgres.Options{Now: clockAt(-2 * time.Hour)})
+	behind := stepped(-2 * time.Hour)
 	assert.Equal(t, map[string]int{"idempotency": 0, "commands": 0, "events": 0, "blobs": 0},
 		purge(behind, time.Now().Add(-2*time.Hour-24*time.Hour)), "purged a day ago by a replica 2 h behind")
 	got := purge(behind, time.Now().Add(-2*time.Hour-22*time.Hour))
@@ -928,4 +937,48 @@ func testCommandWrittenBehindKeepsItsRetention(t *testing.T, e *testEnv) {
 	assert.Equal(t, 0, n, "events purged an hour ago, a moment after a command's")
 	_, err = dispatcher.Command(ctx, c.ID)
 	assert.NoError(t, err, "the command, a moment after it ended")
+}
+
+// A command's TTL runs on the database's clock, whatever the clocks of the
+// replica that accepts it and of the one that dispatches it: accepted
+// through a replica 2 h behind, a command of an hour's TTL read expired at
+// once to a dispatcher in step with the database, and to one 2 h ahead its
+// own commands did (docs/reliability.md, bug 314).
+func testCommandExpiresByTheDatabasesClock(t *testing.T, e *testEnv) {
+	dsn := e.newDB(t)
+	ctx := t.Context()
+	clockAt := func(d time.Duration) func() time.Time { return func() time.Time { return time.Now().Add(d) } }
+	behind := e.openWith(t, dsn, postgres.Options{Now: clockAt(-2 * time.Hour)})
+	ahead := e.openWith(t, dsn, postgres.Options{Now: clockAt(2 * time.Hour)})
+	inStep := e.open(t, dsn)
+	// Each command's ExpiresAt as the API of its replica sets it: its
+	// clock and the store's, plus the TTL.
+	accept := func(s *postgres.Store, d time.Duration) companion.Command {
+		t.Helper()
+		in := cmd("d1")
+		in.ExpiresAt = time.Now().Add(d + time.Hour)
+		c, _, err := s.CreateCommand(ctx, in, 0, nil)
+		require.NoError(t, err)
+		assert.WithinDuration(t, time.Now().Add(time.Hour), c.ExpiresAt, 30*time.Second, "the command's expiry, an hour by the database's clock")
+		got, err := inStep.Command(ctx, c.ID)
+		require.NoError(t, err)
+		assert.Equal(t, c, got, "the command as read through another replica, as its 202 showed it")
+		return c
+	}
+	accept(behind, -2*time.Hour)
+	accept(ahead, 2*time.Hour)
+	accept(inStep, 0)
+	// A dispatcher judges by its store's clock and ClockOffset, as the
+	// broker does.
+	for name, d := range map[string]time.Duration{"in step": 0, "2 h ahead": 2 * time.Hour, "2 h behind": -2 * time.Hour} {
+		s := map[time.Duration]*postgres.Store{0: inStep, 2 * time.Hour: ahead, -2 * time.Hour: behind}[d]
+		now := time.Now().Add(d).Add(s.ClockOffset())
+		assert.WithinDuration(t, time.Now(), now, 30*time.Second, "the clock of the dispatcher %s, as its store reads it", name)
+		expired, err := s.ExpiredCommands(ctx, now)
+		require.NoError(t, err)
+		assert.Empty(t, expired, "commands expired by the dispatcher %s, a moment after they were accepted", name)
+		expired, err = s.ExpiredCommands(ctx, now.Add(61*time.Minute))
+		require.NoError(t, err)
+		assert.Len(t, expired, 3, "commands expired by the dispatcher %s, an hour after they were accepted", name)
+	}
 }
