@@ -454,8 +454,15 @@ type Main struct {
 	api        *api.Server
 	srv        *http.Server
 	serveDone  chan struct{}
-	closeOnce  sync.Once
-	closeErr   error
+	// handlers is read-locked by each HTTP handler for as long as it
+	// runs; Close takes it, so that it closes the brokers and the store
+	// only once the last handler has returned (bug 369).
+	handlers sync.RWMutex
+	// shutdownGrace is how long Close lets the requests in flight
+	// finish (httpShutdownGrace when 0; tests shorten it).
+	shutdownGrace time.Duration
+	closeOnce     sync.Once
+	closeErr      error
 }
 
 // NewMain returns a Main for cfg; nothing starts until Run.
@@ -772,7 +779,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		return fmt.Errorf("HTTP listen: %w", err)
 	}
 	m.srv = &http.Server{
-		Handler: handler.Handler(),
+		Handler: m.countHandlers(handler.Handler()),
 		// No ReadTimeout: it would bound a whole upload, however steadily
 		// it comes. The API cuts a request body that stalls instead
 		// (api.Limits.BodyIdle).
@@ -802,6 +809,20 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	return nil
 }
 
+// countHandlers runs h under a read lock of m.handlers, which Close takes
+// once the HTTP server is shut down, to wait for the handlers still
+// running (bug 369). A request that comes as Close waits is dropped: its
+// connection is being closed.
+func (m *Main) countHandlers(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !m.handlers.TryRLock() {
+			panic(http.ErrAbortHandler)
+		}
+		defer m.handlers.RUnlock()
+		h.ServeHTTP(w, r)
+	})
+}
+
 // serverErrorLog is the HTTP server's ErrorLog: net/http's errors are
 // warnings, but for a TLS handshake that failed, which is debug. Most are
 // a client that went away during it (a phone whose link dropped, a load
@@ -824,9 +845,15 @@ func (w errorLogWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
+// httpShutdownGrace is how long Close lets the HTTP requests in flight
+// finish before it closes their connections.
+const httpShutdownGrace = 15 * time.Second
+
 // Close shuts down in reverse order: HTTP (letting requests in flight
 // finish, those held by Prefer: wait answered at once, those whose body
-// is still coming answered 503), the demo bridge,
+// is still coming answered 503, the connections of those still running
+// after httpShutdownGrace closed, and every handler returned), the demo
+// bridge,
 // the dynamic-security driver, the command broker, the MQTT broker, the
 // store, the pprof listener.
 func (m *Main) Close() error {
@@ -846,12 +873,26 @@ func (m *Main) Close() error {
 			// answered 503 now, or Shutdown waits for a stalled upload
 			// (bug 331).
 			m.api.EndBodyReads()
-			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-			errs = append(errs, m.srv.Shutdown(ctx))
+			grace := m.shutdownGrace
+			if grace == 0 {
+				grace = httpShutdownGrace
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), grace)
+			err := m.srv.Shutdown(ctx)
 			cancel()
+			if errors.Is(err, context.DeadlineExceeded) {
+				// A request still answering (a download its client does
+				// not read) has its connection closed: its handler's
+				// next write fails, and it returns. The brokers and the
+				// store are closed under no handler (bug 369).
+				m.Logger.Warn("requests still running after the shutdown's grace; closing their connections", "grace", grace)
+				err = m.srv.Close()
+			}
+			errs = append(errs, err)
 			if m.serveDone != nil {
 				<-m.serveDone
 			}
+			m.handlers.Lock()
 		}
 		if m.Demo != nil {
 			errs = append(errs, m.Demo.Close())

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -193,4 +194,50 @@ func TestServeOnEveryAddressPrintsLoopback(t *testing.T) {
 	assert.NotContains(t, text, "0.0.0.0", "the quick start")
 	assert.Contains(t, text, "curl -s "+api+"/api/v1/devices ", "the quick start")
 	assert.Contains(t, text, "mosquitto_sub -h 127.0.0.1 -p "+mqttPort+" ", "the quick start")
+}
+
+// A request still answering when the HTTP server's shutdown runs out of
+// grace (the download of a blob its client does not read) has its
+// connection closed, and its handler returns before the brokers and the
+// store are closed; Close does not fail for it. Close returned the
+// shutdown's deadline and went on to close the store, and the handler
+// went on writing the blob, its connection open, after Close returned.
+// docs/reliability.md, bug 369.
+func TestShutdownClosesWhatOutlivesItsGrace(t *testing.T) {
+	m := startServer(t, Config{})
+	m.shutdownGrace = 500 * time.Millisecond
+	app := make([]byte, 12<<20) // more than the socket buffers hold
+	rand.Read(app)
+	admin := newClient(t, m, m.AdminToken())
+	r := admin.do("PUT", "/api/v1/admin/apps/big/1.0.0", app)
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	sum := sha256.Sum256(app)
+
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		var err error
+		if cerr := rc.Control(func(fd uintptr) {
+			err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096)
+		}); cerr != nil {
+			return cerr
+		}
+		return err
+	}}
+	conn, err := d.Dial("tcp", m.HTTPAddr())
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = fmt.Fprintf(conn, "GET /api/v1/blobs/%x HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n\r\n", sum, m.HTTPAddr(), m.AdminToken())
+	require.NoError(t, err)
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(20*time.Second)))
+	rd := bufio.NewReader(conn)
+	line, err := rd.ReadString('\n')
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(line, "HTTP/1.1 200"), "answer %q", line)
+
+	assert.NoError(t, m.Close(), "Close with a download its client does not read")
+	// What comes now is what the sockets' buffers held as the connection
+	// was closed, not the rest of the blob.
+	n, err := io.Copy(io.Discard, rd)
+	var ne net.Error
+	require.False(t, errors.As(err, &ne) && ne.Timeout(), "the download's connection is still open after Close: %v", err)
+	assert.Less(t, n, int64(len(app)), "bytes of the blob sent after Close returned, the store closed")
 }
