@@ -11,7 +11,6 @@
 package sim
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -132,21 +131,22 @@ func ReadExecOrder(path string) ([]string, error) {
 	return ids, nil
 }
 
-// completeLines returns the non-empty lines of b that end in a newline.
+// completeLines returns the non-empty lines of b that end in a newline,
+// however long: a line a crash damaged is read as one, and the lines after
+// it too. A bufio.Scanner stopped at a line over 64 KiB, and the ids after
+// it went uncounted (bug 370).
 func completeLines(b []byte) []string {
-	if i := bytes.LastIndexByte(b, '\n'); i >= 0 {
-		b = b[:i+1]
-	} else {
-		b = nil
-	}
 	var ids []string
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		if id := strings.TrimSpace(sc.Text()); id != "" {
+	for {
+		i := bytes.IndexByte(b, '\n')
+		if i < 0 {
+			return ids
+		}
+		if id := strings.TrimSpace(string(b[:i])); id != "" {
 			ids = append(ids, id)
 		}
+		b = b[i+1:]
 	}
-	return ids
 }
 
 // Text is a pushed text as the device keeps it.
