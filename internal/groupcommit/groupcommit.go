@@ -109,10 +109,12 @@ type Committer struct {
 
 	ahead *zeroFill // nil unless Options.Preallocate; used by the commit loop only
 
-	// busy is when the group under way took its first write (UnixNano),
-	// 0 between groups: how long the disk has kept it (Busy).
+	// busy is when the group under way took its first write, as clock
+	// read it, plus 1; 0 between groups: how long the disk has kept it
+	// (Busy).
 	busy  atomic.Int64
-	stall *time.Timer // calls Options.OnStall; nil without it
+	clock func() time.Duration // sinceStart; tests step it
+	stall *time.Timer          // calls Options.OnStall; nil without it
 
 	cramped atomic.Bool // the zeros ahead could not be written when last tried (Cramped)
 }
@@ -155,6 +157,7 @@ func New(db *bolt.DB, opts Options) *Committer {
 		wake:    make(chan struct{}, 1),
 		results: make(chan []*op, 64),
 		quit:    make(chan struct{}),
+		clock:   sinceStart,
 	}
 	if opts.Preallocate > 0 {
 		c.ahead = newZeroFill(db.Path(), opts.Preallocate)
@@ -244,10 +247,19 @@ func (c *Committer) Cramped() bool { return c.cramped.Load() }
 // keeps it waiting (Options.OnStall).
 func (c *Committer) Busy() time.Duration {
 	if t := c.busy.Load(); t != 0 {
-		return time.Since(time.Unix(0, t))
+		return c.clock() - time.Duration(t-1)
 	}
 	return 0
 }
+
+// start is the origin of the committers' clock.
+var start = time.Now()
+
+// sinceStart is the time since start on the monotonic clock, which no
+// step of the wall clock moves: a group's age read from the wall clock
+// was off by any step taken during it, and /readyz said a disk that did
+// not answer was ready, or one that did was not (bug 371).
+func sinceStart() time.Duration { return time.Since(start) }
 
 // working marks the group under way as begun (on) or ended (bug 348).
 func (c *Committer) working(on bool) {
@@ -261,7 +273,7 @@ func (c *Committer) working(on bool) {
 	if c.busy.Load() != 0 {
 		return
 	}
-	c.busy.Store(time.Now().UnixNano())
+	c.busy.Store(int64(c.clock()) + 1) // +1: 0 is between groups
 	if c.stall != nil {
 		c.stall.Reset(c.opts.StallAfter)
 	}

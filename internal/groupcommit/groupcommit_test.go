@@ -687,3 +687,37 @@ func TestALastingFailureIsTriedAgainAfterRetryAfter(t *testing.T) {
 		t.Error("after the retry: want only the write that committed stored")
 	}
 }
+
+// Busy is the time on the committer's clock, monotonic, since its group
+// began: it is read from the wall clock no more, which a step during a
+// commit moved by the step. It counts from a group's first write, not
+// from a later one of the group, and is 0 between groups, a group begun
+// at the clock's 0 too. docs/reliability.md, bug 371.
+func TestBusyCountsOnTheCommittersClock(t *testing.T) {
+	var now time.Duration
+	c := &Committer{clock: func() time.Duration { return now }}
+	c.working(true)
+	if b := c.Busy(); b != 0 {
+		t.Errorf("Busy as the group begins = %v; want 0", b)
+	}
+	now = 3 * time.Second
+	c.working(true) // a later write of the same group
+	now = 5 * time.Second
+	if b := c.Busy(); b != 5*time.Second {
+		t.Errorf("Busy 5s into the group = %v; want 5s", b)
+	}
+	c.working(false)
+	if b := c.Busy(); b != 0 {
+		t.Errorf("Busy between groups = %v; want 0", b)
+	}
+	c.working(true)
+	now = 7 * time.Second
+	if b := c.Busy(); b != 2*time.Second {
+		t.Errorf("Busy 2s into the next group = %v; want 2s", b)
+	}
+	if c := New(openDB(t), Options{}); c.clock == nil {
+		t.Error("New's committer has no clock")
+	} else {
+		c.Close()
+	}
+}
