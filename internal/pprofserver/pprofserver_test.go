@@ -3,13 +3,11 @@ package pprofserver
 import (
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
-	"runtime"
-	"strings"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 func start(t *testing.T) *Server {
@@ -29,12 +27,6 @@ func shortWrites(t *testing.T, d time.Duration) {
 	t.Cleanup(func() { writeTimeout = old })
 }
 
-// handlersAt counts the goroutines whose stack holds frame.
-func handlersAt(frame string) int {
-	buf := make([]byte, 64<<20)
-	return strings.Count(string(buf[:runtime.Stack(buf, true)]), frame)
-}
-
 // A client that asks for a profile and stops reading it does not hold the
 // handler for ever: its answer is cut off once its write deadline passes
 // (docs/reliability.md, bug 379).
@@ -48,32 +40,9 @@ func TestStalledClientIsCutOff(t *testing.T) {
 	for range 10000 {
 		go func() { <-park }()
 	}
-	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-		return c.Control(func(fd uintptr) {
-			syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		})
-	}}
-	conn, err := d.Dial("tcp", s.Addr())
-	if err != nil {
-		t.Fatal(err)
+	if !testenv.StalledClientIsCut(t, s.Addr(), "GET /debug/pprof/goroutine?debug=2 HTTP/1.1\r\nHost: x\r\n\r\n", 2*time.Second) {
+		t.Fatal("the answer to a client that stopped reading was not cut: its handler waited for it to read")
 	}
-	defer conn.Close()
-	if _, err := io.WriteString(conn, "GET /debug/pprof/goroutine?debug=2 HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
-		t.Fatal(err)
-	}
-	const frame = "net/http/pprof.handler.ServeHTTP"
-	seen := false
-	deadline := time.Now().Add(15 * time.Second)
-	for time.Now().Before(deadline) {
-		n := handlersAt(frame)
-		if n > 0 {
-			seen = true
-		} else if seen {
-			return
-		}
-		time.Sleep(50 * time.Millisecond) // polling the goroutines: no event to wait on
-	}
-	t.Fatalf("the handler of a client that stopped reading is still writing after 15 s (seen %v)", seen)
 }
 
 // A CPU profile may run for longer than writeTimeout: its seconds are
