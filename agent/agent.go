@@ -155,7 +155,7 @@ type Agent struct {
 	// sets settleUntil: see settleTime. settleUntil is on the monotonic
 	// clock, as time since born: a wall time lay an hour ahead once the
 	// clock stepped back an hour, and the intake slept until then on every
-	// message (docs/reliability.md, bug 336).
+	// message (docs/reliability.md, bug 327).
 	resync      atomic.Bool
 	settleUntil atomic.Int64
 	born        time.Time
@@ -785,7 +785,7 @@ func (c *serverClock) least() (time.Time, bool) {
 // expires_at on its clock; a bridge whose clock ran a day ahead (a board
 // without a battery-backed clock, a wrong time zone) took every command
 // with the default TTL for expired as it arrived, and one with the
-// shortest TTL when it was a minute ahead (docs/reliability.md, bug 337).
+// shortest TTL when it was a minute ahead (docs/reliability.md, bug 328).
 // A bridge whose clock is behind still judges on its own: the least the
 // server's clock reads can be far behind it (the first command after a
 // start may have waited in the broker), and the server withdraws a
@@ -801,7 +801,7 @@ func (a *Agent) ttlNow() time.Time {
 // stampNow is the time the bridge stamps what it keeps and reports by: a
 // command's record done (record.DoneAt), a report's seq (nextSeq) and at,
 // which the server shows as the device's last_seen (it read 1970 beside a
-// seq of the server's time: docs/reliability.md, bug 343). It is the
+// seq of the server's time: docs/reliability.md, bug 334). It is the
 // bridge's clock, but never before the least the server's reads. The
 // spool forgets a done id DoneRetention after it, judged at ttlNow, so
 // that neither a clock behind nor one ahead forgets it early (before a
@@ -809,7 +809,7 @@ func (a *Agent) ttlNow() time.Time {
 // bridge at 1970 until NTP synced stamped its done ids 1970, and forgot them at the
 // next purge once the clock was set: a repeat of such a command, which the
 // server sends when it never stored the final reply, ran again
-// (docs/reliability.md, bug 339).
+// (docs/reliability.md, bug 330).
 func (a *Agent) stampNow() time.Time {
 	now := a.now()
 	if s, ok := a.server.least(); ok && s.After(now) {
@@ -1079,7 +1079,7 @@ func (a *Agent) housekeeping(ctx context.Context) {
 // server's clock is unknown and none is forgotten: judged on the bridge's
 // clock alone, one that ran 8 days ahead at its start forgot every id it
 // ran before, and a repeat the server sent after the restart ran again
-// (docs/reliability.md, bug 366). Nothing is done without a command, so
+// (docs/reliability.md, bug 353). Nothing is done without a command, so
 // the spool grows no larger meanwhile.
 func (a *Agent) purgeSpool() (int, error) {
 	var cutoff time.Time // before every record: none is old
@@ -1094,7 +1094,7 @@ func (a *Agent) purgeSpool() (int, error) {
 // clock is the later of the bridge's and the least the server's reads
 // (stampNow): a bridge at 1970 until NTP synced made seqs below those it
 // made before its restart, and the server refused its reports until the
-// sync (docs/reliability.md, bug 342).
+// sync (docs/reliability.md, bug 333).
 func (a *Agent) nextSeq() uint64 {
 	a.seqMu.Lock()
 	defer a.seqMu.Unlock()

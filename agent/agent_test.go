@@ -925,7 +925,7 @@ func TestCommandsOfADeviceNoLongerServedFail(t *testing.T) {
 	}
 	b.hook.refuse.Store(false)
 	// Counted as failed, as the server reads them, but not observed as
-	// runs of 0 s: they never ran (docs/reliability.md, bug 378).
+	// runs of 0 s: they never ran (docs/reliability.md, bug 361).
 	failed, ran := commandFigures(t, figures, topics.OpPushText)
 	if failed != 2 || ran != 0 {
 		t.Errorf("push.text: %v failed, %d observed runs; want 2 failed, 0 runs", failed, ran)

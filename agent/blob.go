@@ -642,7 +642,7 @@ func (b *blobs) tryLock(sha string) (unlock func(), ok bool) {
 // clock stepped back (NTP setting right a board that ran a year ahead):
 // it is taken as touched now, and goes BlobCacheAge on. It was kept, with
 // the flash it held, until the clock caught up with it
-// (docs/reliability.md, bug 368).
+// (docs/reliability.md, bug 355).
 func (b *blobs) purge(cutoff time.Time) int {
 	entries, err := os.ReadDir(b.dir)
 	if err != nil {

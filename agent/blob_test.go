@@ -485,7 +485,7 @@ func TestBlobDownloadWaitsForTheServerToComeBack(t *testing.T) {
 // restored to a wrong date, set right by NTP) leaves the cache a day
 // after the step, as one touched since: its time lay a year ahead, and
 // the purge kept it, taking the flash it held, until the clock caught up
-// (bug 368).
+// (bug 355).
 func TestBlobTouchedBeforeTheClockSteppedBackLeavesTheCache(t *testing.T) {
 	b := newTestBlobs(t, "http://127.0.0.1:1")
 	now := time.Now()

@@ -27,7 +27,7 @@ func newSteppedClock(off time.Duration) *steppedClock {
 // after the first message of its connection: the commands that come next
 // are taken in at once. The settle of the connection's first messages
 // (settleTime) was a wall time: after the step it lay an hour ahead, and
-// the intake slept until then on every message (bug 336).
+// the intake slept until then on every message (bug 327).
 func TestIntakeGoesOnAfterTheClockSteppedBack(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -53,7 +53,7 @@ func TestIntakeGoesOnAfterTheClockSteppedBack(t *testing.T) {
 // time, and still expires one that reached it past its TTL on the
 // server's clock. It judged expires_at on its own clock alone: every
 // command with the default TTL of a day read expired as it arrived
-// (bug 337).
+// (bug 328).
 func TestBridgeWithItsClockADayAheadRunsCommands(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -86,7 +86,7 @@ func TestBridgeWithItsClockADayAheadRunsCommands(t *testing.T) {
 // battery-backed clock, before NTP synced) remembers it as done for
 // DoneRetention once its clock is set: it was stamped 1970, and the purge
 // that followed the sync forgot it, so that a repeat (the server sends a
-// command whose final reply it never stored) ran again (bug 339).
+// command whose final reply it never stored) ran again (bug 330).
 func TestDoneIDsOutliveTheClockSetFrom1970(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -129,7 +129,7 @@ func TestDoneIDsOutliveTheClockSetFrom1970(t *testing.T) {
 // the restart, on a clock that was right. With its clock for seq alone,
 // the bridge's reports were refused until NTP synced: after a settings
 // change or an OTA, GET …/settings and …/status kept the old values
-// (CONTRACT §8), and its devices read offline after its Will (bug 342).
+// (CONTRACT §8), and its devices read offline after its Will (bug 333).
 func TestReportsOfABridgeAt1970FollowTheServersClock(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -151,7 +151,7 @@ func TestReportsOfABridgeAt1970FollowTheServersClock(t *testing.T) {
 // The reports of a bridge whose clock reads 1970 carry, once a command
 // came, a time no earlier than that command's created_at: the server
 // shows a report's at as the device's last_seen, which read 1970-01-01
-// until NTP synced, beside a seq of the server's time (bug 343).
+// until NTP synced, beside a seq of the server's time (bug 334).
 func TestReportTimesOfABridgeAt1970FollowTheServersClock(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -208,7 +208,7 @@ func TestACreatedAtPastEverySeqIsNotTaken(t *testing.T) {
 // battery-backed clock restored to a wrong date) still knows the commands
 // it ran before: the purge at its start judged their age on its clock
 // alone, as no command had yet shown the server's, and forgot them, so
-// that a repeat the server sent after the restart ran again (bug 366).
+// that a repeat the server sent after the restart ran again (bug 353).
 func TestDoneIDsOutliveARestartWithTheClockAhead(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

@@ -13,7 +13,7 @@ type Observer interface {
 	// end (or found expired before it ran, or failed with
 	// device_not_served at start), with its op, its final state
 	// (succeeded, failed or expired), whether it ran (false for those two,
-	// which never did: docs/reliability.md, bug 378) and how long it ran.
+	// which never did: docs/reliability.md, bug 361) and how long it ran.
 	CommandDone(op, result string, ran bool, took time.Duration)
 	// MQTTConnected is called when the bridge's MQTT connection comes up
 	// (subscribed, "online" said) and when it is lost.

@@ -625,7 +625,7 @@ func cmpDigits(a, b string) int {
 // that asked for a blob and then took nothing of it (its process stuck,
 // its receive window shut) held the handler, the blob's file and the
 // connection for as long as its kernel answered, for ever
-// (docs/reliability.md, bug 319). ServeContent writes 32 KiB at a time,
+// (docs/reliability.md, bug 318). ServeContent writes 32 KiB at a time,
 // so a download goes on at any rate above 32 KiB a BodyIdle.
 type blobWriter struct {
 	http.ResponseWriter

@@ -264,7 +264,7 @@ func (r *bodyReads) end() {
 // answered 503 unavailable. A body the client sends slowly or not at all
 // holds nothing durable, and http.Server.Shutdown waited for it: a
 // stalled upload kept a SIGTERM waiting out its limit, and the shutdown
-// then failed (docs/reliability.md, bug 331). A request whose body has
+// then failed (docs/reliability.md, bug 325). A request whose body has
 // been read, a command being stored or sent, goes on to its answer.
 func (s *Server) EndBodyReads() { s.reads.end() }
 

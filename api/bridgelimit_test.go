@@ -73,7 +73,7 @@ func (s *devicesReadStore) ListBridges(ctx context.Context, ownerID, after strin
 // TestCreatingABridgeReadsNoDevices: the bound on a user's bridges is
 // counted from the bridges alone. It was counted with a page of
 // ListBridges, which reads every device each bridge serves: a bridge's
-// creation cost as much as all the user's devices (bug 387).
+// creation cost as much as all the user's devices (bug 367).
 func TestCreatingABridgeReadsNoDevices(t *testing.T) {
 	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)

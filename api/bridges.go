@@ -80,7 +80,7 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 		// request rate. Counted before the creation, so that requests at
 		// once may pass the bound by as many as they are. Counted
 		// without the devices the bridges serve: a page of ListBridges
-		// read them all, each creation O(the user's devices) (bug 387).
+		// read them all, each creation O(the user's devices) (bug 367).
 		have, err := s.store.CountBridges(ctx, ownerID)
 		if err != nil {
 			return err
@@ -178,7 +178,7 @@ func (s *Server) deleteUserBridge(c *gin.Context) error {
 	if s.accounts != nil {
 		_ = s.accounts.BridgeDeleted(ctx, id) // logged and retried there
 	}
-	// Else it read away for good, once its Will was taken in (bug 316).
+	// Else it read away for good, once its Will was taken in (bug 315).
 	s.cmds.BridgeDeleted(id)
 	return s.reply(c, http.StatusNoContent, nil, "", rec, nil)
 }

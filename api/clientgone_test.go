@@ -53,7 +53,7 @@ func (s *heldUsers) Idempotency(ctx context.Context, userID, key string) (compan
 // (here the wait for an Idempotency-Key claimed by a request at work) is
 // counted as nginx counts it, 499, not as a 5xx: the CompanionHTTP5xx
 // alert of docs/operations.md is for the server's faults. A real fault is
-// still a 500 (docs/reliability.md, bug 376).
+// still a 500 (docs/reliability.md, bug 359).
 func TestClientGoneIsNotCountedAs5xx(t *testing.T) {
 	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)

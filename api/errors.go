@@ -199,7 +199,7 @@ func (s *Server) fail(c *gin.Context, err error) {
 		if errors.Is(err, context.Canceled) && ctx.Err() != nil {
 			level = s.log.DebugContext // the client went away
 			// Counted as such, not as the server's fault (observeRequest;
-			// docs/reliability.md, bug 376).
+			// docs/reliability.md, bug 359).
 			c.Set(ctxClientGone, true)
 		}
 		level(ctx, "request failed", "method", c.Request.Method, "path", c.Request.URL.Path, "err", err)

@@ -177,7 +177,7 @@ func (h *Events) Close() {
 			for sub := range subs {
 				close(sub.gone)
 				// A write under way ends now, not at its timeout: the
-				// shutdown waited for it (bug 332). The stream's handler
+				// shutdown waited for it (bug 326). The stream's handler
 				// takes it off the hub, under mu, before it returns.
 				if sub.rc != nil {
 					_ = sub.rc.SetWriteDeadline(time.Now())
@@ -475,7 +475,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 	// header wins: EventSource reconnects to the URL it opened, whose
 	// ?last_event_id= is then older than its header. Either given twice
 	// with different values names no one event, and is refused as the
-	// query is; the header was read as its first (bug 388).
+	// query is; the header was read as its first (bug 368).
 	headers := c.Request.Header.Values("Last-Event-ID")
 	var last string
 	if len(headers) > 0 {
@@ -636,7 +636,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 			// its user's) resumes from there, not from its last event,
 			// whose successors, anyone's, the log has purged since; and a
 			// stream of one device does not read its user's other devices'
-			// events again (docs/reliability.md, bug 386).
+			// events again (docs/reliability.md, bug 366).
 			frame := []byte(": ping\n\n")
 			at := hub.reached(sub)
 			if at > w.last {
@@ -723,7 +723,7 @@ func streamHeaders(c *gin.Context) {
 // a write is under way: it is cleared after each write, or a stream with
 // nothing to write for the timeout (its heartbeat's check waiting on the
 // store) was reset as if its client had stopped reading
-// (docs/reliability.md, bug 327).
+// (docs/reliability.md, bug 321).
 type sseWriter struct {
 	c       *gin.Context
 	rc      *http.ResponseController
@@ -792,7 +792,7 @@ func (w *sseWriter) write(b []byte) error {
 // deadline sets the deadline of the next write, and refuses it once the
 // hub dropped the stream or closed. Set, then looked at: either this sees
 // the hub closed, or Close's own deadline, set after it closed the
-// stream, comes after this one and ends the write (bug 332).
+// stream, comes after this one and ends the write (bug 326).
 func (w *sseWriter) deadline() error {
 	if err := w.rc.SetWriteDeadline(time.Now().Add(w.timeout)); err != nil && !errors.Is(err, http.ErrNotSupported) {
 		return err

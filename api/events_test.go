@@ -645,7 +645,7 @@ func TestEventsParameterGivenTwice(t *testing.T) {
 // TestEventsLastEventIDGivenTwice: a Last-Event-ID header sent twice
 // with different values is a 422 naming it, as the query given twice is,
 // and the query is refused so even beside a header. Without the fix the
-// stream opened after the first header's id (bug 388). The header and the
+// stream opened after the first header's id (bug 368). The header and the
 // query together are not twice: the header wins, as EventSource sends it
 // when it reconnects to the URL it opened with ?last_event_id=.
 func TestEventsLastEventIDGivenTwice(t *testing.T) {
@@ -931,7 +931,7 @@ func TestEventsStreamEndsWhenAPITokenIsReplaced(t *testing.T) {
 // it got hours ago: no reset for events it never missed, once the log has
 // purged other devices' events, and no replay of every event of the
 // caller's other devices to find its device's. Without the fix the
-// heartbeat was a comment only (docs/reliability.md, bug 386).
+// heartbeat was a comment only (docs/reliability.md, bug 366).
 func TestEventsQuietStreamKeepsItsPlace(t *testing.T) {
 	e := newEventsEnv(t, EventsOptions{Heartbeat: 20 * time.Millisecond})
 	alice := e.bound("dev-1")

@@ -67,7 +67,7 @@ func connOf(ctx context.Context, addr *string) context.Context {
 // before it answered, as it must over HTTP/1: a phone pushing a photo too
 // large sent up to four times the limit over its mobile link before it
 // read the 413, and one on a link that paused waited BodyIdle for it. The
-// connection's other requests go on. docs/reliability.md, bug 326.
+// connection's other requests go on. docs/reliability.md, bug 320.
 func TestBodyTooLargeOverHTTP2IsAnsweredAtOnce(t *testing.T) {
 	e := newEnv(t, withBodyIdle(time.Minute))
 	tok := e.bound("dev-1")
@@ -144,7 +144,7 @@ func (s *slowTokens) UserByTokenHash(ctx context.Context, hash []byte) (companio
 // it stayed set after each write: a stream whose heartbeat's check of its
 // token waited on the store (PostgreSQL not answering) for longer was
 // reset, INTERNAL_ERROR, and every phone on HTTP/2 lost its stream, while
-// a client on HTTP/1 kept it. docs/reliability.md, bug 327.
+// a client on HTTP/1 kept it. docs/reliability.md, bug 321.
 func TestEventsStreamOutlivesAPauseOverHTTP2(t *testing.T) {
 	const timeout = 300 * time.Millisecond
 	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{Logger: slog.New(slog.DiscardHandler)})
@@ -186,7 +186,7 @@ func TestEventsStreamOutlivesAPauseOverHTTP2(t *testing.T) {
 
 // The write timeout still ends an HTTP/2 stream whose client takes no
 // more (its window full: an app that stopped reading), and gives its
-// place back (bug 327's fix clears the deadline only once a write is
+// place back (bug 321's fix clears the deadline only once a write is
 // done).
 func TestEventsUnreadStreamEndsOverHTTP2(t *testing.T) {
 	const timeout = 300 * time.Millisecond

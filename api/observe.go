@@ -47,7 +47,7 @@ func (s *Server) observeRequest(c *gin.Context) {
 // (a store query, the wait for an Idempotency-Key's answer, Prefer: wait):
 // nginx's 499. The answer written, which nobody reads, is the 500 or 503
 // of the error the wait ended with; counted as such, a client going away
-// would read as the server's fault (docs/reliability.md, bug 376).
+// would read as the server's fault (docs/reliability.md, bug 359).
 const StatusClientGone = 499
 
 // ctxClientGone is the gin context's key set (to true) by fail when the

@@ -74,7 +74,7 @@ func NewOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 	// its Now, and a Now moved back by the skew, which took a token that
 	// long past exp, refused a token until nbfLeeway less the skew after
 	// its nbf: with a skew of 10 minutes, every token that has an nbf for
-	// the first 5 minutes (docs/reliability.md, bug 340).
+	// the first 5 minutes (docs/reliability.md, bug 331).
 	cfg := &oidc.Config{
 		ClientID:             o.Audience,
 		SupportedSigningAlgs: o.Algorithms,

@@ -131,7 +131,7 @@ func TestOIDCOptions(t *testing.T) {
 // moved the clock the library judges by back for exp, and so for nbf:
 // with a skew of five minutes or more, a token fresh from an identity
 // provider whose clock ran a moment ahead was refused, and with ten every
-// token that has an nbf, for five minutes after it was issued (bug 340).
+// token that has an nbf, for five minutes after it was issued (bug 331).
 func TestOIDCClockSkewTakesFreshTokens(t *testing.T) {
 	p := newIDP(t)
 	const issuer, audience = "https://idp.example", "companion-api"

@@ -46,7 +46,7 @@ func checkJSONType(r *http.Request) error {
 // isUTF8Label reports whether a charset names UTF-8: "utf-8" or one of
 // the other labels the WHATWG Encoding Standard gives it (browsers and
 // HTTP clients send "utf8"), in any case. JSON is UTF-8 (RFC 8259 §8.1)
-// whatever the label; a charset that is not UTF-8 is refused. bug 328.
+// whatever the label; a charset that is not UTF-8 is refused. bug 322.
 func isUTF8Label(v string) bool {
 	switch strings.ToLower(v) {
 	case "utf-8", "utf8", "unicode-1-1-utf-8", "unicode11utf8", "unicode20utf8", "x-unicode20utf8":
@@ -114,7 +114,7 @@ const drainFactor = 4
 // tells the client to stop sending the body and read the answer (RFC 9113
 // §8.1). Read first, the rest of the body (up to 4× the limit) came over
 // the phone's link for nothing before the 413, or the 413 waited
-// BodyIdle for a body that paused (docs/reliability.md, bug 326).
+// BodyIdle for a body that paused (docs/reliability.md, bug 320).
 func bodyTooLarge(c *gin.Context, read, limit int64) error {
 	// The limit is the operation's as this server is configured (api.Limits,
 	// the --max-* flags): the answer says it, so that the client knows what
@@ -984,7 +984,7 @@ const answerChunk = 32 << 10
 // Limits.BodyIdle, as a blob download's (blobWriter): a client that asked
 // for the OpenAPI document, which anyone may, or a page of a list, and
 // then read nothing held the handler and the connection for ever
-// (docs/reliability.md, bug 320). The answers of the command path are
+// (docs/reliability.md, bug 319). The answers of the command path are
 // small and go as they did.
 func (s *Server) data(c *gin.Context, status int, ctype string, b []byte) {
 	idle := s.limits.BodyIdle

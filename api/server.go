@@ -580,7 +580,7 @@ func (s *Server) readyz(c *gin.Context) error {
 // which Go turns into a panic only on a goroutine that asked for it
 // (debug.SetPanicOnFault, restored as the request ends). So a failing
 // disk fails the requests that read what it lost, and the server goes
-// on (bug 353).
+// on (bug 344).
 func (s *Server) recoverer(c *gin.Context) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {

@@ -203,7 +203,7 @@ func TestContentTypeAndSize(t *testing.T) {
 		{"application/json; charset=utf-8", 202},
 		{"application/json;charset=UTF-8", 202},
 		{`application/json; charset="utf-8"`, 202},
-		{"application/json; charset=utf8", 202}, // bug 328: UTF-8's other names
+		{"application/json; charset=utf8", 202}, // bug 322: UTF-8's other names
 		{"application/json; charset=UTF8", 202},
 		{"application/json; charset=unicode-1-1-utf-8", 202},
 		{"text/plain", 415},

@@ -1535,7 +1535,7 @@ func TestLongSentCommandsGoOutAgain(t *testing.T) {
 // ran ahead) after a command was sent and lost: the retry still sends it
 // again a SentRetry on. Its age was its updated_at, written an hour ahead
 // of the clock since: it read as not sent yet, and went out again only once
-// the clock had caught up, an hour later (bug 341).
+// the clock had caught up, an hour later (bug 332).
 func TestLongSentCommandsGoOutAgainAfterTheClockSteppedBack(t *testing.T) {
 	e := newEnv(t, false)
 	startRetryingSent(t, e)
@@ -2367,7 +2367,7 @@ func (l *latencies) observed() []time.Duration {
 // a fast clock right) has an accept-to-final latency of no less than 0:
 // the time from its created_at, a wall time, to the clock was an hour
 // below zero, and companion_command_duration_seconds took it in, its sum
-// falling (bug 367).
+// falling (bug 354).
 func TestLatencyAfterTheClockSteppedBackIsNotNegative(t *testing.T) {
 	obs := &latencies{}
 	e := newEnvTuned(t, true, nil, func(o *Options) { o.Observer = obs })

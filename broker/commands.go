@@ -292,7 +292,7 @@ func (b *Broker) CommandChanged(ctx context.Context, id string) {
 // those final now as ended here (notify). One that replica ended without
 // a word from the bridge (canceled there, or ended by an unbind there)
 // is never heard of here otherwise: named kept its id for as long as the
-// server ran (docs/reliability.md, bug 318). Those this replica took the
+// server ran (docs/reliability.md, bug 317). Those this replica took the
 // final reply of meanwhile are not read: most are, each reply being taken
 // by every replica.
 func (b *Broker) checkNamed(ctx context.Context) {

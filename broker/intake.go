@@ -61,7 +61,7 @@ func (b *Broker) DeviceMoved(deviceID string) {
 		// A reply the bridge it left published retained, which Mosquitto
 		// and NATS keep (the embedded broker does not): a user's own
 		// bridge could leave one of its making for the device's next
-		// owner's watcher to read on every subscription (bug 358).
+		// owner's watcher to read on every subscription (bug 347).
 		b.clearDropped(deviceID, "replies", b.tree.Replies)
 	})
 	if b.opts.Dispatcher != nil && !b.dispatching() {
@@ -336,7 +336,7 @@ func (b *Broker) BridgeDeleted(bridgeID string) {
 // closed as it was deleted, its Will published as BridgeDeleted cleared
 // its state (the MQTT broker may retain either), or a Will retained from
 // before a deletion, taken in again at a start. Kept, such a bridge read
-// away for good (docs/reliability.md, bug 316).
+// away for good (docs/reliability.md, bug 315).
 func (b *Broker) forgetIfDeleted(bridgeID string) {
 	if _, err := b.st.Bridge(context.Background(), bridgeID); !errors.Is(err, companion.ErrNotFound) {
 		return
@@ -369,7 +369,7 @@ func (b *Broker) checkAway(ctx context.Context) {
 // one whose retained state was cleared (as BridgeDeleted clears it).
 // Bridges come and go with their users: each one's entries stayed, and one
 // away as it went counted among the bridges away (companion_bridges_away)
-// for as long as the server ran (docs/reliability.md, bug 316).
+// for as long as the server ran (docs/reliability.md, bug 315).
 func (b *Broker) forgetBridge(bridgeID string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -806,7 +806,7 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 	if b.admit(deviceID, companion.DeviceReport{Status: &st}).Status == nil {
 		if live {
 			// Retained by the broker all the same: the store's goes over
-			// it (bug 363).
+			// it (bug 352).
 			b.goOwned(func() { b.overwriteRefusedStatus(deviceID, "over one whose seq is far past the server's clock") })
 		}
 		ack()
@@ -897,7 +897,7 @@ func (b *Broker) publishUnserved(deviceID string) {
 
 // overwriteRefusedStatus publishes the device's status as the store has it
 // over one the server refused, what says why, which the broker retains: a
-// status whose seq is far past the server's clock (admit; bug 363), or
+// status whose seq is far past the server's clock (admit; bug 352), or
 // one the server dropped (served): a bridge that does not serve the
 // device published it, and the broker let it through. NATS
 // does so with the Will of a bridge it disconnects for a move (with the
@@ -1097,7 +1097,7 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 	if b.admit(deviceID, companion.DeviceReport{Settings: &r}).Settings == nil {
 		if live {
 			// Retained by the broker all the same: the store's go over
-			// them (bug 363).
+			// them (bug 352).
 			b.goOwned(func() { b.mendRetainedSettings(deviceID, r) })
 		}
 		ack()
@@ -1125,10 +1125,10 @@ func (b *Broker) takeSettings(deviceID string, s topics.Settings, bridge string,
 
 // mendRetainedSettings publishes the device's settings as the store has
 // them when the store holds newer ones than taken, settings published and
-// refused as older, or as from far past the server's clock (bug 363): the
+// refused as older, or as from far past the server's clock (bug 352): the
 // broker retains the last settings published to the topic, whatever their
 // seq, and whoever subscribed later read settings GET …/settings did not,
-// until the bridge's next report (docs/reliability.md, bug 359). As
+// until the bridge's next report (docs/reliability.md, bug 348). As
 // mendRetained for a status: the server's own publish comes back with the
 // store's seq, not older, and nothing more is published; only for live
 // messages. Settings of seq 0 (none reported, or none since the device

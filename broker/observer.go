@@ -61,7 +61,7 @@ func (nopObserver) BridgesAway(int)                            {}
 // less than 0. After the server's clock stepped back (NTP setting a fast
 // clock right), or on a replica whose clock is behind the one that
 // accepted the command, created lies ahead of now: the latency histogram
-// took in a time below 0, and its sum fell (docs/reliability.md, bug 367).
+// took in a time below 0, and its sum fell (docs/reliability.md, bug 354).
 func sinceAccepted(now, created time.Time) time.Duration {
 	return max(now.Sub(created), 0)
 }

@@ -550,7 +550,7 @@ func TestDeletedBridgesAreForgotten(t *testing.T) {
 // all the same: the intake publishes the store's settings over them, as it
 // does a status (TestAnOlderStatusPublishedIsMendedOnTheBroker), so that
 // whoever subscribes later reads the settings GET …/settings does
-// (docs/reliability.md, bug 359). The store's settings coming back are not
+// (docs/reliability.md, bug 348). The store's settings coming back are not
 // older: they are published once.
 func TestOlderSettingsPublishedAreMendedOnTheBroker(t *testing.T) {
 	e := newEnv(t, true)
@@ -640,7 +640,7 @@ func watchSettingsOnce(t *testing.T, e *env, topic string) topics.Settings {
 // and the broker retains it all the same: the intake publishes the store's
 // over it, as over an older one, so that whoever subscribes later reads
 // what GET …/status and GET …/settings do, not the firmware or values the
-// server refused (docs/reliability.md, bug 363).
+// server refused (docs/reliability.md, bug 352).
 func TestAReportFromFarAheadIsMendedOnTheBroker(t *testing.T) {
 	e := newEnv(t, true)
 	fb := connectBridge(t, e)

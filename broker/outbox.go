@@ -990,7 +990,7 @@ func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) {
 		// A command written more than a SentRetry ahead of now was sent
 		// before the clock stepped back: it is as old as that at least.
 		// Taken for new, it waited for the clock to catch up, an hour for
-		// an hour (docs/reliability.md, bug 341).
+		// an hour (docs/reliability.md, bug 332).
 		age := now.Sub(c.UpdatedAt)
 		if (age < b.opts.SentRetry && age > -b.opts.SentRetry) || now.Sub(retried[c.ID]) < b.opts.SentRetry {
 			continue

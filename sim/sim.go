@@ -53,7 +53,7 @@ const (
 // MaxImageBytes bounds the bytes of the images a Device keeps, besides
 // their count: the newest is kept whatever its size. A watch's flash holds
 // a few pictures; 256 of CONTRACT §6's 2 MiB were 512 MiB of memory a
-// simulated device (docs/reliability.md, bug 381).
+// simulated device (docs/reliability.md, bug 364).
 const MaxImageBytes = 16 << 20
 
 // Errors a Device returns.
@@ -134,7 +134,7 @@ func ReadExecOrder(path string) ([]string, error) {
 // completeLines returns the non-empty lines of b that end in a newline,
 // however long: a line a crash damaged is read as one, and the lines after
 // it too. A bufio.Scanner stopped at a line over 64 KiB, and the ids after
-// it went uncounted (bug 370).
+// it went uncounted (bug 357).
 func completeLines(b []byte) []string {
 	var ids []string
 	for {
@@ -262,7 +262,7 @@ func Open(opts Options) (*Device, error) {
 // more than twice over. It remembers no more ids than those; the log
 // before them is the tests' record (ReadExecLog), which a device read
 // whole at every start, the time and memory of it growing with every
-// command it ever ran (docs/reliability.md, bug 382).
+// command it ever ran (docs/reliability.md, bug 365).
 const execLogTail = 1 << 20
 
 // openExecLog reads the ids executed by an earlier life of the device (the

@@ -285,7 +285,7 @@ func TestStateDirKeepsTheDevice(t *testing.T) {
 // A device keeps the images it was last sent up to MaxImageBytes, the
 // newest whatever its size, as a watch's flash holds a few pictures: it
 // kept 256 of them whatever their size, 512 MiB of 2 MiB images a device
-// (docs/reliability.md, bug 381).
+// (docs/reliability.md, bug 364).
 func TestImagesAreBoundedByTheirBytes(t *testing.T) {
 	d := sim.New(sim.Options{ID: "d"})
 	ctx := context.Background()
@@ -371,7 +371,7 @@ func TestStateDirReadsTheEndOfALongLog(t *testing.T) {
 // log. The scan of the lines stopped at it, its error unread: every id
 // after it was missed, the tests' and the soak's counts of executions
 // silently short, and the device ran those commands again.
-// docs/reliability.md, bug 370.
+// docs/reliability.md, bug 357.
 func TestExecLogReadsPastALongLine(t *testing.T) {
 	dir := t.TempDir()
 	path := sim.ExecLogPath(dir, "d")

@@ -293,7 +293,7 @@ func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int)
 
 // CountBridges returns how many bridges ownerID ("" the operator) has,
 // from the owner's index (a user's) or the bridges themselves (the
-// operator's), never reading the devices they serve (bug 387).
+// operator's), never reading the devices they serve (bug 367).
 func (db *DB) CountBridges(ctx context.Context, ownerID string) (int, error) {
 	n := 0
 	err := db.bolt.View(func(tx *bolt.Tx) error {

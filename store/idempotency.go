@@ -34,7 +34,7 @@ func holds(rec companion.Idempotency, now time.Time) bool {
 		// A claim made more than its TTL ahead of now was made before the
 		// clock stepped back, by a request gone with it; read as new, it
 		// held the key for as long as the step (docs/reliability.md,
-		// bug 345).
+		// bug 336).
 		age := now.Sub(rec.CreatedAt)
 		return age < IdempotencyClaimTTL && age > -IdempotencyClaimTTL
 	}

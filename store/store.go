@@ -402,7 +402,7 @@ func (db *DB) WriteStats() WriteStats {
 
 // WriteWaiting returns how long the group of writes under way has waited
 // for its commit; 0 when none is under way. A disk that does not answer
-// keeps it waiting (bug 348), and the server's shutdown says so (bug 352).
+// keeps it waiting (bug 339), and the server's shutdown says so (bug 343).
 func (db *DB) WriteWaiting() time.Duration {
 	return db.writer.Busy()
 }
@@ -435,7 +435,7 @@ func (db *DB) unwritable(err error) error {
 
 // Faults calls fn with the name of each fault of the store's disk the log
 // says ("cannot write", "not answering") and whether it stands now, for
-// the server's metrics (bug 349).
+// the server's metrics (bug 340).
 func (db *DB) Faults(fn func(name string, stands bool)) {
 	db.faults.Each(fn)
 }
@@ -447,7 +447,7 @@ type diskFault int
 const (
 	diskUnwritable diskFault = iota
 	// diskStalled: a write has waited stallAfter for its commit, the
-	// disk not answering (bug 348).
+	// disk not answering (bug 339).
 	diskStalled
 )
 
@@ -477,7 +477,7 @@ func newDiskFaults(log *slog.Logger, path string) *faultlog.Log[diskFault] {
 // space, the file size limit (RLIMIT_FSIZE), the quota; or the disk
 // failing (EIO), or its file system gone read-only (EROFS, as ext4
 // remounts itself on the disk's errors), which a bbolt commit meets as a
-// failed commit too (bug 347).
+// failed commit too (bug 338).
 func diskRefused(err error) bool {
 	for _, e := range []syscall.Errno{syscall.ENOSPC, syscall.EFBIG, syscall.EDQUOT, syscall.EIO, syscall.EROFS} {
 		if errors.Is(err, e) {
@@ -491,7 +491,7 @@ func diskRefused(err error) bool {
 // refuses every write that grows a file, for as long as it is full (no
 // space, the file size limit, the quota) or read-only: bbolt's error in
 // growing the file carries the disk's in its text only. The committer
-// tries a commit again only every commitRetry then (bug 351).
+// tries a commit again only every commitRetry then (bug 342).
 func diskFull(err error) bool {
 	for _, e := range []syscall.Errno{syscall.ENOSPC, syscall.EFBIG, syscall.EDQUOT, syscall.EROFS} {
 		if errors.Is(err, e) {
@@ -518,7 +518,7 @@ var keyWriteProbe = []byte("write_probe")
 // error, ErrUnwritable while the disk refuses it. So the answer follows
 // the disk back even when nothing else writes, as when a server reported
 // not ready is sent no requests. It is ErrUnwritable too while a write has
-// waited stallAfter for its commit, the disk not answering (bug 348).
+// waited stallAfter for its commit, the disk not answering (bug 339).
 func (db *DB) CheckWrites(ctx context.Context) error {
 	if err := db.stalled(); err != nil {
 		return err
@@ -546,7 +546,7 @@ func (db *DB) stalled() error {
 // the file has free, which a full disk leaves it as a rule, so the file's
 // room to grow is asked of the committer's zeros ahead, which the write's
 // transaction tries to write (groupcommit.Committer.Cramped): without
-// it, the write succeeded while every new command was refused (bug 350).
+// it, the write succeeded while every new command was refused (bug 341).
 // It ends the log's fault when both succeed; its failures are not counted
 // among the writes that met the fault.
 func (db *DB) checkWrite(ctx context.Context) error {

@@ -28,7 +28,7 @@ import (
 // user). bbolt wrote the meta page before its sync failed and rolled the
 // transaction back in memory only, while it reads its metas from the
 // mapped file: the write answered as failed read as stored, and the next
-// commit made it durable (bug 346). The faults are a seccomp filter's
+// commit made it durable (bug 337). The faults are a seccomp filter's
 // (testenv.FailSyscalls), in a child process, which it outlives.
 func TestAWriteWhoseSyncFailedIsNotKept(t *testing.T) {
 	if os.Getenv("STORE_SYNC_FAULTS") == "" {
@@ -117,7 +117,7 @@ func TestAWriteWhoseSyncFailedIsNotKept(t *testing.T) {
 // as its file system goes read-only (EROFS, as ext4 remounts itself on
 // errors) is ErrUnwritable, as a command's commit is then, and as a blob
 // that does not fit is: the API's 503 with Retry-After, not a 500
-// logged for every upload (bug 347).
+// logged for every upload (bug 338).
 func TestABlobTheDiskFailsIsUnwritable(t *testing.T) {
 	if os.Getenv("STORE_BLOB_FAULTS") == "" {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestABlobTheDiskFailsIsUnwritable$", "-test.v")
@@ -153,7 +153,7 @@ func TestABlobTheDiskFailsIsUnwritable(t *testing.T) {
 // volume gone) is the store's fault as soon as a write has waited
 // stallAfter: CheckWrites (/readyz) reports it, and the log says it once,
 // with what it is; once the disk answers, the write waiting is stored,
-// and the fault is said gone (bug 348).
+// and the fault is said gone (bug 339).
 func TestADiskThatStopsAnsweringIsSaid(t *testing.T) {
 	if os.Getenv("STORE_STALL_FAULTS") == "" {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestADiskThatStopsAnsweringIsSaid$", "-test.v")
@@ -261,7 +261,7 @@ func TestCheckWritesWhileTheFileCannotGrow(t *testing.T) {
 	}
 
 	lift()
-	awaitWrites(t, db) // within commitRetry (bug 351)
+	awaitWrites(t, db) // within commitRetry (bug 342)
 	if err := create(); err != nil {
 		t.Fatalf("CreateCommand(the file can grow) = %v", err)
 	}

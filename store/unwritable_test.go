@@ -193,7 +193,7 @@ func TestADiskFaultIsLoggedOnce(t *testing.T) {
 // size limit of 0), commands and CheckWrites fail ErrUnwritable, and the
 // store tries a commit once every commitRetry, not once for each of them,
 // each failed commit costing a scan of the file; once the limit is
-// lifted, CheckWrites says so and a command is stored (bug 351).
+// lifted, CheckWrites says so and a command is stored (bug 342).
 func TestAFullDiskIsTriedAgainOnlyNowAndThen(t *testing.T) {
 	defer func(old time.Duration) { commitRetry = old }(commitRetry)
 	commitRetry = 500 * time.Millisecond
@@ -234,7 +234,7 @@ func TestAFullDiskIsTriedAgainOnlyNowAndThen(t *testing.T) {
 }
 
 // awaitWrites waits for CheckWrites to say that db takes writes again:
-// within commitRetry of the disk's space back (bug 351).
+// within commitRetry of the disk's space back (bug 342).
 func awaitWrites(t *testing.T, db *DB) {
 	t.Helper()
 	testenv.Eventually(t, time.Minute, "CheckWrites to say the disk takes writes again", func() bool {

@@ -958,7 +958,7 @@ func (d *Driver) createAccountLocked(ctx context.Context, a account) error {
 // of its account queued before: each change of a secret or token while
 // Mosquitto was away queued one, the list growing until it was back,
 // though only the store's would be made (secretHeld; docs/reliability.md,
-// bug 380). Their passwords were stored before their changes were made,
+// bug 363). Their passwords were stored before their changes were made,
 // so before this one's (changes are made one at a time, d.change) read
 // the store holding a's: the store had replaced them. A creation not read
 // so (the store or its lock away) replaces none: which of it and an

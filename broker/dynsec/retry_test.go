@@ -40,7 +40,7 @@ func (l *logCount) count(msg string) int {
 // Changes of a bridge's secret and of a user's token while Mosquitto is
 // away leave one retry of each account, the latest change's: each queued
 // a retry of its own, kept until Mosquitto was back, the list growing with
-// every change (docs/reliability.md, bug 380). The store's secret and
+// every change (docs/reliability.md, bug 363). The store's secret and
 // token are the ones that work once it is back.
 func TestChangesWhileMosquittoIsAwayKeepOneRetryAnAccount(t *testing.T) {
 	ctx := context.Background()

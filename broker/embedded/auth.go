@@ -477,7 +477,7 @@ func (h *authHook) OnUnsubscribe(cl *mqtt.Client, pk packets.Packet) packets.Pac
 // matches devices/DEV/status, as it does on Mosquitto and NATS; mochi
 // matches it only past the "+" level, and a watcher on it read a
 // device's commands and none of its status, settings or replies, live or
-// retained (docs/reliability.md, bug 356). Mochi matches P/+/# as P/+/+/#
+// retained (docs/reliability.md, bug 345). Mochi matches P/+/# as P/+/+/#
 // should, and P/# as P/+/# should plus P itself, which is never a topic
 // of the device that a user may read (mayRead refuses it at delivery), as
 // only a filter a user may hold is rewritten: its first levels, which the

@@ -563,7 +563,7 @@ func (s *Server) DeleteBridge(bridgeID string) int {
 // hooks, and leaves the client among its clients. A clean session stayed
 // there until it expired, two weeks later, with its write queue of 512 KiB,
 // and its login, never established, kept the login check from forgetting
-// the changes of credentials it notes (docs/reliability.md, bug 317). A
+// the changes of credentials it notes (docs/reliability.md, bug 316). A
 // persistent session stays, as any session left by a client that went.
 func (s *Server) connectionEnded(conn net.Conn) {
 	cl := s.auth.unestablished(conn)

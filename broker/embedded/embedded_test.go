@@ -1041,7 +1041,7 @@ func TestALoginAsItsCredentialsChangeIsClosedToo(t *testing.T) {
 // "+" too, "#" standing for no level (MQTT 3.1.1 §4.7.1.2), as Mosquitto
 // and NATS have it: devices/DEV/+/# reads the device's status, settings
 // and replies, devices/DEV/commands/+/# its commands, live and retained.
-// Mochi matched neither (docs/reliability.md, bug 356). A filter with
+// Mochi matched neither (docs/reliability.md, bug 345). A filter with
 // more levels than any topic of the device is still refused, and one
 // unsubscribed is gone.
 func TestAUserFilterEndingInPlusHashMatchesItsParentLevel(t *testing.T) {

@@ -64,7 +64,7 @@ func (r *Responder) BridgeSecretChanged(ctx context.Context, bridgeID, _ string)
 // connections keep those of their login, the device's coming with the
 // next (the store is asked at each). Closed for it, every watcher of the
 // user's other devices was cut, and lost what came meanwhile, at each
-// register of theirs (docs/reliability.md, bug 360). Unbound closes them:
+// register of theirs (docs/reliability.md, bug 349). Unbound closes them:
 // a device unbound must take its topics at once.
 func (r *Responder) Bound(context.Context, string, string) error { return nil }
 

@@ -452,7 +452,7 @@ func TestDoor(t *testing.T) {
 		assert.Equal(t, byte(0x80), u.subscribe(t, m(tree.DeviceFilter("dev-3"))))
 		d.st.set(func(f *fakeStore) { f.owner["dev-3"] = "alice" })
 		require.NoError(t, d.r.Bound(context.Background(), "alice", "dev-3"))
-		// Bound cuts nobody (bug 360): the device comes with the next login.
+		// Bound cuts nobody (bug 349): the device comes with the next login.
 		assert.Equal(t, byte(0x80), u.subscribe(t, m(tree.DeviceFilter("dev-3"))), "on the login made before the bind")
 		assert.True(t, u.IsConnected(), "alice's connection, cut by a bind")
 		u = d.dial(t, 1, "alice-watch-2", "alice", "token-a")

@@ -8,7 +8,7 @@
 // changes or a device is unbound, the responder closes the affected
 // clients' connections through the system account so that they log in
 // again and get the new rights (api.BrokerAccounts); a device bound only
-// adds rights, which come with the user's next login (bug 360).
+// adds rights, which come with the user's next login (bug 349).
 //
 // It is not a NATS authorization service for anything but the service's
 // MQTT clients (the JWT allows MQTT connections only), and it keeps no

@@ -19,7 +19,7 @@ import (
 // meets a fault of its mapping (SIGBUS: a page the disk cannot read, or,
 // here, the file cut short under the server) is answered 500 and logged,
 // and the server goes on, rather than the process ending with "fatal
-// error: fault" (bug 353). In a child process, which the fault may end.
+// error: fault" (bug 344). In a child process, which the fault may end.
 func TestAReadTheDiskFailsIsA500(t *testing.T) {
 	if os.Getenv("COMPANION_SIGBUS_CHILD") == "" {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestAReadTheDiskFailsIsA500$", "-test.v")

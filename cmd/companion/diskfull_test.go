@@ -76,7 +76,7 @@ func TestReadyzWhileTheDiskIsFull(t *testing.T) {
 
 // readyAgain waits for /readyz to answer 200 once the disk takes writes
 // again: the store tries a commit again only every few seconds while its
-// disk is full (bug 351), as a load balancer polls /readyz.
+// disk is full (bug 342), as a load balancer polls /readyz.
 func readyAgain(t *testing.T, probe *client) {
 	t.Helper()
 	testenv.Eventually(t, time.Minute, "/readyz to answer 200 once the disk takes writes", func() bool {
@@ -101,7 +101,7 @@ func readyzCannotWrite(t *testing.T, probe *client, detail string) {
 // TestStoreFaultMetricWhileTheDiskIsFull: companion_store_fault says the
 // bbolt store's disk refuses writes from the first write it refused until
 // one commits again, so that an alert sees it even when /readyz's 503 has
-// the load balancer send the server nothing (bug 349).
+// the load balancer send the server nothing (bug 340).
 func TestStoreFaultMetricWhileTheDiskIsFull(t *testing.T) {
 	m := startServer(t, Config{Metrics: "127.0.0.1:0"})
 	f := setupFleet(t, m, "dev-1")

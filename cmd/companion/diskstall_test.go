@@ -23,7 +23,7 @@ import (
 // process held (a network volume gone) and a command waiting for its
 // commit, the server's shutdown gives up after shutdownWithin, says what
 // it waits for, and ends with exit status 1, rather than waiting for the
-// disk for good (bug 352). The faults are a seccomp filter's
+// disk for good (bug 343). The faults are a seccomp filter's
 // (testenv.FailSyscalls), in a child process, which it outlives.
 func TestShutdownOnADiskThatDoesNotAnswer(t *testing.T) {
 	if os.Getenv("COMPANION_STALL_CHILD") == "" {

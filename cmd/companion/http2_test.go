@@ -132,7 +132,7 @@ func (c *h2Conn) status(id uint32) string {
 // resets the stream, but the reset is a frame to write on the connection,
 // and the connection's writer was stuck on the full socket: the stream
 // stayed, holding its place, until TCP_USER_TIMEOUT (a minute) or longer.
-// docs/reliability.md, bug 330.
+// docs/reliability.md, bug 324.
 func TestEventsStreamOfAClientThatStoppedReadingEndsOverHTTP2(t *testing.T) {
 	ca := newTestCA(t)
 	certFile, keyFile := ca.issue(t, t.TempDir())
@@ -174,7 +174,7 @@ func TestEventsStreamOfAClientThatStoppedReadingEndsOverHTTP2(t *testing.T) {
 // or HTTP/2: its request is answered 503 at once (nothing of it was kept),
 // and Close ends cleanly. It waited out the HTTP server's shutdown limit
 // (15 s) for the body and failed with its deadline, and `companion serve`
-// exited with status 1. docs/reliability.md, bug 331.
+// exited with status 1. docs/reliability.md, bug 325.
 func TestShutdownEndsAStalledUpload(t *testing.T) {
 	ca := newTestCA(t)
 	certFile, keyFile := ca.issue(t, t.TempDir())
@@ -222,7 +222,7 @@ func TestShutdownEndsAStalledUpload(t *testing.T) {
 // does not take (its window full: an app that stopped reading), for as
 // long as the write timeout (30 s): the stream ends at once, and Close
 // ends cleanly. It waited out the HTTP server's shutdown limit (15 s),
-// and failed with its deadline. docs/reliability.md, bug 332.
+// and failed with its deadline. docs/reliability.md, bug 326.
 func TestShutdownEndsAnEventStreamBlockedOnItsWrite(t *testing.T) {
 	ca := newTestCA(t)
 	certFile, keyFile := ca.issue(t, t.TempDir())

@@ -373,7 +373,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return m.shutdown()
 }
 
-// shutdownWithin bounds the shutdown on a signal (bug 352); tests shorten
+// shutdownWithin bounds the shutdown on a signal (bug 343); tests shorten
 // it.
 var shutdownWithin = time.Minute
 
@@ -456,7 +456,7 @@ type Main struct {
 	serveDone  chan struct{}
 	// handlers is read-locked by each HTTP handler for as long as it
 	// runs; Close takes it, so that it closes the brokers and the store
-	// only once the last handler has returned (bug 369).
+	// only once the last handler has returned (bug 356).
 	handlers sync.RWMutex
 	// shutdownGrace is how long Close lets the requests in flight
 	// finish (httpShutdownGrace when 0; tests shorten it).
@@ -791,7 +791,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 		// reading its socket entirely takes no frame, so the stream
 		// stayed, holding its place, until TCP_USER_TIMEOUT or longer.
 		// The connection is closed once it takes nothing for as long
-		// (bug 330).
+		// (bug 324).
 		HTTP2: &http.HTTP2Config{WriteByteTimeout: m.Events.WriteTimeout()},
 	}
 	serve := m.srv.Serve
@@ -811,7 +811,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 
 // countHandlers runs h under a read lock of m.handlers, which Close takes
 // once the HTTP server is shut down, to wait for the handlers still
-// running (bug 369). A request that comes as Close waits is dropped: its
+// running (bug 356). A request that comes as Close waits is dropped: its
 // connection is being closed.
 func (m *Main) countHandlers(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -828,7 +828,7 @@ func (m *Main) countHandlers(h http.Handler) http.Handler {
 // a client that went away during it (a phone whose link dropped, a load
 // balancer's TCP health check that connects and closes: "EOF"), or a
 // scanner; none is the server's to fix, and as warnings they filled an
-// operator's log (bug 329).
+// operator's log (bug 323).
 func serverErrorLog(logger *slog.Logger) *log.Logger {
 	return log.New(errorLogWriter{logger}, "", 0)
 }
@@ -871,7 +871,7 @@ func (m *Main) Close() error {
 			}
 			// A body still coming holds nothing durable: its request is
 			// answered 503 now, or Shutdown waits for a stalled upload
-			// (bug 331).
+			// (bug 325).
 			m.api.EndBodyReads()
 			grace := m.shutdownGrace
 			if grace == 0 {
@@ -884,7 +884,7 @@ func (m *Main) Close() error {
 				// A request still answering (a download its client does
 				// not read) has its connection closed: its handler's
 				// next write fails, and it returns. The brokers and the
-				// store are closed under no handler (bug 369).
+				// store are closed under no handler (bug 356).
 				m.Logger.Warn("requests still running after the shutdown's grace; closing their connections", "grace", grace)
 				err = m.srv.Close()
 			}

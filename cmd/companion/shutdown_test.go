@@ -113,7 +113,7 @@ func TestServeStartupLineNamesTheScheme(t *testing.T) {
 // as Go's default does, instead of being swallowed while the shutdown
 // waits for a request that does not end (here the download of a blob
 // whose client reads no more: a stalled upload, which it was, is ended
-// at once since bug 331).
+// at once since bug 325).
 func TestShutdownSecondSignalKills(t *testing.T) {
 	c := newProcCluster(t, 0)
 	c.serverArgs = []string{"--log-level", "info"} // for "shutting down"
@@ -202,7 +202,7 @@ func TestServeOnEveryAddressPrintsLoopback(t *testing.T) {
 // store are closed; Close does not fail for it. Close returned the
 // shutdown's deadline and went on to close the store, and the handler
 // went on writing the blob, its connection open, after Close returned.
-// docs/reliability.md, bug 369.
+// docs/reliability.md, bug 356.
 func TestShutdownClosesWhatOutlivesItsGrace(t *testing.T) {
 	m := startServer(t, Config{})
 	m.shutdownGrace = 500 * time.Millisecond

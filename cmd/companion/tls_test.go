@@ -242,7 +242,7 @@ func TestCLIVerifiesTheServerWithCA(t *testing.T) {
 // load balancer's TCP health check: connect and close) is logged at
 // debug, not as a warning: each was a WARN "http: TLS handshake error
 // from …: EOF", and an operator's log filled with them. The server's
-// other errors are still warnings. docs/reliability.md, bug 329.
+// other errors are still warnings. docs/reliability.md, bug 323.
 func TestTLSHandshakeDroppedIsNotAWarning(t *testing.T) {
 	ca := newTestCA(t)
 	certFile, keyFile := ca.issue(t, t.TempDir())

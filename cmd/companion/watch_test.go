@@ -159,7 +159,7 @@ type watchRun struct {
 // flag (MQTT 3.1.1 §3.3.1.3); a later subscriber gets the retained status
 // and settings and nothing else; none of the other user's device reaches
 // any of the user's filters, and one ending in "+/#" reads what "#" does
-// (docs/reliability.md, bug 356). What each broker delivered is compared: a
+// (docs/reliability.md, bug 345). What each broker delivered is compared: a
 // message one broker delivers and another does not, or with other flags,
 // fails the test.
 func TestAUserWatchesTheirDeviceAlikeOnEveryBroker(t *testing.T) {
@@ -400,7 +400,7 @@ func watchEveryOperation(t *testing.T, doc *asyncapitest.Doc, tb tenancyBroker) 
 // (its user unbinds it, or moves it), the server clears the device's
 // replies topic, as it clears its settings: the device's next owner's
 // watcher never reads a reply that bridge made up (docs/reliability.md,
-// bug 358). On each broker.
+// bug 347). On each broker.
 func TestAReplyABridgeRetainedDoesNotReachTheNextOwner(t *testing.T) {
 	t.Parallel()
 	for _, tb := range withNATS() {
@@ -453,7 +453,7 @@ func TestAReplyABridgeRetainedDoesNotReachTheNextOwner(t *testing.T) {
 }
 
 // A developer watching one of their devices who registers another is not
-// cut off for it (docs/reliability.md, bug 360). A register only adds
+// cut off for it (docs/reliability.md, bug 349). A register only adds
 // rights: on the embedded broker the store is asked at every subscription,
 // and on NATS the watcher keeps the rights of its login, the new device's
 // coming with its next. Mosquitto's plugin closes the clients of a role
@@ -492,7 +492,7 @@ func TestAWatcherIsNotCutAsTheUserRegistersAnotherDevice(t *testing.T) {
 // their own bridge's for a topic of bridges. A user reads only the topics
 // of their devices (CONTRACT §3); the table listed the bridges' state
 // topic, which no user may read, not even of their own bridge
-// (docs/reliability.md, bug 361).
+// (docs/reliability.md, bug 350).
 func TestAUserMaySubscribeToEveryTopicTheWatchingTableLists(t *testing.T) {
 	t.Parallel()
 	section := readmeParagraph(t, "| topic | from → to | retained |")
@@ -531,7 +531,7 @@ func TestAUserMaySubscribeToEveryTopicTheWatchingTableLists(t *testing.T) {
 // granted by Mosquitto and NATS, whose rights cannot tell them from
 // `devices/DEV/#` (NATS subscribes a "#" filter's parent too). Either way
 // nothing reaches them, as the device runs a command. docs/security.md
-// says so, with a column for each broker (docs/reliability.md, bug 362).
+// says so, with a column for each broker (docs/reliability.md, bug 351).
 func TestAUsersFiltersThatMatchNoTopicOfTheirDevice(t *testing.T) {
 	t.Parallel()
 	want := map[string][]byte{"embedded": {0x80, 0x80}, "mosquitto": {1, 1}, "nats": {1, 1}}
@@ -559,7 +559,7 @@ func TestAUsersFiltersThatMatchNoTopicOfTheirDevice(t *testing.T) {
 
 // docs/security.md's table of the broker's door has a column for each
 // broker the server runs on, the servers of docs/asyncapi.yaml: it had
-// none for NATS (docs/reliability.md, bug 362).
+// none for NATS (docs/reliability.md, bug 351).
 func TestTheBrokerDoorTableHasAColumnForEveryBroker(t *testing.T) {
 	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "security.md"))
 	require.NoError(t, err)

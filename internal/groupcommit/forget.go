@@ -18,7 +18,7 @@ const (
 )
 
 // forget undoes, where bbolt left it done, the commit of the write
-// transaction id that failed (bug 346).
+// transaction id that failed (bug 337).
 //
 // bbolt commits by writing the transaction's pages, syncing them, writing
 // its meta page in one of the file's two meta slots (id%2) and syncing it.

@@ -141,7 +141,7 @@ type Options struct {
 	// disk) rather than passes (one failed sync). After a commit that
 	// failed so, the committer fails the writes queued for RetryAfter
 	// with the same *CommitError, without running them or trying to
-	// commit (bug 351): a failed commit costs a scan of the whole file
+	// commit (bug 342): a failed commit costs a scan of the whole file
 	// (bbolt rebuilds its list of free pages), and writes that kept
 	// trying on a full disk had the server spend its CPU on them. The
 	// first group queued after RetryAfter tries again.
@@ -239,7 +239,7 @@ func (c *Committer) Err() error {
 // last tried: a write of its zeros ahead (Options.Preallocate) failed, and
 // none has succeeded since. A commit may still succeed then, its pages
 // fitting in those the file has free or zeroed, while one that needs the
-// file to grow fails (bug 350). Always false without Preallocate.
+// file to grow fails (bug 341). Always false without Preallocate.
 func (c *Committer) Cramped() bool { return c.cramped.Load() }
 
 // Busy returns how long the group under way has waited for its writes
@@ -258,10 +258,10 @@ var start = time.Now()
 // sinceStart is the time since start on the monotonic clock, which no
 // step of the wall clock moves: a group's age read from the wall clock
 // was off by any step taken during it, and /readyz said a disk that did
-// not answer was ready, or one that did was not (bug 371).
+// not answer was ready, or one that did was not (bug 358).
 func sinceStart() time.Duration { return time.Since(start) }
 
-// working marks the group under way as begun (on) or ended (bug 348).
+// working marks the group under way as begun (on) or ended (bug 339).
 func (c *Committer) working(on bool) {
 	if !on {
 		c.busy.Store(0)

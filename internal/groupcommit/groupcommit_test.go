@@ -644,7 +644,7 @@ func TestZeroFillResumesAfterAFullDisk(t *testing.T) {
 // After a commit failed for a lasting reason (Options.Lasting), the writes
 // queued within RetryAfter fail with its *CommitError without running or
 // a commit tried; the first after it is tried, and commits once the disk
-// takes writes (bug 351).
+// takes writes (bug 342).
 func TestALastingFailureIsNotTriedAgainAtOnce(t *testing.T) {
 	db := openDB(t)
 	c := New(db, Options{Lasting: func(error) bool { return true }, RetryAfter: time.Hour})
@@ -692,7 +692,7 @@ func TestALastingFailureIsTriedAgainAfterRetryAfter(t *testing.T) {
 // began: it is read from the wall clock no more, which a step during a
 // commit moved by the step. It counts from a group's first write, not
 // from a later one of the group, and is 0 between groups, a group begun
-// at the clock's 0 too. docs/reliability.md, bug 371.
+// at the clock's 0 too. docs/reliability.md, bug 358.
 func TestBusyCountsOnTheCommittersClock(t *testing.T) {
 	var now time.Duration
 	c := &Committer{clock: func() time.Duration { return now }}

@@ -149,7 +149,7 @@ func (b *Bridge) CommandDone(op, result string, ran bool, took time.Duration) {
 		return
 	}
 	o.done[i].Inc()
-	if ran { // not one expired, nor failed device_not_served at start (bug 378)
+	if ran { // not one expired, nor failed device_not_served at start (bug 361)
 		o.took.Observe(took.Seconds())
 	}
 }

@@ -90,7 +90,7 @@ func Listen(addr string, reg *prometheus.Registry, log *slog.Logger) (*Listener,
 			ReadHeaderTimeout: 10 * time.Second,
 			// A scraper that stops reading held its handler, and the
 			// scrape in its buffers, for ever (docs/reliability.md,
-			// bug 379).
+			// bug 362).
 			WriteTimeout: writeTimeout,
 			IdleTimeout:  2 * time.Minute,
 			ErrorLog:     slog.NewLogLogger(log.Handler(), slog.LevelWarn),

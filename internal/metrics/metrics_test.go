@@ -218,7 +218,7 @@ func TestMetricsListenNotFound(t *testing.T) {
 		}
 	}
 	// Another method on /metrics is a 405 that says which it takes, as
-	// docs/operations.md says (docs/reliability.md, bug 377).
+	// docs/operations.md says (docs/reliability.md, bug 360).
 	resp, err := http.Post("http://"+l.Addr()+"/metrics", "text/plain", nil)
 	if err != nil {
 		t.Fatal(err)
@@ -275,7 +275,7 @@ func TestMetricsOpenCommandsCount(t *testing.T) {
 
 // A scraper that stops reading its scrape does not hold the handler for
 // ever: its answer is cut off once its write deadline passes
-// (docs/reliability.md, bug 379).
+// (docs/reliability.md, bug 362).
 func TestStalledScraperIsCutOff(t *testing.T) {
 	metrics.ShortWrites(t, 200*time.Millisecond)
 	reg := prometheus.NewRegistry()

@@ -316,7 +316,7 @@ func (o *openCommands) Collect(ch chan<- prometheus.Metric) {
 }
 
 // storeFaults serves companion_store_fault from the store's log of its
-// faults, at each scrape (bug 349).
+// faults, at each scrape (bug 340).
 type storeFaults struct {
 	each func(fn func(name string, stands bool))
 	desc *prometheus.Desc

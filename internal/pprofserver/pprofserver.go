@@ -68,7 +68,7 @@ const maxSeconds = 24 * 60 * 60
 // run for (a CPU profile, a trace or a delta profile of seconds=N runs N s
 // before it writes), to be written: a client that stops reading (a
 // stalled profiler, a half-dead connection) held its handler, with the
-// profile in its buffers, for ever (docs/reliability.md, bug 379). The
+// profile in its buffers, for ever (docs/reliability.md, bug 362). The
 // server's WriteTimeout would bound it too, but pprof answers a profile of
 // that many seconds or more 400 under it; hence a deadline per request.
 func boundWrites(h http.Handler) http.Handler {

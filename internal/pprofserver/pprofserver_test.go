@@ -29,7 +29,7 @@ func shortWrites(t *testing.T, d time.Duration) {
 
 // A client that asks for a profile and stops reading it does not hold the
 // handler for ever: its answer is cut off once its write deadline passes
-// (docs/reliability.md, bug 379).
+// (docs/reliability.md, bug 362).
 func TestStalledClientIsCutOff(t *testing.T) {
 	shortWrites(t, 200*time.Millisecond)
 	s := start(t)

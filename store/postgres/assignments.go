@@ -281,7 +281,7 @@ func (s *Store) ListBridges(ctx context.Context, ownerID, after string, limit in
 
 // CountBridges returns how many bridges ownerID ("" the operator) has,
 // from the index bridges_by_owner, never reading the devices they serve
-// (bug 387).
+// (bug 367).
 func (s *Store) CountBridges(ctx context.Context, ownerID string) (int, error) {
 	if ownerID != "" && !validID(ownerID) {
 		return 0, nil

@@ -245,7 +245,7 @@ func (s *Store) checkWrite(ctx context.Context) error {
 
 // Faults calls fn with the name of each fault of the database the log
 // says ("unreachable", "cannot write", …) and whether it stands now, for
-// the server's metrics (bug 349).
+// the server's metrics (bug 340).
 func (s *Store) Faults(fn func(name string, stands bool)) {
 	s.health.faults.Each(fn)
 }

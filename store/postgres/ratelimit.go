@@ -75,7 +75,7 @@ func (s *Store) RateLimiter(opts RateLimiterOptions) *RateLimiter {
 // bucket counts as full, as a swept one, and refills from now (with the
 // row's time, a step back of an hour refused every request of a busy
 // bucket for that hour, and Peek an address's: docs/reliability.md,
-// bug 338). full_at is when the bucket
+// bug 329). full_at is when the bucket
 // will be full again, after which the row may be swept; 'infinity' for a
 // bucket that takes more than 1e11 s (3,000 years) to fill, past what an
 // interval holds (bug 245: every request was an error), or that never
@@ -199,7 +199,7 @@ func (l *RateLimiter) maybeSweep(ctx context.Context) {
 	}
 	// A clock that went back past the last sweep sweeps at once: the next
 	// was due an hour ahead after a step back of an hour, and the table
-	// kept every key used meanwhile (docs/reliability.md, bug 344).
+	// kept every key used meanwhile (docs/reliability.md, bug 335).
 	next, at := l.nextSweep.Load(), now.UnixNano()
 	if (at < next && at >= next-int64(l.sweep)) || !l.nextSweep.CompareAndSwap(next, now.Add(l.sweep).UnixNano()) {
 		return

@@ -176,7 +176,7 @@ func TestRateLimiter(t *testing.T) {
 	// The clock stepped back an hour (NTP setting right the database
 	// server's clock): a bucket used just before counts as full, as a
 	// swept one, and refills from the new time, not from the hour ahead
-	// its row was written at (bug 338).
+	// its row was written at (bug 329).
 	t.Run("ClockSteppedBack", func(t *testing.T) {
 		clk := newFakeClock()
 		a, b, _ := replicas(t, postgres.RateLimiterOptions{Now: clk.Now})
@@ -294,7 +294,7 @@ func TestRateLimiter(t *testing.T) {
 	})
 
 	// The clock stepped back an hour: the next Allow sweeps, and the rows
-	// written before the step go (they count as full buckets, bug 338).
+	// written before the step go (they count as full buckets, bug 329).
 	// The next sweep was due at a time an hour ahead, and the rows full
 	// then: the table kept every key used, for as long as the step (bug
 	// 344).

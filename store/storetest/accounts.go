@@ -276,7 +276,7 @@ func testSetBridgeSecret(t *testing.T, s companion.Store) {
 }
 
 // CountBridges counts one owner's bridges (or the operator's), whatever
-// devices they serve, and follows a deletion (bug 387).
+// devices they serve, and follows a deletion (bug 367).
 func testCountBridges(t *testing.T, s companion.Store) {
 	ctx := t.Context()
 	owners := map[string]string{"a-op": "", "b-u1": "u1", "c-u2": "u2", "d-u1": "u1", "e-op": "", "f-u1": "u1"}

@@ -97,7 +97,7 @@ func testIdempotencyClaims(t *testing.T, s companion.Store) {
 	// A claim made an hour ahead of the clock was made before the clock
 	// stepped back: its request died with it, and its key is free. It held
 	// the key for the hour the clock took to catch up, every repeat
-	// answered 409 idempotency_key_in_use (bug 345).
+	// answered 409 idempotency_key_in_use (bug 336).
 	ahead := now().Add(time.Hour)
 	require.NoError(t, s.PutIdempotency(ctx, companion.Idempotency{UserID: "u1", Key: "k5", RequestHash: hashOf("req"), CreatedAt: ahead}))
 	_, err = s.Idempotency(ctx, "u1", "k5")
