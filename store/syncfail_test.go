@@ -7,7 +7,6 @@ import (
 	"errors"
 	"log/slog"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -31,14 +30,7 @@ import (
 // commit made it durable (bug 337). The faults are a seccomp filter's
 // (testenv.FailSyscalls), in a child process, which it outlives.
 func TestAWriteWhoseSyncFailedIsNotKept(t *testing.T) {
-	if os.Getenv("STORE_SYNC_FAULTS") == "" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestAWriteWhoseSyncFailedIsNotKept$", "-test.v")
-		cmd.Env = append(os.Environ(), "STORE_SYNC_FAULTS=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("the child: %v\n%s", err, out)
-		}
-		t.Logf("the child:\n%s", out)
+	if !testenv.InChild(t) {
 		return
 	}
 	faults := testenv.FailSyscalls(t, unix.SYS_FDATASYNC)
@@ -119,14 +111,7 @@ func TestAWriteWhoseSyncFailedIsNotKept(t *testing.T) {
 // that does not fit is: the API's 503 with Retry-After, not a 500
 // logged for every upload (bug 338).
 func TestABlobTheDiskFailsIsUnwritable(t *testing.T) {
-	if os.Getenv("STORE_BLOB_FAULTS") == "" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestABlobTheDiskFailsIsUnwritable$", "-test.v")
-		cmd.Env = append(os.Environ(), "STORE_BLOB_FAULTS=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("the child: %v\n%s", err, out)
-		}
-		t.Logf("the child:\n%s", out)
+	if !testenv.InChild(t) {
 		return
 	}
 	faults := testenv.FailSyscalls(t, unix.SYS_OPENAT, unix.SYS_FSYNC)
@@ -155,14 +140,7 @@ func TestABlobTheDiskFailsIsUnwritable(t *testing.T) {
 // with what it is; once the disk answers, the write waiting is stored,
 // and the fault is said gone (bug 339).
 func TestADiskThatStopsAnsweringIsSaid(t *testing.T) {
-	if os.Getenv("STORE_STALL_FAULTS") == "" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestADiskThatStopsAnsweringIsSaid$", "-test.v")
-		cmd.Env = append(os.Environ(), "STORE_STALL_FAULTS=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("the child: %v\n%s", err, out)
-		}
-		t.Logf("the child:\n%s", out)
+	if !testenv.InChild(t) {
 		return
 	}
 	faults := testenv.FailSyscalls(t, unix.SYS_FDATASYNC)

@@ -5,7 +5,6 @@ package main
 import (
 	"log/slog"
 	"os"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -21,14 +20,7 @@ import (
 // and the server goes on, rather than the process ending with "fatal
 // error: fault" (bug 344). In a child process, which the fault may end.
 func TestAReadTheDiskFailsIsA500(t *testing.T) {
-	if os.Getenv("COMPANION_SIGBUS_CHILD") == "" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestAReadTheDiskFailsIsA500$", "-test.v")
-		cmd.Env = append(os.Environ(), "COMPANION_SIGBUS_CHILD=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("the child: %v\n%s", err, out)
-		}
-		t.Logf("the child:\n%s", out)
+	if !testenv.InChild(t) {
 		return
 	}
 	var log testenv.Buffer

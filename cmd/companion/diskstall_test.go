@@ -7,8 +7,6 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
-	"os"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -26,14 +24,7 @@ import (
 // disk for good (bug 343). The faults are a seccomp filter's
 // (testenv.FailSyscalls), in a child process, which it outlives.
 func TestShutdownOnADiskThatDoesNotAnswer(t *testing.T) {
-	if os.Getenv("COMPANION_STALL_CHILD") == "" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestShutdownOnADiskThatDoesNotAnswer$", "-test.v")
-		cmd.Env = append(os.Environ(), "COMPANION_STALL_CHILD=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("the child: %v\n%s", err, out)
-		}
-		t.Logf("the child:\n%s", out)
+	if !testenv.InChild(t) {
 		return
 	}
 	faults := testenv.FailSyscalls(t, unix.SYS_FDATASYNC)

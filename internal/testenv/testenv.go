@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -180,4 +181,25 @@ func (w *Buffer) String() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.b.String()
+}
+
+// InChild runs the test alone in a child process of the test binary and
+// reports whether this is that child, where the test goes on: for faults
+// the process cannot take back (a seccomp filter, testenv.FailSyscalls) or
+// that may end it (SIGBUS). In the parent the child has run, the test
+// failed with its output if it failed, and the test returns.
+func InChild(t *testing.T) bool {
+	t.Helper()
+	const env = "COMPANION_TEST_CHILD"
+	if os.Getenv(env) == t.Name() {
+		return true
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.v")
+	cmd.Env = append(os.Environ(), env+"="+t.Name())
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("the child: %v\n%s", err, out)
+	}
+	t.Logf("the child:\n%s", out)
+	return false
 }
