@@ -91,7 +91,7 @@ func TestDoneIDsOutliveTheClockSetFrom1970(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
 	dev := newSim("dev-1")
-	clk := newSteppedClock(time.Unix(0, 0).Sub(time.Now()))
+	clk := newSteppedClock(time.Until(time.Unix(0, 0)))
 	br := startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
 
 	c := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "run at 1970"})
@@ -113,7 +113,7 @@ func TestDoneIDsOutliveTheClockSetFrom1970(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	clk.step(time.Now().Sub(clk.Now())) // NTP synced
+	clk.step(time.Since(clk.Now())) // NTP synced
 	if n, err := br.PurgeSpool(); err != nil || n != 0 {
 		t.Errorf("PurgeSpool() = %d, %v; want 0 forgotten, the command done a moment ago", n, err)
 	}
@@ -134,7 +134,7 @@ func TestReportsOfABridgeAt1970FollowTheServersClock(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
 	dev := newSim("dev-1")
-	clk := newSteppedClock(time.Unix(0, 0).Sub(time.Now()))
+	clk := newSteppedClock(time.Until(time.Unix(0, 0)))
 	startBridge(t, b, nil, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
 
 	c := command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 80}})
@@ -156,7 +156,7 @@ func TestReportTimesOfABridgeAt1970FollowTheServersClock(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
 	dev := newSim("dev-1")
-	clk := newSteppedClock(time.Unix(0, 0).Sub(time.Now()))
+	clk := newSteppedClock(time.Until(time.Unix(0, 0)))
 	bs := startBlobServer(t)
 	startBridge(t, b, bs, w, bridgeConfig{devices: []*sim.Device{dev}, now: clk.Now})
 
