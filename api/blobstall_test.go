@@ -6,11 +6,12 @@ import (
 	"fmt"
 	"net"
 	"net/http/httptest"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // A client that asks for a blob and then takes nothing of the answer
@@ -43,16 +44,7 @@ func TestStalledBlobDownloadIsCut(t *testing.T) {
 // connection is made (so that the window it offers is small).
 func dialSmallWindow(t *testing.T, addr string) net.Conn {
 	t.Helper()
-	d := &net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-		var serr error
-		err := c.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 2048)
-		})
-		if err != nil {
-			return err
-		}
-		return serr
-	}}
+	d := testenv.SmallWindow(2048)
 	conn, err := d.Dial("tcp", addr)
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })

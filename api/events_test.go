@@ -14,7 +14,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -313,16 +312,7 @@ func TestEventsHeartbeat(t *testing.T) {
 // into their receive buffers, so that a stream it never reads stops the
 // server's writes after a few kilobytes.
 func sseSlowClient() *http.Client {
-	d := &net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-		var serr error
-		err := c.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 2048)
-		})
-		if err != nil {
-			return err
-		}
-		return serr
-	}}
+	d := testenv.SmallWindow(2048)
 	return &http.Client{Transport: &http.Transport{DialContext: d.DialContext, DisableKeepAlives: true}}
 }
 

@@ -12,7 +12,6 @@ import (
 	"net"
 	"net/http"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -20,7 +19,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
-	"golang.org/x/sys/unix"
 
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/internal/testenv"
@@ -45,15 +43,7 @@ type h2Conn struct {
 // sends fills the socket rather than stopping at a window.
 func dialH2(tb testing.TB, m *Main, ca *testCA, window uint32) *h2Conn {
 	tb.Helper()
-	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-		var err error
-		if cerr := c.Control(func(fd uintptr) {
-			err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096)
-		}); cerr != nil {
-			return cerr
-		}
-		return err
-	}}
+	d := testenv.SmallWindow(4096)
 	raw, err := d.Dial("tcp", m.HTTPAddr())
 	require.NoError(tb, err)
 	tb.Cleanup(func() { raw.Close() })

@@ -23,7 +23,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/devicecompanion/companion/internal/testenv"
 )
@@ -125,15 +124,7 @@ func TestShutdownSecondSignalKills(t *testing.T) {
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	sum := sha256.Sum256(app)
 
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var err error
-		if cerr := rc.Control(func(fd uintptr) {
-			err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096)
-		}); cerr != nil {
-			return cerr
-		}
-		return err
-	}}
+	d := testenv.SmallWindow(4096)
 	conn, err := d.Dial("tcp", c.httpAddr)
 	require.NoError(t, err)
 	defer conn.Close()
@@ -213,15 +204,7 @@ func TestShutdownClosesWhatOutlivesItsGrace(t *testing.T) {
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	sum := sha256.Sum256(app)
 
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var err error
-		if cerr := rc.Control(func(fd uintptr) {
-			err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096)
-		}); cerr != nil {
-			return cerr
-		}
-		return err
-	}}
+	d := testenv.SmallWindow(4096)
 	conn, err := d.Dial("tcp", m.HTTPAddr())
 	require.NoError(t, err)
 	defer conn.Close()

@@ -24,13 +24,7 @@ import (
 // under -race, on a busy machine) was never seen at all.
 func StalledClientIsCut(tb testing.TB, addr, request string, stall time.Duration) bool {
 	tb.Helper()
-	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-		var serr error
-		err := c.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		})
-		return errors.Join(err, serr)
-	}}
+	d := SmallWindow(4096)
 	conn, err := d.Dial("tcp", addr)
 	if err != nil {
 		tb.Fatal(err)
@@ -45,4 +39,18 @@ func StalledClientIsCut(tb testing.TB, addr, request string, stall time.Duration
 	}
 	_, err = io.Copy(io.Discard, conn)
 	return !errors.Is(err, os.ErrDeadlineExceeded)
+}
+
+// SmallWindow returns a dialer whose connections take at most about n
+// bytes into their receive buffer, set before the connection is made so
+// that the window it offers is small: a client that stops reading stops
+// the server's writes after a few kilobytes.
+func SmallWindow(n int) *net.Dialer {
+	return &net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, n)
+		})
+		return errors.Join(err, serr)
+	}}
 }
