@@ -648,10 +648,16 @@ func (w *blobWriter) Write(p []byte) (int, error) {
 	if w.failed != 0 {
 		return len(p), nil // the error's text, never sent
 	}
-	if w.idle > 0 {
-		if err := w.rc.SetWriteDeadline(time.Now().Add(w.idle)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+	return writeWithin(w.ResponseWriter, w.rc, w.idle, p)
+}
+
+// writeWithin writes p to w, which the client must take within idle (no
+// deadline when idle <= 0): the deadline is set on rc, w's controller.
+func writeWithin(w io.Writer, rc *http.ResponseController, idle time.Duration, p []byte) (int, error) {
+	if idle > 0 {
+		if err := rc.SetWriteDeadline(time.Now().Add(idle)); err != nil && !errors.Is(err, http.ErrNotSupported) {
 			return 0, err
 		}
 	}
-	return w.ResponseWriter.Write(p)
+	return w.Write(p)
 }

@@ -1004,11 +1004,8 @@ func (s *Server) data(c *gin.Context, status int, ctype string, b []byte) {
 		return
 	}
 	for len(b) > 0 {
-		if err := rc.SetWriteDeadline(time.Now().Add(idle)); err != nil && !errors.Is(err, http.ErrNotSupported) {
-			return
-		}
 		n := min(len(b), answerChunk)
-		if _, err := c.Writer.Write(b[:n]); err != nil {
+		if _, err := writeWithin(c.Writer, rc, idle, b[:n]); err != nil {
 			return // the client took nothing for idle: the connection is closed
 		}
 		b = b[n:]
