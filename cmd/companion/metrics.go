@@ -103,7 +103,7 @@ func (m *Main) requestObserver() api.RequestObserver {
 	return m.Metrics
 }
 
-// closeMetrics stops the metrics listener, last of all.
+// closeMetrics stops the metrics listener, just before the store closes.
 func (m *Main) closeMetrics() error {
 	if m.metricsLn == nil {
 		return nil

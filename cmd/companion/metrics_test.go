@@ -1,11 +1,16 @@
 package main
 
 import (
+	"io"
+	"net/http"
+
 	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/devicecompanion/companion"
 
 	"github.com/stretchr/testify/require"
 
@@ -206,4 +211,43 @@ func TestMetricsOpenCommandsOnReplicas(t *testing.T) {
 			return metricsScrape(t, m).Value("companion_commands_open") == 0
 		})
 	}
+}
+
+// closingStore is a store whose Close, once the store is closed, waits to
+// be let go.
+type closingStore struct {
+	companion.Store
+	closed, release chan struct{}
+}
+
+func (s *closingStore) Close() error {
+	err := s.Store.Close()
+	close(s.closed)
+	<-s.release
+	return err
+}
+
+// TestMetricsListenerClosesBeforeTheStore: a scrape as the server stops
+// finds the metrics listener closed rather than a closed store, which it
+// logged as a warning and left the open commands out of (bug 489).
+func TestMetricsListenerClosesBeforeTheStore(t *testing.T) {
+	var log testenv.Buffer
+	m := startServerLogging(t, Config{Metrics: "127.0.0.1:0"}, slog.New(slog.NewTextHandler(&log, nil)))
+	addr := m.MetricsAddr()
+	metricsExpect(t, metricsScrape(t, m), 0, "companion_commands_open")
+
+	s := &closingStore{Store: m.DB, closed: make(chan struct{}), release: make(chan struct{})}
+	m.DB = s
+	done := make(chan error, 1)
+	go func() { done <- m.Close() }()
+	<-s.closed
+	r, err := http.Get("http://" + addr + "/metrics")
+	if err == nil {
+		_, _ = io.Copy(io.Discard, r.Body)
+		r.Body.Close()
+		t.Errorf("GET /metrics answered %s with the store closed; want its listener closed first", r.Status)
+	}
+	close(s.release)
+	require.NoError(t, <-done)
+	require.NotContains(t, log.String(), "counting the open commands")
 }

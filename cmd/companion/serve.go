@@ -913,13 +913,16 @@ func (m *Main) Close() error {
 		if m.MQTT != nil {
 			errs = append(errs, m.MQTT.Close())
 		}
+		// The metrics are served until the store closes, not after: a
+		// scrape then would count the open commands in a closed store
+		// (bug 489).
+		errs = append(errs, m.closeMetrics())
 		if m.DB != nil {
 			errs = append(errs, m.DB.Close())
 		}
 		if m.PProf != nil {
 			errs = append(errs, m.PProf.Close())
 		}
-		errs = append(errs, m.closeMetrics())
 		m.closeErr = errors.Join(errs...)
 	})
 	return m.closeErr
