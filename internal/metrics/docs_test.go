@@ -324,3 +324,32 @@ func TestOperationsDocLatencyAlertsLeaveWaitsOut(t *testing.T) {
 		}
 	}
 }
+
+// An alert of docs/operations.md on the HTTP answers counts the API's, not
+// the probes of /readyz, which answers 503 by design while the server is
+// not ready (its MQTT connection or its store away, each with an alert of
+// its own), to a load balancer that probes it every few seconds whatever
+// the traffic (docs/reliability.md, bug 491).
+func TestOperationsDocHTTPAlertsLeaveProbesOut(t *testing.T) {
+	_, exprs := operationsDoc(t)
+	for alert, expr := range exprs {
+		if alert == "" {
+			continue
+		}
+		for _, sel := range selectorRE.FindAllStringSubmatch(expr, -1) {
+			if sel[1] != "companion_http_requests_total" {
+				continue
+			}
+			var ms []matcher
+			for _, m := range matcherRE.FindAllStringSubmatch(sel[2], -1) {
+				ms = append(ms, matcher{m[1], m[2], m[3]})
+			}
+			for _, route := range []string{"/readyz", "/healthz"} {
+				labels := map[string]string{"method": "GET", "route": route, "code": "503"}
+				if !slices.ContainsFunc(ms, func(m matcher) bool { v, ok := labels[m.label]; return ok && !m.matches(v) }) {
+					t.Errorf("docs/operations.md: alert %s counts the answers of %s: %s", alert, route, sel[0])
+				}
+			}
+		}
+	}
+}
