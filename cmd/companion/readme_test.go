@@ -280,3 +280,50 @@ func TestDocsCommandLinesNameRealFlags(t *testing.T) {
 		}
 	}
 }
+
+// Every test, benchmark and fuzz target the README and docs/*.md name as
+// proof of what they say is one of the repository's: docs/reliability.md's
+// proof of CONTRACT §7.4 was a test that did not exist (bug 492).
+func TestDocsNameRealTests(t *testing.T) {
+	root := filepath.Join("..", "..")
+	defined := map[string]bool{}
+	def := regexp.MustCompile(`(?m)^func ((?:Test|Benchmark|Fuzz|Example)\w*)\(`)
+	err := filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && path != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "cluster" || d.Name() == "dist" || d.Name() == "bin") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for _, m := range def.FindAllSubmatch(b, -1) {
+			defined[string(m[1])] = true
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	require.True(t, defined["TestDocsNameRealTests"], "the walk found no tests")
+	paths, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	require.NoError(t, err)
+	named := regexp.MustCompile(`\b(?:Test|Benchmark|Fuzz)[A-Z]\w*`)
+	seen := 0
+	for _, path := range append([]string{filepath.Join(root, "README.md")}, paths...) {
+		b, err := os.ReadFile(path)
+		require.NoError(t, err)
+		// docs/reliability.md quotes this test's failures.
+		text := regexp.MustCompile(`"[^"]*which no _test.go file\s+defines"`).ReplaceAllString(string(b), "")
+		for _, name := range named.FindAllString(text, -1) {
+			seen++
+			if !defined[name] {
+				t.Errorf("%s names %s, which no _test.go file defines", filepath.Base(path), name)
+			}
+		}
+	}
+	require.Greater(t, seen, 100, "the docs' test names")
+}

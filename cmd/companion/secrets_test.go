@@ -1,7 +1,10 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"encoding/base64"
+	"encoding/hex"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -10,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
@@ -95,4 +99,57 @@ func TestGeneratedAdminTokenFile(t *testing.T) {
 	require.NoError(t, m2.Run(context.Background()))
 	defer m2.Close()
 	require.Equal(t, tok, m2.AdminToken())
+}
+
+// CONTRACT §7.4: tokens, bridge secrets and claim codes are stored hashed.
+// After every request that makes one (with an Idempotency-Key, whose
+// recorded answer is kept 24 h), the store's file holds each one's SHA-256
+// and never the secret itself. docs/reliability.md's table of promises
+// names this test as the proof of §7.4; the test it named did not exist
+// (docs/reliability.md, bug 492).
+func TestSecretsAreStoredHashed(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	r := f.admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "bob"}, "Idempotency-Key", "user-bob")
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	bob := newClient(t, m, r.JSON(t)["token"].(string))
+	r = f.admin.do("POST", "/api/v1/admin/users/"+f.userID+"/token", nil, "Idempotency-Key", "token-alice")
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	alice := newClient(t, m, r.JSON(t)["token"].(string))
+	r = alice.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]}, "Idempotency-Key", "register-1")
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	r = bob.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": "own-1"}, "Idempotency-Key", "bridge-own-1")
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	ownSecret := r.JSON(t)["secret"].(string)
+	r = bob.do("POST", "/api/v1/bridges/own-1/secret", nil, "Idempotency-Key", "secret-own-1")
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	ownNewSecret := r.JSON(t)["secret"].(string)
+	r = f.admin.do("POST", "/api/v1/admin/bridges/"+f.bridgeID+"/secret", nil, "Idempotency-Key", "secret-bridge-1")
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	newSecret := r.JSON(t)["secret"].(string)
+
+	// Every write was committed (fsync'd) before its answer.
+	db, err := os.ReadFile(filepath.Join(m.Config.Data, "companion.db"))
+	require.NoError(t, err)
+	for name, secret := range map[string]string{
+		"user token":          bob.token,
+		"new user token":      alice.token,
+		"user's bridge's":     ownNewSecret,
+		"operator's bridge's": newSecret,
+		"claim code":          f.claims["dev-1"],
+	} {
+		if bytes.Contains(db, []byte(secret)) {
+			t.Errorf("companion.db holds the %s %q as it is", name, secret)
+		}
+		h := companion.HashSecret(secret)
+		if !bytes.Contains(db, h) && !bytes.Contains(db, []byte(hex.EncodeToString(h))) && !bytes.Contains(db, []byte(base64.StdEncoding.EncodeToString(h))) {
+			t.Errorf("companion.db holds no SHA-256 of the %s", name)
+		}
+	}
+	if bytes.Contains(db, []byte(ownSecret)) {
+		t.Error("companion.db holds the user's bridge's first secret as it is")
+	}
+	if bytes.Contains(db, []byte(m.AdminToken())) {
+		t.Error("companion.db holds the admin token")
+	}
 }
