@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -326,4 +327,45 @@ func TestDocsNameRealTests(t *testing.T) {
 		}
 	}
 	require.Greater(t, seen, 100, "the docs' test names")
+}
+
+// TestReadmeWatchLineWorks runs the README's mosquitto_sub line of
+// "Watching the MQTT traffic", as printed, with the variables the README's
+// lines set from data/demo.json, against a demo server whose device is
+// registered: it receives the device's retained status. Only the broker's
+// address is the test's.
+func TestReadmeWatchLineWorks(t *testing.T) {
+	t.Parallel()
+	if _, err := exec.LookPath("mosquitto_sub"); err != nil {
+		t.Fatal("mosquitto_sub not installed: run make deps (it installs Debian's mosquitto-clients)")
+	}
+	m := startServer(t, Config{Demo: true})
+	dir := t.TempDir()
+	require.NoError(t, os.Symlink(m.Config.Data, filepath.Join(dir, "data")))
+	user := newClient(t, m, m.Demo.File.Token)
+	r := user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "sim-001", "claim_code": m.Demo.File.Devices[0].ClaimCode})
+	require.Contains(t, []int{200, 201}, r.Status, "%s", r.Body)
+	u, err := url.Parse(m.MQTTURL())
+	require.NoError(t, err)
+
+	var setup []string
+	var watch string
+	for _, l := range readmeCommands(t) {
+		switch {
+		case strings.HasPrefix(l, "TOKEN="), strings.HasPrefix(l, "DEV="), strings.HasPrefix(l, "USER_ID="):
+			setup = append(setup, l)
+		case strings.HasPrefix(l, "mosquitto_sub "):
+			require.Empty(t, watch, "one mosquitto_sub line in the README")
+			watch = l
+		}
+	}
+	require.Contains(t, watch, "-h 127.0.0.1 -p 1883 ", "the README's line watches the embedded broker's default address")
+	watch = strings.Replace(watch, "-h 127.0.0.1 -p 1883 ", "-h "+u.Hostname()+" -p "+u.Port()+" ", 1)
+	// Stop after the retained status and settings, or after 20 s.
+	script := strings.Join(setup, "\n") + "\n" + watch + " -C 2 -W 20"
+	cmd := exec.Command("sh", "-c", script)
+	cmd.Dir = dir
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s:\n%s", watch, out)
+	assert.Contains(t, string(out), "companion/v1/devices/sim-001/status {", "%s", out)
 }
