@@ -369,3 +369,53 @@ func TestReadmeWatchLineWorks(t *testing.T) {
 	require.NoError(t, err, "%s:\n%s", watch, out)
 	assert.Contains(t, string(out), "companion/v1/devices/sim-001/status {", "%s", out)
 }
+
+// foreignFlags are the flags the README and docs/*.md give other programs
+// (git, curl, imgtool, docker, unshare, prlimit, nats-server), each with
+// the program it belongs to.
+var foreignFlags = map[string]string{
+	"always": "git describe", "dirty": "git describe", "build-arg": "docker build",
+	"cacert": "curl", "data-binary": "curl", "path-as-is": "curl",
+	"cafile": "mosquitto_sub", "capath": "mosquitto_sub",
+	"confirm": "imgtool sign", "pad": "imgtool sign", "key": "imgtool sign", "max-align": "imgtool sign", "sha": "imgtool sign",
+	"map-root-user": "unshare", "mount": "unshare", "pid": "unshare", "fsize": "prlimit",
+	"signal": "nats-server", "help": "every program", "test": "imgtool", "nats-": "the --nats-* flags", "sim-": "the --sim-* flags",
+}
+
+// Every `--flag` the README and docs/*.md name in their prose, not only on
+// command lines (TestDocsCommandLinesNameRealFlags), is a flag of
+// companion serve, of a command of the CLI, or of companion-bridge, or
+// one of foreignFlags: a flag renamed in the code and not in a sentence
+// that tells an operator to set it fails here.
+func TestDocsProseNamesRealFlags(t *testing.T) {
+	_, bridge := procBinaries(t)
+	var help bytes.Buffer
+	for _, c := range commands {
+		var out, errOut bytes.Buffer
+		if err := run(context.Background(), append(strings.Fields(c.name), "-h"), &out, &errOut); err != nil && !errors.Is(err, flag.ErrHelp) {
+			t.Fatalf("companion %s -h: %v", c.name, err)
+		}
+		help.Write(out.Bytes())
+		help.Write(errOut.Bytes())
+	}
+	out, _ := exec.Command(bridge, "-h").CombinedOutput()
+	help.Write(out)
+	known := map[string]bool{"version": true}
+	for _, m := range regexp.MustCompile(`(?m)^  -([a-z0-9-]+)`).FindAllStringSubmatch(help.String(), -1) {
+		known[m[1]] = true
+	}
+	require.True(t, known["sim-devices"] && known["mqtt-dynsec"] && known["api-url"], "the flags of both binaries and the CLI")
+	root := filepath.Join("..", "..")
+	paths, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	require.NoError(t, err)
+	mention := regexp.MustCompile("(?:^|[\\s`(])--([a-z][a-z0-9-]*)")
+	for _, path := range append([]string{filepath.Join(root, "README.md")}, paths...) {
+		b, err := os.ReadFile(path)
+		require.NoError(t, err)
+		for _, m := range mention.FindAllStringSubmatch(string(b), -1) {
+			if !known[m[1]] && foreignFlags[m[1]] == "" {
+				t.Errorf("%s names --%s, a flag of neither binary", filepath.Base(path), m[1])
+			}
+		}
+	}
+}
