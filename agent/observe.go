@@ -18,6 +18,11 @@ type Observer interface {
 	// MQTTConnected is called when the bridge's MQTT connection comes up
 	// (subscribed, "online" said) and when it is lost.
 	MQTTConnected(up bool)
+	// SpoolWritable is called with false when a write of the spool fails
+	// after the last one succeeded (its disk full, a quota, a file size
+	// limit, a failing disk: the bridge takes no command in meanwhile),
+	// and with true when one succeeds again.
+	SpoolWritable(ok bool)
 }
 
 // nopObserver is the Observer of an agent nobody observes.
@@ -25,3 +30,4 @@ type nopObserver struct{}
 
 func (nopObserver) CommandDone(string, string, bool, time.Duration) {}
 func (nopObserver) MQTTConnected(bool)                              {}
+func (nopObserver) SpoolWritable(bool)                              {}

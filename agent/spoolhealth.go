@@ -50,6 +50,7 @@ func (a *Agent) spoolFailed(what string, err error) {
 	case first:
 		h.failing.Store(true)
 		h.since, h.logged, h.failed = now, now, 0
+		a.spoolObserved(false)
 		a.log.Error("the spool cannot be written: commands stay unacknowledged with the broker (it sends them again), and final replies wait to be recorded, until it can; "+todo,
 			"spool", a.spoolPath, "write", what, "err", err)
 	case again:
@@ -63,6 +64,14 @@ func (a *Agent) spoolFailed(what string, err error) {
 // (EFBIG): the disk may have room to spare.
 const spoolSizeLimit = "a file size limit refuses it, not the disk: lift the bridge's (ulimit -f; LimitFSIZE= of its systemd unit, or its container's)"
 
+// spoolObserved tells the observer whether the spool takes writes (an
+// Agent made without New, as some tests make one, has none).
+func (a *Agent) spoolObserved(ok bool) {
+	if a.opts.Observer != nil {
+		a.opts.Observer.SpoolWritable(ok)
+	}
+}
+
 // spoolWritten notes a write of the spool that succeeded.
 func (a *Agent) spoolWritten() {
 	h := &a.spoolHealth
@@ -75,6 +84,7 @@ func (a *Agent) spoolWritten() {
 		return
 	}
 	h.failing.Store(false)
+	a.spoolObserved(true)
 	a.log.Info("the spool is written again", "spool", a.spoolPath, "after", time.Since(h.since).Round(time.Second))
 	h.mu.Unlock()
 	// The final replies whose write failed are tried again now, not at

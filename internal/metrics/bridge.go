@@ -56,6 +56,7 @@ type Bridge struct {
 	transfersV *prometheus.CounterVec
 	transfers  map[string]*transferSeries // read-only after NewBridge
 	drops      prometheus.Counter
+	spool      prometheus.Gauge // 1 while the spool cannot be written
 }
 
 // NewBridge registers the bridge's metrics in a registry of its own.
@@ -92,10 +93,14 @@ func NewBridge(opts BridgeOptions) *Bridge {
 			Name: "companion_bridge_gatt_link_drops_total",
 			Help: "Bluetooth links found down that the bridge had not closed (lost, dropped by the device, or closed after a request timed out).",
 		}),
+		spool: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "companion_bridge_spool_unwritable",
+			Help: "1 while the bridge's spool cannot be written (its disk full, a quota, a file size limit, a failing disk): it takes no command in meanwhile; else 0.",
+		}),
 		ops:       make(map[string]*bridgeOp, len(topics.Ops)),
 		transfers: make(map[string]*transferSeries, len(transferKinds)),
 	}
-	b.reg.MustRegister(b.doneV, b.tookV, b.mqtt, b.bytesV, b.transferV, b.transfersV, b.drops)
+	b.reg.MustRegister(b.doneV, b.tookV, b.mqtt, b.bytesV, b.transferV, b.transfersV, b.drops, b.spool)
 	devices := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "companion_bridge_devices",
 		Help: "Devices the bridge serves (--sim-devices or --devices).",
@@ -171,6 +176,9 @@ func (b *Bridge) Transfer(kind string, bytesSent int64, took time.Duration, fail
 		t.ok.Inc()
 	}
 }
+
+// SpoolWritable sets the spool gauge: 1 while its writes fail.
+func (b *Bridge) SpoolWritable(ok bool) { b.spool.Set(gauge01(!ok)) }
 
 // LinkLost counts a dropped Bluetooth link.
 func (b *Bridge) LinkLost() { b.drops.Inc() }

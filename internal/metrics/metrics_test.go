@@ -294,3 +294,28 @@ func TestStalledScraperIsCutOff(t *testing.T) {
 		t.Fatal("the answer to a scraper that stopped reading was not cut: its handler waited for it to read")
 	}
 }
+
+// The bridge's spool gauge is 1 while its spool cannot be written, and
+// 0 from the start and once it can again (docs/reliability.md, bug 496).
+func TestMetricsBridgeSpool(t *testing.T) {
+	b := metrics.NewBridge(metrics.BridgeOptions{Devices: 1})
+	url := metricsListen(t, func(addr string) (*metrics.Listener, error) {
+		return metrics.Listen(addr, b.Registry(), metricsQuiet())
+	})
+	for _, step := range []struct {
+		call bool // whether to call SpoolWritable
+		ok   bool
+		want float64
+	}{{false, false, 0}, {true, false, 1}, {true, true, 0}} {
+		if step.call {
+			b.SpoolWritable(step.ok)
+		}
+		f := metricstest.Scrape(t, url)
+		if !f.Has("companion_bridge_spool_unwritable") {
+			t.Fatalf("companion_bridge_spool_unwritable absent:\n%s", f.Dump("companion_bridge_spool_unwritable"))
+		}
+		if got := f.Value("companion_bridge_spool_unwritable"); got != step.want {
+			t.Errorf("after SpoolWritable(%v) (called: %v): companion_bridge_spool_unwritable = %v; want %v", step.ok, step.call, got, step.want)
+		}
+	}
+}
