@@ -24,10 +24,14 @@ type docMetric struct {
 	labels    []string
 }
 
+// annotations holds, by alert, the text of its annotations, once
+// operationsDoc has read them.
+var annotations map[string]string
+
 // operationsDoc returns docs/operations.md, the rows of its tables of
 // metrics, and the PromQL expressions it gives: its promql blocks and the
 // expr of every rule of its alerts file, by the alert's name ("" for a
-// promql block).
+// promql block); the rules' annotations go in annotations.
 func operationsDoc(tb testing.TB) (rows []docMetric, exprs map[string]string) {
 	tb.Helper()
 	md := string(testenv.ReadRepoFile(tb, "docs/operations.md"))
@@ -41,6 +45,7 @@ func operationsDoc(tb testing.TB) (rows []docMetric, exprs map[string]string) {
 		rows = append(rows, r)
 	}
 	exprs = map[string]string{}
+	annotations = map[string]string{}
 	block := regexp.MustCompile("(?s)```(promql|yaml)\n(.*?)```")
 	for _, m := range block.FindAllStringSubmatch(md, -1) {
 		if m[1] == "promql" {
@@ -55,6 +60,7 @@ func operationsDoc(tb testing.TB) (rows []docMetric, exprs map[string]string) {
 				Name  string
 				Rules []struct {
 					Alert, Expr string
+					Annotations map[string]string
 				}
 			}
 		}
@@ -67,6 +73,9 @@ func operationsDoc(tb testing.TB) (rows []docMetric, exprs map[string]string) {
 					tb.Errorf("docs/operations.md: a rule of %s without alert or expr: %+v", g.Name, r)
 				}
 				exprs[r.Alert] = r.Expr
+				for _, text := range r.Annotations {
+					annotations[r.Alert] += text + "\n"
+				}
 			}
 		}
 	}
@@ -351,5 +360,61 @@ func TestOperationsDocHTTPAlertsLeaveProbesOut(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// The summary of each alert of docs/operations.md names only labels its
+// expression keeps: those of every aggregation's by (all of them, less
+// le, histogram_quantile's), or, with no aggregation, those of its series
+// and Prometheus's instance and job. A label the expression drops renders
+// "<no value>" in the page an operator gets.
+func TestOperationsDocAlertSummariesUseKeptLabels(t *testing.T) {
+	_, exprs := operationsDoc(t)
+	fams := servedFamilies(t, apiOperations(t))
+	aggregation := regexp.MustCompile(`\b(?:sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\)\s*)?\(`)
+	used := regexp.MustCompile(`\$labels\.([a-z_]+)`)
+	checked := 0
+	for alert, expr := range exprs {
+		if alert == "" {
+			continue
+		}
+		var kept map[string]bool
+		if aggs := aggregation.FindAllStringSubmatch(expr, -1); len(aggs) > 0 {
+			for _, a := range aggs {
+				by := map[string]bool{}
+				for _, l := range strings.Split(a[1], ",") {
+					if l = strings.TrimSpace(l); l != "" && !(l == "le" && strings.Contains(expr, "histogram_quantile")) {
+						by[l] = true
+					}
+				}
+				if kept == nil {
+					kept = by
+					continue
+				}
+				for l := range kept {
+					if !by[l] {
+						delete(kept, l)
+					}
+				}
+			}
+		} else {
+			kept = map[string]bool{"instance": true, "job": true}
+			for _, sel := range selectorRE.FindAllStringSubmatch(expr, -1) {
+				if f := fams[sel[1]]; f != nil {
+					for _, l := range labelNames(f) {
+						kept[l] = true
+					}
+				}
+			}
+		}
+		for _, m := range used.FindAllStringSubmatch(annotations[alert], -1) {
+			checked++
+			if !kept[m[1]] {
+				t.Errorf("docs/operations.md: alert %s's annotations use $labels.%s, which its expression does not keep", alert, m[1])
+			}
+		}
+	}
+	if checked < 10 {
+		t.Fatalf("%d labels used in the alerts' annotations", checked)
 	}
 }
