@@ -8,6 +8,13 @@ import (
 	"debug/elf"
 	"encoding/hex"
 	"errors"
+	"go/ast"
+	"go/constant"
+	"go/format"
+	"go/importer"
+	"go/parser"
+	"go/token"
+	"go/types"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -521,5 +528,83 @@ func TestEnvFileMQTTAccountIsTheDocs(t *testing.T) {
 	}
 	if !found {
 		t.Error("companion.env has no COMPANION_MQTT_USERNAME line")
+	}
+}
+
+// goDuration evaluates the initial value of the package-level variable or
+// constant name in the Go file rel (a time.Duration expression such as
+// time.Minute or 15 * time.Second).
+func goDuration(t *testing.T, rel, name string) time.Duration {
+	t.Helper()
+	fset := token.NewFileSet()
+	f, err := parser.ParseFile(fset, filepath.Join(repoRoot(t), rel), nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range f.Decls {
+		g, ok := d.(*ast.GenDecl)
+		if !ok {
+			continue
+		}
+		for _, s := range g.Specs {
+			v, ok := s.(*ast.ValueSpec)
+			if !ok {
+				continue
+			}
+			for i, n := range v.Names {
+				if n.Name != name || i >= len(v.Values) {
+					continue
+				}
+				var src strings.Builder
+				if err := format.Node(&src, fset, v.Values[i]); err != nil {
+					t.Fatal(err)
+				}
+				pkg := types.NewPackage("p", "p")
+				timePkg, err := importer.Default().Import("time")
+				if err != nil {
+					t.Fatal(err)
+				}
+				pkg.Scope().Insert(types.NewPkgName(token.NoPos, pkg, "time", timePkg))
+				tv, err := types.Eval(token.NewFileSet(), pkg, token.NoPos, src.String())
+				if err != nil || tv.Value == nil {
+					t.Fatalf("%s: %s = %s is not a constant: %v", rel, name, src.String(), err)
+				}
+				ns, ok := constant.Int64Val(tv.Value)
+				if !ok {
+					t.Fatalf("%s: %s = %s", rel, name, tv.Value)
+				}
+				return time.Duration(ns)
+			}
+		}
+	}
+	t.Fatalf("%s declares no %s", rel, name)
+	return 0
+}
+
+// The server bounds its own shutdown on a SIGTERM (shutdownWithin, bug
+// 343): past it, it logs what it waits for (a disk that does not answer)
+// and exits 1. systemd's TimeoutStopSec must leave it that time, or the
+// SIGKILL comes first and the journal says only that the stop timed out.
+// Bug 449.
+func TestSystemdStopTimeoutOutlastsShutdown(t *testing.T) {
+	bound := goDuration(t, "cmd/companion/serve.go", "shutdownWithin")
+	settings := serviceSettings(t, "companion.service")
+	var stop string
+	for _, k := range []string{"TimeoutSec", "TimeoutStopSec"} {
+		if v := settings[k]; len(v) > 0 {
+			stop = v[len(v)-1]
+		}
+	}
+	if stop == "" {
+		stop = "90s" // systemd's DefaultTimeoutStopSec
+	}
+	d, err := time.ParseDuration(strings.ReplaceAll(stop, "min", "m"))
+	if err != nil {
+		t.Fatalf("TimeoutStopSec=%s: %v", stop, err)
+	}
+	// The server logs and exits at once past its bound: 10 s leaves
+	// room for that on a loaded machine.
+	if d < bound+10*time.Second {
+		t.Errorf("companion.service: TimeoutStopSec=%s; the server's shutdown may take %v (shutdownWithin) before it says what holds it and exits: systemd kills it first, without that line", stop, bound)
 	}
 }
