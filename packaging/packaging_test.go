@@ -15,6 +15,8 @@ import (
 	"go/parser"
 	"go/token"
 	"go/types"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -606,5 +608,101 @@ func TestSystemdStopTimeoutOutlastsShutdown(t *testing.T) {
 	// room for that on a loaded machine.
 	if d < bound+10*time.Second {
 		t.Errorf("companion.service: TimeoutStopSec=%s; the server's shutdown may take %v (shutdownWithin) before it says what holds it and exits: systemd kills it first, without that line", stop, bound)
+	}
+}
+
+// procMountOptions are the options of the /proc systemd mounts for a unit
+// of settings (ProtectProc=, ProcSubset=; systemd.exec(5)).
+func procMountOptions(settings map[string][]string) string {
+	last := func(k string) string {
+		if v := settings[k]; len(v) > 0 {
+			return v[len(v)-1]
+		}
+		return ""
+	}
+	var opts []string
+	switch p := last("ProtectProc"); p {
+	case "invisible", "noaccess", "ptraceable":
+		opts = append(opts, "hidepid="+p)
+	}
+	if last("ProcSubset") == "pid" {
+		opts = append(opts, "subset=pid")
+	}
+	if len(opts) == 0 {
+		return "defaults"
+	}
+	return strings.Join(opts, ",")
+}
+
+// Under its unit's /proc (ProtectProc=, ProcSubset=), each binary's
+// --metrics still serves process_start_time_seconds, which
+// docs/operations.md's CompanionRestarting alert counts restarts with.
+// ProcSubset=pid hid /proc/stat, the boot time the start time is reckoned
+// from, and the process collector left the series out without a word: a
+// unit restarted in a loop raised no alert. Bug 450.
+func TestMetricsUnderTheUnitsProc(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounts a /proc of the unit's options in a mount namespace: needs root")
+	}
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Skipf("unshare (util-linux) is needed: %v", err)
+	}
+	root := repoRoot(t)
+	bins := t.TempDir()
+	for _, tc := range []struct {
+		unit, command string
+		args          []string
+	}{
+		{"companion.service", "companion", []string{"serve",
+			"--http", "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+			"--mqtt-listen", "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))}},
+		{"companion-bridge.service", "companion-bridge", []string{
+			"--mqtt-url", "tcp://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+			"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001"}},
+	} {
+		t.Run(tc.unit, func(t *testing.T) {
+			bin := filepath.Join(bins, tc.command)
+			run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", bin, "./cmd/"+tc.command)
+			opts := procMountOptions(serviceSettings(t, tc.unit))
+			metricsAddr := "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
+			args := append([]string{"-m", "--propagation", "private", "sh", "-c",
+				`mount -t proc -o "$0" proc /proc && exec "$@"`, opts, bin},
+				append(tc.args, "--data", t.TempDir(), "--metrics", metricsAddr)...)
+			var log testenv.Buffer
+			cmd := exec.Command(unshare, args...)
+			cmd.Stdout, cmd.Stderr = &log, &log
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			exited := make(chan error, 1)
+			go func() { exited <- cmd.Wait() }()
+			t.Cleanup(func() {
+				cmd.Process.Signal(syscall.SIGTERM)
+				<-exited
+			})
+			var body string
+			testenv.Eventually(t, time.Minute, tc.command+"'s /metrics", func() bool {
+				select {
+				case err := <-exited:
+					exited <- err
+					t.Fatalf("%s under /proc of %s ended: %v\n%s", tc.command, opts, err, log.String())
+				default:
+				}
+				resp, err := http.Get("http://" + metricsAddr + "/metrics")
+				if err != nil {
+					return false
+				}
+				defer resp.Body.Close()
+				b, _ := io.ReadAll(resp.Body)
+				body = string(b)
+				return resp.StatusCode == http.StatusOK
+			})
+			for _, name := range []string{"process_start_time_seconds", "process_open_fds", "process_max_fds"} {
+				if !strings.Contains(body, "\n"+name+" ") {
+					t.Errorf("%s under %s's /proc (%s): /metrics has no %s", tc.command, tc.unit, opts, name)
+				}
+			}
+		})
 	}
 }
