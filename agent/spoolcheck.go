@@ -25,6 +25,15 @@ func (e *errSpoolFile) Error() string {
 	return fmt.Sprintf("spool %s: %s: %s", e.path, e.what, spoolUnreadable)
 }
 
+// ErrSpoolUnreadable is what errors.Is finds in the error of New or Run
+// when the spool file is damaged and the bridge refuses it: it would
+// refuse it again at every start until a person restores or moves it
+// (companion-bridge exits 65 on it, bug 451).
+var ErrSpoolUnreadable = errors.New("the spool file is damaged")
+
+// Is makes errors.Is(err, ErrSpoolUnreadable) hold.
+func (e *errSpoolFile) Is(target error) bool { return target == ErrSpoolUnreadable }
+
 // checkSpoolFile checks, before bbolt opens the spool at path, that it is
 // absent (a new spool) or a bbolt file whose pages are all there and whose
 // tree holds together (boltcheck.Check). It returns an *errSpoolFile for

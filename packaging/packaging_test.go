@@ -706,3 +706,53 @@ func TestMetricsUnderTheUnitsProc(t *testing.T) {
 		})
 	}
 }
+
+// A server on a damaged store, and a bridge on a damaged spool, stop with
+// an exit status their unit does not restart: each start would read the
+// file through and refuse it again, every RestartSec for good (the start
+// limit, 5 starts in 10 s, never catches a unit restarted every 2 s),
+// with the unit "activating (auto-restart)" rather than failed. Bug 451.
+func TestSystemdDoesNotRestartOnDamagedData(t *testing.T) {
+	root := repoRoot(t)
+	bins := t.TempDir()
+	for _, tc := range []struct {
+		unit, command, file string
+		args                []string
+	}{
+		{"companion.service", "companion", "companion.db", []string{"serve",
+			"--http", "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+			"--mqtt-listen", "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))}},
+		{"companion-bridge.service", "companion-bridge", "spool.db", []string{
+			"--mqtt-url", "tcp://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+			"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001"}},
+	} {
+		t.Run(tc.unit, func(t *testing.T) {
+			settings := serviceSettings(t, tc.unit)
+			bin := filepath.Join(bins, tc.command)
+			run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", bin, "./cmd/"+tc.command)
+			data := t.TempDir()
+			// Not a bbolt file: neither of its meta pages is valid.
+			b := make([]byte, 3*4096)
+			copy(b, "not the bbolt file it was")
+			if err := os.WriteFile(filepath.Join(data, tc.file), b, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, append(tc.args, "--data", data)...)
+			cmd.Env = os.Environ()
+			for _, e := range settings["Environment"] {
+				cmd.Env = append(cmd.Env, strings.Fields(e)...)
+			}
+			cmd.Env = append(cmd.Env, "COMPANION_DATA="+data)
+			out, err := cmd.CombinedOutput()
+			if err == nil || !strings.Contains(string(out), tc.file) {
+				t.Fatalf("%s on a damaged %s: %v\n%s", tc.command, tc.file, err, out)
+			}
+			if restarts(t, settings, cmd.ProcessState) {
+				t.Errorf("%s restarts %s after it refused a damaged %s (%v), every RestartSec for good:\n%s",
+					tc.unit, tc.command, tc.file, cmd.ProcessState, out)
+			}
+		})
+	}
+}

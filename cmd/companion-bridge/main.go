@@ -79,9 +79,19 @@ func main() {
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "companion-bridge:", err)
+		if errors.Is(err, agent.ErrSpoolUnreadable) {
+			os.Exit(exitDamagedData)
+		}
 		os.Exit(1)
 	}
 }
+
+// exitDamagedData is the exit status of a bridge that refuses its damaged
+// spool (agent.ErrSpoolUnreadable): 65, BSD's EX_DATAERR. Every start
+// would refuse it again until a person restores or moves it, so the
+// systemd unit does not restart on it (RestartPreventExitStatus), as it
+// does on status 1 (bug 451).
+const exitDamagedData = 65
 
 // Config is the bridge's configuration, from flags and the environment.
 type Config struct {

@@ -30,6 +30,7 @@ import (
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
 	"github.com/devicecompanion/companion/internal/signals"
+	"github.com/devicecompanion/companion/store"
 )
 
 // version is stamped at build time (make dist: -ldflags
@@ -67,9 +68,19 @@ func main() {
 			os.Exit(2)
 		}
 		fmt.Fprintln(os.Stderr, "companion:", err)
+		if errors.Is(err, store.ErrDamaged) {
+			os.Exit(exitDamagedData)
+		}
 		os.Exit(1)
 	}
 }
+
+// exitDamagedData is the exit status of a server that refuses its damaged
+// bbolt file (store.ErrDamaged): 65, BSD's EX_DATAERR. Every start would
+// refuse it again until a person restores or moves it, so the systemd
+// unit does not restart on it (RestartPreventExitStatus), as it does on
+// status 1 (bug 451).
+const exitDamagedData = 65
 
 // usageError is a mistake on the command line (exit status 2).
 type usageError struct{ msg string }
