@@ -756,3 +756,122 @@ func TestSystemdDoesNotRestartOnDamagedData(t *testing.T) {
 		})
 	}
 }
+
+// dockerInstructions returns the Dockerfile's instructions, continuation
+// lines joined and comments left out, each as its keyword (upper case) and
+// the rest.
+func dockerInstructions(text string) [][2]string {
+	var out [][2]string
+	var cur strings.Builder
+	for _, line := range strings.Split(text, "\n") {
+		t := strings.TrimSpace(line)
+		if cur.Len() == 0 && (t == "" || strings.HasPrefix(t, "#")) {
+			continue
+		}
+		if strings.HasSuffix(t, "\\") {
+			cur.WriteString(strings.TrimSuffix(t, "\\") + " ")
+			continue
+		}
+		cur.WriteString(t)
+		kw, rest, _ := strings.Cut(cur.String(), " ")
+		out = append(out, [2]string{strings.ToUpper(kw), strings.TrimSpace(rest)})
+		cur.Reset()
+	}
+	return out
+}
+
+// BuildKit's automatic platform arguments (docs.docker.com, "Automatic
+// platform ARGs in the global scope").
+var platformArgs = []string{"TARGETPLATFORM", "TARGETOS", "TARGETARCH", "TARGETVARIANT", "BUILDPLATFORM", "BUILDOS", "BUILDARCH", "BUILDVARIANT"}
+
+// The images build for the platform asked for (docker buildx build
+// --platform linux/arm64): the build stage's go build runs with the
+// GOOS/GOARCH/GOARM of the target. The stage's ARGs are resolved as
+// BuildKit's dockerfile2llb does (dispatchArg): a --build-arg wins, then
+// the ARG's own default, and only an ARG without one takes BuildKit's
+// automatic value. "ARG TARGETARCH=amd64" kept amd64 for every platform:
+// arm64 and arm/v7 images held an amd64 binary ("exec format error" on
+// the gateway). The RUN line is run by sh with a stub go that records
+// what it was asked to build for. Bug 452.
+func TestDockerfilesBuildForTheTargetPlatform(t *testing.T) {
+	root := repoRoot(t)
+	for _, c := range commands {
+		t.Run(c, func(t *testing.T) {
+			ins := dockerInstructions(readFile(t, filepath.Join(root, "packaging", "docker", c+".Dockerfile")))
+			// The build stage: from the FROM … AS build to the next FROM.
+			var stage [][2]string
+			in := false
+			for _, i := range ins {
+				if i[0] == "FROM" {
+					in = strings.HasSuffix(strings.ToLower(i[1]), " as build")
+					continue
+				}
+				if in {
+					stage = append(stage, i)
+				}
+			}
+			var build string
+			for _, i := range stage {
+				if i[0] == "RUN" && strings.Contains(i[1], "go build") {
+					build = i[1]
+				}
+			}
+			if build == "" {
+				t.Fatalf("%s.Dockerfile: no build stage (FROM … AS build) with a RUN of go build", c)
+			}
+			for _, p := range []struct{ platform, want string }{
+				{"linux/amd64", "linux amd64"},
+				{"linux/arm64", "linux arm64"},
+				{"linux/arm/v7", "linux arm 7"},
+			} {
+				parts := strings.Split(p.platform, "/")
+				auto := map[string]string{
+					"TARGETPLATFORM": p.platform, "TARGETOS": parts[0], "TARGETARCH": parts[1], "TARGETVARIANT": "",
+					"BUILDPLATFORM": "linux/" + runtime.GOARCH, "BUILDOS": "linux", "BUILDARCH": runtime.GOARCH, "BUILDVARIANT": "",
+				}
+				if len(parts) == 3 {
+					auto["TARGETVARIANT"] = parts[2]
+				}
+				buildArgs := map[string]string{"VERSION": "v0.0.0-platformtest"}
+				dir := t.TempDir()
+				stub := filepath.Join(dir, "stub")
+				if err := os.MkdirAll(stub, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				record := filepath.Join(dir, "built-for")
+				script := "#!/bin/sh\n[ \"$1\" = build ] && echo \"$GOOS $GOARCH${GOARM:+ $GOARM}\" > " + record + "\nexit 0\n"
+				if err := os.WriteFile(filepath.Join(stub, "go"), []byte(script), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				env := []string{"PATH=" + stub + ":/usr/bin:/bin"}
+				for _, i := range stage {
+					if i[0] != "ARG" {
+						continue
+					}
+					for _, a := range strings.Fields(i[1]) {
+						k, def, hasDefault := strings.Cut(a, "=")
+						if v, ok := buildArgs[k]; ok {
+							env = append(env, k+"="+v)
+						} else if hasDefault {
+							env = append(env, k+"="+def)
+						} else if v, ok := auto[k]; ok && slices.Contains(platformArgs, k) {
+							env = append(env, k+"="+v)
+						}
+					}
+				}
+				cmd := exec.Command("sh", "-c", strings.ReplaceAll(build, "/out", filepath.Join(dir, "out")))
+				cmd.Dir, cmd.Env = dir, env
+				if out, err := cmd.CombinedOutput(); err != nil {
+					t.Fatalf("RUN %s: %v\n%s", build, err, out)
+				}
+				got, err := os.ReadFile(record)
+				if err != nil {
+					t.Fatalf("RUN %s ran no go build: %v", build, err)
+				}
+				if strings.TrimSpace(string(got)) != p.want {
+					t.Errorf("%s.Dockerfile, --platform %s: go build for GOOS GOARCH GOARM %q; want %q (the image's platform)", c, p.platform, strings.TrimSpace(string(got)), p.want)
+				}
+			}
+		})
+	}
+}

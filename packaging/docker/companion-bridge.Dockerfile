@@ -18,13 +18,17 @@
 ARG GO_IMAGE=docker.io/library/golang:1.26-bookworm
 
 FROM --platform=$BUILDPLATFORM ${GO_IMAGE} AS build
-ARG TARGETOS=linux TARGETARCH=amd64 TARGETVARIANT
+# BuildKit's automatic platform arguments, without defaults: an ARG's own
+# default wins over BuildKit's value, and TARGETARCH=amd64 built an amd64
+# binary into the arm64 and arm/v7 images (bug 452). Without BuildKit
+# they are empty, and the binary is for the build machine.
+ARG TARGETOS TARGETARCH TARGETVARIANT
 ARG VERSION=devel
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH GOARM=${TARGETVARIANT#v} \
+RUN CGO_ENABLED=0 GOOS=${TARGETOS:-linux} GOARCH=${TARGETARCH:-$(go env GOARCH)} GOARM=${TARGETVARIANT#v} \
     go build -trimpath -ldflags "-s -w -X main.version=$VERSION" -o /out/companion-bridge ./cmd/companion-bridge \
  && mkdir -p /out/data
 
