@@ -875,3 +875,53 @@ func TestDockerfilesBuildForTheTargetPlatform(t *testing.T) {
 		})
 	}
 }
+
+// A file a flag names that the binary cannot load (a TLS key only root may
+// read, which the unit's dynamic user cannot; a path mistyped in the env
+// file) is a mistake of the configuration, as a flag's wrong value is:
+// exit status 2, not restarted, with the flag named. With exit status 1
+// the unit restarted it every 2 s for good. Bug 453.
+func TestSystemdDoesNotRestartOnUnreadableFlagFiles(t *testing.T) {
+	root := repoRoot(t)
+	bins := t.TempDir()
+	for _, c := range commands {
+		run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", filepath.Join(bins, c), "./cmd/"+c)
+	}
+	missing := filepath.Join(t.TempDir(), "missing.pem")
+	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
+	for _, tc := range []struct {
+		name, unit, command, flag string
+		args                      []string
+	}{
+		{"HTTPS key", "companion.service", "companion", "--tls-key", []string{"serve", "--http", free(), "--mqtt-listen", free(),
+			"--tls-cert", missing, "--tls-key", missing}},
+		{"embedded broker's key", "companion.service", "companion", "--mqtt-tls-key", []string{"serve", "--http", free(), "--mqtt-listen", free(),
+			"--mqtt-tls-cert", missing, "--mqtt-tls-key", missing}},
+		{"broker's CA", "companion.service", "companion", "--mqtt-ca", []string{"serve", "--http", free(),
+			"--mqtt-url", "mqtts://" + free(), "--mqtt-dynsec=false", "--mqtt-ca", missing}},
+		{"bridge's CA", "companion-bridge.service", "companion-bridge", "--ca", []string{"--mqtt-url", "mqtts://" + free(),
+			"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001", "--ca", missing}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			settings := serviceSettings(t, tc.unit)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, filepath.Join(bins, tc.command), append(tc.args, "--data", t.TempDir())...)
+			cmd.Env = os.Environ()
+			for _, e := range settings["Environment"] {
+				cmd.Env = append(cmd.Env, strings.Fields(e)...)
+			}
+			out, err := cmd.CombinedOutput()
+			if err == nil {
+				t.Fatalf("%s started with %s naming a missing file:\n%s", tc.command, tc.flag, out)
+			}
+			if !strings.Contains(string(out), tc.flag) || !strings.Contains(string(out), missing) {
+				t.Errorf("%s: the message does not name %s and its file %s:\n%s", tc.command, tc.flag, missing, out)
+			}
+			if restarts(t, settings, cmd.ProcessState) {
+				t.Errorf("%s restarts %s after %s named a file it cannot read (%v), every RestartSec for good:\n%s",
+					tc.unit, tc.command, tc.flag, cmd.ProcessState, out)
+			}
+		})
+	}
+}

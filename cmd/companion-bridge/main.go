@@ -321,6 +321,14 @@ func (m *Main) validate() error {
 			return fmt.Errorf("--api-url %q: give the server's base URL, without /api/v1 (the bridge adds it)", s)
 		}
 	}
+	// A CA file that cannot be read is a usage error (exit status 2),
+	// which systemd does not restart, as a file the unit's dynamic user
+	// cannot read fails at every start (bug 453); Run loads it again.
+	if c.CA != "" {
+		if _, err := tlsclient.Config(c.CA); err != nil {
+			return fmt.Errorf("--ca: %w", err)
+		}
+	}
 	listens := []flagcheck.Listen{{Flag: "metrics", Addr: c.Metrics}, {Flag: "pprof", Addr: c.PProf}}
 	for _, l := range listens {
 		if err := flagcheck.ListenAddr(l.Flag, l.Addr); err != nil {

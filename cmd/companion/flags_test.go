@@ -182,16 +182,18 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 // A CA bundle that cannot be read is named by its flag: before, the
 // server ended with "companion: open FILE: no such file or directory"
 // and the bridge with the same, neither saying which flag gave the file.
+// It is a usage error, exit status 2, which systemd does not restart
+// (bug 453; it was 1).
 func TestMissingCAFileNamesItsFlag(t *testing.T) {
 	companion, bridge := procBinaries(t)
 	missing := filepath.Join(t.TempDir(), "missing-ca.pem")
 	code, out := procExit(t, "companion: HTTP API on", nil, companion, "serve", "--http", "127.0.0.1:0", "--data", t.TempDir(),
 		"--mqtt-url", "mqtts://127.0.0.1:1", "--mqtt-dynsec=false", "--mqtt-ca", missing)
-	assert.Equal(t, 1, code, "exit status (-1: it started)\n%s", out)
+	assert.Equal(t, 2, code, "exit status (-1: it started)\n%s", out)
 	assert.Contains(t, out, "--mqtt-ca: open "+missing)
 	code, out = procExit(t, "connecting", nil, bridge, "--mqtt-url", "mqtts://127.0.0.1:1", "--ca", missing,
 		"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "dev-1", "--data", t.TempDir())
-	assert.Equal(t, 1, code, "exit status (-1: it started)\n%s", out)
+	assert.Equal(t, 2, code, "exit status (-1: it started)\n%s", out)
 	assert.Contains(t, out, "--ca: open "+missing)
 }
 

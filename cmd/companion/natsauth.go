@@ -61,13 +61,15 @@ func (m *Main) startNATSAuth(tree topics.Tree) error {
 	case c.IssuerSeedFile == "":
 		return usageError{"--nats-callout needs --nats-issuer-seed"}
 	}
+	// A seed that cannot be read or parsed is a usage error (exit
+	// status 2), which systemd does not restart (bug 453).
 	seed, err := os.ReadFile(c.IssuerSeedFile)
 	if err != nil {
-		return fmt.Errorf("--nats-issuer-seed: %w", err)
+		return usageError{fmt.Sprintf("--nats-issuer-seed: %v", err)}
 	}
 	issuer, err := nkeys.ParseDecoratedNKey(seed)
 	if err != nil {
-		return fmt.Errorf("--nats-issuer-seed %s: %w", c.IssuerSeedFile, err)
+		return usageError{fmt.Sprintf("--nats-issuer-seed %s: %v", c.IssuerSeedFile, err)}
 	}
 	natsOpts := natsauth.Options{
 		URL:  c.URL,
@@ -83,7 +85,7 @@ func (m *Main) startNATSAuth(tree topics.Tree) error {
 	}
 	if tlsclient.IsTLSURL(c.URL) {
 		if natsOpts.TLSConfig, err = tlsclient.Config(cfg.MQTTCA); err != nil {
-			return err
+			return usageError{fmt.Sprintf("--mqtt-ca: %v", err)}
 		}
 	}
 	m.NATSAuth, err = natsauth.New(natsOpts)

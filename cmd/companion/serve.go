@@ -593,7 +593,10 @@ func serverTLS(cfg Config) (httpCert *tls.Certificate, mqttTLS *tls.Config, err 
 	if cfg.TLSCert != "" {
 		c, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
 		if err != nil {
-			return nil, nil, fmt.Errorf("TLS: %w", err)
+			// A usage error (exit status 2), which systemd does not
+			// restart: a key the unit's dynamic user cannot read fails
+			// at every start (bug 453).
+			return nil, nil, usageError{fmt.Sprintf("--tls-cert %s, --tls-key %s: %v", cfg.TLSCert, cfg.TLSKey, err)}
 		}
 		httpCert = &c
 	}
@@ -606,7 +609,7 @@ func serverTLS(cfg Config) (httpCert *tls.Certificate, mqttTLS *tls.Config, err 
 		}
 		c, err := tls.LoadX509KeyPair(cfg.MQTTTLSCert, cfg.MQTTTLSKey)
 		if err != nil {
-			return nil, nil, fmt.Errorf("MQTT TLS: %w", err)
+			return nil, nil, usageError{fmt.Sprintf("--mqtt-tls-cert %s, --mqtt-tls-key %s: %v", cfg.MQTTTLSCert, cfg.MQTTTLSKey, err)}
 		}
 		mqttTLS = &tls.Config{Certificates: []tls.Certificate{c}, MinVersion: tls.VersionTLS12}
 	}
@@ -983,7 +986,7 @@ func clientTLS(url, caFile string) (*tls.Config, error) {
 	}
 	c, err := tlsclient.Config(caFile)
 	if err != nil {
-		return nil, fmt.Errorf("--mqtt-ca: %w", err)
+		return nil, usageError{fmt.Sprintf("--mqtt-ca: %v", err)} // bug 453
 	}
 	return c, nil
 }
