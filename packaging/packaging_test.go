@@ -925,3 +925,33 @@ func TestSystemdDoesNotRestartOnUnreadableFlagFiles(t *testing.T) {
 		})
 	}
 }
+
+// What the repository's .gitignore keeps out of git (local state: a
+// server's data/, a bridge's default ./bridge-data spool and blob cache,
+// make cluster's cluster/ with PostgreSQL's and NATS's data and
+// cluster.json's admin token and secrets) is kept out of the images'
+// build context too: COPY . . put it into the build stage, its layer and
+// its cache (docker buildx --cache-to mode=max exports it), and sent it
+// with every build. Bug 454.
+func TestDockerignoreKeepsOutWhatGitIgnores(t *testing.T) {
+	root := repoRoot(t)
+	norm := func(p string) string { return strings.Trim(strings.TrimSpace(p), "/") }
+	var ignored []string
+	for _, l := range strings.Split(readFile(t, filepath.Join(root, ".gitignore")), "\n") {
+		if l = norm(l); l != "" && !strings.HasPrefix(l, "#") && !strings.HasPrefix(l, "!") {
+			ignored = append(ignored, l)
+		}
+	}
+	for _, c := range commands {
+		name := c + ".Dockerfile.dockerignore"
+		kept := map[string]bool{}
+		for _, l := range strings.Split(readFile(t, filepath.Join(root, "packaging", "docker", name)), "\n") {
+			kept[norm(l)] = true
+		}
+		for _, g := range ignored {
+			if !kept[g] {
+				t.Errorf("%s does not keep out %s, which .gitignore ignores", name, g)
+			}
+		}
+	}
+}
