@@ -955,3 +955,30 @@ func TestDockerignoreKeepsOutWhatGitIgnores(t *testing.T) {
 		}
 	}
 }
+
+// An env file that holds, or has a line for, a secret (a password, a
+// token, a bridge's secret) says to install it readable by root alone,
+// as companion-bridge.env does: companion.env has lines for the broker's
+// password and the TLS key's path, and said nothing, so it was installed
+// as copied, 0644, readable by every local user. Bug 455.
+func TestEnvFilesWithSecretsSayMode0600(t *testing.T) {
+	root := repoRoot(t)
+	for _, name := range []string{"companion.env", "companion-bridge.env"} {
+		text := readFile(t, filepath.Join(root, "packaging", "systemd", name))
+		var secrets []string
+		for _, line := range strings.Split(text, "\n") {
+			k, _, ok := strings.Cut(strings.TrimPrefix(line, "#"), "=")
+			if !ok || !strings.HasPrefix(k, "COMPANION_") {
+				continue
+			}
+			for _, w := range []string{"PASSWORD", "SECRET", "TOKEN"} {
+				if strings.Contains(k, w) {
+					secrets = append(secrets, k)
+				}
+			}
+		}
+		if len(secrets) > 0 && !strings.Contains(text, "mode 0600") {
+			t.Errorf("%s has lines for %v but does not say to install it with mode 0600", name, secrets)
+		}
+	}
+}
