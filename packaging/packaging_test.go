@@ -982,3 +982,53 @@ func TestEnvFilesWithSecretsSayMode0600(t *testing.T) {
 		}
 	}
 }
+
+// Each binary says its version as it starts, in the journal: --version
+// tells the file on disk, which after an upgrade is not the build a unit
+// still runs until it is restarted, nor, for a bridge on a gateway, one
+// the operator can ask. Before, neither start-up line named it. Bug 456.
+func TestStartupSaysTheVersion(t *testing.T) {
+	root := repoRoot(t)
+	dir := t.TempDir()
+	const stamp = "v0.0.0-startuptest"
+	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
+	for _, tc := range []struct {
+		command, started string
+		args             []string
+	}{
+		{"companion", "companion: HTTP API on", []string{"serve", "--http", free(), "--mqtt-listen", free()}},
+		{"companion-bridge", "companion-bridge starting", []string{"--mqtt-url", "tcp://" + free(),
+			"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001"}},
+	} {
+		t.Run(tc.command, func(t *testing.T) {
+			bin := filepath.Join(dir, tc.command)
+			run(t, 5*time.Minute, root, nil, goTool(t), "build", "-ldflags", "-X main.version="+stamp, "-o", bin, "./cmd/"+tc.command)
+			cmd := exec.Command(bin, append(tc.args, "--data", t.TempDir())...)
+			out, err := cmd.StdoutPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			cmd.Stderr = cmd.Stdout
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			defer func() {
+				cmd.Process.Signal(syscall.SIGTERM)
+				io.Copy(io.Discard, out)
+				cmd.Wait()
+			}()
+			sc := bufio.NewScanner(out)
+			var seen []string
+			for sc.Scan() {
+				seen = append(seen, sc.Text())
+				if strings.Contains(sc.Text(), tc.started) {
+					if !strings.Contains(sc.Text(), stamp) {
+						t.Errorf("%s's start-up line does not say its version %s:\n%s", tc.command, stamp, sc.Text())
+					}
+					return
+				}
+			}
+			t.Fatalf("%s ended without %q:\n%s", tc.command, tc.started, strings.Join(seen, "\n"))
+		})
+	}
+}

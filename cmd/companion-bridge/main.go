@@ -403,7 +403,9 @@ func (m *Main) Run(ctx context.Context) error {
 	if c.PProf != "" {
 		pprofserver.Publish("spool", func() any { return a.SpoolStats() })
 	}
-	log.Info("companion-bridge starting", "bridge", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
+	// The build's version: after an upgrade the binary on disk
+	// (--version) is not always the build that runs (bug 456).
+	log.Info("companion-bridge starting", "version", buildinfo.Version(version), "bridge", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
 	return a.Run(ctx)
 }
 

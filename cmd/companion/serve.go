@@ -29,6 +29,7 @@ import (
 	"github.com/devicecompanion/companion/broker/dynsec"
 	"github.com/devicecompanion/companion/broker/embedded"
 	"github.com/devicecompanion/companion/broker/natsauth"
+	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/flagcheck"
 	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
@@ -405,9 +406,12 @@ func (m *Main) shutdown() error {
 	return exitError{1, fmt.Errorf("shutdown has not finished in %v: waiting for %s", shutdownWithin, waits)}
 }
 
-// startupLine is what `companion serve` prints once it is listening.
+// startupLine is what `companion serve` prints once it is listening,
+// with the build's version: after an upgrade the binary on disk
+// (--version) is not always the build that runs (bug 456).
 func (m *Main) startupLine() string {
-	return fmt.Sprintf("companion: HTTP API on %s, MQTT on %s, data in %s", m.APIURL(), m.MQTTURL(), m.Config.Data)
+	return fmt.Sprintf("companion: HTTP API on %s, MQTT on %s, data in %s, version %s",
+		m.APIURL(), m.MQTTURL(), m.Config.Data, buildinfo.Version(version))
 }
 
 func newLogger(level string, w io.Writer) (*slog.Logger, error) {
