@@ -1032,3 +1032,35 @@ func TestStartupSaysTheVersion(t *testing.T) {
 		})
 	}
 }
+
+// The server's image is run, as the README and the Dockerfile show it,
+// with a stop timeout longer than the server's own shutdown bound
+// (shutdownWithin): docker stop's default is 10 s, and a Kubernetes pod's
+// 30 s, after which the SIGKILL cuts the requests still answering and the
+// line saying what holds a stop (bug 343). Bug 457.
+func TestDockerRunStopTimeoutOutlastsShutdown(t *testing.T) {
+	root := repoRoot(t)
+	bound := goDuration(t, "cmd/companion/serve.go", "shutdownWithin")
+	for _, rel := range []string{"README.md", "packaging/docker/companion.Dockerfile"} {
+		var found bool
+		for _, line := range strings.Split(readFile(t, filepath.Join(root, rel)), "\n") {
+			if !strings.Contains(line, "docker run") || !strings.Contains(line, "companion-data:/data") {
+				continue
+			}
+			found = true
+			f := strings.Fields(line)
+			i := slices.Index(f, "--stop-timeout")
+			if i < 0 || i+1 == len(f) {
+				t.Errorf("%s: %q gives no --stop-timeout: docker stop kills the server after 10 s; its shutdown may take %v", rel, strings.TrimSpace(line), bound)
+				continue
+			}
+			s, err := strconv.Atoi(f[i+1])
+			if err != nil || time.Duration(s)*time.Second < bound+10*time.Second {
+				t.Errorf("%s: --stop-timeout %s; the server's shutdown may take %v", rel, f[i+1], bound)
+			}
+		}
+		if !found {
+			t.Errorf("%s has no docker run line of the server's image", rel)
+		}
+	}
+}

@@ -3,7 +3,13 @@
 #
 #   docker build -f packaging/docker/companion.Dockerfile \
 #     --build-arg VERSION=$(git describe --always --dirty) -t companion .
-#   docker run -p 8080:8080 -p 1883:1883 -v companion-data:/data companion
+#   docker run --stop-timeout 90 -p 8080:8080 -p 1883:1883 -v companion-data:/data companion
+#
+# --stop-timeout 90: docker stop's default, 10 s, is shorter than the
+# server's shutdown (15 s for the requests in flight, a minute at most
+# before it says what holds it and exits); give the same to Compose
+# (stop_grace_period: 90s) and Kubernetes (terminationGracePeriodSeconds:
+# 90). Bug 457.
 #
 # Flags come as COMPANION_<FLAG> variables (docker run -e) or as arguments
 # after the image name (they replace "serve", so start with it). There is no
