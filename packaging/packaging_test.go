@@ -1064,3 +1064,42 @@ func TestDockerRunStopTimeoutOutlastsShutdown(t *testing.T) {
 		}
 	}
 }
+
+// The bridge's image says how to watch it with something an operator can
+// read: it told them to watch the bridge's retained
+// companion/v1/bridges/ID/state topic, to which no user may subscribe
+// (README, "Watching the MQTT traffic": SUBACK 0x80 on every broker). It
+// names a metric of --metrics that the bridge has. Bug 458.
+func TestBridgeImageSaysHowToWatchIt(t *testing.T) {
+	root := repoRoot(t)
+	var header []string
+	for _, l := range strings.Split(readFile(t, filepath.Join(root, "packaging", "docker", "companion-bridge.Dockerfile")), "\n") {
+		if !strings.HasPrefix(l, "#") {
+			break
+		}
+		header = append(header, strings.TrimSpace(strings.TrimPrefix(l, "#")))
+	}
+	text := strings.Join(header, " ")
+	if strings.Contains(text, "/state topic") && strings.Contains(text, "watch the bridge's retained") {
+		t.Errorf("companion-bridge.Dockerfile tells to watch the bridge's state topic, which no user may subscribe to:\n%s", strings.Join(header, "\n"))
+	}
+	var metricsSrc strings.Builder
+	files, _ := filepath.Glob(filepath.Join(root, "internal", "metrics", "*.go"))
+	for _, f := range files {
+		if !strings.HasSuffix(f, "_test.go") {
+			metricsSrc.WriteString(readFile(t, f))
+		}
+	}
+	var named int
+	for _, w := range strings.FieldsFunc(text, func(r rune) bool { return r != '_' && !('a' <= r && r <= 'z') }) {
+		if strings.HasPrefix(w, "companion_") {
+			named++
+			if !strings.Contains(metricsSrc.String(), `"`+w+`"`) {
+				t.Errorf("companion-bridge.Dockerfile names %s, which no collector registers", w)
+			}
+		}
+	}
+	if named == 0 || !strings.Contains(text, "COMPANION_METRICS") {
+		t.Errorf("companion-bridge.Dockerfile does not say how to watch the bridge (--metrics, COMPANION_METRICS, and a metric):\n%s", strings.Join(header, "\n"))
+	}
+}

@@ -11,9 +11,13 @@
 # With --gatt bluez the bridge reaches BlueZ over the host's system D-Bus:
 # mount its socket (-v /run/dbus/system_bus_socket:/run/dbus/system_bus_socket);
 # no device node, capability or host network is needed. The bridge listens
-# on nothing (EXPOSE none), and scratch has no shell or client to run a
-# HEALTHCHECK with: watch the bridge's retained
-# companion/v1/bridges/ID/state topic (online/offline) instead.
+# on nothing by default (EXPOSE none), and scratch has no shell or client to
+# run a HEALTHCHECK with. To watch it, give it --metrics
+# (-e COMPANION_METRICS=0.0.0.0:9465 -p 9465:9465) and alert on
+# companion_bridge_mqtt_connected == 0 (docs/operations.md), or watch the
+# server's companion_bridges_away. Its retained state topic
+# (companion/v1/bridges/ID/state) is the server's alone: no user may
+# subscribe to it (README, bug 458).
 
 ARG GO_IMAGE=docker.io/library/golang:1.26-bookworm
 
