@@ -1103,3 +1103,35 @@ func TestBridgeImageSaysHowToWatchIt(t *testing.T) {
 		t.Errorf("companion-bridge.Dockerfile does not say how to watch the bridge (--metrics, COMPANION_METRICS, and a metric):\n%s", strings.Join(header, "\n"))
 	}
 }
+
+// On the host of a server installed with companion.service, the admin
+// CLI run as docs/provisioning.md and README show it (no --data) finds no
+// admin.token in ./data: it says where the unit keeps it (its
+// StateDirectory under /var/lib) and how to point it there. Before, it
+// said only "none readable in ./data". Bug 459.
+func TestAdminCLISaysWhereTheUnitKeepsTheToken(t *testing.T) {
+	root := repoRoot(t)
+	dirs := serviceSettings(t, "companion.service")["StateDirectory"]
+	if len(dirs) == 0 {
+		t.Fatal("companion.service has no StateDirectory")
+	}
+	state := "/var/lib/" + dirs[len(dirs)-1]
+	bin := filepath.Join(t.TempDir(), "companion")
+	run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", bin, "./cmd/companion")
+	cmd := exec.Command(bin, "user", "create", "alice", "--api-url", "http://127.0.0.1:"+strconv.Itoa(testenv.FreePort(t)))
+	cmd.Dir = t.TempDir()
+	for _, e := range os.Environ() {
+		if !strings.HasPrefix(e, "COMPANION_") {
+			cmd.Env = append(cmd.Env, e)
+		}
+	}
+	out, err := cmd.CombinedOutput()
+	if err == nil {
+		t.Fatalf("user create without a token succeeded:\n%s", out)
+	}
+	for _, want := range []string{"--data " + state, "COMPANION_DATA"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("the CLI without an admin token does not say %q (companion.service keeps it in %s):\n%s", want, state, out)
+		}
+	}
+}

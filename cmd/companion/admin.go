@@ -92,7 +92,11 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		tokenFile = filepath.Join(*data, "admin.token")
 		b, err := os.ReadFile(tokenFile)
 		if err != nil {
-			return usageError{fmt.Sprintf("no --admin-token and none readable in %s: %v", *data, err)}
+			// Where the packages keep it (bug 459): ./data is only
+			// where a server started from the repository keeps it.
+			return usageError{fmt.Sprintf("no --admin-token and none readable in %s: %v: give the server's data directory "+
+				"with --data (COMPANION_DATA): --data /var/lib/companion on the host of companion.service (as root), "+
+				"/data in the server's container (docker exec), or the token with --admin-token", *data, err)}
 		}
 		tok = strings.TrimSpace(string(b))
 	}
