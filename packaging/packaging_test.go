@@ -8,6 +8,7 @@ import (
 	"debug/elf"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"go/ast"
 	"go/constant"
 	"go/format"
@@ -24,6 +25,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -405,7 +407,55 @@ func TestMain(m *testing.M) {
 	if os.Getenv(panicEnv) != "" {
 		panic("a crash, as systemd sees it")
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if built.dir != "" {
+		os.RemoveAll(built.dir)
+	}
+	os.Exit(code)
+}
+
+// builtStamp is the version the binaries of builtCommands are stamped
+// with.
+const builtStamp = "v0.0.0-packagingtest"
+
+// built holds both binaries, built once for the tests that run them.
+var built struct {
+	once sync.Once
+	dir  string
+	err  error
+}
+
+// builtCommands returns the directory that holds both binaries (commands),
+// built once with -X main.version=builtStamp, as make dist stamps them.
+func builtCommands(t *testing.T) string {
+	t.Helper()
+	built.once.Do(func() {
+		root, err := testenv.RepoRoot()
+		if err != nil {
+			built.err = err
+			return
+		}
+		g, err := testenv.GoTool()
+		if err != nil {
+			built.err = err
+			return
+		}
+		if built.dir, built.err = os.MkdirTemp("", "packaging-bin-"); built.err != nil {
+			return
+		}
+		for _, c := range commands {
+			cmd := exec.Command(g, "build", "-ldflags", "-X main.version="+builtStamp, "-o", filepath.Join(built.dir, c), "./cmd/"+c)
+			cmd.Dir = root
+			if out, err := cmd.CombinedOutput(); err != nil {
+				built.err = fmt.Errorf("go build ./cmd/%s: %v\n%s", c, err, out)
+				return
+			}
+		}
+	})
+	if built.err != nil {
+		t.Fatal(built.err)
+	}
+	return built.dir
 }
 
 // serviceSettings returns the values of each setting of the unit's
@@ -648,8 +698,7 @@ func TestMetricsUnderTheUnitsProc(t *testing.T) {
 	if err != nil {
 		t.Skipf("unshare (util-linux) is needed: %v", err)
 	}
-	root := repoRoot(t)
-	bins := t.TempDir()
+	bins := builtCommands(t)
 	for _, tc := range []struct {
 		unit, command string
 		args          []string
@@ -663,7 +712,6 @@ func TestMetricsUnderTheUnitsProc(t *testing.T) {
 	} {
 		t.Run(tc.unit, func(t *testing.T) {
 			bin := filepath.Join(bins, tc.command)
-			run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", bin, "./cmd/"+tc.command)
 			opts := procMountOptions(serviceSettings(t, tc.unit))
 			metricsAddr := "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
 			args := append([]string{"-m", "--propagation", "private", "sh", "-c",
@@ -713,8 +761,7 @@ func TestMetricsUnderTheUnitsProc(t *testing.T) {
 // limit, 5 starts in 10 s, never catches a unit restarted every 2 s),
 // with the unit "activating (auto-restart)" rather than failed. Bug 451.
 func TestSystemdDoesNotRestartOnDamagedData(t *testing.T) {
-	root := repoRoot(t)
-	bins := t.TempDir()
+	bins := builtCommands(t)
 	for _, tc := range []struct {
 		unit, command, file string
 		args                []string
@@ -729,7 +776,6 @@ func TestSystemdDoesNotRestartOnDamagedData(t *testing.T) {
 		t.Run(tc.unit, func(t *testing.T) {
 			settings := serviceSettings(t, tc.unit)
 			bin := filepath.Join(bins, tc.command)
-			run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", bin, "./cmd/"+tc.command)
 			data := t.TempDir()
 			// Not a bbolt file: neither of its meta pages is valid.
 			b := make([]byte, 3*4096)
@@ -882,11 +928,7 @@ func TestDockerfilesBuildForTheTargetPlatform(t *testing.T) {
 // exit status 2, not restarted, with the flag named. With exit status 1
 // the unit restarted it every 2 s for good. Bug 453.
 func TestSystemdDoesNotRestartOnUnreadableFlagFiles(t *testing.T) {
-	root := repoRoot(t)
-	bins := t.TempDir()
-	for _, c := range commands {
-		run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", filepath.Join(bins, c), "./cmd/"+c)
-	}
+	bins := builtCommands(t)
 	missing := filepath.Join(t.TempDir(), "missing.pem")
 	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
 	for _, tc := range []struct {
@@ -988,9 +1030,8 @@ func TestEnvFilesWithSecretsSayMode0600(t *testing.T) {
 // still runs until it is restarted, nor, for a bridge on a gateway, one
 // the operator can ask. Before, neither start-up line named it. Bug 456.
 func TestStartupSaysTheVersion(t *testing.T) {
-	root := repoRoot(t)
-	dir := t.TempDir()
-	const stamp = "v0.0.0-startuptest"
+	dir := builtCommands(t)
+	const stamp = builtStamp
 	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
 	for _, tc := range []struct {
 		command, started string
@@ -1002,7 +1043,6 @@ func TestStartupSaysTheVersion(t *testing.T) {
 	} {
 		t.Run(tc.command, func(t *testing.T) {
 			bin := filepath.Join(dir, tc.command)
-			run(t, 5*time.Minute, root, nil, goTool(t), "build", "-ldflags", "-X main.version="+stamp, "-o", bin, "./cmd/"+tc.command)
 			cmd := exec.Command(bin, append(tc.args, "--data", t.TempDir())...)
 			out, err := cmd.StdoutPipe()
 			if err != nil {
@@ -1110,14 +1150,12 @@ func TestBridgeImageSaysHowToWatchIt(t *testing.T) {
 // StateDirectory under /var/lib) and how to point it there. Before, it
 // said only "none readable in ./data". Bug 459.
 func TestAdminCLISaysWhereTheUnitKeepsTheToken(t *testing.T) {
-	root := repoRoot(t)
 	dirs := serviceSettings(t, "companion.service")["StateDirectory"]
 	if len(dirs) == 0 {
 		t.Fatal("companion.service has no StateDirectory")
 	}
 	state := "/var/lib/" + dirs[len(dirs)-1]
-	bin := filepath.Join(t.TempDir(), "companion")
-	run(t, 5*time.Minute, root, nil, goTool(t), "build", "-o", bin, "./cmd/companion")
+	bin := filepath.Join(builtCommands(t), "companion")
 	cmd := exec.Command(bin, "user", "create", "alice", "--api-url", "http://127.0.0.1:"+strconv.Itoa(testenv.FreePort(t)))
 	cmd.Dir = t.TempDir()
 	for _, e := range os.Environ() {
