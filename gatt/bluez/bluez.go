@@ -116,6 +116,7 @@ type Connector struct {
 	known    map[dbus.ObjectPath]*known        // Device1 objects of the adapter
 	wanted   int                               // Connect calls waiting for devices
 	scanning bool                              // discovery is on
+	scanLost bool                              // BlueZ ended discovery under scanLoop
 	scanErr  error                             // why discovery could not start
 	changed  chan struct{}                     // closed and replaced on news
 }
@@ -381,15 +382,20 @@ func hasUUID(list []string, uuid string) bool {
 	return false
 }
 
-// scanLoop runs discovery while some Connect call waits for a device.
+// scanLoop runs discovery while some Connect call waits for a device. It
+// starts it again when BlueZ ended it (discoveryLost).
 func (c *Connector) scanLoop() {
 	defer close(c.scanDone)
+	again := false
 	for {
-		select {
-		case <-c.closing:
-			return
-		case <-c.wake:
+		if !again {
+			select {
+			case <-c.closing:
+				return
+			case <-c.wake:
+			}
 		}
+		again = false
 		if !c.demand() {
 			continue
 		}
@@ -402,11 +408,19 @@ func (c *Connector) scanLoop() {
 			c.log.Warn("bluez: discovery failed", "err", err)
 			continue
 		}
+		lost := false
 		for c.demand() {
+			if lost = c.takeScanLost(); lost {
+				break
+			}
 			select {
 			case <-c.closing:
 			case <-c.wake:
 			}
+		}
+		if lost {
+			again = true // without StopDiscovery: BlueZ has none of ours
+			continue
 		}
 		c.stopDiscovery()
 		select {
@@ -415,6 +429,36 @@ func (c *Connector) scanLoop() {
 		default:
 		}
 	}
+}
+
+// takeScanLost reports, once, that BlueZ ended discovery under scanLoop.
+func (c *Connector) takeScanLost() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	lost := c.scanLost
+	c.scanLost = false
+	return lost
+}
+
+// discoveryLost is told that BlueZ ended discovery without being asked:
+// powering the adapter off ends every discovery session (BlueZ's
+// adapter_stop), as do the adapter's removal and bluetoothd's exit. No
+// signal says so to the session's owner; scanLoop, told, starts discovery
+// again while a Connect call waits, which before waited for a device no
+// discovery would find, for as long as any Connect call waited
+// (docs/reliability.md, bug 409).
+func (c *Connector) discoveryLost(why string) {
+	c.mu.Lock()
+	if c.scanning {
+		c.scanning = false
+		c.scanLost = true
+		for _, k := range c.known {
+			k.seen = 0
+		}
+		c.log.Info("bluez: discovery ended; starting it again", "why", why, "adapter", c.adapterPath)
+	}
+	c.mu.Unlock()
+	c.poke()
 }
 
 func (c *Connector) demand() bool {
@@ -442,8 +486,10 @@ func (c *Connector) startDiscovery() error {
 			c.addKnownLocked(path, props)
 		}
 	}
-	// Before the call: devices may be reported before its reply.
-	c.scanning = true
+	// Before the call: devices may be reported before its reply. A loss
+	// of an earlier session, not taken by scanLoop, is no loss of this
+	// one.
+	c.scanning, c.scanLost = true, false
 	c.mu.Unlock()
 	if err := ad.CallWithContext(ctx, ifaceAdapter+".StartDiscovery", 0).Err; err != nil {
 		c.mu.Lock()
@@ -529,6 +575,9 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		if !ok || !ok2 {
 			return false
 		}
+		if _, ok := ifaces[ifaceAdapter]; ok && path == c.adapterPath {
+			c.poke() // the adapter is back: discovery may start
+		}
 		props, ok := ifaces[ifaceDevice]
 		if !ok {
 			return true
@@ -547,6 +596,9 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		ifaces, ok2 := sig.Body[1].([]string)
 		if !ok || !ok2 {
 			return false
+		}
+		if path == c.adapterPath && hasUUID(ifaces, ifaceAdapter) {
+			c.discoveryLost("the adapter was removed")
 		}
 		if !hasUUID(ifaces, ifaceDevice) {
 			return true
@@ -567,10 +619,16 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		if !ok || !ok2 {
 			return false
 		}
-		if name != bluezName || owner != "" {
+		if name != bluezName {
+			return true
+		}
+		if owner != "" {
+			// bluetoothd (back) on the bus, with no discovery of ours.
+			c.discoveryLost("bluetoothd is new on the bus")
 			return true
 		}
 		c.log.Warn("bluez: bluetoothd left the bus")
+		c.discoveryLost("bluetoothd left the bus")
 		c.mu.Lock()
 		links := make([]*link, 0, len(c.links))
 		for _, l := range c.links {
@@ -591,6 +649,10 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 			return false
 		}
 		switch iface {
+		case ifaceAdapter:
+			if sig.Path == c.adapterPath {
+				c.adapterChanged(changes)
+			}
 		case ifaceDevice:
 			c.deviceChanged(sig.Path, changes)
 		case ifaceChar:
@@ -598,6 +660,18 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		}
 	}
 	return true
+}
+
+// adapterChanged follows the adapter's Powered: off ends discovery; on
+// again, discovery may start.
+func (c *Connector) adapterChanged(changes map[string]dbus.Variant) {
+	if on, ok := changes["Powered"].Value().(bool); ok {
+		if on {
+			c.poke()
+		} else {
+			c.discoveryLost("the adapter was powered off")
+		}
+	}
 }
 
 func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.Variant) {

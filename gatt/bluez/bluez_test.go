@@ -714,3 +714,48 @@ func TestStalledBluetoothdCannotHoldClose(t *testing.T) {
 		}
 	}
 }
+
+// Discovery that BlueZ ended under the bridge, with the adapter powered
+// off and on again (rfkill, bluetoothctl power off) or bluetoothd
+// restarted, is started again while a device is still looked for: before,
+// the Connector took it as still on for as long as any Connect waited, so
+// a device that came in range then was never found (docs/reliability.md,
+// bug 409).
+func TestDiscoveryRestartsAfterBlueZEndsIt(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		cycle func(*fakebluez.BlueZ)
+	}{
+		{"power off and on", func(f *fakebluez.BlueZ) { f.SetPowered(false); f.SetPowered(true) }},
+		{"bluetoothd restarted", func(f *fakebluez.BlueZ) { f.Restart() }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake := fakebluez.New(t)
+			d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0B:01", Peripheral: newTestPeripheral("dev-p")})
+			d.SetAdvertising(false) // out of range for now
+			c := newConnector(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+			defer cancel()
+			res := make(chan error, 1)
+			go func() {
+				// As gatt.Device does: again after an error, within ctx.
+				for {
+					l, err := c.Connect(ctx, "dev-p")
+					if err == nil {
+						l.Close()
+					}
+					if err == nil || ctx.Err() != nil {
+						res <- err
+						return
+					}
+				}
+			}()
+			fake.WaitDiscovering(true, 10*time.Second)
+			tc.cycle(fake)
+			d.SetAdvertising(true) // in range again
+			if err := <-res; err != nil {
+				t.Fatalf("Connect after BlueZ ended discovery: %v", err)
+			}
+		})
+	}
+}

@@ -42,6 +42,7 @@ type BlueZ struct {
 	discovering map[dbus.Sender]bool
 	filters     map[dbus.Sender][]string // UUIDs of SetDiscoveryFilter
 	calls       []string
+	changed     chan struct{} // closed and replaced when discovery starts or stops
 	wg          sync.WaitGroup
 	closing     chan struct{}
 }
@@ -67,6 +68,7 @@ func New(tb testing.TB) *BlueZ {
 		devices:     map[dbus.ObjectPath]*Device{},
 		discovering: map[dbus.Sender]bool{},
 		filters:     map[dbus.Sender][]string{},
+		changed:     make(chan struct{}),
 		closing:     make(chan struct{}),
 	}
 	tb.Cleanup(func() {
@@ -164,9 +166,84 @@ func (b *BlueZ) Emit(path dbus.ObjectPath, name string, body ...any) error {
 	return b.conn.Emit(path, name, body...)
 }
 
-// SetPowered switches the adapter on or off, as rfkill or a user would.
+// SetPowered switches the adapter on or off, as rfkill or a user
+// (bluetoothctl power off) would. Off, as BlueZ's adapter_stop does, it
+// ends every connection and every client's discovery session: a client
+// that wants discovery after the adapter is back must start it again.
 func (b *BlueZ) SetPowered(on bool) {
+	if !on {
+		b.stopAll()
+	}
 	setProp(b.adapter, ifaceAdapter, "Powered", on)
+}
+
+// stopAll drops every connection and ends every discovery session.
+func (b *BlueZ) stopAll() {
+	b.mu.Lock()
+	devs := make([]*Device, 0, len(b.devices))
+	for _, d := range b.devices {
+		devs = append(devs, d)
+	}
+	b.mu.Unlock()
+	for _, d := range devs {
+		d.Drop()
+	}
+	b.mu.Lock()
+	for _, d := range devs {
+		if d.pending != nil {
+			close(d.pending)
+			d.pending = nil
+		}
+	}
+	had := len(b.discovering) > 0
+	b.discovering = map[dbus.Sender]bool{}
+	b.filters = map[dbus.Sender][]string{}
+	if had {
+		setProp(b.adapter, ifaceAdapter, "Discovering", false)
+	}
+	b.notifyLocked()
+	b.mu.Unlock()
+}
+
+// Restart is bluetoothd restarted (systemctl restart bluetooth, or a crash
+// and systemd's restart): its connections and discovery sessions end, it
+// leaves the bus (NameOwnerChanged to no owner) and takes the name again
+// with its objects as they were; a client must start discovery again.
+func (b *BlueZ) Restart() {
+	b.tb.Helper()
+	b.stopAll()
+	b.Exit()
+	reply, err := b.conn.RequestName(busName, dbus.NameFlagDoNotQueue|dbus.NameFlagAllowReplacement)
+	if err != nil || reply != dbus.RequestNameReplyPrimaryOwner {
+		b.tb.Fatalf("fakebluez: restart: own %s: %v %v", busName, reply, err)
+	}
+}
+
+// WaitDiscovering waits until some client's discovery session is on (on)
+// or none is (!on), failing the test after timeout.
+func (b *BlueZ) WaitDiscovering(on bool, timeout time.Duration) {
+	b.tb.Helper()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	for {
+		b.mu.Lock()
+		now, changed := len(b.discovering) > 0, b.changed
+		b.mu.Unlock()
+		if now == on {
+			return
+		}
+		select {
+		case <-changed:
+		case <-t.C:
+			b.tb.Fatalf("fakebluez: discovery on = %v, not %v, after %v", now, on, timeout)
+		}
+	}
+}
+
+// notifyLocked wakes WaitDiscovering.
+func (b *BlueZ) notifyLocked() {
+	close(b.changed)
+	b.changed = make(chan struct{})
 }
 
 // addObjectLocked exports an object with its properties and methods and
@@ -272,6 +349,7 @@ func (a adapter1) StartDiscovery(sender dbus.Sender) *dbus.Error {
 		return dbus.NewError(errInProgress, []any{"Operation already in progress"})
 	}
 	b.discovering[sender] = true
+	b.notifyLocked()
 	if len(b.discovering) == 1 {
 		setProp(b.adapter, ifaceAdapter, "Discovering", true)
 	}
@@ -291,6 +369,7 @@ func (a adapter1) StopDiscovery(sender dbus.Sender) *dbus.Error {
 		return dbus.NewError(errFailed, []any{"No discovery started"})
 	}
 	delete(b.discovering, sender)
+	b.notifyLocked()
 	if len(b.discovering) == 0 {
 		setProp(b.adapter, ifaceAdapter, "Discovering", false)
 	}
