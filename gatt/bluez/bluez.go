@@ -79,7 +79,11 @@ const DefaultCallTimeout = 10 * time.Second
 
 // Options configure a Connector. The zero value means defaults.
 type Options struct {
-	// Adapter is the BlueZ adapter to use; "hci0" when empty.
+	// Adapter is the BlueZ adapter to use: its name ("hci1"), object path
+	// ("/org/bluez/hci1") or address ("00:1A:7D:DA:71:01"). When empty,
+	// the first adapter BlueZ lists (by path). The Connector follows the
+	// adapter by its address when it comes back at another path (a USB
+	// adapter plugged in again).
 	Adapter string
 	// Logger; slog.Default() when nil.
 	Logger *slog.Logger
@@ -92,10 +96,9 @@ type Options struct {
 // concurrent use: several devices can connect at once, sharing one
 // discovery session.
 type Connector struct {
-	log         *slog.Logger
-	opts        Options
-	adapterPath dbus.ObjectPath
-	conn        *dbus.Conn // private: every call, and the signals in order
+	log  *slog.Logger
+	opts Options
+	conn *dbus.Conn // private: every call, and the signals in order
 	// ctx bounds every call: Close cancels it once the links had their
 	// CallTimeout to disconnect, and so ends every call left.
 	ctx      context.Context
@@ -106,19 +109,22 @@ type Connector struct {
 	scanDone chan struct{}
 	dispDone chan struct{}
 
-	mu       sync.Mutex
-	closed   bool
-	calls    sync.WaitGroup                    // Connect calls and their cleanups
-	ids      map[string]string                 // address → device id (DIS serial)
-	busy     map[string]bool                   // addresses being probed or linked
-	links    map[dbus.ObjectPath]*link         // device path → open link
-	watch    map[dbus.ObjectPath]chan struct{} // device path → poked on Device1 changes
-	known    map[dbus.ObjectPath]*known        // Device1 objects of the adapter
-	wanted   int                               // Connect calls waiting for devices
-	scanning bool                              // discovery is on
-	scanLost bool                              // BlueZ ended discovery under scanLoop
-	scanErr  error                             // why discovery could not start
-	changed  chan struct{}                     // closed and replaced on news
+	mu          sync.Mutex
+	adapterPath dbus.ObjectPath // of the adapter in use; changes when it comes back at another
+	adapterAddr string          // of the adapter in use, upper case; it keeps it across a replug
+	adapterGone bool            // the adapter in use was removed
+	closed      bool
+	calls       sync.WaitGroup                    // Connect calls and their cleanups
+	ids         map[string]string                 // address → device id (DIS serial)
+	busy        map[string]bool                   // addresses being probed or linked
+	links       map[dbus.ObjectPath]*link         // device path → open link
+	watch       map[dbus.ObjectPath]chan struct{} // device path → poked on Device1 changes
+	known       map[dbus.ObjectPath]*known        // Device1 objects of the adapter
+	wanted      int                               // Connect calls waiting for devices
+	scanning    bool                              // discovery is on
+	scanLost    bool                              // BlueZ ended discovery under scanLoop
+	scanErr     error                             // why discovery could not start
+	changed     chan struct{}                     // closed and replaced on news
 }
 
 // known is what the Connector knows of one Device1 object.
@@ -131,9 +137,6 @@ type known struct {
 // New enables the adapter (powering it on if it is off) and returns a
 // Connector. Close releases it.
 func New(opts Options) (*Connector, error) {
-	if opts.Adapter == "" {
-		opts.Adapter = "hci0"
-	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
@@ -146,23 +149,22 @@ func New(opts Options) (*Connector, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &Connector{
-		log:         opts.Logger,
-		opts:        opts,
-		adapterPath: dbus.ObjectPath("/org/bluez/" + opts.Adapter),
-		conn:        conn,
-		ctx:         ctx,
-		cancel:      cancel,
-		sigs:        make(chan *dbus.Signal, 64),
-		wake:        make(chan struct{}, 1),
-		closing:     make(chan struct{}),
-		scanDone:    make(chan struct{}),
-		dispDone:    make(chan struct{}),
-		ids:         map[string]string{},
-		busy:        map[string]bool{},
-		links:       map[dbus.ObjectPath]*link{},
-		watch:       map[dbus.ObjectPath]chan struct{}{},
-		known:       map[dbus.ObjectPath]*known{},
-		changed:     make(chan struct{}),
+		log:      opts.Logger,
+		opts:     opts,
+		conn:     conn,
+		ctx:      ctx,
+		cancel:   cancel,
+		sigs:     make(chan *dbus.Signal, 64),
+		wake:     make(chan struct{}, 1),
+		closing:  make(chan struct{}),
+		scanDone: make(chan struct{}),
+		dispDone: make(chan struct{}),
+		ids:      map[string]string{},
+		busy:     map[string]bool{},
+		links:    map[dbus.ObjectPath]*link{},
+		watch:    map[dbus.ObjectPath]chan struct{}{},
+		known:    map[dbus.ObjectPath]*known{},
+		changed:  make(chan struct{}),
 	}
 	if err := c.start(); err != nil {
 		cancel()
@@ -175,29 +177,42 @@ func New(opts Options) (*Connector, error) {
 func (c *Connector) start() error {
 	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
 	defer cancel()
-	powered, err := c.getProperty(ctx, c.adapterPath, ifaceAdapter+".Powered")
-	var de dbus.Error
+	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
+	err := c.conn.Object(bluezName, "/").CallWithContext(ctx, ifaceObjMgr+".GetManagedObjects", 0).Store(&objects)
 	switch {
-	case errors.As(err, &de) && de.Name == "org.freedesktop.DBus.Error.UnknownObject":
-		return fmt.Errorf("bluez: adapter %s does not exist", c.adapterPath)
 	case ctx.Err() != nil:
-		return fmt.Errorf("bluez: adapter %s: bluetoothd did not answer within %s: is it running? (systemctl status bluetooth)", c.adapterPath, c.opts.CallTimeout)
+		return fmt.Errorf("bluez: bluetoothd did not answer within %s: is it running? (systemctl status bluetooth)", c.opts.CallTimeout)
 	case err != nil:
-		return fmt.Errorf("bluez: adapter %s: %w", c.adapterPath, err)
+		var de dbus.Error
+		hint := ""
+		switch {
+		case !errors.As(err, &de):
+		case de.Name == "org.freedesktop.DBus.Error.ServiceUnknown":
+			hint = " (is bluetoothd running? systemctl status bluetooth)"
+		case de.Name == "org.freedesktop.DBus.Error.AccessDenied":
+			hint = " (the system bus's policy for org.bluez refuses this user: add it to the bluetooth group, or SupplementaryGroups=bluetooth in its systemd unit)"
+		}
+		return fmt.Errorf("bluez: list BlueZ's adapters: %w%s", err, hint)
 	}
-	if on, _ := powered.Value().(bool); !on {
-		c.log.Info("bluez: powering the adapter on", "adapter", c.adapterPath)
-		err := c.conn.Object(bluezName, c.adapterPath).CallWithContext(ctx, ifaceProps+".Set", 0,
-			ifaceAdapter, "Powered", dbus.MakeVariant(true)).Err
-		if err != nil {
-			return fmt.Errorf("bluez: power %s on: %w", c.adapterPath, err)
+	path, props, err := pickAdapter(c.opts.Adapter, objects)
+	if err != nil {
+		return err
+	}
+	c.adapterPath = path
+	c.adapterAddr, _ = props["Address"].Value().(string)
+	c.adapterAddr = strings.ToUpper(c.adapterAddr)
+	c.log.Info("bluez: using adapter", "adapter", path, "address", c.adapterAddr)
+	if on, _ := props["Powered"].Value().(bool); !on {
+		if err := c.powerOn(ctx, path); err != nil {
+			return err
 		}
 	}
-	// All of BlueZ's property changes under the adapter, and its objects
-	// coming and going; one channel, so they arrive in order.
+	// All of BlueZ's property changes (of every adapter: ours may come
+	// back at another path), and its objects coming and going; one
+	// channel, so they arrive in order.
 	c.conn.Signal(c.sigs)
 	rules := [][]dbus.MatchOption{
-		{dbus.WithMatchSender(bluezName), dbus.WithMatchInterface(ifaceProps), dbus.WithMatchMember("PropertiesChanged"), dbus.WithMatchPathNamespace(c.adapterPath)},
+		{dbus.WithMatchSender(bluezName), dbus.WithMatchInterface(ifaceProps), dbus.WithMatchMember("PropertiesChanged"), dbus.WithMatchPathNamespace("/org/bluez")},
 		{dbus.WithMatchSender(bluezName), dbus.WithMatchInterface(ifaceObjMgr)},
 		// bluetoothd exiting takes every connection with it, silently.
 		{dbus.WithMatchSender("org.freedesktop.DBus"), dbus.WithMatchMember("NameOwnerChanged"), dbus.WithMatchArg(0, bluezName)},
@@ -210,6 +225,119 @@ func (c *Connector) start() error {
 	go c.dispatch()
 	go c.scanLoop()
 	return nil
+}
+
+// pickAdapter is the adapter want names (see Options.Adapter) among
+// BlueZ's objects, with its properties; an error lists those there are.
+func pickAdapter(want string, objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant) (dbus.ObjectPath, map[string]dbus.Variant, error) {
+	var paths []dbus.ObjectPath
+	for p, ifaces := range objects {
+		if _, ok := ifaces[ifaceAdapter]; ok {
+			paths = append(paths, p)
+		}
+	}
+	sort.Slice(paths, func(i, j int) bool { return paths[i] < paths[j] })
+	if len(paths) == 0 {
+		return "", nil, errors.New("bluez: BlueZ has no Bluetooth adapter: is one plugged in and its driver loaded? (bluetoothctl list, rfkill list)")
+	}
+	var have []string
+	for _, p := range paths {
+		props := objects[p][ifaceAdapter]
+		addr, _ := props["Address"].Value().(string)
+		name := strings.TrimPrefix(string(p), "/org/bluez/")
+		switch {
+		case want == "",
+			strings.Contains(want, ":") && strings.EqualFold(addr, want),
+			string(p) == want, name == want:
+			return p, props, nil
+		}
+		have = append(have, fmt.Sprintf("%s (%s)", name, addr))
+	}
+	return "", nil, fmt.Errorf("bluez: no adapter %q; BlueZ has %s", want, strings.Join(have, ", "))
+}
+
+// powerOn switches the adapter at path on.
+func (c *Connector) powerOn(ctx context.Context, path dbus.ObjectPath) error {
+	c.log.Info("bluez: powering the adapter on", "adapter", path)
+	err := c.conn.Object(bluezName, path).CallWithContext(ctx, ifaceProps+".Set", 0,
+		ifaceAdapter, "Powered", dbus.MakeVariant(true)).Err
+	if err != nil {
+		return fmt.Errorf("bluez: power %s on: %w", path, err)
+	}
+	return nil
+}
+
+// adapter is the path of the adapter in use.
+func (c *Connector) adapter() dbus.ObjectPath {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.adapterPath
+}
+
+// adapterAdded follows our adapter, known by its address, to the path it
+// comes back at (a USB adapter plugged in again may get another index),
+// and powers it on as New does; discovery then starts there. Once ours is
+// gone, an adapter of another address is taken in its place (a USB adapter
+// replaced) unless Options.Adapter named ours otherwise: by its address,
+// or by a name or path this one does not have. Before, the Connector kept
+// asking the path it started with, and every device read offline until
+// the bridge was restarted (docs/reliability.md, bug 410).
+func (c *Connector) adapterAdded(path dbus.ObjectPath, props map[string]dbus.Variant) {
+	addr, _ := props["Address"].Value().(string)
+	c.mu.Lock()
+	if !strings.EqualFold(addr, c.adapterAddr) {
+		want := c.opts.Adapter
+		named := want == "" || (!strings.Contains(want, ":") && (string(path) == want || string(path) == "/org/bluez/"+want))
+		if !c.adapterGone || !named {
+			c.mu.Unlock()
+			return
+		}
+		c.log.Info("bluez: using another adapter in place of the one removed", "adapter", path, "address", addr, "was", c.adapterAddr)
+		c.adapterAddr = strings.ToUpper(addr)
+	}
+	c.adapterGone = false
+	old := c.adapterPath
+	c.adapterPath = path
+	var gone []*link
+	if old != path {
+		for p := range c.known {
+			if !strings.HasPrefix(string(p), string(path)+"/") {
+				delete(c.known, p)
+			}
+		}
+		for _, l := range c.links {
+			if !strings.HasPrefix(string(l.path), string(path)+"/") {
+				gone = append(gone, l)
+			}
+		}
+	}
+	closed := c.closed
+	if !closed {
+		c.calls.Add(1)
+	}
+	c.mu.Unlock()
+	for _, l := range gone {
+		l.lost()
+	}
+	if closed {
+		return
+	}
+	if old != path {
+		c.log.Info("bluez: the adapter is back at another path", "adapter", path, "was", old, "address", addr)
+	}
+	on, _ := props["Powered"].Value().(bool)
+	go func() {
+		defer c.calls.Done()
+		if !on {
+			ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
+			err := c.powerOn(ctx, path)
+			cancel()
+			if err != nil {
+				c.log.Warn("bluez: the adapter is back but could not be powered on", "adapter", path, "err", err)
+			}
+		}
+		c.poke()
+	}()
 }
 
 // Close closes the open links and waits for the Connector's goroutines,
@@ -471,7 +599,7 @@ func (c *Connector) demand() bool {
 func (c *Connector) startDiscovery() error {
 	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
 	defer cancel()
-	ad := c.conn.Object(bluezName, c.adapterPath)
+	ad := c.conn.Object(bluezName, c.adapter())
 	filter := map[string]any{"Transport": "le", "UUIDs": []string{gatt.ServiceUUID}}
 	if err := ad.CallWithContext(ctx, ifaceAdapter+".SetDiscoveryFilter", 0, filter).Err; err != nil {
 		return fmt.Errorf("SetDiscoveryFilter: %w", c.unanswered(ctx, "Adapter1.SetDiscoveryFilter", err))
@@ -517,7 +645,7 @@ func (c *Connector) stopDiscovery() {
 	c.mu.Unlock()
 	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
 	defer cancel()
-	ad := c.conn.Object(bluezName, c.adapterPath)
+	ad := c.conn.Object(bluezName, c.adapter())
 	if err := ad.CallWithContext(ctx, ifaceAdapter+".StopDiscovery", 0).Err; err != nil {
 		c.log.Debug("bluez: StopDiscovery", "err", c.unanswered(ctx, "Adapter1.StopDiscovery", err))
 		if ctx.Err() != nil {
@@ -575,8 +703,8 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		if !ok || !ok2 {
 			return false
 		}
-		if _, ok := ifaces[ifaceAdapter]; ok && path == c.adapterPath {
-			c.poke() // the adapter is back: discovery may start
+		if props, ok := ifaces[ifaceAdapter]; ok {
+			c.adapterAdded(path, props)
 		}
 		props, ok := ifaces[ifaceDevice]
 		if !ok {
@@ -597,8 +725,14 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		if !ok || !ok2 {
 			return false
 		}
-		if path == c.adapterPath && hasUUID(ifaces, ifaceAdapter) {
-			c.discoveryLost("the adapter was removed")
+		if hasUUID(ifaces, ifaceAdapter) {
+			c.mu.Lock()
+			ours := path == c.adapterPath
+			c.adapterGone = c.adapterGone || ours
+			c.mu.Unlock()
+			if ours {
+				c.discoveryLost("the adapter was removed")
+			}
 		}
 		if !hasUUID(ifaces, ifaceDevice) {
 			return true
@@ -650,7 +784,7 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		}
 		switch iface {
 		case ifaceAdapter:
-			if sig.Path == c.adapterPath {
+			if sig.Path == c.adapter() {
 				c.adapterChanged(changes)
 			}
 		case ifaceDevice:

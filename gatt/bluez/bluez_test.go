@@ -759,3 +759,107 @@ func TestDiscoveryRestartsAfterBlueZEndsIt(t *testing.T) {
 		})
 	}
 }
+
+// connectRetrying is Connect tried again after each error within timeout,
+// as gatt.Device does.
+func connectRetrying(t *testing.T, c *bluez.Connector, id string, timeout time.Duration) (gatt.Link, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	for {
+		l, err := c.Connect(ctx, id)
+		if err == nil {
+			t.Cleanup(func() { l.Close() })
+			return l, nil
+		}
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(50 * time.Millisecond): // gatt.Device's first backoff
+		}
+	}
+}
+
+// A USB adapter unplugged and plugged in again may come back under another
+// index (/org/bluez/hci1) with its address: the bridge follows it there.
+// Before, it kept asking /org/bluez/hci0, which was gone, and every
+// device read offline until the bridge was restarted (docs/reliability.md,
+// bug 410).
+func TestAdapterReplugged(t *testing.T) {
+	fake := fakebluez.New(t)
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0C:01", Peripheral: newTestPeripheral("dev-u")})
+	c := newConnector(t)
+	l := connect(t, c, "dev-u")
+	fake.Replug("/org/bluez/hci1")
+	select {
+	case <-l.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("Done not closed after the adapter was unplugged")
+	}
+	if _, err := connectRetrying(t, c, "dev-u", 15*time.Second); err != nil {
+		t.Fatalf("Connect after the adapter came back as hci1: %v", err)
+	}
+	if p := d.Path(); !strings.HasPrefix(string(p), "/org/bluez/hci1/") || !d.Connected() {
+		t.Errorf("device %s connected = %v; want connected under hci1", p, d.Connected())
+	}
+}
+
+// The adapter is the one Options.Adapter names, by name or by address (the
+// address stays when the kernel renumbers a USB adapter); by default the
+// first BlueZ lists, whatever its index. Before, only hci0 could be used:
+// a gateway whose adapter was hci1 could not start.
+func TestAdapterChoice(t *testing.T) {
+	for _, tc := range []struct {
+		adapter string
+		wantErr string
+	}{
+		{adapter: ""},
+		{adapter: "hci1"},
+		{adapter: "/org/bluez/hci1"},
+		{adapter: strings.ToLower(fakebluez.AdapterAddr)},
+		{adapter: "hci0", wantErr: "hci1 (" + fakebluez.AdapterAddr + ")"},
+	} {
+		t.Run(tc.adapter, func(t *testing.T) {
+			fake := fakebluez.New(t)
+			fake.Replug("/org/bluez/hci1")
+			fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0D:01", Peripheral: newTestPeripheral("dev-c")})
+			c, err := bluez.New(bluez.Options{Adapter: tc.adapter, Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
+			if tc.wantErr != "" {
+				if err == nil {
+					c.Close()
+					t.Fatalf("New(Adapter %q) = nil error; want one naming %q", tc.adapter, tc.wantErr)
+				}
+				if !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("New(Adapter %q) = %v; want it to name %q", tc.adapter, err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("New(Adapter %q): %v", tc.adapter, err)
+			}
+			t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+			connect(t, c, "dev-c")
+		})
+	}
+}
+
+// With no adapter named, a USB adapter replaced by another (of another
+// address) is used in its place; one named by its address is waited for.
+func TestAdapterReplaced(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:11:01", Peripheral: newTestPeripheral("dev-s")})
+	c := newConnector(t)
+	l := connect(t, c, "dev-s")
+	fake.Swap("/org/bluez/hci1", "00:1A:7D:DA:71:02")
+	select {
+	case <-l.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("Done not closed after the adapter was pulled out")
+	}
+	if _, err := connectRetrying(t, c, "dev-s", 15*time.Second); err != nil {
+		t.Fatalf("Connect after the adapter was replaced by another: %v", err)
+	}
+}

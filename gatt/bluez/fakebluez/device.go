@@ -75,9 +75,10 @@ func (b *BlueZ) AddDevice(opts DeviceOptions) *Device {
 	}
 	opts.Address = strings.ToUpper(opts.Address)
 	opts.Advertising = true
-	d := &Device{b: b, path: macPath(AdapterPath, opts.Address), opts: opts, rssi: -50}
+	d := &Device{b: b, opts: opts, rssi: -50}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	d.path = macPath(b.adapterPath, opts.Address)
 	if _, dup := b.devices[d.path]; dup {
 		b.tb.Fatalf("fakebluez: device %s added twice", opts.Address)
 	}
@@ -87,7 +88,11 @@ func (b *BlueZ) AddDevice(opts DeviceOptions) *Device {
 }
 
 // Path is the device's object path.
-func (d *Device) Path() dbus.ObjectPath { return d.path }
+func (d *Device) Path() dbus.ObjectPath {
+	d.b.mu.Lock()
+	defer d.b.mu.Unlock()
+	return d.path
+}
 
 // SetAdvertising starts or stops the device's advertising.
 func (d *Device) SetAdvertising(on bool) {
@@ -113,7 +118,7 @@ func (d *Device) exportLocked() {
 		"AddressType":      {Value: "random", Emit: prop.EmitConst},
 		"Name":             {Value: d.opts.Name, Emit: prop.EmitConst},
 		"Alias":            {Value: d.opts.Name, Emit: prop.EmitTrue},
-		"Adapter":          {Value: AdapterPath, Emit: prop.EmitConst},
+		"Adapter":          {Value: d.b.adapterPath, Emit: prop.EmitConst},
 		"UUIDs":            {Value: slices.Clone(d.opts.UUIDs), Emit: prop.EmitTrue},
 		"RSSI":             {Value: d.rssi, Emit: prop.EmitTrue},
 		"Paired":           {Value: false, Emit: prop.EmitTrue},

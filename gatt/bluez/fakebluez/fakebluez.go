@@ -38,6 +38,7 @@ type BlueZ struct {
 	mu          sync.Mutex
 	objects     map[dbus.ObjectPath]*object
 	adapter     *prop.Properties
+	adapterPath dbus.ObjectPath // AdapterPath until Replug
 	devices     map[dbus.ObjectPath]*Device
 	discovering map[dbus.Sender]bool
 	filters     map[dbus.Sender][]string // UUIDs of SetDiscoveryFilter
@@ -80,16 +81,7 @@ func New(tb testing.TB) *BlueZ {
 		tb.Fatal(err)
 	}
 	b.mu.Lock()
-	b.adapter = b.addObjectLocked(AdapterPath, prop.Map{ifaceAdapter: {
-		"Address":      {Value: AdapterAddr, Emit: prop.EmitConst},
-		"AddressType":  {Value: "public", Emit: prop.EmitConst},
-		"Name":         {Value: "fakebluez", Emit: prop.EmitConst},
-		"Alias":        {Value: "fakebluez", Writable: true, Emit: prop.EmitTrue},
-		"Powered":      {Value: true, Writable: true, Emit: prop.EmitTrue},
-		"Discoverable": {Value: false, Writable: true, Emit: prop.EmitTrue},
-		"Discovering":  {Value: false, Emit: prop.EmitTrue},
-		"UUIDs":        {Value: []string{}, Emit: prop.EmitTrue},
-	}}, map[string]any{ifaceAdapter: adapter1{b}})
+	b.exportAdapterLocked(AdapterPath, AdapterAddr)
 	b.mu.Unlock()
 	// AllowReplacement: Stall hands the name to a connection that never
 	// answers, with no moment of the name unowned between.
@@ -98,6 +90,51 @@ func New(tb testing.TB) *BlueZ {
 		tb.Fatalf("fakebluez: own %s: %v %v", busName, reply, err)
 	}
 	return b
+}
+
+// exportAdapterLocked creates the powered Adapter1 object at path.
+func (b *BlueZ) exportAdapterLocked(path dbus.ObjectPath, addr string) {
+	b.adapterPath = path
+	b.adapter = b.addObjectLocked(path, prop.Map{ifaceAdapter: {
+		"Address":      {Value: addr, Emit: prop.EmitConst},
+		"AddressType":  {Value: "public", Emit: prop.EmitConst},
+		"Name":         {Value: "fakebluez", Emit: prop.EmitConst},
+		"Alias":        {Value: "fakebluez", Writable: true, Emit: prop.EmitTrue},
+		"Powered":      {Value: true, Writable: true, Emit: prop.EmitTrue},
+		"Discoverable": {Value: false, Writable: true, Emit: prop.EmitTrue},
+		"Discovering":  {Value: false, Emit: prop.EmitTrue},
+		"UUIDs":        {Value: []string{}, Emit: prop.EmitTrue},
+	}}, map[string]any{ifaceAdapter: adapter1{b}})
+}
+
+// Replug is the USB adapter unplugged and plugged in again, coming back
+// at path (/org/bluez/hci1, say, when the kernel gave it another index),
+// with its address: the connections and discovery sessions end, the
+// devices' and the adapter's objects go (InterfacesRemoved), and the
+// adapter comes back, powered, at path (InterfacesAdded); its devices are
+// under path once discovery finds them again.
+func (b *BlueZ) Replug(path dbus.ObjectPath) {
+	b.Swap(path, b.adapter.GetMust(ifaceAdapter, "Address").(string))
+}
+
+// Swap is Replug with another adapter, of address addr, plugged in at path
+// in place of the one pulled out: a dead USB adapter replaced.
+func (b *BlueZ) Swap(path dbus.ObjectPath, addr string) {
+	b.stopAll()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	devs := map[dbus.ObjectPath]*Device{}
+	for _, d := range b.devices {
+		if d.props != nil {
+			b.removeObjectLocked(d.path)
+			d.props = nil
+		}
+		d.path = macPath(path, d.opts.Address)
+		devs[d.path] = d
+	}
+	b.devices = devs
+	b.removeObjectLocked(b.adapterPath)
+	b.exportAdapterLocked(path, addr)
 }
 
 // Calls lists the BlueZ methods called so far, in order, as
@@ -317,7 +354,7 @@ func (a adapter1) SetDiscoveryFilter(sender dbus.Sender, filter map[string]dbus.
 	b := a.b
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.logCall("Adapter1.SetDiscoveryFilter %s", AdapterPath)
+	b.logCall("Adapter1.SetDiscoveryFilter %s", b.adapterPath)
 	var uuids []string
 	if v, ok := filter["UUIDs"]; ok {
 		list, ok := v.Value().([]string)
@@ -341,7 +378,7 @@ func (a adapter1) StartDiscovery(sender dbus.Sender) *dbus.Error {
 	b := a.b
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.logCall("Adapter1.StartDiscovery %s", AdapterPath)
+	b.logCall("Adapter1.StartDiscovery %s", b.adapterPath)
 	if !b.adapter.GetMust(ifaceAdapter, "Powered").(bool) {
 		return dbus.NewError("org.bluez.Error.NotReady", []any{"Resource Not Ready"})
 	}
@@ -364,7 +401,7 @@ func (a adapter1) StopDiscovery(sender dbus.Sender) *dbus.Error {
 	b := a.b
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.logCall("Adapter1.StopDiscovery %s", AdapterPath)
+	b.logCall("Adapter1.StopDiscovery %s", b.adapterPath)
 	if !b.discovering[sender] {
 		return dbus.NewError(errFailed, []any{"No discovery started"})
 	}
