@@ -123,6 +123,9 @@ type Config struct {
 	CommandTimeout time.Duration
 	// BlobCacheMB bounds the blob cache in MiB; 0: no bound but its age.
 	BlobCacheMB int
+	// BluezAdapter is the adapter --gatt bluez uses: name (hci1), path or
+	// address; "" the first BlueZ lists.
+	BluezAdapter string
 }
 
 // Main is the bridge program: Run builds and runs it, Close stops it.
@@ -196,6 +199,7 @@ func (m *Main) ParseFlags(args []string) error {
 	fs.StringVar(&c.SimState, "sim-state", c.SimState, "`directory` where the simulated devices keep their state (firmware, apps, settings) and the command ids they ran, so that across bridge restarts they are as they were and drop repeats, as real devices do")
 	fs.StringVar(&c.GATT, "gatt", c.GATT, "Bluetooth `backend` for real devices (bluez)")
 	fs.StringVar(&devices, "devices", "", "comma-separated `ids` of the real devices to reach with --gatt (their DIS serial numbers)")
+	fs.StringVar(&c.BluezAdapter, "bluez-adapter", c.BluezAdapter, "Bluetooth `adapter` for --gatt bluez: its name (hci1) or, to keep it when the kernel renumbers a USB adapter, its address (bluetoothctl list); default: the first BlueZ lists")
 	fs.StringVar(&c.CA, "ca", c.CA, "PEM CA `file` to verify an mqtts:// broker and an https:// --api-url with (default: the system's)")
 	fs.StringVar(&c.TopicPrefix, "topic-prefix", c.TopicPrefix, "MQTT topic `prefix`")
 	// A string, not a TextVar, so that -h shows the default as serve does
@@ -269,6 +273,8 @@ func (m *Main) validate() error {
 		return errors.New("give either --sim-devices or --gatt bluez --devices, not both")
 	case c.GATT == "" && len(c.Devices) > 0:
 		return errors.New("--devices needs --gatt bluez")
+	case c.GATT == "" && c.BluezAdapter != "":
+		return errors.New("--bluez-adapter needs --gatt bluez")
 	case c.GATT == "" && len(c.SimDevices) == 0:
 		return errors.New("no devices: give --sim-devices id1,id2,… (or --gatt bluez --devices id1,id2,…)")
 	}
@@ -417,7 +423,7 @@ func (m *Main) connector(log *slog.Logger) (gatt.Connector, []string, error) {
 	c := m.Config
 	if c.GATT == "bluez" {
 		// Real devices through BlueZ: gatt.Device reconnects with backoff.
-		bz, err := bluez.New(bluez.Options{Logger: log})
+		bz, err := bluez.New(bluez.Options{Adapter: c.BluezAdapter, Logger: log})
 		if err != nil {
 			return nil, nil, err
 		}

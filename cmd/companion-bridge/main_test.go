@@ -147,6 +147,26 @@ func TestParseFlags(t *testing.T) {
 		},
 		{name: "blob cache negative", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--blob-cache-mb", "-1"}, wantErr: "--blob-cache-mb"},
 		{name: "command timeout zero", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--command-timeout", "0s"}, wantErr: "--command-timeout"},
+		{
+			name: "bluez adapter",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--bluez-adapter", "hci1"},
+			check: func(t *testing.T, c Config) {
+				if c.BluezAdapter != "hci1" {
+					t.Errorf("BluezAdapter = %q; want hci1", c.BluezAdapter)
+				}
+			},
+		},
+		{
+			name: "bluez adapter in the environment",
+			args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1"},
+			env:  map[string]string{"COMPANION_BLUEZ_ADAPTER": "00:1A:7D:DA:71:01"},
+			check: func(t *testing.T, c Config) {
+				if c.BluezAdapter != "00:1A:7D:DA:71:01" {
+					t.Errorf("BluezAdapter = %q; want the address", c.BluezAdapter)
+				}
+			},
+		},
+		{name: "bluez adapter without bluez", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--sim-devices", "d1", "--bluez-adapter", "hci1"}, wantErr: "--bluez-adapter needs --gatt bluez"},
 		// The simulator's flags would do nothing to real devices.
 		{name: "gatt and a sim flag", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--sim-mtu", "100"}, wantErr: "--sim-mtu"},
 		{name: "gatt and sim state", args: []string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--sim-state", "/tmp/x"}, wantErr: "--sim-state"},
