@@ -223,7 +223,11 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 			d.mu.Unlock()
 			return s, nil
 		}
-		if ctx.Err() != nil {
+		if ctx.Err() != nil || errors.Is(err, ErrNotPaired) {
+			// A device that requires pairing refuses every connection
+			// alike: trying until ctx's end (a command's 10 minutes)
+			// failed the command timeout, its cause only in a debug log
+			// (docs/reliability.md, bug 412).
 			return nil, fmt.Errorf("gatt: connect to %s: %w", d.opts.ID, err)
 		}
 		var se *silentError

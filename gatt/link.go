@@ -34,6 +34,13 @@ const DefaultMTU = 23
 // ErrDisconnected is returned by a Link's methods once the link is down.
 var ErrDisconnected = errors.New("gatt: disconnected")
 
+// ErrNotPaired is wrapped by the error of a Link's method that the device
+// refused for want of pairing: it requires an encrypted or authenticated
+// link, which the gateway has no bond for (docs/gatt.md, "Link
+// security"). Asking again, over this link or a new one, cannot help
+// until someone pairs the gateway with the device.
+var ErrNotPaired = errors.New("gatt: the device requires pairing")
+
 // Link is one connection to a device's GATT server, as the bridge needs it.
 // Methods are safe for concurrent use.
 type Link interface {

@@ -863,3 +863,31 @@ func TestAdapterReplaced(t *testing.T) {
 		t.Fatalf("Connect after the adapter was replaced by another: %v", err)
 	}
 }
+
+// A device that requires pairing the gateway lacks (Zephyr's SMP
+// characteristic with CONFIG_MCUMGR_TRANSPORT_BT_PERM_RW_AUTHEN, the
+// default with CONFIG_BT_SMP) refuses the SMP characteristic "Not paired"
+// on every connection: gatt.Device says so at once, naming the cure.
+// Before, it reconnected until the caller's context ended, and a command
+// failed "timeout" after its 10 minutes with the cause in a debug log
+// (docs/reliability.md, bug 412).
+func TestDeviceThatNeedsPairing(t *testing.T) {
+	fake := fakebluez.New(t)
+	dev := sim.New(sim.Options{ID: "sim-p"})
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0E:01", NeedsPairing: true,
+		Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "sim-p", Connector: newConnector(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
+	defer cancel()
+	_, err = d.Info(ctx)
+	if ctx.Err() != nil {
+		t.Fatalf("Info = %v, after the caller's whole time; want an error at once", err)
+	}
+	if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl pair C0:FF:EE:00:0E:01") {
+		t.Fatalf("Info = %v; want gatt.ErrNotPaired naming bluetoothctl pair", err)
+	}
+}

@@ -375,6 +375,10 @@ func (l *link) mapErr(err error) error {
 		return fmt.Errorf("%w: %v", gatt.ErrDisconnected, err)
 	default:
 	}
+	if notPaired(err) {
+		return fmt.Errorf("%w (BlueZ: %v): pair the gateway with it and trust it (bluetoothctl pair %s, trust %s; docs/gatt.md, \"Link security\")",
+			gatt.ErrNotPaired, err, l.addr, l.addr)
+	}
 	if isGone(err) {
 		// The signal may not have arrived yet: ask.
 		ctx, cancel := context.WithTimeout(l.ctx, l.c.opts.CallTimeout)
@@ -386,6 +390,23 @@ func (l *link) mapErr(err error) error {
 		}
 	}
 	return fmt.Errorf("bluez: %w", err)
+}
+
+// notPaired reports whether err is BlueZ refusing a characteristic's
+// access for want of pairing: the ATT errors insufficient authentication,
+// encryption or key size ("Not paired"), or insufficient authorization.
+func notPaired(err error) bool {
+	var de dbus.Error
+	if !errors.As(err, &de) {
+		return false
+	}
+	switch de.Name {
+	case "org.bluez.Error.NotAuthorized", "org.bluez.Error.AuthenticationFailed":
+		return true
+	case "org.bluez.Error.NotPermitted":
+		return len(de.Body) > 0 && strings.Contains(fmt.Sprint(de.Body[0]), "Not paired")
+	}
+	return false
 }
 
 // isGone reports whether err is BlueZ saying the connection or its objects

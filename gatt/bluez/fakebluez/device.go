@@ -32,6 +32,12 @@ type DeviceOptions struct {
 	// range, until Device1.Disconnect aborts it the way BlueZ does:
 	// org.bluez.Error.Failed "le-connection-abort-by-local".
 	NeverConnect bool
+	// NeedsPairing makes the SMP characteristic refuse reads, writes and
+	// notifications as BlueZ does for a device that requires an
+	// encrypted or authenticated link the gateway has no bond for
+	// (Zephyr's CONFIG_MCUMGR_TRANSPORT_BT_PERM_RW_AUTHEN):
+	// org.bluez.Error.NotPermitted "Not paired".
+	NeedsPairing bool
 }
 
 // Device is a fake remote device.
@@ -335,6 +341,17 @@ func (x char1) liveLocked() *dbus.Error {
 	return nil
 }
 
+// pairingLocked is BlueZ's answer for the SMP characteristic of a device
+// that needs pairing (NeedsPairing): the ATT error "insufficient
+// authentication" or "insufficient encryption", as BlueZ's gatt-client
+// maps it.
+func (x char1) pairingLocked() *dbus.Error {
+	if x.d.opts.NeedsPairing && x.c.uuid == gatt.SMPCharUUID {
+		return dbus.NewError("org.bluez.Error.NotPermitted", []any{"Not paired"})
+	}
+	return nil
+}
+
 func (x char1) ReadValue(opts map[string]dbus.Variant) ([]byte, *dbus.Error) {
 	b := x.d.b
 	b.mu.Lock()
@@ -344,6 +361,9 @@ func (x char1) ReadValue(opts map[string]dbus.Variant) ([]byte, *dbus.Error) {
 		return nil, err
 	}
 	b.mu.Unlock()
+	if err := x.pairingLocked(); err != nil {
+		return nil, err
+	}
 	if !slices.Contains(x.c.flags, gatt.PropRead) {
 		return nil, dbus.NewError("org.bluez.Error.NotPermitted", []any{"Read not permitted"})
 	}
@@ -368,6 +388,9 @@ func (x char1) WriteValue(value []byte, opts map[string]dbus.Variant) *dbus.Erro
 	}
 	mtu := x.d.opts.MTU
 	b.mu.Unlock()
+	if err := x.pairingLocked(); err != nil {
+		return err
+	}
 	need := gatt.PropWrite
 	switch typ {
 	case "command":
@@ -394,6 +417,9 @@ func (x char1) StartNotify() *dbus.Error {
 	defer b.mu.Unlock()
 	b.logCall("GattCharacteristic1.StartNotify %s", x.c.path)
 	if err := x.liveLocked(); err != nil {
+		return err
+	}
+	if err := x.pairingLocked(); err != nil {
 		return err
 	}
 	if !slices.Contains(x.c.flags, gatt.PropNotify) {
