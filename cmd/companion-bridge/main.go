@@ -412,7 +412,33 @@ func (m *Main) Run(ctx context.Context) error {
 	// The build's version: after an upgrade the binary on disk
 	// (--version) is not always the build that runs (bug 456).
 	log.Info("companion-bridge starting", "version", buildinfo.Version(version), "bridge", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
-	return a.Run(ctx)
+	m.mu.Lock()
+	bz := m.bluez
+	m.mu.Unlock()
+	if bz == nil {
+		return a.Run(ctx)
+	}
+	// A system bus that restarted or died leaves the BlueZ connector
+	// nothing to reach BlueZ with: the bridge exits with an error, and
+	// systemd (Restart=on-failure) starts it on a new connection. Before,
+	// it ran on with every device offline until someone restarted it
+	// (docs/reliability.md, bug 413).
+	rctx, cancel := context.WithCancelCause(ctx)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel(nil) // before the Wait
+	wg.Go(func() {
+		select {
+		case <-bz.BusLost():
+			cancel(bluez.ErrBusLost)
+		case <-rctx.Done():
+		}
+	})
+	err = a.Run(rctx)
+	if cause := context.Cause(rctx); errors.Is(cause, bluez.ErrBusLost) && ctx.Err() == nil {
+		return cause
+	}
+	return err
 }
 
 // connector builds the Bluetooth side from the configuration: the

@@ -65,6 +65,10 @@ const (
 // ErrClosed is returned by Connect once the Connector is closed.
 var ErrClosed = errors.New("bluez: connector closed")
 
+// ErrBusLost is returned by Connect once the connection to the system bus
+// is lost (BusLost).
+var ErrBusLost = errors.New("bluez: the connection to the system D-Bus was lost (dbus restarted or died); restart the bridge")
+
 // ErrNoAnswer is wrapped by the error of a call that bluetoothd left
 // unanswered for CallTimeout.
 var ErrNoAnswer = errors.New("bluez: bluetoothd did not answer")
@@ -108,6 +112,7 @@ type Connector struct {
 	closing  chan struct{}
 	scanDone chan struct{}
 	dispDone chan struct{}
+	busLost  chan struct{} // closed when the bus connection ends under us
 
 	mu          sync.Mutex
 	adapterPath dbus.ObjectPath // of the adapter in use; changes when it comes back at another
@@ -159,6 +164,7 @@ func New(opts Options) (*Connector, error) {
 		closing:  make(chan struct{}),
 		scanDone: make(chan struct{}),
 		dispDone: make(chan struct{}),
+		busLost:  make(chan struct{}),
 		ids:      map[string]string{},
 		busy:     map[string]bool{},
 		links:    map[dbus.ObjectPath]*link{},
@@ -432,6 +438,14 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 		if closed {
 			return nil, ErrClosed
 		}
+		select {
+		case <-c.busLost:
+			if ok {
+				c.release(addr)
+			}
+			return nil, ErrBusLost
+		default:
+		}
 		if ok {
 			l, err := c.open(ctx, path, addr, deviceID)
 			if err == nil {
@@ -454,6 +468,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 			return nil, fmt.Errorf("bluez: device %s not found: %w", deviceID, ctx.Err())
 		case <-c.closing:
 			return nil, ErrClosed
+		case <-c.busLost:
 		}
 	}
 }
@@ -688,7 +703,33 @@ func (c *Connector) dispatch() {
 			c.log.Warn("bluez: ignoring a malformed signal", "signal", sig.Name, "path", sig.Path, "body", fmt.Sprintf("%#v", sig.Body))
 		}
 	}
+	// godbus closes the signal channel when the connection ends: Close
+	// closed it, or the bus went away (docs/reliability.md, bug 413).
+	select {
+	case <-c.closing:
+		return
+	default:
+	}
+	c.log.Error("bluez: the connection to the system D-Bus was lost; BlueZ cannot be reached on it again",
+		"hint", "the D-Bus daemon restarted or died; the bridge must be restarted (systemd does it)")
+	close(c.busLost)
+	c.mu.Lock()
+	links := make([]*link, 0, len(c.links))
+	for _, l := range c.links {
+		links = append(links, l)
+	}
+	c.broadcastLocked()
+	c.mu.Unlock()
+	for _, l := range links {
+		l.lost()
+	}
 }
+
+// BusLost is closed when the Connector's connection to the system bus
+// ends under it: the D-Bus daemon restarted or died. BlueZ cannot be
+// reached on that connection again, and every Connect fails ErrBusLost;
+// the bridge exits so that its service manager starts it anew.
+func (c *Connector) BusLost() <-chan struct{} { return c.busLost }
 
 // handle acts on one signal; it reports false for one whose body is not
 // what BlueZ sends.

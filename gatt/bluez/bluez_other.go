@@ -15,6 +15,10 @@ import (
 // ErrClosed is returned by Connect once the Connector is closed.
 var ErrClosed = errors.New("bluez: connector closed")
 
+// ErrBusLost is returned by Connect once the connection to the system bus
+// is lost; here, never.
+var ErrBusLost = errors.New("bluez: the connection to the system D-Bus was lost (dbus restarted or died); restart the bridge")
+
 // errNotLinux: BlueZ is Linux's Bluetooth stack.
 var errNotLinux = errors.New("bluez: BlueZ needs Linux")
 
@@ -34,6 +38,9 @@ func New(Options) (*Connector, error) { return nil, errNotLinux }
 
 // Connect returns an error: BlueZ needs Linux.
 func (*Connector) Connect(context.Context, string) (gatt.Link, error) { return nil, errNotLinux }
+
+// BusLost is never closed here.
+func (*Connector) BusLost() <-chan struct{} { return nil }
 
 // Close does nothing.
 func (*Connector) Close() error { return nil }

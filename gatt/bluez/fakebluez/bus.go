@@ -56,6 +56,14 @@ const busConfig = `<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Con
 // Without dbus-daemon the test fails, naming make deps, which installs it.
 func StartBus(tb testing.TB) string {
 	tb.Helper()
+	addr, _ := startBus(tb)
+	return addr
+}
+
+// startBus is StartBus, with a function that kills the daemon and waits
+// for it to exit.
+func startBus(tb testing.TB) (string, func()) {
+	tb.Helper()
 	daemon := DaemonPath
 	if _, err := os.Stat(daemon); err != nil {
 		p, lerr := exec.LookPath("dbus-daemon")
@@ -99,10 +107,11 @@ func StartBus(tb testing.TB) string {
 	}()
 	addr := "unix:path=" + sock
 	tb.Setenv("DBUS_SYSTEM_BUS_ADDRESS", addr)
-	tb.Cleanup(func() {
+	kill := func() {
 		cmd.Process.Kill()
 		<-exited
-	})
+	}
+	tb.Cleanup(kill)
 	select {
 	case <-ready:
 	case <-exited:
@@ -110,7 +119,7 @@ func StartBus(tb testing.TB) string {
 	case <-time.After(10 * time.Second):
 		tb.Fatal("fakebluez: dbus-daemon did not start listening")
 	}
-	return addr
+	return addr, kill
 }
 
 // macPath is the object path BlueZ gives a device of adapter.

@@ -32,8 +32,9 @@ const (
 // BlueZ is a fake org.bluez on a private bus. Its methods are safe for
 // concurrent use.
 type BlueZ struct {
-	tb   testing.TB
-	conn *dbus.Conn
+	tb      testing.TB
+	conn    *dbus.Conn
+	killBus func()
 
 	mu          sync.Mutex
 	objects     map[dbus.ObjectPath]*object
@@ -57,7 +58,7 @@ type object struct {
 // powered adapter, hci0, on it. Everything stops in tb.Cleanup.
 func New(tb testing.TB) *BlueZ {
 	tb.Helper()
-	StartBus(tb)
+	_, killBus := startBus(tb)
 	conn, err := dbus.ConnectSystemBus()
 	if err != nil {
 		tb.Fatalf("fakebluez: connect: %v", err)
@@ -65,6 +66,7 @@ func New(tb testing.TB) *BlueZ {
 	b := &BlueZ{
 		tb:          tb,
 		conn:        conn,
+		killBus:     killBus,
 		objects:     map[dbus.ObjectPath]*object{},
 		devices:     map[dbus.ObjectPath]*Device{},
 		discovering: map[dbus.Sender]bool{},
@@ -195,6 +197,11 @@ func (s stalled) LookupObject(path dbus.ObjectPath) (dbus.ServerObject, bool) {
 	<-s.hold
 	return nil, false
 }
+
+// KillBus kills the private bus daemon, as a system bus that dies or is
+// restarted (systemctl restart dbus) does to its clients: every connection
+// to it ends, this fake's too.
+func (b *BlueZ) KillBus() { b.killBus() }
 
 // Emit sends a signal from org.bluez with whatever body it is given, as a
 // buggy bluetoothd could: for tests of what a client does with a body of
