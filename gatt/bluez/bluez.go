@@ -634,7 +634,18 @@ func (c *Connector) startDiscovery() error {
 	// one.
 	c.scanning, c.scanLost = true, false
 	c.mu.Unlock()
-	if err := ad.CallWithContext(ctx, ifaceAdapter+".StartDiscovery", 0).Err; err != nil {
+	err := ad.CallWithContext(ctx, ifaceAdapter+".StartDiscovery", 0).Err
+	var de dbus.Error
+	if errors.As(err, &de) && de.Name == "org.bluez.Error.InProgress" {
+		// BlueZ has a discovery session of ours already: one whose
+		// StartDiscovery it answered after CallTimeout. It is on, and
+		// StopDiscovery ends it when no one waits. Before, this was a
+		// failure at every call, and the session was never stopped
+		// (docs/reliability.md, bug 414).
+		c.log.Debug("bluez: discovery was on already", "adapter", ad.Path())
+		return nil
+	}
+	if err != nil {
 		c.mu.Lock()
 		c.scanning = false
 		c.mu.Unlock()

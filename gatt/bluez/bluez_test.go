@@ -891,3 +891,61 @@ func TestDeviceThatNeedsPairing(t *testing.T) {
 		t.Fatalf("Info = %v; want gatt.ErrNotPaired naming bluetoothctl pair", err)
 	}
 }
+
+// A StartDiscovery that bluetoothd answered after CallTimeout (busy for a
+// moment) started the session all the same; BlueZ then answers each later
+// StartDiscovery of the bridge org.bluez.Error.InProgress, "Operation
+// already in progress". The Connector takes that as discovery on. Before,
+// it took it as a failure every time and never stopped the session: a
+// device was found again only when its advertisement happened to come
+// during one of those calls (docs/reliability.md, bug 414).
+func TestDiscoveryAlreadyInProgress(t *testing.T) {
+	fake := fakebluez.New(t)
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:10:01", Peripheral: newTestPeripheral("dev-i")})
+	d.SetAdvertising(false) // not in range yet
+	answered := fake.SlowNextStartDiscovery(time.Second)
+	c, err := bluez.New(bluez.Options{CallTimeout: 200 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+	// Once bluetoothd has answered that first StartDiscovery, the device
+	// comes in range and advertises, once a second, until the test ends.
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		select {
+		case <-answered:
+		case <-stop:
+			return
+		}
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for {
+			d.SetAdvertising(true)
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	// As gatt.Device does, at its longest backoff.
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	for {
+		l, err := c.Connect(ctx, "dev-i")
+		if err == nil {
+			l.Close()
+			return
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("Connect after a StartDiscovery answered late: %v", err)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+	}
+}

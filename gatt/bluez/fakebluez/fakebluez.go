@@ -44,6 +44,8 @@ type BlueZ struct {
 	discovering map[dbus.Sender]bool
 	filters     map[dbus.Sender][]string // UUIDs of SetDiscoveryFilter
 	calls       []string
+	slowStart   time.Duration // the next StartDiscovery answers this late
+	slowDone    chan struct{} // closed once it has
 	changed     chan struct{} // closed and replaced when discovery starts or stops
 	wg          sync.WaitGroup
 	closing     chan struct{}
@@ -401,7 +403,32 @@ func (a adapter1) StartDiscovery(sender dbus.Sender) *dbus.Error {
 	for _, d := range b.devices {
 		b.advertiseLater(d)
 	}
+	if slow := b.slowStart; slow > 0 {
+		b.slowStart = 0
+		done := b.slowDone
+		b.mu.Unlock()
+		t := time.NewTimer(slow)
+		select {
+		case <-t.C:
+		case <-b.closing:
+		}
+		t.Stop()
+		b.mu.Lock()
+		defer close(done) // as the answer goes
+	}
 	return nil
+}
+
+// SlowNextStartDiscovery makes the next StartDiscovery answer only after
+// d, its discovery session started at once, as a bluetoothd busy for a
+// moment does: a client that gave up waiting has a session all the same.
+// The channel is closed as it answers.
+func (b *BlueZ) SlowNextStartDiscovery(d time.Duration) <-chan struct{} {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.slowStart = d
+	b.slowDone = make(chan struct{})
+	return b.slowDone
 }
 
 func (a adapter1) StopDiscovery(sender dbus.Sender) *dbus.Error {
