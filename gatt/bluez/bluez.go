@@ -878,7 +878,13 @@ func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.
 		_, rssi := changes["RSSI"]
 		_, md := changes["ManufacturerData"]
 		_, sd := changes["ServiceData"]
-		if c.scanning && (rssi || md || sd) {
+		// A device connected by someone else (the connection another
+		// client of BlueZ had in progress when the bridge's Connect was
+		// answered InProgress) advertises no more: it is found by its
+		// connection, as at the start of discovery (docs/reliability.md,
+		// bug 415).
+		conn, _ := changes["Connected"].Value().(bool)
+		if c.scanning && (rssi || md || sd || (conn && l == nil)) {
 			k.seen++
 			c.broadcastLocked()
 		}

@@ -949,3 +949,40 @@ func TestDiscoveryAlreadyInProgress(t *testing.T) {
 		}
 	}
 }
+
+// A device another client of BlueZ is connecting (bluetoothctl connect,
+// another program) answers Device1.Connect org.bluez.Error.InProgress;
+// once that connection is up, the bridge uses it. Before, the Connect
+// waited for an advertisement the connected device no longer sent, until
+// its time ran out (docs/reliability.md, bug 415).
+func TestConnectInProgressElsewhere(t *testing.T) {
+	fake := fakebluez.New(t)
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:12:01", Peripheral: newTestPeripheral("dev-e")})
+	c := newConnector(t)
+	// Known first: the bridge has read the device once.
+	l := connect(t, c, "dev-e")
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	refused, complete := d.ConnectElsewhere()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second) // gatt.Device's connect timeout
+	defer cancel()
+	res := make(chan error, 1)
+	go func() {
+		l, err := c.Connect(ctx, "dev-e")
+		if err == nil {
+			l.Close()
+		}
+		res <- err
+	}()
+	d.SetAdvertising(true) // found again, and refused: InProgress
+	select {
+	case <-refused:
+	case <-ctx.Done():
+		t.Fatal("Device1.Connect never refused InProgress")
+	}
+	complete() // the other client's connection is up
+	if err := <-res; err != nil {
+		t.Fatalf("Connect to a device another client connected: %v", err)
+	}
+}

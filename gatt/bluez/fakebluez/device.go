@@ -59,6 +59,7 @@ type Device struct {
 	connected bool
 	gen       int                  // connection generation, for notifications
 	pending   chan struct{}        // closed to abort a hanging Connect
+	refused   chan struct{}        // closed when a Connect is answered InProgress (ConnectElsewhere)
 	chars     map[string]*gattChar // by UUID, while connected
 	gattPaths []dbus.ObjectPath
 }
@@ -155,6 +156,10 @@ func (x device1) Connect() *dbus.Error {
 		d.linkMu.Unlock()
 		return dbus.NewError("org.bluez.Error.AlreadyConnected", []any{"Already Connected"})
 	case d.pending != nil:
+		if d.refused != nil {
+			close(d.refused)
+			d.refused = nil
+		}
 		b.mu.Unlock()
 		d.linkMu.Unlock()
 		return dbus.NewError(errInProgress, []any{"In Progress"})
@@ -208,6 +213,27 @@ func (x device1) Connect() *dbus.Error {
 		setProp(d.props, ifaceDevice, "ServicesResolved", true)
 	}
 	return nil
+}
+
+// ConnectElsewhere starts a connection to the device on behalf of another
+// client of BlueZ (bluetoothctl connect, another program): Device1.Connect
+// answers org.bluez.Error.InProgress until complete connects the device.
+// refused is closed once a Connect was answered so.
+func (d *Device) ConnectElsewhere() (refused <-chan struct{}, complete func()) {
+	b := d.b
+	b.mu.Lock()
+	d.pending = make(chan struct{})
+	d.refused = make(chan struct{})
+	r := d.refused
+	b.mu.Unlock()
+	return r, func() {
+		b.mu.Lock()
+		d.pending = nil
+		b.mu.Unlock()
+		if err := (device1{d}).Connect(); err != nil {
+			b.tb.Errorf("fakebluez: connect elsewhere: %v", err)
+		}
+	}
 }
 
 func (x device1) Disconnect() *dbus.Error {
