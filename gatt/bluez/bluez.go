@@ -73,6 +73,11 @@ var ErrBusLost = errors.New("bluez: the connection to the system D-Bus was lost 
 // unanswered for CallTimeout.
 var ErrNoAnswer = errors.New("bluez: bluetoothd did not answer")
 
+// UnidentifiedRetry is how long a device that advertises the SMP service
+// but cannot be told apart (no DIS serial number, or one it refuses to
+// read without pairing) is not connected to again.
+const UnidentifiedRetry = time.Minute
+
 // DefaultCallTimeout bounds a D-Bus call that no caller's context bounds.
 // BlueZ answers such calls in milliseconds, and a disconnect once the
 // controller reports it, within a connection's supervision timeout (at
@@ -121,6 +126,7 @@ type Connector struct {
 	closed      bool
 	calls       sync.WaitGroup                    // Connect calls and their cleanups
 	ids         map[string]string                 // address → device id (DIS serial)
+	unknown     map[string]time.Time              // address → until when not to probe it again (errUnidentified)
 	busy        map[string]bool                   // addresses being probed or linked
 	links       map[dbus.ObjectPath]*link         // device path → open link
 	watch       map[dbus.ObjectPath]chan struct{} // device path → poked on Device1 changes
@@ -166,6 +172,7 @@ func New(opts Options) (*Connector, error) {
 		dispDone: make(chan struct{}),
 		busLost:  make(chan struct{}),
 		ids:      map[string]string{},
+		unknown:  map[string]time.Time{},
 		busy:     map[string]bool{},
 		links:    map[dbus.ObjectPath]*link{},
 		watch:    map[dbus.ObjectPath]chan struct{}{},
@@ -454,6 +461,27 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 			if ctx.Err() != nil {
 				return nil, fmt.Errorf("bluez: connect %s (%s): %w", deviceID, addr, ctx.Err())
 			}
+			if errors.Is(err, errUnidentified) {
+				// Not at its next advertisement, nor the one after:
+				// before, a device that could not be told apart (a
+				// neighbour's) was connected to at each of them, for as
+				// long as the bridge looked for one of its own
+				// (docs/reliability.md, bug 416).
+				c.mu.Lock()
+				now := time.Now()
+				for a, until := range c.unknown { // the map stays small
+					if now.After(until) {
+						delete(c.unknown, a)
+					}
+				}
+				if _, known := c.ids[addr]; !known {
+					c.unknown[addr] = now.Add(UnidentifiedRetry)
+				}
+				c.mu.Unlock()
+				c.log.Warn("bluez: a device with the SMP service cannot be told apart; not connecting to it again for a while",
+					"address", addr, "err", err, "retry_after", UnidentifiedRetry)
+				continue
+			}
 			if !errors.Is(err, errOtherDevice) {
 				c.log.Warn("bluez: connect failed", "device", deviceID, "address", addr, "err", err)
 			}
@@ -487,6 +515,12 @@ func (c *Connector) pickLocked(deviceID string, tried map[dbus.ObjectPath]int) (
 		k := c.known[p]
 		if k.seen == 0 || c.busy[k.address] || tried[p] == k.seen || !hasUUID(k.uuids, gatt.ServiceUUID) {
 			continue
+		}
+		if until, ok := c.unknown[k.address]; ok {
+			if time.Now().Before(until) {
+				continue
+			}
+			delete(c.unknown, k.address)
 		}
 		id, ok := c.ids[k.address]
 		switch {

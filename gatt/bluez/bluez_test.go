@@ -986,3 +986,44 @@ func TestConnectInProgressElsewhere(t *testing.T) {
 		t.Fatalf("Connect to a device another client connected: %v", err)
 	}
 }
+
+// smpOnlyPeripheral is a Zephyr device with MCUmgr's SMP service and no
+// Device Information Service: a neighbour's product, say, not one of the
+// bridge's.
+type smpOnlyPeripheral struct{ *testPeripheral }
+
+func (p smpOnlyPeripheral) Services() []gatt.Service { return p.testPeripheral.Services()[:1] }
+
+// A device that advertises the SMP service but cannot be told apart (no
+// DIS serial number, or one it refuses to read) is probed once, and not
+// again at each of its advertisements for the next minute. Before, the
+// bridge connected to it again at each one, for as long as it looked for a
+// device of its own: a neighbour's device was connected to over and over,
+// and the bridge's own waited behind it (docs/reliability.md, bug 416).
+func TestUnidentifiedDeviceNotProbedAtEachAdvertisement(t *testing.T) {
+	fake := fakebluez.New(t)
+	other := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:13:01", Peripheral: smpOnlyPeripheral{newTestPeripheral("")}})
+	ours := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:13:02", Peripheral: newTestPeripheral("dev-o")})
+	ours.SetAdvertising(false) // not in range yet
+	c := newConnector(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	res := make(chan error, 1)
+	go func() {
+		l, err := c.Connect(ctx, "dev-o")
+		if err == nil {
+			l.Close()
+		}
+		res <- err
+	}()
+	// The other device is probed, found unidentifiable and let go.
+	fake.WaitCalls("Device1.Disconnect "+string(other.Path()), 1, 10*time.Second)
+	other.SetAdvertising(true) // it advertises again
+	ours.SetAdvertising(true)  // and ours comes in range
+	if err := <-res; err != nil {
+		t.Fatalf("Connect: %v", err)
+	}
+	if n := fake.WaitCalls("Device1.Connect "+string(other.Path()), 1, time.Second); n != 1 {
+		t.Errorf("the unidentifiable device was connected to %d times; want once", n)
+	}
+}

@@ -19,6 +19,10 @@ import (
 // errOtherDevice: the device connected to has another device id.
 var errOtherDevice = errors.New("bluez: another device")
 
+// errUnidentified: the device connected to has no device id the bridge
+// can read.
+var errUnidentified = errors.New("bluez: no device id to read")
+
 // open connects to the device at path, discovers its GATT database and
 // checks its DIS serial number against wantID. It owns addr, marked busy by
 // pickLocked: the link keeps it, a failure releases it.
@@ -210,11 +214,16 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 
 	if _, ok := l.charPaths[gatt.SerialNumberUUID]; !ok {
 		cancel()
-		return nil, fmt.Errorf("no DIS serial number characteristic: not a companion device")
+		return nil, fmt.Errorf("%w: no DIS serial number characteristic: not a companion device", errUnidentified)
 	}
 	serial, err := l.readValue(ctx, gatt.SerialNumberUUID)
 	if err != nil {
 		cancel()
+		var de dbus.Error
+		if errors.As(err, &de) && (de.Name == "org.bluez.Error.NotPermitted" || de.Name == "org.bluez.Error.NotAuthorized") {
+			// Refused, not lost: it will be refused again.
+			return nil, fmt.Errorf("%w: read serial number: %w", errUnidentified, err)
+		}
 		return nil, fmt.Errorf("read serial number: %w", err)
 	}
 	l.serial = string(serial)

@@ -46,7 +46,7 @@ type BlueZ struct {
 	calls       []string
 	slowStart   time.Duration // the next StartDiscovery answers this late
 	slowDone    chan struct{} // closed once it has
-	changed     chan struct{} // closed and replaced when discovery starts or stops
+	changed     chan struct{} // closed and replaced when discovery starts or stops, and on each call
 	wg          sync.WaitGroup
 	closing     chan struct{}
 }
@@ -152,6 +152,34 @@ func (b *BlueZ) Calls() []string {
 
 func (b *BlueZ) logCall(format string, args ...any) {
 	b.calls = append(b.calls, fmt.Sprintf(format, args...))
+	b.notifyLocked()
+}
+
+// WaitCalls waits until n calls listed by Calls contain substr, failing the
+// test after timeout, and returns how many there are.
+func (b *BlueZ) WaitCalls(substr string, n int, timeout time.Duration) int {
+	b.tb.Helper()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	for {
+		b.mu.Lock()
+		got := 0
+		for _, c := range b.calls {
+			if strings.Contains(c, substr) {
+				got++
+			}
+		}
+		changed := b.changed
+		b.mu.Unlock()
+		if got >= n {
+			return got
+		}
+		select {
+		case <-changed:
+		case <-t.C:
+			b.tb.Fatalf("fakebluez: %d calls with %q, not %d, after %v", got, substr, n, timeout)
+		}
+	}
 }
 
 // Exit gives up the org.bluez name without a word, as bluetoothd does when
