@@ -564,6 +564,11 @@ func hasUUID(list []string, uuid string) bool {
 func (c *Connector) scanLoop() {
 	defer close(c.scanDone)
 	again := false
+	// failed is the failure last logged, until discovery works again:
+	// the same failure at every attempt of every device (an adapter off
+	// for the night) is logged once, not at each one (docs/reliability.md,
+	// bug 417).
+	failed := ""
 	for {
 		if !again {
 			select {
@@ -582,8 +587,16 @@ func (c *Connector) scanLoop() {
 		c.broadcastLocked()
 		c.mu.Unlock()
 		if err != nil {
-			c.log.Warn("bluez: discovery failed", "err", err)
+			if err.Error() != failed {
+				failed = err.Error()
+				c.log.Warn("bluez: discovery failed; devices cannot be found until it works (logged again only if the failure changes)", "err", err,
+					"adapter", c.adapter())
+			}
 			continue
+		}
+		if failed != "" {
+			c.log.Info("bluez: discovery works again", "adapter", c.adapter(), "failed_with", failed)
+			failed = ""
 		}
 		lost := false
 		for c.demand() {

@@ -1027,3 +1027,57 @@ func TestUnidentifiedDeviceNotProbedAtEachAdvertisement(t *testing.T) {
 		t.Errorf("the unidentifiable device was connected to %d times; want once", n)
 	}
 }
+
+// syncBuffer is a bytes.Buffer safe for a logger and a test at once.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// With the adapter off (rfkill at night, bluetoothctl power off), every
+// connection attempt of every device fails to start discovery, the same
+// way: the bridge says so once, and once more when discovery starts again.
+// Before, it logged a warning at each attempt, several a second with a few
+// devices, for as long as the adapter stayed off (docs/reliability.md,
+// bug 417).
+func TestDiscoveryFailureLoggedOnce(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:14:01", Peripheral: newTestPeripheral("dev-l")})
+	var logs syncBuffer
+	c, err := bluez.New(bluez.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+	fake.SetPowered(false)
+	for range 5 {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := c.Connect(ctx, "dev-l")
+		timedOut := ctx.Err() != nil
+		cancel()
+		if err == nil || timedOut {
+			t.Fatalf("Connect with the adapter off = %v; want the discovery's failure at once", err)
+		}
+	}
+	fake.SetPowered(true)
+	connect(t, c, "dev-l")
+	out := logs.String()
+	if n := strings.Count(out, "discovery failed"); n != 1 {
+		t.Errorf("%d warnings of the same discovery failure over 5 attempts; want 1:\n%s", n, out)
+	}
+	if !strings.Contains(out, "discovery works again") {
+		t.Errorf("no word that discovery works again:\n%s", out)
+	}
+}
