@@ -1053,9 +1053,20 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 // update that ended before its reboot): stock img_mgmt lets nothing erase
 // that slot, upload into it or unmark it, and the bridge does not boot an
 // image no one asked for now to clear it (docs/reliability.md, bug 228).
+// A device answering in SMP version 1 (an MCUmgr before version 2) says it
+// with an rc of its own: rc 5 (ENOENT) in Zephyr 3.0 to 3.2, rc 2 (ENOMEM)
+// in the MCUmgr library of Zephyr 2.x, rc 6 (EBADSTATE) where img_mgmt
+// translates version 2's error; it is explained the same when the image
+// state shows the other slot pending, which no upload gets past (bug 469).
 func explainNoFreeSlot(err error, st ImageStateResponse) error {
 	var e *Error
-	if !errors.As(err, &e) || e.Group != GroupImage || e.GroupRC != ImgErrNoFreeSlot {
+	if !errors.As(err, &e) || e.Bridge || e.Group != GroupImage {
+		return err
+	}
+	switch {
+	case e.GroupRC == ImgErrNoFreeSlot:
+	case e.GroupRC == 0 && (e.RC == RCBadState || e.RC == RCNotFound || e.RC == RCNoMemory):
+	default:
 		return err
 	}
 	for _, sl := range st.Images {

@@ -562,3 +562,121 @@ func TestOTAWaitsForTheSlotErase(t *testing.T) {
 		t.Errorf("device runs %s (confirmed %v); want 2.0.1 confirmed", s.Firmware(), s.FirmwareConfirmed())
 	}
 }
+
+// version1 makes every request SMP version 1, as an MCUmgr older than
+// version 2 takes it (it ignores the header's version bits): the device
+// answers in version 1, a group's error as MCUmgr's rc. It follows the
+// messages across the writes of each link (a request split into several
+// has its header in the first); the reassembly probe's second write, too
+// short for a header, goes as it is.
+type version1 struct {
+	mu   sync.Mutex
+	left map[gatt.Link]int // bytes of the message under way still to come
+}
+
+func (v *version1) tap(l gatt.Link, data []byte) ([]byte, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.left == nil {
+		v.left = map[gatt.Link]int{}
+	}
+	if n := v.left[l]; n > 0 {
+		v.left[l] = max(n-len(data), 0)
+		return data, nil
+	}
+	h, err := gatt.ParseHeader(data)
+	if err != nil {
+		return data, nil
+	}
+	v.left[l] = max(gatt.HeaderSize+int(h.Len)-len(data), 0)
+	data = bytes.Clone(data)
+	data[0] &^= 3 << 3
+	return data, nil
+}
+
+// noSlotAs is a Connector whose links hand the bridge img_mgmt's "no free
+// slot" to an upload (version 2's {"err": {"group": 1, "rc": 9}}) as an
+// older MCUmgr answers it, in SMP version 1: rc.
+type noSlotAs struct {
+	gatt.Connector
+	rc int
+}
+
+type noSlotLink struct {
+	gatt.Link
+	rc int
+}
+
+func (c *noSlotAs) Connect(ctx context.Context, id string) (gatt.Link, error) {
+	l, err := c.Connector.Connect(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &noSlotLink{Link: l, rc: c.rc}, nil
+}
+
+func (l *noSlotLink) Subscribe(ctx context.Context, uuid string, fn func([]byte)) error {
+	return l.Link.Subscribe(ctx, uuid, func(b []byte) {
+		h, err := gatt.ParseHeader(b)
+		var st gatt.Status
+		if err == nil && gatt.HeaderSize+int(h.Len) == len(b) && h.Group == gatt.GroupImage && h.ID == gatt.CmdImageUpload &&
+			gatt.DecodeBody(b[gatt.HeaderSize:], &st) == nil && st.Err != nil && st.Err.RC == gatt.ImgErrNoFreeSlot {
+			body, _ := gatt.EncodeBody(map[string]int{"rc": l.rc})
+			h.Version, h.Len = gatt.SMPv1, uint16(len(body))
+			b = append(gatt.AppendHeader(nil, h), body...)
+		}
+		fn(b)
+	})
+}
+
+// A device that answers in SMP version 1 (an MCUmgr older than version 2,
+// Zephyr before 3.3) says "no free slot" to an upload with an rc of its
+// own: rc 5 (ENOENT) in Zephyr 3.0 to 3.2, rc 2 (ENOMEM) in the MCUmgr
+// library of Zephyr 2.x, and rc 6 (EBADSTATE) where img_mgmt translates
+// version 2's error 9. With the other slot pending, the update fails with
+// the same explanation as over version 2: the pending version named, and
+// what clears it. Before, it said only "device answered rc 5 (not found)"
+// (or rc 2, "no memory", after five repeats as of a device short of
+// buffers).
+func TestOTAWithAnotherImagePendingSaysWhyInVersion1(t *testing.T) {
+	for _, rc := range []int{gatt.RCNotFound, gatt.RCNoMemory, gatt.RCBadState} {
+		t.Run("rc "+itoa(rc), func(t *testing.T) {
+			var lose atomic.Bool
+			s := sim.New(sim.Options{ID: "dev-1"})
+			n := sim.NewNetwork(fastLink)
+			n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+			tap := func(l gatt.Link, data []byte) ([]byte, error) {
+				if lose.Load() {
+					return swallowReset(l, data)
+				}
+				return data, nil
+			}
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: &noSlotAs{Connector: n, rc: rc}, tap: tap},
+				MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				d.Close()
+				n.Close()
+			})
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+
+			lose.Store(true)
+			pending := firmwareImage(t, "2.0.0+3", 20_000)
+			if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0+3", pending, nil); !errors.Is(err, gatt.ErrTimeout) {
+				t.Fatalf("UpdateFirmware with the reset lost = %v; want gatt.ErrTimeout", err)
+			}
+			lose.Store(false)
+			err = d.UpdateFirmware(ctx, "fw-2", "3.0.0", firmwareImage(t, "3.0.0", 20_000), nil)
+			if code := errorCode(err); code != gatt.CodeDeviceError || !strings.Contains(err.Error(), "rc "+itoa(rc)) ||
+				!strings.Contains(err.Error(), "holds firmware 2.0.0+3, to boot at the next reset") || !strings.Contains(err.Error(), "update it to 2.0.0+3, or reboot it") {
+				t.Fatalf("UpdateFirmware to 3.0.0 = %v (code %q); want device_error, rc %d, saying what the other slot holds and what clears it", err, code, rc)
+			}
+			if err := d.UpdateFirmware(ctx, "fw-3", "2.0.0+3", pending, nil); err != nil || s.Firmware() != "2.0.0+3" || !s.FirmwareConfirmed() {
+				t.Errorf("UpdateFirmware to the pending 2.0.0+3 = %v; device runs %s (confirmed %v)", err, s.Firmware(), s.FirmwareConfirmed())
+			}
+		})
+	}
+}
