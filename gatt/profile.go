@@ -137,6 +137,15 @@ func (e *Error) ErrorCode() string {
 	switch e.RC {
 	case RCInvalid, RCMsgSize:
 		return CodeInvalidPayload
+	case RCUnknown:
+		// settings_mgmt's version 1 answer of a value its handler
+		// refused (h_set's -EINVAL, version 2's error 5): its
+		// translation has no other code for it, and a value write or
+		// read (in RAM: settings_runtime_set and _get) fails for nothing
+		// but its handler's refusal (bug 470).
+		if e.Group == GroupSettings && e.ID == CmdSettingsValue {
+			return CodeInvalidPayload
+		}
 	case RCCorrupt:
 		return CodeChecksumMismatch
 	case RCNotFound:

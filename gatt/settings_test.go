@@ -226,3 +226,31 @@ func TestVersion1SettingsKeyNotFoundIsInvalidPayload(t *testing.T) {
 		})
 	}
 }
+
+// A value the device's settings handler refuses (h_set returns -EINVAL),
+// which settings_mgmt reports as its error 5 in SMP version 2, is rc 1
+// (EUNKNOWN) in version 1: settings_mgmt_translate_error_code has no other
+// code for it. The settings change fails invalid_payload either way, as
+// docs/gatt.md says, and changes nothing. Before, a device answering
+// version 1 failed it device_error (bug 470).
+func TestVersion1RefusedSettingValueIsInvalidPayload(t *testing.T) {
+	v1 := &version1{}
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: v1.tap}, MinBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err = d.UpdateSettings(ctx, "s1", map[string]any{"brightness": 500.0, "volume": 3.0})
+	if code := errorCode(err); code != gatt.CodeInvalidPayload || !strings.Contains(err.Error(), "rc 1") {
+		t.Errorf("UpdateSettings with a value the device refuses, version 1 = %v (code %q); want invalid_payload, rc 1", err, code)
+	}
+	if vals, _, _ := s.Settings(ctx); vals["brightness"] != 50 || vals["volume"] != 50 {
+		t.Errorf("after the refused update: %v; want brightness 50, volume 50", vals)
+	}
+}
