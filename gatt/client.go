@@ -99,7 +99,10 @@ type Client struct {
 	// narrowed how many places the window lost; guarded by mu.
 	keep     atomic.Int64
 	narrowed int
-	dead     chan struct{} // closed when the client fails
+	// spare lets the quiet probe go beside a full window of one
+	// (AllowSpareProbe).
+	spare atomic.Bool
+	dead  chan struct{} // closed when the client fails
 
 	// cut fires fragWait after a notification that left a response
 	// unfinished; broken asks the client's goroutine to drop the link.
@@ -229,6 +232,19 @@ func (c *Client) SetWindow(n int) {
 	}
 	c.slots = make(chan struct{}, min(n, MaxWindow))
 }
+
+// AllowSpareProbe lets the quiet probe (QuietTimeout) go out beside a lone
+// request when the window is one, for a device that did not report its
+// SMP buffers (no MCUmgr parameters, Zephyr's default: its buffers are then
+// CONFIG_MCUMGR_TRANSPORT_NETBUF_COUNT's default 4, unless the firmware
+// says otherwise). Without it a lone request whose answer was lost whole
+// waited its whole timeout, and its command failed timeout
+// (docs/reliability.md, bug 471). On a device with only two buffers the
+// probe finds none while the request runs, and is dropped unanswered,
+// which changes nothing; sent while the request still waits behind
+// another transport's, it may take the buffer of the request's answer, and
+// the request is answered rc 2 and asked again after a pause.
+func (c *Client) AllowSpareProbe() { c.spare.Store(true) }
 
 // MaxWindow is the most requests a client keeps in flight: the header's
 // sequence numbers tell 256 apart. A device may report more buffers
@@ -442,7 +458,10 @@ func (c *Client) sendProbe() {
 		case c.slots <- struct{}{}:
 			call.slot = true
 		default:
-			return // the window is full: the request timeout stays the bound
+			if !c.spare.Load() || cap(c.slots) != 1 {
+				return // the window is full: the request timeout stays the bound
+			}
+			// Beside the lone request, outside the window (AllowSpareProbe).
 		}
 	}
 	body, _ := EncodeBody(struct{}{})

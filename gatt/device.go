@@ -343,6 +343,11 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	// may reach the device at once: together they keep no more in flight
 	// than its buffers take.
 	c.SetWindow(d.window(s))
+	if d.opts.Window == 0 && s.bufCount == 0 {
+		// Its buffers unknown (no MCUmgr parameters), the window is one;
+		// the probe for a lost answer may go beside it (bug 471).
+		c.AllowSpareProbe()
+	}
 	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount, "reassembles", s.reassembles, "window", d.window(s))
 	return s, nil
 }

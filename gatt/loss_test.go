@@ -409,3 +409,62 @@ func TestLossesSpreadOverALongUploadAreEachRecovered(t *testing.T) {
 		t.Errorf("%d requests lost; want more than 3, or the test shows nothing", n)
 	}
 }
+
+// A device without MCUmgr parameters (os_mgmt's command 6 is off by
+// default in Zephyr) does not say how many SMP buffers it has, and the
+// bridge keeps one request in flight on it. A response of a lone request
+// lost whole is still found within the quiet timeout, by a probe beside
+// it, and the request asked again: Zephyr's buffers are 4 unless the
+// firmware says otherwise, and a probe there takes none an answer needs.
+// Before, no probe went beside the lone request: the request waited its
+// whole timeout, the link was dropped and the command failed timeout,
+// though the device had answered (bug 471).
+func TestLostResponseOfADeviceWithoutParametersIsAskedAgain(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		group uint16
+		id    uint8
+		rsp   uint8
+	}{
+		{"settings schema", gatt.GroupSettingsSchema, gatt.CmdSchemaRead, 0},
+		{"text", gatt.GroupText, gatt.CmdTextPush, 0},
+		{"settings write", gatt.GroupSettings, gatt.CmdSettingsValue, gatt.OpWriteRsp},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := sim.New(sim.Options{ID: "dev-1"})
+			n := sim.NewNetwork(sim.LinkOptions{MTU: 247, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+			n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{NoParams: true}))
+			lc := &lossyConnector{Connector: n, group: tt.group, id: tt.id, rsp: tt.rsp, whole: true}
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: lc, MinBackoff: time.Millisecond,
+				RequestTimeout: 5 * time.Second, QuietTimeout: 100 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer n.Close()
+			defer d.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if _, err := d.Info(ctx); err != nil { // connected, one request in flight
+				t.Fatalf("Info: %v", err)
+			}
+			lc.arm()
+			start := time.Now()
+			switch tt.group {
+			case gatt.GroupSettingsSchema:
+				_, _, err = d.Settings(ctx)
+			case gatt.GroupText:
+				err = d.PushText(ctx, "cmd-1", "", "hello")
+			default:
+				err = d.UpdateSettings(ctx, "cmd-2", map[string]any{"brightness": 7.0})
+			}
+			took := time.Since(start)
+			if err != nil || lc.lost() != 1 || n.Connects() != 1 {
+				t.Fatalf("%s with its response lost whole = %v after %v, %d lost, %d connections; want nil (asked again, not timed out), 1 lost, 1 connection",
+					tt.name, err, took.Round(time.Millisecond), lc.lost(), n.Connects())
+			}
+			if tt.group == gatt.GroupText && (s.Executions("cmd-1") != 1 || len(s.Texts()) != 1) {
+				t.Errorf("the text ran %d times, %d texts shown; want 1, 1", s.Executions("cmd-1"), len(s.Texts()))
+			}
+		})
+	}
+}

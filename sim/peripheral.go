@@ -12,9 +12,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/fxamacker/cbor/v2"
+
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/mcuboot"
-	"github.com/fxamacker/cbor/v2"
 )
 
 // Defaults of PeripheralOptions. 2475 bytes is the SMP buffer Nordic
@@ -39,10 +40,14 @@ type PeripheralOptions struct {
 	// NoReassembly makes the device take each ATT write as a whole SMP
 	// packet, as Zephyr does without CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY.
 	NoReassembly bool
-	MaxUpload    int           // the secondary slot's size, MCUboot's image trailer at its end; default DefaultMaxUpload
-	ResetDelay   time.Duration // from the answer to an OS reset to the reboot; default DefaultResetDelay
-	BootTime     time.Duration // from the reboot to advertising again; default DefaultBootTime
-	Logger       *slog.Logger
+	// NoParams leaves out the MCUmgr parameters command (os_mgmt without
+	// CONFIG_MCUMGR_GRP_OS_MCUMGR_PARAMS, Zephyr's default): its read is
+	// answered rc 8, and the device does not say how many buffers it has.
+	NoParams   bool
+	MaxUpload  int           // the secondary slot's size, MCUboot's image trailer at its end; default DefaultMaxUpload
+	ResetDelay time.Duration // from the answer to an OS reset to the reboot; default DefaultResetDelay
+	BootTime   time.Duration // from the reboot to advertising again; default DefaultBootTime
+	Logger     *slog.Logger
 	// HandleTime is how long the device works on each SMP request before
 	// it answers (a flash write, a busy MCU); default none. Requests
 	// queue behind it in the device's buffers.
@@ -701,7 +706,7 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 	case g == gatt.GroupOS && id == gatt.CmdOSReset && write:
 		return reply{body: struct{}{}, after: p.scheduleReboot}
 
-	case g == gatt.GroupOS && id == gatt.CmdOSParams && read:
+	case g == gatt.GroupOS && id == gatt.CmdOSParams && read && !p.opts.NoParams:
 		return ok(gatt.ParamsResponse{BufSize: p.opts.BufSize, BufCount: p.opts.BufCount})
 
 	case g == gatt.GroupImage && id == gatt.CmdImageState && read:
