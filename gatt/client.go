@@ -498,6 +498,7 @@ type Call struct {
 	probe     bool      // sent by the client itself (sendProbe)
 	n         uint64    // guarded by c.mu: its place in the order requests went out
 	at        time.Time // guarded by c.mu: when it had gone out whole
+	version   uint8     // the SMP version of the answer, once Wait has it
 }
 
 // release gives back the call's place in the window, once.
@@ -717,6 +718,7 @@ func (call *Call) Wait(ctx context.Context, resp any) error {
 	select {
 	case r = <-call.ch:
 		call.timer.Stop()
+		call.version = r.msg.Version
 	case <-ctx.Done():
 		call.Abandon()
 		return ctx.Err()
@@ -781,6 +783,15 @@ func (c *Client) Echo(ctx context.Context, d string) (string, error) {
 // no echo: either way it read the whole message). One that does not takes
 // the first write as a message cut short and answers rc 9 (ECORRUPT), and
 // drops the 1-byte write, too short for a header, without an answer.
+//
+// That holds for an answer in SMP version 2, whose smp.c checks that a
+// message is whole before anything else. An MCUmgr older than version 2
+// answers in version 1, and the one of Zephyr 2.x (2.7 LTS among them)
+// has no such check: it hands the message cut short to its handler, whose
+// decoder answers rc 3 (or rc 1), and its handler lookup rc 8. So an answer
+// in version 1 shows reassembly only when it is the echo itself; a refusal
+// leaves the device one write per request, which every MCUmgr takes
+// (docs/reliability.md, bug 472).
 func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bool, error) {
 	// The message is one write and k more bytes, 1 ≤ k < 8: too few for
 	// a header, so a device that does not reassemble drops them.
@@ -815,8 +826,10 @@ func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bo
 		return true, nil
 	case errors.As(err, &e) && e.RC == RCCorrupt:
 		return false, nil
-	case errors.As(err, &e):
+	case errors.As(err, &e) && call.version >= SMPv2:
 		return true, nil // it parsed the whole message to refuse it
+	case errors.As(err, &e):
+		return false, nil // an older MCUmgr may refuse a message cut short so
 	case errors.Is(err, ErrTimeout):
 		return false, nil
 	}

@@ -252,3 +252,37 @@ func TestBuffersShorterThanAWriteBoundRequests(t *testing.T) {
 		cancel()
 	}
 }
+
+// The MCUmgr of Zephyr 2.x (2.7 LTS among them) answers in SMP
+// version 1 and, without reassembly, takes the first write of the
+// reassembly probe, an echo cut short, for a whole message: its echo
+// decodes what came and answers rc 3, where a later smp.c answers rc 9
+// before any handler runs. Only an echo answered, or an answer in version
+// 2 (whose smp.c checks that a message is whole first), shows the device
+// reassembles: this device gets every request in one write, and every
+// operation goes through. Before, rc 3 read as reassembly, requests went
+// out across writes of a device that takes each for a message, and every
+// long one failed invalid_payload (bug 472).
+func TestOldMCUmgrWithoutReassemblyIsNotTakenForReassembling(t *testing.T) {
+	opts := fastLink
+	opts.MTU = 247
+	popts := sim.PeripheralOptions{OldMCUmgr: true, NoReassembly: true, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}
+	d, s, _, p := newSimPeripheral(t, opts, popts, gatt.DeviceOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if info, err := d.Info(ctx); err != nil || info.FirmwareVersion != "1.0.0" {
+		t.Fatalf("Info = %+v, %v", info, err)
+	}
+	if err := d.PushImage(ctx, "img-1", "image/png", randomBytes(t, 20_000)); err != nil {
+		t.Errorf("PushImage: %v (code %q)", err, errorCode(err))
+	}
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil); err != nil {
+		t.Errorf("UpdateFirmware: %v (code %q)", err, errorCode(err))
+	}
+	if len(s.Images()) != 1 || s.Firmware() != "2.0.0" || !s.FirmwareConfirmed() {
+		t.Errorf("the device has %d images, firmware %s (confirmed %v); want 1, 2.0.0 confirmed", len(s.Images()), s.Firmware(), s.FirmwareConfirmed())
+	}
+	if n := p.Dropped(); n != 0 {
+		t.Errorf("the device dropped %d writes", n)
+	}
+}

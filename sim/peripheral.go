@@ -43,7 +43,14 @@ type PeripheralOptions struct {
 	// NoParams leaves out the MCUmgr parameters command (os_mgmt without
 	// CONFIG_MCUMGR_GRP_OS_MCUMGR_PARAMS, Zephyr's default): its read is
 	// answered rc 8, and the device does not say how many buffers it has.
-	NoParams   bool
+	NoParams bool
+	// OldMCUmgr makes it the MCUmgr of Zephyr 2.x (2.7 LTS among
+	// them): it answers in SMP version 1 whatever the request's version
+	// (version 2 came later; the old header has no version bits), and,
+	// without reassembly, takes a message cut short for whole, its
+	// handler decoding what came (an echo cut short is answered rc 3),
+	// where a later smp.c answers rc 9 first.
+	OldMCUmgr  bool
 	MaxUpload  int           // the secondary slot's size, MCUboot's image trailer at its end; default DefaultMaxUpload
 	ResetDelay time.Duration // from the answer to an OS reset to the reboot; default DefaultResetDelay
 	BootTime   time.Duration // from the reboot to advertising again; default DefaultBootTime
@@ -109,10 +116,12 @@ type Peripheral struct {
 }
 
 // packet is what one buffer holds: the messages of one write, or of one
-// reassembled message; corrupt is the header of a message cut short.
+// reassembled message; corrupt is the header of a message cut short, and
+// cut the body bytes of it that came.
 type packet struct {
 	msgs    []gatt.Message
 	corrupt *gatt.Header
+	cut     []byte
 }
 
 // imageUpload is img_mgmt's g_img_mgmt_state.
@@ -275,7 +284,7 @@ func (p *Peripheral) takePacketLocked(data []byte) {
 		h, _ := gatt.ParseHeader(data)
 		end := gatt.HeaderSize + int(h.Len)
 		if end > len(data) {
-			pk.corrupt = &h
+			pk.corrupt, pk.cut = &h, bytes.Clone(data[gatt.HeaderSize:])
 			break
 		}
 		pk.msgs = append(pk.msgs, gatt.Message{Header: h, Body: bytes.Clone(data[gatt.HeaderSize:end])})
@@ -421,7 +430,13 @@ func (p *Peripheral) serve(ctx context.Context, wake chan struct{}) {
 				m := pk.msgs[i]
 				alive, failed = p.respond(ctx, m.Header, last, func() reply { return p.handle(ctx, m) })
 			} else {
-				alive, failed = p.respond(ctx, *pk.corrupt, last, func() reply { return failRC(gatt.RCCorrupt, "message cut short") })
+				cut := gatt.Message{Header: *pk.corrupt, Body: pk.cut}
+				alive, failed = p.respond(ctx, *pk.corrupt, last, func() reply {
+					if p.opts.OldMCUmgr {
+						return p.handle(ctx, cut) // no check that the message is whole
+					}
+					return failRC(gatt.RCCorrupt, "message cut short")
+				})
 			}
 			if !alive {
 				return
@@ -542,6 +557,9 @@ func (p *Peripheral) answer(ctx context.Context, h gatt.Header, r reply) bool {
 	// smp_make_rsp_hdr: the request's version, capped at 2; a read's
 	// answer is a read response, any other op's a write response.
 	version := min(h.Version, gatt.SMPv2)
+	if p.opts.OldMCUmgr {
+		version = gatt.SMPv1
+	}
 	op := gatt.OpWriteRsp
 	if h.Op == gatt.OpRead {
 		op = gatt.OpReadRsp
@@ -688,7 +706,7 @@ func (p *Peripheral) handle(ctx context.Context, m gatt.Message) reply {
 		// smp_process_request_packet: not a request (and no SMP client).
 		return failRC(gatt.RCNotSupported, "not a request")
 	}
-	if m.Version > gatt.SMPv2 {
+	if m.Version > gatt.SMPv2 && !p.opts.OldMCUmgr { // the old header has no version bits
 		return failRC(gatt.RCTooNew, "SMP version not supported")
 	}
 	g, id := m.Group, m.ID

@@ -867,3 +867,24 @@ func TestNoBufferAndFailedRequestsAsZephyr(t *testing.T) {
 	case <-time.After(200 * time.Millisecond):
 	}
 }
+
+// With OldMCUmgr the device is the MCUmgr of Zephyr 2.x: it answers in SMP
+// version 1 whatever the request's version bits say, and without
+// reassembly its smp.c hands a message cut short to the handler, whose
+// decoder refuses it (rc 3 from the echo), where today's answers rc 9.
+func TestOldMCUmgrAsZephyr2(t *testing.T) {
+	r, _, p := newRawSMP(t, 23, sim.PeripheralOptions{OldMCUmgr: true, NoReassembly: true})
+	h, m := r.send(gatt.SMPv2, gatt.OpRead, gatt.GroupOS, gatt.CmdOSParams, map[string]any{})
+	if h.Version != gatt.SMPv1 || m["buf_size"] != uint64(sim.DefaultBufSize) {
+		t.Errorf("params: header version %d, %v; want version 1 and the buffers", h.Version, m)
+	}
+	// 25 bytes: a write of 20 and one of 5, too short for a header.
+	h, m = r.send(gatt.SMPv2, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": "thirteen char"})
+	if h.Version != gatt.SMPv1 || m["rc"] != uint64(gatt.RCInvalid) {
+		t.Errorf("split echo: header version %d, %v; want version 1, rc 3", h.Version, m)
+	}
+	h, m = r.send(3, gatt.OpWrite, gatt.GroupOS, gatt.CmdOSEcho, map[string]any{"d": "short"})
+	if h.Version != gatt.SMPv1 || m["r"] != "short" || p.Dropped() != 0 {
+		t.Errorf("echo with the version bits at 3: header version %d, %v, %d dropped; want version 1, the echo", h.Version, m, p.Dropped())
+	}
+}
