@@ -266,10 +266,72 @@ func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, e
 	if err := json.Unmarshal(raw, &body.members); err != nil {
 		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is not valid JSON"}
 	}
-	if err := validationError(caseErrors(body.members, reflect.TypeOf(dst))); err != nil {
+	fields := repeatedNames(raw, len(body.members))
+	fields = append(fields, caseErrors(body.members, reflect.TypeOf(dst))...)
+	if err := validationError(fields); err != nil {
 		return nil, err
 	}
 	return body, nil
+}
+
+// repeatedNames names each member that raw, a valid JSON object with
+// `distinct` distinct member names, names more than once, in the order of
+// their names. encoding/json takes the last of them silently, so
+// {"text":"a","text":"b"} pushed "b" where a proxy, a log or a reviewer
+// reading the first saw "a" (RFC 8259 §4: the names SHOULD be unique;
+// I-JSON, RFC 7493 §2.3, MUST). Only the top level is looked at: the
+// handlers read nothing deeper as a member of its own (docs/reliability.md,
+// bug 369). A body without a repeat, every body a client means, costs one
+// pass over its bytes and no allocation.
+func repeatedNames(raw []byte, distinct int) []FieldError {
+	var (
+		names []string // decoded, when there is a repeat to name
+		count int
+	)
+	for pass := 0; pass < 2; pass++ {
+		depth, key, start := 0, false, 0
+		for i := 0; i < len(raw); i++ {
+			switch raw[i] {
+			case '"':
+				start = i
+				for i++; i < len(raw) && raw[i] != '"'; i++ {
+					if raw[i] == '\\' {
+						i++
+					}
+				}
+				if depth != 1 || !key {
+					continue
+				}
+				key = false
+				if pass == 0 {
+					count++
+					continue
+				}
+				var name string
+				if json.Unmarshal(raw[start:i+1], &name) == nil {
+					names = append(names, name)
+				}
+			case '{', '[':
+				depth++
+				key = depth == 1
+			case '}', ']':
+				depth--
+			case ',':
+				key = depth == 1
+			}
+		}
+		if count <= distinct {
+			return nil
+		}
+	}
+	slices.Sort(names)
+	var errs []FieldError
+	for i := 1; i < len(names); i++ {
+		if names[i] == names[i-1] && (len(errs) == 0 || errs[len(errs)-1].Field != names[i]) {
+			errs = append(errs, FieldError{Field: names[i], Message: "must be given once"})
+		}
+	}
+	return errs
 }
 
 // caseErrors names each member whose name is the JSON name of one of t's
