@@ -91,7 +91,8 @@ func toDevice(b companion.Binding, st companion.Status) deviceJSON {
 func toCommand(c companion.Command) commandJSON {
 	var result json.RawMessage
 	if len(c.Result) > 0 && json.Valid(c.Result) {
-		result = c.Result
+		// A result stored before bug 370's fix may not be valid Unicode.
+		result = companion.UnicodeJSON(c.Result)
 	}
 	return commandJSON{
 		ID:        c.ID,

@@ -221,6 +221,11 @@ func ParseReply(b []byte) (Reply, error) {
 	case r.Error != nil:
 		r.Error.Code, r.Error.Message = deviceText(r.Error.Code), deviceText(r.Error.Message)
 	}
+	if len(r.Result) > 0 {
+		// Kept as written, but valid Unicode, as every string decoded
+		// here is: it reaches clients as it is (bug 370).
+		r.Result = companion.UnicodeJSON(r.Result)
+	}
 	if r.Status != nil {
 		if err := checkStatus(*r.Status); err != nil {
 			return Reply{}, err
