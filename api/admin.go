@@ -202,6 +202,9 @@ func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Re
 		return blob, nil, false, err
 	}
 	r := c.Request
+	if err := checkCoding(c); err != nil {
+		return blob, nil, false, err
+	}
 	if err := checkUploadType(r); err != nil {
 		return blob, nil, false, err
 	}

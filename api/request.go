@@ -43,6 +43,31 @@ func checkJSONType(r *http.Request) error {
 	return nil
 }
 
+// checkCoding refuses (415, with Accept-Encoding: identity, RFC 9110
+// §15.5.16) a request whose body has a content coding: the server decodes
+// none, and ignored, a compressed JSON body was a 400 "not valid JSON", one
+// labelled gzip but sent plain was taken, and an app package or firmware
+// image uploaded compressed (HTTPie's --compress, an app's gzip
+// interceptor) was published as the compressed bytes, for devices to
+// install (docs/reliability.md, bug 371). "identity" is no coding.
+func checkCoding(c *gin.Context) error {
+	if c.Request.ContentLength == 0 {
+		return nil // no body to decode, whatever its label
+	}
+	for _, v := range c.Request.Header.Values("Content-Encoding") {
+		for _, coding := range strings.Split(v, ",") {
+			coding = strings.TrimSpace(coding)
+			if coding == "" || strings.EqualFold(coding, "identity") {
+				continue
+			}
+			c.Header("Accept-Encoding", "identity")
+			return &Error{Code: CodeUnsupportedMedia, Detail: fmt.Sprintf(
+				"this server takes request bodies without a content coding (Content-Encoding: %s): send the body uncompressed", coding)}
+		}
+	}
+	return nil
+}
+
 // isUTF8Label reports whether a charset names UTF-8: "utf-8" or one of
 // the other labels the WHATWG Encoding Standard gives it (browsers and
 // HTTP clients send "utf8"), in any case. JSON is UTF-8 (RFC 8259 §8.1)
@@ -232,6 +257,9 @@ func (b *jsonBody) utf8Errors() []FieldError {
 // body is fine and leaves dst as it is; a body that is there must still be
 // application/json.
 func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, error) {
+	if err := checkCoding(c); err != nil {
+		return nil, err
+	}
 	if !optional {
 		if err := checkJSONType(c.Request); err != nil {
 			return nil, err
