@@ -233,6 +233,9 @@ func (s *Server) bodyLimit(route string) int64 {
 	return s.limits.MaxJSONBody
 }
 
+// utf8BOM is the byte order mark in UTF-8, U+FEFF.
+var utf8BOM = []byte("\uFEFF")
+
 // jsonBody is a request's JSON object: its bytes, and the raw value of each
 // top-level member.
 type jsonBody struct {
@@ -282,6 +285,14 @@ func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, e
 		}
 	}
 	if trimmed[0] != '{' {
+		if bytes.HasPrefix(trimmed, utf8BOM) {
+			// Windows tools write one at the start of a file "in UTF-8"
+			// (PowerShell 5's Out-File and Set-Content, older Notepad),
+			// and curl -d @FILE sends it: the file is valid JSON in every
+			// editor, and "not valid JSON" alone sent its user looking at
+			// the JSON (docs/reliability.md, bug 372).
+			return nil, &Error{Code: CodeMalformedJSON, Detail: "the body starts with a UTF-8 byte order mark (EF BB BF), which a JSON text has not: send the file without it"}
+		}
 		if !json.Valid(trimmed) {
 			return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is not valid JSON"}
 		}
