@@ -78,12 +78,17 @@ func number(n json.Number) any {
 // exact (DecodeValue).
 func (s *Settings) UnmarshalJSON(b []byte) error {
 	type plain Settings
-	var p plain
+	var w struct {
+		plain
+		Seq wholeUint64 `json:"seq"` // bug 373
+	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.UseNumber()
-	if err := dec.Decode(&p); err != nil {
+	if err := dec.Decode(&w); err != nil {
 		return err
 	}
+	p := w.plain
+	p.Seq = uint64(w.Seq)
 	for k, v := range p.Reported {
 		p.Reported[k] = exactNumbers(v)
 	}
