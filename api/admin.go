@@ -41,7 +41,7 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 	if err != nil || replayed {
 		return err
 	}
-	fields := body.utf8Errors()
+	fields := body.fieldErrors()
 	if len(fields) == 0 {
 		fields = checkName("name", req.Name)
 	}
@@ -137,7 +137,7 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	if err != nil || replayed {
 		return err
 	}
-	fields := body.utf8Errors()
+	fields := body.fieldErrors()
 	if !topics.ValidDeviceID(req.DeviceID) {
 		fields = append(fields, FieldError{Field: "device_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
 	}

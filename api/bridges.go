@@ -59,7 +59,7 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 	if err != nil || replayed {
 		return err
 	}
-	fields := body.utf8Errors()
+	fields := body.fieldErrors()
 	if !topics.ValidBridgeID(req.BridgeID) {
 		fields = append(fields, FieldError{Field: "bridge_id", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
 	}
@@ -272,7 +272,7 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	if err != nil || replayed {
 		return err
 	}
-	fields := body.utf8Errors()
+	fields := body.fieldErrors()
 	bridge := ""
 	if _, ok := body.members["bridge_id"]; !ok {
 		// Only an explicit null unassigns: a misspelt member must not.

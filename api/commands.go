@@ -91,7 +91,7 @@ func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any
 	if err != nil || replayed {
 		return nil, nil, replayed, err
 	}
-	return idem, body.utf8Errors(), false, nil
+	return idem, body.fieldErrors(), false, nil
 }
 
 // send hands a new command to the broker. desired, for a settings.update,
@@ -666,7 +666,7 @@ func (s *Server) putSettings(c *gin.Context) error {
 			req[k] = v
 		}
 	}
-	fields := body.utf8Errors()
+	fields := body.fieldErrors()
 	bad := map[string]bool{}
 	for _, f := range fields {
 		bad[f.Field] = true

@@ -113,7 +113,7 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	} else if !ok {
 		return &Error{Code: CodeRateLimited, Detail: "too many register attempts", RetryAfter: ceilSeconds(wait)}
 	}
-	fields := body.utf8Errors()
+	fields := body.fieldErrors()
 	switch {
 	case req.DeviceID == "":
 		fields = append(fields, FieldError{Field: "device_id", Message: "is required"})

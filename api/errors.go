@@ -212,6 +212,7 @@ func (s *Server) fail(c *gin.Context, err error) {
 }
 
 func (s *Server) writeProblem(c *gin.Context, e *Error) {
+	e = withBodyFields(c, e)
 	info, ok := codes[e.Code]
 	if !ok {
 		s.log.Error("problem code missing from the table", "code", e.Code)

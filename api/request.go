@@ -236,24 +236,80 @@ func (s *Server) bodyLimit(route string) int64 {
 // utf8BOM is the byte order mark in UTF-8, U+FEFF.
 var utf8BOM = []byte("\uFEFF")
 
-// jsonBody is a request's JSON object: its bytes, and the raw value of each
-// top-level member.
+// jsonBody is a request's JSON object: its bytes, the raw value of each
+// top-level member, and what is wrong with its members as the body itself
+// shows it (see bodyFields).
 type jsonBody struct {
 	raw     []byte
 	members map[string]json.RawMessage
+	named   *bodyFields
 }
 
-// utf8Errors names each top-level string member whose text is not valid
-// UTF-8. encoding/json replaces such bytes (and lone surrogate escapes)
-// with U+FFFD silently, so this looks at the raw text.
-func (b *jsonBody) utf8Errors() []FieldError {
+// bodyFields are the 422s of a body that readJSON finds as it decodes it
+// (a member named twice, one named in another case, a number out of
+// range), and the members they cover: those, and the field a misnamed
+// member resembles. The operation's own checks run on after them, so that
+// the answer names every bad field (CONTRACT §2); one of them on a
+// member already named is left out of the answer (a misnamed "TEXT" is
+// not also "text is required"). Before, readJSON answered with those
+// alone, and a client fixed them to be told of its next bad field
+// (docs/reliability.md, bug 374).
+type bodyFields struct {
+	errs    []FieldError
+	covered map[string]bool
+}
+
+// ctxBodyFields is the gin context key of the request's *bodyFields.
+const ctxBodyFields = "companion.body.fields"
+
+// fieldErrors names what is wrong with the body's members as the body
+// shows it: the errors readJSON found (bodyFields), and each top-level
+// string member whose text is not valid UTF-8. encoding/json replaces
+// such bytes (and lone surrogate escapes) with U+FFFD silently, so this
+// looks at the raw text. Every operation with a JSON body starts its
+// fields from it.
+func (b *jsonBody) fieldErrors() []FieldError {
 	var errs []FieldError
+	if b.named != nil {
+		errs = append(errs, b.named.errs...)
+	}
 	for _, name := range sortedKeys(b.members) {
+		if b.named != nil && b.named.covered[name] {
+			continue
+		}
 		if !validJSONString(b.members[name]) {
 			errs = append(errs, FieldError{Field: name, Message: "must be valid UTF-8"})
 		}
 	}
 	return errs
+}
+
+// withBodyFields is e, a validation_failed answer of a request whose body
+// readJSON found errors in, with those errors first and the operation's
+// errors on the members they cover left out; any other e is as it is.
+func withBodyFields(c *gin.Context, e *Error) *Error {
+	v, ok := c.Get(ctxBodyFields)
+	if !ok || e.Code != CodeValidationFailed {
+		return e
+	}
+	named := v.(*bodyFields)
+	fields := slices.Clone(named.errs)
+	for _, f := range e.Fields {
+		if !named.covered[f.Field] && !slices.Contains(fields, f) {
+			fields = append(fields, f)
+		}
+	}
+	out := *e
+	out.Fields = fields
+	return &out
+}
+
+// topMember is the top-level member a field path names ("a" of "a.b[1]").
+func topMember(path string) string {
+	if i := strings.IndexAny(path, ".["); i > 0 {
+		return path[:i]
+	}
+	return path
 }
 
 // readJSON reads a JSON object body into dst. When optional, an empty
@@ -298,17 +354,34 @@ func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, e
 		}
 		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body must be a JSON object"}
 	}
+	var outOfRange []FieldError
 	if err := decodeStrict(raw, dst); err != nil {
-		return nil, err
+		var e *Error
+		if !errors.As(err, &e) || e.Code != CodeValidationFailed {
+			return nil, err
+		}
+		// Numbers out of range, decoded as 0: the body's own 422s, with
+		// the others.
+		outOfRange = e.Fields
 	}
 	body := &jsonBody{raw: raw}
 	if err := json.Unmarshal(raw, &body.members); err != nil {
 		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is not valid JSON"}
 	}
 	fields := repeatedNames(raw, len(body.members))
-	fields = append(fields, caseErrors(body.members, reflect.TypeOf(dst))...)
-	if err := validationError(fields); err != nil {
-		return nil, err
+	cased, meant := caseErrors(body.members, reflect.TypeOf(dst))
+	fields = append(fields, cased...)
+	fields = append(fields, outOfRange...)
+	if len(fields) > 0 {
+		body.named = &bodyFields{errs: fields, covered: map[string]bool{}}
+		for _, f := range fields {
+			body.named.covered[f.Field] = true
+			body.named.covered[topMember(f.Field)] = true
+		}
+		for _, name := range meant {
+			body.named.covered[name] = true
+		}
+		c.Set(ctxBodyFields, body.named)
 	}
 	return body, nil
 }
@@ -379,9 +452,9 @@ func repeatedNames(raw []byte, distinct int) []FieldError {
 // required text without naming it, and {"bridge_id": null, "BRIDGE_ID":
 // "b"} would assign b after a check of bridge_id had seen null. Members
 // that match no field at all are ignored, as encoding/json ignores them.
-func caseErrors(members map[string]json.RawMessage, t reflect.Type) []FieldError {
+// It also returns the names of the fields those members resemble.
+func caseErrors(members map[string]json.RawMessage, t reflect.Type) (errs []FieldError, meant []string) {
 	names := fieldNames(t)
-	var errs []FieldError
 	for _, m := range sortedKeys(members) {
 		if slices.Contains(names, m) {
 			continue
@@ -389,11 +462,12 @@ func caseErrors(members map[string]json.RawMessage, t reflect.Type) []FieldError
 		for _, name := range names {
 			if strings.EqualFold(m, name) {
 				errs = append(errs, FieldError{Field: m, Message: fmt.Sprintf("must be written %q: member names are case-sensitive", name)})
+				meant = append(meant, name)
 				break
 			}
 		}
 	}
-	return errs
+	return errs, meant
 }
 
 // fieldNamesOf caches jsonNames by type: the types are the handlers' few
