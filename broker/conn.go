@@ -5,6 +5,7 @@ import (
 	"errors"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
@@ -330,7 +331,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			b.takeSettings(t.DeviceID, s, bridge, err, live, m.Ack)
 		}, m.Ack)
 	case topics.KindBridgeState:
-		switch string(m.Payload()) {
+		switch bridgeState(m.Payload()) {
 		case topics.BridgeOnline:
 			b.backFromKick(t.BridgeID)
 			b.bridgeOnline(t.BridgeID, b.noteBridgeState(t.BridgeID), m.Ack, 1)
@@ -347,10 +348,39 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			b.forgetBridge(t.BridgeID)
 			m.Ack()
 		default:
+			b.log.Warn("a bridge state that is neither online nor offline ignored", "bridge_id", t.BridgeID, "payload", truncate(string(m.Payload()), 64))
 			m.Ack()
 		}
 	default:
 		// Our own commands never come back: we do not subscribe to them.
 		m.Ack()
 	}
+}
+
+// bridgeState is a bridge's state message as the state it says: "online"
+// or "offline" in any case, with white space around it ("offline\n", as
+// mosquitto_pub -l, echo and config files write it) or as a JSON string
+// (from a bridge that encodes every payload as JSON). Written so, the
+// state was ignored without a word, and the Will of such a bridge left its
+// devices online for good (docs/reliability.md, bug 375). Zero bytes stay
+// "" (the state cleared); anything else is returned as it is.
+func bridgeState(p []byte) string {
+	s := strings.TrimSpace(string(p))
+	if len(s) >= 2 && s[0] == '"' && s[len(s)-1] == '"' {
+		s = strings.TrimSpace(s[1 : len(s)-1])
+	}
+	for _, state := range []string{topics.BridgeOnline, topics.BridgeOffline} {
+		if strings.EqualFold(s, state) {
+			return state
+		}
+	}
+	return string(p)
+}
+
+// truncate is s cut to at most n bytes, for a log line.
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "…"
+	}
+	return s
 }
