@@ -274,14 +274,15 @@ func (s *Server) checkImage(b64 string, contentType *string) (data []byte, cfg i
 	// encoding/base64 skips line breaks, which standard base64 does not
 	// have (RFC 4648 §3.1) and api/openapi.json refuses.
 	if strings.ContainsAny(b64, "\r\n") {
-		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "must be standard base64"})
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "must be standard base64 on one line: it has a line break" +
+			" (Android's Base64.DEFAULT and Java's MIME encoder write them: use NO_WRAP, or Base64.getEncoder())"})
 	}
 	data, err := base64.StdEncoding.DecodeString(b64)
 	if err != nil {
 		data, err = base64.RawStdEncoding.DecodeString(b64)
 	}
 	if err != nil {
-		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: "must be standard base64"})
+		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: base64Problem(b64)})
 	}
 	if int64(len(data)) > s.limits.MaxImageBytes {
 		return nil, cfg, "", append(fields, FieldError{Field: "image", Message: fmt.Sprintf("must be at most %d bytes decoded", s.limits.MaxImageBytes)})
@@ -302,6 +303,21 @@ func (s *Server) checkImage(b64 string, contentType *string) (data []byte, cfg i
 		fields = append(fields, FieldError{Field: "content_type", Message: "does not match the image, which is " + ctype})
 	}
 	return data, cfg, ctype, fields
+}
+
+// base64Problem says why b64 is not standard base64, where a client's
+// usual mistake shows: "must be standard base64" alone was the answer to a
+// data: URL (FileReader.readAsDataURL) and to the URL-safe alphabet
+// (Android's Base64.URL_SAFE, Java's getUrlEncoder), each of which its
+// user knows as base64 (docs/reliability.md, bug 376).
+func base64Problem(b64 string) string {
+	switch {
+	case strings.HasPrefix(b64, "data:"):
+		return "must be standard base64 alone, not a data: URL: send what follows its \"base64,\""
+	case strings.ContainsAny(b64, "-_") && strings.Trim(b64, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_=") == "":
+		return "must be standard base64, with + and /: it is in the URL-safe alphabet, with - and _"
+	}
+	return "must be standard base64"
 }
 
 // wholeImage reports whether an image whose header image.DecodeConfig
