@@ -211,6 +211,11 @@ func ParseReply(b []byte) (Reply, error) {
 	case (r.Status != nil || r.Settings != nil) && !companion.IsFinal(r.State):
 		return Reply{}, fmt.Errorf("%w: device state in a %s reply", ErrBadMessage, r.State)
 	}
+	// A UUID's hex digits are case-insensitive (RFC 9562 §4), and command
+	// ids are stored in lower case: a bridge that carried the id as a UUID
+	// may write it in capitals (Swift's uuidString does), and its replies
+	// were dropped as naming no command (docs/reliability.md, bug 377).
+	r.CommandID = strings.ToLower(r.CommandID)
 	switch {
 	case r.Error != nil && (r.State == companion.StateDelivered || r.State == companion.StateInProgress || r.State == companion.StateSucceeded):
 		// An error says why a command failed, expired or was canceled: on
