@@ -83,7 +83,7 @@ func (s *Server) userAuth(c *gin.Context) {
 		sub, err := s.tokens.Verify(c.Request.Context(), tok)
 		if err != nil {
 			// Why a token was refused is for the log, never the caller.
-			s.log.InfoContext(c.Request.Context(), "access token refused", "reason", err)
+			s.log.InfoContext(c.Request.Context(), "access token refused", requestIDAttr(c), "reason", err)
 			s.unauthorized(c)
 			return
 		}
@@ -196,7 +196,7 @@ func (s *Server) unauthorized(c *gin.Context) {
 		return
 	}
 	if _, _, err := s.allow(c, s.unauth, c.ClientIP()); err != nil {
-		s.log.WarnContext(c.Request.Context(), "a request without a valid token was not counted against its source", "err", err)
+		s.log.WarnContext(c.Request.Context(), "a request without a valid token was not counted against its source", requestIDAttr(c), "err", err)
 	}
 	s.fail(c, errUnauthorized)
 }

@@ -202,7 +202,7 @@ func (s *Server) fail(c *gin.Context, err error) {
 			// docs/reliability.md, bug 359).
 			c.Set(ctxClientGone, true)
 		}
-		level(ctx, "request failed", "method", c.Request.Method, "path", c.Request.URL.Path, "err", err)
+		level(ctx, "request failed", requestIDAttr(c), "method", c.Request.Method, "path", c.Request.URL.Path, "err", err)
 		e = &Error{Code: CodeInternal}
 		if s.unavailable(err) {
 			e = &Error{Code: CodeUnavailable}

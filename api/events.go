@@ -606,7 +606,7 @@ func (s *Server) streamEvents(c *gin.Context) error {
 			break
 		}
 		if backlog, after, err = hub.opts.Store.Events(ctx, user.ID, after, eventsBacklogPage); err != nil {
-			s.log.ErrorContext(ctx, "reading an event stream's backlog", "err", err)
+			s.log.ErrorContext(ctx, "reading an event stream's backlog", requestIDAttr(c), "err", err)
 			return nil // the client resumes from its last id
 		}
 		caughtUp = len(backlog) < eventsBacklogPage
@@ -663,14 +663,14 @@ func (s *Server) streamAllowed(c *gin.Context, userID, deviceID string) bool {
 	ctx := c.Request.Context()
 	if tok := bearerToken(c); s.tokens != nil && looksLikeJWT(tok) {
 		if _, err := s.tokens.Verify(ctx, tok); err != nil {
-			s.log.InfoContext(ctx, "event stream ended: its access token is refused now", "reason", err)
+			s.log.InfoContext(ctx, "event stream ended: its access token is refused now", requestIDAttr(c), "reason", err)
 			return false
 		}
 	} else {
 		u, err := s.store.UserByTokenHash(ctx, bearer(c))
 		switch {
 		case errors.Is(err, companion.ErrNotFound) || err == nil && u.ID != userID:
-			s.log.InfoContext(ctx, "event stream ended: its API token was replaced")
+			s.log.InfoContext(ctx, "event stream ended: its API token was replaced", requestIDAttr(c))
 			return false
 		case err != nil:
 			return true

@@ -1087,7 +1087,7 @@ func (s *Server) releaseIdempotent(c *gin.Context) {
 		// The claim ran out, and another request holds the key now.
 	case err != nil:
 		// The claim then frees the key when it runs out, a minute on.
-		s.log.ErrorContext(ctx, "giving up an idempotency claim", "err", err)
+		s.log.ErrorContext(ctx, "giving up an idempotency claim", requestIDAttr(c), "err", err)
 	}
 }
 
@@ -1128,7 +1128,7 @@ func (s *Server) reply(c *gin.Context, status int, v any, location string, rec *
 			// The work is done; losing the record only means a repeat
 			// waits while the claim holds and then does the work again.
 			// ErrExists: the claim ran out and another request answered.
-			s.log.ErrorContext(c.Request.Context(), "storing an idempotency record", "err", err)
+			s.log.ErrorContext(c.Request.Context(), "storing an idempotency record", requestIDAttr(c), "err", err)
 		}
 	} else if rec != nil {
 		s.releaseIdempotent(c)

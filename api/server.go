@@ -398,6 +398,7 @@ type Server struct {
 	bodies      bodyBudgets     // the bytes of bodies being sent, per user
 	reads       bodyReads       // the bodies being read, for a shutdown to end
 	openapiDoc  []byte          // GET /api/v1/openapi.json: the document with these limits
+	ids         *requestIDs     // the ids of requests that bring none
 
 	limiter  RateLimiter // the buckets of the three limits below
 	rate     limitSpec   // requests per token
@@ -446,6 +447,7 @@ func New(opts Options) (*Server, error) {
 		requests:    opts.Requests,
 		log:         opts.Logger.With("component", "api"),
 		now:         opts.Now,
+		ids:         newRequestIDs(),
 	}
 	doc, err := openapiFor(limits)
 	if err != nil {
@@ -493,6 +495,7 @@ func (s *Server) routes() *gin.Engine {
 	// with a redirect in plain HTML, which is no problem+json and which a
 	// client of a POST follows or drops; it is the 404 of any unknown path.
 	e.RedirectTrailingSlash = false
+	e.Use(s.requestID)
 	if s.requests != nil {
 		e.Use(s.observeRequest)
 	}
@@ -591,7 +594,7 @@ func (s *Server) recoverer(c *gin.Context) {
 		if v == http.ErrAbortHandler {
 			panic(v)
 		}
-		s.log.ErrorContext(c.Request.Context(), "handler panicked",
+		s.log.ErrorContext(c.Request.Context(), "handler panicked", requestIDAttr(c),
 			"method", c.Request.Method, "path", c.Request.URL.Path, "panic", fmt.Sprint(v), "stack", string(stack()))
 		s.releaseIdempotent(c)
 		if !c.Writer.Written() {
@@ -610,6 +613,6 @@ func (s *Server) logRequest(c *gin.Context) {
 	}
 	start := time.Now()
 	c.Next()
-	s.log.DebugContext(ctx, "request",
+	s.log.DebugContext(ctx, "request", requestIDAttr(c),
 		"method", c.Request.Method, "route", c.FullPath(), "status", c.Writer.Status(), "duration", time.Since(start))
 }

@@ -1,0 +1,91 @@
+package api
+
+import (
+	"bytes"
+	"log/slog"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// logBuffer is a log destination safe for the server's goroutines.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+func (b *logBuffer) lines(substr string) []string {
+	var out []string
+	for _, l := range strings.Split(b.String(), "\n") {
+		if strings.Contains(l, substr) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// A user who reports a 500 "internal error" can quote something the
+// operator finds in the log: the answer's X-Request-Id is on the log line
+// of the failure. A client's own
+// X-Request-Id, when it is a plain token, is taken as the request's id;
+// one that is not is replaced (bug 389).
+func TestInternalErrorTiesToItsLogLine(t *testing.T) {
+	var logs logBuffer
+	base := newEnv(t)
+	tok := base.bound("dev-1")
+	fs := &failingStore{DB: base.db, failStatus: true}
+	e := newEnvWith(t, base.db, fs, func(o *Options) {
+		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
+
+	r := e.do("GET", "/api/v1/devices/dev-1/status", tok, nil)
+	require.Equal(t, 500, r.status)
+	id := r.header.Get("X-Request-Id")
+	require.NotEmpty(t, id, "the answer carries no X-Request-Id")
+	assert.Regexp(t, regexp.MustCompile(`^[A-Za-z0-9._:-]{8,}$`), id)
+	failed := logs.lines(`msg="request failed"`)
+	require.Len(t, failed, 1, "log:\n%s", logs.String())
+	assert.Contains(t, failed[0], "request_id="+id)
+
+	// Another request has another id.
+	r2 := e.do("GET", "/api/v1/devices/dev-1/status", tok, nil)
+	assert.NotEqual(t, id, r2.header.Get("X-Request-Id"))
+
+	// The client's own id is honoured, and named in the log.
+	r3 := e.send(req{method: "GET", path: "/api/v1/devices/dev-1/status", token: tok,
+		header: map[string]string{"X-Request-Id": "ticket-4711.a"}})
+	assert.Equal(t, "ticket-4711.a", r3.header.Get("X-Request-Id"))
+	assert.Len(t, logs.lines(`msg="request failed" component=api request_id=ticket-4711.a `), 1, "log:\n%s", logs.String())
+
+	// One that is no plain token (spaces, quotes, too long) is not echoed.
+	for _, bad := range []string{`a b" forged=1`, strings.Repeat("x", 200)} {
+		r := e.send(req{method: "GET", path: "/api/v1/devices/dev-1/status", token: tok,
+			header: map[string]string{"X-Request-Id": bad}})
+		got := r.header.Get("X-Request-Id")
+		assert.NotEmpty(t, got)
+		assert.NotEqual(t, bad, got)
+	}
+
+	// A success carries one too, and the debug line of the request names it.
+	ok := e.do("GET", "/api/v1/devices", tok, nil)
+	require.Equal(t, 200, ok.status)
+	okID := ok.header.Get("X-Request-Id")
+	require.NotEmpty(t, okID)
+	assert.Len(t, logs.lines("request_id="+okID), 1, "log:\n%s", logs.String())
+}
