@@ -15,6 +15,7 @@ import (
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
 
+	"github.com/devicecompanion/companion/internal/logevery"
 	"github.com/devicecompanion/companion/internal/pahoconn"
 	"github.com/devicecompanion/companion/internal/pahostore"
 	"github.com/devicecompanion/companion/internal/tlsclient"
@@ -153,10 +154,14 @@ func (b *Broker) sawDispatching(on bool) {
 // Broker is the command broker. Create it with New, start it with Start,
 // stop it with Close.
 type Broker struct {
-	opts   Options
-	st     Store
-	tree   topics.Tree
-	log    *slog.Logger
+	opts Options
+	st   Store
+	tree topics.Tree
+	log  *slog.Logger
+	// noisy logs the lines of what bridges send that a bridge can repeat
+	// as fast as it publishes (a malformed message, a reply of no
+	// command): once a minute per line and device (bug 390).
+	noisy  *logevery.Log
 	now    func() time.Time
 	client mqtt.Client
 
@@ -322,11 +327,13 @@ func New(opts Options) (*Broker, error) {
 		// updated_at are judged by that clock too (bug 314).
 		now = func() time.Time { return opts.Now().Add(st.ClockOffset()) }
 	}
+	log := opts.Logger.With("component", "broker")
 	b := &Broker{
 		opts:        opts,
+		noisy:       logevery.New(log, time.Minute, nil),
 		st:          opts.Store,
 		tree:        opts.Topics,
-		log:         opts.Logger.With("component", "broker"),
+		log:         log,
 		now:         now,
 		kick:        make(chan struct{}, 1),
 		connected:   make(chan struct{}, 1),

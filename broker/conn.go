@@ -266,7 +266,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 		return
 	}
 	if in.err != nil {
-		b.log.Warn("message on an unknown topic", "topic", m.Topic())
+		b.noisy.Warn("unknown topic", "message on an unknown topic", "topic", m.Topic())
 		m.Ack()
 		return
 	}
@@ -277,7 +277,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			return
 		}
 		if in.rerr != nil {
-			b.log.Warn("bad reply", "device_id", t.DeviceID, "err", in.rerr)
+			b.noisy.Warn("bad reply\x00"+t.DeviceID, "bad reply", "device_id", t.DeviceID, "err", in.rerr)
 			m.Ack()
 			return
 		}
@@ -299,7 +299,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 		}
 		s, err := topics.ParseStatus(m.Payload())
 		if err != nil {
-			b.log.Warn("bad status", "device_id", t.DeviceID, "err", err)
+			b.noisy.Warn("bad status\x00"+t.DeviceID, "bad status", "device_id", t.DeviceID, "err", err)
 			m.Ack()
 			return
 		}
@@ -318,7 +318,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 		}
 		s, err := topics.ParseSettings(m.Payload())
 		if err != nil {
-			b.log.Warn("bad settings", "device_id", t.DeviceID, "err", err)
+			b.noisy.Warn("bad settings\x00"+t.DeviceID, "bad settings", "device_id", t.DeviceID, "err", err)
 			m.Ack()
 			return
 		}

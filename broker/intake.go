@@ -29,10 +29,10 @@ func (b *Broker) served(deviceID, bridgeID, bridge string, err error) bool {
 	}
 	switch {
 	case bridge == "":
-		b.log.Warn("message for a device no bridge serves; dropped", "device_id", deviceID, "bridge_id", bridgeID)
+		b.noisy.Warn("unserved\x00"+deviceID, "message for a device no bridge serves; dropped", "device_id", deviceID, "bridge_id", bridgeID)
 		return false
 	case bridgeID != "" && bridge != bridgeID:
-		b.log.Warn("message from a bridge that does not serve the device; dropped", "device_id", deviceID, "bridge_id", bridgeID, "serving", bridge)
+		b.noisy.Warn("not its bridge\x00"+deviceID, "message from a bridge that does not serve the device; dropped", "device_id", deviceID, "bridge_id", bridgeID, "serving", bridge)
 		return false
 	}
 	return true
@@ -707,7 +707,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			// Taken as one, it had this replica forget the command was on
 			// its way (land), so that "sent" was never written for it
 			// (docs/reliability.md, bug 139).
-			b.log.Warn("reply for a command of another device ignored", "device_id", deviceID, "command_id", r.CommandID, "command_device_id", foreign)
+			b.noisy.Warn("foreign reply\x00"+deviceID, "reply for a command of another device ignored", "device_id", deviceID, "command_id", r.CommandID, "command_device_id", foreign)
 			return
 		}
 		if (err == nil || errors.Is(err, errStale)) && !companion.IsFinal(cmd.State) {
@@ -717,7 +717,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		}
 		switch {
 		case errors.Is(err, companion.ErrNotFound):
-			b.log.Warn("reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
+			b.noisy.Warn("unknown reply\x00"+deviceID, "reply for an unknown command ignored", "device_id", deviceID, "command_id", r.CommandID)
 		case errors.Is(err, companion.ErrFinal), errors.Is(err, errStale):
 			b.log.Debug("stale reply ignored", "command_id", r.CommandID, "state", r.State, "err", err)
 			if companion.IsFinal(cmd.State) {

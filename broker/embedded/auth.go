@@ -14,6 +14,7 @@ import (
 	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/logevery"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -34,9 +35,12 @@ const accountsTimeout = 5 * time.Second
 type authHook struct {
 	mqtt.HookBase
 
-	tree       topics.Tree
-	accounts   Accounts
-	log        *slog.Logger
+	tree     topics.Tree
+	accounts Accounts
+	log      *slog.Logger
+	// noisy logs a bridge's publishes dropped once a minute per bridge:
+	// a bridge can publish as fast as its loop runs (bug 390).
+	noisy      *logevery.Log
 	clients    *mqtt.Clients
 	hasServer  bool
 	serverUser []byte // companion.HashSecret of ServerUsername
@@ -399,7 +403,7 @@ func (h *authHook) OnPublish(cl *mqtt.Client, pk packets.Packet) (packets.Packet
 		}
 		return pk, nil
 	}
-	h.log.Warn("mqtt publish for a device the bridge does not serve dropped", "bridge_id", id.ID,
+	h.noisy.Warn(id.ID, "mqtt publish for a device the bridge does not serve dropped", "bridge_id", id.ID,
 		"device_id", t.DeviceID, "topic", pk.TopicName, "client_id", cl.ID)
 	return pk, packets.CodeSuccessIgnore
 }

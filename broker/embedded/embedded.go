@@ -28,6 +28,7 @@ import (
 	"github.com/mochi-mqtt/server/v2/packets"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/logevery"
 	"github.com/devicecompanion/companion/internal/mochilisten"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -270,6 +271,7 @@ func New(opts Options) (*Server, error) {
 		tree:     opts.Topics,
 		accounts: opts.Accounts,
 		log:      log,
+		noisy:    logevery.New(log, time.Minute, nil),
 		clients:  m.Clients,
 		ids:      map[*mqtt.Client]Identity{},
 		replaced: map[*mqtt.Client]*mqtt.Client{},

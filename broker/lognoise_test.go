@@ -1,0 +1,87 @@
+package broker
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// logBuffer is a log destination safe for the broker's goroutines.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) count(substr string) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return strings.Count(b.buf.String(), substr)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// A bridge (a user may run their own) that publishes malformed messages,
+// or replies naming commands that do not exist, as fast as it can, made
+// the server log a warning for each: an operator's log filled at the
+// rate of one client's loop, burying everything else. Each such line is
+// logged once a minute per device at most, saying how many like it were
+// not (bug 390).
+func TestABridgesBadMessagesAreLoggedOnceAMinute(t *testing.T) {
+	var logs logBuffer
+	e := newEnvTuned(t, true, nil, func(o *Options) {
+		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	})
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+
+	const n = 100
+	statusTopic, _ := tree.Status("dev-1")
+	repliesTopic, _ := tree.Replies("dev-1")
+	settingsTopic, _ := tree.Settings("dev-1")
+	var toks []mqtt.Token
+	for i := 0; i < n; i++ {
+		toks = append(toks,
+			fb.c.Publish(statusTopic, 1, false, []byte(`{"online": tru`)),
+			fb.c.Publish(settingsTopic, 1, false, []byte(`[]`)),
+			fb.c.Publish(repliesTopic, 1, false, []byte(`{"command_id": 7}`)))
+		fb.reply(t, "dev-1", topics.Reply{CommandID: uuid.Must(uuid.NewV7()).String(), State: "succeeded", At: time.Now()})
+	}
+	for _, tok := range toks {
+		require.NoError(t, mqtt.WaitTokenTimeout(tok, 5*time.Second))
+	}
+	// The server has taken them all in once a real command's reply,
+	// sent after them, is stored.
+	cmd := submit(t, e, "dev-1", "hello", time.Hour)
+	require.Equal(t, cmd.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: cmd.ID, State: "succeeded", At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the command succeeded", func() bool {
+		c, err := e.db.Command(context.Background(), cmd.ID)
+		return err == nil && c.State == "succeeded"
+	})
+
+	for _, msg := range []string{`msg="bad status"`, `msg="bad settings"`, `msg="bad reply"`, `msg="reply for an unknown command ignored"`} {
+		assert.Equal(t, 1, logs.count(msg), "lines of %s for %d such messages; log:\n%s", msg, n, logs.String())
+	}
+}
