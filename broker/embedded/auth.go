@@ -38,8 +38,9 @@ type authHook struct {
 	tree     topics.Tree
 	accounts Accounts
 	log      *slog.Logger
-	// noisy logs a bridge's publishes dropped once a minute per bridge:
-	// a bridge can publish as fast as its loop runs (bug 390).
+	// noisy logs a bridge's publishes dropped once a minute per bridge
+	// (a bridge can publish as fast as its loop runs, bug 390), and a
+	// source's refused logins once a minute per reason (bug 391).
 	noisy      *logevery.Log
 	clients    *mqtt.Clients
 	hasServer  bool
@@ -115,7 +116,14 @@ func (h *authHook) identity(cl *mqtt.Client) (Identity, bool) {
 func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) bool {
 	username := string(pk.Connect.Username)
 	refuse := func(why string) bool {
-		h.log.Info("mqtt connect refused", "reason", why, "username", username,
+		// Anyone who reaches the listener can be refused as fast as it
+		// connects: a source's refusals of one reason are logged once a
+		// minute, with their count (bug 391).
+		host, _, err := net.SplitHostPort(cl.Net.Remote)
+		if err != nil {
+			host = cl.Net.Remote
+		}
+		h.noisy.Log(slog.LevelInfo, "refused\x00"+why+"\x00"+host, "mqtt connect refused", "reason", why, "username", username,
 			"client_id", cl.ID, "remote", cl.Net.Remote)
 		return false
 	}

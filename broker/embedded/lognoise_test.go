@@ -66,3 +66,39 @@ func TestABridgesDroppedPublishesAreLoggedOnceAMinute(t *testing.T) {
 	got := strings.Count(logs.String(), "mqtt publish for a device the bridge does not serve dropped")
 	assert.Equal(t, 1, got, "lines for %d publishes dropped; log:\n%s", n, logs.String())
 }
+
+// Anyone who reaches the MQTT listener could have the broker log a line
+// for every CONNECT it refused: a client retrying a wrong password in a
+// loop, or a scanner, wrote as fast as it connected. The first refusal of
+// a source address and reason is logged, the next ones once a minute with
+// their count (bug 391).
+func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
+	var logs logBuffer
+	s, err := embedded.New(embedded.Options{
+		Listen:         "127.0.0.1:0",
+		Accounts:       newFakeAccounts(),
+		ServerUsername: serverUser,
+		ServerPassword: serverPass,
+		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	require.NoError(t, err)
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+
+	const n = 50
+	for i := 0; i < n; i++ {
+		_, err := dial(t, s.Addr(), "bridge-1", "wrong", nil)
+		require.Error(t, err)
+	}
+	got := 0
+	for _, l := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(l, `msg="mqtt connect refused"`) && strings.Contains(l, `reason="bad credentials"`) {
+			got++
+		}
+	}
+	assert.Equal(t, 1, got, "lines for %d refused logins; log:\n%s", n, logs.String())
+	// A refusal of another reason is its own line.
+	_, err = dial(t, s.Addr(), "", "", nil)
+	require.Error(t, err)
+	assert.Contains(t, logs.String(), `reason=anonymous`)
+}
