@@ -20,6 +20,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -655,7 +656,48 @@ func (m minLevel) Enabled(ctx context.Context, l slog.Level) bool {
 	return l >= m.min && m.h.Enabled(ctx, l)
 }
 
-func (m minLevel) Handle(ctx context.Context, r slog.Record) error { return m.h.Handle(ctx, r) }
+// Handle passes r on with each packet mochi attaches (its "error
+// processing packet" line) told by its kind, id and topic only: mochi
+// logs the whole packet, and a CONNECT's holds its password (a bridge's
+// secret, a user's API token), a PUBLISH's its payload (bug 392).
+func (m minLevel) Handle(ctx context.Context, r slog.Record) error {
+	packet := false
+	r.Attrs(func(a slog.Attr) bool {
+		_, packet = a.Value.Any().(packets.Packet)
+		return !packet
+	})
+	if !packet {
+		return m.h.Handle(ctx, r)
+	}
+	out := slog.NewRecord(r.Time, r.Level, r.Message, r.PC)
+	r.Attrs(func(a slog.Attr) bool {
+		if pk, ok := a.Value.Any().(packets.Packet); ok {
+			a.Value = slog.StringValue(packetSummary(pk))
+		}
+		out.AddAttrs(a)
+		return true
+	})
+	return m.h.Handle(ctx, out)
+}
+
+// packetSummary tells a packet without its credentials or payload.
+func packetSummary(pk packets.Packet) string {
+	name, ok := packets.PacketNames[pk.FixedHeader.Type]
+	if !ok {
+		name = "type " + strconv.Itoa(int(pk.FixedHeader.Type))
+	}
+	out := name
+	if pk.PacketID != 0 {
+		out += " id " + strconv.Itoa(int(pk.PacketID))
+	}
+	if pk.TopicName != "" {
+		out += " topic " + strconv.Quote(pk.TopicName)
+	}
+	if pk.FixedHeader.Type == packets.Publish {
+		out += " payload " + strconv.Itoa(len(pk.Payload)) + " bytes"
+	}
+	return out
+}
 
 func (m minLevel) WithAttrs(as []slog.Attr) slog.Handler {
 	return minLevel{h: m.h.WithAttrs(as), min: m.min}

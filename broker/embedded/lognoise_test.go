@@ -2,16 +2,22 @@ package embedded_test
 
 import (
 	"bytes"
+	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
+	"github.com/mochi-mqtt/server/v2/packets"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 type logBuffer struct {
@@ -101,4 +107,60 @@ func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 	_, err = dial(t, s.Addr(), "", "", nil)
 	require.Error(t, err)
 	assert.Contains(t, logs.String(), `reason=anonymous`)
+}
+
+// A client that sent a second CONNECT on its connection (a protocol
+// violation mochi refuses) had mochi log the whole packet, its password
+// with it, at warning level: a bridge's secret or a user's API token in
+// the server's log (bug 392).
+func TestASecondConnectLogsNoPassword(t *testing.T) {
+	var logs logBuffer
+	s, err := embedded.New(embedded.Options{
+		Listen:         "127.0.0.1:0",
+		Accounts:       newFakeAccounts(),
+		ServerUsername: serverUser,
+		ServerPassword: serverPass,
+		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	require.NoError(t, err)
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+
+	conn, err := net.Dial("tcp", s.Addr())
+	require.NoError(t, err)
+	defer conn.Close()
+	connect := func() []byte {
+		pk := packets.Packet{
+			FixedHeader:     packets.FixedHeader{Type: packets.Connect},
+			ProtocolVersion: 4,
+			Connect: packets.ConnectParams{
+				ProtocolName: []byte("MQTT"), Clean: true, Keepalive: 30, ClientIdentifier: "bridge-1",
+				UsernameFlag: true, Username: []byte("bridge-1"), PasswordFlag: true, Password: []byte("b1-secret"),
+			},
+		}
+		var buf bytes.Buffer
+		require.NoError(t, pk.ConnectEncode(&buf))
+		return buf.Bytes()
+	}
+	_, err = conn.Write(connect())
+	require.NoError(t, err)
+	connack := make([]byte, 4)
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(wait)))
+	_, err = io.ReadFull(conn, connack)
+	require.NoError(t, err)
+	require.Equal(t, []byte{0x20, 2, 0, 0}, connack, "CONNACK accepted")
+	_, err = conn.Write(connect())
+	require.NoError(t, err)
+	_, err = io.Copy(io.Discard, conn) // the broker closes the connection
+	require.NoError(t, err)
+
+	testenv.Eventually(t, wait, "the violation logged", func() bool {
+		return strings.Contains(logs.String(), "level=WARN")
+	})
+	secret := []byte("b1-secret")
+	asBytes := strings.Trim(fmt.Sprint(secret), "[]")
+	assert.Contains(t, logs.String(), "pk=Connect", "the packet told by its kind")
+	for _, leak := range []string{"b1-secret", asBytes} {
+		assert.NotContains(t, logs.String(), leak, "the password in the log")
+	}
 }
