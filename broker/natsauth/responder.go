@@ -34,6 +34,7 @@ import (
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/broker"
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/logevery"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -99,6 +100,10 @@ type Responder struct {
 	opts     Options // defaults filled in
 	accounts broker.Accounts
 	log      *slog.Logger
+	// noisy logs a source's refused logins once a minute per reason:
+	// anyone who reaches a node's MQTT port can be refused as fast as it
+	// connects (bug 393).
+	noisy *logevery.Log
 
 	serverUser, serverPass []byte // companion.HashSecret of the server's login
 
@@ -182,6 +187,7 @@ func New(opts Options) (*Responder, error) {
 		opts:       opts,
 		accounts:   broker.Accounts{Store: opts.Store},
 		log:        opts.Logger.With("component", "natsauth"),
+		noisy:      logevery.New(opts.Logger.With("component", "natsauth"), time.Minute, nil),
 		serverUser: companion.HashSecret(opts.ServerUsername),
 		serverPass: companion.HashSecret(opts.ServerPassword),
 		sem:        make(chan struct{}, opts.Workers),
@@ -318,7 +324,8 @@ func (r *Responder) answer(m *nats.Msg) {
 	resp.Audience = req.Server.ID
 	if refusal != "" {
 		resp.Error = refusal
-		log.Info("mqtt connect refused", "reason", refusal)
+		r.noisy.Log(slog.LevelInfo, refusal+"\x00"+ci.Host, "mqtt connect refused", "reason", refusal,
+			"username", req.ConnectOptions.Username, "client_id", ci.MQTT, "remote", ci.Host, "nats_server", req.Server.Name)
 	} else {
 		resp.Jwt = userJWT
 	}

@@ -1,0 +1,56 @@
+package natsauth_test
+
+import (
+	"bytes"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/broker/natsauth"
+)
+
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// On the NATS cluster as on the embedded broker (bug 391), a client that
+// logged in with a wrong password in a loop had the responder log a line
+// for each refusal, at the rate of its loop. The first refusal of a source
+// and reason is logged, the next ones once a minute with their count
+// (bug 393).
+func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
+	var logs logBuffer
+	d := startDoor(t, func(o *natsauth.Options) {
+		o.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	})
+	d.st.set(func(f *fakeStore) { f.users["alice"] = "token-a" })
+	const n = 20
+	for i := 0; i < n; i++ {
+		_, err := dialOnce(t, d.cl.MQTTURLs[0], "alice-phone", "alice", "wrong")
+		require.Error(t, err, "a wrong password")
+	}
+	got := 0
+	for _, l := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(l, `msg="mqtt connect refused"`) && strings.Contains(l, "username=alice") {
+			got++
+		}
+	}
+	assert.Equal(t, 1, got, "lines for %d refused logins; log:\n%s", n, logs.String())
+}
