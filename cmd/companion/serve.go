@@ -831,22 +831,41 @@ func (m *Main) countHandlers(h http.Handler) http.Handler {
 }
 
 // serverErrorLog is the HTTP server's ErrorLog: net/http's errors are
-// warnings, but for a TLS handshake that failed, which is debug. Most are
-// a client that went away during it (a phone whose link dropped, a load
-// balancer's TCP health check that connects and closes: "EOF"), or a
-// scanner; none is the server's to fix, and as warnings they filled an
-// operator's log (bug 323).
+// warnings, but for those of a client (clientFaults), which are debug.
+// Most failed TLS handshakes are a client that went away during one (a
+// phone whose link dropped, a load balancer's TCP health check that
+// connects and closes: "EOF"), or a scanner; none is the server's to fix,
+// and as warnings they filled an operator's log (bug 323).
 func serverErrorLog(logger *slog.Logger) *log.Logger {
 	return log.New(errorLogWriter{logger}, "", 0)
 }
 
 type errorLogWriter struct{ log *slog.Logger }
 
+// clientFaults are the beginnings of net/http's lines of what a client
+// did, not the server: a TLS handshake given up (bug 323), and HTTP/2
+// spoken wrong (a bad preface, a frame the protocol forbids, a GOAWAY with
+// an error, SETTINGS or a PING answer that never came). Anyone who reaches
+// the port can make them once a connection: as warnings they were a flood
+// any client could force (bug 394).
+var clientFaults = []string{
+	"http: TLS handshake error from ",
+	"http2: server: error reading preface from client ",
+	"http2: server connection error from ",
+	"http2: server closing client connection",
+	"http2: received GOAWAY ",
+	"timeout waiting for SETTINGS frames from ",
+	"timeout waiting for PING response",
+}
+
 func (w errorLogWriter) Write(p []byte) (int, error) {
 	msg := strings.TrimSuffix(string(p), "\n")
 	level := slog.LevelWarn
-	if strings.HasPrefix(msg, "http: TLS handshake error from ") {
-		level = slog.LevelDebug
+	for _, prefix := range clientFaults {
+		if strings.HasPrefix(msg, prefix) {
+			level = slog.LevelDebug
+			break
+		}
 	}
 	w.log.Log(context.Background(), level, msg)
 	return len(p), nil
