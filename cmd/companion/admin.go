@@ -388,12 +388,18 @@ func responseError(method, path string, resp *http.Response) error {
 		Title, Detail, Code string
 		Errors              []struct{ Field, Message string }
 	}
+	// A 5xx says only "internal error": its cause is in the server's log,
+	// on the line that names the request's id (bug 395).
+	var seeLog string
+	if id := resp.Header.Get("X-Request-Id"); id != "" && resp.StatusCode >= 500 {
+		seeLog = fmt.Sprintf(" (request id %s; the server's log says why on its line of request_id=%s)", id, id)
+	}
 	if json.Unmarshal(out, &p) == nil && p.Code != "" {
-		msg := fmt.Sprintf("%s %s: %d %s: %s", method, path, resp.StatusCode, p.Code, p.Detail)
+		msg := fmt.Sprintf("%s %s: %d %s: %s%s", method, path, resp.StatusCode, p.Code, p.Detail, seeLog)
 		for _, e := range p.Errors {
 			msg += fmt.Sprintf("\n  %s: %s", e.Field, e.Message)
 		}
 		return &apiError{status: resp.StatusCode, msg: msg}
 	}
-	return &apiError{status: resp.StatusCode, msg: fmt.Sprintf("%s %s: %s", method, path, resp.Status)}
+	return &apiError{status: resp.StatusCode, msg: fmt.Sprintf("%s %s: %s%s", method, path, resp.Status, seeLog)}
 }
