@@ -239,7 +239,7 @@ func New(opts Options) (*Agent, error) {
 	}
 	a := &Agent{
 		opts:       opts,
-		log:        opts.Logger.With("bridge", opts.BridgeID),
+		log:        opts.Logger.With("bridge_id", opts.BridgeID),
 		now:        opts.Now,
 		born:       time.Now(),
 		tree:       opts.Topics,
@@ -440,7 +440,7 @@ func (a *Agent) failUnserved(ctx context.Context) {
 	for _, r := range a.spool.claimUnserved(func(id string) bool { return a.devices[id] != nil }) {
 		c := r.Cmd
 		ce := cmdErr(companion.CodeDeviceNotServed, fmt.Sprintf("bridge %s no longer serves device %s", a.opts.BridgeID, c.DeviceID))
-		a.log.Warn("command failed: the bridge no longer serves its device", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
+		a.log.Warn("command failed: the bridge no longer serves its device", "device_id", c.DeviceID, "command_id", c.ID, "op", c.Op)
 		a.opts.Observer.CommandDone(c.Op, companion.StateFailed, false, 0)
 		a.finish(ctx, r, topics.Reply{CommandID: c.ID, State: companion.StateFailed, Error: ce.reply(), At: a.now()})
 	}
@@ -678,13 +678,13 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 		}
 		switch it.res.outcome {
 		case acceptQueued:
-			a.log.Debug("command spooled", "device", c.DeviceID, "cmd", c.ID, "op", c.Op, "after", c.After)
+			a.log.Debug("command spooled", "device_id", c.DeviceID, "command_id", c.ID, "op", c.Op, "after", c.After)
 			a.oweDelivered(c.DeviceID, c.ID)
 			released = append(released, it.res.rec)
 		case acceptExpired:
 			// On disk as done, its reply in the outbox (published from
 			// there again until the broker has it): never "delivered".
-			a.log.Info("command expired before the bridge took it", "device", c.DeviceID, "cmd", c.ID, "op", c.Op)
+			a.log.Info("command expired before the bridge took it", "device_id", c.DeviceID, "command_id", c.ID, "op", c.Op)
 			a.opts.Observer.CommandDone(c.Op, companion.StateExpired, false, 0)
 			a.publishFinal(ctx, it.res.key, c.DeviceID, *it.res.final)
 		case acceptKnown:
@@ -694,15 +694,15 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			// has it (the "delivered" lost with a crash of the bridge, a
 			// broker or the server); unanswered, it read sent, went out
 			// again every minute and expired past its TTL while held here.
-			a.log.Debug("duplicate command not run again", "device", c.DeviceID, "cmd", c.ID)
+			a.log.Debug("duplicate command not run again", "device_id", c.DeviceID, "command_id", c.ID)
 			a.oweDelivered(c.DeviceID, c.ID)
 		case acceptDone:
-			a.log.Debug("finished command repeated; republishing its reply", "device", c.DeviceID, "cmd", c.ID)
+			a.log.Debug("finished command repeated; republishing its reply", "device_id", c.DeviceID, "command_id", c.ID)
 			if it.res.final != nil {
 				a.publishReply(c.DeviceID, *it.res.final)
 			}
 		case acceptCanceled:
-			a.log.Info("command canceled before it ran", "device", c.DeviceID, "cmd", it.res.final.CommandID)
+			a.log.Info("command canceled before it ran", "device_id", c.DeviceID, "command_id", it.res.final.CommandID)
 			// No "delivered" after "canceled": the one owed when the
 			// command (or a repeat of it, earlier in this batch) came in.
 			a.settleDelivered(it.res.canceled)
@@ -823,12 +823,12 @@ func (a *Agent) stampNow() time.Time {
 func (a *Agent) publishReply(deviceID string, r topics.Reply) mqtt.Token {
 	topic, err := a.tree.Replies(deviceID)
 	if err != nil {
-		a.log.Error("reply dropped: no topic for the device", "device", deviceID, "cmd", r.CommandID, "err", err)
+		a.log.Error("reply dropped: no topic for the device", "device_id", deviceID, "command_id", r.CommandID, "err", err)
 		return nil
 	}
 	b, err := fastjson.Marshal(r)
 	if err != nil {
-		a.log.Error("reply dropped: it cannot be encoded", "device", deviceID, "cmd", r.CommandID, "err", err)
+		a.log.Error("reply dropped: it cannot be encoded", "device_id", deviceID, "command_id", r.CommandID, "err", err)
 		return nil
 	}
 	return a.client.Publish(topic, 1, false, b)

@@ -82,7 +82,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 	defer tick.Stop()
 	last, err := a.spool.lastStatus(dr.id)
 	if err != nil {
-		a.log.Warn("reading the device's last known status failed", "device", dr.id, "err", err)
+		a.log.Warn("reading the device's last known status failed", "device_id", dr.id, "err", err)
 	}
 	dr.noteStatus(last)
 	// kept is what the spool has, once its write has succeeded: a write
@@ -189,7 +189,7 @@ func (a *Agent) nameableApps(deviceID string, apps []companion.App) []companion.
 	for _, app := range apps {
 		app.AppID = strings.TrimRight(app.AppID, "\x00")
 		if !topics.ValidAppID(app.AppID) {
-			a.log.Warn("the device lists an app whose id the server cannot take; leaving it out", "device", deviceID, "app_id", app.AppID)
+			a.log.Warn("the device lists an app whose id the server cannot take; leaving it out", "device_id", deviceID, "app_id", app.AppID)
 			continue
 		}
 		out = append(out, app)
@@ -253,7 +253,7 @@ func (a *Agent) encodableSettings(deviceID string, reported map[string]any, sche
 	}
 	slices.Sort(bad)
 	a.log.Warn("the device declares settings whose spec or value JSON cannot carry (a NaN or infinite number); leaving them out",
-		"device", deviceID, "settings", bad)
+		"device_id", deviceID, "settings", bad)
 	reported, schema = maps.Clone(reported), maps.Clone(schema)
 	for _, name := range bad {
 		delete(reported, name)
@@ -267,16 +267,16 @@ func (a *Agent) encodableSettings(deviceID string, reported map[string]any, sche
 func (a *Agent) publish(dr *deviceRunner, topicOf func(deviceID string) (string, error), v any) {
 	topic, err := topicOf(dr.id)
 	if err != nil {
-		a.log.Error("no topic for a device", "device", dr.id, "err", err)
+		a.log.Error("no topic for a device", "device_id", dr.id, "err", err)
 		return
 	}
 	b, err := fastjson.Marshal(v)
 	if err != nil {
-		a.log.Error("encoding a report", "device", dr.id, "err", err)
+		a.log.Error("encoding a report", "device_id", dr.id, "err", err)
 		return
 	}
 	if len(b) > topics.MaxPayload {
-		a.log.Error("a report longer than a message carries; not sent", "device", dr.id, "topic", topic, "bytes", len(b), "max", topics.MaxPayload)
+		a.log.Error("a report longer than a message carries; not sent", "device_id", dr.id, "topic", topic, "bytes", len(b), "max", topics.MaxPayload)
 		return
 	}
 	a.client.Publish(topic, 1, true, b)
@@ -291,7 +291,7 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 		if ctx.Err() != nil {
 			return last
 		}
-		a.log.Warn("reading device info failed", "device", dr.id, "err", err)
+		a.log.Warn("reading device info failed", "device_id", dr.id, "err", err)
 		// What a command changed, when this read was asked for before
 		// the reporter took its status (bug 229).
 		if k := dr.knownStatus(); k != nil && (last == nil || k.Seq > last.Seq) {
@@ -317,7 +317,7 @@ func (a *Agent) publishSettings(ctx context.Context, dr *deviceRunner) {
 	s, err := a.readSettings(ctx, dr)
 	if err != nil {
 		if ctx.Err() == nil {
-			a.log.Warn("reading device settings failed", "device", dr.id, "err", err)
+			a.log.Warn("reading device settings failed", "device_id", dr.id, "err", err)
 		}
 		return
 	}

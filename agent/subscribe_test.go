@@ -479,7 +479,7 @@ func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	if r := w.waitFinal("dev-1", running.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("the running command: %s reply; want succeeded", r.State)
 	}
-	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	log.waitLine(t, "holding the device's commands", "device_id=dev-1")
 	marker := text("dev-2", "dev-2 is served on")
 	if r := w.waitFinal("dev-2", marker.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("dev-2: %s reply; want succeeded", r.State)
@@ -518,7 +518,7 @@ func TestCommandsHeldWhileTheLoginIsRefused(t *testing.T) {
 	log.waitLine(t, "refuses the bridge's id and secret")
 	close(dev.release)
 	waitClosed(t, dev.ended, "the first command did not end")
-	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	log.waitLine(t, "holding the device's commands", "device_id=dev-1")
 	if n := dev.Executions(behind.ID); n != 0 {
 		t.Fatalf("the command queued behind ran %d times while the broker refused the bridge", n)
 	}
@@ -577,7 +577,7 @@ func TestCommandsOfADeviceRefusedAtRestartAreHeld(t *testing.T) {
 			t.Fatalf("%s ran %d times after the restart while the broker refused its device", c.Payload, n)
 		}
 	}
-	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	log.waitLine(t, "holding the device's commands", "device_id=dev-1")
 
 	hook.grant(filter)
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
@@ -616,7 +616,7 @@ func TestCommandsHeldWhenTheLoginIsRefusedAtRestart(t *testing.T) {
 	go func() { br.done <- a.Run(context.Background()) }()
 	t.Cleanup(func() { br.stop(t) })
 	log.waitLine(t, "refuses the bridge's id and secret")
-	log.waitAny(t, []string{"holding the device's commands", "device=dev-1"}, []string{"command succeeded", held.ID})
+	log.waitAny(t, []string{"holding the device's commands", "device_id=dev-1"}, []string{"command succeeded", held.ID})
 	if n := dev.Executions(held.ID); n != 0 {
 		t.Fatalf("the spooled command ran %d times while the broker refused the bridge", n)
 	}
@@ -715,14 +715,14 @@ func TestCommandsWaitForAReconnectsSubscriptionsToBeAnswered(t *testing.T) {
 	hook.waitAsked(t, filter, 2) // the SUBSCRIBE of the new connection, not answered yet
 	close(dev.release)
 	waitClosed(t, dev.ended, "the first command did not end")
-	log.waitAny(t, []string{"waiting for the broker's answer to the subscriptions", "device=dev-1"}, []string{"command succeeded", behind.ID})
+	log.waitAny(t, []string{"waiting for the broker's answer to the subscriptions", "device_id=dev-1"}, []string{"command succeeded", behind.ID})
 	if n := dev.Executions(behind.ID); n != 0 {
 		t.Fatalf("the command queued behind ran %d times before the broker answered the subscriptions of the new connection", n)
 	}
 
 	letAnswer()
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
-	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	log.waitLine(t, "holding the device's commands", "device_id=dev-1")
 	if n := dev.Executions(behind.ID); n != 0 {
 		t.Fatalf("the command queued behind ran %d times while the broker refused its device", n)
 	}
@@ -751,11 +751,11 @@ func TestCommandsHeldAsTheLoginIsLetInUntilTheSubscriptionsAreAnswered(t *testin
 	log.waitLine(t, "refuses the bridge's id and secret")
 	close(dev.release)
 	waitClosed(t, dev.ended, "the first command did not end")
-	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	log.waitLine(t, "holding the device's commands", "device_id=dev-1")
 
 	hook.refuseLogin.Store(false)
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
-	log.waitAny(t, []string{"holding the device's commands: the broker refuses them", "device=dev-1"}, []string{"command succeeded", behind.ID})
+	log.waitAny(t, []string{"holding the device's commands: the broker refuses them", "device_id=dev-1"}, []string{"command succeeded", behind.ID})
 	if n := dev.Executions(behind.ID); n != 0 {
 		t.Fatalf("the command queued behind ran %d times as the broker let the bridge in, refusing its device", n)
 	}
@@ -854,13 +854,13 @@ func TestCommandsHeldWhileTheirFiltersSUBACKIsMissing(t *testing.T) {
 	log.waitLine(t, "no SUBACK in time")
 	close(dev.release)
 	waitClosed(t, dev.ended, "the first command did not end")
-	log.waitAny(t, []string{"waiting for the broker's answer to the subscriptions", "device=dev-1"}, []string{"command succeeded", behind.ID})
+	log.waitAny(t, []string{"waiting for the broker's answer to the subscriptions", "device_id=dev-1"}, []string{"command succeeded", behind.ID})
 	if n := dev.Executions(behind.ID); n != 0 {
 		t.Fatalf("the command queued behind ran %d times while the broker had not answered its filter's SUBSCRIBE", n)
 	}
 
 	letAnswer()
-	log.waitLine(t, "holding the device's commands", "device=dev-1")
+	log.waitLine(t, "holding the device's commands", "device_id=dev-1")
 	if n := dev.Executions(behind.ID); n != 0 {
 		t.Fatalf("the command queued behind ran %d times while the broker refused its device", n)
 	}

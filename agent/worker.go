@@ -97,7 +97,7 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 			continue
 		}
 		if r.gaveUp {
-			a.log.Warn("the command this one runs after never came; running it without", "device", dr.id, "cmd", r.Cmd.ID, "after", r.Cmd.After, "waited", a.spool.afterWait)
+			a.log.Warn("the command this one runs after never came; running it without", "device_id", dr.id, "command_id", r.Cmd.ID, "after", r.Cmd.After, "waited", a.spool.afterWait)
 		}
 		if !a.execute(ctx, dr, r) {
 			return
@@ -135,16 +135,16 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 			if !refused {
 				refused = true
 				a.log.Warn("holding the device's commands: the broker refuses them to this bridge, which may no longer serve the device",
-					"device", dr.id)
+					"device_id", dr.id)
 			}
 		case a.loginRefused.Load():
 			if !login {
 				login = true
-				a.log.Debug("holding the device's commands: the broker refuses the bridge's login", "device", dr.id)
+				a.log.Debug("holding the device's commands: the broker refuses the bridge's login", "device_id", dr.id)
 			}
 		case !waited:
 			waited = true
-			a.log.Debug("waiting for the broker's answer to the subscriptions before running the device's commands", "device", dr.id)
+			a.log.Debug("waiting for the broker's answer to the subscriptions before running the device's commands", "device_id", dr.id)
 		}
 		select {
 		case <-ctx.Done():
@@ -153,7 +153,7 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 		}
 	}
 	if refused || login {
-		a.log.Info("the broker grants the device's commands again; running those held", "device", dr.id)
+		a.log.Info("the broker grants the device's commands again; running those held", "device_id", dr.id)
 	}
 	return true
 }
@@ -220,7 +220,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	c := r.Cmd
 	// The command's attributes, for the few lines logged about it; not a
 	// logger made With them, which formats them for every command.
-	attrs := []any{"device", dr.id, "cmd", c.ID, "op", c.Op}
+	attrs := []any{"device_id", dr.id, "command_id", c.ID, "op", c.Op}
 	log := func(level slog.Level, msg string, args ...any) {
 		if a.log.Enabled(ctx, level) {
 			a.log.Log(ctx, level, msg, append(attrs, args...)...)
@@ -302,7 +302,7 @@ func (a *Agent) fitReply(deviceID string, r *topics.Reply) {
 			return
 		}
 		a.log.Warn("a final reply longer than a message carries; sending it without its "+part.name,
-			"device", deviceID, "cmd", r.CommandID, "bytes", len(b), "max", topics.MaxPayload)
+			"device_id", deviceID, "command_id", r.CommandID, "bytes", len(b), "max", topics.MaxPayload)
 		part.drop()
 	}
 }
@@ -318,7 +318,7 @@ func (a *Agent) markStarted(ctx context.Context, r *record) bool {
 			return true
 		}
 		a.spoolFailed("marking a command started", err)
-		a.log.Debug("marking a command as started failed; retrying", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
+		a.log.Debug("marking a command as started failed; retrying", "device_id", r.Cmd.DeviceID, "command_id", r.Cmd.ID, "err", err)
 		if !sleepCtx(ctx, time.Second) {
 			return false
 		}
@@ -339,7 +339,7 @@ func (a *Agent) finish(ctx context.Context, r *record, final topics.Reply) {
 			return
 		}
 		a.spoolFailed("recording a final reply", err)
-		a.log.Debug("recording the final reply failed; will retry", "device", r.Cmd.DeviceID, "cmd", r.Cmd.ID, "err", err)
+		a.log.Debug("recording the final reply failed; will retry", "device_id", r.Cmd.DeviceID, "command_id", r.Cmd.ID, "err", err)
 		a.outboxMu.Lock()
 		a.unfinished = append(a.unfinished, finishJob{r, final})
 		a.outboxMu.Unlock()
@@ -536,7 +536,7 @@ func (a *Agent) updateSettings(ctx context.Context, dr *deviceRunner, c topics.C
 		// final (CONTRACT §8), as an app's or an OTA's reply carries the
 		// last known status with its change (docs/reliability.md, bug
 		// 226). A report follows.
-		a.log.Warn("reading the settings after a change failed; they follow in a report", "device", dr.id, "cmd", c.ID, "err", err)
+		a.log.Warn("reading the settings after a change failed; they follow in a report", "device_id", dr.id, "command_id", c.ID, "err", err)
 		changed := maps.Clone(before)
 		if changed == nil {
 			changed = map[string]any{}
@@ -574,7 +574,7 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 	// with another version is a mismatch all the same.
 	st, err := a.readStatus(ctx, dr)
 	if err != nil {
-		a.log.Warn("reading the status after a firmware update failed; it follows in a report", "device", dr.id, "cmd", c.ID, "err", err)
+		a.log.Warn("reading the status after a firmware update failed; it follows in a report", "device_id", dr.id, "command_id", c.ID, "err", err)
 		return resultJSON(map[string]string{"firmware_version": p.Version}), a.knownStatusWith(dr, func(st *topics.Status) { st.FirmwareVersion = p.Version }), nil
 	}
 	if st.FirmwareVersion != p.Version {
@@ -618,7 +618,7 @@ func (a *Agent) knownStatusWith(dr *deviceRunner, change func(*topics.Status)) d
 func (a *Agent) statusAfter(ctx context.Context, dr *deviceRunner, change func(*topics.Status)) deviceState {
 	st, err := a.readStatus(ctx, dr)
 	if err != nil {
-		a.log.Warn("reading the status after a change failed; it follows in a report", "device", dr.id, "err", err)
+		a.log.Warn("reading the status after a change failed; it follows in a report", "device_id", dr.id, "err", err)
 		return a.knownStatusWith(dr, change)
 	}
 	return deviceState{status: &st}

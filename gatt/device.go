@@ -147,7 +147,7 @@ func NewDevice(opts DeviceOptions) (*Device, error) {
 	if opts.Observer == nil {
 		opts.Observer = nopObserver{}
 	}
-	return &Device{opts: opts, log: opts.Logger.With("device", opts.ID), connecting: make(chan struct{}, 1)}, nil
+	return &Device{opts: opts, log: opts.Logger.With("device_id", opts.ID), connecting: make(chan struct{}, 1)}, nil
 }
 
 // ID returns the device id.

@@ -158,7 +158,7 @@ func NewPeripheral(dev *Device, opts PeripheralOptions) *Peripheral {
 	if opts.Logger == nil {
 		opts.Logger = dev.log
 	}
-	return &Peripheral{dev: dev, opts: opts, log: opts.Logger.With("device", dev.ID(), "side", "peripheral"),
+	return &Peripheral{dev: dev, opts: opts, log: opts.Logger.With("device_id", dev.ID(), "side", "peripheral"),
 		uploads: map[uint16]*upload{}, closing: make(chan struct{})}
 }
 

@@ -227,7 +227,7 @@ func Open(opts Options) (*Device, error) {
 		model:      opts.Model,
 		imageHash:  opts.ImageHash,
 		now:        opts.Now,
-		log:        opts.Logger.With("device", opts.ID),
+		log:        opts.Logger.With("device_id", opts.ID),
 		delay:      opts.ExecDelay,
 		apps:       map[string]string{},
 		done:       map[string]bool{},
@@ -383,7 +383,7 @@ func (d *Device) run(ctx context.Context, cmdID, op string, work func() error) e
 	d.mu.Lock()
 	if d.done[cmdID] {
 		d.mu.Unlock()
-		d.log.Debug("repeated command ignored", "cmd", cmdID, "op", op)
+		d.log.Debug("repeated command ignored", "command_id", cmdID, "op", op)
 		return nil
 	}
 	fail, hang := d.failNext, d.hangNext
@@ -433,7 +433,7 @@ func (d *Device) run(ctx context.Context, cmdID, op string, work func() error) e
 		}
 	}
 	d.markDone(cmdID)
-	d.log.Debug("command done", "cmd", cmdID, "op", op)
+	d.log.Debug("command done", "command_id", cmdID, "op", op)
 	return nil
 }
 

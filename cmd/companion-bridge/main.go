@@ -411,7 +411,7 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	// The build's version: after an upgrade the binary on disk
 	// (--version) is not always the build that runs (bug 456).
-	log.Info("companion-bridge starting", "version", buildinfo.Version(version), "bridge", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
+	log.Info("companion-bridge starting", "version", buildinfo.Version(version), "bridge_id", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
 	m.mu.Lock()
 	bz := m.bluez
 	m.mu.Unlock()

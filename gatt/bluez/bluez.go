@@ -483,7 +483,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 				continue
 			}
 			if !errors.Is(err, errOtherDevice) {
-				c.log.Warn("bluez: connect failed", "device", deviceID, "address", addr, "err", err)
+				c.log.Warn("bluez: connect failed", "device_id", deviceID, "address", addr, "err", err)
 			}
 			continue
 		}
