@@ -635,7 +635,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		// As on the status topic (served): the bridge the device was
 		// moved from, say. Its reply says what became of the command; its
 		// status would make the device read as that bridge's.
-		b.log.Warn("reply with a status from a bridge that does not serve the device; storing the reply without it",
+		b.noisy.Warn("foreign status\x00"+deviceID, "reply with a status from a bridge that does not serve the device; storing the reply without it",
 			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "serving", bridge)
 	case r.Status != nil:
 		s := b.storeStatus(deviceID, *r.Status)
@@ -644,7 +644,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 	if r.Settings != nil {
 		rs, err := b.reportedSettings(deviceID, *r.Settings)
 		if err != nil {
-			b.log.Warn("reply with settings that cannot be stored; storing the reply without them", "device_id", deviceID, "command_id", r.CommandID, "err", err)
+			b.noisy.Warn("bad reply settings\x00"+deviceID, "reply with settings that cannot be stored; storing the reply without them", "device_id", deviceID, "command_id", r.CommandID, "err", err)
 		} else {
 			report.Settings = &rs
 		}
@@ -737,7 +737,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		case errors.Is(err, companion.ErrUnreadable):
 			// The store has taken it out of the unfinished commands, and
 			// logged it: nothing to store, and no use sending it again.
-			b.log.Warn("reply for a command whose record does not decode ignored", "device_id", deviceID, "command_id", r.CommandID, "state", r.State)
+			b.noisy.Warn("undecodable reply\x00"+deviceID, "reply for a command whose record does not decode ignored", "device_id", deviceID, "command_id", r.CommandID, "state", r.State)
 		case err != nil:
 			b.log.Error("storing a reply", "command_id", r.CommandID, "err", err)
 			if !errors.Is(err, companion.ErrInvalid) {
@@ -1185,7 +1185,7 @@ func (b *Broker) storeStatus(deviceID string, s topics.Status) companion.Status 
 		listed[a.AppID]++
 	}
 	if dups != nil {
-		b.log.Warn("the device lists an app more than once; keeping the first", "device_id", deviceID, "app_ids", dups)
+		b.noisy.Warn("dup apps\x00"+deviceID, "the device lists an app more than once; keeping the first", "device_id", deviceID, "app_ids", dups)
 	}
 	return companion.Status{
 		DeviceID:        deviceID,
@@ -1208,13 +1208,13 @@ func (b *Broker) storeStatus(deviceID string, s topics.Status) companion.Status 
 func (b *Broker) reportedSettings(deviceID string, s topics.Settings) (companion.ReportedSettings, error) {
 	schema, unusable := s.Schema.Usable()
 	if unusable != nil {
-		b.log.Warn("a device declared settings this server cannot describe (a type other than int, bool, string, enum and "+
+		b.noisy.Warn("unusable settings\x00"+deviceID, "a device declared settings this server cannot describe (a type other than int, bool, string, enum and "+
 			"timezone, an enum of no values, a min above its max, a negative max_len); leaving them out",
 			"device_id", deviceID, "settings", unusable)
 	}
 	schema, noDefault := schema.ValidDefaults()
 	if noDefault != nil {
-		b.log.Warn("a device declared settings whose default is not one of their values; serving them without a default",
+		b.noisy.Warn("no default\x00"+deviceID, "a device declared settings whose default is not one of their values; serving them without a default",
 			"device_id", deviceID, "settings", noDefault)
 	}
 	reported := make(map[string]json.RawMessage, len(s.Reported))

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -83,5 +84,40 @@ func TestABridgesBadMessagesAreLoggedOnceAMinute(t *testing.T) {
 
 	for _, msg := range []string{`msg="bad status"`, `msg="bad settings"`, `msg="bad reply"`, `msg="reply for an unknown command ignored"`} {
 		assert.Equal(t, 1, logs.count(msg), "lines of %s for %d such messages; log:\n%s", msg, n, logs.String())
+	}
+}
+
+// Bug 390 left out the lines a reply logs before its command is looked
+// up: a reply carrying a status of another bridge, or settings that
+// cannot be stored, was a warning each however often it came, and its
+// command need not exist (bug 397).
+func TestABridgesRepliesWithForeignReportsAreLoggedOnceAMinute(t *testing.T) {
+	var logs logBuffer
+	e := newEnvTuned(t, true, nil, func(o *Options) {
+		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	})
+	fb := connectBridge(t, e)
+	fb.online(t, e, "dev-1")
+
+	const n = 100
+	for i := 0; i < n; i++ {
+		fb.reply(t, "dev-1", topics.Reply{CommandID: uuid.Must(uuid.NewV7()).String(), State: "succeeded", At: time.Now(),
+			Status: &topics.Status{Online: true, BridgeID: "b2", Seq: uint64(i + 1), At: time.Now()}})
+		fb.reply(t, "dev-1", topics.Reply{CommandID: uuid.Must(uuid.NewV7()).String(), State: "succeeded", At: time.Now(),
+			Status: &topics.Status{Online: true, BridgeID: "b1", Seq: uint64(1000 + i), At: time.Now(),
+				Apps: []companion.App{{AppID: "weather", Version: "1.0.0"}, {AppID: "weather", Version: "1.0.1"}}}})
+	}
+	cmd := submit(t, e, "dev-1", "hello", time.Hour)
+	require.Equal(t, cmd.ID, fb.next(t).ID)
+	fb.reply(t, "dev-1", topics.Reply{CommandID: cmd.ID, State: "succeeded", At: time.Now()})
+	testenv.Eventually(t, 10*time.Second, "the command succeeded", func() bool {
+		c, err := e.db.Command(context.Background(), cmd.ID)
+		return err == nil && c.State == "succeeded"
+	})
+	for _, msg := range []string{
+		`msg="reply with a status from a bridge that does not serve the device; storing the reply without it"`,
+		`msg="the device lists an app more than once; keeping the first"`,
+	} {
+		assert.Equal(t, 1, logs.count(msg), "lines of %s for %d such replies; log:\n%s", msg, n, logs.String())
 	}
 }
