@@ -73,6 +73,7 @@ const (
 	CodeCommandUnreadable    = "command_unreadable"
 	CodeNotReady             = "not_ready"
 	CodeUnavailable          = "unavailable"
+	CodeBackupUnsupported    = "backup_unsupported"
 )
 
 type codeInfo struct {
@@ -122,6 +123,8 @@ var codes = map[string]codeInfo{
 		"the server's operator can restore it from a backup"},
 	CodeNotReady:    {http.StatusServiceUnavailable, "Not ready", "the service is not ready"},
 	CodeUnavailable: {http.StatusServiceUnavailable, "Unavailable", "the store cannot be reached now; try again"},
+	CodeBackupUnsupported: {http.StatusConflict, "Backup unsupported", "this server keeps its data in PostgreSQL, which it does not copy: " +
+		"back the database up with pg_dump"},
 }
 
 // Errors used as they are.

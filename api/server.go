@@ -555,6 +555,7 @@ func (s *Server) routes() *gin.Engine {
 	admin.POST("/bridges/:bridge_id/secret", s.h(s.adminNewBridgeSecret))
 	admin.PUT("/firmware/:model/:version", s.h(s.adminPutFirmware))
 	admin.PUT("/apps/:app_id/:version", s.h(s.adminPutApp))
+	get(admin, "/backup", s.h(s.adminBackup))
 
 	get(v1, "/blobs/:sha256", s.sourceLimit, s.blobAuth, s.rateLimit, s.h(s.getBlob))
 	return e

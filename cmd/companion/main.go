@@ -10,6 +10,7 @@
 //	companion firmware publish --model M --version V FILE
 //	companion app publish --app-id A --version V FILE
 //	companion command wait DEVICE ID --token T  follow a command until it is final
+//	companion backup FILE                      save a copy of a running server's store
 //	companion --version                        print the build's version
 //
 // Every flag can also be set in the environment as COMPANION_<FLAG>, with
@@ -101,6 +102,7 @@ var commands = []struct{ name, args string }{
 	{"firmware publish", "--model MODEL --version VERSION FILE"},
 	{"app publish", "--app-id APP --version VERSION FILE"},
 	{"command wait", "DEVICE ID --token TOKEN [--api-url URL] [--timeout DURATION]"},
+	{"backup", "FILE [--api-url URL] [--admin-token TOKEN]"},
 }
 
 // usage is the CLI's usage: every command.
@@ -189,6 +191,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runAdmin(ctx, args, stdout, stderr)
 	case "command":
 		return runCommand(ctx, args, stdout, stderr)
+	case "backup":
+		return runBackup(ctx, args[1:], stdout, stderr)
 	case "-h", "-help", "--help", "help":
 		fmt.Fprintln(stdout, usage)
 		return nil

@@ -1,0 +1,63 @@
+package api
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/gin-gonic/gin"
+)
+
+// Backuper is what GET /api/v1/admin/backup needs of the store: a copy of
+// it as it stands at one instant. The bbolt store (*store.DB) has it;
+// PostgreSQL is backed up with its own tools.
+type Backuper interface {
+	Backup(ctx context.Context, w io.Writer, size func(int64)) (int64, error)
+}
+
+// adminBackup answers a consistent copy of the server's bbolt file, taken
+// while the server runs and takes commands (bug 429): what companion
+// backup FILE saves. Copying the live file with cp could catch a commit
+// half written.
+func (s *Server) adminBackup(c *gin.Context) error {
+	b, ok := s.store.(Backuper)
+	if !ok {
+		return &Error{Code: CodeBackupUnsupported}
+	}
+	h := c.Writer.Header()
+	w := &blobWriter{ResponseWriter: c.Writer, rc: http.NewResponseController(c.Writer), idle: s.limits.BodyIdle}
+	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
+	// HEAD says the copy's length without sending it: the copy stops at
+	// its first write.
+	ctx, stop := context.WithCancel(c.Request.Context())
+	defer stop()
+	head := c.Request.Method == http.MethodHead
+	started := false
+	n, err := b.Backup(ctx, w, func(size int64) {
+		started = true
+		h.Set("Content-Type", "application/octet-stream")
+		h.Set("Content-Length", strconv.FormatInt(size, 10))
+		h.Set("Content-Disposition", `attachment; filename="companion.db"`)
+		h.Set("Cache-Control", "no-store")
+		w.WriteHeader(http.StatusOK)
+		if head {
+			stop()
+		}
+	})
+	if err == nil {
+		_ = w.rc.Flush()
+		return nil
+	}
+	if !started {
+		return err
+	}
+	if head {
+		return nil
+	}
+	// The status and the length are sent: the client sees the copy cut
+	// short (net/http closes the connection), and the log says why.
+	s.log.WarnContext(c.Request.Context(), "backup: the copy was not sent whole", "sent", n, "err", err)
+	return nil
+}

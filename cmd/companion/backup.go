@@ -1,0 +1,142 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/devicecompanion/companion/internal/boltcheck"
+)
+
+// runBackup is companion backup FILE: it saves a copy of a running
+// server's bbolt store, as it stands at one instant, to FILE (bug 429).
+// The server writes the copy (GET /api/v1/admin/backup); the CLI writes
+// it beside FILE, syncs it, reads it through as the server does before it
+// opens a file (boltcheck), and only then renames it to FILE, so that
+// FILE is a whole backup or what it was before.
+func runBackup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("backup", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	setUsage(fs)
+	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
+	token := fs.String("admin-token", "", "admin token (default: read from DATA/admin.token)")
+	data := fs.String("data", "./data", "the server's data directory, to find admin.token")
+	ca := caFlag(fs)
+	pos, err := parseInterspersed(fs, args)
+	if err != nil {
+		return err
+	}
+	if err := applyEnv(fs); err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usageError{fmt.Sprintf("backup takes exactly one argument, the file to write, got %d", len(pos))}
+	}
+	file := pos[0]
+	if fi, err := os.Stat(file); err == nil && !fi.Mode().IsRegular() {
+		return usageError{fmt.Sprintf("%s is not a regular file (a directory?): give the file to write the backup to", file)}
+	}
+	hc, err := apiHTTPClient(*apiURL, *ca)
+	if err != nil {
+		return err
+	}
+	tok, tokenFile := *token, ""
+	if tok == "" {
+		tokenFile = filepath.Join(*data, "admin.token")
+		b, err := os.ReadFile(tokenFile)
+		if err != nil {
+			return usageError{fmt.Sprintf("no --admin-token and none readable in %s: %v", *data, err)}
+		}
+		tok = strings.TrimSpace(string(b))
+	}
+	c := apiClient{apiURL: strings.TrimRight(*apiURL, "/"), token: tok, http: hc, stall: adminStall}
+	n, err := c.backup(ctx, file)
+	if err != nil {
+		return staleTokenHint(err, tokenFile)
+	}
+	out, _ := json.Marshal(map[string]any{"file": file, "size": n})
+	fmt.Fprintln(stdout, string(out))
+	return nil
+}
+
+// backup saves the server's backup to file, as runBackup says.
+func (c apiClient) backup(ctx context.Context, file string) (int64, error) {
+	const path = "/api/v1/admin/backup"
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	t := time.AfterFunc(c.stall, func() { cancel(errStalled) })
+	defer t.Stop()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.apiURL+path, nil)
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Authorization", "Bearer "+c.token)
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return 0, c.stalled(ctx, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, responseError(http.MethodGet, path, resp)
+	}
+	want, err := strconv.ParseInt(resp.Header.Get("Content-Length"), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("GET %s: the answer has no length", path)
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(file), "."+filepath.Base(file)+".partial-*")
+	if err != nil {
+		return 0, err
+	}
+	placed := false
+	defer func() {
+		if !placed {
+			_ = tmp.Close()
+			_ = os.Remove(tmp.Name())
+		}
+	}()
+	n, err := io.Copy(tmp, &stallReader{r: resp.Body, t: t, d: c.stall})
+	if err != nil {
+		return n, fmt.Errorf("GET %s: %w", path, c.stalled(ctx, err))
+	}
+	if n != want {
+		return n, fmt.Errorf("GET %s: the copy was cut short: %d of its %d bytes came (the server's log says why)", path, n, want)
+	}
+	if err := tmp.Sync(); err != nil {
+		return n, err
+	}
+	if err := tmp.Close(); err != nil {
+		return n, err
+	}
+	if err := boltcheck.Check(tmp.Name()); err != nil {
+		return n, fmt.Errorf("the copy the server sent does not read as a whole store: %w", err)
+	}
+	if err := os.Rename(tmp.Name(), file); err != nil {
+		return n, err
+	}
+	placed = true
+	if d, err := os.Open(filepath.Dir(file)); err == nil {
+		err = d.Sync()
+		_ = d.Close()
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// stalled names a stall as the cause of err when it was.
+func (c apiClient) stalled(ctx context.Context, err error) error {
+	if errors.Is(context.Cause(ctx), errStalled) {
+		return fmt.Errorf("%w for %v (it sent no more of the copy)", errStalled, c.stall)
+	}
+	return err
+}
