@@ -231,6 +231,8 @@ type DB struct {
 
 	blobMu sync.RWMutex // the blob directory's files against their records (blobLock)
 
+	backupMu sync.Mutex // one Backup at a time (its mark, keyBackup)
+
 	undecodable  sync.Map     // records logged as left out for not decoding (logUndecodable)
 	undecodableN atomic.Int64 // how many undecodable holds (Undecodable)
 
@@ -348,6 +350,9 @@ func (db *DB) migrate() error {
 			if err := migrations[v](tx); err != nil {
 				return fmt.Errorf("store: migrate schema %d to %d: %w", v, v+1, err)
 			}
+		}
+		if err := db.openedBackup(tx); err != nil {
+			return fmt.Errorf("store: open a backup: %w", err)
 		}
 		if from == SchemaVersion {
 			return nil
