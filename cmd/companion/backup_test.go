@@ -10,11 +10,14 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/mochitest"
+	"github.com/devicecompanion/companion/sim"
 )
 
 // TestBackupWhileCommandsFlow takes a backup of a running server's store
@@ -129,4 +132,41 @@ func TestBackupWhileCommandsFlow(t *testing.T) {
 		assert.Equal(t, 1, n, "text %q ran %d times", text, n)
 	}
 	assert.Len(t, seen, len(accepted), "every text accepted ran once")
+}
+
+// TestRestoreWithTheBridgeConnected restores a backup taken while a
+// command was delivered to the bridge, which ran it to its end after the
+// backup, and starts the server on it while the bridge stays connected
+// to the (external) broker throughout, as a bridge at a remote site does:
+// the restored store's command must end as the bridge says, not wait
+// delivered for a reply the bridge gave the lost store.
+func TestRestoreWithTheBridgeConnected(t *testing.T) {
+	_, mqttURL := mochitest.Start(t)
+	dir := t.TempDir()
+	m := startServer(t, Config{Data: dir, MQTTURL: mqttURL})
+	f := setupFleet(t, m, "dev-1")
+	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	dev := sim.New(sim.Options{ID: "dev-1", ExecDelay: 2 * time.Second})
+	runBridge(t, m, mqttURL, f, []agent.Device{dev}, map[string]*sim.Device{"dev-1": dev}, nil)
+	id := f.user.pushText("dev-1", "slow")
+	require.Eventually(t, func() bool {
+		state := f.user.do("GET", "/api/v1/devices/dev-1/commands/"+id, nil).JSON(t)["state"]
+		return state == "delivered" || state == "in_progress"
+	}, 30*time.Second, 10*time.Millisecond, "the command never reached the bridge")
+	file := filepath.Join(t.TempDir(), "companion.db.bak")
+	var out, errOut bytes.Buffer
+	require.NoError(t, run(context.Background(), []string{"backup", file, "--api-url", m.APIURL(), "--admin-token", m.AdminToken()}, &out, &errOut), "%s", errOut.String())
+	assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", id)["state"])
+	require.NoError(t, m.Close())
+
+	restored := t.TempDir()
+	raw, err := os.ReadFile(file)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(restored, "companion.db"), raw, 0o600))
+	m2 := startServer(t, Config{Data: restored, MQTTURL: mqttURL})
+	user := newClient(t, m2, f.user.token)
+	got := user.waitFinal("dev-1", id)
+	assert.Equal(t, "succeeded", got["state"])
+	assert.Len(t, dev.Texts(), 1, "the device ran the text once")
 }
