@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -39,6 +40,58 @@ import (
 // new) grows at its end, so a commit writes few pages however many
 // devices its writes are for. (Earlier versions kept a queue bucket per
 // device, "queues"; openSpool moves those into "queue".)
+// spoolVersion is the version of the spool's layout this build writes
+// and reads, kept in bucketMeta under keyVersion (bug 431). A spool
+// without one is of the layout since 8a6c356, which is version 1. A bridge
+// refuses a spool of a later version, which a newer bridge wrote: a
+// bridge from before 8a6c356 started on a newer spool did not see the
+// commands it held, and ran none of them. Raise it with any change of
+// layout an older build would misread.
+const spoolVersion = "1"
+
+var (
+	bucketMeta = []byte("meta")
+	keyVersion = []byte("version")
+)
+
+// errSpoolNewer is a spool a newer bridge wrote.
+type errSpoolNewer struct {
+	path, version string
+}
+
+func (e *errSpoolNewer) Error() string {
+	return fmt.Sprintf("spool %s: written by a newer bridge: it has version %s, this build knows %s: "+
+		"the bridge has not changed it; start the newer bridge on it again, or, to go back for good, "+
+		"move it aside (mv spool.db spool.db.newer) to start with an empty spool: once the bridge is online "+
+		"the server sends it the unfinished commands again, and a device drops a command id it has already run",
+		e.path, e.version, spoolVersion)
+}
+
+// checkSpoolVersion refuses a spool of a later version than this build's
+// (errSpoolNewer), and marks one of none, or an earlier, as this build's.
+func checkSpoolVersion(tx *bolt.Tx, path string) error {
+	if b := tx.Bucket(bucketMeta); b != nil {
+		if v := b.Get(keyVersion); v != nil {
+			n, err := strconv.Atoi(string(v))
+			if err != nil || n < 0 {
+				return &errSpoolFile{path: path, what: fmt.Sprintf("its version %q is no number", v)}
+			}
+			want, _ := strconv.Atoi(spoolVersion)
+			if n > want {
+				return &errSpoolNewer{path: path, version: string(v)}
+			}
+			if n == want {
+				return nil
+			}
+		}
+	}
+	b, err := tx.CreateBucketIfNotExists(bucketMeta)
+	if err != nil {
+		return err
+	}
+	return b.Put(keyVersion, []byte(spoolVersion))
+}
+
 var (
 	bucketCommands  = []byte("commands")
 	bucketQueue     = []byte("queue")
@@ -175,6 +228,11 @@ func openSpool(dir string) (s *spool, err error) {
 	}
 	s = &spool{db: db, queues: map[string][]*record{}, running: map[string]bool{}, afterWait: DefaultAfterWait}
 	err = db.Update(func(tx *bolt.Tx) error {
+		// Before anything is written: a refusal rolls back and leaves the
+		// file as it was.
+		if err := checkSpoolVersion(tx, path); err != nil {
+			return err
+		}
 		for _, b := range [][]byte{bucketCommands, bucketQueue, bucketOutbox, bucketStatus} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err

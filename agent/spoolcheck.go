@@ -78,5 +78,10 @@ func spoolOpenError(path string, err error, fresh bool) error {
 	if fresh && diskRefusal(err) != 0 {
 		return fmt.Errorf("open spool: %w", &errSpoolNoRoom{path: path, err: err})
 	}
+	var damaged *errSpoolFile
+	var newer *errSpoolNewer
+	if errors.As(err, &damaged) || errors.As(err, &newer) {
+		return fmt.Errorf("open spool: %w", err) // they name the file
+	}
 	return fmt.Errorf("open spool: %s: %w", path, err)
 }
