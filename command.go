@@ -159,6 +159,20 @@ func (c Command) WithdrawsDesired() bool {
 	return c.Op == OpSettingsUpdate && IsFinal(c.State) && c.State != StateSucceeded
 }
 
+// SupersededChange returns c, a command that has just ended with a
+// report of the device's settings older than the one stored, as one whose
+// desired values are to be withdrawn: when it succeeded, the device ran
+// it and has reported since (a later change the store does not know of,
+// as after a restore from a backup), so its values are no longer pending,
+// but those a later change asked for (docs/reliability.md, bug 432). A
+// command that did not succeed is withdrawn as it is.
+func SupersededChange(c Command) Command {
+	if c.Op == OpSettingsUpdate && c.State == StateSucceeded {
+		c.State = StateFailed
+	}
+	return c
+}
+
 // TakeDesired returns c.Desired checked and compacted by
 // NewDesiredSettings (nil when there is none) and clears it: what a
 // store's CreateCommand records with the command it stores.

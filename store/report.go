@@ -49,8 +49,12 @@ func (db *DB) UpdateCommandWithReportAsync(id string, fn func(*companion.Command
 		if report.Settings != nil {
 			// Through the bridge the caller found serving the device:
 			// stored only if it serves it still (bug 289).
-			if _, err := db.putReportedSettings(tx, out.DeviceID, report.BridgeID, *report.Settings); err != nil {
+			applied, err := db.putReportedSettings(tx, out.DeviceID, report.BridgeID, *report.Settings)
+			if err != nil {
 				return err
+			}
+			if !applied {
+				return db.withdrawDesired(tx, companion.SupersededChange(out))
 			}
 		}
 		return db.withdrawDesired(tx, out)

@@ -473,8 +473,12 @@ func (s *Store) updateCommandAsync(ctx context.Context, id string, fn func(*comp
 			}
 		}
 		if settings != nil {
-			if _, err := s.putReportedSettings(ctx, tx, out.DeviceID, report.BridgeID, *settings); err != nil {
+			applied, err := s.putReportedSettings(ctx, tx, out.DeviceID, report.BridgeID, *settings)
+			if err != nil {
 				return err
+			}
+			if !applied {
+				return withdrawDesired(ctx, tx, companion.SupersededChange(out), out.UpdatedAt)
 			}
 		}
 		// Bug 236: a settings change that ended without succeeding is no

@@ -7,9 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicecompanion/companion"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion"
 )
 
 // settingsCmd is a settings.update command of the user ("" none) for the
@@ -254,4 +255,31 @@ func testDesiredBackToAnEarlierChange(t *testing.T, s companion.Store) {
 	assert.True(t, equalRaw(got, map[string]string{"brightness": "10"}),
 		"Desired after L failed, K's volume reported = %s; want no volume", got)
 	setState(t, s, k.ID, companion.StateSucceeded)
+}
+
+// A settings change that succeeded with a report older than the one
+// stored (the device has reported since: a later change the store does
+// not know of, as after a restore from a backup, set the key again) no
+// longer leaves its values desired: the device ran it, and what it
+// reports now is newer. Before, its value stayed desired, and
+// GET …/settings listed the key as pending for good, with no command to
+// apply it (docs/reliability.md, bug 432). A key a later change asked for
+// stays that change's.
+func testDesiredDroppedWhenTheChangeSucceededBehindANewerReport(t *testing.T, s companion.Store) {
+	ctx := t.Context()
+	provision(t, s, "sim-1", "d1")
+	bind(t, s, "u1", "d1")
+	a := desire(t, s, "d1", "u1", map[string]string{"volume": "80", "brightness": "10"})
+	b := desire(t, s, "d1", "u1", map[string]string{"brightness": "20"})
+	require.Less(t, a.ID, b.ID)
+	setState(t, s, a.ID, companion.StateDelivered)
+	_, err := s.PutReportedSettings(ctx, "d1", "", map[string]json.RawMessage{"volume": raw("30"), "brightness": raw("5")}, nil, now(), 300)
+	require.NoError(t, err)
+	old, err := companion.NewReportedSettings(map[string]json.RawMessage{"volume": raw("80"), "brightness": raw("10")}, nil, now().Add(-time.Minute), 200)
+	require.NoError(t, err)
+	_, err = updateWithReport(t, s, a.ID, succeed, companion.DeviceReport{Settings: &old})
+	require.NoError(t, err)
+	got := desired(t, s, "d1")
+	assert.True(t, equalRaw(got, map[string]string{"brightness": "20"}),
+		"Desired after A succeeded with a report older than the stored one = %s; want only B's brightness (A's volume is not pending)", got)
 }

@@ -263,6 +263,7 @@ func testSettings(t *testing.T, open Opener) {
 		{"DesiredFollowsTheCommands", testDesiredFollowsTheCommands},
 		{"DesiredOnlyWithTheCommand", testDesiredOnlyWithTheCommand},
 		{"DesiredWithdrawnWhenTheChangeEnds", testDesiredWithdrawnWhenTheChangeEnds},
+		{"DesiredDroppedWhenTheChangeSucceededBehindANewerReport", testDesiredDroppedWhenTheChangeSucceededBehindANewerReport},
 		{"DesiredBackToAnEarlierChange", testDesiredBackToAnEarlierChange},
 		{"DesiredBeforeAnyReport", func(t *testing.T, s companion.Store) {
 			ctx := t.Context()
