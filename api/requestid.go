@@ -13,8 +13,9 @@ import (
 // RequestIDHeader names the header that carries a request's id: every
 // answer has it, and the server's log lines of the request say it as
 // request_id. It is not in a problem's body (as RFC 9457's instance),
-// which CONTRACT §2 has the same for an unknown device and another's. A user who quotes it lets the operator find the
-// request's lines (docs/operations.md, "Tying a complaint to the log";
+// which CONTRACT §2 has the same for an unknown device and another's. A
+// user who quotes it lets the operator find the request's lines
+// (docs/operations.md, "Tying a complaint to the log";
 // docs/reliability.md, bug 389).
 const RequestIDHeader = "X-Request-Id"
 
