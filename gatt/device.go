@@ -1063,6 +1063,10 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 // in the MCUmgr library of Zephyr 2.x, rc 6 (EBADSTATE) where img_mgmt
 // translates version 2's error; it is explained the same when the image
 // state shows the other slot pending, which no upload gets past (bug 469).
+// Only image 0's slots count: the bridge's upload carries no "image", which
+// img_mgmt takes as image 0, and looks for a free slot among that image's
+// slots alone; a two-image device's image 1 (a network core's) pending did
+// not stand in its way, and was named (bug 570).
 func explainNoFreeSlot(err error, st ImageStateResponse) error {
 	var e *Error
 	if !errors.As(err, &e) || e.Bridge || e.Group != GroupImage {
@@ -1075,7 +1079,7 @@ func explainNoFreeSlot(err error, st ImageStateResponse) error {
 		return err
 	}
 	for _, sl := range st.Images {
-		if !sl.Pending || sl.Active {
+		if !sl.Pending || sl.Active || sl.Image != 0 {
 			continue
 		}
 		version := sl.Version
