@@ -237,9 +237,9 @@ func (c *Client) SetWindow(n int) {
 // request when the window is one, for a device that did not report its
 // SMP buffers (no MCUmgr parameters, Zephyr's default: its buffers are then
 // CONFIG_MCUMGR_TRANSPORT_NETBUF_COUNT's default 4, unless the firmware
-// says otherwise). Without it a lone request whose answer was lost whole
-// waited its whole timeout, and its command failed timeout
-// (docs/reliability.md, bug 471). On a device with only two buffers the
+// says otherwise), or reported two. Without it a lone request whose answer
+// was lost whole waited its whole timeout, and its command failed timeout
+// (docs/reliability.md, bugs 471 and 571). On a device with only two buffers the
 // probe finds none while the request runs, and is dropped unanswered,
 // which changes nothing; sent while the request still waits behind
 // another transport's, it may take the buffer of the request's answer, and

@@ -343,9 +343,14 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	// may reach the device at once: together they keep no more in flight
 	// than its buffers take.
 	c.SetWindow(d.window(s))
-	if d.opts.Window == 0 && s.bufCount == 0 {
-		// Its buffers unknown (no MCUmgr parameters), the window is one;
-		// the probe for a lost answer may go beside it (bug 471).
+	if d.opts.Window == 0 && s.bufCount <= 2 {
+		// Its buffers unknown (no MCUmgr parameters, bug 471) or two (bug
+		// 571), the window is one; the probe for a lost answer may go
+		// beside it. With two buffers, the probe finds both free once the
+		// lone request is answered (its answer lost), none while it runs
+		// (dropped, changing nothing), and, while the request waits behind
+		// another transport's, its answer's: the request is answered rc 2
+		// in its own buffer, not run, and asked again (smp_on_err).
 		c.AllowSpareProbe()
 	}
 	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount, "reassembles", s.reassembles, "window", d.window(s))

@@ -468,3 +468,80 @@ func TestLostResponseOfADeviceWithoutParametersIsAskedAgain(t *testing.T) {
 		})
 	}
 }
+
+// A device that reports buf_count 2 (CONFIG_MCUMGR_TRANSPORT_NETBUF_COUNT=2,
+// a firmware short of RAM) has a window of one request. Its lone request
+// whose answer was lost whole is found by the quiet probe too: once the
+// device has answered, both its buffers are free and the probe is
+// answered; one sent while the request still runs finds no buffer and is
+// dropped, which changes nothing (subtest "slow"); one sent while the
+// request waits behind another transport's takes its answer's buffer, and
+// the request is answered rc 2, not run, and asked again. Before, such a
+// request waited its whole timeout, and the command failed timeout with
+// the link dropped (bug 571).
+func TestLostResponseOfADeviceWithTwoBuffersIsAskedAgain(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		group uint16
+		id    uint8
+		rsp   uint8
+		slow  bool
+	}{
+		{"settings schema", gatt.GroupSettingsSchema, gatt.CmdSchemaRead, 0, false},
+		{"text", gatt.GroupText, gatt.CmdTextPush, 0, false},
+		{"settings write", gatt.GroupSettings, gatt.CmdSettingsValue, gatt.OpWriteRsp, false},
+		{"slow", gatt.GroupText, gatt.CmdTextPush, 0, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := sim.New(sim.Options{ID: "dev-1"})
+			n := sim.NewNetwork(sim.LinkOptions{MTU: 247, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+			popts := sim.PeripheralOptions{BufCount: 2}
+			if tt.slow {
+				popts.HandleTime = 400 * time.Millisecond // each request outlasts the quiet timeout
+			}
+			p := sim.NewPeripheral(s, popts)
+			n.Add("dev-1", p)
+			lc := &lossyConnector{Connector: n, group: tt.group, id: tt.id, rsp: tt.rsp, whole: true}
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: lc, MinBackoff: time.Millisecond,
+				RequestTimeout: 5 * time.Second, QuietTimeout: 100 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer n.Close()
+			defer d.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if _, err := d.Info(ctx); err != nil { // connected, one request in flight
+				t.Fatalf("Info: %v", err)
+			}
+			if !tt.slow {
+				lc.arm()
+			}
+			dropped := p.Dropped()
+			start := time.Now()
+			switch tt.group {
+			case gatt.GroupSettingsSchema:
+				_, _, err = d.Settings(ctx)
+			case gatt.GroupText:
+				err = d.PushText(ctx, "cmd-1", "", "hello")
+			default:
+				err = d.UpdateSettings(ctx, "cmd-2", map[string]any{"brightness": 7.0})
+			}
+			took := time.Since(start)
+			want := 1
+			if tt.slow {
+				want = 0
+			}
+			if err != nil || lc.lost() != want || n.Connects() != 1 {
+				t.Fatalf("%s with buf_count 2 = %v after %v, %d lost, %d connections; want nil (asked again, not timed out), %d lost, 1 connection",
+					tt.name, err, took.Round(time.Millisecond), lc.lost(), n.Connects(), want)
+			}
+			if tt.group == gatt.GroupText && (s.Executions("cmd-1") != 1 || len(s.Texts()) != 1) {
+				t.Errorf("the text ran %d times, %d texts shown; want 1, 1", s.Executions("cmd-1"), len(s.Texts()))
+			}
+			if tt.slow && p.Dropped() == dropped {
+				t.Errorf("the device dropped no write; want the probe sent while the request ran dropped")
+			}
+		})
+	}
+}
