@@ -122,6 +122,10 @@ type Client struct {
 	heard   time.Time // when the last notification came, or the last probe went out
 	probe   *Call     // the last probe sent
 	quietOn bool      // quiet is armed
+	// long is the last request given more than the request timeout
+	// (Call.extend): a request sent behind it while it waits is answered
+	// after it, and gets its deadline and a request timeout more.
+	long *Call
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -498,6 +502,7 @@ type Call struct {
 	probe     bool      // sent by the client itself (sendProbe)
 	n         uint64    // guarded by c.mu: its place in the order requests went out
 	at        time.Time // guarded by c.mu: when it had gone out whole
+	deadline  time.Time // guarded by c.mu: when it expires, once it went out
 	version   uint8     // the SMP version of the answer, once Wait has it
 }
 
@@ -619,8 +624,16 @@ func (c *Client) write(ctx context.Context, call *Call, body []byte) error {
 		}
 	}
 	c.mu.Lock()
-	call.timer = time.AfterFunc(c.timeout, call.expire)
 	call.at = time.Now()
+	call.deadline = call.at.Add(c.timeout)
+	if l := c.long; l != nil && l != call && c.pending[l.seq] == l && l.n < call.n {
+		// Behind a request the device takes long over (an erase), and
+		// answered after it: a status read timed out during an upload's
+		// erase, and dropped the link under the upload (docs/reliability.md,
+		// bug 572).
+		call.deadline = later(call.deadline, l.deadline.Add(c.timeout))
+	}
+	call.timer = time.AfterFunc(time.Until(call.deadline), call.expire)
 	if !call.probe {
 		c.armQuietLocked(c.quietFor)
 	}
@@ -651,22 +664,43 @@ func (call *Call) Abandon() {
 		return
 	}
 	if call.timer.Stop() {
-		// Answered or not, the device is done with it by the timeout.
-		time.AfterFunc(c.timeout, call.forget)
+		// Answered or not, the device is done with it by its deadline.
+		time.AfterFunc(max(time.Until(call.deadline), 0), call.forget)
 	} else {
 		call.forgetLocked()
 	}
 }
 
 // extend gives the device d more than the request timeout to answer the
-// call, which is still waiting.
+// call, which is still waiting. The requests sent after it, which the
+// device answers after it, get its new deadline and a request timeout
+// more: those waiting now, and those sent while it waits.
 func (call *Call) extend(d time.Duration) {
 	c := call.c
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.pending[call.seq] == call && call.timer.Stop() {
-		call.timer.Reset(c.timeout + d)
+	if c.pending[call.seq] != call || !call.timer.Stop() {
+		return
 	}
+	call.deadline = time.Now().Add(c.timeout + d)
+	call.timer.Reset(time.Until(call.deadline))
+	c.long = call
+	for _, p := range c.pending {
+		if p.n <= call.n || p.timer == nil || p.probe {
+			continue // before it, or not out whole yet (write sees c.long)
+		}
+		if dl := call.deadline.Add(c.timeout); dl.After(p.deadline) && p.timer.Stop() {
+			p.deadline = dl
+			p.timer.Reset(time.Until(dl))
+		}
+	}
+}
+
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
 }
 
 // forget drops the request and gives its place back: it failed to go
@@ -818,7 +852,12 @@ func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bo
 	if err != nil {
 		return false, err
 	}
-	call.timer.Reset(timeout)
+	c.mu.Lock()
+	if c.pending[call.seq] == call && call.timer.Stop() {
+		call.deadline = time.Now().Add(timeout)
+		call.timer.Reset(timeout)
+	}
+	c.mu.Unlock()
 	err = call.Wait(ctx, nil)
 	var e *Error
 	switch {

@@ -680,3 +680,66 @@ func TestOTAWithAnotherImagePendingSaysWhyInVersion1(t *testing.T) {
 		})
 	}
 }
+
+// A status read that reaches the device while it erases its slot for an
+// upload waits behind the erase: the device answers its requests one at a
+// time, in the order they came. The bridge gives the request that opens
+// the upload the erase's time (bug 259); a request sent behind it must get
+// it too. Before, the status read timed out during the erase, the bridge
+// took the device for wedged and dropped the link: the status read failed
+// (the device read offline) and the update's upload ran again over a new
+// connection (bug 572).
+func TestAStatusReadBehindTheSlotEraseWaitsForIt(t *testing.T) {
+	popts := sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond, EraseTime: 150 * time.Millisecond}
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, popts))
+	var watch atomic.Bool
+	opened := make(chan struct{}, 1)
+	tap := func(_ gatt.Link, data []byte) ([]byte, error) {
+		// The first write of the update's first upload request (its
+		// header): the request at off 0, which the device answers after
+		// the erase.
+		h, err := gatt.ParseHeader(data)
+		if err == nil && h.Group == gatt.GroupImage && h.ID == gatt.CmdImageUpload && h.Op == gatt.OpWrite && watch.CompareAndSwap(true, false) {
+			opened <- struct{}{}
+		}
+		return data, nil
+	}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap},
+		MinBackoff: time.Millisecond, RequestTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.Close()
+		n.Close()
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// After the first update the secondary slot holds the old image, which
+	// the next upload erases: 16 sectors of 150 ms, 2.4 s, over a request
+	// timeout of 1 s.
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 64<<10), nil); err != nil {
+		t.Fatalf("UpdateFirmware to 2.0.0 = %v", err)
+	}
+	watch.Store(true)
+	ota := make(chan error, 1)
+	go func() { ota <- d.UpdateFirmware(ctx, "fw-2", "2.0.1", firmwareImage(t, "2.0.1", 64<<10), nil) }()
+	select {
+	case <-opened:
+	case err := <-ota:
+		t.Fatalf("UpdateFirmware to 2.0.1 ended before its upload began: %v", err)
+	}
+	start := time.Now()
+	_, infoErr := d.Info(ctx)
+	took := time.Since(start)
+	if err := <-ota; err != nil {
+		t.Fatalf("UpdateFirmware to 2.0.1 with a status read behind its erase = %v (code %q); want nil", err, errorCode(err))
+	}
+	stats := d.TransferStats()
+	if infoErr != nil || stats[len(stats)-1].Attempts != 1 {
+		t.Fatalf("a status read behind the 2.4 s erase = %v after %v, the upload ran over %d connections; want nil, 1 connection",
+			infoErr, took.Round(time.Millisecond), stats[len(stats)-1].Attempts)
+	}
+}
