@@ -831,19 +831,7 @@ func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bo
 	// a header, so a device that does not reassemble drops them.
 	var body []byte
 	for k := 1; k < HeaderSize && body == nil; k++ {
-		for n := c.frag + k - HeaderSize - 3; n >= 0; n-- {
-			b, err := EncodeBody(EchoRequest{D: strings.Repeat("r", n)})
-			if err != nil {
-				return false, err
-			}
-			if HeaderSize+len(b) == c.frag+k {
-				body = b
-				break
-			}
-			if HeaderSize+len(b) < c.frag+k {
-				break
-			}
-		}
+		body = echoOf(c.frag + k)
 	}
 	if body == nil {
 		return false, fmt.Errorf("gatt: no reassembly probe fits writes of %d bytes", c.frag)
@@ -869,6 +857,66 @@ func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bo
 		return true, nil // it parsed the whole message to refuse it
 	case errors.As(err, &e):
 		return false, nil // an older MCUmgr may refuse a message cut short so
+	case errors.Is(err, ErrTimeout):
+		return false, nil
+	}
+	return false, err
+}
+
+// echoOf is the body of an OS echo whose message, header included, is
+// total bytes long, or nil when none is.
+func echoOf(total int) []byte {
+	for n := total - HeaderSize - 3; n >= 0; n-- {
+		b, err := EncodeBody(EchoRequest{D: strings.Repeat("r", n)})
+		if err != nil {
+			return nil
+		}
+		if HeaderSize+len(b) == total {
+			return b
+		}
+		if HeaderSize+len(b) < total {
+			return nil
+		}
+	}
+	return nil
+}
+
+// ZephyrBufSize is the SMP buffer of a Zephyr device whose firmware keeps
+// CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE's default.
+const ZephyrBufSize = 384
+
+// ProbeBuffer finds out whether the device, which reassembles
+// (ProbeReassembly), takes a request of size bytes: for a device that does
+// not report its buffers (no MCUmgr parameters). It sends an OS echo of
+// that length across writes. A device whose buffer holds it answers (an
+// echo whose answer does not fit its buffer is answered rc 7, and one
+// without echo rc 8: either way it took the message). One whose buffer is
+// shorter drops the first write (Zephyr's smp_reassembly_collect: -ENOSR)
+// and takes each later write as the start of a message: every one of them
+// is "r" bytes, a header claiming 0x7272 bytes, which it drops too, so
+// nothing reaches a handler and there is no answer.
+func (c *Client) ProbeBuffer(ctx context.Context, size int, timeout time.Duration) (bool, error) {
+	body := echoOf(size)
+	if body == nil || size <= c.frag {
+		return false, fmt.Errorf("gatt: no buffer probe of %d bytes over writes of %d", size, c.frag)
+	}
+	call, err := c.send(ctx, OpWrite, GroupOS, CmdOSEcho, body)
+	if err != nil {
+		return false, err
+	}
+	c.mu.Lock()
+	if c.pending[call.seq] == call && call.timer.Stop() {
+		call.deadline = time.Now().Add(timeout)
+		call.timer.Reset(timeout)
+	}
+	c.mu.Unlock()
+	err = call.Wait(ctx, nil)
+	var e *Error
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.As(err, &e):
+		return e.RC != RCCorrupt, nil
 	case errors.Is(err, ErrTimeout):
 		return false, nil
 	}

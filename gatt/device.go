@@ -338,6 +338,24 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 			s.reassembles = true
 			c.SetMaxRequest(p.BufSize)
 		}
+	case p.BufSize == 0 && c.Frag() < ZephyrBufSize:
+		// No MCUmgr parameters (Zephyr's default): the device may still
+		// reassemble, into buffers of Zephyr's default size unless its
+		// firmware set another. Before, such a device got one write per
+		// request, and at MTU 23 every command failed mtu_too_small
+		// (docs/reliability.md, bug 573).
+		ok, err := c.ProbeReassembly(cctx, d.opts.ProbeTimeout)
+		if err == nil && ok {
+			ok, err = c.ProbeBuffer(cctx, ZephyrBufSize, d.opts.ProbeTimeout)
+		}
+		if err != nil {
+			c.Close()
+			return nil, fmt.Errorf("reassembly probe: %w", err)
+		}
+		if ok {
+			s.reassembles = true
+			c.SetMaxRequest(ZephyrBufSize)
+		}
 	}
 	// The status reads of the bridge's reporter and a command's requests
 	// may reach the device at once: together they keep no more in flight

@@ -286,3 +286,61 @@ func TestOldMCUmgrWithoutReassemblyIsNotTakenForReassembling(t *testing.T) {
 		t.Errorf("the device dropped %d writes", n)
 	}
 }
+
+// A device without MCUmgr parameters (CONFIG_MCUMGR_GRP_OS_MCUMGR_PARAMS
+// is off in Zephyr by default) that reassembles
+// (CONFIG_MCUMGR_TRANSPORT_BT_REASSEMBLY) runs every operation at MTU 23,
+// as one with parameters does: the bridge probes for reassembly, and for
+// Zephyr's default buffer of 384 bytes (an echo of 384 bytes, whose writes
+// after the first are all "r", which a device with shorter buffers drops
+// whole). One with shorter buffers, or without reassembly, gets one write
+// per request, as before. Before, without parameters the bridge never
+// probed: every command but the status reads failed mtu_too_small at MTU
+// 23 (bug 573).
+func TestReassemblyWithoutParametersIsProbed(t *testing.T) {
+	opts := fastLink
+	opts.MTU = 23
+	for _, tc := range []struct {
+		name  string
+		popts sim.PeripheralOptions
+		reasm bool // what the bridge should find
+	}{
+		{"reassembles", sim.PeripheralOptions{NoParams: true}, true},
+		{"reassembles into buffers of 256", sim.PeripheralOptions{NoParams: true, BufSize: 256}, false},
+		{"no reassembly", sim.PeripheralOptions{NoParams: true, NoReassembly: true}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.popts.ResetDelay, tc.popts.BootTime = 5*time.Millisecond, 5*time.Millisecond
+			d, s, _, _ := newSimPeripheral(t, opts, tc.popts, gatt.DeviceOptions{ProbeTimeout: 300 * time.Millisecond, RequestTimeout: 5 * time.Second})
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if _, err := d.Info(ctx); err != nil {
+				t.Fatalf("Info: %v", err)
+			}
+			errText := d.PushText(ctx, "0190a000-0000-7000-8000-000000000001", "", "hello")
+			errSet := d.UpdateSettings(ctx, "0190a000-0000-7000-8000-000000000002", map[string]any{"timezone": "America/Argentina/ComodRivadavia"})
+			errOTA := d.UpdateFirmware(ctx, "0190a000-0000-7000-8000-000000000003", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
+			if tc.reasm {
+				if errText != nil || errSet != nil || errOTA != nil {
+					t.Fatalf("at MTU 23 without MCUmgr parameters, reassembling: PushText = %v; UpdateSettings = %v; UpdateFirmware = %v (codes %q %q %q); want nil",
+						errText, errSet, errOTA, errorCode(errText), errorCode(errSet), errorCode(errOTA))
+				}
+				if len(s.Texts()) != 1 || s.Firmware() != "2.0.0" {
+					t.Errorf("the device has %d texts, firmware %s; want 1, 2.0.0", len(s.Texts()), s.Firmware())
+				}
+				return
+			}
+			for what, err := range map[string]error{"PushText": errText, "UpdateSettings": errSet, "UpdateFirmware": errOTA} {
+				if errorCode(err) != gatt.CodeMTUTooSmall {
+					t.Errorf("%s at MTU 23, one write per request = %v (code %q); want mtu_too_small", what, err, errorCode(err))
+				}
+			}
+			if len(s.Texts()) != 0 {
+				t.Errorf("the device shows %d texts; want none", len(s.Texts()))
+			}
+			if _, err := d.Info(ctx); err != nil {
+				t.Errorf("Info after: %v", err)
+			}
+		})
+	}
+}
