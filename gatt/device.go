@@ -1117,10 +1117,14 @@ func explainNoFreeSlot(err error, st ImageStateResponse) error {
 }
 
 // runsUnderTest reports whether the image state shows the running image
-// not confirmed: MCUboot reverts it at the next reset.
+// not confirmed: MCUboot reverts it at the next reset. Image 0's, the one
+// the bridge updates: on a two-image device, image 1 under test stands not
+// in the way of image 0's upload, and resetting for it reverted another
+// core's update and failed this one after three resets
+// (docs/reliability.md, bug 574).
 func runsUnderTest(st ImageStateResponse) bool {
 	for _, s := range st.Images {
-		if s.Active && !s.Confirmed {
+		if s.Active && !s.Confirmed && s.Image == 0 {
 			return true
 		}
 	}

@@ -24,6 +24,8 @@ type twoImages struct {
 	gatt.Connector
 	failUpload atomic.Bool
 	rc         int
+	// image1, when set, adds image 1's slots to an image state instead.
+	image1 func(*gatt.ImageStateResponse)
 }
 
 type twoImagesLink struct {
@@ -52,7 +54,10 @@ func (l *twoImagesLink) Subscribe(ctx context.Context, uuid string, fn func([]by
 			switch {
 			case h.Group == gatt.GroupImage && h.ID == gatt.CmdImageState && h.Op&1 == 1:
 				var st gatt.ImageStateResponse
-				if gatt.DecodeBody(body, &st) == nil && len(st.Images) > 0 {
+				if gatt.DecodeBody(body, &st) == nil && len(st.Images) > 0 && l.c.image1 != nil {
+					l.c.image1(&st)
+					body, _ = gatt.EncodeBody(st)
+				} else if len(st.Images) > 0 {
 					st.Images = append(st.Images,
 						gatt.ImageSlot{Image: 1, Slot: 0, Version: "0.5.0", Hash: make([]byte, 32), Bootable: true, Confirmed: true, Active: true},
 						gatt.ImageSlot{Image: 1, Slot: 1, Version: "0.6.0", Hash: append(make([]byte, 31), 1), Bootable: true, Pending: true})
@@ -133,4 +138,43 @@ func TestOTAOnATwoImageDeviceNamesImage0sPendingSlot(t *testing.T) {
 			t.Fatalf("UpdateFirmware to 3.0.0 = %v (code %q); want device_error naming image 0's pending 2.0.0+3, not image 1's 0.6.0", err, code)
 		}
 	})
+}
+
+// imageOneUnderTest makes twoImages list image 1 running an image under
+// test (slot 0 active, not confirmed; slot 1 the confirmed image MCUboot
+// reverts it to) rather than pending.
+func imageOneUnderTest(st *gatt.ImageStateResponse) {
+	st.Images = append(st.Images,
+		gatt.ImageSlot{Image: 1, Slot: 0, Version: "0.6.0", Hash: append(make([]byte, 31), 1), Bootable: true, Active: true},
+		gatt.ImageSlot{Image: 1, Slot: 1, Version: "0.5.0", Hash: make([]byte, 32), Bootable: true, Confirmed: true})
+}
+
+// On a two-image device whose image 1 runs an image under test, an update
+// of image 0 goes through as on any device: img_mgmt takes its upload
+// (image 0's slots are free), and the bridge does not reset the device to
+// revert image 0 from a test it is not under. Before, the bridge took
+// image 1's test for image 0's and reset the device three times before
+// the upload, then failed the update "the device still runs an image
+// under test after 3 resets: it does not reboot" (bug 574).
+func TestOTAOnATwoImageDeviceWithImage1UnderTest(t *testing.T) {
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}))
+	ti := &twoImages{Connector: n, image1: imageOneUnderTest}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: ti, MinBackoff: time.Millisecond, RequestTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.Close()
+		n.Close()
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	boots := s.Boots()
+	err = d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
+	if err != nil || s.Firmware() != "2.0.0" || !s.FirmwareConfirmed() || s.Boots()-boots != 1 {
+		t.Fatalf("UpdateFirmware with image 1 under test = %v (code %q); device runs %s (confirmed %v) after %d reboots; want nil, 2.0.0 confirmed after 1",
+			err, errorCode(err), s.Firmware(), s.FirmwareConfirmed(), s.Boots()-boots)
+	}
 }
