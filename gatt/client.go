@@ -885,19 +885,21 @@ func echoOf(total int) []byte {
 // CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE's default.
 const ZephyrBufSize = 384
 
-// ProbeBuffer finds out whether the device, which reassembles
-// (ProbeReassembly), takes a request of size bytes: for a device that does
-// not report its buffers (no MCUmgr parameters). It sends an OS echo of
-// that length across writes. A device whose buffer holds it answers (an
-// echo whose answer does not fit its buffer is answered rc 7, and one
-// without echo rc 8: either way it took the message). One whose buffer is
-// shorter drops the first write (Zephyr's smp_reassembly_collect: -ENOSR)
-// and takes each later write as the start of a message: every one of them
-// is "r" bytes, a header claiming 0x7272 bytes, which it drops too, so
-// nothing reaches a handler and there is no answer.
+// ProbeBuffer finds out whether the device takes a request of size bytes:
+// for a device that does not report its buffers (no MCUmgr parameters). It
+// sends an OS echo of that length, in one write when it fits one, across
+// writes otherwise (to a device that reassembles, ProbeReassembly). A
+// device whose buffer holds it answers (an echo whose answer does not fit
+// its buffer is answered rc 7, and one without echo rc 8: either way it
+// took the message). One whose buffer is shorter drops a write longer than
+// it (Zephyr's smp_bt: "SMP packet len > net_buf len"), or the first write
+// of a message longer than it (smp_reassembly_collect: -ENOSR), and takes
+// each later write as the start of a message: every one of them is "r"
+// bytes, a header claiming 0x7272 bytes, which it drops too, so nothing
+// reaches a handler and there is no answer.
 func (c *Client) ProbeBuffer(ctx context.Context, size int, timeout time.Duration) (bool, error) {
 	body := echoOf(size)
-	if body == nil || size <= c.frag {
+	if body == nil {
 		return false, fmt.Errorf("gatt: no buffer probe of %d bytes over writes of %d", size, c.frag)
 	}
 	call, err := c.send(ctx, OpWrite, GroupOS, CmdOSEcho, body)

@@ -356,6 +356,22 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 			s.reassembles = true
 			c.SetMaxRequest(ZephyrBufSize)
 		}
+	case p.BufSize == 0 && c.Frag() > ZephyrBufSize:
+		// No MCUmgr parameters and writes longer than Zephyr's default
+		// buffer: smp_bt drops a write longer than its buffer without a
+		// word, and the buffer is unknown. An echo of one whole write
+		// finds out; without an answer, requests are bounded by Zephyr's
+		// default, as bug 179 bounds them by a reported buf_size. Before,
+		// such a device lost every long request, and every upload failed
+		// (docs/reliability.md, bug 575).
+		ok, err := c.ProbeBuffer(cctx, c.Frag(), d.opts.ProbeTimeout)
+		if err != nil {
+			c.Close()
+			return nil, fmt.Errorf("buffer probe: %w", err)
+		}
+		if !ok {
+			c.SetMaxRequest(ZephyrBufSize)
+		}
 	}
 	// The status reads of the bridge's reporter and a command's requests
 	// may reach the device at once: together they keep no more in flight

@@ -5,6 +5,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -340,6 +341,80 @@ func TestReassemblyWithoutParametersIsProbed(t *testing.T) {
 			}
 			if _, err := d.Info(ctx); err != nil {
 				t.Errorf("Info after: %v", err)
+			}
+		})
+	}
+}
+
+// A device without MCUmgr parameters built for a large MTU (498) keeps
+// Zephyr's default buffers of 384 bytes unless its firmware sets others,
+// and Zephyr's smp_bt drops a write longer than its buffer without an
+// answer (with reassembly too: the message is longer than a buffer). The
+// bridge finds out with one echo as long as a write; a device that does
+// not answer it gets requests of 384 bytes at most, and every operation
+// goes through. Before, requests filled the write, and every upload, OTA
+// and long text was lost request after request and failed timeout (bug
+// 575). A device whose buffers hold a write keeps writes of MTU - 3.
+func TestWithoutParametersALargeMTUIsBoundByTheBuffer(t *testing.T) {
+	opts := fastLink
+	opts.MTU = 498
+	for _, tc := range []struct {
+		name  string
+		popts sim.PeripheralOptions
+		max   int // the longest request the bridge should send
+	}{
+		{"buffers of 384", sim.PeripheralOptions{NoParams: true, BufSize: 384, NoReassembly: true}, 384},
+		{"buffers of 384, reassembling", sim.PeripheralOptions{NoParams: true, BufSize: 384}, 384},
+		{"buffers of 2475", sim.PeripheralOptions{NoParams: true, NoReassembly: true}, 495},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.popts.ResetDelay, tc.popts.BootTime = 5*time.Millisecond, 5*time.Millisecond
+			var mu sync.Mutex
+			longest := 0
+			tap := func(_ gatt.Link, data []byte) ([]byte, error) {
+				if h, err := gatt.ParseHeader(data); err == nil && h.Group == gatt.GroupOS && h.ID == gatt.CmdOSEcho {
+					return data, nil // the probe of each connection
+				}
+				mu.Lock()
+				longest = max(longest, len(data))
+				mu.Unlock()
+				return data, nil
+			}
+			s := sim.New(sim.Options{ID: "dev-1"})
+			n := sim.NewNetwork(opts)
+			p := sim.NewPeripheral(s, tc.popts)
+			n.Add("dev-1", p)
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap}, MinBackoff: time.Millisecond,
+				ProbeTimeout: 300 * time.Millisecond, RequestTimeout: 2 * time.Second, QuietTimeout: 200 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				d.Close()
+				n.Close()
+			})
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			if _, err := d.Info(ctx); err != nil {
+				t.Fatalf("Info: %v", err)
+			}
+			dropped, connects := p.Dropped(), n.Connects() // the probe, on a device with short buffers
+			mu.Lock()
+			longest = 0
+			mu.Unlock()
+			errImg := d.PushImage(ctx, "img-1", "image/png", randomBytes(t, 20_000))
+			errOTA := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
+			if errImg != nil || errOTA != nil {
+				t.Fatalf("at MTU 498 without MCUmgr parameters: PushImage = %v; UpdateFirmware = %v; want nil, nil", errImg, errOTA)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			probes := int64(0) // dropped: one a connection (the OTA's reboot makes one)
+			if tc.max == 384 {
+				probes = n.Connects() - connects
+			}
+			if longest != tc.max || p.Dropped()-dropped != probes {
+				t.Errorf("the longest write was %d bytes and the device dropped %d writes; want %d, %d (the probes)", longest, p.Dropped()-dropped, tc.max, probes)
 			}
 		})
 	}
