@@ -186,6 +186,9 @@ func waitLog(t *testing.T, logs *testenv.Buffer, what string) {
 // restart the bridge reported the device with what it was before the disk
 // filled (docs/reliability.md, bug 174).
 func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
+	if !testenv.InChild(t) { // a file size limit: bug 590
+		return
+	}
 	b := startBroker(t)
 	w := newWatcher(t, b)
 	born := time.Now()
@@ -227,6 +230,9 @@ func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
 // stayed full (up to 65,535 messages on the embedded broker), and the
 // broker's in-flight window with it (docs/reliability.md, bug 177).
 func TestRepeatsHeldOnceWhileTheSpoolFails(t *testing.T) {
+	if !testenv.InChild(t) { // a file size limit: bug 590
+		return
+	}
 	b := startBroker(t)
 	w := newWatcher(t, b)
 	dev := newSim("dev-1")

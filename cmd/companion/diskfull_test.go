@@ -18,6 +18,9 @@ import (
 // again the same requests are accepted, without a restart, and the
 // commands accepted before are there.
 func TestDiskFullIs503(t *testing.T) {
+	if !testenv.InChild(t) { // a file size limit: bug 590
+		return
+	}
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1")
 	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
@@ -57,6 +60,9 @@ func TestDiskFullIs503(t *testing.T) {
 // the bbolt store failed for its disk, and ready again once the disk takes
 // writes, with no other request to show it.
 func TestReadyzWhileTheDiskIsFull(t *testing.T) {
+	if !testenv.InChild(t) { // a file size limit: bug 590
+		return
+	}
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1")
 	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
@@ -103,6 +109,9 @@ func readyzCannotWrite(t *testing.T, probe *client, detail string) {
 // one commits again, so that an alert sees it even when /readyz's 503 has
 // the load balancer send the server nothing (bug 340).
 func TestStoreFaultMetricWhileTheDiskIsFull(t *testing.T) {
+	if !testenv.InChild(t) { // a file size limit: bug 590
+		return
+	}
 	m := startServer(t, Config{Metrics: "127.0.0.1:0"})
 	f := setupFleet(t, m, "dev-1")
 	r := f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})

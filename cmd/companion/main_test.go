@@ -568,8 +568,10 @@ func TestRestartKeepsEverything(t *testing.T) {
 // processes of their own) call t.Parallel: go test runs them together,
 // after every other test of the package has ended, which takes minutes
 // off make test on two cores. A test that changes the process's own state
-// (t.Setenv, testenv.LimitFileSize, a package variable) must not, and none
-// of them may depend on the CPU time it gets.
+// (t.Setenv, a package variable) must not, and none of them may depend on
+// the CPU time it gets. What cannot be taken back, or reaches the test
+// binary's own files (a seccomp filter, a file size limit), runs in a
+// child process of its own (testenv.InChild).
 func TestMain(m *testing.M) {
 	if runBenchRole() {
 		return

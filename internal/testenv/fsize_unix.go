@@ -12,10 +12,21 @@ import (
 // (RLIMIT_FSIZE; Go ignores SIGXFSZ, so they fail with EFBIG), as a full
 // disk fails them, until the returned func lifts the limit (the test's
 // cleanup does too). Pipes and sockets are not files: logs and
-// connections go on. The limit is the whole process's, so a test that
-// sets it must not be parallel (parallel tests run only after it).
+// connections go on.
+//
+// The limit is the whole process's, the test binary's own files included:
+// the test log go test asks for when it may cache the result
+// (-test.testlogfile), written through a buffer that keeps the first
+// error, ended the binary "testing: can't write testlog.txt: file too
+// large" after every test passed, when the buffer was flushed while a
+// limit held (bug 590); a coverage profile, or another test's file, fails
+// the same way. So LimitFileSize runs only in a child process of the test
+// (InChild), and fails the test anywhere else.
 func LimitFileSize(tb testing.TB, n int64) (lift func()) {
 	tb.Helper()
+	if !isChild(tb) {
+		tb.Fatalf("LimitFileSize limits the whole test binary's files: call it only after testenv.InChild(t) (bug 590)")
+	}
 	var old syscall.Rlimit
 	if err := syscall.Getrlimit(syscall.RLIMIT_FSIZE, &old); err != nil {
 		tb.Fatal(err)

@@ -183,19 +183,28 @@ func (w *Buffer) String() string {
 	return w.b.String()
 }
 
+// childEnv names, in a child process InChild started, the test it runs.
+const childEnv = "COMPANION_TEST_CHILD"
+
+// isChild reports whether this process is the child InChild started for
+// tb's test.
+func isChild(tb testing.TB) bool {
+	return os.Getenv(childEnv) == tb.Name()
+}
+
 // InChild runs the test alone in a child process of the test binary and
 // reports whether this is that child, where the test goes on: for faults
-// the process cannot take back (a seccomp filter, testenv.FailSyscalls) or
-// that may end it (SIGBUS). In the parent the child has run, the test
+// the process cannot take back (a seccomp filter, testenv.FailSyscalls),
+// that may end it (SIGBUS), or that the test binary's own files must not
+// meet (a file size limit, testenv.LimitFileSize). In the parent the child has run, the test
 // failed with its output if it failed, and the test returns.
 func InChild(t *testing.T) bool {
 	t.Helper()
-	const env = "COMPANION_TEST_CHILD"
-	if os.Getenv(env) == t.Name() {
+	if isChild(t) {
 		return true
 	}
 	cmd := exec.Command(os.Args[0], "-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.v")
-	cmd.Env = append(os.Environ(), env+"="+t.Name())
+	cmd.Env = append(os.Environ(), childEnv+"="+t.Name())
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("the child: %v\n%s", err, out)
