@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"testing"
 	"time"
 
@@ -114,13 +113,19 @@ func TestBrokerListFailsOver(t *testing.T) {
 // NATS does while a node's JetStream leaders are elected) leaves the server
 // not ready, and it asks again until the broker grants it; then commands
 // run.
+//
+// The refusal is a role of its own given to the server's account before
+// its other roles (a higher priority): the admin role mosquitto_ctrl
+// dynsec init makes grants reading #, and the plugin takes the first ACL
+// that matches, role after role.
 func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 	mq := mqtttest.StartMosquitto(t, serverAccount)
-	acl := map[string]any{"rolename": "mqtttest-" + serverAccount.Username, "acltype": "subscribeLiteral",
-		"topic": "companion/v1/devices/+/replies"}
-	deny := map[string]any{"command": "addRoleACL", "priority": 100, "allow": false}
-	maps.Copy(deny, acl)
-	for _, r := range mq.Dynsec(t, deny) {
+	for _, r := range mq.Dynsec(t,
+		map[string]any{"command": "createRole", "rolename": "refuse-replies", "acls": []map[string]any{
+			{"acltype": "subscribeLiteral", "topic": "companion/v1/devices/+/replies", "allow": false},
+		}},
+		map[string]any{"command": "addClientRole", "username": serverAccount.Username, "rolename": "refuse-replies", "priority": 100},
+	) {
 		require.Empty(t, r.Error, "%s", r.Command)
 	}
 	refused := newLogSignal("MQTT subscriptions refused")
@@ -133,10 +138,7 @@ func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 	}
 	require.False(t, m.Broker.Ready(), "ready without its subscription to the replies")
 
-	allow := map[string]any{"command": "removeRoleACL"}
-	maps.Copy(allow, acl)
-	delete(allow, "priority")
-	for _, r := range mq.Dynsec(t, allow) {
+	for _, r := range mq.Dynsec(t, map[string]any{"command": "removeClientRole", "username": serverAccount.Username, "rolename": "refuse-replies"}) {
 		require.Empty(t, r.Error, "%s", r.Command)
 	}
 	testenv.Eventually(t, 20*time.Second, "ready once the broker grants it", m.Broker.Ready)

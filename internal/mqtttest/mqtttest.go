@@ -48,9 +48,11 @@ type MosquittoAccount struct {
 	// ("read": subscribePattern and publishClientReceive, "write":
 	// publishClientSend). Anything not granted is refused.
 	ACL []string
-	// Admin makes the account the dynamic-security plugin's admin: it may
+	// Admin gives the account the role mosquitto_ctrl dynsec init gives
+	// its admin, as docs/mosquitto.md makes the server's account: it may
 	// publish to $CONTROL/dynamic-security/# and read the responses, as
-	// the server's account must with --mqtt-dynsec.
+	// the server's account must with --mqtt-dynsec, and read every topic,
+	// $SYS/# included.
 	Admin bool
 }
 
@@ -332,12 +334,30 @@ func rewriteConf(src []byte, port int, dir, logPath, plugin, dynsecPath string, 
 // which AddAccount and Dynsec use.
 const AdminUsername = "mqtttest-admin"
 
-// adminACLs are what `mosquitto_ctrl dynsec init` grants its admin user.
-var adminACLs = []dynsecACL{
-	{Type: "publishClientSend", Topic: "$CONTROL/dynamic-security/#", Allow: true},
-	{Type: "publishClientReceive", Topic: "$CONTROL/dynamic-security/#", Allow: true},
-	{Type: "subscribePattern", Topic: "$CONTROL/dynamic-security/#", Allow: true},
-}
+// adminRole and adminACLs are the role `mosquitto_ctrl dynsec init` gives
+// its admin user (docs/mosquitto.md, section 2, makes the server's account
+// so), and initDefaultACLAccess the plugin's default access it writes:
+// every client may receive what it subscribed to, until the server, as it
+// connects, refuses that by default (setDefaultACLAccess). The tests run
+// against what users run (TestAdminIsWhatDynsecInitMakes, bug 591).
+const adminRole = "admin"
+
+var (
+	adminACLs = []dynsecACL{
+		{Type: "publishClientSend", Topic: "$CONTROL/dynamic-security/#", Allow: true},
+		{Type: "publishClientReceive", Topic: "$CONTROL/dynamic-security/#", Allow: true},
+		{Type: "subscribePattern", Topic: "$CONTROL/dynamic-security/#", Allow: true},
+		{Type: "publishClientReceive", Topic: "$SYS/#", Allow: true},
+		{Type: "subscribePattern", Topic: "$SYS/#", Allow: true},
+		{Type: "publishClientReceive", Topic: "#", Allow: true},
+		{Type: "subscribePattern", Topic: "#", Allow: true},
+		{Type: "unsubscribePattern", Topic: "#", Allow: true},
+	}
+	initDefaultACLAccess = map[string]bool{
+		"publishClientSend": false, "publishClientReceive": true,
+		"subscribe": false, "unsubscribe": true,
+	}
+)
 
 type dynsecACL struct {
 	Type  string `json:"acltype"`
@@ -410,18 +430,16 @@ func aclOf(lines []string) ([]dynsecACL, error) {
 func roleOf(username string) string { return "mqtttest-" + username }
 
 // writeDynsec writes the plugin's configuration before the first start:
-// the helper's admin, the accounts, and nothing allowed by default.
+// the helper's admin, as mosquitto_ctrl dynsec init makes it, and the
+// accounts.
 func (m *Mosquitto) writeDynsec() error {
 	cfg := struct {
 		Clients          []dynsecClient  `json:"clients"`
 		Roles            []dynsecRole    `json:"roles"`
 		DefaultACLAccess map[string]bool `json:"defaultACLAccess"`
 	}{
-		Roles: []dynsecRole{{Name: "dynsec-admin", ACLs: adminACLs}},
-		DefaultACLAccess: map[string]bool{
-			"publishClientSend": false, "publishClientReceive": false,
-			"subscribe": false, "unsubscribe": true,
-		},
+		Roles:            []dynsecRole{{Name: adminRole, ACLs: adminACLs}},
+		DefaultACLAccess: initDefaultACLAccess,
 	}
 	add := func(user, pass string, roles ...string) error {
 		h, salt, err := hashPassword(pass)
@@ -435,7 +453,7 @@ func (m *Mosquitto) writeDynsec() error {
 		cfg.Clients = append(cfg.Clients, c)
 		return nil
 	}
-	if err := add(AdminUsername, m.adminPass, "dynsec-admin"); err != nil {
+	if err := add(AdminUsername, m.adminPass, adminRole); err != nil {
 		return err
 	}
 	for _, a := range m.accounts {
@@ -449,7 +467,7 @@ func (m *Mosquitto) writeDynsec() error {
 		cfg.Roles = append(cfg.Roles, dynsecRole{Name: roleOf(a.Username), ACLs: acls})
 		roles := []string{roleOf(a.Username)}
 		if a.Admin {
-			roles = append(roles, "dynsec-admin")
+			roles = append(roles, adminRole)
 		}
 		if err := add(a.Username, a.Password, roles...); err != nil {
 			return err
@@ -473,7 +491,7 @@ func (m *Mosquitto) AddAccount(tb testing.TB, a MosquittoAccount) {
 	}
 	roles := []map[string]any{{"rolename": roleOf(a.Username)}}
 	if a.Admin {
-		roles = append(roles, map[string]any{"rolename": "dynsec-admin"})
+		roles = append(roles, map[string]any{"rolename": adminRole})
 	}
 	for _, r := range m.Dynsec(tb,
 		map[string]any{"command": "createRole", "rolename": roleOf(a.Username), "acls": acls},
