@@ -239,8 +239,9 @@ func docsCommandLines(tb testing.TB, root, prog string) (lines, files []string) 
 var docFlag = regexp.MustCompile(`(?:^|\s)--([a-z][a-z0-9-]*)`)
 
 // Every flag a command line of the README or of docs/*.md gives companion
-// is a flag of that command (docs/mosquitto.md's and docs/provisioning.md's
-// lines are not run by any test; a renamed flag left them failing).
+// is a flag of that command (docs/provisioning.md's lines, and those of
+// docs/mosquitto.md but its section 2's, TestMosquittoDocAccountsWork, are
+// not run by any test; a renamed flag left them failing).
 func TestDocsCommandLinesNameRealFlags(t *testing.T) {
 	var subs []string
 	for _, c := range commands {

@@ -107,9 +107,27 @@ func StartMosquittoStatic(tb testing.TB, acl []byte, accounts ...MosquittoAccoun
 	return startMosquitto(tb, acl, accounts)
 }
 
+// StartMosquittoInit starts Mosquitto as StartMosquitto does, but with
+// the dynamic-security file that dynsecInit writes, given its path, before the
+// first start, in place of the helper's admin and accounts: as
+// docs/mosquitto.md, section 2, has the operator run mosquitto_ctrl
+// dynsec init, then start Mosquitto. Dynsec and AddAccount are not for it
+// (the helper has no admin of its own there).
+func StartMosquittoInit(tb testing.TB, dynsecInit func(dynsecPath string) error) *Mosquitto {
+	tb.Helper()
+	return startMosquittoWith(tb, nil, nil, dynsecInit)
+}
+
 // startMosquitto starts Mosquitto with the dynamic-security plugin, or
 // with a password and an ACL file when acl is not nil.
 func startMosquitto(tb testing.TB, acl []byte, accounts []MosquittoAccount) *Mosquitto {
+	tb.Helper()
+	return startMosquittoWith(tb, acl, accounts, nil)
+}
+
+// startMosquittoWith is startMosquitto, with the dynamic-security file
+// written by dynsecInit when it is not nil.
+func startMosquittoWith(tb testing.TB, acl []byte, accounts []MosquittoAccount, dynsecInit func(dynsecPath string) error) *Mosquitto {
 	tb.Helper()
 	bin := findBinary("mosquitto")
 	plugin := findPlugin()
@@ -144,9 +162,12 @@ func startMosquitto(tb testing.TB, acl []byte, accounts []MosquittoAccount) *Mos
 		tb.Fatalf("mqtttest: %v", err)
 	}
 	m.accounts = accounts
-	if files != nil {
+	switch {
+	case files != nil:
 		err = writeStatic(passwd, files, acl, accounts)
-	} else {
+	case dynsecInit != nil:
+		err = dynsecInit(m.dynsecPath)
+	default:
 		err = m.writeDynsec()
 	}
 	if err != nil {
