@@ -71,3 +71,17 @@ func adminRoutes(tb testing.TB) []string {
 	require.GreaterOrEqual(tb, len(routes), 9, "admin operations in api/openapi.json")
 	return routes
 }
+
+// TestReadmeNamesEveryAdminRoute checks that the README, where the admin
+// CLI's commands are each "one HTTP call that a provisioning system can
+// make directly", names every admin operation of api/openapi.json, as
+// `METHOD PATH`. Before, it named six, in part abbreviated, and not the
+// calls of `user token` and `bridge secret` it shows (bug 594).
+func TestReadmeNamesEveryAdminRoute(t *testing.T) {
+	doc := strings.Join(strings.Fields(string(testenv.ReadRepoFile(t, "README.md"))), " ")
+	for _, r := range adminRoutes(t) {
+		if !strings.Contains(doc, "`"+r+"`") {
+			t.Errorf("README.md does not name the admin route `%s` of api/openapi.json", r)
+		}
+	}
+}
