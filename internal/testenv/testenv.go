@@ -197,13 +197,23 @@ func isChild(tb testing.TB) bool {
 // the process cannot take back (a seccomp filter, testenv.FailSyscalls),
 // that may end it (SIGBUS), or that the test binary's own files must not
 // meet (a file size limit, testenv.LimitFileSize). In the parent the child has run, the test
-// failed with its output if it failed, and the test returns.
+// failed with its output if it failed, and the test returns. The child
+// has the parent's time less a margin (-test.timeout), so that one that
+// hangs fails the test with its goroutines rather than outlive it.
 func InChild(t *testing.T) bool {
 	t.Helper()
 	if isChild(t) {
 		return true
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.v")
+	args := []string{"-test.run=^" + regexp.QuoteMeta(t.Name()) + "$", "-test.v"}
+	if d, ok := t.Deadline(); ok {
+		// The child times out a little before the parent, so that a child
+		// that hangs ends, and says where, rather than outlive the parent
+		// (bug 595).
+		left := time.Until(d)
+		args = append(args, "-test.timeout="+(left-min(left/10, 5*time.Second)).String())
+	}
+	cmd := exec.Command(os.Args[0], args...)
 	cmd.Env = append(os.Environ(), childEnv+"="+t.Name())
 	out, err := cmd.CombinedOutput()
 	if err != nil {
