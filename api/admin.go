@@ -394,12 +394,12 @@ func publishRelease(sha string, read func() (string, error), put func() error, e
 // catalogJSON is one app of the catalog: its latest release and every
 // version published.
 type catalogJSON struct {
-	AppID     string     `json:"app_id"`
-	Version   string     `json:"version"`
-	SHA256    string     `json:"sha256"`
-	Size      int64      `json:"size"`
-	CreatedAt *time.Time `json:"created_at"`
-	Versions  []string   `json:"versions"`
+	AppID     string   `json:"app_id"`
+	Version   string   `json:"version"`
+	SHA256    string   `json:"sha256"`
+	Size      int64    `json:"size"`
+	CreatedAt apiTime  `json:"created_at"`
+	Versions  []string `json:"versions"`
 }
 
 // appCatalog answers a page of the app catalog, in app id order, each app

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"time"
 
 	"github.com/devicecompanion/companion"
 
@@ -118,9 +117,9 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 }
 
 type userBridgeJSON struct {
-	BridgeID  string     `json:"bridge_id"`
-	Devices   []string   `json:"devices"`
-	CreatedAt *time.Time `json:"created_at"`
+	BridgeID  string   `json:"bridge_id"`
+	Devices   []string `json:"devices"`
+	CreatedAt apiTime  `json:"created_at"`
 }
 
 // listUserBridges answers the caller's own bridges, with the devices each

@@ -576,7 +576,7 @@ type settingsJSON struct {
 	Desired   map[string]json.RawMessage `json:"desired"`
 	Pending   []string                   `json:"pending"`
 	Schema    json.RawMessage            `json:"schema"`
-	UpdatedAt *time.Time                 `json:"updated_at"`
+	UpdatedAt apiTime                    `json:"updated_at"`
 }
 
 func (s *Server) getSettings(c *gin.Context) error {

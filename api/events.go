@@ -402,16 +402,16 @@ type commandEventJSON struct {
 	State    string                  `json:"state"`
 	Progress *int                    `json:"progress,omitempty"`
 	Error    *companion.CommandError `json:"error,omitempty"`
-	At       *time.Time              `json:"at"`
+	At       apiTime                 `json:"at"`
 }
 
 type deviceEventJSON struct {
-	DeviceID        string     `json:"device_id"`
-	Online          bool       `json:"online"`
-	Battery         *int       `json:"battery"`
-	FirmwareVersion *string    `json:"firmware_version"`
-	Apps            []appJSON  `json:"apps"`
-	At              *time.Time `json:"at"`
+	DeviceID        string    `json:"device_id"`
+	Online          bool      `json:"online"`
+	Battery         *int      `json:"battery"`
+	FirmwareVersion *string   `json:"firmware_version"`
+	Apps            []appJSON `json:"apps"`
+	At              apiTime   `json:"at"`
 }
 
 // eventFrame is ev as a stream writes it, its id, name and data lines
