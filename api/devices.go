@@ -144,7 +144,7 @@ func (s *Server) registerDevice(c *gin.Context) error {
 	case !errors.Is(err, companion.ErrNotFound):
 		return err
 	}
-	if !companion.SecretMatches(req.ClaimCode, want) || err != nil {
+	if !claimMatches(req.ClaimCode, want) || err != nil {
 		return errInvalidClaim
 	}
 
