@@ -242,6 +242,19 @@ func (b *Broker) parseInbound(m mqtt.Message) inbound {
 	return in
 }
 
+// warnBadAt logs a bridge's message whose `at` is no time the server
+// reads (topics.Reply.BadAt, its JSON as written), once a minute per
+// device and kind of message: the message is taken without it, and the
+// bridge breaks the contract (docs/asyncapi.yaml: RFC 3339 with a time
+// zone), which its operator should hear of (bug 512).
+func (b *Broker) warnBadAt(what, deviceID, bad string) {
+	if bad == "" {
+		return
+	}
+	b.noisy.Warn("bad at\x00"+what+"\x00"+deviceID, "a bridge's at is no RFC 3339 time (a time zone, Z or an offset, is required); the message is taken without it",
+		"device_id", deviceID, "message", what, "at", bad)
+}
+
 // take takes one message in: it hands what it says to the store, and
 // acknowledges it once the store has it on disk. It never waits for the
 // disk: intake calls it for one message at a time, in the order paho
@@ -281,6 +294,13 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
+		b.warnBadAt("reply", t.DeviceID, in.r.BadAt)
+		if in.r.Status != nil {
+			b.warnBadAt("reply's status", t.DeviceID, in.r.Status.BadAt)
+		}
+		if in.r.Settings != nil {
+			b.warnBadAt("reply's settings", t.DeviceID, in.r.Settings.BadAt)
+		}
 		if in.final {
 			// A repeat of a final reply, most likely (the bridge answers
 			// every repeat of a command it finished): the store would
@@ -303,6 +323,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
+		b.warnBadAt("status", t.DeviceID, s.BadAt)
 		live := !m.Retained()
 		b.gate.admit(topics.KindStatus, t.DeviceID, func(late bool) {
 			bridge, err := bridges[t.DeviceID], readErr
@@ -322,6 +343,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
+		b.warnBadAt("settings", t.DeviceID, s.BadAt)
 		live := !m.Retained()
 		b.gate.admit(topics.KindSettings, t.DeviceID, func(late bool) {
 			bridge, err := bridges[t.DeviceID], readErr

@@ -55,6 +55,9 @@ type Reply struct {
 	Error     *Error          `json:"error,omitempty"`
 	Result    json.RawMessage `json:"result,omitempty"`
 	At        time.Time       `json:"at"`
+	// BadAt is the `at` as the bridge wrote it when it was no time the
+	// server reads (At is then zero), for the server to log (bug 512).
+	BadAt string `json:"-"`
 
 	// The device's state after the command, in a final reply of a command
 	// that changed it (CONTRACT §8): the status after an app or OTA
@@ -76,6 +79,7 @@ type Status struct {
 	BridgeID        string          `json:"bridge_id"`
 	At              time.Time       `json:"at"`
 	Seq             uint64          `json:"seq"`
+	BadAt           string          `json:"-"` // as Reply's
 }
 
 // Setting types of a settings schema.
@@ -106,6 +110,7 @@ type Settings struct {
 	Schema   Schema         `json:"schema"`
 	At       time.Time      `json:"at"`
 	Seq      uint64         `json:"seq"`
+	BadAt    string         `json:"-"` // as Reply's
 }
 
 // Blob references binary content the bridge fetches over HTTP, by SHA-256.

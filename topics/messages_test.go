@@ -35,6 +35,8 @@ func TestParseReply(t *testing.T) {
 		`{"command_id":"` + id + `","state":"failed","error":{"code":"x","message":"y"}}`,
 		`{"command_id":"` + id + `","state":"succeeded","status":{"online":true,"battery":80,"firmware_version":"1.0.0","apps":[{"app_id":"clock","version":"1.0.0"}],"bridge_id":"b1","at":"2026-01-01T00:00:00Z","seq":7}}`,
 		`{"command_id":"` + id + `","state":"succeeded","settings":{"reported":{"volume":70},"schema":{},"seq":8}}`,
+		// An `at` that is no time is taken as none, in BadAt (bug 512).
+		`{"command_id":"` + id + `","state":"delivered","at":"yesterday"}`,
 	}
 	for _, in := range ok {
 		if _, err := ParseReply([]byte(in)); err != nil {
@@ -48,7 +50,6 @@ func TestParseReply(t *testing.T) {
 		`{"command_id":"` + id + `","state":"nope"}`,
 		`{"command_id":"` + id + `","state":"in_progress","progress":101}`,
 		`{"command_id":"` + id + `","state":"in_progress","progress":-1}`,
-		`{"command_id":"` + id + `","state":"delivered","at":"yesterday"}`,
 		`{"command_id":"` + id + `","state":"delivered","x":"` + strings.Repeat("a", MaxPayload) + `"}`,
 		// The device's state comes with a final reply only, and is checked
 		// as its own message is.

@@ -81,6 +81,7 @@ func (s *Settings) UnmarshalJSON(b []byte) error {
 	var w struct {
 		plain
 		Seq wholeUint64 `json:"seq"` // bug 373
+		At  bridgeTime  `json:"at"`  // bug 512
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.UseNumber()
@@ -89,6 +90,7 @@ func (s *Settings) UnmarshalJSON(b []byte) error {
 	}
 	p := w.plain
 	p.Seq = uint64(w.Seq)
+	p.At, p.BadAt = w.At.t, w.At.bad
 	for k, v := range p.Reported {
 		p.Reported[k] = exactNumbers(v)
 	}

@@ -102,12 +102,14 @@ func (s *Status) UnmarshalJSON(b []byte) error {
 		plain
 		Battery *wholeInt   `json:"battery"`
 		Seq     wholeUint64 `json:"seq"`
+		At      bridgeTime  `json:"at"`
 	}
 	if err := json.Unmarshal(b, &p); err != nil {
 		return err
 	}
 	*s = Status(p.plain)
 	s.Battery, s.Seq = intOf(p.Battery), uint64(p.Seq)
+	s.At, s.BadAt = p.At.t, p.At.bad
 	return nil
 }
 
@@ -116,13 +118,15 @@ func (r *Reply) UnmarshalJSON(b []byte) error {
 	type plain Reply
 	var p struct {
 		plain
-		Progress *wholeInt `json:"progress"`
+		Progress *wholeInt  `json:"progress"`
+		At       bridgeTime `json:"at"`
 	}
 	if err := json.Unmarshal(b, &p); err != nil {
 		return err
 	}
 	*r = Reply(p.plain)
 	r.Progress = intOf(p.Progress)
+	r.At, r.BadAt = p.At.t, p.At.bad
 	return nil
 }
 
