@@ -149,6 +149,9 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 		// one with a control character (a line break read in with it)
 		// could never be registered.
 		fields = append(fields, checkText("claim_code", req.ClaimCode, "", " (it is typed from the device's label)")...)
+		if strings.TrimSpace(req.ClaimCode) == "" {
+			fields = append(fields, FieldError{Field: "claim_code", Message: "must not be only spaces"})
+		}
 	}
 	if !topics.ValidDeviceID(req.Model) {
 		fields = append(fields, FieldError{Field: "model", Message: "must be 1 to 64 of A-Z a-z 0-9 . _ : -"})
@@ -163,7 +166,7 @@ func (s *Server) adminProvisionDevice(c *gin.Context) error {
 	if err := validationError(fields); err != nil {
 		return err
 	}
-	d := companion.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: companion.HashSecret(req.ClaimCode), CreatedAt: s.now(), BridgeID: bridge}
+	d := companion.RegistryDevice{ID: req.DeviceID, Model: req.Model, ClaimHash: companion.HashSecret(provisionedClaim(req.ClaimCode)), CreatedAt: s.now(), BridgeID: bridge}
 	ctx := c.Request.Context()
 	out := provisionJSON{DeviceID: d.ID, Model: d.Model, BridgeID: stringOrNull(bridge)}
 	actx, err := withAnswer(ctx, rec, http.StatusCreated, out, "")

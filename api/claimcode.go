@@ -24,6 +24,13 @@ func claimMatches(typed string, hash []byte) bool {
 	return ok
 }
 
+// provisionedClaim is the code whose hash is kept for a device
+// provisioned with code: without the spaces around it, which a factory
+// line's CSV or a spreadsheet's cell carries and its label does not
+// show. Registering trims what is typed (claimForms), so the code with
+// its spaces registers too (docs/reliability.md, bug 513).
+func provisionedClaim(code string) string { return strings.TrimSpace(code) }
+
 // claimForms returns typed and the forms of it a provisioned code may
 // have: its case folded either way (a code in one case: base32 upper,
 // hex lower), regrouped in fours by dashes (docs/provisioning.md's

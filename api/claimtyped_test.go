@@ -52,3 +52,23 @@ func TestClaimFormsBounded(t *testing.T) {
 		assert.Equal(t, typed, forms[0], "claimForms(%q) tries the code as typed first", typed)
 	}
 }
+
+// TestClaimCodeProvisionedWithSpaces provisions a code with a space
+// around it, as a factory line's CSV or a copy from a spreadsheet
+// carries it: the label shows none, so the code registers without it,
+// and with it. A code of spaces alone is refused (bug 513).
+func TestClaimCodeProvisionedWithSpaces(t *testing.T) {
+	e := newEnv(t)
+	e.provision("dev-1", " 5QDU-622O-U2X4-KPZ2-SFN2\u00a0", "sim-1")
+	for i, typed := range []string{"5QDU-622O-U2X4-KPZ2-SFN2", " 5QDU-622O-U2X4-KPZ2-SFN2\u00a0"} {
+		tok := e.user(fmt.Sprintf("user %d", i))
+		r := e.do("POST", "/api/v1/devices/register", tok, map[string]any{"device_id": "dev-1", "claim_code": typed})
+		assert.Equal(t, http.StatusCreated, r.status, "register with %q: %s", typed, r.body)
+		if r.status == http.StatusCreated {
+			assert.Equal(t, http.StatusNoContent, e.do("DELETE", "/api/v1/devices/dev-1", tok, nil).status, "unbind")
+		}
+	}
+	r := e.do("POST", "/api/v1/admin/devices", testAdminToken, map[string]any{"device_id": "dev-2", "claim_code": "   ", "model": "sim-1"})
+	assert.Equal(t, http.StatusUnprocessableEntity, r.status, "%s", r.body)
+	assert.Equal(t, []string{"claim_code"}, r.problem(t).fields())
+}
