@@ -67,6 +67,16 @@ func (e *errSpoolNewer) Error() string {
 		e.path, e.version, spoolVersion)
 }
 
+// ErrSpoolNewer is what errors.Is finds in the error of New or Run when
+// the spool was written by a newer bridge, which this build refuses: it
+// would refuse it again at every start until a person starts the newer
+// bridge again or moves the spool aside (companion-bridge exits 65 on it,
+// as on a damaged spool, and its unit does not restart it: bug 550).
+var ErrSpoolNewer = errors.New("the spool was written by a newer bridge")
+
+// Is makes errors.Is(err, ErrSpoolNewer) hold.
+func (e *errSpoolNewer) Is(target error) bool { return target == ErrSpoolNewer }
+
 // checkSpoolVersion refuses a spool of a later version than this build's
 // (errSpoolNewer), and marks one of none, or an earlier, as this build's.
 func checkSpoolVersion(tx *bolt.Tx, path string) error {

@@ -30,6 +30,7 @@ import (
 	"testing"
 	"time"
 
+	bolt "go.etcd.io/bbolt"
 	"golang.org/x/sys/unix"
 
 	"github.com/devicecompanion/companion/internal/testenv"
@@ -1171,5 +1172,65 @@ func TestAdminCLISaysWhereTheUnitKeepsTheToken(t *testing.T) {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("the CLI without an admin token does not say %q (companion.service keeps it in %s):\n%s", want, state, out)
 		}
+	}
+}
+
+// A server on a store, and a bridge on a spool, that a newer build wrote
+// (the binary taken back to an older one) refuse it with an exit status
+// their unit does not restart, and say what to do: each start refuses it
+// again until a person installs the newer build again or moves the file
+// aside, so a restart every RestartSec only hid it, the unit "activating
+// (auto-restart)" rather than failed. Bug 550.
+func TestSystemdDoesNotRestartOnNewerData(t *testing.T) {
+	bins := builtCommands(t)
+	for _, tc := range []struct {
+		unit, command, file, bucket, key, version, hint string
+		args                                            []string
+	}{
+		{"companion.service", "companion", "companion.db", "meta", "schema_version", "9999", "newer", []string{"serve",
+			"--http", "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+			"--mqtt-listen", "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))}},
+		{"companion-bridge.service", "companion-bridge", "spool.db", "meta", "version", "99", "newer", []string{
+			"--mqtt-url", "tcp://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+			"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001"}},
+	} {
+		t.Run(tc.unit, func(t *testing.T) {
+			settings := serviceSettings(t, tc.unit)
+			data := t.TempDir()
+			db, err := bolt.Open(filepath.Join(data, tc.file), 0o600, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = db.Update(func(tx *bolt.Tx) error {
+				b, err := tx.CreateBucketIfNotExists([]byte(tc.bucket))
+				if err != nil {
+					return err
+				}
+				return b.Put([]byte(tc.key), []byte(tc.version))
+			})
+			if cerr := db.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, filepath.Join(bins, tc.command), append(tc.args, "--data", data)...)
+			cmd.Env = os.Environ()
+			for _, e := range settings["Environment"] {
+				cmd.Env = append(cmd.Env, strings.Fields(e)...)
+			}
+			cmd.Env = append(cmd.Env, "COMPANION_DATA="+data)
+			out, err := cmd.CombinedOutput()
+			if err == nil || !strings.Contains(string(out), tc.file) || !strings.Contains(string(out), tc.hint) {
+				t.Fatalf("%s on a %s of a newer build: %v; want a refusal naming the file and saying it is %s:\n%s",
+					tc.command, tc.file, err, tc.hint, out)
+			}
+			if restarts(t, settings, cmd.ProcessState) {
+				t.Errorf("%s restarts %s after it refused a %s of a newer build (%v), every RestartSec for good:\n%s",
+					tc.unit, tc.command, tc.file, cmd.ProcessState, out)
+			}
+		})
 	}
 }

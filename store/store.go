@@ -344,7 +344,11 @@ func (db *DB) migrate() error {
 			return err
 		}
 		if from > SchemaVersion {
-			return fmt.Errorf("%w: file has schema %d, this build knows %d", companion.ErrSchemaTooNew, from, SchemaVersion)
+			// The file named, and what to do: the server exits 65 on
+			// it, not restarted by its unit (bug 550).
+			return fmt.Errorf("%w: %s has schema %d, this build knows %d; the server has not changed it: start the newer build on it again, "+
+				"or, to go back, put back the copy of the data directory kept before the upgrade (docs/operations.md, Upgrading)",
+				companion.ErrSchemaTooNew, db.path, from, SchemaVersion)
 		}
 		for v := from; v < SchemaVersion; v++ {
 			if err := migrations[v](tx); err != nil {

@@ -79,7 +79,7 @@ func main() {
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "companion-bridge:", err)
-		if errors.Is(err, agent.ErrSpoolUnreadable) {
+		if errors.Is(err, agent.ErrSpoolUnreadable) || errors.Is(err, agent.ErrSpoolNewer) {
 			os.Exit(exitDamagedData)
 		}
 		os.Exit(1)
@@ -87,7 +87,8 @@ func main() {
 }
 
 // exitDamagedData is the exit status of a bridge that refuses its damaged
-// spool (agent.ErrSpoolUnreadable): 65, BSD's EX_DATAERR. Every start
+// spool (agent.ErrSpoolUnreadable), or a spool a newer bridge wrote
+// (agent.ErrSpoolNewer, bug 550): 65, BSD's EX_DATAERR. Every start
 // would refuse it again until a person restores or moves it, so the
 // systemd unit does not restart on it (RestartPreventExitStatus), as it
 // does on status 1 (bug 451).

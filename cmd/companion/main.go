@@ -28,6 +28,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
 	"github.com/devicecompanion/companion/internal/signals"
@@ -69,7 +70,7 @@ func main() {
 			os.Exit(2)
 		}
 		fmt.Fprintln(os.Stderr, "companion:", err)
-		if errors.Is(err, store.ErrDamaged) {
+		if errors.Is(err, store.ErrDamaged) || errors.Is(err, companion.ErrSchemaTooNew) {
 			os.Exit(exitDamagedData)
 		}
 		os.Exit(1)
@@ -77,10 +78,12 @@ func main() {
 }
 
 // exitDamagedData is the exit status of a server that refuses its damaged
-// bbolt file (store.ErrDamaged): 65, BSD's EX_DATAERR. Every start would
-// refuse it again until a person restores or moves it, so the systemd
-// unit does not restart on it (RestartPreventExitStatus), as it does on
-// status 1 (bug 451).
+// bbolt file (store.ErrDamaged), or a store a newer build wrote
+// (companion.ErrSchemaTooNew: the binary taken back, bug 550): 65, BSD's
+// EX_DATAERR. Every start would refuse it again until a person restores or
+// moves it, or starts the newer build again, so the systemd unit does not
+// restart on it (RestartPreventExitStatus), as it does on status 1 (bug
+// 451).
 const exitDamagedData = 65
 
 // usageError is a mistake on the command line (exit status 2).
