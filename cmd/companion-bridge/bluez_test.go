@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,17 +19,19 @@ import (
 
 // --bluez-adapter chooses the adapter of --gatt bluez: on a gateway with
 // two (a built-in one and a USB one for range), the bridge used hci0,
-// with no way to choose the other (docs/reliability.md, bug 411).
+// with no way to choose the other (docs/reliability.md, bug 411). One that
+// is not there is waited for, with a warning naming those there are
+// (bug 551: the bridge exited before, restarted every 2 s).
 func TestBluezAdapterFlag(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.Replug("/org/bluez/hci1") // BlueZ has hci1 only
 	for _, tc := range []struct {
-		adapter string
-		wantErr string
+		adapter  string
+		wantWarn string
 	}{
 		{adapter: "hci1"},
 		{adapter: fakebluez.AdapterAddr},
-		{adapter: "hci0", wantErr: `no adapter "hci0"`},
+		{adapter: "hci0", wantWarn: `no adapter \"hci0\"; BlueZ has hci1`},
 	} {
 		t.Run(tc.adapter, func(t *testing.T) {
 			m := NewMain()
@@ -36,15 +39,60 @@ func TestBluezAdapterFlag(t *testing.T) {
 			if err := m.ParseFlags([]string{"--bridge-id", "b1", "--bridge-secret", "s", "--gatt", "bluez", "--devices", "d1", "--bluez-adapter", tc.adapter}); err != nil {
 				t.Fatalf("ParseFlags: %v", err)
 			}
-			_, _, err := m.connector(slog.New(slog.DiscardHandler))
+			logs := &strings.Builder{}
+			_, _, err := m.connector(slog.New(slog.NewTextHandler(logs, nil)))
 			m.Close()
-			switch {
-			case tc.wantErr == "" && err != nil:
+			if err != nil {
 				t.Fatalf("connector with --bluez-adapter %s: %v", tc.adapter, err)
-			case tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
-				t.Fatalf("connector with --bluez-adapter %s = %v; want an error naming %s", tc.adapter, err, tc.wantErr)
+			}
+			if w := strings.Contains(logs.String(), "level=WARN"); w != (tc.wantWarn != "") || !strings.Contains(logs.String(), tc.wantWarn) {
+				t.Errorf("connector with --bluez-adapter %s logged (want a warning naming %q: %v):\n%s", tc.adapter, tc.wantWarn, tc.wantWarn != "", logs)
 			}
 		})
+	}
+}
+
+// A bridge started before bluetoothd (at boot) stays up: it connects to
+// the broker and publishes, its devices offline until BlueZ comes. Before,
+// it exited with status 1, and systemd started it again every 2 s for as
+// long as bluetoothd was away (docs/reliability.md, bug 551).
+func TestBridgeStartsBeforeBluetoothd(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.Exit()
+	url := startBroker(t)
+	published := make(chan struct{})
+	var once sync.Once
+	watcher := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("watcher").
+		SetDefaultPublishHandler(func(mqtt.Client, mqtt.Message) { once.Do(func() { close(published) }) }))
+	if err := mqtt.WaitTokenTimeout(watcher.Connect(), 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	defer watcher.Disconnect(100)
+	if err := mqtt.WaitTokenTimeout(watcher.Subscribe(topics.DefaultPrefix+"/#", 1, nil), 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	m := NewMain()
+	m.Stderr = io.Discard
+	if err := m.ParseFlags([]string{"--mqtt-url", url, "--bridge-id", "b1", "--bridge-secret", "s", "--data", t.TempDir(),
+		"--gatt", "bluez", "--devices", "dev-1"}); err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx) }()
+	select {
+	case err := <-done:
+		t.Fatalf("Run without bluetoothd = %v; want the bridge to stay up and wait for it", err)
+	case <-published:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the bridge published nothing within 15 s")
+	}
+	fake.Start()
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Run = %v after its context ended", err)
 	}
 }
 

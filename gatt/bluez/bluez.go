@@ -69,6 +69,10 @@ var ErrClosed = errors.New("bluez: connector closed")
 // is lost (BusLost).
 var ErrBusLost = errors.New("bluez: the connection to the system D-Bus was lost (dbus restarted or died); restart the bridge")
 
+// errNoAdapter is why discovery cannot start while the Connector has no
+// adapter: New found no bluetoothd, or no adapter, and none came since.
+var errNoAdapter = errors.New("no Bluetooth adapter to use yet: bluetoothd is not running, or the adapter is not there (systemctl status bluetooth; bluetoothctl list)")
+
 // ErrNoAnswer is wrapped by the error of a call that bluetoothd left
 // unanswered for CallTimeout.
 var ErrNoAnswer = errors.New("bluez: bluetoothd did not answer")
@@ -135,6 +139,7 @@ type Connector struct {
 	scanning    bool                              // discovery is on
 	scanLost    bool                              // BlueZ ended discovery under scanLoop
 	scanErr     error                             // why discovery could not start
+	powerFailed bool                              // our power-on of the adapter failed (rfkill): tried again before discovery
 	changed     chan struct{}                     // closed and replaced on news
 }
 
@@ -146,7 +151,11 @@ type known struct {
 }
 
 // New enables the adapter (powering it on if it is off) and returns a
-// Connector. Close releases it.
+// Connector. Close releases it. bluetoothd not on the bus, the adapter not
+// there, or its power-on refused (rfkill) is no error: the Connector logs
+// it and waits, its Connect calls failing until they pass (bug 551). An
+// error is a system bus it cannot reach, or bluetoothd refusing this user
+// or not answering.
 func New(opts Options) (*Connector, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -190,39 +199,10 @@ func New(opts Options) (*Connector, error) {
 func (c *Connector) start() error {
 	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
 	defer cancel()
-	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
-	err := c.conn.Object(bluezName, "/").CallWithContext(ctx, ifaceObjMgr+".GetManagedObjects", 0).Store(&objects)
-	switch {
-	case ctx.Err() != nil:
-		return fmt.Errorf("bluez: bluetoothd did not answer within %s: is it running? (systemctl status bluetooth)", c.opts.CallTimeout)
-	case err != nil:
-		var de dbus.Error
-		hint := ""
-		switch {
-		case !errors.As(err, &de):
-		case de.Name == "org.freedesktop.DBus.Error.ServiceUnknown":
-			hint = " (is bluetoothd running? systemctl status bluetooth)"
-		case de.Name == "org.freedesktop.DBus.Error.AccessDenied":
-			hint = " (the system bus's policy for org.bluez refuses this user: add it to the bluetooth group, or SupplementaryGroups=bluetooth in its systemd unit)"
-		}
-		return fmt.Errorf("bluez: list BlueZ's adapters: %w%s", err, hint)
-	}
-	path, props, err := pickAdapter(c.opts.Adapter, objects)
-	if err != nil {
-		return err
-	}
-	c.adapterPath = path
-	c.adapterAddr, _ = props["Address"].Value().(string)
-	c.adapterAddr = strings.ToUpper(c.adapterAddr)
-	c.log.Info("bluez: using adapter", "adapter", path, "address", c.adapterAddr)
-	if on, _ := props["Powered"].Value().(bool); !on {
-		if err := c.powerOn(ctx, path); err != nil {
-			return err
-		}
-	}
 	// All of BlueZ's property changes (of every adapter: ours may come
 	// back at another path), and its objects coming and going; one
-	// channel, so they arrive in order.
+	// channel, so they arrive in order. Asked for before BlueZ's objects
+	// are listed: bluetoothd, or the adapter, that comes after is seen.
 	c.conn.Signal(c.sigs)
 	rules := [][]dbus.MatchOption{
 		{dbus.WithMatchSender(bluezName), dbus.WithMatchInterface(ifaceProps), dbus.WithMatchMember("PropertiesChanged"), dbus.WithMatchPathNamespace("/org/bluez")},
@@ -235,9 +215,87 @@ func (c *Connector) start() error {
 			return fmt.Errorf("bluez: add match: %w", err)
 		}
 	}
+	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
+	err := c.conn.Object(bluezName, "/").CallWithContext(ctx, ifaceObjMgr+".GetManagedObjects", 0).Store(&objects)
+	// bluetoothd not running yet (at boot, or stopped), the adapter not
+	// there (a USB adapter not plugged in, its driver not loaded) or
+	// blocked by rfkill: the Connector starts all the same and waits for
+	// it, as it rides them out once running, its devices offline until
+	// then. Before, the bridge exited with status 1 and systemd started it
+	// again every 2 s for as long as it lasted (docs/reliability.md,
+	// bug 551).
+	switch {
+	case ctx.Err() != nil:
+		return fmt.Errorf("bluez: bluetoothd did not answer within %s: is it running? (systemctl status bluetooth)", c.opts.CallTimeout)
+	case err != nil && bluezAbsent(err):
+		c.log.Warn("bluez: bluetoothd is not on the system bus; waiting for it, the devices offline until it comes (systemctl status bluetooth)", "err", err)
+		c.adapterGone = true
+	case err != nil:
+		var de dbus.Error
+		hint := ""
+		if errors.As(err, &de) && de.Name == "org.freedesktop.DBus.Error.AccessDenied" {
+			hint = " (the system bus's policy for org.bluez refuses this user: add it to the bluetooth group, or SupplementaryGroups=bluetooth in its systemd unit)"
+		}
+		return fmt.Errorf("bluez: list BlueZ's adapters: %w%s", err, hint)
+	default:
+		path, props, err := pickAdapter(c.opts.Adapter, objects)
+		if err != nil {
+			c.log.Warn("bluez: waiting for the adapter; the devices are offline until it comes", "err", err)
+			c.adapterGone = true
+			break
+		}
+		c.adapterPath = path
+		c.adapterAddr, _ = props["Address"].Value().(string)
+		c.adapterAddr = strings.ToUpper(c.adapterAddr)
+		c.log.Info("bluez: using adapter", "adapter", path, "address", c.adapterAddr)
+		if on, _ := props["Powered"].Value().(bool); !on {
+			if err := c.powerOn(ctx, path); err != nil {
+				c.powerFailed = true
+				c.log.Warn("bluez: the adapter could not be powered on; trying again as devices are looked for (rfkill list)", "adapter", path, "err", err)
+			}
+		}
+	}
 	go c.dispatch()
 	go c.scanLoop()
 	return nil
+}
+
+// bluezAbsent reports whether err, of a call to org.bluez, says no
+// bluetoothd is on the bus: none owns the name, and D-Bus could not
+// start one (no .service file, or systemd's unit disabled or failing).
+func bluezAbsent(err error) bool {
+	var de dbus.Error
+	if !errors.As(err, &de) {
+		return false
+	}
+	return de.Name == "org.freedesktop.DBus.Error.ServiceUnknown" ||
+		de.Name == "org.freedesktop.DBus.Error.NameHasNoOwner" ||
+		strings.HasPrefix(de.Name, "org.freedesktop.DBus.Error.Spawn") ||
+		strings.HasPrefix(de.Name, "org.freedesktop.systemd1.")
+}
+
+// lookForAdapter lists BlueZ's adapters and takes one (adapterAdded) if
+// the Connector has none: bluetoothd that came on the bus after New, with
+// its adapters already there, announces none of them.
+func (c *Connector) lookForAdapter() {
+	defer c.calls.Done()
+	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
+	defer cancel()
+	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
+	if err := c.conn.Object(bluezName, "/").CallWithContext(ctx, ifaceObjMgr+".GetManagedObjects", 0).Store(&objects); err != nil {
+		c.log.Warn("bluez: bluetoothd is on the bus but listing its adapters failed", "err", c.unanswered(ctx, "ObjectManager.GetManagedObjects", err))
+		return
+	}
+	var paths []dbus.ObjectPath
+	for p, ifaces := range objects {
+		if _, ok := ifaces[ifaceAdapter]; ok {
+			paths = append(paths, p)
+		}
+	}
+	sort.Slice(paths, func(i, j int) bool { return paths[i] < paths[j] })
+	for _, p := range paths {
+		c.adapterAdded(p, objects[p][ifaceAdapter])
+	}
 }
 
 // pickAdapter is the adapter want names (see Options.Adapter) among
@@ -272,6 +330,11 @@ func pickAdapter(want string, objects map[dbus.ObjectPath]map[string]map[string]
 // powerOn switches the adapter at path on.
 func (c *Connector) powerOn(ctx context.Context, path dbus.ObjectPath) error {
 	c.log.Info("bluez: powering the adapter on", "adapter", path)
+	return c.setPowered(ctx, path)
+}
+
+// setPowered is powerOn without its log line.
+func (c *Connector) setPowered(ctx context.Context, path dbus.ObjectPath) error {
 	err := c.conn.Object(bluezName, path).CallWithContext(ctx, ifaceProps+".Set", 0,
 		ifaceAdapter, "Powered", dbus.MakeVariant(true)).Err
 	if err != nil {
@@ -301,11 +364,19 @@ func (c *Connector) adapterAdded(path dbus.ObjectPath, props map[string]dbus.Var
 	if !strings.EqualFold(addr, c.adapterAddr) {
 		want := c.opts.Adapter
 		named := want == "" || (!strings.Contains(want, ":") && (string(path) == want || string(path) == "/org/bluez/"+want))
+		// None yet (New found no bluetoothd or no adapter, bug 551): one
+		// named by its address is taken too.
+		first := c.adapterAddr == ""
+		named = named || (first && strings.Contains(want, ":") && strings.EqualFold(addr, want))
 		if !c.adapterGone || !named {
 			c.mu.Unlock()
 			return
 		}
-		c.log.Info("bluez: using another adapter in place of the one removed", "adapter", path, "address", addr, "was", c.adapterAddr)
+		if first {
+			c.log.Info("bluez: using adapter", "adapter", path, "address", strings.ToUpper(addr))
+		} else {
+			c.log.Info("bluez: using another adapter in place of the one removed", "adapter", path, "address", addr, "was", c.adapterAddr)
+		}
 		c.adapterAddr = strings.ToUpper(addr)
 	}
 	c.adapterGone = false
@@ -335,7 +406,7 @@ func (c *Connector) adapterAdded(path dbus.ObjectPath, props map[string]dbus.Var
 	if closed {
 		return
 	}
-	if old != path {
+	if old != "" && old != path {
 		c.log.Info("bluez: the adapter is back at another path", "adapter", path, "was", old, "address", addr)
 	}
 	on, _ := props["Powered"].Value().(bool)
@@ -346,7 +417,10 @@ func (c *Connector) adapterAdded(path dbus.ObjectPath, props map[string]dbus.Var
 			err := c.powerOn(ctx, path)
 			cancel()
 			if err != nil {
-				c.log.Warn("bluez: the adapter is back but could not be powered on", "adapter", path, "err", err)
+				c.mu.Lock()
+				c.powerFailed = true
+				c.mu.Unlock()
+				c.log.Warn("bluez: the adapter is back but could not be powered on; trying again as devices are looked for", "adapter", path, "err", err)
 			}
 		}
 		c.poke()
@@ -661,7 +735,26 @@ func (c *Connector) demand() bool {
 func (c *Connector) startDiscovery() error {
 	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
 	defer cancel()
-	ad := c.conn.Object(bluezName, c.adapter())
+	c.mu.Lock()
+	path, powerFailed := c.adapterPath, c.powerFailed
+	gone := c.adapterGone
+	c.mu.Unlock()
+	if path == "" {
+		return errNoAdapter
+	}
+	if powerFailed && !gone {
+		// Our power-on failed (rfkill blocked it): again, now that a
+		// device is looked for; an unblock does not power the adapter
+		// on (bug 551).
+		if err := c.setPowered(ctx, path); err != nil {
+			return c.unanswered(ctx, "Properties.Set(Powered)", err)
+		}
+		c.mu.Lock()
+		c.powerFailed = false
+		c.mu.Unlock()
+		c.log.Info("bluez: the adapter is powered on", "adapter", path)
+	}
+	ad := c.conn.Object(bluezName, path)
 	filter := map[string]any{"Transport": "le", "UUIDs": []string{gatt.ServiceUUID}}
 	if err := ad.CallWithContext(ctx, ifaceAdapter+".SetDiscoveryFilter", 0, filter).Err; err != nil {
 		return fmt.Errorf("SetDiscoveryFilter: %w", c.unanswered(ctx, "Adapter1.SetDiscoveryFilter", err))
@@ -715,10 +808,14 @@ func (c *Connector) stopDiscovery() {
 	for _, k := range c.known {
 		k.seen = 0
 	}
+	path := c.adapterPath
 	c.mu.Unlock()
+	if path == "" {
+		return
+	}
 	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
 	defer cancel()
-	ad := c.conn.Object(bluezName, c.adapter())
+	ad := c.conn.Object(bluezName, path)
 	if err := ad.CallWithContext(ctx, ifaceAdapter+".StopDiscovery", 0).Err; err != nil {
 		c.log.Debug("bluez: StopDiscovery", "err", c.unanswered(ctx, "Adapter1.StopDiscovery", err))
 		if ctx.Err() != nil {
@@ -731,7 +828,7 @@ func (c *Connector) stopDiscovery() {
 // addKnownLocked records a Device1 object of our adapter. A device already
 // connected counts as found: it does not advertise while connected.
 func (c *Connector) addKnownLocked(path dbus.ObjectPath, props map[string]dbus.Variant) *known {
-	if !strings.HasPrefix(string(path), string(c.adapterPath)+"/") {
+	if c.adapterPath == "" || !strings.HasPrefix(string(path), string(c.adapterPath)+"/") {
 		return nil
 	}
 	k := c.known[path]
@@ -858,6 +955,16 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 		if owner != "" {
 			// bluetoothd (back) on the bus, with no discovery of ours.
 			c.discoveryLost("bluetoothd is new on the bus")
+			c.mu.Lock()
+			look := (c.adapterAddr == "" || c.adapterGone) && !c.closed
+			if look {
+				c.calls.Add(1)
+			}
+			c.mu.Unlock()
+			if look {
+				c.log.Info("bluez: bluetoothd is on the bus")
+				go c.lookForAdapter()
+			}
 			return true
 		}
 		c.log.Warn("bluez: bluetoothd left the bus")
@@ -900,6 +1007,9 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 func (c *Connector) adapterChanged(changes map[string]dbus.Variant) {
 	if on, ok := changes["Powered"].Value().(bool); ok {
 		if on {
+			c.mu.Lock()
+			c.powerFailed = false
+			c.mu.Unlock()
 			c.poke()
 		} else {
 			c.discoveryLost("the adapter was powered off")

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"slices"
 	"strings"
@@ -810,37 +811,41 @@ func TestAdapterReplugged(t *testing.T) {
 // The adapter is the one Options.Adapter names, by name or by address (the
 // address stays when the kernel renumbers a USB adapter); by default the
 // first BlueZ lists, whatever its index. Before, only hci0 could be used:
-// a gateway whose adapter was hci1 could not start.
+// a gateway whose adapter was hci1 could not start. One named that is not
+// there is waited for, the warning naming those BlueZ has (bug 551; New
+// failed with it before).
 func TestAdapterChoice(t *testing.T) {
 	for _, tc := range []struct {
-		adapter string
-		wantErr string
+		adapter  string
+		wantWait string
 	}{
 		{adapter: ""},
 		{adapter: "hci1"},
 		{adapter: "/org/bluez/hci1"},
 		{adapter: strings.ToLower(fakebluez.AdapterAddr)},
-		{adapter: "hci0", wantErr: "hci1 (" + fakebluez.AdapterAddr + ")"},
+		{adapter: "hci0", wantWait: "hci1 (" + fakebluez.AdapterAddr + ")"},
 	} {
 		t.Run(tc.adapter, func(t *testing.T) {
 			fake := fakebluez.New(t)
 			fake.Replug("/org/bluez/hci1")
 			fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0D:01", Peripheral: newTestPeripheral("dev-c")})
-			c, err := bluez.New(bluez.Options{Adapter: tc.adapter, Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
-			if tc.wantErr != "" {
-				if err == nil {
-					c.Close()
-					t.Fatalf("New(Adapter %q) = nil error; want one naming %q", tc.adapter, tc.wantErr)
-				}
-				if !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("New(Adapter %q) = %v; want it to name %q", tc.adapter, err, tc.wantErr)
-				}
-				return
-			}
+			logs := &testenv.Buffer{}
+			c, err := bluez.New(bluez.Options{Adapter: tc.adapter, Logger: slog.New(slog.NewTextHandler(io.MultiWriter(logs, testWriter{t}), nil))})
 			if err != nil {
 				t.Fatalf("New(Adapter %q): %v", tc.adapter, err)
 			}
 			t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+			if tc.wantWait != "" {
+				if !strings.Contains(logs.String(), "waiting for the adapter") || !strings.Contains(logs.String(), tc.wantWait) {
+					t.Errorf("New(Adapter %q) logged no wait naming %q:\n%s", tc.adapter, tc.wantWait, logs.String())
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+				defer cancel()
+				if _, err := c.Connect(ctx, "dev-c"); err == nil {
+					t.Errorf("Connect through hci1 with Adapter %q succeeded", tc.adapter)
+				}
+				return
+			}
 			connect(t, c, "dev-c")
 		})
 	}
@@ -1079,5 +1084,58 @@ func TestDiscoveryFailureLoggedOnce(t *testing.T) {
 	}
 	if !strings.Contains(out, "discovery works again") {
 		t.Errorf("no word that discovery works again:\n%s", out)
+	}
+}
+
+// The bridge started before bluetoothd (at boot, or with it stopped),
+// before its adapter (a USB adapter not plugged in yet, a driver not
+// loaded) or with the adapter blocked by rfkill: New returns a Connector
+// that waits for it, saying so once, and Connect finds the device once
+// BlueZ and its adapter are there, as a running Connector rides the same
+// out. Before, New failed, the bridge exited with status 1, and systemd
+// started it again every 2 s for as long as it lasted (docs/reliability.md,
+// bug 551).
+func TestNewWaitsForBlueZAndTheAdapter(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		adapter     string // Options.Adapter
+		before, fix func(*fakebluez.BlueZ)
+		logged      string
+	}{
+		{"bluetoothd not running", "", (*fakebluez.BlueZ).Exit, (*fakebluez.BlueZ).Start, "bluetoothd is not on the system bus"},
+		{"no adapter", "", (*fakebluez.BlueZ).Unplug,
+			func(f *fakebluez.BlueZ) { f.Plug(fakebluez.AdapterPath, fakebluez.AdapterAddr) }, "waiting for the adapter"},
+		{"adapter named by its address not there", strings.ToLower(fakebluez.AdapterAddr), (*fakebluez.BlueZ).Unplug,
+			func(f *fakebluez.BlueZ) { f.Plug("/org/bluez/hci1", fakebluez.AdapterAddr) }, "waiting for the adapter"},
+		{"adapter blocked by rfkill", "", func(f *fakebluez.BlueZ) { f.SetBlocked(true) },
+			func(f *fakebluez.BlueZ) { f.SetBlocked(false) }, "could not be powered on"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake := fakebluez.New(t)
+			fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:1A:01", Peripheral: newTestPeripheral("dev-w")})
+			tc.before(fake)
+			logs := &testenv.Buffer{}
+			c, err := bluez.New(bluez.Options{Adapter: tc.adapter, Logger: slog.New(slog.NewTextHandler(io.MultiWriter(logs, testWriter{t}), nil))})
+			if err != nil {
+				t.Fatalf("bluez.New with %s: %v; want a Connector that waits for it", tc.name, err)
+			}
+			t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+			// Devices looked for meanwhile are not found, and said once.
+			for range 3 {
+				ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+				_, err := c.Connect(ctx, "dev-w")
+				cancel()
+				if err == nil {
+					t.Fatalf("Connect with %s succeeded", tc.name)
+				}
+			}
+			if n := strings.Count(logs.String(), tc.logged); n != 1 {
+				t.Errorf("the log says %q %d times; want once:\n%s", tc.logged, n, logs.String())
+			}
+			tc.fix(fake)
+			if _, err := connectRetrying(t, c, "dev-w", 15*time.Second); err != nil {
+				t.Fatalf("Connect once %s no more: %v", tc.name, err)
+			}
+		})
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -49,6 +50,10 @@ type BlueZ struct {
 	changed     chan struct{} // closed and replaced when discovery starts or stops, and on each call
 	wg          sync.WaitGroup
 	closing     chan struct{}
+	// blocked is rfkill's soft block of the adapter (SetBlocked): it
+	// refuses to be powered on. Not under mu: the Powered property's
+	// callback runs under the property's lock.
+	blocked atomic.Bool
 }
 
 type object struct {
@@ -100,11 +105,18 @@ func New(tb testing.TB) *BlueZ {
 func (b *BlueZ) exportAdapterLocked(path dbus.ObjectPath, addr string) {
 	b.adapterPath = path
 	b.adapter = b.addObjectLocked(path, prop.Map{ifaceAdapter: {
-		"Address":      {Value: addr, Emit: prop.EmitConst},
-		"AddressType":  {Value: "public", Emit: prop.EmitConst},
-		"Name":         {Value: "fakebluez", Emit: prop.EmitConst},
-		"Alias":        {Value: "fakebluez", Writable: true, Emit: prop.EmitTrue},
-		"Powered":      {Value: true, Writable: true, Emit: prop.EmitTrue},
+		"Address":     {Value: addr, Emit: prop.EmitConst},
+		"AddressType": {Value: "public", Emit: prop.EmitConst},
+		"Name":        {Value: "fakebluez", Emit: prop.EmitConst},
+		"Alias":       {Value: "fakebluez", Writable: true, Emit: prop.EmitTrue},
+		"Powered": {Value: true, Writable: true, Emit: prop.EmitTrue, Callback: func(c *prop.Change) *dbus.Error {
+			if on, _ := c.Value.(bool); on && b.blocked.Load() {
+				// As BlueZ answers a power-on while rfkill blocks the
+				// adapter.
+				return dbus.NewError("org.bluez.Error.Blocked", []any{"Blocked through rfkill"})
+			}
+			return nil
+		}},
 		"Discoverable": {Value: false, Writable: true, Emit: prop.EmitTrue},
 		"Discovering":  {Value: false, Emit: prop.EmitTrue},
 		"UUIDs":        {Value: []string{}, Emit: prop.EmitTrue},
@@ -124,20 +136,39 @@ func (b *BlueZ) Replug(path dbus.ObjectPath) {
 // Swap is Replug with another adapter, of address addr, plugged in at path
 // in place of the one pulled out: a dead USB adapter replaced.
 func (b *BlueZ) Swap(path dbus.ObjectPath, addr string) {
+	b.Unplug()
+	b.Plug(path, addr)
+}
+
+// Unplug is the adapter pulled out (or not plugged in yet, or its driver
+// not loaded): the connections and discovery sessions end, and the
+// devices' and the adapter's objects go (InterfacesRemoved). BlueZ has no
+// adapter until Plug.
+func (b *BlueZ) Unplug() {
 	b.stopAll()
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	devs := map[dbus.ObjectPath]*Device{}
 	for _, d := range b.devices {
 		if d.props != nil {
 			b.removeObjectLocked(d.path)
 			d.props = nil
 		}
+	}
+	b.removeObjectLocked(b.adapterPath)
+}
+
+// Plug is an adapter of address addr plugged in at path after Unplug: its
+// object comes, powered (InterfacesAdded), and the devices are under path
+// once discovery finds them again.
+func (b *BlueZ) Plug(path dbus.ObjectPath, addr string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	devs := map[dbus.ObjectPath]*Device{}
+	for _, d := range b.devices {
 		d.path = macPath(path, d.opts.Address)
 		devs[d.path] = d
 	}
 	b.devices = devs
-	b.removeObjectLocked(b.adapterPath)
 	b.exportAdapterLocked(path, addr)
 }
 
@@ -251,6 +282,16 @@ func (b *BlueZ) SetPowered(on bool) {
 	setProp(b.adapter, ifaceAdapter, "Powered", on)
 }
 
+// SetBlocked soft-blocks the adapter as rfkill does (on), which powers it
+// off and refuses to power it on again, or unblocks it, which leaves it
+// off until someone powers it on.
+func (b *BlueZ) SetBlocked(on bool) {
+	b.blocked.Store(on)
+	if on {
+		b.SetPowered(false)
+	}
+}
+
 // stopAll drops every connection and ends every discovery session.
 func (b *BlueZ) stopAll() {
 	b.mu.Lock()
@@ -287,9 +328,17 @@ func (b *BlueZ) Restart() {
 	b.tb.Helper()
 	b.stopAll()
 	b.Exit()
+	b.Start()
+}
+
+// Start is bluetoothd starting after Exit (or after a test's Exit before
+// any client came): it takes the org.bluez name with its objects as they
+// were.
+func (b *BlueZ) Start() {
+	b.tb.Helper()
 	reply, err := b.conn.RequestName(busName, dbus.NameFlagDoNotQueue|dbus.NameFlagAllowReplacement)
 	if err != nil || reply != dbus.RequestNameReplyPrimaryOwner {
-		b.tb.Fatalf("fakebluez: restart: own %s: %v %v", busName, reply, err)
+		b.tb.Fatalf("fakebluez: start: own %s: %v %v", busName, reply, err)
 	}
 }
 
