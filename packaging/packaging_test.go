@@ -1234,3 +1234,64 @@ func TestSystemdDoesNotRestartOnNewerData(t *testing.T) {
 		})
 	}
 }
+
+// A directory a flag names that the unit's sandbox leaves read-only
+// (COMPANION_DATA or --sim-state outside the unit's StateDirectory, under
+// ProtectSystem=strict) fails at every start: the binary says which flag,
+// which directory and what to add to the unit (ReadWritePaths=), and exits
+// with a status the unit does not restart. Before, "mkdir …: read-only
+// file system", exit status 1, restarted every 2 s for good. Bug 552. The
+// read-only directory is a read-only bind mount in a user and mount
+// namespace of its own (unshare -rm), as systemd makes it.
+func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
+	bins := builtCommands(t)
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Skip("no unshare(1) to make a read-only directory with")
+	}
+	if out, err := exec.Command(unshare, "-rm", "true").CombinedOutput(); err != nil {
+		t.Skipf("unshare -rm: %v %s", err, out)
+	}
+	ro := t.TempDir()
+	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
+	bridge := []string{"--mqtt-url", "tcp://" + free(), "--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001"}
+	for _, tc := range []struct {
+		name, unit, command, flag, dir string
+		args                           []string
+	}{
+		{"server's --data", "companion.service", "companion", "--data", filepath.Join(ro, "data"),
+			[]string{"serve", "--http", free(), "--mqtt-listen", free(), "--data", filepath.Join(ro, "data")}},
+		{"server's --data there", "companion.service", "companion", "--data", ro,
+			[]string{"serve", "--http", free(), "--mqtt-listen", free(), "--data", ro}},
+		{"bridge's --data", "companion-bridge.service", "companion-bridge", "--data", filepath.Join(ro, "spool"),
+			append(slices.Clone(bridge), "--data", filepath.Join(ro, "spool"))},
+		{"bridge's --sim-state", "companion-bridge.service", "companion-bridge", "--sim-state", filepath.Join(ro, "sim"),
+			append(slices.Clone(bridge), "--data", t.TempDir(), "--sim-state", filepath.Join(ro, "sim"))},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			settings := serviceSettings(t, tc.unit)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			args := append([]string{"-rm", "sh", "-c", `mount -o bind,ro "$0" "$0" && exec "$@"`, ro, filepath.Join(bins, tc.command)}, tc.args...)
+			cmd := exec.CommandContext(ctx, unshare, args...)
+			cmd.Env = os.Environ()
+			for _, e := range settings["Environment"] {
+				cmd.Env = append(cmd.Env, strings.Fields(e)...)
+			}
+			cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
+			out, err := cmd.CombinedOutput()
+			if err == nil {
+				t.Fatalf("%s started with %s read-only:\n%s", tc.command, tc.flag, out)
+			}
+			for _, want := range []string{tc.flag + " " + tc.dir, "read-only", "ReadWritePaths=" + tc.dir} {
+				if !strings.Contains(string(out), want) {
+					t.Errorf("%s: the message does not say %q:\n%s", tc.command, want, out)
+				}
+			}
+			if restarts(t, settings, cmd.ProcessState) {
+				t.Errorf("%s restarts %s after %s named a read-only directory (%v), every RestartSec for good:\n%s",
+					tc.unit, tc.command, tc.flag, cmd.ProcessState, out)
+			}
+		})
+	}
+}

@@ -336,6 +336,18 @@ func (m *Main) validate() error {
 			return fmt.Errorf("--ca: %w", err)
 		}
 	}
+	// A directory the unit's sandbox leaves read-only (ProtectSystem=strict:
+	// COMPANION_DATA or --sim-state outside the StateDirectory) fails at
+	// every start: a usage error, exit status 2, not restarted (bug 552).
+	dirs := []struct{ flag, dir string }{{"data", c.Data}, {"sim-state", c.SimState}}
+	for _, d := range dirs {
+		if d.dir == "" {
+			continue
+		}
+		if err := flagcheck.WritableDir(d.flag, d.dir, "companion-bridge.service", "/var/lib/companion-bridge"); err != nil {
+			return err
+		}
+	}
 	listens := []flagcheck.Listen{{Flag: "metrics", Addr: c.Metrics}, {Flag: "pprof", Addr: c.PProf}}
 	for _, l := range listens {
 		if err := flagcheck.ListenAddr(l.Flag, l.Addr); err != nil {

@@ -526,6 +526,11 @@ func (m *Main) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// A --data the unit's sandbox leaves read-only (ProtectSystem=strict)
+	// fails at every start: a usage error, not restarted (bug 552).
+	if err := flagcheck.WritableDir("data", cfg.Data, "companion.service", "/var/lib/companion"); err != nil {
+		return usageError{err.Error()}
+	}
 	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
 		return err
 	}
