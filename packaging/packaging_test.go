@@ -17,6 +17,7 @@ import (
 	"go/token"
 	"go/types"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -1290,6 +1291,56 @@ func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
 			}
 			if restarts(t, settings, cmd.ProcessState) {
 				t.Errorf("%s restarts %s after %s named a read-only directory (%v), every RestartSec for good:\n%s",
+					tc.unit, tc.command, tc.flag, cmd.ProcessState, out)
+			}
+		})
+	}
+}
+
+// A listen address another process holds (the embedded broker's 1883 with
+// Debian's Mosquitto installed, a second server on the same --http) fails
+// at every start until a person frees it or gives another: the binary
+// names the flag and the address, and exits with a status the unit does
+// not restart. Before, "bind: address already in use", exit status 1,
+// restarted every 2 s for good. Bug 553.
+func TestSystemdDoesNotRestartOnAddressInUse(t *testing.T) {
+	bins := builtCommands(t)
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	busy := taken.Addr().String()
+	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
+	for _, tc := range []struct {
+		unit, command, flag string
+		args                []string
+	}{
+		{"companion.service", "companion", "--http", []string{"serve", "--http", busy, "--mqtt-listen", free()}},
+		{"companion.service", "companion", "--mqtt-listen", []string{"serve", "--http", free(), "--mqtt-listen", busy}},
+		{"companion.service", "companion", "--metrics", []string{"serve", "--http", free(), "--mqtt-listen", free(), "--metrics", busy}},
+		{"companion-bridge.service", "companion-bridge", "--metrics", []string{"--mqtt-url", "tcp://" + free(),
+			"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001", "--metrics", busy}},
+	} {
+		t.Run(tc.command+" "+tc.flag, func(t *testing.T) {
+			settings := serviceSettings(t, tc.unit)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, filepath.Join(bins, tc.command), append(tc.args, "--data", t.TempDir())...)
+			cmd.Env = os.Environ()
+			for _, e := range settings["Environment"] {
+				cmd.Env = append(cmd.Env, strings.Fields(e)...)
+			}
+			cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
+			out, err := cmd.CombinedOutput()
+			if err == nil {
+				t.Fatalf("%s started with %s on an address in use:\n%s", tc.command, tc.flag, out)
+			}
+			if !strings.Contains(string(out), tc.flag+" "+busy) || !strings.Contains(string(out), "another process") {
+				t.Errorf("%s: the message does not name %s %s and say another process holds it:\n%s", tc.command, tc.flag, busy, out)
+			}
+			if restarts(t, settings, cmd.ProcessState) {
+				t.Errorf("%s restarts %s after %s named an address in use (%v), every RestartSec for good:\n%s",
 					tc.unit, tc.command, tc.flag, cmd.ProcessState, out)
 			}
 		})

@@ -24,6 +24,7 @@ import (
 	"runtime/debug"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/devicecompanion/companion/agent"
@@ -79,6 +80,11 @@ func main() {
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "companion-bridge:", err)
+		if errors.Is(err, flagcheck.ErrAddrInUse) {
+			// Taken again at every start: as a usage error, not
+			// restarted by the unit (bug 553).
+			os.Exit(2)
+		}
 		if errors.Is(err, agent.ErrSpoolUnreadable) || errors.Is(err, agent.ErrSpoolNewer) {
 			os.Exit(exitDamagedData)
 		}
@@ -368,6 +374,9 @@ func (m *Main) Run(ctx context.Context) error {
 	if c.PProf != "" {
 		ps, err := pprofserver.Start(c.PProf, log)
 		if err != nil {
+			if errors.Is(err, syscall.EADDRINUSE) {
+				return flagcheck.InUse("pprof", c.PProf, err)
+			}
 			return fmt.Errorf("--pprof: %w", err)
 		}
 		m.mu.Lock()
@@ -375,6 +384,9 @@ func (m *Main) Run(ctx context.Context) error {
 		m.mu.Unlock()
 	}
 	if err := m.startMetrics(log); err != nil {
+		if errors.Is(err, syscall.EADDRINUSE) {
+			return flagcheck.InUse("metrics", c.Metrics, err)
+		}
 		return fmt.Errorf("--metrics: %w", err)
 	}
 	conn, ids, err := m.connector(log)

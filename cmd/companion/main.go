@@ -31,6 +31,7 @@ import (
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
+	"github.com/devicecompanion/companion/internal/flagcheck"
 	"github.com/devicecompanion/companion/internal/signals"
 	"github.com/devicecompanion/companion/store"
 )
@@ -70,6 +71,11 @@ func main() {
 			os.Exit(2)
 		}
 		fmt.Fprintln(os.Stderr, "companion:", err)
+		if errors.Is(err, flagcheck.ErrAddrInUse) {
+			// Taken again at every start: as a usage error, not
+			// restarted by the unit (bug 553).
+			os.Exit(2)
+		}
 		if errors.Is(err, store.ErrDamaged) || errors.Is(err, companion.ErrSchemaTooNew) {
 			os.Exit(exitDamagedData)
 		}

@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
 	"os"
+	"syscall"
 
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
@@ -62,6 +64,9 @@ func (m *Main) startMetrics(_ context.Context) error {
 		if m.Config.metricsOptional {
 			m.Logger.Warn("the demo's metrics are off: their address is taken; give --metrics ADDR", "addr", addr, "err", err)
 			return nil
+		}
+		if errors.Is(err, syscall.EADDRINUSE) {
+			return flagcheck.InUse("metrics", addr, err)
 		}
 		return fmt.Errorf("--metrics: %w", err)
 	}

@@ -19,6 +19,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
@@ -536,6 +537,9 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	if cfg.PProf != "" {
 		if m.PProf, err = pprofserver.Start(cfg.PProf, m.Logger); err != nil {
+			if errors.Is(err, syscall.EADDRINUSE) {
+				return flagcheck.InUse("pprof", cfg.PProf, err)
+			}
 			return fmt.Errorf("--pprof: %w", err)
 		}
 	}
@@ -653,6 +657,9 @@ func (m *Main) startMQTT(tree topics.Tree, mqttServerTLS *tls.Config) error {
 		return err
 	}
 	if err := m.MQTT.Start(); err != nil {
+		if errors.Is(err, syscall.EADDRINUSE) {
+			return flagcheck.InUse("mqtt-listen", cfg.MQTTListen, err)
+		}
 		return fmt.Errorf("embedded MQTT broker: %w", err)
 	}
 	if m.PProf != nil {
@@ -788,6 +795,9 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	m.api = handler
 	m.ln, err = listenHTTP(cfg.HTTP)
 	if err != nil {
+		if errors.Is(err, syscall.EADDRINUSE) {
+			return flagcheck.InUse("http", cfg.HTTP, err)
+		}
 		return fmt.Errorf("HTTP listen: %w", err)
 	}
 	m.srv = &http.Server{
