@@ -19,6 +19,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -34,6 +35,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 	"golang.org/x/sys/unix"
 
+	"github.com/devicecompanion/companion/internal/pgtest"
 	"github.com/devicecompanion/companion/internal/testenv"
 )
 
@@ -1342,6 +1344,62 @@ func TestSystemdDoesNotRestartOnAddressInUse(t *testing.T) {
 			if restarts(t, settings, cmd.ProcessState) {
 				t.Errorf("%s restarts %s after %s named an address in use (%v), every RestartSec for good:\n%s",
 					tc.unit, tc.command, tc.flag, cmd.ProcessState, out)
+			}
+		})
+	}
+}
+
+// A --store PostgreSQL refuses (a wrong password, a database or role that
+// does not exist) refuses it again at every start until a person mends
+// the env file or the database: the server names --store and what to
+// mend, and exits with a status the unit does not restart. A PostgreSQL
+// not up yet (connection refused, at boot) is restarted, as before: it
+// passes by itself. Before, both were exit status 1, and the first was
+// restarted every 2 s for good. Bug 554.
+func TestSystemdDoesNotRestartOnPostgresRefusal(t *testing.T) {
+	bins := builtCommands(t)
+	pg := pgtest.Start(t)
+	db := pg.NewDatabase(t)
+	u, err := url.Parse(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	with := func(edit func(u *url.URL)) string {
+		c := *u
+		edit(&c)
+		return c.String()
+	}
+	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
+	for _, tc := range []struct {
+		name, store, want string
+		restart           bool
+	}{
+		{"wrong password", with(func(u *url.URL) { u.User = url.UserPassword(u.User.Username(), "wrong") }), "password", false},
+		{"no such database", with(func(u *url.URL) { u.Path = "/no_such_database" }), "no_such_database", false},
+		{"no such role", with(func(u *url.URL) { u.User = url.UserPassword("no_such_role", "x") }), "no_such_role", false},
+		{"not up yet", with(func(u *url.URL) { u.Host = free() }), "connect", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			settings := serviceSettings(t, "companion.service")
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, filepath.Join(bins, "companion"), "serve", "--http", free(), "--mqtt-listen", free(),
+				"--store", tc.store, "--data", t.TempDir())
+			cmd.Env = os.Environ()
+			for _, e := range settings["Environment"] {
+				cmd.Env = append(cmd.Env, strings.Fields(e)...)
+			}
+			cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
+			out, err := cmd.CombinedOutput()
+			if err == nil {
+				t.Fatalf("companion started on --store with %s:\n%s", tc.name, out)
+			}
+			if !strings.Contains(string(out), "--store") || !strings.Contains(string(out), tc.want) {
+				t.Errorf("the message does not name --store and %q:\n%s", tc.want, out)
+			}
+			if got := restarts(t, settings, cmd.ProcessState); got != tc.restart {
+				t.Errorf("companion.service restarts companion after --store with %s (%v): %v; want %v:\n%s",
+					tc.name, cmd.ProcessState, got, tc.restart, out)
 			}
 		})
 	}

@@ -32,6 +32,13 @@ func (m *Main) openStore(ctx context.Context) error {
 	switch {
 	case isPostgres(cfg.Store):
 		pg, err := postgres.Open(ctx, cfg.Store, postgres.Options{Logger: m.Logger, Now: cfg.Now})
+		if postgres.Refused(err) {
+			// Refused again at every start: a usage error, exit status
+			// 2, which the unit does not restart; a database not up yet
+			// stays status 1, restarted (bug 554).
+			return usageError{fmt.Sprintf("--store: %v: PostgreSQL refuses the role, its password or the database of --store at every start: "+
+				"mend the URL (COMPANION_STORE) or the database's roles, then start the server again", err)}
+		}
 		if err != nil {
 			return fmt.Errorf("--store: %w", err)
 		}

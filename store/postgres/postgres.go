@@ -260,6 +260,20 @@ func setsPoolMaxConns(dsn string) bool {
 	return ok
 }
 
+// Refused reports whether err, of Open or Migrate, is PostgreSQL refusing
+// the connection for good: a wrong password, a role or database that does
+// not exist, or one the role may not use (SQLSTATE classes 28 and 3D, and
+// 42501). Each is refused again at every start until a person mends the
+// --store URL or the database's roles, unlike a server not up yet (at
+// boot), which passes by itself (bug 554).
+func Refused(err error) bool {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) {
+		return false
+	}
+	return strings.HasPrefix(pe.Code, "28") || pe.Code == "3D000" || pe.Code == "42501"
+}
+
 // Migrate applies to the database of dsn the migrations it lacks, each in
 // a transaction of its own that first takes an advisory lock, so replicas
 // that start together apply each one once. A database migrated by a newer
