@@ -35,6 +35,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 	"golang.org/x/sys/unix"
 
+	"github.com/devicecompanion/companion/gatt/bluez/fakebluez"
 	"github.com/devicecompanion/companion/internal/pgtest"
 	"github.com/devicecompanion/companion/internal/testenv"
 )
@@ -1402,5 +1403,33 @@ func TestSystemdDoesNotRestartOnPostgresRefusal(t *testing.T) {
 					tc.name, cmd.ProcessState, got, tc.restart, out)
 			}
 		})
+	}
+}
+
+// A bridge whose user the system bus's policy for org.bluez refuses (a
+// distribution that lets only the "bluetooth" group call BlueZ, the unit
+// without SupplementaryGroups=bluetooth) is refused again at every start:
+// it says what to add and exits with a status the unit does not restart.
+// Before, exit status 1, restarted every 2 s for good. Bug 555.
+func TestSystemdDoesNotRestartWhenBlueZRefusesTheUser(t *testing.T) {
+	bins := builtCommands(t)
+	fakebluez.NewRefusing(t) // sets DBUS_SYSTEM_BUS_ADDRESS for the bridge
+	settings := serviceSettings(t, "companion-bridge.service")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, filepath.Join(bins, "companion-bridge"), "--mqtt-url", "tcp://127.0.0.1:"+strconv.Itoa(testenv.FreePort(t)),
+		"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--gatt", "bluez", "--devices", "dev-1", "--data", t.TempDir())
+	cmd.Env = os.Environ()
+	for _, e := range settings["Environment"] {
+		cmd.Env = append(cmd.Env, strings.Fields(e)...)
+	}
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
+	out, err := cmd.CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "SupplementaryGroups=bluetooth") {
+		t.Fatalf("companion-bridge with BlueZ refusing its user: %v; want a refusal saying SupplementaryGroups=bluetooth:\n%s", err, out)
+	}
+	if restarts(t, settings, cmd.ProcessState) {
+		t.Errorf("companion-bridge.service restarts companion-bridge after BlueZ refused its user (%v), every RestartSec for good:\n%s",
+			cmd.ProcessState, out)
 	}
 }

@@ -80,9 +80,10 @@ func main() {
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "companion-bridge:", err)
-		if errors.Is(err, flagcheck.ErrAddrInUse) {
-			// Taken again at every start: as a usage error, not
-			// restarted by the unit (bug 553).
+		if errors.Is(err, flagcheck.ErrAddrInUse) || errors.Is(err, bluez.ErrAccessDenied) {
+			// Again at every start (an address another process holds,
+			// a bus policy refusing the user): as a usage error, not
+			// restarted by the unit (bugs 553, 555).
 			os.Exit(2)
 		}
 		if errors.Is(err, agent.ErrSpoolUnreadable) || errors.Is(err, agent.ErrSpoolNewer) {

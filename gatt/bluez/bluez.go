@@ -69,6 +69,13 @@ var ErrClosed = errors.New("bluez: connector closed")
 // is lost (BusLost).
 var ErrBusLost = errors.New("bluez: the connection to the system D-Bus was lost (dbus restarted or died); restart the bridge")
 
+// ErrAccessDenied is what errors.Is finds in the error of New when the
+// system bus's policy for org.bluez refuses this user: it refuses it
+// again at every start until a person adds the user to the group the
+// policy allows (SupplementaryGroups=bluetooth), so companion-bridge exits
+// on it with status 2, which its unit does not restart (bug 555).
+var ErrAccessDenied = errors.New("bluez: the system bus's policy for org.bluez refuses this user")
+
 // errNoAdapter is why discovery cannot start while the Connector has no
 // adapter: New found no bluetoothd, or no adapter, and none came since.
 var errNoAdapter = errors.New("no Bluetooth adapter to use yet: bluetoothd is not running, or the adapter is not there (systemctl status bluetooth; bluetoothctl list)")
@@ -232,11 +239,11 @@ func (c *Connector) start() error {
 		c.adapterGone = true
 	case err != nil:
 		var de dbus.Error
-		hint := ""
 		if errors.As(err, &de) && de.Name == "org.freedesktop.DBus.Error.AccessDenied" {
-			hint = " (the system bus's policy for org.bluez refuses this user: add it to the bluetooth group, or SupplementaryGroups=bluetooth in its systemd unit)"
+			return fmt.Errorf("%w: add it to the bluetooth group, or SupplementaryGroups=bluetooth in its systemd unit: list BlueZ's adapters: %w",
+				ErrAccessDenied, err)
 		}
-		return fmt.Errorf("bluez: list BlueZ's adapters: %w%s", err, hint)
+		return fmt.Errorf("bluez: list BlueZ's adapters: %w", err)
 	default:
 		path, props, err := pickAdapter(c.opts.Adapter, objects)
 		if err != nil {

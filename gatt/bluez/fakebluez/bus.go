@@ -44,7 +44,7 @@ const busConfig = `<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Con
     <allow receive_type="method_call"/>
     <allow receive_type="signal"/>
     <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
+    <allow receive_type="error"/>%s
   </policy>
 </busconfig>
 `
@@ -64,6 +64,13 @@ func StartBus(tb testing.TB) string {
 // for it to exit.
 func startBus(tb testing.TB) (string, func()) {
 	tb.Helper()
+	return startBusWith(tb, "")
+}
+
+// startBusWith is startBus with policy rules added to the default
+// context, after those that allow everything.
+func startBusWith(tb testing.TB, policy string) (string, func()) {
+	tb.Helper()
 	daemon := DaemonPath
 	if _, err := os.Stat(daemon); err != nil {
 		p, lerr := exec.LookPath("dbus-daemon")
@@ -80,7 +87,7 @@ func startBus(tb testing.TB) (string, func()) {
 	tb.Cleanup(func() { os.RemoveAll(dir) })
 	sock := filepath.Join(dir, "system_bus_socket")
 	conf := filepath.Join(dir, "system.conf")
-	if err := os.WriteFile(conf, []byte(fmt.Sprintf(busConfig, sock)), 0o600); err != nil {
+	if err := os.WriteFile(conf, []byte(fmt.Sprintf(busConfig, sock, policy)), 0o600); err != nil {
 		tb.Fatal(err)
 	}
 	cmd := exec.Command(daemon, "--config-file="+conf, "--nofork", "--nopidfile", "--nosyslog", "--print-address=1")

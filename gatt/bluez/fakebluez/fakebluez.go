@@ -65,7 +65,20 @@ type object struct {
 // powered adapter, hci0, on it. Everything stops in tb.Cleanup.
 func New(tb testing.TB) *BlueZ {
 	tb.Helper()
-	_, killBus := startBus(tb)
+	return newOn(tb, "")
+}
+
+// NewRefusing is New on a bus whose policy refuses every method call to
+// org.bluez (AccessDenied), as a distribution's does for a user outside
+// the "bluetooth" group.
+func NewRefusing(tb testing.TB) *BlueZ {
+	tb.Helper()
+	return newOn(tb, "\n    <deny send_destination=\""+busName+"\" send_type=\"method_call\"/>")
+}
+
+func newOn(tb testing.TB, policy string) *BlueZ {
+	tb.Helper()
+	_, killBus := startBusWith(tb, policy)
 	conn, err := dbus.ConnectSystemBus()
 	if err != nil {
 		tb.Fatalf("fakebluez: connect: %v", err)
