@@ -233,7 +233,11 @@ func (c *Connector) start() error {
 	// bug 551).
 	switch {
 	case ctx.Err() != nil:
-		return fmt.Errorf("bluez: bluetoothd did not answer within %s: is it running? (systemctl status bluetooth)", c.opts.CallTimeout)
+		// Hung: waited out as a running Connector does, until it answers
+		// or is restarted (bug 556).
+		c.log.Warn("bluez: bluetoothd did not answer; waiting for it, the devices offline until it does (systemctl status bluetooth; restart it if it hangs)",
+			"after", c.opts.CallTimeout)
+		c.adapterGone = true
 	case err != nil && bluezAbsent(err):
 		c.log.Warn("bluez: bluetoothd is not on the system bus; waiting for it, the devices offline until it comes (systemctl status bluetooth)", "err", err)
 		c.adapterGone = true
@@ -288,10 +292,16 @@ func (c *Connector) lookForAdapter() {
 	defer c.calls.Done()
 	ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
 	defer cancel()
+	if err := c.findAdapter(ctx); err != nil {
+		c.log.Warn("bluez: bluetoothd is on the bus but listing its adapters failed", "err", err)
+	}
+}
+
+// findAdapter lists BlueZ's adapters and offers each to adapterAdded.
+func (c *Connector) findAdapter(ctx context.Context) error {
 	var objects map[dbus.ObjectPath]map[string]map[string]dbus.Variant
 	if err := c.conn.Object(bluezName, "/").CallWithContext(ctx, ifaceObjMgr+".GetManagedObjects", 0).Store(&objects); err != nil {
-		c.log.Warn("bluez: bluetoothd is on the bus but listing its adapters failed", "err", c.unanswered(ctx, "ObjectManager.GetManagedObjects", err))
-		return
+		return c.unanswered(ctx, "ObjectManager.GetManagedObjects", err)
 	}
 	var paths []dbus.ObjectPath
 	for p, ifaces := range objects {
@@ -303,6 +313,7 @@ func (c *Connector) lookForAdapter() {
 	for _, p := range paths {
 		c.adapterAdded(p, objects[p][ifaceAdapter])
 	}
+	return nil
 }
 
 // pickAdapter is the adapter want names (see Options.Adapter) among
@@ -747,7 +758,17 @@ func (c *Connector) startDiscovery() error {
 	gone := c.adapterGone
 	c.mu.Unlock()
 	if path == "" {
-		return errNoAdapter
+		// None since New: bluetoothd may have come, or answered again
+		// after a hang, without a word (bug 556).
+		if err := c.findAdapter(ctx); err != nil {
+			return fmt.Errorf("%w: %w", errNoAdapter, err)
+		}
+		c.mu.Lock()
+		path, powerFailed = c.adapterPath, c.powerFailed
+		c.mu.Unlock()
+		if path == "" {
+			return errNoAdapter
+		}
 	}
 	if powerFailed && !gone {
 		// Our power-on failed (rfkill blocked it): again, now that a

@@ -1139,3 +1139,28 @@ func TestNewWaitsForBlueZAndTheAdapter(t *testing.T) {
 		})
 	}
 }
+
+// A bridge started while bluetoothd hangs (it owns its name on the bus and
+// answers nothing) stays up, as one running rides out a hang, and finds its
+// devices once bluetoothd is restarted (systemd's watchdog, or a person).
+// Before, New failed after CallTimeout, "bluetoothd did not answer", and
+// the bridge exited with status 1 to start again into the same hang
+// (docs/reliability.md, bug 556).
+func TestNewWaitsOutAHungBluetoothd(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:1B:01", Peripheral: newTestPeripheral("dev-h")})
+	fake.Stall()
+	logs := &testenv.Buffer{}
+	c, err := bluez.New(bluez.Options{CallTimeout: 300 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(io.MultiWriter(logs, testWriter{t}), nil))})
+	if err != nil {
+		t.Fatalf("bluez.New with bluetoothd hung: %v; want a Connector that waits for it", err)
+	}
+	t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+	if !strings.Contains(logs.String(), "did not answer") {
+		t.Errorf("New logged nothing of bluetoothd not answering:\n%s", logs.String())
+	}
+	fake.Unstall()
+	if _, err := connectRetrying(t, c, "dev-h", 15*time.Second); err != nil {
+		t.Fatalf("Connect once bluetoothd was restarted: %v", err)
+	}
+}

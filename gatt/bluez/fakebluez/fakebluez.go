@@ -54,6 +54,7 @@ type BlueZ struct {
 	// refuses to be powered on. Not under mu: the Powered property's
 	// callback runs under the property's lock.
 	blocked atomic.Bool
+	unstall func() // ends Stall's connection; nil when not stalled
 }
 
 type object struct {
@@ -247,14 +248,38 @@ func (b *BlueZ) Stall() {
 	if err != nil {
 		b.tb.Fatalf("fakebluez: stall: connect: %v", err)
 	}
-	b.tb.Cleanup(func() {
-		close(hold)
-		conn.Close()
-	})
+	var once sync.Once
+	end := func() {
+		once.Do(func() {
+			close(hold)
+			conn.Close()
+		})
+	}
+	b.tb.Cleanup(end)
+	b.mu.Lock()
+	b.unstall = end
+	b.mu.Unlock()
 	reply, err := conn.RequestName(busName, dbus.NameFlagDoNotQueue|dbus.NameFlagReplaceExisting)
 	if err != nil || reply != dbus.RequestNameReplyPrimaryOwner {
 		b.tb.Fatalf("fakebluez: stall: own %s: %v %v", busName, reply, err)
 	}
+}
+
+// Unstall ends Stall as systemd ends a hung bluetoothd and starts it
+// again (its watchdog, or systemctl restart bluetooth): the hung one
+// leaves the bus (NameOwnerChanged to no owner), and the fake takes the
+// name again with its objects as they were.
+func (b *BlueZ) Unstall() {
+	b.tb.Helper()
+	b.mu.Lock()
+	end := b.unstall
+	b.unstall = nil
+	b.mu.Unlock()
+	if end == nil {
+		b.tb.Fatal("fakebluez: Unstall without Stall")
+	}
+	end()
+	b.Start()
 }
 
 // stalled is the handler of a stalled org.bluez: every method call waits
