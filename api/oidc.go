@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
+	"sync/atomic"
 	"time"
 	"unicode"
 
@@ -38,10 +40,18 @@ type OIDCOptions struct {
 // OIDCVerifier verifies JWT access tokens of one issuer against its JWKS,
 // with github.com/coreos/go-oidc/v3: signature, iss, aud, exp and nbf.
 type OIDCVerifier struct {
-	v    *oidc.IDTokenVerifier
-	now  func() time.Time
-	skew time.Duration
+	// v is nil until the issuer's discovery worked (RetryingOIDCVerifier);
+	// an atomic load, no lock, on every request with an access token.
+	v      atomic.Pointer[oidc.IDTokenVerifier]
+	now    func() time.Time
+	skew   time.Duration
+	cfg    *oidc.Config
+	issuer string
 }
+
+// ErrOIDCNotDiscovered is Verify's error while the issuer's discovery has
+// not worked yet (RetryingOIDCVerifier): every access token is refused.
+var ErrOIDCNotDiscovered = errors.New("oidc: the issuer's discovery has not worked yet (it could not be reached at the start); access tokens are refused until it does")
 
 // nbfLeeway is how long before its nbf a token is taken: the library's
 // five minutes, which other OpenID Connect libraries allow too.
@@ -52,6 +62,84 @@ const nbfLeeway = 5 * time.Minute
 // keys themselves are fetched (and refreshed on an unknown key id) when
 // tokens arrive.
 func NewOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) {
+	ov, err := newOIDCVerifier(ctx, o)
+	if err != nil || ov.v.Load() != nil {
+		return ov, err
+	}
+	if err := ov.discover(ctx); err != nil {
+		return nil, err
+	}
+	return ov, nil
+}
+
+// RetryingOIDCVerifier is NewOIDCVerifier for a server's start: an issuer
+// whose discovery fails (not reachable yet at boot, or down) is no error.
+// The verifier refuses every access token (ErrOIDCNotDiscovered) and
+// tries the discovery again, each attempt within attempt, from a second
+// apart to a minute apart, until it works or ctx ends; the failure and
+// the success are logged. done is closed once that goroutine has ended.
+// Before, the server's start ended "oidc discovery: …", exit status 1,
+// and systemd restarted the whole server every 2 s for as long as the
+// provider was away (docs/reliability.md, bug 557).
+func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Duration, log *slog.Logger) (v *OIDCVerifier, done <-chan struct{}, err error) {
+	ov, err := newOIDCVerifier(ctx, o)
+	if err != nil {
+		return nil, nil, err
+	}
+	end := make(chan struct{})
+	if ov.v.Load() != nil {
+		close(end)
+		return ov, end, nil
+	}
+	actx, cancel := context.WithTimeout(ctx, attempt)
+	err = ov.discover(actx)
+	cancel()
+	if err == nil || ctx.Err() != nil {
+		close(end)
+		if err != nil {
+			return nil, nil, err
+		}
+		return ov, end, nil
+	}
+	log.Error("oidc discovery failed: access tokens are refused until it works; trying again", "issuer", o.Issuer, "err", err)
+	go func() {
+		defer close(end)
+		wait := time.Second
+		for {
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			actx, cancel := context.WithTimeout(ctx, attempt)
+			err := ov.discover(actx)
+			cancel()
+			if err == nil {
+				log.Info("oidc discovery works: access tokens are taken", "issuer", o.Issuer)
+				return
+			}
+			wait = min(2*wait, time.Minute)
+		}
+	}()
+	return ov, end, nil
+}
+
+// discover fetches the issuer's discovery document, within ctx, and
+// makes the verifier of its keys.
+func (o *OIDCVerifier) discover(ctx context.Context) error {
+	p, err := oidc.NewProvider(ctx, o.issuer)
+	if err != nil {
+		return fmt.Errorf("oidc discovery: %w", err)
+	}
+	o.v.Store(p.Verifier(o.cfg))
+	return nil
+}
+
+// newOIDCVerifier checks o and returns its verifier, ready with
+// o.JWKSURL, to discover without.
+func newOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 	if o.Issuer == "" || o.Audience == "" {
 		return nil, errors.New("oidc: an issuer and an audience are required")
 	}
@@ -80,23 +168,21 @@ func NewOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 		SupportedSigningAlgs: o.Algorithms,
 		SkipExpiryCheck:      true,
 	}
-	ov := &OIDCVerifier{now: now, skew: o.ClockSkew}
+	ov := &OIDCVerifier{now: now, skew: o.ClockSkew, cfg: cfg, issuer: o.Issuer}
 	if o.JWKSURL != "" {
 		keys := oidc.NewRemoteKeySet(context.WithoutCancel(ctx), o.JWKSURL)
-		ov.v = oidc.NewVerifier(o.Issuer, keys, cfg)
-		return ov, nil
+		ov.v.Store(oidc.NewVerifier(o.Issuer, keys, cfg))
 	}
-	p, err := oidc.NewProvider(ctx, o.Issuer)
-	if err != nil {
-		return nil, fmt.Errorf("oidc discovery: %w", err)
-	}
-	ov.v = p.Verifier(cfg)
 	return ov, nil
 }
 
 // Verify implements TokenVerifier.
 func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
-	tok, err := o.v.Verify(ctx, raw)
+	v := o.v.Load()
+	if v == nil {
+		return "", ErrOIDCNotDiscovered
+	}
+	tok, err := v.Verify(ctx, raw)
 	if err != nil {
 		return "", err
 	}

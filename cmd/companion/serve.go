@@ -446,6 +446,7 @@ type Main struct {
 	pg         *postgres.Store // the store, when it is PostgreSQL
 	bolt       *store.DB       // the store, when it is the bbolt file
 	stopListen context.CancelFunc
+	stopOIDC   func() // ends the retries of the issuer's discovery, and waits for them
 	listenDone chan struct{}
 
 	// Events is the hub of GET /api/v1/events (events.go).
@@ -764,11 +765,18 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	cfg := m.Config
 	var tokens api.TokenVerifier
 	if cfg.OIDC.Issuer != "" {
-		dctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-		v, err := api.NewOIDCVerifier(dctx, cfg.OIDC)
-		cancel()
+		// An issuer not reachable yet (at boot) or down is tried again
+		// until it answers, access tokens refused meanwhile; the rest of
+		// the server works (bug 557).
+		octx, stop := context.WithCancel(context.Background())
+		v, done, err := api.RetryingOIDCVerifier(octx, cfg.OIDC, 15*time.Second, m.Logger)
 		if err != nil {
+			stop()
 			return err
+		}
+		m.stopOIDC = func() {
+			stop()
+			<-done
 		}
 		tokens = v
 	}
@@ -944,6 +952,9 @@ func (m *Main) Close() error {
 		if m.stopListen != nil {
 			m.stopListen()
 			<-m.listenDone
+		}
+		if m.stopOIDC != nil {
+			m.stopOIDC()
 		}
 		if m.Broker != nil {
 			errs = append(errs, m.Broker.Close())
