@@ -1433,3 +1433,46 @@ func TestSystemdDoesNotRestartWhenBlueZRefusesTheUser(t *testing.T) {
 			cmd.ProcessState, out)
 	}
 }
+
+// The units start after what they talk to when it runs on the same host
+// (PostgreSQL, Mosquitto, NATS; BlueZ for the bridge) and, as systemd
+// stops in the reverse order, stop before it: at boot the server's first
+// start did not find PostgreSQL up, failed ("--store: postgres: failed to
+// connect … connection refused") and was restarted, and at shutdown the
+// server's last requests and commits raced PostgreSQL's and Mosquitto's
+// own stop. After= only orders: a unit not installed is no dependency,
+// and none of them is pulled in (no Wants=/Requires=), since each may run
+// on another host. Bug 558.
+func TestSystemdUnitsOrderAfterLocalServices(t *testing.T) {
+	for unit, want := range map[string][]string{
+		"companion.service":        {"network-online.target", "postgresql.service", "mosquitto.service", "nats-server.service"},
+		"companion-bridge.service": {"network-online.target", "bluetooth.service", "mosquitto.service"},
+	} {
+		t.Run(unit, func(t *testing.T) {
+			section, after, pulls := "", []string{}, []string{}
+			for _, line := range strings.Split(readFile(t, filepath.Join(repoRoot(t), "packaging", "systemd", unit)), "\n") {
+				line = strings.TrimSpace(line)
+				switch {
+				case strings.HasPrefix(line, "["):
+					section = line
+				case section != "[Unit]" || strings.HasPrefix(line, "#"):
+				case strings.HasPrefix(line, "After="):
+					after = append(after, strings.Fields(strings.TrimPrefix(line, "After="))...)
+				case strings.HasPrefix(line, "Wants="), strings.HasPrefix(line, "Requires="), strings.HasPrefix(line, "BindsTo="):
+					_, v, _ := strings.Cut(line, "=")
+					pulls = append(pulls, strings.Fields(v)...)
+				}
+			}
+			for _, w := range want {
+				if !slices.Contains(after, w) {
+					t.Errorf("%s: After=%s lacks %s", unit, strings.Join(after, " "), w)
+				}
+			}
+			for _, p := range pulls {
+				if p != "network-online.target" {
+					t.Errorf("%s pulls in %s, which may run on another host", unit, p)
+				}
+			}
+		})
+	}
+}
