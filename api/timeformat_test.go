@@ -55,3 +55,27 @@ func TestTimesHaveThreeFractionDigits(t *testing.T) {
 		assert.Regexp(t, apiTimeRE, cmd[k], k)
 	}
 }
+
+// TestAPITimeMarshal: apiTime's own cases, each in the one form: a whole
+// second, a fraction Go would trim, 999999999 ns truncated (not rounded
+// into the next second), a time in another zone written in UTC, the zero
+// time as null, and a year RFC 3339 cannot write refused (bug 510).
+func TestAPITimeMarshal(t *testing.T) {
+	base := time.Date(2026, 12, 1, 1, 14, 13, 0, time.UTC)
+	for _, c := range []struct {
+		in   time.Time
+		want string
+	}{
+		{base, `"2026-12-01T01:14:13.000Z"`},
+		{base.Add(120 * time.Millisecond), `"2026-12-01T01:14:13.120Z"`},
+		{base.Add(999999999), `"2026-12-01T01:14:13.999Z"`},
+		{base.In(time.FixedZone("CET", 3600)), `"2026-12-01T01:14:13.000Z"`},
+		{time.Time{}, `null`},
+	} {
+		b, err := apiTime(c.in).MarshalJSON()
+		require.NoError(t, err, "%v", c.in)
+		assert.Equal(t, c.want, string(b), "%v", c.in)
+	}
+	_, err := apiTime(time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)).MarshalJSON()
+	assert.Error(t, err, "year 10000")
+}

@@ -380,6 +380,8 @@ var foreignFlags = map[string]string{
 	"cafile": "mosquitto_sub", "capath": "mosquitto_sub",
 	"confirm": "imgtool sign", "pad": "imgtool sign", "key": "imgtool sign", "max-align": "imgtool sign", "sha": "imgtool sign",
 	"map-root-user": "unshare", "mount": "unshare", "pid": "unshare", "fsize": "prlimit",
+	"stop-timeout": "docker run", "platform": "docker build", "cache-to": "docker buildx build",
+	"compress": "HTTPie", "failed": "systemctl",
 	"signal": "nats-server", "help": "every program", "test": "imgtool", "nats-": "the --nats-* flags", "sim-": "the --sim-* flags",
 }
 
