@@ -87,6 +87,10 @@ type authHook struct {
 	// Server.DisconnectBridge, DisconnectUser and DeleteBridge close those
 	// connected; deleted says the account was deleted.
 	kick func(cl *mqtt.Client, id Identity, deleted bool)
+	// takenOver is told of a login that takes over the session of a
+	// client still connected, before mochi closes that client
+	// (Server.takenOver).
+	takenOver func(cl, existing *mqtt.Client)
 }
 
 // ID names the hook in mochi's log.
@@ -575,6 +579,9 @@ func (h *authHook) OnSessionEstablish(cl *mqtt.Client, pk packets.Packet) {
 	h.mu.Lock()
 	h.replaced[cl] = existing
 	h.mu.Unlock()
+	if h.takenOver != nil && !existing.Closed() {
+		h.takenOver(cl, existing)
+	}
 	if !pk.Connect.Clean { // a clean start discards the queue anyway
 		h.dropUnreadable(cl, existing)
 	}

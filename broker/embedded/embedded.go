@@ -228,7 +228,17 @@ type Server struct {
 	closeErr  error                  // written before closeDone is closed
 	closeDone chan struct{}          // closed once the first Close is done
 	kicks     map[string]*time.Timer // bridges DisconnectBridge closed, until their grace ends
+	// takeovers holds, for each bridge whose connection a login of its
+	// own took over within takeoverWindow, when it last was; dups logs
+	// the bridges that two processes log in as (takenOver).
+	takeovers map[string]time.Time
+	dups      *logevery.Log
 }
+
+// takeoverWindow is how soon a second takeover of a bridge's connection
+// must follow the first for the two to be taken as two processes logging
+// in as the bridge: a bridge's reconnects back off to 15 s at most.
+const takeoverWindow = time.Minute
 
 // New checks opts and builds a Server. Nothing listens until Start.
 func New(opts Options) (*Server, error) {
@@ -267,7 +277,7 @@ func New(opts Options) (*Server, error) {
 		opts.MaxSessions = DefaultMaxSessions
 	}
 	s := &Server{log: log, listen: opts.Listen, tls: opts.TLSConfig, mochi: m, tree: opts.Topics, grace: opts.KickGrace,
-		connWait: opts.ConnectTimeout, kicks: map[string]*time.Timer{}, closeDone: make(chan struct{})}
+		connWait: opts.ConnectTimeout, kicks: map[string]*time.Timer{}, takeovers: map[string]time.Time{}, closeDone: make(chan struct{})}
 	s.auth = &authHook{
 		tree:     opts.Topics,
 		accounts: opts.Accounts,
@@ -290,6 +300,8 @@ func New(opts Options) (*Server, error) {
 	}
 	s.auth.drop = s.dropQueued
 	s.auth.kick = s.kickLate
+	s.auth.takenOver = s.takenOver
+	s.dups = logevery.New(log, time.Hour, nil)
 	s.auth.discard = s.discardSession
 	s.auth.connected = func(id Identity) {
 		if id.Role == RoleBridge {
@@ -435,6 +447,47 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 	return n
 }
 
+// takenOver is told of cl's login, which takes over the session of
+// existing, a client still connected under the client id. Of a bridge's
+// own login, the Will of the connection taken over is held as
+// DisconnectBridge holds one (holdWill): published, every device of the
+// bridge read offline, for watchers and in the store, until the new
+// connection's "online" a moment later, at every takeover; and two
+// bridge processes started with the same id and secret take the
+// connection from each other for as long as both run. Mosquitto
+// publishes no Will on a takeover either. A takeover following another
+// within takeoverWindow is logged as such, once an hour a bridge: the
+// operator has two processes to find (docs/reliability.md, bug 610).
+func (s *Server) takenOver(cl, existing *mqtt.Client) {
+	id, ok := s.auth.identity(cl)
+	old, known := s.auth.identity(existing)
+	if !ok || !known || id != old || id.Role != RoleBridge {
+		return
+	}
+	if atomic.CompareAndSwapUint32(&existing.Properties.Will.Flag, 1, 0) {
+		s.holdWill(id.ID)
+	}
+	now := time.Now()
+	s.mu.Lock()
+	last, again := s.takeovers[id.ID]
+	again = again && now.Sub(last) < takeoverWindow
+	for b, at := range s.takeovers {
+		if now.Sub(at) >= takeoverWindow {
+			delete(s.takeovers, b)
+		}
+	}
+	s.takeovers[id.ID] = now
+	s.mu.Unlock()
+	if !again {
+		s.log.Info("a login of the bridge took over its connection still open", "bridge_id", id.ID,
+			"client_id", cl.ID, "remote", cl.Net.Remote, "taken_over_remote", existing.Net.Remote)
+		return
+	}
+	s.dups.Warn(id.ID, "two connections log in as the same bridge, each closing the other: "+
+		"two bridge processes run with its --bridge-id and secret; stop one", "bridge_id", id.ID,
+		"client_id", cl.ID, "remote", cl.Net.Remote, "taken_over_remote", existing.Net.Remote)
+}
+
 // kickLate closes a client whose login checked its credentials before a
 // change DisconnectBridge, DisconnectUser or DeleteBridge (deleted) was
 // told of, and which they did not find connected (bugs 300 and 307), as
@@ -560,6 +613,10 @@ func (s *Server) DeleteBridge(bridgeID string) int {
 	return n
 }
 
+// testHookEnded, when set, is called as each connection ends, once mochi
+// is done with it (its Will published, if it was to be): a test awaits it.
+var testHookEnded atomic.Pointer[func()]
+
 // connectionEnded ends the session of a client let in on conn whose
 // session was never established: mochi, failing to write its CONNACK (the
 // client hung up as its login was checked), returns without telling the
@@ -569,6 +626,9 @@ func (s *Server) DeleteBridge(bridgeID string) int {
 // the changes of credentials it notes (docs/reliability.md, bug 316). A
 // persistent session stays, as any session left by a client that went.
 func (s *Server) connectionEnded(conn net.Conn) {
+	if h := testHookEnded.Load(); h != nil {
+		(*h)()
+	}
 	cl := s.auth.unestablished(conn)
 	if cl == nil {
 		return

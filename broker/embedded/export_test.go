@@ -25,3 +25,10 @@ func HasClient(s *Server, clientID string) bool {
 	_, ok := s.mochi.Clients.Get(clientID)
 	return ok
 }
+
+// OnConnectionEnded has f called each time mochi is done with a
+// connection: its Will, if it was to be published, has been.
+func OnConnectionEnded(f func()) (undo func()) {
+	testHookEnded.Store(&f)
+	return func() { testHookEnded.Store(nil) }
+}
