@@ -124,6 +124,10 @@ type Options struct {
 
 	Logger *slog.Logger
 	Now    func() time.Time
+
+	// stateLogEvery is the interval of the lines of a bridge's state
+	// (logState); a minute when 0. Tests shorten it.
+	stateLogEvery time.Duration
 }
 
 // Dispatcher tells a replica whether it dispatches now.
@@ -239,7 +243,11 @@ type Broker struct {
 	// bridgeGen holds the number of each bridge's latest state message
 	// taken in, counted in bridgeStates (see noteBridgeState), until the
 	// bridge is forgotten (forgetBridge); under mu.
-	bridgeGen    map[string]uint64
+	bridgeGen map[string]uint64
+	// stateLines holds, of each bridge whose state was logged, what
+	// logState has to say of it; under stateMu.
+	stateMu      sync.Mutex
+	stateLines   map[string]*stateLines
 	bridgeStates uint64
 	// kicked holds when each bridge was last said to be disconnected for
 	// a change of its rights (BridgesDisconnecting); under mu.
@@ -353,6 +361,7 @@ func New(opts Options) (*Broker, error) {
 		moved:       opts.Topics.DevicesMoved(),
 		kickedAt:    opts.Topics.BridgesKicked(),
 		bridgeGen:   make(map[string]uint64),
+		stateLines:  make(map[string]*stateLines),
 		kicked:      make(map[string]time.Time),
 		away:        make(map[string]bool),
 		awayDevices: make(map[string]string),

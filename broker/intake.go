@@ -314,7 +314,7 @@ func (b *Broker) bridgeOffline(bridgeID string, n uint64, ack func(), attempt in
 			b.setAway(bridgeID, true) // its devices' commands wait queued (publish)
 		}
 		b.mu.Unlock()
-		b.log.Info("bridge offline; its devices' commands wait queued until it is back", "bridge_id", bridgeID, "devices", len(ids))
+		b.logState(bridgeID, topics.BridgeOffline, len(ids))
 		if len(ids) > 0 {
 			b.goOwned(func() { b.publishOffline(bridgeID, n, ids) })
 		}
@@ -375,6 +375,9 @@ func (b *Broker) forgetBridge(bridgeID string) {
 	defer b.mu.Unlock()
 	delete(b.bridgeGen, bridgeID)
 	delete(b.kicked, bridgeID)
+	b.stateMu.Lock()
+	delete(b.stateLines, bridgeID)
+	b.stateMu.Unlock()
 	b.setAway(bridgeID, false)
 	for d, bridge := range b.awayDevices {
 		if bridge == bridgeID {
@@ -1082,7 +1085,92 @@ func (b *Broker) bridgeOnline(bridgeID string, n uint64, ack func(), attempt int
 		b.resend[id] = true
 	}
 	b.wake()
-	b.log.Info("bridge online; resending its devices' unfinished commands", "bridge_id", bridgeID, "devices", len(ids))
+	b.logState(bridgeID, topics.BridgeOnline, len(ids))
+}
+
+// stateLines is what logState has to say of a bridge: when it last logged
+// a line of each state, and the changes it counted since.
+type stateLines struct {
+	logged          map[string]time.Time // by state
+	devices         map[string]int       // by state, its latest count of devices
+	offline, online int                  // changes not logged
+}
+
+// logState logs a change of the bridge's state (its Will taken in, its
+// "online"): each state's line at once if none of it was logged within
+// the interval (Options.stateLogEvery, a minute), so that a restart shows
+// both; those that follow within it are only counted, and once it is over
+// the bridge's state then is logged with their counts. A bridge whose
+// connection flaps (a bad link, two processes started with its id) had
+// two info lines a flap, tens of thousands a day; and a line only
+// counted would leave the log's last word on the bridge other than its
+// state now (docs/reliability.md, bug 611). b.mu may be held.
+func (b *Broker) logState(bridgeID, state string, devices int) {
+	every := b.opts.stateLogEvery
+	if every <= 0 {
+		every = time.Minute
+	}
+	now := time.Now()
+	b.stateMu.Lock()
+	l := b.stateLines[bridgeID]
+	if l == nil {
+		l = &stateLines{logged: map[string]time.Time{}, devices: map[string]int{}}
+		b.stateLines[bridgeID] = l
+	}
+	pending := l.offline+l.online > 0
+	if !pending && now.Sub(l.logged[state]) >= every {
+		l.logged[state] = now
+		b.stateMu.Unlock()
+		b.stateLine(bridgeID, state, devices)
+		return
+	}
+	if !pending {
+		// The first counted: the line of the bridge's state is due
+		// once the interval of the line of this one is over.
+		b.later(every-now.Sub(l.logged[state]), func() { b.flushState(bridgeID) })
+	}
+	if state == topics.BridgeOffline {
+		l.offline++
+	} else {
+		l.online++
+	}
+	l.devices[state] = devices
+	b.stateMu.Unlock()
+}
+
+// flushState logs the bridge's state once the interval of the changes
+// logState counted is over, with their counts. The state is the broker's
+// (away or not), not the last change counted: the line of a Will comes
+// once the store has taken it, and may follow that of the "online" after
+// it.
+func (b *Broker) flushState(bridgeID string) {
+	b.mu.Lock()
+	state := topics.BridgeOnline
+	if b.away[bridgeID] {
+		state = topics.BridgeOffline
+	}
+	b.mu.Unlock()
+	b.stateMu.Lock()
+	l := b.stateLines[bridgeID]
+	if l == nil || l.offline+l.online == 0 {
+		b.stateMu.Unlock()
+		return
+	}
+	offline, online, devices := l.offline, l.online, l.devices[state]
+	l.offline, l.online = 0, 0
+	l.logged[state] = time.Now()
+	b.stateMu.Unlock()
+	b.stateLine(bridgeID, state, devices, "offline_not_logged", offline, "online_not_logged", online)
+}
+
+// stateLine is the line of a bridge's state.
+func (b *Broker) stateLine(bridgeID, state string, devices int, counts ...any) {
+	args := append([]any{"bridge_id", bridgeID, "devices", devices}, counts...)
+	if state == topics.BridgeOffline {
+		b.log.Info("bridge offline; its devices' commands wait queued until it is back", args...)
+		return
+	}
+	b.log.Info("bridge online; resending its devices' unfinished commands", args...)
 }
 
 // takeSettings stores the settings a device a bridge serves reported (as
