@@ -114,10 +114,13 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	return true, nil
 }
 
-// MarkBridgeOffline marks offline every device whose current status names
-// the bridge, as when the bridge's MQTT Will fires, and returns their ids
-// in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
-// bridge's next report applies as usual.
+// MarkBridgeOffline marks offline every device online whose current status
+// names the bridge, as when the bridge's MQTT Will fires, and returns their
+// ids in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
+// bridge's next report applies as usual. A device offline already is left
+// as it is, and not returned: the broker republishes the status of each
+// returned, and a bridge whose link flaps has a Will each time
+// (docs/reliability.md, bug 612).
 func (db *DB) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error) {
 	type result struct {
 		ids []string
@@ -153,7 +156,7 @@ func (db *DB) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, er
 			if err != nil {
 				return err
 			}
-			if !ok || s.BridgeID != bridgeID {
+			if !ok || s.BridgeID != bridgeID || !s.Online {
 				continue
 			}
 			old := s

@@ -263,10 +263,11 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 	return applied == 1, nil
 }
 
-// MarkBridgeOffline marks offline every device whose current status names
-// the bridge, as when the bridge's MQTT Will fires, and returns their ids
-// in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
-// bridge's next report applies as usual.
+// MarkBridgeOffline marks offline every device online whose current status
+// names the bridge, as when the bridge's MQTT Will fires, and returns their
+// ids in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
+// bridge's next report applies as usual. A device offline already is left
+// as it is, and not returned (bug 612, as the bbolt engine).
 func (s *Store) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error) {
 	type result struct {
 		ids []string
@@ -320,13 +321,16 @@ func (s *Store) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, 
 					rows.Close()
 					return err
 				}
-				ids = append(ids, st.DeviceID)
 				if st.Online {
+					ids = append(ids, st.DeviceID)
 					going = append(going, st)
 				}
 			}
 			if err := rows.Err(); err != nil {
 				return err
+			}
+			if len(ids) == 0 {
+				return nil
 			}
 			if _, err := tx.Exec(ctx, `UPDATE statuses SET online = false, updated_at = $2 WHERE device_id = ANY($1)`, ids, now); err != nil {
 				return err

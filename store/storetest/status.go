@@ -236,6 +236,14 @@ func testMarkBridgeOffline(t *testing.T, s companion.Store) {
 		near(t, "Status("+c.dev+").UpdatedAt", st.UpdatedAt)
 		assert.False(t, st.UpdatedAt.Before(before[c.dev].UpdatedAt), "Status(%s).UpdatedAt went back", c.dev)
 	}
+	// A Will again (the bridge came back and went before it reported
+	// anything), or one of a bridge that reported its devices offline
+	// itself (out of its radio's range): none is written again, nor
+	// returned, for the broker republishes the status of each it returns
+	// (bug 612).
+	ids, err = s.MarkBridgeOffline(ctx, "br1")
+	require.NoError(t, err)
+	assert.Empty(t, ids, "MarkBridgeOffline(br1) with its devices offline already")
 	// The bridge's next report (a higher seq) brings the device back.
 	put("d1", "br1", 2)
 	st, err := s.Status(ctx, "d1")
