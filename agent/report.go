@@ -291,7 +291,12 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 		if ctx.Err() != nil {
 			return last
 		}
-		a.log.Warn("reading device info failed", "device_id", dr.id, "err", err)
+		if dr.unread {
+			a.log.Debug("reading device info failed", "device_id", dr.id, "err", err)
+		} else {
+			dr.unread = true
+			a.log.Warn("reading device info failed; the device reads offline until it answers", "device_id", dr.id, "err", err)
+		}
 		// What a command changed, when this read was asked for before
 		// the reporter took its status (bug 229).
 		if k := dr.knownStatus(); k != nil && (last == nil || k.Seq > last.Seq) {
@@ -305,6 +310,9 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 		}
 		st.BridgeID = a.opts.BridgeID
 		st.At, st.Seq = a.stampNow(), a.nextSeq()
+	} else if dr.unread {
+		dr.unread = false
+		a.log.Info("the device answers again", "device_id", dr.id)
 	}
 	if !force && sameStatus(&st, last) {
 		return last
@@ -316,10 +324,18 @@ func (a *Agent) publishStatus(ctx context.Context, dr *deviceRunner, last *topic
 func (a *Agent) publishSettings(ctx context.Context, dr *deviceRunner) {
 	s, err := a.readSettings(ctx, dr)
 	if err != nil {
-		if ctx.Err() == nil {
+		switch {
+		case ctx.Err() != nil:
+		case dr.unread || dr.settingsUnread:
+			// Said already: the device is out of reach, or its
+			// settings unreadable, since a report before.
+			a.log.Debug("reading device settings failed", "device_id", dr.id, "err", err)
+		default:
 			a.log.Warn("reading device settings failed", "device_id", dr.id, "err", err)
 		}
+		dr.settingsUnread = ctx.Err() == nil
 		return
 	}
+	dr.settingsUnread = false
 	a.publish(dr, a.tree.Settings, s)
 }

@@ -41,6 +41,11 @@ type deviceRunner struct {
 	offered                            deviceState // read after a command: publish as is
 	known                              *topics.Status
 	rwake                              chan struct{}
+
+	// unread and settingsUnread are the reporter's own (report): its
+	// last read of the device's info, or of its settings, failed. A
+	// failure is said once, not at each report while it lasts (bug 613).
+	unread, settingsUnread bool
 }
 
 func newDeviceRunner(d Device) *deviceRunner {
