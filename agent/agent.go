@@ -25,11 +25,13 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -159,6 +161,15 @@ type Agent struct {
 	resync      atomic.Bool
 	settleUntil atomic.Int64
 	born        time.Time
+
+	// connectedAt is when the last connection was made, as time since
+	// born; closings holds when the broker closed a connection soon
+	// after it was made, within closingsWindow, and hinted when the
+	// bridge last said another process may log in as it (noteClosed).
+	connectedAt atomic.Int64
+	closingsMu  sync.Mutex
+	closings    []time.Duration
+	hinted      time.Duration
 
 	// server is the least the server's clock reads, from the commands'
 	// created_at: TTLs are judged on it too (ttlNow).
@@ -490,6 +501,7 @@ func signal(c chan struct{}) {
 // command released there could start before this one marked the
 // connection unanswered.
 func (a *Agent) onConnect(mqtt.Client) {
+	a.connectedAt.Store(int64(time.Since(a.born)))
 	a.unanswered.Store(a.conn.Add(1))
 	if a.loginRefused.Swap(false) {
 		a.log.Info("the broker lets the bridge in again; its devices' commands run once it answers their subscriptions")
@@ -520,6 +532,48 @@ func (a *Agent) onConnectionLost(_ mqtt.Client, err error) {
 	a.resync.Store(true)
 	signal(a.subWake) // stop asking for refused filters on the lost connection
 	a.log.Warn("MQTT connection lost", "err", err)
+	a.noteClosed(err)
+}
+
+// Of closings: a connection the broker closes (EOF) within closingSoon
+// of being made, closingsToHint times within closingsWindow, is taken
+// as another process logging in as the bridge, said at most once in
+// hintEvery.
+const (
+	closingSoon    = 30 * time.Second // a connection lasts up to paho's 15 s backoff of the other
+	closingsWindow = 2 * time.Minute
+	closingsToHint = 3
+	hintEvery      = time.Hour
+)
+
+// noteClosed notes a connection lost with err, and says, once an hour,
+// that another process may log in as the bridge when the broker has
+// closed its connections soon after they were made, again and again: two
+// bridges started with the same id and secret log in with the same
+// client id, and the broker closes the older connection at each login,
+// as long as both run. Each said only "MQTT connection lost" (EOF) and
+// "connected", as a bad network would have it; on a user's own bridge,
+// whose owner has no server log to read, nothing named the cause
+// (docs/reliability.md, bug 614).
+func (a *Agent) noteClosed(err error) {
+	now := time.Since(a.born)
+	if !errors.Is(err, io.EOF) || now-time.Duration(a.connectedAt.Load()) > closingSoon {
+		return
+	}
+	a.closingsMu.Lock()
+	a.closings = append(slices.DeleteFunc(a.closings, func(at time.Duration) bool { return now-at > closingsWindow }), now)
+	n := len(a.closings)
+	hint := n >= closingsToHint && (a.hinted == 0 || now-a.hinted >= hintEvery)
+	if hint {
+		a.hinted = now
+	}
+	a.closingsMu.Unlock()
+	if hint {
+		a.log.Warn("the broker closed the bridge's connection soon after it was made, again and again: "+
+			"another process may log in as this bridge (the same --bridge-id and secret), each login closing the other's; if so, stop one "+
+			"(a device moved to or from the bridge closes it once too)",
+			"closings", n, "within", closingsWindow)
+	}
 }
 
 // refusedLogin is what to do when the broker refuses the bridge's login,
