@@ -12,7 +12,8 @@ import (
 
 // Backuper is what GET /api/v1/admin/backup needs of the store: a copy of
 // it as it stands at one instant. The bbolt store (*store.DB) has it;
-// PostgreSQL is backed up with its own tools.
+// PostgreSQL is backed up with its own tools. With w nil, Backup only
+// calls size with the file's length (HEAD).
 type Backuper interface {
 	Backup(ctx context.Context, w io.Writer, size func(int64)) (int64, error)
 }
@@ -29,22 +30,21 @@ func (s *Server) adminBackup(c *gin.Context) error {
 	h := c.Writer.Header()
 	w := &blobWriter{ResponseWriter: c.Writer, rc: http.NewResponseController(c.Writer), idle: s.limits.BodyIdle}
 	defer func() { _ = w.rc.SetWriteDeadline(time.Time{}) }()
-	// HEAD says the copy's length without sending it: the copy stops at
-	// its first write.
-	ctx, stop := context.WithCancel(c.Request.Context())
-	defer stop()
+	// HEAD says the file's length without a copy.
+	ctx := c.Request.Context()
 	head := c.Request.Method == http.MethodHead
+	var to io.Writer = w
+	if head {
+		to = nil
+	}
 	started := false
-	n, err := b.Backup(ctx, w, func(size int64) {
+	n, err := b.Backup(ctx, to, func(size int64) {
 		started = true
 		h.Set("Content-Type", "application/octet-stream")
 		h.Set("Content-Length", strconv.FormatInt(size, 10))
 		h.Set("Content-Disposition", `attachment; filename="companion.db"`)
 		h.Set("Cache-Control", "no-store")
 		w.WriteHeader(http.StatusOK)
-		if head {
-			stop()
-		}
 	})
 	if err == nil {
 		_ = w.rc.Flush()

@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -19,7 +21,8 @@ var keyBackup = []byte("backup")
 // commit meanwhile do not change (bbolt's Tx.WriteTo). A copy of the live
 // file by cp can catch a commit half written, and the server then refuses
 // it as damaged, or worse reads it. size, when not nil, is called with the
-// copy's length before anything is written to w. The copy has no blobs:
+// copy's length before anything is written to w; with w nil, Backup only
+// calls size with the file's length as it stands. The copy has no blobs:
 // they are files of their own under BlobDir, each written once and never
 // changed, to be copied after it.
 //
@@ -27,14 +30,55 @@ var keyBackup = []byte("backup")
 // a restore, and does not give the ids of events it never saw to new ones
 // (openedBackup). A disk that takes no write leaves the copy unmarked.
 //
-// The read transaction lasts as long as w takes the copy: the pages the
-// writes free meanwhile are not reused until it ends, so the file may
-// grow while a slow client takes its backup.
+// The read transaction lasts only as long as the copy takes to write to a
+// temporary file beside the store (removed as it is made, so that a crash
+// leaves nothing), and w is then sent that file (bug 530): bbolt does not
+// reuse the pages freed after the oldest open read transaction began, so
+// one held for a whole download let a slow or stalled client grow the
+// live file without bound while commands were written. The directory
+// needs room for one more copy of the store meanwhile.
 func (db *DB) Backup(ctx context.Context, w io.Writer, size func(int64)) (int64, error) {
+	if w == nil {
+		// The length alone (HEAD): no copy, and no mark.
+		err := db.bolt.View(func(tx *bolt.Tx) error {
+			if size != nil {
+				size(tx.Size())
+			}
+			return nil
+		})
+		return 0, err
+	}
+	tmp, n, err := db.backupToTemp(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer tmp.Close()
+	if size != nil {
+		size(n)
+	}
+	if _, err := tmp.Seek(0, io.SeekStart); err != nil {
+		return 0, fmt.Errorf("store: backup: %w", err)
+	}
+	sent, err := io.Copy(ctxWriter{ctx, w}, io.LimitReader(tmp, n))
+	if err != nil {
+		return sent, fmt.Errorf("store: backup: %w", err)
+	}
+	return sent, nil
+}
+
+// backupToTemp writes the marked copy Backup sends to a temporary file
+// beside the store, already removed from its directory, and returns it
+// with its length.
+func (db *DB) backupToTemp(ctx context.Context) (*os.File, int64, error) {
 	// One at a time: the mark one deletes must not come between the mark
 	// of another and its read transaction.
 	db.backupMu.Lock()
 	defer db.backupMu.Unlock()
+	tmp, err := os.CreateTemp(filepath.Dir(db.path), ".backup-*")
+	if err != nil {
+		return nil, 0, fmt.Errorf("store: backup: %w", err)
+	}
+	_ = os.Remove(tmp.Name())
 	mark := func(put bool) error {
 		return db.update(func(tx *bolt.Tx) error {
 			if put {
@@ -55,18 +99,16 @@ func (db *DB) Backup(ctx context.Context, w io.Writer, size func(int64)) (int64,
 		}()
 	}
 	var n int64
-	err := db.bolt.View(func(tx *bolt.Tx) error {
-		if size != nil {
-			size(tx.Size())
-		}
+	err = db.bolt.View(func(tx *bolt.Tx) error {
 		var err error
-		n, err = tx.WriteTo(ctxWriter{ctx, w})
+		n, err = tx.WriteTo(ctxWriter{ctx, tmp})
 		return err
 	})
 	if err != nil {
-		return n, fmt.Errorf("store: backup: %w", err)
+		_ = tmp.Close()
+		return nil, 0, fmt.Errorf("store: backup: a copy in %s before it is sent: %w", filepath.Dir(db.path), err)
 	}
-	return n, nil
+	return tmp, n, nil
 }
 
 // openedBackup, in Open's migration, takes a file Backup copied as a

@@ -81,3 +81,58 @@ func TestRestoredBackupResetsStreamsPastIt(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, purged)
 }
+
+// blockingWriter takes the first write, says so on wrote, and then waits
+// for release before it takes any: a client that stalls mid-download.
+type blockingWriter struct {
+	wrote   chan struct{}
+	release chan struct{}
+	once    bool
+	buf     bytes.Buffer
+}
+
+func (w *blockingWriter) Write(p []byte) (int, error) {
+	if !w.once {
+		w.once = true
+		close(w.wrote)
+		<-w.release
+	}
+	return w.buf.Write(p)
+}
+
+// TestBackupHoldsNoReadTxWhileTheClientReads takes a backup for a client
+// that stalls after the first bytes: the store must hold no read
+// transaction meanwhile. bbolt does not reuse the pages freed after the
+// oldest open read transaction began, so a backup that held one for its
+// whole download let a slow or stalled client grow the live file without
+// bound while commands were written.
+func TestBackupHoldsNoReadTxWhileTheClientReads(t *testing.T) {
+	db := openTestDBWith(t, filepath.Join(t.TempDir(), "companion.db"), Options{})
+	w := &blockingWriter{wrote: make(chan struct{}), release: make(chan struct{})}
+	done := make(chan error, 1)
+	var size int64
+	go func() {
+		_, err := db.Backup(t.Context(), w, func(n int64) { size = n })
+		done <- err
+	}()
+	select {
+	case <-w.wrote:
+	case err := <-done:
+		t.Fatalf("Backup ended before it wrote: %v", err)
+	}
+	openTx := db.bolt.Stats().OpenTxN
+	close(w.release)
+	require.NoError(t, <-done)
+	assert.Zero(t, openTx, "read transactions open while the client takes the backup")
+	assert.Equal(t, size, int64(w.buf.Len()))
+	// The copy is the store, marked as a backup.
+	restored := filepath.Join(t.TempDir(), "companion.db")
+	require.NoError(t, os.WriteFile(restored, w.buf.Bytes(), 0o600))
+	bdb, err := bolt.Open(restored, 0o600, &bolt.Options{ReadOnly: true})
+	require.NoError(t, err)
+	defer bdb.Close()
+	require.NoError(t, bdb.View(func(tx *bolt.Tx) error {
+		assert.NotNil(t, tx.Bucket(bucketMeta).Get(keyBackup), "the copy is not marked as a backup")
+		return nil
+	}))
+}
