@@ -372,7 +372,7 @@ func TestReadmeWatchLineWorks(t *testing.T) {
 }
 
 // foreignFlags are the flags the README and docs/*.md give other programs
-// (git, curl, imgtool, docker, unshare, prlimit, nats-server), each with
+// (git, curl, imgtool, docker, unshare, prlimit, nats-server, pg_restore), each with
 // the program it belongs to.
 var foreignFlags = map[string]string{
 	"always": "git describe", "dirty": "git describe", "build-arg": "docker build",
@@ -382,6 +382,7 @@ var foreignFlags = map[string]string{
 	"map-root-user": "unshare", "mount": "unshare", "pid": "unshare", "fsize": "prlimit",
 	"stop-timeout": "docker run", "platform": "docker build", "cache-to": "docker buildx build",
 	"compress": "HTTPie", "failed": "systemctl",
+	"no-owner": "pg_restore", "dbname": "pg_restore",
 	"signal": "nats-server", "help": "every program", "test": "imgtool", "nats-": "the --nats-* flags", "sim-": "the --sim-* flags",
 }
 

@@ -38,7 +38,7 @@ func unassign(ctx context.Context, tx pgx.Tx, deviceID string) (string, error) {
 // its status names no bridge from then on, online or not (the
 // bbolt engine's markUnserved). Seq and LastSeen stay, so the next report
 // applies as usual. The caller holds the status's lock (lockReports).
-func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) error {
+func (s *Store) markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time) error {
 	var r statusRow
 	err := tx.QueryRow(ctx, `UPDATE statuses SET online = false, bridge_id = '', updated_at = $2 WHERE device_id = $1 AND online
 		RETURNING `+statusColumnsOf("statuses"), deviceID, now).Scan(r.dest()...)
@@ -54,7 +54,7 @@ func markUnserved(ctx context.Context, tx pgx.Tx, deviceID string, now time.Time
 	if err != nil {
 		return err
 	}
-	return insertDeviceEvent(ctx, tx, st)
+	return s.insertDeviceEvent(ctx, tx, st)
 }
 
 // lockReports locks, in tx, the device's status and, with settings, its
@@ -125,7 +125,7 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 			if err := lockReports(ctx, tx, deviceID, false); err != nil {
 				return err
 			}
-			return markUnserved(ctx, tx, deviceID, s.clock())
+			return s.markUnserved(ctx, tx, deviceID, s.clock())
 		}
 		var owner string
 		if err := tx.QueryRow(ctx, `SELECT owner_id FROM bridges WHERE id = $1 FOR SHARE`, bridgeID).Scan(&owner); err != nil {
@@ -160,7 +160,7 @@ func (s *Store) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID st
 		if previous != "" && previous != bridgeID {
 			// Its old bridge's word is no longer the device's: it reads
 			// offline until the new bridge reports it.
-			if err := markUnserved(ctx, tx, deviceID, s.clock()); err != nil {
+			if err := s.markUnserved(ctx, tx, deviceID, s.clock()); err != nil {
 				return err
 			}
 		}
@@ -337,7 +337,7 @@ func (s *Store) DeleteBridge(ctx context.Context, bridgeID, ownerID string) ([]s
 			if err := lockReports(ctx, tx, dev, false); err != nil {
 				return err
 			}
-			if err := markUnserved(ctx, tx, dev, now); err != nil {
+			if err := s.markUnserved(ctx, tx, dev, now); err != nil {
 				return err
 			}
 		}

@@ -125,7 +125,7 @@ func (s *Store) Unbind(ctx context.Context, deviceID, userID string) (companion.
 		if err != nil {
 			return err
 		}
-		return markUnserved(ctx, tx, deviceID, s.clock())
+		return s.markUnserved(ctx, tx, deviceID, s.clock())
 	}))
 	if err != nil {
 		return companion.Unbound{}, err

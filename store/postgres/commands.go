@@ -271,7 +271,7 @@ func (s *Store) createCommand(ctx context.Context, c companion.Command, maxOpen 
 		b.Queue(`UPDATE device_queues SET last_id = $2, open_count = open_count + 1 WHERE device_id = $1`, nc.DeviceID, nc.ID)
 		// The dispatcher (another replica, perhaps) publishes it.
 		b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, nc.ID)
-		if err := queueCommandEvent(&b, nc); err != nil {
+		if err := s.queueCommandEvent(&b, nc); err != nil {
 			return err
 		}
 		if idem != nil {
@@ -535,7 +535,7 @@ func (s *Store) updateCommand(ctx context.Context, tx pgx.Tx, id string, fn func
 		b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, nc.ID)
 	}
 	if companion.CommandEventDue(old, nc) {
-		if err := queueCommandEvent(&b, nc); err != nil {
+		if err := s.queueCommandEvent(&b, nc); err != nil {
 			return companion.Command{}, false, err
 		}
 	}

@@ -46,6 +46,10 @@ import (
 // the same xid. The stored xid is never below the transaction's own, so a
 // reader still sees it only once its transaction has ended.
 //
+// In a database restored from a dump, an event's place is its
+// transaction's id plus an offset (logXid, openEventsLog): the xids
+// above are places in the log, xmin too.
+//
 // A cursor is the event's (xid, id) as two 16-digit hex numbers joined by
 // "-", so that cursors compare as strings in log order.
 
@@ -86,12 +90,87 @@ func parseEventCursor(s string) (eventCursor, error) {
 // expression user is stored with (see above): the transaction's own, or
 // the highest of the user's events committed, through the index
 // events_by_user.
-func eventXidSQL(user string) string {
-	return `greatest(pg_current_xact_id(), (SELECT l.xid FROM events l WHERE l.user_id = ` + user + ` ORDER BY l.xid DESC LIMIT 1))`
+func (s *Store) eventXidSQL(user string) string {
+	return `greatest(` + s.logXid(`pg_current_xact_id()`) + `, (SELECT l.xid FROM events l WHERE l.user_id = ` + user + ` ORDER BY l.xid DESC LIMIT 1))`
+}
+
+// logXid is the SQL of the xid8 expression xid as a place in the event
+// log: xid itself, or moved on by the offset of a restored database
+// (openEventsLog); as it was for a database never restored, so that the
+// command path does no more work there.
+func (s *Store) logXid(xid string) string {
+	if s.xidOffset == 0 {
+		return xid
+	}
+	return `((` + xid + `)::text::numeric + ` + strconv.FormatUint(s.xidOffset, 10) + `)::text::xid8`
+}
+
+// openEventsLog reads the event log's offset (events_log, migration 0006)
+// and takes a database whose events_log has another oid than its row says
+// for a restore of a dump (bug 531): what happened after the dump is
+// gone, the events too, and clients of the event streams hold places in
+// the log the restored one never had. Those places are the transaction
+// ids of the lost server: a dump restored into a new server, whose
+// transaction ids are behind, hid every event made after it until the new
+// server caught up with the old, and a client that resumed once it had
+// passed its place then skipped the events before silently; in a new
+// database of the same server, the client was not told that what it saw
+// after the dump was undone. So the log moves past every place the lost
+// database could have given: the clock in microseconds, as a place, is
+// past them (a server hands out far fewer transaction ids a second), and
+// the purge mark is put there, so that a stream resumed from before it
+// starts with an event "reset", and its client reads the state again.
+// Under the migrations' lock: replicas opening at once do it once.
+func (s *Store) openEventsLog(ctx context.Context) error {
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, migrationLock); err != nil {
+			return err
+		}
+		var (
+			off             int64
+			stored, current uint32
+			ahead           bool
+		)
+		// ahead: the log holds a place past every transaction of this
+		// server, which only a restore into a server behind the lost one
+		// makes; so a dump of a build before events_log, which the
+		// migration then made anew with its own oid, is taken for one too.
+		err := tx.QueryRow(ctx, `SELECT l.xid_offset, l.table_oid, 'events_log'::regclass::oid,
+				coalesce((SELECT xid FROM events ORDER BY xid DESC LIMIT 1)::text::numeric
+					>= pg_snapshot_xmax(pg_current_snapshot())::text::numeric + l.xid_offset, false)
+			FROM events_log l FOR UPDATE`).Scan(&off, &stored, &current, &ahead)
+		if err != nil {
+			return err
+		}
+		if stored != current || ahead {
+			var mark string
+			err := tx.QueryRow(ctx, `WITH now AS (
+					SELECT pg_snapshot_xmin(pg_current_snapshot())::text::numeric AS xmin,
+						floor(extract(epoch FROM clock_timestamp()) * 1000000) AS us),
+				top AS (
+					SELECT greatest(now.us,
+						(SELECT xid FROM events ORDER BY xid DESC LIMIT 1)::text::numeric,
+						(SELECT xid FROM events_purged)::text::numeric) AS top FROM now)
+				UPDATE events_log SET xid_offset = greatest(xid_offset, top.top + 1 - now.xmin), table_oid = $1
+				FROM now, top
+				RETURNING xid_offset, (now.xmin + greatest(xid_offset, top.top + 1 - now.xmin))::text`, current).Scan(&off, &mark)
+			if err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `UPDATE events_purged SET xid = $1::text::xid8, id = 0`, mark); err != nil {
+				return err
+			}
+			x, _ := strconv.ParseUint(mark, 10, 64)
+			s.log.Info("postgres: opened a restored database: event streams resumed from an id before it start with an event reset",
+				"events_from", eventCursor{xid: x}.String())
+		}
+		s.xidOffset = uint64(off)
+		return nil
+	})
 }
 
 // queueCommandEvent queues on b the event of command c as now stored.
-func queueCommandEvent(b *pgx.Batch, c companion.Command) error {
+func (s *Store) queueCommandEvent(b *pgx.Batch, c companion.Command) error {
 	if c.UserID == "" {
 		return nil
 	}
@@ -99,7 +178,7 @@ func queueCommandEvent(b *pgx.Batch, c companion.Command) error {
 	if err != nil {
 		return err
 	}
-	b.Queue(`INSERT INTO events (xid, user_id, device_id, at, data) SELECT `+eventXidSQL("$1::text")+`, $1, $2, $3, $4`,
+	b.Queue(`INSERT INTO events (xid, user_id, device_id, at, data) SELECT `+s.eventXidSQL("$1::text")+`, $1, $2, $3, $4`,
 		c.UserID, c.DeviceID, c.UpdatedAt, data)
 	b.Queue(`SELECT pg_notify($1, '')`, eventsChannel)
 	return nil
@@ -107,14 +186,14 @@ func queueCommandEvent(b *pgx.Batch, c companion.Command) error {
 
 // insertDeviceEvent appends the event of status st, as now stored, for the
 // user the device is bound to (none when it is bound to no one).
-func insertDeviceEvent(ctx context.Context, tx pgx.Tx, st companion.Status) error {
+func (s *Store) insertDeviceEvent(ctx context.Context, tx pgx.Tx, st companion.Status) error {
 	data, err := json.Marshal(companion.DeviceChanged("", st))
 	if err != nil {
 		return err
 	}
 	_, err = tx.Exec(ctx, `WITH ev AS (
 			INSERT INTO events (xid, user_id, device_id, at, data)
-			SELECT `+eventXidSQL("b.user_id")+`, b.user_id, b.device_id, $2, $3 FROM bindings b WHERE b.device_id = $1
+			SELECT `+s.eventXidSQL("b.user_id")+`, b.user_id, b.device_id, $2, $3 FROM bindings b WHERE b.device_id = $1
 			RETURNING 1)
 		SELECT pg_notify('`+eventsChannel+`', '') FROM ev`, st.DeviceID, st.UpdatedAt, data)
 	return err
@@ -142,7 +221,7 @@ func (s *Store) Events(ctx context.Context, userID, after string, limit int) ([]
 		where = `e.user_id = $4 AND ` + where
 		args = append(args, userID)
 	}
-	rows, err := s.pool.Query(ctx, `WITH snap AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin)
+	rows, err := s.pool.Query(ctx, `WITH snap AS (SELECT `+s.logXid(`pg_snapshot_xmin(pg_current_snapshot())`)+` AS xmin)
 		SELECT snap.xmin::text, e.xid::text, e.id, e.user_id, e.data::text
 		FROM snap LEFT JOIN LATERAL (
 			SELECT e.xid, e.id, e.user_id, e.data FROM events e
@@ -201,7 +280,7 @@ func (s *Store) Events(ctx context.Context, userID, after string, limit int) ([]
 // taken now.
 func (s *Store) EventsHead(ctx context.Context) (string, error) {
 	var xmin string
-	if err := s.pool.QueryRow(ctx, `SELECT pg_snapshot_xmin(pg_current_snapshot())::text`).Scan(&xmin); err != nil {
+	if err := s.pool.QueryRow(ctx, `SELECT (`+s.logXid(`pg_snapshot_xmin(pg_current_snapshot())`)+`)::text`).Scan(&xmin); err != nil {
 		return "", err
 	}
 	v, err := strconv.ParseUint(xmin, 10, 64)
@@ -247,7 +326,7 @@ func (s *Store) EventsPastEnd(ctx context.Context, after string) (bool, error) {
 	// The age of an xid whose low 32 bits are a special xid (once every
 	// 2^32 transactions) is the largest int4: then hardly any xid is past
 	// the end, which keeps the behaviour of a cursor that is not.
-	next := eventCursor{xid: xmax + uint64(max(age, 0))}
+	next := eventCursor{xid: xmax + uint64(max(age, 0)) + s.xidOffset}
 	return next.less(c) || c.id > uint64(lastID), nil
 }
 

@@ -67,6 +67,10 @@ type Store struct {
 
 	dispatching atomic.Bool  // this store holds the dispatcher's lock (Campaign)
 	offset      atomic.Int64 // ClockOffset, in nanoseconds, as last seen (offsetAt)
+	// xidOffset moves the event log's places past the transaction ids of
+	// the database a restored dump was taken from (openEventsLog); 0 for
+	// a database never restored. Set by Open.
+	xidOffset uint64
 
 	purgeBatch int // deletions per transaction of the Purge methods; purgeBatch when 0 (tests set it)
 	// afterPurgeBatch, when set (by tests, before the store is used), runs
@@ -161,6 +165,10 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
 	s.offsetAt(db) // ClockOffset, before the first write
+	if err := s.openEventsLog(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("postgres: the event log: %w", err)
+	}
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()

@@ -237,7 +237,7 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 			RETURNING device_id),
 		ev AS (
 			INSERT INTO events (xid, user_id, device_id, at, data)
-			SELECT `+eventXidSQL("b.user_id")+`, b.user_id, b.device_id, $9, $11 FROM up JOIN bindings b ON b.device_id = up.device_id
+			SELECT `+s.eventXidSQL("b.user_id")+`, b.user_id, b.device_id, $9, $11 FROM up JOIN bindings b ON b.device_id = up.device_id
 			WHERE NOT EXISTS (SELECT 1 FROM old WHERE old.online = $2 AND old.battery IS NOT DISTINCT FROM $3
 				AND old.firmware_version = $4 AND coalesce(old.apps, '[]') = coalesce($6::json::text, '[]'))
 			RETURNING 1),
@@ -337,7 +337,7 @@ func (s *Store) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, 
 			}
 			for _, st := range going {
 				st.Online, st.UpdatedAt = false, now
-				if err := insertDeviceEvent(ctx, tx, st); err != nil {
+				if err := s.insertDeviceEvent(ctx, tx, st); err != nil {
 					return err
 				}
 			}
