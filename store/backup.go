@@ -3,12 +3,15 @@ package store
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"time"
 
 	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
 )
 
 // keyBackup, in the meta bucket, marks a copy Backup made: the store
@@ -148,4 +151,59 @@ func (c ctxWriter) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	return c.w.Write(p)
+}
+
+// BackupStopped writes to tmp a copy of the bbolt file at path, of a
+// store no process has open (its server stopped), marked as a backup as
+// Backup marks its copies (bug 532): a cp of the file has no mark, and a
+// store restored from it gave the ids of events clients had seen to new
+// ones (bug 430). It returns the copy's length. A file that a running
+// server holds is refused at once, and so is a damaged one or none.
+func BackupStopped(ctx context.Context, path string, tmp *os.File) (int64, error) {
+	if _, err := os.Stat(path); err != nil {
+		return 0, fmt.Errorf("store: no store to back up: %w", err)
+	}
+	if err := checkFile(path); err != nil {
+		return 0, fmt.Errorf("store: %s: %w", path, err)
+	}
+	src, err := bolt.Open(path, 0o600, &bolt.Options{ReadOnly: true, Timeout: 100 * time.Millisecond})
+	if errors.Is(err, bolterrors.ErrTimeout) {
+		return 0, fmt.Errorf("store: %s is in use: a companion server is running on it; back it up with companion backup without --offline, through the running server", path)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("store: open %s: %w", path, err)
+	}
+	err = src.View(func(tx *bolt.Tx) error {
+		_, err := tx.WriteTo(ctxWriter{ctx, tmp})
+		return err
+	})
+	if cerr := src.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return 0, fmt.Errorf("store: backup: %w", err)
+	}
+	// The mark goes into the copy only: the file itself stays as it was.
+	dst, err := bolt.Open(tmp.Name(), 0o600, &bolt.Options{Timeout: time.Second, NoFreelistSync: true, FreelistType: bolt.FreelistMapType})
+	if err != nil {
+		return 0, fmt.Errorf("store: backup: mark the copy: %w", err)
+	}
+	err = dst.Update(func(tx *bolt.Tx) error {
+		meta, err := tx.CreateBucketIfNotExists(bucketMeta)
+		if err != nil {
+			return err
+		}
+		return meta.Put(keyBackup, []byte{1})
+	})
+	if cerr := dst.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return 0, fmt.Errorf("store: backup: mark the copy: %w", err)
+	}
+	fi, err := tmp.Stat()
+	if err != nil {
+		return 0, err
+	}
+	return fi.Size(), nil
 }

@@ -15,10 +15,13 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion/internal/boltcheck"
+	"github.com/devicecompanion/companion/store"
 )
 
 // runBackup is companion backup FILE: it saves a copy of a running
-// server's bbolt store, as it stands at one instant, to FILE (bug 429).
+// server's bbolt store, as it stands at one instant, to FILE (bug 429);
+// with --offline, of a stopped server's DATA/companion.db, marked as a
+// backup as the server marks its copies (bug 532).
 // The server writes the copy (GET /api/v1/admin/backup); the CLI writes
 // it beside FILE, syncs it, reads it through as the server does before it
 // opens a file (boltcheck), and only then renames it to FILE, so that
@@ -29,7 +32,8 @@ func runBackup(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	setUsage(fs)
 	apiURL := fs.String("api-url", "http://127.0.0.1:8080", "base URL of the running server")
 	token := fs.String("admin-token", "", "admin token (default: read from DATA/admin.token)")
-	data := fs.String("data", "./data", "the server's data directory, to find admin.token")
+	data := fs.String("data", "./data", "the server's data directory, to find admin.token (with --offline, the store)")
+	offline := fs.Bool("offline", false, "back up DATA/companion.db of a stopped server, with no server to ask")
 	ca := caFlag(fs)
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
@@ -44,6 +48,17 @@ func runBackup(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	file := pos[0]
 	if fi, err := os.Stat(file); err == nil && !fi.Mode().IsRegular() {
 		return usageError{fmt.Sprintf("%s is not a regular file (a directory?): give the file to write the backup to", file)}
+	}
+	if *offline {
+		n, err := placeBackup(file, func(tmp *os.File) (int64, error) {
+			return store.BackupStopped(ctx, filepath.Join(*data, "companion.db"), tmp)
+		})
+		if err != nil {
+			return err
+		}
+		out, _ := json.Marshal(map[string]any{"file": file, "size": n})
+		fmt.Fprintln(stdout, string(out))
+		return nil
 	}
 	hc, err := apiHTTPClient(*apiURL, *ca)
 	if err != nil {
@@ -92,6 +107,23 @@ func (c apiClient) backup(ctx context.Context, file string) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("GET %s: the answer has no length", path)
 	}
+	return placeBackup(file, func(tmp *os.File) (int64, error) {
+		n, err := io.Copy(tmp, &stallReader{r: resp.Body, t: t, d: c.stall})
+		if err != nil {
+			return n, fmt.Errorf("GET %s: %w", path, c.stalled(ctx, err))
+		}
+		if n != want {
+			return n, fmt.Errorf("GET %s: the copy was cut short: %d of its %d bytes came (the server's log says why)", path, n, want)
+		}
+		return n, nil
+	})
+}
+
+// placeBackup has fill write a backup to a file beside file, syncs it,
+// reads it through as the server does before it opens a file (boltcheck),
+// and only then renames it to file, so that file is a whole backup or
+// what it was before.
+func placeBackup(file string, fill func(tmp *os.File) (int64, error)) (int64, error) {
 	tmp, err := os.CreateTemp(filepath.Dir(file), "."+filepath.Base(file)+".partial-*")
 	if err != nil {
 		return 0, err
@@ -103,12 +135,9 @@ func (c apiClient) backup(ctx context.Context, file string) (int64, error) {
 			_ = os.Remove(tmp.Name())
 		}
 	}()
-	n, err := io.Copy(tmp, &stallReader{r: resp.Body, t: t, d: c.stall})
+	n, err := fill(tmp)
 	if err != nil {
-		return n, fmt.Errorf("GET %s: %w", path, c.stalled(ctx, err))
-	}
-	if n != want {
-		return n, fmt.Errorf("GET %s: the copy was cut short: %d of its %d bytes came (the server's log says why)", path, n, want)
+		return n, err
 	}
 	if err := tmp.Sync(); err != nil {
 		return n, err
@@ -117,7 +146,7 @@ func (c apiClient) backup(ctx context.Context, file string) (int64, error) {
 		return n, err
 	}
 	if err := boltcheck.Check(tmp.Name()); err != nil {
-		return n, fmt.Errorf("the copy the server sent does not read as a whole store: %w", err)
+		return n, fmt.Errorf("the copy does not read as a whole store: %w", err)
 	}
 	if err := os.Rename(tmp.Name(), file); err != nil {
 		return n, err

@@ -111,7 +111,7 @@ var commands = []struct{ name, args string }{
 	{"firmware publish", "--model MODEL --version VERSION FILE"},
 	{"app publish", "--app-id APP --version VERSION FILE"},
 	{"command wait", "DEVICE ID --token TOKEN [--api-url URL] [--timeout DURATION]"},
-	{"backup", "FILE [--api-url URL] [--admin-token TOKEN]"},
+	{"backup", "FILE [--api-url URL] [--admin-token TOKEN] | --offline [--data DIR]"},
 }
 
 // usage is the CLI's usage: every command.
