@@ -29,6 +29,9 @@ var (
 	// no longer sent, expired or counted among its device's unfinished
 	// commands; its bytes are kept as they are.
 	ErrUnreadable = errors.New("store: record does not decode")
+	// ErrNoRoom is a backup refused for want of room on the store's disk
+	// for the copy it makes there while it is sent.
+	ErrNoRoom = errors.New("store: no room for a backup's copy")
 )
 
 // ErrNotOwned is returned when a user names a bridge or device that is not

@@ -2,12 +2,16 @@ package api
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/gin-gonic/gin"
+
+	"github.com/devicecompanion/companion"
 )
 
 // Backuper is what GET /api/v1/admin/backup needs of the store: a copy of
@@ -51,6 +55,11 @@ func (s *Server) adminBackup(c *gin.Context) error {
 		return nil
 	}
 	if !started {
+		if errors.Is(err, companion.ErrNoRoom) {
+			// What to do, for the admin CLI to show (bug 533); no path.
+			_, detail, _ := strings.Cut(err.Error(), companion.ErrNoRoom.Error()+": ")
+			return &Error{Code: CodeBackupNoRoom, Detail: detail}
+		}
 		return err
 	}
 	if head {

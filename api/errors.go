@@ -74,6 +74,7 @@ const (
 	CodeNotReady             = "not_ready"
 	CodeUnavailable          = "unavailable"
 	CodeBackupUnsupported    = "backup_unsupported"
+	CodeBackupNoRoom         = "backup_no_room"
 )
 
 type codeInfo struct {
@@ -125,6 +126,7 @@ var codes = map[string]codeInfo{
 	CodeUnavailable: {http.StatusServiceUnavailable, "Unavailable", "the store cannot be reached now; try again"},
 	CodeBackupUnsupported: {http.StatusConflict, "Backup unsupported", "this server keeps its data in PostgreSQL, which it does not copy: " +
 		"back the database up with pg_dump"},
+	CodeBackupNoRoom: {http.StatusInsufficientStorage, "No room for the backup", "the server's data directory has no room for the copy a backup makes there while it is sent"},
 }
 
 // Errors used as they are.

@@ -8,10 +8,13 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
 	bolterrors "go.etcd.io/bbolt/errors"
+
+	"github.com/devicecompanion/companion"
 )
 
 // keyBackup, in the meta bucket, marks a copy Backup made: the store
@@ -103,15 +106,37 @@ func (db *DB) backupToTemp(ctx context.Context) (*os.File, int64, error) {
 	}
 	var n int64
 	err = db.bolt.View(func(tx *bolt.Tx) error {
+		if free, ok := freeSpace(tmp); ok && free < tx.Size()+backupHeadroom {
+			return fmt.Errorf("%w: the server's data directory has %d bytes free; a backup needs room for a copy of the store (%d bytes) beside it, and %d bytes besides for the store, while it is sent: free space there, or stop the server and use companion backup --offline",
+				companion.ErrNoRoom, free, tx.Size(), backupHeadroom)
+		}
 		var err error
 		n, err = tx.WriteTo(ctxWriter{ctx, tmp})
+		if errors.Is(err, syscall.ENOSPC) {
+			err = fmt.Errorf("%w: the server's data directory ran out of space for the backup's copy of the store (%d bytes): free space there, or stop the server and use companion backup --offline", companion.ErrNoRoom, tx.Size())
+		}
 		return err
 	})
 	if err != nil {
 		_ = tmp.Close()
-		return nil, 0, fmt.Errorf("store: backup: a copy in %s before it is sent: %w", filepath.Dir(db.path), err)
+		return nil, 0, fmt.Errorf("store: backup: %w", err)
 	}
 	return tmp, n, nil
+}
+
+// backupHeadroom is the room a backup leaves on the store's disk beside
+// its copy (bug 533): the copy lives while the client takes it, and the
+// store's commits need room meanwhile.
+const backupHeadroom = 64 << 20
+
+// freeSpace returns the bytes free to an unprivileged user on f's file
+// system, and false when it cannot tell.
+func freeSpace(f *os.File) (int64, bool) {
+	var st syscall.Statfs_t
+	if err := syscall.Fstatfs(int(f.Fd()), &st); err != nil {
+		return 0, false
+	}
+	return int64(st.Bavail) * int64(st.Bsize), true
 }
 
 // openedBackup, in Open's migration, takes a file Backup copied as a
