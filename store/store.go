@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -283,6 +284,9 @@ func Open(path string, opts Options) (*DB, error) {
 	_, statErr := os.Stat(path)
 	created := errors.Is(statErr, os.ErrNotExist) // by this Open, if it makes one
 	if err := checkFile(path); err != nil {
+		if errors.Is(err, fs.ErrPermission) {
+			return nil, permissionError(path, err)
+		}
 		return nil, fmt.Errorf("store: %s: %w; the server does not open it and leaves it as it is: restore it from a backup, or move it aside to start with an empty store", path, err)
 	}
 	bdb, err := bolt.Open(path, 0o600, &bolt.Options{
@@ -305,6 +309,9 @@ func Open(path string, opts Options) (*DB, error) {
 		// than a bare "timeout".
 		return nil, fmt.Errorf("store: open %s: another process holds it (a companion server already running on this --data?): %w", path, err)
 	}
+	if errors.Is(err, fs.ErrPermission) && !created {
+		return nil, permissionError(path, err)
+	}
 	if err != nil {
 		removeCreated(path, created)
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
@@ -324,6 +331,32 @@ func Open(path string, opts Options) (*DB, error) {
 	db.removeStaleTemps()
 	return db, nil
 }
+
+// permissionError is the error of Open for a file the server's user may
+// not read or write (bug 534): one restored by root into the data
+// directory, say. It is no sign of damage, and the advice for a damaged
+// file (move it aside to start with an empty store) would lose it: it
+// says whose the file is and to give it to the owner of its directory.
+func permissionError(path string, err error) error {
+	msg := fmt.Sprintf("store: %s: %v: the server, running as uid %d, may not read and write the file; it has not changed it", path, err, os.Geteuid())
+	var file, dir syscall.Stat_t
+	if syscall.Stat(path, &file) == nil && syscall.Stat(filepath.Dir(path), &dir) == nil {
+		msg += fmt.Sprintf(" (it belongs to uid %d, its directory to uid %d): give it to the server's user, as the rest of its data directory (chown %d:%d %s; a restore as root leaves it root's), and start it again",
+			file.Uid, dir.Uid, dir.Uid, dir.Gid, path)
+	} else {
+		msg += ": give it to the server's user (chown), and start it again"
+	}
+	return &permError{msg: msg, err: err}
+}
+
+// permError is permissionError's error: its message, and err to match.
+type permError struct {
+	msg string
+	err error
+}
+
+func (e *permError) Error() string { return e.msg }
+func (e *permError) Unwrap() error { return e.err }
 
 // removeCreated removes the bbolt file at path that a failed Open created,
 // so that it leaves nothing behind: bbolt creates the file before it
