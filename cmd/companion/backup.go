@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/devicecompanion/companion/internal/boltcheck"
@@ -50,8 +51,14 @@ func runBackup(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return usageError{fmt.Sprintf("%s is not a regular file (a directory?): give the file to write the backup to", file)}
 	}
 	if *offline {
+		src := filepath.Join(*data, "companion.db")
+		if a, err := os.Stat(src); err == nil {
+			if b, err := os.Stat(file); err == nil && os.SameFile(a, b) {
+				return usageError{fmt.Sprintf("%s is the store to back up: give another file", file)}
+			}
+		}
 		n, err := placeBackup(file, func(tmp *os.File) (int64, error) {
-			return store.BackupStopped(ctx, filepath.Join(*data, "companion.db"), tmp)
+			return store.BackupStopped(ctx, src, tmp)
 		})
 		if err != nil {
 			return err
@@ -124,6 +131,9 @@ func (c apiClient) backup(ctx context.Context, file string) (int64, error) {
 // and only then renames it to file, so that file is a whole backup or
 // what it was before.
 func placeBackup(file string, fill func(tmp *os.File) (int64, error)) (int64, error) {
+	if err := notInUse(file); err != nil {
+		return 0, err
+	}
 	tmp, err := os.CreateTemp(filepath.Dir(file), "."+filepath.Base(file)+".partial-*")
 	if err != nil {
 		return 0, err
@@ -160,6 +170,27 @@ func placeBackup(file string, fill func(tmp *os.File) (int64, error)) (int64, er
 		}
 	}
 	return n, nil
+}
+
+// notInUse refuses a file that a running process holds locked as bbolt
+// locks its file (bug 535): the store of a running server, given as the
+// file to write. A backup renamed over it leaves the server writing to a
+// file no longer in its directory, and its next start opens the backup,
+// without every change made since.
+func notInUse(file string) error {
+	f, err := os.Open(file)
+	if err != nil {
+		return nil // none, or one the rename will say more of
+	}
+	defer f.Close()
+	err = syscall.Flock(int(f.Fd()), syscall.LOCK_SH|syscall.LOCK_NB)
+	if errors.Is(err, syscall.EWOULDBLOCK) {
+		return usageError{fmt.Sprintf("%s is held open by a running process (the store of a running companion server?): a backup written over it would be lost to the server and undo every change since at its next start; give another file", file)}
+	}
+	if err == nil {
+		_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+	}
+	return nil
 }
 
 // stalled names a stall as the cause of err when it was.

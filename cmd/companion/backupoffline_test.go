@@ -81,3 +81,24 @@ func TestOfflineBackupIsMarked(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, past || purged, "a client at %s, an event the restored store forgot, is not told it missed events", seen)
 }
+
+// TestBackupOverTheLiveStoreRefused gives companion backup the running
+// server's own store as the file to write: it must refuse and leave the
+// store as it is. Before, it renamed its copy over the live file: the
+// server went on writing to the file it had open, no longer in the
+// directory, and its next start opened the copy, without every change
+// made since.
+func TestBackupOverTheLiveStoreRefused(t *testing.T) {
+	dir := t.TempDir()
+	m := startServer(t, Config{Data: dir})
+	live := filepath.Join(dir, "companion.db")
+	before, err := os.Stat(live)
+	require.NoError(t, err)
+	var out, errOut bytes.Buffer
+	err = run(t.Context(), []string{"backup", live, "--api-url", m.APIURL(), "--admin-token", m.AdminToken()}, &out, &errOut)
+	require.Error(t, err, "companion backup over the running server's store")
+	assert.Contains(t, err.Error(), "open")
+	after, err := os.Stat(live)
+	require.NoError(t, err)
+	assert.True(t, os.SameFile(before, after), "the running server's store was replaced by its backup")
+}
