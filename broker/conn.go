@@ -325,7 +325,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 		}
 		b.warnBadAt("status", t.DeviceID, s.BadAt)
 		live := !m.Retained()
-		b.gate.admit(topics.KindStatus, t.DeviceID, func(late bool) {
+		b.gate.admit(topics.KindStatus, t.DeviceID, s.Seq, s.At, func(late bool) {
 			bridge, err := bridges[t.DeviceID], readErr
 			if late {
 				bridge, err = b.st.DeviceBridge(context.Background(), t.DeviceID)
@@ -345,7 +345,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 		}
 		b.warnBadAt("settings", t.DeviceID, s.BadAt)
 		live := !m.Retained()
-		b.gate.admit(topics.KindSettings, t.DeviceID, func(late bool) {
+		b.gate.admit(topics.KindSettings, t.DeviceID, s.Seq, s.At, func(late bool) {
 			bridge, err := bridges[t.DeviceID], readErr
 			if late {
 				bridge, err = b.st.DeviceBridge(context.Background(), t.DeviceID)

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/topics"
 
 	"golang.org/x/time/rate"
@@ -35,7 +36,11 @@ const maxGated = 10000
 // the bucket has a token for it, and a newer report of the same device
 // and kind that comes meanwhile takes its place (the held one is then
 // acknowledged and never stored: the stores keep only the newest report
-// anyway, CONTRACT §3). So the newest report always lands, at most
+// anyway, CONTRACT §3). Newer is by the reports' seq and time
+// (companion.Newer), not by which came last: one that comes after the
+// held one but is older (the server's own republished status, retained
+// as the store has it, or a bridge's report delayed on the way) is
+// acknowledged unstored in its turn, and the held one stays. So the newest report always lands, at most
 // 1/perSecond late, and the reports of one device and kind are still taken
 // in the order they came. A bridge reports a device after commands that
 // changed it and every StatusInterval (a minute), far below the default
@@ -68,6 +73,9 @@ type gated struct {
 	// acknowledges it), ack acknowledges it unstored. nil when none is held.
 	take func(late bool)
 	ack  func()
+	// seq and at are the held report's.
+	seq uint64
+	at  time.Time
 	// warned is when a report of it was last logged as held back.
 	warned time.Time
 }
@@ -85,9 +93,11 @@ func newReportGate(perSecond float64, burst int, later func(time.Duration, func(
 // the device's bucket of kind has a token and no report of it is held;
 // otherwise the report is held (see reportGate), and take runs, late, when
 // the bucket has a token for it, unless a newer report takes its place
-// first, in which case ack runs instead. intake calls admit in the order
-// the messages came; a late take reads anew what intake read for its batch.
-func (g *reportGate) admit(kind topics.Kind, deviceID string, take func(late bool), ack func()) {
+// first, in which case ack runs instead; a report older than the one held
+// (seq and at, companion.Newer) has its ack run at once. intake calls admit
+// in the order the messages came; a late take reads anew what intake read
+// for its batch.
+func (g *reportGate) admit(kind topics.Kind, deviceID string, seq uint64, at time.Time, take func(late bool), ack func()) {
 	if g.perSecond < 0 {
 		take(false)
 		return
@@ -104,10 +114,16 @@ func (g *reportGate) admit(kind topics.Kind, deviceID string, take func(late boo
 		g.devices[k] = e
 	}
 	if e.take != nil {
-		// One is held already: this newer one takes its place, and its
-		// turn.
-		superseded := e.ack
-		e.take, e.ack = take, ack
+		// One is held already: a newer one takes its place, and its
+		// turn; an older one would lose to it in the store, and is
+		// acknowledged unstored now (bug 650: the server's own
+		// republished status took a newer held one's place, and the
+		// device read offline until its bridge's next report).
+		superseded := ack
+		if companion.Newer(seq, at, e.seq, e.at, time.Now()) {
+			superseded = e.ack
+			e.take, e.ack, e.seq, e.at = take, ack, seq, at
+		}
 		g.mu.Unlock()
 		superseded()
 		g.coalesced(kind.String())
@@ -121,7 +137,7 @@ func (g *reportGate) admit(kind topics.Kind, deviceID string, take func(late boo
 	// The token it waits for is its own from now on: the next report
 	// after it finds the bucket empty too, and waits behind it.
 	wait := e.lim.ReserveN(now, 1).DelayFrom(now)
-	e.take, e.ack = take, ack
+	e.take, e.ack, e.seq, e.at = take, ack, seq, at
 	warn := now.Sub(e.warned) >= gateWarnEvery
 	if warn {
 		e.warned = now

@@ -167,3 +167,42 @@ func TestAReportHeldBackReadsItsBridgeAnew(t *testing.T) {
 	assert.False(t, s.Online, "dev-1 reads online before b2 reports it")
 	assert.Empty(t, s.BridgeID)
 }
+
+// A report that comes while a newer one of its device is held at the gate
+// is acknowledged unstored, and the held one keeps its turn (bug 650).
+// Before, whichever came last took the held one's place: the server's own
+// status, republished retained as the store had it after the bridge's Will,
+// took the place of the bridge's newer report that the device was online,
+// and the device read offline until its bridge's next report, a minute on.
+func TestAnOlderReportDoesNotTakeAHeldNewerOnesPlace(t *testing.T) {
+	var turns []func()
+	later := func(_ time.Duration, f func()) { turns = append(turns, f) }
+	g := newReportGate(1, 1, later, quiet(), func(string) {})
+	var got []string
+	report := func(name string) (func(bool), func()) {
+		return func(bool) { got = append(got, "took "+name) }, func() { got = append(got, "acked "+name) }
+	}
+	t0 := time.Now()
+	take, ack := report("first")
+	g.admit(topics.KindStatus, "dev-1", 1, t0, take, ack) // the bucket's one token
+	take, ack = report("newer")
+	g.admit(topics.KindStatus, "dev-1", 1, t0.Add(2*time.Second), take, ack) // held
+	take, ack = report("older")
+	g.admit(topics.KindStatus, "dev-1", 1, t0.Add(time.Second), take, ack) // comes last, older
+	require.Len(t, turns, 1, "one report held")
+	turns[0]()
+	assert.Equal(t, []string{"took first", "acked older", "took newer"}, got)
+
+	// A newer one still takes a held one's place.
+	turns, got = nil, nil
+	g = newReportGate(1, 1, later, quiet(), func(string) {})
+	take, ack = report("first")
+	g.admit(topics.KindStatus, "dev-1", 1, t0, take, ack)
+	take, ack = report("held")
+	g.admit(topics.KindStatus, "dev-1", 2, t0, take, ack)
+	take, ack = report("newest")
+	g.admit(topics.KindStatus, "dev-1", 3, t0, take, ack)
+	require.Len(t, turns, 1)
+	turns[0]()
+	assert.Equal(t, []string{"took first", "acked held", "took newest"}, got)
+}
