@@ -219,9 +219,19 @@ type Broker struct {
 	unsent  []string        // ids of flying commands acknowledged by the MQTT broker, oldest first
 	live    map[string]bool // commands accepted here, not final, not changed by another replica (see Wait)
 	ready   bool
-	started bool
-	closed  bool
-	extra   []extraSub // subscriptions of other users of the connection
+	// notReady says why the broker is connected but not ready (its
+	// probe did not come back: see selfCheck); "" otherwise. Under mu.
+	notReady string
+	started  bool
+	closed   bool
+	extra    []extraSub // subscriptions of other users of the connection
+
+	// probe is this server's own topic for its self-check (selfCheck):
+	// what it publishes there it must receive; probed has each payload
+	// that arrived there.
+	probe    string
+	probed   chan string
+	probeGen uint64 // counts selfCheck's runs; under mu
 
 	// elsewhere holds the commands another replica changed lately
 	// (CommandChanged): one whose acceptance the store calls back only
@@ -360,6 +370,8 @@ func New(opts Options) (*Broker, error) {
 		inbox:       make(chan mqtt.Message, maxIntakeBatch),
 		moved:       opts.Topics.DevicesMoved(),
 		kickedAt:    opts.Topics.BridgesKicked(),
+		probe:       opts.Topics.ServerProbe(probeID(opts.ClientID)),
+		probed:      make(chan string, 16),
 		bridgeGen:   make(map[string]uint64),
 		stateLines:  make(map[string]*stateLines),
 		kicked:      make(map[string]time.Time),
@@ -409,6 +421,7 @@ func New(opts Options) (*Broker, error) {
 		newClient = mqtt.NewClient
 	}
 	b.client = newClient(co)
+	b.client.AddRoute(b.probe, b.takeProbe)
 	return b, nil
 }
 
@@ -435,16 +448,31 @@ func (b *Broker) Start() error {
 	return nil
 }
 
-// Ready reports whether the broker is connected to MQTT.
+// Ready reports whether the broker is connected to MQTT, subscribed, and
+// receives what it publishes under its prefix.
 func (b *Broker) Ready() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.ready
 }
 
+// NotReady says why the broker is not ready: nil when it is.
+func (b *Broker) NotReady() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch {
+	case b.ready:
+		return nil
+	case b.notReady != "":
+		return errors.New(b.notReady)
+	}
+	return errors.New("the MQTT connection is down")
+}
+
 func (b *Broker) setReady(v bool) {
 	b.mu.Lock()
 	b.ready = v
+	b.notReady = ""
 	b.mu.Unlock()
 	b.opts.Observer.MQTTConnected(v)
 }

@@ -2,7 +2,10 @@ package broker
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -24,6 +27,7 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		b.tree.AllStatus():       1,
 		b.tree.AllSettings():     1,
 		b.tree.AllBridgeStates(): 1,
+		b.probe:                  1,
 	}
 	if b.opts.Dispatcher != nil {
 		// Replicas share a store: the word of devices moved through
@@ -48,7 +52,10 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		// does while a node's JetStream leaders are elected. Not ready
 		// until every one is granted.
 		for refused := refusedFilters(tok, filters); len(refused) > 0; refused = refusedFilters(tok, refused) {
-			b.log.Warn("MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)))
+			b.log.Warn("MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)),
+				"hint", b.grantHint())
+			b.setNotReady(fmt.Sprintf("the MQTT broker refuses the server's subscriptions to %s: %s",
+				strings.Join(slices.Sorted(maps.Keys(refused)), ", "), b.grantHint()))
 			t := time.NewTimer(time.Second)
 			select {
 			case <-b.quit:
@@ -71,12 +78,158 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		for _, e := range extra {
 			b.subscribeExtra(c, e)
 		}
+		if !b.selfCheck(c) {
+			return
+		}
 		b.setReady(true)
 		select {
 		case b.connected <- struct{}{}:
 		default:
 		}
 	})
+}
+
+// probeTimeout bounds the wait for the self-check's probe to come back;
+// probeRetry is the pause before the next probe after one that did not.
+const (
+	probeTimeout = 10 * time.Second
+	probeRetry   = 5 * time.Second
+)
+
+// selfCheck publishes a probe on the server's own topic under the prefix
+// (Topics.ServerProbe), which it subscribed to, and reports true once one
+// comes back. A broker whose ACLs do not let the server publish, or read,
+// under its prefix says nothing of it: Mosquitto acknowledges a QoS 1
+// PUBLISH it refuses and drops it (MQTT 3.1.1 has no refusal), and grants
+// a subscription whose messages it then withholds. Without the check the
+// server read ready, and every command stayed sent for ever (bug 630).
+// Until a probe comes back, the broker is not ready, says why (NotReady),
+// and probes again; it gives up (false) when the connection is lost (the
+// next connect checks again) or the broker closes.
+func (b *Broker) selfCheck(c mqtt.Client) bool {
+	// The tokens published on this connect: a probe of an earlier connect,
+	// or of an earlier run (the session is persistent), proves nothing of
+	// the ACLs now; one of this connect's that comes late, behind the
+	// session's queued messages, does.
+	sent := map[string]bool{}
+	// A check of an earlier connect may still run (its publish waiting on
+	// a connection lost): only the latest goes on, and what the other
+	// takes of its probes it hands back.
+	b.mu.Lock()
+	b.probeGen++
+	gen := b.probeGen
+	b.mu.Unlock()
+	latest := func() bool {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return b.probeGen == gen
+	}
+	for {
+		if !latest() {
+			return false
+		}
+		token := randomHex()
+		sent[token] = true
+		err := b.waitToken(c.Publish(b.probe, 1, false, token))
+		if errors.Is(err, ErrClosed) {
+			return false
+		}
+		if err == nil {
+			t := time.NewTimer(probeTimeout)
+		wait:
+			for {
+				select {
+				case p := <-b.probed:
+					if !latest() {
+						t.Stop()
+						select {
+						case b.probed <- p:
+						default:
+						}
+						return false
+					}
+					if sent[p] {
+						t.Stop()
+						return true
+					}
+				case <-b.quit:
+					t.Stop()
+					return false
+				case <-t.C:
+					break wait
+				}
+			}
+			if !latest() {
+				return false
+			}
+			reason := fmt.Sprintf("the server's probe published on %s did not come back within %v: the MQTT broker drops what the server publishes under its topic prefix, or withholds it from the server; %s",
+				b.probe, probeTimeout, b.grantHint())
+			b.log.Error("MQTT self-check failed; not ready", "topic", b.probe, "username", b.opts.Username, "hint", b.grantHint())
+			b.setNotReady(reason)
+		} else {
+			b.log.Warn("MQTT self-check publish failed", "topic", b.probe, "err", err)
+		}
+		t := time.NewTimer(probeRetry)
+		select {
+		case <-b.quit:
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+		if !c.IsConnectionOpen() {
+			return false // the next connect checks again
+		}
+	}
+}
+
+// takeProbe takes a self-check probe in (selfCheck): it must not block.
+func (b *Broker) takeProbe(_ mqtt.Client, m mqtt.Message) {
+	select {
+	case b.probed <- string(m.Payload()):
+	default: // a flood of stale ones: this connect's comes again
+	}
+	m.Ack()
+}
+
+// grantHint says what the server's MQTT account needs, for the log and
+// /readyz of a broker that refuses it.
+func (b *Broker) grantHint() string {
+	p := b.tree.Prefix()
+	return fmt.Sprintf("grant the server's account (%q) publishClientSend, publishClientReceive and subscribePattern on '%s/#' in its Mosquitto dynamic-security role, or 'topic readwrite %s/#' in the acl_file, with the prefix the server runs with (--topic-prefix %s; docs/mosquitto.md)",
+		b.opts.Username, p, p, p)
+}
+
+// setNotReady marks the broker not ready, for reason.
+func (b *Broker) setNotReady(reason string) {
+	b.mu.Lock()
+	was := b.ready
+	b.ready, b.notReady = false, reason
+	b.mu.Unlock()
+	if was {
+		b.opts.Observer.MQTTConnected(false)
+	}
+}
+
+// probeID is the server's client id as a topic level of its probe
+// (Topics.ServerProbe): the same on every run, for the subscription
+// stays in the persistent session (a new one each run would pile up
+// there, and on NATS each is a JetStream consumer); each replica's its
+// own, for each has its own client id.
+func probeID(clientID string) string {
+	return strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '.', r == '_', r == ':', r == '-':
+			return r
+		}
+		return '_'
+	}, clientID)
+}
+
+// randomHex is 16 random hexadecimal digits.
+func randomHex() string {
+	var p [8]byte
+	_, _ = rand.Read(p[:])
+	return hex.EncodeToString(p[:])
 }
 
 // refusedFilters are those of filters that the SUBACK of tok refused.

@@ -243,6 +243,14 @@ func (t Tree) DevicesMoved() string { return t.prefix + "/servers/moved" }
 // servers read or write it.
 func (t Tree) BridgesKicked() string { return t.prefix + "/servers/kicked" }
 
+// ServerProbe is the topic of a server's self-check: the server
+// publishes there and checks that it receives what it published, which
+// it does only if the MQTT broker lets it publish and read under the
+// prefix (an ACL refusal of a QoS 1 publish is silent in MQTT 3.1.1).
+// id (the server's client id, as one topic level) tells the servers
+// sharing a broker apart. Only servers read or write it.
+func (t Tree) ServerProbe(id string) string { return t.prefix + "/servers/probe/" + id }
+
 // Parse reads a topic name back. It accepts only the exact shapes the
 // builders produce, with valid ids and ops; anything else is ErrNotOurs.
 func (t Tree) Parse(topic string) (Topic, error) {

@@ -68,8 +68,6 @@ func (l *wireLog) seen(topic, substr string) bool {
 func TestAsyncAPIDocumentsEveryMessage(t *testing.T) {
 	doc := asyncapitest.Load(t)
 	mq := mqtttest.StartMosquitto(t, serverAccount, watcherAccount)
-	m := startOnMosquitto(t, Config{}, mq)
-	f := setupFleet(t, m, "dev-1", "dev-2")
 	tree := topics.MustNew(topics.DefaultPrefix)
 
 	var log wireLog
@@ -87,6 +85,10 @@ func TestAsyncAPIDocumentsEveryMessage(t *testing.T) {
 	sub := watcher.Subscribe(tree.Prefix()+"/#", 1, nil)
 	require.NoError(t, mqtt.WaitTokenTimeout(sub, 10*time.Second))
 	require.Equal(t, byte(1), sub.(*mqtt.SubscribeToken).Result()[tree.Prefix()+"/#"])
+	// The watcher is there before the server, which probes its topics
+	// as it connects (serverProbe).
+	m := startOnMosquitto(t, Config{}, mq)
+	f := setupFleet(t, m, "dev-1", "dev-2")
 
 	// A command sent while no bridge runs, then canceled: the server
 	// withdraws it with a command.cancel.

@@ -10,8 +10,11 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
 )
 
 // serverAccount is the server's Mosquitto account in tests: everything
@@ -149,4 +152,50 @@ func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "hello"})
 	assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", cmd["id"].(string))["state"])
 	require.Len(t, b.sims["dev-1"].Texts(), 1)
+}
+
+// A server whose Mosquitto account may not publish under its topic prefix
+// (here its role names companion/v1/# while the server runs with
+// --topic-prefix acme/v1, as an operator who changed one and not the
+// other has it) is told nothing by Mosquitto: it acknowledges each QoS 1
+// publish and drops it. The server finds it out with a probe of its own
+// at each connect: it is not ready, /readyz says why, and the log names
+// the ACLs to add. Once they are there, it is ready and commands run
+// (bug 630).
+func TestServerThatCannotPublishUnderItsPrefixIsNotReady(t *testing.T) {
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	refused := newLogSignal("publishClientSend")
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), refused), &slog.HandlerOptions{Level: slog.LevelWarn}))
+	m := startServerLogging(t, mosquittoConfig(Config{TopicPrefix: "acme/v1"}, mq), logger)
+	select {
+	case <-refused.seen:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the server never said it cannot publish under its prefix")
+	}
+	require.False(t, m.Broker.Ready(), "ready though nothing it publishes reaches anyone")
+	r := newClient(t, m, "").do("GET", "/readyz", nil)
+	require.Equal(t, 503, r.Status, "%s", r.Body)
+	require.Contains(t, string(r.Body), "acme/v1/#")
+
+	for _, r := range mq.Dynsec(t,
+		map[string]any{"command": "createRole", "rolename": "acme", "acls": []map[string]any{
+			{"acltype": "publishClientSend", "topic": "acme/v1/#", "allow": true},
+			{"acltype": "publishClientReceive", "topic": "acme/v1/#", "allow": true},
+			{"acltype": "subscribePattern", "topic": "acme/v1/#", "allow": true},
+		}},
+		map[string]any{"command": "addClientRole", "username": serverAccount.Username, "rolename": "acme"},
+	) {
+		require.Empty(t, r.Error, "%s", r.Command)
+	}
+	testenv.Eventually(t, 30*time.Second, "ready once the broker lets it publish", m.Broker.Ready)
+	f := setupFleet(t, m, "dev-1")
+	s := sim.New(sim.Options{ID: "dev-1"})
+	runBridge(t, m, mq.URL, f, []agent.Device{s}, map[string]*sim.Device{"dev-1": s}, func(o *agent.Options) {
+		o.Topics = topics.MustNew("acme/v1")
+	})
+	r = f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "hello"})
+	assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", cmd["id"].(string))["state"])
+	require.Len(t, s.Texts(), 1)
 }

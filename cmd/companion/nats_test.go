@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -228,4 +230,37 @@ func TestNATSNodeKilledUnderLoad(t *testing.T) {
 	cl.WaitHealthy(t)
 	cmd := f.user.accept("POST", "/api/v1/devices/"+dev+"/push/text", map[string]any{"text": "after the restart"})
 	assert.Equal(t, "succeeded", f.user.waitFinal(dev, cmd["id"].(string))["state"])
+}
+
+// On NATS too a publish the server's permissions refuse is acknowledged
+// and dropped (a "Publish Violation" in the node's log only): a server
+// whose static NATS user may publish under companion/v1 while it runs with
+// --topic-prefix acme/v1 is not ready and says what to grant, and turns
+// ready once its permissions are mended (bug 630).
+func TestServerThatCannotPublishUnderItsPrefixOnNATS(t *testing.T) {
+	user := natstest.User{
+		Username: natsServerUser.Username, Password: natsServerUser.Password,
+		Publish:   []string{"companion/v1/#"},
+		Subscribe: []string{"acme/v1/#"},
+	}
+	cl := natstest.StartCluster(t, natstest.Options{Users: []natstest.User{user}})
+	refused := newLogSignal("MQTT self-check failed")
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), refused), &slog.HandlerOptions{Level: slog.LevelWarn}))
+	m := startServerLogging(t, Config{
+		MQTTURL: cl.MQTTURL(), MQTTUsername: user.Username, MQTTPassword: user.Password,
+		TopicPrefix: "acme/v1",
+	}, logger)
+	select {
+	case <-refused.seen:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the server never said it cannot publish under its prefix")
+	}
+	require.False(t, m.Broker.Ready(), "ready though nothing it publishes reaches anyone")
+	r := newClient(t, m, "").do("GET", "/readyz", nil)
+	require.Equal(t, 503, r.Status, "%s", r.Body)
+	require.Contains(t, string(r.Body), "acme/v1/#")
+
+	user.Publish = []string{"acme/v1/#"}
+	cl.SetUsers(t, []natstest.User{user})
+	testenv.Eventually(t, 60*time.Second, "ready once NATS lets it publish", m.Broker.Ready)
 }

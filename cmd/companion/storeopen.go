@@ -69,8 +69,8 @@ const readyTimeout = 2 * time.Second
 // PostgreSQL's, or read-only): every write is a 503 unavailable until one
 // succeeds; and a bbolt store whose disk has kept a write waiting 10 s.
 func (m *Main) ready(ctx context.Context) error {
-	if !m.Broker.Ready() {
-		return errors.New("the MQTT connection is down")
+	if err := m.Broker.NotReady(); err != nil {
+		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
 	defer cancel()
