@@ -52,7 +52,10 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		// does while a node's JetStream leaders are elected. Not ready
 		// until every one is granted.
 		for refused := refusedFilters(tok, filters); len(refused) > 0; refused = refusedFilters(tok, refused) {
-			b.log.Warn("MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)),
+			// Asked again every second, but logged once a minute: a
+			// refusal for good (the account's ACLs) logged a line a
+			// second (bug 631).
+			b.noisy.Warn("\x00subscriptions refused", "MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)),
 				"hint", b.grantHint())
 			b.setNotReady(fmt.Sprintf("the MQTT broker refuses the server's subscriptions to %s: %s",
 				strings.Join(slices.Sorted(maps.Keys(refused)), ", "), b.grantHint()))
@@ -195,8 +198,8 @@ func (b *Broker) takeProbe(_ mqtt.Client, m mqtt.Message) {
 // /readyz of a broker that refuses it.
 func (b *Broker) grantHint() string {
 	p := b.tree.Prefix()
-	return fmt.Sprintf("grant the server's account (%q) publishClientSend, publishClientReceive and subscribePattern on '%s/#' in its Mosquitto dynamic-security role, or 'topic readwrite %s/#' in the acl_file, with the prefix the server runs with (--topic-prefix %s; docs/mosquitto.md)",
-		b.opts.Username, p, p, p)
+	return fmt.Sprintf("grant the server's account (%q) publishClientSend, publishClientReceive and subscribePattern on '%s/#' in its Mosquitto dynamic-security role, or 'topic readwrite %s/#' in the acl_file, or on NATS publish and subscribe on '%s/#', with the prefix the server runs with (--topic-prefix %s; docs/mosquitto.md, docs/scale-out.md)",
+		b.opts.Username, p, p, p, p)
 }
 
 // setNotReady marks the broker not ready, for reason.

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -263,4 +264,53 @@ func TestServerThatCannotPublishUnderItsPrefixOnNATS(t *testing.T) {
 	user.Publish = []string{"acme/v1/#"}
 	cl.SetUsers(t, []natstest.User{user})
 	testenv.Eventually(t, 60*time.Second, "ready once NATS lets it publish", m.Broker.Ready)
+}
+
+// A subscription the broker refuses for good (the server's NATS user
+// may not subscribe under its prefix) is asked for again every second;
+// the server logs it once, then once a minute, not at each attempt: the
+// warning came every second for as long as the refusal lasted (bug 631).
+func TestARefusedSubscriptionIsNotLoggedAtEveryAttempt(t *testing.T) {
+	user := natstest.User{
+		Username: natsServerUser.Username, Password: natsServerUser.Password,
+		Publish:   []string{"acme/v1/#"},
+		Subscribe: []string{"companion/v1/#"},
+	}
+	cl := natstest.StartCluster(t, natstest.Options{Users: []natstest.User{user}})
+	var lines logCount
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), &lines), &slog.HandlerOptions{Level: slog.LevelWarn}))
+	startServerLogging(t, Config{
+		MQTTURL: cl.MQTTURLs[0], MQTTUsername: user.Username, MQTTPassword: user.Password,
+		TopicPrefix: "acme/v1",
+	}, logger)
+	const violation = `Subscription Violation - Subject "acme.v1.devices.*.replies"`
+	testenv.Eventually(t, 60*time.Second, "the server asked five times", func() bool {
+		return strings.Count(cl.Log(0), violation) >= 5
+	})
+	require.Less(t, lines.count("MQTT subscriptions refused"), 3, "a warning at each attempt")
+}
+
+// logCount counts the log lines holding a text.
+type logCount struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logCount) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, string(p))
+	return len(p), nil
+}
+
+func (l *logCount) count(text string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, s := range l.lines {
+		if strings.Contains(s, text) {
+			n++
+		}
+	}
+	return n
 }
