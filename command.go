@@ -164,7 +164,7 @@ func (c Command) WithdrawsDesired() bool {
 // desired values are to be withdrawn: when it succeeded, the device ran
 // it and has reported since (a later change the store does not know of,
 // as after a restore from a backup), so its values are no longer pending,
-// but those a later change asked for (docs/reliability.md, bug 432). A
+// but those a later change asked for (docs/reliability.md, bug 399). A
 // command that did not succeed is withdrawn as it is.
 func SupersededChange(c Command) Command {
 	if c.Op == OpSettingsUpdate && c.State == StateSucceeded {

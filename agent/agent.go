@@ -554,7 +554,7 @@ const (
 // as long as both run. Each said only "MQTT connection lost" (EOF) and
 // "connected", as a bad network would have it; on a user's own bridge,
 // whose owner has no server log to read, nothing named the cause
-// (docs/reliability.md, bug 614).
+// (docs/reliability.md, bug 458).
 func (a *Agent) noteClosed(err error) {
 	now := time.Since(a.born)
 	if !errors.Is(err, io.EOF) || now-time.Duration(a.connectedAt.Load()) > closingSoon {

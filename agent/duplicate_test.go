@@ -19,7 +19,7 @@ import (
 // have it; on the user's own bridge, whose owner has no server log to
 // read, nothing named the cause. A bridge whose connection is closed soon
 // after it was made, three times within a minute, says once an hour that
-// another process may log in as it (bug 614).
+// another process may log in as it (bug 458).
 func TestABridgeSaysAnotherProcessMayLogInAsIt(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

@@ -15,7 +15,7 @@ import (
 // An operator following a command from the server's log to the bridge's
 // by its id as a field (command_id=, device_id=, as the server's lines
 // name them; a log pipeline's logfmt query) found none of the bridge's
-// lines: the bridge named them cmd= and device= (bug 396).
+// lines: the bridge named them cmd= and device= (bug 385).
 func TestBridgeLogLinesNameCommandsAsTheServerDoes(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

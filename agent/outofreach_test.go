@@ -66,7 +66,7 @@ func (d *goneAway) Settings(ctx context.Context) (map[string]any, topics.Schema,
 // away at night wrote hundreds of thousands of lines a day. The first
 // failure is said (of each read, at most), the ones that follow while it
 // stays away are not (at debug), and its first read after says it
-// answers again (bug 613).
+// answers again (bug 457).
 func TestADeviceOutOfReachIsLoggedOnceUntilItAnswers(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)

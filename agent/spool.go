@@ -41,7 +41,7 @@ import (
 // devices its writes are for. (Earlier versions kept a queue bucket per
 // device, "queues"; openSpool moves those into "queue".)
 // spoolVersion is the version of the spool's layout this build writes
-// and reads, kept in bucketMeta under keyVersion (bug 431). A spool
+// and reads, kept in bucketMeta under keyVersion (bug 398). A spool
 // without one is of the layout since 8a6c356, which is version 1. A bridge
 // refuses a spool of a later version, which a newer bridge wrote: a
 // bridge from before 8a6c356 started on a newer spool did not see the
@@ -71,7 +71,7 @@ func (e *errSpoolNewer) Error() string {
 // the spool was written by a newer bridge, which this build refuses: it
 // would refuse it again at every start until a person starts the newer
 // bridge again or moves the spool aside (companion-bridge exits 65 on it,
-// as on a damaged spool, and its unit does not restart it: bug 550).
+// as on a damaged spool, and its unit does not restart it: bug 433).
 var ErrSpoolNewer = errors.New("the spool was written by a newer bridge")
 
 // Is makes errors.Is(err, ErrSpoolNewer) hold.

@@ -28,7 +28,7 @@ func (e *errSpoolFile) Error() string {
 // ErrSpoolUnreadable is what errors.Is finds in the error of New or Run
 // when the spool file is damaged and the bridge refuses it: it would
 // refuse it again at every start until a person restores or moves it
-// (companion-bridge exits 65 on it, bug 451).
+// (companion-bridge exits 65 on it, bug 402).
 var ErrSpoolUnreadable = errors.New("the spool file is damaged")
 
 // Is makes errors.Is(err, ErrSpoolUnreadable) hold.

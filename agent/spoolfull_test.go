@@ -186,7 +186,7 @@ func waitLog(t *testing.T, logs *testenv.Buffer, what string) {
 // restart the bridge reported the device with what it was before the disk
 // filled (docs/reliability.md, bug 174).
 func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	b := startBroker(t)
@@ -230,7 +230,7 @@ func TestStatusKeptOnceTheDiskIsBack(t *testing.T) {
 // stayed full (up to 65,535 messages on the embedded broker), and the
 // broker's in-flight window with it (docs/reliability.md, bug 177).
 func TestRepeatsHeldOnceWhileTheSpoolFails(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	b := startBroker(t)

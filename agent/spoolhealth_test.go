@@ -30,7 +30,7 @@ func (o *spoolObserver) SpoolWritable(ok bool) {
 // CompanionBridgeSpoolUnwritable alerts on. Before, the bridge's metrics
 // said nothing of it, and a bridge that took no command in for want of
 // disk raised no alert while other bridges' commands ended
-// (docs/reliability.md, bug 496).
+// (docs/reliability.md, bug 422).
 func TestSpoolWritableIsObserved(t *testing.T) {
 	obs := &spoolObserver{}
 	a := &Agent{opts: Options{Observer: obs}, log: slog.New(slog.NewTextHandler(io.Discard, nil)), spoolPath: "spool.db"}

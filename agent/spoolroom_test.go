@@ -78,7 +78,7 @@ func TestSpoolOutOfSpaceEmptiesTheBlobCache(t *testing.T) {
 // of its own; the running spool's log said to free space
 // (docs/reliability.md, bug 195).
 func TestSpoolGrowthUnderAFileSizeLimit(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	s, err := openSpool(t.TempDir())

@@ -44,7 +44,7 @@ type deviceRunner struct {
 
 	// unread and settingsUnread are the reporter's own (report): its
 	// last read of the device's info, or of its settings, failed. A
-	// failure is said once, not at each report while it lasts (bug 613).
+	// failure is said once, not at each report while it lasts (bug 457).
 	unread, settingsUnread bool
 }
 

@@ -36,7 +36,7 @@ func apiDocErrorRows(tb testing.TB) map[int]string {
 // the server answers it with, and says the headers of a 401 as the server
 // sends them: with a token sent, WWW-Authenticate also carries
 // error="invalid_token" (RFC 6750 §3.1), which the table left out
-// (docs/reliability.md, bug 493).
+// (docs/reliability.md, bug 419).
 func TestAPIDocErrorTable(t *testing.T) {
 	rows := apiDocErrorRows(t)
 	for code, info := range codes {

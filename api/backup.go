@@ -23,7 +23,7 @@ type Backuper interface {
 }
 
 // adminBackup answers a consistent copy of the server's bbolt file, taken
-// while the server runs and takes commands (bug 429): what companion
+// while the server runs and takes commands (bug 396): what companion
 // backup FILE saves. Copying the live file with cp could catch a commit
 // half written.
 func (s *Server) adminBackup(c *gin.Context) error {
@@ -56,7 +56,7 @@ func (s *Server) adminBackup(c *gin.Context) error {
 	}
 	if !started {
 		if errors.Is(err, companion.ErrNoRoom) {
-			// What to do, for the admin CLI to show (bug 533); no path.
+			// What to do, for the admin CLI to show (bug 430); no path.
 			_, detail, _ := strings.Cut(err.Error(), companion.ErrNoRoom.Error()+": ")
 			return &Error{Code: CodeBackupNoRoom, Detail: detail}
 		}

@@ -51,7 +51,7 @@ func TestAdminBackup(t *testing.T) {
 // with less room than a copy of it and the store's own headroom: the
 // backup is refused with a 507 that says so, and the disk is left as it
 // was; with room, it is taken. Before, the copy the backup makes beside
-// the store (bug 530) took the room the store's commits need, or failed
+// the store (bug 427) took the room the store's commits need, or failed
 // as a 500 "internal error".
 func TestAdminBackupWithoutRoom(t *testing.T) {
 	if os.Geteuid() != 0 {

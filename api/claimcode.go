@@ -14,7 +14,7 @@ import (
 // code is in one case and grouped by dashes, and people type it in lower
 // case, with spaces around, with the dashes left out or as spaces, with a
 // phone's autocorrected dash, or with a 0 or 1 for base32's O or I
-// (docs/reliability.md, bug 511). Every form is compared, whichever
+// (docs/reliability.md, bug 424). Every form is compared, whichever
 // matches, so the time taken depends on what was typed only.
 func claimMatches(typed string, hash []byte) bool {
 	ok := false
@@ -28,7 +28,7 @@ func claimMatches(typed string, hash []byte) bool {
 // provisioned with code: without the spaces around it, which a factory
 // line's CSV or a spreadsheet's cell carries and its label does not
 // show. Registering trims what is typed (claimForms), so the code with
-// its spaces registers too (docs/reliability.md, bug 513).
+// its spaces registers too (docs/reliability.md, bug 426).
 func provisionedClaim(code string) string { return strings.TrimSpace(code) }
 
 // claimForms returns typed and the forms of it a provisioned code may

@@ -12,7 +12,7 @@ import (
 // person types them from a label: lower case, spaces around, dashes left
 // out or replaced by spaces, an autocorrected dash, a 0 or 1 for the O
 // or I that base32 has. Each binds; a wrong code, and a code whose case
-// was not one case when provisioned typed in another, stay 422 (bug 511).
+// was not one case when provisioned typed in another, stay 422 (bug 424).
 func TestClaimCodeAsTyped(t *testing.T) {
 	e := newEnv(t)
 	const base32Code = "5QDU-622O-U2X4-KPZ2-SFN2" // as --demo and docs/provisioning.md make them
@@ -56,7 +56,7 @@ func TestClaimFormsBounded(t *testing.T) {
 // TestClaimCodeProvisionedWithSpaces provisions a code with a space
 // around it, as a factory line's CSV or a copy from a spreadsheet
 // carries it: the label shows none, so the code registers without it,
-// and with it. A code of spaces alone is refused (bug 513).
+// and with it. A code of spaces alone is refused (bug 426).
 func TestClaimCodeProvisionedWithSpaces(t *testing.T) {
 	e := newEnv(t)
 	e.provision("dev-1", " 5QDU-622O-U2X4-KPZ2-SFN2\u00a0", "sim-1")

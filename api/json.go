@@ -55,7 +55,7 @@ type appJSON struct {
 // nanoseconds need and none for a whole second, and no one decoder of
 // Swift's reads both forms: JSONDecoder's .iso8601 refuses any fraction,
 // an ISO8601DateFormatter with .withFractionalSeconds refuses none
-// (docs/reliability.md, bug 510). Order between times of one millisecond
+// (docs/reliability.md, bug 423). Order between times of one millisecond
 // is the order of ids (command ids are UUIDv7, events' ids count up);
 // nothing takes a time back as input.
 type apiTime time.Time

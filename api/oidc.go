@@ -80,7 +80,7 @@ func NewOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 // the success are logged. done is closed once that goroutine has ended.
 // Before, the server's start ended "oidc discovery: …", exit status 1,
 // and systemd restarted the whole server every 2 s for as long as the
-// provider was away (docs/reliability.md, bug 557).
+// provider was away (docs/reliability.md, bug 440).
 func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Duration, log *slog.Logger) (v *OIDCVerifier, done <-chan struct{}, err error) {
 	ov, err := newOIDCVerifier(ctx, o)
 	if err != nil {

@@ -16,7 +16,7 @@ import (
 // which CONTRACT §2 has the same for an unknown device and another's. A
 // user who quotes it lets the operator find the request's lines
 // (docs/operations.md, "Tying a complaint to the log";
-// docs/reliability.md, bug 389).
+// docs/reliability.md, bug 378).
 const RequestIDHeader = "X-Request-Id"
 
 // ctxRequestID is the gin context's key of the request's id.

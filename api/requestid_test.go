@@ -44,7 +44,7 @@ func (b *logBuffer) lines(substr string) []string {
 // operator finds in the log: the answer's X-Request-Id is on the log line
 // of the failure. A client's own
 // X-Request-Id, when it is a plain token, is taken as the request's id;
-// one that is not is replaced (bug 389).
+// one that is not is replaced (bug 378).
 func TestInternalErrorTiesToItsLogLine(t *testing.T) {
 	var logs logBuffer
 	base := newEnv(t)

@@ -21,7 +21,7 @@ var apiTimeRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z
 
 // TestTimesHaveThreeFractionDigits reads times whose nanoseconds are 0
 // (a whole second), 120 ms and 123456789 ns from the status, the device
-// list and a command, each as an app decodes them (bug 510).
+// list and a command, each as an app decodes them (bug 423).
 func TestTimesHaveThreeFractionDigits(t *testing.T) {
 	e := newEnv(t)
 	tok := e.bound("dev-1")
@@ -59,7 +59,7 @@ func TestTimesHaveThreeFractionDigits(t *testing.T) {
 // TestAPITimeMarshal: apiTime's own cases, each in the one form: a whole
 // second, a fraction Go would trim, 999999999 ns truncated (not rounded
 // into the next second), a time in another zone written in UTC, the zero
-// time as null, and a year RFC 3339 cannot write refused (bug 510).
+// time as null, and a year RFC 3339 cannot write refused (bug 423).
 func TestAPITimeMarshal(t *testing.T) {
 	base := time.Date(2026, 12, 1, 1, 14, 13, 0, time.UTC)
 	for _, c := range []struct {

@@ -21,7 +21,7 @@ import (
 // was dropped, so its command never ended, and a status was dropped, so
 // the device never read online. The message is taken: a number is its
 // seconds since 1970, anything else is taken as no `at` (as a message
-// without one is) and logged, once a minute per device (bug 512).
+// without one is) and logged, once a minute per device (bug 425).
 func TestABridgesAtOutsideRFC3339(t *testing.T) {
 	var logs logBuffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {

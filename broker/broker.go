@@ -164,7 +164,7 @@ type Broker struct {
 	log  *slog.Logger
 	// noisy logs the lines of what bridges send that a bridge can repeat
 	// as fast as it publishes (a malformed message, a reply of no
-	// command): once a minute per line and device (bug 390).
+	// command): once a minute per line and device (bug 379).
 	noisy  *logevery.Log
 	now    func() time.Time
 	client mqtt.Client

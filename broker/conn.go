@@ -54,7 +54,7 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		for refused := refusedFilters(tok, filters); len(refused) > 0; refused = refusedFilters(tok, refused) {
 			// Asked again every second, but logged once a minute: a
 			// refusal for good (the account's ACLs) logged a line a
-			// second (bug 631).
+			// second (bug 460).
 			b.noisy.Warn("\x00subscriptions refused", "MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)),
 				"hint", b.grantHint())
 			b.setNotReady(fmt.Sprintf("the MQTT broker refuses the server's subscriptions to %s: %s",
@@ -105,7 +105,7 @@ const (
 // under its prefix says nothing of it: Mosquitto acknowledges a QoS 1
 // PUBLISH it refuses and drops it (MQTT 3.1.1 has no refusal), and grants
 // a subscription whose messages it then withholds. Without the check the
-// server read ready, and every command stayed sent for ever (bug 630).
+// server read ready, and every command stayed sent for ever (bug 459).
 // Until a probe comes back, the broker is not ready, says why (NotReady),
 // and probes again; it gives up (false) when the connection is lost (the
 // next connect checks again) or the broker closes.
@@ -402,7 +402,7 @@ func (b *Broker) parseInbound(m mqtt.Message) inbound {
 // reads (topics.Reply.BadAt, its JSON as written), once a minute per
 // device and kind of message: the message is taken without it, and the
 // bridge breaks the contract (docs/asyncapi.yaml: RFC 3339 with a time
-// zone), which its operator should hear of (bug 512).
+// zone), which its operator should hear of (bug 425).
 func (b *Broker) warnBadAt(what, deviceID, bad string) {
 	if bad == "" {
 		return

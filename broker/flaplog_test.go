@@ -22,7 +22,7 @@ import (
 // come (a restart shows both); the next ones within the interval are
 // counted, and once it is over one line says the bridge's state then,
 // with how many changes were not logged, so the log's last word on the
-// bridge is still what it is now (bug 611).
+// bridge is still what it is now (bug 455).
 func TestAFlappingBridgesStateIsLoggedOnceAnInterval(t *testing.T) {
 	var logs logBuffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {

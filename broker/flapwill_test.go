@@ -21,7 +21,7 @@ import (
 // away at night, had two hundred statuses rewritten and published at each
 // flap, each heard by whoever watched the device, none saying anything
 // new. Only the devices the Will takes offline are written and
-// published (bug 612).
+// published (bug 456).
 func TestAWillRepublishesNoDeviceOfflineAlready(t *testing.T) {
 	e := newEnv(t, true)
 	fb := connectBridge(t, e)

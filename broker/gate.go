@@ -116,7 +116,7 @@ func (g *reportGate) admit(kind topics.Kind, deviceID string, seq uint64, at tim
 	if e.take != nil {
 		// One is held already: a newer one takes its place, and its
 		// turn; an older one would lose to it in the store, and is
-		// acknowledged unstored now (bug 650: the server's own
+		// acknowledged unstored now (bug 461: the server's own
 		// republished status took a newer held one's place, and the
 		// device read offline until its bridge's next report).
 		superseded := ack

@@ -169,7 +169,7 @@ func TestAReportHeldBackReadsItsBridgeAnew(t *testing.T) {
 }
 
 // A report that comes while a newer one of its device is held at the gate
-// is acknowledged unstored, and the held one keeps its turn (bug 650).
+// is acknowledged unstored, and the held one keeps its turn (bug 461).
 // Before, whichever came last took the held one's place: the server's own
 // status, republished retained as the store had it after the bridge's Will,
 // took the place of the bridge's newer report that the device was online,

@@ -1104,7 +1104,7 @@ type stateLines struct {
 // connection flaps (a bad link, two processes started with its id) had
 // two info lines a flap, tens of thousands a day; and a line only
 // counted would leave the log's last word on the bridge other than its
-// state now (docs/reliability.md, bug 611). b.mu may be held.
+// state now (docs/reliability.md, bug 455). b.mu may be held.
 func (b *Broker) logState(bridgeID, state string, devices int) {
 	every := b.opts.stateLogEvery
 	if every <= 0 {

@@ -48,7 +48,7 @@ func (b *logBuffer) String() string {
 // the server log a warning for each: an operator's log filled at the
 // rate of one client's loop, burying everything else. Each such line is
 // logged once a minute per device at most, saying how many like it were
-// not (bug 390).
+// not (bug 379).
 func TestABridgesBadMessagesAreLoggedOnceAMinute(t *testing.T) {
 	var logs logBuffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {
@@ -87,10 +87,10 @@ func TestABridgesBadMessagesAreLoggedOnceAMinute(t *testing.T) {
 	}
 }
 
-// Bug 390 left out the lines a reply logs before its command is looked
+// Bug 379 left out the lines a reply logs before its command is looked
 // up: a reply carrying a status of another bridge, or settings that
 // cannot be stored, was a warning each however often it came, and its
-// command need not exist (bug 397).
+// command need not exist (bug 386).
 func TestABridgesRepliesWithForeignReportsAreLoggedOnceAMinute(t *testing.T) {
 	var logs logBuffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {

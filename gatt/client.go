@@ -243,7 +243,7 @@ func (c *Client) SetWindow(n int) {
 // CONFIG_MCUMGR_TRANSPORT_NETBUF_COUNT's default 4, unless the firmware
 // says otherwise), or reported two. Without it a lone request whose answer
 // was lost whole waited its whole timeout, and its command failed timeout
-// (docs/reliability.md, bugs 471 and 571). On a device with only two buffers the
+// (docs/reliability.md, bugs 413 and 443). On a device with only two buffers the
 // probe finds none while the request runs, and is dropped unanswered,
 // which changes nothing; sent while the request still waits behind
 // another transport's, it may take the buffer of the request's answer, and
@@ -630,7 +630,7 @@ func (c *Client) write(ctx context.Context, call *Call, body []byte) error {
 		// Behind a request the device takes long over (an erase), and
 		// answered after it: a status read timed out during an upload's
 		// erase, and dropped the link under the upload (docs/reliability.md,
-		// bug 572).
+		// bug 444).
 		call.deadline = later(call.deadline, l.deadline.Add(c.timeout))
 	}
 	call.timer = time.AfterFunc(time.Until(call.deadline), call.expire)
@@ -825,7 +825,7 @@ func (c *Client) Echo(ctx context.Context, d string) (string, error) {
 // decoder answers rc 3 (or rc 1), and its handler lookup rc 8. So an answer
 // in version 1 shows reassembly only when it is the echo itself; a refusal
 // leaves the device one write per request, which every MCUmgr takes
-// (docs/reliability.md, bug 472).
+// (docs/reliability.md, bug 414).
 func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bool, error) {
 	// The message is one write and k more bytes, 1 ≤ k < 8: too few for
 	// a header, so a device that does not reassemble drops them.

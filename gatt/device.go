@@ -227,7 +227,7 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 			// A device that requires pairing refuses every connection
 			// alike: trying until ctx's end (a command's 10 minutes)
 			// failed the command timeout, its cause only in a debug log
-			// (docs/reliability.md, bug 412).
+			// (docs/reliability.md, bug 390).
 			return nil, fmt.Errorf("gatt: connect to %s: %w", d.opts.ID, err)
 		}
 		var se *silentError
@@ -343,7 +343,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		// reassemble, into buffers of Zephyr's default size unless its
 		// firmware set another. Before, such a device got one write per
 		// request, and at MTU 23 every command failed mtu_too_small
-		// (docs/reliability.md, bug 573).
+		// (docs/reliability.md, bug 445).
 		ok, err := c.ProbeReassembly(cctx, d.opts.ProbeTimeout)
 		if err == nil && ok {
 			ok, err = c.ProbeBuffer(cctx, ZephyrBufSize, d.opts.ProbeTimeout)
@@ -363,7 +363,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		// finds out; without an answer, requests are bounded by Zephyr's
 		// default, as bug 179 bounds them by a reported buf_size. Before,
 		// such a device lost every long request, and every upload failed
-		// (docs/reliability.md, bug 575).
+		// (docs/reliability.md, bug 447).
 		ok, err := c.ProbeBuffer(cctx, c.Frag(), d.opts.ProbeTimeout)
 		if err != nil {
 			c.Close()
@@ -378,7 +378,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	// than its buffers take.
 	c.SetWindow(d.window(s))
 	if d.opts.Window == 0 && s.bufCount <= 2 {
-		// Its buffers unknown (no MCUmgr parameters, bug 471) or two (bug
+		// Its buffers unknown (no MCUmgr parameters, bug 413) or two (bug
 		// 571), the window is one; the probe for a lost answer may go
 		// beside it. With two buffers, the probe finds both free once the
 		// lone request is answered (its answer lost), none while it runs
@@ -1101,11 +1101,11 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 // with an rc of its own: rc 5 (ENOENT) in Zephyr 3.0 to 3.2, rc 2 (ENOMEM)
 // in the MCUmgr library of Zephyr 2.x, rc 6 (EBADSTATE) where img_mgmt
 // translates version 2's error; it is explained the same when the image
-// state shows the other slot pending, which no upload gets past (bug 469).
+// state shows the other slot pending, which no upload gets past (bug 411).
 // Only image 0's slots count: the bridge's upload carries no "image", which
 // img_mgmt takes as image 0, and looks for a free slot among that image's
 // slots alone; a two-image device's image 1 (a network core's) pending did
-// not stand in its way, and was named (bug 570).
+// not stand in its way, and was named (bug 442).
 func explainNoFreeSlot(err error, st ImageStateResponse) error {
 	var e *Error
 	if !errors.As(err, &e) || e.Bridge || e.Group != GroupImage {
@@ -1137,7 +1137,7 @@ func explainNoFreeSlot(err error, st ImageStateResponse) error {
 // the bridge updates: on a two-image device, image 1 under test stands not
 // in the way of image 0's upload, and resetting for it reverted another
 // core's update and failed this one after three resets
-// (docs/reliability.md, bug 574).
+// (docs/reliability.md, bug 446).
 func runsUnderTest(st ImageStateResponse) bool {
 	for _, s := range st.Images {
 		if s.Active && !s.Confirmed && s.Image == 0 {

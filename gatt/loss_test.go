@@ -418,7 +418,7 @@ func TestLossesSpreadOverALongUploadAreEachRecovered(t *testing.T) {
 // firmware says otherwise, and a probe there takes none an answer needs.
 // Before, no probe went beside the lone request: the request waited its
 // whole timeout, the link was dropped and the command failed timeout,
-// though the device had answered (bug 471).
+// though the device had answered (bug 413).
 func TestLostResponseOfADeviceWithoutParametersIsAskedAgain(t *testing.T) {
 	for _, tt := range []struct {
 		name  string
@@ -478,7 +478,7 @@ func TestLostResponseOfADeviceWithoutParametersIsAskedAgain(t *testing.T) {
 // request waits behind another transport's takes its answer's buffer, and
 // the request is answered rc 2, not run, and asked again. Before, such a
 // request waited its whole timeout, and the command failed timeout with
-// the link dropped (bug 571).
+// the link dropped (bug 443).
 func TestLostResponseOfADeviceWithTwoBuffersIsAskedAgain(t *testing.T) {
 	for _, tt := range []struct {
 		name  string

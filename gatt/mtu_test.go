@@ -263,7 +263,7 @@ func TestBuffersShorterThanAWriteBoundRequests(t *testing.T) {
 // reassembles: this device gets every request in one write, and every
 // operation goes through. Before, rc 3 read as reassembly, requests went
 // out across writes of a device that takes each for a message, and every
-// long one failed invalid_payload (bug 472).
+// long one failed invalid_payload (bug 414).
 func TestOldMCUmgrWithoutReassemblyIsNotTakenForReassembling(t *testing.T) {
 	opts := fastLink
 	opts.MTU = 247
@@ -297,7 +297,7 @@ func TestOldMCUmgrWithoutReassemblyIsNotTakenForReassembling(t *testing.T) {
 // whole). One with shorter buffers, or without reassembly, gets one write
 // per request, as before. Before, without parameters the bridge never
 // probed: every command but the status reads failed mtu_too_small at MTU
-// 23 (bug 573).
+// 23 (bug 445).
 func TestReassemblyWithoutParametersIsProbed(t *testing.T) {
 	opts := fastLink
 	opts.MTU = 23

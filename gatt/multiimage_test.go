@@ -79,7 +79,7 @@ func (l *twoImagesLink) Subscribe(ctx context.Context, uuid string, fn func([]by
 // upload carries no "image", which img_mgmt takes as 0), and img_mgmt
 // looks for a free slot among image 0's alone (img_mgmt_slot_in_use). An
 // upload that fails with an rc the bridge explains as "no free slot" when
-// the other slot is pending (bug 228, 469) must not be explained by image
+// the other slot is pending (bug 228, 411) must not be explained by image
 // 1's pending slot: that one does not stand in image 0's way, and neither
 // updating to its version nor a reboot is what the operator must do. With
 // image 0's own slot pending, that one is named.
@@ -155,7 +155,7 @@ func imageOneUnderTest(st *gatt.ImageStateResponse) {
 // revert image 0 from a test it is not under. Before, the bridge took
 // image 1's test for image 0's and reset the device three times before
 // the upload, then failed the update "the device still runs an image
-// under test after 3 resets: it does not reboot" (bug 574).
+// under test after 3 resets: it does not reboot" (bug 446).
 func TestOTAOnATwoImageDeviceWithImage1UnderTest(t *testing.T) {
 	s := sim.New(sim.Options{ID: "dev-1"})
 	n := sim.NewNetwork(fastLink)

@@ -688,7 +688,7 @@ func TestOTAWithAnotherImagePendingSaysWhyInVersion1(t *testing.T) {
 // it too. Before, the status read timed out during the erase, the bridge
 // took the device for wedged and dropped the link: the status read failed
 // (the device read offline) and the update's upload ran again over a new
-// connection (bug 572).
+// connection (bug 444).
 func TestAStatusReadBehindTheSlotEraseWaitsForIt(t *testing.T) {
 	popts := sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond, EraseTime: 150 * time.Millisecond}
 	s := sim.New(sim.Options{ID: "dev-1"})

@@ -142,7 +142,7 @@ func (e *Error) ErrorCode() string {
 		// refused (h_set's -EINVAL, version 2's error 5): its
 		// translation has no other code for it, and a value write or
 		// read (in RAM: settings_runtime_set and _get) fails for nothing
-		// but its handler's refusal (bug 470).
+		// but its handler's refusal (bug 412).
 		if e.Group == GroupSettings && e.ID == CmdSettingsValue {
 			return CodeInvalidPayload
 		}

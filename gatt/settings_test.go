@@ -232,7 +232,7 @@ func TestVersion1SettingsKeyNotFoundIsInvalidPayload(t *testing.T) {
 // (EUNKNOWN) in version 1: settings_mgmt_translate_error_code has no other
 // code for it. The settings change fails invalid_payload either way, as
 // docs/gatt.md says, and changes nothing. Before, a device answering
-// version 1 failed it device_error (bug 470).
+// version 1 failed it device_error (bug 412).
 func TestVersion1RefusedSettingValueIsInvalidPayload(t *testing.T) {
 	v1 := &version1{}
 	s := sim.New(sim.Options{ID: "dev-1"})

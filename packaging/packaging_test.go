@@ -642,7 +642,7 @@ func goDuration(t *testing.T, rel, name string) time.Duration {
 // 343): past it, it logs what it waits for (a disk that does not answer)
 // and exits 1. systemd's TimeoutStopSec must leave it that time, or the
 // SIGKILL comes first and the journal says only that the stop timed out.
-// Bug 449.
+// Bug 400.
 func TestSystemdStopTimeoutOutlastsShutdown(t *testing.T) {
 	bound := goDuration(t, "cmd/companion/serve.go", "shutdownWithin")
 	settings := serviceSettings(t, "companion.service")
@@ -694,7 +694,7 @@ func procMountOptions(settings map[string][]string) string {
 // docs/operations.md's CompanionRestarting alert counts restarts with.
 // ProcSubset=pid hid /proc/stat, the boot time the start time is reckoned
 // from, and the process collector left the series out without a word: a
-// unit restarted in a loop raised no alert. Bug 450.
+// unit restarted in a loop raised no alert. Bug 401.
 func TestMetricsUnderTheUnitsProc(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("mounts a /proc of the unit's options in a mount namespace: needs root")
@@ -764,7 +764,7 @@ func TestMetricsUnderTheUnitsProc(t *testing.T) {
 // an exit status their unit does not restart: each start would read the
 // file through and refuse it again, every RestartSec for good (the start
 // limit, 5 starts in 10 s, never catches a unit restarted every 2 s),
-// with the unit "activating (auto-restart)" rather than failed. Bug 451.
+// with the unit "activating (auto-restart)" rather than failed. Bug 402.
 func TestSystemdDoesNotRestartOnDamagedData(t *testing.T) {
 	bins := builtCommands(t)
 	for _, tc := range []struct {
@@ -843,7 +843,7 @@ var platformArgs = []string{"TARGETPLATFORM", "TARGETOS", "TARGETARCH", "TARGETV
 // automatic value. "ARG TARGETARCH=amd64" kept amd64 for every platform:
 // arm64 and arm/v7 images held an amd64 binary ("exec format error" on
 // the gateway). The RUN line is run by sh with a stub go that records
-// what it was asked to build for. Bug 452.
+// what it was asked to build for. Bug 403.
 func TestDockerfilesBuildForTheTargetPlatform(t *testing.T) {
 	root := repoRoot(t)
 	for _, c := range commands {
@@ -931,7 +931,7 @@ func TestDockerfilesBuildForTheTargetPlatform(t *testing.T) {
 // read, which the unit's dynamic user cannot; a path mistyped in the env
 // file) is a mistake of the configuration, as a flag's wrong value is:
 // exit status 2, not restarted, with the flag named. With exit status 1
-// the unit restarted it every 2 s for good. Bug 453.
+// the unit restarted it every 2 s for good. Bug 404.
 func TestSystemdDoesNotRestartOnUnreadableFlagFiles(t *testing.T) {
 	bins := builtCommands(t)
 	missing := filepath.Join(t.TempDir(), "missing.pem")
@@ -979,7 +979,7 @@ func TestSystemdDoesNotRestartOnUnreadableFlagFiles(t *testing.T) {
 // cluster.json's admin token and secrets) is kept out of the images'
 // build context too: COPY . . put it into the build stage, its layer and
 // its cache (docker buildx --cache-to mode=max exports it), and sent it
-// with every build. Bug 454.
+// with every build. Bug 405.
 func TestDockerignoreKeepsOutWhatGitIgnores(t *testing.T) {
 	root := repoRoot(t)
 	norm := func(p string) string { return strings.Trim(strings.TrimSpace(p), "/") }
@@ -1007,7 +1007,7 @@ func TestDockerignoreKeepsOutWhatGitIgnores(t *testing.T) {
 // token, a bridge's secret) says to install it readable by root alone,
 // as companion-bridge.env does: companion.env has lines for the broker's
 // password and the TLS key's path, and said nothing, so it was installed
-// as copied, 0644, readable by every local user. Bug 455.
+// as copied, 0644, readable by every local user. Bug 406.
 func TestEnvFilesWithSecretsSayMode0600(t *testing.T) {
 	root := repoRoot(t)
 	for _, name := range []string{"companion.env", "companion-bridge.env"} {
@@ -1033,7 +1033,7 @@ func TestEnvFilesWithSecretsSayMode0600(t *testing.T) {
 // Each binary says its version as it starts, in the journal: --version
 // tells the file on disk, which after an upgrade is not the build a unit
 // still runs until it is restarted, nor, for a bridge on a gateway, one
-// the operator can ask. Before, neither start-up line named it. Bug 456.
+// the operator can ask. Before, neither start-up line named it. Bug 407.
 func TestStartupSaysTheVersion(t *testing.T) {
 	dir := builtCommands(t)
 	const stamp = builtStamp
@@ -1082,7 +1082,7 @@ func TestStartupSaysTheVersion(t *testing.T) {
 // with a stop timeout longer than the server's own shutdown bound
 // (shutdownWithin): docker stop's default is 10 s, and a Kubernetes pod's
 // 30 s, after which the SIGKILL cuts the requests still answering and the
-// line saying what holds a stop (bug 343). Bug 457.
+// line saying what holds a stop (bug 343). Bug 408.
 func TestDockerRunStopTimeoutOutlastsShutdown(t *testing.T) {
 	root := repoRoot(t)
 	bound := goDuration(t, "cmd/companion/serve.go", "shutdownWithin")
@@ -1114,7 +1114,7 @@ func TestDockerRunStopTimeoutOutlastsShutdown(t *testing.T) {
 // read: it told them to watch the bridge's retained
 // companion/v1/bridges/ID/state topic, to which no user may subscribe
 // (README, "Watching the MQTT traffic": SUBACK 0x80 on every broker). It
-// names a metric of --metrics that the bridge has. Bug 458.
+// names a metric of --metrics that the bridge has. Bug 409.
 func TestBridgeImageSaysHowToWatchIt(t *testing.T) {
 	root := repoRoot(t)
 	var header []string
@@ -1153,7 +1153,7 @@ func TestBridgeImageSaysHowToWatchIt(t *testing.T) {
 // CLI run as docs/provisioning.md and README show it (no --data) finds no
 // admin.token in ./data: it says where the unit keeps it (its
 // StateDirectory under /var/lib) and how to point it there. Before, it
-// said only "none readable in ./data". Bug 459.
+// said only "none readable in ./data". Bug 410.
 func TestAdminCLISaysWhereTheUnitKeepsTheToken(t *testing.T) {
 	dirs := serviceSettings(t, "companion.service")["StateDirectory"]
 	if len(dirs) == 0 {
@@ -1184,7 +1184,7 @@ func TestAdminCLISaysWhereTheUnitKeepsTheToken(t *testing.T) {
 // their unit does not restart, and say what to do: each start refuses it
 // again until a person installs the newer build again or moves the file
 // aside, so a restart every RestartSec only hid it, the unit "activating
-// (auto-restart)" rather than failed. Bug 550.
+// (auto-restart)" rather than failed. Bug 433.
 func TestSystemdDoesNotRestartOnNewerData(t *testing.T) {
 	bins := builtCommands(t)
 	for _, tc := range []struct {
@@ -1244,7 +1244,7 @@ func TestSystemdDoesNotRestartOnNewerData(t *testing.T) {
 // ProtectSystem=strict) fails at every start: the binary says which flag,
 // which directory and what to add to the unit (ReadWritePaths=), and exits
 // with a status the unit does not restart. Before, "mkdir …: read-only
-// file system", exit status 1, restarted every 2 s for good. Bug 552. The
+// file system", exit status 1, restarted every 2 s for good. Bug 435. The
 // read-only directory is a read-only bind mount in a user and mount
 // namespace of its own (unshare -rm), as systemd makes it.
 func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
@@ -1305,7 +1305,7 @@ func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
 // at every start until a person frees it or gives another: the binary
 // names the flag and the address, and exits with a status the unit does
 // not restart. Before, "bind: address already in use", exit status 1,
-// restarted every 2 s for good. Bug 553.
+// restarted every 2 s for good. Bug 436.
 func TestSystemdDoesNotRestartOnAddressInUse(t *testing.T) {
 	bins := builtCommands(t)
 	taken, err := net.Listen("tcp", "127.0.0.1:0")
@@ -1356,7 +1356,7 @@ func TestSystemdDoesNotRestartOnAddressInUse(t *testing.T) {
 // mend, and exits with a status the unit does not restart. A PostgreSQL
 // not up yet (connection refused, at boot) is restarted, as before: it
 // passes by itself. Before, both were exit status 1, and the first was
-// restarted every 2 s for good. Bug 554.
+// restarted every 2 s for good. Bug 437.
 func TestSystemdDoesNotRestartOnPostgresRefusal(t *testing.T) {
 	bins := builtCommands(t)
 	pg := pgtest.Start(t)
@@ -1410,7 +1410,7 @@ func TestSystemdDoesNotRestartOnPostgresRefusal(t *testing.T) {
 // distribution that lets only the "bluetooth" group call BlueZ, the unit
 // without SupplementaryGroups=bluetooth) is refused again at every start:
 // it says what to add and exits with a status the unit does not restart.
-// Before, exit status 1, restarted every 2 s for good. Bug 555.
+// Before, exit status 1, restarted every 2 s for good. Bug 438.
 func TestSystemdDoesNotRestartWhenBlueZRefusesTheUser(t *testing.T) {
 	bins := builtCommands(t)
 	fakebluez.NewRefusing(t) // sets DBUS_SYSTEM_BUS_ADDRESS for the bridge
@@ -1442,7 +1442,7 @@ func TestSystemdDoesNotRestartWhenBlueZRefusesTheUser(t *testing.T) {
 // server's last requests and commits raced PostgreSQL's and Mosquitto's
 // own stop. After= only orders: a unit not installed is no dependency,
 // and none of them is pulled in (no Wants=/Requires=), since each may run
-// on another host. Bug 558.
+// on another host. Bug 441.
 func TestSystemdUnitsOrderAfterLocalServices(t *testing.T) {
 	for unit, want := range map[string][]string{
 		"companion.service":        {"network-online.target", "postgresql.service", "mosquitto.service", "nats-server.service"},

@@ -38,7 +38,7 @@ var keyBackup = []byte("backup")
 //
 // The read transaction lasts only as long as the copy takes to write to a
 // temporary file beside the store (removed as it is made, so that a crash
-// leaves nothing), and w is then sent that file (bug 530): bbolt does not
+// leaves nothing), and w is then sent that file (bug 427): bbolt does not
 // reuse the pages freed after the oldest open read transaction began, so
 // one held for a whole download let a slow or stalled client grow the
 // live file without bound while commands were written. The directory
@@ -125,7 +125,7 @@ func (db *DB) backupToTemp(ctx context.Context) (*os.File, int64, error) {
 }
 
 // backupHeadroom is the room a backup leaves on the store's disk beside
-// its copy (bug 533): the copy lives while the client takes it, and the
+// its copy (bug 430): the copy lives while the client takes it, and the
 // store's commits need room meanwhile.
 const backupHeadroom = 64 << 20
 
@@ -140,7 +140,7 @@ func freeSpace(f *os.File) (int64, bool) {
 }
 
 // openedBackup, in Open's migration, takes a file Backup copied as a
-// restore (bug 430): what happened after the backup is gone, the events
+// restore (bug 397): what happened after the backup is gone, the events
 // too, and clients of the event streams hold ids of events the copy never
 // had. The log's sequence jumps past every id the store the copy was
 // taken from could have given (the clock in microseconds: the log makes
@@ -180,9 +180,9 @@ func (c ctxWriter) Write(p []byte) (int, error) {
 
 // BackupStopped writes to tmp a copy of the bbolt file at path, of a
 // store no process has open (its server stopped), marked as a backup as
-// Backup marks its copies (bug 532): a cp of the file has no mark, and a
+// Backup marks its copies (bug 429): a cp of the file has no mark, and a
 // store restored from it gave the ids of events clients had seen to new
-// ones (bug 430). It returns the copy's length. A file that a running
+// ones (bug 397). It returns the copy's length. A file that a running
 // server holds is refused at once, and so is a damaged one or none.
 func BackupStopped(ctx context.Context, path string, tmp *os.File) (int64, error) {
 	if _, err := os.Stat(path); err != nil {

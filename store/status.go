@@ -120,7 +120,7 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 // bridge's next report applies as usual. A device offline already is left
 // as it is, and not returned: the broker republishes the status of each
 // returned, and a bridge whose link flaps has a Will each time
-// (docs/reliability.md, bug 612).
+// (docs/reliability.md, bug 456).
 func (db *DB) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error) {
 	type result struct {
 		ids []string

@@ -333,7 +333,7 @@ func Open(path string, opts Options) (*DB, error) {
 }
 
 // permissionError is the error of Open for a file the server's user may
-// not read or write (bug 534): one restored by root into the data
+// not read or write (bug 431): one restored by root into the data
 // directory, say. It is no sign of damage, and the advice for a damaged
 // file (move it aside to start with an empty store) would lose it: it
 // says whose the file is and to give it to the owner of its directory.
@@ -378,7 +378,7 @@ func (db *DB) migrate() error {
 		}
 		if from > SchemaVersion {
 			// The file named, and what to do: the server exits 65 on
-			// it, not restarted by its unit (bug 550).
+			// it, not restarted by its unit (bug 433).
 			return fmt.Errorf("%w: %s has schema %d, this build knows %d; the server has not changed it: start the newer build on it again, "+
 				"or, to go back, put back the copy of the data directory kept before the upgrade (docs/operations.md, Upgrading)",
 				companion.ErrSchemaTooNew, db.path, from, SchemaVersion)

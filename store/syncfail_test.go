@@ -195,7 +195,7 @@ func TestADiskThatStopsAnsweringIsSaid(t *testing.T) {
 // 350). The file may grow up to the end of the zeros ahead (a file size
 // limit there): the blocks a full disk had allocated before it filled.
 func TestCheckWritesWhileTheFileCannotGrow(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	db := openTestDB(t)

@@ -25,7 +25,7 @@ import (
 // without a reopen, and after one every command stored is there once and
 // none that failed.
 func TestWritesWhileTheDiskIsFull(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	db := openTestDB(t)
@@ -139,7 +139,7 @@ func blobFiles(tb testing.TB, dir string) []string {
 // A store opened for the first time on a full disk fails and leaves no
 // file behind, so that it opens, new, once space is back.
 func TestOpenOnAFullDiskLeavesNoFile(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	path := filepath.Join(t.TempDir(), "companion.db")
@@ -160,7 +160,7 @@ func TestOpenOnAFullDiskLeavesNoFile(t *testing.T) {
 // again, which it finds out itself (a write of its own every second),
 // with no other write to show it.
 func TestADiskFaultIsLoggedOnce(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	var log testenv.Buffer
@@ -204,7 +204,7 @@ func TestADiskFaultIsLoggedOnce(t *testing.T) {
 // each failed commit costing a scan of the file; once the limit is
 // lifted, CheckWrites says so and a command is stored (bug 342).
 func TestAFullDiskIsTriedAgainOnlyNowAndThen(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	defer func(old time.Duration) { commitRetry = old }(commitRetry)

@@ -14,7 +14,7 @@ import (
 // another language may write a naive time (Python's datetime.isoformat,
 // no time zone) or a number of seconds since 1970 (time.time()): either
 // made the whole message malformed, and it was dropped, a final reply and
-// with it the end of its command (docs/reliability.md, bug 512). A number
+// with it the end of its command (docs/reliability.md, bug 425). A number
 // is its seconds since 1970 (a fraction is taken); anything else that is
 // no time is taken as no `at`, as a message without one is, and kept in
 // BadAt for the server to log: a time without a zone names no instant

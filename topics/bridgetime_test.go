@@ -9,7 +9,7 @@ import (
 )
 
 // TestBridgeAt reads the `at`s bridges write: RFC 3339, seconds since
-// 1970, and what is no time, taken as none and kept as written (bug 512).
+// 1970, and what is no time, taken as none and kept as written (bug 425).
 func TestBridgeAt(t *testing.T) {
 	id := "01890a5d-ac96-774b-bcce-b302099a8057"
 	for _, c := range []struct {

@@ -56,7 +56,7 @@ type Reply struct {
 	Result    json.RawMessage `json:"result,omitempty"`
 	At        time.Time       `json:"at"`
 	// BadAt is the `at` as the bridge wrote it when it was no time the
-	// server reads (At is then zero), for the server to log (bug 512).
+	// server reads (At is then zero), for the server to log (bug 425).
 	BadAt string `json:"-"`
 
 	// The device's state after the command, in a final reply of a command

@@ -35,7 +35,7 @@ func TestParseReply(t *testing.T) {
 		`{"command_id":"` + id + `","state":"failed","error":{"code":"x","message":"y"}}`,
 		`{"command_id":"` + id + `","state":"succeeded","status":{"online":true,"battery":80,"firmware_version":"1.0.0","apps":[{"app_id":"clock","version":"1.0.0"}],"bridge_id":"b1","at":"2026-01-01T00:00:00Z","seq":7}}`,
 		`{"command_id":"` + id + `","state":"succeeded","settings":{"reported":{"volume":70},"schema":{},"seq":8}}`,
-		// An `at` that is no time is taken as none, in BadAt (bug 512).
+		// An `at` that is no time is taken as none, in BadAt (bug 425).
 		`{"command_id":"` + id + `","state":"delivered","at":"yesterday"}`,
 	}
 	for _, in := range ok {

@@ -81,7 +81,7 @@ func (s *Settings) UnmarshalJSON(b []byte) error {
 	var w struct {
 		plain
 		Seq wholeUint64 `json:"seq"` // bug 373
-		At  bridgeTime  `json:"at"`  // bug 512
+		At  bridgeTime  `json:"at"`  // bug 425
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.UseNumber()

@@ -39,8 +39,8 @@ type authHook struct {
 	accounts Accounts
 	log      *slog.Logger
 	// noisy logs a bridge's publishes dropped once a minute per bridge
-	// (a bridge can publish as fast as its loop runs, bug 390), and a
-	// source's refused logins once a minute per reason (bug 391).
+	// (a bridge can publish as fast as its loop runs, bug 379), and a
+	// source's refused logins once a minute per reason (bug 380).
 	noisy      *logevery.Log
 	clients    *mqtt.Clients
 	hasServer  bool
@@ -122,7 +122,7 @@ func (h *authHook) OnConnectAuthenticate(cl *mqtt.Client, pk packets.Packet) boo
 	refuse := func(why string) bool {
 		// Anyone who reaches the listener can be refused as fast as it
 		// connects: a source's refusals of one reason are logged once a
-		// minute, with their count (bug 391).
+		// minute, with their count (bug 380).
 		host, _, err := net.SplitHostPort(cl.Net.Remote)
 		if err != nil {
 			host = cl.Net.Remote

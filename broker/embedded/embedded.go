@@ -457,7 +457,7 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 // connection from each other for as long as both run. Mosquitto
 // publishes no Will on a takeover either. A takeover following another
 // within takeoverWindow is logged as such, once an hour a bridge: the
-// operator has two processes to find (docs/reliability.md, bug 610).
+// operator has two processes to find (docs/reliability.md, bug 454).
 func (s *Server) takenOver(cl, existing *mqtt.Client) {
 	id, ok := s.auth.identity(cl)
 	old, known := s.auth.identity(existing)
@@ -719,7 +719,7 @@ func (m minLevel) Enabled(ctx context.Context, l slog.Level) bool {
 // Handle passes r on with each packet mochi attaches (its "error
 // processing packet" line) told by its kind, id and topic only: mochi
 // logs the whole packet, and a CONNECT's holds its password (a bridge's
-// secret, a user's API token), a PUBLISH's its payload (bug 392).
+// secret, a user's API token), a PUBLISH's its payload (bug 381).
 func (m minLevel) Handle(ctx context.Context, r slog.Record) error {
 	packet := false
 	r.Attrs(func(a slog.Attr) bool {

@@ -621,7 +621,7 @@ func TestBridgeWill(t *testing.T) {
 
 	// Taking over the first connection's client id from another account is
 	// refused; taking it over from the same account is allowed, and the
-	// Will of the connection taken over is held (bug 610): the bridge is
+	// Will of the connection taken over is held (bug 454): the bridge is
 	// connected again. The new connection gone without one of its own,
 	// the held Will is published once the grace is over.
 	_, err = dial(t, s.Addr(), "bridge-2", "b2-secret", func(o *mqtt.ClientOptions) { o.SetClientID(clientIDOf(br)) })

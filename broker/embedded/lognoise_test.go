@@ -41,7 +41,7 @@ func (b *logBuffer) String() string {
 // topics of a device it does not serve had the broker log a warning for
 // each publish dropped: one client's loop filled the operator's log. The
 // line is logged once a minute per bridge, saying how many it left out
-// (bug 390).
+// (bug 379).
 func TestABridgesDroppedPublishesAreLoggedOnceAMinute(t *testing.T) {
 	var logs logBuffer
 	s, err := embedded.New(embedded.Options{
@@ -77,7 +77,7 @@ func TestABridgesDroppedPublishesAreLoggedOnceAMinute(t *testing.T) {
 // for every CONNECT it refused: a client retrying a wrong password in a
 // loop, or a scanner, wrote as fast as it connected. The first refusal of
 // a source address and reason is logged, the next ones once a minute with
-// their count (bug 391).
+// their count (bug 380).
 func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 	var logs logBuffer
 	s, err := embedded.New(embedded.Options{
@@ -112,7 +112,7 @@ func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 // A client that sent a second CONNECT on its connection (a protocol
 // violation mochi refuses) had mochi log the whole packet, its password
 // with it, at warning level: a bridge's secret or a user's API token in
-// the server's log (bug 392).
+// the server's log (bug 381).
 func TestASecondConnectLogsNoPassword(t *testing.T) {
 	var logs logBuffer
 	s, err := embedded.New(embedded.Options{

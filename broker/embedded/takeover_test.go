@@ -26,7 +26,7 @@ import (
 // connected again) and logs it. The broker holds such a Will as it holds
 // that of a bridge it disconnects itself (published only if the bridge
 // is not connected once the grace is over), and says once that two
-// connections log in as the bridge (bug 610).
+// connections log in as the bridge (bug 454).
 func TestATakenOverBridgeConnectionPublishesNoWillAndIsNamedOnce(t *testing.T) {
 	var logs logBuffer
 	s, err := embedded.New(embedded.Options{

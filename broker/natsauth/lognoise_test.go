@@ -30,11 +30,11 @@ func (b *logBuffer) String() string {
 	return b.buf.String()
 }
 
-// On the NATS cluster as on the embedded broker (bug 391), a client that
+// On the NATS cluster as on the embedded broker (bug 380), a client that
 // logged in with a wrong password in a loop had the responder log a line
 // for each refusal, at the rate of its loop. The first refusal of a source
 // and reason is logged, the next ones once a minute with their count
-// (bug 393).
+// (bug 382).
 func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 	var logs logBuffer
 	d := startDoor(t, func(o *natsauth.Options) {

@@ -102,7 +102,7 @@ type Responder struct {
 	log      *slog.Logger
 	// noisy logs a source's refused logins once a minute per reason:
 	// anyone who reaches a node's MQTT port can be refused as fast as it
-	// connects (bug 393).
+	// connects (bug 382).
 	noisy *logevery.Log
 
 	serverUser, serverPass []byte // companion.HashSecret of the server's login

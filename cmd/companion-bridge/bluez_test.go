@@ -19,9 +19,9 @@ import (
 
 // --bluez-adapter chooses the adapter of --gatt bluez: on a gateway with
 // two (a built-in one and a USB one for range), the bridge used hci0,
-// with no way to choose the other (docs/reliability.md, bug 411). One that
+// with no way to choose the other (docs/reliability.md, bug 389). One that
 // is not there is waited for, with a warning naming those there are
-// (bug 551: the bridge exited before, restarted every 2 s).
+// (bug 434: the bridge exited before, restarted every 2 s).
 func TestBluezAdapterFlag(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.Replug("/org/bluez/hci1") // BlueZ has hci1 only
@@ -55,7 +55,7 @@ func TestBluezAdapterFlag(t *testing.T) {
 // A bridge started before bluetoothd (at boot) stays up: it connects to
 // the broker and publishes, its devices offline until BlueZ comes. Before,
 // it exited with status 1, and systemd started it again every 2 s for as
-// long as bluetoothd was away (docs/reliability.md, bug 551).
+// long as bluetoothd was away (docs/reliability.md, bug 434).
 func TestBridgeStartsBeforeBluetoothd(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.Exit()
@@ -100,7 +100,7 @@ func TestBridgeStartsBeforeBluetoothd(t *testing.T) {
 // connection for good: the bridge exits with an error that says so, and
 // systemd (Restart=on-failure) starts it on a new connection. Before, it
 // ran on with every device offline, each Connect failing on the closed
-// connection, until someone restarted it (docs/reliability.md, bug 413).
+// connection, until someone restarted it (docs/reliability.md, bug 391).
 func TestBridgeExitsWhenTheSystemBusIsLost(t *testing.T) {
 	fake := fakebluez.New(t)
 	url := startBroker(t)

@@ -83,7 +83,7 @@ func main() {
 		if errors.Is(err, flagcheck.ErrAddrInUse) || errors.Is(err, bluez.ErrAccessDenied) {
 			// Again at every start (an address another process holds,
 			// a bus policy refusing the user): as a usage error, not
-			// restarted by the unit (bugs 553, 555).
+			// restarted by the unit (bugs 436, 438).
 			os.Exit(2)
 		}
 		if errors.Is(err, agent.ErrSpoolUnreadable) || errors.Is(err, agent.ErrSpoolNewer) {
@@ -95,10 +95,10 @@ func main() {
 
 // exitDamagedData is the exit status of a bridge that refuses its damaged
 // spool (agent.ErrSpoolUnreadable), or a spool a newer bridge wrote
-// (agent.ErrSpoolNewer, bug 550): 65, BSD's EX_DATAERR. Every start
+// (agent.ErrSpoolNewer, bug 433): 65, BSD's EX_DATAERR. Every start
 // would refuse it again until a person restores or moves it, so the
 // systemd unit does not restart on it (RestartPreventExitStatus), as it
-// does on status 1 (bug 451).
+// does on status 1 (bug 402).
 const exitDamagedData = 65
 
 // Config is the bridge's configuration, from flags and the environment.
@@ -337,7 +337,7 @@ func (m *Main) validate() error {
 	}
 	// A CA file that cannot be read is a usage error (exit status 2),
 	// which systemd does not restart, as a file the unit's dynamic user
-	// cannot read fails at every start (bug 453); Run loads it again.
+	// cannot read fails at every start (bug 404); Run loads it again.
 	if c.CA != "" {
 		if _, err := tlsclient.Config(c.CA); err != nil {
 			return fmt.Errorf("--ca: %w", err)
@@ -345,7 +345,7 @@ func (m *Main) validate() error {
 	}
 	// A directory the unit's sandbox leaves read-only (ProtectSystem=strict:
 	// COMPANION_DATA or --sim-state outside the StateDirectory) fails at
-	// every start: a usage error, exit status 2, not restarted (bug 552).
+	// every start: a usage error, exit status 2, not restarted (bug 435).
 	dirs := []struct{ flag, dir string }{{"data", c.Data}, {"sim-state", c.SimState}}
 	for _, d := range dirs {
 		if d.dir == "" {
@@ -436,7 +436,7 @@ func (m *Main) Run(ctx context.Context) error {
 		pprofserver.Publish("spool", func() any { return a.SpoolStats() })
 	}
 	// The build's version: after an upgrade the binary on disk
-	// (--version) is not always the build that runs (bug 456).
+	// (--version) is not always the build that runs (bug 407).
 	log.Info("companion-bridge starting", "version", buildinfo.Version(version), "bridge_id", c.BridgeID, "mqtt", c.MQTTURL, "devices", ids)
 	m.mu.Lock()
 	bz := m.bluez
@@ -448,7 +448,7 @@ func (m *Main) Run(ctx context.Context) error {
 	// nothing to reach BlueZ with: the bridge exits with an error, and
 	// systemd (Restart=on-failure) starts it on a new connection. Before,
 	// it ran on with every device offline until someone restarted it
-	// (docs/reliability.md, bug 413).
+	// (docs/reliability.md, bug 391).
 	rctx, cancel := context.WithCancelCause(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()

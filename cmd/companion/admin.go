@@ -92,7 +92,7 @@ func runAdmin(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		tokenFile = filepath.Join(*data, "admin.token")
 		b, err := os.ReadFile(tokenFile)
 		if err != nil {
-			// Where the packages keep it (bug 459): ./data is only
+			// Where the packages keep it (bug 410): ./data is only
 			// where a server started from the repository keeps it.
 			return usageError{fmt.Sprintf("no --admin-token and none readable in %s: %v: give the server's data directory "+
 				"with --data (COMPANION_DATA): --data /var/lib/companion on the host of companion.service (as root), "+
@@ -389,7 +389,7 @@ func responseError(method, path string, resp *http.Response) error {
 		Errors              []struct{ Field, Message string }
 	}
 	// A 5xx says only "internal error": its cause is in the server's log,
-	// on the line that names the request's id (bug 395).
+	// on the line that names the request's id (bug 384).
 	var seeLog string
 	if id := resp.Header.Get("X-Request-Id"); id != "" && resp.StatusCode >= 500 {
 		seeLog = fmt.Sprintf(" (request id %s; the server's log says why on its line of request_id=%s)", id, id)

@@ -20,9 +20,9 @@ import (
 )
 
 // runBackup is companion backup FILE: it saves a copy of a running
-// server's bbolt store, as it stands at one instant, to FILE (bug 429);
+// server's bbolt store, as it stands at one instant, to FILE (bug 396);
 // with --offline, of a stopped server's DATA/companion.db, marked as a
-// backup as the server marks its copies (bug 532).
+// backup as the server marks its copies (bug 429).
 // The server writes the copy (GET /api/v1/admin/backup); the CLI writes
 // it beside FILE, syncs it, reads it through as the server does before it
 // opens a file (boltcheck), and only then renames it to FILE, so that
@@ -173,7 +173,7 @@ func placeBackup(file string, fill func(tmp *os.File) (int64, error)) (int64, er
 }
 
 // notInUse refuses a file that a running process holds locked as bbolt
-// locks its file (bug 535): the store of a running server, given as the
+// locks its file (bug 432): the store of a running server, given as the
 // file to write. A backup renamed over it leaves the server writing to a
 // file no longer in its directory, and its next start opens the backup,
 // without every change made since.

@@ -20,7 +20,7 @@ import (
 // companion backup --offline, restores it after the lost store made
 // events a client saw, and runs the restored store on past the client's
 // id: the client must be told it missed events (the copy is marked as a
-// backup, bug 430). Before, the only backup of a stopped server was a cp
+// backup, bug 397). Before, the only backup of a stopped server was a cp
 // of its file, unmarked: the restored store gave the forgotten ids to new
 // events, and the client skipped them silently. With the server running
 // (the file locked), --offline refuses at once and says why.

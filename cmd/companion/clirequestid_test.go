@@ -14,7 +14,7 @@ import (
 // An operator whose admin command failed with "500 internal: internal
 // error" had nothing to find its cause by in the server's log: the CLI
 // left out the answer's X-Request-Id, the id the server's line of the
-// failure says (bug 389). It names it for a 5xx now (bug 395).
+// failure says (bug 378). It names it for a 5xx now (bug 384).
 func TestCLIServerErrorNamesTheRequestID(t *testing.T) {
 	logs := &logCapture{}
 	m := startServerWithLog(t, Config{}, logs)

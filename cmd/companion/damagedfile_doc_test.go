@@ -19,7 +19,7 @@ import (
 // quoted bbolt's own `invalid database` and `is a directory`, which the
 // server no longer says since it reads the file through first; an
 // operator searching the log for them found nothing (docs/reliability.md,
-// bug 494).
+// bug 420).
 func TestOperationsDocQuotesTheDamagedFileMessages(t *testing.T) {
 	doc := string(testenv.ReadRepoFile(t, "docs/operations.md"))
 	_, section, ok := strings.Cut(doc, "### A damaged data file at start\n")

@@ -18,7 +18,7 @@ import (
 // again the same requests are accepted, without a restart, and the
 // commands accepted before are there.
 func TestDiskFullIs503(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	m := startServer(t, Config{})
@@ -60,7 +60,7 @@ func TestDiskFullIs503(t *testing.T) {
 // the bbolt store failed for its disk, and ready again once the disk takes
 // writes, with no other request to show it.
 func TestReadyzWhileTheDiskIsFull(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	m := startServer(t, Config{})
@@ -109,7 +109,7 @@ func readyzCannotWrite(t *testing.T, probe *client, detail string) {
 // one commits again, so that an alert sees it even when /readyz's 503 has
 // the load balancer send the server nothing (bug 340).
 func TestStoreFaultMetricWhileTheDiskIsFull(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	m := startServer(t, Config{Metrics: "127.0.0.1:0"})

@@ -183,7 +183,7 @@ func TestBadFlagsAreUsageErrors(t *testing.T) {
 // server ended with "companion: open FILE: no such file or directory"
 // and the bridge with the same, neither saying which flag gave the file.
 // It is a usage error, exit status 2, which systemd does not restart
-// (bug 453; it was 1).
+// (bug 404; it was 1).
 func TestMissingCAFileNamesItsFlag(t *testing.T) {
 	companion, bridge := procBinaries(t)
 	missing := filepath.Join(t.TempDir(), "missing-ca.pem")

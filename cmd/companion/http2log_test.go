@@ -18,7 +18,7 @@ import (
 // forbids, a GOAWAY with an error) had net/http log a warning for each
 // connection: anyone who reaches the server's TLS port wrote warnings as
 // fast as it opened connections, as a dropped TLS handshake did before
-// bug 323. They are the client's, and logged at debug (bug 394).
+// bug 323. They are the client's, and logged at debug (bug 383).
 func TestABrokenHTTP2ClientIsNotAWarning(t *testing.T) {
 	ca := newTestCA(t)
 	certFile, keyFile := ca.issue(t, t.TempDir())

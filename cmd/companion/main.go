@@ -73,7 +73,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "companion:", err)
 		if errors.Is(err, flagcheck.ErrAddrInUse) {
 			// Taken again at every start: as a usage error, not
-			// restarted by the unit (bug 553).
+			// restarted by the unit (bug 436).
 			os.Exit(2)
 		}
 		if errors.Is(err, store.ErrDamaged) || errors.Is(err, companion.ErrSchemaTooNew) {
@@ -85,7 +85,7 @@ func main() {
 
 // exitDamagedData is the exit status of a server that refuses its damaged
 // bbolt file (store.ErrDamaged), or a store a newer build wrote
-// (companion.ErrSchemaTooNew: the binary taken back, bug 550): 65, BSD's
+// (companion.ErrSchemaTooNew: the binary taken back, bug 433): 65, BSD's
 // EX_DATAERR. Every start would refuse it again until a person restores or
 // moves it, or starts the newer build again, so the systemd unit does not
 // restart on it (RestartPreventExitStatus), as it does on status 1 (bug

@@ -229,7 +229,7 @@ func (s *closingStore) Close() error {
 
 // TestMetricsListenerClosesBeforeTheStore: a scrape as the server stops
 // finds the metrics listener closed rather than a closed store, which it
-// logged as a warning and left the open commands out of (bug 489).
+// logged as a warning and left the open commands out of (bug 415).
 func TestMetricsListenerClosesBeforeTheStore(t *testing.T) {
 	var log testenv.Buffer
 	m := startServerLogging(t, Config{Metrics: "127.0.0.1:0"}, slog.New(slog.NewTextHandler(&log, nil)))

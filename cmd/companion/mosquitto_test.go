@@ -161,7 +161,7 @@ func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 // publish and drops it. The server finds it out with a probe of its own
 // at each connect: it is not ready, /readyz says why, and the log names
 // the ACLs to add. Once they are there, it is ready and commands run
-// (bug 630).
+// (bug 459).
 func TestServerThatCannotPublishUnderItsPrefixIsNotReady(t *testing.T) {
 	mq := mqtttest.StartMosquitto(t, serverAccount)
 	refused := newLogSignal("publishClientSend")

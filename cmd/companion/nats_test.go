@@ -237,7 +237,7 @@ func TestNATSNodeKilledUnderLoad(t *testing.T) {
 // and dropped (a "Publish Violation" in the node's log only): a server
 // whose static NATS user may publish under companion/v1 while it runs with
 // --topic-prefix acme/v1 is not ready and says what to grant, and turns
-// ready once its permissions are mended (bug 630).
+// ready once its permissions are mended (bug 459).
 func TestServerThatCannotPublishUnderItsPrefixOnNATS(t *testing.T) {
 	user := natstest.User{
 		Username: natsServerUser.Username, Password: natsServerUser.Password,
@@ -269,7 +269,7 @@ func TestServerThatCannotPublishUnderItsPrefixOnNATS(t *testing.T) {
 // A subscription the broker refuses for good (the server's NATS user
 // may not subscribe under its prefix) is asked for again every second;
 // the server logs it once, then once a minute, not at each attempt: the
-// warning came every second for as long as the refusal lasted (bug 631).
+// warning came every second for as long as the refusal lasted (bug 460).
 func TestARefusedSubscriptionIsNotLoggedAtEveryAttempt(t *testing.T) {
 	user := natstest.User{
 		Username: natsServerUser.Username, Password: natsServerUser.Password,

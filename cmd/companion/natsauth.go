@@ -62,7 +62,7 @@ func (m *Main) startNATSAuth(tree topics.Tree) error {
 		return usageError{"--nats-callout needs --nats-issuer-seed"}
 	}
 	// A seed that cannot be read or parsed is a usage error (exit
-	// status 2), which systemd does not restart (bug 453).
+	// status 2), which systemd does not restart (bug 404).
 	seed, err := os.ReadFile(c.IssuerSeedFile)
 	if err != nil {
 		return usageError{fmt.Sprintf("--nats-issuer-seed: %v", err)}

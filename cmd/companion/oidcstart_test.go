@@ -22,7 +22,7 @@ import (
 // are refused until the issuer's discovery works, which is tried again
 // until it does. Before, the start ended "oidc discovery: …", exit status
 // 1, and the unit restarted the whole server every 2 s for as long as the
-// provider was away (docs/reliability.md, bug 557).
+// provider was away (docs/reliability.md, bug 440).
 func TestServerStartsWhileTheIssuerIsDown(t *testing.T) {
 	key, err := rsa.GenerateKey(rand.Reader, 2048)
 	if err != nil {

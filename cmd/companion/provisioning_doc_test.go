@@ -15,7 +15,7 @@ import (
 // where an operator reads what the admin API can and cannot do to a device
 // and its claim code, names every admin operation of api/openapi.json, as
 // `METHOD PATH`. Before, it listed the routes in words and left out a
-// user's new token, a bridge's new secret and the backup (bug 592).
+// user's new token, a bridge's new secret and the backup (bug 450).
 func TestProvisioningDocNamesEveryAdminRoute(t *testing.T) {
 	doc := strings.Join(strings.Fields(string(testenv.ReadRepoFile(t, "docs/provisioning.md"))), " ")
 	for _, r := range adminRoutes(t) {
@@ -31,7 +31,7 @@ func TestProvisioningDocNamesEveryAdminRoute(t *testing.T) {
 // may do. Before, it said "create users and bridges, provision devices and
 // assign them to bridges, publish firmware and apps", and not that the
 // token replaces any user's API token or bridge's secret (so takes over
-// their account) and downloads the whole store (bug 593).
+// their account) and downloads the whole store (bug 451).
 func TestSecurityDocAdminRowNamesEveryAdminRoute(t *testing.T) {
 	var row string
 	for _, line := range strings.Split(string(testenv.ReadRepoFile(t, "docs/security.md")), "\n") {
@@ -76,7 +76,7 @@ func adminRoutes(tb testing.TB) []string {
 // CLI's commands are each "one HTTP call that a provisioning system can
 // make directly", names every admin operation of api/openapi.json, as
 // `METHOD PATH`. Before, it named six, in part abbreviated, and not the
-// calls of `user token` and `bridge secret` it shows (bug 594).
+// calls of `user token` and `bridge secret` it shows (bug 452).
 func TestReadmeNamesEveryAdminRoute(t *testing.T) {
 	doc := strings.Join(strings.Fields(string(testenv.ReadRepoFile(t, "README.md"))), " ")
 	for _, r := range adminRoutes(t) {

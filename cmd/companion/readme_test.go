@@ -285,7 +285,7 @@ func TestDocsCommandLinesNameRealFlags(t *testing.T) {
 
 // Every test, benchmark and fuzz target the README and docs/*.md name as
 // proof of what they say is one of the repository's: docs/reliability.md's
-// proof of CONTRACT §7.4 was a test that did not exist (bug 492).
+// proof of CONTRACT §7.4 was a test that did not exist (bug 418).
 func TestDocsNameRealTests(t *testing.T) {
 	root := filepath.Join("..", "..")
 	defined := map[string]bool{}

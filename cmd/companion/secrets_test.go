@@ -106,7 +106,7 @@ func TestGeneratedAdminTokenFile(t *testing.T) {
 // recorded answer is kept 24 h), the store's file holds each one's SHA-256
 // and never the secret itself. docs/reliability.md's table of promises
 // names this test as the proof of §7.4; the test it named did not exist
-// (docs/reliability.md, bug 492).
+// (docs/reliability.md, bug 418).
 func TestSecretsAreStoredHashed(t *testing.T) {
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1")

@@ -17,7 +17,7 @@ import (
 // security requirement, and the server answers each without a token. The
 // row named /healthz and /readyz only, and said everything else answers
 // 401: the OpenAPI document is served to anyone too, with the limits the
-// server is configured with (docs/reliability.md, bug 495).
+// server is configured with (docs/reliability.md, bug 421).
 func TestSecurityDocNamesEveryOpenPath(t *testing.T) {
 	var row string
 	for _, line := range strings.Split(string(testenv.ReadRepoFile(t, "docs/security.md")), "\n") {

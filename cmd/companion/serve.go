@@ -409,7 +409,7 @@ func (m *Main) shutdown() error {
 
 // startupLine is what `companion serve` prints once it is listening,
 // with the build's version: after an upgrade the binary on disk
-// (--version) is not always the build that runs (bug 456).
+// (--version) is not always the build that runs (bug 407).
 func (m *Main) startupLine() string {
 	return fmt.Sprintf("companion: HTTP API on %s, MQTT on %s, data in %s, version %s",
 		m.APIURL(), m.MQTTURL(), m.Config.Data, buildinfo.Version(version))
@@ -529,7 +529,7 @@ func (m *Main) Run(ctx context.Context) error {
 		return err
 	}
 	// A --data the unit's sandbox leaves read-only (ProtectSystem=strict)
-	// fails at every start: a usage error, not restarted (bug 552).
+	// fails at every start: a usage error, not restarted (bug 435).
 	if err := flagcheck.WritableDir("data", cfg.Data, "companion.service", "/var/lib/companion"); err != nil {
 		return usageError{err.Error()}
 	}
@@ -609,7 +609,7 @@ func serverTLS(cfg Config) (httpCert *tls.Certificate, mqttTLS *tls.Config, err 
 		if err != nil {
 			// A usage error (exit status 2), which systemd does not
 			// restart: a key the unit's dynamic user cannot read fails
-			// at every start (bug 453).
+			// at every start (bug 404).
 			return nil, nil, usageError{fmt.Sprintf("--tls-cert %s, --tls-key %s: %v", cfg.TLSCert, cfg.TLSKey, err)}
 		}
 		httpCert = &c
@@ -767,7 +767,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	if cfg.OIDC.Issuer != "" {
 		// An issuer not reachable yet (at boot) or down is tried again
 		// until it answers, access tokens refused meanwhile; the rest of
-		// the server works (bug 557).
+		// the server works (bug 440).
 		octx, stop := context.WithCancel(context.Background())
 		v, done, err := api.RetryingOIDCVerifier(octx, cfg.OIDC, 15*time.Second, m.Logger)
 		if err != nil {
@@ -870,7 +870,7 @@ type errorLogWriter struct{ log *slog.Logger }
 // spoken wrong (a bad preface, a frame the protocol forbids, a GOAWAY with
 // an error, SETTINGS or a PING answer that never came). Anyone who reaches
 // the port can make them once a connection: as warnings they were a flood
-// any client could force (bug 394).
+// any client could force (bug 383).
 var clientFaults = []string{
 	"http: TLS handshake error from ",
 	"http2: server: error reading preface from client ",
@@ -967,7 +967,7 @@ func (m *Main) Close() error {
 		}
 		// The metrics are served until the store closes, not after: a
 		// scrape then would count the open commands in a closed store
-		// (bug 489).
+		// (bug 415).
 		errs = append(errs, m.closeMetrics())
 		if m.DB != nil {
 			errs = append(errs, m.DB.Close())
@@ -1035,7 +1035,7 @@ func clientTLS(url, caFile string) (*tls.Config, error) {
 	}
 	c, err := tlsclient.Config(caFile)
 	if err != nil {
-		return nil, usageError{fmt.Sprintf("--mqtt-ca: %v", err)} // bug 453
+		return nil, usageError{fmt.Sprintf("--mqtt-ca: %v", err)} // bug 404
 	}
 	return c, nil
 }

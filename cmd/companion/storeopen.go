@@ -35,7 +35,7 @@ func (m *Main) openStore(ctx context.Context) error {
 		if postgres.Refused(err) {
 			// Refused again at every start: a usage error, exit status
 			// 2, which the unit does not restart; a database not up yet
-			// stays status 1, restarted (bug 554).
+			// stays status 1, restarted (bug 437).
 			return usageError{fmt.Sprintf("--store: %v: PostgreSQL refuses the role, its password or the database of --store at every start: "+
 				"mend the URL (COMPANION_STORE) or the database's roles, then start the server again", err)}
 		}

@@ -73,7 +73,7 @@ var ErrBusLost = errors.New("bluez: the connection to the system D-Bus was lost 
 // system bus's policy for org.bluez refuses this user: it refuses it
 // again at every start until a person adds the user to the group the
 // policy allows (SupplementaryGroups=bluetooth), so companion-bridge exits
-// on it with status 2, which its unit does not restart (bug 555).
+// on it with status 2, which its unit does not restart (bug 438).
 var ErrAccessDenied = errors.New("bluez: the system bus's policy for org.bluez refuses this user")
 
 // errNoAdapter is why discovery cannot start while the Connector has no
@@ -160,7 +160,7 @@ type known struct {
 // New enables the adapter (powering it on if it is off) and returns a
 // Connector. Close releases it. bluetoothd not on the bus, the adapter not
 // there, or its power-on refused (rfkill) is no error: the Connector logs
-// it and waits, its Connect calls failing until they pass (bug 551). An
+// it and waits, its Connect calls failing until they pass (bug 434). An
 // error is a system bus it cannot reach, or bluetoothd refusing this user
 // or not answering.
 func New(opts Options) (*Connector, error) {
@@ -230,11 +230,11 @@ func (c *Connector) start() error {
 	// it, as it rides them out once running, its devices offline until
 	// then. Before, the bridge exited with status 1 and systemd started it
 	// again every 2 s for as long as it lasted (docs/reliability.md,
-	// bug 551).
+	// bug 434).
 	switch {
 	case ctx.Err() != nil:
 		// Hung: waited out as a running Connector does, until it answers
-		// or is restarted (bug 556).
+		// or is restarted (bug 439).
 		c.log.Warn("bluez: bluetoothd did not answer; waiting for it, the devices offline until it does (systemctl status bluetooth; restart it if it hangs)",
 			"after", c.opts.CallTimeout)
 		c.adapterGone = true
@@ -375,14 +375,14 @@ func (c *Connector) adapter() dbus.ObjectPath {
 // replaced) unless Options.Adapter named ours otherwise: by its address,
 // or by a name or path this one does not have. Before, the Connector kept
 // asking the path it started with, and every device read offline until
-// the bridge was restarted (docs/reliability.md, bug 410).
+// the bridge was restarted (docs/reliability.md, bug 388).
 func (c *Connector) adapterAdded(path dbus.ObjectPath, props map[string]dbus.Variant) {
 	addr, _ := props["Address"].Value().(string)
 	c.mu.Lock()
 	if !strings.EqualFold(addr, c.adapterAddr) {
 		want := c.opts.Adapter
 		named := want == "" || (!strings.Contains(want, ":") && (string(path) == want || string(path) == "/org/bluez/"+want))
-		// None yet (New found no bluetoothd or no adapter, bug 551): one
+		// None yet (New found no bluetoothd or no adapter, bug 434): one
 		// named by its address is taken too.
 		first := c.adapterAddr == ""
 		named = named || (first && strings.Contains(want, ":") && strings.EqualFold(addr, want))
@@ -558,7 +558,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 				// before, a device that could not be told apart (a
 				// neighbour's) was connected to at each of them, for as
 				// long as the bridge looked for one of its own
-				// (docs/reliability.md, bug 416).
+				// (docs/reliability.md, bug 394).
 				c.mu.Lock()
 				now := time.Now()
 				for a, until := range c.unknown { // the map stays small
@@ -659,7 +659,7 @@ func (c *Connector) scanLoop() {
 	// failed is the failure last logged, until discovery works again:
 	// the same failure at every attempt of every device (an adapter off
 	// for the night) is logged once, not at each one (docs/reliability.md,
-	// bug 417).
+	// bug 395).
 	failed := ""
 	for {
 		if !again {
@@ -728,7 +728,7 @@ func (c *Connector) takeScanLost() bool {
 // signal says so to the session's owner; scanLoop, told, starts discovery
 // again while a Connect call waits, which before waited for a device no
 // discovery would find, for as long as any Connect call waited
-// (docs/reliability.md, bug 409).
+// (docs/reliability.md, bug 387).
 func (c *Connector) discoveryLost(why string) {
 	c.mu.Lock()
 	if c.scanning {
@@ -759,7 +759,7 @@ func (c *Connector) startDiscovery() error {
 	c.mu.Unlock()
 	if path == "" {
 		// None since New: bluetoothd may have come, or answered again
-		// after a hang, without a word (bug 556).
+		// after a hang, without a word (bug 439).
 		if err := c.findAdapter(ctx); err != nil {
 			return fmt.Errorf("%w: %w", errNoAdapter, err)
 		}
@@ -773,7 +773,7 @@ func (c *Connector) startDiscovery() error {
 	if powerFailed && !gone {
 		// Our power-on failed (rfkill blocked it): again, now that a
 		// device is looked for; an unblock does not power the adapter
-		// on (bug 551).
+		// on (bug 434).
 		if err := c.setPowered(ctx, path); err != nil {
 			return c.unanswered(ctx, "Properties.Set(Powered)", err)
 		}
@@ -809,7 +809,7 @@ func (c *Connector) startDiscovery() error {
 		// StartDiscovery it answered after CallTimeout. It is on, and
 		// StopDiscovery ends it when no one waits. Before, this was a
 		// failure at every call, and the session was never stopped
-		// (docs/reliability.md, bug 414).
+		// (docs/reliability.md, bug 392).
 		c.log.Debug("bluez: discovery was on already", "adapter", ad.Path())
 		return nil
 	}
@@ -887,7 +887,7 @@ func (c *Connector) dispatch() {
 		}
 	}
 	// godbus closes the signal channel when the connection ends: Close
-	// closed it, or the bus went away (docs/reliability.md, bug 413).
+	// closed it, or the bus went away (docs/reliability.md, bug 391).
 	select {
 	case <-c.closing:
 		return
@@ -1067,7 +1067,7 @@ func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.
 		// client of BlueZ had in progress when the bridge's Connect was
 		// answered InProgress) advertises no more: it is found by its
 		// connection, as at the start of discovery (docs/reliability.md,
-		// bug 415).
+		// bug 393).
 		conn, _ := changes["Connected"].Value().(bool)
 		if c.scanning && (rssi || md || sd || (conn && l == nil)) {
 			k.seen++

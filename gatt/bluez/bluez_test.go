@@ -721,7 +721,7 @@ func TestStalledBluetoothdCannotHoldClose(t *testing.T) {
 // restarted, is started again while a device is still looked for: before,
 // the Connector took it as still on for as long as any Connect waited, so
 // a device that came in range then was never found (docs/reliability.md,
-// bug 409).
+// bug 387).
 func TestDiscoveryRestartsAfterBlueZEndsIt(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
@@ -788,7 +788,7 @@ func connectRetrying(t *testing.T, c *bluez.Connector, id string, timeout time.D
 // index (/org/bluez/hci1) with its address: the bridge follows it there.
 // Before, it kept asking /org/bluez/hci0, which was gone, and every
 // device read offline until the bridge was restarted (docs/reliability.md,
-// bug 410).
+// bug 388).
 func TestAdapterReplugged(t *testing.T) {
 	fake := fakebluez.New(t)
 	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:0C:01", Peripheral: newTestPeripheral("dev-u")})
@@ -812,7 +812,7 @@ func TestAdapterReplugged(t *testing.T) {
 // address stays when the kernel renumbers a USB adapter); by default the
 // first BlueZ lists, whatever its index. Before, only hci0 could be used:
 // a gateway whose adapter was hci1 could not start. One named that is not
-// there is waited for, the warning naming those BlueZ has (bug 551; New
+// there is waited for, the warning naming those BlueZ has (bug 434; New
 // failed with it before).
 func TestAdapterChoice(t *testing.T) {
 	for _, tc := range []struct {
@@ -875,7 +875,7 @@ func TestAdapterReplaced(t *testing.T) {
 // on every connection: gatt.Device says so at once, naming the cure.
 // Before, it reconnected until the caller's context ended, and a command
 // failed "timeout" after its 10 minutes with the cause in a debug log
-// (docs/reliability.md, bug 412).
+// (docs/reliability.md, bug 390).
 func TestDeviceThatNeedsPairing(t *testing.T) {
 	fake := fakebluez.New(t)
 	dev := sim.New(sim.Options{ID: "sim-p"})
@@ -903,7 +903,7 @@ func TestDeviceThatNeedsPairing(t *testing.T) {
 // already in progress". The Connector takes that as discovery on. Before,
 // it took it as a failure every time and never stopped the session: a
 // device was found again only when its advertisement happened to come
-// during one of those calls (docs/reliability.md, bug 414).
+// during one of those calls (docs/reliability.md, bug 392).
 func TestDiscoveryAlreadyInProgress(t *testing.T) {
 	fake := fakebluez.New(t)
 	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:10:01", Peripheral: newTestPeripheral("dev-i")})
@@ -959,7 +959,7 @@ func TestDiscoveryAlreadyInProgress(t *testing.T) {
 // another program) answers Device1.Connect org.bluez.Error.InProgress;
 // once that connection is up, the bridge uses it. Before, the Connect
 // waited for an advertisement the connected device no longer sent, until
-// its time ran out (docs/reliability.md, bug 415).
+// its time ran out (docs/reliability.md, bug 393).
 func TestConnectInProgressElsewhere(t *testing.T) {
 	fake := fakebluez.New(t)
 	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:12:01", Peripheral: newTestPeripheral("dev-e")})
@@ -1004,7 +1004,7 @@ func (p smpOnlyPeripheral) Services() []gatt.Service { return p.testPeripheral.S
 // again at each of its advertisements for the next minute. Before, the
 // bridge connected to it again at each one, for as long as it looked for a
 // device of its own: a neighbour's device was connected to over and over,
-// and the bridge's own waited behind it (docs/reliability.md, bug 416).
+// and the bridge's own waited behind it (docs/reliability.md, bug 394).
 func TestUnidentifiedDeviceNotProbedAtEachAdvertisement(t *testing.T) {
 	fake := fakebluez.New(t)
 	other := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:13:01", Peripheral: smpOnlyPeripheral{newTestPeripheral("")}})
@@ -1056,7 +1056,7 @@ func (s *syncBuffer) String() string {
 // way: the bridge says so once, and once more when discovery starts again.
 // Before, it logged a warning at each attempt, several a second with a few
 // devices, for as long as the adapter stayed off (docs/reliability.md,
-// bug 417).
+// bug 395).
 func TestDiscoveryFailureLoggedOnce(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:14:01", Peripheral: newTestPeripheral("dev-l")})
@@ -1094,7 +1094,7 @@ func TestDiscoveryFailureLoggedOnce(t *testing.T) {
 // BlueZ and its adapter are there, as a running Connector rides the same
 // out. Before, New failed, the bridge exited with status 1, and systemd
 // started it again every 2 s for as long as it lasted (docs/reliability.md,
-// bug 551).
+// bug 434).
 func TestNewWaitsForBlueZAndTheAdapter(t *testing.T) {
 	for _, tc := range []struct {
 		name        string
@@ -1145,7 +1145,7 @@ func TestNewWaitsForBlueZAndTheAdapter(t *testing.T) {
 // devices once bluetoothd is restarted (systemd's watchdog, or a person).
 // Before, New failed after CallTimeout, "bluetoothd did not answer", and
 // the bridge exited with status 1 to start again into the same hang
-// (docs/reliability.md, bug 556).
+// (docs/reliability.md, bug 439).
 func TestNewWaitsOutAHungBluetoothd(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:1B:01", Peripheral: newTestPeripheral("dev-h")})

@@ -11,7 +11,7 @@ import (
 // listen address another process holds: it is taken again at every start
 // until a person frees it or gives another, so the binaries exit on it
 // with status 2, as on a flag's wrong value, which their units do not
-// restart (bug 553).
+// restart (bug 436).
 var ErrAddrInUse = errors.New("the listen address is in use")
 
 // inUseError is a listen address of a flag another process holds.
@@ -37,7 +37,7 @@ func (e *inUseError) Is(target error) bool { return target == ErrAddrInUse }
 // the address and wrapping ErrAddrInUse when the address is in use
 // (EADDRINUSE); any other err as it is. Before, "listen tcp …: bind:
 // address already in use" named no flag, and the binary exited with status
-// 1, which its unit restarts every 2 s for good (bug 553).
+// 1, which its unit restarts every 2 s for good (bug 436).
 func InUse(flagName, addr string, err error) error {
 	if err != nil && errors.Is(err, syscall.EADDRINUSE) {
 		return &inUseError{flag: flagName, addr: addr, err: err}

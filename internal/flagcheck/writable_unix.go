@@ -18,7 +18,7 @@ import (
 // may not write (systemd's DynamicUser= a directory it does not own). Each
 // fails again at every start, as a flag's wrong value does: before, the
 // binary exited with status 1, "mkdir …: read-only file system", and its
-// unit restarted it every 2 s for good (bug 552). unit names the systemd
+// unit restarted it every 2 s for good (bug 435). unit names the systemd
 // unit the binary is installed as, and state its StateDirectory, for the
 // advice. Other errors are left to the open that follows.
 func WritableDir(flagName, dir, unit, state string) error {

@@ -568,7 +568,7 @@ func TestEveryCloseWaitsForTheQueue(t *testing.T) {
 // Err says so; once the disk takes writes the next group commits, and Err
 // is nil again.
 func TestFailedCommitFailsItsGroup(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	db := openDB(t)
@@ -612,7 +612,7 @@ func TestFailedCommitFailsItsGroup(t *testing.T) {
 // The zeros ahead resume once the disk takes writes again after a write
 // of them failed (a file size limit of 0, as a full disk).
 func TestZeroFillResumesAfterAFullDisk(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	db := openDB(t)
@@ -652,7 +652,7 @@ func TestZeroFillResumesAfterAFullDisk(t *testing.T) {
 // a commit tried; the first after it is tried, and commits once the disk
 // takes writes (bug 342).
 func TestALastingFailureIsNotTriedAgainAtOnce(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	db := openDB(t)
@@ -680,7 +680,7 @@ func TestALastingFailureIsNotTriedAgainAtOnce(t *testing.T) {
 // The first write after RetryAfter is tried, and commits once the disk
 // takes writes again.
 func TestALastingFailureIsTriedAgainAfterRetryAfter(t *testing.T) {
-	if !testenv.InChild(t) { // a file size limit: bug 590
+	if !testenv.InChild(t) { // a file size limit: bug 448
 		return
 	}
 	db := openDB(t)

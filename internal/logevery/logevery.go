@@ -3,7 +3,7 @@
 // serve) to one a key each interval: the first is logged, the next ones
 // within the interval are counted, and the first logged after it says how
 // many were not. A client sending them in a loop then costs the log a
-// line a minute, not one per message (docs/reliability.md, bug 390).
+// line a minute, not one per message (docs/reliability.md, bug 379).
 //
 // It is for lines of what others send. A fault of the server's own is
 // logged as it happens (or by internal/faultlog, for a store's).

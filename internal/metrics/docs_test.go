@@ -302,7 +302,7 @@ func labelValue(m *dto.Metric, name string) string {
 // An alert of docs/operations.md on the HTTP latency selects no operation
 // that Prefer: wait holds (api/openapi.json): such a request takes up to
 // 60 s by design, its client asked for it, and an alert on it fires
-// whenever clients wait (docs/reliability.md, bug 490).
+// whenever clients wait (docs/reliability.md, bug 416).
 func TestOperationsDocLatencyAlertsLeaveWaitsOut(t *testing.T) {
 	_, exprs := operationsDoc(t)
 	ops := apiOperations(t)
@@ -338,7 +338,7 @@ func TestOperationsDocLatencyAlertsLeaveWaitsOut(t *testing.T) {
 // the probes of /readyz, which answers 503 by design while the server is
 // not ready (its MQTT connection or its store away, each with an alert of
 // its own), to a load balancer that probes it every few seconds whatever
-// the traffic (docs/reliability.md, bug 491).
+// the traffic (docs/reliability.md, bug 417).
 func TestOperationsDocHTTPAlertsLeaveProbesOut(t *testing.T) {
 	_, exprs := operationsDoc(t)
 	for alert, expr := range exprs {

@@ -296,7 +296,7 @@ func TestStalledScraperIsCutOff(t *testing.T) {
 }
 
 // The bridge's spool gauge is 1 while its spool cannot be written, and
-// 0 from the start and once it can again (docs/reliability.md, bug 496).
+// 0 from the start and once it can again (docs/reliability.md, bug 422).
 func TestMetricsBridgeSpool(t *testing.T) {
 	b := metrics.NewBridge(metrics.BridgeOptions{Devices: 1})
 	url := metricsListen(t, func(addr string) (*metrics.Listener, error) {

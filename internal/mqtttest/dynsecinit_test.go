@@ -17,7 +17,7 @@ import (
 // run. Before, the helper's admin role granted only $CONTROL/dynamic-
 // security/#, not the reading of # and $SYS/# init grants, and its default
 // access already refused publishClientReceive, so no test saw a server
-// that had not set it yet (bug 591).
+// that had not set it yet (bug 449).
 func TestAdminIsWhatDynsecInitMakes(t *testing.T) {
 	ctrl := findBinary("mosquitto_ctrl")
 	if ctrl == "" {

@@ -360,7 +360,7 @@ const AdminUsername = "mqtttest-admin"
 // so), and initDefaultACLAccess the plugin's default access it writes:
 // every client may receive what it subscribed to, until the server, as it
 // connects, refuses that by default (setDefaultACLAccess). The tests run
-// against what users run (TestAdminIsWhatDynsecInitMakes, bug 591).
+// against what users run (TestAdminIsWhatDynsecInitMakes, bug 449).
 const adminRole = "admin"
 
 var (

@@ -24,7 +24,7 @@ const fsizeRoleEnv = "TESTENV_FSIZE_ROLE"
 // flushed while the limit held, kept the write's EFBIG, and the binary
 // ended "testing: can't write testlog.txt: file too large" with status 2
 // after every test had passed (go test -run 'TestSpool|TestBridgeSpool…'
-// ./agent/ failed so, now and then; bug 590). A test that calls
+// ./agent/ failed so, now and then; bug 448). A test that calls
 // LimitFileSize outside InChild's child now fails, saying so.
 func TestLimitFileSizeLeavesTheTestLogAlone(t *testing.T) {
 	switch os.Getenv(fsizeRoleEnv) {

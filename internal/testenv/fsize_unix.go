@@ -19,13 +19,13 @@ import (
 // (-test.testlogfile), written through a buffer that keeps the first
 // error, ended the binary "testing: can't write testlog.txt: file too
 // large" after every test passed, when the buffer was flushed while a
-// limit held (bug 590); a coverage profile, or another test's file, fails
+// limit held (bug 448); a coverage profile, or another test's file, fails
 // the same way. So LimitFileSize runs only in a child process of the test
 // (InChild), and fails the test anywhere else.
 func LimitFileSize(tb testing.TB, n int64) (lift func()) {
 	tb.Helper()
 	if !isChild(tb) {
-		tb.Fatalf("LimitFileSize limits the whole test binary's files: call it only after testenv.InChild(t) (bug 590)")
+		tb.Fatalf("LimitFileSize limits the whole test binary's files: call it only after testenv.InChild(t) (bug 448)")
 	}
 	var old syscall.Rlimit
 	if err := syscall.Getrlimit(syscall.RLIMIT_FSIZE, &old); err != nil {

@@ -23,7 +23,7 @@ const (
 // Before, the child had no timeout of its own: the parent binary
 // panicked at its timeout, waiting in InChild, with nothing of the child
 // (its output was in a buffer nobody printed), and the child, orphaned,
-// ran on for good, with whatever it had started (bug 595).
+// ran on for good, with whatever it had started (bug 453).
 func TestInChildTellsWhereAHungChildWas(t *testing.T) {
 	if os.Getenv(inChildRoleEnv) == "parent" {
 		if !InChild(t) {

@@ -209,7 +209,7 @@ func InChild(t *testing.T) bool {
 	if d, ok := t.Deadline(); ok {
 		// The child times out a little before the parent, so that a child
 		// that hangs ends, and says where, rather than outlive the parent
-		// (bug 595).
+		// (bug 453).
 		left := time.Until(d)
 		args = append(args, "-test.timeout="+(left-min(left/10, 5*time.Second)).String())
 	}

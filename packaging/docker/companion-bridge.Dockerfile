@@ -17,14 +17,14 @@
 # companion_bridge_mqtt_connected == 0 (docs/operations.md), or watch the
 # server's companion_bridges_away. Its retained state topic
 # (companion/v1/bridges/ID/state) is the server's alone: no user may
-# subscribe to it (README, bug 458).
+# subscribe to it (README, bug 409).
 
 ARG GO_IMAGE=docker.io/library/golang:1.26-bookworm
 
 FROM --platform=$BUILDPLATFORM ${GO_IMAGE} AS build
 # BuildKit's automatic platform arguments, without defaults: an ARG's own
 # default wins over BuildKit's value, and TARGETARCH=amd64 built an amd64
-# binary into the arm64 and arm/v7 images (bug 452). Without BuildKit
+# binary into the arm64 and arm/v7 images (bug 403). Without BuildKit
 # they are empty, and the binary is for the build machine.
 ARG TARGETOS TARGETARCH TARGETVARIANT
 ARG VERSION=devel

@@ -9,7 +9,7 @@
 # server's shutdown (15 s for the requests in flight, a minute at most
 # before it says what holds it and exits); give the same to Compose
 # (stop_grace_period: 90s) and Kubernetes (terminationGracePeriodSeconds:
-# 90). Bug 457.
+# 90). Bug 408.
 #
 # Flags come as COMPANION_<FLAG> variables (docker run -e) or as arguments
 # after the image name (they replace "serve", so start with it). There is no
@@ -25,7 +25,7 @@ ARG GO_IMAGE=docker.io/library/golang:1.26-bookworm
 FROM --platform=$BUILDPLATFORM ${GO_IMAGE} AS build
 # BuildKit's automatic platform arguments, without defaults: an ARG's own
 # default wins over BuildKit's value, and TARGETARCH=amd64 built an amd64
-# binary into the arm64 and arm/v7 images (bug 452). Without BuildKit
+# binary into the arm64 and arm/v7 images (bug 403). Without BuildKit
 # they are empty, and the binary is for the build machine.
 ARG TARGETOS TARGETARCH TARGETVARIANT
 ARG VERSION=devel

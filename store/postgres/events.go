@@ -107,7 +107,7 @@ func (s *Store) logXid(xid string) string {
 
 // openEventsLog reads the event log's offset (events_log, migration 0006)
 // and takes a database whose events_log has another oid than its row says
-// for a restore of a dump (bug 531): what happened after the dump is
+// for a restore of a dump (bug 428): what happened after the dump is
 // gone, the events too, and clients of the event streams hold places in
 // the log the restored one never had. Those places are the transaction
 // ids of the lost server: a dump restored into a new server, whose

@@ -273,7 +273,7 @@ func setsPoolMaxConns(dsn string) bool {
 // not exist, or one the role may not use (SQLSTATE classes 28 and 3D, and
 // 42501). Each is refused again at every start until a person mends the
 // --store URL or the database's roles, unlike a server not up yet (at
-// boot), which passes by itself (bug 554).
+// boot), which passes by itself (bug 437).
 func Refused(err error) bool {
 	var pe *pgconn.PgError
 	if !errors.As(err, &pe) {

@@ -129,7 +129,7 @@ func burnXids(t *testing.T, dsn string, n int) {
 
 // TestPostgresRestoredEventsConformance runs the event log's conformance
 // tests on databases taken for restored ones, whose log's places are
-// moved on past the transaction ids (bug 531).
+// moved on past the transaction ids (bug 428).
 func TestPostgresRestoredEventsConformance(t *testing.T) {
 	env := &testEnv{srv: pgtest.Start(t)}
 	storetest.RunEvents(t, func(t *testing.T) companion.Store {

@@ -267,7 +267,7 @@ func (s *Store) putStatus(ctx context.Context, tx pgx.Tx, st companion.Status) (
 // names the bridge, as when the bridge's MQTT Will fires, and returns their
 // ids in order. UpdatedAt is set to now; Seq and LastSeen are kept, so the
 // bridge's next report applies as usual. A device offline already is left
-// as it is, and not returned (bug 612, as the bbolt engine).
+// as it is, and not returned (bug 456, as the bbolt engine).
 func (s *Store) MarkBridgeOffline(ctx context.Context, bridgeID string) ([]string, error) {
 	type result struct {
 		ids []string

@@ -263,7 +263,7 @@ func testDesiredBackToAnEarlierChange(t *testing.T, s companion.Store) {
 // longer leaves its values desired: the device ran it, and what it
 // reports now is newer. Before, its value stayed desired, and
 // GET …/settings listed the key as pending for good, with no command to
-// apply it (docs/reliability.md, bug 432). A key a later change asked for
+// apply it (docs/reliability.md, bug 399). A key a later change asked for
 // stays that change's.
 func testDesiredDroppedWhenTheChangeSucceededBehindANewerReport(t *testing.T, s companion.Store) {
 	ctx := t.Context()

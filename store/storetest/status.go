@@ -240,7 +240,7 @@ func testMarkBridgeOffline(t *testing.T, s companion.Store) {
 	// anything), or one of a bridge that reported its devices offline
 	// itself (out of its radio's range): none is written again, nor
 	// returned, for the broker republishes the status of each it returns
-	// (bug 612).
+	// (bug 456).
 	ids, err = s.MarkBridgeOffline(ctx, "br1")
 	require.NoError(t, err)
 	assert.Empty(t, ids, "MarkBridgeOffline(br1) with its devices offline already")

@@ -3,7 +3,7 @@
 -- the oid this table had when the row was written. A pg_dump restored
 -- makes the table anew, with another oid: Open then takes the database
 -- for a restore, moves the log past every id the lost database could have
--- given (xid_offset) and marks the events before as purged (bug 531).
+-- given (xid_offset) and marks the events before as purged (bug 428).
 -- One row.
 CREATE TABLE events_log (
 	one        boolean PRIMARY KEY DEFAULT true CHECK (one),
