@@ -25,6 +25,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/logevery"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
@@ -2200,7 +2201,7 @@ func unusableSettings(n int) topics.Settings {
 // looked for among all the others, 64 million comparisons on the intake
 // that takes every bridge's messages in turn (docs/reliability.md, bug 144).
 func BenchmarkUnusableSettings(b *testing.B) {
-	br := &Broker{log: slog.New(slog.DiscardHandler)}
+	br := &Broker{log: slog.New(slog.DiscardHandler), noisy: logevery.New(slog.New(slog.DiscardHandler), time.Minute, nil)}
 	s := unusableSettings(8000)
 	for b.Loop() {
 		r, err := br.reportedSettings("dev-1", s)
