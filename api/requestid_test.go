@@ -1,38 +1,21 @@
 package api
 
 import (
-	"bytes"
 	"log/slog"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
-// logBuffer is a log destination safe for the server's goroutines.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-func (b *logBuffer) lines(substr string) []string {
+// linesOf returns the lines of log that hold substr.
+func linesOf(log, substr string) []string {
 	var out []string
-	for _, l := range strings.Split(b.String(), "\n") {
+	for _, l := range strings.Split(log, "\n") {
 		if strings.Contains(l, substr) {
 			out = append(out, l)
 		}
@@ -46,7 +29,7 @@ func (b *logBuffer) lines(substr string) []string {
 // X-Request-Id, when it is a plain token, is taken as the request's id;
 // one that is not is replaced (bug 378).
 func TestInternalErrorTiesToItsLogLine(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	base := newEnv(t)
 	tok := base.bound("dev-1")
 	fs := &failingStore{DB: base.db, failStatus: true}
@@ -59,7 +42,7 @@ func TestInternalErrorTiesToItsLogLine(t *testing.T) {
 	id := r.header.Get("X-Request-Id")
 	require.NotEmpty(t, id, "the answer carries no X-Request-Id")
 	assert.Regexp(t, regexp.MustCompile(`^[A-Za-z0-9._:-]{8,}$`), id)
-	failed := logs.lines(`msg="request failed"`)
+	failed := linesOf(logs.String(), `msg="request failed"`)
 	require.Len(t, failed, 1, "log:\n%s", logs.String())
 	assert.Contains(t, failed[0], "request_id="+id)
 
@@ -71,7 +54,7 @@ func TestInternalErrorTiesToItsLogLine(t *testing.T) {
 	r3 := e.send(req{method: "GET", path: "/api/v1/devices/dev-1/status", token: tok,
 		header: map[string]string{"X-Request-Id": "ticket-4711.a"}})
 	assert.Equal(t, "ticket-4711.a", r3.header.Get("X-Request-Id"))
-	assert.Len(t, logs.lines(`msg="request failed" component=api request_id=ticket-4711.a `), 1, "log:\n%s", logs.String())
+	assert.Len(t, linesOf(logs.String(), `msg="request failed" component=api request_id=ticket-4711.a `), 1, "log:\n%s", logs.String())
 
 	// One that is no plain token (spaces, quotes, too long) is not echoed.
 	for _, bad := range []string{`a b" forged=1`, strings.Repeat("x", 200)} {
@@ -87,5 +70,5 @@ func TestInternalErrorTiesToItsLogLine(t *testing.T) {
 	require.Equal(t, 200, ok.status)
 	okID := ok.header.Get("X-Request-Id")
 	require.NotEmpty(t, okID)
-	assert.Len(t, logs.lines("request_id="+okID), 1, "log:\n%s", logs.String())
+	assert.Len(t, linesOf(logs.String(), "request_id="+okID), 1, "log:\n%s", logs.String())
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,7 +24,7 @@ import (
 // seconds since 1970, anything else is taken as no `at` (as a message
 // without one is) and logged, once a minute per device (bug 425).
 func TestABridgesAtOutsideRFC3339(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {
 		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	})
@@ -72,7 +73,7 @@ func TestABridgesAtOutsideRFC3339(t *testing.T) {
 		return state(t, e, c.ID).State == companion.StateSucceeded
 	})
 	testenv.Eventually(t, 10*time.Second, "each unreadable at logged", func() bool {
-		return logs.count(`no RFC 3339 time`) >= 3
+		return strings.Count(logs.String(), `no RFC 3339 time`) >= 3
 	})
 	assert.Contains(t, logs.String(), `message=settings at="\"2026-11-23 15:04:05\""`, "the at as the bridge wrote it")
 }

@@ -24,7 +24,7 @@ import (
 // with how many changes were not logged, so the log's last word on the
 // bridge is still what it is now (bug 455).
 func TestAFlappingBridgesStateIsLoggedOnceAnInterval(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {
 		o.Logger = slog.New(slog.NewTextHandler(&logs, nil))
 		o.stateLogEvery = 500 * time.Millisecond
@@ -44,7 +44,7 @@ func TestAFlappingBridgesStateIsLoggedOnceAnInterval(t *testing.T) {
 	}
 	say(topics.BridgeOffline) // and it stays away
 	lines := func() int {
-		return logs.count(`msg="bridge offline`) + logs.count(`msg="bridge online`)
+		return strings.Count(logs.String(), `msg="bridge offline`) + strings.Count(logs.String(), `msg="bridge online`)
 	}
 	// Either every change has its line (as before), or the line that
 	// says the state once the interval is over has come.

@@ -1,11 +1,9 @@
 package broker
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -19,30 +17,6 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// logBuffer is a log destination safe for the broker's goroutines.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) count(substr string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Count(b.buf.String(), substr)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // A bridge (a user may run their own) that publishes malformed messages,
 // or replies naming commands that do not exist, as fast as it can, made
 // the server log a warning for each: an operator's log filled at the
@@ -50,7 +24,7 @@ func (b *logBuffer) String() string {
 // logged once a minute per device at most, saying how many like it were
 // not (bug 379).
 func TestABridgesBadMessagesAreLoggedOnceAMinute(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {
 		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	})
@@ -83,7 +57,7 @@ func TestABridgesBadMessagesAreLoggedOnceAMinute(t *testing.T) {
 	})
 
 	for _, msg := range []string{`msg="bad status"`, `msg="bad settings"`, `msg="bad reply"`, `msg="reply for an unknown command ignored"`} {
-		assert.Equal(t, 1, logs.count(msg), "lines of %s for %d such messages; log:\n%s", msg, n, logs.String())
+		assert.Equal(t, 1, strings.Count(logs.String(), msg), "lines of %s for %d such messages; log:\n%s", msg, n, logs.String())
 	}
 }
 
@@ -92,7 +66,7 @@ func TestABridgesBadMessagesAreLoggedOnceAMinute(t *testing.T) {
 // cannot be stored, was a warning each however often it came, and its
 // command need not exist (bug 386).
 func TestABridgesRepliesWithForeignReportsAreLoggedOnceAMinute(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	e := newEnvTuned(t, true, nil, func(o *Options) {
 		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	})
@@ -118,6 +92,6 @@ func TestABridgesRepliesWithForeignReportsAreLoggedOnceAMinute(t *testing.T) {
 		`msg="reply with a status from a bridge that does not serve the device; storing the reply without it"`,
 		`msg="the device lists an app more than once; keeping the first"`,
 	} {
-		assert.Equal(t, 1, logs.count(msg), "lines of %s for %d such replies; log:\n%s", msg, n, logs.String())
+		assert.Equal(t, 1, strings.Count(logs.String(), msg), "lines of %s for %d such replies; log:\n%s", msg, n, logs.String())
 	}
 }

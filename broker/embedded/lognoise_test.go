@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,30 +19,13 @@ import (
 	"github.com/devicecompanion/companion/internal/testenv"
 )
 
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // A bridge (a user may run their own) that publishes in a loop on the
 // topics of a device it does not serve had the broker log a warning for
 // each publish dropped: one client's loop filled the operator's log. The
 // line is logged once a minute per bridge, saying how many it left out
 // (bug 379).
 func TestABridgesDroppedPublishesAreLoggedOnceAMinute(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	s, err := embedded.New(embedded.Options{
 		Listen:         "127.0.0.1:0",
 		Accounts:       newFakeAccounts(),
@@ -79,7 +61,7 @@ func TestABridgesDroppedPublishesAreLoggedOnceAMinute(t *testing.T) {
 // a source address and reason is logged, the next ones once a minute with
 // their count (bug 380).
 func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	s, err := embedded.New(embedded.Options{
 		Listen:         "127.0.0.1:0",
 		Accounts:       newFakeAccounts(),
@@ -114,7 +96,7 @@ func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 // with it, at warning level: a bridge's secret or a user's API token in
 // the server's log (bug 381).
 func TestASecondConnectLogsNoPassword(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	s, err := embedded.New(embedded.Options{
 		Listen:         "127.0.0.1:0",
 		Accounts:       newFakeAccounts(),

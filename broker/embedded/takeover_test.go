@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/embedded"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/topics"
 )
 
@@ -28,7 +29,7 @@ import (
 // is not connected once the grace is over), and says once that two
 // connections log in as the bridge (bug 454).
 func TestATakenOverBridgeConnectionPublishesNoWillAndIsNamedOnce(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	s, err := embedded.New(embedded.Options{
 		Listen:         "127.0.0.1:0",
 		Accounts:       newFakeAccounts(),

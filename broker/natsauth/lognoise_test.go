@@ -1,34 +1,16 @@
 package natsauth_test
 
 import (
-	"bytes"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion/broker/natsauth"
+	"github.com/devicecompanion/companion/internal/testenv"
 )
-
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // On the NATS cluster as on the embedded broker (bug 380), a client that
 // logged in with a wrong password in a loop had the responder log a line
@@ -36,7 +18,7 @@ func (b *logBuffer) String() string {
 // and reason is logged, the next ones once a minute with their count
 // (bug 382).
 func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
-	var logs logBuffer
+	var logs testenv.Buffer
 	d := startDoor(t, func(o *natsauth.Options) {
 		o.Logger = slog.New(slog.NewTextHandler(&logs, nil))
 	})
