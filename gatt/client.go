@@ -836,17 +836,10 @@ func (c *Client) ProbeReassembly(ctx context.Context, timeout time.Duration) (bo
 	if body == nil {
 		return false, fmt.Errorf("gatt: no reassembly probe fits writes of %d bytes", c.frag)
 	}
-	call, err := c.send(ctx, OpWrite, GroupOS, CmdOSEcho, body)
-	if err != nil {
+	call, err := c.probeEcho(ctx, body, timeout)
+	if call == nil {
 		return false, err
 	}
-	c.mu.Lock()
-	if c.pending[call.seq] == call && call.timer.Stop() {
-		call.deadline = time.Now().Add(timeout)
-		call.timer.Reset(timeout)
-	}
-	c.mu.Unlock()
-	err = call.Wait(ctx, nil)
 	var e *Error
 	switch {
 	case err == nil:
@@ -902,17 +895,10 @@ func (c *Client) ProbeBuffer(ctx context.Context, size int, timeout time.Duratio
 	if body == nil {
 		return false, fmt.Errorf("gatt: no buffer probe of %d bytes over writes of %d", size, c.frag)
 	}
-	call, err := c.send(ctx, OpWrite, GroupOS, CmdOSEcho, body)
-	if err != nil {
+	call, err := c.probeEcho(ctx, body, timeout)
+	if call == nil {
 		return false, err
 	}
-	c.mu.Lock()
-	if c.pending[call.seq] == call && call.timer.Stop() {
-		call.deadline = time.Now().Add(timeout)
-		call.timer.Reset(timeout)
-	}
-	c.mu.Unlock()
-	err = call.Wait(ctx, nil)
 	var e *Error
 	switch {
 	case err == nil:
@@ -923,4 +909,21 @@ func (c *Client) ProbeBuffer(ctx context.Context, size int, timeout time.Duratio
 		return false, nil
 	}
 	return false, err
+}
+
+// probeEcho sends body as an echo whose answer is waited for timeout
+// rather than the request timeout, and waits for it: a probe's silence is
+// its answer. call is nil when the echo could not be sent.
+func (c *Client) probeEcho(ctx context.Context, body []byte, timeout time.Duration) (*Call, error) {
+	call, err := c.send(ctx, OpWrite, GroupOS, CmdOSEcho, body)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	if c.pending[call.seq] == call && call.timer.Stop() {
+		call.deadline = time.Now().Add(timeout)
+		call.timer.Reset(timeout)
+	}
+	c.mu.Unlock()
+	return call, call.Wait(ctx, nil)
 }
