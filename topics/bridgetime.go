@@ -69,7 +69,7 @@ func unixSeconds(s string) (time.Time, bool) {
 		return time.Time{}, false
 	}
 	sec, frac, _ := bytes.Cut([]byte(s), []byte("."))
-	if n, err := strconv.ParseInt(string(sec), 10, 64); err == nil && bytes.IndexAny(frac, "eE") < 0 {
+	if n, err := strconv.ParseInt(string(sec), 10, 64); err == nil && !bytes.ContainsAny(frac, "eE") {
 		// Digits as written: a float64 of today's seconds keeps only
 		// microseconds.
 		ns := 0
