@@ -89,12 +89,15 @@ func (f *fakeAccounts) unbind(userID, deviceID string) {
 
 func startBroker(t *testing.T, acc embedded.Accounts) *embedded.Server {
 	t.Helper()
-	s, err := embedded.New(embedded.Options{
-		Listen:         "127.0.0.1:0",
-		Accounts:       acc,
-		ServerUsername: serverUser,
-		ServerPassword: serverPass,
-	})
+	return startBrokerWith(t, embedded.Options{Accounts: acc})
+}
+
+// startBrokerWith starts a broker of opts on a free port of loopback, with
+// the server's account of the tests.
+func startBrokerWith(t *testing.T, opts embedded.Options) *embedded.Server {
+	t.Helper()
+	opts.Listen, opts.ServerUsername, opts.ServerPassword = "127.0.0.1:0", serverUser, serverPass
+	s, err := embedded.New(opts)
 	require.NoError(t, err)
 	require.NoError(t, s.Start())
 	t.Cleanup(func() { require.NoError(t, s.Close()) })

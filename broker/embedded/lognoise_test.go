@@ -26,16 +26,10 @@ import (
 // (bug 379).
 func TestABridgesDroppedPublishesAreLoggedOnceAMinute(t *testing.T) {
 	var logs testenv.Buffer
-	s, err := embedded.New(embedded.Options{
-		Listen:         "127.0.0.1:0",
-		Accounts:       newFakeAccounts(),
-		ServerUsername: serverUser,
-		ServerPassword: serverPass,
-		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	s := startBrokerWith(t, embedded.Options{
+		Accounts: newFakeAccounts(),
+		Logger:   slog.New(slog.NewTextHandler(&logs, nil)),
 	})
-	require.NoError(t, err)
-	require.NoError(t, s.Start())
-	t.Cleanup(func() { require.NoError(t, s.Close()) })
 
 	srv := mustDial(t, s.Addr(), serverUser, serverPass, nil)
 	require.Equal(t, byte(1), srv.subscribe(t, tp(tree.Status("dev-1"))))
@@ -62,16 +56,10 @@ func TestABridgesDroppedPublishesAreLoggedOnceAMinute(t *testing.T) {
 // their count (bug 380).
 func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 	var logs testenv.Buffer
-	s, err := embedded.New(embedded.Options{
-		Listen:         "127.0.0.1:0",
-		Accounts:       newFakeAccounts(),
-		ServerUsername: serverUser,
-		ServerPassword: serverPass,
-		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	s := startBrokerWith(t, embedded.Options{
+		Accounts: newFakeAccounts(),
+		Logger:   slog.New(slog.NewTextHandler(&logs, nil)),
 	})
-	require.NoError(t, err)
-	require.NoError(t, s.Start())
-	t.Cleanup(func() { require.NoError(t, s.Close()) })
 
 	const n = 50
 	for i := 0; i < n; i++ {
@@ -86,7 +74,7 @@ func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 	}
 	assert.Equal(t, 1, got, "lines for %d refused logins; log:\n%s", n, logs.String())
 	// A refusal of another reason is its own line.
-	_, err = dial(t, s.Addr(), "", "", nil)
+	_, err := dial(t, s.Addr(), "", "", nil)
 	require.Error(t, err)
 	assert.Contains(t, logs.String(), `reason=anonymous`)
 }
@@ -97,16 +85,10 @@ func TestRefusedLoginsAreLoggedOnceAMinutePerSource(t *testing.T) {
 // the server's log (bug 381).
 func TestASecondConnectLogsNoPassword(t *testing.T) {
 	var logs testenv.Buffer
-	s, err := embedded.New(embedded.Options{
-		Listen:         "127.0.0.1:0",
-		Accounts:       newFakeAccounts(),
-		ServerUsername: serverUser,
-		ServerPassword: serverPass,
-		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+	s := startBrokerWith(t, embedded.Options{
+		Accounts: newFakeAccounts(),
+		Logger:   slog.New(slog.NewTextHandler(&logs, nil)),
 	})
-	require.NoError(t, err)
-	require.NoError(t, s.Start())
-	t.Cleanup(func() { require.NoError(t, s.Close()) })
 
 	conn, err := net.Dial("tcp", s.Addr())
 	require.NoError(t, err)
