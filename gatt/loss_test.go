@@ -432,31 +432,10 @@ func TestLostResponseOfADeviceWithoutParametersIsAskedAgain(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			s := sim.New(sim.Options{ID: "dev-1"})
-			n := sim.NewNetwork(sim.LinkOptions{MTU: 247, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
-			n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{NoParams: true}))
-			lc := &lossyConnector{Connector: n, group: tt.group, id: tt.id, rsp: tt.rsp, whole: true}
-			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: lc, MinBackoff: time.Millisecond,
-				RequestTimeout: 5 * time.Second, QuietTimeout: 100 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer n.Close()
-			defer d.Close()
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			if _, err := d.Info(ctx); err != nil { // connected, one request in flight
-				t.Fatalf("Info: %v", err)
-			}
+			d, n, lc, ctx := connectLosingWhole(t, sim.NewPeripheral(s, sim.PeripheralOptions{NoParams: true}), tt.group, tt.id, tt.rsp)
 			lc.arm()
 			start := time.Now()
-			switch tt.group {
-			case gatt.GroupSettingsSchema:
-				_, _, err = d.Settings(ctx)
-			case gatt.GroupText:
-				err = d.PushText(ctx, "cmd-1", "", "hello")
-			default:
-				err = d.UpdateSettings(ctx, "cmd-2", map[string]any{"brightness": 7.0})
-			}
+			err := runLosingOp(ctx, d, tt.group)
 			took := time.Since(start)
 			if err != nil || lc.lost() != 1 || n.Connects() != 1 {
 				t.Fatalf("%s with its response lost whole = %v after %v, %d lost, %d connections; want nil (asked again, not timed out), 1 lost, 1 connection",
@@ -466,6 +445,43 @@ func TestLostResponseOfADeviceWithoutParametersIsAskedAgain(t *testing.T) {
 				t.Errorf("the text ran %d times, %d texts shown; want 1, 1", s.Executions("cmd-1"), len(s.Texts()))
 			}
 		})
+	}
+}
+
+// connectLosingWhole connects a device over a network of peripheral p
+// whose connector loses whole every response of group and id (of op rsp
+// when set), armed by the caller, and returns once one request is done.
+func connectLosingWhole(t *testing.T, p *sim.Peripheral, group uint16, id, rsp uint8) (*gatt.Device, *sim.Network, *lossyConnector, context.Context) {
+	t.Helper()
+	n := sim.NewNetwork(sim.LinkOptions{MTU: 247, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	n.Add("dev-1", p)
+	lc := &lossyConnector{Connector: n, group: group, id: id, rsp: rsp, whole: true}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: lc, MinBackoff: time.Millisecond,
+		RequestTimeout: 5 * time.Second, QuietTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Close() })
+	t.Cleanup(func() { d.Close() }) // before the network's
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	if _, err := d.Info(ctx); err != nil { // connected, one request in flight
+		t.Fatalf("Info: %v", err)
+	}
+	return d, n, lc, ctx
+}
+
+// runLosingOp runs the request of group whose response connectLosingWhole
+// loses: a schema read, a text push (command cmd-1) or a settings write.
+func runLosingOp(ctx context.Context, d *gatt.Device, group uint16) error {
+	switch group {
+	case gatt.GroupSettingsSchema:
+		_, _, err := d.Settings(ctx)
+		return err
+	case gatt.GroupText:
+		return d.PushText(ctx, "cmd-1", "", "hello")
+	default:
+		return d.UpdateSettings(ctx, "cmd-2", map[string]any{"brightness": 7.0})
 	}
 }
 
@@ -494,39 +510,18 @@ func TestLostResponseOfADeviceWithTwoBuffersIsAskedAgain(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			s := sim.New(sim.Options{ID: "dev-1"})
-			n := sim.NewNetwork(sim.LinkOptions{MTU: 247, KBPS: 200_000, Latency: -1, ConnectDelay: -1})
 			popts := sim.PeripheralOptions{BufCount: 2}
 			if tt.slow {
 				popts.HandleTime = 400 * time.Millisecond // each request outlasts the quiet timeout
 			}
 			p := sim.NewPeripheral(s, popts)
-			n.Add("dev-1", p)
-			lc := &lossyConnector{Connector: n, group: tt.group, id: tt.id, rsp: tt.rsp, whole: true}
-			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: lc, MinBackoff: time.Millisecond,
-				RequestTimeout: 5 * time.Second, QuietTimeout: 100 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer n.Close()
-			defer d.Close()
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			if _, err := d.Info(ctx); err != nil { // connected, one request in flight
-				t.Fatalf("Info: %v", err)
-			}
+			d, n, lc, ctx := connectLosingWhole(t, p, tt.group, tt.id, tt.rsp)
 			if !tt.slow {
 				lc.arm()
 			}
 			dropped := p.Dropped()
 			start := time.Now()
-			switch tt.group {
-			case gatt.GroupSettingsSchema:
-				_, _, err = d.Settings(ctx)
-			case gatt.GroupText:
-				err = d.PushText(ctx, "cmd-1", "", "hello")
-			default:
-				err = d.UpdateSettings(ctx, "cmd-2", map[string]any{"brightness": 7.0})
-			}
+			err := runLosingOp(ctx, d, tt.group)
 			took := time.Since(start)
 			want := 1
 			if tt.slow {
