@@ -217,7 +217,8 @@ type Server struct {
 	tls       *tls.Config
 	mochi     *mqtt.Server
 	auth      *authHook
-	hooks     []mqtt.Hook // the three hooks, in the order mochi calls them
+	will      *willHook
+	hooks     []mqtt.Hook // the four hooks, in the order mochi calls them
 	ln        *mochilisten.Listener
 	tree      topics.Tree
 	grace     time.Duration // Options.KickGrace
@@ -308,14 +309,16 @@ func New(opts Options) (*Server, error) {
 			s.bridgeBack(id.ID)
 		}
 	}
-	// Three hooks, one job each: who may do what, queued messages resent in
-	// publish order, incoming packets kept off the ids of queued ones. The
-	// order matters: what the first drops from a queue the second does not
-	// put in order.
+	s.will = &willHook{wills: map[*mqtt.Client]bool{}}
+	// Four hooks, one job each: who may do what, queued messages resent in
+	// publish order, incoming packets kept off the ids of queued ones, the
+	// Wills the server holds kept from being published. The order matters:
+	// what the first drops from a queue the second does not put in order.
 	s.hooks = []mqtt.Hook{
 		s.auth,
 		&orderHook{clients: m.Clients, seqs: map[string]map[uint16]uint64{}},
 		&packetIDHook{log: log, clients: m.Clients, lastOut: map[string]uint16{}, moved: map[*mqtt.Client]movedID{}},
+		s.will,
 	}
 	for _, h := range s.hooks {
 		if err := m.AddHook(h, nil); err != nil {
@@ -431,7 +434,7 @@ func (s *Server) DisconnectBridge(bridgeID string) int {
 	n, wills := 0, 0
 	for _, cl := range s.mochi.Clients.GetAll() {
 		if id, ok := s.auth.identity(cl); ok && id.Role == RoleBridge && id.ID == bridgeID && !cl.Closed() {
-			if atomic.CompareAndSwapUint32(&cl.Properties.Will.Flag, 1, 0) {
+			if s.will.hold(cl) {
 				wills++
 			}
 			_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
@@ -464,7 +467,7 @@ func (s *Server) takenOver(cl, existing *mqtt.Client) {
 	if !ok || !known || id != old || id.Role != RoleBridge {
 		return
 	}
-	if atomic.CompareAndSwapUint32(&existing.Properties.Will.Flag, 1, 0) {
+	if s.will.hold(existing) {
 		s.holdWill(id.ID)
 	}
 	now := time.Now()
@@ -503,7 +506,7 @@ func (s *Server) kickLate(cl *mqtt.Client, id Identity, deleted bool) {
 		s.log.Info("mqtt client disconnected: its bridge was deleted as it logged in", "id", id.ID, "client_id", cl.ID)
 		return
 	}
-	if id.Role == RoleBridge && atomic.CompareAndSwapUint32(&cl.Properties.Will.Flag, 1, 0) {
+	if id.Role == RoleBridge && s.will.hold(cl) {
 		s.holdWill(id.ID)
 	}
 	_ = s.mochi.DisconnectClient(cl, packets.ErrNotAuthorized)
@@ -633,6 +636,7 @@ func (s *Server) connectionEnded(conn net.Conn) {
 	if cl == nil {
 		return
 	}
+	s.will.forget(cl)
 	if endsWithConnection(cl) && !s.discardSession(cl) {
 		s.auth.forgetClient(cl)
 	}

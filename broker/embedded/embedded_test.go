@@ -1098,3 +1098,40 @@ func TestAUserFilterEndingInPlusHashMatchesItsParentLevel(t *testing.T) {
 	default:
 	}
 }
+
+// DisconnectBridge closing a bridge's connection as the bridge itself
+// disconnects cleanly is no data race: it cleared the connection's Will
+// flag in place, as mochi, on the connection's own goroutine, resets the
+// Will of a clean disconnect, and go test -race failed the suite
+// (docs/reliability.md, bug 462). The Will is held through a hook instead,
+// which mochi calls on the connection's goroutine.
+func TestDisconnectBridgeAsItDisconnectsItself(t *testing.T) {
+	acc := newFakeAccounts()
+	s := startBroker(t, acc)
+	state := tp(tree.BridgeState("bridge-1"))
+	will := func(o *mqtt.ClientOptions) {
+		o.SetClientID("bridge-1-session").SetCleanSession(false).SetWill(state, topics.BridgeOffline, 1, true)
+	}
+	stop, kicked := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(kicked)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				s.DisconnectBridge("bridge-1")
+			}
+		}
+	}()
+	for range 100 {
+		if b, err := dial(t, s.Addr(), "bridge-1", "b1-secret", will); err == nil {
+			b.Disconnect(0)
+		}
+	}
+	close(stop)
+	<-kicked
+	// Each connection, ended one way or the other, is forgotten.
+	require.Eventually(t, func() bool { return embedded.Wills(s) == 0 }, wait, 10*time.Millisecond,
+		"the Will hook still knows %d connections", embedded.Wills(s))
+}

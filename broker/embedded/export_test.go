@@ -32,3 +32,10 @@ func OnConnectionEnded(f func()) (undo func()) {
 	testHookEnded.Store(&f)
 	return func() { testHookEnded.Store(nil) }
 }
+
+// Wills is how many connections the Will hook knows of.
+func Wills(s *Server) int {
+	s.will.mu.Lock()
+	defer s.will.mu.Unlock()
+	return len(s.will.wills)
+}
