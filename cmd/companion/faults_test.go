@@ -277,6 +277,7 @@ func assertNothingDropped(t *testing.T, mq *mqtttest.Mosquitto) {
 // offline bridge (its Will lost). The minimum TTL is lowered to 1 s for the
 // test only.
 func TestExpiredCommandNeverReachesDevice(t *testing.T) {
+	t.Parallel()
 	cfg := Config{Limits: api.Limits{MinTTL: time.Second}}
 	const ttl = 2 // seconds
 	// A TTL under 60 s is outside the contract: this push alone goes

@@ -52,6 +52,7 @@ func docShellBlock(tb testing.TB, rel, heading string) []string {
 // Mosquitto tests make the account their own way (internal/mqtttest), as
 // init does.
 func TestMosquittoDocAccountsWork(t *testing.T) {
+	t.Parallel()
 	const docFile = "/var/lib/mosquitto/dynamic-security.json"
 	lines := docShellBlock(t, "docs/mosquitto.md", "## 2. Accounts")
 	var before, after []string

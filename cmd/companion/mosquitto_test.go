@@ -163,6 +163,7 @@ func TestRefusedSubscriptionIsAskedAgain(t *testing.T) {
 // the ACLs to add. Once they are there, it is ready and commands run
 // (bug 459).
 func TestServerThatCannotPublishUnderItsPrefixIsNotReady(t *testing.T) {
+	t.Parallel()
 	mq := mqtttest.StartMosquitto(t, serverAccount)
 	refused := newLogSignal("publishClientSend")
 	logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), refused), &slog.HandlerOptions{Level: slog.LevelWarn}))

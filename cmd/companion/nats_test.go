@@ -239,6 +239,7 @@ func TestNATSNodeKilledUnderLoad(t *testing.T) {
 // --topic-prefix acme/v1 is not ready and says what to grant, and turns
 // ready once its permissions are mended (bug 459).
 func TestServerThatCannotPublishUnderItsPrefixOnNATS(t *testing.T) {
+	t.Parallel()
 	user := natstest.User{
 		Username: natsServerUser.Username, Password: natsServerUser.Password,
 		Publish:   []string{"companion/v1/#"},
@@ -271,6 +272,7 @@ func TestServerThatCannotPublishUnderItsPrefixOnNATS(t *testing.T) {
 // the server logs it once, then once a minute, not at each attempt: the
 // warning came every second for as long as the refusal lasted (bug 460).
 func TestARefusedSubscriptionIsNotLoggedAtEveryAttempt(t *testing.T) {
+	t.Parallel()
 	user := natstest.User{
 		Username: natsServerUser.Username, Password: natsServerUser.Password,
 		Publish:   []string{"acme/v1/#"},
