@@ -30,6 +30,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/devicecompanion/companion/api"
+	"github.com/devicecompanion/companion/internal/gctune"
 	"github.com/devicecompanion/companion/store"
 	"github.com/devicecompanion/companion/topics"
 )
@@ -76,10 +77,6 @@ func (f *scaleFleet) owner(i int) int {
 func hasHistory(i int) bool { return i%10 == 0 }
 
 const commandsPerHistory = 2
-
-// serverGCPercent is the garbage collector's target of the server binary
-// (gcPercent in cmd/companion/main.go), which the benchmark copies.
-const serverGCPercent = 400
 
 // BenchmarkStoreScale measures the store at the scale of issue 8: one bbolt
 // file holding a million devices of 10,000 users (one of them holding
@@ -129,11 +126,11 @@ func BenchmarkStoreScale(b *testing.B) {
 		fileDevices, dataDevices, fileAll, dataAll)
 
 	// The server binary collects garbage at GOGC=400 unless GOGC is set
-	// (gcPercent in cmd/companion/main.go): serve the API the same way.
+	// (gctune.Percent): serve the API the same way.
 	gogc := os.Getenv("GOGC")
 	if gogc == "" {
-		gogc = strconv.Itoa(serverGCPercent)
-		defer debug.SetGCPercent(debug.SetGCPercent(serverGCPercent))
+		gogc = strconv.Itoa(gctune.Percent)
+		defer debug.SetGCPercent(debug.SetGCPercent(gctune.Percent))
 	}
 	base := serveAPI(b, db)
 	load := &scaleLoad{fleet: f, base: base, clients: clients}

@@ -21,7 +21,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"runtime/debug"
 	"strings"
 	"sync"
 	"syscall"
@@ -33,6 +32,7 @@ import (
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
 	"github.com/devicecompanion/companion/internal/flagcheck"
+	"github.com/devicecompanion/companion/internal/gctune"
 	"github.com/devicecompanion/companion/internal/metrics"
 	"github.com/devicecompanion/companion/internal/pprofserver"
 	"github.com/devicecompanion/companion/internal/signals"
@@ -41,13 +41,6 @@ import (
 	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 )
-
-// gcPercent is the garbage collector's target unless GOGC says otherwise.
-// The live heap is small (tens of MB) and the allocation rate high, so
-// Go's default of 100 collects dozens of times a second under load; 400
-// collects a quarter as often for a heap at most five times the live one
-// (docs/performance.md).
-const gcPercent = 400
 
 // version is stamped at build time (make dist: -ldflags
 // "-X main.version=$(git describe --always --dirty)"); when empty,
@@ -59,8 +52,10 @@ func main() {
 		fmt.Println("companion-bridge", buildinfo.Version(version))
 		return
 	}
-	if os.Getenv("GOGC") == "" {
-		debug.SetGCPercent(gcPercent)
+	// The collector's target, and its memory limit in a container or a
+	// unit with one (docs/reliability.md, bug 563).
+	if _, err := gctune.Set(); err != nil {
+		fmt.Fprintln(os.Stderr, "companion-bridge: the cgroup's memory limit, left unset:", err)
 	}
 	// The first signal starts a graceful shutdown; a second one, during a
 	// slow shutdown, kills the process.

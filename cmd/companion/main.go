@@ -24,7 +24,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime/debug"
 	"slices"
 	"strings"
 
@@ -32,6 +31,7 @@ import (
 	"github.com/devicecompanion/companion/internal/buildinfo"
 	"github.com/devicecompanion/companion/internal/envflag"
 	"github.com/devicecompanion/companion/internal/flagcheck"
+	"github.com/devicecompanion/companion/internal/gctune"
 	"github.com/devicecompanion/companion/internal/signals"
 	"github.com/devicecompanion/companion/store"
 )
@@ -41,16 +41,11 @@ import (
 // --version prints the VCS revision Go recorded, or "devel".
 var version string
 
-// gcPercent is the garbage collector's target unless GOGC says otherwise.
-// The live heap is small (tens of MB) and the allocation rate high, so
-// Go's default of 100 collects dozens of times a second under load; 400
-// collects a quarter as often for a heap at most five times the live one
-// (docs/performance.md).
-const gcPercent = 400
-
 func main() {
-	if os.Getenv("GOGC") == "" {
-		debug.SetGCPercent(gcPercent)
+	// The collector's target, and its memory limit in a container or a
+	// unit with one (docs/reliability.md, bug 563).
+	if _, err := gctune.Set(); err != nil {
+		fmt.Fprintln(os.Stderr, "companion: the cgroup's memory limit, left unset:", err)
 	}
 	// The first signal starts a graceful shutdown; a second one, during a
 	// slow shutdown, kills the process.

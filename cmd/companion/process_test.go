@@ -234,6 +234,9 @@ type procCluster struct {
 	devices            []string
 	serverArgs         []string // extra flags of the server
 	bridgeArgs         []string // extra flags of the bridge
+	// A shell command that moves the shell into a cgroup
+	// (testenv.MemoryCgroup): the server and the bridge start in it.
+	cgroup string
 	// With an external broker: its URL and the server's flags for it
 	// (--mqtt-url …); otherwise the server's embedded broker on mqttAddr.
 	mqttURL    string
@@ -296,7 +299,7 @@ func (c *procCluster) launchServer() {
 		// request held by Prefer: wait (make bench: 200 of them).
 		"--rate-per-token", "0", "--max-open-commands", "10000", "--max-waits-per-user", "0"}, mqttArgs...)
 	args = append(args, c.serverArgs...)
-	c.server = startProc(c.tb, "companion", c.companion, args...)
+	c.server = c.startProc("companion", c.companion, args...)
 }
 
 // waitServer waits until path (/healthz or /readyz) answers 200.
@@ -353,6 +356,21 @@ func (c *procCluster) setupFleet(extra ...string) {
 	}
 }
 
+// startProc starts a process of the cluster: in its cgroup, if it has
+// one, without the collector's variables of the test's environment.
+func (c *procCluster) startProc(name, bin string, args ...string) *osProc {
+	if c.cgroup == "" {
+		return startProc(c.tb, name, bin, args...)
+	}
+	var env []string
+	for _, kv := range procEnv() {
+		if k, _, _ := strings.Cut(kv, "="); k != "GOGC" && k != "GOMEMLIMIT" && k != "AUTOMEMLIMIT" {
+			env = append(env, kv)
+		}
+	}
+	return startProcEnv(c.tb, name, "/bin/sh", env, append([]string{"-c", c.cgroup + ` && exec "$0" "$@"`, bin}, args...)...)
+}
+
 // startBridge starts companion-bridge with the cluster's devices, spool and
 // simulator state, and waits until the server sees every device online.
 func (c *procCluster) startBridge() {
@@ -377,7 +395,7 @@ func (c *procCluster) launchBridge() {
 		"--data", c.bridgeData, "--sim-state", c.simState,
 		"--sim-devices", strings.Join(c.devices, ","), "--log-level", "warn",
 	}, c.bridgeArgs...)
-	c.bridgeProc = startProc(c.tb, "companion-bridge", c.bridge, args...)
+	c.bridgeProc = c.startProc("companion-bridge", c.bridge, args...)
 	c.bridgeLogs = append(c.bridgeLogs, c.bridgeProc.logPath)
 }
 

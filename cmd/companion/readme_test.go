@@ -380,7 +380,7 @@ var foreignFlags = map[string]string{
 	"cafile": "mosquitto_sub", "capath": "mosquitto_sub",
 	"confirm": "imgtool sign", "pad": "imgtool sign", "key": "imgtool sign", "max-align": "imgtool sign", "sha": "imgtool sign",
 	"map-root-user": "unshare", "mount": "unshare", "pid": "unshare", "fsize": "prlimit",
-	"stop-timeout": "docker run", "platform": "docker build", "cache-to": "docker buildx build",
+	"stop-timeout": "docker run", "memory": "docker run", "platform": "docker build", "cache-to": "docker buildx build",
 	"compress": "HTTPie", "failed": "systemctl",
 	"no-owner": "pg_restore", "dbname": "pg_restore",
 	"signal": "nats-server", "help": "every program", "test": "imgtool", "nats-": "the --nats-* flags", "sim-": "the --sim-* flags",
