@@ -483,6 +483,26 @@ func serviceSettings(t *testing.T, unit string) map[string][]string {
 	return settings
 }
 
+// runAsUnit runs bin with args as the unit of settings runs it, for a
+// minute at most: in this process's environment with the unit's
+// Environment= over it, less its COMPANION_DATA (the tests give a --data
+// of their own), and env last. It returns the command, once ended, and
+// what it printed.
+func runAsUnit(t *testing.T, settings map[string][]string, bin string, args []string, env ...string) (*exec.Cmd, []byte, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Env = os.Environ()
+	for _, e := range settings["Environment"] {
+		cmd.Env = append(cmd.Env, strings.Fields(e)...)
+	}
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
+	cmd.Env = append(cmd.Env, env...)
+	out, err := cmd.CombinedOutput()
+	return cmd, out, err
+}
+
 // restarts says whether systemd restarts a unit of settings whose process
 // ended as state did: Restart=on-failure, less RestartPreventExitStatus
 // (systemd.service(5)).
@@ -540,12 +560,7 @@ func TestSystemdRestartsCrashesNotUsageErrors(t *testing.T) {
 			}
 
 			// The test binary panicking, in the unit's environment.
-			cmd := exec.Command(os.Args[0], "-test.run=^$")
-			cmd.Env = append(os.Environ(), panicEnv+"=1")
-			for _, e := range settings["Environment"] {
-				cmd.Env = append(cmd.Env, strings.Fields(e)...)
-			}
-			out, err := cmd.CombinedOutput()
+			cmd, out, err := runAsUnit(t, settings, os.Args[0], []string{"-test.run=^$"}, panicEnv+"=1")
 			if err == nil || !strings.Contains(string(out), "a crash, as systemd sees it") {
 				t.Fatalf("the panicking test binary: %v\n%s", err, out)
 			}
@@ -788,15 +803,7 @@ func TestSystemdDoesNotRestartOnDamagedData(t *testing.T) {
 			if err := os.WriteFile(filepath.Join(data, tc.file), b, 0o600); err != nil {
 				t.Fatal(err)
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			cmd := exec.CommandContext(ctx, bin, append(tc.args, "--data", data)...)
-			cmd.Env = os.Environ()
-			for _, e := range settings["Environment"] {
-				cmd.Env = append(cmd.Env, strings.Fields(e)...)
-			}
-			cmd.Env = append(cmd.Env, "COMPANION_DATA="+data)
-			out, err := cmd.CombinedOutput()
+			cmd, out, err := runAsUnit(t, settings, bin, append(tc.args, "--data", data), "COMPANION_DATA="+data)
 			if err == nil || !strings.Contains(string(out), tc.file) {
 				t.Fatalf("%s on a damaged %s: %v\n%s", tc.command, tc.file, err, out)
 			}
@@ -951,14 +958,7 @@ func TestSystemdDoesNotRestartOnUnreadableFlagFiles(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			settings := serviceSettings(t, tc.unit)
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			cmd := exec.CommandContext(ctx, filepath.Join(bins, tc.command), append(tc.args, "--data", t.TempDir())...)
-			cmd.Env = os.Environ()
-			for _, e := range settings["Environment"] {
-				cmd.Env = append(cmd.Env, strings.Fields(e)...)
-			}
-			out, err := cmd.CombinedOutput()
+			cmd, out, err := runAsUnit(t, settings, filepath.Join(bins, tc.command), append(tc.args, "--data", t.TempDir()))
 			if err == nil {
 				t.Fatalf("%s started with %s naming a missing file:\n%s", tc.command, tc.flag, out)
 			}
@@ -1218,15 +1218,7 @@ func TestSystemdDoesNotRestartOnNewerData(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			cmd := exec.CommandContext(ctx, filepath.Join(bins, tc.command), append(tc.args, "--data", data)...)
-			cmd.Env = os.Environ()
-			for _, e := range settings["Environment"] {
-				cmd.Env = append(cmd.Env, strings.Fields(e)...)
-			}
-			cmd.Env = append(cmd.Env, "COMPANION_DATA="+data)
-			out, err := cmd.CombinedOutput()
+			cmd, out, err := runAsUnit(t, settings, filepath.Join(bins, tc.command), append(tc.args, "--data", data), "COMPANION_DATA="+data)
 			if err == nil || !strings.Contains(string(out), tc.file) || !strings.Contains(string(out), tc.hint) {
 				t.Fatalf("%s on a %s of a newer build: %v; want a refusal naming the file and saying it is %s:\n%s",
 					tc.command, tc.file, err, tc.hint, out)
@@ -1274,16 +1266,8 @@ func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			settings := serviceSettings(t, tc.unit)
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
 			args := append([]string{"-rm", "sh", "-c", `mount -o bind,ro "$0" "$0" && exec "$@"`, ro, filepath.Join(bins, tc.command)}, tc.args...)
-			cmd := exec.CommandContext(ctx, unshare, args...)
-			cmd.Env = os.Environ()
-			for _, e := range settings["Environment"] {
-				cmd.Env = append(cmd.Env, strings.Fields(e)...)
-			}
-			cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
-			out, err := cmd.CombinedOutput()
+			cmd, out, err := runAsUnit(t, settings, unshare, args)
 			if err == nil {
 				t.Fatalf("%s started with %s read-only:\n%s", tc.command, tc.flag, out)
 			}
@@ -1327,15 +1311,7 @@ func TestSystemdDoesNotRestartOnAddressInUse(t *testing.T) {
 	} {
 		t.Run(tc.command+" "+tc.flag, func(t *testing.T) {
 			settings := serviceSettings(t, tc.unit)
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			cmd := exec.CommandContext(ctx, filepath.Join(bins, tc.command), append(tc.args, "--data", t.TempDir())...)
-			cmd.Env = os.Environ()
-			for _, e := range settings["Environment"] {
-				cmd.Env = append(cmd.Env, strings.Fields(e)...)
-			}
-			cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
-			out, err := cmd.CombinedOutput()
+			cmd, out, err := runAsUnit(t, settings, filepath.Join(bins, tc.command), append(tc.args, "--data", t.TempDir()))
 			if err == nil {
 				t.Fatalf("%s started with %s on an address in use:\n%s", tc.command, tc.flag, out)
 			}
@@ -1382,16 +1358,8 @@ func TestSystemdDoesNotRestartOnPostgresRefusal(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			settings := serviceSettings(t, "companion.service")
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			cmd := exec.CommandContext(ctx, filepath.Join(bins, "companion"), "serve", "--http", free(), "--mqtt-listen", free(),
-				"--store", tc.store, "--data", t.TempDir())
-			cmd.Env = os.Environ()
-			for _, e := range settings["Environment"] {
-				cmd.Env = append(cmd.Env, strings.Fields(e)...)
-			}
-			cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
-			out, err := cmd.CombinedOutput()
+			cmd, out, err := runAsUnit(t, settings, filepath.Join(bins, "companion"), []string{"serve", "--http", free(), "--mqtt-listen", free(),
+				"--store", tc.store, "--data", t.TempDir()})
 			if err == nil {
 				t.Fatalf("companion started on --store with %s:\n%s", tc.name, out)
 			}
@@ -1415,16 +1383,8 @@ func TestSystemdDoesNotRestartWhenBlueZRefusesTheUser(t *testing.T) {
 	bins := builtCommands(t)
 	fakebluez.NewRefusing(t) // sets DBUS_SYSTEM_BUS_ADDRESS for the bridge
 	settings := serviceSettings(t, "companion-bridge.service")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, filepath.Join(bins, "companion-bridge"), "--mqtt-url", "tcp://127.0.0.1:"+strconv.Itoa(testenv.FreePort(t)),
-		"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--gatt", "bluez", "--devices", "dev-1", "--data", t.TempDir())
-	cmd.Env = os.Environ()
-	for _, e := range settings["Environment"] {
-		cmd.Env = append(cmd.Env, strings.Fields(e)...)
-	}
-	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "COMPANION_DATA=") })
-	out, err := cmd.CombinedOutput()
+	cmd, out, err := runAsUnit(t, settings, filepath.Join(bins, "companion-bridge"), []string{"--mqtt-url", "tcp://127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
+		"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--gatt", "bluez", "--devices", "dev-1", "--data", t.TempDir()})
 	if err == nil || !strings.Contains(string(out), "SupplementaryGroups=bluetooth") {
 		t.Fatalf("companion-bridge with BlueZ refusing its user: %v; want a refusal saying SupplementaryGroups=bluetooth:\n%s", err, out)
 	}
