@@ -1284,6 +1284,77 @@ func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
 	}
 }
 
+// A port below 1024 (--http :443 with no proxy in front) cannot be bound
+// by a process without CAP_NET_BIND_SERVICE in the host's user namespace:
+// not by the server of companion.service, whose PrivateUsers=yes gives it
+// a user namespace of its own, even with AmbientCapabilities= granting it.
+// The binary said "bind: permission denied", naming no flag and nothing to
+// do, and exited with status 1, restarted every 2 s for good. It now names
+// the flag, the capability and the unit's settings, and exits with a
+// status the unit does not restart (bug 564). The process runs in a user
+// namespace of its own (unshare -r), as PrivateUsers=yes runs it.
+func TestSystemdDoesNotRestartOnAPrivilegedPort(t *testing.T) {
+	bins := builtCommands(t)
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Fatalf("no unshare(1) (Debian's util-linux) to run the binary in a user namespace of its own: %v", err)
+	}
+	privileged := privilegedPort(t)
+	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
+	for _, tc := range []struct {
+		unit, command, flag string
+		args                []string
+	}{
+		{"companion.service", "companion", "--http", []string{"serve", "--http", privileged, "--mqtt-listen", free()}},
+		{"companion.service", "companion", "--mqtt-listen", []string{"serve", "--http", free(), "--mqtt-listen", privileged}},
+		{"companion-bridge.service", "companion-bridge", "--metrics", []string{"--mqtt-url", "tcp://" + free(),
+			"--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001", "--metrics", privileged}},
+	} {
+		t.Run(tc.command+" "+tc.flag, func(t *testing.T) {
+			settings := serviceSettings(t, tc.unit)
+			args := append([]string{"-r", filepath.Join(bins, tc.command)}, append(tc.args, "--data", t.TempDir())...)
+			cmd, out, err := runAsUnit(t, settings, unshare, args)
+			if err == nil {
+				t.Fatalf("%s started with %s on a port below 1024 in a user namespace of its own:\n%s", tc.command, tc.flag, out)
+			}
+			for _, want := range []string{tc.flag + " " + privileged, "CAP_NET_BIND_SERVICE", "PrivateUsers=no", "1024 or above"} {
+				if !strings.Contains(string(out), want) {
+					t.Errorf("%s: the message does not say %q:\n%s", tc.command, want, out)
+				}
+			}
+			if restarts(t, settings, cmd.ProcessState) {
+				t.Errorf("%s restarts %s after %s named a port it may not bind (%v), every RestartSec for good:\n%s",
+					tc.unit, tc.command, tc.flag, cmd.ProcessState, out)
+			}
+		})
+	}
+}
+
+// privilegedPort returns a loopback address of a port below the first
+// one the kernel lets any process bind (net.ipv4.ip_unprivileged_port_start,
+// 1024 by default) that is free: this process, root, may bind it, and
+// does so only to find it free.
+func privilegedPort(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+	if err != nil {
+		t.Fatal(err)
+	}
+	start, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || start < 2 {
+		t.Fatalf("net.ipv4.ip_unprivileged_port_start is %q: no port is privileged here", b)
+	}
+	for p := min(start, 1024) - 1; p > 0; p-- {
+		ln, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
+		if err == nil {
+			ln.Close()
+			return ln.Addr().String()
+		}
+	}
+	t.Fatal("no privileged port is free (run the tests as root)")
+	return ""
+}
+
 // A listen address another process holds (the embedded broker's 1883 with
 // Debian's Mosquitto installed, a second server on the same --http) fails
 // at every start until a person frees it or gives another: the binary

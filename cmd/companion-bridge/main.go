@@ -23,7 +23,6 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/devicecompanion/companion/agent"
@@ -75,10 +74,11 @@ func main() {
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "companion-bridge:", err)
-		if errors.Is(err, flagcheck.ErrAddrInUse) || errors.Is(err, bluez.ErrAccessDenied) {
+		if errors.Is(err, flagcheck.ErrCannotListen) || errors.Is(err, bluez.ErrAccessDenied) {
 			// Again at every start (an address another process holds,
-			// a bus policy refusing the user): as a usage error, not
-			// restarted by the unit (bugs 436, 438).
+			// a port the process may not bind, a bus policy refusing
+			// the user): as a usage error, not restarted by the unit
+			// (bugs 436, 438, 564).
 			os.Exit(2)
 		}
 		if errors.Is(err, agent.ErrSpoolUnreadable) || errors.Is(err, agent.ErrSpoolNewer) {
@@ -370,8 +370,8 @@ func (m *Main) Run(ctx context.Context) error {
 	if c.PProf != "" {
 		ps, err := pprofserver.Start(c.PProf, log)
 		if err != nil {
-			if errors.Is(err, syscall.EADDRINUSE) {
-				return flagcheck.InUse("pprof", c.PProf, err)
+			if flagcheck.CannotListen(err) {
+				return flagcheck.ListenFailed("pprof", c.PProf, err)
 			}
 			return fmt.Errorf("--pprof: %w", err)
 		}
@@ -380,8 +380,8 @@ func (m *Main) Run(ctx context.Context) error {
 		m.mu.Unlock()
 	}
 	if err := m.startMetrics(log); err != nil {
-		if errors.Is(err, syscall.EADDRINUSE) {
-			return flagcheck.InUse("metrics", c.Metrics, err)
+		if flagcheck.CannotListen(err) {
+			return flagcheck.ListenFailed("metrics", c.Metrics, err)
 		}
 		return fmt.Errorf("--metrics: %w", err)
 	}

@@ -66,9 +66,10 @@ func main() {
 			os.Exit(2)
 		}
 		fmt.Fprintln(os.Stderr, "companion:", err)
-		if errors.Is(err, flagcheck.ErrAddrInUse) {
-			// Taken again at every start: as a usage error, not
-			// restarted by the unit (bug 436).
+		if errors.Is(err, flagcheck.ErrCannotListen) {
+			// Refused again at every start (an address another process
+			// holds, a port the process may not bind): as a usage
+			// error, not restarted by the unit (bugs 436, 564).
 			os.Exit(2)
 		}
 		if errors.Is(err, store.ErrDamaged) || errors.Is(err, companion.ErrSchemaTooNew) {

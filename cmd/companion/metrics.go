@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
 	"os"
-	"syscall"
 
 	"github.com/devicecompanion/companion/api"
 	"github.com/devicecompanion/companion/broker"
@@ -65,8 +63,8 @@ func (m *Main) startMetrics(_ context.Context) error {
 			m.Logger.Warn("the demo's metrics are off: their address is taken; give --metrics ADDR", "addr", addr, "err", err)
 			return nil
 		}
-		if errors.Is(err, syscall.EADDRINUSE) {
-			return flagcheck.InUse("metrics", addr, err)
+		if flagcheck.CannotListen(err) {
+			return flagcheck.ListenFailed("metrics", addr, err)
 		}
 		return fmt.Errorf("--metrics: %w", err)
 	}

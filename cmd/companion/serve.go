@@ -19,7 +19,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
@@ -538,8 +537,8 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	if cfg.PProf != "" {
 		if m.PProf, err = pprofserver.Start(cfg.PProf, m.Logger); err != nil {
-			if errors.Is(err, syscall.EADDRINUSE) {
-				return flagcheck.InUse("pprof", cfg.PProf, err)
+			if flagcheck.CannotListen(err) {
+				return flagcheck.ListenFailed("pprof", cfg.PProf, err)
 			}
 			return fmt.Errorf("--pprof: %w", err)
 		}
@@ -658,8 +657,8 @@ func (m *Main) startMQTT(tree topics.Tree, mqttServerTLS *tls.Config) error {
 		return err
 	}
 	if err := m.MQTT.Start(); err != nil {
-		if errors.Is(err, syscall.EADDRINUSE) {
-			return flagcheck.InUse("mqtt-listen", cfg.MQTTListen, err)
+		if flagcheck.CannotListen(err) {
+			return flagcheck.ListenFailed("mqtt-listen", cfg.MQTTListen, err)
 		}
 		return fmt.Errorf("embedded MQTT broker: %w", err)
 	}
@@ -803,8 +802,8 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	m.api = handler
 	m.ln, err = listenHTTP(cfg.HTTP)
 	if err != nil {
-		if errors.Is(err, syscall.EADDRINUSE) {
-			return flagcheck.InUse("http", cfg.HTTP, err)
+		if flagcheck.CannotListen(err) {
+			return flagcheck.ListenFailed("http", cfg.HTTP, err)
 		}
 		return fmt.Errorf("HTTP listen: %w", err)
 	}

@@ -1,8 +1,14 @@
 package flagcheck
 
 import (
+	"errors"
+	"net"
+	"os"
 	"strings"
+	"syscall"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 func TestListenAddr(t *testing.T) {
@@ -44,4 +50,28 @@ func TestDistinct(t *testing.T) {
 			t.Errorf("Distinct(%q, %q) = %v; want an error naming both flags", tc.a, tc.b, err)
 		}
 	}
+}
+
+// A listen the system refuses names the flag and what to do: for a port
+// below 1024, the capability and the unit's settings; otherwise, a policy
+// (bug 564). Other errors pass as they are.
+func TestListenFailedNamesWhatToDo(t *testing.T) {
+	for _, tc := range []struct {
+		addr string
+		err  error
+		want []string
+	}{
+		{"127.0.0.1:443", syscall.EACCES, []string{"--http 127.0.0.1:443", "CAP_NET_BIND_SERVICE", "PrivateUsers=no", "1024 or above"}},
+		{"127.0.0.1:8080", syscall.EACCES, []string{"--http 127.0.0.1:8080", "refuses this process the address", "another one"}},
+		{"127.0.0.1:8080", syscall.EADDRINUSE, []string{"--http 127.0.0.1:8080", "another process listens there", "sport = :8080"}},
+	} {
+		err := ListenFailed("http", tc.addr, &net.OpError{Op: "listen", Net: "tcp", Err: os.NewSyscallError("bind", tc.err)})
+		require.ErrorIs(t, err, ErrCannotListen, "%s %v", tc.addr, tc.err)
+		require.ErrorIs(t, err, tc.err)
+		for _, w := range tc.want {
+			require.Contains(t, err.Error(), w)
+		}
+	}
+	other := errors.New("listen tcp: lookup nowhere: no such host")
+	require.Equal(t, other, ListenFailed("http", "nowhere:80", other))
 }
