@@ -154,7 +154,8 @@ type Connector struct {
 type known struct {
 	address string
 	uuids   []string
-	seen    int // times found since discovery started; 0: not found
+	seen    int  // times found since discovery started; 0: not found
+	paired  bool // BlueZ holds a bond with it (Device1.Paired)
 }
 
 // New enables the adapter (powering it on if it is off) and returns a
@@ -529,6 +530,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 	}()
 
 	tried := map[dbus.ObjectPath]int{} // path → seen count when tried
+	refused := map[string]int{}        // address → setups failed while BlueZ holds a bond (bondLost)
 	for {
 		c.mu.Lock()
 		path, addr, ok := c.pickLocked(deviceID, tried)
@@ -574,6 +576,9 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 					"address", addr, "err", err, "retry_after", UnidentifiedRetry)
 				continue
 			}
+			if lost := c.bondLost(deviceID, path, addr, err, refused); lost != nil {
+				return nil, fmt.Errorf("bluez: connect %s: %w", deviceID, lost)
+			}
 			if !errors.Is(err, errOtherDevice) {
 				c.log.Warn("bluez: connect failed", "device_id", deviceID, "address", addr, "err", err)
 			}
@@ -591,6 +596,56 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 		case <-c.busLost:
 		}
 	}
+}
+
+// bondLost is the error for a connection attempt that failed because the
+// device has lost the bond BlueZ keeps with it (it was reset, or paired
+// with another central): BlueZ brings the link up, encrypts it with the
+// long-term key the device no longer has, is refused ("PIN or Key
+// Missing") and ends it. Connect is answered "le-connection-key-missing"
+// (BlueZ ≥ 5.69, src/error.c) or AuthenticationFailed, which say so, or,
+// as BlueZ's att_connect_cb answers every failure of the ATT connection,
+// "le-connection-abort-by-local", which says so only for a device BlueZ
+// lists as Paired whose setup failed so twice in a row. Nothing but
+// removing the bond and pairing again helps: before, the attempts went on
+// at each advertisement until the command's 10 minutes ran out, the
+// command failing timeout (docs/reliability.md, bug 483). It is nil for
+// any other failure, or when the address is not deviceID's: an unknown
+// device refusing so is told apart by no read, and is left alone as
+// unidentified for UnidentifiedRetry.
+func (c *Connector) bondLost(deviceID string, path dbus.ObjectPath, addr string, err error, refused map[string]int) error {
+	if errors.Is(err, errOtherDevice) || errors.Is(err, errUnidentified) {
+		return nil
+	}
+	var de dbus.Error
+	failed := errors.As(err, &de) && de.Name == "org.bluez.Error.Failed"
+	sure := errors.As(err, &de) && (de.Name == "org.bluez.Error.AuthenticationFailed" ||
+		(failed && len(de.Body) > 0 && strings.Contains(fmt.Sprint(de.Body[0]), "key-missing")))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	k := c.known[path]
+	paired := k != nil && k.paired
+	if !sure {
+		// The link up and ended before the services resolved, or Connect
+		// failed, for a device BlueZ holds a bond with.
+		if !paired || !(failed || errors.Is(err, gatt.ErrDisconnected)) {
+			delete(refused, addr)
+			return nil
+		}
+		if refused[addr]++; refused[addr] < 2 {
+			return nil
+		}
+	}
+	if id, ok := c.ids[addr]; !ok || id != deviceID {
+		if !ok {
+			c.unknown[addr] = time.Now().Add(UnidentifiedRetry)
+			c.log.Warn("bluez: a device the gateway is paired with refuses the bond (reset?); not connecting to it again for a while: remove it and pair again if it is one of ours",
+				"address", addr, "err", err, "fix", fmt.Sprintf("bluetoothctl remove %s; pair %s; trust %s", addr, addr, addr), "retry_after", UnidentifiedRetry)
+		}
+		return nil
+	}
+	return fmt.Errorf("%w: its bond with the gateway is lost (the device was reset, or paired with another gateway), and BlueZ's connection with the old key fails (%v): remove it and pair again (bluetoothctl remove %s, pair %s, trust %s; docs/gatt.md, \"Link security\")",
+		gatt.ErrNotPaired, err, addr, addr, addr)
 }
 
 // pickLocked chooses a device to try for deviceID among those found by
@@ -870,6 +925,9 @@ func (c *Connector) addKnownLocked(path dbus.ObjectPath, props map[string]dbus.V
 	if v, ok := props["UUIDs"].Value().([]string); ok {
 		k.uuids = v
 	}
+	if v, ok := props["Paired"].Value().(bool); ok {
+		k.paired = v
+	}
 	if conn, _ := props["Connected"].Value().(bool); conn && c.links[path] == nil {
 		k.seen++
 	}
@@ -1057,6 +1115,9 @@ func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.
 	if k := c.known[path]; k != nil {
 		if v, ok := changes["UUIDs"].Value().([]string); ok {
 			k.uuids = v
+		}
+		if v, ok := changes["Paired"].Value().(bool); ok {
+			k.paired = v
 		}
 		// A device found again by discovery changes RSSI (or its
 		// advertising data).

@@ -1164,3 +1164,40 @@ func TestNewWaitsOutAHungBluetoothd(t *testing.T) {
 		t.Fatalf("Connect once bluetoothd was restarted: %v", err)
 	}
 }
+
+// A device reset (or paired with another gateway) forgets its bond, which
+// BlueZ keeps: each connection comes up, fails to be encrypted with the
+// key the device no longer has, and ends; Connect is answered Failed
+// ("le-connection-abort-by-local" on most BlueZ, "le-connection-key-missing"
+// where the kernel says so). A command to it must fail at once with
+// gatt.ErrNotPaired naming the cure, not retry until its time is out
+// (docs/reliability.md, bug 483).
+func TestDeviceWhoseBondIsLost(t *testing.T) {
+	for _, reply := range []string{"le-connection-abort-by-local", "le-connection-key-missing"} {
+		t.Run(reply, func(t *testing.T) {
+			fake := fakebluez.New(t)
+			dev := sim.New(sim.Options{ID: "sim-b"})
+			fd := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:13:01",
+				Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "sim-b", Connector: newConnector(t)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
+			defer cancel()
+			if _, err := d.Info(ctx); err != nil {
+				t.Fatalf("Info while the bond holds: %v", err)
+			}
+			fd.LoseBond(reply)
+			fd.Drop()
+			_, err = d.Info(ctx)
+			if ctx.Err() != nil {
+				t.Fatalf("Info = %v, after the caller's whole time; want an error at once", err)
+			}
+			if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove C0:FF:EE:00:13:01") {
+				t.Fatalf("Info = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
+			}
+		})
+	}
+}

@@ -60,6 +60,8 @@ type Device struct {
 	gen       int                  // connection generation, for notifications
 	pending   chan struct{}        // closed to abort a hanging Connect
 	refused   chan struct{}        // closed when a Connect is answered InProgress (ConnectElsewhere)
+	bondLost  string               // LoseBond's reply to Connect; "" while the bond holds
+	paired    bool                 // the gateway holds a bond (LoseBond)
 	chars     map[string]*gattChar // by UUID, while connected
 	gattPaths []dbus.ObjectPath
 }
@@ -128,8 +130,8 @@ func (d *Device) exportLocked() {
 		"Adapter":          {Value: d.b.adapterPath, Emit: prop.EmitConst},
 		"UUIDs":            {Value: slices.Clone(d.opts.UUIDs), Emit: prop.EmitTrue},
 		"RSSI":             {Value: d.rssi, Emit: prop.EmitTrue},
-		"Paired":           {Value: false, Emit: prop.EmitTrue},
-		"Bonded":           {Value: false, Emit: prop.EmitTrue},
+		"Paired":           {Value: d.paired, Emit: prop.EmitTrue},
+		"Bonded":           {Value: d.paired, Emit: prop.EmitTrue},
 		"Trusted":          {Value: false, Writable: true, Emit: prop.EmitTrue},
 		"Blocked":          {Value: false, Writable: true, Emit: prop.EmitTrue},
 		"LegacyPairing":    {Value: false, Emit: prop.EmitConst},
@@ -177,6 +179,22 @@ func (x device1) Connect() *dbus.Error {
 	d.connected = true
 	d.gen++
 	gen := d.gen
+	if d.bondLost != "" {
+		// The link comes up; BlueZ, holding the device's long-term key,
+		// elevates security with it (device_attach_att: "Elevating
+		// security level since LTK is available"); the device, which
+		// forgot the bond, refuses ("PIN or Key Missing") and the link
+		// ends; Connect is answered Failed (LoseBond).
+		setProp(d.props, ifaceDevice, "Connected", true)
+		d.connected = false
+		d.gen++
+		setProp(d.props, ifaceDevice, "Connected", false)
+		reply := d.bondLost
+		b.advertiseAfter(d, readvertiseDelay) // under b.mu: see New's cleanup
+		b.mu.Unlock()
+		d.linkMu.Unlock()
+		return dbus.NewError(errFailed, []any{reply})
+	}
 	// BlueZ: Connected, then the GATT objects, then ServicesResolved, then
 	// the reply to Connect.
 	setProp(d.props, ifaceDevice, "Connected", true)
@@ -213,6 +231,27 @@ func (x device1) Connect() *dbus.Error {
 		setProp(d.props, ifaceDevice, "ServicesResolved", true)
 	}
 	return nil
+}
+
+// LoseBond is the device reset (or paired with another central) while the
+// gateway keeps its bond: BlueZ lists it Paired and Bonded, and each
+// Connect brings the link up, fails to encrypt it with the long-term key
+// the device no longer has, and ends it, answering
+// org.bluez.Error.Failed with reply. BlueZ's att_connect_cb (src/device.c)
+// answers every failure of the ATT connection "le-connection-abort-by-local";
+// "le-connection-key-missing" is its answer to EBADE (src/error.c, since
+// 5.69). The device advertises again after each attempt, as one looking for
+// a central does (bluez/bluez pull request 1654 describes the loop). The
+// Paired property stays true (bluez/bluez issue 433).
+func (d *Device) LoseBond(reply string) {
+	b := d.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	d.bondLost, d.paired = reply, true
+	if d.props != nil {
+		setProp(d.props, ifaceDevice, "Paired", true)
+		setProp(d.props, ifaceDevice, "Bonded", true)
+	}
 }
 
 // ConnectElsewhere starts a connection to the device on behalf of another

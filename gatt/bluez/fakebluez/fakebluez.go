@@ -98,6 +98,12 @@ func newOn(tb testing.TB, policy string) *BlueZ {
 	}
 	tb.Cleanup(func() {
 		close(b.closing)
+		// The goroutines a method call started under b.mu happen before
+		// the Wait: the race detector sees no order through the bus's
+		// socket, and took the Wait after a Connect the test had its
+		// answer to for a race with that Connect's Add.
+		b.mu.Lock()
+		b.mu.Unlock()
 		b.wg.Wait()
 		conn.Close()
 	})
