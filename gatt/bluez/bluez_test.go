@@ -1201,3 +1201,41 @@ func TestDeviceWhoseBondIsLost(t *testing.T) {
 		})
 	}
 }
+
+// A device with a resolvable private address (Zephyr's CONFIG_BT_PRIVACY,
+// a new one every 15 minutes) is at a new address at each reconnection
+// after a rotation. The Connector's address → device id map held every
+// address it had read, for as long as it ran; it must hold one per
+// device, and still know the address of a device that did not move
+// (docs/reliability.md, bug 484).
+func TestRotatingAddressesKeepOneEntryPerDevice(t *testing.T) {
+	fake := fakebluez.New(t)
+	ps := newTestPeripheral("dev-s")
+	still := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:14:FF", Peripheral: ps})
+	c := newConnector(t)
+	if err := connect(t, c, "dev-s").Close(); err != nil {
+		t.Fatal(err)
+	}
+	pr := newTestPeripheral("dev-r")
+	var old *fakebluez.Device
+	const rotations = 6
+	for i := range rotations {
+		if old != nil {
+			old.SetAdvertising(false) // that address is no more
+		}
+		old = fake.AddDevice(fakebluez.DeviceOptions{Address: fmt.Sprintf("C0:FF:EE:00:14:%02X", i), Peripheral: pr})
+		if err := connect(t, c, "dev-r").Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := c.Addresses(); n != 2 {
+		t.Errorf("the Connector holds %d addresses after %d rotations of one device beside another; want 2", n, rotations)
+	}
+	// The device that stayed is reconnected without a probe.
+	if err := connect(t, c, "dev-s").Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(strings.Join(fake.Calls(), "\n"), "Device1.Connect "+string(still.Path())); n != 2 {
+		t.Errorf("%d Device1.Connect calls to dev-s; want 2 (no probe on reconnect)", n)
+	}
+}

@@ -245,6 +245,17 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 		return nil, ErrClosed
 	}
 	c.ids[addr] = l.serial
+	// A device is at one address at a time: the addresses it was read at
+	// before are left behind (a resolvable private address rotates, every
+	// 15 minutes in Zephyr), unless one is in use. Before, the map held
+	// each of them for as long as the bridge ran, growing by one a
+	// rotation of each device, without bound over days
+	// (docs/reliability.md, bug 484).
+	for a, id := range c.ids {
+		if id == l.serial && a != addr && !c.busy[a] {
+			delete(c.ids, a)
+		}
+	}
 	c.links[path] = l
 	c.broadcastLocked()
 	c.mu.Unlock()
