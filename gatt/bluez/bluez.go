@@ -1016,6 +1016,9 @@ func (c *Connector) handle(sig *dbus.Signal) bool {
 				c.discoveryLost("the adapter was removed")
 			}
 		}
+		if hasUUID(ifaces, ifaceChar) {
+			c.charRemoved(path)
+		}
 		if !hasUUID(ifaces, ifaceDevice) {
 			return true
 		}
@@ -1139,6 +1142,54 @@ func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.
 	if connected, ok := changes["Connected"].Value().(bool); ok && !connected && l != nil {
 		l.lost()
 	}
+}
+
+// charRemoved is told that BlueZ removed a characteristic's object. One
+// a link uses, while the device stays connected, is BlueZ rediscovering
+// the device's services after it indicated Service Changed (a firmware
+// that changed its GATT table): the objects come back, but the
+// notification sessions on them are gone, and BlueZ drops the reads and
+// writes in flight on them unanswered (src/gatt-client.c,
+// btd_gatt_client_service_removed). Before, the link read as up while no
+// answer of the device came over it: each request waited out its timeout,
+// and each command failed timeout, until a request timeout dropped the
+// link (docs/reliability.md, bug 485). The link ends (its calls in flight
+// fail gatt.ErrDisconnected, and the caller asks again over a new one, as
+// after any drop), and so does the connection, so that the next one has
+// its services resolved, and its notifications asked for, anew: reused,
+// it could be set up while BlueZ had the objects half exported again.
+func (c *Connector) charRemoved(path dbus.ObjectPath) {
+	c.mu.Lock()
+	var l *link
+	for dev, dl := range c.links {
+		if strings.HasPrefix(string(path), string(dev)+"/") {
+			l = dl
+			break
+		}
+	}
+	if l == nil || !l.uses(path) || c.closed {
+		c.mu.Unlock()
+		return
+	}
+	c.calls.Add(1)
+	c.mu.Unlock()
+	if !l.end(true) {
+		c.calls.Done() // lost already: its connection ends, or ended, otherwise
+		return
+	}
+	go func() {
+		defer c.calls.Done()
+		defer c.release(l.addr) // kept busy from end until the connection is gone
+		ctx, cancel := context.WithTimeout(c.ctx, c.opts.CallTimeout)
+		v, err := c.getProperty(ctx, l.path, ifaceDevice+".Connected")
+		cancel()
+		if err == nil && v.Value() != true {
+			return // the connection ended, and took the objects with it
+		}
+		c.log.Info("bluez: BlueZ rediscovers the device's services (it indicated Service Changed); reconnecting",
+			"address", l.addr, "device", l.serial)
+		c.disconnect(l.path, l.addr)
+	}()
 }
 
 func (c *Connector) charChanged(path dbus.ObjectPath, changes map[string]dbus.Variant) {

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -1237,5 +1238,88 @@ func TestRotatingAddressesKeepOneEntryPerDevice(t *testing.T) {
 	}
 	if n := strings.Count(strings.Join(fake.Calls(), "\n"), "Device1.Connect "+string(still.Path())); n != 2 {
 		t.Errorf("%d Device1.Connect calls to dev-s; want 2 (no probe on reconnect)", n)
+	}
+}
+
+// A device that indicates Service Changed over the connection (its
+// firmware changed its GATT table) has BlueZ remove the characteristics'
+// objects and export them again, which ends the notification sessions on
+// them: the SMP characteristic's answers came no more, and each command
+// over the link waited out its request timeout, while the link read as up.
+// The next command must be answered over a link that hears the device
+// (docs/reliability.md, bug 485).
+func TestServiceChangedWhileConnected(t *testing.T) {
+	fake := fakebluez.New(t)
+	dev := sim.New(sim.Options{ID: "sim-c"})
+	fd := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:15:01",
+		Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "sim-c", Connector: newConnector(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if _, err := d.Info(ctx); err != nil {
+		t.Fatalf("Info before the services changed: %v", err)
+	}
+	fd.ChangeServices()
+	// Within one request timeout (DefaultRequestTimeout), as on a link
+	// that hears the device.
+	rctx, rcancel := context.WithTimeout(ctx, gatt.DefaultRequestTimeout)
+	defer rcancel()
+	if _, err := d.Info(rctx); err != nil {
+		t.Fatalf("Info after the device's services changed: %v", err)
+	}
+}
+
+// holdingPeripheral is a testPeripheral whose SMP writes, once hold is
+// set, wait for release: a request the device is still taking.
+type holdingPeripheral struct {
+	*testPeripheral
+	hold             atomic.Bool
+	entered, release chan struct{}
+}
+
+func (p *holdingPeripheral) WriteChar(uuid string, data []byte) error {
+	if p.hold.Load() {
+		close(p.entered)
+		<-p.release
+	}
+	return p.testPeripheral.WriteChar(uuid, data)
+}
+
+// A write in flight as the device's services change, which BlueZ drops
+// unanswered, ends at once with gatt.ErrDisconnected, and the device is
+// connected to again (docs/reliability.md, bug 485).
+func TestServiceChangedEndsCallsInFlight(t *testing.T) {
+	fake := fakebluez.New(t)
+	p := &holdingPeripheral{testPeripheral: newTestPeripheral("dev-h"), entered: make(chan struct{}), release: make(chan struct{})}
+	defer close(p.release)
+	fd := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:15:02", Peripheral: p})
+	c := newConnector(t)
+	l := connect(t, c, "dev-h")
+	p.hold.Store(true)
+	errc := make(chan error, 1)
+	go func() { errc <- l.Write(context.Background(), gatt.SMPCharUUID, []byte("x"), true) }()
+	<-p.entered
+	fd.ChangeServices()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, gatt.ErrDisconnected) {
+			t.Fatalf("Write in flight as the services changed = %v; want gatt.ErrDisconnected", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the write in flight as the services changed did not end")
+	}
+	select {
+	case <-l.Done():
+	default:
+		t.Fatal("the link's Done is not closed")
+	}
+	p.hold.Store(false)
+	l2 := connect(t, c, "dev-h")
+	if err := l2.Write(context.Background(), gatt.SMPCharUUID, []byte("y"), true); err != nil {
+		t.Fatalf("Write over the new link: %v", err)
 	}
 }

@@ -299,8 +299,14 @@ func (l *link) Done() <-chan struct{} { return l.done }
 
 // lost marks the link down: Done closes and the device can be connected to
 // again.
-func (l *link) lost() {
+func (l *link) lost() { l.end(false) }
+
+// end is lost, reporting whether this call ended the link; keepBusy leaves
+// the address busy, for the caller to release.
+func (l *link) end(keepBusy bool) bool {
+	ended := false
 	l.lostOnce.Do(func() {
+		ended = true
 		l.mu.Lock()
 		l.down = true
 		l.mu.Unlock()
@@ -311,10 +317,23 @@ func (l *link) lost() {
 		if c.links[l.path] == l {
 			delete(c.links, l.path)
 		}
-		delete(c.busy, l.addr)
+		if !keepBusy {
+			delete(c.busy, l.addr)
+		}
 		c.broadcastLocked()
 		c.mu.Unlock()
 	})
+	return ended
+}
+
+// uses reports whether path is one of the link's characteristics.
+func (l *link) uses(path dbus.ObjectPath) bool {
+	for _, p := range l.charPaths {
+		if p == path {
+			return true
+		}
+	}
+	return false
 }
 
 // notified delivers a notification; called by the dispatcher, in order.

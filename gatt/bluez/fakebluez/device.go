@@ -254,6 +254,32 @@ func (d *Device) LoseBond(reply string) {
 	}
 }
 
+// ChangeServices is the device indicating Service Changed over the
+// connection (a firmware that changed its GATT table, found after BlueZ
+// took its cached one): BlueZ rediscovers the range, removes the service
+// and characteristic objects in it (InterfacesRemoved; src/gatt-client.c,
+// btd_gatt_client_service_removed), which ends every notification session
+// on them and leaves the reads and writes in flight unanswered (their
+// D-Bus messages dropped with the operation), and exports them again as
+// discovery finds them (InterfacesAdded), at paths named by their handles,
+// not notifying. ServicesResolved stays true, and Connected too: BlueZ
+// turns ServicesResolved false only as the connection ends
+// (src/device.c, device_remove_connection). It does nothing if no central
+// is connected.
+func (d *Device) ChangeServices() {
+	b := d.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !d.connected {
+		return
+	}
+	for i := len(d.gattPaths) - 1; i >= 0; i-- {
+		b.removeObjectLocked(d.gattPaths[i])
+	}
+	d.gattPaths = nil
+	d.exportGATTLocked()
+}
+
 // ConnectElsewhere starts a connection to the device on behalf of another
 // client of BlueZ (bluetoothctl connect, another program): Device1.Connect
 // answers org.bluez.Error.InProgress until complete connects the device.
