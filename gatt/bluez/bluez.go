@@ -562,14 +562,8 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 				// long as the bridge looked for one of its own
 				// (docs/reliability.md, bug 394).
 				c.mu.Lock()
-				now := time.Now()
-				for a, until := range c.unknown { // the map stays small
-					if now.After(until) {
-						delete(c.unknown, a)
-					}
-				}
 				if _, known := c.ids[addr]; !known {
-					c.unknown[addr] = now.Add(UnidentifiedRetry)
+					c.leaveAloneLocked(addr)
 				}
 				c.mu.Unlock()
 				c.log.Warn("bluez: a device with the SMP service cannot be told apart; not connecting to it again for a while",
@@ -638,7 +632,7 @@ func (c *Connector) bondLost(deviceID string, path dbus.ObjectPath, addr string,
 	}
 	if id, ok := c.ids[addr]; !ok || id != deviceID {
 		if !ok {
-			c.unknown[addr] = time.Now().Add(UnidentifiedRetry)
+			c.leaveAloneLocked(addr)
 			c.log.Warn("bluez: a device the gateway is paired with refuses the bond (reset?); not connecting to it again for a while: remove it and pair again if it is one of ours",
 				"address", addr, "err", err, "fix", fmt.Sprintf("bluetoothctl remove %s; pair %s; trust %s", addr, addr, addr), "retry_after", UnidentifiedRetry)
 		}
@@ -646,6 +640,19 @@ func (c *Connector) bondLost(deviceID string, path dbus.ObjectPath, addr string,
 	}
 	return fmt.Errorf("%w: its bond with the gateway is lost (the device was reset, or paired with another gateway), and BlueZ's connection with the old key fails (%v): remove it and pair again (bluetoothctl remove %s, pair %s, trust %s; docs/gatt.md, \"Link security\")",
 		gatt.ErrNotPaired, err, addr, addr, addr)
+}
+
+// leaveAloneLocked has pickLocked skip addr for UnidentifiedRetry, and
+// forgets the addresses whose time is up: the map holds only those left
+// alone within the last UnidentifiedRetry.
+func (c *Connector) leaveAloneLocked(addr string) {
+	now := time.Now()
+	for a, until := range c.unknown {
+		if now.After(until) {
+			delete(c.unknown, a)
+		}
+	}
+	c.unknown[addr] = now.Add(UnidentifiedRetry)
 }
 
 // pickLocked chooses a device to try for deviceID among those found by
