@@ -620,9 +620,10 @@ func (c *Connector) bondLost(deviceID string, path dbus.ObjectPath, addr string,
 	k := c.known[path]
 	paired := k != nil && k.paired
 	if !sure {
-		// The link up and ended before the services resolved, or Connect
-		// failed, for a device BlueZ holds a bond with.
-		if !paired || !(failed || errors.Is(err, gatt.ErrDisconnected)) {
+		// Connect failed, or the link ended during the setup (before the
+		// services resolved, or under the serial number's read), for a
+		// device BlueZ holds a bond with.
+		if !paired || !(failed || errors.Is(err, gatt.ErrDisconnected) || isGone(err)) {
 			delete(refused, addr)
 			return nil
 		}
