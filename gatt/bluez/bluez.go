@@ -138,6 +138,7 @@ type Connector struct {
 	calls       sync.WaitGroup                    // Connect calls and their cleanups
 	ids         map[string]string                 // address → device id (DIS serial)
 	unknown     map[string]time.Time              // address → until when not to probe it again (errUnidentified)
+	refused     map[string]int                    // address of a Paired device → its setups failed in a row (bondLost)
 	busy        map[string]bool                   // addresses being probed or linked
 	links       map[dbus.ObjectPath]*link         // device path → open link
 	watch       map[dbus.ObjectPath]chan struct{} // device path → poked on Device1 changes
@@ -190,6 +191,7 @@ func New(opts Options) (*Connector, error) {
 		busLost:  make(chan struct{}),
 		ids:      map[string]string{},
 		unknown:  map[string]time.Time{},
+		refused:  map[string]int{},
 		busy:     map[string]bool{},
 		links:    map[dbus.ObjectPath]*link{},
 		watch:    map[dbus.ObjectPath]chan struct{}{},
@@ -530,7 +532,6 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 	}()
 
 	tried := map[dbus.ObjectPath]int{} // path → seen count when tried
-	refused := map[string]int{}        // address → setups failed while BlueZ holds a bond (bondLost)
 	for {
 		c.mu.Lock()
 		path, addr, ok := c.pickLocked(deviceID, tried)
@@ -570,7 +571,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 					"address", addr, "err", err, "retry_after", UnidentifiedRetry)
 				continue
 			}
-			if lost := c.bondLost(deviceID, path, addr, err, refused); lost != nil {
+			if lost := c.bondLost(deviceID, path, addr, err); lost != nil {
 				return nil, fmt.Errorf("bluez: connect %s: %w", deviceID, lost)
 			}
 			if !errors.Is(err, errOtherDevice) {
@@ -600,14 +601,15 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 // (BlueZ ≥ 5.69, src/error.c) or AuthenticationFailed, which say so, or,
 // as BlueZ's att_connect_cb answers every failure of the ATT connection,
 // "le-connection-abort-by-local", which says so only for a device BlueZ
-// lists as Paired whose setup failed so twice in a row. Nothing but
+// lists as Paired whose setup failed so twice in a row (c.refused, which
+// a setup that works clears). Nothing but
 // removing the bond and pairing again helps: before, the attempts went on
 // at each advertisement until the command's 10 minutes ran out, the
 // command failing timeout (docs/reliability.md, bug 483). It is nil for
 // any other failure, or when the address is not deviceID's: an unknown
 // device refusing so is told apart by no read, and is left alone as
 // unidentified for UnidentifiedRetry.
-func (c *Connector) bondLost(deviceID string, path dbus.ObjectPath, addr string, err error, refused map[string]int) error {
+func (c *Connector) bondLost(deviceID string, path dbus.ObjectPath, addr string, err error) error {
 	if errors.Is(err, errOtherDevice) || errors.Is(err, errUnidentified) {
 		return nil
 	}
@@ -624,10 +626,14 @@ func (c *Connector) bondLost(deviceID string, path dbus.ObjectPath, addr string,
 		// services resolved, or under the serial number's read), for a
 		// device BlueZ holds a bond with.
 		if !paired || !(failed || errors.Is(err, gatt.ErrDisconnected) || isGone(err)) {
-			delete(refused, addr)
+			delete(c.refused, addr)
 			return nil
 		}
-		if refused[addr]++; refused[addr] < 2 {
+		// Counted across Connect calls: BlueZ reports a device found
+		// again only when its RSSI moved 8 dBm (RSSI_THRESHOLD) unless a
+		// filter asks for more, so the second attempt may be the next
+		// call's.
+		if c.refused[addr]++; c.refused[addr] < 2 {
 			return nil
 		}
 	}

@@ -245,6 +245,7 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 		return nil, ErrClosed
 	}
 	c.ids[addr] = l.serial
+	delete(c.refused, addr) // bondLost: the bond holds
 	// A device is at one address at a time: the addresses it was read at
 	// before are left behind (a resolvable private address rotates, every
 	// 15 minutes in Zephyr), unless one is in use. Before, the map held
