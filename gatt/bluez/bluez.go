@@ -852,7 +852,16 @@ func (c *Connector) startDiscovery() error {
 		c.log.Info("bluez: the adapter is powered on", "adapter", path)
 	}
 	ad := c.conn.Object(bluezName, path)
-	filter := map[string]any{"Transport": "le", "UUIDs": []string{gatt.ServiceUUID}}
+	// RSSI, at its lowest (-127 dBm: no device is left out for it), makes
+	// BlueZ announce each advertisement of a device it knows as an RSSI
+	// change: without an RSSI or Pathloss filter it announces only changes
+	// of 8 dBm or more (RSSI_THRESHOLD, src/device.c; doc/org.bluez.Adapter.rst,
+	// SetDiscoveryFilter). A device whose connection attempt failed is
+	// tried again at its next advertisement announced; before, one whose
+	// RSSI held steady was not found again until discovery started anew,
+	// its Connect call running out its time "not found" (docs/reliability.md,
+	// bug 486).
+	filter := map[string]any{"Transport": "le", "UUIDs": []string{gatt.ServiceUUID}, "RSSI": int16(-127)}
 	if err := ad.CallWithContext(ctx, ifaceAdapter+".SetDiscoveryFilter", 0, filter).Err; err != nil {
 		return fmt.Errorf("SetDiscoveryFilter: %w", c.unanswered(ctx, "Adapter1.SetDiscoveryFilter", err))
 	}

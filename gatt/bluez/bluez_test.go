@@ -1323,3 +1323,26 @@ func TestServiceChangedEndsCallsInFlight(t *testing.T) {
 		t.Fatalf("Write over the new link: %v", err)
 	}
 }
+
+// After a connection attempt that failed, the device is tried again at its
+// next advertisement. BlueZ announces an advertisement of a device it knows
+// only as an RSSI change of 8 dBm or more, unless a discovery filter has
+// RSSI: a device that stayed where it was, its RSSI steady, was not found
+// again within the Connect call, which ran out its whole time, "not found"
+// (docs/reliability.md, bug 486).
+func TestDeviceFoundAgainAfterAFailedAttempt(t *testing.T) {
+	fake := fakebluez.New(t)
+	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:16:01", Peripheral: newTestPeripheral("dev-f")})
+	d.FailNextConnect()
+	c := newConnector(t)
+	ctx, cancel := context.WithTimeout(context.Background(), gatt.DefaultConnectTimeout)
+	defer cancel()
+	l, err := c.Connect(ctx, "dev-f")
+	if err != nil {
+		t.Fatalf("Connect after a failed attempt: %v", err)
+	}
+	l.Close()
+	if n := strings.Count(strings.Join(fake.Calls(), "\n"), "Device1.Connect "); n != 2 {
+		t.Errorf("%d Device1.Connect calls; want 2 (one failed, one that worked)", n)
+	}
+}

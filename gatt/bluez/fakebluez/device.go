@@ -55,12 +55,14 @@ type Device struct {
 
 	// Guarded by b.mu.
 	props     *prop.Properties // nil until discovery first finds it
-	rssi      int16
+	rssi      int16            // of its last advertisement
+	reported  int16            // the RSSI property as last announced; 0 once discovery ended (invalidated)
 	connected bool
 	gen       int                  // connection generation, for notifications
 	pending   chan struct{}        // closed to abort a hanging Connect
 	refused   chan struct{}        // closed when a Connect is answered InProgress (ConnectElsewhere)
 	bondLost  string               // LoseBond's reply to Connect; "" while the bond holds
+	failNext  bool                 // FailNextConnect
 	paired    bool                 // the gateway holds a bond (LoseBond)
 	chars     map[string]*gattChar // by UUID, while connected
 	gattPaths []dbus.ObjectPath
@@ -122,6 +124,7 @@ func (d *Device) Connected() bool {
 
 // exportLocked creates the Device1 object.
 func (d *Device) exportLocked() {
+	d.reported = d.rssi
 	d.props = d.b.addObjectLocked(d.path, prop.Map{ifaceDevice: {
 		"Address":          {Value: d.opts.Address, Emit: prop.EmitConst},
 		"AddressType":      {Value: "random", Emit: prop.EmitConst},
@@ -174,6 +177,17 @@ func (x device1) Connect() *dbus.Error {
 		case <-abort:
 		case <-b.closing:
 		}
+		return dbus.NewError(errFailed, []any{"le-connection-abort-by-local"})
+	}
+	if d.failNext {
+		// The controller's LE Connection Complete reported a failure
+		// (0x3E, "Connection Failed to be Established", common on a busy
+		// radio): the link never came up, and BlueZ's att_connect_cb
+		// answers it as every failure of the ATT connection.
+		d.failNext = false
+		b.advertiseAfter(d, readvertiseDelay) // under b.mu: see New's cleanup
+		b.mu.Unlock()
+		d.linkMu.Unlock()
 		return dbus.NewError(errFailed, []any{"le-connection-abort-by-local"})
 	}
 	d.connected = true
@@ -252,6 +266,15 @@ func (d *Device) LoseBond(reply string) {
 		setProp(d.props, ifaceDevice, "Paired", true)
 		setProp(d.props, ifaceDevice, "Bonded", true)
 	}
+}
+
+// FailNextConnect makes the next Device1.Connect fail without the link
+// coming up, as a connection the controller could not establish does; the
+// device advertises again at once, its RSSI as steady as ever.
+func (d *Device) FailNextConnect() {
+	d.b.mu.Lock()
+	d.failNext = true
+	d.b.mu.Unlock()
 }
 
 // ChangeServices is the device indicating Service Changed over the

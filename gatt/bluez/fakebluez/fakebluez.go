@@ -45,6 +45,7 @@ type BlueZ struct {
 	devices     map[dbus.ObjectPath]*Device
 	discovering map[dbus.Sender]bool
 	filters     map[dbus.Sender][]string // UUIDs of SetDiscoveryFilter
+	proximity   map[dbus.Sender]bool     // SetDiscoveryFilter had RSSI or Pathloss
 	calls       []string
 	slowStart   time.Duration // the next StartDiscovery answers this late
 	slowDone    chan struct{} // closed once it has
@@ -93,6 +94,7 @@ func newOn(tb testing.TB, policy string) *BlueZ {
 		devices:     map[dbus.ObjectPath]*Device{},
 		discovering: map[dbus.Sender]bool{},
 		filters:     map[dbus.Sender][]string{},
+		proximity:   map[dbus.Sender]bool{},
 		changed:     make(chan struct{}),
 		closing:     make(chan struct{}),
 	}
@@ -358,8 +360,10 @@ func (b *BlueZ) stopAll() {
 	had := len(b.discovering) > 0
 	b.discovering = map[dbus.Sender]bool{}
 	b.filters = map[dbus.Sender][]string{}
+	b.proximity = map[dbus.Sender]bool{}
 	if had {
 		setProp(b.adapter, ifaceAdapter, "Discovering", false)
+		b.endDiscoveryLocked()
 	}
 	b.notifyLocked()
 	b.mu.Unlock()
@@ -501,7 +505,22 @@ func (a adapter1) SetDiscoveryFilter(sender dbus.Sender, filter map[string]dbus.
 			return dbus.NewError("org.bluez.Error.InvalidArguments", []any{"bad Transport"})
 		}
 	}
+	prox := false
+	if v, ok := filter["RSSI"]; ok {
+		r, ok := v.Value().(int16)
+		if !ok || r < -127 || r > 20 {
+			return dbus.NewError("org.bluez.Error.InvalidArguments", []any{"Invalid arguments in method call"})
+		}
+		prox = true
+	}
+	if v, ok := filter["Pathloss"]; ok {
+		if _, ok := v.Value().(uint16); !ok {
+			return dbus.NewError("org.bluez.Error.InvalidArguments", []any{"Invalid arguments in method call"})
+		}
+		prox = true
+	}
 	b.filters[sender] = uuids
+	b.proximity[sender] = prox
 	return nil
 }
 
@@ -565,6 +584,7 @@ func (a adapter1) StopDiscovery(sender dbus.Sender) *dbus.Error {
 	b.notifyLocked()
 	if len(b.discovering) == 0 {
 		setProp(b.adapter, ifaceAdapter, "Discovering", false)
+		b.endDiscoveryLocked()
 	}
 	return nil
 }
@@ -584,6 +604,29 @@ func (a adapter1) RemoveDevice(path dbus.ObjectPath) *dbus.Error {
 	d.props = nil
 	b.mu.Unlock()
 	return nil
+}
+
+// rssiThreshold is BlueZ's RSSI_THRESHOLD (src/device.c).
+const rssiThreshold = 8
+
+// proximityLocked reports whether a discovery session's filter has RSSI or
+// Pathloss, with which BlueZ announces the RSSI of every advertisement.
+func (b *BlueZ) proximityLocked() bool {
+	for sender := range b.discovering {
+		if b.proximity[sender] {
+			return true
+		}
+	}
+	return false
+}
+
+// endDiscoveryLocked is the last discovery session ended: BlueZ
+// invalidates the RSSI of the devices it found (discovery_cleanup), so
+// that the first advertisement of the next session is announced.
+func (b *BlueZ) endDiscoveryLocked() {
+	for _, d := range b.devices {
+		d.reported = 0
+	}
 }
 
 // wants reports whether any discovery session's filter lets d through.
@@ -637,6 +680,19 @@ func (b *BlueZ) advertiseLater(d *Device) {
 		if d.rssi < -90 {
 			d.rssi = -40
 		}
+		// As BlueZ's device_set_rssi_with_delta (src/device.c): a change of
+		// less than RSSI_THRESHOLD (8 dBm) is not announced, unless a
+		// discovery filter has RSSI or Pathloss (the threshold is then
+		// 0: each advertisement is, doc/org.bluez.Adapter.rst), or the
+		// RSSI was invalidated as discovery ended (discovery_cleanup).
+		delta := d.rssi - d.reported
+		if delta < 0 {
+			delta = -delta
+		}
+		if d.reported != 0 && delta < rssiThreshold && !b.proximityLocked() {
+			return
+		}
+		d.reported = d.rssi
 		setProp(d.props, ifaceDevice, "RSSI", d.rssi)
 	}()
 }
