@@ -532,6 +532,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 	}()
 
 	tried := map[dbus.ObjectPath]int{} // path → seen count when tried
+	warned := map[string]bool{}        // addresses whose failed attempt this call logged
 	for {
 		c.mu.Lock()
 		path, addr, ok := c.pickLocked(deviceID, tried)
@@ -574,7 +575,14 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 			if lost := c.bondLost(deviceID, path, addr, err); lost != nil {
 				return nil, fmt.Errorf("bluez: connect %s: %w", deviceID, lost)
 			}
-			if !errors.Is(err, errOtherDevice) {
+			switch {
+			case errors.Is(err, errOtherDevice):
+			case warned[addr]:
+				// A device is tried again at each advertisement (bug 486):
+				// one warning a call, not one each.
+				c.log.Debug("bluez: connect failed again", "device_id", deviceID, "address", addr, "err", err)
+			default:
+				warned[addr] = true
 				c.log.Warn("bluez: connect failed", "device_id", deviceID, "address", addr, "err", err)
 			}
 			continue

@@ -62,7 +62,7 @@ type Device struct {
 	pending   chan struct{}        // closed to abort a hanging Connect
 	refused   chan struct{}        // closed when a Connect is answered InProgress (ConnectElsewhere)
 	bondLost  string               // LoseBond's reply to Connect; "" while the bond holds
-	failNext  bool                 // FailNextConnect
+	failNext  int                  // FailConnects: Connect calls left to fail
 	paired    bool                 // the gateway holds a bond (LoseBond)
 	chars     map[string]*gattChar // by UUID, while connected
 	gattPaths []dbus.ObjectPath
@@ -179,12 +179,12 @@ func (x device1) Connect() *dbus.Error {
 		}
 		return dbus.NewError(errFailed, []any{"le-connection-abort-by-local"})
 	}
-	if d.failNext {
+	if d.failNext > 0 {
 		// The controller's LE Connection Complete reported a failure
 		// (0x3E, "Connection Failed to be Established", common on a busy
 		// radio): the link never came up, and BlueZ's att_connect_cb
 		// answers it as every failure of the ATT connection.
-		d.failNext = false
+		d.failNext--
 		b.advertiseAfter(d, readvertiseDelay) // under b.mu: see New's cleanup
 		b.mu.Unlock()
 		d.linkMu.Unlock()
@@ -268,12 +268,13 @@ func (d *Device) LoseBond(reply string) {
 	}
 }
 
-// FailNextConnect makes the next Device1.Connect fail without the link
-// coming up, as a connection the controller could not establish does; the
-// device advertises again at once, its RSSI as steady as ever.
-func (d *Device) FailNextConnect() {
+// FailConnects makes the next n Device1.Connect calls fail without the
+// link coming up, as a connection the controller could not establish does;
+// the device advertises again at once after each, its RSSI as steady as
+// ever.
+func (d *Device) FailConnects(n int) {
 	d.b.mu.Lock()
-	d.failNext = true
+	d.failNext = n
 	d.b.mu.Unlock()
 }
 
