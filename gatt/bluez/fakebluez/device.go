@@ -360,8 +360,8 @@ func (d *Device) dropGen(gen int) {
 
 // Drop ends the connection from the device's side, as a link loss does:
 // ServicesResolved and Connected turn false (PropertiesChanged) and the
-// GATT objects go away (InterfacesRemoved). It does nothing if no central
-// is connected.
+// GATT objects go away (InterfacesRemoved), and the device advertises
+// again. It does nothing if no central is connected.
 func (d *Device) Drop() {
 	b := d.b
 	d.linkMu.Lock()
@@ -380,6 +380,9 @@ func (d *Device) Drop() {
 	}
 	d.gattPaths, d.chars = nil, nil
 	p := d.opts.Peripheral
+	// A peripheral advertises again as its connection ends (Zephyr
+	// restarts advertising on disconnect): discovery under way finds it.
+	b.advertiseAfter(d, readvertiseDelay) // under b.mu: see New's cleanup
 	b.mu.Unlock()
 	if p != nil {
 		p.Disconnected()
