@@ -122,3 +122,11 @@ func (s *spool) claimNow(deviceID string) *record {
 func (a *Agent) KeptStatus(deviceID string) (*topics.Status, error) {
 	return a.spool.lastStatus(deviceID)
 }
+
+// SetReportTimeout sets the bound of a report's read (30 s) for the
+// package's tests, and returns a function putting it back.
+func SetReportTimeout(d time.Duration) (restore func()) {
+	old := reportTimeout
+	reportTimeout = d
+	return func() { reportTimeout = old }
+}

@@ -2,10 +2,12 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -14,8 +16,70 @@ import (
 	"github.com/devicecompanion/companion/topics"
 )
 
-// reportTimeout bounds one read of a device's info or settings.
-const reportTimeout = 30 * time.Second
+// reportTimeout bounds one read of a device's info or settings, unless the
+// device is busy (busyDevice).
+var reportTimeout = 30 * time.Second
+
+// busyDevice is a Device that tells whether it is at work on requests it
+// still has time to answer (gatt.Device.Busy): its link up, a request
+// waiting within the deadline the device's own client gives it.
+type busyDevice interface {
+	Busy() bool
+}
+
+// errNoAnswer ends a report's read that reportTimeout bounded.
+var errNoAnswer = fmt.Errorf("agent: no answer within the report's bound: %w", context.DeadlineExceeded)
+
+// readBound is the context of one report's read of dev: it ends at
+// reportTimeout, unless dev is busy then, and as soon after as it is not.
+// A firmware update's first upload request waits while img_mgmt erases the
+// slot, minutes for a large one on external flash, and the device answers
+// the read only after it: bounded at 30 s whatever, the read failed and the
+// device read offline while its update went on (docs/reliability.md, bug
+// 543). A device out of reach, or silent past its requests' deadlines (its
+// client times them out and drops the link), is not busy, and still reads
+// offline at reportTimeout.
+func readBound(ctx context.Context, dev Device) (context.Context, context.CancelFunc) {
+	b, ok := dev.(busyDevice)
+	if !ok {
+		return context.WithTimeout(ctx, reportTimeout)
+	}
+	bound := reportTimeout
+	rctx, cancel := context.WithCancelCause(ctx)
+	done := make(chan struct{})
+	go func() {
+		t := time.NewTimer(bound)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-rctx.Done():
+				return
+			case <-t.C:
+			}
+			if !b.Busy() {
+				cancel(errNoAnswer)
+				return
+			}
+			t.Reset(min(bound, time.Second))
+		}
+	}()
+	var once sync.Once
+	return rctx, func() {
+		once.Do(func() { close(done) })
+		cancel(context.Canceled)
+	}
+}
+
+// readError is err, a read's failure under rctx (readBound), saying so
+// when the report's bound ended it.
+func readError(rctx context.Context, err error) error {
+	if cause := context.Cause(rctx); errors.Is(cause, errNoAnswer) && !errors.Is(err, errNoAnswer) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return err
+}
 
 // requestReport asks the device's reporter to publish its status (when it
 // changed, or always when force) and its settings.
@@ -155,11 +219,11 @@ func sameStatus(a, b *topics.Status) bool {
 // last.
 func (a *Agent) readStatus(ctx context.Context, dr *deviceRunner) (topics.Status, error) {
 	seq := a.nextSeq()
-	rctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	rctx, cancel := readBound(ctx, dr.dev)
 	info, err := dr.dev.Info(rctx)
 	cancel()
 	if err != nil {
-		return topics.Status{}, err
+		return topics.Status{}, readError(rctx, err)
 	}
 	var battery *int // unknown: companion.BatteryUnknown
 	if info.Battery >= 0 {
@@ -201,11 +265,11 @@ func (a *Agent) nameableApps(deviceID string, apps []companion.App) []companion.
 // before the read (see readStatus).
 func (a *Agent) readSettings(ctx context.Context, dr *deviceRunner) (topics.Settings, error) {
 	seq := a.nextSeq()
-	rctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	rctx, cancel := readBound(ctx, dr.dev)
 	reported, schema, err := dr.dev.Settings(rctx)
 	cancel()
 	if err != nil {
-		return topics.Settings{}, err
+		return topics.Settings{}, readError(rctx, err)
 	}
 	return a.settingsMessage(dr.id, reported, schema, seq)
 }

@@ -641,6 +641,26 @@ func (c *Client) write(ctx context.Context, call *Call, body []byte) error {
 	return nil
 }
 
+// Working reports whether the client waits for an answer the device still
+// has time to give: a request someone waits for, out whole, before its
+// deadline (a request timeout, or longer behind an upload's slot erase,
+// Call.extend), on a client that has not failed. A device silent past a
+// deadline is timed out, and its link dropped, by the client itself.
+func (c *Client) Working() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil {
+		return false
+	}
+	now := time.Now()
+	for _, call := range c.pending {
+		if !call.abandoned && !call.probe && !call.at.IsZero() && now.Before(call.deadline) {
+			return true
+		}
+	}
+	return false
+}
+
 func (c *Client) isDead() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()

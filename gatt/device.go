@@ -270,6 +270,22 @@ func (d *Device) current() (*session, error) {
 	return nil, nil
 }
 
+// Busy reports whether the device is at work on requests it still has time
+// to answer: its link up, and a request of any caller (an upload's first
+// request while img_mgmt erases the slot, minutes for a large one) waiting
+// within its deadline (Client.Working). A device out of reach, or being
+// connected to, is not busy; one that stays silent past a deadline is
+// timed out, and its link dropped, by the client. The bridge's reporter
+// lets a status read that waits on a busy device go on past its own bound,
+// where before the device read offline behind a long erase
+// (docs/reliability.md, bug 543).
+func (d *Device) Busy() bool {
+	d.mu.Lock()
+	s, closed := d.sess, d.closed
+	d.mu.Unlock()
+	return !closed && s != nil && alive(s) && s.client.Working()
+}
+
 // connect makes one attempt: connect, subscribe, check the serial number,
 // learn the device's buffers and whether it reassembles requests.
 func (d *Device) connect(ctx context.Context) (*session, error) {
