@@ -98,7 +98,6 @@ type Peripheral struct {
 	inUse   int // buffers held: queued packets, the one being collected, two while one is answered
 	cur     []byte
 	want    int // bytes the message being collected still needs
-	skip    int // bytes of a dropped message still to come
 	wake    chan struct{}
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
@@ -300,16 +299,12 @@ func (p *Peripheral) takePacketLocked(data []byte) {
 // collectLocked is smp_bt with reassembly: the first write of a message
 // holds its header, and the writes that follow add to it until it is whole.
 // A message longer than a buffer, a write that runs past its message, or a
-// new message that finds no buffer free is lost.
+// new message that finds no buffer free is lost; and, as in Zephyr's
+// smp_reassembly_collect, nothing of it is remembered: each write of its
+// rest is taken as the first of a new message, its first 8 bytes as a
+// header. Before, the simulator skipped the rest of such a message, which
+// no Zephyr does (docs/reliability.md, bug 544).
 func (p *Peripheral) collectLocked(data []byte) {
-	if p.skip > 0 {
-		n := min(p.skip, len(data))
-		p.skip -= n
-		data = data[n:]
-		if len(data) == 0 {
-			return
-		}
-	}
 	if p.cur == nil {
 		if len(data) < gatt.HeaderSize {
 			p.lostLocked("a first write without a whole header", len(data))
@@ -320,11 +315,9 @@ func (p *Peripheral) collectLocked(data []byte) {
 		switch {
 		case total > p.opts.BufSize:
 			p.lostLocked("a message longer than a buffer", total)
-			p.skip = max(total-len(data), 0)
 			return
 		case p.inUse >= p.opts.BufCount:
 			p.lostLocked("no free buffer", total)
-			p.skip = max(total-len(data), 0)
 			return
 		}
 		p.inUse++
@@ -368,7 +361,7 @@ func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byt
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p.notify, p.drop, p.mtu, p.cancel = notify, drop, mtu, cancel
-	p.queue, p.inUse, p.cur, p.want, p.skip = nil, 0, nil, 0, 0
+	p.queue, p.inUse, p.cur, p.want = nil, 0, nil, 0
 	p.wake = make(chan struct{}, 1)
 	wake := p.wake
 	p.mu.Unlock()
