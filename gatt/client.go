@@ -898,6 +898,11 @@ func echoOf(total int) []byte {
 // CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE's default.
 const ZephyrBufSize = 384
 
+// ZephyrBufSizes are the SMP buffers the bridge probes a device that does
+// not report its own for, longest first: Zephyr's default, and the 256
+// bytes of a firmware short of RAM (docs/reliability.md, bug 545).
+var ZephyrBufSizes = []int{ZephyrBufSize, 256}
+
 // ProbeBuffer finds out whether the device takes a request of size bytes:
 // for a device that does not report its buffers (no MCUmgr parameters). It
 // sends an OS echo of that length, in one write when it fits one, across

@@ -361,16 +361,17 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		// request, and at MTU 23 every command failed mtu_too_small
 		// (docs/reliability.md, bug 445).
 		ok, err := c.ProbeReassembly(cctx, d.opts.ProbeTimeout)
+		size := 0
 		if err == nil && ok {
-			ok, err = c.ProbeBuffer(cctx, ZephyrBufSize, d.opts.ProbeTimeout)
+			size, err = d.probeBuffers(cctx, c)
 		}
 		if err != nil {
 			c.Close()
 			return nil, fmt.Errorf("reassembly probe: %w", err)
 		}
-		if ok {
+		if size > 0 {
 			s.reassembles = true
-			c.SetMaxRequest(ZephyrBufSize)
+			c.SetMaxRequest(size)
 		}
 	case p.BufSize == 0 && c.Frag() > ZephyrBufSize:
 		// No MCUmgr parameters and writes longer than Zephyr's default
@@ -381,13 +382,20 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		// such a device lost every long request, and every upload failed
 		// (docs/reliability.md, bug 447).
 		ok, err := c.ProbeBuffer(cctx, c.Frag(), d.opts.ProbeTimeout)
+		size := c.Frag()
+		if err == nil && !ok {
+			size, err = d.probeBuffers(cctx, c)
+			if size == 0 {
+				// Nothing answered: the shortest of Zephyr's usual
+				// buffers, which loses nothing a longer one takes.
+				size = ZephyrBufSizes[len(ZephyrBufSizes)-1]
+			}
+		}
 		if err != nil {
 			c.Close()
 			return nil, fmt.Errorf("buffer probe: %w", err)
 		}
-		if !ok {
-			c.SetMaxRequest(ZephyrBufSize)
-		}
+		c.SetMaxRequest(size)
 	}
 	// The status reads of the bridge's reporter and a command's requests
 	// may reach the device at once: together they keep no more in flight
@@ -405,6 +413,31 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	}
 	d.log.Debug("connected", "mtu", link.MTU(), "buf_size", s.bufSize, "buf_count", s.bufCount, "reassembles", s.reassembles, "window", d.window(s))
 	return s, nil
+}
+
+// probeBuffers finds the SMP buffer of a device that does not report it (no
+// MCUmgr parameters): the longest of ZephyrBufSizes longer than a write
+// (one write carries the shorter ones) that the device answers an echo of
+// (Client.ProbeBuffer), or 0 when it answers none. Zephyr's default of 384
+// bytes alone was probed before: a firmware built with buffers of 256
+// (CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE, to save RAM) that reassembles got
+// one write per request, and every command failed mtu_too_small at MTU 23;
+// at MTU 498 it got requests of 384 bytes, which it dropped whole, and every
+// upload failed (docs/reliability.md, bug 545). A probe the device's
+// buffers do not hold leaves nothing behind (its writes are dropped whole,
+// and those after the first are all "r", a header claiming more than any
+// buffer), and costs ProbeTimeout.
+func (d *Device) probeBuffers(ctx context.Context, c *Client) (int, error) {
+	for _, size := range ZephyrBufSizes {
+		if size <= c.Frag() && c.Frag() < ZephyrBufSize {
+			break // one write carries it: no reassembly to size
+		}
+		ok, err := c.ProbeBuffer(ctx, size, d.opts.ProbeTimeout)
+		if err != nil || ok {
+			return size, err
+		}
+	}
+	return 0, nil
 }
 
 // silentError is a connection attempt on which the device took the link

@@ -294,8 +294,8 @@ func TestOldMCUmgrWithoutReassemblyIsNotTakenForReassembling(t *testing.T) {
 // as one with parameters does: the bridge probes for reassembly, and for
 // Zephyr's default buffer of 384 bytes (an echo of 384 bytes, whose writes
 // after the first are all "r", which a device with shorter buffers drops
-// whole). One with shorter buffers, or without reassembly, gets one write
-// per request, as before. Before, without parameters the bridge never
+// whole), then 256 (bug 545). One with shorter buffers, or without
+// reassembly, gets one write per request, as before. Before, without parameters the bridge never
 // probed: every command but the status reads failed mtu_too_small at MTU
 // 23 (bug 445).
 func TestReassemblyWithoutParametersIsProbed(t *testing.T) {
@@ -307,7 +307,7 @@ func TestReassemblyWithoutParametersIsProbed(t *testing.T) {
 		reasm bool // what the bridge should find
 	}{
 		{"reassembles", sim.PeripheralOptions{NoParams: true}, true},
-		{"reassembles into buffers of 256", sim.PeripheralOptions{NoParams: true, BufSize: 256}, false},
+		{"reassembles into buffers of 200", sim.PeripheralOptions{NoParams: true, BufSize: 200}, false},
 		{"no reassembly", sim.PeripheralOptions{NoParams: true, NoReassembly: true}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -415,6 +415,84 @@ func TestWithoutParametersALargeMTUIsBoundByTheBuffer(t *testing.T) {
 			}
 			if longest != tc.max || p.Dropped()-dropped != probes {
 				t.Errorf("the longest write was %d bytes and the device dropped %d writes; want %d, %d (the probes)", longest, p.Dropped()-dropped, tc.max, probes)
+			}
+		})
+	}
+}
+
+// A device without MCUmgr parameters whose firmware set
+// CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE to 256 (a firmware short of RAM) was
+// probed for Zephyr's default of 384 bytes alone: reassembling at MTU 23,
+// it got one write per request and every command failed mtu_too_small; at
+// MTU 498 it got requests of 384 bytes, each dropped whole, and every upload
+// failed timeout. The bridge now probes 256 bytes after 384, and bounds the
+// requests by what the device answered (bug 545).
+func TestWithoutParametersBuffersOf256AreFound(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		mtu   int
+		popts sim.PeripheralOptions
+	}{
+		{"MTU 23, reassembling", 23, sim.PeripheralOptions{NoParams: true, BufSize: 256}},
+		{"MTU 498", 498, sim.PeripheralOptions{NoParams: true, BufSize: 256, NoReassembly: true}},
+		{"MTU 498, reassembling", 498, sim.PeripheralOptions{NoParams: true, BufSize: 256}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.popts.ResetDelay, tc.popts.BootTime = 5*time.Millisecond, 5*time.Millisecond
+			opts := fastLink
+			opts.MTU = tc.mtu
+			var mu sync.Mutex
+			longest := 0 // the longest request, its writes added up
+			var msg []byte
+			want, echo := 0, false
+			tap := func(_ gatt.Link, data []byte) ([]byte, error) {
+				mu.Lock()
+				defer mu.Unlock()
+				if want == 0 {
+					h, err := gatt.ParseHeader(data)
+					if err != nil {
+						return data, nil
+					}
+					want, msg = gatt.HeaderSize+int(h.Len), nil
+					echo = h.Group == gatt.GroupOS && h.ID == gatt.CmdOSEcho // the probes of each connection
+				}
+				msg = append(msg, data...)
+				if len(msg) >= want {
+					if !echo {
+						longest = max(longest, len(msg))
+					}
+					want = 0
+				}
+				return data, nil
+			}
+			s := sim.New(sim.Options{ID: "dev-1"})
+			n := sim.NewNetwork(opts)
+			n.Add("dev-1", sim.NewPeripheral(s, tc.popts))
+			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap}, MinBackoff: time.Millisecond,
+				ProbeTimeout: 300 * time.Millisecond, RequestTimeout: 2 * time.Second, QuietTimeout: 200 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				d.Close()
+				n.Close()
+			})
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			if _, err := d.Info(ctx); err != nil {
+				t.Fatalf("Info: %v", err)
+			}
+			errText := d.PushText(ctx, "0190a000-0000-7000-8000-000000000001", "", "hello")
+			errImg := d.PushImage(ctx, "img-1", "image/png", randomBytes(t, 20_000))
+			errOTA := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
+			if errText != nil || errImg != nil || errOTA != nil {
+				t.Fatalf("at MTU %d without MCUmgr parameters, buffers of 256: PushText = %v; PushImage = %v; UpdateFirmware = %v (codes %q %q %q); want nil",
+					tc.mtu, errText, errImg, errOTA, errorCode(errText), errorCode(errImg), errorCode(errOTA))
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if longest > 256 || longest < 200 {
+				t.Errorf("the longest request was %d bytes; want up to the device's 256", longest)
 			}
 		})
 	}
