@@ -126,6 +126,9 @@ type Client struct {
 	// (Call.extend): a request sent behind it while it waits is answered
 	// after it, and gets its deadline and a request timeout more.
 	long *Call
+	// busyUntil is long's deadline when the client failed with it
+	// unanswered (BusyUntil).
+	busyUntil time.Time
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -327,6 +330,9 @@ func (c *Client) failLocked(err error) {
 	if c.err == nil {
 		c.err = err
 		close(c.dead)
+	}
+	if l := c.long; l != nil && c.pending[l.seq] == l {
+		c.busyUntil = later(c.busyUntil, l.deadline)
 	}
 	for seq, call := range c.pending {
 		delete(c.pending, seq)
@@ -659,6 +665,17 @@ func (c *Client) Working() bool {
 		}
 	}
 	return false
+}
+
+// BusyUntil is, once the client has failed (the link lost) with a request
+// given more than the request timeout still unanswered (an upload's first
+// request while img_mgmt erases the slot), that request's deadline: the
+// device may work on it until then, whatever became of the link. Zero
+// otherwise.
+func (c *Client) BusyUntil() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.busyUntil
 }
 
 func (c *Client) isDead() bool {

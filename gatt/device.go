@@ -103,6 +103,11 @@ type Device struct {
 	sess   *session
 	closed bool
 	stats  []TransferStats // of finished uploads, for tests and benchmarks
+	// busyUntil is how long the device may still work on a request a
+	// lost link left unanswered (an upload's slot erase:
+	// Client.BusyUntil); the next connection's first request waits for
+	// it (bug 546).
+	busyUntil time.Time
 }
 
 type session struct {
@@ -262,6 +267,9 @@ func (d *Device) current() (*session, error) {
 		return s, nil
 	}
 	d.sess = nil
+	if s != nil {
+		d.busyUntil = later(d.busyUntil, s.client.BusyUntil())
+	}
 	d.mu.Unlock()
 	if s != nil {
 		d.opts.Observer.LinkLost()
@@ -283,7 +291,14 @@ func (d *Device) Busy() bool {
 	d.mu.Lock()
 	s, closed := d.sess, d.closed
 	d.mu.Unlock()
-	return !closed && s != nil && alive(s) && s.client.Working()
+	if !closed && s != nil && alive(s) && s.client.Working() {
+		return true
+	}
+	// Reconnecting while the device still erases for an update whose
+	// link was lost (bug 546): bounded by that request's deadline.
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return !d.closed && time.Now().Before(d.busyUntil)
 }
 
 // connect makes one attempt: connect, subscribe, check the serial number,
@@ -311,7 +326,14 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		return nil, fmt.Errorf("the device reports serial number %q, not %q", serial, d.opts.ID)
 	}
 	asked := time.Now()
-	p, err := c.Params(cctx)
+	p, err := d.params(ctx, cctx, c)
+	if err == nil && cctx.Err() != nil && ctx.Err() == nil {
+		// Answered after an erase longer than the attempt's time
+		// (bug 546): the probes that follow get a time of their own.
+		var cancelRest context.CancelFunc
+		cctx, cancelRest = context.WithTimeout(ctx, d.opts.ConnectTimeout)
+		defer cancelRest()
+	}
 	var e *Error
 	switch {
 	case errors.As(err, &e) && e.RC == RCNotSupported:
@@ -438,6 +460,34 @@ func (d *Device) probeBuffers(ctx context.Context, c *Client) (int, error) {
 		}
 	}
 	return 0, nil
+}
+
+// params reads the MCUmgr parameters, the first request of a connection,
+// within cctx; or, when a lost link left the device at work on a request
+// (an upload's slot erase, which neither flash nor img_mgmt stops half
+// way), within that request's deadline and a request timeout more: Zephyr's
+// SMP work queue runs the new connection's requests after it. Before, the
+// read waited the rest of the erase, and the device was presumed wedged
+// after a request timeout: an update whose link was lost during a long
+// erase failed timeout, though the device would have resumed it
+// (docs/reliability.md, bug 546).
+func (d *Device) params(ctx, cctx context.Context, c *Client) (ParamsResponse, error) {
+	d.mu.Lock()
+	wait := time.Until(d.busyUntil)
+	d.mu.Unlock()
+	if wait <= 0 {
+		return c.Params(cctx)
+	}
+	pctx, cancel := context.WithTimeout(ctx, wait+d.opts.RequestTimeout)
+	defer cancel()
+	var p ParamsResponse
+	call, err := c.Start(pctx, OpRead, GroupOS, CmdOSParams, nil)
+	if err != nil {
+		return p, err
+	}
+	call.extend(wait)
+	err = call.Wait(pctx, &p)
+	return p, err
 }
 
 // silentError is a connection attempt on which the device took the link

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/mcuboot"
 	"github.com/devicecompanion/companion/sim"
 )
@@ -741,5 +742,40 @@ func TestAStatusReadBehindTheSlotEraseWaitsForIt(t *testing.T) {
 	if infoErr != nil || stats[len(stats)-1].Attempts != 1 {
 		t.Fatalf("a status read behind the 2.4 s erase = %v after %v, the upload ran over %d connections; want nil, 1 connection",
 			infoErr, took.Round(time.Millisecond), stats[len(stats)-1].Attempts)
+	}
+}
+
+// A link lost while img_mgmt erases the slot for an update does not stop
+// the erase: flash does not stop half way, and Zephyr's SMP work queue
+// runs the request to its end, then the requests of the next connection.
+// Its first, the MCUmgr parameters read, waited the rest of the erase, and
+// a device that left it unanswered for a request timeout was presumed
+// wedged: the update failed timeout, though the device would have
+// resumed it a moment later (bug 546).
+func TestALinkLostDuringTheSlotEraseResumesTheUpdate(t *testing.T) {
+	popts := sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond, EraseTime: 150 * time.Millisecond}
+	d, s, n, p := newSimPeripheral(t, fastLink, popts, gatt.DeviceOptions{RequestTimeout: time.Second, ConnectTimeout: 500 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// After the first update the secondary slot holds the old image, which
+	// the next upload erases: 16 sectors of 150 ms, 2.4 s, over a request
+	// timeout of 1 s.
+	if err := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 64<<10), nil); err != nil {
+		t.Fatalf("UpdateFirmware to 2.0.0 = %v", err)
+	}
+	connects := n.Connects()
+	ota := make(chan error, 1)
+	go func() { ota <- d.UpdateFirmware(ctx, "fw-2", "2.0.1", firmwareImage(t, "2.0.1", 64<<10), nil) }()
+	testenv.Eventually(t, 10*time.Second, "the slot erase", p.Erasing)
+	if !n.Drop("dev-1") {
+		t.Fatal("no link to drop")
+	}
+	if err := <-ota; err != nil {
+		t.Fatalf("UpdateFirmware to 2.0.1 with the link lost during its 2.4 s erase = %v (code %q); want nil", err, errorCode(err))
+	}
+	// One after the drop, one after the reboot: the first, waiting for
+	// the erase past the connection attempt's 500 ms, went on.
+	if s.Firmware() != "2.0.1" || n.Connects()-connects != 2 {
+		t.Errorf("the device runs %s after %d connections; want 2.0.1 after 2", s.Firmware(), n.Connects()-connects)
 	}
 }

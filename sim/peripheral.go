@@ -103,8 +103,13 @@ type Peripheral struct {
 	wg      sync.WaitGroup
 	booting bool
 	closed  bool
-	image   imageUpload        // img_mgmt's upload in progress (RAM: lost at reboot)
-	uploads map[uint16]*upload // the project groups', by group; kept across connections
+	// busyUntil is when an erase a disconnect cut off ends: flash does
+	// not stop half way, and img_mgmt runs its request to the end, the
+	// answer lost with the link; the next connection's requests wait for
+	// it, as Zephyr's SMP work queue runs them after it (bug 546).
+	busyUntil time.Time
+	image     imageUpload        // img_mgmt's upload in progress (RAM: lost at reboot)
+	uploads   map[uint16]*upload // the project groups', by group; kept across connections
 
 	rebootTimer *time.Timer
 	rebootWG    sync.WaitGroup
@@ -112,6 +117,7 @@ type Peripheral struct {
 
 	dropped  atomic.Int64
 	noMemory atomic.Int64 // requests answered MGMT_ERR_ENOMEM
+	erasing  atomic.Bool
 }
 
 // packet is what one buffer holds: the messages of one write, or of one
@@ -167,6 +173,10 @@ func (p *Peripheral) Device() *Device { return p.dev }
 // Dropped counts the writes the device lost for want of a buffer, or
 // because they broke the framing of a message.
 func (p *Peripheral) Dropped() int64 { return p.dropped.Load() }
+
+// Erasing reports whether the device is erasing its secondary slot for an
+// upload (EraseTime), whether or not the link that asked is still up.
+func (p *Peripheral) Erasing() bool { return p.erasing.Load() }
 
 // NoMemory counts the requests the device answered rc 2 (MGMT_ERR_ENOMEM)
 // for want of a buffer for the answer.
@@ -410,6 +420,19 @@ func (p *Peripheral) serve(ctx context.Context, wake chan struct{}) {
 				return
 			case <-wake:
 				continue
+			}
+		}
+		p.mu.Lock()
+		busy := time.Until(p.busyUntil)
+		p.mu.Unlock()
+		if busy > 0 {
+			// An erase the last connection cut off runs on.
+			t := time.NewTimer(busy)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
 			}
 		}
 		n := len(pk.msgs)
@@ -994,12 +1017,21 @@ func (p *Peripheral) imageUpload(ctx context.Context, m gatt.Message) reply {
 		if p.dev.secondaryUsed() && p.opts.EraseTime > 0 {
 			// img_mgmt_erase_image_data: len, in 4 KiB sectors, before
 			// the answer (docs/reliability.md, bug 259).
-			t := time.NewTimer(time.Duration((*req.Len+4095)/4096) * p.opts.EraseTime)
+			d := time.Duration((*req.Len+4095)/4096) * p.opts.EraseTime
+			start := time.Now()
+			t := time.NewTimer(d)
+			p.erasing.Store(true)
 			select {
 			case <-t.C:
+				p.erasing.Store(false)
 			case <-ctx.Done():
+				// The link dropped: the erase, and the request, go on
+				// to their end all the same (docs/reliability.md, bug 546).
 				t.Stop()
-				return failRC(gatt.RCTimeout, "disconnected while erasing")
+				p.mu.Lock()
+				p.busyUntil = start.Add(d)
+				p.mu.Unlock()
+				time.AfterFunc(time.Until(start.Add(d)), func() { p.erasing.Store(false) })
 			}
 		}
 		p.dev.eraseSecondary()
