@@ -70,3 +70,53 @@ func TestADeviceBusyErasingForAnUpdateNeverReadsOffline(t *testing.T) {
 	n.Drop("dev-1")
 	w.waitFor("offline once out of reach", func(m message) bool { return offline(m) })
 }
+
+// After the upload, the device reboots into the update, and MCUboot swaps
+// the images before the new one runs: tens of seconds for a large image.
+// The reporter's reads found no device meanwhile, and it read offline
+// once at every update. It reads busy until the swap may have ended, or
+// until it answers again (bug 547).
+func TestADeviceRebootingIntoItsUpdateNeverReadsOffline(t *testing.T) {
+	t.Cleanup(agent.SetReportTimeout(300 * time.Millisecond))
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	sd := newSim("dev-1")
+	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	// 1.5 s from the reboot to advertising again: five report bounds.
+	n.Add("dev-1", sim.NewPeripheral(sd, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 1500 * time.Millisecond}))
+	gd, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond,
+		RequestTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		gd.Close()
+		n.Close()
+	})
+	startBridge(t, b, bs, w, bridgeConfig{
+		devices:  []*sim.Device{sd},
+		wrap:     func(*sim.Device) agent.Device { return gd },
+		interval: 50 * time.Millisecond,
+	})
+	w.waitStatus("dev-1", "online", func(s topics.Status) bool { return s.Online })
+	topic, _ := tree.Status("dev-1")
+	offline := func(m message) bool {
+		s, err := topics.ParseStatus(m.payload)
+		return m.topic == topic && err == nil && !s.Online
+	}
+	before := w.count(offline)
+	fw := firmwareImage(t, "2.0.0", bytes.Repeat([]byte("firmware-2.0.0"), 64<<10/len("firmware-2.0.0")))
+	c := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "2.0.0", Blob: bs.add(fw)})
+	w.send(c)
+	if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("update to 2.0.0: %s %+v; want succeeded", r.State, r.Error)
+	}
+	w.waitStatus("dev-1", "firmware 2.0.0", func(s topics.Status) bool { return s.Online && s.FirmwareVersion == "2.0.0" })
+	if got := w.count(offline) - before; got != 0 {
+		t.Errorf("the device read offline %d times during an update whose reboot took 1.5 s, with reads bounded at 300 ms; want 0", got)
+	}
+	n.Add("dev-1", nil)
+	n.Drop("dev-1")
+	w.waitFor("offline once out of reach", func(m message) bool { return offline(m) })
+}

@@ -108,6 +108,10 @@ type Device struct {
 	// Client.BusyUntil); the next connection's first request waits for
 	// it (bug 546).
 	busyUntil time.Time
+	// swapUntil is how long the device may take to boot into an update
+	// it was reset for (MCUboot's swap); Busy until it answers again
+	// (bug 547).
+	swapUntil time.Time
 }
 
 type session struct {
@@ -225,6 +229,7 @@ func (d *Device) session(ctx context.Context) (*session, error) {
 				return nil, ErrClosed
 			}
 			d.sess = s
+			d.swapUntil = time.Time{} // booted, if it was rebooting
 			d.mu.Unlock()
 			return s, nil
 		}
@@ -295,10 +300,32 @@ func (d *Device) Busy() bool {
 		return true
 	}
 	// Reconnecting while the device still erases for an update whose
-	// link was lost (bug 546): bounded by that request's deadline.
+	// link was lost (bug 546), bounded by that request's deadline; or
+	// while it reboots into an update, MCUboot swapping the images (bug
+	// 547), bounded by swapTime.
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return !d.closed && time.Now().Before(d.busyUntil)
+	now := time.Now()
+	return !d.closed && (now.Before(d.busyUntil) || now.Before(d.swapUntil))
+}
+
+// swapTime bounds MCUboot's swap of an image of n bytes at boot, before
+// the new image runs: each sector of both slots erased and written again,
+// about three sector erases a sector with its scratch or move, at
+// eraseTime each.
+func swapTime(n int) time.Duration {
+	return time.Duration((n+eraseSector-1)/eraseSector) * 3 * eraseTime
+}
+
+// rebooting notes that the device was reset into an image of n bytes: it
+// reads busy (Busy) until it is connected again, or for the reboot timeout
+// and the swap's. A device reset for an update read offline to the
+// reporter while MCUboot swapped the images, tens of seconds for a large
+// image (docs/reliability.md, bug 547).
+func (d *Device) rebooting(n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.swapUntil = time.Now().Add(d.opts.RebootTimeout + swapTime(n))
 }
 
 // connect makes one attempt: connect, subscribe, check the serial number,
@@ -1147,6 +1174,7 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 			if err := d.reset(ctx); err != nil {
 				return err
 			}
+			d.rebooting(int(img.End))
 		case held != nil && uploads > 0:
 			// Only an image this command uploaded, the device's match
 			// checked, is marked for test. The image state's hash is the
@@ -1180,6 +1208,7 @@ func (d *Device) updateFirmware(ctx context.Context, cmdID, version string, imag
 			if err := d.reset(ctx); err != nil {
 				return err
 			}
+			d.rebooting(int(img.End)) // the swap back: of about this size
 		default:
 			uploads++
 			u := Upload{Group: GroupImage, ID: CmdImageUpload, Stock: true, Data: image[:img.End],
