@@ -414,6 +414,16 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 		if err == nil && ok {
 			size, err = d.probeBuffers(cctx, c)
 		}
+		if smallest := ZephyrBufSizes[len(ZephyrBufSizes)-1]; err == nil && size == 0 && c.Frag() > smallest {
+			// One write per request, and writes longer than the
+			// shortest of Zephyr's usual buffers: one whole write,
+			// unanswered, shows a shorter buffer, which also drops the
+			// reassembly probe's first write. Before, every long request
+			// went in a write it dropped (docs/reliability.md, bug 548).
+			if ok, err = c.ProbeBuffer(cctx, c.Frag(), d.opts.ProbeTimeout); err == nil && !ok {
+				c.SetMaxRequest(smallest)
+			}
+		}
 		if err != nil {
 			c.Close()
 			return nil, fmt.Errorf("reassembly probe: %w", err)

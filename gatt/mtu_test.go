@@ -2,6 +2,7 @@ package gatt_test
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -493,6 +494,33 @@ func TestWithoutParametersBuffersOf256AreFound(t *testing.T) {
 			defer mu.Unlock()
 			if longest > 256 || longest < 200 {
 				t.Errorf("the longest request was %d bytes; want up to the device's 256", longest)
+			}
+		})
+	}
+}
+
+// A device without MCUmgr parameters with buffers of 256 bytes at an MTU
+// whose writes are longer than that but shorter than Zephyr's default 384
+// (300 here) took neither the reassembly probe (its first write, longer
+// than a buffer, dropped) nor any long request: it got one write per
+// request, of 297 bytes, each dropped whole, and every upload failed. The
+// bridge now sends one echo as long as a write when it finds no
+// reassembly, and bounds the requests by 256 bytes when it goes unanswered
+// (bug 548).
+func TestWithoutParametersBuffersShorterThanAWriteAreFound(t *testing.T) {
+	for _, reasm := range []bool{false, true} {
+		t.Run(fmt.Sprintf("reassembly %v", reasm), func(t *testing.T) {
+			opts := fastLink
+			opts.MTU = 300
+			popts := sim.PeripheralOptions{NoParams: true, BufSize: 256, NoReassembly: !reasm, ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond}
+			d, _, _, _ := newSimPeripheral(t, opts, popts, gatt.DeviceOptions{ProbeTimeout: 300 * time.Millisecond, RequestTimeout: 2 * time.Second,
+				QuietTimeout: 200 * time.Millisecond})
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			errImg := d.PushImage(ctx, "img-1", "image/png", randomBytes(t, 20_000))
+			errOTA := d.UpdateFirmware(ctx, "fw-1", "2.0.0", firmwareImage(t, "2.0.0", 20_000), nil)
+			if errImg != nil || errOTA != nil {
+				t.Fatalf("at MTU 300 without MCUmgr parameters, buffers of 256: PushImage = %v; UpdateFirmware = %v; want nil, nil", errImg, errOTA)
 			}
 		})
 	}
