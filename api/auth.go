@@ -81,6 +81,17 @@ func (s *Server) userAuth(c *gin.Context) {
 			return
 		}
 		sub, err := s.tokens.Verify(c.Request.Context(), tok)
+		var ku *KeysUnavailableError
+		if errors.As(err, &ku) {
+			// Not judged, so not refused: a 401 tells a phone app to log
+			// its user out, for a provider that is only away. A 503 it
+			// retries, and the source is not counted a failure
+			// (docs/reliability.md, bug 463).
+			s.log.InfoContext(c.Request.Context(), "access token not judged", requestIDAttr(c), "reason", err)
+			s.fail(c, &Error{Code: CodeUnavailable, RetryAfter: ceilSeconds(ku.RetryAfter),
+				Detail: "the identity provider's signing keys cannot be fetched now, so the access token could not be checked; send the request again"})
+			return
+		}
 		if err != nil {
 			// Why a token was refused is for the log, never the caller.
 			s.log.InfoContext(c.Request.Context(), "access token refused", requestIDAttr(c), "reason", err)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -35,6 +36,9 @@ type OIDCOptions struct {
 	// never accepted.
 	Algorithms []string
 	Now        func() time.Time
+	// Logger says when the provider's keys cannot be fetched, and when they
+	// can again; none when nil.
+	Logger *slog.Logger
 }
 
 // OIDCVerifier verifies JWT access tokens of one issuer against its JWKS,
@@ -47,11 +51,16 @@ type OIDCVerifier struct {
 	skew   time.Duration
 	cfg    *oidc.Config
 	issuer string
+	log    *slog.Logger
+	// nextDiscovery is when the discovery is tried again (UnixNano), while
+	// v is nil: the Retry-After of a token meanwhile.
+	nextDiscovery atomic.Int64
 }
 
-// ErrOIDCNotDiscovered is Verify's error while the issuer's discovery has
-// not worked yet (RetryingOIDCVerifier): every access token is refused.
-var ErrOIDCNotDiscovered = errors.New("oidc: the issuer's discovery has not worked yet (it could not be reached at the start); access tokens are refused until it does")
+// ErrOIDCNotDiscovered is why every access token is not judged (a
+// KeysUnavailableError, a 503) while the issuer's discovery has not worked
+// yet (RetryingOIDCVerifier).
+var ErrOIDCNotDiscovered = errors.New("oidc: the issuer's discovery has not worked yet (it could not be reached at the start); access tokens are not judged until it does")
 
 // nbfLeeway is how long before its nbf a token is taken: the library's
 // five minutes, which other OpenID Connect libraries allow too.
@@ -74,7 +83,7 @@ func NewOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 
 // RetryingOIDCVerifier is NewOIDCVerifier for a server's start: an issuer
 // whose discovery fails (not reachable yet at boot, or down) is no error.
-// The verifier refuses every access token (ErrOIDCNotDiscovered) and
+// The verifier judges no access token (ErrOIDCNotDiscovered, a 503) and
 // tries the discovery again, each attempt within attempt, from a second
 // apart to a minute apart, until it works or ctx ends; the failure and
 // the success are logged. done is closed once that goroutine has ended.
@@ -82,6 +91,9 @@ func NewOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 // and systemd restarted the whole server every 2 s for as long as the
 // provider was away (docs/reliability.md, bug 440).
 func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Duration, log *slog.Logger) (v *OIDCVerifier, done <-chan struct{}, err error) {
+	if o.Logger == nil {
+		o.Logger = log
+	}
 	ov, err := newOIDCVerifier(ctx, o)
 	if err != nil {
 		return nil, nil, err
@@ -101,11 +113,12 @@ func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Durat
 		}
 		return ov, end, nil
 	}
-	log.Error("oidc discovery failed: access tokens are refused until it works; trying again", "issuer", o.Issuer, "err", err)
+	log.Error("oidc discovery failed: access tokens are answered 503 until it works; trying again", "issuer", o.Issuer, "err", err)
 	go func() {
 		defer close(end)
 		wait := time.Second
 		for {
+			ov.nextDiscovery.Store(ov.now().Add(wait).UnixNano())
 			t := time.NewTimer(wait)
 			select {
 			case <-ctx.Done():
@@ -133,13 +146,26 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("oidc discovery: %w", err)
 	}
-	o.v.Store(p.Verifier(o.cfg))
+	var doc struct {
+		JWKSURL string `json:"jwks_uri"`
+	}
+	if err := p.Claims(&doc); err != nil || doc.JWKSURL == "" {
+		return fmt.Errorf("oidc discovery: the issuer's document names no jwks_uri")
+	}
+	o.v.Store(oidc.NewVerifier(o.issuer, o.newKeySet(doc.JWKSURL), o.cfg))
 	return nil
+}
+
+// newKeySet is the key set of the JWKS at url: go-oidc's RemoteKeySet
+// told no "cannot be fetched" from "no such key" (docs/reliability.md,
+// bug 463).
+func (o *OIDCVerifier) newKeySet(url string) *keySet {
+	return newKeySet(url, o.issuer, &http.Client{}, o.log, o.now)
 }
 
 // newOIDCVerifier checks o and returns its verifier, ready with
 // o.JWKSURL, to discover without.
-func newOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) {
+func newOIDCVerifier(_ context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 	if o.Issuer == "" || o.Audience == "" {
 		return nil, errors.New("oidc: an issuer and an audience are required")
 	}
@@ -168,10 +194,13 @@ func newOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 		SupportedSigningAlgs: o.Algorithms,
 		SkipExpiryCheck:      true,
 	}
-	ov := &OIDCVerifier{now: now, skew: o.ClockSkew, cfg: cfg, issuer: o.Issuer}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ov := &OIDCVerifier{now: now, skew: o.ClockSkew, cfg: cfg, issuer: o.Issuer, log: log}
 	if o.JWKSURL != "" {
-		keys := oidc.NewRemoteKeySet(context.WithoutCancel(ctx), o.JWKSURL)
-		ov.v.Store(oidc.NewVerifier(o.Issuer, keys, cfg))
+		ov.v.Store(oidc.NewVerifier(o.Issuer, ov.newKeySet(o.JWKSURL), cfg))
 	}
 	return ov, nil
 }
@@ -180,9 +209,13 @@ func newOIDCVerifier(ctx context.Context, o OIDCOptions) (*OIDCVerifier, error) 
 func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
 	v := o.v.Load()
 	if v == nil {
-		return "", ErrOIDCNotDiscovered
+		return "", &KeysUnavailableError{Err: ErrOIDCNotDiscovered, RetryAfter: time.Duration(o.nextDiscovery.Load() - o.now().UnixNano())}
 	}
-	tok, err := v.Verify(ctx, raw)
+	note := &keysNote{}
+	tok, err := v.Verify(context.WithValue(ctx, keysNoteKey{}, note), raw)
+	if note.err != nil {
+		return "", note.err // not judged: a 503, not a 401 (bug 463)
+	}
 	if err != nil {
 		return "", err
 	}

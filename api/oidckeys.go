@@ -1,0 +1,227 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/go-jose/go-jose/v4"
+)
+
+// KeysUnavailableError is Verify's error for an access token it could not
+// judge: the identity provider's signing keys it needs could not be
+// fetched (the provider down or not reachable, at the start or as it
+// rotates its keys). The token is not refused: the API answers 503 with
+// Retry-After, not the 401 on which a phone app logs its user out
+// (docs/reliability.md, bug 463).
+type KeysUnavailableError struct {
+	Err        error         // why the keys could not be fetched
+	RetryAfter time.Duration // until the next attempt to fetch them
+}
+
+func (e *KeysUnavailableError) Error() string {
+	return "oidc: the identity provider's signing keys cannot be fetched now: " + e.Err.Error()
+}
+
+func (e *KeysUnavailableError) Unwrap() error { return e.Err }
+
+// jwksMaxBody bounds a JWKS document: a provider's runs to a few KiB.
+const jwksMaxBody = 1 << 20
+
+// keySet is the signing keys of an identity provider, fetched from its
+// JWKS and kept; fetched again for a token whose key id it does not have
+// (a rotation). It replaces go-oidc's RemoteKeySet, which could not tell
+// "no such key" from "the keys could not be fetched" (both ended in a 401)
+// and fetched again at once after a failure, for every token.
+type keySet struct {
+	url    string
+	issuer string
+	client *http.Client
+	log    *slog.Logger
+	now    func() time.Time
+
+	mu       sync.Mutex
+	keys     []jose.JSONWebKey
+	inflight *keyFetch
+	failures int       // consecutive failed fetches
+	lastErr  error     // of the last fetch, nil when it worked
+	retryAt  time.Time // after a failure: no fetch before then
+}
+
+// keyFetch is one fetch of the JWKS, which every token that needs it waits
+// for.
+type keyFetch struct {
+	done chan struct{}
+	keys []jose.JSONWebKey
+	err  error
+}
+
+// keysNote is where VerifySignature leaves the KeysUnavailableError of a
+// token it could not judge: go-oidc's verifier wraps its error with %v.
+type keysNote struct{ err *KeysUnavailableError }
+
+type keysNoteKey struct{}
+
+func newKeySet(url, issuer string, client *http.Client, log *slog.Logger, now func() time.Time) *keySet {
+	return &keySet{url: url, issuer: issuer, client: client, log: log, now: now}
+}
+
+// VerifySignature implements oidc.KeySet: the token's signature checked
+// against the key its kid names (every key, without a kid). A kid not
+// among the keys fetches them again; while they cannot be fetched, the
+// token is not judged (KeysUnavailableError, noted in ctx).
+func (k *keySet) VerifySignature(ctx context.Context, jwt string) ([]byte, error) {
+	// The verifier has parsed it already, with the algorithms it takes.
+	jws, err := jose.ParseSigned(jwt, []jose.SignatureAlgorithm{jose.RS256, jose.RS384, jose.RS512,
+		jose.ES256, jose.ES384, jose.ES512, jose.PS256, jose.PS384, jose.PS512, jose.EdDSA})
+	if err != nil || len(jws.Signatures) != 1 {
+		return nil, fmt.Errorf("oidc: malformed jwt: %v", err)
+	}
+	k.mu.Lock()
+	keys := k.keys
+	k.mu.Unlock()
+	payload, known := verifyWith(jws, keys)
+	if payload != nil {
+		return payload, nil
+	}
+	if known {
+		// A key of that id is among the provider's: the signature is wrong.
+		return nil, errors.New("oidc: the signature does not verify with the key of its key id")
+	}
+	keys, err = k.fetch(ctx)
+	if err != nil {
+		var ku *KeysUnavailableError
+		if errors.As(err, &ku) {
+			if n, ok := ctx.Value(keysNoteKey{}).(*keysNote); ok {
+				n.err = ku
+			}
+		}
+		return nil, err
+	}
+	if payload, _ := verifyWith(jws, keys); payload != nil {
+		return payload, nil
+	}
+	return nil, errors.New("oidc: no key of the identity provider verifies the signature (an unknown key id)")
+}
+
+// verifyWith checks jws against the keys of its kid (every key when it has
+// none), a key that names an algorithm only for that one. known reports
+// whether a key of that kid is among them.
+func verifyWith(jws *jose.JSONWebSignature, keys []jose.JSONWebKey) (payload []byte, known bool) {
+	h := jws.Signatures[0].Header
+	for i := range keys {
+		key := &keys[i]
+		if h.KeyID != "" && key.KeyID != h.KeyID {
+			continue
+		}
+		known = h.KeyID != ""
+		if key.Algorithm != "" && key.Algorithm != h.Algorithm {
+			continue
+		}
+		if p, err := jws.Verify(key); err == nil {
+			return p, true
+		}
+	}
+	return nil, known
+}
+
+// fetch fetches the keys again, or waits for the fetch under way, within
+// ctx. After a failure no fetch is made before retryAt (a second, doubled
+// up to a minute as failures follow): meanwhile a token that needs one is
+// answered at once, KeysUnavailableError, and the provider not asked for
+// every request.
+func (k *keySet) fetch(ctx context.Context) ([]jose.JSONWebKey, error) {
+	k.mu.Lock()
+	f := k.inflight
+	if f == nil {
+		if wait := k.retryAt.Sub(k.now()); k.lastErr != nil && wait > 0 {
+			err := &KeysUnavailableError{Err: k.lastErr, RetryAfter: wait}
+			k.mu.Unlock()
+			return nil, err
+		}
+		f = &keyFetch{done: make(chan struct{})}
+		k.inflight = f
+		go k.run(f)
+	}
+	k.mu.Unlock()
+	select {
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-f.done:
+	}
+	if f.err != nil {
+		k.mu.Lock()
+		wait := k.retryAt.Sub(k.now())
+		k.mu.Unlock()
+		return nil, &KeysUnavailableError{Err: f.err, RetryAfter: wait}
+	}
+	return f.keys, nil
+}
+
+// run makes the fetch f, and keeps what it found.
+func (k *keySet) run(f *keyFetch) {
+	f.keys, f.err = k.get()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.inflight = nil
+	if f.err == nil {
+		if k.lastErr != nil {
+			k.log.Info("the identity provider's keys are fetched again: access tokens are judged", "issuer", k.issuer, "jwks", k.url)
+		}
+		k.keys, k.lastErr, k.failures = f.keys, nil, 0
+		close(f.done)
+		return
+	}
+	if k.lastErr == nil {
+		k.log.Warn("access token not judged: the identity provider's keys cannot be fetched", "issuer", k.issuer, "jwks", k.url, "err", f.err)
+	}
+	k.lastErr = f.err
+	k.retryAt = k.now().Add(min(time.Second<<min(k.failures, 6), time.Minute))
+	k.failures++
+	close(f.done)
+}
+
+// get fetches the JWKS: the keys it has that can verify a signature. A key
+// of a type or use this cannot verify with is left out, not the set.
+func (k *keySet) get() ([]jose.JSONWebKey, error) {
+	req, err := http.NewRequest(http.MethodGet, k.url, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Accept", "application/json")
+	resp, err := k.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, jwksMaxBody+1))
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("reading the JWKS: %w", err)
+	case resp.StatusCode != http.StatusOK:
+		return nil, fmt.Errorf("the JWKS answered %s", resp.Status)
+	case len(body) > jwksMaxBody:
+		return nil, fmt.Errorf("the JWKS is over %d bytes", jwksMaxBody)
+	}
+	var set struct {
+		Keys []json.RawMessage `json:"keys"`
+	}
+	if err := json.Unmarshal(body, &set); err != nil {
+		return nil, fmt.Errorf("the JWKS is not a JWK set: %w", err)
+	}
+	var keys []jose.JSONWebKey
+	for _, raw := range set.Keys {
+		var key jose.JSONWebKey
+		if err := json.Unmarshal(raw, &key); err != nil || !key.IsPublic() || key.Use == "enc" {
+			continue // RFC 7517 §5: a key not understood is ignored
+		}
+		keys = append(keys, key)
+	}
+	return keys, nil
+}

@@ -1,0 +1,163 @@
+package main
+
+import (
+	"crypto/rand"
+	"crypto/rsa"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-jose/go-jose/v4"
+
+	"github.com/devicecompanion/companion/api"
+	"github.com/devicecompanion/companion/internal/testenv"
+)
+
+// keysIDP is an identity provider the tests run: OpenID Connect discovery
+// and a JWKS, which it can stop answering (503), or leave one request of
+// hanging, never answered.
+type keysIDP struct {
+	srv     *httptest.Server
+	mu      sync.Mutex
+	up      bool
+	keys    []jose.JSONWebKey
+	hang    atomic.Bool  // the next /keys request is never answered
+	fetches atomic.Int32 // /keys requests
+	gone    chan struct{}
+}
+
+func newKeysIDP(t *testing.T) *keysIDP {
+	t.Helper()
+	p := &keysIDP{up: true, gone: make(chan struct{})}
+	p.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		up, keys := p.up, p.keys
+		p.mu.Unlock()
+		if r.URL.Path == "/keys" {
+			p.fetches.Add(1)
+			if p.hang.CompareAndSwap(true, false) {
+				select { // a provider that took the request and never answers
+				case <-p.gone:
+				case <-r.Context().Done():
+				}
+				return
+			}
+		}
+		if !up {
+			http.Error(w, "down", http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		switch r.URL.Path {
+		case "/.well-known/openid-configuration":
+			json.NewEncoder(w).Encode(map[string]any{"issuer": p.srv.URL, "jwks_uri": p.srv.URL + "/keys",
+				"authorization_endpoint": p.srv.URL + "/auth", "id_token_signing_alg_values_supported": []string{"RS256"}})
+		case "/keys":
+			json.NewEncoder(w).Encode(jose.JSONWebKeySet{Keys: keys})
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	t.Cleanup(func() { close(p.gone); p.srv.Close() })
+	return p
+}
+
+func (p *keysIDP) set(up bool, keys ...*rsa.PrivateKey) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.up, p.keys = up, nil
+	for i, k := range keys {
+		p.keys = append(p.keys, jose.JSONWebKey{Key: &k.PublicKey, KeyID: fmt.Sprintf("k%d", i+1), Algorithm: "RS256", Use: "sig"})
+	}
+}
+
+func rsaKey(t *testing.T) *rsa.PrivateKey {
+	t.Helper()
+	k, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+// accessToken is an access token of issuer for companion-api, signed by key
+// under kid.
+func accessToken(t *testing.T, key *rsa.PrivateKey, kid, issuer, sub string) string {
+	t.Helper()
+	signer, err := jose.NewSigner(jose.SigningKey{Algorithm: jose.RS256, Key: key}, (&jose.SignerOptions{}).WithHeader("kid", kid).WithType("JWT"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	claims, _ := json.Marshal(map[string]any{"iss": issuer, "aud": "companion-api", "sub": sub,
+		"exp": time.Now().Add(time.Hour).Unix(), "iat": time.Now().Unix()})
+	jws, err := signer.Sign(claims)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, err := jws.CompactSerialize()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+// checkKeysUnavailable checks that r is the 503 of an access token not
+// judged because the provider's keys cannot be fetched: Retry-After, the
+// problem of CONTRACT §2, and no word of an invalid token.
+func checkKeysUnavailable(t *testing.T, what string, r response) {
+	t.Helper()
+	var p struct {
+		Status int    `json:"status"`
+		Code   string `json:"code"`
+		Detail string `json:"detail"`
+	}
+	_ = json.Unmarshal(r.Body, &p)
+	if r.Status != http.StatusServiceUnavailable || p.Code != api.CodeUnavailable || p.Status != r.Status ||
+		r.Header.Get("Retry-After") == "" || r.Header.Get("Content-Type") != "application/problem+json" || r.Header.Get("WWW-Authenticate") != "" {
+		t.Errorf("%s = %d %s (Retry-After %q, WWW-Authenticate %q); want 503 unavailable with Retry-After, which an app retries: "+
+			"a 401 tells it to log its user out", what, r.Status, r.Body, r.Header.Get("Retry-After"), r.Header.Get("WWW-Authenticate"))
+	}
+}
+
+// While the identity provider's keys cannot be fetched (the provider down
+// as it rotates its signing key), a valid access token of the new key is a
+// 503 with Retry-After: before, it was a 401, on which a phone app logs its
+// user out. A token of a key already known is taken, a forged one is a 401
+// still, and once the provider answers the new key's token is taken
+// (docs/reliability.md, bug 463).
+func TestAccessTokenWhileTheProviderKeysCannotBeFetched(t *testing.T) {
+	p := newKeysIDP(t)
+	k1, k2, forger := rsaKey(t), rsaKey(t), rsaKey(t)
+	p.set(true, k1)
+	capture := &logCapture{}
+	m := startServerWithLog(t, Config{OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api"}}, capture)
+	old := newClient(t, m, accessToken(t, k1, "k1", p.srv.URL, "alice@idp"))
+	if r := old.do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Fatalf("an access token while the provider answers = %d %s", r.Status, r.Body)
+	}
+
+	p.set(false, k1, k2) // rotated, and down
+	rotated := newClient(t, m, accessToken(t, k2, "k2", p.srv.URL, "bob@idp"))
+	checkKeysUnavailable(t, "a token of the provider's new key while it is down", rotated.do("GET", "/api/v1/devices", nil))
+	checkKeysUnavailable(t, "the same token again", rotated.do("GET", "/api/v1/devices", nil))
+	if r := old.do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Errorf("a token of a key already known while the provider is down = %d %s; want 200", r.Status, r.Body)
+	}
+	if r := newClient(t, m, accessToken(t, forger, "k1", p.srv.URL, "mallory")).do("GET", "/api/v1/devices", nil); r.Status != http.StatusUnauthorized {
+		t.Errorf("a forged token of a known key id while the provider is down = %d; want 401", r.Status)
+	}
+	if !capture.has(slog.LevelWarn, "access token not judged: the identity provider's keys cannot be fetched", "issuer", p.srv.URL) {
+		t.Error("nothing in the log says why access tokens are answered 503")
+	}
+
+	p.set(true, k1, k2)
+	testenv.Eventually(t, 30*time.Second, "the new key's token taken once the provider answers", func() bool {
+		return rotated.do("GET", "/api/v1/devices", nil).Status == http.StatusOK
+	})
+}
