@@ -36,6 +36,8 @@ type OIDCOptions struct {
 	// never accepted.
 	Algorithms []string
 	Now        func() time.Time
+	// KeysTimeout bounds each fetch of the provider's keys (default 10 s).
+	KeysTimeout time.Duration
 	// Logger says when the provider's keys cannot be fetched, and when they
 	// can again; none when nil.
 	Logger *slog.Logger
@@ -52,6 +54,11 @@ type OIDCVerifier struct {
 	cfg    *oidc.Config
 	issuer string
 	log    *slog.Logger
+	// keysTimeout bounds each fetch of the keys: go-oidc's had no timeout,
+	// and one never answered held every token of a new key, and every
+	// fetch after it, until the server restarted (docs/reliability.md,
+	// bug 464).
+	keysTimeout time.Duration
 	// nextDiscovery is when the discovery is tried again (UnixNano), while
 	// v is nil: the Retry-After of a token meanwhile.
 	nextDiscovery atomic.Int64
@@ -160,7 +167,7 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 // told no "cannot be fetched" from "no such key" (docs/reliability.md,
 // bug 463).
 func (o *OIDCVerifier) newKeySet(url string) *keySet {
-	return newKeySet(url, o.issuer, &http.Client{}, o.log, o.now)
+	return newKeySet(url, o.issuer, &http.Client{Timeout: o.keysTimeout}, o.log, o.now)
 }
 
 // newOIDCVerifier checks o and returns its verifier, ready with
@@ -171,6 +178,9 @@ func newOIDCVerifier(_ context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 	}
 	if o.ClockSkew <= 0 {
 		o.ClockSkew = time.Minute
+	}
+	if o.KeysTimeout <= 0 {
+		o.KeysTimeout = 10 * time.Second
 	}
 	if len(o.Algorithms) == 0 {
 		o.Algorithms = []string{oidc.RS256, oidc.ES256}
@@ -198,7 +208,7 @@ func newOIDCVerifier(_ context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	ov := &OIDCVerifier{now: now, skew: o.ClockSkew, cfg: cfg, issuer: o.Issuer, log: log}
+	ov := &OIDCVerifier{now: now, skew: o.ClockSkew, cfg: cfg, issuer: o.Issuer, log: log, keysTimeout: o.KeysTimeout}
 	if o.JWKSURL != "" {
 		ov.v.Store(oidc.NewVerifier(o.Issuer, ov.newKeySet(o.JWKSURL), cfg))
 	}

@@ -161,3 +161,47 @@ func TestAccessTokenWhileTheProviderKeysCannotBeFetched(t *testing.T) {
 		return rotated.do("GET", "/api/v1/devices", nil).Status == http.StatusOK
 	})
 }
+
+// A fetch of the provider's keys that is never answered (a provider that
+// took the connection and hangs, a network that dropped it) ends within
+// --oidc's fetch timeout: the token that needed it is a 503, a token of a
+// key already known is not held, and the keys are fetched again, the new
+// key's token taken. Before, the fetch had no timeout, every token of the
+// new key waited on it for as long as its client did, and the keys were
+// never fetched again until the server restarted (docs/reliability.md,
+// bug 464).
+func TestAccessTokenKeyFetchThatHangsEndsAndIsTriedAgain(t *testing.T) {
+	p := newKeysIDP(t)
+	k1, k2 := rsaKey(t), rsaKey(t)
+	p.set(true, k1)
+	m := startServer(t, Config{OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api",
+		JWKSURL: p.srv.URL + "/keys", KeysTimeout: time.Second}})
+	old := newClient(t, m, accessToken(t, k1, "k1", p.srv.URL, "alice@idp"))
+	if r := old.do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Fatalf("an access token while the provider answers = %d %s", r.Status, r.Body)
+	}
+
+	p.set(true, k1, k2)
+	p.hang.Store(true) // the next fetch of the keys is never answered
+	tok := accessToken(t, k2, "k2", p.srv.URL, "bob@idp")
+	get := func(timeout time.Duration) (int, error) {
+		req, _ := http.NewRequest("GET", m.APIURL()+"/api/v1/devices", nil)
+		req.Header.Set("Authorization", "Bearer "+tok)
+		resp, err := (&http.Client{Timeout: timeout}).Do(req)
+		if err != nil {
+			return 0, err
+		}
+		resp.Body.Close()
+		return resp.StatusCode, nil
+	}
+	if status, err := get(15 * time.Second); err != nil || status != http.StatusServiceUnavailable {
+		t.Errorf("a token of the new key while its fetch hangs = %d, %v; want a 503 within the fetch timeout", status, err)
+	}
+	if r := old.do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Errorf("a token of a key already known while a fetch hangs = %d %s; want 200", r.Status, r.Body)
+	}
+	testenv.Eventually(t, 30*time.Second, "the new key's token taken once the keys are fetched again", func() bool {
+		status, _ := get(3 * time.Second)
+		return status == http.StatusOK
+	})
+}
