@@ -89,7 +89,7 @@ func (s *Server) userAuth(c *gin.Context) {
 			// (docs/reliability.md, bug 463).
 			s.log.InfoContext(c.Request.Context(), "access token not judged", requestIDAttr(c), "reason", err)
 			s.fail(c, &Error{Code: CodeUnavailable, RetryAfter: ceilSeconds(ku.RetryAfter),
-				Detail: "the identity provider's signing keys cannot be fetched now, so the access token could not be checked; send the request again"})
+				Detail: "the access token could not be checked now: the identity provider's signing key it needs is not at hand (the provider cannot be reached, or its keys are fetched again in a moment); send the request again"})
 			return
 		}
 		if err != nil {

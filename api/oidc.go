@@ -167,7 +167,7 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 // told no "cannot be fetched" from "no such key" (docs/reliability.md,
 // bug 463).
 func (o *OIDCVerifier) newKeySet(url string) *keySet {
-	return newKeySet(url, o.issuer, &http.Client{Timeout: o.keysTimeout}, o.log, o.now)
+	return newKeySet(url, o.issuer, &http.Client{Timeout: o.keysTimeout}, o.log, o.now, o.skew)
 }
 
 // newOIDCVerifier checks o and returns its verifier, ready with

@@ -31,6 +31,24 @@ func (e *KeysUnavailableError) Error() string {
 
 func (e *KeysUnavailableError) Unwrap() error { return e.Err }
 
+// jwksMinInterval is the least time between two fetches of the keys that
+// worked: tokens of key ids the provider does not have (an app built
+// against another tenant, or forged) fetched them once each, up to every
+// source's 600 failures a minute (docs/reliability.md, bug 465).
+const jwksMinInterval = 5 * time.Second
+
+// errFetchedLately is fetch's error for a fetch not made: the keys were
+// fetched less than jwksMinInterval ago.
+type errFetchedLately struct {
+	at    time.Time     // when the last fetch began
+	ago   time.Duration // since then
+	until time.Duration // till the next may
+}
+
+func (e *errFetchedLately) Error() string {
+	return fmt.Sprintf("the keys were fetched %v ago, and are fetched again in %v at the soonest", e.ago.Round(time.Millisecond), e.until.Round(time.Millisecond))
+}
+
 // jwksMaxBody bounds a JWKS document: a provider's runs to a few KiB.
 const jwksMaxBody = 1 << 20
 
@@ -45,6 +63,7 @@ type keySet struct {
 	client *http.Client
 	log    *slog.Logger
 	now    func() time.Time
+	skew   time.Duration // how far the provider's clock may be from ours
 
 	mu       sync.Mutex
 	keys     []jose.JSONWebKey
@@ -52,14 +71,16 @@ type keySet struct {
 	failures int       // consecutive failed fetches
 	lastErr  error     // of the last fetch, nil when it worked
 	retryAt  time.Time // after a failure: no fetch before then
+	fetched  time.Time // when the last fetch that worked began
 }
 
 // keyFetch is one fetch of the JWKS, which every token that needs it waits
 // for.
 type keyFetch struct {
-	done chan struct{}
-	keys []jose.JSONWebKey
-	err  error
+	done  chan struct{}
+	start time.Time
+	keys  []jose.JSONWebKey
+	err   error
 }
 
 // keysNote is where VerifySignature leaves the KeysUnavailableError of a
@@ -68,8 +89,8 @@ type keysNote struct{ err *KeysUnavailableError }
 
 type keysNoteKey struct{}
 
-func newKeySet(url, issuer string, client *http.Client, log *slog.Logger, now func() time.Time) *keySet {
-	return &keySet{url: url, issuer: issuer, client: client, log: log, now: now}
+func newKeySet(url, issuer string, client *http.Client, log *slog.Logger, now func() time.Time, skew time.Duration) *keySet {
+	return &keySet{url: url, issuer: issuer, client: client, log: log, now: now, skew: skew}
 }
 
 // VerifySignature implements oidc.KeySet: the token's signature checked
@@ -95,6 +116,25 @@ func (k *keySet) VerifySignature(ctx context.Context, jwt string) ([]byte, error
 		return nil, errors.New("oidc: the signature does not verify with the key of its key id")
 	}
 	keys, err = k.fetch(ctx)
+	var lately *errFetchedLately
+	if errors.As(err, &lately) {
+		// The keys were fetched moments ago. A token issued before that
+		// (by the provider's clock, give or take the skew) names a key
+		// the provider did not have then: no such key. One issued since
+		// may be of a key the provider has rotated to meanwhile: not
+		// judged until the next fetch, a 503, never the 401 that logs
+		// its user out. Its iat is read unverified, only to choose.
+		var claims struct {
+			IssuedAt *json.Number `json:"iat"`
+		}
+		_ = json.Unmarshal(jws.UnsafePayloadWithoutVerification(), &claims)
+		if claims.IssuedAt != nil {
+			if iat, err := claims.IssuedAt.Float64(); err == nil && iat < float64(lately.at.Add(-k.skew).UnixNano())/1e9 {
+				return nil, fmt.Errorf("oidc: no key of the identity provider has the token's key id (%s)", lately)
+			}
+		}
+		err = &KeysUnavailableError{Err: lately, RetryAfter: lately.until}
+	}
 	if err != nil {
 		var ku *KeysUnavailableError
 		if errors.As(err, &ku) {
@@ -140,12 +180,17 @@ func (k *keySet) fetch(ctx context.Context) ([]jose.JSONWebKey, error) {
 	k.mu.Lock()
 	f := k.inflight
 	if f == nil {
-		if wait := k.retryAt.Sub(k.now()); k.lastErr != nil && wait > 0 {
+		now := k.now()
+		if wait := k.retryAt.Sub(now); k.lastErr != nil && wait > 0 {
 			err := &KeysUnavailableError{Err: k.lastErr, RetryAfter: wait}
 			k.mu.Unlock()
 			return nil, err
 		}
-		f = &keyFetch{done: make(chan struct{})}
+		if next := k.fetched.Add(jwksMinInterval); k.lastErr == nil && !k.fetched.IsZero() && now.Before(next) {
+			k.mu.Unlock()
+			return nil, &errFetchedLately{at: k.fetched, ago: now.Sub(k.fetched), until: next.Sub(now)}
+		}
+		f = &keyFetch{done: make(chan struct{}), start: now}
 		k.inflight = f
 		go k.run(f)
 	}
@@ -174,7 +219,7 @@ func (k *keySet) run(f *keyFetch) {
 		if k.lastErr != nil {
 			k.log.Info("the identity provider's keys are fetched again: access tokens are judged", "issuer", k.issuer, "jwks", k.url)
 		}
-		k.keys, k.lastErr, k.failures = f.keys, nil, 0
+		k.keys, k.lastErr, k.failures, k.fetched = f.keys, nil, 0, f.start
 		close(f.done)
 		return
 	}
