@@ -55,8 +55,12 @@ func bearer(c *gin.Context) []byte {
 	return companion.HashSecret(tok)
 }
 
-// maxBearer bounds a bearer token; identity providers' JWTs run to a few KiB.
-const maxBearer = 8 << 10
+// maxBearer bounds a bearer token. An identity provider's JWT of a user in
+// many groups runs past 8 KiB, the bound before: Microsoft Entra ID puts up
+// to 200 group ids in one (about 11 KiB), Keycloak every role; it was taken
+// for no token, a 401 (docs/reliability.md, bug 466). Go's server takes
+// headers to 1 MiB; checking 64 KiB costs some microseconds.
+const maxBearer = 64 << 10
 
 // bearerToken returns the request's bearer token, or "".
 func bearerToken(c *gin.Context) string {

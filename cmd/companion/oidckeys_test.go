@@ -257,3 +257,35 @@ func TestAccessTokenKeyFetchesAreLimited(t *testing.T) {
 		return r.Status == http.StatusOK
 	})
 }
+
+// An access token of a user in many groups runs past 8 KiB: Microsoft
+// Entra ID puts up to 200 group ids in a JWT (about 11 KiB), Keycloak every
+// role. It was taken for no token at all, a 401, the user logged out and
+// logged in to the same token (docs/reliability.md, bug 466).
+func TestAccessTokenOfAUserInManyGroups(t *testing.T) {
+	p := newKeysIDP(t)
+	key := rsaKey(t)
+	p.set(true, key)
+	m := startServer(t, Config{OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api", JWKSURL: p.srv.URL + "/keys"}})
+	groups := make([]string, 200)
+	for i := range groups {
+		groups[i] = fmt.Sprintf("%08x-4c2e-4a8e-9b1f-%012x", i, i*7919)
+	}
+	signer, err := jose.NewSigner(jose.SigningKey{Algorithm: jose.RS256, Key: key}, (&jose.SignerOptions{}).WithHeader("kid", "k1").WithType("JWT"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	claims, _ := json.Marshal(map[string]any{"iss": p.srv.URL, "aud": "companion-api", "sub": "alice@idp", "groups": groups,
+		"exp": time.Now().Add(time.Hour).Unix(), "iat": time.Now().Unix()})
+	jws, err := signer.Sign(claims)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, err := jws.CompactSerialize()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := newClient(t, m, tok).do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Errorf("an access token of %d bytes (200 groups) = %d %s; want 200", len(tok), r.Status, r.Body)
+	}
+}
