@@ -150,6 +150,13 @@ func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Durat
 // makes the verifier of its keys.
 func (o *OIDCVerifier) discover(ctx context.Context) error {
 	p, err := oidc.NewProvider(ctx, o.issuer)
+	var mismatch *oidc.IssuerMismatchError
+	if errors.As(err, &mismatch) && sameIssuer(mismatch.Discovered, o.issuer) {
+		// The provider writes its issuer with the trailing slash it was
+		// not given (or without the one it was): the same issuer, whose
+		// tokens Verify takes either way (docs/reliability.md, bug 467).
+		p, err = oidc.NewProvider(oidc.InsecureIssuerURLContext(ctx, mismatch.Discovered), o.issuer)
+	}
 	if err != nil {
 		return fmt.Errorf("oidc discovery: %w", err)
 	}
@@ -203,6 +210,8 @@ func newOIDCVerifier(_ context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 		ClientID:             o.Audience,
 		SupportedSigningAlgs: o.Algorithms,
 		SkipExpiryCheck:      true,
+		// iss is checked in Verify, a trailing slash aside (bug 467).
+		SkipIssuerCheck: true,
 	}
 	log := o.Logger
 	if log == nil {
@@ -229,6 +238,9 @@ func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	if !sameIssuer(tok.Issuer, o.issuer) {
+		return "", fmt.Errorf("oidc: the token was issued by %q, not %q", tok.Issuer, o.issuer)
+	}
 	var claims struct {
 		NotBefore *json.Number `json:"nbf"`
 	}
@@ -252,6 +264,20 @@ func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
 		return "", fmt.Errorf("oidc: unusable sub claim %q", tok.Subject)
 	}
 	return tok.Subject, nil
+}
+
+// sameIssuer reports whether the issuer iss is want: the same string, but
+// for one trailing slash, which operators leave out or add where their
+// provider does not (Auth0's issuer ends in one, Keycloak's does not); and
+// Google's tokens that say their issuer without its scheme, as go-oidc
+// takes them. Before, go-oidc's exact comparison refused every token, and
+// the discovery of such an issuer failed for ever (docs/reliability.md,
+// bug 467).
+func sameIssuer(iss, want string) bool {
+	if iss == want || strings.TrimSuffix(iss, "/") == strings.TrimSuffix(want, "/") {
+		return iss != ""
+	}
+	return want == "https://accounts.google.com" && iss == "accounts.google.com"
 }
 
 // validSubject keeps a sub usable as part of a user id: 1–200 printable

@@ -27,6 +27,7 @@ type keysIDP struct {
 	mu      sync.Mutex
 	up      bool
 	keys    []jose.JSONWebKey
+	issuer  string       // the discovery document's, when not the URL
 	hang    atomic.Bool  // the next /keys request is never answered
 	fetches atomic.Int32 // /keys requests
 	gone    chan struct{}
@@ -37,8 +38,11 @@ func newKeysIDP(t *testing.T) *keysIDP {
 	p := &keysIDP{up: true, gone: make(chan struct{})}
 	p.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p.mu.Lock()
-		up, keys := p.up, p.keys
+		up, keys, issuer := p.up, p.keys, p.issuer
 		p.mu.Unlock()
+		if issuer == "" {
+			issuer = p.srv.URL
+		}
 		if r.URL.Path == "/keys" {
 			p.fetches.Add(1)
 			if p.hang.CompareAndSwap(true, false) {
@@ -56,7 +60,7 @@ func newKeysIDP(t *testing.T) *keysIDP {
 		w.Header().Set("Content-Type", "application/json")
 		switch r.URL.Path {
 		case "/.well-known/openid-configuration":
-			json.NewEncoder(w).Encode(map[string]any{"issuer": p.srv.URL, "jwks_uri": p.srv.URL + "/keys",
+			json.NewEncoder(w).Encode(map[string]any{"issuer": issuer, "jwks_uri": p.srv.URL + "/keys",
 				"authorization_endpoint": p.srv.URL + "/auth", "id_token_signing_alg_values_supported": []string{"RS256"}})
 		case "/keys":
 			json.NewEncoder(w).Encode(jose.JSONWebKeySet{Keys: keys})
@@ -287,5 +291,37 @@ func TestAccessTokenOfAUserInManyGroups(t *testing.T) {
 	}
 	if r := newClient(t, m, tok).do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
 		t.Errorf("an access token of %d bytes (200 groups) = %d %s; want 200", len(tok), r.Status, r.Body)
+	}
+}
+
+// An issuer given without the trailing slash its provider writes (Auth0's
+// is "https://TENANT.auth0.com/"), or with one it does not, is the same
+// issuer: before, the discovery failed "did not match the issuer URL
+// returned by provider", tried again for ever, and with --oidc-jwks-url
+// every token was refused "issued by a different provider"
+// (docs/reliability.md, bug 467).
+func TestAccessTokenOfAnIssuerWithATrailingSlash(t *testing.T) {
+	for _, jwks := range []bool{false, true} {
+		t.Run(fmt.Sprintf("jwks-url=%v", jwks), func(t *testing.T) {
+			p := newKeysIDP(t)
+			key := rsaKey(t)
+			p.set(true, key)
+			p.mu.Lock()
+			p.issuer = p.srv.URL + "/"
+			p.mu.Unlock()
+			o := api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api"}
+			if jwks {
+				o.JWKSURL = p.srv.URL + "/keys"
+			}
+			m := startServer(t, Config{OIDC: o})
+			user := newClient(t, m, accessToken(t, key, "k1", p.srv.URL+"/", "alice@idp"))
+			if r := user.do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+				t.Errorf("--oidc-issuer %s, a token of iss %s/ = %d %s; want 200", p.srv.URL, p.srv.URL, r.Status, r.Body)
+			}
+			other := newClient(t, m, accessToken(t, key, "k1", p.srv.URL+"/other", "mallory"))
+			if r := other.do("GET", "/api/v1/devices", nil); r.Status == http.StatusOK {
+				t.Errorf("a token of iss %s/other = 200; want it refused", p.srv.URL)
+			}
+		})
 	}
 }
