@@ -111,10 +111,9 @@ func (k *keySet) VerifySignature(ctx context.Context, jwt string) ([]byte, error
 	if payload != nil {
 		return payload, nil
 	}
-	if known {
-		// A key of that id is among the provider's: the signature is wrong.
-		return nil, errors.New("oidc: the signature does not verify with the key of its key id")
-	}
+	// A key id not among the keys, or one whose key does not verify it (a
+	// provider that rotates its key under the same kid, as go-oidc took
+	// them): the keys are fetched again.
 	keys, err = k.fetch(ctx)
 	var lately *errFetchedLately
 	if errors.As(err, &lately) {
@@ -134,6 +133,11 @@ func (k *keySet) VerifySignature(ctx context.Context, jwt string) ([]byte, error
 			}
 		}
 		err = &KeysUnavailableError{Err: lately, RetryAfter: lately.until}
+	} else if known && err != nil {
+		// The keys cannot be fetched, and the key of that id does not
+		// verify it: judged by the key at hand, a forged token is a 401
+		// while the provider is away.
+		return nil, fmt.Errorf("oidc: the signature does not verify with the key of its key id, and the keys cannot be fetched again: %v", err)
 	}
 	if err != nil {
 		var ku *KeysUnavailableError
@@ -147,7 +151,7 @@ func (k *keySet) VerifySignature(ctx context.Context, jwt string) ([]byte, error
 	if payload, _ := verifyWith(jws, keys); payload != nil {
 		return payload, nil
 	}
-	return nil, errors.New("oidc: no key of the identity provider verifies the signature (an unknown key id)")
+	return nil, errors.New("oidc: no key of the identity provider verifies the signature")
 }
 
 // verifyWith checks jws against the keys of its kid (every key when it has
