@@ -59,6 +59,7 @@ type OIDCVerifier struct {
 	// fetch after it, until the server restarted (docs/reliability.md,
 	// bug 464).
 	keysTimeout time.Duration
+	ks          atomic.Pointer[keySet] // the last made, for KeysUnavailable
 	// nextDiscovery is when the discovery is tried again (UnixNano), while
 	// v is nil: the Retry-After of a token meanwhile.
 	nextDiscovery atomic.Int64
@@ -174,7 +175,26 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 // told no "cannot be fetched" from "no such key" (docs/reliability.md,
 // bug 463).
 func (o *OIDCVerifier) newKeySet(url string) *keySet {
-	return newKeySet(url, o.issuer, &http.Client{Timeout: o.keysTimeout}, o.log, o.now, o.skew)
+	ks := newKeySet(url, o.issuer, &http.Client{Timeout: o.keysTimeout}, o.log, o.now, o.skew)
+	o.ks.Store(ks)
+	return ks
+}
+
+// KeysUnavailable reports whether the issuer's keys cannot be fetched now:
+// its discovery has not worked yet, or the last fetch of its keys failed.
+// Meanwhile a token of a key not at hand is answered 503 (bug 463); the
+// metrics say so (docs/reliability.md, bug 468).
+func (o *OIDCVerifier) KeysUnavailable() bool {
+	if o.v.Load() == nil {
+		return true
+	}
+	ks := o.ks.Load()
+	if ks == nil {
+		return false
+	}
+	ks.mu.Lock()
+	defer ks.mu.Unlock()
+	return ks.lastErr != nil
 }
 
 // newOIDCVerifier checks o and returns its verifier, ready with

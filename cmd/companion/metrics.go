@@ -56,6 +56,14 @@ func (m *Main) startMetrics(_ context.Context) error {
 	if m.pg != nil {
 		opts.StoreFaults = m.pg.Faults
 	}
+	if m.Config.OIDC.Issuer != "" {
+		// Access tokens answered 503 while the provider is away (bug 463)
+		// say why here too (docs/reliability.md, bug 468).
+		opts.IdentityProviderUnavailable = func() bool {
+			v := m.oidc.Load()
+			return v != nil && v.KeysUnavailable()
+		}
+	}
 	s := metrics.NewServer(opts)
 	ln, err := metrics.Listen(addr, s.Registry(), m.Logger)
 	if err != nil {

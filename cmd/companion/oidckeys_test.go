@@ -353,3 +353,21 @@ func TestAccessTokenOfAKeyRotatedUnderItsKeyID(t *testing.T) {
 		return r.Status == http.StatusOK
 	})
 }
+
+// While the identity provider's keys cannot be fetched, /metrics says so:
+// companion_identity_provider_unavailable is 1 from the failed discovery or
+// fetch until one works, for an alert on the 503s its access tokens get
+// (docs/reliability.md, bug 468).
+func TestIdentityProviderUnavailableMetric(t *testing.T) {
+	p := newKeysIDP(t)
+	key := rsaKey(t)
+	p.set(false, key)
+	m := startServer(t, Config{Metrics: "127.0.0.1:0", OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api"}})
+	metricsExpect(t, metricsScrape(t, m), 1, "companion_identity_provider_unavailable")
+	p.set(true, key)
+	user := newClient(t, m, accessToken(t, key, "k1", p.srv.URL, "alice@idp"))
+	testenv.Eventually(t, 30*time.Second, "an access token taken once the provider answers", func() bool {
+		return user.do("GET", "/api/v1/devices", nil).Status == http.StatusOK
+	})
+	metricsExpect(t, metricsScrape(t, m), 0, "companion_identity_provider_unavailable")
+}

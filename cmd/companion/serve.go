@@ -19,6 +19,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	mqtt "github.com/eclipse/paho.mqtt.golang"
@@ -446,6 +447,9 @@ type Main struct {
 	bolt       *store.DB       // the store, when it is the bbolt file
 	stopListen context.CancelFunc
 	stopOIDC   func() // ends the retries of the issuer's discovery, and waits for them
+	// oidc is the access tokens' verifier once serveHTTP made it, for the
+	// metrics (bug 468).
+	oidc       atomic.Pointer[api.OIDCVerifier]
 	listenDone chan struct{}
 
 	// Events is the hub of GET /api/v1/events (events.go).
@@ -778,6 +782,7 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 			<-done
 		}
 		tokens = v
+		m.oidc.Store(v)
 	}
 	handler, err := api.New(api.Options{
 		Store:          m.DB,

@@ -126,6 +126,8 @@ func servedFamilies(tb testing.TB, ops []operation) map[string]*dto.MetricFamily
 		Undecodable:  func() int { return 0 },
 		StoreFaults:  func(fn func(string, bool)) { fn("cannot write", false) },
 		Logger:       metricsQuiet(),
+
+		IdentityProviderUnavailable: func() bool { return false },
 	})
 	for _, op := range ops {
 		for _, code := range []int{200, 503} {

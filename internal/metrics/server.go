@@ -45,6 +45,10 @@ type ServerOptions struct {
 	// (store.DB.Faults, postgres.Store.Faults) and whether it stands now.
 	// Without it the gauge is not served.
 	StoreFaults func(fn func(name string, stands bool))
+	// IdentityProviderUnavailable reports whether the identity provider's
+	// signing keys cannot be fetched now (api.OIDCVerifier.KeysUnavailable).
+	// Without it (no --oidc-issuer) the gauge is not served.
+	IdentityProviderUnavailable func() bool
 	// Logger receives a failed count of the open commands;
 	// slog.Default() when nil.
 	Logger *slog.Logger
@@ -151,6 +155,13 @@ func NewServer(opts ServerOptions) *Server {
 			"1 while the store's fault stands (the server's log said it, and has not said it gone), by fault: the bbolt store's disk "+
 				"refuses writes (cannot write) or keeps one waiting (not answering); PostgreSQL cannot be reached, refuses writes, …; else 0.",
 			[]string{"fault"}, nil)})
+	}
+	if f := opts.IdentityProviderUnavailable; f != nil {
+		s.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "companion_identity_provider_unavailable",
+			Help: "1 while the identity provider's signing keys cannot be fetched (its discovery has not worked yet, or the last fetch of its keys failed): " +
+				"an access token of a key not at hand is answered 503, not judged; else 0. Served with --oidc-issuer.",
+		}, func() float64 { return gauge01(f()) }))
 	}
 	for _, op := range topics.Ops {
 		o := &opSeries{
