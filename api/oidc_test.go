@@ -164,3 +164,37 @@ func TestOIDCClockSkewTakesFreshTokens(t *testing.T) {
 		assert.Equal(t, tc.ok, err == nil, "%s: Verify = %v", tc.name, err)
 	}
 }
+
+// A JWKS may hold keys this server cannot verify with: another key type or
+// curve (Ed448, secp256k1), an encryption key, a symmetric one. They are
+// left out, not the set: the provider's signing key still verifies. A key
+// that names its algorithm verifies only that one.
+func TestOIDCKeySetSkipsKeysItCannotUse(t *testing.T) {
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	require.NoError(t, err)
+	sigKey, err := json.Marshal(jose.JSONWebKey{Key: &key.PublicKey, KeyID: "k1", Use: "sig"})
+	require.NoError(t, err)
+	pinned, err := json.Marshal(jose.JSONWebKey{Key: &key.PublicKey, KeyID: "k384", Algorithm: "RS384", Use: "sig"})
+	require.NoError(t, err)
+	jwks := `{"keys": [
+		{"kty": "OKP", "crv": "Ed448", "kid": "ed448", "x": "X9dEm1m0Yf0s54fsYWrUah2hNCSFpw4fig6nXYDpZ3jt8SR2m0bHBhvWeD3x5Q9s0foavq_oJWGA"},
+		{"kty": "EC", "crv": "secp256k1", "kid": "k256", "alg": "ES256K", "x": "AAAA", "y": "AAAA"},
+		{"kty": "RSA", "kid": "enc", "use": "enc", "alg": "RSA-OAEP", "n": "AQAB", "e": "AQAB"},
+		{"kty": "oct", "kid": "hmac", "k": "c2VjcmV0"},
+		` + string(sigKey) + `, ` + string(pinned) + `]}`
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(jwks))
+	}))
+	defer srv.Close()
+	const issuer, audience = "https://idp.example", "companion-api"
+	v, err := NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: issuer, Audience: audience, JWKSURL: srv.URL})
+	require.NoError(t, err)
+	e := newEnv(t, func(o *Options) { o.Tokens = v })
+	now := time.Now()
+	claims := map[string]any{"iss": issuer, "aud": audience, "sub": "alice@idp", "exp": now.Add(time.Hour).Unix(), "iat": now.Add(-time.Hour).Unix()}
+	r := e.do("GET", "/api/v1/devices", sign(t, key, "k1", claims), nil)
+	assert.Equal(t, http.StatusOK, r.status, "a token of the JWKS's usable key: %s", r.body)
+	r = e.do("GET", "/api/v1/devices", sign(t, key, "k384", claims), nil)
+	assert.Equal(t, http.StatusUnauthorized, r.status, "an RS256 token of a key for RS384 only: %s", r.body)
+}
