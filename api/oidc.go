@@ -32,8 +32,9 @@ type OIDCOptions struct {
 	// ClockSkew is how far past exp a token is still taken (default 1 min).
 	// A token is taken from nbfLeeway before its nbf, whatever the skew.
 	ClockSkew time.Duration
-	// Algorithms the signature may use; default RS256 and ES256. "none" is
-	// never accepted.
+	// Algorithms the signature may use; default every asymmetric one
+	// (RS, PS and ES of 256, 384 and 512 bits, EdDSA). "none" is never
+	// accepted.
 	Algorithms []string
 	Now        func() time.Time
 	// KeysTimeout bounds each fetch of the provider's keys (default 10 s).
@@ -210,7 +211,13 @@ func newOIDCVerifier(_ context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 		o.KeysTimeout = 10 * time.Second
 	}
 	if len(o.Algorithms) == 0 {
-		o.Algorithms = []string{oidc.RS256, oidc.ES256}
+		// Every asymmetric algorithm: the key is the provider's own, and
+		// it, not this server, chooses (Keycloak's realm keys may be ES384
+		// or PS256). RS256 and ES256 alone refused every token of such a
+		// provider, and no flag chose others (docs/reliability.md, bug
+		// 469). HMAC is never among them: the JWKS is public.
+		o.Algorithms = []string{oidc.RS256, oidc.RS384, oidc.RS512, oidc.ES256, oidc.ES384, oidc.ES512,
+			oidc.PS256, oidc.PS384, oidc.PS512, oidc.EdDSA}
 	}
 	for _, a := range o.Algorithms {
 		if strings.EqualFold(a, "none") {

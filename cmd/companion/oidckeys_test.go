@@ -1,6 +1,8 @@
 package main
 
 import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/rsa"
 	"encoding/json"
@@ -370,4 +372,49 @@ func TestIdentityProviderUnavailableMetric(t *testing.T) {
 		return user.do("GET", "/api/v1/devices", nil).Status == http.StatusOK
 	})
 	metricsExpect(t, metricsScrape(t, m), 0, "companion_identity_provider_unavailable")
+}
+
+// A provider that signs with another asymmetric algorithm than RS256 or
+// ES256 (Keycloak's realm keys may be ES384 or PS256, and no flag chose
+// the algorithms) had every access token refused, each user logged out at
+// once (docs/reliability.md, bug 469).
+func TestAccessTokenOfAnotherAsymmetricAlgorithm(t *testing.T) {
+	p := newKeysIDP(t)
+	ec, err := ecdsa.GenerateKey(elliptic.P384(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs := rsaKey(t)
+	p.mu.Lock()
+	p.keys = []jose.JSONWebKey{{Key: &ec.PublicKey, KeyID: "e1", Algorithm: "ES384", Use: "sig"},
+		{Key: &rs.PublicKey, KeyID: "p1", Algorithm: "PS256", Use: "sig"}}
+	p.mu.Unlock()
+	m := startServer(t, Config{OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api"}})
+	for _, k := range []struct {
+		alg jose.SignatureAlgorithm
+		kid string
+		key any
+	}{{jose.ES384, "e1", ec}, {jose.PS256, "p1", rs}} {
+		signer, err := jose.NewSigner(jose.SigningKey{Algorithm: k.alg, Key: k.key}, (&jose.SignerOptions{}).WithHeader("kid", k.kid).WithType("JWT"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		claims, _ := json.Marshal(map[string]any{"iss": p.srv.URL, "aud": "companion-api", "sub": "alice@idp",
+			"exp": time.Now().Add(time.Hour).Unix(), "iat": time.Now().Unix()})
+		jws, err := signer.Sign(claims)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tok, _ := jws.CompactSerialize()
+		if r := newClient(t, m, tok).do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+			t.Errorf("an access token signed %s = %d %s; want 200", k.alg, r.Status, r.Body)
+		}
+	}
+	hs, _ := jose.NewSigner(jose.SigningKey{Algorithm: jose.HS256, Key: []byte("a secret of thirty-two bytes or more")}, (&jose.SignerOptions{}).WithHeader("kid", "p1"))
+	claims, _ := json.Marshal(map[string]any{"iss": p.srv.URL, "aud": "companion-api", "sub": "mallory", "exp": time.Now().Add(time.Hour).Unix()})
+	jws, _ := hs.Sign(claims)
+	tok, _ := jws.CompactSerialize()
+	if r := newClient(t, m, tok).do("GET", "/api/v1/devices", nil); r.Status != http.StatusUnauthorized {
+		t.Errorf("an access token signed HS256 = %d %s; want 401", r.Status, r.Body)
+	}
 }
