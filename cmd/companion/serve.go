@@ -769,8 +769,8 @@ func (m *Main) serveHTTP(ctx context.Context, accounts api.BrokerAccounts, cert 
 	var tokens api.TokenVerifier
 	if cfg.OIDC.Issuer != "" {
 		// An issuer not reachable yet (at boot) or down is tried again
-		// until it answers, access tokens refused meanwhile; the rest of
-		// the server works (bug 440).
+		// until it answers, access tokens answered 503 meanwhile (bug
+		// 463); the rest of the server works (bug 440).
 		octx, stop := context.WithCancel(context.Background())
 		v, done, err := api.RetryingOIDCVerifier(octx, cfg.OIDC, 15*time.Second, m.Logger)
 		if err != nil {
