@@ -206,6 +206,24 @@ func (d *Driver) subscribed(granted bool) {
 	signal(d.connected)
 }
 
+// NotReady says why the server cannot keep Mosquitto's accounts, for
+// /readyz: nil but while Mosquitto refuses the server's subscription to
+// the plugin's responses (its account is not the plugin's admin). The
+// server's commands flow then, but every bridge and user it creates is
+// refused at login, and no device assigned or moved is granted to its
+// bridge; /readyz said ready all the same, and a bridge told only that
+// its secret was wrong (docs/reliability.md, bug 503).
+func (d *Driver) NotReady() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.refused {
+		return nil
+	}
+	return fmt.Errorf("the MQTT broker refuses the server's account (%q) the dynamic-security plugin's responses (%s): it is not the plugin's admin, so no bridge or user account is made nor any device granted to its bridge; "+
+		"give it the plugin's admin role (mosquitto_ctrl dynsec addClientRole %s admin; docs/mosquitto.md, section 2), or run with --mqtt-dynsec=false",
+		d.opts.ServerUsername, ResponseTopic, d.opts.ServerUsername)
+}
+
 func signal(c chan struct{}) {
 	select {
 	case c <- struct{}{}:

@@ -68,9 +68,17 @@ const readyTimeout = 2 * time.Second
 // statements waiting for a lock), which Ping tells apart. So is a store whose last write its disk refused (full;
 // PostgreSQL's, or read-only): every write is a 503 unavailable until one
 // succeeds; and a bbolt store whose disk has kept a write waiting 10 s.
+// So is a server whose Mosquitto account may not use the dynamic-security
+// plugin (dynsec.Driver.NotReady).
 func (m *Main) ready(ctx context.Context) error {
 	if err := m.Broker.NotReady(); err != nil {
 		return err
+	}
+	if m.Dynsec != nil {
+		// Commands flow, but no account can be made (bug 503).
+		if err := m.Dynsec.NotReady(); err != nil {
+			return err
+		}
 	}
 	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
 	defer cancel()
