@@ -172,6 +172,15 @@ type Agent struct {
 	closings    []time.Duration
 	hinted      time.Duration
 
+	// repeats notes the finished commands the server sent again, and
+	// unheardHinted when the bridge last said its replies do not reach
+	// the server (noteRepeated); unheardSpan is the const of that name,
+	// which tests shorten.
+	repeatsMu     sync.Mutex
+	repeats       map[string]*repeatNote
+	unheardHinted time.Duration
+	unheardSpan   time.Duration
+
 	// server is the least the server's clock reads, from the commands'
 	// created_at: TTLs are judged on it too (ttlNow).
 	server serverClock
@@ -250,24 +259,25 @@ func New(opts Options) (*Agent, error) {
 		opts.Observer = nopObserver{}
 	}
 	a := &Agent{
-		opts:       opts,
-		log:        opts.Logger.With("bridge_id", opts.BridgeID),
-		now:        opts.Now,
-		born:       time.Now(),
-		tree:       opts.Topics,
-		devices:    map[string]*deviceRunner{},
-		byFilter:   map[string]*deviceRunner{},
-		intakeWake: make(chan struct{}, 1),
-		subWake:    make(chan struct{}, 1),
-		subTiming:  subscribeTiming{timeout: subscribeTimeout, retryMin: subscribeRetryMin, retryMax: subscribeRetryMax},
-		startHold:  connectTimeout,
-		outboxWake: make(chan struct{}, 1),
-		delivOwed:  map[string]bool{},
-		delivWake:  make(chan struct{}, 1),
-		flying:     map[uint64]bool{},
-		acks:       make(chan pendingFinal, maxFlying),
-		stop:       make(chan struct{}),
-		stopped:    make(chan struct{}),
+		opts:        opts,
+		log:         opts.Logger.With("bridge_id", opts.BridgeID),
+		now:         opts.Now,
+		born:        time.Now(),
+		tree:        opts.Topics,
+		devices:     map[string]*deviceRunner{},
+		byFilter:    map[string]*deviceRunner{},
+		intakeWake:  make(chan struct{}, 1),
+		subWake:     make(chan struct{}, 1),
+		subTiming:   subscribeTiming{timeout: subscribeTimeout, retryMin: subscribeRetryMin, retryMax: subscribeRetryMax},
+		unheardSpan: unheardSpan,
+		startHold:   connectTimeout,
+		outboxWake:  make(chan struct{}, 1),
+		delivOwed:   map[string]bool{},
+		delivWake:   make(chan struct{}, 1),
+		flying:      map[uint64]bool{},
+		acks:        make(chan pendingFinal, maxFlying),
+		stop:        make(chan struct{}),
+		stopped:     make(chan struct{}),
 	}
 	for _, d := range opts.Devices {
 		id := d.ID()
@@ -766,6 +776,7 @@ func (a *Agent) accept(ctx context.Context, batch []mqtt.Message) {
 			a.log.Debug("finished command repeated; republishing its reply", "device_id", c.DeviceID, "command_id", c.ID)
 			if it.res.final != nil {
 				a.publishReply(c.DeviceID, *it.res.final)
+				a.noteRepeated(c.DeviceID, c.ID)
 			}
 		case acceptCanceled:
 			a.log.Info("command canceled before it ran", "device_id", c.DeviceID, "command_id", it.res.final.CommandID)

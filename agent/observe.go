@@ -23,6 +23,10 @@ type Observer interface {
 	// limit, a failing disk: the bridge takes no command in meanwhile),
 	// and with true when one succeeds again.
 	SpoolWritable(ok bool)
+	// ReplyUnheard is called for each command the server sent again and
+	// again after the bridge had finished and answered it: its replies do
+	// not reach the server (noteRepeated).
+	ReplyUnheard()
 }
 
 // nopObserver is the Observer of an agent nobody observes.
@@ -31,3 +35,4 @@ type nopObserver struct{}
 func (nopObserver) CommandDone(string, string, bool, time.Duration) {}
 func (nopObserver) MQTTConnected(bool)                              {}
 func (nopObserver) SpoolWritable(bool)                              {}
+func (nopObserver) ReplyUnheard()                                   {}

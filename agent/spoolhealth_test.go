@@ -18,6 +18,7 @@ type spoolObserver struct {
 
 func (o *spoolObserver) CommandDone(string, string, bool, time.Duration) {}
 func (o *spoolObserver) MQTTConnected(bool)                              {}
+func (o *spoolObserver) ReplyUnheard()                                   {}
 func (o *spoolObserver) SpoolWritable(ok bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()

@@ -25,3 +25,10 @@ func SetHookLost(t testing.TB, f func()) {
 	testHookLost.Store(&f)
 	t.Cleanup(func() { testHookLost.Store(nil) })
 }
+
+// SetUnheardSpan shortens how long after the first repeat of a finished
+// command its third must come for the bridge to say its replies do not
+// reach the server. Call it before Run.
+func (a *Agent) SetUnheardSpan(d time.Duration) {
+	a.unheardSpan = d
+}

@@ -57,6 +57,7 @@ type Bridge struct {
 	transfers  map[string]*transferSeries // read-only after NewBridge
 	drops      prometheus.Counter
 	spool      prometheus.Gauge // 1 while the spool cannot be written
+	unheard    prometheus.Counter
 }
 
 // NewBridge registers the bridge's metrics in a registry of its own.
@@ -97,10 +98,14 @@ func NewBridge(opts BridgeOptions) *Bridge {
 			Name: "companion_bridge_spool_unwritable",
 			Help: "1 while the bridge's spool cannot be written (its disk full, a quota, a file size limit, a failing disk): it takes no command in meanwhile; else 0.",
 		}),
+		unheard: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "companion_bridge_replies_unheard_total",
+			Help: "Commands the server sent again and again after the bridge had finished and answered them: their replies do not reach the server (the broker's ACLs may drop the bridge's publishes).",
+		}),
 		ops:       make(map[string]*bridgeOp, len(topics.Ops)),
 		transfers: make(map[string]*transferSeries, len(transferKinds)),
 	}
-	b.reg.MustRegister(b.doneV, b.tookV, b.mqtt, b.bytesV, b.transferV, b.transfersV, b.drops, b.spool)
+	b.reg.MustRegister(b.doneV, b.tookV, b.mqtt, b.bytesV, b.transferV, b.transfersV, b.drops, b.spool, b.unheard)
 	devices := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "companion_bridge_devices",
 		Help: "Devices the bridge serves (--sim-devices or --devices).",
@@ -179,6 +184,9 @@ func (b *Bridge) Transfer(kind string, bytesSent int64, took time.Duration, fail
 
 // SpoolWritable sets the spool gauge: 1 while its writes fail.
 func (b *Bridge) SpoolWritable(ok bool) { b.spool.Set(gauge01(!ok)) }
+
+// ReplyUnheard counts a command whose replies do not reach the server.
+func (b *Bridge) ReplyUnheard() { b.unheard.Inc() }
 
 // LinkLost counts a dropped Bluetooth link.
 func (b *Bridge) LinkLost() { b.drops.Inc() }
