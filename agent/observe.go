@@ -27,6 +27,12 @@ type Observer interface {
 	// again after the bridge had finished and answered it: its replies do
 	// not reach the server (noteRepeated).
 	ReplyUnheard()
+	// DevicesRefused is called after each round of the bridge's command
+	// subscriptions with how many of its devices' filters the broker
+	// refuses (SUBACK 0x80): devices the server serves through another
+	// bridge, or all of them when the bridge's --topic-prefix or its
+	// account's rights are wrong.
+	DevicesRefused(n int)
 }
 
 // nopObserver is the Observer of an agent nobody observes.
@@ -36,3 +42,4 @@ func (nopObserver) CommandDone(string, string, bool, time.Duration) {}
 func (nopObserver) MQTTConnected(bool)                              {}
 func (nopObserver) SpoolWritable(bool)                              {}
 func (nopObserver) ReplyUnheard()                                   {}
+func (nopObserver) DevicesRefused(int)                              {}

@@ -19,6 +19,7 @@ type spoolObserver struct {
 func (o *spoolObserver) CommandDone(string, string, bool, time.Duration) {}
 func (o *spoolObserver) MQTTConnected(bool)                              {}
 func (o *spoolObserver) ReplyUnheard()                                   {}
+func (o *spoolObserver) DevicesRefused(int)                              {}
 func (o *spoolObserver) SpoolWritable(ok bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()

@@ -93,6 +93,12 @@ func (a *Agent) subscribeConn(ctx context.Context, conn uint64) {
 			// bridge, which the server failed at the move, showed on the
 			// device (docs/reliability.md, bug 291).
 			a.announce(conn, len(missing)-len(left))
+			if len(left) == len(missing) && a.everyFilterRefused() {
+				a.log.Warn("the broker refuses the commands of every device of the bridge: the server serves none of them through this bridge "+
+					"(assign them to it: PUT /api/v1/admin/devices/DEV/bridge), or the bridge's --topic-prefix is not the server's, "+
+					"or the broker's ACLs for its account do not grant them; its statuses and replies are dropped as well: "+a.grantHint(),
+					"topic_prefix", a.tree.Prefix(), "devices", len(a.filters))
+			}
 		case len(left) < len(missing):
 			still := make(map[string]bool, len(left))
 			for _, f := range left {
@@ -193,6 +199,7 @@ func (a *Agent) subscribeRound(ctx context.Context, conn uint64, filters []strin
 			a.log.Warn("the broker refused the commands of some devices; asking again", "filters", refused)
 		}
 	}
+	a.opts.Observer.DevicesRefused(a.devicesRefused())
 	return left, true
 }
 
@@ -233,4 +240,27 @@ func (a *Agent) waitConn(ctx context.Context, conn uint64, d time.Duration, done
 // current reports whether connection conn is the open one.
 func (a *Agent) current(conn uint64) bool {
 	return a.conn.Load() == conn && a.client.IsConnectionOpen()
+}
+
+// everyFilterRefused says whether the broker refused the command filter of
+// every device of the bridge. A device moved away has its own refused,
+// and says so (the line of subscribeRound); every one refused is rather a
+// bridge run with another --topic-prefix than the server's, or one whose
+// account's rights name none of its devices: it said only that "some"
+// were refused, and the server read every command sent (docs/
+// reliability.md, bug 505).
+func (a *Agent) everyFilterRefused() bool {
+	return len(a.order) > 0 && a.devicesRefused() == len(a.order)
+}
+
+// devicesRefused counts the devices whose command filter the broker
+// refuses now (companion_bridge_devices_refused).
+func (a *Agent) devicesRefused() int {
+	n := 0
+	for _, dr := range a.order {
+		if dr.refused.Load() {
+			n++
+		}
+	}
+	return n
 }

@@ -26,6 +26,7 @@ func (o *unheardObserver) CommandDone(string, string, bool, time.Duration) {}
 func (o *unheardObserver) MQTTConnected(bool)                              {}
 func (o *unheardObserver) SpoolWritable(bool)                              {}
 func (o *unheardObserver) ReplyUnheard()                                   { o.n.Add(1) }
+func (o *unheardObserver) DevicesRefused(int)                              {}
 
 // A bridge whose Mosquitto acl_file block misses its replies line (here
 // mistyped `reply`) had every reply acknowledged and dropped: the server

@@ -58,6 +58,7 @@ type Bridge struct {
 	drops      prometheus.Counter
 	spool      prometheus.Gauge // 1 while the spool cannot be written
 	unheard    prometheus.Counter
+	refused    prometheus.Gauge
 }
 
 // NewBridge registers the bridge's metrics in a registry of its own.
@@ -102,10 +103,14 @@ func NewBridge(opts BridgeOptions) *Bridge {
 			Name: "companion_bridge_replies_unheard_total",
 			Help: "Commands the server sent again and again after the bridge had finished and answered them: their replies do not reach the server (the broker's ACLs may drop the bridge's publishes).",
 		}),
+		refused: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "companion_bridge_devices_refused",
+			Help: "Devices whose command subscription the broker refuses (SUBACK 0x80): served through another bridge, or all of them with a --topic-prefix or rights that do not match the server's.",
+		}),
 		ops:       make(map[string]*bridgeOp, len(topics.Ops)),
 		transfers: make(map[string]*transferSeries, len(transferKinds)),
 	}
-	b.reg.MustRegister(b.doneV, b.tookV, b.mqtt, b.bytesV, b.transferV, b.transfersV, b.drops, b.spool, b.unheard)
+	b.reg.MustRegister(b.doneV, b.tookV, b.mqtt, b.bytesV, b.transferV, b.transfersV, b.drops, b.spool, b.unheard, b.refused)
 	devices := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "companion_bridge_devices",
 		Help: "Devices the bridge serves (--sim-devices or --devices).",
@@ -187,6 +192,9 @@ func (b *Bridge) SpoolWritable(ok bool) { b.spool.Set(gauge01(!ok)) }
 
 // ReplyUnheard counts a command whose replies do not reach the server.
 func (b *Bridge) ReplyUnheard() { b.unheard.Inc() }
+
+// DevicesRefused sets the gauge of devices whose commands the broker refuses.
+func (b *Bridge) DevicesRefused(n int) { b.refused.Set(float64(n)) }
 
 // LinkLost counts a dropped Bluetooth link.
 func (b *Bridge) LinkLost() { b.drops.Inc() }
