@@ -604,7 +604,8 @@ func closedByPeer(err error) bool {
 const refusedLogin = "the broker refuses the bridge's id and secret: --bridge-secret is not the secret of --bridge-id, " +
 	"or the bridge was deleted on the server, or given a new secret there; give the secret companion bridge create printed, " +
 	"or give the bridge a new secret (companion bridge secret ID, or POST /api/v1/bridges/ID/secret), " +
-	"or create the bridge again (companion bridge create ID, or POST /api/v1/bridges), and give the secret printed"
+	"or create the bridge again (companion bridge create ID, or POST /api/v1/bridges), and give the secret printed; " +
+	"or the server could not make the bridge's account on the broker (its /readyz and log say why: docs/reliability.md, bug 503)"
 
 // settleTime is how long the intake gathers the messages that arrive first
 // on a connection before it takes them in. Those are the backlog of the
