@@ -593,7 +593,7 @@ func (a *Agent) noteClosed(err error) {
 // on its way). Mosquitto, taking a connection over, reset two in thirteen
 // of two idle bridges with one id; counted as EOF only, a busy pair could
 // take each other over for good without either saying why
-// (docs/reliability.md, bug 523).
+// (docs/reliability.md, bug 467).
 func closedByPeer(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }
@@ -605,7 +605,7 @@ const refusedLogin = "the broker refuses the bridge's id and secret: --bridge-se
 	"or the bridge was deleted on the server, or given a new secret there; give the secret companion bridge create printed, " +
 	"or give the bridge a new secret (companion bridge secret ID, or POST /api/v1/bridges/ID/secret), " +
 	"or create the bridge again (companion bridge create ID, or POST /api/v1/bridges), and give the secret printed; " +
-	"or the server could not make the bridge's account on the broker (its /readyz and log say why: docs/reliability.md, bug 503)"
+	"or the server could not make the bridge's account on the broker (its /readyz and log say why: docs/reliability.md, bug 483)"
 
 // settleTime is how long the intake gathers the messages that arrive first
 // on a connection before it takes them in. Those are the backlog of the

@@ -18,7 +18,7 @@ import (
 // bounded the read at its own 30 s whatever the device did, so the device
 // read offline once during every long erase, though its link was up and
 // its update went on. A device busy with requests it still has time to
-// answer now does not read offline; one that is gone still does (bug 543).
+// answer now does not read offline; one that is gone still does (bug 468).
 func TestADeviceBusyErasingForAnUpdateNeverReadsOffline(t *testing.T) {
 	t.Cleanup(agent.SetReportTimeout(300 * time.Millisecond))
 	b := startBroker(t)
@@ -75,7 +75,7 @@ func TestADeviceBusyErasingForAnUpdateNeverReadsOffline(t *testing.T) {
 // the images before the new one runs: tens of seconds for a large image.
 // The reporter's reads found no device meanwhile, and it read offline
 // once at every update. It reads busy until the swap may have ended, or
-// until it answers again (bug 547).
+// until it answers again (bug 472).
 func TestADeviceRebootingIntoItsUpdateNeverReadsOffline(t *testing.T) {
 	t.Cleanup(agent.SetReportTimeout(300 * time.Millisecond))
 	b := startBroker(t)

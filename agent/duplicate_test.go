@@ -33,7 +33,7 @@ func TestABridgeSaysAnotherProcessMayLogInAsIt(t *testing.T) {
 // idle bridges with one id. The bridge heard "connection reset by peer"
 // or "broken pipe", not EOF, and did not count those closings: a busy
 // pair could take each other over for good without either saying why
-// (docs/reliability.md, bug 523).
+// (docs/reliability.md, bug 467).
 func TestABridgeSaysAnotherProcessMayLogInAsItWhenTheBrokerResets(t *testing.T) {
 	anotherProcessLogsIn(t, true)
 }

@@ -248,7 +248,7 @@ func (a *Agent) current(conn uint64) bool {
 // bridge run with another --topic-prefix than the server's, or one whose
 // account's rights name none of its devices: it said only that "some"
 // were refused, and the server read every command sent (docs/
-// reliability.md, bug 505).
+// reliability.md, bug 485).
 func (a *Agent) everyFilterRefused() bool {
 	return len(a.order) > 0 && a.devicesRefused() == len(a.order)
 }

@@ -34,7 +34,7 @@ type repeatNote struct {
 // acknowledges a refused QoS 1 PUBLISH and drops it, as with an acl_file
 // that misses the bridge's `topic write …/replies` line. The bridge ran
 // each command once, and the server held it sent until its TTL expired,
-// while neither logged a word (docs/reliability.md, bug 504).
+// while neither logged a word (docs/reliability.md, bug 484).
 func (a *Agent) noteRepeated(deviceID, id string) {
 	now := time.Since(a.born)
 	a.repeatsMu.Lock()

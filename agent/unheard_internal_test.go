@@ -20,7 +20,7 @@ func (o *countUnheard) ReplyUnheard() { o.n++ }
 // A finished command repeated quickly (a reconnect's resend racing the
 // outbox, a broker's duplicates) says nothing; one repeated over a minute
 // and more, three times, does, once; and one command is counted once
-// however often it comes again (bug 504).
+// however often it comes again (bug 484).
 func TestRepeatsOfAFinishedCommandOverAMinuteAreUnheard(t *testing.T) {
 	var log bytes.Buffer
 	obs := &countUnheard{}

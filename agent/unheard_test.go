@@ -35,7 +35,7 @@ func (o *unheardObserver) DevicesRefused(int)                              {}
 // word. The test is the server: it sends the command again, as the server
 // does while it hears nothing; the bridge must say once that its replies
 // do not reach the server, naming the ACL line, and count it
-// (companion_bridge_replies_unheard_total) (bug 504).
+// (companion_bridge_replies_unheard_total) (bug 484).
 func TestABridgeWhoseRepliesTheBrokerDropsSaysSo(t *testing.T) {
 	server := mqtttest.MosquittoAccount{Username: "companion-server", Password: "server-secret"}
 	bridgeAcct := mqtttest.MosquittoAccount{Username: "b1", Password: testSecret}

@@ -58,7 +58,7 @@ func bearer(c *gin.Context) []byte {
 // maxBearer bounds a bearer token. An identity provider's JWT of a user in
 // many groups runs past 8 KiB, the bound before: Microsoft Entra ID puts up
 // to 200 group ids in one (about 11 KiB), Keycloak every role; it was taken
-// for no token, a 401 (docs/reliability.md, bug 466). Go's server takes
+// for no token, a 401 (docs/reliability.md, bug 479). Go's server takes
 // headers to 1 MiB; checking 64 KiB costs some microseconds.
 const maxBearer = 64 << 10
 
@@ -90,7 +90,7 @@ func (s *Server) userAuth(c *gin.Context) {
 			// Not judged, so not refused: a 401 tells a phone app to log
 			// its user out, for a provider that is only away. A 503 it
 			// retries, and the source is not counted a failure
-			// (docs/reliability.md, bug 463).
+			// (docs/reliability.md, bug 476).
 			s.log.InfoContext(c.Request.Context(), "access token not judged", requestIDAttr(c), "reason", err)
 			s.fail(c, &Error{Code: CodeUnavailable, RetryAfter: ceilSeconds(ku.RetryAfter),
 				Detail: "the access token could not be checked now: the identity provider's signing key it needs is not at hand (the provider cannot be reached, or its keys are fetched again in a moment); send the request again"})

@@ -665,7 +665,7 @@ func (s *Server) streamAllowed(c *gin.Context, userID, deviceID string) bool {
 		_, err := s.tokens.Verify(ctx, tok)
 		var ku *KeysUnavailableError
 		if errors.As(err, &ku) {
-			return true // not judged: kept, as for a store that cannot answer (bug 463)
+			return true // not judged: kept, as for a store that cannot answer (bug 476)
 		}
 		if err != nil {
 			s.log.InfoContext(ctx, "event stream ended: its access token is refused now", requestIDAttr(c), "reason", err)

@@ -58,7 +58,7 @@ type OIDCVerifier struct {
 	// keysTimeout bounds each fetch of the keys: go-oidc's had no timeout,
 	// and one never answered held every token of a new key, and every
 	// fetch after it, until the server restarted (docs/reliability.md,
-	// bug 464).
+	// bug 477).
 	keysTimeout time.Duration
 	ks          atomic.Pointer[keySet] // the last made, for KeysUnavailable
 	// nextDiscovery is when the discovery is tried again (UnixNano), while
@@ -156,7 +156,7 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 	if errors.As(err, &mismatch) && sameIssuer(mismatch.Discovered, o.issuer) {
 		// The provider writes its issuer with the trailing slash it was
 		// not given (or without the one it was): the same issuer, whose
-		// tokens Verify takes either way (docs/reliability.md, bug 467).
+		// tokens Verify takes either way (docs/reliability.md, bug 480).
 		p, err = oidc.NewProvider(oidc.InsecureIssuerURLContext(ctx, mismatch.Discovered), o.issuer)
 	}
 	if err != nil {
@@ -174,7 +174,7 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 
 // newKeySet is the key set of the JWKS at url: go-oidc's RemoteKeySet
 // told no "cannot be fetched" from "no such key" (docs/reliability.md,
-// bug 463).
+// bug 476).
 func (o *OIDCVerifier) newKeySet(url string) *keySet {
 	ks := newKeySet(url, o.issuer, &http.Client{Timeout: o.keysTimeout}, o.log, o.now, o.skew)
 	o.ks.Store(ks)
@@ -183,8 +183,8 @@ func (o *OIDCVerifier) newKeySet(url string) *keySet {
 
 // KeysUnavailable reports whether the issuer's keys cannot be fetched now:
 // its discovery has not worked yet, or the last fetch of its keys failed.
-// Meanwhile a token of a key not at hand is answered 503 (bug 463); the
-// metrics say so (docs/reliability.md, bug 468).
+// Meanwhile a token of a key not at hand is answered 503 (bug 476); the
+// metrics say so (docs/reliability.md, bug 481).
 func (o *OIDCVerifier) KeysUnavailable() bool {
 	if o.v.Load() == nil {
 		return true
@@ -237,7 +237,7 @@ func newOIDCVerifier(_ context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 		ClientID:             o.Audience,
 		SupportedSigningAlgs: o.Algorithms,
 		SkipExpiryCheck:      true,
-		// iss is checked in Verify, a trailing slash aside (bug 467).
+		// iss is checked in Verify, a trailing slash aside (bug 480).
 		SkipIssuerCheck: true,
 	}
 	log := o.Logger
@@ -260,7 +260,7 @@ func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
 	note := &keysNote{}
 	tok, err := v.Verify(context.WithValue(ctx, keysNoteKey{}, note), raw)
 	if note.err != nil {
-		return "", note.err // not judged: a 503, not a 401 (bug 463)
+		return "", note.err // not judged: a 503, not a 401 (bug 476)
 	}
 	if err != nil {
 		return "", err
@@ -299,7 +299,7 @@ func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
 // Google's tokens that say their issuer without its scheme, as go-oidc
 // takes them. Before, go-oidc's exact comparison refused every token, and
 // the discovery of such an issuer failed for ever (docs/reliability.md,
-// bug 467).
+// bug 480).
 func sameIssuer(iss, want string) bool {
 	if iss == want || strings.TrimSuffix(iss, "/") == strings.TrimSuffix(want, "/") {
 		return iss != ""

@@ -90,7 +90,7 @@ func TestOIDCAccessTokens(t *testing.T) {
 		"wrong audience": sign(t, p.key, "k1", claims(func(c map[string]any) { c["aud"] = "another-api" })),
 		// A token no key at hand verifies, issued before the keys were
 		// fetched: a fresh one waits, a 503, for the next fetch a few
-		// seconds on, which may bring its key (bug 465).
+		// seconds on, which may bring its key (bug 478).
 		"wrong key":       sign(t, other, "k1", claims(issuedBefore)),
 		"unknown key id":  sign(t, other, "k2", claims(issuedBefore)),
 		"alg none":        unsigned(claims(nil)),

@@ -19,7 +19,7 @@ import (
 // fetched (the provider down or not reachable, at the start or as it
 // rotates its keys). The token is not refused: the API answers 503 with
 // Retry-After, not the 401 on which a phone app logs its user out
-// (docs/reliability.md, bug 463).
+// (docs/reliability.md, bug 476).
 type KeysUnavailableError struct {
 	Err        error         // why the keys could not be fetched
 	RetryAfter time.Duration // until the next attempt to fetch them
@@ -34,7 +34,7 @@ func (e *KeysUnavailableError) Unwrap() error { return e.Err }
 // jwksMinInterval is the least time between two fetches of the keys that
 // worked: tokens of key ids the provider does not have (an app built
 // against another tenant, or forged) fetched them once each, up to every
-// source's 600 failures a minute (docs/reliability.md, bug 465).
+// source's 600 failures a minute (docs/reliability.md, bug 478).
 const jwksMinInterval = 5 * time.Second
 
 // errFetchedLately is fetch's error for a fetch not made: the keys were

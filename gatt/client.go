@@ -917,7 +917,7 @@ const ZephyrBufSize = 384
 
 // ZephyrBufSizes are the SMP buffers the bridge probes a device that does
 // not report its own for, longest first: Zephyr's default, and the 256
-// bytes of a firmware short of RAM (docs/reliability.md, bug 545).
+// bytes of a firmware short of RAM (docs/reliability.md, bug 470).
 var ZephyrBufSizes = []int{ZephyrBufSize, 256}
 
 // ProbeBuffer finds out whether the device takes a request of size bytes:

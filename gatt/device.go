@@ -106,11 +106,11 @@ type Device struct {
 	// busyUntil is how long the device may still work on a request a
 	// lost link left unanswered (an upload's slot erase:
 	// Client.BusyUntil); the next connection's first request waits for
-	// it (bug 546).
+	// it (bug 471).
 	busyUntil time.Time
 	// swapUntil is how long the device may take to boot into an update
 	// it was reset for (MCUboot's swap); Busy until it answers again
-	// (bug 547).
+	// (bug 472).
 	swapUntil time.Time
 }
 
@@ -291,7 +291,7 @@ func (d *Device) current() (*session, error) {
 // timed out, and its link dropped, by the client. The bridge's reporter
 // lets a status read that waits on a busy device go on past its own bound,
 // where before the device read offline behind a long erase
-// (docs/reliability.md, bug 543).
+// (docs/reliability.md, bug 468).
 func (d *Device) Busy() bool {
 	d.mu.Lock()
 	s, closed := d.sess, d.closed
@@ -300,7 +300,7 @@ func (d *Device) Busy() bool {
 		return true
 	}
 	// Reconnecting while the device still erases for an update whose
-	// link was lost (bug 546), bounded by that request's deadline; or
+	// link was lost (bug 471), bounded by that request's deadline; or
 	// while it reboots into an update, MCUboot swapping the images (bug
 	// 547), bounded by swapTime.
 	d.mu.Lock()
@@ -321,7 +321,7 @@ func swapTime(n int) time.Duration {
 // reads busy (Busy) until it is connected again, or for the reboot timeout
 // and the swap's. A device reset for an update read offline to the
 // reporter while MCUboot swapped the images, tens of seconds for a large
-// image (docs/reliability.md, bug 547).
+// image (docs/reliability.md, bug 472).
 func (d *Device) rebooting(n int) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -356,7 +356,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	p, err := d.params(ctx, cctx, c)
 	if err == nil && cctx.Err() != nil && ctx.Err() == nil {
 		// Answered after an erase longer than the attempt's time
-		// (bug 546): the probes that follow get a time of their own.
+		// (bug 471): the probes that follow get a time of their own.
 		var cancelRest context.CancelFunc
 		cctx, cancelRest = context.WithTimeout(ctx, d.opts.ConnectTimeout)
 		defer cancelRest()
@@ -419,7 +419,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 			// shortest of Zephyr's usual buffers: one whole write,
 			// unanswered, shows a shorter buffer, which also drops the
 			// reassembly probe's first write. Before, every long request
-			// went in a write it dropped (docs/reliability.md, bug 548).
+			// went in a write it dropped (docs/reliability.md, bug 473).
 			if ok, err = c.ProbeBuffer(cctx, c.Frag(), d.opts.ProbeTimeout); err == nil && !ok {
 				c.SetMaxRequest(smallest)
 			}
@@ -482,7 +482,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 // (CONFIG_MCUMGR_TRANSPORT_NETBUF_SIZE, to save RAM) that reassembles got
 // one write per request, and every command failed mtu_too_small at MTU 23;
 // at MTU 498 it got requests of 384 bytes, which it dropped whole, and every
-// upload failed (docs/reliability.md, bug 545). A probe the device's
+// upload failed (docs/reliability.md, bug 470). A probe the device's
 // buffers do not hold leaves nothing behind (its writes are dropped whole,
 // and those after the first are all "r", a header claiming more than any
 // buffer), and costs ProbeTimeout.
@@ -507,7 +507,7 @@ func (d *Device) probeBuffers(ctx context.Context, c *Client) (int, error) {
 // read waited the rest of the erase, and the device was presumed wedged
 // after a request timeout: an update whose link was lost during a long
 // erase failed timeout, though the device would have resumed it
-// (docs/reliability.md, bug 546).
+// (docs/reliability.md, bug 471).
 func (d *Device) params(ctx, cctx context.Context, c *Client) (ParamsResponse, error) {
 	d.mu.Lock()
 	wait := time.Until(d.busyUntil)

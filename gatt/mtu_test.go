@@ -295,7 +295,7 @@ func TestOldMCUmgrWithoutReassemblyIsNotTakenForReassembling(t *testing.T) {
 // as one with parameters does: the bridge probes for reassembly, and for
 // Zephyr's default buffer of 384 bytes (an echo of 384 bytes, whose writes
 // after the first are all "r", which a device with shorter buffers drops
-// whole), then 256 (bug 545). One with shorter buffers, or without
+// whole), then 256 (bug 470). One with shorter buffers, or without
 // reassembly, gets one write per request, as before. Before, without parameters the bridge never
 // probed: every command but the status reads failed mtu_too_small at MTU
 // 23 (bug 445).
@@ -427,7 +427,7 @@ func TestWithoutParametersALargeMTUIsBoundByTheBuffer(t *testing.T) {
 // it got one write per request and every command failed mtu_too_small; at
 // MTU 498 it got requests of 384 bytes, each dropped whole, and every upload
 // failed timeout. The bridge now probes 256 bytes after 384, and bounds the
-// requests by what the device answered (bug 545).
+// requests by what the device answered (bug 470).
 func TestWithoutParametersBuffersOf256AreFound(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
@@ -506,7 +506,7 @@ func TestWithoutParametersBuffersOf256AreFound(t *testing.T) {
 // request, of 297 bytes, each dropped whole, and every upload failed. The
 // bridge now sends one echo as long as a write when it finds no
 // reassembly, and bounds the requests by 256 bytes when it goes unanswered
-// (bug 548).
+// (bug 473).
 func TestWithoutParametersBuffersShorterThanAWriteAreFound(t *testing.T) {
 	for _, reasm := range []bool{false, true} {
 		t.Run(fmt.Sprintf("reassembly %v", reasm), func(t *testing.T) {

@@ -751,7 +751,7 @@ func TestAStatusReadBehindTheSlotEraseWaitsForIt(t *testing.T) {
 // Its first, the MCUmgr parameters read, waited the rest of the erase, and
 // a device that left it unanswered for a request timeout was presumed
 // wedged: the update failed timeout, though the device would have
-// resumed it a moment later (bug 546).
+// resumed it a moment later (bug 471).
 func TestALinkLostDuringTheSlotEraseResumesTheUpdate(t *testing.T) {
 	popts := sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond, EraseTime: 150 * time.Millisecond}
 	d, s, n, p := newSimPeripheral(t, fastLink, popts, gatt.DeviceOptions{RequestTimeout: time.Second, ConnectTimeout: 500 * time.Millisecond})

@@ -1291,7 +1291,7 @@ func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
 // The binary said "bind: permission denied", naming no flag and nothing to
 // do, and exited with status 1, restarted every 2 s for good. It now names
 // the flag, the capability and the unit's settings, and exits with a
-// status the unit does not restart (bug 564). The process runs in a user
+// status the unit does not restart (bug 475). The process runs in a user
 // namespace of its own (unshare -r), as PrivateUsers=yes runs it.
 func TestSystemdDoesNotRestartOnAPrivilegedPort(t *testing.T) {
 	bins := builtCommands(t)

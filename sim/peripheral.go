@@ -106,7 +106,7 @@ type Peripheral struct {
 	// busyUntil is when an erase a disconnect cut off ends: flash does
 	// not stop half way, and img_mgmt runs its request to the end, the
 	// answer lost with the link; the next connection's requests wait for
-	// it, as Zephyr's SMP work queue runs them after it (bug 546).
+	// it, as Zephyr's SMP work queue runs them after it (bug 471).
 	busyUntil time.Time
 	image     imageUpload        // img_mgmt's upload in progress (RAM: lost at reboot)
 	uploads   map[uint16]*upload // the project groups', by group; kept across connections
@@ -313,7 +313,7 @@ func (p *Peripheral) takePacketLocked(data []byte) {
 // smp_reassembly_collect, nothing of it is remembered: each write of its
 // rest is taken as the first of a new message, its first 8 bytes as a
 // header. Before, the simulator skipped the rest of such a message, which
-// no Zephyr does (docs/reliability.md, bug 544).
+// no Zephyr does (docs/reliability.md, bug 469).
 func (p *Peripheral) collectLocked(data []byte) {
 	if p.cur == nil {
 		if len(data) < gatt.HeaderSize {
@@ -1026,7 +1026,7 @@ func (p *Peripheral) imageUpload(ctx context.Context, m gatt.Message) reply {
 				p.erasing.Store(false)
 			case <-ctx.Done():
 				// The link dropped: the erase, and the request, go on
-				// to their end all the same (docs/reliability.md, bug 546).
+				// to their end all the same (docs/reliability.md, bug 471).
 				t.Stop()
 				p.mu.Lock()
 				p.busyUntil = start.Add(d)

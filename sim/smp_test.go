@@ -894,7 +894,7 @@ func TestOldMCUmgrAsZephyr2(t *testing.T) {
 // smp_reassembly_collect: each later write is taken as the first of a new
 // message, its first 8 bytes as a header. The simulator skipped the rest
 // of the dropped message instead, so a client's handling of what a device
-// makes of that rest went untested (docs/reliability.md, bug 544).
+// makes of that rest went untested (docs/reliability.md, bug 469).
 func TestTheRestOfADroppedMessageAsZephyr(t *testing.T) {
 	echo, err := gatt.EncodeMessage(gatt.OpWrite, gatt.GroupOS, 9, gatt.CmdOSEcho, gatt.EchoRequest{D: "x"})
 	if err != nil {

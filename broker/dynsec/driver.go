@@ -212,7 +212,7 @@ func (d *Driver) subscribed(granted bool) {
 // server's commands flow then, but every bridge and user it creates is
 // refused at login, and no device assigned or moved is granted to its
 // bridge; /readyz said ready all the same, and a bridge told only that
-// its secret was wrong (docs/reliability.md, bug 503).
+// its secret was wrong (docs/reliability.md, bug 483).
 func (d *Driver) NotReady() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -52,7 +52,7 @@ func main() {
 		return
 	}
 	// The collector's target, and its memory limit in a container or a
-	// unit with one (docs/reliability.md, bug 563).
+	// unit with one (docs/reliability.md, bug 474).
 	if _, err := gctune.Set(); err != nil {
 		fmt.Fprintln(os.Stderr, "companion-bridge: the cgroup's memory limit, left unset:", err)
 	}
@@ -78,7 +78,7 @@ func main() {
 			// Again at every start (an address another process holds,
 			// a port the process may not bind, a bus policy refusing
 			// the user): as a usage error, not restarted by the unit
-			// (bugs 436, 438, 564).
+			// (bugs 436, 438, 475).
 			os.Exit(2)
 		}
 		if errors.Is(err, agent.ErrSpoolUnreadable) || errors.Is(err, agent.ErrSpoolNewer) {

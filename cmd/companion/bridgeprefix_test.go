@@ -18,7 +18,7 @@ import (
 // command reads sent. The bridge said only that the broker refused the
 // commands of some devices, as of a device moved away; it must say that
 // it refuses them all, naming its prefix, and count them in its metrics
-// (bug 505).
+// (bug 485).
 func TestABridgeOnAnotherPrefixSaysSo(t *testing.T) {
 	t.Run("Mosquitto", func(t *testing.T) {
 		m, mq := startWithMosquitto(t, t.TempDir())

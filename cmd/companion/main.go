@@ -43,7 +43,7 @@ var version string
 
 func main() {
 	// The collector's target, and its memory limit in a container or a
-	// unit with one (docs/reliability.md, bug 563).
+	// unit with one (docs/reliability.md, bug 474).
 	if _, err := gctune.Set(); err != nil {
 		fmt.Fprintln(os.Stderr, "companion: the cgroup's memory limit, left unset:", err)
 	}
@@ -69,7 +69,7 @@ func main() {
 		if errors.Is(err, flagcheck.ErrCannotListen) {
 			// Refused again at every start (an address another process
 			// holds, a port the process may not bind): as a usage
-			// error, not restarted by the unit (bugs 436, 564).
+			// error, not restarted by the unit (bugs 436, 475).
 			os.Exit(2)
 		}
 		if errors.Is(err, store.ErrDamaged) || errors.Is(err, companion.ErrSchemaTooNew) {

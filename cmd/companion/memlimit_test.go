@@ -18,7 +18,7 @@ import (
 // Both binaries, run in a container or a unit with a memory limit, tell
 // their collector nine tenths of it: at their GOGC of 400 the heap grew
 // to five times the live one, past the limit, and the kernel killed them
-// (docs/reliability.md, bug 563). Their /metrics say so, as Go's own
+// (docs/reliability.md, bug 474). Their /metrics say so, as Go's own
 // go_gc_gomemlimit_bytes and go_gc_gogc_percent.
 func TestBinariesTellTheCollectorTheCgroupsMemoryLimit(t *testing.T) {
 	t.Parallel()

@@ -57,8 +57,8 @@ func (m *Main) startMetrics(_ context.Context) error {
 		opts.StoreFaults = m.pg.Faults
 	}
 	if m.Config.OIDC.Issuer != "" {
-		// Access tokens answered 503 while the provider is away (bug 463)
-		// say why here too (docs/reliability.md, bug 468).
+		// Access tokens answered 503 while the provider is away (bug 476)
+		// say why here too (docs/reliability.md, bug 481).
 		opts.IdentityProviderUnavailable = func() bool {
 			v := m.oidc.Load()
 			return v != nil && v.KeysUnavailable()

@@ -142,7 +142,7 @@ func checkKeysUnavailable(t *testing.T, what string, r response) {
 // 503 with Retry-After: before, it was a 401, on which a phone app logs its
 // user out. A token of a key already known is taken, a forged one is a 401
 // still, and once the provider answers the new key's token is taken
-// (docs/reliability.md, bug 463).
+// (docs/reliability.md, bug 476).
 func TestAccessTokenWhileTheProviderKeysCannotBeFetched(t *testing.T) {
 	p := newKeysIDP(t)
 	k1, k2, forger := rsaKey(t), rsaKey(t), rsaKey(t)
@@ -162,7 +162,7 @@ func TestAccessTokenWhileTheProviderKeysCannotBeFetched(t *testing.T) {
 		t.Errorf("a token of a key already known while the provider is down = %d %s; want 200", r.Status, r.Body)
 	}
 	// The keys are fetched again 5 s after the last fetch at the soonest
-	// (bug 465); that fetch fails, and the log says so.
+	// (bug 478); that fetch fails, and the log says so.
 	testenv.Eventually(t, 30*time.Second, "the log saying why access tokens are answered 503", func() bool {
 		checkKeysUnavailable(t, "a token of the provider's new key while it is down", rotated.do("GET", "/api/v1/devices", nil))
 		return capture.has(slog.LevelWarn, "access token not judged: the identity provider's keys cannot be fetched", "issuer", p.srv.URL)
@@ -185,7 +185,7 @@ func TestAccessTokenWhileTheProviderKeysCannotBeFetched(t *testing.T) {
 // key's token taken. Before, the fetch had no timeout, every token of the
 // new key waited on it for as long as its client did, and the keys were
 // never fetched again until the server restarted (docs/reliability.md,
-// bug 464).
+// bug 477).
 func TestAccessTokenKeyFetchThatHangsEndsAndIsTriedAgain(t *testing.T) {
 	p := newKeysIDP(t)
 	k1, k2 := rsaKey(t), rsaKey(t)
@@ -229,7 +229,7 @@ func TestAccessTokenKeyFetchThatHangsEndsAndIsTriedAgain(t *testing.T) {
 // refused the fetch a real rotation needed. A token of such a kid issued
 // before the last fetch is a 401 at once; one issued since (a rotation the
 // last fetch may have missed) a 503 with Retry-After until the next fetch,
-// which takes it (docs/reliability.md, bug 465).
+// which takes it (docs/reliability.md, bug 478).
 func TestAccessTokenKeyFetchesAreLimited(t *testing.T) {
 	p := newKeysIDP(t)
 	k1, k2, forger := rsaKey(t), rsaKey(t), rsaKey(t)
@@ -267,7 +267,7 @@ func TestAccessTokenKeyFetchesAreLimited(t *testing.T) {
 // An access token of a user in many groups runs past 8 KiB: Microsoft
 // Entra ID puts up to 200 group ids in a JWT (about 11 KiB), Keycloak every
 // role. It was taken for no token at all, a 401, the user logged out and
-// logged in to the same token (docs/reliability.md, bug 466).
+// logged in to the same token (docs/reliability.md, bug 479).
 func TestAccessTokenOfAUserInManyGroups(t *testing.T) {
 	p := newKeysIDP(t)
 	key := rsaKey(t)
@@ -301,7 +301,7 @@ func TestAccessTokenOfAUserInManyGroups(t *testing.T) {
 // issuer: before, the discovery failed "did not match the issuer URL
 // returned by provider", tried again for ever, and with --oidc-jwks-url
 // every token was refused "issued by a different provider"
-// (docs/reliability.md, bug 467).
+// (docs/reliability.md, bug 480).
 func TestAccessTokenOfAnIssuerWithATrailingSlash(t *testing.T) {
 	for _, jwks := range []bool{false, true} {
 		t.Run(fmt.Sprintf("jwks-url=%v", jwks), func(t *testing.T) {
@@ -332,7 +332,7 @@ func TestAccessTokenOfAnIssuerWithATrailingSlash(t *testing.T) {
 // "sig", for whatever key is current) has its keys fetched again for a
 // token that the key of that id does not verify, as go-oidc did: the new
 // key's token is a 503 until then, never a 401, then taken; a token issued
-// an hour before the fetch is a 401 at once (bugs 463 and 465).
+// an hour before the fetch is a 401 at once (bugs 476 and 478).
 func TestAccessTokenOfAKeyRotatedUnderItsKeyID(t *testing.T) {
 	p := newKeysIDP(t)
 	old, rotated := rsaKey(t), rsaKey(t)
@@ -359,7 +359,7 @@ func TestAccessTokenOfAKeyRotatedUnderItsKeyID(t *testing.T) {
 // While the identity provider's keys cannot be fetched, /metrics says so:
 // companion_identity_provider_unavailable is 1 from the failed discovery or
 // fetch until one works, for an alert on the 503s its access tokens get
-// (docs/reliability.md, bug 468).
+// (docs/reliability.md, bug 481).
 func TestIdentityProviderUnavailableMetric(t *testing.T) {
 	p := newKeysIDP(t)
 	key := rsaKey(t)
@@ -377,7 +377,7 @@ func TestIdentityProviderUnavailableMetric(t *testing.T) {
 // A provider that signs with another asymmetric algorithm than RS256 or
 // ES256 (Keycloak's realm keys may be ES384 or PS256, and no flag chose
 // the algorithms) had every access token refused, each user logged out at
-// once (docs/reliability.md, bug 469).
+// once (docs/reliability.md, bug 482).
 func TestAccessTokenOfAnotherAsymmetricAlgorithm(t *testing.T) {
 	p := newKeysIDP(t)
 	ec, err := ecdsa.GenerateKey(elliptic.P384(), rand.Reader)

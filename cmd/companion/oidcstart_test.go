@@ -70,7 +70,7 @@ func TestServerStartsWhileTheIssuerIsDown(t *testing.T) {
 	}
 	user := newClient(t, m, tok)
 	// Not judged, so not refused: a 503 the app retries, not the 401 on
-	// which it logs its user out (bug 463).
+	// which it logs its user out (bug 476).
 	checkKeysUnavailable(t, "an access token while the issuer is down", user.do("GET", "/api/v1/devices", nil))
 	up.Store(true)
 	testenv.Eventually(t, 30*time.Second, "an access token taken once the issuer answers", func() bool {

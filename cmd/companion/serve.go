@@ -448,7 +448,7 @@ type Main struct {
 	stopListen context.CancelFunc
 	stopOIDC   func() // ends the retries of the issuer's discovery, and waits for them
 	// oidc is the access tokens' verifier once serveHTTP made it, for the
-	// metrics (bug 468).
+	// metrics (bug 481).
 	oidc       atomic.Pointer[api.OIDCVerifier]
 	listenDone chan struct{}
 

@@ -75,7 +75,7 @@ func (m *Main) ready(ctx context.Context) error {
 		return err
 	}
 	if m.Dynsec != nil {
-		// Commands flow, but no account can be made (bug 503).
+		// Commands flow, but no account can be made (bug 483).
 		if err := m.Dynsec.NotReady(); err != nil {
 			return err
 		}

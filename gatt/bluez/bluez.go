@@ -578,7 +578,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 			switch {
 			case errors.Is(err, errOtherDevice):
 			case warned[addr]:
-				// A device is tried again at each advertisement (bug 486):
+				// A device is tried again at each advertisement (bug 466):
 				// one warning a call, not one each.
 				c.log.Debug("bluez: connect failed again", "device_id", deviceID, "address", addr, "err", err)
 			default:
@@ -613,7 +613,7 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 // a setup that works clears). Nothing but
 // removing the bond and pairing again helps: before, the attempts went on
 // at each advertisement until the command's 10 minutes ran out, the
-// command failing timeout (docs/reliability.md, bug 483). It is nil for
+// command failing timeout (docs/reliability.md, bug 463). It is nil for
 // any other failure, or when the address is not deviceID's: an unknown
 // device refusing so is told apart by no read, and is left alone as
 // unidentified for UnidentifiedRetry.
@@ -868,7 +868,7 @@ func (c *Connector) startDiscovery() error {
 	// tried again at its next advertisement announced; before, one whose
 	// RSSI held steady was not found again until discovery started anew,
 	// its Connect call running out its time "not found" (docs/reliability.md,
-	// bug 486).
+	// bug 466).
 	filter := map[string]any{"Transport": "le", "UUIDs": []string{gatt.ServiceUUID}, "RSSI": int16(-127)}
 	if err := ad.CallWithContext(ctx, ifaceAdapter+".SetDiscoveryFilter", 0, filter).Err; err != nil {
 		return fmt.Errorf("SetDiscoveryFilter: %w", c.unanswered(ctx, "Adapter1.SetDiscoveryFilter", err))
@@ -1184,7 +1184,7 @@ func (c *Connector) deviceChanged(path dbus.ObjectPath, changes map[string]dbus.
 // btd_gatt_client_service_removed). Before, the link read as up while no
 // answer of the device came over it: each request waited out its timeout,
 // and each command failed timeout, until a request timeout dropped the
-// link (docs/reliability.md, bug 485). The link ends (its calls in flight
+// link (docs/reliability.md, bug 465). The link ends (its calls in flight
 // fail gatt.ErrDisconnected, and the caller asks again over a new one, as
 // after any drop), and so does the connection, so that the next one has
 // its services resolved, and its notifications asked for, anew: reused,

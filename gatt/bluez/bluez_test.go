@@ -1172,7 +1172,7 @@ func TestNewWaitsOutAHungBluetoothd(t *testing.T) {
 // ("le-connection-abort-by-local" on most BlueZ, "le-connection-key-missing"
 // where the kernel says so). A command to it must fail at once with
 // gatt.ErrNotPaired naming the cure, not retry until its time is out
-// (docs/reliability.md, bug 483).
+// (docs/reliability.md, bug 463).
 func TestDeviceWhoseBondIsLost(t *testing.T) {
 	for _, reply := range []string{"le-connection-abort-by-local", "le-connection-key-missing"} {
 		t.Run(reply, func(t *testing.T) {
@@ -1208,7 +1208,7 @@ func TestDeviceWhoseBondIsLost(t *testing.T) {
 // after a rotation. The Connector's address → device id map held every
 // address it had read, for as long as it ran; it must hold one per
 // device, and still know the address of a device that did not move
-// (docs/reliability.md, bug 484).
+// (docs/reliability.md, bug 464).
 func TestRotatingAddressesKeepOneEntryPerDevice(t *testing.T) {
 	fake := fakebluez.New(t)
 	ps := newTestPeripheral("dev-s")
@@ -1247,7 +1247,7 @@ func TestRotatingAddressesKeepOneEntryPerDevice(t *testing.T) {
 // them: the SMP characteristic's answers came no more, and each command
 // over the link waited out its request timeout, while the link read as up.
 // The next command must be answered over a link that hears the device
-// (docs/reliability.md, bug 485).
+// (docs/reliability.md, bug 465).
 func TestServiceChangedWhileConnected(t *testing.T) {
 	fake := fakebluez.New(t)
 	dev := sim.New(sim.Options{ID: "sim-c"})
@@ -1291,7 +1291,7 @@ func (p *holdingPeripheral) WriteChar(uuid string, data []byte) error {
 
 // A write in flight as the device's services change, which BlueZ drops
 // unanswered, ends at once with gatt.ErrDisconnected, and the device is
-// connected to again (docs/reliability.md, bug 485).
+// connected to again (docs/reliability.md, bug 465).
 func TestServiceChangedEndsCallsInFlight(t *testing.T) {
 	fake := fakebluez.New(t)
 	p := &holdingPeripheral{testPeripheral: newTestPeripheral("dev-h"), entered: make(chan struct{}), release: make(chan struct{})}
@@ -1330,7 +1330,7 @@ func TestServiceChangedEndsCallsInFlight(t *testing.T) {
 // RSSI: a device that stayed where it was, its RSSI steady, was not found
 // again within the Connect call, which ran out its whole time, "not found".
 // The failures of one Connect call are warned about once
-// (docs/reliability.md, bug 486).
+// (docs/reliability.md, bug 466).
 func TestDeviceFoundAgainAfterAFailedAttempt(t *testing.T) {
 	fake := fakebluez.New(t)
 	d := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:16:01", Peripheral: newTestPeripheral("dev-f")})

@@ -251,7 +251,7 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 	// 15 minutes in Zephyr), unless one is in use. Before, the map held
 	// each of them for as long as the bridge ran, growing by one a
 	// rotation of each device, without bound over days
-	// (docs/reliability.md, bug 484).
+	// (docs/reliability.md, bug 464).
 	for a, id := range c.ids {
 		if id == l.serial && a != addr && !c.busy[a] {
 			delete(c.ids, a)

@@ -54,7 +54,7 @@ func TestDistinct(t *testing.T) {
 
 // A listen the system refuses names the flag and what to do: for a port
 // below 1024, the capability and the unit's settings; otherwise, a policy
-// (bug 564). Other errors pass as they are.
+// (bug 475). Other errors pass as they are.
 func TestListenFailedNamesWhatToDo(t *testing.T) {
 	for _, tc := range []struct {
 		addr string

@@ -11,7 +11,7 @@ import (
 // ErrCannotListen is what errors.Is finds in the error ListenFailed makes of a
 // listen address the process cannot take until a person acts: another
 // process holds it (bug 436), or the system refuses this process its port
-// (bug 564). Either is met again at every start, so the binaries exit on
+// (bug 475). Either is met again at every start, so the binaries exit on
 // it with status 2, as on a flag's wrong value, which their units do not
 // restart.
 var ErrCannotListen = errors.New("the listen address cannot be taken")
@@ -44,7 +44,7 @@ func CannotListen(err error) bool {
 // a user namespace of its own, as systemd's PrivateUsers=yes makes); any
 // other err as it is. Before, "listen tcp …: bind: address already in
 // use" or "…: permission denied" named no flag, and the binary exited with
-// status 1, which its unit restarts every 2 s for good (bugs 436 and 564).
+// status 1, which its unit restarts every 2 s for good (bugs 436 and 475).
 func ListenFailed(flagName, addr string, err error) error {
 	switch {
 	case err == nil:

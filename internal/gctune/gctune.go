@@ -8,7 +8,7 @@
 // five times the live one. In a container with a memory limit that grew
 // past the limit and the kernel killed the process, where the collector,
 // told of the limit, collects harder as the heap nears it
-// (docs/reliability.md, bug 563). The limit is read from the cgroup by
+// (docs/reliability.md, bug 474). The limit is read from the cgroup by
 // github.com/KimMachineGun/automemlimit, which reads both cgroup versions
 // as the kernel nests them; AUTOMEMLIMIT gives another fraction, or "off".
 package gctune

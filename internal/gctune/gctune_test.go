@@ -50,7 +50,7 @@ func runChild(t *testing.T, move string, env ...string) string {
 // In a container or a unit with a memory limit, the binaries' collector
 // target of 400 let the heap grow to five times the live one, past the
 // limit, and the kernel killed the process. The collector is told of nine
-// tenths of the cgroup's limit (docs/reliability.md, bug 563); GOGC and
+// tenths of the cgroup's limit (docs/reliability.md, bug 474); GOGC and
 // GOMEMLIMIT, when set, have the last word, and without a limit there is
 // none.
 func TestTheCgroupsMemoryLimitIsTheCollectors(t *testing.T) {
