@@ -105,6 +105,7 @@ func newOn(tb testing.TB, policy string) *BlueZ {
 		// socket, and took the Wait after a Connect the test had its
 		// answer to for a race with that Connect's Add.
 		b.mu.Lock()
+		//lint:ignore SA2001 the empty section is the order the comment above needs
 		b.mu.Unlock()
 		b.wg.Wait()
 		conn.Close()
