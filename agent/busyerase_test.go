@@ -20,34 +20,11 @@ import (
 // its update went on. A device busy with requests it still has time to
 // answer now does not read offline; one that is gone still does (bug 468).
 func TestADeviceBusyErasingForAnUpdateNeverReadsOffline(t *testing.T) {
-	t.Cleanup(agent.SetReportTimeout(300 * time.Millisecond))
-	b := startBroker(t)
-	bs := startBlobServer(t)
-	w := newWatcher(t, b)
-	sd := newSim("dev-1")
-	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
 	// 150 ms per 4 KiB: the second update's erase of the 64 KiB the first
 	// left in the slot takes 2.4 s, eight report bounds.
-	n.Add("dev-1", sim.NewPeripheral(sd, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond,
-		EraseTime: 150 * time.Millisecond}))
-	gd, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, RequestTimeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		gd.Close()
-		n.Close()
-	})
-	startBridge(t, b, bs, w, bridgeConfig{
-		devices:  []*sim.Device{sd},
-		wrap:     func(*sim.Device) agent.Device { return gd },
-		interval: 50 * time.Millisecond,
-	})
-	topic, _ := tree.Status("dev-1")
-	offline := func(m message) bool {
-		s, err := topics.ParseStatus(m.payload)
-		return m.topic == topic && err == nil && !s.Online
-	}
+	n, bs, w, offline := startUpdatingBridge(t,
+		sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 5 * time.Millisecond, EraseTime: 150 * time.Millisecond},
+		gatt.DeviceOptions{MinBackoff: time.Millisecond, RequestTimeout: time.Second})
 	update := func(version string) {
 		t.Helper()
 		fw := firmwareImage(t, version, bytes.Repeat([]byte("firmware-"+version), 64<<10/len("firmware-"+version)))
@@ -77,34 +54,11 @@ func TestADeviceBusyErasingForAnUpdateNeverReadsOffline(t *testing.T) {
 // once at every update. It reads busy until the swap may have ended, or
 // until it answers again (bug 472).
 func TestADeviceRebootingIntoItsUpdateNeverReadsOffline(t *testing.T) {
-	t.Cleanup(agent.SetReportTimeout(300 * time.Millisecond))
-	b := startBroker(t)
-	bs := startBlobServer(t)
-	w := newWatcher(t, b)
-	sd := newSim("dev-1")
-	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
 	// 1.5 s from the reboot to advertising again: five report bounds.
-	n.Add("dev-1", sim.NewPeripheral(sd, sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 1500 * time.Millisecond}))
-	gd, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond,
-		RequestTimeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		gd.Close()
-		n.Close()
-	})
-	startBridge(t, b, bs, w, bridgeConfig{
-		devices:  []*sim.Device{sd},
-		wrap:     func(*sim.Device) agent.Device { return gd },
-		interval: 50 * time.Millisecond,
-	})
+	n, bs, w, offline := startUpdatingBridge(t,
+		sim.PeripheralOptions{ResetDelay: 5 * time.Millisecond, BootTime: 1500 * time.Millisecond},
+		gatt.DeviceOptions{MinBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, RequestTimeout: time.Second})
 	w.waitStatus("dev-1", "online", func(s topics.Status) bool { return s.Online })
-	topic, _ := tree.Status("dev-1")
-	offline := func(m message) bool {
-		s, err := topics.ParseStatus(m.payload)
-		return m.topic == topic && err == nil && !s.Online
-	}
 	before := w.count(offline)
 	fw := firmwareImage(t, "2.0.0", bytes.Repeat([]byte("firmware-2.0.0"), 64<<10/len("firmware-2.0.0")))
 	c := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "2.0.0", Blob: bs.add(fw)})
@@ -119,4 +73,39 @@ func TestADeviceRebootingIntoItsUpdateNeverReadsOffline(t *testing.T) {
 	n.Add("dev-1", nil)
 	n.Drop("dev-1")
 	w.waitFor("offline once out of reach", func(m message) bool { return offline(m) })
+}
+
+// startUpdatingBridge starts a bridge of one device, dev-1, a simulated
+// peripheral of popts reached through gatt with dopts, its reports read
+// every 50 ms and bounded at 300 ms. It returns the device's network, the
+// blob server for its updates, the watcher, and what tells its status
+// offline.
+func startUpdatingBridge(t *testing.T, popts sim.PeripheralOptions, dopts gatt.DeviceOptions) (*sim.Network, *blobServer, *watcher, func(message) bool) {
+	t.Helper()
+	t.Cleanup(agent.SetReportTimeout(300 * time.Millisecond))
+	b := startBroker(t)
+	bs := startBlobServer(t)
+	w := newWatcher(t, b)
+	sd := newSim("dev-1")
+	n := sim.NewNetwork(sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1})
+	n.Add("dev-1", sim.NewPeripheral(sd, popts))
+	dopts.ID, dopts.Connector = "dev-1", n
+	gd, err := gatt.NewDevice(dopts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		gd.Close()
+		n.Close()
+	})
+	startBridge(t, b, bs, w, bridgeConfig{
+		devices:  []*sim.Device{sd},
+		wrap:     func(*sim.Device) agent.Device { return gd },
+		interval: 50 * time.Millisecond,
+	})
+	topic, _ := tree.Status("dev-1")
+	return n, bs, w, func(m message) bool {
+		s, err := topics.ParseStatus(m.payload)
+		return m.topic == topic && err == nil && !s.Online
+	}
 }

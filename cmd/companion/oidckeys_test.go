@@ -254,11 +254,17 @@ func TestAccessTokenKeyFetchesAreLimited(t *testing.T) {
 	}
 
 	p.set(true, k1, k2)
-	rotated := newClient(t, m, accessToken(t, k2, "k2", p.srv.URL, "bob@idp"))
-	testenv.Eventually(t, 30*time.Second, "a token of the provider's new key taken", func() bool {
-		r := rotated.do("GET", "/api/v1/devices", nil)
+	takenInTime(t, newClient(t, m, accessToken(t, k2, "k2", p.srv.URL, "bob@idp")), "a token of the provider's new key")
+}
+
+// takenInTime waits for c's access token to be taken, a 503 meanwhile and
+// never the 401 that logs its user out.
+func takenInTime(t *testing.T, c *client, what string) {
+	t.Helper()
+	testenv.Eventually(t, 30*time.Second, what+" taken", func() bool {
+		r := c.do("GET", "/api/v1/devices", nil)
 		if r.Status == http.StatusUnauthorized {
-			t.Fatalf("a token of the provider's new key = 401 %s; want 503 until the keys are fetched again, then 200", r.Body)
+			t.Fatalf("%s = 401 %s; want 503 until the keys are fetched again, then 200", what, r.Body)
 		}
 		return r.Status == http.StatusOK
 	})
@@ -346,14 +352,7 @@ func TestAccessTokenOfAKeyRotatedUnderItsKeyID(t *testing.T) {
 	if r := newClient(t, m, stale).do("GET", "/api/v1/devices", nil); r.Status != http.StatusUnauthorized {
 		t.Errorf("a forged token of kid k1 issued an hour ago = %d %s; want 401", r.Status, r.Body)
 	}
-	user := newClient(t, m, accessToken(t, rotated, "k1", p.srv.URL, "bob@idp"))
-	testenv.Eventually(t, 30*time.Second, "a token of the key rotated under kid k1 taken", func() bool {
-		r := user.do("GET", "/api/v1/devices", nil)
-		if r.Status == http.StatusUnauthorized {
-			t.Fatalf("a token of the key rotated under kid k1 = 401 %s; want 503 until the keys are fetched again, then 200", r.Body)
-		}
-		return r.Status == http.StatusOK
-	})
+	takenInTime(t, newClient(t, m, accessToken(t, rotated, "k1", p.srv.URL, "bob@idp")), "a token of the key rotated under kid k1")
 }
 
 // While the identity provider's keys cannot be fetched, /metrics says so:
