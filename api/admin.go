@@ -85,6 +85,9 @@ func (s *Server) adminNewUserToken(c *gin.Context) error {
 		return err
 	}
 	id := c.Param("user_id")
+	if err := s.accountsRefused(); err != nil { // bug 506
+		return err
+	}
 	token, hash, err := newSecret(userTokenPrefix)
 	if err != nil {
 		return err

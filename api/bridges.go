@@ -89,6 +89,9 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 				"this account has %d bridges, as many as it may: delete one first", have)}})
 		}
 	}
+	if err := s.accountsRefused(); err != nil {
+		return err
+	}
 	secret, hash, err := newSecret(bridgeSecretPrefix)
 	if err != nil {
 		return err
@@ -114,6 +117,37 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 		_ = s.accounts.BridgeCreated(ctx, req.BridgeID, secret) // logged and retried there
 	}
 	return s.reply(c, http.StatusCreated, bridgeJSON{BridgeID: req.BridgeID, Secret: secret}, "", rec, nil)
+}
+
+// AccountsNotReady is implemented by the BrokerAccounts that can know
+// they cannot make or change any account now: the dynamic-security
+// driver, while Mosquitto refuses the server the plugin (its account is
+// not the plugin's admin). NotReady says why, nil otherwise.
+type AccountsNotReady interface {
+	NotReady() error
+}
+
+// accountsRefused answers 503 unavailable, before anything is stored,
+// while the broker's accounts cannot be written at all. A bridge made
+// then was answered 201 with a secret Mosquitto never had: its account's
+// creation, kept in the server's memory only, waited for the operator to
+// make the server the plugin's admin, and was lost with a restart meant
+// to mend it, the secret opening nothing for good and the caller told
+// nothing; a new secret or token (the remedy for one that leaked) left
+// the old one working on Mosquitto while the answer said it opened
+// nothing (docs/reliability.md, bug 506). A failure of one change
+// (Mosquitto away for a moment) is still the driver's to retry, and
+// answered as done.
+func (s *Server) accountsRefused() error {
+	nr, ok := s.accounts.(AccountsNotReady)
+	if !ok {
+		return nil
+	}
+	if err := nr.NotReady(); err != nil {
+		return &Error{Code: CodeUnavailable, RetryAfter: 30,
+			Detail: "nothing was stored: the server cannot write this account on the MQTT broker: " + err.Error()}
+	}
+	return nil
 }
 
 type userBridgeJSON struct {
@@ -209,6 +243,9 @@ func (s *Server) newBridgeSecret(c *gin.Context, ownerID string) error {
 	id := c.Param("bridge_id")
 	if !topics.ValidBridgeID(id) {
 		return notFound
+	}
+	if err := s.accountsRefused(); err != nil {
+		return err
 	}
 	secret, hash, err := newSecret(bridgeSecretPrefix)
 	if err != nil {

@@ -18,11 +18,12 @@ import (
 // A server whose Mosquitto account has its role on the prefix but is not
 // the dynamic-security plugin's admin (made by hand rather than with
 // mosquitto_ctrl dynsec init) cannot make a bridge's account nor grant it
-// its devices: the bridge it creates is refused at login. It must not say
-// ready then, and the bridge must not blame its secret alone; once the
-// account is the admin, the server must turn ready on its own, make the
-// bridge's account, and the bridge run a push (docs/reliability.md, bug
-// 503).
+// its devices. It must not say ready then (docs/reliability.md, bug 483),
+// and must not answer 201 to a bridge's creation, nor 200 to a new secret
+// or token, that it cannot write on Mosquitto: 503 unavailable, nothing
+// stored (bug 506). A bridge refused at login (its account lost) must not
+// blame its secret alone. Once the account is the admin, the server must
+// turn ready on its own, and a bridge made then run a push.
 func TestServerThatIsNotThePluginsAdminIsNotReady(t *testing.T) {
 	notAdmin := serverAccount
 	notAdmin.Admin = false
@@ -40,12 +41,39 @@ func TestServerThatIsNotThePluginsAdminIsNotReady(t *testing.T) {
 	require.Equal(t, 503, r.Status, "/readyz of a server that cannot make any bridge's account: %s", r.Body)
 	require.Contains(t, string(r.Body), "admin")
 
-	// A bridge created meanwhile has no account: refused at login, it
-	// must point at the server rather than only at its secret.
-	f := setupFleet(t, m, "dev-1")
+	// Neither the operator's bridge nor a user's own is made with a
+	// secret Mosquitto will never have; nor is a secret or token replaced
+	// while the old one keeps working there.
+	admin := newClient(t, m, m.AdminToken())
+	r = admin.do("POST", "/api/v1/admin/users", map[string]string{"name": "alice"})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	u := r.JSON(t)
+	user := newClient(t, m, u["token"].(string))
+	for _, tc := range []struct {
+		who          *client
+		method, path string
+		body         any
+	}{
+		{admin, "POST", "/api/v1/admin/bridges", map[string]string{"bridge_id": "bridge-1"}},
+		{user, "POST", "/api/v1/bridges", map[string]string{"bridge_id": "alices-hub"}},
+		{admin, "POST", "/api/v1/admin/users/" + u["user_id"].(string) + "/token", nil},
+	} {
+		r := tc.who.do(tc.method, tc.path, tc.body)
+		require.Equal(t, 503, r.Status, "%s %s of a server that cannot write the account on Mosquitto: %s", tc.method, tc.path, r.Body)
+		assert.Equal(t, "unavailable", r.JSON(t)["code"], "%s", r.Body)
+		assert.Contains(t, string(r.Body), "admin")
+		assert.NotEmpty(t, r.Header.Get("Retry-After"))
+	}
+	require.Equal(t, 200, user.do("GET", "/api/v1/devices", nil).Status, "the user's token was replaced all the same")
+	r = user.do("GET", "/api/v1/bridges", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	assert.Empty(t, r.JSON(t)["bridges"], "a bridge was stored all the same")
+
+	// A bridge whose account the server could not make (say, made before
+	// and lost with a restart) is refused at login: it must point at the
+	// server rather than only at its secret.
 	refusedLogin := newLogSignal("could not make the bridge's account")
-	s := sim.New(sim.Options{ID: "dev-1"})
-	runBridge(t, m, mq.URL, f, []agent.Device{s}, map[string]*sim.Device{"dev-1": s}, func(o *agent.Options) {
+	lost := runBridge(t, m, mq.URL, &fleet{bridgeID: "bridge-0", bridgeSecret: "never-made"}, nil, nil, func(o *agent.Options) {
 		o.Logger = slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), refusedLogin), &slog.HandlerOptions{Level: slog.LevelWarn}))
 	})
 	select {
@@ -53,6 +81,7 @@ func TestServerThatIsNotThePluginsAdminIsNotReady(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the bridge refused at login never said the server may not have made its account")
 	}
+	lost.stop()
 
 	for _, r := range mq.Dynsec(t, map[string]any{"command": "addClientRole", "username": notAdmin.Username, "rolename": "admin"}) {
 		require.Empty(t, r.Error, "%s", r.Command)
@@ -60,8 +89,10 @@ func TestServerThatIsNotThePluginsAdminIsNotReady(t *testing.T) {
 	testenv.Eventually(t, 30*time.Second, "ready once its account is the plugin's admin", func() bool {
 		return c.do("GET", "/readyz", nil).Status == 200
 	})
-	// The server makes the bridge's account it could not (its retry),
-	// and the bridge, logging in again, runs the push.
+	// Bridges are made now, and one runs a push.
+	f := setupFleet(t, m, "dev-1")
+	s := sim.New(sim.Options{ID: "dev-1"})
+	runBridge(t, m, mq.URL, f, []agent.Device{s}, map[string]*sim.Device{"dev-1": s}, nil)
 	r = f.user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-1", "claim_code": f.claims["dev-1"]})
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	cmd := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "hello"})
