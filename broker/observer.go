@@ -33,6 +33,10 @@ type Observer interface {
 	// away (their Will the last word from them; their devices' commands
 	// wait queued) each time that changes.
 	BridgesAway(n int)
+	// BridgesUnheard is called after each retry of long sent commands
+	// with how many bridges have a command sent again UnheardRepeats
+	// times or more with no word (docs/reliability.md, bug 507).
+	BridgesUnheard(n int)
 }
 
 // The kinds of write StoreWrite reports.
@@ -55,6 +59,7 @@ func (nopObserver) MQTTConnected(bool)                         {}
 func (nopObserver) StoreWrite(string, time.Duration)           {}
 func (nopObserver) ReportCoalesced(string)                     {}
 func (nopObserver) BridgesAway(int)                            {}
+func (nopObserver) BridgesUnheard(int)                         {}
 
 // sinceAccepted is the age of a command accepted at created (its
 // created_at, a wall time the store keeps) at now, for CommandState: no

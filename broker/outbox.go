@@ -931,6 +931,7 @@ func (b *Broker) retryLoop() {
 	tick := time.NewTicker(b.opts.SentRetry)
 	defer tick.Stop()
 	retried := map[string]time.Time{}
+	unheard := newUnheard()
 	for n := 1; ; n++ {
 		select {
 		case <-b.quit:
@@ -938,7 +939,8 @@ func (b *Broker) retryLoop() {
 		case <-tick.C:
 		}
 		if b.dispatching() {
-			b.retrySent(context.Background(), retried)
+			sent, again, read := b.retrySent(context.Background(), retried)
+			b.noteUnheard(context.Background(), unheard, sent, again, read)
 		}
 		if n%awayCheckTicks == 0 {
 			b.checkAway(context.Background())
@@ -972,11 +974,14 @@ const awayCheckTicks = 10
 // The store reads only the sent commands of devices whose status reads
 // online (SentCommandsOnline); each device's status is read again here,
 // so that one the store fails to read sends nothing again.
-func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) {
+//
+// It returns the sent commands read and those of them it sent again, and
+// whether the read succeeded, for noteUnheard.
+func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) (sent, again []companion.Command, read bool) {
 	sent, err := b.st.SentCommandsOnline(ctx)
 	if err != nil {
 		b.log.Warn("reading sent commands to send again failed", "err", err)
-		return
+		return nil, nil, false
 	}
 	now := b.now()
 	for id, at := range retried {
@@ -998,10 +1003,11 @@ func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) {
 		if online.read(c.DeviceID) {
 			devices[c.DeviceID] = true
 			retried[c.ID] = now
+			again = append(again, c)
 		}
 	}
 	if len(devices) == 0 {
-		return
+		return sent, again, true
 	}
 	b.mu.Lock()
 	for d := range devices {
@@ -1010,4 +1016,5 @@ func (b *Broker) retrySent(ctx context.Context, retried map[string]time.Time) {
 	b.mu.Unlock()
 	b.wake()
 	b.log.Info("commands sent long ago to online devices with no word from their bridge; sending them again", "devices", len(devices))
+	return sent, again, true
 }

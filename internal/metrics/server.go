@@ -65,6 +65,7 @@ type Server struct {
 	open    *openCommands
 	mqtt    prometheus.Gauge
 	away    prometheus.Gauge               // bridges the broker takes as away
+	unheard prometheus.Gauge               // bridges with commands sent again and again unanswered
 	store   map[string]prometheus.Observer // read-only after NewServer
 	storeV  *prometheus.HistogramVec
 	// coalesced counts, by kind, the device reports acknowledged unstored
@@ -118,6 +119,10 @@ func NewServer(opts ServerOptions) *Server {
 			Name: "companion_bridges_away",
 			Help: "Bridges whose last word this server took in was their Will (or their offline at shutdown): their devices' commands wait queued in the store until they say online.",
 		}),
+		unheard: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "companion_bridges_unheard",
+			Help: "Bridges that read online with a command sent again 3 times or more and not answered: the broker does not let them read their commands, or drops their replies.",
+		}),
 		storeV: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "companion_store_write_duration_seconds",
 			Help:    "Time for a write of the command broker to be durable in the store, by kind of write.",
@@ -140,7 +145,7 @@ func NewServer(opts ServerOptions) *Server {
 		store: make(map[string]prometheus.Observer, len(storeWrites)),
 		http:  make(map[httpKey]httpSeries),
 	}
-	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.away, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
+	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.away, s.unheard, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
 	if s.open.count != nil {
 		s.reg.MustRegister(s.open)
 	}
@@ -214,6 +219,10 @@ func (s *Server) MQTTConnected(up bool) { s.mqtt.Set(gauge01(up)) }
 
 // BridgesAway sets how many bridges the broker takes as away.
 func (s *Server) BridgesAway(n int) { s.away.Set(float64(n)) }
+
+// BridgesUnheard sets how many bridges have commands sent again and again
+// with no answer (docs/reliability.md, bug 507).
+func (s *Server) BridgesUnheard(n int) { s.unheard.Set(float64(n)) }
 
 // StoreWrite observes how long a write of the broker took.
 func (s *Server) StoreWrite(kind string, took time.Duration) {

@@ -1,0 +1,157 @@
+package broker
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/testenv"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/store"
+)
+
+// lockedLog is a slog destination the test reads while the broker writes.
+type lockedLog struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// unheardObserver keeps the last BridgesUnheard.
+type unheardObserver struct {
+	nopObserver
+	n atomic.Int64
+}
+
+func (o *unheardObserver) BridgesUnheard(n int) { o.n.Store(int64(n)) }
+
+// A bridge whose block of Mosquitto's acl_file lacks its 'topic read
+// …/commands/#' line has every subscription granted and receives nothing;
+// it says online, and its devices read online. The server sent its
+// commands again and again and said nothing (docs/reliability.md, bug
+// 507): it must warn once, naming the bridge and the line, and count the
+// bridge, while a bridge that answers (its command held by its device, a
+// slow one) is not named.
+func TestABridgeThatNeverAnswersCommandsSentAgainIsNamed(t *testing.T) {
+	server := mqtttest.MosquittoAccount{Username: "companion-server", Password: "server-pw"}
+	deaf := mqtttest.MosquittoAccount{Username: "b1", Password: "b1-pw"}
+	slow := mqtttest.MosquittoAccount{Username: "b2", Password: "b2-pw"}
+	acl := `user companion-server
+topic readwrite companion/v1/#
+
+user b1
+topic write companion/v1/devices/+/replies
+topic write companion/v1/devices/+/status
+topic write companion/v1/devices/+/settings
+topic write companion/v1/bridges/b1/state
+
+user b2
+topic read companion/v1/devices/+/commands/#
+topic write companion/v1/devices/+/replies
+topic write companion/v1/devices/+/status
+topic write companion/v1/devices/+/settings
+topic write companion/v1/bridges/b2/state
+`
+	mq := mqtttest.StartMosquittoStatic(t, []byte(acl), server, deaf, slow)
+	ctx := context.Background()
+	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	e := &env{db: db, clock: &clock{now: time.Now()}}
+	for _, b := range []struct{ bridge, dev string }{{"b1", "dev-1"}, {"b2", "dev-2"}} {
+		require.NoError(t, db.CreateBridge(ctx, companion.Bridge{ID: b.bridge, SecretHash: []byte("not used: Mosquitto's password file " + b.bridge)}))
+		require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: b.dev, Model: "sim-1", BridgeID: b.bridge}))
+	}
+	bind(t, e, "dev-1", "dev-2")
+
+	gate := &gatedDevice{Device: sim.New(sim.Options{ID: "dev-2", Logger: quiet()})}
+	_, release := gate.hold(t, "held")
+	for _, b := range []struct {
+		acct mqtttest.MosquittoAccount
+		dev  agent.Device
+	}{{deaf, sim.New(sim.Options{ID: "dev-1", Logger: quiet()})}, {slow, gate}} {
+		a, err := agent.New(agent.Options{
+			MQTTURL: mq.URL, BridgeID: b.acct.Username, Username: b.acct.Username, Password: b.acct.Password,
+			DataDir: t.TempDir(), Devices: []agent.Device{b.dev}, Logger: quiet(),
+		})
+		require.NoError(t, err)
+		runCtx, stop := context.WithCancel(ctx)
+		ran := make(chan error, 1)
+		go func() { ran <- a.Run(runCtx) }()
+		t.Cleanup(func() {
+			stop()
+			<-ran
+			a.Close()
+		})
+	}
+
+	var logs lockedLog
+	obs := &unheardObserver{}
+	b, err := New(Options{
+		Store: db, MQTTURL: mq.URL, Username: server.Username, Password: server.Password,
+		ClientID: "server-" + t.Name(), Topics: tree, SentRetry: 100 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})), Observer: obs,
+	})
+	require.NoError(t, err)
+	require.NoError(t, b.Start())
+	t.Cleanup(func() { b.Close() })
+	e.b = b
+	testenv.Eventually(t, 10*time.Second, "broker ready", b.Ready)
+	for _, dev := range []string{"dev-1", "dev-2"} {
+		testenv.Eventually(t, 10*time.Second, dev+" reads online", func() bool {
+			st, err := db.Status(ctx, dev)
+			return err == nil && st.Online
+		})
+	}
+
+	held := submit(t, e, "dev-2", "held", time.Hour)
+	testenv.Eventually(t, 10*time.Second, "the slow bridge's command delivered", func() bool {
+		return state(t, e, held.ID).State == companion.StateDelivered
+	})
+	lost := submit(t, e, "dev-1", "never received", time.Hour)
+
+	const said = "said nothing of commands sent to it again and again"
+	testenv.Eventually(t, 20*time.Second, "the server names the bridge that never answers", func() bool {
+		return strings.Contains(logs.String(), said)
+	})
+	out := logs.String()
+	assert.Equal(t, 1, strings.Count(out, said), "%s", out)
+	assert.Contains(t, out, "bridge_id=b1")
+	assert.NotContains(t, out, "bridge_id=b2", "the bridge that answered was named")
+	assert.Contains(t, out, "'topic read companion/v1/devices/+/commands/#'")
+	assert.Contains(t, out, "'user b1'")
+	assert.EqualValues(t, 1, obs.n.Load(), "bridges unheard")
+	assert.Equal(t, companion.StateSent, state(t, e, lost.ID).State)
+
+	// Granted the line, the bridge receives the command, answers, and is
+	// counted no more.
+	mq.SetACL(t, []byte(strings.Replace(acl, "user b1\n", "user b1\ntopic read companion/v1/devices/+/commands/#\n", 1)))
+	testenv.Eventually(t, 30*time.Second, "the command runs once the bridge may read it", func() bool {
+		return state(t, e, lost.ID).State == companion.StateSucceeded
+	})
+	testenv.Eventually(t, 10*time.Second, "no bridge unheard", func() bool { return obs.n.Load() == 0 })
+	release()
+}
