@@ -187,6 +187,17 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 		dr.wantStatus, dr.forceStatus, dr.wantSetgs = false, false, false
 		dr.offered = deviceState{}
 		dr.rmu.Unlock()
+		if dr.refused.Load() {
+			// The broker refuses the bridge the device's commands: it
+			// was moved to another bridge, or taken off this one, whose
+			// reports the server drops (CONTRACT §9). Read, it was
+			// connected to every minute, its link kept, and a device
+			// that takes one central at a time was kept from its new
+			// bridge (docs/reliability.md, bug 486). A grant asks for
+			// everything again (setRefused).
+			a.release(dr)
+			continue
+		}
 		if !a.connected.Load() {
 			continue // every connect asks for everything again
 		}

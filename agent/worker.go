@@ -35,6 +35,9 @@ type deviceRunner struct {
 	// workers wait on (Agent.unanswered), the device's commands wait
 	// (awaitsAnswer).
 	answeredOn atomic.Uint64
+	// running is set while the worker runs one of the device's commands:
+	// the device's link is then the command's (release).
+	running atomic.Bool
 
 	rmu                                sync.Mutex
 	wantStatus, forceStatus, wantSetgs bool
@@ -53,10 +56,41 @@ func newDeviceRunner(d Device) *deviceRunner {
 }
 
 // setRefused notes whether the broker refused the device's command filter
-// on the current connection; the worker resumes once it is granted again.
+// on the current connection; the worker resumes once it is granted again,
+// and the reporter reads the device again. Refused, the reporter is woken
+// to let the device's link go (release).
 func (dr *deviceRunner) setRefused(refused bool) {
-	if was := dr.refused.Swap(refused); was && !refused {
+	switch was := dr.refused.Swap(refused); {
+	case was && !refused:
 		signal(dr.wake)
+		dr.requestReport(true, true, true)
+	case !was && refused:
+		signal(dr.rwake)
+	}
+}
+
+// linkReleaser is a Device that can let its link go, connecting again at
+// its next request (gatt.Device.Release).
+type linkReleaser interface {
+	Release() bool
+}
+
+// release lets the device's link go while the broker refuses the bridge
+// the device's commands, unless one of them runs (what runs at a move
+// runs on). A device moved to another bridge in range of both takes one
+// central at a time, as most BLE peripherals do: the link the old bridge
+// kept until it dropped (for good, the device in reach and read every
+// minute) kept the new bridge from connecting, and every command of the
+// moved device failed timeout there (docs/reliability.md, bug 486). The
+// reporter reads no device refused (report), and nothing else connects
+// to it until the broker grants the filter again.
+func (a *Agent) release(dr *deviceRunner) {
+	r, ok := dr.dev.(linkReleaser)
+	if !ok || dr.running.Load() || !dr.refused.Load() {
+		return
+	}
+	if r.Release() {
+		a.log.Info("let the device's link go: the broker refuses its commands to this bridge, which may no longer serve it", "device_id", dr.id)
 	}
 }
 
@@ -104,7 +138,10 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 		if r.gaveUp {
 			a.log.Warn("the command this one runs after never came; running it without", "device_id", dr.id, "command_id", r.Cmd.ID, "after", r.Cmd.After, "waited", a.spool.afterWait)
 		}
-		if !a.execute(ctx, dr, r) {
+		dr.running.Store(true)
+		ok := a.execute(ctx, dr, r)
+		dr.running.Store(false)
+		if !ok {
 			return
 		}
 	}
@@ -133,6 +170,9 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // away from the broker does (away).
 func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 	var refused, login, waited bool // the reasons of the hold, logged once each
+	// A command that ran as the broker refused the device has ended:
+	// its link may go (bug 486).
+	a.release(dr)
 	for dr.refused.Load() || a.loginRefused.Load() || a.awaitsAnswer(dr) {
 		switch {
 		case !a.spool.pending(dr.id):

@@ -174,6 +174,24 @@ func (d *Device) Close() error {
 	return nil
 }
 
+// Release drops the device's link, when one is up and no request waits on
+// it, and reports whether it did; the next request connects again. The
+// bridge lets the link of a device it no longer serves go: a device that
+// takes one central at a time is otherwise kept from its new bridge for as
+// long as the link holds (docs/reliability.md, bug 486).
+func (d *Device) Release() bool {
+	d.mu.Lock()
+	s := d.sess
+	if d.closed || s == nil || !alive(s) || s.client.Working() {
+		d.mu.Unlock()
+		return false
+	}
+	d.sess = nil
+	d.mu.Unlock()
+	s.client.Close()
+	return true
+}
+
 // TransferStats returns the costs of the uploads finished so far, oldest
 // first.
 func (d *Device) TransferStats() []TransferStats {

@@ -54,8 +54,11 @@ type LinkOptions struct {
 
 // Network is the simulated radio: a gatt.Connector that joins the bridge to
 // simulated peripherals over links that model MTU, rate, latency and
-// dropped connections in real time. A peripheral takes one central at a
-// time: connecting again drops the old link.
+// dropped connections in real time. A Network is one central (a bridge's
+// radio). A peripheral takes one central at a time: connecting again
+// drops the network's old link, and a Peripheral linked to another
+// Network (another bridge in range) refuses the connection
+// (ConnectedFrom).
 type Network struct {
 	opts  LinkOptions
 	sched *scheduler
@@ -144,7 +147,15 @@ func (n *Network) Connect(ctx context.Context, deviceID string) (gatt.Link, erro
 	}
 	n.links[deviceID] = l
 	n.mu.Unlock()
-	if err := p.Connected(l.mtu, l.notify, func() { l.teardown() }); err != nil {
+	connected := p.Connected
+	if cp, ok := p.(interface {
+		ConnectedFrom(any, int, func(string, []byte), func()) error
+	}); ok {
+		connected = func(mtu int, notify func(string, []byte), drop func()) error {
+			return cp.ConnectedFrom(n, mtu, notify, drop)
+		}
+	}
+	if err := connected(l.mtu, l.notify, func() { l.teardown() }); err != nil {
 		n.mu.Lock()
 		if n.links[deviceID] == l {
 			delete(n.links, deviceID)

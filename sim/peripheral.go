@@ -108,8 +108,10 @@ type Peripheral struct {
 	// answer lost with the link; the next connection's requests wait for
 	// it, as Zephyr's SMP work queue runs them after it (bug 471).
 	busyUntil time.Time
-	image     imageUpload        // img_mgmt's upload in progress (RAM: lost at reboot)
-	uploads   map[uint16]*upload // the project groups', by group; kept across connections
+	// central is the central being served (ConnectedFrom).
+	central any
+	image   imageUpload        // img_mgmt's upload in progress (RAM: lost at reboot)
+	uploads map[uint16]*upload // the project groups', by group; kept across connections
 
 	rebootTimer *time.Timer
 	rebootWG    sync.WaitGroup
@@ -357,18 +359,42 @@ func (p *Peripheral) queueLocked(pk packet) {
 	}
 }
 
+// ErrConnectedElsewhere fails a connection to a peripheral that serves
+// another central already.
+var ErrConnectedElsewhere = errors.New("sim: the device is connected to another central and does not advertise")
+
 // Connected starts serving a central, unless the device is rebooting. A
 // connection still served (its end never reported) ends first: one
 // central at a time, as on a Zephyr device with one connection.
 func (p *Peripheral) Connected(mtu int, notify func(charUUID string, value []byte), drop func()) error {
+	return p.ConnectedFrom(nil, mtu, notify, drop)
+}
+
+// ConnectedFrom is Connected from central (a Network: one bridge's
+// radio). A connection of the same central still served ends first (a
+// Disconnect that raced a Connect in BlueZ); one of another central
+// refuses this one: a Zephyr device with one connection
+// (CONFIG_BT_MAX_CONN=1, most BLE peripherals) stops advertising while
+// connected, and another bridge in range finds nothing to connect to until
+// the link drops. Before, the second central took the device from the
+// first, and a bridge that kept its link to a device moved away never
+// kept the device's new bridge off it (docs/reliability.md, bug 486).
+func (p *Peripheral) ConnectedFrom(central any, mtu int, notify func(charUUID string, value []byte), drop func()) error {
 	p.connMu.Lock()
 	defer p.connMu.Unlock()
+	p.mu.Lock()
+	other := p.cancel != nil && p.central != central
+	p.mu.Unlock()
+	if other {
+		return ErrConnectedElsewhere
+	}
 	p.endLocked()
 	p.mu.Lock()
 	if p.booting || p.closed {
 		p.mu.Unlock()
 		return errors.New("sim: the device is rebooting")
 	}
+	p.central = central
 	ctx, cancel := context.WithCancel(context.Background())
 	p.notify, p.drop, p.mtu, p.cancel = notify, drop, mtu, cancel
 	p.queue, p.inUse, p.cur, p.want = nil, 0, nil, 0
@@ -396,7 +422,7 @@ func (p *Peripheral) Disconnected() {
 func (p *Peripheral) endLocked() {
 	p.mu.Lock()
 	cancel := p.cancel
-	p.notify, p.drop, p.queue, p.cancel, p.wake, p.cur = nil, nil, nil, nil, nil, nil
+	p.notify, p.drop, p.queue, p.cancel, p.wake, p.cur, p.central = nil, nil, nil, nil, nil, nil, nil
 	p.mu.Unlock()
 	if cancel != nil {
 		cancel()

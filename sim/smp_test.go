@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"strconv"
 	"strings"
 	"testing"
@@ -926,5 +927,40 @@ func TestTheRestOfADroppedMessageAsZephyr(t *testing.T) {
 				t.Errorf("%d writes dropped; want 1", p.Dropped())
 			}
 		})
+	}
+}
+
+// A device that serves one central does not advertise: another central (a
+// second bridge in range, its own Network) cannot connect until the first
+// link ends (docs/reliability.md, bug 486).
+func TestASecondCentralFindsTheDeviceConnected(t *testing.T) {
+	p := sim.NewPeripheral(sim.New(sim.Options{ID: "dev-1"}), sim.PeripheralOptions{})
+	fast := sim.LinkOptions{Latency: -1, ConnectDelay: -1}
+	n1, n2 := sim.NewNetwork(fast), sim.NewNetwork(fast)
+	t.Cleanup(func() {
+		n1.Close()
+		n2.Close()
+		_ = p.Close()
+	})
+	n1.Add("dev-1", p)
+	n2.Add("dev-1", p)
+	l1, err := n1.Connect(t.Context(), "dev-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n2.Connect(t.Context(), "dev-1"); !errors.Is(err, sim.ErrConnectedElsewhere) {
+		t.Fatalf("a second central connected to a device the first holds: %v; want ErrConnectedElsewhere", err)
+	}
+	if _, err := n1.Connect(t.Context(), "dev-1"); err != nil {
+		t.Fatalf("the same central connecting again: %v", err)
+	}
+	select {
+	case <-l1.Done():
+	default:
+		t.Fatal("the central's old link is still up")
+	}
+	n1.Drop("dev-1")
+	if _, err := n2.Connect(t.Context(), "dev-1"); err != nil {
+		t.Fatalf("once the first link dropped: %v", err)
 	}
 }

@@ -1,0 +1,79 @@
+package agent_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/devicecompanion/companion/agent"
+	"github.com/devicecompanion/companion/gatt"
+	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/topics"
+)
+
+// A device moved to another bridge, both in its range: the broker refuses
+// the bridge it left the device's commands from the move on. That bridge
+// read the device every minute on, and kept its link until it dropped;
+// the device, which takes one central at a time as most BLE peripherals
+// do, did not advertise, and its new bridge could not connect to it: each
+// of its commands failed timeout there. The bridge it left now reads it no
+// more and lets its link go; it reads it again once the broker grants its
+// commands again (docs/reliability.md, bug 486).
+func TestABridgeLetsTheLinkOfADeviceMovedAwayGo(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	sd := newSim("dev-1")
+	p := sim.NewPeripheral(sd, sim.PeripheralOptions{})
+	fast := sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1}
+	// Two bridges' radios in range of one device.
+	radio1, radio2 := sim.NewNetwork(fast), sim.NewNetwork(fast)
+	radio1.Add("dev-1", p)
+	radio2.Add("dev-1", p)
+	device := func(n *sim.Network) *gatt.Device {
+		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, MaxBackoff: 50 * time.Millisecond,
+			RequestTimeout: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	old, moved := device(radio1), device(radio2)
+	t.Cleanup(func() {
+		old.Close()
+		moved.Close()
+		radio1.Close()
+		radio2.Close()
+		p.Close()
+	})
+	startBridge(t, b, nil, w, bridgeConfig{
+		devices:  []*sim.Device{sd},
+		wrap:     func(*sim.Device) agent.Device { return old },
+		interval: 50 * time.Millisecond,
+	})
+	w.waitStatus("dev-1", "online", func(s topics.Status) bool { return s.Online })
+
+	// The move: the broker refuses b1 the device's commands, and closes
+	// its connection; b1 connects again and is refused.
+	filter := mustCommandsFilter(t, "dev-1")
+	hook.refuse(filter)
+	b.dropClient(t, "companion-bridge-b1")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if _, err := moved.Info(ctx); err != nil {
+		t.Fatalf("the device's new bridge could not reach it in 10 s, the bridge it left holding its link: %v", err)
+	}
+	moved.Close() // its link goes
+
+	// Moved back: b1 reads it again.
+	online := func(m message) bool {
+		s, err := topics.ParseStatus(m.payload)
+		st, _ := tree.Status("dev-1")
+		return m.topic == st && err == nil && s.Online
+	}
+	before := w.count(online)
+	hook.grant(filter)
+	b.dropClient(t, "companion-bridge-b1")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
+	w.waitFor("an online status once the broker grants the device again", func(message) bool { return w.count(online) > before })
+}
