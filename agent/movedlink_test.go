@@ -22,35 +22,7 @@ import (
 func TestABridgeLetsTheLinkOfADeviceMovedAwayGo(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
 	w := newWatcher(t, b)
-	sd := newSim("dev-1")
-	p := sim.NewPeripheral(sd, sim.PeripheralOptions{})
-	fast := sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1}
-	// Two bridges' radios in range of one device.
-	radio1, radio2 := sim.NewNetwork(fast), sim.NewNetwork(fast)
-	radio1.Add("dev-1", p)
-	radio2.Add("dev-1", p)
-	device := func(n *sim.Network) *gatt.Device {
-		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, MaxBackoff: 50 * time.Millisecond,
-			RequestTimeout: time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return d
-	}
-	old, moved := device(radio1), device(radio2)
-	t.Cleanup(func() {
-		old.Close()
-		moved.Close()
-		radio1.Close()
-		radio2.Close()
-		p.Close()
-	})
-	startBridge(t, b, nil, w, bridgeConfig{
-		devices:  []*sim.Device{sd},
-		wrap:     func(*sim.Device) agent.Device { return old },
-		interval: 50 * time.Millisecond,
-	})
-	w.waitStatus("dev-1", "online", func(s topics.Status) bool { return s.Online })
+	moved := twoRadios(t, b, w)
 
 	// The move: the broker refuses b1 the device's commands, and closes
 	// its connection; b1 connects again and is refused.
@@ -66,14 +38,79 @@ func TestABridgeLetsTheLinkOfADeviceMovedAwayGo(t *testing.T) {
 	moved.Close() // its link goes
 
 	// Moved back: b1 reads it again.
-	online := func(m message) bool {
-		s, err := topics.ParseStatus(m.payload)
-		st, _ := tree.Status("dev-1")
-		return m.topic == st && err == nil && s.Online
-	}
-	before := w.count(online)
+	before := w.count(onlineStatus)
 	hook.grant(filter)
 	b.dropClient(t, "companion-bridge-b1")
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
-	w.waitFor("an online status once the broker grants the device again", func(message) bool { return w.count(online) > before })
+	w.waitFor("an online status once the broker grants the device again", func(message) bool { return w.count(onlineStatus) > before })
+}
+
+// A bridge that lost its uplink (its broker out of reach) while in radio
+// range of its devices, which an admin then moves to a bridge beside it:
+// it kept each device's link until it dropped, and a device that takes one
+// central at a time was kept from its new bridge for as long as the bridge
+// was away. A bridge away from the broker for a whole status interval now
+// lets the links go, and reads the devices again once back
+// (docs/reliability.md, bug 487).
+func TestABridgeAwayFromTheBrokerLetsItsLinksGo(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	moved := twoRadios(t, b, w)
+
+	b.hook.refuse.Store(true) // away: its logins are turned away
+	b.dropClient(t, "companion-bridge-b1")
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if _, err := moved.Info(ctx); err != nil {
+		t.Fatalf("another bridge could not reach the device in 10 s, the bridge away from the broker holding its link: %v", err)
+	}
+	moved.Close()
+
+	before := w.count(onlineStatus)
+	b.hook.refuse.Store(false)
+	w.waitFor("an online status once the bridge is back", func(message) bool { return w.count(onlineStatus) > before })
+}
+
+// onlineStatus matches dev-1's statuses that say online.
+func onlineStatus(m message) bool {
+	st, _ := tree.Status("dev-1")
+	s, err := topics.ParseStatus(m.payload)
+	return m.topic == st && err == nil && s.Online
+}
+
+// twoRadios runs bridge b1 with one simulated device, dev-1, over a GATT
+// link of its own radio (a sim.Network), reading it every 50 ms, and
+// returns a gatt.Device on a second radio in range of the same device
+// (another bridge's), once b1 has read it online.
+func twoRadios(t *testing.T, b *testBroker, w *watcher) *gatt.Device {
+	t.Helper()
+	sd := newSim("dev-1")
+	p := sim.NewPeripheral(sd, sim.PeripheralOptions{})
+	fast := sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1}
+	radio1, radio2 := sim.NewNetwork(fast), sim.NewNetwork(fast)
+	radio1.Add("dev-1", p)
+	radio2.Add("dev-1", p)
+	device := func(n *sim.Network) *gatt.Device {
+		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, MaxBackoff: 50 * time.Millisecond,
+			RequestTimeout: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	old, other := device(radio1), device(radio2)
+	t.Cleanup(func() {
+		old.Close()
+		other.Close()
+		radio1.Close()
+		radio2.Close()
+		p.Close()
+	})
+	startBridge(t, b, nil, w, bridgeConfig{
+		devices:  []*sim.Device{sd},
+		wrap:     func(*sim.Device) agent.Device { return old },
+		interval: 50 * time.Millisecond,
+	})
+	w.waitStatus("dev-1", "online", func(s topics.Status) bool { return s.Online })
+	return other
 }

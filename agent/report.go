@@ -156,6 +156,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 	var keeping *topics.Status // being written; one write at a time
 	keptErr := make(chan error, 1)
 	hold := false // a write just failed: wait for the next pass
+	away := 0     // ticks in a row that found the bridge away from the broker
 	for {
 		if keeping == nil && !hold && last != nil && last.Online && !sameStatus(last, kept) {
 			keeping = last
@@ -176,6 +177,19 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 			keeping = nil
 			continue
 		case <-tick.C:
+			// Away from the broker for a whole interval: the device may
+			// have been moved to another bridge meanwhile (an admin moves
+			// the devices of a bridge that lost its uplink to one beside
+			// it), and a device that takes one central at a time is kept
+			// from it while this bridge holds its link
+			// (docs/reliability.md, bug 487). The reporter reads no device
+			// while away; a command the bridge runs from its spool
+			// connects again.
+			if a.connected.Load() {
+				away = 0
+			} else if away++; away >= 2 {
+				a.release(dr, "the bridge is away from the broker, and another bridge may serve the device now")
+			}
 			// Settings too: they may have changed on the device itself.
 			dr.requestReport(true, true, true)
 			continue
@@ -195,7 +209,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 			// that takes one central at a time was kept from its new
 			// bridge (docs/reliability.md, bug 486). A grant asks for
 			// everything again (setRefused).
-			a.release(dr)
+			a.releaseRefused(dr)
 			continue
 		}
 		if !a.connected.Load() {

@@ -75,22 +75,31 @@ type linkReleaser interface {
 	Release() bool
 }
 
-// release lets the device's link go while the broker refuses the bridge
-// the device's commands, unless one of them runs (what runs at a move
-// runs on). A device moved to another bridge in range of both takes one
-// central at a time, as most BLE peripherals do: the link the old bridge
-// kept until it dropped (for good, the device in reach and read every
-// minute) kept the new bridge from connecting, and every command of the
-// moved device failed timeout there (docs/reliability.md, bug 486). The
-// reporter reads no device refused (report), and nothing else connects
-// to it until the broker grants the filter again.
-func (a *Agent) release(dr *deviceRunner) {
+// release lets the device's link go, unless one of its commands runs
+// (what runs at a move runs on), logging why once a link goes. A device
+// moved to another bridge in range of both takes one central at a time,
+// as most BLE peripherals do: the link the old bridge kept until it
+// dropped (for good, the device in its reach) kept the new bridge from
+// connecting, and every command of the moved device failed timeout there
+// (docs/reliability.md, bugs 486 and 487). Nothing connects to the device
+// again but a command the bridge runs, or the reporter's read once the
+// bridge may serve the device again.
+func (a *Agent) release(dr *deviceRunner, why string) {
 	r, ok := dr.dev.(linkReleaser)
-	if !ok || dr.running.Load() || !dr.refused.Load() {
+	if !ok || dr.running.Load() {
 		return
 	}
 	if r.Release() {
-		a.log.Info("let the device's link go: the broker refuses its commands to this bridge, which may no longer serve it", "device_id", dr.id)
+		a.log.Info("let the device's link go: "+why, "device_id", dr.id)
+	}
+}
+
+// releaseRefused lets the device's link go while the broker refuses the
+// bridge the device's commands: the device was moved to another bridge,
+// or taken off this one (bug 486).
+func (a *Agent) releaseRefused(dr *deviceRunner) {
+	if dr.refused.Load() {
+		a.release(dr, "the broker refuses its commands to this bridge, which may no longer serve it")
 	}
 }
 
@@ -172,7 +181,7 @@ func (a *Agent) holdRefused(ctx context.Context, dr *deviceRunner) bool {
 	var refused, login, waited bool // the reasons of the hold, logged once each
 	// A command that ran as the broker refused the device has ended:
 	// its link may go (bug 486).
-	a.release(dr)
+	a.releaseRefused(dr)
 	for dr.refused.Load() || a.loginRefused.Load() || a.awaitsAnswer(dr) {
 		switch {
 		case !a.spool.pending(dr.id):
