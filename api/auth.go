@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"encoding/base64"
 	"errors"
+	"log/slog"
 	"math"
 	"strings"
 	"time"
@@ -91,7 +92,10 @@ func (s *Server) userAuth(c *gin.Context) {
 			// its user out, for a provider that is only away. A 503 it
 			// retries, and the source is not counted a failure
 			// (docs/reliability.md, bug 476).
-			s.log.InfoContext(c.Request.Context(), "access token not judged", requestIDAttr(c), "reason", err)
+			// Once a minute a reason, with a count: one line a request
+			// was one for every request of every user while the provider
+			// was away (docs/reliability.md, bug 526).
+			s.notJudged.Log(slog.LevelInfo, notJudgedKey(ku), "access token not judged", requestIDAttr(c), "reason", err)
 			s.fail(c, &Error{Code: CodeUnavailable, RetryAfter: ceilSeconds(ku.RetryAfter),
 				Detail: "the access token could not be checked now: the identity provider's signing key it needs is not at hand (the provider cannot be reached, or its keys are fetched again in a moment); send the request again"})
 			return

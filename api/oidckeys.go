@@ -31,6 +31,21 @@ func (e *KeysUnavailableError) Error() string {
 
 func (e *KeysUnavailableError) Unwrap() error { return e.Err }
 
+// notJudgedKey is the kind of reason ku gives, the key of the API's line
+// of tokens not judged (docs/reliability.md, bug 526): its text names
+// durations, a new one each request.
+func notJudgedKey(ku *KeysUnavailableError) string {
+	var lately *errFetchedLately
+	switch {
+	case errors.Is(ku.Err, ErrOIDCNotDiscovered):
+		return "not discovered"
+	case errors.As(ku.Err, &lately):
+		return "fetched lately"
+	default:
+		return "cannot be fetched"
+	}
+}
+
 // jwksMinInterval is the least time between two fetches of the keys that
 // worked: tokens of key ids the provider does not have (an app built
 // against another tenant, or forged) fetched them once each, up to every

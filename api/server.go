@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/logevery"
 
 	"github.com/gin-gonic/gin"
 )
@@ -392,13 +393,18 @@ type Server struct {
 	unavailable func(error) bool
 	events      *Events // the hub of GET /events; nil: none
 	log         *slog.Logger
-	now         func() time.Time
-	requests    RequestObserver // nil: nobody counts requests
-	held        holds           // event streams and Prefer: wait requests, per user
-	bodies      bodyBudgets     // the bytes of bodies being sent, per user
-	reads       bodyReads       // the bodies being read, for a shutdown to end
-	openapiDoc  []byte          // GET /api/v1/openapi.json: the document with these limits
-	ids         *requestIDs     // the ids of requests that bring none
+	// notJudged logs the access tokens not judged (a 503) once a minute a
+	// reason, with a count: one a request was a line for every request of
+	// every user while the identity provider was away, and for every
+	// forged token of a made-up key id (docs/reliability.md, bug 526).
+	notJudged  *logevery.Log
+	now        func() time.Time
+	requests   RequestObserver // nil: nobody counts requests
+	held       holds           // event streams and Prefer: wait requests, per user
+	bodies     bodyBudgets     // the bytes of bodies being sent, per user
+	reads      bodyReads       // the bodies being read, for a shutdown to end
+	openapiDoc []byte          // GET /api/v1/openapi.json: the document with these limits
+	ids        *requestIDs     // the ids of requests that bring none
 
 	limiter  RateLimiter // the buckets of the three limits below
 	rate     limitSpec   // requests per token
@@ -454,6 +460,7 @@ func New(opts Options) (*Server, error) {
 		return nil, err
 	}
 	s.openapiDoc = doc
+	s.notJudged = logevery.New(s.log, time.Minute, s.now)
 	s.bodies.max = limits.MaxBodyBytesPerUser
 	if opts.AdminToken != "" {
 		s.adminHash = companion.HashSecret(opts.AdminToken)

@@ -417,3 +417,68 @@ func TestAccessTokenOfAnotherAsymmetricAlgorithm(t *testing.T) {
 		t.Errorf("an access token signed HS256 = %d %s; want 401", r.Status, r.Body)
 	}
 }
+
+// countLogs is how many records of at least level with msg were logged.
+func (h *logCapture) countLogs(level slog.Level, msg string) int {
+	l := h.logs()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, r := range l.records {
+		if r.level >= level && r.msg == msg {
+			n++
+		}
+	}
+	return n
+}
+
+// Access tokens not judged (a 503) are logged once a minute a reason, with
+// a count: forged tokens of made-up key ids issued now, and a token of a
+// key the provider rotated to while it is down, each sent again and again,
+// make a line or two, not one a request, and the forged ones no more than
+// one fetch of the keys each 5 s. Before, each was an Info line: one for
+// every request of every user while the provider was away
+// (docs/reliability.md, bug 526).
+func TestAccessTokensNotJudgedAreLoggedOnceAMinute(t *testing.T) {
+	p := newKeysIDP(t)
+	k1, k2, forger := rsaKey(t), rsaKey(t), rsaKey(t)
+	p.set(true, k1)
+	capture := &logCapture{}
+	m := startServerWithLog(t, Config{OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api", JWKSURL: p.srv.URL + "/keys"}}, capture)
+	if r := newClient(t, m, accessToken(t, k1, "k1", p.srv.URL, "alice@idp")).do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Fatalf("an access token while the provider answers = %d %s", r.Status, r.Body)
+	}
+	before := p.fetches.Load()
+	forged := 0
+	for i := range 40 {
+		r := newClient(t, m, accessToken(t, forger, fmt.Sprintf("made-up-%d", i), p.srv.URL, "mallory")).do("GET", "/api/v1/devices", nil)
+		switch r.Status {
+		case http.StatusServiceUnavailable:
+			forged++
+		case http.StatusUnauthorized:
+		default:
+			t.Fatalf("a forged token of a made-up key id issued now = %d %s; want 503 or 401", r.Status, r.Body)
+		}
+	}
+	if forged < 2 {
+		t.Fatalf("only %d of 40 forged tokens issued now were 503s; the test needs some", forged)
+	}
+	if n := p.fetches.Load() - before; n > 2 {
+		t.Errorf("40 forged tokens of made-up key ids made %d fetches of the keys; want at most 2 (one each 5 s)", n)
+	}
+
+	p.set(false, k1, k2) // rotated, and down
+	rotated := newClient(t, m, accessToken(t, k2, "k2", p.srv.URL, "bob@idp"))
+	testenv.Eventually(t, 30*time.Second, "a fetch of the keys failing", func() bool {
+		checkKeysUnavailable(t, "a token of the provider's new key while it is down", rotated.do("GET", "/api/v1/devices", nil))
+		return capture.has(slog.LevelWarn, "access token not judged: the identity provider's keys cannot be fetched", "issuer", p.srv.URL)
+	})
+	for range 40 {
+		checkKeysUnavailable(t, "a token of the provider's new key while it is down", rotated.do("GET", "/api/v1/devices", nil))
+	}
+	// A line for the forged tokens, one for the fetch failed; none more
+	// within the minute.
+	if n := capture.countLogs(slog.LevelDebug, "access token not judged"); n > 2 {
+		t.Errorf("%d forged tokens and 40+ tokens while the provider is down made %d lines \"access token not judged\"; want at most 2, once a minute a reason", forged, n)
+	}
+}
