@@ -64,6 +64,9 @@ type OIDCVerifier struct {
 	// nextDiscovery is when the discovery is tried again (UnixNano), while
 	// v is nil: the Retry-After of a token meanwhile.
 	nextDiscovery atomic.Int64
+	// misconfigured is the last failed discovery's error when no retry
+	// mends it (bug 527); nil otherwise.
+	misconfigured atomic.Pointer[OIDCMisconfiguredError]
 }
 
 // ErrOIDCNotDiscovered is why every access token is not judged (a
@@ -122,7 +125,8 @@ func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Durat
 		}
 		return ov, end, nil
 	}
-	log.Error("oidc discovery failed: access tokens are answered 503 until it works; trying again", "issuer", o.Issuer, "err", err)
+	ov.noteDiscovery(err)
+	log.Error("oidc discovery failed: access tokens are answered 503 until it works; trying again", discoveryAttrs(o.Issuer, err)...)
 	go func() {
 		defer close(end)
 		wait := time.Second
@@ -142,10 +146,38 @@ func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Durat
 				log.Info("oidc discovery works: access tokens are taken", "issuer", o.Issuer)
 				return
 			}
+			// A misconfiguration is said again each attempt (a minute
+			// apart at most): one line at the start, perhaps days before,
+			// was all an operator had of it (bug 527).
+			if ov.noteDiscovery(err) {
+				log.Error("oidc discovery failed: access tokens are answered 503 until it works; trying again", discoveryAttrs(o.Issuer, err)...)
+			}
 			wait = min(2*wait, time.Minute)
 		}
 	}()
 	return ov, end, nil
+}
+
+// noteDiscovery keeps whether the failed discovery's err is a
+// misconfiguration, for Verify's 503; it reports whether it is one.
+func (o *OIDCVerifier) noteDiscovery(err error) bool {
+	var mc *OIDCMisconfiguredError
+	if errors.As(err, &mc) {
+		o.misconfigured.Store(mc)
+		return true
+	}
+	o.misconfigured.Store(nil)
+	return false
+}
+
+// discoveryAttrs are the log's attributes of a failed discovery.
+func discoveryAttrs(issuer string, err error) []any {
+	attrs := []any{"issuer", issuer, "err", err}
+	var mc *OIDCMisconfiguredError
+	if errors.As(err, &mc) {
+		attrs = append(attrs, "misconfigured", true, "hint", mc.Hint)
+	}
+	return attrs
 }
 
 // discover fetches the issuer's discovery document, within ctx, and
@@ -160,16 +192,54 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 		p, err = oidc.NewProvider(oidc.InsecureIssuerURLContext(ctx, mismatch.Discovered), o.issuer)
 	}
 	if err != nil {
-		return fmt.Errorf("oidc discovery: %w", err)
+		err = fmt.Errorf("oidc discovery: %w", err)
+		if hint := misconfiguration(err, o.issuer); hint != "" {
+			return &OIDCMisconfiguredError{Err: err, Hint: hint}
+		}
+		return err
 	}
 	var doc struct {
 		JWKSURL string `json:"jwks_uri"`
 	}
 	if err := p.Claims(&doc); err != nil || doc.JWKSURL == "" {
-		return fmt.Errorf("oidc discovery: the issuer's document names no jwks_uri")
+		return &OIDCMisconfiguredError{Err: errors.New("oidc discovery: the issuer's document names no jwks_uri"),
+			Hint: "the issuer's discovery document names no JWKS: give its keys' URL with --oidc-jwks-url"}
 	}
 	o.v.Store(oidc.NewVerifier(o.issuer, o.newKeySet(doc.JWKSURL), o.cfg))
 	return nil
+}
+
+// OIDCMisconfiguredError is a discovery's error that no retry mends: the
+// URL of --oidc-issuer answers no discovery document of that issuer (404,
+// a page of HTML, another issuer's document). It is tried again still (a
+// provider's deploy may answer 404 for a while), but the log says it at
+// Error each time, with what to change, and the 503 of each access token
+// says the server's settings are at fault (docs/reliability.md, bug 527).
+type OIDCMisconfiguredError struct {
+	Err  error
+	Hint string // what the operator should change
+}
+
+func (e *OIDCMisconfiguredError) Error() string { return e.Err.Error() }
+func (e *OIDCMisconfiguredError) Unwrap() error { return e.Err }
+
+// misconfiguration is the hint of a discovery's error err that no retry
+// mends, "" for one that may (the provider down, not reachable, 5xx, 408,
+// 429).
+func misconfiguration(err error, issuer string) string {
+	var mismatch *oidc.IssuerMismatchError
+	if errors.As(err, &mismatch) {
+		return fmt.Sprintf("the discovery document at --oidc-issuer names the issuer %q: give that as --oidc-issuer, if it is the issuer of the app's tokens", mismatch.Discovered)
+	}
+	msg := strings.TrimPrefix(err.Error(), "oidc discovery: ")
+	if len(msg) > 4 && msg[0] == '4' && msg[3] == ' ' && !strings.HasPrefix(msg, "408") && !strings.HasPrefix(msg, "429") {
+		status, _, _ := strings.Cut(msg, ":")
+		return fmt.Sprintf("%s/.well-known/openid-configuration answers %s: --oidc-issuer is not the URL of an OpenID Connect issuer (its tokens' iss)", strings.TrimSuffix(issuer, "/"), status)
+	}
+	if strings.Contains(msg, "failed to decode provider discovery object") {
+		return fmt.Sprintf("%s/.well-known/openid-configuration answers no JSON document (a web page?): --oidc-issuer is not the URL of an OpenID Connect issuer (its tokens' iss)", strings.TrimSuffix(issuer, "/"))
+	}
+	return ""
 }
 
 // newKeySet is the key set of the JWKS at url: go-oidc's RemoteKeySet
@@ -196,6 +266,13 @@ func (o *OIDCVerifier) KeysUnavailable() bool {
 	ks.mu.Lock()
 	defer ks.mu.Unlock()
 	return ks.lastErr != nil
+}
+
+// Misconfigured reports whether the issuer's discovery has not worked and
+// last failed in a way no retry mends (OIDCMisconfiguredError): the
+// metrics say so (docs/reliability.md, bug 527).
+func (o *OIDCVerifier) Misconfigured() bool {
+	return o.v.Load() == nil && o.misconfigured.Load() != nil
 }
 
 // newOIDCVerifier checks o and returns its verifier, ready with
@@ -255,7 +332,11 @@ func newOIDCVerifier(_ context.Context, o OIDCOptions) (*OIDCVerifier, error) {
 func (o *OIDCVerifier) Verify(ctx context.Context, raw string) (string, error) {
 	v := o.v.Load()
 	if v == nil {
-		return "", &KeysUnavailableError{Err: ErrOIDCNotDiscovered, RetryAfter: time.Duration(o.nextDiscovery.Load() - o.now().UnixNano())}
+		err := ErrOIDCNotDiscovered
+		if mc := o.misconfigured.Load(); mc != nil {
+			err = &OIDCMisconfiguredError{Err: fmt.Errorf("%w: %w", ErrOIDCNotDiscovered, mc.Err), Hint: mc.Hint}
+		}
+		return "", &KeysUnavailableError{Err: err, RetryAfter: time.Duration(o.nextDiscovery.Load() - o.now().UnixNano())}
 	}
 	note := &keysNote{}
 	tok, err := v.Verify(context.WithValue(ctx, keysNoteKey{}, note), raw)

@@ -6,6 +6,8 @@ import (
 	"crypto/rsa"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -197,4 +199,44 @@ func TestOIDCKeySetSkipsKeysItCannotUse(t *testing.T) {
 	assert.Equal(t, http.StatusOK, r.status, "a token of the JWKS's usable key: %s", r.body)
 	r = e.do("GET", "/api/v1/devices", sign(t, key, "k384", claims), nil)
 	assert.Equal(t, http.StatusUnauthorized, r.status, "an RS256 token of a key for RS384 only: %s", r.body)
+}
+
+// A discovery that no retry mends (a web page, a 404, another issuer's
+// document, none naming a JWKS) is an OIDCMisconfiguredError with a hint;
+// a provider down, limiting or slow is not (docs/reliability.md, bug 527).
+func TestOIDCDiscoveryMisconfiguration(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		issuer, _ := strings.CutSuffix(r.URL.Path, "/.well-known/openid-configuration")
+		switch issuer {
+		case "/html":
+			w.Header().Set("Content-Type", "text/html")
+			_, _ = w.Write([]byte("<html><body>Welcome</body></html>"))
+		case "/other":
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = fmt.Fprintf(w, `{"issuer":"https://elsewhere.example.com","jwks_uri":"https://elsewhere.example.com/keys"}`)
+		case "/nokeys":
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = fmt.Fprintf(w, `{"issuer":"http://%s/nokeys"}`, r.Host)
+		case "/busy":
+			w.WriteHeader(http.StatusTooManyRequests)
+		case "/down":
+			w.WriteHeader(http.StatusServiceUnavailable)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer srv.Close()
+	for path, want := range map[string]string{"/html": "answers no JSON document", "/other": `names the issuer "https://elsewhere.example.com"`,
+		"/nokeys": "--oidc-jwks-url", "/missing": "answers 404 Not Found", "/busy": "", "/down": ""} {
+		_, err := NewOIDCVerifier(context.Background(), OIDCOptions{Issuer: srv.URL + path, Audience: "a"})
+		var mc *OIDCMisconfiguredError
+		switch {
+		case err == nil:
+			t.Errorf("%s: no error", path)
+		case want == "" && errors.As(err, &mc):
+			t.Errorf("%s: %v is a misconfiguration (%s); want one a retry may mend", path, err, mc.Hint)
+		case want != "" && (!errors.As(err, &mc) || !strings.Contains(mc.Hint, want)):
+			t.Errorf("%s: %v (%T); want a misconfiguration whose hint says %q", path, err, err, want)
+		}
+	}
 }

@@ -36,7 +36,10 @@ func (e *KeysUnavailableError) Unwrap() error { return e.Err }
 // durations, a new one each request.
 func notJudgedKey(ku *KeysUnavailableError) string {
 	var lately *errFetchedLately
+	var mc *OIDCMisconfiguredError
 	switch {
+	case errors.As(ku.Err, &mc):
+		return "misconfigured"
 	case errors.Is(ku.Err, ErrOIDCNotDiscovered):
 		return "not discovered"
 	case errors.As(ku.Err, &lately):

@@ -63,6 +63,10 @@ func (m *Main) startMetrics(_ context.Context) error {
 			v := m.oidc.Load()
 			return v != nil && v.KeysUnavailable()
 		}
+		opts.IdentityProviderMisconfigured = func() bool {
+			v := m.oidc.Load()
+			return v != nil && v.Misconfigured()
+		}
 	}
 	s := metrics.NewServer(opts)
 	ln, err := metrics.Listen(addr, s.Registry(), m.Logger)

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -480,5 +481,69 @@ func TestAccessTokensNotJudgedAreLoggedOnceAMinute(t *testing.T) {
 	// within the minute.
 	if n := capture.countLogs(slog.LevelDebug, "access token not judged"); n > 2 {
 		t.Errorf("%d forged tokens and 40+ tokens while the provider is down made %d lines \"access token not judged\"; want at most 2, once a minute a reason", forged, n)
+	}
+}
+
+// An --oidc-issuer whose discovery no retry mends (its document names
+// another issuer; the URL answers 404, or a web page) is said for what it
+// is: each access token is a 503 whose detail blames the server's
+// settings, not the provider's absence; the log says it at Error with what
+// to change at each attempt, not once at the start; and
+// companion_identity_provider_misconfigured is 1. Once the provider's
+// document is right the tokens are taken. Before, it looked like a
+// provider away: one Error line at the start, every token a 503 "the
+// provider cannot be reached" for ever (docs/reliability.md, bug 527).
+func TestAccessTokenWhileTheIssuerIsMisconfigured(t *testing.T) {
+	key := rsaKey(t)
+	for _, tc := range []struct {
+		name  string
+		spoil func(p *keysIDP) (issuer string)
+		hint  string
+	}{
+		{"another issuer", func(p *keysIDP) string {
+			p.mu.Lock()
+			p.issuer = "https://login.example.com/other-tenant"
+			p.mu.Unlock()
+			return p.srv.URL
+		}, "names the issuer \"https://login.example.com/other-tenant\""},
+		{"404", func(p *keysIDP) string { return p.srv.URL + "/not-an-issuer" }, "answers 404 Not Found"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newKeysIDP(t)
+			p.set(true, key)
+			issuer := tc.spoil(p)
+			capture := &logCapture{}
+			m := startServerWithLog(t, Config{Metrics: "127.0.0.1:0", OIDC: api.OIDCOptions{Issuer: issuer, Audience: "companion-api"}}, capture)
+			user := newClient(t, m, accessToken(t, key, "k1", issuer, "alice@idp"))
+			r := user.do("GET", "/api/v1/devices", nil)
+			checkKeysUnavailable(t, "an access token while --oidc-issuer is misconfigured", r)
+			if !strings.Contains(string(r.Body), "settings") {
+				t.Errorf("an access token while --oidc-issuer is misconfigured = %d %s; want a detail saying the server's settings are wrong, not that the provider cannot be reached", r.Status, r.Body)
+			}
+			metricsExpect(t, metricsScrape(t, m), 1, "companion_identity_provider_misconfigured")
+			// Said at Error with its hint, again at the next attempts.
+			testenv.Eventually(t, 30*time.Second, "the misconfiguration said twice at Error", func() bool {
+				n := 0
+				l := capture.logs()
+				l.mu.Lock()
+				defer l.mu.Unlock()
+				for _, rec := range l.records {
+					if rec.level >= slog.LevelError && strings.HasPrefix(rec.msg, "oidc discovery failed") && strings.Contains(rec.attrs["hint"], tc.hint) {
+						n++
+					}
+				}
+				return n >= 2
+			})
+			p.mu.Lock()
+			p.issuer = ""
+			p.mu.Unlock()
+			if tc.name == "404" {
+				return // the URL is the operator's to mend
+			}
+			testenv.Eventually(t, 90*time.Second, "the token taken once the provider's document is right", func() bool {
+				return user.do("GET", "/api/v1/devices", nil).Status == http.StatusOK
+			})
+			metricsExpect(t, metricsScrape(t, m), 0, "companion_identity_provider_misconfigured")
+		})
 	}
 }

@@ -127,7 +127,8 @@ func servedFamilies(tb testing.TB, ops []operation) map[string]*dto.MetricFamily
 		StoreFaults:  func(fn func(string, bool)) { fn("cannot write", false) },
 		Logger:       metricsQuiet(),
 
-		IdentityProviderUnavailable: func() bool { return false },
+		IdentityProviderUnavailable:   func() bool { return false },
+		IdentityProviderMisconfigured: func() bool { return false },
 	})
 	for _, op := range ops {
 		for _, code := range []int{200, 503} {

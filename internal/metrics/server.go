@@ -49,6 +49,10 @@ type ServerOptions struct {
 	// signing keys cannot be fetched now (api.OIDCVerifier.KeysUnavailable).
 	// Without it (no --oidc-issuer) the gauge is not served.
 	IdentityProviderUnavailable func() bool
+	// IdentityProviderMisconfigured reports whether the issuer's
+	// discovery fails in a way no retry mends
+	// (api.OIDCVerifier.Misconfigured); served with the gauge above.
+	IdentityProviderMisconfigured func() bool
 	// Logger receives a failed count of the open commands;
 	// slog.Default() when nil.
 	Logger *slog.Logger
@@ -166,6 +170,15 @@ func NewServer(opts ServerOptions) *Server {
 			Name: "companion_identity_provider_unavailable",
 			Help: "1 while the identity provider's signing keys cannot be fetched (its discovery has not worked yet, or the last fetch of its keys failed): " +
 				"an access token of a key not at hand is answered 503, not judged; else 0. Served with --oidc-issuer.",
+		}, func() float64 { return gauge01(f()) }))
+	}
+	if f := opts.IdentityProviderMisconfigured; f != nil {
+		// Of the unavailable ones, those the operator must mend: retrying
+		// does not (docs/reliability.md, bug 527).
+		s.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "companion_identity_provider_misconfigured",
+			Help: "1 while the issuer's discovery fails in a way no retry mends (--oidc-issuer answers 404, a page that is not its document, or another issuer's document): " +
+				"every access token is answered 503 until the settings are mended; else 0. Served with --oidc-issuer.",
 		}, func() float64 { return gauge01(f()) }))
 	}
 	for _, op := range topics.Ops {
