@@ -85,7 +85,7 @@ func (s *Server) adminNewUserToken(c *gin.Context) error {
 		return err
 	}
 	id := c.Param("user_id")
-	if err := s.accountsRefused(); err != nil { // bug 506
+	if err := s.accountsRefused(); err != nil { // bug 488
 		return err
 	}
 	token, hash, err := newSecret(userTokenPrefix)

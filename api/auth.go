@@ -94,7 +94,7 @@ func (s *Server) userAuth(c *gin.Context) {
 			// (docs/reliability.md, bug 476).
 			// Once a minute a reason, with a count: one line a request
 			// was one for every request of every user while the provider
-			// was away (docs/reliability.md, bug 526).
+			// was away (docs/reliability.md, bug 490).
 			s.notJudged.Log(slog.LevelInfo, notJudgedKey(ku), "access token not judged", requestIDAttr(c), "reason", err)
 			detail := "the access token could not be checked now: the identity provider's signing key it needs is not at hand (the provider cannot be reached, or its keys are fetched again in a moment); send the request again"
 			var mc *OIDCMisconfiguredError
@@ -102,7 +102,7 @@ func (s *Server) userAuth(c *gin.Context) {
 				// Not the provider away, nor the token at fault: the
 				// server's own settings, which its log says at Error.
 				// Still a 503 (a 401 would log the user out, to the same
-				// answer after each login), but saying so (bug 527).
+				// answer after each login), but saying so (bug 491).
 				detail = "the access token could not be checked: this server's settings of its identity provider are wrong, and no token of it is taken until its operator mends them (its log says how); send the request again later"
 			}
 			s.fail(c, &Error{Code: CodeUnavailable, RetryAfter: ceilSeconds(ku.RetryAfter), Detail: detail})

@@ -135,7 +135,7 @@ type AccountsNotReady interface {
 // to mend it, the secret opening nothing for good and the caller told
 // nothing; a new secret or token (the remedy for one that leaked) left
 // the old one working on Mosquitto while the answer said it opened
-// nothing (docs/reliability.md, bug 506). A failure of one change
+// nothing (docs/reliability.md, bug 488). A failure of one change
 // (Mosquitto away for a moment) is still the driver's to retry, and
 // answered as done.
 func (s *Server) accountsRefused() error {

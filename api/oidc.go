@@ -65,7 +65,7 @@ type OIDCVerifier struct {
 	// v is nil: the Retry-After of a token meanwhile.
 	nextDiscovery atomic.Int64
 	// misconfigured is the last failed discovery's error when no retry
-	// mends it (bug 527); nil otherwise.
+	// mends it (bug 491); nil otherwise.
 	misconfigured atomic.Pointer[OIDCMisconfiguredError]
 }
 
@@ -148,7 +148,7 @@ func RetryingOIDCVerifier(ctx context.Context, o OIDCOptions, attempt time.Durat
 			}
 			// A misconfiguration is said again each attempt (a minute
 			// apart at most): one line at the start, perhaps days before,
-			// was all an operator had of it (bug 527).
+			// was all an operator had of it (bug 491).
 			if ov.noteDiscovery(err) {
 				log.Error("oidc discovery failed: access tokens are answered 503 until it works; trying again", discoveryAttrs(o.Issuer, err)...)
 			}
@@ -214,7 +214,7 @@ func (o *OIDCVerifier) discover(ctx context.Context) error {
 // a page of HTML, another issuer's document). It is tried again still (a
 // provider's deploy may answer 404 for a while), but the log says it at
 // Error each time, with what to change, and the 503 of each access token
-// says the server's settings are at fault (docs/reliability.md, bug 527).
+// says the server's settings are at fault (docs/reliability.md, bug 491).
 type OIDCMisconfiguredError struct {
 	Err  error
 	Hint string // what the operator should change
@@ -270,7 +270,7 @@ func (o *OIDCVerifier) KeysUnavailable() bool {
 
 // Misconfigured reports whether the issuer's discovery has not worked and
 // last failed in a way no retry mends (OIDCMisconfiguredError): the
-// metrics say so (docs/reliability.md, bug 527).
+// metrics say so (docs/reliability.md, bug 491).
 func (o *OIDCVerifier) Misconfigured() bool {
 	return o.v.Load() == nil && o.misconfigured.Load() != nil
 }

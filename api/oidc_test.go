@@ -203,7 +203,7 @@ func TestOIDCKeySetSkipsKeysItCannotUse(t *testing.T) {
 
 // A discovery that no retry mends (a web page, a 404, another issuer's
 // document, none naming a JWKS) is an OIDCMisconfiguredError with a hint;
-// a provider down, limiting or slow is not (docs/reliability.md, bug 527).
+// a provider down, limiting or slow is not (docs/reliability.md, bug 491).
 func TestOIDCDiscoveryMisconfiguration(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		issuer, _ := strings.CutSuffix(r.URL.Path, "/.well-known/openid-configuration")

@@ -32,7 +32,7 @@ func (e *KeysUnavailableError) Error() string {
 func (e *KeysUnavailableError) Unwrap() error { return e.Err }
 
 // notJudgedKey is the kind of reason ku gives, the key of the API's line
-// of tokens not judged (docs/reliability.md, bug 526): its text names
+// of tokens not judged (docs/reliability.md, bug 490): its text names
 // durations, a new one each request.
 func notJudgedKey(ku *KeysUnavailableError) string {
 	var lately *errFetchedLately

@@ -396,7 +396,7 @@ type Server struct {
 	// notJudged logs the access tokens not judged (a 503) once a minute a
 	// reason, with a count: one a request was a line for every request of
 	// every user while the identity provider was away, and for every
-	// forged token of a made-up key id (docs/reliability.md, bug 526).
+	// forged token of a made-up key id (docs/reliability.md, bug 490).
 	notJudged  *logevery.Log
 	now        func() time.Time
 	requests   RequestObserver // nil: nobody counts requests

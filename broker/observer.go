@@ -35,7 +35,7 @@ type Observer interface {
 	BridgesAway(n int)
 	// BridgesUnheard is called after each retry of long sent commands
 	// with how many bridges have a command sent again UnheardRepeats
-	// times or more with no word (docs/reliability.md, bug 507).
+	// times or more with no word (docs/reliability.md, bug 489).
 	BridgesUnheard(n int)
 }
 

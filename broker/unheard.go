@@ -45,7 +45,7 @@ func newUnheard() *unheard {
 // devices read online, so every command read sent, was sent again every
 // minute or two until its TTL passed, and nobody was told: the bridge
 // cannot know what it never received, and the server logged only, at
-// info, that it sent commands again (docs/reliability.md, bug 507). A
+// info, that it sent commands again (docs/reliability.md, bug 489). A
 // bridge whose replies the broker drops looks the same from here (it says
 // so itself, bug 484); the warning names both.
 func (b *Broker) noteUnheard(ctx context.Context, u *unheard, sent, again []companion.Command, read bool) {

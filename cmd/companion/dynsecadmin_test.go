@@ -21,7 +21,7 @@ import (
 // its devices. It must not say ready then (docs/reliability.md, bug 483),
 // and must not answer 201 to a bridge's creation, nor 200 to a new secret
 // or token, that it cannot write on Mosquitto: 503 unavailable, nothing
-// stored (bug 506). A bridge refused at login (its account lost) must not
+// stored (bug 488). A bridge refused at login (its account lost) must not
 // blame its secret alone. Once the account is the admin, the server must
 // turn ready on its own, and a bridge made then run a push.
 func TestServerThatIsNotThePluginsAdminIsNotReady(t *testing.T) {

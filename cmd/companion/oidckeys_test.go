@@ -439,7 +439,7 @@ func (h *logCapture) countLogs(level slog.Level, msg string) int {
 // make a line or two, not one a request, and the forged ones no more than
 // one fetch of the keys each 5 s. Before, each was an Info line: one for
 // every request of every user while the provider was away
-// (docs/reliability.md, bug 526).
+// (docs/reliability.md, bug 490).
 func TestAccessTokensNotJudgedAreLoggedOnceAMinute(t *testing.T) {
 	p := newKeysIDP(t)
 	k1, k2, forger := rsaKey(t), rsaKey(t), rsaKey(t)
@@ -492,7 +492,7 @@ func TestAccessTokensNotJudgedAreLoggedOnceAMinute(t *testing.T) {
 // companion_identity_provider_misconfigured is 1. Once the provider's
 // document is right the tokens are taken. Before, it looked like a
 // provider away: one Error line at the start, every token a 503 "the
-// provider cannot be reached" for ever (docs/reliability.md, bug 527).
+// provider cannot be reached" for ever (docs/reliability.md, bug 491).
 func TestAccessTokenWhileTheIssuerIsMisconfigured(t *testing.T) {
 	key := rsaKey(t)
 	for _, tc := range []struct {

@@ -174,7 +174,7 @@ func NewServer(opts ServerOptions) *Server {
 	}
 	if f := opts.IdentityProviderMisconfigured; f != nil {
 		// Of the unavailable ones, those the operator must mend: retrying
-		// does not (docs/reliability.md, bug 527).
+		// does not (docs/reliability.md, bug 491).
 		s.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "companion_identity_provider_misconfigured",
 			Help: "1 while the issuer's discovery fails in a way no retry mends (--oidc-issuer answers 404, a page that is not its document, or another issuer's document): " +
@@ -234,7 +234,7 @@ func (s *Server) MQTTConnected(up bool) { s.mqtt.Set(gauge01(up)) }
 func (s *Server) BridgesAway(n int) { s.away.Set(float64(n)) }
 
 // BridgesUnheard sets how many bridges have commands sent again and again
-// with no answer (docs/reliability.md, bug 507).
+// with no answer (docs/reliability.md, bug 489).
 func (s *Server) BridgesUnheard(n int) { s.unheard.Set(float64(n)) }
 
 // StoreWrite observes how long a write of the broker took.
