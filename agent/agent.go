@@ -354,11 +354,14 @@ func New(opts Options) (*Agent, error) {
 	co = pahoconn.ReportFailures(pahoconn.Buffered(co), a.log, refusedLogin)
 	report := co.OnConnectionNotification
 	co.SetConnectionNotificationHandler(func(c mqtt.Client, n mqtt.ConnectionNotification) {
-		report(c, n)
-		if n, failed := n.(mqtt.ConnectionNotificationFailed); failed {
-			a.noteLogin(n.Reason)
+		// The refusal is noted, and the commands held, before the
+		// failure is logged: whoever reads the line (a test, before it
+		// lets a command end) finds the hold in place.
+		if f, failed := n.(mqtt.ConnectionNotificationFailed); failed {
+			a.noteLogin(f.Reason)
 			a.away("an attempt to connect to the broker failed")
 		}
+		report(c, n)
 	})
 	a.client = mqtt.NewClient(co)
 	return a, nil

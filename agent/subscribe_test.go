@@ -186,7 +186,10 @@ func (l *subscribeLog) waitAny(tb testing.TB, alts ...[]string) {
 		select {
 		case <-ch:
 		case <-deadline.C:
-			tb.Fatalf("nothing logged with any of %q", alts)
+			l.mu.Lock()
+			logged := l.buf.String()
+			l.mu.Unlock()
+			tb.Fatalf("nothing logged with any of %q; the log:\n%s", alts, logged)
 		}
 	}
 }
