@@ -96,6 +96,24 @@ func (s *Server) userAuth(c *gin.Context) {
 			// was one for every request of every user while the provider
 			// was away (docs/reliability.md, bug 490).
 			s.notJudged.Log(slog.LevelInfo, notJudgedKey(ku), "access token not judged", requestIDAttr(c), "reason", err)
+			var lately *errFetchedLately
+			if errors.As(ku.Err, &lately) {
+				// No key fetched moments ago verifies it: the provider
+				// answers, so this is a token of a key it did not have
+				// then (one it rotated to since, or forged), not the
+				// provider away. It is counted against the source like a
+				// 401: uncounted, a forger sent them without end, each a
+				// signature check (docs/reliability.md, bug 492). A
+				// genuine one is one or two, retried after the fetch.
+				ok, wait, lerr := s.allow(c, s.unauth, c.ClientIP())
+				switch {
+				case lerr != nil:
+					s.log.WarnContext(c.Request.Context(), "a request without a valid token was not counted against its source", requestIDAttr(c), "err", lerr)
+				case !ok:
+					s.fail(c, &Error{Code: CodeRateLimited, RetryAfter: ceilSeconds(wait)})
+					return
+				}
+			}
 			detail := "the access token could not be checked now: the identity provider's signing key it needs is not at hand (the provider cannot be reached, or its keys are fetched again in a moment); send the request again"
 			var mc *OIDCMisconfiguredError
 			if errors.As(err, &mc) {

@@ -547,3 +547,50 @@ func TestAccessTokenWhileTheIssuerIsMisconfigured(t *testing.T) {
 		})
 	}
 }
+
+// A forged access token of a made-up key id, issued now, sent within the
+// 5 s after a fetch of the keys is a 503 (bug 478: it may be a key the
+// provider has just rotated to), but it is counted against its source's
+// allowance of failures: once the source has spent it, its tokens are 429s
+// and no signature is checked. Before, those 503s were not counted, and a
+// forger sent them without end (docs/reliability.md, bug 492). A genuine
+// token of a key the provider rotated to is still never a 401.
+func TestForgedAccessTokensAfterAFetchAreCountedAgainstTheirSource(t *testing.T) {
+	p := newKeysIDP(t)
+	k1, k2, forger := rsaKey(t), rsaKey(t), rsaKey(t)
+	p.set(true, k1)
+	const allowance = 10
+	m := startServer(t, Config{Limits: api.Limits{UnauthPerMinute: allowance},
+		OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api", JWKSURL: p.srv.URL + "/keys"}})
+	if r := newClient(t, m, accessToken(t, k1, "k1", p.srv.URL, "alice@idp")).do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Fatalf("an access token while the provider answers = %d %s", r.Status, r.Body)
+	}
+	// Each forged token of a made-up kid, and one of the known kid whose
+	// signature does not verify: 503s (fetched lately), 401s (a fetch made
+	// for it), then 429s once the allowance is spent.
+	statuses := map[int]int{}
+	for i := range 4 * allowance {
+		kid := fmt.Sprintf("made-up-%d", i)
+		if i%2 == 1 {
+			kid = "k1"
+		}
+		r := newClient(t, m, accessToken(t, forger, kid, p.srv.URL, "mallory")).do("GET", "/api/v1/devices", nil)
+		switch r.Status {
+		case http.StatusServiceUnavailable, http.StatusUnauthorized, http.StatusTooManyRequests:
+			statuses[r.Status]++
+		default:
+			t.Fatalf("forged token %d = %d %s; want 503, 401 or 429", i, r.Status, r.Body)
+		}
+	}
+	if statuses[http.StatusServiceUnavailable] == 0 {
+		t.Fatalf("no forged token issued now was a 503 (%v); the test needs some", statuses)
+	}
+	if got := statuses[http.StatusServiceUnavailable] + statuses[http.StatusUnauthorized]; got > allowance+1 {
+		t.Errorf("%d forged tokens from one source were answered %v: %d judged or not judged, not 429; want at most %d, its allowance of failures", 4*allowance, statuses, got, allowance+1)
+	}
+
+	// A genuine token of a key the provider rotates to, from another
+	// source's point of view the same: never a 401.
+	p.set(true, k1, k2)
+	takenInTime(t, newClient(t, m, accessToken(t, k2, "k2", p.srv.URL, "bob@idp")), "a token of the provider's new key")
+}
