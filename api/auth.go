@@ -128,7 +128,14 @@ func (s *Server) userAuth(c *gin.Context) {
 		}
 		if err != nil {
 			// Why a token was refused is for the log, never the caller.
-			s.log.InfoContext(c.Request.Context(), "access token refused", requestIDAttr(c), "reason", err)
+			// At Info once a minute a kind of reason, with a count, and
+			// each at Debug: a source's allowance bounds its 401s, but
+			// many sources together made a line each without end
+			// (docs/reliability.md, bug 493). The request id is in both,
+			// to tie a complaint to its reason.
+			if !s.refused.Logged(slog.LevelInfo, refusedKey(err), "access token refused", requestIDAttr(c), "reason", err) {
+				s.log.DebugContext(c.Request.Context(), "access token refused", requestIDAttr(c), "reason", err)
+			}
 			s.unauthorized(c)
 			return
 		}

@@ -411,3 +411,27 @@ const oidcUserPrefix = "oidc:"
 func looksLikeJWT(tok string) bool {
 	return strings.Count(tok, ".") == 2 && !strings.HasPrefix(tok, userTokenPrefix)
 }
+
+// refusedKey is the kind of reason of a refused access token, the key of
+// the API's line of them (docs/reliability.md, bug 493): its text names
+// times, issuers and key ids, which a forger chooses.
+func refusedKey(err error) string {
+	var expired *oidc.TokenExpiredError
+	msg := err.Error()
+	switch {
+	case errors.As(err, &expired):
+		return "expired"
+	case strings.Contains(msg, "audience"):
+		return "audience"
+	case strings.Contains(msg, "issued by"):
+		return "issuer"
+	case strings.Contains(msg, "nbf"):
+		return "not yet valid"
+	case strings.Contains(msg, "sub claim"):
+		return "subject"
+	case strings.Contains(msg, "signature"), strings.Contains(msg, "key"), strings.Contains(msg, "malformed"), strings.Contains(msg, "algorithm"):
+		return "signature"
+	default:
+		return "other"
+	}
+}

@@ -397,7 +397,11 @@ type Server struct {
 	// reason, with a count: one a request was a line for every request of
 	// every user while the identity provider was away, and for every
 	// forged token of a made-up key id (docs/reliability.md, bug 490).
-	notJudged  *logevery.Log
+	notJudged *logevery.Log
+	// refused logs the access tokens refused (a 401) once a minute a
+	// kind of reason at Info, each at Debug (docs/reliability.md, bug
+	// 493).
+	refused    *logevery.Log
 	now        func() time.Time
 	requests   RequestObserver // nil: nobody counts requests
 	held       holds           // event streams and Prefer: wait requests, per user
@@ -461,6 +465,7 @@ func New(opts Options) (*Server, error) {
 	}
 	s.openapiDoc = doc
 	s.notJudged = logevery.New(s.log, time.Minute, s.now)
+	s.refused = logevery.New(s.log, time.Minute, s.now)
 	s.bodies.max = limits.MaxBodyBytesPerUser
 	if opts.AdminToken != "" {
 		s.adminHash = companion.HashSecret(opts.AdminToken)

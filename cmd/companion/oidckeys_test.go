@@ -594,3 +594,41 @@ func TestForgedAccessTokensAfterAFetchAreCountedAgainstTheirSource(t *testing.T)
 	p.set(true, k1, k2)
 	takenInTime(t, newClient(t, m, accessToken(t, k2, "k2", p.srv.URL, "bob@idp")), "a token of the provider's new key")
 }
+
+// Refused access tokens are logged at Info once a minute a kind of reason,
+// with a count, and each at Debug, with its request id: before, each 401
+// was an Info line, which a source's allowance of failures bounds but
+// many sources together do not (docs/reliability.md, bug 493).
+func TestRefusedAccessTokensAreLoggedOnceAMinute(t *testing.T) {
+	p := newKeysIDP(t)
+	k1, forger := rsaKey(t), rsaKey(t)
+	p.set(true, k1)
+	capture := &logCapture{}
+	m := startServerWithLog(t, Config{Limits: api.Limits{UnauthPerMinute: -1},
+		OIDC: api.OIDCOptions{Issuer: p.srv.URL, Audience: "companion-api", JWKSURL: p.srv.URL + "/keys"}}, capture)
+	if r := newClient(t, m, accessToken(t, k1, "k1", p.srv.URL, "alice@idp")).do("GET", "/api/v1/devices", nil); r.Status != http.StatusOK {
+		t.Fatalf("an access token while the provider answers = %d %s", r.Status, r.Body)
+	}
+	expired := accessTokenIssued(t, k1, "k1", p.srv.URL, "bob@idp", time.Now().Add(-5*time.Hour))
+	forged := accessTokenIssued(t, forger, "k1", p.srv.URL, "mallory", time.Now().Add(-time.Hour))
+	var ids []string
+	for i := range 60 {
+		tok := expired
+		if i%2 == 1 {
+			tok = forged
+		}
+		r := newClient(t, m, tok).do("GET", "/api/v1/devices", nil)
+		if r.Status != http.StatusUnauthorized {
+			t.Fatalf("a refused access token = %d %s; want 401", r.Status, r.Body)
+		}
+		ids = append(ids, r.Header.Get("X-Request-Id"))
+	}
+	if n := capture.countLogs(slog.LevelInfo, "access token refused"); n > 2 {
+		t.Errorf("60 refused access tokens of two reasons made %d Info lines \"access token refused\"; want at most 2, once a minute a reason", n)
+	}
+	for _, id := range ids {
+		if !capture.has(slog.LevelDebug, "access token refused", "request_id", id) {
+			t.Fatalf("no line \"access token refused\" with request_id=%s: an operator cannot tie a complaint to it", id)
+		}
+	}
+}

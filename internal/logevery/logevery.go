@@ -62,8 +62,15 @@ func (l *Log) Warn(key, msg string, args ...any) {
 
 // Log is Warn at the level given.
 func (l *Log) Log(level slog.Level, key, msg string, args ...any) {
+	l.Logged(level, key, msg, args...)
+}
+
+// Logged is Log, and reports whether the line was logged: a caller may log
+// one only counted at a lower level, where each is wanted when asked for
+// (docs/reliability.md, bug 493).
+func (l *Log) Logged(level slog.Level, key, msg string, args ...any) bool {
 	if !l.log.Enabled(context.Background(), level) {
-		return
+		return false
 	}
 	now := l.now()
 	l.mu.Lock()
@@ -84,7 +91,7 @@ func (l *Log) Log(level slog.Level, key, msg string, args ...any) {
 	if !e.logged.IsZero() && now.Sub(e.logged) < l.every {
 		e.skipped++
 		l.mu.Unlock()
-		return
+		return false
 	}
 	skipped := e.skipped
 	e.logged, e.skipped = now, 0
@@ -93,6 +100,7 @@ func (l *Log) Log(level slog.Level, key, msg string, args ...any) {
 		args = append(args, "not_logged", skipped, "not_logged_in", l.every)
 	}
 	l.log.Log(context.Background(), level, msg, args...)
+	return true
 }
 
 // prune drops the keys whose interval has passed: their next line is

@@ -41,3 +41,20 @@ func TestKeysAreBounded(t *testing.T) {
 		t.Errorf("%d lines; want at most %d", n, maxKeys+1)
 	}
 }
+
+// Logged says whether the line was logged, for a caller that logs the
+// ones left out at a lower level (docs/reliability.md, bug 493).
+func TestLoggedSaysWhetherItLogged(t *testing.T) {
+	var buf bytes.Buffer
+	now := time.Unix(1000, 0)
+	l := New(slog.New(slog.NewTextHandler(&buf, nil)), time.Minute, func() time.Time { return now })
+	if !l.Logged(slog.LevelInfo, "k", "refused") {
+		t.Error("the first line of a key: Logged = false; want true")
+	}
+	if l.Logged(slog.LevelInfo, "k", "refused") {
+		t.Error("a second line of a key within the interval: Logged = true; want false")
+	}
+	if l.Logged(slog.LevelDebug, "other", "refused") {
+		t.Error("a line at a level the logger does not log: Logged = true; want false")
+	}
+}
