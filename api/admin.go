@@ -48,6 +48,17 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 	if err := validationError(fields); err != nil {
 		return err
 	}
+	// Refused, nothing stored, while the broker's accounts cannot be
+	// written at all, as a bridge's creation is (bug 488). The token
+	// would open the API, but its MQTT account waited on a retry kept in
+	// this process's memory: a restart before the operator made the
+	// server the plugin's admin lost it for good (the token is stored
+	// hashed), and the user's app could never log in to MQTT, with
+	// nothing to say so; only a new token mended it (docs/reliability.md,
+	// bug 512).
+	if err := s.accountsRefused(); err != nil {
+		return err
+	}
 	token, hash, err := newSecret(userTokenPrefix)
 	if err != nil {
 		return err
