@@ -21,6 +21,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -470,7 +471,10 @@ func (m *Main) connector(log *slog.Logger) (gatt.Connector, []string, error) {
 	c := m.Config
 	if c.GATT == "bluez" {
 		// Real devices through BlueZ: gatt.Device reconnects with backoff.
-		bz, err := bluez.New(bluez.Options{Adapter: c.BluezAdapter, Logger: log})
+		// The devices' addresses outlive a restart: a device whose bond
+		// was lost is then told apart at once (docs/reliability.md, bug 532).
+		bz, err := bluez.New(bluez.Options{Adapter: c.BluezAdapter, Logger: log,
+			StateFile: filepath.Join(c.Data, "bluez-addresses.json")})
 		if err != nil {
 			return nil, nil, err
 		}

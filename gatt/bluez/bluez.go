@@ -110,6 +110,12 @@ type Options struct {
 	// CallTimeout bounds each D-Bus call no caller's context bounds;
 	// DefaultCallTimeout when 0.
 	CallTimeout time.Duration
+	// StateFile, when set, is the file the Connector keeps the address
+	// it last read each device's serial number at in, across restarts
+	// (the bridge's --data directory/bluez-addresses.json): a device
+	// whose bond was lost is then known to be the one asked for at once
+	// after a restart too (docs/reliability.md, bug 532).
+	StateFile string
 }
 
 // Connector opens GATT links to devices through BlueZ. It is safe for
@@ -136,6 +142,7 @@ type Connector struct {
 	adapterGone bool            // the adapter in use was removed
 	closed      bool
 	calls       sync.WaitGroup                    // Connect calls and their cleanups
+	saveMu      sync.Mutex                        // one write of Options.StateFile at a time (saveIDs)
 	ids         map[string]string                 // address → device id (DIS serial)
 	unknown     map[string]time.Time              // address → until when not to probe it again (errUnidentified)
 	refused     map[string]int                    // address of a Paired device → its setups failed in a row (bondLost)
@@ -198,6 +205,7 @@ func New(opts Options) (*Connector, error) {
 		known:    map[dbus.ObjectPath]*known{},
 		changed:  make(chan struct{}),
 	}
+	c.loadIDs()
 	if err := c.start(); err != nil {
 		cancel()
 		conn.Close()

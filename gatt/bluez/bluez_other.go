@@ -28,6 +28,8 @@ type Options struct {
 	Adapter string
 	// Logger; slog.Default() when nil.
 	Logger *slog.Logger
+	// StateFile is where the Linux Connector keeps the devices' addresses.
+	StateFile string
 }
 
 // Connector opens GATT links through BlueZ; on this system it cannot.

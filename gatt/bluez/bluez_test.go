@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -1200,6 +1201,52 @@ func TestDeviceWhoseBondIsLost(t *testing.T) {
 				t.Fatalf("Info = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
 			}
 		})
+	}
+}
+
+// The bridge restarted after a device lost its bond: BlueZ keeps the bond
+// (Paired), the device refuses every connection before its serial number
+// can be read, and the new Connector must still know the address to be
+// the device asked for, from its StateFile, and fail at once naming the
+// cure, not leave it alone as unidentified until the command's time is
+// out (docs/reliability.md, bug 532).
+func TestDeviceWhoseBondIsLostAfterARestart(t *testing.T) {
+	fake := fakebluez.New(t)
+	dev := sim.New(sim.Options{ID: "sim-r"})
+	fd := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:15:01",
+		Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
+	state := filepath.Join(t.TempDir(), "data", "bluez-addresses.json")
+	newWithState := func() *bluez.Connector {
+		c, err := bluez.New(bluez.Options{StateFile: state,
+			Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+		if err != nil {
+			t.Fatalf("bluez.New: %v", err)
+		}
+		return c
+	}
+	first := newWithState()
+	l := connect(t, first, "sim-r")
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	closeWithin(t, first, 10*time.Second) // the bridge stops
+
+	fd.LoseBond("le-connection-abort-by-local")
+	c := newWithState() // and starts again
+	t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "sim-r", Connector: c})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
+	defer cancel()
+	_, err = d.Info(ctx)
+	if ctx.Err() != nil {
+		t.Fatalf("Info after a restart = %v, after the caller's whole time; want an error at once", err)
+	}
+	if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove C0:FF:EE:00:15:01") {
+		t.Fatalf("Info after a restart = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
 	}
 }
 

@@ -244,6 +244,7 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 		cancel()
 		return nil, ErrClosed
 	}
+	moved := c.ids[addr] != l.serial
 	c.ids[addr] = l.serial
 	delete(c.refused, addr) // bondLost: the bond holds
 	// A device is at one address at a time: the addresses it was read at
@@ -255,11 +256,15 @@ func (c *Connector) setup(ctx context.Context, path dbus.ObjectPath, addr string
 	for a, id := range c.ids {
 		if id == l.serial && a != addr && !c.busy[a] {
 			delete(c.ids, a)
+			moved = true
 		}
 	}
 	c.links[path] = l
 	c.broadcastLocked()
 	c.mu.Unlock()
+	if moved {
+		c.saveIDs()
+	}
 	// A drop before the link was registered would be missed.
 	if v, err := c.getProperty(ctx, path, ifaceDevice+".Connected"); err != nil || v.Value() != true {
 		l.lost()
