@@ -1204,6 +1204,37 @@ func TestDeviceWhoseBondIsLost(t *testing.T) {
 	}
 }
 
+// BlueZ's att_connect_cb answers a Connect whose ATT connection the
+// kernel reports aborted (ECONNABORTED) as if it had worked: the link is
+// down a moment after, the services never resolved. A device whose bond is
+// lost, refused so, must fail a command at once too
+// (docs/reliability.md, bug 463).
+func TestDeviceWhoseBondIsLostAfterConnectIsAnswered(t *testing.T) {
+	fake := fakebluez.New(t)
+	dev := sim.New(sim.Options{ID: "sim-a"})
+	fd := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:16:01",
+		Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "sim-a", Connector: newConnector(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
+	defer cancel()
+	if _, err := d.Info(ctx); err != nil {
+		t.Fatalf("Info while the bond holds: %v", err)
+	}
+	fd.LoseBondAfterConnect()
+	fd.Drop()
+	_, err = d.Info(ctx)
+	if ctx.Err() != nil {
+		t.Fatalf("Info = %v, after the caller's whole time; want an error at once", err)
+	}
+	if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove C0:FF:EE:00:16:01") {
+		t.Fatalf("Info = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
+	}
+}
+
 // The bridge restarted after a device lost its bond: BlueZ keeps the bond
 // (Paired), the device refuses every connection before its serial number
 // can be read, and the new Connector must still know the address to be

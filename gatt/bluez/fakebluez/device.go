@@ -62,6 +62,7 @@ type Device struct {
 	pending   chan struct{}        // closed to abort a hanging Connect
 	refused   chan struct{}        // closed when a Connect is answered InProgress (ConnectElsewhere)
 	bondLost  string               // LoseBond's reply to Connect; "" while the bond holds
+	lostLate  bool                 // LoseBondAfterConnect: Connect answered, then the link ends
 	failNext  int                  // FailConnects: Connect calls left to fail
 	paired    bool                 // the gateway holds a bond (LoseBond)
 	chars     map[string]*gattChar // by UUID, while connected
@@ -209,6 +210,18 @@ func (x device1) Connect() *dbus.Error {
 		d.linkMu.Unlock()
 		return dbus.NewError(errFailed, []any{reply})
 	}
+	if d.lostLate {
+		// The link comes up (Connected), the encryption with the old key
+		// fails and the link ends; BlueZ's att_connect_cb, handed
+		// ECONNABORTED, jumps to its end with err 0 and answers the
+		// pending Connect with a method return, and device_remove_connection
+		// then turns Connected false (LoseBondAfterConnect).
+		setProp(d.props, ifaceDevice, "Connected", true)
+		b.mu.Unlock()
+		d.linkMu.Unlock()
+		go d.dropGen(gen) // after the reply, or before it: both happen
+		return nil
+	}
 	// BlueZ: Connected, then the GATT objects, then ServicesResolved, then
 	// the reply to Connect.
 	setProp(d.props, ifaceDevice, "Connected", true)
@@ -262,6 +275,25 @@ func (d *Device) LoseBond(reply string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	d.bondLost, d.paired = reply, true
+	if d.props != nil {
+		setProp(d.props, ifaceDevice, "Paired", true)
+		setProp(d.props, ifaceDevice, "Bonded", true)
+	}
+}
+
+// LoseBondAfterConnect is LoseBond as BlueZ answers it when the kernel
+// reports the ATT connection aborted (ECONNABORTED, its errno for a link
+// the host ended: the encryption with the old key refused, "PIN or Key
+// Missing"): att_connect_cb (src/device.c) takes that error to its end
+// with err 0, so the pending Connect is answered a method return, though
+// no ATT bearer was attached and the services are never resolved; the link
+// is down a moment later (device_remove_connection: Connected false). The
+// device advertises again, and the Paired property stays true.
+func (d *Device) LoseBondAfterConnect() {
+	b := d.b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	d.lostLate, d.paired = true, true
 	if d.props != nil {
 		setProp(d.props, ifaceDevice, "Paired", true)
 		setProp(d.props, ifaceDevice, "Bonded", true)
