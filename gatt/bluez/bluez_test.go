@@ -4,10 +4,12 @@ package bluez_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -1278,6 +1280,39 @@ func TestDeviceWhoseBondIsLostAfterARestart(t *testing.T) {
 	}
 	if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove C0:FF:EE:00:15:01") {
 		t.Fatalf("Info after a restart = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
+	}
+}
+
+// A state file that cannot be parsed (a disk that lost its last write, a
+// hand edit) is no reason not to start: the Connector warns, starts with
+// no address known, and writes the file anew once it has read a device
+// (docs/reliability.md, bug 532).
+func TestDamagedStateFileIsLearntAgain(t *testing.T) {
+	fake := fakebluez.New(t)
+	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:17:01", Peripheral: newTestPeripheral("dev-d")})
+	state := filepath.Join(t.TempDir(), "bluez-addresses.json")
+	if err := os.WriteFile(state, []byte(`{"C0:FF:EE:00:17:01": "dev-`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var logs syncBuffer
+	c, err := bluez.New(bluez.Options{StateFile: state, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatalf("bluez.New with a damaged state file: %v", err)
+	}
+	t.Cleanup(func() { closeWithin(t, c, 10*time.Second) })
+	if !strings.Contains(logs.String(), "could not be read back") {
+		t.Errorf("New logged nothing of the damaged state file:\n%s", logs.String())
+	}
+	if err := connect(t, c, "dev-d").Close(); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(state)
+	var ids map[string]string
+	if err == nil {
+		err = json.Unmarshal(b, &ids)
+	}
+	if err != nil || ids["C0:FF:EE:00:17:01"] != "dev-d" || len(ids) != 1 {
+		t.Fatalf("state file after a read = %s, %v; want the device's address alone", b, err)
 	}
 }
 
