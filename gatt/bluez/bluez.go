@@ -614,11 +614,13 @@ func (c *Connector) Connect(ctx context.Context, deviceID string) (gatt.Link, er
 // with another central): BlueZ brings the link up, encrypts it with the
 // long-term key the device no longer has, is refused ("PIN or Key
 // Missing") and ends it. Connect is answered "le-connection-key-missing"
-// (BlueZ ≥ 5.69, src/error.c) or AuthenticationFailed, which say so, or,
-// as BlueZ's att_connect_cb answers every failure of the ATT connection,
-// "le-connection-abort-by-local", which says so only for a device BlueZ
-// lists as Paired whose setup failed so twice in a row (c.refused, which
-// a setup that works clears). Nothing but
+// (BlueZ ≥ 5.69, src/error.c) or AuthenticationFailed, which say so, or
+// "le-connection-abort-by-local" (att_connect_cb's answer to most failures
+// of the ATT connection), "br-connection-canceled" (device_remove_connection's,
+// the link seen to end first), or a success with the link down a moment
+// later (att_connect_cb's answer to ECONNABORTED), which say so only for a
+// device BlueZ lists as Paired whose setup failed so twice in a row
+// (c.refused, which a setup that works clears). Nothing but
 // removing the bond and pairing again helps: before, the attempts went on
 // at each advertisement until the command's 10 minutes ran out, the
 // command failing timeout (docs/reliability.md, bug 463). It is nil for

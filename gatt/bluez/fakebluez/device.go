@@ -265,7 +265,10 @@ func (x device1) Connect() *dbus.Error {
 // Connect brings the link up, fails to encrypt it with the long-term key
 // the device no longer has, and ends it, answering
 // org.bluez.Error.Failed with reply. BlueZ's att_connect_cb (src/device.c)
-// answers every failure of the ATT connection "le-connection-abort-by-local";
+// answers a failure of the ATT connection "le-connection-abort-by-local",
+// but ECONNABORTED itself, which it answers as a success
+// (LoseBondAfterConnect); device_remove_connection answers
+// "br-connection-canceled" when it sees the link end first;
 // "le-connection-key-missing" is its answer to EBADE (src/error.c, since
 // 5.69). The device advertises again after each attempt, as one looking for
 // a central does (bluez/bluez pull request 1654 describes the loop). The
