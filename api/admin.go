@@ -55,7 +55,7 @@ func (s *Server) adminCreateUser(c *gin.Context) error {
 	// server the plugin's admin lost it for good (the token is stored
 	// hashed), and the user's app could never log in to MQTT, with
 	// nothing to say so; only a new token mended it (docs/reliability.md,
-	// bug 512).
+	// bug 494).
 	if err := s.accountsRefused(); err != nil {
 		return err
 	}

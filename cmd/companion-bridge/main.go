@@ -472,7 +472,7 @@ func (m *Main) connector(log *slog.Logger) (gatt.Connector, []string, error) {
 	if c.GATT == "bluez" {
 		// Real devices through BlueZ: gatt.Device reconnects with backoff.
 		// The devices' addresses outlive a restart: a device whose bond
-		// was lost is then told apart at once (docs/reliability.md, bug 532).
+		// was lost is then told apart at once (docs/reliability.md, bug 495).
 		bz, err := bluez.New(bluez.Options{Adapter: c.BluezAdapter, Logger: log,
 			StateFile: filepath.Join(c.Data, "bluez-addresses.json")})
 		if err != nil {

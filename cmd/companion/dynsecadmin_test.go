@@ -23,7 +23,7 @@ import (
 // and must not answer 201 to a bridge's creation, nor 200 to a new secret
 // or token, that it cannot write on Mosquitto: 503 unavailable, nothing
 // stored (bug 488); nor 201 to a user's creation, whose MQTT account a
-// restart would lose for good (bug 512). A bridge refused at login (its
+// restart would lose for good (bug 494). A bridge refused at login (its
 // account lost) must not blame its secret alone. Once the account is the
 // admin, the server must turn ready on its own, and a bridge made then run
 // a push. The account loses the admin role once the server has made a

@@ -114,7 +114,7 @@ type Options struct {
 	// it last read each device's serial number at in, across restarts
 	// (the bridge's --data directory/bluez-addresses.json): a device
 	// whose bond was lost is then known to be the one asked for at once
-	// after a restart too (docs/reliability.md, bug 532).
+	// after a restart too (docs/reliability.md, bug 495).
 	StateFile string
 }
 

@@ -1242,7 +1242,7 @@ func TestDeviceWhoseBondIsLostAfterConnectIsAnswered(t *testing.T) {
 // can be read, and the new Connector must still know the address to be
 // the device asked for, from its StateFile, and fail at once naming the
 // cure, not leave it alone as unidentified until the command's time is
-// out (docs/reliability.md, bug 532).
+// out (docs/reliability.md, bug 495).
 func TestDeviceWhoseBondIsLostAfterARestart(t *testing.T) {
 	fake := fakebluez.New(t)
 	dev := sim.New(sim.Options{ID: "sim-r"})
@@ -1286,7 +1286,7 @@ func TestDeviceWhoseBondIsLostAfterARestart(t *testing.T) {
 // A state file that cannot be parsed (a disk that lost its last write, a
 // hand edit) is no reason not to start: the Connector warns, starts with
 // no address known, and writes the file anew once it has read a device
-// (docs/reliability.md, bug 532).
+// (docs/reliability.md, bug 495).
 func TestDamagedStateFileIsLearntAgain(t *testing.T) {
 	fake := fakebluez.New(t)
 	fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:17:01", Peripheral: newTestPeripheral("dev-d")})

@@ -17,7 +17,7 @@ import (
 // refuses every connection before its serial number can be read: with the
 // map empty after a restart, its address could not be told to be the
 // device a command was for, and the command waited out its 10 minutes
-// (docs/reliability.md, bug 532). An entry gone stale (another device now
+// (docs/reliability.md, bug 495). An entry gone stale (another device now
 // at that address) is corrected by the first read there, as one learnt
 // since the start is.
 
