@@ -54,11 +54,11 @@ func (b *Broker) onConnect(c mqtt.Client) {
 		for refused := refusedFilters(tok, filters); len(refused) > 0; refused = refusedFilters(tok, refused) {
 			// Asked again every second, but logged once a minute: a
 			// refusal for good (the account's ACLs) logged a line a
-			// second (bug 460).
-			b.noisy.Warn("\x00subscriptions refused", "MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)),
-				"hint", b.grantHint())
+			// second (bug 460). Noted before it is logged.
 			b.setNotReady(fmt.Sprintf("the MQTT broker refuses the server's subscriptions to %s: %s",
 				strings.Join(slices.Sorted(maps.Keys(refused)), ", "), b.grantHint()))
+			b.noisy.Warn("\x00subscriptions refused", "MQTT subscriptions refused; trying again", "filters", slices.Sorted(maps.Keys(refused)),
+				"hint", b.grantHint())
 			t := time.NewTimer(time.Second)
 			select {
 			case <-b.quit:
@@ -167,8 +167,10 @@ func (b *Broker) selfCheck(c mqtt.Client) bool {
 			}
 			reason := fmt.Sprintf("the server's probe published on %s did not come back within %v: the MQTT broker drops what the server publishes under its topic prefix, or withholds it from the server; %s",
 				b.probe, probeTimeout, b.grantHint())
-			b.log.Error("MQTT self-check failed; not ready", "topic", b.probe, "username", b.opts.Username, "hint", b.grantHint())
+			// Noted before it is logged: whoever reads the line finds
+			// /readyz saying why.
 			b.setNotReady(reason)
+			b.log.Error("MQTT self-check failed; not ready", "topic", b.probe, "username", b.opts.Username, "hint", b.grantHint())
 		} else {
 			b.log.Warn("MQTT self-check publish failed", "topic", b.probe, "err", err)
 		}
