@@ -36,7 +36,7 @@ var errNoAnswer = fmt.Errorf("agent: no answer within the report's bound: %w", c
 // slot, minutes for a large one on external flash, and the device answers
 // the read only after it: bounded at 30 s whatever, the read failed and the
 // device read offline while its update went on (docs/reliability.md, bug
-// 543). A device out of reach, or silent past its requests' deadlines (its
+// 468). A device out of reach, or silent past its requests' deadlines (its
 // client times them out and drops the link), is not busy, and still reads
 // offline at reportTimeout.
 func readBound(ctx context.Context, dev Device) (context.Context, context.CancelFunc) {

@@ -52,7 +52,7 @@ func (o *unheardObserver) BridgesUnheard(n int) { o.n.Store(int64(n)) }
 // …/commands/#' line has every subscription granted and receives nothing;
 // it says online, and its devices read online. The server sent its
 // commands again and again and said nothing (docs/reliability.md, bug
-// 507): it must warn once, naming the bridge and the line, and count the
+// 489): it must warn once, naming the bridge and the line, and count the
 // bridge, while a bridge that answers (its command held by its device, a
 // slow one) is not named.
 func TestABridgeThatNeverAnswersCommandsSentAgainIsNamed(t *testing.T) {

@@ -320,7 +320,7 @@ func (d *Device) Busy() bool {
 	// Reconnecting while the device still erases for an update whose
 	// link was lost (bug 471), bounded by that request's deadline; or
 	// while it reboots into an update, MCUboot swapping the images (bug
-	// 547), bounded by swapTime.
+	// 472), bounded by swapTime.
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	now := time.Now()
@@ -480,7 +480,7 @@ func (d *Device) connect(ctx context.Context) (*session, error) {
 	c.SetWindow(d.window(s))
 	if d.opts.Window == 0 && s.bufCount <= 2 {
 		// Its buffers unknown (no MCUmgr parameters, bug 413) or two (bug
-		// 571), the window is one; the probe for a lost answer may go
+		// 443), the window is one; the probe for a lost answer may go
 		// beside it. With two buffers, the probe finds both free once the
 		// lone request is answered (its answer lost), none while it runs
 		// (dropped, changing nothing), and, while the request waits behind

@@ -355,7 +355,7 @@ func TestReassemblyWithoutParametersIsProbed(t *testing.T) {
 // not answer it gets requests of 384 bytes at most, and every operation
 // goes through. Before, requests filled the write, and every upload, OTA
 // and long text was lost request after request and failed timeout (bug
-// 575). A device whose buffers hold a write keeps writes of MTU - 3.
+// 447). A device whose buffers hold a write keeps writes of MTU - 3.
 func TestWithoutParametersALargeMTUIsBoundByTheBuffer(t *testing.T) {
 	opts := fastLink
 	opts.MTU = 498
