@@ -254,6 +254,9 @@ type Broker struct {
 	// taken in, counted in bridgeStates (see noteBridgeState), until the
 	// bridge is forgotten (forgetBridge); under mu.
 	bridgeGen map[string]uint64
+	// stateless keeps the bridges whose devices were heard from live,
+	// for checkStateless; under its own lock.
+	stateless *stateless
 	// stateLines holds, of each bridge whose state was logged, what
 	// logState has to say of it; under stateMu.
 	stateMu      sync.Mutex
@@ -373,6 +376,7 @@ func New(opts Options) (*Broker, error) {
 		probe:       opts.Topics.ServerProbe(probeID(opts.ClientID)),
 		probed:      make(chan string, 16),
 		bridgeGen:   make(map[string]uint64),
+		stateless:   newStateless(),
 		stateLines:  make(map[string]*stateLines),
 		kicked:      make(map[string]time.Time),
 		away:        make(map[string]bool),

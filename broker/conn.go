@@ -468,6 +468,7 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			m.Ack()
 			return
 		}
+		b.heardLive(bridges[t.DeviceID])
 		// takeReplyAttempt checks that a bridge serves the device.
 		b.takeReplyAttempt(t.DeviceID, bridges[t.DeviceID], readErr, in.r, m.Ack, 1)
 	case topics.KindStatus:

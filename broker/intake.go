@@ -375,6 +375,7 @@ func (b *Broker) forgetBridge(bridgeID string) {
 	defer b.mu.Unlock()
 	delete(b.bridgeGen, bridgeID)
 	delete(b.kicked, bridgeID)
+	b.stateless.forget(bridgeID)
 	b.stateMu.Lock()
 	delete(b.stateLines, bridgeID)
 	b.stateMu.Unlock()
@@ -1024,6 +1025,7 @@ func (b *Broker) setAway(bridgeID string, away bool) {
 // next "online", which a bridge that stays connected never sends, until
 // they expired. Those held go now.
 func (b *Broker) heardFrom(bridgeID string) {
+	b.heardLive(bridgeID)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.away[bridgeID] {

@@ -37,6 +37,11 @@ type Observer interface {
 	// with how many bridges have a command sent again UnheardRepeats
 	// times or more with no word (docs/reliability.md, bug 489).
 	BridgesUnheard(n int)
+	// BridgesStateless is called after each retry of long sent commands
+	// with how many bridges have had their devices heard from for
+	// StatelessAfter while no state message of theirs was ever taken in
+	// (docs/reliability.md, bug 496).
+	BridgesStateless(n int)
 }
 
 // The kinds of write StoreWrite reports.
@@ -60,6 +65,7 @@ func (nopObserver) StoreWrite(string, time.Duration)           {}
 func (nopObserver) ReportCoalesced(string)                     {}
 func (nopObserver) BridgesAway(int)                            {}
 func (nopObserver) BridgesUnheard(int)                         {}
+func (nopObserver) BridgesStateless(int)                       {}
 
 // sinceAccepted is the age of a command accepted at created (its
 // created_at, a wall time the store keeps) at now, for CommandState: no

@@ -942,6 +942,7 @@ func (b *Broker) retryLoop() {
 			sent, again, read := b.retrySent(context.Background(), retried)
 			b.noteUnheard(context.Background(), unheard, sent, again, read)
 		}
+		b.checkStateless()
 		if n%awayCheckTicks == 0 {
 			b.checkAway(context.Background())
 		}

@@ -63,15 +63,16 @@ type ServerOptions struct {
 type Server struct {
 	reg *prometheus.Registry
 
-	entered *prometheus.CounterVec
-	latency *prometheus.HistogramVec
-	ops     map[string]*opSeries // read-only after NewServer
-	open    *openCommands
-	mqtt    prometheus.Gauge
-	away    prometheus.Gauge               // bridges the broker takes as away
-	unheard prometheus.Gauge               // bridges with commands sent again and again unanswered
-	store   map[string]prometheus.Observer // read-only after NewServer
-	storeV  *prometheus.HistogramVec
+	entered   *prometheus.CounterVec
+	latency   *prometheus.HistogramVec
+	ops       map[string]*opSeries // read-only after NewServer
+	open      *openCommands
+	mqtt      prometheus.Gauge
+	away      prometheus.Gauge               // bridges the broker takes as away
+	unheard   prometheus.Gauge               // bridges with commands sent again and again unanswered
+	stateless prometheus.Gauge               // bridges heard from that never said their state
+	store     map[string]prometheus.Observer // read-only after NewServer
+	storeV    *prometheus.HistogramVec
 	// coalesced counts, by kind, the device reports acknowledged unstored
 	// (broker.Options.ReportRate).
 	coalesced map[string]prometheus.Counter // read-only after NewServer
@@ -127,6 +128,10 @@ func NewServer(opts ServerOptions) *Server {
 			Name: "companion_bridges_unheard",
 			Help: "Bridges that read online with a command sent again 3 times or more and not answered: the broker does not let them read their commands, or drops their replies.",
 		}),
+		stateless: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "companion_bridges_stateless",
+			Help: "Bridges whose devices have reported for a minute or more while no state message of theirs (online, offline, their Will) ever reached the server: the broker drops them, and once such a bridge is gone its devices read online for good.",
+		}),
 		storeV: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "companion_store_write_duration_seconds",
 			Help:    "Time for a write of the command broker to be durable in the store, by kind of write.",
@@ -149,7 +154,7 @@ func NewServer(opts ServerOptions) *Server {
 		store: make(map[string]prometheus.Observer, len(storeWrites)),
 		http:  make(map[httpKey]httpSeries),
 	}
-	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.away, s.unheard, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
+	s.reg.MustRegister(s.entered, s.latency, s.mqtt, s.away, s.unheard, s.stateless, s.storeV, s.coalescV, s.httpTotal, s.httpTime)
 	if s.open.count != nil {
 		s.reg.MustRegister(s.open)
 	}
@@ -236,6 +241,10 @@ func (s *Server) BridgesAway(n int) { s.away.Set(float64(n)) }
 // BridgesUnheard sets how many bridges have commands sent again and again
 // with no answer (docs/reliability.md, bug 489).
 func (s *Server) BridgesUnheard(n int) { s.unheard.Set(float64(n)) }
+
+// BridgesStateless sets how many bridges have had their devices heard from
+// while none of their state messages reached the server.
+func (s *Server) BridgesStateless(n int) { s.stateless.Set(float64(n)) }
 
 // StoreWrite observes how long a write of the broker took.
 func (s *Server) StoreWrite(kind string, took time.Duration) {
