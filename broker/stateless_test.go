@@ -2,10 +2,7 @@ package broker
 
 import (
 	"context"
-	"log/slog"
-	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,20 +10,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/devicecompanion/companion"
-	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/mqtttest"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
-	"github.com/devicecompanion/companion/store"
 )
-
-// statelessObserver keeps the last BridgesStateless.
-type statelessObserver struct {
-	nopObserver
-	n atomic.Int64
-}
-
-func (o *statelessObserver) BridgesStateless(n int) { o.n.Store(int64(n)) }
 
 // A bridge whose block of Mosquitto's acl_file lacks its 'topic write
 // …/bridges/ID/state' line runs every command and reports its devices,
@@ -56,61 +43,13 @@ topic write companion/v1/devices/+/settings
 topic write companion/v1/bridges/b2/state
 `
 	mq := mqtttest.StartMosquittoStatic(t, []byte(acl), server, mute, fine)
-	ctx := context.Background()
-	db, err := store.Open(filepath.Join(t.TempDir(), "db"), store.Options{})
-	require.NoError(t, err)
-	t.Cleanup(func() { db.Close() })
-	e := &env{db: db, clock: &clock{now: time.Now()}}
-	for _, b := range []struct{ bridge, dev string }{{"b1", "dev-1"}, {"b2", "dev-2"}} {
-		require.NoError(t, db.CreateBridge(ctx, companion.Bridge{ID: b.bridge, SecretHash: []byte("not used: Mosquitto's password file " + b.bridge)}))
-		require.NoError(t, db.ProvisionDevice(ctx, companion.RegistryDevice{ID: b.dev, Model: "sim-1", BridgeID: b.bridge}))
-	}
-	bind(t, e, "dev-1", "dev-2")
-
-	var logs lockedLog
-	obs := &statelessObserver{}
-	b, err := New(Options{
-		Store: db, MQTTURL: mq.URL, Username: server.Username, Password: server.Password,
-		ClientID: "server-" + t.Name(), Topics: tree, SentRetry: 100 * time.Millisecond,
-		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})), Observer: obs,
-	})
-	require.NoError(t, err)
-	b.stateless.after = time.Second
-	require.NoError(t, b.Start())
-	t.Cleanup(func() { b.Close() })
-	e.b = b
-	testenv.Eventually(t, 10*time.Second, "broker ready", b.Ready)
-
+	e := aclEnv(t, map[string]string{"b1": "dev-1", "b2": "dev-2"})
+	logs, obs := startACLBroker(t, e, mq, server, func(b *Broker) { b.stateless.after = time.Second })
 	// The bridges start after the server: what they report comes live.
-	startBridge := func(acct mqtttest.MosquittoAccount, dev, dir string) (stop func()) {
-		a, err := agent.New(agent.Options{
-			MQTTURL: mq.URL, BridgeID: acct.Username, Username: acct.Username, Password: acct.Password,
-			DataDir: dir, Devices: []agent.Device{sim.New(sim.Options{ID: dev, Logger: quiet()})}, Logger: quiet(),
-		})
-		require.NoError(t, err)
-		runCtx, cancel := context.WithCancel(ctx)
-		ran := make(chan error, 1)
-		go func() { ran <- a.Run(runCtx) }()
-		var once atomic.Bool
-		stop = func() {
-			if once.CompareAndSwap(false, true) {
-				cancel()
-				<-ran
-				a.Close()
-			}
-		}
-		t.Cleanup(stop)
-		return stop
-	}
 	muteDir := t.TempDir()
-	stopMute := startBridge(mute, "dev-1", muteDir)
-	startBridge(fine, "dev-2", t.TempDir())
-	for _, dev := range []string{"dev-1", "dev-2"} {
-		testenv.Eventually(t, 10*time.Second, dev+" reads online", func() bool {
-			st, err := db.Status(ctx, dev)
-			return err == nil && st.Online
-		})
-	}
+	stopMute := runACLBridge(t, mq, mute, sim.New(sim.Options{ID: "dev-1", Logger: quiet()}), muteDir)
+	runACLBridge(t, mq, fine, sim.New(sim.Options{ID: "dev-2", Logger: quiet()}), t.TempDir())
+	waitOnline(t, e, "dev-1", "dev-2")
 	// Its commands run: nothing but its state is amiss.
 	c := submit(t, e, "dev-1", "hello", time.Hour)
 	testenv.Eventually(t, 10*time.Second, "the mute bridge's command runs", func() bool {
@@ -128,19 +67,19 @@ topic write companion/v1/bridges/b2/state
 	assert.NotContains(t, out, "bridge_id=b2", "the bridge whose state came was named")
 	assert.Contains(t, out, "'topic write companion/v1/bridges/b1/state'")
 	assert.Contains(t, out, "'user b1'")
-	assert.EqualValues(t, 1, obs.n.Load(), "bridges stateless")
+	assert.EqualValues(t, 1, obs.stateless.Load(), "bridges stateless")
 
 	// Why it matters: the bridge gone, Mosquitto drops its offline and its
 	// Will, and its device reads online still.
 	stopMute()
 	time.Sleep(time.Second)
-	st, err := db.Status(ctx, "dev-1")
+	st, err := e.db.Status(context.Background(), "dev-1")
 	require.NoError(t, err)
 	assert.True(t, st.Online, "the device of a bridge whose state Mosquitto drops read offline once it was gone")
 
 	// Granted the line and restarted, the bridge says online, and is
 	// counted no more.
 	mq.SetACL(t, []byte(strings.Replace(acl, "user b1\n", "user b1\ntopic write companion/v1/bridges/b1/state\n", 1)))
-	startBridge(mute, "dev-1", muteDir)
-	testenv.Eventually(t, 10*time.Second, "no bridge stateless", func() bool { return obs.n.Load() == 0 })
+	runACLBridge(t, mq, mute, sim.New(sim.Options{ID: "dev-1", Logger: quiet()}), muteDir)
+	testenv.Eventually(t, 10*time.Second, "no bridge stateless", func() bool { return obs.stateless.Load() == 0 })
 }

@@ -1179,29 +1179,7 @@ func TestNewWaitsOutAHungBluetoothd(t *testing.T) {
 func TestDeviceWhoseBondIsLost(t *testing.T) {
 	for _, reply := range []string{"le-connection-abort-by-local", "le-connection-key-missing"} {
 		t.Run(reply, func(t *testing.T) {
-			fake := fakebluez.New(t)
-			dev := sim.New(sim.Options{ID: "sim-b"})
-			fd := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:13:01",
-				Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
-			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "sim-b", Connector: newConnector(t)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer d.Close()
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
-			defer cancel()
-			if _, err := d.Info(ctx); err != nil {
-				t.Fatalf("Info while the bond holds: %v", err)
-			}
-			fd.LoseBond(reply)
-			fd.Drop()
-			_, err = d.Info(ctx)
-			if ctx.Err() != nil {
-				t.Fatalf("Info = %v, after the caller's whole time; want an error at once", err)
-			}
-			if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove C0:FF:EE:00:13:01") {
-				t.Fatalf("Info = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
-			}
+			loseBondWhileConnected(t, "sim-b", "C0:FF:EE:00:13:01", func(fd *fakebluez.Device) { fd.LoseBond(reply) })
 		})
 	}
 }
@@ -1212,29 +1190,7 @@ func TestDeviceWhoseBondIsLost(t *testing.T) {
 // lost, refused so, must fail a command at once too
 // (docs/reliability.md, bug 463).
 func TestDeviceWhoseBondIsLostAfterConnectIsAnswered(t *testing.T) {
-	fake := fakebluez.New(t)
-	dev := sim.New(sim.Options{ID: "sim-a"})
-	fd := fake.AddDevice(fakebluez.DeviceOptions{Address: "C0:FF:EE:00:16:01",
-		Peripheral: sim.NewPeripheral(dev, sim.PeripheralOptions{})})
-	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "sim-a", Connector: newConnector(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
-	defer cancel()
-	if _, err := d.Info(ctx); err != nil {
-		t.Fatalf("Info while the bond holds: %v", err)
-	}
-	fd.LoseBondAfterConnect()
-	fd.Drop()
-	_, err = d.Info(ctx)
-	if ctx.Err() != nil {
-		t.Fatalf("Info = %v, after the caller's whole time; want an error at once", err)
-	}
-	if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove C0:FF:EE:00:16:01") {
-		t.Fatalf("Info = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
-	}
+	loseBondWhileConnected(t, "sim-a", "C0:FF:EE:00:16:01", (*fakebluez.Device).LoseBondAfterConnect)
 }
 
 // The bridge restarted after a device lost its bond: BlueZ keeps the bond
@@ -1274,13 +1230,7 @@ func TestDeviceWhoseBondIsLostAfterARestart(t *testing.T) {
 	defer d.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
 	defer cancel()
-	_, err = d.Info(ctx)
-	if ctx.Err() != nil {
-		t.Fatalf("Info after a restart = %v, after the caller's whole time; want an error at once", err)
-	}
-	if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove C0:FF:EE:00:15:01") {
-		t.Fatalf("Info after a restart = %v; want gatt.ErrNotPaired naming bluetoothctl remove", err)
-	}
+	notPairedAtOnce(ctx, t, d, "C0:FF:EE:00:15:01", "Info after a restart")
 }
 
 // A state file that cannot be parsed (a disk that lost its last write, a
@@ -1467,4 +1417,40 @@ func TestDeviceFoundAgainAfterAFailedAttempt(t *testing.T) {
 	if n := strings.Count(logs.String(), "connect failed"); n != 1 {
 		t.Errorf("%d warnings of a failed attempt over one Connect call; want 1:\n%s", n, logs.String())
 	}
+}
+
+// notPairedAtOnce wants d's Info (what, in a failure) to fail within ctx,
+// a command's time, with gatt.ErrNotPaired naming the cure for addr.
+func notPairedAtOnce(ctx context.Context, t *testing.T, d *gatt.Device, addr, what string) {
+	t.Helper()
+	_, err := d.Info(ctx)
+	if ctx.Err() != nil {
+		t.Fatalf("%s = %v, after the caller's whole time; want an error at once", what, err)
+	}
+	if !errors.Is(err, gatt.ErrNotPaired) || !strings.Contains(err.Error(), "bluetoothctl remove "+addr) {
+		t.Fatalf("%s = %v; want gatt.ErrNotPaired naming bluetoothctl remove", what, err)
+	}
+}
+
+// loseBondWhileConnected reads the simulated device id at addr, makes it
+// lose its bond with lose, drops its link, and wants the next Info, within
+// a command's time, to fail at once with gatt.ErrNotPaired.
+func loseBondWhileConnected(t *testing.T, id, addr string, lose func(*fakebluez.Device)) {
+	t.Helper()
+	fake := fakebluez.New(t)
+	fd := fake.AddDevice(fakebluez.DeviceOptions{Address: addr,
+		Peripheral: sim.NewPeripheral(sim.New(sim.Options{ID: id}), sim.PeripheralOptions{})})
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: id, Connector: newConnector(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second) // a command's
+	defer cancel()
+	if _, err := d.Info(ctx); err != nil {
+		t.Fatalf("Info while the bond holds: %v", err)
+	}
+	lose(fd)
+	fd.Drop()
+	notPairedAtOnce(ctx, t, d, addr, "Info")
 }
