@@ -101,6 +101,7 @@ type Driver struct {
 	retry      []account                  // creations that failed, with their passwords (memory only)
 	connected  chan struct{}              // one signal per (re)subscription
 	kick       chan struct{}              // a change failed: schedule a retry
+	wide       map[string]widened         // clients named by besides, by username
 
 	change sync.Mutex // serialises changes to the plugin
 
@@ -164,6 +165,7 @@ func New(opts Options) (*Driver, error) {
 		waiting:   make(map[string]chan []Response),
 		connected: make(chan struct{}, 1),
 		kick:      make(chan struct{}, 1),
+		wide:      map[string]widened{},
 		quit:      make(chan struct{}),
 	}
 	if err := d.conn.Subscribe(ResponseTopic, d.response, d.subscribed); err != nil {
@@ -1111,6 +1113,10 @@ type client struct {
 	Roles           []struct {
 		Name string `json:"rolename"`
 	} `json:"roles"`
+	// Groups are the client's groups, whose roles it holds too (besides).
+	Groups []struct {
+		Name string `json:"groupname"`
+	} `json:"groups"`
 }
 
 // ours says whether the server made c as an account of kind with role: its
@@ -1342,6 +1348,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	if err := json.Unmarshal(rs[2].Data, &clients); err != nil {
 		return fmt.Errorf("dynsec: listClients: %w", err)
 	}
+	d.besides(clients.Clients)
 	var pins []Command
 	marks := map[string]string{}    // bridge → its client's mark
 	userMarked := map[string]bool{} // user → their client has a mark
