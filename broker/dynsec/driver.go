@@ -68,6 +68,10 @@ type Options struct {
 	Topics        topics.Tree   // default topics.DefaultPrefix
 	Timeout       time.Duration // how long one request waits for its answer; default 10s
 	RetryInterval time.Duration // how soon a failed change is tried again; default 30s
+	// CheckInterval is how often the plugin's default ACL access and the
+	// clients the server made are checked between connects (check);
+	// default 5m.
+	CheckInterval time.Duration
 	Logger        *slog.Logger
 	// DisconnectedWithoutWill, when set, is told of each bridge whose
 	// account a retry wrote (Reconcile), and of each whose client
@@ -147,6 +151,9 @@ func New(opts Options) (*Driver, error) {
 	}
 	if opts.RetryInterval <= 0 {
 		opts.RetryInterval = 30 * time.Second
+	}
+	if opts.CheckInterval <= 0 {
+		opts.CheckInterval = 5 * time.Minute
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -1594,11 +1601,18 @@ func (d *Driver) run() {
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
 	due := false // retry is armed
+	check := time.NewTicker(d.opts.CheckInterval)
+	defer check.Stop()
 	for {
 		select {
 		case <-d.quit:
 			retry.Stop()
 			return
+		case <-check.C:
+			if !due {
+				d.check(ctx)
+			}
+			continue
 		case <-d.connected:
 		case <-d.kick:
 			if !due {
