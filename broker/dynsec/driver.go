@@ -1116,10 +1116,8 @@ type client struct {
 	ClientID string `json:"clientid"`
 	TextName string `json:"textname"`
 	// TextDescription is a bridge's mark (secretMark).
-	TextDescription string `json:"textdescription"`
-	Roles           []struct {
-		Name string `json:"rolename"`
-	} `json:"roles"`
+	TextDescription string       `json:"textdescription"`
+	Roles           []clientRole `json:"roles"`
 	// Groups are the client's groups, whose roles it holds too (besides).
 	Groups []struct {
 		Name string `json:"groupname"`
@@ -1127,9 +1125,21 @@ type client struct {
 }
 
 // ours says whether the server made c as an account of kind with role: its
-// text name says so, and it has no role but that one.
+// text name says so, and it has that role or none yet (a creation stopped
+// half-way). Roles an operator gave it besides (named by besides) leave it
+// the server's: taken for a client the server had not made, its new
+// secret or token was never set, the old one, replaced as it leaked,
+// opening Mosquitto still, and a deleted bridge's client stayed, with
+// the old secret and the other roles' rights (docs/reliability.md, bug
+// 534).
 func (c client) ours(kind, role string) bool {
-	return c.TextName == "companion "+kind && (len(c.Roles) == 0 || len(c.Roles) == 1 && c.Roles[0].Name == role)
+	return c.TextName == "companion "+kind &&
+		(len(c.Roles) == 0 || slices.ContainsFunc(c.Roles, func(r clientRole) bool { return r.Name == role }))
+}
+
+// clientRole is one of a client's roles, as the plugin reports it.
+type clientRole struct {
+	Name string `json:"rolename"`
 }
 
 // clientID is the client id an account whose own is id is pinned to: id
