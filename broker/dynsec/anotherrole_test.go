@@ -16,7 +16,7 @@ import (
 // made: a new secret or token (the remedy for one that leaked) left the
 // old one working on Mosquitto, with the API's answer saying it opened
 // nothing, and deleting the bridge left its client, which logged in with
-// the old secret and held the other role's rights (bug 534).
+// the old secret and held the other role's rights (bug 499).
 func TestAClientGivenAnotherRoleStillFollowsItsSecret(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)

@@ -19,7 +19,7 @@ const besidesEvery = time.Hour
 // device's commands, another customer's included, and a user read every
 // device's topics (CONTRACT §9). Reconcile makes a role of the server's
 // what the store says and looked no further; nothing said so (docs/
-// reliability.md, bug 532). The server takes nothing away: it cannot know
+// reliability.md, bug 497). The server takes nothing away: it cannot know
 // why the operator gave it (a role to read $SYS, say); the line names
 // what the client holds and the mosquitto_ctrl commands that take it away.
 func (d *Driver) besides(clients []client) {

@@ -17,7 +17,7 @@ import (
 // every bridge subscribe to, and receive, every device's commands, another
 // customer's included, and every user every device's topics (CONTRACT §9),
 // until the server's next connect, days later perhaps; and nothing said
-// so (docs/reliability.md, bug 533). An access found other than
+// so (docs/reliability.md, bug 498). An access found other than
 // DenyByDefault's is set back to deny and said, with what was allowed; a
 // plugin that does not answer is left to Reconcile's retry, as a change
 // that fails is.

@@ -42,7 +42,7 @@ func defaultAccess(t *testing.T, mq *mqtttest.Mosquitto) map[string]bool {
 // shows) let every bridge read every device's commands, another
 // customer's included, until the server next connected, and nobody was
 // told. The server checks it every CheckInterval, sets it back and says
-// so (bug 533).
+// so (bug 498).
 func TestDefaultAccessSetToAllowByHandIsSetBack(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)

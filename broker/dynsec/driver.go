@@ -1131,7 +1131,7 @@ type client struct {
 // secret or token was never set, the old one, replaced as it leaked,
 // opening Mosquitto still, and a deleted bridge's client stayed, with
 // the old secret and the other roles' rights (docs/reliability.md, bug
-// 534).
+// 499).
 func (c client) ours(kind, role string) bool {
 	return c.TextName == "companion "+kind &&
 		(len(c.Roles) == 0 || slices.ContainsFunc(c.Roles, func(r clientRole) bool { return r.Name == role }))

@@ -40,7 +40,7 @@ func (l *lockedBuffer) String() string {
 // granting the prefix lets a bridge read another customer's commands
 // (CONTRACT §9). The server cannot know why the operator did it, so it
 // takes nothing away, but names each such client, with what it holds
-// and the commands that take it away, at every Reconcile (bug 532).
+// and the commands that take it away, at every Reconcile (bug 497).
 func TestAClientTheServerMadeWithRightsBesideItsOwnIsNamed(t *testing.T) {
 	ctx := context.Background()
 	mq := mqtttest.StartMosquitto(t, server)
