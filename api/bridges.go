@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/devicecompanion/companion"
 
@@ -92,6 +93,9 @@ func (s *Server) createBridge(c *gin.Context, ownerID string) error {
 	if err := s.accountsRefused(); err != nil {
 		return err
 	}
+	if err := s.bridgeNameTaken(ctx, req.BridgeID); err != nil {
+		return err
+	}
 	secret, hash, err := newSecret(bridgeSecretPrefix)
 	if err != nil {
 		return err
@@ -146,6 +150,28 @@ func (s *Server) accountsRefused() error {
 	if err := nr.NotReady(); err != nil {
 		return &Error{Code: CodeUnavailable, RetryAfter: 30,
 			Detail: "nothing was stored: the server cannot write this account on the MQTT broker: " + err.Error()}
+	}
+	return nil
+}
+
+// bridgeNameTaken refuses, 409, a bridge id the MQTT broker holds as an
+// account the server did not make (AccountNames). A broker that cannot be
+// asked now refuses nothing: the creation goes on as before, its account
+// written (or found not the server's, and logged) by the BrokerAccounts.
+func (s *Server) bridgeNameTaken(ctx context.Context, bridgeID string) error {
+	an, ok := s.accounts.(AccountNames)
+	if !ok {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	taken, err := an.NameTaken(ctx, bridgeID)
+	if err != nil {
+		s.log.Warn("could not ask the MQTT broker whether a new bridge's id is an account of its own; creating the bridge", "bridge_id", bridgeID, "err", err)
+		return nil
+	}
+	if taken {
+		return &Error{Code: CodeBridgeExists, Detail: "the name of an account on the MQTT broker that the server did not make (an operator's): a bridge logs in under its id; choose another"}
 	}
 	return nil
 }

@@ -133,6 +133,19 @@ type BrokerAccounts interface {
 	Assigned(ctx context.Context, deviceID, from, to string) error
 }
 
+// AccountNames is implemented by the BrokerAccounts of a broker that may
+// hold accounts the server did not make (Mosquitto's plugin, where an
+// operator makes some by hand: its admin, a monitoring client). A bridge
+// logs in under its id: named as such an account, which the server never
+// touches, it got a 201 and a secret that opened nothing
+// (docs/reliability.md, bug 500).
+type AccountNames interface {
+	// NameTaken reports whether the broker holds an account of that name
+	// the server did not make. An error says the broker could not be
+	// asked.
+	NameTaken(ctx context.Context, name string) (bool, error)
+}
+
 // WillOnDisconnect is implemented by the BrokerAccounts that disconnect a
 // bridge for a change of its rights (a device moved) on a broker that
 // does not hold its Will itself, as the embedded broker does until the

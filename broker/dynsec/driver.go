@@ -1081,6 +1081,30 @@ func (d *Driver) create(ctx context.Context, a account) error {
 	return nil
 }
 
+// NameTaken reports whether Mosquitto holds a client named name that the
+// server did not make (api.AccountNames): an operator's, made by hand,
+// which the server never touches. A bridge of that id got a secret that
+// opened nothing (docs/reliability.md, bug 500).
+func (d *Driver) NameTaken(ctx context.Context, name string) (bool, error) {
+	rs, err := d.Do(ctx, Command{"command": "getClient", "username": name})
+	if err != nil {
+		return false, err
+	}
+	if err := rs[0].Err(); err != nil {
+		if notFound(err) {
+			return false, nil
+		}
+		return false, err
+	}
+	var got struct {
+		Client client `json:"client"`
+	}
+	if err := json.Unmarshal(rs[0].Data, &got); err != nil {
+		return false, err
+	}
+	return !got.Client.ours("bridge", BridgeRole(name)) && !got.Client.ours("user", UserRole(name)), nil
+}
+
 // ourClient checks that the client named username is one the server made:
 // of its kind, with no role but role. It returns how many roles it has, or
 // errNotOurs, or the plugin's "not found".

@@ -113,3 +113,38 @@ func TestServerThatIsNotThePluginsAdminIsNotReady(t *testing.T) {
 	assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", cmd["id"].(string))["state"])
 	require.Len(t, s.Texts(), 1)
 }
+
+// An operator makes some Mosquitto clients by hand (a monitoring client,
+// the plugin's admin), which the server never touches. A bridge named as
+// one got a 201 and a secret that opened nothing: it logs in under its id,
+// the client's password is the operator's (docs/reliability.md, bug 500).
+// Its creation must be a 409 bridge_exists saying why, nothing stored, by a
+// user and by the admin alike, while other ids are made as before.
+func TestBridgeNamedAsAnOperatorsMosquittoClientIsRefused(t *testing.T) {
+	t.Parallel()
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	for _, r := range mq.Dynsec(t, map[string]any{"command": "createClient", "username": "ops-monitor", "password": "operators-own"}) {
+		require.Empty(t, r.Error, "%s", r.Command)
+	}
+	m := startServer(t, mosquittoConfig(Config{}, mq))
+	f := setupFleet(t, m)
+	for _, tc := range []struct {
+		who  *client
+		path string
+	}{{f.user, "/api/v1/bridges"}, {f.admin, "/api/v1/admin/bridges"}} {
+		r := tc.who.do("POST", tc.path, map[string]string{"bridge_id": "ops-monitor"})
+		require.Equal(t, 409, r.Status, "POST %s named as the operator's client: %s", tc.path, r.Body)
+		assert.Equal(t, "bridge_exists", r.JSON(t)["code"])
+		assert.Contains(t, string(r.Body), "MQTT broker")
+	}
+	r := f.user.do("GET", "/api/v1/bridges", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	assert.Empty(t, r.JSON(t)["bridges"], "a bridge was stored all the same")
+	r = f.user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": "alices-hub"})
+	require.Equal(t, 201, r.Status, "a bridge of another id: %s", r.Body)
+	// The operator's client is as the operator left it.
+	for _, r := range mq.Dynsec(t, map[string]any{"command": "getClient", "username": "ops-monitor"}) {
+		require.Empty(t, r.Error, "%s", r.Command)
+		assert.NotContains(t, string(r.Data), "companion", "the server took the operator's client")
+	}
+}
