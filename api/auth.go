@@ -64,8 +64,34 @@ func bearer(c *gin.Context) []byte {
 const maxBearer = 64 << 10
 
 // bearerToken returns the request's bearer token, or "".
+//
+// A request with the Authorization header more than once is taken only
+// when every one carries the same token: one with two different tokens
+// (an app's interceptor that adds its account's token beside the one the
+// call set, a proxy that adds its own) names two principals, and acting
+// as the first, as Go's Header.Get reads, did the work as one of them
+// without a word, while a proxy or a log that reads the last saw the
+// other. It has none, and is a 401 (docs/reliability.md, bug 552), as
+// a Last-Event-ID (bug 368) or a query parameter given twice with
+// different values is refused.
 func bearerToken(c *gin.Context) string {
-	scheme, tok, ok := strings.Cut(c.GetHeader("Authorization"), " ")
+	vs := c.Request.Header.Values("Authorization")
+	if len(vs) == 0 {
+		return ""
+	}
+	tok := parseBearer(vs[0])
+	for _, v := range vs[1:] {
+		if parseBearer(v) != tok {
+			return ""
+		}
+	}
+	return tok
+}
+
+// parseBearer returns the token of one Authorization value of the Bearer
+// scheme, or "".
+func parseBearer(v string) string {
+	scheme, tok, ok := strings.Cut(v, " ")
 	tok = strings.TrimSpace(tok)
 	if !ok || !strings.EqualFold(scheme, "Bearer") || len(tok) > maxBearer {
 		return ""
