@@ -553,8 +553,16 @@ func (s *Server) updateApp(c *gin.Context) error {
 		if a.AppID != appID || !topics.ValidVersion(a.Version) {
 			continue
 		}
-		cmp := topics.CompareVersions(rel.Version, a.Version)
-		if cmp == 0 || (req.Version == nil && cmp < 0) {
+		// With a version, only the very release the device runs is
+		// refused, its build metadata too: semantic versions that differ
+		// only there compare as equal, but 1.0.0+2 is another package
+		// than the 1.0.0+1 the device has, published as such, and was
+		// refused "the device already runs weather 1.0.0+1"
+		// (docs/reliability.md, bug 553; bug 107 for an OTA).
+		if req.Version != nil && rel.Version != a.Version {
+			continue
+		}
+		if cmp := topics.CompareVersions(rel.Version, a.Version); cmp <= 0 {
 			return &Error{Code: CodeNoUpdate, Detail: "the device already runs " + appID + " " + a.Version}
 		}
 	}
