@@ -71,7 +71,7 @@ const maxBearer = 64 << 10
 // call set, a proxy that adds its own) names two principals, and acting
 // as the first, as Go's Header.Get reads, did the work as one of them
 // without a word, while a proxy or a log that reads the last saw the
-// other. It has none, and is a 401 (docs/reliability.md, bug 552), as
+// other. It has none, and is a 401 (docs/reliability.md, bug 501), as
 // a Last-Event-ID (bug 368) or a query parameter given twice with
 // different values is refused.
 func bearerToken(c *gin.Context) string {

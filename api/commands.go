@@ -558,7 +558,7 @@ func (s *Server) updateApp(c *gin.Context) error {
 		// only there compare as equal, but 1.0.0+2 is another package
 		// than the 1.0.0+1 the device has, published as such, and was
 		// refused "the device already runs weather 1.0.0+1"
-		// (docs/reliability.md, bug 553; bug 107 for an OTA).
+		// (docs/reliability.md, bug 502; bug 107 for an OTA).
 		if req.Version != nil && rel.Version != a.Version {
 			continue
 		}

@@ -11,7 +11,7 @@ import (
 // An app update to another build of the version a device runs (1.0.0+2 on
 // a device with 1.0.0+1: one semantic version, two packages) is sent and
 // runs; only the very release it runs is a 409 no_update, as for an OTA
-// (docs/reliability.md, bug 553; bug 107).
+// (docs/reliability.md, bug 502; bug 107).
 func TestAppUpdateToAnotherBuildOfTheRunningVersion(t *testing.T) {
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1")

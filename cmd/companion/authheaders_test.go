@@ -12,7 +12,7 @@ import (
 
 // A request with two Authorization headers of different tokens names two
 // principals: it is a 401, on the user, admin and blob routes, and does
-// nothing; the same token twice is taken (docs/reliability.md, bug 552).
+// nothing; the same token twice is taken (docs/reliability.md, bug 501).
 // Before, the server acted as the first token, as Header.Get reads it.
 func TestTwoDifferentBearerTokensAreRefused(t *testing.T) {
 	m := startServer(t, Config{})
