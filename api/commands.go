@@ -20,6 +20,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/devicecompanion/companion"
 
@@ -740,10 +741,18 @@ func (s *Server) putSettings(c *gin.Context) error {
 }
 
 // settingValues checks a change of settings whose schema is not known:
-// each value must be one a setting can hold.
+// each name must be one a setting can have, each value one a setting can
+// hold. No device names a setting "" or with a control character: Zephyr's
+// settings names are C strings, "y\x00" read as "y". Taken, such a name
+// stood desired and pending until the bridge refused the command
+// (docs/reliability.md, bug 503).
 func settingValues(req map[string]any) []FieldError {
 	var errs []FieldError
 	for _, k := range slices.Sorted(maps.Keys(req)) {
+		if k == "" || strings.ContainsFunc(k, unicode.IsControl) {
+			errs = append(errs, FieldError{Field: k, Message: "is no setting's name: empty, or with a control character"})
+			continue
+		}
 		switch req[k].(type) {
 		case float64, int64, bool, string:
 		default:
