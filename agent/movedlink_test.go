@@ -2,9 +2,11 @@ package agent_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/gatt"
 	"github.com/devicecompanion/companion/sim"
@@ -71,6 +73,68 @@ func TestABridgeAwayFromTheBrokerLetsItsLinksGo(t *testing.T) {
 	w.waitFor("an online status once the bridge is back", func(message) bool { return w.count(onlineStatus) > before })
 }
 
+// A device moved to another bridge in range of both while the bridge it
+// left runs a long command on it (a firmware update, an image over a slow
+// link): the server failed the command at the move, device_not_served,
+// but the bridge ran it on to its end, holding the device's link, and a
+// device that takes one central at a time could not be reached by its new
+// bridge for that long: the commands sent there failed timeout, or waited.
+// The bridge it left now stops the command as the broker refuses it the
+// device, lets the link go, and holds the command with the device's
+// others; the device moved back, the command runs again there
+// (docs/reliability.md, bug 512).
+func TestABridgeStopsTheCommandOfADeviceMovedAway(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	started := make(chan struct{})
+	moved := twoRadiosWith(t, b, w, radiosConfig{
+		sim:            sim.Options{ExecDelay: 12 * time.Second}, // the device takes 12 s over each command
+		requestTimeout: 30 * time.Second,
+		wrap: func(d *gatt.Device) agent.Device {
+			return &textStarts{Device: d, started: started}
+		},
+	})
+	long := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "takes the device 12 s"})
+	w.send(long)
+	waitClosed(t, started, "the command did not start on the device")
+
+	// The move: the broker refuses b1 the device's commands, and closes
+	// its connection; b1 connects again and is refused.
+	filter := mustCommandsFilter(t, "dev-1")
+	hook.refuse(filter)
+	b.dropClient(t, "companion-bridge-b1")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	if _, err := moved.Info(ctx); err != nil {
+		t.Fatalf("the device's new bridge could not reach it in 5 s, the bridge it left holding its link for a command the server failed at the move: %v", err)
+	}
+	if rs := w.replies("dev-1", long.ID); len(rs) > 0 && companion.IsFinal(rs[len(rs)-1].State) {
+		t.Errorf("the stopped command was answered %s; want it held", rs[len(rs)-1].State)
+	}
+	moved.Close()
+
+	// Moved back: b1 runs it again (the device drops an id it has run).
+	hook.grant(filter)
+	b.dropClient(t, "companion-bridge-b1")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
+	if r := w.waitFinal("dev-1", long.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the command held once the device moved back: %s reply; want succeeded", r.State)
+	}
+}
+
+// textStarts is a device whose PushText closes started as it begins.
+type textStarts struct {
+	*gatt.Device
+	once    sync.Once
+	started chan struct{}
+}
+
+func (d *textStarts) PushText(ctx context.Context, cmdID, title, text string) error {
+	d.once.Do(func() { close(d.started) })
+	return d.Device.PushText(ctx, cmdID, title, text)
+}
+
 // onlineStatus matches dev-1's statuses that say online.
 func onlineStatus(m message) bool {
 	st, _ := tree.Status("dev-1")
@@ -84,7 +148,27 @@ func onlineStatus(m message) bool {
 // (another bridge's), once b1 has read it online.
 func twoRadios(t *testing.T, b *testBroker, w *watcher) *gatt.Device {
 	t.Helper()
-	sd := newSim("dev-1")
+	return twoRadiosWith(t, b, w, radiosConfig{})
+}
+
+// radiosConfig is what twoRadiosWith changes of twoRadios' setup.
+type radiosConfig struct {
+	sim sim.Options // dev-1's; its ID is set
+	// requestTimeout is the gatt.Devices' (default 1 s).
+	requestTimeout time.Duration
+	// wrap, when set, stands between the bridge and its gatt.Device.
+	wrap func(*gatt.Device) agent.Device
+}
+
+// twoRadiosWith is twoRadios with the device, its GATT requests and the
+// bridge's side of it as cfg says.
+func twoRadiosWith(t *testing.T, b *testBroker, w *watcher, cfg radiosConfig) *gatt.Device {
+	t.Helper()
+	cfg.sim.ID = "dev-1"
+	if cfg.requestTimeout == 0 {
+		cfg.requestTimeout = time.Second
+	}
+	sd := sim.New(cfg.sim)
 	p := sim.NewPeripheral(sd, sim.PeripheralOptions{})
 	fast := sim.LinkOptions{KBPS: 200_000, Latency: -1, ConnectDelay: -1}
 	radio1, radio2 := sim.NewNetwork(fast), sim.NewNetwork(fast)
@@ -92,7 +176,7 @@ func twoRadios(t *testing.T, b *testBroker, w *watcher) *gatt.Device {
 	radio2.Add("dev-1", p)
 	device := func(n *sim.Network) *gatt.Device {
 		d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: n, MinBackoff: time.Millisecond, MaxBackoff: 50 * time.Millisecond,
-			RequestTimeout: time.Second})
+			RequestTimeout: cfg.requestTimeout})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -107,8 +191,13 @@ func twoRadios(t *testing.T, b *testBroker, w *watcher) *gatt.Device {
 		p.Close()
 	})
 	startBridge(t, b, nil, w, bridgeConfig{
-		devices:  []*sim.Device{sd},
-		wrap:     func(*sim.Device) agent.Device { return old },
+		devices: []*sim.Device{sd},
+		wrap: func(*sim.Device) agent.Device {
+			if cfg.wrap != nil {
+				return cfg.wrap(old)
+			}
+			return old
+		},
 		interval: 50 * time.Millisecond,
 	})
 	w.waitStatus("dev-1", "online", func(s topics.Status) bool { return s.Online })

@@ -141,8 +141,9 @@ type record struct {
 
 	// In memory only. marked: the file has the command as spoolRunning
 	// (guarded by spool.mu). resumed: it was found so when the spool was
-	// opened, so it may have run before the restart (set by load, then
-	// only read).
+	// opened, so it may have run before the restart (set by load), or its
+	// worker stopped it before its end (set by requeue, in the worker
+	// that reads it).
 	marked  bool
 	resumed bool
 	// waitFor is the command this one runs after (Cmd.After) while the
@@ -709,6 +710,17 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 	}
 	s.running[r.Cmd.ID] = true
 	return r, 0
+}
+
+// requeue puts a command its worker claimed, and stopped before its end,
+// back at the head of its device's queue, as possibly started (resumed):
+// it runs again, past its TTL too, and no cancel takes it off (bug 512).
+func (s *spool) requeue(r *record) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r.resumed = true
+	s.running[r.Cmd.ID] = true
+	s.queues[r.Cmd.DeviceID] = slices.Insert(s.queues[r.Cmd.DeviceID], 0, r)
 }
 
 // holds reports whether command id of the device is in the spool's

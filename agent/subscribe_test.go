@@ -360,6 +360,9 @@ func TestSubscribeUnansweredIsAskedAgain(t *testing.T) {
 type blockedText struct {
 	*sim.Device
 	started, release, ended chan struct{}
+	// once: started and ended close at the first run of "blocks"; a run
+	// again (stopped and held, bug 512) goes through.
+	once sync.Once
 }
 
 func newBlockedText(id string) *blockedText {
@@ -367,7 +370,11 @@ func newBlockedText(id string) *blockedText {
 }
 
 func (d *blockedText) PushText(ctx context.Context, cmdID, title, text string) error {
+	first := false
 	if text == "blocks" {
+		d.once.Do(func() { first = true })
+	}
+	if first {
 		defer close(d.ended)
 		close(d.started)
 		select {
@@ -462,8 +469,10 @@ func (h *subscribeHook) holdSubscribes(t *testing.T, filter string) (answer func
 // (device_not_served), or sends it to the device's new bridge: the bridge
 // holds it rather than run it on the device, serving its other devices on,
 // and runs it only once the broker grants the device's commands again (as
-// NATS does after refusing a filter while its leaders are elected). The
-// command already running runs on (docs/reliability.md, bug 240).
+// NATS does after refusing a filter while its leaders are elected)
+// (docs/reliability.md, bug 240). The command running as the refusal
+// comes is stopped, and held with it: run on, it held the device's link
+// from its new bridge (bug 512).
 func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
 	q := startBlockedQueue(t, b, newSim("dev-2"))
@@ -478,23 +487,28 @@ func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	hook.refuse(filter)
 	b.dropClient(t, "companion-bridge-b1")
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2) // back, dev-1's commands refused
-	close(dev.release)
-	if r := w.waitFinal("dev-1", running.ID); r.State != companion.StateSucceeded {
-		t.Fatalf("the running command: %s reply; want succeeded", r.State)
-	}
+	waitClosed(t, dev.ended, "the running command was not stopped as the broker refused its device")
+	log.waitLine(t, "stopped the command", "device_id=dev-1")
 	log.waitLine(t, "holding the device's commands", "device_id=dev-1")
 	marker := text("dev-2", "dev-2 is served on")
 	if r := w.waitFinal("dev-2", marker.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("dev-2: %s reply; want succeeded", r.State)
 	}
-	if n := dev.Executions(behind.ID); n != 0 {
-		t.Fatalf("the command queued behind ran %d times while the broker refused its device", n)
+	for _, c := range []topics.Command{running, behind} {
+		if n := dev.Executions(c.ID); n != 0 {
+			t.Fatalf("%s ran %d times while the broker refused its device", c.Payload, n)
+		}
+		if rs := w.replies("dev-1", c.ID); len(rs) > 0 && companion.IsFinal(rs[len(rs)-1].State) {
+			t.Fatalf("%s was answered %s while held", c.Payload, rs[len(rs)-1].State)
+		}
 	}
 
 	hook.grant(filter)
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
-	if r := w.waitFinal("dev-1", behind.ID); r.State != companion.StateSucceeded {
-		t.Fatalf("the held command once granted: %s reply; want succeeded", r.State)
+	for _, c := range []topics.Command{running, behind} {
+		if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+			t.Fatalf("the held command %s once granted: %s reply; want succeeded", c.Payload, r.State)
+		}
 	}
 	var got []string
 	for _, tx := range dev.Texts() {

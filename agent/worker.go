@@ -38,6 +38,10 @@ type deviceRunner struct {
 	// running is set while the worker runs one of the device's commands:
 	// the device's link is then the command's (release).
 	running atomic.Bool
+	// stop, while the worker runs one of the device's commands, stops it
+	// (setRefused; guarded by smu).
+	smu  sync.Mutex
+	stop context.CancelCauseFunc
 
 	rmu                                sync.Mutex
 	wantStatus, forceStatus, wantSetgs bool
@@ -66,6 +70,49 @@ func (dr *deviceRunner) setRefused(refused bool) {
 		dr.requestReport(true, true, true)
 	case !was && refused:
 		signal(dr.rwake)
+		dr.stopRunning()
+	}
+}
+
+// errRefused is why a command is stopped as the broker refuses the bridge
+// its device's commands (stopRunning).
+var errRefused = errors.New("the broker refuses the device's commands to this bridge")
+
+// stopRunning stops the command the worker runs on the device, if any: the
+// broker refuses the bridge the device's commands, which a move to another
+// bridge does, and the server failed the command at the move
+// (device_not_served, whether it took effect being unknown). Run on to its
+// end (a firmware update, an image over a slow link: minutes), it held the
+// device's link, and a device that takes one central at a time could not
+// be reached by its new bridge for that long (docs/reliability.md, bug
+// 512). The worker puts it back at the head of the device's queue, held
+// with the others (holdRefused): a filter the broker grants again (the
+// device moved back, a NATS filter refused while its leaders are elected)
+// runs it again, as a restart would, and the device drops an id it has
+// run.
+func (dr *deviceRunner) stopRunning() {
+	dr.smu.Lock()
+	defer dr.smu.Unlock()
+	if dr.stop != nil {
+		dr.stop(errRefused)
+	}
+}
+
+// stoppable returns a context of ctx that stopRunning cancels, and the
+// function that ends it once the command has run.
+func (dr *deviceRunner) stoppable(ctx context.Context) (context.Context, func()) {
+	sctx, stop := context.WithCancelCause(ctx)
+	dr.smu.Lock()
+	dr.stop = stop
+	dr.smu.Unlock()
+	if dr.refused.Load() {
+		stop(errRefused) // refused since holdRefused looked
+	}
+	return sctx, func() {
+		dr.smu.Lock()
+		dr.stop = nil
+		dr.smu.Unlock()
+		stop(nil)
 	}
 }
 
@@ -76,7 +123,8 @@ type linkReleaser interface {
 }
 
 // release lets the device's link go, unless one of its commands runs
-// (what runs at a move runs on), logging why once a link goes. A device
+// (one running as the broker refuses the device is stopped first,
+// stopRunning), logging why once a link goes. A device
 // moved to another bridge in range of both takes one central at a time,
 // as most BLE peripherals do: the link the old bridge kept until it
 // dropped (for good, the device in its reach) kept the new bridge from
@@ -165,7 +213,8 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // server at the move, device_not_served, or go to its new bridge; run here,
 // a text failed at the move showed on the device after the commands of
 // its new bridge (docs/reliability.md, bug 240). Held, they run if the broker grants the filter again. What
-// runs already runs on; and while the bridge is away from the broker it
+// runs as the refusal comes is stopped and held with them (stopRunning,
+// bug 512); and while the bridge is away from the broker it
 // cannot know, and runs what it has. So it holds every device's commands
 // while the broker refuses its login (noteLogin, bug 243), and, at start
 // and on every connection, until the broker has answered the device's
@@ -269,7 +318,9 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 
 // execute runs one command and records its final reply. It returns false
 // when the agent is stopping; the command then stays in the spool and runs
-// again, with the same id, after a restart.
+// again, with the same id, after a restart. A command stopped as the broker
+// refuses its device (stopRunning) goes back to the head of the device's
+// queue, to run again once the worker may.
 func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 	c := r.Cmd
 	// The command's attributes, for the few lines logged about it; not a
@@ -297,14 +348,23 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		if !a.markStarted(ctx, r) {
 			return false
 		}
-		cctx, cancel := context.WithTimeout(ctx, a.opts.CommandTimeout)
+		sctx, done := dr.stoppable(ctx)
+		cctx, cancel := context.WithTimeout(sctx, a.opts.CommandTimeout)
 		result, changed, err := a.runOp(cctx, dr, c)
 		state = changed
 		timedOut := errors.Is(cctx.Err(), context.DeadlineExceeded)
+		stopped := err != nil && sctx.Err() != nil // an op that ended first stands
 		cancel()
+		done()
 		if ctx.Err() != nil {
 			log(slog.LevelInfo, "stopping; the command will run again after restart")
 			return false
+		}
+		if stopped {
+			log(slog.LevelWarn, "stopped the command: the broker refuses the device's commands to this bridge, which may no longer serve it; "+
+				"it is held with the device's others, and runs again if the broker grants them again")
+			a.spool.requeue(r)
+			return true
 		}
 		switch {
 		case err == nil:
