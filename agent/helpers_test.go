@@ -124,16 +124,25 @@ func (b *testBroker) waitBridgeState(tb testing.TB, bridgeID, state string, n in
 
 // allowHook lets every client in and allows everything, like mochi's
 // auth.AllowHook (whose package needs a module this one does not require).
-// Setting refuse turns every new connection away.
+// Setting refuse turns every new connection away, refusing its login;
+// setting away closes each without an answer, as a broker out of reach
+// is to the bridge (the login not refused).
 type allowHook struct {
 	mochi.HookBase
-	refuse atomic.Bool
+	refuse, away atomic.Bool
 }
 
 func (h *allowHook) ID() string { return "allow-all" }
 
 func (h *allowHook) Provides(b byte) bool {
-	return b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
+	return b == mochi.OnConnect || b == mochi.OnConnectAuthenticate || b == mochi.OnACLCheck
+}
+
+func (h *allowHook) OnConnect(*mochi.Client, packets.Packet) error {
+	if h.away.Load() {
+		return errors.New("test: the broker is out of reach")
+	}
+	return nil
 }
 
 func (h *allowHook) OnConnectAuthenticate(*mochi.Client, packets.Packet) bool {

@@ -59,7 +59,7 @@ func TestABridgeAwayFromTheBrokerLetsItsLinksGo(t *testing.T) {
 	w := newWatcher(t, b)
 	moved := twoRadios(t, b, w)
 
-	b.hook.refuse.Store(true) // away: its logins are turned away
+	b.hook.away.Store(true) // away: its connections are closed unanswered
 	b.dropClient(t, "companion-bridge-b1")
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
@@ -69,7 +69,7 @@ func TestABridgeAwayFromTheBrokerLetsItsLinksGo(t *testing.T) {
 	moved.Close()
 
 	before := w.count(onlineStatus)
-	b.hook.refuse.Store(false)
+	b.hook.away.Store(false)
 	w.waitFor("an online status once the bridge is back", func(message) bool { return w.count(onlineStatus) > before })
 }
 
@@ -120,6 +120,49 @@ func TestABridgeStopsTheCommandOfADeviceMovedAway(t *testing.T) {
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 3)
 	if r := w.waitFinal("dev-1", long.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("the command held once the device moved back: %s reply; want succeeded", r.State)
+	}
+}
+
+// A bridge deleted on the server (or given another secret) while it runs
+// a long command on a device, which its user then assigns to a bridge
+// beside it: the broker refuses the bridge's login from then on, and the
+// server failed the command as it deleted the bridge. The bridge held the
+// commands queued (bug 243) but ran the running one on to its end, its
+// link kept, and the device's new bridge could not reach a device that
+// takes one central at a time for that long. The bridge now stops it and
+// lets the link go as the broker refuses its login, as it does when the
+// broker refuses it one device, and runs it again once let in
+// (docs/reliability.md, bug 513).
+func TestABridgeWhoseLoginIsRefusedStopsItsCommands(t *testing.T) {
+	b := startBroker(t)
+	w := newWatcher(t, b)
+	started := make(chan struct{})
+	moved := twoRadiosWith(t, b, w, radiosConfig{
+		sim:            sim.Options{ExecDelay: 12 * time.Second},
+		requestTimeout: 30 * time.Second,
+		wrap: func(d *gatt.Device) agent.Device {
+			return &textStarts{Device: d, started: started}
+		},
+	})
+	long := command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "takes the device 12 s"})
+	w.send(long)
+	waitClosed(t, started, "the command did not start on the device")
+
+	b.hook.refuse.Store(true) // the bridge deleted: its logins are refused
+	b.dropClient(t, "companion-bridge-b1")
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	if _, err := moved.Info(ctx); err != nil {
+		t.Fatalf("the device's new bridge could not reach it in 5 s, the bridge whose login is refused holding its link for a command the server failed: %v", err)
+	}
+	if rs := w.replies("dev-1", long.ID); len(rs) > 0 && companion.IsFinal(rs[len(rs)-1].State) {
+		t.Errorf("the stopped command was answered %s; want it held", rs[len(rs)-1].State)
+	}
+	moved.Close()
+
+	b.hook.refuse.Store(false) // let in again: it runs again
+	if r := w.waitFinal("dev-1", long.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the command held once the bridge is let in: %s reply; want succeeded", r.State)
 	}
 }
 

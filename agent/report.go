@@ -201,14 +201,16 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 		dr.wantStatus, dr.forceStatus, dr.wantSetgs = false, false, false
 		dr.offered = deviceState{}
 		dr.rmu.Unlock()
-		if dr.refused.Load() {
+		if dr.refused.Load() || a.loginRefused.Load() {
 			// The broker refuses the bridge the device's commands: it
 			// was moved to another bridge, or taken off this one, whose
 			// reports the server drops (CONTRACT §9). Read, it was
 			// connected to every minute, its link kept, and a device
 			// that takes one central at a time was kept from its new
 			// bridge (docs/reliability.md, bug 486). A grant asks for
-			// everything again (setRefused).
+			// everything again (setRefused). So when the broker refuses
+			// the bridge's login: deleted, its devices may be another's
+			// (bug 513); every connect asks for everything again.
 			a.releaseRefused(dr)
 			continue
 		}

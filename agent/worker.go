@@ -70,13 +70,16 @@ func (dr *deviceRunner) setRefused(refused bool) {
 		dr.requestReport(true, true, true)
 	case !was && refused:
 		signal(dr.rwake)
-		dr.stopRunning()
+		dr.stopRunning(errRefused)
 	}
 }
 
-// errRefused is why a command is stopped as the broker refuses the bridge
-// its device's commands (stopRunning).
-var errRefused = errors.New("the broker refuses the device's commands to this bridge")
+// Why a command is stopped (stopRunning): the broker refuses the bridge
+// the device's commands, or the bridge's login.
+var (
+	errRefused      = errors.New("the broker refuses the device's commands to this bridge, which may no longer serve it")
+	errLoginRefused = errors.New("the broker refuses the bridge's login: the server deleted it or gave it another secret, and may serve the device through another bridge")
+)
 
 // stopRunning stops the command the worker runs on the device, if any: the
 // broker refuses the bridge the device's commands, which a move to another
@@ -89,24 +92,29 @@ var errRefused = errors.New("the broker refuses the device's commands to this br
 // with the others (holdRefused): a filter the broker grants again (the
 // device moved back, a NATS filter refused while its leaders are elected)
 // runs it again, as a restart would, and the device drops an id it has
-// run.
-func (dr *deviceRunner) stopRunning() {
+// run. So it is when the broker refuses the bridge's login (bug 513): the
+// server deleted the bridge, failing its commands, and the device may have
+// been assigned to a bridge beside it.
+func (dr *deviceRunner) stopRunning(why error) {
 	dr.smu.Lock()
 	defer dr.smu.Unlock()
 	if dr.stop != nil {
-		dr.stop(errRefused)
+		dr.stop(why)
 	}
 }
 
 // stoppable returns a context of ctx that stopRunning cancels, and the
 // function that ends it once the command has run.
-func (dr *deviceRunner) stoppable(ctx context.Context) (context.Context, func()) {
+func (a *Agent) stoppable(ctx context.Context, dr *deviceRunner) (context.Context, func()) {
 	sctx, stop := context.WithCancelCause(ctx)
 	dr.smu.Lock()
 	dr.stop = stop
 	dr.smu.Unlock()
+	// Refused since holdRefused looked.
 	if dr.refused.Load() {
-		stop(errRefused) // refused since holdRefused looked
+		stop(errRefused)
+	} else if a.loginRefused.Load() {
+		stop(errLoginRefused)
 	}
 	return sctx, func() {
 		dr.smu.Lock()
@@ -144,10 +152,15 @@ func (a *Agent) release(dr *deviceRunner, why string) {
 
 // releaseRefused lets the device's link go while the broker refuses the
 // bridge the device's commands: the device was moved to another bridge,
-// or taken off this one (bug 486).
+// or taken off this one (bug 486); or while it refuses the bridge's login:
+// the bridge was deleted, and its devices may be assigned to another
+// (bug 513).
 func (a *Agent) releaseRefused(dr *deviceRunner) {
-	if dr.refused.Load() {
+	switch {
+	case dr.refused.Load():
 		a.release(dr, "the broker refuses its commands to this bridge, which may no longer serve it")
+	case a.loginRefused.Load():
+		a.release(dr, "the broker refuses the bridge's login, and another bridge may serve the device now")
 	}
 }
 
@@ -348,7 +361,7 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 		if !a.markStarted(ctx, r) {
 			return false
 		}
-		sctx, done := dr.stoppable(ctx)
+		sctx, done := a.stoppable(ctx, dr)
 		cctx, cancel := context.WithTimeout(sctx, a.opts.CommandTimeout)
 		result, changed, err := a.runOp(cctx, dr, c)
 		state = changed
@@ -361,8 +374,8 @@ func (a *Agent) execute(ctx context.Context, dr *deviceRunner, r *record) bool {
 			return false
 		}
 		if stopped {
-			log(slog.LevelWarn, "stopped the command: the broker refuses the device's commands to this bridge, which may no longer serve it; "+
-				"it is held with the device's others, and runs again if the broker grants them again")
+			log(slog.LevelWarn, "stopped the command: "+context.Cause(sctx).Error()+
+				"; it is held with the device's others, and runs again once the broker lets them run")
 			a.spool.requeue(r)
 			return true
 		}
