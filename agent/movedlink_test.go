@@ -246,3 +246,57 @@ func twoRadiosWith(t *testing.T, b *testBroker, w *watcher, cfg radiosConfig) *g
 	w.waitStatus("dev-1", "online", func(s topics.Status) bool { return s.Online })
 	return other
 }
+
+// A firmware update running when the broker refuses the bridge its device
+// (moved away) is stopped as any command is (bug 512) while it uploads,
+// but not once the image is marked for test: stopped between the device's
+// reboot into it and its confirmation, the device ran an image nobody
+// confirmed, which MCUboot reverts at its next reset, and its new bridge
+// read a firmware version that would not last. That part takes a reboot's
+// time, seconds, and runs to its end.
+func TestAFirmwareUpdateMarkedForTestIsNotStopped(t *testing.T) {
+	b, hook := startSubscribeBroker(t)
+	w := newWatcher(t, b)
+	bs := startBlobServer(t)
+	dev := &markedOTA{Device: newSim("dev-1"), marked: make(chan struct{}), release: make(chan struct{}), stopped: make(chan struct{})}
+	startBridge(t, b, bs, w, bridgeConfig{
+		devices: []*sim.Device{dev.Device},
+		wrap:    func(*sim.Device) agent.Device { return dev },
+	})
+	c := command(t, "dev-1", topics.OpOTAUpdate, topics.OTAUpdate{Version: "2.0.0", Blob: bs.add(firmwareImage(t, "2.0.0", []byte("new firmware")))})
+	w.send(c)
+	waitClosed(t, dev.marked, "the firmware update did not reach its test phase")
+
+	hook.refuse(mustCommandsFilter(t, "dev-1"))
+	b.dropClient(t, "companion-bridge-b1")
+	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2) // the refusal taken in
+	select {
+	case <-dev.stopped:
+		t.Fatal("a firmware update marked for test on the device was stopped as the broker refused the device: MCUboot reverts it at the next reset, and nobody confirms it")
+	default:
+	}
+	close(dev.release)
+	if r := w.waitFinal("dev-1", c.ID); r.State != companion.StateSucceeded {
+		t.Fatalf("the firmware update: %s reply (%+v); want succeeded", r.State, r.Error)
+	}
+}
+
+// markedOTA is a device whose firmware update says it is past its upload
+// (progress 95: the image marked for test, the device rebooting), then
+// waits for release before it ends.
+type markedOTA struct {
+	*sim.Device
+	marked, release, stopped chan struct{}
+}
+
+func (d *markedOTA) UpdateFirmware(ctx context.Context, cmdID, version string, image []byte, progress func(pct int)) error {
+	progress(95)
+	close(d.marked)
+	select {
+	case <-d.release:
+	case <-ctx.Done():
+		close(d.stopped)
+		return ctx.Err()
+	}
+	return d.Device.UpdateFirmware(ctx, cmdID, version, image, nil)
+}

@@ -103,6 +103,14 @@ func (dr *deviceRunner) stopRunning(why error) {
 	}
 }
 
+// keepRunning lets the running command run to its end whatever comes: a
+// firmware update past its upload (updateFirmware).
+func (dr *deviceRunner) keepRunning() {
+	dr.smu.Lock()
+	dr.stop = nil
+	dr.smu.Unlock()
+}
+
 // stoppable returns a context of ctx that stopRunning cancels, and the
 // function that ends it once the command has run.
 func (a *Agent) stoppable(ctx context.Context, dr *deviceRunner) (context.Context, func()) {
@@ -690,7 +698,21 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 	if err != nil {
 		return nil, deviceState{}, err
 	}
-	if err := dr.dev.UpdateFirmware(ctx, c.ID, p.Version, image, prog.stage(50, 100)); err != nil {
+	device := prog.stage(50, 100)
+	progress := func(pct int) {
+		if pct >= 90 {
+			// The upload done (90: gatt.Device's last chunk
+			// acknowledged; then 92 marked, 95 reset, 98 confirmed),
+			// the image is marked for test and the device reboots into
+			// it: stopped before its confirmation, the device would run
+			// an image nobody confirms, reverted at its next reset
+			// (docs/reliability.md, bug 512). That part takes a
+			// reboot's time, and runs on.
+			dr.keepRunning()
+		}
+		device(pct)
+	}
+	if err := dr.dev.UpdateFirmware(ctx, c.ID, p.Version, image, progress); err != nil {
 		return nil, deviceState{}, err
 	}
 	// UpdateFirmware returning nil means the device runs the image and has
