@@ -388,7 +388,7 @@ func (a *Agent) noteLogin(reason error) {
 		a.log.Warn("holding every device's commands: the broker refuses the bridge's login, which the server deleted or gave another secret")
 		// What runs stops, and the links go: the devices may be assigned
 		// to a bridge beside this one, which a device that takes one
-		// central at a time kept out (docs/reliability.md, bug 513).
+		// central at a time kept out (docs/reliability.md, bug 505).
 		for _, dr := range a.order {
 			dr.stopRunning(errLoginRefused)
 			signal(dr.rwake)

@@ -82,7 +82,7 @@ func TestABridgeAwayFromTheBrokerLetsItsLinksGo(t *testing.T) {
 // The bridge it left now stops the command as the broker refuses it the
 // device, lets the link go, and holds the command with the device's
 // others; the device moved back, the command runs again there
-// (docs/reliability.md, bug 512).
+// (docs/reliability.md, bug 504).
 func TestABridgeStopsTheCommandOfADeviceMovedAway(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
 	w := newWatcher(t, b)
@@ -132,7 +132,7 @@ func TestABridgeStopsTheCommandOfADeviceMovedAway(t *testing.T) {
 // takes one central at a time for that long. The bridge now stops it and
 // lets the link go as the broker refuses its login, as it does when the
 // broker refuses it one device, and runs it again once let in
-// (docs/reliability.md, bug 513).
+// (docs/reliability.md, bug 505).
 func TestABridgeWhoseLoginIsRefusedStopsItsCommands(t *testing.T) {
 	b := startBroker(t)
 	w := newWatcher(t, b)
@@ -248,7 +248,7 @@ func twoRadiosWith(t *testing.T, b *testBroker, w *watcher, cfg radiosConfig) *g
 }
 
 // A firmware update running when the broker refuses the bridge its device
-// (moved away) is stopped as any command is (bug 512) while it uploads,
+// (moved away) is stopped as any command is (bug 504) while it uploads,
 // but not once the image is marked for test: stopped between the device's
 // reboot into it and its confirmation, the device ran an image nobody
 // confirmed, which MCUboot reverts at its next reset, and its new bridge

@@ -210,7 +210,7 @@ func (a *Agent) report(ctx context.Context, dr *deviceRunner) {
 			// bridge (docs/reliability.md, bug 486). A grant asks for
 			// everything again (setRefused). So when the broker refuses
 			// the bridge's login: deleted, its devices may be another's
-			// (bug 513); every connect asks for everything again.
+			// (bug 505); every connect asks for everything again.
 			a.releaseRefused(dr)
 			continue
 		}

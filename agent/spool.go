@@ -714,7 +714,7 @@ func (s *spool) claim(deviceID string, now time.Time) (*record, time.Duration) {
 
 // requeue puts a command its worker claimed, and stopped before its end,
 // back at the head of its device's queue, as possibly started (resumed):
-// it runs again, past its TTL too, and no cancel takes it off (bug 512).
+// it runs again, past its TTL too, and no cancel takes it off (bug 504).
 func (s *spool) requeue(r *record) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

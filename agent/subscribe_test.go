@@ -361,7 +361,7 @@ type blockedText struct {
 	*sim.Device
 	started, release, ended chan struct{}
 	// once: started and ended close at the first run of "blocks"; a run
-	// again (stopped and held, bug 512) goes through.
+	// again (stopped and held, bug 504) goes through.
 	once sync.Once
 }
 
@@ -472,7 +472,7 @@ func (h *subscribeHook) holdSubscribes(t *testing.T, filter string) (answer func
 // NATS does after refusing a filter while its leaders are elected)
 // (docs/reliability.md, bug 240). The command running as the refusal
 // comes is stopped, and held with it: run on, it held the device's link
-// from its new bridge (bug 512).
+// from its new bridge (bug 504).
 func TestCommandsOfADeviceTheBrokerRefusesAreHeld(t *testing.T) {
 	b, hook := startSubscribeBroker(t)
 	q := startBlockedQueue(t, b, newSim("dev-2"))

@@ -88,11 +88,11 @@ var (
 // end (a firmware update, an image over a slow link: minutes), it held the
 // device's link, and a device that takes one central at a time could not
 // be reached by its new bridge for that long (docs/reliability.md, bug
-// 512). The worker puts it back at the head of the device's queue, held
+// 504). The worker puts it back at the head of the device's queue, held
 // with the others (holdRefused): a filter the broker grants again (the
 // device moved back, a NATS filter refused while its leaders are elected)
 // runs it again, as a restart would, and the device drops an id it has
-// run. So it is when the broker refuses the bridge's login (bug 513): the
+// run. So it is when the broker refuses the bridge's login (bug 505): the
 // server deleted the bridge, failing its commands, and the device may have
 // been assigned to a bridge beside it.
 func (dr *deviceRunner) stopRunning(why error) {
@@ -162,7 +162,7 @@ func (a *Agent) release(dr *deviceRunner, why string) {
 // bridge the device's commands: the device was moved to another bridge,
 // or taken off this one (bug 486); or while it refuses the bridge's login:
 // the bridge was deleted, and its devices may be assigned to another
-// (bug 513).
+// (bug 505).
 func (a *Agent) releaseRefused(dr *deviceRunner) {
 	switch {
 	case dr.refused.Load():
@@ -235,7 +235,7 @@ func (a *Agent) work(ctx context.Context, dr *deviceRunner) {
 // a text failed at the move showed on the device after the commands of
 // its new bridge (docs/reliability.md, bug 240). Held, they run if the broker grants the filter again. What
 // runs as the refusal comes is stopped and held with them (stopRunning,
-// bug 512); and while the bridge is away from the broker it
+// bug 504); and while the bridge is away from the broker it
 // cannot know, and runs what it has. So it holds every device's commands
 // while the broker refuses its login (noteLogin, bug 243), and, at start
 // and on every connection, until the broker has answered the device's
@@ -706,7 +706,7 @@ func (a *Agent) updateFirmware(ctx context.Context, dr *deviceRunner, c topics.C
 			// the image is marked for test and the device reboots into
 			// it: stopped before its confirmation, the device would run
 			// an image nobody confirms, reverted at its next reset
-			// (docs/reliability.md, bug 512). That part takes a
+			// (docs/reliability.md, bug 504). That part takes a
 			// reboot's time, and runs on.
 			dr.keepRunning()
 		}

@@ -707,7 +707,7 @@ func TestASentCommandOfAnUnassignedDeviceWaitsQueued(t *testing.T) {
 // bridge it left, refused the device's commands once the move has it
 // subscribe anew, holds the queued one rather than run it on the device
 // (docs/reliability.md, bug 240), and stops the running one, holding it
-// too (bug 512). On every broker.
+// too (bug 504). On every broker.
 func TestMovingADeviceWhileItsBridgeRunsACommand(t *testing.T) {
 	t.Parallel()
 	for _, tb := range withNATS() {
