@@ -104,15 +104,7 @@ func TestABridgeStopsTheCommandOfADeviceMovedAway(t *testing.T) {
 	hook.refuse(filter)
 	b.dropClient(t, "companion-bridge-b1")
 	b.waitBridgeState(t, "b1", topics.BridgeOnline, 2)
-	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-	defer cancel()
-	if _, err := moved.Info(ctx); err != nil {
-		t.Fatalf("the device's new bridge could not reach it in 5 s, the bridge it left holding its link for a command the server failed at the move: %v", err)
-	}
-	if rs := w.replies("dev-1", long.ID); len(rs) > 0 && companion.IsFinal(rs[len(rs)-1].State) {
-		t.Errorf("the stopped command was answered %s; want it held", rs[len(rs)-1].State)
-	}
-	moved.Close()
+	reachedWhileHeld(t, w, moved, long.ID, "the bridge it left holding its link for a command the server failed at the move")
 
 	// Moved back: b1 runs it again (the device drops an id it has run).
 	hook.grant(filter)
@@ -150,20 +142,29 @@ func TestABridgeWhoseLoginIsRefusedStopsItsCommands(t *testing.T) {
 
 	b.hook.refuse.Store(true) // the bridge deleted: its logins are refused
 	b.dropClient(t, "companion-bridge-b1")
-	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-	defer cancel()
-	if _, err := moved.Info(ctx); err != nil {
-		t.Fatalf("the device's new bridge could not reach it in 5 s, the bridge whose login is refused holding its link for a command the server failed: %v", err)
-	}
-	if rs := w.replies("dev-1", long.ID); len(rs) > 0 && companion.IsFinal(rs[len(rs)-1].State) {
-		t.Errorf("the stopped command was answered %s; want it held", rs[len(rs)-1].State)
-	}
-	moved.Close()
+	reachedWhileHeld(t, w, moved, long.ID, "the bridge whose login is refused holding its link for a command the server failed")
 
 	b.hook.refuse.Store(false) // let in again: it runs again
 	if r := w.waitFinal("dev-1", long.ID); r.State != companion.StateSucceeded {
 		t.Fatalf("the command held once the bridge is let in: %s reply; want succeeded", r.State)
 	}
+}
+
+// reachedWhileHeld wants the device's new bridge (moved, closed after) to
+// reach dev-1 within 5 s, which the old one holding its link (held, in a
+// failure) keeps it from, and the old one's command id stopped, not
+// answered final.
+func reachedWhileHeld(t *testing.T, w *watcher, moved *gatt.Device, id, held string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	if _, err := moved.Info(ctx); err != nil {
+		t.Fatalf("the device's new bridge could not reach it in 5 s, %s: %v", held, err)
+	}
+	if rs := w.replies("dev-1", id); len(rs) > 0 && companion.IsFinal(rs[len(rs)-1].State) {
+		t.Errorf("the stopped command was answered %s; want it held", rs[len(rs)-1].State)
+	}
+	moved.Close()
 }
 
 // textStarts is a device whose PushText closes started as it begins.
