@@ -41,6 +41,7 @@ const (
 	ImgErrInvalidImageHeader      = 22
 	ImgErrInvalidImageHeaderMagic = 23
 	ImgErrInvalidHash             = 24
+	ImgErrInvalidFlashAddress     = 25
 	ImgErrCurrentVersionIsNewer   = 27
 	ImgErrImageAlreadyPending     = 28
 	ImgErrImageTooLarge           = 30
@@ -125,8 +126,15 @@ func (e *Error) ErrorCode() string {
 	}
 	if e.GroupRC != 0 {
 		switch {
-		case e.Group == GroupImage && (e.GroupRC >= ImgErrInvalidOffset && e.GroupRC <= ImgErrInvalidHash ||
+		case e.Group == GroupImage && (e.GroupRC >= ImgErrInvalidOffset && e.GroupRC <= ImgErrInvalidFlashAddress ||
 			e.GroupRC == ImgErrImageTooLarge || e.GroupRC == ImgErrDataOverrun):
+			// Error 25, invalid flash address, is img_mgmt_upload_inspect's
+			// refusal of an image built for a fixed address (imgtool
+			// --rom-fixed, MCUboot direct-XIP) other than the free slot's:
+			// the image is wrong for the device, as it is for its size
+			// (error 30). SMP version 1 says it as rc 3 (EINVAL), which
+			// was invalid_payload while version 2's was device_error
+			// (docs/reliability.md, bug 552).
 			return CodeInvalidPayload
 		case e.Group == GroupSettings && (e.GroupRC == SettingsErrKeyTooLong || e.GroupRC == SettingsErrKeyNotFound ||
 			e.GroupRC == SettingsErrRootKeyNotFound):
