@@ -9,7 +9,7 @@ import "testing"
 // makes each of them rc 3 (EINVAL). Before, error 25 (invalid flash
 // address: an image built with imgtool --rom-fixed for the other slot of a
 // direct-XIP device) was device_error in version 2 and invalid_payload in
-// version 1 (docs/reliability.md, bug 552).
+// version 1 (docs/reliability.md, bug 506).
 func TestImageErrorsOfTheImageAgreeAcrossSMPVersions(t *testing.T) {
 	for _, grc := range []int{ImgErrInvalidOffset, ImgErrInvalidLength, ImgErrInvalidImageHeader,
 		ImgErrInvalidHash, ImgErrInvalidFlashAddress} {

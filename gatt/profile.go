@@ -134,7 +134,7 @@ func (e *Error) ErrorCode() string {
 			// the image is wrong for the device, as it is for its size
 			// (error 30). SMP version 1 says it as rc 3 (EINVAL), which
 			// was invalid_payload while version 2's was device_error
-			// (docs/reliability.md, bug 552).
+			// (docs/reliability.md, bug 506).
 			return CodeInvalidPayload
 		case e.Group == GroupSettings && (e.GroupRC == SettingsErrKeyTooLong || e.GroupRC == SettingsErrKeyNotFound ||
 			e.GroupRC == SettingsErrRootKeyNotFound):
