@@ -378,7 +378,7 @@ var foreignFlags = map[string]string{
 	"always": "git describe", "dirty": "git describe", "build-arg": "docker build",
 	"cacert": "curl", "data-binary": "curl", "path-as-is": "curl",
 	"cafile": "mosquitto_sub", "capath": "mosquitto_sub",
-	"confirm": "imgtool sign", "pad": "imgtool sign", "key": "imgtool sign", "max-align": "imgtool sign", "sha": "imgtool sign",
+	"confirm": "imgtool sign", "pad": "imgtool sign", "key": "imgtool sign", "max-align": "imgtool sign", "sha": "imgtool sign", "rom-fixed": "imgtool sign",
 	"map-root-user": "unshare", "mount": "unshare", "pid": "unshare", "fsize": "prlimit",
 	"stop-timeout": "docker run", "memory": "docker run", "platform": "docker build", "cache-to": "docker buildx build",
 	"compress": "HTTPie", "failed": "systemctl",
