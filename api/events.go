@@ -715,7 +715,13 @@ func resetFrame(reason string) string {
 func streamHeaders(c *gin.Context) {
 	h := c.Writer.Header()
 	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-store")
+	// no-transform: a proxy or CDN that compresses what it passes on
+	// (Cloudflare, Express's compression, an API gateway) holds a
+	// stream's events in its compressor's buffer, for minutes at the
+	// rate of a quiet stream, unless told not to transform it (RFC 9111
+	// §5.2.2.6); it then passes the bytes as they come
+	// (docs/reliability.md, bug 532).
+	h.Set("Cache-Control", "no-store, no-transform")
 	h.Set("X-Accel-Buffering", "no") // no proxy buffering
 	c.Status(http.StatusOK)
 }

@@ -985,3 +985,34 @@ func TestEventsQuietStreamKeepsItsPlace(t *testing.T) {
 		})
 	}
 }
+
+// A stream's headers tell a proxy or CDN that compresses what it passes
+// on not to transform it (RFC 9111 §5.2.2.6: no-transform), as it would
+// otherwise hold the stream's events in its compressor's buffer; and
+// nginx not to buffer it. GET and HEAD alike (docs/reliability.md,
+// bug 532).
+func TestEventsStreamHeadersForbidProxyTransforms(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	for _, method := range []string{"GET", "HEAD"} {
+		req, err := http.NewRequestWithContext(t.Context(), method, e.srv.URL+"/api/v1/events", nil)
+		require.NoError(t, err)
+		req.Header.Set("Authorization", "Bearer "+tok)
+		req.Header.Set("Accept", "text/event-stream")
+		req.Header.Set("Accept-Encoding", "gzip")
+		res, err := e.srv.Client().Do(req)
+		require.NoError(t, err)
+		res.Body.Close()
+		require.Equal(t, http.StatusOK, res.StatusCode, method)
+		checkProxyHeaders(t, method, res.Header)
+	}
+}
+
+func checkProxyHeaders(t *testing.T, method string, h http.Header) {
+	t.Helper()
+	cc := strings.Split(strings.ReplaceAll(h.Get("Cache-Control"), " ", ""), ",")
+	assert.Contains(t, cc, "no-store", "%s: Cache-Control %q", method, h.Get("Cache-Control"))
+	assert.Contains(t, cc, "no-transform", "%s: Cache-Control %q lets a compressing proxy hold the stream's events", method, h.Get("Cache-Control"))
+	assert.Equal(t, "no", h.Get("X-Accel-Buffering"), method)
+	assert.Empty(t, h.Get("Content-Encoding"), method)
+}
