@@ -1016,3 +1016,39 @@ func checkProxyHeaders(t *testing.T, method string, h http.Header) {
 	assert.Equal(t, "no", h.Get("X-Accel-Buffering"), method)
 	assert.Empty(t, h.Get("Content-Encoding"), method)
 }
+
+// The Last-Event-ID that api/openapi.json gives as its example (what an
+// API explorer's "Try it" and a generated client's documentation send)
+// resumes a stream, and the ids of its example stream are ids this store
+// hands out: the example had 20 digits, a 422 invalid_cursor on either
+// store (docs/reliability.md, bug 533).
+func TestEventsOpenAPIExampleIDsResume(t *testing.T) {
+	e := newEventsEnv(t, EventsOptions{})
+	tok := e.bound("dev-1")
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(openapiJSON, &doc))
+	item := doc["paths"].(map[string]any)["/api/v1/events"].(map[string]any)
+	var ids []string
+	for _, method := range []string{"get", "head"} {
+		for _, p := range item[method].(map[string]any)["parameters"].([]any) {
+			if p := p.(map[string]any); p["name"] == "Last-Event-ID" {
+				ids = append(ids, p["example"].(string))
+			}
+		}
+	}
+	stream := item["get"].(map[string]any)["responses"].(map[string]any)["200"].(map[string]any)["content"].(map[string]any)["text/event-stream"].(map[string]any)["example"].(string)
+	for _, line := range strings.Split(stream, "\n") {
+		if id, ok := strings.CutPrefix(line, "id: "); ok {
+			ids = append(ids, id)
+		}
+	}
+	require.Len(t, ids, 4)
+	e.push(t, tok, "dev-1")
+	for _, id := range ids {
+		req := sseRequest(t, e.srv.URL+"/api/v1/events", tok, map[string]string{"Last-Event-ID": id})
+		res, err := e.srv.Client().Do(req.WithContext(t.Context()))
+		require.NoError(t, err)
+		res.Body.Close()
+		assert.Equal(t, http.StatusOK, res.StatusCode, "api/openapi.json's example id %q is refused", id)
+	}
+}
