@@ -720,7 +720,7 @@ func streamHeaders(c *gin.Context) {
 	// stream's events in its compressor's buffer, for minutes at the
 	// rate of a quiet stream, unless told not to transform it (RFC 9111
 	// §5.2.2.6); it then passes the bytes as they come
-	// (docs/reliability.md, bug 532).
+	// (docs/reliability.md, bug 507).
 	h.Set("Cache-Control", "no-store, no-transform")
 	h.Set("X-Accel-Buffering", "no") // no proxy buffering
 	c.Status(http.StatusOK)

@@ -990,7 +990,7 @@ func TestEventsQuietStreamKeepsItsPlace(t *testing.T) {
 // on not to transform it (RFC 9111 §5.2.2.6: no-transform), as it would
 // otherwise hold the stream's events in its compressor's buffer; and
 // nginx not to buffer it. GET and HEAD alike (docs/reliability.md,
-// bug 532).
+// bug 507).
 func TestEventsStreamHeadersForbidProxyTransforms(t *testing.T) {
 	e := newEventsEnv(t, EventsOptions{})
 	tok := e.bound("dev-1")
@@ -1021,7 +1021,7 @@ func checkProxyHeaders(t *testing.T, method string, h http.Header) {
 // API explorer's "Try it" and a generated client's documentation send)
 // resumes a stream, and the ids of its example stream are ids this store
 // hands out: the example had 20 digits, a 422 invalid_cursor on either
-// store (docs/reliability.md, bug 533).
+// store (docs/reliability.md, bug 508).
 func TestEventsOpenAPIExampleIDsResume(t *testing.T) {
 	e := newEventsEnv(t, EventsOptions{})
 	tok := e.bound("dev-1")
