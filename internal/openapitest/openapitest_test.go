@@ -132,7 +132,7 @@ func TestTransport(t *testing.T) {
 	})
 	mux.HandleFunc("GET /api/v1/events", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
-		w.Header().Set("Cache-Control", "no-store")
+		w.Header().Set("Cache-Control", "no-store, no-transform")
 		w.WriteHeader(http.StatusOK)
 		w.(http.Flusher).Flush()
 		for {
