@@ -457,13 +457,25 @@ func (b *BlueZ) removeObjectLocked(path dbus.ObjectPath) {
 	b.conn.Emit("/", ifaceObjMgr+".InterfacesRemoved", path, o.ifaces)
 }
 
+// all is the object's properties, for GetManagedObjects. A byte array (a
+// characteristic's Value) is a copy: prop keeps one array for a property
+// and stores a value no longer than it into it, in place, so the array the
+// reply held was written by the next notification while the reply was
+// encoded, after the call had returned (a data race, seen in make test,
+// 2026-12-01).
 func (o *object) all() map[string]map[string]dbus.Variant {
 	m := map[string]map[string]dbus.Variant{}
 	for _, iface := range o.ifaces {
 		v, err := o.props.GetAll(iface)
-		if err == nil {
-			m[iface] = v
+		if err != nil {
+			continue
 		}
+		for name, val := range v {
+			if b, ok := val.Value().([]byte); ok {
+				v[name] = dbus.MakeVariant(slices.Clone(b))
+			}
+		}
+		m[iface] = v
 	}
 	return m
 }
