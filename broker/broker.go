@@ -165,7 +165,10 @@ type Broker struct {
 	// noisy logs the lines of what bridges send that a bridge can repeat
 	// as fast as it publishes (a malformed message, a reply of no
 	// command): once a minute per line and device (bug 379).
-	noisy  *logevery.Log
+	noisy *logevery.Log
+	// hourly logs the warnings of a bridge misconfigured on the broker
+	// (noteUnheard, checkStateless): once an hour per bridge.
+	hourly *logevery.Log
 	now    func() time.Time
 	client mqtt.Client
 
@@ -352,6 +355,7 @@ func New(opts Options) (*Broker, error) {
 	b := &Broker{
 		opts:        opts,
 		noisy:       logevery.New(log, time.Minute, nil),
+		hourly:      logevery.New(log, time.Hour, now),
 		st:          opts.Store,
 		tree:        opts.Topics,
 		log:         log,

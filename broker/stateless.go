@@ -2,7 +2,7 @@ package broker
 
 import (
 	"fmt"
-	"slices"
+	"maps"
 	"sync"
 	"time"
 )
@@ -21,12 +21,11 @@ const StatelessAfter = time.Minute
 type stateless struct {
 	mu    sync.Mutex
 	first map[string]time.Time // bridge id: its devices' first live message taken in
-	said  map[string]time.Time // bridge id: when its warning was last logged
 	after time.Duration        // StatelessAfter, shorter in tests
 }
 
 func newStateless() *stateless {
-	return &stateless{first: map[string]time.Time{}, said: map[string]time.Time{}, after: StatelessAfter}
+	return &stateless{first: map[string]time.Time{}, after: StatelessAfter}
 }
 
 // heardLive notes a live message (a reply, a status report) of a device
@@ -47,7 +46,6 @@ func (b *Broker) heardLive(bridgeID string) {
 func (s *stateless) forget(bridgeID string) {
 	s.mu.Lock()
 	delete(s.first, bridgeID)
-	delete(s.said, bridgeID)
 	s.mu.Unlock()
 }
 
@@ -67,35 +65,23 @@ func (b *Broker) checkStateless() {
 	s := b.stateless
 	now := b.now()
 	s.mu.Lock()
-	var late []string
+	late := map[string]time.Duration{} // bridge id: heard from for
 	for id, at := range s.first {
-		if now.Sub(at) >= s.after {
-			late = append(late, id)
+		if d := now.Sub(at); d >= s.after {
+			late[id] = d
 		}
 	}
 	s.mu.Unlock()
 	b.mu.Lock()
-	late = slices.DeleteFunc(late, func(id string) bool {
+	maps.DeleteFunc(late, func(id string, _ time.Duration) bool {
 		_, stated := b.bridgeGen[id]
 		return stated
 	})
 	b.mu.Unlock()
-	slices.Sort(late)
 	b.opts.Observer.BridgesStateless(len(late))
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for id, at := range s.said {
-		if now.Sub(at) >= unheardWarnEvery {
-			delete(s.said, id)
-		}
-	}
-	for _, id := range late {
-		if _, ok := s.said[id]; ok {
-			continue
-		}
-		s.said[id] = now
-		b.log.Warn("a bridge whose devices report has never said its state: the MQTT broker drops its state messages, so once the bridge is gone its devices will read online for good and their commands wait sent",
-			"bridge_id", id, "heard_for", now.Sub(s.first[id]).Round(time.Second), "hint", b.statelessHint(id))
+	for id, d := range late {
+		b.hourly.Warn("stateless\x00"+id, "a bridge whose devices report has never said its state: the MQTT broker drops its state messages, so once the bridge is gone its devices will read online for good and their commands wait sent",
+			"bridge_id", id, "heard_for", d.Round(time.Second), "hint", b.statelessHint(id))
 	}
 }
 

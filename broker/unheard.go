@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"time"
 
 	"github.com/devicecompanion/companion"
 )
@@ -20,18 +19,14 @@ import (
 // at least, with no word at all are no slow bridge.
 const UnheardRepeats = 3
 
-// unheardWarnEvery is how often the warning of one bridge is logged.
-const unheardWarnEvery = time.Hour
-
 // unheard is what noteUnheard keeps between runs of retrySent; only the
 // retry loop touches it.
 type unheard struct {
-	repeats map[string]int       // sent command id: times sent again with no word since
-	said    map[string]time.Time // bridge id: when its warning was last logged
+	repeats map[string]int // sent command id: times sent again with no word since
 }
 
 func newUnheard() *unheard {
-	return &unheard{repeats: map[string]int{}, said: map[string]time.Time{}}
+	return &unheard{repeats: map[string]int{}}
 }
 
 // noteUnheard counts the repeats of the commands retrySent sent again
@@ -71,12 +66,6 @@ func (b *Broker) noteUnheard(ctx context.Context, u *unheard, sent, again []comp
 			byDevice[d] = append(byDevice[d], id)
 		}
 	}
-	now := b.now()
-	for id, at := range u.said {
-		if now.Sub(at) >= unheardWarnEvery {
-			delete(u.said, id)
-		}
-	}
 	if len(byDevice) == 0 {
 		b.opts.Observer.BridgesUnheard(0)
 		return
@@ -111,15 +100,11 @@ func (b *Broker) noteUnheard(ctx context.Context, u *unheard, sent, again []comp
 	}
 	b.opts.Observer.BridgesUnheard(len(bridges))
 	for id, bu := range bridges {
-		if _, ok := u.said[id]; ok {
-			continue
-		}
-		u.said[id] = now
 		shown := bu.devices
 		if len(shown) > 10 {
 			shown = shown[:10]
 		}
-		b.log.Warn("a bridge that reads online said nothing of commands sent to it again and again: the MQTT broker does not let it read its devices' commands, or drops its replies",
+		b.hourly.Warn("unheard\x00"+id, "a bridge that reads online said nothing of commands sent to it again and again: the MQTT broker does not let it read its devices' commands, or drops its replies",
 			"bridge_id", id, "commands", bu.commands, "devices", len(bu.devices), "device_ids", shown,
 			"repeats", UnheardRepeats, "hint", b.unheardHint(id))
 	}

@@ -1086,23 +1086,15 @@ func (d *Driver) create(ctx context.Context, a account) error {
 // which the server never touches. A bridge of that id got a secret that
 // opened nothing (docs/reliability.md, bug 500).
 func (d *Driver) NameTaken(ctx context.Context, name string) (bool, error) {
-	rs, err := d.Do(ctx, Command{"command": "getClient", "username": name})
-	if err != nil {
-		return false, err
+	// As a bridge's: a user's id is no bridge's (the store refuses it).
+	_, err := d.getOurClient(ctx, name, "bridge", BridgeRole(name))
+	switch {
+	case errors.Is(err, errNotOurs):
+		return true, nil
+	case err == nil || notFound(err):
+		return false, nil
 	}
-	if err := rs[0].Err(); err != nil {
-		if notFound(err) {
-			return false, nil
-		}
-		return false, err
-	}
-	var got struct {
-		Client client `json:"client"`
-	}
-	if err := json.Unmarshal(rs[0].Data, &got); err != nil {
-		return false, err
-	}
-	return !got.Client.ours("bridge", BridgeRole(name)) && !got.Client.ours("user", UserRole(name)), nil
+	return false, err
 }
 
 // ourClient checks that the client named username is one the server made:
