@@ -382,18 +382,8 @@ func TestWithoutParametersALargeMTUIsBoundByTheBuffer(t *testing.T) {
 				return data, nil
 			}
 			s := sim.New(sim.Options{ID: "dev-1"})
-			n := sim.NewNetwork(opts)
 			p := sim.NewPeripheral(s, tc.popts)
-			n.Add("dev-1", p)
-			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap}, MinBackoff: time.Millisecond,
-				ProbeTimeout: 300 * time.Millisecond, RequestTimeout: 2 * time.Second, QuietTimeout: 200 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				d.Close()
-				n.Close()
-			})
+			d, n := tappedDevice(t, opts, p, tap)
 			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 			defer cancel()
 			if _, err := d.Info(ctx); err != nil {
@@ -467,17 +457,7 @@ func TestWithoutParametersBuffersOf256AreFound(t *testing.T) {
 				return data, nil
 			}
 			s := sim.New(sim.Options{ID: "dev-1"})
-			n := sim.NewNetwork(opts)
-			n.Add("dev-1", sim.NewPeripheral(s, tc.popts))
-			d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap}, MinBackoff: time.Millisecond,
-				ProbeTimeout: 300 * time.Millisecond, RequestTimeout: 2 * time.Second, QuietTimeout: 200 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				d.Close()
-				n.Close()
-			})
+			d, _ := tappedDevice(t, opts, sim.NewPeripheral(s, tc.popts), tap)
 			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 			defer cancel()
 			if _, err := d.Info(ctx); err != nil {
@@ -524,4 +504,23 @@ func TestWithoutParametersBuffersShorterThanAWriteAreFound(t *testing.T) {
 			}
 		})
 	}
+}
+
+// tappedDevice is dev-1, the peripheral p on a network of opts, reached
+// through tap, with the probe and request timeouts of the buffer tests;
+// closed, and its network, as the test ends.
+func tappedDevice(t *testing.T, opts sim.LinkOptions, p *sim.Peripheral, tap func(gatt.Link, []byte) ([]byte, error)) (*gatt.Device, *sim.Network) {
+	t.Helper()
+	n := sim.NewNetwork(opts)
+	n.Add("dev-1", p)
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &tapConnector{Connector: n, tap: tap}, MinBackoff: time.Millisecond,
+		ProbeTimeout: 300 * time.Millisecond, RequestTimeout: 2 * time.Second, QuietTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.Close()
+		n.Close()
+	})
+	return d, n
 }
