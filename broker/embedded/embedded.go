@@ -309,7 +309,7 @@ func New(opts Options) (*Server, error) {
 			s.bridgeBack(id.ID)
 		}
 	}
-	s.will = &willHook{wills: map[*mqtt.Client]bool{}}
+	s.will = &willHook{wills: map[*mqtt.Client]*willState{}}
 	// Four hooks, one job each: who may do what, queued messages resent in
 	// publish order, incoming packets kept off the ids of queued ones, the
 	// Wills the server holds kept from being published. The order matters:

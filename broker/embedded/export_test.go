@@ -33,9 +33,11 @@ func OnConnectionEnded(f func()) (undo func()) {
 	return func() { testHookEnded.Store(nil) }
 }
 
-// Wills is how many connections the Will hook knows of.
+// Wills is how many connections the Will hook knows of, those it would
+// forget by now swept first.
 func Wills(s *Server) int {
 	s.will.mu.Lock()
 	defer s.will.mu.Unlock()
+	s.will.sweepLocked()
 	return len(s.will.wills)
 }

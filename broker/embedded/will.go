@@ -2,6 +2,7 @@ package embedded
 
 import (
 	"sync"
+	"time"
 
 	mqtt "github.com/mochi-mqtt/server/v2"
 	"github.com/mochi-mqtt/server/v2/packets"
@@ -19,8 +20,23 @@ type willHook struct {
 	mqtt.HookBase
 
 	mu    sync.Mutex
-	wills map[*mqtt.Client]bool // connected with a Will still to publish → held by the server
+	wills map[*mqtt.Client]*willState // connected with a Will still to publish
 }
+
+// willState is what the hook knows of a connection with a Will.
+type willState struct {
+	held        bool // by the server: mochi is to publish none
+	established bool // mochi sent its CONNACK and reads it (OnSessionEstablished)
+}
+
+// deadAfter is how long after its connection closed a connection that
+// never got to OnSessionEstablished is forgotten (sweepLocked). Mochi
+// calls neither OnWill nor OnDisconnect for one whose CONNACK it could not
+// send (closed, say by DisconnectBridge, as it was made): kept, each such
+// connection stayed in the map for good (seen in make test, 2026-12-01).
+// Between the CONNACK and OnSessionEstablished mochi only resends the
+// session's inflight messages, well within a second.
+const deadAfter = time.Second
 
 // ID names the hook in mochi's log.
 func (h *willHook) ID() string { return "companion-will" }
@@ -28,7 +44,7 @@ func (h *willHook) ID() string { return "companion-will" }
 // Provides lists the events the hook handles.
 func (h *willHook) Provides(b byte) bool {
 	switch b {
-	case mqtt.OnSessionEstablish, mqtt.OnWill, mqtt.OnDisconnect:
+	case mqtt.OnSessionEstablish, mqtt.OnSessionEstablished, mqtt.OnWill, mqtt.OnDisconnect:
 		return true
 	}
 	return false
@@ -43,7 +59,29 @@ func (h *willHook) OnSessionEstablish(cl *mqtt.Client, pk packets.Packet) {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.wills[cl] = false
+	h.sweepLocked()
+	h.wills[cl] = &willState{}
+}
+
+// OnSessionEstablished notes that mochi reads cl: its connection ends in
+// OnWill or OnDisconnect.
+func (h *willHook) OnSessionEstablished(cl *mqtt.Client, _ packets.Packet) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if w := h.wills[cl]; w != nil {
+		w.established = true
+	}
+}
+
+// sweepLocked forgets the connections closed deadAfter ago or more that
+// mochi never read.
+func (h *willHook) sweepLocked() {
+	now := time.Now().Unix()
+	for cl, w := range h.wills {
+		if stopped := cl.StopTime(); !w.established && cl.Closed() && stopped > 0 && now-stopped >= int64(deadAfter/time.Second) {
+			delete(h.wills, cl)
+		}
+	}
 }
 
 // hold keeps cl's Will from being published as its connection closes. It
@@ -53,11 +91,11 @@ func (h *willHook) OnSessionEstablish(cl *mqtt.Client, pk packets.Packet) {
 func (h *willHook) hold(cl *mqtt.Client) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	held, ok := h.wills[cl]
-	if !ok || held {
+	w, ok := h.wills[cl]
+	if !ok || w.held {
 		return false
 	}
-	h.wills[cl] = true
+	w.held = true
 	return true
 }
 
@@ -67,9 +105,9 @@ func (h *willHook) hold(cl *mqtt.Client) bool {
 func (h *willHook) OnWill(cl *mqtt.Client, will mqtt.Will) (mqtt.Will, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	held := h.wills[cl]
+	w := h.wills[cl]
 	delete(h.wills, cl)
-	if held {
+	if w != nil && w.held {
 		return mqtt.Will{}, nil
 	}
 	return will, nil
