@@ -51,9 +51,7 @@ func (s *Server) bodyIdle(c *gin.Context) {
 		minRate: s.limits.BodyMinRate,
 		http1:   r.ProtoMajor == 1,
 		cut:     &s.reads.cut,
-		stalled: &Error{Code: CodeBodyTimeout, Detail: "no byte of the body came for " + seconds(s.limits.BodyIdle)},
-		slow: &Error{Code: CodeBodyTimeout, Detail: fmt.Sprintf("the body came at less than %d bytes a second on average, after %s",
-			s.limits.BodyMinRate, seconds(s.limits.BodyIdle))},
+		details: &s.bodyTimeouts,
 	}
 	s.reads.add(b)
 	defer s.reads.remove(b)
@@ -77,8 +75,23 @@ func (s *Server) bodyIdle(c *gin.Context) {
 	c.Next()
 }
 
-// idleBody is a request body whose reads fail with stalled once the client
-// has sent nothing for idle, and with slow once the client has kept its
+// bodyTimeouts are the details of a body's 408s, worked out once from the
+// limits rather than for every request.
+type bodyTimeouts struct {
+	stalled string // nothing came in time
+	slow    string // the body fell below the least rate
+}
+
+func newBodyTimeouts(l Limits) bodyTimeouts {
+	return bodyTimeouts{
+		stalled: "no byte of the body came for " + seconds(l.BodyIdle),
+		slow: fmt.Sprintf("the body came at less than %d bytes a second on average, after %s",
+			l.BodyMinRate, seconds(l.BodyIdle)),
+	}
+}
+
+// idleBody is a request body whose reads fail (408) once the client
+// has sent nothing for idle, and once the client has kept its
 // reads waiting longer than idle plus 1/minRate s for each byte it sent:
 // its average rate, past the first idle of waiting, is below minRate. Only
 // the time spent in its reads counts, not the handler's between them. Like
@@ -105,8 +118,7 @@ type idleBody struct {
 	minRate int64 // bytes a second; <= 0: no minimum
 	http1   bool
 	cut     *atomic.Bool  // set by EndBodyReads: every read fails at once
-	stalled error         // a read's error when nothing came in time
-	slow    error         // a read's error when the body fell below minRate
+	details *bodyTimeouts // of a read's error when the body is late
 	waited  time.Duration // how long the reads have waited for the body
 	got     int64         // the bytes they returned
 	byRate  bool          // the deadline set last is minRate's, not idle's
@@ -136,9 +148,9 @@ func (b *idleBody) Read(p []byte) (int, error) {
 			case b.cut.Load():
 				err = errShuttingDown
 			case b.byRate:
-				err = b.slow
+				err = &Error{Code: CodeBodyTimeout, Detail: b.details.slow}
 			default:
-				err = b.stalled
+				err = &Error{Code: CodeBodyTimeout, Detail: b.details.stalled}
 			}
 		}
 		b.err = err

@@ -401,7 +401,9 @@ type Server struct {
 	accounts   BrokerAccounts // nil: nothing to tell
 	serverMQTT string         // the server's account on the MQTT broker; "" none
 	limits     Limits
-	ready      func(context.Context) error
+	// bodyTimeouts are the details of bodyIdle's 408s.
+	bodyTimeouts bodyTimeouts
+	ready        func(context.Context) error
 	// unavailable tells the store's errors of being unreachable.
 	unavailable func(error) bool
 	events      *Events // the hub of GET /events; nil: none
@@ -480,6 +482,7 @@ func New(opts Options) (*Server, error) {
 	s.notJudged = logevery.New(s.log, time.Minute, s.now)
 	s.refused = logevery.New(s.log, time.Minute, s.now)
 	s.bodies.max = limits.MaxBodyBytesPerUser
+	s.bodyTimeouts = newBodyTimeouts(limits)
 	if opts.AdminToken != "" {
 		s.adminHash = companion.HashSecret(opts.AdminToken)
 	}
