@@ -17,7 +17,10 @@ type Relay struct {
 	conns []net.Conn // open on either side, held ones included
 	mode  relayMode
 	ended bool // the test has ended
-	wg    sync.WaitGroup
+	// held, while not nil, keeps what the clients send (HoldUplink) until
+	// it is closed (ReleaseUplink).
+	held chan struct{}
+	wg   sync.WaitGroup
 }
 
 type relayMode int
@@ -41,6 +44,7 @@ func NewRelay(tb testing.TB, target string) *Relay {
 	r.wg.Go(r.accept)
 	tb.Cleanup(func() {
 		ln.Close()
+		r.ReleaseUplink()
 		r.mu.Lock()
 		r.ended = true
 		r.mu.Unlock()
@@ -79,6 +83,38 @@ func (r *Relay) Restore() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.mode = forwarding
+}
+
+// HoldUplink keeps what the clients send, on every connection, present or
+// to come, from reaching the target until ReleaseUplink, which forwards it
+// then, in order; what the target sends flows on. A client's packets
+// stall in its uplink (a congested cellular link, a busy gateway) while it
+// reads what it is sent: its acknowledgements and replies arrive late, all
+// at once, and neither side's TCP finds its peer gone.
+func (r *Relay) HoldUplink() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.held == nil {
+		r.held = make(chan struct{})
+	}
+}
+
+// ReleaseUplink forwards what HoldUplink kept, and what the clients send
+// from now on.
+func (r *Relay) ReleaseUplink() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.held != nil {
+		close(r.held)
+		r.held = nil
+	}
+}
+
+// uplinkHeld returns the channel a client's bytes wait on (nil: none).
+func (r *Relay) uplinkHeld() chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.held
 }
 
 func (r *Relay) breakLink(m relayMode) {
@@ -123,8 +159,8 @@ func (r *Relay) accept() {
 			continue
 		}
 		if r.keep(forwarding, c, s) {
-			r.wg.Go(func() { r.forward(s, c) })
-			r.wg.Go(func() { r.forward(c, s) })
+			r.wg.Go(func() { r.forward(s, c, true) })
+			r.wg.Go(func() { r.forward(c, s, false) })
 		}
 	}
 }
@@ -147,14 +183,20 @@ func (r *Relay) keep(m relayMode, conns ...net.Conn) bool {
 }
 
 // forward copies src to dst until either fails, dropping what it reads
-// while the link is a blackhole. A side that ends closes both, unless the
+// while the link is a blackhole, and holding what a client sends (up)
+// while the uplink is held. A side that ends closes both, unless the
 // link is a blackhole by then: then they stay open until the test ends.
-func (r *Relay) forward(dst, src net.Conn) {
+func (r *Relay) forward(dst, src net.Conn, up bool) {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if err != nil {
 			break
+		}
+		if up {
+			if h := r.uplinkHeld(); h != nil {
+				<-h
+			}
 		}
 		if r.current() == blackhole {
 			continue
