@@ -355,7 +355,11 @@ func (s *Server) assign(c *gin.Context, deviceID, ownerID string) error {
 	if err != nil {
 		return err
 	}
+	// The word of the device's bridge on the commands on their way to it
+	// comes in before the move, while the broker still takes it (bug 509).
+	release := s.cmds.PrepareMove(deviceID)
 	previous, err := s.store.AssignDevice(actx, deviceID, bridge, ownerID)
+	release()
 	deviceNotFound, bridgeNotFound := errDeviceNotFound, &Error{Code: CodeBridgeNotFound}
 	if ownerID == "" {
 		deviceNotFound, bridgeNotFound = errAdminDeviceNotFnd, errAdminBridgeNotFnd

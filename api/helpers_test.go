@@ -71,6 +71,8 @@ func (f *fakeCommander) Submit(ctx context.Context, c companion.Command, idem *c
 	return cmd, replayed, nil
 }
 
+func (f *fakeCommander) PrepareMove(string) func() { return func() {} }
+
 func (f *fakeCommander) DeviceMoved(id string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -85,6 +85,11 @@ type Commander interface {
 	// Wait returns when the command is final or ctx is done, with the
 	// command's latest state either way.
 	Wait(ctx context.Context, id string) (companion.Command, error)
+	// PrepareMove is called before a device's bridge changes in the store:
+	// it waits (a moment at most) for the word of the device's bridge on
+	// the commands on their way to it, and holds the device's commands
+	// until release, called once the store has the move or refused it.
+	PrepareMove(deviceID string) (release func())
 	// DeviceMoved says a device changed bridges (or lost its bridge): its
 	// unfinished commands go to the bridge that serves it now.
 	DeviceMoved(deviceID string)

@@ -196,6 +196,9 @@ type Broker struct {
 	// disk is still queued: until the bridge answers, or sentDelay after
 	// the PUBACK, when "sent" is written (see flushSent).
 	flying map[string]*outgoing
+	// moving counts, per device, the moves under way (PrepareMove): the
+	// outbox publishes none of the device's commands meanwhile.
+	moving map[string]int
 	// landed holds the ids that landed since the outbox last read the
 	// store, while it publishes what it read: the store said queued (or
 	// not final) before they landed. Those that ended (true, land) must
@@ -367,6 +370,7 @@ func New(opts Options) (*Broker, error) {
 		offline:     make(map[string]bool),
 		resend:      make(map[string]bool),
 		flying:      make(map[string]*outgoing),
+		moving:      make(map[string]int),
 		lastOut:     make(map[string]string),
 		named:       make(map[string]bool),
 		recheck:     make(map[string]bool),

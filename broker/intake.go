@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/devicecompanion/companion"
@@ -112,6 +113,133 @@ func (b *Broker) takeMoved(payload []byte) {
 		return
 	}
 	b.resendDevice(id)
+}
+
+// moveWordWait bounds how long a move waits for the word of the bridge a
+// device leaves on the commands on their way to it (PrepareMove). A bridge
+// that took a command says "delivered" deliveredDelay (a quarter of a
+// second) after it took it, or its final reply sooner.
+const moveWordWait = 2 * time.Second
+
+// moveWordRecent is how recent a command's PUBACK, or its "sent", must be
+// for a move to wait for the bridge's word on it: a bridge that took one
+// longer ago has answered, and the word on an older one was lost.
+const moveWordRecent = 10 * time.Second
+
+// PrepareMove is called before a device's bridge changes in the store: it
+// waits for the word of the device's bridge on the device's commands on
+// their way to it, published and not answered (queued on disk still, or
+// written sent) within moveWordWait, and holds the device's commands in
+// the outbox until release, which the caller calls once the store has the
+// move (or refused it), before DeviceMoved.
+//
+// The bridge says "delivered" only a quarter of a second after it takes a
+// command (agent's deliveredDelay), and may hand it to the device at once.
+// Read queued or sent at the move, such a command went to the new bridge
+// as well, and the device was handed it twice; and the bridge's word came
+// too late, dropped, the broker's rights having moved with the store
+// (docs/reliability.md, bug 509). Before the move the word comes in, and
+// DeviceMoved fails what the bridge had (failLeft). What has no word by
+// then it never had, or its word is lost: that goes to the new bridge, as
+// before. Held in the outbox meanwhile, none of the device's commands goes
+// to the bridge it leaves. Only the dispatcher knows what is flying: a
+// replica that does not dispatch waits only for the sent ones.
+func (b *Broker) PrepareMove(deviceID string) (release func()) {
+	b.mu.Lock()
+	b.moving[deviceID]++
+	b.mu.Unlock()
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			b.mu.Lock()
+			if b.moving[deviceID]--; b.moving[deviceID] <= 0 {
+				delete(b.moving, deviceID)
+			}
+			b.scan = true // what the outbox held meanwhile is queued on disk
+			b.mu.Unlock()
+			b.wake()
+		})
+	}
+	b.awaitWord(context.Background(), deviceID)
+	return release
+}
+
+// awaitWord waits for the word of the device's bridge on its commands on
+// their way (PrepareMove).
+func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
+	open, err := b.st.CountOpen(ctx, deviceID)
+	if err != nil || open == 0 {
+		return // failLeft logs a failed read
+	}
+	now, real := b.now(), time.Now()
+	ch := make(chan companion.Command, 64)
+	waiting := map[string]bool{}
+	var ids []string
+	defer func() {
+		for _, id := range ids {
+			b.forget(id, ch)
+		}
+	}()
+	q := companion.CommandQuery{DeviceID: deviceID, Limit: 100}
+	for open > 0 {
+		page, more, err := b.st.ListCommands(ctx, q)
+		if err != nil {
+			break
+		}
+		b.mu.Lock()
+		for _, c := range page {
+			if companion.IsFinal(c.State) {
+				continue
+			}
+			open--
+			o := b.flying[c.ID]
+			var recent bool
+			switch {
+			case c.State == companion.StateQueued && o != nil && o.published:
+				recent = o.acked.IsZero() || real.Sub(o.acked) < moveWordRecent // its PUBACK to come, or come
+			case c.State == companion.StateSent:
+				recent = now.Sub(c.UpdatedAt) < moveWordRecent
+			}
+			if recent {
+				waiting[c.ID] = true
+				ids = append(ids, c.ID)
+				b.waiters[c.ID] = append(b.waiters[c.ID], ch)
+			}
+		}
+		b.mu.Unlock()
+		if !more {
+			break
+		}
+		q.Before = page[len(page)-1].ID
+	}
+	if len(waiting) == 0 {
+		return
+	}
+	// A word that came before the waiters were in is in the store.
+	for id := range waiting {
+		if c, err := b.st.Command(ctx, id); err == nil && c.State != companion.StateQueued && c.State != companion.StateSent {
+			delete(waiting, id)
+		}
+	}
+	if len(waiting) == 0 {
+		return
+	}
+	b.log.Info("moving a device: waiting for its bridge's word on the commands on their way to it", "device_id", deviceID, "commands", len(waiting))
+	t := time.NewTimer(moveWordWait)
+	defer t.Stop()
+	for len(waiting) > 0 {
+		select {
+		case c := <-ch:
+			if c.State != companion.StateQueued && c.State != companion.StateSent {
+				delete(waiting, c.ID)
+			}
+		case <-t.C:
+			b.log.Info("moving a device: no word from its bridge on commands on their way to it; they go to its new bridge", "device_id", deviceID, "commands", len(waiting))
+			return
+		case <-b.quit:
+			return
+		}
+	}
 }
 
 // failLeft fails the commands of a device that changed bridges that the

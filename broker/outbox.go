@@ -314,6 +314,9 @@ func (b *Broker) publish(cmds []companion.Command, again func(companion.Command)
 			// of the pass, none goes out before one held.
 			held[c.DeviceID] = true
 		}
+		if b.isMoving(c.DeviceID) {
+			held[c.DeviceID] = true // a move of the device is under way (PrepareMove)
+		}
 		if bridge == unread || held[c.DeviceID] {
 			// The store did not say which bridge serves the device: its
 			// commands wait, as they are, for the next pass. Or one of its
@@ -596,6 +599,14 @@ func (b *Broker) landAs(id string, ended bool) {
 		b.landed[id] = b.landed[id] || ended
 	}
 	b.mu.Unlock()
+}
+
+// isMoving reports whether a move of the device is under way
+// (PrepareMove).
+func (b *Broker) isMoving(deviceID string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.moving[deviceID] > 0
 }
 
 // isFlying reports whether a command queued on disk is with the MQTT
