@@ -258,20 +258,26 @@ func (s *Server) upload(c *gin.Context, limit int64, check func(io.Reader) io.Re
 // application/x-www-form-urlencoded, with its line breaks removed), which
 // would otherwise be published as the package. Any other type, or none
 // (curl -T sends none), is taken: the bytes are the bytes, whatever their
-// label, and an app package may well be JSON.
+// label, and an app package may well be JSON. Two labels of different
+// types are refused (contentTypes): one may be a form's.
 func checkUploadType(r *http.Request) error {
-	ct := r.Header.Get("Content-Type")
-	if ct == "" {
-		return nil
-	}
-	mt, _, err := mime.ParseMediaType(ct)
+	labels, err := contentTypes(r)
 	if err != nil {
-		return nil // a label we cannot read says nothing of the bytes
+		return err
 	}
-	switch mt {
-	case "multipart/form-data", "application/x-www-form-urlencoded":
-		return &Error{Code: CodeUnsupportedMedia, Detail: "an upload is the file's bytes as they are, not a form (" + mt +
-			"): send them with curl -T FILE or --data-binary @FILE, as application/octet-stream or with no Content-Type"}
+	for _, ct := range labels {
+		if strings.TrimSpace(ct) == "" {
+			continue
+		}
+		mt, _, err := mime.ParseMediaType(ct)
+		if err != nil {
+			continue // a label we cannot read says nothing of the bytes
+		}
+		switch mt {
+		case "multipart/form-data", "application/x-www-form-urlencoded":
+			return &Error{Code: CodeUnsupportedMedia, Detail: "an upload is the file's bytes as they are, not a form (" + mt +
+				"): send them with curl -T FILE or --data-binary @FILE, as application/octet-stream or with no Content-Type"}
+		}
 	}
 	return nil
 }

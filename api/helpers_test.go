@@ -277,6 +277,9 @@ type req struct {
 	method, path, token string
 	body                any // []byte and string go as they are; anything else as JSON
 	header              map[string]string
+	// headers sets each header to all its values (a header sent twice),
+	// after header.
+	headers map[string][]string
 }
 
 // send makes the request and reads the answer, and checks both against
@@ -314,6 +317,12 @@ func (e *env) send(r req) resp {
 			hr.Header.Del(k)
 		} else {
 			hr.Header.Set(k, v)
+		}
+	}
+	for k, vs := range r.headers {
+		hr.Header.Del(k)
+		for _, v := range vs {
+			hr.Header.Add(k, v)
 		}
 	}
 	res, err := e.srv.Client().Do(hr)

@@ -29,18 +29,64 @@ import (
 	"github.com/gin-gonic/gin"
 )
 
-// checkJSONType refuses a request whose Content-Type is not JSON in UTF-8.
+// checkJSONType refuses a request whose Content-Type is not JSON in UTF-8:
+// each of its labels (contentTypes) must say so.
 func checkJSONType(r *http.Request) error {
-	mt, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
-	if err != nil || mt != "application/json" {
-		return &Error{Code: CodeUnsupportedMedia}
+	labels, err := contentTypes(r)
+	if err != nil {
+		return err
 	}
-	for k, v := range params {
-		if k != "charset" || !isUTF8Label(v) {
-			return &Error{Code: CodeUnsupportedMedia, Detail: "this operation takes application/json in UTF-8"}
+	if len(labels) == 0 {
+		labels = []string{""}
+	}
+	for _, label := range labels {
+		mt, params, err := mime.ParseMediaType(label)
+		if err != nil || mt != "application/json" {
+			return &Error{Code: CodeUnsupportedMedia}
+		}
+		for k, v := range params {
+			if k != "charset" || !isUTF8Label(v) {
+				return &Error{Code: CodeUnsupportedMedia, Detail: "this operation takes application/json in UTF-8"}
+			}
 		}
 	}
 	return nil
+}
+
+// contentTypes returns the labels of a request's body: the values of its
+// Content-Type headers, a value that lists several (as a proxy joins a
+// header sent twice, "a, b") split. Labels of different media types are a
+// 415: RFC 9110 §8.3 allows one, the server read the first, and a proxy,
+// a WAF or a log may read another; a JSON body labelled text/plain too was
+// taken, and an app package sent as a form (curl -F) behind an
+// application/octet-stream label was published as the form's envelope
+// (docs/reliability.md, bug 510). The same type twice is one type.
+func contentTypes(r *http.Request) ([]string, error) {
+	var labels []string
+	for _, v := range r.Header.Values("Content-Type") {
+		if _, _, err := mime.ParseMediaType(v); err != nil && strings.Contains(v, ",") {
+			labels = append(labels, strings.Split(v, ",")...)
+		} else {
+			labels = append(labels, v)
+		}
+	}
+	for _, l := range labels[min(1, len(labels)):] {
+		if a, b := mediaType(labels[0]), mediaType(l); a != b {
+			return nil, &Error{Code: CodeUnsupportedMedia, Detail: fmt.Sprintf(
+				"the request has two Content-Type labels of different types, %q and %q: send one", a, b)}
+		}
+	}
+	return labels, nil
+}
+
+// mediaType is the media type of a Content-Type label ("type/subtype", in
+// lower case), or the label itself, trimmed and in lower case, when it
+// cannot be read.
+func mediaType(label string) string {
+	if mt, _, err := mime.ParseMediaType(label); err == nil {
+		return mt
+	}
+	return strings.ToLower(strings.TrimSpace(label))
 }
 
 // checkCoding refuses (415, with Accept-Encoding: identity, RFC 9110
