@@ -199,6 +199,9 @@ type Broker struct {
 	// moving counts, per device, the moves under way (PrepareMove): the
 	// outbox publishes none of the device's commands meanwhile.
 	moving map[string]int
+	// words holds, per command id, the moves waiting for the bridge's
+	// word on the command (awaitWord), which landAs wakes.
+	words map[string][]chan struct{}
 	// landed holds the ids that landed since the outbox last read the
 	// store, while it publishes what it read: the store said queued (or
 	// not final) before they landed. Those that ended (true, land) must
@@ -371,6 +374,7 @@ func New(opts Options) (*Broker, error) {
 		resend:      make(map[string]bool),
 		flying:      make(map[string]*outgoing),
 		moving:      make(map[string]int),
+		words:       make(map[string][]chan struct{}),
 		lastOut:     make(map[string]string),
 		named:       make(map[string]bool),
 		recheck:     make(map[string]bool),

@@ -165,21 +165,16 @@ func (b *Broker) PrepareMove(deviceID string) (release func()) {
 }
 
 // awaitWord waits for the word of the device's bridge on its commands on
-// their way (PrepareMove).
+// their way (PrepareMove). A reply taken in, or "sent" written, wakes it
+// (landAs), and it reads the command again: a reply that is not final
+// notifies no Wait.
 func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
 	open, err := b.st.CountOpen(ctx, deviceID)
 	if err != nil || open == 0 {
 		return // failLeft logs a failed read
 	}
 	now, real := b.now(), time.Now()
-	ch := make(chan companion.Command, 64)
-	waiting := map[string]bool{}
 	var ids []string
-	defer func() {
-		for _, id := range ids {
-			b.forget(id, ch)
-		}
-	}()
 	q := companion.CommandQuery{DeviceID: deviceID, Limit: 100}
 	for open > 0 {
 		page, more, err := b.st.ListCommands(ctx, q)
@@ -193,17 +188,15 @@ func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
 			}
 			open--
 			o := b.flying[c.ID]
-			var recent bool
 			switch {
 			case c.State == companion.StateQueued && o != nil && o.published:
-				recent = o.acked.IsZero() || real.Sub(o.acked) < moveWordRecent // its PUBACK to come, or come
+				if o.acked.IsZero() || real.Sub(o.acked) < moveWordRecent { // its PUBACK to come, or come
+					ids = append(ids, c.ID)
+				}
 			case c.State == companion.StateSent:
-				recent = now.Sub(c.UpdatedAt) < moveWordRecent
-			}
-			if recent {
-				waiting[c.ID] = true
-				ids = append(ids, c.ID)
-				b.waiters[c.ID] = append(b.waiters[c.ID], ch)
+				if now.Sub(c.UpdatedAt) < moveWordRecent {
+					ids = append(ids, c.ID)
+				}
 			}
 		}
 		b.mu.Unlock()
@@ -212,13 +205,37 @@ func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
 		}
 		q.Before = page[len(page)-1].ID
 	}
-	if len(waiting) == 0 {
+	if len(ids) == 0 {
 		return
 	}
-	// A word that came before the waiters were in is in the store.
-	for id := range waiting {
-		if c, err := b.st.Command(ctx, id); err == nil && c.State != companion.StateQueued && c.State != companion.StateSent {
-			delete(waiting, id)
+	ch := make(chan struct{}, 1) // a wake pending reads every one again
+	b.mu.Lock()
+	for _, id := range ids {
+		b.words[id] = append(b.words[id], ch)
+	}
+	b.mu.Unlock()
+	defer func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		for _, id := range ids {
+			list := slices.DeleteFunc(b.words[id], func(c chan struct{}) bool { return c == ch })
+			if len(list) == 0 {
+				delete(b.words, id)
+			} else {
+				b.words[id] = list
+			}
+		}
+	}()
+	// Without a word yet: read again now that a word wakes this, so that
+	// none that came in meanwhile is missed.
+	waiting := map[string]bool{}
+	heard := func(id string) bool {
+		c, err := b.st.Command(ctx, id)
+		return err != nil || c.State != companion.StateQueued && c.State != companion.StateSent
+	}
+	for _, id := range ids {
+		if !heard(id) {
+			waiting[id] = true
 		}
 	}
 	if len(waiting) == 0 {
@@ -229,9 +246,11 @@ func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
 	defer t.Stop()
 	for len(waiting) > 0 {
 		select {
-		case c := <-ch:
-			if c.State != companion.StateQueued && c.State != companion.StateSent {
-				delete(waiting, c.ID)
+		case <-ch:
+			for id := range waiting {
+				if heard(id) {
+					delete(waiting, id)
+				}
 			}
 		case <-t.C:
 			b.log.Info("moving a device: no word from its bridge on commands on their way to it; they go to its new bridge", "device_id", deviceID, "commands", len(waiting))

@@ -598,6 +598,12 @@ func (b *Broker) landAs(id string, ended bool) {
 	if b.landed != nil {
 		b.landed[id] = b.landed[id] || ended
 	}
+	for _, ch := range b.words[id] {
+		select {
+		case ch <- struct{}{}: // a move waits for the bridge's word on it (awaitWord)
+		default:
+		}
+	}
 	b.mu.Unlock()
 }
 

@@ -50,7 +50,8 @@ func TestAMoveWaitsForTheWordOfTheBridgeItLeaves(t *testing.T) {
 	} {
 		t.Run(tb.name, func(t *testing.T) {
 			waiting := newLogSignal("moving a device: waiting for its bridge's word")
-			logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), waiting), &slog.HandlerOptions{Level: slog.LevelInfo}))
+			unheard := newLogSignal("no word from its bridge on commands on their way")
+			logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), waiting, unheard), &slog.HandlerOptions{Level: slog.LevelInfo}))
 			m, mqttURL := tb.start(t, logger)
 			f := setupFleet(t, m, "dev-1")
 			registerDevices(t, f, "dev-1")
@@ -102,6 +103,11 @@ func TestAMoveWaitsForTheWordOfTheBridgeItLeaves(t *testing.T) {
 				}
 			}
 			require.Equal(t, 200, status)
+			select {
+			case <-unheard.seen:
+				t.Error("the move waited out its bound, though bridge-1's word came in")
+			default:
+			}
 			close(release)
 
 			next := f.user.pushText("dev-1", "on bridge-2")
