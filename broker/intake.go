@@ -129,9 +129,9 @@ const moveWordRecent = 10 * time.Second
 // PrepareMove is called before a device's bridge changes in the store: it
 // waits for the word of the device's bridge on the device's commands on
 // their way to it, published and not answered (queued on disk still, or
-// written sent) within moveWordWait, and holds the device's commands in
-// the outbox until release, which the caller calls once the store has the
-// move (or refused it), before DeviceMoved.
+// written sent) within moveWordRecent, for moveWordWait at most, and holds
+// the device's commands in the outbox until release, which the caller
+// calls once the store has the move (or refused it), before DeviceMoved.
 //
 // The bridge says "delivered" only a quarter of a second after it takes a
 // command (agent's deliveredDelay), and may hand it to the device at once.
