@@ -199,6 +199,7 @@ type Broker struct {
 	// moving counts, per device, the moves under way (PrepareMove): the
 	// outbox publishes none of the device's commands meanwhile.
 	moving map[string]int
+	moves  atomic.Int32 // the moves under way, of every device
 	// words holds, per command id, the moves waiting for the bridge's
 	// word on the command (awaitWord), which landAs wakes.
 	words map[string][]chan struct{}

@@ -147,11 +147,13 @@ const moveWordRecent = 10 * time.Second
 func (b *Broker) PrepareMove(deviceID string) (release func()) {
 	b.mu.Lock()
 	b.moving[deviceID]++
+	b.moves.Add(1)
 	b.mu.Unlock()
 	var once sync.Once
 	release = func() {
 		once.Do(func() {
 			b.mu.Lock()
+			b.moves.Add(-1)
 			if b.moving[deviceID]--; b.moving[deviceID] <= 0 {
 				delete(b.moving, deviceID)
 			}

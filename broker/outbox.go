@@ -610,6 +610,9 @@ func (b *Broker) landAs(id string, ended bool) {
 // isMoving reports whether a move of the device is under way
 // (PrepareMove).
 func (b *Broker) isMoving(deviceID string) bool {
+	if b.moves.Load() == 0 {
+		return false // no lock taken for each command published
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.moving[deviceID] > 0
