@@ -83,8 +83,8 @@ func asAccepted(c companion.Command) companion.Command {
 // commandBody reads the JSON body of a request that creates a command into
 // req, and answers a repeat of an Idempotency-Key request (replayed). fields
 // holds the body's encoding errors, for the caller's checks to extend.
-func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any) (idem *companion.Idempotency, fields []FieldError, replayed bool, err error) {
-	body, err := readJSON(c, limit, optional, req)
+func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any) (idem *companion.Idempotency, body *jsonBody, replayed bool, err error) {
+	body, err = readJSON(c, limit, optional, req)
 	if err != nil {
 		return nil, nil, false, err
 	}
@@ -92,7 +92,7 @@ func (s *Server) commandBody(c *gin.Context, limit int64, optional bool, req any
 	if err != nil || replayed {
 		return nil, nil, replayed, err
 	}
-	return idem, body.fieldErrors(), false, nil
+	return idem, body, false, nil
 }
 
 // send hands a new command to the broker. desired, for a settings.update,
@@ -187,19 +187,23 @@ func (s *Server) answerCommand(c *gin.Context, cmd companion.Command, status int
 	return s.reply(c, status, toCommand(cmd), loc, nil, nil)
 }
 
-// ttl checks an optional ttl_seconds.
-func (s *Server) ttl(v *float64) (time.Duration, []FieldError) {
+// ttl checks an optional ttl_seconds, v as decoded and lit as the body
+// writes it. The number is judged by its digits (wholeNumber), not by the
+// float64 nearest them: 59.99999999999999999 and 604800.00000000000001
+// read as 60 and 604800, and were taken (docs/reliability.md, bug 529).
+func (s *Server) ttl(v *float64, lit json.RawMessage) (time.Duration, []FieldError) {
 	if v == nil {
 		return s.limits.DefaultTTL, nil
 	}
-	lo, hi := s.limits.MinTTL.Seconds(), s.limits.MaxTTL.Seconds()
+	lo, hi := int64(s.limits.MinTTL.Seconds()), int64(s.limits.MaxTTL.Seconds())
+	n, whole, fits := wholeNumber(lit)
 	switch {
-	case *v != math.Trunc(*v):
+	case !whole:
 		return 0, []FieldError{{Field: "ttl_seconds", Message: "must be a whole number of seconds"}}
-	case *v < lo || *v > hi:
-		return 0, []FieldError{{Field: "ttl_seconds", Message: fmt.Sprintf("must be between %d and %d", int64(lo), int64(hi))}}
+	case !fits || n < lo || n > hi:
+		return 0, []FieldError{{Field: "ttl_seconds", Message: fmt.Sprintf("must be between %d and %d", lo, hi)}}
 	}
-	return time.Duration(*v) * time.Second, nil
+	return time.Duration(n) * time.Second, nil
 }
 
 type pushTextRequest struct {
@@ -214,10 +218,11 @@ func (s *Server) pushText(c *gin.Context) error {
 		return err
 	}
 	var req pushTextRequest
-	idem, fields, replayed, err := s.commandBody(c, s.limits.textBody(), false, &req)
+	idem, body, replayed, err := s.commandBody(c, s.limits.textBody(), false, &req)
 	if err != nil || replayed {
 		return err
 	}
+	fields := body.fieldErrors()
 	notUTF8 := map[string]bool{} // named so already
 	for _, f := range fields {
 		notUTF8[f.Field] = true
@@ -237,7 +242,7 @@ func (s *Server) pushText(c *gin.Context) error {
 	case !notUTF8["title"]:
 		fields = append(fields, checkText("title", req.Title, "", " (a title is one line)")...)
 	}
-	ttl, bad := s.ttl(req.TTL)
+	ttl, bad := s.ttl(req.TTL, body.members["ttl_seconds"])
 	fields = append(fields, bad...)
 	if err := validationError(fields); err != nil {
 		return err
@@ -417,13 +422,14 @@ func (s *Server) pushImage(c *gin.Context) error {
 		return err
 	}
 	var req pushImageRequest
-	idem, fields, replayed, err := s.commandBody(c, s.limits.imageBody(), false, &req)
+	idem, body, replayed, err := s.commandBody(c, s.limits.imageBody(), false, &req)
 	if err != nil || replayed {
 		return err
 	}
+	fields := body.fieldErrors()
 	data, cfg, ctype, bad := s.checkImage(req.Image, req.ContentType)
 	fields = append(fields, bad...)
-	ttl, bad := s.ttl(req.TTL)
+	ttl, bad := s.ttl(req.TTL, body.members["ttl_seconds"])
 	fields = append(fields, bad...)
 	if err := validationError(fields); err != nil {
 		return err
@@ -481,10 +487,11 @@ func (s *Server) installApp(c *gin.Context) error {
 		return err
 	}
 	var req installRequest
-	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, false, &req)
+	idem, body, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, false, &req)
 	if err != nil || replayed {
 		return err
 	}
+	fields := body.fieldErrors()
 	switch {
 	case req.AppID == "":
 		fields = append(fields, FieldError{Field: "app_id", Message: "is required"})
@@ -533,10 +540,11 @@ func (s *Server) updateApp(c *gin.Context) error {
 		return errNoAppID
 	}
 	var req versionRequest
-	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, true, &req)
+	idem, body, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, true, &req)
 	if err != nil || replayed {
 		return err
 	}
+	fields := body.fieldErrors()
 	fields = append(fields, checkVersion("version", req.Version)...)
 	if err := validationError(fields); err != nil {
 		return err
@@ -690,6 +698,21 @@ func (s *Server) putSettings(c *gin.Context) error {
 		if v, err := topics.DecodeValue(raw); err == nil {
 			req[k] = v
 		}
+		// A number is what its digits say: 7.0 and 7e0 are the int 7
+		// exactly (9007199254740993.0 too), and one with a fraction is
+		// no int even where the float64 nearest it is one
+		// (100.00000000000000000000001 read as 100, within a max of
+		// 100; docs/reliability.md, bug 529). Such a number stays as
+		// written: an int setting refuses it, and a device whose schema
+		// is not known yet is sent its digits.
+		if f, ok := req[k].(float64); ok {
+			switch n, whole, fits := wholeNumber(raw); {
+			case whole && fits:
+				req[k] = n
+			case !whole && f == math.Trunc(f):
+				req[k] = json.Number(raw)
+			}
+		}
 	}
 	fields := body.fieldErrors()
 	bad := map[string]bool{}
@@ -754,7 +777,7 @@ func settingValues(req map[string]any) []FieldError {
 			continue
 		}
 		switch req[k].(type) {
-		case float64, int64, bool, string:
+		case float64, int64, json.Number, bool, string:
 		default:
 			errs = append(errs, FieldError{Field: k, Message: "must be a number, true or false, or a string"})
 		}
@@ -822,10 +845,11 @@ func (s *Server) otaUpdate(c *gin.Context) error {
 		return err
 	}
 	var req versionRequest
-	idem, fields, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, true, &req)
+	idem, body, replayed, err := s.commandBody(c, s.limits.MaxJSONBody, true, &req)
 	if err != nil || replayed {
 		return err
 	}
+	fields := body.fieldErrors()
 	fields = append(fields, checkVersion("version", req.Version)...)
 	if err := validationError(fields); err != nil {
 		return err

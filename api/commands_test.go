@@ -246,7 +246,7 @@ func TestOverlappingSettingsChangesKeepTheirOrder(t *testing.T) {
 // for ever (CONTRACT §2, §8).
 func TestSettingSpelledOtherwiseIsNotDesiredOnceReported(t *testing.T) {
 	for _, tt := range []struct{ spelling, value string }{
-		{"7", "7"}, {"7.0", "7"}, {"7e0", "7"}, {"70e-1", "7"}, {"7.000000000000000001", "7"},
+		{"7", "7"}, {"7.0", "7"}, {"7e0", "7"}, {"70e-1", "7"}, {"7.000000000000000000", "7"},
 		{"-0", "0"}, {"-0.0", "0"}, {"0e5", "0"}, // -0 is 0, as the device reports it
 	} {
 		spelling := tt.spelling
