@@ -831,8 +831,16 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			p := 100
 			c.Progress = &p
 		}
-		if r.Error != nil {
+		switch {
+		case r.Error != nil:
 			c.Error = &companion.CommandError{Code: r.Error.Code, Message: r.Error.Message}
+		case r.State == companion.StateExpired:
+			// The bridge's word is the state alone (agent/spool.go): the
+			// command reads as one the server expired, with its error
+			// (docs/reliability.md, bug 530).
+			c.Error = errExpired()
+		case r.State == companion.StateCanceled:
+			c.Error = &companion.CommandError{Code: "canceled", Message: "canceled by its bridge"}
 		}
 		if len(r.Result) > 0 {
 			c.Result = append(json.RawMessage(nil), r.Result...)

@@ -901,6 +901,12 @@ func (o *onlineReader) known(deviceID string) bool {
 	return !ok || on
 }
 
+// errExpired is the error of an expired command, whoever expired it: the
+// server (expire) or its bridge, whose reply says the state alone.
+func errExpired() *companion.CommandError {
+	return &companion.CommandError{Code: "expired", Message: "the command was not delivered before it expired"}
+}
+
 // expire ends a command that was not delivered in time. online says
 // whether its device reads online as expiredAt read it before: expire
 // reads nothing more within the store's transaction.
@@ -914,7 +920,7 @@ func (b *Broker) expire(ctx context.Context, id string, online *onlineReader) {
 		}
 		was = c.State
 		c.State = companion.StateExpired
-		c.Error = &companion.CommandError{Code: "expired", Message: "the command was not delivered before it expired"}
+		c.Error = errExpired()
 		return nil
 	})
 	b.opts.Observer.StoreWrite(StoreWriteExpire, time.Since(start))
