@@ -190,7 +190,7 @@ func (s *Server) answerCommand(c *gin.Context, cmd companion.Command, status int
 // ttl checks an optional ttl_seconds, v as decoded and lit as the body
 // writes it. The number is judged by its digits (wholeNumber), not by the
 // float64 nearest them: 59.99999999999999999 and 604800.00000000000001
-// read as 60 and 604800, and were taken (docs/reliability.md, bug 529).
+// read as 60 and 604800, and were taken (docs/reliability.md, bug 511).
 func (s *Server) ttl(v *float64, lit json.RawMessage) (time.Duration, []FieldError) {
 	if v == nil {
 		return s.limits.DefaultTTL, nil
@@ -702,7 +702,7 @@ func (s *Server) putSettings(c *gin.Context) error {
 		// exactly (9007199254740993.0 too), and one with a fraction is
 		// no int even where the float64 nearest it is one
 		// (100.00000000000000000000001 read as 100, within a max of
-		// 100; docs/reliability.md, bug 529). Such a number stays as
+		// 100; docs/reliability.md, bug 511). Such a number stays as
 		// written: an int setting refuses it, and a device whose schema
 		// is not known yet is sent its digits.
 		if f, ok := req[k].(float64); ok {

@@ -14,7 +14,7 @@ import (
 // A number is judged by its digits, not by the float64 nearest them: a
 // ttl_seconds a hair past 60–604800, or a setting a hair past its max or
 // off a whole number, was read as the bound or the int it rounds to, and
-// taken (docs/reliability.md, bug 529).
+// taken (docs/reliability.md, bug 511).
 func TestNumbersJudgedByTheirDigits(t *testing.T) {
 	e := newEnv(t)
 	tok := e.bound("dev-1")

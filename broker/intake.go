@@ -837,7 +837,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		case r.State == companion.StateExpired:
 			// The bridge's word is the state alone (agent/spool.go): the
 			// command reads as one the server expired, with its error
-			// (docs/reliability.md, bug 530).
+			// (docs/reliability.md, bug 512).
 			c.Error = errExpired()
 		case r.State == companion.StateCanceled:
 			c.Error = &companion.CommandError{Code: "canceled", Message: "canceled by its bridge"}

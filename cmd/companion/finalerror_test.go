@@ -18,7 +18,7 @@ import (
 // TTL as it arrives, or held behind a long one, with the state alone), and
 // the command read `"state": "expired"` with no `error`, where one the
 // server expired had `{"code": "expired", …}` (docs/reliability.md,
-// bug 530).
+// bug 512).
 func TestBridgeEndedCommandCarriesItsError(t *testing.T) {
 	m := startServer(t, Config{})
 	f := setupFleet(t, m, "dev-1")
