@@ -17,15 +17,31 @@ import (
 	"github.com/devicecompanion/companion/internal/mochitest"
 )
 
-// countingConn counts the reads that reach the connection.
+// countingConn counts the reads and the writes that reach the connection.
 type countingConn struct {
 	net.Conn
-	reads *atomic.Int64
+	reads, writes *atomic.Int64
 }
 
 func (c countingConn) Read(p []byte) (int, error) {
 	c.reads.Add(1)
 	return c.Conn.Read(p)
+}
+
+func (c countingConn) Write(p []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(p)
+}
+
+// counting is a dialer for open whose connections count their reads and
+// writes.
+func counting(reads, writes *atomic.Int64) func(mqtt.ClientOptions) dialFunc {
+	return func(mqtt.ClientOptions) dialFunc {
+		return func(network, addr string) (net.Conn, error) {
+			c, err := net.Dial(network, addr)
+			return countingConn{Conn: c, reads: reads, writes: writes}, err
+		}
+	}
 }
 
 // TestOneReadTakesManyPackets: a client that receives n small QoS 1
@@ -34,19 +50,13 @@ func (c countingConn) Read(p []byte) (int, error) {
 func TestOneReadTakesManyPackets(t *testing.T) {
 	_, url := mochitest.Start(t, new(mochitest.AllowAll))
 	const n = 500
-	var reads atomic.Int64
-	counting := func(mqtt.ClientOptions) dialFunc {
-		return func(network, addr string) (net.Conn, error) {
-			c, err := net.Dial(network, addr)
-			return countingConn{Conn: c, reads: &reads}, err
-		}
-	}
+	var reads, writes atomic.Int64
 
 	var mu sync.Mutex
 	var got []string
 	all := make(chan struct{})
 	sub := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("sub").
-		SetOrderMatters(true).SetCustomOpenConnectionFn(open(counting)))
+		SetOrderMatters(true).SetCustomOpenConnectionFn(open(counting(&reads, &writes))))
 	if err := mqtt.WaitTokenTimeout(sub.Connect(), 10*time.Second); err != nil {
 		t.Fatalf("Connect = %v", err)
 	}
@@ -122,30 +132,13 @@ func TestBufferedOnlyForPlainTCP(t *testing.T) {
 	}
 }
 
-// writeCounting counts the writes that reach the connection.
-type writeCounting struct {
-	net.Conn
-	writes *atomic.Int64
-}
-
-func (c writeCounting) Write(p []byte) (int, error) {
-	c.writes.Add(1)
-	return c.Conn.Write(p)
-}
-
 // TestManyPacketsInOneWrite: a client that publishes n QoS 1 messages at
 // once writes its connection fewer times than it writes packets, and
 // every message arrives, in order. Paho alone writes once per packet.
 func TestManyPacketsInOneWrite(t *testing.T) {
 	_, url := mochitest.Start(t, new(mochitest.AllowAll))
 	const n = 2000
-	var writes atomic.Int64
-	counting := func(mqtt.ClientOptions) dialFunc {
-		return func(network, addr string) (net.Conn, error) {
-			c, err := net.Dial(network, addr)
-			return writeCounting{Conn: c, writes: &writes}, err
-		}
-	}
+	var reads, writes atomic.Int64
 
 	got := make(chan string, n)
 	sub := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("sub").SetOrderMatters(true))
@@ -159,7 +152,7 @@ func TestManyPacketsInOneWrite(t *testing.T) {
 	}
 
 	pub := mqtt.NewClient(mqtt.NewClientOptions().AddBroker(url).SetClientID("pub").
-		SetCustomOpenConnectionFn(open(counting)))
+		SetCustomOpenConnectionFn(open(counting(&reads, &writes))))
 	if err := mqtt.WaitTokenTimeout(pub.Connect(), 10*time.Second); err != nil {
 		t.Fatalf("Connect = %v", err)
 	}
