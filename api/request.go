@@ -64,10 +64,14 @@ func checkJSONType(r *http.Request) error {
 func contentTypes(r *http.Request) ([]string, error) {
 	var labels []string
 	for _, v := range r.Header.Values("Content-Type") {
-		if _, _, err := mime.ParseMediaType(v); err != nil && strings.Contains(v, ",") {
+		if !strings.Contains(v, ",") {
+			labels = append(labels, v) // parsed once, by the caller
+			continue
+		}
+		if _, _, err := mime.ParseMediaType(v); err != nil {
 			labels = append(labels, strings.Split(v, ",")...)
 		} else {
-			labels = append(labels, v)
+			labels = append(labels, v) // a comma in a quoted parameter
 		}
 	}
 	for _, l := range labels[min(1, len(labels)):] {
