@@ -223,7 +223,17 @@ func (s *Server) deleteUserBridge(c *gin.Context) error {
 	if err != nil {
 		return err
 	}
+	// The word of the bridge on the commands on their way to it comes in
+	// before its devices lose it, while the broker still takes it: what it
+	// had must not go to their next bridge (bug 553, as bug 509 for a move).
+	release := func() {}
+	if b, err := s.store.Bridge(ctx, id); err == nil && b.OwnerID == user.ID {
+		if devs, err := s.store.ServedDevices(ctx, id); err == nil && len(devs) > 0 {
+			release = s.cmds.PrepareMove(devs...)
+		}
+	}
 	served, err := s.store.DeleteBridge(actx, id, user.ID)
+	release()
 	switch {
 	case errors.Is(err, companion.ErrNotFound):
 		return &Error{Code: CodeBridgeNotFound}

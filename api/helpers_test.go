@@ -71,7 +71,7 @@ func (f *fakeCommander) Submit(ctx context.Context, c companion.Command, idem *c
 	return cmd, replayed, nil
 }
 
-func (f *fakeCommander) PrepareMove(string) func() { return func() {} }
+func (f *fakeCommander) PrepareMove(...string) func() { return func() {} }
 
 func (f *fakeCommander) DeviceMoved(id string) {
 	f.mu.Lock()

@@ -28,6 +28,8 @@ type Store interface {
 	RegistryDevice(ctx context.Context, id string) (companion.RegistryDevice, error)
 
 	CreateBridge(ctx context.Context, b companion.Bridge) error
+	Bridge(ctx context.Context, id string) (companion.Bridge, error)
+	ServedDevices(ctx context.Context, bridgeID string) ([]string, error)
 	BridgeBySecretHash(ctx context.Context, hash []byte) (companion.Bridge, error)
 	// ListBridges reads a page of the owner's bridges, each with the
 	// devices it serves, in one read, and whether more follow.
@@ -85,11 +87,12 @@ type Commander interface {
 	// Wait returns when the command is final or ctx is done, with the
 	// command's latest state either way.
 	Wait(ctx context.Context, id string) (companion.Command, error)
-	// PrepareMove is called before a device's bridge changes in the store:
-	// it waits (a moment at most) for the word of the device's bridge on
-	// the commands on their way to it, and holds the device's commands
-	// until release, called once the store has the move or refused it.
-	PrepareMove(deviceID string) (release func())
+	// PrepareMove is called before devices' bridge changes in the store
+	// (a move, or the deletion of the bridge that serves them): it waits
+	// (a moment at most) for the word of their bridge on the commands on
+	// their way to it, and holds their commands until release, called
+	// once the store has the change or refused it.
+	PrepareMove(deviceIDs ...string) (release func())
 	// DeviceMoved says a device changed bridges (or lost its bridge): its
 	// unfinished commands go to the bridge that serves it now.
 	DeviceMoved(deviceID string)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"sync"
 	"time"
@@ -126,12 +127,13 @@ const moveWordWait = 2 * time.Second
 // longer ago has answered, and the word on an older one was lost.
 const moveWordRecent = 10 * time.Second
 
-// PrepareMove is called before a device's bridge changes in the store: it
-// waits for the word of the device's bridge on the device's commands on
-// their way to it, published and not answered (queued on disk still, or
-// written sent) within moveWordRecent, for moveWordWait at most, and holds
-// the device's commands in the outbox until release, which the caller
-// calls once the store has the move (or refused it), before DeviceMoved.
+// PrepareMove is called before devices' bridge changes in the store (a
+// move, or the deletion of the bridge serving them): it waits for the word
+// of their bridge on their commands on their way to it, published and not
+// answered (queued on disk still, or written sent) within moveWordRecent,
+// for moveWordWait at most for all of them, and holds their commands in
+// the outbox until release, which the caller calls once the store has the
+// change (or refused it), before DeviceMoved.
 //
 // The bridge says "delivered" only a quarter of a second after it takes a
 // command (agent's deliveredDelay), and may hand it to the device at once.
@@ -144,36 +146,44 @@ const moveWordRecent = 10 * time.Second
 // before. Held in the outbox meanwhile, none of the device's commands goes
 // to the bridge it leaves. Only the dispatcher knows what is flying: a
 // replica that does not dispatch waits only for the sent ones.
-func (b *Broker) PrepareMove(deviceID string) (release func()) {
+func (b *Broker) PrepareMove(deviceIDs ...string) (release func()) {
 	b.mu.Lock()
-	b.moving[deviceID]++
-	b.moves.Add(1)
+	for _, id := range deviceIDs {
+		b.moving[id]++
+	}
+	b.moves.Add(int32(len(deviceIDs)))
 	b.mu.Unlock()
 	var once sync.Once
 	release = func() {
 		once.Do(func() {
 			b.mu.Lock()
-			b.moves.Add(-1)
-			if b.moving[deviceID]--; b.moving[deviceID] <= 0 {
-				delete(b.moving, deviceID)
+			b.moves.Add(-int32(len(deviceIDs)))
+			for _, id := range deviceIDs {
+				if b.moving[id]--; b.moving[id] <= 0 {
+					delete(b.moving, id)
+				}
 			}
 			b.scan = true // what the outbox held meanwhile is queued on disk
 			b.mu.Unlock()
 			b.wake()
 		})
 	}
-	b.awaitWord(context.Background(), deviceID)
+	ctx := context.Background()
+	var ids []string
+	for _, dev := range deviceIDs {
+		ids = append(ids, b.onTheirWay(ctx, dev)...)
+	}
+	b.awaitWord(ctx, deviceIDs, ids)
 	return release
 }
 
-// awaitWord waits for the word of the device's bridge on its commands on
-// their way (PrepareMove). A reply taken in, or "sent" written, wakes it
-// (landAs), and it reads the command again: a reply that is not final
-// notifies no Wait.
-func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
+// onTheirWay returns the device's commands on their way to its bridge
+// (PrepareMove): published and unanswered, or written sent, within
+// moveWordRecent.
+func (b *Broker) onTheirWay(ctx context.Context, deviceID string) []string {
 	open, err := b.st.CountOpen(ctx, deviceID)
 	if err != nil || open == 0 {
-		return // failLeft logs a failed read
+		return nil // failLeft logs a failed read
 	}
 	now, real := b.now(), time.Now()
 	var ids []string
@@ -207,6 +217,14 @@ func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
 		}
 		q.Before = page[len(page)-1].ID
 	}
+	return ids
+}
+
+// awaitWord waits for the word of the devices' bridges on ids, their
+// commands on their way (PrepareMove), moveWordWait at most for all of
+// them. A reply taken in, or "sent" written, wakes it (landAs), and it
+// reads the command again: a reply that is not final notifies no Wait.
+func (b *Broker) awaitWord(ctx context.Context, deviceIDs, ids []string) {
 	if len(ids) == 0 {
 		return
 	}
@@ -243,7 +261,7 @@ func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
 	if len(waiting) == 0 {
 		return
 	}
-	b.log.Info("moving a device: waiting for its bridge's word on the commands on their way to it", "device_id", deviceID, "commands", len(waiting))
+	b.log.Info("moving a device: waiting for its bridge's word on the commands on their way to it", movedDevices(deviceIDs), "commands", len(waiting))
 	t := time.NewTimer(moveWordWait)
 	defer t.Stop()
 	for len(waiting) > 0 {
@@ -255,12 +273,21 @@ func (b *Broker) awaitWord(ctx context.Context, deviceID string) {
 				}
 			}
 		case <-t.C:
-			b.log.Info("moving a device: no word from its bridge on commands on their way to it; they go to its new bridge", "device_id", deviceID, "commands", len(waiting))
+			b.log.Info("moving a device: no word from its bridge on commands on their way to it; they go to its new bridge", movedDevices(deviceIDs), "commands", len(waiting))
 			return
 		case <-b.quit:
 			return
 		}
 	}
+}
+
+// movedDevices is the log attribute naming the devices of a move: the
+// device's id, or how many there are when a deleted bridge served many.
+func movedDevices(deviceIDs []string) slog.Attr {
+	if len(deviceIDs) == 1 {
+		return slog.String("device_id", deviceIDs[0])
+	}
+	return slog.Int("devices", len(deviceIDs))
 }
 
 // failLeft fails the commands of a device that changed bridges that the

@@ -330,7 +330,7 @@ func (noCommands) Wait(context.Context, string) (companion.Command, error) {
 }
 
 func (noCommands) DeviceMoved(string)                        {}
-func (noCommands) PrepareMove(string) func()                 { return func() {} }
+func (noCommands) PrepareMove(...string) func()              { return func() {} }
 func (noCommands) BridgesDisconnecting(...string)            {}
 func (noCommands) BridgesDisconnectingWithoutWill(...string) {}
 func (noCommands) BridgeDeleted(string)                      {}

@@ -18,6 +18,24 @@ import (
 	"github.com/devicecompanion/companion/sim"
 )
 
+// moveBrokers are the brokers the move-window tests run on: the embedded one
+// and Mosquitto.
+var moveBrokers = []struct {
+	name  string
+	start func(*testing.T, *slog.Logger) (*Main, string)
+}{
+	{"embedded", func(t *testing.T, logger *slog.Logger) (*Main, string) {
+		m := startServerLogging(t, Config{}, logger)
+		return m, m.MQTTURL()
+	}},
+	{"mosquitto", func(t *testing.T, logger *slog.Logger) (*Main, string) {
+		mq := mqtttest.StartMosquitto(t, serverAccount)
+		m := startServerLogging(t, mosquittoConfig(Config{}, mq), logger)
+		testenv.Eventually(t, 20*time.Second, "the server connected to Mosquitto", m.Broker.Ready)
+		return m, mq.URL
+	}},
+}
+
 // A device moved to another bridge just after its bridge took a command
 // in, before that bridge's "delivered" had reached the server (the bridge
 // says it a quarter of a second after it takes a command, agent's
@@ -33,92 +51,138 @@ import (
 // on Mosquitto.
 func TestAMoveWaitsForTheWordOfTheBridgeItLeaves(t *testing.T) {
 	t.Parallel()
-	for _, tb := range []struct {
-		name  string
-		start func(*testing.T, *slog.Logger) (*Main, string)
-	}{
-		{"embedded", func(t *testing.T, logger *slog.Logger) (*Main, string) {
-			m := startServerLogging(t, Config{}, logger)
-			return m, m.MQTTURL()
-		}},
-		{"mosquitto", func(t *testing.T, logger *slog.Logger) (*Main, string) {
-			mq := mqtttest.StartMosquitto(t, serverAccount)
-			m := startServerLogging(t, mosquittoConfig(Config{}, mq), logger)
-			testenv.Eventually(t, 20*time.Second, "the server connected to Mosquitto", m.Broker.Ready)
-			return m, mq.URL
-		}},
-	} {
+	for _, tb := range moveBrokers {
 		t.Run(tb.name, func(t *testing.T) {
-			waiting := newLogSignal("moving a device: waiting for its bridge's word")
-			unheard := newLogSignal("no word from its bridge on commands on their way")
-			logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), waiting, unheard), &slog.HandlerOptions{Level: slog.LevelInfo}))
-			m, mqttURL := tb.start(t, logger)
-			f := setupFleet(t, m, "dev-1")
+			w := newMoveWindow(t, tb.start)
+			f := setupFleet(t, w.m, "dev-1")
 			registerDevices(t, f, "dev-1")
 			f2 := addBridge(t, f, "bridge-2")
-			dev := sim.New(sim.Options{ID: "dev-1"})
-			handed := &handedCount{n: map[string]int{}}
-			started := make(chan string, 1)
-			release := make(chan struct{})
-			first := &countingDevice{Device: dev, handed: handed, started: started, release: release}
-			second := &countingDevice{Device: dev, handed: handed}
-
-			u, err := url.Parse(mqttURL)
-			require.NoError(t, err)
-			link := testenv.NewRelay(t, u.Host)
-			viaLink := *u
-			viaLink.Host = link.Addr()
-			sims := map[string]*sim.Device{"dev-1": dev}
-			runBridge(t, m, viaLink.String(), f, []agent.Device{first}, sims, nil)
-			runBridge(t, m, mqttURL, f2, []agent.Device{second}, sims, nil)
-			waitOnline(t, f, true, "dev-1")
-
-			link.HoldUplink() // what bridge-1 says from now on waits in its uplink
-			id := f.user.pushText("dev-1", "taken by bridge-1 just before the move")
-			select {
-			case got := <-started:
-				require.Equal(t, id, got)
-			case <-time.After(30 * time.Second):
-				t.Fatal("bridge-1 did not hand the command to the device")
-			}
-
-			moved := make(chan int, 1)
-			go func() {
-				r := f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID})
-				moved <- r.Status
-			}()
-			status := 0
-			select {
-			case <-waiting.seen: // the move waits for bridge-1's word
-			case status = <-moved: // the move did not wait
-			case <-time.After(30 * time.Second):
-				t.Fatal("the move neither answered nor waited for bridge-1's word")
-			}
-			link.ReleaseUplink() // its word (its PUBACK, its "delivered") comes in
-			if status == 0 {
-				select {
-				case status = <-moved:
-				case <-time.After(30 * time.Second):
-					t.Fatal("the move did not answer")
-				}
-			}
-			require.Equal(t, 200, status)
-			select {
-			case <-unheard.seen:
-				t.Error("the move waited out its bound, though bridge-1's word came in")
-			default:
-			}
-			close(release)
-
-			next := f.user.pushText("dev-1", "on bridge-2")
-			assert.Equal(t, "succeeded", f.user.waitFinal("dev-1", next)["state"])
-			assert.Equal(t, 1, handed.of(id), "times the command was handed to the device, by either bridge (CONTRACT §7: none is delivered twice)")
-			cmd := f.user.waitFinal("dev-1", id)
-			assert.Equal(t, "failed", cmd["state"], "%v", cmd)
-			if e, ok := cmd["error"].(map[string]any); assert.True(t, ok, "%v", cmd) {
-				assert.Equal(t, "device_not_served", e["code"])
-			}
+			w.takenAsItLeaves(f, f2, func() int {
+				return f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID}).Status
+			}, 200, nil)
 		})
+	}
+}
+
+// The same for a user's bridge deleted just after it took a command in:
+// its devices read served by no bridge, and the command it had went to the
+// next bridge the user gave the device (docs/reliability.md, bug 553).
+func TestADeletedBridgesWordComesInBeforeItsDevicesLeaveIt(t *testing.T) {
+	t.Parallel()
+	for _, tb := range moveBrokers {
+		t.Run(tb.name, func(t *testing.T) {
+			w := newMoveWindow(t, tb.start)
+			f := setupFleet(t, w.m, "dev-1")
+			registerDevices(t, f, "dev-1")
+			userBridge := func(id string) *fleet {
+				r := f.user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": id})
+				require.Equal(t, 201, r.Status, "%s", r.Body)
+				g := *f
+				g.bridgeID, g.bridgeSecret = id, r.JSON(t)["secret"].(string)
+				return &g
+			}
+			hub, hub2 := userBridge("hub"), userBridge("hub-2")
+			r := f.user.do("PUT", "/api/v1/devices/dev-1/bridge", map[string]any{"bridge_id": "hub"})
+			require.Equal(t, 200, r.Status, "%s", r.Body)
+			w.takenAsItLeaves(hub, hub2, func() int {
+				return f.user.do("DELETE", "/api/v1/bridges/hub", nil).Status
+			}, 204, func() {
+				r := f.user.do("PUT", "/api/v1/devices/dev-1/bridge", map[string]any{"bridge_id": "hub-2"})
+				require.Equal(t, 200, r.Status, "%s", r.Body)
+			})
+		})
+	}
+}
+
+// moveWindow is a server whose log tells when a move waits for the word of
+// the bridge a device leaves, and when it waited that out.
+type moveWindow struct {
+	t                *testing.T
+	m                *Main
+	mqttURL          string
+	waiting, unheard *logSignal
+}
+
+func newMoveWindow(t *testing.T, start func(*testing.T, *slog.Logger) (*Main, string)) *moveWindow {
+	w := &moveWindow{
+		t:       t,
+		waiting: newLogSignal("moving a device: waiting for its bridge's word"),
+		unheard: newLogSignal("no word from its bridge on commands on their way"),
+	}
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), w.waiting, w.unheard), &slog.HandlerOptions{Level: slog.LevelInfo}))
+	w.m, w.mqttURL = start(t, logger)
+	return w
+}
+
+// takenAsItLeaves runs from's bridge, its uplink through a relay, and
+// to's, both in range of dev-1, which from serves. from's bridge takes a
+// text in while what it says waits in its uplink, and leave (answering
+// want) takes dev-1 off it; then, after then (nil: nothing), to's bridge
+// serves dev-1. The text must have been handed to the device once, and
+// read failed device_not_served.
+func (w *moveWindow) takenAsItLeaves(from, to *fleet, leave func() int, want int, then func()) {
+	t := w.t
+	dev := sim.New(sim.Options{ID: "dev-1"})
+	handed := &handedCount{n: map[string]int{}}
+	started := make(chan string, 1)
+	release := make(chan struct{})
+	first := &countingDevice{Device: dev, handed: handed, started: started, release: release}
+	second := &countingDevice{Device: dev, handed: handed}
+
+	u, err := url.Parse(w.mqttURL)
+	require.NoError(t, err)
+	link := testenv.NewRelay(t, u.Host)
+	viaLink := *u
+	viaLink.Host = link.Addr()
+	sims := map[string]*sim.Device{"dev-1": dev}
+	runBridge(t, w.m, viaLink.String(), from, []agent.Device{first}, sims, nil)
+	runBridge(t, w.m, w.mqttURL, to, []agent.Device{second}, sims, nil)
+	waitOnline(t, from, true, "dev-1")
+
+	link.HoldUplink() // what from's bridge says from now on waits in its uplink
+	id := from.user.pushText("dev-1", "taken by "+from.bridgeID+" just before it is left")
+	select {
+	case got := <-started:
+		require.Equal(t, id, got)
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s did not hand the command to the device", from.bridgeID)
+	}
+
+	left := make(chan int, 1)
+	go func() { left <- leave() }()
+	status := 0
+	select {
+	case <-w.waiting.seen: // the server waits for from's word
+	case status = <-left: // it did not wait
+	case <-time.After(30 * time.Second):
+		t.Fatalf("leaving %s neither answered nor waited for its word", from.bridgeID)
+	}
+	link.ReleaseUplink() // its word (its PUBACK, its "delivered") comes in
+	if status == 0 {
+		select {
+		case status = <-left:
+		case <-time.After(30 * time.Second):
+			t.Fatal("leaving the bridge did not answer")
+		}
+	}
+	require.Equal(t, want, status)
+	select {
+	case <-w.unheard.seen:
+		t.Errorf("the server waited out its bound, though %s's word came in", from.bridgeID)
+	default:
+	}
+	close(release)
+	if then != nil {
+		then()
+	}
+
+	next := from.user.pushText("dev-1", "on "+to.bridgeID)
+	assert.Equal(t, "succeeded", from.user.waitFinal("dev-1", next)["state"])
+	assert.Equal(t, 1, handed.of(id), "times the command was handed to the device, by either bridge (CONTRACT §7: none is delivered twice)")
+	cmd := from.user.waitFinal("dev-1", id)
+	assert.Equal(t, "failed", cmd["state"], "%v", cmd)
+	if e, ok := cmd["error"].(map[string]any); assert.True(t, ok, "%v", cmd) {
+		assert.Equal(t, "device_not_served", e["code"])
 	}
 }
 
