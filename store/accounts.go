@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/subtle"
 	"fmt"
+	"sync"
 
 	"github.com/devicecompanion/companion"
 
@@ -33,7 +34,7 @@ func (db *DB) CreateUser(ctx context.Context, u companion.User) error {
 }
 
 // SetUserToken replaces the user's token hash, and its index entry, in
-// one transaction: the old token finds nothing from its commit on.
+// one transaction: the old token finds nothing from its return on.
 func (db *DB) SetUserToken(ctx context.Context, userID string, tokenHash []byte) error {
 	if len(tokenHash) == 0 {
 		return fmt.Errorf("%w: a user needs a token hash", companion.ErrInvalid)
@@ -41,6 +42,7 @@ func (db *DB) SetUserToken(ctx context.Context, userID string, tokenHash []byte)
 	if !validID(userID) {
 		return companion.ErrNotFound
 	}
+	defer db.tokens.changed() // the old token finds nothing from here on
 	return db.update(db.answered(ctx, func(tx *bolt.Tx) error {
 		users, tokens := tx.Bucket(bucketUsers), tx.Bucket(bucketUserTokens)
 		var u companion.User
@@ -65,8 +67,13 @@ func (db *DB) SetUserToken(ctx context.Context, userID string, tokenHash []byte)
 
 // UserByTokenHash returns the user whose token has the SHA-256 hash, or
 // ErrNotFound. The hash found through the index is compared again in
-// constant time.
+// constant time. Every request of a user's asks it, so its answers are
+// kept in memory (tokenCache) until a token changes.
 func (db *DB) UserByTokenHash(ctx context.Context, hash []byte) (companion.User, error) {
+	if u, ok := db.tokens.get(hash); ok {
+		return u, nil
+	}
+	gen := db.tokens.generation()
 	var u companion.User
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		id := tx.Bucket(bucketUserTokens).Get(hash)
@@ -88,7 +95,58 @@ func (db *DB) UserByTokenHash(ctx context.Context, hash []byte) (companion.User,
 	if subtle.ConstantTimeCompare(u.TokenHash, hash) != 1 {
 		return companion.User{}, companion.ErrNotFound
 	}
+	db.tokens.put(gen, u)
 	return u, nil
+}
+
+// tokenCache keeps UserByTokenHash's answers: a user record read per
+// request was a read transaction, two bucket lookups and a JSON decoding
+// on every call of the API (docs/performance.md). Only tokens found are
+// kept, so it holds at most one entry per user; a change of any token
+// empties it (changed), and an answer read before the change is not kept
+// after it: its generation is older.
+type tokenCache struct {
+	mu    sync.RWMutex
+	gen   uint64
+	users map[string]companion.User // by token hash
+}
+
+// maxCachedTokens bounds the cache: past it, it starts again empty.
+const maxCachedTokens = 1 << 16
+
+func (c *tokenCache) get(hash []byte) (companion.User, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	u, ok := c.users[string(hash)]
+	return u, ok
+}
+
+func (c *tokenCache) generation() uint64 {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.gen
+}
+
+// put keeps u, read at generation gen, unless a token changed since.
+func (c *tokenCache) put(gen uint64, u companion.User) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if gen != c.gen {
+		return
+	}
+	if c.users == nil || len(c.users) >= maxCachedTokens {
+		c.users = map[string]companion.User{}
+	}
+	c.users[string(u.TokenHash)] = u
+}
+
+// changed empties the cache: call it once a change of a token has
+// committed (or failed).
+func (c *tokenCache) changed() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.gen++
+	c.users = nil
 }
 
 // User returns the user with the id, or ErrNotFound.

@@ -234,6 +234,8 @@ type DB struct {
 
 	backupMu sync.Mutex // one Backup at a time (its mark, keyBackup)
 
+	tokens tokenCache // UserByTokenHash's answers
+
 	undecodable  sync.Map     // records logged as left out for not decoding (logUndecodable)
 	undecodableN atomic.Int64 // how many undecodable holds (Undecodable)
 
