@@ -202,10 +202,11 @@ func ParseCommand(b []byte) (Command, error) {
 
 // ParseReply decodes and checks a reply message.
 func ParseReply(b []byte) (Reply, error) {
-	var r Reply
-	if err := decode(b, &r); err != nil {
+	var w wireReply
+	if err := decode(b, &w); err != nil {
 		return Reply{}, err
 	}
+	r := w.reply()
 	switch {
 	case !ValidCommandID(r.CommandID):
 		return Reply{}, fmt.Errorf("%w: command id %q", ErrBadMessage, r.CommandID)

@@ -175,3 +175,15 @@ func TestDeviceTextLosesItsNULs(t *testing.T) {
 		t.Errorf("status = %q, %q", s.Model, s.FirmwareVersion)
 	}
 }
+
+// BenchmarkParseReply is the server's intake of a reply, two of which
+// (delivered, then final) come in for every command.
+func BenchmarkParseReply(b *testing.B) {
+	msg := []byte(`{"command_id":"0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b","state":"succeeded","progress":100,"at":"2026-12-01T11:30:14.123Z"}`)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := ParseReply(msg); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -115,19 +115,30 @@ func (s *Status) UnmarshalJSON(b []byte) error {
 
 // UnmarshalJSON decodes a reply, its integers whole numbers.
 func (r *Reply) UnmarshalJSON(b []byte) error {
-	type plain Reply
-	var p struct {
-		plain
-		Progress *wholeInt  `json:"progress"`
-		At       bridgeTime `json:"at"`
-	}
-	if err := json.Unmarshal(b, &p); err != nil {
+	var w wireReply
+	if err := json.Unmarshal(b, &w); err != nil {
 		return err
 	}
-	*r = Reply(p.plain)
-	r.Progress = intOf(p.Progress)
-	r.At, r.BadAt = p.At.t, p.At.bad
+	*r = w.reply()
 	return nil
+}
+
+// wireReply is a reply as a bridge writes it: its integers whole numbers,
+// its time as written. ParseReply decodes into it directly: through
+// Reply's UnmarshalJSON, encoding/json scans a message three times.
+type wireReply struct {
+	plainReply
+	Progress *wholeInt  `json:"progress"`
+	At       bridgeTime `json:"at"`
+}
+
+type plainReply Reply
+
+func (w *wireReply) reply() Reply {
+	r := Reply(w.plainReply)
+	r.Progress = intOf(w.Progress)
+	r.At, r.BadAt = w.At.t, w.At.bad
+	return r
 }
 
 // UnmarshalJSON decodes a setting's description, its integers whole
