@@ -127,6 +127,10 @@ const moveWordWait = 2 * time.Second
 // longer ago has answered, and the word on an older one was lost.
 const moveWordRecent = 10 * time.Second
 
+// moveWordPoll is how often a move's wait reads the commands again: their
+// word may come in on another replica.
+const moveWordPoll = 100 * time.Millisecond
+
 // PrepareMove is called before devices' bridge changes in the store (a
 // move, or the deletion of the bridge serving them): it waits for the word
 // of their bridge on their commands on their way to it, published and not
@@ -145,7 +149,9 @@ const moveWordRecent = 10 * time.Second
 // then it never had, or its word is lost: that goes to the new bridge, as
 // before. Held in the outbox meanwhile, none of the device's commands goes
 // to the bridge it leaves. Only the dispatcher knows what is flying: a
-// replica that does not dispatch waits only for the sent ones.
+// replica that does not dispatch waits for the recent queued ones too, and
+// reads the store again every moveWordPoll, the word coming in on the
+// dispatcher (bug 554).
 func (b *Broker) PrepareMove(deviceIDs ...string) (release func()) {
 	b.mu.Lock()
 	for _, id := range deviceIDs {
@@ -186,6 +192,10 @@ func (b *Broker) onTheirWay(ctx context.Context, deviceID string) []string {
 		return nil // failLeft logs a failed read
 	}
 	now, real := b.now(), time.Now()
+	// What is on its way only the dispatcher knows (flying): a replica
+	// that does not dispatch waits for the recent queued ones too, which
+	// may be (bug 554).
+	blind := !b.dispatching()
 	var ids []string
 	q := companion.CommandQuery{DeviceID: deviceID, Limit: 100}
 	for open > 0 {
@@ -203,6 +213,10 @@ func (b *Broker) onTheirWay(ctx context.Context, deviceID string) []string {
 			switch {
 			case c.State == companion.StateQueued && o != nil && o.published:
 				if o.acked.IsZero() || real.Sub(o.acked) < moveWordRecent { // its PUBACK to come, or come
+					ids = append(ids, c.ID)
+				}
+			case c.State == companion.StateQueued && blind:
+				if now.Sub(c.CreatedAt) < moveWordRecent {
 					ids = append(ids, c.ID)
 				}
 			case c.State == companion.StateSent:
@@ -264,19 +278,24 @@ func (b *Broker) awaitWord(ctx context.Context, deviceIDs, ids []string) {
 	b.log.Info("moving a device: waiting for its bridge's word on the commands on their way to it", movedDevices(deviceIDs), "commands", len(waiting))
 	t := time.NewTimer(moveWordWait)
 	defer t.Stop()
+	// Another replica may take the word in (its store is this one's):
+	// it wakes nothing here, and is read again every moveWordPoll.
+	poll := time.NewTicker(moveWordPoll)
+	defer poll.Stop()
 	for len(waiting) > 0 {
 		select {
 		case <-ch:
-			for id := range waiting {
-				if heard(id) {
-					delete(waiting, id)
-				}
-			}
+		case <-poll.C:
 		case <-t.C:
 			b.log.Info("moving a device: no word from its bridge on commands on their way to it; they go to its new bridge", movedDevices(deviceIDs), "commands", len(waiting))
 			return
 		case <-b.quit:
 			return
+		}
+		for id := range waiting {
+			if heard(id) {
+				delete(waiting, id)
+			}
 		}
 	}
 }

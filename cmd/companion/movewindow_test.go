@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"log/slog"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/internal/mqtttest"
+	"github.com/devicecompanion/companion/internal/pgtest"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
 )
@@ -94,12 +96,46 @@ func TestADeletedBridgesWordComesInBeforeItsDevicesLeaveIt(t *testing.T) {
 	}
 }
 
+// The same for a device moved through a replica that does not dispatch
+// (CONTRACT §11), two replicas on one PostgreSQL store and one Mosquitto:
+// only the dispatcher knows what it has published, and the command on its
+// way to the bridge still reads queued in the store (docs/reliability.md,
+// bug 554).
+func TestAMoveThroughAReplicaThatDoesNotDispatchWaitsForTheWord(t *testing.T) {
+	t.Parallel()
+	pg := pgtest.Start(t)
+	dsn := pg.NewDatabase(t)
+	var out, errOut bytes.Buffer
+	require.NoError(t, run(context.Background(), []string{"migrate", "--store", dsn}, &out, &errOut), "%s", errOut.String())
+	mq := mqtttest.StartMosquitto(t, serverAccount)
+	w := newMoveWindow(t, func(t *testing.T, logger *slog.Logger) (*Main, string) {
+		return startServerLogging(t, mosquittoConfig(Config{Store: dsn, ReplicaID: "r1"}, mq), logger), mq.URL
+	})
+	m2 := startServerLogging(t, mosquittoConfig(Config{Store: dsn, ReplicaID: "r2"}, mq), w.logger)
+	for _, m := range []*Main{w.m, m2} {
+		testenv.Eventually(t, 20*time.Second, "the server connected to Mosquitto", m.Broker.Ready)
+	}
+	testenv.Eventually(t, 20*time.Second, "a dispatcher", func() bool { return w.m.pg.Dispatching() || m2.pg.Dispatching() })
+	quiet := w.m
+	if w.m.pg.Dispatching() {
+		quiet = m2
+	}
+	f := setupFleet(t, w.m, "dev-1")
+	registerDevices(t, f, "dev-1")
+	f2 := addBridge(t, f, "bridge-2")
+	admin := newClient(t, quiet, quiet.AdminToken())
+	w.takenAsItLeaves(f, f2, func() int {
+		return admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID}).Status
+	}, 200, nil)
+}
+
 // moveWindow is a server whose log tells when a move waits for the word of
 // the bridge a device leaves, and when it waited that out.
 type moveWindow struct {
 	t                *testing.T
 	m                *Main
 	mqttURL          string
+	logger           *slog.Logger
 	waiting, unheard *logSignal
 }
 
@@ -109,8 +145,8 @@ func newMoveWindow(t *testing.T, start func(*testing.T, *slog.Logger) (*Main, st
 		waiting: newLogSignal("moving a device: waiting for its bridge's word"),
 		unheard: newLogSignal("no word from its bridge on commands on their way"),
 	}
-	logger := slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), w.waiting, w.unheard), &slog.HandlerOptions{Level: slog.LevelInfo}))
-	w.m, w.mqttURL = start(t, logger)
+	w.logger = slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), w.waiting, w.unheard), &slog.HandlerOptions{Level: slog.LevelInfo}))
+	w.m, w.mqttURL = start(t, w.logger)
 	return w
 }
 
