@@ -414,11 +414,11 @@ func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, e
 		// the others.
 		outOfRange = e.Fields
 	}
-	body := &jsonBody{raw: raw}
-	if err := json.Unmarshal(raw, &body.members); err != nil {
-		return nil, &Error{Code: CodeMalformedJSON, Detail: "the body is not valid JSON"}
-	}
-	fields := repeatedNames(raw, len(body.members))
+	// decodeStrict has found raw a valid JSON object: one pass splits it
+	// into its members (encoding/json again cost a fifth of readJSON).
+	members, count := objectMembers(raw)
+	body := &jsonBody{raw: raw, members: members}
+	fields := repeatedNames(raw, count, len(members))
 	cased, meant := caseErrors(body.members, reflect.TypeOf(dst))
 	fields = append(fields, cased...)
 	fields = append(fields, outOfRange...)
@@ -437,53 +437,40 @@ func readJSON(c *gin.Context, limit int64, optional bool, dst any) (*jsonBody, e
 }
 
 // repeatedNames names each member that raw, a valid JSON object with
-// `distinct` distinct member names, names more than once, in the order of
-// their names. encoding/json takes the last of them silently, so
-// {"text":"a","text":"b"} pushed "b" where a proxy, a log or a reviewer
-// reading the first saw "a" (RFC 8259 §4: the names SHOULD be unique;
-// I-JSON, RFC 7493 §2.3, MUST). Only the top level is looked at: the
-// handlers read nothing deeper as a member of its own (docs/reliability.md,
-// bug 369). A body without a repeat, every body a client means, costs one
-// pass over its bytes and no allocation.
-func repeatedNames(raw []byte, distinct int) []FieldError {
-	var (
-		names []string // decoded, when there is a repeat to name
-		count int
-	)
-	for pass := 0; pass < 2; pass++ {
-		depth, key, start := 0, false, 0
-		for i := 0; i < len(raw); i++ {
-			switch raw[i] {
-			case '"':
-				start = i
-				for i++; i < len(raw) && raw[i] != '"'; i++ {
-					if raw[i] == '\\' {
-						i++
-					}
-				}
-				if depth != 1 || !key {
-					continue
-				}
-				key = false
-				if pass == 0 {
-					count++
-					continue
-				}
-				var name string
-				if json.Unmarshal(raw[start:i+1], &name) == nil {
-					names = append(names, name)
-				}
-			case '{', '[':
-				depth++
-				key = depth == 1
-			case '}', ']':
-				depth--
-			case ',':
-				key = depth == 1
+// count member names (objectMembers), `distinct` of them distinct, names
+// more than once, in the order of their names. encoding/json takes the
+// last of them silently, so {"text":"a","text":"b"} pushed "b" where a
+// proxy, a log or a reviewer reading the first saw "a" (RFC 8259 §4: the
+// names SHOULD be unique; I-JSON, RFC 7493 §2.3, MUST). Only the top level
+// is looked at: the handlers read nothing deeper as a member of its own
+// (docs/reliability.md, bug 369). A body without a repeat, every body a
+// client means, costs nothing here.
+func repeatedNames(raw []byte, count, distinct int) []FieldError {
+	if count <= distinct {
+		return nil
+	}
+	var names []string
+	depth, key := 0, false
+	for i := 0; i < len(raw); i++ {
+		switch raw[i] {
+		case '"':
+			start := i
+			i = stringEnd(raw, i)
+			if depth != 1 || !key {
+				continue
 			}
-		}
-		if count <= distinct {
-			return nil
+			key = false
+			var name string
+			if json.Unmarshal(raw[start:i+1], &name) == nil {
+				names = append(names, name)
+			}
+		case '{', '[':
+			depth++
+			key = depth == 1
+		case '}', ']':
+			depth--
+		case ',':
+			key = depth == 1
 		}
 	}
 	slices.Sort(names)
@@ -495,6 +482,82 @@ func repeatedNames(raw []byte, distinct int) []FieldError {
 	}
 	return errs
 }
+
+// objectMembers splits raw, a valid JSON object, into its members, each
+// value its bytes as raw has them (as a json.RawMessage takes them), the
+// last of a repeated name winning as with encoding/json, and counts the
+// names raw gives, repeats included. A name is decoded as encoding/json
+// decodes it (escapes, and invalid UTF-8 read as U+FFFD) unless it is
+// plain ASCII.
+func objectMembers(raw []byte) (members map[string]json.RawMessage, count int) {
+	members = make(map[string]json.RawMessage)
+	depth, value := 0, -1 // value: where the current member's value starts
+	var name string
+	end := func(i int) {
+		members[name] = bytes.TrimRight(raw[value:i], " \t\r\n")
+		value = -1
+	}
+	for i := 0; i < len(raw); i++ {
+		switch raw[i] {
+		case '"':
+			start := i
+			i = stringEnd(raw, i)
+			if depth != 1 || value >= 0 {
+				continue
+			}
+			count++
+			if lit := raw[start+1 : i]; plainASCII(lit) {
+				name = string(lit)
+			} else if json.Unmarshal(raw[start:i+1], &name) != nil {
+				name = string(lit) // not reached: raw is valid
+			}
+		case ':':
+			if depth == 1 {
+				value = i + 1
+				for value < len(raw) && isJSONSpace(raw[value]) {
+					value++
+				}
+			}
+		case '{', '[':
+			depth++
+		case '}', ']':
+			if depth == 1 && value >= 0 {
+				end(i)
+			}
+			depth--
+		case ',':
+			if depth == 1 {
+				end(i)
+			}
+		}
+	}
+	return members, count
+}
+
+// stringEnd returns the index of the quote that ends the JSON string whose
+// opening quote is at raw[i].
+func stringEnd(raw []byte, i int) int {
+	for i++; i < len(raw) && raw[i] != '"'; i++ {
+		if raw[i] == '\\' {
+			i++
+		}
+	}
+	return i
+}
+
+// plainASCII reports whether lit, a JSON string's contents, reads as its
+// bytes: no escape, and no byte encoding/json would check as UTF-8.
+func plainASCII(lit []byte) bool {
+	for _, c := range lit {
+		if c == '\\' || c >= utf8.RuneSelf || c < ' ' {
+			return false
+		}
+	}
+	return true
+}
+
+// isJSONSpace reports whether c is white space between JSON tokens.
+func isJSONSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\r' || c == '\n' }
 
 // caseErrors names each member whose name is the JSON name of one of t's
 // fields only when case is ignored (t a struct, or a pointer to one).
