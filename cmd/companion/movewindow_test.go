@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"log/slog"
@@ -18,6 +17,7 @@ import (
 	"github.com/devicecompanion/companion/internal/pgtest"
 	"github.com/devicecompanion/companion/internal/testenv"
 	"github.com/devicecompanion/companion/sim"
+	"github.com/devicecompanion/companion/store/postgres"
 )
 
 // moveBrokers are the brokers the move-window tests run on: the embedded one
@@ -56,8 +56,7 @@ func TestAMoveWaitsForTheWordOfTheBridgeItLeaves(t *testing.T) {
 	for _, tb := range moveBrokers {
 		t.Run(tb.name, func(t *testing.T) {
 			w := newMoveWindow(t, tb.start)
-			f := setupFleet(t, w.m, "dev-1")
-			registerDevices(t, f, "dev-1")
+			f := w.fleet()
 			f2 := addBridge(t, f, "bridge-2")
 			w.takenAsItLeaves(f, f2, func() int {
 				return f.admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": f2.bridgeID}).Status
@@ -74,8 +73,7 @@ func TestADeletedBridgesWordComesInBeforeItsDevicesLeaveIt(t *testing.T) {
 	for _, tb := range moveBrokers {
 		t.Run(tb.name, func(t *testing.T) {
 			w := newMoveWindow(t, tb.start)
-			f := setupFleet(t, w.m, "dev-1")
-			registerDevices(t, f, "dev-1")
+			f := w.fleet()
 			userBridge := func(id string) *fleet {
 				r := f.user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": id})
 				require.Equal(t, 201, r.Status, "%s", r.Body)
@@ -103,10 +101,8 @@ func TestADeletedBridgesWordComesInBeforeItsDevicesLeaveIt(t *testing.T) {
 // bug 554).
 func TestAMoveThroughAReplicaThatDoesNotDispatchWaitsForTheWord(t *testing.T) {
 	t.Parallel()
-	pg := pgtest.Start(t)
-	dsn := pg.NewDatabase(t)
-	var out, errOut bytes.Buffer
-	require.NoError(t, run(context.Background(), []string{"migrate", "--store", dsn}, &out, &errOut), "%s", errOut.String())
+	dsn := pgtest.Start(t).NewDatabase(t)
+	require.NoError(t, postgres.Migrate(t.Context(), dsn))
 	mq := mqtttest.StartMosquitto(t, serverAccount)
 	w := newMoveWindow(t, func(t *testing.T, logger *slog.Logger) (*Main, string) {
 		return startServerLogging(t, mosquittoConfig(Config{Store: dsn, ReplicaID: "r1"}, mq), logger), mq.URL
@@ -120,8 +116,7 @@ func TestAMoveThroughAReplicaThatDoesNotDispatchWaitsForTheWord(t *testing.T) {
 	if w.m.pg.Dispatching() {
 		quiet = m2
 	}
-	f := setupFleet(t, w.m, "dev-1")
-	registerDevices(t, f, "dev-1")
+	f := w.fleet()
 	f2 := addBridge(t, f, "bridge-2")
 	admin := newClient(t, quiet, quiet.AdminToken())
 	w.takenAsItLeaves(f, f2, func() int {
@@ -148,6 +143,13 @@ func newMoveWindow(t *testing.T, start func(*testing.T, *slog.Logger) (*Main, st
 	w.logger = slog.New(slog.NewTextHandler(io.MultiWriter(newTBWriter(t), w.waiting, w.unheard), &slog.HandlerOptions{Level: slog.LevelInfo}))
 	w.m, w.mqttURL = start(t, w.logger)
 	return w
+}
+
+// fleet is the server's user, its bridge and dev-1, registered.
+func (w *moveWindow) fleet() *fleet {
+	f := setupFleet(w.t, w.m, "dev-1")
+	registerDevices(w.t, f, "dev-1")
+	return f
 }
 
 // takenAsItLeaves runs from's bridge, its uplink through a relay, and
