@@ -245,8 +245,15 @@ func (db *DB) ListBridges(ctx context.Context, ownerID, after string, limit int)
 		each := func(id []byte) (bool, error) {
 			var b companion.Bridge
 			ok, err := getJSON(bridges, id, &b)
-			if err != nil || !ok || b.OwnerID != ownerID {
-				return err == nil, err
+			if err != nil {
+				// One that does not decode (the file damaged there) is
+				// left out and logged: it failed the whole list
+				// (docs/reliability.md, bug 595).
+				db.logUndecodable("bridge", id, err)
+				return true, nil
+			}
+			if !ok || b.OwnerID != ownerID {
+				return true, nil
 			}
 			// Only one of the owner's own after a full page means more.
 			if limit > 0 && len(out) == limit {

@@ -256,7 +256,7 @@ func (db *DB) Binding(ctx context.Context, deviceID string) (companion.Binding, 
 func (db *DB) ListBindings(ctx context.Context, userID, after string, limit int) ([]companion.Binding, error) {
 	out := make([]companion.Binding, 0, pageCap(limit))
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		return scanBindings(tx, userID, after, limit, func(b companion.Binding) error {
+		return db.scanBindings(tx, userID, after, limit, func(b companion.Binding) error {
 			out = append(out, b)
 			return nil
 		})
@@ -274,10 +274,17 @@ func (db *DB) ListDevices(ctx context.Context, userID, after string, limit int) 
 	out := make([]companion.BoundDevice, 0, pageCap(limit))
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		statuses := tx.Bucket(bucketStatus).Cursor()
-		return scanBindings(tx, userID, after, limit, func(b companion.Binding) error {
+		return db.scanBindings(tx, userID, after, limit, func(b companion.Binding) error {
 			out = append(out, companion.BoundDevice{Binding: b, Status: companion.Status{DeviceID: b.DeviceID}})
-			_, err := seekJSON(statuses, []byte(b.DeviceID), &out[len(out)-1].Status)
-			return err
+			if _, err := seekJSON(statuses, []byte(b.DeviceID), &out[len(out)-1].Status); err != nil {
+				// A status that does not decode (the file damaged there)
+				// does not fail the user's whole list: the device is
+				// listed, its status not known, as before any report
+				// (docs/reliability.md, bug 595).
+				db.logUndecodable("status", []byte(b.DeviceID), err)
+				out[len(out)-1].Status = companion.Status{DeviceID: b.DeviceID}
+			}
+			return nil
 		})
 	})
 	if err != nil {
@@ -296,8 +303,12 @@ func pageCap(limit int) int {
 }
 
 // scanBindings calls fn with the bindings of the user as ListBindings
-// selects them.
-func scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b companion.Binding) error) error {
+// selects them. An entry of user_bindings that does not decode (the file
+// damaged there) is logged (logUndecodable) and read from bindings, of
+// which it is a copy; one that does not decode there either is left out,
+// as a damaged command is left out of its device's list: one damaged
+// record failed the user's whole list (docs/reliability.md, bug 595).
+func (db *DB) scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b companion.Binding) error) error {
 	if strings.ContainsRune(after, 0) {
 		return companion.ErrInvalidCursor
 	}
@@ -317,7 +328,11 @@ func scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func(b compan
 		}
 		var b companion.Binding
 		if err := fastjson.Unmarshal(v, &b); err != nil {
-			return fmt.Errorf("store: decode %q: %w", k, err)
+			db.logUndecodable("binding", k, err)
+			b = companion.Binding{}
+			if ok, err := getJSON(tx.Bucket(bucketBindings), k[len(p):], &b); err != nil || !ok {
+				continue
+			}
 		}
 		if b.UserID != userID {
 			continue

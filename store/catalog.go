@@ -155,7 +155,11 @@ func (db *DB) AppCatalog(ctx context.Context, after string, limit int) ([]compan
 		for ; k != nil; k, v = c.Next() {
 			var a companion.AppRelease
 			if err := fastjson.Unmarshal(v, &a); err != nil {
-				return fmt.Errorf("store: decode %q: %w", k, err)
+				// One release that does not decode (the file damaged
+				// there) is left out and logged: it failed the whole
+				// catalog (docs/reliability.md, bug 595).
+				db.logUndecodable("release of an app", k, err)
+				continue
 			}
 			n := len(out)
 			if n > 0 && out[n-1].Latest.AppID == a.AppID {

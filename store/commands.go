@@ -666,7 +666,7 @@ func (db *DB) logUndecodable(what string, key []byte, err error) {
 		return
 	}
 	db.undecodableN.Add(1)
-	db.log.Error("store: a "+what+" that does not decode is left out of the dispatch, the sweeps and the lists: the file is damaged there; restore it from a backup when you can",
+	db.log.Error("store: a "+what+" that does not decode is left out of the reads that meet it (the dispatch, the sweeps, the lists): the file is damaged there; restore it from a backup when you can",
 		"key", string(key), "err", err)
 }
 

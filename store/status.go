@@ -76,7 +76,12 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	var old companion.Status
 	found, err := getJSON(statuses, []byte(s.DeviceID), &old)
 	if err != nil {
-		return false, err
+		// A stored status that does not decode (the file damaged there)
+		// is replaced, as if there were none: kept, it refused every
+		// report of the device for good, and the device read as nothing
+		// but a 500 (docs/reliability.md, bug 595).
+		db.logUndecodable("status", []byte(s.DeviceID), err)
+		old, found = companion.Status{}, false
 	}
 	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen, db.now()) {
 		return false, nil

@@ -5,6 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/topics"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	bolt "go.etcd.io/bbolt"
@@ -73,4 +76,98 @@ func TestADamagedCommandDoesNotBlockItsDevice(t *testing.T) {
 	metricsExpect(t, metricsScrape(t, m), 2, "companion_store_undecodable_records")
 	r = user.do("DELETE", "/api/v1/devices/dev-1", nil)
 	assert.Equal(t, 204, r.Status, "%s", r.Body)
+}
+
+// TestADamagedRecordDoesNotFailItsList runs the real server on a store
+// where one record of each list was damaged while it was down: a device's
+// status, the list's copy of another device's binding, one of the user's
+// bridges and one release of an app. Each list answers 200 with every
+// item it can read, in full pages (CONTRACT §8: a list never hides what
+// exists): the device whose status is damaged with its status unknown,
+// the other from its binding; the damaged bridge and release left out.
+// The device's next report takes the damaged status's place. Without the
+// fix each list was a 500 internal for good, hiding everything.
+func TestADamagedRecordDoesNotFailItsList(t *testing.T) {
+	data := t.TempDir()
+	cfg := Config{Data: data, Metrics: "127.0.0.1:0"}
+	m := startServer(t, cfg)
+	f := setupFleet(t, m, "dev-1", "dev-2", "dev-3")
+	registerDevices(t, f, "dev-1", "dev-2", "dev-3")
+	for _, b := range []string{"own-1", "own-2", "own-3"} {
+		r := f.user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": b})
+		require.Equal(t, 201, r.Status, "%s", r.Body)
+	}
+	r := f.admin.do("PUT", "/api/v1/admin/apps/clock/1.0.0", []byte("clock"))
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	require.NoError(t, m.Close())
+
+	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		for _, d := range []struct{ bucket, key, value string }{
+			{"status", "dev-2", `{"device_id": "dev-2", "onl`},
+			{"user_bindings", f.userID + "\x00dev-3", `{"device_id": "de`},
+			{"bridges", "own-2", `{"id": "own`},
+			{"apps", "weather\x001.0.0", `{"app_id": "wea`},
+		} {
+			if err := tx.Bucket([]byte(d.bucket)).Put([]byte(d.key), []byte(d.value)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.NoError(t, db.Close())
+
+	m = startServer(t, cfg)
+	user := newClient(t, m, f.user.token)
+	listed := func(path, member, id string) []string {
+		t.Helper()
+		var ids []string
+		cursor := ""
+		for pages := 0; ; pages++ {
+			require.Less(t, pages, 10, "the pages of %s do not end", path)
+			r := user.do("GET", path+"?limit=1&cursor="+cursor, nil)
+			require.Equal(t, 200, r.Status, "GET %s: %s", path, r.Body)
+			page := r.JSON(t)
+			items := page[member].([]any)
+			for _, it := range items {
+				ids = append(ids, it.(map[string]any)[id].(string))
+			}
+			next, ok := page["next_cursor"].(string)
+			if !ok {
+				return ids
+			}
+			require.Len(t, items, 1, "GET %s: a page before the last is full", path)
+			cursor = next
+		}
+	}
+	assert.Equal(t, []string{"dev-1", "dev-2", "dev-3"}, listed("/api/v1/devices", "devices", "device_id"))
+	assert.Equal(t, []string{"own-1", "own-3"}, listed("/api/v1/bridges", "bridges", "bridge_id"))
+	assert.Equal(t, []string{"clock", "weather"}, listed("/api/v1/apps", "apps", "app_id"))
+	r = user.do("GET", "/api/v1/devices", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	for _, d := range r.JSON(t)["devices"].([]any) {
+		if dev := d.(map[string]any); dev["device_id"] == "dev-2" {
+			assert.Equal(t, false, dev["status"].(map[string]any)["online"], "a status that does not decode is not known: %v", dev)
+		}
+	}
+	r = user.do("GET", "/api/v1/apps", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	for _, a := range r.JSON(t)["apps"].([]any) {
+		if app := a.(map[string]any); app["app_id"] == "weather" {
+			assert.Equal(t, []any{"1.2.0"}, app["versions"], "%v", app)
+		}
+	}
+	metricsExpect(t, metricsScrape(t, m), 4, "companion_store_undecodable_records")
+
+	// The device's next report takes the damaged status's place.
+	fb := connectFakeBridge(t, m.MQTTURL(), f)
+	statusTopic, _ := topics.MustNew(topics.DefaultPrefix).Status("dev-2")
+	battery := 70
+	fb.publish(statusTopic, topics.Status{Online: true, Battery: &battery, FirmwareVersion: "1.0.0", Model: "sim-1",
+		Apps: []companion.App{}, BridgeID: f.bridgeID, At: time.Now(), Seq: uint64(time.Now().UnixNano())}, true)
+	testenv.Eventually(t, 10*time.Second, "dev-2's next report stored", func() bool {
+		r := user.do("GET", "/api/v1/devices/dev-2/status", nil)
+		return r.Status == 200 && r.JSON(t)["online"] == true
+	})
 }
