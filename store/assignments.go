@@ -53,7 +53,7 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 func (db *DB) markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
 	statuses := tx.Bucket(bucketStatus)
 	var s companion.Status
-	ok, err := getJSON(statuses, []byte(deviceID), &s)
+	ok, err := getReport(db, statuses, "status", []byte(deviceID), &s)
 	if err != nil || !ok || (!s.Online && s.BridgeID == "") {
 		return err
 	}
@@ -154,17 +154,17 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 // reports (the status reads offline meanwhile, markUnserved); the broker
 // takes no report of the old one once it has moved.
 func (db *DB) forgetSeq(tx *bolt.Tx, deviceID string) error {
-	if err := zeroSeq(tx.Bucket(bucketStatus), deviceID, func(s *companion.Status) *uint64 { return &s.Seq }); err != nil {
+	if err := zeroSeq(db, tx.Bucket(bucketStatus), "status", deviceID, func(s *companion.Status) *uint64 { return &s.Seq }); err != nil {
 		return err
 	}
-	return zeroSeq(tx.Bucket(bucketSettings), deviceID, func(s *companion.Settings) *uint64 { return &s.Seq })
+	return zeroSeq(db, tx.Bucket(bucketSettings), "settings record", deviceID, func(s *companion.Settings) *uint64 { return &s.Seq })
 }
 
 // zeroSeq sets to 0 the seq (as seqOf finds it) of the record of id in b,
 // when there is one and its seq is not 0 already.
-func zeroSeq[T any](b *bolt.Bucket, id string, seqOf func(*T) *uint64) error {
+func zeroSeq[T any](db *DB, b *bolt.Bucket, what, id string, seqOf func(*T) *uint64) error {
 	var v T
-	ok, err := getJSON(b, []byte(id), &v)
+	ok, err := getReport(db, b, what, []byte(id), &v)
 	if err != nil || !ok || *seqOf(&v) == 0 {
 		return err
 	}

@@ -22,13 +22,35 @@ func (db *DB) Status(ctx context.Context, deviceID string) (companion.Status, er
 		return s, nil
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		_, err := getJSON(tx.Bucket(bucketStatus), []byte(deviceID), &s)
-		return err
+		if ok, err := getReport(db, tx.Bucket(bucketStatus), "status", []byte(deviceID), &s); err != nil || !ok {
+			s = companion.Status{DeviceID: deviceID}
+			return err
+		}
+		return nil
 	})
 	if err != nil {
 		return companion.Status{}, err
 	}
 	return s, nil
+}
+
+// getReport reads the status or settings record of a device (what names
+// which) at k of b into v, as getJSON does; a record that does not decode
+// (the file damaged there) is logged (logUndecodable) and read as none,
+// and a write puts its own in its place. A device's status and settings
+// are what its bridge last reported, which its next report gives again:
+// read as an error, one damaged record made every read of the device a
+// 500, and refused its reports, its settings changes, its unbinding and
+// its moves, for good (docs/reliability.md, bugs 595 and 596).
+func getReport[T any](db *DB, b *bolt.Bucket, what string, k []byte, v *T) (bool, error) {
+	ok, err := getJSON(b, k, v)
+	if err != nil {
+		db.logUndecodable(what, k, err)
+		var none T
+		*v = none
+		return false, nil
+	}
+	return ok, nil
 }
 
 // PutStatus stores s when it is newer than the stored status (higher Seq,
@@ -74,14 +96,11 @@ func (db *DB) PutStatusAsync(s companion.Status, done func(applied bool, err err
 func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	statuses := tx.Bucket(bucketStatus)
 	var old companion.Status
-	found, err := getJSON(statuses, []byte(s.DeviceID), &old)
+	// A stored status that does not decode is replaced, as if there were
+	// none (getReport; docs/reliability.md, bug 595).
+	found, err := getReport(db, statuses, "status", []byte(s.DeviceID), &old)
 	if err != nil {
-		// A stored status that does not decode (the file damaged there)
-		// is replaced, as if there were none: kept, it refused every
-		// report of the device for good, and the device read as nothing
-		// but a 500 (docs/reliability.md, bug 595).
-		db.logUndecodable("status", []byte(s.DeviceID), err)
-		old, found = companion.Status{}, false
+		return false, err
 	}
 	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen, db.now()) {
 		return false, nil
@@ -157,7 +176,7 @@ func (db *DB) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, er
 		now := db.now()
 		for _, dev := range devices {
 			var s companion.Status
-			ok, err := getJSON(statuses, dev, &s)
+			ok, err := getReport(db, statuses, "status", dev, &s)
 			if err != nil {
 				return err
 			}
@@ -198,7 +217,7 @@ func (db *DB) BridgeDevices(ctx context.Context, bridgeID string) ([]string, err
 		scanPrefix(tx.Bucket(bucketBridgeDevices), prefix(bridgeID), func(dev []byte) bool {
 			var s companion.Status
 			var ok bool
-			if ok, err = getJSON(statuses, dev, &s); err != nil {
+			if ok, err = getReport(db, statuses, "status", dev, &s); err != nil {
 				return false
 			}
 			if ok && s.BridgeID == bridgeID {
@@ -220,8 +239,11 @@ func (db *DB) Settings(ctx context.Context, deviceID string) (companion.Settings
 	s := companion.Settings{DeviceID: deviceID}
 	if validID(deviceID) {
 		err := db.bolt.View(func(tx *bolt.Tx) error {
-			_, err := getJSON(tx.Bucket(bucketSettings), []byte(deviceID), &s)
-			return err
+			if ok, err := getReport(db, tx.Bucket(bucketSettings), "settings record", []byte(deviceID), &s); err != nil || !ok {
+				s = companion.Settings{DeviceID: deviceID}
+				return err
+			}
+			return nil
 		})
 		if err != nil {
 			return companion.Settings{}, err
@@ -294,10 +316,11 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID, bridgeID string, r comp
 	}
 	b := tx.Bucket(bucketSettings)
 	s := companion.Settings{DeviceID: deviceID}
-	found, err := getJSON(b, []byte(deviceID), &s)
+	found, err := getReport(db, b, "settings record", []byte(deviceID), &s)
 	if err != nil {
 		return false, err
 	}
+	s.DeviceID = deviceID
 	if found && !companion.Newer(r.Seq, r.At, s.Seq, s.At, db.now()) {
 		return false, nil
 	}
@@ -331,7 +354,7 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 	}
 	b := tx.Bucket(bucketSettings)
 	var s companion.Settings
-	ok, err := getJSON(b, []byte(c.DeviceID), &s)
+	ok, err := getReport(db, b, "settings record", []byte(c.DeviceID), &s)
 	if err != nil || !ok || len(s.Desired) == 0 {
 		return err
 	}
@@ -433,9 +456,10 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 func (db *DB) mergeDesired(tx *bolt.Tx, deviceID string, want map[string]json.RawMessage) error {
 	b := tx.Bucket(bucketSettings)
 	s := companion.Settings{DeviceID: deviceID}
-	if _, err := getJSON(b, []byte(deviceID), &s); err != nil {
+	if _, err := getReport(db, b, "settings record", []byte(deviceID), &s); err != nil {
 		return err
 	}
+	s.DeviceID = deviceID
 	fillMaps(&s)
 	maps.Copy(s.Desired, want)
 	s.UpdatedAt = db.now()

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"fmt"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/sim"
 	"github.com/devicecompanion/companion/topics"
 
 	"github.com/stretchr/testify/assert"
@@ -170,4 +172,72 @@ func TestADamagedRecordDoesNotFailItsList(t *testing.T) {
 		r := user.do("GET", "/api/v1/devices/dev-2/status", nil)
 		return r.Status == 200 && r.JSON(t)["online"] == true
 	})
+}
+
+// TestADamagedStatusOrSettingsIsReadAsNone runs the real server on a store
+// where a device's status and settings records were damaged while it was
+// down, and another device's settings. Each is read as none, as before any
+// report: the device's status and settings read 200, its settings change
+// is accepted and desired, it moves to no bridge and back, its next
+// reports are stored, and the other device is unbound. Without the fix
+// each of those was a 500 internal for good.
+func TestADamagedStatusOrSettingsIsReadAsNone(t *testing.T) {
+	data := t.TempDir()
+	cfg := Config{Data: data, Metrics: "127.0.0.1:0"}
+	m := startServer(t, cfg)
+	f := setupFleet(t, m, "dev-1", "dev-2")
+	registerDevices(t, f, "dev-1", "dev-2")
+	require.NoError(t, m.Close())
+
+	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		for _, d := range []struct{ bucket, key, value string }{
+			{"status", "dev-1", `{"device_id": "dev-1", "onl`},
+			{"settings", "dev-1", `{"device_id": "dev-1", "rep`},
+			{"settings", "dev-2", `{"device_id": "dev-2", "des`},
+		} {
+			if err := tx.Bucket([]byte(d.bucket)).Put([]byte(d.key), []byte(d.value)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.NoError(t, db.Close())
+
+	m = startServer(t, cfg)
+	user, admin := newClient(t, m, f.user.token), newClient(t, m, m.AdminToken())
+	const dp = "/api/v1/devices/dev-1"
+	r := user.do("GET", dp+"/status", nil)
+	require.Equal(t, 200, r.Status, "GET %s/status: %s", dp, r.Body)
+	assert.Equal(t, false, r.JSON(t)["online"], "a status that does not decode is not known: %s", r.Body)
+	r = user.do("GET", dp+"/settings", nil)
+	require.Equal(t, 200, r.Status, "GET %s/settings: %s", dp, r.Body)
+	r = user.do("PUT", dp+"/settings", map[string]any{"brightness": 70})
+	require.Equal(t, 202, r.Status, "PUT %s/settings: %s", dp, r.Body)
+	set := user.do("GET", dp+"/settings", nil).JSON(t)
+	assert.Equal(t, []any{"brightness"}, set["pending"], "%v", set)
+	for _, to := range []any{nil, f.bridgeID} {
+		r = admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": to})
+		require.Equal(t, 200, r.Status, "moving dev-1 to %v: %s", to, r.Body)
+	}
+
+	// Its next reports are stored.
+	fb := connectFakeBridge(t, m.MQTTURL(), f)
+	tree := topics.MustNew(topics.DefaultPrefix)
+	statusTopic, _ := tree.Status("dev-1")
+	settingsTopic, _ := tree.Settings("dev-1")
+	battery := 70
+	fb.publish(statusTopic, topics.Status{Online: true, Battery: &battery, FirmwareVersion: "1.0.0", Model: "sim-1",
+		Apps: []companion.App{}, BridgeID: f.bridgeID, At: time.Now(), Seq: uint64(time.Now().UnixNano())}, true)
+	fb.publish(settingsTopic, topics.Settings{Reported: map[string]any{"brightness": 70}, Schema: sim.DefaultSchema(),
+		At: time.Now(), Seq: uint64(time.Now().UnixNano())}, true)
+	testenv.Eventually(t, 10*time.Second, "dev-1's next reports stored", func() bool {
+		set := user.do("GET", dp+"/settings", nil).JSON(t)
+		return user.do("GET", dp+"/status", nil).JSON(t)["online"] == true &&
+			fmt.Sprint(set["reported"].(map[string]any)["brightness"]) == "70" && len(set["pending"].([]any)) == 0
+	})
+
+	r = user.do("DELETE", "/api/v1/devices/dev-2", nil)
+	assert.Equal(t, 204, r.Status, "unbinding dev-2: %s", r.Body)
 }
