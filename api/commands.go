@@ -188,7 +188,7 @@ func (s *Server) answerCommand(c *gin.Context, cmd companion.Command, status int
 }
 
 // ttl checks an optional ttl_seconds, v as decoded and lit as the body
-// writes it. The number is judged by its digits (wholeNumber), not by the
+// writes it. The number is judged by its digits (topics.ExactWhole), not by the
 // float64 nearest them: 59.99999999999999999 and 604800.00000000000001
 // read as 60 and 604800, and were taken (docs/reliability.md, bug 511).
 func (s *Server) ttl(v *float64, lit json.RawMessage) (time.Duration, []FieldError) {
@@ -196,7 +196,7 @@ func (s *Server) ttl(v *float64, lit json.RawMessage) (time.Duration, []FieldErr
 		return s.limits.DefaultTTL, nil
 	}
 	lo, hi := int64(s.limits.MinTTL.Seconds()), int64(s.limits.MaxTTL.Seconds())
-	n, whole, fits := wholeNumber(lit)
+	n, whole, fits := topics.ExactWhole(lit)
 	switch {
 	case !whole:
 		return 0, []FieldError{{Field: "ttl_seconds", Message: "must be a whole number of seconds"}}
@@ -706,7 +706,7 @@ func (s *Server) putSettings(c *gin.Context) error {
 		// written: an int setting refuses it, and a device whose schema
 		// is not known yet is sent its digits.
 		if f, ok := req[k].(float64); ok {
-			switch n, whole, fits := wholeNumber(raw); {
+			switch n, whole, fits := topics.ExactWhole(raw); {
 			case whole && fits:
 				req[k] = n
 			case !whole && f == math.Trunc(f):

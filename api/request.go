@@ -730,59 +730,6 @@ func numberOutOfRange(lit string) bool {
 	return errors.Is(err, strconv.ErrRange)
 }
 
-// wholeNumber reads the JSON number lit exactly, by its digits and not as
-// the float64 nearest them: whether it is a whole number ("60", "6e1",
-// "60.0", "600e-1", "-0"; not "60.5", nor "59.99999999999999999" or
-// "1e-400", which a float64 reads as 60 and 0), whether an int64 holds
-// it, and then its value. lit that is no JSON number is neither.
-func wholeNumber(lit []byte) (n int64, whole, fits bool) {
-	s := string(lit)
-	neg := strings.HasPrefix(s, "-")
-	s = strings.TrimPrefix(s, "-")
-	mant, exp, hasExp := strings.Cut(strings.ToLower(s), "e")
-	intPart, frac, _ := strings.Cut(mant, ".")
-	if intPart == "" || strings.Trim(intPart+frac, "0123456789") != "" {
-		return 0, false, false
-	}
-	digits := strings.TrimLeft(intPart+frac, "0")
-	if digits == "" {
-		return 0, true, true // 0, however written
-	}
-	e := 0
-	if hasExp {
-		var err error
-		if e, err = strconv.Atoi(exp); err != nil {
-			// An exponent past an int: a fraction far below 1, or a
-			// number far past an int64.
-			neg := strings.HasPrefix(exp, "-")
-			return 0, !neg, false
-		}
-	}
-	switch { // far past what the digits, at most a body's, make up for
-	case e > 1<<30:
-		return 0, true, false
-	case e < -1<<30:
-		return 0, false, false
-	}
-	// The value is digits × 10^e, less the fraction's digits.
-	sig := strings.TrimRight(digits, "0")
-	e += len(digits) - len(sig) - len(frac)
-	switch {
-	case e < 0:
-		return 0, false, false
-	case len(sig)+e > 19: // past 9223372036854775807's 19 digits
-		return 0, true, false
-	}
-	u, err := strconv.ParseUint(sig+strings.Repeat("0", e), 10, 64)
-	switch {
-	case err != nil, !neg && u > math.MaxInt64, neg && u > 1<<63:
-		return 0, true, false
-	case neg:
-		return int64(-u), true, true
-	}
-	return int64(u), true, true
-}
-
 // outOfRange names the path of each number in raw, a valid JSON text,
 // that is beyond what a float64 holds ("ttl_seconds", "a.b[2]"), and
 // returns raw with each of them replaced by 0.

@@ -20,7 +20,9 @@ type FieldError struct {
 // Validate checks a partial settings object against the schema: every key
 // must be known and every value of the right type and in range. Values are as
 // encoding/json decodes them (float64, bool, string), or as DecodeValue
-// does (an int64 for an integer a float64 cannot hold). It returns one
+// does (an int64 for an integer a float64 cannot hold), or as a settings
+// command's payload keeps a number with a fraction (a json.Number, which
+// no setting takes: SettingsUpdate.UnmarshalJSON). It returns one
 // FieldError per bad key, sorted by key, and nil when all is well.
 func (s Schema) Validate(partial map[string]any) []FieldError {
 	var errs []FieldError

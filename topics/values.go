@@ -105,7 +105,7 @@ func (s *Settings) UnmarshalJSON(b []byte) error {
 }
 
 // UnmarshalJSON decodes a settings command's payload with its values exact
-// (DecodeValue).
+// (DecodeValue), and each number judged by its digits (askedNumber).
 func (u *SettingsUpdate) UnmarshalJSON(b []byte) error {
 	type plain SettingsUpdate
 	var p plain
@@ -115,8 +115,34 @@ func (u *SettingsUpdate) UnmarshalJSON(b []byte) error {
 		return err
 	}
 	for k, v := range p.Settings {
+		if n, ok := v.(json.Number); ok {
+			p.Settings[k] = askedNumber(n)
+			continue
+		}
 		p.Settings[k] = exactNumbers(v)
 	}
 	*u = SettingsUpdate(p)
 	return nil
+}
+
+// askedNumber is a number a settings command asks for, as its digits say
+// (ExactWhole), not as the float64 nearest them: the bridge checks it
+// against the device's schema and writes it. A whole number is the int64
+// it is past ±2^53 (9007199254740993.0 too), and otherwise the float64
+// that holds it exactly; a number with a fraction stays a json.Number in
+// its digits, which no int setting takes ("must be an integer"). The
+// server sends a device whose schema it does not know yet such a number
+// as written, for the bridge to judge (docs/reliability.md, bug 511), and
+// the bridge read it as the float64 nearest it: 100.00000000000000000000001
+// as 100, within a max of 100, and 1e-400 as 0, each written to the device
+// (bug 575).
+func askedNumber(n json.Number) any {
+	i, whole, fits := ExactWhole([]byte(n))
+	switch {
+	case !whole:
+		return n
+	case fits && (i > maxExact || i < -maxExact):
+		return i
+	}
+	return number(n)
 }

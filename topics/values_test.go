@@ -60,3 +60,47 @@ func TestSettingsValuesAreExact(t *testing.T) {
 		t.Errorf("Validate(2^63) = %v; want it refused: no int setting holds it", errs)
 	}
 }
+
+// A number a settings command asks for is judged by its digits, not by the
+// float64 nearest them: one with a fraction stays in its digits, which no
+// int setting takes, and a whole one past 2^53 written with a fraction of
+// zeros or an exponent is the int64 it is (bug 575).
+func TestAskedSettingsJudgedByTheirDigits(t *testing.T) {
+	hundred := 100
+	schema := Schema{"level": {Type: SettingInt, Max: &hundred}, "counter": {Type: SettingInt}}
+	for _, tt := range []struct {
+		json  string
+		want  any
+		taken bool // by an int setting of max 100 ("counter" when the value is past it)
+	}{
+		{"100", float64(100), true},
+		{"100.000", float64(100), true},
+		{"1e2", float64(100), true},
+		{"-0.0", math.Copysign(0, -1), true},
+		{"100.00000000000000000000001", json.Number("100.00000000000000000000001"), false},
+		{"99.99999999999999999999", json.Number("99.99999999999999999999"), false},
+		{"1e-400", json.Number("1e-400"), false},
+		{"1.5", json.Number("1.5"), false},
+		{"9007199254740993.0", int64(1<<53 + 1), true},
+		{"9.007199254740993e15", int64(1<<53 + 1), true},
+		{"9007199254740993.5", json.Number("9007199254740993.5"), false},
+		{"1e19", float64(1e19), false},
+	} {
+		var u SettingsUpdate
+		if err := json.Unmarshal([]byte(`{"settings": {"v": `+tt.json+`}}`), &u); err != nil {
+			t.Errorf("SettingsUpdate of %s: %v", tt.json, err)
+			continue
+		}
+		got := u.Settings["v"]
+		if !reflect.DeepEqual(got, tt.want) {
+			t.Errorf("SettingsUpdate of %s = %#v; want %#v", tt.json, got, tt.want)
+		}
+		name := "level"
+		if i, ok := got.(int64); ok && i > 100 {
+			name = "counter"
+		}
+		if errs := schema.Validate(map[string]any{name: got}); (len(errs) == 0) != tt.taken {
+			t.Errorf("Validate(%s: %s) = %v; want taken %v", name, tt.json, errs, tt.taken)
+		}
+	}
+}

@@ -43,3 +43,41 @@ func TestWholeNumbers(t *testing.T) {
 	assert.Equal(t, int64(9007199254740993), st.Schema["n"].Default, "the default exact (bug 151)")
 	assert.Equal(t, int64(9007199254740993), st.Reported["n"])
 }
+
+func TestExactWhole(t *testing.T) {
+	for _, tc := range []struct {
+		lit         string
+		n           int64
+		whole, fits bool
+	}{
+		{"0", 0, true, true},
+		{"-0", 0, true, true},
+		{"0.000e99999999999999999999", 0, true, true},
+		{"60", 60, true, true},
+		{"6e1", 60, true, true},
+		{"6E+1", 60, true, true},
+		{"60.000", 60, true, true},
+		{"600e-1", 60, true, true},
+		{"-600e-1", -60, true, true},
+		{"60.5", 0, false, false},
+		{"59.99999999999999999", 0, false, false},
+		{"1e-400", 0, false, false},
+		{"1e-99999999999999999999", 0, false, false},
+		{"1e99999999999999999999", 0, true, false},
+		{"9223372036854775807", 9223372036854775807, true, true},
+		{"9223372036854775808", 0, true, false},
+		{"-9223372036854775808", -9223372036854775808, true, true},
+		{"-9223372036854775809", 0, true, false},
+		{"9007199254740993.0", 9007199254740993, true, true},
+		{"92233720368547758070e-1", 9223372036854775807, true, true},
+		{"1e19", 0, true, false},
+		{`"60"`, 0, false, false},
+		{"true", 0, false, false},
+		{"", 0, false, false},
+	} {
+		n, whole, fits := ExactWhole([]byte(tc.lit))
+		if n != tc.n || whole != tc.whole || fits != tc.fits {
+			t.Errorf("ExactWhole(%q) = %d, %v, %v; want %d, %v, %v", tc.lit, n, whole, fits, tc.n, tc.whole, tc.fits)
+		}
+	}
+}
