@@ -971,7 +971,12 @@ func EncodeSettingAs(v any, size int) ([]byte, error) {
 }
 
 // DecodeSetting reads the bytes of a setting of spec's type: an int of 1,
-// 2, 4 or 8 bytes little endian, a bool of one byte, text as UTF-8.
+// 2, 4 or 8 bytes little endian, a bool of one byte, text as UTF-8 without
+// the NULs that end it. A settings handler is C: one that gives a string
+// with its terminator (strlen + 1) or its char array whole, zeros to the
+// end, is common, and read as such a value was no value of its enum, its
+// time zone no time zone, and a change to it stayed pending for good, the
+// device never reporting the same text (docs/reliability.md, bug 576).
 func DecodeSetting(spec topics.SettingSpec, b []byte) (any, error) {
 	switch spec.Type {
 	case topics.SettingInt:
@@ -992,10 +997,11 @@ func DecodeSetting(spec topics.SettingSpec, b []byte) (any, error) {
 		}
 		return b[0] == 1, nil
 	}
-	if !utf8.Valid(b) {
+	text := strings.TrimRight(string(b), "\x00")
+	if !utf8.ValidString(text) {
 		return nil, errors.New("gatt: text that is not UTF-8")
 	}
-	return string(b), nil
+	return text, nil
 }
 
 // PushText shows a text (group 64).

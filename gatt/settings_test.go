@@ -254,3 +254,41 @@ func TestVersion1RefusedSettingValueIsInvalidPayload(t *testing.T) {
 		t.Errorf("after the refused update: %v; want brightness 50, volume 50", vals)
 	}
 }
+
+// A device whose settings handler gives a text setting as a C string, its
+// terminator included (memcpy of strlen + 1), or a char array handed whole,
+// NULs to its end, is read without them: "en\x00" read as such was no value
+// of its enum, GET …/settings showed "en\u0000", and a change to "en" stayed
+// pending for good, the device never reporting the same text (bug 576).
+func TestATextSettingGivenAsACStringIsReadWithoutItsNULs(t *testing.T) {
+	held := &heldValues{vals: map[string][]byte{
+		gatt.SettingsPrefix + "language": []byte("en\x00"),
+		gatt.SettingsPrefix + "timezone": []byte("Europe/Berlin\x00"),
+		gatt.SettingsPrefix + "nickname": append([]byte("kitchen"), make([]byte, 9)...), // char nickname[16]
+	}}
+	s := sim.New(sim.Options{ID: "dev-1"})
+	n := sim.NewNetwork(fastLink)
+	n.Add("dev-1", sim.NewPeripheral(s, sim.PeripheralOptions{}))
+	defer n.Close()
+	extra := topics.Schema{"nickname": {Type: topics.SettingString, MaxLen: 15, Default: ""}}
+	d, err := gatt.NewDevice(gatt.DeviceOptions{ID: "dev-1", Connector: &schemaConnector{Connector: n, extra: extra, held: held}, MinBackoff: time.Millisecond,
+		Window: 1}) // the link's answers and the device's come in the order asked
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	values, schema, err := d.Settings(ctx)
+	if err != nil {
+		t.Fatalf("Settings: %v", err)
+	}
+	for name, want := range map[string]string{"language": "en", "timezone": "Europe/Berlin", "nickname": "kitchen"} {
+		if values[name] != want {
+			t.Errorf("Settings()[%q] = %q; want %q", name, values[name], want)
+		}
+	}
+	if errs := schema.Validate(map[string]any{"language": values["language"], "timezone": values["timezone"], "nickname": values["nickname"]}); len(errs) > 0 {
+		t.Errorf("the values read are not values of the device's own schema: %v", errs)
+	}
+}
