@@ -25,6 +25,10 @@ import (
 	"strings"
 	"sync"
 	"time"
+	// The IANA time zone database, for a host without one: the
+	// container images are scratch, and a timezone setting other than
+	// UTC failed invalid_payload there (docs/reliability.md, bug 577).
+	_ "time/tzdata"
 
 	"github.com/devicecompanion/companion/agent"
 	"github.com/devicecompanion/companion/gatt"

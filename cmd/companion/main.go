@@ -26,6 +26,10 @@ import (
 	"os"
 	"slices"
 	"strings"
+	// The IANA time zone database, for a host without one: the
+	// container images are scratch, and a timezone setting other than
+	// UTC was refused there (docs/reliability.md, bug 577).
+	_ "time/tzdata"
 
 	"github.com/devicecompanion/companion"
 	"github.com/devicecompanion/companion/internal/buildinfo"
