@@ -776,8 +776,12 @@ func settingValues(req map[string]any) []FieldError {
 			errs = append(errs, FieldError{Field: k, Message: "is no setting's name: empty, or with a control character"})
 			continue
 		}
-		switch req[k].(type) {
-		case float64, int64, json.Number, bool, string:
+		switch v := req[k].(type) {
+		case string:
+			if strings.IndexByte(v, 0) >= 0 { // no setting of any type holds one (bug 578)
+				errs = append(errs, FieldError{Field: k, Message: topics.NoNUL})
+			}
+		case float64, int64, json.Number, bool:
 		default:
 			errs = append(errs, FieldError{Field: k, Message: "must be a number, true or false, or a string"})
 		}

@@ -149,6 +149,12 @@ func (spec SettingSpec) check(v any) string {
 		if !ok {
 			return "must be a string"
 		}
+		if strings.IndexByte(str, 0) >= 0 {
+			// A settings handler is C: it holds the value as a C string,
+			// which ends at a NUL, and the bridge reads one without the
+			// NULs that end it (docs/reliability.md, bugs 576 and 578).
+			return NoNUL
+		}
 		if spec.MaxLen > 0 && len(str) > spec.MaxLen {
 			return fmt.Sprintf("must be at most %d bytes", spec.MaxLen)
 		}
@@ -176,6 +182,11 @@ func (spec SettingSpec) check(v any) string {
 	}
 	return ""
 }
+
+// NoNUL is the message of a string setting's value that holds a NUL, from
+// Validate, and from the server's check of a setting whose schema it does
+// not know yet.
+const NoNUL = "must not contain a NUL character: a device holds a string setting as a C string"
 
 // integer is v as an int setting holds it, of at most 64 bits (a device's
 // int is 1, 2, 4 or 8 bytes): an int64, or a float64 with no fraction
