@@ -877,16 +877,8 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			p := 100
 			c.Progress = &p
 		}
-		switch {
-		case r.Error != nil:
-			c.Error = &companion.CommandError{Code: r.Error.Code, Message: r.Error.Message}
-		case r.State == companion.StateExpired:
-			// The bridge's word is the state alone (agent/spool.go): the
-			// command reads as one the server expired, with its error
-			// (docs/reliability.md, bug 512).
-			c.Error = errExpired()
-		case r.State == companion.StateCanceled:
-			c.Error = &companion.CommandError{Code: "canceled", Message: "canceled by its bridge"}
+		if e := replyError(r); e != nil {
+			c.Error = e
 		}
 		if len(r.Result) > 0 {
 			c.Result = append(json.RawMessage(nil), r.Result...)
@@ -954,6 +946,35 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 			b.notify(cmd)
 		}
 	})
+}
+
+// replyError is the error a command reads after its bridge's reply r:
+// the bridge's own, or, for a final state the bridge said without one (or
+// with one that has no code), the error that state implies. The bridge's
+// word on an expiry is the state alone (agent/spool.go): the command reads
+// as one the server expired (docs/reliability.md, bug 512). A `failed`
+// with no code had a client that shows error.message, or tells a failure
+// by error.code, show nothing (bug 555); its message, when it has one, is
+// kept. Other states carry no error (topics.ParseReply drops it).
+func replyError(r topics.Reply) *companion.CommandError {
+	if r.Error != nil && r.Error.Code != "" {
+		return &companion.CommandError{Code: r.Error.Code, Message: r.Error.Message}
+	}
+	var e *companion.CommandError
+	switch r.State {
+	case companion.StateExpired:
+		e = errExpired()
+	case companion.StateCanceled:
+		e = &companion.CommandError{Code: "canceled", Message: "canceled by its bridge"}
+	case companion.StateFailed:
+		e = &companion.CommandError{Code: "device_error", Message: "failed on its bridge, which gave no reason"}
+	default:
+		return nil
+	}
+	if r.Error != nil && r.Error.Message != "" {
+		e.Message = r.Error.Message
+	}
+	return e
 }
 
 // replyDropped has the device's unfinished commands sent again, once the
