@@ -43,3 +43,32 @@ func TestRepeatedMemberNamesAreRefused(t *testing.T) {
 	r = e.do("POST", "/api/v1/devices/dev-1/push/text", tok, `{"text":"a\"text\":"}`)
 	assert.Equal(t, 202, r.status, "a name inside a string: %s", r.body)
 }
+
+// A 422 names each fault of a body once (bug 556): a number out of range
+// in a member named twice was named once for each copy, beside "must be
+// given once", so that a form showed the same message twice under one
+// field. Two faults of one member are each named, once.
+func TestABodyFaultIsNamedOnce(t *testing.T) {
+	e := newEnv(t)
+	tok := e.bound("dev-1")
+	e.reportSettings("dev-1")
+	fe := func(field, message string) FieldError { return FieldError{Field: field, Message: message} }
+	for _, tc := range []struct {
+		method, path, body string
+		errors             []FieldError
+	}{
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":"a","ttl_seconds":1e400,"ttl_seconds":1e400}`,
+			[]FieldError{fe("ttl_seconds", "must be given once"), fe("ttl_seconds", "is a number out of range")}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"text":"a","ttl_seconds":1e400,"ttl_seconds":60,"ttl_seconds":-1e999}`,
+			[]FieldError{fe("ttl_seconds", "must be given once"), fe("ttl_seconds", "is a number out of range")}},
+		{"PUT", "/api/v1/devices/dev-1/settings", `{"brightness":1e400,"brightness":1e400,"volume":1e400}`,
+			[]FieldError{fe("brightness", "must be given once"), fe("brightness", "is a number out of range"), fe("volume", "is a number out of range")}},
+		{"POST", "/api/v1/devices/dev-1/push/text", `{"TEXT":"a","TEXT":"b"}`,
+			[]FieldError{fe("TEXT", "must be given once"), fe("TEXT", `must be written "text": member names are case-sensitive`)}},
+	} {
+		r := e.do(tc.method, tc.path, tok, tc.body)
+		require.Equal(t, 422, r.status, "%s %s: %s", tc.method, tc.body, r.body)
+		assert.Equal(t, tc.errors, r.problem(t).Errors, "%s %s: %s", tc.method, tc.body, r.body)
+	}
+	assert.Zero(t, e.cmds.count(), "no command for a refused body")
+}

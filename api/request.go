@@ -731,8 +731,11 @@ func numberOutOfRange(lit string) bool {
 }
 
 // outOfRange names the path of each number in raw, a valid JSON text,
-// that is beyond what a float64 holds ("ttl_seconds", "a.b[2]"), and
-// returns raw with each of them replaced by 0.
+// that is beyond what a float64 holds ("ttl_seconds", "a.b[2]"), once
+// however many such numbers it holds, and returns raw with each of them
+// replaced by 0. A member named twice (a 422 of its own, repeatedNames)
+// has one path for both: named for each, the same error was in the
+// answer twice (docs/reliability.md, bug 556).
 func outOfRange(raw []byte) (fields []FieldError, cleared []byte) {
 	type level struct {
 		array bool
@@ -787,7 +790,9 @@ func outOfRange(raw []byte) (fields []FieldError, cleared []byte) {
 			end := int(dec.InputOffset())
 			start := end - len(t)
 			if numberOutOfRange(string(t)) && start >= from && string(raw[start:end]) == string(t) {
-				fields = append(fields, FieldError{Field: path(), Message: "is a number out of range"})
+				if f := (FieldError{Field: path(), Message: "is a number out of range"}); !slices.Contains(fields, f) {
+					fields = append(fields, f)
+				}
 				out.Write(raw[from:start])
 				out.WriteString("0")
 				from = end
