@@ -211,7 +211,7 @@ func TestContentTypeAndSize(t *testing.T) {
 		{"application/json; charset=latin1", 415},
 		{"application/json; charset=iso-8859-1", 415},
 		{"application/json; charset=utf-16", 415},
-		{"application/json; charset=utf-8; q=1", 415},
+		{"application/json; charset=utf-8; q=1", 202}, // bug 557: a parameter beside charset is let be
 		{"application/x-www-form-urlencoded", 415},
 		{"application/jsonx", 415},
 		{"garbage;;;", 415},
