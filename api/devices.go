@@ -43,7 +43,8 @@ func (s *Server) boundDevice(c *gin.Context) (companion.Binding, error) {
 
 func deviceLocation(id string) string { return "/api/v1/devices/" + id }
 
-// checkName checks a display name: 1–128 bytes, no control characters.
+// checkName checks a display name: 1–128 bytes, no control characters,
+// not blank.
 func checkName(field, name string) []FieldError {
 	switch {
 	case name == "":
@@ -54,7 +55,23 @@ func checkName(field, name string) []FieldError {
 	if _, at := controlChar(name, ""); at >= 0 {
 		return []FieldError{{Field: field, Message: "must not contain control characters"}}
 	}
+	if blank(name) {
+		return []FieldError{{Field: field, Message: "must not be blank"}}
+	}
 	return nil
+}
+
+// blank reports whether s draws nothing: white space alone (U+0020,
+// U+00A0, U+3000…) or format characters (a zero-width space, a BOM, a
+// direction mark). Such a name passed as not empty, and its device was
+// listed with no name to tell it by (docs/reliability.md, bug 558).
+func blank(s string) bool {
+	for _, r := range s {
+		if !unicode.IsSpace(r) && !unicode.Is(unicode.Cf, r) {
+			return false
+		}
+	}
+	return true
 }
 
 // controlChar finds the first control character of s (C0, DEL or C1:
