@@ -41,3 +41,19 @@ func TestBlankNamesAreRefused(t *testing.T) {
 		assert.Equal(t, name, r.json(t)["name"])
 	}
 }
+
+// A name's control character is named with its byte, as free text's is
+// (bug 559): docs/api.md says a field with one is "naming the field, the
+// character and its byte", and a name said only "must not contain control
+// characters", which a user who pasted a tab could not find.
+func TestANamesControlCharacterIsNamed(t *testing.T) {
+	e := newEnv(t)
+	tok := e.user("u1")
+	e.provision("dev-1", "code-1", "sim-1")
+	r := e.do("POST", "/api/v1/devices/register", tok, map[string]any{"device_id": "dev-1", "claim_code": "code-1", "name": "Kit\tchen"})
+	require.Equal(t, 422, r.status, "%s", r.body)
+	assert.Equal(t, []FieldError{{Field: "name", Message: "must not contain control characters: it has U+0009 at byte 3"}}, r.problem(t).Errors)
+	r = e.do("POST", "/api/v1/admin/users", testAdminToken, map[string]any{"name": "Ann\u0085"})
+	require.Equal(t, 422, r.status, "%s", r.body)
+	assert.Equal(t, []FieldError{{Field: "name", Message: "must not contain control characters: it has U+0085 at byte 3"}}, r.problem(t).Errors)
+}

@@ -52,8 +52,10 @@ func checkName(field, name string) []FieldError {
 	case len(name) > maxNameBytes:
 		return []FieldError{{Field: field, Message: "must be at most 128 bytes"}}
 	}
-	if _, at := controlChar(name, ""); at >= 0 {
-		return []FieldError{{Field: field, Message: "must not contain control characters"}}
+	// With the character and its byte, as free text's (checkText): the
+	// message alone did not show where a pasted tab was (bug 559).
+	if errs := checkText(field, name, "", ""); errs != nil {
+		return errs
 	}
 	if blank(name) {
 		return []FieldError{{Field: field, Message: "must not be blank"}}
