@@ -465,7 +465,7 @@ func validSHA256(s string) bool {
 func (s *Server) getBlob(c *gin.Context) error {
 	sha := c.Param("sha256")
 	if !validSHA256(sha) {
-		return &Error{Code: CodeBlobNotFound}
+		return errNoBlobName
 	}
 	ctx := c.Request.Context()
 	if bridge := currentBridge(c); bridge != "" {

@@ -145,6 +145,7 @@ var (
 	errNoAppID      = &Error{Code: CodeAppNotFound, Detail: noAppID}
 	errNoReleaseApp = &Error{Code: CodeNotFound, Detail: noAppID}
 	errNoModelID    = &Error{Code: CodeNotFound, Detail: "the path names no model: a model is 1 to 64 of A-Z a-z 0-9 . _ : -"}
+	errNoBlobName   = &Error{Code: CodeBlobNotFound, Detail: "the path names no content: a blob is named by its SHA-256, 64 hex digits in lower case"}
 	errIdemInUse    = &Error{Code: CodeIdempotencyKeyInUse}
 	// The admin's 404s say what is missing from the service: the codes'
 	// default details ("no such device among yours") are a user's, and
