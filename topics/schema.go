@@ -220,7 +220,9 @@ func bound(p *int) string {
 // host's time package loads them: "localtime" (the host's own zone),
 // "posixrules", "Factory" (no zone: "-00"), and the duplicate trees
 // "posix/" and "right/" (leap seconds counted), which a device's time
-// zone database does not know by those names.
+// zone database does not know by those names. So is a name written as a
+// path ("./UTC", "Europe//London", "Europe/./London"), which the host
+// opens as the zone's file (docs/reliability.md, bug 561).
 func ValidTimezone(name string) bool {
 	if name == "" || name == "Local" || len(name) > 64 {
 		return false
@@ -229,6 +231,11 @@ func ValidTimezone(name string) bool {
 	case name == "localtime", name == "posixrules", name == "Factory",
 		strings.HasPrefix(name, "posix/"), strings.HasPrefix(name, "right/"):
 		return false
+	}
+	for part := range strings.SplitSeq(name, "/") {
+		if part == "" || part == "." || part == ".." {
+			return false
+		}
 	}
 	_, err := time.LoadLocation(name)
 	return err == nil

@@ -35,6 +35,9 @@ func TestSchemaValidate(t *testing.T) {
 		{`{"timezone":"right/UTC"}`, []string{"timezone"}},
 		{`{"timezone":"posix/Europe/Berlin"}`, []string{"timezone"}},
 		{`{"timezone":"US/Pacific"}`, nil},
+		{`{"timezone":"./UTC"}`, []string{"timezone"}}, // bug 561: a path, not a name
+		{`{"timezone":"Europe//Berlin"}`, []string{"timezone"}},
+		{`{"timezone":"Europe/./Berlin"}`, []string{"timezone"}},
 		{`{"language":"xx"}`, []string{"language"}},
 		{`{"nickname":"abcde"}`, []string{"nickname"}},
 		{`{"volume":5,"brightness":500}`, []string{"brightness", "volume"}},
