@@ -53,9 +53,9 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 func (db *DB) markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
 	statuses := tx.Bucket(bucketStatus)
 	var s companion.Status
-	ok, err := getReport(db, statuses, "status", []byte(deviceID), &s)
-	if err != nil || !ok || (!s.Online && s.BridgeID == "") {
-		return err
+	ok := getReport(db, statuses, "status", []byte(deviceID), &s)
+	if !ok || (!s.Online && s.BridgeID == "") {
+		return nil
 	}
 	old := s
 	if old.BridgeID != "" {
@@ -164,9 +164,9 @@ func (db *DB) forgetSeq(tx *bolt.Tx, deviceID string) error {
 // when there is one and its seq is not 0 already.
 func zeroSeq[T any](db *DB, b *bolt.Bucket, what, id string, seqOf func(*T) *uint64) error {
 	var v T
-	ok, err := getReport(db, b, what, []byte(id), &v)
-	if err != nil || !ok || *seqOf(&v) == 0 {
-		return err
+	ok := getReport(db, b, what, []byte(id), &v)
+	if !ok || *seqOf(&v) == 0 {
+		return nil
 	}
 	*seqOf(&v) = 0
 	return putJSON(b, []byte(id), v)

@@ -230,9 +230,9 @@ func (db *DB) endUnbound(tx *bolt.Tx, deviceID, userID string) ([]companion.Comm
 func (db *DB) dropDesired(tx *bolt.Tx, deviceID string) error {
 	b := tx.Bucket(bucketSettings)
 	var s companion.Settings
-	ok, err := getReport(db, b, "settings record", []byte(deviceID), &s)
-	if err != nil || !ok || len(s.Desired) == 0 {
-		return err
+	ok := getReport(db, b, "settings record", []byte(deviceID), &s)
+	if !ok || len(s.Desired) == 0 {
+		return nil
 	}
 	s.Desired = map[string]json.RawMessage{}
 	s.UpdatedAt = db.now()

@@ -22,9 +22,8 @@ func (db *DB) Status(ctx context.Context, deviceID string) (companion.Status, er
 		return s, nil
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		if ok, err := getReport(db, tx.Bucket(bucketStatus), "status", []byte(deviceID), &s); err != nil || !ok {
+		if !getReport(db, tx.Bucket(bucketStatus), "status", []byte(deviceID), &s) {
 			s = companion.Status{DeviceID: deviceID}
-			return err
 		}
 		return nil
 	})
@@ -35,22 +34,22 @@ func (db *DB) Status(ctx context.Context, deviceID string) (companion.Status, er
 }
 
 // getReport reads the status or settings record of a device (what names
-// which) at k of b into v, as getJSON does; a record that does not decode
+// which) at k of b into v and reports whether there is one; a record that does not decode
 // (the file damaged there) is logged (logUndecodable) and read as none,
 // and a write puts its own in its place. A device's status and settings
 // are what its bridge last reported, which its next report gives again:
 // read as an error, one damaged record made every read of the device a
 // 500, and refused its reports, its settings changes, its unbinding and
 // its moves, for good (docs/reliability.md, bugs 595 and 596).
-func getReport[T any](db *DB, b *bolt.Bucket, what string, k []byte, v *T) (bool, error) {
+func getReport[T any](db *DB, b *bolt.Bucket, what string, k []byte, v *T) bool {
 	ok, err := getJSON(b, k, v)
 	if err != nil {
 		db.logUndecodable(what, k, err)
 		var none T
 		*v = none
-		return false, nil
+		return false
 	}
-	return ok, nil
+	return ok
 }
 
 // PutStatus stores s when it is newer than the stored status (higher Seq,
@@ -98,10 +97,7 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	var old companion.Status
 	// A stored status that does not decode is replaced, as if there were
 	// none (getReport; docs/reliability.md, bug 595).
-	found, err := getReport(db, statuses, "status", []byte(s.DeviceID), &old)
-	if err != nil {
-		return false, err
-	}
+	found := getReport(db, statuses, "status", []byte(s.DeviceID), &old)
 	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen, db.now()) {
 		return false, nil
 	}
@@ -176,10 +172,7 @@ func (db *DB) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, er
 		now := db.now()
 		for _, dev := range devices {
 			var s companion.Status
-			ok, err := getReport(db, statuses, "status", dev, &s)
-			if err != nil {
-				return err
-			}
+			ok := getReport(db, statuses, "status", dev, &s)
 			if !ok || s.BridgeID != bridgeID || !s.Online {
 				continue
 			}
@@ -213,19 +206,14 @@ func (db *DB) BridgeDevices(ctx context.Context, bridgeID string) ([]string, err
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
 		statuses := tx.Bucket(bucketStatus)
-		var err error
 		scanPrefix(tx.Bucket(bucketBridgeDevices), prefix(bridgeID), func(dev []byte) bool {
 			var s companion.Status
-			var ok bool
-			if ok, err = getReport(db, statuses, "status", dev, &s); err != nil {
-				return false
-			}
-			if ok && s.BridgeID == bridgeID {
+			if getReport(db, statuses, "status", dev, &s) && s.BridgeID == bridgeID {
 				ids = append(ids, s.DeviceID)
 			}
 			return true
 		})
-		return err
+		return nil
 	})
 	if err != nil {
 		return nil, err
@@ -239,9 +227,8 @@ func (db *DB) Settings(ctx context.Context, deviceID string) (companion.Settings
 	s := companion.Settings{DeviceID: deviceID}
 	if validID(deviceID) {
 		err := db.bolt.View(func(tx *bolt.Tx) error {
-			if ok, err := getReport(db, tx.Bucket(bucketSettings), "settings record", []byte(deviceID), &s); err != nil || !ok {
+			if !getReport(db, tx.Bucket(bucketSettings), "settings record", []byte(deviceID), &s) {
 				s = companion.Settings{DeviceID: deviceID}
-				return err
 			}
 			return nil
 		})
@@ -316,10 +303,7 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID, bridgeID string, r comp
 	}
 	b := tx.Bucket(bucketSettings)
 	s := companion.Settings{DeviceID: deviceID}
-	found, err := getReport(db, b, "settings record", []byte(deviceID), &s)
-	if err != nil {
-		return false, err
-	}
+	found := getReport(db, b, "settings record", []byte(deviceID), &s)
 	s.DeviceID = deviceID
 	if found && !companion.Newer(r.Seq, r.At, s.Seq, s.At, db.now()) {
 		return false, nil
@@ -354,9 +338,9 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 	}
 	b := tx.Bucket(bucketSettings)
 	var s companion.Settings
-	ok, err := getReport(db, b, "settings record", []byte(c.DeviceID), &s)
-	if err != nil || !ok || len(s.Desired) == 0 {
-		return err
+	ok := getReport(db, b, "settings record", []byte(c.DeviceID), &s)
+	if !ok || len(s.Desired) == 0 {
+		return nil
 	}
 	var (
 		others  []companion.Command
@@ -384,7 +368,7 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 			others = append(others, oc)
 		}
 	}
-	err = tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
+	err := tx.Bucket(bucketDeviceCmdsNew).ForEach(func(id, dev []byte) error {
 		if string(dev) == c.DeviceID && string(id) != c.ID {
 			visit(id)
 		}
@@ -456,9 +440,7 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 func (db *DB) mergeDesired(tx *bolt.Tx, deviceID string, want map[string]json.RawMessage) error {
 	b := tx.Bucket(bucketSettings)
 	s := companion.Settings{DeviceID: deviceID}
-	if _, err := getReport(db, b, "settings record", []byte(deviceID), &s); err != nil {
-		return err
-	}
+	getReport(db, b, "settings record", []byte(deviceID), &s)
 	s.DeviceID = deviceID
 	fillMaps(&s)
 	maps.Copy(s.Desired, want)
