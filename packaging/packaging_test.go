@@ -1241,13 +1241,7 @@ func TestSystemdDoesNotRestartOnNewerData(t *testing.T) {
 // namespace of its own (unshare -rm), as systemd makes it.
 func TestSystemdDoesNotRestartOnReadOnlyDirectories(t *testing.T) {
 	bins := builtCommands(t)
-	unshare, err := exec.LookPath("unshare")
-	if err != nil {
-		t.Skip("no unshare(1) to make a read-only directory with")
-	}
-	if out, err := exec.Command(unshare, "-rm", "true").CombinedOutput(); err != nil {
-		t.Skipf("unshare -rm: %v %s", err, out)
-	}
+	unshare := unshareRM(t, "to make a read-only directory with")
 	ro := t.TempDir()
 	free := func() string { return "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)) }
 	bridge := []string{"--mqtt-url", "tcp://" + free(), "--bridge-id", "bridge-1", "--bridge-secret", "secret", "--sim-devices", "sim-001"}
@@ -1506,4 +1500,19 @@ func TestSystemdUnitsOrderAfterLocalServices(t *testing.T) {
 			}
 		})
 	}
+}
+
+// unshareRM returns the path of unshare(1), once it has made a user and
+// mount namespace of its own (unshare -rm), or skips the test, which needs
+// one for what why says.
+func unshareRM(t *testing.T, why string) string {
+	t.Helper()
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Skip("no unshare(1) " + why)
+	}
+	if out, err := exec.Command(unshare, "-rm", "true").CombinedOutput(); err != nil {
+		t.Skipf("unshare -rm: %v %s", err, out)
+	}
+	return unshare
 }

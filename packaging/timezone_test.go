@@ -30,13 +30,7 @@ import (
 // the Go installation's, are empty directories (bug 577).
 func TestTimeZonesWithoutTheHostsDatabase(t *testing.T) {
 	bins := builtCommands(t)
-	unshare, err := exec.LookPath("unshare")
-	if err != nil {
-		t.Skip("no unshare(1) to hide the host's time zone database with")
-	}
-	if out, err := exec.Command(unshare, "-rm", "true").CombinedOutput(); err != nil {
-		t.Skipf("unshare -rm: %v %s", err, out)
-	}
+	unshare := unshareRM(t, "to hide the host's time zone database with")
 	goroot, err := exec.Command(goTool(t), "env", "GOROOT").Output()
 	if err != nil {
 		t.Fatalf("go env GOROOT: %v", err)
