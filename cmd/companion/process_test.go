@@ -148,6 +148,7 @@ func startProcEnv(tb testing.TB, name, bin string, env []string, args ...string)
 	p.cmd.Stdout, p.cmd.Stderr = out, out
 	p.cmd.WaitDelay = 5 * time.Second // a child of its own holding the pipe
 	p.cmd.Env = env
+	testenv.EndsWithTestBinary(p.cmd)
 	if err := p.cmd.Start(); err != nil {
 		logf.Close()
 		require.NoError(tb, err, "start %s", name)

@@ -641,6 +641,7 @@ func (m *Mosquitto) Start(tb testing.TB) {
 	}
 	cmd := exec.Command(m.bin, "-c", m.confPath)
 	cmd.Dir = m.Dir
+	testenv.EndsWithTestBinary(cmd)
 	var stderr bytes.Buffer
 	cmd.Stdout = &stderr
 	cmd.Stderr = &stderr

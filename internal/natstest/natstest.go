@@ -704,9 +704,7 @@ func (c *Cluster) spawn(i int) error {
 	cmd := exec.Command(c.bin, "-c", n.confPath)
 	cmd.Dir = c.Dir
 	cmd.Stdout, cmd.Stderr = logf, logf
-	// Should the test binary die without its cleanups (a -timeout panic),
-	// the node dies with it instead of running on.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	testenv.EndsWithTestBinary(cmd)
 	if err := cmd.Start(); err != nil {
 		logf.Close()
 		return fmt.Errorf("start %s: %w", n.name, err)

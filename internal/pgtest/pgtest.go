@@ -218,13 +218,8 @@ func (s *Server) start() error {
 		// Its own process group, so that Kill and a stop that times out
 		// reach the backends too.
 		Setpgid: true,
-		// Should the test binary die without cleaning up (a -timeout
-		// panic, say), the server goes with it rather than live on. The
-		// signal is tied to the thread that started it, and the Go
-		// runtime does not end threads of goroutines that are not locked
-		// to them.
-		Pdeathsig: syscall.SIGKILL,
 	}
+	testenv.EndsWithTestBinary(cmd)
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start postgres: %w", err)
 	}

@@ -21,6 +21,8 @@ import (
 	"time"
 
 	"github.com/godbus/dbus/v5"
+
+	"github.com/devicecompanion/companion/internal/testenv"
 )
 
 // DaemonPath is where Debian's dbus package installs the bus daemon.
@@ -91,6 +93,7 @@ func startBusWith(tb testing.TB, policy string) (string, func()) {
 		tb.Fatal(err)
 	}
 	cmd := exec.Command(daemon, "--config-file="+conf, "--nofork", "--nopidfile", "--nosyslog", "--print-address=1")
+	testenv.EndsWithTestBinary(cmd)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		tb.Fatal(err)
