@@ -39,6 +39,11 @@ func TestNumbersJudgedByTheirDigits(t *testing.T) {
 		{settings, `{"volume":-0.00000000000000000001}`, "must be an integer"},
 		{settings, `{"volume":1e-400}`, "must be an integer"},
 		{settings, `{"display_timeout_s":600.0000000000000001}`, "must be an integer"},
+		// A whole number past 64 bits is an integer out of range, not
+		// "not an integer".
+		{settings, `{"volume":1e19}`, "must be between 0 and 100"},
+		{settings, `{"volume":-9223372036854775809}`, "must be between 0 and 100"},
+		{settings, `{"brightness":18446744073709551616.000}`, "must be between 0 and 100"},
 	} {
 		r := e.do("POST", tc.path, tok, tc.body)
 		if tc.path == settings {

@@ -5,6 +5,7 @@ import (
 	"maps"
 	"math"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -134,11 +135,23 @@ func (spec SettingSpec) check(v any) string {
 	switch spec.Type {
 	case SettingInt:
 		n, ok := integer(v)
-		if !ok {
+		past := !ok && wholePastInt64(v)
+		if !ok && !past {
 			return "must be an integer"
 		}
-		if (spec.Min != nil && n < int64(*spec.Min)) || (spec.Max != nil && n > int64(*spec.Max)) {
-			return fmt.Sprintf("must be between %s and %s", bound(spec.Min), bound(spec.Max))
+		if past || (spec.Min != nil && n < int64(*spec.Min)) || (spec.Max != nil && n > int64(*spec.Max)) {
+			lo, hi := bound(spec.Min), bound(spec.Max)
+			if past {
+				// An unbounded side of a device's int ends where its 64
+				// bits do.
+				if spec.Min == nil {
+					lo = strconv.FormatInt(math.MinInt64, 10)
+				}
+				if spec.Max == nil {
+					hi = strconv.FormatInt(math.MaxInt64, 10)
+				}
+			}
+			return fmt.Sprintf("must be between %s and %s", lo, hi)
 		}
 	case SettingBool:
 		if _, ok := v.(bool); !ok {
@@ -205,6 +218,14 @@ func integer(v any) (int64, bool) {
 		return int64(x), true
 	}
 	return 0, false
+}
+
+// wholePastInt64 reports whether v is a whole number no int64 holds, such
+// as 1e19: out of an int setting's range, which is what its 422 says,
+// rather than not an integer.
+func wholePastInt64(v any) bool {
+	x, ok := v.(float64)
+	return ok && !math.IsInf(x, 0) && x == math.Trunc(x) && (x < math.MinInt64 || x >= math.MaxInt64)
 }
 
 func bound(p *int) string {

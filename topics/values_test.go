@@ -104,3 +104,32 @@ func TestAskedSettingsJudgedByTheirDigits(t *testing.T) {
 		}
 	}
 }
+
+// A whole number no int64 holds is out of an int setting's range, and its
+// message says the range, an unbounded side ending where 64 bits do; it
+// read "must be an integer", which 1e19 is.
+func TestAWholeNumberPast64BitsIsOutOfRange(t *testing.T) {
+	hundred := 100
+	schema := Schema{"level": {Type: SettingInt, Max: &hundred}, "counter": {Type: SettingInt}}
+	for _, tt := range []struct {
+		name, json, want string
+	}{
+		{"level", "1e19", "must be between -9223372036854775808 and 100"},
+		{"level", "-1e19", "must be between -9223372036854775808 and 100"},
+		{"counter", "9223372036854775808", "must be between -9223372036854775808 and 9223372036854775807"},
+		{"counter", "-9.3e18", "must be between -9223372036854775808 and 9223372036854775807"},
+		{"counter", "1e19", "must be between -9223372036854775808 and 9223372036854775807"},
+		{"counter", "1.5e19", "must be between -9223372036854775808 and 9223372036854775807"},
+		{"counter", "1.00000000000000000001e19", "must be an integer"},
+	} {
+		var u SettingsUpdate
+		if err := json.Unmarshal([]byte(`{"settings": {"`+tt.name+`": `+tt.json+`}}`), &u); err != nil {
+			t.Errorf("SettingsUpdate of %s: %v", tt.json, err)
+			continue
+		}
+		errs := schema.Validate(u.Settings)
+		if len(errs) != 1 || errs[0].Message != tt.want {
+			t.Errorf("Validate(%s: %s) = %v; want %q", tt.name, tt.json, errs, tt.want)
+		}
+	}
+}
