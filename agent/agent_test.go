@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode"
 
 	"github.com/devicecompanion/companion"
 
@@ -430,6 +431,12 @@ func TestFailures(t *testing.T) {
 		{"settings out of range", nil, command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"brightness": 500}}), "invalid_payload"},
 		{"unknown setting", nil, command(t, "dev-1", topics.OpSettingsUpdate, topics.SettingsUpdate{Settings: map[string]any{"colour": "red"}}), "invalid_payload"},
 		{"bad payload", nil, command(t, "dev-1", topics.OpPushText, "not an object"), "invalid_payload"},
+		// What the server refuses, the bridge refuses too, for a command
+		// from elsewhere on the topic.
+		{"text with a NUL", nil, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "cut\x00here"}), "invalid_payload"},
+		{"text with an ESC", nil, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "\x1b[2Jcleared"}), "invalid_payload"},
+		{"text with a C1 code", nil, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "a\u0085b"}), "invalid_payload"},
+		{"title on two lines", nil, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "x", Title: "two\nlines"}), "invalid_payload"},
 		{"device fails", func() { dev.FailNext(errors.New("screen broken")) }, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "x"}), "device_error"},
 		{"device hangs", dev.HangNext, command(t, "dev-1", topics.OpPushText, topics.PushText{Text: "y"}), "timeout"},
 		{"checksum mismatch", nil, command(t, "dev-1", topics.OpPushImage, topics.PushImage{ContentType: "image/png", Blob: wrongSHA}), "checksum_mismatch"},
@@ -458,6 +465,11 @@ func TestFailures(t *testing.T) {
 	settings, _, _ := dev.Settings(t.Context())
 	if settings["brightness"] != 50 {
 		t.Errorf("brightness = %v after bad updates; want 50", settings["brightness"])
+	}
+	for _, text := range dev.Texts() {
+		if _, at := topics.ControlChar(text.Text, topics.TextControls); at >= 0 || strings.ContainsFunc(text.Title, unicode.IsControl) {
+			t.Errorf("the device was written the text %q titled %q", text.Text, text.Title)
+		}
 	}
 }
 

@@ -574,6 +574,16 @@ func (a *Agent) pushText(ctx context.Context, dr *deviceRunner, c topics.Command
 	if p.Text == "" {
 		return nil, deviceState{}, cmdErr(codeInvalidPayload, "text is empty")
 	}
+	// The server takes no text or title with a control character but a
+	// text's lines and tabs; a command from elsewhere on the topic is held
+	// to the same, for a firmware that copies each into a C string and
+	// draws it (docs/gatt.md).
+	if r, at := topics.ControlChar(p.Text, topics.TextControls); at >= 0 {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, fmt.Sprintf("text has the control character U+%04X at byte %d", r, at))
+	}
+	if r, at := topics.ControlChar(p.Title, ""); at >= 0 {
+		return nil, deviceState{}, cmdErr(codeInvalidPayload, fmt.Sprintf("title has the control character U+%04X at byte %d (a title is one line)", r, at))
+	}
 	return nil, deviceState{}, dr.dev.PushText(ctx, c.ID, p.Title, p.Text)
 }
 

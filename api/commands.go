@@ -234,7 +234,7 @@ func (s *Server) pushText(c *gin.Context) error {
 		fields = append(fields, FieldError{Field: "text", Message: fmt.Sprintf("must be at most %d bytes", s.limits.MaxTextBytes)})
 	case !notUTF8["text"]:
 		// Lines and tabs are a text's own; a title is one line.
-		fields = append(fields, checkText("text", req.Text, "\t\n\r", " other than tab and line breaks")...)
+		fields = append(fields, checkText("text", req.Text, topics.TextControls, " other than tab and line breaks")...)
 	}
 	switch {
 	case len(req.Title) > s.limits.MaxTitleBytes:

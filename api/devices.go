@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strings"
 	"time"
 	"unicode"
 
@@ -76,25 +75,13 @@ func blank(s string) bool {
 	return true
 }
 
-// controlChar finds the first control character of s (C0, DEL or C1:
-// NUL, ESC, a line break…) that allowed does not hold: it and its byte
-// offset, or -1 when s has none.
-func controlChar(s, allowed string) (rune, int) {
-	for i, r := range s {
-		if unicode.IsControl(r) && !strings.ContainsRune(allowed, r) {
-			return r, i
-		}
-	}
-	return 0, -1
-}
-
 // checkText checks free text that a device shows or a person types: no
 // control character but those of allowed. A device's firmware holds text
 // as a C string (a NUL ends it there, and the rest is lost with the device
 // reporting success) and draws it on a display, which has no glyph for the
 // others (an ESC, a backspace, a C1 code from text decoded as Latin-1).
 func checkText(field, s, allowed, why string) []FieldError {
-	r, at := controlChar(s, allowed)
+	r, at := topics.ControlChar(s, allowed)
 	if at < 0 {
 		return nil
 	}
