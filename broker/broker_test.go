@@ -837,6 +837,43 @@ func TestStatusOrderingAndBridgeWill(t *testing.T) {
 	assert.Zero(t, g.Seq)
 }
 
+// An online status naming no bridge, on the status topic (bridge_id left
+// out) or in a final reply (bridge_id empty), is its serving bridge's:
+// stored naming none, the device read online with no bridge, and its
+// bridge's Will, which marks offline the devices whose status names it,
+// left it online for good (docs/reliability.md, bug 570).
+func TestAnOnlineStatusNamingNoBridgeIsItsServingBridges(t *testing.T) {
+	e := newEnv(t, true)
+	ctx := context.Background()
+	fb := connectBridge(t, e)
+	topic, _ := tree.Status("dev-1")
+	at := time.Now().UTC().Format(time.RFC3339Nano)
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(topic, 1, true,
+		`{"online":true,"battery":80,"firmware_version":"1.0.0","apps":[],"at":"`+at+`","seq":1}`), 5*time.Second))
+	c := submit(t, e, "dev-2", "x", time.Hour)
+	require.Equal(t, c.ID, fb.next(t).ID)
+	fb.reply(t, "dev-2", topics.Reply{CommandID: c.ID, State: companion.StateSucceeded, At: time.Now(),
+		Status: &topics.Status{Online: true, FirmwareVersion: "1.0.0", Apps: []companion.App{}, Seq: 1, At: time.Now()}})
+	for _, dev := range []string{"dev-1", "dev-2"} {
+		testenv.Eventually(t, 10*time.Second, dev+" online", func() bool {
+			s, err := e.db.Status(ctx, dev)
+			return err == nil && s.Online
+		})
+		s, err := e.db.Status(ctx, dev)
+		require.NoError(t, err)
+		assert.Equal(t, "b1", s.BridgeID, "%s: the bridge its status names", dev)
+	}
+
+	state, _ := tree.BridgeState("b1")
+	require.NoError(t, mqtt.WaitTokenTimeout(fb.c.Publish(state, 1, true, topics.BridgeOffline), 5*time.Second))
+	for _, dev := range []string{"dev-1", "dev-2"} {
+		testenv.Eventually(t, 10*time.Second, dev+" offline after its bridge's Will", func() bool {
+			s, err := e.db.Status(ctx, dev)
+			return err == nil && !s.Online
+		})
+	}
+}
+
 // When a bridge's Will fires, its devices' retained status says what the
 // store says, online: false, with the last report's battery, firmware, seq
 // and at: a watcher of devices/{id}/status, and whoever subscribes later,

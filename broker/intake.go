@@ -837,7 +837,7 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 		b.noisy.Warn("foreign status\x00"+deviceID, "reply with a status from a bridge that does not serve the device; storing the reply without it",
 			"device_id", deviceID, "command_id", r.CommandID, "bridge_id", r.Status.BridgeID, "serving", bridge)
 	case r.Status != nil:
-		s := b.storeStatus(deviceID, *r.Status)
+		s := namedBridge(b.storeStatus(deviceID, *r.Status), bridge)
 		report.Status = &s
 	}
 	if r.Settings != nil {
@@ -1045,14 +1045,15 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 			b.goOwned(func() { b.overwriteRefusedStatus(deviceID, "over one from a bridge that does not serve the device") })
 		}
 	}
-	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, dropped, func(_ string, done func(error)) {
+	b.takeReport("status", deviceID, s.BridgeID, bridge, readErr, ack, 1, dropped, func(bridge string, done func(error)) {
+		st := namedBridge(st, bridge)
 		start := time.Now()
 		b.st.PutStatusAsync(st, func(applied bool, err error) {
 			b.opts.Observer.StoreWrite(StoreWriteStatus, time.Since(start))
 			if err == nil {
 				b.sawDevice(deviceID, s.Online)
 				if s.Online && live {
-					b.heardFrom(s.BridgeID)
+					b.heardFrom(st.BridgeID)
 				}
 				switch {
 				case s.Online && b.takeOfflineMark(deviceID):
@@ -1072,6 +1073,23 @@ func (b *Broker) takeStatus(deviceID string, s topics.Status, bridge string, rea
 			done(err)
 		})
 	})
+}
+
+// namedBridge returns s, a status taken from bridge, the bridge serving
+// the device, naming that bridge when it is online and names none: only
+// the device's bridge may publish its status (CONTRACT §9; the server
+// drops one naming another), so a status that leaves bridge_id out is
+// that bridge's. Stored naming none, the device read online with no
+// bridge, and its bridge's Will, which marks offline the devices whose
+// status names it (MarkBridgeOffline), left it online for good
+// (docs/reliability.md, bug 570). An offline status naming none is taken
+// as it is: the server publishes one for a device that lost its bridge
+// (publishUnserved), and it names no bridge to mark offline.
+func namedBridge(s companion.Status, bridge string) companion.Status {
+	if s.Online && s.BridgeID == "" {
+		s.BridgeID = bridge
+	}
+	return s
 }
 
 // keepKnown fills s, an offline status that knows nothing of the device
