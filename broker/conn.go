@@ -453,6 +453,12 @@ func (b *Broker) take(in inbound, bridges map[string]string, readErr error) {
 			return
 		}
 		b.warnBadAt("reply", t.DeviceID, in.r.BadAt)
+		if in.r.Error != nil && in.r.Error.BadCode != "" {
+			// Set aside (replyError), and the bridge breaks the contract,
+			// which its operator should hear of (bug 569).
+			b.noisy.Warn("bad error code\x00"+t.DeviceID, "a bridge's error code is not of the contract's form (^[a-z0-9_]+$, at most 64 bytes); the command reads the code its state has without one",
+				"device_id", t.DeviceID, "command_id", in.r.CommandID, "state", in.r.State, "code", in.r.Error.BadCode)
+		}
 		if in.r.Status != nil {
 			b.warnBadAt("reply's status", t.DeviceID, in.r.Status.BadAt)
 		}

@@ -955,7 +955,10 @@ func (b *Broker) takeReplyAttempt(deviceID, bridge string, err error, r topics.R
 // as one the server expired (docs/reliability.md, bug 512). A `failed`
 // with no code had a client that shows error.message, or tells a failure
 // by error.code, show nothing (bug 555); its message, when it has one, is
-// kept. Other states carry no error (topics.ParseReply drops it).
+// kept. A code not of the contract's form (topics.ValidErrorCode) is taken
+// as none, and quoted in the message alone: served as it came, "Bad
+// Code!" or 10 KB of it was the error.code a client tells a failure by
+// (bug 569). Other states carry no error (topics.ParseReply drops it).
 func replyError(r topics.Reply) *companion.CommandError {
 	if r.Error != nil && r.Error.Code != "" {
 		return &companion.CommandError{Code: r.Error.Code, Message: r.Error.Message}
@@ -968,11 +971,17 @@ func replyError(r topics.Reply) *companion.CommandError {
 		e = &companion.CommandError{Code: "canceled", Message: "canceled by its bridge"}
 	case companion.StateFailed:
 		e = &companion.CommandError{Code: "device_error", Message: "failed on its bridge, which gave no reason"}
+		if r.Error != nil && r.Error.BadCode != "" {
+			e.Message = "failed on its bridge"
+		}
 	default:
 		return nil
 	}
 	if r.Error != nil && r.Error.Message != "" {
 		e.Message = r.Error.Message
+	}
+	if r.Error != nil && r.Error.BadCode != "" {
+		e.Message += fmt.Sprintf(" (the bridge gave the error code %q, which is not a code)", r.Error.BadCode)
 	}
 	return e
 }

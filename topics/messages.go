@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/devicecompanion/companion"
 
@@ -44,6 +45,28 @@ type Command struct {
 type Error struct {
 	Code    string `json:"code"`
 	Message string `json:"message"`
+	// BadCode is the code as the bridge wrote it when it was not of the
+	// contract's form (ValidErrorCode; Code is then empty), cut to
+	// MaxErrorCode bytes, for the server to quote and log (bug 569).
+	BadCode string `json:"-"`
+}
+
+// MaxErrorCode is the longest error code, in bytes.
+const MaxErrorCode = 64
+
+// ValidErrorCode reports whether s is an error code of the contract's
+// form (docs/asyncapi.yaml): 1 to MaxErrorCode bytes of a–z 0–9 _, a
+// word a client tells a failure by, such as device_unreachable.
+func ValidErrorCode(s string) bool {
+	if len(s) == 0 || len(s) > MaxErrorCode {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 // Reply is what a bridge publishes on a device's replies topic as a command
@@ -231,6 +254,14 @@ func ParseReply(b []byte) (Reply, error) {
 		r.Error = nil
 	case r.Error != nil:
 		r.Error.Code, r.Error.Message = deviceText(r.Error.Code), deviceText(r.Error.Message)
+		if r.Error.Code != "" && !ValidErrorCode(r.Error.Code) {
+			// Served as it came, such a code reached users as the
+			// command's error.code, which a client tells a failure by:
+			// "Bad Code!", a line break, 10 KB of it. It is taken as no
+			// code, and kept in BadCode for the server to quote and log
+			// (docs/reliability.md, bug 569).
+			r.Error.BadCode, r.Error.Code = clip(r.Error.Code, MaxErrorCode), ""
+		}
 	}
 	if len(r.Result) > 0 {
 		// Kept as written, but valid Unicode, as every string decoded
@@ -283,6 +314,18 @@ func deviceText(s string) string {
 		return s
 	}
 	return strings.ReplaceAll(s, "\x00", "\uFFFD")
+}
+
+// clip is s cut to at most n bytes, on a character's boundary, with an
+// ellipsis where it was cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + "…"
 }
 
 func checkStatus(s Status) error {

@@ -176,6 +176,60 @@ func TestDeviceTextLosesItsNULs(t *testing.T) {
 	}
 }
 
+// An error code not of the contract's form (^[a-z0-9_]+$, at most
+// MaxErrorCode bytes) is taken as no code, kept in BadCode, cut to its
+// bound; the reply is taken (docs/reliability.md, bug 569).
+func TestAnErrorCodeOfAnotherFormIsSetAside(t *testing.T) {
+	const id = "0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"
+	long := strings.Repeat("a", 10<<10)
+	for _, c := range []struct{ code, want, bad string }{
+		{"device_unreachable", "device_unreachable", ""},
+		{"timeout", "timeout", ""},
+		{"e2big_0", "e2big_0", ""},
+		{strings.Repeat("z", MaxErrorCode), strings.Repeat("z", MaxErrorCode), ""},
+		{"smp\u0000", "smp", ""}, // a C string's terminator goes first (deviceText)
+		{"", "", ""},             // no code (bug 555)
+		{"Bad Code!", "", "Bad Code!"},
+		{"device error", "", "device error"},
+		{"TIMEOUT", "", "TIMEOUT"},
+		{"Timeout", "", "Timeout"},
+		{"time-out", "", "time-out"},
+		{"time\nout", "", "time\nout"},
+		{"\u0007", "", "\u0007"},
+		{" timeout", "", " timeout"},
+		{"tímeout", "", "tímeout"},
+		{strings.Repeat("z", MaxErrorCode+1), "", strings.Repeat("z", MaxErrorCode) + "…"},
+		{long, "", long[:MaxErrorCode] + "…"},
+		// Cut on a character's boundary: é is two bytes, the 64th its first.
+		{strings.Repeat("a", MaxErrorCode-1) + "éé", "", strings.Repeat("a", MaxErrorCode-1) + "…"},
+	} {
+		code, err := json.Marshal(c.code)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := ParseReply([]byte(`{"command_id":"` + id + `","state":"failed","error":{"code":` + string(code) + `,"message":"m"}}`))
+		if err != nil {
+			t.Errorf("ParseReply with the code %.80q = %v; want nil", c.code, err)
+			continue
+		}
+		if r.Error == nil || r.Error.Code != c.want || r.Error.BadCode != c.bad || r.Error.Message != "m" {
+			t.Errorf("ParseReply with the code %.80q: error %+.80v; want code %q, BadCode %.80q, message \"m\"", c.code, r.Error, c.want, c.bad)
+		}
+	}
+	for _, c := range []struct {
+		code string
+		want bool
+	}{
+		{"timeout", true}, {"a", true}, {"0", true}, {"_", true}, {strings.Repeat("x", 64), true},
+		{"", false}, {strings.Repeat("x", 65), false}, {"A", false}, {"a b", false}, {"a-b", false},
+		{"a.b", false}, {"a\x00", false}, {"é", false}, {"a\n", false},
+	} {
+		if got := ValidErrorCode(c.code); got != c.want {
+			t.Errorf("ValidErrorCode(%q) = %v; want %v", c.code, got, c.want)
+		}
+	}
+}
+
 // BenchmarkParseReply is the server's intake of a reply, two of which
 // (delivered, then final) come in for every command.
 func BenchmarkParseReply(b *testing.B) {
