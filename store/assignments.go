@@ -87,8 +87,7 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			return abort(companion.ErrNotFound)
 		}
 		if ownerID != "" {
-			var b companion.Binding
-			ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
+			b, ok, err := db.getBinding(tx, deviceID)
 			if err != nil {
 				return err
 			}
@@ -115,8 +114,7 @@ func (db *DB) AssignDevice(ctx context.Context, deviceID, bridgeID, ownerID stri
 			return abort(companion.ErrNotOwned)
 		case br.OwnerID != "" && ownerID == "":
 			// The operator too keeps a user's bridge to that user's devices.
-			var b companion.Binding
-			ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
+			b, ok, err := db.getBinding(tx, deviceID)
 			if err != nil {
 				return err
 			}

@@ -49,8 +49,7 @@ func (db *DB) Bind(ctx context.Context, b companion.Binding) (companion.Binding,
 			return abort(companion.ErrNotFound)
 		}
 		bindings := tx.Bucket(bucketBindings)
-		var existing companion.Binding
-		ok, err = getJSON(bindings, []byte(b.DeviceID), &existing)
+		existing, ok, err := db.getBinding(tx, b.DeviceID)
 		if err != nil {
 			return err
 		}
@@ -102,16 +101,14 @@ func (db *DB) Unbind(ctx context.Context, deviceID, userID string) (companion.Un
 	var out companion.Unbound
 	err := db.batch(db.answered(ctx, func(tx *bolt.Tx) error {
 		out = companion.Unbound{}
-		bindings := tx.Bucket(bucketBindings)
-		var existing companion.Binding
-		ok, err := getJSON(bindings, []byte(deviceID), &existing)
+		existing, ok, err := db.getBinding(tx, deviceID)
 		if err != nil {
 			return err
 		}
 		if !ok || existing.UserID != userID {
 			return abort(companion.ErrNotFound)
 		}
-		if err := bindings.Delete([]byte(deviceID)); err != nil {
+		if err := tx.Bucket(bucketBindings).Delete([]byte(deviceID)); err != nil {
 			return err
 		}
 		if err := tx.Bucket(bucketUserBindings).Delete(key(userID, deviceID)); err != nil {
@@ -240,13 +237,129 @@ func (db *DB) dropDesired(tx *bolt.Tx, deviceID string) error {
 }
 
 // Binding returns the binding of the device, or ErrNotFound when it is not
-// bound.
+// bound. A binding that does not decode is read as getBinding reads it,
+// and then written back whole (or deleted) in a write of its own.
 func (db *DB) Binding(ctx context.Context, deviceID string) (companion.Binding, error) {
-	var b companion.Binding
-	if err := db.get(bucketBindings, []byte(deviceID), &b); err != nil {
+	if !validID(deviceID) {
+		return companion.Binding{}, companion.ErrNotFound
+	}
+	var (
+		b           companion.Binding
+		ok, damaged bool
+	)
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		b, ok, damaged = db.readBinding(tx, deviceID)
+		return nil
+	})
+	if err != nil {
 		return companion.Binding{}, err
 	}
+	if damaged {
+		err := db.batch(func(tx *bolt.Tx) error {
+			_, _, err := db.getBinding(tx, deviceID)
+			return err
+		})
+		if err != nil {
+			// What was read stands; the next write that reads the
+			// binding heals it.
+			db.log.Warn("store: could not write back a binding that does not decode", "device_id", deviceID, "err", err)
+		}
+	}
+	if !ok {
+		return companion.Binding{}, companion.ErrNotFound
+	}
 	return b, nil
+}
+
+// getBinding reads the binding of the device in tx, false when it is not
+// bound; every read of a binding but a list's goes through it. A binding
+// that does not decode (the file damaged there) is read as readBinding
+// reads it, from its copy in user_bindings or as not bound, and in a write
+// transaction the file is made to say what was read: the copy is written
+// back in its place, or, with no copy that decodes, the binding is deleted
+// with its copies that do not decode (the device can be registered again).
+// Read as an error, one damaged binding made every read of its device a
+// 500 for good: the device, its status and settings, its commands, its
+// unbinding and its moves (docs/reliability.md, bug 563).
+func (db *DB) getBinding(tx *bolt.Tx, deviceID string) (companion.Binding, bool, error) {
+	b, ok, damaged := db.readBinding(tx, deviceID)
+	if !damaged || !tx.Writable() {
+		return b, ok, nil
+	}
+	k := []byte(deviceID)
+	if ok {
+		raw, err := fastjson.Marshal(b)
+		if err != nil {
+			return companion.Binding{}, false, fmt.Errorf("store: encode binding: %w", err)
+		}
+		if err := tx.Bucket(bucketBindings).Put(k, raw); err != nil {
+			return companion.Binding{}, false, err
+		}
+		db.log.Warn("store: a binding that did not decode was written back from its copy in user_bindings",
+			"device_id", deviceID, "user_id", b.UserID)
+		return b, true, nil
+	}
+	if err := tx.Bucket(bucketBindings).Delete(k); err != nil {
+		return companion.Binding{}, false, err
+	}
+	copies := tx.Bucket(bucketUserBindings)
+	for _, ck := range db.bindingCopies(tx, deviceID, nil) {
+		if err := copies.Delete(ck); err != nil {
+			return companion.Binding{}, false, err
+		}
+	}
+	db.log.Warn("store: a binding that did not decode, with no copy that does, was deleted: the device is not bound, and can be registered again",
+		"device_id", deviceID)
+	return companion.Binding{}, false, nil
+}
+
+// readBinding reads the binding of the device in tx, as getBinding
+// without its write: damaged says the binding does not decode (logged
+// once, logUndecodable), and b and ok are then its copy in user_bindings,
+// if one decodes, or not bound.
+func (db *DB) readBinding(tx *bolt.Tx, deviceID string) (b companion.Binding, ok, damaged bool) {
+	k := []byte(deviceID)
+	raw := tx.Bucket(bucketBindings).Get(k)
+	if raw == nil {
+		return companion.Binding{}, false, false
+	}
+	err := fastjson.Unmarshal(raw, &b)
+	if err == nil {
+		return b, true, false
+	}
+	db.logUndecodable("binding", k, err)
+	var good []companion.Binding
+	db.bindingCopies(tx, deviceID, &good)
+	if len(good) == 0 {
+		return companion.Binding{}, false, true
+	}
+	return good[0], true, true
+}
+
+// bindingCopies walks user_bindings for the copies of the device's
+// binding, which are keyed by user first: the whole bucket, read only for
+// a binding that does not decode. It appends to good (when not nil) the
+// copies that decode, name the device and the user of their key, and
+// returns the keys of those that do not decode, each logged
+// (logUndecodable).
+func (db *DB) bindingCopies(tx *bolt.Tx, deviceID string, good *[]companion.Binding) (bad [][]byte) {
+	suffix := []byte("\x00" + deviceID)
+	c := tx.Bucket(bucketUserBindings).Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if !bytes.HasSuffix(k, suffix) {
+			continue
+		}
+		var b companion.Binding
+		if err := fastjson.Unmarshal(v, &b); err != nil {
+			db.logUndecodable("binding", k, err)
+			bad = append(bad, bytes.Clone(k))
+			continue
+		}
+		if good != nil && b.DeviceID == deviceID && b.UserID == string(k[:len(k)-len(suffix)]) {
+			*good = append(*good, b)
+		}
+	}
+	return bad
 }
 
 // ListBindings returns the bindings of the user in device-id order,
@@ -329,8 +442,8 @@ func (db *DB) scanBindings(tx *bolt.Tx, userID, after string, limit int, fn func
 		var b companion.Binding
 		if err := fastjson.Unmarshal(v, &b); err != nil {
 			db.logUndecodable("binding", k, err)
-			b = companion.Binding{}
-			if ok, err := getJSON(tx.Bucket(bucketBindings), k[len(p):], &b); err != nil || !ok {
+			var ok bool
+			if b, ok, _ = db.readBinding(tx, string(k[len(p):])); !ok {
 				continue
 			}
 		}

@@ -118,7 +118,7 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 		// slip in between and leave the command to the device's next
 		// owner (CONTRACT §9).
 		if c.UserID != "" && tx.Bucket(bucketDevices).Get([]byte(c.DeviceID)) != nil {
-			ok, err := boundTo(tx, c.DeviceID, c.UserID)
+			ok, err := db.boundTo(tx, c.DeviceID, c.UserID)
 			if err != nil {
 				return err
 			}
@@ -191,11 +191,8 @@ func (db *DB) CreateCommandAsync(c companion.Command, maxOpen int, idem *compani
 }
 
 // boundTo says whether deviceID is bound to userID in tx.
-func boundTo(tx *bolt.Tx, deviceID, userID string) (bool, error) {
-	var b struct {
-		UserID string `json:"user_id"`
-	}
-	ok, err := getJSON(tx.Bucket(bucketBindings), []byte(deviceID), &b)
+func (db *DB) boundTo(tx *bolt.Tx, deviceID, userID string) (bool, error) {
+	b, ok, err := db.getBinding(tx, deviceID)
 	return ok && b.UserID == userID, err
 }
 

@@ -84,8 +84,7 @@ func (db *DB) appendDeviceEvent(tx *bolt.Tx, old companion.Status, found bool, s
 	if !companion.DeviceEventDue(old, found, s) {
 		return nil
 	}
-	var b companion.Binding
-	ok, err := getJSON(tx.Bucket(bucketBindings), []byte(s.DeviceID), &b)
+	b, ok, err := db.getBinding(tx, s.DeviceID)
 	if err != nil || !ok {
 		return err
 	}

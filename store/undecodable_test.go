@@ -217,3 +217,78 @@ func TestADamagedCommandIsTakenOut(t *testing.T) {
 		t.Errorf("%d logs of a record that does not decode; want 4, one a record:\n%s", n, logs.String())
 	}
 }
+
+// TestADamagedBindingIsHealedByTheWritesThatReadIt damages the bindings of
+// four devices, each whole in its copy in user_bindings but the last, and
+// has each met first by a write that reads it: a command, a move by its
+// user, another user's claim, a status report (its event), and the unbind
+// of the last. Each reads the binding from its copy and writes it back
+// whole; the last is not bound, its records deleted, and is bound again.
+// Without the fix each write failed on the decode error (bug 563).
+func TestADamagedBindingIsHealedByTheWritesThatReadIt(t *testing.T) {
+	var logs testenv.Buffer
+	db := openTestDBWith(t, t.TempDir()+"/companion.db", Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	ctx := context.Background()
+	devs := []string{"cmd", "move", "claim", "report", "lost"}
+	for _, d := range devs {
+		if err := db.ProvisionDevice(ctx, companion.RegistryDevice{ID: d, Model: "m"}); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: d, UserID: "u1"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := db.CreateBridge(ctx, companion.Bridge{ID: "own", OwnerID: "u1", SecretHash: []byte("hash")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.bolt.Update(func(tx *bolt.Tx) error {
+		for _, d := range devs {
+			if err := tx.Bucket(bucketBindings).Put([]byte(d), []byte(`{"device_id": "`+d)); err != nil {
+				return err
+			}
+		}
+		return tx.Bucket(bucketUserBindings).Put(key("u1", "lost"), []byte(`{"dev`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	if _, _, err := db.CreateCommand(ctx, companion.Command{DeviceID: "cmd", UserID: "u1", Op: "push.text", State: companion.StateQueued, ExpiresAt: time.Now().Add(time.Hour)}, 0, nil); err != nil {
+		t.Errorf("CreateCommand(cmd) = %v; want nil", err)
+	}
+	if _, err := db.AssignDevice(ctx, "move", "own", "u1"); err != nil {
+		t.Errorf("AssignDevice(move, own, u1) = %v; want nil", err)
+	}
+	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "claim", UserID: "u2"}); !errors.Is(err, companion.ErrBoundToOther) {
+		t.Errorf("Bind(claim, u2) = %v; want ErrBoundToOther", err)
+	}
+	if _, err := db.PutStatus(ctx, companion.Status{DeviceID: "report", Online: true, LastSeen: time.Now(), Seq: 1}); err != nil {
+		t.Errorf("PutStatus(report) = %v; want nil", err)
+	}
+	if _, err := db.Unbind(ctx, "lost", "u1"); !errors.Is(err, companion.ErrNotFound) {
+		t.Errorf("Unbind(lost, u1) = %v; want ErrNotFound", err)
+	}
+
+	if err := db.bolt.View(func(tx *bolt.Tx) error {
+		for _, d := range devs[:4] {
+			var b companion.Binding
+			if ok, err := getJSON(tx.Bucket(bucketBindings), []byte(d), &b); err != nil || !ok || b.UserID != "u1" {
+				t.Errorf("binding of %s after a write read it = %+v, %v, %v; want u1's, written back", d, b, ok, err)
+			}
+		}
+		if v := tx.Bucket(bucketBindings).Get([]byte("lost")); v != nil {
+			t.Errorf("binding of lost = %q; want deleted", v)
+		}
+		if v := tx.Bucket(bucketUserBindings).Get(key("u1", "lost")); v != nil {
+			t.Errorf("copy of lost's binding = %q; want deleted", v)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := db.Bind(ctx, companion.Binding{DeviceID: "lost", UserID: "u2"}); err != nil {
+		t.Errorf("Bind(lost, u2) = %v; want nil", err)
+	}
+	if got, want := db.Undecodable(), 6; got != want {
+		t.Errorf("Undecodable() = %d; want %d\n%s", got, want, logs.String())
+	}
+}

@@ -241,3 +241,88 @@ func TestADamagedStatusOrSettingsIsReadAsNone(t *testing.T) {
 	r = user.do("DELETE", "/api/v1/devices/dev-2", nil)
 	assert.Equal(t, 204, r.Status, "unbinding dev-2: %s", r.Body)
 }
+
+// TestADamagedBindingIsReadFromItsCopy runs the real server on a store
+// where, while it was down, a device's binding was damaged, its copy in
+// user_bindings whole, and another device's binding and copy both. The
+// first reads from its copy: the device, its status and settings read
+// 200, a command is accepted, it moves to no bridge, back, and to its
+// user's own bridge, and the binding is written back whole (after a restart nothing is met that does
+// not decode, and it is unbound). The second reads as not bound: a 404 to its user, who can
+// register it again. Without the fix every read of either device was a
+// 500 internal for good.
+func TestADamagedBindingIsReadFromItsCopy(t *testing.T) {
+	data := t.TempDir()
+	cfg := Config{Data: data, Metrics: "127.0.0.1:0"}
+	m := startServer(t, cfg)
+	f := setupFleet(t, m, "dev-1", "dev-2")
+	registerDevices(t, f, "dev-1", "dev-2")
+	require.NoError(t, m.Close())
+
+	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		for _, d := range []struct{ bucket, key, value string }{
+			{"bindings", "dev-1", `{"device_id": "dev-1", "us`},
+			{"bindings", "dev-2", `{"device_id": "dev-2", "us`},
+			{"user_bindings", f.userID + "\x00dev-2", `{"device_id": "de`},
+		} {
+			if err := tx.Bucket([]byte(d.bucket)).Put([]byte(d.key), []byte(d.value)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.NoError(t, db.Close())
+
+	m = startServer(t, cfg)
+	user, admin := newClient(t, m, f.user.token), newClient(t, m, m.AdminToken())
+	const dp = "/api/v1/devices/dev-1"
+	for _, path := range []string{dp, dp + "/status", dp + "/settings"} {
+		r := user.do("GET", path, nil)
+		require.Equal(t, 200, r.Status, "GET %s: %s", path, r.Body)
+	}
+	var r response
+	for _, to := range []any{nil, f.bridgeID} {
+		r = admin.do("PUT", "/api/v1/admin/devices/dev-1/bridge", map[string]any{"bridge_id": to})
+		require.Equal(t, 200, r.Status, "moving dev-1 to %v: %s", to, r.Body)
+	}
+	r = user.do("POST", "/api/v1/bridges", map[string]string{"bridge_id": "own-1"})
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	r = user.do("PUT", dp+"/bridge", map[string]any{"bridge_id": "own-1"})
+	require.Equal(t, 200, r.Status, "moving dev-1 to its user's bridge: %s", r.Body)
+	r = user.do("POST", dp+"/push/text", map[string]any{"text": "hello"})
+	require.Equal(t, 202, r.Status, "POST %s/push/text: %s", dp, r.Body)
+
+	// The device whose binding and copy are both damaged is not bound.
+	const dp2 = "/api/v1/devices/dev-2"
+	r = user.do("GET", dp2, nil)
+	assert.Equal(t, 404, r.Status, "GET %s: %s", dp2, r.Body)
+	r = user.do("DELETE", dp2, nil)
+	assert.Equal(t, 404, r.Status, "DELETE %s: %s", dp2, r.Body)
+	r = user.do("GET", "/api/v1/devices", nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	var listed []string
+	for _, d := range r.JSON(t)["devices"].([]any) {
+		listed = append(listed, d.(map[string]any)["device_id"].(string))
+	}
+	assert.Equal(t, []string{"dev-1"}, listed)
+	r = user.do("POST", "/api/v1/devices/register", map[string]string{"device_id": "dev-2", "claim_code": f.claims["dev-2"]})
+	require.Equal(t, 201, r.Status, "registering dev-2 again: %s", r.Body)
+	r = user.do("GET", dp2, nil)
+	assert.Equal(t, 200, r.Status, "GET %s after registering it again: %s", dp2, r.Body)
+	metricsExpect(t, metricsScrape(t, m), 3, "companion_store_undecodable_records")
+
+	// Healed: after a restart, the device and the list meet nothing that
+	// does not decode.
+	require.NoError(t, m.Close())
+	m = startServer(t, cfg)
+	user = newClient(t, m, f.user.token)
+	for _, path := range []string{dp, "/api/v1/devices", dp2} {
+		r = user.do("GET", path, nil)
+		require.Equal(t, 200, r.Status, "GET %s after a restart: %s", path, r.Body)
+	}
+	metricsExpect(t, metricsScrape(t, m), 0, "companion_store_undecodable_records")
+	r = user.do("DELETE", dp, nil)
+	assert.Equal(t, 204, r.Status, "unbinding dev-1: %s", r.Body)
+}
