@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/devicecompanion/companion"
@@ -295,12 +296,34 @@ func ParseStatus(b []byte) (Status, error) {
 	return s, nil
 }
 
-// cleanStatus makes the text a device reported storable (deviceText).
+// cleanStatus makes the text a device reported storable (deviceText), and
+// its names and versions showable (deviceLabel).
 func cleanStatus(s *Status) {
-	s.FirmwareVersion, s.Model = deviceText(s.FirmwareVersion), deviceText(s.Model)
+	s.FirmwareVersion, s.Model = deviceLabel(s.FirmwareVersion), deviceLabel(s.Model)
 	for i := range s.Apps {
-		s.Apps[i].Version = deviceText(s.Apps[i].Version)
+		s.Apps[i].Version = deviceLabel(s.Apps[i].Version)
 	}
+}
+
+// deviceLabel is a one-line text a device reported, a model or a version
+// (a GATT string of the Device Information Service), as deviceText makes
+// it, with each control character (an ESC, a line break, a C1 code) made
+// U+FFFD: an app shows it in one line, and the server takes no such
+// character in a name or a text from a user either (docs/reliability.md,
+// bug 568). Served as it came, an ESC sequence in a model reached a
+// terminal watching the API, and a line break split the line a list
+// shows it on.
+func deviceLabel(s string) string {
+	s = deviceText(s)
+	if _, at := ControlChar(s, ""); at < 0 {
+		return s
+	}
+	return strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return utf8.RuneError
+		}
+		return r
+	}, s)
 }
 
 // deviceText is text a device reported (a GATT string, an error message),

@@ -176,6 +176,27 @@ func TestDeviceTextLosesItsNULs(t *testing.T) {
 	}
 }
 
+// A model and a version a device reported are one line with no control
+// character: each becomes U+FFFD, as a NUL inside one does (bug 568).
+func TestDeviceLabelsHaveNoControlCharacters(t *testing.T) {
+	s, err := ParseStatus([]byte(`{"online":true,"firmware_version":"1.0\n.0\u0000","model":"sim\u001b[31m-1\t",` +
+		`"apps":[{"app_id":"weather","version":"1.2\u0085"}],"bridge_id":"b1","seq":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Model != "sim\uFFFD[31m-1\uFFFD" || s.FirmwareVersion != "1.0\uFFFD.0" || s.Apps[0].Version != "1.2\uFFFD" {
+		t.Errorf("status = %q, %q, %q; want each control character U+FFFD", s.Model, s.FirmwareVersion, s.Apps[0].Version)
+	}
+	r, err := ParseReply([]byte(`{"command_id":"0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b","state":"succeeded",` +
+		`"status":{"online":true,"firmware_version":"2.0.0","model":"acme\r\nX-Injected: 1","apps":[],"bridge_id":"b1","seq":2}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Status.Model != "acme\uFFFD\uFFFDX-Injected: 1" {
+		t.Errorf("a reply's status model = %q; want its line breaks U+FFFD", r.Status.Model)
+	}
+}
+
 // An error code not of the contract's form (^[a-z0-9_]+$, at most
 // MaxErrorCode bytes) is taken as no code, kept in BadCode, cut to its
 // bound; the reply is taken (docs/reliability.md, bug 569).
