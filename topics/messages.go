@@ -55,6 +55,44 @@ type Error struct {
 // MaxErrorCode is the longest error code, in bytes.
 const MaxErrorCode = 64
 
+// maxErrorText is the most of an error of another JSON type than the
+// contract's that is kept as its message, in bytes.
+const maxErrorText = 1024
+
+// UnmarshalJSON decodes an error as a bridge wrote it. One of another
+// form than {"code": string, "message": string} is taken as far as it
+// says something, rather than failing the reply it is in: that reply, a
+// command's end, was dropped as malformed, and the command never ended
+// (docs/reliability.md, bug 571). A code that is not a string is set aside
+// as one not of the contract's form (BadCode, its JSON text); a message
+// that is not a string is its JSON text; an error that is a string is its
+// message, and one of another type its JSON text.
+func (e *Error) UnmarshalJSON(b []byte) error {
+	var w struct {
+		Code    json.RawMessage `json:"code"`
+		Message json.RawMessage `json:"message"`
+	}
+	if err := json.Unmarshal(b, &w); err != nil {
+		*e = Error{Message: errorText(b)}
+		return nil
+	}
+	*e = Error{Message: errorText(w.Message)}
+	if err := json.Unmarshal(w.Code, &e.Code); err != nil {
+		e.BadCode = clip(string(w.Code), MaxErrorCode)
+	}
+	return nil
+}
+
+// errorText is raw, a member of a bridge's error, as text: the string it
+// is, or its JSON text, cut; "" for none or null.
+func errorText(raw json.RawMessage) string {
+	var s string
+	if len(raw) == 0 || json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	return clip(string(raw), maxErrorText)
+}
+
 // ValidErrorCode reports whether s is an error code of the contract's
 // form (docs/asyncapi.yaml): 1 to MaxErrorCode bytes of a–z 0–9 _, a
 // word a client tells a failure by, such as device_unreachable.

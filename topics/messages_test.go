@@ -197,6 +197,42 @@ func TestDeviceLabelsHaveNoControlCharacters(t *testing.T) {
 	}
 }
 
+// An error of another JSON type than the contract's is taken as far as it
+// says something, and the reply with it (bug 571): it was dropped as
+// malformed, and the command it ended never ended.
+func TestAnErrorOfAnotherJSONTypeIsTaken(t *testing.T) {
+	const id = "0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"
+	for _, c := range []struct {
+		error                  string
+		code, message, badCode string
+	}{
+		{`{"code":"device_busy","message":"busy"}`, "device_busy", "busy", ""},
+		{`{"code":5,"message":"rc 5"}`, "", "rc 5", "5"},
+		{`{"code":{"rc":3},"message":"rc 3"}`, "", "rc 3", `{"rc":3}`},
+		{`{"code":"device_busy","message":{"rc":3}}`, "device_busy", `{"rc":3}`, ""},
+		{`{"code":null,"message":null}`, "", "", ""},
+		{`{"message":7}`, "", "7", ""},
+		{`"the disk is on fire"`, "", "the disk is on fire", ""},
+		{`[1,2]`, "", "[1,2]", ""},
+		{`{"code":"` + strings.Repeat("x", 70) + `"}`, "", "", strings.Repeat("x", 64) + "…"},
+		{`{"code":` + strings.Repeat("9", 70) + `}`, "", "", strings.Repeat("9", 64) + "…"},
+	} {
+		r, err := ParseReply([]byte(`{"command_id":"` + id + `","state":"failed","error":` + c.error + `}`))
+		if err != nil {
+			t.Errorf("a reply with the error %s: %v; want it taken", c.error, err)
+			continue
+		}
+		if r.Error == nil || r.Error.Code != c.code || r.Error.Message != c.message || r.Error.BadCode != c.badCode {
+			t.Errorf("the error %s reads %+v; want code %q, message %q, bad code %q", c.error, r.Error, c.code, c.message, c.badCode)
+		}
+	}
+	long := strings.Repeat("7", 2*maxErrorText)
+	r, err := ParseReply([]byte(`{"command_id":"` + id + `","state":"failed","error":{"message":` + long + `}}`))
+	if err != nil || len(r.Error.Message) > maxErrorText+len("…") {
+		t.Errorf("a message of %d digits: %v, %d bytes kept; want at most %d", len(long), err, len(r.Error.Message), maxErrorText)
+	}
+}
+
 // An error code not of the contract's form (^[a-z0-9_]+$, at most
 // MaxErrorCode bytes) is taken as no code, kept in BadCode, cut to its
 // bound; the reply is taken (docs/reliability.md, bug 569).

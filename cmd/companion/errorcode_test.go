@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"log/slog"
 	"strings"
 	"testing"
@@ -81,5 +82,41 @@ func TestABridgesMalformedErrorCodeNeverReachesTheUser(t *testing.T) {
 		}
 		assert.True(t, logs.has(slog.LevelWarn, "a bridge's error code is not of the contract's form (^[a-z0-9_]+$, at most 64 bytes); the command reads the code its state has without one", "device_id", "dev-1"),
 			"the bridge's code %q is logged", shown)
+	}
+}
+
+// A bridge that ends a command with an error of another JSON type than the
+// contract's, a code that is a number, an error that is a string, had its
+// reply dropped as malformed: the command never ended, and its user waited
+// on it to its TTL. The reply is taken, the error as far as it says
+// something (docs/reliability.md, bug 571).
+func TestACommandEndedWithAnErrorOfAnotherJSONTypeEnds(t *testing.T) {
+	m := startServer(t, Config{})
+	f := setupFleet(t, m, "dev-1")
+	registerDevices(t, f, "dev-1")
+	fake := connectFakeBridge(t, m.MQTTURL(), f)
+	replies, err := topics.MustNew(topics.DefaultPrefix).Replies("dev-1")
+	require.NoError(t, err)
+
+	for _, tc := range []struct {
+		error         string
+		code, message string // of the command; message contained
+	}{
+		{`{"code":5,"message":"rc 5"}`, "device_error", `rc 5 (the bridge gave the error code "5", which is not a code)`},
+		{`{"code":"device_busy","message":{"rc":3}}`, "device_busy", `{"rc":3}`},
+		{`"the disk is on fire"`, "device_error", "the disk is on fire"},
+		{`[1,2]`, "device_error", "[1,2]"},
+	} {
+		id := f.user.accept("POST", "/api/v1/devices/dev-1/push/text", map[string]any{"text": "ended with an error", "ttl_seconds": 60})["id"].(string)
+		waitState(t, f.user, "dev-1", id, "sent")
+		fake.publish(replies, json.RawMessage(`{"command_id":"`+id+`","state":"failed","error":`+tc.error+`,"at":"`+
+			time.Now().UTC().Format(time.RFC3339Nano)+`"}`), false)
+
+		f.user.waitFinal("dev-1", id)
+		cmd := f.user.do("GET", "/api/v1/devices/dev-1/commands/"+id, nil).JSON(t)
+		require.Equal(t, companion.StateFailed, cmd["state"], "the error %s: %v", tc.error, cmd)
+		e, _ := cmd["error"].(map[string]any)
+		assert.Equal(t, tc.code, e["code"], "the error %s", tc.error)
+		assert.Contains(t, e["message"], tc.message, "the error %s", tc.error)
 	}
 }
