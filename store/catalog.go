@@ -24,9 +24,17 @@ func CompareVersions(a, b string) int {
 	return semver.Compare("v"+a, "v"+b)
 }
 
+// Names of a release in the log of one that does not decode
+// (logUndecodable), which counts each record once whichever read meets it.
+const (
+	undecodableFirmware = "firmware release"
+	undecodableApp      = "release of an app"
+)
+
 // PutFirmware publishes a firmware image. CreatedAt is set to now when
 // zero. Publishing the same model and version again with the same SHA256
-// is a no-op; with another SHA256 it is ErrExists.
+// is a no-op; with another SHA256 it is ErrExists. A stored one that does
+// not decode is replaced as if there were none (getRelease).
 func (db *DB) PutFirmware(ctx context.Context, f companion.Firmware) error {
 	if !validID(f.Model) || !ValidVersion(f.Version) || f.SHA256 == "" {
 		return fmt.Errorf("%w: firmware needs a model, a semantic version and a digest", companion.ErrInvalid)
@@ -37,11 +45,7 @@ func (db *DB) PutFirmware(ctx context.Context, f companion.Firmware) error {
 	return db.update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketFirmware)
 		var old companion.Firmware
-		ok, err := getJSON(b, key(f.Model, f.Version), &old)
-		if err != nil {
-			return err
-		}
-		if ok {
+		if getRelease(db, b, undecodableFirmware, key(f.Model, f.Version), &old) {
 			if old.SHA256 == f.SHA256 {
 				return nil
 			}
@@ -51,27 +55,38 @@ func (db *DB) PutFirmware(ctx context.Context, f companion.Firmware) error {
 	})
 }
 
-// Firmware returns the firmware of the model and version, or ErrNotFound.
+// Firmware returns the firmware of the model and version, or ErrNotFound
+// (also when its record does not decode: getRelease).
 func (db *DB) Firmware(ctx context.Context, model, version string) (companion.Firmware, error) {
-	if !validID(model) || !validID(version) {
-		return companion.Firmware{}, companion.ErrNotFound
-	}
 	var f companion.Firmware
-	if err := db.get(bucketFirmware, key(model, version), &f); err != nil {
+	if !validID(model) || !validID(version) {
+		return f, companion.ErrNotFound
+	}
+	ok := false
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		ok = getRelease(db, tx.Bucket(bucketFirmware), undecodableFirmware, key(model, version), &f)
+		return nil
+	})
+	switch {
+	case err != nil:
 		return companion.Firmware{}, err
+	case !ok:
+		return companion.Firmware{}, companion.ErrNotFound
 	}
 	return f, nil
 }
 
 // Firmwares returns the model's firmware images in ascending version
-// order; empty, not an error, when there are none.
+// order; empty, not an error, when there are none. One that does not
+// decode is left out (scanReleases).
 func (db *DB) Firmwares(ctx context.Context, model string) ([]companion.Firmware, error) {
 	out := []companion.Firmware{}
 	if !validID(model) {
 		return out, nil
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		return scanJSON(tx.Bucket(bucketFirmware), prefix(model), func(f companion.Firmware) { out = append(out, f) })
+		scanReleases(db, tx.Bucket(bucketFirmware), undecodableFirmware, prefix(model), func(f companion.Firmware) { out = append(out, f) })
+		return nil
 	})
 	if err != nil {
 		return nil, err
@@ -82,7 +97,8 @@ func (db *DB) Firmwares(ctx context.Context, model string) ([]companion.Firmware
 
 // PutAppRelease publishes an app package. CreatedAt is set to now when
 // zero. Publishing the same app and version again with the same SHA256 is
-// a no-op; with another SHA256 it is ErrExists.
+// a no-op; with another SHA256 it is ErrExists. A stored one that does not
+// decode is replaced as if there were none (getRelease).
 func (db *DB) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
 	if !validID(a.AppID) || !ValidVersion(a.Version) || a.SHA256 == "" {
 		return fmt.Errorf("%w: app release needs an app id, a semantic version and a digest", companion.ErrInvalid)
@@ -93,11 +109,7 @@ func (db *DB) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
 	return db.update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketApps)
 		var old companion.AppRelease
-		ok, err := getJSON(b, key(a.AppID, a.Version), &old)
-		if err != nil {
-			return err
-		}
-		if ok {
+		if getRelease(db, b, undecodableApp, key(a.AppID, a.Version), &old) {
 			if old.SHA256 == a.SHA256 {
 				return nil
 			}
@@ -107,27 +119,38 @@ func (db *DB) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
 	})
 }
 
-// AppRelease returns the release of the app and version, or ErrNotFound.
+// AppRelease returns the release of the app and version, or ErrNotFound
+// (also when its record does not decode: getRelease).
 func (db *DB) AppRelease(ctx context.Context, appID, version string) (companion.AppRelease, error) {
-	if !validID(appID) || !validID(version) {
-		return companion.AppRelease{}, companion.ErrNotFound
-	}
 	var a companion.AppRelease
-	if err := db.get(bucketApps, key(appID, version), &a); err != nil {
+	if !validID(appID) || !validID(version) {
+		return a, companion.ErrNotFound
+	}
+	ok := false
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		ok = getRelease(db, tx.Bucket(bucketApps), undecodableApp, key(appID, version), &a)
+		return nil
+	})
+	switch {
+	case err != nil:
 		return companion.AppRelease{}, err
+	case !ok:
+		return companion.AppRelease{}, companion.ErrNotFound
 	}
 	return a, nil
 }
 
 // AppReleases returns the app's releases in ascending version order;
-// empty, not an error, when there are none.
+// empty, not an error, when there are none. One that does not decode is
+// left out (scanReleases).
 func (db *DB) AppReleases(ctx context.Context, appID string) ([]companion.AppRelease, error) {
 	out := []companion.AppRelease{}
 	if !validID(appID) {
 		return out, nil
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		return scanJSON(tx.Bucket(bucketApps), prefix(appID), func(a companion.AppRelease) { out = append(out, a) })
+		scanReleases(db, tx.Bucket(bucketApps), undecodableApp, prefix(appID), func(a companion.AppRelease) { out = append(out, a) })
+		return nil
 	})
 	if err != nil {
 		return nil, err
@@ -158,7 +181,7 @@ func (db *DB) AppCatalog(ctx context.Context, after string, limit int) ([]compan
 				// One release that does not decode (the file damaged
 				// there) is left out and logged: it failed the whole
 				// catalog (docs/reliability.md, bug 595).
-				db.logUndecodable("release of an app", k, err)
+				db.logUndecodable(undecodableApp, k, err)
 				continue
 			}
 			n := len(out)
@@ -183,20 +206,38 @@ func (db *DB) AppCatalog(ctx context.Context, after string, limit int) ([]compan
 	return out, more, nil
 }
 
-// scanJSON decodes every value of b under the key prefix p (all when p is
-// empty) in key order and passes it to fn.
-func scanJSON[T any](b *bolt.Bucket, p []byte, fn func(T)) error {
-	c := b.Cursor()
-	k, v := c.First()
-	if len(p) > 0 {
-		k, v = c.Seek(p)
+// getRelease reads the release at k of b into v and reports whether there
+// is one. A release that does not decode (the file damaged there) is
+// logged once (logUndecodable) and read as none: it cannot be served, and
+// its next publish, of the same version, replaces it. Read as an error, one
+// damaged release made every install and OTA that looked it up a 500, and
+// refused the publish that would mend it, for good (docs/reliability.md,
+// bug 566). The rule that a release once published is not changed holds
+// for every release that decodes.
+func getRelease[T any](db *DB, b *bolt.Bucket, what string, k []byte, v *T) bool {
+	ok, err := getJSON(b, k, v)
+	if err != nil {
+		db.logUndecodable(what, k, err)
+		var none T
+		*v = none
+		return false
 	}
-	for ; k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
+	return ok
+}
+
+// scanReleases decodes every release of b under the key prefix p in key
+// order and passes it to fn. One that does not decode (the file damaged
+// there) is left out and logged once (logUndecodable, what names it): it
+// failed every read of its model's or app's releases, and with them every
+// OTA and install without a version (docs/reliability.md, bug 566).
+func scanReleases[T any](db *DB, b *bolt.Bucket, what string, p []byte, fn func(T)) {
+	c := b.Cursor()
+	for k, v := c.Seek(p); k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
 		var t T
 		if err := fastjson.Unmarshal(v, &t); err != nil {
-			return fmt.Errorf("store: decode %q: %w", k, err)
+			db.logUndecodable(what, k, err)
+			continue
 		}
 		fn(t)
 	}
-	return nil
 }

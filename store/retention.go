@@ -193,10 +193,7 @@ func (db *DB) PurgeBlobs(ctx context.Context, olderThan time.Time) (int, error) 
 // transaction stays short.
 func (db *DB) unneededBlobs(from []byte, olderThan time.Time, batch int) (doomed []string, next []byte, err error) {
 	err = db.bolt.View(func(tx *bolt.Tx) error {
-		released, err := releasedBlobs(tx)
-		if err != nil {
-			return err
-		}
+		released := db.releasedBlobs(tx)
 		c := tx.Bucket(bucketBlobs).Cursor()
 		k, v := c.First()
 		if from != nil {
@@ -231,10 +228,7 @@ func (db *DB) deleteBlobRecords(shas []string, olderThan time.Time) (int, error)
 	n := 0
 	err := db.update(func(tx *bolt.Tx) error {
 		n = 0
-		released, err := releasedBlobs(tx)
-		if err != nil {
-			return err
-		}
+		released := db.releasedBlobs(tx)
 		b := tx.Bucket(bucketBlobs)
 		for _, sha := range shas {
 			var rec blobRecord
@@ -271,24 +265,37 @@ func blobNeeded(tx *bolt.Tx, released map[string]bool, sha string, rec blobRecor
 
 // releasedBlobs returns the digests of every firmware and app release.
 // The catalog is small: a few releases of a few models and apps.
-func releasedBlobs(tx *bolt.Tx) (map[string]bool, error) {
+//
+// A release that does not decode (the file damaged there) is left out and
+// logged once (logUndecodable), and the purge goes on: as an error it
+// stopped every purge of blobs for good, and the content nothing needed
+// stayed on the disk (docs/reliability.md, bug 566). Its blob, no
+// longer known as released, goes with the purge once nothing else needs
+// it: a release that does not decode is served by no read (getRelease,
+// scanReleases), so nothing downloads that blob through it; a command that
+// still references it keeps it (blob_refs); its next publish uploads the
+// content again; and a restore brings the blobs back with its backup
+// (docs/operations.md). Keeping every blob a damaged release might hold
+// would mean keeping them all: which it held is what was lost.
+func (db *DB) releasedBlobs(tx *bolt.Tx) map[string]bool {
 	released := make(map[string]bool)
-	for _, name := range [][]byte{bucketFirmware, bucketApps} {
-		err := tx.Bucket(name).ForEach(func(k, v []byte) error {
-			var r struct {
+	for _, r := range []struct {
+		bucket []byte
+		what   string
+	}{{bucketFirmware, undecodableFirmware}, {bucketApps, undecodableApp}} {
+		c := tx.Bucket(r.bucket).Cursor()
+		for k, v := c.First(); k != nil; k, v = c.Next() {
+			var rel struct {
 				SHA256 string `json:"sha256"`
 			}
-			if err := fastjson.Unmarshal(v, &r); err != nil {
-				return fmt.Errorf("store: decode %s %q: %w", name, k, err)
+			if err := fastjson.Unmarshal(v, &rel); err != nil {
+				db.logUndecodable(r.what, k, err)
+				continue
 			}
-			released[r.SHA256] = true
-			return nil
-		})
-		if err != nil {
-			return nil, err
+			released[rel.SHA256] = true
 		}
 	}
-	return released, nil
+	return released
 }
 
 // removeOrphanBlobs removes the blob files that have no record (see

@@ -292,3 +292,117 @@ func TestADamagedBindingIsHealedByTheWritesThatReadIt(t *testing.T) {
 		t.Errorf("Undecodable() = %d; want %d\n%s", got, want, logs.String())
 	}
 }
+
+// TestADamagedReleaseIsLeftOut damages one of two firmware releases of a
+// model and one of two releases of an app: every read of the catalog
+// leaves the damaged one out (a read of it alone is ErrNotFound), the
+// purge of blobs goes on, its publish again replaces it, and each is
+// logged once and counted. Without the fix the reads of the model's and
+// the app's releases and of the damaged one failed with the decode error,
+// its publish too, and every purge of blobs (bug 566).
+func TestADamagedReleaseIsLeftOut(t *testing.T) {
+	var logs testenv.Buffer
+	now := time.Now()
+	clock := now
+	db := openTestDBWith(t, t.TempDir()+"/companion.db", Options{Logger: slog.New(slog.NewTextHandler(&logs, nil)), Now: func() time.Time { return clock }})
+	ctx := context.Background()
+	blob := func(content string) string {
+		t.Helper()
+		b, err := db.PutBlob(ctx, strings.NewReader(content), 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b.SHA256
+	}
+	shas := map[string]string{}
+	for _, v := range []string{"1.0.0", "1.1.0"} {
+		shas["fw"+v], shas["app"+v] = blob("firmware "+v), blob("app "+v)
+		if err := db.PutFirmware(ctx, companion.Firmware{Model: "sim-1", Version: v, SHA256: shas["fw"+v], Size: 12}); err != nil {
+			t.Fatal(err)
+		}
+		if err := db.PutAppRelease(ctx, companion.AppRelease{AppID: "clock", Version: v, SHA256: shas["app"+v], Size: 9}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := db.bolt.Update(func(tx *bolt.Tx) error {
+		if err := tx.Bucket(bucketFirmware).Put(key("sim-1", "1.1.0"), []byte(`{"model": "si`)); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketApps).Put(key("clock", "1.1.0"), []byte(`{"app_id": "cl`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	for range 2 {
+		fws, err := db.Firmwares(ctx, "sim-1")
+		if err != nil || len(fws) != 1 || fws[0].Version != "1.0.0" {
+			t.Errorf("Firmwares(sim-1) = %+v, %v; want 1.0.0 alone", fws, err)
+		}
+		if _, err := db.Firmware(ctx, "sim-1", "1.1.0"); !errors.Is(err, companion.ErrNotFound) {
+			t.Errorf("Firmware(sim-1, 1.1.0) = %v; want ErrNotFound", err)
+		}
+		if f, err := db.Firmware(ctx, "sim-1", "1.0.0"); err != nil || f.SHA256 != shas["fw1.0.0"] {
+			t.Errorf("Firmware(sim-1, 1.0.0) = %+v, %v; want it", f, err)
+		}
+		rs, err := db.AppReleases(ctx, "clock")
+		if err != nil || len(rs) != 1 || rs[0].Version != "1.0.0" {
+			t.Errorf("AppReleases(clock) = %+v, %v; want 1.0.0 alone", rs, err)
+		}
+		if _, err := db.AppRelease(ctx, "clock", "1.1.0"); !errors.Is(err, companion.ErrNotFound) {
+			t.Errorf("AppRelease(clock, 1.1.0) = %v; want ErrNotFound", err)
+		}
+		if apps, _, err := db.AppCatalog(ctx, "", 0); err != nil || len(apps) != 1 || !slices.Equal(apps[0].Versions, []string{"1.0.0"}) {
+			t.Errorf("AppCatalog = %+v, %v; want clock 1.0.0 alone", apps, err)
+		}
+	}
+
+	// The purge goes on: the damaged releases' blobs, which nothing else
+	// needs, go; the whole releases' stay.
+	clock = now.Add(2 * time.Hour)
+	if n, err := db.PurgeBlobs(ctx, now.Add(time.Hour)); n != 2 || err != nil {
+		t.Errorf("PurgeBlobs = %d, %v; want 2 (the damaged releases' blobs), nil", n, err)
+	}
+	for name, sha := range shas {
+		_, err := db.Blob(ctx, sha)
+		switch want := strings.HasSuffix(name, "1.1.0"); {
+		case want && !errors.Is(err, companion.ErrNotFound):
+			t.Errorf("after the purge, Blob(%s) = %v; want ErrNotFound", name, err)
+		case !want && err != nil:
+			t.Errorf("after the purge, Blob(%s) = %v; want it kept, released", name, err)
+		}
+	}
+
+	// Published again, even with other content, the damaged one is
+	// replaced; once it decodes, it is not changed.
+	for _, v := range []string{"1.1.0", "1.1.0-again"} {
+		shas["fw"+v], shas["app"+v] = blob("firmware "+v+" built anew"), blob("app "+v+" built anew")
+	}
+	if err := db.PutFirmware(ctx, companion.Firmware{Model: "sim-1", Version: "1.1.0", SHA256: shas["fw1.1.0"], Size: 24}); err != nil {
+		t.Errorf("PutFirmware(sim-1, 1.1.0) over a damaged record = %v; want nil", err)
+	}
+	if err := db.PutAppRelease(ctx, companion.AppRelease{AppID: "clock", Version: "1.1.0", SHA256: shas["app1.1.0"], Size: 21}); err != nil {
+		t.Errorf("PutAppRelease(clock, 1.1.0) over a damaged record = %v; want nil", err)
+	}
+	if err := db.PutFirmware(ctx, companion.Firmware{Model: "sim-1", Version: "1.1.0", SHA256: shas["fw1.1.0-again"], Size: 30}); !errors.Is(err, companion.ErrExists) {
+		t.Errorf("PutFirmware(sim-1, 1.1.0) with other content, published whole = %v; want ErrExists", err)
+	}
+	if err := db.PutAppRelease(ctx, companion.AppRelease{AppID: "clock", Version: "1.1.0", SHA256: shas["app1.1.0-again"], Size: 27}); !errors.Is(err, companion.ErrExists) {
+		t.Errorf("PutAppRelease(clock, 1.1.0) with other content, published whole = %v; want ErrExists", err)
+	}
+	if f, err := db.Firmware(ctx, "sim-1", "1.1.0"); err != nil || f.SHA256 != shas["fw1.1.0"] {
+		t.Errorf("Firmware(sim-1, 1.1.0) published again = %+v, %v; want the new one", f, err)
+	}
+	if a, err := db.AppRelease(ctx, "clock", "1.1.0"); err != nil || a.SHA256 != shas["app1.1.0"] {
+		t.Errorf("AppRelease(clock, 1.1.0) published again = %+v, %v; want the new one", a, err)
+	}
+	if rs, err := db.AppReleases(ctx, "clock"); err != nil || len(rs) != 2 {
+		t.Errorf("AppReleases(clock) published again = %+v, %v; want both", rs, err)
+	}
+
+	if n := db.Undecodable(); n != 2 {
+		t.Errorf("Undecodable() = %d; want 2", n)
+	}
+	if n := strings.Count(logs.String(), "does not decode is left out"); n != 2 {
+		t.Errorf("%d logs of a record that does not decode; want 2, one a record:\n%s", n, logs.String())
+	}
+}

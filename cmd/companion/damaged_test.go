@@ -1,7 +1,10 @@
 package main
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
+	"log/slog"
 	"path/filepath"
 	"testing"
 	"time"
@@ -325,4 +328,118 @@ func TestADamagedBindingIsReadFromItsCopy(t *testing.T) {
 	metricsExpect(t, metricsScrape(t, m), 0, "companion_store_undecodable_records")
 	r = user.do("DELETE", dp, nil)
 	assert.Equal(t, 204, r.Status, "unbinding dev-1: %s", r.Body)
+}
+
+// TestADamagedReleaseIsLeftOut runs the real server on a store where,
+// while it was down, one firmware release of the devices' model and one
+// release of an app were damaged, the others whole, and every blob was
+// stored two hours before. The damaged releases are left out: the OTA
+// check names the whole firmware as the latest, an OTA and an install
+// without a version take the whole releases, one of the damaged version
+// is a 404, and the catalog lists the whole ones. The first retention pass
+// purges the two blobs nothing needs any more (the damaged releases') and
+// keeps the others. The damaged versions are published again, and then
+// served. Without the fix the OTA check, the OTA, the install and the
+// publish were each a 500 internal for good, and the purge of blobs failed
+// every pass (bug 566).
+func TestADamagedReleaseIsLeftOut(t *testing.T) {
+	data := t.TempDir()
+	cfg := Config{Data: data, Metrics: "127.0.0.1:0"}
+	m := startServer(t, cfg)
+	f := setupFleet(t, m, "dev-1") // firmware sim-1 1.1.0, app weather 1.0.0 and 1.2.0
+	registerDevices(t, f, "dev-1")
+	fw := firmwareImage(t, "1.2.0", 64<<10)
+	r := f.admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.2.0", fw)
+	require.Equal(t, 201, r.Status, "%s", r.Body)
+	require.NoError(t, m.Close())
+
+	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		if err := tx.Bucket([]byte("firmware")).Put([]byte("sim-1\x001.2.0"), []byte(`{"model": "si`)); err != nil {
+			return err
+		}
+		if err := tx.Bucket([]byte("apps")).Put([]byte("weather\x001.2.0"), []byte(`{"app_id": "wea`)); err != nil {
+			return err
+		}
+		// Stored two hours before: the retention pass at the start weighs
+		// every blob (it spares those stored within the hour).
+		blobs := tx.Bucket([]byte("blobs"))
+		aged := map[string][]byte{}
+		err := blobs.ForEach(func(k, v []byte) error {
+			var rec map[string]any
+			if err := json.Unmarshal(v, &rec); err != nil {
+				return err
+			}
+			then := time.Now().Add(-2 * time.Hour).UTC().Format(time.RFC3339Nano)
+			rec["created_at"], rec["stored_at"] = then, then
+			b, err := json.Marshal(rec)
+			aged[string(k)] = b
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		require.Len(t, aged, 4, "a blob a release")
+		for k, v := range aged {
+			if err := blobs.Put([]byte(k), v); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.NoError(t, db.Close())
+
+	capture := &logCapture{next: testLogger(t).Handler(), store: &capturedLogs{}}
+	m = startServerLogging(t, cfg, slog.New(capture))
+	user, admin := newClient(t, m, f.user.token), newClient(t, m, m.AdminToken())
+	const dp = "/api/v1/devices/dev-1"
+	r = user.do("GET", dp+"/ota/check", nil)
+	require.Equal(t, 200, r.Status, "GET %s/ota/check: %s", dp, r.Body)
+	assert.Equal(t, "1.1.0", r.JSON(t)["latest_version"], "%s", r.Body)
+	for _, body := range []map[string]any{{}, {"version": "1.1.0"}} {
+		r = user.do("POST", dp+"/ota/update", body)
+		assert.Equal(t, 202, r.Status, "POST %s/ota/update %v: %s", dp, body, r.Body)
+	}
+	r = user.do("POST", dp+"/ota/update", map[string]any{"version": "1.2.0"})
+	assert.Equal(t, 404, r.Status, "POST %s/ota/update of the damaged 1.2.0: %s", dp, r.Body)
+	for _, body := range []map[string]any{{"app_id": "weather"}, {"app_id": "weather", "version": "1.0.0"}} {
+		r = user.do("POST", dp+"/apps/install", body)
+		assert.Equal(t, 202, r.Status, "POST %s/apps/install %v: %s", dp, body, r.Body)
+	}
+	r = user.do("POST", dp+"/apps/install", map[string]any{"app_id": "weather", "version": "1.2.0"})
+	assert.Equal(t, 404, r.Status, "POST %s/apps/install of the damaged 1.2.0: %s", dp, r.Body)
+	catalog := func() map[string]any {
+		t.Helper()
+		r := user.do("GET", "/api/v1/apps", nil)
+		require.Equal(t, 200, r.Status, "GET /api/v1/apps: %s", r.Body)
+		for _, a := range r.JSON(t)["apps"].([]any) {
+			if app := a.(map[string]any); app["app_id"] == "weather" {
+				return app
+			}
+		}
+		t.Fatalf("GET /api/v1/apps lists no weather: %s", r.Body)
+		return nil
+	}
+	assert.Equal(t, []any{"1.0.0"}, catalog()["versions"])
+
+	// The retention pass at the start went on past the damaged releases,
+	// and purged their blobs alone: nothing else needs them.
+	testenv.Eventually(t, 10*time.Second, "the retention pass purging the damaged releases' two blobs", func() bool {
+		return capture.has(slog.LevelInfo, "purged blobs nothing needs", "count", "2")
+	})
+	assert.False(t, capture.has(slog.LevelError, "purging unneeded blobs", "", ""), "the retention pass failed")
+	metricsExpect(t, metricsScrape(t, m), 2, "companion_store_undecodable_records")
+
+	// Published again, the damaged versions are served.
+	r = admin.do("PUT", "/api/v1/admin/firmware/sim-1/1.2.0", fw)
+	assert.Equal(t, 201, r.Status, "publishing the damaged firmware again: %s", r.Body)
+	r = admin.do("PUT", "/api/v1/admin/apps/weather/1.2.0", bytes.Repeat([]byte("1.2.0"), 1000))
+	assert.Equal(t, 201, r.Status, "publishing the damaged app release again: %s", r.Body)
+	r = user.do("GET", dp+"/ota/check", nil)
+	require.Equal(t, 200, r.Status, "GET %s/ota/check: %s", dp, r.Body)
+	assert.Equal(t, "1.2.0", r.JSON(t)["latest_version"], "%s", r.Body)
+	r = user.do("POST", dp+"/apps/install", map[string]any{"app_id": "weather", "version": "1.2.0"})
+	assert.Equal(t, 202, r.Status, "POST %s/apps/install of 1.2.0 published again: %s", dp, r.Body)
+	assert.Equal(t, []any{"1.0.0", "1.2.0"}, catalog()["versions"])
 }
