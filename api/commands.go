@@ -20,7 +20,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode"
 
 	"github.com/devicecompanion/companion"
 
@@ -768,12 +767,13 @@ func (s *Server) putSettings(c *gin.Context) error {
 // hold. No device names a setting "" or with a control character: Zephyr's
 // settings names are C strings, "y\x00" read as "y". Taken, such a name
 // stood desired and pending until the bridge refused the command
-// (docs/reliability.md, bug 503).
+// (docs/reliability.md, bug 503). A blank name is none either: the server
+// leaves it out of a device's report (topics.ValidSettingName, bug 567).
 func settingValues(req map[string]any) []FieldError {
 	var errs []FieldError
 	for _, k := range slices.Sorted(maps.Keys(req)) {
-		if k == "" || strings.ContainsFunc(k, unicode.IsControl) {
-			errs = append(errs, FieldError{Field: k, Message: "is no setting's name: empty, or with a control character"})
+		if !topics.ValidSettingName(k) {
+			errs = append(errs, FieldError{Field: k, Message: "is no setting's name: empty, blank, or with a control character"})
 			continue
 		}
 		switch v := req[k].(type) {

@@ -364,8 +364,8 @@ func TestSettingsValidation(t *testing.T) {
 	runBodyCases(t, e, "PUT", "/api/v1/devices/other-1/settings", other, []bodyCase{
 		{"unknown model", map[string]any{"mode": "eco", "level": 3, "on": true}, 202, nil},
 		{"unknown model, not a setting's value", map[string]any{"mode": map[string]any{"a": 1}, "level": nil, "on": []any{}}, 422, []string{"level", "mode", "on"}},
-		// No setting is named so (bug 503).
-		{"unknown model, not a setting's name", map[string]any{"": 1, "y\u0000": 2, "tab\t": 3, "ok/name": 4}, 422, []string{"", "tab\t", "y\u0000"}},
+		// No setting is named so (bugs 503 and 567).
+		{"unknown model, not a setting's name", map[string]any{"": 1, "y\u0000": 2, "tab\t": 3, "ok/name": 4, " ": 5, "\u200b": 6}, 422, []string{"", " ", "tab\t", "y\u0000", "\u200b"}},
 	})
 
 	e.reportSettings("dev-1")

@@ -1546,7 +1546,11 @@ func (b *Broker) storeStatus(deviceID string, s topics.Status) companion.Status 
 // (topics.Schema.Usable) are left out, with their values, and logged: a
 // device's firmware declares its own schema. A default that is not a value
 // of its setting is taken out (topics.Schema.ValidDefaults), and logged.
+// What the message's parser left out, or found, against the rules of a
+// setting (topics.SettingsFlaws) is logged here (docs/reliability.md, bug
+// 567).
 func (b *Broker) reportedSettings(deviceID string, s topics.Settings) (companion.ReportedSettings, error) {
+	b.warnSettingsFlaws(deviceID, s.Flaws)
 	schema, unusable := s.Schema.Usable()
 	if unusable != nil {
 		b.noisy.Warn("unusable settings\x00"+deviceID, "a device declared settings this server cannot describe (a type other than int, bool, string, enum and "+
@@ -1579,4 +1583,28 @@ func (b *Broker) reportedSettings(deviceID string, s topics.Settings) (companion
 		return companion.ReportedSettings{}, fmt.Errorf("schema: %w", err)
 	}
 	return companion.NewReportedSettings(reported, schemaJSON, s.At, s.Seq)
+}
+
+// warnSettingsFlaws logs what a device's settings report broke of the
+// rules of a setting, each kind once a minute per device.
+func (b *Broker) warnSettingsFlaws(deviceID string, f topics.SettingsFlaws) {
+	if !f.Any() {
+		return
+	}
+	if f.NotNames != nil {
+		b.noisy.Warn("setting names\x00"+deviceID, "a device reported settings under names no setting has (empty, blank, or with a control character); leaving them out",
+			"device_id", deviceID, "settings", f.NotNames)
+	}
+	if f.NoValues != nil {
+		b.noisy.Warn("setting values\x00"+deviceID, "a device reported settings at values no setting holds (null, an object, an array, a number JSON cannot write); leaving the values out",
+			"device_id", deviceID, "settings", f.NoValues)
+	}
+	if f.EnumValues != nil {
+		b.noisy.Warn("enum values\x00"+deviceID, "a device declared enum settings naming a value more than once, or one that is empty, blank or with a control character; keeping each value once",
+			"device_id", deviceID, "settings", f.EnumValues)
+	}
+	if f.Unfit != nil {
+		b.noisy.Warn("unfit settings\x00"+deviceID, "a device reported settings at values outside their own schema; serving them as reported",
+			"device_id", deviceID, "settings", f.Unfit)
+	}
 }

@@ -173,6 +173,10 @@ type Settings struct {
 	At       time.Time      `json:"at"`
 	Seq      uint64         `json:"seq"`
 	BadAt    string         `json:"-"` // as Reply's
+	// Flaws are what ParseSettings and ParseReply left out of the
+	// report, or found in it, against the rules of a setting, for the
+	// reader to log (docs/reliability.md, bug 567).
+	Flaws SettingsFlaws `json:"-"`
 }
 
 // Blob references binary content the bridge fetches over HTTP, by SHA-256.
@@ -314,7 +318,7 @@ func ParseReply(b []byte) (Reply, error) {
 		cleanStatus(r.Status)
 	}
 	if r.Settings != nil {
-		if err := checkSettings(*r.Settings); err != nil {
+		if err := checkSettings(r.Settings); err != nil {
 			return Reply{}, err
 		}
 	}
@@ -404,21 +408,24 @@ func checkStatus(s Status) error {
 	return nil
 }
 
-// ParseSettings decodes a settings message.
+// ParseSettings decodes a settings message, and holds it to the rules of
+// a setting (Settings.clean): what breaks them is left out, or found, and
+// named in its Flaws.
 func ParseSettings(b []byte) (Settings, error) {
 	var s Settings
 	if err := decode(b, &s); err != nil {
 		return Settings{}, err
 	}
-	if err := checkSettings(s); err != nil {
+	if err := checkSettings(&s); err != nil {
 		return Settings{}, err
 	}
 	return s, nil
 }
 
-func checkSettings(s Settings) error {
+func checkSettings(s *Settings) error {
 	if s.Reported == nil {
 		return fmt.Errorf("%w: no reported settings", ErrBadMessage)
 	}
+	s.clean()
 	return nil
 }

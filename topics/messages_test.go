@@ -96,6 +96,7 @@ func FuzzParseMessages(f *testing.F) {
 	f.Add([]byte(`{"command_id":"01890a5d-ac96-774b-bcce-b302099a8057","state":"delivered"}`))
 	f.Add([]byte(`{"online":true,"battery":5,"seq":1}`))
 	f.Add([]byte(`{"reported":{"a":1},"schema":{}}`))
+	f.Add([]byte(`{"reported":{"":1,"a":null,"b":1e999,"c":"x","d":[1]},"schema":{"c":{"type":"enum","values":["x","x",""]},"\t":{"type":"int"}}}`))
 	f.Add([]byte(`{"id":"01890a5d-ac96-774b-bcce-b302099a8057","op":"push.text","device_id":"d1","payload":{"text":"hi"}}`))
 	f.Add([]byte(`{"command_id":"01890a5d-ac96-774b-bcce-b302099a8057","state":"succeeded","at":"2026-01-02T03:04:05+01:00",` +
 		`"status":{"online":true,"firmware_version":"1.0.0\u0000","apps":[{"app_id":"a","version":"1"}],"seq":2},"settings":{"reported":{"x":1}}}`))
