@@ -12,8 +12,8 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -191,8 +191,18 @@ func TestBlobStallIsResumed(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if want := []string{"", "bytes=" + strconv.Itoa(len(data)/2) + "-"}; !slices.Equal(ranges, want) {
-		t.Errorf("requests' Range headers = %q; want %q (the stalled download resumed)", ranges, want)
+	// The stalled download resumed where it stalled, never from the start.
+	// A resumed request that is itself slower than the idle cut, on a
+	// loaded machine under -race, is cut and resumed again: from where it
+	// got to.
+	resumed := len(ranges) >= 2 && ranges[0] == ""
+	for _, r := range ranges[min(1, len(ranges)):] {
+		from, ok := strings.CutPrefix(r, "bytes=")
+		n, err := strconv.Atoi(strings.TrimSuffix(from, "-"))
+		resumed = resumed && ok && err == nil && n >= len(data)/2 && n < len(data)
+	}
+	if !resumed {
+		t.Errorf("requests' Range headers = %q; want \"\" and then \"bytes=%d-\" (the stalled download resumed)", ranges, len(data)/2)
 	}
 }
 
