@@ -55,9 +55,11 @@ type Error struct {
 // MaxErrorCode is the longest error code, in bytes.
 const MaxErrorCode = 64
 
-// maxErrorText is the most of an error of another JSON type than the
-// contract's that is kept as its message, in bytes.
-const maxErrorText = 1024
+// MaxErrorMessage is the most of a bridge's error message that is kept,
+// in bytes; the rest is cut, on a character's boundary, with an ellipsis
+// (docs/reliability.md, bug 572). An error of another JSON type than the
+// contract's is kept as text of at most as much.
+const MaxErrorMessage = 1024
 
 // UnmarshalJSON decodes an error as a bridge wrote it. One of another
 // form than {"code": string, "message": string} is taken as far as it
@@ -90,7 +92,7 @@ func errorText(raw json.RawMessage) string {
 	if len(raw) == 0 || json.Unmarshal(raw, &s) == nil {
 		return s
 	}
-	return clip(string(raw), maxErrorText)
+	return clip(string(raw), MaxErrorMessage)
 }
 
 // ValidErrorCode reports whether s is an error code of the contract's
@@ -296,7 +298,10 @@ func ParseReply(b []byte) (Reply, error) {
 		// (docs/reliability.md, bug 146).
 		r.Error = nil
 	case r.Error != nil:
-		r.Error.Code, r.Error.Message = deviceText(r.Error.Code), deviceText(r.Error.Message)
+		// A message is what a device or its bridge said; stored with the
+		// command and served with it on every read, 200 KiB of it was too
+		// (bug 572).
+		r.Error.Code, r.Error.Message = deviceText(r.Error.Code), clip(deviceText(r.Error.Message), MaxErrorMessage)
 		if r.Error.Code != "" && !ValidErrorCode(r.Error.Code) {
 			// Served as it came, such a code reached users as the
 			// command's error.code, which a client tells a failure by:

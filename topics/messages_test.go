@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/devicecompanion/companion"
 )
@@ -227,10 +228,10 @@ func TestAnErrorOfAnotherJSONTypeIsTaken(t *testing.T) {
 			t.Errorf("the error %s reads %+v; want code %q, message %q, bad code %q", c.error, r.Error, c.code, c.message, c.badCode)
 		}
 	}
-	long := strings.Repeat("7", 2*maxErrorText)
+	long := strings.Repeat("7", 2*MaxErrorMessage)
 	r, err := ParseReply([]byte(`{"command_id":"` + id + `","state":"failed","error":{"message":` + long + `}}`))
-	if err != nil || len(r.Error.Message) > maxErrorText+len("…") {
-		t.Errorf("a message of %d digits: %v, %d bytes kept; want at most %d", len(long), err, len(r.Error.Message), maxErrorText)
+	if err != nil || len(r.Error.Message) > MaxErrorMessage+len("…") {
+		t.Errorf("a message of %d digits: %v, %d bytes kept; want at most %d", len(long), err, len(r.Error.Message), MaxErrorMessage)
 	}
 }
 
@@ -296,6 +297,35 @@ func BenchmarkParseReply(b *testing.B) {
 	for b.Loop() {
 		if _, err := ParseReply(msg); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+// A bridge's error message is kept to MaxErrorMessage bytes, cut on a
+// character's boundary with an ellipsis; it was stored and served whole,
+// up to the 256 KiB of a message (bug 572).
+func TestAnErrorMessageIsBounded(t *testing.T) {
+	const id = "0193a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"
+	for _, c := range []struct {
+		message string
+		want    string
+	}{
+		{"rc 3", "rc 3"},
+		{strings.Repeat("a", MaxErrorMessage), strings.Repeat("a", MaxErrorMessage)},
+		{strings.Repeat("a", MaxErrorMessage+1), strings.Repeat("a", MaxErrorMessage) + "…"},
+		{strings.Repeat("é", 100<<10), strings.Repeat("é", MaxErrorMessage/2) + "…"},
+		{"x" + strings.Repeat("é", MaxErrorMessage), "x" + strings.Repeat("é", MaxErrorMessage/2-1) + "…"},
+	} {
+		b, err := json.Marshal(map[string]any{"command_id": id, "state": "failed", "error": map[string]string{"code": "device_error", "message": c.message}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := ParseReply(b)
+		if err != nil {
+			t.Fatalf("a message of %d bytes: %v", len(c.message), err)
+		}
+		if r.Error.Message != c.want || !utf8.ValidString(r.Error.Message) {
+			t.Errorf("a message of %d bytes is kept as %d bytes; want %d", len(c.message), len(r.Error.Message), len(c.want))
 		}
 	}
 }
