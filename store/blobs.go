@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 
 	bolt "go.etcd.io/bbolt"
 )
@@ -96,9 +97,16 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 		b := tx.Bucket(bucketBlobs)
 		now := db.now()
 		rec = blobRecord{}
-		ok, err := getJSON(b, []byte(sha), &rec)
-		if err != nil {
-			return err
+		ok := false
+		if v := b.Get([]byte(sha)); v != nil {
+			// A record that does not decode (the file damaged there) is
+			// replaced as if there were none (bug 573).
+			if err := fastjson.Unmarshal(v, &rec); err != nil {
+				db.logUndecodable(undecodableBlob, []byte(sha), err)
+				rec = blobRecord{}
+			} else {
+				ok = true
+			}
 		}
 		switch {
 		case !ok:
@@ -154,10 +162,52 @@ func (db *DB) Blob(ctx context.Context, sha string) (companion.Blob, error) {
 		return companion.Blob{}, companion.ErrNotFound
 	}
 	var rec blobRecord
-	if err := db.get(bucketBlobs, []byte(sha), &rec); err != nil {
+	err := db.bolt.View(func(tx *bolt.Tx) error {
+		v := tx.Bucket(bucketBlobs).Get([]byte(sha))
+		if v == nil || !db.decodeBlob([]byte(sha), v, &rec) {
+			return companion.ErrNotFound
+		}
+		return nil
+	})
+	if err != nil {
 		return companion.Blob{}, err
 	}
 	return rec.blob(), nil
+}
+
+// undecodableBlob names a blob's record in the log of logUndecodable.
+const undecodableBlob = "blob record"
+
+// decodeBlob decodes v, the record of the blob sha, into rec and reports
+// whether there is one. A record that does not decode (the file damaged
+// there) is logged once (logUndecodable) and rebuilt from the blob's file,
+// which is named by its digest: its size is the file's, and when it was
+// stored, the file's modification time (when its content was first
+// written). With no file it is read as none, and the purge deletes it.
+// Read as an error, one damaged record made the blob's download a 500,
+// refused the same content stored again, and failed every purge of blobs,
+// for good (docs/reliability.md, bug 573). The record is not written
+// back here; PutBlob of the content replaces it, as if there were none.
+func (db *DB) decodeBlob(sha, v []byte, rec *blobRecord) bool {
+	err := fastjson.Unmarshal(v, rec)
+	if err == nil {
+		return true
+	}
+	*rec = blobRecord{}
+	first := db.logUndecodable(undecodableBlob, sha, err)
+	if !validSHA256(string(sha)) {
+		return false
+	}
+	fi, serr := os.Stat(db.blobPath(string(sha)))
+	if serr != nil || !fi.Mode().IsRegular() {
+		return false
+	}
+	*rec = blobRecord{SHA256: string(sha), Size: fi.Size(), CreatedAt: fi.ModTime().UTC()}
+	if first {
+		db.log.Warn("store: a blob record that does not decode is read as rebuilt from the blob's file (its size, and the file's time for when it was stored)",
+			"key", string(sha), "size", rec.Size, "created_at", rec.CreatedAt)
+	}
+	return true
 }
 
 // OpenBlob opens the file of the blob for reading; the caller closes it.

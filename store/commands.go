@@ -657,14 +657,15 @@ func (db *DB) closeUndecodable(tx *bolt.Tx, id []byte) error {
 
 // logUndecodable logs a record left out of a read because it does not
 // decode, and counts it, once a process per record: the sweeps read it
-// again every pass.
-func (db *DB) logUndecodable(what string, key []byte, err error) {
+// again every pass. It reports whether this was the first time.
+func (db *DB) logUndecodable(what string, key []byte, err error) bool {
 	if _, seen := db.undecodable.LoadOrStore(what+"\x00"+string(key), true); seen {
-		return
+		return false
 	}
 	db.undecodableN.Add(1)
 	db.log.Error("store: a "+what+" that does not decode is left out of the reads that meet it (the dispatch, the sweeps, the lists): the file is damaged there; restore it from a backup when you can",
 		"key", string(key), "err", err)
+	return true
 }
 
 // Undecodable returns how many records the store has met since it opened

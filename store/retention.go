@@ -206,10 +206,7 @@ func (db *DB) unneededBlobs(from []byte, olderThan time.Time, batch int) (doomed
 			}
 			read++
 			var rec blobRecord
-			if err := fastjson.Unmarshal(v, &rec); err != nil {
-				return fmt.Errorf("store: decode blob %q: %w", k, err)
-			}
-			if !blobNeeded(tx, released, string(k), rec, olderThan) {
+			if !db.decodeBlob(k, v, &rec) || !blobNeeded(tx, released, string(k), rec, olderThan) {
 				doomed = append(doomed, string(k))
 			}
 		}
@@ -231,12 +228,14 @@ func (db *DB) deleteBlobRecords(shas []string, olderThan time.Time) (int, error)
 		released := db.releasedBlobs(tx)
 		b := tx.Bucket(bucketBlobs)
 		for _, sha := range shas {
-			var rec blobRecord
-			ok, err := getJSON(b, []byte(sha), &rec)
-			if err != nil {
-				return err
+			v := b.Get([]byte(sha))
+			if v == nil {
+				continue
 			}
-			if !ok || blobNeeded(tx, released, sha, rec, olderThan) {
+			// A record that does not decode, with no file to rebuild it
+			// from, is one of nothing: it goes (decodeBlob).
+			var rec blobRecord
+			if db.decodeBlob([]byte(sha), v, &rec) && blobNeeded(tx, released, sha, rec, olderThan) {
 				continue
 			}
 			if err := b.Delete([]byte(sha)); err != nil {

@@ -3,13 +3,16 @@ package store
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
+	"os"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/devicecompanion/companion"
+	"github.com/devicecompanion/companion/internal/fastjson"
 	"github.com/devicecompanion/companion/internal/testenv"
 
 	bolt "go.etcd.io/bbolt"
@@ -404,5 +407,112 @@ func TestADamagedReleaseIsLeftOut(t *testing.T) {
 	}
 	if n := strings.Count(logs.String(), "does not decode is left out"); n != 2 {
 		t.Errorf("%d logs of a record that does not decode; want 2, one a record:\n%s", n, logs.String())
+	}
+}
+
+// TestADamagedBlobRecordIsRebuiltOrLeftOut damages the records of five
+// blobs: one released, with its file; one whose file is gone too; one
+// whose content is stored again; one with an old file and one with a file
+// written within the hour, nothing needing either. A damaged record is
+// read as rebuilt from its file (its size, and the file's time for when
+// it was stored), or as none without a file; storing the content again
+// writes it whole; and the purge goes on past each, by the time of its
+// file. Without the fix each read of them, the store of the content again
+// and every purge failed with their decode error.
+func TestADamagedBlobRecordIsRebuiltOrLeftOut(t *testing.T) {
+	var logs testenv.Buffer
+	now := time.Now()
+	clock := now
+	db := openTestDBWith(t, t.TempDir()+"/companion.db", Options{Logger: slog.New(slog.NewTextHandler(&logs, nil)), Now: func() time.Time { return clock }})
+	ctx := context.Background()
+	content := map[string]string{}
+	shas := map[string]string{}
+	for _, name := range []string{"released", "lost", "again", "old", "fresh"} {
+		content[name] = "the content of the " + name + " blob"
+		b, err := db.PutBlob(ctx, strings.NewReader(content[name]), 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		shas[name] = b.SHA256
+	}
+	if err := db.PutFirmware(ctx, companion.Firmware{Model: "sim-1", Version: "1.0.0", SHA256: shas["released"], Size: int64(len(content["released"]))}); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.bolt.Update(func(tx *bolt.Tx) error {
+		for _, sha := range shas {
+			if err := tx.Bucket(bucketBlobs).Put([]byte(sha), []byte(`{"sha256": "ab`)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(db.blobPath(shas["lost"])); err != nil {
+		t.Fatal(err)
+	}
+	for name, at := range map[string]time.Time{"released": now.Add(-3 * time.Hour), "old": now.Add(-3 * time.Hour), "fresh": now.Add(90 * time.Minute)} {
+		if err := os.Chtimes(db.blobPath(shas[name]), at, at); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	for range 2 {
+		for _, name := range []string{"released", "old", "fresh"} {
+			b, err := db.Blob(ctx, shas[name])
+			if err != nil || b.SHA256 != shas[name] || b.Size != int64(len(content[name])) {
+				t.Errorf("Blob(%s) = %+v, %v; want it rebuilt from its file", name, b, err)
+			}
+			f, b, err := db.OpenBlob(ctx, shas[name])
+			if err != nil {
+				t.Errorf("OpenBlob(%s) = %v; want its file", name, err)
+				continue
+			}
+			got, err := io.ReadAll(f)
+			f.Close()
+			if err != nil || string(got) != content[name] || b.Size != int64(len(got)) {
+				t.Errorf("OpenBlob(%s) read %q (size %d), %v; want %q", name, got, b.Size, err, content[name])
+			}
+		}
+		if _, err := db.Blob(ctx, shas["lost"]); !errors.Is(err, companion.ErrNotFound) {
+			t.Errorf("Blob(lost) = %v; want ErrNotFound", err)
+		}
+		if _, _, err := db.OpenBlob(ctx, shas["lost"]); !errors.Is(err, companion.ErrNotFound) {
+			t.Errorf("OpenBlob(lost) = %v; want ErrNotFound", err)
+		}
+	}
+	if b, err := db.PutBlob(ctx, strings.NewReader(content["again"]), 1<<20); err != nil || b.SHA256 != shas["again"] {
+		t.Errorf("PutBlob(again) over a damaged record = %+v, %v; want it stored", b, err)
+	}
+	if err := db.bolt.View(func(tx *bolt.Tx) error {
+		var rec blobRecord
+		return fastjson.Unmarshal(tx.Bucket(bucketBlobs).Get([]byte(shas["again"])), &rec)
+	}); err != nil {
+		t.Errorf("the record of the blob stored again: %v; want it whole", err)
+	}
+
+	// The purge goes on: the record without a file goes, and so do the
+	// blobs nothing needs that were stored before the hour, by their
+	// record or, damaged, their file's time.
+	clock = now.Add(2 * time.Hour)
+	if n, err := db.PurgeBlobs(ctx, now.Add(time.Hour)); n != 3 || err != nil {
+		t.Errorf("PurgeBlobs = %d, %v; want 3 (the lost, again and old blobs), nil", n, err)
+	}
+	for name, sha := range shas {
+		_, err := db.Blob(ctx, sha)
+		_, serr := os.Stat(db.blobPath(sha))
+		switch kept := name == "released" || name == "fresh"; {
+		case kept && (err != nil || serr != nil):
+			t.Errorf("after the purge, Blob(%s) = %v, its file %v; want it kept", name, err, serr)
+		case !kept && (!errors.Is(err, companion.ErrNotFound) || !errors.Is(serr, os.ErrNotExist)):
+			t.Errorf("after the purge, Blob(%s) = %v, its file %v; want it gone", name, err, serr)
+		}
+	}
+
+	if n := db.Undecodable(); n != 5 {
+		t.Errorf("Undecodable() = %d; want 5", n)
+	}
+	if n := strings.Count(logs.String(), "does not decode is left out"); n != 5 {
+		t.Errorf("%d logs of a record that does not decode; want 5, one a record:\n%s", n, logs.String())
 	}
 }

@@ -2,9 +2,12 @@ package main
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -442,4 +445,79 @@ func TestADamagedReleaseIsLeftOut(t *testing.T) {
 	r = user.do("POST", dp+"/apps/install", map[string]any{"app_id": "weather", "version": "1.2.0"})
 	assert.Equal(t, 202, r.Status, "POST %s/apps/install of 1.2.0 published again: %s", dp, r.Body)
 	assert.Equal(t, []any{"1.0.0", "1.2.0"}, catalog()["versions"])
+}
+
+// TestADamagedBlobRecordIsRebuiltOrLeftOut runs the real server on a store
+// where, while it was down, the records of four blobs were damaged: the
+// firmware's and an app release's, whose files are there; one nothing
+// needs, its file two hours old; and one whose file is gone. The first two
+// are served whole, rebuilt from their files, and the app's content
+// uploads again; the retention pass at the start purges the other two;
+// the one without a file reads as absent. Without the fix each download
+// was a 500, the upload of the same content too, and every purge of blobs
+// failed, for good.
+func TestADamagedBlobRecordIsRebuiltOrLeftOut(t *testing.T) {
+	data := t.TempDir()
+	cfg := Config{Data: data, Metrics: "127.0.0.1:0"}
+	m := startServer(t, cfg)
+	f := setupFleet(t, m, "dev-1") // firmware sim-1 1.1.0, app weather 1.0.0 and 1.2.0
+	registerDevices(t, f, "dev-1")
+	require.NoError(t, m.Close())
+
+	digest := func(b []byte) string {
+		sum := sha256.Sum256(b)
+		return hex.EncodeToString(sum[:])
+	}
+	app := bytes.Repeat([]byte("1.2.0"), 1000)
+	unneeded, lost := []byte("content nothing needs"), []byte("content whose file is gone")
+	fwSHA, appSHA, unneededSHA, lostSHA := digest(f.firmware), digest(app), digest(unneeded), digest(lost)
+	unneededFile := filepath.Join(data, "blobs", unneededSHA[:2], unneededSHA)
+	require.NoError(t, os.MkdirAll(filepath.Dir(unneededFile), 0o700))
+	require.NoError(t, os.WriteFile(unneededFile, unneeded, 0o600))
+	then := time.Now().Add(-2 * time.Hour)
+	require.NoError(t, os.Chtimes(unneededFile, then, then))
+	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+		blobs := tx.Bucket([]byte("blobs"))
+		require.NotNil(t, blobs.Get([]byte(fwSHA)), "the firmware's blob record")
+		require.NotNil(t, blobs.Get([]byte(appSHA)), "the app's blob record")
+		for _, sha := range []string{fwSHA, appSHA, unneededSHA, lostSHA} {
+			if err := blobs.Put([]byte(sha), []byte(`{"sha256": "ab`)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.NoError(t, db.Close())
+
+	capture := &logCapture{next: testLogger(t).Handler(), store: &capturedLogs{}}
+	m = startServerLogging(t, cfg, slog.New(capture))
+	admin := newClient(t, m, m.AdminToken())
+	r := admin.do("GET", "/api/v1/blobs/"+fwSHA, nil)
+	require.Equal(t, 200, r.Status, "GET the firmware's blob: %s", r.Body)
+	assert.True(t, bytes.Equal(f.firmware, r.Body), "the firmware's blob served: %d bytes; want the %d published", len(r.Body), len(f.firmware))
+	r = admin.do("GET", "/api/v1/blobs/"+lostSHA, nil)
+	assert.Equal(t, 404, r.Status, "GET the blob whose file is gone: %s", r.Body)
+
+	// The retention pass at the start went on past the damaged records,
+	// and purged the two nothing needs, by their files' time.
+	testenv.Eventually(t, 10*time.Second, "the retention pass purging the two damaged blobs nothing needs", func() bool {
+		return capture.has(slog.LevelInfo, "purged blobs nothing needs", "count", "2")
+	})
+	assert.False(t, capture.has(slog.LevelError, "purging unneeded blobs", "", ""), "the retention pass failed")
+	_, err = os.Stat(unneededFile)
+	assert.ErrorIs(t, err, os.ErrNotExist, "the file of the blob nothing needs, after the purge")
+	r = admin.do("GET", "/api/v1/blobs/"+unneededSHA, nil)
+	assert.Equal(t, 404, r.Status, "GET the purged blob: %s", r.Body)
+
+	// The same content uploads again, as another version.
+	r = admin.do("PUT", "/api/v1/admin/apps/weather/1.3.0", app)
+	assert.Equal(t, 201, r.Status, "publishing the content of the damaged blob record again: %s", r.Body)
+	r = admin.do("GET", "/api/v1/blobs/"+appSHA, nil)
+	require.Equal(t, 200, r.Status, "GET the app's blob: %s", r.Body)
+	assert.True(t, bytes.Equal(app, r.Body), "the app's blob served: %d bytes; want the %d published", len(r.Body), len(app))
+	r = newClient(t, m, f.user.token).do("POST", "/api/v1/devices/dev-1/ota/update", map[string]any{"version": "1.1.0"})
+	assert.Equal(t, 202, r.Status, "POST ota/update 1.1.0: %s", r.Body)
+	metricsExpect(t, metricsScrape(t, m), 4, "companion_store_undecodable_records")
 }
