@@ -53,7 +53,7 @@ func unassign(tx *bolt.Tx, deviceID string) (string, error) {
 func (db *DB) markUnserved(tx *bolt.Tx, deviceID string, now time.Time) error {
 	statuses := tx.Bucket(bucketStatus)
 	var s companion.Status
-	ok := getReport(db, statuses, "status", []byte(deviceID), &s)
+	ok := getOrNone(db, statuses, "status", []byte(deviceID), &s)
 	if !ok || (!s.Online && s.BridgeID == "") {
 		return nil
 	}
@@ -162,7 +162,7 @@ func (db *DB) forgetSeq(tx *bolt.Tx, deviceID string) error {
 // when there is one and its seq is not 0 already.
 func zeroSeq[T any](db *DB, b *bolt.Bucket, what, id string, seqOf func(*T) *uint64) error {
 	var v T
-	ok := getReport(db, b, what, []byte(id), &v)
+	ok := getOrNone(db, b, what, []byte(id), &v)
 	if !ok || *seqOf(&v) == 0 {
 		return nil
 	}

@@ -227,7 +227,7 @@ func (db *DB) endUnbound(tx *bolt.Tx, deviceID, userID string) ([]companion.Comm
 func (db *DB) dropDesired(tx *bolt.Tx, deviceID string) error {
 	b := tx.Bucket(bucketSettings)
 	var s companion.Settings
-	ok := getReport(db, b, "settings record", []byte(deviceID), &s)
+	ok := getOrNone(db, b, "settings record", []byte(deviceID), &s)
 	if !ok || len(s.Desired) == 0 {
 		return nil
 	}

@@ -34,7 +34,7 @@ const (
 // PutFirmware publishes a firmware image. CreatedAt is set to now when
 // zero. Publishing the same model and version again with the same SHA256
 // is a no-op; with another SHA256 it is ErrExists. A stored one that does
-// not decode is replaced as if there were none (getRelease).
+// not decode is replaced as if there were none (getOrNone).
 func (db *DB) PutFirmware(ctx context.Context, f companion.Firmware) error {
 	if !validID(f.Model) || !ValidVersion(f.Version) || f.SHA256 == "" {
 		return fmt.Errorf("%w: firmware needs a model, a semantic version and a digest", companion.ErrInvalid)
@@ -45,7 +45,7 @@ func (db *DB) PutFirmware(ctx context.Context, f companion.Firmware) error {
 	return db.update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketFirmware)
 		var old companion.Firmware
-		if getRelease(db, b, undecodableFirmware, key(f.Model, f.Version), &old) {
+		if getOrNone(db, b, undecodableFirmware, key(f.Model, f.Version), &old) {
 			if old.SHA256 == f.SHA256 {
 				return nil
 			}
@@ -56,7 +56,7 @@ func (db *DB) PutFirmware(ctx context.Context, f companion.Firmware) error {
 }
 
 // Firmware returns the firmware of the model and version, or ErrNotFound
-// (also when its record does not decode: getRelease).
+// (also when its record does not decode: getOrNone).
 func (db *DB) Firmware(ctx context.Context, model, version string) (companion.Firmware, error) {
 	var f companion.Firmware
 	if !validID(model) || !validID(version) {
@@ -64,7 +64,7 @@ func (db *DB) Firmware(ctx context.Context, model, version string) (companion.Fi
 	}
 	ok := false
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		ok = getRelease(db, tx.Bucket(bucketFirmware), undecodableFirmware, key(model, version), &f)
+		ok = getOrNone(db, tx.Bucket(bucketFirmware), undecodableFirmware, key(model, version), &f)
 		return nil
 	})
 	switch {
@@ -98,7 +98,7 @@ func (db *DB) Firmwares(ctx context.Context, model string) ([]companion.Firmware
 // PutAppRelease publishes an app package. CreatedAt is set to now when
 // zero. Publishing the same app and version again with the same SHA256 is
 // a no-op; with another SHA256 it is ErrExists. A stored one that does not
-// decode is replaced as if there were none (getRelease).
+// decode is replaced as if there were none (getOrNone).
 func (db *DB) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
 	if !validID(a.AppID) || !ValidVersion(a.Version) || a.SHA256 == "" {
 		return fmt.Errorf("%w: app release needs an app id, a semantic version and a digest", companion.ErrInvalid)
@@ -109,7 +109,7 @@ func (db *DB) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
 	return db.update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketApps)
 		var old companion.AppRelease
-		if getRelease(db, b, undecodableApp, key(a.AppID, a.Version), &old) {
+		if getOrNone(db, b, undecodableApp, key(a.AppID, a.Version), &old) {
 			if old.SHA256 == a.SHA256 {
 				return nil
 			}
@@ -120,7 +120,7 @@ func (db *DB) PutAppRelease(ctx context.Context, a companion.AppRelease) error {
 }
 
 // AppRelease returns the release of the app and version, or ErrNotFound
-// (also when its record does not decode: getRelease).
+// (also when its record does not decode: getOrNone).
 func (db *DB) AppRelease(ctx context.Context, appID, version string) (companion.AppRelease, error) {
 	var a companion.AppRelease
 	if !validID(appID) || !validID(version) {
@@ -128,7 +128,7 @@ func (db *DB) AppRelease(ctx context.Context, appID, version string) (companion.
 	}
 	ok := false
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		ok = getRelease(db, tx.Bucket(bucketApps), undecodableApp, key(appID, version), &a)
+		ok = getOrNone(db, tx.Bucket(bucketApps), undecodableApp, key(appID, version), &a)
 		return nil
 	})
 	switch {
@@ -204,25 +204,6 @@ func (db *DB) AppCatalog(ctx context.Context, after string, limit int) ([]compan
 		slices.SortFunc(out[i].Versions, companion.ByVersion)
 	}
 	return out, more, nil
-}
-
-// getRelease reads the release at k of b into v and reports whether there
-// is one. A release that does not decode (the file damaged there) is
-// logged once (logUndecodable) and read as none: it cannot be served, and
-// its next publish, of the same version, replaces it. Read as an error, one
-// damaged release made every install and OTA that looked it up a 500, and
-// refused the publish that would mend it, for good (docs/reliability.md,
-// bug 566). The rule that a release once published is not changed holds
-// for every release that decodes.
-func getRelease[T any](db *DB, b *bolt.Bucket, what string, k []byte, v *T) bool {
-	ok, err := getJSON(b, k, v)
-	if err != nil {
-		db.logUndecodable(what, k, err)
-		var none T
-		*v = none
-		return false
-	}
-	return ok
 }
 
 // scanReleases decodes every release of b under the key prefix p in key

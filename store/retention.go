@@ -270,7 +270,7 @@ func blobNeeded(tx *bolt.Tx, released map[string]bool, sha string, rec blobRecor
 // stopped every purge of blobs for good, and the content nothing needed
 // stayed on the disk (docs/reliability.md, bug 566). Its blob, no
 // longer known as released, goes with the purge once nothing else needs
-// it: a release that does not decode is served by no read (getRelease,
+// it: a release that does not decode is served by no read (getOrNone,
 // scanReleases), so nothing downloads that blob through it; a command that
 // still references it keeps it (blob_refs); its next publish uploads the
 // content again; and a restore brings the blobs back with its backup

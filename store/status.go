@@ -22,7 +22,7 @@ func (db *DB) Status(ctx context.Context, deviceID string) (companion.Status, er
 		return s, nil
 	}
 	err := db.bolt.View(func(tx *bolt.Tx) error {
-		if !getReport(db, tx.Bucket(bucketStatus), "status", []byte(deviceID), &s) {
+		if !getOrNone(db, tx.Bucket(bucketStatus), "status", []byte(deviceID), &s) {
 			s = companion.Status{DeviceID: deviceID}
 		}
 		return nil
@@ -33,15 +33,20 @@ func (db *DB) Status(ctx context.Context, deviceID string) (companion.Status, er
 	return s, nil
 }
 
-// getReport reads the status or settings record of a device (what names
-// which) at k of b into v and reports whether there is one; a record that does not decode
-// (the file damaged there) is logged (logUndecodable) and read as none,
-// and a write puts its own in its place. A device's status and settings
-// are what its bridge last reported, which its next report gives again:
-// read as an error, one damaged record made every read of the device a
-// 500, and refused its reports, its settings changes, its unbinding and
-// its moves, for good (docs/reliability.md, bugs 595 and 596).
-func getReport[T any](db *DB, b *bolt.Bucket, what string, k []byte, v *T) bool {
+// getOrNone reads the record at k of b into v and reports whether there
+// is one; a record that does not decode (the file damaged there) is logged
+// (logUndecodable; what names which) and read as none, and a write puts
+// its own in its place. A device's status and settings are what its
+// bridge last reported, which its next report gives again: read as an
+// error, one damaged record made every read of the device a 500, and
+// refused its reports, its settings changes, its unbinding and its moves,
+// for good (docs/reliability.md, bugs 595 and 596). A release that does not
+// decode cannot be served, and its next publish, of the same version,
+// replaces it: read as an error, it made every install and OTA that looked
+// it up a 500, and refused the publish that would mend it (bug 566); the
+// rule that a release once published is not changed holds for every
+// release that decodes.
+func getOrNone[T any](db *DB, b *bolt.Bucket, what string, k []byte, v *T) bool {
 	ok, err := getJSON(b, k, v)
 	if err != nil {
 		db.logUndecodable(what, k, err)
@@ -96,8 +101,8 @@ func (db *DB) putStatus(tx *bolt.Tx, s companion.Status) (bool, error) {
 	statuses := tx.Bucket(bucketStatus)
 	var old companion.Status
 	// A stored status that does not decode is replaced, as if there were
-	// none (getReport; docs/reliability.md, bug 595).
-	found := getReport(db, statuses, "status", []byte(s.DeviceID), &old)
+	// none (getOrNone; docs/reliability.md, bug 595).
+	found := getOrNone(db, statuses, "status", []byte(s.DeviceID), &old)
 	if found && !companion.Newer(s.Seq, s.LastSeen, old.Seq, old.LastSeen, db.now()) {
 		return false, nil
 	}
@@ -172,7 +177,7 @@ func (db *DB) MarkBridgeOfflineAsync(bridgeID string, done func(ids []string, er
 		now := db.now()
 		for _, dev := range devices {
 			var s companion.Status
-			ok := getReport(db, statuses, "status", dev, &s)
+			ok := getOrNone(db, statuses, "status", dev, &s)
 			if !ok || s.BridgeID != bridgeID || !s.Online {
 				continue
 			}
@@ -208,7 +213,7 @@ func (db *DB) BridgeDevices(ctx context.Context, bridgeID string) ([]string, err
 		statuses := tx.Bucket(bucketStatus)
 		scanPrefix(tx.Bucket(bucketBridgeDevices), prefix(bridgeID), func(dev []byte) bool {
 			var s companion.Status
-			if getReport(db, statuses, "status", dev, &s) && s.BridgeID == bridgeID {
+			if getOrNone(db, statuses, "status", dev, &s) && s.BridgeID == bridgeID {
 				ids = append(ids, s.DeviceID)
 			}
 			return true
@@ -227,7 +232,7 @@ func (db *DB) Settings(ctx context.Context, deviceID string) (companion.Settings
 	s := companion.Settings{DeviceID: deviceID}
 	if validID(deviceID) {
 		err := db.bolt.View(func(tx *bolt.Tx) error {
-			if !getReport(db, tx.Bucket(bucketSettings), "settings record", []byte(deviceID), &s) {
+			if !getOrNone(db, tx.Bucket(bucketSettings), "settings record", []byte(deviceID), &s) {
 				s = companion.Settings{DeviceID: deviceID}
 			}
 			return nil
@@ -303,7 +308,7 @@ func (db *DB) putReportedSettings(tx *bolt.Tx, deviceID, bridgeID string, r comp
 	}
 	b := tx.Bucket(bucketSettings)
 	s := companion.Settings{DeviceID: deviceID}
-	found := getReport(db, b, "settings record", []byte(deviceID), &s)
+	found := getOrNone(db, b, "settings record", []byte(deviceID), &s)
 	s.DeviceID = deviceID
 	if found && !companion.Newer(r.Seq, r.At, s.Seq, s.At, db.now()) {
 		return false, nil
@@ -338,7 +343,7 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 	}
 	b := tx.Bucket(bucketSettings)
 	var s companion.Settings
-	ok := getReport(db, b, "settings record", []byte(c.DeviceID), &s)
+	ok := getOrNone(db, b, "settings record", []byte(c.DeviceID), &s)
 	if !ok || len(s.Desired) == 0 {
 		return nil
 	}
@@ -440,7 +445,7 @@ func (db *DB) withdrawDesired(tx *bolt.Tx, c companion.Command) error {
 func (db *DB) mergeDesired(tx *bolt.Tx, deviceID string, want map[string]json.RawMessage) error {
 	b := tx.Bucket(bucketSettings)
 	s := companion.Settings{DeviceID: deviceID}
-	getReport(db, b, "settings record", []byte(deviceID), &s)
+	getOrNone(db, b, "settings record", []byte(deviceID), &s)
 	s.DeviceID = deviceID
 	fillMaps(&s)
 	maps.Copy(s.Desired, want)

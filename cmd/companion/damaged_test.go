@@ -47,17 +47,14 @@ func TestADamagedCommandDoesNotBlockItsDevice(t *testing.T) {
 	require.Equal(t, 429, r.Status, "%s", r.Body)
 	require.NoError(t, m.Close())
 
-	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
-	require.NoError(t, err)
-	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+	damage(t, data, func(tx *bolt.Tx) error {
 		for _, id := range ids[:2] {
 			if err := tx.Bucket([]byte("commands")).Put([]byte(id), []byte(`{"id": "`+id[:8])); err != nil {
 				return err
 			}
 		}
 		return nil
-	}))
-	require.NoError(t, db.Close())
+	})
 
 	m = startServer(t, cfg)
 	user := newClient(t, m, f.user.token)
@@ -109,22 +106,12 @@ func TestADamagedRecordDoesNotFailItsList(t *testing.T) {
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	require.NoError(t, m.Close())
 
-	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
-	require.NoError(t, err)
-	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
-		for _, d := range []struct{ bucket, key, value string }{
-			{"status", "dev-2", `{"device_id": "dev-2", "onl`},
-			{"user_bindings", f.userID + "\x00dev-3", `{"device_id": "de`},
-			{"bridges", "own-2", `{"id": "own`},
-			{"apps", "weather\x001.0.0", `{"app_id": "wea`},
-		} {
-			if err := tx.Bucket([]byte(d.bucket)).Put([]byte(d.key), []byte(d.value)); err != nil {
-				return err
-			}
-		}
-		return nil
+	damage(t, data, overwrite([]record{
+		{"status", "dev-2", `{"device_id": "dev-2", "onl`},
+		{"user_bindings", f.userID + "\x00dev-3", `{"device_id": "de`},
+		{"bridges", "own-2", `{"id": "own`},
+		{"apps", "weather\x001.0.0", `{"app_id": "wea`},
 	}))
-	require.NoError(t, db.Close())
 
 	m = startServer(t, cfg)
 	user := newClient(t, m, f.user.token)
@@ -195,21 +182,11 @@ func TestADamagedStatusOrSettingsIsReadAsNone(t *testing.T) {
 	registerDevices(t, f, "dev-1", "dev-2")
 	require.NoError(t, m.Close())
 
-	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
-	require.NoError(t, err)
-	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
-		for _, d := range []struct{ bucket, key, value string }{
-			{"status", "dev-1", `{"device_id": "dev-1", "onl`},
-			{"settings", "dev-1", `{"device_id": "dev-1", "rep`},
-			{"settings", "dev-2", `{"device_id": "dev-2", "des`},
-		} {
-			if err := tx.Bucket([]byte(d.bucket)).Put([]byte(d.key), []byte(d.value)); err != nil {
-				return err
-			}
-		}
-		return nil
+	damage(t, data, overwrite([]record{
+		{"status", "dev-1", `{"device_id": "dev-1", "onl`},
+		{"settings", "dev-1", `{"device_id": "dev-1", "rep`},
+		{"settings", "dev-2", `{"device_id": "dev-2", "des`},
 	}))
-	require.NoError(t, db.Close())
 
 	m = startServer(t, cfg)
 	user, admin := newClient(t, m, f.user.token), newClient(t, m, m.AdminToken())
@@ -253,9 +230,10 @@ func TestADamagedStatusOrSettingsIsReadAsNone(t *testing.T) {
 // user_bindings whole, and another device's binding and copy both. The
 // first reads from its copy: the device, its status and settings read
 // 200, a command is accepted, it moves to no bridge, back, and to its
-// user's own bridge, and the binding is written back whole (after a restart nothing is met that does
-// not decode, and it is unbound). The second reads as not bound: a 404 to its user, who can
-// register it again. Without the fix every read of either device was a
+// user's own bridge, and the binding is written back whole (after a
+// restart nothing is met that does not decode, and it is unbound). The
+// second reads as not bound: a 404 to its user, who can register it
+// again. Without the fix every read of either device was a
 // 500 internal for good.
 func TestADamagedBindingIsReadFromItsCopy(t *testing.T) {
 	data := t.TempDir()
@@ -265,21 +243,11 @@ func TestADamagedBindingIsReadFromItsCopy(t *testing.T) {
 	registerDevices(t, f, "dev-1", "dev-2")
 	require.NoError(t, m.Close())
 
-	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
-	require.NoError(t, err)
-	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
-		for _, d := range []struct{ bucket, key, value string }{
-			{"bindings", "dev-1", `{"device_id": "dev-1", "us`},
-			{"bindings", "dev-2", `{"device_id": "dev-2", "us`},
-			{"user_bindings", f.userID + "\x00dev-2", `{"device_id": "de`},
-		} {
-			if err := tx.Bucket([]byte(d.bucket)).Put([]byte(d.key), []byte(d.value)); err != nil {
-				return err
-			}
-		}
-		return nil
+	damage(t, data, overwrite([]record{
+		{"bindings", "dev-1", `{"device_id": "dev-1", "us`},
+		{"bindings", "dev-2", `{"device_id": "dev-2", "us`},
+		{"user_bindings", f.userID + "\x00dev-2", `{"device_id": "de`},
 	}))
-	require.NoError(t, db.Close())
 
 	m = startServer(t, cfg)
 	user, admin := newClient(t, m, f.user.token), newClient(t, m, m.AdminToken())
@@ -356,9 +324,7 @@ func TestADamagedReleaseIsLeftOut(t *testing.T) {
 	require.Equal(t, 201, r.Status, "%s", r.Body)
 	require.NoError(t, m.Close())
 
-	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
-	require.NoError(t, err)
-	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+	damage(t, data, func(tx *bolt.Tx) error {
 		if err := tx.Bucket([]byte("firmware")).Put([]byte("sim-1\x001.2.0"), []byte(`{"model": "si`)); err != nil {
 			return err
 		}
@@ -390,8 +356,7 @@ func TestADamagedReleaseIsLeftOut(t *testing.T) {
 			}
 		}
 		return nil
-	}))
-	require.NoError(t, db.Close())
+	})
 
 	capture := &logCapture{next: testLogger(t).Handler(), store: &capturedLogs{}}
 	m = startServerLogging(t, cfg, slog.New(capture))
@@ -476,9 +441,7 @@ func TestADamagedBlobRecordIsRebuiltOrLeftOut(t *testing.T) {
 	require.NoError(t, os.WriteFile(unneededFile, unneeded, 0o600))
 	then := time.Now().Add(-2 * time.Hour)
 	require.NoError(t, os.Chtimes(unneededFile, then, then))
-	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
-	require.NoError(t, err)
-	require.NoError(t, db.Update(func(tx *bolt.Tx) error {
+	damage(t, data, func(tx *bolt.Tx) error {
 		blobs := tx.Bucket([]byte("blobs"))
 		require.NotNil(t, blobs.Get([]byte(fwSHA)), "the firmware's blob record")
 		require.NotNil(t, blobs.Get([]byte(appSHA)), "the app's blob record")
@@ -488,8 +451,7 @@ func TestADamagedBlobRecordIsRebuiltOrLeftOut(t *testing.T) {
 			}
 		}
 		return nil
-	}))
-	require.NoError(t, db.Close())
+	})
 
 	capture := &logCapture{next: testLogger(t).Handler(), store: &capturedLogs{}}
 	m = startServerLogging(t, cfg, slog.New(capture))
@@ -506,7 +468,7 @@ func TestADamagedBlobRecordIsRebuiltOrLeftOut(t *testing.T) {
 		return capture.has(slog.LevelInfo, "purged blobs nothing needs", "count", "2")
 	})
 	assert.False(t, capture.has(slog.LevelError, "purging unneeded blobs", "", ""), "the retention pass failed")
-	_, err = os.Stat(unneededFile)
+	_, err := os.Stat(unneededFile)
 	assert.ErrorIs(t, err, os.ErrNotExist, "the file of the blob nothing needs, after the purge")
 	r = admin.do("GET", "/api/v1/blobs/"+unneededSHA, nil)
 	assert.Equal(t, 404, r.Status, "GET the purged blob: %s", r.Body)
@@ -520,4 +482,31 @@ func TestADamagedBlobRecordIsRebuiltOrLeftOut(t *testing.T) {
 	r = newClient(t, m, f.user.token).do("POST", "/api/v1/devices/dev-1/ota/update", map[string]any{"version": "1.1.0"})
 	assert.Equal(t, 202, r.Status, "POST ota/update 1.1.0: %s", r.Body)
 	metricsExpect(t, metricsScrape(t, m), 4, "companion_store_undecodable_records")
+}
+
+// record is a value written over a record of the bbolt file: a JSON
+// fragment, as a value overwritten inside a page that is otherwise whole
+// reads, which the start does not see.
+type record struct{ bucket, key, value string }
+
+// damage opens the bbolt file under data, the server down, and has fn
+// write into it a test's damaged records.
+func damage(t *testing.T, data string, fn func(tx *bolt.Tx) error) {
+	t.Helper()
+	db, err := bolt.Open(filepath.Join(data, "companion.db"), 0o600, nil)
+	require.NoError(t, err)
+	require.NoError(t, db.Update(fn))
+	require.NoError(t, db.Close())
+}
+
+// overwrite is a damage that puts each of records.
+func overwrite(records []record) func(tx *bolt.Tx) error {
+	return func(tx *bolt.Tx) error {
+		for _, d := range records {
+			if err := tx.Bucket([]byte(d.bucket)).Put([]byte(d.key), []byte(d.value)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 }
