@@ -55,7 +55,9 @@ func EnginesEndWithTestBinary(t *testing.T, start func(tb testing.TB) []int) {
 	}
 	pidFile := filepath.Join(t.TempDir(), "pids")
 	cmd := exec.Command(os.Args[0], "-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.v")
-	cmd.Env = append(os.Environ(), orphanEnv+"="+t.Name()+"="+pidFile)
+	// The child's temporary directories (t.TempDir) go under one of the
+	// parent's, which its cleanup removes: the child, killed, removes none.
+	cmd.Env = append(os.Environ(), orphanEnv+"="+t.Name()+"="+pidFile, "TMPDIR="+t.TempDir())
 	out, err := cmd.CombinedOutput()
 	b, rerr := os.ReadFile(pidFile)
 	if rerr != nil {
