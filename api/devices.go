@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"time"
-	"unicode"
 
 	"github.com/devicecompanion/companion"
 
@@ -56,23 +55,10 @@ func checkName(field, name string) []FieldError {
 	if errs := checkText(field, name, "", ""); errs != nil {
 		return errs
 	}
-	if blank(name) {
+	if topics.Blank(name) {
 		return []FieldError{{Field: field, Message: "must not be blank"}}
 	}
 	return nil
-}
-
-// blank reports whether s draws nothing: white space alone (U+0020,
-// U+00A0, U+3000…) or format characters (a zero-width space, a BOM, a
-// direction mark). Such a name passed as not empty, and its device was
-// listed with no name to tell it by (docs/reliability.md, bug 558).
-func blank(s string) bool {
-	for _, r := range s {
-		if !unicode.IsSpace(r) && !unicode.Is(unicode.Cf, r) {
-			return false
-		}
-	}
-	return true
 }
 
 // checkText checks free text that a device shows or a person types: no

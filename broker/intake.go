@@ -1588,23 +1588,17 @@ func (b *Broker) reportedSettings(deviceID string, s topics.Settings) (companion
 // warnSettingsFlaws logs what a device's settings report broke of the
 // rules of a setting, each kind once a minute per device.
 func (b *Broker) warnSettingsFlaws(deviceID string, f topics.SettingsFlaws) {
-	if !f.Any() {
-		return
-	}
-	if f.NotNames != nil {
-		b.noisy.Warn("setting names\x00"+deviceID, "a device reported settings under names no setting has (empty, blank, or with a control character); leaving them out",
-			"device_id", deviceID, "settings", f.NotNames)
-	}
-	if f.NoValues != nil {
-		b.noisy.Warn("setting values\x00"+deviceID, "a device reported settings at values no setting holds (null, an object, an array, a number JSON cannot write); leaving the values out",
-			"device_id", deviceID, "settings", f.NoValues)
-	}
-	if f.EnumValues != nil {
-		b.noisy.Warn("enum values\x00"+deviceID, "a device declared enum settings naming a value more than once, or one that is empty, blank or with a control character; keeping each value once",
-			"device_id", deviceID, "settings", f.EnumValues)
-	}
-	if f.Unfit != nil {
-		b.noisy.Warn("unfit settings\x00"+deviceID, "a device reported settings at values outside their own schema; serving them as reported",
-			"device_id", deviceID, "settings", f.Unfit)
+	for _, w := range []struct {
+		key, msg string
+		settings []string
+	}{
+		{"setting names", "a device reported settings under names no setting has (empty, blank, or with a control character); leaving them out", f.NotNames},
+		{"setting values", "a device reported settings at values no setting holds (null, an object, an array, a number JSON cannot write); leaving the values out", f.NoValues},
+		{"enum values", "a device declared enum settings naming a value more than once, or one that is empty, blank or with a control character; keeping each value once", f.EnumValues},
+		{"unfit settings", "a device reported settings at values outside their own schema; serving them as reported", f.Unfit},
+	} {
+		if w.settings != nil {
+			b.noisy.Warn(w.key+"\x00"+deviceID, w.msg, "device_id", deviceID, "settings", w.settings)
+		}
 	}
 }

@@ -288,11 +288,7 @@ func (db *DB) getBinding(tx *bolt.Tx, deviceID string) (companion.Binding, bool,
 	}
 	k := []byte(deviceID)
 	if ok {
-		raw, err := fastjson.Marshal(b)
-		if err != nil {
-			return companion.Binding{}, false, fmt.Errorf("store: encode binding: %w", err)
-		}
-		if err := tx.Bucket(bucketBindings).Put(k, raw); err != nil {
+		if err := putJSON(tx.Bucket(bucketBindings), k, b); err != nil {
 			return companion.Binding{}, false, err
 		}
 		db.log.Warn("store: a binding that did not decode was written back from its copy in user_bindings",

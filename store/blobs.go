@@ -97,17 +97,9 @@ func (db *DB) PutBlob(ctx context.Context, r io.Reader, max int64) (companion.Bl
 		b := tx.Bucket(bucketBlobs)
 		now := db.now()
 		rec = blobRecord{}
-		ok := false
-		if v := b.Get([]byte(sha)); v != nil {
-			// A record that does not decode (the file damaged there) is
-			// replaced as if there were none (bug 573).
-			if err := fastjson.Unmarshal(v, &rec); err != nil {
-				db.logUndecodable(undecodableBlob, []byte(sha), err)
-				rec = blobRecord{}
-			} else {
-				ok = true
-			}
-		}
+		// A record that does not decode (the file damaged there) is
+		// replaced as if there were none (bug 573).
+		ok := getOrNone(db, b, undecodableBlob, []byte(sha), &rec)
 		switch {
 		case !ok:
 			rec = blobRecord{SHA256: sha, Size: n, CreatedAt: now, StoredAt: now}

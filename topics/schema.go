@@ -69,9 +69,26 @@ func (s Schema) Usable() (Schema, []string) {
 	return out, bad
 }
 
-// maxZoneLookups bounds the time zone names ValidDefaults looks up in one
-// schema: a device declares a few time zone settings, if any.
+// maxZoneLookups bounds the time zone names ValidDefaults (and unfit)
+// look up in one schema: a device declares a few time zone settings, if
+// any.
 const maxZoneLookups = 16
+
+// zoneLookups looks time zone names up in the zone database once each,
+// and past maxZoneLookups names not at all (looked is then false).
+type zoneLookups map[string]bool
+
+func (z zoneLookups) valid(zone string) (valid, looked bool) {
+	if valid, ok := z[zone]; ok {
+		return valid, true
+	}
+	if len(z) >= maxZoneLookups {
+		return false, false
+	}
+	valid = ValidTimezone(zone)
+	z[zone] = valid
+	return valid, true
+}
 
 // ValidDefaults returns the schema with each default that is not a value
 // of its setting (check, as a PUT's value is checked: of its type, within
@@ -88,18 +105,13 @@ const maxZoneLookups = 16
 // thousands of them costs the server's intake no more than a few.
 func (s Schema) ValidDefaults() (Schema, []string) {
 	var bad []string
-	zones := map[string]bool{}
+	zones := zoneLookups{}
 	for name, spec := range s {
 		if spec.Default == nil {
 			continue
 		}
 		if zone, ok := spec.Default.(string); ok && spec.Type == SettingTimezone {
-			valid, known := zones[zone]
-			if !known && len(zones) < maxZoneLookups {
-				valid = ValidTimezone(zone)
-				zones[zone] = valid
-			}
-			if !valid {
+			if valid, _ := zones.valid(zone); !valid {
 				bad = append(bad, name)
 			}
 			continue

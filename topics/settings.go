@@ -3,8 +3,6 @@ package topics
 import (
 	"math"
 	"slices"
-	"strings"
-	"unicode"
 )
 
 // A settings report is a device's own word on its settings, written by its
@@ -55,12 +53,8 @@ func (f SettingsFlaws) Any() bool {
 // settings and holds an enum's value as C strings, which a NUL ends, and a
 // client shows each name, and each value of an enum for a user to pick.
 func ValidSettingName(name string) bool {
-	if _, at := ControlChar(name, ""); at >= 0 {
-		return false
-	}
-	return strings.ContainsFunc(name, func(r rune) bool {
-		return !unicode.IsSpace(r) && !unicode.Is(unicode.Cf, r)
-	})
+	_, at := ControlChar(name, "")
+	return at < 0 && !Blank(name)
 }
 
 // settingValue reports whether v, as Settings.UnmarshalJSON decodes it, is
@@ -139,22 +133,14 @@ func enumValues(values []string) ([]string, bool) {
 // as ValidDefaults does: unfit only names what a reader logs.
 func (s Schema) unfit(reported map[string]any) []string {
 	var bad []string
-	zones := map[string]bool{}
+	zones := zoneLookups{}
 	for name, v := range reported {
 		spec, ok := s[name]
 		if !ok || !spec.usable() {
 			continue
 		}
 		if zone, ok := v.(string); ok && spec.Type == SettingTimezone {
-			valid, known := zones[zone]
-			if !known {
-				if len(zones) >= maxZoneLookups {
-					continue
-				}
-				valid = ValidTimezone(zone)
-				zones[zone] = valid
-			}
-			if !valid {
+			if valid, looked := zones.valid(zone); looked && !valid {
 				bad = append(bad, name)
 			}
 			continue

@@ -24,3 +24,17 @@ func ControlChar(s, allowed string) (rune, int) {
 	}
 	return 0, -1
 }
+
+// Blank reports whether s draws nothing: white space alone (U+0020,
+// U+00A0, U+3000…) or format characters (a zero-width space, a BOM, a
+// direction mark); "" too. Such a device or user name passed as not empty,
+// and its device was listed with no name to tell it by (docs/reliability.md,
+// bug 558); such a setting name is none (ValidSettingName).
+func Blank(s string) bool {
+	for _, r := range s {
+		if !unicode.IsSpace(r) && !unicode.Is(unicode.Cf, r) {
+			return false
+		}
+	}
+	return true
+}
