@@ -15,7 +15,6 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"time"
 
@@ -208,17 +207,28 @@ func (d *Demo) closeDevices() {
 
 // loadOrCreateDemo returns the demo's credentials from DATA/demo.json, or
 // new ones when there is none, and makes the store hold what they name.
-// demo.json is written first and the store's records after, each made
-// only when missing: a start killed at any point leaves either no
-// demo.json (then nothing of the demo may be in the store yet) or one that
-// the next start completes the store from.
+// They are written first to DATA/demo.pending.json and the store's records
+// after, each made only when missing: a start killed at any point leaves
+// either no file (then nothing of the demo may be in the store yet) or one
+// that the next start completes the store from. demo.json itself is there
+// only while what it holds works: it is taken away while the store is
+// completed and written once it is, so that a user or a script that reads
+// it as soon as it is there registers with a claim code the store holds
+// (bug 574: the demo.json of a first start was read before its devices
+// were provisioned, and registering answered 422 invalid_claim).
 func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, error) {
+	pending := filepath.Join(filepath.Dir(path), demoPendingFile)
 	var f DemoFile
-	b, err := os.ReadFile(path)
+	from := path
+	b, err := os.ReadFile(from)
+	if errors.Is(err, os.ErrNotExist) {
+		from = pending
+		b, err = os.ReadFile(from)
+	}
 	switch {
 	case err == nil:
 		if err := json.Unmarshal(b, &f); err != nil {
-			return f, fmt.Errorf("%s: %w", path, err)
+			return f, fmt.Errorf("%s: %w", from, err)
 		}
 	case errors.Is(err, os.ErrNotExist):
 		f = newDemoFile()
@@ -234,18 +244,34 @@ func loadOrCreateDemo(ctx context.Context, m *Main, path string) (DemoFile, erro
 			f.Devices[i].ClaimCode = claimCode()
 		}
 	}
-	if err := writeDemo(path, f); err != nil {
+	if err := writeDemo(pending, f); err != nil {
 		return f, err
 	}
-	before := f
-	before.Devices = slices.Clone(f.Devices)
+	if err := removeDurably(path); err != nil {
+		return f, err
+	}
 	if err := provisionDemo(ctx, m, &f); err != nil {
 		return f, err
 	}
-	if f.UserID != before.UserID || !slices.Equal(f.Devices, before.Devices) {
-		return f, writeDemo(path, f)
+	if err := writeDemo(path, f); err != nil {
+		return f, err
 	}
-	return f, nil
+	return f, removeDurably(pending)
+}
+
+// demoPendingFile holds the demo's credentials in the data directory while
+// a start makes the store hold them (loadOrCreateDemo).
+const demoPendingFile = "demo.pending.json"
+
+// removeDurably removes path, if there, and makes its removal durable.
+func removeDurably(path string) error {
+	if err := os.Remove(path); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		return err
+	}
+	return syncDir(filepath.Dir(path))
 }
 
 // newDemoFile returns fresh credentials for the demo user, its bridge and
@@ -432,12 +458,17 @@ func writeDemo(path string, f DemoFile) error {
 	if err := writeFileAtomic(path, append(b, '\n'), 0o600); err != nil {
 		return err
 	}
-	dir, err := os.Open(filepath.Dir(path))
+	return syncDir(filepath.Dir(path))
+}
+
+// syncDir makes the names in dir durable.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
 	if err != nil {
 		return err
 	}
-	defer dir.Close()
-	return dir.Sync()
+	defer d.Close()
+	return d.Sync()
 }
 
 // claimCode returns 100 random bits as five groups of four base32 letters,

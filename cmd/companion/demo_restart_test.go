@@ -64,14 +64,24 @@ func TestDemoStartsAfterAnInterruptedFirstStart(t *testing.T) {
 	demoWorks(t, m, f)
 }
 
-// A --demo start killed after it wrote demo.json and part of the demo to
-// the store: the next start completes the store with demo.json's
+// A --demo start killed after it wrote its credentials (demo.json, or
+// demo.pending.json before the store held them all) and part of the demo
+// to the store: the next start completes the store with the file's
 // credentials, which then all work, claim codes included.
 func TestDemoCompletesAStartKilledAfterDemoJSON(t *testing.T) {
 	t.Parallel()
+	for _, file := range []string{"demo.json", demoPendingFile} {
+		t.Run(file, func(t *testing.T) {
+			t.Parallel()
+			demoCompletesAStartKilledAfter(t, file)
+		})
+	}
+}
+
+func demoCompletesAStartKilledAfter(t *testing.T, file string) {
 	dir := t.TempDir()
 	f := newDemoFile()
-	require.NoError(t, writeDemo(filepath.Join(dir, "demo.json"), f))
+	require.NoError(t, writeDemo(filepath.Join(dir, file), f))
 	// The store as that start left it: the user, the bridge and the first
 	// device made, nothing else.
 	db, err := store.Open(filepath.Join(dir, "companion.db"), store.Options{})
@@ -95,6 +105,58 @@ func TestDemoCompletesAStartKilledAfterDemoJSON(t *testing.T) {
 		assert.Equal(t, 201, r.Status, "register %s: %s", dev.DeviceID, r.Body)
 	}
 	demoWorks(t, m, f)
+	_, err = os.Stat(filepath.Join(dir, demoPendingFile))
+	assert.ErrorIs(t, err, os.ErrNotExist, "%s once the store holds the demo", demoPendingFile)
+}
+
+// demo.json is there only while what it holds works: a script that reads
+// it as soon as it is there registered a device before the first start
+// had provisioned it, and was answered 422 invalid_claim (bug 574). On a
+// first start and on the next, it is not there while the demo's records
+// are written to the store, and it is once they all are.
+func TestDemoJSONIsThereOnlyOnceTheDemoIsInTheStore(t *testing.T) {
+	t.Parallel()
+	m := startServer(t, Config{})
+	seen := &filesAtProvision{Store: m.DB, dir: m.Config.Data}
+	m.DB = seen
+	path := filepath.Join(m.Config.Data, "demo.json")
+	for _, start := range []string{"the first start", "the next start"} {
+		seen.present = nil
+		f, err := loadOrCreateDemo(t.Context(), m, path)
+		require.NoError(t, err, start)
+		require.Len(t, seen.present, len(f.Devices), "%s: devices provisioned", start)
+		for _, files := range seen.present {
+			assert.Equal(t, []string{demoPendingFile}, files, "%s: the demo's files while a device was provisioned", start)
+		}
+		b, err := os.ReadFile(path)
+		require.NoError(t, err, start)
+		var got DemoFile
+		require.NoError(t, json.Unmarshal(b, &got))
+		assert.Equal(t, f, got, start)
+		_, err = os.Stat(filepath.Join(m.Config.Data, demoPendingFile))
+		assert.ErrorIs(t, err, os.ErrNotExist, "%s: %s once the store holds the demo", start, demoPendingFile)
+		r := newClient(t, m, f.Token).do("POST", "/api/v1/devices/register", map[string]string{"device_id": f.Devices[0].DeviceID, "claim_code": f.Devices[0].ClaimCode})
+		assert.Contains(t, []int{200, 201}, r.Status, "%s: register with demo.json's claim code: %s", start, r.Body)
+	}
+}
+
+// filesAtProvision records which of the demo's files are in dir each time
+// a device is provisioned.
+type filesAtProvision struct {
+	companion.Store
+	dir     string
+	present [][]string
+}
+
+func (s *filesAtProvision) ProvisionDevice(ctx context.Context, d companion.RegistryDevice) error {
+	var files []string
+	for _, name := range []string{"demo.json", demoPendingFile} {
+		if _, err := os.Stat(filepath.Join(s.dir, name)); err == nil {
+			files = append(files, name)
+		}
+	}
+	s.present = append(s.present, files)
+	return s.Store.ProvisionDevice(ctx, d)
 }
 
 // demoFileOf reads the demo.json m wrote and checks it is the demo m runs.
