@@ -18,8 +18,10 @@ deps:
 # Every test, with the race detector, after deps. cmd/companion's tests
 # that mostly wait (for NATS clusters, replicas, processes, timeouts) run
 # side by side (t.Parallel), eight at a time, and four packages at once
-# (-p 4; many wait on engines more than they compute), cmd/companion, the
-# longest, named first so that it starts first. On a 2-core machine the
+# (-p 4; many wait on engines more than they compute), cmd/companion and
+# store/postgres, the longest, named first so that they start first (named
+# after ./..., store/postgres started fifth-last and ended last, 30 s after
+# cmd/companion, 2026-12-02). On a 2-core machine the
 # whole took 7m49s from a fresh clone, cmd/companion 6.5 minutes of it
 # (2026-11-30); on the slower 2-core machine of 2026-12-02 (its bare
 # command path half as fast) cmd/companion alone took 6m54s with eight at
@@ -28,7 +30,7 @@ deps:
 # 10m07s. Four first found a hang of the server's shutdown
 # (docs/reliability.md, bug 231, fixed).
 test: deps
-	$(GO) test -race -count=1 -p 4 -parallel 8 -timeout 20m ./cmd/companion ./...
+	$(GO) test -race -count=1 -p 4 -parallel 8 -timeout 20m ./cmd/companion ./store/postgres ./...
 
 build:
 	mkdir -p bin

@@ -23,6 +23,7 @@ import (
 // gives none, and the bridge's code is quoted, bounded, in the message
 // alone, and logged (docs/reliability.md, bug 569).
 func TestABridgesMalformedErrorCodeNeverReachesTheUser(t *testing.T) {
+	t.Parallel() // it mostly waits
 	logs := &logCapture{}
 	m := startServerWithLog(t, Config{}, logs)
 	f := setupFleet(t, m, "dev-1")

@@ -145,6 +145,7 @@ func checkKeysUnavailable(t *testing.T, what string, r response) {
 // still, and once the provider answers the new key's token is taken
 // (docs/reliability.md, bug 476).
 func TestAccessTokenWhileTheProviderKeysCannotBeFetched(t *testing.T) {
+	t.Parallel() // it mostly waits
 	p := newKeysIDP(t)
 	k1, k2, forger := rsaKey(t), rsaKey(t), rsaKey(t)
 	p.set(true, k1)
@@ -188,6 +189,7 @@ func TestAccessTokenWhileTheProviderKeysCannotBeFetched(t *testing.T) {
 // never fetched again until the server restarted (docs/reliability.md,
 // bug 477).
 func TestAccessTokenKeyFetchThatHangsEndsAndIsTriedAgain(t *testing.T) {
+	t.Parallel() // it mostly waits
 	p := newKeysIDP(t)
 	k1, k2 := rsaKey(t), rsaKey(t)
 	p.set(true, k1)

@@ -35,7 +35,11 @@ import (
 
 // pgLoad is a steady load on a procCluster's server: writers push texts
 // to the devices in turn, readers read the devices' statuses, and each
-// answer is classified (classify).
+// answer is classified (classify). Each client sends its next request
+// loadPace after the answer to its last: a steady load of many clients at
+// once, not one that takes every core while it waits for a fault to come
+// and go (a 503 is answered in well under a millisecond, and make test
+// runs on two cores).
 type pgLoad struct {
 	c    *procCluster
 	stop chan struct{}
@@ -52,6 +56,10 @@ type pgLoad struct {
 	reads    map[string]int    // class → count, of the reads
 	bad      []string          // the first answers of another class
 }
+
+// loadPace is the pause of each client of a pgLoad between an answer and
+// its next request.
+const loadPace = 10 * time.Millisecond
 
 // startPGLoad starts the load; finish stops it.
 func startPGLoad(c *procCluster, writers, readers int) *pgLoad {
@@ -79,6 +87,7 @@ func startPGLoad(c *procCluster, writers, readers int) *pgLoad {
 					l.badLocked("push to "+dev, class, b)
 				}
 				l.mu.Unlock()
+				l.pause()
 			}
 		})
 	}
@@ -99,10 +108,19 @@ func startPGLoad(c *procCluster, writers, readers int) *pgLoad {
 					l.badLocked("status of "+dev, class, b)
 				}
 				l.mu.Unlock()
+				l.pause()
 			}
 		})
 	}
 	return l
+}
+
+// pause waits loadPace, or until the load stops.
+func (l *pgLoad) pause() {
+	select {
+	case <-l.stop:
+	case <-time.After(loadPace):
+	}
 }
 
 func (l *pgLoad) badLocked(what, class string, body []byte) {

@@ -126,9 +126,22 @@ func TestProcessPostgresRestartedUnderLoad(t *testing.T) {
 	pg.Restart(t)
 	wg.Wait()
 
-	// Once it is back, every request is taken again.
+	// Once it is back, requests are taken again within a moment (the
+	// store tries a new connection 100 ms after the last that failed, bug
+	// 579), and then every one.
 	hc := loadClient(1)
 	defer hc.CloseIdleConnections()
+	deadline := time.Now().Add(5 * time.Second)
+	for i := 0; ; i++ {
+		p := c.push(hc, c.devices[0], 2*n+i)
+		if id := p.acceptedID(); id != "" {
+			accepted[id] = c.devices[0]
+			break
+		}
+		require.Equal(t, 503, p.status, "a request as PostgreSQL came back: %v %s", p.err, p.body)
+		require.True(t, time.Now().Before(deadline), "requests still refused 5 s after PostgreSQL came back: %d %s", p.status, p.body)
+		time.Sleep(20 * time.Millisecond)
+	}
 	for i := range 40 {
 		dev := c.devices[i%len(c.devices)]
 		p := c.push(hc, dev, n+i)

@@ -195,6 +195,7 @@ func TestReplicasPublishEachCommandOnceInOrder(t *testing.T) {
 // unavailable, and /readyz says so, naming what is missing; once the
 // database is back, so is the replica.
 func TestReadyzAsksPostgreSQL(t *testing.T) {
+	t.Parallel() // it mostly waits
 	pg := pgtest.Start(t)
 	dsn := pg.NewDatabase(t)
 	require.NoError(t, postgres.Migrate(t.Context(), dsn))

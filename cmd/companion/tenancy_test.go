@@ -672,6 +672,7 @@ func TestAMovedDevicesCommandStaysInItsOldBridgesSession(t *testing.T) {
 // wait queued), listed so, and runs on the bridge the device is assigned
 // to next.
 func TestASentCommandOfAnUnassignedDeviceWaitsQueued(t *testing.T) {
+	t.Parallel() // it mostly waits
 	for _, tb := range tenancyBrokers {
 		t.Run(tb.name, func(t *testing.T) {
 			m, mqttURL := tb.start(t)

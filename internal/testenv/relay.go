@@ -3,6 +3,7 @@ package testenv
 import (
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 )
 
@@ -21,6 +22,8 @@ type Relay struct {
 	// it is closed (ReleaseUplink).
 	held chan struct{}
 	wg   sync.WaitGroup
+
+	accepted atomic.Int64 // connections the clients made, in any mode
 }
 
 type relayMode int
@@ -56,6 +59,10 @@ func NewRelay(tb testing.TB, target string) *Relay {
 
 // Addr is the relay's host:port, for clients to dial in the target's stead.
 func (r *Relay) Addr() string { return r.ln.Addr().String() }
+
+// Accepted is how many connections the clients have made to the relay,
+// forwarded or not.
+func (r *Relay) Accepted() int64 { return r.accepted.Load() }
 
 // Refuse closes the connections open and every new one at once, until
 // Restore: a link that breaks and stays down a while, or a host that
@@ -145,6 +152,7 @@ func (r *Relay) accept() {
 		if err != nil {
 			return // the listener is closed when the test ends
 		}
+		r.accepted.Add(1)
 		switch r.current() {
 		case refusing:
 			c.Close()

@@ -3,6 +3,8 @@ package postgres_test
 import (
 	"errors"
 	"net/url"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -68,6 +70,64 @@ func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
 		require.NotEqual(t, "opened", err.Error())
 	case <-time.After(hung):
 		t.Fatalf("Open waited %v on a database host that does not answer", hung)
+	}
+}
+
+// While the database does not take new connections, the store's requests
+// that need one are answered unavailable at once, and the pool tries a
+// connection one at a time, 100 ms apart at least, not one for each
+// request: with PostgreSQL's max_connections taken, each attempt forks a
+// backend on the database's server that is refused (bug 579). Once the
+// database takes connections again, so does the store, within 100 ms.
+func TestConnectionsAreNotTriedForEveryRequestWhileTheyFail(t *testing.T) {
+	t.Parallel() // it mostly waits, on a PostgreSQL of its own
+	srv := pgtest.Start(t)
+	u, err := url.Parse(srv.NewDatabase(t))
+	require.NoError(t, err)
+	h := testenv.NewRelay(t, u.Host)
+	u.Host = h.Addr()
+	s, err := postgres.Open(t.Context(), u.String(), postgres.Options{MaxConns: 4, Migrate: true})
+	require.NoError(t, err)
+	defer s.Close()
+	_, _, err = s.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+	require.NoError(t, err)
+
+	h.Refuse()
+	before := h.Accepted()
+	// 16 clients for two seconds, each request after the last: the pool's
+	// attempts, 100 ms apart at least, and the health probe's, once a
+	// second.
+	var requests atomic.Int64
+	var wg sync.WaitGroup
+	end := time.Now().Add(2 * time.Second)
+	for range 16 {
+		wg.Go(func() {
+			for time.Now().Before(end) {
+				_, err := s.CountOpen(t.Context(), "d1")
+				requests.Add(1)
+				if err == nil || !postgres.IsUnavailable(err) {
+					t.Errorf("a request with the database's connections refused: %v; want an error IsUnavailable", err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	tried := h.Accepted() - before
+	t.Logf("%d requests, %d connections tried", requests.Load(), tried)
+	require.LessOrEqual(t, tried, int64(60), "connections tried for %d requests while the database refused them", requests.Load())
+
+	h.Restore()
+	back := time.Now()
+	testenv.Eventually(t, 10*time.Second, "a request taken once the database takes connections", func() bool {
+		_, err := s.CountOpen(t.Context(), "d1")
+		return err == nil
+	})
+	t.Logf("taken again %v after the database", time.Since(back))
+	for range 20 {
+		n, err := s.CountOpen(t.Context(), "d1")
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
 	}
 }
 

@@ -85,6 +85,9 @@ type health struct {
 	mu      sync.Mutex
 	locks   int       // statements that waited out a lock since lockLog
 	lockLog time.Time // when that was last said
+
+	// dials spaces the pool's new connections while attempts fail.
+	dials dialGate
 }
 
 func newHealth(log *slog.Logger, cfg *pgx.ConnConfig) *health {
@@ -218,6 +221,7 @@ func (t tracer) TraceConnectStart(ctx context.Context, _ pgx.TraceConnectStartDa
 
 func (t tracer) TraceConnectEnd(ctx context.Context, data pgx.TraceConnectEndData) {
 	t.h.noted(ctx, data.Err)
+	t.h.dials.connected(ctx, data.Err)
 }
 
 // errCheckDone rolls back the check write of checkWrite.

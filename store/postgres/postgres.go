@@ -150,6 +150,7 @@ func Open(ctx context.Context, dsn string, opts Options) (*Store, error) {
 	// The pool's connections, and those of ListenCommands and Campaign
 	// (copies of its config), tell h what the database answers.
 	cfg.ConnConfig.Tracer = tracer{h}
+	cfg.BeforeConnect = h.beforeConnect
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("postgres: %w", err)
