@@ -312,6 +312,7 @@ func fillDisk(t *testing.T, dir string) (free func()) {
 // while the disk is full, and ready after; every command it accepted
 // succeeds, run once, and none it refused runs.
 func TestProcessPostgresDiskFillsUnderLoad(t *testing.T) {
+	t.Parallel() // it mostly waits, on processes and a PostgreSQL of its own
 	pg := pgtest.Start(t)
 	dsn, dir := smallTablespace(t, pg, 64<<20)
 	c := newPostgresProcClusterOn(t, dsn)
@@ -383,6 +384,7 @@ func TestReadyzWhilePostgreSQLCannotWrite(t *testing.T) {
 // (the waits do not take the pool). Once the lock is released every
 // request is taken again, and every command accepted succeeds, run once.
 func TestProcessPostgresLockHeldUnderLoad(t *testing.T) {
+	t.Parallel() // it mostly waits, on processes and a PostgreSQL of its own
 	c, _, dsn := newPostgresProcCluster(t)
 	c.startBridge()
 	other := pgConn(t, dsn)
@@ -442,6 +444,7 @@ func logLines(t *testing.T, path string) []string {
 // once that the database cannot be reached, and once that it answers
 // again, not a line for every request and every retry.
 func TestProcessPostgresGoesAwayUnderLoad(t *testing.T) {
+	t.Parallel() // it mostly waits, on processes and a PostgreSQL of its own
 	pg := pgtest.Start(t)
 	su := pgConn(t, pg.DSN)
 	ctx := t.Context()
@@ -559,6 +562,7 @@ func checkStoreSaysIt(t *testing.T, c *procCluster, max int) {
 // store's connections are taken by statements waiting for a lock, not
 // that the database cannot be reached; and 200 once the lock is released.
 func TestReadyzWhileLocksTakeThePool(t *testing.T) {
+	t.Parallel() // it mostly waits, on processes and a PostgreSQL of its own
 	c, _, dsn := newPostgresProcCluster(t)
 	other := pgConn(t, dsn)
 	ctx := t.Context()

@@ -22,6 +22,7 @@ import (
 // SIGKILLed halfway (CONTRACT §11). Every command either replica accepted
 // succeeds, and each runs once on its device.
 func TestProcessReplicaKilledUnderLoad(t *testing.T) {
+	t.Parallel() // it mostly waits, on processes and a PostgreSQL of its own
 	c, _, dsn := newPostgresProcCluster(t)
 
 	// The second replica: its own address and data, the same store,
@@ -91,6 +92,7 @@ func TestProcessReplicaKilledUnderLoad(t *testing.T) {
 // unavailable, no 202; every command accepted before or after succeeds,
 // each once.
 func TestProcessPostgresRestartedUnderLoad(t *testing.T) {
+	t.Parallel() // it mostly waits, on processes and a PostgreSQL of its own
 	c, pg, _ := newPostgresProcCluster(t)
 	c.startBridge()
 
