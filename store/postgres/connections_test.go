@@ -22,16 +22,7 @@ import (
 // request's context. A DSN without connect_timeout gets ConnectTimeout.
 func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
 	t.Parallel() // it mostly waits, on a PostgreSQL of its own
-	srv := pgtest.Start(t)
-	u, err := url.Parse(srv.NewDatabase(t))
-	require.NoError(t, err)
-	h := testenv.NewRelay(t, u.Host)
-	u.Host = h.Addr()
-	s, err := postgres.Open(t.Context(), u.String(), postgres.Options{MaxConns: 4, Migrate: true})
-	require.NoError(t, err)
-	defer s.Close()
-	_, _, err = s.CreateCommand(t.Context(), cmd("d1"), 0, nil)
-	require.NoError(t, err)
+	s, h, dsn := relayedStore(t)
 
 	h.Silence()
 	// Bounds to tell a timeout from a hang, far past ConnectTimeout. The
@@ -58,7 +49,7 @@ func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
 	}
 
 	go func() {
-		s2, err := postgres.Open(t.Context(), u.String(), postgres.Options{MaxConns: 4})
+		s2, err := postgres.Open(t.Context(), dsn, postgres.Options{MaxConns: 4})
 		if err == nil {
 			s2.Close()
 			err = errors.New("opened")
@@ -81,16 +72,7 @@ func TestAHostThatStopsAnsweringTimesOut(t *testing.T) {
 // database takes connections again, so does the store, within 100 ms.
 func TestConnectionsAreNotTriedForEveryRequestWhileTheyFail(t *testing.T) {
 	t.Parallel() // it mostly waits, on a PostgreSQL of its own
-	srv := pgtest.Start(t)
-	u, err := url.Parse(srv.NewDatabase(t))
-	require.NoError(t, err)
-	h := testenv.NewRelay(t, u.Host)
-	u.Host = h.Addr()
-	s, err := postgres.Open(t.Context(), u.String(), postgres.Options{MaxConns: 4, Migrate: true})
-	require.NoError(t, err)
-	defer s.Close()
-	_, _, err = s.CreateCommand(t.Context(), cmd("d1"), 0, nil)
-	require.NoError(t, err)
+	s, h, _ := relayedStore(t)
 
 	h.Refuse()
 	before := h.Accepted()
@@ -129,6 +111,24 @@ func TestConnectionsAreNotTriedForEveryRequestWhileTheyFail(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 1, n)
 	}
+}
+
+// relayedStore opens a store of 4 connections on a PostgreSQL of the
+// test's own through a relay, with a command of d1's in it; it returns the
+// store, the relay and the DSN through it. The store ends with the test.
+func relayedStore(t *testing.T) (*postgres.Store, *testenv.Relay, string) {
+	t.Helper()
+	srv := pgtest.Start(t)
+	u, err := url.Parse(srv.NewDatabase(t))
+	require.NoError(t, err)
+	h := testenv.NewRelay(t, u.Host)
+	u.Host = h.Addr()
+	s, err := postgres.Open(t.Context(), u.String(), postgres.Options{MaxConns: 4, Migrate: true})
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	_, _, err = s.CreateCommand(t.Context(), cmd("d1"), 0, nil)
+	require.NoError(t, err)
+	return s, h, u.String()
 }
 
 // The pool takes pool_max_conns from the DSN, as pgxpool documents it,
