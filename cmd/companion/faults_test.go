@@ -200,7 +200,6 @@ func peekBridgeSession(t *testing.T, url string, f *fleet, want int) []string {
 // default queue of 1000 messages per client would drop most of them, had
 // they waited there: mosquitto.conf lifts it.
 func TestBacklogForAbsentBridge(t *testing.T) {
-	t.Parallel() // beside the tests that wait: its 78 s alone were the serial phase's longest
 	total, nDevs := 10000, 20
 	if testing.Short() {
 		total = 2000
