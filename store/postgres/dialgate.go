@@ -26,11 +26,10 @@ import (
 // dialSpacing of the database's return. Connections the pool holds are
 // not touched: a request that finds one idle runs as before.
 type dialGate struct {
-	mu      sync.Mutex
-	failing bool      // the last attempt, any of the store's, failed
-	trying  bool      // an attempt the gate let through is under way
-	next    time.Time // when the next one may start
-	last    error     // the last failed attempt's
+	mu     sync.Mutex
+	failed error     // the last attempt's, any of the store's, nil once one succeeds
+	trying bool      // an attempt the gate let through is under way
+	next   time.Time // when the next one may start
 }
 
 // dialSpacing is the least time between the pool's attempts to connect
@@ -55,10 +54,10 @@ func (g *dialGate) admit() (attempt bool, err error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	switch {
-	case !g.failing:
+	case g.failed == nil:
 		return false, nil
 	case g.trying || time.Now().Before(g.next):
-		return false, &heldError{g.last}
+		return false, &heldError{g.failed}
 	}
 	g.trying = true
 	return true, nil
@@ -73,10 +72,7 @@ func (g *dialGate) connected(ctx context.Context, err error) {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.failing = err != nil
-	if err != nil {
-		g.last = err
-	}
+	g.failed = err
 }
 
 // done ends the gate's attempt.
