@@ -207,11 +207,13 @@ func InChild(t *testing.T) bool {
 	}
 	args := []string{"-test.run=^" + regexp.QuoteMeta(t.Name()) + "$", "-test.v"}
 	if d, ok := t.Deadline(); ok {
-		// The child times out a little before the parent, so that a child
-		// that hangs ends, and says where, rather than outlive the parent
-		// (bug 453).
+		// The child times out before the parent, so that a child that
+		// hangs ends, and says where, rather than outlive the parent (bug
+		// 453). The margin is half the time left, at most 5 s: it must
+		// cover the child's start on a loaded machine, which a tenth of a
+		// short timeout did not (bug 580).
 		left := time.Until(d)
-		args = append(args, "-test.timeout="+(left-min(left/10, 5*time.Second)).String())
+		args = append(args, "-test.timeout="+(left-min(left/2, 5*time.Second)).String())
 	}
 	cmd := exec.Command(os.Args[0], args...)
 	cmd.Env = append(os.Environ(), childEnv+"="+t.Name())
